@@ -1,0 +1,27 @@
+"""Clusters: the hierarchical communication matrix, device profiles, presets, meshes and the cost model."""
+
+from meshpilot.cluster.cost import CostModel
+from meshpilot.cluster.devices import DEVICES, DeviceProfile
+from meshpilot.cluster.loader import cluster_from_dict, cluster_to_toml, load_cluster_file
+from meshpilot.cluster.mesh import LogicalMesh, effective_bandwidth, mesh_shapes_2d
+from meshpilot.cluster.presets import PRESETS, load_cluster, preset_cluster
+from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
+
+__all__ = [
+    "DEVICES",
+    "GB",
+    "PRESETS",
+    "Calibration",
+    "Cluster",
+    "CostModel",
+    "DeviceProfile",
+    "Layer",
+    "LogicalMesh",
+    "cluster_from_dict",
+    "cluster_to_toml",
+    "effective_bandwidth",
+    "load_cluster",
+    "load_cluster_file",
+    "mesh_shapes_2d",
+    "preset_cluster",
+]

@@ -1,0 +1,56 @@
+"""The `meshpilot` command: one subcommand per module in this package, each with `--help`.
+
+User mistakes (:class:`~meshpilot.errors.UserError`) print one line to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from meshpilot.errors import UserError
+
+# Each module defines `register(subparsers)`, adding its parser with `func` set to its entry point.
+COMMANDS = ["presets", "topology", "atp", "plan", "probe", "emulate", "demo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshpilot",
+        description=(
+            "Plan and run distributed training of PyTorch models: choose, for every operator, how to split it "
+            "over a cluster's devices, knowing the cluster's interconnect."
+        ),
+        epilog="Run `meshpilot <command> --help` for each command's options. Start with `meshpilot demo`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"meshpilot.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"meshpilot.cli.{name}":
+                continue  # command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"meshpilot {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"meshpilot {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The one cost model every planner calls: collectives on mesh axes, and compute by roofline.
+
+Collectives (Thakur, Rabenseifner & Gropp 2005; alpha = latency of the axis, B' = its per-rank bus
+bandwidth from Eq. 3, n = devices per group, M = bytes). Each collective takes the fastest algorithm:
+
+  all-reduce      ring          2(n-1)/n * M/B' + 2(n-1) * alpha
+                  Rabenseifner  2(n-1)/n * M/B' + 2*ceil(log2 n) * alpha      (reduce-scatter + all-gather)
+                  rec. doubling ceil(log2 n) * (alpha + M/B')                 (small messages)
+  all-gather      ring / rec. doubling  (n-1)/n * M/B' + min(n-1, ceil(log2 n)) * alpha   (M = output bytes)
+  reduce-scatter  the same, M = input bytes
+  all-to-all      pairwise      (n-1)/n * M/B' + (n-1) * alpha                 (M = bytes each rank holds)
+  broadcast       binomial tree ceil(log2 n) * (alpha + M/B'),  or scatter + all-gather
+                                2(n-1)/n * M/B' + (ceil(log2 n) + n - 1) * alpha
+  send/recv       alpha + M / P2P(src, dst)
+
+Ignoring alpha, all-reduce's M / T is Eq. 4's algorithm bandwidth B = n / (2(n-1)) * B'.
+
+Compute (roofline): t = max(FLOPs / (peak(dtype) * eff_c), bytes / (membw * eff_m)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from meshpilot.cluster.mesh import LogicalMesh
+
+Axes = int | Sequence[int]
+
+
+def _log2(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+class CostModel:
+    """Seconds for collectives over the axes of one logical mesh, and for compute on its devices."""
+
+    def __init__(self, mesh: LogicalMesh):
+        self.mesh = mesh
+        self.device = mesh.cluster.device
+        self._axis_cache: dict[tuple[int, ...], tuple[int, float, float]] = {}
+
+    def _axis(self, axes: Axes) -> tuple[int, float, float]:
+        """(n, B', alpha) for `axes`, cached: Eq. 3 is the expensive part."""
+        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        if key not in self._axis_cache:
+            n = self.mesh.axis_size(key)
+            bw = self.mesh.bus_bandwidth(key) if n > 1 else math.inf
+            alpha = self.mesh.latency(key) if n > 1 else 0.0
+            self._axis_cache[key] = (n, bw, alpha)
+        return self._axis_cache[key]
+
+    def all_reduce(self, nbytes: float, axes: Axes) -> float:
+        """All-reduce of `nbytes` (each rank's buffer) over `axes`."""
+        n, bw, a = self._axis(axes)
+        if n == 1 or nbytes == 0:
+            return 0.0
+        ring = 2 * (n - 1) / n * nbytes / bw
+        return min(ring + 2 * (n - 1) * a, ring + 2 * _log2(n) * a, _log2(n) * (a + nbytes / bw))
+
+    def all_gather(self, nbytes: float, axes: Axes) -> float:
+        """All-gather producing `nbytes` on every rank (each contributes nbytes / n)."""
+        n, bw, a = self._axis(axes)
+        if n == 1 or nbytes == 0:
+            return 0.0
+        return (n - 1) / n * nbytes / bw + min(n - 1, _log2(n)) * a
+
+    def reduce_scatter(self, nbytes: float, axes: Axes) -> float:
+        """Reduce-scatter of an `nbytes` buffer per rank (each keeps nbytes / n)."""
+        return self.all_gather(nbytes, axes)
+
+    def all_to_all(self, nbytes: float, axes: Axes) -> float:
+        """All-to-all where every rank holds `nbytes` and keeps 1/n of it."""
+        n, bw, a = self._axis(axes)
+        if n == 1 or nbytes == 0:
+            return 0.0
+        return (n - 1) / n * nbytes / bw + (n - 1) * a
+
+    def broadcast(self, nbytes: float, axes: Axes) -> float:
+        """Broadcast of `nbytes` from one rank of each group to the others."""
+        n, bw, a = self._axis(axes)
+        if n == 1 or nbytes == 0:
+            return 0.0
+        tree = _log2(n) * (a + nbytes / bw)
+        scatter_gather = 2 * (n - 1) / n * nbytes / bw + (_log2(n) + n - 1) * a
+        return min(tree, scatter_gather)
+
+    def send_recv(self, nbytes: float, axes: Axes) -> float:
+        """Point-to-point transfer of `nbytes` between neighbours along `axes`."""
+        n, bw, a = self._axis(axes)
+        if n == 1 or nbytes == 0:
+            return 0.0
+        return a + nbytes / bw
+
+    def send_recv_ranks(self, nbytes: float, src: int, dst: int) -> float:
+        """Point-to-point transfer of `nbytes` between two physical ranks (pipeline stages)."""
+        if src == dst or nbytes == 0:
+            return 0.0
+        cluster = self.mesh.cluster
+        return cluster.p2p_latency(src, dst) + nbytes / cluster.p2p_bandwidth(src, dst)
+
+    def compute(self, flops: float, nbytes: float, dtype: str = "float32") -> float:
+        """Roofline time of a kernel doing `flops` and moving `nbytes` to and from device memory."""
+        d = self.device
+        t_flops = flops / (d.flops_for(dtype) * d.compute_efficiency) if flops else 0.0
+        t_bytes = nbytes / (d.memory_bandwidth * d.memory_efficiency) if nbytes else 0.0
+        return max(t_flops, t_bytes)

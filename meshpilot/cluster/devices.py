@@ -1,0 +1,69 @@
+"""Device profiles: what one accelerator can compute, move and hold.
+
+Peak FLOP/s are the vendors' dense (no sparsity) datasheet numbers; the cost model scales them by an
+efficiency factor, since no kernel reaches the peak. Sources: NVIDIA V100, A100, H100 and H200 datasheets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TFLOPS = 1e12
+GB = 1e9
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator's compute, memory bandwidth and capacity."""
+
+    kind: str
+    """Name used in cluster files (`device = "a100-80gb"`)."""
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    """Peak dense FLOP/s per dtype name ("float32", "bfloat16", ...)."""
+    memory_bandwidth: float = 0.0
+    """Bytes per second between device memory and the compute units."""
+    memory_bytes: int = 0
+    """Device memory capacity in bytes."""
+    compute_efficiency: float = 0.6
+    """Fraction of peak FLOP/s that large matmuls reach; the roofline uses it."""
+    memory_efficiency: float = 0.8
+    """Fraction of peak memory bandwidth that streaming kernels reach."""
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`, falling back to float32 for dtypes without a faster path."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops["float32"]
+
+
+def _gpu(
+    kind: str, fp32: float, tf32: float, half: float, membw_gbps: float, mem_gib: float
+) -> DeviceProfile:
+    flops = {"float32": fp32 * TFLOPS, "tf32": tf32 * TFLOPS}
+    flops.update({"float16": half * TFLOPS, "bfloat16": half * TFLOPS})
+    return DeviceProfile(kind, flops, membw_gbps * GB, int(mem_gib * GiB))
+
+
+DEVICES: dict[str, DeviceProfile] = {
+    # V100 SXM2: 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor cores, 900 GB/s HBM2 (no bf16: fp16 numbers).
+    "v100-16gb": _gpu("v100-16gb", 15.7, 15.7, 125, 900, 16),
+    "v100-32gb": _gpu("v100-32gb", 15.7, 15.7, 125, 900, 32),
+    # A100 SXM: 19.5 fp32, 156 tf32, 312 fp16/bf16 TFLOP/s; 1555 GB/s (40GB) or 2039 GB/s (80GB).
+    "a100-40gb": _gpu("a100-40gb", 19.5, 156, 312, 1555, 40),
+    "a100-80gb": _gpu("a100-80gb", 19.5, 156, 312, 2039, 80),
+    # H100 SXM: 67 fp32, 494.5 tf32, 989.5 bf16 TFLOP/s dense; 3350 GB/s HBM3, 80 GB.
+    "h100": _gpu("h100", 67, 494.5, 989.5, 3350, 80),
+    # H200 SXM: H100's compute with 4800 GB/s HBM3e and 141 GB.
+    "h200": _gpu("h200", 67, 494.5, 989.5, 4800, 141),
+    # A generic server CPU socket: ~1 TFLOP/s fp32 AVX-512, ~100 GB/s DDR, 256 GiB.
+    "cpu": DeviceProfile("cpu", {"float32": 1.0 * TFLOPS}, 100 * GB, 256 * GiB, 0.5, 0.6),
+}
+
+
+def device_profile(kind: str) -> DeviceProfile:
+    """The profile named `kind`; raises KeyError with the known names otherwise."""
+    try:
+        return DEVICES[kind]
+    except KeyError:
+        raise KeyError(kind) from None

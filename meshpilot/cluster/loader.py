@@ -1,0 +1,273 @@
+"""Cluster files: TOML in, validated :class:`Cluster` out, and back to TOML.
+
+A cluster file::
+
+    name = "two-nodes"            # optional, defaults to the file's stem
+    device = "a100-80gb"          # a device profile: see `meshpilot presets`
+
+    [[layers]]                    # top-down: first the nodes ...
+    name = "node"
+    ranks = 2                     # R_1
+    p2p_GBps = 25.0               # one number (uniform) or an R x R matrix
+    group_GBps = 25.0             # one number or a list of R numbers
+    latency_us = 5.0
+
+    [[layers]]                    # ... then the GPUs of a node
+    name = "gpu"
+    ranks = 8
+    p2p_GBps = 300.0
+    group_GBps = 300.0
+    latency_us = 1.0
+
+    [[calibration]]               # optional: measured all-reduce algorithm bandwidths
+    mesh = [2, 8]
+    B1_GBps = 9.5                 # mesh axis 0; B2_GBps for axis 1; either may be left out
+
+Every mistake raises :class:`~meshpilot.errors.ClusterFileError` naming the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshpilot.cluster.devices import DEVICES, DeviceProfile
+from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
+from meshpilot.errors import ClusterFileError
+
+TOP_KEYS = {"name", "device", "layers", "calibration"}
+LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
+CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps"}
+
+
+def load_cluster_file(path: str | Path) -> Cluster:
+    """Read and validate a cluster TOML file."""
+    path = Path(path)
+    src = str(path)
+    if not path.is_file():
+        raise ClusterFileError(
+            src, "file", "does not exist", "give the path of a cluster TOML file or a preset name"
+        )
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterFileError(
+            src, "file", f"is not valid TOML ({e})", "fix the TOML syntax at that line"
+        ) from None
+    except UnicodeDecodeError:
+        raise ClusterFileError(
+            src, "file", "is not UTF-8 text", "save the cluster file as UTF-8 TOML"
+        ) from None
+    return cluster_from_dict(data, source=src, default_name=path.stem)
+
+
+def cluster_from_dict(data: dict[str, Any], source: str, default_name: str = "cluster") -> Cluster:
+    """Validate a parsed cluster description (a TOML table or a preset's dict)."""
+    _unknown(data, TOP_KEYS, source, "")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ClusterFileError(
+            source, "name", f"must be a non-empty string, got {name!r}", 'write name = "my-cluster"'
+        )
+    device = _device(data, source)
+    raw_layers = data.get("layers")
+    if raw_layers is None:
+        raise ClusterFileError(
+            source,
+            "layers",
+            "is missing",
+            "add at least one [[layers]] table with name, ranks, p2p_GBps, group_GBps",
+        )
+    if not isinstance(raw_layers, list) or not raw_layers or not all(isinstance(x, dict) for x in raw_layers):
+        raise ClusterFileError(
+            source, "layers", "must be a non-empty array of tables", "write each layer as [[layers]]"
+        )
+    layers = tuple(_layer(raw, f"layers[{i}]", source) for i, raw in enumerate(raw_layers))
+    n = math.prod(layer.ranks for layer in layers)
+    raw_cal = data.get("calibration", [])
+    if not isinstance(raw_cal, list) or not all(isinstance(x, dict) for x in raw_cal):
+        raise ClusterFileError(
+            source, "calibration", "must be an array of tables", "write each entry as [[calibration]]"
+        )
+    calibration = tuple(_calibration(raw, f"calibration[{i}]", source, n) for i, raw in enumerate(raw_cal))
+    return Cluster(name=name, layers=layers, device=device, calibration=calibration, source=source)
+
+
+def _unknown(table: dict[str, Any], known: set[str], source: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ClusterFileError(
+                source, where, "is not a known key", f"remove it or use one of: {', '.join(sorted(known))}"
+            )
+
+
+def _device(data: dict[str, Any], source: str) -> DeviceProfile:
+    kind = data.get("device")
+    if kind is None:
+        raise ClusterFileError(
+            source, "device", "is missing", f'add device = "<kind>", one of: {", ".join(DEVICES)}'
+        )
+    if not isinstance(kind, str) or kind not in DEVICES:
+        raise ClusterFileError(
+            source, "device", f"unknown device kind {kind!r}", f"use one of: {', '.join(DEVICES)}"
+        )
+    return DEVICES[kind]
+
+
+def _number(value: Any, key: str, source: str, *, positive: bool, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ClusterFileError(
+            source, key, f"must be a number, got {value!r}", "write a plain number such as 25.0"
+        )
+    if positive and (value < 0 or (value == 0 and not allow_zero)):
+        need = "zero or more" if allow_zero else "greater than zero"
+        raise ClusterFileError(
+            source, key, f"is {value}, must be {need}", "give the bandwidth in GB/s, e.g. 25.0"
+        )
+    return float(value)
+
+
+def _layer(raw: dict[str, Any], where: str, source: str) -> Layer:
+    _unknown(raw, LAYER_KEYS, source, where)
+    for key in ("ranks", "p2p_GBps", "group_GBps", "latency_us"):
+        if key not in raw:
+            raise ClusterFileError(source, f"{where}.{key}", "is missing", _MISSING_FIX[key])
+    name = raw.get("name", f"layer{where[7:-1]}")
+    if not isinstance(name, str) or not name:
+        raise ClusterFileError(
+            source, f"{where}.name", f"must be a non-empty string, got {name!r}", 'e.g. name = "node"'
+        )
+    ranks = raw["ranks"]
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ClusterFileError(
+            source, f"{where}.ranks", f"must be a whole number of at least 1, got {ranks!r}", "e.g. ranks = 8"
+        )
+    p2p = _matrix(raw["p2p_GBps"], ranks, f"{where}.p2p_GBps", source)
+    group = _vector(raw["group_GBps"], ranks, f"{where}.group_GBps", source)
+    latency = _number(raw["latency_us"], f"{where}.latency_us", source, positive=True, allow_zero=True)
+    return Layer(name=name, ranks=ranks, p2p=p2p * GB, group_bw=group * GB, latency=latency * 1e-6)
+
+
+_MISSING_FIX = {
+    "ranks": "add ranks = <units of this layer inside one unit of the layer above>",
+    "p2p_GBps": "add p2p_GBps = <GB/s> (one number for a uniform layer, or an R x R matrix)",
+    "group_GBps": "add group_GBps = <GB/s> (each unit's aggregate bandwidth to the outside; one number or R numbers)",
+    "latency_us": "add latency_us = <microseconds per message across this layer>, e.g. 5.0",
+}
+
+
+def _matrix(value: Any, r: int, key: str, source: str) -> np.ndarray:
+    if not isinstance(value, list):
+        v = _number(value, key, source, positive=True)
+        m = np.full((r, r), v)
+    else:
+        rows = len(value)
+        if not all(isinstance(row, list) for row in value):
+            raise ClusterFileError(
+                source, key, "must be one number or a list of rows", f"give {r} rows of {r} numbers"
+            )
+        cols = {len(row) for row in value}
+        if rows != r or cols != {r}:
+            shape = f"{rows}x{'/'.join(str(c) for c in sorted(cols)) or 0}"
+            raise ClusterFileError(
+                source,
+                key,
+                f"matrix is {shape}, must be {r}x{r} (ranks = {r})",
+                f"give {r} rows of {r} numbers",
+            )
+        m = np.array(
+            [
+                [
+                    _number(x, f"{key}[{i}][{j}]", source, positive=True, allow_zero=(i == j or r > 2))
+                    for j, x in enumerate(row)
+                ]
+                for i, row in enumerate(value)
+            ]
+        )
+    np.fill_diagonal(m, 0.0)
+    for i in range(r):
+        if r > 1 and not np.any(m[i] > 0):
+            raise ClusterFileError(
+                source,
+                f"{key}[{i}]",
+                "has no link to any other rank",
+                "give at least one positive off-diagonal entry",
+            )
+    return m
+
+
+def _vector(value: Any, r: int, key: str, source: str) -> np.ndarray:
+    if not isinstance(value, list):
+        return np.full(r, _number(value, key, source, positive=True))
+    if len(value) != r:
+        raise ClusterFileError(
+            source, key, f"has {len(value)} entries, must have {r} (ranks = {r})", f"give {r} numbers"
+        )
+    return np.array([_number(x, f"{key}[{i}]", source, positive=True) for i, x in enumerate(value)])
+
+
+def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibration:
+    _unknown(raw, CALIBRATION_KEYS, source, where)
+    mesh = raw.get("mesh")
+    if (
+        not isinstance(mesh, list)
+        or len(mesh) != 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh)
+    ):
+        raise ClusterFileError(
+            source, f"{where}.mesh", f"must be two positive whole numbers, got {mesh!r}", "e.g. mesh = [2, 4]"
+        )
+    if math.prod(mesh) != n:
+        raise ClusterFileError(
+            source,
+            f"{where}.mesh",
+            f"shape {mesh} has {math.prod(mesh)} devices but the layers give {n}",
+            f"use a shape whose product is {n}",
+        )
+    if "B1_GBps" not in raw and "B2_GBps" not in raw:
+        raise ClusterFileError(
+            source, where, "has neither B1_GBps nor B2_GBps", "give at least one measured bandwidth"
+        )
+    algbw = tuple(
+        None if k not in raw else _number(raw[k], f"{where}.{k}", source, positive=True) * GB
+        for k in ("B1_GBps", "B2_GBps")
+    )
+    return Calibration(mesh=(mesh[0], mesh[1]), algbw=algbw)
+
+
+def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
+    """A TOML text that :func:`load_cluster_file` reads back into an equal cluster."""
+    out = [f"# {line}" for line in comment.splitlines()] if comment else []
+    out += [f"name = {_q(cluster.name)}", f"device = {_q(cluster.device.kind)}", ""]
+    for layer in cluster.layers:
+        out += ["[[layers]]", f"name = {_q(layer.name)}", f"ranks = {layer.ranks}"]
+        if layer.uniform:
+            p2p = _f(layer.p2p[0, 1] / GB) if layer.ranks > 1 else _f(layer.group_bw[0] / GB)
+            out += [f"p2p_GBps = {p2p}", f"group_GBps = {_f(layer.group_bw[0] / GB)}"]
+        else:
+            rows = ", ".join("[" + ", ".join(_f(x / GB) for x in row) + "]" for row in layer.p2p)
+            out += [
+                f"p2p_GBps = [{rows}]",
+                "group_GBps = [" + ", ".join(_f(x / GB) for x in layer.group_bw) + "]",
+            ]
+        out += [f"latency_us = {_f(layer.latency * 1e6)}", ""]
+    for entry in cluster.calibration:
+        out += ["[[calibration]]", f"mesh = [{entry.mesh[0]}, {entry.mesh[1]}]"]
+        for key, bw in zip(("B1_GBps", "B2_GBps"), entry.algbw):
+            if bw is not None:
+                out.append(f"{key} = {_f(bw / GB)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _f(x: float) -> str:
+    return repr(float(x))

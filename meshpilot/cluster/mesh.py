@@ -1,0 +1,204 @@
+"""Logical device meshes on a cluster, and the bandwidth of each mesh axis (ATP §3.5, Eq. 3-4).
+
+A :class:`LogicalMesh` is a shape (d_1, ..., d_n) plus a map from mesh coordinates to physical ranks.
+By default the last axis runs over contiguous ranks (``np.arange(N).reshape(shape)``), which on
+DeviceMesh(d1, d2) puts d2 inside a node first, as ATP does.
+
+Collectives along mesh axis ``a`` run in *groups*: the ranks that differ only in coordinate ``a``.
+All groups of an axis run at once, so they compete for the links they share.
+
+Eq. 3, generalised to any hierarchy and any mapping (:func:`effective_bandwidth`). For every layer j
+that a group *spans* (its members sit in more than one unit of layer j) and every unit u of layer j
+that a group *crosses* (it has members inside u and outside u):
+
+    share_j(u)   = number of groups of the axis that cross u               (concurrent groups)
+    cap_j(u, g)  = min(GroupBW_j(u), sum_{v != u} W_j(u, v))               if g's other members all lie
+                                                                           in sibling units v of u
+                 = GroupBW_j(u)                                            otherwise
+    B'_j         = min over crossed u of  min_g cap_j(u, g) / share_j(u)
+    B'           = min over spanned layers j of B'_j                        (the bottleneck)
+
+W_j is the widest-path closure of P2P_j (:attr:`Layer.reach`): two units without a direct link still
+talk at the bottleneck of the best relay path (0 -> 1 -> 2 on a torus ring).
+
+``share`` is ATP's "divide by d2 when d2 groups share the inter-node bandwidth"; ``cap`` is its P2P
+correction ("B2' is lower than the group bandwidth due to the constraints of the P2P matrix"). Groups
+that never cross the same unit do not divide each other's bandwidth, so on a single-layer switch (IC5)
+or along the rings of a torus (IC6) B' = GroupBW, as ATP §5.4 states. ATP's worked example comes out:
+DeviceMesh(8,2) on atp-fig7a gives B2' = 200 GB/s (two GPUs of a node: P2P limits) and B1' = 12.5 GB/s
+(two groups share a node's 25 GB/s HDR link).
+
+Eq. 4 (Rabenseifner all-reduce, latency ignored): the algorithm bandwidth of an axis of size d is
+
+    B = d / (2 (d - 1)) * B'
+
+:func:`algorithm_bandwidth` returns it, unless a calibration entry of the cluster names this mesh shape,
+whose measured B then wins (ATP §5.3 calibrates IC1 this way).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshpilot.cluster.topology import Cluster
+from meshpilot.errors import UserError
+
+
+def mesh_shapes_2d(n: int) -> list[tuple[int, int]]:
+    """Every 2D mesh shape (d1, d2) with d1 * d2 = n, d1 descending: (n,1), ..., (1,n)."""
+    return [(n // d2, d2) for d2 in range(1, n + 1) if n % d2 == 0]
+
+
+@dataclass(frozen=True, eq=False)
+class LogicalMesh:
+    """A logical mesh of devices on a cluster: shape plus the physical rank of every coordinate."""
+
+    cluster: Cluster
+    """The cluster the mesh's devices belong to."""
+    shape: tuple[int, ...]
+    """(d_1, ..., d_n): devices along each mesh axis."""
+    ranks: np.ndarray = field(default=None)  # type: ignore[assignment]
+    """Physical rank at every mesh coordinate, an array of `shape`; default: row-major, last axis contiguous."""
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.shape)
+        object.__setattr__(self, "shape", shape)
+        n = math.prod(shape)
+        if any(d < 1 for d in shape):
+            raise UserError(f"mesh shape {shape}: every axis needs at least one device; e.g. ({n}, 1)")
+        if n > self.cluster.num_devices:
+            raise UserError(
+                f"mesh shape {shape} needs {n} devices but cluster {self.cluster.name!r} has "
+                f"{self.cluster.num_devices}; choose a shape whose product is at most {self.cluster.num_devices}"
+            )
+        ranks = np.arange(n).reshape(shape) if self.ranks is None else np.asarray(self.ranks, dtype=np.int64)
+        if ranks.shape != shape:
+            raise UserError(
+                f"mesh rank map has shape {ranks.shape}, expected {shape}; give one rank per coordinate"
+            )
+        flat = ranks.reshape(-1)
+        if len(set(flat.tolist())) != flat.size or flat.min() < 0 or flat.max() >= self.cluster.num_devices:
+            raise UserError(
+                f"mesh rank map must name {n} distinct ranks in [0, {self.cluster.num_devices}); got {flat.tolist()}"
+            )
+        object.__setattr__(self, "ranks", ranks)
+
+    @property
+    def size(self) -> int:
+        """Number of devices in the mesh."""
+        return int(self.ranks.size)
+
+    def groups(self, axes: int | Sequence[int]) -> np.ndarray:
+        """Concurrent collective groups over `axes`: shape [num_groups, group_size] of physical ranks."""
+        axes = _axes(axes, len(self.shape))
+        rest = [a for a in range(len(self.shape)) if a not in axes]
+        moved = np.transpose(self.ranks, rest + list(axes))
+        return moved.reshape(-1, math.prod(self.shape[a] for a in axes))
+
+    def axis_size(self, axes: int | Sequence[int]) -> int:
+        """Devices in one group over `axes`."""
+        return math.prod(self.shape[a] for a in _axes(axes, len(self.shape)))
+
+    def effective_bandwidth(self, axes: int | Sequence[int]) -> float:
+        """B' of Eq. 3 for collectives over `axes`, bytes/s (inf for groups of one device)."""
+        return effective_bandwidth(self.cluster, self.groups(axes))
+
+    def algorithm_bandwidth(self, axes: int | Sequence[int]) -> float:
+        """B of Eq. 4 over `axes`, bytes/s; a calibration entry for this shape overrides it."""
+        d = self.axis_size(axes)
+        if d == 1:
+            return math.inf
+        measured = self._calibrated(axes)
+        if measured is not None:
+            return measured
+        return d / (2 * (d - 1)) * self.effective_bandwidth(axes)
+
+    def bus_bandwidth(self, axes: int | Sequence[int]) -> float:
+        """Per-rank link bandwidth the collective formulas use: B' (calibration-aware: B' = 2(d-1)/d * B)."""
+        d = self.axis_size(axes)
+        if d == 1:
+            return math.inf
+        measured = self._calibrated(axes)
+        if measured is not None:
+            return measured * 2 * (d - 1) / d
+        return self.effective_bandwidth(axes)
+
+    def latency(self, axes: int | Sequence[int]) -> float:
+        """Alpha of one message over `axes`: the largest latency among the layers its groups span."""
+        return group_latency(self.cluster, self.groups(axes))
+
+    def _calibrated(self, axes: int | Sequence[int]) -> float | None:
+        axes = _axes(axes, len(self.shape))
+        entry = self.cluster.calibrated(self.shape)
+        if entry is None or len(axes) != 1 or axes[0] >= len(entry.algbw):
+            return None
+        return entry.algbw[axes[0]]
+
+
+def _axes(axes: int | Sequence[int], ndim: int) -> list[int]:
+    out = [axes] if isinstance(axes, int | np.integer) else list(axes)
+    for a in out:
+        if not 0 <= a < ndim:
+            raise UserError(f"mesh axis {a} does not exist on a {ndim}-D mesh; use 0..{ndim - 1}")
+    return [int(a) for a in out]
+
+
+def _unit_ids(cluster: Cluster, coords: np.ndarray, j: int) -> np.ndarray:
+    """Integer id of the layer-j unit holding each device (its coordinate prefix c_1..c_j)."""
+    ids = np.zeros(coords.shape[0], dtype=np.int64)
+    for k in range(j + 1):
+        ids = ids * cluster.layers[k].ranks + coords[:, k]
+    return ids
+
+
+def effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
+    """Eq. 3 (generalised, see module docstring): B' for `groups` [num_groups, group_size] running at once."""
+    groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
+    if groups.shape[1] <= 1:
+        return math.inf
+    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
+    best = math.inf
+    for j, layer in enumerate(cluster.layers):
+        unit = _unit_ids(cluster, coords.reshape(-1, coords.shape[-1]), j).reshape(groups.shape)
+        parent = unit // layer.ranks
+        share: dict[int, int] = {}
+        cap: dict[int, float] = {}
+        for g in range(groups.shape[0]):
+            units = np.unique(unit[g])
+            if units.size <= 1:
+                continue  # this group does not span layer j
+            same_parent = np.unique(parent[g]).size == 1
+            for u in units.tolist():
+                c = u % layer.ranks
+                if same_parent:
+                    others = [v % layer.ranks for v in units.tolist() if v != u]
+                    limit = min(layer.group_bw[c], float(layer.reach[c, others].sum()))
+                else:
+                    limit = float(layer.group_bw[c])
+                share[u] = share.get(u, 0) + 1
+                cap[u] = min(cap.get(u, math.inf), limit)
+        for u, n in share.items():
+            best = min(best, cap[u] / n)
+    return best
+
+
+def group_latency(cluster: Cluster, groups: np.ndarray) -> float:
+    """Largest latency among the layers that `groups` span (0 for single-device groups)."""
+    groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
+    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
+    alpha = 0.0
+    for j, layer in enumerate(cluster.layers):
+        if any(np.unique(coords[g, :, : j + 1], axis=0).shape[0] > 1 for g in range(groups.shape[0])):
+            alpha = max(alpha, layer.latency)
+    return alpha
+
+
+def all_mesh_shapes(n: int, ndim: int = 2) -> list[tuple[int, ...]]:
+    """Every ndim-D shape whose product is n."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [s for s in itertools.product(divisors, repeat=ndim) if math.prod(s) == n]

@@ -1,0 +1,228 @@
+"""Built-in clusters from the three papers, each with its source.
+
+Bandwidths are in GB/s as the papers quote them. ATP's matrices use aggregate NVLink/PCIe numbers
+(an A100 has 12 NVLink-v3 links of 50 GB/s: group bandwidth 600 GB/s; PCIe 4.0 x16: 64 GB/s, §2.1)
+and network links per direction (200 Gbps HDR = 25 GB/s, Fig. 7a). Presets with a free size take it
+after a colon: ``atp-ic5:64`` (devices), ``atp-ic6:4`` (q of a q x q torus), ``dgx-h100:16`` (nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshpilot.cluster.loader import cluster_from_dict
+from meshpilot.cluster.topology import Cluster
+from meshpilot.errors import UserError
+
+
+def _layer(name: str, ranks: int, p2p: Any, group: Any, latency_us: float) -> dict[str, Any]:
+    return {"name": name, "ranks": ranks, "p2p_GBps": p2p, "group_GBps": group, "latency_us": latency_us}
+
+
+def _cluster(
+    name: str, device: str, layers: list[dict[str, Any]], calibration: list | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": name, "device": device, "layers": layers}
+    if calibration:
+        out["calibration"] = calibration
+    return out
+
+
+def _ic1(name: str, calibrated: bool) -> dict[str, Any]:
+    # ATP §5.1/§5.3, IC1: Machine A (8 x A100 80GB, 2 CPU sockets) with NVLink off (NCCL_P2P_DISABLE=1), so
+    # every transfer is staged through host memory. The paper gives no matrix; these effective numbers are
+    # chosen so that the matrix reproduces the paper's calibrated DeviceMesh(2,4) bandwidths (B1 = 1.20,
+    # B2 = 4.95 GB/s). §5.3: the matrix cannot predict the measured DeviceMesh(8,1) B1 = 0.97 GB/s.
+    layers = [_layer("socket", 2, 4.8, 4.8, 10.0), _layer("gpu", 4, 3.0, 7.4, 5.0)]
+    cal = None
+    if calibrated:
+        # ATP §5.3: "For DeviceMesh(2,4), B1 is calibrated to 1.20 GB/s and B2 to 4.95 GB/s. For
+        # DeviceMesh(8,1), B1 is calibrated to 0.97 GB/s."
+        cal = [{"mesh": [2, 4], "B1_GBps": 1.20, "B2_GBps": 4.95}, {"mesh": [8, 1], "B1_GBps": 0.97}]
+    return _cluster(name, "a100-80gb", layers, cal)
+
+
+def _ic2() -> dict[str, Any]:
+    # ATP §5.3, IC2: Machine B, 8 x A100 80GB in NVLink pairs (Fig. 2b); "the first layer is 4 dual-GPUs
+    # interconnected by PCIe and the second layer consists of 2 GPUs connected by NVLink". PCIe 4.0 x16 =
+    # 64 GB/s (§2.1); a pair's NVLink bridge counted as 4 NVLink-v3 links = 200 GB/s (Fig. 7a's convention).
+    return _cluster(
+        "atp-ic2", "a100-80gb", [_layer("pair", 4, 64.0, 64.0, 5.0), _layer("gpu", 2, 200.0, 200.0, 2.0)]
+    )
+
+
+def _ic3() -> dict[str, Any]:
+    # ATP §5.1, IC3: Machine A with NVSwitch: one layer, every A100 at 600 GB/s NVLink-v3 (Fig. 2a).
+    return _cluster("atp-ic3", "a100-80gb", [_layer("gpu", 8, 600.0, 600.0, 2.0)])
+
+
+def _ic4() -> dict[str, Any]:
+    # ATP §5.1, IC4: Cluster C, 2 nodes of 8 A100 (NVSwitch inside) with 200 Gbps InfiniBand between nodes.
+    return _cluster(
+        "atp-ic4", "a100-80gb", [_layer("node", 2, 25.0, 25.0, 5.0), _layer("gpu", 8, 600.0, 600.0, 2.0)]
+    )
+
+
+def _ic5(n: int) -> dict[str, Any]:
+    # ATP §5.4, IC5: every GPU on an NVLink-Network switch (Ishii & Wells, Hot Chips 34, 2022): one layer,
+    # 900 GB/s NVLink-4 per H100, non-blocking, so B1' = B2' = GroupBW.
+    return _cluster(f"atp-ic5:{n}", "h100", [_layer("gpu", n, 900.0, 900.0, 2.0)])
+
+
+def _ic6(q: int) -> dict[str, Any]:
+    # ATP §5.4 and Fig. 7b, IC6: q x q 2D torus of 25 GB/s links. Lower layer: a ring of q devices, P2P 25 to
+    # each neighbour, group bandwidth 50 (both directions). Upper layer: q rings, each joined to its two
+    # neighbouring rings by q links (P2P = 25 q), group bandwidth twice that.
+    def ring(r: int, bw: float) -> list[list[float]]:
+        m = [[0.0] * r for _ in range(r)]
+        for i in range(r):
+            for j in {(i + 1) % r, (i - 1) % r} - {i}:
+                m[i][j] += bw
+        return m
+
+    if q < 2:
+        raise UserError(f"atp-ic6:{q}: a torus needs q >= 2; e.g. atp-ic6:4 for 4 x 4 devices")
+    group_ring, group_top = 2 * 25.0, 2 * 25.0 * q  # q = 2: the wrap-around doubles the single neighbour link
+    return _cluster(
+        f"atp-ic6:{q}",
+        "a100-80gb",
+        [
+            _layer("ring", q, ring(q, 25.0 * q), group_top, 2.0),
+            _layer("device", q, ring(q, 25.0), group_ring, 1.0),
+        ],
+    )
+
+
+def _fig7a() -> dict[str, Any]:
+    # ATP Fig. 7a: 4 nodes on 200 Gbps HDR (25 GB/s); 4 A100 per node, each pair joined by 4 NVLinks of
+    # 50 GB/s (P2P 200 GB/s), each GPU's group bandwidth 600 GB/s.
+    return _cluster(
+        "atp-fig7a", "a100-80gb", [_layer("node", 4, 25.0, 25.0, 5.0), _layer("gpu", 4, 200.0, 600.0, 2.0)]
+    )
+
+
+def _p3x8() -> dict[str, Any]:
+    # Alpa §8: 8 AWS p3.16xlarge instances, each 8 V100 16GB in the DGX-1 hybrid cube-mesh NVLink topology
+    # (6 NVLink-2 links of 50 GB/s per GPU, 300 GB/s group bandwidth), 25 Gbps (3.125 GB/s) between nodes.
+    # Pairs without an NVLink talk over PCIe 3.0 x16 (32 GB/s).
+    double = {(0, 3), (1, 2), (4, 7), (5, 6), (0, 4), (1, 5), (2, 6), (3, 7)}
+    single = {(0, 1), (0, 2), (1, 3), (2, 3), (4, 5), (4, 6), (5, 7), (6, 7)}
+    m = [[0.0] * 8 for _ in range(8)]
+    for i in range(8):
+        for j in range(8):
+            if i != j:
+                pair = (min(i, j), max(i, j))
+                m[i][j] = 100.0 if pair in double else 50.0 if pair in single else 32.0
+    return _cluster(
+        "alpa-p3x8", "v100-16gb", [_layer("node", 8, 3.125, 3.125, 20.0), _layer("gpu", 8, m, 300.0, 2.0)]
+    )
+
+
+def _hidup(name: str, nodes: int, gpus: int, gbps: float) -> dict[str, Any]:
+    # HiDup §6: V100 machines "connected by NVLinks of 200 Gbps uni-directional pairwise bandwidth" (25 GB/s);
+    # the inter-machine link as the paper gives it (9.71 Gbps measured with iperf3 on the 8 x 8 cloud cluster;
+    # 100/30/10 Gbps set with tc on the 2 x 4 on-premise cluster).
+    return _cluster(
+        name,
+        "v100-32gb",
+        [_layer("node", nodes, gbps / 8, gbps / 8, 20.0), _layer("gpu", gpus, 25.0, 25.0 * (gpus - 1), 2.0)],
+    )
+
+
+def _dgx_h100(nodes: int) -> dict[str, Any]:
+    # NVIDIA DGX H100: 8 H100 per node on NVSwitch (NVLink-4, 900 GB/s per GPU), 8 x 400 Gbps InfiniBand NICs
+    # per node (one per GPU: 400 GB/s per node).
+    return _cluster(
+        f"dgx-h100:{nodes}",
+        "h100",
+        [_layer("node", nodes, 400.0, 400.0, 5.0), _layer("gpu", 8, 900.0, 900.0, 2.0)],
+    )
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named cluster; `size` says what the number after the colon means, if it takes one."""
+
+    name: str
+    summary: str
+    build: Callable[..., dict[str, Any]]
+    size: str | None = None
+    default_size: int | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("atp-ic1", "8 x A100 over PCIe, NVLink off (ATP IC1)", lambda: _ic1("atp-ic1", False)),
+        Preset(
+            "atp-ic1-calibrated",
+            "IC1 plus ATP §5.3's measured B1/B2 for meshes (2,4) and (8,1)",
+            lambda: _ic1("atp-ic1-calibrated", True),
+        ),
+        Preset("atp-ic2", "8 x A100, NVLink pairs over PCIe (ATP IC2)", _ic2),
+        Preset("atp-ic3", "8 x A100 on NVSwitch (ATP IC3)", _ic3),
+        Preset("atp-ic4", "2 nodes x 8 A100, 200 Gbps InfiniBand (ATP IC4)", _ic4),
+        Preset("atp-ic5", "N GPUs on an NVLink-Network switch (ATP IC5)", _ic5, "devices", 64),
+        Preset("atp-ic6", "q x q 2D torus of 25 GB/s links (ATP IC6)", _ic6, "q (torus side)", 4),
+        Preset("atp-fig7a", "4 nodes x 4 A100, 4 NVLinks of 50 GB/s, 200 Gbps HDR (ATP Fig. 7a)", _fig7a),
+        Preset("alpa-p3x8", "8 x p3.16xlarge: 8 V100-16GB NVLink per node, 25 Gbps (Alpa §8)", _p3x8),
+        Preset(
+            "hidup-v100x64",
+            "8 x 8 V100 NVLink, 9.71 Gbps between machines (HiDup §6)",
+            lambda: _hidup("hidup-v100x64", 8, 8, 9.71),
+        ),
+        Preset(
+            "hidup-2x4-100g",
+            "2 x 4 V100 NVLink, 100 Gbps (HiDup §6)",
+            lambda: _hidup("hidup-2x4-100g", 2, 4, 100.0),
+        ),
+        Preset(
+            "hidup-2x4-30g",
+            "2 x 4 V100 NVLink, 30 Gbps (HiDup §6)",
+            lambda: _hidup("hidup-2x4-30g", 2, 4, 30.0),
+        ),
+        Preset(
+            "hidup-2x4-10g",
+            "2 x 4 V100 NVLink, 10 Gbps (HiDup §6)",
+            lambda: _hidup("hidup-2x4-10g", 2, 4, 10.0),
+        ),
+        Preset("dgx-h100", "N nodes of 8 H100, NVSwitch, 8 x 400 Gbps IB", _dgx_h100, "nodes", 2),
+    ]
+}
+
+
+def preset_cluster(spec: str) -> Cluster:
+    """The preset named `spec` ("atp-ic3", "atp-ic5:64", ...)."""
+    name, _, size = spec.partition(":")
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise UserError(
+            f"cluster {spec!r}: unknown preset and no such file; run `meshpilot presets` for the names"
+        )
+    if preset.size is None:
+        if size:
+            raise UserError(f"cluster {spec!r}: preset {name!r} has a fixed size; write just {name!r}")
+        data = preset.build()
+    else:
+        if size and not size.isdigit():
+            raise UserError(f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}")
+        n = int(size) if size else preset.default_size
+        if n < 1:
+            raise UserError(f"cluster {spec!r}: the size must be at least 1")
+        data = preset.build(n)
+    return cluster_from_dict(data, source=f"preset {spec}")
+
+
+def load_cluster(spec: str | Cluster) -> Cluster:
+    """A cluster from a preset name (`atp-ic5:64`), a TOML file path, or a Cluster (returned as is)."""
+    from pathlib import Path
+
+    from meshpilot.cluster.loader import load_cluster_file
+
+    if isinstance(spec, Cluster):
+        return spec
+    if spec.endswith(".toml") or Path(spec).is_file():
+        return load_cluster_file(spec)
+    return preset_cluster(spec)
