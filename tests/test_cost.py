@@ -1,0 +1,57 @@
+"""The collective and roofline cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpilot.cluster import GB, CostModel, LogicalMesh, load_cluster
+
+
+def test_all_reduce_matches_eq4_without_latency():
+    m = LogicalMesh(load_cluster("atp-fig7a"), (8, 2))
+    cm = CostModel(m)
+    nbytes = 1e9
+    # bandwidth term of Rabenseifner: M / B with B = Eq. 4; latency adds a little on top
+    t = cm.all_reduce(nbytes, 0)
+    assert t == pytest.approx(nbytes / m.algorithm_bandwidth(0), rel=1e-3)
+    assert t > nbytes / m.algorithm_bandwidth(0)
+
+
+def test_collective_relations():
+    cm = CostModel(LogicalMesh(load_cluster("atp-ic4"), (2, 8)))
+    m = 256e6
+    for axis in (0, 1):
+        ar, ag, rs = cm.all_reduce(m, axis), cm.all_gather(m, axis), cm.reduce_scatter(m, axis)
+        assert ag == rs
+        assert ar == pytest.approx(2 * ag, rel=0.05)  # all-reduce = reduce-scatter + all-gather
+        assert cm.all_to_all(m, axis) > 0 and cm.broadcast(m, axis) > 0 and cm.send_recv(m, axis) > 0
+    assert cm.all_reduce(m, 0) > cm.all_reduce(m, 1)  # axis 0 crosses the 25 GB/s IB link
+    assert cm.all_reduce(m, (0, 1)) >= cm.all_reduce(m, 1)
+
+
+def test_small_messages_pay_latency_and_size_one_axes_are_free():
+    cm = CostModel(LogicalMesh(load_cluster("atp-ic4"), (16, 1)))
+    assert cm.all_reduce(1e9, 1) == 0.0 and cm.all_gather(1e9, 1) == 0.0
+    tiny = cm.all_reduce(8, 0)
+    assert tiny >= 5e-6  # at least one inter-node latency
+    assert cm.all_reduce(0, 0) == 0.0
+
+
+def test_send_recv_between_ranks_uses_highest_differing_layer():
+    cm = CostModel(LogicalMesh(load_cluster("atp-ic4"), (16, 1)))
+    inside = cm.send_recv_ranks(1e9, 0, 1)
+    across = cm.send_recv_ranks(1e9, 0, 8)
+    assert inside == pytest.approx(2e-6 + 1e9 / (600 * GB))
+    assert across == pytest.approx(5e-6 + 1e9 / (25 * GB))
+
+
+def test_roofline():
+    cm = CostModel(LogicalMesh(load_cluster("atp-ic3"), (8, 1)))
+    dev = cm.device
+    # compute-bound: a big matmul
+    f = 2 * 8192**3
+    assert cm.compute(f, 3 * 8192**2 * 2, "bfloat16") == pytest.approx(f / (312e12 * dev.compute_efficiency))
+    # memory-bound: an elementwise op
+    b = 4e9
+    assert cm.compute(1e9, b, "float32") == pytest.approx(b / (dev.memory_bandwidth * dev.memory_efficiency))
+    assert cm.compute(f, 0, "float32") > cm.compute(f, 0, "bfloat16")
