@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"meshpilot {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"meshpilot {args.command}: interrupted", file=sys.stderr)
         return 130

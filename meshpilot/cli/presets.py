@@ -18,10 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _models() -> dict[str, str]:
     try:
-        from meshpilot.models import BUILTIN_MODELS
+        from meshpilot.models import builtin_models
     except ImportError:
         return {}
-    return {name: entry.summary for name, entry in BUILTIN_MODELS.items()}
+    return {name: entry.summary for name, entry in builtin_models().items()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -78,8 +78,9 @@ def _ic6(q: int) -> dict[str, Any]:
     def ring(r: int, bw: float) -> list[list[float]]:
         m = [[0.0] * r for _ in range(r)]
         for i in range(r):
-            for j in {(i + 1) % r, (i - 1) % r} - {i}:
-                m[i][j] += bw
+            for j in ((i + 1) % r, (i - 1) % r):  # q = 2: both neighbours are the same device, two links
+                if j != i:
+                    m[i][j] += bw
         return m
 
     if q < 2:
