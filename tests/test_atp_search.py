@@ -93,5 +93,5 @@ def test_cli_sweep_writes_csv_and_png(tmp_path, capsys):
 def test_cli_bad_model_is_one_line(capsys):
     assert main(["atp", "-c", "atp-ic3", "-m", "atp-m9"]) == 2
     err = capsys.readouterr().err
-    assert "unknown model" in err and "atp-m1" in err
+    assert "not a GPT model" in err and "atp-m1" in err
     assert main(["atp", "--sweep", "-c", "atp-ic3"]) == 2

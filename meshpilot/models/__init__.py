@@ -1,52 +1,109 @@
-"""Built-in models: the papers' benchmark models, constructible on the meta device at full size.
+"""Built-in models: the papers' benchmark models and small exact test models, meta-device constructible.
 
-`builtin_models()` maps a name (`--model NAME`) to a :class:`ModelEntry`. GPT-like entries carry a
-`GPTConfig` (layers, hidden, heads, batch, seq), which the ATP search needs and the planners build from.
+`builtin_models()` maps a name (`--model NAME`) to a :class:`ModelEntry`; `entry.build(device, batch)`
+returns the module and example inputs ``(inputs..., targets)`` whose call gives the training loss.
+GPT entries also carry a `GPTConfig` (layers, hidden, heads, batch, seq), which the ATP search reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
+from torch import nn
 
 from meshpilot.errors import UserError
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A built-in model: its name, a one-line summary and its config."""
+    """A built-in model: its name, a one-line summary, its config (GPTs) and how to build it."""
 
     name: str
     summary: str
-    config: Any
+    build: Callable[[str, int | None], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    """build(device, batch) -> (module, example inputs); device "meta" allocates nothing."""
+    config: Any = None
+
+
+def _gpt_builder(cfg: Any) -> Callable[[str, int | None], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    def build(device: str = "cpu", batch: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        from meshpilot.models.gpt import GPT
+
+        b = batch or cfg.batch
+        with torch.device(device):
+            model = GPT(cfg)
+        if device == "meta":
+            idx = torch.empty(b, cfg.seq, dtype=torch.long, device="meta")
+            return model, (idx, idx)
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, cfg.vocab, (b, cfg.seq + 1), generator=g)
+        return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+
+    return build
+
+
+def _zoo_builder(factory: Callable[[], nn.Module], default_batch: int):
+    def build(device: str = "cpu", batch: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        from meshpilot.models.zoo import example_inputs
+
+        with torch.device(device):
+            model = factory()
+        return model, example_inputs(type(model).__name__, model, batch or default_batch, device)
+
+    return build
 
 
 def builtin_models() -> dict[str, ModelEntry]:
     """Every built-in model by name."""
-    from meshpilot.models.gpt import BUILTIN_GPTS
+    from meshpilot.models import zoo
+    from meshpilot.models.gpt import BUILTIN_GPTS, gpt_tiny
 
-    out = {}
-    for name, cfg in BUILTIN_GPTS.items():
-        out[name] = ModelEntry(
-            name, f"GPT, L={cfg.layers} h={cfg.hidden} heads={cfg.heads} b={cfg.batch} s={cfg.seq}", cfg
+    gpts = dict(BUILTIN_GPTS)
+    gpts["gpt-tiny"] = gpt_tiny()
+    out = {
+        name: ModelEntry(
+            name,
+            f"GPT, L={cfg.layers} h={cfg.hidden} heads={cfg.heads} b={cfg.batch} s={cfg.seq}",
+            _gpt_builder(cfg),
+            cfg,
         )
+        for name, cfg in gpts.items()
+    }
+    zoo_entries = [
+        ("mlp", "MLP 32-64-64-16, cross-entropy", zoo.MLPModel, 8),
+        ("bert-tiny", "BERT-like post-LN encoder, 2 layers, h=32, 4 heads", zoo.BertEncoder, 4),
+        ("wrn-tiny", "Wide-ResNet-like conv net, width 32, GroupNorm", zoo.WideResNet, 8),
+        ("moe-tiny", "GShard top-2 MoE, 4 experts, h=32", zoo.MoEModel, 4),
+        (
+            "bench-transformer",
+            "planning benchmark: 32 layers, h=4096, 32 heads, b=64 s=2048",
+            zoo.PlanBenchTransformer,
+            64,
+        ),
+    ]
+    for name, summary, factory, batch in zoo_entries:
+        out[name] = ModelEntry(name, summary, _zoo_builder(factory, batch))
     return out
 
 
 def gpt_config(name: str | None, **overrides: Any) -> Any:
-    """The GPTConfig of built-in `name` with `overrides` (None values ignored); name None = only overrides."""
+    """The GPTConfig of built-in `name` with `overrides` (None values ignored); 'gpt' = a 24-layer h=4096 base."""
     from meshpilot.models.gpt import GPTConfig
 
     given = {k: v for k, v in overrides.items() if v is not None}
+    models = builtin_models()
     if name is None or name == "gpt":
         base = GPTConfig(vocab=51200, seq=2048, layers=24, hidden=4096, heads=32, batch=4)
-    else:
-        models = builtin_models()
-        if name not in models:
-            raise UserError(
-                f"--model {name!r}: unknown model; choose one of {', '.join(models)} (or 'gpt' with --hidden ...)"
-            )
+    elif name in models and models[name].config is not None:
         base = models[name].config
+    else:
+        gpt_names = [k for k, v in models.items() if v.config is not None]
+        raise UserError(
+            f"--model {name!r}: not a GPT model; choose one of {', '.join(gpt_names)} (or 'gpt' with --hidden ...)"
+        )
     try:
         return replace(base, **given)
     except ValueError as e:

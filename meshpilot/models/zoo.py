@@ -1,0 +1,243 @@
+"""Small, exact reference models for the planners and runtimes, beside the GPT of `models/gpt.py`.
+
+Each model computes its own training loss from `(inputs, targets)` so a plan's loss can be compared with
+the single-device loss. None of them depends on the batch as a whole (no BatchNorm: the Wide-ResNet uses
+GroupNorm), so data parallelism is exact. All are constructible on the meta device.
+
+- :class:`MLPModel`: Linear/ReLU stack with a cross-entropy head.
+- :class:`BertEncoder`: BERT-like post-LayerNorm encoder (separate q/k/v, bidirectional attention, GELU MLP)
+  with a masked-LM style head over every position.
+- :class:`WideResNet`: a small Wide-ResNet-like conv net (3x3 convs, residual blocks widened by `k`).
+- :class:`MoEModel`: embedding -> transformer-style blocks whose MLP is a GShard top-2 mixture of experts
+  written as dispatch / expert / combine einsums (expert parallelism shards the expert dim `e`).
+- :class:`PlanBenchTransformer`: the planning benchmark's transformer (pre-LN, bias-free q/k/v/o, ReLU MLP).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLPModel(nn.Module):
+    """dims[0] -> dims[1] -> ... -> dims[-1] classes, ReLU between layers; loss = cross-entropy."""
+
+    def __init__(self, dims: tuple[int, ...] = (32, 64, 64, 16)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return F.cross_entropy(x, targets)
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, h: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.up, self.down = nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        d = h // self.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, heads, s, d]
+            return t.view(b, s, self.heads, d).transpose(1, 2)
+
+        att = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        x = self.ln1(x + self.o(att.transpose(1, 2).reshape(b, s, h)))  # post-LN, as BERT
+        return self.ln2(x + self.down(F.gelu(self.up(x))))
+
+
+class BertEncoder(nn.Module):
+    """BERT-like encoder: token + position embeddings, post-LN layers, a vocabulary head on every position."""
+
+    def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.layers = nn.ModuleList(_EncoderLayer(hidden, heads, 4 * hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = idx.shape[1]
+        x = self.ln(self.tok(idx) + self.pos(torch.arange(s, device=idx.device)))  # [b, s, h]
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)  # [b, s, vocab]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _WideBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, groups: int) -> None:
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.n2, self.c2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.skip = nn.Conv2d(cin, cout, 1, bias=False) if cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(F.relu(self.n1(x)))
+        y = self.c2(F.relu(self.n2(y)))
+        return y + (x if self.skip is None else self.skip(x))
+
+
+class WideResNet(nn.Module):
+    """A small Wide-ResNet-like net: stem conv, `blocks` residual blocks of width 16*k, pooled classifier."""
+
+    def __init__(self, k: int = 2, blocks: int = 2, classes: int = 10, channels: int = 3) -> None:
+        super().__init__()
+        w = 16 * k
+        self.stem = nn.Conv2d(channels, w, 3, padding=1, bias=False)
+        self.blocks = nn.ModuleList(_WideBlock(w, w, 4) for _ in range(blocks))
+        self.norm = nn.GroupNorm(4, w)
+        self.fc = nn.Linear(w, classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)  # [b, w, H, W]
+        for block in self.blocks:
+            x = block(x)
+        x = F.relu(self.norm(x)).mean(dim=(2, 3))  # [b, w]
+        return F.cross_entropy(self.fc(x), targets)
+
+
+class MoELayer(nn.Module):
+    """GShard top-2 mixture of experts on [tokens, m] with capacity `c` per expert.
+
+    gates [s, e] = softmax(x W_g); the top-2 experts of each token get a slot in their expert's buffer of
+    `capacity` slots in token order (tokens past capacity are dropped for that expert), giving
+    dispatch [s, e, c] (0/1) and combine [s, e, c] (gate weights). Then (GShard's einsums):
+        expert_in  [e, c, m] = einsum("sec,sm->ecm", dispatch, x)
+        hidden     [e, c, f] = relu(einsum("ecm,emf->ecf", expert_in, w_in))
+        expert_out [e, c, m] = einsum("ecf,efm->ecm", hidden, w_out)
+        y          [s, m]    = einsum("sec,ecm->sm", combine, expert_out)
+    Sharding `e` over a mesh axis is expert parallelism; the reshard of `x` into expert_in is its all-to-all.
+    """
+
+    def __init__(self, m: int, f: int, experts: int, capacity: int) -> None:
+        super().__init__()
+        self.experts, self.capacity = experts, capacity
+        self.gate = nn.Linear(m, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, m, f) / math.sqrt(m))
+        self.w_out = nn.Parameter(torch.randn(experts, f, m) / math.sqrt(f))
+
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dispatch and combine masks [s, e, c] for tokens x [s, m]."""
+        probs = F.softmax(self.gate(x), dim=-1)  # [s, e]
+        top = probs.topk(2, dim=-1)
+        combine = x.new_zeros(x.shape[0], self.experts, self.capacity)
+        for k in range(2):
+            onehot = F.one_hot(top.indices[:, k], self.experts).to(x.dtype)  # [s, e]
+            prior = combine.sum(dim=2).gt(0).to(x.dtype).sum(dim=0, keepdim=True) if k else 0
+            pos = (torch.cumsum(onehot, dim=0) - 1 + prior) * onehot  # slot of each token in its expert
+            keep = onehot * (pos < self.capacity).to(x.dtype)
+            slot = F.one_hot(pos.long().clamp(max=self.capacity - 1), self.capacity).to(x.dtype)  # [s, e, c]
+            combine = combine + (keep * top.values[:, k : k + 1]).unsqueeze(-1) * slot
+        return combine.gt(0).to(x.dtype), combine
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dispatch, combine = self.routing(x)
+        expert_in = torch.einsum("sec,sm->ecm", dispatch, x)
+        hidden = F.relu(torch.einsum("ecm,emf->ecf", expert_in, self.w_in))
+        expert_out = torch.einsum("ecf,efm->ecm", hidden, self.w_out)
+        return torch.einsum("sec,ecm->sm", combine, expert_out)
+
+
+class MoEModel(nn.Module):
+    """Embedding -> [LayerNorm -> MoE] residual blocks -> vocabulary head; loss = cross-entropy."""
+
+    def __init__(
+        self, vocab: int = 64, hidden: int = 32, experts: int = 4, ffn: int = 64, layers: int = 1, capacity: int = 16
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.moes = nn.ModuleList(MoELayer(hidden, ffn, experts, capacity) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx).reshape(-1, self.tok.embedding_dim)  # [s = b*t, m]
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return F.cross_entropy(self.head(x), targets.reshape(-1))
+
+
+class _BenchBlock(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(h, 4 * h, bias=False), nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        y = self.ln1(x)
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, heads, s, h/heads]
+            return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+        att = F.scaled_dot_product_attention(split(self.q(y)), split(self.k(y)), split(self.v(y)), is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(F.relu(self.up(self.ln2(x))))
+
+
+class PlanBenchTransformer(nn.Module):
+    """The planning benchmark: `layers` pre-LN blocks, causal attention with bias-free q/k/v/o, bias-free ReLU
+    MLP of 4h; input [b, s, h] activations, loss = mean of the output (the planner needs a scalar)."""
+
+    def __init__(self, layers: int = 32, hidden: int = 4096, heads: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_BenchBlock(hidden, heads) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.float().pow(2).mean()
+
+
+@dataclass(frozen=True)
+class Example:
+    """A model plus example inputs of the right shapes (meta tensors when built on the meta device)."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+
+
+def example_inputs(name: str, model: nn.Module, batch: int, device: str | torch.device = "cpu") -> tuple:
+    """Deterministic example inputs for the zoo model `name` (random data from a fixed seed)."""
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+
+    def ints(high: int, *shape: int) -> torch.Tensor:
+        t = torch.randint(0, high, shape, generator=g)
+        return t.to(dev) if dev.type != "meta" else torch.empty(shape, dtype=torch.long, device="meta")
+
+    def floats(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g)
+        return t.to(dev) if dev.type != "meta" else torch.empty(shape, device="meta")
+
+    if isinstance(model, MLPModel):
+        first, last = model.layers[0].in_features, model.layers[-1].out_features
+        return floats(batch, first), ints(last, batch)
+    if isinstance(model, BertEncoder):
+        vocab, seq = model.tok.num_embeddings, model.pos.num_embeddings
+        return ints(vocab, batch, seq), ints(vocab, batch, seq)
+    if isinstance(model, WideResNet):
+        return floats(batch, model.stem.in_channels, 8, 8), ints(model.fc.out_features, batch)
+    if isinstance(model, MoEModel):
+        vocab = model.tok.num_embeddings
+        return ints(vocab, batch, 8), ints(vocab, batch, 8)
+    if isinstance(model, PlanBenchTransformer):
+        h = model.blocks[0].q.in_features
+        return (floats(batch, 2048 if dev.type == "meta" else 8, h),)
+    raise ValueError(f"no example inputs for model {name!r}")
