@@ -82,7 +82,8 @@ def test_cli_table_and_custom_gpt(capsys):
 def test_cli_sweep_writes_csv_and_png(tmp_path, capsys):
     prefix = tmp_path / "fig12"
     assert main(["atp", "--sweep", "--cluster", "atp-ic5", "--max-devices", "64", "--out", str(prefix)]) == 0
-    rows = list(csv.DictReader(open(prefix.with_suffix(".csv"))))
+    with open(prefix.with_suffix(".csv")) as f:
+        rows = list(csv.DictReader(f))
     assert [int(r["N"]) for r in rows] == [4, 8, 16, 32, 64]
     for r in rows:
         assert float(r["ATP-1"]) == pytest.approx(float(r["closed_form_ATP-1"]))
