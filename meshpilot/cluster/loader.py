@@ -23,6 +23,17 @@ A cluster file::
     mesh = [2, 8]
     B1_GBps = 9.5                 # mesh axis 0; B2_GBps for axis 1; either may be left out
 
+Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot probe`` writes them)::
+
+    [device_profile]
+    kind = "probed-cpu"           # a free name, shown in tables
+    peak_tflops_fp32 = 0.05       # the matmul rate the cost model's roofline uses for float32
+    peak_tflops_bf16 = 0.9        # optional; without it bfloat16 runs at the float32 rate
+    memory_GBps = 12.0
+    memory_GiB = 5.8
+    compute_efficiency = 1.0      # optional (default 0.6): fraction of peak_tflops that matmuls reach
+    memory_efficiency = 1.0       # optional (default 0.8): fraction of memory_GBps that kernels reach
+
 Every mistake raises :class:`~meshpilot.errors.ClusterFileError` naming the file, the key and the fix.
 """
 
@@ -39,9 +50,18 @@ from meshpilot.cluster.devices import DEVICES, DeviceProfile
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
-TOP_KEYS = {"name", "device", "layers", "calibration"}
+TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
 CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps"}
+PROFILE_KEYS = {
+    "kind",
+    "peak_tflops_fp32",
+    "peak_tflops_bf16",
+    "memory_GBps",
+    "memory_GiB",
+    "compute_efficiency",
+    "memory_efficiency",
+}
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
@@ -108,15 +128,75 @@ def _unknown(table: dict[str, Any], known: set[str], source: str, prefix: str) -
 
 def _device(data: dict[str, Any], source: str) -> DeviceProfile:
     kind = data.get("device")
+    if "device_profile" in data:
+        if kind is not None:
+            raise ClusterFileError(
+                source,
+                "device_profile",
+                "is given together with device",
+                'keep one: device = "<kind>" names a built-in profile, [device_profile] gives measured numbers',
+            )
+        return _device_profile(data["device_profile"], source)
     if kind is None:
         raise ClusterFileError(
-            source, "device", "is missing", f'add device = "<kind>", one of: {", ".join(DEVICES)}'
+            source,
+            "device",
+            "is missing",
+            f'add device = "<kind>", one of: {", ".join(DEVICES)}; or a [device_profile] table',
         )
     if not isinstance(kind, str) or kind not in DEVICES:
         raise ClusterFileError(
             source, "device", f"unknown device kind {kind!r}", f"use one of: {', '.join(DEVICES)}"
         )
     return DEVICES[kind]
+
+
+_PROFILE_FIX = {
+    "kind": 'add kind = "<a name for this device>", e.g. kind = "probed-cpu"',
+    "peak_tflops_fp32": "add peak_tflops_fp32 = <float32 matmul TFLOP/s>, e.g. 19.5",
+    "peak_tflops_bf16": "give the bfloat16 matmul TFLOP/s, e.g. 312.0, or leave the key out",
+    "memory_GBps": "add memory_GBps = <device memory bandwidth in GB/s>, e.g. 2039.0",
+    "memory_GiB": "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0",
+    "compute_efficiency": "give a fraction in (0, 1], e.g. 0.6, or leave the key out",
+    "memory_efficiency": "give a fraction in (0, 1], e.g. 0.8, or leave the key out",
+}
+
+
+def _device_profile(table: Any, source: str) -> DeviceProfile:
+    if not isinstance(table, dict):
+        raise ClusterFileError(
+            source, "device_profile", "must be a table", "write it as [device_profile] with kind, peak_tflops_fp32, ..."
+        )
+    _unknown(table, PROFILE_KEYS, source, "device_profile")
+    for key in ("kind", "peak_tflops_fp32", "memory_GBps", "memory_GiB"):
+        if key not in table:
+            raise ClusterFileError(source, f"device_profile.{key}", "is missing", _PROFILE_FIX[key])
+    kind = table["kind"]
+    if not isinstance(kind, str) or not kind:
+        raise ClusterFileError(
+            source, "device_profile.kind", f"must be a non-empty string, got {kind!r}", _PROFILE_FIX["kind"]
+        )
+    values: dict[str, float] = {}
+    for key in sorted(PROFILE_KEYS - {"kind"}):
+        if key not in table:
+            continue
+        where = f"device_profile.{key}"
+        value = _number(table[key], where, source, positive=False)
+        if value <= 0 or (key.endswith("efficiency") and value > 1):
+            need = "in (0, 1]" if key.endswith("efficiency") else "greater than zero"
+            raise ClusterFileError(source, where, f"is {value}, must be {need}", _PROFILE_FIX[key])
+        values[key] = value
+    flops = {"float32": values["peak_tflops_fp32"] * 1e12}
+    if "peak_tflops_bf16" in values:
+        flops["bfloat16"] = values["peak_tflops_bf16"] * 1e12
+    return DeviceProfile(
+        kind,
+        flops,
+        values["memory_GBps"] * GB,
+        round(values["memory_GiB"] * 2**30),
+        values.get("compute_efficiency", DeviceProfile.compute_efficiency),
+        values.get("memory_efficiency", DeviceProfile.memory_efficiency),
+    )
 
 
 def _number(value: Any, key: str, source: str, *, positive: bool, allow_zero: bool = False) -> float:
@@ -243,7 +323,11 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
 def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
     """A TOML text that :func:`load_cluster_file` reads back into an equal cluster."""
     out = [f"# {line}" for line in comment.splitlines()] if comment else []
-    out += [f"name = {_q(cluster.name)}", f"device = {_q(cluster.device.kind)}", ""]
+    out += [f"name = {_q(cluster.name)}"]
+    if DEVICES.get(cluster.device.kind) == cluster.device:
+        out += [f"device = {_q(cluster.device.kind)}", ""]
+    else:
+        out += ["", *_profile_toml(cluster.device), ""]
     for layer in cluster.layers:
         out += ["[[layers]]", f"name = {_q(layer.name)}", f"ranks = {layer.ranks}"]
         if layer.uniform:
@@ -263,6 +347,16 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
                 out.append(f"{key} = {_f(bw / GB)}")
         out.append("")
     return "\n".join(out)
+
+
+def _profile_toml(d: DeviceProfile) -> list[str]:
+    """A [device_profile] table for a profile that is not one of DEVICES (e.g. measured by `meshpilot probe`)."""
+    out = ["[device_profile]", f"kind = {_q(d.kind)}", f"peak_tflops_fp32 = {_f(d.flops_for('float32') / 1e12)}"]
+    if "bfloat16" in d.peak_flops:
+        out.append(f"peak_tflops_bf16 = {_f(d.peak_flops['bfloat16'] / 1e12)}")
+    out += [f"memory_GBps = {_f(d.memory_bandwidth / GB)}", f"memory_GiB = {_f(d.memory_bytes / 2**30)}"]
+    out += [f"compute_efficiency = {_f(d.compute_efficiency)}", f"memory_efficiency = {_f(d.memory_efficiency)}"]
+    return out
 
 
 def _q(s: str) -> str:

@@ -1,0 +1,197 @@
+"""`meshpilot probe`: measure the live cluster it runs on and write a cluster TOML that loads back.
+
+Run one process per device under torchrun, e.g. on one machine with 4 GPUs (or 4 CPU processes):
+
+    torchrun --nproc-per-node 4 -m meshpilot.cli.main probe --out cluster.toml
+    torchrun --nproc-per-node 4 --no-python meshpilot probe --out cluster.toml    (the same)
+
+and on 2 machines of 8 GPUs (the same command on each, HOST being the first one):
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m meshpilot.cli.main probe --out cluster.toml
+
+It measures the device (matmul FLOP/s, memory bandwidth and capacity), point-to-point bandwidth and
+latency between every pair of ranks, each rank's bandwidth to all its node's other ranks at once, the
+aggregate bandwidth between nodes, and the all-reduce bandwidth on each axis of every 2D mesh shape.
+Rank 0 writes the hierarchy (node and device layers, from the hostnames), a [device_profile] with the
+measured numbers and a [[calibration]] entry per mesh, then prints each mesh's measured B1/B2 next to
+Eq. 4's prediction from the measured matrix. Use the file as `--cluster FILE` with any command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import sys
+from pathlib import Path
+
+from meshpilot.errors import UserError
+
+TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main probe --out cluster.toml"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="measure the live cluster (run under torchrun) and write a cluster TOML",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out", "-o", default="cluster-probed.toml", metavar="PATH", help="where rank 0 writes the cluster TOML"
+    )
+    p.add_argument("--name", help="the cluster's name in the file (default: probed-<host>-<ranks>)")
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        help="torch.distributed backend (default: nccl when CUDA is available, else gloo)",
+    )
+    p.add_argument(
+        "--bytes",
+        type=_size,
+        metavar="SIZE",
+        help="message size for P2P and all-reduce, e.g. 4MiB, 512KiB or 1048576 (default: 32MiB on GPU, 4MiB on CPU)",
+    )
+    p.add_argument("--repeats", type=int, metavar="N", help="timed repeats per measurement; the best counts")
+    p.add_argument(
+        "--p2p-budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop the pairwise rounds after this long and estimate the pairs left (default 120)",
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests, smoke runs)")
+    p.set_defaults(func=run)
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4MiB, 512KiB or 1048576")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
+    value = int(float(m.group(1)) * scale)
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 4 bytes; give at least one float32")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise UserError(f"not launched by torchrun (no {'/'.join(missing)}); run one process per device: {TORCHRUN}")
+    import torch
+    import torch.distributed as dist
+
+    from meshpilot.cluster.probe import ProbeOptions, build_cluster, probe, write_cluster_toml
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("--backend nccl needs CUDA, which this torch cannot use; use --backend gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    rank = dist.get_rank()
+    out = Path(args.out)
+    try:
+        problem = [_check_out(out) if rank == 0 else None]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            if rank == 0:
+                raise UserError(problem[0])
+            return 2
+        cuda = torch.cuda.is_available()
+        opts = ProbeOptions.for_device(cuda, args.quick, args.bytes, args.repeats)
+        if args.p2p_budget is not None:
+            import dataclasses
+
+            opts = dataclasses.replace(opts, budget_s=args.p2p_budget)
+        m = probe(opts, progress=_progress)
+        if m is None:
+            return 0
+        name = args.name or f"probed-{m.hosts[0]}-{len(m.hosts)}"
+        cluster = build_cluster(m, name=name, source=str(out))
+        when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        comment = (
+            f"Written by `meshpilot probe` on {when}: {len(m.hosts)} ranks on {len(set(m.hosts))} node(s), "
+            f"{m.backend}, messages of {m.nbytes} bytes, best of {opts.repeats} after {opts.warmup} warm-up.\n"
+            "Layers come from point-to-point and fan-out measurements; each [[calibration]] is a measured all-reduce."
+        )
+        if m.skipped_pairs:
+            comment += f"\n{m.skipped_pairs} rank pairs were not measured (--p2p-budget); their entries are medians."
+        write_cluster_toml(cluster, out, comment)
+        _summary(m, cluster, out)
+        return 0
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_out(out: Path) -> str | None:
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        return f"--out {out}: folder {parent} does not exist; create it or write elsewhere"
+    if out.is_dir():
+        return f"--out {out}: is a folder; give a file path such as {out / 'cluster.toml'}"
+    if not os.access(parent, os.W_OK):
+        return f"--out {out}: folder {parent} is not writable; write elsewhere"
+    return None
+
+
+def _progress(msg: str) -> None:
+    print(f"meshpilot probe: {msg}", file=sys.stderr, flush=True)
+
+
+def _summary(m, cluster, out: Path) -> None:  # noqa: ANN001 - Measurements and Cluster, imported late
+    import numpy as np
+    from rich.table import Table
+
+    from meshpilot.cli.common import console, fmt_gbps
+    from meshpilot.cluster import GB, LogicalMesh, mesh_shapes_2d
+    from meshpilot.cluster.probe import build_cluster
+
+    d = cluster.device
+    t = Table(title=f"Device {d.kind} (median of {len(m.per_rank)} ranks; min … max)")
+    for col in ("measure", "value", "spread"):
+        t.add_column(col, justify="right" if col != "measure" else "left")
+
+    def spread(key: str, scale: float) -> str:
+        vals = [r[key] / scale for r in m.per_rank if r.get(key)]
+        return f"{min(vals):.4g} … {max(vals):.4g}" if vals else "—"
+
+    t.add_row("fp32 matmul TFLOP/s", f"{d.flops_for('float32') / 1e12:.4g}", spread("float32", 1e12))
+    if "bfloat16" in d.peak_flops:
+        t.add_row("bf16 matmul TFLOP/s", f"{d.peak_flops['bfloat16'] / 1e12:.4g}", spread("bfloat16", 1e12))
+    t.add_row("memory copy GB/s", f"{d.memory_bandwidth / GB:.4g}", spread("memory_bandwidth", GB))
+    t.add_row("memory GiB (per rank)", f"{d.memory_bytes / 2**30:.4g}", spread("memory_bytes", 2**30))
+    console.print(t)
+
+    h = Table(title=f"Hierarchy ({m.backend}, {len(m.hosts)} ranks, probe took {m.seconds:.1f} s)")
+    for col in ("layer", "ranks R", "P2P GB/s", "group GB/s", "latency µs"):
+        h.add_column(col, justify="right" if col != "layer" else "left")
+    for layer in cluster.layers:
+        off = layer.p2p[~np.eye(layer.ranks, dtype=bool)]
+        p2p = "—" if off.size == 0 else f"{off.min() / GB:.4g} … {off.max() / GB:.4g}"
+        grp = f"{layer.group_bw.min() / GB:.4g} … {layer.group_bw.max() / GB:.4g}"
+        h.add_row(layer.name, str(layer.ranks), p2p, grp, f"{layer.latency * 1e6:.4g}")
+    console.print(h)
+
+    matrix = build_cluster(m, name=cluster.name, calibrate=False)
+    s = Table(title="All-reduce algorithm bandwidth per 2D mesh: measured vs Eq. 4 from the probed matrix")
+    for col in ("DeviceMesh", "B1 measured", "B1 Eq. 4", "B2 measured", "B2 Eq. 4"):
+        s.add_column(col, justify="right")
+    for shape in mesh_shapes_2d(len(m.hosts)):
+        measured = m.allreduce.get(shape, (None, None))
+        predicted = LogicalMesh(matrix, shape)
+        cells = [f"({shape[0]}, {shape[1]})"]
+        for axis in (0, 1):
+            cells += [
+                "—" if measured[axis] is None else fmt_gbps(measured[axis]),
+                fmt_gbps(predicted.algorithm_bandwidth(axis)),
+            ]
+        s.add_row(*cells)
+    console.print(s)
+    console.print(f"wrote {out} (GB/s; use it as --cluster {out})")

@@ -1,0 +1,627 @@
+"""Measure a live ``torch.distributed`` group and describe it as a :class:`Cluster` (`meshpilot probe`).
+
+Every rank of the group runs :func:`probe`; rank 0 gets the :class:`Measurements` back and
+:func:`build_cluster` turns them into the hierarchical communication matrix. Works on gloo (CPU tensors)
+and NCCL (CUDA tensors; each rank on ``cuda:LOCAL_RANK``).
+
+What is measured (bandwidths in bytes/s, times in seconds; every "best" is the fastest of the repeats,
+after warm-up repeats that are not counted):
+
+1. **Device.** Every rank at once (as in training): float32 matmul FLOP/s, best over a few sizes
+   (bfloat16 too on CUDA); memory bandwidth of a large tensor copy (2 x bytes per copy: read + write);
+   memory capacity (CUDA: the device's total memory; CPU: physical memory divided by the ranks on the
+   host). The cluster's profile takes the median over ranks of the rates and the smallest capacity.
+2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
+   round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
+   ping-pong; bandwidth a -> b = bytes / (time for a to send the large buffer and get a 4-byte ack,
+   less one latency), both directions. Rounds stop early once ``budget_s`` has passed (rank 0 decides,
+   at least one round always runs); unmeasured pairs are filled in by :func:`build_cluster`.
+3. **Fan-out.** In rounds, one rank of each node sends the large buffer to every other rank of its node
+   at once: its aggregate bandwidth (peers x bytes / time) is its group bandwidth.
+4. **Node pairs** (more than one node, same ranks per node). Nodes paired in rounds; for a pair (A, B)
+   local rank i of A sends to local rank i of B, all i at once: the aggregate bandwidth between A and B.
+5. **All-reduce.** For every 2D mesh shape (d1, d2) of the world (:func:`mesh_shapes_2d`, mesh axis 1
+   over contiguous ranks), on each axis of size > 1: every group of the axis all-reduces the large
+   buffer at once (one ``new_group`` per axis group). Per repeat the time is the slowest rank's;
+   algorithm bandwidth B = bytes / best time, Eq. 4's B (``meshpilot.cluster.mesh``).
+
+How :func:`build_cluster` makes the hierarchy:
+
+* Ranks are grouped into nodes by hostname. With more than one node, every node holding the same number
+  L > 1 of ranks and each node's ranks contiguous (torchrun's layout): two layers, ``node`` (R = nodes)
+  and ``device`` (R = L). Otherwise one layer of every rank (``device``; ``node`` when each node has one
+  rank), whose P2P matrix still shows any node boundary.
+* A P2P entry is the mean of the two directions measured. The device layer is the same in every node:
+  entry (i, j) is the median over nodes of the bandwidth between local ranks i and j; its group bandwidth
+  the median fan-out of local rank i; its latency the median latency of pairs inside a node.
+* Node layer: P2P(A, B) is the measured node-pair aggregate; where that was not measured, the median
+  bandwidth of single rank pairs between A and B (as if the nodes' ranks shared one link: conservative).
+  A node's group bandwidth is its largest P2P entry (the most it was seen to move); its latency the
+  median latency of pairs across nodes.
+* A missing entry takes the median of the measured entries of its layer (of all measured pairs if the
+  layer has none); a missing group bandwidth the unit's largest P2P entry; a missing latency 0.
+  A one-device world gets one layer of one rank whose (unused) bandwidth is the device's memory bandwidth.
+* Every measured mesh becomes a calibration entry (B1, B2), so the planner uses the measured numbers.
+* Numbers are rounded to 4 significant digits (the run-to-run noise is larger). The device profile
+  carries the measured rates with compute and memory efficiency 1.0: they are what kernels reach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshpilot.cluster.devices import DeviceProfile
+from meshpilot.cluster.loader import cluster_from_dict, cluster_to_toml
+from meshpilot.cluster.mesh import mesh_shapes_2d
+from meshpilot.cluster.topology import Calibration, Cluster, Layer
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """Sizes and repeat counts of one probe."""
+
+    nbytes: int = 4 * MiB
+    """Large message for P2P, fan-out, node pairs and all-reduce (bytes, a multiple of 4)."""
+    repeats: int = 5
+    """Timed repeats of each bandwidth measurement; the best counts."""
+    warmup: int = 2
+    """Untimed repeats before them (NCCL builds communicators on first use)."""
+    latency_repeats: int = 20
+    """Ping-pongs per pair for the latency."""
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    """Square matmul sizes n (2 n^3 FLOPs each)."""
+    copy_bytes: int = 64 * MiB
+    """Tensor size for the memory bandwidth copy."""
+    budget_s: float = 120.0
+    """Seconds after which the P2P rounds stop (remaining pairs are estimated)."""
+
+    @classmethod
+    def for_device(
+        cls, cuda: bool, quick: bool = False, nbytes: int | None = None, repeats: int | None = None
+    ) -> ProbeOptions:
+        """Defaults for a CPU or CUDA device; `quick` for tests (small sizes, few repeats)."""
+        if quick:
+            opts = cls(1 * MiB, 2, 1, 5, (64, 128), 4 * MiB, 30.0)
+        elif cuda:
+            opts = cls(32 * MiB, 10, 3, 50, (2048, 4096, 8192), 1024 * MiB, 120.0)
+        else:
+            opts = cls()
+        changes: dict[str, Any] = {}
+        if nbytes is not None:
+            changes["nbytes"] = max(4, (nbytes + 3) // 4 * 4)
+        if repeats is not None:
+            changes["repeats"] = max(1, repeats)
+        return dataclasses.replace(opts, **changes)
+
+
+@dataclass
+class Measurements:
+    """What one probe measured, reduced to numbers (see the module docstring for each)."""
+
+    backend: str
+    hosts: list[str]
+    """Hostname of every rank."""
+    nbytes: int
+    p2p_bw: np.ndarray
+    """[W, W] bandwidth a -> b, bytes/s; NaN on the diagonal and for pairs not measured."""
+    p2p_latency: np.ndarray
+    """[W, W] one-way latency, seconds; NaN where not measured."""
+    fanout_bw: np.ndarray
+    """[W] aggregate bandwidth of each rank sending to every other rank of its node at once; NaN: not measured."""
+    node_bw: np.ndarray | None
+    """[N, N] aggregate bandwidth node A -> node B with all local ranks sending at once; None if not measured."""
+    allreduce: dict[tuple[int, int], tuple[float | None, float | None]]
+    """Per 2D mesh shape, the measured all-reduce algorithm bandwidth of each axis (None: axis of size 1)."""
+    device: DeviceProfile
+    """The cluster's device profile (median rates over ranks, smallest capacity)."""
+    per_rank: list[dict[str, float]] = field(default_factory=list)
+    """Each rank's device numbers: fp32/bf16 FLOP/s, memory bytes/s, memory bytes."""
+    skipped_pairs: int = 0
+    """Rank pairs not measured because the P2P budget ran out."""
+    seconds: float = 0.0
+    """Wall time of the probe."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pure parts: schedules, node layout, hierarchy.
+
+
+def round_robin(n: int) -> list[list[tuple[int, int]]]:
+    """Rounds of disjoint pairs (a < b) covering every pair of range(n) once (circle method)."""
+    if n < 2:
+        return []
+    m = n + (n % 2)  # odd n: a bye (index n) sits out each round
+    order = list(range(m))
+    rounds = []
+    for _ in range(m - 1):
+        pairs = [(order[i], order[m - 1 - i]) for i in range(m // 2)]
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a < n and b < n])
+        order = [order[0], order[-1], *order[1:-1]]
+    return rounds
+
+
+def node_layout(hosts: list[str]) -> list[list[int]]:
+    """The ranks of every host, hosts in order of first appearance."""
+    nodes: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    return list(nodes.values())
+
+
+def two_layer(nodes: list[list[int]]) -> bool:
+    """True when the nodes make a (node, device) hierarchy: several nodes, equal sizes > 1, contiguous ranks."""
+    if len(nodes) < 2:
+        return False
+    size = len(nodes[0])
+    return size > 1 and all(node == list(range(k * size, (k + 1) * size)) for k, node in enumerate(nodes))
+
+
+def _sym(m: np.ndarray) -> np.ndarray:
+    """Mean of m and m.T, ignoring NaN (one measured direction stands for both)."""
+    with np.errstate(invalid="ignore"):
+        s = np.where(np.isnan(m), m.T, np.where(np.isnan(m.T), m, (m + m.T) / 2))
+    return s
+
+
+def _median(values: Any) -> float:
+    arr = np.asarray(values, dtype=float).reshape(-1)
+    arr = arr[np.isfinite(arr)]
+    return float(np.median(arr)) if arr.size else math.nan
+
+
+def _round(x: float, digits: int = 4) -> float:
+    if not math.isfinite(x) or x == 0:
+        return x
+    return round(x, digits - 1 - math.floor(math.log10(abs(x))))
+
+
+def _seconds(us: float) -> float:
+    """Microseconds to seconds, choosing among the nearest floats one that prints back as `us` (tidy files)."""
+    x = us * 1e-6
+    for cand in (x, math.nextafter(x, math.inf), math.nextafter(x, 0.0)):
+        if cand * 1e6 == us:
+            return cand
+    return x
+
+
+def _fill(matrix: np.ndarray, fallback: float) -> np.ndarray:
+    """Off-diagonal NaN -> fallback; diagonal 0; values rounded."""
+    out = np.where(np.isnan(matrix), fallback, matrix)
+    np.fill_diagonal(out, 0.0)
+    return np.vectorize(_round, otypes=[float])(out) if out.size else out
+
+
+def _layer(name: str, p2p: np.ndarray, fanout: np.ndarray, latency: float, fallback: float) -> Layer:
+    r = p2p.shape[0]
+    fill = _median(p2p[~np.eye(r, dtype=bool)])
+    p2p = _fill(p2p, fallback if math.isnan(fill) else fill)
+    best = p2p.max(axis=1)
+    group = np.array([_round(g) if math.isfinite(g) and g > 0 else best[i] for i, g in enumerate(fanout)])
+    lat = _seconds(_round(latency * 1e6)) if math.isfinite(latency) else 0.0
+    return Layer(name=name, ranks=r, p2p=p2p, group_bw=group, latency=lat)
+
+
+def build_layers(m: Measurements) -> tuple[Layer, ...]:
+    """The hierarchy of the probed group (rules in the module docstring)."""
+    world = len(m.hosts)
+    if world == 1:
+        bw = _round(m.device.memory_bandwidth)
+        return (Layer("device", 1, np.zeros((1, 1)), np.array([bw]), 0.0),)
+    nodes = node_layout(m.hosts)
+    bw, lat = _sym(m.p2p_bw), _sym(m.p2p_latency)
+    anywhere = _median(bw[~np.eye(world, dtype=bool)])  # for a kind of entry the budget left unmeasured
+    if not two_layer(nodes):
+        name = "node" if len(nodes) == world else "device"
+        off = ~np.eye(world, dtype=bool)
+        return (_layer(name, bw, m.fanout_bw, _median(lat[off]), anywhere),)
+    n, size = len(nodes), len(nodes[0])
+    blocks = np.arange(world).reshape(n, size)
+    intra = np.stack([bw[np.ix_(b, b)] for b in blocks])  # [n, L, L]
+    intra_lat = np.stack([lat[np.ix_(b, b)] for b in blocks])
+    off = ~np.eye(size, dtype=bool)
+    dev_p2p = np.array([[_median(intra[:, i, j]) for j in range(size)] for i in range(size)])
+    dev_fan = np.array([_median(m.fanout_bw[blocks[:, i]]) for i in range(size)])
+    device = _layer("device", dev_p2p, dev_fan, _median(intra_lat[:, off]), anywhere)
+    pair = np.full((n, n), math.nan)
+    inter_lat = []
+    node_bw = _sym(m.node_bw) if m.node_bw is not None else None
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            inter_lat.append(lat[np.ix_(blocks[a], blocks[b])])
+            if node_bw is not None and math.isfinite(node_bw[a, b]):
+                pair[a, b] = node_bw[a, b]
+            else:
+                pair[a, b] = _median(bw[np.ix_(blocks[a], blocks[b])])
+    node = _layer("node", pair, np.full(n, math.nan), _median(inter_lat), anywhere)
+    return (node, device)
+
+
+def calibration_entries(allreduce: dict[tuple[int, int], tuple[float | None, float | None]]) -> tuple:
+    """One :class:`Calibration` per measured mesh shape (axes of size 1 carry None)."""
+    out = []
+    for shape, algbw in allreduce.items():
+        vals = tuple(None if b is None or not math.isfinite(b) or b <= 0 else _round(b) for b in algbw)
+        if any(v is not None for v in vals):
+            out.append(Calibration(mesh=(shape[0], shape[1]), algbw=vals))
+    return tuple(out)
+
+
+def build_cluster(m: Measurements, name: str = "probed", calibrate: bool = True, source: str = "") -> Cluster:
+    """The probed cluster; `calibrate=False` leaves out the measured all-reduce bandwidths (Eq. 3/4 only)."""
+    calibration = calibration_entries(m.allreduce) if calibrate else ()
+    return Cluster(
+        name=name,
+        layers=build_layers(m),
+        device=m.device,
+        calibration=calibration,
+        source=source or f"meshpilot probe ({m.backend}, {len(m.hosts)} ranks)",
+    )
+
+
+def write_cluster_toml(cluster: Cluster, path: str | Path, comment: str = "") -> Path:
+    """Write `cluster` as TOML atomically: validate the text, write a temp file beside `path`, rename."""
+    path = Path(path)
+    text = cluster_to_toml(cluster, comment)
+    cluster_from_dict(tomllib.loads(text), source=str(path))  # never write a file that does not load
+    fd, tmp = tempfile.mkstemp(dir=path.parent or Path("."), prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def summarize(
+    records: list[dict[str, Any]], hosts: list[str], backend: str, opts: ProbeOptions, kind: str
+) -> Measurements:
+    """Reduce every rank's raw timings (from :func:`probe`) to :class:`Measurements`."""
+    world = len(hosts)
+    nbytes = opts.nbytes
+    lat = np.full((world, world), math.nan)
+    for rec in records:
+        for (a, b), rtts in rec["lat"].items():
+            lat[a, b] = lat[b, a] = statistics.median(rtts) / 2
+    p2p = np.full((world, world), math.nan)
+    for rec in records:
+        for (a, b), times in rec["p2p"].items():
+            p2p[a, b] = nbytes / _net(min(times), lat[a, b])
+    fanout = np.full(world, math.nan)
+    for rec in records:
+        for a, (peers, times) in rec["fan"].items():
+            fanout[a] = peers * nbytes / _net(min(times), _median([lat[a, p] for p in range(world) if p != a]))
+    node_bw = None
+    node_times: dict[tuple[int, int], list[list[float]]] = {}
+    for rec in records:
+        for (na, nb, _i), times in rec["node"].items():
+            node_times.setdefault((na, nb), []).append(times)
+    if node_times:
+        nodes = node_layout(hosts)
+        node_bw = np.full((len(nodes), len(nodes)), math.nan)
+        for (na, nb), per_rank in node_times.items():
+            worst = np.max(np.array(per_rank), axis=0)  # per repeat, the slowest sender
+            alpha = _median([lat[a, b] for a in nodes[na] for b in nodes[nb]])
+            node_bw[na, nb] = len(per_rank) * nbytes / _net(float(worst.min()), alpha)
+    allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+    for shape in mesh_shapes_2d(world):
+        out: list[float | None] = []
+        for axis in (0, 1):
+            key = (shape, axis)
+            per_rank = [rec["ar"][key] for rec in records if key in rec["ar"]]
+            if not per_rank:
+                out.append(None)
+                continue
+            worst = np.max(np.array(per_rank), axis=0)
+            out.append(nbytes / float(worst.min()))
+        allreduce[shape] = (out[0], out[1])
+    devs = [rec["device"] for rec in records]
+    on_host = {h: hosts.count(h) for h in hosts}
+    for dev, host in zip(devs, hosts):
+        if dev.pop("host_memory", False):
+            dev["memory_bytes"] = dev["memory_bytes"] / on_host[host]
+    flops = {"float32": _round(_median([d["float32"] for d in devs]))}
+    bf16 = [d["bfloat16"] for d in devs if d.get("bfloat16")]
+    if bf16:
+        flops["bfloat16"] = _round(_median(bf16))
+    device = DeviceProfile(
+        kind,
+        flops,
+        _round(_median([d["memory_bandwidth"] for d in devs])),
+        int(min(d["memory_bytes"] for d in devs)),
+        1.0,
+        1.0,
+    )
+    skipped = sum(rec["skipped"] for rec in records[:1])
+    return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped)
+
+
+def _net(t: float, alpha: float) -> float:
+    """Transfer time less the latency of its ack, never below half the time measured."""
+    if not math.isfinite(alpha):
+        return t
+    return max(t - alpha, t / 2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Live parts: every rank of the group runs these.
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
+    """This rank's matmul FLOP/s (float32; bfloat16 on CUDA), copy bandwidth and memory capacity."""
+    import torch
+
+    def best_matmul(dtype: torch.dtype) -> float:
+        best = 0.0
+        for n in opts.matmul_sizes:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            c = torch.empty(n, n, device=device, dtype=dtype)
+            for rep in range(opts.warmup + opts.repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                torch.mm(a, b, out=c)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if rep >= opts.warmup and dt > 0:
+                    best = max(best, 2 * n**3 / dt)
+            del a, b, c
+        return best
+
+    out: dict[str, Any] = {"float32": best_matmul(torch.float32), "bfloat16": None}
+    if device.type == "cuda":
+        out["bfloat16"] = best_matmul(torch.bfloat16)
+    src = torch.ones(max(1, opts.copy_bytes // 4), device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for rep in range(opts.warmup + opts.repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if rep >= opts.warmup:
+            best = min(best, time.perf_counter() - t0)
+    out["memory_bandwidth"] = 2 * src.numel() * 4 / best
+    del src, dst
+    if device.type == "cuda":
+        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        out["host_memory"] = False
+    else:
+        out["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        out["host_memory"] = True  # shared by the ranks of the host: summarize() divides
+    return out
+
+
+class _Runner:
+    """The collective measuring loops of one rank."""
+
+    def __init__(self, opts: ProbeOptions, comm_device: Any):
+        import torch
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.opts = opts
+        self.dev = comm_device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.flag = torch.zeros(1, device=comm_device)
+        numel = opts.nbytes // 4
+        self.big = torch.ones(numel, device=comm_device)
+        self.sink = torch.empty(numel, device=comm_device)
+        self.tiny = torch.ones(1, device=comm_device)
+        self.tiny_in = torch.empty(1, device=comm_device)
+
+    def barrier(self, stop: bool = False) -> bool:
+        """All ranks meet; True if any rank asked to stop."""
+        self.flag.fill_(1.0 if stop else 0.0)
+        self.dist.all_reduce(self.flag, op=self.dist.ReduceOp.MAX)
+        return bool(self.flag.item() > 0)
+
+    def timed(self, action: Callable[[], bool]) -> list[float]:
+        """Warm-up + repeats of `action` (True when this rank's time counts), a barrier before each."""
+        times = []
+        for rep in range(self.opts.warmup + self.opts.repeats):
+            self.barrier()
+            t0 = time.perf_counter()
+            counts = action()
+            _sync(self.dev)
+            if counts and rep >= self.opts.warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def send_with_ack(self, dst: int) -> bool:
+        self.dist.send(self.big, dst)
+        self.dist.recv(self.tiny_in, dst)
+        return True
+
+    def recv_and_ack(self, src: int) -> bool:
+        self.dist.recv(self.sink, src)
+        self.dist.send(self.tiny, src)
+        return False
+
+    def pingpong(self, peer: int, first: bool) -> list[float]:
+        rtts = []
+        for rep in range(2 + self.opts.latency_repeats):
+            t0 = time.perf_counter()
+            if first:
+                self.dist.send(self.tiny, peer)
+                self.dist.recv(self.tiny_in, peer)
+                _sync(self.dev)
+            else:
+                self.dist.recv(self.tiny_in, peer)
+                self.dist.send(self.tiny, peer)
+            if rep >= 2:
+                rtts.append(time.perf_counter() - t0)
+        return rtts
+
+    def p2p(self, rec: dict[str, Any]) -> None:
+        """Phase 2: latency and bandwidth of every pair, in rounds, within the budget."""
+        rounds = round_robin(self.world)
+        deadline = time.monotonic() + self.opts.budget_s
+        for k, pairs in enumerate(rounds):
+            if self.barrier(stop=k > 0 and self.rank == 0 and time.monotonic() > deadline):
+                rec["skipped"] = sum(len(p) for p in rounds[k:])
+                return
+            pair = next((p for p in pairs if self.rank in p), None)
+            if pair is None:  # a bye: keep step with the barriers of the two directions
+                self.timed(lambda: False)
+                self.timed(lambda: False)
+                continue
+            a, b = pair
+            rtts = self.pingpong(b if self.rank == a else a, first=self.rank == a)
+            if self.rank == a:
+                rec["lat"][pair] = rtts
+            for sender, receiver in ((a, b), (b, a)):
+                if self.rank == sender:
+                    rec["p2p"][(sender, receiver)] = self.timed(lambda r=receiver: self.send_with_ack(r))
+                else:
+                    self.timed(lambda s=sender: self.recv_and_ack(s))
+
+    def fanout(self, rec: dict[str, Any], nodes: list[list[int]]) -> None:
+        """Phase 3: in round i, local rank i of every node sends to all its node's other ranks at once."""
+        for i in range(max(len(node) for node in nodes)):
+            mine = next(node for node in nodes if self.rank in node)
+            sender = mine[i] if i < len(mine) else None
+            peers = [r for r in mine if r != sender]
+            if sender is None or not peers:
+                self.timed(lambda: False)
+            elif self.rank == sender:
+                rec["fan"][sender] = (len(peers), self.timed(lambda p=peers: self._send_all(p)))
+            else:
+                self.timed(lambda s=sender: self.recv_and_ack(s))
+
+    def _send_all(self, peers: list[int]) -> bool:
+        import torch
+
+        acks = [torch.empty(1, device=self.dev) for _ in peers]
+        works = [self.dist.isend(self.big, p) for p in peers]
+        works += [self.dist.irecv(buf, p) for buf, p in zip(acks, peers)]
+        for w in works:
+            w.wait()
+        return True
+
+    def node_pairs(self, rec: dict[str, Any], nodes: list[list[int]]) -> None:
+        """Phase 4: for each node pair (A, B), all local ranks of A send to their twins in B at once."""
+        size = len(nodes[0])
+        me, local = divmod(self.rank, size)
+        for pairs in round_robin(len(nodes)):
+            pair = next((p for p in pairs if me in p), None)
+            if pair is None:  # this node sits the round out
+                self.timed(lambda: False)
+                self.timed(lambda: False)
+                continue
+            for src, dst in (pair, pair[::-1]):
+                if me == src:
+                    peer = dst * size + local
+                    rec["node"][(src, dst, local)] = self.timed(lambda p=peer: self.send_with_ack(p))
+                else:
+                    peer = src * size + local
+                    self.timed(lambda p=peer: self.recv_and_ack(p))
+
+    def allreduce(self, rec: dict[str, Any], progress: Callable[[str], None]) -> None:
+        """Phase 5: every axis of every 2D mesh shape, all groups of the axis at once."""
+        cache: dict[tuple[int, ...], Any] = {}
+        for shape in mesh_shapes_2d(self.world):
+            mesh = np.arange(self.world).reshape(shape)
+            for axis in (0, 1):
+                if shape[axis] == 1:
+                    continue
+                groups = [tuple(int(r) for r in g) for g in (mesh.T if axis == 0 else mesh)]
+                mine = None
+                for g in groups:  # every rank creates every group, in the same order
+                    if g not in cache:
+                        cache[g] = None if len(g) == self.world else self.dist.new_group(list(g))
+                    if self.rank in g:
+                        mine = cache[g]
+                progress(f"all-reduce DeviceMesh{shape} axis {axis}: {len(groups)} groups of {shape[axis]}")
+                rec["ar"][(shape, axis)] = self.timed(lambda g=mine: self._allreduce(g))
+
+    def _allreduce(self, group: Any) -> bool:
+        self.dist.all_reduce(self.sink, group=group)
+        return True
+
+
+def probe(
+    opts: ProbeOptions,
+    host: str | None = None,
+    kind: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Measurements | None:
+    """Measure the initialised default process group; every rank calls it. Rank 0 gets the Measurements,
+    the others None. `host` overrides this rank's hostname (node identity); `kind` the device profile's name."""
+    import torch
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    rank = dist.get_rank()
+
+    def say(msg: str) -> None:
+        if progress is not None and rank == 0:
+            progress(msg)
+
+    backend = str(dist.get_backend())
+    cuda = torch.cuda.is_available()
+    comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    compute_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host or socket.gethostname())
+    nodes = node_layout(hosts)
+    say(f"{len(hosts)} ranks on {len(nodes)} node(s), {backend}; messages of {opts.nbytes / MiB:g} MiB")
+    run = _Runner(opts, comm_device)
+    rec: dict[str, Any] = {"lat": {}, "p2p": {}, "fan": {}, "node": {}, "ar": {}, "skipped": 0}
+    say(f"device: matmul {', '.join(str(n) for n in opts.matmul_sizes)}; copy {opts.copy_bytes / MiB:g} MiB")
+    run.barrier()
+    rec["device"] = measure_device(compute_device, opts)
+    say(f"point to point: {len(round_robin(len(hosts)))} rounds (budget {opts.budget_s:g} s)")
+    run.p2p(rec)
+    if len(hosts) > 1:
+        say("fan-out: each rank to the other ranks of its node at once")
+        run.fanout(rec, nodes if two_layer(nodes) else [list(range(len(hosts)))])
+    if two_layer(nodes):
+        say(f"node pairs: {len(round_robin(len(nodes)))} rounds")
+        run.node_pairs(rec, nodes)
+    run.allreduce(rec, say)
+    gathered: list[Any] | None = [None] * len(hosts) if rank == 0 else None
+    dist.gather_object(rec, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    if kind is None:
+        kind = "probed-" + (_slug(torch.cuda.get_device_name(compute_device)) if cuda else "cpu")
+    m = summarize(gathered, hosts, backend, opts, kind)
+    m.seconds = time.monotonic() - start
+    return m
+
+
+def _slug(name: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "gpu"

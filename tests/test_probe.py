@@ -1,0 +1,325 @@
+"""`meshpilot probe`: the hierarchy from synthetic measurements, the [device_profile] table, and real
+4-process gloo runs (torchrun end to end; two fake nodes in-process)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshpilot.cluster import DEVICES, GB, LogicalMesh, cluster_from_dict, load_cluster_file, preset_cluster
+from meshpilot.cluster.devices import DeviceProfile
+from meshpilot.cluster.loader import cluster_to_toml
+from meshpilot.cluster.probe import (
+    Measurements,
+    ProbeOptions,
+    build_cluster,
+    node_layout,
+    round_robin,
+    summarize,
+    two_layer,
+    write_cluster_toml,
+)
+from meshpilot.errors import ClusterFileError
+
+REPO = Path(__file__).resolve().parents[1]
+DEV = DeviceProfile("probed-test", {"float32": 2e12, "bfloat16": 8e12}, 500 * GB, 16 * 2**30, 1.0, 1.0)
+
+
+def _measurements(hosts, p2p, lat=None, fanout=None, node_bw=None, allreduce=None) -> Measurements:
+    w = len(hosts)
+    p2p = np.array(p2p, dtype=float)
+    np.fill_diagonal(p2p, np.nan)
+    lat = np.full((w, w), 10e-6) if lat is None else np.array(lat, dtype=float)
+    fanout = np.full(w, np.nan) if fanout is None else np.array(fanout, dtype=float)
+    return Measurements("gloo", list(hosts), 1 << 20, p2p, lat, fanout, node_bw, allreduce or {}, DEV)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure parts
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_round_robin_pairs_every_rank_pair_once_and_each_rank_once_per_round(n):
+    rounds = round_robin(n)
+    seen = [p for r in rounds for p in r]
+    assert sorted(seen) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+    for r in rounds:
+        members = [x for p in r for x in p]
+        assert len(members) == len(set(members))
+    assert len(rounds) == (0 if n < 2 else n - 1 + n % 2)
+
+
+def test_node_layout_and_two_layer():
+    assert node_layout(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert two_layer([[0, 1], [2, 3]])
+    assert not two_layer([[0, 1, 2, 3]])  # one node
+    assert not two_layer([[0, 2], [1, 3]])  # interleaved ranks
+    assert not two_layer([[0, 1, 2], [3]])  # unequal nodes
+    assert not two_layer([[0], [1]])  # one rank per node
+
+
+def test_single_node_flat_layer_symmetrises_fills_and_uses_fanout():
+    g = GB
+    p2p = [[0, 10 * g, 20 * g, np.nan], [30 * g, 0, 10 * g, 10 * g], [20 * g, 10 * g, 0, 10 * g], [np.nan] * 4]
+    lat = np.full((4, 4), 20e-6)
+    lat[0, 1] = lat[1, 0] = 10e-6
+    m = _measurements(["h"] * 4, p2p, lat=lat, fanout=[25 * g, np.nan, 30 * g, 40 * g])
+    (layer,) = build_cluster(m).layers
+    assert layer.name == "device" and layer.ranks == 4
+    assert layer.p2p[0, 1] == layer.p2p[1, 0] == 20 * g  # mean of 10 and 30
+    assert layer.p2p[1, 3] == layer.p2p[3, 1] == 10 * g  # one direction stands for both
+    assert layer.p2p[0, 3] == 10 * g  # never measured: median of the measured entries
+    assert np.all(np.diag(layer.p2p) == 0)
+    assert layer.group_bw.tolist() == [25 * g, 20 * g, 30 * g, 40 * g]  # rank 1: its best P2P entry
+    assert layer.latency == pytest.approx(20e-6)
+
+
+def test_two_nodes_make_node_and_device_layers():
+    g = GB
+    hosts = ["a", "a", "b", "b", "c", "c"]
+    p2p = np.full((6, 6), 5 * g)  # one rank pair across nodes: 5 GB/s
+    for n in range(3):
+        p2p[2 * n, 2 * n + 1] = p2p[2 * n + 1, 2 * n] = (100 + n) * g  # inside a node: ~100 GB/s
+    lat = np.full((6, 6), 8e-6)
+    for n in range(3):
+        lat[2 * n, 2 * n + 1] = lat[2 * n + 1, 2 * n] = 2e-6
+    node_bw = np.full((3, 3), 9 * g)
+    node_bw[0, 2] = node_bw[2, 0] = np.nan  # a node pair the probe did not measure
+    node_bw[1, 2] = 11 * g  # asymmetric: the mean of 11 and 9
+    m = _measurements(hosts, p2p, lat=lat, fanout=[90 * g, 80 * g] * 3, node_bw=node_bw)
+    cluster = build_cluster(m)
+    node, device = cluster.layers
+    assert (node.name, node.ranks, device.name, device.ranks) == ("node", 3, "device", 2)
+    assert device.p2p[0, 1] == 101 * g  # median over the three nodes
+    assert device.group_bw.tolist() == [90 * g, 80 * g]
+    assert device.latency == pytest.approx(2e-6) and node.latency == pytest.approx(8e-6)
+    assert node.p2p[0, 1] == 9 * g and node.p2p[1, 2] == 10 * g
+    assert node.p2p[0, 2] == 5 * g  # falls back to the single rank-pair bandwidth
+    assert node.group_bw.tolist() == [9 * g, 10 * g, 10 * g]  # each node's largest entry
+    assert cluster.num_devices == 6 and cluster.p2p_bandwidth(0, 1) == 80 * g  # capped by the group bandwidths
+
+
+def test_pairs_the_budget_skipped_are_estimated(tmp_path):
+    p2p = np.full((4, 4), np.nan)
+    p2p[0, 2] = p2p[1, 3] = 4 * GB  # only the first round ran: pairs across the two nodes
+    m = _measurements(["a", "a", "b", "b"], p2p, lat=np.full((4, 4), np.nan))
+    node, device = build_cluster(m).layers
+    assert device.p2p[0, 1] == 4 * GB and node.p2p[0, 1] == 4 * GB  # median of what was measured
+    assert device.latency == 0.0
+    assert load_cluster_file(write_cluster_toml(build_cluster(m), tmp_path / "c.toml")).num_devices == 4
+
+
+def test_irregular_or_one_rank_per_node_stay_flat():
+    p2p = np.full((3, 3), GB)
+    assert [layer.name for layer in build_cluster(_measurements(["a", "a", "b"], p2p)).layers] == ["device"]
+    assert [layer.name for layer in build_cluster(_measurements(["a", "b", "c"], p2p)).layers] == ["node"]
+    solo = build_cluster(_measurements(["a"], np.zeros((1, 1))))
+    assert solo.num_devices == 1 and solo.layers[0].group_bw[0] == DEV.memory_bandwidth
+
+
+def test_calibration_overrides_eq4_and_the_file_round_trips(tmp_path):
+    m = _measurements(
+        ["h"] * 4, np.full((4, 4), 10 * GB), allreduce={(4, 1): (3e9, None), (2, 2): (4e9, 5e9), (1, 4): (None, 2e9)}
+    )
+    cluster = build_cluster(m, name="rt")
+    assert LogicalMesh(cluster, (2, 2)).algorithm_bandwidth(1) == 5e9
+    assert LogicalMesh(build_cluster(m, calibrate=False), (2, 2)).algorithm_bandwidth(1) == 10e9  # Eq. 4, d = 2
+    path = write_cluster_toml(cluster, tmp_path / "c.toml", comment="test")
+    back = load_cluster_file(path)
+    assert back.device == DEV
+    assert [(c.mesh, c.algbw) for c in back.calibration] == [(c.mesh, c.algbw) for c in cluster.calibration]
+    for a, b in zip(back.layers, cluster.layers):
+        assert (a.name, a.ranks, a.latency) == (b.name, b.ranks, b.latency)
+        assert np.array_equal(a.p2p, b.p2p) and np.array_equal(a.group_bw, b.group_bw)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.toml"]
+
+
+def test_write_leaves_nothing_behind_when_the_rename_fails(tmp_path, monkeypatch):
+    cluster = build_cluster(_measurements(["h"] * 2, np.full((2, 2), GB)))
+
+    def boom(*_args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_cluster_toml(cluster, tmp_path / "c.toml")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_summarize_reduces_raw_timings():
+    opts = ProbeOptions(nbytes=1000, repeats=2, warmup=0)
+    lat = {(0, 1): [2e-6, 2e-6, 4e-6]}  # median RTT 2 us: one-way 1 us
+    rec0 = {
+        "lat": lat,
+        "p2p": {(0, 1): [11e-6, 21e-6]},
+        "fan": {0: (1, [6e-6, 9e-6])},
+        "node": {},
+        "ar": {((2, 1), 0): [1e-6, 5e-6]},
+        "skipped": 0,
+        "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True},
+    }
+    rec1 = {
+        "lat": {},
+        "p2p": {(1, 0): [6e-6, 5e-6]},
+        "fan": {},
+        "node": {},
+        "ar": {((2, 1), 0): [4e-6, 2e-6]},
+        "skipped": 0,
+        "device": {"float32": 3e9, "bfloat16": None, "memory_bandwidth": 2e9, "memory_bytes": 8e9, "host_memory": True},
+    }
+    m = summarize([rec0, rec1], ["h", "h"], "gloo", opts, "probed-cpu")
+    assert m.p2p_latency[0, 1] == m.p2p_latency[1, 0] == pytest.approx(1e-6)
+    assert m.p2p_bw[0, 1] == pytest.approx(1000 / 10e-6)  # best 11 us less 1 us latency
+    assert m.p2p_bw[1, 0] == pytest.approx(1000 / 4e-6)
+    assert m.fanout_bw[0] == pytest.approx(1000 / 5e-6) and math.isnan(m.fanout_bw[1])
+    assert m.allreduce[(2, 1)] == (pytest.approx(1000 / 4e-6), None)  # slowest rank per repeat, best repeat
+    assert m.allreduce[(1, 2)] == (None, None)
+    assert m.device.flops_for("float32") == 2e9 and m.device.memory_bytes == 4e9  # host memory / 2 ranks
+
+
+# ---------------------------------------------------------------------------------------------------
+# The [device_profile] table of cluster files
+
+
+def _doc(**extra):
+    doc = {"layers": [{"name": "gpu", "ranks": 2, "p2p_GBps": 10.0, "group_GBps": 10.0, "latency_us": 1.0}]}
+    doc.update(extra)
+    return doc
+
+
+def test_device_profile_table_loads_and_named_devices_stay_names():
+    prof = {"kind": "mine", "peak_tflops_fp32": 1.5, "memory_GBps": 100.0, "memory_GiB": 2.0}
+    c = cluster_from_dict(_doc(device_profile=prof), "t")
+    assert c.device == DeviceProfile("mine", {"float32": 1.5e12}, 100e9, 2 * 2**30)
+    assert c.device.flops_for("bfloat16") == 1.5e12
+    text = cluster_to_toml(preset_cluster("atp-ic3"))
+    assert 'device = "a100-80gb"' in text and "device_profile" not in text
+    assert cluster_from_dict(tomllib.loads(text), "t").device == DEVICES["a100-80gb"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"device": "h100", "device_profile": {}}, "device_profile"),
+        ({"device_profile": "fast"}, "device_profile"),
+        ({"device_profile": {"kind": "x", "memory_GBps": 1.0, "memory_GiB": 1.0}}, "device_profile.peak_tflops_fp32"),
+        (
+            {"device_profile": {"kind": "x", "peak_tflops_fp32": 0, "memory_GBps": 1.0, "memory_GiB": 1.0}},
+            "device_profile.peak_tflops_fp32",
+        ),
+        (
+            {
+                "device_profile": {
+                    "kind": "x",
+                    "peak_tflops_fp32": 1.0,
+                    "memory_GBps": 1.0,
+                    "memory_GiB": 1.0,
+                    "compute_efficiency": 1.5,
+                }
+            },
+            "device_profile.compute_efficiency",
+        ),
+        (
+            {"device_profile": {"kind": "", "peak_tflops_fp32": 1.0, "memory_GBps": 1.0, "memory_GiB": 1.0}},
+            "device_profile.kind",
+        ),
+        (
+            {"device_profile": {"kind": "x", "peak_tflops_fp32": 1, "memory_GBps": 1, "memory_GiB": 1, "tf32": 2}},
+            "device_profile.tf32",
+        ),
+        ({}, "device"),
+    ],
+)
+def test_device_profile_mistakes_name_the_key(extra, key):
+    with pytest.raises(ClusterFileError) as e:
+        cluster_from_dict(_doc(**extra), "f.toml")
+    assert e.value.key == key
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real processes
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "120"
+    return env
+
+
+def test_probe_outside_torchrun_exits_2_with_one_line(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "meshpilot.cli.main", "probe", "--out", str(tmp_path / "c.toml")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torchrun --nproc-per-node" in lines[0] and "probe" in lines[0]
+    assert not (tmp_path / "c.toml").exists()
+
+
+@pytest.mark.dist
+def test_probe_under_torchrun_writes_a_file_that_loads_back(tmp_path):
+    out = tmp_path / "c.toml"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["-m", "meshpilot.cli.main", "probe", "--quick", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cluster = load_cluster_file(out)
+    assert cluster.num_devices == 4
+    for shape, axes in {(4, 1): (0,), (2, 2): (0, 1), (1, 4): (1,)}.items():
+        entry = cluster.calibrated(shape)
+        assert entry is not None, shape
+        assert all(entry.algbw[a] > 0 for a in axes)
+    assert cluster.device.flops_for("float32") > 0 and cluster.device.memory_bandwidth > 0
+    assert "B1 measured" in r.stdout and "wrote" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]  # no temp file left
+    top = subprocess.run(
+        [sys.executable, "-m", "meshpilot.cli.main", "topology", "--cluster", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert top.returncode == 0, top.stderr
+    rows = json.loads(top.stdout)["meshes"]
+    assert [r["mesh"] for r in rows] == [[4, 1], [2, 2], [1, 4]] and all(r["calibrated"] for r in rows)
+
+
+def _probe_as_two_nodes():
+    import torch.distributed as dist
+
+    from meshpilot.cluster.probe import ProbeOptions, build_cluster, probe
+
+    m = probe(ProbeOptions.for_device(cuda=False, quick=True), host=f"node{dist.get_rank() // 2}")
+    if m is None:
+        return None
+    c = build_cluster(m)
+    return {
+        "layers": [(layer.name, layer.ranks) for layer in c.layers],
+        "node_bw": m.node_bw.tolist(),
+        "calibrated": sorted(e.mesh for e in c.calibration),
+        "toml": cluster_to_toml(c),
+    }
+
+
+@pytest.mark.dist
+def test_probe_on_two_fake_nodes_measures_both_layers():
+    from dist_utils import run_distributed
+
+    result = run_distributed(_probe_as_two_nodes, 4, timeout=120)[0]
+    assert result["layers"] == [("node", 2), ("device", 2)]
+    assert result["node_bw"][0][1] > 0 and result["node_bw"][1][0] > 0
+    assert result["calibrated"] == [(1, 4), (2, 2), (4, 1)]
+    assert cluster_from_dict(tomllib.loads(result["toml"]), "t").num_devices == 4
