@@ -145,3 +145,10 @@ def test_subprocess_prints_no_traceback(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "layers[0].p2p_GBps" in r.stderr
+
+
+def test_topology_table_of_a_one_rank_layer(tmp_path, capsys):
+    path = tmp_path / "one.toml"
+    path.write_text('device = "cpu"\n' + GOOD_LAYER.replace("ranks = 4", "ranks = 1"))
+    assert main(["topology", "--cluster", str(path)]) == 0
+    assert "—" in capsys.readouterr().out

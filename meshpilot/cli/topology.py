@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from rich.table import Table
 
 from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json
@@ -46,9 +48,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = get_cluster(args)
     n = args.devices or cluster.num_devices
     if not 1 <= n <= cluster.num_devices:
-        raise UserError(
-            f"--devices {n}: cluster {cluster.name!r} has {cluster.num_devices} devices; pick 1..that"
-        )
+        raise UserError(f"--devices {n}: cluster {cluster.name!r} has {cluster.num_devices} devices; pick 1..that")
     rows = mesh_rows(cluster, n)
     if args.json:
         print_json({"cluster": cluster.name, "devices": n, "meshes": rows})
@@ -57,15 +57,14 @@ def run(args: argparse.Namespace) -> int:
     for col in ("layer", "ranks R", "P2P GB/s", "group GB/s", "latency µs"):
         h.add_column(col)
     for layer in cluster.layers:
-        off = layer.p2p[~__import__("numpy").eye(layer.ranks, dtype=bool)]
-        p2p = (
-            f"{off.min() / GB:g}"
-            if layer.uniform or off.size == 0
-            else f"{off.min() / GB:g} … {off.max() / GB:g}"
-        )
-        grp = f"{layer.group_bw.min() / GB:g}" + (
-            "" if layer.uniform else f" … {layer.group_bw.max() / GB:g}"
-        )
+        off = layer.p2p[~np.eye(layer.ranks, dtype=bool)]
+        if off.size == 0:
+            p2p = "—"  # a layer of one rank has no peers
+        elif layer.uniform:
+            p2p = f"{off.min() / GB:g}"
+        else:
+            p2p = f"{off.min() / GB:g} … {off.max() / GB:g}"
+        grp = f"{layer.group_bw.min() / GB:g}" + ("" if layer.uniform else f" … {layer.group_bw.max() / GB:g}")
         h.add_row(layer.name, str(layer.ranks), p2p, grp, f"{layer.latency * 1e6:g}")
     console.print(h)
     t = Table(title=f"2D meshes of {n} devices (Eq. 3: B' per axis; Eq. 4: all-reduce algorithm bandwidth B)")
