@@ -1,0 +1,285 @@
+"""`meshpilot emulate`: namespaces per node, tc-shaped links, torchrun agents, cleanup on every exit path.
+
+Tests that create namespaces need root, iproute2 and a kernel with network namespaces and HTB; they skip
+with the reason otherwise. Every emulated host lives in 10.213.7.0/24 inside namespaces the run creates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshpilot.cli.main import main
+from meshpilot.cluster import GB, load_cluster
+from meshpilot.emulate import (
+    cleanup_stale,
+    devices_per_node,
+    leftovers,
+    netns_unavailable_reason,
+    plan_network,
+    torchrun_target,
+)
+from meshpilot.emulate import netns as netns_mod
+
+pytestmark = pytest.mark.emulate
+
+REPO = Path(__file__).resolve().parents[1]
+RATE = 0.05 * GB  # the test cluster's inter-node bandwidth: 50 MB/s per node, each way
+LATENCY_US = 2000.0  # large enough to see in a ping-pong where the kernel has sch_netem
+
+CLUSTER_2X2 = f"""
+name = "test-2x2"
+device = "cpu"
+
+[[layers]]
+name = "node"
+ranks = 2
+p2p_GBps = {RATE / GB}
+group_GBps = {RATE / GB}
+latency_us = {LATENCY_US}
+
+[[layers]]
+name = "rank"
+ranks = 2
+p2p_GBps = 2.0
+group_GBps = 2.0
+latency_us = 5.0
+"""
+
+# One script for every run: all-reduce and identity; then per mode a bandwidth probe, a crash or a sleep.
+SCRIPT = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+P = int(os.environ["LOCAL_WORLD_SIZE"])
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(f"RESULT rank={rank} world={world} node={os.environ['MESHPILOT_EMULATE_NODE']} "
+      f"addr={os.environ['MESHPILOT_EMULATE_ADDR']} sum={t.item():g}", flush=True)
+mode = sys.argv[1]
+
+def pingpong(src, dst, nbytes, reps=3):
+    buf, ack, best = torch.zeros(nbytes // 4), torch.zeros(1), float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        if rank == src:
+            t0 = time.perf_counter()
+            dist.send(buf, dst)
+            dist.recv(ack, dst)
+            best = min(best, time.perf_counter() - t0)
+        elif rank == dst:
+            dist.recv(buf, src)
+            dist.send(ack, src)
+    return nbytes / best
+
+if mode == "bw":
+    n = 8 << 20
+    pingpong(0, 1, 1 << 16, 1), pingpong(0, P, 1 << 16, 1)  # warm up both pairs
+    intra, cross = pingpong(0, 1, n), pingpong(0, P, n)
+    # Two flows leaving node 0 at once (0 -> P, 1 -> P+1) share node 0's group bandwidth.
+    buf, best = torch.zeros(n // 4), float("inf")
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank < P:
+            dist.send(buf, rank + P)
+        else:
+            dist.recv(buf, rank - P)
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    rtt = []
+    for _ in range(10):
+        dist.barrier()
+        x = torch.zeros(1)
+        if rank == 0:
+            t0 = time.perf_counter(); dist.send(x, P); dist.recv(x, P); rtt.append(time.perf_counter() - t0)
+        elif rank == P:
+            dist.recv(x, 0); dist.send(x, 0)
+    if rank == 0:
+        print(f"BW intra={intra:.0f} cross={cross:.0f} shared={P * n / best:.0f} rtt={min(rtt):.6f}",
+              flush=True)
+elif mode == "kill":
+    if rank == int(sys.argv[2]):
+        os.kill(os.getpid(), 9)
+    dist.barrier()  # the survivors block here until emulate stops them
+    time.sleep(300)
+elif mode == "sleep":
+    print(f"READY rank={rank}", flush=True)
+    time.sleep(300)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def root_netns():
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(f"emulate needs root, iproute2 and network namespaces with HTB: {reason}")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("emulate")
+    (d / "c.toml").write_text(CLUSTER_2X2)
+    (d / "job.py").write_text(SCRIPT)
+    return d
+
+
+def _cli(files: Path, *args: str, grace: float = 2.0) -> list[str]:
+    return [
+        sys.executable, "-m", "meshpilot.cli.main", "emulate", "--cluster", str(files / "c.toml"),
+        "--timeout", "150", "--grace", str(grace), "--", "python", str(files / "job.py"), *args,
+    ]  # fmt: skip
+
+
+def _assert_clean(pid: int) -> None:
+    left = leftovers(owner=pid)
+    assert left == {"netns": [], "links": []}, left
+    assert not any(Path(netns_mod.ETC_NETNS, f"mpe{pid}n{i}").exists() for i in range(2))
+
+
+@pytest.fixture(scope="module")
+def bw_run(root_netns, files):
+    t0 = time.monotonic()
+    proc = subprocess.run(_cli(files, "bw"), capture_output=True, text=True, timeout=200, cwd=REPO)
+    return proc, time.monotonic() - t0
+
+
+def test_two_nodes_all_reduce_and_cleanup(bw_run):
+    proc, _ = bw_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.findall(r"\[node (\d)\] RESULT rank=(\d) world=4 node=(\d) addr=(\S+) sum=(\S+)", proc.stdout)
+    assert len(found) == 4, proc.stdout
+    for prefix, rank, node, addr, total in found:
+        assert prefix == node and int(node) == int(rank) // 2  # contiguous ranks per node
+        assert addr == f"10.213.7.{100 + int(node)}" and total == "10"
+    assert "group 0.05 GB/s" in proc.stderr  # the plan was printed
+    pid = int(re.search(r"namespaces mpe(\d+)n\*", proc.stderr).group(1))
+    _assert_clean(pid)
+
+
+def _bw(proc) -> dict[str, float]:
+    m = re.search(r"BW intra=(\d+) cross=(\d+) shared=(\d+) rtt=([\d.]+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return dict(zip(("intra", "cross", "shared", "rtt"), map(float, m.groups())))
+
+
+def test_cross_node_bandwidth_is_shaped(bw_run):
+    proc, _ = bw_run
+    bw = _bw(proc)
+    print(f"shaped to {RATE / 1e6:g} MB/s: {bw}")
+    assert RATE / 3 < bw["cross"] < RATE * 1.3, bw
+    assert bw["shared"] < RATE * 1.3, bw  # two flows out of one node share its group bandwidth
+    assert bw["intra"] > 4 * bw["cross"], bw  # same-node ranks take the unshaped local path
+
+
+def test_latency_is_emulated_when_kernel_has_netem(bw_run):
+    proc, _ = bw_run
+    if "NOT emulated" in proc.stderr:
+        pytest.skip("this kernel lacks sch_netem: emulate shapes bandwidth only and says so")
+    assert _bw(proc)["rtt"] >= 2 * LATENCY_US * 1e-6 * 0.9
+
+
+def test_killed_rank_fails_and_cleans_up(root_netns, files):
+    proc = subprocess.Popen(
+        _cli(files, "kill", "3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode not in (0, 124), out + err
+    assert re.search(r"node \d's agent exited with [1-9]", err), err
+    _assert_clean(proc.pid)
+
+
+def test_ctrl_c_stops_nodes_and_cleans_up(root_netns, files, tmp_path):
+    log = tmp_path / "out.txt"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(_cli(files, "sleep"), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 150
+        while log.read_text().count("READY") < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert len(leftovers(owner=proc.pid)["netns"]) == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted by SIGINT" in log.read_text()
+    _assert_clean(proc.pid)
+
+
+def test_cleanup_removes_a_dead_runs_leftovers(root_netns):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    plan = plan_network(load_cluster(str(REPO / "examples/clusters/emulated-2x4-slow.toml")), prefix=f"mpe{dead.pid}")
+    for n in plan.nodes:
+        netns_mod._write_etc(n.netns, plan.etc_files(n))
+    for cmd in plan.commands[:12]:  # namespaces, bridge, first veth: enough to be a mess
+        netns_mod._run(cmd)
+    assert leftovers(owner=dead.pid)["netns"]
+    removed = cleanup_stale()
+    assert f"netns mpe{dead.pid}n0" in removed and f"link mpe{dead.pid}br" in removed
+    _assert_clean(dead.pid)
+
+
+def test_not_root_exits_2_with_one_line(monkeypatch, capsys, files):
+    monkeypatch.setattr(netns_mod, "is_root", lambda: False)
+    rc = main(["emulate", "--cluster", str(files / "c.toml"), "--", "python", str(files / "job.py"), "bw"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "needs root" in err, err
+    assert main(["emulate", "--cleanup"]) == 2
+
+
+def test_dry_run_prints_ip_tc_and_torchrun(capsys, files):
+    rc = main(["emulate", "-c", str(files / "c.toml"), "--dry-run", "--", "python", "train.py", "--lr", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"^ip netns add mpe\d+n1$", out, re.M)
+    assert "htb rate 400000000bit" in out  # 0.05 GB/s = 400 Mbit/s
+    assert "match ip dst 10.213.7.101/32" in out
+    assert out.count("-m torch.distributed.run") == 2 and "--rdzv-backend c10d" in out
+    assert "--rdzv-endpoint 10.213.7.100:29400" in out
+    assert re.search(r"^ip netns del mpe\d+n1$", out, re.M)  # and the teardown it would run
+    assert "train.py --lr 1" in out
+
+
+def test_plan_rates_follow_layer_0():
+    racks = load_cluster(str(REPO / "examples/clusters/emulated-4x2-racks.toml"))
+    plan = plan_network(racks, bw_scale=2.0, prefix="mpetest")
+    assert devices_per_node(racks) == 2 and len(plan.nodes) == 4
+    assert np.allclose(plan.group_bps, 0.4e9)
+    assert plan.pair_bps[0, 1] == pytest.approx(0.4e9) and plan.pair_bps[0, 2] == pytest.approx(0.1e9)
+    for i in range(4):
+        for j in range(4):
+            if i != j:
+                assert plan.pair_bps[i, j] == pytest.approx(2.0 * racks.p2p_bandwidth(2 * i, 2 * j))
+    one_layer = load_cluster("atp-ic3")  # a single layer: every device is a node of one rank
+    assert devices_per_node(one_layer) == 1 and len(plan_network(one_layer, bw_scale=1e-3).nodes) == 8
+
+
+def test_torchrun_target_forms():
+    assert torchrun_target(["--", "python", "-u", "train.py", "-x"]) == ["train.py", "-x"]
+    assert torchrun_target(["python3", "-m", "pkg.mod", "a"]) == ["-m", "pkg.mod", "a"]
+    assert torchrun_target(["./run.sh", "a"]) == ["--no-python", "./run.sh", "a"]
+    with pytest.raises(Exception, match="script or a module"):
+        torchrun_target(["python", "-c", "print(1)"])
+
+
+def test_root_check_is_the_euid(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert not netns_mod.is_root()
+    assert "not root" in netns_unavailable_reason()
