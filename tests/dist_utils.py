@@ -1,0 +1,139 @@
+"""Run a function in N real ``torch.distributed`` processes (gloo, CPU) from a test.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters (the
+``spawn`` start method: no forked OpenMP pools), joins them into one gloo process group through
+a ``FileStore`` in a private temporary directory (no TCP port to pick or race for), calls
+``fn(*args)`` in each, and returns the list of per-rank return values, indexed by rank. Inside
+``fn`` the rank is ``torch.distributed.get_rank()``.
+
+If a rank raises, the others are terminated and the parent raises ``DistributedTestError``
+whose message holds the failing rank's traceback text. A rank that hangs is killed after
+``timeout`` seconds and reported the same way.
+
+``fn`` and its arguments must be picklable: define ``fn`` at module level in the test module
+(pytest's default ``prepend`` import mode puts ``tests/`` on ``sys.path``, which the spawned
+children inherit), and pass plain data. Return values come back through pickled files, so they
+can be large. Return CPU tensors or plain Python data.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+
+class DistributedTestError(RuntimeError):
+    """A spawned rank raised, crashed or timed out; the message carries its traceback."""
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    tmpdir: str,
+    backend: str,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    out_path = os.path.join(tmpdir, f"rank{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        result = fn(*args, **kwargs)
+        # Barrier so no rank tears down its sockets while a peer still talks to it. On an
+        # error there is no barrier (peers may be stuck in a collective); the parent kills them.
+        dist.barrier()
+        dist.destroy_process_group()
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - everything must reach the parent as text
+        payload = ("error", traceback.format_exc())
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as fh:
+        pickle.dump(payload, fh)
+    os.replace(tmp, out_path)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``timeout`` bounds the whole run (seconds); ``threads_per_rank`` sets
+    ``torch.set_num_threads`` in each child (keep 1 on shared CPUs).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="meshpilot-dist-") as tmpdir:
+        procs = []
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(rank, world_size, tmpdir, backend, threads_per_rank, fn, args, kwargs),
+                daemon=False,
+            )
+            p.start()
+            procs.append(p)
+
+        deadline = time.monotonic() + timeout
+        failure: str | None = None
+        pending = set(range(world_size))
+        while pending and failure is None:
+            for rank in sorted(pending):
+                p = procs[rank]
+                if p.is_alive():
+                    continue
+                pending.discard(rank)
+                path = os.path.join(tmpdir, f"rank{rank}.pkl")
+                if not os.path.exists(path):
+                    failure = f"rank {rank} exited with code {p.exitcode} without a result"
+                    break
+                with open(path, "rb") as fh:
+                    status, _ = pickle.load(fh)
+                if status != "ok":
+                    with open(path, "rb") as fh:
+                        failure = f"rank {rank} raised:\n{pickle.load(fh)[1]}"
+                    break
+            if pending and failure is None:
+                if time.monotonic() > deadline:
+                    failure = f"timed out after {timeout:.0f}s; ranks still running: {sorted(pending)}"
+                    break
+                time.sleep(0.05)
+
+        if failure is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            raise DistributedTestError(failure)
+
+        results = []
+        for rank, p in enumerate(procs):
+            p.join()
+            with open(os.path.join(tmpdir, f"rank{rank}.pkl"), "rb") as fh:
+                results.append(pickle.load(fh)[1])
+        return results
