@@ -56,11 +56,10 @@ def init_meshes(shape: tuple[int, int], device_type: str = "cpu") -> ATPMeshes:
     ``("atp0", "atp1")`` and ``("dp",)`` sub-meshes. Every rank must call it (it creates groups).
     """
     d1, d2 = _check_shape(shape)
-    world = dist.get_world_size() if dist.is_initialized() else None
-    if world is None:
-        # Let torch initialise the default group from the environment (torchrun), then size it.
-        mesh = init_device_mesh(device_type, (d1, d2), mesh_dim_names=ATP_AXIS_NAMES)
-        return ATPMeshes(mesh, None)
+    if not dist.is_initialized():
+        # From the environment (torchrun): torch picks gloo for CPU and NCCL for CUDA.
+        dist.init_process_group()
+    world = dist.get_world_size()
     if world % (d1 * d2) != 0:
         raise ValueError(
             f"world size {world} is not a multiple of d1*d2={d1 * d2} for mesh shape {(d1, d2)}; "
