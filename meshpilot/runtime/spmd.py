@@ -1,0 +1,323 @@
+"""``meshpilot.parallelize(model, plan)``: run a :class:`~meshpilot.planner.plan.Plan` under torchrun.
+
+Parameters become DTensors in their planned layouts (the model's ``nn.Parameter`` objects are replaced, so
+``torch.optim.AdamW(model.parameters())`` steps the shards). A step interprets the captured joint
+forward + backward graph on DTensors: before each node, every operand is redistributed to the layout the
+planned strategy needs (exactly the plan's resharding edges), then the ATen op runs through DTensor's
+dispatcher, which takes the planned strategy since its inputs match it. The loss is made replicated and
+each gradient is redistributed to its parameter's layout, as the plan predicts.
+
+``loss = pmodel(*inputs)`` runs the whole step (forward and backward) and returns the loss; calling
+``loss.backward()`` then hands the precomputed gradients to autograd, so the usual
+``loss.backward(); opt.step()`` loop works. Under ``torch.no_grad()`` only the forward nodes run.
+
+Every rank passes the full global batch (the single-device model's inputs): sharding an input is a local
+slice. All ranks must hold identical initial weights (same seed), as with any SPMD launch.
+
+:class:`CollectiveCounter` records the collectives a step issues (kind, mesh axis, bytes, phase) by
+intercepting the functional collectives DTensor calls, to compare with ``Plan.collectives``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import OpGraph, capture, dtype_from_name
+from meshpilot.planner.plan import Plan
+from meshpilot.sharding.placements import from_json, replicated
+from meshpilot.sharding.strategies import register_meshpilot_strategies
+
+_ACTIVE_COUNTERS: list[CollectiveCounter] = []
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records every functional collective (as DTensor issues them) with its mesh axis and bytes.
+
+    Bytes follow the cost model's convention (all-gather: gathered output; reduce-scatter: input;
+    all-reduce: buffer; all-to-all: what each rank holds), so ``counts()`` compares with
+    ``Plan.collective_counts()``.
+    """
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
+        self.records: list[tuple[str, int, int, str]] = []
+        self.phase = "fwd"
+
+    def __enter__(self):
+        _ACTIVE_COUNTERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE_COUNTERS.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        ns = getattr(func, "namespace", "")
+        if ns == "_c10d_functional" and not name.startswith("wait_tensor"):
+            base = name.split(".")[0]
+            t = args[0]
+            group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
+            axis = self.axis_of.get(group, -1)
+            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            kind = None
+            if base == "all_gather_into_tensor":
+                kind, nbytes = "all_gather", nbytes * int(args[1])
+            elif base == "reduce_scatter_tensor":
+                kind = "reduce_scatter"
+            elif base == "all_reduce":
+                kind = "all_reduce"
+            elif base == "all_to_all_single":
+                kind = "all_to_all"
+            elif base in ("broadcast", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
+                kind = base
+            if kind is not None:
+                self.records.append((kind, axis, int(nbytes), self.phase))
+        return func(*args, **kwargs)
+
+    def counts(self, phase: str | None = None) -> Counter:
+        return Counter((k, a, b) for k, a, b, p in self.records if phase is None or p == phase)
+
+
+def _set_phase(phase: str) -> None:
+    for c in _ACTIVE_COUNTERS:
+        c.phase = phase
+
+
+def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
+    """The DeviceMesh a plan runs on (the process group must already be initialised)."""
+    n = math.prod(plan.mesh_shape)
+    if not dist.is_initialized():
+        raise UserError("meshpilot.parallelize needs torch.distributed initialised (run under torchrun)")
+    if dist.get_world_size() != n:
+        raise UserError(
+            f"the plan's mesh {plan.mesh_shape} has {n} devices but the world size is {dist.get_world_size()}; "
+            f"launch with --nproc-per-node {n} or plan for this world size"
+        )
+    ranks = torch.tensor(plan.mesh_ranks, dtype=torch.int).reshape(plan.mesh_shape)
+    return DeviceMesh(device_type, ranks)
+
+
+def _redistribute(x: DTensor, placements) -> DTensor:
+    """``x`` in `placements` (Partial targets allowed), by DTensor's own transform steps; no autograd."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    placements = tuple(placements)
+    if tuple(x.placements) == placements:
+        return x
+    spec = DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+    local = redistribute_local_tensor(x._local_tensor, x._spec, spec)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout) -> DTensor:
+    """A DTensor of the (replicated, identical on every rank) tensor `x` in `layout`: a local slice."""
+    if isinstance(x, DTensor):
+        return _redistribute(x, layout)
+    d = DTensor.from_local(x, mesh, replicated(mesh.ndim), run_check=False)
+    return _redistribute(d, layout)
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: ParallelModule, inputs: tuple, *params: torch.Tensor) -> torch.Tensor:
+        loss, grads = runner._run(inputs, with_grads=True)
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, gout: torch.Tensor):
+        grads = ctx.grads
+        ctx.grads = None
+        scale = float(gout) if gout is not None else 1.0
+        if scale != 1.0:
+            grads = [g * scale if g is not None else None for g in grads]
+        return (None, None, *grads)
+
+
+class ParallelModule(torch.nn.Module):
+    """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, mesh: DeviceMesh, graph: OpGraph):
+        super().__init__()
+        self.module = model
+        self.plan = plan
+        self.mesh = mesh
+        self.graph = graph
+        self.mismatches: list[str] = []
+        nodes = graph.nodes
+        self._last_use: dict[str, int] = {}
+        for n in nodes:
+            for s, _ in n.inputs:
+                self._last_use[s] = n.index
+        keep = {graph.loss[0]} | {g[0] for g in graph.grads.values() if g is not None}
+        for k in keep:
+            self._last_use[k] = len(nodes)
+        self._distribute_parameters()
+
+    # ------------------------------------------------------------------ parameters
+    def _distribute_parameters(self) -> None:
+        model, mesh = self.module, self.mesh
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._params: list[torch.nn.Parameter] = []
+        self._trainable: list[str] = []
+        for fqn in self.graph.param_names:
+            old = model.get_parameter(fqn)
+            layout = self.plan.param_layout(fqn)
+            with torch.no_grad():
+                d = _to_dtensor(old.detach(), mesh, layout)
+            new = torch.nn.Parameter(d, requires_grad=old.requires_grad)
+            for alias in aliases[id(old)]:
+                mod_name, _, leaf = alias.rpartition(".")
+                model.get_submodule(mod_name)._parameters[leaf] = new
+            self._params.append(new)
+            if old.requires_grad:
+                self._trainable.append(fqn)
+
+    # ------------------------------------------------------------------ step
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self._trainable:
+            params = [p for p, fqn in zip(self._params, self.graph.param_names) if p.requires_grad]
+            return _Step.apply(self, tuple(inputs), *params)
+        loss, _ = self._run(tuple(inputs), with_grads=False)
+        return loss
+
+    def _run(self, inputs: tuple, with_grads: bool) -> tuple[torch.Tensor, list]:
+        from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
+
+        graph, plan, mesh = self.graph, self.plan, self.mesh
+        if len(inputs) != graph.num_inputs:
+            raise UserError(f"the plan was made for {graph.num_inputs} inputs; got {len(inputs)}")
+        env: dict[str, tuple] = {}
+        pvals = dict(zip(graph.param_names, self._params))
+        buffers = dict(self.module.named_buffers())
+        input_layouts = iter(plan.inputs)
+        _set_phase("fwd")
+        with torch.no_grad(), disable_redistribute_transform_optimization():
+            for node in graph.nodes:
+                if not with_grads and node.phase == "bwd":
+                    continue
+                choice = plan.node(node.name)
+                if node.kind == "param":
+                    env[node.name] = (pvals[node.fqn],)
+                elif node.kind == "buffer":
+                    env[node.name] = (_to_dtensor(buffers[node.fqn], mesh, choice.out_placements(0)),)
+                elif node.kind == "input":
+                    layout = from_json(next(input_layouts))
+                    x = inputs[int(node.fqn.split(":")[1])]
+                    env[node.name] = (_to_dtensor(x, mesh, layout),)
+                elif node.kind == "getitem":
+                    src, i = node.inputs[0]
+                    env[node.name] = (env[src][i],)
+                else:
+                    _set_phase(node.phase)
+                    env[node.name] = self._call(node, choice, env)
+                for s, _ in node.inputs:
+                    if self._last_use.get(s, -1) <= node.index and s in env:
+                        del env[s]
+            _set_phase("fwd")
+            ln, li = graph.loss
+            loss = env[ln][li]
+            loss = _redistribute(loss, replicated(mesh.ndim)).to_local() if isinstance(loss, DTensor) else loss
+            grads: list = []
+            if with_grads:
+                _set_phase("bwd")
+                for fqn in graph.param_names:
+                    if fqn not in self._trainable:
+                        continue
+                    g = graph.grads.get(fqn)
+                    if g is None:
+                        grads.append(None)
+                        continue
+                    val = env[g[0]][g[1]]
+                    grads.append(_redistribute(val, self.plan.param_layout(fqn)))
+                _set_phase("fwd")
+        return loss.detach(), grads
+
+    def _call(self, node, choice, env) -> tuple:
+        mesh = self.mesh
+        fx = node.fx_node
+        operands = []
+        for a, (src, i) in enumerate(node.inputs):
+            v = env[src][i]
+            want = choice.in_placements(a)
+            if isinstance(v, DTensor) and tuple(v.placements) != tuple(want):
+                v = _redistribute(v, want)
+            operands.append(v)
+        local = choice.source == "fallback"
+        it = iter(operands)
+
+        def sub(a):
+            if isinstance(a, torch.fx.Node):
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    t = next(it)
+                    return t.to_local() if local and isinstance(t, DTensor) else t
+                return a.meta.get("val")
+            return a
+
+        args = pytree.tree_map_only(torch.fx.Node, sub, fx.args)
+        kwargs = pytree.tree_map_only(torch.fx.Node, sub, fx.kwargs)
+        out = fx.target(*args, **kwargs)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        fixed = []
+        for i, o in enumerate(outs):
+            want = choice.out_placements(i) if i < len(choice.outs) else None
+            if isinstance(o, torch.Tensor) and not isinstance(o, DTensor):
+                o = DTensor.from_local(o, mesh, replicated(mesh.ndim), run_check=False)
+                if want is not None and tuple(want) != tuple(o.placements):
+                    o = _redistribute(o, want)
+            elif isinstance(o, DTensor) and want is not None and tuple(o.placements) != tuple(want):
+                self.mismatches.append(f"{node.name}: DTensor chose {o.placements}, plan says {want}")
+                o = _redistribute(o, want)
+            fixed.append(o)
+        return tuple(fixed)
+
+
+def parallelize(
+    model: torch.nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> ParallelModule:
+    """Make `model` run `plan` on the current process group (see the module docstring).
+
+    `loss_fn` must be the one given to ``meshpilot.plan`` (if any). The model's parameters are replaced
+    by DTensor parameters in place; build the optimizer on the returned module's ``parameters()``.
+    """
+    register_meshpilot_strategies()
+    mesh = mesh if mesh is not None else mesh_for_plan(plan)
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise UserError(f"mesh shape {tuple(mesh.shape)} does not match the plan's {plan.mesh_shape}")
+    examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
+    graph = capture(model, examples, loss_fn=loss_fn)
+    if graph.fingerprint() != plan.fingerprint:
+        raise UserError(
+            "this plan was made for a different model or input shapes (graph fingerprint "
+            f"{plan.fingerprint} vs {graph.fingerprint()}); plan again for this model"
+        )
+    return ParallelModule(model, plan, mesh, graph)
+
+
+def shard_inputs(inputs: Sequence[torch.Tensor], plan: Plan, mesh: DeviceMesh) -> list[Any]:
+    """The planned DTensor of each input (what a step does with full-batch inputs)."""
+    return [_to_dtensor(x, mesh, from_json(layout)) for x, layout in zip(inputs, plan.inputs)]
+
+
+__all__ = ["CollectiveCounter", "ParallelModule", "mesh_for_plan", "parallelize", "shard_inputs", "Replicate"]

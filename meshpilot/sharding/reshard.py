@@ -1,0 +1,148 @@
+"""Resharding: the collectives that turn one layout into another, and what they cost (Alpa Table 2).
+
+The steps are DTensor's own redistribute plan (``_gen_transform_infos``, the greedy planner the runtime
+uses, with transform flattening switched off at run time), so the collectives predicted here are the ones
+the run issues. Each step acts on one mesh axis and becomes one collective of the cluster's cost model:
+
+    P -> R        all-reduce(M_a, axis a)         "communication" (the partial sums an op left behind)
+    P -> S(d)     reduce-scatter(M_a, axis a)     "communication"
+    S(d) -> R     all-gather(M_a, axis a)         "resharding"    (Table 2 #2, #3)
+    S(d) -> S(e)  all-to-all(M_a / n_a, axis a)   "resharding"    (Table 2 #4, #5)
+    R -> S(d), R -> P                             free: a local slice (Table 2 #1)
+
+``M_a`` follows the local tensor through the steps (the whole tensor cut by every shard it has right then):
+an all-gather is charged with its gathered output (local x n_a), a reduce-scatter with its input, an
+all-reduce with its buffer, an all-to-all with the bytes each rank holds, as ``CostModel`` wants.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from meshpilot.graph.capture import TensorInfo, dtype_from_name
+from meshpilot.sharding.placements import Placements, by_id
+
+UNSUPPORTED_S = 1e3
+"""Cost of a resharding DTensor cannot do (shard -> partial): large enough that no plan uses it."""
+
+
+class Collective(NamedTuple):
+    """One collective on one mesh axis: kind, axis, bytes (in the cost model's convention)."""
+
+    kind: str
+    axis: int
+    nbytes: int
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.kind in ("all_reduce", "reduce_scatter")
+
+
+def tensor_meta(info: TensorInfo) -> TensorMeta:
+    shape = torch.Size(info.shape)
+    stride = []
+    acc = 1
+    for s in reversed(info.shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return TensorMeta(shape, tuple(reversed(stride)), dtype_from_name(info.dtype))
+
+
+class Resharder:
+    """Collectives and seconds of ``src -> dst`` for tensors on one mesh, cached by (src, dst, tensor)."""
+
+    def __init__(self, dmesh: DeviceMesh, cost_model):
+        self.dmesh = dmesh
+        self.cost_model = cost_model
+        self.mesh_shape = tuple(dmesh.shape)
+        self._struct: dict[tuple, tuple[tuple[str, int, float], ...]] = {}
+        self._cost: dict[tuple, float] = {}
+        self._meta: dict[TensorInfo, TensorMeta] = {}
+        self._mat: dict[tuple, np.ndarray] = {}
+        self._cost_ids: dict[tuple, float] = {}
+
+    def _structure(self, src: Placements, dst: Placements, ndim: int) -> tuple[tuple[str, int, float], ...]:
+        """DTensor's steps for ``src -> dst`` on an ``ndim``-D tensor: (kind, axis, fraction of the tensor).
+
+        Computed once per layout pair on a canonical tensor whose every dim is the mesh size, so each
+        step's logical shape is an exact fraction of the whole; real tensors scale it by their bytes
+        (meshpilot plans even shards only, where that is exact).
+        """
+        key = (src, dst, ndim)
+        hit = self._struct.get(key)
+        if hit is not None:
+            return hit
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+        m = math.prod(self.mesh_shape)
+        tm = tensor_meta(TensorInfo((m,) * ndim, "float32"))  # every even layout is valid on it
+        steps = _gen_transform_infos(DTensorSpec(self.dmesh, src, tm), DTensorSpec(self.dmesh, dst, tm))
+        out = []
+        current = list(src)
+        for t in steps:
+            a, b = t.src_dst_placements
+            n = self.mesh_shape[t.mesh_dim]
+            # bytes of the local tensor right before this step: the whole cut by every current shard
+            local = 1.0 / math.prod(k for p, k in zip(current, self.mesh_shape) if p.is_shard())
+            current[t.mesh_dim] = b
+            if b.is_partial() and not (a.is_replicate() or a.is_partial()):
+                # DTensor cannot turn a shard into a partial sum: never plan it
+                out.append(("unsupported", t.mesh_dim, 0.0))
+                continue
+            kind = t._comm_type_key()
+            if kind is None or n == 1:
+                continue
+            frac = local * n if kind == "all_gather" else local
+            out.append((kind, t.mesh_dim, frac))
+        res = tuple(out)
+        self._struct[key] = res
+        return res
+
+    def collectives(self, src: Placements, dst: Placements, info: TensorInfo) -> tuple[Collective, ...]:
+        """The collectives DTensor issues to reshard a tensor `info` from `src` to `dst`."""
+        if src == dst:
+            return ()
+        return tuple(
+            Collective(kind, axis, round(frac * info.nbytes))
+            for kind, axis, frac in self._structure(src, dst, len(info.shape))
+        )
+
+    def cost(self, src: Placements, dst: Placements, info: TensorInfo) -> float:
+        """Seconds to reshard a tensor `info` from `src` to `dst`."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, info)
+        c = self._cost.get(key)
+        if c is None:
+            c = sum(self.collective_cost(col) for col in self.collectives(src, dst, info))
+            self._cost[key] = c
+        return c
+
+    def cost_matrix(self, P: list[int], Q: list[int], info: TensorInfo) -> np.ndarray:
+        """``[len(P), len(Q)]`` seconds between interned layouts (see ``placements.pid``)."""
+        key = (tuple(P), tuple(Q), info)
+        m = self._mat.get(key)
+        if m is None:
+            m = np.array([[self.cost_ids(p, q, info) for q in Q] for p in P], dtype=float).reshape(len(P), len(Q))
+            self._mat[key] = m
+        return m
+
+    def cost_ids(self, p: int, q: int, info: TensorInfo) -> float:
+        if p == q or p < 0 or q < 0:
+            return 0.0
+        key = (p, q, info)
+        c = self._cost_ids.get(key)
+        if c is None:
+            c = self._cost_ids[key] = self.cost(by_id(p), by_id(q), info)
+        return c
+
+    def collective_cost(self, col: Collective) -> float:
+        if col.kind == "unsupported":
+            return UNSUPPORTED_S
+        return getattr(self.cost_model, col.kind)(col.nbytes, col.axis)

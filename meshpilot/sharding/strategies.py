@@ -1,0 +1,409 @@
+"""Every operator's parallel algorithms on an N-D mesh: output layouts and the input layouts they need.
+
+Source of truth is DTensor's own sharding propagator, so whatever the planner picks can run: for each node,
+each tensor operand is offered as an ``OpStrategy`` holding every layout its producer can emit, and the op's
+registered strategy function (``op_single_dim_strategy_funcs`` expanded to the full mesh, or
+``op_strategy_funcs``) enumerates the algorithms, e.g. Alpa Table 3 for ``mm``/``bmm``. Two filters follow:
+
+* even shards only (the planner never predicts DTensor's padding);
+* *fixed points* of DTensor's selection: given exactly a strategy's input layouts, DTensor's dispatcher
+  picks one strategy (``_select_min_cost_strategy``: a negative cost, else the last one needing no
+  redistribution); strategies it would never pick are dropped, so the run takes the planned algorithm.
+
+Where DTensor has no strategy, meshpilot registers its own *into DTensor's propagator* (so the run can use
+them too): the CPU flash-attention kernels (batch- or head-parallel). Ops with neither fall back to one
+all-replicated strategy; the runtime runs them on local replicas and the plan lists them as warnings.
+
+Factory ops (no tensor operand) produce replicated tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
+from torch.utils import _pytree as pytree
+
+from meshpilot.graph.capture import OpGraph, OpNode
+from meshpilot.sharding.placements import (
+    Placements,
+    candidate_placements,
+    fmt,
+    is_even,
+    pid,
+    replicated,
+    unique,
+)
+from meshpilot.sharding.reshard import tensor_meta
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One parallel algorithm of a node: layout of each output and the layout each operand must have."""
+
+    outs: tuple[Placements | None, ...]
+    ins: tuple[Placements, ...]
+    source: str = "dtensor"
+    """``dtensor`` (DTensor's strategy), ``meshpilot`` (ours), ``leaf`` (a placeholder), ``factory``,
+    ``fallback`` (no strategy: replicated)."""
+    out_ids: tuple[int, ...] = ()
+    in_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_ids", tuple(pid(p) for p in self.outs))
+        object.__setattr__(self, "in_ids", tuple(pid(p) for p in self.ins))
+
+    def short(self, name: str = "") -> str:
+        """``linear_3: S(0)R × RS(1) → S(0)S(1)``."""
+        lhs = " × ".join(fmt(p) for p in self.ins) if self.ins else "∅"
+        rhs = ", ".join(fmt(p) for p in self.outs)
+        return f"{name + ': ' if name else ''}{lhs} → {rhs}"
+
+
+def fake_device_mesh(shape: Sequence[int], ranks: np.ndarray | None = None) -> DeviceMesh:
+    """A DeviceMesh of `shape` for planning: no process group, nothing initialised."""
+    mesh = np.arange(math.prod(shape)).reshape(tuple(shape)) if ranks is None else np.asarray(ranks)
+    return DeviceMesh("cpu", torch.as_tensor(mesh, dtype=torch.int), _init_backend=False, _rank=0)
+
+
+# ----------------------------------------------------------------------------- meshpilot's own strategies
+
+_REGISTERED = False
+
+
+def register_meshpilot_strategies() -> None:
+    """Register meshpilot's strategies for ops DTensor lacks, in DTensor's own propagator (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+
+    def _attn_fwd(op_schema: OpSchema):
+        mesh = op_schema.get_mesh_from_args()
+        n_in = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
+        n_in += sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
+        rows = [[Replicate()] * (2 + n_in)]
+        if n_in == 3:  # no attention mask: batch- and head-parallel attention
+            rows.append([Shard(0)] * 5)
+            rows.append([Shard(1)] * 5)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=2)
+
+    def _attn_bwd(op_schema: OpSchema):
+        mesh = op_schema.get_mesh_from_args()
+        n_in = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
+        n_in += sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
+        rows = [[Replicate()] * (3 + n_in)]
+        if n_in == 6:
+            rows.append([Shard(0)] * 9)
+            rows.append([Shard(1)] * 9)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=3)
+
+    prop.register_op_strategy(
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _attn_fwd,
+        RuntimeSchemaInfo(3, static_kwargkey=["scale"]),
+    )
+    prop.register_op_strategy(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        _attn_bwd,
+        RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
+    )
+    prop.propagate_op_sharding.cache.cache_clear() if hasattr(prop.propagate_op_sharding, "cache") else None
+    _REGISTERED = True
+
+
+# ------------------------------------------------------------------------------------------ enumeration
+
+
+_COST_MODULES: list | None = None
+
+
+@contextlib.contextmanager
+def _no_redistribute_costs():
+    """DTensor's strategy functions price every strategy against every operand layout; the planner
+    prices edges itself and only needs the strategies, so that work is skipped while enumerating."""
+    import sys
+
+    def zeros(src_strategy, dst_spec):
+        return [0.0] * len(src_strategy.strategies)
+
+    global _COST_MODULES
+    if _COST_MODULES is None:
+        _COST_MODULES = [
+            mod
+            for name, mod in list(sys.modules.items())
+            if name.startswith("torch.distributed.tensor._ops") and hasattr(mod, "generate_redistribute_costs")
+        ]
+    saved = []
+    for mod in _COST_MODULES:
+        saved.append((mod, mod.generate_redistribute_costs))
+        mod.generate_redistribute_costs = zeros
+    try:
+        yield
+    finally:
+        for mod, fn in saved:
+            mod.generate_redistribute_costs = fn
+
+
+def _spec_list(st: OpSpec) -> tuple[tuple[DTensorSpec | None, ...], tuple[DTensorSpec, ...] | None]:
+    outs = st.output_specs
+    outs_t = (outs,) if isinstance(outs, DTensorSpec) or outs is None else tuple(outs)
+    return outs_t, (tuple(st.input_specs) if st.input_specs is not None else None)
+
+
+class StrategyBuilder:
+    """Enumerates strategies of graph nodes on one mesh, caching identical nodes (repeated layers hit it)."""
+
+    def __init__(self, graph: OpGraph, dmesh: DeviceMesh):
+        register_meshpilot_strategies()
+        self.graph = graph
+        self.dmesh = dmesh
+        self.mesh_shape = tuple(dmesh.shape)
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self._cache: dict[str, list[Strategy]] = {}
+        self.warnings: dict[str, str] = {}
+
+    # candidate layouts a producer can emit at output i
+    @staticmethod
+    def out_candidates(strategies: list[Strategy], i: int) -> list[Placements]:
+        return unique(s.outs[i] for s in strategies if i < len(s.outs) and s.outs[i] is not None)
+
+    def leaf(self, node: OpNode) -> list[Strategy]:
+        info = node.out
+        if info is None:
+            return [Strategy((None,), (), "leaf")]
+        return [Strategy((p,), (), "leaf") for p in candidate_placements(info.shape, self.mesh_shape)]
+
+    def for_node(self, node: OpNode, operand_candidates: list[list[Placements]]) -> list[Strategy]:
+        """Strategies of `node` given every layout its operands can arrive in."""
+        if node.kind in ("param", "buffer", "input"):
+            return self.leaf(node)
+        if node.kind == "getitem":
+            return [Strategy((p,), (p,), "dtensor") for p in operand_candidates[0]]
+        key = repr(
+            (
+                node.target,
+                node.outputs,
+                [self.graph[s].outputs[i] for s, i in node.inputs],
+                operand_candidates,
+                _const_key(node),
+            )
+        )
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        with _no_redistribute_costs():
+            strategies = self._compute(node, operand_candidates)
+        self._cache[key] = strategies
+        return strategies
+
+    def _fallback(self, node: OpNode, why: str) -> list[Strategy]:
+        self.warnings.setdefault(node.target, why)
+        outs = tuple(replicated(len(self.mesh_shape)) if o is not None else None for o in node.outputs)
+        ins = tuple(replicated(len(self.mesh_shape)) for _ in node.inputs)
+        return [Strategy(outs, ins, "fallback")]
+
+    def _compute(self, node: OpNode, cands: list[list[Placements]]) -> list[Strategy]:
+        nd = len(self.mesh_shape)
+        if not node.inputs:
+            outs = tuple(replicated(nd) if o is not None else None for o in node.outputs)
+            return [Strategy(outs, (), "factory")]
+        fx_node = node.fx_node
+        op = fx_node.target
+        if not isinstance(op, torch._ops.OpOverload):
+            return self._fallback(node, f"{node.target} is not an ATen op")
+        single = self.prop.op_single_dim_strategy_funcs.get(op)
+        func = self.prop.op_strategy_funcs.get(op)
+        if single is None and func is None:
+            return self._fallback(node, f"DTensor has no sharding strategy for {node.target}")
+
+        operand_strats: list[OpStrategy] = []
+        for (src, i), c in zip(node.inputs, cands):
+            tm = tensor_meta(self.graph[src].outputs[i])
+            if single is not None:
+                # DTensor's single-dim expansion wants one layout per operand; any layout holding a Shard
+                # makes it fill its sharding placeholders, and the expansion enumerates every combination.
+                rep = next((p for p in c if any(isinstance(x, Shard) for x in p)), c[0])
+                operand_strats.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, rep, tm))]))
+            else:
+                operand_strats.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, p, tm)) for p in c]))
+        it = iter(operand_strats)
+
+        def wrap(a):
+            nonlocal it
+            if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
+                kids = [next(it) for _ in a]
+                return TupleStrategy(tuple(kids) if isinstance(a, tuple) else kids)
+            if _is_tensor_node(a):
+                return next(it)
+            if isinstance(a, (list, tuple)):
+                return type(a)(wrap(x) for x in a)
+            if isinstance(a, torch.fx.Node):
+                return a.meta.get("val")
+            return a
+
+        args = tuple(wrap(a) for a in fx_node.args)
+        kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
+        try:
+            if single is not None:
+                from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+
+                info = self.prop.op_to_schema_info_for_single_dim_strategy.get(op)
+                schema = OpSchema(op, args, kwargs, schema_info=info)
+                val = fx_node.meta.get("val")
+                if isinstance(val, (tuple, list)):
+                    out_meta = tuple(_meta_of(v) for v in val)
+                else:
+                    out_meta = _meta_of(val)
+                fn = _expand_single_dim_strategy_to_mesh(self.dmesh, schema, single, out_meta)
+                result = fn(op, schema.args_meta, schema.kwargs_meta)
+            else:
+                try:
+                    schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+                    result = func(schema)
+                except (IndexError, AssertionError):
+                    # some strategy functions walk their operands' strategies in lockstep: offer every
+                    # operand's layouts as lists of one common length and ask again
+                    longest = max(len(o.strategies) for o in operand_strats)
+                    it = iter(
+                        [
+                            OpStrategy([o.strategies[j % len(o.strategies)] for j in range(longest)])
+                            for o in operand_strats
+                        ]
+                    )
+                    args = tuple(wrap(a) for a in fx_node.args)
+                    kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
+                    schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+                    result = func(schema)
+        except Exception as e:  # noqa: BLE001 - DTensor could not enumerate: replicate
+            return self._fallback(node, f"DTensor strategy for {node.target} failed: {type(e).__name__}: {e}")
+        if not isinstance(result, OpStrategy):
+            return self._fallback(node, f"{node.target}: tuple strategies are not planned yet")
+
+        n_in = len(node.inputs)
+        cand_index = [{p: j for j, p in enumerate(c)} for c in cands]
+        parsed: list[tuple[Strategy, OpSpec]] = []
+        any_negative = False
+        for spec in result.strategies:
+            outs, ins = _spec_list(spec)
+            if ins is None:
+                ins = tuple(outs[0] for _ in range(n_in))
+            if len(ins) != n_in:
+                return self._fallback(node, f"{node.target}: operand count mismatch ({len(ins)} vs {n_in})")
+            out_pl = tuple(o.placements if o is not None else None for o in outs)
+            if len(out_pl) < len(node.outputs):
+                out_pl = out_pl + (out_pl[-1],) * (len(node.outputs) - len(out_pl))
+            in_pl = tuple(s.placements for s in ins)
+            if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
+                continue
+            if any(any(isinstance(x, Partial) for x in p) and p not in cand_index[k] for k, p in enumerate(in_pl)):
+                continue  # a partial operand its producer never emits
+            ok = all(
+                is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
+            ) and all(
+                p is None or o is None or is_even(p, o.shape, self.mesh_shape) for p, o in zip(out_pl, node.outputs)
+            )
+            if not ok:
+                continue
+            if single is None and spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row):
+                any_negative = True
+            parsed.append((Strategy(out_pl, in_pl, "dtensor"), spec))
+        if not parsed:
+            return self._fallback(node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}")
+
+        # fixed points of DTensor's own selection, one per distinct input layout
+        chosen: dict[tuple, Strategy] = {}
+        if not any_negative:
+            for s, _ in parsed:
+                chosen[s.ins] = s  # the last one wins, as in _select_min_cost_strategy
+        else:
+            all_specs = [sp for _, sp in parsed]
+            for s, _ in parsed:
+                if s.ins in chosen:
+                    continue
+                idx = [cand_index[k].get(p) for k, p in enumerate(s.ins)]
+                if any(j is None for j in idx):
+                    continue
+                pick = _dtensor_pick(all_specs, [st for st, _ in parsed], idx, s.ins)
+                if pick is not None and pick.ins == s.ins:
+                    chosen[s.ins] = pick
+        strategies = [s for s in unique_strategies(chosen.values()) if _inputs_available(s, cand_index)]
+        if not strategies:
+            return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
+        return strategies
+
+
+def _dtensor_pick(specs: list[OpSpec], strats: list[Strategy], idx: list[int], ins: tuple) -> Strategy | None:
+    """Which strategy DTensor's dispatcher takes when the operands arrive exactly as `ins`."""
+    costs = []
+    for sp in specs:
+        if not sp.redistribute_cost:
+            costs.append(0.0)
+            continue
+        costs.append(sum(float(row[j]) for row, j in zip(sp.redistribute_cost, idx)))
+    neg = [k for k, c in enumerate(costs) if c < 0]
+    if neg:
+        return strats[min(neg, key=lambda k: costs[k])]
+    exact = [k for k, s in enumerate(strats) if s.ins == ins and costs[k] == 0]
+    if exact:
+        return strats[exact[-1]]
+    return None
+
+
+def _inputs_available(s: Strategy, cand_index: list[dict]) -> bool:
+    # strategies whose inputs an operand cannot emit are kept: they are reached by resharding
+    return True
+
+
+def unique_strategies(strats) -> list[Strategy]:
+    seen: dict[tuple, Strategy] = {}
+    for s in strats:
+        seen.setdefault((s.outs, s.ins), s)
+    return list(seen.values())
+
+
+def _plain(pl: Placements) -> bool:
+    """R, S(d) and P(sum)/P(avg) only: no strided shards, no max/min partials."""
+    for p in pl:
+        if type(p) is Shard or isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+            continue
+        return False
+    return True
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _meta_of(v):
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    if isinstance(v, torch.Tensor):
+        return TensorMeta(v.shape, v.stride(), v.dtype)
+    return None
+
+
+def _const_key(node: OpNode):
+    if node.fx_node is None:
+        return None
+    return repr(pytree.tree_map_only(torch.fx.Node, lambda _: "T", (node.fx_node.args, node.fx_node.kwargs)))
