@@ -49,7 +49,7 @@ def train_single(cfg: GPTConfig, steps: int, seed: int = 0, lr: float = 1e-3) ->
         loss.backward()
         opt.step()
         opt.zero_grad()
-        logs.append(StepLog(i, float(loss), time.perf_counter() - t0))
+        logs.append(StepLog(i, loss.item(), time.perf_counter() - t0))
     return logs
 
 
