@@ -1,0 +1,91 @@
+"""Capture of the joint forward + backward graph on fake tensors, and repeated-layer detection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshpilot.graph.capture import capture
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 16, h: int = 32, c: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, c)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(F.relu(self.fc1(x))), y)
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+        self.up, self.down = nn.Linear(h, 4 * h, bias=False), nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.o(a)
+        return x + self.down(F.relu(self.up(x)))
+
+
+class Tiny(nn.Module):
+    def __init__(self, layers: int = 4, h: int = 32, heads: int = 4, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_mlp_graph_has_params_flops_and_phases():
+    m = MLP()
+    g = capture(m, (torch.randn(4, 16), torch.randint(0, 8, (4,))))
+    params = [n for n in g.nodes if n.is_param]
+    assert [n.fqn for n in params] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert set(g.grads) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    mms = [n for n in g.nodes if n.target in ("aten.addmm.default", "aten.mm.default")]
+    fwd = [n for n in mms if n.phase == "fwd"]
+    assert sorted(n.flops for n in fwd) == [2 * 4 * 32 * 8, 2 * 4 * 16 * 32]
+    assert any(n.phase == "bwd" for n in mms)
+    assert g.loss[0] in g.by_name and g[g.loss[0]].out.shape == ()
+    # the relu output is kept for the backward
+    assert any(n.saved_for_backward and n.target == "aten.relu.default" for n in g.nodes)
+    # views cost nothing
+    assert all(n.flops == 0 and n.bytes_read == 0 for n in g.nodes if n.is_view)
+
+
+def test_meta_model_is_captured_without_allocating():
+    with torch.device("meta"):
+        m = Tiny(layers=2, h=1024, heads=8, vocab=50000)
+    idx = torch.empty(8, 512, dtype=torch.long, device="meta")
+    g = capture(m, (idx, idx))
+    assert g.param_bytes == sum(p.numel() * 4 for p in m.parameters())
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert any(n.target.startswith("aten._scaled_dot_product_flash_attention_for_cpu") for n in g.nodes)
+
+
+def test_repeated_layers_share_canonical_nodes_and_params():
+    g = capture(Tiny(layers=4), (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))))
+    assert g.repeats, "no repeated layers found"
+    start, period, count = max(g.repeats, key=lambda r: r[1] * r[2])
+    assert count >= 3
+    tied = {k: v for k, v in g.canonical.items() if k != v}
+    assert len(tied) > 100
+    # layer 3's up-projection weight is decided with layer 0's
+    by_fqn = {n.fqn: n.name for n in g.nodes if n.is_param}
+    assert g.canonical[by_fqn["blocks.3.up.weight"]] == g.canonical[by_fqn["blocks.0.up.weight"]]
+    # tied nodes are the same op on the same shapes
+    for k, v in tied.items():
+        assert g[k].target == g[v].target and g[k].outputs == g[v].outputs
