@@ -1,7 +1,9 @@
 """A few real training steps, parallel or single-device, on the same data: what `train` and `demo` run.
 
-Both paths build the model from the same seed and feed the same batches (a fixed generator), and step
-`torch.optim.AdamW`, so their losses are comparable step by step.
+All paths build the model from the same seed and feed the same batches (a fixed generator), and step
+`torch.optim.AdamW`, so their losses are comparable step by step: `train_single` (one device), `train_atp`
+(ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
+`meshpilot.parallelize`).
 """
 
 from __future__ import annotations
@@ -83,4 +85,26 @@ def train_atp(
             dist.all_reduce(seen, group=meshes.dp.get_group())
             seen /= dp
         logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
+    return logs
+
+
+def train_plan(cfg: GPTConfig, plan, steps: int, seed: int = 0, lr: float = 1e-3) -> list[StepLog]:
+    """A :class:`~meshpilot.planner.plan.Plan` for the GPT `cfg` run by ``meshpilot.parallelize``.
+
+    Call on every rank of an initialised process group whose size is the plan's device count. Every rank
+    passes the full global batch (the runtime takes its local slice) and gets the replicated loss, which is
+    the single-device loss.
+    """
+    from meshpilot.runtime.spmd import parallelize
+
+    model = parallelize(reference_model(cfg, seed), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    logs = []
+    for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
+        t0 = time.perf_counter()
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        logs.append(StepLog(i, float(loss.detach()), time.perf_counter() - t0))
     return logs

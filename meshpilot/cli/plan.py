@@ -1,0 +1,564 @@
+"""`meshpilot plan`: choose the mesh and every operator's sharding for a built-in model (Alpa's ILP on DTensor).
+
+The model is built on the meta device (nothing is allocated: a 175B GPT plans on a laptop), its joint
+forward + backward graph is captured on fake tensors, and the ILP picks, for every operator, the layout that
+minimises the predicted step time within each device's memory, on every 2D mesh shape of the devices
+(or the one given by --mesh). The output shows the chosen mesh, the predicted step time split into compute,
+communication (reductions of partial sums) and resharding (gathers, all-to-alls), memory per device against
+its capacity, each parameter's layout, the per-operator strategies (a stack of identical layers once) with the
+collectives in front of each, the warnings and the solver's gap and time.
+
+Examples:
+  meshpilot plan --model gpt-tiny --cluster atp-ic3 --devices 4
+  meshpilot plan --model atp-m2 --cluster dgx-h100:2 --devices 16 --mesh 2x8 --out plan.json
+  meshpilot plan --model gpt --layers 96 --hidden 12288 --heads 96 --cluster dgx-h100:16 --dtype bfloat16
+  meshpilot plan --model mlp --cluster atp-ic3 --devices 4 --json > plan.json
+
+A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
+sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
+torchrun, or `meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshpilot.cli.common import add_cluster_arg, console, get_cluster
+from meshpilot.errors import UserError
+
+GPT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan a built-in model's sharding (per-operator ILP over every mesh shape) and show or save it",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        "-m",
+        required=True,
+        metavar="M",
+        help="a built-in model (`meshpilot presets`: gpt-tiny, atp-m1 … atp-m4, mlp, bert-tiny, wrn-tiny, "
+        "moe-tiny, bench-transformer) or 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads",
+    )
+    add_cluster_arg(p)
+    p.add_argument("--devices", "-n", type=int, help="devices the plan uses (default: --mesh's, or all of the cluster)")
+    p.add_argument("--mesh", metavar="d1xd2", help="fix the mesh shape (default: search every 2D shape)")
+    p.add_argument("--batch", "-b", type=int, help="global batch size (default: the model's)")
+    p.add_argument("--seq", "-s", type=int, help="GPTs: sequence length")
+    p.add_argument("--layers", type=int, help="GPTs: transformer blocks")
+    p.add_argument("--hidden", type=int, help="GPTs: hidden size")
+    p.add_argument("--heads", type=int, help="GPTs: attention heads (must divide --hidden)")
+    p.add_argument("--dtype", choices=GPT_DTYPES, help="GPTs: parameter and activation dtype (default float32)")
+    p.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        metavar="PATTERN=LAYOUT",
+        help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
+        "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
+    )
+    p.add_argument("--memory-gib", type=float, help="device memory in GiB (default: the cluster's device)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)")
+    p.add_argument(
+        "--ops",
+        choices=("summary", "all", "none"),
+        default="summary",
+        help="per-operator table: 'summary' (default) hides pure views without a collective, 'all' shows every "
+        "node, 'none' skips it; a stack of repeated layers is shown once either way",
+    )
+    p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
+    p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+@dataclass
+class Built:
+    """A model on the meta device, its example inputs and a one-line description."""
+
+    name: str
+    label: str
+    model: Any
+    inputs: tuple
+    config: Any = None
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    parts = text.lower().replace(",", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise UserError(f"--mesh {text!r}: write two positive sizes as d1xd2, e.g. 2x4")
+    return int(parts[0]), int(parts[1])
+
+
+def build_model(
+    name: str,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    dtype: str | None = None,
+    device: str = "meta",
+) -> Built:
+    """A built-in model (or 'gpt' with overrides) and its (inputs..., targets) on `device`."""
+    import torch
+
+    from meshpilot.models import builtin_models, gpt_config
+
+    models = builtin_models()
+    if batch is not None and batch <= 0:
+        raise UserError(f"--batch {batch}: give a positive batch size")
+    if name != "gpt" and name not in models:
+        raise UserError(
+            f"--model {name!r}: no such built-in model; choose one of {', '.join(models)}, or 'gpt' with "
+            "--layers/--hidden/--heads (see `meshpilot presets`)"
+        )
+    entry = models.get(name)
+    if name == "gpt" or entry.config is not None:
+        cfg = gpt_config(name, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype=dtype)
+        from meshpilot.models.gpt import GPT
+
+        with torch.device(device):
+            model = GPT(cfg)
+        if device == "meta":
+            idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
+            inputs = (idx, idx)
+        else:
+            g = torch.Generator().manual_seed(0)
+            tok = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+            inputs = (tok[:, :-1].contiguous(), tok[:, 1:].contiguous())
+        params = cfg.num_params()
+        label = (
+            f"{name}: GPT L={cfg.layers} h={cfg.hidden} heads={cfg.heads} b={cfg.batch} s={cfg.seq} {cfg.dtype}, "
+            f"{_count(params)} parameters"
+        )
+        return Built(name, label, model, inputs, cfg)
+    given = [f"--{k}" for k, v in (("seq", seq), ("layers", layers), ("hidden", hidden), ("heads", heads)) if v]
+    if dtype is not None:
+        given.append("--dtype")
+    if given:
+        raise UserError(f"{', '.join(given)}: only for GPT models; {name!r} takes --batch only")
+    model, inputs = entry.build(device, batch)
+    params = sum(p.numel() for p in model.parameters())
+    b = inputs[0].shape[0] if inputs and hasattr(inputs[0], "shape") else batch
+    return Built(name, f"{name}: {entry.summary}, batch {b}, {_count(params)} parameters", model, tuple(inputs))
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(int(n))
+
+
+def parse_force(items: list[str]) -> dict[str, str] | None:
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        pattern, sep, layout = item.partition("=")
+        if not sep or not pattern.strip() or not layout.strip():
+            raise UserError(f"--force {item!r}: write PATTERN=LAYOUT, e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
+        out[pattern.strip()] = layout.strip().replace(" ", "")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = get_cluster(args)
+    shape = parse_mesh(args.mesh) if args.mesh else None
+    n = args.devices or (math.prod(shape) if shape else cluster.num_devices)
+    if n < 1:
+        raise UserError(f"--devices {n}: give at least 1 device")
+    if n > cluster.num_devices:
+        raise UserError(
+            f"--devices {n}: cluster {cluster.name!r} has only {cluster.num_devices} devices; pick 1..that "
+            "(or a bigger cluster, e.g. dgx-h100:NODES)"
+        )
+    if shape and math.prod(shape) != n:
+        raise UserError(f"--mesh {args.mesh}: {math.prod(shape)} devices, but --devices is {n}")
+    if args.time_limit <= 0:
+        raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    force = parse_force(args.force)
+    if args.out:
+        check_out(args.out)
+    memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
+    if memory is not None and memory <= 0:
+        raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
+    built = build_model(
+        args.model,
+        batch=args.batch,
+        seq=args.seq,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        dtype=args.dtype,
+    )
+    # progress goes to stderr, so `--json > plan.json` stays clean
+    progress = Console(stderr=True)
+    plan, graph = make_plan(
+        built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit, progress=progress
+    )
+    if args.out:
+        save_plan(plan, args.out)
+    if args.json:
+        import sys
+
+        sys.stdout.write(plan.to_json() + "\n")
+        if args.out:
+            progress.print(f"saved the plan to {args.out}")
+        return 0
+    render(plan, graph, built.label, n, console, ops=args.ops)
+    if args.out:
+        console.print(f"saved the plan to [bold]{args.out}[/bold]")
+        if built.config is not None and built.config.dtype == "float32":
+            sizes = "".join(f" --{k} {getattr(args, k)}" for k in ("layers", "hidden", "heads") if getattr(args, k))
+            console.print(
+                f"train with it: torchrun --standalone --nproc-per-node {n} -m meshpilot.cli.main train "
+                f"--plan {args.out} --model {args.model}{sizes}"
+            )
+    return 0
+
+
+def make_plan(
+    built: Built,
+    cluster: Any,
+    n: int,
+    shape: tuple[int, int] | None,
+    *,
+    force: dict[str, str] | None = None,
+    memory_bytes: float | None = None,
+    time_limit: float = 30.0,
+    progress: Console | None = None,
+):
+    """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph)."""
+    from meshpilot.cluster import mesh_shapes_2d
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan as plan_fn
+
+    progress = progress or Console(stderr=True)
+    shapes = [shape] if shape else mesh_shapes_2d(n)
+    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
+    t0 = time.perf_counter()
+    with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
+        graph = capture(built.model, built.inputs)
+    capture_s = time.perf_counter() - t0
+    what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
+    with progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"):
+        plan = plan_fn(
+            built.model,
+            built.inputs,
+            cluster,
+            num_devices=n,
+            mesh_shape=shape,
+            force=force,
+            memory_bytes=memory_bytes,
+            time_limit=time_limit,
+            graph=graph,
+        )
+    # the planner was handed the graph: record the capture it did not time itself
+    solver = replace(plan.solver, capture_s=capture_s, total_s=plan.solver.total_s + capture_s)
+    return replace(plan, solver=solver), graph
+
+
+def check_out(path: Path) -> Path:
+    """The folder `path` will be written in; a UserError if it cannot be (checked before planning)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--out {path}: is a directory; give a file name such as {path / 'plan.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"--out {path}: folder {parent} does not exist; create it or save elsewhere")
+    return parent
+
+
+def save_plan(plan: Any, path: Path) -> None:
+    """Write the plan's JSON to `path` atomically (a temporary file in the same folder, then a rename)."""
+    path = Path(path)
+    parent = check_out(path)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp", text=True)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(plan.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ printing
+
+
+def fmt_s(s: float) -> str:
+    """Seconds in the unit that reads best: 12.3 µs, 4.56 ms, 7.89 s."""
+    s = float(s)
+    if s == 0:
+        return "0"
+    if abs(s) < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if abs(s) < 1:
+        return f"{s * 1e3:.4g} ms"
+    return f"{s:.4g} s"
+
+
+def fmt_bytes(b: float) -> str:
+    b = float(b)
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= div:
+            return f"{b / div:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _layer_pattern(fqn: str) -> str:
+    """blocks.3.mlp.fc.weight -> blocks.*.mlp.fc.weight."""
+    return _LAYER_INDEX.sub(".*.", fqn)
+
+
+def _short_target(target: str) -> str:
+    t = target.removeprefix("aten.")
+    for suffix in (".default", ".Tensor", ".int", ".Scalar", ".dim_IntList"):
+        t = t.removesuffix(suffix)
+    return t
+
+
+def _param_read(graph: Any, node: Any) -> str:
+    """The largest parameter an op reads (through up to 3 views, e.g. a Linear weight's transpose), or ''."""
+    best, size = "", -1
+    for src, _ in node.inputs:
+        s = graph[src]
+        for _ in range(3):
+            if s.kind == "op" and s.is_view and len(s.inputs) == 1:
+                s = graph[s.inputs[0][0]]
+            else:
+                break
+        if s.kind == "param" and s.out is not None and s.out.numel > size:
+            best, size = s.fqn, s.out.numel
+    return best
+
+
+def _short_note(note: str) -> str:
+    """A mesh candidate's PlanError, shortened for the table."""
+    need = re.search(r"smallest per-device memory found is ([\d.]+ GiB)", note) or re.search(
+        r"smallest need found is ([\d.]+ GiB)", note
+    )
+    if need:
+        return f"does not fit: needs at least {need.group(1)} per device"
+    return note if len(note) < 90 else note[:87] + "…"
+
+
+def op_sections(graph: Any) -> list[tuple[tuple[int, int] | None, list[Any]]]:
+    """The op/getitem nodes in order, split into plain runs and repeated-layer stacks (each stack's first
+    layer only): [(None, nodes) | ((period, count), first layer's nodes)]."""
+    ops = [n for n in graph.nodes if n.kind in ("op", "getitem")]
+    out: list[tuple[tuple[int, int] | None, list[Any]]] = []
+    i = 0
+    for start, period, count in sorted(graph.repeats):
+        if start < i:
+            continue
+        if i < start:
+            out.append((None, ops[i:start]))
+        out.append(((period, count), ops[start : start + period]))
+        i = start + period * count
+    if i < len(ops):
+        out.append((None, ops[i:]))
+    return out
+
+
+def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "summary") -> None:
+    """The plan as rich tables (see the module docstring)."""
+    t, m, s = plan.time, plan.memory, plan.solver
+    mesh = ", ".join(str(d) for d in plan.mesh_shape)
+    out.print(
+        f"[bold]{label}[/bold]\non {plan.cluster}, {n} devices: [bold]DeviceMesh({mesh})[/bold], {plan.mapping} "
+        f"mapping (axis {1 if plan.mapping == 'row' else 0} on contiguous ranks), predicted step "
+        f"[bold]{fmt_s(t.total_s)}[/bold], {fmt_bytes(m.total)} per device"
+    )
+    out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
+
+    cand = Table(title="Mesh candidates (predicted step time of each one's optimal plan)")
+    for col in ("", "mesh", "mapping", "step", "vs chosen", "note"):
+        cand.add_column(col, justify="right" if col in ("step", "vs chosen") else "left")
+    for c in s.candidates:
+        chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
+        step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
+        ratio = f"{c.objective_s / s.objective_s:.2f}x" if c.objective_s is not None and s.objective_s else "—"
+        note = _short_note(c.note)
+        cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
+    out.print(cand)
+
+    tt = Table(title="Predicted step time (no overlap)")
+    tt.add_column("part")
+    tt.add_column("time", justify="right")
+    tt.add_column("share", justify="right")
+    tt.add_column("what")
+    total = t.total_s or 1.0
+    for name, v, what in (
+        ("compute", t.compute_s, "operators on the device (roofline: FLOPs and bytes)"),
+        ("communication", t.communication_s, "reductions of partial sums (all-reduce, reduce-scatter)"),
+        ("resharding", t.resharding_s, "layout changes (all-gather, all-to-all)"),
+    ):
+        tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
+    tt.add_section()
+    tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
+    out.print(tt)
+
+    mt = Table(title="Memory per device")
+    mt.add_column("part")
+    mt.add_column("bytes", justify="right")
+    mt.add_column("of capacity", justify="right")
+    cap = m.capacity or 1.0
+    for name, v in (
+        ("parameters", m.params),
+        ("gradients", m.grads),
+        ("AdamW states (fp32)", m.optimizer),
+        ("saved activations", m.activations),
+        ("inputs", m.inputs),
+    ):
+        mt.add_row(name, fmt_bytes(v), f"{v / cap:.1%}")
+    mt.add_section()
+    style = "green" if m.total <= m.capacity else "red"
+    mt.add_row(
+        "[bold]total[/bold]", f"[{style}]{fmt_bytes(m.total)}[/{style}]", f"[{style}]{m.total / cap:.1%}[/{style}]"
+    )
+    mt.add_row("capacity", fmt_bytes(m.capacity), "")
+    out.print(mt)
+
+    pt = Table(title="Parameter layouts (layer indices as *)")
+    pt.add_column("parameters")
+    pt.add_column("count", justify="right")
+    pt.add_column("layout")
+    groups: dict[tuple[str, str], int] = {}
+    for fqn, layout in plan.params:
+        key = (_layer_pattern(fqn), "".join(layout))
+        groups[key] = groups.get(key, 0) + 1
+    for (pattern, layout), count in groups.items():
+        pt.add_row(pattern, str(count), layout)
+    out.print(pt)
+
+    zero = getattr(plan, "zero", ())  # the ZeRO-like post-pass's switches, where the planner has one
+    if zero:
+        zt = Table(
+            title="ZeRO post-pass: parameters sharded over their data-parallel axes (gradients reduce-scattered)"
+        )
+        for col in ("parameters", "count", "layout", "why", "step change", "saved / device"):
+            zt.add_column(col, justify="right" if col in ("count", "step change", "saved / device") else "left")
+        zg: dict[tuple[str, str, str, str], list[float]] = {}
+        for z in zero:
+            key = (_layer_pattern(z.param), "".join(z.before), "".join(z.after), z.reason)
+            acc = zg.setdefault(key, [0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += z.delta_s
+            acc[2] += z.saved_bytes
+        for (pattern, before, after, why), (count, dt, saved) in zg.items():
+            zt.add_row(pattern, str(int(count)), f"{before} → {after}", why, f"{dt * 1e3:+.3g} ms", fmt_bytes(saved))
+        out.print(zt)
+
+    if ops != "none":
+        out.print(op_table(plan, graph, all_nodes=ops == "all"))
+
+    ct = Table(title="Collectives per step")
+    for col in ("phase", "kind", "mesh axis", "count", "bytes", "predicted"):
+        ct.add_column(col, justify="right" if col in ("count", "bytes", "predicted", "mesh axis") else "left")
+    agg: dict[tuple[str, str, int], list[float]] = {}
+    for c in plan.collectives:
+        a = agg.setdefault((c.phase, c.kind, c.axis), [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += c.nbytes
+        a[2] += float(c.seconds)
+    for (phase, kind, axis), (count, nbytes, sec) in sorted(agg.items()):
+        ct.add_row(phase, kind, str(axis), str(int(count)), fmt_bytes(nbytes), fmt_s(sec))
+    if not agg:
+        ct.add_row("—", "none: every operator runs on local data", "", "", "", "")
+    out.print(ct)
+
+    for w in plan.warnings:
+        out.print(f"[yellow]warning:[/yellow] {w}")
+    post = getattr(s, "post_s", 0.0)
+    out.print(
+        f"solver: {s.status}; gap {s.gap:.2%}; {s.num_vars:,} variables, {s.num_constraints:,} constraints, "
+        f"{s.num_groups:,} decision groups; {s.total_s:.2f} s (capture {s.capture_s:.2f}, build "
+        f"{s.build_s:.2f}, solve {s.solve_s:.2f}" + (f", post-pass {post:.2f}" if post else "") + ") over "
+        f"{len(s.candidates)} mesh candidate(s)"
+    )
+
+
+_HEAVY = ("mm", "bmm", "addmm", "baddbmm", "convolution", "embedding", "_scaled_dot_product", "linear")
+
+
+def _shown(graph: Any, node: Any, choice: Any, collectives: Counter) -> bool:
+    """In the summary: operators that read a parameter, do the heavy lifting, produce partial sums or have a
+    collective in front of them."""
+    if node.kind != "op" or (node.is_view and not collectives):
+        return False
+    name = node.target.removeprefix("aten.")
+    return bool(
+        collectives
+        or name.startswith(_HEAVY)
+        or _param_read(graph, node)
+        or any(o is not None and any(p.startswith("P") for p in o) for o in choice.outs)
+    )
+
+
+def op_table(plan: Any, graph: Any, all_nodes: bool = False) -> Table:
+    """Per-operator strategies, repeated layers once, with the collectives that feed each operator."""
+    into: dict[str, Counter] = {}
+    for c in plan.collectives:
+        into.setdefault(c.dst, Counter())[(c.kind, c.axis, c.nbytes)] += 1
+    title = "Per-operator strategies: operands × … → outputs, and the collectives that reshard its operands"
+    table = Table(title=title)
+    for col in ("op", "reads", "strategy", "collectives in"):
+        table.add_column(col, overflow="fold")
+    hidden = 0
+    for rep, nodes in op_sections(graph):
+        if rep is not None:
+            period, count = rep
+            phase = Counter(n.phase for n in nodes).most_common(1)[0][0]
+            table.add_section()
+            table.add_row(
+                "", "", f"[bold]{count} identical layers ({phase}, {period} nodes each); one shown[/bold]", ""
+            )
+        for node in nodes:
+            coll = into.get(node.name, Counter())
+            choice = plan.node(node.name)
+            if not all_nodes and not _shown(graph, node, choice, coll):
+                hidden += 1
+                continue
+            reads = _param_read(graph, node)
+            if rep is not None:
+                reads = _layer_pattern(reads)
+            text = ", ".join(
+                f"{k} ax{a} {fmt_bytes(b)}" + (f" ×{c}" if c > 1 else "") for (k, a, b), c in sorted(coll.items())
+            )
+            table.add_row(node.name, reads, choice.short().split(": ", 1)[1], text)
+        if rep is not None:
+            table.add_section()
+    if hidden:
+        table.caption = (
+            f"{hidden} nodes hidden: views, tuple items and element-wise ops without a collective or partial "
+            "sum (--ops all shows every node)"
+        )
+    return table

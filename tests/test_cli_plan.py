@@ -1,0 +1,154 @@
+"""`meshpilot plan`: the rich plan, --json / --out (atomic, round-trips), the GPT size overrides, --force,
+errors as one line with exit code 2, and a 44.8B-parameter GPT planned on the meta device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshpilot.cli.main import main
+from meshpilot.planner.plan import Plan
+
+
+def _one_line_error(capsys, args: list[str], *needles: str) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("meshpilot plan: error: "), err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_rich_plan_of_a_small_model(capsys):
+    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    for section in (
+        "Mesh candidates",
+        "Predicted step time",
+        "compute",
+        "communication",
+        "resharding",
+        "Memory per device",
+        "capacity",
+        "Parameter layouts",
+        "Per-operator strategies",
+        "Collectives per step",
+        "solver:",
+        "gap",
+    ):
+        assert section in out, section
+    assert "★" in out and "2 devices" in out
+
+
+def test_json_is_the_plan_and_out_saves_it(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "2x2", "--json", "--out", str(path)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    plan = Plan.from_json(captured.out)
+    assert plan.mesh_shape == (2, 2)
+    assert Plan.load(path) == plan
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
+    assert json.loads(path.read_text())["cluster"] == "atp-ic3"
+    assert plan.time.total_s > 0 and plan.memory.total > 0
+
+
+def test_repeated_layers_shown_once(capsys, monkeypatch):
+    from meshpilot.cli.common import console
+
+    monkeypatch.setattr(console, "width", 200)
+    assert main(["plan", "-m", "gpt-tiny", "--layers", "3", "-c", "atp-ic3", "-n", "2", "--mesh", "1x2"]) == 0
+    ops = capsys.readouterr().out.split("Per-operator strategies")[1].split("Collectives per step")[0]
+    assert "3 identical layers (fwd, 40 nodes each); one shown" in ops
+    assert "blocks.*.attn.qkv.weight" in ops  # the layer's parameters, index-free
+    names = {line.split("│")[1].strip() for line in ops.splitlines() if line.startswith("│")}
+    assert {"addmm", "addmm_1", "addmm_2", "addmm_3"} <= names  # the first layer's four Linear layers
+    assert "addmm_4" not in names and "addmm_11" not in names  # the other two layers' are not repeated
+
+
+def test_force_pins_a_parameter_layout(capsys):
+    args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "1x4", "--json"]
+    args += ["--force", "blocks.*.mlp.fc.weight=RS(0)", "--force", "blocks.*.mlp.proj.weight=RS(1)"]
+    assert main(args) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    layouts = dict(plan.params)
+    assert layouts["blocks.0.mlp.fc.weight"] == ("R", "S(0)")
+    assert layouts["blocks.1.mlp.proj.weight"] == ("R", "S(1)")
+
+
+def test_large_gpt_plans_on_meta_in_seconds(capsys):
+    """ATP's M4 (44.8B parameters, 24 layers, h=12288) on 8 H100s: nothing is allocated, the stack of
+    layers is one decision group, and the chosen plan fits in 80 GiB."""
+    args = ["plan", "-m", "atp-m4", "-c", "dgx-h100", "-n", "8", "--mesh", "2x4", "--dtype", "bfloat16", "--json"]
+    assert main(args) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.mesh_shape == (2, 4)
+    assert plan.memory.total <= plan.memory.capacity == 80 * 2**30
+    assert plan.solver.gap < 0.01
+    layouts = {name: layout for name, layout in plan.params}
+    assert layouts["blocks.0.attn.qkv.weight"] == layouts["blocks.23.attn.qkv.weight"] != ("R", "R")
+
+
+def test_help_explains_the_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--model", "--cluster", "--devices", "--mesh", "--batch", "--seq", "--layers", "--out", "--json"):
+        assert opt in out
+    assert "meta device" in out and "train --plan" in out
+
+
+def test_unknown_model(capsys):
+    _one_line_error(capsys, ["plan", "-m", "gpt-huge", "-c", "atp-ic3"], "'gpt-huge'", "atp-m1", "meshpilot presets")
+
+
+def test_more_devices_than_the_cluster(capsys):
+    _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "16"], "--devices 16", "has only 8 devices")
+
+
+def test_mesh_must_match_devices(capsys):
+    _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--mesh", "2x4"], "--mesh 2x4")
+    _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "2by2"], "d1xd2")
+
+
+def test_gpt_options_on_a_non_gpt(capsys):
+    _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--layers", "4"], "--layers", "GPT")
+
+
+def test_bad_force(capsys):
+    _one_line_error(
+        capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--force", "fc1.weight"], "PATTERN=LAYOUT"
+    )
+
+
+def test_no_plan_fits_is_the_plan_error(capsys):
+    err = _one_line_error(
+        capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--memory-gib", "1e-6"]
+    )
+    assert "no sharding plan fits" in err and "GiB" in err
+
+
+def test_out_into_a_missing_folder(tmp_path, capsys):
+    _one_line_error(
+        capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--out", str(tmp_path / "no" / "p.json")], "folder"
+    )
+
+
+def test_train_plan_checks_the_file_and_the_world_size(tmp_path, capsys, monkeypatch):
+    """`meshpilot train --plan` refuses, in one line and before any process group, a missing plan file and a
+    plan for another number of devices than torchrun started."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--plan", str(tmp_path / "none.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    path = tmp_path / "plan.json"
+    assert main(["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "4x1", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--plan", str(path), "--model", "gpt-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "planned for 4 devices" in err and "--nproc-per-node 4" in err
+    assert main(["train", "--plan", str(path), "--mesh", "2x2"]) == 2
+    assert "leave out --mesh" in capsys.readouterr().err
