@@ -81,7 +81,7 @@ EXPECTED = [
     ("atp-ic6:4", (4, 4), 50.0, 50.0),
     ("atp-fig7a", (4, 4), 25 / 4, 600.0),
     ("atp-fig7a", (8, 2), 12.5, 200.0),
-    ("alpa-p3x8", (8, 8), 3.125 / 8, 300.0),
+    ("alpa-p3x8", (8, 8), 3.125 / 8, 200.0),  # hybrid cube mesh: best ring of 100 GB/s hops, both ways
     ("alpa-p3x8", (32, 2), 3.125 / 2, 50.0),  # GPUs 0 and 1: one NVLink-2 link
     ("hidup-v100x64", (8, 8), 9.71 / 8 / 8, 175.0),
     ("hidup-2x4-100g", (2, 4), 12.5 / 4, 75.0),
@@ -177,3 +177,22 @@ def test_more_groups_sharing_never_raise_bandwidth(layers, data):
     subset = groups[:k]
     assert effective_bandwidth(c, subset) >= effective_bandwidth(c, groups)
     assert effective_bandwidth(c, groups[:1]) >= effective_bandwidth(c, subset)
+
+
+def test_ring_crosses_the_slow_hop_between_racks():
+    """Two racks of two nodes, 0.2 GB/s inside a rack, 0.05 GB/s across: any ring crosses a slow hop, so B'
+    is two directions of it (0.1), not a node's 0.2 GB/s group bandwidth (the sum of its links)."""
+    p2p = [[0, 0.2, 0.05, 0.05], [0.2, 0, 0.05, 0.05], [0.05, 0.05, 0, 0.2], [0.05, 0.05, 0.2, 0]]
+    c = cluster_from_dict(
+        {
+            "device": "cpu",
+            "layers": [
+                {"name": "node", "ranks": 4, "p2p_GBps": p2p, "group_GBps": 0.2, "latency_us": 50},
+                {"name": "rank", "ranks": 2, "p2p_GBps": 2.0, "group_GBps": 2.0, "latency_us": 5},
+            ],
+        },
+        source="racks",
+    )
+    assert LogicalMesh(c, (8, 1)).effective_bandwidth(0) == pytest.approx(0.1 * GB)
+    # a group inside one rack keeps the fast link
+    assert LogicalMesh(c, (2, 4)).effective_bandwidth(1) == pytest.approx(0.2 * GB)

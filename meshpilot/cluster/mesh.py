@@ -12,14 +12,22 @@ that a group *spans* (its members sit in more than one unit of layer j) and ever
 that a group *crosses* (it has members inside u and outside u):
 
     share_j(u)   = number of groups of the axis that cross u               (concurrent groups)
-    cap_j(u, g)  = min(GroupBW_j(u), sum_{v != u} W_j(u, v))               if g's other members all lie
-                                                                           in sibling units v of u
+    cap_j(u, g)  = min(GroupBW_j(u), ring_j(u, g))                          if g's other members all lie
+                                                                           in sibling units of u
                  = GroupBW_j(u)                                            otherwise
     B'_j         = min over crossed u of  min_g cap_j(u, g) / share_j(u)
     B'           = min over spanned layers j of B'_j                        (the bottleneck)
 
-W_j is the widest-path closure of P2P_j (:attr:`Layer.reach`): two units without a direct link still
-talk at the bottleneck of the best relay path (0 -> 1 -> 2 on a torus ring).
+ring_j(u, g) is what the P2P matrix lets the collective move out of u. With M the member units of g in
+u's parent and W_j the widest-path closure of P2P_j (:attr:`Layer.reach`; units without a direct link
+talk at the bottleneck of the best relay path, 0 -> 1 -> 2 on a torus ring):
+
+    |M| = 2                      W(u, v)                          the one link, both directions in use
+    W uniform among M            sum_{v in M, v != u} W(u, v)     several rings use every link at once
+    otherwise                    2 * min_{w in M} second_max_{x in M} W(w, x)
+                                 the bottleneck hop of the best bidirectional ring: each member needs
+                                 two ring neighbours, so no ring beats the second-best link of its
+                                 worst-connected member (two racks joined by slow links: the slow hop)
 
 ``share`` is ATP's "divide by d2 when d2 groups share the inter-node bandwidth"; ``cap`` is its P2P
 correction ("B2' is lower than the group bandwidth due to the constraints of the P2P matrix"). Groups
@@ -78,9 +86,7 @@ class LogicalMesh:
             )
         ranks = np.arange(n).reshape(shape) if self.ranks is None else np.asarray(self.ranks, dtype=np.int64)
         if ranks.shape != shape:
-            raise UserError(
-                f"mesh rank map has shape {ranks.shape}, expected {shape}; give one rank per coordinate"
-            )
+            raise UserError(f"mesh rank map has shape {ranks.shape}, expected {shape}; give one rank per coordinate")
         flat = ranks.reshape(-1)
         if len(set(flat.tolist())) != flat.size or flat.min() < 0 or flat.max() >= self.cluster.num_devices:
             raise UserError(
@@ -173,18 +179,30 @@ def effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
             if units.size <= 1:
                 continue  # this group does not span layer j
             same_parent = np.unique(parent[g]).size == 1
+            members = (units % layer.ranks).tolist()
             for u in units.tolist():
                 c = u % layer.ranks
+                limit = float(layer.group_bw[c])
                 if same_parent:
-                    others = [v % layer.ranks for v in units.tolist() if v != u]
-                    limit = min(layer.group_bw[c], float(layer.reach[c, others].sum()))
-                else:
-                    limit = float(layer.group_bw[c])
+                    limit = min(limit, _ring_capacity(layer.reach, members, c))
                 share[u] = share.get(u, 0) + 1
                 cap[u] = min(cap.get(u, math.inf), limit)
         for u, n in share.items():
             best = min(best, cap[u] / n)
     return best
+
+
+def _ring_capacity(reach: np.ndarray, members: list[int], u: int) -> float:
+    """ring_j(u, g) of the module docstring: what the links among `members` let u send."""
+    sub = reach[np.ix_(members, members)]
+    others = [v for v in members if v != u]
+    if len(members) == 2:
+        return float(reach[u, others[0]])
+    off = sub[~np.eye(len(members), dtype=bool)]
+    if np.all(off == off[0]):
+        return float(reach[u, others].sum())
+    second_best = np.sort(sub + np.diag(np.full(len(members), -np.inf)), axis=1)[:, -2]
+    return float(2 * second_best.min())
 
 
 def group_latency(cluster: Cluster, groups: np.ndarray) -> float:
