@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ import torch
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Auto-sharding step time vs hand-written DTensor TP"
+FINDINGS = "### Findings"  # a hand-written subsection of ours that --doc keeps when it rewrites the numbers
 VARIANTS = ("hand-written", "plan: forced", "plan: solver")
 
 
@@ -219,6 +221,7 @@ def main() -> int:
     ap.add_argument("--latency-us", type=float, default=125.0, help="the solver's latency per step, µs (default 125)")
     ap.add_argument("--profile", action="store_true", help="split one more step of each variant by where it goes")
     ap.add_argument("--doc", action="store_true", help=f"write the results under '{HEADING}' in {DOC.name}")
+    ap.add_argument("--json-out", type=Path, help="also save the results (and the command, machine) as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plans", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -235,7 +238,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         plans = make_plans(args, Path(tmp))
         result = Path(tmp) / "result.json"
-        passthrough = [a for a in sys.argv[1:] if a not in ("--doc",)]
+        passthrough = [a for a in sys.argv[1:] if a != "--doc"]
+        if "--json-out" in passthrough:  # the parent's option
+            j = passthrough.index("--json-out")
+            del passthrough[j : j + 2]
         cmd = [
             sys.executable,
             "-m",
@@ -267,6 +273,8 @@ def main() -> int:
         for k in ("hidden", "heads", "layers", "seq", "batch", "vocab", "nproc", "tflops", "gbps", "latency_us")
     }
     show(res)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(res, indent=1))
     if args.doc:
         write_doc(res)
     return 0
@@ -428,13 +436,26 @@ def write_doc(res: dict) -> None:
     ]
     if res.get("overhead"):
         lines += [f"- {_overhead_text(res['overhead'])}"]
-    section = "\n".join(lines) + "\n"
+    wrapped = []
+    for line in lines:  # prose wrapped like the rest of docs/, tables and headings as they are
+        if line.startswith(("|", "#")) or len(line) <= 110:
+            wrapped.append(line)
+        else:
+            indent = "  " if line.startswith("- ") else ""
+            wrapped.append(
+                textwrap.fill(line, 110, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+            )
+    section = "\n".join(wrapped) + "\n"
     # Read right before writing, and replace only this section: other sections are other people's.
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     start = text.find(HEADING + "\n")
     if start >= 0:
         nxt = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
+        old = text[start : nxt + 1 if nxt >= 0 else len(text)]
+        keep = old.find("\n" + FINDINGS)  # hand-written analysis under the section: kept
+        if keep >= 0:
+            section += old[keep:].rstrip("\n") + "\n"
+        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
         text = text.rstrip("\n") + "\n"
     else:
         text = text.rstrip("\n") + "\n\n" + section
