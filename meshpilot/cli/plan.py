@@ -11,7 +11,7 @@ collectives in front of each, the warnings and the solver's gap and time.
 Examples:
   meshpilot plan --model gpt-tiny --cluster atp-ic3 --devices 4
   meshpilot plan --model atp-m2 --cluster dgx-h100:2 --devices 16 --mesh 2x8 --out plan.json
-  meshpilot plan --model gpt --layers 96 --hidden 12288 --heads 96 --cluster dgx-h100:16 --dtype bfloat16
+  meshpilot plan --model gpt --layers 96 --hidden 12288 --heads 96 --cluster dgx-h100:8 --dtype bfloat16
   meshpilot plan --model mlp --cluster atp-ic3 --devices 4 --json > plan.json
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
@@ -79,8 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ops",
         choices=("summary", "all", "none"),
         default="summary",
-        help="per-operator table: 'summary' (default) hides pure views without a collective, 'all' shows every "
-        "node, 'none' skips it; a stack of repeated layers is shown once either way",
+        help="per-operator table: 'summary' (default) shows the operators that read a parameter, multiply, "
+        "produce partial sums or have a collective in front, 'all' every node, 'none' skips the table; a stack of "
+        "repeated layers is shown once either way",
     )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
