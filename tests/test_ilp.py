@@ -102,3 +102,61 @@ def test_cluster_matrix_changes_the_plan():
     b = plan(m, x, "atp-ic3", mesh_shape=(2, 4))
     assert a.time.total_s > b.time.total_s
     assert a.time.communication_s + a.time.resharding_s > b.time.communication_s + b.time.resharding_s
+
+
+def _bench_graph(layers=2, h=256, heads=4, batch=4, seq=64):
+    from meshpilot.models.zoo import PlanBenchTransformer
+
+    with torch.device("meta"):
+        m = PlanBenchTransformer(layers, h, heads)
+    return capture(m, (torch.empty(batch, seq, h, device="meta"),))
+
+
+def test_structure_priced_per_mapping_is_a_fresh_build():
+    """The structure is built once per shape (row mapping's cost model) and priced for the col mapping:
+    the ILP is the one a full build on the col mapping gives."""
+    import numpy as np
+
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner.auto import _mesh_ranks
+    from meshpilot.planner.ilp import Pricer, build_structure, price
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    cl = load_cluster("dgx-h100:2")
+    shape = (4, 4)
+    dm = fake_device_mesh(shape)
+    row = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "row")))
+    col = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "col")))
+    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, row), row)
+    priced = price(struct, Pricer(struct.table, Resharder(dm, col)))
+    fresh = build_problem(g, StrategyBuilder(g, dm), Resharder(dm, col), col)
+    assert len(priced.groups) == len(fresh.groups)
+    for a, b in zip(priced.groups, fresh.groups):
+        assert np.allclose(a.cost, b.cost, rtol=1e-12, atol=0) and np.array_equal(a.mem, b.mem)
+    assert priced.edges.keys() == fresh.edges.keys()
+    for k, e in priced.edges.items():
+        assert np.allclose(e.cost, fresh.edges[k].cost, rtol=1e-12, atol=0)
+    s1, s2 = solve(priced), solve(fresh)
+    assert s1.objective == pytest.approx(s2.objective, rel=1e-12)
+    # the two mappings do price differently on a hierarchical cluster
+    assert solve(price(struct, Pricer(struct.table, Resharder(dm, row)))).objective != pytest.approx(s1.objective)
+
+
+def test_compute_lower_bound_is_below_every_plan_of_the_shape():
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_2d
+    from meshpilot.planner.auto import compute_lower_bound
+    from meshpilot.planner.ilp import build_structure
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    cl = load_cluster("dgx-h100:2")
+    for shape in mesh_shapes_2d(16):
+        dm = fake_device_mesh(shape)
+        cm = CostModel(LogicalMesh(cl, shape))
+        lb = compute_lower_bound(build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm))
+        for mapping in ("row", "col") if min(shape) > 1 else ("row",):
+            p = plan(None, (), cl, mesh_shape=shape, mappings=(mapping,), graph=g)
+            assert 0 < lb <= p.time.compute_s * (1 + 1e-12), (shape, mapping, lb, p.time)

@@ -1,12 +1,47 @@
 """``meshpilot.plan(model, example_inputs, cluster, ...) -> Plan``: capture, enumerate, solve, search meshes.
 
 1. :func:`~meshpilot.graph.capture.capture` traces the joint forward + backward graph on fake tensors.
-2. For every candidate mesh — each 2D shape ``(d1, d2)`` of the devices (``mesh_shapes_2d``), and for each
-   two device mappings (axis 1 on contiguous ranks, the default, or axis 0 on contiguous ranks) — the
-   strategies are enumerated (once per shape: they do not depend on the mapping) and the ILP is built on
-   that mesh's :class:`~meshpilot.cluster.CostModel` and solved (:mod:`meshpilot.planner.ilp`).
-3. The cheapest feasible candidate becomes the :class:`~meshpilot.planner.plan.Plan`; if none fits in
-   memory, :class:`~meshpilot.planner.ilp.PlanError` names the smallest need found and the capacity.
+2. For every candidate mesh shape — each 2D shape ``(d1, d2)`` of the devices (``mesh_shapes_2d``) — the
+   ILP's structure is built once (:func:`~meshpilot.planner.ilp.build_structure`: strategies, groups,
+   compute costs, memory, edge classes), with a lower bound of any plan's step time on that shape: the
+   compute of every class of identical nodes at its cheapest strategy (:func:`compute_lower_bound`; edges
+   cost ≥ 0 and the post-pass changes no compute, so it bounds the final step time of every mapping).
+3. Shapes are visited in increasing order of that bound; a shape whose bound is at least the best step
+   time found so far is skipped (listed in the solver report with both numbers), and one whose least
+   possible memory (:func:`min_memory`) exceeds the capacity is reported without solving. For each of two
+   device mappings (axis 1 on contiguous ranks, the default, or axis 0 on contiguous ranks) the structure
+   is priced on that mapping's :class:`~meshpilot.cluster.CostModel` (:func:`~meshpilot.planner.ilp.price`)
+   and solved, then the ZeRO-like post-pass (:func:`zero_pass`) runs on the solution.
+4. The candidate with the least predicted step time becomes the :class:`~meshpilot.planner.plan.Plan`; if
+   none fits in memory, :class:`~meshpilot.planner.ilp.PlanError` names the smallest need found and the
+   capacity.
+
+ZeRO-like post-pass
+-------------------
+For a parameter stored replicated on mesh axis ``a`` whose gradient arrives by an all-reduce over ``a``,
+the post-pass can store it sharded on ``a`` instead (``S(d)`` for the first dim ``d`` that divides evenly,
+preferring a dim no other axis shards); its gradient and AdamW states follow. The consumers keep their
+planned layouts, so the run (DTensor) all-gathers the weight where it is read and reduce-scatters the
+gradient into the shard: all-reduce → reduce-scatter + all-gather, and every rank updates ``1/n_a`` of the
+weight. Each switch is priced exactly: ``Δt`` = the gradient's new resharding + the consumers' new
+all-gathers − what they cost before (``Resharder``, DTensor's own steps, latency included); ``Δmem`` =
+``(w + grad + AdamW) · (1/sf' − 1/sf)`` plus the gathered copy where a view of the weight is kept for the
+backward (it is activation memory then). The rule, with ``ε = 1e-9`` relative:
+
+* **cheaper**: ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or ``|Δt| ≤ ε``
+  and ``Δmem < 0``. On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
+  ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest,
+  so large gradients tie (and the switch wins on memory and on the update work, which the step time does
+  not model); small, latency-bound gradients (recursive doubling) stay all-reduced.
+* **memory**: if the plan still does not fit, the remaining candidates are applied in increasing order of
+  ``Δt / saved bytes`` until it does.
+
+With ``zero="auto"`` and a finite capacity the ILP is first solved against its ZeRO memory row (what the
+plan needs once every replicated update is sharded, ``ilp`` docstring), so it can keep the faster,
+less-sharded plan that fits only with the post-pass; if the post-pass cannot make it fit, or fitting cost
+time, the plain row is solved too and the faster of the two fitting plans is kept. ``zero="off"`` skips the
+pass; ``zero="all"`` applies every candidate switch. Switches are listed in ``Plan.zero`` and the plan's
+time, memory and collectives describe the switched plan.
 """
 
 from __future__ import annotations
@@ -14,13 +49,25 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from meshpilot.graph.capture import OpGraph, capture
-from meshpilot.planner.ilp import ADAM_STATE_BYTES, PlanError, Problem, Solution, _Costs, build_problem, solve
+from meshpilot.planner.ilp import (
+    ADAM_STATE_BYTES,
+    PlanError,
+    Pricer,
+    Problem,
+    Solution,
+    Structure,
+    _Costs,
+    build_structure,
+    price,
+    solve,
+)
 from meshpilot.planner.plan import (
     MemoryUse,
     MeshCandidate,
@@ -29,10 +76,14 @@ from meshpilot.planner.plan import (
     PlannedCollective,
     SolverReport,
     StepTime,
+    ZeroSwitch,
 )
-from meshpilot.sharding.placements import replicated, shard_factor, to_json
+from meshpilot.sharding.placements import is_even, replicated, shard_factor, to_json
 from meshpilot.sharding.reshard import Resharder
-from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+from meshpilot.sharding.strategies import Strategy, StrategyBuilder, fake_device_mesh
+
+ZERO_MODES = ("auto", "off", "all")
+_EPS = 1e-9
 
 
 def _mesh_ranks(shape: tuple[int, ...], mapping: str) -> np.ndarray:
@@ -41,6 +92,22 @@ def _mesh_ranks(shape: tuple[int, ...], mapping: str) -> np.ndarray:
         return np.arange(n).reshape(shape)
     # axis 0 on contiguous ranks
     return np.arange(n).reshape(tuple(reversed(shape))).T.copy()
+
+
+@dataclass
+class _Candidate:
+    shape: tuple[int, ...]
+    mapping: str
+    prob: Problem
+    sol: Solution
+    chosen: dict[str, Strategy]
+    switches: list[ZeroSwitch]
+    time_s: float
+    memory: float
+    resharder: Resharder
+    cm: Any
+    lm: Any
+    note: str = ""
 
 
 def plan(
@@ -58,18 +125,21 @@ def plan(
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
     graph: OpGraph | None = None,
+    zero: str = "auto",
 ) -> Plan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
     `cluster` is a :class:`~meshpilot.cluster.Cluster` or a preset name / TOML path. The mesh uses
     `num_devices` of it (default: all); `mesh_shape` fixes the shape instead of searching all 2D shapes.
     `memory_bytes` overrides the device capacity. `force` pins layouts of parameters / inputs by name
-    pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh). See
-    :func:`~meshpilot.graph.capture.capture` for what
-    the model must return (or pass `loss_fn`).
+    pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh). `zero` is the ZeRO-like
+    post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all`` (module docstring). See
+    :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_2d
 
+    if zero not in ZERO_MODES:
+        raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
     t_start = time.perf_counter()
     cl = load_cluster(cluster)
     n = num_devices or (math.prod(mesh_shape) if mesh_shape else cl.num_devices)
@@ -78,57 +148,101 @@ def plan(
     if graph is None:
         graph = capture(model, example_inputs, loss_fn=loss_fn)
     capture_s = time.perf_counter() - t0
-
+    uses = _ParamUses(graph)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
-    best = None
+    best: _Candidate | None = None
+    best_builder: StrategyBuilder | None = None
     tried: list[MeshCandidate] = []
     errors: list[PlanError] = []
-    build_s = solve_s = 0.0
+    build_s = solve_s = post_s = 0.0
+    stats = {"ilps": 0}
+    # 1. every shape's structure (strategies, groups, classes) and its compute-only lower bound
+    shaped = []
     for shape in shapes:
+        t1 = time.perf_counter()
         dmesh = fake_device_mesh(shape)
         builder = StrategyBuilder(graph, dmesh)
+        cm0 = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "row")))
+        # compute is priced on the device (the same for every mapping); resharding per mapping, below
+        struct = build_structure(graph, builder, Resharder(dmesh, cm0), cm0, merge_trivial=merge_trivial, force=force)
+        build_s += time.perf_counter() - t1
+        shaped.append((compute_lower_bound(struct), len(shaped), shape, dmesh, builder, struct))
+    # 2. most promising shape first; a shape whose lower bound reaches the best step time is skipped
+    for lower, _, shape, dmesh, builder, struct in sorted(shaped, key=lambda x: (x[0], x[1])):
         maps = [m for m in mappings if m == "row" or sum(d > 1 for d in shape) > 1] or ["row"]
+        if best is not None and lower >= best.time_s:
+            for mapping in maps:
+                tried.append(
+                    MeshCandidate(
+                        shape,
+                        mapping,
+                        None,
+                        f"skipped: compute alone takes at least {lower * 1e3:.1f} ms, "
+                        f"the best plan {best.time_s * 1e3:.1f} ms",
+                    )
+                )
+            continue
+        need = min_memory(struct, "plain" if zero == "off" else "zero")
+        if need > capacity:
+            e = PlanError(
+                f"no sharding plan fits: the smallest per-device memory found is {need / 2**30:.2f} GiB "
+                f"but a device holds {capacity / 2**30:.2f} GiB (mesh {shape})"
+            )
+            errors.append(e)
+            tried += [MeshCandidate(shape, mapping, None, str(e)) for mapping in maps]
+            continue
         for mapping in maps:
-            ranks = _mesh_ranks(shape, mapping)
-            lm = LogicalMesh(cl, shape, ranks)
+            lm = LogicalMesh(cl, shape, _mesh_ranks(shape, mapping))
             cm = CostModel(lm)
             resharder = Resharder(dmesh, cm)
             t1 = time.perf_counter()
-            prob = build_problem(
-                graph, builder, resharder, cm, capacity=capacity, merge_trivial=merge_trivial, force=force
-            )
+            prob = price(struct, Pricer(struct.table, resharder), capacity)
             build_s += time.perf_counter() - t1
             try:
-                sol = solve(prob, time_limit=time_limit, mip_rel_gap=mip_gap)
+                cand, s_s, p_s = _solve_candidate(
+                    graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats
+                )
             except PlanError as e:
                 errors.append(e)
                 tried.append(MeshCandidate(shape, mapping, None, str(e)))
                 continue
-            solve_s += sol.solve_s
-            tried.append(MeshCandidate(shape, mapping, sol.objective))
-            if best is None or sol.objective < best[0].objective - 1e-15:
-                best = (sol, prob, resharder, cm, lm, mapping, builder)
+            solve_s += s_s
+            post_s += p_s
+            cand.cm, cand.lm = cm, lm
+            tried.append(MeshCandidate(shape, mapping, float(cand.time_s), cand.note))
+            if best is None or cand.time_s < best.time_s - 1e-15:
+                best = cand
+                best_builder = builder
     if best is None:
-        needs = [e for e in errors]
         raise (
-            needs[0]
-            if len(needs) == 1
-            else PlanError("no sharding plan fits on any mesh shape: " + "; ".join(str(e) for e in needs[:3]))
+            errors[0]
+            if len(errors) == 1
+            else PlanError("no sharding plan fits on any mesh shape: " + "; ".join(str(e) for e in errors[:3]))
         )
-    sol, prob, resharder, cm, lm, mapping, builder = best
     return _assemble(
         graph,
-        prob,
-        sol,
-        resharder,
-        cm,
-        lm,
-        mapping,
-        builder,
+        best,
+        uses,
+        best_builder,
         capacity,
-        SolverTimes(capture_s, build_s, solve_s, time.perf_counter() - t_start),
+        (capture_s, build_s, solve_s, post_s, time.perf_counter() - t_start),
         tuple(tried),
+        stats["ilps"],
     )
+
+
+def compute_lower_bound(struct: Structure) -> float:
+    """A lower bound of the step time of every plan on `struct`'s mesh shape, for any device mapping and
+    with or without the ZeRO post-pass: the compute of each class of identical nodes at its cheapest
+    strategy (edges cost ≥ 0, the post-pass changes no compute, a group's minimum is at least the sum of
+    its classes' minima)."""
+    return float(sum(float(per.min()) for _, per in struct.cost_terms))
+
+
+def min_memory(struct: Structure, row: str = "plain") -> float:
+    """A lower bound of the bytes per device of every plan on `struct`'s shape (each class at its least)."""
+    k = 1 if row == "plain" else 2
+    return float(sum(float(t[k].min()) for t in struct.mem_terms))
 
 
 class SolverTimes(tuple):
@@ -136,22 +250,214 @@ class SolverTimes(tuple):
         return super().__new__(cls, (capture_s, build_s, solve_s, total_s))
 
 
-def _assemble(
+def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats):
+    """Solve one mesh candidate (ILP + ZeRO post-pass); returns (candidate, solve seconds, post seconds).
+    ``stats["ilps"]`` counts the HiGHS runs."""
+    solve_s = post_s = 0.0
+
+    def attempt(row: str) -> _Candidate:
+        nonlocal solve_s, post_s
+        stats["ilps"] += 1
+        sol = solve(prob, time_limit=time_limit, mip_rel_gap=mip_gap, memory=row)
+        solve_s += sol.solve_s
+        t = time.perf_counter()
+        chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
+        switches, d_t, d_mem = zero_pass(graph, prob, chosen, uses, resharder, sol.memory, capacity, zero)
+        post_s += time.perf_counter() - t
+        return _Candidate(
+            shape, mapping, prob, sol, chosen, switches, sol.objective + d_t, sol.memory + d_mem, resharder, None, None
+        )
+
+    fits = lambda c: c.memory <= capacity * (1 + _EPS)  # noqa: E731
+    if zero == "off" or not math.isfinite(capacity):
+        return attempt("plain"), solve_s, post_s
+    first = attempt("zero")
+    costly = any(s.reason == "memory" and s.delta_s > _EPS * first.time_s for s in first.switches)
+    if fits(first) and not costly:
+        first.note = _note(first)
+        return first, solve_s, post_s
+    try:
+        second = attempt("plain")
+    except PlanError:
+        second = None
+    options = [c for c in (first, second) if c is not None and fits(c)]
+    if not options:
+        raise PlanError(
+            f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape} even with the "
+            f"ZeRO post-pass (it needs {first.memory / 2**30:.2f} GiB)"
+        )
+    pick = min(options, key=lambda c: c.time_s)
+    pick.note = _note(pick)
+    return pick, solve_s, post_s
+
+
+def _note(c: _Candidate) -> str:
+    if not c.switches:
+        return ""
+    why = sorted({s.reason for s in c.switches})
+    return f"ZeRO: {len(c.switches)} parameters ({', '.join(why)})"
+
+
+# ------------------------------------------------------------------------------------------ ZeRO pass
+
+
+class _ParamUses:
+    """Per parameter node: the nodes reading it directly, and which of those are views kept for the
+    backward (a copy all-gathered for such a view lives until the backward: activation memory)."""
+
+    def __init__(self, graph: OpGraph):
+        self.consumers: dict[str, list[tuple[str, int]]] = {}
+        params = {n.name for n in graph.nodes if n.kind == "param"}
+        for n in graph.nodes:
+            for a, (s, _) in enumerate(n.inputs):
+                if s in params:
+                    self.consumers.setdefault(s, []).append((n.name, a))
+        self.kept: set[tuple[str, str]] = set()
+        for n in graph.nodes:
+            if not n.saved_for_backward:
+                continue
+            for _ in range(len(n.outputs)) if n.kind == "op" else [0]:
+                name, prev = n.name, None
+                node = graph[name]
+                while node.is_view and node.inputs:
+                    prev = name
+                    name = node.inputs[0][0]
+                    node = graph[name]
+                if node.kind == "param" and prev is not None:
+                    self.kept.add((name, prev))
+
+
+def _zero_layout(layout, axes, shape, mesh_shape):
+    """`layout` with ``S(d)`` on each of `axes` (first evenly divisible dim, unsharded dims first)."""
+    from torch.distributed.tensor import Shard
+
+    new = list(layout)
+    done = []
+    for a in axes:
+        sharded = {p.dim for p in new if isinstance(p, Shard)}
+        dims = [d for d in range(len(shape)) if d not in sharded] + [d for d in range(len(shape)) if d in sharded]
+        for d in dims:
+            trial = list(new)
+            trial[a] = Shard(d)
+            if is_even(tuple(trial), shape, mesh_shape):
+                new = trial
+                done.append(a)
+                break
+    return tuple(new), tuple(done)
+
+
+def _param_edges_s(p, layout, g_layout, g_info, chosen, uses: _ParamUses, resharder: Resharder) -> float:
+    """Seconds of the edges a parameter stored in `layout` is on: its gradient in, its readers out."""
+    t = resharder.cost(g_layout, layout, g_info)
+    for v, a in uses.consumers.get(p.name, ()):
+        t += resharder.cost(layout, chosen[v].ins[a], p.out)
+    return t
+
+
+def _gathered_bytes(p, layout, chosen, uses: _ParamUses, mesh_shape) -> float:
+    """Bytes of the copies of a parameter stored in `layout` that are resharded for a view kept for the
+    backward (they live until the backward)."""
+    b = 0.0
+    for v, a in uses.consumers.get(p.name, ()):
+        want = chosen[v].ins[a]
+        if (p.name, v) in uses.kept and want != layout:
+            b += p.out.nbytes / shard_factor(want, mesh_shape)
+    return b
+
+
+def zero_pass(
     graph: OpGraph,
     prob: Problem,
-    sol: Solution,
+    chosen: dict[str, Strategy],
+    uses: _ParamUses,
     resharder: Resharder,
-    cm,
-    lm,
-    mapping: str,
+    memory: float,
+    capacity: float,
+    mode: str = "auto",
+) -> tuple[list[ZeroSwitch], float, float]:
+    """The ZeRO-like post-pass (module docstring). Updates `chosen` for the switched parameters and
+    returns (switches, Δ step seconds, Δ bytes per device)."""
+    if mode == "off":
+        return [], 0.0, 0.0
+    mesh_shape = prob.mesh_shape
+    pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
+    cands = []
+    for fqn, gsrc in graph.grads.items():
+        if gsrc is None:
+            continue
+        p = pnodes[fqn]
+        if p.name in prob.forced or p.out is None:
+            continue
+        old = chosen[p.name].outs[0]
+        g_layout = chosen[gsrc[0]].outs[gsrc[1]]
+        g_info = graph[gsrc[0]].outputs[gsrc[1]]
+        if old is None or g_layout is None or g_info is None:
+            continue
+        axes = sorted(
+            {
+                c.axis
+                for c in resharder.collectives(g_layout, old, g_info)
+                if c.kind == "all_reduce" and old[c.axis].is_replicate()
+            }
+        )
+        if not axes:
+            continue
+        new, axes = _zero_layout(old, axes, p.out.shape, mesh_shape)
+        if not axes:
+            continue
+        st = next((s for s in prob.strategies[p.name] if s.outs[0] == new), None)
+        if st is None:
+            continue
+
+        t_old, t_new = (_param_edges_s(p, lay, g_layout, g_info, chosen, uses, resharder) for lay in (old, new))
+        state = 2 * p.out.nbytes + ADAM_STATE_BYTES * p.out.numel
+        d_mem = state * (1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape))
+        d_mem += _gathered_bytes(p, new, chosen, uses, mesh_shape) - _gathered_bytes(p, old, chosen, uses, mesh_shape)
+        cands.append((fqn, p.name, old, new, axes, t_new - t_old, d_mem, st, max(t_old, t_new)))
+
+    applied: list[tuple] = []
+    total_t = total_m = 0.0
+    rest = []
+    for c in cands:
+        d_t, d_mem, scale = c[5], c[6], c[8]
+        tol = _EPS * scale + 1e-15
+        cheaper = d_t < -tol or (abs(d_t) <= tol and d_mem < 0)
+        if mode == "all" or (cheaper and (d_mem <= 0 or memory + total_m + d_mem <= capacity)):
+            applied.append((c, "cheaper" if cheaper else "all"))
+            total_t += d_t
+            total_m += d_mem
+        else:
+            rest.append(c)
+    if memory + total_m > capacity:
+        for c in sorted((c for c in rest if c[6] < 0), key=lambda c: c[5] / -c[6]):
+            if memory + total_m <= capacity:
+                break
+            applied.append((c, "memory"))
+            total_t += c[5]
+            total_m += c[6]
+    switches = []
+    for (fqn, name, old, new, axes, d_t, d_mem, st, _), reason in applied:
+        chosen[name] = st
+        switches.append(ZeroSwitch(fqn, axes, tuple(to_json(old)), tuple(to_json(new)), reason, d_t, -d_mem))
+    return switches, total_t, total_m
+
+
+# ------------------------------------------------------------------------------------------ assemble
+
+
+def _assemble(
+    graph: OpGraph,
+    cand: _Candidate,
+    uses: _ParamUses,
     builder: StrategyBuilder,
     capacity: float,
-    times: tuple[float, float, float, float],
+    times: tuple[float, float, float, float, float],
     tried: tuple[MeshCandidate, ...],
+    ilps: int = 1,
 ) -> Plan:
+    prob, sol, resharder, cm, lm, chosen = cand.prob, cand.sol, cand.resharder, cand.cm, cand.lm, cand.chosen
     mesh_shape = prob.mesh_shape
     nd = len(mesh_shape)
-    chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
     costs = _Costs(cm, mesh_shape)
     compute = comm = reshard = 0.0
     colls: list[PlannedCollective] = []
@@ -199,51 +505,24 @@ def _assemble(
         if g is not None:
             edge(g[0], g[1], f"grad:{fqn}", layout, "bwd")
 
-    # memory per device
-    mp = mg = mo = ma = mi = 0.0
-    for n in graph.nodes:
-        if n.out is None:
-            continue
-        if n.kind in ("param", "buffer", "input"):
-            sf = shard_factor(chosen[n.name].outs[0], mesh_shape)
-            if n.kind == "param":
-                mp += n.out.nbytes / sf
-                if graph.grads.get(n.fqn) is not None:
-                    mg += n.out.nbytes / sf
-                    mo += ADAM_STATE_BYTES * n.out.numel / sf
-            else:
-                mi += n.out.nbytes / sf
-    from meshpilot.planner.ilp import _base
-
-    seen = set()
-    for n in graph.nodes:
-        if not n.saved_for_backward:
-            continue
-        for i in range(len(n.outputs)) if n.kind == "op" else [0]:
-            b = _base(graph, n.name, i)
-            if b in seen or graph[b[0]].kind != "op":
-                continue
-            seen.add(b)
-            info = graph[b[0]].outputs[b[1]]
-            lay = chosen[b[0]].outs[b[1]]
-            if info is not None and lay is not None:
-                ma += info.nbytes / shard_factor(lay, mesh_shape)
-
+    memory = memory_use(graph, chosen, mesh_shape, uses, capacity)
     warnings = [f"{op}: replicated ({why})" for op, why in sorted(builder.warnings.items())]
     if sol.gap > 0.01:
         warnings.append(f"ILP stopped at gap {sol.gap:.2%} (time limit)")
-    capture_s, build_s, solve_s, total_s = times
+    if memory.total > capacity * (1 + _EPS):
+        warnings.append(f"predicted memory {memory.total / 2**30:.2f} GiB exceeds {capacity / 2**30:.2f} GiB")
+    capture_s, build_s, solve_s, post_s, total_s = times
     return Plan(
         cluster=lm.cluster.name,
         mesh_shape=tuple(mesh_shape),
         mesh_ranks=tuple(int(r) for r in np.asarray(lm.ranks).reshape(-1)),
-        mapping=mapping,
+        mapping=cand.mapping,
         nodes=tuple(nodes),
         params=tuple(params),
         inputs=tuple(tuple(to_json(chosen[n.name].outs[0])) for n in graph.nodes if n.kind == "input"),
         input_shapes=tuple((i.shape, i.dtype) for i in graph.input_infos),
         time=StepTime(compute, comm, reshard),
-        memory=MemoryUse(mp, mg, mo, ma, mi, capacity),
+        memory=memory,
         collectives=tuple(colls),
         warnings=tuple(warnings),
         solver=SolverReport(
@@ -258,6 +537,51 @@ def _assemble(
             solve_s=solve_s,
             total_s=total_s,
             candidates=tried,
+            post_s=post_s,
+            memory_row=sol.row,
+            ilps_solved=ilps,
         ),
         fingerprint=graph.fingerprint(),
+        zero=tuple(cand.switches),
     )
+
+
+def memory_use(graph: OpGraph, chosen: dict[str, Strategy], mesh_shape, uses: _ParamUses, capacity: float) -> MemoryUse:
+    """Predicted bytes per device of a plan: parameters, gradients and AdamW states in their layouts,
+    activations kept for the backward (views counted at their base; a parameter all-gathered for a view
+    that is kept counts as an activation), inputs and buffers."""
+    from meshpilot.planner.ilp import _base
+
+    mp = mg = mo = ma = mi = 0.0
+    for n in graph.nodes:
+        if n.out is None:
+            continue
+        if n.kind in ("param", "buffer", "input"):
+            sf = shard_factor(chosen[n.name].outs[0], mesh_shape)
+            if n.kind == "param":
+                mp += n.out.nbytes / sf
+                if graph.grads.get(n.fqn) is not None:
+                    mg += n.out.nbytes / sf
+                    mo += ADAM_STATE_BYTES * n.out.numel / sf
+            else:
+                mi += n.out.nbytes / sf
+    seen = set()
+    for n in graph.nodes:
+        if not n.saved_for_backward:
+            continue
+        for i in range(len(n.outputs)) if n.kind == "op" else [0]:
+            b = _base(graph, n.name, i)
+            if b in seen or graph[b[0]].kind != "op":
+                continue
+            seen.add(b)
+            info = graph[b[0]].outputs[b[1]]
+            lay = chosen[b[0]].outs[b[1]]
+            if info is not None and lay is not None:
+                ma += info.nbytes / shard_factor(lay, mesh_shape)
+    for pname, v in uses.kept:
+        a = next(a for c, a in uses.consumers[pname] if c == v)
+        want, have = chosen[v].ins[a], chosen[pname].outs[0]
+        info = graph[pname].out
+        if info is not None and want != have:
+            ma += info.nbytes / shard_factor(want, mesh_shape)
+    return MemoryUse(mp, mg, mo, ma, mi, capacity)

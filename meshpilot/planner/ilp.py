@@ -10,7 +10,7 @@ choices and each node ``v`` in it reads its strategy off the group's choice thro
   whose choices are its strategies (``m_v`` = identity);
 * a *trivial* node (views, ``getitem``, element-wise ops) is merged into its deepest operand as Alpa does:
   it joins the operand's group, and for each choice ``k`` it takes the strategy ``m_v(k)`` that reads
-  the operand's layout at the least resharding + compute cost (:func:`_merge_map`);
+  the operand's layout at the least resharding + compute cost (:func:`_merge_map_ids`);
 * a node of a repeated layer joins the group of the identical node in the first layer
   (``OpGraph.canonical``), so every layer is decided once; its costs still add up per layer.
 
@@ -19,7 +19,7 @@ Objective (Eq. 1)
     min  Σ_g s_gᵀ d_g  +  Σ_(u,v,a) s_{g(u)}ᵀ R_uva s_{g(v)}
 
 * ``d_g[k] = Σ_{v in g} compute(v, m_v(k))`` — roofline time of the node's shard of the work
-  (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``), in :func:`_node_cost`.
+  (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``), in :meth:`_Costs.node`.
   Alpa sets compute to zero and forbids replicated matmuls instead; we price replication honestly.
   ``c_v`` (an op's own communication) is zero for DTensor strategies: partial sums stay ``Partial`` and
   are reduced on the outgoing edge, where ``R`` prices them.
@@ -34,14 +34,39 @@ requires, ``e_pq ≥ 0`` with ``Σ_q e_pq = Σ_{k: out(k)=p} s_uk`` and ``Σ_p e
 diagonal and go to ``d_g``; edges with ``|P| = 1`` or ``|Q| = 1`` too; identical edges (same groups,
 same layout maps — every repeated layer) are summed into one block (:meth:`Problem.add_edge`).
 
-Memory (one row, :func:`build_problem`)
+Memory (one row, :func:`build_structure`)
 ---------------------------------------
     Σ_g s_gᵀ mem_g ≤ capacity,    mem_g[k] = Σ params (w + grad) / shards + AdamW m, v (fp32) / shards
                                               + Σ activations kept for the backward / shards
                                               + inputs / shards
 
+``mem_zero_g`` is the same row when the ZeRO post-pass (``meshpilot.planner.auto``) will shard the
+weight update over every mesh axis where a parameter is replicated: a parameter stored in layout ``L``
+with ``n_R`` devices replicating it (product of its ``R`` axes) then needs ``w / sf`` (the all-gathered
+copy kept for the backward) ``+ (w + grad + AdamW) / (sf · n_R)`` instead of ``(w + grad + AdamW) / sf``
+(the smaller of the two is used). :func:`solve` takes either row (``memory="zero"``); the post-pass then
+makes the ZeRO row true, or the caller falls back to the plain row.
+
 Solved by ``scipy.optimize.milp`` (HiGHS) with a time limit; the relative MIP gap is reported. If the
 memory row makes it infeasible, :class:`PlanError` says the smallest need found and the capacity.
+
+Structure once per mesh shape, prices per device mapping
+---------------------------------------------------------
+Nothing but the resharding seconds depends on how mesh coordinates map to devices, so the work is split:
+
+* :func:`build_structure` (once per mesh shape): strategies (a repeated layer's node asks DTensor once:
+  its strategies are memoised by canonical node and operand candidates), groups, the compute-cost vector
+  of every strategy (roofline on the device, mapping-independent), the memory vectors, and the edge
+  *classes*: all edges ``(u, i) → (v, a)`` whose endpoints share canonical node and layer position (32
+  layers → one class with multiplicity 32) are priced once and multiplied. For every ``(P, Q, tensor)``
+  layout matrix the table records which collectives (kind, axis, bytes) each entry needs
+  (:class:`ReshardTable`, DTensor's transform steps, computed once per shape).
+* :func:`price` (per device mapping): each distinct collective is priced once by that mapping's
+  ``CostModel``; every matrix is then a ``bincount`` of those seconds (:class:`Pricer`); merged trivial
+  nodes get their maps (they depend on resharding seconds), and the groups, edge blocks and memory rows
+  are filled from the classes.
+
+:func:`build_problem` (structure + price) is the one-call form.
 """
 
 from __future__ import annotations
@@ -56,7 +81,7 @@ import torch
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor, work_split
-from meshpilot.sharding.reshard import UNSUPPORTED_S, Resharder
+from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter element
@@ -95,6 +120,8 @@ class Group:
     cost: np.ndarray
     mem: np.ndarray
     owner: str
+    mem_zero: np.ndarray | None = None
+    """The memory row if the ZeRO post-pass shards every replicated parameter's update (module docstring)."""
 
 
 @dataclass
@@ -119,9 +146,11 @@ class Problem:
     edges: dict[tuple, EdgeBlock] = field(default_factory=dict)
     capacity: float = math.inf
     build_s: float = 0.0
+    forced: frozenset[str] = frozenset()
+    """Nodes whose layout a ``force`` pattern pinned (the ZeRO post-pass leaves them alone)."""
 
     def new_group(self, size: int, owner: str) -> int:
-        self.groups.append(Group(size, np.zeros(size), np.zeros(size), owner))
+        self.groups.append(Group(size, np.zeros(size), np.zeros(size), owner, np.zeros(size)))
         return len(self.groups) - 1
 
     def add_edge(self, gu: int, gv: int, lab_u: np.ndarray, lab_v: np.ndarray, cost: np.ndarray) -> None:
@@ -148,10 +177,16 @@ class Problem:
         return sum(g.size for g in self.groups)
 
 
-def _labels(values: list) -> tuple[np.ndarray, list]:
-    idx: dict = {}
-    lab = np.fromiter((idx.setdefault(v, len(idx)) for v in values), dtype=np.int64, count=len(values))
-    return lab, list(idx)
+def _labels(values) -> tuple[np.ndarray, list]:
+    """Label every value by its first appearance: ``[7, 3, 7] -> ([0, 1, 0], [7, 3])``."""
+    vals = np.asarray(values, dtype=np.int64).reshape(-1)
+    if vals.size == 0:
+        return np.zeros(0, dtype=np.int64), []
+    uniq, first, inv = np.unique(vals, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank[inv.reshape(-1)], uniq[order].tolist()
 
 
 class _Costs:
@@ -178,105 +213,260 @@ def _base(graph: OpGraph, name: str, idx: int) -> tuple[str, int]:
     return name, idx
 
 
-def build_problem(
+# ------------------------------------------------------------------------------------- resharding prices
+
+
+class ReshardTable:
+    """Which collectives every entry of a ``(P, Q, tensor)`` resharding matrix needs, on one mesh shape.
+
+    Independent of the device mapping (DTensor's transform steps depend on the mesh shape only), so it is
+    computed once per shape and shared by the :class:`Pricer` of every mapping.
+    """
+
+    def __init__(self, resharder: Resharder):
+        self.resharder = resharder
+        self.colls: list[Collective] = []
+        self._cid: dict[Collective, int] = {}
+        self._spec: dict[tuple, tuple[int, int, np.ndarray, np.ndarray]] = {}
+
+    def spec(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo):
+        """``(|P|, |Q|, entry, collective)``: entry ``p·|Q| + q`` needs ``colls[collective]``."""
+        key = (P, Q, info)
+        hit = self._spec.get(key)
+        if hit is not None:
+            return hit
+        ent: list[int] = []
+        cid: list[int] = []
+        nq = len(Q)
+        rs = self.resharder
+        for a, p in enumerate(P):
+            if p < 0:
+                continue
+            src = by_id(p)
+            for b, q in enumerate(Q):
+                if q == p or q < 0:
+                    continue
+                for c in rs.collectives(src, by_id(q), info):
+                    j = self._cid.get(c)
+                    if j is None:
+                        j = self._cid[c] = len(self.colls)
+                        self.colls.append(c)
+                    ent.append(a * nq + b)
+                    cid.append(j)
+        hit = self._spec[key] = (len(P), nq, np.asarray(ent, dtype=np.int64), np.asarray(cid, dtype=np.int64))
+        return hit
+
+
+class Pricer:
+    """Seconds of resharding matrices on one device mapping: each distinct collective is priced once by
+    the mapping's ``CostModel`` (through ``Resharder.collective_cost``), every matrix is a sum of them."""
+
+    def __init__(self, table: ReshardTable, resharder: Resharder):
+        self.table = table
+        self.resharder = resharder
+        self._sec = np.zeros(0)
+        self._mat: dict[tuple, np.ndarray] = {}
+
+    def matrix(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo) -> np.ndarray:
+        key = (P, Q, info)
+        m = self._mat.get(key)
+        if m is not None:
+            return m
+        n_p, n_q, ent, cid = self.table.spec(P, Q, info)
+        colls = self.table.colls
+        if len(self._sec) < len(colls):
+            cc = self.resharder.collective_cost
+            extra = np.fromiter((cc(c) for c in colls[len(self._sec) :]), dtype=float)
+            self._sec = np.concatenate([self._sec, extra])
+        if ent.size:
+            m = np.bincount(ent, weights=self._sec[cid], minlength=n_p * n_q).reshape(n_p, n_q)
+        else:
+            m = np.zeros((n_p, n_q))
+        self._mat[key] = m
+        return m
+
+
+# ------------------------------------------------------------------------------------------ structure
+
+
+@dataclass
+class Structure:
+    """Everything about one mesh shape's ILP that the device mapping does not change (module docstring)."""
+
+    graph: OpGraph
+    mesh_shape: tuple[int, ...]
+    strategies: dict[str, list[Strategy]]
+    rep: dict[str, str]
+    """Node -> the node whose group and strategy map it shares (itself, or its canonical twin)."""
+    reps: list[str]
+    """Representatives in topological order."""
+    group_of: dict[str, int]
+    """Representative -> group."""
+    group_sizes: list[int]
+    group_owner: list[str]
+    merge: dict[str, tuple[str, int, int]]
+    """Merged trivial representative -> (operand node, its output index, operand position)."""
+    merge_cost: dict[str, np.ndarray]
+    out_ids: dict[str, np.ndarray]
+    """Representative -> [strategies, outputs] interned output layouts (-1: not a tensor)."""
+    in_ids: dict[str, np.ndarray]
+    cost_terms: list[tuple[str, np.ndarray]]
+    """(representative, compute seconds per strategy summed over the nodes of its class)."""
+    edge_terms: list[tuple]
+    """(u, i, v, kind, idx, tensor, multiplicity); kind ``in``: operand idx of v, ``out``: output idx of v
+    (a gradient into its parameter), ``const``: layout id idx (the replicated loss)."""
+    mem_terms: list[tuple[str, np.ndarray, np.ndarray]]
+    """(representative, bytes per strategy, the same on the ZeRO row)."""
+    table: ReshardTable
+    forced: frozenset[str]
+    build_s: float = 0.0
+
+
+def _placeholder(node: OpNode, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """One strategy for a node nothing was offered for: a ``getitem`` of an output that is not a tensor
+    (``convolution_backward``'s bias gradient when there is no bias) — no tensor flows, nothing is priced."""
+    rep = replicated(len(mesh_shape))
+    outs = tuple(rep if o is not None else None for o in node.outputs) or (None,)
+    return [Strategy(outs, tuple(rep for _ in node.inputs), "dtensor" if node.kind == "getitem" else "fallback")]
+
+
+def _id_matrix(rows: list[tuple[int, ...]]) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
+    for j, r in enumerate(rows):
+        out[j, : len(r)] = r
+    return out
+
+
+def build_structure(
     graph: OpGraph,
     builder: StrategyBuilder,
     resharder: Resharder,
     cost_model,
-    capacity: float = math.inf,
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
-) -> Problem:
-    """Strategies for every node, decision groups, node costs, edge blocks and the memory row.
+) -> Structure:
+    """Strategies, groups, compute costs, memory vectors and edge classes of one mesh shape.
 
-    `force` pins layouts of leaves: ``{pattern: "S(0)R"}`` where the fnmatch pattern names a parameter
-    or buffer (``layers.*.weight``), an input (``input:0``) or a node; forced data parallelism, Megatron
-    tensor parallelism and ZeRO-3-like plans are written this way (see ``meshpilot.planner.auto``).
+    `cost_model` prices compute only (roofline on the device: the same for every mapping); `resharder`
+    supplies DTensor's transform steps (its cost model is not used here). `force` pins layouts of leaves:
+    ``{pattern: "S(0)R"}`` where the fnmatch pattern names a parameter or buffer (``layers.*.weight``), an
+    input (``input:0``) or a node; forced data parallelism, Megatron tensor parallelism and ZeRO-3-like
+    plans are written this way (see ``meshpilot.planner.auto``).
     """
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
     costs = _Costs(cost_model, mesh_shape)
-    prob = Problem(graph, mesh_shape, {}, capacity=capacity)
-    strategies = prob.strategies
-    nd = len(mesh_shape)
+    strategies: dict[str, list[Strategy]] = {}
+    rep: dict[str, str] = {}
+    reps: list[str] = []
+    group_of: dict[str, int] = {}
+    sizes: list[int] = []
+    owners: list[str] = []
+    merge: dict[str, tuple[str, int, int]] = {}
+    forced: set[str] = set()
     canonical = graph.canonical
+    cand_cache: dict[tuple[int, int], list] = {}
+    memo: dict[tuple, list[Strategy]] = {}
 
-    def out_of(name: str, i: int) -> list[int]:
-        """Interned layout of output i of `name` for every choice of its group."""
-        sts = strategies[name]
-        return [sts[j].out_ids[i] for j in prob.node_map[name]]
+    def cands_of(src: str, i: int) -> list:
+        sts = strategies[src]
+        key = (id(sts), i)
+        c = cand_cache.get(key)
+        if c is None:
+            c = cand_cache[key] = StrategyBuilder.out_candidates(sts, i)
+        return c
 
+    cost_count: dict[tuple, list] = {}
+    edge_count: dict[tuple, list] = {}
     for node in graph.nodes:
-        cands = [StrategyBuilder.out_candidates(strategies[s], i) for s, i in node.inputs]
-        sts = builder.for_node(node, cands)
+        name = node.name
+        canon = canonical.get(name, name)
+        cands = [cands_of(s, i) for s, i in node.inputs]
+        # a repeated layer's node has its canonical twin's strategies for the same operand candidates
+        mkey = (canon, tuple(map(id, cands)))
+        sts = memo.get(mkey)
+        if sts is None:
+            sts = memo[mkey] = builder.for_node(node, cands) or _placeholder(node, mesh_shape)
         if force:
-            sts = _apply_force(node, sts, force)
-        strategies[node.name] = sts
-        canon = canonical.get(node.name, node.name)
-        if canon != node.name and canon in prob.node_group and strategies[canon] == sts:
-            prob.node_group[node.name] = prob.node_group[canon]
-            prob.node_map[node.name] = prob.node_map[canon]
+            kept = _apply_force(node, sts, force)
+            if kept is not sts:
+                forced.add(name)
+                sts = kept
+        strategies[name] = sts
+        if canon != name and canon in rep and (strategies[canon] is sts or strategies[canon] == sts):
+            r = rep[name] = rep[canon]
         elif merge_trivial and is_trivial(node) and len(sts) > 1:
             # merge into the deepest operand (Alpa §4.2)
             a = max(range(len(node.inputs)), key=lambda j: graph[node.inputs[j][0]].depth)
             src, i = node.inputs[a]
-            g = prob.node_group[src]
-            prob.node_group[node.name] = g
-            prob.node_map[node.name] = _merge_map(node, sts, out_of(src, i), a, graph[src].outputs[i], resharder, costs)
+            r = rep[name] = name
+            reps.append(name)
+            group_of[name] = group_of[rep[src]]
+            merge[name] = (src, i, a)
         else:
-            g = prob.new_group(len(sts), node.name)
-            prob.node_group[node.name] = g
-            prob.node_map[node.name] = np.arange(len(sts))
-
-        g = prob.node_group[node.name]
-        m = prob.node_map[node.name]
-        grp = prob.groups[g]
-        # compute cost d_g
+            r = rep[name] = name
+            reps.append(name)
+            group_of[name] = len(sizes)
+            sizes.append(len(sts))
+            owners.append(name)
         if node.kind == "op":
-            per = np.array([costs.node(node, s) for s in sts])
-            grp.cost += per[m]
-        # edges into the node
+            key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None)
+            hit = cost_count.get(key)
+            if hit is None:
+                cost_count[key] = [node, 1]
+            else:
+                hit[1] += 1
         for a, (src, i) in enumerate(node.inputs):
-            info = graph[src].outputs[i]
-            p_vals = out_of(src, i)
-            q_vals = [sts[j].in_ids[a] for j in m]
-            _add_reshard_edge(prob, resharder, prob.node_group[src], g, p_vals, q_vals, info)
+            key = (rep[src], i, r, "in", a, graph[src].outputs[i])
+            hit = edge_count.get(key)
+            if hit is None:
+                edge_count[key] = [1]
+            else:
+                hit[0] += 1
 
     # the loss ends replicated; gradients end in their parameter's layout
+    nd = len(mesh_shape)
     loss_name, li = graph.loss
-    _add_reshard_edge(
-        prob,
-        resharder,
-        prob.node_group[loss_name],
-        prob.node_group[loss_name],
-        out_of(loss_name, li),
-        [pid(replicated(nd))] * prob.groups[prob.node_group[loss_name]].size,
-        graph[loss_name].outputs[li],
-    )
+    lr = rep[loss_name]
+    edge_count.setdefault((lr, li, lr, "const", pid(replicated(nd)), graph[loss_name].outputs[li]), [0])[0] += 1
     pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
     for fqn, gsrc in graph.grads.items():
         if gsrc is None:
             continue
         p = pnode[fqn]
-        _add_reshard_edge(
-            prob,
-            resharder,
-            prob.node_group[gsrc[0]],
-            prob.node_group[p.name],
-            out_of(gsrc[0], gsrc[1]),
-            out_of(p.name, 0),
-            graph[gsrc[0]].outputs[gsrc[1]],
-        )
+        key = (rep[gsrc[0]], gsrc[1], rep[p.name], "out", 0, graph[gsrc[0]].outputs[gsrc[1]])
+        edge_count.setdefault(key, [0])[0] += 1
+
+    out_ids = {r: _id_matrix([s.out_ids for s in strategies[r]]) for r in reps}
+    in_ids = {r: _id_matrix([s.in_ids for s in strategies[r]]) for r in reps}
+    cost_terms = []
+    for (r, *_), (node, count) in cost_count.items():
+        per = np.array([costs.node(node, s) for s in strategies[r]], dtype=float)
+        if per.any():
+            cost_terms.append((r, per * count if count != 1 else per))
+    merge_cost = {r: np.array([costs.node(graph[r], s) for s in strategies[r]], dtype=float) for r in merge}
+    edge_terms = [(*k[:5], k[5], c[0]) for k, c in edge_count.items() if k[5] is not None]
 
     # memory per device
+    def sf_of(r: str, i: int) -> np.ndarray:
+        ids = out_ids[r][:, i]
+        return np.array([shard_factor(by_id(p), mesh_shape) if p >= 0 else 1 for p in ids], dtype=float)
+
+    def repl_of(r: str) -> np.ndarray:
+        """Devices replicating each strategy's output 0 (product of its R axes)."""
+        out = []
+        for p in out_ids[r][:, 0]:
+            pl = by_id(p)
+            out.append(math.prod(k for x, k in zip(pl, mesh_shape) if x.is_replicate()) if pl is not None else 1)
+        return np.array(out, dtype=float)
+
+    mem_count: dict[tuple, list] = {}
     for n in graph.nodes:
         if n.kind in ("param", "buffer", "input") and n.out is not None:
-            g = prob.node_group[n.name]
-            sf = np.array([shard_factor(by_id(p), mesh_shape) for p in out_of(n.name, 0)], dtype=float)
-            per = n.out.nbytes
-            if n.kind == "param" and graph.grads.get(n.fqn) is not None:
-                per = 2 * n.out.nbytes + ADAM_STATE_BYTES * n.out.numel
-            prob.groups[g].mem += per / sf
+            trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
+            key = ("leaf", rep[n.name], 0, n.out.nbytes, n.out.numel, trainable, n.name in forced)
+            mem_count.setdefault(key, [0])[0] += 1
     saved: dict[tuple[str, int], None] = {}
     for n in graph.nodes:
         if n.saved_for_backward:
@@ -289,14 +479,108 @@ def build_problem(
         info = graph[name].outputs[i]
         if info is None:
             continue
-        g = prob.node_group[name]
-        sf = np.array([shard_factor(by_id(p), mesh_shape) if p >= 0 else 1 for p in out_of(name, i)], dtype=float)
-        prob.groups[g].mem += info.nbytes / sf
+        mem_count.setdefault(("saved", rep[name], i, info.nbytes, 0, False, False), [0])[0] += 1
+    mem_terms = []
+    for (kind, r, i, nbytes, numel, trainable, is_forced), (count,) in mem_count.items():
+        sf = sf_of(r, i)
+        if kind == "leaf" and trainable:
+            per = 2 * nbytes + ADAM_STATE_BYTES * numel
+            std = per / sf
+            zero = std if is_forced else np.minimum(std, nbytes / sf + per / (sf * repl_of(r)))
+        else:
+            std = zero = nbytes / sf
+        mem_terms.append((r, std * count, zero * count))
+
+    return Structure(
+        graph=graph,
+        mesh_shape=mesh_shape,
+        strategies=strategies,
+        rep=rep,
+        reps=reps,
+        group_of=group_of,
+        group_sizes=sizes,
+        group_owner=owners,
+        merge=merge,
+        merge_cost=merge_cost,
+        out_ids=out_ids,
+        in_ids=in_ids,
+        cost_terms=cost_terms,
+        edge_terms=edge_terms,
+        mem_terms=mem_terms,
+        table=ReshardTable(resharder),
+        forced=frozenset(forced),
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Problem:
+    """The ILP of `struct` on one device mapping (its resharding seconds come from `pricer`)."""
+    t0 = time.perf_counter()
+    prob = Problem(struct.graph, struct.mesh_shape, struct.strategies, capacity=capacity, forced=struct.forced)
+    for size, owner in zip(struct.group_sizes, struct.group_owner):
+        prob.new_group(size, owner)
+    out_ids, in_ids, rep, group_of = struct.out_ids, struct.in_ids, struct.rep, struct.group_of
+    nmap: dict[str, np.ndarray] = {}
+    graph = struct.graph
+    for r in struct.reps:
+        m = struct.merge.get(r)
+        if m is None:
+            nmap[r] = np.arange(len(struct.strategies[r]))
+            continue
+        src, i, a = m
+        rs = rep[src]
+        p_vals = out_ids[rs][nmap[rs], i]
+        nmap[r] = _merge_map_ids(struct.merge_cost[r], p_vals, in_ids[r][:, a], graph[src].outputs[i], pricer)
+    groups = prob.groups
+    for r, per in struct.cost_terms:
+        groups[group_of[r]].cost += per[nmap[r]]
+    for u, i, v, kind, idx, info, count in struct.edge_terms:
+        mu, mv = nmap[u], nmap[v]
+        p_vals = out_ids[u][mu, i]
+        if kind == "in":
+            q_vals = in_ids[v][mv, idx]
+        elif kind == "out":
+            q_vals = out_ids[v][mv, idx]
+        else:
+            q_vals = np.full(len(mv), idx, dtype=np.int64)
+        lab_u, P = _labels(p_vals)
+        lab_v, Q = _labels(q_vals)
+        mat = pricer.matrix(tuple(P), tuple(Q), info)
+        prob.add_edge(group_of[u], group_of[v], lab_u, lab_v, mat * count if count != 1 else mat)
+    for r, std, zero in struct.mem_terms:
+        g = groups[group_of[r]]
+        m = nmap[r]
+        g.mem += std[m]
+        g.mem_zero += zero[m]
+    prob.node_group = {n: group_of[r] for n, r in rep.items()}
+    prob.node_map = {n: nmap[r] for n, r in rep.items()}
+    prob.build_s = time.perf_counter() - t0
+    return prob
+
+
+def build_problem(
+    graph: OpGraph,
+    builder: StrategyBuilder,
+    resharder: Resharder,
+    cost_model,
+    capacity: float = math.inf,
+    merge_trivial: bool = True,
+    force: dict[str, str] | None = None,
+) -> Problem:
+    """Strategies for every node, decision groups, node costs, edge blocks and the memory row.
+
+    One call of :func:`build_structure` and :func:`price` (see those for `force`); the mesh search builds
+    the structure once per shape and prices it per device mapping.
+    """
+    t0 = time.perf_counter()
+    struct = build_structure(graph, builder, resharder, cost_model, merge_trivial=merge_trivial, force=force)
+    prob = price(struct, Pricer(struct.table, resharder), capacity)
     prob.build_s = time.perf_counter() - t0
     return prob
 
 
 def _apply_force(node: OpNode, sts: list[Strategy], force: dict[str, str]) -> list[Strategy]:
+    """The strategies a force pattern leaves (`sts` itself when no pattern names the node)."""
     import fnmatch
 
     from meshpilot.sharding.placements import fmt
@@ -313,24 +597,11 @@ def _apply_force(node: OpNode, sts: list[Strategy], force: dict[str, str]) -> li
     return sts
 
 
-def _add_reshard_edge(prob: Problem, resharder: Resharder, gu: int, gv: int, p_vals, q_vals, info: TensorInfo):
-    if info is None:
-        return
-    lab_u, P = _labels(p_vals)
-    lab_v, Q = _labels(q_vals)
-    prob.add_edge(gu, gv, lab_u, lab_v, resharder.cost_matrix(P, Q, info))
-
-
-def _merge_map(node, sts, src_outs, a, info, resharder, costs) -> np.ndarray:
-    """For each choice of the operand's group: the strategy of `node` that reads its layout cheapest."""
-    node_cost = np.array([costs.node(node, s) for s in sts])
+def _merge_map_ids(node_cost: np.ndarray, src_outs: np.ndarray, ins: np.ndarray, info, pricer: Pricer) -> np.ndarray:
+    """For each choice of the operand's group: the strategy of the node that reads its layout cheapest."""
     lab, P = _labels(src_outs)
-    ins = [s.in_ids[a] for s in sts]
     lab_q, Q = _labels(ins)
-    if info is None:
-        mat = np.zeros((len(P), len(Q)))
-    else:
-        mat = resharder.cost_matrix(P, Q, info)
+    mat = np.zeros((len(P), len(Q))) if info is None else pricer.matrix(tuple(P), tuple(Q), info)
     total = mat[:, lab_q] + node_cost[None, :]
     best = np.argmin(total, axis=1)
     return best[lab]
@@ -350,72 +621,73 @@ class Solution:
     num_vars: int
     num_constraints: int
     memory: float
+    """Bytes per device on the plain memory row."""
+    memory_zero: float = 0.0
+    """Bytes per device on the ZeRO row (what the plan needs once the post-pass shards every update)."""
+    row: str = "plain"
+    """The memory row the ILP was solved against: ``plain`` or ``zero``."""
 
 
-def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3) -> Solution:
-    """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``)."""
+def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3, memory: str = "plain") -> Solution:
+    """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``).
+
+    ``memory="zero"`` uses the ZeRO memory row (module docstring) against the capacity instead of the
+    plain one.
+    """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     t0 = time.perf_counter()
     groups = prob.groups
+    sizes = np.array([g.size for g in groups], dtype=np.int64)
     offs = np.zeros(len(groups) + 1, dtype=np.int64)
-    np.cumsum([g.size for g in groups], out=offs[1:])
+    np.cumsum(sizes, out=offs[1:])
     n_s = int(offs[-1])
     blocks = list(prob.edges.values())
-    e_offs = [n_s]
-    for b in blocks:
-        e_offs.append(e_offs[-1] + b.cost.size)
-    n_vars = e_offs[-1]
+    e_offs = np.zeros(len(blocks) + 1, dtype=np.int64)
+    np.cumsum([b.cost.size for b in blocks], out=e_offs[1:])
+    e_offs += n_s
+    n_vars = int(e_offs[-1])
 
     c = np.zeros(n_vars)
-    for gi, g in enumerate(groups):
-        c[offs[gi] : offs[gi + 1]] = g.cost
-    rows, cols, vals = [], [], []
-    lb, ub = [], []
-    r = 0
-    for gi, g in enumerate(groups):  # one-hot
-        rows.append(np.full(g.size, r))
-        cols.append(np.arange(offs[gi], offs[gi + 1]))
-        vals.append(np.ones(g.size))
-        lb.append(1.0)
-        ub.append(1.0)
-        r += 1
+    c[:n_s] = np.concatenate([g.cost for g in groups]) if groups else []
+    # one-hot rows, one per group
+    rows = [np.repeat(np.arange(len(groups)), sizes)]
+    cols = [np.arange(n_s)]
+    vals = [np.ones(n_s)]
+    r = len(groups)
     for bi, b in enumerate(blocks):
-        base = e_offs[bi]
-        nP, nQ = b.cost.shape
-        c[base : base + nP * nQ] = b.cost.ravel()
-        e_idx = base + np.arange(nP * nQ).reshape(nP, nQ)
-        # rows: Σ_q e_pq - Σ_{k in p} s_uk = 0
-        for p in range(nP):
-            ks = np.flatnonzero(b.lab_u == p) + offs[b.gu]
-            rows.append(np.full(nQ + len(ks), r))
-            cols.append(np.concatenate([e_idx[p], ks]))
-            vals.append(np.concatenate([np.ones(nQ), -np.ones(len(ks))]))
-            lb.append(0.0)
-            ub.append(0.0)
-            r += 1
-        for q in range(nQ):
-            ls = np.flatnonzero(b.lab_v == q) + offs[b.gv]
-            rows.append(np.full(nP + len(ls), r))
-            cols.append(np.concatenate([e_idx[:, q], ls]))
-            vals.append(np.concatenate([np.ones(nP), -np.ones(len(ls))]))
-            lb.append(0.0)
-            ub.append(0.0)
-            r += 1
-    mem = np.zeros(n_vars)
-    for gi, g in enumerate(groups):
-        mem[offs[gi] : offs[gi + 1]] = g.mem
+        base = int(e_offs[bi])
+        n_p, n_q = b.cost.shape
+        c[base : base + n_p * n_q] = b.cost.ravel()
+        e_idx = base + np.arange(n_p * n_q)
+        # rows r .. r+n_p-1: Σ_q e_pq - Σ_{k in p} s_uk = 0 ; rows r+n_p ..: Σ_p e_pq - Σ_{l in q} s_vl = 0
+        rows += [
+            r + np.repeat(np.arange(n_p), n_q),
+            r + b.lab_u,
+            r + n_p + np.tile(np.arange(n_q), n_p),
+            r + n_p + b.lab_v,
+        ]
+        cols += [e_idx, offs[b.gu] + np.arange(len(b.lab_u)), e_idx, offs[b.gv] + np.arange(len(b.lab_v))]
+        vals += [np.ones(n_p * n_q), -np.ones(len(b.lab_u)), np.ones(n_p * n_q), -np.ones(len(b.lab_v))]
+        r += n_p + n_q
+    lb = np.zeros(r)
+    ub = np.zeros(r)
+    lb[: len(groups)] = 1.0
+    ub[: len(groups)] = 1.0
+    mem_plain = np.concatenate([g.mem for g in groups]) if groups else np.zeros(0)
+    mem_zero = np.concatenate([g.mem if g.mem_zero is None else g.mem_zero for g in groups]) if groups else mem_plain
+    row = mem_zero if memory == "zero" else mem_plain
     has_mem_row = math.isfinite(prob.capacity)
     if has_mem_row:
-        nz = np.flatnonzero(mem)
+        nz = np.flatnonzero(row)
         rows.append(np.full(len(nz), r))
         cols.append(nz)
-        vals.append(mem[nz])
-        lb.append(-np.inf)
-        ub.append(prob.capacity)
+        vals.append(row[nz])
+        lb = np.append(lb, -np.inf)
+        ub = np.append(ub, prob.capacity)
         r += 1
-        min_need = sum(float(g.mem.min()) for g in groups)
+        min_need = _min_need(groups, memory)
         if min_need > prob.capacity:
             raise PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {min_need / 2**30:.2f} GiB "
@@ -429,7 +701,7 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3) ->
     scale = 1.0 / max(float(normal.max()) if normal.size else 1.0, 1e-12)
     res = milp(
         c * scale,
-        constraints=LinearConstraint(A, np.array(lb), np.array(ub)),
+        constraints=LinearConstraint(A, lb, ub),
         integrality=integrality,
         bounds=Bounds(0, 1),
         options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "presolve": True},
@@ -440,7 +712,7 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3) ->
             raise PlanError(
                 f"no sharding plan fits in {prob.capacity / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
                 f"(HiGHS: {res.message}); the smallest need found is "
-                f"{sum(float(g.mem.min()) for g in groups) / 2**30:.2f} GiB"
+                f"{_min_need(groups, memory) / 2**30:.2f} GiB"
             )
         raise PlanError(f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}")
     x = res.x
@@ -448,5 +720,23 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3) ->
     choice = {name: int(prob.node_map[name][pick[g]]) for name, g in prob.node_group.items()}
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     objective = float(c @ x)
-    memory = float(mem[:n_s] @ x[:n_s])
-    return Solution(choice, objective, gap, str(res.message), solve_s, n_vars, r, memory)
+    xs = np.zeros(n_s)
+    xs[offs[:-1] + np.array(pick, dtype=np.int64)] = 1.0
+    return Solution(
+        choice,
+        objective,
+        gap,
+        str(res.message),
+        solve_s,
+        n_vars,
+        r,
+        float(mem_plain @ xs),
+        float(mem_zero @ xs),
+        "zero" if memory == "zero" else "plain",
+    )
+
+
+def _min_need(groups: list[Group], memory: str) -> float:
+    if memory == "zero":
+        return sum(float((g.mem if g.mem_zero is None else g.mem_zero).min()) for g in groups)
+    return sum(float(g.mem.min()) for g in groups)

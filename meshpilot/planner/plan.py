@@ -4,13 +4,19 @@ It holds the mesh (shape and the physical rank of every coordinate), every node'
 of its operands and outputs, printable as ``linear_3: S(0)R × RS(1) → S(0)S(1)``), each parameter's layout,
 the collectives the run will issue (kind, mesh axis, bytes, forward or backward), the predicted step time
 split into compute / communication (reductions of partial sums) / resharding (all-gathers, all-to-alls),
-memory per device, the solver's report and warnings. ``Plan.save(path)`` / ``Plan.load(path)`` round-trip
-through JSON; ``meshpilot.parallelize(model, plan)`` runs it.
+memory per device, the parameters the ZeRO-like post-pass sharded (``zero``; their layouts in ``params``
+are the sharded ones and ``collectives`` holds their reduce-scatters and all-gathers), the solver's report
+and warnings. ``str(plan)`` is the readable form: the summary (mesh, step-time split, memory, collectives,
+ZeRO, solver gap and time, mesh candidates, warnings), every parameter's layout, then one line per
+operator (``linear_3: S(0)R × RS(1) → S(0)S(1)``) with the collectives that feed it.
+``Plan.save(path)`` / ``Plan.load(path)`` round-trip through JSON; ``meshpilot.parallelize(model, plan)``
+runs it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -119,6 +125,30 @@ class SolverReport:
     solve_s: float
     total_s: float
     candidates: tuple[MeshCandidate, ...] = ()
+    post_s: float = 0.0
+    """Seconds in the ZeRO post-pass (over all candidates)."""
+    memory_row: str = "plain"
+    """The ILP's memory row: ``plain``, or ``zero`` (what the plan needs once the post-pass shards updates)."""
+    ilps_solved: int = 1
+    """HiGHS runs over all mesh candidates (a candidate may be solved on both memory rows)."""
+
+
+@dataclass(frozen=True)
+class ZeroSwitch:
+    """One parameter the ZeRO-like post-pass moved from replicated to sharded on some mesh axes: its gradient
+    is reduce-scattered instead of all-reduced, AdamW updates the shard, the weight is all-gathered where
+    it is read (``meshpilot.planner.auto`` docstring)."""
+
+    param: str
+    axes: tuple[int, ...]
+    before: Layout
+    after: Layout
+    reason: str
+    """``cheaper`` (faster, or as fast and smaller), ``memory`` (needed to fit) or ``all`` (``zero="all"``)."""
+    delta_s: float
+    """Change of the predicted step time (seconds; negative = faster)."""
+    saved_bytes: float
+    """Bytes per device saved (weights, gradients and AdamW states, less any gathered copy kept)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +172,8 @@ class Plan:
     solver: SolverReport
     fingerprint: str
     version: int = 1
+    zero: tuple[ZeroSwitch, ...] = ()
+    """Parameters the ZeRO-like post-pass sharded (their layouts in ``params`` are already the new ones)."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -179,24 +211,84 @@ class Plan:
         return [n.short() for n in self.nodes if n.kind in keep]
 
     def summary(self) -> str:
-        t, m = self.time, self.memory
-        gib = 2**30
+        """The plan in a few lines: mesh, step-time split, memory, collectives, ZeRO, solver, warnings."""
+        t, m, sv = self.time, self.memory, self.solver
+        gib, ms = 2**30, 1e3
+        tot = t.total_s or 1.0
+        n = 1
+        for d in self.mesh_shape:
+            n *= d
+        contiguous = {"row": f"axis {len(self.mesh_shape) - 1}", "col": "axis 0"}.get(self.mapping, self.mapping)
+        by_kind = Counter(c.kind for c in self.collectives)
+        by_phase = Counter(c.phase for c in self.collectives)
+        kinds = ", ".join(f"{k} ×{v}" for k, v in sorted(by_kind.items())) or "none"
+        status = re.search(r"HiGHS Status \d+: ([^)]*)", sv.status)
         lines = [
-            f"Plan on {self.cluster}: mesh {self.mesh_shape} ({self.mapping} mapping)",
-            f"  step {t.total_s * 1e3:.3f} ms = compute {t.compute_s * 1e3:.3f} + communication "
-            f"{t.communication_s * 1e3:.3f} + resharding {t.resharding_s * 1e3:.3f}",
-            f"  memory/device {m.total / gib:.3f} GiB of {m.capacity / gib:.1f} (params {m.params / gib:.3f}, "
-            f"grads {m.grads / gib:.3f}, AdamW {m.optimizer / gib:.3f}, activations {m.activations / gib:.3f})",
-            f"  solver: {self.solver.status}; gap {self.solver.gap:.2%}; {self.solver.num_vars} vars; "
-            f"{self.solver.total_s:.2f} s (capture {self.solver.capture_s:.2f}, build {self.solver.build_s:.2f}, "
-            f"solve {self.solver.solve_s:.2f})",
-            f"  {len(self.collectives)} collectives per step",
+            f"Plan on {self.cluster}: mesh {self.mesh_shape} ({n} devices; {contiguous} on contiguous ranks, "
+            f"{self.mapping} mapping)",
+            f"  step time    {t.total_s * ms:.3f} ms = compute {t.compute_s * ms:.3f} ({t.compute_s / tot:.0%})"
+            f" + communication {t.communication_s * ms:.3f} ({t.communication_s / tot:.0%})"
+            f" + resharding {t.resharding_s * ms:.3f} ({t.resharding_s / tot:.0%})",
+            f"  memory       {m.total / gib:.3f} GiB per device of {m.capacity / gib:.1f} GiB"
+            f" ({m.total / m.capacity if m.capacity else 0:.0%}): params {m.params / gib:.3f},"
+            f" grads {m.grads / gib:.3f}, AdamW {m.optimizer / gib:.3f},"
+            f" activations {m.activations / gib:.3f}, inputs {m.inputs / gib:.3f}",
+            f"  collectives  {len(self.collectives)} per step (fwd {by_phase.get('fwd', 0)},"
+            f" bwd {by_phase.get('bwd', 0)}): {kinds}",
         ]
+        if self.zero:
+            reasons = Counter(z.reason for z in self.zero)
+            saved = sum(z.saved_bytes for z in self.zero)
+            dt = sum(z.delta_s for z in self.zero)
+            lines.append(
+                f"  ZeRO         {len(self.zero)} parameters sharded on the axes their gradients were all-reduced over "
+                f"(reduce-scatter + all-gather instead of all-reduce; "
+                + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+                + f"): saves {saved / gib:.3f} GiB per device, step {dt * ms:+.3f} ms"
+            )
+        lines += [
+            f"  solver       HiGHS {status.group(1) if status else sv.status}; gap {sv.gap:.2%}; {sv.num_vars} vars,"
+            f" {sv.num_constraints} constraints, {sv.num_groups} groups; memory row {sv.memory_row}",
+            f"  planning     {sv.total_s:.2f} s = capture {sv.capture_s:.2f} + build {sv.build_s:.2f}"
+            f" + solve {sv.solve_s:.2f} + post-pass {sv.post_s:.2f} (+ other)",
+        ]
+        if len(sv.candidates) > 1:
+            ok = sorted((c for c in sv.candidates if c.objective_s is not None), key=lambda c: c.objective_s)
+            skipped = sum(c.note.startswith("skipped") for c in sv.candidates)
+            shown = ", ".join(f"{c.shape} {c.mapping} {c.objective_s * ms:.1f} ms" for c in ok[:4])
+            lines.append(
+                f"  candidates   {len(sv.candidates)} meshes: {len(ok)} solved ({sv.ilps_solved} ILPs),"
+                f" {skipped} skipped by the compute lower bound,"
+                f" {len(sv.candidates) - len(ok) - skipped} do not fit; best {shown}" + (" …" if len(ok) > 4 else "")
+            )
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.summary() + "\n" + "\n".join("  " + s for s in self.strategy_lines())
+        """Summary, parameter layouts, then one line per operator with the collectives feeding it."""
+        into: dict[str, list[str]] = {}
+        for c in self.collectives:
+            into.setdefault(c.dst, []).append(f"{_SHORT.get(c.kind, c.kind)}@{c.axis} {_bytes(c.nbytes)}")
+        switched = {z.param: z for z in self.zero}
+        out = [self.summary(), "parameters (stored layout):"]
+        for fqn, layout in self.params:
+            z = switched.get(fqn)
+            extra = f"   ZeRO: was {_fmt(z.before)} ({z.reason})" if z else ""
+            grad = into.get(f"grad:{fqn}")
+            extra += f"   grad ← {', '.join(grad)}" if grad else ""
+            out.append(f"  {fqn}: {_fmt(layout)}{extra}")
+        for phase, title in (("fwd", "forward"), ("bwd", "backward")):
+            lines = [n for n in self.nodes if n.kind == "op" and n.phase == phase]
+            if not lines:
+                continue
+            out.append(f"{title} ({len(lines)} ops):")
+            for n in lines:
+                feed = into.get(n.name)
+                out.append("  " + n.short() + (f"   ← {', '.join(feed)}" if feed else ""))
+        loss = into.get("loss")
+        if loss:
+            out.append(f"loss ← {', '.join(loss)}")
+        return "\n".join(out)
 
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +327,18 @@ class Plan:
             ),
             fingerprint=d["fingerprint"],
             version=d.get("version", 1),
+            zero=tuple(
+                ZeroSwitch(
+                    z["param"],
+                    tuple(z["axes"]),
+                    tup(z["before"]),
+                    tup(z["after"]),
+                    z["reason"],
+                    z["delta_s"],
+                    z["saved_bytes"],
+                )
+                for z in d.get("zero", ())
+            ),
         )
 
     def to_json(self) -> str:
@@ -250,6 +354,16 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
+
+
+_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
+
+
+def _bytes(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _default(o: Any) -> Any:
