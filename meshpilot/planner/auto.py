@@ -79,7 +79,7 @@ from meshpilot.planner.plan import (
     ZeroSwitch,
 )
 from meshpilot.sharding.placements import is_even, replicated, shard_factor, to_json
-from meshpilot.sharding.reshard import Resharder
+from meshpilot.sharding.reshard import UNSUPPORTED_S, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, fake_device_mesh
 
 ZERO_MODES = ("auto", "off", "all")
@@ -509,6 +509,12 @@ def _assemble(
     warnings = [f"{op}: replicated ({why})" for op, why in sorted(builder.warnings.items())]
     if sol.gap > 0.01:
         warnings.append(f"ILP stopped at gap {sol.gap:.2%} (time limit)")
+    bad = sum(c.kind == "unsupported" for c in colls)
+    if bad:
+        warnings.append(
+            f"{bad} resharding steps DTensor cannot run (shard → partial), priced at {UNSUPPORTED_S:.0f} s each: "
+            "no supported plan was found on this mesh"
+        )
     if memory.total > capacity * (1 + _EPS):
         warnings.append(f"predicted memory {memory.total / 2**30:.2f} GiB exceeds {capacity / 2**30:.2f} GiB")
     capture_s, build_s, solve_s, post_s, total_s = times
