@@ -1,9 +1,9 @@
 """ATP in one import: the mesh search (planner) and the row-/column-first layers (runtime), as in ATP Fig. 9.
 
-    from meshpilot import atp
-    result = atp.search(load_cluster("atp-ic1-calibrated"), 8, gpt_config("atp-m2"))   # DeviceMesh(2, 4)
-    mesh = atp.init_mesh(result.chosen.mesh)                                           # under torchrun
-    layer = atp.ATPLinear(1024, 4096, mesh, first="column")
+from meshpilot import atp
+result = atp.search(load_cluster("atp-ic1-calibrated"), 8, gpt_config("atp-m2"))   # DeviceMesh(2, 4)
+mesh = atp.init_mesh(result.chosen.mesh)                                           # under torchrun
+layer = atp.ATPLinear(1024, 4096, mesh, first="column")
 """
 
 from meshpilot.planner.atp import ATPResult, MeshCost, closed_form, search, sweep, t_comm

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from rich.table import Table
 
 from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json

@@ -37,9 +37,7 @@ class DeviceProfile:
         return self.peak_flops["float32"]
 
 
-def _gpu(
-    kind: str, fp32: float, tf32: float, half: float, membw_gbps: float, mem_gib: float
-) -> DeviceProfile:
+def _gpu(kind: str, fp32: float, tf32: float, half: float, membw_gbps: float, mem_gib: float) -> DeviceProfile:
     flops = {"float32": fp32 * TFLOPS, "tf32": tf32 * TFLOPS}
     flops.update({"float16": half * TFLOPS, "bfloat16": half * TFLOPS})
     return DeviceProfile(kind, flops, membw_gbps * GB, int(mem_gib * GiB))

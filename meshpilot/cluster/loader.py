@@ -69,19 +69,13 @@ def load_cluster_file(path: str | Path) -> Cluster:
     path = Path(path)
     src = str(path)
     if not path.is_file():
-        raise ClusterFileError(
-            src, "file", "does not exist", "give the path of a cluster TOML file or a preset name"
-        )
+        raise ClusterFileError(src, "file", "does not exist", "give the path of a cluster TOML file or a preset name")
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ClusterFileError(
-            src, "file", f"is not valid TOML ({e})", "fix the TOML syntax at that line"
-        ) from None
+        raise ClusterFileError(src, "file", f"is not valid TOML ({e})", "fix the TOML syntax at that line") from None
     except UnicodeDecodeError:
-        raise ClusterFileError(
-            src, "file", "is not UTF-8 text", "save the cluster file as UTF-8 TOML"
-        ) from None
+        raise ClusterFileError(src, "file", "is not UTF-8 text", "save the cluster file as UTF-8 TOML") from None
     return cluster_from_dict(data, source=src, default_name=path.stem)
 
 
@@ -90,9 +84,7 @@ def cluster_from_dict(data: dict[str, Any], source: str, default_name: str = "cl
     _unknown(data, TOP_KEYS, source, "")
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name:
-        raise ClusterFileError(
-            source, "name", f"must be a non-empty string, got {name!r}", 'write name = "my-cluster"'
-        )
+        raise ClusterFileError(source, "name", f"must be a non-empty string, got {name!r}", 'write name = "my-cluster"')
     device = _device(data, source)
     raw_layers = data.get("layers")
     if raw_layers is None:
@@ -145,9 +137,7 @@ def _device(data: dict[str, Any], source: str) -> DeviceProfile:
             f'add device = "<kind>", one of: {", ".join(DEVICES)}; or a [device_profile] table',
         )
     if not isinstance(kind, str) or kind not in DEVICES:
-        raise ClusterFileError(
-            source, "device", f"unknown device kind {kind!r}", f"use one of: {', '.join(DEVICES)}"
-        )
+        raise ClusterFileError(source, "device", f"unknown device kind {kind!r}", f"use one of: {', '.join(DEVICES)}")
     return DEVICES[kind]
 
 
@@ -201,14 +191,10 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
 
 def _number(value: Any, key: str, source: str, *, positive: bool, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ClusterFileError(
-            source, key, f"must be a number, got {value!r}", "write a plain number such as 25.0"
-        )
+        raise ClusterFileError(source, key, f"must be a number, got {value!r}", "write a plain number such as 25.0")
     if positive and (value < 0 or (value == 0 and not allow_zero)):
         need = "zero or more" if allow_zero else "greater than zero"
-        raise ClusterFileError(
-            source, key, f"is {value}, must be {need}", "give the bandwidth in GB/s, e.g. 25.0"
-        )
+        raise ClusterFileError(source, key, f"is {value}, must be {need}", "give the bandwidth in GB/s, e.g. 25.0")
     return float(value)
 
 
@@ -248,9 +234,7 @@ def _matrix(value: Any, r: int, key: str, source: str) -> np.ndarray:
     else:
         rows = len(value)
         if not all(isinstance(row, list) for row in value):
-            raise ClusterFileError(
-                source, key, "must be one number or a list of rows", f"give {r} rows of {r} numbers"
-            )
+            raise ClusterFileError(source, key, "must be one number or a list of rows", f"give {r} rows of {r} numbers")
         cols = {len(row) for row in value}
         if rows != r or cols != {r}:
             shape = f"{rows}x{'/'.join(str(c) for c in sorted(cols)) or 0}"
@@ -310,9 +294,7 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
             f"use a shape whose product is {n}",
         )
     if "B1_GBps" not in raw and "B2_GBps" not in raw:
-        raise ClusterFileError(
-            source, where, "has neither B1_GBps nor B2_GBps", "give at least one measured bandwidth"
-        )
+        raise ClusterFileError(source, where, "has neither B1_GBps nor B2_GBps", "give at least one measured bandwidth")
     algbw = tuple(
         None if k not in raw else _number(raw[k], f"{where}.{k}", source, positive=True) * GB
         for k in ("B1_GBps", "B2_GBps")

@@ -21,9 +21,7 @@ def _layer(name: str, ranks: int, p2p: Any, group: Any, latency_us: float) -> di
     return {"name": name, "ranks": ranks, "p2p_GBps": p2p, "group_GBps": group, "latency_us": latency_us}
 
 
-def _cluster(
-    name: str, device: str, layers: list[dict[str, Any]], calibration: list | None = None
-) -> dict[str, Any]:
+def _cluster(name: str, device: str, layers: list[dict[str, Any]], calibration: list | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name, "device": device, "layers": layers}
     if calibration:
         out["calibration"] = calibration
@@ -48,9 +46,7 @@ def _ic2() -> dict[str, Any]:
     # ATP §5.3, IC2: Machine B, 8 x A100 80GB in NVLink pairs (Fig. 2b); "the first layer is 4 dual-GPUs
     # interconnected by PCIe and the second layer consists of 2 GPUs connected by NVLink". PCIe 4.0 x16 =
     # 64 GB/s (§2.1); a pair's NVLink bridge counted as 4 NVLink-v3 links = 200 GB/s (Fig. 7a's convention).
-    return _cluster(
-        "atp-ic2", "a100-80gb", [_layer("pair", 4, 64.0, 64.0, 5.0), _layer("gpu", 2, 200.0, 200.0, 2.0)]
-    )
+    return _cluster("atp-ic2", "a100-80gb", [_layer("pair", 4, 64.0, 64.0, 5.0), _layer("gpu", 2, 200.0, 200.0, 2.0)])
 
 
 def _ic3() -> dict[str, Any]:
@@ -60,9 +56,7 @@ def _ic3() -> dict[str, Any]:
 
 def _ic4() -> dict[str, Any]:
     # ATP §5.1, IC4: Cluster C, 2 nodes of 8 A100 (NVSwitch inside) with 200 Gbps InfiniBand between nodes.
-    return _cluster(
-        "atp-ic4", "a100-80gb", [_layer("node", 2, 25.0, 25.0, 5.0), _layer("gpu", 8, 600.0, 600.0, 2.0)]
-    )
+    return _cluster("atp-ic4", "a100-80gb", [_layer("node", 2, 25.0, 25.0, 5.0), _layer("gpu", 8, 600.0, 600.0, 2.0)])
 
 
 def _ic5(n: int) -> dict[str, Any]:
@@ -99,9 +93,7 @@ def _ic6(q: int) -> dict[str, Any]:
 def _fig7a() -> dict[str, Any]:
     # ATP Fig. 7a: 4 nodes on 200 Gbps HDR (25 GB/s); 4 A100 per node, each pair joined by 4 NVLinks of
     # 50 GB/s (P2P 200 GB/s), each GPU's group bandwidth 600 GB/s.
-    return _cluster(
-        "atp-fig7a", "a100-80gb", [_layer("node", 4, 25.0, 25.0, 5.0), _layer("gpu", 4, 200.0, 600.0, 2.0)]
-    )
+    return _cluster("atp-fig7a", "a100-80gb", [_layer("node", 4, 25.0, 25.0, 5.0), _layer("gpu", 4, 200.0, 600.0, 2.0)])
 
 
 def _p3x8() -> dict[str, Any]:
@@ -116,9 +108,7 @@ def _p3x8() -> dict[str, Any]:
             if i != j:
                 pair = (min(i, j), max(i, j))
                 m[i][j] = 100.0 if pair in double else 50.0 if pair in single else 32.0
-    return _cluster(
-        "alpa-p3x8", "v100-16gb", [_layer("node", 8, 3.125, 3.125, 20.0), _layer("gpu", 8, m, 300.0, 2.0)]
-    )
+    return _cluster("alpa-p3x8", "v100-16gb", [_layer("node", 8, 3.125, 3.125, 20.0), _layer("gpu", 8, m, 300.0, 2.0)])
 
 
 def _hidup(name: str, nodes: int, gpus: int, gbps: float) -> dict[str, Any]:
@@ -199,9 +189,7 @@ def preset_cluster(spec: str) -> Cluster:
     name, _, size = spec.partition(":")
     preset = PRESETS.get(name)
     if preset is None:
-        raise UserError(
-            f"cluster {spec!r}: unknown preset and no such file; run `meshpilot presets` for the names"
-        )
+        raise UserError(f"cluster {spec!r}: unknown preset and no such file; run `meshpilot presets` for the names")
     if preset.size is None:
         if size:
             raise UserError(f"cluster {spec!r}: preset {name!r} has a fixed size; write just {name!r}")
