@@ -1,5 +1,6 @@
 """``parallelize`` on real gloo groups: loss and gradients equal the single-device model's over 3 AdamW
-steps, and the collectives the run issues are exactly the ones the plan predicts."""
+steps, and the collectives the run issues are exactly the ones the plan predicts. All plans of the module
+run in one 4-rank spawn (see ``tests/test_models_parallel.py`` for every model, mesh and plan kind)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,17 @@ def _build(name: str):
     return m, (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
 
 
-def _worker(name: str, plan_json: str) -> dict:
+def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
+    from meshpilot.graph.capture import capture
     from meshpilot.planner.plan import Plan
     from meshpilot.runtime.spmd import CollectiveCounter, parallelize
 
     plan = Plan.from_json(plan_json)
     ref, inputs = _build(name)
     model, _ = _build(name)
-    pm = parallelize(model, plan)
+    if name not in graphs:
+        graphs[name] = capture(model, inputs)
+    pm = parallelize(model, plan, graph=graphs[name])
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o_par = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     out = {"loss": [], "grad": [], "counts_equal": [], "counts": None}
@@ -56,24 +60,22 @@ def _worker(name: str, plan_json: str) -> dict:
     return out
 
 
-def _check(results: list[dict]) -> None:
-    for rank, r in enumerate(results):
-        assert max(r["loss"]) <= TOL, (rank, r["loss"])
-        assert max(r["grad"]) <= TOL, (rank, r["grad"])
-        assert r["param"] <= TOL, (rank, r["param"])
-        assert all(r["counts_equal"]), (rank, r["counts"])
-        assert not r["mismatches"], r["mismatches"]
+def _worker(jobs: list[tuple[str, str, str]]) -> dict:
+    """Every (key, model, plan JSON) in one process group: one spawn for the whole module."""
+    graphs: dict = {}
+    return {key: _run_one(name, plan_json, graphs) for key, name, plan_json in jobs}
 
 
-@pytest.mark.parametrize("name", ["mlp", "tiny_transformer"])
-@pytest.mark.parametrize("shape", [(4, 1), (2, 2), (1, 4)])
-def test_solver_plan_matches_single_device(name, shape):
-    from meshpilot.planner.auto import plan
+def _check(r: dict) -> None:
+    assert max(r["loss"]) <= TOL, r["loss"]
+    assert max(r["grad"]) <= TOL, r["grad"]
+    assert r["param"] <= TOL, r["param"]
+    assert all(r["counts_equal"]), r["counts"]
+    assert not r["mismatches"], r["mismatches"]
 
-    model, inputs = _build(name)
-    p = plan(model, inputs, "atp-ic3", mesh_shape=shape)
-    _check(run_distributed(_worker, 4, name, p.to_json()))
 
+NAMES = ["mlp", "tiny_transformer"]
+SHAPES = [(4, 1), (2, 2), (1, 4)]
 
 FORCED = {
     # Megatron-style: column-parallel first layer, row-parallel second, over mesh axis 1
@@ -88,11 +90,32 @@ FORCED = {
 }
 
 
-@pytest.mark.parametrize("name", ["mlp", "tiny_transformer"])
-def test_forced_tensor_parallel_plan_matches_single_device(name):
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict, dict]:
+    """Every plan of this module (made here), run on 4 gloo ranks in one spawn: (plans, rank -> results)."""
     from meshpilot.planner.auto import plan
 
-    model, inputs = _build(name)
-    p = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), force=FORCED[name])
-    assert any(c.kind in ("all_reduce", "reduce_scatter") for c in p.collectives)
-    _check(run_distributed(_worker, 4, name, p.to_json()))
+    plans = {}
+    for name in NAMES:
+        model, inputs = _build(name)
+        for shape in SHAPES:
+            plans[(name, shape)] = plan(model, inputs, "atp-ic3", mesh_shape=shape)
+        plans[(name, "forced")] = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), force=FORCED[name])
+    jobs = [(key, key[0], p.to_json()) for key, p in plans.items()]
+    return plans, run_distributed(_worker, 4, jobs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_solver_plan_matches_single_device(runs, name, shape):
+    _, results = runs
+    for r in results:
+        _check(r[(name, shape)])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forced_tensor_parallel_plan_matches_single_device(runs, name):
+    plans, results = runs
+    assert any(c.kind in ("all_reduce", "reduce_scatter") for c in plans[(name, "forced")].collectives)
+    for r in results:
+        _check(r[(name, "forced")])

@@ -7,6 +7,13 @@ planned strategy needs (exactly the plan's resharding edges), then the ATen op r
 dispatcher, which takes the planned strategy since its inputs match it. The loss is made replicated and
 each gradient is redistributed to its parameter's layout, as the plan predicts.
 
+Two exceptions to "DTensor runs the op": ops whose planned source is ``fallback`` (no strategy) run on
+full replicas of their operands and their outputs are replicated; ops in :data:`_LOCAL_OPS`
+(convolution forward and backward, whose DTensor handler rejects a batch sharded over two mesh axes) run
+on the local shards and their outputs are labelled with the planned layouts. Each node's call is prepared
+once (:class:`_NodeExec`: layouts parsed, argument template), and meshes are cached per layout, so several
+plans or models parallelized in one process share their process groups.
+
 ``loss = pmodel(*inputs)`` runs the whole step (forward and backward) and returns the loss; calling
 ``loss.backward()`` then hands the precomputed gradients to autograd, so the usual
 ``loss.backward(); opt.step()`` loop works. Under ``torch.no_grad()`` only the forward nodes run.
@@ -52,8 +59,24 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self, mesh: DeviceMesh):
         super().__init__()
         self.axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
+        # DTensor's sharding cache hashes meshes by shape and ranks, so a value may carry an equal mesh
+        # built earlier (other groups, other names): axes are also recognised by their rank sets
+        self._axis_of_ranks = {frozenset(dist.get_process_group_ranks(mesh.get_group(a))): a for a in range(mesh.ndim)}
         self.records: list[tuple[str, int, int, str]] = []
         self.phase = "fwd"
+
+    def _axis(self, group_name: str | None) -> int:
+        axis = self.axis_of.get(group_name) if group_name is not None else None
+        if axis is None and group_name is not None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            try:
+                ranks = frozenset(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+            except Exception:  # noqa: BLE001 - an unknown group: reported as axis -1
+                ranks = frozenset()
+            axis = self._axis_of_ranks.get(ranks, -1)
+            self.axis_of[group_name] = axis
+        return -1 if axis is None else axis
 
     def __enter__(self):
         _ACTIVE_COUNTERS.append(self)
@@ -71,7 +94,7 @@ class CollectiveCounter(TorchDispatchMode):
             base = name.split(".")[0]
             t = args[0]
             group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
-            axis = self.axis_of.get(group, -1)
+            axis = self._axis(group)
             nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
             kind = None
             if base == "all_gather_into_tensor":
@@ -107,8 +130,18 @@ def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
             f"the plan's mesh {plan.mesh_shape} has {n} devices but the world size is {dist.get_world_size()}; "
             f"launch with --nproc-per-node {n} or plan for this world size"
         )
-    ranks = torch.tensor(plan.mesh_ranks, dtype=torch.int).reshape(plan.mesh_shape)
-    return DeviceMesh(device_type, ranks)
+    key = (device_type, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
+    world, mesh = _MESHES.get(key, (None, None))
+    if mesh is None or world is not dist.group.WORLD:
+        ranks = torch.tensor(plan.mesh_ranks, dtype=torch.int).reshape(plan.mesh_shape)
+        mesh = DeviceMesh(device_type, ranks)
+        _MESHES[key] = (dist.group.WORLD, mesh)
+    return mesh
+
+
+# One DeviceMesh (and one set of process groups) per mesh layout and world: parallelizing several models
+# or plans in one process reuses it instead of creating new groups each time.
+_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
 
 
 def _redistribute(x: DTensor, placements) -> DTensor:
@@ -159,6 +192,7 @@ class ParallelModule(torch.nn.Module):
         self.mesh = mesh
         self.graph = graph
         self.mismatches: list[str] = []
+        self._exec: dict[str, _NodeExec] = {}
         nodes = graph.nodes
         self._last_use: dict[str, int] = {}
         for n in nodes:
@@ -251,42 +285,109 @@ class ParallelModule(torch.nn.Module):
         return loss.detach(), grads
 
     def _call(self, node, choice, env) -> tuple:
-        mesh = self.mesh
-        fx = node.fx_node
+        ex = self._exec.get(node.name)
+        if ex is None:
+            ex = self._exec[node.name] = _NodeExec(node, choice)
         operands = []
         for a, (src, i) in enumerate(node.inputs):
             v = env[src][i]
-            want = choice.in_placements(a)
-            if isinstance(v, DTensor) and tuple(v.placements) != tuple(want):
+            want = ex.ins[a]
+            if isinstance(v, DTensor) and v._spec.placements != want:
                 v = _redistribute(v, want)
+            if ex.mode != "dtensor" and isinstance(v, DTensor):
+                v = v._local_tensor
             operands.append(v)
-        local = choice.source == "fallback"
-        it = iter(operands)
-
-        def sub(a):
-            if isinstance(a, torch.fx.Node):
-                if isinstance(a.meta.get("val"), torch.Tensor):
-                    t = next(it)
-                    return t.to_local() if local and isinstance(t, DTensor) else t
-                return a.meta.get("val")
-            return a
-
-        args = pytree.tree_map_only(torch.fx.Node, sub, fx.args)
-        kwargs = pytree.tree_map_only(torch.fx.Node, sub, fx.kwargs)
-        out = fx.target(*args, **kwargs)
+        args, kwargs = ex.arguments(operands)
+        out = ex.target(*args, **kwargs)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        mesh = self.mesh
         fixed = []
         for i, o in enumerate(outs):
-            want = choice.out_placements(i) if i < len(choice.outs) else None
-            if isinstance(o, torch.Tensor) and not isinstance(o, DTensor):
+            want = ex.outs[i] if i < len(ex.outs) else None
+            if ex.mode == "local":
+                if isinstance(o, torch.Tensor) and want is not None and isinstance(ex.vals[i], torch.Tensor):
+                    o = _wrap_local(o, mesh, want, ex.vals[i])
+            elif isinstance(o, torch.Tensor) and not isinstance(o, DTensor):
                 o = DTensor.from_local(o, mesh, replicated(mesh.ndim), run_check=False)
-                if want is not None and tuple(want) != tuple(o.placements):
+                if want is not None and want != o._spec.placements:
                     o = _redistribute(o, want)
-            elif isinstance(o, DTensor) and want is not None and tuple(o.placements) != tuple(want):
+            elif isinstance(o, DTensor) and want is not None and o._spec.placements != want:
                 self.mismatches.append(f"{node.name}: DTensor chose {o.placements}, plan says {want}")
                 o = _redistribute(o, want)
             fixed.append(o)
         return tuple(fixed)
+
+
+class _NodeExec:
+    """How the runtime calls one node, prepared once: the planned layouts parsed, and the op's arguments as
+    a template whose tensor slots take the operands (no pytree walk per call).
+
+    ``mode`` is ``dtensor`` (DTensor's dispatcher runs the planned strategy), ``local`` (meshpilot runs the op
+    on the local shards and labels the outputs with the planned layouts, see :data:`_LOCAL_OPS`) or
+    ``fallback`` (no strategy: the op runs on full replicas, its outputs are replicated)."""
+
+    __slots__ = ("target", "ins", "outs", "vals", "mode", "_leaves", "_slots", "_spec", "_nargs", "_keys")
+
+    def __init__(self, node, choice) -> None:
+        fx = node.fx_node
+        self.target = fx.target
+        self.ins = tuple(tuple(from_json(p)) for p in choice.ins)
+        self.outs = tuple(tuple(from_json(p)) if p is not None else None for p in choice.outs)
+        vals = fx.meta.get("val")
+        self.vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+        if choice.source == "fallback":
+            self.mode = "fallback"
+        elif fx.target in _LOCAL_OPS:
+            self.mode = "local"
+        else:
+            self.mode = "dtensor"
+        top = (*fx.args, *fx.kwargs.values())
+        nested = any(
+            isinstance(a, (list, tuple, dict)) and any(isinstance(x, torch.fx.Node) for x in pytree.tree_leaves(a))
+            for a in top
+        )
+        # flat: one leaf per top-level argument (constant lists such as a view's shape stay whole)
+        leaves, spec = pytree.tree_flatten((fx.args, fx.kwargs)) if nested else (list(top), None)
+        self._leaves, self._slots = [], []
+        k = 0
+        for pos, a in enumerate(leaves):
+            if isinstance(a, torch.fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    self._slots.append((pos, k))
+                    k += 1
+                    a = None
+                else:
+                    a = v
+            self._leaves.append(a)
+        self._spec = spec
+        self._nargs = len(fx.args)
+        self._keys = tuple(fx.kwargs)
+
+    def arguments(self, operands: list) -> tuple[tuple, dict]:
+        vals = list(self._leaves)
+        for pos, k in self._slots:
+            vals[pos] = operands[k]
+        if self._spec is None:
+            n = self._nargs
+            return tuple(vals[:n]), dict(zip(self._keys, vals[n:]))
+        return pytree.tree_unflatten(vals, self._spec)
+
+
+# Ops the runtime runs on the local shards instead of through DTensor's dispatcher (mode ``local`` of
+# _NodeExec): exact for any strategy of the op's sharding rule, since the operands already hold the planned
+# layouts and each rank computes its piece. Used where DTensor's own runtime handler cannot run a planned
+# strategy: its convolution handler rejects a batch sharded over two mesh axes (``S(0)S(0)``).
+_LOCAL_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+
+
+def _wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_val: torch.Tensor) -> DTensor:
+    """A DTensor of `local` (this rank's piece) in `placements`, of `global_val`'s global shape."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(global_val.shape, global_val.stride(), global_val.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def parallelize(
@@ -295,18 +396,22 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    graph: OpGraph | None = None,
 ) -> ParallelModule:
     """Make `model` run `plan` on the current process group (see the module docstring).
 
     `loss_fn` must be the one given to ``meshpilot.plan`` (if any). The model's parameters are replaced
     by DTensor parameters in place; build the optimizer on the returned module's ``parameters()``.
+    `graph` reuses a capture of this model on the plan's input shapes (several plans of one model are then
+    run without tracing it again); its fingerprint is still checked against the plan's.
     """
     register_meshpilot_strategies()
     mesh = mesh if mesh is not None else mesh_for_plan(plan)
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise UserError(f"mesh shape {tuple(mesh.shape)} does not match the plan's {plan.mesh_shape}")
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
-    graph = capture(model, examples, loss_fn=loss_fn)
+    if graph is None:
+        graph = capture(model, examples, loss_fn=loss_fn)
     if graph.fingerprint() != plan.fingerprint:
         raise UserError(
             "this plan was made for a different model or input shapes (graph fingerprint "

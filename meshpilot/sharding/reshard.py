@@ -54,6 +54,10 @@ def tensor_meta(info: TensorInfo) -> TensorMeta:
     return TensorMeta(shape, tuple(reversed(stride)), dtype_from_name(info.dtype))
 
 
+# DTensor's redistribute steps depend on the layouts and the mesh shape only: shared by every Resharder
+_STRUCTURES: dict[tuple[int, ...], dict[tuple, tuple[tuple[str, int, float], ...]]] = {}
+
+
 class Resharder:
     """Collectives and seconds of ``src -> dst`` for tensors on one mesh, cached by (src, dst, tensor)."""
 
@@ -61,7 +65,7 @@ class Resharder:
         self.dmesh = dmesh
         self.cost_model = cost_model
         self.mesh_shape = tuple(dmesh.shape)
-        self._struct: dict[tuple, tuple[tuple[str, int, float], ...]] = {}
+        self._struct = _STRUCTURES.setdefault(self.mesh_shape, {})
         self._cost: dict[tuple, float] = {}
         self._meta: dict[TensorInfo, TensorMeta] = {}
         self._mat: dict[tuple, np.ndarray] = {}

@@ -11,7 +11,8 @@ registered strategy function (``op_single_dim_strategy_funcs`` expanded to the f
   redistribution); strategies it would never pick are dropped, so the run takes the planned algorithm.
 
 Where DTensor has no strategy, meshpilot registers its own *into DTensor's propagator* (so the run can use
-them too): the CPU flash-attention kernels (batch- or head-parallel). Ops with neither fall back to one
+them too): the CPU flash-attention kernels (batch- or head-parallel) and GroupNorm's backward
+(batch-parallel). Ops with neither fall back to one
 all-replicated strategy; the runtime runs them on local replicas and the plan lists them as warnings.
 
 Factory ops (no tensor operand) produce replicated tensors.
@@ -38,7 +39,7 @@ from torch.distributed.tensor._op_schema import (
 )
 from torch.utils import _pytree as pytree
 
-from meshpilot.graph.capture import OpGraph, OpNode
+from meshpilot.graph.capture import OpGraph, OpNode, dtype_from_name
 from meshpilot.sharding.placements import (
     Placements,
     candidate_placements,
@@ -126,11 +127,45 @@ def register_meshpilot_strategies() -> None:
         _attn_bwd,
         RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
     )
+    _register_group_norm_backward(prop)
     prop.propagate_op_sharding.cache.cache_clear() if hasattr(prop.propagate_op_sharding, "cache") else None
     _REGISTERED = True
 
 
+def _register_group_norm_backward(prop) -> None:
+    """Batch-parallel GroupNorm backward (DTensor has the forward only): every sample is normalised on its
+    own, so grad_out, input, mean and rstd sharded on the batch give grad_input sharded the same way and
+    partial sums of grad_weight / grad_bias; N/C/HxW become the local sizes as in DTensor's forward."""
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._ops._math_ops import _adjust_group_norm_scalars
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _ShardingPlaceholder,
+        register_single_dim_strategy,
+    )
+
+    op = aten.native_group_norm_backward.default
+    if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
+        return
+
+    def strategy(op, args_schema, kwargs_schema):
+        # native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group, output_mask)
+        mask = args_schema[9]
+        has_weight = isinstance(args_schema[4], TensorMeta)
+        outs = [
+            _ShardingPlaceholder(0) if mask[0] else None,
+            Partial("sum") if mask[1] else None,
+            Partial("sum") if mask[2] else None,
+        ]
+        ins = [_ShardingPlaceholder(0)] * 4 + ([Replicate()] if has_weight else [])
+        return [outs + ins]
+
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(5))(strategy)
+    prop.op_to_scalar_shape_adjuster[op] = _adjust_group_norm_scalars
+
+
 # ------------------------------------------------------------------------------------------ enumeration
+
+_STRATEGY_CACHE: dict[tuple[int, ...], dict[str, tuple[list, tuple[str, str] | None]]] = {}
 
 
 _COST_MODULES: list | None = None
@@ -178,7 +213,11 @@ class StrategyBuilder:
         self.dmesh = dmesh
         self.mesh_shape = tuple(dmesh.shape)
         self.prop = DTensor._op_dispatcher.sharding_propagator
-        self._cache: dict[str, list[Strategy]] = {}
+        # shared by every builder on a mesh of this shape: strategies depend on the op, its operand shapes
+        # and layouts and the mesh shape only, so forced plans and repeated planning reuse them
+        self._cache: dict[str, tuple[list[Strategy], tuple[str, str] | None]] = _STRATEGY_CACHE.setdefault(
+            self.mesh_shape, {}
+        )
         self.warnings: dict[str, str] = {}
 
     # candidate layouts a producer can emit at output i
@@ -209,14 +248,19 @@ class StrategyBuilder:
         )
         hit = self._cache.get(key)
         if hit is not None:
-            return hit
+            strategies, warning = hit
+            if warning is not None:
+                self.warnings.setdefault(*warning)
+            return strategies
+        self._last_warning = None
         with _no_redistribute_costs():
             strategies = self._compute(node, operand_candidates)
-        self._cache[key] = strategies
+        self._cache[key] = (strategies, self._last_warning)
         return strategies
 
     def _fallback(self, node: OpNode, why: str) -> list[Strategy]:
         self.warnings.setdefault(node.target, why)
+        self._last_warning = (node.target, why)
         outs = tuple(replicated(len(self.mesh_shape)) if o is not None else None for o in node.outputs)
         ins = tuple(replicated(len(self.mesh_shape)) for _ in node.inputs)
         return [Strategy(outs, ins, "fallback")]
@@ -279,6 +323,29 @@ class StrategyBuilder:
                 try:
                     schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
                     result = func(schema)
+                except RuntimeError:
+                    if len(operand_strats) != 1:
+                        raise
+                    # a strategy function that rejects some operand layouts outright (strict views refuse
+                    # to reshape a sharded dim): ask per layout and keep the ones it accepts; the
+                    # replicated layout is always offered, so the operand can be resharded to it
+                    specs: list[OpSpec] = []
+                    errors: list[str] = []
+                    tm = operand_strats[0].strategies[0].output_spec.tensor_meta
+                    layouts = unique([*cands[0], replicated(len(self.mesh_shape))])
+                    for pl in layouts:
+                        it = iter([OpStrategy([OpSpec(DTensorSpec(self.dmesh, pl, tm))])])
+                        args = tuple(wrap(a) for a in fx_node.args)
+                        kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
+                        schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+                        try:
+                            specs.extend(func(schema).strategies)
+                        except RuntimeError as e:
+                            errors.append(str(e))
+                    if not specs:
+                        raise RuntimeError(errors[0] if errors else "no layout accepted") from None
+                    cands = [layouts]
+                    result = OpStrategy(specs)
                 except (IndexError, AssertionError):
                     # some strategy functions walk their operands' strategies in lockstep: offer every
                     # operand's layouts as lists of one common length and ask again
@@ -300,6 +367,10 @@ class StrategyBuilder:
 
         n_in = len(node.inputs)
         cand_index = [{p: j for j, p in enumerate(c)} for c in cands]
+        floats = [
+            (info := self.graph[src].outputs[i]) is not None and dtype_from_name(info.dtype).is_floating_point
+            for src, i in node.inputs
+        ]
         parsed: list[tuple[Strategy, OpSpec]] = []
         any_negative = False
         for spec in result.strategies:
@@ -314,8 +385,11 @@ class StrategyBuilder:
             in_pl = tuple(s.placements for s in ins)
             if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
                 continue
-            if any(any(isinstance(x, Partial) for x in p) and p not in cand_index[k] for k, p in enumerate(in_pl)):
-                continue  # a partial operand its producer never emits
+            if any(
+                p not in cand_index[k] and not (floats[k] and _partial_joins(k, in_pl, cands[k]))
+                for k, p in enumerate(in_pl)
+            ):
+                continue  # a partial operand its producer never emits (and that is no bias joining a product)
             ok = all(
                 is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
             ) and all(
@@ -366,6 +440,24 @@ def _dtensor_pick(specs: list[OpSpec], strats: list[Strategy], idx: list[int], i
     if exact:
         return strats[exact[-1]]
     return None
+
+
+def _partial_joins(k: int, ins: tuple[Placements, ...], candidates: list[Placements]) -> bool:
+    """Whether float operand `k` may be planned partial although its producer never emits that layout: it joins a
+    partial product made by sharded operands (an ``addmm``'s replicated bias added to a row-parallel
+    matmul's partial sums). On every axis where it is partial, its producer has a replica (``R -> P`` is a
+    free local step: each rank keeps 1/n, as DTensor does) and another operand is sharded. Splitting a
+    replica into partials merely to divide an op's work is not allowed: each rank would still do all of it.
+    """
+    p = ins[k]
+    axes = [a for a, x in enumerate(p) if isinstance(x, Partial)]
+    if not axes:
+        return True
+    if not any(isinstance(ins[j][a], Shard) for a in axes for j in range(len(ins)) if j != k):
+        return False
+    if not all(any(isinstance(ins[j][a], Shard) for j in range(len(ins)) if j != k) for a in axes):
+        return False
+    return any(all(isinstance(c[a], Replicate) for a in axes) for c in candidates)
 
 
 def _inputs_available(s: Strategy, cand_index: list[dict]) -> bool:

@@ -1,0 +1,476 @@
+"""Forced plans for any model: the ``force=`` dicts of pure data parallelism, Megatron tensor parallelism and
+a ZeRO-3-like layout, for ``meshpilot.plan(model, inputs, cluster, mesh_shape=..., force=...)``.
+
+Each helper pins the layout of every parameter (by its exact name) and of every input (``input:<i>``); the
+ILP still chooses the operators' algorithms, which the pinned leaves then determine (batch-parallel
+matmuls under data parallelism, column/row-parallel ones under Megatron, all-gathered weights under
+ZeRO-3). A layout string has one placement per mesh axis (``RS(0)`` on a 2D mesh); mesh axes of size 1
+are always ``R``.
+
+* :func:`data_parallel` — every parameter replicated; every input sharded on its batch dim (0) over all
+  mesh axes, as far as the batch divides (axes in order; an axis it does not divide stays ``R``).
+* :func:`megatron_tp` — tensor parallelism over one mesh axis (``tp_axis``, the last by default), data
+  parallelism (batch-sharded inputs) over the others. Column/row pairs are found *structurally* on the
+  captured forward graph (:func:`megatron_groups`), not by name:
+
+  1. a *linear* is a forward ``mm``/``addmm``/``bmm`` whose right operand is a parameter seen through
+     transposes, permutes and size-1 views (``nn.Linear``'s ``t()``, an einsum's reshuffling of a
+     ``[experts, in, out]`` expert weight), with ``addmm``'s 1-D parameter operand as its bias; a
+     parameter used by two such ops is not a linear;
+  2. each linear's output starts a *chain*, which passes through views/reshapes/transposes/selects,
+     ``getitem``, element-wise ops whose other tensor operands are chains too (or scalars: ``silu(g) * u``
+     joins two chains) and scaled-dot-product attention whose q, k and v are all chains (head-parallel);
+  3. a linear whose activation operand is a chain is a *row* linear of the chain's linears, its *columns*;
+     any other consumer of a chain (layer norm, softmax over features, a residual add with a non-chain
+     tensor, a loss, a reduction) disqualifies the linears of that chain;
+  4. pairs are accepted in forward order and a linear takes one role only (``fc1 -> fc2 -> fc3`` gives
+     one pair ``fc1 | fc2``; ``fc3`` stays replicated), and a column is kept only if every row it feeds
+     is accepted.
+
+  So attention ``q, k, v (or a fused qkv) -> o``, MLP ``up -> down`` (``gate, up -> down`` for a gated
+  MLP) and an MoE's expert FFN ``w_in -> w_out`` (sharding the expert hidden dim) are found in any model
+  that writes them this way. Column weights are sharded on their output-feature dim (``S(0)`` of a
+  ``[out, in]`` weight) and their biases on dim 0; row weights on their input-feature dim (``S(1)``), row
+  biases replicated, like every other parameter (embeddings, norms, convolutions, heads feeding a loss).
+  A group whose feature dims the TP degree does not divide stays replicated.
+* :func:`zero3` — every parameter sharded over every mesh axis (of size > 1): each axis in order shards the
+  first dim that still divides evenly (``S(0)S(0)`` for a ``[64, 32]`` weight on 2 x 2, ``S(0)S(1)`` when
+  dim 0 only divides by one axis); a parameter with no such dim stays ``R`` on that axis. Inputs are
+  batch-sharded as under data parallelism. The runtime then all-gathers weights where an op needs them and
+  the gradients arrive reduce-scattered into the parameter shards, as ZeRO-3 does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import OpGraph, capture
+
+KINDS = ("data_parallel", "megatron_tp", "zero3")
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+def _layout(per_axis: Sequence[str]) -> str:
+    return "".join(per_axis)
+
+
+def _replicated(mesh_shape: Sequence[int]) -> str:
+    return "R" * len(mesh_shape)
+
+
+def _exact(name: str) -> str:
+    """An fnmatch pattern matching exactly `name`."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def _batch_placements(shape: Sequence[int], mesh_shape: Sequence[int], axes: Sequence[int]) -> list[str]:
+    """Dim 0 sharded over `axes` (in order) as far as it divides evenly; ``R`` elsewhere."""
+    out = ["R"] * len(mesh_shape)
+    if not shape:
+        return out
+    k = 1
+    for a in axes:
+        n = mesh_shape[a]
+        if n > 1 and shape[0] % (k * n) == 0:
+            out[a] = "S(0)"
+            k *= n
+    return out
+
+
+def _inputs(example_inputs: Sequence[Any], mesh_shape: Sequence[int], axes: Sequence[int]) -> dict[str, str]:
+    return {
+        f"input:{i}": _layout(_batch_placements(tuple(x.shape), mesh_shape, axes))
+        for i, x in enumerate(example_inputs)
+        if isinstance(x, torch.Tensor)
+    }
+
+
+def _params(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _check_mesh(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(n) for n in mesh_shape)
+    if not shape or any(n < 1 for n in shape):
+        raise UserError(f"mesh_shape {mesh_shape!r}: give one positive size per mesh axis, e.g. (2, 2)")
+    return shape
+
+
+def data_parallel(model: torch.nn.Module, example_inputs: Sequence[Any], mesh_shape: Sequence[int]) -> dict[str, str]:
+    """Pure data parallelism: parameters replicated, inputs batch-sharded over every mesh axis."""
+    mesh_shape = _check_mesh(mesh_shape)
+    force = {_exact(n): _replicated(mesh_shape) for n in _params(model)}
+    force.update(_inputs(example_inputs, mesh_shape, range(len(mesh_shape))))
+    return force
+
+
+def zero3(model: torch.nn.Module, example_inputs: Sequence[Any], mesh_shape: Sequence[int]) -> dict[str, str]:
+    """ZeRO-3-like: every parameter sharded over every mesh axis on its first evenly divisible dim."""
+    mesh_shape = _check_mesh(mesh_shape)
+    force = {}
+    for name, shape in _params(model).items():
+        out = ["R"] * len(mesh_shape)
+        factor = [1] * len(shape)
+        for a, n in enumerate(mesh_shape):
+            if n == 1:
+                continue
+            for d, size in enumerate(shape):
+                if size % (factor[d] * n) == 0:
+                    out[a] = f"S({d})"
+                    factor[d] *= n
+                    break
+        force[_exact(name)] = _layout(out)
+    force.update(_inputs(example_inputs, mesh_shape, range(len(mesh_shape))))
+    return force
+
+
+# --------------------------------------------------------------------------------- Megatron structure
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A forward matmul with a parameter weight: ``y = x @ W^T (+ b)``, or a batched ``bmm(x, W)``."""
+
+    node: str
+    """The ``mm`` / ``addmm`` node."""
+    weight: str
+    bias: str | None
+    out_dim: int
+    """The weight's output-feature dim (0 for ``nn.Linear``'s ``[out, in]``)."""
+    in_dim: int
+    """The weight's input-feature (contracted) dim."""
+    act: str
+    """The node feeding the activation operand."""
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Column-parallel linears whose outputs reach only the row-parallel linears of the group."""
+
+    columns: tuple[Linear, ...]
+    rows: tuple[Linear, ...]
+
+    def names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(column weights, row weights), e.g. ``(("q.weight", "k.weight", "v.weight"), ("o.weight",))``."""
+        return tuple(c.weight for c in self.columns), tuple(r.weight for r in self.rows)
+
+
+_MM = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
+_PASS_VIEWS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.select.int",
+    "aten.slice.Tensor",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.squeeze.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten._to_copy.default",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.split.Tensor",
+    "aten.split_with_sizes.default",
+    "aten.unbind.int",
+    "aten.chunk.default",
+}
+
+
+def _is_attention(target: str) -> bool:
+    return target.startswith("aten._scaled_dot_product") and "backward" not in target
+
+
+def find_linears(graph: OpGraph) -> list[Linear]:
+    """Every forward matmul whose right operand is a parameter seen through views, in graph order.
+
+    ``mm``/``addmm`` with a 2-D weight (``nn.Linear``: ``x @ W.t()``) and ``bmm`` with a batched weight
+    (expert weights of an einsum MoE, ``[experts, in, out]``): the weight's dims that become the matmul's
+    contraction and output dims are followed back through transposes, permutes and views that only add or
+    drop size-1 dims."""
+    found: list[Linear] = []
+    for n in graph.nodes:
+        if n.phase != "fwd" or n.target not in _MM or len(n.inputs) < 2:
+            continue
+        rhs = graph[n.inputs[-1][0]].outputs[n.inputs[-1][1]]
+        if rhs is None:
+            continue
+        nd = len(rhs.shape)
+        traced = _trace_to_param(graph, n.inputs[-1][0], [nd - 2, nd - 1])
+        if traced is None:
+            continue
+        param, (in_dim, out_dim) = traced
+        bias = None
+        if n.target == "aten.addmm.default":
+            b = graph[n.inputs[0][0]]
+            if b.kind == "param" and b.out is not None and len(b.out.shape) == 1:
+                bias = b.fqn
+        found.append(Linear(n.name, param.fqn, bias, out_dim, in_dim, n.inputs[-2][0]))
+    uses: dict[str, int] = {}
+    for lin in found:
+        uses[lin.weight] = uses.get(lin.weight, 0) + 1
+    return [lin for lin in found if uses[lin.weight] == 1]
+
+
+def _align(src: Sequence[int], dst: Sequence[int]) -> dict[int, int] | None:
+    """dst dim -> src dim for a view that only adds or drops size-1 dims (None for any other view)."""
+    a = [i for i, n in enumerate(src) if n != 1]
+    b = [i for i, n in enumerate(dst) if n != 1]
+    if [src[i] for i in a] != [dst[i] for i in b]:
+        return None
+    return dict(zip(b, a))
+
+
+def _trace_to_param(graph: OpGraph, name: str, dims: list[int]):
+    """Follow `dims` of node `name`'s output back through views to a parameter: (param node, its dims)."""
+    node = graph[name]
+    while node.kind != "param":
+        if node.kind != "op" or not node.inputs or node.fx_node is None:
+            return None
+        src = graph[node.inputs[0][0]]
+        if any(graph[s].kind != "param" and graph[s].phase == "fwd" for s, _ in node.inputs[1:]):
+            return None
+        out, inp = node.out, src.outputs[node.inputs[0][1]]
+        if out is None or inp is None:
+            return None
+        args = node.fx_node.args
+        t = node.target
+        if t == "aten.t.default":
+            m = {0: 1, 1: 0} if len(out.shape) == 2 else {0: 0}
+        elif t == "aten.transpose.int":
+            d0, d1 = (int(a) % len(out.shape) for a in args[1:3])
+            m = {i: i for i in range(len(out.shape))}
+            m[d0], m[d1] = d1, d0
+        elif t == "aten.permute.default":
+            m = {i: int(p) % len(out.shape) for i, p in enumerate(args[1])}
+        elif t in _ALIGN_VIEWS:
+            m = _align(inp.shape, out.shape)
+            if m is None:
+                return None
+        else:
+            return None
+        if any(d not in m for d in dims):
+            return None
+        dims = [m[d] for d in dims]
+        node = src
+    return node, tuple(dims)
+
+
+_ALIGN_VIEWS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.squeeze.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.alias.default",
+    "aten.detach.default",
+}
+
+
+def megatron_groups(graph: OpGraph) -> list[TPGroup]:
+    """Column/row-parallel groups of linears found on the forward graph (rule in the module docstring)."""
+    linears = find_linears(graph)
+    by_node = {lin.node: i for i, lin in enumerate(linears)}
+    chain: dict[str, frozenset[int]] = {lin.node: frozenset([i]) for i, lin in enumerate(linears)}
+    feeds: dict[int, frozenset[int]] = {}
+    poisoned: set[int] = set()
+    for n in graph.nodes:
+        if n.phase != "fwd" or n.kind not in ("op", "getitem"):
+            continue
+        ins = [chain.get(s) for s, _ in n.inputs]
+        if not any(ins):
+            continue
+        if n.name in by_node:
+            lin = linears[by_node[n.name]]
+            for (s, _), c in zip(n.inputs, ins):
+                if c is None:
+                    continue
+                if s == lin.act and s == n.inputs[-2][0]:
+                    feeds[by_node[n.name]] = feeds.get(by_node[n.name], frozenset()) | c
+                else:
+                    poisoned |= c
+            continue
+        union = frozenset().union(*(c for c in ins if c))
+        if _passes(graph, n, ins):
+            chain[n.name] = union
+        else:
+            poisoned |= union
+    loss = chain.get(graph.loss[0])
+    if loss:
+        poisoned |= loss
+
+    order = {i: graph[lin.node].index for i, lin in enumerate(linears)}
+    role: dict[int, str] = {}
+    accepted: dict[int, frozenset[int]] = {}
+    for b, cols in sorted(feeds.items(), key=lambda kv: min(order[c] for c in kv[1])):
+        if cols & poisoned or b in cols:
+            continue
+        if any(role.get(c) == "row" for c in cols) or role.get(b) == "col":
+            continue
+        for c in cols:
+            role[c] = "col"
+        role[b] = "row"
+        accepted[b] = cols
+    # a column must reach accepted rows only
+    while True:
+        cols_now = {c for cs in accepted.values() for c in cs}
+        bad = {c for b, cs in feeds.items() if b not in accepted for c in cs if c in cols_now}
+        if not bad:
+            break
+        accepted = {b: cs for b, cs in accepted.items() if not (cs & bad)}
+    # groups: rows sharing a column are one group
+    parent = {b: b for b in accepted}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    owner: dict[int, int] = {}
+    for b, cols in accepted.items():
+        for c in cols:
+            if c in owner:
+                parent[find(b)] = find(owner[c])
+            else:
+                owner[c] = b
+    comps: dict[int, tuple[set[int], set[int]]] = {}
+    for b, cols in accepted.items():
+        cs, rs = comps.setdefault(find(b), (set(), set()))
+        cs |= cols
+        rs.add(b)
+    groups = [
+        TPGroup(
+            tuple(linears[i] for i in sorted(cs, key=order.__getitem__)),
+            tuple(linears[i] for i in sorted(rs, key=order.__getitem__)),
+        )
+        for cs, rs in comps.values()
+    ]
+    return sorted(groups, key=lambda g: graph[g.columns[0].node].index)
+
+
+def _passes(graph: OpGraph, n, ins: list) -> bool:
+    """Whether a chain passes through node `n` (operand chain sets `ins`, None for non-chain operands)."""
+    if n.kind == "getitem":
+        return True
+    t = n.target
+    if t in _PASS_VIEWS:
+        return ins[0] is not None and all(c is None for c in ins[1:])
+    if _is_attention(t):
+        return len(ins) >= 3 and all(c is not None for c in ins[:3]) and all(c is None for c in ins[3:])
+    fx = n.fx_node
+    if fx is not None and torch.Tag.pointwise in getattr(fx.target, "tags", ()):
+        for (s, i), c in zip(n.inputs, ins):
+            if c is None:
+                info = graph[s].outputs[i]
+                if info is None or info.numel != 1:
+                    return False
+        return True
+    return False
+
+
+def megatron_tp(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    mesh_shape: Sequence[int],
+    *,
+    tp_axis: int = -1,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    graph: OpGraph | None = None,
+) -> dict[str, str]:
+    """Megatron tensor parallelism over `tp_axis`, data parallelism over the other axes (module docstring).
+
+    `graph` reuses a capture of the model on these inputs (``meshpilot.graph.capture.capture``)."""
+    mesh_shape = _check_mesh(mesh_shape)
+    nd = len(mesh_shape)
+    tp_axis = tp_axis % nd
+    tp = mesh_shape[tp_axis]
+    graph = graph if graph is not None else capture(model, example_inputs, loss_fn=loss_fn)
+    shapes = _params(model)
+    force = {_exact(n): _replicated(mesh_shape) for n in shapes}
+
+    def on_tp(d: int) -> str:
+        out = ["R"] * nd
+        out[tp_axis] = f"S({d})"
+        return _layout(out)
+
+    dp_axes = [a for a in range(nd) if a != tp_axis]
+    inputs = _inputs(example_inputs, mesh_shape, dp_axes)
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    lead = _batch_placements(tuple(first.shape), mesh_shape, dp_axes) if first is not None else ["R"] * nd
+    batch_axes = [a for a in dp_axes if lead[a] == "S(0)"]
+
+    def matmul_out(node: str, tp_placement: str) -> str | None:
+        """The layout of a 2-D linear's output: rows batch-sharded as the inputs, `tp_placement` on TP."""
+        info = graph[node].out
+        if graph[node].target == "aten.bmm.default" or info is None or len(info.shape) != 2:
+            return None
+        out, k = ["R"] * nd, 1
+        for a in batch_axes:
+            if info.shape[0] % (k * mesh_shape[a]) == 0:
+                out[a], k = "S(0)", k * mesh_shape[a]
+        out[tp_axis] = tp_placement
+        return _layout(out)
+
+    if tp > 1:
+        for group in megatron_groups(graph):
+            ok = all(shapes[c.weight][c.out_dim] % tp == 0 for c in group.columns) and all(
+                shapes[r.weight][r.in_dim] % tp == 0 for r in group.rows
+            )
+            if not ok:
+                continue
+            for c in group.columns:
+                force[_exact(c.weight)] = on_tp(c.out_dim)
+                if c.bias is not None:
+                    force[_exact(c.bias)] = on_tp(0)
+                lay = matmul_out(c.node, "S(1)")
+                if lay is not None:
+                    force[c.node] = lay
+            for r in group.rows:
+                force[_exact(r.weight)] = on_tp(r.in_dim)
+                lay = matmul_out(r.node, "P")
+                if lay is not None:
+                    force[r.node] = lay
+    force.update(inputs)
+    return force
+
+
+def forced(
+    kind: str,
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    mesh_shape: Sequence[int],
+    **kwargs: Any,
+) -> dict[str, str]:
+    """The ``force=`` dict of `kind` (one of :data:`KINDS`)."""
+    fns = {"data_parallel": data_parallel, "megatron_tp": megatron_tp, "zero3": zero3}
+    if kind not in fns:
+        raise UserError(f"unknown forced plan {kind!r}; choose one of {', '.join(KINDS)}")
+    return fns[kind](model, example_inputs, mesh_shape, **kwargs)
+
+
+__all__ = [
+    "KINDS",
+    "Linear",
+    "TPGroup",
+    "data_parallel",
+    "find_linears",
+    "forced",
+    "megatron_groups",
+    "megatron_tp",
+    "zero3",
+]

@@ -1,0 +1,140 @@
+"""The forced plans' ``force=`` dicts (``meshpilot.planner.forced``): Megatron pairs found structurally on
+any model, data-parallel and ZeRO-3-like layouts, and what the planner makes of them. Single process; the
+runs of these plans on 4 and 8 ranks are in ``tests/test_models_parallel.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_graph_capture import Tiny
+from test_models_parallel import build
+
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import capture
+from meshpilot.planner.auto import plan
+from meshpilot.planner.forced import data_parallel, forced, megatron_groups, megatron_tp, zero3
+
+
+def _groups(name: str):
+    model, inputs = build(name)
+    return [g.names() for g in megatron_groups(capture(model, inputs))]
+
+
+def test_megatron_pairs_are_found_structurally_in_every_model():
+    assert _groups("gpt") == [
+        pair
+        for i in range(2)
+        for pair in (
+            ((f"blocks.{i}.attn.qkv.weight",), (f"blocks.{i}.attn.proj.weight",)),
+            ((f"blocks.{i}.mlp.fc.weight",), (f"blocks.{i}.mlp.proj.weight",)),
+        )
+    ]
+    # separate q, k, v meet in attention and reach o together
+    assert _groups("bert") == [
+        (("layers.0.q.weight", "layers.0.k.weight", "layers.0.v.weight"), ("layers.0.o.weight",)),
+        (("layers.0.up.weight",), ("layers.0.down.weight",)),
+    ]
+    # fc1 -> fc2 -> fc3: one pair, a linear takes one role; the head feeding the loss stays replicated
+    assert _groups("mlp") == [(("layers.0.weight",), ("layers.1.weight",))]
+    # einsum expert weights [e, m, f] -> [e, f, m] through permutes and size-1 views
+    assert _groups("moe") == [(("moes.0.w_in",), ("moes.0.w_out",))]
+    # the fresh hybrid: fused qkv -> out, and a gated MLP's two columns (silu(gate) * up) -> down
+    assert _groups("hybrid") == [(("qkv.weight",), ("out.weight",)), (("gate.weight", "up.weight"), ("down.weight",))]
+    # convolutions and a classifier feeding the loss: nothing to pair
+    assert _groups("wrn") == []
+
+
+def test_a_column_feeding_a_non_linear_consumer_is_not_paired():
+    class Leaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+            self.norm = torch.nn.LayerNorm(32)
+
+        def forward(self, x):
+            h = self.a(x)
+            return (self.b(torch.relu(h)).sum() + self.norm(h).sum()) / 8  # h also reaches a LayerNorm
+
+    assert megatron_groups(capture(Leaky(), (torch.randn(4, 16),))) == []
+
+
+def test_megatron_dict_equals_the_hand_written_one_for_the_tiny_transformer():
+    torch.manual_seed(0)
+    m = Tiny(layers=2, h=32, heads=4, vocab=64)
+    x = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    f = megatron_tp(m, x, (2, 2))
+    for i in range(2):
+        assert f[f"blocks.{i}.qkv.weight"] == "RS(0)" and f[f"blocks.{i}.up.weight"] == "RS(0)"
+        assert f[f"blocks.{i}.o.weight"] == "RS(1)" and f[f"blocks.{i}.down.weight"] == "RS(1)"
+        assert f[f"blocks.{i}.ln.weight"] == "RR"
+    assert f["emb.weight"] == f["head.weight"] == "RR"
+    assert f["input:0"] == f["input:1"] == "S(0)R"
+    # tensor parallelism over axis 0 instead: the same pairs on the other axis, batch over axis 1
+    f0 = megatron_tp(m, x, (2, 2), tp_axis=0)
+    assert f0["blocks.0.qkv.weight"] == "S(0)R" and f0["blocks.0.o.weight"] == "S(1)R"
+    assert f0["input:0"] == "RS(0)"
+
+
+def test_layouts_respect_size_one_axes_and_divisibility():
+    model, inputs = build("mlp")  # layers [64, 32], [64, 64], [16, 64]; batch 8
+    # on (4, 1) Megatron's TP axis has size 1: it is data parallelism
+    assert megatron_tp(model, inputs, (4, 1)) == data_parallel(model, inputs, (4, 1))
+    assert data_parallel(model, inputs, (1, 4))["input:0"] == "RS(0)"
+    assert data_parallel(model, inputs, (2, 4))["input:1"] == "S(0)S(0)"
+    z = zero3(model, inputs, (2, 4))
+    assert z["layers.0.weight"] == "S(0)S(0)" and z["layers.2.weight"] == "S(0)S(0)"
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 32))
+            self.s = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return (x @ self.w.t()).sum() + self.s.sum()
+
+    z = zero3(Odd(), (torch.randn(6, 32),), (2, 2))
+    assert z["w"] == "S(0)S(1)"  # 6 divides by 2 but not by 4: the second axis shards dim 1
+    assert z["s"] == "RR"  # nothing divides
+    assert z["input:0"] == "S(0)R"  # batch 6 over the first axis only
+
+
+def test_forced_plans_pin_every_parameter_and_input_and_communicate_as_their_kind():
+    model, inputs = build("gpt")
+    graph = capture(model, inputs)
+    plans = {}
+    for kind in ("data_parallel", "megatron_tp", "zero3"):
+        f = forced(kind, model, inputs, (2, 2), **({"graph": graph} if kind == "megatron_tp" else {}))
+        p = plans[kind] = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), force=f, graph=graph)
+        names = {n for n, _ in model.named_parameters()}
+        assert {n: "".join(lay) for n, lay in p.params} == {n: v for n, v in f.items() if n in names}
+        assert ["".join(lay) for lay in p.inputs] == [f["input:0"], f["input:1"]]
+        # anything else pinned is a matmul node (Megatron's column / row products)
+        for node, lay in f.items():
+            if node not in names and not node.startswith("input:"):
+                assert kind == "megatron_tp" and "".join(p.node(node).outs[0]) == lay
+    params = {n.name for n in graph.nodes if n.kind == "param"}
+    kinds = {k: {(c.kind, c.phase, c.axis) for c in p.collectives} for k, p in plans.items()}
+    from_params = {k: {(c.kind, c.phase) for c in p.collectives if c.src in params} for k, p in plans.items()}
+    grads = {k: {(c.kind, c.axis) for c in p.collectives if c.dst.startswith("grad:")} for k, p in plans.items()}
+    # data parallel: replicated weights are never moved; gradients are all-reduced over both axes (the
+    # ILP still picks each op's algorithm: on these latency-bound sizes it gathers the small activations
+    # of the final norm and loss instead of all-reducing their gradients)
+    assert from_params["data_parallel"] == set()
+    assert grads["data_parallel"] == {("all_reduce", 0), ("all_reduce", 1)}
+    # Megatron: the row-parallel linears' partial sums are reduced over the TP axis in the forward pass
+    assert kinds["megatron_tp"] & {("all_reduce", "fwd", 1), ("reduce_scatter", "fwd", 1)}
+    # ZeRO-3: weight shards are gathered (or re-sharded) where they are used, in the forward and again in
+    # the backward, never reduced; gradients are reduce-scattered into their shards
+    assert ("all_gather", "fwd") in from_params["zero3"]
+    assert {k for k, _ in from_params["zero3"]} <= {"all_gather", "all_to_all"}
+    assert ("reduce_scatter", 0) in grads["zero3"] or ("reduce_scatter", 1) in grads["zero3"]
+    assert not any(k == "all_reduce" for k, _ in grads["zero3"])
+
+
+def test_bad_kind_and_mesh_are_user_errors():
+    model, inputs = build("mlp")
+    with pytest.raises(UserError, match="unknown forced plan 'fsdp'"):
+        forced("fsdp", model, inputs, (2, 2))
+    with pytest.raises(UserError, match="mesh_shape"):
+        data_parallel(model, inputs, (2, 0))

@@ -1,0 +1,364 @@
+"""The auto-sharding runtime's correctness bar, on 4 and 8 gloo CPU processes.
+
+For the ATP GPT, a BERT-like encoder, an MLP, a small Wide-ResNet-like conv net (GroupNorm), a model with a
+GShard top-2 MoE layer, and a fresh conv -> transformer hybrid defined here (not in the zoo), on every 2D
+mesh shape of the world size, for the solver's plan and for the forced plans of
+:mod:`meshpilot.planner.forced` (pure data parallel, Megatron TP, ZeRO-3-like):
+
+* loss and every parameter's gradient equal the single-device model's within 1e-5 at each of 3 stock AdamW
+  steps (eps=1e-8);
+* parameters equal within 1e-5 after each of 3 AdamW steps with eps=1e-4: Adam divides by sqrt(v) + eps,
+  so with eps=1e-8 float32 reduction-order noise on near-zero gradients moves parameters by up to ~lr
+  whichever side is right (as in ``tests/test_atp_layers.py``); eps=1e-4 bounds that amplification;
+* the collectives the run issues (kind, mesh axis, bytes, forward / backward) are exactly the plan's.
+
+Plans are made once in the test process and handed to one spawn per world size, which runs every
+model x mesh x plan kind (identical plans run once). Every rank compares its own shards with the matching
+slice of the single-device tensors, so no extra collective is needed for the comparison.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_distributed
+from torch import nn
+
+TOL = 1e-5
+STEPS = 3
+MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: [(8, 1), (4, 2), (2, 4), (1, 8)]}
+KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
+ZOO = ("gpt", "bert", "mlp", "wrn", "moe")
+FRESH = "hybrid"
+FALLBACK = "cdist"
+MODELS = (*ZOO, FRESH, FALLBACK)
+KINDS_OF = {FALLBACK: ("solver",)}  # the model with an op no strategy covers: the solver's plan only
+STOCK_ADAMW = dict(lr=1e-3)  # eps=1e-8: loss and gradients
+PARAM_ADAMW = dict(lr=1e-3, eps=1e-4)  # parameters (see the module docstring)
+CLUSTER = "atp-ic3"
+
+
+class HybridNet(nn.Module):
+    """A conv -> transformer hybrid the tests do not know by name: a stride-2 patch convolution turns an
+    image into tokens, then one pre-LN block with fused-qkv bidirectional attention and a gated (SwiGLU)
+    MLP, both residual, then mean pooling and a classifier."""
+
+    def __init__(self, channels: int = 3, width: int = 32, heads: int = 8, classes: int = 8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.patch = nn.Conv2d(channels, width, kernel_size=2, stride=2)
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.gate = nn.Linear(width, 2 * width, bias=False)
+        self.up = nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+        self.cls = nn.Linear(width, classes)
+
+    def forward(self, img: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch(img).flatten(2).transpose(1, 2)  # [b, tokens, width]
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.out(att.transpose(1, 2).reshape(b, t, w))
+        y = self.ln2(x)
+        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
+        return F.cross_entropy(self.cls(x.mean(dim=1)), labels)
+
+
+class CdistNet(nn.Module):
+    """Distances to learned centres (``torch.cdist``: DTensor has no strategy for ``_cdist_forward`` nor its
+    backward) between two linears: the planner must fall back to replicated for those ops and say so."""
+
+    def __init__(self, d: int = 16, width: int = 32, centres: int = 8, classes: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, width)
+        self.centres = nn.Parameter(torch.randn(centres, width))
+        self.head = nn.Linear(centres, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(-torch.cdist(self.proj(x), self.centres)), labels)
+
+
+def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Model `name` (seeded) and its inputs; batch 8 and feature dims divisible by 8 where they must be."""
+    from meshpilot.models import zoo
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+
+    def ints(high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=g)
+
+    if name == "gpt":  # the ATP GPT (gpt-tiny: 2 layers, h=32, 8 heads), batch 8, sequence 8
+        model = GPT(gpt_tiny(batch=8, seq=8))
+        idx = ints(64, 8, 9)
+        return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    if name == "bert":
+        return zoo.BertEncoder(vocab=64, seq=8, hidden=32, heads=8, layers=1), (ints(64, 8, 8), ints(64, 8, 8))
+    if name == "mlp":
+        return zoo.MLPModel((32, 64, 64, 16)), (torch.randn(8, 32, generator=g), ints(16, 8))
+    if name == "wrn":
+        return zoo.WideResNet(k=1, blocks=1, classes=8), (torch.randn(8, 3, 8, 8, generator=g), ints(8, 8))
+    if name == "moe":  # 8 experts (expert parallelism up to 8), capacity 4 of 64 tokens: some are dropped
+        model = zoo.MoEModel(vocab=64, hidden=32, experts=8, ffn=32, layers=1, capacity=4)
+        return model, (ints(64, 8, 8), ints(64, 8, 8))
+    if name == FRESH:
+        return HybridNet(), (torch.randn(8, 3, 8, 8, generator=g), ints(8, 8))
+    if name == FALLBACK:
+        return CdistNet(), (torch.randn(8, 16, generator=g), ints(8, 8))
+    raise KeyError(name)
+
+
+# ----------------------------------------------------------------------------------------- planning
+
+
+def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
+    """Every (model, mesh, kind) plan for `world` ranks (computed in the test process)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import forced
+
+    plans = {}
+    for name in MODELS:
+        model, inputs = build(name)
+        graph = capture(model, inputs)
+        for shape in MESHES[world]:
+            for kind in KINDS_OF.get(name, KINDS):
+                force = None
+                if kind != "solver":
+                    kw = {"graph": graph} if kind == "megatron_tp" else {}
+                    force = forced(kind, model, inputs, shape, **kw)
+                plans[(name, shape, kind)] = plan(model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph)
+    return plans
+
+
+def _plan_key(p) -> str:
+    """What a run depends on: mesh, every node's strategy, parameter and input layouts."""
+    import json
+
+    d = p.to_dict()
+    return json.dumps([d["mesh_shape"], d["mesh_ranks"], d["nodes"], d["params"], d["inputs"]])
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def _local_slice(full: torch.Tensor, dt) -> torch.Tensor:
+    """The piece of the single-device tensor `full` that this rank's shard of DTensor `dt` should hold."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _max_err(pairs) -> tuple[float, str]:
+    worst = (0.0, "")
+    for name, ref, dt in pairs:
+        assert not any(p.is_partial() for p in dt.placements), f"{name} is left partial: {dt.placements}"
+        err = (dt.to_local() - _local_slice(ref, dt)).abs().max().item() if ref.numel() else 0.0
+        if err > worst[0] or not worst[1]:
+            worst = (err, name)
+    return worst
+
+
+def _reference(name: str, adamw: dict) -> list[dict]:
+    """Single-device trajectory: per step the loss, gradients and parameters after the step."""
+    model, inputs = build(name)
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*inputs)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        out.append(
+            {
+                "loss": loss.item(),
+                "grads": grads,
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            }
+        )
+    return out
+
+
+def _run_plan(name: str, plan, graph, ref: list[dict], adamw: dict, count: bool) -> dict:
+    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+
+    model, inputs = build(name)
+    pm = parallelize(model, plan, graph=graph)
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.AdamW(pm.parameters(), **adamw)
+    res: dict = {"loss": [], "grad": [], "param": [], "counts": []}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        if count:
+            with CollectiveCounter(pm.mesh) as cc:
+                loss = pm(*inputs)
+            res["counts"].append({ph: cc.counts(ph) for ph in ("fwd", "bwd")})
+        else:
+            loss = pm(*inputs)
+        loss.backward()
+        params = dict(zip(names, pm.parameters()))
+        res["loss"].append(abs(loss.item() - ref[step]["loss"]))
+        res["grad"].append(_max_err((n, ref[step]["grads"][n], p.grad) for n, p in params.items()))
+        opt.step()
+        res["param"].append(_max_err((n, ref[step]["params"][n], p.detach()) for n, p in params.items()))
+    res["mismatches"] = list(pm.mismatches)
+    return res
+
+
+def _worker(jobs: list[tuple[str, str, str]]) -> dict:
+    """Run every (job id, model, plan JSON); per job the stock-AdamW run (loss, grads, collectives) and the
+    eps=1e-4 run (parameters)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.plan import Plan
+
+    refs: dict = {}
+    graphs: dict = {}
+    out: dict = {}
+    for job, name, plan_json in jobs:
+        t0 = time.perf_counter()
+        if name not in refs:
+            refs[name] = (_reference(name, STOCK_ADAMW), _reference(name, PARAM_ADAMW))
+            model, inputs = build(name)
+            graphs[name] = capture(model, inputs)
+        plan = Plan.from_json(plan_json)
+        stock = _run_plan(name, plan, graphs[name], refs[name][0], STOCK_ADAMW, count=True)
+        eps = _run_plan(name, plan, graphs[name], refs[name][1], PARAM_ADAMW, count=False)
+        out[job] = {
+            "loss": stock["loss"],
+            "grad": stock["grad"],
+            "param": eps["param"],
+            "counts": stock["counts"],
+            "mismatches": stock["mismatches"] + eps["mismatches"],
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------ fixture
+
+
+@pytest.fixture(scope="module", params=sorted(MESHES), ids=lambda w: f"world{w}")
+def runs(request):
+    """(world, plans, per-rank results keyed like plans): one spawn per world size."""
+    world = request.param
+    t0 = time.perf_counter()
+    plans = make_plans(world)
+    t_plan = time.perf_counter() - t0
+    unique: dict[str, str] = {}
+    job_of: dict = {}
+    jobs = []
+    for key, p in plans.items():
+        k = _plan_key(p)
+        if k not in unique:
+            unique[k] = f"job{len(unique)}"
+            jobs.append((unique[k], key[0], p.to_json()))
+        job_of[key] = unique[k]
+    t1 = time.perf_counter()
+    per_rank = run_distributed(_worker, world, jobs, timeout=900)
+    t_run = time.perf_counter() - t1
+    results = [{key: r[job_of[key]] for key in plans} for r in per_rank]
+    print(
+        f"\nworld {world}: {len(plans)} (model, mesh, kind) plans, {len(jobs)} distinct runs; "
+        f"planning {t_plan:.1f} s, runs {t_run:.1f} s"
+    )
+    return world, plans, results
+
+
+def _check_equal(world, plans, results, keys) -> None:
+    assert keys
+    for rank, res in enumerate(results):
+        for key in keys:
+            r = res[key]
+            for step in range(STEPS):
+                where = f"rank {rank}/{world} {key} step {step}"
+                assert r["loss"][step] <= TOL, f"{where}: loss off by {r['loss'][step]:.3g}"
+                err, name = r["grad"][step]
+                assert err <= TOL, f"{where}: grad of {name} off by {err:.3g}"
+                err, name = r["param"][step]
+                assert err <= TOL, f"{where}: parameter {name} off by {err:.3g} (AdamW eps=1e-4)"
+            assert not r["mismatches"], (key, r["mismatches"][:3])
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_solver_plan_matches_single_device(runs, name):
+    world, plans, results = runs
+    _check_equal(world, plans, results, [k for k in plans if k[0] == name and k[2] == "solver"])
+
+
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_forced_plans_match_single_device(runs, kind):
+    world, plans, results = runs
+    keys = [k for k in plans if k[2] == kind and k[0] in ZOO]
+    _check_equal(world, plans, results, keys)
+
+
+def test_fresh_architecture_plans_run_correctly(runs):
+    """A model the planner and the tests know only through this file: every mesh and plan kind."""
+    world, plans, results = runs
+    keys = [k for k in plans if k[0] == FRESH]
+    assert len(keys) == len(MESHES[world]) * len(KINDS)
+    _check_equal(world, plans, results, keys)
+
+
+def test_ops_without_strategy_run_replicated_and_are_listed(runs):
+    """``torch.cdist`` has no sharding strategy: its forward and backward are planned replicated, the plan's
+    warnings say so, and the run still equals the single-device model."""
+    world, plans, results = runs
+    keys = [k for k in plans if k[0] == FALLBACK]
+    assert len(keys) == len(MESHES[world])
+    for key in keys:
+        p = plans[key]
+        assert any("_cdist_forward" in w and "replicated" in w for w in p.warnings), p.warnings
+        assert any("_cdist_backward" in w for w in p.warnings), p.warnings
+        fallback = [n for n in p.nodes if n.source == "fallback"]
+        assert {n.target for n in fallback} == {"aten._cdist_forward.default", "aten._cdist_backward.default"}
+        for n in fallback:
+            assert all(set(lay) == {"R"} for lay in n.ins) and all(set(lay) == {"R"} for lay in n.outs if lay)
+    _check_equal(world, plans, results, keys)
+
+
+def test_collectives_match_the_plan(runs):
+    """Per (model, mesh, kind): the collectives of every step, forward and backward separately, as
+    (kind, mesh axis, bytes) multisets, are the plan's prediction (gloo: all-to-all as all-gather)."""
+    world, plans, results = runs
+    nonempty = 0
+    for key, p in plans.items():
+        want = {ph: p.collective_counts(phase=ph, backend="gloo") for ph in ("fwd", "bwd")}
+        nonempty += bool(want["fwd"] + want["bwd"])
+        for rank, res in enumerate(results):
+            for step, got in enumerate(res[key]["counts"]):
+                for ph in ("fwd", "bwd"):
+                    assert got[ph] == want[ph], (
+                        f"rank {rank}/{world} {key} step {step} {ph}: "
+                        f"issued-not-planned {sorted((got[ph] - want[ph]).items())}, "
+                        f"planned-not-issued {sorted((want[ph] - got[ph]).items())}"
+                    )
+    # the comparison is not vacuous: most plans communicate, on both mesh axes
+    assert nonempty >= len(plans) * 3 // 4
+    axes = Counter(c.axis for p in plans.values() for c in p.collectives)
+    assert axes[0] > 0 and axes[1] > 0
+
+
+def test_forced_plans_differ_from_each_other(runs):
+    """The forced kinds are really different plans where the mesh allows (else the test proves little)."""
+    world, plans, _ = runs
+    for name in ZOO + (FRESH,):
+        square = next(s for s in MESHES[world] if s[0] > 1 and s[1] > 1)
+        keys = {kind: _plan_key(plans[(name, square, kind)]) for kind in KINDS[1:]}
+        assert keys["data_parallel"] != keys["zero3"], name
+        if name != "wrn":  # no linear pairs in the conv net: Megatron is data parallel there
+            assert keys["data_parallel"] != keys["megatron_tp"], name
