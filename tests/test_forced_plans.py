@@ -67,12 +67,15 @@ def test_megatron_dict_equals_the_hand_written_one_for_the_tiny_transformer():
         assert f[f"blocks.{i}.qkv.weight"] == "RS(0)" and f[f"blocks.{i}.up.weight"] == "RS(0)"
         assert f[f"blocks.{i}.o.weight"] == "RS(1)" and f[f"blocks.{i}.down.weight"] == "RS(1)"
         assert f[f"blocks.{i}.ln.weight"] == "RR"
-    assert f["emb.weight"] == f["head.weight"] == "RR"
+    assert f["head.weight"] == "RR"  # feeds the loss: no pair
+    assert f["emb.weight"] == "RS(0)"  # vocabulary-parallel embedding over the TP axis
+    lookup = next(n for n in capture(m, x).nodes if n.target == "aten.embedding.default")
+    assert f[lookup.name] == "S(0)P"  # batch over axis 0, partial sums over the TP axis
     assert f["input:0"] == f["input:1"] == "S(0)R"
     # tensor parallelism over axis 0 instead: the same pairs on the other axis, batch over axis 1
     f0 = megatron_tp(m, x, (2, 2), tp_axis=0)
     assert f0["blocks.0.qkv.weight"] == "S(0)R" and f0["blocks.0.o.weight"] == "S(1)R"
-    assert f0["input:0"] == "RS(0)"
+    assert f0["input:0"] == "RS(0)" and f0["emb.weight"] == "S(0)R"
 
 
 def test_layouts_respect_size_one_axes_and_divisibility():
@@ -109,7 +112,7 @@ def test_forced_plans_pin_every_parameter_and_input_and_communicate_as_their_kin
         names = {n for n, _ in model.named_parameters()}
         assert {n: "".join(lay) for n, lay in p.params} == {n: v for n, v in f.items() if n in names}
         assert ["".join(lay) for lay in p.inputs] == [f["input:0"], f["input:1"]]
-        # anything else pinned is a matmul node (Megatron's column / row products)
+        # anything else pinned is a node: Megatron's column / row products and its vocabulary-parallel lookup
         for node, lay in f.items():
             if node not in names and not node.startswith("input:"):
                 assert kind == "megatron_tp" and "".join(p.node(node).outs[0]) == lay
@@ -138,3 +141,30 @@ def test_bad_kind_and_mesh_are_user_errors():
         forced("fsdp", model, inputs, (2, 2))
     with pytest.raises(UserError, match="mesh_shape"):
         data_parallel(model, inputs, (2, 0))
+
+
+def test_vocabulary_parallel_embedding_is_offered_and_runs_as_meshpilot_strategy():
+    """meshpilot's own embedding strategies: a vocabulary-sharded table gives a partial lookup (forward) and
+    a vocabulary-sharded gradient (backward); DTensor offers neither with plain layouts."""
+    from meshpilot.sharding.placements import fmt
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    model, inputs = build("gpt")
+    g = capture(model, inputs)
+    sb = StrategyBuilder(g, fake_device_mesh((2, 2)))
+    strats = {}
+    for n in g.nodes:
+        strats[n.name] = sb.for_node(n, [StrategyBuilder.out_candidates(strats[s], i) for s, i in n.inputs])
+    fwd = next(n for n in g.nodes if n.target == "aten.embedding.default")
+    bwd = next(n for n in g.nodes if n.target == "aten.embedding_dense_backward.default")
+    own_fwd = {s.short() for s in strats[fwd.name] if s.source == "meshpilot"}
+    own_bwd = {s.short() for s in strats[bwd.name] if s.source == "meshpilot"}
+    assert "RS(0) × RR → RP" in own_fwd and "S(0)S(0) × RR → PP" in own_fwd
+    assert "RS(0) × S(0)R → S(0)P" in own_fwd  # vocabulary over axis 1, batch over axis 0
+    assert "RR × RR → RS(0)" in own_bwd and "S(0)R × S(0)R → PS(0)" in own_bwd
+    # DTensor's own strategies for these ops never shard the vocabulary with plain layouts
+    dt_fwd = [s for s in strats[fwd.name] if s.source == "dtensor"]
+    dt_bwd = [s for s in strats[bwd.name] if s.source == "dtensor"]
+    assert dt_fwd and not any("S(0)" in fmt(s.ins[0]) for s in dt_fwd)
+    assert dt_bwd and not any("S(0)" in fmt(s.outs[0]) for s in dt_bwd)
+    assert not sb.warnings

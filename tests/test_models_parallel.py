@@ -314,6 +314,17 @@ def test_fresh_architecture_plans_run_correctly(runs):
     _check_equal(world, plans, results, keys)
 
 
+def test_own_strategies_are_exercised(runs):
+    """meshpilot's vocabulary-parallel embedding (forward and backward) is in the runs checked above: every
+    Megatron plan of a model with an embedding uses it wherever the TP axis has more than one device."""
+    world, plans, _ = runs
+    for (name, shape, kind), p in plans.items():
+        if kind != "megatron_tp" or name not in ("gpt", "bert", "moe") or shape[1] == 1:
+            continue
+        own = {n.target for n in p.nodes if n.source == "meshpilot"}
+        assert own == {"aten.embedding.default", "aten.embedding_dense_backward.default"}, (name, shape, own)
+
+
 def test_ops_without_strategy_run_replicated_and_are_listed(runs):
     """``torch.cdist`` has no sharding strategy: its forward and backward are planned replicated, the plan's
     warnings say so, and the run still equals the single-device model."""

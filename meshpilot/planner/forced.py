@@ -32,7 +32,10 @@ are always ``R``.
   that writes them this way. Column weights are sharded on their output-feature dim (``S(0)`` of a
   ``[out, in]`` weight) and their biases on dim 0; row weights on their input-feature dim (``S(1)``), row
   biases replicated, like every other parameter (embeddings, norms, convolutions, heads feeding a loss).
-  A group whose feature dims the TP degree does not divide stays replicated.
+  A group whose feature dims the TP degree does not divide stays replicated. Embedding tables are
+  vocabulary-parallel over the TP axis (``S(0)``, Megatron-LM's; the lookup runs meshpilot's own
+  strategy: each rank looks up the ids in its rows and the output is a partial sum), and a lookup of an
+  input's ids is pinned to that partial output.
 * :func:`zero3` — every parameter sharded over every mesh axis (of size > 1): each axis in order shards the
   first dim that still divides evenly (``S(0)S(0)`` for a ``[64, 32]`` weight on 2 x 2, ``S(0)S(1)`` when
   dim 0 only divides by one axis); a parameter with no such dim stays ``R`` on that axis. Inputs are
@@ -445,6 +448,24 @@ def megatron_tp(
                 lay = matmul_out(r.node, "P")
                 if lay is not None:
                     force[r.node] = lay
+        # vocabulary-parallel embedding tables (Megatron-LM's); a lookup of an input's ids keeps its partial
+        # sums over the TP axis, reduced where they are consumed
+        for n in graph.nodes:
+            if n.phase != "fwd" or n.target != "aten.embedding.default" or len(n.inputs) < 2:
+                continue
+            table, ids = graph[n.inputs[0][0]], graph[n.inputs[1][0]]
+            if table.kind != "param" or table.out is None or table.out.shape[0] % tp:
+                continue
+            if force.get(_exact(table.fqn), "R" * nd) != _replicated(mesh_shape):
+                continue  # a weight some matmul pair already shards
+            force[_exact(table.fqn)] = on_tp(0)
+            if ids.kind == "input" and n.out is not None:
+                out, k = ["R"] * nd, 1
+                for a in batch_axes:
+                    if n.out.shape[0] % (k * mesh_shape[a]) == 0:
+                        out[a], k = "S(0)", k * mesh_shape[a]
+                out[tp_axis] = "P"
+                force[n.name] = _layout(out)
     force.update(inputs)
     return force
 

@@ -298,13 +298,16 @@ class ParallelModule(torch.nn.Module):
                 v = v._local_tensor
             operands.append(v)
         args, kwargs = ex.arguments(operands)
-        out = ex.target(*args, **kwargs)
+        if ex.mode == "own":
+            out = _OWN_IMPLS[ex.target](ex, self.mesh, *args, **kwargs)
+        else:
+            out = ex.target(*args, **kwargs)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         mesh = self.mesh
         fixed = []
         for i, o in enumerate(outs):
             want = ex.outs[i] if i < len(ex.outs) else None
-            if ex.mode == "local":
+            if ex.mode in ("local", "own"):
                 if isinstance(o, torch.Tensor) and want is not None and isinstance(ex.vals[i], torch.Tensor):
                     o = _wrap_local(o, mesh, want, ex.vals[i])
             elif isinstance(o, torch.Tensor) and not isinstance(o, DTensor):
@@ -323,13 +326,29 @@ class _NodeExec:
     a template whose tensor slots take the operands (no pytree walk per call).
 
     ``mode`` is ``dtensor`` (DTensor's dispatcher runs the planned strategy), ``local`` (meshpilot runs the op
-    on the local shards and labels the outputs with the planned layouts, see :data:`_LOCAL_OPS`) or
-    ``fallback`` (no strategy: the op runs on full replicas, its outputs are replicated)."""
+    on the local shards and labels the outputs with the planned layouts, see :data:`_LOCAL_OPS`), ``own``
+    (one of meshpilot's own strategies, run by :data:`_OWN_IMPLS` on the local shards) or ``fallback`` (no
+    strategy: the op runs on full replicas, its outputs are replicated)."""
 
-    __slots__ = ("target", "ins", "outs", "vals", "mode", "_leaves", "_slots", "_spec", "_nargs", "_keys")
+    __slots__ = (
+        "node",
+        "target",
+        "ins",
+        "outs",
+        "vals",
+        "mode",
+        "cache",
+        "_leaves",
+        "_slots",
+        "_spec",
+        "_nargs",
+        "_keys",
+    )
 
     def __init__(self, node, choice) -> None:
         fx = node.fx_node
+        self.node = node
+        self.cache: dict = {}
         self.target = fx.target
         self.ins = tuple(tuple(from_json(p)) for p in choice.ins)
         self.outs = tuple(tuple(from_json(p)) if p is not None else None for p in choice.outs)
@@ -337,6 +356,8 @@ class _NodeExec:
         self.vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
         if choice.source == "fallback":
             self.mode = "fallback"
+        elif choice.source == "meshpilot" and fx.target in _OWN_IMPLS:
+            self.mode = "own"
         elif fx.target in _LOCAL_OPS:
             self.mode = "local"
         else:
@@ -379,6 +400,44 @@ class _NodeExec:
 # layouts and each rank computes its piece. Used where DTensor's own runtime handler cannot run a planned
 # strategy: its convolution handler rejects a batch sharded over two mesh axes (``S(0)S(0)``).
 _LOCAL_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+
+
+def _vocab_range(ex: _NodeExec, mesh: DeviceMesh, global_shape, placements) -> tuple[int, int]:
+    """(first row, rows) of this rank's shard of a vocabulary-sharded table (cached per node)."""
+    hit = ex.cache.get("vocab")
+    if hit is None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, placements)
+        hit = ex.cache["vocab"] = (int(offset[0]), int(shape[0]))
+    return hit
+
+
+def _embedding_vocab_parallel(ex, mesh, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """Vocabulary-parallel lookup: this rank's rows for the ids it holds, zeros elsewhere (a partial sum)."""
+    off, rows = _vocab_range(ex, mesh, ex.node.fx_node.args[0].meta["val"].shape, ex.ins[0])
+    mask = (ids >= off) & (ids < off + rows)
+    out = torch.ops.aten.embedding.default(weight, torch.where(mask, ids - off, torch.zeros_like(ids)))
+    return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+def _embedding_backward_vocab_parallel(ex, mesh, grad, ids, num_weights, padding_idx, scale_grad_by_freq):
+    """The gradient rows this rank holds: other ranks' ids contribute nothing here."""
+    hidden = ex.vals[0].shape[1]
+    off, rows = _vocab_range(ex, mesh, (num_weights, hidden), ex.outs[0])
+    mask = (ids >= off) & (ids < off + rows)
+    grad = grad * mask.unsqueeze(-1).to(grad.dtype)
+    pad = padding_idx - off if 0 <= padding_idx - off < rows and padding_idx >= 0 else -1
+    local_ids = torch.where(mask, ids - off, torch.zeros_like(ids))
+    return torch.ops.aten.embedding_dense_backward.default(grad, local_ids, rows, pad, scale_grad_by_freq)
+
+
+# meshpilot's own strategies (``meshpilot.sharding.strategies.OWN_OPS``, source ``meshpilot``): how each op
+# runs on the local shards; the outputs get the planned layouts.
+_OWN_IMPLS = {
+    torch.ops.aten.embedding.default: _embedding_vocab_parallel,
+    torch.ops.aten.embedding_dense_backward.default: _embedding_backward_vocab_parallel,
+}
 
 
 def _wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_val: torch.Tensor) -> DTensor:

@@ -420,9 +420,77 @@ class StrategyBuilder:
                 if pick is not None and pick.ins == s.ins:
                     chosen[s.ins] = pick
         strategies = [s for s in unique_strategies(chosen.values()) if _inputs_available(s, cand_index)]
+        strategies += self._own(node)
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
+
+    def _own(self, node: OpNode) -> list[Strategy]:
+        """meshpilot's strategies beside DTensor's, run by meshpilot's runtime (``OWN_OPS``)."""
+        fn = _OWN_STRATEGIES.get(node.target)
+        return fn(self, node) if fn is not None else []
+
+
+# -------------------------------------------------------------------- meshpilot-run strategies
+
+
+def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis) -> list[Strategy]:
+    """Every product over mesh axes of the per-axis rules `per_axis` (lists of (outs, ins) placements) that
+    uses the vocabulary-parallel rule (the first of each list) on at least one axis; even shards only."""
+    import itertools
+
+    mesh = self.mesh_shape
+    out = []
+    for combo in itertools.product(*[per_axis if n > 1 else per_axis[-1:] for n in mesh]):
+        if not any(c is per_axis[0] for c in combo):
+            continue
+        n_out, n_in = len(combo[0][0]), len(combo[0][1])
+        outs = tuple(tuple(c[0][k] for c in combo) for k in range(n_out))
+        ins = tuple(tuple(c[1][k] for c in combo) for k in range(n_in))
+        ok = all(is_even(p, self.graph[src].outputs[i].shape, mesh) for p, (src, i) in zip(ins, node.inputs))
+        ok = ok and all(o is None or is_even(p, o.shape, mesh) for p, o in zip(outs, node.outputs))
+        if ok:
+            out.append(Strategy(outs, ins, "meshpilot"))
+    return out
+
+
+def _embedding_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``embedding(weight [V, h], ids)`` with the vocabulary sharded (``S(0)`` weight, replicated ids): each
+    rank looks up the ids in its rows, zeros the others, and the output is a partial sum (Megatron's
+    vocabulary-parallel embedding; DTensor's own version needs a masked partial). Other axes: replicated,
+    batch-parallel ids, or the hidden dim sharded, as DTensor does."""
+    (w, wi), (ids, ii) = node.inputs
+    id_nd = len(self.graph[ids].outputs[ii].shape)
+    if node.fx_node is None or self.graph[ids].outputs[ii].dtype not in ("int64", "int32"):
+        return []
+    rules = [((Partial(),), (Shard(0), Replicate()))]
+    rules += [((Shard(d),), (Replicate(), Shard(d))) for d in range(id_nd)]
+    rules += [((Shard(id_nd),), (Shard(1), Replicate()))]
+    rules += [((Replicate(),), (Replicate(), Replicate()))]
+    return _vocab_parallel_rows(self, node, rules)
+
+
+def _embedding_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``embedding_dense_backward(grad_out, ids, V, padding_idx, scale_grad_by_freq)`` into a vocabulary-
+    sharded gradient: each rank accumulates the rows it holds (the others' ids are masked out)."""
+    fx = node.fx_node
+    if fx is None or len(fx.args) < 5 or fx.args[4]:  # scale_grad_by_freq needs global counts
+        return []
+    (g, gi), (ids, ii) = node.inputs
+    id_nd = len(self.graph[ids].outputs[ii].shape)
+    rules = [((Shard(0),), (Replicate(), Replicate()))]
+    rules += [((Partial(),), (Shard(d), Shard(d))) for d in range(id_nd)]
+    rules += [((Shard(1),), (Shard(id_nd), Replicate()))]
+    rules += [((Replicate(),), (Replicate(), Replicate()))]
+    return _vocab_parallel_rows(self, node, rules)
+
+
+_OWN_STRATEGIES = {
+    "aten.embedding.default": _embedding_vocab_parallel,
+    "aten.embedding_dense_backward.default": _embedding_backward_vocab_parallel,
+}
+OWN_OPS = frozenset(_OWN_STRATEGIES)
+"""Ops with meshpilot strategies (source ``meshpilot``) that meshpilot's runtime executes itself."""
 
 
 def _dtensor_pick(specs: list[OpSpec], strats: list[Strategy], idx: list[int], ins: tuple) -> Strategy | None:
