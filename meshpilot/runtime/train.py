@@ -40,9 +40,8 @@ def reference_model(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg)
 
 
-def train_single(cfg: GPTConfig, steps: int, seed: int = 0, lr: float = 1e-3) -> list[StepLog]:
-    """The single-device reference."""
-    model = reference_model(cfg, seed)
+def _adamw_steps(model: torch.nn.Module, cfg: GPTConfig, steps: int, seed: int, lr: float) -> list[StepLog]:
+    """`steps` AdamW steps of `model` (whose call returns the replicated loss) on the full global batches."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     logs = []
     for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
@@ -51,8 +50,13 @@ def train_single(cfg: GPTConfig, steps: int, seed: int = 0, lr: float = 1e-3) ->
         loss.backward()
         opt.step()
         opt.zero_grad()
-        logs.append(StepLog(i, loss.item(), time.perf_counter() - t0))
+        logs.append(StepLog(i, float(loss.detach()), time.perf_counter() - t0))
     return logs
+
+
+def train_single(cfg: GPTConfig, steps: int, seed: int = 0, lr: float = 1e-3) -> list[StepLog]:
+    """The single-device reference."""
+    return _adamw_steps(reference_model(cfg, seed), cfg, steps, seed, lr)
 
 
 def train_atp(
@@ -97,14 +101,4 @@ def train_plan(cfg: GPTConfig, plan, steps: int, seed: int = 0, lr: float = 1e-3
     """
     from meshpilot.runtime.spmd import parallelize
 
-    model = parallelize(reference_model(cfg, seed), plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    logs = []
-    for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
-        t0 = time.perf_counter()
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        logs.append(StepLog(i, float(loss.detach()), time.perf_counter() - t0))
-    return logs
+    return _adamw_steps(parallelize(reference_model(cfg, seed), plan), cfg, steps, seed, lr)
