@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json
+from meshpilot.cli.common import add_cluster_arg, console, gbps, get_cluster, print_json
 from meshpilot.cluster import GB, Cluster, LogicalMesh, mesh_shapes_2d
 
 
@@ -41,6 +41,11 @@ def mesh_rows(cluster: Cluster, n: int) -> list[dict]:
     return rows
 
 
+def _cell(gb: float | None) -> str:
+    """A row's GB/s value as the table shows it ('—' for an axis without communication)."""
+    return "—" if gb is None else f"{gb:.4g}"
+
+
 def run(args: argparse.Namespace) -> int:
     from meshpilot.errors import UserError
 
@@ -70,13 +75,9 @@ def run(args: argparse.Namespace) -> int:
     for col in ("DeviceMesh", "B1' GB/s", "B2' GB/s", "B1 GB/s", "B2 GB/s", ""):
         t.add_column(col, justify="right")
     for r in rows:
-        m = LogicalMesh(cluster, tuple(r["mesh"]))
         t.add_row(
             f"({r['mesh'][0]}, {r['mesh'][1]})",
-            fmt_gbps(m.effective_bandwidth(0)),
-            fmt_gbps(m.effective_bandwidth(1)),
-            fmt_gbps(m.algorithm_bandwidth(0)),
-            fmt_gbps(m.algorithm_bandwidth(1)),
+            *(_cell(r[k]) for k in ("B1_prime_GBps", "B2_prime_GBps", "B1_GBps", "B2_GBps")),
             "calibrated" if r["calibrated"] else "",
         )
     console.print(t)

@@ -93,6 +93,7 @@ class LogicalMesh:
                 f"mesh rank map must name {n} distinct ranks in [0, {self.cluster.num_devices}); got {flat.tolist()}"
             )
         object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "_bw", {})  # Eq. 3 per axis set: the expensive part, asked for repeatedly
 
     @property
     def size(self) -> int:
@@ -112,7 +113,10 @@ class LogicalMesh:
 
     def effective_bandwidth(self, axes: int | Sequence[int]) -> float:
         """B' of Eq. 3 for collectives over `axes`, bytes/s (inf for groups of one device)."""
-        return effective_bandwidth(self.cluster, self.groups(axes))
+        key = tuple(_axes(axes, len(self.shape)))
+        if key not in self._bw:
+            self._bw[key] = effective_bandwidth(self.cluster, self.groups(key))
+        return self._bw[key]
 
     def algorithm_bandwidth(self, axes: int | Sequence[int]) -> float:
         """B of Eq. 4 over `axes`, bytes/s; a calibration entry for this shape overrides it."""

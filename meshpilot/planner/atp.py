@@ -134,10 +134,8 @@ def sweep(cluster_at, ns: list[int], ways: tuple[int, ...] = (1, 2, 4, 8)) -> li
         cluster = cluster_at(n)
         group_bw = float(cluster.layers[-1].group_bw.min())
         delta = 2 * 1 * 1 * 1 * 1 * 1 / group_bw
-        atp = {}
-        for i in ways:
-            if n % i == 0:
-                atp[i] = t_comm(LogicalMesh(cluster, (n // i, i)), _Unit(), 1) / delta
         res = search(cluster, n, _Unit(), 1)
+        by_mesh = {c.mesh: c.t_comm_s / delta for c in res.candidates}
+        atp = {i: by_mesh[(n // i, i)] for i in ways if n % i == 0}
         rows.append(SweepRow(n, atp, res.chosen.t_comm_s / delta, res.chosen.mesh))
     return rows
