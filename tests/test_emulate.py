@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,8 +66,10 @@ rank, world = dist.get_rank(), dist.get_world_size()
 P = int(os.environ["LOCAL_WORLD_SIZE"])
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
+# A bare print: under PYTHONUNBUFFERED it writes the text and the newline in two calls, the case in which two
+# ranks sharing one pipe spliced their lines; emulate must still deliver each rank's line whole.
 print(f"RESULT rank={rank} world={world} node={os.environ['MESHPILOT_EMULATE_NODE']} "
-      f"addr={os.environ['MESHPILOT_EMULATE_ADDR']} sum={t.item():g}", flush=True)
+      f"addr={os.environ['MESHPILOT_EMULATE_ADDR']} sum={t.item():g}")
 mode = sys.argv[1]
 
 def pingpong(src, dst, nbytes, reps=3):
@@ -147,6 +150,7 @@ def _assert_clean(pid: int) -> None:
     left = leftovers(owner=pid)
     assert left == {"netns": [], "links": []}, left
     assert not any(Path(netns_mod.ETC_NETNS, f"mpe{pid}n{i}").exists() for i in range(2))
+    assert not list(Path(tempfile.gettempdir()).glob(f"mpe{pid}-logs-*"))  # the ranks' log files went too
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +163,11 @@ def bw_run(root_netns, files):
 def test_two_nodes_all_reduce_and_cleanup(bw_run):
     proc, _ = bw_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = re.findall(r"\[node (\d)\] RESULT rank=(\d) world=4 node=(\d) addr=(\S+) sum=(\S+)", proc.stdout)
-    assert len(found) == 4, proc.stdout
-    for prefix, rank, node, addr, total in found:
-        assert prefix == node and int(node) == int(rank) // 2  # contiguous ranks per node
+    pattern = r"^\[node (\d)\] \[rank (\d)\] RESULT rank=(\d) world=4 node=(\d) addr=(\S+) sum=(\S+)$"
+    found = re.findall(pattern, proc.stdout, re.M)
+    assert len(found) == 4, proc.stdout  # one whole line per rank, each labelled with its node and rank
+    for prefix, label, rank, node, addr, total in found:
+        assert prefix == node and label == rank and int(node) == int(rank) // 2  # contiguous ranks per node
         assert addr == f"10.213.7.{100 + int(node)}" and total == "10"
     assert "group 0.05 GB/s" in proc.stderr  # the plan was printed
     pid = int(re.search(r"namespaces mpe(\d+)n\*", proc.stderr).group(1))
@@ -253,6 +258,7 @@ def test_dry_run_prints_ip_tc_and_torchrun(capsys, files):
     assert "match ip dst 10.213.7.101/32" in out
     assert out.count("-m torch.distributed.run") == 2 and "--rdzv-backend c10d" in out
     assert "--rdzv-endpoint 10.213.7.100:29400" in out
+    assert out.count("--tee 3 --log-dir") == 2  # every rank's lines reach the console whole, labelled
     assert re.search(r"^ip netns del mpe\d+n1$", out, re.M)  # and the teardown it would run
     assert "train.py --lr 1" in out
 

@@ -9,7 +9,11 @@ i's ranks are ``i*P .. i*P+P-1`` (the rendezvous orders agents by their ``--loca
 * ``MESHPILOT_EMULATE_NODE``, ``MESHPILOT_EMULATE_NODES``, ``MESHPILOT_EMULATE_ADDR``,
   ``MESHPILOT_EMULATE_NETNS``: which emulated node they run on.
 
-Agent output is forwarded line by line with a ``[node i]`` prefix. The result is 0 when every agent
+Each rank's output reaches the console whole-line and labelled ``[node i] [rank r]``: torchrun redirects every
+rank to its own file (``--tee 3 --log-dir``, in a directory the launcher owns and removes) and writes each
+line once with the rank's prefix, so two ranks of one node never splice their lines (with one shared pipe,
+``print`` under ``PYTHONUNBUFFERED`` writes text and newline in two calls, and a neighbour's line can land
+between them). The launcher forwards each agent's lines with the ``[node i]`` prefix. The result is 0 when every agent
 exits 0; when one fails (a rank crashed), the others get `grace` seconds to finish, are then stopped,
 and the result is the first failing agent's exit code (a signal N counts as 128 + N). Ctrl-C, SIGTERM
 and SIGHUP stop the agents, remove the network and raise :class:`Interrupted`.
@@ -19,9 +23,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -93,6 +99,7 @@ def agent_env(plan: NetworkPlan, node: NodeNet, base: dict[str, str] | None = No
         MESHPILOT_EMULATE_ADDR=node.addr,
         MESHPILOT_EMULATE_NETNS=node.netns,
         PYTHONUNBUFFERED="1",
+        TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[rank ${rank}] ",
     )
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     return env
@@ -107,8 +114,14 @@ def agent_command(
     port: int = DEFAULT_PORT,
     run_id: str = "meshpilot",
     python: str = sys.executable,
+    log_dir: str | None = None,
 ) -> list[str]:
-    """``ip netns exec <node's namespace> python -m torch.distributed.run ...`` for one node."""
+    """``ip netns exec <node's namespace> python -m torch.distributed.run ...`` for one node.
+
+    With `log_dir`, torchrun writes each rank's output there and tees it to the agent's console a whole
+    line at a time (see the module doc).
+    """
+    logs = ["--tee", "3", "--log-dir", log_dir] if log_dir else []
     master = plan.nodes[0].addr
     return [
         "ip", "netns", "exec", node.netns,
@@ -122,6 +135,7 @@ def agent_command(
         "--local-addr", node.addr,
         "--max-restarts", "0",
         "--monitor-interval", "0.2",
+        *logs,
         *target,
     ]  # fmt: skip
 
@@ -223,7 +237,33 @@ def run_emulated(
     out = (lambda: stdout) if stdout is not None else (lambda: sys.stdout)
     err = (lambda: stderr) if stderr is not None else (lambda: sys.stderr)
     run_id = f"{plan.prefix}-{time.time_ns() // 1000000}"
-    commands = [agent_command(plan, n, target, nproc, port=port, run_id=run_id, python=python) for n in plan.nodes]
+    log_dir = tempfile.mkdtemp(prefix=f"{plan.prefix}-logs-") if not dry_run else "<rank logs>"
+    try:
+        commands = [
+            agent_command(plan, n, target, nproc, port=port, run_id=run_id, python=python, log_dir=log_dir)
+            for n in plan.nodes
+        ]
+        return _launch(plan, cluster, commands, nproc, bw_scale, out, err, env, timeout, grace, dry_run, quiet)
+    finally:
+        if not dry_run:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _launch(
+    plan: NetworkPlan,
+    cluster: Cluster,
+    commands: list[list[str]],
+    nproc: int,
+    bw_scale: float,
+    out: Callable[[], IO[str]],
+    err: Callable[[], IO[str]],
+    env: dict[str, str] | None,
+    timeout: float | None,
+    grace: float,
+    dry_run: bool,
+    quiet: bool,
+) -> int:
+    """Bring the network up, start one agent per node, forward their output, and tear everything down."""
 
     def note(msg: str) -> None:
         print(f"meshpilot emulate: {msg}", file=err(), flush=True)
