@@ -206,6 +206,22 @@ def test_killed_rank_fails_and_cleans_up(root_netns, files):
     _assert_clean(proc.pid)
 
 
+def test_probe_under_emulate_sees_the_emulated_nodes(root_netns, files, tmp_path):
+    """Every namespace shares the host's name; probe tells the nodes apart by MESHPILOT_EMULATE_NODE, so the
+    file it writes has the node x rank hierarchy, and the node layer measures the shaped link."""
+    out = tmp_path / "probed.toml"
+    cmd = [
+        sys.executable, "-m", "meshpilot.cli.main", "emulate", "--cluster", str(files / "c.toml"), "--timeout", "150",
+        "--", "python", "-m", "meshpilot.cli.main", "probe", "--quick", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    probed = load_cluster(str(out))
+    assert [(layer.name, layer.ranks) for layer in probed.layers] == [("node", 2), ("device", 2)]
+    assert RATE / 3 < probed.p2p_bandwidth(0, 2) < RATE * 1.3  # across the shaped link
+    assert probed.p2p_bandwidth(0, 1) > 4 * probed.p2p_bandwidth(0, 2)  # within a node: the local path
+
+
 def test_ctrl_c_stops_nodes_and_cleans_up(root_netns, files, tmp_path):
     log = tmp_path / "out.txt"
     with open(log, "w") as fh:

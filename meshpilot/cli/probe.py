@@ -13,7 +13,8 @@ and on 2 machines of 8 GPUs (the same command on each, HOST being the first one)
 It measures the device (matmul FLOP/s, memory bandwidth and capacity), point-to-point bandwidth and
 latency between every pair of ranks, each rank's bandwidth to all its node's other ranks at once, the
 aggregate bandwidth between nodes, and the all-reduce bandwidth on each axis of every 2D mesh shape.
-Rank 0 writes the hierarchy (node and device layers, from the hostnames), a [device_profile] with the
+Rank 0 writes the hierarchy (node and device layers, from the hostnames; under `meshpilot emulate`, from
+the emulated nodes), a [device_profile] with the
 measured numbers and a [[calibration]] entry per mesh, then prints each mesh's measured B1/B2 next to
 Eq. 4's prediction from the measured matrix. Use the file as `--cluster FILE` with any command.
 """
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -76,6 +78,13 @@ def _size(text: str) -> int:
     return value
 
 
+def _node_identity() -> str | None:
+    """This rank's node for the hierarchy: its hostname, except under `meshpilot emulate`, where every
+    emulated node shares the machine's hostname and is told apart by ``MESHPILOT_EMULATE_NODE``."""
+    node = os.environ.get("MESHPILOT_EMULATE_NODE")
+    return None if node is None else f"{socket.gethostname()}-emulated-node{node}"
+
+
 def run(args: argparse.Namespace) -> int:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -109,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             import dataclasses
 
             opts = dataclasses.replace(opts, budget_s=args.p2p_budget)
-        m = probe(opts, progress=_progress)
+        m = probe(opts, host=_node_identity(), progress=_progress)
         if m is None:
             return 0
         name = args.name or f"probed-{m.hosts[0]}-{len(m.hosts)}"
