@@ -480,8 +480,16 @@ def _assemble(
     for node in graph.nodes:
         st = chosen[node.name]
         compute += costs.node(node, st)
+        phase = "fwd" if node.phase == "fwd" else "bwd"
+        for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
+            sec = resharder.collective_cost(c)
+            if c.is_reduction:
+                comm += sec
+            else:
+                reshard += sec
+            colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, node.name, node.name, sec))
         for a, (src, i) in enumerate(node.inputs):
-            edge(src, i, node.name, st.ins[a], "fwd" if node.phase == "fwd" else "bwd")
+            edge(src, i, node.name, st.ins[a], phase)
         nodes.append(
             NodeChoice(
                 node.name,

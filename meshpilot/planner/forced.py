@@ -394,10 +394,14 @@ def megatron_tp(
     tp_axis: int = -1,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     graph: OpGraph | None = None,
+    vocab_loss: bool = True,
 ) -> dict[str, str]:
     """Megatron tensor parallelism over `tp_axis`, data parallelism over the other axes (module docstring).
 
-    `graph` reuses a capture of the model on these inputs (``meshpilot.graph.capture.capture``)."""
+    `graph` reuses a capture of the model on these inputs (``meshpilot.graph.capture.capture``).
+    `vocab_loss`: a linear whose output reaches a log-softmax through views only (an LM head feeding the
+    cross-entropy) is column-parallel and the log-softmax is pinned class-sharded on the TP axis, so the
+    loss runs meshpilot's vocabulary-parallel cross-entropy (:func:`vocab_parallel_heads`)."""
     mesh_shape = _check_mesh(mesh_shape)
     nd = len(mesh_shape)
     tp_axis = tp_axis % nd
@@ -466,8 +470,53 @@ def megatron_tp(
                         out[a], k = "S(0)", k * mesh_shape[a]
                 out[tp_axis] = "P"
                 force[n.name] = _layout(out)
+        if vocab_loss:
+            for lin, lsm in vocab_parallel_heads(graph):
+                if shapes[lin.weight][lin.out_dim] % tp or force[_exact(lin.weight)] != _replicated(mesh_shape):
+                    continue
+                info = graph[lsm].out
+                cls = graph[lsm].fx_node.args[1] % len(info.shape)
+                rows = list(batch_axes) if cls != 0 else []
+                out, k = ["R"] * nd, 1
+                for a in rows:
+                    if info.shape[0] % (k * mesh_shape[a]) == 0:
+                        out[a], k = "S(0)", k * mesh_shape[a]
+                out[tp_axis] = f"S({cls})"
+                force[_exact(lin.weight)] = on_tp(lin.out_dim)
+                if lin.bias is not None:
+                    force[_exact(lin.bias)] = on_tp(0)
+                lay = matmul_out(lin.node, "S(1)")
+                if lay is not None:
+                    force[lin.node] = lay
+                force[lsm] = _layout(out)
+                # its nll_loss: a partial sum over the TP axis and over the batch axes sharding its rows
+                for user in graph.users[lsm]:
+                    if graph[user].target == "aten.nll_loss_forward.default" and graph[user].phase == "fwd":
+                        force[user] = _layout(["P" if p != "R" else "R" for p in out])
     force.update(inputs)
     return force
+
+
+def vocab_parallel_heads(graph: OpGraph) -> list[tuple[Linear, str]]:
+    """(linear, log-softmax node) for every forward log-softmax over the last dim whose input is a linear's
+    output seen through views only (``logits.reshape(b * t, -1)``): Megatron-LM's vocabulary-parallel LM
+    head and cross-entropy."""
+    by_node = {lin.node: lin for lin in find_linears(graph)}
+    out = []
+    for n in graph.nodes:
+        if n.phase != "fwd" or n.target != "aten._log_softmax.default" or n.out is None:
+            continue
+        if n.fx_node.args[1] % len(n.out.shape) != len(n.out.shape) - 1:
+            continue
+        src = graph[n.inputs[0][0]]
+        while src.target in _ALIGN_VIEWS and src.inputs and src.out is not None:
+            if src.out.shape[-1] != n.out.shape[-1]:
+                break
+            src = graph[src.inputs[0][0]]
+        lin = by_node.get(src.name)
+        if lin is not None:
+            out.append((lin, n.name))
+    return out
 
 
 def forced(

@@ -22,7 +22,9 @@ Objective (Eq. 1)
   (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``), in :meth:`_Costs.node`.
   Alpa sets compute to zero and forbids replicated matmuls instead; we price replication honestly.
   ``c_v`` (an op's own communication) is zero for DTensor strategies: partial sums stay ``Partial`` and
-  are reduced on the outgoing edge, where ``R`` prices them.
+  are reduced on the outgoing edge, where ``R`` prices them. meshpilot's own strategies may issue
+  collectives inside the op (``Strategy.colls``: a vocabulary-parallel softmax all-reduces its row maxima
+  and sums); ``c_v`` is their cost on the mapping's ``CostModel``, added to ``d_g`` in :func:`price`.
 * ``R_uva[k, l]`` = cost of resharding operand ``a`` of ``v`` from what ``u`` emits under ``k`` to what
   ``v`` needs under ``l`` (:class:`~meshpilot.sharding.reshard.Resharder`, Alpa Table 2 per mesh axis).
   Gradients must arrive in their parameter's layout and the loss replicated: two more edge kinds.
@@ -320,6 +322,9 @@ class Structure:
     table: ReshardTable
     forced: frozenset[str]
     build_s: float = 0.0
+    coll_terms: list[tuple[str, int]] = field(default_factory=list)
+    """(representative, nodes of its class) for representatives with strategies that issue collectives
+    inside the op (``Strategy.colls``); priced per mapping like edges."""
 
 
 def _placeholder(node: OpNode, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -379,6 +384,7 @@ def build_structure(
 
     cost_count: dict[tuple, list] = {}
     edge_count: dict[tuple, list] = {}
+    coll_count: dict[str, int] = {}
     for node in graph.nodes:
         name = node.name
         canon = canonical.get(name, name)
@@ -417,6 +423,8 @@ def build_structure(
                 cost_count[key] = [node, 1]
             else:
                 hit[1] += 1
+            if any(st.colls for st in sts):
+                coll_count[r] = coll_count.get(r, 0) + 1
         for a, (src, i) in enumerate(node.inputs):
             key = (rep[src], i, r, "in", a, graph[src].outputs[i])
             hit = edge_count.get(key)
@@ -508,6 +516,7 @@ def build_structure(
         edge_terms=edge_terms,
         mem_terms=mem_terms,
         table=ReshardTable(resharder),
+        coll_terms=list(coll_count.items()),
         forced=frozenset(forced),
         build_s=time.perf_counter() - t0,
     )
@@ -534,6 +543,10 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
     groups = prob.groups
     for r, per in struct.cost_terms:
         groups[group_of[r]].cost += per[nmap[r]]
+    cc = pricer.resharder.collective_cost
+    for r, count in struct.coll_terms:
+        per = np.array([sum(cc(c) for c in s.colls) for s in struct.strategies[r]], dtype=float)
+        groups[group_of[r]].cost += per[nmap[r]] * count
     for u, i, v, kind, idx, info, count in struct.edge_terms:
         mu, mv = nmap[u], nmap[v]
         p_vals = out_ids[u][mu, i]

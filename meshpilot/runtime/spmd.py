@@ -432,11 +432,86 @@ def _embedding_backward_vocab_parallel(ex, mesh, grad, ids, num_weights, padding
     return torch.ops.aten.embedding_dense_backward.default(grad, local_ids, rows, pad, scale_grad_by_freq)
 
 
+def _class_axes(ex: _NodeExec, mesh: DeviceMesh, pl, cls: int, global_shape) -> tuple[list[int], int, int]:
+    """(mesh axes sharding class dim `cls` in layout `pl`, first class column of this rank, columns it holds),
+    cached per node."""
+    hit = ex.cache.get("classes")
+    if hit is None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        axes = [a for a, p in enumerate(pl) if p.is_shard(cls) and mesh.size(a) > 1]
+        shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, tuple(pl))
+        hit = ex.cache["classes"] = (axes, int(offset[cls]), int(shape[cls]))
+    return hit
+
+
+def _all_reduce(t: torch.Tensor, op: str, mesh: DeviceMesh, axes: list[int]) -> torch.Tensor:
+    """`t` all-reduced with `op` over each mesh axis in turn (functional collectives, as DTensor issues them,
+    so :class:`CollectiveCounter` sees them)."""
+    for a in axes:
+        t = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, mesh.get_group(a).group_name)
+        t = torch.ops._c10d_functional.wait_tensor(t)
+    return t
+
+
+def _log_softmax_vocab_parallel(ex, mesh, x, dim, half_to_float):
+    """log_softmax over a class dim sharded on some mesh axes: the row max and the row sum of exponentials
+    are all-reduced (MAX, then SUM) over those axes; the output keeps the input's layout."""
+    cls = dim % x.dim()
+    axes, _, _ = _class_axes(ex, mesh, ex.ins[0], cls, ex.vals[0].shape)
+    m = _all_reduce(x.amax(dim=cls, keepdim=True), "max", mesh, axes)
+    shifted = x - m
+    s = _all_reduce(shifted.exp().sum(dim=cls, keepdim=True), "sum", mesh, axes)
+    return shifted - s.log()
+
+
+def _log_softmax_backward_vocab_parallel(ex, mesh, grad, out, dim, input_dtype):
+    """``grad - exp(out) * sum(grad, dim)``, the row sums of `grad` all-reduced over the class-sharding axes."""
+    cls = dim % grad.dim()
+    axes, _, _ = _class_axes(ex, mesh, ex.ins[0], cls, ex.vals[0].shape)
+    s = _all_reduce(grad.sum(dim=cls, keepdim=True), "sum", mesh, axes)
+    return (grad - out.exp() * s).to(input_dtype)
+
+
+def _local_targets(ex, mesh, target, ignore_index, lp_layout, lp_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's column of each target, or 0; whether the target is in its columns and not ignored)."""
+    _, off, cols = _class_axes(ex, mesh, lp_layout, 1, lp_shape)
+    mine = (target >= off) & (target < off + cols) & (target != ignore_index)
+    return torch.where(mine, target - off, torch.zeros_like(target)), mine
+
+
+def _nll_loss_vocab_parallel(ex, mesh, lp, target, weight, reduction, ignore_index):
+    """Minus the sum of the targets' log-probabilities held here (a partial sum over the class- and
+    row-sharding axes), divided for the mean by the count of non-ignored targets: whole over the
+    class-sharding axes (targets are replicated there), all-reduced over the row-sharding ones."""
+    lp_shape = ex.node.fx_node.args[0].meta["val"].shape
+    local, mine = _local_targets(ex, mesh, target, ignore_index, ex.ins[0], lp_shape)
+    picked = lp.gather(1, local.unsqueeze(1)).squeeze(1)
+    loss = -(picked * mine.to(lp.dtype)).sum()
+    rows = [a for a, p in enumerate(ex.ins[1]) if p.is_shard() and mesh.size(a) > 1]
+    total = _all_reduce((target != ignore_index).sum().to(lp.dtype), "sum", mesh, rows)
+    return (loss / total if reduction == 1 else loss), total
+
+
+def _nll_loss_backward_vocab_parallel(ex, mesh, grad, lp, target, weight, reduction, ignore_index, total):
+    """The gradient columns held here: ``-grad`` (``/ total_weight`` for the mean) at each row's target
+    column if this rank holds it; zeros elsewhere. No collective."""
+    lp_shape = ex.node.fx_node.args[1].meta["val"].shape
+    local, mine = _local_targets(ex, mesh, target, ignore_index, ex.ins[1], lp_shape)
+    g = -grad / total if reduction == 1 else -grad
+    out = torch.zeros_like(lp)
+    return out.scatter_(1, local.unsqueeze(1), (g * mine.to(lp.dtype)).unsqueeze(1))
+
+
 # meshpilot's own strategies (``meshpilot.sharding.strategies.OWN_OPS``, source ``meshpilot``): how each op
 # runs on the local shards; the outputs get the planned layouts.
 _OWN_IMPLS = {
     torch.ops.aten.embedding.default: _embedding_vocab_parallel,
     torch.ops.aten.embedding_dense_backward.default: _embedding_backward_vocab_parallel,
+    torch.ops.aten._log_softmax.default: _log_softmax_vocab_parallel,
+    torch.ops.aten._log_softmax_backward_data.default: _log_softmax_backward_vocab_parallel,
+    torch.ops.aten.nll_loss_forward.default: _nll_loss_vocab_parallel,
+    torch.ops.aten.nll_loss_backward.default: _nll_loss_backward_vocab_parallel,
 }
 
 

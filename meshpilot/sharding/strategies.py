@@ -49,7 +49,7 @@ from meshpilot.sharding.placements import (
     replicated,
     unique,
 )
-from meshpilot.sharding.reshard import tensor_meta
+from meshpilot.sharding.reshard import Collective, tensor_meta
 
 aten = torch.ops.aten
 
@@ -65,6 +65,9 @@ class Strategy:
     ``fallback`` (no strategy: replicated)."""
     out_ids: tuple[int, ...] = ()
     in_ids: tuple[int, ...] = ()
+    colls: tuple[Collective, ...] = ()
+    """Collectives the op issues itself (not resharding its operands): a vocabulary-parallel softmax's
+    all-reduces of row maxima and sums. The ILP adds their cost to the node and the plan lists them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_ids", tuple(pid(p) for p in self.outs))
@@ -434,9 +437,10 @@ class StrategyBuilder:
 # -------------------------------------------------------------------- meshpilot-run strategies
 
 
-def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis) -> list[Strategy]:
+def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis, colls=None) -> list[Strategy]:
     """Every product over mesh axes of the per-axis rules `per_axis` (lists of (outs, ins) placements) that
-    uses the vocabulary-parallel rule (the first of each list) on at least one axis; even shards only."""
+    uses the vocabulary-parallel rule (the first of each list) on at least one axis; even shards only.
+    ``colls(outs, ins)`` gives the collectives a strategy issues inside the op (``Strategy.colls``)."""
     import itertools
 
     mesh = self.mesh_shape
@@ -450,7 +454,7 @@ def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis) -> list[
         ok = all(is_even(p, self.graph[src].outputs[i].shape, mesh) for p, (src, i) in zip(ins, node.inputs))
         ok = ok and all(o is None or is_even(p, o.shape, mesh) for p, o in zip(outs, node.outputs))
         if ok:
-            out.append(Strategy(outs, ins, "meshpilot"))
+            out.append(Strategy(outs, ins, "meshpilot", colls=colls(outs, ins) if colls is not None else ()))
     return out
 
 
@@ -485,9 +489,125 @@ def _embedding_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> l
     return _vocab_parallel_rows(self, node, rules)
 
 
+def _float_operands(self: StrategyBuilder, node: OpNode, which: Sequence[int]) -> bool:
+    infos = [self.graph[node.inputs[k][0]].outputs[node.inputs[k][1]] for k in which]
+    return all(i is not None and dtype_from_name(i.dtype).is_floating_point for i in infos)
+
+
+def _row_all_reduces(self: StrategyBuilder, info, cls: int, pl: Placements, ops: int) -> tuple[Collective, ...]:
+    """`ops` all-reduces per mesh axis sharding the class dim `cls` of `info` (in `pl`), each of one value per
+    local row (the other dims as this rank holds them), in the order ``op 0 on every axis, op 1 ...``."""
+    mesh = self.mesh_shape
+    axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and p.dim == cls and mesh[a] > 1]
+    rows = math.prod(s for d, s in enumerate(info.shape) if d != cls)
+    rows //= math.prod(n for p, n in zip(pl, mesh) if isinstance(p, Shard) and p.dim != cls)
+    nbytes = rows * dtype_from_name(info.dtype).itemsize
+    return tuple(Collective("all_reduce", a, nbytes) for _ in range(ops) for a in axes)
+
+
+def _class_rules(nd: int, cls: int, n_ops: int):
+    """Per-axis rules of an op over the class dim `cls` of `n_ops` same-shaped operands: the class dim
+    sharded (first), any other dim sharded (rows, as DTensor does), replicated."""
+    rules = [((Shard(cls),), (Shard(cls),) * n_ops)]
+    rules += [((Shard(d),), (Shard(d),) * n_ops) for d in range(nd) if d != cls]
+    rules += [((Replicate(),), (Replicate(),) * n_ops)]
+    return rules
+
+
+def _log_softmax_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``_log_softmax(x, dim)`` with the class dim sharded: each rank holds some columns of every row; the
+    row max and the row sum of ``exp(x - max)`` are all-reduced (MAX, then SUM) over each axis sharding
+    the class dim, one value per local row each, and the output keeps the input's layout (Megatron-LM's
+    vocabulary-parallel cross-entropy, first half)."""
+    fx = node.fx_node
+    out = node.out
+    if fx is None or out is None or len(node.inputs) != 1 or fx.args[2] or not _float_operands(self, node, [0]):
+        return []
+    nd = len(out.shape)
+    cls = fx.args[1] % nd
+    return _vocab_parallel_rows(
+        self, node, _class_rules(nd, cls, 1), lambda outs, ins: _row_all_reduces(self, out, cls, outs[0], 2)
+    )
+
+
+def _log_softmax_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``_log_softmax_backward_data(g, out, dim)`` = ``g - exp(out) * sum(g, dim)`` with the class dim
+    sharded: the row sums of ``g`` are all-reduced (SUM) over each axis sharding it, one value per local row."""
+    fx = node.fx_node
+    out = node.out
+    if fx is None or out is None or len(node.inputs) != 2 or not _float_operands(self, node, [0, 1]):
+        return []
+    if fx.args[3] != dtype_from_name(out.dtype):  # a half_to_float softmax's backward: not offered
+        return []
+    nd = len(out.shape)
+    cls = fx.args[2] % nd
+    return _vocab_parallel_rows(
+        self, node, _class_rules(nd, cls, 2), lambda outs, ins: _row_all_reduces(self, out, cls, outs[0], 1)
+    )
+
+
+_MEAN, _SUM = 1, 2  # torch's Reduction enum
+
+
+def _nll_loss_args_ok(self: StrategyBuilder, node: OpNode, log_probs: int, target: int, weight_arg: int) -> bool:
+    """[N, C] float log-probabilities, [N] integer targets, no class weights, reduction mean or sum."""
+    fx = node.fx_node
+    if fx is None or fx.args[weight_arg] is not None or fx.args[weight_arg + 1] not in (_MEAN, _SUM):
+        return False
+    lp = self.graph[node.inputs[log_probs][0]].outputs[node.inputs[log_probs][1]]
+    tg = self.graph[node.inputs[target][0]].outputs[node.inputs[target][1]]
+    return (
+        lp is not None
+        and tg is not None
+        and len(lp.shape) == 2
+        and len(tg.shape) == 1
+        and dtype_from_name(lp.dtype).is_floating_point
+        and tg.dtype in ("int64", "int32")
+    )
+
+
+def _nll_loss_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``nll_loss_forward(log_probs [N, C], target [N])`` with the classes sharded and the targets replicated
+    on that axis: each rank sums the log-probabilities of the targets in its columns (zero elsewhere), so
+    the loss is a partial sum over the axis (the edge to its consumer all-reduces one scalar). Rows sharded
+    on other axes: the count of non-ignored targets is all-reduced over them inside the op (one scalar per
+    axis), so the mean divides by the global count (exact with ignored targets, unlike DTensor's
+    ``P(avg)``), the loss is a partial sum there too and ``total_weight`` is replicated everywhere."""
+    if len(node.inputs) != 2 or not _nll_loss_args_ok(self, node, 0, 1, 2):
+        return []
+    lp = self.graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
+    nbytes = dtype_from_name(lp.dtype).itemsize
+    mesh = self.mesh_shape
+    rules = [((Partial(), Replicate()), (Shard(1), Replicate()))]
+    rules += [((Partial(), Replicate()), (Shard(0), Shard(0)))]
+    rules += [((Replicate(), Replicate()), (Replicate(), Replicate()))]
+
+    def colls(outs, ins):
+        rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
+        return tuple(Collective("all_reduce", a, nbytes) for a in rows)
+
+    return _vocab_parallel_rows(self, node, rules, colls)
+
+
+def _nll_loss_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``nll_loss_backward(g, log_probs, target, ..., total_weight)`` into class-sharded gradients: the only
+    non-zero of a row is at its target's column, which one rank holds; no collective. ``g`` and
+    ``total_weight`` replicated (scalars); rows may be sharded on other axes."""
+    if len(node.inputs) != 4 or not _nll_loss_args_ok(self, node, 1, 2, 3):
+        return []
+    rules = [((Shard(1),), (Replicate(), Shard(1), Replicate(), Replicate()))]
+    rules += [((Shard(0),), (Replicate(), Shard(0), Shard(0), Replicate()))]
+    rules += [((Replicate(),), (Replicate(),) * 4)]
+    return _vocab_parallel_rows(self, node, rules)
+
+
 _OWN_STRATEGIES = {
     "aten.embedding.default": _embedding_vocab_parallel,
     "aten.embedding_dense_backward.default": _embedding_backward_vocab_parallel,
+    "aten._log_softmax.default": _log_softmax_vocab_parallel,
+    "aten._log_softmax_backward_data.default": _log_softmax_backward_vocab_parallel,
+    "aten.nll_loss_forward.default": _nll_loss_vocab_parallel,
+    "aten.nll_loss_backward.default": _nll_loss_backward_vocab_parallel,
 }
 OWN_OPS = frozenset(_OWN_STRATEGIES)
 """Ops with meshpilot strategies (source ``meshpilot``) that meshpilot's runtime executes itself."""
