@@ -67,9 +67,16 @@ def test_megatron_dict_equals_the_hand_written_one_for_the_tiny_transformer():
         assert f[f"blocks.{i}.qkv.weight"] == "RS(0)" and f[f"blocks.{i}.up.weight"] == "RS(0)"
         assert f[f"blocks.{i}.o.weight"] == "RS(1)" and f[f"blocks.{i}.down.weight"] == "RS(1)"
         assert f[f"blocks.{i}.ln.weight"] == "RR"
-    assert f["head.weight"] == "RR"  # feeds the loss: no pair
+    # the head feeds the loss: no pair, but Megatron-LM's vocabulary-parallel head and cross-entropy (rows of
+    # the log-softmax batch-sharded over axis 0, classes over the TP axis; the loss a partial sum over both)
+    assert f["head.weight"] == "RS(0)"
+    nodes = capture(m, x).nodes
+    lsm = next(n for n in nodes if n.target == "aten._log_softmax.default")
+    nll = next(n for n in nodes if n.target == "aten.nll_loss_forward.default")
+    assert f[lsm.name] == "S(0)S(1)" and f[nll.name] == "PP"
+    assert megatron_tp(m, x, (2, 2), vocab_loss=False)["head.weight"] == "RR"  # without it the head is replicated
     assert f["emb.weight"] == "RS(0)"  # vocabulary-parallel embedding over the TP axis
-    lookup = next(n for n in capture(m, x).nodes if n.target == "aten.embedding.default")
+    lookup = next(n for n in nodes if n.target == "aten.embedding.default")
     assert f[lookup.name] == "S(0)P"  # batch over axis 0, partial sums over the TP axis
     assert f["input:0"] == f["input:1"] == "S(0)R"
     # tensor parallelism over axis 0 instead: the same pairs on the other axis, batch over axis 1

@@ -315,14 +315,24 @@ def test_fresh_architecture_plans_run_correctly(runs):
 
 
 def test_own_strategies_are_exercised(runs):
-    """meshpilot's vocabulary-parallel embedding (forward and backward) is in the runs checked above: every
-    Megatron plan of a model with an embedding uses it wherever the TP axis has more than one device."""
+    """meshpilot's own strategies are in the runs checked above, wherever the TP axis has more than one
+    device: every Megatron plan of a model with an embedding uses the vocabulary-parallel embedding (forward
+    and backward), and every Megatron plan (each model's head feeds a cross-entropy) the vocabulary-parallel
+    cross-entropy (log-softmax and nll_loss, forward and backward) with its in-op all-reduces."""
     world, plans, _ = runs
+    emb = {"aten.embedding.default", "aten.embedding_dense_backward.default"}
+    ce = {
+        "aten._log_softmax.default",
+        "aten._log_softmax_backward_data.default",
+        "aten.nll_loss_forward.default",
+        "aten.nll_loss_backward.default",
+    }
     for (name, shape, kind), p in plans.items():
-        if kind != "megatron_tp" or name not in ("gpt", "bert", "moe") or shape[1] == 1:
+        if kind != "megatron_tp" or name not in (*ZOO, FRESH) or shape[1] == 1:
             continue
         own = {n.target for n in p.nodes if n.source == "meshpilot"}
-        assert own == {"aten.embedding.default", "aten.embedding_dense_backward.default"}, (name, shape, own)
+        assert own == (emb | ce if name in ("gpt", "bert", "moe") else ce), (name, shape, own)
+        assert any(c.src == c.dst for c in p.collectives), (name, shape)
 
 
 def test_ops_without_strategy_run_replicated_and_are_listed(runs):

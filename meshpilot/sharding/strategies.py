@@ -15,6 +15,13 @@ them too): the CPU flash-attention kernels (batch- or head-parallel) and GroupNo
 (batch-parallel). Ops with neither fall back to one
 all-replicated strategy; the runtime runs them on local replicas and the plan lists them as warnings.
 
+meshpilot's own strategies (``OWN_OPS``, source ``meshpilot``) are offered beside DTensor's and run by
+meshpilot's runtime on the local shards: the vocabulary-parallel embedding (forward and backward) and the
+vocabulary-parallel cross-entropy (``_log_softmax``, ``nll_loss_forward`` and their backward with the class
+dim sharded, Megatron-LM's). A strategy may issue collectives inside the op (``Strategy.colls``: the
+softmax's all-reduces of row maxima and sums, the count of non-ignored targets over row-sharding axes);
+the ILP prices them on the node and the plan lists them with the resharding collectives.
+
 Factory ops (no tensor operand) produce replicated tensors.
 """
 
