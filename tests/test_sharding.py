@@ -43,6 +43,12 @@ def test_table2_resharding_collectives():
     assert rs.collectives((Partial(), R), (R, R), info) == (Collective("all_reduce", 0, m),)
     assert rs.collectives((R, Partial()), (R, S0), info) == (Collective("reduce_scatter", 1, m),)
     assert rs.cost((S0, R), (R, R), info) > 0 == rs.cost((R, R), (S0, S1), info)
+    # what DTensor's redistribute refuses is never planned: shard -> partial, and one partial kind to another
+    # (P(avg) -> P(sum) raises "Redistribution from one partial type ... is unsupported" at run time)
+    for src, dst in (((S0, R), (Partial(), R)), ((Partial("avg"), R), (Partial("sum"), R))):
+        assert [c.kind for c in rs.collectives(src, dst, info)] == ["unsupported"], (src, dst)
+        assert rs.cost(src, dst, info) >= 1e3
+    assert rs.collectives((Partial("avg"), R), (Partial("avg"), R), info) == ()
 
 
 def test_reshard_costs_follow_the_clusters_matrix():

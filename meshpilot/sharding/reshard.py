@@ -29,7 +29,8 @@ from meshpilot.graph.capture import TensorInfo, dtype_from_name
 from meshpilot.sharding.placements import Placements, by_id
 
 UNSUPPORTED_S = 1e3
-"""Cost of a resharding DTensor cannot do (shard -> partial): large enough that no plan uses it."""
+"""Cost of a resharding DTensor cannot do (shard -> partial, one partial kind -> another): large enough
+that no plan uses it."""
 
 
 class Collective(NamedTuple):
@@ -95,8 +96,9 @@ class Resharder:
             # bytes of the local tensor right before this step: the whole cut by every current shard
             local = 1.0 / math.prod(k for p, k in zip(current, self.mesh_shape) if p.is_shard())
             current[t.mesh_dim] = b
-            if b.is_partial() and not (a.is_replicate() or a.is_partial()):
-                # DTensor cannot turn a shard into a partial sum: never plan it
+            if b.is_partial() and not (a.is_replicate() or a == b):
+                # DTensor turns neither a shard nor another kind of partial (P(avg) -> P(sum)) into a
+                # partial: never plan it
                 out.append(("unsupported", t.mesh_dim, 0.0))
                 continue
             kind = t._comm_type_key()
