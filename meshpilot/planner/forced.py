@@ -421,17 +421,29 @@ def megatron_tp(
     lead = _batch_placements(tuple(first.shape), mesh_shape, dp_axes) if first is not None else ["R"] * nd
     batch_axes = [a for a in dp_axes if lead[a] == "S(0)"]
 
+    def rows_on_batch_axes(rows: int, tp_placement: str) -> list[str]:
+        """A layout whose dim 0 (`rows` long) is sharded over the batch axes that divide it evenly."""
+        out, k = ["R"] * nd, 1
+        for a in batch_axes:
+            if rows % (k * mesh_shape[a]) == 0:
+                out[a], k = "S(0)", k * mesh_shape[a]
+        out[tp_axis] = tp_placement
+        return out
+
     def matmul_out(node: str, tp_placement: str) -> str | None:
         """The layout of a 2-D linear's output: rows batch-sharded as the inputs, `tp_placement` on TP."""
         info = graph[node].out
         if graph[node].target == "aten.bmm.default" or info is None or len(info.shape) != 2:
             return None
-        out, k = ["R"] * nd, 1
-        for a in batch_axes:
-            if info.shape[0] % (k * mesh_shape[a]) == 0:
-                out[a], k = "S(0)", k * mesh_shape[a]
-        out[tp_axis] = tp_placement
-        return _layout(out)
+        return _layout(rows_on_batch_axes(info.shape[0], tp_placement))
+
+    def pin_column(c) -> None:  # a column-parallel linear: output features sharded on the TP axis
+        force[_exact(c.weight)] = on_tp(c.out_dim)
+        if c.bias is not None:
+            force[_exact(c.bias)] = on_tp(0)
+        lay = matmul_out(c.node, "S(1)")
+        if lay is not None:
+            force[c.node] = lay
 
     if tp > 1:
         for group in megatron_groups(graph):
@@ -441,12 +453,7 @@ def megatron_tp(
             if not ok:
                 continue
             for c in group.columns:
-                force[_exact(c.weight)] = on_tp(c.out_dim)
-                if c.bias is not None:
-                    force[_exact(c.bias)] = on_tp(0)
-                lay = matmul_out(c.node, "S(1)")
-                if lay is not None:
-                    force[c.node] = lay
+                pin_column(c)
             for r in group.rows:
                 force[_exact(r.weight)] = on_tp(r.in_dim)
                 lay = matmul_out(r.node, "P")
@@ -464,30 +471,19 @@ def megatron_tp(
                 continue  # a weight some matmul pair already shards
             force[_exact(table.fqn)] = on_tp(0)
             if ids.kind == "input" and n.out is not None:
-                out, k = ["R"] * nd, 1
-                for a in batch_axes:
-                    if n.out.shape[0] % (k * mesh_shape[a]) == 0:
-                        out[a], k = "S(0)", k * mesh_shape[a]
-                out[tp_axis] = "P"
-                force[n.name] = _layout(out)
+                force[n.name] = _layout(rows_on_batch_axes(n.out.shape[0], "P"))
         if vocab_loss:
             for lin, lsm in vocab_parallel_heads(graph):
                 if shapes[lin.weight][lin.out_dim] % tp or force[_exact(lin.weight)] != _replicated(mesh_shape):
                     continue
                 info = graph[lsm].out
                 cls = graph[lsm].fx_node.args[1] % len(info.shape)
-                rows = list(batch_axes) if cls != 0 else []
-                out, k = ["R"] * nd, 1
-                for a in rows:
-                    if info.shape[0] % (k * mesh_shape[a]) == 0:
-                        out[a], k = "S(0)", k * mesh_shape[a]
-                out[tp_axis] = f"S({cls})"
-                force[_exact(lin.weight)] = on_tp(lin.out_dim)
-                if lin.bias is not None:
-                    force[_exact(lin.bias)] = on_tp(0)
-                lay = matmul_out(lin.node, "S(1)")
-                if lay is not None:
-                    force[lin.node] = lay
+                if cls != 0:
+                    out = rows_on_batch_axes(info.shape[0], f"S({cls})")
+                else:  # the class dim is dim 0: no rows to shard
+                    out = ["R"] * nd
+                    out[tp_axis] = "S(0)"
+                pin_column(lin)
                 force[lsm] = _layout(out)
                 # its nll_loss: a partial sum over the TP axis and over the batch axes sharding its rows
                 for user in graph.users[lsm]:
