@@ -68,7 +68,7 @@ CASES = [
         "negative-latency",
         'device = "h100"\n' + GOOD_LAYER.replace("latency_us = 2.0", "latency_us = -1.0"),
         "layers[0].latency_us",
-        "GB/s",
+        "latency in microseconds",
     ),
     (
         "missing-latency",

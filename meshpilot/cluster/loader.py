@@ -189,12 +189,21 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
     )
 
 
-def _number(value: Any, key: str, source: str, *, positive: bool, allow_zero: bool = False) -> float:
+def _number(
+    value: Any,
+    key: str,
+    source: str,
+    *,
+    positive: bool,
+    allow_zero: bool = False,
+    fix: str = "give the bandwidth in GB/s, e.g. 25.0",
+) -> float:
+    """`value` as a float; `fix` is the error's hint when it is negative (or zero without `allow_zero`)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ClusterFileError(source, key, f"must be a number, got {value!r}", "write a plain number such as 25.0")
     if positive and (value < 0 or (value == 0 and not allow_zero)):
         need = "zero or more" if allow_zero else "greater than zero"
-        raise ClusterFileError(source, key, f"is {value}, must be {need}", "give the bandwidth in GB/s, e.g. 25.0")
+        raise ClusterFileError(source, key, f"is {value}, must be {need}", fix)
     return float(value)
 
 
@@ -215,7 +224,14 @@ def _layer(raw: dict[str, Any], where: str, source: str) -> Layer:
         )
     p2p = _matrix(raw["p2p_GBps"], ranks, f"{where}.p2p_GBps", source)
     group = _vector(raw["group_GBps"], ranks, f"{where}.group_GBps", source)
-    latency = _number(raw["latency_us"], f"{where}.latency_us", source, positive=True, allow_zero=True)
+    latency = _number(
+        raw["latency_us"],
+        f"{where}.latency_us",
+        source,
+        positive=True,
+        allow_zero=True,
+        fix="give the latency in microseconds per message, e.g. 5.0",
+    )
     return Layer(name=name, ranks=ranks, p2p=p2p * GB, group_bw=group * GB, latency=latency * 1e-6)
 
 
