@@ -40,15 +40,25 @@ import sys
 import time
 from pathlib import Path
 
+SHARED_OPTIONS = ("layers", "hidden", "heads", "batch", "seq", "vocab", "steps", "warmup")
+"""The options `bench_atp_emulated.py` takes with the same meaning and forwards to this worker."""
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def add_shared_options(p: argparse.ArgumentParser) -> None:
+    """The GPT's size and the step counts (:data:`SHARED_OPTIONS`), for this worker and its driver."""
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="timed rounds per configuration (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (default 1)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shared_options(p)
     p.add_argument("--chunks", default="1,2,4", help="comma-separated chunk counts k (default 1,2,4)")
     p.add_argument(
         "--meshes",
@@ -60,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all",
         help="meshes that run every k of --chunks; the others run k=1 only ('all' or e.g. '8x1,2x4')",
     )
-    p.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", type=Path, help="rank 0 writes the JSON result here")

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import atp_step_worker  # beside this script (on sys.path when it runs): the worker each emulated run starts
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "benchmarks" / "atp_step_worker.py"
 TOPOLOGIES = {
@@ -74,12 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="use this probed cluster TOML for topology NAME (its name or file stem) instead of probing",
     )
     p.add_argument("--out-dir", type=Path, default=REPO / "out" / "bench-atp-emulated", help="where results go")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
+    atp_step_worker.add_shared_options(p)  # the GPT's size and the step counts, forwarded to the worker
     p.add_argument("--chunks", default="1,2,4", help="chunk counts k (default 1,2,4)")
     p.add_argument(
         "--chunks-on",
@@ -87,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all",
         help="run k > 1 on every mesh (all) or only on the probed choice and DeviceMesh(N,1) (chosen)",
     )
-    p.add_argument("--steps", type=int, default=5, help="timed rounds per configuration (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (default 1)")
     p.add_argument("--probe-bytes", default=None, help="message size for the probe (default: probe's, 4MiB)")
     p.add_argument("--probe-budget", type=float, default=60.0, help="probe's --p2p-budget seconds (default 60)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per emulated run (default 600)")
@@ -195,7 +190,7 @@ def predict(cluster_file: Path, cfg: dict, crossing: dict) -> dict:
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
     cmd = []
-    for key in ("layers", "hidden", "heads", "batch", "seq", "vocab", "steps", "warmup"):
+    for key in atp_step_worker.SHARED_OPTIONS:
         cmd += [f"--{key}", str(getattr(args, key))]
     return cmd
 
