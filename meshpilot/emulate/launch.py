@@ -9,21 +9,23 @@ i's ranks are ``i*P .. i*P+P-1`` (the rendezvous orders agents by their ``--loca
 * ``MESHPILOT_EMULATE_NODE``, ``MESHPILOT_EMULATE_NODES``, ``MESHPILOT_EMULATE_ADDR``,
   ``MESHPILOT_EMULATE_NETNS``: which emulated node they run on.
 
-Each rank's output reaches the console whole-line and labelled ``[node i] [rank r]``: torchrun redirects every
-rank to its own file (``--tee 3 --log-dir``, in a directory the launcher owns and removes) and writes each
-line once with the rank's prefix, so two ranks of one node never splice their lines (with one shared pipe,
-``print`` under ``PYTHONUNBUFFERED`` writes text and newline in two calls, and a neighbour's line can land
-between them). The launcher forwards each agent's lines with the ``[node i]`` prefix. The result is 0 when every agent
-exits 0; when one fails (a rank crashed), the others get `grace` seconds to finish, are then stopped,
-and the result is the first failing agent's exit code (a signal N counts as 128 + N). Ctrl-C, SIGTERM
-and SIGHUP stop the agents, remove the network and raise :class:`Interrupted`.
+Each rank's output reaches the console whole-line and labelled ``[node i] [rank r]``: torchrun
+redirects every rank to its own file (``--tee 3 --log-dir``, in a directory the launcher owns and removes)
+and writes each line once with the rank's prefix, so two ranks of one node never splice their lines (with
+one shared pipe, ``print`` under ``PYTHONUNBUFFERED`` writes text and newline in two calls, and a
+neighbour's line can land between them). The launcher forwards each agent's lines with the ``[node i]``
+prefix.
+
+The result is 0 when every agent exits 0; when one fails (a rank crashed), the others get `grace` seconds
+to finish, are then stopped, and the result is the first failing agent's exit code (a signal N counts as
+128 + N). Ctrl-C, SIGTERM and SIGHUP stop the agents, remove the network and the ranks' log files, and
+raise :class:`Interrupted`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -237,40 +239,19 @@ def run_emulated(
     out = (lambda: stdout) if stdout is not None else (lambda: sys.stdout)
     err = (lambda: stderr) if stderr is not None else (lambda: sys.stderr)
     run_id = f"{plan.prefix}-{time.time_ns() // 1000000}"
-    log_dir = tempfile.mkdtemp(prefix=f"{plan.prefix}-logs-") if not dry_run else "<rank logs>"
-    try:
-        commands = [
+
+    def commands(log_dir: str) -> list[list[str]]:
+        return [
             agent_command(plan, n, target, nproc, port=port, run_id=run_id, python=python, log_dir=log_dir)
             for n in plan.nodes
         ]
-        return _launch(plan, cluster, commands, nproc, bw_scale, out, err, env, timeout, grace, dry_run, quiet)
-    finally:
-        if not dry_run:
-            shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _launch(
-    plan: NetworkPlan,
-    cluster: Cluster,
-    commands: list[list[str]],
-    nproc: int,
-    bw_scale: float,
-    out: Callable[[], IO[str]],
-    err: Callable[[], IO[str]],
-    env: dict[str, str] | None,
-    timeout: float | None,
-    grace: float,
-    dry_run: bool,
-    quiet: bool,
-) -> int:
-    """Bring the network up, start one agent per node, forward their output, and tear everything down."""
 
     def note(msg: str) -> None:
         print(f"meshpilot emulate: {msg}", file=err(), flush=True)
 
     if dry_run:
         with emulated_network(plan, dry_run=True, echo=lambda line: print(line, file=out(), flush=True)):
-            for n, argv in zip(plan.nodes, commands):
+            for n, argv in zip(plan.nodes, commands("<rank logs>")):
                 extra = agent_env(plan, n, base={})
                 envs = " ".join(f"{k}={v}" for k, v in extra.items())
                 print(f"{' '.join(argv[:4])} env {envs} {' '.join(argv[4:])}", file=out(), flush=True)
@@ -287,10 +268,11 @@ def _launch(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     forwarders: list[threading.Thread] = []
-    with _signals_raise():
+    # the ranks' log files (torchrun's --tee copies) live only as long as the run
+    with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"{plan.prefix}-logs-") as log_dir:
         with emulated_network(plan):
             try:
-                for n, argv in zip(plan.nodes, commands):
+                for n, argv in zip(plan.nodes, commands(log_dir)):
                     p = subprocess.Popen(
                         argv,
                         env=agent_env(plan, n, env),
