@@ -14,6 +14,9 @@ whose message holds the failing rank's traceback text. A rank that hangs is kill
 (pytest's default ``prepend`` import mode puts ``tests/`` on ``sys.path``, which the spawned
 children inherit), and pass plain data. Return values come back through pickled files, so they
 can be large. Return CPU tensors or plain Python data.
+
+``lockstep_adamw(ref, pm, inputs, steps)`` is the check most workers run inside ``fn``: the
+single-device model and its ``parallelize``'d copy trained side by side, compared step by step.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "lockstep_adamw", "run_distributed"]
 
 
 class DistributedTestError(RuntimeError):
@@ -137,3 +140,35 @@ def run_distributed(
             with open(os.path.join(tmpdir, f"rank{rank}.pkl"), "rb") as fh:
                 results.append(pickle.load(fh)[1])
         return results
+
+
+def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2) -> dict:
+    """Train the single-device `ref` and the parallelized `pm` (a ``ParallelModule``) side by side with AdamW.
+
+    Per step: ``loss`` (|loss difference|), ``grad`` (largest |gradient difference| over the parameters) and
+    ``counts`` (the collectives `pm`'s forward and backward issued, ``CollectiveCounter.counts()``); after
+    the last step ``param`` (largest |parameter difference|). The last step's gradients are left in place.
+    """
+    import torch
+
+    from meshpilot.runtime.spmd import CollectiveCounter
+
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    o_par = torch.optim.AdamW(pm.parameters(), lr=lr)
+    pairs = list(zip(ref.parameters(), pm.parameters()))
+    out: dict = {"loss": [], "grad": [], "counts": []}
+    for _ in range(steps):
+        o_ref.zero_grad()
+        o_par.zero_grad()
+        l_ref = ref(*inputs)
+        l_ref.backward()
+        with CollectiveCounter(pm.mesh) as cc:
+            loss = pm(*inputs)
+        loss.backward()
+        out["loss"].append(abs(l_ref.item() - loss.item()))
+        out["grad"].append(max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in pairs))
+        out["counts"].append(cc.counts())
+        o_ref.step()
+        o_par.step()
+    out["param"] = max((a - b.full_tensor()).abs().max().item() for a, b in pairs)
+    return out

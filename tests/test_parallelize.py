@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import lockstep_adamw, run_distributed
 from test_graph_capture import MLP, Tiny
 
 pytestmark = pytest.mark.dist
@@ -28,7 +28,7 @@ def _build(name: str):
 def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
     from meshpilot.graph.capture import capture
     from meshpilot.planner.plan import Plan
-    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+    from meshpilot.runtime.spmd import parallelize
 
     plan = Plan.from_json(plan_json)
     ref, inputs = _build(name)
@@ -36,28 +36,16 @@ def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
     if name not in graphs:
         graphs[name] = capture(model, inputs)
     pm = parallelize(model, plan, graph=graphs[name])
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    o_par = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    out = {"loss": [], "grad": [], "counts_equal": [], "counts": None}
-    for _ in range(3):
-        l_ref = ref(*inputs)
-        l_ref.backward()
-        with CollectiveCounter(pm.mesh) as cc:
-            loss = pm(*inputs)
-        loss.backward()
-        out["loss"].append(abs(l_ref.item() - loss.item()))
-        out["grad"].append(
-            max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in zip(ref.parameters(), pm.parameters()))
-        )
-        out["counts_equal"].append(cc.counts() == plan.collective_counts(backend="gloo"))
-        out["counts"] = (sorted(cc.counts().items()), sorted(plan.collective_counts(backend="gloo").items()))
-        o_ref.step()
-        o_par.step()
-        o_ref.zero_grad()
-        o_par.zero_grad()
-    out["param"] = max((a - b.full_tensor()).abs().max().item() for a, b in zip(ref.parameters(), pm.parameters()))
-    out["mismatches"] = pm.mismatches
-    return out
+    r = lockstep_adamw(ref, pm, inputs, steps=3)
+    planned = plan.collective_counts(backend="gloo")
+    return {
+        "loss": r["loss"],
+        "grad": r["grad"],
+        "counts_equal": [issued == planned for issued in r["counts"]],
+        "counts": (sorted(r["counts"][-1].items()), sorted(planned.items())),
+        "param": r["param"],
+        "mismatches": pm.mismatches,
+    }
 
 
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:

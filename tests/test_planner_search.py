@@ -168,41 +168,27 @@ def _tiny(seed: int = 0):
 
 
 def _zero_worker(plan_json: str) -> dict:
+    from dist_utils import lockstep_adamw
+
     from meshpilot.planner.plan import Plan
-    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+    from meshpilot.runtime.spmd import parallelize
     from meshpilot.sharding.placements import fmt_placement
 
     p = Plan.from_json(plan_json)
     ref, inputs = _tiny()
     model, _ = _tiny()
     pm = parallelize(model, p)
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    o_par = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    out = {"loss": 0.0, "grad": 0.0, "counts": [], "layouts": {}}
-    for _ in range(2):
-        l_ref = ref(*inputs)
-        l_ref.backward()
-        with CollectiveCounter(pm.mesh) as cc:
-            loss = pm(*inputs)
-        loss.backward()
-        out["loss"] = max(out["loss"], abs(l_ref.item() - loss.item()))
-        out["grad"] = max(
-            out["grad"],
-            max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in zip(ref.parameters(), pm.parameters())),
-        )
-        out["counts"].append((cc.counts(), p.collective_counts(backend="gloo")))
-        names = [n for n, _ in ref.named_parameters()]
-        out["grad_layouts"] = {
-            n: tuple(fmt_placement(x) for x in b.grad.placements) for n, b in zip(names, pm.parameters())
-        }
-        o_ref.step()
-        o_par.step()
-        o_ref.zero_grad()
-        o_par.zero_grad()
-    out["param"] = max((a - b.full_tensor()).abs().max().item() for a, b in zip(ref.parameters(), pm.parameters()))
+    r = lockstep_adamw(ref, pm, inputs, steps=2)
+    planned = p.collective_counts(backend="gloo")
     names = [n for n, _ in ref.named_parameters()]
-    out["layouts"] = {n: tuple(fmt_placement(x) for x in b.placements) for n, b in zip(names, pm.parameters())}
-    return out
+    return {
+        "loss": max(r["loss"]),
+        "grad": max(r["grad"]),
+        "counts": [(issued, planned) for issued in r["counts"]],
+        "param": r["param"],
+        "grad_layouts": {n: tuple(fmt_placement(x) for x in b.grad.placements) for n, b in zip(names, pm.parameters())},
+        "layouts": {n: tuple(fmt_placement(x) for x in b.placements) for n, b in zip(names, pm.parameters())},
+    }
 
 
 @pytest.mark.dist
