@@ -402,20 +402,22 @@ class _NodeExec:
 _LOCAL_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
 
 
-def _vocab_range(ex: _NodeExec, mesh: DeviceMesh, global_shape, placements) -> tuple[int, int]:
-    """(first row, rows) of this rank's shard of a vocabulary-sharded table (cached per node)."""
-    hit = ex.cache.get("vocab")
+def _local_range(ex: _NodeExec, mesh: DeviceMesh, global_shape, placements, dim: int) -> tuple[int, int]:
+    """(first index, length) along `dim` of this rank's shard of a tensor of `global_shape` laid out as
+    `placements`: the rows of a vocabulary-sharded table, the class columns of sharded logits (cached per
+    node)."""
+    hit = ex.cache.get("range")
     if hit is None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, placements)
-        hit = ex.cache["vocab"] = (int(offset[0]), int(shape[0]))
+        shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, tuple(placements))
+        hit = ex.cache["range"] = (int(offset[dim]), int(shape[dim]))
     return hit
 
 
 def _embedding_vocab_parallel(ex, mesh, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Vocabulary-parallel lookup: this rank's rows for the ids it holds, zeros elsewhere (a partial sum)."""
-    off, rows = _vocab_range(ex, mesh, ex.node.fx_node.args[0].meta["val"].shape, ex.ins[0])
+    off, rows = _local_range(ex, mesh, ex.node.fx_node.args[0].meta["val"].shape, ex.ins[0], 0)
     mask = (ids >= off) & (ids < off + rows)
     out = torch.ops.aten.embedding.default(weight, torch.where(mask, ids - off, torch.zeros_like(ids)))
     return out * mask.unsqueeze(-1).to(out.dtype)
@@ -424,7 +426,7 @@ def _embedding_vocab_parallel(ex, mesh, weight, ids, padding_idx=-1, scale_grad_
 def _embedding_backward_vocab_parallel(ex, mesh, grad, ids, num_weights, padding_idx, scale_grad_by_freq):
     """The gradient rows this rank holds: other ranks' ids contribute nothing here."""
     hidden = ex.vals[0].shape[1]
-    off, rows = _vocab_range(ex, mesh, (num_weights, hidden), ex.outs[0])
+    off, rows = _local_range(ex, mesh, (num_weights, hidden), ex.outs[0], 0)
     mask = (ids >= off) & (ids < off + rows)
     grad = grad * mask.unsqueeze(-1).to(grad.dtype)
     pad = padding_idx - off if 0 <= padding_idx - off < rows and padding_idx >= 0 else -1
@@ -432,17 +434,9 @@ def _embedding_backward_vocab_parallel(ex, mesh, grad, ids, num_weights, padding
     return torch.ops.aten.embedding_dense_backward.default(grad, local_ids, rows, pad, scale_grad_by_freq)
 
 
-def _class_axes(ex: _NodeExec, mesh: DeviceMesh, pl, cls: int, global_shape) -> tuple[list[int], int, int]:
-    """(mesh axes sharding class dim `cls` in layout `pl`, first class column of this rank, columns it holds),
-    cached per node."""
-    hit = ex.cache.get("classes")
-    if hit is None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        axes = [a for a, p in enumerate(pl) if p.is_shard(cls) and mesh.size(a) > 1]
-        shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, tuple(pl))
-        hit = ex.cache["classes"] = (axes, int(offset[cls]), int(shape[cls]))
-    return hit
+def _sharding_axes(placements, dim: int, mesh: DeviceMesh) -> list[int]:
+    """The mesh axes (of more than one device) that shard tensor dim `dim` in `placements`."""
+    return [a for a, p in enumerate(placements) if p.is_shard(dim) and mesh.size(a) > 1]
 
 
 def _all_reduce(t: torch.Tensor, op: str, mesh: DeviceMesh, axes: list[int]) -> torch.Tensor:
@@ -458,7 +452,7 @@ def _log_softmax_vocab_parallel(ex, mesh, x, dim, half_to_float):
     """log_softmax over a class dim sharded on some mesh axes: the row max and the row sum of exponentials
     are all-reduced (MAX, then SUM) over those axes; the output keeps the input's layout."""
     cls = dim % x.dim()
-    axes, _, _ = _class_axes(ex, mesh, ex.ins[0], cls, ex.vals[0].shape)
+    axes = _sharding_axes(ex.ins[0], cls, mesh)
     m = _all_reduce(x.amax(dim=cls, keepdim=True), "max", mesh, axes)
     shifted = x - m
     s = _all_reduce(shifted.exp().sum(dim=cls, keepdim=True), "sum", mesh, axes)
@@ -468,14 +462,14 @@ def _log_softmax_vocab_parallel(ex, mesh, x, dim, half_to_float):
 def _log_softmax_backward_vocab_parallel(ex, mesh, grad, out, dim, input_dtype):
     """``grad - exp(out) * sum(grad, dim)``, the row sums of `grad` all-reduced over the class-sharding axes."""
     cls = dim % grad.dim()
-    axes, _, _ = _class_axes(ex, mesh, ex.ins[0], cls, ex.vals[0].shape)
+    axes = _sharding_axes(ex.ins[0], cls, mesh)
     s = _all_reduce(grad.sum(dim=cls, keepdim=True), "sum", mesh, axes)
     return (grad - out.exp() * s).to(input_dtype)
 
 
 def _local_targets(ex, mesh, target, ignore_index, lp_layout, lp_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's column of each target, or 0; whether the target is in its columns and not ignored)."""
-    _, off, cols = _class_axes(ex, mesh, lp_layout, 1, lp_shape)
+    off, cols = _local_range(ex, mesh, lp_shape, lp_layout, 1)
     mine = (target >= off) & (target < off + cols) & (target != ignore_index)
     return torch.where(mine, target - off, torch.zeros_like(target)), mine
 
@@ -488,7 +482,7 @@ def _nll_loss_vocab_parallel(ex, mesh, lp, target, weight, reduction, ignore_ind
     local, mine = _local_targets(ex, mesh, target, ignore_index, ex.ins[0], lp_shape)
     picked = lp.gather(1, local.unsqueeze(1)).squeeze(1)
     loss = -(picked * mine.to(lp.dtype)).sum()
-    rows = [a for a, p in enumerate(ex.ins[1]) if p.is_shard() and mesh.size(a) > 1]
+    rows = _sharding_axes(ex.ins[1], 0, mesh)  # the targets [N]: their rows
     total = _all_reduce((target != ignore_index).sum().to(lp.dtype), "sum", mesh, rows)
     return (loss / total if reduction == 1 else loss), total
 
