@@ -93,6 +93,35 @@ class Phase(StrEnum):
 _ALIAS_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 
 
+class Precision(StrEnum):
+    """How a step computes (``--precision``)."""
+
+    FP32 = "fp32"
+    """Parameters, activations and optimizer state in float32."""
+    BF16 = "bf16"
+    """Everything in bfloat16 (optimizer state too, as ``torch.optim.AdamW`` allocates it)."""
+    BF16_MIXED = "bf16-mixed"
+    """float32 parameters and optimizer state; the forward and backward under bfloat16 autocast (matmuls,
+    convolutions and attention in bfloat16, reductions and normalisations in float32: autocast's op lists,
+    recorded in the graph as explicit casts)."""
+
+    @classmethod
+    def parse(cls, value: str | Precision | None) -> Precision | None:
+        if value is None or isinstance(value, Precision):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise UserError(
+                f"precision {value!r}: choose one of {', '.join(p.value for p in cls)} (or leave it out: the "
+                "model's own dtypes)"
+            ) from None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self == Precision.BF16 else torch.float32
+
+
 class CaptureError(UserError):
     """A forward that cannot be captured: the message names the op, the module and source line, and a fix."""
 
@@ -189,6 +218,8 @@ class OpGraph:
     """Buffer name -> the node holding its value after the step (the forward updated it)."""
     consts: dict[str, torch.Tensor] = field(default_factory=dict)
     """Constant node -> its value (real, on the CPU)."""
+    precision: Precision | None = None
+    """How the step was traced (None: in the model's own dtypes)."""
     canonical: dict[str, str] = field(default_factory=dict)
     """Node -> the node of the first repeated layer it is identical to (itself when not repeated)."""
     repeats: list[tuple[int, int, int]] = field(default_factory=list)
@@ -249,15 +280,17 @@ def as_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
 
 class _LossStep(torch.nn.Module):
     """``(loss,)`` of the model on the inputs: its output, the first element of a tuple, ``.loss`` of a
-    Hugging Face output, or ``loss_fn(output)``."""
+    Hugging Face output, or ``loss_fn(output)``; under bfloat16 autocast for mixed precision."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, autocast: bool) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.autocast = autocast
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
-        out = self.model(*inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(*inputs)
         loss = self.loss_fn(out) if self.loss_fn is not None else out
         if not isinstance(loss, torch.Tensor) and getattr(loss, "loss", None) is not None:
             loss = loss.loss
@@ -271,10 +304,12 @@ class _LossStep(torch.nn.Module):
         return (loss,)
 
 
-def _fake_like(mode, t: torch.Tensor) -> torch.Tensor:
-    """A fake CPU tensor of `t`'s shape, stride and dtype; nothing is allocated, even for a real `t`."""
+def _fake_like(mode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fake CPU tensor of `t`'s shape and stride (and dtype, or `dtype` for a floating `t`); nothing is
+    allocated, even for a real `t`."""
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
     with mode:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="cpu")
 
 
 def capture(
@@ -282,26 +317,31 @@ def capture(
     example_inputs: Sequence[Any] | torch.Tensor,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    precision: Precision | str | None = None,
 ) -> OpGraph:
     """Trace one training step of `model` on `example_inputs` into an :class:`OpGraph`.
 
     The step is ``loss = model(*example_inputs)`` (the model returns a scalar loss, a tuple whose first
     element is the loss, or an output with ``.loss``), or ``loss = loss_fn(model(*example_inputs))``. Only
     shapes and dtypes of the inputs, parameters and buffers are used: they may live on the meta device or on
-    a GPU. A bare tensor is one input.
+    a GPU. A bare tensor is one input. `precision` (:class:`Precision`) traces the step as it will run:
+    ``bf16`` with floating parameters, buffers and inputs in bfloat16, ``bf16-mixed`` under autocast, none as
+    the model is.
     """
     inputs = as_inputs(example_inputs)
+    precision = Precision.parse(precision)
+    cast = torch.bfloat16 if precision == Precision.BF16 else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     pnames, bnames = list(params), list(buffers)
     mode = compat.fake_tensor_mode()(allow_non_fake_inputs=True)
     fakes: dict[str, torch.Tensor] = {}
     for n, p in params.items():
-        fakes[n] = torch.nn.Parameter(_fake_like(mode, p), requires_grad=p.requires_grad)
+        fakes[n] = torch.nn.Parameter(_fake_like(mode, p, cast), requires_grad=p.requires_grad)
     for n, b in buffers.items():
-        fakes[n] = _fake_like(mode, b)
-    fake_inputs = [_fake_like(mode, x) for x in inputs]
-    step = _LossStep(model, loss_fn)
+        fakes[n] = _fake_like(mode, b, cast)
+    fake_inputs = [_fake_like(mode, x, cast) for x in inputs]
+    step = _LossStep(model, loss_fn, autocast=precision == Precision.BF16_MIXED)
     state = pnames + bnames
     reparametrize = compat.reparametrize_module()
 
@@ -321,7 +361,9 @@ def capture(
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
             raise CaptureError(_explain(e, tracing)) from None
-    return _build_graph(joint, params, pnames, bnames, inputs)
+    graph = _build_graph(joint, params, pnames, bnames, tuple(fake_inputs))
+    graph.precision = precision
+    return graph
 
 
 # ---------------------------------------------------------------------------------- tracing: routes, places

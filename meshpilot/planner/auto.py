@@ -127,6 +127,7 @@ def plan(
     force: dict[str, str] | None = None,
     graph: OpGraph | None = None,
     zero: str = "auto",
+    precision: str | None = None,
 ) -> Plan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
@@ -147,7 +148,7 @@ def plan(
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
     t0 = time.perf_counter()
     if graph is None:
-        graph = capture(model, example_inputs, loss_fn=loss_fn)
+        graph = capture(model, example_inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
     uses = _ParamUses(graph)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
@@ -569,6 +570,7 @@ def _assemble(
         fingerprint=graph.fingerprint(),
         zero=tuple(cand.switches),
         fallbacks=fallbacks,
+        precision=graph.precision.value if graph.precision is not None else None,
     )
 
 

@@ -222,8 +222,20 @@ class ReshardTable:
     """Which collectives every entry of a ``(P, Q, tensor)`` resharding matrix needs, on one mesh shape.
 
     Independent of the device mapping (DTensor's transform steps depend on the mesh shape only), so it is
-    computed once per shape and shared by the :class:`Pricer` of every mapping.
+    computed once per shape and shared by the :class:`Pricer` of every mapping and every plan in the process
+    (:meth:`for_shape`).
     """
+
+    _SHARED: dict[tuple[int, ...], ReshardTable] = {}
+
+    @classmethod
+    def for_shape(cls, resharder: Resharder) -> ReshardTable:
+        """The process's table for `resharder`'s mesh shape."""
+        key = tuple(resharder.mesh_shape)
+        table = cls._SHARED.get(key)
+        if table is None:
+            table = cls._SHARED[key] = cls(resharder)
+        return table
 
     def __init__(self, resharder: Resharder):
         self.resharder = resharder
@@ -520,7 +532,7 @@ def build_structure(
         cost_terms=cost_terms,
         edge_terms=edge_terms,
         mem_terms=mem_terms,
-        table=ReshardTable(resharder),
+        table=ReshardTable.for_shape(resharder),
         coll_terms=list(coll_count.items()),
         forced=frozenset(forced),
         build_s=time.perf_counter() - t0,

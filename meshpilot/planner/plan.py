@@ -190,6 +190,8 @@ class Plan:
     """Parameters the ZeRO-like post-pass sharded (their layouts in ``params`` are already the new ones)."""
     fallbacks: tuple[Fallback, ...] = ()
     """Nodes with no strategy but the replicated one, each with where the model made it."""
+    precision: str | None = None
+    """``fp32``, ``bf16`` or ``bf16-mixed`` (``meshpilot.graph.capture.Precision``); None: the model's dtypes."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -356,6 +358,7 @@ class Plan:
                 for z in d.get("zero", ())
             ),
             fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
+            precision=d.get("precision"),
         )
 
     def to_json(self) -> str:

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpilot import compat
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
@@ -281,12 +281,15 @@ class ParallelModule(torch.nn.Module):
         for i, (x, info) in enumerate(zip(inputs, graph.input_infos)):
             if not isinstance(x, torch.Tensor):
                 raise UserError(f"input {i} is a {type(x).__name__}; pass tensors")
-            if tuple(x.shape) != info.shape or x.dtype != dtype_from_name(info.dtype):
+            want = dtype_from_name(info.dtype)
+            if tuple(x.shape) != info.shape or (
+                x.dtype != want and not (x.is_floating_point() and want.is_floating_point)
+            ):
                 raise UserError(
                     f"input {i} is {tuple(x.shape)} {x.dtype} but the plan was made for {info.shape} "
                     f"torch.{info.dtype}; plan again for these shapes"
                 )
-            out.append(x.to(self.device, non_blocking=True))
+            out.append(x.to(self.device, want, non_blocking=True))
         return tuple(out)
 
     def _forward(self, inputs: tuple) -> tuple[torch.Tensor, list]:
@@ -350,9 +353,11 @@ def parallelize(
         raise UserError(f"mesh shape {tuple(mesh.shape)} does not match the plan's {plan.mesh_shape}")
     if mesh.device_type != dev.type:
         raise UserError(f"the mesh is on {mesh.device_type} but the model on {dev}; build the mesh for {dev.type}")
+    if plan.precision == Precision.BF16:  # the plan trains in bfloat16: so does the model
+        model.to(torch.bfloat16)
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
     if graph is None:
-        graph = capture(model, examples, loss_fn=loss_fn)
+        graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision)
     validate_plan(plan, graph=graph)
     if any(_is_random(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
