@@ -63,6 +63,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop the pairwise rounds after this long and estimate the pairs left (default 120)",
     )
+    p.add_argument(
+        "--matmul-shapes-from",
+        metavar="MODEL",
+        help="also time every GEMM of this built-in model's training step at its own shape (gpt-tiny, atp-m1 … "
+        "atp-m4, bert-tiny, mlp, …): the cost model then prices each matmul at the nearest measured shape",
+    )
+    p.add_argument(
+        "--matmul-dtype",
+        choices=("float32", "bfloat16"),
+        help="GPT models: the dtype of --matmul-shapes-from's parameters and GEMMs (default: the model's)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests, smoke runs)")
     p.set_defaults(func=run)
 
@@ -118,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
             import dataclasses
 
             opts = dataclasses.replace(opts, budget_s=args.p2p_budget)
+        if args.matmul_shapes_from:
+            import dataclasses
+
+            shapes = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype)
+            opts = dataclasses.replace(opts, matmul_shapes=shapes)
         m = probe(opts, host=_node_identity(), progress=_progress)
         if m is None:
             return 0
@@ -137,6 +153,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def model_gemm_shapes(model: str, dtype: str | None = None) -> tuple[tuple[int, int, int, str], ...]:
+    """Every distinct GEMM (m, n, k, dtype) of a built-in model's training step (captured on meta)."""
+    from meshpilot.cli.plan import build_model
+    from meshpilot.graph.capture import capture
+    from meshpilot.graph.gemms import graph_gemms
+
+    built = build_model(model, dtype=dtype, device="meta")
+    graph = capture(built.model, built.inputs)
+    return tuple((g.m, g.n, g.k, g.dtype) for g in graph_gemms(graph))
 
 
 def _check_out(out: Path) -> str | None:
@@ -175,6 +202,10 @@ def _summary(m, cluster, out: Path) -> None:  # noqa: ANN001 - Measurements and 
     if "bfloat16" in d.peak_flops:
         t.add_row("bf16 matmul TFLOP/s", f"{d.peak_flops['bfloat16'] / 1e12:.4g}", spread("bfloat16", 1e12))
     t.add_row("memory copy GB/s", f"{d.memory_bandwidth / GB:.4g}", spread("memory_bandwidth", GB))
+    for j, r in enumerate(d.matmul):
+        vals = [rank["matmul"][j] / 1e12 for rank in m.per_rank if rank.get("matmul")]
+        rng = f"{min(vals):.4g} … {max(vals):.4g}" if vals else "—"
+        t.add_row(f"GEMM {r.m}×{r.n}×{r.k} {r.dtype} TFLOP/s", f"{r.flops / 1e12:.4g}", rng)
     t.add_row("memory GiB (per rank)", f"{d.memory_bytes / 2**30:.4g}", spread("memory_bytes", 2**30))
     console.print(t)
 
