@@ -216,7 +216,7 @@ class _Layouts:
 
     def differ(self, have: Any, want: Any) -> bool:
         """Whether a value in layout `have` must be redistributed to `want` (mesh axes of size 1 aside)."""
-        if have is None or want is None:
+        if have is None or want is None or have == want:
             return False
         return any(h != w for h, w, n in zip(have, want, self.mesh_shape) if n > 1)
 
