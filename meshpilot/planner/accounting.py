@@ -292,8 +292,10 @@ def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape
         last[loss_key] = end
     born[end] = reduced
     grad_keys.update(reduced)
-    saved = {store.get(v) for v in saved_values(graph)} - {None}
-    return _sweep(graph, size, last, born, grad_keys, saved, end)
+    saved = {store.get(v) for v in saved_values(graph)}
+    # a redistributed copy that a view the backward reads aliases is kept for the backward too
+    saved |= {store.get((n.name, i)) for n in graph.nodes if n.saved_for_backward for i in range(len(n.outputs))}
+    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end)
 
 
 def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, saved: set, end: int) -> Liveness:
