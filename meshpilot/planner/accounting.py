@@ -59,8 +59,9 @@ linear lower bounds of the peak to the capacity, both built from :func:`row_byte
   backward reads is live (grads not yet produced; the temporaries live then are left out).
 
 ``peak − max(rows)`` is what lives at the peak beyond them (transient temporaries, gradients produced
-before the peak node, redistributed copies): the planner re-solves with the capacity lowered by the
-excess when the reported peak exceeds the capacity (``meshpilot.planner.auto``).
+before the peak node, redistributed copies; ``MemoryUse.row`` is ``max(rows)``): when a plan's peak
+exceeds the capacity, the planner re-solves with the rows held to the capacity less that gap
+(``meshpilot.planner.auto``, ``_solve_candidate``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
+from meshpilot.planner.plan import MemoryUse
 from meshpilot.sharding.placements import shard_factor
 
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
@@ -329,11 +331,9 @@ def memory_use(
     chosen: Mapping[str, Any] | None = None,
     mesh_shape: Sequence[int] = (),
     capacity: float = float("inf"),
-) -> Any:
+) -> MemoryUse:
     """Predicted peak bytes per device of one training step of a plan (module docstring), as a
     :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak."""
-    from meshpilot.planner.plan import MemoryUse
-
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
     rows = [0.0, 0.0]
