@@ -228,3 +228,22 @@ def test_probe_times_a_gemm_and_a_model_s_shapes_are_its_matmuls():
     assert len(set(shapes)) == len(shapes)
     rate = gemm_rate(torch.device("cpu"), 64, 96, 32, "float32", ProbeOptions(repeats=2, warmup=1), target_s=0.001)
     assert rate > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--matmul-shapes-from", "nope"], "no such built-in model"),
+        (["--matmul-shapes-from", "mlp", "--matmul-dtype", "bfloat16"], "only for GPT models"),
+        (["--matmul-dtype", "bfloat16"], "give the model too"),
+    ],
+)
+def test_probe_matmul_options_fail_before_the_process_group(args, says, monkeypatch, capsys, tmp_path):
+    from meshpilot.cli.main import main
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["probe", *args, "--out", str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+    assert not (tmp_path / "c.toml").exists()

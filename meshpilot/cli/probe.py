@@ -100,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise UserError(f"not launched by torchrun (no {'/'.join(missing)}); run one process per device: {TORCHRUN}")
+    if args.matmul_dtype and not args.matmul_shapes_from:
+        raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
+    # before the process group: a mistake in the model is one line on every rank, nothing half-started
+    gemms = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype) if args.matmul_shapes_from else ()
     import torch
     import torch.distributed as dist
 
@@ -129,11 +133,10 @@ def run(args: argparse.Namespace) -> int:
             import dataclasses
 
             opts = dataclasses.replace(opts, budget_s=args.p2p_budget)
-        if args.matmul_shapes_from:
+        if gemms:
             import dataclasses
 
-            shapes = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype)
-            opts = dataclasses.replace(opts, matmul_shapes=shapes)
+            opts = dataclasses.replace(opts, matmul_shapes=gemms)
         m = probe(opts, host=_node_identity(), progress=_progress)
         if m is None:
             return 0
@@ -160,7 +163,15 @@ def model_gemm_shapes(model: str, dtype: str | None = None) -> tuple[tuple[int, 
     from meshpilot.cli.plan import build_model
     from meshpilot.graph.capture import capture
     from meshpilot.graph.gemms import graph_gemms
+    from meshpilot.models import builtin_models
 
+    entry = builtin_models().get(model)
+    if model != "gpt" and entry is None:
+        raise UserError(
+            f"--matmul-shapes-from {model!r}: no such built-in model; choose one of {', '.join(builtin_models())}"
+        )
+    if dtype is not None and model != "gpt" and entry.config is None:
+        raise UserError(f"--matmul-dtype {dtype}: only for GPT models; {model!r} keeps its own dtype")
     built = build_model(model, dtype=dtype, device="meta")
     graph = capture(built.model, built.inputs)
     return tuple((g.m, g.n, g.k, g.dtype) for g in graph_gemms(graph))
