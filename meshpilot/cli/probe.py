@@ -17,6 +17,11 @@ Rank 0 writes the hierarchy (node and device layers, from the hostnames; under `
 the emulated nodes), a [device_profile] with the
 measured numbers and a [[calibration]] entry per mesh, then prints each mesh's measured B1/B2 next to
 Eq. 4's prediction from the measured matrix. Use the file as `--cluster FILE` with any command.
+
+`--matmul-shapes-from MODEL` (a built-in model; `--matmul-dtype bfloat16` for a GPT in bf16) also times every
+GEMM of that model's training step at its own shape and writes them as [[device_profile.matmul]]: the cost
+model then prices each matmul at the nearest measured shape instead of the best square one
+(`docs/cost_model.md`).
 """
 
 from __future__ import annotations
