@@ -157,14 +157,16 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
     o_par = torch.optim.AdamW(pm.parameters(), lr=lr)
     pairs = list(zip(ref.parameters(), pm.parameters()))
     out: dict = {"loss": [], "grad": [], "counts": []}
-    for _ in range(steps):
+    for step in range(steps):
         o_ref.zero_grad()
         o_par.zero_grad()
+        torch.manual_seed(1000 + step)  # the same random stream (dropout) for both
         l_ref = ref(*inputs)
         l_ref.backward()
+        torch.manual_seed(1000 + step)
         with CollectiveCounter(pm.mesh) as cc:
             loss = pm(*inputs)
-        loss.backward()
+            loss.backward()
         out["loss"].append(abs(l_ref.item() - loss.item()))
         out["grad"].append(max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in pairs))
         out["counts"].append(cc.counts())

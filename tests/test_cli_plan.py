@@ -61,7 +61,7 @@ def test_repeated_layers_shown_once(capsys, monkeypatch):
     monkeypatch.setattr(console, "width", 200)
     assert main(["plan", "-m", "gpt-tiny", "--layers", "3", "-c", "atp-ic3", "-n", "2", "--mesh", "1x2"]) == 0
     ops = capsys.readouterr().out.split("Per-operator strategies")[1].split("Collectives per step")[0]
-    assert "3 identical layers (fwd, 40 nodes each); one shown" in ops
+    assert "3 identical layers (fwd, 42 nodes each); one shown" in ops
     assert "blocks.*.attn.qkv.weight" in ops  # the layer's parameters, index-free
     names = {line.split("│")[1].strip() for line in ops.splitlines() if line.startswith("│")}
     assert {"addmm", "addmm_1", "addmm_2", "addmm_3"} <= names  # the first layer's four Linear layers

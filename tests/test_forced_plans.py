@@ -174,4 +174,4 @@ def test_vocabulary_parallel_embedding_is_offered_and_runs_as_meshpilot_strategy
     dt_bwd = [s for s in strats[bwd.name] if s.source == "dtensor"]
     assert dt_fwd and not any("S(0)" in fmt(s.ins[0]) for s in dt_fwd)
     assert dt_bwd and not any("S(0)" in fmt(s.outs[0]) for s in dt_bwd)
-    assert not sb.warnings
+    assert not sb.fallbacks

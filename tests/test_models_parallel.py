@@ -201,10 +201,11 @@ def _run_plan(name: str, plan, graph, ref: list[dict], adamw: dict, count: bool)
         if count:
             with CollectiveCounter(pm.mesh) as cc:
                 loss = pm(*inputs)
+                loss.backward()
             res["counts"].append({ph: cc.counts(ph) for ph in ("fwd", "bwd")})
         else:
             loss = pm(*inputs)
-        loss.backward()
+            loss.backward()
         params = dict(zip(names, pm.parameters()))
         res["loss"].append(abs(loss.item() - ref[step]["loss"]))
         res["grad"].append(_max_err((n, ref[step]["grads"][n], p.grad) for n, p in params.items()))

@@ -1,13 +1,32 @@
 """Capture one training step of an ``nn.Module`` as an operator graph, without allocating it.
 
-:func:`capture` traces ``loss = model(*inputs)`` and ``torch.autograd.grad(loss, params)`` together with
-``make_fx`` under a ``FakeTensorMode``: parameters, buffers and inputs are fake CPU tensors (a model on the
-meta device works the same), so a 175B model is traced from shapes alone. The result is the *joint*
-forward + backward ATen graph, as Alpa plans over the whole training step (its HLO contains both passes).
+:func:`capture` traces ``loss = model(*inputs)`` together with the gradient of every trainable parameter as
+one *joint* forward + backward ATen graph, as Alpa plans over the whole training step (its HLO holds both
+passes). Parameters, buffers and inputs are fake CPU tensors built from their shapes (a model on the meta
+device works the same), so a 175B model is traced without memory. The trace is AOTAutograd's export
+(:func:`meshpilot.compat.joint_export`), which makes the graph *functional*:
+
+* in-place writes become out-of-place ops (``z[:, 0] = 1`` is a ``select_scatter``), so no node aliases
+  another's storage and the runtime may run any view as a reshape of whatever layout it holds;
+* tensors made inside ``forward`` (``torch.tensor([2.0])``, an HF cache started from ``torch.tensor([])``)
+  are *constants* (:data:`NodeKind.CONST`), their values kept in the graph;
+* a buffer the forward updates (BatchNorm's running statistics, ``num_batches_tracked``) is an output of the
+  graph: ``OpGraph.buffer_updates`` names the node holding each buffer's new value, which the runtime
+  writes back;
+* dropout is ``native_dropout``, one node the runtime can make exact under sharding.
+
+Two things are routed while tracing (:class:`_CaptureMode`): ``F.scaled_dot_product_attention`` becomes the
+device-generic ``meshpilot::sdpa`` pair (:mod:`meshpilot.ops.attention`), so a plan made on CPU fake tensors
+names no CPU kernel; and every node records the module path and source line it came from (``OpNode.module``,
+``OpNode.source``; backward nodes those of their forward op), for warnings and errors that say where.
+
+A forward that cannot be traced ends in one line (:class:`CaptureError`): the op, the module path and source
+line, and a way out — a data-dependent shape (``nonzero``, a boolean mask), inputs whose shapes the model
+rejects, an unsupported Python construct.
 
 Every FX node becomes an :class:`OpNode`: output shapes and dtypes, FLOPs (``torch.utils.flop_counter``'s
-formulas, plus our own for the CPU flash-attention kernels; element-wise work otherwise), bytes read and
-written (zero for views), whether it is a parameter, and whether the forward keeps it for the backward.
+formulas, plus meshpilot's attention; element-wise work otherwise), bytes read and written (zero for views),
+whether it is a parameter, whether the forward keeps it for the backward.
 
 :func:`detect_repeats` finds repeated identical layers structurally: each node gets a signature (op, arg
 shapes/dtypes, non-tensor args), and the longest run of the signature sequence with a period ``p``
@@ -18,30 +37,64 @@ the same *canonical* node, and so do the parameters they read: the planner then 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import operator
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from meshpilot import compat
 from meshpilot.errors import UserError
 
 aten = torch.ops.aten
 
+
+class NodeKind(StrEnum):
+    """What a node of the captured graph is."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"
+    CONST = "const"
+    """A tensor made inside the forward (its value is in ``OpGraph.consts``)."""
+    OP = "op"
+    """An ATen call."""
+    GETITEM = "getitem"
+    """One output of a multi-output op."""
+
+
+LEAF_KINDS = frozenset({NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT, NodeKind.CONST})
+
+
+class Phase(StrEnum):
+    """When a node runs in the step."""
+
+    FWD = "fwd"
+    """The loss or a buffer update depends on it."""
+    BWD = "bwd"
+    LEAF = "leaf"
+    """A placeholder or a constant."""
+
+
 # Ops that only move metadata: zero FLOPs and zero bytes (they alias an input).
-_ALIAS_OPS = {
-    "aten.detach.default",
-    "aten.alias.default",
-    "aten.lift_fresh.default",
-}
+_ALIAS_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
+
+
+class CaptureError(UserError):
+    """A forward that cannot be captured: the message names the op, the module and source line, and a fix."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,10 +133,9 @@ class OpNode:
 
     name: str
     """The FX node's name (stable across captures of the same model and input shapes)."""
-    kind: str
-    """``param``, ``buffer``, ``input``, ``op`` (an ATen call) or ``getitem`` (one output of a multi-output op)."""
+    kind: NodeKind
     target: str
-    """``aten.mm.default``, ``getitem``, or ``placeholder``."""
+    """``aten.mm.default``, ``getitem``, ``placeholder`` or ``constant``."""
     inputs: tuple[tuple[str, int], ...]
     """Tensor operands in flattened argument order: (producer node, producer output index)."""
     outputs: tuple[TensorInfo | None, ...]
@@ -94,19 +146,28 @@ class OpNode:
     is_param: bool = False
     fqn: str | None = None
     """Parameter or buffer name (``blocks.0.fc1.weight``), or ``input:<i>`` for the i-th example input."""
-    phase: str = "fwd"
-    """``fwd`` (the loss depends on it), ``bwd``, or ``leaf`` for placeholders."""
+    phase: Phase = Phase.FWD
     is_view: bool = False
     saved_for_backward: bool = False
     """A forward node whose output a backward node reads: it lives across the step (activation memory)."""
     depth: int = 0
     """Longest path from a placeholder (Alpa merges trivial ops into their deepest operand)."""
     index: int = 0
+    module: str | None = None
+    """Path of the module whose forward made this node (``model.layers.0.mlp``; ``""`` for the root)."""
+    source: str | None = None
+    """``file:line`` of the model code that made this node (a backward node: its forward op's)."""
     fx_node: torch.fx.Node | None = field(default=None, repr=False, compare=False)
 
     @property
     def out(self) -> TensorInfo | None:
         return self.outputs[0] if self.outputs else None
+
+    def where(self) -> str:
+        """``model.layers.0.mlp (modeling_llama.py:164)``: where the model made this node, or its name."""
+        module = self.module if self.module else ("the model's forward" if self.module == "" else None)
+        parts = [p for p in (module, f"({self.source})" if self.source else None) if p]
+        return " ".join(parts) if parts else self.name
 
 
 @dataclass
@@ -122,8 +183,12 @@ class OpGraph:
     loss: tuple[str, int]
     """The node that produces the scalar loss."""
     grads: dict[str, tuple[str, int] | None]
-    """Parameter name -> node producing its gradient (None for parameters the loss does not use)."""
+    """Trainable parameter name -> node producing its gradient (None for parameters the loss does not use)."""
     input_infos: list[TensorInfo]
+    buffer_updates: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Buffer name -> the node holding its value after the step (the forward updated it)."""
+    consts: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Constant node -> its value (real, on the CPU)."""
     canonical: dict[str, str] = field(default_factory=dict)
     """Node -> the node of the first repeated layer it is identical to (itself when not repeated)."""
     repeats: list[tuple[int, int, int]] = field(default_factory=list)
@@ -152,7 +217,7 @@ class OpGraph:
         return sum(n.out.nbytes for n in self.nodes if n.is_param and n.out is not None)
 
     def summary(self) -> str:
-        ops = sum(1 for n in self.nodes if n.kind == "op")
+        ops = sum(1 for n in self.nodes if n.kind == NodeKind.OP)
         layers = ", ".join(f"{c} x {p} nodes" for _, p, c in self.repeats) or "none"
         return (
             f"{len(self.nodes)} nodes ({ops} ops), {len(self.param_names)} parameters "
@@ -164,13 +229,227 @@ class OpGraph:
 # ----------------------------------------------------------------------------------------------- capture
 
 
-def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+def as_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    """The example inputs as a tuple of tensors: a bare tensor is one input; anything else is one line."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise UserError(
+            f"example inputs: got a {type(example_inputs).__name__}; pass a tensor or a tuple of tensors "
+            "(the model's positional arguments)"
+        )
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise UserError(
+                f"example input {i} is a {type(x).__name__}; meshpilot.plan takes tensors only "
+                "(close over other arguments in a wrapper module)"
+            )
+    return tuple(example_inputs)
+
+
+class _LossStep(torch.nn.Module):
+    """``(loss,)`` of the model on the inputs: its output, the first element of a tuple, ``.loss`` of a
+    Hugging Face output, or ``loss_fn(output)``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        out = self.model(*inputs)
+        loss = self.loss_fn(out) if self.loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor) and getattr(loss, "loss", None) is not None:
+            loss = loss.loss
+        if isinstance(loss, (tuple, list)) and loss:
+            loss = loss[0]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UserError(
+                "the model must return a scalar loss (or a tuple starting with it, or an output with .loss); "
+                "pass loss_fn=... to turn its output into one"
+            )
+        return (loss,)
+
+
+def _fake_like(mode, t: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor of `t`'s shape, stride and dtype; nothing is allocated, even for a real `t`."""
     with mode:
-        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> OpGraph:
+    """Trace one training step of `model` on `example_inputs` into an :class:`OpGraph`.
+
+    The step is ``loss = model(*example_inputs)`` (the model returns a scalar loss, a tuple whose first
+    element is the loss, or an output with ``.loss``), or ``loss = loss_fn(model(*example_inputs))``. Only
+    shapes and dtypes of the inputs, parameters and buffers are used: they may live on the meta device or on
+    a GPU. A bare tensor is one input.
+    """
+    inputs = as_inputs(example_inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    pnames, bnames = list(params), list(buffers)
+    mode = compat.fake_tensor_mode()(allow_non_fake_inputs=True)
+    fakes: dict[str, torch.Tensor] = {}
+    for n, p in params.items():
+        fakes[n] = torch.nn.Parameter(_fake_like(mode, p), requires_grad=p.requires_grad)
+    for n, b in buffers.items():
+        fakes[n] = _fake_like(mode, b)
+    fake_inputs = [_fake_like(mode, x) for x in inputs]
+    step = _LossStep(model, loss_fn)
+    state = pnames + bnames
+    reparametrize = compat.reparametrize_module()
+
+    def functional_step(*flat: torch.Tensor) -> tuple[torch.Tensor]:
+        with reparametrize(model, dict(zip(state, flat)), tie_weights=True, strict=False):
+            return step(*flat[len(state) :])
+
+    tracing = _CaptureMode({m: path for path, m in model.named_modules()})
+    flat = [fakes[n] for n in state] + fake_inputs
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_quiet_fake_tensor_logs())
+        stack.enter_context(tracing.module_hooks())
+        stack.enter_context(tracing)
+        try:
+            joint = compat.joint_export(functional_step, flat, len(state))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
+            raise CaptureError(_explain(e, tracing)) from None
+    return _build_graph(joint, params, pnames, bnames, inputs)
+
+
+# ---------------------------------------------------------------------------------- tracing: routes, places
+
+
+class _CaptureMode(TorchFunctionMode):
+    """While capturing: route ``F.scaled_dot_product_attention`` to ``meshpilot::sdpa``, and stamp each node
+    made by the model's code with the module path (forward hooks keep the stack) and source line it came from
+    (``nn_module_stack`` / ``stack_trace`` of torch.fx's node metadata)."""
+
+    def __init__(self, names: dict[torch.nn.Module, str]) -> None:
+        super().__init__()
+        self.names = names
+        self.stack: list[str] = []
+        self.last_source: str | None = None
+
+    @contextlib.contextmanager
+    def module_hooks(self) -> Iterator[None]:
+        def pre(mod, args):
+            path = self.names.get(mod)
+            if path is not None:
+                self.stack.append(path)
+
+        def post(mod, args, out):
+            if self.names.get(mod) is not None and self.stack:
+                self.stack.pop()
+
+        h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+        h2 = torch.nn.modules.module.register_module_forward_hook(post)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # only while the model's forward runs: the trace's second pass replays the first graph, whose
+        # nodes already carry their places
+        source = _user_frame() if self.stack else None
+        if source is not None:
+            self.last_source = source
+            compat.stamp_node_meta(self.stack[-1], source)
+        if func is F.scaled_dot_product_attention:
+            from meshpilot.ops.attention import captured_sdpa
+
+            return captured_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MESHPILOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODELS_DIR = _MESHPILOT_DIR + "models" + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_model_code(filename: str) -> bool:
+    """Not torch, not meshpilot (its model zoo excepted), not the standard library, not generated code."""
+    if filename.startswith((_TORCH_DIR, _STDLIB, "<")):
+        return False
+    return not filename.startswith(_MESHPILOT_DIR) or filename.startswith(_MODELS_DIR)
+
+
+def _user_frame() -> str | None:
+    """``file:line`` of the innermost frame of model code."""
+    f = sys._getframe(2)
+    while f is not None:
+        if _is_model_code(f.f_code.co_filename):
+            return f"{_short(f.f_code.co_filename)}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def _short(path: str) -> str:
+    """A file path as users recognise it: from ``site-packages/`` on for installed code, else as given."""
+    marker = "site-packages" + os.sep
+    i = path.rfind(marker)
+    return path[i + len(marker) :] if i >= 0 else path
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_logs() -> Iterator[None]:
+    """Fake-tensor and dispatch loggers print long traces for ops that fail; the one-line error says it all."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _explain(e: Exception, tracing: _CaptureMode) -> str:
+    """One line for an exception raised while tracing: what, where (module, source line), how to fix it."""
+    where = _where_raised(e) or tracing.last_source
+    module = tracing.stack[-1] if tracing.stack else None
+    place = " ".join(p for p in (f"in {module or 'the model'}", f"({where})" if where else "") if p)
+    name = type(e).__name__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else name
+    if "DynamicOutputShape" in name or "DataDependent" in name or "data-dependent" in text.lower():
+        op = getattr(e, "func", None)
+        what = f"{op}" if op is not None else "an op whose output shape depends on tensor values"
+        return (
+            f"cannot capture the model: {what} {place} has a data-dependent output shape (nonzero, boolean-mask "
+            "indexing, unique); meshpilot plans static shapes: write it with static shapes (e.g. capacity-based "
+            "routing, torch.where instead of masking) or keep that part outside the planned module"
+        )
+    return (
+        f"cannot capture the model: {name} {place}: {text}; check that the example inputs have the shapes and "
+        "dtypes the model's forward expects (and that it runs in eager mode on them)"
+    )
+
+
+def _where_raised(e: BaseException) -> str | None:
+    """``file:line`` of the innermost model-code frame of `e`'s traceback."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if _is_model_code(name):
+            found = f"{_short(name)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+# ------------------------------------------------------------------------------------------- graph nodes
 
 
 def _tensor_info(v: Any) -> TensorInfo | None:
@@ -183,19 +462,19 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """FLOPs of one ATen call on fake tensors."""
     from torch.utils.flop_counter import flop_registry
 
+    from meshpilot.ops.attention import attention_flops
+
+    name = str(target)
+    if name == "meshpilot.sdpa.default":
+        return attention_flops(args[0].shape, args[1].shape, args[2].shape, backward=False)
+    if name == "meshpilot.sdpa_backward.default":
+        return attention_flops(args[1].shape, args[2].shape, args[3].shape, backward=True)
     packet = getattr(target, "overloadpacket", None)
     if packet in flop_registry:
         try:
             return float(flop_registry[packet](*args, **kwargs, out_val=out))
         except Exception:  # noqa: BLE001 - a formula that does not fit these args: fall through
             pass
-    name = str(target)
-    if name.startswith("aten._scaled_dot_product_flash_attention_for_cpu"):
-        q, k = args[1:3] if "backward" in name else args[0:2]
-        b, h, t, e = q.shape
-        s = k.shape[-2]
-        per = 2 * b * h * t * s * e
-        return float(5 * per if "backward" in name else 2 * per)
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
     return float(sum(o.numel() for o in outs))
 
@@ -208,98 +487,81 @@ def _is_view_op(target: Any) -> bool:
     return bool(getattr(target, "is_view", False))
 
 
-def capture(
-    model: torch.nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-) -> OpGraph:
-    """Trace one training step of `model` on `example_inputs` into an :class:`OpGraph`.
-
-    The step is ``loss = model(*example_inputs)`` (the model returns a scalar loss, or a tuple whose first
-    element is the loss), or ``loss = loss_fn(model(*example_inputs))`` when `loss_fn` is given. Only shapes
-    and dtypes of the inputs, parameters and buffers are used: they may live on the meta device.
-    """
-    example_inputs = tuple(example_inputs)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    pnames, bnames = list(params), list(buffers)
-    n_p, n_b = len(pnames), len(bnames)
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise UserError(
-                f"example input {i} is a {type(x).__name__}; meshpilot.plan takes tensors only "
-                "(close over other arguments in a wrapper module)"
-            )
-
-    def step(*flat: torch.Tensor) -> tuple:
-        p = dict(zip(pnames, flat[:n_p]))
-        b = dict(zip(bnames, flat[n_p : n_p + n_b]))
-        inputs = flat[n_p + n_b :]
-        out = torch.func.functional_call(model, {**p, **b}, inputs, tie_weights=True, strict=False)
-        loss = loss_fn(out) if loss_fn is not None else out
-        if isinstance(loss, (tuple, list)):
-            loss = loss[0]
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise UserError(
-                "the model must return a scalar loss (or a tuple starting with it); "
-                "pass loss_fn=... to turn its output into one"
-            )
-        trainable = [p[n] for n in pnames if p[n].requires_grad]
-        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
-        return (loss, *grads)
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    flat = [_fake_like(mode, params[n], params[n].requires_grad) for n in pnames]
-    flat += [_fake_like(mode, buffers[n]) for n in bnames]
-    flat += [_fake_like(mode, x) for x in example_inputs]
-    with mode:
-        gm = make_fx(step, tracing_mode="real")(*flat)
-    return _build_graph(gm, params, pnames, bnames, example_inputs)
+def _simplify(gm: torch.fx.GraphModule) -> None:
+    """Drop what only the trace needed: ``lift_fresh_copy`` of a constant (the functional graph never writes
+    to it, so the constant itself serves), ``_assert_tensor_metadata`` checks, and dead nodes that draw no
+    random numbers (removing a dead dropout would change the random stream the live ones see)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.lift_fresh_copy.default and node.args[0].op == "get_attr":
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif node.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("call_function", "get_attr") and not node.users:
+            tags = getattr(node.target, "tags", ())
+            if torch.Tag.nondeterministic_seeded not in tags:
+                graph.erase_node(node)
+    graph.lint()
 
 
 def _build_graph(
-    gm: torch.fx.GraphModule,
+    joint: Any,
     params: dict[str, torch.nn.Parameter],
     pnames: list[str],
     bnames: list[str],
     example_inputs: tuple[torch.Tensor, ...],
 ) -> OpGraph:
+    gm: torch.fx.GraphModule = joint.gm
+    _simplify(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_p, n_b = len(pnames), len(bnames)
     nodes: list[OpNode] = []
-    by_fx: dict[torch.fx.Node, OpNode] = {}
+    consts: dict[str, torch.Tensor] = {}
     for i, ph in enumerate(placeholders):
         info = _tensor_info(ph.meta.get("val"))
         if i < n_p:
-            kind, fqn = "param", pnames[i]
+            kind, fqn = NodeKind.PARAM, pnames[i]
         elif i < n_p + n_b:
-            kind, fqn = "buffer", bnames[i - n_p]
+            kind, fqn = NodeKind.BUFFER, bnames[i - n_p]
         else:
-            kind, fqn = "input", f"input:{i - n_p - n_b}"
-        node = OpNode(
-            ph.name,
-            kind,
-            "placeholder",
-            (),
-            (info,),
-            is_param=kind == "param",
-            fqn=fqn,
-            phase="leaf",
-            fx_node=ph,
+            kind, fqn = NodeKind.INPUT, f"input:{i - n_p - n_b}"
+        nodes.append(
+            OpNode(
+                ph.name,
+                kind,
+                "placeholder",
+                (),
+                (info,),
+                is_param=kind == NodeKind.PARAM,
+                fqn=fqn,
+                phase=Phase.LEAF,
+                fx_node=ph,
+            )
         )
-        nodes.append(node)
-        by_fx[ph] = node
 
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     for fx_node in gm.graph.nodes:
+        if fx_node.op == "get_attr":
+            value = getattr(gm, fx_node.target)
+            consts[fx_node.name] = value
+            info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+            node = OpNode(fx_node.name, NodeKind.CONST, "constant", (), (info,), phase=Phase.LEAF)
+            node.module, node.source = _place(fx_node)
+            node.fx_node = fx_node
+            nodes.append(node)
+            continue
         if fx_node.op != "call_function":
             continue
         val = fx_node.meta.get("val")
         if fx_node.target is operator.getitem:
             src, idx = fx_node.args
-            inputs: tuple[tuple[str, int], ...] = ((src.name, int(idx)),)
-            node = OpNode(fx_node.name, "getitem", "getitem", inputs, (_tensor_info(val),), is_view=True)
+            node = OpNode(
+                fx_node.name, NodeKind.GETITEM, "getitem", ((src.name, int(idx)),), (_tensor_info(val),), is_view=True
+            )
         else:
             leaves = pytree.tree_leaves((fx_node.args, fx_node.kwargs))
             tensor_args = [
@@ -311,16 +573,16 @@ def _build_graph(
             else:
                 outputs = (_tensor_info(val),)
             is_view = _is_view_op(fx_node.target)
-            node = OpNode(fx_node.name, "op", str(fx_node.target), inputs, outputs, is_view=is_view)
+            node = OpNode(fx_node.name, NodeKind.OP, str(fx_node.target), inputs, outputs, is_view=is_view)
             if not is_view:
                 fake_args = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), fx_node.args)
                 fake_kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), fx_node.kwargs)
                 node.flops = _flops(fx_node.target, fake_args, fake_kwargs, val)
                 node.bytes_read = float(sum(a.meta["val"].nbytes for a in {t: None for t in tensor_args}))
                 node.bytes_written = float(sum(o.nbytes for o in outputs if o is not None))
+        node.module, node.source = _place(fx_node)
         node.fx_node = fx_node
         nodes.append(node)
-        by_fx[fx_node] = node
 
     for i, n in enumerate(nodes):
         n.index = i
@@ -329,35 +591,29 @@ def _build_graph(
         if n.inputs:
             n.depth = 1 + max(by_name[s].depth for s, _ in n.inputs)
 
-    # outputs: (loss, *grads of trainable params)
-    outs = pytree.tree_leaves(output_node.args[0]) if False else list(output_node.args[0])
-    loss_fx = outs[0]
+    # outputs: (*updated buffers, loss, *gradients of the parameters that receive one)
+    outs = list(output_node.args[0])
+    n_updates = len(joint.mutated_inputs)
+    buffer_updates: dict[str, tuple[str, int]] = {}
+    for k, i in enumerate(joint.mutated_inputs):
+        if not n_p <= i < n_p + n_b:
+            what = pnames[i] if i < n_p else f"input {i - n_p - n_b}"
+            raise CaptureError(
+                f"the model's forward writes into {what} in place; meshpilot runs functional steps: write to a "
+                "copy (or a registered buffer) instead"
+            )
+        buffer_updates[bnames[i - n_p]] = (outs[k].name, 0)
+    loss_fx = outs[n_updates]
     loss = (loss_fx.name, 0)
-    trainable = [n for n in pnames if params[n].requires_grad]
     grads: dict[str, tuple[str, int] | None] = {}
-    for name, g in zip(trainable, outs[1:]):
+    it = iter(outs[n_updates + 1 :])
+    for i, name in enumerate(pnames):
+        if not params[name].requires_grad:
+            continue
+        g = next(it) if joint.has_grad[i] else None
         grads[name] = (g.name, 0) if isinstance(g, torch.fx.Node) else None
 
-    # forward = everything the loss depends on; the rest (but the leaves) is the backward
-    fwd: set[str] = set()
-    stack = [loss_fx.name]
-    while stack:
-        cur = stack.pop()
-        if cur in fwd:
-            continue
-        fwd.add(cur)
-        stack.extend(s for s, _ in by_name[cur].inputs)
-    for n in nodes:
-        if n.kind in ("param", "buffer", "input"):
-            continue
-        n.phase = "fwd" if n.name in fwd else "bwd"
-    for n in nodes:
-        if n.phase == "bwd":
-            for s, _ in n.inputs:
-                src = by_name[s]
-                if src.phase == "fwd":
-                    src.saved_for_backward = True
-
+    _assign_phases(nodes, by_name, [loss[0], *(s for s, _ in buffer_updates.values())])
     graph = OpGraph(
         nodes=nodes,
         gm=gm,
@@ -367,9 +623,48 @@ def _build_graph(
         loss=loss,
         grads=grads,
         input_infos=[TensorInfo(tuple(x.shape), dtype_name(x.dtype)) for x in example_inputs],
+        buffer_updates=buffer_updates,
+        consts=consts,
     )
     detect_repeats(graph)
     return graph
+
+
+def _place(fx_node: torch.fx.Node) -> tuple[str | None, str | None]:
+    """(module path, ``file:line``) the trace stamped on a node."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    module = None
+    if isinstance(stack, dict) and stack:
+        module = next(reversed(stack.values()))[0]
+    source = fx_node.meta.get("stack_trace")
+    if isinstance(source, str) and source.startswith(compat.STAMP):
+        source = source[len(compat.STAMP) :]
+    else:
+        source = None
+    return module, source
+
+
+def _assign_phases(nodes: list[OpNode], by_name: dict[str, OpNode], roots: list[str]) -> None:
+    """Forward = everything the loss or a buffer update depends on; every other op is backward. Forward
+    nodes a backward node reads are kept for the backward (activation memory)."""
+    fwd: set[str] = set()
+    stack = list(roots)
+    while stack:
+        cur = stack.pop()
+        if cur in fwd:
+            continue
+        fwd.add(cur)
+        stack.extend(s for s, _ in by_name[cur].inputs)
+    for n in nodes:
+        if n.kind in LEAF_KINDS:
+            continue
+        n.phase = Phase.FWD if n.name in fwd else Phase.BWD
+    for n in nodes:
+        if n.phase == Phase.BWD:
+            for s, _ in n.inputs:
+                src = by_name[s]
+                if src.phase == Phase.FWD:
+                    src.saved_for_backward = True
 
 
 # -------------------------------------------------------------------------------------- repeated layers
@@ -377,11 +672,11 @@ def _build_graph(
 
 def _signature(n: OpNode, g_by: dict[str, OpNode], fx_node: torch.fx.Node | None) -> str:
     """What makes two nodes interchangeable for the planner: op, operand shapes, non-tensor arguments."""
-    ins = tuple((g_by[s].outputs[i], g_by[s].kind if g_by[s].kind != "op" else "") for s, i in n.inputs)
+    ins = tuple((g_by[s].outputs[i], g_by[s].kind if g_by[s].kind != NodeKind.OP else "") for s, i in n.inputs)
     consts: Any = ()
-    if fx_node is not None and n.kind == "op":
+    if fx_node is not None and n.kind == NodeKind.OP:
         consts = pytree.tree_map_only(torch.fx.Node, lambda _: "T", (fx_node.args, fx_node.kwargs))
-    elif n.kind == "getitem":
+    elif n.kind == NodeKind.GETITEM:
         consts = n.inputs[0][1]
     return repr((n.target, n.outputs, ins, consts))
 
@@ -415,7 +710,7 @@ def _best_period(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int] | 
 
 def detect_repeats(graph: OpGraph, min_period: int = 8) -> None:
     """Fill ``graph.canonical`` and ``graph.repeats`` (see the module docstring)."""
-    ops = [n for n in graph.nodes if n.kind in ("op", "getitem")]
+    ops = [n for n in graph.nodes if n.kind in (NodeKind.OP, NodeKind.GETITEM)]
     by = graph.by_name
     sig_ids: dict[str, int] = {}
     seq = np.array([sig_ids.setdefault(_signature(n, by, n.fx_node), len(sig_ids)) for n in ops], dtype=np.int64)
@@ -456,7 +751,7 @@ def detect_repeats(graph: OpGraph, min_period: int = 8) -> None:
         cn = by[c]
         for (s, _), (cs, _) in zip(n.inputs, cn.inputs):
             a, b = by[s], by[cs]
-            if a.kind in ("param", "buffer") and b.kind == a.kind and a.outputs == b.outputs:
+            if a.kind in (NodeKind.PARAM, NodeKind.BUFFER) and b.kind == a.kind and a.outputs == b.outputs:
                 ra, rb = find(a.name), find(b.name)
                 if ra != rb:
                     # keep the earliest parameter as the representative
@@ -465,7 +760,7 @@ def detect_repeats(graph: OpGraph, min_period: int = 8) -> None:
                     else:
                         parent[ra] = rb
     for n in graph.nodes:
-        if n.kind in ("param", "buffer"):
+        if n.kind in (NodeKind.PARAM, NodeKind.BUFFER):
             canonical[n.name] = find(n.name)
     graph.canonical = canonical
     graph.repeats = sorted(repeats)

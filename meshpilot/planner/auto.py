@@ -75,6 +75,7 @@ from meshpilot.planner.ilp import (
     solve,
 )
 from meshpilot.planner.plan import (
+    Fallback,
     MemoryUse,
     MeshCandidate,
     NodeChoice,
@@ -620,9 +621,19 @@ def _assemble(
         g = graph.grads.get(fqn)
         if g is not None:
             edge(g[0], g[1], f"grad:{fqn}", layout, "bwd")
+    for fqn, (src, i) in graph.buffer_updates.items():
+        edge(src, i, f"buffer:{fqn}", replicated(nd), "fwd")
 
     memory = cand.usage if cand.usage is not None else memory_use(graph, chosen, mesh_shape, capacity)
-    warnings = [f"{op}: replicated ({why})" for op, why in sorted(builder.warnings.items())]
+    why = builder.fallbacks
+    fallbacks = tuple(
+        Fallback(
+            n.name, n.target, n.where(), why.get(n.name) or why.get(graph.canonical.get(n.name, ""), "no strategy")
+        )
+        for n in graph.nodes
+        if n.kind == "op" and chosen[n.name].source == "fallback"
+    )
+    warnings = _fallback_warnings(fallbacks)
     if sol.gap > 0.01:
         warnings.append(f"ILP stopped at gap {sol.gap:.2%} (time limit)")
     bad = sum(c.kind == "unsupported" for c in colls)
@@ -665,5 +676,19 @@ def _assemble(
         ),
         fingerprint=graph.fingerprint(),
         zero=tuple(cand.switches),
+        fallbacks=fallbacks,
         precision=cand.precision,
     )
+
+
+def _fallback_warnings(fallbacks: tuple[Fallback, ...]) -> list[str]:
+    """One warning per op and place with no strategy (a stack of identical layers is one line with a count)."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for f in fallbacks:
+        key = (f.target, f.where, f.reason)
+        groups[key] = groups.get(key, 0) + 1
+    return [
+        f"{target} in {where}: replicated ({why})" + (f" ×{count}" if count > 1 else "")
+        for (target, where, why), count in groups.items()
+    ]
+

@@ -192,6 +192,9 @@ _PASS_VIEWS = {
 
 
 def _is_attention(target: str) -> bool:
+    """A forward attention node (meshpilot's device-generic op, or an ATen attention kernel)."""
+    if target == "meshpilot.sdpa.default":
+        return True
     return target.startswith("aten._scaled_dot_product") and "backward" not in target
 
 

@@ -483,6 +483,11 @@ def build_structure(
         p = pnode[fqn]
         key = (rep[gsrc[0]], gsrc[1], rep[p.name], "out", 0, graph[gsrc[0]].outputs[gsrc[1]])
         edge_count.setdefault(key, [0])[0] += 1
+    # a buffer the forward updates gets its new value in its stored layout (written back after the step)
+    bnode = {n.fqn: n for n in graph.nodes if n.kind == "buffer"}
+    for fqn, (src, i) in graph.buffer_updates.items():
+        key = (rep[src], i, rep[bnode[fqn].name], "out", 0, graph[src].outputs[i])
+        edge_count.setdefault(key, [0])[0] += 1
 
     out_ids = {r: _id_matrix([s.out_ids for s in strategies[r]]) for r in reps}
     in_ids = {r: _id_matrix([s.in_ids for s in strategies[r]]) for r in reps}

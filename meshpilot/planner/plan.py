@@ -73,6 +73,20 @@ class PlannedCollective:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """A node no sharding strategy covers: it runs on full replicas of its operands."""
+
+    node: str
+    target: str
+    where: str
+    """Module path and source line of the model code that made it (``layers.0.attn (model.py:42)``)."""
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.node} = {self.target} in {self.where}: replicated ({self.reason})"
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one training step (no overlap assumed)."""
 
@@ -186,6 +200,8 @@ class Plan:
     version: int = 1
     zero: tuple[ZeroSwitch, ...] = ()
     """Parameters the ZeRO-like post-pass sharded (their layouts in ``params`` are already the new ones)."""
+    fallbacks: tuple[Fallback, ...] = ()
+    """Nodes with no strategy but the replicated one, each with where the model made it."""
     precision: str = ""
     """``fp32``, ``bf16`` or ``bf16-mixed`` (autocast over fp32 parameters); empty in older plans."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
@@ -355,6 +371,7 @@ class Plan:
                 )
                 for z in d.get("zero", ())
             ),
+            fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
         )
 
     def to_json(self) -> str:

@@ -10,18 +10,15 @@ registered strategy function (``op_single_dim_strategy_funcs`` expanded to the f
   picks one strategy (``_select_min_cost_strategy``: a negative cost, else the last one needing no
   redistribution); strategies it would never pick are dropped, so the run takes the planned algorithm.
 
-Where DTensor has no strategy, meshpilot registers its own *into DTensor's propagator* (so the run can use
-them too): the CPU flash-attention kernels (batch- or head-parallel) and GroupNorm's backward
-(batch-parallel). Ops with neither fall back to one
-all-replicated strategy; the runtime runs them on local replicas and the plan lists them as warnings.
+meshpilot adds strategies where DTensor has none (:mod:`meshpilot.ops`): into DTensor's propagator for the
+device-generic attention pair and GroupNorm's backward, so DTensor runs them; and its *own* ops (source
+``meshpilot``, run by meshpilot's runtime on the local shards) beside DTensor's — vocabulary-parallel
+embedding and cross-entropy — or instead of DTensor's where those are not exact (dropout, training
+BatchNorm). A strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the
+node and the plan lists them with the resharding collectives.
 
-meshpilot's own strategies (``OWN_OPS``, source ``meshpilot``) are offered beside DTensor's and run by
-meshpilot's runtime on the local shards: the vocabulary-parallel embedding (forward and backward) and the
-vocabulary-parallel cross-entropy (``_log_softmax``, ``nll_loss_forward`` and their backward with the class
-dim sharded, Megatron-LM's). A strategy may issue collectives inside the op (``Strategy.colls``: the
-softmax's all-reduces of row maxima and sums, the count of non-ignored targets over row-sharding axes);
-the ILP prices them on the node and the plan lists them with the resharding collectives.
-
+Ops with no strategy at all fall back to one all-replicated strategy: the runtime runs them on local
+replicas and the plan lists each such node (``StrategyBuilder.fallbacks``) with its module and source line.
 Factory ops (no tensor operand) produce replicated tensors.
 """
 
@@ -35,18 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import (
-    OpSchema,
-    OpSpec,
-    OpStrategy,
-    RuntimeSchemaInfo,
-    TupleStrategy,
-)
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from meshpilot.graph.capture import OpGraph, OpNode, dtype_from_name
+from meshpilot import compat
+from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, OpNode, dtype_from_name
+from meshpilot.ops import own_op, register_dtensor_strategies
 from meshpilot.sharding.placements import (
     Placements,
     candidate_placements,
@@ -59,6 +50,9 @@ from meshpilot.sharding.placements import (
 from meshpilot.sharding.reshard import Collective, tensor_meta
 
 aten = torch.ops.aten
+DTensorSpec, TensorMeta = compat.dtensor_spec()
+_osm = compat.op_schema()
+OpSchema, OpSpec, OpStrategy, TupleStrategy = _osm.OpSchema, _osm.OpSpec, _osm.OpStrategy, _osm.TupleStrategy
 
 
 @dataclass(frozen=True)
@@ -93,89 +87,9 @@ def fake_device_mesh(shape: Sequence[int], ranks: np.ndarray | None = None) -> D
     return DeviceMesh("cpu", torch.as_tensor(mesh, dtype=torch.int), _init_backend=False, _rank=0)
 
 
-# ----------------------------------------------------------------------------- meshpilot's own strategies
-
-_REGISTERED = False
-
-
-def register_meshpilot_strategies() -> None:
-    """Register meshpilot's strategies for ops DTensor lacks, in DTensor's own propagator (idempotent)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-
-    def _attn_fwd(op_schema: OpSchema):
-        mesh = op_schema.get_mesh_from_args()
-        n_in = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
-        n_in += sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
-        rows = [[Replicate()] * (2 + n_in)]
-        if n_in == 3:  # no attention mask: batch- and head-parallel attention
-            rows.append([Shard(0)] * 5)
-            rows.append([Shard(1)] * 5)
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=2)
-
-    def _attn_bwd(op_schema: OpSchema):
-        mesh = op_schema.get_mesh_from_args()
-        n_in = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
-        n_in += sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
-        rows = [[Replicate()] * (3 + n_in)]
-        if n_in == 6:
-            rows.append([Shard(0)] * 9)
-            rows.append([Shard(1)] * 9)
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=3)
-
-    prop.register_op_strategy(
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        _attn_fwd,
-        RuntimeSchemaInfo(3, static_kwargkey=["scale"]),
-    )
-    prop.register_op_strategy(
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        _attn_bwd,
-        RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
-    )
-    _register_group_norm_backward(prop)
-    prop.propagate_op_sharding.cache.cache_clear() if hasattr(prop.propagate_op_sharding, "cache") else None
-    _REGISTERED = True
-
-
-def _register_group_norm_backward(prop) -> None:
-    """Batch-parallel GroupNorm backward (DTensor has the forward only): every sample is normalised on its
-    own, so grad_out, input, mean and rstd sharded on the batch give grad_input sharded the same way and
-    partial sums of grad_weight / grad_bias; N/C/HxW become the local sizes as in DTensor's forward."""
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-    from torch.distributed.tensor._ops._math_ops import _adjust_group_norm_scalars
-    from torch.distributed.tensor._ops.single_dim_strategy import (
-        _ShardingPlaceholder,
-        register_single_dim_strategy,
-    )
-
-    op = aten.native_group_norm_backward.default
-    if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs:
-        return
-
-    def strategy(op, args_schema, kwargs_schema):
-        # native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group, output_mask)
-        mask = args_schema[9]
-        has_weight = isinstance(args_schema[4], TensorMeta)
-        outs = [
-            _ShardingPlaceholder(0) if mask[0] else None,
-            Partial("sum") if mask[1] else None,
-            Partial("sum") if mask[2] else None,
-        ]
-        ins = [_ShardingPlaceholder(0)] * 4 + ([Replicate()] if has_weight else [])
-        return [outs + ins]
-
-    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(5))(strategy)
-    prop.op_to_scalar_shape_adjuster[op] = _adjust_group_norm_scalars
-
-
 # ------------------------------------------------------------------------------------------ enumeration
 
-_STRATEGY_CACHE: dict[tuple[int, ...], dict[str, tuple[list, tuple[str, str] | None]]] = {}
+_STRATEGY_CACHE: dict[tuple[int, ...], dict[str, tuple[list, str | None]]] = {}
 
 
 _COST_MODULES: list | None = None
@@ -218,17 +132,20 @@ class StrategyBuilder:
     """Enumerates strategies of graph nodes on one mesh, caching identical nodes (repeated layers hit it)."""
 
     def __init__(self, graph: OpGraph, dmesh: DeviceMesh):
-        register_meshpilot_strategies()
+        register_dtensor_strategies()
         self.graph = graph
         self.dmesh = dmesh
         self.mesh_shape = tuple(dmesh.shape)
-        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.prop = compat.sharding_propagator()
+        self._singles, self._single_infos = compat.single_dim_registry()
+        self._expand_single = compat.lookup(
+            compat.EXPAND_SINGLE_DIM, "DTensor's single-dim strategies are not enumerated: those ops are replicated"
+        )
         # shared by every builder on a mesh of this shape: strategies depend on the op, its operand shapes
         # and layouts and the mesh shape only, so forced plans and repeated planning reuse them
-        self._cache: dict[str, tuple[list[Strategy], tuple[str, str] | None]] = _STRATEGY_CACHE.setdefault(
-            self.mesh_shape, {}
-        )
-        self.warnings: dict[str, str] = {}
+        self._cache: dict[str, tuple[list[Strategy], str | None]] = _STRATEGY_CACHE.setdefault(self.mesh_shape, {})
+        self.fallbacks: dict[str, str] = {}
+        """Node -> why it has no strategy but the replicated one (the plan lists these per node)."""
 
     # candidate layouts a producer can emit at output i
     @staticmethod
@@ -236,14 +153,19 @@ class StrategyBuilder:
         return unique(s.outs[i] for s in strategies if i < len(s.outs) and s.outs[i] is not None)
 
     def leaf(self, node: OpNode) -> list[Strategy]:
+        """Parameters and inputs may be stored in any even layout; buffers and constants are held whole on
+        every rank (the module keeps buffers as plain tensors, and writes their updates back), so their
+        readers take slices of a replica."""
         info = node.out
         if info is None:
             return [Strategy((None,), (), "leaf")]
+        if node.kind in (NodeKind.BUFFER, NodeKind.CONST):
+            return [Strategy((replicated(len(self.mesh_shape)),), (), "leaf")]
         return [Strategy((p,), (), "leaf") for p in candidate_placements(info.shape, self.mesh_shape)]
 
     def for_node(self, node: OpNode, operand_candidates: list[list[Placements]]) -> list[Strategy]:
         """Strategies of `node` given every layout its operands can arrive in."""
-        if node.kind in ("param", "buffer", "input"):
+        if node.kind in LEAF_KINDS:
             return self.leaf(node)
         if node.kind == "getitem":
             return [Strategy((p,), (p,), "dtensor") for p in operand_candidates[0]]
@@ -258,19 +180,23 @@ class StrategyBuilder:
         )
         hit = self._cache.get(key)
         if hit is not None:
-            strategies, warning = hit
-            if warning is not None:
-                self.warnings.setdefault(*warning)
+            strategies, why = hit
+            if why is not None:
+                self.fallbacks[node.name] = why
             return strategies
-        self._last_warning = None
+        self._last_fallback = None
         with _no_redistribute_costs():
             strategies = self._compute(node, operand_candidates)
-        self._cache[key] = (strategies, self._last_warning)
+        self._cache[key] = (strategies, self._last_fallback)
         return strategies
 
     def _fallback(self, node: OpNode, why: str) -> list[Strategy]:
-        self.warnings.setdefault(node.target, why)
-        self._last_warning = (node.target, why)
+        from meshpilot.ops import unavailable
+
+        missing = unavailable(node.target)
+        why = f"{why} ({missing})" if missing else why
+        self.fallbacks[node.name] = why
+        self._last_fallback = why
         outs = tuple(replicated(len(self.mesh_shape)) if o is not None else None for o in node.outputs)
         ins = tuple(replicated(len(self.mesh_shape)) for _ in node.inputs)
         return [Strategy(outs, ins, "fallback")]
@@ -280,14 +206,17 @@ class StrategyBuilder:
         if not node.inputs:
             outs = tuple(replicated(nd) if o is not None else None for o in node.outputs)
             return [Strategy(outs, (), "factory")]
+        own = own_op(node.target)
+        if own is not None and own.exclusive:
+            return own.strategies(self, node) or self._fallback(node, f"{node.target}: no exact strategy applies")
         fx_node = node.fx_node
         op = fx_node.target
         if not isinstance(op, torch._ops.OpOverload):
             return self._fallback(node, f"{node.target} is not an ATen op")
-        single = self.prop.op_single_dim_strategy_funcs.get(op)
+        single = self._singles.get(op) if self._expand_single is not None else None
         func = self.prop.op_strategy_funcs.get(op)
         if single is None and func is None:
-            return self._fallback(node, f"DTensor has no sharding strategy for {node.target}")
+            return self._own(node) or self._fallback(node, f"DTensor has no sharding strategy for {node.target}")
 
         operand_strats: list[OpStrategy] = []
         for (src, i), c in zip(node.inputs, cands):
@@ -318,16 +247,14 @@ class StrategyBuilder:
         kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
         try:
             if single is not None:
-                from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
-
-                info = self.prop.op_to_schema_info_for_single_dim_strategy.get(op)
+                info = self._single_infos.get(op)
                 schema = OpSchema(op, args, kwargs, schema_info=info)
                 val = fx_node.meta.get("val")
                 if isinstance(val, (tuple, list)):
                     out_meta = tuple(_meta_of(v) for v in val)
                 else:
                     out_meta = _meta_of(val)
-                fn = _expand_single_dim_strategy_to_mesh(self.dmesh, schema, single, out_meta)
+                fn = self._expand_single(self.dmesh, schema, single, out_meta)
                 result = fn(op, schema.args_meta, schema.kwargs_meta)
             else:
                 try:
@@ -411,7 +338,9 @@ class StrategyBuilder:
                 any_negative = True
             parsed.append((Strategy(out_pl, in_pl, "dtensor"), spec))
         if not parsed:
-            return self._fallback(node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}")
+            return self._own(node) or self._fallback(
+                node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
+            )
 
         # fixed points of DTensor's own selection, one per distinct input layout
         chosen: dict[tuple, Strategy] = {}
@@ -429,31 +358,34 @@ class StrategyBuilder:
                 pick = _dtensor_pick(all_specs, [st for st, _ in parsed], idx, s.ins)
                 if pick is not None and pick.ins == s.ins:
                     chosen[s.ins] = pick
-        strategies = [s for s in unique_strategies(chosen.values()) if _inputs_available(s, cand_index)]
+        strategies = unique_strategies(chosen.values())
         strategies += self._own(node)
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
 
     def _own(self, node: OpNode) -> list[Strategy]:
-        """meshpilot's strategies beside DTensor's, run by meshpilot's runtime (``OWN_OPS``)."""
-        fn = _OWN_STRATEGIES.get(node.target)
-        return fn(self, node) if fn is not None else []
+        """meshpilot's strategies beside DTensor's, run by meshpilot's runtime (:mod:`meshpilot.ops`)."""
+        own = own_op(node.target)
+        return own.strategies(self, node) if own is not None else []
 
 
 # -------------------------------------------------------------------- meshpilot-run strategies
 
 
-def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis, colls=None) -> list[Strategy]:
-    """Every product over mesh axes of the per-axis rules `per_axis` (lists of (outs, ins) placements) that
-    uses the vocabulary-parallel rule (the first of each list) on at least one axis; even shards only.
+def per_axis_products(
+    self: StrategyBuilder, node: OpNode, per_axis, colls=None, *, require_first: bool = True
+) -> list[Strategy]:
+    """Every product over mesh axes of the per-axis rules `per_axis` (lists of (outs, ins) placements; an axis
+    of one device takes the last rule, which must be the replicated one), with the first rule (the op's own,
+    e.g. vocabulary-parallel) on at least one axis unless `require_first` is False; even shards only.
     ``colls(outs, ins)`` gives the collectives a strategy issues inside the op (``Strategy.colls``)."""
     import itertools
 
     mesh = self.mesh_shape
     out = []
     for combo in itertools.product(*[per_axis if n > 1 else per_axis[-1:] for n in mesh]):
-        if not any(c is per_axis[0] for c in combo):
+        if require_first and not any(c is per_axis[0] for c in combo):
             continue
         n_out, n_in = len(combo[0][0]), len(combo[0][1])
         outs = tuple(tuple(c[0][k] for c in combo) for k in range(n_out))
@@ -463,161 +395,6 @@ def _vocab_parallel_rows(self: StrategyBuilder, node: OpNode, per_axis, colls=No
         if ok:
             out.append(Strategy(outs, ins, "meshpilot", colls=colls(outs, ins) if colls is not None else ()))
     return out
-
-
-def _embedding_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``embedding(weight [V, h], ids)`` with the vocabulary sharded (``S(0)`` weight, replicated ids): each
-    rank looks up the ids in its rows, zeros the others, and the output is a partial sum (Megatron's
-    vocabulary-parallel embedding; DTensor's own version needs a masked partial). Other axes: replicated,
-    batch-parallel ids, or the hidden dim sharded, as DTensor does."""
-    (w, wi), (ids, ii) = node.inputs
-    id_nd = len(self.graph[ids].outputs[ii].shape)
-    if node.fx_node is None or self.graph[ids].outputs[ii].dtype not in ("int64", "int32"):
-        return []
-    rules = [((Partial(),), (Shard(0), Replicate()))]
-    rules += [((Shard(d),), (Replicate(), Shard(d))) for d in range(id_nd)]
-    rules += [((Shard(id_nd),), (Shard(1), Replicate()))]
-    rules += [((Replicate(),), (Replicate(), Replicate()))]
-    return _vocab_parallel_rows(self, node, rules)
-
-
-def _embedding_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``embedding_dense_backward(grad_out, ids, V, padding_idx, scale_grad_by_freq)`` into a vocabulary-
-    sharded gradient: each rank accumulates the rows it holds (the others' ids are masked out)."""
-    fx = node.fx_node
-    if fx is None or len(fx.args) < 5 or fx.args[4]:  # scale_grad_by_freq needs global counts
-        return []
-    (g, gi), (ids, ii) = node.inputs
-    id_nd = len(self.graph[ids].outputs[ii].shape)
-    rules = [((Shard(0),), (Replicate(), Replicate()))]
-    rules += [((Partial(),), (Shard(d), Shard(d))) for d in range(id_nd)]
-    rules += [((Shard(1),), (Shard(id_nd), Replicate()))]
-    rules += [((Replicate(),), (Replicate(), Replicate()))]
-    return _vocab_parallel_rows(self, node, rules)
-
-
-def _float_operands(self: StrategyBuilder, node: OpNode, which: Sequence[int]) -> bool:
-    infos = [self.graph[node.inputs[k][0]].outputs[node.inputs[k][1]] for k in which]
-    return all(i is not None and dtype_from_name(i.dtype).is_floating_point for i in infos)
-
-
-def _row_all_reduces(self: StrategyBuilder, info, cls: int, pl: Placements, ops: int) -> tuple[Collective, ...]:
-    """`ops` all-reduces per mesh axis sharding the class dim `cls` of `info` (in `pl`), each of one value per
-    local row (the other dims as this rank holds them), in the order ``op 0 on every axis, op 1 ...``."""
-    mesh = self.mesh_shape
-    axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and p.dim == cls and mesh[a] > 1]
-    rows = math.prod(s for d, s in enumerate(info.shape) if d != cls)
-    rows //= math.prod(n for p, n in zip(pl, mesh) if isinstance(p, Shard) and p.dim != cls)
-    nbytes = rows * dtype_from_name(info.dtype).itemsize
-    return tuple(Collective("all_reduce", a, nbytes) for _ in range(ops) for a in axes)
-
-
-def _class_rules(nd: int, cls: int, n_ops: int):
-    """Per-axis rules of an op over the class dim `cls` of `n_ops` same-shaped operands: the class dim
-    sharded (first), any other dim sharded (rows, as DTensor does), replicated."""
-    rules = [((Shard(cls),), (Shard(cls),) * n_ops)]
-    rules += [((Shard(d),), (Shard(d),) * n_ops) for d in range(nd) if d != cls]
-    rules += [((Replicate(),), (Replicate(),) * n_ops)]
-    return rules
-
-
-def _log_softmax_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``_log_softmax(x, dim)`` with the class dim sharded: each rank holds some columns of every row; the
-    row max and the row sum of ``exp(x - max)`` are all-reduced (MAX, then SUM) over each axis sharding
-    the class dim, one value per local row each, and the output keeps the input's layout (Megatron-LM's
-    vocabulary-parallel cross-entropy, first half)."""
-    fx = node.fx_node
-    out = node.out
-    if fx is None or out is None or len(node.inputs) != 1 or fx.args[2] or not _float_operands(self, node, [0]):
-        return []
-    nd = len(out.shape)
-    cls = fx.args[1] % nd
-    return _vocab_parallel_rows(
-        self, node, _class_rules(nd, cls, 1), lambda outs, ins: _row_all_reduces(self, out, cls, outs[0], 2)
-    )
-
-
-def _log_softmax_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``_log_softmax_backward_data(g, out, dim)`` = ``g - exp(out) * sum(g, dim)`` with the class dim
-    sharded: the row sums of ``g`` are all-reduced (SUM) over each axis sharding it, one value per local row."""
-    fx = node.fx_node
-    out = node.out
-    if fx is None or out is None or len(node.inputs) != 2 or not _float_operands(self, node, [0, 1]):
-        return []
-    if fx.args[3] != dtype_from_name(out.dtype):  # a half_to_float softmax's backward: not offered
-        return []
-    nd = len(out.shape)
-    cls = fx.args[2] % nd
-    return _vocab_parallel_rows(
-        self, node, _class_rules(nd, cls, 2), lambda outs, ins: _row_all_reduces(self, out, cls, outs[0], 1)
-    )
-
-
-_MEAN, _SUM = 1, 2  # torch's Reduction enum
-
-
-def _nll_loss_args_ok(self: StrategyBuilder, node: OpNode, log_probs: int, target: int, weight_arg: int) -> bool:
-    """[N, C] float log-probabilities, [N] integer targets, no class weights, reduction mean or sum."""
-    fx = node.fx_node
-    if fx is None or fx.args[weight_arg] is not None or fx.args[weight_arg + 1] not in (_MEAN, _SUM):
-        return False
-    lp = self.graph[node.inputs[log_probs][0]].outputs[node.inputs[log_probs][1]]
-    tg = self.graph[node.inputs[target][0]].outputs[node.inputs[target][1]]
-    return (
-        lp is not None
-        and tg is not None
-        and len(lp.shape) == 2
-        and len(tg.shape) == 1
-        and dtype_from_name(lp.dtype).is_floating_point
-        and tg.dtype in ("int64", "int32")
-    )
-
-
-def _nll_loss_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``nll_loss_forward(log_probs [N, C], target [N])`` with the classes sharded and the targets replicated
-    on that axis: each rank sums the log-probabilities of the targets in its columns (zero elsewhere), so
-    the loss is a partial sum over the axis (the edge to its consumer all-reduces one scalar). Rows sharded
-    on other axes: the count of non-ignored targets is all-reduced over them inside the op (one scalar per
-    axis), so the mean divides by the global count (exact with ignored targets, unlike DTensor's
-    ``P(avg)``), the loss is a partial sum there too and ``total_weight`` is replicated everywhere."""
-    if len(node.inputs) != 2 or not _nll_loss_args_ok(self, node, 0, 1, 2):
-        return []
-    lp = self.graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
-    nbytes = dtype_from_name(lp.dtype).itemsize
-    mesh = self.mesh_shape
-    rules = [((Partial(), Replicate()), (Shard(1), Replicate()))]
-    rules += [((Partial(), Replicate()), (Shard(0), Shard(0)))]
-    rules += [((Replicate(), Replicate()), (Replicate(), Replicate()))]
-
-    def colls(outs, ins):
-        rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
-        return tuple(Collective("all_reduce", a, nbytes) for a in rows)
-
-    return _vocab_parallel_rows(self, node, rules, colls)
-
-
-def _nll_loss_backward_vocab_parallel(self: StrategyBuilder, node: OpNode) -> list[Strategy]:
-    """``nll_loss_backward(g, log_probs, target, ..., total_weight)`` into class-sharded gradients: the only
-    non-zero of a row is at its target's column, which one rank holds; no collective. ``g`` and
-    ``total_weight`` replicated (scalars); rows may be sharded on other axes."""
-    if len(node.inputs) != 4 or not _nll_loss_args_ok(self, node, 1, 2, 3):
-        return []
-    rules = [((Shard(1),), (Replicate(), Shard(1), Replicate(), Replicate()))]
-    rules += [((Shard(0),), (Replicate(), Shard(0), Shard(0), Replicate()))]
-    rules += [((Replicate(),), (Replicate(),) * 4)]
-    return _vocab_parallel_rows(self, node, rules)
-
-
-_OWN_STRATEGIES = {
-    "aten.embedding.default": _embedding_vocab_parallel,
-    "aten.embedding_dense_backward.default": _embedding_backward_vocab_parallel,
-    "aten._log_softmax.default": _log_softmax_vocab_parallel,
-    "aten._log_softmax_backward_data.default": _log_softmax_backward_vocab_parallel,
-    "aten.nll_loss_forward.default": _nll_loss_vocab_parallel,
-    "aten.nll_loss_backward.default": _nll_loss_backward_vocab_parallel,
-}
-OWN_OPS = frozenset(_OWN_STRATEGIES)
-"""Ops with meshpilot strategies (source ``meshpilot``) that meshpilot's runtime executes itself."""
 
 
 def _dtensor_pick(specs: list[OpSpec], strats: list[Strategy], idx: list[int], ins: tuple) -> Strategy | None:
@@ -655,11 +432,6 @@ def _partial_joins(k: int, ins: tuple[Placements, ...], candidates: list[Placeme
     return any(all(isinstance(c[a], Replicate) for a in axes) for c in candidates)
 
 
-def _inputs_available(s: Strategy, cand_index: list[dict]) -> bool:
-    # strategies whose inputs an operand cannot emit are kept: they are reached by resharding
-    return True
-
-
 def unique_strategies(strats) -> list[Strategy]:
     seen: dict[tuple, Strategy] = {}
     for s in strats:
@@ -683,8 +455,6 @@ def _is_tensor_node(a) -> bool:
 
 
 def _meta_of(v):
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-
     if isinstance(v, torch.Tensor):
         return TensorMeta(v.shape, v.stride(), v.dtype)
     return None

@@ -1,0 +1,257 @@
+"""Every private torch symbol meshpilot uses, in one place, with what happens when one has moved.
+
+meshpilot supports ``torch>=2.11`` (GPU machines come with the CUDA torch their drivers need, and pip must
+not replace it). Private symbols (``torch.distributed.tensor._…``, ``torch._functorch``, ``torch._subclasses``)
+move between releases, so nothing else in meshpilot imports them: it asks this module. Each symbol is looked
+up once, by dotted path; a symbol the installed torch lacks is recorded in :data:`MISSING` with the feature
+that needs it, and that feature degrades by name instead of failing with an ``ImportError`` at plan time:
+
+=====================================  =====================================================================
+symbol                                 without it
+=====================================  =====================================================================
+``_adjust_group_norm_scalars``         GroupNorm's backward has no batch-parallel strategy: replicated,
+                                       and the plan's warnings say why
+``register_single_dim_strategy`` …     the same for every strategy meshpilot registers that way
+``_expand_single_dim_strategy_to_mesh`` DTensor's single-dim strategies are not enumerated (older torch has
+                                       none: its strategies are all ``op_strategy_funcs``)
+=====================================  =====================================================================
+
+The core (capture, DTensor specs, redistribution) has no fallback: :func:`require` raises one line naming
+the symbol and the torch version. ``MESHPILOT_COMPAT_HIDE`` (comma-separated dotted paths) hides symbols on
+purpose, so a test can show a fallback on a torch that has them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from meshpilot.errors import UserError
+
+MIN_TORCH = (2, 11)
+"""The oldest torch meshpilot declares (``pyproject.toml``)."""
+
+MISSING: dict[str, str] = {}
+"""Dotted path -> what meshpilot does without it (filled as symbols are looked up)."""
+
+_HIDDEN = frozenset(s.strip() for s in os.environ.get("MESHPILOT_COMPAT_HIDE", "").split(",") if s.strip())
+_CACHE: dict[str, Any] = {}
+_ABSENT = object()
+
+
+def lookup(path: str, fallback_note: str) -> Any | None:
+    """The object at dotted `path` (``package.module.name``), or None if this torch lacks it — then
+    :data:`MISSING` records `fallback_note`, what meshpilot does instead."""
+    hit = _CACHE.get(path)
+    if hit is None:
+        hit = _import(path)
+        _CACHE[path] = hit
+    if hit is _ABSENT:
+        MISSING.setdefault(path, fallback_note)
+        return None
+    return hit
+
+
+def require(path: str) -> Any:
+    """The object at dotted `path`; one line naming it and the installed torch if it is missing."""
+    hit = lookup(path, "none: meshpilot needs it")
+    if hit is None:
+        raise UserError(
+            f"this torch ({torch.__version__}) has no {path}, which meshpilot needs; install a torch "
+            f"meshpilot supports (>= {'.'.join(map(str, MIN_TORCH))}, tested on 2.13)"
+        )
+    return hit
+
+
+def _import(path: str) -> Any:
+    if path in _HIDDEN:
+        return _ABSENT
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return _ABSENT
+
+
+def missing_note(path: str) -> str | None:
+    """Why a feature is off: ``"torch 2.11.0 has no …"`` if `path` was looked up and is missing."""
+    if path not in MISSING:
+        return None
+    return f"torch {torch.__version__} has no {path.rpartition('.')[2]}"
+
+
+# ------------------------------------------------------------------------------------- the core symbols
+# Looked up lazily (functions, not module-level imports), so `meshpilot --help` never imports them.
+
+
+def fake_tensor_mode() -> type:
+    return require("torch._subclasses.fake_tensor.FakeTensorMode")
+
+
+def aot_export_module() -> Any:
+    return require("torch._functorch.aot_autograd.aot_export_module")
+
+
+def reparametrize_module() -> Any:
+    return require("torch.nn.utils.stateless._reparametrize_module")
+
+
+def dtensor_spec() -> tuple[type, type]:
+    """(DTensorSpec, TensorMeta)."""
+    return (
+        require("torch.distributed.tensor._dtensor_spec.DTensorSpec"),
+        require("torch.distributed.tensor._dtensor_spec.TensorMeta"),
+    )
+
+
+def op_schema() -> Any:
+    """The module holding OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy."""
+    require("torch.distributed.tensor._op_schema.OpSchema")
+    return importlib.import_module("torch.distributed.tensor._op_schema")
+
+
+def redistribute_local_tensor() -> Any:
+    return require("torch.distributed.tensor._redistribute.redistribute_local_tensor")
+
+
+def gen_transform_infos() -> Any:
+    return require("torch.distributed.tensor._redistribute._gen_transform_infos")
+
+
+def no_transform_optimization() -> Any:
+    """A context manager keeping DTensor's redistribute to the planned steps (no flattening), or a null one."""
+    import contextlib
+
+    fn = lookup(
+        "torch.distributed.tensor._redistribute.disable_redistribute_transform_optimization",
+        "redistribute may flatten steps: the planned collectives are still issued, possibly merged",
+    )
+    return fn() if fn is not None else contextlib.nullcontext()
+
+
+def local_shape_and_offset() -> Any:
+    """``(global shape, mesh, placements) -> (local shape, global offset)`` of this rank's shard; computed as
+    plain Python even while a program is traced (it reads the mesh coordinate from a tensor)."""
+    fn = require("torch.distributed.tensor._utils.compute_local_shape_and_global_offset")
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    from meshpilot.runtime.record import outside_program
+
+    def untraced(global_shape, mesh, placements):
+        with disable_proxy_modes_tracing(), outside_program():
+            return fn(global_shape, mesh, placements)
+
+    return untraced
+
+
+def expand_to_full_mesh_op_strategy() -> Any:
+    return require("torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy")
+
+
+def resolve_process_group() -> Any:
+    return require("torch.distributed.distributed_c10d._resolve_process_group")
+
+
+def sharding_propagator() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def single_dim_registry() -> tuple[dict, dict]:
+    """(op -> single-dim strategy function, op -> its schema info); empty on a torch without them."""
+    prop = sharding_propagator()
+    return (
+        getattr(prop, "op_single_dim_strategy_funcs", {}),
+        getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}),
+    )
+
+
+EXPAND_SINGLE_DIM = "torch.distributed.tensor._ops.single_dim_strategy._expand_single_dim_strategy_to_mesh"
+REGISTER_SINGLE_DIM = "torch.distributed.tensor._ops.single_dim_strategy.register_single_dim_strategy"
+SHARDING_PLACEHOLDER = "torch.distributed.tensor._ops.single_dim_strategy._ShardingPlaceholder"
+GROUP_NORM_SCALARS = "torch.distributed.tensor._ops._math_ops._adjust_group_norm_scalars"
+
+
+# ------------------------------------------------------------------------------- the joint export (capture)
+
+STAMP = "meshpilot:"
+"""Prefix of the ``stack_trace`` meshpilot stamps on captured nodes (``meshpilot:file.py:12``)."""
+
+
+def stamp_node_meta(module: str, source: str) -> None:
+    """Label the nodes the tracer makes next with `module` and `source` (torch.fx's preserved node meta)."""
+    fx_traceback = torch.fx.traceback
+    if fx_traceback.has_preserved_node_meta():
+        meta = fx_traceback.get_current_meta()
+        meta["stack_trace"] = STAMP + source
+        meta["nn_module_stack"] = {"meshpilot": (module, None)}
+
+
+class JointExport:
+    """A functional joint forward + backward graph: placeholders are the flat arguments; outputs are the
+    mutated inputs' new values (``mutated_inputs`` in order), the loss, then the gradient of every argument
+    that requires one and receives one (``has_grad``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mutated_inputs: list[int], has_grad: list[bool]) -> None:
+        self.gm, self.mutated_inputs, self.has_grad = gm, mutated_inputs, has_grad
+
+
+def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:
+    """AOTAutograd's export of ``fn(*flat_args) -> (loss,)`` with the gradients of the arguments that require
+    them — ``torch._functorch.aot_autograd.aot_export_module(trace_joint=True)`` done in two calls, so that
+
+    * a parameter the loss does not use gets no gradient (``aot_export_module`` raises), and
+    * the second trace runs the first graph through ``torch.fx.Interpreter`` with node meta preserved, so
+      the module path and source line stamped on the first trace's nodes reach the final graph (backward
+      nodes take their forward op's, matched by autograd's sequence number).
+    """
+    export = require("torch._functorch.aot_autograd._aot_export_function")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fx_traceback = torch.fx.traceback
+    with fx_traceback.preserve_node_meta():
+        fx_g, meta, _, _ = export(
+            fn, tuple(flat_args), num_params_buffers=num_params_buffers, no_tangents=True, trace_joint=True
+        )
+    _places_from_forward(fx_g)
+    mutated = list(meta.mutated_inp_runtime_indices)
+    wants = [isinstance(a, torch.Tensor) and a.requires_grad for a in flat_args]
+    has_grad = [False] * len(flat_args)
+    in_spec, out_spec = fx_g._in_spec, fx_g._out_spec
+    tangents = [None] * (meta.num_outputs + meta.num_mutated_inp_runtime_indices)
+
+    def flattened(*args):
+        placeholders = torch.fx._pytree.tree_flatten_spec([list(args), tangents], in_spec)
+        flat_out = torch.fx.Interpreter(fx_g).run(*placeholders)
+        leaves = torch.utils._pytree.tree_leaves(flat_out)
+        fw_outs, grads = torch.utils._pytree.tree_unflatten(leaves, out_spec)
+        outs = list(fw_outs)
+        for i, (want, g) in enumerate(zip(wants, grads)):
+            if want and g is not None:
+                has_grad[i] = True
+                outs.append(g)
+        return tuple(outs)
+
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(flattened)(*flat_args)
+    return JointExport(gm, mutated, has_grad)
+
+
+def _places_from_forward(fx_g: torch.fx.GraphModule) -> None:
+    """Give every backward node the module path of the forward node with its autograd sequence number."""
+    forward: dict[int, dict] = {}
+    for node in fx_g.graph.nodes:
+        seq = node.meta.get("seq_nr")
+        if seq is not None and not node.meta.get("autograd_backward") and "nn_module_stack" in node.meta:
+            forward.setdefault(seq, node.meta)
+    for node in fx_g.graph.nodes:
+        if node.meta.get("autograd_backward"):
+            src = forward.get(node.meta.get("seq_nr"))
+            if src is not None:
+                node.meta["nn_module_stack"] = src["nn_module_stack"]
+                if not str(node.meta.get("stack_trace", "")).startswith(STAMP) and "stack_trace" in src:
+                    node.meta["stack_trace"] = src["stack_trace"]

@@ -1,0 +1,141 @@
+"""meshpilot's own operators: one registry holding, per ATen op, its strategies and its implementation.
+
+DTensor knows how to shard most ops. Where it does not, or where its way is not exact, meshpilot brings its
+own: an :class:`OwnOp` names the op, the strategies the planner may choose (planning side, pure) and the
+function that runs the op on the local shards (runtime side), so the two never drift apart.
+
+================================  ==========================================================================
+module                            ops
+================================  ==========================================================================
+:mod:`~meshpilot.ops.vocab`       vocabulary-parallel embedding (+ backward) and cross-entropy
+                                  (``_log_softmax``, ``nll_loss_forward`` and their backward)
+:mod:`~meshpilot.ops.dropout`     ``native_dropout`` exact under any sharding (exclusive)
+:mod:`~meshpilot.ops.fill`        ``fill`` and functional ``copy`` (output takes an operand's shape only)
+:mod:`~meshpilot.ops.batch_norm`  training BatchNorm with batch-sharded statistics reduced across ranks, its
+                                  backward, and running statistics exactly as one device computes them
+:mod:`~meshpilot.ops.attention`   the device-generic ``meshpilot::sdpa`` pair (a custom op: its strategies
+                                  live in DTensor's propagator, DTensor runs it)
+================================  ==========================================================================
+
+An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
+and the plan lists them, so the collectives a run issues still equal the plan's. An *exclusive* op offers
+only meshpilot's strategies: DTensor's would run but not exactly (dropout draws each shard's mask from the
+local generator; BatchNorm would use per-shard batch statistics).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class OwnOp:
+    """One op meshpilot plans and runs itself."""
+
+    target: str
+    """The ATen op, as captured graphs name it (``aten.native_dropout.default``)."""
+    strategies: Callable[..., list]
+    """``(builder: StrategyBuilder, node: OpNode) -> list[Strategy]`` with source ``meshpilot``."""
+    run: Callable[..., Any]
+    """``(call: OwnCall, *args, **kwargs)`` on the local shards; returns the local outputs."""
+    exclusive: bool = False
+    """Offer only these strategies (DTensor's would not be exact)."""
+
+
+class OwnCall:
+    """What an own op's implementation knows about the call it serves: the node, the mesh and the planned
+    layouts of its operands (``ins``) and outputs (``outs``); a per-node cache for values that depend on
+    them only (this rank's range of a sharded dim)."""
+
+    __slots__ = ("node", "mesh", "ins", "outs", "cache")
+
+    def __init__(self, node, mesh, ins, outs) -> None:
+        self.node, self.mesh, self.ins, self.outs = node, mesh, ins, outs
+        self.cache: dict = {}
+
+    def global_shape(self, arg: int) -> torch.Size:
+        """Global shape of the node's `arg`-th positional argument."""
+        return self.node.fx_node.args[arg].meta["val"].shape
+
+    def local_range(self, global_shape, placements, dim: int) -> tuple[int, int]:
+        """(first index, length) along `dim` of this rank's shard of a tensor laid out as `placements`."""
+        key = ("range", tuple(global_shape), tuple(placements), dim)
+        hit = self.cache.get(key)
+        if hit is None:
+            shape, offset = _local_shape_and_offset(global_shape, self.mesh, placements)
+            hit = self.cache[key] = (int(offset[dim]), int(shape[dim]))
+        return hit
+
+    def local_slices(self, global_shape, placements) -> tuple[slice, ...]:
+        """This rank's block of a tensor of `global_shape` laid out as `placements` (Partial axes: all of it)."""
+        key = ("slices", tuple(global_shape), tuple(placements))
+        hit = self.cache.get(key)
+        if hit is None:
+            shape, offset = _local_shape_and_offset(global_shape, self.mesh, placements)
+            hit = self.cache[key] = tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offset, shape))
+        return hit
+
+    def sharding_axes(self, placements, dim: int) -> list[int]:
+        """Mesh axes of more than one device that shard tensor dim `dim` in `placements`."""
+        return [a for a, p in enumerate(placements) if p.is_shard(dim) and self.mesh.size(a) > 1]
+
+    def all_reduce(self, t: torch.Tensor, op: str, axes: list[int]) -> torch.Tensor:
+        """`t` all-reduced with `op` over each mesh axis in turn, as functional collectives (what DTensor
+        issues, so the collective counter sees them)."""
+        for a in axes:
+            t = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, self.mesh.get_group(a).group_name)
+            t = torch.ops._c10d_functional.wait_tensor(t)
+        return t
+
+
+def _local_shape_and_offset(global_shape, mesh, placements):
+    from meshpilot import compat
+
+    return compat.local_shape_and_offset()(torch.Size(global_shape), mesh, tuple(placements))
+
+
+@functools.cache
+def registry() -> dict[str, OwnOp]:
+    """Every own op by target (imports the op modules once)."""
+    from meshpilot.ops import batch_norm, dropout, fill, vocab
+
+    ops: dict[str, OwnOp] = {}
+    for module in (vocab, dropout, batch_norm, fill):
+        for op in module.OPS:
+            ops[op.target] = op
+    return ops
+
+
+def own_op(target: str) -> OwnOp | None:
+    """The own op for an ATen target name, if meshpilot has one."""
+    return registry().get(target)
+
+
+_REGISTERED = False
+
+
+def register_dtensor_strategies() -> None:
+    """Strategies meshpilot adds to DTensor's propagator: the attention pair, GroupNorm's backward
+    (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from meshpilot.ops import attention, group_norm
+
+    attention.register_strategies()
+    group_norm.register_backward_strategy()
+    _REGISTERED = True
+
+
+def unavailable(target: str) -> str | None:
+    """Why an op that meshpilot could shard has no strategy on this torch (a moved private symbol)."""
+    from meshpilot.ops import group_norm
+
+    if target == str(group_norm.OP):
+        return group_norm.missing_reason()
+    return None

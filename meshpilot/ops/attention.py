@@ -1,0 +1,354 @@
+"""Attention as one device-generic node, forward and backward: ``meshpilot::sdpa`` and ``meshpilot::sdpa_backward``.
+
+``F.scaled_dot_product_attention`` is a composite that picks a kernel by device while it is traced, so a
+graph captured on CPU fake tensors holds ``_scaled_dot_product_flash_attention_for_cpu`` and its backward,
+which a CUDA mesh cannot run. During capture (:func:`meshpilot.graph.capture.capture`) every call without
+dropout is routed to :data:`sdpa` instead: a custom op whose backward is :data:`sdpa_backward`, so the joint
+graph holds two nodes that say *what* is computed, never *which kernel*. The kernel is chosen when the op
+runs, by the tensors' device (:data:`_FORWARD`, :data:`_BACKWARD`):
+
+====== ==================================================================================================
+device kernels
+====== ==================================================================================================
+cpu    ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (what eager CPU attention runs, so a
+       planned model equals the eager one to the last bit on an unsharded problem)
+cuda   ``_scaled_dot_product_flash_attention`` (fp16/bf16, head dim ≤ 256 and a multiple of 8, no mask) or
+       ``_scaled_dot_product_efficient_attention`` (no mask), with their backward kernels; each is checked once
+       per process against the math path on a small problem before it is used (:func:`_checked`)
+other  the math path (:func:`_math_forward`, :func:`_math_backward`): softmax(QKᵀ·scale + mask) V and its
+       gradient written out; every device runs it, and it is what the checks compare with
+====== ==================================================================================================
+
+Outputs are ``(out [b, h, t, e_v], lse [b, h, t] float32)``: the log-sum-exp of each query's scores, saved for
+the backward (the math path and CPU kernel fill it; it has the same shape on every device, so plans do not
+depend on where they run). Grouped-query attention (``enable_gqa``: fewer key/value heads) repeats the key/
+value heads inside the op and sums their gradients back. Calls with dropout stay a composite: they decompose
+into matmuls, softmax and ``native_dropout``, which :mod:`meshpilot.ops.dropout` makes exact under sharding.
+
+Sharding (registered into DTensor's propagator, so the planner offers it and DTensor runs it): replicated,
+batch-parallel (dim 0 of every tensor) and head-parallel (dim 1; key/value heads must divide like the query
+heads). A mask is sharded with the batch or heads where it has that dim, else replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------------------- the op pair
+
+
+@torch.library.custom_op("meshpilot::sdpa", mutates_args=())
+def sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of scaled dot-product attention, no dropout; the kernel is the device's."""
+    k, v = _expand_kv(q, k, v, enable_gqa)
+    fn = _FORWARD.get(q.device.type, _math_forward)
+    out, lse = fn(q, k, v, _float_mask(attn_mask, q), is_causal, _scale(q, scale))
+    return out, lse
+
+
+@sdpa.register_fake
+def _sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # [b, h, t, e_v]
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)  # lse [b, h, t]
+
+
+@torch.library.custom_op("meshpilot::sdpa_backward", mutates_args=())
+def sdpa_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :data:`sdpa`; the kernel is the device's."""
+    kx, vx = _expand_kv(q, k, v, enable_gqa)
+    fn = _BACKWARD.get(q.device.type, _math_backward)
+    dq, dk, dv = fn(grad_out.contiguous(), q, kx, vx, out, lse, _float_mask(attn_mask, q), is_causal, _scale(q, scale))
+    if kx.shape[1] != k.shape[1]:  # grouped-query: sum the repeated heads' gradients back
+        g = kx.shape[1] // k.shape[1]
+        dk = dk.unflatten(1, (k.shape[1], g)).sum(2)
+        dv = dv.unflatten(1, (v.shape[1], g)).sum(2)
+    return dq, dk, dv
+
+
+@sdpa_backward.register_fake
+def _sdpa_backward_fake(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, mask, is_causal, scale, enable_gqa = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.args = (is_causal, scale, enable_gqa)
+    ctx.mask_grad = mask is not None and mask.requires_grad
+
+
+def _autograd_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = sdpa_backward(grad_out, q, k, v, out, lse, mask, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+sdpa.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def captured_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """What ``F.scaled_dot_product_attention`` becomes while a model is captured: :data:`sdpa` where it is
+    exact (no dropout, a mask that needs no gradient, 4-D operands), else the math composite."""
+    plain = (
+        dropout_p == 0.0
+        and query.dim() == 4
+        and key.dim() == 4
+        and value.dim() == 4
+        and (attn_mask is None or not attn_mask.requires_grad)
+    )
+    if plain:
+        return sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)[0]
+    out, _ = aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _expand_kv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """Key/value heads repeated to the query's (grouped-query attention)."""
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return k, v
+
+
+def _float_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """A boolean mask (True = attend) as the additive float mask the kernels take, as eager sdpa converts it."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(mask.logical_not(), -math.inf)
+
+
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # [b, h, t, s], fp32
+    if is_causal:
+        t, n = s.shape[-2:]
+        keep = torch.ones(t, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(keep.logical_not(), -math.inf)
+    if mask is not None:
+        s = s + mask.float()
+    return s
+
+
+def _math_forward(q, k, v, mask, is_causal, scale) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, mask, is_causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # [b, h, t]
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.float()).to(q.dtype), lse
+
+
+def _math_backward(g, q, k, v, out, lse, mask, is_causal, scale) -> tuple[Tensor, Tensor, Tensor]:
+    p = torch.exp(_scores(q, k, mask, is_causal, scale) - lse.unsqueeze(-1))  # [b, h, t, s]
+    gf = g.float()
+    dv = torch.matmul(p.transpose(-2, -1), gf)
+    dp = torch.matmul(gf, v.float().transpose(-2, -1))
+    ds = p * (dp - (gf * out.float()).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.float()) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cpu_forward(q, k, v, mask, is_causal, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def _cpu_backward(g, q, k, v, out, lse, mask, is_causal, scale):
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _cuda_kernel(q: Tensor, mask: Tensor | None) -> str:
+    """``flash``, ``efficient`` or ``math`` for these operands (only kernels that passed their check)."""
+    e = q.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if mask is None and half and e % 8 == 0 and e <= 256 and _checked("flash", q.dtype):
+        return "flash"
+    if mask is None and _checked("efficient", q.dtype):
+        return "efficient"
+    return "math"
+
+
+def _cuda_forward(q, k, v, mask, is_causal, scale):
+    kernel = _cuda_kernel(q, mask)
+    if kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        return out, lse
+    if kernel == "efficient":
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
+        return out, lse[..., : q.shape[-2]].contiguous()  # the kernel pads lse to a multiple of 32 rows
+    return _math_forward(q, k, v, mask, is_causal, scale)
+
+
+def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
+    kernel = _cuda_kernel(q, mask)
+    t, s = q.shape[-2], k.shape[-2]
+    if kernel == "flash":
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, None, None, t, s, 0.0, is_causal, seed, offset, scale=scale
+        )
+        return dq, dk, dv
+    if kernel == "efficient":
+        padded = F.pad(lse, (0, (-t) % 32))
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale
+        )
+        return dq, dk, dv
+    return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
+
+
+_FORWARD = {"cpu": _cpu_forward, "cuda": _cuda_forward}
+_BACKWARD = {"cpu": _cpu_backward, "cuda": _cuda_backward}
+
+_CHECKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _checked(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether CUDA `kernel` agrees with the math path on a small causal problem in `dtype` (forward and
+    backward); checked once per process, and a kernel that raises or disagrees is not used (with a warning)."""
+    key = (kernel, dtype)
+    if key in _CHECKS:
+        return _CHECKS[key]
+    _CHECKS[key] = False  # while checking, the kernel under test is not chosen recursively
+    ok, why = False, ""
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, g = (torch.randn(2, 2, 40, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        scale = 0.125
+        if kernel == "flash":
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+        else:
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
+            lse = lse[..., :40].contiguous()
+        _CHECKS[key] = True
+        got = (out, *_cuda_backward(g, q, k, v, out, lse, None, True, scale))
+        _CHECKS[key] = False
+        ref_out, ref_lse = _math_forward(q, k, v, None, True, scale)
+        want = (ref_out, *_math_backward(g, q, k, v, ref_out, ref_lse, None, True, scale))
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        err = max(_relative_error(x, y) for x, y in zip(got, want))
+        ok = err <= tol
+        why = f"relative error {err:.2e} > {tol:g}"
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use this kernel
+        why = f"{type(e).__name__}: {e}"
+    if not ok:
+        note = f"meshpilot: CUDA {kernel} attention ({dtype}) not used: {why}; the math path runs instead"
+        warnings.warn(note, stacklevel=2)
+    _CHECKS[key] = ok
+    return ok
+
+
+def _relative_error(got: Tensor, want: Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / (want.float().abs().max() + 1e-6))
+
+
+# ------------------------------------------------------------------------------------------- FLOPs
+
+
+def attention_flops(q_shape, k_shape, v_shape, backward: bool) -> float:
+    """Two matmuls forward (QKᵀ and PV), five backward (recomputed scores, dV, dP, dQ, dK)."""
+    b, h, t, e = q_shape
+    s, ev = k_shape[-2], v_shape[-1]
+    per = b * h * t * s * (e + ev)  # multiply-adds of QKᵀ and PV together
+    return float(2 * per * (2.5 if backward else 1.0))
+
+
+# ------------------------------------------------------------------------------------------- sharding
+
+
+def _mask_rule(mask_meta, dim_from_end: int):
+    """The mask's placement when the other operands are sharded on batch (4) or heads (3) dims from the end:
+    sharded where the mask has that dim with more than one entry, else replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    nd = len(mask_meta.shape)
+    d = nd - dim_from_end
+    if d >= 0 and mask_meta.shape[d] > 1:
+        return Shard(d)
+    return Replicate()
+
+
+def register_strategies() -> None:
+    """Replicated, batch-parallel and head-parallel strategies of both ops, in DTensor's propagator."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshpilot import compat
+
+    osm = compat.op_schema()
+    expand = compat.expand_to_full_mesh_op_strategy()
+    prop = compat.sharding_propagator()
+
+    def tensor_args(op_schema) -> list:
+        return [a for a in op_schema.args_schema if isinstance(a, osm.OpStrategy)]
+
+    def rows(op_schema, n_out: int, mask_index: int):
+        args = tensor_args(op_schema)
+        has_mask = op_schema.args_schema[mask_index] is not None
+        n_in = len(args)
+        out = [[Replicate()] * (n_out + n_in)]
+        for dim, from_end in ((0, 4), (1, 3)):
+            row = [Shard(dim)] * (n_out + n_in)
+            if has_mask:
+                row[-1] = _mask_rule(args[-1].strategies[0].output_spec.tensor_meta, from_end)
+            out.append(row)
+        return out
+
+    def forward(op_schema):
+        mesh = op_schema.get_mesh_from_args()
+        return expand(mesh, op_schema, rows(op_schema, 2, 3), input_index=2)
+
+    def backward(op_schema):
+        mesh = op_schema.get_mesh_from_args()
+        return expand(mesh, op_schema, rows(op_schema, 3, 6), input_index=3)
+
+    prop.register_op_strategy(torch.ops.meshpilot.sdpa.default, forward, osm.RuntimeSchemaInfo(4))
+    prop.register_op_strategy(torch.ops.meshpilot.sdpa_backward.default, backward, osm.RuntimeSchemaInfo(7))

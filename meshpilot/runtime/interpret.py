@@ -1,0 +1,245 @@
+"""Run a range of a planned graph's nodes on DTensors: the reference executor that programs are traced from.
+
+For each node the operands are redistributed to the layouts the planned strategy needs (exactly the plan's
+resharding edges, with DTensor's transform steps: :func:`redistribute`), then the node runs one of four ways
+(:class:`ExecMode`, chosen once per node in :class:`NodeCall`):
+
+* ``dtensor`` — DTensor's dispatcher runs the op; its inputs match the planned strategy, so it takes it;
+* ``own`` — one of meshpilot's own strategies (:mod:`meshpilot.ops`), run on the local shards;
+* ``local`` — convolution forward and backward run on the local shards (DTensor's handler rejects a batch
+  sharded over two mesh axes) and the outputs are labelled with the planned layouts;
+* ``fallback`` — no strategy: the op runs on full replicas of its operands, its outputs are replicated.
+
+Views run as the layout actually held allows: the captured graph is functional, so a ``view`` whose local
+operand cannot be viewed to the planned local shape (a layout change left it non-contiguous where the trace
+had a contiguous tensor) runs on a contiguous copy — reshape semantics, exact because nothing writes through
+views (:func:`_viewable`). Nothing here depends on the strides the trace saw.
+
+:class:`Interpreter` holds the prepared calls of one plan on one mesh; :meth:`Interpreter.run` executes a list
+of nodes on an environment ``{node: (value per output)}``. :mod:`meshpilot.runtime.program` traces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from meshpilot import compat
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
+from meshpilot.ops import OwnCall, own_op
+from meshpilot.planner.plan import NodeChoice, Plan
+from meshpilot.runtime.record import outside_program
+from meshpilot.sharding.placements import Placements, from_json, replicated
+
+aten = torch.ops.aten
+
+
+class ExecMode(StrEnum):
+    """How the runtime runs a node (module docstring)."""
+
+    DTENSOR = "dtensor"
+    OWN = "own"
+    LOCAL = "local"
+    FALLBACK = "fallback"
+
+
+# Convolutions run on the local shards: exact for any strategy of their sharding rule, and DTensor's own
+# handler rejects a batch sharded over two mesh axes (``S(0)S(0)``).
+_LOCAL_OPS = {aten.convolution.default, aten.convolution_backward.default}
+
+# Views whose result depends on the operand's strides: run on a contiguous copy when the local operand
+# cannot be viewed to the planned shape.
+_STRICT_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def redistribute(x: DTensor, placements: Placements) -> DTensor:
+    """``x`` in `placements` (Partial targets allowed), by DTensor's own transform steps; no autograd."""
+    placements = tuple(placements)
+    if tuple(x.placements) == placements:
+        return x
+    spec_cls, _ = compat.dtensor_spec()
+    spec = spec_cls(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+    local = compat.redistribute_local_tensor()(x._local_tensor, x._spec, spec)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placements) -> DTensor:
+    """A DTensor of the (replicated, identical on every rank) tensor `x` in `layout`: a local slice."""
+    if isinstance(x, DTensor):
+        return redistribute(x, layout)
+    d = DTensor.from_local(x, mesh, replicated(mesh.ndim), run_check=False)
+    return redistribute(d, layout)
+
+
+def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, global_val: torch.Tensor) -> DTensor:
+    """A DTensor of `local` (this rank's piece) in `placements`, of `global_val`'s global shape."""
+    spec_cls, meta_cls = compat.dtensor_spec()
+    meta = meta_cls(global_val.shape, global_val.stride(), global_val.dtype)
+    return DTensor(local, spec_cls(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def local_shape(global_shape, mesh: DeviceMesh, placements: Placements) -> tuple[int, ...]:
+    shape, _ = compat.local_shape_and_offset()(torch.Size(global_shape), mesh, tuple(placements))
+    return tuple(int(s) for s in shape)
+
+
+class NodeCall:
+    """How the runtime calls one node, prepared once: the planned layouts parsed, the execution mode, and
+    the op's arguments as a template whose tensor slots take the operands."""
+
+    __slots__ = (
+        "node",
+        "target",
+        "ins",
+        "outs",
+        "vals",
+        "mode",
+        "own",
+        "_leaves",
+        "_slots",
+        "_spec",
+        "_nargs",
+        "_keys",
+    )
+
+    def __init__(self, node: OpNode, choice: NodeChoice, mesh: DeviceMesh) -> None:
+        fx = node.fx_node
+        self.node = node
+        self.target = fx.target
+        self.ins = tuple(tuple(from_json(p)) for p in choice.ins)
+        self.outs = tuple(tuple(from_json(p)) if p is not None else None for p in choice.outs)
+        vals = fx.meta.get("val")
+        self.vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+        op = own_op(node.target) if choice.source == "meshpilot" else None
+        self.own = OwnCall(node, mesh, self.ins, self.outs) if op is not None else None
+        if choice.source == "fallback":
+            self.mode = ExecMode.FALLBACK
+        elif op is not None:
+            self.mode = ExecMode.OWN
+        elif fx.target in _LOCAL_OPS:
+            self.mode = ExecMode.LOCAL
+        else:
+            self.mode = ExecMode.DTENSOR
+        top = (*fx.args, *fx.kwargs.values())
+        nested = any(
+            isinstance(a, (list, tuple, dict)) and any(isinstance(x, torch.fx.Node) for x in pytree.tree_leaves(a))
+            for a in top
+        )
+        # flat: one leaf per top-level argument (constant lists such as a view's shape stay whole)
+        leaves, spec = pytree.tree_flatten((fx.args, fx.kwargs)) if nested else (list(top), None)
+        self._leaves, self._slots = [], []
+        k = 0
+        for pos, a in enumerate(leaves):
+            if isinstance(a, torch.fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    self._slots.append((pos, k))
+                    k += 1
+                    a = None
+                else:
+                    a = v
+            self._leaves.append(a)
+        self._spec = spec
+        self._nargs = len(fx.args)
+        self._keys = tuple(fx.kwargs)
+
+    def arguments(self, operands: list) -> tuple[tuple, dict]:
+        vals = list(self._leaves)
+        for pos, k in self._slots:
+            vals[pos] = operands[k]
+        if self._spec is None:
+            n = self._nargs
+            return tuple(vals[:n]), dict(zip(self._keys, vals[n:]))
+        return pytree.tree_unflatten(vals, self._spec)
+
+
+class Interpreter:
+    """Executes nodes of one plan's graph on one mesh (module docstring)."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, device: torch.device) -> None:
+        self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
+        self.calls: dict[str, NodeCall] = {}
+        self.mismatches: list[str] = []
+        """Nodes where DTensor chose another output layout than the plan (redistributed to the plan's)."""
+
+    def leaf(self, node: OpNode, value: torch.Tensor) -> DTensor:
+        """The DTensor of a leaf (parameter, buffer, input or constant) in its planned layout."""
+        if isinstance(value, DTensor):
+            return value
+        if node.kind == NodeKind.CONST:
+            value = value.to(self.device)
+        layout = self.plan.node(node.name).out_placements(0)
+        return to_dtensor(value, self.mesh, layout)
+
+    def run(self, nodes: Iterable[OpNode], env: dict[str, tuple], last_use: dict[str, int] | None = None) -> None:
+        """Execute `nodes` (ops and getitems, in graph order) on `env`, freeing values after their last use."""
+        for node in nodes:
+            if node.kind == NodeKind.GETITEM:
+                src, i = node.inputs[0]
+                env[node.name] = (env[src][i],)
+            else:
+                env[node.name] = self.call(node, env)
+            if last_use is not None:
+                for s, _ in node.inputs:
+                    if last_use.get(s, -1) <= node.index and s in env:
+                        del env[s]
+
+    def call(self, node: OpNode, env: dict[str, tuple]) -> tuple:
+        ex = self.calls.get(node.name)
+        if ex is None:
+            ex = self.calls[node.name] = NodeCall(node, self.plan.node(node.name), self.mesh)
+        operands = []
+        for a, (src, i) in enumerate(node.inputs):
+            v = env[src][i]
+            want = ex.ins[a]
+            if isinstance(v, DTensor) and v._spec.placements != want:
+                v = redistribute(v, want)
+            if ex.mode != ExecMode.DTENSOR and isinstance(v, DTensor):
+                v = v._local_tensor
+            operands.append(v)
+        if ex.mode == ExecMode.DTENSOR and ex.target in _STRICT_VIEWS:
+            operands[0] = self._viewable(operands[0], ex)
+        args, kwargs = ex.arguments(operands)
+        if ex.mode == ExecMode.OWN:
+            out = own_op(node.target).run(ex.own, *args, **kwargs)
+        else:
+            out = ex.target(*args, **kwargs)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return tuple(self._label(node, ex, i, o) for i, o in enumerate(outs))
+
+    def _label(self, node: OpNode, ex: NodeCall, i: int, o: Any) -> Any:
+        """Output `i` as a DTensor in its planned layout."""
+        want = ex.outs[i] if i < len(ex.outs) else None
+        if not isinstance(o, torch.Tensor):
+            return o
+        if ex.mode in (ExecMode.LOCAL, ExecMode.OWN):
+            if want is not None and isinstance(ex.vals[i], torch.Tensor):
+                return wrap_local(o, self.mesh, want, ex.vals[i])
+            return o
+        if not isinstance(o, DTensor):
+            o = DTensor.from_local(o, self.mesh, replicated(self.mesh.ndim), run_check=False)
+            return redistribute(o, want) if want is not None and want != o._spec.placements else o
+        if want is not None and o._spec.placements != want:
+            self.mismatches.append(f"{node.name}: DTensor chose {o.placements}, plan says {want}")
+            return redistribute(o, want)
+        return o
+
+    def _viewable(self, x: DTensor, ex: NodeCall) -> DTensor:
+        """`x`, or a contiguous copy of it if its local tensor cannot be viewed to the planned local shape."""
+        local = x._local_tensor
+        if local.is_contiguous() or ex.outs[0] is None:
+            return x
+        shape = local_shape(ex.vals[0].shape, self.mesh, ex.outs[0])
+        with outside_program():  # a trial, not part of the program
+            try:
+                local.view(shape)
+                return x
+            except RuntimeError:
+                pass
+        return DTensor(local.contiguous(), x._spec, requires_grad=False)

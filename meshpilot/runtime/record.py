@@ -1,0 +1,113 @@
+"""Record what a function does to plain tensors as an FX program: the local ops under DTensor.
+
+``record(fn, *args)`` runs ``fn`` once for real under a ``TorchDispatchMode`` that steps aside for DTensor
+arguments (returns ``NotImplemented``, so DTensor's own dispatcher runs the op) and writes down every op on
+plain tensors that follows: the local computations DTensor runs and the functional collectives its
+redistributions issue. The recording is an ``fx.GraphModule`` whose placeholders are `args` and whose
+output is ``fn``'s result; its generated Python code replays the same ops, in the same order, on new values.
+
+Unlike ``make_fx``, DTensor does not see a tracer (its C++ fast path and sharding caches stay on, which is
+several times faster on large graphs), and nothing is traced symbolically: a value read back into Python
+(``.item()``) cannot be replayed, so :class:`NotReplayable` is raised and the caller keeps interpreting.
+In-place ops and views are replayed as ops, so aliasing is reproduced as it happened. Tensors the function
+did not receive and did not make (a mesh's coordinate table, a model constant already on the device) become
+constants of the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor  # noqa: E402 - a type check only
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+
+class NotReplayable(RuntimeError):
+    """The function read a tensor's value back into Python, so a recording would bake it in."""
+
+
+_READBACKS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+_OUTSIDE = [0]
+
+
+@contextlib.contextmanager
+def outside_program() -> Iterator[None]:
+    """Tensor work that is not part of the program being recorded (this rank's offsets in a sharded dim, a
+    trial view): it runs, and nothing is written down."""
+    _OUTSIDE[0] += 1
+    try:
+        yield
+    finally:
+        _OUTSIDE[0] -= 1
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.nodes = WeakTensorKeyDictionary()
+        self.owner = torch.nn.Module()
+        self.consts = 0
+
+    def node_of(self, t: torch.Tensor) -> torch.fx.Node:
+        node = self.nodes.get(t)
+        if node is None:
+            name = f"_const{self.consts}"
+            self.consts += 1
+            self.owner.register_buffer(name, t)
+            node = self.graph.get_attr(name)
+            self.nodes[t] = node
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _OUTSIDE[0]:
+            return func(*args, **kwargs)
+        subclasses = [t for t in types if t is not torch.Tensor and issubclass(t, torch.Tensor)]
+        if any(issubclass(t, _FakeTensor) for t in subclasses):
+            return func(*args, **kwargs)  # DTensor's shape inference on fake tensors: not part of the program
+        if subclasses:
+            return NotImplemented  # a DTensor (or a pending collective): its dispatcher runs, its local ops come back
+        if func in _READBACKS:
+            raise NotReplayable(f"{func} reads a tensor's value into Python")
+        out = func(*args, **kwargs)
+        f_args, f_kwargs = pytree.tree_map_only(torch.Tensor, self.node_of, (args, kwargs))
+        node = self.graph.call_function(func, tuple(f_args), dict(f_kwargs))
+        if isinstance(out, torch.Tensor):
+            self.nodes[out] = node
+        elif isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    self.nodes[o] = self.graph.call_function(_getitem, (node, i))
+        return out
+
+
+def _getitem(xs, i):
+    return xs[i]
+
+
+def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
+    """(program, fn's result): run ``fn(*args)`` once and record it (module docstring)."""
+    import operator
+
+    graph = torch.fx.Graph()
+    recorder = _Recorder(graph)
+    for i, a in enumerate(args):
+        recorder.nodes[a] = graph.placeholder(f"arg{i}")
+    with recorder:
+        result = fn(*args)
+    leaves, spec = pytree.tree_flatten(result)
+    outs = [recorder.node_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    graph.output(tuple(outs))
+    for node in graph.nodes:  # getitem as fx's own (readable code)
+        if node.target is _getitem:
+            node.target = operator.getitem
+    gm = torch.fx.GraphModule(recorder.owner, graph)
+    gm.meshpilot_out_spec = spec
+    return gm, result
