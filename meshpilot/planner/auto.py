@@ -691,4 +691,3 @@ def _fallback_warnings(fallbacks: tuple[Fallback, ...]) -> list[str]:
         f"{target} in {where}: replicated ({why})" + (f" ×{count}" if count > 1 else "")
         for (target, where, why), count in groups.items()
     ]
-
