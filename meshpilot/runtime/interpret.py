@@ -59,12 +59,16 @@ _STRICT_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
 def redistribute(x: DTensor, placements: Placements) -> DTensor:
-    """``x`` in `placements` (Partial targets allowed), by DTensor's own transform steps; no autograd."""
+    """``x`` in `placements` (Partial targets allowed), by DTensor's own transform steps; no autograd. Layouts
+    that differ only on mesh axes of one device are the same tensor: relabelled, no collective."""
     placements = tuple(placements)
     if tuple(x.placements) == placements:
         return x
     spec_cls, _ = compat.dtensor_spec()
     spec = spec_cls(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+    sizes = x.device_mesh.shape
+    if all(a == b or n == 1 for a, b, n in zip(x.placements, placements, sizes)):
+        return DTensor(x._local_tensor, spec, requires_grad=False)
     local = compat.redistribute_local_tensor()(x._local_tensor, x._spec, spec)
     return DTensor(local, spec, requires_grad=False)
 
@@ -167,6 +171,8 @@ class Interpreter:
         self.calls: dict[str, NodeCall] = {}
         self.mismatches: list[str] = []
         """Nodes where DTensor chose another output layout than the plan (redistributed to the plan's)."""
+        self.copied_views = 0
+        """Views whose held layout could not be viewed as traced, run on a contiguous copy instead."""
 
     def leaf(self, node: OpNode, value: torch.Tensor) -> DTensor:
         """The DTensor of a leaf (parameter, buffer, input or constant) in its planned layout."""
@@ -226,7 +232,9 @@ class Interpreter:
             o = DTensor.from_local(o, self.mesh, replicated(self.mesh.ndim), run_check=False)
             return redistribute(o, want) if want is not None and want != o._spec.placements else o
         if want is not None and o._spec.placements != want:
-            self.mismatches.append(f"{node.name}: DTensor chose {o.placements}, plan says {want}")
+            sizes = self.mesh.shape
+            if not all(a == b or n == 1 for a, b, n in zip(o._spec.placements, want, sizes)):
+                self.mismatches.append(f"{node.name}: DTensor chose {o.placements}, plan says {want}")
             return redistribute(o, want)
         return o
 
@@ -242,4 +250,5 @@ class Interpreter:
                 return x
             except RuntimeError:
                 pass
+        self.copied_views += 1
         return DTensor(local.contiguous(), x._spec, requires_grad=False)

@@ -260,7 +260,7 @@ class StrategyBuilder:
                 try:
                     schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
                     result = func(schema)
-                except RuntimeError:
+                except (RuntimeError, KeyError):
                     if len(operand_strats) != 1:
                         raise
                     # a strategy function that rejects some operand layouts outright (strict views refuse
@@ -277,8 +277,8 @@ class StrategyBuilder:
                         schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
                         try:
                             specs.extend(func(schema).strategies)
-                        except RuntimeError as e:
-                            errors.append(str(e))
+                        except (RuntimeError, KeyError) as e:
+                            errors.append(f"{type(e).__name__}: {e}")
                     if not specs:
                         raise RuntimeError(errors[0] if errors else "no layout accepted") from None
                     cands = [layouts]
@@ -316,10 +316,10 @@ class StrategyBuilder:
                 ins = tuple(outs[0] for _ in range(n_in))
             if len(ins) != n_in:
                 return self._fallback(node, f"{node.target}: operand count mismatch ({len(ins)} vs {n_in})")
-            out_pl = tuple(o.placements if o is not None else None for o in outs)
+            out_pl = tuple(self._canonical(o.placements) if o is not None else None for o in outs)
             if len(out_pl) < len(node.outputs):
                 out_pl = out_pl + (out_pl[-1],) * (len(node.outputs) - len(out_pl))
-            in_pl = tuple(s.placements for s in ins)
+            in_pl = tuple(self._canonical(s.placements) for s in ins)
             if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
                 continue
             if any(
@@ -363,6 +363,13 @@ class StrategyBuilder:
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
+
+    def _canonical(self, pl: Placements) -> Placements:
+        """`pl` with ``R`` on every mesh axis of one device (a shard or partial sum over one device is the
+        whole tensor): DTensor's strategies may name either, and the plan must not tell them apart."""
+        if all(n > 1 or isinstance(p, Replicate) for p, n in zip(pl, self.mesh_shape)):
+            return pl
+        return tuple(p if n > 1 else Replicate() for p, n in zip(pl, self.mesh_shape))
 
     def _own(self, node: OpNode) -> list[Strategy]:
         """meshpilot's strategies beside DTensor's, run by meshpilot's runtime (:mod:`meshpilot.ops`)."""

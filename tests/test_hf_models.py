@@ -1,0 +1,241 @@
+"""Models nobody here wrote: Hugging Face's GPT-2, Llama (grouped-query attention; sdpa and eager attention),
+BERT and T5, each with its default configuration but tiny sizes — dropout on, caches on, HF's own losses.
+
+Pure (one process): each captures and plans for a ``dgx-h100`` cluster with no fallback (every op has a
+strategy) and no CPU-only kernel in the plan (attention is the device-generic ``meshpilot.sdpa``).
+
+On 4 gloo processes (one spawn): for every model, every 2D mesh of 4 devices, the solver's plan and the
+forced data-parallel, Megatron and ZeRO-3 plans, trained side by side with the single-device model for 3 stock
+AdamW steps (the same random stream for both: dropout is exact under sharding): loss and every gradient
+within 1e-5 of the single device's at every step, buffers equal, and the collectives each step issues
+(kind, mesh axis, bytes, phase) equal the plan's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+STEPS = 3
+WORLD = 4
+MESHES = [(4, 1), (2, 2), (1, 4)]
+KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
+MODELS = ("gpt2", "llama-sdpa", "llama-eager", "bert", "t5")
+CLUSTER = "dgx-h100"
+VOCAB, BATCH, SEQ = 64, 4, 8
+
+
+class HFLoss(torch.nn.Module):
+    """``model(input_ids=…, labels=…).loss``: HF's own loss (T5 derives its decoder inputs from the labels)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Model `name` (seeded, train mode, default config but tiny sizes) and its (input_ids, labels)."""
+    t = transformers
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = t.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+        )
+        model = t.GPT2LMHeadModel(cfg)
+    elif name.startswith("llama"):
+        cfg = t.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # grouped-query attention
+            max_position_embeddings=32,
+            vocab_size=VOCAB,
+            attn_implementation=name.split("-")[1],
+        )
+        model = t.LlamaForCausalLM(cfg)
+    elif name == "bert":
+        cfg = t.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            vocab_size=VOCAB,
+        )
+        model = t.BertForMaskedLM(cfg)
+    elif name == "t5":
+        cfg = t.T5Config(
+            num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0
+        )
+        model = t.T5ForConditionalGeneration(cfg)
+    else:
+        raise KeyError(name)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return HFLoss(model), (ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+
+def make_plans() -> dict:
+    """Every (model, mesh, kind) plan (in the test process), each model captured once."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import forced
+
+    plans = {}
+    for name in MODELS:
+        model, inputs = build(name)
+        graph = capture(model, inputs)
+        for shape in MESHES:
+            for kind in KINDS:
+                force = None
+                if kind != "solver":
+                    kw = {"graph": graph} if kind == "megatron_tp" else {}
+                    force = forced(kind, model, inputs, shape, **kw)
+                plans[(name, shape, kind)] = plan(
+                    model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph, mappings=("row",)
+                )
+    return plans
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return make_plans()
+
+
+def test_every_model_plans_without_fallback_or_cpu_kernel(plans):
+    for key, p in plans.items():
+        assert not p.fallbacks, (key, [f.line() for f in p.fallbacks][:3])
+        assert not [w for w in p.warnings if "replicated" in w], (key, p.warnings)
+        cpu_only = [n.target for n in p.nodes if "_for_cpu" in n.target or "mkldnn" in n.target]
+        assert not cpu_only, (key, cpu_only[:3])
+    attention = {n.target for (name, _, _), p in plans.items() if name == "llama-sdpa" for n in p.nodes}
+    assert {"meshpilot.sdpa.default", "meshpilot.sdpa_backward.default"} <= attention
+    dropout = {n.target for (name, _, _), p in plans.items() if name == "gpt2" for n in p.nodes}
+    assert "aten.native_dropout.default" in dropout  # the default config trains with dropout
+
+
+# ------------------------------------------------------------------------------------------- 4 ranks
+
+
+def _reference(name: str) -> list[dict]:
+    """The single-device run: per step its loss, gradients and buffers (seeded per step)."""
+    model, inputs = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss = model(*inputs)
+        loss.backward()
+        out.append(
+            {
+                "loss": loss.item(),
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                "buffers": {n: b.clone() for n, b in model.named_buffers()},
+            }
+        )
+        opt.step()
+    return out
+
+
+def _local(ref: torch.Tensor, got) -> torch.Tensor:
+    """The block of the single-device tensor `ref` that this rank's DTensor `got` holds."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(got, DTensor):
+        return ref
+    from meshpilot import compat
+
+    shape, offset = compat.local_shape_and_offset()(ref.shape, got.device_mesh, got.placements)
+    return ref[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+
+    plan = Plan.from_json(plan_json)
+    model, inputs = build(name)
+    pm = parallelize(model, plan, graph=graph)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    planned = plan.collective_counts(backend="gloo")
+    res: dict = {"loss": [], "grad": [], "buffer": [], "counts_equal": [], "counts": None}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        with CollectiveCounter(pm.mesh) as cc:
+            loss = pm(*inputs)
+            loss.backward()
+        res["loss"].append(abs(loss.item() - ref[step]["loss"]))
+        errs = []
+        for n, p in model.named_parameters():
+            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            errs.append((local - _local(ref[step]["grads"][n], p.grad)).abs().max().item())
+        res["grad"].append(max(errs))
+        res["buffer"].append(
+            max(
+                [(b.float() - ref[step]["buffers"][n].float()).abs().max().item() for n, b in model.named_buffers()]
+                or [0.0]
+            )
+        )
+        res["counts_equal"].append(cc.counts() == planned)
+        res["counts"] = (sorted(cc.counts().items()), sorted(planned.items()))
+        opt.step()
+    res["mismatches"] = list(pm.mismatches)
+    return res
+
+
+def _worker(jobs: list[tuple[str, str, str]]) -> dict:
+    from meshpilot.graph.capture import capture
+
+    refs: dict = {}
+    graphs: dict = {}
+    out = {}
+    for job, name, plan_json in jobs:
+        t0 = time.perf_counter()
+        if name not in refs:
+            refs[name] = _reference(name)
+            graphs[name] = capture(*build(name))
+        out[job] = _run(name, plan_json, graphs[name], refs[name])
+        out[job]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(plans):
+    jobs = [(repr(key), key[0], p.to_json()) for key, p in plans.items()]
+    t0 = time.perf_counter()
+    results = run_distributed(_worker, WORLD, jobs, timeout=1500)
+    print(f"\n{len(jobs)} plans on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_model_equals_single_device_under_every_plan(runs, name):
+    for rank_results in runs:
+        for job, r in rank_results.items():
+            if not job.startswith(f"('{name}'"):
+                continue
+            assert max(r["loss"]) <= TOL, (job, r["loss"])
+            assert max(r["grad"]) <= TOL, (job, r["grad"])
+            assert max(r["buffer"]) == 0.0, (job, r["buffer"])
+            assert all(r["counts_equal"]), (job, r["counts"])
+            assert not r["mismatches"], (job, r["mismatches"][:3])
