@@ -47,9 +47,9 @@ def test_memory_row_forces_sharding_and_plan_error_names_need_and_capacity():
     m, x = meta_wide()
     free = plan(m, x, "atp-ic3", mesh_shape=(2, 4))
     need = free.memory.total
-    # a capacity below what the unconstrained optimum uses still has a (more sharded) plan ...
-    tight = plan(m, x, "atp-ic3", mesh_shape=(2, 4), memory_bytes=0.6 * need)
-    assert tight.memory.total <= 0.6 * need * 1.0001
+    # a capacity below what the unconstrained optimum's peak needs still has a (more sharded) plan ...
+    tight = plan(m, x, "atp-ic3", mesh_shape=(2, 4), memory_bytes=0.75 * need)
+    assert tight.memory.total <= 0.75 * need * 1.0001
     # ... and one below the smallest possible need fails with one clear line
     with pytest.raises(PlanError) as e:
         plan(m, x, "atp-ic3", mesh_shape=(2, 4), memory_bytes=1e6)

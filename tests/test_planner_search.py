@@ -68,9 +68,11 @@ def test_search_picks_the_best_fixed_mesh_and_skips_only_hopeless_shapes():
 
 
 def test_zero_post_pass_when_memory_requires_it():
-    g = wide_graph(256, 1 << 16)
+    # small enough a batch that the weights' state is a good part of the peak (the loss' replicated
+    # gradient [tokens, h] is a temporary no sharding of the weights removes)
+    g = wide_graph(256, 1 << 12)
     free = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=1e12)
-    cap = 0.5 * free.memory.total
+    cap = 0.6 * free.memory.total
     off = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=cap)
     on = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="auto", memory_bytes=cap)
     assert off.zero == ()
@@ -78,7 +80,7 @@ def test_zero_post_pass_when_memory_requires_it():
     assert on.solver.memory_row == "zero"
     assert on.memory.total <= cap
     # without the post-pass the ILP has to pick a slower plan to fit
-    assert on.time.total_s < 0.9 * off.time.total_s
+    assert on.time.total_s < 0.97 * off.time.total_s
     for z in on.zero:
         assert dict(on.params)[z.param] == z.after and z.after != z.before and z.saved_bytes > 0
         # all-reduce of the gradient became a reduce-scatter; the weight is all-gathered where it is read
@@ -99,8 +101,13 @@ def test_zero_tie_saves_memory_and_off_leaves_the_all_reduce():
     assert (z.param, z.reason, z.axes) == ("down.weight", "cheaper", (0,))
     assert abs(z.delta_s) <= 1e-9 * off.time.total_s
     assert on.time.total_s == pytest.approx(off.time.total_s, rel=1e-9)
-    assert on.memory.total == pytest.approx(off.memory.total - z.saved_bytes, rel=1e-9)
-    assert on.memory.optimizer < off.memory.optimizer
+    # the weight and its AdamW states (2 x the weight, fp32 like it) now take 1/8 per device; the saving
+    # counts the gradient and the update's temporary too, less the gathered copy the backward keeps
+    w = 1024 * 4096 * 4
+    assert off.memory.params - on.memory.params == pytest.approx(7 / 8 * w, rel=1e-9)
+    assert off.memory.optimizer - on.memory.optimizer == pytest.approx(2 * 7 / 8 * w, rel=1e-9)
+    assert z.saved_bytes == pytest.approx(5 * 7 / 8 * w - w, rel=1e-9)
+    assert on.memory.total < off.memory.total
     assert grad_kinds(on, "down.weight") == {"reduce_scatter"}
 
 

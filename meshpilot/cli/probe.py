@@ -17,6 +17,11 @@ Rank 0 writes the hierarchy (node and device layers, from the hostnames; under `
 the emulated nodes), a [device_profile] with the
 measured numbers and a [[calibration]] entry per mesh, then prints each mesh's measured B1/B2 next to
 Eq. 4's prediction from the measured matrix. Use the file as `--cluster FILE` with any command.
+
+`--matmul-shapes-from MODEL` (a built-in model; `--matmul-dtype bfloat16` for a GPT in bf16) also times every
+GEMM of that model's training step at its own shape and writes them as [[device_profile.matmul]]: the cost
+model then prices each matmul at the nearest measured shape instead of the best square one
+(`docs/cost_model.md`).
 """
 
 from __future__ import annotations
@@ -63,6 +68,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop the pairwise rounds after this long and estimate the pairs left (default 120)",
     )
+    p.add_argument(
+        "--matmul-shapes-from",
+        metavar="MODEL",
+        help="also time every GEMM of this built-in model's training step at its own shape (gpt-tiny, atp-m1 … "
+        "atp-m4, bert-tiny, mlp, …): the cost model then prices each matmul at the nearest measured shape",
+    )
+    p.add_argument(
+        "--matmul-dtype",
+        choices=("float32", "bfloat16"),
+        help="GPT models: the dtype of --matmul-shapes-from's parameters and GEMMs (default: the model's)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests, smoke runs)")
     p.set_defaults(func=run)
 
@@ -89,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise UserError(f"not launched by torchrun (no {'/'.join(missing)}); run one process per device: {TORCHRUN}")
+    if args.matmul_dtype and not args.matmul_shapes_from:
+        raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
+    # before the process group: a mistake in the model is one line on every rank, nothing half-started
+    gemms = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype) if args.matmul_shapes_from else ()
     import torch
     import torch.distributed as dist
 
@@ -118,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
             import dataclasses
 
             opts = dataclasses.replace(opts, budget_s=args.p2p_budget)
+        if gemms:
+            import dataclasses
+
+            opts = dataclasses.replace(opts, matmul_shapes=gemms)
         m = probe(opts, host=_node_identity(), progress=_progress)
         if m is None:
             return 0
@@ -137,6 +161,25 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def model_gemm_shapes(model: str, dtype: str | None = None) -> tuple[tuple[int, int, int, str], ...]:
+    """Every distinct GEMM (m, n, k, dtype) of a built-in model's training step (captured on meta)."""
+    from meshpilot.cli.plan import build_model
+    from meshpilot.graph.capture import capture
+    from meshpilot.graph.gemms import graph_gemms
+    from meshpilot.models import builtin_models
+
+    entry = builtin_models().get(model)
+    if model != "gpt" and entry is None:
+        raise UserError(
+            f"--matmul-shapes-from {model!r}: no such built-in model; choose one of {', '.join(builtin_models())}"
+        )
+    if dtype is not None and model != "gpt" and entry.config is None:
+        raise UserError(f"--matmul-dtype {dtype}: only for GPT models; {model!r} keeps its own dtype")
+    built = build_model(model, dtype=dtype, device="meta")
+    graph = capture(built.model, built.inputs)
+    return tuple((g.m, g.n, g.k, g.dtype) for g in graph_gemms(graph))
 
 
 def _check_out(out: Path) -> str | None:
@@ -175,6 +218,10 @@ def _summary(m, cluster, out: Path) -> None:  # noqa: ANN001 - Measurements and 
     if "bfloat16" in d.peak_flops:
         t.add_row("bf16 matmul TFLOP/s", f"{d.peak_flops['bfloat16'] / 1e12:.4g}", spread("bfloat16", 1e12))
     t.add_row("memory copy GB/s", f"{d.memory_bandwidth / GB:.4g}", spread("memory_bandwidth", GB))
+    for j, r in enumerate(d.matmul):
+        vals = [rank["matmul"][j] / 1e12 for rank in m.per_rank if rank.get("matmul")]
+        rng = f"{min(vals):.4g} … {max(vals):.4g}" if vals else "—"
+        t.add_row(f"GEMM {r.m}×{r.n}×{r.k} {r.dtype} TFLOP/s", f"{r.flops / 1e12:.4g}", rng)
     t.add_row("memory GiB (per rank)", f"{d.memory_bytes / 2**30:.4g}", spread("memory_bytes", 2**30))
     console.print(t)
 

@@ -15,7 +15,10 @@ bandwidth from Eq. 3, n = devices per group, M = bytes). Each collective takes t
 
 Ignoring alpha, all-reduce's M / T is Eq. 4's algorithm bandwidth B = n / (2(n-1)) * B'.
 
-Compute (roofline): t = max(FLOPs / (peak(dtype) * eff_c), bytes / (membw * eff_m)).
+Compute (roofline): t = max(FLOPs / rate, bytes / (membw * eff_m)), where rate is, for a GEMM
+[m, k] @ [k, n], the rate measured at the nearest shape of its dtype (``DeviceProfile.matmul_flops``; a
+probed profile's table), and otherwise peak(dtype) * eff_c. A probed profile has eff_c = eff_m = 1: its
+peak is the best matmul rate the probe measured, membw its measured copy bandwidth (read + write).
 """
 
 from __future__ import annotations
@@ -99,9 +102,17 @@ class CostModel:
         cluster = self.mesh.cluster
         return cluster.p2p_latency(src, dst) + nbytes / cluster.p2p_bandwidth(src, dst)
 
-    def compute(self, flops: float, nbytes: float, dtype: str = "float32") -> float:
-        """Roofline time of a kernel doing `flops` and moving `nbytes` to and from device memory."""
+    def compute(
+        self, flops: float, nbytes: float, dtype: str = "float32", gemm: tuple[int, int, int] | None = None
+    ) -> float:
+        """Roofline time of a kernel doing `flops` and moving `nbytes` to and from device memory; `gemm`
+        (m, n, k) prices a matmul at the rate measured for its shape (module docstring)."""
         d = self.device
-        t_flops = flops / (d.flops_for(dtype) * d.compute_efficiency) if flops else 0.0
+        if not flops:
+            t_flops = 0.0
+        elif gemm is not None:
+            t_flops = flops / d.matmul_flops(*gemm, dtype)
+        else:
+            t_flops = flops / (d.flops_for(dtype) * d.compute_efficiency)
         t_bytes = nbytes / (d.memory_bandwidth * d.memory_efficiency) if nbytes else 0.0
         return max(t_flops, t_bytes)

@@ -2,15 +2,38 @@
 
 Peak FLOP/s are the vendors' dense (no sparsity) datasheet numbers; the cost model scales them by an
 efficiency factor, since no kernel reaches the peak. Sources: NVIDIA V100, A100, H100 and H200 datasheets.
+
+A probed profile (``meshpilot probe``; a cluster file's ``[device_profile]``) carries measured rates instead,
+with efficiency 1.0, and optionally a table of matmul rates measured at given shapes
+(:class:`MatmulRate`; ``meshpilot probe --matmul-shapes-from MODEL`` measures a model's own GEMMs).
+:meth:`DeviceProfile.matmul_flops` prices a GEMM ``[m, k] @ [k, n]`` at the rate measured for the nearest
+shape of its dtype (distance ``Σ (log x − log x')²`` over m, n, k), and at ``peak × compute_efficiency``
+when the table has no entry of that dtype.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 TFLOPS = 1e12
 GB = 1e9
 GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class MatmulRate:
+    """One measured GEMM: ``[m, k] @ [k, n]`` in `dtype` ran at `flops` FLOP/s (``2 m n k`` / best time)."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    flops: float
+
+    def distance(self, m: int, n: int, k: int) -> float:
+        """Squared distance in log space to the GEMM ``(m, n, k)``."""
+        return sum(math.log(max(a, 1) / max(b, 1)) ** 2 for a, b in ((self.m, m), (self.n, n), (self.k, k)))
 
 
 @dataclass(frozen=True)
@@ -29,12 +52,22 @@ class DeviceProfile:
     """Fraction of peak FLOP/s that large matmuls reach; the roofline uses it."""
     memory_efficiency: float = 0.8
     """Fraction of peak memory bandwidth that streaming kernels reach."""
+    matmul: tuple[MatmulRate, ...] = ()
+    """Matmul rates measured at given shapes (a probed profile); empty: every GEMM at the peak rate."""
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back to float32 for dtypes without a faster path."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         return self.peak_flops["float32"]
+
+    def matmul_flops(self, m: int, n: int, k: int, dtype: str) -> float:
+        """FLOP/s a GEMM ``[m, k] @ [k, n]`` reaches: the nearest measured shape of its dtype, else the
+        peak times `compute_efficiency` (module docstring)."""
+        same = [r for r in self.matmul if r.dtype == dtype]
+        if not same:
+            return self.flops_for(dtype) * self.compute_efficiency
+        return min(same, key=lambda r: r.distance(m, n, k)).flops
 
 
 def _gpu(kind: str, fp32: float, tf32: float, half: float, membw_gbps: float, mem_gib: float) -> DeviceProfile:

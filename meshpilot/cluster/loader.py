@@ -34,6 +34,13 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     compute_efficiency = 1.0      # optional (default 0.6): fraction of peak_tflops that matmuls reach
     memory_efficiency = 1.0       # optional (default 0.8): fraction of memory_GBps that kernels reach
 
+    [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
+    m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
+    n = 4096                      # each matmul at the nearest measured shape of its dtype
+    k = 1024
+    dtype = "bfloat16"            # float32, bfloat16 or float16
+    tflops = 612.0
+
 Every mistake raises :class:`~meshpilot.errors.ClusterFileError` naming the file, the key and the fix.
 """
 
@@ -46,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.devices import DEVICES, DeviceProfile
+from meshpilot.cluster.devices import DEVICES, DeviceProfile, MatmulRate
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
@@ -61,7 +68,10 @@ PROFILE_KEYS = {
     "memory_GiB",
     "compute_efficiency",
     "memory_efficiency",
+    "matmul",
 }
+MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
@@ -167,7 +177,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             source, "device_profile.kind", f"must be a non-empty string, got {kind!r}", _PROFILE_FIX["kind"]
         )
     values: dict[str, float] = {}
-    for key in sorted(PROFILE_KEYS - {"kind"}):
+    for key in sorted(PROFILE_KEYS - {"kind", "matmul"}):
         if key not in table:
             continue
         where = f"device_profile.{key}"
@@ -186,7 +196,35 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         round(values["memory_GiB"] * 2**30),
         values.get("compute_efficiency", DeviceProfile.compute_efficiency),
         values.get("memory_efficiency", DeviceProfile.memory_efficiency),
+        _matmul_rates(table.get("matmul", []), source),
     )
+
+
+def _matmul_rates(raw: Any, source: str) -> tuple[MatmulRate, ...]:
+    """The ``[[device_profile.matmul]]`` entries: measured GEMM rates."""
+    fix = "write each as [[device_profile.matmul]] with m, n, k, dtype and tflops"
+    if not isinstance(raw, list) or not all(isinstance(x, dict) for x in raw):
+        raise ClusterFileError(source, "device_profile.matmul", "must be an array of tables", fix)
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"device_profile.matmul[{i}]"
+        _unknown(entry, MATMUL_KEYS, source, where)
+        missing = sorted(MATMUL_KEYS - set(entry))
+        if missing:
+            raise ClusterFileError(source, f"{where}.{missing[0]}", "is missing", fix)
+        dims = []
+        for key in ("m", "n", "k"):
+            v = entry[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ClusterFileError(source, f"{where}.{key}", f"must be a positive whole number, got {v!r}", fix)
+            dims.append(v)
+        if entry["dtype"] not in MATMUL_DTYPES:
+            raise ClusterFileError(
+                source, f"{where}.dtype", f"is {entry['dtype']!r}", f"use one of: {', '.join(MATMUL_DTYPES)}"
+            )
+        tflops = _number(entry["tflops"], f"{where}.tflops", source, positive=True, fix="give the TFLOP/s, e.g. 600.0")
+        out.append(MatmulRate(dims[0], dims[1], dims[2], entry["dtype"], tflops * 1e12))
+    return tuple(out)
 
 
 def _number(
@@ -354,6 +392,9 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
         out.append(f"peak_tflops_bf16 = {_f(d.peak_flops['bfloat16'] / 1e12)}")
     out += [f"memory_GBps = {_f(d.memory_bandwidth / GB)}", f"memory_GiB = {_f(d.memory_bytes / 2**30)}"]
     out += [f"compute_efficiency = {_f(d.compute_efficiency)}", f"memory_efficiency = {_f(d.memory_efficiency)}"]
+    for r in d.matmul:
+        out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
+        out.append(f"tflops = {_f(r.flops / 1e12)}")
     return out
 
 

@@ -11,6 +11,10 @@ after warm-up repeats that are not counted):
    (bfloat16 too on CUDA); memory bandwidth of a large tensor copy (2 x bytes per copy: read + write);
    memory capacity (CUDA: the device's total memory; CPU: physical memory divided by the ranks on the
    host). The cluster's profile takes the median over ranks of the rates and the smallest capacity.
+   With ``ProbeOptions.matmul_shapes`` (``meshpilot probe --matmul-shapes-from MODEL``: a model's own
+   GEMMs, ``meshpilot.graph.gemms``) each GEMM ``[m, k] @ [k, n]`` is also timed as training runs it:
+   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), best of the repeats;
+   ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks).
 2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
    round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
    ping-pong; bandwidth a -> b = bytes / (time for a to send the large buffer and get a 4-byte ack,
@@ -63,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.devices import DeviceProfile
+from meshpilot.cluster.devices import DeviceProfile, MatmulRate
 from meshpilot.cluster.loader import cluster_from_dict, cluster_to_toml
 from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.cluster.topology import Calibration, Cluster, Layer
@@ -89,6 +93,8 @@ class ProbeOptions:
     """Tensor size for the memory bandwidth copy."""
     budget_s: float = 120.0
     """Seconds after which the P2P rounds stop (remaining pairs are estimated)."""
+    matmul_shapes: tuple[tuple[int, int, int, str], ...] = ()
+    """GEMMs (m, n, k, dtype) to time at their own shape: the device profile's ``matmul`` table."""
 
     @classmethod
     def for_device(
@@ -347,6 +353,10 @@ def summarize(
     bf16 = [d["bfloat16"] for d in devs if d.get("bfloat16")]
     if bf16:
         flops["bfloat16"] = _round(_median(bf16))
+    rates = tuple(
+        MatmulRate(m, n, k, dtype, _round(_median([d["matmul"][j] for d in devs])))
+        for j, (m, n, k, dtype) in enumerate(opts.matmul_shapes)
+    )
     device = DeviceProfile(
         kind,
         flops,
@@ -354,6 +364,7 @@ def summarize(
         int(min(d["memory_bytes"] for d in devs)),
         1.0,
         1.0,
+        rates,
     )
     skipped = sum(rec["skipped"] for rec in records[:1])
     return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped)
@@ -401,6 +412,7 @@ def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
     out: dict[str, Any] = {"float32": best_matmul(torch.float32), "bfloat16": None}
     if device.type == "cuda":
         out["bfloat16"] = best_matmul(torch.bfloat16)
+    out["matmul"] = [gemm_rate(device, m, n, k, dtype, opts) for m, n, k, dtype in opts.matmul_shapes]
     src = torch.ones(max(1, opts.copy_bytes // 4), device=device)
     dst = torch.empty_like(src)
     best = math.inf
@@ -420,6 +432,31 @@ def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
         out["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         out["host_memory"] = True  # shared by the ranks of the host: summarize() divides
     return out
+
+
+def gemm_rate(device: Any, m: int, n: int, k: int, dtype: str, opts: ProbeOptions, target_s: float = 0.01) -> float:
+    """FLOP/s of ``[m, k] @ [k, n]`` in `dtype` on `device`, run back to back as in training (module
+    docstring): ``inner`` calls per timing, ``inner`` chosen so one timing takes about `target_s`."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(m, k, device=device).to(dt)
+    b = torch.randn(k, n, device=device).to(dt)
+    c = torch.empty(m, n, device=device, dtype=dt)
+
+    def run(calls: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, b, out=c)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    for _ in range(max(1, opts.warmup)):
+        one = run(1)
+    inner = max(1, min(1000, math.ceil(target_s / max(one, 1e-9))))
+    best = min(run(inner) for _ in range(max(1, opts.repeats)))
+    return 2.0 * m * n * k * inner / best
 
 
 class _Runner:
@@ -600,6 +637,8 @@ def probe(
     run = _Runner(opts, comm_device)
     rec: dict[str, Any] = {"lat": {}, "p2p": {}, "fan": {}, "node": {}, "ar": {}, "skipped": 0}
     say(f"device: matmul {', '.join(str(n) for n in opts.matmul_sizes)}; copy {opts.copy_bytes / MiB:g} MiB")
+    if opts.matmul_shapes:
+        say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")
     run.barrier()
     rec["device"] = measure_device(compute_device, opts)
     say(f"point to point: {len(round_robin(len(hosts)))} rounds (budget {opts.budget_s:g} s)")

@@ -109,6 +109,8 @@ class Precision(StrEnum):
     def parse(cls, value: str | Precision | None) -> Precision | None:
         if value is None or isinstance(value, Precision):
             return value
+        if value == "":  # older plans
+            return None
         try:
             return cls(value)
         except ValueError:

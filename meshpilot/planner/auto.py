@@ -24,17 +24,23 @@ preferring a dim no other axis shards); its gradient and AdamW states follow. Th
 planned layouts, so the run (DTensor) all-gathers the weight where it is read and reduce-scatters the
 gradient into the shard: all-reduce → reduce-scatter + all-gather, and every rank updates ``1/n_a`` of the
 weight. Each switch is priced exactly: ``Δt`` = the gradient's new resharding + the consumers' new
-all-gathers − what they cost before (``Resharder``, DTensor's own steps, latency included); ``Δmem`` =
-``(w + grad + AdamW) · (1/sf' − 1/sf)`` plus the gathered copy where a view of the weight is kept for the
-backward (it is activation memory then). The rule, with ``ε = 1e-9`` relative:
+all-gathers − what they cost before (``Resharder``, DTensor's own steps, latency included); ``Δmem`` on
+the ILP's two memory rows (``ilp`` docstring, terms from ``meshpilot.planner.accounting``): update row
+``(W + O + G + T_opt) · (1/sf' − 1/sf)``, backward row ``(W + O) · (1/sf' − 1/sf)`` plus the gathered copy
+where a view of the weight is kept for the backward (:func:`_zero_delta`). The rule, with ``ε = 1e-9``
+relative:
 
 * **cheaper**: ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or ``|Δt| ≤ ε``
   and ``Δmem < 0``. On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
   ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest,
   so large gradients tie (and the switch wins on memory and on the update work, which the step time does
   not model); small, latency-bound gradients (recursive doubling) stay all-reduced.
-* **memory**: if the plan still does not fit, the remaining candidates are applied in increasing order of
-  ``Δt / saved bytes`` until it does.
+* **memory**: if the plan's rows still exceed the capacity, the remaining candidates are applied in
+  increasing order of ``Δt / saved bytes`` until they do.
+
+After the pass the plan's peak is computed by liveness (``accounting.memory_use``); a candidate whose peak
+exceeds the capacity is re-solved with its rows held below the capacity by its peak − rows gap (at most
+``_REFITS`` times), and is dropped (``PlanError``) if it still does not fit.
 
 With ``zero="auto"`` and a finite capacity the ILP is first solved against its ZeRO memory row (what the
 plan needs once every replicated update is sharded, ``ilp`` docstring), so it can keep the faster,
@@ -55,9 +61,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshpilot.graph.capture import OpGraph, capture
+from meshpilot.graph.capture import OpGraph, Precision, capture
+from meshpilot.planner.accounting import kept_copy_bytes, memory_use, state_bytes
 from meshpilot.planner.ilp import (
-    ADAM_STATE_BYTES,
     PlanError,
     Pricer,
     Problem,
@@ -85,6 +91,8 @@ from meshpilot.sharding.strategies import Strategy, StrategyBuilder, fake_device
 
 ZERO_MODES = ("auto", "off", "all")
 _EPS = 1e-9
+_REFITS = 3
+"""Re-solves of one candidate whose liveness peak exceeds the capacity its linear rows were held to."""
 
 
 def _mesh_ranks(shape: tuple[int, ...], mapping: str) -> np.ndarray:
@@ -109,6 +117,9 @@ class _Candidate:
     cm: Any
     lm: Any
     note: str = ""
+    precision: str = ""
+    usage: MemoryUse | None = None
+    """The accounting's peak split (``memory`` is its total)."""
 
 
 def plan(
@@ -135,8 +146,11 @@ def plan(
     `num_devices` of it (default: all); `mesh_shape` fixes the shape instead of searching all 2D shapes.
     `memory_bytes` overrides the device capacity. `force` pins layouts of parameters / inputs by name
     pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh). `zero` is the ZeRO-like
-    post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all`` (module docstring). See
-    :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
+    post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all`` (module docstring).
+    `precision` is how the run trains: ``fp32`` or ``bf16`` (the parameters' own dtype; checked), or
+    ``bf16-mixed`` (``torch.autocast`` to bfloat16 over fp32 parameters: the step is captured under autocast,
+    so its casts and bf16 copies are in the graph, and AdamW keeps fp32 states); default: the parameters'
+    dtype. See :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_2d
 
@@ -147,6 +161,7 @@ def plan(
     n = num_devices or (math.prod(mesh_shape) if mesh_shape else cl.num_devices)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
     t0 = time.perf_counter()
+    precision = check_precision(model, graph, precision)
     if graph is None:
         graph = capture(model, example_inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
@@ -204,6 +219,7 @@ def plan(
                 cand, s_s, p_s = _solve_candidate(
                     graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats
                 )
+                cand.precision = precision
             except PlanError as e:
                 errors.append(e)
                 tried.append(MeshCandidate(shape, mapping, None, str(e)))
@@ -233,6 +249,31 @@ def plan(
     )
 
 
+def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precision: str | None) -> str:
+    """The plan's precision (:class:`~meshpilot.graph.capture.Precision`): as asked, or inferred from the
+    parameters' dtypes (``fp32``, ``bf16``; another dtype by its name). ``bf16`` casts a float32 model (the
+    capture traces it in bfloat16, the runtime casts the model); ``bf16-mixed`` needs float32 parameters
+    (the master weights autocast reads)."""
+    asked = Precision.parse(precision)
+    if model is not None:
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+    elif graph is not None:
+        dtypes = {n.out.dtype for n in graph.nodes if n.kind == "param" and n.out is not None}
+    else:
+        dtypes = set()
+    own = {"float32": "fp32", "bfloat16": "bf16"}.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
+    if asked is None:
+        return graph.precision.value if graph is not None and graph.precision else own or "+".join(sorted(dtypes))
+    if graph is not None and model is None:
+        return asked.value  # a graph captured by the caller: trust its precision
+    if asked in (Precision.FP32, Precision.BF16_MIXED) and own != "fp32":
+        raise PlanError(
+            f"precision={asked.value!r} needs float32 parameters but the model's are {', '.join(sorted(dtypes))}; "
+            "cast the model first (model.float()) or leave precision out to plan it as it is"
+        )
+    return asked.value
+
+
 def compute_lower_bound(struct: Structure) -> float:
     """A lower bound of the step time of every plan on `struct`'s mesh shape, for any device mapping and
     with or without the ZeRO post-pass: the compute of each class of identical nodes at its cheapest
@@ -242,9 +283,12 @@ def compute_lower_bound(struct: Structure) -> float:
 
 
 def min_memory(struct: Structure, row: str = "plain") -> float:
-    """A lower bound of the bytes per device of every plan on `struct`'s shape (each class at its least)."""
+    """A lower bound of the peak bytes per device of every plan on `struct`'s shape: on each memory row
+    (``accounting`` docstring) every class at its least; the larger row."""
     k = 1 if row == "plain" else 2
-    return float(sum(float(t[k].min()) for t in struct.mem_terms))
+    if not struct.mem_terms:
+        return 0.0
+    return float(np.max(sum(t[k].min(axis=1) for t in struct.mem_terms)))
 
 
 class SolverTimes(tuple):
@@ -257,36 +301,70 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
     ``stats["ilps"]`` counts the HiGHS runs."""
     solve_s = post_s = 0.0
 
-    def attempt(row: str) -> _Candidate:
+    def attempt(row: str, cap: float) -> _Candidate:
         nonlocal solve_s, post_s
         stats["ilps"] += 1
-        sol = solve(prob, time_limit=time_limit, mip_rel_gap=mip_gap, memory=row)
+        sol = solve(prob, time_limit=time_limit, mip_rel_gap=mip_gap, memory=row, capacity=cap)
         solve_s += sol.solve_s
         t = time.perf_counter()
         chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
-        switches, d_t, d_mem = zero_pass(graph, prob, chosen, uses, resharder, sol.memory, capacity, zero)
+        switches, d_t, _ = zero_pass(graph, prob, chosen, uses, resharder, sol.rows, cap, zero)
+        usage = memory_use(graph, chosen, prob.mesh_shape, capacity)
         post_s += time.perf_counter() - t
         return _Candidate(
-            shape, mapping, prob, sol, chosen, switches, sol.objective + d_t, sol.memory + d_mem, resharder, None, None
+            shape,
+            mapping,
+            prob,
+            sol,
+            chosen,
+            switches,
+            sol.objective + d_t,
+            usage.total,
+            resharder,
+            None,
+            None,
+            usage=usage,
         )
+
+    def fitted(row: str) -> _Candidate:
+        """`attempt`; while the plan's liveness peak exceeds the capacity, re-solved (at most `_REFITS`
+        times) with the linear rows held to the capacity less the plan's own peak − rows gap (what lives at
+        the peak beyond the rows: ``accounting`` docstring). The plan's rows exceed that bound, so each
+        re-solve picks another plan."""
+        cand = attempt(row, capacity)
+        for _ in range(_REFITS):
+            if fits(cand) or not math.isfinite(capacity) or cand.usage is None:
+                break
+            cap = capacity - (cand.memory - cand.usage.row)
+            try:
+                cand = attempt(row, cap)
+            except PlanError:
+                break
+        return cand
 
     fits = lambda c: c.memory <= capacity * (1 + _EPS)  # noqa: E731
     if zero == "off" or not math.isfinite(capacity):
-        return attempt("plain"), solve_s, post_s
-    first = attempt("zero")
+        only = fitted("plain")
+        if not fits(only):
+            raise PlanError(
+                f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape}: the best found "
+                f"peaks at {only.memory / 2**30:.2f} GiB (at {only.usage.peak_at if only.usage else '?'})"
+            )
+        return only, solve_s, post_s
+    first = fitted("zero")
     costly = any(s.reason == "memory" and s.delta_s > _EPS * first.time_s for s in first.switches)
     if fits(first) and not costly:
         first.note = _note(first)
         return first, solve_s, post_s
     try:
-        second = attempt("plain")
+        second = fitted("plain")
     except PlanError:
         second = None
     options = [c for c in (first, second) if c is not None and fits(c)]
     if not options:
         raise PlanError(
             f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape} even with the "
-            f"ZeRO post-pass (it needs {first.memory / 2**30:.2f} GiB)"
+            f"ZeRO post-pass (its predicted peak is {first.memory / 2**30:.2f} GiB)"
         )
     pick = min(options, key=lambda c: c.time_s)
     pick.note = _note(pick)
@@ -357,14 +435,10 @@ def _param_edges_s(p, layout, g_layout, g_info, chosen, uses: _ParamUses, reshar
 
 
 def _gathered_bytes(p, layout, chosen, uses: _ParamUses, mesh_shape) -> float:
-    """Bytes of the copies of a parameter stored in `layout` that are resharded for a view kept for the
-    backward (they live until the backward)."""
-    b = 0.0
-    for v, a in uses.consumers.get(p.name, ()):
-        want = chosen[v].ins[a]
-        if (p.name, v) in uses.kept and want != layout:
-            b += p.out.nbytes / shard_factor(want, mesh_shape)
-    return b
+    """Bytes per device of the copies of a parameter stored in `layout` that are resharded for a view kept
+    for the backward (``accounting.kept_copy_bytes``)."""
+    wants = [chosen[v].ins[a] for v, a in uses.consumers.get(p.name, ()) if (p.name, v) in uses.kept]
+    return kept_copy_bytes(p.out, layout, wants, mesh_shape)
 
 
 def zero_pass(
@@ -373,14 +447,16 @@ def zero_pass(
     chosen: dict[str, Strategy],
     uses: _ParamUses,
     resharder: Resharder,
-    memory: float,
+    memory: Sequence[float],
     capacity: float,
     mode: str = "auto",
-) -> tuple[list[ZeroSwitch], float, float]:
-    """The ZeRO-like post-pass (module docstring). Updates `chosen` for the switched parameters and
-    returns (switches, Δ step seconds, Δ bytes per device)."""
+) -> tuple[list[ZeroSwitch], float, np.ndarray]:
+    """The ZeRO-like post-pass (module docstring). `memory` is the plan's bytes per device on each linear
+    memory row (``Solution.rows``). Updates `chosen` for the switched parameters and returns (switches,
+    Δ step seconds, Δ bytes per device on each row)."""
+    rows = np.asarray(memory, dtype=float)
     if mode == "off":
-        return [], 0.0, 0.0
+        return [], 0.0, np.zeros_like(rows)
     mesh_shape = prob.mesh_shape
     pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
     cands = []
@@ -412,36 +488,48 @@ def zero_pass(
             continue
 
         t_old, t_new = (_param_edges_s(p, lay, g_layout, g_info, chosen, uses, resharder) for lay in (old, new))
-        state = 2 * p.out.nbytes + ADAM_STATE_BYTES * p.out.numel
-        d_mem = state * (1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape))
-        d_mem += _gathered_bytes(p, new, chosen, uses, mesh_shape) - _gathered_bytes(p, old, chosen, uses, mesh_shape)
-        cands.append((fqn, p.name, old, new, axes, t_new - t_old, d_mem, st, max(t_old, t_new)))
+        d_rows, saved = _zero_delta(p, old, new, chosen, uses, mesh_shape)
+        cands.append((fqn, p.name, old, new, axes, t_new - t_old, d_rows, st, max(t_old, t_new), saved))
 
     applied: list[tuple] = []
-    total_t = total_m = 0.0
+    total_t = 0.0
+    total_m = np.zeros_like(rows)
     rest = []
+    fits = lambda extra: float((rows + total_m + extra).max()) <= capacity  # noqa: E731
     for c in cands:
-        d_t, d_mem, scale = c[5], c[6], c[8]
+        d_t, d_rows, scale = c[5], c[6], c[8]
         tol = _EPS * scale + 1e-15
-        cheaper = d_t < -tol or (abs(d_t) <= tol and d_mem < 0)
-        if mode == "all" or (cheaper and (d_mem <= 0 or memory + total_m + d_mem <= capacity)):
+        cheaper = d_t < -tol or (abs(d_t) <= tol and c[9] > 0)
+        if mode == "all" or (cheaper and ((d_rows <= 0).all() or fits(d_rows))):
             applied.append((c, "cheaper" if cheaper else "all"))
             total_t += d_t
-            total_m += d_mem
+            total_m = total_m + d_rows
         else:
             rest.append(c)
-    if memory + total_m > capacity:
-        for c in sorted((c for c in rest if c[6] < 0), key=lambda c: c[5] / -c[6]):
-            if memory + total_m <= capacity:
+    if not fits(0.0):
+        for c in sorted((c for c in rest if c[9] > 0), key=lambda c: c[5] / c[9]):
+            if fits(0.0):
                 break
             applied.append((c, "memory"))
             total_t += c[5]
-            total_m += c[6]
+            total_m = total_m + c[6]
     switches = []
-    for (fqn, name, old, new, axes, d_t, d_mem, st, _), reason in applied:
+    for (fqn, name, old, new, axes, d_t, _, st, _, saved), reason in applied:
         chosen[name] = st
-        switches.append(ZeroSwitch(fqn, axes, tuple(to_json(old)), tuple(to_json(new)), reason, d_t, -d_mem))
+        switches.append(ZeroSwitch(fqn, axes, tuple(to_json(old)), tuple(to_json(new)), reason, d_t, saved))
     return switches, total_t, total_m
+
+
+def _zero_delta(p, old, new, chosen, uses: _ParamUses, mesh_shape) -> tuple[np.ndarray, float]:
+    """Δ bytes per device on each memory row when parameter `p` moves from layout `old` to `new`, and the
+    bytes it saves (weight, gradient, AdamW states and update temporary, less the gathered copies the
+    backward keeps): ``accounting.state_bytes`` over the shard factors, ``accounting.kept_copy_bytes``."""
+    s = state_bytes(p.out, True)
+    scale = 1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape)
+    gathered = _gathered_bytes(p, new, chosen, uses, mesh_shape) - _gathered_bytes(p, old, chosen, uses, mesh_shape)
+    update = (s.persistent + s.grad + s.update_temp) * scale
+    backward = s.persistent * scale + gathered
+    return np.array([update, backward]), -(update + gathered)
 
 
 # ------------------------------------------------------------------------------------------ assemble
@@ -460,7 +548,7 @@ def _assemble(
     prob, sol, resharder, cm, lm, chosen = cand.prob, cand.sol, cand.resharder, cand.cm, cand.lm, cand.chosen
     mesh_shape = prob.mesh_shape
     nd = len(mesh_shape)
-    costs = _Costs(cm, mesh_shape)
+    costs = _Costs(cm, mesh_shape, graph)
     compute = comm = reshard = 0.0
     colls: list[PlannedCollective] = []
 
@@ -517,7 +605,7 @@ def _assemble(
     for fqn, (src, i) in graph.buffer_updates.items():
         edge(src, i, f"buffer:{fqn}", replicated(nd), "fwd")
 
-    memory = memory_use(graph, chosen, mesh_shape, uses, capacity)
+    memory = cand.usage if cand.usage is not None else memory_use(graph, chosen, mesh_shape, capacity)
     why = builder.fallbacks
     fallbacks = tuple(
         Fallback(
@@ -570,7 +658,7 @@ def _assemble(
         fingerprint=graph.fingerprint(),
         zero=tuple(cand.switches),
         fallbacks=fallbacks,
-        precision=graph.precision.value if graph.precision is not None else None,
+        precision=cand.precision,
     )
 
 
@@ -584,44 +672,3 @@ def _fallback_warnings(fallbacks: tuple[Fallback, ...]) -> list[str]:
         f"{target} in {where}: replicated ({why})" + (f" ×{count}" if count > 1 else "")
         for (target, where, why), count in groups.items()
     ]
-
-
-def memory_use(graph: OpGraph, chosen: dict[str, Strategy], mesh_shape, uses: _ParamUses, capacity: float) -> MemoryUse:
-    """Predicted bytes per device of a plan: parameters, gradients and AdamW states in their layouts,
-    activations kept for the backward (views counted at their base; a parameter all-gathered for a view
-    that is kept counts as an activation), inputs and buffers."""
-    from meshpilot.planner.ilp import _base
-
-    mp = mg = mo = ma = mi = 0.0
-    for n in graph.nodes:
-        if n.out is None:
-            continue
-        if n.kind in ("param", "buffer", "input"):
-            sf = shard_factor(chosen[n.name].outs[0], mesh_shape)
-            if n.kind == "param":
-                mp += n.out.nbytes / sf
-                if graph.grads.get(n.fqn) is not None:
-                    mg += n.out.nbytes / sf
-                    mo += ADAM_STATE_BYTES * n.out.numel / sf
-            else:
-                mi += n.out.nbytes / sf
-    seen = set()
-    for n in graph.nodes:
-        if not n.saved_for_backward:
-            continue
-        for i in range(len(n.outputs)) if n.kind == "op" else [0]:
-            b = _base(graph, n.name, i)
-            if b in seen or graph[b[0]].kind != "op":
-                continue
-            seen.add(b)
-            info = graph[b[0]].outputs[b[1]]
-            lay = chosen[b[0]].outs[b[1]]
-            if info is not None and lay is not None:
-                ma += info.nbytes / shard_factor(lay, mesh_shape)
-    for pname, v in uses.kept:
-        a = next(a for c, a in uses.consumers[pname] if c == v)
-        want, have = chosen[v].ins[a], chosen[pname].outs[0]
-        info = graph[pname].out
-        if info is not None and want != have:
-            ma += info.nbytes / shard_factor(want, mesh_shape)
-    return MemoryUse(mp, mg, mo, ma, mi, capacity)

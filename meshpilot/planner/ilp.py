@@ -19,7 +19,9 @@ Objective (Eq. 1)
     min  Σ_g s_gᵀ d_g  +  Σ_(u,v,a) s_{g(u)}ᵀ R_uva s_{g(v)}
 
 * ``d_g[k] = Σ_{v in g} compute(v, m_v(k))`` — roofline time of the node's shard of the work
-  (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``), in :meth:`_Costs.node`.
+  (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``; a matmul at the rate the
+  device profile measured for the nearest GEMM shape to its shard's, ``DeviceProfile.matmul_flops``), in
+  :meth:`_Costs.node`. Views and ``_unsafe_view`` cost nothing.
   Alpa sets compute to zero and forbids replicated matmuls instead; we price replication honestly.
   ``c_v`` (an op's own communication) is zero for DTensor strategies: partial sums stay ``Partial`` and
   are reduced on the outgoing edge, where ``R`` prices them. meshpilot's own strategies may issue
@@ -36,18 +38,35 @@ requires, ``e_pq ≥ 0`` with ``Σ_q e_pq = Σ_{k: out(k)=p} s_uk`` and ``Σ_p e
 diagonal and go to ``d_g``; edges with ``|P| = 1`` or ``|Q| = 1`` too; identical edges (same groups,
 same layout maps — every repeated layer) are summed into one block (:meth:`Problem.add_edge`).
 
-Memory (one row, :func:`build_structure`)
----------------------------------------
-    Σ_g s_gᵀ mem_g ≤ capacity,    mem_g[k] = Σ params (w + grad) / shards + AdamW m, v (fp32) / shards
-                                              + Σ activations kept for the backward / shards
-                                              + inputs / shards
+Memory (two rows, :func:`build_structure`; terms from ``meshpilot.planner.accounting``)
+-----------------------------------------------------------------------------------------
+The plan reports the step's *peak* bytes per device by liveness over the joint graph
+(``accounting.memory_use``): ``max(W + O + I + max_i live(i), W + O + I + G + T_opt)`` with parameters
+``W``, AdamW states ``O`` (2 × the parameter, in its dtype), inputs and buffers ``I``, gradients ``G`` and
+the foreach update's ``sqrt(exp_avg_sq)`` temporary ``T_opt``. ``max_i live(i)`` is not linear in the
+choices, so the ILP holds two linear *lower bounds* of the peak to the capacity, one row each
+(``accounting.MEMORY_ROWS``; ``Group.mem[row, k]``)::
 
-``mem_zero_g`` is the same row when the ZeRO post-pass (``meshpilot.planner.auto``) will shard the
+    update:    Σ_g s_gᵀ mem_g[update]   ≤ capacity,  mem[update][k]   = Σ params (W + O + G + T_opt) / sf
+                                                                        + inputs / sf
+    backward:  Σ_g s_gᵀ mem_g[backward] ≤ capacity,  mem[backward][k] = Σ params (W + O) / sf + inputs / sf
+                                                                        + Σ values the backward reads / sf
+
+``update`` is the optimizer step exactly; ``backward`` is the start of the backward, where every saved
+value is live (``accounting.row_bytes``, ``accounting.saved_values``). The peak exceeds ``max(rows)`` by
+what lives at the peak node beyond them: the transient temporaries (a loss' logits and their fp32 upcast,
+the loss' gradient), gradients produced before the peak, redistributed operand copies. ``MemoryUse.row``
+records ``max(rows)`` next to the peak; when the peak exceeds the capacity while the rows fit, the planner
+re-solves with the capacity the rows are held to lowered by that gap (``auto._solve_candidate``).
+:func:`_min_need` (each group at its least, per row, the larger row) is a true lower bound of the peak.
+
+``mem_zero_g`` are the same rows when the ZeRO post-pass (``meshpilot.planner.auto``) will shard the
 weight update over every mesh axis where a parameter is replicated: a parameter stored in layout ``L``
-with ``n_R`` devices replicating it (product of its ``R`` axes) then needs ``w / sf`` (the all-gathered
-copy kept for the backward) ``+ (w + grad + AdamW) / (sf · n_R)`` instead of ``(w + grad + AdamW) / sf``
-(the smaller of the two is used). :func:`solve` takes either row (``memory="zero"``); the post-pass then
-makes the ZeRO row true, or the caller falls back to the plain row.
+with ``n_R`` devices replicating it (product of its ``R`` axes) then needs ``(W + O + G + T_opt) / (sf · n_R)``
+on the update row and ``W / sf`` (the all-gathered copy kept for the backward) ``+ (W + O) / (sf · n_R)``
+on the backward row (``accounting.zero_row_bytes``; the smaller of plain and ZeRO is used).
+:func:`solve` takes either pair (``memory="zero"``); the post-pass then makes the ZeRO rows true, or the
+caller falls back to the plain rows.
 
 Solved by ``scipy.optimize.milp`` (HiGHS) with a time limit; the relative MIP gap is reported. If the
 memory row makes it infeasible, :class:`PlanError` says the smallest need found and the capacity.
@@ -58,7 +77,7 @@ Nothing but the resharding seconds depends on how mesh coordinates map to device
 
 * :func:`build_structure` (once per mesh shape): strategies (a repeated layer's node asks DTensor once:
   its strategies are memoised by canonical node and operand candidates), groups, the compute-cost vector
-  of every strategy (roofline on the device, mapping-independent), the memory vectors, and the edge
+  of every strategy (roofline on the device, mapping-independent), the memory rows, and the edge
   *classes*: all edges ``(u, i) → (v, a)`` whose endpoints share canonical node and layer position (32
   layers → one class with multiplicity 32) are priced once and multiplied. For every ``(P, Q, tensor)``
   layout matrix the table records which collectives (kind, axis, bytes) each entry needs
@@ -79,14 +98,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.distributed.tensor import Shard
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
+from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims, node_gemm
+from meshpilot.planner.accounting import (
+    MEMORY_ROWS,
+    aliases_input,
+    row_bytes,
+    saved_values,
+    zero_row_bytes,
+)
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor, work_split
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder
-
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter element
 
 
 class PlanError(UserError):
@@ -121,9 +147,10 @@ class Group:
     size: int
     cost: np.ndarray
     mem: np.ndarray
+    """[rows, size]: bytes per device of each choice on each memory row (``accounting.MEMORY_ROWS``)."""
     owner: str
     mem_zero: np.ndarray | None = None
-    """The memory row if the ZeRO post-pass shards every replicated parameter's update (module docstring)."""
+    """The memory rows if the ZeRO post-pass shards every replicated parameter's update (module docstring)."""
 
 
 @dataclass
@@ -152,7 +179,8 @@ class Problem:
     """Nodes whose layout a ``force`` pattern pinned (the ZeRO post-pass leaves them alone)."""
 
     def new_group(self, size: int, owner: str) -> int:
-        self.groups.append(Group(size, np.zeros(size), np.zeros(size), owner, np.zeros(size)))
+        rows = len(MEMORY_ROWS)
+        self.groups.append(Group(size, np.zeros(size), np.zeros((rows, size)), owner, np.zeros((rows, size))))
         return len(self.groups) - 1
 
     def add_edge(self, gu: int, gv: int, lab_u: np.ndarray, lab_v: np.ndarray, cost: np.ndarray) -> None:
@@ -192,27 +220,36 @@ def _labels(values) -> tuple[np.ndarray, list]:
 
 
 class _Costs:
-    def __init__(self, cost_model, mesh_shape):
+    def __init__(self, cost_model, mesh_shape, graph: OpGraph | None = None):
         self.cm = cost_model
         self.mesh_shape = mesh_shape
+        self.graph = graph
 
     def node(self, node: OpNode, s: Strategy) -> float:
-        """Roofline seconds of the device's share of `node` under strategy `s`."""
-        if node.kind != "op" or node.is_view or (node.flops == 0 and node.bytes_written == 0):
+        """Roofline seconds of the device's share of `node` under strategy `s`; a matmul at the rate measured
+        for its local GEMM shape (``CostModel.compute``). Views and aliases (``_unsafe_view``) cost nothing."""
+        if node.kind != "op" or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
             return 0.0
         out = next((p for p in s.outs if p is not None), None)
         split = work_split(out, self.mesh_shape) if out is not None else 1
         dtype = node.out.dtype if node.out is not None else "float32"
-        return self.cm.compute(node.flops / split, (node.bytes_read + node.bytes_written) / split, dtype)
+        nbytes = (node.bytes_read + node.bytes_written) / split
+        return self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
 
-
-def _base(graph: OpGraph, name: str, idx: int) -> tuple[str, int]:
-    """Follow views back to the node whose storage they alias."""
-    n = graph[name]
-    while n.is_view and n.inputs:
-        name, idx = n.inputs[0]
-        n = graph[name]
-    return name, idx
+    def _local_gemm(self, node: OpNode, s: Strategy) -> tuple[int, int, int] | None:
+        """(m, n, k) of the device's shard of a matmul under `s` (operand dims divided by their shards)."""
+        if self.graph is None or node.target not in GEMM_OPERANDS:
+            return None
+        shapes = []
+        for a, (src, i) in enumerate(node.inputs):
+            info = self.graph[src].outputs[i]
+            shape = list(info.shape) if info is not None else []
+            layout = s.ins[a] if a < len(s.ins) else None
+            for axis, p in enumerate(layout or ()):
+                if isinstance(p, Shard) and p.dim < len(shape):
+                    shape[p.dim] = -(-shape[p.dim] // self.mesh_shape[axis])
+            shapes.append(shape)
+        return gemm_dims(node.target, shapes)
 
 
 # ------------------------------------------------------------------------------------- resharding prices
@@ -330,7 +367,7 @@ class Structure:
     """(u, i, v, kind, idx, tensor, multiplicity); kind ``in``: operand idx of v, ``out``: output idx of v
     (a gradient into its parameter), ``const``: layout id idx (the replicated loss)."""
     mem_terms: list[tuple[str, np.ndarray, np.ndarray]]
-    """(representative, bytes per strategy, the same on the ZeRO row)."""
+    """(representative, [rows, strategies] bytes per device, the same on the ZeRO rows)."""
     table: ReshardTable
     forced: frozenset[str]
     build_s: float = 0.0
@@ -373,7 +410,7 @@ def build_structure(
     """
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
-    costs = _Costs(cost_model, mesh_shape)
+    costs = _Costs(cost_model, mesh_shape, graph)
     strategies: dict[str, list[Strategy]] = {}
     rep: dict[str, str] = {}
     reps: list[str] = []
@@ -429,7 +466,8 @@ def build_structure(
             sizes.append(len(sts))
             owners.append(name)
         if node.kind == "op":
-            key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None)
+            gemm = node_gemm(graph, node)
+            key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None, gemm)
             hit = cost_count.get(key)
             if hit is None:
                 cost_count[key] = [node, 1]
@@ -490,30 +528,22 @@ def build_structure(
     for n in graph.nodes:
         if n.kind in ("param", "buffer", "input") and n.out is not None:
             trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
-            key = ("leaf", rep[n.name], 0, n.out.nbytes, n.out.numel, trainable, n.name in forced)
-            mem_count.setdefault(key, [0])[0] += 1
-    saved: dict[tuple[str, int], None] = {}
-    for n in graph.nodes:
-        if n.saved_for_backward:
-            idxs = range(len(n.outputs)) if n.kind == "op" else [0]
-            for i in idxs:
-                b = _base(graph, n.name, i)
-                if graph[b[0]].kind == "op":
-                    saved.setdefault(b, None)
-    for name, i in saved:
+            key = ("leaf", rep[n.name], 0, n.out, n.kind, trainable, n.name in forced)
+            mem_count.setdefault(key, [0, n])[0] += 1
+    for name, i in saved_values(graph):
         info = graph[name].outputs[i]
-        if info is None:
-            continue
-        mem_count.setdefault(("saved", rep[name], i, info.nbytes, 0, False, False), [0])[0] += 1
+        mem_count.setdefault(("saved", rep[name], i, info, "op", False, False), [0, graph[name]])[0] += 1
     mem_terms = []
-    for (kind, r, i, nbytes, numel, trainable, is_forced), (count,) in mem_count.items():
-        sf = sf_of(r, i)
-        if kind == "leaf" and trainable:
-            per = 2 * nbytes + ADAM_STATE_BYTES * numel
-            std = per / sf
-            zero = std if is_forced else np.minimum(std, nbytes / sf + per / (sf * repl_of(r)))
-        else:
-            std = zero = nbytes / sf
+    for (kind, r, i, info, _, trainable, is_forced), (count, node) in mem_count.items():
+        sf = sf_of(r, i)[None, :]  # [1, K]
+        if kind == "leaf":
+            std = np.array(row_bytes(node, trainable).as_tuple())[:, None] / sf  # [rows, K]
+            zero = std
+            if trainable and not is_forced:
+                z = zero_row_bytes(node, repl_of(r))  # arrays over the strategies
+                zero = np.minimum(std, np.stack([z.update, z.backward]) / sf)
+        else:  # a value the backward reads: on the backward row only
+            std = zero = np.array([0.0, float(info.nbytes)])[:, None] / sf
         mem_terms.append((r, std * count, zero * count))
 
     return Structure(
@@ -580,8 +610,8 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
     for r, std, zero in struct.mem_terms:
         g = groups[group_of[r]]
         m = nmap[r]
-        g.mem += std[m]
-        g.mem_zero += zero[m]
+        g.mem += std[:, m]
+        g.mem_zero += zero[:, m]
     prob.node_group = {n: group_of[r] for n, r in rep.items()}
     prob.node_map = {n: nmap[r] for n, r in rep.items()}
     prob.build_s = time.perf_counter() - t0
@@ -651,18 +681,26 @@ class Solution:
     num_vars: int
     num_constraints: int
     memory: float
-    """Bytes per device on the plain memory row."""
+    """Bytes per device on the plain memory rows (the larger of the two)."""
     memory_zero: float = 0.0
-    """Bytes per device on the ZeRO row (what the plan needs once the post-pass shards every update)."""
+    """Bytes per device on the ZeRO rows (what the plan needs once the post-pass shards every update)."""
     row: str = "plain"
-    """The memory row the ILP was solved against: ``plain`` or ``zero``."""
+    """The memory rows the ILP was solved against: ``plain`` or ``zero``."""
+    rows: tuple[float, ...] = ()
+    """Bytes per device on each plain row (``accounting.MEMORY_ROWS``)."""
 
 
-def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3, memory: str = "plain") -> Solution:
+def solve(
+    prob: Problem,
+    time_limit: float = 30.0,
+    mip_rel_gap: float = 1e-3,
+    memory: str = "plain",
+    capacity: float | None = None,
+) -> Solution:
     """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``).
 
-    ``memory="zero"`` uses the ZeRO memory row (module docstring) against the capacity instead of the
-    plain one.
+    ``memory="zero"`` holds the ZeRO memory rows (module docstring) to the capacity instead of the plain
+    ones; `capacity` overrides ``prob.capacity`` (the planner lowers it when the liveness peak exceeds it).
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -705,24 +743,29 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3, me
     ub = np.zeros(r)
     lb[: len(groups)] = 1.0
     ub[: len(groups)] = 1.0
-    mem_plain = np.concatenate([g.mem for g in groups]) if groups else np.zeros(0)
-    mem_zero = np.concatenate([g.mem if g.mem_zero is None else g.mem_zero for g in groups]) if groups else mem_plain
-    row = mem_zero if memory == "zero" else mem_plain
-    has_mem_row = math.isfinite(prob.capacity)
+    cap = prob.capacity if capacity is None else capacity
+    n_rows = len(MEMORY_ROWS)
+    mem_plain = np.concatenate([g.mem for g in groups], axis=1) if groups else np.zeros((n_rows, 0))
+    mem_zero = (
+        np.concatenate([g.mem if g.mem_zero is None else g.mem_zero for g in groups], axis=1) if groups else mem_plain
+    )
+    held = mem_zero if memory == "zero" else mem_plain
+    has_mem_row = math.isfinite(cap)
     if has_mem_row:
-        nz = np.flatnonzero(row)
-        rows.append(np.full(len(nz), r))
-        cols.append(nz)
-        vals.append(row[nz])
-        lb = np.append(lb, -np.inf)
-        ub = np.append(ub, prob.capacity)
-        r += 1
         min_need = _min_need(groups, memory)
-        if min_need > prob.capacity:
+        if min_need > cap:
             raise PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {min_need / 2**30:.2f} GiB "
-                f"but a device holds {prob.capacity / 2**30:.2f} GiB (mesh {prob.mesh_shape})"
+                f"but a device holds {cap / 2**30:.2f} GiB (mesh {prob.mesh_shape})"
             )
+        for row in held:
+            nz = np.flatnonzero(row)
+            rows.append(np.full(len(nz), r))
+            cols.append(nz)
+            vals.append(row[nz])
+            lb = np.append(lb, -np.inf)
+            ub = np.append(ub, cap)
+            r += 1
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n_vars)).tocsr()
     integrality = np.zeros(n_vars)
     integrality[:n_s] = 1
@@ -740,7 +783,7 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3, me
     if res.x is None:
         if has_mem_row:
             raise PlanError(
-                f"no sharding plan fits in {prob.capacity / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
+                f"no sharding plan fits in {cap / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
                 f"(HiGHS: {res.message}); the smallest need found is "
                 f"{_min_need(groups, memory) / 2**30:.2f} GiB"
             )
@@ -760,13 +803,16 @@ def solve(prob: Problem, time_limit: float = 30.0, mip_rel_gap: float = 1e-3, me
         solve_s,
         n_vars,
         r,
-        float(mem_plain @ xs),
-        float(mem_zero @ xs),
+        float((mem_plain @ xs).max()),
+        float((mem_zero @ xs).max()),
         "zero" if memory == "zero" else "plain",
+        tuple(float(v) for v in mem_plain @ xs),
     )
 
 
 def _min_need(groups: list[Group], memory: str) -> float:
-    if memory == "zero":
-        return sum(float((g.mem if g.mem_zero is None else g.mem_zero).min()) for g in groups)
-    return sum(float(g.mem.min()) for g in groups)
+    """A lower bound of every plan's memory: per row, each group at its least; the larger row."""
+    if not groups:
+        return 0.0
+    mats = [g.mem if memory != "zero" or g.mem_zero is None else g.mem_zero for g in groups]
+    return float(np.max(sum(m.min(axis=1) for m in mats)))

@@ -101,18 +101,30 @@ class StepTime:
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Predicted bytes per device."""
+    """Predicted bytes per device at the step's peak, split into what is live there
+    (``meshpilot.planner.accounting`` computes it; the parts add up to :attr:`total`)."""
 
     params: float
     grads: float
+    """Gradients live at the peak (all of them when the peak is the optimizer step)."""
     optimizer: float
+    """AdamW's ``exp_avg`` and ``exp_avg_sq``, in the parameters' dtype."""
     activations: float
+    """Values the backward reads that are live at the peak."""
     inputs: float
     capacity: float
+    temporaries: float = 0.0
+    """Everything else live at the peak: logits, the loss' upcast and gradient, redistributed copies, the
+    optimizer update's temporary. 0 in plans written before the liveness accounting."""
+    row: float = 0.0
+    """The ILP's linear memory bound for this plan (the larger of its two rows; ``ilp`` docstring)."""
+    peak_at: str = ""
+    """The node at which the peak occurs, or ``optimizer step``."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.inputs
+        """The predicted peak (plans written before the liveness accounting: their summed estimate)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.inputs + self.temporaries
 
 
 @dataclass(frozen=True)
@@ -190,8 +202,9 @@ class Plan:
     """Parameters the ZeRO-like post-pass sharded (their layouts in ``params`` are already the new ones)."""
     fallbacks: tuple[Fallback, ...] = ()
     """Nodes with no strategy but the replicated one, each with where the model made it."""
-    precision: str | None = None
-    """``fp32``, ``bf16`` or ``bf16-mixed`` (``meshpilot.graph.capture.Precision``); None: the model's dtypes."""
+    precision: str = ""
+    """``fp32``, ``bf16`` or ``bf16-mixed`` (``meshpilot.graph.capture.Precision``: autocast over fp32
+    parameters); empty in older plans."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -243,14 +256,15 @@ class Plan:
         status = re.search(r"HiGHS Status \d+: ([^)]*)", sv.status)
         lines = [
             f"Plan on {self.cluster}: mesh {self.mesh_shape} ({n} devices; {contiguous} on contiguous ranks, "
-            f"{self.mapping} mapping)",
+            f"{self.mapping} mapping)" + (f", {self.precision}" if self.precision else ""),
             f"  step time    {t.total_s * ms:.3f} ms = compute {t.compute_s * ms:.3f} ({t.compute_s / tot:.0%})"
             f" + communication {t.communication_s * ms:.3f} ({t.communication_s / tot:.0%})"
             f" + resharding {t.resharding_s * ms:.3f} ({t.resharding_s / tot:.0%})",
             f"  memory       {m.total / gib:.3f} GiB per device of {m.capacity / gib:.1f} GiB"
             f" ({m.total / m.capacity if m.capacity else 0:.0%}): params {m.params / gib:.3f},"
             f" grads {m.grads / gib:.3f}, AdamW {m.optimizer / gib:.3f},"
-            f" activations {m.activations / gib:.3f}, inputs {m.inputs / gib:.3f}",
+            f" activations {m.activations / gib:.3f}, temporaries {m.temporaries / gib:.3f},"
+            f" inputs {m.inputs / gib:.3f}" + (f"; peak at {m.peak_at}" if m.peak_at else ""),
             f"  collectives  {len(self.collectives)} per step (fwd {by_phase.get('fwd', 0)},"
             f" bwd {by_phase.get('bwd', 0)}): {kinds}",
         ]
@@ -345,6 +359,7 @@ class Plan:
             ),
             fingerprint=d["fingerprint"],
             version=d.get("version", 1),
+            precision=d.get("precision", ""),
             zero=tuple(
                 ZeroSwitch(
                     z["param"],
@@ -358,7 +373,6 @@ class Plan:
                 for z in d.get("zero", ())
             ),
             fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
-            precision=d.get("precision"),
         )
 
     def to_json(self) -> str:

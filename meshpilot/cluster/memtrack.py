@@ -1,0 +1,58 @@
+"""Measure the bytes of tensor storage a block of eager PyTorch holds at its peak, on any device.
+
+``torch.cuda.max_memory_allocated()`` does this on CUDA; on CPU nothing does, so :class:`StorageTracker`
+counts it from the dispatcher: every ATen call's output storages are added once (keyed by the storage's
+C++ object, so views add nothing) and subtracted when the storage is freed (``weakref.finalize`` on the
+preserved Python storage object). Storages that exist before the block (parameters, inputs) are passed
+in, so the total is comparable to a plan's predicted peak. What it cannot see: allocator rounding and
+kernel workspaces that never become tensors. Used by ``tests/test_cost_fidelity.py`` and
+``benchmarks/gpu_check.py --device cpu``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class StorageTracker(TorchDispatchMode):
+    """``with StorageTracker(existing=model.parameters()) as t: ...`` then ``t.peak`` (bytes) and
+    ``t.peak_op`` (the ATen op whose outputs made the peak)."""
+
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.current = 0
+        """Bytes held now."""
+        self.peak = 0
+        """Most bytes held at once since the tracker was made."""
+        self.peak_op = ""
+        for t in existing:
+            self._add(t)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def _add(self, t: torch.Tensor) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor holds its shard
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t)
+        if self.current > self.peak:
+            self.peak, self.peak_op = self.current, str(func)
+        return out

@@ -1,0 +1,358 @@
+"""The one memory accounting of a plan: what torch's caching allocator holds on one device during a step.
+
+Everything here is bytes *per device*: a tensor of ``B`` bytes stored in layout ``L`` takes ``B / sf(L)``
+(``sf`` = :func:`~meshpilot.sharding.placements.shard_factor`, the product of the mesh axes sharding it;
+replicated and partial axes hold the whole tensor). The step modelled is the one people run and the one
+``../shared/gpu/h100-gpt-steps.json`` measured::
+
+    loss = model(*inputs); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+
+with ``opt = torch.optim.AdamW(...)`` at its defaults (``foreach`` on CUDA), so between steps the device
+holds the parameters and AdamW's states, and no gradients.
+
+Terms
+-----
+Persistent (held for the whole step):
+
+* ``W = Σ_p bytes(p) / sf(p)`` — parameters in their dtype. → :func:`state_bytes` ``.param``
+* ``O = Σ_trainable 2 · bytes(p) / sf(p)`` — AdamW's ``exp_avg`` and ``exp_avg_sq``, allocated by
+  ``torch.zeros_like(p)``: in the parameter's dtype, not fp32. → :func:`state_bytes` ``.optimizer``.
+  Under ``precision="bf16-mixed"`` (autocast) the parameters are the fp32 master weights, so ``W`` and
+  ``O`` are fp32 by the same formula; the bf16 copies autocast makes are graph values (below).
+* ``I = Σ inputs and buffers / sf`` — the example inputs and the module's buffers. → :func:`memory_use`
+
+Values of the joint forward + backward graph, by liveness (→ :func:`liveness`). Nodes run in the captured
+order (``make_fx`` records the autograd engine's own order, so it is eager's order). A node's output is
+allocated when the node runs and freed after its last consumer; a view (``is_view``, ``getitem``,
+``_unsafe_view``: :func:`aliases_input`) allocates nothing and keeps its base alive until the view's last
+consumer; a value the backward reads (``saved_for_backward``) therefore lives from the forward into the
+backward. Gradients of parameters live to the end of the backward (they become ``.grad``); the loss too.
+Where an operand's planned layout differs from its producer's, the redistributed copy (``bytes / sf(want)``)
+is live while its consumer runs; when the consumer is a view, the copy is that view's base and lives as
+long as the view (a weight all-gathered for a view the backward keeps). Where a gradient is resharded into
+its parameter's layout, the reduced copy is allocated at the end of the backward, as the runtime does.
+
+    live(i) = Σ_{values v allocated at or before node i, last used at or after i} bytes(v) / sf(v)
+
+Phases of the step and its peak (→ :func:`memory_use`):
+
+* forward + backward:  ``W + O + I + max_i live(i)``
+* optimizer step:      ``W + O + I + G + T_opt``, ``G = Σ_trainable bytes(p) / sf(p)`` (``.grad`` in the
+  parameter's dtype, :func:`state_bytes` ``.grad``) and ``T_opt = Σ_trainable bytes(p) / sf(p)``:
+  ``torch._foreach_sqrt(exp_avg_sqs)``, the one state-sized temporary of the foreach AdamW update
+  (``torch/optim/adam.py``, ``_multi_tensor_adam``; every other foreach op there is in place).
+* ``peak = max`` of the two. ``MemoryUse`` splits the peak into what is live at that moment: parameters
+  ``W``, optimizer ``O``, inputs ``I``, gradients (those already produced), activations (saved-for-backward
+  values) and temporaries (everything else: logits, their fp32 upcast, the loss' gradient, ``T_opt``).
+
+Not modelled: allocator rounding (blocks round up to 512 B), cuBLAS / cuDNN / flash-attention workspaces
+(tens of MiB), fragmentation (``max_memory_allocated`` does not count it), and ``torch.compile``.
+
+The ILP's linear rows
+---------------------
+``max_i live(i)`` is not linear in the layout choices, so the ILP (``meshpilot.planner.ilp``) holds two
+linear lower bounds of the peak to the capacity, both built from :func:`row_bytes` and the saved values of
+:func:`saved_values`:
+
+* ``update``:   ``W + O + I + G + T_opt``  — the optimizer step, exactly;
+* ``backward``: ``W + O + I + Σ saved values / sf`` — the start of the backward, where every value the
+  backward reads is live (grads not yet produced; the temporaries live then are left out).
+
+``peak − max(rows)`` is what lives at the peak beyond them (transient temporaries, gradients produced
+before the peak node, redistributed copies; ``MemoryUse.row`` is ``max(rows)``): when a plan's peak
+exceeds the capacity, the planner re-solves with the rows held to the capacity less that gap
+(``meshpilot.planner.auto``, ``_solve_candidate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
+from meshpilot.planner.plan import MemoryUse
+from meshpilot.sharding.placements import shard_factor
+
+ADAMW_STATES = 2
+"""AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
+
+ALIAS_TARGETS = frozenset({"aten._unsafe_view.default"})
+"""Ops the capture does not mark as views that nonetheless return their input's storage: ``matmul``'s
+``_unsafe_view`` of its ``mm`` output (a view without autograd view tracking; no kernel runs)."""
+
+MEMORY_ROWS = ("update", "backward")
+"""The ILP's memory rows (module docstring)."""
+
+OPTIMIZER_PHASE = "optimizer step"
+"""``MemoryUse.peak_at`` when the peak is the optimizer update rather than a graph node."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of one parameter's training state (whole tensor; divide by its shard factor per device)."""
+
+    param: float
+    grad: float
+    """``.grad`` in the parameter's dtype (0 for a frozen parameter)."""
+    optimizer: float
+    """AdamW ``exp_avg`` + ``exp_avg_sq`` in the parameter's dtype (0 for a frozen parameter)."""
+    update_temp: float
+    """The foreach update's ``sqrt(exp_avg_sq)`` temporary (0 for a frozen parameter)."""
+
+    @property
+    def persistent(self) -> float:
+        """Held between steps: the weight and its AdamW states."""
+        return self.param + self.optimizer
+
+
+def state_bytes(info: TensorInfo, trainable: bool) -> StateBytes:
+    """A parameter's weight, gradient, AdamW states and update temporary, in its own dtype."""
+    w = float(info.nbytes)
+    if not trainable:
+        return StateBytes(w, 0.0, 0.0, 0.0)
+    return StateBytes(w, w, ADAMW_STATES * w, w)
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """A tensor's bytes on each of the ILP's memory rows (:data:`MEMORY_ROWS`)."""
+
+    update: float
+    backward: float
+
+    def as_tuple(self) -> tuple[float, float]:
+        return (self.update, self.backward)
+
+
+def row_bytes(node: OpNode, trainable: bool) -> RowBytes:
+    """A leaf's (parameter, buffer, input) bytes on each row, unsharded: a trainable parameter holds
+    ``W + O + G + T_opt`` during the update and ``W + O`` at the start of the backward."""
+    assert node.out is not None
+    if node.kind != "param":
+        b = float(node.out.nbytes)
+        return RowBytes(b, b)
+    s = state_bytes(node.out, trainable)
+    return RowBytes(s.persistent + s.grad + s.update_temp, s.persistent)
+
+
+def zero_row_bytes(node: OpNode, n_rep: float) -> RowBytes:
+    """A trainable parameter's rows when the ZeRO post-pass shards its state over the `n_rep` devices that
+    replicate it: the state divided by `n_rep`, plus (backward row) the gathered copy the forward keeps."""
+    assert node.out is not None
+    s = state_bytes(node.out, True)
+    return RowBytes((s.persistent + s.grad + s.update_temp) / n_rep, s.param + s.persistent / n_rep)
+
+
+def kept_copy_bytes(info: TensorInfo, layout: Any, wants: Sequence[Any], mesh_shape: Sequence[int]) -> float:
+    """Bytes per device of the redistributed copies of a parameter stored in `layout` that views the
+    backward keeps read in the layouts `wants` (each a copy ``bytes / sf(want)`` living into the backward;
+    the same copies :func:`liveness` allocates for resharded views)."""
+    lay = _Layouts(None, mesh_shape)
+    return sum(info.nbytes / shard_factor(w, mesh_shape) for w in wants if lay.differ(layout, w))
+
+
+def aliases_input(node: OpNode) -> bool:
+    """Whether `node` returns (a view of) its first operand's storage instead of allocating."""
+    return bool(node.inputs) and (node.is_view or node.kind == "getitem" or node.target in ALIAS_TARGETS)
+
+
+def storage_base(graph: OpGraph, name: str, idx: int) -> tuple[str, int]:
+    """The (node, output) whose storage the value ``name[idx]`` aliases (itself unless it is a view)."""
+    n = graph[name]
+    while aliases_input(n):
+        name, idx = n.inputs[0]
+        n = graph[name]
+    return name, idx
+
+
+def saved_values(graph: OpGraph) -> list[tuple[str, int]]:
+    """Op outputs the backward reads (views counted at their base), each once, in graph order."""
+    seen: dict[tuple[str, int], None] = {}
+    for n in graph.nodes:
+        if not n.saved_for_backward:
+            continue
+        for i in range(len(n.outputs)) if n.kind == "op" else [0]:
+            b = storage_base(graph, n.name, i)
+            if graph[b[0]].kind == "op" and graph[b[0]].outputs[b[1]] is not None:
+                seen.setdefault(b, None)
+    return list(seen)
+
+
+# ------------------------------------------------------------------------------------------ liveness
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The graph's values at their peak (bytes per device; persistent state not included)."""
+
+    peak: float
+    """``max_i live(i)``."""
+    peak_node: str
+    saved: float
+    """Of the peak: values the backward reads (activations)."""
+    grads: float
+    """Of the peak: parameter gradients already produced."""
+    temporaries: float
+    """Of the peak: everything else live there."""
+
+
+class _Layouts:
+    """Shard factors of a plan's values and operands (everything whole when `chosen` is None)."""
+
+    def __init__(self, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]):
+        self.chosen = chosen
+        self.mesh_shape = tuple(mesh_shape)
+
+    def out(self, name: str, i: int) -> Any:
+        return None if self.chosen is None else self.chosen[name].outs[i]
+
+    def operand(self, name: str, a: int) -> Any:
+        return None if self.chosen is None else self.chosen[name].ins[a]
+
+    def per_device(self, info: TensorInfo, layout: Any) -> float:
+        return info.nbytes / (shard_factor(layout, self.mesh_shape) if layout is not None else 1)
+
+    def differ(self, have: Any, want: Any) -> bool:
+        """Whether a value in layout `have` must be redistributed to `want` (mesh axes of size 1 aside)."""
+        if have is None or want is None or have == want:
+            return False
+        return any(h != w for h, w, n in zip(have, want, self.mesh_shape) if n > 1)
+
+    def reshards(self, src: tuple[str, int], node: str, a: int) -> Any:
+        """The layout operand `a` of `node` is redistributed to, or None when it reads `src` as produced."""
+        have, want = self.out(*src), self.operand(node, a)
+        return want if self.differ(have, want) else None
+
+
+def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = ()) -> Liveness:
+    """Sweep the graph in execution order and return its peak of live values (module docstring).
+
+    `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
+    value is whole (one device)."""
+    lay = _Layouts(chosen, mesh_shape)
+    end = len(graph.nodes)
+    size: dict[Any, float] = {}
+    last: dict[Any, int] = {}
+    store: dict[tuple[str, int], Any] = {}  # value -> storage key (None: persistent leaf)
+    born: dict[int, list[Any]] = {}
+    for n in graph.nodes:
+        if n.kind in ("param", "buffer", "input"):
+            store[(n.name, 0)] = None
+            continue
+        if aliases_input(n):
+            src = n.inputs[0]
+            want = lay.reshards(src, n.name, 0)
+            key = store.get(src)
+            if want is not None:  # a redistributed copy becomes the view's base
+                key = ("copy", n.name)
+                info = graph[src[0]].outputs[src[1]]
+                size[key] = lay.per_device(info, want) if info is not None else 0.0
+                born.setdefault(n.index, []).append(key)
+            for i in range(len(n.outputs)):
+                store[(n.name, i)] = key
+        else:
+            for i, info in enumerate(n.outputs):
+                if info is None:
+                    continue
+                key = (n.name, i)
+                store[key] = key
+                size[key] = lay.per_device(info, lay.out(n.name, i))
+                born.setdefault(n.index, []).append(key)
+            for a, src in enumerate(n.inputs):
+                want = lay.reshards(src, n.name, a)
+                info = graph[src[0]].outputs[src[1]]
+                if want is not None and info is not None:
+                    key = ("operand", n.name, a)
+                    size[key] = lay.per_device(info, want)
+                    born.setdefault(n.index, []).append(key)
+                    last[key] = n.index
+        for src in n.inputs:
+            key = store.get(src)
+            if key is not None:
+                last[key] = max(last.get(key, -1), n.index)
+    grad_keys: set[Any] = set()
+    reduced: list[Any] = []
+    pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
+    for fqn, src in graph.grads.items():
+        if src is None or store.get(src) is None:
+            continue
+        key = store[src]
+        last[key] = end
+        grad_keys.add(key)
+        p = pnodes[fqn]
+        have, want = lay.out(*src), lay.out(p.name, 0)
+        if lay.differ(have, want) and p.out is not None:
+            rkey = ("grad", fqn)
+            size[rkey] = lay.per_device(p.out, want)
+            reduced.append(rkey)
+    loss_key = store.get(graph.loss)
+    if loss_key is not None:
+        last[loss_key] = end
+    born[end] = reduced
+    grad_keys.update(reduced)
+    saved = {store.get(v) for v in saved_values(graph)}
+    # a redistributed copy that a view the backward reads aliases is kept for the backward too
+    saved |= {store.get((n.name, i)) for n in graph.nodes if n.saved_for_backward for i in range(len(n.outputs))}
+    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end)
+
+
+def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, saved: set, end: int) -> Liveness:
+    """Allocate at birth, free after the last use; the peak and what is live there."""
+    death: dict[Any, int] = {}
+    dying: dict[int, list[Any]] = {}
+    best, best_idx, total = -1.0, -1, 0.0
+    for idx in sorted(born):
+        for key in born[idx]:
+            total += size[key]
+            death[key] = max(last.get(key, idx), idx)
+            dying.setdefault(death[key], []).append(key)
+        if total > best:
+            best, best_idx = total, idx
+        for key in dying.pop(idx, ()):
+            total -= size[key]
+    if best_idx < 0:
+        return Liveness(0.0, "", 0.0, 0.0, 0.0)
+    at = [k for idx in born if idx <= best_idx for k in born[idx] if death[k] >= best_idx]
+    in_saved = sum(size[k] for k in at if k in saved)
+    in_grads = sum(size[k] for k in at if k in grad_keys and k not in saved)
+    name = graph.nodes[best_idx].name if best_idx < end else "end of backward"
+    return Liveness(best, name, in_saved, in_grads, best - in_saved - in_grads)
+
+
+# ------------------------------------------------------------------------------------------ memory use
+
+
+def memory_use(
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None = None,
+    mesh_shape: Sequence[int] = (),
+    capacity: float = float("inf"),
+) -> MemoryUse:
+    """Predicted peak bytes per device of one training step of a plan (module docstring), as a
+    :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak."""
+    lay = _Layouts(chosen, mesh_shape)
+    w = o = g = t_opt = inputs = 0.0
+    rows = [0.0, 0.0]
+    for n in graph.nodes:
+        if n.kind not in ("param", "buffer", "input") or n.out is None:
+            continue
+        sf = shard_factor(lay.out(n.name, 0), lay.mesh_shape) if lay.chosen is not None else 1
+        trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
+        if n.kind == "param":
+            s = state_bytes(n.out, trainable)
+            w, o, g, t_opt = w + s.param / sf, o + s.optimizer / sf, g + s.grad / sf, t_opt + s.update_temp / sf
+        else:
+            inputs += n.out.nbytes / sf
+        r = row_bytes(n, trainable)
+        rows = [rows[0] + r.update / sf, rows[1] + r.backward / sf]
+    for v in saved_values(graph):
+        info = graph[v[0]].outputs[v[1]]
+        rows[1] += lay.per_device(info, lay.out(*v)) if info is not None else 0.0
+    live = liveness(graph, chosen, mesh_shape)
+    row = max(rows)
+    if live.peak >= g + t_opt:  # the forward + backward peaks higher than the optimizer step
+        grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node
+    else:
+        grads, saved, temporaries, at = g, 0.0, t_opt, OPTIMIZER_PHASE
+    return MemoryUse(w, grads, o, saved, inputs, capacity, temporaries=temporaries, row=row, peak_at=at)
