@@ -59,13 +59,22 @@ def sdpa(
     k, v = _expand_kv(q, k, v, enable_gqa)
     fn = _FORWARD.get(q.device.type, _math_forward)
     out, lse = fn(q, k, v, _float_mask(attn_mask, q), is_causal, _scale(q, scale))
-    return out, lse
+    return _heads_inner(out), lse
+
+
+def _heads_inner(out: Tensor) -> Tensor:
+    """`out` [b, h, t, e] laid out as [b, t, h, e] in memory, as the flash kernels write it (every kernel's
+    output gets that layout, so the strides the trace saw are the strides the run has)."""
+    if out.transpose(1, 2).is_contiguous():
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @sdpa.register_fake
 def _sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # [b, h, t, e_v]
-    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)  # lse [b, h, t]
+    b, h, t, _ = q.shape
+    out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)  # [b, h, t, e_v], stored [b, t, h, e_v]
+    return out, q.new_empty((b, h, t), dtype=torch.float32)  # lse [b, h, t]
 
 
 @torch.library.custom_op("meshpilot::sdpa_backward", mutates_args=())
