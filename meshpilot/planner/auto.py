@@ -569,7 +569,8 @@ def _assemble(
     nodes = []
     for node in graph.nodes:
         st = chosen[node.name]
-        compute += costs.node(node, st)
+        seconds = costs.node(node, st)
+        compute += seconds
         phase = "fwd" if node.phase == "fwd" else "bwd"
         for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
             sec = resharder.collective_cost(c)
@@ -589,6 +590,7 @@ def _assemble(
                 tuple(tuple(to_json(p)) if p is not None else None for p in st.outs),
                 st.source,
                 node.phase,
+                seconds,
             )
         )
     loss_name, li = graph.loss

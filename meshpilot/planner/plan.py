@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshpilot.planner.schedule import Schedule, trivial
 from meshpilot.sharding.placements import Placements, from_json
 
 Layout = tuple[str, ...]
@@ -43,6 +44,8 @@ class NodeChoice:
     outs: tuple[Layout | None, ...]
     source: str
     phase: str
+    seconds: float = 0.0
+    """Predicted compute time of this node's shard of the work (the roofline of the cost model)."""
 
     def short(self) -> str:
         """``mm_3: S(0)R × RS(1) → S(0)S(1)``."""
@@ -202,6 +205,8 @@ class Plan:
     """Parameters the ZeRO-like post-pass sharded (their layouts in ``params`` are already the new ones)."""
     fallbacks: tuple[Fallback, ...] = ()
     """Nodes with no strategy but the replicated one, each with where the model made it."""
+    schedule: Schedule | None = None
+    """The step's actions per rank (``meshpilot.planner.schedule``); None: the trivial ``F0 B0 G``."""
     precision: str = ""
     """``fp32``, ``bf16`` or ``bf16-mixed`` (``meshpilot.graph.capture.Precision``: autocast over fp32
     parameters); empty in older plans."""
@@ -213,6 +218,15 @@ class Plan:
     # ---------------------------------------------------------------- access
     def node(self, name: str) -> NodeChoice:
         return self._index[name]
+
+    def step_schedule(self) -> Schedule:
+        """The plan's schedule, or the trivial one (``F0 B0 G`` on every rank)."""
+        if self.schedule is not None:
+            return self.schedule
+        n = 1
+        for d in self.mesh_shape:
+            n *= d
+        return trivial(n)
 
     def param_layout(self, fqn: str) -> Placements:
         for name, layout in self.params:
@@ -340,7 +354,16 @@ class Plan:
             mesh_ranks=tuple(d["mesh_ranks"]),
             mapping=d["mapping"],
             nodes=tuple(
-                NodeChoice(n["name"], n["target"], n["kind"], tup(n["ins"]), tup(n["outs"]), n["source"], n["phase"])
+                NodeChoice(
+                    n["name"],
+                    n["target"],
+                    n["kind"],
+                    tup(n["ins"]),
+                    tup(n["outs"]),
+                    n["source"],
+                    n["phase"],
+                    n.get("seconds", 0.0),
+                )
                 for n in d["nodes"]
             ),
             params=tuple((p[0], tup(p[1])) for p in d["params"]),
@@ -373,6 +396,7 @@ class Plan:
                 for z in d.get("zero", ())
             ),
             fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
+            schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None,
         )
 
     def to_json(self) -> str:
@@ -401,6 +425,8 @@ def _bytes(n: float) -> str:
 
 
 def _default(o: Any) -> Any:
+    if isinstance(o, Schedule):
+        return o.to_dict()
     if hasattr(o, "__dataclass_fields__"):
         return {k: v for k, v in asdict(o).items() if not k.startswith("_")}
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")

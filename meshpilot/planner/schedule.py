@@ -1,0 +1,211 @@
+"""The step as data: which piece of work runs when, on which ranks, for which microbatch, waiting on what.
+
+A :class:`Schedule` holds, for each group of ranks that do the same work (a *rank class*: every rank of an SPMD
+plan; one pipeline stage's ranks), the ordered :class:`Action` list of one training step. The runtime
+executes it (``meshpilot.runtime``), the simulator times it (``meshpilot.sim``), the plan stores it (JSON).
+
+Actions, and how they print (``str``) and parse (:func:`parse_action`) — the form torch.distributed.pipelining
+uses for its actions (``2F0``), extended by node ranges and collectives:
+
+=========================  =============================================================================
+``F3``, ``F3[0:120]``      compute the forward of microbatch 3 (all forward nodes, or nodes ``0 <= i < 120``
+                           of ``Plan.nodes``)
+``B3``, ``I3``, ``W3``     its backward: whole, for the inputs only, for the weights only (zero-bubble
+                           schedules split them)
+``G``                      gradient synchronisation, once per step: every gradient resharded into its
+                           parameter's layout (the plan's ``grad:`` collectives), after the last backward
+``+7.3``, ``-7.3``         issue / wait collective ``Plan.collectives[7]`` of microbatch 3; compute between an
+                           issue and its wait overlaps the collective
+``S3>5``, ``R3<1``         send to rank 5 / receive from rank 1 the boundary values of microbatch 3 (stages)
+=========================  =============================================================================
+
+A schedule prints as one line per rank class, ``ranks 0-3: F0 B0 G`` (the trivial step), and
+:func:`parse_schedule` reads that text back: ``parse_schedule(str(s)) == s``.
+
+Builders: :func:`trivial` (one microbatch, collectives where the plan puts them), :func:`accumulate`
+(``F0 B0 F1 B1 … G``: gradient accumulation over microbatches, the gradients reduced once), and
+:func:`overlapped` (each collective issued right after its producing node and waited right before its
+first consumer, so communication runs beside the compute in between).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from meshpilot.errors import UserError
+
+
+class ActionKind(StrEnum):
+    """What an action does (its letter in the printed form)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    GRAD_SYNC = "G"
+    ISSUE = "+"
+    WAIT = "-"
+    SEND = "S"
+    RECV = "R"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+
+_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule (module docstring)."""
+
+    kind: ActionKind
+    microbatch: int = 0
+    nodes: tuple[int, int] | None = None
+    """``[start, stop)`` indices into ``Plan.nodes`` for a compute action; None: the whole phase."""
+    collective: int | None = None
+    """Index into ``Plan.collectives`` (issue / wait)."""
+    peer: int | None = None
+    """The other rank of a send / receive."""
+
+    def __str__(self) -> str:
+        k = self.kind
+        if k == ActionKind.GRAD_SYNC:
+            return "G"
+        if k in (ActionKind.ISSUE, ActionKind.WAIT):
+            return f"{k.value}{self.collective}.{self.microbatch}"
+        if k == ActionKind.SEND:
+            return f"S{self.microbatch}>{self.peer}"
+        if k == ActionKind.RECV:
+            return f"R{self.microbatch}<{self.peer}"
+        span = f"[{self.nodes[0]}:{self.nodes[1]}]" if self.nodes is not None else ""
+        return f"{k.value}{self.microbatch}{span}"
+
+
+_ACTION = re.compile(
+    r"^(?:(?P<compute>[FBIW])(?P<mb>\d+)(?:\[(?P<start>\d+):(?P<stop>\d+)\])?"
+    r"|(?P<grad>G)"
+    r"|(?P<coll>[+-])(?P<c>\d+)\.(?P<cmb>\d+)"
+    r"|S(?P<smb>\d+)>(?P<speer>\d+)"
+    r"|R(?P<rmb>\d+)<(?P<rpeer>\d+))$"
+)
+
+
+def parse_action(text: str) -> Action:
+    """The :class:`Action` printed as `text` (one line naming the problem otherwise)."""
+    m = _ACTION.match(text.strip())
+    if m is None:
+        raise UserError(
+            f"schedule action {text!r}: write F3, B3, I3, W3 (optionally F3[start:stop]), G, +7.3 / -7.3 "
+            "(issue / wait collective 7 of microbatch 3), S3>5 or R3<1"
+        )
+    if m["compute"]:
+        nodes = (int(m["start"]), int(m["stop"])) if m["start"] is not None else None
+        return Action(ActionKind(m["compute"]), int(m["mb"]), nodes=nodes)
+    if m["grad"]:
+        return Action(ActionKind.GRAD_SYNC)
+    if m["coll"]:
+        return Action(ActionKind(m["coll"]), int(m["cmb"]), collective=int(m["c"]))
+    if m["smb"] is not None:
+        return Action(ActionKind.SEND, int(m["smb"]), peer=int(m["speer"]))
+    return Action(ActionKind.RECV, int(m["rmb"]), peer=int(m["rpeer"]))
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """Ranks that run the same actions (SPMD: all of them; a pipeline: one stage's)."""
+
+    ranks: tuple[int, ...]
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return f"ranks {_ranges(self.ranks)}: " + " ".join(str(a) for a in self.actions)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One training step of every rank (module docstring)."""
+
+    classes: tuple[RankClass, ...]
+    microbatches: int = 1
+    name: str = "trivial"
+    """How it was built (``trivial``, ``accumulate``, ``overlapped``, a pipeline schedule's name)."""
+    _by_rank: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_rank", {r: c for c in self.classes for r in c.ranks})
+
+    def actions(self, rank: int) -> tuple[Action, ...]:
+        """The actions `rank` runs."""
+        return self._by_rank[rank].actions
+
+    def __str__(self) -> str:
+        head = f"schedule {self.name}, {self.microbatches} microbatch{'es' if self.microbatches != 1 else ''}"
+        return "\n".join([head, *(str(c) for c in self.classes)])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "microbatches": self.microbatches, "text": [str(c) for c in self.classes]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        return cls(tuple(_parse_class(line) for line in d["text"]), int(d["microbatches"]), d["name"])
+
+
+def parse_schedule(text: str) -> Schedule:
+    """The schedule printed as `text` (``str(schedule)``)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    m = re.match(r"^schedule (\S+), (\d+) microbatch(?:es)?$", lines[0].strip()) if lines else None
+    if m is None:
+        raise UserError("schedule text: the first line must read 'schedule NAME, N microbatches'")
+    return Schedule(tuple(_parse_class(line) for line in lines[1:]), int(m[2]), m[1])
+
+
+def _parse_class(line: str) -> RankClass:
+    m = re.match(r"^\s*ranks ([0-9,\- ]+):(.*)$", line)
+    if m is None:
+        raise UserError(f"schedule line {line!r}: write 'ranks 0-3: F0 B0 G'")
+    return RankClass(_parse_ranges(m[1]), tuple(parse_action(t) for t in m[2].split()))
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    """``0-3,8,10-11``."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ",".join(out)
+
+
+def _parse_ranges(text: str) -> tuple[int, ...]:
+    ranks: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        lo, _, hi = part.partition("-")
+        ranks += range(int(lo), int(hi or lo) + 1)
+    return tuple(ranks)
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def trivial(world: int) -> Schedule:
+    """``F0 B0 G`` on every rank: one microbatch, every collective waited where the plan places it."""
+    return accumulate(world, 1)
+
+
+def accumulate(world: int, microbatches: int) -> Schedule:
+    """``F0 B0 F1 B1 … G``: gradients accumulated over `microbatches`, synchronised once at the end."""
+    if microbatches < 1:
+        raise UserError(f"microbatches {microbatches}: give at least 1")
+    acts: list[Action] = []
+    for m in range(microbatches):
+        acts += [Action(ActionKind.FORWARD, m), Action(ActionKind.BACKWARD, m)]
+    acts.append(Action(ActionKind.GRAD_SYNC))
+    name = "trivial" if microbatches == 1 else "accumulate"
+    return Schedule((RankClass(tuple(range(world)), tuple(acts)),), microbatches, name)
