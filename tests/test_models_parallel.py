@@ -40,6 +40,11 @@ KINDS_OF = {FALLBACK: ("solver",)}  # the model with an op no strategy covers: t
 STOCK_ADAMW = dict(lr=1e-3)  # eps=1e-8: loss and gradients
 PARAM_ADAMW = dict(lr=1e-3, eps=1e-4)  # parameters (see the module docstring)
 CLUSTER = "atp-ic3"
+# schedules beyond the trivial one (issue 9): the solver's plan of these models on one mesh per world size,
+# with gradient accumulation over 2 and 4 microbatches and with collectives issued early beside compute
+SCHEDULES = {"accumulate2": dict(microbatches=2), "accumulate4": dict(microbatches=4), "overlapped": {}}
+SCHEDULE_MODELS = ("gpt", "bert", "moe", "wrn")
+SCHEDULE_MESH = {4: (2, 2), 8: (2, 4)}
 
 
 class HybridNet(nn.Module):
@@ -135,6 +140,11 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
                     kw = {"graph": graph} if kind == "megatron_tp" else {}
                     force = forced(kind, model, inputs, shape, **kw)
                 plans[(name, shape, kind)] = plan(model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph)
+        if name in SCHEDULE_MODELS:
+            shape = SCHEDULE_MESH[world]
+            for kind, kw in SCHEDULES.items():
+                overlap = kind == "overlapped"
+                plans[(name, shape, kind)] = plan(model, inputs, CLUSTER, mesh_shape=shape, overlap=overlap, **kw)
     return plans
 
 
@@ -143,7 +153,7 @@ def _plan_key(p) -> str:
     import json
 
     d = p.to_dict()
-    return json.dumps([d["mesh_shape"], d["mesh_ranks"], d["nodes"], d["params"], d["inputs"]])
+    return json.dumps([d["mesh_shape"], d["mesh_ranks"], d["nodes"], d["params"], d["inputs"], d["schedule"]])
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -167,15 +177,22 @@ def _max_err(pairs) -> tuple[float, str]:
     return worst
 
 
-def _reference(name: str, adamw: dict) -> list[dict]:
-    """Single-device trajectory: per step the loss, gradients and parameters after the step."""
+def _reference(name: str, adamw: dict, microbatches: int = 1) -> list[dict]:
+    """Single-device trajectory: per step the loss, gradients and parameters after the step. With
+    microbatches, the batch is cut along dim 0 and the gradients of loss / M accumulated (the semantics the
+    runtime's accumulation has: an MoE's capacity applies per microbatch)."""
     model, inputs = build(name)
     opt = torch.optim.AdamW(model.parameters(), **adamw)
     out = []
+    chunks = [x.chunk(microbatches) for x in inputs]
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = model(*inputs)
-        loss.backward()
+        losses = []
+        for m in range(microbatches):
+            part = model(*[c[m] for c in chunks])
+            (part / microbatches).backward()
+            losses.append(part.detach())
+        loss = torch.stack(losses).mean()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         out.append(
@@ -226,13 +243,16 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     out: dict = {}
     for job, name, plan_json in jobs:
         t0 = time.perf_counter()
-        if name not in refs:
-            refs[name] = (_reference(name, STOCK_ADAMW), _reference(name, PARAM_ADAMW))
-            model, inputs = build(name)
-            graphs[name] = capture(model, inputs)
         plan = Plan.from_json(plan_json)
-        stock = _run_plan(name, plan, graphs[name], refs[name][0], STOCK_ADAMW, count=True)
-        eps = _run_plan(name, plan, graphs[name], refs[name][1], PARAM_ADAMW, count=False)
+        m = plan.step_schedule().microbatches
+        if (name, m) not in refs:
+            refs[(name, m)] = (_reference(name, STOCK_ADAMW, m), _reference(name, PARAM_ADAMW, m))
+        if (name, m) not in graphs:
+            model, inputs = build(name)
+            graphs[(name, m)] = capture(model, [x.chunk(m)[0] for x in inputs])
+        ref = refs[(name, m)]
+        stock = _run_plan(name, plan, graphs[(name, m)], ref[0], STOCK_ADAMW, count=True)
+        eps = _run_plan(name, plan, graphs[(name, m)], ref[1], PARAM_ADAMW, count=False)
         out[job] = {
             "loss": stock["loss"],
             "grad": stock["grad"],
@@ -304,6 +324,22 @@ def test_solver_plan_matches_single_device(runs, name):
 def test_forced_plans_match_single_device(runs, kind):
     world, plans, results = runs
     keys = [k for k in plans if k[2] == kind and k[0] in ZOO]
+    _check_equal(world, plans, results, keys)
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULES))
+def test_schedules_match_single_device(runs, kind):
+    """Gradient accumulation over 2 and 4 microbatches, and collectives issued early beside compute: loss and
+    gradients as one device computes them with the same microbatches (the collectives: checked below)."""
+    world, plans, results = runs
+    keys = [k for k in plans if k[2] == kind]
+    assert len(keys) == len(SCHEDULE_MODELS)
+    for k in keys:
+        sched = plans[k].step_schedule()
+        assert sched.microbatches == SCHEDULES[kind].get("microbatches", 1)
+        assert sched.name == ("overlapped" if kind == "overlapped" else "accumulate"), str(sched)
+        if kind == "overlapped":  # collectives are issued ahead of their consumers
+            assert any(a.kind == "+" for a in sched.actions(0)), str(sched)
     _check_equal(world, plans, results, keys)
 
 

@@ -52,6 +52,7 @@ time, memory and collectives describe the switched plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,7 @@ from meshpilot.planner.plan import (
     StepTime,
     ZeroSwitch,
 )
+from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.sharding.placements import is_even, replicated, shard_factor, to_json
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, fake_device_mesh
@@ -139,6 +141,8 @@ def plan(
     graph: OpGraph | None = None,
     zero: str = "auto",
     precision: str | None = None,
+    microbatches: int = 1,
+    overlap: bool = False,
 ) -> Plan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
@@ -150,7 +154,12 @@ def plan(
     `precision` is how the run trains: ``fp32`` or ``bf16`` (the parameters' own dtype; checked), or
     ``bf16-mixed`` (``torch.autocast`` to bfloat16 over fp32 parameters: the step is captured under autocast,
     so its casts and bf16 copies are in the graph, and AdamW keeps fp32 states); default: the parameters'
-    dtype. See :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
+    dtype. `microbatches` > 1 plans one microbatch (dim 0 of every example input divided by it) and
+    accumulates gradients over them (schedule ``F0 B0 F1 B1 … G``: ``meshpilot.planner.schedule``); the
+    step time and collectives then count every microbatch, the gradients' synchronisation once.
+    ``overlap=True`` gives the plan the ``overlapped`` schedule: each resharding edge's first collective
+    issued right after its producer and waited before its consumer, so it runs beside the compute between. See
+    :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_2d
 
@@ -163,7 +172,8 @@ def plan(
     t0 = time.perf_counter()
     precision = check_precision(model, graph, precision)
     if graph is None:
-        graph = capture(model, example_inputs, loss_fn=loss_fn, precision=precision)
+        inputs = microbatch_inputs(example_inputs, microbatches)
+        graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
     uses = _ParamUses(graph)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
@@ -237,7 +247,7 @@ def plan(
             if len(errors) == 1
             else PlanError("no sharding plan fits on any mesh shape: " + "; ".join(str(e) for e in errors[:3]))
         )
-    return _assemble(
+    result = _assemble(
         graph,
         best,
         uses,
@@ -246,7 +256,29 @@ def plan(
         (capture_s, build_s, solve_s, post_s, time.perf_counter() - t_start),
         tuple(tried),
         stats["ilps"],
+        microbatches,
     )
+    if overlap:
+        result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
+    return result
+
+
+def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple:
+    """The first of `microbatches` equal microbatches of the example inputs (dim 0 of each)."""
+    from meshpilot.graph.capture import as_inputs
+
+    inputs = as_inputs(example_inputs)
+    if microbatches < 1:
+        raise PlanError(f"microbatches={microbatches}: give at least 1")
+    if microbatches == 1:
+        return inputs
+    for i, x in enumerate(inputs):
+        if x.dim() == 0 or x.shape[0] % microbatches:
+            raise PlanError(
+                f"microbatches={microbatches}: example input {i} has shape {tuple(x.shape)}, whose dim 0 (the batch) "
+                f"does not split into {microbatches} equal microbatches; pick a divisor of the batch"
+            )
+    return tuple(x.narrow(0, 0, x.shape[0] // microbatches) for x in inputs)
 
 
 def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precision: str | None) -> str:
@@ -544,6 +576,7 @@ def _assemble(
     times: tuple[float, float, float, float, float],
     tried: tuple[MeshCandidate, ...],
     ilps: int = 1,
+    microbatches: int = 1,
 ) -> Plan:
     prob, sol, resharder, cm, lm, chosen = cand.prob, cand.sol, cand.resharder, cand.cm, cand.lm, cand.chosen
     mesh_shape = prob.mesh_shape
@@ -552,35 +585,36 @@ def _assemble(
     compute = comm = reshard = 0.0
     colls: list[PlannedCollective] = []
 
-    def edge(src: str, i: int, dst_name: str, dst_layout, phase: str) -> None:
+    def edge(src: str, i: int, dst_name: str, dst_layout, phase: str, operand: int = -1) -> None:
         nonlocal comm, reshard
         info = graph[src].outputs[i]
         src_layout = chosen[src].outs[i]
         if info is None or src_layout is None or dst_layout is None:
             return
+        times = 1 if dst_name.startswith("grad:") else microbatches  # gradients are synchronised once a step
         for c in resharder.collectives(src_layout, dst_layout, info):
             s = resharder.collective_cost(c)
             if c.is_reduction:
-                comm += s
+                comm += s * times
             else:
-                reshard += s
-            colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, src, dst_name, s))
+                reshard += s * times
+            colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, src, dst_name, s, operand))
 
     nodes = []
     for node in graph.nodes:
         st = chosen[node.name]
         seconds = costs.node(node, st)
-        compute += seconds
+        compute += seconds * microbatches
         phase = "fwd" if node.phase == "fwd" else "bwd"
         for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
             sec = resharder.collective_cost(c)
             if c.is_reduction:
-                comm += sec
+                comm += sec * microbatches
             else:
-                reshard += sec
+                reshard += sec * microbatches
             colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, node.name, node.name, sec))
         for a, (src, i) in enumerate(node.inputs):
-            edge(src, i, node.name, st.ins[a], phase)
+            edge(src, i, node.name, st.ins[a], phase, a)
         nodes.append(
             NodeChoice(
                 node.name,
@@ -661,6 +695,7 @@ def _assemble(
         zero=tuple(cand.switches),
         fallbacks=fallbacks,
         precision=cand.precision,
+        schedule=accumulate(math.prod(mesh_shape), microbatches) if microbatches > 1 else None,
     )
 
 

@@ -73,6 +73,9 @@ class PlannedCollective:
     src: str
     dst: str
     seconds: float
+    operand: int = -1
+    """Which operand of ``dst`` it reshards (-1: a collective the op issues itself, or a loss / gradient /
+    buffer edge)."""
 
 
 @dataclass(frozen=True)
@@ -235,19 +238,22 @@ class Plan:
         raise KeyError(fqn)
 
     def collective_counts(self, phase: str | None = None, backend: str = "nccl") -> Counter:
-        """Counter of (kind, axis, nbytes) over the planned collectives, optionally of one phase.
+        """Counter of (kind, axis, nbytes) over the collectives one step issues, optionally of one phase:
+        each microbatch's once per microbatch of the schedule, the gradients' (``grad:``) once.
 
         With ``backend="gloo"`` an all-to-all is counted as DTensor issues it on CPU process groups
         (which lack all-to-all): an all-gather of the shards, ``n`` times the bytes each rank holds.
         """
+        per_step = self.step_schedule().microbatches
         out: Counter = Counter()
         for c in self.collectives:
             if phase is not None and c.phase != phase:
                 continue
+            times = 1 if c.dst.startswith("grad:") else per_step
             if backend == "gloo" and c.kind == "all_to_all":
-                out[("all_gather", c.axis, c.nbytes * self.mesh_shape[c.axis])] += 1
+                out[("all_gather", c.axis, c.nbytes * self.mesh_shape[c.axis])] += times
             else:
-                out[(c.kind, c.axis, c.nbytes)] += 1
+                out[(c.kind, c.axis, c.nbytes)] += times
         return out
 
     # ---------------------------------------------------------------- printing

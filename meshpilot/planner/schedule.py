@@ -209,3 +209,56 @@ def accumulate(world: int, microbatches: int) -> Schedule:
     acts.append(Action(ActionKind.GRAD_SYNC))
     name = "trivial" if microbatches == 1 else "accumulate"
     return Schedule((RankClass(tuple(range(world)), tuple(acts)),), microbatches, name)
+
+
+def overlapped(plan: Any, microbatches: int = 1) -> Schedule:
+    """Every resharding edge's first collective issued right after its producing node and waited right
+    before its consumer, so the compute in between overlaps it (later collectives of a multi-axis reshard,
+    the collectives an op issues itself, the loss's and the gradients' stay where the plan puts them)."""
+    phases = {"fwd": ActionKind.FORWARD, "bwd": ActionKind.BACKWARD}
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    spans = {
+        ph: [i for i, n in enumerate(plan.nodes) if n.phase == ph and n.kind in ("op", "getitem")] for ph in phases
+    }
+    hoisted: dict[str, list[tuple[int, int, int]]] = {ph: [] for ph in phases}  # (issue after, wait before, c)
+    seen: set[tuple[str, int]] = set()
+    for c, col in enumerate(plan.collectives):
+        if col.operand < 0 or col.src == col.dst or col.dst not in index or (col.dst, col.operand) in seen:
+            continue
+        seen.add((col.dst, col.operand))
+        src, dst = index.get(col.src, -1), index[col.dst]
+        if col.phase in hoisted and src + 1 < dst:
+            hoisted[col.phase].append((src + 1, dst, c))
+    acts: list[Action] = []
+    for m in range(microbatches):
+        for ph, kind in phases.items():
+            acts += _split_phase(kind, m, spans[ph], hoisted[ph])
+    acts.append(Action(ActionKind.GRAD_SYNC))
+    world = 1
+    for d in plan.mesh_shape:
+        world *= d
+    return Schedule((RankClass(tuple(range(world)), tuple(acts)),), microbatches, "overlapped")
+
+
+def _split_phase(kind: ActionKind, m: int, nodes: list[int], hoisted: list[tuple[int, int, int]]) -> list[Action]:
+    """A phase's nodes as compute ranges, cut where a collective is issued (before node ``issue``) or waited
+    (before node ``wait``)."""
+    if not nodes:
+        return []
+    lo, hi = nodes[0], nodes[-1] + 1
+    events: dict[int, list[Action]] = {}
+    for issue, wait, c in hoisted:
+        issue = max(issue, lo)
+        events.setdefault(issue, []).append(Action(ActionKind.ISSUE, m, collective=c))
+        events.setdefault(wait, []).append(Action(ActionKind.WAIT, m, collective=c))
+    out: list[Action] = []
+    start = lo
+    for at in sorted(p for p in events if lo <= p <= hi):
+        if at > start:
+            out.append(Action(kind, m, nodes=(start, at)))
+            start = at
+        waits = [a for a in events[at] if a.kind == ActionKind.WAIT]
+        out += waits + [a for a in events[at] if a.kind == ActionKind.ISSUE]
+    if start < hi:
+        out.append(Action(kind, m, nodes=(start, hi)))
+    return out

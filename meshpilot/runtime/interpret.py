@@ -34,7 +34,7 @@ from meshpilot import compat
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
 from meshpilot.ops import OwnCall, own_op
 from meshpilot.planner.plan import NodeChoice, Plan
-from meshpilot.runtime.record import outside_program
+from meshpilot.runtime.record import outside_program, tagged
 from meshpilot.sharding.placements import Placements, from_json, replicated
 
 aten = torch.ops.aten
@@ -205,19 +205,21 @@ class Interpreter:
             v = env[src][i]
             want = ex.ins[a]
             if isinstance(v, DTensor) and v._spec.placements != want:
-                v = redistribute(v, want)
+                with tagged((node.index, a)):  # the resharding edge into operand a
+                    v = redistribute(v, want)
             if ex.mode != ExecMode.DTENSOR and isinstance(v, DTensor):
                 v = v._local_tensor
             operands.append(v)
-        if ex.mode == ExecMode.DTENSOR and ex.target in _STRICT_VIEWS:
-            operands[0] = self._viewable(operands[0], ex)
-        args, kwargs = ex.arguments(operands)
-        if ex.mode == ExecMode.OWN:
-            out = own_op(node.target).run(ex.own, *args, **kwargs)
-        else:
-            out = ex.target(*args, **kwargs)
-        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        return tuple(self._label(node, ex, i, o) for i, o in enumerate(outs))
+        with tagged((node.index, -1)):
+            if ex.mode == ExecMode.DTENSOR and ex.target in _STRICT_VIEWS:
+                operands[0] = self._viewable(operands[0], ex)
+            args, kwargs = ex.arguments(operands)
+            if ex.mode == ExecMode.OWN:
+                out = own_op(node.target).run(ex.own, *args, **kwargs)
+            else:
+                out = ex.target(*args, **kwargs)
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            return tuple(self._label(node, ex, i, o) for i, o in enumerate(outs))
 
     def _label(self, node: OpNode, ex: NodeCall, i: int, o: Any) -> Any:
         """Output `i` as a DTensor in its planned layout."""

@@ -9,12 +9,15 @@ slices and process groups as constants. The recording is an ``fx.GraphModule`` â
 (``program.forward_gm.code`` shows it) that later steps call directly: one op per line, no interpretation,
 no DTensor. The first call's own outputs are used, so no step is spent on recording.
 
-A step is two programs:
+A step is three programs, one per kind of schedule action (``meshpilot.planner.schedule``):
 
-* **forward** ``(*parameter locals, *buffer locals, *inputs) -> (loss, *buffer updates, *saved)`` runs the
-  forward nodes; ``saved`` are the local tensors the backward reads (activations, inputs, parameters);
-* **backward** ``(*saved) -> (*gradients)`` runs the backward nodes and reshards each gradient into its
-  parameter's layout.
+* **forward** (``F``) ``(*parameter locals, *buffer locals, *inputs) -> (loss, *buffer updates, *saved)`` runs
+  the forward nodes of one microbatch; ``saved`` are the local tensors the backward reads (activations,
+  inputs, parameters);
+* **backward** (``B``) ``(*saved) -> (*gradients)`` runs the backward nodes and returns each gradient as it
+  was produced (partial sums unreduced), so microbatches' gradients add up locally;
+* **gradient synchronisation** (``G``) ``(*gradients) -> (*gradients)`` reshards each into its parameter's
+  layout (the plan's ``grad:`` collectives), once per step.
 
 Programs are specialised to the plan, the rank and the input shapes (the caller checks the shapes).
 ``compile=True`` hands both programs to ``torch.compile``. ``MESHPILOT_INTERPRET=1`` interprets every step
@@ -33,8 +36,10 @@ from torch.distributed.tensor import DTensor
 from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
+from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.record import record
+from meshpilot.runtime.overlap import issue_early, issue_points
+from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
 _INTERPRET = os.environ.get("MESHPILOT_INTERPRET") == "1"
@@ -51,8 +56,11 @@ class Saved:
 class StepProgram:
     """The forward and backward programs of one plan on one rank (module docstring)."""
 
-    def __init__(self, interp: Interpreter, trainable: list[str], *, compile: bool = False) -> None:
+    def __init__(
+        self, interp: Interpreter, trainable: list[str], *, compile: bool = False, schedule: Schedule | None = None
+    ) -> None:
         self.interp = interp
+        self.schedule = schedule
         self.graph: OpGraph = interp.graph
         self.trainable = trainable
         self.compile = compile
@@ -75,8 +83,21 @@ class StepProgram:
         self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=self._kept())
         self.forward_gm: torch.fx.GraphModule | None = None
         self.backward_gm: torch.fx.GraphModule | None = None
+        self.grad_sync_gm: torch.fx.GraphModule | None = None
         self._forward_fn = None
         self._backward_fn = None
+        self._grad_sync_fn = None
+        self.issued_early: dict[ActionKind, int] = {}
+        """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+
+    def _issue_early(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
+        """Reorder a phase's program so the schedule's early-issued collectives overlap compute."""
+        if self.schedule is None:
+            return
+        import torch.distributed as dist
+
+        points = issue_points(self.schedule, self.interp.plan, kind, dist.get_rank())
+        self.issued_early[kind] = issue_early(gm, points)
 
     def _kept(self) -> set[str]:
         g = self.graph
@@ -92,6 +113,7 @@ class StepProgram:
             result = self._forward_body(args)
         elif self._forward_fn is None:
             self.forward_gm, result = record(lambda *flat: self._forward_body(flat), *args)
+            self._issue_early(self.forward_gm, ActionKind.FORWARD)
             self._forward_fn = _maybe_compile(self.forward_gm, self.compile)
         else:
             result = self._forward_fn(*args)
@@ -108,16 +130,10 @@ class StepProgram:
         env: dict[str, tuple] = {}
         with torch.no_grad(), compat.no_transform_optimization():
             for leaf in self.leaves:
-                if leaf.kind == NodeKind.PARAM:
-                    value = wrap_local(params[leaf.fqn], interp.mesh, self._param_layout(leaf.fqn), _val(leaf))
-                elif leaf.kind == NodeKind.BUFFER:
-                    value = interp.leaf(leaf, buffers[leaf.fqn])
-                elif leaf.kind == NodeKind.INPUT:
-                    value = interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
-                else:
-                    value = interp.leaf(leaf, graph.consts[leaf.name])
-                env[leaf.name] = (value,)
+                with tagged((leaf.index, -1)):
+                    env[leaf.name] = (self._leaf_value(leaf, params, buffers, inputs),)
             interp.run(self.fwd_nodes, env, self._last_use)
+
             ln, li = graph.loss
             loss = redistribute(env[ln][li], replicated(interp.mesh.ndim)).to_local()
             updates = [
@@ -129,13 +145,25 @@ class StepProgram:
             locals_ = [v._local_tensor if isinstance(v, DTensor) else v for v in saved]
         return (loss, *updates, *locals_)
 
+    def _leaf_value(self, leaf, params: dict, buffers: dict, inputs) -> Any:
+        interp = self.interp
+        if leaf.kind == NodeKind.PARAM:
+            return wrap_local(params[leaf.fqn], interp.mesh, self._param_layout(leaf.fqn), _val(leaf))
+        if leaf.kind == NodeKind.BUFFER:
+            return interp.leaf(leaf, buffers[leaf.fqn])
+        if leaf.kind == NodeKind.INPUT:
+            return interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
+        return interp.leaf(leaf, self.graph.consts[leaf.name])
+
     # ------------------------------------------------------------------ backward
     def backward(self, saved: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Local gradients of the trainable parameters in their layouts (None: no gradient)."""
+        """This rank's piece of each trainable parameter's gradient, in the layout the backward produced it
+        (partial sums not yet reduced: :meth:`grad_sync` does that, once per step); None: no gradient."""
         if _INTERPRET:
             result = self._backward_body(saved)
         elif self._backward_fn is None:
             self.backward_gm, result = record(lambda *flat: self._backward_body(flat), *saved)
+            self._issue_early(self.backward_gm, ActionKind.BACKWARD)
             self._backward_fn = _maybe_compile(self.backward_gm, self.compile)
         else:
             result = self._backward_fn(*saved)
@@ -155,8 +183,38 @@ class StepProgram:
             for fqn in self.trainable:
                 g = graph.grads.get(fqn)
                 if g is not None:
-                    grads.append(redistribute(env[g[0]][g[1]], self._param_layout(fqn)).to_local())
+                    value = env[g[0]][g[1]]
+                    grads.append(value._local_tensor if isinstance(value, DTensor) else value)
         return tuple(grads)
+
+    # ------------------------------------------------------------------ gradient synchronisation
+    def grad_sync(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Each gradient (as :meth:`backward` left it, summed over microbatches) resharded into its
+        parameter's layout: the plan's ``grad:`` collectives, once per step."""
+        present = [g for g in grads if g is not None]
+        if _INTERPRET:
+            result = self._grad_sync_body(present)
+        elif self._grad_sync_fn is None:
+            self.grad_sync_gm, result = record(lambda *flat: self._grad_sync_body(flat), *present)
+            self._grad_sync_fn = _maybe_compile(self.grad_sync_gm, self.compile)
+        else:
+            result = self._grad_sync_fn(*present)
+        it = iter(result)
+        return [next(it) if g is not None else None for g in grads]
+
+    def _grad_sync_body(self, flat) -> tuple:
+        graph, interp, plan = self.graph, self.interp, self.interp.plan
+        out = []
+        with torch.no_grad(), compat.no_transform_optimization():
+            it = iter(flat)
+            for fqn in self.trainable:
+                g = graph.grads.get(fqn)
+                if g is None:
+                    continue
+                held = plan.node(g[0]).out_placements(g[1])
+                value = wrap_local(next(it), interp.mesh, held, graph[g[0]].fx_node.meta["val"])
+                out.append(redistribute(value, self._param_layout(fqn)).to_local())
+        return tuple(out)
 
     def _param_layout(self, fqn: str):
         return self.interp.plan.param_layout(fqn)

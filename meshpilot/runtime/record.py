@@ -34,6 +34,19 @@ class NotReplayable(RuntimeError):
 
 _READBACKS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 _OUTSIDE = [0]
+_TAG: list[Any] = [None]
+
+
+@contextlib.contextmanager
+def tagged(tag: Any) -> Iterator[None]:
+    """Label the ops recorded meanwhile with `tag` (``node.meta["meshpilot_tag"]``): the runtime tags the
+    ops of each plan node and of each operand's resharding, so a pass can find them again."""
+    saved = _TAG[0]
+    _TAG[0] = tag
+    try:
+        yield
+    finally:
+        _TAG[0] = saved
 
 
 @contextlib.contextmanager
@@ -79,6 +92,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         f_args, f_kwargs = pytree.tree_map_only(torch.Tensor, self.node_of, (args, kwargs))
         node = self.graph.call_function(func, tuple(f_args), dict(f_kwargs))
+        node.meta["meshpilot_tag"] = _TAG[0]
         if isinstance(out, torch.Tensor):
             self.nodes[out] = node
         elif isinstance(out, (tuple, list)):

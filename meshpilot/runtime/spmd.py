@@ -38,6 +38,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
+from meshpilot.planner.schedule import Action, ActionKind
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StepProgram
 from meshpilot.sharding.placements import from_json
@@ -202,22 +203,99 @@ def _check_same_rng(device: torch.device) -> None:
 
 
 class _Step(torch.autograd.Function):
-    """The forward program as an autograd node whose backward runs the backward program."""
+    """A step's schedule as one autograd node: ``forward`` runs the actions up to the last microbatch's
+    forward (so the loss exists), ``backward`` the rest (the trailing backwards and the gradient sync)."""
 
     @staticmethod
     def forward(ctx, pm: ParallelModule, inputs: tuple, *params: torch.Tensor) -> torch.Tensor:
-        loss, saved = pm._forward(inputs)
-        ctx.pm, ctx.saved = pm, saved
-        return loss
+        run = _ScheduleRun(pm, inputs)
+        run.until_loss()
+        ctx.run = run
+        return run.loss()
 
     @staticmethod
     def backward(ctx, gout: torch.Tensor):
-        saved, ctx.saved = ctx.saved, None
-        grads = ctx.pm._backward(saved)
+        run, ctx.run = ctx.run, None
+        grads = run.finish()
         scale = float(gout) if gout is not None else 1.0
         if scale != 1.0:
             grads = [g * scale if g is not None else None for g in grads]
         return (None, None, *grads)
+
+
+class _ScheduleRun:
+    """One step of a :class:`~meshpilot.planner.schedule.Schedule` on this rank: the global batch cut into
+    the schedule's microbatches (dim 0 of every input), each action run in order.
+
+    The loss is the mean of the microbatches' losses and each microbatch's gradients are scaled by 1/M, so
+    with equal microbatches and a loss that averages over its batch the step equals the full-batch step
+    (BatchNorm normalises each microbatch by its own statistics: the semantics of gradient accumulation).
+    Issue and wait actions are not run here: they place the collectives inside the recorded programs
+    (``meshpilot.runtime.program``)."""
+
+    def __init__(self, pm: ParallelModule, inputs: tuple) -> None:
+        self.pm = pm
+        sched = pm.schedule
+        self.actions: list[Action] = []
+        for a in sched.actions(dist.get_rank()):  # a phase's node ranges are one program run
+            if a.kind in _EXECUTED and not (
+                self.actions and a.nodes is not None and (a.kind, a.microbatch) == _key(self.actions[-1])
+            ):
+                self.actions.append(a)
+        self.m = sched.microbatches
+        self.inputs = [x.chunk(self.m) for x in inputs] if self.m > 1 else [(x,) for x in inputs]
+        self.losses: dict[int, torch.Tensor] = {}
+        self.saved: dict[int, list] = {}
+        self.grads: list | None = None
+        self.synced: list | None = None
+        self.next = 0
+
+    def until_loss(self) -> None:
+        last_forward = max(i for i, a in enumerate(self.actions) if a.kind == ActionKind.FORWARD)
+        self._run(last_forward + 1)
+
+    def loss(self) -> torch.Tensor:
+        losses = [self.losses[m] for m in range(self.m)]
+        return (losses[0] if self.m == 1 else torch.stack(losses).mean()).detach()
+
+    def finish(self) -> list:
+        self._run(len(self.actions))
+        pm = self.pm
+        out = []
+        for fqn, g in zip(pm._trainable, self.synced or [None] * len(pm._trainable)):
+            out.append(DTensor(g, pm.module.get_parameter(fqn)._spec, requires_grad=False) if g is not None else None)
+        return out
+
+    def _run(self, stop: int) -> None:
+        pm = self.pm
+        while self.next < stop:
+            a = self.actions[self.next]
+            self.next += 1
+            if a.kind == ActionKind.FORWARD:
+                _set_phase("fwd")
+                mb = [chunks[a.microbatch] for chunks in self.inputs]
+                self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
+            elif a.kind == ActionKind.BACKWARD:
+                _set_phase("bwd")
+                grads = pm.program.backward(self.saved.pop(a.microbatch))
+                if self.m > 1:
+                    grads = [g / self.m if g is not None else None for g in grads]
+                self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
+            else:  # gradient synchronisation
+                _set_phase("bwd")
+                self.synced = pm.program.grad_sync(self.grads or [])
+            _set_phase("fwd")
+
+
+_EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_SYNC})
+
+
+def _key(a: Action) -> tuple:
+    return (a.kind, a.microbatch)
+
+
+def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+    return y if x is None else x if y is None else x + y
 
 
 class ParallelModule(torch.nn.Module):
@@ -227,6 +305,7 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self.module = model
         self.plan = plan
+        self.schedule = plan.step_schedule()
         self.mesh = mesh
         self.graph = graph
         self.device = (
@@ -236,7 +315,7 @@ class ParallelModule(torch.nn.Module):
         )
         self._distribute_parameters()
         self.interpreter = Interpreter(graph, plan, mesh, self.device)
-        self.program = StepProgram(self.interpreter, self._trainable, compile=compile)
+        self.program = StepProgram(self.interpreter, self._trainable, compile=compile, schedule=self.schedule)
         self._buffers_by_name = dict(model.named_buffers())
 
     @property
@@ -270,11 +349,13 @@ class ParallelModule(torch.nn.Module):
         if torch.is_grad_enabled() and self._trainable:
             params = [p for p, fqn in zip(self._params, self.graph.param_names) if p.requires_grad]
             return _Step.apply(self, inputs, *params)
-        loss, _ = self._forward(inputs)
-        return loss
+        run = _ScheduleRun(self, inputs)
+        for m in range(run.m):
+            run.losses[m], _ = self._forward([chunks[m] for chunks in run.inputs])
+        return run.loss()
 
     def _check_inputs(self, inputs: tuple) -> tuple:
-        graph = self.graph
+        graph, m = self.graph, self.schedule.microbatches
         if len(inputs) != graph.num_inputs:
             raise UserError(f"the plan was made for {graph.num_inputs} inputs; got {len(inputs)}")
         out = []
@@ -282,18 +363,17 @@ class ParallelModule(torch.nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise UserError(f"input {i} is a {type(x).__name__}; pass tensors")
             want = dtype_from_name(info.dtype)
-            if tuple(x.shape) != info.shape or (
-                x.dtype != want and not (x.is_floating_point() and want.is_floating_point)
-            ):
+            whole = (info.shape[0] * m, *info.shape[1:]) if info.shape else info.shape
+            if tuple(x.shape) != whole or (x.dtype != want and not (x.is_floating_point() and want.is_floating_point)):
+                per = f" ({m} microbatches of {info.shape})" if m > 1 else ""
                 raise UserError(
-                    f"input {i} is {tuple(x.shape)} {x.dtype} but the plan was made for {info.shape} "
+                    f"input {i} is {tuple(x.shape)} {x.dtype} but the plan was made for {whole}{per} "
                     f"torch.{info.dtype}; plan again for these shapes"
                 )
             out.append(x.to(self.device, want, non_blocking=True))
         return tuple(out)
 
-    def _forward(self, inputs: tuple) -> tuple[torch.Tensor, list]:
-        _set_phase("fwd")
+    def _forward(self, inputs: list) -> tuple[torch.Tensor, list]:
         params = [p._local_tensor for p in self._params]
         buffers = [self._buffers_by_name[n] for n in self.graph.buffer_names]
         loss, updates, saved = self.program.forward(params, buffers, list(inputs))
@@ -301,21 +381,6 @@ class ParallelModule(torch.nn.Module):
             for fqn, value in zip(self.graph.buffer_updates, updates):
                 self._buffers_by_name[fqn].copy_(value)
         return loss.detach(), saved
-
-    def _backward(self, saved: list) -> list:
-        _set_phase("bwd")
-        try:
-            local_grads = self.program.backward(saved)
-        finally:
-            _set_phase("fwd")
-        grads = []
-        for fqn, g in zip(self._trainable, local_grads):
-            if g is None:
-                grads.append(None)
-                continue
-            p = self.module.get_parameter(fqn)
-            grads.append(DTensor(g, p._spec, requires_grad=False))
-        return grads
 
 
 def parallelize(
