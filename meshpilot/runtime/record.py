@@ -106,6 +106,27 @@ def _getitem(xs, i):
     return xs[i]
 
 
+def _prune(graph: torch.fx.Graph) -> int:
+    """Drop ops whose results nothing uses and that change nothing else: DTensor's scratch allocations
+    (``empty_strided`` for output metadata), views nobody reads. Kept: ops that write into an argument,
+    draw random numbers, or talk to other ranks. Returns how many went."""
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        target = node.target
+        schema = getattr(target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        if torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+            continue
+        if getattr(target, "namespace", "") == "_c10d_functional":
+            continue
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
 def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
     """(program, fn's result): run ``fn(*args)`` once and record it (module docstring)."""
     import operator
@@ -122,6 +143,7 @@ def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
     for node in graph.nodes:  # getitem as fx's own (readable code)
         if node.target is _getitem:
             node.target = operator.getitem
+    _prune(graph)
     gm = torch.fx.GraphModule(recorder.owner, graph)
     gm.meshpilot_out_spec = spec
     return gm, result

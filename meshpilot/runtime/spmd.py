@@ -289,6 +289,12 @@ class _ScheduleRun:
 
 _EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_SYNC})
 
+# Programs depend on the plan, the captured graph, the mesh and this rank, not on the parameters' values (the
+# programs take them as inputs): a second model parallelized with the same plan and graph (a restart, a
+# second optimizer's run in a test) reuses the recorded programs instead of recording them again.
+_PROGRAMS: dict[tuple, tuple[Plan, StepProgram]] = {}
+_MAX_PROGRAMS = 16
+
 
 def _key(a: Action) -> tuple:
     return (a.kind, a.microbatch)
@@ -314,8 +320,16 @@ class ParallelModule(torch.nn.Module):
             else (torch.device(mesh.device_type))
         )
         self._distribute_parameters()
-        self.interpreter = Interpreter(graph, plan, mesh, self.device)
-        self.program = StepProgram(self.interpreter, self._trainable, compile=compile, schedule=self.schedule)
+        key = (id(graph), plan.to_json(), id(mesh), str(self.device), tuple(self._trainable), compile)
+        cached = _PROGRAMS.get(key)
+        if cached is None or cached[0] is not plan and cached[0].to_json() != key[1]:
+            interp = Interpreter(graph, plan, mesh, self.device)
+            program = StepProgram(interp, self._trainable, compile=compile, schedule=self.schedule)
+            cached = _PROGRAMS[key] = (plan, program)
+            while len(_PROGRAMS) > _MAX_PROGRAMS:
+                del _PROGRAMS[next(iter(_PROGRAMS))]
+        self.program = cached[1]
+        self.interpreter = self.program.interp
         self._buffers_by_name = dict(model.named_buffers())
 
     @property
