@@ -72,7 +72,7 @@ def test_zero_post_pass_when_memory_requires_it():
     # gradient [tokens, h] is a temporary no sharding of the weights removes)
     g = wide_graph(256, 1 << 12)
     free = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=1e12)
-    cap = 0.6 * free.memory.total
+    cap = 0.75 * free.memory.total  # above the least the plain plans reach (0.625: the temporaries stay)
     off = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=cap)
     on = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="auto", memory_bytes=cap)
     assert off.zero == ()
