@@ -66,10 +66,11 @@ def _step_times(mode: str, layers: int, hidden: int, heads: int, batch: int, seq
 def _child(mode: str, shape: str, steps: int, warmup: int) -> list[float]:
     """One variant in a fresh interpreter (the interpreted one needs its environment variable at import)."""
     env = dict(os.environ, MESHPILOT_INTERPRET="1" if mode == "interpreted" else "0")
+    here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        "import sys, json; sys.path.insert(0, %r); from bench_program_overhead import _step_times, SHAPES; "
-        "print(json.dumps(_step_times(%r, *SHAPES[%r], %d, %d)))"
-    ) % (os.path.dirname(os.path.abspath(__file__)), mode, shape, steps, warmup)
+        f"import sys, json; sys.path.insert(0, {here!r}); from bench_program_overhead import _step_times, SHAPES; "
+        f"print(json.dumps(_step_times({mode!r}, *SHAPES[{shape!r}], {steps}, {warmup})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     import json
 

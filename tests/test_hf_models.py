@@ -17,9 +17,8 @@ import time
 
 import pytest
 import torch
+import transformers  # a test dependency (pyproject test extra): never skipped silently
 from dist_utils import run_distributed
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 STEPS = 3
