@@ -361,14 +361,11 @@ def _param_read(graph: Any, node: Any) -> str:
     return best
 
 
-def _short_note(note: str) -> str:
-    """A mesh candidate's PlanError, shortened for the table."""
-    need = re.search(r"smallest per-device memory found is ([\d.]+ GiB)", note) or re.search(
-        r"smallest need found is ([\d.]+ GiB)", note
-    )
-    if need:
-        return f"does not fit: needs at least {need.group(1)} per device"
-    return note if len(note) < 90 else note[:87] + "…"
+def _short_note(c: Any) -> str:
+    """A mesh candidate's note (its PlanError when it failed), shortened for the table."""
+    if c.need_bytes is not None:
+        return f"does not fit: the best plan found needs {fmt_bytes(c.need_bytes)} per device"
+    return c.note if len(c.note) < 90 else c.note[:87] + "…"
 
 
 def op_sections(graph: Any) -> list[tuple[tuple[int, int] | None, list[Any]]]:
@@ -407,7 +404,7 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
         step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
         ratio = f"{c.objective_s / s.objective_s:.2f}x" if c.objective_s is not None and s.objective_s else "—"
-        note = _short_note(c.note)
+        note = _short_note(c)
         cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
     out.print(cand)
 

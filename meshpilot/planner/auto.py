@@ -213,10 +213,13 @@ def plan(
         if need > capacity:
             e = PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {need / 2**30:.2f} GiB "
-                f"but a device holds {capacity / 2**30:.2f} GiB (mesh {shape})"
+                f"but a device holds {capacity / 2**30:.2f} GiB (mesh {shape})",
+                mesh_shape=shape,
+                need_bytes=need,
+                capacity_bytes=capacity,
             )
             errors.append(e)
-            tried += [MeshCandidate(shape, mapping, None, str(e)) for mapping in maps]
+            tried += [MeshCandidate(shape, mapping, None, str(e), need_bytes=need) for mapping in maps]
             continue
         for mapping in maps:
             lm = LogicalMesh(cl, shape, _mesh_ranks(shape, mapping))
@@ -232,7 +235,7 @@ def plan(
                 cand.precision = precision
             except PlanError as e:
                 errors.append(e)
-                tried.append(MeshCandidate(shape, mapping, None, str(e)))
+                tried.append(MeshCandidate(shape, mapping, None, str(e), need_bytes=e.need_bytes))
                 continue
             solve_s += s_s
             post_s += p_s
@@ -323,11 +326,6 @@ def min_memory(struct: Structure, row: str = "plain") -> float:
     return float(np.max(sum(t[k].min(axis=1) for t in struct.mem_terms)))
 
 
-class SolverTimes(tuple):
-    def __new__(cls, capture_s, build_s, solve_s, total_s):
-        return super().__new__(cls, (capture_s, build_s, solve_s, total_s))
-
-
 def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats):
     """Solve one mesh candidate (ILP + ZeRO post-pass); returns (candidate, solve seconds, post seconds).
     ``stats["ilps"]`` counts the HiGHS runs."""
@@ -380,7 +378,10 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
         if not fits(only):
             raise PlanError(
                 f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape}: the best found "
-                f"peaks at {only.memory / 2**30:.2f} GiB (at {only.usage.peak_at if only.usage else '?'})"
+                f"peaks at {only.memory / 2**30:.2f} GiB (at {only.usage.peak_at if only.usage else '?'})",
+                mesh_shape=shape,
+                need_bytes=only.memory,
+                capacity_bytes=capacity,
             )
         return only, solve_s, post_s
     first = fitted("zero")
@@ -396,7 +397,10 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
     if not options:
         raise PlanError(
             f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape} even with the "
-            f"ZeRO post-pass (its predicted peak is {first.memory / 2**30:.2f} GiB)"
+            f"ZeRO post-pass (its predicted peak is {first.memory / 2**30:.2f} GiB)",
+            mesh_shape=shape,
+            need_bytes=first.memory,
+            capacity_bytes=capacity,
         )
     pick = min(options, key=lambda c: c.time_s)
     pick.note = _note(pick)

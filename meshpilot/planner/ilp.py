@@ -116,7 +116,24 @@ from meshpilot.sharding.strategies import Strategy, StrategyBuilder
 
 
 class PlanError(UserError):
-    """No sharding plan fits in device memory (or the problem cannot be solved)."""
+    """No sharding plan fits in device memory (or the problem cannot be solved).
+
+    The facts travel as fields, not only as text: ``mesh_shape`` (the mesh it was on, if one),
+    ``need_bytes`` (the smallest per-device memory a plan was found to need) and ``capacity_bytes`` (what
+    a device holds). The CLI's candidate table reads them; the message says the same for a person."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        mesh_shape: tuple[int, ...] | None = None,
+        need_bytes: float | None = None,
+        capacity_bytes: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.mesh_shape = tuple(mesh_shape) if mesh_shape is not None else None
+        self.need_bytes = need_bytes
+        self.capacity_bytes = capacity_bytes
 
 
 _TRIVIAL_TARGETS = {
@@ -782,12 +799,18 @@ def solve(
     solve_s = time.perf_counter() - t0
     if res.x is None:
         if has_mem_row:
+            need = _min_need(groups, memory)
             raise PlanError(
                 f"no sharding plan fits in {cap / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
-                f"(HiGHS: {res.message}); the smallest need found is "
-                f"{_min_need(groups, memory) / 2**30:.2f} GiB"
+                f"(HiGHS: {res.message}); the smallest need found is {need / 2**30:.2f} GiB",
+                mesh_shape=prob.mesh_shape,
+                need_bytes=need,
+                capacity_bytes=cap,
             )
-        raise PlanError(f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}")
+        raise PlanError(
+            f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}",
+            mesh_shape=prob.mesh_shape,
+        )
     x = res.x
     pick = [int(np.argmax(x[offs[gi] : offs[gi + 1]])) for gi in range(len(groups))]
     choice = {name: int(prob.node_map[name][pick[g]]) for name, g in prob.node_group.items()}

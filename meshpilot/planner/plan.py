@@ -141,6 +141,8 @@ class MeshCandidate:
     mapping: str
     objective_s: float | None
     note: str = ""
+    need_bytes: float | None = None
+    """When no plan fits on this mesh: the smallest per-device memory one was found to need."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +384,7 @@ class Plan:
             solver=SolverReport(
                 **{k: v for k, v in solver.items() if k != "candidates"},
                 candidates=tuple(
-                    MeshCandidate(tuple(c["shape"]), c["mapping"], c["objective_s"], c["note"])
+                    MeshCandidate(tuple(c["shape"]), c["mapping"], c["objective_s"], c["note"], c.get("need_bytes"))
                     for c in solver["candidates"]
                 ),
             ),
