@@ -120,8 +120,7 @@ def test_structure_priced_per_mapping_is_a_fresh_build():
     the ILP is the one a full build on the col mapping gives."""
     import numpy as np
 
-    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
-    from meshpilot.planner.auto import _mesh_ranks
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks
     from meshpilot.planner.ilp import Pricer, build_structure, price
     from meshpilot.sharding.reshard import Resharder
     from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
@@ -130,8 +129,8 @@ def test_structure_priced_per_mapping_is_a_fresh_build():
     cl = load_cluster("dgx-h100:2")
     shape = (4, 4)
     dm = fake_device_mesh(shape)
-    row = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "row")))
-    col = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "col")))
+    row = CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, "row")))
+    col = CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, "col")))
     struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, row), row)
     priced = price(struct, Pricer(struct.table, Resharder(dm, col)))
     fresh = build_problem(g, StrategyBuilder(g, dm), Resharder(dm, col), col)

@@ -3,7 +3,7 @@
 from meshpilot.cluster.cost import CostModel
 from meshpilot.cluster.devices import DEVICES, DeviceProfile
 from meshpilot.cluster.loader import cluster_from_dict, cluster_to_toml, load_cluster_file
-from meshpilot.cluster.mesh import LogicalMesh, effective_bandwidth, mesh_shapes_2d
+from meshpilot.cluster.mesh import LogicalMesh, MeshMapping, effective_bandwidth, mapped_ranks, mesh_shapes_2d
 from meshpilot.cluster.presets import PRESETS, load_cluster, preset_cluster
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 
@@ -17,11 +17,13 @@ __all__ = [
     "DeviceProfile",
     "Layer",
     "LogicalMesh",
+    "MeshMapping",
     "cluster_from_dict",
     "cluster_to_toml",
     "effective_bandwidth",
     "load_cluster",
     "load_cluster_file",
+    "mapped_ranks",
     "mesh_shapes_2d",
     "preset_cluster",
 ]

@@ -50,6 +50,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -60,6 +61,24 @@ from meshpilot.errors import UserError
 def mesh_shapes_2d(n: int) -> list[tuple[int, int]]:
     """Every 2D mesh shape (d1, d2) with d1 * d2 = n, d1 descending: (n,1), ..., (1,n)."""
     return [(n // d2, d2) for d2 in range(1, n + 1) if n % d2 == 0]
+
+
+class MeshMapping(StrEnum):
+    """Which mesh axis runs over contiguous physical ranks (stored in plans as ``Plan.mapping``)."""
+
+    ROW = "row"
+    """The last axis on contiguous ranks (``np.arange(N).reshape(shape)``): on DeviceMesh(d1, d2), d2 inside a
+    node first, as ATP does."""
+    COL = "col"
+    """Axis 0 on contiguous ranks (the transpose)."""
+
+
+def mapped_ranks(shape: tuple[int, ...], mapping: MeshMapping | str) -> np.ndarray:
+    """The physical rank at every coordinate of a `shape` mesh laid out by `mapping`."""
+    n = math.prod(shape)
+    if MeshMapping(mapping) == MeshMapping.ROW:
+        return np.arange(n).reshape(shape)
+    return np.arange(n).reshape(tuple(reversed(shape))).T.copy()
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from meshpilot.graph.capture import OpNode
 from meshpilot.ops import OwnCall, OwnOp
-from meshpilot.sharding.reshard import Collective
+from meshpilot.sharding.reshard import Collective, CollectiveKind
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, per_axis_products
 
 aten = torch.ops.aten
@@ -90,7 +90,7 @@ def _forward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
             return ()
         per = _local_channels(ins[0], x.shape[1], mesh) * _F32
         axes = _stat_axes(ins[0], mesh)
-        return tuple(Collective("all_reduce", a, per) for _ in range(2) for a in axes)
+        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, per) for _ in range(2) for a in axes)
 
     return per_axis_products(b, node, rules, colls, require_first=False)
 
@@ -108,7 +108,7 @@ def _backward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
         if not train:
             return ()
         per = 2 * _local_channels(ins[1], x.shape[1], mesh) * _F32
-        return tuple(Collective("all_reduce", a, per) for a in _stat_axes(ins[1], mesh))
+        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, per) for a in _stat_axes(ins[1], mesh))
 
     return _with_absent_outputs(node, per_axis_products(b, node, rules, colls, require_first=False))
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from meshpilot.graph.capture import OpNode, dtype_from_name
 from meshpilot.ops import OwnOp
 from meshpilot.sharding.placements import Placements
-from meshpilot.sharding.reshard import Collective
+from meshpilot.sharding.reshard import Collective, CollectiveKind
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, per_axis_products
 
 # ----------------------------------------------------------------------------------------- strategies
@@ -76,7 +76,7 @@ def _row_all_reduces(b: StrategyBuilder, info, cls: int, pl: Placements, ops: in
     rows = math.prod(s for d, s in enumerate(info.shape) if d != cls)
     rows //= math.prod(n for p, n in zip(pl, mesh) if isinstance(p, Shard) and p.dim != cls)
     nbytes = rows * dtype_from_name(info.dtype).itemsize
-    return tuple(Collective("all_reduce", a, nbytes) for _ in range(ops) for a in axes)
+    return tuple(Collective(CollectiveKind.ALL_REDUCE, a, nbytes) for _ in range(ops) for a in axes)
 
 
 def _class_rules(nd: int, cls: int, n_ops: int):
@@ -158,7 +158,7 @@ def _nll_loss_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]
 
     def colls(outs, ins):
         rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
-        return tuple(Collective("all_reduce", a, nbytes) for a in rows)
+        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, nbytes) for a in rows)
 
     return per_axis_products(b, node, rules, colls)
 

@@ -57,11 +57,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 
+from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.graph.capture import OpGraph, Precision, capture
 from meshpilot.planner.accounting import kept_copy_bytes, memory_use, state_bytes
 from meshpilot.planner.ilp import (
@@ -88,21 +90,25 @@ from meshpilot.planner.plan import (
 )
 from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.sharding.placements import is_even, replicated, shard_factor, to_json
-from meshpilot.sharding.reshard import UNSUPPORTED_S, Resharder
-from meshpilot.sharding.strategies import Strategy, StrategyBuilder, fake_device_mesh
+from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
+from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource, fake_device_mesh
 
-ZERO_MODES = ("auto", "off", "all")
+
+class ZeroMode(StrEnum):
+    """The ZeRO-like post-pass (module docstring): when parameters, gradients and optimizer state are sharded."""
+
+    AUTO = "auto"
+    """Where it is faster, or needed to fit."""
+    OFF = "off"
+    """Never."""
+    ALL = "all"
+    """Every candidate switch."""
+
+
+ZERO_MODES = tuple(ZeroMode)
 _EPS = 1e-9
 _REFITS = 3
 """Re-solves of one candidate whose liveness peak exceeds the capacity its linear rows were held to."""
-
-
-def _mesh_ranks(shape: tuple[int, ...], mapping: str) -> np.ndarray:
-    n = math.prod(shape)
-    if mapping == "row":
-        return np.arange(n).reshape(shape)
-    # axis 0 on contiguous ranks
-    return np.arange(n).reshape(tuple(reversed(shape))).T.copy()
 
 
 @dataclass
@@ -131,7 +137,7 @@ def plan(
     *,
     num_devices: int | None = None,
     mesh_shape: tuple[int, ...] | None = None,
-    mappings: Sequence[str] = ("row", "col"),
+    mappings: Sequence[MeshMapping | str] = tuple(MeshMapping),
     loss_fn: Callable[..., torch.Tensor] | None = None,
     memory_bytes: float | None = None,
     time_limit: float = 30.0,
@@ -161,10 +167,11 @@ def plan(
     issued right after its producer and waited before its consumer, so it runs beside the compute between. See
     :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
     """
-    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_2d
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
 
     if zero not in ZERO_MODES:
         raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
+    zero = ZeroMode(zero)
     t_start = time.perf_counter()
     cl = load_cluster(cluster)
     n = num_devices or (math.prod(mesh_shape) if mesh_shape else cl.num_devices)
@@ -189,14 +196,15 @@ def plan(
         t1 = time.perf_counter()
         dmesh = fake_device_mesh(shape)
         builder = StrategyBuilder(graph, dmesh)
-        cm0 = CostModel(LogicalMesh(cl, shape, _mesh_ranks(shape, "row")))
+        cm0 = CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, MeshMapping.ROW)))
         # compute is priced on the device (the same for every mapping); resharding per mapping, below
         struct = build_structure(graph, builder, Resharder(dmesh, cm0), cm0, merge_trivial=merge_trivial, force=force)
         build_s += time.perf_counter() - t1
         shaped.append((compute_lower_bound(struct), len(shaped), shape, dmesh, builder, struct))
     # 2. most promising shape first; a shape whose lower bound reaches the best step time is skipped
     for lower, _, shape, dmesh, builder, struct in sorted(shaped, key=lambda x: (x[0], x[1])):
-        maps = [m for m in mappings if m == "row" or sum(d > 1 for d in shape) > 1] or ["row"]
+        maps = [MeshMapping(m) for m in mappings if m == MeshMapping.ROW or sum(d > 1 for d in shape) > 1]
+        maps = maps or [MeshMapping.ROW]
         if best is not None and lower >= best.time_s:
             for mapping in maps:
                 tried.append(
@@ -209,7 +217,7 @@ def plan(
                     )
                 )
             continue
-        need = min_memory(struct, "plain" if zero == "off" else "zero")
+        need = min_memory(struct, "plain" if zero == ZeroMode.OFF else "zero")
         if need > capacity:
             e = PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {need / 2**30:.2f} GiB "
@@ -222,7 +230,7 @@ def plan(
             tried += [MeshCandidate(shape, mapping, None, str(e), need_bytes=need) for mapping in maps]
             continue
         for mapping in maps:
-            lm = LogicalMesh(cl, shape, _mesh_ranks(shape, mapping))
+            lm = LogicalMesh(cl, shape, mapped_ranks(shape, mapping))
             cm = CostModel(lm)
             resharder = Resharder(dmesh, cm)
             t1 = time.perf_counter()
@@ -373,7 +381,7 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
         return cand
 
     fits = lambda c: c.memory <= capacity * (1 + _EPS)  # noqa: E731
-    if zero == "off" or not math.isfinite(capacity):
+    if zero == ZeroMode.OFF or not math.isfinite(capacity):
         only = fitted("plain")
         if not fits(only):
             raise PlanError(
@@ -511,7 +519,7 @@ def zero_pass(
             {
                 c.axis
                 for c in resharder.collectives(g_layout, old, g_info)
-                if c.kind == "all_reduce" and old[c.axis].is_replicate()
+                if c.kind == CollectiveKind.ALL_REDUCE and old[c.axis].is_replicate()
             }
         )
         if not axes:
@@ -652,7 +660,7 @@ def _assemble(
             n.name, n.target, n.where(), why.get(n.name) or why.get(graph.canonical.get(n.name, ""), "no strategy")
         )
         for n in graph.nodes
-        if n.kind == "op" and chosen[n.name].source == "fallback"
+        if n.kind == "op" and chosen[n.name].source == StrategySource.FALLBACK
     )
     warnings = _fallback_warnings(fallbacks)
     if sol.gap > 0.01:

@@ -112,7 +112,7 @@ from meshpilot.planner.accounting import (
 )
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor, work_split
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
-from meshpilot.sharding.strategies import Strategy, StrategyBuilder
+from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
 
 
 class PlanError(UserError):
@@ -398,7 +398,13 @@ def _placeholder(node: OpNode, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     (``convolution_backward``'s bias gradient when there is no bias) — no tensor flows, nothing is priced."""
     rep = replicated(len(mesh_shape))
     outs = tuple(rep if o is not None else None for o in node.outputs) or (None,)
-    return [Strategy(outs, tuple(rep for _ in node.inputs), "dtensor" if node.kind == "getitem" else "fallback")]
+    return [
+        Strategy(
+            outs,
+            tuple(rep for _ in node.inputs),
+            StrategySource.DTENSOR if node.kind == "getitem" else StrategySource.FALLBACK,
+        )
+    ]
 
 
 def _id_matrix(rows: list[tuple[int, ...]]) -> np.ndarray:

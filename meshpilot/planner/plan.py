@@ -24,6 +24,7 @@ from typing import Any
 
 from meshpilot.planner.schedule import Schedule, trivial
 from meshpilot.sharding.placements import Placements, from_json
+from meshpilot.sharding.reshard import CollectiveKind
 
 Layout = tuple[str, ...]
 """A tensor layout in JSON form: one placement string per mesh axis (``("S(0)", "R")``)."""
@@ -252,8 +253,8 @@ class Plan:
             if phase is not None and c.phase != phase:
                 continue
             times = 1 if c.dst.startswith("grad:") else per_step
-            if backend == "gloo" and c.kind == "all_to_all":
-                out[("all_gather", c.axis, c.nbytes * self.mesh_shape[c.axis])] += times
+            if backend == "gloo" and c.kind == CollectiveKind.ALL_TO_ALL:
+                out[(CollectiveKind.ALL_GATHER, c.axis, c.nbytes * self.mesh_shape[c.axis])] += times
             else:
                 out[(c.kind, c.axis, c.nbytes)] += times
         return out
@@ -422,7 +423,12 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
 
-_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
+_SHORT = {
+    CollectiveKind.ALL_REDUCE: "AR",
+    CollectiveKind.REDUCE_SCATTER: "RS",
+    CollectiveKind.ALL_GATHER: "AG",
+    CollectiveKind.ALL_TO_ALL: "A2A",
+}
 
 
 def _bytes(n: float) -> str:

@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from meshpilot.sharding.reshard import CollectiveKind
+
 __all__ = [
     "OPS",
     "PHASES",
@@ -55,7 +57,7 @@ __all__ = [
     "ring_bytes",
 ]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+OPS = tuple(CollectiveKind)
 PHASES = ("forward", "backward")
 
 
@@ -86,9 +88,9 @@ def ring_bytes(entry: CollectiveRecord) -> float:
     n = entry.group_size
     if n <= 1:
         return 0.0
-    if entry.op == "all_reduce":
+    if entry.op == CollectiveKind.ALL_REDUCE:
         return 2.0 * (n - 1) / n * entry.nbytes
-    if entry.op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if entry.op in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
         return (n - 1) / n * entry.nbytes
     return float(entry.nbytes)
 

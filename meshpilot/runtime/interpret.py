@@ -36,6 +36,7 @@ from meshpilot.ops import OwnCall, own_op
 from meshpilot.planner.plan import NodeChoice, Plan
 from meshpilot.runtime.record import outside_program, tagged
 from meshpilot.sharding.placements import Placements, from_json, replicated
+from meshpilot.sharding.strategies import StrategySource
 
 aten = torch.ops.aten
 
@@ -120,9 +121,9 @@ class NodeCall:
         self.outs = tuple(tuple(from_json(p)) if p is not None else None for p in choice.outs)
         vals = fx.meta.get("val")
         self.vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
-        op = own_op(node.target) if choice.source == "meshpilot" else None
+        op = own_op(node.target) if choice.source == StrategySource.MESHPILOT else None
         self.own = OwnCall(node, mesh, self.ins, self.outs) if op is not None else None
-        if choice.source == "fallback":
+        if choice.source == StrategySource.FALLBACK:
             self.mode = ExecMode.FALLBACK
         elif op is not None:
             self.mode = ExecMode.OWN

@@ -42,6 +42,7 @@ from meshpilot.planner.schedule import Action, ActionKind
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StepProgram
 from meshpilot.sharding.placements import from_json
+from meshpilot.sharding.reshard import CollectiveKind
 
 _ACTIVE_COUNTERS: list[CollectiveCounter] = []
 
@@ -94,13 +95,13 @@ class CollectiveCounter(TorchDispatchMode):
             nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
             kind = None
             if base == "all_gather_into_tensor":
-                kind, nbytes = "all_gather", nbytes * int(args[1])
+                kind, nbytes = CollectiveKind.ALL_GATHER, nbytes * int(args[1])
             elif base == "reduce_scatter_tensor":
-                kind = "reduce_scatter"
+                kind = CollectiveKind.REDUCE_SCATTER
             elif base == "all_reduce":
-                kind = "all_reduce"
+                kind = CollectiveKind.ALL_REDUCE
             elif base == "all_to_all_single":
-                kind = "all_to_all"
+                kind = CollectiveKind.ALL_TO_ALL
             elif base in ("broadcast", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
                 kind = base
             if kind is not None:

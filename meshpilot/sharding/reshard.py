@@ -18,6 +18,7 @@ all-reduce with its buffer, an all-to-all with the bytes each rank holds, as ``C
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -33,16 +34,33 @@ UNSUPPORTED_S = 1e3
 that no plan uses it."""
 
 
+class CollectiveKind(StrEnum):
+    """What a collective does: the planner's, the runtimes' and the recorders' one vocabulary (the values are
+    what plans store in JSON)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+
+    @property
+    def is_reduction(self) -> bool:
+        return self in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)
+
+
 class Collective(NamedTuple):
     """One collective on one mesh axis: kind, axis, bytes (in the cost model's convention)."""
 
-    kind: str
+    kind: CollectiveKind
     axis: int
     nbytes: int
 
     @property
     def is_reduction(self) -> bool:
-        return self.kind in ("all_reduce", "reduce_scatter")
+        return CollectiveKind(self.kind).is_reduction
 
 
 def tensor_meta(info: TensorInfo) -> TensorMeta:
@@ -104,7 +122,7 @@ class Resharder:
             kind = t._comm_type_key()
             if kind is None or n == 1:
                 continue
-            frac = local * n if kind == "all_gather" else local
+            frac = local * n if kind == CollectiveKind.ALL_GATHER else local
             out.append((kind, t.mesh_dim, frac))
         res = tuple(out)
         self._struct[key] = res

@@ -28,6 +28,7 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -55,15 +56,28 @@ _osm = compat.op_schema()
 OpSchema, OpSpec, OpStrategy, TupleStrategy = _osm.OpSchema, _osm.OpSpec, _osm.OpStrategy, _osm.TupleStrategy
 
 
+class StrategySource(StrEnum):
+    """Where a node's strategy came from (stored in plans as ``NodeChoice.source``)."""
+
+    DTENSOR = "dtensor"
+    """DTensor's own sharding strategy for the op."""
+    MESHPILOT = "meshpilot"
+    """One of meshpilot's own ops (``meshpilot.ops``): strategy and implementation registered together."""
+    LEAF = "leaf"
+    """A placeholder (parameter, buffer, input, constant): its layout."""
+    FACTORY = "factory"
+    """A tensor made from nothing (``zeros``, ``arange``): laid out as its consumers want."""
+    FALLBACK = "fallback"
+    """No strategy covers the op: it runs replicated, and the plan lists it in ``Plan.fallbacks``."""
+
+
 @dataclass(frozen=True)
 class Strategy:
     """One parallel algorithm of a node: layout of each output and the layout each operand must have."""
 
     outs: tuple[Placements | None, ...]
     ins: tuple[Placements, ...]
-    source: str = "dtensor"
-    """``dtensor`` (DTensor's strategy), ``meshpilot`` (ours), ``leaf`` (a placeholder), ``factory``,
-    ``fallback`` (no strategy: replicated)."""
+    source: StrategySource = StrategySource.DTENSOR
     out_ids: tuple[int, ...] = ()
     in_ids: tuple[int, ...] = ()
     colls: tuple[Collective, ...] = ()
@@ -158,17 +172,17 @@ class StrategyBuilder:
         readers take slices of a replica."""
         info = node.out
         if info is None:
-            return [Strategy((None,), (), "leaf")]
+            return [Strategy((None,), (), StrategySource.LEAF)]
         if node.kind in (NodeKind.BUFFER, NodeKind.CONST):
-            return [Strategy((replicated(len(self.mesh_shape)),), (), "leaf")]
-        return [Strategy((p,), (), "leaf") for p in candidate_placements(info.shape, self.mesh_shape)]
+            return [Strategy((replicated(len(self.mesh_shape)),), (), StrategySource.LEAF)]
+        return [Strategy((p,), (), StrategySource.LEAF) for p in candidate_placements(info.shape, self.mesh_shape)]
 
     def for_node(self, node: OpNode, operand_candidates: list[list[Placements]]) -> list[Strategy]:
         """Strategies of `node` given every layout its operands can arrive in."""
         if node.kind in LEAF_KINDS:
             return self.leaf(node)
         if node.kind == "getitem":
-            return [Strategy((p,), (p,), "dtensor") for p in operand_candidates[0]]
+            return [Strategy((p,), (p,), StrategySource.DTENSOR) for p in operand_candidates[0]]
         key = repr(
             (
                 node.target,
@@ -199,13 +213,13 @@ class StrategyBuilder:
         self._last_fallback = why
         outs = tuple(replicated(len(self.mesh_shape)) if o is not None else None for o in node.outputs)
         ins = tuple(replicated(len(self.mesh_shape)) for _ in node.inputs)
-        return [Strategy(outs, ins, "fallback")]
+        return [Strategy(outs, ins, StrategySource.FALLBACK)]
 
     def _compute(self, node: OpNode, cands: list[list[Placements]]) -> list[Strategy]:
         nd = len(self.mesh_shape)
         if not node.inputs:
             outs = tuple(replicated(nd) if o is not None else None for o in node.outputs)
-            return [Strategy(outs, (), "factory")]
+            return [Strategy(outs, (), StrategySource.FACTORY)]
         own = own_op(node.target)
         if own is not None and own.exclusive:
             return own.strategies(self, node) or self._fallback(node, f"{node.target}: no exact strategy applies")
@@ -336,7 +350,7 @@ class StrategyBuilder:
                 continue
             if single is None and spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row):
                 any_negative = True
-            parsed.append((Strategy(out_pl, in_pl, "dtensor"), spec))
+            parsed.append((Strategy(out_pl, in_pl, StrategySource.DTENSOR), spec))
         if not parsed:
             return self._own(node) or self._fallback(
                 node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
@@ -400,7 +414,9 @@ def per_axis_products(
         ok = all(is_even(p, self.graph[src].outputs[i].shape, mesh) for p, (src, i) in zip(ins, node.inputs))
         ok = ok and all(o is None or is_even(p, o.shape, mesh) for p, o in zip(outs, node.outputs))
         if ok:
-            out.append(Strategy(outs, ins, "meshpilot", colls=colls(outs, ins) if colls is not None else ()))
+            out.append(
+                Strategy(outs, ins, StrategySource.MESHPILOT, colls=colls(outs, ins) if colls is not None else ())
+            )
     return out
 
 
