@@ -350,12 +350,7 @@ def _param_read(graph: Any, node: Any) -> str:
     """The largest parameter an op reads (through up to 3 views, e.g. a Linear weight's transpose), or ''."""
     best, size = "", -1
     for src, _ in node.inputs:
-        s = graph[src]
-        for _ in range(3):
-            if s.kind == "op" and s.is_view and len(s.inputs) == 1:
-                s = graph[s.inputs[0][0]]
-            else:
-                break
+        s = graph[graph.view_chain(src, max_hops=3)[-1]]
         if s.kind == "param" and s.out is not None and s.out.numel > size:
             best, size = s.fqn, s.out.numel
     return best

@@ -238,6 +238,17 @@ class OpGraph:
     def __getitem__(self, name: str) -> OpNode:
         return self.by_name[name]
 
+    def view_chain(self, name: str, max_hops: int | None = None) -> list[str]:
+        """`name`, then the node it views, and so on back to the first node that is not a view (a parameter
+        read through a transpose: ``[t, weight]``); at most `max_hops` steps back. The one walk
+        back through views the planner, its accounting and the CLI share."""
+        chain = [name]
+        node = self[name]
+        while node.is_view and node.inputs and (max_hops is None or len(chain) <= max_hops):
+            chain.append(node.inputs[0][0])  # a view's tensor operand is its first
+            node = self[chain[-1]]
+        return chain
+
     def fingerprint(self) -> str:
         """A hash of the graph's structure: a saved plan checks it against the model it is applied to."""
         h = hashlib.sha256()

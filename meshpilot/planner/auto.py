@@ -441,14 +441,9 @@ class _ParamUses:
             if not n.saved_for_backward:
                 continue
             for _ in range(len(n.outputs)) if n.kind == "op" else [0]:
-                name, prev = n.name, None
-                node = graph[name]
-                while node.is_view and node.inputs:
-                    prev = name
-                    name = node.inputs[0][0]
-                    node = graph[name]
-                if node.kind == "param" and prev is not None:
-                    self.kept.add((name, prev))
+                chain = graph.view_chain(n.name)
+                if len(chain) > 1 and graph[chain[-1]].kind == "param":
+                    self.kept.add((chain[-1], chain[-2]))
 
 
 def _zero_layout(layout, axes, shape, mesh_shape):
