@@ -130,7 +130,7 @@ def test_no_plan_fits_is_the_plan_error(capsys):
     err = _one_line_error(
         capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--memory-gib", "1e-6"]
     )
-    assert "no sharding plan fits" in err and "GiB" in err
+    assert "no sharding plan fits" in err and "1.05 KiB" in err  # 1e-6 GiB, readable (not "0.00 GiB")
 
 
 def test_out_into_a_missing_folder(tmp_path, capsys):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import tempfile
+import io
 from pathlib import Path
 
 from rich.table import Table
@@ -13,6 +12,7 @@ from rich.table import Table
 from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json
 from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
+from meshpilot.io import atomic_path, atomic_write, check_writable
 from meshpilot.models import gpt_config
 from meshpilot.planner.atp import DTYPE_BYTES, closed_form, search, sweep
 
@@ -106,6 +106,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     name = args.cluster.partition(":")[0]
     if name not in ("atp-ic5", "atp-ic6"):
         raise UserError(f"--sweep needs a sized preset, atp-ic5 or atp-ic6; got {args.cluster!r}")
+    out = Path(args.out)
+    for suffix in (".csv", ".png"):
+        check_writable(out.with_suffix(suffix), "--out")
     if name == "atp-ic5":
         ns = [n for n in (2**k for k in range(2, 11)) if n <= args.max_devices]
         at = lambda n: load_cluster(f"atp-ic5:{n}")  # noqa: E731
@@ -115,7 +118,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     ways = (1, 2, 4, 8)
     with console.status("sweeping meshes …"):
         rows = sweep(at, ns, ways)
-    out = Path(args.out)
     header = ["N"] + [f"ATP-{i}" for i in ways] + ["ATP-OPT", "opt_d1", "opt_d2"]
     header += [f"closed_form_ATP-{i}" for i in ways] + ["closed_form_OPT"]
     lines = []
@@ -128,7 +130,9 @@ def run_sweep(args: argparse.Namespace) -> int:
             + [cf.get(i, "") for i in ways]
             + [min(closed_form(r.devices // d2, d2) for d2 in range(1, r.devices + 1) if r.devices % d2 == 0)]
         )
-    _atomic_write(out.with_suffix(".csv"), lambda f: csv.writer(f).writerows([header, *lines]))
+    buf = io.StringIO()
+    csv.writer(buf).writerows([header, *lines])
+    atomic_write(out.with_suffix(".csv"), buf.getvalue(), newline="")
     _plot(rows, ways, out.with_suffix(".png"), args.cluster)
     t = Table(title=f"T_comm / Δ on {name} (Δ = 2Lbsh/GroupBW)")
     for col in header[:-5]:
@@ -138,18 +142,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     console.print(t)
     console.print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
     return 0
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", text=True)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _plot(rows, ways, path: Path, cluster: str) -> None:
@@ -171,7 +163,6 @@ def _plot(rows, ways, path: Path, cluster: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import tempfile
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, get_cluster
+from meshpilot.cli.common import add_cluster_arg, console, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
@@ -57,13 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "moe-tiny, bench-transformer) or 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads",
     )
     add_cluster_arg(p)
-    p.add_argument("--devices", "-n", type=int, help="devices the plan uses (default: --mesh's, or all of the cluster)")
+    p.add_argument(
+        "--devices", "-n", type=positive_int, help="devices the plan uses (default: --mesh's, or all of the cluster)"
+    )
     p.add_argument("--mesh", metavar="d1xd2", help="fix the mesh shape (default: search every 2D shape)")
-    p.add_argument("--batch", "-b", type=int, help="global batch size (default: the model's)")
-    p.add_argument("--seq", "-s", type=int, help="GPTs: sequence length")
-    p.add_argument("--layers", type=int, help="GPTs: transformer blocks")
-    p.add_argument("--hidden", type=int, help="GPTs: hidden size")
-    p.add_argument("--heads", type=int, help="GPTs: attention heads (must divide --hidden)")
+    p.add_argument("--batch", "-b", type=positive_int, help="global batch size (default: the model's)")
+    p.add_argument("--seq", "-s", type=positive_int, help="GPTs: sequence length")
+    p.add_argument("--layers", type=positive_int, help="GPTs: transformer blocks")
+    p.add_argument("--hidden", type=positive_int, help="GPTs: hidden size")
+    p.add_argument("--heads", type=positive_int, help="GPTs: attention heads (must divide --hidden)")
     p.add_argument("--dtype", choices=GPT_DTYPES, help="GPTs: parameter and activation dtype (default float32)")
     p.add_argument(
         "--force",
@@ -73,8 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
         "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
     )
-    p.add_argument("--memory-gib", type=float, help="device memory in GiB (default: the cluster's device)")
-    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)")
+    p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
+    p.add_argument(
+        "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
+    )
     p.add_argument(
         "--ops",
         choices=("summary", "all", "none"),
@@ -266,7 +269,11 @@ def make_plan(
         graph = capture(built.model, built.inputs)
     capture_s = time.perf_counter() - t0
     what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
-    with progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"):
+    with (
+        progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         plan = plan_fn(
             built.model,
             built.inputs,
@@ -278,34 +285,26 @@ def make_plan(
             time_limit=time_limit,
             graph=graph,
         )
+    for w in caught:  # e.g. a --force pattern that matches nothing
+        progress.print(f"[yellow]warning:[/yellow] {w.message}", soft_wrap=True)
     # the planner was handed the graph: record the capture it did not time itself
     solver = replace(plan.solver, capture_s=capture_s, total_s=plan.solver.total_s + capture_s)
     return replace(plan, solver=solver), graph
 
 
-def check_out(path: Path) -> Path:
+def check_out(path: Path, flag: str = "--out") -> Path:
     """The folder `path` will be written in; a UserError if it cannot be (checked before planning)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"--out {path}: is a directory; give a file name such as {path / 'plan.json'}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"--out {path}: folder {parent} does not exist; create it or save elsewhere")
-    return parent
+    from meshpilot.io import check_writable
+
+    return check_writable(path, flag)
 
 
-def save_plan(plan: Any, path: Path) -> None:
+def save_plan(plan: Any, path: Path, flag: str = "--out") -> None:
     """Write the plan's JSON to `path` atomically (a temporary file in the same folder, then a rename)."""
-    path = Path(path)
-    parent = check_out(path)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp", text=True)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from meshpilot.io import atomic_write
+
+    check_out(path, flag)
+    atomic_write(path, plan.to_json())
 
 
 # ------------------------------------------------------------------------------------------------ printing
@@ -363,8 +362,8 @@ def _param_read(graph: Any, node: Any) -> str:
 
 def _short_note(note: str) -> str:
     """A mesh candidate's PlanError, shortened for the table."""
-    need = re.search(r"smallest per-device memory found is ([\d.]+ GiB)", note) or re.search(
-        r"smallest need found is ([\d.]+ GiB)", note
+    need = re.search(r"smallest per-device memory found is ([\d.]+ [KMGT]?i?B)", note) or re.search(
+        r"smallest need found is ([\d.]+ [KMGT]?i?B)", note
     )
     if need:
         return f"does not fit: needs at least {need.group(1)} per device"

@@ -103,6 +103,7 @@ from torch.distributed.tensor import Shard
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims, node_gemm
+from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import (
     MEMORY_ROWS,
     aliases_input,
@@ -755,8 +756,8 @@ def solve(
         min_need = _min_need(groups, memory)
         if min_need > cap:
             raise PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {min_need / 2**30:.2f} GiB "
-                f"but a device holds {cap / 2**30:.2f} GiB (mesh {prob.mesh_shape})"
+                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(min_need)} "
+                f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
             )
         for row in held:
             nz = np.flatnonzero(row)
@@ -783,9 +784,9 @@ def solve(
     if res.x is None:
         if has_mem_row:
             raise PlanError(
-                f"no sharding plan fits in {cap / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
+                f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
                 f"(HiGHS: {res.message}); the smallest need found is "
-                f"{_min_need(groups, memory) / 2**30:.2f} GiB"
+                f"{fmt_size(_min_need(groups, memory))}"
             )
         raise PlanError(f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}")
     x = res.x
