@@ -94,6 +94,21 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
     if dup:
         raise _fail(where, "mesh_ranks", f"rank {dup[0]} appears more than once", fix)
 
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise UserError(f"world size {world_size!r}: must be at least 1; launch with --nproc-per-node {n}")
+        if world_size != n:
+            raise UserError(
+                f"{where}the plan's mesh {tuple(shape)} has {n} devices but the world size is {world_size}; "
+                f"launch with --nproc-per-node {n} or plan for this world size"
+            )
+    if graph is not None and graph.fingerprint() != plan.fingerprint:
+        raise UserError(
+            f"{where}fingerprint: this plan was made for a different model or input shapes (graph fingerprint "
+            f"{plan.fingerprint} vs {graph.fingerprint()}); plan again for this model, or pass the model and "
+            "sizes (--model/--layers/--hidden/--heads) it was made for"
+        )
+
     axes = len(shape)
     for i, layout in enumerate(plan.inputs):
         rank = len(plan.input_shapes[i][0]) if i < len(plan.input_shapes) else None
@@ -114,21 +129,6 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
         for i, layout in enumerate(node.outs):
             rank = ranks_out[i] if i < len(ranks_out) else None
             _check_layout(layout, axes, rank, where, f"nodes[{node.name}].outs[{i}]")
-
-    if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise UserError(f"world size {world_size!r}: must be at least 1; launch with --nproc-per-node {n}")
-        if world_size != n:
-            raise UserError(
-                f"{where}the plan's mesh {tuple(shape)} has {n} devices but the world size is {world_size}; "
-                f"launch with --nproc-per-node {n} or plan for this world size"
-            )
-    if graph is not None and graph.fingerprint() != plan.fingerprint:
-        raise UserError(
-            f"{where}fingerprint: this plan was made for a different model or input shapes (graph fingerprint "
-            f"{plan.fingerprint} vs {graph.fingerprint()}); plan again for this model, or pass the model and "
-            "sizes (--model/--layers/--hidden/--heads) it was made for"
-        )
 
 
 __all__ = ["SUPPORTED_VERSIONS", "check_version", "validate_plan"]
