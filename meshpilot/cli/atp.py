@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json
+from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, positive_int, print_json
 from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write, check_writable
@@ -26,13 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         " calibration entries. DeviceMesh(N,1) is Megatron-LM's 1D tensor parallelism.",
     )
     add_cluster_arg(p)
-    p.add_argument("--devices", "-n", type=int, help="tensor-parallel devices N (default: all of the cluster)")
+    p.add_argument("--devices", "-n", type=positive_int, help="tensor-parallel devices N (default: all of the cluster)")
     p.add_argument("--model", "-m", default="atp-m2", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
-    p.add_argument("--layers", type=int, help="override the model's layer count L")
-    p.add_argument("--hidden", type=int, help="override the hidden size h")
-    p.add_argument("--heads", type=int, help="override the attention heads")
-    p.add_argument("--batch", "-b", type=int, help="override the micro-batch size b")
-    p.add_argument("--seq", "-s", type=int, help="override the sequence length s")
+    p.add_argument("--layers", type=positive_int, help="override the model's layer count L")
+    p.add_argument("--hidden", type=positive_int, help="override the hidden size h")
+    p.add_argument("--heads", type=positive_int, help="override the attention heads")
+    p.add_argument("--batch", "-b", type=positive_int, help="override the micro-batch size b")
+    p.add_argument("--seq", "-s", type=positive_int, help="override the sequence length s")
     p.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="activation dtype (default fp16)")
     p.add_argument("--json", action="store_true", help='print {"chosen": [d1, d2], "candidates": [...]}')
     p.add_argument(
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Fig. 12: T_comm/Δ of ATP-1/2/4/8 and ATP-OPT for N = 4 … --max-devices on a sized preset",
     )
-    p.add_argument("--max-devices", type=int, default=1024, help="largest N of the sweep (default 1024)")
+    p.add_argument("--max-devices", type=positive_int, default=1024, help="largest N of the sweep (default 1024)")
     p.add_argument("--out", default="atp-sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.png")
     p.set_defaults(func=run)
 
@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq
     )
     n = args.devices or cluster.num_devices
+    if n > cluster.num_devices:
+        raise UserError(f"--devices {n}: cluster {cluster.name!r} has {cluster.num_devices} devices; pick 1..that")
     result = search(cluster, n, model, DTYPE_BYTES[args.dtype])
     if args.json:
         print_json(

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--json-out", type=Path, help="rank 0 writes the per-step losses and times here as JSON")
     p.add_argument(
         "--nproc-per-node",
