@@ -162,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         prep = prepare(args, world)
     except UserError:
-        if rank != 0:  # every rank finds the same mistake: rank 0 alone says it
+        if rank != 0:  # every rank finds the same mistake: rank 0 alone says it (given time to, before
+            import time  # torchrun stops the job at this rank's exit)
+
+            time.sleep(5)
             raise SystemExit(2) from None
         raise
     return _train(args, world, **prep)
