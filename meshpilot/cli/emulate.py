@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.force:
         raise UserError("--force only goes with --cleanup")
     if not args.cluster:
-        raise UserError("--cluster is required: a preset name or a cluster TOML file")
+        raise UserError("--cluster is missing; give a preset name or a cluster TOML file")
     if not cmd:
         raise UserError("no command to run; put it after `--`, e.g. meshpilot emulate -c C -- python train.py")
     if not args.dry_run:

@@ -108,7 +108,7 @@ class Built:
 def parse_mesh(text: str) -> tuple[int, int]:
     parts = text.lower().replace(",", "x").split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise UserError(f"--mesh {text!r}: write two positive sizes as d1xd2, e.g. 2x4")
+        raise UserError(f"--mesh {text!r}: not a mesh shape; write two positive sizes as d1xd2, e.g. 2x4")
     return int(parts[0]), int(parts[1])
 
 
@@ -181,7 +181,7 @@ def parse_force(items: list[str]) -> dict[str, str] | None:
     for item in items:
         pattern, sep, layout = item.partition("=")
         if not sep or not pattern.strip() or not layout.strip():
-            raise UserError(f"--force {item!r}: write PATTERN=LAYOUT, e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
+            raise UserError(f"--force {item!r}: not PATTERN=LAYOUT; write e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
         out[pattern.strip()] = layout.strip().replace(" ", "")
     return out
 
@@ -201,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
             "(or a bigger cluster, e.g. dgx-h100:NODES)"
         )
     if shape and math.prod(shape) != n:
-        raise UserError(f"--mesh {args.mesh}: {math.prod(shape)} devices, but --devices is {n}")
+        raise UserError(
+            f"--mesh {args.mesh}: {math.prod(shape)} devices, but --devices is {n}; make them agree or give only one"
+        )
     if args.time_limit <= 0:
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     force = parse_force(args.force)

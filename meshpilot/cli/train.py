@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def parse_mesh(text: str) -> tuple[int, int]:
     parts = text.lower().replace(",", "x").split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise UserError(f"--mesh {text!r}: write two positive sizes as d1xd2, e.g. 2x2")
+        raise UserError(f"--mesh {text!r}: not a mesh shape; write two positive sizes as d1xd2, e.g. 2x2")
     return int(parts[0]), int(parts[1])
 
 
@@ -118,9 +118,15 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
         return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=int(b), seq=int(t))}
     shape = parse_mesh(args.mesh) if args.mesh else (world, 1)
     if world % (shape[0] * shape[1]):
-        raise UserError(f"--mesh {args.mesh}: {shape[0] * shape[1]} devices do not divide the world size {world}")
+        raise UserError(
+            f"--mesh {args.mesh}: {shape[0] * shape[1]} devices do not divide the world size {world}; "
+            "give a mesh whose size divides it"
+        )
     if cfg.batch % (world // (shape[0] * shape[1]) * args.chunks):
-        raise UserError(f"batch {cfg.batch} does not split into data-parallel replicas x {args.chunks} chunks")
+        raise UserError(
+            f"batch {cfg.batch} does not split into data-parallel replicas x {args.chunks} chunks; "
+            "change --mesh or --chunks"
+        )
     return {"shape": shape, "cfg": cfg}
 
 

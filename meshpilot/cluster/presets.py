@@ -196,10 +196,12 @@ def preset_cluster(spec: str) -> Cluster:
         data = preset.build()
     else:
         if size and not size.isdigit():
-            raise UserError(f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}")
+            raise UserError(
+                f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; e.g. {name}:{preset.default_size}"
+            )
         n = int(size) if size else preset.default_size
         if n < 1:
-            raise UserError(f"cluster {spec!r}: the size must be at least 1")
+            raise UserError(f"cluster {spec!r}: the size must be at least 1; e.g. {name}:{preset.default_size}")
         from meshpilot.cluster.loader import MAX_DEVICES
 
         devices = n * n if name == "atp-ic6" else n

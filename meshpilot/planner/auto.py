@@ -219,6 +219,7 @@ def plan(
             e = PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
                 f"but a device holds {fmt_size(capacity)} (mesh {shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory"
             )
             errors.append(e)
             tried += [MeshCandidate(shape, mapping, None, str(e)) for mapping in maps]
@@ -709,11 +710,13 @@ def _check_devices(cl: Any, num_devices: int | None, mesh_shape: Sequence[int] |
     if mesh_shape is not None:
         shape = tuple(mesh_shape)
         if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
-            raise UserError(f"mesh_shape={mesh_shape!r}: give one positive whole size per mesh axis, e.g. (2, 2)")
+            raise UserError(
+                f"mesh_shape={mesh_shape!r}: sizes must be positive; give one whole size per mesh axis, e.g. (2, 2)"
+            )
     if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(num_devices, int)):
         raise UserError(f"num_devices={num_devices!r}: give a whole number of devices, e.g. 4")
     if num_devices is not None and num_devices < 1:
-        raise UserError(f"num_devices={num_devices}: give at least 1 device")
+        raise UserError(f"num_devices={num_devices}: must be at least 1; give e.g. num_devices=4")
     if num_devices is not None and mesh_shape is not None and math.prod(mesh_shape) != num_devices:
         raise UserError(
             f"mesh_shape={tuple(mesh_shape)} has {math.prod(mesh_shape)} devices but num_devices={num_devices}; "

@@ -758,6 +758,7 @@ def solve(
             raise PlanError(
                 f"no sharding plan fits: the smallest per-device memory found is {fmt_size(min_need)} "
                 f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory"
             )
         for row in held:
             nz = np.flatnonzero(row)
@@ -787,6 +788,7 @@ def solve(
                 f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
                 f"(HiGHS: {res.message}); the smallest need found is "
                 f"{fmt_size(_min_need(groups, memory))}"
+                "; use more devices, a smaller batch or model, or a device with more memory"
             )
         raise PlanError(f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}")
     x = res.x
