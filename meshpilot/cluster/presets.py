@@ -197,7 +197,8 @@ def preset_cluster(spec: str) -> Cluster:
     else:
         if size and not size.isdigit():
             raise UserError(
-                f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; e.g. {name}:{preset.default_size}"
+                f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; "
+                f"e.g. {name}:{preset.default_size}"
             )
         n = int(size) if size else preset.default_size
         if n < 1:
