@@ -151,6 +151,6 @@ def test_train_plan_checks_the_file_and_the_world_size(tmp_path, capsys, monkeyp
     capsys.readouterr()
     assert main(["train", "--plan", str(path), "--model", "gpt-tiny"]) == 2
     err = capsys.readouterr().err
-    assert "planned for 4 devices" in err and "--nproc-per-node 4" in err
+    assert "has 4 devices but the world size is 2" in err and "--nproc-per-node 4" in err  # validate_plan
     assert main(["train", "--plan", str(path), "--mesh", "2x2"]) == 2
     assert "leave out --mesh" in capsys.readouterr().err
