@@ -130,7 +130,7 @@ def test_no_plan_fits_is_the_plan_error(capsys):
     err = _one_line_error(
         capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--memory-gib", "1e-6"]
     )
-    assert "no sharding plan fits" in err and "GiB" in err
+    assert "no sharding plan fits" in err and "1.05 KiB" in err  # 1e-6 GiB, readable (not "0.00 GiB")
 
 
 def test_out_into_a_missing_folder(tmp_path, capsys):
@@ -151,6 +151,6 @@ def test_train_plan_checks_the_file_and_the_world_size(tmp_path, capsys, monkeyp
     capsys.readouterr()
     assert main(["train", "--plan", str(path), "--model", "gpt-tiny"]) == 2
     err = capsys.readouterr().err
-    assert "planned for 4 devices" in err and "--nproc-per-node 4" in err
+    assert "has 4 devices but the world size is 2" in err and "--nproc-per-node 4" in err  # validate_plan
     assert main(["train", "--plan", str(path), "--mesh", "2x2"]) == 2
     assert "leave out --mesh" in capsys.readouterr().err

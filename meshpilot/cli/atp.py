@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import tempfile
+import io
 from pathlib import Path
 
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, print_json
+from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, positive_int, print_json
 from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
+from meshpilot.io import atomic_path, atomic_write, check_writable
 from meshpilot.models import gpt_config
 from meshpilot.planner.atp import DTYPE_BYTES, closed_form, search, sweep
 
@@ -26,13 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         " calibration entries. DeviceMesh(N,1) is Megatron-LM's 1D tensor parallelism.",
     )
     add_cluster_arg(p)
-    p.add_argument("--devices", "-n", type=int, help="tensor-parallel devices N (default: all of the cluster)")
+    p.add_argument("--devices", "-n", type=positive_int, help="tensor-parallel devices N (default: all of the cluster)")
     p.add_argument("--model", "-m", default="atp-m2", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
-    p.add_argument("--layers", type=int, help="override the model's layer count L")
-    p.add_argument("--hidden", type=int, help="override the hidden size h")
-    p.add_argument("--heads", type=int, help="override the attention heads")
-    p.add_argument("--batch", "-b", type=int, help="override the micro-batch size b")
-    p.add_argument("--seq", "-s", type=int, help="override the sequence length s")
+    p.add_argument("--layers", type=positive_int, help="override the model's layer count L")
+    p.add_argument("--hidden", type=positive_int, help="override the hidden size h")
+    p.add_argument("--heads", type=positive_int, help="override the attention heads")
+    p.add_argument("--batch", "-b", type=positive_int, help="override the micro-batch size b")
+    p.add_argument("--seq", "-s", type=positive_int, help="override the sequence length s")
     p.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="activation dtype (default fp16)")
     p.add_argument("--json", action="store_true", help='print {"chosen": [d1, d2], "candidates": [...]}')
     p.add_argument(
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Fig. 12: T_comm/Δ of ATP-1/2/4/8 and ATP-OPT for N = 4 … --max-devices on a sized preset",
     )
-    p.add_argument("--max-devices", type=int, default=1024, help="largest N of the sweep (default 1024)")
+    p.add_argument("--max-devices", type=positive_int, default=1024, help="largest N of the sweep (default 1024)")
     p.add_argument("--out", default="atp-sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.png")
     p.set_defaults(func=run)
 
@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq
     )
     n = args.devices or cluster.num_devices
+    if n > cluster.num_devices:
+        raise UserError(f"--devices {n}: cluster {cluster.name!r} has {cluster.num_devices} devices; pick 1..that")
     result = search(cluster, n, model, DTYPE_BYTES[args.dtype])
     if args.json:
         print_json(
@@ -106,6 +108,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     name = args.cluster.partition(":")[0]
     if name not in ("atp-ic5", "atp-ic6"):
         raise UserError(f"--sweep needs a sized preset, atp-ic5 or atp-ic6; got {args.cluster!r}")
+    out = Path(args.out)
+    for suffix in (".csv", ".png"):
+        check_writable(out.with_suffix(suffix), "--out")
     if name == "atp-ic5":
         ns = [n for n in (2**k for k in range(2, 11)) if n <= args.max_devices]
         at = lambda n: load_cluster(f"atp-ic5:{n}")  # noqa: E731
@@ -115,7 +120,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     ways = (1, 2, 4, 8)
     with console.status("sweeping meshes …"):
         rows = sweep(at, ns, ways)
-    out = Path(args.out)
     header = ["N"] + [f"ATP-{i}" for i in ways] + ["ATP-OPT", "opt_d1", "opt_d2"]
     header += [f"closed_form_ATP-{i}" for i in ways] + ["closed_form_OPT"]
     lines = []
@@ -128,7 +132,9 @@ def run_sweep(args: argparse.Namespace) -> int:
             + [cf.get(i, "") for i in ways]
             + [min(closed_form(r.devices // d2, d2) for d2 in range(1, r.devices + 1) if r.devices % d2 == 0)]
         )
-    _atomic_write(out.with_suffix(".csv"), lambda f: csv.writer(f).writerows([header, *lines]))
+    buf = io.StringIO()
+    csv.writer(buf).writerows([header, *lines])
+    atomic_write(out.with_suffix(".csv"), buf.getvalue(), newline="")
     _plot(rows, ways, out.with_suffix(".png"), args.cluster)
     t = Table(title=f"T_comm / Δ on {name} (Δ = 2Lbsh/GroupBW)")
     for col in header[:-5]:
@@ -138,18 +144,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     console.print(t)
     console.print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
     return 0
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", text=True)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _plot(rows, ways, path: Path, cluster: str) -> None:
@@ -171,7 +165,6 @@ def _plot(rows, ways, path: Path, cluster: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""Shared pieces of the subcommands: the --cluster option and rich output."""
+"""Shared pieces of the subcommands: the --cluster option, argparse types for numbers, rich output."""
 
 from __future__ import annotations
 
@@ -11,8 +11,34 @@ from typing import Any
 from rich.console import Console
 
 from meshpilot.cluster import Cluster, load_cluster
+from meshpilot.io import fmt_size  # noqa: F401 - re-exported for the subcommands
 
 console = Console()
+
+
+def _number(text: str, kind: type, what: str, *, allow_zero: bool = False) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (``--devices 0`` is refused with the flag named)."""
+    return int(_number(text, int, "a whole number of at least 1"))
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    return int(_number(text, int, "a whole number of at least 0", allow_zero=True))
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (NaN, inf, 0 and negatives are refused)."""
+    return float(_number(text, float, "a finite number greater than 0"))
 
 
 def add_cluster_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:

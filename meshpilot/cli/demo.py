@@ -19,9 +19,10 @@ import numpy as np
 from rich.panel import Panel
 from rich.table import Table
 
-from meshpilot.cli.common import console
+from meshpilot.cli.common import console, positive_int
 from meshpilot.cluster import GB, load_cluster
 from meshpilot.errors import UserError
+from meshpilot.io import check_writable
 
 TOLERANCE = 1e-5
 TRAIN_MODEL = "gpt-tiny"
@@ -35,8 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cluster", "-c", default="atp-ic1-calibrated", help="preset or file (default atp-ic1-calibrated)")
     p.add_argument("--model", "-m", default="atp-m2", help="GPT whose ATP mesh is searched (default atp-m2)")
-    p.add_argument("--steps", type=int, default=5, help="training steps of the tiny GPT (default 5)")
-    p.add_argument("--procs", type=int, default=4, help="devices planned for = local gloo processes (default 4)")
+    p.add_argument("--steps", type=positive_int, default=5, help="training steps of the tiny GPT (default 5)")
+    p.add_argument(
+        "--procs", type=positive_int, default=4, help="devices planned for = local gloo processes (default 4)"
+    )
     p.add_argument("--plan-out", type=Path, help="keep the plan here (default: a temporary file)")
     p.add_argument("--no-train", action="store_true", help="stop after the plan (no processes)")
     p.set_defaults(func=run)
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--procs {n}: cluster {cluster.name!r} has {cluster.num_devices} devices; pick 1..that")
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: give at least 1 step")
+    if args.plan_out:
+        check_writable(args.plan_out, "--plan-out")
     show_cluster(cluster)
     show_atp(cluster, args.model)
 
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="meshpilot-demo-") as tmp:
         path = args.plan_out or Path(tmp) / "plan.json"
-        save_plan(plan, path)
+        save_plan(plan, path, "--plan-out")
         console.print(f"saved the plan to {path}")
         if args.no_train:
             return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshpilot.cli.common import add_cluster_arg, get_cluster
+from meshpilot.cli.common import add_cluster_arg, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
 
 
@@ -30,22 +30,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cluster_arg(p, required=False)
     p.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=positive_int,
         metavar="P",
         help="ranks per node (default: the cluster's devices per node, the product of its lower layers)",
     )
     p.add_argument(
         "--bw-scale",
-        type=float,
+        type=positive_float,
         default=1.0,
         metavar="F",
         help="multiply every bandwidth by F (e.g. 0.002 turns a preset's 25 GB/s into 50 MB/s); default 1",
     )
     p.add_argument("--port", type=int, default=29400, help="rendezvous port on node 0 (default 29400)")
-    p.add_argument("--timeout", type=float, metavar="S", help="stop every node after S seconds (exit 124)")
+    p.add_argument("--timeout", type=positive_float, metavar="S", help="stop every node after S seconds (exit 124)")
     p.add_argument(
         "--grace",
-        type=float,
+        type=positive_float,
         default=5.0,
         metavar="S",
         help="after one node fails, seconds the others get before they are stopped (default 5)",
@@ -80,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if args.force:
         raise UserError("--force only goes with --cleanup")
     if not args.cluster:
-        raise UserError("--cluster is required: a preset name or a cluster TOML file")
+        raise UserError("--cluster is missing; give a preset name or a cluster TOML file")
     if not cmd:
         raise UserError("no command to run; put it after `--`, e.g. meshpilot emulate -c C -- python train.py")
+    if not args.dry_run:
+        _check_command(cmd)
     cluster = get_cluster(args)
     try:
         return run_emulated(
@@ -99,3 +101,20 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"meshpilot emulate: interrupted by {e}; nodes stopped and network removed", file=sys.stderr)
         return 128 + e.signum
+
+
+def _check_command(cmd: list[str]) -> None:
+    """The program to run exists and is executable (found before any namespace or link is made)."""
+    import os
+    import shutil
+
+    prog = cmd[0]
+    if os.sep in prog:
+        if os.path.isdir(prog):
+            raise UserError(f"command {prog!r}: is a folder; give a program after `--`")
+        if not os.path.isfile(prog):
+            raise UserError(f"command {prog!r}: no such file; give an existing program after `--`")
+        if not os.access(prog, os.X_OK):
+            raise UserError(f"command {prog!r}: not executable; chmod +x it or run it with its interpreter")
+    elif shutil.which(prog) is None:
+        raise UserError(f"command {prog!r}: not found on PATH; give its full path or install it")

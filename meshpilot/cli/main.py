@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from meshpilot.errors import UserError
 
@@ -15,8 +16,15 @@ from meshpilot.errors import UserError
 COMMANDS = ["presets", "topology", "atp", "plan", "train", "probe", "emulate", "demo"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line on stderr (what is wrong, then where the help is), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshpilot",
         description=(
             "Plan and run distributed training of PyTorch models: choose, for every operator, how to split it "
@@ -39,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher passes on to its ranks
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

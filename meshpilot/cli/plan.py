@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import tempfile
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,8 +34,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, get_cluster
+from meshpilot.cli.common import add_cluster_arg, console, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
+from meshpilot.io import fmt_size
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -57,13 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "moe-tiny, bench-transformer) or 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads",
     )
     add_cluster_arg(p)
-    p.add_argument("--devices", "-n", type=int, help="devices the plan uses (default: --mesh's, or all of the cluster)")
+    p.add_argument(
+        "--devices", "-n", type=positive_int, help="devices the plan uses (default: --mesh's, or all of the cluster)"
+    )
     p.add_argument("--mesh", metavar="d1xd2", help="fix the mesh shape (default: search every 2D shape)")
-    p.add_argument("--batch", "-b", type=int, help="global batch size (default: the model's)")
-    p.add_argument("--seq", "-s", type=int, help="GPTs: sequence length")
-    p.add_argument("--layers", type=int, help="GPTs: transformer blocks")
-    p.add_argument("--hidden", type=int, help="GPTs: hidden size")
-    p.add_argument("--heads", type=int, help="GPTs: attention heads (must divide --hidden)")
+    p.add_argument("--batch", "-b", type=positive_int, help="global batch size (default: the model's)")
+    p.add_argument("--seq", "-s", type=positive_int, help="GPTs: sequence length")
+    p.add_argument("--layers", type=positive_int, help="GPTs: transformer blocks")
+    p.add_argument("--hidden", type=positive_int, help="GPTs: hidden size")
+    p.add_argument("--heads", type=positive_int, help="GPTs: attention heads (must divide --hidden)")
     p.add_argument("--dtype", choices=GPT_DTYPES, help="GPTs: parameter and activation dtype (default float32)")
     p.add_argument(
         "--force",
@@ -73,8 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
         "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
     )
-    p.add_argument("--memory-gib", type=float, help="device memory in GiB (default: the cluster's device)")
-    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)")
+    p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
+    p.add_argument(
+        "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
+    )
     p.add_argument(
         "--ops",
         choices=("summary", "all", "none"),
@@ -105,7 +109,7 @@ class Built:
 def parse_mesh(text: str) -> tuple[int, int]:
     parts = text.lower().replace(",", "x").split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise UserError(f"--mesh {text!r}: write two positive sizes as d1xd2, e.g. 2x4")
+        raise UserError(f"--mesh {text!r}: not a mesh shape; write two positive sizes as d1xd2, e.g. 2x4")
     return int(parts[0]), int(parts[1])
 
 
@@ -178,7 +182,7 @@ def parse_force(items: list[str]) -> dict[str, str] | None:
     for item in items:
         pattern, sep, layout = item.partition("=")
         if not sep or not pattern.strip() or not layout.strip():
-            raise UserError(f"--force {item!r}: write PATTERN=LAYOUT, e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
+            raise UserError(f"--force {item!r}: not PATTERN=LAYOUT; write e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
         out[pattern.strip()] = layout.strip().replace(" ", "")
     return out
 
@@ -198,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
             "(or a bigger cluster, e.g. dgx-h100:NODES)"
         )
     if shape and math.prod(shape) != n:
-        raise UserError(f"--mesh {args.mesh}: {math.prod(shape)} devices, but --devices is {n}")
+        raise UserError(
+            f"--mesh {args.mesh}: {math.prod(shape)} devices, but --devices is {n}; make them agree or give only one"
+        )
     if args.time_limit <= 0:
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     force = parse_force(args.force)
@@ -266,7 +272,11 @@ def make_plan(
         graph = capture(built.model, built.inputs)
     capture_s = time.perf_counter() - t0
     what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
-    with progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"):
+    with (
+        progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         plan = plan_fn(
             built.model,
             built.inputs,
@@ -278,34 +288,26 @@ def make_plan(
             time_limit=time_limit,
             graph=graph,
         )
+    for w in caught:  # e.g. a --force pattern that matches nothing
+        progress.print(f"[yellow]warning:[/yellow] {w.message}", soft_wrap=True)
     # the planner was handed the graph: record the capture it did not time itself
     solver = replace(plan.solver, capture_s=capture_s, total_s=plan.solver.total_s + capture_s)
     return replace(plan, solver=solver), graph
 
 
-def check_out(path: Path) -> Path:
+def check_out(path: Path, flag: str = "--out") -> Path:
     """The folder `path` will be written in; a UserError if it cannot be (checked before planning)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"--out {path}: is a directory; give a file name such as {path / 'plan.json'}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"--out {path}: folder {parent} does not exist; create it or save elsewhere")
-    return parent
+    from meshpilot.io import check_writable
+
+    return check_writable(path, flag)
 
 
-def save_plan(plan: Any, path: Path) -> None:
+def save_plan(plan: Any, path: Path, flag: str = "--out") -> None:
     """Write the plan's JSON to `path` atomically (a temporary file in the same folder, then a rename)."""
-    path = Path(path)
-    parent = check_out(path)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp", text=True)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from meshpilot.io import atomic_write
+
+    check_out(path, flag)
+    atomic_write(path, plan.to_json())
 
 
 # ------------------------------------------------------------------------------------------------ printing
@@ -321,14 +323,6 @@ def fmt_s(s: float) -> str:
     if abs(s) < 1:
         return f"{s * 1e3:.4g} ms"
     return f"{s:.4g} s"
-
-
-def fmt_bytes(b: float) -> str:
-    b = float(b)
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= div:
-            return f"{b / div:.3g} {unit}"
-    return f"{b:.0f} B"
 
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -359,7 +353,7 @@ def _param_read(graph: Any, node: Any) -> str:
 def _short_note(c: Any) -> str:
     """A mesh candidate's note (its PlanError when it failed), shortened for the table."""
     if c.need_bytes is not None:
-        return f"does not fit: the best plan found needs {fmt_bytes(c.need_bytes)} per device"
+        return f"does not fit: the best plan found needs {fmt_size(c.need_bytes)} per device"
     return c.note if len(c.note) < 90 else c.note[:87] + "…"
 
 
@@ -388,7 +382,7 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     out.print(
         f"[bold]{label}[/bold]\non {plan.cluster}, {n} devices: [bold]DeviceMesh({mesh})[/bold], {plan.mapping} "
         f"mapping (axis {1 if plan.mapping == 'row' else 0} on contiguous ranks), predicted step "
-        f"[bold]{fmt_s(t.total_s)}[/bold], {fmt_bytes(m.total)} per device"
+        f"[bold]{fmt_s(t.total_s)}[/bold], {fmt_size(m.total)} per device"
     )
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
 
@@ -431,13 +425,13 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         ("saved activations", m.activations),
         ("inputs", m.inputs),
     ):
-        mt.add_row(name, fmt_bytes(v), f"{v / cap:.1%}")
+        mt.add_row(name, fmt_size(v), f"{v / cap:.1%}")
     mt.add_section()
     style = "green" if m.total <= m.capacity else "red"
     mt.add_row(
-        "[bold]total[/bold]", f"[{style}]{fmt_bytes(m.total)}[/{style}]", f"[{style}]{m.total / cap:.1%}[/{style}]"
+        "[bold]total[/bold]", f"[{style}]{fmt_size(m.total)}[/{style}]", f"[{style}]{m.total / cap:.1%}[/{style}]"
     )
-    mt.add_row("capacity", fmt_bytes(m.capacity), "")
+    mt.add_row("capacity", fmt_size(m.capacity), "")
     out.print(mt)
 
     pt = Table(title="Parameter layouts (layer indices as *)")
@@ -467,7 +461,7 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
             acc[1] += z.delta_s
             acc[2] += z.saved_bytes
         for (pattern, before, after, why), (count, dt, saved) in zg.items():
-            zt.add_row(pattern, str(int(count)), f"{before} → {after}", why, f"{dt * 1e3:+.3g} ms", fmt_bytes(saved))
+            zt.add_row(pattern, str(int(count)), f"{before} → {after}", why, f"{dt * 1e3:+.3g} ms", fmt_size(saved))
         out.print(zt)
 
     if ops != "none":
@@ -483,7 +477,7 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         a[1] += c.nbytes
         a[2] += float(c.seconds)
     for (phase, kind, axis), (count, nbytes, sec) in sorted(agg.items()):
-        ct.add_row(phase, kind, str(axis), str(int(count)), fmt_bytes(nbytes), fmt_s(sec))
+        ct.add_row(phase, kind, str(axis), str(int(count)), fmt_size(nbytes), fmt_s(sec))
     if not agg:
         ct.add_row("—", "none: every operator runs on local data", "", "", "", "")
     out.print(ct)
@@ -544,7 +538,7 @@ def op_table(plan: Any, graph: Any, all_nodes: bool = False) -> Table:
             if rep is not None:
                 reads = _layer_pattern(reads)
             text = ", ".join(
-                f"{k} ax{a} {fmt_bytes(b)}" + (f" ×{c}" if c > 1 else "") for (k, a, b), c in sorted(coll.items())
+                f"{k} ax{a} {fmt_size(b)}" + (f" ×{c}" if c > 1 else "") for (k, a, b), c in sorted(coll.items())
             )
             table.add_row(node.name, reads, choice.short().split(": ", 1)[1], text)
         if rep is not None:

@@ -34,6 +34,7 @@ import socket
 import sys
 from pathlib import Path
 
+from meshpilot.cli.common import positive_float, positive_int
 from meshpilot.errors import UserError
 
 TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main probe --out cluster.toml"
@@ -61,10 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="message size for P2P and all-reduce, e.g. 4MiB, 512KiB or 1048576 (default: 32MiB on GPU, 4MiB on CPU)",
     )
-    p.add_argument("--repeats", type=int, metavar="N", help="timed repeats per measurement; the best counts")
+    p.add_argument("--repeats", type=positive_int, metavar="N", help="timed repeats per measurement; the best counts")
     p.add_argument(
         "--p2p-budget",
-        type=float,
+        type=positive_float,
         metavar="SECONDS",
         help="stop the pairwise rounds after this long and estimate the pairs left (default 120)",
     )

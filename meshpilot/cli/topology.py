@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, gbps, get_cluster, print_json
+from meshpilot.cli.common import add_cluster_arg, console, gbps, get_cluster, positive_int, print_json
 from meshpilot.cluster import GB, Cluster, LogicalMesh, mesh_shapes_2d
 
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         + " Mesh axis 1 runs over contiguous ranks. A calibrated mesh shows the measured B instead of Eq. 4's.",
     )
     add_cluster_arg(p)
-    p.add_argument("--devices", "-n", type=int, help="mesh size (default: every device of the cluster)")
+    p.add_argument("--devices", "-n", type=positive_int, help="mesh size (default: every device of the cluster)")
     p.add_argument("--json", action="store_true", help="print JSON: {meshes: [{mesh, B1_prime_GBps, ...}]}")
     p.set_defaults(func=run)
 

@@ -57,6 +57,11 @@ from meshpilot.cluster.devices import DEVICES, DeviceProfile, MatmulRate
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
+MAX_DEVICES = 65_536
+"""The most devices a cluster may have (files and sized presets): larger ones exhaust memory, not plan."""
+MAX_NUMBER = 1e9
+"""The largest bandwidth (GB/s), latency (us), rate (TFLOP/s) or size (GiB) a cluster file may give."""
+
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
 CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps"}
@@ -78,6 +83,8 @@ def load_cluster_file(path: str | Path) -> Cluster:
     """Read and validate a cluster TOML file."""
     path = Path(path)
     src = str(path)
+    if path.is_dir():
+        raise ClusterFileError(src, "file", "is a folder, not a file", "give the path of a cluster TOML file inside it")
     if not path.is_file():
         raise ClusterFileError(src, "file", "does not exist", "give the path of a cluster TOML file or a preset name")
     try:
@@ -108,6 +115,18 @@ def cluster_from_dict(data: dict[str, Any], source: str, default_name: str = "cl
         raise ClusterFileError(
             source, "layers", "must be a non-empty array of tables", "write each layer as [[layers]]"
         )
+    n = 1
+    for i, raw in enumerate(raw_layers):  # bound the size before building any R x R matrix
+        ranks = raw.get("ranks")
+        if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1:
+            n *= ranks
+            if n > MAX_DEVICES:
+                raise ClusterFileError(
+                    source,
+                    f"layers[{i}].ranks",
+                    f"makes the cluster {n:,} devices, more than meshpilot plans for ({MAX_DEVICES:,})",
+                    f"describe at most {MAX_DEVICES:,} devices (the product of every layer's ranks)",
+                )
     layers = tuple(_layer(raw, f"layers[{i}]", source) for i, raw in enumerate(raw_layers))
     n = math.prod(layer.ranks for layer in layers)
     raw_cal = data.get("calibration", [])
@@ -239,6 +258,10 @@ def _number(
     """`value` as a float; `fix` is the error's hint when it is negative (or zero without `allow_zero`)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ClusterFileError(source, key, f"must be a number, got {value!r}", "write a plain number such as 25.0")
+    if abs(value) > MAX_NUMBER:
+        raise ClusterFileError(
+            source, key, f"is {value:g}, larger than any real device ({MAX_NUMBER:g})", f"{fix} (check the units)"
+        )
     if positive and (value < 0 or (value == 0 and not allow_zero)):
         need = "zero or more" if allow_zero else "greater than zero"
         raise ClusterFileError(source, key, f"is {value}, must be {need}", fix)

@@ -196,10 +196,23 @@ def preset_cluster(spec: str) -> Cluster:
         data = preset.build()
     else:
         if size and not size.isdigit():
-            raise UserError(f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}")
+            raise UserError(
+                f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; "
+                f"e.g. {name}:{preset.default_size}"
+            )
         n = int(size) if size else preset.default_size
         if n < 1:
-            raise UserError(f"cluster {spec!r}: the size must be at least 1")
+            raise UserError(f"cluster {spec!r}: the size must be at least 1; e.g. {name}:{preset.default_size}")
+        from meshpilot.cluster.loader import MAX_DEVICES
+
+        devices = n * n if name == "atp-ic6" else n
+        if preset.size and "node" in preset.size:
+            devices = n * 8
+        if devices > MAX_DEVICES:
+            raise UserError(
+                f"cluster {spec!r}: {devices:,} devices, more than meshpilot plans for ({MAX_DEVICES:,}); "
+                f"give a smaller {preset.size} after ':'"
+            )
         data = preset.build(n)
     return cluster_from_dict(data, source=f"preset {spec}")
 

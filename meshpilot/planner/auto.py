@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -64,7 +65,9 @@ import numpy as np
 import torch
 
 from meshpilot.cluster.mesh import MeshMapping
+from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, Precision, capture
+from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import kept_copy_bytes, memory_use, state_bytes
 from meshpilot.planner.ilp import (
     PlanError,
@@ -174,7 +177,7 @@ def plan(
     zero = ZeroMode(zero)
     t_start = time.perf_counter()
     cl = load_cluster(cluster)
-    n = num_devices or (math.prod(mesh_shape) if mesh_shape else cl.num_devices)
+    n = _check_devices(cl, num_devices, mesh_shape)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
     t0 = time.perf_counter()
     precision = check_precision(model, graph, precision)
@@ -182,6 +185,8 @@ def plan(
         inputs = microbatch_inputs(example_inputs, microbatches)
         graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
+    for line in unmatched_force(graph, force):
+        warnings.warn(line, UserWarning, stacklevel=2)
     uses = _ParamUses(graph)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
     best: _Candidate | None = None
@@ -220,8 +225,9 @@ def plan(
         need = min_memory(struct, "plain" if zero == ZeroMode.OFF else "zero")
         if need > capacity:
             e = PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {need / 2**30:.2f} GiB "
-                f"but a device holds {capacity / 2**30:.2f} GiB (mesh {shape})",
+                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
+                f"but a device holds {fmt_size(capacity)} (mesh {shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory",
                 mesh_shape=shape,
                 need_bytes=need,
                 capacity_bytes=capacity,
@@ -385,8 +391,8 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
         only = fitted("plain")
         if not fits(only):
             raise PlanError(
-                f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape}: the best found "
-                f"peaks at {only.memory / 2**30:.2f} GiB (at {only.usage.peak_at if only.usage else '?'})",
+                f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape}: the best found "
+                f"peaks at {fmt_size(only.memory)} (at {only.usage.peak_at if only.usage else '?'})",
                 mesh_shape=shape,
                 need_bytes=only.memory,
                 capacity_bytes=capacity,
@@ -404,8 +410,8 @@ def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, m
     options = [c for c in (first, second) if c is not None and fits(c)]
     if not options:
         raise PlanError(
-            f"no sharding plan fits in {capacity / 2**30:.2f} GiB per device on mesh {shape} even with the "
-            f"ZeRO post-pass (its predicted peak is {first.memory / 2**30:.2f} GiB)",
+            f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape} even with the "
+            f"ZeRO post-pass (its predicted peak is {fmt_size(first.memory)})",
             mesh_shape=shape,
             need_bytes=first.memory,
             capacity_bytes=capacity,
@@ -667,7 +673,7 @@ def _assemble(
             "no supported plan was found on this mesh"
         )
     if memory.total > capacity * (1 + _EPS):
-        warnings.append(f"predicted memory {memory.total / 2**30:.2f} GiB exceeds {capacity / 2**30:.2f} GiB")
+        warnings.append(f"predicted memory {fmt_size(memory.total)} exceeds {fmt_size(capacity)}")
     capture_s, build_s, solve_s, post_s, total_s = times
     return Plan(
         cluster=lm.cluster.name,
@@ -704,6 +710,50 @@ def _assemble(
         precision=cand.precision,
         schedule=accumulate(math.prod(mesh_shape), microbatches) if microbatches > 1 else None,
     )
+
+
+def _check_devices(cl: Any, num_devices: int | None, mesh_shape: Sequence[int] | None) -> int:
+    """The device count a plan uses; a UserError when `num_devices`, `mesh_shape` and the cluster disagree."""
+    if mesh_shape is not None:
+        shape = tuple(mesh_shape)
+        if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            raise UserError(
+                f"mesh_shape={mesh_shape!r}: sizes must be positive; give one whole size per mesh axis, e.g. (2, 2)"
+            )
+    if num_devices is not None and (isinstance(num_devices, bool) or not isinstance(num_devices, int)):
+        raise UserError(f"num_devices={num_devices!r}: give a whole number of devices, e.g. 4")
+    if num_devices is not None and num_devices < 1:
+        raise UserError(f"num_devices={num_devices}: must be at least 1; give e.g. num_devices=4")
+    if num_devices is not None and mesh_shape is not None and math.prod(mesh_shape) != num_devices:
+        raise UserError(
+            f"mesh_shape={tuple(mesh_shape)} has {math.prod(mesh_shape)} devices but num_devices={num_devices}; "
+            "give one of the two, or make them agree"
+        )
+    n = num_devices or (math.prod(mesh_shape) if mesh_shape else cl.num_devices)
+    if n > cl.num_devices:
+        raise UserError(
+            f"{n} devices asked for but cluster {cl.name!r} has {cl.num_devices}; plan for at most that many "
+            "(num_devices / mesh_shape), or use a bigger cluster"
+        )
+    return n
+
+
+def unmatched_force(graph: OpGraph, force: dict[str, str] | None) -> list[str]:
+    """One warning per `force` pattern that names no parameter, buffer or input of `graph` (a typo pins nothing),
+    listing the names it could have matched."""
+    import fnmatch
+
+    if not force:
+        return []
+    names = [n.fqn or n.name for n in graph.nodes if n.kind in ("param", "buffer", "input")]
+    out = []
+    for pattern in force:
+        if not any(fnmatch.fnmatchcase(x, pattern) for x in names) and not any(
+            fnmatch.fnmatchcase(n.name, pattern) for n in graph.nodes
+        ):
+            shown = ", ".join(names[:12]) + (f", … ({len(names)} in all)" if len(names) > 12 else "")
+            out.append(f"force pattern {pattern!r} matches nothing and pins nothing; the names it can match: {shown}")
+    return out
 
 
 def _fallback_warnings(fallbacks: tuple[Fallback, ...]) -> list[str]:

@@ -103,6 +103,7 @@ from torch.distributed.tensor import Shard
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims, node_gemm
+from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import (
     MEMORY_ROWS,
     aliases_input,
@@ -778,8 +779,12 @@ def solve(
         min_need = _min_need(groups, memory)
         if min_need > cap:
             raise PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {min_need / 2**30:.2f} GiB "
-                f"but a device holds {cap / 2**30:.2f} GiB (mesh {prob.mesh_shape})"
+                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(min_need)} "
+                f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory",
+                mesh_shape=prob.mesh_shape,
+                need_bytes=min_need,
+                capacity_bytes=cap,
             )
         for row in held:
             nz = np.flatnonzero(row)
@@ -807,8 +812,9 @@ def solve(
         if has_mem_row:
             need = _min_need(groups, memory)
             raise PlanError(
-                f"no sharding plan fits in {cap / 2**30:.2f} GiB per device on mesh {prob.mesh_shape} "
-                f"(HiGHS: {res.message}); the smallest need found is {need / 2**30:.2f} GiB",
+                f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
+                f"(HiGHS: {res.message}); the smallest need found is {fmt_size(need)}"
+                "; use more devices, a smaller batch or model, or a device with more memory",
                 mesh_shape=prob.mesh_shape,
                 need_bytes=need,
                 capacity_bytes=cap,

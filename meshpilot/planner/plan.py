@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshpilot.errors import UserError
 from meshpilot.planner.schedule import Schedule, trivial
 from meshpilot.sharding.placements import Placements, from_json
 from meshpilot.sharding.reshard import CollectiveKind
@@ -352,7 +353,27 @@ class Plan:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
+    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> Plan:
+        """The plan `d` (``to_dict``'s form); a one-line UserError naming `source` and the key when it is not one."""
+        from meshpilot.planner.validate import check_version
+
+        where = f"{source}: " if source else ""
+        fix = "give a plan saved by `meshpilot plan --out FILE` or Plan.save"
+        if not isinstance(d, dict):
+            raise UserError(f"{where}not a meshpilot plan (the JSON is a {type(d).__name__}, not an object); {fix}")
+        missing = [k for k in ("mesh_shape", "mesh_ranks", "nodes", "params", "solver", "fingerprint") if k not in d]
+        if missing:
+            raise UserError(f"{where}{missing[0]}: missing, so this is not a meshpilot plan; {fix}")
+        check_version(d.get("version", 1), where)
+        try:
+            return cls._from_dict(d)
+        except KeyError as e:
+            raise UserError(f"{where}{e.args[0]}: missing from the plan (hand-edited or damaged?); {fix}") from None
+        except (TypeError, ValueError, IndexError, AttributeError) as e:
+            raise UserError(f"{where}malformed plan ({type(e).__name__}: {e}); {fix}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> Plan:
         def tup(x):
             return tuple(tup(v) for v in x) if isinstance(x, list) else x
 
@@ -412,15 +433,37 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str | None = None) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            where = f"{source}: " if source else ""
+            raise UserError(
+                f"{where}not JSON ({e}); give a plan saved by `meshpilot plan --out FILE` or Plan.save"
+            ) from None
+        return cls.from_dict(data, source=source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the JSON atomically (temp file + rename), mode 0666 less the umask."""
+        from meshpilot.io import atomic_write
+
+        atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(Path(path).read_text())
+        """Read a saved plan; a one-line UserError naming the file (and key) when it is not one."""
+        path = Path(path)
+        if path.is_dir():
+            raise UserError(f"{path}: is a folder, not a plan file; give the JSON file `meshpilot plan --out` wrote")
+        if not path.is_file():
+            raise UserError(f"{path}: no such plan file; write one with `meshpilot plan ... --out {path}`")
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not a text file; give a plan JSON saved by `meshpilot plan --out`") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
+        return cls.from_json(text, source=str(path))
 
 
 _SHORT = {

@@ -421,7 +421,10 @@ def parallelize(
 
     register_dtensor_strategies()
     if not dist.is_initialized():
-        raise UserError("meshpilot.parallelize needs torch.distributed initialised (run under torchrun)")
+        raise UserError(
+            "meshpilot.parallelize needs torch.distributed initialised; run under torchrun and call "
+            "torch.distributed.init_process_group first"
+        )
     validate_plan(plan, world_size=dist.get_world_size())
     if device is not None:
         model.to(torch.device(device))

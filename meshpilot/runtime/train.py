@@ -92,13 +92,13 @@ def train_atp(
     return logs
 
 
-def train_plan(cfg: GPTConfig, plan, steps: int, seed: int = 0, lr: float = 1e-3) -> list[StepLog]:
+def train_plan(cfg: GPTConfig, plan, steps: int, seed: int = 0, lr: float = 1e-3, graph=None) -> list[StepLog]:
     """A :class:`~meshpilot.planner.plan.Plan` for the GPT `cfg` run by ``meshpilot.parallelize``.
 
     Call on every rank of an initialised process group whose size is the plan's device count. Every rank
     passes the full global batch (the runtime takes its local slice) and gets the replicated loss, which is
-    the single-device loss.
+    the single-device loss. `graph` reuses a capture of the model at the plan's shapes.
     """
     from meshpilot.runtime.spmd import parallelize
 
-    return _adamw_steps(parallelize(reference_model(cfg, seed), plan), cfg, steps, seed, lr)
+    return _adamw_steps(parallelize(reference_model(cfg, seed), plan, graph=graph), cfg, steps, seed, lr)
