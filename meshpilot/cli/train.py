@@ -7,7 +7,16 @@ Launch with torchrun, e.g.:
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --plan plan.json
 
 With --plan the batch size and sequence length come from the plan (the shapes it was made for); --model and
-its --layers/--hidden/--heads must describe the model the plan was made for (its graph fingerprint is checked).
+its --layers/--hidden/--heads (or --hf-config) must describe the model the plan was made for (its graph
+fingerprint is checked). Any `meshpilot plan` model trains with a plan: hf:<name>, package.module:factory
+or a built-in; without --plan only the built-in GPTs train (ATP's layers on --mesh):
+  meshpilot plan --model hf:gpt2 --hf-config n_layer=2 n_embd=64 n_head=4 --seq 32 -c atp-ic3 -n 2 --out p.json
+  torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
+      --hf-config n_layer=2 n_embd=64 n_head=4
+
+--device auto (default) runs rank r on cuda:LOCAL_RANK with NCCL when torch sees a GPU, else on the CPU with
+gloo. --precision fp32 | bf16 (the model cast to bfloat16) | bf16-mixed (fp32 master weights, bfloat16
+autocast); with --plan the plan's precision is used (`meshpilot plan --precision`) and must match.
 """
 
 from __future__ import annotations
@@ -28,7 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", "-m", default="gpt-tiny", help="built-in GPT (default gpt-tiny; see `meshpilot presets`)")
+    p.add_argument(
+        "--model",
+        "-m",
+        default="gpt-tiny",
+        help="built-in GPT (default gpt-tiny; see `meshpilot presets`); with --plan also any `meshpilot plan` "
+        "model: hf:<name>, package.module:factory, a built-in",
+    )
+    p.add_argument(
+        "--hf-config",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE|FILE",
+        help="hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)",
+    )
     p.add_argument("--layers", type=int, help="override the GPT's layer count")
     p.add_argument("--hidden", type=int, help="override the GPT's hidden size")
     p.add_argument("--heads", type=int, help="override the GPT's attention heads")
@@ -44,6 +67,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--json-out", type=Path, help="rank 0 writes the per-step losses and times here as JSON")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): cuda:LOCAL_RANK with NCCL when torch.cuda.is_available(), else the CPU with gloo",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "bf16-mixed"),
+        help="fp32, bf16 (model cast to bfloat16) or bf16-mixed (fp32 master weights under bfloat16 autocast); "
+        "with --plan: the plan's (must match if given)",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,6 +101,48 @@ def load_plan(path: Path):
         raise UserError(f"--plan {path}: not a meshpilot plan ({type(e).__name__}: {e})") from None
 
 
+def choose_device(requested: str, local_rank: int):
+    """(torch.device, process-group backend) for --device: cuda:LOCAL_RANK and NCCL, or the CPU and gloo."""
+    import torch
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {requested!r}: choose auto, cpu or cuda")
+    has_cuda = requested != "cpu" and torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise UserError(
+            "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu, "
+            "or install a CUDA build of torch"
+        )
+    if not has_cuda:
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(
+            f"LOCAL_RANK {local_rank}: this node has {count} CUDA device(s); start at most {count} processes per "
+            "node (torchrun --nproc-per-node)"
+        )
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def check_plan_precision(args: argparse.Namespace, plan) -> None:
+    planned = plan.precision or "fp32"
+    if args.precision and args.precision != planned:
+        raise UserError(
+            f"--precision {args.precision}: the plan {args.plan} was made for {planned}; re-plan with "
+            f"`meshpilot plan ... --precision {args.precision}` or leave --precision out"
+        )
+
+
+def _is_gpt(name: str) -> bool:
+    from meshpilot.models import builtin_models
+    from meshpilot.models.sources import kind
+
+    if kind(name) != "builtin":
+        return False
+    entry = builtin_models().get(name)
+    return name == "gpt" or (entry is not None and entry.config is not None)
+
+
 def run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(
@@ -73,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: give at least 1 step")
+    if not _is_gpt(args.model):
+        return _run_any(args)
+    if args.hf_config:
+        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}")
     from meshpilot.models import gpt_config
 
     cfg = gpt_config(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads)
@@ -89,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--plan {args.plan}: planned for {n} devices (mesh {plan.mesh_shape}) but torchrun started "
                 f"{world} processes; launch with --nproc-per-node {n}"
             )
+        check_plan_precision(args, plan)
         (b, t), _ = plan.input_shapes[0]
         cfg = replace(cfg, batch=int(b), seq=int(t))
         return _train(args, world, plan=plan, cfg=cfg)
@@ -100,19 +182,70 @@ def run(args: argparse.Namespace) -> int:
     return _train(args, world, shape=shape, cfg=cfg)
 
 
-def _train(args: argparse.Namespace, world: int, *, cfg, shape=None, plan=None) -> int:
+def _run_any(args: argparse.Namespace) -> int:
+    """Any `meshpilot plan` model (hf:<name>, a factory, a built-in) with a saved plan."""
+    from meshpilot.models.sources import build_model, kind
+
+    if args.plan is None:
+        raise UserError(
+            f"--model {args.model}: without --plan only the built-in GPTs train (ATP); make a plan with "
+            f"`meshpilot plan --model {args.model} ... --out plan.json` and pass --plan plan.json"
+        )
+    if args.mesh or args.chunks != 1:
+        raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
+    given = [f"--{k}" for k in ("layers", "hidden", "heads") if getattr(args, k)]
+    if given:
+        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
+    plan = load_plan(args.plan)
+    world = int(os.environ["WORLD_SIZE"])
+    n = 1
+    for d in plan.mesh_shape:
+        n *= d
+    if n != world:
+        raise UserError(
+            f"--plan {args.plan}: planned for {n} devices (mesh {plan.mesh_shape}) but torchrun started "
+            f"{world} processes; launch with --nproc-per-node {n}"
+        )
+    check_plan_precision(args, plan)
+    source = kind(args.model)
+    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()
+    sizes: dict = {}
+    if source == "hf" and len(shape0) == 2:
+        sizes = {"batch": int(shape0[0]), "seq": int(shape0[1])}
+    elif source == "builtin" and shape0:
+        sizes = {"batch": int(shape0[0])}
+    build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes before any group
+
+    def build(device):
+        return build_model(args.model, hf_config=args.hf_config, device=device, seed=args.seed, **sizes)
+
+    return _train(args, world, plan=plan, build=build)
+
+
+def _train(args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=None, build=None) -> int:
+    import torch
     import torch.distributed as dist
 
-    from meshpilot.runtime.train import train_atp, train_plan
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
-    dist.init_process_group("gloo")
+    device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     try:
-        if plan is not None:
-            logs = train_plan(cfg, plan, args.steps, args.seed, args.lr)
-            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan)}
+        if build is not None:
+            logs = train_model(build, args.steps, args.seed, args.lr, plan=plan, device=device)
+            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
+        elif plan is not None:
+            logs = train_plan(cfg, plan, args.steps, args.seed, args.lr, device=device)
+            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
         else:
-            logs = train_atp(cfg, shape, args.steps, args.seed, args.lr, args.chunks)
-            info = {"mesh": list(shape)}
+            logs = train_atp(
+                cfg, shape, args.steps, args.seed, args.lr, args.chunks, device=device, precision=args.precision
+            )
+            info = {"mesh": list(shape), "precision": args.precision or "fp32"}
+        info["device"] = device.type
+        info["backend"] = backend
         if dist.get_rank() == 0:
             for s in logs:
                 print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
