@@ -11,9 +11,10 @@ Three kinds of source, for `meshpilot plan` and `meshpilot train` alike:
   sequence-to-sequence LM head for an encoder-decoder, else the masked-LM head where the type has one, else
   the causal-LM head. The configuration is the library's default plus ``--hf-config`` overrides
   (``key=value``, values read as int / float / bool / None / JSON / text, or a ``config.json`` file); a key
-  the configuration class does not define is an error, not silently kept. The example inputs are
-  ``(input_ids, labels)`` of ``[batch, seq]`` random tokens (default batch 4, seq 128 capped at the model's
-  positions) and the loss is the model's own (``labels=``);
+  neither the configuration class defines nor the model's code reads is an error, not silently kept. An
+  encoder-decoder without ``decoder_start_token_id`` gets its pad token (what T5 starts its decoder with).
+  The example inputs are ``(input_ids, labels)`` of ``[batch, seq]`` random tokens (default batch 4, seq 128
+  capped at the model's positions) and the loss is the model's own (``labels=``);
 - ``package.module:factory``: your own builder, imported (the current directory is on the import path).
   ``factory()`` is called with no arguments inside ``with torch.device(DEVICE)`` (``meta`` while planning:
   nothing is allocated; the rank's device while training, after ``torch.manual_seed(--seed)``, the same on
@@ -299,6 +300,9 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
     default = t.AutoConfig.for_model(name)
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | {"attn_implementation"}
     bad = sorted(k for k in overrides if k not in known and not hasattr(default, k))
+    if bad:  # keys the model reads although its config class does not define them (T5's decoder_start_token_id)
+        read = _keys_the_model_reads(t, name)
+        bad = [k for k in bad if k not in read]
     if bad:
         raise UserError(
             f"--hf-config {', '.join(bad)}: not a key of {type(default).__name__}; check the spelling against "
@@ -308,6 +312,17 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
         return t.AutoConfig.for_model(name, **overrides)
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"--hf-config: {type(default).__name__} rejects the values: {e}") from None
+
+
+def _keys_the_model_reads(t: Any, name: str) -> set[str]:
+    """Every ``config.<key>`` its modeling module's source mentions."""
+    import re
+
+    try:
+        source = inspect.getsource(sys.modules[_hf_model_class(t, name).__module__])
+    except (UserError, OSError, TypeError, KeyError):
+        return set()
+    return set(re.findall(r"\bconfig\.([A-Za-z_]\w*)", source))
 
 
 def _sample_keys(cfg: Any) -> list[str]:
@@ -328,6 +343,9 @@ def hf_model(name: str, overrides: dict[str, Any] | None = None, device: str | t
     t = _transformers()
     cfg = hf_config(name, overrides or {})
     cls = _hf_model_class(t, name)
+    if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
+        # the decoder's inputs are the labels shifted right behind this token (T5: the pad token)
+        cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     try:
         with torch.device(device):
             model = cls(cfg)
