@@ -174,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
         (b, t), _ = plan.input_shapes[0]
         cfg = replace(cfg, batch=int(b), seq=int(t))
         return _train(args, world, plan=plan, cfg=cfg)
+    if args.precision == "bf16-mixed":
+        raise UserError(
+            "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
+            f"{args.model} --precision bf16-mixed --out plan.json`) and train with --plan plan.json"
+        )
     shape = parse_mesh(args.mesh) if args.mesh else (world, 1)
     if world % (shape[0] * shape[1]):
         raise UserError(f"--mesh {args.mesh}: {shape[0] * shape[1]} devices do not divide the world size {world}")
