@@ -105,6 +105,10 @@ def test_hf_builder_keeps_the_library_defaults_plus_overrides():
     ]
     bert = build_model("hf:bert", hf_config=TINY["bert"])
     assert type(bert.model.model).__name__ == "BertForMaskedLM"
+    moe = build_model("hf:mixtral", hf_config=["num_hidden_layers=1", "hidden_size=32", "num_local_experts=4"])
+    assert "MixtralForCausalLM, experts batched_mm" in moe.label  # capturable: static shapes, any dtype
+    roberta = build_model("hf:roberta", hf_config=["num_hidden_layers=1"])  # any AutoConfig model type
+    assert type(roberta.model.model).__name__ == "RobertaForMaskedLM"
 
 
 def test_hf_config_from_a_json_file(tmp_path, capsys):

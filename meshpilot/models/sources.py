@@ -12,7 +12,9 @@ Three kinds of source, for `meshpilot plan` and `meshpilot train` alike:
   the causal-LM head. The configuration is the library's default plus ``--hf-config`` overrides
   (``key=value``, values read as int / float / bool / None / JSON / text, or a ``config.json`` file); a key
   neither the configuration class defines nor the model's code reads is an error, not silently kept. An
-  encoder-decoder without ``decoder_start_token_id`` gets its pad token (what T5 starts its decoder with).
+  encoder-decoder without ``decoder_start_token_id`` gets its pad token (what T5 starts its decoder with); a
+  mixture of experts (``hf:mixtral``) without ``experts_implementation`` gets ``batched_mm`` (static shapes; the
+  default grouped_mm needs bfloat16 on CUDA, the eager experts have data-dependent shapes).
   The example inputs are ``(input_ids, labels)`` of ``[batch, seq]`` random tokens (default batch 4, seq 128
   capped at the model's positions) and the loss is the model's own (``labels=``);
 - ``package.module:factory``: your own builder, imported (the current directory is on the import path).
@@ -54,6 +56,7 @@ HF_NAMES = {
     "mixtral": "MixtralForCausalLM",
 }
 # keys of a saved config.json that describe the file rather than the model
+_IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation")  # kwargs every config takes
 _HF_FILE_KEYS = ("transformers_version", "_name_or_path", "architectures", "model_type")
 
 FACTORY_PROTOCOL = (
@@ -298,7 +301,7 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
     for k in _HF_FILE_KEYS:
         overrides.pop(k, None)
     default = t.AutoConfig.for_model(name)
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | {"attn_implementation"}
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | set(_IMPLEMENTATION_KEYS)
     bad = sorted(k for k in overrides if k not in known and not hasattr(default, k))
     if bad:  # keys the model reads although its config class does not define them (T5's decoder_start_token_id)
         read = _keys_the_model_reads(t, name)
@@ -308,21 +311,29 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
             f"--hf-config {', '.join(bad)}: not a key of {type(default).__name__}; check the spelling against "
             f"the transformers docs (e.g. {', '.join(_sample_keys(default))})"
         )
+    if "experts_implementation" not in overrides and "experts_implementation" in _model_source(t, name):
+        # a mixture of experts: torch's grouped_mm is bfloat16/CUDA-only and the eager experts index with
+        # data-dependent shapes; batched_mm is static and runs anywhere
+        overrides["experts_implementation"] = "batched_mm"
     try:
         return t.AutoConfig.for_model(name, **overrides)
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"--hf-config: {type(default).__name__} rejects the values: {e}") from None
 
 
+def _model_source(t: Any, name: str) -> str:
+    """The source of model type `name`'s modeling module ('' if unavailable)."""
+    try:
+        return inspect.getsource(sys.modules[_hf_model_class(t, name).__module__])
+    except (UserError, OSError, TypeError, KeyError):
+        return ""
+
+
 def _keys_the_model_reads(t: Any, name: str) -> set[str]:
     """Every ``config.<key>`` its modeling module's source mentions."""
     import re
 
-    try:
-        source = inspect.getsource(sys.modules[_hf_model_class(t, name).__module__])
-    except (UserError, OSError, TypeError, KeyError):
-        return set()
-    return set(re.findall(r"\bconfig\.([A-Za-z_]\w*)", source))
+    return set(re.findall(r"\bconfig\.([A-Za-z_]\w*)", _model_source(t, name)))
 
 
 def _sample_keys(cfg: Any) -> list[str]:
@@ -398,7 +409,10 @@ def build_hf(
     else:
         inputs = hf_tokens(vocab, b, s, 1, seed, dev)[0]
     params = sum(p.numel() for p in model.parameters())
-    label = f"hf:{name}: {type(model.model).__name__}, b={b} s={s}, {count(params)} parameters"
+    experts = getattr(cfg, "_experts_implementation", None)
+    moe = experts and "experts_implementation" in _model_source(_transformers(), name)
+    extra = f", experts {experts}" if moe else ""
+    label = f"hf:{name}: {type(model.model).__name__}{extra}, b={b} s={s}, {count(params)} parameters"
 
     def make_batches(steps: int, data_seed: int) -> list[tuple]:
         return hf_tokens(vocab, b, s, steps, data_seed, dev)

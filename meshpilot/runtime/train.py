@@ -130,7 +130,7 @@ def train_atp(
         model.sync_gradients()
         opt.step()
         opt.zero_grad()
-        seen = loss.detach().float()
+        seen = loss.detach().float().clone()
         if meshes.dp is not None:
             dist.all_reduce(seen, group=meshes.dp.get_group())
             seen /= dp
