@@ -1,5 +1,6 @@
 """Models nobody here wrote: Hugging Face's GPT-2, Llama (grouped-query attention; sdpa and eager attention),
-BERT and T5, each with its default configuration but tiny sizes — dropout on, caches on, HF's own losses.
+BERT and T5, each with its default configuration but tiny sizes — dropout on, caches on, HF's own losses —
+built as `--model hf:<name> --hf-config …` builds them (`meshpilot.models.sources.hf_model`).
 
 Pure (one process): each captures and plans for a ``dgx-h100`` cluster with no fallback (every op has a
 strategy) and no CPU-only kernel in the plan (attention is the device-generic ``meshpilot.sdpa``).
@@ -17,7 +18,7 @@ import time
 
 import pytest
 import torch
-import transformers  # a test dependency (pyproject test extra): never skipped silently
+import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import run_distributed
 
 TOL = 1e-5
@@ -32,59 +33,44 @@ pytestmark = pytest.mark.timeout(1800)
 VOCAB, BATCH, SEQ = 64, 4, 8
 
 
-class HFLoss(torch.nn.Module):
-    """``model(input_ids=…, labels=…).loss``: HF's own loss (T5 derives its decoder inputs from the labels)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
+# the same tiny sizes `--hf-config` would give (tests/test_model_sources.py plans them from the CLI)
+CONFIGS = {
+    "gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
+    "llama": dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=32,
+        vocab_size=VOCAB,
+    ),
+    "bert": dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        vocab_size=VOCAB,
+    ),
+    "t5": dict(num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0),
+}
 
 
 def build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """Model `name` (seeded, train mode, default config but tiny sizes) and its (input_ids, labels)."""
-    t = transformers
+    """Model `name` (seeded, train mode, default config but tiny sizes) and its (input_ids, labels): what
+    ``--model hf:<name> --hf-config …`` builds (``meshpilot.models.sources.hf_model``, HF's own loss)."""
+    from meshpilot.models.sources import hf_model
+
+    model_type, _, attn = name.partition("-")
+    overrides = dict(CONFIGS[model_type])
+    if attn:
+        overrides["attn_implementation"] = attn
     torch.manual_seed(0)
-    if name == "gpt2":
-        cfg = t.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
-        )
-        model = t.GPT2LMHeadModel(cfg)
-    elif name.startswith("llama"):
-        cfg = t.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,  # grouped-query attention
-            max_position_embeddings=32,
-            vocab_size=VOCAB,
-            attn_implementation=name.split("-")[1],
-        )
-        model = t.LlamaForCausalLM(cfg)
-    elif name == "bert":
-        cfg = t.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            max_position_embeddings=32,
-            vocab_size=VOCAB,
-        )
-        model = t.BertForMaskedLM(cfg)
-    elif name == "t5":
-        cfg = t.T5Config(
-            num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0
-        )
-        model = t.T5ForConditionalGeneration(cfg)
-    else:
-        raise KeyError(name)
-    model.train()
+    model = hf_model(model_type, overrides)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return HFLoss(model), (ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return model, (ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
 # ------------------------------------------------------------------------------------------- planning

@@ -27,7 +27,7 @@ import re
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from rich.table import Table
 from meshpilot.cli.common import add_cluster_arg, console, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
 from meshpilot.io import fmt_size
+from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +56,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         metavar="M",
         help="a built-in model (`meshpilot presets`: gpt-tiny, atp-m1 … atp-m4, mlp, bert-tiny, wrn-tiny, "
-        "moe-tiny, bench-transformer) or 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads",
+        "moe-tiny, bench-transformer), 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads, "
+        "hf:<name> (a transformers model without weights: hf:gpt2, hf:llama, hf:bert, hf:t5, hf:mixtral or any "
+        "AutoConfig model_type; sized with --hf-config) or package.module:factory (your own: " + FACTORY_PROTOCOL + ")",
+    )
+    p.add_argument(
+        "--hf-config",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE|FILE",
+        help="hf:<name> models: config overrides on the library default (repeatable; values read as "
+        "int/float/bool/str), or a config.json; e.g. --hf-config num_hidden_layers=2 hidden_size=256",
     )
     add_cluster_arg(p)
     p.add_argument(
@@ -62,11 +75,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mesh", metavar="d1xd2", help="fix the mesh shape (default: search every 2D shape)")
     p.add_argument("--batch", "-b", type=positive_int, help="global batch size (default: the model's)")
-    p.add_argument("--seq", "-s", type=positive_int, help="GPTs: sequence length")
+    p.add_argument("--seq", "-s", type=positive_int, help="GPTs and hf:<name> models: sequence length")
     p.add_argument("--layers", type=positive_int, help="GPTs: transformer blocks")
     p.add_argument("--hidden", type=positive_int, help="GPTs: hidden size")
     p.add_argument("--heads", type=positive_int, help="GPTs: attention heads (must divide --hidden)")
     p.add_argument("--dtype", choices=GPT_DTYPES, help="GPTs: parameter and activation dtype (default float32)")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="how the run trains, stored in the plan: fp32, bf16 (the model cast to bfloat16) or bf16-mixed "
+        "(fp32 master weights, forward and backward under bfloat16 autocast); default: the parameters' dtype",
+    )
     p.add_argument(
         "--force",
         action="append",
@@ -95,84 +114,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------------------------ model
 
 
-@dataclass
-class Built:
-    """A model on the meta device, its example inputs and a one-line description."""
-
-    name: str
-    label: str
-    model: Any
-    inputs: tuple
-    config: Any = None
-
-
 def parse_mesh(text: str) -> tuple[int, int]:
     parts = text.lower().replace(",", "x").split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise UserError(f"--mesh {text!r}: not a mesh shape; write two positive sizes as d1xd2, e.g. 2x4")
     return int(parts[0]), int(parts[1])
-
-
-def build_model(
-    name: str,
-    *,
-    batch: int | None = None,
-    seq: int | None = None,
-    layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    dtype: str | None = None,
-    device: str = "meta",
-) -> Built:
-    """A built-in model (or 'gpt' with overrides) and its (inputs..., targets) on `device`."""
-    import torch
-
-    from meshpilot.models import builtin_models, gpt_config
-
-    models = builtin_models()
-    if batch is not None and batch <= 0:
-        raise UserError(f"--batch {batch}: give a positive batch size")
-    if name != "gpt" and name not in models:
-        raise UserError(
-            f"--model {name!r}: no such built-in model; choose one of {', '.join(models)}, or 'gpt' with "
-            "--layers/--hidden/--heads (see `meshpilot presets`)"
-        )
-    entry = models.get(name)
-    if name == "gpt" or entry.config is not None:
-        cfg = gpt_config(name, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype=dtype)
-        from meshpilot.models.gpt import GPT
-
-        with torch.device(device):
-            model = GPT(cfg)
-        if device == "meta":
-            idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
-            inputs = (idx, idx)
-        else:
-            g = torch.Generator().manual_seed(0)
-            tok = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
-            inputs = (tok[:, :-1].contiguous(), tok[:, 1:].contiguous())
-        params = cfg.num_params()
-        label = (
-            f"{name}: GPT L={cfg.layers} h={cfg.hidden} heads={cfg.heads} b={cfg.batch} s={cfg.seq} {cfg.dtype}, "
-            f"{_count(params)} parameters"
-        )
-        return Built(name, label, model, inputs, cfg)
-    given = [f"--{k}" for k, v in (("seq", seq), ("layers", layers), ("hidden", hidden), ("heads", heads)) if v]
-    if dtype is not None:
-        given.append("--dtype")
-    if given:
-        raise UserError(f"{', '.join(given)}: only for GPT models; {name!r} takes --batch only")
-    model, inputs = entry.build(device, batch)
-    params = sum(p.numel() for p in model.parameters())
-    b = inputs[0].shape[0] if inputs and hasattr(inputs[0], "shape") else batch
-    return Built(name, f"{name}: {entry.summary}, batch {b}, {_count(params)} parameters", model, tuple(inputs))
-
-
-def _count(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return str(int(n))
 
 
 def parse_force(items: list[str]) -> dict[str, str] | None:
@@ -221,11 +167,20 @@ def run(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         heads=args.heads,
         dtype=args.dtype,
+        hf_config=args.hf_config,
     )
     # progress goes to stderr, so `--json > plan.json` stays clean
     progress = Console(stderr=True)
     plan, graph = make_plan(
-        built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit, progress=progress
+        built,
+        cluster,
+        n,
+        shape,
+        force=force,
+        memory_bytes=memory,
+        time_limit=args.time_limit,
+        progress=progress,
+        precision=args.precision,
     )
     if args.out:
         save_plan(plan, args.out)
@@ -239,8 +194,10 @@ def run(args: argparse.Namespace) -> int:
     render(plan, graph, built.label, n, console, ops=args.ops)
     if args.out:
         console.print(f"saved the plan to [bold]{args.out}[/bold]")
-        if built.config is not None and built.config.dtype == "float32":
+        if built.config is None or built.config.dtype == "float32":
             sizes = "".join(f" --{k} {getattr(args, k)}" for k in ("layers", "hidden", "heads") if getattr(args, k))
+            if args.hf_config:
+                sizes += " --hf-config " + " ".join(args.hf_config)
             console.print(
                 f"train with it: torchrun --standalone --nproc-per-node {n} -m meshpilot.cli.main train "
                 f"--plan {args.out} --model {args.model}{sizes}"
@@ -258,10 +215,12 @@ def make_plan(
     memory_bytes: float | None = None,
     time_limit: float = 30.0,
     progress: Console | None = None,
+    precision: str | None = None,
 ):
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph)."""
     from meshpilot.cluster import mesh_shapes_2d
     from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import check_precision
     from meshpilot.planner.auto import plan as plan_fn
 
     progress = progress or Console(stderr=True)
@@ -269,7 +228,8 @@ def make_plan(
     candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
     t0 = time.perf_counter()
     with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
-        graph = capture(built.model, built.inputs)
+        precision = check_precision(built.model, None, precision)
+        graph = capture(built.model, built.inputs, precision=precision)
     capture_s = time.perf_counter() - t0
     what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
     with (
@@ -287,6 +247,7 @@ def make_plan(
             memory_bytes=memory_bytes,
             time_limit=time_limit,
             graph=graph,
+            precision=precision,
         )
     for w in caught:  # e.g. a --force pattern that matches nothing
         progress.print(f"[yellow]warning:[/yellow] {w.message}", soft_wrap=True)

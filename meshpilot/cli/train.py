@@ -7,7 +7,16 @@ Launch with torchrun, e.g.:
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --plan plan.json
 
 With --plan the batch size and sequence length come from the plan (the shapes it was made for); --model and
-its --layers/--hidden/--heads must describe the model the plan was made for (its graph fingerprint is checked).
+its --layers/--hidden/--heads (or --hf-config) must describe the model the plan was made for (its graph
+fingerprint is checked). Any `meshpilot plan` model trains with a plan: hf:<name>, package.module:factory
+or a built-in; without --plan only the built-in GPTs train (ATP's layers on --mesh):
+  meshpilot plan --model hf:gpt2 --hf-config n_layer=2 n_embd=64 n_head=4 --seq 32 -c atp-ic3 -n 2 --out p.json
+  torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
+      --hf-config n_layer=2 n_embd=64 n_head=4
+
+--device auto (default) runs rank r on cuda:LOCAL_RANK with NCCL when torch sees a GPU, else on the CPU with
+gloo. --precision fp32 | bf16 (the model cast to bfloat16) | bf16-mixed (fp32 master weights, bfloat16
+autocast); with --plan the plan's precision is used (`meshpilot plan --precision`) and must match.
 """
 
 from __future__ import annotations
@@ -30,7 +39,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", "-m", default="gpt-tiny", help="built-in GPT (default gpt-tiny; see `meshpilot presets`)")
+    p.add_argument(
+        "--model",
+        "-m",
+        default="gpt-tiny",
+        help="built-in GPT (default gpt-tiny; see `meshpilot presets`); with --plan also any `meshpilot plan` "
+        "model: hf:<name>, package.module:factory, a built-in",
+    )
+    p.add_argument(
+        "--hf-config",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE|FILE",
+        help="hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)",
+    )
     p.add_argument("--layers", type=positive_int, help="override the GPT's layer count")
     p.add_argument("--hidden", type=positive_int, help="override the GPT's hidden size")
     p.add_argument("--heads", type=positive_int, help="override the GPT's attention heads")
@@ -58,6 +81,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="a collective that waits longer than S seconds (a stalled rank) ends the run, naming the ranks",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): cuda:LOCAL_RANK with NCCL when torch.cuda.is_available(), else the CPU with gloo",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "bf16-mixed"),
+        help="fp32, bf16 (model cast to bfloat16) or bf16-mixed (fp32 master weights under bfloat16 autocast); "
+        "with --plan: the plan's (must match if given)",
+    )
     p.set_defaults(func=run)
 
 
@@ -80,12 +115,54 @@ def load_plan(path: Path):
         raise UserError(f"--plan {e}") from None
 
 
+def choose_device(requested: str, local_rank: int):
+    """(torch.device, process-group backend) for --device: cuda:LOCAL_RANK and NCCL, or the CPU and gloo."""
+    import torch
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {requested!r}: choose auto, cpu or cuda")
+    has_cuda = requested != "cpu" and torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise UserError(
+            "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu, "
+            "or install a CUDA build of torch"
+        )
+    if not has_cuda:
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(
+            f"LOCAL_RANK {local_rank}: this node has {count} CUDA device(s); start at most {count} processes per "
+            "node (torchrun --nproc-per-node)"
+        )
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def check_plan_precision(args: argparse.Namespace, plan) -> None:
+    planned = plan.precision or "fp32"
+    if args.precision and args.precision != planned:
+        raise UserError(
+            f"--precision {args.precision}: the plan {args.plan} was made for {planned}; re-plan with "
+            f"`meshpilot plan ... --precision {args.precision}` or leave --precision out"
+        )
+
+
+def _is_gpt(name: str) -> bool:
+    from meshpilot.models import builtin_models
+    from meshpilot.models.sources import kind
+
+    if kind(name) != "builtin":
+        return False
+    entry = builtin_models().get(name)
+    return name == "gpt" or (entry is not None and entry.config is not None)
+
+
 def _world() -> tuple[int, int]:
     """WORLD_SIZE and RANK from torchrun's environment, checked."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(
-            "train runs on several ranks: add --nproc-per-node N (meshpilot starts them), or launch under torchrun, "
-            "e.g. torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train"
+            "train runs under torchrun (or give --nproc-per-node N to launch it); e.g. "
+            "torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train"
         )
     values = []
     for key in ("WORLD_SIZE", "RANK"):
@@ -103,19 +180,29 @@ def _world() -> tuple[int, int]:
 
 def prepare(args: argparse.Namespace, world: int) -> dict:
     """Every check that needs no process group: the flags, the plan (version, mesh, ranks, placements, world
-    size, and the model's graph fingerprint), the output path. Returns _train's keyword arguments."""
-    from meshpilot.models import gpt_config
-
+    size, precision, and the model's graph fingerprint), the output path. Returns _train's keyword arguments."""
     if args.json_out:
         check_writable(args.json_out, "--json-out")
+    if not _is_gpt(args.model):
+        return _prepare_any(args, world)
+    if args.hf_config:
+        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}")
+    from meshpilot.models import gpt_config
+
     cfg = gpt_config(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads)
     if args.plan is not None:
         if args.mesh or args.chunks != 1:
             raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
         plan = load_plan(args.plan)
+        check_plan_precision(args, plan)
         graph = check_plan(plan, cfg, world, f"--plan {args.plan}")
         (b, t), _ = plan.input_shapes[0]
         return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=int(b), seq=int(t))}
+    if args.precision == "bf16-mixed":
+        raise UserError(
+            "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
+            f"{args.model} --precision bf16-mixed --out plan.json`) and train with --plan plan.json"
+        )
     shape = parse_mesh(args.mesh) if args.mesh else (world, 1)
     if world % (shape[0] * shape[1]):
         raise UserError(
@@ -128,6 +215,43 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
             "change --mesh or --chunks"
         )
     return {"shape": shape, "cfg": cfg}
+
+
+def _prepare_any(args: argparse.Namespace, world: int) -> dict:
+    """Any `meshpilot plan` model (hf:<name>, a factory, a built-in) with a saved plan: the model is built and
+    captured on the meta device at the plan's input shapes and checked against the plan."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.sources import build_model, kind
+    from meshpilot.planner.validate import validate_plan
+
+    if args.plan is None:
+        raise UserError(
+            f"--model {args.model}: without --plan only the built-in GPTs train (ATP); make a plan with "
+            f"`meshpilot plan --model {args.model} ... --out plan.json` and pass --plan plan.json"
+        )
+    if args.mesh or args.chunks != 1:
+        raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
+    given = [f"--{k}" for k in ("layers", "hidden", "heads") if getattr(args, k)]
+    if given:
+        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
+    plan = load_plan(args.plan)
+    source = f"--plan {args.plan}"
+    validate_plan(plan, world_size=world, source=source)
+    check_plan_precision(args, plan)
+    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()
+    sizes: dict = {}
+    if kind(args.model) == "hf" and len(shape0) == 2:
+        sizes = {"batch": int(shape0[0]), "seq": int(shape0[1])}
+    elif kind(args.model) == "builtin" and shape0:
+        sizes = {"batch": int(shape0[0])}
+    meta = build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes: here
+    graph = capture(meta.model, meta.inputs, precision=plan.precision or None)
+    validate_plan(plan, graph=graph, source=source)
+
+    def build(device):
+        return build_model(args.model, hf_config=args.hf_config, device=device, seed=args.seed, **sizes)
+
+    return {"plan": plan, "build": build}
 
 
 def check_plan(plan, cfg, world: int, source: str):
@@ -189,30 +313,41 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _train(args: argparse.Namespace, world: int, *, cfg, shape=None, plan=None, graph=None) -> int:
+def _train(args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=None, graph=None, build=None) -> int:
     import sys
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
-    from meshpilot.runtime.train import train_atp, train_plan
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
+    device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if args.timeout:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     stall = os.environ.get("MESHPILOT_TEST_STALL_RANK")  # tests: this rank sleeps past --timeout
     if stall is not None and int(stall) == dist.get_rank():
         import time
 
         time.sleep(3 * (args.timeout or 1))
     try:
-        if plan is not None:
-            logs = train_plan(cfg, plan, args.steps, args.seed, args.lr, graph=graph)
-            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan)}
+        if build is not None:
+            logs = train_model(build, args.steps, args.seed, args.lr, plan=plan, device=device)
+            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
+        elif plan is not None:
+            logs = train_plan(cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device)
+            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
         else:
-            logs = train_atp(cfg, shape, args.steps, args.seed, args.lr, args.chunks)
-            info = {"mesh": list(shape)}
+            logs = train_atp(
+                cfg, shape, args.steps, args.seed, args.lr, args.chunks, device=device, precision=args.precision
+            )
+            info = {"mesh": list(shape), "precision": args.precision or "fp32"}
+        info["device"] = device.type
+        info["backend"] = backend
         if dist.get_rank() == 0:
             for s in logs:
                 print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
