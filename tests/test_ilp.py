@@ -54,7 +54,7 @@ def test_memory_row_forces_sharding_and_plan_error_names_need_and_capacity():
     with pytest.raises(PlanError) as e:
         plan(m, x, "atp-ic3", mesh_shape=(2, 4), memory_bytes=1e6)
     msg = str(e.value)
-    assert "smallest" in msg and "976 KiB" in msg and "\n" not in msg  # sizes print in a readable unit
+    assert "smallest" in msg and "977 KiB" in msg and "\n" not in msg  # sizes print in a readable unit
     # the same facts as fields (the CLI's candidate table reads these, never the text)
     assert e.value.mesh_shape == (2, 4) and e.value.capacity_bytes == 1e6 and e.value.need_bytes > 1e6
 
