@@ -12,7 +12,7 @@ import sys
 from meshpilot.errors import UserError
 
 # Each module defines `register(subparsers)`, adding its parser with `func` set to its entry point.
-COMMANDS = ["presets", "topology", "atp", "plan", "train", "probe", "emulate", "demo"]
+COMMANDS = ["presets", "topology", "atp", "plan", "simulate", "train", "probe", "emulate", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
