@@ -230,3 +230,11 @@ def test_cli_simulate(tiny_plan, tmp_path, capsys):
         assert main(["simulate", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("meshpilot simulate: error: ") and needle in err, err
+
+
+def test_plan_command_shows_the_simulated_step(capsys):
+    from meshpilot.cli.main import main
+
+    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--ops", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated" in out and "trivial schedule" in out
