@@ -9,8 +9,9 @@ parallelism inside a node, pinned with ``meshpilot.planner.forced.megatron_tp``;
 unchecked, as 175B needs pipeline stages to fit 80 GiB, which plans do not have yet), then
 each schedule is simulated: the plan's trivial one, the overlapped one, gradient accumulation over 4
 microbatches, and the trivial one with one straggler (+20%) — which splits the 4,096 ranks into the classes
-colour refinement finds. Prints a table: wall seconds of the simulation alone (lowering + event loop), events,
-simulated classes, step time and its split. Target (issue 9): < 30 s per simulation.
+colour refinement finds; with at most --all-ranks-max ranks also both with every rank simulated on its own
+(the speed-up of rank symmetry; same step). Prints a table: wall seconds of the simulation alone (lowering +
+event loop), events, simulated classes, step time and its split. Target (issue 9): < 30 s per simulation.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def main() -> None:
         default=1e6,
         help="device capacity for planning (default: unlimited; TP 8 x DP 512 of 175B needs ~204 GiB per device "
         "without pipeline stages, which plans do not have yet; the simulator ignores memory)",
+    )
+    ap.add_argument(
+        "--all-ranks-max",
+        type=int,
+        default=256,
+        help="also simulate every rank on its own (symmetric=False) when the mesh has at most this many ranks",
     )
     ap.add_argument("--save", help="save the plan here")
     ap.add_argument("--load", help="simulate this saved plan instead of planning")
@@ -90,6 +97,11 @@ def main() -> None:
         ("accumulate ×4", {"schedule": accumulate(world, 4)}),
         ("trivial, rank 9 +20%", {"straggler": {9: 20.0}}),
     ]
+    if world <= args.all_ranks_max:
+        runs += [
+            ("trivial, every rank alone", {"symmetric": False}),
+            ("rank 9 +20%, every rank alone", {"straggler": {9: 20.0}, "symmetric": False}),
+        ]
     table = Table(title=f"meshpilot.sim: one step of {world} ranks")
     for col in ("run", "wall s", "events", "classes", "step ms", "vs closed form", "compute", "exposed", "hidden"):
         table.add_column(col, justify="left" if col == "run" else "right")
