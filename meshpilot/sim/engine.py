@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import math
@@ -211,18 +212,24 @@ def _axis_groups(grid: np.ndarray, axis: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ lowering
 
 
+@functools.lru_cache(maxsize=8)
+def _cost_model(cluster: Any, shape: tuple[int, ...], ranks: tuple[int, ...]) -> Any:
+    """The cost model of a mesh, kept for the next simulation of it: Eq. 3 on a 4,096-device mesh takes
+    seconds, and every schedule / straggler of one plan asks for the same axes."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+
+    return CostModel(LogicalMesh(cluster, shape, np.asarray(ranks, dtype=np.int64).reshape(shape)))
+
+
 class _Lowering:
     """Durations, links and programs for one plan on one cluster."""
 
     def __init__(self, plan: Any, cluster: Any):
-        from meshpilot.cluster.cost import CostModel
-        from meshpilot.cluster.mesh import LogicalMesh
-
         self.plan = plan
         self.cluster = cluster
-        shape = tuple(plan.mesh_shape)
-        self.lm = LogicalMesh(cluster, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape))
-        self.cm = CostModel(self.lm)
+        self.cm = _cost_model(cluster, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
+        self.lm = self.cm.mesh
         self._dur: dict[tuple, tuple[float, float]] = {}
         self._layer: dict[int, int] = {}
         nodes = plan.nodes
@@ -448,7 +455,9 @@ class _Sim:
                 if version != link.version:
                     continue
                 link.advance(now)
-                done = [t for t, rem in link.active.items() if rem <= 1e-9 * self.transfers[t].work]
+                # the transfer this event was scheduled for ends now, whatever rounding left of its work
+                first = min(link.active, key=link.active.__getitem__)
+                done = [t for t, rem in link.active.items() if t == first or rem <= 1e-9 * self.transfers[t].work]
                 for t in done:
                     del link.active[t]
                 self._reschedule(sim, layer, link)
