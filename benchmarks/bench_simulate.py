@@ -12,7 +12,8 @@ microbatches, and the trivial one with one straggler (+20%) — which splits the
 colour refinement finds; with at most --all-ranks-max ranks also both with every rank simulated on its own
 (the speed-up of rank symmetry; same step). The cost model's Eq. 3 on the mesh (seconds on 4,096 devices; the
 planner pays it too) is timed once before the runs, which reuse it. Prints a table: wall seconds of the
-simulation alone (lowering + event loop), events, simulated classes, step time and its split. Target (issue 9): < 30 s per simulation.
+simulation alone (lowering + event loop), events, simulated classes, step time and its split. Target
+(issue 9): < 30 s per simulation.
 """
 
 from __future__ import annotations
