@@ -121,7 +121,7 @@ def main() -> None:
         worst = max(r.classes, key=lambda c: (c.end_s, c.compute_s))
         table.add_row(
             name,
-            f"{r.wall_s:.2f}",
+            f"{r.wall_s:.3f}",
             str(r.num_events),
             str(r.sim_ranks),
             f"{r.step_s * 1e3:.2f}",
