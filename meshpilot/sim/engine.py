@@ -682,6 +682,9 @@ def _tmp_path(path: str | Path) -> str:
     parent = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
     return tmp
 
 
