@@ -238,3 +238,10 @@ def test_plan_command_shows_the_simulated_step(capsys):
     assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--ops", "none"]) == 0
     out = capsys.readouterr().out
     assert "simulated" in out and "trivial schedule" in out
+
+
+def test_a_collective_one_member_never_issues_is_a_deadlock():
+    plan = _chain()
+    sched = parse_schedule("schedule broken, 1 microbatch\nranks 0: F0[0:1] +0.0 -0.0\nranks 1: F0[0:1]")
+    with pytest.raises(UserError, match="deadlocks: rank 0 waits forever"):
+        simulate(plan, cluster=_cluster(2), schedule=sched)

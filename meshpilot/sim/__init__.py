@@ -11,8 +11,9 @@ The model (each term → the code that computes it)
 ---------------------------------------------------
 
 *Streams.* Every rank has one compute stream and one communication stream per layer of the cluster's
-hierarchical matrix (``Cluster.layers``: e.g. the nodes' network and a node's NVLink). :func:`_lower` turns a
-rank class's actions into a program of ops: a compute action ``F3[a:b]`` becomes compute ops whose duration is
+hierarchical matrix (``Cluster.layers``: e.g. the nodes' network and a node's NVLink).
+:meth:`_Lowering.program` (in ``engine``) turns a rank class's actions into a program of ops: a compute action
+``F3[a:b]`` becomes compute ops whose duration is
 ``sum(NodeChoice.seconds)`` of its nodes (``F``: every node that is not in the backward phase; ``B``/``I``/``W``:
 the backward ones), times ``1 + pct/100`` on a straggler; a collective the schedule does not issue itself is
 *blocking* (issue + wait) where the plan places it: an edge's before its consumer node, an op's own after the
@@ -34,7 +35,7 @@ link; with ``k`` transfers active each progresses at rate ``1/k`` (processor sha
 issued together end at ``2 t1`` and ``t1 + t2``.
 
 *Dependencies.* A collective of a group starts (``ready``) when the last member issued it:
-``ready = max_{j in group} issue_j`` (:meth:`_Sim._try_start`); a wait blocks the compute stream until the
+``ready = max_{j in group} issue_j`` (:meth:`_Sim._issue`); a wait blocks the compute stream until the
 transfer's end. So a straggler's late issue delays every member of its groups, and everything after.
 
 *Rank classes, symmetry.* Ranks that run the same actions with the same speeds and whose groups hold the same
