@@ -402,12 +402,11 @@ class _Sim:
         scale: list[float],
         members: list[dict[int, tuple[int, ...]]],
         reps: list[int],
-        sim_of_rank: dict[int, int],
         low: _Lowering,
         p2p_bytes: float,
     ):
         self.programs, self.scale, self.members, self.reps = programs, scale, members, reps
-        self.sim_of_rank, self.low, self.p2p_bytes = sim_of_rank, low, p2p_bytes
+        self.low, self.p2p_bytes = low, p2p_bytes
         n = len(programs)
         self.pc = [0] * n
         self.end = [0.0] * n
@@ -625,7 +624,7 @@ def simulate(
             progs[k] = low.program(schedule.classes[k])
         programs.append(progs[k])
     scale = [1 + straggler.get(rep, 0.0) / 100 for rep in reps]
-    sim = _Sim(programs, scale, members, reps, {r: color[r] for r in range(world)}, low, p2p_bytes)
+    sim = _Sim(programs, scale, members, reps, low, p2p_bytes)
     sim.run()
     step = max(sim.end) if sim.end else 0.0
     out = []
