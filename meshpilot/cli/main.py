@@ -13,7 +13,7 @@ from typing import NoReturn
 from meshpilot.errors import UserError
 
 # Each module defines `register(subparsers)`, adding its parser with `func` set to its entry point.
-COMMANDS = ["presets", "topology", "atp", "plan", "train", "probe", "emulate", "demo"]
+COMMANDS = ["presets", "topology", "atp", "plan", "simulate", "train", "probe", "emulate", "demo"]
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -372,6 +372,14 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
     tt.add_section()
     tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
+    try:  # the simulated step beside the closed form (meshpilot.sim; skipped when the cluster cannot be reloaded)
+        from meshpilot.sim import simulate
+
+        sim = simulate(plan)
+        what = f"simulated, {plan.step_schedule().name} schedule (`meshpilot simulate`)"
+        tt.add_row("simulated", fmt_s(sim.step_s), f"{sim.step_s / total:.1%}", what)
+    except UserError:
+        pass
     out.print(tt)
 
     mt = Table(title="Memory per device")

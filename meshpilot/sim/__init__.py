@@ -1,0 +1,60 @@
+"""Discrete-event simulation of a plan's step schedule on its cluster (issue 9).
+
+``simulate(plan)`` replays ``plan.step_schedule()`` action by action and returns a :class:`SimResult`: the
+predicted step time and, per class of ranks, its split into compute, exposed communication, hidden
+communication and idle time, plus a Chrome trace (:meth:`SimResult.chrome_trace`) and a PNG timeline
+(:meth:`SimResult.write_png`). The closed-form ``plan.time`` assumes nothing overlaps; the simulator lets
+issued collectives run beside compute, makes concurrent transfers share a link, and lets a slow rank hold
+back the collectives it takes part in.
+
+The model (each term → the code that computes it)
+---------------------------------------------------
+
+*Streams.* Every rank has one compute stream and one communication stream per layer of the cluster's
+hierarchical matrix (``Cluster.layers``: e.g. the nodes' network and a node's NVLink).
+:meth:`_Lowering.program` (in ``engine``) turns a rank class's actions into a program of ops: a compute action
+``F3[a:b]`` becomes compute ops whose duration is
+``sum(NodeChoice.seconds)`` of its nodes (``F``: every node that is not in the backward phase; ``B``/``I``/``W``:
+the backward ones), times ``1 + pct/100`` on a straggler; a collective the schedule does not issue itself is
+*blocking* (issue + wait) where the plan places it: an edge's before its consumer node, an op's own after the
+op, the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step.
+``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
+``p`` (non-blocking), ``R m<p`` waits for it.
+
+*Durations.* A collective's duration ``t`` is the cost model's (``CostModel.<kind>(nbytes, axis)`` of
+``meshpilot.cluster.cost``: the fastest algorithm, already counting every group of the axis running at once,
+ATP Eq. 3). It splits into a latency part ``L`` and a bandwidth part ``W = t - L``, read off the cost model
+itself as ``L = 2 t(M) - t(2M)`` (exact while one algorithm wins at M and 2M; clamped to ``[0, t]``) in
+:meth:`_Lowering.duration`. A send takes ``CostModel.send_recv_ranks``.
+
+*Links, processor sharing.* A transfer occupies the link of the outermost layer its group crosses
+(:meth:`_Lowering.layer_of`), per rank: ``(sim rank, layer)`` in :class:`_Link`. After ``L`` it joins the
+link; with ``k`` transfers active each progresses at rate ``1/k`` (processor sharing): at every event
+``remaining_i -= (now - last) / k`` and the next completion is ``now + k * min(remaining)``
+(:meth:`_Link.advance`, :meth:`_Link.next_finish`). Alone, a transfer takes exactly ``t``; two of ``t1 <= t2``
+issued together end at ``2 t1`` and ``t1 + t2``.
+
+*Dependencies.* A collective of a group starts (``ready``) when the last member issued it:
+``ready = max_{j in group} issue_j`` (:meth:`_Sim._issue`); a wait blocks the compute stream until the
+transfer's end. So a straggler's late issue delays every member of its groups, and everything after.
+
+*Rank classes, symmetry.* Ranks that run the same actions with the same speeds and whose groups hold the same
+mix of such ranks behave identically, so one representative is simulated for each. :func:`rank_classes`
+finds them by colour refinement: colour_0(r) = (schedule class of r, straggler pct of r); colour_{i+1}(r) =
+(colour_i(r), for every mesh axis the sorted colours of r's group on it), until the number of colours stops
+growing (an equitable partition: a member's issue time depends only on its colour). An SPMD plan without
+stragglers is one class whatever the world size; one straggler on a 2D mesh gives at most four (itself, its
+row, its column, the rest). Ranks with sends / receives keep their own colour.
+
+*Split* (per class, :func:`_split`): ``compute`` = busy time of the compute stream; ``comm`` = measure of the
+union of its transfers' active intervals (after the group is ready, latency included); ``hidden`` = the part of
+``comm`` that overlaps compute; ``exposed = comm - hidden``; ``idle = step - compute - exposed`` (waiting for
+peers, for a straggler, or for the step's end). ``step`` = the latest end over all classes.
+
+Not modelled: compute/communication contention for SMs or memory bandwidth, the optimizer step, network
+topology below a layer (a layer is one shared resource per rank), per-message protocol effects.
+"""
+
+from meshpilot.sim.engine import ClassTime, SimResult, TraceEvent, parse_straggler, rank_classes, simulate
+
+__all__ = ["ClassTime", "SimResult", "TraceEvent", "parse_straggler", "rank_classes", "simulate"]

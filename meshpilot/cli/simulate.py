@@ -1,0 +1,149 @@
+"""`meshpilot simulate`: replay a saved plan's step schedule in a discrete-event simulation of its cluster.
+
+Every rank runs its schedule (`meshpilot plan` saves one; default `F0 B0 G`): compute on one stream, each
+collective on the link of the cluster layer it crosses, costed by the same cost model as the planner. Issued
+collectives run beside the compute until waited on, concurrent transfers on one link share its bandwidth,
+and a straggler holds back every collective it takes part in. The table shows, per class of identical ranks,
+the step split into
+
+  compute   the compute stream busy
+  exposed   communication nothing overlaps (the compute stream waits for it)
+  hidden    communication running beside compute
+  idle      neither: waiting for a slower peer's issue, or for the step's end
+
+beside the plan's closed-form step (no overlap). Ranks are numbered as the schedule numbers them: the mesh
+position in row-major order, 0 .. devices-1. Ranks that behave identically are simulated once (an SPMD plan
+without stragglers: one class whatever the size). See docs/simulator.md.
+
+Examples:
+  meshpilot plan -m gpt-tiny -c atp-ic3 -n 4 --out plan.json
+  meshpilot simulate plan.json
+  meshpilot simulate plan.json --straggler 1:50 --trace step.json --png step.png
+  meshpilot simulate plan.json --schedule overlapped --microbatches 2
+
+Open the --trace file in https://ui.perfetto.dev (or chrome://tracing): one process per class (named by its
+ranks), thread 0 compute, one thread per cluster layer's link; grey `wait` spans are the compute stream blocked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from meshpilot.cli.common import console
+from meshpilot.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a saved plan's step (overlap, shared links, stragglers) and show its time split",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("plan", type=Path, help="a plan saved by `meshpilot plan --out plan.json`")
+    p.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        metavar="RANK:PCT",
+        help="rank RANK computes PCT%% slower (e.g. 3:50; repeatable); its groups' collectives wait for it",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("plan", "trivial", "accumulate", "overlapped"),
+        default="plan",
+        help="simulate the plan's own schedule (default), or rebuild one: trivial (F0 B0 G), accumulate "
+        "(--microbatches, gradients reduced once), overlapped (collectives issued right after their producer)",
+    )
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches for a rebuilt schedule (default 1)")
+    p.add_argument(
+        "--cluster",
+        "-c",
+        metavar="C",
+        help="the cluster (preset or TOML file) when the plan's recorded name is not a preset",
+    )
+    p.add_argument("--trace", type=Path, metavar="T.json", help="write a Chrome trace (Perfetto) here, atomically")
+    p.add_argument("--png", type=Path, metavar="T.png", help="write a timeline image here, atomically")
+    p.set_defaults(func=run)
+
+
+def _check_out(path: Path | None, flag: str) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: folder {parent} does not exist; create it or write elsewhere")
+
+
+def load_plan(path: Path):
+    from meshpilot.planner.plan import Plan
+
+    if not path.is_file():
+        raise UserError(f"{path}: does not exist; save a plan with `meshpilot plan ... --out {path}`")
+    try:
+        return Plan.load(path)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path}: is not a plan's JSON; save one with `meshpilot plan ... --out FILE`") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path}: not a meshpilot plan ({type(e).__name__}: {e})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshpilot.cli.plan import fmt_s
+    from meshpilot.planner import schedule as sched
+    from meshpilot.sim import parse_straggler, simulate
+
+    straggler = parse_straggler(args.straggler)
+    _check_out(args.trace, "--trace")
+    _check_out(args.png, "--png")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UserError(f"--microbatches {args.microbatches}: give at least 1")
+    plan = load_plan(args.plan)
+    world = 1
+    for d in plan.mesh_shape:
+        world *= d
+    mb = args.microbatches or 1
+    schedule = {
+        "plan": lambda: plan.step_schedule(),
+        "trivial": lambda: sched.trivial(world),
+        "accumulate": lambda: sched.accumulate(world, mb),
+        "overlapped": lambda: sched.overlapped(plan, mb),
+    }[args.schedule]()
+    result = simulate(plan, cluster=args.cluster, schedule=schedule, straggler=straggler)
+
+    t = plan.time
+    table = Table(title=f"Simulated step: {schedule.name} schedule, {schedule.microbatches} microbatch(es)")
+    for col in ("ranks", "compute", "exposed comm", "hidden comm", "idle", "ends at"):
+        table.add_column(col, justify="left" if col == "ranks" else "right")
+    for c in result.classes:
+        table.add_row(
+            f"{c.label} ({len(c.ranks)})",
+            fmt_s(c.compute_s),
+            fmt_s(c.exposed_comm_s),
+            fmt_s(c.hidden_comm_s),
+            fmt_s(max(c.idle_s, 0.0)),
+            fmt_s(c.end_s),
+        )
+    table.add_section()
+    table.add_row("[bold]step[/bold]", "", "", "", "", f"[bold]{fmt_s(result.step_s)}[/bold]")
+    console.print(table)
+    ratio = result.step_s / t.total_s if t.total_s else float("nan")
+    console.print(
+        f"closed form (no overlap, one microbatch as planned): {fmt_s(t.total_s)}; simulated / closed form "
+        f"{ratio:.3f}. {result.world} ranks simulated as {result.sim_ranks} class(es) in {result.wall_s:.3f} s "
+        f"({result.num_events} events)"
+        + (f"; stragglers {', '.join(f'{r}: +{p:g}%' for r, p in sorted(straggler.items()))}" if straggler else "")
+    )
+    if args.trace:
+        result.write_trace(args.trace)
+        console.print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.png:
+        result.write_png(args.png)
+        console.print(f"timeline: {args.png}")
+    return 0

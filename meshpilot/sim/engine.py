@@ -1,0 +1,699 @@
+"""The event loop of the simulator; the model and its terms are in the package docstring (``meshpilot.sim``)."""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshpilot.errors import UserError
+from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
+
+_COST_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+# program ops (tuples, for speed): (_COMPUTE, seconds, label) | (_ISSUE, key, label, axis) | (_WAIT, key, label)
+# | (_SEND, key, label, peer) | (_RECV, key, label)
+_COMPUTE, _ISSUE, _WAIT, _SEND, _RECV = range(5)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One span of the timeline: `stream` 0 is compute, 1 + j the link of cluster layer j."""
+
+    rank: int
+    """The class's representative rank."""
+    stream: int
+    name: str
+    start_s: float
+    dur_s: float
+    cat: str
+    """``compute``, ``comm`` or ``wait`` (the compute stream blocked on a transfer or a peer)."""
+
+
+@dataclass(frozen=True)
+class ClassTime:
+    """The step of one simulated class of identical ranks, split (package docstring, *Split*)."""
+
+    ranks: tuple[int, ...]
+    schedule_class: int
+    """Index into ``Schedule.classes`` of the rank class these ranks belong to."""
+    compute_s: float
+    exposed_comm_s: float
+    hidden_comm_s: float
+    idle_s: float
+    end_s: float
+    """When this class's last op (or transfer) ended."""
+
+    @property
+    def label(self) -> str:
+        return f"ranks {_ranges(self.ranks)}"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` predicts for one step."""
+
+    step_s: float
+    classes: tuple[ClassTime, ...]
+    events: tuple[TraceEvent, ...] = field(repr=False)
+    world: int = 0
+    layers: tuple[str, ...] = ()
+    """Names of the cluster's layers (stream 1 + j is layer j's link)."""
+    schedule: str = ""
+    wall_s: float = 0.0
+    """Seconds the simulation took (lowering + event loop; not the trace or PNG)."""
+    num_events: int = 0
+    """Events the loop processed."""
+
+    @property
+    def sim_ranks(self) -> int:
+        """How many representatives were simulated (one per class)."""
+        return len(self.classes)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """``{"traceEvents": [...]}``: ph "X" spans in µs, pid = representative rank, tid = stream (Perfetto,
+        chrome://tracing)."""
+        ev: list[dict[str, Any]] = []
+        streams = ["compute", *(f"comm: {name}" for name in self.layers)]
+        for c in self.classes:
+            pid = c.ranks[0]
+            ev.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{c.label} ({len(c.ranks)})"}})
+            ev.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+            for tid, name in enumerate(streams):
+                ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        for e in self.events:
+            ev.append(
+                {
+                    "ph": "X",
+                    "name": e.name,
+                    "cat": e.cat,
+                    "pid": e.rank,
+                    "tid": e.stream,
+                    "ts": e.start_s * 1e6,
+                    "dur": e.dur_s * 1e6,
+                }
+            )
+        return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"step_s": self.step_s}}
+
+    def write_trace(self, path: str | Path) -> None:
+        """The Chrome trace as JSON, written atomically."""
+        _atomic_write(path, json.dumps(self.chrome_trace()).encode())
+
+    def write_png(self, path: str | Path, max_classes: int = 16) -> None:
+        """A timeline (one row per stream of each class, at most `max_classes` classes), written atomically."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        classes = self.classes[:max_classes]
+        used = sorted({(e.rank, e.stream) for e in self.events if e.rank in {c.ranks[0] for c in classes}})
+        rows = {key: i for i, key in enumerate(used)}
+        fig, ax = plt.subplots(figsize=(12, 0.45 * max(len(rows), 2) + 1.2))
+        colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "lightgray"}
+        spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for e in self.events:
+            if (e.rank, e.stream) in rows:
+                spans.setdefault((rows[(e.rank, e.stream)], e.cat), []).append((e.start_s * 1e3, e.dur_s * 1e3))
+        for (row, cat), xs in spans.items():
+            ax.broken_barh(xs, (row - 0.4, 0.8), facecolors=colors.get(cat, "tab:green"), linewidth=0)
+        names = ["compute", *self.layers]
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"r{r} {names[s] if s < len(names) else s}" for r, s in used], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        ax.set_title(f"simulated step {self.step_s * 1e3:.3f} ms ({self.schedule}; blue compute, orange comm)")
+        fig.tight_layout()
+        tmp = _tmp_path(path)
+        try:
+            fig.savefig(tmp, format="png", dpi=110)
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+# ------------------------------------------------------------------------------------------------ input
+
+
+def parse_straggler(items: Iterable[str]) -> dict[int, float]:
+    """``["3:50", ...]`` → ``{3: 50.0}`` (rank 3 computes 50% slower); a UserError naming a bad item."""
+    out: dict[int, float] = {}
+    for item in items:
+        rank, sep, pct = item.partition(":")
+        try:
+            r, p = int(rank), float(pct)
+        except ValueError:
+            r, p = -1, math.nan
+        if not sep or r < 0 or not math.isfinite(p) or p <= -100:
+            raise UserError(f"--straggler {item!r}: write RANK:PCT, e.g. 3:50 (rank 3 computes 50% slower)")
+        out[r] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ classes
+
+
+def rank_classes(
+    schedule: Schedule, mesh_shape: tuple[int, ...], axes: Iterable[int], straggler: dict[int, float] | None = None
+) -> list[tuple[int, ...]]:
+    """Ranks that behave identically, by colour refinement (package docstring, *Rank classes*); each class
+    sorted, classes ordered by their first rank."""
+    world = math.prod(mesh_shape)
+    straggler = straggler or {}
+    grid = np.arange(world).reshape(mesh_shape)
+    groups = {a: _axis_groups(grid, a) for a in sorted(set(axes)) if mesh_shape[a] > 1}
+    p2p = {
+        r
+        for c in schedule.classes
+        if any(a.kind in (ActionKind.SEND, ActionKind.RECV) for a in c.actions)
+        for r in c.ranks
+    }
+    sched_class = {r: i for i, c in enumerate(schedule.classes) for r in c.ranks}
+    color = _renumber([(sched_class[r], straggler.get(r, 0.0), r if r in p2p else -1) for r in range(world)])
+    while True:
+        sig = [[color[r]] for r in range(world)]
+        for g in groups.values():
+            for members in g.tolist():
+                key = tuple(sorted(color[m] for m in members))
+                for m in members:
+                    sig[m].append(key)
+        new = _renumber([tuple(s) for s in sig])
+        if max(new) == max(color):
+            break
+        color = new
+    out: dict[int, list[int]] = {}
+    for r in range(world):
+        out.setdefault(color[r], []).append(r)
+    return sorted((tuple(v) for v in out.values()), key=lambda t: t[0])
+
+
+def _renumber(keys: list) -> list[int]:
+    ids: dict = {}
+    return [ids.setdefault(k, len(ids)) for k in keys]
+
+
+def _axis_groups(grid: np.ndarray, axis: int) -> np.ndarray:
+    rest = [a for a in range(grid.ndim) if a != axis]
+    return np.transpose(grid, rest + [axis]).reshape(-1, grid.shape[axis])
+
+
+# ------------------------------------------------------------------------------------------------ lowering
+
+
+@functools.lru_cache(maxsize=8)
+def _cost_model(cluster: Any, shape: tuple[int, ...], ranks: tuple[int, ...]) -> Any:
+    """The cost model of a mesh, kept for the next simulation of it: Eq. 3 on a 4,096-device mesh takes
+    seconds, and every schedule / straggler of one plan asks for the same axes."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+
+    return CostModel(LogicalMesh(cluster, shape, np.asarray(ranks, dtype=np.int64).reshape(shape)))
+
+
+class _Lowering:
+    """Durations, links and programs for one plan on one cluster."""
+
+    def __init__(self, plan: Any, cluster: Any):
+        self.plan = plan
+        self.cluster = cluster
+        self.cm = _cost_model(cluster, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
+        self.lm = self.cm.mesh
+        self._dur: dict[tuple, tuple[float, float]] = {}
+        self._layer: dict[int, int] = {}
+        nodes = plan.nodes
+        self.index = {n.name: i for i, n in enumerate(nodes)}
+        self.bwd = [n.phase == "bwd" for n in nodes]
+        self.seconds = [float(n.seconds) for n in nodes]
+        self.pre: dict[int, list[int]] = {}
+        self.post: dict[int, list[int]] = {}
+        self.tail: dict[bool, list[int]] = {False: [], True: []}  # loss / buffers / unknown, per phase (bwd?)
+        self.grads: list[int] = []
+        for c, col in enumerate(plan.collectives):
+            if col.dst.startswith("grad:"):
+                self.grads.append(c)
+            elif col.src == col.dst and col.dst in self.index:
+                self.post.setdefault(self.index[col.dst], []).append(c)
+            elif col.dst in self.index:
+                self.pre.setdefault(self.index[col.dst], []).append(c)
+            else:
+                self.tail[col.phase == "bwd"].append(c)
+        fwd_ops = [i for i, n in enumerate(nodes) if n.phase == "fwd"]
+        bwd_ops = [i for i, n in enumerate(nodes) if n.phase == "bwd"]
+        self.last = {False: fwd_ops[-1] if fwd_ops else -1, True: bwd_ops[-1] if bwd_ops else -1}
+
+    def duration(self, c: int) -> tuple[float, float]:
+        """(latency L, bandwidth part W) of collective `c` from the cost model (package docstring)."""
+        col = self.plan.collectives[c]
+        key = (col.kind, col.axis, col.nbytes)
+        if key not in self._dur:
+            if col.kind in _COST_KINDS:
+                f = getattr(self.cm, col.kind)
+                t, t2 = f(col.nbytes, col.axis), f(2 * col.nbytes, col.axis)
+                lat = min(max(2 * t - t2, 0.0), t)
+            else:
+                t, lat = float(col.seconds), 0.0
+            self._dur[key] = (lat, t - lat)
+        return self._dur[key]
+
+    def p2p(self, nbytes: float, src: int, dst: int) -> tuple[float, float, int]:
+        """(L, W, layer) of a send between mesh ranks `src` and `dst`."""
+        a, b = int(self.plan.mesh_ranks[src]), int(self.plan.mesh_ranks[dst])
+        if a == b:
+            return 0.0, 0.0, len(self.cluster.layers) - 1
+        lat = self.cluster.p2p_latency(a, b)
+        t = self.cm.send_recv_ranks(nbytes, a, b)
+        ca, cb = self.cluster.coords(np.array([a, b]))
+        layer = next(j for j in range(len(ca)) if ca[j] != cb[j])
+        return lat, t - lat, layer
+
+    def layer_of(self, axis: int) -> int:
+        """Outermost cluster layer the groups of mesh `axis` cross (their bottleneck link)."""
+        if axis not in self._layer:
+            groups = self.lm.groups(axis)
+            nl = len(self.cluster.layers)
+            coords = self.cluster.coords(groups.reshape(-1)).reshape(*groups.shape, nl)
+            varies = (coords.max(axis=1) != coords.min(axis=1)).any(axis=0)
+            self._layer[axis] = int(np.argmax(varies)) if varies.any() else nl - 1
+        return self._layer[axis]
+
+    def program(self, rc: RankClass) -> list[tuple]:
+        """The ops of one rank class (package docstring, *Streams*)."""
+        explicit = {(a.collective, a.microbatch) for a in rc.actions if a.kind == ActionKind.ISSUE}
+        ops: list[tuple] = []
+        for a in rc.actions:
+            k = a.kind
+            if k.is_compute:
+                self._compute(a, explicit, ops)
+            elif k == ActionKind.GRAD_SYNC:
+                for c in self.grads:
+                    self._blocking(c, 0, ops)
+            elif k == ActionKind.ISSUE:
+                ops.append(
+                    (
+                        _ISSUE,
+                        (a.collective, a.microbatch),
+                        self._label(a.collective, a.microbatch),
+                        self.plan.collectives[a.collective].axis,
+                    )
+                )
+            elif k == ActionKind.WAIT:
+                ops.append((_WAIT, (a.collective, a.microbatch), f"wait {a}"))
+            elif k == ActionKind.SEND:
+                ops.append((_SEND, a.microbatch, str(a), a.peer))
+            else:
+                ops.append((_RECV, a.microbatch, str(a), a.peer))
+        return ops
+
+    def _label(self, c: int, m: int) -> str:
+        col = self.plan.collectives[c]
+        return f"{col.kind}@{col.axis} #{c}.{m}"
+
+    def _blocking(self, c: int, m: int, ops: list[tuple]) -> None:
+        label = self._label(c, m)
+        ops.append((_ISSUE, (c, m), label, self.plan.collectives[c].axis))
+        ops.append((_WAIT, (c, m), f"wait {label}"))
+
+    def _compute(self, a: Action, explicit: set, ops: list[tuple]) -> None:
+        bwd = a.kind != ActionKind.FORWARD
+        m = a.microbatch
+        lo, hi = a.nodes if a.nodes is not None else (0, len(self.seconds))
+        run, start = 0.0, None
+
+        def flush(stop: int) -> None:
+            nonlocal run, start
+            if start is not None:
+                ops.append((_COMPUTE, run, f"{a.kind.value}{m}[{start}:{stop}]"))
+            run, start = 0.0, None
+
+        def colls(cs: list[int]) -> None:
+            todo = [c for c in cs if (c, m) not in explicit]
+            if todo:
+                flush(i)
+                for c in todo:
+                    self._blocking(c, m, ops)
+
+        for i in range(lo, min(hi, len(self.seconds))):
+            if self.bwd[i] != bwd:
+                continue
+            colls(self.pre.get(i, ()))
+            if start is None:
+                start = i
+            run += self.seconds[i]
+            if i in self.post:
+                flush(i + 1)
+                colls(self.post[i])
+            if i == self.last[bwd]:
+                flush(i + 1)
+                colls(self.tail[bwd])
+        flush(min(hi, len(self.seconds)))
+
+
+# ------------------------------------------------------------------------------------------------ event loop
+
+
+class _Link:
+    """One rank's link of one cluster layer: processor sharing among its active transfers."""
+
+    __slots__ = ("active", "last", "version")
+
+    def __init__(self) -> None:
+        self.active: dict[int, float] = {}
+        self.last = 0.0
+        self.version = 0
+
+    def advance(self, now: float) -> None:
+        k = len(self.active)
+        if k and now > self.last:
+            dt = (now - self.last) / k
+            for t in self.active:
+                self.active[t] -= dt
+        self.last = now
+
+    def next_finish(self) -> float:
+        return self.last + len(self.active) * min(self.active.values())
+
+
+@dataclass
+class _Transfer:
+    sim: int
+    done_key: tuple
+    layer: int
+    ready: float
+    work: float
+    label: str
+
+
+class _Sim:
+    def __init__(
+        self,
+        programs: list[list[tuple]],
+        scale: list[float],
+        members: list[dict[int, tuple[int, ...]]],
+        reps: list[int],
+        low: _Lowering,
+        p2p_bytes: float,
+    ):
+        self.programs, self.scale, self.members, self.reps = programs, scale, members, reps
+        self.low, self.p2p_bytes = low, p2p_bytes
+        n = len(programs)
+        self.pc = [0] * n
+        self.end = [0.0] * n
+        self.finished = [False] * n
+        self.blocked: list[tuple | None] = [None] * n
+        self.block_start = [0.0] * n
+        self.compute: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.comm: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.events: list[TraceEvent] = []
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.issued: dict[tuple, dict[int, float]] = {}
+        self.pending: dict[tuple, list[int]] = {}
+        self.done: dict[tuple, float] = {}
+        self.waiter: dict[tuple, int] = {}
+        self.links: dict[tuple[int, int], _Link] = {}
+        self.transfers: list[_Transfer] = []
+        self.count = 0
+
+    def push(self, t: float, kind: int, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, payload))
+
+    def run(self) -> None:
+        for s in range(len(self.programs)):
+            self.step(s, 0.0)
+        while self.heap:
+            now, _, kind, payload = heapq.heappop(self.heap)
+            self.count += 1
+            if kind == 0:  # compute done
+                self.pc[payload] += 1
+                self.step(payload, now)
+            elif kind == 1:  # latency over: join the link
+                tr = self.transfers[payload]
+                link = self._link(tr.sim, tr.layer)
+                link.advance(now)
+                if tr.work <= 0:
+                    self._complete(payload, now)
+                else:
+                    link.active[payload] = tr.work
+                    self._reschedule(tr.sim, tr.layer, link)
+            else:  # a link's earliest transfer may be done
+                (sim, layer), version = payload
+                link = self.links[(sim, layer)]
+                if version != link.version:
+                    continue
+                link.advance(now)
+                # the transfer this event was scheduled for ends now, whatever rounding left of its work
+                first = min(link.active, key=link.active.__getitem__)
+                done = [t for t, rem in link.active.items() if t == first or rem <= 1e-9 * self.transfers[t].work]
+                for t in done:
+                    del link.active[t]
+                self._reschedule(sim, layer, link)
+                for t in done:
+                    self._complete(t, now)
+        stuck = [s for s in range(len(self.programs)) if not self.finished[s]]
+        if stuck:
+            s = stuck[0]
+            op = self.programs[s][self.pc[s]]
+            raise UserError(
+                f"the schedule deadlocks: rank {self.reps[s]} waits forever at {op[2]!r} (a collective some member "
+                "of its group never issues, or a receive without its send); fix the schedule"
+            )
+
+    def _link(self, sim: int, layer: int) -> _Link:
+        link = self.links.get((sim, layer))
+        if link is None:
+            link = self.links[(sim, layer)] = _Link()
+        return link
+
+    def _reschedule(self, sim: int, layer: int, link: _Link) -> None:
+        link.version += 1
+        if link.active:
+            self.push(link.next_finish(), 2, ((sim, layer), link.version))
+
+    def _start(self, sim: int, done_key: tuple, lat: float, work: float, layer: int, label: str, now: float) -> None:
+        tid = len(self.transfers)
+        self.transfers.append(_Transfer(sim, done_key, layer, now, work, label))
+        if lat <= 0 and work <= 0:
+            self._complete(tid, now)
+        else:
+            self.push(now + lat, 1, tid)
+
+    def _complete(self, tid: int, now: float) -> None:
+        tr = self.transfers[tid]
+        if now > tr.ready:
+            self.comm[tr.sim].append((tr.ready, now))
+            self.events.append(TraceEvent(self.reps[tr.sim], 1 + tr.layer, tr.label, tr.ready, now - tr.ready, "comm"))
+        self.end[tr.sim] = max(self.end[tr.sim], now)
+        self.done[tr.done_key] = now
+        s = self.waiter.pop(tr.done_key, None)
+        if s is not None:
+            self._unblock(s, now)
+
+    def _unblock(self, s: int, now: float) -> None:
+        op = self.programs[s][self.pc[s]]
+        if now > self.block_start[s]:
+            self.events.append(
+                TraceEvent(self.reps[s], 0, op[2], self.block_start[s], now - self.block_start[s], "wait")
+            )
+        self.blocked[s] = None
+        self.pc[s] += 1
+        self.step(s, now)
+
+    def step(self, s: int, now: float) -> None:
+        """Run rank `s`'s program from its pc until it computes, blocks or ends."""
+        prog = self.programs[s]
+        while self.pc[s] < len(prog):
+            op = prog[self.pc[s]]
+            kind = op[0]
+            if kind == _COMPUTE:
+                dur = op[1] * self.scale[s]
+                if dur > 0:
+                    self.compute[s].append((now, now + dur))
+                    self.events.append(TraceEvent(self.reps[s], 0, op[2], now, dur, "compute"))
+                    self.push(now + dur, 0, s)
+                    return
+            elif kind == _ISSUE:
+                self._issue(s, op, now)
+            elif kind == _SEND:
+                peer = op[3]
+                rank = self.reps[s]
+                lat, work, layer = self.low.p2p(self.p2p_bytes, rank, peer)
+                self._start(s, ("p2p", op[1], rank, peer), lat, work, layer, op[2], now)
+            else:  # wait / receive
+                key = (s, op[1]) if kind == _WAIT else ("p2p", op[1], op[3], self.reps[s])
+                if key not in self.done:
+                    self.blocked[s] = key
+                    self.block_start[s] = now
+                    self.waiter[key] = s
+                    return
+            self.pc[s] += 1
+        self.finished[s] = True
+        self.end[s] = max(self.end[s], now)
+
+    def _issue(self, s: int, op: tuple, now: float) -> None:
+        key, label, axis = op[1], op[2], op[3]
+        got = self.issued.setdefault(key, {})
+        got[s] = now
+        waiting = self.pending.setdefault(key, [])
+        waiting.append(s)
+        still = []
+        for j in waiting:
+            need = self.members[j].get(axis, (j,))
+            if all(m in got for m in need):
+                ready = max(got[m] for m in need)
+                lat, work = self.low.duration(key[0])
+                self._start(j, (j, key), lat, work, self.low.layer_of(axis), label, ready)
+            else:
+                still.append(j)
+        self.pending[key] = still
+
+
+# ------------------------------------------------------------------------------------------------ simulate
+
+
+def simulate(
+    plan: Any,
+    *,
+    cluster: Any = None,
+    schedule: Schedule | None = None,
+    straggler: dict[int, float] | None = None,
+    symmetric: bool = True,
+    p2p_bytes: float = 0.0,
+) -> SimResult:
+    """Simulate one step of `plan` (its ``step_schedule()`` unless `schedule` is given) on `cluster` (default:
+    ``load_cluster(plan.cluster)``). `straggler` maps a rank (its row-major mesh position, as the schedule
+    numbers ranks) to how many percent slower it computes. `symmetric=False` simulates every rank on its
+    own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send."""
+    t0 = time.perf_counter()
+    if cluster is None:
+        from meshpilot.cluster import load_cluster
+
+        try:
+            cluster = load_cluster(plan.cluster)
+        except UserError as e:
+            raise UserError(f"the plan's cluster {plan.cluster!r} cannot be loaded ({e}); pass the cluster") from None
+    elif isinstance(cluster, str):
+        from meshpilot.cluster import load_cluster
+
+        cluster = load_cluster(cluster)
+    schedule = schedule or plan.step_schedule()
+    world = math.prod(plan.mesh_shape)
+    straggler = dict(straggler or {})
+    for r, pct in straggler.items():
+        if not 0 <= r < world:
+            raise UserError(f"--straggler {r}:{pct:g}: rank {r} is not in the plan's mesh; give 0..{world - 1}")
+    covered = sorted(r for c in schedule.classes for r in c.ranks)
+    if covered != list(range(world)):
+        raise UserError(f"schedule {schedule.name!r} does not name every rank 0..{world - 1} exactly once")
+    low = _Lowering(plan, cluster)
+    axes = sorted({c.axis for c in plan.collectives})
+    if symmetric:
+        classes = rank_classes(schedule, tuple(plan.mesh_shape), axes, straggler)
+    else:
+        classes = [(r,) for r in range(world)]
+    color = {r: i for i, cls in enumerate(classes) for r in cls}
+    reps = [cls[0] for cls in classes]
+    grid = np.arange(world).reshape(tuple(plan.mesh_shape))
+    coords = [np.unravel_index(r, grid.shape) for r in reps]
+    members: list[dict[int, tuple[int, ...]]] = []
+    for s in range(len(reps)):
+        mine: dict[int, tuple[int, ...]] = {}
+        for a in axes:
+            idx = list(coords[s])
+            idx[a] = slice(None)
+            mine[a] = tuple(sorted({color[int(r)] for r in grid[tuple(idx)].reshape(-1)}))
+        members.append(mine)
+    sched_index = {r: i for i, c in enumerate(schedule.classes) for r in c.ranks}
+    progs: dict[int, list[tuple]] = {}
+    programs = []
+    for rep in reps:
+        k = sched_index[rep]
+        if k not in progs:
+            progs[k] = low.program(schedule.classes[k])
+        programs.append(progs[k])
+    scale = [1 + straggler.get(rep, 0.0) / 100 for rep in reps]
+    sim = _Sim(programs, scale, members, reps, low, p2p_bytes)
+    sim.run()
+    step = max(sim.end) if sim.end else 0.0
+    out = []
+    for s, cls in enumerate(classes):
+        comp, exposed, hidden = _split(sim.compute[s], sim.comm[s])
+        out.append(ClassTime(cls, sched_index[cls[0]], comp, exposed, hidden, step - comp - exposed, sim.end[s]))
+    return SimResult(
+        step_s=step,
+        classes=tuple(out),
+        events=tuple(sim.events),
+        world=world,
+        layers=tuple(layer.name for layer in cluster.layers),
+        schedule=schedule.name,
+        wall_s=time.perf_counter() - t0,
+        num_events=sim.count,
+    )
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _split(compute: list[tuple[float, float]], comm: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(compute, exposed, hidden) seconds of one rank (package docstring, *Split*)."""
+    comp = sum(b - a for a, b in compute)
+    cu = _union(comm)
+    cp = _union(compute)
+    hidden, i = 0.0, 0
+    for a, b in cu:
+        while i < len(cp) and cp[i][1] <= a:
+            i += 1
+        j = i
+        while j < len(cp) and cp[j][0] < b:
+            hidden += max(0.0, min(b, cp[j][1]) - max(a, cp[j][0]))
+            j += 1
+    total = sum(b - a for a, b in cu)
+    return comp, total - hidden, hidden
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    from meshpilot.planner.schedule import _ranges as fmt
+
+    return fmt(tuple(sorted(ranks)))
+
+
+def _tmp_path(path: str | Path) -> str:
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
+    return tmp
+
+
+def _atomic_write(path: str | Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

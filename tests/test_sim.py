@@ -1,0 +1,247 @@
+"""The simulator (meshpilot.sim) against timelines computed by hand, a real plan's closed form, and the CLI.
+
+Hand-built plans run on a made-up cluster of GPUs joined by 100 GB/s links with zero latency, so a collective's
+duration is its bandwidth term alone: an all-reduce of M bytes over 2 ranks takes 2(n-1)/n * M/B' = M / 1e11
+(1 ms for 1e8 bytes), an all-gather producing M bytes (n-1)/n * M/B' (0.5 ms for 1e8 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from meshpilot.cluster import load_cluster
+from meshpilot.cluster.topology import Cluster, Layer
+from meshpilot.errors import UserError
+from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, PlannedCollective, SolverReport, StepTime
+from meshpilot.planner.schedule import accumulate, overlapped, parse_schedule
+from meshpilot.sim import parse_straggler, rank_classes, simulate
+
+MS = 1e-3
+REL = 1e-9
+
+
+def _cluster(n: int) -> Cluster:
+    bw = 100e9
+    layer = Layer("gpu", n, np.full((n, n), bw), np.full(n, bw), 0.0)
+    return Cluster("test", (layer,), load_cluster("atp-ic3").device)
+
+
+def _plan(mesh_shape, nodes, collectives, schedule=None) -> Plan:
+    """A plan with the given nodes ((name, phase, seconds)) and collectives ((kind, axis, nbytes, src, dst, op))."""
+    world = int(np.prod(mesh_shape))
+    cm = _cost(mesh_shape)
+    cols = tuple(
+        PlannedCollective(k, a, nb, "fwd", src, dst, getattr(cm, k)(nb, a), op)
+        for k, a, nb, src, dst, op in collectives
+    )
+    return Plan(
+        cluster="test",
+        mesh_shape=tuple(mesh_shape),
+        mesh_ranks=tuple(range(world)),
+        mapping="row",
+        nodes=tuple(NodeChoice(name, "t", "op", (), (), "s", ph, sec) for name, ph, sec in nodes),
+        params=(),
+        inputs=(),
+        input_shapes=(),
+        time=StepTime(sum(s for _, _, s in nodes), sum(c.seconds for c in cols), 0.0),
+        memory=MemoryUse(0, 0, 0, 0, 0, 1),
+        collectives=cols,
+        warnings=(),
+        solver=SolverReport("", 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        fingerprint="",
+        schedule=parse_schedule(schedule) if schedule else None,
+    )
+
+
+def _cost(mesh_shape):
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+
+    return CostModel(LogicalMesh(_cluster(int(np.prod(mesh_shape))), tuple(mesh_shape)))
+
+
+def _chain(mesh_shape=(2,), axis=0):
+    """n0 (1 ms) → all-reduce 1e8 B (1 ms) → n1 (2 ms)."""
+    return _plan(mesh_shape, [("n0", "fwd", 1 * MS), ("n1", "fwd", 2 * MS)], [("all_reduce", axis, 1e8, "n0", "n1", 0)])
+
+
+def _close(a, b):
+    return a == pytest.approx(b, rel=REL, abs=1e-15)
+
+
+def test_two_rank_chain_compute_collective_compute():
+    plan = _chain()
+    assert _close(plan.collectives[0].seconds, 1 * MS)
+    r = simulate(plan, cluster=_cluster(2))
+    assert _close(r.step_s, 4 * MS)  # 1 + 1 + 2, nothing overlaps
+    (c,) = r.classes  # both ranks do the same: simulated once
+    assert c.ranks == (0, 1)
+    assert _close(c.compute_s, 3 * MS) and _close(c.exposed_comm_s, 1 * MS)
+    assert c.hidden_comm_s == 0 and abs(c.idle_s) < 1e-15
+    spans = sorted((e.cat, round(e.start_s / MS, 9), round(e.dur_s / MS, 9)) for e in r.events)
+    assert spans == [("comm", 1, 1), ("compute", 0, 1), ("compute", 2, 2), ("wait", 1, 1)]
+
+
+def test_two_rank_pipeline_chain_send_receive():
+    """Rank 0 computes n0 (1 ms) and sends 1e8 B (1 ms at 100 GB/s); rank 1 receives, then computes n1 (2 ms)."""
+    plan = _plan((2,), [("n0", "fwd", 1 * MS), ("n1", "fwd", 2 * MS)], [])
+    sched = parse_schedule("schedule pipe, 1 microbatch\nranks 0: F0[0:1] S0>1\nranks 1: R0<0 F0[1:2]")
+    r = simulate(plan, cluster=_cluster(2), schedule=sched, p2p_bytes=1e8)
+    assert _close(r.step_s, 4 * MS)
+    first, second = r.classes
+    assert _close(first.end_s, 2 * MS) and _close(first.compute_s, 1 * MS)
+    assert _close(second.compute_s, 2 * MS) and _close(second.idle_s, 2 * MS)  # waited 0..2 ms for the send
+
+
+def test_ring_all_reduce_shares_its_link_with_an_all_gather():
+    """Both issued at 1 ms on the same link: each progresses at half speed. The all-gather (0.5 ms alone) ends
+    at 1 + 2 * 0.5 = 2 ms, the all-reduce (1 ms alone) at 1 + 0.5 + 1 = 2.5 ms (work conserving: 1.5 ms of
+    link time). n1 (1 ms) runs beside them, n2 (0.5 ms) waits for the all-reduce: step 3 ms."""
+    plan = _plan(
+        (2,),
+        [("n0", "fwd", 1 * MS), ("n1", "fwd", 1 * MS), ("n2", "fwd", 0.5 * MS)],
+        [("all_reduce", 0, 1e8, "n0", "n2", 0), ("all_gather", 0, 1e8, "n0", "n2", 1)],
+        "schedule overlapped, 1 microbatch\nranks 0-1: F0[0:1] +0.0 +1.0 F0[1:2] -0.0 -1.0 F0[2:3]",
+    )
+    assert _close(plan.collectives[0].seconds, 1 * MS) and _close(plan.collectives[1].seconds, 0.5 * MS)
+    r = simulate(plan, cluster=_cluster(2))
+    comm = {e.name.split()[0]: e for e in r.events if e.cat == "comm"}
+    assert _close(comm["all_gather@0"].start_s, 1 * MS) and _close(comm["all_gather@0"].dur_s, 1 * MS)
+    assert _close(comm["all_reduce@0"].start_s, 1 * MS) and _close(comm["all_reduce@0"].dur_s, 1.5 * MS)
+    assert _close(r.step_s, 3 * MS)  # without sharing the all-reduce would end at 2 ms: step 2.5 ms
+    (c,) = r.classes
+    assert _close(c.compute_s, 2.5 * MS)
+    assert _close(c.hidden_comm_s, 1 * MS) and _close(c.exposed_comm_s, 0.5 * MS)  # comm spans 1..2.5 ms
+    assert abs(c.idle_s) < 1e-15
+
+
+def test_straggler_delays_the_collective_and_everything_after():
+    """Rank 1 computes 50% slower: n0 ends at 1.5 ms there, so the all-reduce runs 1.5..2.5 ms on both ranks;
+    n1 then takes 2 ms on rank 0 (ends 4.5) and 3 ms on rank 1 (ends 5.5): step 5.5 ms instead of 4."""
+    r = simulate(_chain(), cluster=_cluster(2), straggler={1: 50})
+    assert _close(r.step_s, 5.5 * MS)
+    fast, slow = r.classes
+    assert fast.ranks == (0,) and slow.ranks == (1,)
+    assert _close(fast.end_s, 4.5 * MS) and _close(slow.end_s, 5.5 * MS)
+    assert _close(fast.compute_s, 3 * MS) and _close(fast.exposed_comm_s, 1 * MS)
+    assert _close(fast.idle_s, 1.5 * MS)  # 0.5 ms waiting for rank 1's n0, 1 ms waiting for the step's end
+    assert _close(slow.compute_s, 4.5 * MS) and abs(slow.idle_s) < 1e-15
+
+
+def test_straggler_on_a_2d_mesh_only_holds_back_its_group():
+    """Mesh (2, 2), the all-reduce over axis 1 (groups {0, 1} and {2, 3}); rank 0 is 50% slower: rank 1 waits
+    for it, ranks 2 and 3 do not. Three classes; simulating every rank alone gives the same numbers."""
+    plan = _chain((2, 2), axis=1)
+    r = simulate(plan, cluster=_cluster(4), straggler={0: 50})
+    assert [c.ranks for c in r.classes] == [(0,), (1,), (2, 3)]
+    assert _close(r.step_s, 5.5 * MS)
+    end = {c.ranks[0]: c.end_s for c in r.classes}
+    assert _close(end[0], 5.5 * MS) and _close(end[1], 4.5 * MS) and _close(end[2], 4 * MS)
+    each = simulate(plan, cluster=_cluster(4), straggler={0: 50}, symmetric=False)
+    assert {c.ranks[0]: c.end_s for c in each.classes} == {0: end[0], 1: end[1], 2: end[2], 3: end[2]}
+
+
+def test_rank_classes_of_one_straggler_on_a_2d_mesh():
+    sched = accumulate(16, 1)
+    assert rank_classes(sched, (4, 4), [0, 1]) == [tuple(range(16))]
+    classes = rank_classes(sched, (4, 4), [0, 1], {5: 20})
+    assert len(classes) == 4  # itself, its row, its column, the rest
+    assert (5,) in classes and (1, 9, 13) in classes and (4, 6, 7) in classes
+
+
+def test_straggler_spec_and_range_errors():
+    assert parse_straggler(["3:50", "0:12.5"]) == {3: 50.0, 0: 12.5}
+    for bad in ("3", "x:5", "3:abc", "-1:5", "2:-100"):
+        with pytest.raises(UserError, match="RANK:PCT"):
+            parse_straggler([bad])
+    with pytest.raises(UserError, match="not in the plan's mesh"):
+        simulate(_chain(), cluster=_cluster(2), straggler={2: 10})
+
+
+# ------------------------------------------------------------------------------------------------ a real plan
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    import meshpilot
+    from meshpilot.cli.plan import build_model
+
+    built = build_model("gpt-tiny", device="meta")
+    return meshpilot.plan(built.model, built.inputs, "atp-ic3", num_devices=4)
+
+
+def test_trivial_schedule_equals_the_closed_form(tiny_plan):
+    r = simulate(tiny_plan)
+    assert r.step_s == pytest.approx(tiny_plan.time.total_s, rel=REL)
+    (c,) = r.classes
+    assert len(c.ranks) == 4 and c.hidden_comm_s == 0
+    assert c.compute_s == pytest.approx(tiny_plan.time.compute_s, rel=REL)
+    comm = tiny_plan.time.communication_s + tiny_plan.time.resharding_s
+    assert c.exposed_comm_s == pytest.approx(comm, rel=REL)
+    # every collective duration is the cost model's, as the plan recorded it
+    assert sum(e.dur_s for e in r.events if e.cat == "comm") == pytest.approx(comm, rel=REL)
+
+
+def test_overlapped_and_accumulated_schedules(tiny_plan):
+    trivial = simulate(tiny_plan)
+    over = simulate(tiny_plan, schedule=overlapped(tiny_plan))
+    assert over.step_s <= trivial.step_s * (1 + REL)
+    assert over.classes[0].hidden_comm_s > 0
+    assert over.classes[0].compute_s == pytest.approx(trivial.classes[0].compute_s, rel=REL)
+    # two microbatches: twice the compute and the per-microbatch collectives, the gradients' once
+    acc = simulate(tiny_plan, schedule=accumulate(4, 2))
+    grads = sum(c.seconds for c in tiny_plan.collectives if c.dst.startswith("grad:"))
+    assert acc.step_s == pytest.approx(2 * trivial.step_s - grads, rel=REL)
+
+
+def test_trace_and_png(tiny_plan, tmp_path):
+    r = simulate(tiny_plan, straggler={1: 30})
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    r.write_trace(trace)
+    r.write_png(png)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {c.ranks[0] for c in r.classes} and len(r.classes) > 1
+    assert all(e["dur"] >= 0 and isinstance(e["tid"], int) for e in spans)
+    assert {e["cat"] for e in spans} >= {"compute", "comm"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.png"]  # no temporaries left
+
+
+def test_cli_simulate(tiny_plan, tmp_path, capsys):
+    from meshpilot.cli.main import main
+
+    path = tmp_path / "plan.json"
+    tiny_plan.save(path)
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    assert main(["simulate", str(path), "--trace", str(trace), "--png", str(png), "--straggler", "1:50"]) == 0
+    out = capsys.readouterr().out
+    for word in ("compute", "exposed", "hidden", "idle", "closed form"):
+        assert word in out, word
+    assert trace.is_file() and png.is_file()
+    for args, needle in (
+        ([str(path), "--straggler", "one:50"], "RANK:PCT"),
+        ([str(path), "--straggler", "9:50"], "not in the plan's mesh"),
+        ([str(tmp_path / "missing.json")], "does not exist"),
+    ):
+        assert main(["simulate", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("meshpilot simulate: error: ") and needle in err, err
+
+
+def test_plan_command_shows_the_simulated_step(capsys):
+    from meshpilot.cli.main import main
+
+    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--ops", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated" in out and "trivial schedule" in out
+
+
+def test_a_collective_one_member_never_issues_is_a_deadlock():
+    plan = _chain()
+    sched = parse_schedule("schedule broken, 1 microbatch\nranks 0: F0[0:1] +0.0 -0.0\nranks 1: F0[0:1]")
+    with pytest.raises(UserError, match="deadlocks: rank 0 waits forever"):
+        simulate(plan, cluster=_cluster(2), schedule=sched)
