@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             progress.print(f"saved the plan to {args.out}")
         return 0
-    render(plan, graph, built.label, n, console, ops=args.ops)
+    render(plan, graph, built.label, n, console, ops=args.ops, cluster=cluster)
     if args.out:
         console.print(f"saved the plan to [bold]{args.out}[/bold]")
         if built.config is None or built.config.dtype == "float32":
@@ -336,7 +336,7 @@ def op_sections(graph: Any) -> list[tuple[tuple[int, int] | None, list[Any]]]:
     return out
 
 
-def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "summary") -> None:
+def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "summary", cluster: Any = None) -> None:
     """The plan as rich tables (see the module docstring)."""
     t, m, s = plan.time, plan.memory, plan.solver
     mesh = ", ".join(str(d) for d in plan.mesh_shape)
@@ -372,10 +372,10 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
     tt.add_section()
     tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
-    try:  # the simulated step beside the closed form (meshpilot.sim; skipped when the cluster cannot be reloaded)
+    try:  # the simulated step beside the closed form (meshpilot.sim) on the cluster the plan was made for
         from meshpilot.sim import simulate
 
-        sim = simulate(plan)
+        sim = simulate(plan, cluster=cluster)
         what = f"simulated, {plan.step_schedule().name} schedule (`meshpilot simulate`)"
         tt.add_row("simulated", fmt_s(sim.step_s), f"{sim.step_s / total:.1%}", what)
     except UserError:
