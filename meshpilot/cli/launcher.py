@@ -34,7 +34,7 @@ def launch(argv: list[str], nproc: int, command: str = "train") -> int:
         "meshpilot.cli.main",
         *argv,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MESHPILOT_LAUNCHED="1")  # cli.train.LAUNCHED_ENV
     env.setdefault("OMP_NUM_THREADS", "1")
     prefix = f"meshpilot {command}: error: "
     seen: set[str] = set()

@@ -31,6 +31,9 @@ from meshpilot.cli.common import positive_float, positive_int
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_write, check_writable
 
+LAUNCHED_ENV = "MESHPILOT_LAUNCHED"
+"""Set by ``meshpilot.cli.launcher`` in the ranks it starts: every rank may report a user error itself."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -292,8 +295,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         prep = prepare(args, world)
     except UserError:
-        if rank != 0:  # every rank finds the same mistake: rank 0 alone says it (given time to, before
-            import time  # torchrun stops the job at this rank's exit)
+        # every rank finds the same mistake. Under our launcher each says it and the launcher prints it once
+        # (no rank can be stopped before it speaks); under bare torchrun rank 0 alone says it, the others
+        # giving it time to before torchrun stops the job at their exit
+        if rank != 0 and os.environ.get(LAUNCHED_ENV) != "1":
+            import time
 
             time.sleep(5)
             raise SystemExit(2) from None
