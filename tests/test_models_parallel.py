@@ -36,6 +36,9 @@ ZOO = ("gpt", "bert", "mlp", "wrn", "moe")
 FRESH = "hybrid"
 FALLBACK = "cdist"
 MODELS = (*ZOO, FRESH, FALLBACK)
+# 8 ranks on this 2-core machine cost twice what 4 do: there, the models whose layouts differ on 8 (attention
+# heads, experts, the conv net and the fresh hybrid); the MLP and the fallback model run on 4 ranks only
+MODELS_AT = {4: MODELS, 8: ("gpt", "bert", "wrn", "moe", FRESH)}
 KINDS_OF = {FALLBACK: ("solver",)}  # the model with an op no strategy covers: the solver's plan only
 ADAMW = dict(lr=1e-3, eps=1e-4)  # see the module docstring
 CLUSTER = "atp-ic3"
@@ -129,7 +132,7 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
     from meshpilot.planner.forced import forced
 
     plans = {}
-    for name in MODELS:
+    for name in MODELS_AT[world]:
         model, inputs = build(name)
         graph = capture(model, inputs)
         for shape in MESHES[world]:
@@ -279,6 +282,11 @@ def runs(request):
     return world, plans, results
 
 
+def _only_where_run(world: int, name: str) -> None:
+    if name not in MODELS_AT[world]:
+        pytest.skip(f"{name} runs on {min(w for w in MODELS_AT if name in MODELS_AT[w])} ranks (MODELS_AT)")
+
+
 def _check_equal(world, plans, results, keys) -> None:
     assert keys
     for rank, res in enumerate(results):
@@ -303,6 +311,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 @pytest.mark.parametrize("name", ZOO)
 def test_solver_plan_matches_single_device(runs, name):
     world, plans, results = runs
+    _only_where_run(world, name)
     _check_equal(world, plans, results, [k for k in plans if k[0] == name and k[2] == "solver"])
 
 
@@ -310,6 +319,7 @@ def test_solver_plan_matches_single_device(runs, name):
 def test_forced_plans_match_single_device(runs, kind):
     world, plans, results = runs
     keys = [k for k in plans if k[2] == kind and k[0] in ZOO]
+    assert {k[0] for k in keys} == set(ZOO) & set(MODELS_AT[world])
     _check_equal(world, plans, results, keys)
 
 
@@ -364,6 +374,7 @@ def test_ops_without_strategy_run_replicated_and_are_listed(runs):
     """``torch.cdist`` has no sharding strategy: its forward and backward are planned replicated, the plan's
     warnings say so, and the run still equals the single-device model."""
     world, plans, results = runs
+    _only_where_run(world, FALLBACK)
     keys = [k for k in plans if k[0] == FALLBACK]
     assert len(keys) == len(MESHES[world])
     for key in keys:
@@ -406,7 +417,7 @@ def test_collectives_match_the_plan(runs):
 def test_forced_plans_differ_from_each_other(runs):
     """The forced kinds are really different plans where the mesh allows (else the test proves little)."""
     world, plans, _ = runs
-    for name in ZOO + (FRESH,):
+    for name in [m for m in ZOO + (FRESH,) if m in MODELS_AT[world]]:
         square = next(s for s in MESHES[world] if s[0] > 1 and s[1] > 1)
         keys = {kind: _plan_key(plans[(name, square, kind)]) for kind in KINDS[1:]}
         assert keys["data_parallel"] != keys["zero3"], name

@@ -57,7 +57,6 @@ import math
 import os
 import socket
 import statistics
-import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -71,6 +70,7 @@ from meshpilot.cluster.devices import DeviceProfile, MatmulRate
 from meshpilot.cluster.loader import cluster_from_dict, cluster_to_toml
 from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.cluster.topology import Calibration, Cluster, Layer
+from meshpilot.io import atomic_write
 
 MiB = 1 << 20
 
@@ -286,20 +286,7 @@ def write_cluster_toml(cluster: Cluster, path: str | Path, comment: str = "") ->
     path = Path(path)
     text = cluster_to_toml(cluster, comment)
     cluster_from_dict(tomllib.loads(text), source=str(path))  # never write a file that does not load
-    fd, tmp = tempfile.mkstemp(dir=path.parent or Path("."), prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, text)
 
 
 def summarize(

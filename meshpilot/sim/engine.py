@@ -6,8 +6,6 @@ import functools
 import heapq
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from meshpilot.errors import UserError
+from meshpilot.io import atomic_path, atomic_write
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
 
 _COST_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -107,7 +106,7 @@ class SimResult:
 
     def write_trace(self, path: str | Path) -> None:
         """The Chrome trace as JSON, written atomically."""
-        _atomic_write(path, json.dumps(self.chrome_trace()).encode())
+        atomic_write(path, json.dumps(self.chrome_trace()))
 
     def write_png(self, path: str | Path, max_classes: int = 16) -> None:
         """A timeline (one row per stream of each class, at most `max_classes` classes), written atomically."""
@@ -134,14 +133,11 @@ class SimResult:
         ax.set_xlabel("ms")
         ax.set_title(f"simulated step {self.step_s * 1e3:.3f} ms ({self.schedule}; blue compute, orange comm)")
         fig.tight_layout()
-        tmp = _tmp_path(path)
         try:
-            fig.savefig(tmp, format="png", dpi=110)
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp, format="png", dpi=110)
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 # ------------------------------------------------------------------------------------------------ input
@@ -674,26 +670,3 @@ def _ranges(ranks: tuple[int, ...]) -> str:
     from meshpilot.planner.schedule import _ranges as fmt
 
     return fmt(tuple(sorted(ranks)))
-
-
-def _tmp_path(path: str | Path) -> str:
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
-    return tmp
-
-
-def _atomic_write(path: str | Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
