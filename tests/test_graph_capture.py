@@ -64,6 +64,13 @@ def test_mlp_graph_has_params_flops_and_phases():
     assert any(n.saved_for_backward and n.target == "aten.relu.default" for n in g.nodes)
     # views cost nothing
     assert all(n.flops == 0 and n.bytes_read == 0 for n in g.nodes if n.is_view)
+    # the forward matmuls read each weight through a transpose: view_chain walks back to the parameter
+    for mm in fwd:
+        weight = mm.inputs[-1][0]  # addmm(bias, x, w.t())
+        chain = g.view_chain(weight)
+        assert g[weight].is_view and len(chain) == 2 and g[chain[-1]].fqn in ("fc1.weight", "fc2.weight"), chain
+        assert g.view_chain(weight, max_hops=0) == [weight]
+    assert g.view_chain(params[0].name) == [params[0].name]  # not a view: itself
 
 
 def test_meta_model_is_captured_without_allocating():
