@@ -2,7 +2,8 @@
 
 For the ATP GPT, a BERT-like encoder, an MLP, a small Wide-ResNet-like conv net (GroupNorm), a model with a
 GShard top-2 MoE layer, and a fresh conv -> transformer hybrid defined here (not in the zoo), on every 2D
-mesh shape of the world size, for the solver's plan and for the forced plans of
+mesh shape of 4 ranks and on (8, 1), (2, 4), (1, 8) (``MESHES``, ``MODELS_AT``: what 8 ranks run is trimmed for
+the suite's time on a 2-core machine), for the solver's plan and for the forced plans of
 :mod:`meshpilot.planner.forced` (pure data parallel, Megatron TP, ZeRO-3-like):
 
 * loss, every parameter's gradient and every parameter after the step equal the single-device model's
@@ -30,7 +31,8 @@ from torch import nn
 
 TOL = 1e-5
 STEPS = 3
-MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: [(8, 1), (4, 2), (2, 4), (1, 8)]}
+# on 8 ranks one mixed mesh, (2, 4), beside the two pure ones: the suite's time (ATP's layers run every 8-rank mesh)
+MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: [(8, 1), (2, 4), (1, 8)]}
 KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
 ZOO = ("gpt", "bert", "mlp", "wrn", "moe")
 FRESH = "hybrid"
