@@ -1,5 +1,5 @@
-"""`meshpilot train`: a few real training steps of a built-in GPT under torchrun, with ATP on a given mesh or
-with a saved `meshpilot plan` (run by `meshpilot.parallelize`).
+"""`meshpilot train`: a few real training steps under torchrun: any `meshpilot plan` model with a saved plan
+(run by `meshpilot.parallelize`), or a built-in GPT with ATP's layers on a given mesh.
 
 Launch with torchrun, e.g.:
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --mesh 2x2 --steps 5
@@ -38,7 +38,7 @@ LAUNCHED_ENV = "MESHPILOT_LAUNCHED"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train a built-in GPT for a few steps under torchrun (ATP on --mesh, or a saved --plan)",
+        help="train a few steps: any model with a saved --plan, or a built-in GPT with ATP on --mesh",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
