@@ -62,6 +62,7 @@ import meshpilot  # noqa: E402
 from meshpilot.cluster.memtrack import StorageTracker  # noqa: E402
 from meshpilot.graph.capture import capture  # noqa: E402
 from meshpilot.graph.gemms import graph_gemms  # noqa: E402
+from meshpilot.models.sources import HFLoss  # noqa: E402  (the `--model hf:` wrapper: HF's own loss)
 
 GiB = 2**30
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "bf16-mixed": 1e-2}
@@ -79,17 +80,6 @@ class Case:
     """build(device) -> (model in its dtype on `device`, example inputs on `device`); same seed every call."""
     precision: str
     """``fp32``, ``bf16`` (the parameters' dtype) or ``bf16-mixed`` (autocast over fp32 parameters)."""
-
-
-class HFLoss(nn.Module):
-    """A Hugging Face causal LM whose forward returns the training loss (``labels`` = the inputs)."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, labels=labels).loss
 
 
 def _tokens(vocab: int, batch: int, seq: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:

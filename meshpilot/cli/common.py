@@ -55,6 +55,11 @@ def get_cluster(args: argparse.Namespace) -> Cluster:
     return load_cluster(args.cluster)
 
 
+def add_hf_config_arg(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--hf-config KEY=VALUE|FILE …`` (repeatable): the one definition `plan` and `train` share."""
+    parser.add_argument("--hf-config", nargs="+", action="extend", default=[], metavar="KEY=VALUE|FILE", help=help)
+
+
 def gbps(x: float) -> float | None:
     """Bytes/s to GB/s for tables and JSON; None for an axis without communication."""
     return None if math.isinf(x) else round(x / 1e9, 6)

@@ -34,7 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, get_cluster, positive_float, positive_int
+from meshpilot.cli.common import add_cluster_arg, add_hf_config_arg, console, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
@@ -60,13 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "hf:<name> (a transformers model without weights: hf:gpt2, hf:llama, hf:bert, hf:t5, hf:mixtral or any "
         "AutoConfig model_type; sized with --hf-config) or package.module:factory (your own: " + FACTORY_PROTOCOL + ")",
     )
-    p.add_argument(
-        "--hf-config",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE|FILE",
-        help="hf:<name> models: config overrides on the library default (repeatable; values read as "
+    add_hf_config_arg(
+        p,
+        "hf:<name> models: config overrides on the library default (repeatable; values read as "
         "int/float/bool/str), or a config.json; e.g. --hf-config num_hidden_layers=2 hidden_size=256",
     )
     add_cluster_arg(p)

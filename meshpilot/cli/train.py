@@ -27,7 +27,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from meshpilot.cli.common import positive_float, positive_int
+from meshpilot.cli.common import add_hf_config_arg, positive_float, positive_int
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_write, check_writable
 
@@ -49,14 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="built-in GPT (default gpt-tiny; see `meshpilot presets`); with --plan also any `meshpilot plan` "
         "model: hf:<name>, package.module:factory, a built-in",
     )
-    p.add_argument(
-        "--hf-config",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE|FILE",
-        help="hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)",
-    )
+    add_hf_config_arg(p, "hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)")
     p.add_argument("--layers", type=positive_int, help="override the GPT's layer count")
     p.add_argument("--hidden", type=positive_int, help="override the GPT's hidden size")
     p.add_argument("--heads", type=positive_int, help="override the GPT's attention heads")
