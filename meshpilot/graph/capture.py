@@ -211,8 +211,9 @@ class OpGraph:
     """Parameters in placeholder order (``named_parameters()``, tied ones once)."""
     buffer_names: list[str]
     num_inputs: int
-    loss: tuple[str, int]
-    """The node that produces the scalar loss."""
+    loss: tuple[str, int] | None
+    """The node that produces the scalar loss (None in a pipeline stage's slice without it:
+    ``meshpilot.planner.stage``)."""
     grads: dict[str, tuple[str, int] | None]
     """Trainable parameter name -> node producing its gradient (None for parameters the loss does not use)."""
     input_infos: list[TensorInfo]

@@ -1,5 +1,27 @@
-"""The one memory accounting of a plan: what torch's caching allocator holds on one device during a step.
+"""The one accounting of a plan: its step time, the collectives it issues, and what torch's caching allocator
+holds on one device during the step. The ILP's terms (``meshpilot.planner.ilp``), the ZeRO post-pass and the
+plan's assembly (``meshpilot.planner.auto``) all price a choice of strategies through this module, so the
+objective the search minimises is the step time the plan reports (``tests/test_accounting.py``).
 
+Time and collectives
+--------------------
+A chosen plan maps every node ``v`` to a strategy ``s_v`` (output layouts ``outs``, operand layouts ``ins``).
+Its step, over ``m`` microbatches (``F0 B0 … F(m-1) B(m-1) G``, ``meshpilot.planner.schedule``)::
+
+    T = m · Σ_v compute(v, s_v)                       → :class:`ComputeCost` (roofline on the device)
+      + m · Σ_v Σ own collectives of s_v               (``Strategy.colls``: ops that communicate inside)
+      + Σ_e runs(e) · Σ_{c ∈ reshard(e)} cost(c)      → :func:`step_edges`, ``Resharder``
+
+over the *edges* ``e`` of the step (:class:`Edge`, :class:`EdgeKind`): every operand of a node, read in the
+layout its strategy wants from the layout its producer emits; the loss, made replicated; every parameter's
+gradient, resharded into the parameter's layout; every updated buffer's new value, into the buffer's
+layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a step, ``G``). A collective that
+reduces (all-reduce, reduce-scatter) counts as communication, the others as resharding
+(``StepTime``). :func:`account` returns ``T``'s parts, the seconds of each node and the
+``PlannedCollective`` list in graph order.
+
+Memory
+------
 Everything here is bytes *per device*: a tensor of ``B`` bytes stored in layout ``L`` takes ``B / sf(L)``
 (``sf`` = :func:`~meshpilot.sharding.placements.shard_factor`, the product of the mesh axes sharding it;
 replicated and partial axes hold the whole tensor). The step modelled is the one people run and the one
@@ -61,18 +83,22 @@ linear lower bounds of the peak to the capacity, both built from :func:`row_byte
 ``peak − max(rows)`` is what lives at the peak beyond them (transient temporaries, gradients produced
 before the peak node, redistributed copies; ``MemoryUse.row`` is ``max(rows)``): when a plan's peak
 exceeds the capacity, the planner re-solves with the rows held to the capacity less that gap
-(``meshpilot.planner.auto``, ``_solve_candidate``).
+(``meshpilot.planner.search``, ``ILPSearcher``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
-from meshpilot.planner.plan import MemoryUse
-from meshpilot.sharding.placements import shard_factor
+from torch.distributed.tensor import Shard
+
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase, TensorInfo
+from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
+from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
+from meshpilot.sharding.placements import replicated, shard_factor, work_split
 
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
@@ -356,3 +382,174 @@ def memory_use(
     else:
         grads, saved, temporaries, at = g, 0.0, t_opt, OPTIMIZER_PHASE
     return MemoryUse(w, grads, o, saved, inputs, capacity, temporaries=temporaries, row=row, peak_at=at)
+
+
+# ------------------------------------------------------------------------------------------ time
+
+
+class ComputeCost:
+    """Seconds of a node's share of the work under a strategy, on one mesh shape and device."""
+
+    def __init__(self, cost_model: Any, mesh_shape: Sequence[int], graph: OpGraph | None = None):
+        self.cm = cost_model
+        self.mesh_shape = tuple(mesh_shape)
+        self.graph = graph
+
+    def node(self, node: OpNode, s: Any) -> float:
+        """Roofline seconds of the device's share of `node` under strategy `s`; a matmul at the rate measured
+        for its local GEMM shape (``CostModel.compute``). Views and aliases (``_unsafe_view``) cost nothing."""
+        if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
+            return 0.0
+        out = next((p for p in s.outs if p is not None), None)
+        split = work_split(out, self.mesh_shape) if out is not None else 1
+        dtype = node.out.dtype if node.out is not None else "float32"
+        nbytes = (node.bytes_read + node.bytes_written) / split
+        return self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
+
+    def _local_gemm(self, node: OpNode, s: Any) -> tuple[int, int, int] | None:
+        """(m, n, k) of the device's shard of a matmul under `s` (operand dims divided by their shards)."""
+        if self.graph is None or node.target not in GEMM_OPERANDS:
+            return None
+        shapes = []
+        for a, (src, i) in enumerate(node.inputs):
+            info = self.graph[src].outputs[i]
+            shape = list(info.shape) if info is not None else []
+            layout = s.ins[a] if a < len(s.ins) else None
+            for axis, p in enumerate(layout or ()):
+                if isinstance(p, Shard) and p.dim < len(shape):
+                    shape[p.dim] = -(-shape[p.dim] // self.mesh_shape[axis])
+            shapes.append(shape)
+        return gemm_dims(node.target, shapes)
+
+
+class EdgeKind(StrEnum):
+    """What an edge of the step carries (module docstring, "Time and collectives")."""
+
+    OPERAND = "operand"
+    """Operand ``operand`` of node ``dst``, into the layout its strategy reads."""
+    LOSS = "loss"
+    """The loss, made replicated."""
+    GRAD = "grad"
+    """A parameter's gradient, into the layout of parameter node ``dst`` (once a step)."""
+    BUFFER = "buffer"
+    """A buffer's new value, into the layout of buffer node ``dst``."""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Value ``src[index]`` flowing to where the step needs it (:class:`EdgeKind`)."""
+
+    src: str
+    index: int
+    dst: str
+    kind: EdgeKind
+    operand: int = -1
+
+    def runs(self, microbatches: int) -> int:
+        """How often a step crosses the edge: once per microbatch, a gradient once."""
+        return 1 if self.kind == EdgeKind.GRAD else microbatches
+
+    def want(self, chosen: Mapping[str, Any], ndim: int) -> Any:
+        """The layout the edge delivers the value in, under the strategies `chosen`."""
+        if self.kind == EdgeKind.OPERAND:
+            return chosen[self.dst].ins[self.operand]
+        if self.kind == EdgeKind.LOSS:
+            return replicated(ndim)
+        return chosen[self.dst].outs[0]
+
+    def label(self, graph: OpGraph) -> str:
+        """The ``dst`` a plan's collective names: the reading node, ``loss``, ``grad:<fqn>``, ``buffer:<fqn>``."""
+        if self.kind == EdgeKind.OPERAND:
+            return self.dst
+        if self.kind == EdgeKind.LOSS:
+            return "loss"
+        return f"{self.kind.value}:{graph[self.dst].fqn}"
+
+    def phase(self, graph: OpGraph) -> Phase:
+        if self.kind == EdgeKind.OPERAND:
+            return Phase.FWD if graph[self.dst].phase == Phase.FWD else Phase.BWD
+        return Phase.BWD if self.kind == EdgeKind.GRAD else Phase.FWD
+
+
+def step_edges(graph: OpGraph) -> list[Edge]:
+    """Every edge of the step: each node's operands in graph order, then the loss, the gradients (in
+    parameter order) and the buffer updates."""
+    out = [Edge(src, i, n.name, EdgeKind.OPERAND, a) for n in graph.nodes for a, (src, i) in enumerate(n.inputs)]
+    if graph.loss is not None:  # a pipeline stage before the last has none (``planner.stage``)
+        out.append(Edge(*graph.loss, graph.loss[0], EdgeKind.LOSS))
+    pnode = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM}
+    for fqn in graph.param_names:
+        g = graph.grads.get(fqn)
+        if g is not None:
+            out.append(Edge(g[0], g[1], pnode[fqn], EdgeKind.GRAD))
+    bnode = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.BUFFER}
+    for fqn, (src, i) in graph.buffer_updates.items():
+        out.append(Edge(src, i, bnode[fqn], EdgeKind.BUFFER))
+    return out
+
+
+def edge_seconds(graph: OpGraph, edge: Edge, have: Any, want: Any, resharder: Any, microbatches: int = 1) -> float:
+    """Seconds a step spends resharding `edge`'s value from layout `have` to `want` (all its crossings)."""
+    info = graph[edge.src].outputs[edge.index]
+    if info is None or have is None or want is None:
+        return 0.0
+    return edge.runs(microbatches) * resharder.cost(have, want, info)
+
+
+@dataclass(frozen=True)
+class TimeAccount:
+    """The step time of a chosen plan, per node and per collective (module docstring)."""
+
+    time: StepTime
+    node_seconds: dict[str, float]
+    """Each node's compute for one microbatch."""
+    collectives: tuple[PlannedCollective, ...]
+    """Every collective of one microbatch's step (gradients': of the step), in graph order."""
+
+
+def account(
+    graph: OpGraph,
+    chosen: Mapping[str, Any],
+    resharder: Any,
+    compute: ComputeCost,
+    microbatches: int = 1,
+    edges: Sequence[Edge] | None = None,
+) -> TimeAccount:
+    """The step time and collectives of the strategies `chosen` (module docstring, "Time and collectives").
+    `edges` is :func:`step_edges` of `graph` (computed when not given)."""
+    nd = len(resharder.mesh_shape)
+    parts = {"comm": 0.0, "reshard": 0.0}
+    colls: list[PlannedCollective] = []
+
+    def add(c: Any, runs: int, phase: Phase, src: str, dst: str, operand: int = -1) -> None:
+        sec = resharder.collective_cost(c)
+        parts["comm" if c.is_reduction else "reshard"] += sec * runs
+        colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase.value, src, dst, sec, operand))
+
+    by_dst: dict[str, list[Edge]] = {}
+    tail: list[Edge] = []
+    for e in edges if edges is not None else step_edges(graph):
+        (by_dst.setdefault(e.dst, []) if e.kind == EdgeKind.OPERAND else tail).append(e)
+
+    def cross(e: Edge) -> None:
+        info = graph[e.src].outputs[e.index]
+        have, want = chosen[e.src].outs[e.index], e.want(chosen, nd)
+        if info is None or have is None or want is None:
+            return
+        for c in resharder.collectives(have, want, info):
+            add(c, e.runs(microbatches), e.phase(graph), e.src, e.label(graph), e.operand)
+
+    seconds: dict[str, float] = {}
+    total_compute = 0.0
+    for node in graph.nodes:
+        st = chosen[node.name]
+        seconds[node.name] = sec = compute.node(node, st)
+        total_compute += sec * microbatches
+        phase = Phase.FWD if node.phase == Phase.FWD else Phase.BWD
+        for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
+            add(c, microbatches, phase, node.name, node.name)
+        for e in by_dst.get(node.name, ()):
+            cross(e)
+    for e in tail:
+        cross(e)
+    return TimeAccount(StepTime(total_compute, parts["comm"], parts["reshard"]), seconds, tuple(colls))

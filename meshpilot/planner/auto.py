@@ -10,44 +10,16 @@
    time found so far is skipped (listed in the solver report with both numbers), and one whose least
    possible memory (:func:`min_memory`) exceeds the capacity is reported without solving. For each of two
    device mappings (axis 1 on contiguous ranks, the default, or axis 0 on contiguous ranks) the structure
-   is priced on that mapping's :class:`~meshpilot.cluster.CostModel` (:func:`~meshpilot.planner.ilp.price`)
-   and solved, then the ZeRO-like post-pass (:func:`zero_pass`) runs on the solution.
+   is priced on that mapping's :class:`~meshpilot.cluster.CostModel` and handed to the searcher
+   (:class:`~meshpilot.planner.search.SearchTask`; the ILP prices it with :func:`~meshpilot.planner.ilp.price`,
+   solves it, and runs the ZeRO-like post-pass, :func:`~meshpilot.planner.zero.zero_pass`).
 4. The candidate with the least predicted step time becomes the :class:`~meshpilot.planner.plan.Plan`; if
    none fits in memory, :class:`~meshpilot.planner.ilp.PlanError` names the smallest need found and the
    capacity.
 
-ZeRO-like post-pass
--------------------
-For a parameter stored replicated on mesh axis ``a`` whose gradient arrives by an all-reduce over ``a``,
-the post-pass can store it sharded on ``a`` instead (``S(d)`` for the first dim ``d`` that divides evenly,
-preferring a dim no other axis shards); its gradient and AdamW states follow. The consumers keep their
-planned layouts, so the run (DTensor) all-gathers the weight where it is read and reduce-scatters the
-gradient into the shard: all-reduce → reduce-scatter + all-gather, and every rank updates ``1/n_a`` of the
-weight. Each switch is priced exactly: ``Δt`` = the gradient's new resharding + the consumers' new
-all-gathers − what they cost before (``Resharder``, DTensor's own steps, latency included); ``Δmem`` on
-the ILP's two memory rows (``ilp`` docstring, terms from ``meshpilot.planner.accounting``): update row
-``(W + O + G + T_opt) · (1/sf' − 1/sf)``, backward row ``(W + O) · (1/sf' − 1/sf)`` plus the gathered copy
-where a view of the weight is kept for the backward (:func:`_zero_delta`). The rule, with ``ε = 1e-9``
-relative:
-
-* **cheaper**: ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or ``|Δt| ≤ ε``
-  and ``Δmem < 0``. On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
-  ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest,
-  so large gradients tie (and the switch wins on memory and on the update work, which the step time does
-  not model); small, latency-bound gradients (recursive doubling) stay all-reduced.
-* **memory**: if the plan's rows still exceed the capacity, the remaining candidates are applied in
-  increasing order of ``Δt / saved bytes`` until they do.
-
-After the pass the plan's peak is computed by liveness (``accounting.memory_use``); a candidate whose peak
-exceeds the capacity is re-solved with its rows held below the capacity by its peak − rows gap (at most
-``_REFITS`` times), and is dropped (``PlanError``) if it still does not fit.
-
-With ``zero="auto"`` and a finite capacity the ILP is first solved against its ZeRO memory row (what the
-plan needs once every replicated update is sharded, ``ilp`` docstring), so it can keep the faster,
-less-sharded plan that fits only with the post-pass; if the post-pass cannot make it fit, or fitting cost
-time, the plain row is solved too and the faster of the two fitting plans is kept. ``zero="off"`` skips the
-pass; ``zero="all"`` applies every candidate switch. Switches are listed in ``Plan.zero`` and the plan's
-time, memory and collectives describe the switched plan.
+Per candidate the strategies are chosen by a searcher (``meshpilot.planner.search``: the ILP and the
+ZeRO-like post-pass of ``meshpilot.planner.zero``), and every candidate and the final plan are priced by the
+one accounting (``meshpilot.planner.accounting``).
 """
 
 from __future__ import annotations
@@ -57,8 +29,6 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -68,69 +38,21 @@ from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, Precision, capture
 from meshpilot.io import fmt_size
-from meshpilot.planner.accounting import kept_copy_bytes, memory_use, state_bytes
-from meshpilot.planner.ilp import (
-    PlanError,
-    Pricer,
-    Problem,
-    Solution,
-    Structure,
-    _Costs,
-    build_structure,
-    price,
-    solve,
-)
+from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
+from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
-    MemoryUse,
     MeshCandidate,
     NodeChoice,
     Plan,
-    PlannedCollective,
     SolverReport,
-    StepTime,
-    ZeroSwitch,
 )
 from meshpilot.planner.schedule import accumulate, overlapped
-from meshpilot.sharding.placements import is_even, replicated, shard_factor, to_json
+from meshpilot.planner.search import EPS, Candidate, Searcher, SearchTask, get_searcher
+from meshpilot.planner.zero import ZERO_MODES, ParamEdges, ZeroMode
+from meshpilot.sharding.placements import to_json
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
-from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource, fake_device_mesh
-
-
-class ZeroMode(StrEnum):
-    """The ZeRO-like post-pass (module docstring): when parameters, gradients and optimizer state are sharded."""
-
-    AUTO = "auto"
-    """Where it is faster, or needed to fit."""
-    OFF = "off"
-    """Never."""
-    ALL = "all"
-    """Every candidate switch."""
-
-
-ZERO_MODES = tuple(ZeroMode)
-_EPS = 1e-9
-_REFITS = 3
-"""Re-solves of one candidate whose liveness peak exceeds the capacity its linear rows were held to."""
-
-
-@dataclass
-class _Candidate:
-    shape: tuple[int, ...]
-    mapping: str
-    prob: Problem
-    sol: Solution
-    chosen: dict[str, Strategy]
-    switches: list[ZeroSwitch]
-    time_s: float
-    memory: float
-    resharder: Resharder
-    cm: Any
-    lm: Any
-    note: str = ""
-    precision: str = ""
-    usage: MemoryUse | None = None
-    """The accounting's peak split (``memory`` is its total)."""
+from meshpilot.sharding.strategies import StrategyBuilder, StrategySource, fake_device_mesh
 
 
 def plan(
@@ -152,6 +74,7 @@ def plan(
     precision: str | None = None,
     microbatches: int = 1,
     overlap: bool = False,
+    searcher: str | Searcher = "ilp",
 ) -> Plan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
@@ -168,13 +91,15 @@ def plan(
     step time and collectives then count every microbatch, the gradients' synchronisation once.
     ``overlap=True`` gives the plan the ``overlapped`` schedule: each resharding edge's first collective
     issued right after its producer and waited before its consumer, so it runs beside the compute between. See
-    :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`).
+    :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`). `searcher`
+    picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
 
     if zero not in ZERO_MODES:
         raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
     zero = ZeroMode(zero)
+    chooser = get_searcher(searcher)
     t_start = time.perf_counter()
     cl = load_cluster(cluster)
     n = _check_devices(cl, num_devices, mesh_shape)
@@ -187,14 +112,17 @@ def plan(
     capture_s = time.perf_counter() - t0
     for line in unmatched_force(graph, force):
         warnings.warn(line, UserWarning, stacklevel=2)
-    uses = _ParamUses(graph)
+    edges = step_edges(graph)
+    param_edges = ParamEdges.of(graph, edges)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
-    best: _Candidate | None = None
+    best: Candidate | None = None
     best_builder: StrategyBuilder | None = None
+    best_lm: Any = None
+    best_resharder: Resharder | None = None
     tried: list[MeshCandidate] = []
     errors: list[PlanError] = []
     build_s = solve_s = post_s = 0.0
-    stats = {"ilps": 0}
+    solves = 0
     # 1. every shape's structure (strategies, groups, classes) and its compute-only lower bound
     shaped = []
     for shape in shapes:
@@ -203,7 +131,15 @@ def plan(
         builder = StrategyBuilder(graph, dmesh)
         cm0 = CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, MeshMapping.ROW)))
         # compute is priced on the device (the same for every mapping); resharding per mapping, below
-        struct = build_structure(graph, builder, Resharder(dmesh, cm0), cm0, merge_trivial=merge_trivial, force=force)
+        struct = build_structure(
+            graph,
+            builder,
+            Resharder(dmesh, cm0),
+            cm0,
+            merge_trivial=merge_trivial,
+            force=force,
+            microbatches=microbatches,
+        )
         build_s += time.perf_counter() - t1
         shaped.append((compute_lower_bound(struct), len(shaped), shape, dmesh, builder, struct))
     # 2. most promising shape first; a shape whose lower bound reaches the best step time is skipped
@@ -238,43 +174,57 @@ def plan(
         for mapping in maps:
             lm = LogicalMesh(cl, shape, mapped_ranks(shape, mapping))
             cm = CostModel(lm)
-            resharder = Resharder(dmesh, cm)
-            t1 = time.perf_counter()
-            prob = price(struct, Pricer(struct.table, resharder), capacity)
-            build_s += time.perf_counter() - t1
+            task = SearchTask(
+                graph,
+                struct,
+                Resharder(dmesh, cm),
+                param_edges,
+                mapping,
+                capacity=capacity,
+                zero=zero,
+                microbatches=microbatches,
+                time_limit=time_limit,
+                mip_gap=mip_gap,
+            )
             try:
-                cand, s_s, p_s = _solve_candidate(
-                    graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats
-                )
-                cand.precision = precision
+                cand = chooser.search(task)
             except PlanError as e:
                 errors.append(e)
                 tried.append(MeshCandidate(shape, mapping, None, str(e), need_bytes=e.need_bytes))
                 continue
-            solve_s += s_s
-            post_s += p_s
-            cand.cm, cand.lm = cm, lm
+            build_s += cand.build_s
+            solve_s += cand.solve_s
+            post_s += cand.post_s
+            solves += cand.solves
             tried.append(MeshCandidate(shape, mapping, float(cand.time_s), cand.note))
             if best is None or cand.time_s < best.time_s - 1e-15:
-                best = cand
-                best_builder = builder
+                best, best_builder, best_lm, best_resharder = cand, builder, lm, task.resharder
     if best is None:
         raise (
             errors[0]
             if len(errors) == 1
             else PlanError("no sharding plan fits on any mesh shape: " + "; ".join(str(e) for e in errors[:3]))
         )
-    result = _assemble(
-        graph,
-        best,
-        uses,
-        best_builder,
-        capacity,
-        (capture_s, build_s, solve_s, post_s, time.perf_counter() - t_start),
-        tuple(tried),
-        stats["ilps"],
-        microbatches,
+    compute = ComputeCost(best_resharder.cost_model, best.shape, graph)
+    acct = account(graph, best.chosen, best_resharder, compute, microbatches, edges)
+    report = SolverReport(
+        status=best.status,
+        objective_s=best.objective_s,
+        gap=best.gap,
+        num_vars=best.num_vars,
+        num_constraints=best.num_constraints,
+        num_groups=best.num_groups,
+        capture_s=capture_s,
+        build_s=build_s,
+        solve_s=solve_s,
+        total_s=time.perf_counter() - t_start,
+        candidates=tuple(tried),
+        post_s=post_s,
+        memory_row=best.memory_row,
+        ilps_solved=solves,
+        searcher=chooser.name,
     )
+    result = _assemble(graph, best, acct, best_builder, best_lm, capacity, report, precision, microbatches)
     if overlap:
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
     return result
@@ -340,321 +290,39 @@ def min_memory(struct: Structure, row: str = "plain") -> float:
     return float(np.max(sum(t[k].min(axis=1) for t in struct.mem_terms)))
 
 
-def _solve_candidate(graph, prob, uses, resharder, capacity, zero, time_limit, mip_gap, shape, mapping, stats):
-    """Solve one mesh candidate (ILP + ZeRO post-pass); returns (candidate, solve seconds, post seconds).
-    ``stats["ilps"]`` counts the HiGHS runs."""
-    solve_s = post_s = 0.0
-
-    def attempt(row: str, cap: float) -> _Candidate:
-        nonlocal solve_s, post_s
-        stats["ilps"] += 1
-        sol = solve(prob, time_limit=time_limit, mip_rel_gap=mip_gap, memory=row, capacity=cap)
-        solve_s += sol.solve_s
-        t = time.perf_counter()
-        chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
-        switches, d_t, _ = zero_pass(graph, prob, chosen, uses, resharder, sol.rows, cap, zero)
-        usage = memory_use(graph, chosen, prob.mesh_shape, capacity)
-        post_s += time.perf_counter() - t
-        return _Candidate(
-            shape,
-            mapping,
-            prob,
-            sol,
-            chosen,
-            switches,
-            sol.objective + d_t,
-            usage.total,
-            resharder,
-            None,
-            None,
-            usage=usage,
-        )
-
-    def fitted(row: str) -> _Candidate:
-        """`attempt`; while the plan's liveness peak exceeds the capacity, re-solved (at most `_REFITS`
-        times) with the linear rows held to the capacity less the plan's own peak − rows gap (what lives at
-        the peak beyond the rows: ``accounting`` docstring). The plan's rows exceed that bound, so each
-        re-solve picks another plan."""
-        cand = attempt(row, capacity)
-        for _ in range(_REFITS):
-            if fits(cand) or not math.isfinite(capacity) or cand.usage is None:
-                break
-            cap = capacity - (cand.memory - cand.usage.row)
-            try:
-                cand = attempt(row, cap)
-            except PlanError:
-                break
-        return cand
-
-    fits = lambda c: c.memory <= capacity * (1 + _EPS)  # noqa: E731
-    if zero == ZeroMode.OFF or not math.isfinite(capacity):
-        only = fitted("plain")
-        if not fits(only):
-            raise PlanError(
-                f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape}: the best found "
-                f"peaks at {fmt_size(only.memory)} (at {only.usage.peak_at if only.usage else '?'})",
-                mesh_shape=shape,
-                need_bytes=only.memory,
-                capacity_bytes=capacity,
-            )
-        return only, solve_s, post_s
-    first = fitted("zero")
-    costly = any(s.reason == "memory" and s.delta_s > _EPS * first.time_s for s in first.switches)
-    if fits(first) and not costly:
-        first.note = _note(first)
-        return first, solve_s, post_s
-    try:
-        second = fitted("plain")
-    except PlanError:
-        second = None
-    options = [c for c in (first, second) if c is not None and fits(c)]
-    if not options:
-        raise PlanError(
-            f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape} even with the "
-            f"ZeRO post-pass (its predicted peak is {fmt_size(first.memory)})",
-            mesh_shape=shape,
-            need_bytes=first.memory,
-            capacity_bytes=capacity,
-        )
-    pick = min(options, key=lambda c: c.time_s)
-    pick.note = _note(pick)
-    return pick, solve_s, post_s
-
-
-def _note(c: _Candidate) -> str:
-    if not c.switches:
-        return ""
-    why = sorted({s.reason for s in c.switches})
-    return f"ZeRO: {len(c.switches)} parameters ({', '.join(why)})"
-
-
-# ------------------------------------------------------------------------------------------ ZeRO pass
-
-
-class _ParamUses:
-    """Per parameter node: the nodes reading it directly, and which of those are views kept for the
-    backward (a copy all-gathered for such a view lives until the backward: activation memory)."""
-
-    def __init__(self, graph: OpGraph):
-        self.consumers: dict[str, list[tuple[str, int]]] = {}
-        params = {n.name for n in graph.nodes if n.kind == "param"}
-        for n in graph.nodes:
-            for a, (s, _) in enumerate(n.inputs):
-                if s in params:
-                    self.consumers.setdefault(s, []).append((n.name, a))
-        self.kept: set[tuple[str, str]] = set()
-        for n in graph.nodes:
-            if not n.saved_for_backward:
-                continue
-            for _ in range(len(n.outputs)) if n.kind == "op" else [0]:
-                chain = graph.view_chain(n.name)
-                if len(chain) > 1 and graph[chain[-1]].kind == "param":
-                    self.kept.add((chain[-1], chain[-2]))
-
-
-def _zero_layout(layout, axes, shape, mesh_shape):
-    """`layout` with ``S(d)`` on each of `axes` (first evenly divisible dim, unsharded dims first)."""
-    from torch.distributed.tensor import Shard
-
-    new = list(layout)
-    done = []
-    for a in axes:
-        sharded = {p.dim for p in new if isinstance(p, Shard)}
-        dims = [d for d in range(len(shape)) if d not in sharded] + [d for d in range(len(shape)) if d in sharded]
-        for d in dims:
-            trial = list(new)
-            trial[a] = Shard(d)
-            if is_even(tuple(trial), shape, mesh_shape):
-                new = trial
-                done.append(a)
-                break
-    return tuple(new), tuple(done)
-
-
-def _param_edges_s(p, layout, g_layout, g_info, chosen, uses: _ParamUses, resharder: Resharder) -> float:
-    """Seconds of the edges a parameter stored in `layout` is on: its gradient in, its readers out."""
-    t = resharder.cost(g_layout, layout, g_info)
-    for v, a in uses.consumers.get(p.name, ()):
-        t += resharder.cost(layout, chosen[v].ins[a], p.out)
-    return t
-
-
-def _gathered_bytes(p, layout, chosen, uses: _ParamUses, mesh_shape) -> float:
-    """Bytes per device of the copies of a parameter stored in `layout` that are resharded for a view kept
-    for the backward (``accounting.kept_copy_bytes``)."""
-    wants = [chosen[v].ins[a] for v, a in uses.consumers.get(p.name, ()) if (p.name, v) in uses.kept]
-    return kept_copy_bytes(p.out, layout, wants, mesh_shape)
-
-
-def zero_pass(
-    graph: OpGraph,
-    prob: Problem,
-    chosen: dict[str, Strategy],
-    uses: _ParamUses,
-    resharder: Resharder,
-    memory: Sequence[float],
-    capacity: float,
-    mode: str = "auto",
-) -> tuple[list[ZeroSwitch], float, np.ndarray]:
-    """The ZeRO-like post-pass (module docstring). `memory` is the plan's bytes per device on each linear
-    memory row (``Solution.rows``). Updates `chosen` for the switched parameters and returns (switches,
-    Δ step seconds, Δ bytes per device on each row)."""
-    rows = np.asarray(memory, dtype=float)
-    if mode == "off":
-        return [], 0.0, np.zeros_like(rows)
-    mesh_shape = prob.mesh_shape
-    pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    cands = []
-    for fqn, gsrc in graph.grads.items():
-        if gsrc is None:
-            continue
-        p = pnodes[fqn]
-        if p.name in prob.forced or p.out is None:
-            continue
-        old = chosen[p.name].outs[0]
-        g_layout = chosen[gsrc[0]].outs[gsrc[1]]
-        g_info = graph[gsrc[0]].outputs[gsrc[1]]
-        if old is None or g_layout is None or g_info is None:
-            continue
-        axes = sorted(
-            {
-                c.axis
-                for c in resharder.collectives(g_layout, old, g_info)
-                if c.kind == CollectiveKind.ALL_REDUCE and old[c.axis].is_replicate()
-            }
-        )
-        if not axes:
-            continue
-        new, axes = _zero_layout(old, axes, p.out.shape, mesh_shape)
-        if not axes:
-            continue
-        st = next((s for s in prob.strategies[p.name] if s.outs[0] == new), None)
-        if st is None:
-            continue
-
-        t_old, t_new = (_param_edges_s(p, lay, g_layout, g_info, chosen, uses, resharder) for lay in (old, new))
-        d_rows, saved = _zero_delta(p, old, new, chosen, uses, mesh_shape)
-        cands.append((fqn, p.name, old, new, axes, t_new - t_old, d_rows, st, max(t_old, t_new), saved))
-
-    applied: list[tuple] = []
-    total_t = 0.0
-    total_m = np.zeros_like(rows)
-    rest = []
-    fits = lambda extra: float((rows + total_m + extra).max()) <= capacity  # noqa: E731
-    for c in cands:
-        d_t, d_rows, scale = c[5], c[6], c[8]
-        tol = _EPS * scale + 1e-15
-        cheaper = d_t < -tol or (abs(d_t) <= tol and c[9] > 0)
-        if mode == "all" or (cheaper and ((d_rows <= 0).all() or fits(d_rows))):
-            applied.append((c, "cheaper" if cheaper else "all"))
-            total_t += d_t
-            total_m = total_m + d_rows
-        else:
-            rest.append(c)
-    if not fits(0.0):
-        for c in sorted((c for c in rest if c[9] > 0), key=lambda c: c[5] / c[9]):
-            if fits(0.0):
-                break
-            applied.append((c, "memory"))
-            total_t += c[5]
-            total_m = total_m + c[6]
-    switches = []
-    for (fqn, name, old, new, axes, d_t, _, st, _, saved), reason in applied:
-        chosen[name] = st
-        switches.append(ZeroSwitch(fqn, axes, tuple(to_json(old)), tuple(to_json(new)), reason, d_t, saved))
-    return switches, total_t, total_m
-
-
-def _zero_delta(p, old, new, chosen, uses: _ParamUses, mesh_shape) -> tuple[np.ndarray, float]:
-    """Δ bytes per device on each memory row when parameter `p` moves from layout `old` to `new`, and the
-    bytes it saves (weight, gradient, AdamW states and update temporary, less the gathered copies the
-    backward keeps): ``accounting.state_bytes`` over the shard factors, ``accounting.kept_copy_bytes``."""
-    s = state_bytes(p.out, True)
-    scale = 1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape)
-    gathered = _gathered_bytes(p, new, chosen, uses, mesh_shape) - _gathered_bytes(p, old, chosen, uses, mesh_shape)
-    update = (s.persistent + s.grad + s.update_temp) * scale
-    backward = s.persistent * scale + gathered
-    return np.array([update, backward]), -(update + gathered)
-
-
 # ------------------------------------------------------------------------------------------ assemble
 
 
 def _assemble(
     graph: OpGraph,
-    cand: _Candidate,
-    uses: _ParamUses,
+    cand: Candidate,
+    acct: TimeAccount,
     builder: StrategyBuilder,
+    lm: Any,
     capacity: float,
-    times: tuple[float, float, float, float, float],
-    tried: tuple[MeshCandidate, ...],
-    ilps: int = 1,
+    report: SolverReport,
+    precision: str,
     microbatches: int = 1,
 ) -> Plan:
-    prob, sol, resharder, cm, lm, chosen = cand.prob, cand.sol, cand.resharder, cand.cm, cand.lm, cand.chosen
-    mesh_shape = prob.mesh_shape
-    nd = len(mesh_shape)
-    costs = _Costs(cm, mesh_shape, graph)
-    compute = comm = reshard = 0.0
-    colls: list[PlannedCollective] = []
-
-    def edge(src: str, i: int, dst_name: str, dst_layout, phase: str, operand: int = -1) -> None:
-        nonlocal comm, reshard
-        info = graph[src].outputs[i]
-        src_layout = chosen[src].outs[i]
-        if info is None or src_layout is None or dst_layout is None:
-            return
-        times = 1 if dst_name.startswith("grad:") else microbatches  # gradients are synchronised once a step
-        for c in resharder.collectives(src_layout, dst_layout, info):
-            s = resharder.collective_cost(c)
-            if c.is_reduction:
-                comm += s * times
-            else:
-                reshard += s * times
-            colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, src, dst_name, s, operand))
-
-    nodes = []
-    for node in graph.nodes:
-        st = chosen[node.name]
-        seconds = costs.node(node, st)
-        compute += seconds * microbatches
-        phase = "fwd" if node.phase == "fwd" else "bwd"
-        for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
-            sec = resharder.collective_cost(c)
-            if c.is_reduction:
-                comm += sec * microbatches
-            else:
-                reshard += sec * microbatches
-            colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase, node.name, node.name, sec))
-        for a, (src, i) in enumerate(node.inputs):
-            edge(src, i, node.name, st.ins[a], phase, a)
-        nodes.append(
-            NodeChoice(
-                node.name,
-                node.target,
-                node.kind,
-                tuple(tuple(to_json(p)) for p in st.ins),
-                tuple(tuple(to_json(p)) if p is not None else None for p in st.outs),
-                st.source,
-                node.phase,
-                seconds,
-            )
+    """The :class:`Plan` of the chosen candidate: its strategies, and its time and collectives as `acct`
+    (``accounting.account``) prices them."""
+    chosen = cand.chosen
+    nodes = tuple(
+        NodeChoice(
+            node.name,
+            node.target,
+            node.kind,
+            tuple(tuple(to_json(p)) for p in chosen[node.name].ins),
+            tuple(tuple(to_json(p)) if p is not None else None for p in chosen[node.name].outs),
+            chosen[node.name].source,
+            node.phase,
+            acct.node_seconds[node.name],
         )
-    loss_name, li = graph.loss
-    edge(loss_name, li, "loss", replicated(nd), "fwd")
-    params = []
+        for node in graph.nodes
+    )
     pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    for fqn in graph.param_names:
-        p = pnode[fqn]
-        layout = chosen[p.name].outs[0]
-        params.append((fqn, tuple(to_json(layout))))
-        g = graph.grads.get(fqn)
-        if g is not None:
-            edge(g[0], g[1], f"grad:{fqn}", layout, "bwd")
-    for fqn, (src, i) in graph.buffer_updates.items():
-        edge(src, i, f"buffer:{fqn}", replicated(nd), "fwd")
-
-    memory = cand.usage if cand.usage is not None else memory_use(graph, chosen, mesh_shape, capacity)
+    params = tuple((fqn, tuple(to_json(chosen[pnode[fqn].name].outs[0]))) for fqn in graph.param_names)
+    memory = cand.usage
     why = builder.fallbacks
     fallbacks = tuple(
         Fallback(
@@ -664,51 +332,35 @@ def _assemble(
         if n.kind == "op" and chosen[n.name].source == StrategySource.FALLBACK
     )
     warnings = _fallback_warnings(fallbacks)
-    if sol.gap > 0.01:
-        warnings.append(f"ILP stopped at gap {sol.gap:.2%} (time limit)")
-    bad = sum(c.kind == "unsupported" for c in colls)
+    if cand.gap > 0.01:
+        warnings.append(f"ILP stopped at gap {cand.gap:.2%} (time limit)")
+    bad = sum(c.kind == CollectiveKind.UNSUPPORTED for c in acct.collectives)
     if bad:
         warnings.append(
             f"{bad} resharding steps DTensor cannot run (shard → partial), priced at {UNSUPPORTED_S:.0f} s each: "
             "no supported plan was found on this mesh"
         )
-    if memory.total > capacity * (1 + _EPS):
+    if memory.total > capacity * (1 + EPS):
         warnings.append(f"predicted memory {fmt_size(memory.total)} exceeds {fmt_size(capacity)}")
-    capture_s, build_s, solve_s, post_s, total_s = times
     return Plan(
         cluster=lm.cluster.name,
-        mesh_shape=tuple(mesh_shape),
+        mesh_shape=tuple(cand.shape),
         mesh_ranks=tuple(int(r) for r in np.asarray(lm.ranks).reshape(-1)),
         mapping=cand.mapping,
-        nodes=tuple(nodes),
-        params=tuple(params),
+        nodes=nodes,
+        params=params,
         inputs=tuple(tuple(to_json(chosen[n.name].outs[0])) for n in graph.nodes if n.kind == "input"),
         input_shapes=tuple((i.shape, i.dtype) for i in graph.input_infos),
-        time=StepTime(compute, comm, reshard),
+        time=acct.time,
         memory=memory,
-        collectives=tuple(colls),
+        collectives=acct.collectives,
         warnings=tuple(warnings),
-        solver=SolverReport(
-            status=sol.status,
-            objective_s=sol.objective,
-            gap=sol.gap,
-            num_vars=sol.num_vars,
-            num_constraints=sol.num_constraints,
-            num_groups=len(prob.groups),
-            capture_s=capture_s,
-            build_s=build_s,
-            solve_s=solve_s,
-            total_s=total_s,
-            candidates=tried,
-            post_s=post_s,
-            memory_row=sol.row,
-            ilps_solved=ilps,
-        ),
+        solver=report,
         fingerprint=graph.fingerprint(),
         zero=tuple(cand.switches),
         fallbacks=fallbacks,
-        precision=cand.precision,
-        schedule=accumulate(math.prod(mesh_shape), microbatches) if microbatches > 1 else None,
+        precision=precision,
+        schedule=accumulate(math.prod(cand.shape), microbatches) if microbatches > 1 else None,
     )
 
 

@@ -21,7 +21,7 @@ Objective (Eq. 1)
 * ``d_g[k] = Σ_{v in g} compute(v, m_v(k))`` — roofline time of the node's shard of the work
   (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``; a matmul at the rate the
   device profile measured for the nearest GEMM shape to its shard's, ``DeviceProfile.matmul_flops``), in
-  :meth:`_Costs.node`. Views and ``_unsafe_view`` cost nothing.
+  :meth:`accounting.ComputeCost.node`. Views and ``_unsafe_view`` cost nothing.
   Alpa sets compute to zero and forbids replicated matmuls instead; we price replication honestly.
   ``c_v`` (an op's own communication) is zero for DTensor strategies: partial sums stay ``Partial`` and
   are reduced on the outgoing edge, where ``R`` prices them. meshpilot's own strategies may issue
@@ -57,10 +57,10 @@ value is live (``accounting.row_bytes``, ``accounting.saved_values``). The peak 
 what lives at the peak node beyond them: the transient temporaries (a loss' logits and their fp32 upcast,
 the loss' gradient), gradients produced before the peak, redistributed operand copies. ``MemoryUse.row``
 records ``max(rows)`` next to the peak; when the peak exceeds the capacity while the rows fit, the planner
-re-solves with the capacity the rows are held to lowered by that gap (``auto._solve_candidate``).
+re-solves with the capacity the rows are held to lowered by that gap (``search.ILPSearcher``).
 :func:`_min_need` (each group at its least, per row, the larger row) is a true lower bound of the peak.
 
-``mem_zero_g`` are the same rows when the ZeRO post-pass (``meshpilot.planner.auto``) will shard the
+``mem_zero_g`` are the same rows when the ZeRO post-pass (``meshpilot.planner.zero``) will shard the
 weight update over every mesh axis where a parameter is replicated: a parameter stored in layout ``L``
 with ``n_R`` devices replicating it (product of its ``R`` axes) then needs ``(W + O + G + T_opt) / (sf · n_R)``
 on the update row and ``W / sf`` (the all-gathered copy kept for the backward) ``+ (W + O) / (sf · n_R)``
@@ -98,20 +98,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Shard
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
-from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims, node_gemm
+from meshpilot.graph.gemms import node_gemm
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import (
     MEMORY_ROWS,
-    aliases_input,
+    ComputeCost,
+    EdgeKind,
     row_bytes,
     saved_values,
+    step_edges,
     zero_row_bytes,
 )
-from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor, work_split
+from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
 
@@ -235,39 +236,6 @@ def _labels(values) -> tuple[np.ndarray, list]:
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     return rank[inv.reshape(-1)], uniq[order].tolist()
-
-
-class _Costs:
-    def __init__(self, cost_model, mesh_shape, graph: OpGraph | None = None):
-        self.cm = cost_model
-        self.mesh_shape = mesh_shape
-        self.graph = graph
-
-    def node(self, node: OpNode, s: Strategy) -> float:
-        """Roofline seconds of the device's share of `node` under strategy `s`; a matmul at the rate measured
-        for its local GEMM shape (``CostModel.compute``). Views and aliases (``_unsafe_view``) cost nothing."""
-        if node.kind != "op" or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
-            return 0.0
-        out = next((p for p in s.outs if p is not None), None)
-        split = work_split(out, self.mesh_shape) if out is not None else 1
-        dtype = node.out.dtype if node.out is not None else "float32"
-        nbytes = (node.bytes_read + node.bytes_written) / split
-        return self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
-
-    def _local_gemm(self, node: OpNode, s: Strategy) -> tuple[int, int, int] | None:
-        """(m, n, k) of the device's shard of a matmul under `s` (operand dims divided by their shards)."""
-        if self.graph is None or node.target not in GEMM_OPERANDS:
-            return None
-        shapes = []
-        for a, (src, i) in enumerate(node.inputs):
-            info = self.graph[src].outputs[i]
-            shape = list(info.shape) if info is not None else []
-            layout = s.ins[a] if a < len(s.ins) else None
-            for axis, p in enumerate(layout or ()):
-                if isinstance(p, Shard) and p.dim < len(shape):
-                    shape[p.dim] = -(-shape[p.dim] // self.mesh_shape[axis])
-            shapes.append(shape)
-        return gemm_dims(node.target, shapes)
 
 
 # ------------------------------------------------------------------------------------- resharding prices
@@ -423,6 +391,7 @@ def build_structure(
     cost_model,
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
+    microbatches: int = 1,
 ) -> Structure:
     """Strategies, groups, compute costs, memory vectors and edge classes of one mesh shape.
 
@@ -430,11 +399,12 @@ def build_structure(
     supplies DTensor's transform steps (its cost model is not used here). `force` pins layouts of leaves:
     ``{pattern: "S(0)R"}`` where the fnmatch pattern names a parameter or buffer (``layers.*.weight``), an
     input (``input:0``) or a node; forced data parallelism, Megatron tensor parallelism and ZeRO-3-like
-    plans are written this way (see ``meshpilot.planner.auto``).
+    plans are written this way (see ``meshpilot.planner.auto``). With `microbatches` m, compute, the ops' own
+    collectives and every edge but the gradients' count m times (``accounting``: ``Edge.runs``).
     """
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
-    costs = _Costs(cost_model, mesh_shape, graph)
+    costs = ComputeCost(cost_model, mesh_shape, graph)
     strategies: dict[str, list[Strategy]] = {}
     rep: dict[str, str] = {}
     reps: list[str] = []
@@ -499,36 +469,25 @@ def build_structure(
                 hit[1] += 1
             if any(st.colls for st in sts):
                 coll_count[r] = coll_count.get(r, 0) + 1
-        for a, (src, i) in enumerate(node.inputs):
-            key = (rep[src], i, r, "in", a, graph[src].outputs[i])
-            hit = edge_count.get(key)
-            if hit is None:
-                edge_count[key] = [1]
-            else:
-                hit[0] += 1
 
-    # the loss ends replicated; gradients end in their parameter's layout
+    # the step's edges (``accounting.step_edges``): operands; the loss, replicated; gradients into their
+    # parameter's layout; updated buffers into theirs — identical ones (repeated layers) priced once
     nd = len(mesh_shape)
-    loss_name, li = graph.loss
-    lr = rep[loss_name]
-    edge_count.setdefault((lr, li, lr, "const", pid(replicated(nd)), graph[loss_name].outputs[li]), [0])[0] += 1
-    pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    for fqn, gsrc in graph.grads.items():
-        if gsrc is None:
-            continue
-        p = pnode[fqn]
-        key = (rep[gsrc[0]], gsrc[1], rep[p.name], "out", 0, graph[gsrc[0]].outputs[gsrc[1]])
-        edge_count.setdefault(key, [0])[0] += 1
-    # a buffer the forward updates gets its new value in its stored layout (written back after the step)
-    bnode = {n.fqn: n for n in graph.nodes if n.kind == "buffer"}
-    for fqn, (src, i) in graph.buffer_updates.items():
-        key = (rep[src], i, rep[bnode[fqn].name], "out", 0, graph[src].outputs[i])
-        edge_count.setdefault(key, [0])[0] += 1
+    for e in step_edges(graph):
+        info = graph[e.src].outputs[e.index]
+        if e.kind == EdgeKind.OPERAND:
+            key = (rep[e.src], e.index, rep[e.dst], "in", e.operand, info)
+        elif e.kind == EdgeKind.LOSS:
+            key = (rep[e.src], e.index, rep[e.src], "const", pid(replicated(nd)), info)
+        else:
+            key = (rep[e.src], e.index, rep[e.dst], "out", 0, info)
+        edge_count.setdefault(key, [0])[0] += e.runs(microbatches)
 
     out_ids = {r: _id_matrix([s.out_ids for s in strategies[r]]) for r in reps}
     in_ids = {r: _id_matrix([s.in_ids for s in strategies[r]]) for r in reps}
     cost_terms = []
     for (r, *_), (node, count) in cost_count.items():
+        count *= microbatches
         per = np.array([costs.node(node, s) for s in strategies[r]], dtype=float)
         if per.any():
             cost_terms.append((r, per * count if count != 1 else per))
@@ -587,7 +546,7 @@ def build_structure(
         edge_terms=edge_terms,
         mem_terms=mem_terms,
         table=ReshardTable.for_shape(resharder),
-        coll_terms=list(coll_count.items()),
+        coll_terms=[(r, count * microbatches) for r, count in coll_count.items()],
         forced=frozenset(forced),
         build_s=time.perf_counter() - t0,
     )
@@ -650,6 +609,7 @@ def build_problem(
     capacity: float = math.inf,
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
+    microbatches: int = 1,
 ) -> Problem:
     """Strategies for every node, decision groups, node costs, edge blocks and the memory row.
 
@@ -657,7 +617,9 @@ def build_problem(
     the structure once per shape and prices it per device mapping.
     """
     t0 = time.perf_counter()
-    struct = build_structure(graph, builder, resharder, cost_model, merge_trivial=merge_trivial, force=force)
+    struct = build_structure(
+        graph, builder, resharder, cost_model, merge_trivial=merge_trivial, force=force, microbatches=microbatches
+    )
     prob = price(struct, Pricer(struct.table, resharder), capacity)
     prob.build_s = time.perf_counter() - t0
     return prob

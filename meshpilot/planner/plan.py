@@ -167,13 +167,15 @@ class SolverReport:
     """The ILP's memory row: ``plain``, or ``zero`` (what the plan needs once the post-pass shards updates)."""
     ilps_solved: int = 1
     """HiGHS runs over all mesh candidates (a candidate may be solved on both memory rows)."""
+    searcher: str = "ilp"
+    """Which searcher chose the strategies (``meshpilot.planner.search.SEARCHERS``)."""
 
 
 @dataclass(frozen=True)
 class ZeroSwitch:
     """One parameter the ZeRO-like post-pass moved from replicated to sharded on some mesh axes: its gradient
     is reduce-scattered instead of all-reduced, AdamW updates the shard, the weight is all-gathered where
-    it is read (``meshpilot.planner.auto`` docstring)."""
+    it is read (``meshpilot.planner.zero`` docstring)."""
 
     param: str
     axes: tuple[int, ...]

@@ -45,6 +45,8 @@ class CollectiveKind(StrEnum):
     BROADCAST = "broadcast"
     SEND = "send"
     RECV = "recv"
+    UNSUPPORTED = "unsupported"
+    """A resharding DTensor cannot run (shard → partial): priced at ``UNSUPPORTED_S`` so no plan uses it."""
 
     @property
     def is_reduction(self) -> bool:
@@ -117,7 +119,7 @@ class Resharder:
             if b.is_partial() and not (a.is_replicate() or a == b):
                 # DTensor turns neither a shard nor another kind of partial (P(avg) -> P(sum)) into a
                 # partial: never plan it
-                out.append(("unsupported", t.mesh_dim, 0.0))
+                out.append((CollectiveKind.UNSUPPORTED, t.mesh_dim, 0.0))
                 continue
             kind = t._comm_type_key()
             if kind is None or n == 1:
@@ -167,6 +169,6 @@ class Resharder:
         return c
 
     def collective_cost(self, col: Collective) -> float:
-        if col.kind == "unsupported":
+        if col.kind == CollectiveKind.UNSUPPORTED:
             return UNSUPPORTED_S
         return getattr(self.cost_model, col.kind)(col.nbytes, col.axis)

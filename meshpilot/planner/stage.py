@@ -1,0 +1,305 @@
+"""Planning a pipeline stage: a range of layers on a logical mesh of a subset of ranks, its cost cached.
+
+Alpa's stage dynamic program (§5, Eq. 2–5) asks, thousands of times, for ``t_intra(layers i..j, submesh,
+logical mesh shape)``: the step time of a range of layers under the best intra-operator plan on that mesh,
+and its memory. This module is that question's one entry point, :func:`plan_stage`, over the graph the
+whole model was captured into once.
+
+Layers (:func:`layers`)
+-----------------------
+A *layer* is the work of one child of the model's root module — or, for a container of numbered children
+(``blocks.0``, ``blocks.1``; a ``ModuleList`` / ``Sequential``), of one numbered child — in forward order.
+A node belongs to the layer its ``OpNode.module`` path names; the backward of a layer belongs to it too
+(capture records the forward module of backward nodes). Nodes no module made (the root's own ops: the loss,
+an addition in the root's forward) join the layer of their first operand that has one, else the first
+layer (forward) or the last (backward); leaves (parameters, buffers, inputs, constants) join the layer of
+their first reader. A stage is a contiguous range of layers ``[start, stop)``.
+
+The slice (:func:`slice_graph`)
+-------------------------------
+The stage's nodes, renumbered in graph order, as an :class:`~meshpilot.graph.capture.OpGraph` that the
+strategy builder, the searcher and the accounting take like any captured graph:
+
+* a value a stage node reads but another stage makes — the previous stage's activation in the forward, the
+  next stage's gradient in the backward — becomes an input leaf (``boundary:<node>:<output>``) whose layout
+  the search chooses like any input's. Moving it between stages is cross-mesh resharding, which the stage
+  DP prices on the boundary (Alpa §5.2), not here;
+* values the stage makes for other stages are read by nothing inside it;
+* the loss (and its replication edge) is the last stage's only; a parameter's gradient edge is kept when
+  the stage computes the gradient (a tied weight used by two stages gets its gradient in the stage that
+  sums it); buffer updates made in the stage are kept.
+* repeated-layer sharing (``OpGraph.canonical``) is kept where both twins are in the slice.
+
+The slice's ``gm`` is the whole model's (not runnable on its own); planning reads only the nodes.
+
+Cost and cache (:func:`plan_stage`)
+-----------------------------------
+For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``) on the
+logical mesh of the given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
+coordinates), and the fastest is a :class:`StageCost`: per microbatch, forward + backward time (compute,
+communication, resharding; ``accounting.account``) and the peak bytes per device for one microbatch in
+flight (``accounting.memory_use``). How many microbatches a schedule keeps in flight — and so whether the
+stage fits — is the stage DP's question; `capacity` only bounds the search. Results are cached per
+(graph, layer range, ranks, shape, microbatches, capacity, zero mode, searcher): the DP asks for the same
+stage on the same submesh many times, and slices and strategy tables are built once per (graph, range) and
+(range, shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
+from meshpilot.planner.accounting import ComputeCost, account, step_edges
+from meshpilot.planner.ilp import PlanError, Structure, build_structure
+from meshpilot.planner.plan import MemoryUse, StepTime
+from meshpilot.planner.search import SearchTask, get_searcher
+from meshpilot.planner.zero import ParamEdges, ZeroMode
+from meshpilot.sharding.reshard import Resharder
+from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+BOUNDARY = "boundary"
+"""Name prefix of a slice's input leaves for values made by another stage."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the model (module docstring): its module path and its nodes' names in graph order."""
+
+    name: str
+    nodes: tuple[str, ...]
+    flops: float
+
+
+def _layer_key(module: str | None) -> str | None:
+    """``blocks.3.attn.q`` -> ``blocks.3``; ``lm_head`` -> ``lm_head``; the root or unknown -> None."""
+    if not module:
+        return None
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def layers(graph: OpGraph) -> list[Layer]:
+    """The model's layers in forward order (module docstring)."""
+    key: dict[str, str | None] = {}
+    order: list[str] = []
+    for n in graph.nodes:
+        if n.kind != NodeKind.OP and n.kind != NodeKind.GETITEM:
+            continue
+        k = _layer_key(n.module)
+        if k is None:
+            k = next((key[s] for s, _ in n.inputs if key.get(s) is not None), None)
+        key[n.name] = k
+        if k is not None and n.phase == Phase.FWD and k not in order:
+            order.append(k)
+    if not order:
+        raise UserError("the model has no layers to split into stages: no operator was made by a child module")
+    for n in graph.nodes:
+        if n.kind in (NodeKind.OP, NodeKind.GETITEM) and key[n.name] is None:
+            key[n.name] = order[0] if n.phase == Phase.FWD else order[-1]
+    for n in graph.nodes:  # leaves: the layer of their first reader
+        if n.name not in key:
+            key[n.name] = next((key[u] for u in graph.users[n.name] if key.get(u) is not None), order[0])
+    members: dict[str, list[str]] = {k: [] for k in order}
+    for n in graph.nodes:
+        members[key[n.name]].append(n.name)
+    return [Layer(k, tuple(members[k]), sum(graph[x].flops for x in members[k])) for k in order]
+
+
+def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Layer] | None = None) -> OpGraph:
+    """The nodes of layers ``[start, stop)`` as a graph of their own (module docstring)."""
+    all_layers = list(all_layers) if all_layers is not None else layers(graph)
+    if not 0 <= start < stop <= len(all_layers):
+        raise UserError(f"layers [{start}, {stop}): the model has {len(all_layers)} layers; give 0 <= start < stop")
+    inside = {x for layer in all_layers[start:stop] for x in layer.nodes}
+    nodes: list[OpNode] = []
+    boundary: dict[tuple[str, int], str] = {}
+
+    def bound(src: str, i: int) -> str:
+        name = boundary.get((src, i))
+        if name is None:
+            name = boundary[(src, i)] = f"{BOUNDARY}:{src}:{i}"
+            info = graph[src].outputs[i]
+            phase = graph[src].phase
+            nodes.append(OpNode(name, NodeKind.INPUT, "placeholder", (), (info,), fqn=name, phase=phase))
+        return name
+
+    for n in graph.nodes:
+        if n.name not in inside:
+            continue
+        ins = tuple((s, i) if s in inside else (bound(s, i), 0) for s, i in n.inputs)
+        nodes.append(dataclasses.replace(n, inputs=ins))
+    # graph order with boundary leaves before their first reader, renumbered
+    nodes = [dataclasses.replace(n, index=k) for k, n in enumerate(nodes)]
+    names = {n.name for n in nodes}
+    params = [p for p in graph.param_names if any(n.kind == NodeKind.PARAM and n.fqn == p for n in nodes)]
+    buffers = [b for b in graph.buffer_names if any(n.kind == NodeKind.BUFFER and n.fqn == b for n in nodes)]
+    grads = {p: g for p, g in graph.grads.items() if p in params and g is not None and g[0] in names}
+    sub = OpGraph(
+        nodes=nodes,
+        gm=graph.gm,
+        param_names=params,
+        buffer_names=buffers,
+        num_inputs=sum(n.kind == NodeKind.INPUT for n in nodes),
+        loss=graph.loss if graph.loss is not None and graph.loss[0] in names else None,
+        grads=grads,
+        input_infos=[n.out for n in nodes if n.kind == NodeKind.INPUT],
+        buffer_updates={b: v for b, v in graph.buffer_updates.items() if b in buffers and v[0] in names},
+        consts={k: v for k, v in graph.consts.items() if k in names},
+        precision=graph.precision,
+        canonical={a: b for a, b in graph.canonical.items() if a in names and b in names},
+    )
+    return sub
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """The best intra-operator plan of one stage on one logical mesh (module docstring)."""
+
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mapping: MeshMapping
+    time: StepTime
+    """Per microbatch: forward + backward (+ the gradients' synchronisation, counted once per microbatch
+    here; the DP amortises it over the microbatches it chooses)."""
+    memory: MemoryUse
+    """Peak bytes per device with one microbatch in flight."""
+    forward_s: float
+    """Of ``time``: the forward's compute and the collectives the forward issues."""
+    search_s: float
+
+
+class StagePlanner:
+    """:func:`plan_stage` with its caches, for one captured graph and cluster."""
+
+    def __init__(self, graph: OpGraph, cluster):
+        from meshpilot.cluster import load_cluster
+
+        self.graph = graph
+        self.cluster = load_cluster(cluster)
+        self.layers = layers(graph)
+        self._slices: dict[tuple[int, int], tuple[OpGraph, list, ParamEdges]] = {}
+        self._structs: dict[tuple, tuple[Structure, StrategyBuilder]] = {}
+        self._costs: dict[tuple, StageCost | PlanError] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def _slice(self, start: int, stop: int):
+        hit = self._slices.get((start, stop))
+        if hit is None:
+            sub = slice_graph(self.graph, start, stop, self.layers)
+            edges = step_edges(sub)
+            hit = self._slices[(start, stop)] = (sub, edges, ParamEdges.of(sub, edges))
+        return hit
+
+    def plan(
+        self,
+        start: int,
+        stop: int,
+        ranks: Sequence[int],
+        mesh_shape: Sequence[int],
+        *,
+        microbatches: int = 1,
+        capacity: float | None = None,
+        zero: ZeroMode | str = ZeroMode.AUTO,
+        searcher: str = "ilp",
+        time_limit: float = 30.0,
+    ) -> StageCost:
+        """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached)."""
+        ranks = tuple(int(r) for r in ranks)
+        shape = tuple(int(d) for d in mesh_shape)
+        if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
+            raise UserError(f"mesh {shape} needs {math.prod(shape)} distinct ranks; got {list(ranks)}")
+        if not all(0 <= r < self.cluster.num_devices for r in ranks):
+            last = self.cluster.num_devices - 1
+            raise UserError(f"ranks {list(ranks)}: cluster {self.cluster.name!r} has ranks 0..{last}; pick ranks of it")
+        cap = float(capacity if capacity is not None else self.cluster.device.memory_bytes)
+        key = (start, stop, ranks, shape, microbatches, cap, str(zero), searcher)
+        found = self._costs.get(key)
+        if found is not None:
+            self.hits += 1
+            if isinstance(found, PlanError):
+                raise found
+            return found
+        self.misses += 1
+        try:
+            cost = self._search(start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit)
+        except PlanError as e:
+            self._costs[key] = e
+            raise
+        self._costs[key] = cost
+        return cost
+
+    def _search(self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit) -> StageCost:
+        from meshpilot.cluster import CostModel, LogicalMesh
+
+        t0 = time.perf_counter()
+        sub, edges, pe = self._slice(start, stop)
+        dmesh = fake_device_mesh(shape)
+        skey = (start, stop, shape, microbatches)
+        hit = self._structs.get(skey)
+        if hit is None:
+            builder = StrategyBuilder(sub, dmesh)
+            cm0 = CostModel(LogicalMesh(self.cluster, shape, np.asarray(ranks).reshape(shape)))
+            struct = build_structure(sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches)
+            hit = self._structs[skey] = (struct, builder)
+        struct, _ = hit
+        chooser = get_searcher(searcher)
+        best = None
+        errors: list[PlanError] = []
+        maps = [MeshMapping.ROW] + ([MeshMapping.COL] if sum(d > 1 for d in shape) > 1 else [])
+        for mapping in maps:
+            physical = np.asarray(ranks)[mapped_ranks(shape, mapping)]
+            resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+            task = SearchTask(
+                sub, struct, resharder, pe, mapping, capacity=cap, zero=zero, microbatches=microbatches,
+                time_limit=time_limit,
+            )  # fmt: skip
+            try:
+                cand = chooser.search(task)
+            except PlanError as e:
+                errors.append(e)
+                continue
+            if best is None or cand.time_s < best[0].time_s:
+                best = (cand, resharder)
+        if best is None:
+            raise errors[0]
+        cand, resharder = best
+        acct = account(sub, cand.chosen, resharder, ComputeCost(resharder.cost_model, shape, sub), microbatches, edges)
+        fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
+        fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
+        return StageCost(
+            (start, stop),
+            ranks,
+            shape,
+            cand.mapping,
+            acct.time,
+            cand.usage,
+            fwd,
+            time.perf_counter() - t0,
+        )
+
+
+def plan_stage(
+    graph: OpGraph,
+    cluster,
+    start: int,
+    stop: int,
+    ranks: Sequence[int],
+    mesh_shape: Sequence[int],
+    **kw,
+) -> StageCost:
+    """The best plan of layers ``[start, stop)`` of `graph` on `ranks` of `cluster` as `mesh_shape` (module
+    docstring). One-off calls; a stage DP keeps a :class:`StagePlanner` so its caches live across calls."""
+    return StagePlanner(graph, cluster).plan(start, stop, ranks, mesh_shape, **kw)

@@ -1,0 +1,79 @@
+"""One accounting: the time the search minimises is the time the plan reports.
+
+The ILP's objective (built from ``ilp.build_structure``'s vectorised terms), plus the ZeRO post-pass's
+Δt, is what ranks mesh candidates (``MeshCandidate.objective_s``); ``accounting.account`` recomputes the
+chosen plan's step edge by edge for ``Plan.time`` and ``Plan.collectives``. They must agree — with
+gradient accumulation (gradients synchronised once, everything else once per microbatch) and with ZeRO
+switches — or the search optimises one number and reports another.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from meshpilot.models import builtin_models
+from meshpilot.planner.accounting import EdgeKind, step_edges
+from meshpilot.planner.auto import plan
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.search import SEARCHERS
+
+MODELS = ["gpt-tiny", "bert-tiny", "moe-tiny", "wrn-tiny"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {name: builtin_models()[name].build("cpu", None) for name in MODELS}
+
+
+def _chosen_objective(p) -> float:
+    rows = [c for c in p.solver.candidates if c.objective_s is not None]
+    match = [c.objective_s for c in rows if tuple(c.shape) == tuple(p.mesh_shape) and c.mapping == p.mapping]
+    assert match, p.solver.candidates
+    return match[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_search_objective_is_the_plans_step_time(built, name):
+    model, inputs = built[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for microbatches, zero in ((1, "auto"), (2, "all")):
+            p = plan(model, inputs, "atp-ic3", num_devices=4, microbatches=microbatches, zero=zero)
+            assert p.solver.searcher == "ilp"
+            assert p.time.total_s == pytest.approx(_chosen_objective(p), rel=1e-9, abs=1e-15)
+            # the collectives the plan lists add up to its communication and resharding time
+            total = sum(c.seconds * (1 if c.dst.startswith("grad:") else microbatches) for c in p.collectives)
+            assert total == pytest.approx(p.time.communication_s + p.time.resharding_s, rel=1e-9, abs=1e-15)
+            # compute once per microbatch
+            per_microbatch = sum(n.seconds for n in p.nodes)
+            assert p.time.compute_s == pytest.approx(microbatches * per_microbatch, rel=1e-9)
+
+
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.bn(self.conv(x)).mean((2, 3)), y)
+
+
+def test_step_edges_cover_operands_loss_grads_buffers():
+    from meshpilot.graph.capture import capture
+
+    g = capture(_BatchNormNet(), (torch.randn(4, 3, 8, 8), torch.randint(0, 8, (4,))))
+    edges = step_edges(g)
+    kinds = [e.kind for e in edges]
+    assert kinds.count(EdgeKind.OPERAND) == sum(len(n.inputs) for n in g.nodes)
+    assert kinds.count(EdgeKind.LOSS) == 1
+    assert kinds.count(EdgeKind.GRAD) == sum(v is not None for v in g.grads.values()) == 4
+    assert kinds.count(EdgeKind.BUFFER) == len(g.buffer_updates) == 3  # running mean, var, batches seen
+    assert all(e.runs(4) == (1 if e.kind == EdgeKind.GRAD else 4) for e in edges)
+
+
+def test_unknown_searcher_is_one_line(built):
+    model, inputs = built["gpt-tiny"]
+    with pytest.raises(PlanError, match="searcher='annealing': expected one of " + ", ".join(SEARCHERS)):
+        plan(model, inputs, "atp-ic3", num_devices=4, searcher="annealing")
