@@ -95,6 +95,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -349,9 +350,7 @@ class Structure:
     in_ids: dict[str, np.ndarray]
     cost_terms: list[tuple[str, np.ndarray]]
     """(representative, compute seconds per strategy summed over the nodes of its class)."""
-    edge_terms: list[tuple]
-    """(u, i, v, kind, idx, tensor, multiplicity); kind ``in``: operand idx of v, ``out``: output idx of v
-    (a gradient into its parameter), ``const``: layout id idx (the replicated loss)."""
+    edge_terms: list[EdgeClass]
     mem_terms: list[tuple[str, np.ndarray, np.ndarray]]
     """(representative, [rows, strategies] bytes per device, the same on the ZeRO rows)."""
     table: ReshardTable
@@ -360,6 +359,31 @@ class Structure:
     coll_terms: list[tuple[str, int]] = field(default_factory=list)
     """(representative, nodes of its class) for representatives with strategies that issue collectives
     inside the op (``Strategy.colls``); priced per mapping like edges."""
+
+
+class EdgeEnd(StrEnum):
+    """Where an edge class delivers its value: the layout it must arrive in."""
+
+    OPERAND = "operand"
+    """Operand ``slot`` of the reading node's strategy."""
+    OUTPUT = "output"
+    """Output ``slot`` of the destination's strategy (a gradient into its parameter, a buffer update)."""
+    FIXED = "fixed"
+    """The layout with id ``slot`` (the replicated loss)."""
+
+
+@dataclass(frozen=True)
+class EdgeClass:
+    """Identical edges of the step (same representatives, same tensor — every repeated layer's), priced
+    once and multiplied by ``count`` (crossings per step: ``accounting.Edge.runs`` summed)."""
+
+    src: str
+    index: int
+    dst: str
+    end: EdgeEnd
+    slot: int
+    info: TensorInfo
+    count: int
 
 
 def _placeholder(node: OpNode, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -476,11 +500,11 @@ def build_structure(
     for e in step_edges(graph):
         info = graph[e.src].outputs[e.index]
         if e.kind == EdgeKind.OPERAND:
-            key = (rep[e.src], e.index, rep[e.dst], "in", e.operand, info)
+            key = (rep[e.src], e.index, rep[e.dst], EdgeEnd.OPERAND, e.operand, info)
         elif e.kind == EdgeKind.LOSS:
-            key = (rep[e.src], e.index, rep[e.src], "const", pid(replicated(nd)), info)
+            key = (rep[e.src], e.index, rep[e.src], EdgeEnd.FIXED, pid(replicated(nd)), info)
         else:
-            key = (rep[e.src], e.index, rep[e.dst], "out", 0, info)
+            key = (rep[e.src], e.index, rep[e.dst], EdgeEnd.OUTPUT, 0, info)
         edge_count.setdefault(key, [0])[0] += e.runs(microbatches)
 
     out_ids = {r: _id_matrix([s.out_ids for s in strategies[r]]) for r in reps}
@@ -492,7 +516,7 @@ def build_structure(
         if per.any():
             cost_terms.append((r, per * count if count != 1 else per))
     merge_cost = {r: np.array([costs.node(graph[r], s) for s in strategies[r]], dtype=float) for r in merge}
-    edge_terms = [(*k[:5], k[5], c[0]) for k, c in edge_count.items() if k[5] is not None]
+    edge_terms = [EdgeClass(*k, c[0]) for k, c in edge_count.items() if k[5] is not None]
 
     # memory per device
     def sf_of(r: str, i: int) -> np.ndarray:
@@ -577,15 +601,16 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
     for r, count in struct.coll_terms:
         per = np.array([sum(cc(c) for c in s.colls) for s in struct.strategies[r]], dtype=float)
         groups[group_of[r]].cost += per[nmap[r]] * count
-    for u, i, v, kind, idx, info, count in struct.edge_terms:
+    for ec in struct.edge_terms:
+        u, v, info, count = ec.src, ec.dst, ec.info, ec.count
         mu, mv = nmap[u], nmap[v]
-        p_vals = out_ids[u][mu, i]
-        if kind == "in":
-            q_vals = in_ids[v][mv, idx]
-        elif kind == "out":
-            q_vals = out_ids[v][mv, idx]
+        p_vals = out_ids[u][mu, ec.index]
+        if ec.end == EdgeEnd.OPERAND:
+            q_vals = in_ids[v][mv, ec.slot]
+        elif ec.end == EdgeEnd.OUTPUT:
+            q_vals = out_ids[v][mv, ec.slot]
         else:
-            q_vals = np.full(len(mv), idx, dtype=np.int64)
+            q_vals = np.full(len(mv), ec.slot, dtype=np.int64)
         lab_u, P = _labels(p_vals)
         lab_v, Q = _labels(q_vals)
         mat = pricer.matrix(tuple(P), tuple(Q), info)
