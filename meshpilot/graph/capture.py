@@ -58,6 +58,7 @@ from torch.utils import _pytree as pytree
 
 from meshpilot import compat
 from meshpilot.errors import UserError
+from meshpilot.graph.views import is_view_op
 
 aten = torch.ops.aten
 
@@ -87,10 +88,6 @@ class Phase(StrEnum):
     BWD = "bwd"
     LEAF = "leaf"
     """A placeholder or a constant."""
-
-
-# Ops that only move metadata: zero FLOPs and zero bytes (they alias an input).
-_ALIAS_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 
 
 class Precision(StrEnum):
@@ -535,14 +532,6 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     return float(sum(o.numel() for o in outs))
 
 
-def _is_view_op(target: Any) -> bool:
-    if target is operator.getitem:
-        return True
-    if str(target) in _ALIAS_OPS:
-        return True
-    return bool(getattr(target, "is_view", False))
-
-
 def _simplify(gm: torch.fx.GraphModule) -> None:
     """Drop what only the trace needed: ``lift_fresh_copy`` of a constant (the functional graph never writes
     to it, so the constant itself serves), ``_assert_tensor_metadata`` checks, and dead nodes that draw no
@@ -628,7 +617,7 @@ def _build_graph(
                 outputs = tuple(_tensor_info(v) for v in val)
             else:
                 outputs = (_tensor_info(val),)
-            is_view = _is_view_op(fx_node.target)
+            is_view = is_view_op(fx_node.target)
             node = OpNode(fx_node.name, NodeKind.OP, str(fx_node.target), inputs, outputs, is_view=is_view)
             if not is_view:
                 fake_args = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), fx_node.args)

@@ -46,7 +46,7 @@ Persistent (held for the whole step):
 Values of the joint forward + backward graph, by liveness (→ :func:`liveness`). Nodes run in the captured
 order (``make_fx`` records the autograd engine's own order, so it is eager's order). A node's output is
 allocated when the node runs and freed after its last consumer; a view (``is_view``, ``getitem``,
-``_unsafe_view``: :func:`aliases_input`) allocates nothing and keeps its base alive until the view's last
+``_unsafe_view``: ``graph.views.aliases_input``) allocates nothing and keeps its base alive until the view's last
 consumer; a value the backward reads (``saved_for_backward``) therefore lives from the forward into the
 backward. Gradients of parameters live to the end of the backward (they become ``.grad``); the loss too.
 Where an operand's planned layout differs from its producer's, the redistributed copy (``bytes / sf(want)``)
@@ -97,15 +97,12 @@ from torch.distributed.tensor import Shard
 
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
+from meshpilot.graph.views import aliases_input
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
 
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
-
-ALIAS_TARGETS = frozenset({"aten._unsafe_view.default"})
-"""Ops the capture does not mark as views that nonetheless return their input's storage: ``matmul``'s
-``_unsafe_view`` of its ``mm`` output (a view without autograd view tracking; no kernel runs)."""
 
 MEMORY_ROWS = ("update", "backward")
 """The ILP's memory rows (module docstring)."""
@@ -176,11 +173,6 @@ def kept_copy_bytes(info: TensorInfo, layout: Any, wants: Sequence[Any], mesh_sh
     the same copies :func:`liveness` allocates for resharded views)."""
     lay = _Layouts(None, mesh_shape)
     return sum(info.nbytes / shard_factor(w, mesh_shape) for w in wants if lay.differ(layout, w))
-
-
-def aliases_input(node: OpNode) -> bool:
-    """Whether `node` returns (a view of) its first operand's storage instead of allocating."""
-    return bool(node.inputs) and (node.is_view or node.kind == "getitem" or node.target in ALIAS_TARGETS)
 
 
 def storage_base(graph: OpGraph, name: str, idx: int) -> tuple[str, int]:

@@ -53,6 +53,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph, capture
+from meshpilot.graph.views import LAYOUT_VIEWS, SHAPE_VIEWS
 
 KINDS = ("data_parallel", "megatron_tp", "zero3")
 
@@ -166,29 +167,6 @@ class TPGroup:
 
 
 _MM = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
-_PASS_VIEWS = {
-    "aten.view.default",
-    "aten._unsafe_view.default",
-    "aten.reshape.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.t.default",
-    "aten.select.int",
-    "aten.slice.Tensor",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.squeeze.dims",
-    "aten.squeeze.default",
-    "aten.clone.default",
-    "aten.contiguous.default",
-    "aten._to_copy.default",
-    "aten.alias.default",
-    "aten.detach.default",
-    "aten.split.Tensor",
-    "aten.split_with_sizes.default",
-    "aten.unbind.int",
-    "aten.chunk.default",
-}
 
 
 def _is_attention(target: str) -> bool:
@@ -260,7 +238,7 @@ def _trace_to_param(graph: OpGraph, name: str, dims: list[int]):
             m[d0], m[d1] = d1, d0
         elif t == "aten.permute.default":
             m = {i: int(p) % len(out.shape) for i, p in enumerate(args[1])}
-        elif t in _ALIGN_VIEWS:
+        elif t in SHAPE_VIEWS:
             m = _align(inp.shape, out.shape)
             if m is None:
                 return None
@@ -271,21 +249,6 @@ def _trace_to_param(graph: OpGraph, name: str, dims: list[int]):
         dims = [m[d] for d in dims]
         node = src
     return node, tuple(dims)
-
-
-_ALIGN_VIEWS = {
-    "aten.view.default",
-    "aten._unsafe_view.default",
-    "aten.reshape.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.squeeze.dims",
-    "aten.squeeze.default",
-    "aten.clone.default",
-    "aten.contiguous.default",
-    "aten.alias.default",
-    "aten.detach.default",
-}
 
 
 def megatron_groups(graph: OpGraph) -> list[TPGroup]:
@@ -374,7 +337,7 @@ def _passes(graph: OpGraph, n, ins: list) -> bool:
     if n.kind == "getitem":
         return True
     t = n.target
-    if t in _PASS_VIEWS:
+    if t in LAYOUT_VIEWS:
         return ins[0] is not None and all(c is None for c in ins[1:])
     if _is_attention(t):
         return len(ins) >= 3 and all(c is not None for c in ins[:3]) and all(c is None for c in ins[3:])
@@ -508,7 +471,7 @@ def vocab_parallel_heads(graph: OpGraph) -> list[tuple[Linear, str]]:
         if n.fx_node.args[1] % len(n.out.shape) != len(n.out.shape) - 1:
             continue
         src = graph[n.inputs[0][0]]
-        while src.target in _ALIGN_VIEWS and src.inputs and src.out is not None:
+        while src.target in SHAPE_VIEWS and src.inputs and src.out is not None:
             if src.out.shape[-1] != n.out.shape[-1]:
                 break
             src = graph[src.inputs[0][0]]

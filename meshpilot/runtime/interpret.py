@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from meshpilot import compat
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
+from meshpilot.graph.views import STRICT_VIEWS
 from meshpilot.ops import OwnCall, own_op
 from meshpilot.planner.plan import NodeChoice, Plan
 from meshpilot.runtime.record import outside_program, tagged
@@ -56,7 +57,6 @@ _LOCAL_OPS = {aten.convolution.default, aten.convolution_backward.default}
 
 # Views whose result depends on the operand's strides: run on a contiguous copy when the local operand
 # cannot be viewed to the planned shape.
-_STRICT_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
 def redistribute(x: DTensor, placements: Placements) -> DTensor:
@@ -212,7 +212,7 @@ class Interpreter:
                 v = v._local_tensor
             operands.append(v)
         with tagged((node.index, -1)):
-            if ex.mode == ExecMode.DTENSOR and ex.target in _STRICT_VIEWS:
+            if ex.mode == ExecMode.DTENSOR and str(ex.target) in STRICT_VIEWS:
                 operands[0] = self._viewable(operands[0], ex)
             args, kwargs = ex.arguments(operands)
             if ex.mode == ExecMode.OWN:
