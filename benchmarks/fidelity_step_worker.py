@@ -1,0 +1,158 @@
+"""Per-rank training-step timer for saved plans of one GPT: run under torchrun or `meshpilot emulate`.
+
+``bench_fidelity.py`` starts it under ``meshpilot emulate``. It reads a manifest (JSON: ``{"model": {GPTConfig
+fields}, "plans": [{"name", "path"}, ...]}``), captures the GPT once on the meta device, and for every plan
+builds the same GPT (same seed) under ``meshpilot.parallelize(model, plan, graph=...)`` with an AdamW
+optimizer. A step is forward + loss, backward, ``opt.step()``, ``zero_grad()`` on the full global batch
+(every rank passes it; the runtime takes its slice).
+
+Timing protocol (the same as ``atp_step_worker.py``, whose docstring explains why): every plan is built and
+runs --warmup untimed steps; then --steps rounds, in round r every plan runs one step in the plan order
+rotated by r; a barrier before each step; each rank times its own step; a step's time is the slowest rank's;
+a plan's result is the median over its rounds (min and max too).
+
+Rank 0 writes ``{"world", "nodes", "model", "steps", "warmup", "results": [{"name", "median_s", "min_s",
+"max_s", "steps_s", "loss0", "build_s"}], ...}`` to --out. ``loss0`` (the first warm-up loss) is the same
+for every plan up to float summation order: every plan trains the same model on the same batch.
+
+``--fake-world N`` runs one process on torch's fake process group instead (as ``atp_step_worker.py``): a
+rank's share of the computation, and what the runtime does around it, with no communication at all.
+
+    meshpilot emulate -c examples/clusters/emulated-2x4-slow.toml -- \\
+        python benchmarks/fidelity_step_worker.py --manifest out/bench-fidelity/manifest.json --out steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--manifest", type=Path, required=True, help="JSON naming the model and the plan files")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds per plan (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per plan (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--out", type=Path, help="rank 0 writes the JSON result here")
+    p.add_argument(
+        "--fake-world",
+        type=int,
+        metavar="N",
+        help="no torchrun: one process on torch's fake process group of N ranks (collectives return at once), "
+        "i.e. one rank's computation and the runtime's own work without communication (losses meaningless)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, GPTConfig
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.spmd import mesh_for_plan, parallelize
+    from meshpilot.runtime.train import batches, reference_model
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest = json.loads(args.manifest.read_text())
+    cfg = GPTConfig(**manifest["model"])
+    idx, tgt = batches(cfg, 1, args.seed)[0]
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    example = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
+    graph = capture(meta, (example, example))
+
+    configs = []
+    for entry in manifest["plans"]:
+        t0 = time.perf_counter()
+        plan = Plan.load(entry["path"])
+        mesh = mesh_for_plan(plan, "cpu") if args.fake_world else None  # parallelize refuses a fake group
+        model = parallelize(reference_model(cfg, args.seed), plan, mesh=mesh, graph=graph)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        configs.append({"name": entry["name"], "model": model, "opt": opt, "times": [], "loss0": None, "build_s": 0.0})
+        configs[-1]["build_s"] = time.perf_counter() - t0
+
+    def step(c: dict) -> float:
+        loss = c["model"](idx, tgt)
+        loss.backward()
+        c["opt"].step()
+        c["opt"].zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    t_start = time.perf_counter()
+    for c in configs:
+        for i in range(args.warmup):
+            loss = step(c)
+            if i == 0:
+                c["loss0"] = loss
+        dist.barrier()
+    t_warm = time.perf_counter() - t_start
+
+    n = len(configs)
+    for r in range(args.steps):
+        for j in range(n):
+            c = configs[(j + r) % n]
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(c)
+            c["times"].append(time.perf_counter() - t0)
+    t_total = time.perf_counter() - t_start
+
+    local = torch.tensor([t for c in configs for t in c["times"]], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    per = local.view(n, args.steps).tolist()
+    if rank == 0:
+        results = [
+            {
+                "name": c["name"],
+                "median_s": statistics.median(ts),
+                "min_s": min(ts),
+                "max_s": max(ts),
+                "steps_s": ts,
+                "loss0": c["loss0"],
+                "build_s": c["build_s"],
+            }
+            for c, ts in zip(configs, per)
+        ]
+        doc = {
+            "world": world,
+            "backend": dist.get_backend(),
+            "nodes": int(os.environ.get("MESHPILOT_EMULATE_NODES", "1")),
+            "model": manifest["model"],
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "omp_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "warmup_s": t_warm,
+            "total_s": t_total,
+            "results": results,
+        }
+        text = json.dumps(doc)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        print("FIDELITY_STEP_RESULT " + text, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
