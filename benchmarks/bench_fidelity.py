@@ -16,10 +16,9 @@ On an emulated 2 nodes x 4 ranks cluster (``meshpilot emulate``, root needed):
    measured step, then per predictor the Spearman rank correlation with the measured steps (target >= 0.9)
    and the median relative error |pred - meas| / meas (target <= 25 %).
 
-A plan with a ``col`` mapping (axis 0 on contiguous ranks) is priced on the probed cluster with its
-calibration entries transposed (:func:`calibrated_for`): a probe measures each mesh with the row mapping,
-and ``Cluster.calibrated`` looks entries up by shape alone, so without this a col-mapped (4, 2) would be
-given the bandwidths measured on the row-mapped (4, 2), whose groups are others.
+A plan with a ``col`` mapping (axis 0 on contiguous ranks) sees the probe's entry measured on its own
+rank groups (``LogicalMesh`` matches calibration entries by groups: a col (4, 2)'s axis 0 is the row
+(2, 4)'s axis 1).
 
     sudo python benchmarks/bench_fidelity.py                               # probe, plan, measure, report
     sudo python benchmarks/bench_fidelity.py --probed out/x.probed.toml     # reuse an earlier probe
@@ -203,43 +202,26 @@ def make_plans(specs: Sequence[PlanSpec], cfg: dict, cluster: Any, folder: Path,
     return {"graph": graph, "plans": out}
 
 
-def calibrated_for(plan: Any, cluster: Any) -> Any:
-    """`cluster` as `plan`'s groups see it: for a ``col``-mapped 2D plan, every calibration entry transposed.
-
-    A probe calibrates each shape with the row mapping (``np.arange(n).reshape(shape)``). The col mapping of
-    (d1, d2) is ``arange(n).reshape(d2, d1).T``: its axis-0 groups are the row-mapped (d2, d1)'s axis-1
-    groups and vice versa, so the entry measured on (d2, d1) with B1, B2 swapped is the one for it."""
-    from meshpilot.cluster.topology import Calibration
-
-    if plan.mapping != "col" or len(plan.mesh_shape) != 2 or not cluster.calibration:
-        return cluster
-    swapped = tuple(
-        Calibration(mesh=tuple(reversed(e.mesh)), algbw=tuple(reversed(e.algbw)))
-        for e in cluster.calibration
-        if len(e.mesh) == 2
-    )
-    return dataclasses.replace(cluster, calibration=swapped)
-
-
 def reprice(plan: Any, graph: Any, cluster: Any) -> Any:
     """The same plan with its node seconds, collective seconds and closed-form time recomputed on `cluster`.
 
     Strategies, layouts, collectives (kind, axis, bytes) and schedule are kept; what changes is every price:
-    each node's roofline seconds (the planner's own ``_Costs.node`` on the cluster's device profile, with the
-    node's planned input and output layouts) and each collective's ``CostModel.<kind>(nbytes, axis)`` on the
-    plan's mesh and rank map. On the cluster it was planned on, this reproduces ``plan.time``."""
+    each node's roofline seconds (the planner's own ``accounting.ComputeCost.node`` on the cluster's device
+    profile, with the node's planned input and output layouts) and each collective's
+    ``CostModel.<kind>(nbytes, axis)`` on the plan's mesh and rank map. On the cluster it was planned on,
+    this reproduces ``plan.time``."""
     import numpy as np
 
     from meshpilot.cluster.cost import CostModel
     from meshpilot.cluster.mesh import LogicalMesh
-    from meshpilot.planner.ilp import _Costs
+    from meshpilot.planner.accounting import ComputeCost
     from meshpilot.planner.plan import StepTime
     from meshpilot.sharding.placements import from_json
     from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind
 
     shape = tuple(plan.mesh_shape)
     cm = CostModel(LogicalMesh(cluster, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape)))
-    costs = _Costs(cm, shape, graph)
+    costs = ComputeCost(cm, shape, graph)
     mb = plan.step_schedule().microbatches
     compute = comm = reshard = 0.0
     nodes = []
@@ -272,9 +254,8 @@ def predict(plans: dict, graph: Any, cluster: Any) -> dict:
 
     out = {}
     for name, (p, _) in plans.items():
-        cl = calibrated_for(p, cluster)
-        q = reprice(p, graph, cl)
-        sim = simulate(q, cluster=cl)
+        q = reprice(p, graph, cluster)
+        sim = simulate(q, cluster=cluster)
         c = sim.classes[0]
         out[name] = {
             "closed_s": q.time.total_s,

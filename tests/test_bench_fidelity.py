@@ -1,22 +1,19 @@
 """The logic of benchmarks/bench_fidelity.py that its numbers rest on (no emulation, nothing timed):
-the statistics, re-pricing a fixed plan on another cluster, and the calibration seen by a col-mapped plan."""
+the statistics, re-pricing a fixed plan on another cluster."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_fidelity as bf  # noqa: E402
 
-from meshpilot.cluster import LogicalMesh, load_cluster, mapped_ranks  # noqa: E402
-from meshpilot.cluster.topology import Calibration  # noqa: E402
+from meshpilot.cluster import load_cluster  # noqa: E402
 
 SLOW = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "emulated-2x4-slow.toml"
 
@@ -71,20 +68,3 @@ def test_reprice(tiny_plans):
         assert [n.ins for n in q.nodes] == [n.ins for n in p.nodes]
         what = [(c.kind, c.axis, c.nbytes) for c in p.collectives]
         assert [(c.kind, c.axis, c.nbytes) for c in q.collectives] == what
-
-
-def test_col_mapping_sees_the_entry_measured_on_its_groups(tiny_plans):
-    cluster = load_cluster(str(SLOW))
-    cal = (Calibration((2, 4), (1e6, 5e8)), Calibration((4, 2), (2e6, 3e8)))
-    calibrated = dataclasses.replace(cluster, calibration=cal)
-    p = next(p for p, _ in tiny_plans["plans"].values())
-    col = dataclasses.replace(
-        p, mesh_shape=(4, 2), mapping="col", mesh_ranks=tuple(mapped_ranks((4, 2), "col").reshape(-1).tolist())
-    )
-    seen = bf.calibrated_for(col, calibrated)
-    lm = LogicalMesh(seen, (4, 2), np.asarray(col.mesh_ranks).reshape(4, 2))
-    # col (4, 2): axis 0 = the 4 ranks of a node (row (2, 4)'s axis 1), axis 1 = across nodes (its axis 0)
-    assert lm.algorithm_bandwidth(0) == 5e8 and lm.algorithm_bandwidth(1) == 1e6
-    row = dataclasses.replace(col, mapping="row")
-    assert bf.calibrated_for(row, calibrated) is calibrated
-    assert math.isfinite(bf.reprice(col, tiny_plans["graph"], seen).time.total_s)

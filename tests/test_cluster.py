@@ -18,6 +18,7 @@ from meshpilot.cluster import (
     effective_bandwidth,
     load_cluster,
     load_cluster_file,
+    mapped_ranks,
     mesh_shapes_2d,
 )
 
@@ -40,6 +41,18 @@ def test_ic1_calibration_overrides_matrix():
     assert m81.algorithm_bandwidth(0) == pytest.approx(0.97 * GB)
     raw = LogicalMesh(load_cluster("atp-ic1"), (8, 1))
     assert raw.algorithm_bandwidth(0) > 2 * GB  # what the matrix alone predicts (§5.3: it cannot)
+
+
+def test_calibration_entries_match_by_rank_groups_not_shape():
+    """A probe measures each shape row-mapped; a col-mapped (4, 2)'s axis 0 (ranks 0-3, 4-7) is the row (2, 4)'s
+    axis 1, so it must get that entry's B2, not the row (4, 2) entry's B1 (other groups)."""
+    c = load_cluster("atp-ic1-calibrated")
+    row24 = LogicalMesh(c, (2, 4))
+    col42 = LogicalMesh(c, (4, 2), mapped_ranks((4, 2), "col"))
+    assert col42.algorithm_bandwidth(0) == row24.algorithm_bandwidth(1) == pytest.approx(4.95 * GB)
+    assert col42.algorithm_bandwidth(1) == row24.algorithm_bandwidth(0) == pytest.approx(1.20 * GB)
+    row42 = LogicalMesh(c, (4, 2))
+    assert row42.algorithm_bandwidth(0) != col42.algorithm_bandwidth(0)
 
 
 @pytest.mark.parametrize("n", [4, 16, 64, 1024])

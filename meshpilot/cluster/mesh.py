@@ -40,8 +40,8 @@ Eq. 4 (Rabenseifner all-reduce, latency ignored): the algorithm bandwidth of an 
 
     B = d / (2 (d - 1)) * B'
 
-:func:`algorithm_bandwidth` returns it, unless a calibration entry of the cluster names this mesh shape,
-whose measured B then wins (ATP §5.3 calibrates IC1 this way).
+:func:`algorithm_bandwidth` returns it, unless a calibration entry of the cluster was measured on this
+axis' rank groups, whose measured B then wins (ATP §5.3 calibrates IC1 this way).
 """
 
 from __future__ import annotations
@@ -162,11 +162,32 @@ class LogicalMesh:
         return group_latency(self.cluster, self.groups(axes))
 
     def _calibrated(self, axes: int | Sequence[int]) -> float | None:
+        """The measured B of the calibration entry whose groups are this axis' groups, or None.
+
+        A probe measures mesh ``shape`` with the row mapping (``arange(n).reshape(shape)``), so an entry's axis
+        ``j`` holds for exactly those rank groups; a col-mapped (4, 2) mesh's axis 0 is a row-mapped (2, 4)'s
+        axis 1. Entries are matched by groups, not by shape alone."""
         axes = _axes(axes, len(self.shape))
-        entry = self.cluster.calibrated(self.shape)
-        if entry is None or len(axes) != 1 or axes[0] >= len(entry.algbw):
+        if len(axes) != 1 or not self.cluster.calibration:
             return None
-        return entry.algbw[axes[0]]
+        mine = _group_set(self.groups(axes))
+        for entry in self.cluster.calibration:
+            if math.prod(entry.mesh) != self.ranks.size:
+                continue
+            row = np.arange(math.prod(entry.mesh)).reshape(entry.mesh)
+            for j, bw in enumerate(entry.algbw):
+                if bw is not None and j < row.ndim and _group_set(_axis_groups(row, j)) == mine:
+                    return bw
+        return None
+
+
+def _axis_groups(ranks: np.ndarray, axis: int) -> np.ndarray:
+    rest = [a for a in range(ranks.ndim) if a != axis]
+    return np.transpose(ranks, rest + [axis]).reshape(-1, ranks.shape[axis])
+
+
+def _group_set(groups: np.ndarray) -> frozenset[frozenset[int]]:
+    return frozenset(frozenset(int(r) for r in g) for g in groups)
 
 
 def _axes(axes: int | Sequence[int], ndim: int) -> list[int]:
