@@ -678,6 +678,7 @@ def _assemble(
     return Plan(
         cluster=lm.cluster.name,
         mesh_shape=tuple(mesh_shape),
+        mesh_axes=lm.axis_names(),
         mesh_ranks=tuple(int(r) for r in np.asarray(lm.ranks).reshape(-1)),
         mapping=cand.mapping,
         nodes=tuple(nodes),
