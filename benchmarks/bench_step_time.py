@@ -421,7 +421,7 @@ def write_doc(res: dict) -> None:
         "over steps of the step's time over the hand-written step of the same round (adjacent in time, so they "
         "share the machine's load). CPU / step: CPU seconds the busiest rank's process used in the step (all its "
         "threads), median; less sensitive than the wall time to the machine's other jobs. Collectives: one step's, "
-        "as DTensor issued them (meshpilot's `CollectiveCounter`; bytes: all-gather output, reduce-scatter input, "
+        "as DTensor issued them (meshpilot's `record_collectives`; bytes: all-gather output, reduce-scatter input, "
         "all-reduce buffer; gloo has no all-to-all, so DTensor all-gathers instead), and what the plan predicted. "
         "Δloss: against the hand-written model's loss, every step.",
     ]
@@ -561,19 +561,19 @@ def worker(args: argparse.Namespace) -> int:
             print(f"step {i}: {what}", flush=True)
 
     # collectives of one step, counted where DTensor issues them (functional collectives: kind, bytes)
-    from meshpilot.runtime.spmd import CollectiveCounter
+    from meshpilot.runtime.collective_log import record_collectives
 
     i = args.warmup + args.steps
     collectives = {}
     for name in VARIANTS:
-        with CollectiveCounter(mesh if name == "hand-written" else models[name].mesh) as cc:
+        with record_collectives(mesh if name == "hand-written" else models[name].mesh) as log:
             step(name, i)
         kinds = {}
-        for kind, _axis, _nbytes, _phase in cc.records:
-            kinds[kind] = kinds.get(kind, 0) + 1
+        for entry in log:
+            kinds[str(entry.kind)] = kinds.get(str(entry.kind), 0) + 1
         collectives[name] = {
-            "count": len(cc.records),
-            "bytes": sum(b for _k, _a, b, _p in cc.records),
+            "count": len(log),
+            "bytes": sum(entry.nbytes for entry in log),
             "kinds": kinds,
             "planned": len(plans[name].collectives) if name in plans else None,
         }

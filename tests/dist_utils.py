@@ -146,12 +146,12 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
     """Train the single-device `ref` and the parallelized `pm` (a ``ParallelModule``) side by side with AdamW.
 
     Per step: ``loss`` (|loss difference|), ``grad`` (largest |gradient difference| over the parameters) and
-    ``counts`` (the collectives `pm`'s forward and backward issued, ``CollectiveCounter.counts()``); after
+    ``counts`` (the collectives `pm`'s forward and backward issued, ``CollectiveLog.counts()``); after
     the last step ``param`` (largest |parameter difference|). The last step's gradients are left in place.
     """
     import torch
 
-    from meshpilot.runtime.spmd import CollectiveCounter
+    from meshpilot.runtime.collective_log import record_collectives
 
     o_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     o_par = torch.optim.AdamW(pm.parameters(), lr=lr)
@@ -164,12 +164,12 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
         l_ref = ref(*inputs)
         l_ref.backward()
         torch.manual_seed(1000 + step)
-        with CollectiveCounter(pm.mesh) as cc:
+        with record_collectives(pm.mesh) as log:
             loss = pm(*inputs)
             loss.backward()
         out["loss"].append(abs(l_ref.item() - loss.item()))
         out["grad"].append(max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in pairs))
-        out["counts"].append(cc.counts())
+        out["counts"].append(log.counts())
         o_ref.step()
         o_par.step()
     out["param"] = max((a - b.full_tensor()).abs().max().item() for a, b in pairs)

@@ -16,8 +16,14 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 
+from meshpilot.graph.capture import Phase
 from meshpilot.models.gpt import ATP_M1, ATP_M2, ATP_M3, ATP_M4, BUILTIN_GPTS, GPT, GPTConfig, gpt_tiny
-from meshpilot.runtime import commlog
+from meshpilot.runtime import collective_log
+from meshpilot.runtime.collective_log import CollectiveRecord, CollectiveStat
+from meshpilot.sharding.reshard import CollectiveKind
+
+AR, AG = CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER
+FWD, BWD = Phase.FWD, Phase.BWD
 
 TOL = 1e-5
 STEPS = 3
@@ -87,22 +93,24 @@ def test_gpt_qkv_layout_gives_whole_heads_per_contiguous_block() -> None:
     torch.testing.assert_close(y0, y_first @ attn.proj.weight[:, : h // 2].t(), atol=1e-6, rtol=1e-5)
 
 
-def test_commlog_summary_groups_and_ring_bytes() -> None:
-    commlog.record("all_reduce", "x", 2, 100)  # no recorder open: dropped
-    with commlog.record_collectives() as outer:
-        commlog.record("all_reduce", "atp1", 4, 100)
-        with commlog.record_collectives() as inner, commlog.phase_scope("backward"):
-            commlog.record("all_gather", "atp0", 2, 64)
-            commlog.record("all_gather", "atp0", 2, 32)
+def test_collective_log_summary_counts_and_ring_bytes() -> None:
+    collective_log.record(AR, "x", 2, 100)  # no recorder open: dropped
+    with collective_log.record_collectives() as outer:
+        collective_log.record(AR, "atp1", 4, 100)
+        with collective_log.record_collectives() as inner, collective_log.phase_scope(BWD):
+            collective_log.record(AG, "atp0", 2, 64)
+            collective_log.record("all_gather", "atp0", 2, 32)  # a CollectiveKind value is taken too
     assert len(outer) == 3 and len(inner) == 2
-    assert outer.summary() == {
-        ("all_reduce", "atp1", "forward"): (1, 100),
-        ("all_gather", "atp0", "backward"): (2, 96),
-    }
-    assert commlog.ring_bytes(outer.entries[0]) == 150.0
-    assert commlog.ring_bytes(outer.entries[1]) == 32.0
-    with pytest.raises(ValueError), commlog.record_collectives():
-        commlog.record("allreduce", "x", 2, 1)
+    assert outer.entries[0] == CollectiveRecord(AR, "atp1", 4, 100, FWD)
+    assert outer.summary() == {(AR, "atp1", FWD): CollectiveStat(1, 100), (AG, "atp0", BWD): CollectiveStat(2, 96)}
+    assert outer.counts(BWD) == {(AG, "atp0", 64): 1, (AG, "atp0", 32): 1}
+    assert outer.entries[0].ring_bytes() == 150.0
+    assert outer.entries[1].ring_bytes() == 32.0
+    assert "atp0" in outer.format().splitlines()[2]
+    with pytest.raises(ValueError), collective_log.record_collectives():
+        collective_log.record("allreduce", "x", 2, 1)
+    with pytest.raises(ValueError), collective_log.phase_scope(Phase.LEAF):
+        pass
 
 
 # --------------------------------------------------------------------------- distributed workers
@@ -195,14 +203,14 @@ def _train_and_compare(model, ref_traj, idx, tgt, mesh, half: int | None = None,
     return out
 
 
-def _block_collectives(cfg: GPTConfig, mesh, k: int) -> list[tuple]:
+def _block_collectives(cfg: GPTConfig, mesh, k: int) -> list[CollectiveRecord]:
     from meshpilot.runtime.atp import ATPBlock
 
     block = ATPBlock(cfg, mesh, chunks=k)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden // mesh.size(1), requires_grad=True)
-    with commlog.record_collectives() as log:
+    with collective_log.record_collectives() as log:
         block(x).sum().backward()
-    return [tuple(e) for e in log.entries]
+    return log.entries
 
 
 def _linear_checks(mesh) -> dict:
@@ -298,11 +306,11 @@ def _worker(world: int) -> dict:
         sl = slice(half * cfg.batch // 2, (half + 1) * cfg.batch // 2)
         model = ATPGPT.from_gpt(copy.deepcopy(ref), meshes.tp, chunks=2)
         assert model.dp_mesh is not None
-        with commlog.record_collectives() as log:
+        with collective_log.record_collectives() as log:
             steps = _train_and_compare(model, ref_traj, idx[sl], tgt[sl], meshes.tp, half=half)
         res["dp"] = {
             "steps": steps,
-            "dp_syncs": len(log.filter(op="all_reduce", mesh_axis="dp", phase="backward")),
+            "dp_syncs": len(log.filter(kind=AR, axis="dp", phase=BWD)),
             "n_params": len(list(model.parameters())),
         }
     return res
@@ -363,23 +371,22 @@ def _eq2_expected(cfg: GPTConfig, shape: tuple[int, int], k: int) -> collections
     b, s, h, e = cfg.batch // k, cfg.seq, cfg.hidden, 4
     ln = b * s * 2 * 8  # [sum, sum of squares] per token in float64
     per_chunk = [
-        ("all_reduce", "atp1", d2, ln, "forward"),  # LN1 statistics
-        ("all_reduce", "atp1", d2, b * s * 3 * h // d1 * e, "forward"),  # f1 QKV
-        ("all_gather", "atp1", d2, b * s * h // d1 * e, "forward"),  # gather heads
-        ("all_reduce", "atp0", d1, b * s * h // d2 * e, "forward"),  # f2 out-proj
-        ("all_reduce", "atp1", d2, ln, "forward"),  # LN2 statistics
-        ("all_reduce", "atp1", d2, b * s * 4 * h // d1 * e, "forward"),  # f3 MLP up
-        ("all_reduce", "atp0", d1, b * s * h // d2 * e, "forward"),  # f4 MLP down
-        ("all_reduce", "atp1", d2, b * s * 4 * h // d1 * e, "backward"),  # f4 input grad
-        ("all_reduce", "atp0", d1, b * s * h // d2 * e, "backward"),  # f3 input grad
-        ("all_reduce", "atp1", d2, ln, "backward"),  # LN2
-        ("all_reduce", "atp1", d2, b * s * h // d1 * e, "backward"),  # f2 input grad
-        ("all_gather", "atp1", d2, b * s * 3 * h // d1 * e, "backward"),  # scatter's backward
-        ("all_reduce", "atp0", d1, b * s * h // d2 * e, "backward"),  # f1 input grad
-        ("all_reduce", "atp1", d2, ln, "backward"),  # LN1
+        CollectiveRecord(AR, "atp1", d2, ln, FWD),  # LN1 statistics
+        CollectiveRecord(AR, "atp1", d2, b * s * 3 * h // d1 * e, FWD),  # f1 QKV
+        CollectiveRecord(AG, "atp1", d2, b * s * h // d1 * e, FWD),  # gather heads
+        CollectiveRecord(AR, "atp0", d1, b * s * h // d2 * e, FWD),  # f2 out-proj
+        CollectiveRecord(AR, "atp1", d2, ln, FWD),  # LN2 statistics
+        CollectiveRecord(AR, "atp1", d2, b * s * 4 * h // d1 * e, FWD),  # f3 MLP up
+        CollectiveRecord(AR, "atp0", d1, b * s * h // d2 * e, FWD),  # f4 MLP down
+        CollectiveRecord(AR, "atp1", d2, b * s * 4 * h // d1 * e, BWD),  # f4 input grad
+        CollectiveRecord(AR, "atp0", d1, b * s * h // d2 * e, BWD),  # f3 input grad
+        CollectiveRecord(AR, "atp1", d2, ln, BWD),  # LN2
+        CollectiveRecord(AR, "atp1", d2, b * s * h // d1 * e, BWD),  # f2 input grad
+        CollectiveRecord(AG, "atp1", d2, b * s * 3 * h // d1 * e, BWD),  # scatter's backward
+        CollectiveRecord(AR, "atp0", d1, b * s * h // d2 * e, BWD),  # f1 input grad
+        CollectiveRecord(AR, "atp1", d2, ln, BWD),  # LN1
     ]
-    sizes = {"atp0": d1, "atp1": d2}
-    return collections.Counter([c for c in per_chunk if sizes[c[1]] > 1] * k)
+    return collections.Counter([c for c in per_chunk if c.group_size > 1] * k)
 
 
 @pytest.mark.dist
@@ -393,21 +400,21 @@ def test_block_collectives_match_eq2_accounting(dist_results) -> None:
             for k in COUNT_CHUNKS:
                 log = res["counts"][(shape, k)]
                 assert collections.Counter(log) == _eq2_expected(cfg, shape, k), (shape, k, log)
-                axes = {entry[1] for entry in log}
+                axes = {entry.axis for entry in log}
                 assert ("atp0" in axes) == (d1 > 1) and ("atp1" in axes) == (d2 > 1)
                 # Eq. 2: all-gather of M bytes = half an all-reduce of M. LayerNorm statistics
                 # (4 all-reduces of b*s*2 float64 on atp1) are outside Eq. 2: add them explicitly.
                 ar_equiv = collections.defaultdict(float)
-                for op, axis, _, nbytes, _ in log:
-                    ar_equiv[axis] += nbytes / 2 if op == "all_gather" else nbytes
+                for entry in log:
+                    ar_equiv[entry.axis] += entry.nbytes / 2 if entry.kind == AG else entry.nbytes
                 ln_bytes = 4 * b * s * 2 * 8 if d2 > 1 else 0
                 eq2_atp1 = 2 * 7 * h / d1 * b * s * e if d2 > 1 else 0
                 eq2_atp0 = 2 * 2 * h / d2 * b * s * e if d1 > 1 else 0
                 assert math.isclose(ar_equiv["atp1"], eq2_atp1 + ln_bytes), (shape, k)
                 assert math.isclose(ar_equiv["atp0"], eq2_atp0), (shape, k)
                 if d2 == 1:  # DeviceMesh(N, 1) is Megatron-LM: 2 all-reduces each way on atp0.
-                    phases = collections.Counter((op, ph) for op, _, _, _, ph in log)
-                    assert phases == {("all_reduce", "forward"): 2 * k, ("all_reduce", "backward"): 2 * k}
+                    phases = collections.Counter((entry.kind, entry.phase) for entry in log)
+                    assert phases == {(AR, FWD): 2 * k, (AR, BWD): 2 * k}
 
 
 @pytest.mark.dist

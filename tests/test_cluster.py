@@ -33,6 +33,23 @@ def test_atp_fig7a_worked_example():
     assert m.algorithm_bandwidth(1) == pytest.approx(2 / 2 * 200 * GB)
 
 
+@pytest.mark.parametrize(
+    "preset, shape, mapping, names",
+    [
+        ("atp-ic4", (2, 8), "row", ("node", "gpu")),  # one axis between the 2 nodes, one inside each
+        ("atp-ic4", (4, 4), "row", ("node", "gpu")),  # axis 0's groups (ranks 0, 4, 8, 12) cross the nodes
+        ("atp-ic4", (4, 4), "col", ("gpu", "node")),  # the transpose
+        ("atp-ic4", (1, 16), "row", ("single", "node")),  # size one crosses nothing
+        ("atp-ic3", (2, 4), "row", ("gpu.0", "gpu.1")),  # one layer: both axes cross it, told apart by index
+        ("atp-ic3", (1, 1), "row", ("single.0", "single.1")),
+    ],
+)
+def test_axis_names_say_the_topmost_layer_crossed(preset, shape, mapping, names):
+    from meshpilot.cluster import mapped_ranks
+
+    assert LogicalMesh(load_cluster(preset), shape, mapped_ranks(shape, mapping)).axis_names() == names
+
+
 def test_ic1_calibration_overrides_matrix():
     cal = LogicalMesh(load_cluster("atp-ic1-calibrated"), (2, 4))
     assert cal.algorithm_bandwidth(0) == pytest.approx(1.20 * GB)

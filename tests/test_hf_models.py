@@ -155,7 +155,8 @@ def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
     from torch.distributed.tensor import DTensor
 
     from meshpilot.planner.plan import Plan
-    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.spmd import parallelize
 
     plan = Plan.from_json(plan_json)
     model, inputs = build(name)
@@ -166,7 +167,7 @@ def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(100 + step)
-        with CollectiveCounter(pm.mesh) as cc:
+        with record_collectives(pm.mesh) as log:
             loss = pm(*inputs)
             loss.backward()
         res["loss"].append(abs(loss.item() - ref[step]["loss"]))
@@ -181,8 +182,8 @@ def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
                 or [0.0]
             )
         )
-        res["counts_equal"].append(cc.counts() == planned)
-        res["counts"] = (sorted(cc.counts().items()), sorted(planned.items()))
+        res["counts_equal"].append(log.counts() == planned)
+        res["counts"] = (sorted(log.counts().items()), sorted(planned.items()))
         opt.step()
     res["mismatches"] = list(pm.mismatches)
     return res

@@ -98,6 +98,32 @@ def test_plan_json_round_trip_and_printable_strategies(tmp_path):
         p.mesh_shape = (1, 4)  # type: ignore[misc]
 
 
+def test_plan_names_mesh_axes_by_cluster_layer_and_old_plans_get_positional_names(tmp_path):
+    import json
+    from collections import Counter
+
+    m, x = meta_wide(h=1024, tokens=2048)
+    p = plan(m, x, "atp-ic1", mesh_shape=(2, 4), mappings=("row",))  # 2 sockets of 4 GPUs
+    assert p.mesh_axes == ("socket", "gpu")  # axis 0 crosses the sockets, axis 1 stays inside one
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert json.loads(path.read_text())["mesh_axes"] == ["socket", "gpu"]
+    assert Plan.load(path) == p
+    # every collective is counted and printed under its axis' name
+    counts = p.collective_counts()
+    by_name = Counter()
+    for (_, axis, _), n in counts.items():
+        by_name[axis] += n
+    assert by_name and by_name == Counter(("socket", "gpu")[c.axis] for c in p.collectives)
+    assert any(f"@{p.axis_name(c.axis)} " in str(p) for c in p.collectives)
+    # a plan saved before axes had names loads with positional ones
+    old = p.to_dict()
+    del old["mesh_axes"]
+    q = Plan.from_dict(old)
+    assert q.mesh_axes == ("axis0", "axis1")
+    assert {axis for _, axis, _ in q.collective_counts()} <= {"axis0", "axis1"}
+
+
 def test_cluster_matrix_changes_the_plan():
     m, x = meta_wide(h=2048, tokens=4096)
     a = plan(m, x, "atp-ic1", mesh_shape=(2, 4))

@@ -208,7 +208,8 @@ def test_batchnorm_is_batch_sharded_with_its_statistics_reduced(plans):
 
 def _run(name: str, plan_json: str, graph) -> dict:
     from meshpilot.planner.plan import Plan
-    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.spmd import parallelize
 
     plan = Plan.from_json(plan_json)
     ref, inputs = build(name)
@@ -223,7 +224,7 @@ def _run(name: str, plan_json: str, graph) -> dict:
         o_par.zero_grad()
         l_ref = ref(*inputs)
         l_ref.backward()
-        with CollectiveCounter(pm.mesh) as cc:
+        with record_collectives(pm.mesh) as log:
             loss = pm(*inputs)
             loss.backward()
         res["loss"].append(abs(loss.item() - l_ref.item()))
@@ -231,7 +232,7 @@ def _run(name: str, plan_json: str, graph) -> dict:
         res["grad"].append(max((a.grad - b.grad.full_tensor()).abs().max().item() for a, b in pairs))
         bufs = [(a.float() - b.float()).abs().max().item() for a, b in zip(ref.buffers(), model.buffers())]
         res["buffer"].append(max(bufs or [0.0]))
-        res["counts_equal"].append(cc.counts() == planned)
+        res["counts_equal"].append(log.counts() == planned)
         o_ref.step()
         o_par.step()
     res["mismatches"] = list(pm.mismatches)

@@ -210,7 +210,9 @@ def _reference(name: str, adamw: dict, microbatches: int = 1) -> list[dict]:
 
 
 def _run_plan(name: str, plan, graph, ref: list[dict]) -> dict:
-    from meshpilot.runtime.spmd import CollectiveCounter, parallelize
+    from meshpilot.graph.capture import Phase
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.spmd import parallelize
 
     model, inputs = build(name)
     pm = parallelize(model, plan, graph=graph)
@@ -219,10 +221,10 @@ def _run_plan(name: str, plan, graph, ref: list[dict]) -> dict:
     res: dict = {"loss": [], "grad": [], "param": [], "counts": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        with CollectiveCounter(pm.mesh) as cc:
+        with record_collectives(pm.mesh) as log:
             loss = pm(*inputs)
             loss.backward()
-        res["counts"].append({ph: cc.counts(ph) for ph in ("fwd", "bwd")})
+        res["counts"].append({ph: log.counts(ph) for ph in (Phase.FWD, Phase.BWD)})
         params = dict(zip(names, pm.parameters()))
         res["loss"].append(abs(loss.item() - ref[step]["loss"]))
         res["grad"].append(_max_err((n, ref[step]["grads"][n], p.grad) for n, p in params.items()))

@@ -1,8 +1,11 @@
 """``parallelize`` on real gloo groups: loss and gradients equal the single-device model's over 3 AdamW
 steps, and the collectives the run issues are exactly the ones the plan predicts. All plans of the module
-run in one 4-rank spawn (see ``tests/test_models_parallel.py`` for every model, mesh and plan kind)."""
+run in one 4-rank spawn (see ``tests/test_models_parallel.py`` for every model, mesh and plan kind), which
+also records one step of the DTensor runtime and one ATP block in the same collective recorder."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -48,10 +51,32 @@ def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
     }
 
 
+def _both_runtimes(name: str, plan_json: str, graphs: dict) -> list:
+    """One step of the DTensor runtime (`plan_json`) and one ATP block, recorded by one recorder."""
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.atp import ATPBlock, init_mesh
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.spmd import parallelize
+
+    model, inputs = _build(name)
+    pm = parallelize(model, Plan.from_json(plan_json), graph=graphs[name])
+    cfg = gpt_tiny()
+    block = ATPBlock(cfg, init_mesh((2, 2)))
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden // 2, requires_grad=True)
+    with record_collectives(pm.mesh) as log:
+        pm(*inputs).backward()
+        block(x).sum().backward()
+    return log.entries
+
+
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     """Every (key, model, plan JSON) in one process group: one spawn for the whole module."""
     graphs: dict = {}
-    return {key: _run_one(name, plan_json, graphs) for key, name, plan_json in jobs}
+    out = {key: _run_one(name, plan_json, graphs) for key, name, plan_json in jobs}
+    key, name, plan_json = next(j for j in jobs if j[0] == ("mlp", "forced"))
+    out["both runtimes"] = _both_runtimes(name, plan_json, graphs)
+    return out
 
 
 def _check(r: dict) -> None:
@@ -107,3 +132,27 @@ def test_forced_tensor_parallel_plan_matches_single_device(runs, name):
     assert any(c.kind in ("all_reduce", "reduce_scatter") for c in plans[(name, "forced")].collectives)
     for r in results:
         _check(r[(name, "forced")])
+
+
+def test_both_runtimes_feed_one_recorder_with_one_record_type(runs):
+    """The DTensor runtime's functional collectives and the ATP runtime's c10d ones arrive as the same
+    ``CollectiveRecord`` (enum kind and phase, axis by name), each once: DTensor's under the plan's axis
+    names, ATP's under its mesh's (``atp0``, ``atp1``)."""
+    from meshpilot.graph.capture import Phase
+    from meshpilot.runtime.collective_log import CollectiveRecord
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    plans, results = runs
+    plan = plans[("mlp", "forced")]
+    assert plan.mesh_axes == ("gpu.0", "gpu.1")  # atp-ic3 is one layer of GPUs
+    for r in results:
+        entries = r["both runtimes"]
+        assert all(type(e) is CollectiveRecord for e in entries)
+        assert all(isinstance(e.kind, CollectiveKind) and isinstance(e.phase, Phase) for e in entries)
+        dtensor = [e for e in entries if e.axis in plan.mesh_axes]
+        atp = [e for e in entries if e.axis in ("atp0", "atp1")]
+        assert len(dtensor) + len(atp) == len(entries)
+        issued = Counter((e.kind, e.axis, e.nbytes) for e in dtensor)
+        assert issued == plan.collective_counts(backend="gloo")
+        assert {e.phase for e in dtensor} == {e.phase for e in atp} == {Phase.FWD, Phase.BWD}
+        assert len(atp) == 14  # ATP Fig. 6 on DeviceMesh(2, 2): 14 per block (one chunk)

@@ -335,10 +335,11 @@ def op_sections(graph: Any) -> list[tuple[tuple[int, int] | None, list[Any]]]:
 def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "summary", cluster: Any = None) -> None:
     """The plan as rich tables (see the module docstring)."""
     t, m, s = plan.time, plan.memory, plan.solver
-    mesh = ", ".join(str(d) for d in plan.mesh_shape)
+    mesh = ", ".join(f"{a}={d}" for a, d in zip(plan.mesh_axes, plan.mesh_shape))
+    contiguous = plan.mesh_axes[-1 if plan.mapping == "row" else 0]
     out.print(
         f"[bold]{label}[/bold]\non {plan.cluster}, {n} devices: [bold]DeviceMesh({mesh})[/bold], {plan.mapping} "
-        f"mapping (axis {1 if plan.mapping == 'row' else 0} on contiguous ranks), predicted step "
+        f"mapping ({contiguous} on contiguous ranks), predicted step "
         f"[bold]{fmt_s(t.total_s)}[/bold], {fmt_size(m.total)} per device"
     )
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
@@ -435,14 +436,14 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     ct = Table(title="Collectives per step")
     for col in ("phase", "kind", "mesh axis", "count", "bytes", "predicted"):
         ct.add_column(col, justify="right" if col in ("count", "bytes", "predicted", "mesh axis") else "left")
-    agg: dict[tuple[str, str, int], list[float]] = {}
+    agg: dict[tuple[str, str, str], list[float]] = {}
     for c in plan.collectives:
-        a = agg.setdefault((c.phase, c.kind, c.axis), [0, 0.0, 0.0])
+        a = agg.setdefault((c.phase, c.kind, plan.axis_name(c.axis)), [0, 0.0, 0.0])
         a[0] += 1
         a[1] += c.nbytes
         a[2] += float(c.seconds)
     for (phase, kind, axis), (count, nbytes, sec) in sorted(agg.items()):
-        ct.add_row(phase, kind, str(axis), str(int(count)), fmt_size(nbytes), fmt_s(sec))
+        ct.add_row(phase, kind, axis, str(int(count)), fmt_size(nbytes), fmt_s(sec))
     if not agg:
         ct.add_row("—", "none: every operator runs on local data", "", "", "", "")
     out.print(ct)
@@ -479,7 +480,7 @@ def op_table(plan: Any, graph: Any, all_nodes: bool = False) -> Table:
     """Per-operator strategies, repeated layers once, with the collectives that feed each operator."""
     into: dict[str, Counter] = {}
     for c in plan.collectives:
-        into.setdefault(c.dst, Counter())[(c.kind, c.axis, c.nbytes)] += 1
+        into.setdefault(c.dst, Counter())[(c.kind, plan.axis_name(c.axis), c.nbytes)] += 1
     title = "Per-operator strategies: operands × … → outputs, and the collectives that reshard its operands"
     table = Table(title=title)
     for col in ("op", "reads", "strategy", "collectives in"):
@@ -503,7 +504,7 @@ def op_table(plan: Any, graph: Any, all_nodes: bool = False) -> Table:
             if rep is not None:
                 reads = _layer_pattern(reads)
             text = ", ".join(
-                f"{k} ax{a} {fmt_size(b)}" + (f" ×{c}" if c > 1 else "") for (k, a, b), c in sorted(coll.items())
+                f"{k}@{a} {fmt_size(b)}" + (f" ×{c}" if c > 1 else "") for (k, a, b), c in sorted(coll.items())
             )
             table.add_row(node.name, reads, choice.short().split(": ", 1)[1], text)
         if rep is not None:

@@ -42,6 +42,14 @@ Eq. 4 (Rabenseifner all-reduce, latency ignored): the algorithm bandwidth of an 
 
 :func:`algorithm_bandwidth` returns it, unless a calibration entry of the cluster was measured on this
 axis' rank groups, whose measured B then wins (ATP §5.3 calibrates IC1 this way).
+
+Axis names (:meth:`LogicalMesh.axis_names`, stored in plans as ``Plan.mesh_axes``, given to the runtime's
+``DeviceMesh`` as ``mesh_dim_names`` and used by the collective recorder) say where an axis sits in the
+cluster: the topmost layer its groups cross, since that layer's links are the ones its collectives pay for
+(``node`` for an axis between nodes, ``gpu`` for one inside a node). Two axes crossing the same topmost layer
+(every 2D mesh on a one-layer cluster) get the axis index appended (``gpu.0``, ``gpu.1``); an axis of size
+one crosses nothing and is ``single``. Where no cluster is known (plans saved before axes had names, a
+DeviceMesh built without names) the names are positional: :func:`default_axis_names`.
 """
 
 from __future__ import annotations
@@ -71,6 +79,15 @@ class MeshMapping(StrEnum):
     node first, as ATP does."""
     COL = "col"
     """Axis 0 on contiguous ranks (the transpose)."""
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    """Positional axis names, for meshes without a cluster to name them by: ``axis0``, ``axis1``, ..."""
+    return tuple(f"axis{a}" for a in range(ndim))
+
+
+SINGLE_AXIS = "single"
+"""The name of an axis of size one: its groups are single devices and cross no layer of the cluster."""
 
 
 def mapped_ranks(shape: tuple[int, ...], mapping: MeshMapping | str) -> np.ndarray:
@@ -129,6 +146,20 @@ class LogicalMesh:
     def axis_size(self, axes: int | Sequence[int]) -> int:
         """Devices in one group over `axes`."""
         return math.prod(self.shape[a] for a in _axes(axes, len(self.shape)))
+
+    def top_layer(self, axis: int) -> str | None:
+        """The name of the topmost cluster layer whose units the groups of `axis` cross (None for size one)."""
+        groups = self.groups(axis)
+        if groups.shape[1] <= 1:
+            return None
+        coords = self.cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(self.cluster.layers))
+        differs = (coords != coords[:, :1, :]).any(axis=(0, 1))  # per layer: some group's members differ there
+        return self.cluster.layers[int(np.argmax(differs))].name
+
+    def axis_names(self) -> tuple[str, ...]:
+        """One name per axis: its topmost crossed layer, made unique (module docstring, "Axis names")."""
+        base = [self.top_layer(a) or SINGLE_AXIS for a in range(len(self.shape))]
+        return tuple(f"{b}.{a}" if base.count(b) > 1 else b for a, b in enumerate(base))
 
     def effective_bandwidth(self, axes: int | Sequence[int]) -> float:
         """B' of Eq. 3 for collectives over `axes`, bytes/s (inf for groups of one device)."""

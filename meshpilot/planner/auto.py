@@ -345,6 +345,7 @@ def _assemble(
     return Plan(
         cluster=lm.cluster.name,
         mesh_shape=tuple(cand.shape),
+        mesh_axes=lm.axis_names(),
         mesh_ranks=tuple(int(r) for r in np.asarray(lm.ranks).reshape(-1)),
         mapping=cand.mapping,
         nodes=nodes,

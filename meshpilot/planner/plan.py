@@ -1,6 +1,6 @@
 """The :class:`Plan`: an immutable, JSON-serialisable record of how to run one training step.
 
-It holds the mesh (shape and the physical rank of every coordinate), every node's chosen strategy (layouts
+It holds the mesh (shape, axis names and the physical rank of every coordinate), every node's chosen strategy (layouts
 of its operands and outputs, printable as ``linear_3: S(0)R × RS(1) → S(0)S(1)``), each parameter's layout,
 the collectives the run will issue (kind, mesh axis, bytes, forward or backward), the predicted step time
 split into compute / communication (reductions of partial sums) / resharding (all-gathers, all-to-alls),
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
 from meshpilot.planner.schedule import Schedule, trivial
 from meshpilot.sharding.placements import Placements, from_json
@@ -66,10 +67,11 @@ class PlannedCollective:
     """One collective the run issues: where, what, how big."""
 
     kind: str
-    """``all_reduce``, ``reduce_scatter``, ``all_gather`` or ``all_to_all``."""
+    """``all_reduce``, ``reduce_scatter``, ``all_gather`` or ``all_to_all`` (a ``CollectiveKind`` value)."""
     axis: int
+    """Index of the mesh axis it runs over (its name: ``Plan.mesh_axes[axis]``)."""
     nbytes: int
-    """Cost-model convention: all-gather output, reduce-scatter input, all-reduce buffer, all-to-all per rank."""
+    """The convention of ``CollectiveKind`` (all-gather output, reduce-scatter input, ...)."""
     phase: str
     """``fwd``, ``bwd`` (including the gradients' final resharding)."""
     src: str
@@ -219,10 +221,16 @@ class Plan:
     precision: str = ""
     """``fp32``, ``bf16`` or ``bf16-mixed`` (``meshpilot.graph.capture.Precision``: autocast over fp32
     parameters); empty in older plans."""
+    mesh_axes: tuple[str, ...] = ()
+    """One name per mesh axis, the runtime's ``mesh_dim_names``: the cluster layer the axis crosses
+    (``LogicalMesh.axis_names``, e.g. ``("node", "gpu")``). Plans saved before axes had names, and plans built
+    without them, get positional names (``axis0``, ``axis1``: ``cluster.mesh.default_axis_names``)."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+        if not self.mesh_axes:
+            object.__setattr__(self, "mesh_axes", default_axis_names(len(self.mesh_shape)))
 
     # ---------------------------------------------------------------- access
     def node(self, name: str) -> NodeChoice:
@@ -243,9 +251,14 @@ class Plan:
                 return from_json(layout)  # type: ignore[return-value]
         raise KeyError(fqn)
 
+    def axis_name(self, axis: int) -> str:
+        """The name of mesh axis `axis` (:attr:`mesh_axes`)."""
+        return self.mesh_axes[axis]
+
     def collective_counts(self, phase: str | None = None, backend: str = "nccl") -> Counter:
-        """Counter of (kind, axis, nbytes) over the collectives one step issues, optionally of one phase:
-        each microbatch's once per microbatch of the schedule, the gradients' (``grad:``) once.
+        """Counter of (kind, axis name, nbytes) over the collectives one step issues, optionally of one phase:
+        each microbatch's once per microbatch of the schedule, the gradients' (``grad:``) once. The keys are
+        those of ``CollectiveLog.counts()`` (``meshpilot.runtime.collective_log``), which records a run.
 
         With ``backend="gloo"`` an all-to-all is counted as DTensor issues it on CPU process groups
         (which lack all-to-all): an all-gather of the shards, ``n`` times the bytes each rank holds.
@@ -257,9 +270,9 @@ class Plan:
                 continue
             times = 1 if c.dst.startswith("grad:") else per_step
             if backend == "gloo" and c.kind == CollectiveKind.ALL_TO_ALL:
-                out[(CollectiveKind.ALL_GATHER, c.axis, c.nbytes * self.mesh_shape[c.axis])] += times
+                out[(CollectiveKind.ALL_GATHER, self.axis_name(c.axis), c.nbytes * self.mesh_shape[c.axis])] += times
             else:
-                out[(c.kind, c.axis, c.nbytes)] += times
+                out[(c.kind, self.axis_name(c.axis), c.nbytes)] += times
         return out
 
     # ---------------------------------------------------------------- printing
@@ -275,13 +288,14 @@ class Plan:
         n = 1
         for d in self.mesh_shape:
             n *= d
-        contiguous = {"row": f"axis {len(self.mesh_shape) - 1}", "col": "axis 0"}.get(self.mapping, self.mapping)
+        contiguous = {"row": self.mesh_axes[-1], "col": self.mesh_axes[0]}.get(self.mapping, self.mapping)
         by_kind = Counter(c.kind for c in self.collectives)
         by_phase = Counter(c.phase for c in self.collectives)
         kinds = ", ".join(f"{k} ×{v}" for k, v in sorted(by_kind.items())) or "none"
         status = re.search(r"HiGHS Status \d+: ([^)]*)", sv.status)
         lines = [
-            f"Plan on {self.cluster}: mesh {self.mesh_shape} ({n} devices; {contiguous} on contiguous ranks, "
+            f"Plan on {self.cluster}: mesh {self.mesh_shape} over axes ({', '.join(self.mesh_axes)}) ({n} devices; "
+            f"{contiguous} on contiguous ranks, "
             f"{self.mapping} mapping)" + (f", {self.precision}" if self.precision else ""),
             f"  step time    {t.total_s * ms:.3f} ms = compute {t.compute_s * ms:.3f} ({t.compute_s / tot:.0%})"
             f" + communication {t.communication_s * ms:.3f} ({t.communication_s / tot:.0%})"
@@ -326,7 +340,8 @@ class Plan:
         """Summary, parameter layouts, then one line per operator with the collectives feeding it."""
         into: dict[str, list[str]] = {}
         for c in self.collectives:
-            into.setdefault(c.dst, []).append(f"{_SHORT.get(c.kind, c.kind)}@{c.axis} {_bytes(c.nbytes)}")
+            label = f"{_SHORT.get(c.kind, c.kind)}@{self.axis_name(c.axis)} {_bytes(c.nbytes)}"
+            into.setdefault(c.dst, []).append(label)
         switched = {z.param: z for z in self.zero}
         out = [self.summary(), "parameters (stored layout):"]
         for fqn, layout in self.params:
@@ -415,6 +430,7 @@ class Plan:
             fingerprint=d["fingerprint"],
             version=d.get("version", 1),
             precision=d.get("precision", ""),
+            mesh_axes=tuple(d.get("mesh_axes", ())),
             zero=tuple(
                 ZeroSwitch(
                     z["param"],

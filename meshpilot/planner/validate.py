@@ -6,6 +6,7 @@ and the fix for the first problem found:
 
 * ``version``: one this meshpilot reads (:data:`SUPPORTED_VERSIONS`);
 * ``mesh_shape``: one or more positive whole sizes;
+* ``mesh_axes``: one distinct, non-empty name per mesh axis;
 * ``mesh_ranks``: a permutation of ``range(prod(mesh_shape))`` (no duplicate, none missing or out of range);
 * every placement string (``inputs``, ``params``, each node's ``ins`` / ``outs``): ``R``, ``P``, ``P(op)`` or
   ``S(d)``, one per mesh axis, and ``d`` below the tensor's rank where the rank is known (the inputs' from
@@ -80,6 +81,16 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
     ):
         raise _fail(where, "mesh_shape", f"is {shape!r}, must be positive whole sizes", "e.g. [2, 2]; or plan again")
     n = math.prod(shape)
+
+    names = plan.mesh_axes
+    fix = 'give one distinct name per mesh axis, e.g. ["node", "gpu"], or delete the key for positional names'
+    if not isinstance(names, list | tuple) or not all(isinstance(a, str) and a for a in names):
+        raise _fail(where, "mesh_axes", f"is {names!r}, must be non-empty names", fix)
+    if len(names) != len(shape):
+        raise _fail(where, "mesh_axes", f"names {len(names)} axes, the mesh {tuple(shape)} has {len(shape)}", fix)
+    dup = sorted(a for a, c in Counter(names).items() if c > 1)
+    if dup:
+        raise _fail(where, "mesh_axes", f"name {dup[0]!r} appears more than once", fix)
 
     ranks = plan.mesh_ranks
     fix = f"list every rank 0 … {n - 1} exactly once (row-major over the mesh), or plan again"

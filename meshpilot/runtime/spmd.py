@@ -15,15 +15,16 @@ global batch (the single-device model's inputs, moved to the device): sharding a
 All ranks must hold identical initial weights and, for plans with random ops (dropout), the same random
 generator state (same seed), as with any SPMD launch; parallelize checks the latter.
 
-:class:`CollectiveCounter` records the collectives a step issues (kind, mesh axis, bytes, phase) by
-intercepting the functional collectives, to compare with ``Plan.collectives``.
+The mesh's axes carry the plan's names (``Plan.mesh_axes`` as ``mesh_dim_names``; a mesh given as ``mesh=``
+keeps its own), so ``meshpilot.runtime.collective_log.record_collectives(pm.mesh)`` records the collectives a
+step issues under the names ``Plan.collective_counts()`` uses; every action of the schedule runs in its
+phase's ``phase_scope``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,94 +32,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshpilot import compat
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import Action, ActionKind
+from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StepProgram
 from meshpilot.sharding.placements import from_json
-from meshpilot.sharding.reshard import CollectiveKind
-
-_ACTIVE_COUNTERS: list[CollectiveCounter] = []
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Records every functional collective (as DTensor issues them) with its mesh axis and bytes.
-
-    Bytes follow the cost model's convention (all-gather: gathered output; reduce-scatter: input;
-    all-reduce: buffer; all-to-all: what each rank holds), so ``counts()`` compares with
-    ``Plan.collective_counts()``.
-    """
-
-    def __init__(self, mesh: DeviceMesh):
-        super().__init__()
-        self.axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
-        # DTensor's sharding cache hashes meshes by shape and ranks, so a value may carry an equal mesh
-        # built earlier (other groups, other names): axes are also recognised by their rank sets
-        self._axis_of_ranks = {frozenset(dist.get_process_group_ranks(mesh.get_group(a))): a for a in range(mesh.ndim)}
-        self.records: list[tuple[str, int, int, str]] = []
-        self.phase = "fwd"
-
-    def _axis(self, group_name: str | None) -> int:
-        axis = self.axis_of.get(group_name) if group_name is not None else None
-        if axis is None and group_name is not None:
-            try:
-                ranks = frozenset(dist.get_process_group_ranks(compat.resolve_process_group()(group_name)))
-            except Exception:  # noqa: BLE001 - an unknown group: reported as axis -1
-                ranks = frozenset()
-            axis = self._axis_of_ranks.get(ranks, -1)
-            self.axis_of[group_name] = axis
-        return -1 if axis is None else axis
-
-    def __enter__(self):
-        _ACTIVE_COUNTERS.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _ACTIVE_COUNTERS.remove(self)
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        ns = getattr(func, "namespace", "")
-        if ns == "_c10d_functional" and not name.startswith("wait_tensor"):
-            base = name.split(".")[0]
-            t = args[0]
-            group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
-            axis = self._axis(group)
-            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            kind = None
-            if base == "all_gather_into_tensor":
-                kind, nbytes = CollectiveKind.ALL_GATHER, nbytes * int(args[1])
-            elif base == "reduce_scatter_tensor":
-                kind = CollectiveKind.REDUCE_SCATTER
-            elif base == "all_reduce":
-                kind = CollectiveKind.ALL_REDUCE
-            elif base == "all_to_all_single":
-                kind = CollectiveKind.ALL_TO_ALL
-            elif base in ("broadcast", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
-                kind = base
-            if kind is not None:
-                self.records.append((kind, axis, int(nbytes), self.phase))
-        return func(*args, **kwargs)
-
-    def counts(self, phase: str | None = None) -> Counter:
-        return Counter((k, a, b) for k, a, b, p in self.records if phase is None or p == phase)
-
-
-def _set_phase(phase: str) -> None:
-    for c in _ACTIVE_COUNTERS:
-        c.phase = phase
 
 
 def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
-    """The DeviceMesh a plan runs on (the process group must already be initialised)."""
+    """The DeviceMesh a plan runs on, its axes named ``plan.mesh_axes`` (the process group must already be
+    initialised)."""
     n = math.prod(plan.mesh_shape)
     if not dist.is_initialized():
         raise UserError("meshpilot.parallelize needs torch.distributed initialised (run under torchrun)")
@@ -127,16 +55,16 @@ def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
             f"the plan's mesh {plan.mesh_shape} has {n} devices but the world size is {dist.get_world_size()}; "
             f"launch with --nproc-per-node {n} or plan for this world size"
         )
-    key = (device_type, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
+    key = (device_type, tuple(plan.mesh_shape), tuple(plan.mesh_ranks), tuple(plan.mesh_axes))
     world, mesh = _MESHES.get(key, (None, None))
     if mesh is None or world is not dist.group.WORLD:
         ranks = torch.tensor(plan.mesh_ranks, dtype=torch.int).reshape(plan.mesh_shape)
-        mesh = DeviceMesh(device_type, ranks)
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(plan.mesh_axes))
         _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
 
 
-# One DeviceMesh (and one set of process groups) per mesh layout and world: parallelizing several models
+# One DeviceMesh (and one set of process groups) per mesh layout, axis names and world: parallelizing several models
 # or plans in one process reuses it instead of creating new groups each time.
 _MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
 
@@ -268,24 +196,24 @@ class _ScheduleRun:
         return out
 
     def _run(self, stop: int) -> None:
-        pm = self.pm
         while self.next < stop:
             a = self.actions[self.next]
             self.next += 1
-            if a.kind == ActionKind.FORWARD:
-                _set_phase("fwd")
-                mb = [chunks[a.microbatch] for chunks in self.inputs]
-                self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
-            elif a.kind == ActionKind.BACKWARD:
-                _set_phase("bwd")
-                grads = pm.program.backward(self.saved.pop(a.microbatch))
-                if self.m > 1:
-                    grads = [g / self.m if g is not None else None for g in grads]
-                self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
-            else:  # gradient synchronisation
-                _set_phase("bwd")
-                self.synced = pm.program.grad_sync(self.grads or [])
-            _set_phase("fwd")
+            with phase_scope(Phase.FWD if a.kind == ActionKind.FORWARD else Phase.BWD):
+                self._run_action(a)
+
+    def _run_action(self, a: Action) -> None:
+        pm = self.pm
+        if a.kind == ActionKind.FORWARD:
+            mb = [chunks[a.microbatch] for chunks in self.inputs]
+            self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
+        elif a.kind == ActionKind.BACKWARD:
+            grads = pm.program.backward(self.saved.pop(a.microbatch))
+            if self.m > 1:
+                grads = [g / self.m if g is not None else None for g in grads]
+            self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
+        else:  # gradient synchronisation
+            self.synced = pm.program.grad_sync(self.grads or [])
 
 
 _EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_SYNC})
@@ -468,4 +396,4 @@ def shard_inputs(inputs: Sequence[torch.Tensor], plan: Plan, mesh: DeviceMesh) -
     return [to_dtensor(x, mesh, from_json(layout)) for x, layout in zip(inputs, plan.inputs)]
 
 
-__all__ = ["CollectiveCounter", "ParallelModule", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]
+__all__ = ["ParallelModule", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]

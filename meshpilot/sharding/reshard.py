@@ -10,9 +10,8 @@ the run issues. Each step acts on one mesh axis and becomes one collective of th
     S(d) -> S(e)  all-to-all(M_a / n_a, axis a)   "resharding"    (Table 2 #4, #5)
     R -> S(d), R -> P                             free: a local slice (Table 2 #1)
 
-``M_a`` follows the local tensor through the steps (the whole tensor cut by every shard it has right then):
-an all-gather is charged with its gathered output (local x n_a), a reduce-scatter with its input, an
-all-reduce with its buffer, an all-to-all with the bytes each rank holds, as ``CostModel`` wants.
+``M_a`` follows the local tensor through the steps (the whole tensor cut by every shard it has right then),
+counted as :class:`CollectiveKind` says (an all-gather's gathered output, a reduce-scatter's input, ...).
 """
 
 from __future__ import annotations
@@ -36,7 +35,15 @@ that no plan uses it."""
 
 class CollectiveKind(StrEnum):
     """What a collective does: the planner's, the runtimes' and the recorders' one vocabulary (the values are
-    what plans store in JSON)."""
+    what plans store in JSON).
+
+    **Bytes.** Everywhere meshpilot gives a collective's size in bytes (``Collective.nbytes`` here,
+    ``PlannedCollective.nbytes`` in plans, the cost model's ``M``, ``CollectiveRecord.nbytes`` of the
+    runtimes' recorder) it is the full buffer the collective moves on one rank: ``ALL_REDUCE`` the reduced
+    buffer; ``ALL_GATHER`` the gathered output (the local shard times the group size); ``REDUCE_SCATTER`` the
+    un-reduced input; ``ALL_TO_ALL`` what each rank holds (its input); ``BROADCAST`` the buffer; ``SEND`` /
+    ``RECV`` the message. ``CollectiveRecord.ring_bytes`` turns it into the bytes one rank sends.
+    """
 
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
@@ -54,7 +61,7 @@ class CollectiveKind(StrEnum):
 
 
 class Collective(NamedTuple):
-    """One collective on one mesh axis: kind, axis, bytes (in the cost model's convention)."""
+    """One collective on one mesh axis: kind, axis, bytes (as :class:`CollectiveKind` counts them)."""
 
     kind: CollectiveKind
     axis: int

@@ -314,7 +314,7 @@ class _Lowering:
 
     def _label(self, c: int, m: int) -> str:
         col = self.plan.collectives[c]
-        return f"{col.kind}@{col.axis} #{c}.{m}"
+        return f"{col.kind}@{self.plan.axis_name(col.axis)} #{c}.{m}"
 
     def _blocking(self, c: int, m: int, ops: list[tuple]) -> None:
         label = self._label(c, m)

@@ -4,7 +4,7 @@ Every collective here
 
 - is skipped (returns ``None``, records nothing) on a group of one rank, so DeviceMesh(N, 1)
   issues exactly Megatron-LM's collectives and nothing on the size-1 axis;
-- is reported to :mod:`meshpilot.runtime.commlog` (op, axis name, group size, bytes, phase);
+- is reported to :mod:`meshpilot.runtime.collective_log` (kind, axis name, group size, bytes, phase);
 - is a plain ``c10d`` op, so ``CommDebugMode`` counts it too;
 - may be launched with ``async_op=True``; the caller waits on the returned work before it
   reads the result (see :class:`Pending`).
@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpilot.runtime import commlog
+from meshpilot.cluster.mesh import default_axis_names
+from meshpilot.runtime import collective_log
+from meshpilot.sharding.reshard import CollectiveKind
 
 __all__ = [
     "ConjugateMatmul",
@@ -61,8 +63,8 @@ class MeshAxis:
 
     @property
     def name(self) -> str:
-        names = self.mesh.mesh_dim_names
-        return names[self.dim] if names else f"dim{self.dim}"
+        """The mesh's name for the axis (positional, ``axis0``, ..., on a mesh built without names)."""
+        return (self.mesh.mesh_dim_names or default_axis_names(self.mesh.ndim))[self.dim]
 
     @property
     def size(self) -> int:
@@ -91,7 +93,7 @@ def all_reduce(
     """In-place all-reduce of ``t`` over ``axis``; ``None`` (and nothing issued) if size 1."""
     if axis.size == 1:
         return None
-    commlog.record("all_reduce", axis.name, axis.size, _nbytes(t))
+    collective_log.record(CollectiveKind.ALL_REDUCE, axis.name, axis.size, _nbytes(t))
     return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
 
 
@@ -99,7 +101,7 @@ def _all_gather_dim0(t: torch.Tensor, axis: MeshAxis, async_op: bool) -> tuple[t
     """All-gather ``t`` along a new leading block: returns [size * t.shape[0], ...]."""
     t = t.contiguous()
     out = torch.empty((axis.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    commlog.record("all_gather", axis.name, axis.size, _nbytes(out))
+    collective_log.record(CollectiveKind.ALL_GATHER, axis.name, axis.size, _nbytes(out))
     work = dist.all_gather_single(out, t, group=axis.group, async_op=async_op)
     return out, work
 

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshpilot.graph.capture import Phase
 from meshpilot.models.gpt import GPT, GPTConfig
-from meshpilot.runtime import commlog
+from meshpilot.runtime import collective_log
 from meshpilot.runtime.atp.comm import (
     GatherLastDim,
     MeshAxis,
@@ -285,13 +286,13 @@ class ATPGPT(nn.Module):
         """Average gradients over the data-parallel mesh (no-op without one or with dp == 1).
 
         All all-reduces are launched asynchronously, then waited; recorded as axis "dp",
-        phase "backward".
+        phase ``Phase.BWD``.
         """
         if self.dp_mesh is None or self.dp_mesh.size() == 1:
             return
         axis = MeshAxis(self.dp_mesh, 0)
         grads = [local_of(p.grad) for p in self.parameters() if p.grad is not None]
-        with commlog.phase_scope("backward"):
+        with collective_log.phase_scope(Phase.BWD):
             works = [all_reduce(g, axis, async_op=True) for g in grads]
         for w in works:
             if w is not None:

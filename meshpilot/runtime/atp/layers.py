@@ -65,7 +65,7 @@ Backward: one all-reduce of ``[sum g, sum g*xhat]`` (``g = dy * gamma``), same d
 size-1 atp1 (DeviceMesh(N, 1)) LayerNorm is plain ``F.layer_norm``: no collective at all, so
 DeviceMesh(N, 1) issues exactly Megatron-LM's 2 forward + 2 backward all-reduces per block.
 
-Every collective skips groups of one rank, reports to :mod:`meshpilot.runtime.commlog`, and is a
+Every collective skips groups of one rank, reports to :mod:`meshpilot.runtime.collective_log`, and is a
 ``c10d`` op (visible to ``CommDebugMode``).
 
 Chunk-based overlap (Sec. 4.1-4.2): each layer has a ``start(x) -> Pending`` that launches its
