@@ -41,7 +41,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,49 +202,12 @@ def make_plans(specs: Sequence[PlanSpec], cfg: dict, cluster: Any, folder: Path,
 
 
 def reprice(plan: Any, graph: Any, cluster: Any) -> Any:
-    """The same plan with its node seconds, collective seconds and closed-form time recomputed on `cluster`.
+    """The same plan with every price recomputed on `cluster` (``accounting.reprice``: node roofline seconds on
+    the cluster's device profile, each collective on the plan's mesh and rank map; layouts, collectives and
+    schedule kept). On the cluster it was planned on, this reproduces ``plan.time``."""
+    from meshpilot.planner.accounting import reprice as reprice_plan
 
-    Strategies, layouts, collectives (kind, axis, bytes) and schedule are kept; what changes is every price:
-    each node's roofline seconds (the planner's own ``accounting.ComputeCost.node`` on the cluster's device
-    profile, with the node's planned input and output layouts) and each collective's
-    ``CostModel.<kind>(nbytes, axis)`` on the plan's mesh and rank map. On the cluster it was planned on,
-    this reproduces ``plan.time``."""
-    import numpy as np
-
-    from meshpilot.cluster.cost import CostModel
-    from meshpilot.cluster.mesh import LogicalMesh
-    from meshpilot.planner.accounting import ComputeCost
-    from meshpilot.planner.plan import StepTime
-    from meshpilot.sharding.placements import from_json
-    from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind
-
-    shape = tuple(plan.mesh_shape)
-    cm = CostModel(LogicalMesh(cluster, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape)))
-    costs = ComputeCost(cm, shape, graph)
-    mb = plan.step_schedule().microbatches
-    compute = comm = reshard = 0.0
-    nodes = []
-    for n in plan.nodes:
-        st = SimpleNamespace(ins=tuple(from_json(x) for x in n.ins), outs=tuple(from_json(x) for x in n.outs))
-        s = costs.node(graph[n.name], st)
-        compute += s * mb
-        nodes.append(dataclasses.replace(n, seconds=s))
-    colls = []
-    for c in plan.collectives:
-        s = UNSUPPORTED_S if c.kind == "unsupported" else getattr(cm, c.kind)(c.nbytes, c.axis)
-        times = 1 if c.dst.startswith("grad:") else mb
-        if c.kind != "unsupported" and CollectiveKind(c.kind).is_reduction:
-            comm += s * times
-        else:
-            reshard += s * times
-        colls.append(dataclasses.replace(c, seconds=s))
-    return dataclasses.replace(
-        plan,
-        cluster=cluster.name,
-        nodes=tuple(nodes),
-        collectives=tuple(colls),
-        time=StepTime(compute, comm, reshard),
-    )
+    return reprice_plan(plan, graph, cluster)
 
 
 def predict(plans: dict, graph: Any, cluster: Any) -> dict:

@@ -77,3 +77,22 @@ def test_unknown_searcher_is_one_line(built):
     model, inputs = built["gpt-tiny"]
     with pytest.raises(PlanError, match="searcher='annealing': expected one of " + ", ".join(SEARCHERS)):
         plan(model, inputs, "atp-ic3", num_devices=4, searcher="annealing")
+
+
+def test_reprice_on_the_planning_cluster_reproduces_the_plan(built):
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.accounting import reprice
+
+    model, inputs = built["bert-tiny"]
+    graph = capture(model, inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, inputs, "atp-ic3", num_devices=4, graph=graph, microbatches=2)
+    same = reprice(p, graph, "atp-ic3")
+    assert same.time == p.time and same.collectives == p.collectives
+    assert [n.seconds for n in same.nodes] == [n.seconds for n in p.nodes]
+    other = reprice(p, graph, "atp-ic1")  # another device and links: every price changes, nothing else
+    assert other.time.total_s != p.time.total_s and other.cluster == "atp-ic1"
+    assert [(c.kind, c.axis, c.nbytes, c.src, c.dst) for c in other.collectives] == [
+        (c.kind, c.axis, c.nbytes, c.src, c.dst) for c in p.collectives
+    ]

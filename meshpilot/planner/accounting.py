@@ -545,3 +545,41 @@ def account(
     for e in tail:
         cross(e)
     return TimeAccount(StepTime(total_compute, parts["comm"], parts["reshard"]), seconds, tuple(colls))
+
+
+def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
+    """`plan` priced on `cluster`: the same strategies, layouts, collectives and schedule, every node's compute
+    and every collective's seconds (and so ``Plan.time``) recomputed by :func:`account` on the cluster's
+    device and links, at the plan's mesh shape and rank map. On the cluster it was planned on, it reproduces
+    the plan. `graph` is the captured model the plan was made for (its FLOPs and bytes are not in the plan)."""
+    import dataclasses
+
+    import numpy as np
+
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.sharding.placements import from_json
+    from meshpilot.sharding.reshard import Collective, Resharder
+    from meshpilot.sharding.strategies import Strategy, fake_device_mesh
+
+    cl = load_cluster(cluster)
+    shape = tuple(plan.mesh_shape)
+    lm = LogicalMesh(cl, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape))
+    resharder = Resharder(fake_device_mesh(shape), CostModel(lm))
+    own: dict[str, list[Collective]] = {}
+    for c in plan.collectives:
+        if c.src == c.dst:  # issued inside the op (an own strategy's)
+            own.setdefault(c.src, []).append(Collective(c.kind, c.axis, c.nbytes))
+    chosen = {
+        n.name: Strategy(
+            tuple(from_json(x) if x is not None else None for x in n.outs),
+            tuple(from_json(x) for x in n.ins),
+            n.source,
+            colls=tuple(own.get(n.name, ())),
+        )
+        for n in plan.nodes
+    }
+    acct = account(
+        graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
+    )
+    nodes = tuple(dataclasses.replace(n, seconds=acct.node_seconds[n.name]) for n in plan.nodes)
+    return dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
