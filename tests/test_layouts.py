@@ -215,8 +215,8 @@ def _run(name: str, plan_json: str, graph) -> dict:
     ref, inputs = build(name)
     model, _ = build(name)
     pm = parallelize(model, plan, graph=graph)
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    o_par = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
+    o_par = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
     planned = plan.collective_counts(backend="gloo")
     res: dict = {"loss": [], "grad": [], "buffer": [], "counts_equal": []}
     for _ in range(STEPS):
