@@ -282,8 +282,22 @@ class _StageTable:
     microbatches: int
     capacity: float
     max_stages: int
+    devices: int
+    stages: int | None
     kw: dict = field(default_factory=dict)
     costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
+
+    def useful(self, k: int, i: int, d: int) -> bool:
+        """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
+        with `stages` (or up to ``max_stages``) stages: the others need a stage per side that has clusters,
+        at most one per cluster and per device, and no devices left over."""
+        L = len(self.clusters.bounds)
+        other = self.devices - d
+        least = (k > 0) + (i < L - 1)
+        most = min(k + (L - 1 - i), other)
+        if other < 0 or (other == 0) != (least == 0) or least > most:
+            return False
+        return self.stages is None and least + 1 <= self.max_stages or self.stages in range(least + 1, most + 2)
 
     def fill(self) -> None:
         L, B = len(self.clusters.bounds), self.microbatches
@@ -291,6 +305,8 @@ class _StageTable:
             for i in range(k, L):
                 start, stop = self.clusters.bounds[k][0], self.clusters.bounds[i][1]
                 for d in self.sizes:
+                    if not self.useful(k, i, d):
+                        continue
                     found = []
                     for shape in mesh_shapes_2d(d):
                         try:
@@ -480,8 +496,9 @@ def plan_pipeline(
     `microbatches` microbatches on the first `num_devices` devices of `cluster` (module docstring).
 
     `num_clusters` (default: every layer) is Eq. 6's L; `num_stages` fixes S (default: the DP chooses);
-    `planner` reuses a :class:`StagePlanner`'s caches; `stage_kw` goes to ``StagePlanner.plan`` (``zero``,
-    ``searcher``, ``time_limit``)."""
+    `planner` reuses a :class:`StagePlanner`'s caches; `memory_bytes` overrides the device's capacity (in the
+    stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
+    ``time_limit``)."""
     t0 = time.perf_counter()
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
@@ -513,9 +530,11 @@ def plan_pipeline(
     nodes, per_node = devices_per_node(cl, n)
     sizes = submesh_sizes(nodes, per_node)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
+    if memory_bytes is not None:  # the stage searches get the same device
+        stage_kw.setdefault("capacity", capacity)
     S = num_stages if num_stages is not None else min(L, n)
     misses = sp.misses
-    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, dict(stage_kw))
+    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, dict(stage_kw))
     table.fill()
     t, arg = table.arrays()
     B = microbatches
