@@ -72,10 +72,14 @@ and the pipeline's step (Eq. 2), for the devices n:
 
 ``F`` is a numpy array over d, filled for all i and z at once per (s, k). The t_max tried are the distinct
 t_intra values, ascending (Alpa's early pruning): every plan whose slowest stage is at least t_max takes
-at least t_max + (B−1)·t_max, so the enumeration stops once B·t_max ≥ the best T* found; and values less
-than ε above the last one tried are tried together, at the largest of them. A plan found at t_max is scored
-by its own slowest stage, Σ t_i + (B−1)·max t_i, so with ε = 0 the DP is exact (the tests check it against
-brute force) and with ε > 0 it is within (B−1)·ε of the optimum.
+at least t_max + (B−1)·t_max, so the enumeration stops once B·t_max ≥ the best T* found; and values within
+a factor (1 + ε) of the first untried one are tried together, at the largest of them. A plan found at t_max
+is scored by its own slowest stage, Σ t_i + (B−1)·max t_i. So with ε = 0 the DP is exact (the tests check
+it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t_max ≤ ε·T* of the optimum
+(the optimum's slowest stage shares a group with some tried t_max ≤ (1 + ε) times it).
+
+Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
+bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
 leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), schedules other than 1F1B, and a
@@ -102,8 +106,9 @@ from meshpilot.planner.stage import Layer, StageCost, StagePlanner, layers
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
 
-DEFAULT_EPSILON = 1e-6
-"""Seconds: t_max values closer than this are tried together (Alpa §5.2 uses 10⁻⁶ s)."""
+DEFAULT_EPSILON = 1e-3
+"""t_max values within this fraction of each other are tried together; the step found is within this
+fraction of the optimum (module docstring, section 4; Alpa §5.2 uses an absolute 10⁻⁶ s)."""
 
 
 # ---------------------------------------------------------------- 1. layer clustering
@@ -503,7 +508,7 @@ def plan_pipeline(
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
-        raise UserError(f"epsilon={epsilon}: the t_max step must be at least 0 seconds, e.g. 1e-6")
+        raise UserError(f"epsilon={epsilon}: the relative t_max step must be at least 0, e.g. 1e-3")
     sp = planner if planner is not None else StagePlanner(graph, cluster)
     if planner is not None and planner.graph is not graph:
         raise UserError("planner= was made for another graph; pass the StagePlanner of this graph")
@@ -545,7 +550,7 @@ def plan_pipeline(
     while j < len(cands):
         if best is not None and B * cands[j] >= best[0]:
             break
-        j = bisect.bisect_left(cands, cands[j] + epsilon, lo=j + 1) if epsilon > 0 else j + 1
+        j = bisect.bisect_right(cands, cands[j] * (1 + epsilon), lo=j + 1)
         t_max = float(cands[j - 1])
         tried += 1
         found = _dp(t, sizes, n, t_max, num_stages)
