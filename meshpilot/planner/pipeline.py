@@ -1,0 +1,603 @@
+"""Pipeline planning: slicing the model into stages and the cluster into submeshes (Alpa §5, Eq. 2–6).
+
+The single-stage planner (``meshpilot.planner.auto``) shards every operator over one mesh. Here the model's
+layers (``stage.layers``) are cut into S contiguous *stages*, the devices into S *submeshes*, and each stage
+runs its own intra-operator plan on its submesh (``stage.StagePlanner.plan``, cached), the stages passing
+activations forward and gradients backward under a synchronous 1F1B schedule of B microbatches. The graph
+given is the step of **one microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh
+shapes that minimise the predicted step.
+
+1. Layer clustering (Alpa Eq. 6) — :func:`cluster_layers`
+---------------------------------------------------------
+The K layers ``ℓ_0..ℓ_{K-1}`` (embedding and head included, each with its own FLOPs: forward + backward)
+are grouped into L contiguous *clusters*, the units the stage DP cuts between. With
+
+    FLOP(i..k)  = Σ_{j=i..k} flops(ℓ_j)                                           → ``flops`` prefix sums
+    C(i, k)     = bytes of the values that layers i..k read but a layer outside  → :func:`received_bytes`
+                  i..k makes (forward activations from before, gradients from
+                  after, shared weights): what the cluster receives per microbatch
+    allowed(i,k) = FLOP(i..k) ≤ (1 + δ) · FLOP(0..K-1) / L   or   i = k         → ``ok`` (a layer never splits)
+
+Alpa's recurrence minimises the largest C of any cluster:
+
+    G(k, r) = min_{i ≤ k, allowed(i,k)} max(G(i−1, r−1), C(i, k)),   G(−1, 0) = 0
+
+We take G(K−1, L) exactly and, among the clusterings that reach it, the one with the fewest bytes received
+in all: for a threshold c, ``H_c(k, r) = min_{i, allowed(i,k), C(i,k) ≤ c} H_c(i−1, r−1) + C(i,k)`` is
+finite iff some clustering keeps every cluster at or under c, so the smallest such c over the sorted
+distinct values of C (a binary search) is G(K−1, L), and H at it is the total (``_min_sum``). When no
+clustering satisfies the FLOP bound, δ doubles until one does (``Clustering.delta`` says which was used).
+With K ≤ L every layer is a cluster.
+
+2. Submeshes (Alpa §5.2, Theorem 1) — :func:`submesh_sizes`, :func:`place`
+-------------------------------------------------------------------------
+The n used devices are N nodes of M (M = the ranks of the cluster's innermost layer; n ≤ M: one node of
+n). A stage gets a submesh of shape (1, 2^m) with 2^m dividing M, or (q, M) for q = 1..N. Any list of these
+whose sizes add up to n covers the devices: place the largest first, each on the next contiguous ranks
+(``place``); every block then starts at a multiple of its size, so a (1, 2^m) block stays inside one node
+and a (q, M) block is q whole nodes. Stage costs are measured on the canonical ranks ``0..size−1``
+(``StagePlanner.plan(…, range(size), …)``, as Alpa profiles one submesh of each shape); the chosen stages
+are then re-costed on the ranks :func:`place` gave them (the same numbers on clusters whose aligned blocks
+are alike: ``alpa-p3x8``, ``atp-ic*``). Placement is larger submeshes first, stage order among equals —
+not yet "neighbouring stages closest", which Alpa also does.
+
+3. Stage costs and the 1F1B memory check (Alpa Eq. 5) — ``_StageTable``
+----------------------------------------------------------------------
+For clusters k..i, submesh size d and logical shape (a, b) with a·b = d (``mesh_shapes_2d``):
+``c = StagePlanner.plan(layers of k..i, range(d), (a, b), microbatches=B)``. Its ``time`` is the whole
+step of the stage over B microbatches (``accounting.account``: B forwards and backwards, the gradients'
+synchronisation once), so the per-microbatch latency with the synchronisation amortised is
+
+    t = c.time.total_s / B                                                         → ``t``
+
+A stage with s stages from it to the end (itself included) keeps up to min(B, s) microbatches' activations
+in flight under 1F1B, so it fits when
+
+    c.memory.total + (min(B, s) − 1) · c.memory.activations ≤ capacity            → ``_fits``
+
+(``memory.total`` holds one microbatch in flight). ``t_intra(k..i, d, s)`` is the least t over the logical
+shapes that fit; none fitting (or the stage planner finding no plan) is ∞.
+
+4. The stage DP (Alpa Eq. 2–4) — :func:`_dp`
+--------------------------------------------
+For a bound t_max on every stage's t, F(s, k, d) is the least Σ t of clusters k..L−1 cut into s stages on d
+devices:
+
+    F(s, k, d) = min_{k ≤ i < L, size z ≤ d, t_intra(k..i, z, s) ≤ t_max}  t_intra(k..i, z, s) + F(s−1, i+1, d−z)
+    F(0, L, 0) = 0,  F(0, k, d) = ∞ otherwise                                       → ``F[s][k, d]``
+
+and the pipeline's step (Eq. 2), for the devices n:
+
+    T*(t_max) = min_s F(s, 0, n) + (B − 1) · t_max,     T* = min_{t_max} T*(t_max)
+
+``F`` is a numpy array over d, filled for all i and z at once per (s, k). The t_max tried are the distinct
+t_intra values, ascending (Alpa's early pruning): every plan whose slowest stage is at least t_max takes
+at least t_max + (B−1)·t_max, so the enumeration stops once B·t_max ≥ the best T* found; and values within
+a factor (1 + ε) of the first untried one are tried together, at the largest of them. A plan found at t_max
+is scored by its own slowest stage, Σ t_i + (B−1)·max t_i. So with ε = 0 the DP is exact (the tests check
+it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t_max ≤ ε·T* of the optimum
+(the optimum's slowest stage shares a group with some tried t_max ≤ (1 + ε) times it).
+
+Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
+bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
+
+Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
+leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), schedules other than 1F1B, and a
+stage plan searched for the memory that min(B, s) microbatches in flight leave it (the ILP is given the
+whole device; a plan that then fails Eq. 5 is dropped, not re-searched).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshpilot.cluster.mesh import mesh_shapes_2d
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import OpGraph
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.stage import Layer, StageCost, StagePlanner, layers
+
+DEFAULT_DELTA = 0.1
+"""Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
+
+DEFAULT_EPSILON = 1e-3
+"""t_max values within this fraction of each other are tried together; the step found is within this
+fraction of the optimum (module docstring, section 4; Alpa §5.2 uses an absolute 10⁻⁶ s)."""
+
+
+# ---------------------------------------------------------------- 1. layer clustering
+
+
+def received_bytes(graph: OpGraph, all_layers: Sequence[Layer]) -> np.ndarray:
+    """``C[i, k]`` (i ≤ k): bytes of the values layers i..k read that a layer outside i..k makes."""
+    where = {name: j for j, layer in enumerate(all_layers) for name in layer.nodes}
+    readers: dict[tuple[str, int], set[int]] = {}
+    for n in graph.nodes:
+        for src, idx in n.inputs:
+            readers.setdefault((src, idx), set()).add(where[n.name])
+    K = len(all_layers)
+    C = np.zeros((K, K))
+    idx = np.arange(K)
+    for (src, i), users in readers.items():
+        p = where[src]
+        users = users - {p}
+        info = graph[src].outputs[i]
+        if not users or info is None:
+            continue
+        # next_user[a] = the first reading layer ≥ a (K when none): range [a, b] reads it iff next_user[a] ≤ b
+        sorted_users = sorted(users)
+        next_user = np.array([next((u for u in sorted_users if u >= a), K) for a in range(K)])
+        reads = next_user[:, None] <= idx[None, :]
+        makes = (idx[:, None] <= p) & (p <= idx[None, :])
+        C += np.where(reads & ~makes, float(info.nbytes), 0.0)
+    return np.triu(C)
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """Layers grouped into contiguous clusters (module docstring, section 1)."""
+
+    bounds: tuple[tuple[int, int], ...]
+    """Each cluster's layers ``[start, stop)``."""
+    flops: tuple[float, ...]
+    recv_bytes: tuple[float, ...]
+    """C of each cluster: bytes it reads from other clusters' layers per microbatch."""
+    delta: float
+    """The δ the FLOP bound used (larger than asked when no clustering met the asked one)."""
+
+    @property
+    def max_recv_bytes(self) -> float:
+        return max(self.recv_bytes)
+
+
+def _min_sum(C: np.ndarray, ok: np.ndarray, L: int, cap: float) -> tuple[float, list[int]] | None:
+    """The least Σ C over clusterings into L allowed clusters with every C ≤ cap, and the clusters' starts."""
+    K = len(C)
+    inf = math.inf
+    H = [[inf] * (L + 1) for _ in range(K + 1)]  # H[k][r]: layers 0..k-1 in r clusters
+    arg = [[-1] * (L + 1) for _ in range(K + 1)]
+    H[0][0] = 0.0
+    for k in range(1, K + 1):
+        for r in range(1, min(k, L) + 1):
+            best, where = inf, -1
+            for i in range(r - 1, k):  # the last cluster is layers i..k-1
+                c = C[i, k - 1]
+                if not ok[i, k - 1] or c > cap or H[i][r - 1] == inf:
+                    continue
+                if H[i][r - 1] + c < best:
+                    best, where = H[i][r - 1] + c, i
+            H[k][r], arg[k][r] = best, where
+    if H[K][L] == inf:
+        return None
+    starts, k = [], K
+    for r in range(L, 0, -1):
+        k = arg[k][r]
+        starts.append(k)
+    return H[K][L], starts[::-1]
+
+
+def cluster_layers(
+    graph: OpGraph,
+    num_clusters: int,
+    *,
+    delta: float = DEFAULT_DELTA,
+    all_layers: Sequence[Layer] | None = None,
+    received: np.ndarray | None = None,
+) -> Clustering:
+    """Alpa's operator clustering (Eq. 6) over the model's layers (module docstring, section 1). `received`
+    is :func:`received_bytes` of the layers, when already computed."""
+    all_layers = list(all_layers) if all_layers is not None else layers(graph)
+    K = len(all_layers)
+    if isinstance(num_clusters, bool) or not isinstance(num_clusters, int) or num_clusters < 1:
+        raise UserError(f"num_clusters={num_clusters!r}: give a whole number of clusters, at least 1")
+    if delta < 0:
+        raise UserError(f"delta={delta}: the FLOP slack must be at least 0, e.g. 0.1")
+    L = min(num_clusters, K)
+    C = received if received is not None else received_bytes(graph, all_layers)
+    fl = np.array([x.flops for x in all_layers], dtype=float)
+    pre = np.concatenate([[0.0], np.cumsum(fl)])
+    span = pre[None, 1:] - pre[:-1, None]  # span[i, k] = FLOP(i..k)
+    single = np.eye(K, dtype=bool)
+    d = float(delta)
+    while True:
+        ok = np.triu(span <= (1 + d) * pre[-1] / L * (1 + 1e-12)) | single
+        values = np.unique(np.concatenate([[0.0], C[ok]]))
+        lo, hi = 0, len(values) - 1
+        if _min_sum(C, ok, L, values[hi]) is not None:
+            while lo < hi:  # the least cap that some clustering meets: G(K-1, L)
+                mid = (lo + hi) // 2
+                if _min_sum(C, ok, L, values[mid]) is not None:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            found = _min_sum(C, ok, L, values[lo])
+            assert found is not None
+            starts = found[1]
+            break
+        d = 2 * d + 0.1
+    bounds = tuple(zip(starts, starts[1:] + [K]))
+    return Clustering(
+        bounds,
+        tuple(float(pre[b] - pre[a]) for a, b in bounds),
+        tuple(float(C[a, b - 1]) for a, b in bounds),
+        d,
+    )
+
+
+# ---------------------------------------------------------------- 2. submeshes
+
+
+def devices_per_node(cluster, num_devices: int) -> tuple[int, int]:
+    """(N nodes, M devices each) of the first `num_devices` devices of `cluster` (module docstring, 2)."""
+    M = cluster.layers[-1].ranks
+    if num_devices <= M:
+        return 1, num_devices
+    if num_devices % M:
+        raise UserError(
+            f"num_devices={num_devices}: cluster {cluster.name!r} has {M} devices per node and a pipeline uses whole "
+            f"nodes beyond one; give a multiple of {M} (or at most {M})"
+        )
+    return num_devices // M, M
+
+
+def submesh_sizes(nodes: int, per_node: int) -> tuple[int, ...]:
+    """Device counts of the allowed submeshes: (1, 2^m) with 2^m dividing M, and (q, M) for q = 1..N."""
+    one = {1 << m for m in range(per_node.bit_length()) if per_node % (1 << m) == 0}
+    return tuple(sorted(one | {q * per_node for q in range(1, nodes + 1)}))
+
+
+def place(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Ranks of each stage's submesh: larger submeshes first on contiguous ranks, stage order among equals
+    (Theorem 1's construction: every block aligned to its size)."""
+    order = sorted(range(len(sizes)), key=lambda j: (-sizes[j], j))
+    out: list[tuple[int, ...]] = [()] * len(sizes)
+    at = 0
+    for j in order:
+        out[j] = tuple(range(at, at + sizes[j]))
+        at += sizes[j]
+    return out
+
+
+# ---------------------------------------------------------------- 3. stage costs
+
+
+def _fits(cost: StageCost, in_flight: int, capacity: float) -> bool:
+    """Alpa Eq. 5 for 1F1B: one microbatch's peak plus the activations of the others in flight."""
+    return stage_memory(cost, in_flight) <= capacity
+
+
+def stage_memory(cost: StageCost, in_flight: int) -> float:
+    """Bytes per device of a stage with `in_flight` microbatches' activations held (Eq. 5's left side)."""
+    return cost.memory.total + (in_flight - 1) * cost.memory.activations
+
+
+@dataclass
+class _StageTable:
+    """Every (cluster range, submesh size, logical shape) costed; t_intra per stage count (docstring, 3)."""
+
+    planner: StagePlanner
+    clusters: Clustering
+    sizes: tuple[int, ...]
+    microbatches: int
+    capacity: float
+    max_stages: int
+    devices: int
+    stages: int | None
+    kw: dict = field(default_factory=dict)
+    costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
+
+    def useful(self, k: int, i: int, d: int) -> bool:
+        """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
+        with `stages` (or up to ``max_stages``) stages: the others need a stage per side that has clusters,
+        at most one per cluster and per device, and no devices left over."""
+        L = len(self.clusters.bounds)
+        other = self.devices - d
+        least = (k > 0) + (i < L - 1)
+        most = min(k + (L - 1 - i), other)
+        if other < 0 or (other == 0) != (least == 0) or least > most:
+            return False
+        return self.stages is None and least + 1 <= self.max_stages or self.stages in range(least + 1, most + 2)
+
+    def fill(self) -> None:
+        L, B = len(self.clusters.bounds), self.microbatches
+        for k in range(L):
+            for i in range(k, L):
+                start, stop = self.clusters.bounds[k][0], self.clusters.bounds[i][1]
+                for d in self.sizes:
+                    if not self.useful(k, i, d):
+                        continue
+                    found = []
+                    for shape in mesh_shapes_2d(d):
+                        try:
+                            c = self.planner.plan(start, stop, range(d), shape, microbatches=B, **self.kw)
+                        except PlanError:
+                            continue
+                        found.append(c)
+                    self.costs[(k, i, d)] = found
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``t[s, k, i, z]``: t_intra of clusters k..i on size z with s stages from it to the end (∞: none
+        fits); ``arg[s, k, i, z]``: which cost of ``costs[(k, i, size)]`` it is."""
+        L, Z, S, B = len(self.clusters.bounds), len(self.sizes), self.max_stages, self.microbatches
+        t = np.full((S + 1, L, L, Z), math.inf)
+        arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
+        for (k, i, d), found in self.costs.items():
+            z = self.sizes.index(d)
+            for s in range(1, S + 1):
+                for j, c in enumerate(found):
+                    if _fits(c, min(B, s), self.capacity) and c.time.total_s / B < t[s, k, i, z]:
+                        t[s, k, i, z], arg[s, k, i, z] = c.time.total_s / B, j
+        return t, arg
+
+
+# ---------------------------------------------------------------- 4. the DP
+
+
+def _dp(
+    t: np.ndarray, sizes: Sequence[int], n: int, t_max: float, stages: int | None = None
+) -> tuple[float, list[tuple[int, int, int]]] | None:
+    """min_s F(s, 0, n) under `t_max` (s = `stages` when given) and its stages ``(k, i, z)`` (module
+    docstring, section 4)."""
+    S, L, _, Z = t.shape[0] - 1, t.shape[1], t.shape[2], t.shape[3]
+    T = np.where(t <= t_max, t, math.inf)
+    F = [np.full((L + 1, n + 1), math.inf)]
+    F[0][L, 0] = 0.0
+    choice: list[np.ndarray] = [np.zeros(0)]
+    for s in range(1, S + 1):
+        Fs = np.full((L + 1, n + 1), math.inf)
+        ch = np.full((L + 1, n + 1), -1, dtype=np.int64)
+        prev = F[s - 1]
+        for k in range(L):
+            width = L - k
+            cand = np.full((Z, width, n + 1), math.inf)
+            for z, d in enumerate(sizes):
+                if d > n:
+                    continue
+                cand[z, :, d:] = T[s, k, k:, z][:, None] + prev[k + 1 :, : n + 1 - d]
+            flat = cand.reshape(Z * width, n + 1)
+            best = np.argmin(flat, axis=0)
+            Fs[k] = flat[best, np.arange(n + 1)]
+            ch[k] = best  # z * width + (i - k)
+        F.append(Fs)
+        choice.append(ch)
+    tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, S + 1)]
+    s = int(np.argmin(tops)) + 1
+    if tops[s - 1] == math.inf:
+        return None
+    stages, k, d = [], 0, n
+    for r in range(s, 0, -1):
+        c = int(choice[r][k, d])
+        z, i = divmod(c, L - k)
+        i += k
+        stages.append((k, i, z))
+        k, d = i + 1, d - sizes[z]
+    return float(tops[s - 1]), stages
+
+
+# ---------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a pipeline plan."""
+
+    layers: tuple[int, int]
+    """Layers ``[start, stop)`` of ``stage.layers(graph)``."""
+    layer_names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    cost: StageCost
+    """The stage planned on `ranks` as `mesh_shape` over the pipeline's microbatches."""
+    t_s: float
+    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
+    in_flight: int
+    """Microbatches whose activations the stage holds at most under 1F1B: min(B, stages from it to the end)."""
+    memory_bytes: float
+    """Per device: Eq. 5's left side, ``memory.total + (in_flight − 1) · memory.activations``."""
+    recv_bytes: float
+    """Bytes per microbatch the stage reads from other stages (not priced in the step; module docstring)."""
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages, their submeshes and the predicted 1F1B step (module docstring)."""
+
+    stages: tuple[PipelineStage, ...]
+    microbatches: int
+    num_devices: int
+    clustering: Clustering
+    capacity: float
+    dp_step_s: float
+    """The DP's T* on the canonical ranks each size was costed on (equals :attr:`step_s` when the placed
+    stages cost the same, as on the presets' aligned blocks)."""
+    planning_s: float
+    stage_plans: int
+    """Stage costs searched (StagePlanner cache misses) by this call."""
+    t_max_tried: int
+
+    @property
+    def sum_s(self) -> float:
+        """Σ t_i: one microbatch through every stage (the pipeline's fill and drain)."""
+        return sum(s.t_s for s in self.stages)
+
+    @property
+    def max_s(self) -> float:
+        return max(s.t_s for s in self.stages)
+
+    @property
+    def step_s(self) -> float:
+        """Eq. 2: Σ t_i + (B − 1) · max t_i."""
+        return self.sum_s + (self.microbatches - 1) * self.max_s
+
+    @property
+    def bubble_s(self) -> float:
+        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i."""
+        return self.sum_s - self.max_s
+
+    def __str__(self) -> str:
+        B, S = self.microbatches, len(self.stages)
+        head = (
+            f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches (1F1B), "
+            f"{len(self.clustering.bounds)} layer clusters (δ={self.clustering.delta:g})"
+        )
+        rows = [head, "  stage  layers                        ranks      mesh      t/microbatch     mem/dev  in flight"]
+        for j, s in enumerate(self.stages):
+            names = s.layer_names[0] if len(s.layer_names) == 1 else f"{s.layer_names[0]}..{s.layer_names[-1]}"
+            rk = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
+            mesh = "x".join(map(str, s.mesh_shape))
+            rows.append(
+                f"  {j:<5}  [{s.layers[0]},{s.layers[1]}) {names:<22.22} {rk:<10} {mesh:<8} "
+                f"{_secs(s.t_s):>12}  {_size(s.memory_bytes):>10}  {s.in_flight}"
+            )
+        rows.append(
+            f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
+            f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
+        )
+        rows.append(
+            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches, {self.t_max_tried} t_max tried"
+        )
+        return "\n".join(rows)
+
+
+def _secs(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3f} ms"
+    return f"{x * 1e6:.2f} µs"
+
+
+def _size(b: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= f:
+            return f"{b / f:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def plan_pipeline(
+    graph: OpGraph,
+    cluster,
+    *,
+    microbatches: int,
+    num_devices: int | None = None,
+    num_clusters: int | None = None,
+    num_stages: int | None = None,
+    delta: float = DEFAULT_DELTA,
+    epsilon: float = DEFAULT_EPSILON,
+    memory_bytes: float | None = None,
+    planner: StagePlanner | None = None,
+    **stage_kw,
+) -> PipelinePlan:
+    """Stages, submeshes and logical meshes minimising the 1F1B step of `graph` (one microbatch's step) over
+    `microbatches` microbatches on the first `num_devices` devices of `cluster` (module docstring).
+
+    `num_clusters` (default: every layer) is Eq. 6's L; `num_stages` fixes S (default: the DP chooses);
+    `planner` reuses a :class:`StagePlanner`'s caches; `memory_bytes` overrides the device's capacity (in the
+    stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
+    ``time_limit``)."""
+    t0 = time.perf_counter()
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
+    if epsilon < 0:
+        raise UserError(f"epsilon={epsilon}: the relative t_max step must be at least 0, e.g. 1e-3")
+    sp = planner if planner is not None else StagePlanner(graph, cluster)
+    if planner is not None and planner.graph is not graph:
+        raise UserError("planner= was made for another graph; pass the StagePlanner of this graph")
+    cl = sp.cluster
+    n = cl.num_devices if num_devices is None else num_devices
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cl.num_devices:
+        raise UserError(f"num_devices={num_devices!r}: cluster {cl.name!r} has {cl.num_devices}; give 1..that")
+    K = len(sp.layers)
+    if num_stages is not None:
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise UserError(f"num_stages={num_stages!r}: give a whole number of stages, at least 1")
+        if num_stages > K:
+            raise UserError(f"num_stages={num_stages}: the model has only {K} layers to split; give at most {K} stages")
+        if num_stages > n:
+            raise UserError(f"num_stages={num_stages}: only {n} devices, one per stage at least; give at most {n}")
+    C = received_bytes(graph, sp.layers)
+    L_asked = num_clusters if num_clusters is not None else K
+    clusters = cluster_layers(graph, L_asked, delta=delta, all_layers=sp.layers, received=C)
+    L = len(clusters.bounds)
+    if num_stages is not None and num_stages > L:
+        raise UserError(
+            f"num_stages={num_stages}: only {L} layer clusters; raise num_clusters to at least {num_stages}"
+        )
+    nodes, per_node = devices_per_node(cl, n)
+    sizes = submesh_sizes(nodes, per_node)
+    capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
+    if memory_bytes is not None:  # the stage searches get the same device
+        stage_kw.setdefault("capacity", capacity)
+    S = num_stages if num_stages is not None else min(L, n)
+    misses = sp.misses
+    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, dict(stage_kw))
+    table.fill()
+    t, arg = table.arrays()
+    B = microbatches
+    cands = np.unique(t[np.isfinite(t)])
+    best: tuple[float, list[tuple[int, int, int]]] | None = None
+    tried = 0
+    j = 0
+    while j < len(cands):
+        if best is not None and B * cands[j] >= best[0]:
+            break
+        j = bisect.bisect_right(cands, cands[j] * (1 + epsilon), lo=j + 1)
+        t_max = float(cands[j - 1])
+        tried += 1
+        found = _dp(t, sizes, n, t_max, num_stages)
+        if found is None:
+            continue
+        chosen = found[1]
+        ts = [t[len(chosen) - r, k, i, z] for r, (k, i, z) in enumerate(chosen)]
+        score = sum(ts) + (B - 1) * max(ts)
+        if best is None or score < best[0]:
+            best = (score, chosen)
+    if best is None:
+        raise PlanError(
+            f"no pipeline fits: no split of {K} layers into {num_stages or f'up to {S}'} "
+            f"stages on {n} devices keeps every stage within {_size(capacity)} per device with 1F1B's microbatches "
+            "in flight; use more devices, fewer microbatches or a smaller model"
+        )
+    score, chosen = best
+    ranks = place([sizes[z] for _, _, z in chosen])
+    stages = []
+    for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks)):
+        s_left = len(chosen) - r
+        c = table.costs[(k, i, sizes[z])][arg[s_left, k, i, z]]
+        start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
+        if rk != c.ranks:
+            c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
+        fl = min(B, s_left)
+        stages.append(
+            PipelineStage(
+                (start, stop),
+                tuple(x.name for x in sp.layers[start:stop]),
+                rk,
+                c.mesh_shape,
+                c,
+                c.time.total_s / B,
+                fl,
+                stage_memory(c, fl),
+                float(C[start, stop - 1]),
+            )
+        )
+    return PipelinePlan(
+        tuple(stages),
+        B,
+        n,
+        clusters,
+        capacity,
+        score,
+        time.perf_counter() - t0,
+        sp.misses - misses,
+        tried,
+    )

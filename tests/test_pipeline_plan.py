@@ -1,0 +1,213 @@
+"""The pipeline planner (Alpa §5): clustering, submeshes, and the stage DP against brute force."""
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+
+from meshpilot.cluster import cluster_from_dict, mesh_shapes_2d
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import capture
+from meshpilot.models import builtin_models
+from meshpilot.models.zoo import MLPModel, example_inputs
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.pipeline import (
+    cluster_layers,
+    devices_per_node,
+    place,
+    plan_pipeline,
+    received_bytes,
+    stage_memory,
+    submesh_sizes,
+)
+from meshpilot.planner.stage import StagePlanner
+
+
+def _capture(model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def gpt_planner():
+    graph = _capture(*builtin_models()["gpt-tiny"].build("meta", None))
+    return StagePlanner(graph, "alpa-p3x8")
+
+
+def _two_by_two():
+    layer = lambda name, bw, lat: {  # noqa: E731
+        "name": name, "ranks": 2, "p2p_GBps": bw, "group_GBps": bw, "latency_us": lat,
+    }  # fmt: skip
+    return cluster_from_dict(
+        {"name": "two-by-two", "device": "v100-16gb", "layers": [layer("node", 3.125, 20.0), layer("gpu", 100.0, 2.0)]},
+        "test_pipeline_plan",
+    )
+
+
+@pytest.fixture(scope="module")
+def mlp_planner():
+    # a batch large enough that a stage peaks in its backward (activations held), not at the optimizer step
+    with torch.device("meta"):
+        model = MLPModel((32, 64, 128, 64, 16))
+    graph = _capture(model, example_inputs("MLPModel", model, 512, "meta"))
+    return StagePlanner(graph, _two_by_two())
+
+
+def brute_force(planner, bounds, n, B, cap, num_stages=None, **kw):
+    """min over every split of the clusters `bounds` into stages x submesh sizes x logical shapes of Eq. 2,
+    with Eq. 5 checked per stage; every stage costed by the same StagePlanner on ranks 0..size-1."""
+    nodes, per_node = devices_per_node(planner.cluster, n)
+    sizes = submesh_sizes(nodes, per_node)
+    K = len(bounds)
+    best = math.inf
+    for S in range(1, min(K, n) + 1) if num_stages is None else (num_stages,):
+        for cuts in itertools.combinations(range(1, K), S - 1):
+            edges = (0, *cuts, K)
+            ranges = [(bounds[a][0], bounds[b - 1][1]) for a, b in zip(edges, edges[1:])]
+            for szs in itertools.product(sizes, repeat=S):
+                if sum(szs) != n:
+                    continue
+                options = []
+                for r, ((start, stop), d) in enumerate(zip(ranges, szs)):
+                    opts = []
+                    for shape in mesh_shapes_2d(d):
+                        try:
+                            c = planner.plan(start, stop, range(d), shape, microbatches=B, **kw)
+                        except PlanError:
+                            continue
+                        if stage_memory(c, min(B, S - r)) <= cap:
+                            opts.append(c.time.total_s / B)
+                    options.append(opts)
+                for ts in itertools.product(*options):
+                    best = min(best, sum(ts) + (B - 1) * max(ts))
+    return best
+
+
+def test_dp_equals_brute_force_on_gpt_tiny(gpt_planner):
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)
+    want = brute_force(gpt_planner, p.clustering.bounds, 4, 4, p.capacity)
+    assert p.dp_step_s == pytest.approx(want, rel=1e-12)
+    assert p.step_s == pytest.approx(want, rel=1e-12)  # aligned blocks of alpa-p3x8 cost like ranks 0..d-1
+    assert sorted(r for s in p.stages for r in s.ranks) == list(range(4))
+    assert [s.layers for s in p.stages][0][0] == 0 and p.stages[-1].layers[1] == len(gpt_planner.layers)
+    assert all(a.layers[1] == b.layers[0] for a, b in zip(p.stages, p.stages[1:]))
+    for S in (2, 3):
+        q = plan_pipeline(
+            graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=S, epsilon=0
+        )
+        assert len(q.stages) == S
+        assert q.dp_step_s == pytest.approx(
+            brute_force(gpt_planner, q.clustering.bounds, 4, 4, q.capacity, S), rel=1e-12
+        )
+        assert q.step_s >= p.step_s * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_dp_equals_brute_force_on_an_mlp_over_two_nodes(mlp_planner, B):
+    graph = mlp_planner.graph
+    p = plan_pipeline(graph, None, microbatches=B, num_devices=4, planner=mlp_planner, epsilon=0.0)
+    assert len(p.clustering.bounds) == 4
+    assert p.dp_step_s == pytest.approx(brute_force(mlp_planner, p.clustering.bounds, 4, B, p.capacity), rel=1e-12)
+    # two clusters of layers: the DP cuts between clusters only
+    q = plan_pipeline(graph, None, microbatches=B, num_devices=4, planner=mlp_planner, num_clusters=2, epsilon=0.0)
+    assert len(q.clustering.bounds) == 2
+    assert q.dp_step_s == pytest.approx(brute_force(mlp_planner, q.clustering.bounds, 4, B, q.capacity), rel=1e-12)
+
+
+def test_memory_check_holds_activations_of_later_stages(mlp_planner):
+    """Eq. 5: with a capacity between one microbatch's peak and the 1F1B peak, stages drop out; the DP and
+    brute force agree, and every chosen stage fits with its microbatches in flight."""
+    graph, B = mlp_planner.graph, 3
+    free = plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, num_stages=2, epsilon=0)
+    first = free.stages[0]
+    assert first.in_flight == 2 and first.cost.memory.activations > 0
+    cap = (first.cost.memory.total + first.memory_bytes) / 2  # this stage cannot hold 2 microbatches any more
+    kw = {"capacity": cap}
+    p = plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, memory_bytes=cap, epsilon=0)
+    assert p.dp_step_s == pytest.approx(brute_force(mlp_planner, p.clustering.bounds, 2, B, cap, **kw), rel=1e-12)
+    assert all(s.memory_bytes <= cap for s in p.stages)
+    assert [(s.layers, s.mesh_shape) for s in p.stages] != [(s.layers, s.mesh_shape) for s in free.stages]
+
+
+def test_epsilon_keeps_within_its_bound(gpt_planner):
+    graph, B = gpt_planner.graph, 4
+    exact = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, epsilon=0)
+    for eps in (1e-3, 0.3, 3.0):
+        coarse = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, epsilon=eps)
+        assert exact.dp_step_s <= coarse.dp_step_s <= exact.dp_step_s * (1 + eps) * (1 + 1e-12)
+        assert coarse.t_max_tried <= exact.t_max_tried
+
+
+def test_one_stage_is_the_stage_planner_on_the_whole_mesh(gpt_planner):
+    graph, B = gpt_planner.graph, 4
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, num_stages=1)
+    K = len(gpt_planner.layers)
+    whole = min(gpt_planner.plan(0, K, range(4), s, microbatches=B).time.total_s for s in mesh_shapes_2d(4))
+    assert len(p.stages) == 1 and p.stages[0].layers == (0, K) and p.stages[0].ranks == (0, 1, 2, 3)
+    assert p.step_s == pytest.approx(whole, rel=1e-12) and p.bubble_s == 0
+    assert "step = Σ t_i + (B−1)·max t_i" in str(p) and "1 stage on 4 devices" in str(p)
+
+
+def test_clustering_invariants_and_optimum(gpt_planner):
+    graph, found = gpt_planner.graph, gpt_planner.layers
+    K = len(found)
+    C = received_bytes(graph, found)
+    total = sum(x.flops for x in found)
+    for L in range(1, K + 2):
+        c = cluster_layers(graph, L, all_layers=found)
+        assert len(c.bounds) == min(L, K)
+        assert c.bounds[0][0] == 0 and c.bounds[-1][1] == K
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(c.bounds, c.bounds[1:]))
+        assert sum(c.flops) == pytest.approx(total)
+        Lc = len(c.bounds)
+        for (a, b), f in zip(c.bounds, c.flops):
+            assert b - a == 1 or f <= (1 + c.delta) * total / Lc * (1 + 1e-9)
+        # brute force over every clustering meeting the same FLOP bound: least max, then least sum, received
+        best = None
+        for cuts in itertools.combinations(range(1, K), Lc - 1):
+            edges = (0, *cuts, K)
+            parts = list(zip(edges, edges[1:]))
+            if any(b - a > 1 and sum(x.flops for x in found[a:b]) > (1 + c.delta) * total / Lc * (1 + 1e-12)
+                   for a, b in parts):  # fmt: skip
+                continue
+            recv = [C[a, b - 1] for a, b in parts]
+            key = (max(recv), sum(recv))
+            best = key if best is None or key < best else best
+        assert (c.max_recv_bytes, sum(c.recv_bytes)) == pytest.approx(best)
+    # the blocks receive the residual stream: C of one block is at least its input activation
+    blocks = [j for j, x in enumerate(found) if x.name.startswith("blocks.")]
+    assert C[blocks[0], blocks[0]] > 0 and C[0, K - 1] == 0
+
+
+def test_submeshes_cover_the_cluster():
+    assert submesh_sizes(1, 8) == (1, 2, 4, 8)
+    assert submesh_sizes(4, 8) == (1, 2, 4, 8, 16, 24, 32)
+    assert submesh_sizes(2, 6) == (1, 2, 6, 12)
+    assert devices_per_node(_two_by_two(), 4) == (2, 2) and devices_per_node(_two_by_two(), 1) == (1, 1)
+    ranks = place([1, 8, 2, 4, 1])
+    assert ranks[1] == tuple(range(8)) and ranks[3] == (8, 9, 10, 11) and ranks[2] == (12, 13)
+    assert ranks[0] == (14,) and ranks[4] == (15,)
+    for sizes in ([2, 1, 4, 1], [1, 1, 2, 4], [4, 2, 2]):  # every block aligned: inside one node of 8
+        for r, d in zip(place(sizes), sizes):
+            assert r[0] % d == 0 and r[0] // 8 == r[-1] // 8
+
+
+def test_bad_input_is_one_line(gpt_planner, mlp_planner):
+    graph = gpt_planner.graph
+    cases = [
+        (dict(microbatches=0), "microbatches=0"),
+        (dict(microbatches=2, num_stages=7), "only 6 layers"),
+        (dict(microbatches=2, num_stages=3, num_clusters=2), "only 2 layer clusters"),
+        (dict(microbatches=2, num_devices=12), "multiple of 8"),
+        (dict(microbatches=2, num_devices=0), "num_devices=0"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(UserError, match=match) as e:
+            plan_pipeline(graph, "alpa-p3x8", planner=gpt_planner, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="another graph"):
+        plan_pipeline(graph, "alpa-p3x8", microbatches=2, planner=mlp_planner)
