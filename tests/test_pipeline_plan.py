@@ -124,8 +124,10 @@ def test_memory_check_holds_activations_of_later_stages(mlp_planner):
     graph, B = mlp_planner.graph, 3
     free = plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, num_stages=2, epsilon=0)
     first = free.stages[0]
-    assert first.in_flight == 2 and first.cost.memory.activations > 0
-    cap = (first.cost.memory.total + first.memory_bytes) / 2  # this stage cannot hold 2 microbatches any more
+    assert first.in_flight == 2 and first.cost.peaks.activations > 0
+    one = max(first.cost.peaks.update, first.cost.peaks.forward_backward)  # one microbatch in flight
+    assert first.memory_bytes > one
+    cap = (one + first.memory_bytes) / 2  # this stage cannot hold 2 microbatches any more
     kw = {"capacity": cap}
     p = plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, memory_bytes=cap, epsilon=0)
     assert p.dp_step_s == pytest.approx(brute_force(mlp_planner, p.clustering.bounds, 2, B, cap, **kw), rel=1e-12)

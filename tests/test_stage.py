@@ -63,6 +63,10 @@ def test_whole_model_stage_equals_the_plan_on_that_mesh(gpt, planner):
     assert stage.time.total_s == pytest.approx(whole.time.total_s, rel=1e-12)
     assert stage.memory.total == pytest.approx(whole.memory.total, rel=1e-12)
     assert stage.mapping == whole.mapping and 0 < stage.forward_s < stage.time.total_s
+    # the phase peaks: the larger one is the step's peak; activations are what the backward reads
+    peaks = stage.peaks
+    assert max(peaks.update, peaks.forward_backward) == pytest.approx(stage.memory.total, rel=1e-12)
+    assert 0 < peaks.activations < peaks.forward_backward
 
 
 def test_stage_costs_are_cached_and_add_up(gpt, planner):

@@ -341,14 +341,23 @@ def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, s
 # ------------------------------------------------------------------------------------------ memory use
 
 
-def memory_use(
-    graph: OpGraph,
-    chosen: Mapping[str, Any] | None = None,
-    mesh_shape: Sequence[int] = (),
-    capacity: float = float("inf"),
-) -> MemoryUse:
-    """Predicted peak bytes per device of one training step of a plan (module docstring), as a
-    :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak."""
+@dataclass(frozen=True)
+class _Parts:
+    """The persistent state, the ILP rows and the liveness of one step: what :func:`memory_use` and
+    :func:`phase_peaks` are made of."""
+
+    params: float
+    optimizer: float
+    grads: float
+    update_temp: float
+    inputs: float
+    rows: tuple[float, float]
+    saved: float
+    """Σ saved-for-backward values per device (one microbatch's activations)."""
+    live: Liveness
+
+
+def _parts(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> _Parts:
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
     rows = [0.0, 0.0]
@@ -364,16 +373,51 @@ def memory_use(
             inputs += n.out.nbytes / sf
         r = row_bytes(n, trainable)
         rows = [rows[0] + r.update / sf, rows[1] + r.backward / sf]
+    saved = 0.0
     for v in saved_values(graph):
         info = graph[v[0]].outputs[v[1]]
-        rows[1] += lay.per_device(info, lay.out(*v)) if info is not None else 0.0
-    live = liveness(graph, chosen, mesh_shape)
-    row = max(rows)
-    if live.peak >= g + t_opt:  # the forward + backward peaks higher than the optimizer step
+        saved += lay.per_device(info, lay.out(*v)) if info is not None else 0.0
+    rows[1] += saved
+    return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, liveness(graph, chosen, mesh_shape))
+
+
+def memory_use(
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None = None,
+    mesh_shape: Sequence[int] = (),
+    capacity: float = float("inf"),
+) -> MemoryUse:
+    """Predicted peak bytes per device of one training step of a plan (module docstring), as a
+    :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak."""
+    p = _parts(graph, chosen, mesh_shape)
+    live = p.live
+    if live.peak >= p.grads + p.update_temp:  # the forward + backward peaks higher than the optimizer step
         grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node
     else:
-        grads, saved, temporaries, at = g, 0.0, t_opt, OPTIMIZER_PHASE
-    return MemoryUse(w, grads, o, saved, inputs, capacity, temporaries=temporaries, row=row, peak_at=at)
+        grads, saved, temporaries, at = p.grads, 0.0, p.update_temp, OPTIMIZER_PHASE
+    return MemoryUse(
+        p.params, grads, p.optimizer, saved, p.inputs, capacity, temporaries=temporaries, row=max(p.rows), peak_at=at
+    )
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Bytes per device at the peak of each phase of the step, and one microbatch's activations: what a
+    pipeline schedule that keeps several microbatches in flight adds up (``planner.pipeline``)."""
+
+    forward_backward: float
+    """``W + O + I + max_i live(i)`` (module docstring)."""
+    update: float
+    """``W + O + I + G + T_opt``."""
+    activations: float
+    """Σ saved-for-backward values: what each further microbatch in flight holds until its backward."""
+
+
+def phase_peaks(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = ()) -> PhasePeaks:
+    """Each phase's peak of one step of a plan (module docstring) and its activations."""
+    p = _parts(graph, chosen, mesh_shape)
+    base = p.params + p.optimizer + p.inputs
+    return PhasePeaks(base + p.live.peak, base + p.grads + p.update_temp, p.saved)
 
 
 # ------------------------------------------------------------------------------------------ time

@@ -53,9 +53,11 @@ synchronisation once), so the per-microbatch latency with the synchronisation am
 A stage with s stages from it to the end (itself included) keeps up to min(B, s) microbatches' activations
 in flight under 1F1B, so it fits when
 
-    c.memory.total + (min(B, s) − 1) · c.memory.activations ≤ capacity            → ``_fits``
+    max(P.update, P.forward_backward + (min(B, s) − 1) · P.activations) ≤ capacity  → ``stage_memory``
 
-(``memory.total`` holds one microbatch in flight). ``t_intra(k..i, d, s)`` is the least t over the logical
+with ``P = c.peaks`` (``accounting.phase_peaks``: the optimizer step's peak, the forward + backward peak with
+one microbatch in flight, and one microbatch's saved activations — counted even where the optimizer step
+is the single-microbatch peak). ``t_intra(k..i, d, s)`` is the least t over the logical
 shapes that fit; none fitting (or the stage planner finding no plan) is ∞.
 
 4. The stage DP (Alpa Eq. 2–4) — :func:`_dp`
@@ -273,8 +275,10 @@ def _fits(cost: StageCost, in_flight: int, capacity: float) -> bool:
 
 
 def stage_memory(cost: StageCost, in_flight: int) -> float:
-    """Bytes per device of a stage with `in_flight` microbatches' activations held (Eq. 5's left side)."""
-    return cost.memory.total + (in_flight - 1) * cost.memory.activations
+    """Bytes per device of a stage with `in_flight` microbatches' activations held (Eq. 5's left side): the
+    optimizer step's peak, or the forward + backward peak plus the further microbatches' activations."""
+    p = cost.peaks
+    return max(p.update, p.forward_backward + (in_flight - 1) * p.activations)
 
 
 @dataclass
@@ -399,7 +403,7 @@ class PipelineStage:
     in_flight: int
     """Microbatches whose activations the stage holds at most under 1F1B: min(B, stages from it to the end)."""
     memory_bytes: float
-    """Per device: Eq. 5's left side, ``memory.total + (in_flight − 1) · memory.activations``."""
+    """Per device: Eq. 5's left side, :func:`stage_memory`."""
     recv_bytes: float
     """Bytes per microbatch the stage reads from other stages (not priced in the step; module docstring)."""
 

@@ -36,9 +36,10 @@ Cost and cache (:func:`plan_stage`)
 -----------------------------------
 For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``) on the
 logical mesh of the given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
-coordinates), and the fastest is a :class:`StageCost`: per microbatch, forward + backward time (compute,
-communication, resharding; ``accounting.account``) and the peak bytes per device for one microbatch in
-flight (``accounting.memory_use``). How many microbatches a schedule keeps in flight — and so whether the
+coordinates), and the fastest is a :class:`StageCost`: the stage's time over its microbatches (compute,
+communication, resharding; ``accounting.account``), the peak bytes per device for one microbatch in flight
+(``accounting.memory_use``) and each phase's peak with one microbatch's activations
+(``accounting.phase_peaks``). How many microbatches a schedule keeps in flight — and so whether the
 stage fits — is the stage DP's question; `capacity` only bounds the search. Results are cached per
 (graph, layer range, ranks, shape, microbatches, capacity, zero mode, searcher): the DP asks for the same
 stage on the same submesh many times, and slices and strategy tables are built once per (graph, range) and
@@ -58,7 +59,7 @@ import numpy as np
 from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
-from meshpilot.planner.accounting import ComputeCost, account, step_edges
+from meshpilot.planner.accounting import ComputeCost, PhasePeaks, account, phase_peaks, step_edges
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.search import SearchTask, get_searcher
@@ -171,12 +172,15 @@ class StageCost:
     mesh_shape: tuple[int, ...]
     mapping: MeshMapping
     time: StepTime
-    """Per microbatch: forward + backward (+ the gradients' synchronisation, counted once per microbatch
-    here; the DP amortises it over the microbatches it chooses)."""
+    """The stage's step over the ``microbatches`` it was planned for: each microbatch's forward and backward,
+    the gradients' synchronisation once (``accounting.account``); divide by the microbatches for one."""
     memory: MemoryUse
     """Peak bytes per device with one microbatch in flight."""
+    peaks: PhasePeaks
+    """The forward + backward and optimizer peaks and one microbatch's activations (a schedule keeping ``f``
+    microbatches in flight holds ``max(update, forward_backward + (f − 1) · activations)``)."""
     forward_s: float
-    """Of ``time``: the forward's compute and the collectives the forward issues."""
+    """Of ``time``: the forwards' compute and the collectives they issue."""
     search_s: float
 
 
@@ -286,6 +290,7 @@ class StagePlanner:
             cand.mapping,
             acct.time,
             cand.usage,
+            phase_peaks(sub, cand.chosen, shape),
             fwd,
             time.perf_counter() - t0,
         )
