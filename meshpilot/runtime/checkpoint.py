@@ -22,8 +22,8 @@ it; a barrier), every rank writes its shards with ``dcp.save`` (which returns on
 ``.metadata`` after every rank's write), then rank 0 writes the manifest (temp file, fsync, rename) and
 renames ``step-N.tmp`` to ``step-N`` (and fsyncs ``DIR``); a last barrier. The rename is the commit: a
 process killed at any point before it (SIGKILL, a crash, a lost node) leaves only ``step-N.tmp``, which
-:func:`newest` ignores, so the previous checkpoint stays the one ``--resume`` picks. The next save of that
-step removes the leftover. DIR must be one folder every rank sees (a shared file system across nodes).
+:func:`newest` ignores, so the previous checkpoint stays the one ``--resume`` picks. The next run's start
+(or the next save of that step) removes the leftover. DIR must be one folder every rank sees (a shared file system across nodes).
 
 **Newest complete.** :func:`newest` lists ``DIR/step-<N>`` folders (exactly that name, no suffix) whose
 manifest reads as JSON with the same step, and takes the largest N.
@@ -380,7 +380,11 @@ class Checkpointing:
         self._term = True
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, list[dict]]:
-        """(step, data position, logs so far): from the checkpoint to resume, or a fresh start."""
+        """(step, data position, logs so far): from the checkpoint to resume, or a fresh start. Rank 0 first
+        removes what interrupted saves of earlier runs left (``step-N.tmp``)."""
+        if _rank() == 0 and self.directory.is_dir():
+            for tmp in self.directory.glob("step-*.tmp"):
+                shutil.rmtree(tmp, ignore_errors=True)
         if self.resume is None:
             return 0, 0, []
         ck = load(self.resume, model, optimizer)

@@ -178,6 +178,8 @@ def train_atp(
     chunks: int = 1,
     device: Any = "cpu",
     precision: str | None = None,
+    *,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
     """ATP tensor parallelism on DeviceMesh(mesh_shape) (data parallel over the rest of the world).
 
@@ -208,6 +210,8 @@ def train_atp(
             dist.all_reduce(seen, group=meshes.dp.get_group())
             seen /= dp
         logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
+        if on_step is not None:
+            on_step(logs[-1])
     return logs
 
 
