@@ -456,9 +456,9 @@ def _train(
 
     def on_step(s) -> None:
         done.append(dict(s.__dict__))
+        write_json(False)  # before the line: whoever reads the line finds the step in the file
         if rank == 0:
             print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
-        write_json(False)
 
     try:
         if build is not None:
