@@ -23,7 +23,8 @@ it; a barrier), every rank writes its shards with ``dcp.save`` (which returns on
 renames ``step-N.tmp`` to ``step-N`` (and fsyncs ``DIR``); a last barrier. The rename is the commit: a
 process killed at any point before it (SIGKILL, a crash, a lost node) leaves only ``step-N.tmp``, which
 :func:`newest` ignores, so the previous checkpoint stays the one ``--resume`` picks. The next run's start
-(or the next save of that step) removes the leftover. DIR must be one folder every rank sees (a shared file system across nodes).
+(or the next save of that step) removes the leftover. DIR must be one folder every rank sees (a shared file
+system across nodes).
 
 **Newest complete.** :func:`newest` lists ``DIR/step-<N>`` folders (exactly that name, no suffix) whose
 manifest reads as JSON with the same step, and takes the largest N.
