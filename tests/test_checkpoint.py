@@ -442,3 +442,65 @@ def test_cli_sigterm_saves_and_resume_continues_the_curve(cli, tmp_path):
 
     ref = train_single(gpt_tiny(), 6)
     assert max(abs(s["loss"] - r.loss) for s, r in zip(got["steps"], ref)) <= 1e-5
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of torchrun worker `rank` among `parent`'s children (read from /proc: RANK in its environment)."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_restart_after_a_killed_rank_resumes_the_curve(cli, tmp_path):
+    """`torchrun --max-restarts=1`: rank 1 SIGKILLed after step 3; torchrun restarts both ranks, which resume
+    from the newest checkpoint by themselves (no --resume), and the finished curve is the uninterrupted one."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs /proc to find the worker")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    out = tmp_path / "curve.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts=1"]
+    cmd += ["-m", "meshpilot.cli.main", "train", "--plan", str(cli / "p2.json"), "--device", "cpu", "--steps", "6"]
+    cmd += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--json-out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3:") and killed is None:
+            killed = _rank_pid(proc.pid, 1)
+            assert killed is not None, "no worker with RANK=1 under torchrun"
+            os.kill(killed, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert killed is not None, lines
+    assert proc.returncode == 0, err[-3000:]
+    resumed = [x for x in lines if x.startswith("resumed from ")]
+    assert len(resumed) == 1, lines  # the restarted attempt said where it continued from
+    got = json.loads(out.read_text())
+    assert got["finished"] is True and [s["step"] for s in got["steps"]] == list(range(6))
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.runtime.train import train_single
+
+    ref = train_single(gpt_tiny(), 6)
+    assert max(abs(s["loss"] - r.loss) for s, r in zip(got["steps"], ref)) <= 1e-5
+    # the steps the first attempt ran after the checkpoint it resumed from ran again: the same losses
+    first = {
+        int(x.split()[1].rstrip(":")): float(x.split()[3])
+        for x in lines[: lines.index(resumed[0])]
+        if x.startswith("step ")
+    }
+    for s in got["steps"]:
+        if s["step"] in first:
+            assert abs(round(s["loss"], 6) - first[s["step"]]) <= 2e-6, (s, first)
