@@ -504,3 +504,31 @@ def test_torchrun_restart_after_a_killed_rank_resumes_the_curve(cli, tmp_path):
     for s in got["steps"]:
         if s["step"] in first:
             assert abs(round(s["loss"], 6) - first[s["step"]]) <= 2e-6, (s, first)
+
+
+def test_save_and_load_without_a_process_group(tmp_path):
+    """One process, no group: a plain module and AdamW round-trip exactly; another model is one line."""
+    from meshpilot.errors import UserError
+    from meshpilot.runtime.checkpoint import load, newest, save
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).square().mean().backward()
+    opt.step()
+    rng = torch.get_rng_state()
+    path = save(tmp_path, model, opt, step=1, position=5, logs=[{"step": 0, "loss": 1.0, "seconds": 0.1}])
+    assert path == tmp_path / "step-1" and newest(tmp_path).position == 5
+    torch.manual_seed(1)  # another random state, undone by the load
+    again = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    load(path, again, opt2)
+    for (n, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
+    for p, q in zip(model.parameters(), again.parameters()):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], opt2.state[q][k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5))
+    with pytest.raises(UserError, match=r"another model \('0.bias' is \(3,\) float32 there, \(5,\) float32 here\)"):
+        load(path, other, torch.optim.AdamW(other.parameters()))
