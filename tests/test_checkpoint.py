@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -411,6 +412,8 @@ def test_cli_sigterm_saves_and_resume_continues_the_curve(cli, tmp_path):
     )
     lines = []
     assert proc.stdout is not None
+    watchdog = threading.Timer(400, proc.kill)  # a hang fails the test instead of stalling the suite
+    watchdog.start()
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step 1:"):
@@ -418,6 +421,7 @@ def test_cli_sigterm_saves_and_resume_continues_the_curve(cli, tmp_path):
             assert [s["step"] for s in json.loads(first.read_text())["steps"]] == [0, 1]
             proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
+    watchdog.cancel()
     assert proc.returncode == 143, (proc.returncode, err[-3000:])
     stops = [x for x in err.splitlines() if x.startswith("meshpilot train: stopped: ")]
     assert len(stops) == 1 and "continue with --resume" in stops[0], err[-3000:]
@@ -477,6 +481,8 @@ def test_torchrun_restart_after_a_killed_rank_resumes_the_curve(cli, tmp_path):
     killed = None
     lines = []
     assert proc.stdout is not None
+    watchdog = threading.Timer(400, proc.kill)  # a hang fails the test instead of stalling the suite
+    watchdog.start()
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step 3:") and killed is None:
@@ -484,6 +490,7 @@ def test_torchrun_restart_after_a_killed_rank_resumes_the_curve(cli, tmp_path):
             assert killed is not None, "no worker with RANK=1 under torchrun"
             os.kill(killed, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
+    watchdog.cancel()
     assert killed is not None, lines
     assert proc.returncode == 0, err[-3000:]
     resumed = [x for x in lines if x.startswith("resumed from ")]

@@ -421,10 +421,7 @@ def _train(
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.timeout:
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    else:
-        dist.init_process_group(backend)
+    _init_group(backend, timedelta(seconds=args.timeout) if args.timeout else None)
     stall = os.environ.get("MESHPILOT_TEST_STALL_RANK")  # tests: this rank sleeps past --timeout
     if stall is not None and int(stall) == dist.get_rank():
         import time
@@ -513,6 +510,25 @@ def _train(
         raise
     dist.destroy_process_group()
     return 0
+
+
+def _init_group(backend: str, timeout) -> None:
+    """init_process_group from torchrun's environment. In a run torchrun restarted, the keys go under a
+    prefix of the attempt: torchrun's workers share its store, which keeps the first attempt's keys (gloo's
+    addresses of the dead ranks), and a new rank reading one of those before its peer rewrote it waits forever
+    to connect."""
+    import torch.distributed as dist
+
+    kw = {} if timeout is None else {"timeout": timeout}
+    attempt = os.environ.get(RESTART_ENV, "0").strip()
+    if attempt in ("", "0"):
+        dist.init_process_group(backend, **kw)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", **kw))
+    store = dist.PrefixStore(f"meshpilot/attempt-{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
 
 
 STOPPED_EXIT = 143

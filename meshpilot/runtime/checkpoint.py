@@ -416,7 +416,7 @@ class Checkpointing:
         if due:
             path = save(self.directory, model, optimizer, step=step, position=position, logs=logs, info=self.info)
             self.saved.append(path)
-        if stop:
+        if stop and not last:  # a SIGTERM during the last step: the run is complete, nothing to stop
             raise Stopped(step, path)
         return path
 
