@@ -6,13 +6,16 @@ train ...`` with the same arguments. Each rank prints its own user error once (r
 makes alike); the launcher passes the ranks' output through, drops torchrun's own failure report (a
 ``ChildFailedError`` traceback and tables) when a rank has already said what went wrong, prints each distinct
 error line once, and merges the ranks' collective-timeout lines into one that names the ranks that reported
-the timeout and those that went silent.
+the timeout and those that went silent. SIGTERM sent to the launcher is passed on to torchrun (which passes it
+to the ranks: ``train --checkpoint-dir`` saves, prints one ``stopped:`` line and exits 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -20,6 +23,7 @@ ERROR_PREFIX = "meshpilot train: error: "
 TIMEOUT_RE = re.compile(r"rank (\d+): a collective timed out after ([\d.]+) s")
 """What a rank prints when its collective timed out (see ``meshpilot.cli.train``)."""
 TIMEOUT_EXIT = 124
+STOPPED_EXIT = 143
 
 
 def launch(argv: list[str], nproc: int, command: str = "train") -> int:
@@ -37,25 +41,23 @@ def launch(argv: list[str], nproc: int, command: str = "train") -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MESHPILOT_LAUNCHED="1")  # cli.train.LAUNCHED_ENV
     env.setdefault("OMP_NUM_THREADS", "1")
     prefix = f"meshpilot {command}: error: "
+    stopped_prefix = f"meshpilot {command}: stopped: "
     seen: set[str] = set()
     timeouts: dict[int, str] = {}
-    failed = False
+    failed = stopped = False
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith(prefix):
-            failed = True
-            m = TIMEOUT_RE.search(line)
-            if m:
-                timeouts[int(m.group(1))] = m.group(2)
-            elif line not in seen:
-                seen.add(line)
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        elif not failed and not _torchrun_noise(line):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    rc = proc.wait()
+    with _forward_sigterm(proc):
+        for line in proc.stderr:
+            if line.startswith(stopped_prefix):
+                stopped = True
+                if line not in seen:
+                    seen.add(line)
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                continue
+            failed = _pass_line(line, prefix, failed or stopped, seen, timeouts) or failed
+        rc = proc.wait()
     if timeouts:
         reported = sorted(timeouts)
         silent = [r for r in range(nproc) if r not in timeouts]
@@ -68,7 +70,41 @@ def launch(argv: list[str], nproc: int, command: str = "train") -> int:
         return TIMEOUT_EXIT
     if failed:
         return 2
+    if stopped:
+        return STOPPED_EXIT
     return rc
+
+
+def _pass_line(line: str, prefix: str, quiet: bool, seen: set[str], timeouts: dict[int, str]) -> bool:
+    """Show one line of the ranks' stderr (errors once each, timeouts kept for the merged line; other lines
+    unless `quiet`: a rank has said what ended the run); returns whether it is an error line."""
+    if line.startswith(prefix):
+        m = TIMEOUT_RE.search(line)
+        if m:
+            timeouts[int(m.group(1))] = m.group(2)
+        elif line not in seen:
+            seen.add(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        return True
+    if not quiet and not _torchrun_noise(line):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    return False
+
+
+@contextlib.contextmanager
+def _forward_sigterm(proc: subprocess.Popen):
+    """While torchrun runs, SIGTERM to this process is sent on to it (it stops the ranks its own way)."""
+    try:
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _torchrun_noise(line: str) -> bool:

@@ -14,6 +14,14 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
   torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
       --hf-config n_layer=2 n_embd=64 n_head=4
 
+Checkpoints (with --plan): --checkpoint-dir DIR saves the model, AdamW's state, the step, the data position
+and the random state through torch.distributed.checkpoint every --checkpoint-every N steps, after the last
+step, and on SIGTERM (then the run stops); --resume continues from the newest complete checkpoint in DIR,
+under this run's plan, mesh and world size, whatever they were at the save:
+  meshpilot train --nproc-per-node 8 --plan p8.json --steps 100 --checkpoint-dir ck --checkpoint-every 10
+  meshpilot train --nproc-per-node 4 --plan p4.json --steps 200 --checkpoint-dir ck --resume
+Under torchrun --max-restarts, a restarted run resumes from the newest checkpoint by itself.
+
 --device auto (default) runs rank r on cuda:LOCAL_RANK with NCCL when torch sees a GPU, else on the CPU with
 gloo. --precision fp32 | bf16 (the model cast to bfloat16) | bf16-mixed (fp32 master weights, bfloat16
 autocast); with --plan the plan's precision is used (`meshpilot plan --precision`) and must match.
@@ -64,7 +72,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the per-step losses and times here as JSON")
+    p.add_argument(
+        "--json-out",
+        type=Path,
+        help="rank 0 writes the per-step losses and times here as JSON, rewritten (atomically) after every step",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="save checkpoints in DIR/step-N (with --plan): every --checkpoint-every steps, after the last, on SIGTERM",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        metavar="N",
+        help="save a checkpoint every N steps (default: only after the last step and on SIGTERM)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint-dir (any plan, mesh or world size); "
+        "--steps counts from the start of the run",
+    )
     p.add_argument(
         "--nproc-per-node",
         type=positive_int,
@@ -179,6 +209,70 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
     size, precision, and the model's graph fingerprint), the output path. Returns _train's keyword arguments."""
     if args.json_out:
         check_writable(args.json_out, "--json-out")
+    resume = check_checkpoint_flags(args)
+    prep = _prepare_model(args, world)
+    if args.checkpoint_dir is not None:
+        if "plan" not in prep:
+            raise UserError(
+                "--checkpoint-dir: checkpoints are for runs with --plan (ATP's layers without a plan are not "
+                f"saved); make one with `meshpilot plan --model {args.model} ... --out plan.json`"
+            )
+        prep["resume"] = resume
+    return prep
+
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun in its workers: above 0 in a run torchrun restarted (``--max-restarts``) after a failure."""
+
+
+def check_checkpoint_flags(args: argparse.Namespace):
+    """The checkpoint flags, checked: returns the checkpoint to resume from (None for a fresh start)."""
+    from meshpilot.runtime.checkpoint import newest
+
+    directory = args.checkpoint_dir
+    if directory is None:
+        given = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume)) if v]
+        if given:
+            raise UserError(f"{', '.join(given)}: needs --checkpoint-dir DIR (where the checkpoints are)")
+        return None
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--checkpoint-dir {directory}: is a file; give a folder (it is created if missing)")
+    parent = directory if directory.is_dir() else directory.parent if str(directory.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"--checkpoint-dir {directory}: folder {parent} does not exist; create it (mkdir -p) first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--checkpoint-dir {directory}: {parent} is not writable; save elsewhere or fix permissions")
+    found = newest(directory)
+    restarted = os.environ.get(RESTART_ENV, "0").strip() not in ("", "0")
+    if not args.resume and not restarted:
+        if found is not None:
+            raise UserError(
+                f"--checkpoint-dir {directory}: already holds checkpoints (newest {found.path.name}); pass --resume "
+                "to continue from it, or give an empty folder"
+            )
+        return None
+    if found is None:
+        if restarted and not args.resume:
+            return None  # torchrun restarted the run before its first save: a fresh start
+        unfinished = sorted(p.name for p in directory.glob("step-*.tmp")) if directory.is_dir() else []
+        extra = f" (only unfinished saves: {', '.join(unfinished)})" if unfinished else ""
+        raise UserError(f"--resume: no complete checkpoint in {directory}{extra}; train without --resume to start one")
+    if found.step >= args.steps:
+        raise UserError(
+            f"--resume: the newest checkpoint {found.path} is after step {found.step} and --steps is {args.steps} "
+            "(steps count from the start of the run); give --steps above it"
+        )
+    for flag, key, value in (("--seed", "seed", args.seed), ("--lr", "lr", args.lr)):
+        saved = found.manifest.get(key)
+        if saved is not None and saved != value:
+            raise UserError(
+                f"{flag} {value:g}: the checkpoint {found.path} was trained with {flag} {saved:g} (the data order "
+                f"and AdamW's state follow it); give {flag} {saved:g} or start a new --checkpoint-dir"
+            )
+    return found
+
+
+def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     if not _is_gpt(args.model):
         return _prepare_any(args, world)
     if args.hf_config:
@@ -312,46 +406,96 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _train(args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=None, graph=None, build=None) -> int:
+def _train(
+    args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=None, graph=None, build=None, resume=None
+) -> int:
     import sys
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    from meshpilot.runtime.checkpoint import Stopped
     from meshpilot.runtime.train import train_atp, train_model, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.timeout:
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    else:
-        dist.init_process_group(backend)
+    _init_group(backend, timedelta(seconds=args.timeout) if args.timeout else None)
     stall = os.environ.get("MESHPILOT_TEST_STALL_RANK")  # tests: this rank sleeps past --timeout
     if stall is not None and int(stall) == dist.get_rank():
         import time
 
         time.sleep(3 * (args.timeout or 1))
+    rank = dist.get_rank()
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        from meshpilot.runtime.checkpoint import Checkpointing
+
+        saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
+        saved_with["mesh"] = list(plan.mesh_shape)
+        checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
+    done = [] if resume is None else [dict(d) for d in resume.logs]
+    if plan is not None:
+        info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
+    else:
+        info = {"mesh": list(shape), "precision": args.precision or "fp32"}
+    info["device"] = device.type
+    info["backend"] = backend
+    if resume is not None:
+        info["resumed_from"] = str(resume.path)
+    if rank == 0 and resume is not None:
+        print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
+
+    def write_json(finished: bool) -> None:
+        if rank == 0 and args.json_out:
+            atomic_write(args.json_out, json.dumps({**info, "finished": finished, "steps": done}))
+
+    def on_step(s) -> None:
+        done.append(dict(s.__dict__))
+        write_json(False)  # before the line: whoever reads the line finds the step in the file
+        if rank == 0:
+            print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
+
     try:
         if build is not None:
-            logs = train_model(build, args.steps, args.seed, args.lr, plan=plan, device=device)
-            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
-        elif plan is not None:
-            logs = train_plan(cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device)
-            info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
-        else:
-            logs = train_atp(
-                cfg, shape, args.steps, args.seed, args.lr, args.chunks, device=device, precision=args.precision
+            train_model(
+                build, args.steps, args.seed, args.lr, plan=plan, device=device, checkpoint=checkpoint, on_step=on_step
             )
-            info = {"mesh": list(shape), "precision": args.precision or "fp32"}
-        info["device"] = device.type
-        info["backend"] = backend
-        if dist.get_rank() == 0:
-            for s in logs:
-                print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
-            if args.json_out:
-                atomic_write(args.json_out, json.dumps({**info, "steps": [s.__dict__ for s in logs]}))
+        elif plan is not None:
+            train_plan(
+                cfg,
+                plan,
+                args.steps,
+                args.seed,
+                args.lr,
+                graph=graph,
+                device=device,
+                checkpoint=checkpoint,
+                on_step=on_step,
+            )
+        else:
+            train_atp(
+                cfg,
+                shape,
+                args.steps,
+                args.seed,
+                args.lr,
+                args.chunks,
+                device=device,
+                precision=args.precision,
+                on_step=on_step,
+            )
+        write_json(True)
+    except Stopped as e:
+        if rank == 0:
+            print(
+                f"meshpilot train: stopped: SIGTERM after step {e.step}; saved {e.path}; continue with --resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        dist.destroy_process_group()
+        return STOPPED_EXIT
     except RuntimeError as e:
         if args.timeout and _is_timeout(e):
             # one line naming this rank; the launcher merges the ranks' lines. The group may be broken:
@@ -366,6 +510,29 @@ def _train(args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=N
         raise
     dist.destroy_process_group()
     return 0
+
+
+def _init_group(backend: str, timeout) -> None:
+    """init_process_group from torchrun's environment. In a run torchrun restarted, the keys go under a
+    prefix of the attempt: torchrun's workers share its store, which keeps the first attempt's keys (gloo's
+    addresses of the dead ranks), and a new rank reading one of those before its peer rewrote it waits forever
+    to connect."""
+    import torch.distributed as dist
+
+    kw = {} if timeout is None else {"timeout": timeout}
+    attempt = os.environ.get(RESTART_ENV, "0").strip()
+    if attempt in ("", "0"):
+        dist.init_process_group(backend, **kw)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", **kw))
+    store = dist.PrefixStore(f"meshpilot/attempt-{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+
+
+STOPPED_EXIT = 143
+"""A run that SIGTERM stopped after saving a checkpoint exits 128 + SIGTERM: unfinished, resumable."""
 
 
 def _is_timeout(e: BaseException) -> bool:

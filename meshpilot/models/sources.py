@@ -69,8 +69,9 @@ FACTORY_PROTOCOL = (
 class Built:
     """A model on its device, its example inputs and a one-line description.
 
-    `config` is the GPTConfig of built-in GPTs (None otherwise); `batches(steps, seed)` gives the training
-    batches ``train`` feeds (each a tuple like `inputs`), by default `inputs` at every step.
+    `config` is the GPTConfig of built-in GPTs (None otherwise); `batches(steps, seed, start)` gives the
+    training batches ``train`` feeds (each a tuple like `inputs`) beginning at sample `start` (the data
+    position a checkpoint records), by default `inputs` at every step.
     """
 
     name: str
@@ -78,12 +79,18 @@ class Built:
     model: Any
     inputs: tuple
     config: Any = None
-    make_batches: Callable[[int, int], list[tuple]] | None = None
+    make_batches: Callable[[int, int, int], list[tuple]] | None = None
 
-    def batches(self, steps: int, seed: int) -> list[tuple]:
+    def batches(self, steps: int, seed: int, start: int = 0) -> list[tuple]:
         if self.make_batches is not None:
-            return self.make_batches(steps, seed)
+            return self.make_batches(steps, seed, start)
         return [self.inputs] * steps
+
+    @property
+    def batch_size(self) -> int:
+        """Samples one step consumes: dim 0 of the first input (1 for a scalar or no input)."""
+        first = self.inputs[0] if self.inputs else None
+        return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
 
 
 def kind(spec: str) -> str:
@@ -367,14 +374,22 @@ def hf_model(name: str, overrides: dict[str, Any] | None = None, device: str | t
     return HFLoss(model)
 
 
-def hf_tokens(vocab: int, batch: int, seq: int, steps: int, seed: int, device: Any = "cpu") -> list[tuple]:
-    """`steps` (input_ids, labels) batches of random tokens from a fixed generator."""
-    g = torch.Generator().manual_seed(seed + 1)
+def hf_tokens(
+    vocab: int, batch: int, seq: int, steps: int, seed: int, device: Any = "cpu", start: int = 0
+) -> list[tuple]:
+    """`steps` (input_ids, labels) batches of random tokens, beginning at sample `start`: sample j's tokens
+    come from a generator seeded by (seed, j) alone (:func:`meshpilot.runtime.train.sample_generator`), so
+    a run resumed at any sample position, on any number of ranks, sees the same data."""
+    from meshpilot.runtime.train import sample_generator
+
     out = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        labels = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append((ids.to(device), labels.to(device)))
+    for i in range(steps):
+        ids, labels = [], []
+        for j in range(start + i * batch, start + (i + 1) * batch):
+            g = sample_generator(seed, j)
+            ids.append(torch.randint(0, vocab, (seq,), generator=g))
+            labels.append(torch.randint(0, vocab, (seq,), generator=g))
+        out.append((torch.stack(ids).to(device), torch.stack(labels).to(device)))
     return out
 
 
@@ -414,8 +429,8 @@ def build_hf(
     extra = f", experts {experts}" if moe else ""
     label = f"hf:{name}: {type(model.model).__name__}{extra}, b={b} s={s}, {count(params)} parameters"
 
-    def make_batches(steps: int, data_seed: int) -> list[tuple]:
-        return hf_tokens(vocab, b, s, steps, data_seed, dev)
+    def make_batches(steps: int, data_seed: int, start: int = 0) -> list[tuple]:
+        return hf_tokens(vocab, b, s, steps, data_seed, dev, start)
 
     return Built(f"hf:{name}", label, model, inputs, None, make_batches)
 

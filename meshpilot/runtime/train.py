@@ -1,7 +1,7 @@
 """A few real training steps, parallel or single-device, on the same data: what `train` and `demo` run.
 
-All paths build the model from the same seed and feed the same batches (a fixed generator), and step
-`torch.optim.AdamW`, so their losses are comparable step by step: `train_single` (one device), `train_atp`
+All paths build the model from the same seed and feed the same batches, and step `torch.optim.AdamW`, so
+their losses are comparable step by step: `train_single` (one device), `train_atp`
 (ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
 `meshpilot.parallelize`). `train_model` is the same loop for any model (``hf:<name>``, a factory, a zoo
 model): single-device, or under a plan.
@@ -10,11 +10,22 @@ model): single-device, or under a plan.
 ``fp32``; ``bf16`` (the model cast to bfloat16, AdamW's states with it); ``bf16-mixed`` (float32 master
 weights and AdamW states, the forward and backward under ``torch.autocast(bfloat16)``). A plan carries its
 own precision, which ``meshpilot.parallelize`` follows (the casts of bf16-mixed are in the plan's graph).
+
+**Data.** The synthetic batches are a pure function of (seed, sample index): sample j's tokens come from
+:func:`sample_generator` ``(seed, j)``, and a step at data position p (samples consumed so far) takes
+samples p .. p + batch - 1. Every rank builds the same global batch (the runtime takes its slice), so a run
+resumed at position p on another world size or plan sees exactly the batches the uninterrupted run saw.
+
+**Checkpoints.** `train_plan` and `train_model` take ``checkpoint=`` (a
+:class:`~meshpilot.runtime.checkpoint.Checkpointing`): resume from its checkpoint before the first step,
+save every N steps, after the last, and on SIGTERM (:mod:`meshpilot.runtime.checkpoint`). `on_step` sees
+each step's log as it finishes (``train --json-out`` writes the curve as it goes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,14 +45,26 @@ class StepLog:
     seconds: float
 
 
-def batches(cfg: GPTConfig, steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` (idx, targets) batches of [batch, seq] tokens from a fixed generator."""
-    g = torch.Generator().manual_seed(seed + 1)
-    out = []
-    for _ in range(steps):
-        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return out
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of sample `index` of the data seeded `seed`: its own stream, independent of the batch
+    size, the step and the world size (the seed mixes both numbers through SHA-256)."""
+    digest = hashlib.sha256(f"meshpilot-data:{seed}:{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def batch_at(cfg: GPTConfig, position: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (idx, targets) batch of [batch, seq] tokens at data position `position` (samples consumed)."""
+    rows = [
+        torch.randint(0, cfg.vocab, (cfg.seq + 1,), generator=sample_generator(seed, j))
+        for j in range(position, position + cfg.batch)
+    ]
+    tokens = torch.stack(rows)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def batches(cfg: GPTConfig, steps: int, seed: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` consecutive (idx, targets) batches beginning at data position `start`."""
+    return [batch_at(cfg, start + i * cfg.batch, seed) for i in range(steps)]
 
 
 def reference_model(cfg: GPTConfig, seed: int) -> GPT:
@@ -72,19 +95,69 @@ def _adamw_steps(
     lr: float,
     device: Any = "cpu",
     precision: str | None = None,
+    *,
+    checkpoint: Any = None,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
     """`steps` AdamW steps of `model` (whose call returns the replicated loss) on the full global batches."""
+    return _loop(
+        model,
+        lambda position: batch_at(cfg, position, seed),
+        cfg.batch,
+        steps,
+        lr,
+        device=device,
+        precision=precision,
+        checkpoint=checkpoint,
+        on_step=on_step,
+    )
+
+
+def _loop(
+    model: torch.nn.Module,
+    batch_at_position: Callable[[int], tuple],
+    batch_size: int,
+    steps: int,
+    lr: float,
+    *,
+    device: Any = "cpu",
+    precision: str | None = None,
+    reseed: int | None = None,
+    checkpoint: Any = None,
+    on_step: Callable[[StepLog], None] | None = None,
+) -> list[StepLog]:
+    """The step loop every path shares: AdamW on `model`, step i at data position (samples consumed) p
+    taking ``batch_at_position(p)``; `reseed` s reseeds the RNG with s + i before step i. With `checkpoint`
+    the loop starts where its checkpoint left off and saves as it is told; the logs it returns are the whole
+    run's, the resumed steps' included (their losses from the checkpoint)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    logs = []
-    for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
-        idx, tgt = idx.to(device), tgt.to(device)
-        t0 = time.perf_counter()
-        with autocast(precision, device):
-            loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        logs.append(StepLog(i, float(loss.detach().float()), time.perf_counter() - t0))
+    logs: list[StepLog] = []
+    start, position = 0, 0
+    ctx = checkpoint if checkpoint is not None else contextlib.nullcontext()
+    with ctx:
+        if checkpoint is not None:
+            start, position, done = checkpoint.restore(model, opt)
+            logs = [StepLog(int(d["step"]), float(d["loss"]), float(d["seconds"])) for d in done]
+        for i in range(start, steps):
+            inputs = tuple(x.to(device) for x in batch_at_position(position))
+            if reseed is not None:
+                torch.manual_seed(reseed + i)
+            t0 = time.perf_counter()
+            with autocast(precision, device):
+                out = model(*inputs)
+            loss = _loss_of(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            log = StepLog(i, float(loss.detach().float()), time.perf_counter() - t0)
+            logs.append(log)
+            position += batch_size
+            if on_step is not None:
+                on_step(log)
+            if checkpoint is not None:
+                checkpoint.after_step(
+                    model, opt, step=i + 1, position=position, logs=[x.__dict__ for x in logs], last=i + 1 == steps
+                )
     return logs
 
 
@@ -105,6 +178,8 @@ def train_atp(
     chunks: int = 1,
     device: Any = "cpu",
     precision: str | None = None,
+    *,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
     """ATP tensor parallelism on DeviceMesh(mesh_shape) (data parallel over the rest of the world).
 
@@ -135,22 +210,34 @@ def train_atp(
             dist.all_reduce(seen, group=meshes.dp.get_group())
             seen /= dp
         logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
+        if on_step is not None:
+            on_step(logs[-1])
     return logs
 
 
 def train_plan(
-    cfg: GPTConfig, plan, steps: int, seed: int = 0, lr: float = 1e-3, graph=None, device: Any = "cpu"
+    cfg: GPTConfig,
+    plan,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    graph=None,
+    device: Any = "cpu",
+    *,
+    checkpoint: Any = None,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
     """A :class:`~meshpilot.planner.plan.Plan` for the GPT `cfg` run by ``meshpilot.parallelize``.
 
     Call on every rank of an initialised process group whose size is the plan's device count. Every rank
     passes the full global batch (the runtime takes its local slice) and gets the replicated loss, which is
-    the single-device loss. `graph` reuses a capture of the model at the plan's shapes.
+    the single-device loss. `graph` reuses a capture of the model at the plan's shapes. `checkpoint`: see
+    the module docstring.
     """
     from meshpilot.runtime.spmd import parallelize
 
     model = parallelize(reference_model(cfg, seed), plan, device=device, graph=graph)  # it follows plan.precision
-    return _adamw_steps(model, cfg, steps, seed, lr, device)
+    return _adamw_steps(model, cfg, steps, seed, lr, device, checkpoint=checkpoint, on_step=on_step)
 
 
 def train_model(
@@ -162,13 +249,16 @@ def train_model(
     plan: Any = None,
     device: Any = "cpu",
     precision: str | None = None,
+    checkpoint: Any = None,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> list[StepLog]:
     """`steps` AdamW steps of any model: ``build(device)`` returns a
     :class:`~meshpilot.models.sources.Built` (seeded: the same on every rank), fed ``built.batches``.
 
     With `plan` (every rank of an initialised group) the model runs under ``meshpilot.parallelize`` in the
     plan's precision; without, on `device` alone in `precision` (the single-device reference). The RNG is
-    reseeded before each step, so dropout draws the same numbers in both.
+    reseeded before each step, so dropout draws the same numbers in both. `checkpoint`, `on_step`: see the
+    module docstring.
     """
     built = build(torch.device(device))
     model = built.model
@@ -179,19 +269,18 @@ def train_model(
         model = parallelize(model, plan)
     else:
         model = _as_precision(model, precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    logs = []
-    for i, inputs in enumerate(built.batches(steps, seed)):
-        torch.manual_seed(seed + 1000 + i)
-        t0 = time.perf_counter()
-        with autocast(precision, device):
-            out = model(*inputs)
-        loss = _loss_of(out)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        logs.append(StepLog(i, float(loss.detach().float()), time.perf_counter() - t0))
-    return logs
+    return _loop(
+        model,
+        lambda position: built.batches(1, seed, position)[0],
+        built.batch_size,
+        steps,
+        lr,
+        device=device,
+        precision=precision,
+        reseed=seed + 1000,
+        checkpoint=checkpoint,
+        on_step=on_step,
+    )
 
 
 def _loss_of(out: Any) -> torch.Tensor:
