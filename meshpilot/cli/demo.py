@@ -1,8 +1,9 @@
 """`meshpilot demo`: the tour. A preset cluster's hierarchy, ATP's mesh choice for a GPT on it, then automatic
 sharding: `meshpilot.plan` plans a tiny GPT for 4 of the cluster's devices (per-operator ILP over every mesh
-shape), prints the plan and saves it, and `meshpilot train --plan` trains the GPT with that plan for real on
-4 local gloo processes (launched with torchrun), its loss next to the single-device loss. Exits with 1 if the
-losses differ by more than 1e-5."""
+shape), prints the plan, saves it and draws its simulated step (a PNG timeline); `meshpilot train --plan` trains
+the GPT with that plan for real on 4 local gloo processes (torchrun) and checkpoints it halfway, and a second run
+resumes that checkpoint under a plan on another mesh; the whole loss curve next to the single-device loss.
+Exits with 1 if the losses differ by more than 1e-5."""
 
 from __future__ import annotations
 
@@ -40,7 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--procs", type=positive_int, default=4, help="devices planned for = local gloo processes (default 4)"
     )
-    p.add_argument("--plan-out", type=Path, help="keep the plan here (default: a temporary file)")
+    p.add_argument(
+        "--plan-out",
+        type=Path,
+        help="keep the plan here and its simulated timeline beside it (default: the plan in a temporary folder, "
+        "the timeline in the system's temporary directory as meshpilot-demo-step.png)",
+    )
     p.add_argument("--no-train", action="store_true", help="stop after the plan (no processes)")
     p.set_defaults(func=run)
 
@@ -77,11 +83,37 @@ def run(args: argparse.Namespace) -> int:
         path = args.plan_out or Path(tmp) / "plan.json"
         save_plan(plan, path, "--plan-out")
         console.print(f"saved the plan to {path}")
+        png = path.with_suffix(".png") if args.plan_out else Path(tempfile.gettempdir()) / "meshpilot-demo-step.png"
+        show_timeline(plan, cluster, png)
         if args.no_train:
             return 0
-        code = train_with_plan(plan, path, Path(tmp), args.steps, n)
+        other = other_mesh(plan.mesh_shape, n)
+        with console.status(f"planning again on DeviceMesh{other} for the resumed run …"):
+            second, _ = make_plan(built, cluster, n, other)
+        second_path = Path(tmp) / "plan-resume.json"
+        save_plan(second, second_path, "plan")
+        code = train_with_plan((plan, path), (second, second_path), Path(tmp), args.steps, n)
     console.print(f"[dim]demo took {time.perf_counter() - t_start:.0f} s[/dim]")
     return code
+
+
+def other_mesh(shape: tuple[int, ...], n: int) -> tuple[int, int]:
+    """A 2D mesh of `n` devices other than `shape`: where the resumed run goes."""
+    from meshpilot.cluster import mesh_shapes_2d
+
+    return next((tuple(s) for s in mesh_shapes_2d(n) if tuple(s) != tuple(shape)), (n, 1))
+
+
+def show_timeline(plan, cluster, png: Path) -> None:
+    """The plan's step as the simulator plays it (``meshpilot simulate``), drawn to `png`."""
+    from meshpilot.sim import simulate
+
+    result = simulate(plan, cluster=cluster)
+    result.write_png(png)
+    console.print(
+        f"simulated step {result.step_s * 1e6:.1f} µs (closed form {plan.time.total_s * 1e6:.1f} µs); "
+        f"its timeline: {png}"
+    )
 
 
 def show_cluster(cluster) -> None:
@@ -123,65 +155,68 @@ def show_atp(cluster, model: str) -> None:
     )
 
 
-def train_with_plan(plan, path: Path, tmp: Path, steps: int, n: int) -> int:
-    from meshpilot.models import gpt_config
-    from meshpilot.runtime.train import train_single
-
-    cfg = gpt_config(TRAIN_MODEL)
-    mesh = ", ".join(str(d) for d in plan.mesh_shape)
-    console.print(
-        Panel.fit(
-            f"4. Real training: {TRAIN_MODEL} (L={cfg.layers}, h={cfg.hidden}, {cfg.heads} heads, b={cfg.batch}, "
-            f"s={cfg.seq}) with this plan on DeviceMesh({mesh}) — meshpilot.parallelize on {n} local gloo "
-            f"processes, AdamW, {steps} steps"
-        )
-    )
-    out = tmp / "losses.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={n}",
-        "-m",
-        "meshpilot.cli.main",
-        "train",
-        "--plan",
-        str(path),
-        "--model",
-        TRAIN_MODEL,
-        "--steps",
-        str(steps),
-        "--json-out",
-        str(out),
-    ]
+def _launch(cmd: list[str], n: int, what: str) -> None:
     console.print("[dim]$ " + " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun") + "[/dim]")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.perf_counter()
-    with console.status(f"training on {n} processes …"):
+    with console.status(f"{what} on {n} processes …"):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise UserError(f"the {n}-process training run failed (exit {proc.returncode}); its output is above")
+        raise UserError(f"the {n}-process run ({what}) failed (exit {proc.returncode}); its output is above")
+
+
+def train_with_plan(first: tuple, second: tuple, tmp: Path, steps: int, n: int) -> int:
+    """Train `steps` steps: the first half under `first` (plan, path) with a checkpoint, the rest resumed under
+    `second` on another mesh; the curve next to one device's."""
+    from meshpilot.models import gpt_config
+    from meshpilot.runtime.train import train_single
+
+    (plan, path), (plan2, path2) = first, second
+    cfg = gpt_config(TRAIN_MODEL)
+    mesh, mesh2 = (", ".join(str(d) for d in p.mesh_shape) for p in (plan, plan2))
+    half = max(1, steps // 2)
+    console.print(
+        Panel.fit(
+            f"4. Real training: {TRAIN_MODEL} (L={cfg.layers}, h={cfg.hidden}, {cfg.heads} heads, b={cfg.batch}, "
+            f"s={cfg.seq}) — meshpilot.parallelize on {n} local gloo processes, AdamW: steps 0-{half - 1} on "
+            f"DeviceMesh({mesh}) with a checkpoint, then resumed on DeviceMesh({mesh2})"
+            + (f" for steps {half}-{steps - 1}" if steps > half else "")
+        )
+    )
+    out, ckpt = tmp / "losses.json", tmp / "checkpoints"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+
+    def train(plan_path: Path, upto: int, *extra: str) -> list[str]:
+        return [*torchrun, "-m", "meshpilot.cli.main", "train", "--plan", str(plan_path), "--model", TRAIN_MODEL]+[
+            "--steps", str(upto), "--checkpoint-dir", str(ckpt), *extra, "--json-out", str(out)
+        ]  # fmt: skip
+
+    t0 = time.perf_counter()
+    _launch(train(path, half), n, "training")
+    if steps > half:
+        _launch(train(path2, steps, "--resume"), n, f"resuming on DeviceMesh({mesh2})")
     parallel = json.loads(out.read_text())["steps"]
     train_s = time.perf_counter() - t0
     with console.status("single-device reference …"):
         single = train_single(cfg, steps)
-    t = Table(title=f"{TRAIN_MODEL}, AdamW: the plan on {n} processes vs one device ({train_s:.0f} s for the launch)")
-    for col in ("step", f"loss, {n} processes", "loss, 1 device", "|difference|"):
+    title = f"{TRAIN_MODEL}, AdamW: the plans on {n} processes vs one device ({train_s:.0f} s for the launches)"
+    t = Table(title=title)
+    for col in ("step", "mesh", f"loss, {n} processes", "loss, 1 device", "|difference|"):
         t.add_column(col, justify="right")
     worst = 0.0
     for p, s in zip(parallel, single):
         diff = abs(p["loss"] - s.loss)
         worst = max(worst, diff)
-        t.add_row(str(p["step"]), f"{p['loss']:.6f}", f"{s.loss:.6f}", f"{diff:.2e}")
+        where = f"({mesh})" if p["step"] < half else f"({mesh2}) resumed"
+        t.add_row(str(p["step"]), where, f"{p['loss']:.6f}", f"{s.loss:.6f}", f"{diff:.2e}")
     console.print(t)
     if len(parallel) != len(single):
-        console.print(f"[red]the {n}-process run logged {len(parallel)} steps, expected {len(single)}[/red]")
+        console.print(f"[red]the {n}-process runs logged {len(parallel)} steps, expected {len(single)}[/red]")
         return 1
     ok = worst <= TOLERANCE
     verdict = "[green]the same[/green]" if ok else "[red]different[/red]"
     console.print(
-        f"largest difference {worst:.2e}: {verdict} loss as the single-device model (tolerance {TOLERANCE:g})"
+        f"largest difference {worst:.2e}: {verdict} loss as the single-device model (tolerance {TOLERANCE:g}), "
+        "across the checkpoint and the change of mesh"
     )
     return 0 if ok else 1

@@ -45,6 +45,13 @@ class StepLog:
     seconds: float
 
 
+def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    """The optimizer every training path uses: AdamW with ``foreach`` — CUDA's default, and on CPU it
+    spares DTensor parameters one trip through DTensor's dispatch per op per parameter (the per-parameter
+    loop tripled the optimizer step of a 12-layer GPT: ``benchmarks/bench_program_overhead.py``)."""
+    return torch.optim.AdamW(params, lr=lr, foreach=True)
+
+
 def sample_generator(seed: int, index: int) -> torch.Generator:
     """The generator of sample `index` of the data seeded `seed`: its own stream, independent of the batch
     size, the step and the world size (the seed mixes both numbers through SHA-256)."""
@@ -130,7 +137,7 @@ def _loop(
     taking ``batch_at_position(p)``; `reseed` s reseeds the RNG with s + i before step i. With `checkpoint`
     the loop starts where its checkpoint left off and saves as it is told; the logs it returns are the whole
     run's, the resumed steps' included (their losses from the checkpoint)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = adamw(model.parameters(), lr)
     logs: list[StepLog] = []
     start, position = 0, 0
     ctx = checkpoint if checkpoint is not None else contextlib.nullcontext()
@@ -193,7 +200,7 @@ def train_atp(
     device = torch.device(device)
     meshes = init_meshes(mesh_shape, device.type)
     model = ATPGPT.from_gpt(_as_precision(reference_model(cfg, seed), precision), meshes.tp, chunks=chunks)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = adamw(model.parameters(), lr)
     dp, dp_rank = meshes.dp_size, (0 if meshes.dp is None else meshes.dp.get_local_rank())
     logs = []
     for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
