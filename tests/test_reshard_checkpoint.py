@@ -89,3 +89,24 @@ def test_different_models_are_one_line(plans):
     b = dataclasses.replace(a, params=a.params[1:])
     with pytest.raises(UserError, match="different models: parameters"):
         plan_reshard(a, b, shapes)
+
+
+def test_a_resume_says_what_moves_from_the_manifest_alone(plans):
+    """``train --resume`` under another plan: the manifest's layouts (JSON) and signature are enough."""
+    import json
+
+    from meshpilot.cli.train import _reshard_line
+    from meshpilot.planner.reshard_checkpoint import Layouts, shapes_from_signature
+
+    by_shape, shapes = plans
+    a, b = by_shape[(2, 4)], by_shape[(4, 1)]
+    saved = json.loads(json.dumps(Layouts.of(a).to_dict()))
+    assert Layouts.from_dict(saved) == Layouts.of(a)
+    signature = {name: [list(shape), "float32"] for name, (shape, _) in shapes.items()}
+    assert shapes_from_signature(signature) == {n: (tuple(s), 4) for n, (s, _) in shapes.items()}
+    line = _reshard_line({"layouts": saved, "signature": signature}, b)
+    expect = plan_reshard(a, b, shapes)
+    assert line.startswith("resharded from DeviceMesh(2, 4) to DeviceMesh(4, 1): ")
+    assert f"{len(expect.pieces)} pieces" in line
+    assert _reshard_line({"layouts": saved, "signature": signature}, a) is None  # the same layouts: nothing said
+    assert _reshard_line({"signature": signature}, b) is None  # a manifest from before layouts were kept

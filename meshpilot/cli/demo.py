@@ -187,9 +187,8 @@ def train_with_plan(first: tuple, second: tuple, tmp: Path, steps: int, n: int) 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
 
     def train(plan_path: Path, upto: int, *extra: str) -> list[str]:
-        return [*torchrun, "-m", "meshpilot.cli.main", "train", "--plan", str(plan_path), "--model", TRAIN_MODEL]+[
-            "--steps", str(upto), "--checkpoint-dir", str(ckpt), *extra, "--json-out", str(out)
-        ]  # fmt: skip
+        cmd = [*torchrun, "-m", "meshpilot.cli.main", "train", "--plan", str(plan_path), "--model", TRAIN_MODEL]
+        return cmd + ["--steps", str(upto), "--checkpoint-dir", str(ckpt), *extra, "--json-out", str(out)]
 
     t0 = time.perf_counter()
     _launch(train(path, half), n, "training")

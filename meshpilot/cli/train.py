@@ -430,10 +430,12 @@ def _train(
     rank = dist.get_rank()
     checkpoint = None
     if args.checkpoint_dir is not None:
+        from meshpilot.planner.reshard_checkpoint import Layouts
         from meshpilot.runtime.checkpoint import Checkpointing
 
         saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
         saved_with["mesh"] = list(plan.mesh_shape)
+        saved_with["layouts"] = Layouts.of(plan).to_dict()
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
     done = [] if resume is None else [dict(d) for d in resume.logs]
     if plan is not None:
@@ -446,6 +448,10 @@ def _train(
         info["resumed_from"] = str(resume.path)
     if rank == 0 and resume is not None:
         print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
+        if plan is not None:
+            moved = _reshard_line(resume.manifest, plan)
+            if moved:
+                print(moved, flush=True)
 
     def write_json(finished: bool) -> None:
         if rank == 0 and args.json_out:
@@ -538,3 +544,20 @@ STOPPED_EXIT = 143
 def _is_timeout(e: BaseException) -> bool:
     text = str(e).lower()
     return "timed out" in text or "timeout" in text
+
+
+def _reshard_line(manifest: dict, plan) -> str | None:
+    """What loading a checkpoint saved under another plan moves (``planner.reshard_checkpoint``), in one line;
+    None when it was saved under the same layouts or its manifest does not say."""
+    from meshpilot.planner.reshard_checkpoint import Layouts, plan_reshard, shapes_from_signature
+
+    saved = manifest.get("layouts")
+    if not saved:
+        return None
+    before, now = Layouts.from_dict(saved), Layouts.of(plan)
+    if before == now:
+        return None
+    shapes = shapes_from_signature(manifest.get("signature", {}))
+    params = {f: shapes[f] for f, _ in now.params if f in shapes}
+    rp = plan_reshard(before, now, params)
+    return f"resharded from DeviceMesh{before.mesh_shape} to DeviceMesh{now.mesh_shape}: {rp.summary()}"

@@ -86,11 +86,13 @@ class ReshardPlan:
         return self.local_bytes + self.remote_bytes
 
     def summary(self) -> str:
-        gib = 1024**3
+        from meshpilot.io import fmt_size
+
         return (
-            f"{len(self.pieces)} pieces, {self.total_bytes / gib:.3f} GiB: {self.local_bytes / gib:.3f} GiB from a "
-            f"rank's own shard, {self.remote_bytes / gib:.3f} GiB from others'; most read by one rank "
-            f"{max(self.per_dst.values(), default=0) / gib:.3f} GiB (planned in {self.seconds * 1e3:.0f} ms)"
+            f"{len(self.pieces)} pieces, {fmt_size(self.total_bytes)} (weights and AdamW states): "
+            f"{fmt_size(self.local_bytes)} from a rank's own shard, {fmt_size(self.remote_bytes)} from others'; "
+            f"at most {fmt_size(max(self.per_dst.values(), default=0))} into one rank "
+            f"(planned in {self.seconds * 1e3:.0f} ms)"
         )
 
 
@@ -155,3 +157,31 @@ def plan_reshard(
                     out.remote_bytes += nbytes
     out.seconds = time.perf_counter() - t0
     return out
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """What :func:`plan_reshard` reads of a plan — its mesh, ranks and parameter layouts — as a checkpoint's
+    manifest keeps it (``to_dict`` / ``from_dict``), so a resume can say what moves after the plan file is gone."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    params: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def of(cls, plan) -> Layouts:
+        return cls(tuple(plan.mesh_shape), tuple(plan.mesh_ranks), tuple((f, tuple(lay)) for f, lay in plan.params))
+
+    def to_dict(self) -> dict:
+        return {"mesh_shape": list(self.mesh_shape), "mesh_ranks": list(self.mesh_ranks), "params": self.params}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Layouts:
+        return cls(tuple(d["mesh_shape"]), tuple(d["mesh_ranks"]), tuple((f, tuple(lay)) for f, lay in d["params"]))
+
+
+def shapes_from_signature(sig: Mapping[str, Sequence]) -> dict[str, tuple[tuple[int, ...], int]]:
+    """(global shape, element size) of every tensor of a checkpoint signature (``checkpoint.signature``)."""
+    import torch
+
+    return {name: (tuple(shape), getattr(torch, dtype).itemsize) for name, (shape, dtype) in sig.items()}
