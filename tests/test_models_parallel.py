@@ -2,8 +2,8 @@
 
 For the ATP GPT, a BERT-like encoder, an MLP, a small Wide-ResNet-like conv net (GroupNorm), a model with a
 GShard top-2 MoE layer, and a fresh conv -> transformer hybrid defined here (not in the zoo), on every 2D
-mesh shape of 4 ranks and on (8, 1), (2, 4), (1, 8) (``MESHES``, ``MODELS_AT``, ``FULL_8``: what 8 ranks run is
-trimmed for the suite's time on a 2-core machine), for the solver's plan and for the forced plans of
+mesh shape of 4 ranks and on (8, 1), (2, 4), (1, 8) (``MESHES``, ``MODELS_AT``: what 8 ranks run is trimmed for
+the suite's time on a 2-core machine), for the solver's plan and for the forced plans of
 :mod:`meshpilot.planner.forced` (pure data parallel, Megatron TP, ZeRO-3-like):
 
 * loss, every parameter's gradient and every parameter after the step equal the single-device model's
@@ -41,18 +41,6 @@ MODELS = (*ZOO, FRESH, FALLBACK)
 # 8 ranks on this 2-core machine cost twice what 4 do: there, the models whose layouts differ on 8 (attention
 # heads, experts, the conv net and the fresh hybrid); the MLP and the fallback model run on 4 ranks only
 MODELS_AT = {4: MODELS, 8: ("gpt", "bert", "wrn", "moe", FRESH)}
-# and on 8 ranks only the GPT runs pure data parallelism (8, 1) as well (the others' (8, 1) layouts are 4-rank
-# data parallelism with twice the replicas; the checkpoint and ATP tests also run 8-way data parallelism)
-FULL_8 = ("gpt",)
-
-
-def meshes(world: int, name: str) -> list[tuple[int, int]]:
-    """The meshes `name` runs on with `world` ranks (``MESHES``, ``FULL_8``)."""
-    if world == 8 and name not in FULL_8:
-        return [s for s in MESHES[8] if s != (8, 1)]
-    return MESHES[world]
-
-
 KINDS_OF = {FALLBACK: ("solver",)}  # the model with an op no strategy covers: the solver's plan only
 ADAMW = dict(lr=1e-3, eps=1e-4)  # see the module docstring
 CLUSTER = "atp-ic3"
@@ -149,7 +137,7 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
     for name in MODELS_AT[world]:
         model, inputs = build(name)
         graph = capture(model, inputs)
-        for shape in meshes(world, name):
+        for shape in MESHES[world]:
             for kind in KINDS_OF.get(name, KINDS):
                 force = None
                 if kind != "solver":
@@ -359,7 +347,7 @@ def test_fresh_architecture_plans_run_correctly(runs):
     """A model the planner and the tests know only through this file: every mesh and plan kind."""
     world, plans, results = runs
     keys = [k for k in plans if k[0] == FRESH]
-    assert len(keys) == len(meshes(world, FRESH)) * len(KINDS)
+    assert len(keys) == len(MESHES[world]) * len(KINDS)
     _check_equal(world, plans, results, keys)
 
 
@@ -392,7 +380,7 @@ def test_ops_without_strategy_run_replicated_and_are_listed(runs):
     world, plans, results = runs
     _only_where_run(world, FALLBACK)
     keys = [k for k in plans if k[0] == FALLBACK]
-    assert len(keys) == len(meshes(world, FALLBACK))
+    assert len(keys) == len(MESHES[world])
     for key in keys:
         p = plans[key]
         assert any("_cdist_forward" in w and "replicated" in w for w in p.warnings), p.warnings
