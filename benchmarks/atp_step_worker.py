@@ -97,6 +97,36 @@ def _parse_meshes(text: str, world: int) -> list[tuple[int, int]]:
     return out
 
 
+def time_round_robin(configs: list[dict], step, warmup: int, steps: int) -> tuple[list[list[float]], float, float]:
+    """Time `step(c)` for every config `c` the way both emulated workers do: `warmup` untimed steps each (the
+    first step's loss kept as ``c["loss0"]``), then `steps` rounds that run every config once, in an order
+    rotated by one each round, each step behind a barrier; per config, the slowest rank's seconds of each
+    timed step (all-reduce MAX). Returns (per-config step seconds, warm-up seconds, total seconds). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    t_start = time.perf_counter()
+    for c in configs:
+        for i in range(warmup):
+            loss = step(c)
+            if i == 0:
+                c["loss0"] = loss
+        dist.barrier()
+    t_warm = time.perf_counter() - t_start
+    n = len(configs)
+    for r in range(steps):
+        for j in range(n):
+            c = configs[(j + r) % n]
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(c)
+            c["times"].append(time.perf_counter() - t0)
+    t_total = time.perf_counter() - t_start
+    local = torch.tensor([t for c in configs for t in c["times"]], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.view(n, steps).tolist(), t_warm, t_total
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -151,29 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         c["opt"].zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    t_start = time.perf_counter()
-    for c in configs:
-        for i in range(args.warmup):
-            loss = step(c)
-            if i == 0:
-                c["loss0"] = loss
-    dist.barrier()
-    t_warm = time.perf_counter() - t_start
-
-    n = len(configs)
-    for r in range(args.steps):
-        for j in range(n):
-            c = configs[(j + r) % n]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(c)
-            c["times"].append(time.perf_counter() - t0)
-    t_total = time.perf_counter() - t_start
-
-    # The slowest rank's time per step.
-    local = torch.tensor([t for c in configs for t in c["times"]], dtype=torch.float64)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    per = local.view(n, args.steps).tolist()
+    per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
     if rank == 0:
         results = []
         for c, ts in zip(configs, per):

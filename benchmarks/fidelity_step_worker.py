@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from atp_step_worker import time_round_robin
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,28 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         c["opt"].zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    t_start = time.perf_counter()
-    for c in configs:
-        for i in range(args.warmup):
-            loss = step(c)
-            if i == 0:
-                c["loss0"] = loss
-        dist.barrier()
-    t_warm = time.perf_counter() - t_start
-
-    n = len(configs)
-    for r in range(args.steps):
-        for j in range(n):
-            c = configs[(j + r) % n]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(c)
-            c["times"].append(time.perf_counter() - t0)
-    t_total = time.perf_counter() - t_start
-
-    local = torch.tensor([t for c in configs for t in c["times"]], dtype=torch.float64)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    per = local.view(n, args.steps).tolist()
+    per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
     if rank == 0:
         results = [
             {
