@@ -44,16 +44,18 @@ SHARED_OPTIONS = ("layers", "hidden", "heads", "batch", "seq", "vocab", "steps",
 """The options `bench_atp_emulated.py` takes with the same meaning and forwards to this worker."""
 
 
-def add_shared_options(p: argparse.ArgumentParser) -> None:
-    """The GPT's size and the step counts (:data:`SHARED_OPTIONS`), for this worker and its driver."""
+def add_shared_options(
+    p: argparse.ArgumentParser, steps: int = 5, warmup: int = 1, what: str = "configuration"
+) -> None:
+    """The GPT's size and the step counts (:data:`SHARED_OPTIONS`), for this worker and its drivers."""
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--steps", type=int, default=5, help="timed rounds per configuration (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (default 1)")
+    p.add_argument("--steps", type=int, default=steps, help=f"timed rounds per {what} (default {steps})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps per {what} (default {warmup})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,6 +129,36 @@ def time_round_robin(configs: list[dict], step, warmup: int, steps: int) -> tupl
     return local.view(n, steps).tolist(), t_warm, t_total
 
 
+def step_stats(ts: list[float]) -> dict:
+    """One config's timed steps: median, min, max and all of them (seconds)."""
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "steps_s": ts}
+
+
+def write_result(tag: str, out: Path | None, doc: dict, steps: int, warmup: int, t_warm: float, t_total: float) -> None:
+    """Rank 0's result: `doc` (``world`` and what the worker measured) with the run's common fields, written to
+    `out` (if given) and printed as one ``<tag> {json}`` line for the driver."""
+    import torch
+    import torch.distributed as dist
+
+    doc = {
+        "world": doc.pop("world"),
+        "backend": dist.get_backend(),
+        "nodes": int(os.environ.get("MESHPILOT_EMULATE_NODES", "1")),
+        **doc,
+        "steps": steps,
+        "warmup": warmup,
+        "omp_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "warmup_s": t_warm,
+        "total_s": t_total,
+    }
+    text = json.dumps(doc)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(f"{tag} {text}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -183,45 +215,13 @@ def main(argv: list[str] | None = None) -> int:
 
     per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
     if rank == 0:
-        results = []
-        for c, ts in zip(configs, per):
-            results.append(
-                {
-                    "mesh": list(c["mesh"]),
-                    "chunks": c["chunks"],
-                    "median_s": statistics.median(ts),
-                    "min_s": min(ts),
-                    "max_s": max(ts),
-                    "steps_s": ts,
-                    "loss0": c["loss0"],
-                }
-            )
-        doc = {
-            "world": world,
-            "backend": dist.get_backend(),
-            "nodes": int(os.environ.get("MESHPILOT_EMULATE_NODES", "1")),
-            "config": {
-                "vocab": cfg.vocab,
-                "seq": cfg.seq,
-                "layers": cfg.layers,
-                "hidden": cfg.hidden,
-                "heads": cfg.heads,
-                "batch": cfg.batch,
-                "dtype": cfg.dtype,
-            },
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "omp_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "warmup_s": t_warm,
-            "total_s": t_total,
-            "results": results,
-        }
-        text = json.dumps(doc)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text + "\n")
-        print("ATP_STEP_RESULT " + text, flush=True)
+        results = [
+            {"mesh": list(c["mesh"]), "chunks": c["chunks"], **step_stats(ts), "loss0": c["loss0"]}
+            for c, ts in zip(configs, per)
+        ]
+        config = {k: getattr(cfg, k) for k in ("vocab", "seq", "layers", "hidden", "heads", "batch", "dtype")}
+        doc = {"world": world, "config": config, "results": results}
+        write_result("ATP_STEP_RESULT", args.out, doc, args.steps, args.warmup, t_warm, t_total)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -83,14 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, help="cluster TOML to emulate and plan on")
     p.add_argument("--probed", type=Path, help="use this probed cluster TOML instead of probing")
     p.add_argument("--out-dir", type=Path, default=REPO / "out" / "bench-fidelity", help="where results go")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--steps", type=int, default=7, help="timed rounds per plan (default 7)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per plan (default 2)")
+    from atp_step_worker import add_shared_options
+
+    add_shared_options(p, steps=7, warmup=2, what="plan")  # the GPT's size and the step counts
     p.add_argument("--only", help="comma-separated plan names to keep (default: all of " + _names() + ")")
     p.add_argument("--probe-bytes", default=None, help="message size for the probe (default: probe's, 4MiB)")
     p.add_argument("--probe-budget", type=float, default=60.0, help="probe's --p2p-budget seconds (default 60)")

@@ -28,12 +28,11 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from atp_step_worker import time_round_robin
+from atp_step_worker import step_stats, time_round_robin, write_result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,35 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
     if rank == 0:
         results = [
-            {
-                "name": c["name"],
-                "median_s": statistics.median(ts),
-                "min_s": min(ts),
-                "max_s": max(ts),
-                "steps_s": ts,
-                "loss0": c["loss0"],
-                "build_s": c["build_s"],
-            }
+            {"name": c["name"], **step_stats(ts), "loss0": c["loss0"], "build_s": c["build_s"]}
             for c, ts in zip(configs, per)
         ]
-        doc = {
-            "world": world,
-            "backend": dist.get_backend(),
-            "nodes": int(os.environ.get("MESHPILOT_EMULATE_NODES", "1")),
-            "model": manifest["model"],
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "omp_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "warmup_s": t_warm,
-            "total_s": t_total,
-            "results": results,
-        }
-        text = json.dumps(doc)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text + "\n")
-        print("FIDELITY_STEP_RESULT " + text, flush=True)
+        doc = {"world": world, "model": manifest["model"], "results": results}
+        write_result("FIDELITY_STEP_RESULT", args.out, doc, args.steps, args.warmup, t_warm, t_total)
     dist.barrier()
     dist.destroy_process_group()
     return 0
