@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshpilot.models.gpt import GPT, GPTConfig
     from meshpilot.planner.plan import Plan
     from meshpilot.runtime.spmd import mesh_for_plan, parallelize
-    from meshpilot.runtime.train import batches, reference_model
+    from meshpilot.runtime.train import adamw, batches, reference_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.fake_world:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan.load(entry["path"])
         mesh = mesh_for_plan(plan, "cpu") if args.fake_world else None  # parallelize refuses a fake group
         model = parallelize(reference_model(cfg, args.seed), plan, mesh=mesh, graph=graph)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = adamw(model.parameters(), lr=args.lr)  # the optimizer `meshpilot train` steps with
         configs.append({"name": entry["name"], "model": model, "opt": opt, "times": [], "loss0": None, "build_s": 0.0})
         configs[-1]["build_s"] = time.perf_counter() - t0
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -323,3 +324,21 @@ def test_probe_on_two_fake_nodes_measures_both_layers():
     assert result["node_bw"][0][1] > 0 and result["node_bw"][1][0] > 0
     assert result["calibrated"] == [(1, 4), (2, 2), (4, 1)]
     assert cluster_from_dict(tomllib.loads(result["toml"]), "t").num_devices == 4
+
+
+def test_device_rates_are_timed_in_lockstep_with_the_other_ranks():
+    """Every timed repeat of the device measurements starts at the all-rank barrier (so ranks sharing cores
+    are timed while all of them compute, as a training step runs), the same number of times on every rank
+    whatever its speed (or the barriers would pair up wrongly), and the rates are positive."""
+    import torch
+
+    from meshpilot.cluster.probe import measure_device
+
+    calls = []
+    opts = dataclasses.replace(
+        ProbeOptions.for_device(cuda=False, quick=True), matmul_shapes=((32, 48, 16, "float32"),)
+    )
+    out = measure_device(torch.device("cpu"), opts, barrier=lambda: calls.append(1))
+    timed = len(opts.matmul_sizes) + len(opts.matmul_shapes) + 1  # square matmuls, model GEMMs, the copy
+    assert len(calls) == timed * opts.repeats
+    assert out["float32"] > 0 and out["memory_bandwidth"] > 0 and out["matmul"][0] > 0

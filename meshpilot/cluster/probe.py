@@ -7,13 +7,16 @@ and NCCL (CUDA tensors; each rank on ``cuda:LOCAL_RANK``).
 What is measured (bandwidths in bytes/s, times in seconds; every "best" is the fastest of the repeats,
 after warm-up repeats that are not counted):
 
-1. **Device.** Every rank at once (as in training): float32 matmul FLOP/s, best over a few sizes
+1. **Device.** Every rank at once and in lockstep (a barrier before each timed repeat), and the *median*
+   of the repeats, not the best: the rate a rank gets while every rank of its host computes, as in a
+   training step (8 ranks sharing 2 cores get about a quarter of a core each; a rank's best repeat is
+   one where the others happened to wait). float32 matmul FLOP/s, the best size of a few
    (bfloat16 too on CUDA); memory bandwidth of a large tensor copy (2 x bytes per copy: read + write);
    memory capacity (CUDA: the device's total memory; CPU: physical memory divided by the ranks on the
    host). The cluster's profile takes the median over ranks of the rates and the smallest capacity.
    With ``ProbeOptions.matmul_shapes`` (``meshpilot probe --matmul-shapes-from MODEL``: a model's own
    GEMMs, ``meshpilot.graph.gemms``) each GEMM ``[m, k] @ [k, n]`` is also timed as training runs it:
-   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), best of the repeats;
+   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), median of the repeats;
    ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks).
 2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
    round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
@@ -53,6 +56,7 @@ How :func:`build_cluster` makes the hierarchy:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import socket
@@ -375,9 +379,33 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
-    """This rank's matmul FLOP/s (float32; bfloat16 on CUDA), copy bandwidth and memory capacity."""
+def measure_device(device: Any, opts: ProbeOptions, barrier: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """This rank's matmul FLOP/s (float32; bfloat16 on CUDA), copy bandwidth and memory capacity; every timed
+    repeat starts at `barrier` (all ranks at once) and the median repeat counts (module docstring, 1.)."""
     import torch
+
+    def timed(action: Callable[[], Any], target_s: float = 0.02) -> float:
+        """Median seconds of one `action` call over the repeats, each repeat started in lockstep with the
+        other ranks and long enough (``calls`` back to back, about `target_s`) to span the scheduler's time
+        slices when ranks share cores."""
+        for _ in range(max(1, opts.warmup)):
+            _sync(device)
+            t0 = time.perf_counter()
+            action()
+            _sync(device)
+            one = time.perf_counter() - t0
+        calls = max(1, min(1000, math.ceil(target_s / max(one, 1e-9))))
+        times = []
+        for _ in range(opts.repeats):
+            if barrier is not None:
+                barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                action()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / calls)
+        return max(_median(times), 1e-12)
 
     def best_matmul(dtype: torch.dtype) -> float:
         best = 0.0
@@ -385,32 +413,16 @@ def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
             c = torch.empty(n, n, device=device, dtype=dtype)
-            for rep in range(opts.warmup + opts.repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                torch.mm(a, b, out=c)
-                _sync(device)
-                dt = time.perf_counter() - t0
-                if rep >= opts.warmup and dt > 0:
-                    best = max(best, 2 * n**3 / dt)
-            del a, b, c
+            best = max(best, 2 * n**3 / timed(functools.partial(torch.mm, a, b, out=c)))  # the fastest size
         return best
 
     out: dict[str, Any] = {"float32": best_matmul(torch.float32), "bfloat16": None}
     if device.type == "cuda":
         out["bfloat16"] = best_matmul(torch.bfloat16)
-    out["matmul"] = [gemm_rate(device, m, n, k, dtype, opts) for m, n, k, dtype in opts.matmul_shapes]
+    out["matmul"] = [gemm_rate(device, m, n, k, dtype, opts, barrier=barrier) for m, n, k, dtype in opts.matmul_shapes]
     src = torch.ones(max(1, opts.copy_bytes // 4), device=device)
     dst = torch.empty_like(src)
-    best = math.inf
-    for rep in range(opts.warmup + opts.repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if rep >= opts.warmup:
-            best = min(best, time.perf_counter() - t0)
-    out["memory_bandwidth"] = 2 * src.numel() * 4 / best
+    out["memory_bandwidth"] = 2 * src.numel() * 4 / timed(functools.partial(dst.copy_, src))
     del src, dst
     if device.type == "cuda":
         out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
@@ -421,9 +433,19 @@ def measure_device(device: Any, opts: ProbeOptions) -> dict[str, Any]:
     return out
 
 
-def gemm_rate(device: Any, m: int, n: int, k: int, dtype: str, opts: ProbeOptions, target_s: float = 0.01) -> float:
+def gemm_rate(
+    device: Any,
+    m: int,
+    n: int,
+    k: int,
+    dtype: str,
+    opts: ProbeOptions,
+    target_s: float = 0.01,
+    barrier: Callable[[], Any] | None = None,
+) -> float:
     """FLOP/s of ``[m, k] @ [k, n]`` in `dtype` on `device`, run back to back as in training (module
-    docstring): ``inner`` calls per timing, ``inner`` chosen so one timing takes about `target_s`."""
+    docstring): ``inner`` calls per timing, ``inner`` chosen so one timing takes about `target_s`; each timing
+    starts at `barrier` (every rank at once), the median timing counts."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -442,8 +464,12 @@ def gemm_rate(device: Any, m: int, n: int, k: int, dtype: str, opts: ProbeOption
     for _ in range(max(1, opts.warmup)):
         one = run(1)
     inner = max(1, min(1000, math.ceil(target_s / max(one, 1e-9))))
-    best = min(run(inner) for _ in range(max(1, opts.repeats)))
-    return 2.0 * m * n * k * inner / best
+    times = []
+    for _ in range(max(1, opts.repeats)):
+        if barrier is not None:
+            barrier()
+        times.append(run(inner))
+    return 2.0 * m * n * k * inner / max(_median(times), 1e-12)
 
 
 class _Runner:
@@ -627,7 +653,7 @@ def probe(
     if opts.matmul_shapes:
         say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")
     run.barrier()
-    rec["device"] = measure_device(compute_device, opts)
+    rec["device"] = measure_device(compute_device, opts, barrier=run.barrier)
     say(f"point to point: {len(round_robin(len(hosts)))} rounds (budget {opts.budget_s:g} s)")
     run.p2p(rec)
     if len(hosts) > 1:
