@@ -143,6 +143,24 @@ def test_calibration_overrides_eq4_and_the_file_round_trips(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["c.toml"]
 
 
+def test_calibrated_latency_prices_the_axis_it_was_measured_on_and_round_trips(tmp_path):
+    """A 4-byte all-reduce's alpha overrides the layers' latency on exactly the rank groups it was measured on
+    (row-mapped (2, 2): axis 1 = {0, 1}, {2, 3}); it survives the TOML round trip; the other axis keeps the
+    layer latency; the cost model's small all-reduce on that axis then takes the measured time."""
+    from meshpilot.cluster.cost import CostModel
+
+    m = _measurements(["h"] * 4, np.full((4, 4), 10 * GB), allreduce={(2, 2): (4e9, 5e9)})
+    m.allreduce_latency = {(2, 2): (None, 300e-6)}
+    cluster = build_cluster(m, name="lat")
+    mesh = LogicalMesh(cluster, (2, 2))
+    assert mesh.latency(1) == pytest.approx(300e-6)
+    assert mesh.latency(0) == pytest.approx(10e-6)  # the layer's
+    assert CostModel(mesh).all_reduce(4, 1) == pytest.approx(300e-6, rel=1e-3)
+    back = load_cluster_file(write_cluster_toml(cluster, tmp_path / "c.toml"))
+    assert LogicalMesh(back, (2, 2)).latency(1) == pytest.approx(300e-6)
+    assert [c.latency for c in back.calibration] == [(None, 300e-6)]
+
+
 def test_write_leaves_nothing_behind_when_the_rename_fails(tmp_path, monkeypatch):
     cluster = build_cluster(_measurements(["h"] * 2, np.full((2, 2), GB)))
 
@@ -164,6 +182,7 @@ def test_summarize_reduces_raw_timings():
         "fan": {0: (1, [6e-6, 9e-6])},
         "node": {},
         "ar": {((2, 1), 0): [1e-6, 5e-6]},
+        "ar_small": {((2, 1), 0): [30e-6, 50e-6]},
         "skipped": 0,
         "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True},
     }
@@ -173,6 +192,7 @@ def test_summarize_reduces_raw_timings():
         "fan": {},
         "node": {},
         "ar": {((2, 1), 0): [4e-6, 2e-6]},
+        "ar_small": {((2, 1), 0): [40e-6, 20e-6]},
         "skipped": 0,
         "device": {"float32": 3e9, "bfloat16": None, "memory_bandwidth": 2e9, "memory_bytes": 8e9, "host_memory": True},
     }
@@ -183,6 +203,8 @@ def test_summarize_reduces_raw_timings():
     assert m.fanout_bw[0] == pytest.approx(1000 / 5e-6) and math.isnan(m.fanout_bw[1])
     assert m.allreduce[(2, 1)] == (pytest.approx(1000 / 4e-6), None)  # slowest rank per repeat, best repeat
     assert m.allreduce[(1, 2)] == (None, None)
+    # 4-byte all-reduce: slowest rank per repeat (40, 50 us), median 45 us, over ceil(log2 2) = 1 step
+    assert m.allreduce_latency[(2, 1)] == (pytest.approx(45e-6), None)
     assert m.device.flops_for("float32") == 2e9 and m.device.memory_bytes == 4e9  # host memory / 2 ranks
 
 

@@ -22,6 +22,7 @@ A cluster file::
     [[calibration]]               # optional: measured all-reduce algorithm bandwidths
     mesh = [2, 8]
     B1_GBps = 9.5                 # mesh axis 0; B2_GBps for axis 1; either may be left out
+    alpha1_us = 12.0              # optional: measured per-message latency of axis 0 (alpha2_us: axis 1)
 
 Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot probe`` writes them)::
 
@@ -64,7 +65,7 @@ MAX_NUMBER = 1e9
 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
-CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps"}
+CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us"}
 PROFILE_KEYS = {
     "kind",
     "peak_tflops_fp32",
@@ -370,13 +371,19 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
             f"shape {mesh} has {math.prod(mesh)} devices but the layers give {n}",
             f"use a shape whose product is {n}",
         )
-    if "B1_GBps" not in raw and "B2_GBps" not in raw:
-        raise ClusterFileError(source, where, "has neither B1_GBps nor B2_GBps", "give at least one measured bandwidth")
-    algbw = tuple(
-        None if k not in raw else _number(raw[k], f"{where}.{k}", source, positive=True) * GB
-        for k in ("B1_GBps", "B2_GBps")
-    )
-    return Calibration(mesh=(mesh[0], mesh[1]), algbw=algbw)
+    if not CALIBRATION_KEYS.difference({"mesh"}) & raw.keys():
+        raise ClusterFileError(
+            source, where, "has no measurement", "give at least one of B1_GBps, B2_GBps, alpha1_us, alpha2_us"
+        )
+
+    def values(keys: tuple[str, str], unit: float) -> tuple[float | None, ...]:
+        return tuple(
+            None if k not in raw else _number(raw[k], f"{where}.{k}", source, positive=True) * unit for k in keys
+        )
+
+    algbw = values(("B1_GBps", "B2_GBps"), GB)
+    latency = values(("alpha1_us", "alpha2_us"), 1e-6)
+    return Calibration(mesh=(mesh[0], mesh[1]), algbw=algbw, latency=latency if any(latency) else ())
 
 
 def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
@@ -404,6 +411,9 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
         for key, bw in zip(("B1_GBps", "B2_GBps"), entry.algbw):
             if bw is not None:
                 out.append(f"{key} = {_f(bw / GB)}")
+        for key, alpha in zip(("alpha1_us", "alpha2_us"), entry.latency):
+            if alpha is not None:
+                out.append(f"{key} = {_f(alpha * 1e6)}")
         out.append("")
     return "\n".join(out)
 

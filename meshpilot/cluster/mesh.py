@@ -173,7 +173,7 @@ class LogicalMesh:
         d = self.axis_size(axes)
         if d == 1:
             return math.inf
-        measured = self._calibrated(axes)
+        measured = self._calibrated(axes, "algbw")
         if measured is not None:
             return measured
         return d / (2 * (d - 1)) * self.effective_bandwidth(axes)
@@ -183,17 +183,22 @@ class LogicalMesh:
         d = self.axis_size(axes)
         if d == 1:
             return math.inf
-        measured = self._calibrated(axes)
+        measured = self._calibrated(axes, "algbw")
         if measured is not None:
             return measured * 2 * (d - 1) / d
         return self.effective_bandwidth(axes)
 
     def latency(self, axes: int | Sequence[int]) -> float:
-        """Alpha of one message over `axes`: the largest latency among the layers its groups span."""
+        """Alpha of one message over `axes`: a calibration entry's measured alpha for these groups, else the
+        largest latency among the layers its groups span."""
+        measured = self._calibrated(axes, "latency")
+        if measured is not None:
+            return measured
         return group_latency(self.cluster, self.groups(axes))
 
-    def _calibrated(self, axes: int | Sequence[int]) -> float | None:
-        """The measured B of the calibration entry whose groups are this axis' groups, or None.
+    def _calibrated(self, axes: int | Sequence[int], what: str) -> float | None:
+        """The measured value `what` (``algbw``: B; ``latency``: alpha) of the calibration entry whose groups
+        are this axis' groups, or None.
 
         A probe measures mesh ``shape`` with the row mapping (``arange(n).reshape(shape)``), so an entry's axis
         ``j`` holds for exactly those rank groups; a col-mapped (4, 2) mesh's axis 0 is a row-mapped (2, 4)'s
@@ -206,9 +211,9 @@ class LogicalMesh:
             if math.prod(entry.mesh) != self.ranks.size:
                 continue
             row = np.arange(math.prod(entry.mesh)).reshape(entry.mesh)
-            for j, bw in enumerate(entry.algbw):
-                if bw is not None and j < row.ndim and _group_set(_axis_groups(row, j)) == mine:
-                    return bw
+            for j, value in enumerate(getattr(entry, what)):
+                if value is not None and j < row.ndim and _group_set(_axis_groups(row, j)) == mine:
+                    return value
         return None
 
 

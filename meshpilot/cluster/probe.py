@@ -30,7 +30,10 @@ after warm-up repeats that are not counted):
 5. **All-reduce.** For every 2D mesh shape (d1, d2) of the world (:func:`mesh_shapes_2d`, mesh axis 1
    over contiguous ranks), on each axis of size > 1: every group of the axis all-reduces the large
    buffer at once (one ``new_group`` per axis group). Per repeat the time is the slowest rank's;
-   algorithm bandwidth B = bytes / best time, Eq. 4's B (``meshpilot.cluster.mesh``).
+   algorithm bandwidth B = bytes / best time, Eq. 4's B (``meshpilot.cluster.mesh``). Then a 4-byte
+   all-reduce the same way: its median time t gives the axis' alpha = t / ceil(log2 d), the latency with
+   which the cost model's small all-reduce (recursive doubling, ``meshpilot.cluster.cost``) takes t — on
+   CPU ranks mostly gloo's own work per collective, which the pairwise ping-pong of phase 2 misses.
 
 How :func:`build_cluster` makes the hierarchy:
 
@@ -48,7 +51,8 @@ How :func:`build_cluster` makes the hierarchy:
 * A missing entry takes the median of the measured entries of its layer (of all measured pairs if the
   layer has none); a missing group bandwidth the unit's largest P2P entry; a missing latency 0.
   A one-device world gets one layer of one rank whose (unused) bandwidth is the device's memory bandwidth.
-* Every measured mesh becomes a calibration entry (B1, B2), so the planner uses the measured numbers.
+* Every measured mesh becomes a calibration entry (B1, B2 and alpha1, alpha2), so the planner uses the
+  measured numbers.
 * Numbers are rounded to 4 significant digits (the run-to-run noise is larger). The device profile
   carries the measured rates with compute and memory efficiency 1.0: they are what kernels reach.
 """
@@ -143,6 +147,8 @@ class Measurements:
     """Each rank's device numbers: fp32/bf16 FLOP/s, memory bytes/s, memory bytes."""
     skipped_pairs: int = 0
     """Rank pairs not measured because the P2P budget ran out."""
+    allreduce_latency: dict[tuple[int, int], tuple[float | None, float | None]] = field(default_factory=dict)
+    """Per 2D mesh shape, each axis' alpha from the 4-byte all-reduce (module docstring, 5.; None: size 1)."""
     seconds: float = 0.0
     """Wall time of the probe."""
 
@@ -263,19 +269,27 @@ def build_layers(m: Measurements) -> tuple[Layer, ...]:
     return (node, device)
 
 
-def calibration_entries(allreduce: dict[tuple[int, int], tuple[float | None, float | None]]) -> tuple:
+def calibration_entries(
+    allreduce: dict[tuple[int, int], tuple[float | None, float | None]],
+    latency: dict[tuple[int, int], tuple[float | None, float | None]] | None = None,
+) -> tuple:
     """One :class:`Calibration` per measured mesh shape (axes of size 1 carry None)."""
+
+    def valid(xs: tuple[float | None, ...]) -> tuple[float | None, ...]:
+        return tuple(None if x is None or not math.isfinite(x) or x <= 0 else _round(x) for x in xs)
+
     out = []
     for shape, algbw in allreduce.items():
-        vals = tuple(None if b is None or not math.isfinite(b) or b <= 0 else _round(b) for b in algbw)
-        if any(v is not None for v in vals):
-            out.append(Calibration(mesh=(shape[0], shape[1]), algbw=vals))
+        vals = valid(algbw)
+        alphas = valid((latency or {}).get(shape, ()))
+        if any(v is not None for v in vals + alphas):
+            out.append(Calibration(mesh=(shape[0], shape[1]), algbw=vals, latency=alphas if any(alphas) else ()))
     return tuple(out)
 
 
 def build_cluster(m: Measurements, name: str = "probed", calibrate: bool = True, source: str = "") -> Cluster:
     """The probed cluster; `calibrate=False` leaves out the measured all-reduce bandwidths (Eq. 3/4 only)."""
-    calibration = calibration_entries(m.allreduce) if calibrate else ()
+    calibration = calibration_entries(m.allreduce, m.allreduce_latency) if calibrate else ()
     return Cluster(
         name=name,
         layers=build_layers(m),
@@ -324,17 +338,25 @@ def summarize(
             alpha = _median([lat[a, b] for a in nodes[na] for b in nodes[nb]])
             node_bw[na, nb] = len(per_rank) * nbytes / _net(float(worst.min()), alpha)
     allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+    alphas: dict[tuple[int, int], tuple[float | None, float | None]] = {}
     for shape in mesh_shapes_2d(world):
         out: list[float | None] = []
+        small: list[float | None] = []
         for axis in (0, 1):
             key = (shape, axis)
             per_rank = [rec["ar"][key] for rec in records if key in rec["ar"]]
+            tiny = [rec["ar_small"][key] for rec in records if key in rec.get("ar_small", {})]
             if not per_rank:
                 out.append(None)
-                continue
-            worst = np.max(np.array(per_rank), axis=0)
-            out.append(nbytes / float(worst.min()))
+            else:
+                out.append(nbytes / float(np.max(np.array(per_rank), axis=0).min()))  # per repeat the slowest
+            if not tiny:
+                small.append(None)
+            else:
+                t = float(np.median(np.max(np.array(tiny), axis=0)))
+                small.append(t / max(1, math.ceil(math.log2(shape[axis]))))
         allreduce[shape] = (out[0], out[1])
+        alphas[shape] = (small[0], small[1])
     devs = [rec["device"] for rec in records]
     on_host = {h: hosts.count(h) for h in hosts}
     for dev, host in zip(devs, hosts):
@@ -358,7 +380,7 @@ def summarize(
         rates,
     )
     skipped = sum(rec["skipped"] for rec in records[:1])
-    return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped)
+    return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
 
 
 def _net(t: float, alpha: float) -> float:
@@ -615,9 +637,10 @@ class _Runner:
                         mine = cache[g]
                 progress(f"all-reduce DeviceMesh{shape} axis {axis}: {len(groups)} groups of {shape[axis]}")
                 rec["ar"][(shape, axis)] = self.timed(lambda g=mine: self._allreduce(g))
+                rec["ar_small"][(shape, axis)] = self.timed(lambda g=mine: self._allreduce(g, self.tiny_in))
 
-    def _allreduce(self, group: Any) -> bool:
-        self.dist.all_reduce(self.sink, group=group)
+    def _allreduce(self, group: Any, buf: Any = None) -> bool:
+        self.dist.all_reduce(self.sink if buf is None else buf, group=group)
         return True
 
 
@@ -648,7 +671,7 @@ def probe(
     nodes = node_layout(hosts)
     say(f"{len(hosts)} ranks on {len(nodes)} node(s), {backend}; messages of {opts.nbytes / MiB:g} MiB")
     run = _Runner(opts, comm_device)
-    rec: dict[str, Any] = {"lat": {}, "p2p": {}, "fan": {}, "node": {}, "ar": {}, "skipped": 0}
+    rec: dict[str, Any] = {"lat": {}, "p2p": {}, "fan": {}, "node": {}, "ar": {}, "ar_small": {}, "skipped": 0}
     say(f"device: matmul {', '.join(str(n) for n in opts.matmul_sizes)}; copy {opts.copy_bytes / MiB:g} MiB")
     if opts.matmul_shapes:
         say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")

@@ -73,6 +73,10 @@ class Calibration:
     """The mesh shape (d1, d2) the measurement was taken on."""
     algbw: tuple[float | None, ...]
     """Per mesh axis, the measured algorithm bandwidth B_i in bytes/s, or None where not measured."""
+    latency: tuple[float | None, ...] = ()
+    """Per mesh axis, the measured alpha in seconds (None or absent: the layers' latency): a 4-byte all-reduce
+    of every group of the axis at once took ``ceil(log2 d) * alpha``, the cost model's small-message time. On
+    CPU ranks it holds gloo's per-collective work (``meshpilot.cluster.probe``, phase 5)."""
 
 
 @dataclass(frozen=True, eq=False)
