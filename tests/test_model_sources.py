@@ -257,6 +257,9 @@ def test_train_hf_gpt2_on_two_gloo_ranks_equals_single_device(tmp_path, capsys):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 3, proc.stdout
+    # the progress line: the plan's predicted step beside the measured one, throughput of the 4 x 8 tokens, MFU
+    last = [x for x in proc.stdout.splitlines() if x.startswith("step 2:")][0]
+    assert " ms; plan " in last and " on atp-ic3" in last and " tok/s | MFU " in last and "3/3 ██████████" in last
     got = json.loads(out.read_text())
     assert (got["device"], got["backend"], got["mesh"]) == ("cpu", "gloo", [2, 1])
     single = train_model(lambda d: build_model("hf:gpt2", hf_config=cfg, batch=4, seq=8, device=d), 3)

@@ -457,11 +457,18 @@ def _train(
         if rank == 0 and args.json_out:
             atomic_write(args.json_out, json.dumps({**info, "finished": finished, "steps": done}))
 
+    from meshpilot.runtime.progress import Throughput
+
+    if plan is not None:
+        rate = Throughput.of_plan(plan, args.steps, dist.get_world_size())
+    else:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
+        rate = Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
+
     def on_step(s) -> None:
         done.append(dict(s.__dict__))
         write_json(False)  # before the line: whoever reads the line finds the step in the file
         if rank == 0:
-            print(f"step {s.step}: loss {s.loss:.6f} ({s.seconds * 1e3:.1f} ms)", flush=True)
+            print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
     try:
         if build is not None:

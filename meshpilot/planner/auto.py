@@ -36,7 +36,7 @@ import torch
 
 from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import OpGraph, Precision, capture
+from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
@@ -362,6 +362,8 @@ def _assemble(
         fallbacks=fallbacks,
         precision=precision,
         schedule=accumulate(math.prod(cand.shape), microbatches) if microbatches > 1 else None,
+        step_flops=microbatches * sum(n.flops for n in graph.nodes if n.kind == NodeKind.OP),
+        peak_flops=lm.cluster.device.flops_for("bfloat16" if str(precision or "").startswith("bf16") else "float32"),
     )
 
 

@@ -225,6 +225,12 @@ class Plan:
     """One name per mesh axis, the runtime's ``mesh_dim_names``: the cluster layer the axis crosses
     (``LogicalMesh.axis_names``, e.g. ``("node", "gpu")``). Plans saved before axes had names, and plans built
     without them, get positional names (``axis0``, ``axis1``: ``cluster.mesh.default_axis_names``)."""
+    step_flops: float = 0.0
+    """FLOPs of one training step of the whole model (every device's share, every microbatch): the captured
+    graph's operator FLOPs; 0 in older plans. ``meshpilot train`` divides it by the step time for MFU."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device of the planned cluster at the plan's compute dtype (bfloat16 for the bf16
+    precisions, else float32): MFU's denominator, per device; 0 in older plans."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -431,6 +437,8 @@ class Plan:
             version=d.get("version", 1),
             precision=d.get("precision", ""),
             mesh_axes=tuple(d.get("mesh_axes", ())),
+            step_flops=float(d.get("step_flops", 0.0)),
+            peak_flops=float(d.get("peak_flops", 0.0)),
             zero=tuple(
                 ZeroSwitch(
                     z["param"],
