@@ -253,15 +253,42 @@ def test_train_hf_gpt2_on_two_gloo_ranks_equals_single_device(tmp_path, capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "meshpilot.cli.main", "train", "--plan", str(plan_path), "-m", "hf:gpt2", "--hf-config", *cfg]
-    cmd += ["--steps", "3", "--device", "cpu", "--json-out", str(out)]
+    cmd += ["--steps", "3", "--device", "cpu", "--json-out", str(out), "--verify", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("step ") == 3, proc.stdout
+    assert sum(x.startswith("step ") for x in proc.stdout.splitlines()) == 3, proc.stdout
     # the progress line: the plan's predicted step beside the measured one, throughput of the 4 x 8 tokens, MFU
     last = [x for x in proc.stdout.splitlines() if x.startswith("step 2:")][0]
     assert " ms; plan " in last and " on atp-ic3" in last and " tok/s | MFU " in last and "3/3 ██████████" in last
+    assert "verify: the first 2 steps' losses equal one device's" in proc.stdout, proc.stdout  # --verify 2
     got = json.loads(out.read_text())
     assert (got["device"], got["backend"], got["mesh"]) == ("cpu", "gloo", [2, 1])
     single = train_model(lambda d: build_model("hf:gpt2", hf_config=cfg, batch=4, seq=8, device=d), 3)
     for s, ref in zip(got["steps"], single):
         assert abs(s["loss"] - ref.loss) <= 1e-5, (s, ref)
+
+
+def test_verify_fails_in_one_line_when_a_loss_differs_from_one_device(capsys):
+    """--verify's comparison (no process group needed): losses one device reproduces pass, one that is off by
+    1e-3 at step 1 fails with the step named; bf16 runs are refused before anything starts."""
+    import argparse
+
+    from meshpilot.cli.train import _verify
+    from meshpilot.models import gpt_config
+    from meshpilot.runtime.train import train_single
+
+    cfg = gpt_config("gpt-tiny")
+    args = argparse.Namespace(verify=2, seed=0, lr=1e-3, precision=None)
+    good = [{"loss": s.loss} for s in train_single(cfg, 2)]
+    assert _verify(args, good, cfg=cfg, plan=None, build=None, device="cpu", rank=0)
+    assert "verify: the first 2 steps' losses equal one device's" in capsys.readouterr().out
+    bad = [good[0], {"loss": good[1]["loss"] + 1e-3}]
+    assert not _verify(args, bad, cfg=cfg, plan=None, build=None, device="cpu", rank=0)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("meshpilot train: error: --verify: step 1: loss "), err
+    _one_line_error(
+        capsys,
+        ["train", "--nproc-per-node", "2", "--precision", "bf16", "--verify"],
+        "--verify: a bf16 run",
+        command="train",
+    )

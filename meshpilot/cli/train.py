@@ -114,12 +114,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto (default): cuda:LOCAL_RANK with NCCL when torch.cuda.is_available(), else the CPU with gloo",
     )
     p.add_argument(
+        "--verify",
+        type=positive_int,
+        nargs="?",
+        const=VERIFY_STEPS,
+        metavar="N",
+        help=f"after training, run the first N steps (default {VERIFY_STEPS}) of the same model on one device and "
+        f"check that every loss equals this run's within {VERIFY_TOL:g} (x |loss| above 1); exit 1 if not. Every rank "
+        "runs the reference on its own device, so the model must fit one; fp32 only",
+    )
+    p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "bf16-mixed"),
         help="fp32, bf16 (model cast to bfloat16) or bf16-mixed (fp32 master weights under bfloat16 autocast); "
         "with --plan: the plan's (must match if given)",
     )
     p.set_defaults(func=run)
+
+
+VERIFY_STEPS = 3
+VERIFY_TOL = 1e-5
+"""--verify: the bar every runtime test holds a plan to (the single device's loss within 1e-5)."""
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -211,6 +226,13 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
         check_writable(args.json_out, "--json-out")
     resume = check_checkpoint_flags(args)
     prep = _prepare_model(args, world)
+    if args.verify:
+        precision = prep["plan"].precision if "plan" in prep else args.precision
+        if precision in ("bf16", "bf16-mixed"):
+            raise UserError(
+                f"--verify: a {precision} run rounds differently on every layout, so its losses cannot equal one "
+                "device's to 1e-5; verify the plan in fp32 (`meshpilot plan --precision fp32`), then train in bf16"
+            )
     if args.checkpoint_dir is not None:
         if "plan" not in prep:
             raise UserError(
@@ -499,6 +521,10 @@ def _train(
                 precision=args.precision,
                 on_step=on_step,
             )
+        if args.verify and not _verify(args, done, cfg=cfg, plan=plan, build=build, device=device, rank=rank):
+            write_json(True)
+            dist.destroy_process_group()
+            return 1
         write_json(True)
     except Stopped as e:
         if rank == 0:
@@ -523,6 +549,42 @@ def _train(
         raise
     dist.destroy_process_group()
     return 0
+
+
+def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, device, rank: int) -> bool:
+    """--verify: the first steps of the same model, data and optimizer on this rank's device alone (every rank
+    runs it: no rank waits on another's reference), their losses against this run's. Rank 0 says the verdict."""
+    import sys
+
+    from meshpilot.runtime.train import train_model, train_single
+
+    n = min(args.verify, len(done))
+    if build is not None:
+        single = train_model(build, n, args.seed, args.lr, device=device)
+    else:
+        precision = plan.precision if plan is not None else args.precision
+        single = train_single(cfg, n, args.seed, args.lr, device=device, precision=precision or None)
+    worst = (0.0, 0)
+    for step, (mine, ref) in enumerate(zip(done, single)):
+        diff = abs(float(mine["loss"]) - ref.loss)
+        if diff > VERIFY_TOL * max(1.0, abs(ref.loss)):
+            if rank == 0:
+                print(
+                    f"meshpilot train: error: --verify: step {step}: loss {float(mine['loss']):.6f} here, "
+                    f"{ref.loss:.6f} on one device (|Δ| {diff:.2e} > {VERIFY_TOL:g}); the plan does not compute "
+                    "what the model does — please report it with the plan file",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return False
+        worst = max(worst, (diff, step))
+    if rank == 0:
+        print(
+            f"verify: the first {n} steps' losses equal one device's (max |Δ| {worst[0]:.1e} at step {worst[1]}, "
+            f"tolerance {VERIFY_TOL:g})",
+            flush=True,
+        )
+    return True
 
 
 def _init_group(backend: str, timeout) -> None:
