@@ -71,6 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument(
+        "--data",
+        type=Path,
+        metavar="FILE",
+        help="train on this text file as byte tokens (0-255; the model needs a vocabulary of 256 or more): "
+        "windows drawn by the seed, resumable at any data position (default: random tokens)",
+    )
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument(
         "--json-out",
@@ -226,6 +233,8 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
         check_writable(args.json_out, "--json-out")
     resume = check_checkpoint_flags(args)
     prep = _prepare_model(args, world)
+    if args.data is not None:
+        prep["data"] = _text_data(args, prep)
     if args.verify:
         precision = prep["plan"].precision if "plan" in prep else args.precision
         if precision in ("bf16", "bf16-mixed"):
@@ -292,6 +301,28 @@ def check_checkpoint_flags(args: argparse.Namespace):
                 f"and AdamW's state follow it); give {flag} {saved:g} or start a new --checkpoint-dir"
             )
     return found
+
+
+def _text_data(args: argparse.Namespace, prep: dict):
+    """--data, read and checked against the model: a token model (a GPT, hf:<name>) with 256 tokens or more."""
+    import torch
+
+    from meshpilot.runtime.data import ByteText
+
+    text = ByteText(args.data)
+    if "cfg" in prep:  # a built-in GPT, with or without a plan
+        text.check(prep["cfg"].vocab, prep["cfg"].seq + 1)
+        return text
+    meta = prep["build"]("meta")
+    vocab = getattr(getattr(meta.model, "config", None), "vocab_size", None)
+    ids = meta.inputs[0] if meta.inputs else None
+    if vocab is None or ids is None or ids.dim() != 2 or ids.dtype != torch.long:
+        raise UserError(
+            f"--data: {args.model} does not read token ids [batch, seq] with a vocab_size; --data is for token "
+            "models (built-in GPTs, hf:<name>): leave it out to train on the model's own example inputs"
+        )
+    text.check(int(vocab), int(ids.shape[1]))
+    return text
 
 
 def _prepare_model(args: argparse.Namespace, world: int) -> dict:
@@ -429,7 +460,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _train(
-    args: argparse.Namespace, world: int, *, cfg=None, shape=None, plan=None, graph=None, build=None, resume=None
+    args: argparse.Namespace,
+    world: int,
+    *,
+    cfg=None,
+    shape=None,
+    plan=None,
+    graph=None,
+    build=None,
+    resume=None,
+    data=None,
 ) -> int:
     import sys
     from datetime import timedelta
@@ -456,6 +496,7 @@ def _train(
         from meshpilot.runtime.checkpoint import Checkpointing
 
         saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
+        saved_with["data"] = str(args.data) if args.data else "random tokens"
         saved_with["mesh"] = list(plan.mesh_shape)
         saved_with["layouts"] = Layouts.of(plan).to_dict()
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
@@ -495,7 +536,15 @@ def _train(
     try:
         if build is not None:
             train_model(
-                build, args.steps, args.seed, args.lr, plan=plan, device=device, checkpoint=checkpoint, on_step=on_step
+                build,
+                args.steps,
+                args.seed,
+                args.lr,
+                plan=plan,
+                device=device,
+                checkpoint=checkpoint,
+                on_step=on_step,
+                data=data,
             )
         elif plan is not None:
             train_plan(
@@ -508,6 +557,7 @@ def _train(
                 device=device,
                 checkpoint=checkpoint,
                 on_step=on_step,
+                data=data,
             )
         else:
             train_atp(
@@ -520,8 +570,11 @@ def _train(
                 device=device,
                 precision=args.precision,
                 on_step=on_step,
+                data=data,
             )
-        if args.verify and not _verify(args, done, cfg=cfg, plan=plan, build=build, device=device, rank=rank):
+        if args.verify and not _verify(
+            args, done, cfg=cfg, plan=plan, build=build, device=device, rank=rank, data=data
+        ):
             write_json(True)
             dist.destroy_process_group()
             return 1
@@ -551,7 +604,7 @@ def _train(
     return 0
 
 
-def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, device, rank: int) -> bool:
+def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, device, rank: int, data=None) -> bool:
     """--verify: the first steps of the same model, data and optimizer on this rank's device alone (every rank
     runs it: no rank waits on another's reference), their losses against this run's. Rank 0 says the verdict."""
     import sys
@@ -560,10 +613,10 @@ def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, dev
 
     n = min(args.verify, len(done))
     if build is not None:
-        single = train_model(build, n, args.seed, args.lr, device=device)
+        single = train_model(build, n, args.seed, args.lr, device=device, data=data)
     else:
         precision = plan.precision if plan is not None else args.precision
-        single = train_single(cfg, n, args.seed, args.lr, device=device, precision=precision or None)
+        single = train_single(cfg, n, args.seed, args.lr, device=device, precision=precision or None, data=data)
     worst = (0.0, 0)
     for step, (mine, ref) in enumerate(zip(done, single)):
         diff = abs(float(mine["loss"]) - ref.loss)

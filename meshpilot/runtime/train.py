@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from meshpilot.models.gpt import GPT, GPTConfig
+from meshpilot.runtime.data import ByteText
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,27 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def batch_at(cfg: GPTConfig, position: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (idx, targets) batch of [batch, seq] tokens at data position `position` (samples consumed)."""
-    rows = [
-        torch.randint(0, cfg.vocab, (cfg.seq + 1,), generator=sample_generator(seed, j))
-        for j in range(position, position + cfg.batch)
-    ]
-    tokens = torch.stack(rows)
+def batch_at(
+    cfg: GPTConfig, position: int, seed: int, data: ByteText | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (idx, targets) batch of [batch, seq] tokens at data position `position` (samples consumed): random
+    tokens, or windows of the user's text `data` (``meshpilot.runtime.data``)."""
+    if data is not None:
+        tokens = data.batch(position, seed, cfg.batch, cfg.seq + 1)  # [batch, seq + 1]
+    else:
+        rows = [
+            torch.randint(0, cfg.vocab, (cfg.seq + 1,), generator=sample_generator(seed, j))
+            for j in range(position, position + cfg.batch)
+        ]
+        tokens = torch.stack(rows)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def batches(cfg: GPTConfig, steps: int, seed: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    cfg: GPTConfig, steps: int, seed: int, start: int = 0, data: ByteText | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`steps` consecutive (idx, targets) batches beginning at data position `start`."""
-    return [batch_at(cfg, start + i * cfg.batch, seed) for i in range(steps)]
+    return [batch_at(cfg, start + i * cfg.batch, seed, data) for i in range(steps)]
 
 
 def reference_model(cfg: GPTConfig, seed: int) -> GPT:
@@ -105,11 +114,12 @@ def _adamw_steps(
     *,
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
+    data: ByteText | None = None,
 ) -> list[StepLog]:
     """`steps` AdamW steps of `model` (whose call returns the replicated loss) on the full global batches."""
     return _loop(
         model,
-        lambda position: batch_at(cfg, position, seed),
+        lambda position: batch_at(cfg, position, seed, data),
         cfg.batch,
         steps,
         lr,
@@ -169,11 +179,17 @@ def _loop(
 
 
 def train_single(
-    cfg: GPTConfig, steps: int, seed: int = 0, lr: float = 1e-3, device: Any = "cpu", precision: str | None = None
+    cfg: GPTConfig,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    device: Any = "cpu",
+    precision: str | None = None,
+    data: ByteText | None = None,
 ) -> list[StepLog]:
     """The single-device reference."""
     model = _as_precision(reference_model(cfg, seed).to(device), precision)
-    return _adamw_steps(model, cfg, steps, seed, lr, device, precision)
+    return _adamw_steps(model, cfg, steps, seed, lr, device, precision, data=data)
 
 
 def train_atp(
@@ -187,6 +203,7 @@ def train_atp(
     precision: str | None = None,
     *,
     on_step: Callable[[StepLog], None] | None = None,
+    data: ByteText | None = None,
 ) -> list[StepLog]:
     """ATP tensor parallelism on DeviceMesh(mesh_shape) (data parallel over the rest of the world).
 
@@ -203,7 +220,7 @@ def train_atp(
     opt = adamw(model.parameters(), lr)
     dp, dp_rank = meshes.dp_size, (0 if meshes.dp is None else meshes.dp.get_local_rank())
     logs = []
-    for i, (idx, tgt) in enumerate(batches(cfg, steps, seed)):
+    for i, (idx, tgt) in enumerate(batches(cfg, steps, seed, data=data)):
         idx, tgt = idx.chunk(dp)[dp_rank].to(device), tgt.chunk(dp)[dp_rank].to(device)
         t0 = time.perf_counter()
         with autocast(precision, device):
@@ -233,6 +250,7 @@ def train_plan(
     *,
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
+    data: ByteText | None = None,
 ) -> list[StepLog]:
     """A :class:`~meshpilot.planner.plan.Plan` for the GPT `cfg` run by ``meshpilot.parallelize``.
 
@@ -244,7 +262,7 @@ def train_plan(
     from meshpilot.runtime.spmd import parallelize
 
     model = parallelize(reference_model(cfg, seed), plan, device=device, graph=graph)  # it follows plan.precision
-    return _adamw_steps(model, cfg, steps, seed, lr, device, checkpoint=checkpoint, on_step=on_step)
+    return _adamw_steps(model, cfg, steps, seed, lr, device, checkpoint=checkpoint, on_step=on_step, data=data)
 
 
 def train_model(
@@ -258,6 +276,7 @@ def train_model(
     precision: str | None = None,
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
+    data: ByteText | None = None,
 ) -> list[StepLog]:
     """`steps` AdamW steps of any model: ``build(device)`` returns a
     :class:`~meshpilot.models.sources.Built` (seeded: the same on every rank), fed ``built.batches``.
@@ -276,9 +295,20 @@ def train_model(
         model = parallelize(model, plan)
     else:
         model = _as_precision(model, precision)
+    if data is not None:  # a token model's [batch, seq] input_ids, and labels = input_ids (module docstring)
+        b, t = built.inputs[0].shape
+
+        def batch_at_position(position: int) -> tuple:
+            ids = data.batch(position, seed, b, t)
+            return ids, ids.clone()
+    else:
+
+        def batch_at_position(position: int) -> tuple:
+            return built.batches(1, seed, position)[0]
+
     return _loop(
         model,
-        lambda position: built.batches(1, seed, position)[0],
+        batch_at_position,
         built.batch_size,
         steps,
         lr,
