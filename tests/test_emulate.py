@@ -222,6 +222,34 @@ def test_probe_under_emulate_sees_the_emulated_nodes(root_netns, files, tmp_path
     assert probed.p2p_bandwidth(0, 1) > 4 * probed.p2p_bandwidth(0, 2)  # within a node: the local path
 
 
+def test_training_checkpoints_and_resumes_across_emulated_nodes(root_netns, files, tmp_path):
+    """`meshpilot train` on two emulated nodes (2 x 2 ranks over the shaped link): 2 steps with a checkpoint,
+    then a second run resumes it to step 4 and --verify finds all 4 losses equal to one device's."""
+    import json
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "-m", "gpt-tiny", "-c", str(files / "c.toml"), "--mesh", "2x2", "--out", str(plan)]) == 0
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable, "-m", "meshpilot.cli.main", "emulate", "-q", "--cluster", str(files / "c.toml"),
+            "--timeout", "150", "--", "python", "-m", "meshpilot.cli.main", "train", "--plan", str(plan),
+            "--model", "gpt-tiny", "--checkpoint-dir", str(tmp_path / "ck"), *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return proc
+
+    train("--steps", "2", "--json-out", str(tmp_path / "a.json"))
+    proc = train("--steps", "4", "--resume", "--verify", "4", "--json-out", str(tmp_path / "b.json"))
+    assert "resumed from" in proc.stdout and "step-2" in proc.stdout, proc.stdout
+    assert "verify: the first 4 steps' losses equal one device's" in proc.stdout, proc.stdout
+    first = json.loads((tmp_path / "a.json").read_text())["steps"]
+    both = json.loads((tmp_path / "b.json").read_text())["steps"]
+    assert [s["step"] for s in both] == [0, 1, 2, 3]
+    assert [s["loss"] for s in both[:2]] == [s["loss"] for s in first]
+
+
 def test_ctrl_c_stops_nodes_and_cleans_up(root_netns, files, tmp_path):
     log = tmp_path / "out.txt"
     with open(log, "w") as fh:
