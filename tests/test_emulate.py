@@ -223,25 +223,29 @@ def test_probe_under_emulate_sees_the_emulated_nodes(root_netns, files, tmp_path
 
 
 def test_training_checkpoints_and_resumes_across_emulated_nodes(root_netns, files, tmp_path):
-    """`meshpilot train` on two emulated nodes (2 x 2 ranks over the shaped link): 2 steps with a checkpoint,
-    then a second run resumes it to step 4 and --verify finds all 4 losses equal to one device's."""
+    """`meshpilot train` on two emulated nodes (2 x 2 ranks over the shaped link): 2 steps with a checkpoint under
+    --plan auto (every rank plans under bare torchrun; the plans must agree; saved as ck/plan.json), then a second
+    run resumes it with that file to step 4 and --verify finds all 4 losses equal to one device's."""
     import json
 
-    plan = tmp_path / "plan.json"
-    assert main(["plan", "-m", "gpt-tiny", "-c", str(files / "c.toml"), "--mesh", "2x2", "--out", str(plan)]) == 0
+    ck = tmp_path / "ck"
 
     def train(*extra: str) -> subprocess.CompletedProcess:
         cmd = [
             sys.executable, "-m", "meshpilot.cli.main", "emulate", "-q", "--cluster", str(files / "c.toml"),
-            "--timeout", "150", "--", "python", "-m", "meshpilot.cli.main", "train", "--plan", str(plan),
-            "--model", "gpt-tiny", "--checkpoint-dir", str(tmp_path / "ck"), *extra,
+            "--timeout", "150", "--", "python", "-m", "meshpilot.cli.main", "train",
+            "--model", "gpt-tiny", "--checkpoint-dir", str(ck), *extra,
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc
 
-    train("--steps", "2", "--json-out", str(tmp_path / "a.json"))
-    proc = train("--steps", "4", "--resume", "--verify", "4", "--json-out", str(tmp_path / "b.json"))
+    proc = train(
+        "--plan", "auto", "--cluster", str(files / "c.toml"), "--steps", "2", "--json-out", str(tmp_path / "a.json")
+    )
+    assert "--plan auto: Plan on test-2x2" in proc.stdout and (ck / "plan.json").is_file(), proc.stdout
+    plan = ["--plan", str(ck / "plan.json")]
+    proc = train(*plan, "--steps", "4", "--resume", "--verify", "4", "--json-out", str(tmp_path / "b.json"))
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout, proc.stdout
     assert "verify: the first 4 steps' losses equal one device's" in proc.stdout, proc.stdout
     first = json.loads((tmp_path / "a.json").read_text())["steps"]

@@ -292,3 +292,19 @@ def test_verify_fails_in_one_line_when_a_loss_differs_from_one_device(capsys):
         "--verify: a bf16 run",
         command="train",
     )
+
+
+def test_plan_auto_is_made_once_and_handed_to_the_ranks(capsys):
+    """--plan auto under --nproc-per-node: the launched ranks get the saved file instead of 'auto' and no
+    --cluster; without --cluster, or --cluster without auto, one line each."""
+    from pathlib import Path
+
+    from meshpilot.cli.train import _with_plan
+
+    argv = ["train", "--plan", "auto", "-c", "atp-ic3", "--steps", "2", "--cluster=x"]
+    assert _with_plan(argv, Path("/t/p.json")) == ["train", "--plan", "/t/p.json", "--steps", "2"]
+    assert _with_plan(["train", "--plan=auto"], Path("p.json")) == ["train", "--plan=p.json"]
+    _one_line_error(capsys, ["train", "--nproc-per-node", "2", "--plan", "auto"], "give --cluster C", command="train")
+    _one_line_error(
+        capsys, ["train", "--nproc-per-node", "2", "-c", "atp-ic3"], "only with --plan auto", command="train"
+    )

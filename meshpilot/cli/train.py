@@ -66,8 +66,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plan",
         type=Path,
-        metavar="FILE",
-        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP",
+        metavar="FILE|auto",
+        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP; 'auto': "
+        "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node), saved "
+        "in --checkpoint-dir/plan.json or a temporary file",
+    )
+    p.add_argument(
+        "--cluster",
+        "-c",
+        metavar="C",
+        help="with --plan auto: the cluster to plan for (a preset, a TOML file, `meshpilot probe`'s output)",
     )
     p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -231,6 +239,11 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
     size, precision, and the model's graph fingerprint), the output path. Returns _train's keyword arguments."""
     if args.json_out:
         check_writable(args.json_out, "--json-out")
+    if args.plan is not None and str(args.plan) == AUTO:
+        args.plan = _auto_plan(args, world)
+        args.auto_planned = True
+    elif args.cluster is not None:
+        raise UserError("--cluster: only with --plan auto (a saved plan knows its cluster); leave it out")
     resume = check_checkpoint_flags(args)
     prep = _prepare_model(args, world)
     if args.data is not None:
@@ -301,6 +314,62 @@ def check_checkpoint_flags(args: argparse.Namespace):
                 f"and AdamW's state follow it); give {flag} {saved:g} or start a new --checkpoint-dir"
             )
     return found
+
+
+AUTO = "auto"
+
+
+def _auto_plan(args: argparse.Namespace, world: int) -> Path:
+    """--plan auto: plan the model for `world` devices of --cluster now and save the plan (--checkpoint-dir's
+    plan.json, else a temporary file); the run then trains with that file like any saved plan."""
+    import tempfile
+
+    from meshpilot.cli.plan import make_plan, save_plan
+    from meshpilot.cluster import load_cluster
+    from meshpilot.models.sources import build_model
+
+    if args.cluster is None:
+        raise UserError(
+            "--plan auto: give --cluster C to plan for (a preset such as dgx-h100, a cluster file, or the file "
+            "`meshpilot probe` wrote for these machines)"
+        )
+    if args.mesh or args.chunks != 1:
+        raise UserError("--plan auto chooses the mesh and every layout; leave out --mesh and --chunks")
+    cluster = load_cluster(args.cluster)
+    built = build_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, hf_config=args.hf_config)
+    plan, _ = make_plan(built, cluster, world, None, precision=args.precision)
+    if args.checkpoint_dir is not None:
+        args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        path = args.checkpoint_dir / "plan.json"
+    else:
+        fd, name = tempfile.mkstemp(prefix="meshpilot-plan-", suffix=".json")
+        os.close(fd)
+        path = Path(name)
+    save_plan(plan, path, "--plan auto")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--plan auto: {plan.summary().splitlines()[0]}; saved to {path}", flush=True)
+    return path
+
+
+def _with_plan(argv: list[str], path: Path) -> list[str]:
+    """`argv` with ``--plan auto`` replaced by ``--plan path`` and ``--cluster`` dropped: the launched ranks train
+    with the plan made once, in the launcher."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--cluster", "-c"):
+            skip = True
+        elif a.startswith("--cluster="):
+            continue
+        elif out and out[-1] == "--plan" and a == AUTO:
+            out.append(str(path))
+        elif a == f"--plan={AUTO}":
+            out.append(f"--plan={path}")
+        else:
+            out.append(a)
+    return out
 
 
 def _text_data(args: argparse.Namespace, prep: dict):
@@ -430,7 +499,8 @@ def run(args: argparse.Namespace) -> int:
         prepare(args, args.nproc_per_node)
         from meshpilot.cli.launcher import launch
 
-        return launch(_without_nproc(getattr(args, "argv", None) or []), args.nproc_per_node)
+        argv = _without_nproc(getattr(args, "argv", None) or [])
+        return launch(_with_plan(argv, args.plan) if args.plan is not None else argv, args.nproc_per_node)
     world, rank = _world()
     try:
         prep = prepare(args, world)
@@ -490,6 +560,20 @@ def _train(
 
         time.sleep(3 * (args.timeout or 1))
     rank = dist.get_rank()
+    if getattr(args, "auto_planned", False) and plan is not None and dist.get_world_size() > 1:
+        # under bare torchrun every rank planned for itself: the plans must be one plan
+        digests: list = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, plan.run_digest())
+        if len(set(digests)) > 1:
+            if rank == 0:
+                print(
+                    "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
+                    "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            dist.destroy_process_group()
+            return 2
     checkpoint = None
     if args.checkpoint_dir is not None:
         from meshpilot.planner.reshard_checkpoint import Layouts

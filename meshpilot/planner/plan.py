@@ -251,6 +251,16 @@ class Plan:
             n *= d
         return trivial(n)
 
+    def run_digest(self) -> str:
+        """SHA-256 of what running the plan depends on — mesh, rank order, every node's strategy, the parameter
+        and input layouts, the schedule — and not of how it was found (solver times, predictions): two plans
+        with one digest run identically."""
+        import hashlib
+
+        d = self.to_dict()
+        keys = ("mesh_shape", "mesh_ranks", "nodes", "params", "inputs", "schedule")
+        return hashlib.sha256(json.dumps([d[k] for k in keys]).encode()).hexdigest()
+
     def param_layout(self, fqn: str) -> Placements:
         for name, layout in self.params:
             if name == fqn:
