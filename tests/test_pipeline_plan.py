@@ -213,3 +213,29 @@ def test_bad_input_is_one_line(gpt_planner, mlp_planner):
         assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="another graph"):
         plan_pipeline(graph, "alpa-p3x8", microbatches=2, planner=mlp_planner)
+
+
+def test_plan_saves_and_loads_with_its_schedule(gpt_planner, tmp_path):
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.schedule import in_flight
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
+    assert p.schedule.value == "1f1b" and "(1f1b)" in str(p)
+    q = PipelinePlan.from_json(p.to_json())
+    assert q == p and q.step_schedule() == p.step_schedule()
+    assert p.split_points == (p.stages[1].layer_names[0],)
+    sched = p.step_schedule()
+    assert [c.ranks for c in sched.classes] == [s.ranks for s in p.stages]
+    assert [in_flight(sched)[s.ranks] for s in p.stages] == [s.in_flight for s in p.stages] == [2, 1]
+    g = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2,
+                      schedule="gpipe")  # fmt: skip
+    assert [s.in_flight for s in g.stages] == [4, 4]  # GPipe holds every microbatch's activations
+    assert all(s.memory_bytes >= t.memory_bytes for s, t in zip(g.stages, p.stages))
+    assert PipelinePlan.from_json(g.to_json()).step_schedule().name == "gpipe"
+    bad = p.to_dict()
+    bad["stages"][0].pop("ranks")
+    with pytest.raises(UserError, match="pipeline plan: a field is missing"):
+        PipelinePlan.from_dict(bad)
+    with pytest.raises(UserError, match="schedule='dualpipe'"):
+        plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, schedule="dualpipe")
