@@ -239,3 +239,19 @@ def test_plan_saves_and_loads_with_its_schedule(gpt_planner, tmp_path):
         PipelinePlan.from_dict(bad)
     with pytest.raises(UserError, match="schedule='dualpipe'"):
         plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, schedule="dualpipe")
+
+
+def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
+    from meshpilot.cli.main import main
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    out = tmp_path / "pp.json"
+    args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--pipeline", "--microbatches", "2", "--stages", "2"]
+    assert main([*args, "--schedule", "gpipe", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 stages on 2 devices, 2 microbatches (gpipe)" in text and "schedule gpipe, 2 microbatches" in text
+    assert "ranks 1: R0<0 F0 R1<0 F1 B0 S0>0 B1 S1>0 G" in text
+    p = PipelinePlan.from_json(out.read_text())
+    assert len(p.stages) == 2 and p.schedule.value == "gpipe" and f"cut before: {p.split_points[0]}" in text
+    assert main([*args, "--batch", "7"]) == 2  # a UserError: one line, exit status 2
+    assert "does not split into --microbatches 2" in capsys.readouterr().err
