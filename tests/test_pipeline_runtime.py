@@ -1,6 +1,7 @@
-"""The pipeline runtime on 4 gloo ranks (2 stages x 2 ranks, 4 microbatches, GPipe and 1F1B) against the single
-device: loss and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the
-schedule's. One spawn; every check inside it."""
+"""The pipeline runtime on 4 gloo ranks against the single device: 2 stages x 2 ranks under GPipe and 1F1B, and
+stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 microbatches of the tiny GPT: loss
+and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. One
+spawn; every check inside it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from meshpilot.planner.schedule import PipelineKind
 STEPS = 3
 
 
-def _worker(kinds: list[str]) -> dict:
+CONFIGS = {  # name: (stage ranks, schedule, global batch)
+    "gpipe": ([[0, 1], [2, 3]], "gpipe", 8),
+    "1f1b": ([[0, 1], [2, 3]], "1f1b", 8),
+    "1f1b-1+3": ([[0], [1, 2, 3]], "1f1b", 12),  # submeshes of different sizes: tile sends of 1 row
+}
+
+
+def _worker(configs: dict) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -24,21 +32,23 @@ def _worker(kinds: list[str]) -> dict:
 
     cfg = gpt_tiny(layers=4)
     torch.manual_seed(0)
-    idx = torch.randint(0, cfg.vocab, (8, cfg.seq))
-    tgt = torch.randint(0, cfg.vocab, (8, cfg.seq))
     out: dict = {}
-    for kind in kinds:
+    for name, (stage_ranks, kind, batch) in configs.items():
+        torch.manual_seed(0)
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+        tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq))
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
         model = GPT(cfg)
-        sched = pipeline([[0, 1], [2, 3]], 4, kind)
+        sched = pipeline(stage_ranks, 4, kind)
         pm = pipeline_parallelize(model, (idx, tgt), ["blocks.2"], sched)
         params = dict(ref.named_parameters())
         mine = pm.named_parameters()
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_pp = torch.optim.AdamW([p for _, p in mine], lr=1e-2)
         res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "names": len(mine)}
+        res["stage"] = pm.stage
         for _ in range(STEPS):
             o_ref.zero_grad()
             o_pp.zero_grad()
@@ -48,15 +58,16 @@ def _worker(kinds: list[str]) -> dict:
                 loss = pm.step(idx, tgt)
             if loss is not None:  # the model's loss: the mean over the last stage's ranks
                 loss = loss.clone()
-                dist.all_reduce(loss, group=pm.group)
+                if pm.group is not None:
+                    dist.all_reduce(loss, group=pm.group)
                 res["loss"].append(abs(loss.item() / pm.d - l_ref.item()))
             res["grad"].append(max((params[n].grad - p.grad).abs().max().item() for n, p in mine))
             res["counts"].append(log.counts())
             o_ref.step()
             o_pp.step()
-        out[kind] = res
-    try:
-        pipeline_parallelize(GPT(cfg), (idx, tgt), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
+        out[name] = res
+    try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
+        pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
     except UserError as e:
         out["uneven"] = str(e)
     return out
@@ -64,16 +75,16 @@ def _worker(kinds: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_worker, 4, [k.value for k in PipelineKind], timeout=300)
+    return run_distributed(_worker, 4, CONFIGS, timeout=300)
 
 
-@pytest.mark.parametrize("kind", [k.value for k in PipelineKind])
-def test_two_stages_of_two_ranks_equal_the_single_device(four_ranks, kind):
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_stages_equal_the_single_device(four_ranks, name):
     for rank, out in enumerate(four_ranks):
-        res = out[kind]
+        res = out[name]
         assert res["names"] > 0
         assert max(res["grad"]) < 1e-5, (rank, res["grad"])
-        if rank >= 2:  # the last stage holds the loss
+        if res["stage"] == 1:  # the last stage holds the loss
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
@@ -93,5 +104,20 @@ def test_sends_receives_and_all_reduces_counted_equal_to_the_schedule(four_ranks
         assert n_reduce == res["names"]  # one gradient all-reduce per parameter of the stage, once per step
 
 
-def test_stages_of_different_sizes_are_refused(four_ranks):
-    assert "same number of ranks" in four_ranks[0]["uneven"]
+def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
+    first, *rest = [out["1f1b-1+3"] for out in four_ranks]
+    for res in [first, *rest]:
+        assert all(counts == res["planned"] for counts in res["counts"])
+    # stage 0 (1 rank, 3 rows a microbatch) sends each of the 3 ranks of stage 1 its row, 4 microbatches
+    assert first["counts"][0][(CollectiveKind.SEND, "pp", row)] == 12
+    assert first["counts"][0][(CollectiveKind.RECV, "pp", row)] == 12
+    assert not any(k == CollectiveKind.ALL_REDUCE for k, _, _ in first["counts"][0])  # one rank: nothing to sum
+    for res in rest:
+        assert res["counts"][0][(CollectiveKind.SEND, "pp", row)] == 4
+
+
+def test_shards_that_do_not_divide_are_refused(four_ranks):
+    assert "equal shards" in four_ranks[0]["uneven"] and "divisible by 4" in four_ranks[0]["uneven"]

@@ -17,12 +17,16 @@ then runs this rank's actions of the schedule (``planner.schedule.pipeline``: GP
 ``G``     every parameter's gradient all-reduced (sum) over the stage's ranks
 
 Each stage's ranks run data parallel over their submesh: microbatch m of the global batch (dim 0 cut into B
-chunks) is cut again into d equal shards, rank i of the stage takes shard i, parameters are replicated and
-their gradients summed once per step at ``G``. Rank i of a stage exchanges boundaries with rank i of the
-neighbouring stage (the schedule names the first rank of the peer stage; the pairing is by position), so
-both sides of a boundary hold the same batch shard: a tile-for-tile send/receive. Stages of different sizes
-would need the boundary resharded between submeshes; they are refused in one line, as are boundaries that are
-not one tensor from the stage just before (skip connections across stages).
+chunks) is cut again into d equal row shards, rank i of the stage takes shard i, parameters are replicated
+and their gradients summed once per step at ``G``. A boundary is batch-sharded on both sides, so moving it
+between the stages' submeshes (cross-mesh resharding) is tile send/receive: rank i of one stage sends rank j
+of the other the rows both hold (``_tiles``) — one tile to the same position when the stages have the same
+size, several when they differ (a stage of 1 rank sends a stage of 3 one row-tile each; the receiver
+concatenates them). The schedule names the first rank of the peer stage; the tiles say which ranks really
+talk. Refused in one line: a batch that does not split into equal shards on every stage, a boundary whose
+dim 0 is not the batch, boundaries that are not one tensor from the stage just before (skip connections
+across stages). Alpa's local all-gather (cross the slow link once, all-gather on the fast one) is not done:
+with batch-sharded boundaries every row crosses once already.
 
 With equal shards and a loss that averages over its batch (the GPT's cross-entropy), the step's gradients
 equal the single-device full-batch gradients and its loss (the mean over microbatches and shards) the
@@ -112,12 +116,6 @@ class PipelineModule:
             raise UserError(
                 f"{len(split_points)} split points for {S} stages; give one module name per stage after the first"
             )
-        sizes = {len(r) for r in self.stage_ranks}
-        if len(sizes) != 1:
-            raise UserError(
-                f"stages of {sorted(sizes)} ranks: the boundary would need resharding between submeshes of different "
-                "sizes, which this runtime does not do; give every stage the same number of ranks"
-            )
         world = dist.get_world_size()
         if sorted(r for rs in self.stage_ranks for r in rs) != list(range(world)):
             raise UserError(
@@ -128,12 +126,15 @@ class PipelineModule:
         self.pos = self.stage_ranks[self.stage].index(rank)
         self.d = len(self.stage_ranks[self.stage])
         self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
-        whole = [x.shape[0] for x in inputs]
-        if any(b % (self.M * self.d) for b in whole):
+        whole = {x.shape[0] for x in inputs}
+        sizes = sorted({len(rs) for rs in self.stage_ranks})
+        if len(whole) != 1 or any(b % self.M or (b // self.M) % d for b in whole for d in sizes):
             raise UserError(
-                f"batch {whole[0]} does not split into {self.M} microbatches of {self.d} equal shards; "
-                f"give a batch divisible by {self.M * self.d}"
+                f"batch {sorted(whole)} does not split into {self.M} microbatches and each of those into equal shards "
+                f"over stages of {sizes} ranks; give one batch size divisible by {self.M} x each of {sizes}"
             )
+        self.rows = whole.pop() // self.M
+        """Rows (batch dim 0) of one microbatch."""
         local = [self._shard(x, 0) for x in inputs]
         names = dict(model.named_modules())
         for p in split_points:
@@ -144,6 +145,12 @@ class PipelineModule:
         self.module: torch.nn.Module = pipe.get_stage_module(self.stage)
         self.last = self.stage == S - 1
         self._shapes = self._boundary_shapes(pipe.split_gm, local)
+        for shape, _ in self._shapes[:-1]:
+            if not shape or shape[0] != self.rows // self.d:
+                raise UserError(
+                    f"a stage boundary of shape {tuple(shape)} does not have the batch as dim 0; this runtime "
+                    "shards boundaries by batch rows: split where a [batch, ...] activation crosses"
+                )
         self.group = None
         for s, rs in enumerate(self.stage_ranks):  # every rank takes part in creating every group, in one order
             if len(rs) > 1:
@@ -152,7 +159,25 @@ class PipelineModule:
 
     # ------------------------------------------------------------------ set-up
     def _shard(self, x: torch.Tensor, m: int) -> torch.Tensor:
-        return x.chunk(self.M)[m].chunk(self.d)[self.pos].contiguous()
+        lo, hi = self._span(self.stage, self.pos)
+        return x[m * self.rows + lo : m * self.rows + hi].contiguous()
+
+    def _span(self, stage: int, pos: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of a microbatch that the rank at `pos` of `stage` holds."""
+        k = self.rows // len(self.stage_ranks[stage])
+        return pos * k, (pos + 1) * k
+
+    def _tiles(self, other: int) -> list[tuple[int, int, int]]:
+        """The pieces of a boundary between this rank and stage `other`: (peer rank, lo, hi) for each rank of
+        `other` whose rows overlap this rank's, the overlap in microbatch rows (cross-mesh resharding of a
+        batch-sharded value: tile-for-tile sends; one tile per peer when both stages have the same size)."""
+        mlo, mhi = self._span(self.stage, self.pos)
+        out = []
+        for j, r in enumerate(self.stage_ranks[other]):
+            lo, hi = self._span(other, j)
+            if max(lo, mlo) < min(hi, mhi):
+                out.append((r, max(lo, mlo), min(hi, mhi)))
+        return out
 
     def _boundary_shapes(
         self, split_gm: fx.GraphModule, local: list[torch.Tensor]
@@ -194,20 +219,25 @@ class PipelineModule:
             k, m = a.kind, a.microbatch
             if k in (ActionKind.SEND, ActionKind.RECV):
                 peer_stage = self._first[a.peer]
-                peer = self.stage_ranks[peer_stage][self.pos]
                 forward = (peer_stage > self.stage) == (k == ActionKind.SEND)
                 phase = Phase.FWD if forward else Phase.BWD
+                tag = 2 * m + int(forward)
+                mlo = self._span(self.stage, self.pos)[0]
                 if k == ActionKind.SEND:
                     t = saved[m][1].detach() if forward else saved.pop(m)[0].grad
-                    t = t.contiguous()
-                    record(CollectiveKind.SEND, PP_AXIS, 2, t.numel() * t.element_size(), phase)
-                    sends.append(dist.isend(t, peer))
+                    for peer, lo, hi in self._tiles(peer_stage):
+                        piece = t[lo - mlo : hi - mlo].contiguous()
+                        record(CollectiveKind.SEND, PP_AXIS, 2, piece.numel() * piece.element_size(), phase)
+                        sends.append(dist.isend(piece, peer, tag=tag))
                 else:
                     shape, dtype = boundary_in if forward else self._shapes[self.stage]
-                    t = torch.empty(shape, dtype=dtype)
-                    record(CollectiveKind.RECV, PP_AXIS, 2, t.numel() * t.element_size(), phase)
-                    dist.recv(t, peer)
-                    recv[(m, int(forward))] = t
+                    pieces = []
+                    for peer, lo, hi in self._tiles(peer_stage):
+                        piece = torch.empty((hi - lo, *shape[1:]), dtype=dtype)
+                        record(CollectiveKind.RECV, PP_AXIS, 2, piece.numel() * piece.element_size(), phase)
+                        dist.recv(piece, peer, tag=tag)
+                        pieces.append(piece)
+                    recv[(m, int(forward))] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             elif k == ActionKind.FORWARD:
                 args = []
                 x_in = None
@@ -260,9 +290,9 @@ class PipelineModule:
             if a.kind in (ActionKind.SEND, ActionKind.RECV):
                 peer_stage = self._first[a.peer]
                 shape, dtype = self._shapes[min(peer_stage, self.stage)]
-                nbytes = math.prod(shape) * dtype.itemsize
                 kind = CollectiveKind.SEND if a.kind == ActionKind.SEND else CollectiveKind.RECV
-                out[(kind, PP_AXIS, nbytes)] += 1
+                for _, lo, hi in self._tiles(peer_stage):
+                    out[(kind, PP_AXIS, (hi - lo) * math.prod(shape[1:]) * dtype.itemsize)] += 1
             elif a.kind == ActionKind.GRAD_SYNC and self.d > 1:
                 for p in self.module.parameters():
                     if p.requires_grad:
