@@ -20,7 +20,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict) -> dict:
+def _worker(configs: dict, mlp_plan: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -66,6 +66,7 @@ def _worker(configs: dict) -> dict:
             o_ref.step()
             o_pp.step()
         out[name] = res
+    out["planned-mlp"] = _run_planned_mlp(mlp_plan)
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
     except UserError as e:
@@ -73,9 +74,48 @@ def _worker(configs: dict) -> dict:
     return out
 
 
+def _run_planned_mlp(text: str) -> dict:
+    """The planner's pipeline of the MLP (JSON, as `meshpilot plan --pipeline --out` saves it) run as planned."""
+    import torch
+
+    from meshpilot.models.zoo import MLPModel
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    plan = PipelinePlan.from_json(text)
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 32), torch.randint(0, 16, (16,))
+    torch.manual_seed(3)
+    ref = MLPModel()
+    torch.manual_seed(3)
+    pm = pipeline_parallelize(MLPModel(), (x, y), plan)
+    ref(x, y).backward()
+    with record_collectives() as log:
+        pm.step(x, y)
+    params = dict(ref.named_parameters())
+    grad = max((params[n].grad - p.grad).abs().max().item() for n, p in pm.named_parameters())
+    return {"grad": grad, "equal_counts": log.counts() == pm.planned_counts(), "stage": pm.stage}
+
+
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_distributed(_worker, 4, CONFIGS, timeout=300)
+def mlp_plan() -> str:
+    import warnings
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models import builtin_models
+    from meshpilot.planner.pipeline import plan_pipeline
+
+    model, inputs = builtin_models()["mlp"].build("meta", 4)  # one microbatch of 4 of the global 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(model, inputs)
+    return plan_pipeline(graph, "atp-ic3", microbatches=4, num_devices=4, num_stages=2).to_json()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(mlp_plan):
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -121,3 +161,15 @@ def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
 
 def test_shards_that_do_not_divide_are_refused(four_ranks):
     assert "equal shards" in four_ranks[0]["uneven"] and "divisible by 4" in four_ranks[0]["uneven"]
+
+
+def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    plan = PipelinePlan.from_json(mlp_plan)
+    assert len(plan.stages) == 2
+    stage_of = {r: j for j, s in enumerate(plan.stages) for r in s.ranks}
+    for rank, out in enumerate(four_ranks):
+        res = out["planned-mlp"]
+        assert res["stage"] == stage_of[rank]
+        assert res["grad"] < 1e-5 and res["equal_counts"]

@@ -46,6 +46,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,9 @@ from meshpilot.graph.capture import Phase
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.sharding.reshard import CollectiveKind
+
+if TYPE_CHECKING:
+    from meshpilot.planner.pipeline import PipelinePlan
 
 PP_AXIS = "pp"
 """The axis name boundary sends and receives are recorded under."""
@@ -301,11 +305,23 @@ class PipelineModule:
 
 
 def pipeline_parallelize(
-    model: torch.nn.Module, inputs: Sequence[torch.Tensor], split_points: Sequence[str], schedule: Schedule
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    plan: PipelinePlan | Sequence[str],
+    schedule: Schedule | None = None,
 ) -> PipelineModule:
-    """This rank's stage of `model` cut before each module of `split_points` (``blocks.2``), run on
-    `schedule` (one rank class per stage); `inputs` is an example global batch (module docstring)."""
-    return PipelineModule(model, inputs, split_points, schedule)
+    """This rank's stage of `model` run on a pipeline: `plan` a :class:`~meshpilot.planner.pipeline.PipelinePlan`
+    (its ``split_points`` and ``step_schedule()``), or the module names that begin stages 1, 2, … (``blocks.2``)
+    with `schedule` (one rank class per stage). `inputs` is an example global batch (module docstring)."""
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    if isinstance(plan, PipelinePlan):
+        if schedule is not None:
+            raise UserError("give a PipelinePlan (it holds its schedule) or split points with a schedule, not both")
+        return PipelineModule(model, inputs, plan.split_points, plan.step_schedule())
+    if schedule is None:
+        raise UserError("split points need a schedule: pass schedule=meshpilot.planner.schedule.pipeline(...)")
+    return PipelineModule(model, inputs, list(plan), schedule)
 
 
 __all__ = ["DP_AXIS", "PP_AXIS", "PipelineModule", "pipeline_parallelize"]
