@@ -255,3 +255,49 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     assert len(p.stages) == 2 and p.schedule.value == "gpipe" and f"cut before: {p.split_points[0]}" in text
     assert main([*args, "--batch", "7"]) == 2  # a UserError: one line, exit status 2
     assert "does not split into --microbatches 2" in capsys.readouterr().err
+
+
+def test_simulated_step_of_a_pipeline_plan(gpt_planner):
+    graph = gpt_planner.graph
+    B = 4
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, num_stages=2)
+    r = p.simulate("alpa-p3x8")
+    for j, st in enumerate(p.stages):  # each stage computes its B microbatches' t, nothing else
+        (cls,) = [c for c in r.classes if c.ranks == (j,)]
+        assert cls.compute_s == pytest.approx(B * st.t_s, rel=1e-9)
+    # the same step by a list schedule: each op starts when its stage is free and its input arrived (the previous
+    # stage's F, the next stage's B, plus the link's latency: a send of 0 bytes still costs that)
+    lat = gpt_planner.cluster.p2p_latency(p.stages[0].ranks[0], p.stages[1].ranks[0])
+    assert lat > 0
+    f = [st.cost.forward_s / B for st in p.stages]
+    b = [st.t_s - fj for st, fj in zip(p.stages, f)]
+    order = [[str(a) for a in c.actions if a.kind.is_compute] for c in p.step_schedule().classes]
+    end: dict[tuple[int, str], float] = {}
+    free, pc = [0.0] * 2, [0] * 2
+    while any(pc[j] < len(order[j]) for j in range(2)):
+        for j in range(2):
+            while pc[j] < len(order[j]):
+                op = order[j][pc[j]]
+                dep = (j - 1, op) if op[0] == "F" else (j + 1, op)
+                if 0 <= dep[0] < 2 and dep not in end:
+                    break
+                start = max(free[j], end[dep] + lat if dep in end else 0.0)
+                free[j] = end[(j, op)] = start + (f[j] if op[0] == "F" else b[j])
+                pc[j] += 1
+    assert r.step_s == pytest.approx(max(free), rel=1e-9)
+    # Eq. 2 leaves the sends out: the simulated step is longer by the latencies on the critical path
+    assert r.step_s > p.step_s and r.step_s >= B * p.max_s
+    slower = p.simulate("alpa-p3x8", p2p_bytes=1e8)  # 100 MB per send: the boundary is no longer free
+    assert slower.step_s > r.step_s
+
+
+def test_auto_schedule_takes_the_shorter_simulated_step(gpt_planner):
+    graph = gpt_planner.graph
+    kw = dict(microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
+    steps = {
+        k: plan_pipeline(graph, "alpa-p3x8", schedule=k, **kw).simulate("alpa-p3x8").step_s for k in ("1f1b", "gpipe")
+    }
+    auto = plan_pipeline(graph, "alpa-p3x8", schedule="auto", **kw)
+    want = "gpipe" if steps["gpipe"] < steps["1f1b"] else "1f1b"
+    assert auto.schedule.value == want
+    assert auto.simulate("alpa-p3x8").step_s == min(steps.values())

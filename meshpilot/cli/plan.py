@@ -114,7 +114,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=positive_int, default=4, help="--pipeline: microbatches per step (default 4)")
     p.add_argument("--stages", type=positive_int, help="--pipeline: the number of stages (default: the DP chooses)")
     p.add_argument(
-        "--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="--pipeline: the schedule (default 1f1b)"
+        "--schedule",
+        choices=("1f1b", "gpipe", "auto"),
+        default="1f1b",
+        help="--pipeline: the schedule, or 'auto' (the shorter simulated step; default 1f1b)",
     )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")

@@ -113,7 +113,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
-from meshpilot.planner.plan import MemoryUse, StepTime
+from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
 from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
 from meshpilot.planner.schedule import in_flight as schedule_in_flight
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, layers
@@ -409,6 +409,9 @@ def _dp(
 # ---------------------------------------------------------------- the result
 
 
+AUTO = "auto"
+"""``plan_pipeline(schedule=AUTO)``: the schedule kind whose simulated step is shortest."""
+
 PIPELINE_FORMAT = "meshpilot-pipeline-plan/1"
 """The ``format`` field of a saved :class:`PipelinePlan`."""
 
@@ -462,6 +465,45 @@ class PipelinePlan:
     def step_schedule(self) -> Schedule:
         """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage."""
         return pipeline([s.ranks for s in self.stages], self.microbatches, self.schedule)
+
+    def simulate(self, cluster, p2p_bytes: float = 0.0):
+        """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
+        :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's
+        forward per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (``t_s`` less that:
+        backward and the amortised gradient sync), each send `p2p_bytes` over the cluster's link between the
+        stages' first ranks, its latency included (Eq. 2 leaves sends out). Returns the ``SimResult``: its
+        ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
+        from meshpilot.cluster import load_cluster
+        from meshpilot.sim import simulate
+
+        cl = load_cluster(cluster)
+        B = self.microbatches
+        nodes: list[NodeChoice] = []
+        spans = []
+        for j, st in enumerate(self.stages):
+            f = st.cost.forward_s / B
+            spans.append((len(nodes), len(nodes) + 2))
+            nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
+            nodes += [NodeChoice(f"b{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f)]
+        # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
+        # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
+        S = len(self.stages)
+        stage_of = {st.ranks[0]: j for j, st in enumerate(self.stages)}
+        sched = pipeline([[j] for j in range(S)], B, self.schedule)
+        classes = []
+        for rc, span in zip(sched.classes, spans):
+            acts = tuple(dataclasses.replace(a, nodes=span) if a.kind.is_compute else a for a in rc.actions)
+            classes.append(dataclasses.replace(rc, actions=acts))
+        assert set(stage_of.values()) == set(range(S))
+        sched = Schedule(tuple(classes), sched.microbatches, sched.name)
+        firsts = tuple(st.ranks[0] for st in self.stages)
+        stand_in = Plan(
+            cluster=cl.name, mesh_shape=(S,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
+            params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
+            memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
+            solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
+        )  # fmt: skip
+        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=p2p_bytes)
 
     def to_dict(self) -> dict:
         """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
@@ -605,18 +647,39 @@ def plan_pipeline(
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     **stage_kw,
 ) -> PipelinePlan:
-    """Stages, submeshes and logical meshes minimising the 1F1B step of `graph` (one microbatch's step) over
+    """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
     `microbatches` microbatches on the first `num_devices` devices of `cluster` (module docstring).
 
     `num_clusters` (default: every layer) is Eq. 6's L; `num_stages` fixes S (default: the DP chooses);
     `planner` reuses a :class:`StagePlanner`'s caches; `memory_bytes` overrides the device's capacity (in the
     stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
-    ``time_limit``)."""
+    ``time_limit``). `schedule` is the pipeline schedule, or ``"auto"``: the DP is run for each kind (the
+    stage costs are cached, so the second run only re-checks Eq. 5 and re-runs the DP) and the plan whose
+    simulated step (:meth:`PipelinePlan.simulate`) is shortest wins, 1F1B on a tie (fewer microbatches in flight)."""
     t0 = time.perf_counter()
+    if schedule == AUTO:
+        sp = planner if planner is not None else StagePlanner(graph, cluster)
+        kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
+                  num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
+                  planner=sp)  # fmt: skip
+        found: list[tuple[float, int, PipelinePlan]] = []
+        errors = []
+        for rank, k in enumerate((PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE)):
+            try:
+                p = plan_pipeline(graph, cluster, schedule=k, **kw, **stage_kw)
+            except PlanError as e:
+                errors.append(e)
+                continue
+            found.append((p.simulate(sp.cluster).step_s, rank, p))
+        if not found:
+            raise errors[0]
+        best = min(found, key=lambda x: (x[0], x[1]))[2]
+        return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
     try:
         kind = PipelineKind(schedule)
     except ValueError:
-        raise UserError(f"schedule={schedule!r}: give one of {', '.join(k.value for k in PipelineKind)}") from None
+        choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
+        raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
