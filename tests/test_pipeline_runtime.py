@@ -71,6 +71,15 @@ def _worker(configs: dict, mlp_plan: str) -> dict:
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
     except UserError as e:
         out["uneven"] = str(e)
+    from meshpilot.planner.schedule import parse_schedule
+
+    zb = "schedule zb, 1 microbatch\nranks 0-1: F0 S0>2 I0 W0 G\nranks 2-3: R0<0 F0 B0 G"
+    bad = {"split": (["blocks.9"], pipeline([[0, 1], [2, 3]], 4, "1f1b")), "action": (["blocks.2"], parse_schedule(zb))}
+    for key, (points, sched) in bad.items():
+        try:
+            pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), points, sched)
+        except UserError as e:
+            out[key] = str(e)
     return out
 
 
@@ -159,8 +168,11 @@ def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
         assert res["counts"][0][(CollectiveKind.SEND, "pp", row)] == 4
 
 
-def test_shards_that_do_not_divide_are_refused(four_ranks):
-    assert "equal shards" in four_ranks[0]["uneven"] and "divisible by 4" in four_ranks[0]["uneven"]
+def test_bad_input_is_refused_in_one_line(four_ranks):
+    out = four_ranks[0]
+    assert "equal shards" in out["uneven"] and "divisible by 4" in out["uneven"]
+    assert "'blocks.9' is no module" in out["split"]
+    assert "I0, W0" in out["action"] and "GPipe or 1F1B" in out["action"]
 
 
 def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):

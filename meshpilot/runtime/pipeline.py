@@ -58,6 +58,8 @@ from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.sharding.reshard import CollectiveKind
 
+_RUNS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND, ActionKind.RECV, ActionKind.GRAD_SYNC})
+
 if TYPE_CHECKING:
     from meshpilot.planner.pipeline import PipelinePlan
 
@@ -119,6 +121,12 @@ class PipelineModule:
         if len(split_points) != S - 1:
             raise UserError(
                 f"{len(split_points)} split points for {S} stages; give one module name per stage after the first"
+            )
+        odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in _RUNS})
+        if odd:
+            raise UserError(
+                f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
+                "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline)"
             )
         world = dist.get_world_size()
         if sorted(r for rs in self.stage_ranks for r in rs) != list(range(world)):
@@ -269,10 +277,6 @@ class PipelineModule:
                     saved.pop(m)
             elif k == ActionKind.GRAD_SYNC:
                 self._grad_sync()
-            else:
-                raise UserError(
-                    f"schedule action {a}: this runtime runs F, B, S, R and G; plan a GPipe or 1F1B schedule"
-                )
         for w in sends:
             w.wait()
         return torch.stack(losses).mean() if self.last else None
