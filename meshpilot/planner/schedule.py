@@ -285,9 +285,10 @@ def pipeline(stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: Pipe
 
     A forward of microbatch m on stage s > 0 first receives ``R m<p`` from stage s − 1 and a stage s < S − 1
     sends ``S m>q`` its output after; a backward receives from stage s + 1 and sends to stage s − 1. The
-    peer of a send / receive is the *first* rank of the other stage; the rank at position i of a stage
-    talks to the rank at position i of the other (the runtime's pairing, ``meshpilot.runtime.pipeline``).
-    Sends do not block (the simulator and the runtime start them and go on); receives wait."""
+    peer of a send / receive is the *first* rank of the other stage: the runtime
+    (``meshpilot.runtime.pipeline``) sends each rank of it the batch rows both hold; the simulator takes
+    peers literally, so simulate one rank per stage (``PipelinePlan.simulate`` does). Sends do not block
+    (the simulator and the runtime start them and go on); receives wait."""
     kind = PipelineKind(kind)
     S, B = len(stage_ranks), microbatches
     if S < 1 or any(len(r) == 0 for r in stage_ranks):
