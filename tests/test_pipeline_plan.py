@@ -213,3 +213,91 @@ def test_bad_input_is_one_line(gpt_planner, mlp_planner):
         assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="another graph"):
         plan_pipeline(graph, "alpa-p3x8", microbatches=2, planner=mlp_planner)
+
+
+def test_plan_saves_and_loads_with_its_schedule(gpt_planner, tmp_path):
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.schedule import in_flight
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
+    assert p.schedule.value == "1f1b" and "(1f1b)" in str(p)
+    q = PipelinePlan.from_json(p.to_json())
+    assert q == p and q.step_schedule() == p.step_schedule()
+    assert p.split_points == (p.stages[1].layer_names[0],)
+    sched = p.step_schedule()
+    assert [c.ranks for c in sched.classes] == [s.ranks for s in p.stages]
+    assert [in_flight(sched)[s.ranks] for s in p.stages] == [s.in_flight for s in p.stages] == [2, 1]
+    g = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2,
+                      schedule="gpipe")  # fmt: skip
+    assert [s.in_flight for s in g.stages] == [4, 4]  # GPipe holds every microbatch's activations
+    assert all(s.memory_bytes >= t.memory_bytes for s, t in zip(g.stages, p.stages))
+    assert PipelinePlan.from_json(g.to_json()).step_schedule().name == "gpipe"
+    bad = p.to_dict()
+    bad["stages"][0].pop("ranks")
+    with pytest.raises(UserError, match="pipeline plan: a field is missing"):
+        PipelinePlan.from_dict(bad)
+    with pytest.raises(UserError, match="schedule='dualpipe'"):
+        plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, schedule="dualpipe")
+
+
+def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
+    from meshpilot.cli.main import main
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    out = tmp_path / "pp.json"
+    args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--pipeline", "--microbatches", "2", "--stages", "2"]
+    assert main([*args, "--schedule", "gpipe", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 stages on 2 devices, 2 microbatches (gpipe)" in text and "schedule gpipe, 2 microbatches" in text
+    assert "ranks 1: R0<0 F0 R1<0 F1 B0 S0>0 B1 S1>0 G" in text
+    p = PipelinePlan.from_json(out.read_text())
+    assert len(p.stages) == 2 and p.schedule.value == "gpipe" and f"cut before: {p.split_points[0]}" in text
+    assert main([*args, "--batch", "7"]) == 2  # a UserError: one line, exit status 2
+    assert "does not split into --microbatches 2" in capsys.readouterr().err
+
+
+def test_simulated_step_of_a_pipeline_plan(gpt_planner):
+    graph = gpt_planner.graph
+    B = 4
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, num_stages=2)
+    r = p.simulate("alpa-p3x8")
+    for j, st in enumerate(p.stages):  # each stage computes its B microbatches' t, nothing else
+        (cls,) = [c for c in r.classes if c.ranks == (j,)]
+        assert cls.compute_s == pytest.approx(B * st.t_s, rel=1e-9)
+    # the same step by a list schedule: each op starts when its stage is free and its input arrived (the previous
+    # stage's F, the next stage's B, plus the link's latency: a send of 0 bytes still costs that)
+    lat = gpt_planner.cluster.p2p_latency(p.stages[0].ranks[0], p.stages[1].ranks[0])
+    assert lat > 0
+    f = [st.cost.forward_s / B for st in p.stages]
+    b = [st.t_s - fj for st, fj in zip(p.stages, f)]
+    order = [[str(a) for a in c.actions if a.kind.is_compute] for c in p.step_schedule().classes]
+    end: dict[tuple[int, str], float] = {}
+    free, pc = [0.0] * 2, [0] * 2
+    while any(pc[j] < len(order[j]) for j in range(2)):
+        for j in range(2):
+            while pc[j] < len(order[j]):
+                op = order[j][pc[j]]
+                dep = (j - 1, op) if op[0] == "F" else (j + 1, op)
+                if 0 <= dep[0] < 2 and dep not in end:
+                    break
+                start = max(free[j], end[dep] + lat if dep in end else 0.0)
+                free[j] = end[(j, op)] = start + (f[j] if op[0] == "F" else b[j])
+                pc[j] += 1
+    assert r.step_s == pytest.approx(max(free), rel=1e-9)
+    # Eq. 2 leaves the sends out: the simulated step is longer by the latencies on the critical path
+    assert r.step_s > p.step_s and r.step_s >= B * p.max_s
+    slower = p.simulate("alpa-p3x8", p2p_bytes=1e8)  # 100 MB per send: the boundary is no longer free
+    assert slower.step_s > r.step_s
+
+
+def test_auto_schedule_takes_the_shorter_simulated_step(gpt_planner):
+    graph = gpt_planner.graph
+    kw = dict(microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
+    steps = {
+        k: plan_pipeline(graph, "alpa-p3x8", schedule=k, **kw).simulate("alpa-p3x8").step_s for k in ("1f1b", "gpipe")
+    }
+    auto = plan_pipeline(graph, "alpa-p3x8", schedule="auto", **kw)
+    want = "gpipe" if steps["gpipe"] < steps["1f1b"] else "1f1b"
+    assert auto.schedule.value == want
+    assert auto.simulate("alpa-p3x8").step_s == min(steps.values())

@@ -13,6 +13,12 @@ Examples:
   meshpilot plan --model atp-m2 --cluster dgx-h100:2 --devices 16 --mesh 2x8 --out plan.json
   meshpilot plan --model gpt --layers 96 --hidden 12288 --heads 96 --cluster dgx-h100:8 --dtype bfloat16
   meshpilot plan --model mlp --cluster atp-ic3 --devices 4 --json > plan.json
+  meshpilot plan --model gpt-tiny --layers 4 --cluster alpa-p3x8 --devices 4 --pipeline --microbatches 4
+
+--pipeline plans stages instead (Alpa's stage DP: layers cut into stages, devices into submeshes, each stage
+planned on its own logical mesh, the schedule's microbatches in flight checked against memory); --batch is
+then the global batch, cut into --microbatches. It prints the stages, the predicted step with its bubble
+and the schedule's actions per stage, and --out / --json save the pipeline plan.
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -102,6 +108,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "produce partial sums or have a collective in front, 'all' every node, 'none' skips the table; a stack of "
         "repeated layers is shown once either way",
     )
+    p.add_argument(
+        "--pipeline", action="store_true", help="plan a pipeline: stages on submeshes (Alpa's stage DP; see above)"
+    )
+    p.add_argument("--microbatches", type=positive_int, default=4, help="--pipeline: microbatches per step (default 4)")
+    p.add_argument("--stages", type=positive_int, help="--pipeline: the number of stages (default: the DP chooses)")
+    p.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe", "auto"),
+        default="1f1b",
+        help="--pipeline: the schedule, or 'auto' (the shorter simulated step; default 1f1b)",
+    )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -155,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
     memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
+    if args.pipeline:
+        return run_pipeline(args, cluster, n, memory)
+    if args.stages is not None:
+        raise UserError("--stages plans a pipeline; add --pipeline (or drop --stages)")
     built = build_model(
         args.model,
         batch=args.batch,
@@ -198,6 +219,54 @@ def run(args: argparse.Namespace) -> int:
                 f"train with it: torchrun --standalone --nproc-per-node {n} -m meshpilot.cli.main train "
                 f"--plan {args.out} --model {args.model}{sizes}"
             )
+    return 0
+
+
+def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float | None) -> int:
+    """``meshpilot plan --pipeline``: capture one microbatch's step, run the stage DP, print / save the result."""
+    import sys
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import check_precision
+    from meshpilot.planner.pipeline import plan_pipeline
+
+    if args.mesh or args.force:
+        raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
+    M = args.microbatches
+    kw = dict(seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads, dtype=args.dtype)
+    kw["hf_config"] = args.hf_config
+    whole = args.batch or build_model(args.model, batch=None, **kw).inputs[0].shape[0]
+    if whole % M:
+        raise UserError(f"--batch {whole} does not split into --microbatches {M}; give a batch divisible by {M}")
+    built = build_model(args.model, batch=whole // M, **kw)
+    progress = Console(stderr=True)
+    with progress.status(f"capturing one microbatch's step of {built.name} on meta tensors …"):
+        graph = capture(built.model, built.inputs, precision=check_precision(built.model, None, args.precision))
+    with progress.status(f"planning stages on {n} devices …"):
+        pp = plan_pipeline(
+            graph,
+            cluster,
+            microbatches=M,
+            num_devices=n,
+            num_stages=args.stages,
+            memory_bytes=memory,
+            schedule=args.schedule,
+            time_limit=args.time_limit,
+        )
+    if args.out:
+        from meshpilot.io import atomic_write
+
+        atomic_write(args.out, pp.to_json() + "\n")
+    if args.json:
+        sys.stdout.write(pp.to_json() + "\n")
+        return 0
+    console.print(f"{built.label}: global batch {whole} in {M} microbatches of {whole // M}", soft_wrap=True)
+    console.print(str(pp), soft_wrap=True, markup=False, highlight=False)
+    console.print(str(pp.step_schedule()), soft_wrap=True, markup=False, highlight=False)
+    if pp.split_points:
+        console.print(f"cut before: {', '.join(pp.split_points)}", soft_wrap=True, markup=False)
+    if args.out:
+        console.print(f"saved the pipeline plan to [bold]{args.out}[/bold]")
     return 0
 
 

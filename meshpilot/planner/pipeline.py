@@ -3,9 +3,12 @@
 The single-stage planner (``meshpilot.planner.auto``) shards every operator over one mesh. Here the model's
 layers (``stage.layers``) are cut into S contiguous *stages*, the devices into S *submeshes*, and each stage
 runs its own intra-operator plan on its submesh (``stage.StagePlanner.plan``, cached), the stages passing
-activations forward and gradients backward under a synchronous 1F1B schedule of B microbatches. The graph
-given is the step of **one microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh
-shapes that minimise the predicted step.
+activations forward and gradients backward under a synchronous schedule of B microbatches (1F1B by default,
+or GPipe: ``schedule.PipelineKind``). The graph given is the step of **one microbatch**;
+:func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the predicted step.
+The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
+``Schedule`` (``step_schedule``: what the simulator times and ``meshpilot.runtime.pipeline`` runs) and the
+module names the runtime cuts the model at (``split_points``).
 
 1. Layer clustering (Alpa Eq. 6) — :func:`cluster_layers`
 ---------------------------------------------------------
@@ -41,8 +44,8 @@ are then re-costed on the ranks :func:`place` gave them (the same numbers on clu
 are alike: ``alpa-p3x8``, ``atp-ic*``). Placement is larger submeshes first, stage order among equals —
 not yet "neighbouring stages closest", which Alpa also does.
 
-3. Stage costs and the 1F1B memory check (Alpa Eq. 5) — ``_StageTable``
-----------------------------------------------------------------------
+3. Stage costs and the memory check (Alpa Eq. 5) — ``_StageTable``
+-----------------------------------------------------------------
 For clusters k..i, submesh size d and logical shape (a, b) with a·b = d (``mesh_shapes_2d``):
 ``c = StagePlanner.plan(layers of k..i, range(d), (a, b), microbatches=B)``. Its ``time`` is the whole
 step of the stage over B microbatches (``accounting.account``: B forwards and backwards, the gradients'
@@ -50,10 +53,11 @@ synchronisation once), so the per-microbatch latency with the synchronisation am
 
     t = c.time.total_s / B                                                         → ``t``
 
-A stage with s stages from it to the end (itself included) keeps up to min(B, s) microbatches' activations
-in flight under 1F1B, so it fits when
+A stage with s stages from it to the end (itself included) keeps up to f(s) microbatches' activations in
+flight — min(B, s) under 1F1B, B under GPipe, counted on the schedule itself (``stage_in_flight``) — so it
+fits when
 
-    max(P.update, P.forward_backward + (min(B, s) − 1) · P.activations) ≤ capacity  → ``stage_memory``
+    max(P.update, P.forward_backward + (f(s) − 1) · P.activations) ≤ capacity        → ``stage_memory``
 
 with ``P = c.peaks`` (``accounting.phase_peaks``: the optimizer step's peak, the forward + backward peak with
 one microbatch in flight, and one microbatch's saved activations — counted even where the optimizer step
@@ -84,14 +88,19 @@ Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more);
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
-leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), schedules other than 1F1B, and a
-stage plan searched for the memory that min(B, s) microbatches in flight leave it (the ILP is given the
+leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline (GPipe
+and 1F1B share Eq. 2's step; the simulator times a ``step_schedule`` with one stage plan for every stage, not
+each stage's own), interleaved and zero-bubble schedules, and a stage plan searched for the memory that f(s)
+microbatches in flight leave it (the ILP is given the
 whole device; a plan that then fails Eq. 5 is dropped, not re-searched).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -99,10 +108,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshpilot.cluster.mesh import mesh_shapes_2d
+from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
+from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
+from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
+from meshpilot.planner.schedule import in_flight as schedule_in_flight
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, layers
 
 DEFAULT_DELTA = 0.1
@@ -269,8 +282,16 @@ def place(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 # ---------------------------------------------------------------- 3. stage costs
 
 
+@functools.cache
+def stage_in_flight(kind: PipelineKind, stages_left: int, microbatches: int) -> int:
+    """Microbatches whose activations a stage with `stages_left` stages from it to the end (itself included)
+    holds at most under `kind` (GPipe: all B; 1F1B: min(B, stages_left)), read off the schedule itself."""
+    sched = pipeline([[r] for r in range(stages_left)], microbatches, kind)
+    return schedule_in_flight(sched)[(0,)]
+
+
 def _fits(cost: StageCost, in_flight: int, capacity: float) -> bool:
-    """Alpa Eq. 5 for 1F1B: one microbatch's peak plus the activations of the others in flight."""
+    """Alpa Eq. 5: one microbatch's peak plus the activations of the others in flight."""
     return stage_memory(cost, in_flight) <= capacity
 
 
@@ -293,6 +314,7 @@ class _StageTable:
     max_stages: int
     devices: int
     stages: int | None
+    kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     kw: dict = field(default_factory=dict)
     costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
 
@@ -335,7 +357,7 @@ class _StageTable:
             z = self.sizes.index(d)
             for s in range(1, S + 1):
                 for j, c in enumerate(found):
-                    if _fits(c, min(B, s), self.capacity) and c.time.total_s / B < t[s, k, i, z]:
+                    if _fits(c, stage_in_flight(self.kind, s, B), self.capacity) and c.time.total_s / B < t[s, k, i, z]:
                         t[s, k, i, z], arg[s, k, i, z] = c.time.total_s / B, j
         return t, arg
 
@@ -387,6 +409,13 @@ def _dp(
 # ---------------------------------------------------------------- the result
 
 
+AUTO = "auto"
+"""``plan_pipeline(schedule=AUTO)``: the schedule kind whose simulated step is shortest."""
+
+PIPELINE_FORMAT = "meshpilot-pipeline-plan/1"
+"""The ``format`` field of a saved :class:`PipelinePlan`."""
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """One stage of a pipeline plan."""
@@ -401,7 +430,8 @@ class PipelineStage:
     t_s: float
     """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
     in_flight: int
-    """Microbatches whose activations the stage holds at most under 1F1B: min(B, stages from it to the end)."""
+    """Microbatches whose activations the stage holds at most under the plan's schedule (1F1B: min(B, stages
+    from it to the end); GPipe: B): :func:`stage_in_flight`."""
     memory_bytes: float
     """Per device: Eq. 5's left side, :func:`stage_memory`."""
     recv_bytes: float
@@ -410,7 +440,7 @@ class PipelineStage:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Stages, their submeshes and the predicted 1F1B step (module docstring)."""
+    """Stages, their submeshes, the schedule and the predicted step (module docstring)."""
 
     stages: tuple[PipelineStage, ...]
     microbatches: int
@@ -424,6 +454,120 @@ class PipelinePlan:
     stage_plans: int
     """Stage costs searched (StagePlanner cache misses) by this call."""
     t_max_tried: int
+    schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """The first layer of every stage after the first (``blocks.2``): where the runtime cuts the model
+        (``meshpilot.runtime.pipeline``)."""
+        return tuple(s.layer_names[0] for s in self.stages[1:])
+
+    def step_schedule(self) -> Schedule:
+        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage."""
+        return pipeline([s.ranks for s in self.stages], self.microbatches, self.schedule)
+
+    def simulate(self, cluster, p2p_bytes: float = 0.0):
+        """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
+        :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's
+        forward per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (``t_s`` less that:
+        backward and the amortised gradient sync), each send `p2p_bytes` over the cluster's link between the
+        stages' first ranks, its latency included (Eq. 2 leaves sends out). Returns the ``SimResult``: its
+        ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
+        from meshpilot.cluster import load_cluster
+        from meshpilot.sim import simulate
+
+        cl = load_cluster(cluster)
+        B = self.microbatches
+        nodes: list[NodeChoice] = []
+        spans = []
+        for j, st in enumerate(self.stages):
+            f = st.cost.forward_s / B
+            spans.append((len(nodes), len(nodes) + 2))
+            nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
+            nodes += [NodeChoice(f"b{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f)]
+        # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
+        # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
+        S = len(self.stages)
+        stage_of = {st.ranks[0]: j for j, st in enumerate(self.stages)}
+        sched = pipeline([[j] for j in range(S)], B, self.schedule)
+        classes = []
+        for rc, span in zip(sched.classes, spans):
+            acts = tuple(dataclasses.replace(a, nodes=span) if a.kind.is_compute else a for a in rc.actions)
+            classes.append(dataclasses.replace(rc, actions=acts))
+        assert set(stage_of.values()) == set(range(S))
+        sched = Schedule(tuple(classes), sched.microbatches, sched.name)
+        firsts = tuple(st.ranks[0] for st in self.stages)
+        stand_in = Plan(
+            cluster=cl.name, mesh_shape=(S,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
+            params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
+            memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
+            solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
+        )  # fmt: skip
+        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=p2p_bytes)
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
+        costs, the clustering, the microbatches and the schedule (its kind and its actions)."""
+        d = dataclasses.asdict(self)
+        d["schedule"] = self.schedule.value
+        for st, stage in zip(d["stages"], self.stages):
+            st["cost"]["mapping"] = stage.cost.mapping.value
+        d["step_schedule"] = self.step_schedule().to_dict()
+        d["format"] = PIPELINE_FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PipelinePlan:
+        """The plan :meth:`to_dict` gave (one line naming the problem for anything else)."""
+        if not isinstance(d, dict) or d.get("format") != PIPELINE_FORMAT:
+            raise UserError(
+                f'not a pipeline plan (no "format": "{PIPELINE_FORMAT}"); save one with meshpilot plan --pipeline'
+            )
+        try:
+            stages = []
+            for st in d["stages"]:
+                c = st["cost"]
+                cost = StageCost(
+                    tuple(c["layers"]), tuple(c["ranks"]), tuple(c["mesh_shape"]), MeshMapping(c["mapping"]),
+                    StepTime(**c["time"]), MemoryUse(**c["memory"]), PhasePeaks(**c["peaks"]),
+                    c["forward_s"], c["search_s"],
+                )  # fmt: skip
+                fields = {k: st[k] for k in ("t_s", "in_flight", "memory_bytes", "recv_bytes")}
+                stages.append(
+                    PipelineStage(
+                        tuple(st["layers"]),
+                        tuple(st["layer_names"]),
+                        tuple(st["ranks"]),
+                        tuple(st["mesh_shape"]),
+                        cost,
+                        **fields,
+                    )  # fmt: skip
+                )
+            cl = d["clustering"]
+            clustering = Clustering(
+                tuple(tuple(b) for b in cl["bounds"]), tuple(cl["flops"]), tuple(cl["recv_bytes"]), cl["delta"]
+            )
+            scalars = ("microbatches", "num_devices", "capacity", "dp_step_s", "planning_s", "stage_plans")
+            plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
+                       schedule=PipelineKind(d["schedule"]), **{k: d[k] for k in scalars})  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
+        if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
+            raise UserError(
+                "pipeline plan: its step_schedule does not match its stages and schedule kind; save it again"
+            )
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"pipeline plan: not JSON ({e})") from None
+        return cls.from_dict(d)
 
     @property
     def sum_s(self) -> float:
@@ -447,7 +591,8 @@ class PipelinePlan:
     def __str__(self) -> str:
         B, S = self.microbatches, len(self.stages)
         head = (
-            f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches (1F1B), "
+            f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches "
+            f"({self.schedule.value}), "
             f"{len(self.clustering.bounds)} layer clusters (δ={self.clustering.delta:g})"
         )
         rows = [head, "  stage  layers                        ranks      mesh      t/microbatch     mem/dev  in flight"]
@@ -499,16 +644,42 @@ def plan_pipeline(
     epsilon: float = DEFAULT_EPSILON,
     memory_bytes: float | None = None,
     planner: StagePlanner | None = None,
+    schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     **stage_kw,
 ) -> PipelinePlan:
-    """Stages, submeshes and logical meshes minimising the 1F1B step of `graph` (one microbatch's step) over
+    """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
     `microbatches` microbatches on the first `num_devices` devices of `cluster` (module docstring).
 
     `num_clusters` (default: every layer) is Eq. 6's L; `num_stages` fixes S (default: the DP chooses);
     `planner` reuses a :class:`StagePlanner`'s caches; `memory_bytes` overrides the device's capacity (in the
     stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
-    ``time_limit``)."""
+    ``time_limit``). `schedule` is the pipeline schedule, or ``"auto"``: the DP is run for each kind (the
+    stage costs are cached, so the second run only re-checks Eq. 5 and re-runs the DP) and the plan whose
+    simulated step (:meth:`PipelinePlan.simulate`) is shortest wins, 1F1B on a tie (fewer microbatches in flight)."""
     t0 = time.perf_counter()
+    if schedule == AUTO:
+        sp = planner if planner is not None else StagePlanner(graph, cluster)
+        kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
+                  num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
+                  planner=sp)  # fmt: skip
+        found: list[tuple[float, int, PipelinePlan]] = []
+        errors = []
+        for rank, k in enumerate((PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE)):
+            try:
+                p = plan_pipeline(graph, cluster, schedule=k, **kw, **stage_kw)
+            except PlanError as e:
+                errors.append(e)
+                continue
+            found.append((p.simulate(sp.cluster).step_s, rank, p))
+        if not found:
+            raise errors[0]
+        best = min(found, key=lambda x: (x[0], x[1]))[2]
+        return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
+    try:
+        kind = PipelineKind(schedule)
+    except ValueError:
+        choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
+        raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
@@ -543,7 +714,7 @@ def plan_pipeline(
         stage_kw.setdefault("capacity", capacity)
     S = num_stages if num_stages is not None else min(L, n)
     misses = sp.misses
-    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, dict(stage_kw))
+    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw))
     table.fill()
     t, arg = table.arrays()
     B = microbatches
@@ -580,7 +751,7 @@ def plan_pipeline(
         start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
         if rk != c.ranks:
             c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
-        fl = min(B, s_left)
+        fl = stage_in_flight(kind, s_left, B)
         stages.append(
             PipelineStage(
                 (start, stop),
@@ -604,4 +775,5 @@ def plan_pipeline(
         time.perf_counter() - t0,
         sp.misses - misses,
         tried,
+        kind,
     )

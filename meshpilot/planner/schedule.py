@@ -31,6 +31,7 @@ first consumer, so communication runs beside the compute in between).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -261,4 +262,87 @@ def _split_phase(kind: ActionKind, m: int, nodes: list[int], hoisted: list[tuple
         out += waits + [a for a in events[at] if a.kind == ActionKind.ISSUE]
     if start < hi:
         out.append(Action(kind, m, nodes=(start, hi)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+
+
+class PipelineKind(StrEnum):
+    """The pipeline schedules :func:`pipeline` builds (the orders of ``torch.distributed.pipelining``)."""
+
+    GPIPE = "gpipe"
+    """Every forward, then every backward (``ScheduleGPipe``): all microbatches' activations in flight."""
+    ONE_F_ONE_B = "1f1b"
+    """Stage s of S runs min(B, S − s) forwards, then alternates one backward, one forward, then drains the
+    backwards (``Schedule1F1B``): the same bubble as GPipe, at most S − s microbatches in flight."""
+
+
+def pipeline(stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: PipelineKind | str) -> Schedule:
+    """One rank class per stage (``stage_ranks[s]``: its ranks), running `kind`'s order of forwards and
+    backwards over `microbatches`, with the boundary sends and receives around them and the gradient sync
+    last.
+
+    A forward of microbatch m on stage s > 0 first receives ``R m<p`` from stage s − 1 and a stage s < S − 1
+    sends ``S m>q`` its output after; a backward receives from stage s + 1 and sends to stage s − 1. The
+    peer of a send / receive is the *first* rank of the other stage: the runtime
+    (``meshpilot.runtime.pipeline``) sends each rank of it the batch rows both hold; the simulator takes
+    peers literally, so simulate one rank per stage (``PipelinePlan.simulate`` does). Sends do not block
+    (the simulator and the runtime start them and go on); receives wait."""
+    kind = PipelineKind(kind)
+    S, B = len(stage_ranks), microbatches
+    if S < 1 or any(len(r) == 0 for r in stage_ranks):
+        raise UserError("pipeline schedule: give at least one stage, each with at least one rank")
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+        raise UserError(f"microbatches={B!r}: give a whole number of microbatches, at least 1")
+    classes = []
+    for s, ranks in enumerate(stage_ranks):
+        prev = stage_ranks[s - 1][0] if s > 0 else None
+        nxt = stage_ranks[s + 1][0] if s + 1 < S else None
+        acts: list[Action] = []
+        for k, m in _stage_order(kind, s, S, B):
+            if k == ActionKind.FORWARD:
+                acts += [Action(ActionKind.RECV, m, peer=prev)] if prev is not None else []
+                acts.append(Action(k, m))
+                acts += [Action(ActionKind.SEND, m, peer=nxt)] if nxt is not None else []
+            else:
+                acts += [Action(ActionKind.RECV, m, peer=nxt)] if nxt is not None else []
+                acts.append(Action(k, m))
+                acts += [Action(ActionKind.SEND, m, peer=prev)] if prev is not None else []
+        acts.append(Action(ActionKind.GRAD_SYNC))
+        classes.append(RankClass(tuple(int(r) for r in ranks), tuple(acts)))
+    return Schedule(tuple(classes), B, kind.value)
+
+
+def _stage_order(kind: PipelineKind, s: int, S: int, B: int) -> list[tuple[ActionKind, int]]:
+    F, BW = ActionKind.FORWARD, ActionKind.BACKWARD
+    if kind == PipelineKind.GPIPE:
+        return [(F, m) for m in range(B)] + [(BW, m) for m in range(B)]
+    warmup = min(B, S - s)
+    order = [(F, m) for m in range(warmup)]
+    f, b = warmup, 0
+    while b < B:
+        order.append((BW, b))
+        b += 1
+        if f < B:
+            order.append((F, f))
+            f += 1
+    return order
+
+
+def in_flight(schedule: Schedule) -> dict[tuple[int, ...], int]:
+    """Per rank class: the most microbatches whose forward ran and whose backward (``B`` or ``I``) did not
+    yet — how many microbatches' activations the class holds at once."""
+    out = {}
+    for c in schedule.classes:
+        started: set[int] = set()
+        done: set[int] = set()
+        peak = 0
+        for a in c.actions:
+            if a.kind == ActionKind.FORWARD:
+                started.add(a.microbatch)
+            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                done.add(a.microbatch)
+            peak = max(peak, len(started - done))
+        out[c.ranks] = peak
     return out
