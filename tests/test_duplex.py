@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_models_parallel import ADAMW, STEPS, TOL, _local_slice, _max_err
+from test_models_parallel import ADAMW, STEPS, TOL, _max_err
 from test_models_parallel import build as zoo_build
 from torch import nn
 

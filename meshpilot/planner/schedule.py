@@ -304,3 +304,27 @@ def interleaved(actions: tuple[Action, ...] | list[Action], kind: ActionKind) ->
 def stage_starts(actions: tuple[Action, ...] | list[Action], kind: ActionKind) -> list[int]:
     """The first node of every stage of phase `kind` (the starts of its node ranges), ascending."""
     return sorted({a.nodes[0] for a in actions if a.kind == kind and a.nodes is not None})
+
+
+def _split_phase(kind: ActionKind, m: int, nodes: list[int], hoisted: list[tuple[int, int, int]]) -> list[Action]:
+    """A phase's nodes as compute ranges, cut where a collective is issued (before node ``issue``) or waited
+    (before node ``wait``)."""
+    if not nodes:
+        return []
+    lo, hi = nodes[0], nodes[-1] + 1
+    events: dict[int, list[Action]] = {}
+    for issue, wait, c in hoisted:
+        issue = max(issue, lo)
+        events.setdefault(issue, []).append(Action(ActionKind.ISSUE, m, collective=c))
+        events.setdefault(wait, []).append(Action(ActionKind.WAIT, m, collective=c))
+    out: list[Action] = []
+    start = lo
+    for at in sorted(p for p in events if lo <= p <= hi):
+        if at > start:
+            out.append(Action(kind, m, nodes=(start, at)))
+            start = at
+        waits = [a for a in events[at] if a.kind == ActionKind.WAIT]
+        out += waits + [a for a in events[at] if a.kind == ActionKind.ISSUE]
+    if start < hi:
+        out.append(Action(kind, m, nodes=(start, hi)))
+    return out

@@ -36,7 +36,6 @@ import torch.fx
 
 from meshpilot.runtime.overlap import _is_collective, _preparation
 
-
 MICROBATCH = "meshpilot_microbatch"
 """``node.meta`` key: which microbatch's copy an op of an interleaved program is."""
 
@@ -61,6 +60,7 @@ def overlapped_collectives(gm: torch.fx.GraphModule) -> int:
 
 def _stages(gm: torch.fx.GraphModule, starts: Sequence[int], leaves: set[int]) -> dict[torch.fx.Node, int]:
     """Each op's stage (module docstring); untagged ops and the leaves' ops take the stage of the op before."""
+
     def stage_of(index: int) -> int:
         return max(0, bisect.bisect_right(starts, index) - 1)
 
