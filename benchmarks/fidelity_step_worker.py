@@ -1,7 +1,8 @@
 """Per-rank training-step timer for saved plans of one GPT: run under torchrun or `meshpilot emulate`.
 
 ``bench_fidelity.py`` starts it under ``meshpilot emulate``. It reads a manifest (JSON: ``{"model": {GPTConfig
-fields}, "plans": [{"name", "path"}, ...]}``), captures the GPT once on the meta device, and for every plan
+fields}, "plans": [{"name", "path"}, ...], "microbatches": M (optional, default 1: the plans' schedules cut the
+global batch into M)}``), captures the GPT once on the meta device (on one microbatch), and for every plan
 builds the same GPT (same seed) under ``meshpilot.parallelize(model, plan, graph=...)`` with an AdamW
 optimizer. A step is forward + loss, backward, ``opt.step()``, ``zero_grad()`` on the full global batch
 (every rank passes it; the runtime takes its slice).
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     idx, tgt = batches(cfg, 1, args.seed)[0]
     with torch.device("meta"):
         meta = GPT(cfg)
-    example = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
+    # plans with M microbatches are made for a microbatch of the global batch (all plans of a manifest alike)
+    microbatches = int(manifest.get("microbatches", 1))
+    example = torch.empty(cfg.batch // microbatches, cfg.seq, dtype=torch.long, device="meta")
     graph = capture(meta, (example, example))
 
     configs = []
