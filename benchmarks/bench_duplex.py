@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (2 microbatches of half)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps (>= 2: the first records, the second builds duplex)"
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--port", type=int, default=29400)
     p.add_argument("--png", type=Path, help="write the simulated timelines of the slowest link here")

@@ -6,9 +6,10 @@ Semantics are gradient accumulation over the two microbatches: BatchNorm normali
 own batch statistics and updates the running statistics once per microbatch, in order; an MoE's capacity
 applies to each microbatch's tokens. The single-device reference runs the same two microbatches one after
 the other with ``loss / 2`` each (``test_models_parallel._reference``'s semantics), and every rank checks at
-each of 3 AdamW steps: loss, gradients, parameters (and BatchNorm's buffers) within 1e-5; the collectives
-issued equal the plan's; the interleaved program holds collectives with the other microbatch's compute
-between issue and wait. Duplex off (the same strategies under ``accumulate``) runs too: equal to duplex.
+each of 2 AdamW steps (the first records, the second runs the interleaved programs): loss, gradients,
+parameters (and BatchNorm's buffers) within 1e-5; the collectives issued equal the plan's; the interleaved
+program holds collectives with the other microbatch's compute between issue and wait. Duplex off (the same
+strategies under ``accumulate``) runs too: equal to duplex.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import dataclasses
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_models_parallel import ADAMW, STEPS, TOL, _max_err
+from test_models_parallel import ADAMW, TOL, _max_err
 from test_models_parallel import build as zoo_build
 from torch import nn
 
+STEPS = 2  # step 1 records the one-microbatch programs, step 2 runs the interleaved ones (after an AdamW step)
 MESH = {4: (2, 2), 8: (2, 4)}
 MODELS = {4: ("gpt", "moe", "bn"), 8: ("gpt", "moe")}
 OFF = {4: ("gpt", "bn"), 8: ()}  # duplex off (accumulate, same strategies) beside duplex on
