@@ -193,3 +193,24 @@ def test_duplex_off_gives_the_same_step(runs):
         if mode == "off":
             on, off = results[0][f"{name}-on"], results[0][f"{name}-off"]
             assert max(abs(a - b) for a, b in zip(on["losses"], off["losses"])) <= 1e-6
+
+
+def test_trace_overlap_by_hand():
+    """One program: compute 0-0.1, a collective issued at 0.1, compute until its wait at 0.3, blocked until
+    0.5, compute until 0.6; a second collective whose wait does not block (in flight at most 0.55-0.58)."""
+    from meshpilot.runtime.duplex import trace_overlap
+
+    events = [
+        ("begin", -1, 0.0),
+        ("issue", 0, 0.1),
+        ("wait", 0, 0.3),
+        ("waited", 0, 0.5),
+        ("issue", 1, 0.55),
+        ("wait", 1, 0.58),
+        ("waited", 1, 0.58),
+        ("end", -1, 0.6),
+    ]
+    split = trace_overlap(events)
+    assert split["compute_s"] == pytest.approx(0.4) and split["comm_s"] == pytest.approx(0.43)
+    assert split["overlap_s"] == pytest.approx(0.23) and split["ratio"] == pytest.approx(0.23 / 0.4)
+    assert split["bounded"] == 1

@@ -28,7 +28,9 @@ buffers: microbatch 1 reads the running statistics microbatch 0 updated, as in a
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
+import time
 from collections.abc import Sequence
 
 import torch
@@ -175,3 +177,96 @@ def interleave(
     out = torch.fx.GraphModule(gm, g)
     out.recompile()
     return out
+
+
+# ------------------------------------------------------------------------------------------- per-rank trace
+
+TRACE: list[tuple[str, int, float]] = []
+"""Events ``(what, collective, perf_counter seconds)`` that programs made by :func:`traced` append while run:
+``issue`` (a collective returned), ``wait`` / ``waited`` (before / after its ``wait_tensor``), ``begin`` /
+``end`` of the program."""
+
+
+def _stamp(what: str, key: int) -> None:
+    TRACE.append((what, key, time.perf_counter()))
+
+
+def traced(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` that time-stamps into :data:`TRACE` each collective's issue and its wait's start and
+    end (the same ops otherwise), for :func:`trace_overlap`."""
+    out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    g = out.graph
+    nodes = list(g.nodes)
+    ids: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if _is_collective(n):
+            ids[n] = len(ids)
+            with g.inserting_after(n):
+                g.call_function(_stamp, ("issue", ids[n]))
+    for n in nodes:
+        if "wait_tensor" in str(n.target) and n.args and n.args[0] in ids:
+            with g.inserting_before(n):
+                g.call_function(_stamp, ("wait", ids[n.args[0]]))
+            with g.inserting_after(n):
+                g.call_function(_stamp, ("waited", ids[n.args[0]]))
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(first):
+        g.call_function(_stamp, ("begin", -1))
+    with g.inserting_before(next(n for n in g.nodes if n.op == "output")):
+        g.call_function(_stamp, ("end", -1))
+    out.recompile()
+    return out
+
+
+def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 50e-6) -> dict[str, float]:
+    """Compute, communication and their overlap (seconds) of one rank from a :data:`TRACE` of one or more
+    programs run back to back (each ``begin`` … ``end``; collective ids are per program).
+
+    A collective is in flight from its issue until its wait returns if the wait blocked (longer than
+    `blocked_s`), else at most until the wait began (an upper bound: ``bounded`` counts those). Compute is
+    the programs' time less the blocked waits; overlap is the communication time the compute stream was not
+    blocked, i.e. ``comm - blocked waits``; ``ratio`` = overlap ÷ min(compute, comm) (HiDup Table 4)."""
+    spans: list[tuple[float, float]] = []
+    blocked: list[tuple[float, float]] = []
+    busy = 0.0
+    bounded = 0
+    issue: dict[int, float] = {}
+    wait: dict[int, float] = {}
+    begin = 0.0
+    for what, key, t in events:
+        if what == "begin":
+            begin, issue, wait = t, {}, {}
+        elif what == "end":
+            busy += t - begin
+        elif what == "issue":
+            issue[key] = t
+        elif what == "wait":
+            wait[key] = t
+        elif what == "waited" and key in issue:
+            if t - wait[key] > blocked_s:
+                spans.append((issue[key], t))
+                blocked.append((wait[key], t))
+            else:
+                spans.append((issue[key], wait[key]))
+                bounded += 1
+    comm = _measure(spans)
+    stalled = _measure(blocked)
+    compute = busy - stalled
+    overlap = max(comm - stalled, 0.0)
+    low = min(compute, comm)
+    return {
+        "compute_s": compute,
+        "comm_s": comm,
+        "overlap_s": overlap,
+        "ratio": overlap / low if low > 0 else 0.0,
+        "bounded": float(bounded),
+    }
+
+
+def _measure(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
