@@ -9,13 +9,15 @@ Per cluster file (fast, medium and slow inter-node links; ``meshpilot emulate``,
 2. predict: ``meshpilot.sim.simulate`` of both: step, compute, communication, overlap ratio (HiDup Table 4:
    overlapped ÷ min(compute, communication));
 3. measure: ``fidelity_step_worker.py`` times both plans' training steps under ``emulate`` (8 ranks,
-   round-robin, median of the rounds; its docstring has the protocol), and once on a fake process group
-   (one process, no communication): the step's computation ``T_comp``.
+   round-robin, median of the rounds; its docstring has the protocol), then runs one more step of each with
+   its forward / backward programs traced (``--trace``: ``meshpilot.runtime.duplex.traced``): per rank the
+   compute, the communication, their overlap and the overlap ratio (``duplex.trace_overlap``); and once on a
+   fake process group (one process, no communication).
 
-The measured overlap ratio is derived from those step times, not from a per-rank trace: without duplex
-nothing overlaps, so its step is ``T_comp + T_comm``; with duplex the step is that total less the
-overlapped time, so ``overlapped = T_without − T_duplex`` and the ratio is
-``overlapped / min(T_comp, T_without − T_comp)``.
+The table gives the traced ratio (median rank, range over ranks) and, for comparison, one derived from step
+times alone: without duplex nothing overlaps, so ``overlapped ≈ T_without − T_duplex`` over
+``min(T_compute (fake group), T_without − T_compute)`` — fragile under load (the lone fake-group process does
+not share the cores as the 8 ranks do).
 
     sudo python benchmarks/bench_duplex.py --out-dir /tmp/bench-duplex --markdown
 """
