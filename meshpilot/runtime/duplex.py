@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from meshpilot.runtime.overlap import _is_collective, _preparation
+from meshpilot.runtime.overlap import is_collective, preparation
 
 MICROBATCH = "meshpilot_microbatch"
 """``node.meta`` key: which microbatch's copy an op of an interleaved program is."""
@@ -49,7 +49,7 @@ def overlapped_collectives(gm: torch.fx.GraphModule) -> int:
     nodes = list(gm.graph.nodes)
     count = 0
     for n in nodes:
-        if not _is_collective(n):
+        if not is_collective(n):
             continue
         waits = [u for u in n.users if "wait_tensor" in str(u.target)]
         end = min((order[w] for w in waits), default=len(nodes))
@@ -83,9 +83,9 @@ def _stages(gm: torch.fx.GraphModule, starts: Sequence[int], leaves: set[int]) -
     for (index, _), group in groups.items():  # an edge consumed at a stage start: issue it a stage earlier
         if index not in starts_set or stage_of(index) == 0:
             continue
-        coll = next((n for n in group if _is_collective(n)), None)
+        coll = next((n for n in group if is_collective(n)), None)
         if coll is not None:
-            for n in _preparation(coll, set(group)):
+            for n in preparation(coll, set(group)):
                 out[n] = stage_of(index) - 1
     return out
 
@@ -199,7 +199,7 @@ def traced(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     nodes = list(g.nodes)
     ids: dict[torch.fx.Node, int] = {}
     for n in nodes:
-        if _is_collective(n):
+        if is_collective(n):
             ids[n] = len(ids)
             with g.inserting_after(n):
                 g.call_function(_stamp, ("issue", ids[n]))
