@@ -160,7 +160,8 @@ class _ScheduleRun:
     with equal microbatches and a loss that averages over its batch the step equals the full-batch step
     (BatchNorm normalises each microbatch by its own statistics: the semantics of gradient accumulation).
     Issue and wait actions are not run here: they place the collectives inside the recorded programs
-    (``meshpilot.runtime.program``)."""
+    (``meshpilot.runtime.program``). A phase whose node ranges alternate between the two microbatches (the
+    ``duplex`` schedule) runs as one program holding both, interleaved (``meshpilot.runtime.duplex``)."""
 
     def __init__(self, pm: ParallelModule, inputs: tuple) -> None:
         self.pm = pm
@@ -169,6 +170,11 @@ class _ScheduleRun:
         mine = sched.actions(dist.get_rank())
         # a duplex phase (microbatches alternating stage by stage) runs as one two-microbatch program
         self.paired = {k for k in (ActionKind.FORWARD, ActionKind.BACKWARD) if interleaved(mine, k)}
+        if self.paired and sched.microbatches != 2:
+            raise UserError(
+                f"schedule {sched.name!r} interleaves {sched.microbatches} microbatches within a phase; the runtime "
+                "interleaves exactly 2 (meshpilot.planner.schedule.duplex)"
+            )
         for a in mine:  # a phase's node ranges are one program run
             if a.kind in self.paired:
                 if not any(b.kind == a.kind for b in self.actions):
