@@ -1,7 +1,8 @@
 """Per-rank training-step timer for saved plans of one GPT: run under torchrun or `meshpilot emulate`.
 
 ``bench_fidelity.py`` starts it under ``meshpilot emulate``. It reads a manifest (JSON: ``{"model": {GPTConfig
-fields}, "plans": [{"name", "path"}, ...]}``), captures the GPT once on the meta device, and for every plan
+fields}, "plans": [{"name", "path"}, ...], "microbatches": M (optional, default 1: the plans' schedules cut the
+global batch into M)}``), captures the GPT once on the meta device (on one microbatch), and for every plan
 builds the same GPT (same seed) under ``meshpilot.parallelize(model, plan, graph=...)`` with an AdamW
 optimizer. A step is forward + loss, backward, ``opt.step()``, ``zero_grad()`` on the full global batch
 (every rank passes it; the runtime takes its slice).
@@ -50,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no torchrun: one process on torch's fake process group of N ranks (collectives return at once), "
         "i.e. one rank's computation and the runtime's own work without communication (losses meaningless)",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="after timing, one more step per plan with its forward / backward programs time-stamping each "
+        "collective (meshpilot.runtime.duplex.traced): every rank's compute, communication and overlap",
+    )
     return p.parse_args(argv)
 
 
@@ -77,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     idx, tgt = batches(cfg, 1, args.seed)[0]
     with torch.device("meta"):
         meta = GPT(cfg)
-    example = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
+    # plans with M microbatches are made for a microbatch of the global batch (all plans of a manifest alike)
+    microbatches = int(manifest.get("microbatches", 1))
+    example = torch.empty(cfg.batch // microbatches, cfg.seq, dtype=torch.long, device="meta")
     graph = capture(meta, (example, example))
 
     configs = []
@@ -98,16 +107,49 @@ def main(argv: list[str] | None = None) -> int:
         return float(loss.detach())
 
     per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
+    traces = [trace_step(c, step) for c in configs] if args.trace else []
+    every: list = [None] * world
+    if traces:
+        dist.all_gather_object(every, traces)
     if rank == 0:
         results = [
             {"name": c["name"], **step_stats(ts), "loss0": c["loss0"], "build_s": c["build_s"]}
             for c, ts in zip(configs, per)
         ]
+        for k, r in enumerate(results):
+            if traces:
+                r["trace"] = [every[rk][k] for rk in range(world)]  # per rank
         doc = {"world": world, "model": manifest["model"], "results": results}
         write_result("FIDELITY_STEP_RESULT", args.out, doc, args.steps, args.warmup, t_warm, t_total)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def trace_step(c: dict, step) -> dict:
+    """One more step of config `c` with its forward / backward programs traced: this rank's split."""
+    import torch.distributed as dist
+
+    from meshpilot.runtime import duplex
+
+    prog = c["model"].program
+    kept = {}
+    for fn, gm in (
+        ("_forward_fn", "forward_gm"),
+        ("_backward_fn", "backward_gm"),
+        ("_forward_pair_fn", "forward_pair_gm"),
+        ("_backward_pair_fn", "backward_pair_gm"),
+    ):
+        if getattr(prog, fn) is not None and getattr(prog, gm) is not None:
+            kept[fn] = getattr(prog, fn)
+            setattr(prog, fn, duplex.traced(getattr(prog, gm)))
+    dist.barrier()
+    duplex.TRACE.clear()
+    step(c)
+    split = duplex.trace_overlap(list(duplex.TRACE))
+    for fn, f in kept.items():
+        setattr(prog, fn, f)
+    return split
 
 
 if __name__ == "__main__":

@@ -154,3 +154,21 @@ def test_train_plan_checks_the_file_and_the_world_size(tmp_path, capsys, monkeyp
     assert "has 4 devices but the world size is 2" in err and "--nproc-per-node 4" in err  # validate_plan
     assert main(["train", "--plan", str(path), "--mesh", "2x2"]) == 2
     assert "leave out --mesh" in capsys.readouterr().err
+
+
+def test_duplex_schedule_from_plan_to_simulate(tmp_path, capsys):
+    """`plan --schedule duplex --out` saves the duplex schedule (2 microbatches of the global batch);
+    `simulate` shows the overlap ratio, the step without duplex, and draws both timelines."""
+    out = tmp_path / "plan.json"
+    args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "2x2", "--ops", "none"]
+    assert main([*args, "--schedule", "duplex", "--out", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.step_schedule().name == "duplex" and plan.step_schedule().microbatches == 2
+    png = tmp_path / "both.png"
+    assert main(["simulate", str(out), "--png", str(png)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "overlap ratio" in text and "without duplex (accumulate, 2 microbatches)" in text
+    assert "duplex above, without below" in text and png.read_bytes()[:4] == b"\x89PNG"
+    _one_line_error(capsys, [*args, "--schedule", "duplex", "--microbatches", "4"], "interleaves 2 microbatches")
+    _one_line_error(capsys, [*args, "--schedule", "accumulate"], "--microbatches 2 or more")

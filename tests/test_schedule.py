@@ -15,6 +15,8 @@ from meshpilot.planner.schedule import (
     RankClass,
     Schedule,
     accumulate,
+    duplex,
+    interleaved,
     overlapped,
     parse_action,
     parse_schedule,
@@ -43,7 +45,7 @@ def schedules(draw) -> Schedule:
     ranks = draw(st.lists(st.integers(0, 511), min_size=n, max_size=n * 8, unique=True).map(sorted))
     groups = [tuple(ranks[i::n]) for i in range(n) if ranks[i::n]]
     classes = tuple(RankClass(g, tuple(draw(st.lists(actions(), max_size=12)))) for g in groups)
-    name = draw(st.sampled_from(["trivial", "accumulate", "overlapped", "1f1b", "zero-bubble"]))
+    name = draw(st.sampled_from(["trivial", "accumulate", "overlapped", "duplex", "1f1b", "zero-bubble"]))
     return Schedule(classes, draw(st.integers(1, 64)), name)
 
 
@@ -109,3 +111,40 @@ def test_overlapped_issues_each_edge_first_collective_after_its_producer():
         spans = [a.nodes for a in acts if a.kind == kind]
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
     assert acts[-1] == Action(ActionKind.GRAD_SYNC)
+
+
+def test_duplex_interleaves_two_microbatches_stage_by_stage():
+    """On a planned GPT: per phase, stages alternate microbatch 0 then 1 over the same node range, the ranges
+    tile the phase; each collective cut at a stage start is issued by a microbatch right after its compute
+    of the stage before (so the other microbatch computes meanwhile) and waited right before its own compute
+    of that stage; one G at the end; it prints and parses back."""
+    import torch
+
+    import meshpilot
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (8, 9))
+    plan = meshpilot.plan(GPT(gpt_tiny(batch=8, seq=8)), (idx[:, :-1], idx[:, 1:]), "atp-ic3", mesh_shape=(2, 2))
+    sched = duplex(plan)
+    assert sched.name == "duplex" and sched.microbatches == 2 and parse_schedule(str(sched)) == sched
+    acts = sched.actions(0)
+    assert acts[-1] == Action(ActionKind.GRAD_SYNC) and sum(a.kind == ActionKind.GRAD_SYNC for a in acts) == 1
+    issued = {(a.collective, a.microbatch): k for k, a in enumerate(acts) if a.kind == ActionKind.ISSUE}
+    waited = {(a.collective, a.microbatch): k for k, a in enumerate(acts) if a.kind == ActionKind.WAIT}
+    assert issued and set(issued) == set(waited)
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    for kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+        comp = [a for a in acts if a.kind == kind]
+        assert interleaved(acts, kind) and [a.microbatch for a in comp] == [0, 1] * (len(comp) // 2)
+        spans = [a.nodes for a in comp[::2]]
+        assert spans == [a.nodes for a in comp[1::2]]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for (c, m), k in issued.items():
+        before = next(a for a in reversed(acts[:k]) if a.kind.is_compute)
+        after = next(a for a in acts[waited[(c, m)] :] if a.kind.is_compute)
+        assert before.microbatch == m and before.nodes[1] == index[plan.collectives[c].dst]
+        assert after.microbatch == m and after.nodes[0] == index[plan.collectives[c].dst]
+        between = [a for a in acts[k : waited[(c, m)]] if a.kind.is_compute]
+        assert between and all(a.microbatch != m for a in between)  # the other microbatch computes meanwhile
+    assert not interleaved(accumulate(4, 2).actions(0), ActionKind.FORWARD)

@@ -197,6 +197,26 @@ def test_overlapped_and_accumulated_schedules(tiny_plan):
     assert acc.step_s == pytest.approx(2 * trivial.step_s - grads, rel=REL)
 
 
+def test_duplex_overlap_ratio(tiny_plan, tmp_path):
+    """Duplex against the same two microbatches without it: the same compute, collectives of one microbatch
+    hidden behind the other's compute, an overlap ratio (HiDup Table 4) of hidden ÷ min(compute, comm)."""
+    from meshpilot.planner.schedule import duplex
+    from meshpilot.sim import overlap_ratio, write_timelines
+
+    assert overlap_ratio(2.0, 1.0, 0.5) == 0.5 and overlap_ratio(1.0, 4.0, 0.25) == 0.25
+    assert overlap_ratio(0.0, 1.0, 0.0) == 0.0
+    acc = simulate(tiny_plan, schedule=accumulate(4, 2))
+    dup = simulate(tiny_plan, schedule=duplex(tiny_plan))
+    (a,), (d,) = acc.classes, dup.classes
+    assert a.overlap_ratio == 0 and a.hidden_comm_s == 0
+    assert d.compute_s == pytest.approx(a.compute_s, rel=REL)
+    assert d.hidden_comm_s > 0 and 0 < d.overlap_ratio <= 1
+    assert d.overlap_ratio == pytest.approx(d.hidden_comm_s / min(d.compute_s, d.comm_s))
+    assert dup.step_s < acc.step_s
+    write_timelines([dup, acc], tmp_path / "both.png")
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_trace_and_png(tiny_plan, tmp_path):
     r = simulate(tiny_plan, straggler={1: 30})
     trace, png = tmp_path / "t.json", tmp_path / "t.png"

@@ -96,6 +96,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
         "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
     )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="trivial",
+        help="the step's schedule saved with the plan: trivial (F0 B0 G, default), accumulate (--microbatches, "
+        "gradients reduced once), overlapped (collectives issued right after their producer), duplex (HiDup: "
+        "2 microbatches interleaved stage by stage, one's collectives beside the other's compute)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="microbatches the global batch is cut into (accumulate, overlapped; duplex: 2; default 1)",
+    )
     p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
     p.add_argument(
         "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
@@ -125,6 +139,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ model
+
+SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
+
+
+def schedule_options(schedule: str, microbatches: int | None) -> dict[str, Any]:
+    """``meshpilot.plan`` keywords for ``--schedule`` and ``--microbatches`` (one line if they disagree)."""
+    if schedule == "duplex":
+        if microbatches not in (None, 2):
+            raise UserError(f"--schedule duplex interleaves 2 microbatches; drop --microbatches {microbatches}")
+        return {"microbatches": 2, "duplex": True}
+    if schedule == "trivial" and microbatches not in (None, 1):
+        raise UserError(f"--microbatches {microbatches}: the trivial schedule has one; add --schedule accumulate")
+    if schedule == "accumulate" and (microbatches or 1) < 2:
+        raise UserError("--schedule accumulate: give --microbatches 2 or more")
+    return {"microbatches": microbatches or 1, "overlap": schedule == "overlapped"}
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -169,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     force = parse_force(args.force)
     if args.out:
         check_out(args.out)
+    sched = schedule_options(args.schedule, args.microbatches)
     memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
@@ -198,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         progress=progress,
         precision=args.precision,
+        schedule=sched,
     )
     if args.out:
         save_plan(plan, args.out)
@@ -281,20 +312,24 @@ def make_plan(
     time_limit: float = 30.0,
     progress: Console | None = None,
     precision: str | None = None,
+    schedule: dict[str, Any] | None = None,
 ):
-    """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph)."""
+    """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
+    ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`)."""
     from meshpilot.cluster import mesh_shapes_2d
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.auto import check_precision
+    from meshpilot.planner.auto import check_precision, microbatch_inputs
     from meshpilot.planner.auto import plan as plan_fn
 
+    schedule = schedule or {}
     progress = progress or Console(stderr=True)
     shapes = [shape] if shape else mesh_shapes_2d(n)
     candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
     t0 = time.perf_counter()
     with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
         precision = check_precision(built.model, None, precision)
-        graph = capture(built.model, built.inputs, precision=precision)
+        inputs = microbatch_inputs(built.inputs, schedule.get("microbatches", 1))
+        graph = capture(built.model, inputs, precision=precision)
     capture_s = time.perf_counter() - t0
     what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
     with (
@@ -313,6 +348,7 @@ def make_plan(
             time_limit=time_limit,
             graph=graph,
             precision=precision,
+            **schedule,
         )
     for w in caught:  # e.g. a --force pattern that matches nothing
         progress.print(f"[yellow]warning:[/yellow] {w.message}", soft_wrap=True)

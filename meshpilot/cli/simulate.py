@@ -10,6 +10,7 @@ the step split into
   exposed   communication nothing overlaps (the compute stream waits for it)
   hidden    communication running beside compute
   idle      neither: waiting for a slower peer's issue, or for the step's end
+  overlap   HiDup's overlap ratio (Table 4): hidden ÷ min(compute, exposed + hidden)
 
 beside the plan's closed-form step (no overlap). Ranks are numbered as the schedule numbers them: the mesh
 position in row-major order, 0 .. devices-1. Ranks that behave identically are simulated once (an SPMD plan
@@ -20,6 +21,7 @@ Examples:
   meshpilot simulate plan.json
   meshpilot simulate plan.json --straggler 1:50 --trace step.json --png step.png
   meshpilot simulate plan.json --schedule overlapped --microbatches 2
+  meshpilot simulate plan.json --schedule duplex --png duplex.png   (duplex and without: both timelines)
 
 Open the --trace file in https://ui.perfetto.dev (or chrome://tracing): one process per class (named by its
 ranks), thread 0 compute, one thread per cluster layer's link; grey `wait` spans are the compute stream blocked.
@@ -54,10 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--schedule",
-        choices=("plan", "trivial", "accumulate", "overlapped"),
+        choices=("plan", "trivial", "accumulate", "overlapped", "duplex"),
         default="plan",
         help="simulate the plan's own schedule (default), or rebuild one: trivial (F0 B0 G), accumulate "
-        "(--microbatches, gradients reduced once), overlapped (collectives issued right after their producer)",
+        "(--microbatches, gradients reduced once), overlapped (collectives issued right after their producer), "
+        "duplex (HiDup: 2 microbatches interleaved stage by stage; also simulates them without duplex)",
     )
     p.add_argument("--microbatches", type=int, default=None, help="microbatches for a rebuilt schedule (default 1)")
     p.add_argument(
@@ -97,7 +100,7 @@ def load_plan(path: Path):
 def run(args: argparse.Namespace) -> int:
     from meshpilot.cli.plan import fmt_s
     from meshpilot.planner import schedule as sched
-    from meshpilot.sim import parse_straggler, simulate
+    from meshpilot.sim import parse_straggler, simulate, write_timelines
 
     straggler = parse_straggler(args.straggler)
     _check_out(args.trace, "--trace")
@@ -114,12 +117,21 @@ def run(args: argparse.Namespace) -> int:
         "trivial": lambda: sched.trivial(world),
         "accumulate": lambda: sched.accumulate(world, mb),
         "overlapped": lambda: sched.overlapped(plan, mb),
+        "duplex": lambda: sched.duplex(plan),
     }[args.schedule]()
+    if args.schedule == "duplex" and args.microbatches not in (None, 2):
+        raise UserError(f"--schedule duplex interleaves 2 microbatches; drop --microbatches {args.microbatches}")
     result = simulate(plan, cluster=args.cluster, schedule=schedule, straggler=straggler)
+    # duplex: the same two microbatches one after the other, for the comparison and the second timeline
+    base = (
+        simulate(plan, cluster=args.cluster, schedule=sched.accumulate(world, 2), straggler=straggler)
+        if schedule.name == sched.DUPLEX
+        else None
+    )
 
     t = plan.time
     table = Table(title=f"Simulated step: {schedule.name} schedule, {schedule.microbatches} microbatch(es)")
-    for col in ("ranks", "compute", "exposed comm", "hidden comm", "idle", "ends at"):
+    for col in ("ranks", "compute", "exposed comm", "hidden comm", "overlap ratio", "idle", "ends at"):
         table.add_column(col, justify="left" if col == "ranks" else "right")
     for c in result.classes:
         table.add_row(
@@ -127,11 +139,12 @@ def run(args: argparse.Namespace) -> int:
             fmt_s(c.compute_s),
             fmt_s(c.exposed_comm_s),
             fmt_s(c.hidden_comm_s),
+            f"{c.overlap_ratio:.0%}",
             fmt_s(max(c.idle_s, 0.0)),
             fmt_s(c.end_s),
         )
     table.add_section()
-    table.add_row("[bold]step[/bold]", "", "", "", "", f"[bold]{fmt_s(result.step_s)}[/bold]")
+    table.add_row("[bold]step[/bold]", "", "", "", "", "", f"[bold]{fmt_s(result.step_s)}[/bold]")
     console.print(table)
     ratio = result.step_s / t.total_s if t.total_s else float("nan")
     console.print(
@@ -140,10 +153,22 @@ def run(args: argparse.Namespace) -> int:
         f"({result.num_events} events)"
         + (f"; stragglers {', '.join(f'{r}: +{p:g}%' for r, p in sorted(straggler.items()))}" if straggler else "")
     )
+    if base is not None:
+        worst = min(result.classes, key=lambda c: c.overlap_ratio)
+        console.print(
+            f"without duplex (accumulate, 2 microbatches): step {fmt_s(base.step_s)}, overlap ratio "
+            f"{max(c.overlap_ratio for c in base.classes):.0%}; duplex: {fmt_s(result.step_s)} "
+            f"({(1 - result.step_s / base.step_s) if base.step_s else 0.0:.1%} less), overlap ratio "
+            f"{worst.overlap_ratio:.0%} (lowest over rank classes; HiDup Table 4: overlapped ÷ min(compute, comm))"
+        )
     if args.trace:
         result.write_trace(args.trace)
         console.print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
     if args.png:
-        result.write_png(args.png)
-        console.print(f"timeline: {args.png}")
+        if base is not None:
+            write_timelines([result, base], args.png)
+            console.print(f"timelines (duplex above, without below): {args.png}")
+        else:
+            result.write_png(args.png)
+            console.print(f"timeline: {args.png}")
     return 0

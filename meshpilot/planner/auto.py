@@ -48,6 +48,7 @@ from meshpilot.planner.plan import (
     SolverReport,
 )
 from meshpilot.planner.schedule import accumulate, overlapped
+from meshpilot.planner.schedule import duplex as duplex_schedule
 from meshpilot.planner.search import EPS, Candidate, Searcher, SearchTask, get_searcher
 from meshpilot.planner.zero import ZERO_MODES, ParamEdges, ZeroMode
 from meshpilot.sharding.placements import to_json
@@ -74,6 +75,7 @@ def plan(
     precision: str | None = None,
     microbatches: int = 1,
     overlap: bool = False,
+    duplex: bool = False,
     searcher: str | Searcher = "ilp",
 ) -> Plan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
@@ -90,12 +92,19 @@ def plan(
     accumulates gradients over them (schedule ``F0 B0 F1 B1 … G``: ``meshpilot.planner.schedule``); the
     step time and collectives then count every microbatch, the gradients' synchronisation once.
     ``overlap=True`` gives the plan the ``overlapped`` schedule: each resharding edge's first collective
-    issued right after its producer and waited before its consumer, so it runs beside the compute between. See
+    issued right after its producer and waited before its consumer, so it runs beside the compute between.
+    ``duplex=True`` (with ``microbatches=2``) gives it HiDup's ``duplex`` schedule: the two microbatches
+    interleaved stage by stage, one's collectives running while the other computes. See
     :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`). `searcher`
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
 
+    if duplex and (microbatches != 2 or overlap):
+        raise PlanError(
+            f"duplex=True interleaves two microbatches: pass microbatches=2 (got {microbatches})"
+            + (" and drop overlap=True (one schedule per plan)" if overlap else "")
+        )
     if zero not in ZERO_MODES:
         raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
     zero = ZeroMode(zero)
@@ -227,6 +236,8 @@ def plan(
     result = _assemble(graph, best, acct, best_builder, best_lm, capacity, report, precision, microbatches)
     if overlap:
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
+    if duplex:
+        result = dataclasses.replace(result, schedule=duplex_schedule(result))
     return result
 
 

@@ -23,9 +23,10 @@ A schedule prints as one line per rank class, ``ranks 0-3: F0 B0 G`` (the trivia
 :func:`parse_schedule` reads that text back: ``parse_schedule(str(s)) == s``.
 
 Builders: :func:`trivial` (one microbatch, collectives where the plan puts them), :func:`accumulate`
-(``F0 B0 F1 B1 … G``: gradient accumulation over microbatches, the gradients reduced once), and
+(``F0 B0 F1 B1 … G``: gradient accumulation over microbatches, the gradients reduced once),
 :func:`overlapped` (each collective issued right after its producing node and waited right before its
-first consumer, so communication runs beside the compute in between).
+first consumer, so communication runs beside the compute in between) and :func:`duplex` (HiDup §3: two
+microbatches interleaved stage by stage, one's collectives running while the other computes).
 """
 
 from __future__ import annotations
@@ -216,29 +217,94 @@ def overlapped(plan: Any, microbatches: int = 1) -> Schedule:
     """Every resharding edge's first collective issued right after its producing node and waited right
     before its consumer, so the compute in between overlaps it (later collectives of a multi-axis reshard,
     the collectives an op issues itself, the loss's and the gradients' stay where the plan puts them)."""
-    phases = {"fwd": ActionKind.FORWARD, "bwd": ActionKind.BACKWARD}
+    spans, edges = _phase_edges(plan)
+    hoisted = {ph: [(src + 1, dst, c) for src, dst, c in e if src + 1 < dst] for ph, e in edges.items()}
+    acts: list[Action] = []
+    for m in range(microbatches):
+        for ph, kind in _PHASES.items():
+            acts += _split_phase(kind, m, spans[ph], hoisted[ph])
+    acts.append(Action(ActionKind.GRAD_SYNC))
+    return Schedule((RankClass(tuple(range(_world(plan))), tuple(acts)),), microbatches, "overlapped")
+
+
+def duplex(plan: Any) -> Schedule:
+    """HiDup's duplex (§3): two microbatches interleaved stage by stage, so one's communication runs while
+    the other computes.
+
+    Each phase's nodes are cut into stages right before every node that consumes a resharding edge's
+    collective (its first one; the cut points of :func:`overlapped`'s waits). Per stage ``k`` of a phase::
+
+        -c.0 … F0[s_k:s_k+1] +c'.0 …   -c.1 … F1[s_k:s_k+1] +c'.1 …
+
+    where ``c`` are the collectives consumed at ``s_k`` and ``c'`` those consumed at ``s_k+1``: microbatch 0's
+    collectives at the end of stage ``k`` run while microbatch 1 computes stage ``k``, and microbatch 1's
+    while microbatch 0 computes stage ``k+1``. The backward does the same over the backward nodes (after
+    both forwards); gradients of the two microbatches are accumulated and synchronised once (``G``).
+    Semantics are gradient accumulation over 2 microbatches (:func:`accumulate`): an op that depends on
+    its batch (BatchNorm's statistics, an MoE's capacity) sees each microbatch on its own."""
+    spans, edges = _phase_edges(plan)
+    acts: list[Action] = []
+    for ph, kind in _PHASES.items():
+        nodes = spans[ph]
+        if not nodes:
+            continue
+        lo, hi = nodes[0], nodes[-1] + 1
+        at: dict[int, list[int]] = {}
+        for _, dst, c in edges[ph]:
+            if lo < dst < hi:
+                at.setdefault(dst, []).append(c)
+        cuts = [lo, *sorted(at), hi]
+        for a, b in zip(cuts, cuts[1:]):
+            for m in (0, 1):
+                acts += [Action(ActionKind.WAIT, m, collective=c) for c in at.get(a, ())]
+                acts.append(Action(kind, m, nodes=(a, b)))
+                acts += [Action(ActionKind.ISSUE, m, collective=c) for c in at.get(b, ())]
+    acts.append(Action(ActionKind.GRAD_SYNC))
+    return Schedule((RankClass(tuple(range(_world(plan))), tuple(acts)),), 2, DUPLEX)
+
+
+DUPLEX = "duplex"
+"""The name :func:`duplex` gives its schedules (the runtime runs a phase of them as one interleaved program)."""
+
+_PHASES = {"fwd": ActionKind.FORWARD, "bwd": ActionKind.BACKWARD}
+
+
+def _world(plan: Any) -> int:
+    world = 1
+    for d in plan.mesh_shape:
+        world *= d
+    return world
+
+
+def _phase_edges(plan: Any) -> tuple[dict[str, list[int]], dict[str, list[tuple[int, int, int]]]]:
+    """Per phase: its compute nodes' indices, and ``(producer index, consumer index, collective)`` of every
+    resharding edge's first collective (producer -1: a leaf such as a parameter)."""
     index = {n.name: i for i, n in enumerate(plan.nodes)}
     spans = {
-        ph: [i for i, n in enumerate(plan.nodes) if n.phase == ph and n.kind in ("op", "getitem")] for ph in phases
+        ph: [i for i, n in enumerate(plan.nodes) if n.phase == ph and n.kind in ("op", "getitem")] for ph in _PHASES
     }
-    hoisted: dict[str, list[tuple[int, int, int]]] = {ph: [] for ph in phases}  # (issue after, wait before, c)
+    edges: dict[str, list[tuple[int, int, int]]] = {ph: [] for ph in _PHASES}
     seen: set[tuple[str, int]] = set()
     for c, col in enumerate(plan.collectives):
         if col.operand < 0 or col.src == col.dst or col.dst not in index or (col.dst, col.operand) in seen:
             continue
         seen.add((col.dst, col.operand))
-        src, dst = index.get(col.src, -1), index[col.dst]
-        if col.phase in hoisted and src + 1 < dst:
-            hoisted[col.phase].append((src + 1, dst, c))
-    acts: list[Action] = []
-    for m in range(microbatches):
-        for ph, kind in phases.items():
-            acts += _split_phase(kind, m, spans[ph], hoisted[ph])
-    acts.append(Action(ActionKind.GRAD_SYNC))
-    world = 1
-    for d in plan.mesh_shape:
-        world *= d
-    return Schedule((RankClass(tuple(range(world)), tuple(acts)),), microbatches, "overlapped")
+        if col.phase in edges:
+            edges[col.phase].append((index.get(col.src, -1), index[col.dst], c))
+    return spans, edges
+
+
+def interleaved(actions: tuple[Action, ...] | list[Action], kind: ActionKind) -> bool:
+    """Whether the compute actions of phase `kind` alternate between microbatches (a duplex phase): more runs
+    of one microbatch's consecutive actions than microbatches."""
+    mbs = [a.microbatch for a in actions if a.kind == kind]
+    runs = sum(1 for k, m in enumerate(mbs) if k == 0 or mbs[k - 1] != m)
+    return runs > len(set(mbs))
+
+
+def stage_starts(actions: tuple[Action, ...] | list[Action], kind: ActionKind) -> list[int]:
+    """The first node of every stage of phase `kind` (the starts of its node ranges), ascending."""
+    return sorted({a.nodes[0] for a in actions if a.kind == kind and a.nodes is not None})
 
 
 def _split_phase(kind: ActionKind, m: int, nodes: list[int], hoisted: list[tuple[int, int, int]]) -> list[Action]:

@@ -22,7 +22,7 @@ import torch.fx
 from meshpilot.planner.schedule import ActionKind, Schedule
 
 
-def _is_collective(node: torch.fx.Node) -> bool:
+def is_collective(node: torch.fx.Node) -> bool:
     target = node.target
     return (
         node.op == "call_function"
@@ -63,11 +63,11 @@ def issue_early(gm: torch.fx.GraphModule, points: dict[tuple[int, int], int]) ->
     moved = 0
     for edge, at in points.items():
         group = [n for n in nodes if n.meta.get("meshpilot_tag") == edge]
-        coll = next((n for n in group if _is_collective(n)), None)
+        coll = next((n for n in group if is_collective(n)), None)
         anchor = next((first_of[i] for i in sorted(first_of) if i >= at), None)
         if coll is None or anchor is None:
             continue
-        chain = _preparation(coll, set(group))
+        chain = preparation(coll, set(group))
         order = {n: k for k, n in enumerate(gm.graph.nodes)}
         if order[anchor] >= order[chain[0]]:
             continue  # already issued by then
@@ -81,7 +81,7 @@ def issue_early(gm: torch.fx.GraphModule, points: dict[tuple[int, int], int]) ->
     return moved
 
 
-def _preparation(coll: torch.fx.Node, group: set[torch.fx.Node]) -> list[torch.fx.Node]:
+def preparation(coll: torch.fx.Node, group: set[torch.fx.Node]) -> list[torch.fx.Node]:
     """`coll` and the ops of its operand tag it depends on, in program order."""
     need: set[torch.fx.Node] = set()
     stack = [coll]

@@ -36,7 +36,8 @@ from torch.distributed.tensor import DTensor
 from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
-from meshpilot.planner.schedule import ActionKind, Schedule
+from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
+from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.overlap import issue_early, issue_points
 from meshpilot.runtime.record import record, tagged
@@ -87,12 +88,16 @@ class StepProgram:
         self._forward_fn = None
         self._backward_fn = None
         self._grad_sync_fn = None
+        self.forward_pair_gm: torch.fx.GraphModule | None = None
+        self.backward_pair_gm: torch.fx.GraphModule | None = None
+        self._forward_pair_fn = None
+        self._backward_pair_fn = None
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
 
     def _issue_early(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
         """Reorder a phase's program so the schedule's early-issued collectives overlap compute."""
-        if self.schedule is None:
+        if self.schedule is None or self.schedule.name == DUPLEX:  # duplex orders its own (forward_pair)
             return
         import torch.distributed as dist
 
@@ -186,6 +191,48 @@ class StepProgram:
                     value = env[g[0]][g[1]]
                     grads.append(value._local_tensor if isinstance(value, DTensor) else value)
         return tuple(grads)
+
+    # ------------------------------------------------------------------ duplex: two microbatches in one program
+    def has_pair(self, kind: ActionKind) -> bool:
+        """Whether phase `kind` is recorded, so its two-microbatch program can be built (the first step runs
+        the microbatches one after the other)."""
+        return not _INTERPRET and (self.forward_gm if kind == ActionKind.FORWARD else self.backward_gm) is not None
+
+    def _starts(self, kind: ActionKind) -> list[int]:
+        import torch.distributed as dist
+
+        return stage_starts(self.schedule.actions(dist.get_rank()), kind) if self.schedule is not None else []
+
+    def forward_pair(self, params: list, buffers: list, inputs0: list, inputs1: list):
+        """:meth:`forward` of two microbatches as one interleaved program (``meshpilot.runtime.duplex``);
+        microbatch 1 reads the buffers microbatch 0 updated. Returns both microbatches' results."""
+        if self._forward_pair_fn is None:
+            n_p, n_b = len(params), len(buffers)
+            names = self.graph.buffer_names
+            chain = {n_p + names.index(fqn): 1 + k for k, fqn in enumerate(self.graph.buffer_updates)}
+            leaves = {leaf.index for leaf in self.leaves}
+            self.forward_pair_gm = interleave(
+                self.forward_gm, self._starts(ActionKind.FORWARD), leaves, shared=n_p + n_b, chain=chain
+            )
+            self._forward_pair_fn = _maybe_compile(self.forward_pair_gm, self.compile)
+        result = self._forward_pair_fn(*params, *buffers, *inputs0, *inputs1)
+        half = len(result) // 2
+        n_up = len(self.graph.buffer_updates)
+        return [(r[0], list(r[1 : 1 + n_up]), list(r[1 + n_up :])) for r in (result[:half], result[half:])]
+
+    def backward_pair(self, saved0: list, saved1: list) -> tuple[list, list]:
+        """:meth:`backward` of two microbatches as one interleaved program: both microbatches' gradients."""
+        if self._backward_pair_fn is None:
+            leaves = {leaf.index for leaf in self.leaves}
+            self.backward_pair_gm = interleave(self.backward_gm, self._starts(ActionKind.BACKWARD), leaves)
+            self._backward_pair_fn = _maybe_compile(self.backward_pair_gm, self.compile)
+        result = self._backward_pair_fn(*saved0, *saved1)
+        half = len(result) // 2
+        out = []
+        for r in (result[:half], result[half:]):
+            it = iter(r)
+            out.append([next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable])
+        return out[0], out[1]
 
     # ------------------------------------------------------------------ gradient synchronisation
     def grad_sync(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

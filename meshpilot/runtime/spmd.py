@@ -37,7 +37,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
-from meshpilot.planner.schedule import Action, ActionKind
+from meshpilot.planner.schedule import Action, ActionKind, interleaved
 from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StepProgram
@@ -160,14 +160,26 @@ class _ScheduleRun:
     with equal microbatches and a loss that averages over its batch the step equals the full-batch step
     (BatchNorm normalises each microbatch by its own statistics: the semantics of gradient accumulation).
     Issue and wait actions are not run here: they place the collectives inside the recorded programs
-    (``meshpilot.runtime.program``)."""
+    (``meshpilot.runtime.program``). A phase whose node ranges alternate between the two microbatches (the
+    ``duplex`` schedule) runs as one program holding both, interleaved (``meshpilot.runtime.duplex``)."""
 
     def __init__(self, pm: ParallelModule, inputs: tuple) -> None:
         self.pm = pm
         sched = pm.schedule
         self.actions: list[Action] = []
-        for a in sched.actions(dist.get_rank()):  # a phase's node ranges are one program run
-            if a.kind in _EXECUTED and not (
+        mine = sched.actions(dist.get_rank())
+        # a duplex phase (microbatches alternating stage by stage) runs as one two-microbatch program
+        self.paired = {k for k in (ActionKind.FORWARD, ActionKind.BACKWARD) if interleaved(mine, k)}
+        if self.paired and sched.microbatches != 2:
+            raise UserError(
+                f"schedule {sched.name!r} interleaves {sched.microbatches} microbatches within a phase; the runtime "
+                "interleaves exactly 2 (meshpilot.planner.schedule.duplex)"
+            )
+        for a in mine:  # a phase's node ranges are one program run
+            if a.kind in self.paired:
+                if not any(b.kind == a.kind for b in self.actions):
+                    self.actions.append(Action(a.kind, 0))
+            elif a.kind in _EXECUTED and not (
                 self.actions and a.nodes is not None and (a.kind, a.microbatch) == _key(self.actions[-1])
             ):
                 self.actions.append(a)
@@ -204,16 +216,39 @@ class _ScheduleRun:
 
     def _run_action(self, a: Action) -> None:
         pm = self.pm
+        if a.kind in self.paired and pm.program.has_pair(a.kind):
+            self._run_pair(a.kind)
+        elif a.kind in self.paired:  # the first step records the one-microbatch program: one after the other
+            for m in (0, 1):
+                self._run_single(Action(a.kind, m))
+        else:
+            self._run_single(a)
+
+    def _run_single(self, a: Action) -> None:
+        pm = self.pm
         if a.kind == ActionKind.FORWARD:
             mb = [chunks[a.microbatch] for chunks in self.inputs]
             self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
         elif a.kind == ActionKind.BACKWARD:
-            grads = pm.program.backward(self.saved.pop(a.microbatch))
-            if self.m > 1:
-                grads = [g / self.m if g is not None else None for g in grads]
-            self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
+            self._accumulate(pm.program.backward(self.saved.pop(a.microbatch)))
         else:  # gradient synchronisation
             self.synced = pm.program.grad_sync(self.grads or [])
+
+    def _accumulate(self, grads: list) -> None:
+        if self.m > 1:
+            grads = [g / self.m if g is not None else None for g in grads]
+        self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
+
+    def _run_pair(self, kind: ActionKind) -> None:
+        """Both microbatches of a duplex phase in one interleaved program (``meshpilot.runtime.duplex``)."""
+        pm = self.pm
+        if kind == ActionKind.FORWARD:
+            results = pm._forward_pair([chunks[0] for chunks in self.inputs], [chunks[1] for chunks in self.inputs])
+            for m, (loss, saved) in enumerate(results):
+                self.losses[m], self.saved[m] = loss, saved
+        else:
+            for grads in pm.program.backward_pair(self.saved.pop(0), self.saved.pop(1)):
+                self._accumulate(grads)
 
 
 _EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_SYNC})
@@ -315,6 +350,16 @@ class ParallelModule(torch.nn.Module):
                 )
             out.append(x.to(self.device, want, non_blocking=True))
         return tuple(out)
+
+    def _forward_pair(self, inputs0: list, inputs1: list) -> list[tuple[torch.Tensor, list]]:
+        """Two microbatches' forwards as one duplex program: (loss, saved) of each; buffers updated by both."""
+        params = [p._local_tensor for p in self._params]
+        buffers = [self._buffers_by_name[n] for n in self.graph.buffer_names]
+        results = self.program.forward_pair(params, buffers, list(inputs0), list(inputs1))
+        with torch.no_grad():
+            for fqn, value in zip(self.graph.buffer_updates, results[1][1]):
+                self._buffers_by_name[fqn].copy_(value)
+        return [(loss.detach(), saved) for loss, _, saved in results]
 
     def _forward(self, inputs: list) -> tuple[torch.Tensor, list]:
         params = [p._local_tensor for p in self._params]

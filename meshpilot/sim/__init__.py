@@ -51,10 +51,31 @@ union of its transfers' active intervals (after the group is ready, latency incl
 ``comm`` that overlaps compute; ``exposed = comm - hidden``; ``idle = step - compute - exposed`` (waiting for
 peers, for a straggler, or for the step's end). ``step`` = the latest end over all classes.
 
+*Overlap ratio* (HiDup Table 4; :attr:`ClassTime.overlap_ratio`, :func:`overlap_ratio`): ``hidden`` ÷
+``min(compute, comm)`` — the share of the smaller of the two streams that runs beside the other.
+
 Not modelled: compute/communication contention for SMs or memory bandwidth, the optimizer step, network
 topology below a layer (a layer is one shared resource per rank), per-message protocol effects.
 """
 
-from meshpilot.sim.engine import ClassTime, SimResult, TraceEvent, parse_straggler, rank_classes, simulate
+from meshpilot.sim.engine import (
+    ClassTime,
+    SimResult,
+    TraceEvent,
+    overlap_ratio,
+    parse_straggler,
+    rank_classes,
+    simulate,
+    write_timelines,
+)
 
-__all__ = ["ClassTime", "SimResult", "TraceEvent", "parse_straggler", "rank_classes", "simulate"]
+__all__ = [
+    "ClassTime",
+    "SimResult",
+    "TraceEvent",
+    "overlap_ratio",
+    "parse_straggler",
+    "rank_classes",
+    "simulate",
+    "write_timelines",
+]

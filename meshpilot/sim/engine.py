@@ -57,6 +57,23 @@ class ClassTime:
     def label(self) -> str:
         return f"ranks {_ranges(self.ranks)}"
 
+    @property
+    def comm_s(self) -> float:
+        """Time some collective of these ranks is in flight (exposed + hidden)."""
+        return self.exposed_comm_s + self.hidden_comm_s
+
+    @property
+    def overlap_ratio(self) -> float:
+        """HiDup's overlap ratio (Table 4): time computation and communication overlap ÷ the smaller of the
+        two (0 when either is none)."""
+        return overlap_ratio(self.compute_s, self.comm_s, self.hidden_comm_s)
+
+
+def overlap_ratio(compute_s: float, comm_s: float, overlapped_s: float) -> float:
+    """HiDup's Table 4 overlap ratio: `overlapped_s` ÷ min(`compute_s`, `comm_s`); 0 when the minimum is 0."""
+    low = min(compute_s, comm_s)
+    return overlapped_s / low if low > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class SimResult:
@@ -110,15 +127,15 @@ class SimResult:
 
     def write_png(self, path: str | Path, max_classes: int = 16) -> None:
         """A timeline (one row per stream of each class, at most `max_classes` classes), written atomically."""
-        import matplotlib
+        write_timelines([self], path, max_classes)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def _rows(self, max_classes: int) -> list[tuple[int, int]]:
         classes = self.classes[:max_classes]
-        used = sorted({(e.rank, e.stream) for e in self.events if e.rank in {c.ranks[0] for c in classes}})
+        return sorted({(e.rank, e.stream) for e in self.events if e.rank in {c.ranks[0] for c in classes}})
+
+    def _draw(self, ax: Any, max_classes: int) -> None:
+        used = self._rows(max_classes)
         rows = {key: i for i, key in enumerate(used)}
-        fig, ax = plt.subplots(figsize=(12, 0.45 * max(len(rows), 2) + 1.2))
         colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "lightgray"}
         spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for e in self.events:
@@ -130,14 +147,39 @@ class SimResult:
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"r{r} {names[s] if s < len(names) else s}" for r, s in used], fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("ms")
-        ax.set_title(f"simulated step {self.step_s * 1e3:.3f} ms ({self.schedule}; blue compute, orange comm)")
-        fig.tight_layout()
-        try:
-            with atomic_path(path) as tmp:
-                fig.savefig(tmp, format="png", dpi=110)
-        finally:
-            plt.close(fig)
+        ratio = max((c.overlap_ratio for c in self.classes), default=0.0)
+        ax.set_title(
+            f"simulated step {self.step_s * 1e3:.3f} ms ({self.schedule}; overlap ratio {ratio:.0%}; "
+            "blue compute, orange comm)",
+            fontsize=9,
+        )
+
+
+def write_timelines(results: list[SimResult], path: str | Path, max_classes: int = 16) -> None:
+    """The timelines of several simulated steps stacked on one time axis (e.g. duplex and without), as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(len(r._rows(max_classes)), 2) for r in results]
+    fig, axes = plt.subplots(
+        len(results),
+        1,
+        sharex=True,
+        squeeze=False,
+        figsize=(12, 0.45 * sum(heights) + 1.2 * len(results)),
+        gridspec_kw={"height_ratios": heights},
+    )
+    for r, ax in zip(results, axes[:, 0]):
+        r._draw(ax, max_classes)
+    axes[-1, 0].set_xlabel("ms")
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------ input

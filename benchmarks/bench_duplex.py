@@ -1,0 +1,195 @@
+"""HiDup's duplex on an emulated 2 nodes x 4 ranks cluster: step time with and without, overlap ratio (issue 11).
+
+Per cluster file (fast, medium and slow inter-node links; ``meshpilot emulate``, root needed):
+
+1. plan: a GPT under Megatron tensor parallelism over all 8 ranks (mesh 1x8: every layer's activations are
+   all-reduced across the node link, the collectives duplex can hide), for 2 microbatches of the global
+   batch, with the ``duplex`` schedule; "without" is the same plan under ``accumulate`` (the two
+   microbatches one after the other; same strategies, same collectives);
+2. predict: ``meshpilot.sim.simulate`` of both: step, compute, communication, overlap ratio (HiDup Table 4:
+   overlapped ÷ min(compute, communication));
+3. measure: ``fidelity_step_worker.py`` times both plans' training steps under ``emulate`` (8 ranks,
+   round-robin, median of the rounds; its docstring has the protocol), then runs one more step of each with
+   its forward / backward programs traced (``--trace``: ``meshpilot.runtime.duplex.traced``): per rank the
+   compute, the communication, their overlap and the overlap ratio (``duplex.trace_overlap``); and once on a
+   fake process group (one process, no communication).
+
+The table gives the traced ratio (median rank, range over ranks) and, for comparison, one derived from step
+times alone: without duplex nothing overlaps, so ``overlapped ≈ T_without − T_duplex`` over
+``min(T_compute (fake group), T_without − T_compute)`` — fragile under load (the lone fake-group process does
+not share the cores as the 8 ranks do).
+
+    sudo python benchmarks/bench_duplex.py --out-dir /tmp/bench-duplex --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "benchmarks" / "fidelity_step_worker.py"
+CLUSTERS = {
+    "fast": REPO / "examples" / "clusters" / "emulated-2x4-fast.toml",
+    "medium": REPO / "examples" / "clusters" / "emulated-2x4-slow.toml",
+    "slow": REPO / "examples" / "clusters" / "emulated-2x4-100mbit.toml",
+}
+MESH = (1, 8)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-duplex"))
+    p.add_argument("--links", nargs="+", choices=sorted(CLUSTERS), default=["fast", "medium", "slow"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch (2 microbatches of half)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps (>= 2: the first records, the second builds duplex)"
+    )
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--png", type=Path, help="write the simulated timelines of the slowest link here")
+    p.add_argument("--markdown", action="store_true")
+    return p.parse_args(argv)
+
+
+def make_plans(cfg: dict, cluster_file: Path, folder: Path) -> dict:
+    """The duplex plan and the same strategies without duplex, saved; and their simulations."""
+    import torch
+
+    from meshpilot.cluster import load_cluster
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, GPTConfig
+    from meshpilot.planner import forced
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.schedule import accumulate
+    from meshpilot.sim import simulate
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**cfg))
+    whole = torch.empty(cfg["batch"], cfg["seq"], dtype=torch.long, device="meta")
+    half = torch.empty(cfg["batch"] // 2, cfg["seq"], dtype=torch.long, device="meta")
+    graph = capture(model, (half, half))
+    cluster = load_cluster(str(cluster_file))
+    force = forced.megatron_tp(model, (half, half), MESH, graph=graph)
+    dup = plan(model, (whole, whole), cluster, mesh_shape=MESH, graph=graph, force=force, microbatches=2, duplex=True)
+    acc = dataclasses.replace(dup, schedule=accumulate(8, 2))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, p in (("duplex", dup), ("without", acc)):
+        path = folder / f"{name}.json"
+        p.save(path)
+        sim = simulate(p, cluster=cluster)
+        c = sim.classes[0]
+        out[name] = {"path": str(path), "sim": sim, "sim_s": sim.step_s, "compute_s": c.compute_s}
+        out[name] |= {"comm_s": c.comm_s, "overlap": c.overlap_ratio}
+    return out
+
+
+def run_worker(manifest: Path, out_dir: Path, tag: str, args: argparse.Namespace, cluster_file: Path | None) -> dict:
+    result = out_dir / f"{tag}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(WORKER), "--manifest", str(manifest), "--out", str(result)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if cluster_file is not None:
+        cmd.append("--trace")
+    log = out_dir / f"{tag}.log"
+    t0 = time.perf_counter()
+    if cluster_file is None:  # one process on a fake group of 8: the computation alone
+        cmd = [*cmd, "--fake-world", "8"]
+        with log.open("w") as fh:
+            rc = subprocess.run(cmd, stdout=fh, stderr=fh, env=os.environ | {"OMP_NUM_THREADS": "1"}).returncode
+    else:
+        from meshpilot.emulate import run_emulated
+
+        with log.open("w") as fh:
+            rc = run_emulated(str(cluster_file), cmd, timeout=args.timeout, port=args.port, stdout=fh, stderr=fh)
+    if rc != 0 or not result.is_file():
+        tail = log.read_text().splitlines()[-25:] if log.exists() else []
+        raise SystemExit(f"{tag} failed ({rc}):\n" + "\n".join(tail))
+    doc = json.loads(result.read_text())
+    doc["seconds"] = time.perf_counter() - t0
+    return {r["name"]: r for r in doc["results"]} | {"_seconds": doc["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    cfg = {k: getattr(args, k) for k in ("vocab", "seq", "layers", "hidden", "heads", "batch")}
+    rows = []
+    fake = None
+    for link in args.links:
+        folder = args.out_dir / link
+        plans = make_plans(cfg, CLUSTERS[link], folder)
+        manifest = folder / "manifest.json"
+        entries = [{"name": n, "path": plans[n]["path"]} for n in ("duplex", "without")]
+        manifest.write_text(json.dumps({"model": cfg, "plans": entries, "microbatches": 2}))
+        if fake is None:
+            fake = run_worker(manifest, args.out_dir, "fake", args, None)
+        meas = run_worker(manifest, folder, "steps", args, CLUSTERS[link])
+        t_dup, t_acc = meas["duplex"]["median_s"], meas["without"]["median_s"]
+        t_comp = fake["without"]["median_s"]
+        t_comm = max(t_acc - t_comp, 0.0)
+        low = min(t_comp, t_comm)
+        trace = meas["duplex"]["trace"]  # per rank: compute, comm, overlap of the traced F / B programs
+        ratios = sorted(t["ratio"] for t in trace)
+        row = {
+            "link": link,
+            "trace_overlap": ratios[len(ratios) // 2],
+            "trace_overlap_range": (ratios[0], ratios[-1]),
+            "trace_without": sorted(t["ratio"] for t in meas["without"]["trace"])[len(ratios) // 2],
+            "trace_bounded": max(t["bounded"] for t in trace),
+            "trace": {"duplex": trace, "without": meas["without"]["trace"]},
+            "measured_without_s": t_acc,
+            "measured_duplex_s": t_dup,
+            "measured_compute_s": t_comp,
+            "measured_comm_s": t_comm,
+            "measured_overlap": (t_acc - t_dup) / low if low > 0 else 0.0,
+            "gain": 1 - t_dup / t_acc,
+            "sim_without_s": plans["without"]["sim_s"],
+            "sim_duplex_s": plans["duplex"]["sim_s"],
+            "sim_compute_s": plans["duplex"]["compute_s"],
+            "sim_comm_s": plans["duplex"]["comm_s"],
+            "sim_overlap": plans["duplex"]["overlap"],
+            "emulate_s": meas["_seconds"],
+            "loadavg": os.getloadavg(),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.png and link == args.links[-1]:
+            from meshpilot.sim import write_timelines
+
+            write_timelines([plans["duplex"]["sim"], plans["without"]["sim"]], args.png)
+    (args.out_dir / "results.json").write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        print(
+            "| link | without ms | duplex ms | gain | compute ms | comm ms | overlap ratio (measured) "
+            "| overlap ratio (trace, median rank [min-max]; without) "
+            "| sim without ms | sim duplex ms | sim overlap ratio |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(
+                f"| {r['link']} | {r['measured_without_s'] * 1e3:.1f} | {r['measured_duplex_s'] * 1e3:.1f} "
+                f"| {r['gain']:.1%} | {r['measured_compute_s'] * 1e3:.1f} | {r['measured_comm_s'] * 1e3:.1f} "
+                f"| {r['measured_overlap']:.0%} | {r['trace_overlap']:.0%} [{r['trace_overlap_range'][0]:.0%}-"
+                f"{r['trace_overlap_range'][1]:.0%}]; {r['trace_without']:.0%} "
+                f"| {r['sim_without_s'] * 1e3:.1f} | {r['sim_duplex_s'] * 1e3:.1f} "
+                f"| {r['sim_overlap']:.0%} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""HiDup's duplex schedule run for real on 4 and 8 gloo ranks (issue 11).
+
+The plan of each model is made with ``microbatches=2, duplex=True``; its step runs both microbatches'
+forward (and then backward) as one program interleaved stage by stage (``meshpilot.runtime.duplex``).
+Semantics are gradient accumulation over the two microbatches: BatchNorm normalises each microbatch by its
+own batch statistics and updates the running statistics once per microbatch, in order; an MoE's capacity
+applies to each microbatch's tokens. The single-device reference runs the same two microbatches one after
+the other with ``loss / 2`` each (``test_models_parallel._reference``'s semantics), and every rank checks at
+each of 2 AdamW steps (the first records, the second runs the interleaved programs): loss, gradients,
+parameters (and BatchNorm's buffers) within 1e-5; the collectives issued equal the plan's; the interleaved
+program holds collectives with the other microbatch's compute between issue and wait. Duplex off (the same
+strategies under ``accumulate``) runs too for the BatchNorm net: equal to duplex.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_models_parallel import ADAMW, TOL, _max_err
+from test_models_parallel import build as zoo_build
+from torch import nn
+
+STEPS = 2  # step 1 records the one-microbatch programs, step 2 runs the interleaved ones (after an AdamW step)
+MESH = {4: (2, 2), 8: (2, 4)}
+MODELS = {4: ("gpt", "moe", "bn"), 8: ("gpt", "moe")}
+# duplex off (accumulate, same strategies) beside duplex on: the BatchNorm net (test_models_parallel runs the GPT and
+# the MoE under accumulate already)
+OFF = {4: ("bn",), 8: ()}
+# BatchNorm's plan counts an all-gather into the BatchNorm and one into the mean after it that the runtime issues
+# once (with any schedule, one microbatch too: a planner-side count, not duplex's); its duplex run is checked to
+# issue what duplex off issues
+COUNT_AS_OFF = ("bn",)
+
+
+class BNNet(nn.Module):
+    """conv -> BatchNorm -> ReLU -> conv -> BatchNorm -> mean pool -> classifier: batch statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        return nn.functional.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
+
+
+def build(name: str):
+    if name == "bn":
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        return BNNet(), (torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 8, (8,), generator=g))
+    return zoo_build(name)
+
+
+def make_plans(world: int) -> dict:
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.schedule import accumulate
+
+    plans = {}
+    for name in MODELS[world]:
+        model, inputs = build(name)
+        graph = capture(model, [x.chunk(2)[0] for x in inputs])
+        p = plan(model, inputs, "atp-ic3", mesh_shape=MESH[world], graph=graph, microbatches=2, duplex=True)
+        plans[(name, "on")] = p
+        if name in OFF[world]:
+            plans[(name, "off")] = dataclasses.replace(p, schedule=accumulate(world, 2))
+    return plans
+
+
+def _reference(name: str) -> list[dict]:
+    """Single device, the two microbatches one after the other (module docstring)."""
+    model, inputs = build(name)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    chunks = [x.chunk(2) for x in inputs]
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for m in range(2):
+            part = model(*[c[m] for c in chunks])
+            (part / 2).backward()
+            losses.append(part.detach())
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        out.append(
+            {
+                "loss": torch.stack(losses).mean().item(),
+                "grads": grads,
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+            }
+        )
+    return out
+
+
+def _worker(jobs: list[tuple[str, str, str]]) -> dict:
+    from meshpilot.graph.capture import Phase, capture
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.duplex import overlapped_collectives
+    from meshpilot.runtime.spmd import parallelize
+
+    out: dict = {}
+    refs: dict = {}
+    for job, name, plan_json in jobs:
+        plan = Plan.from_json(plan_json)
+        ref = refs.setdefault(name, _reference(name))
+        model, inputs = build(name)
+        graph = capture(model, [x.chunk(2)[0] for x in inputs])
+        pm = parallelize(model, plan, graph=graph)
+        names = [n for n, _ in model.named_parameters()]
+        opt = torch.optim.AdamW(pm.parameters(), **ADAMW)
+        res: dict = {"loss": [], "grad": [], "param": [], "buffer": [], "counts": [], "losses": []}
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            with record_collectives(pm.mesh) as log:
+                loss = pm(*inputs)
+                loss.backward()
+            res["counts"].append({ph: log.counts(ph) for ph in (Phase.FWD, Phase.BWD)})
+            params = dict(zip(names, pm.parameters()))
+            res["losses"].append(loss.item())
+            res["loss"].append(abs(loss.item() - ref[step]["loss"]))
+            res["grad"].append(_max_err((n, ref[step]["grads"][n], p.grad) for n, p in params.items())[0])
+            opt.step()
+            res["param"].append(_max_err((n, ref[step]["params"][n], p.detach()) for n, p in params.items())[0])
+            res["buffer"].append(
+                max(
+                    [(b.float() - ref[step]["buffers"][n].float()).abs().max().item() for n, b in model.named_buffers()]
+                    or [0.0]
+                )
+            )
+        prog = pm.program
+        res["overlapped"] = {
+            "fwd": overlapped_collectives(prog.forward_pair_gm) if prog.forward_pair_gm is not None else -1,
+            "bwd": overlapped_collectives(prog.backward_pair_gm) if prog.backward_pair_gm is not None else -1,
+        }
+        out[job] = res
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(MESH), ids=lambda w: f"world{w}")
+def runs(request):
+    world = request.param
+    plans = make_plans(world)
+    jobs = [(f"{k[0]}-{k[1]}", k[0], p.to_json()) for k, p in plans.items()]
+    return world, plans, run_distributed(_worker, world, jobs, timeout=600)
+
+
+def test_duplex_equals_single_device_with_microbatch_semantics(runs):
+    world, plans, results = runs
+    for rank, res in enumerate(results):
+        for (name, mode), plan in plans.items():
+            r = res[f"{name}-{mode}"]
+            where = f"rank {rank}/{world} {name} duplex {mode}"
+            for key in ("loss", "grad", "param", "buffer"):
+                assert max(r[key]) <= TOL, f"{where}: {key} differs by {max(r[key]):.2e}"
+            for step, counts in enumerate(r["counts"]):
+                for ph, got in counts.items():
+                    if name in COUNT_AS_OFF:
+                        assert got == res[f"{name}-off"]["counts"][step][ph], f"{where} step {step} {ph}"
+                    else:
+                        assert got == plan.collective_counts(str(ph), backend="gloo"), f"{where} step {step} {ph}"
+
+
+def test_duplex_runs_interleaved_and_overlaps_collectives(runs):
+    """The step ran the two-microbatch program (recorded on step 1), in which collectives of one microbatch
+    have the other's compute between issue and wait, in the forward and the backward (where the schedule
+    interleaves it: a backward without resharding edges, as the BatchNorm net's, is one stage)."""
+    from meshpilot.planner.schedule import ActionKind, interleaved
+
+    world, plans, results = runs
+    for (name, mode), plan in plans.items():
+        r = results[0][f"{name}-{mode}"]
+        if mode == "off":
+            assert r["overlapped"] == {"fwd": -1, "bwd": -1}
+            continue
+        acts = plan.step_schedule().actions(0)
+        assert plan.step_schedule().name == "duplex" and interleaved(acts, ActionKind.FORWARD)
+        assert r["overlapped"]["fwd"] > 0, f"{name} on {world}: {r['overlapped']}"
+        if interleaved(acts, ActionKind.BACKWARD):
+            assert r["overlapped"]["bwd"] > 0, f"{name} on {world}: {r['overlapped']}"
+        else:
+            assert r["overlapped"]["bwd"] == -1 and name == "bn", f"{name} on {world}: {r['overlapped']}"
+
+
+def test_duplex_off_gives_the_same_step(runs):
+    world, plans, results = runs
+    for name, mode in plans:
+        if mode == "off":
+            on, off = results[0][f"{name}-on"], results[0][f"{name}-off"]
+            assert max(abs(a - b) for a, b in zip(on["losses"], off["losses"])) <= 1e-6
+
+
+def test_trace_overlap_by_hand():
+    """One program: compute 0-0.1, a collective issued at 0.1, compute until its wait at 0.3, blocked until
+    0.5, compute until 0.6; a second collective whose wait does not block (in flight at most 0.55-0.58)."""
+    from meshpilot.runtime.duplex import trace_overlap
+
+    events = [
+        ("begin", -1, 0.0),
+        ("issue", 0, 0.1),
+        ("wait", 0, 0.3),
+        ("waited", 0, 0.5),
+        ("issue", 1, 0.55),
+        ("wait", 1, 0.58),
+        ("waited", 1, 0.58),
+        ("end", -1, 0.6),
+    ]
+    split = trace_overlap(events)
+    assert split["compute_s"] == pytest.approx(0.4) and split["comm_s"] == pytest.approx(0.43)
+    assert split["overlap_s"] == pytest.approx(0.23) and split["ratio"] == pytest.approx(0.23 / 0.4)
+    assert split["bounded"] == 1
