@@ -98,17 +98,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--schedule",
-        choices=SCHEDULES,
-        default="trivial",
+        choices=SCHEDULES + PIPELINE_SCHEDULES,
+        default=None,
         help="the step's schedule saved with the plan: trivial (F0 B0 G, default), accumulate (--microbatches, "
         "gradients reduced once), overlapped (collectives issued right after their producer), duplex (HiDup: "
-        "2 microbatches interleaved stage by stage, one's collectives beside the other's compute)",
+        "2 microbatches interleaved stage by stage, one's collectives beside the other's compute); with "
+        "--pipeline: 1f1b (default), gpipe or auto (the shorter simulated step)",
     )
     p.add_argument(
         "--microbatches",
         type=positive_int,
         default=None,
-        help="microbatches the global batch is cut into (accumulate, overlapped; duplex: 2; default 1)",
+        help="microbatches the global batch is cut into (accumulate, overlapped; duplex: 2; default 1; "
+        "--pipeline: default 4)",
     )
     p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
     p.add_argument(
@@ -125,14 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pipeline", action="store_true", help="plan a pipeline: stages on submeshes (Alpa's stage DP; see above)"
     )
-    p.add_argument("--microbatches", type=positive_int, default=4, help="--pipeline: microbatches per step (default 4)")
     p.add_argument("--stages", type=positive_int, help="--pipeline: the number of stages (default: the DP chooses)")
-    p.add_argument(
-        "--schedule",
-        choices=("1f1b", "gpipe", "auto"),
-        default="1f1b",
-        help="--pipeline: the schedule, or 'auto' (the shorter simulated step; default 1f1b)",
-    )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -141,10 +136,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------------------------ model
 
 SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "auto")
+PIPELINE_MICROBATCHES = 4
 
 
-def schedule_options(schedule: str, microbatches: int | None) -> dict[str, Any]:
+def schedule_options(schedule: str | None, microbatches: int | None) -> dict[str, Any]:
     """``meshpilot.plan`` keywords for ``--schedule`` and ``--microbatches`` (one line if they disagree)."""
+    schedule = schedule or "trivial"
+    if schedule in PIPELINE_SCHEDULES:
+        raise UserError(f"--schedule {schedule} orders pipeline stages; add --pipeline (or give {'/'.join(SCHEDULES)})")
     if schedule == "duplex":
         if microbatches not in (None, 2):
             raise UserError(f"--schedule duplex interleaves 2 microbatches; drop --microbatches {microbatches}")
@@ -198,7 +198,6 @@ def run(args: argparse.Namespace) -> int:
     force = parse_force(args.force)
     if args.out:
         check_out(args.out)
-    sched = schedule_options(args.schedule, args.microbatches)
     memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
@@ -206,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return run_pipeline(args, cluster, n, memory)
     if args.stages is not None:
         raise UserError("--stages plans a pipeline; add --pipeline (or drop --stages)")
+    sched = schedule_options(args.schedule, args.microbatches)
     built = build_model(
         args.model,
         batch=args.batch,
@@ -263,7 +263,10 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
 
     if args.mesh or args.force:
         raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
-    M = args.microbatches
+    M = args.microbatches or PIPELINE_MICROBATCHES
+    schedule = args.schedule or "1f1b"
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"--schedule {schedule}: a pipeline runs {', '.join(PIPELINE_SCHEDULES)}; give one of those")
     kw = dict(seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads, dtype=args.dtype)
     kw["hf_config"] = args.hf_config
     whole = args.batch or build_model(args.model, batch=None, **kw).inputs[0].shape[0]
@@ -281,7 +284,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
             num_devices=n,
             num_stages=args.stages,
             memory_bytes=memory,
-            schedule=args.schedule,
+            schedule=schedule,
             time_limit=args.time_limit,
         )
     if args.out:
