@@ -248,6 +248,7 @@ def test_train_hf_gpt2_on_two_gloo_ranks_equals_single_device(tmp_path, capsys):
     cfg = TINY["gpt2"]
     plan_path, out = tmp_path / "plan.json", tmp_path / "losses.json"
     args = ["plan", "-m", "hf:gpt2", "--hf-config", *cfg, "--batch", "4", "--seq", "8", *PLAN, "--ops", "none"]
+    args += ["--schedule", "accumulate", "--microbatches", "2"]  # train runs the plan's 2 x 2 rows of the batch of 4
     assert main([*args, "--out", str(plan_path)]) == 0
     capsys.readouterr()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -260,10 +261,12 @@ def test_train_hf_gpt2_on_two_gloo_ranks_equals_single_device(tmp_path, capsys):
     # the progress line: the plan's predicted step beside the measured one, throughput of the 4 x 8 tokens, MFU
     last = [x for x in proc.stdout.splitlines() if x.startswith("step 2:")][0]
     assert " ms; plan " in last and " on atp-ic3" in last and " tok/s | MFU " in last and "3/3 ██████████" in last
-    assert "verify: the first 2 steps' losses equal one device's" in proc.stdout, proc.stdout  # --verify 2
+    assert "verify: the first 2 steps' losses equal one device's (2 microbatches accumulated)" in proc.stdout, (
+        proc.stdout
+    )
     got = json.loads(out.read_text())
     assert (got["device"], got["backend"], got["mesh"]) == ("cpu", "gloo", [2, 1])
-    single = train_model(lambda d: build_model("hf:gpt2", hf_config=cfg, batch=4, seq=8, device=d), 3)
+    single = train_model(lambda d: build_model("hf:gpt2", hf_config=cfg, batch=4, seq=8, device=d), 3, microbatches=2)
     for s, ref in zip(got["steps"], single):
         assert abs(s["loss"] - ref.loss) <= 1e-5, (s, ref)
 

@@ -408,8 +408,9 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
         plan = load_plan(args.plan)
         check_plan_precision(args, plan)
         graph = check_plan(plan, cfg, world, f"--plan {args.plan}")
-        (b, t), _ = plan.input_shapes[0]
-        return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=int(b), seq=int(t))}
+        (b, t), _ = plan.input_shapes[0]  # one microbatch: the step's batch is the schedule's microbatches of it
+        batch = int(b) * plan.step_schedule().microbatches
+        return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=batch, seq=int(t))}
     if args.precision == "bf16-mixed":
         raise UserError(
             "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
@@ -434,6 +435,7 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     captured on the meta device at the plan's input shapes and checked against the plan."""
     from meshpilot.graph.capture import capture
     from meshpilot.models.sources import build_model, kind
+    from meshpilot.planner.auto import microbatch_inputs
     from meshpilot.planner.validate import validate_plan
 
     if args.plan is None:
@@ -450,14 +452,15 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     source = f"--plan {args.plan}"
     validate_plan(plan, world_size=world, source=source)
     check_plan_precision(args, plan)
-    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()
+    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's
+    m = plan.step_schedule().microbatches
     sizes: dict = {}
     if kind(args.model) == "hf" and len(shape0) == 2:
-        sizes = {"batch": int(shape0[0]), "seq": int(shape0[1])}
+        sizes = {"batch": int(shape0[0]) * m, "seq": int(shape0[1])}
     elif kind(args.model) == "builtin" and shape0:
-        sizes = {"batch": int(shape0[0])}
+        sizes = {"batch": int(shape0[0]) * m}
     meta = build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes: here
-    graph = capture(meta.model, meta.inputs, precision=plan.precision or None)
+    graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=plan.precision or None)
     validate_plan(plan, graph=graph, source=source)
 
     def build(device):
@@ -696,11 +699,14 @@ def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, dev
     from meshpilot.runtime.train import train_model, train_single
 
     n = min(args.verify, len(done))
+    m = plan.step_schedule().microbatches if plan is not None else 1  # the same semantics: accumulation over m
     if build is not None:
-        single = train_model(build, n, args.seed, args.lr, device=device, data=data)
+        single = train_model(build, n, args.seed, args.lr, device=device, data=data, microbatches=m)
     else:
         precision = plan.precision if plan is not None else args.precision
-        single = train_single(cfg, n, args.seed, args.lr, device=device, precision=precision or None, data=data)
+        single = train_single(
+            cfg, n, args.seed, args.lr, device=device, precision=precision or None, data=data, microbatches=m
+        )
     worst = (0.0, 0)
     for step, (mine, ref) in enumerate(zip(done, single)):
         diff = abs(float(mine["loss"]) - ref.loss)
@@ -716,8 +722,10 @@ def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, dev
             return False
         worst = max(worst, (diff, step))
     if rank == 0:
+        accumulated = f" ({m} microbatches accumulated)" if m > 1 else ""
         print(
-            f"verify: the first {n} steps' losses equal one device's (max |Δ| {worst[0]:.1e} at step {worst[1]}, "
+            f"verify: the first {n} steps' losses equal one device's{accumulated} "
+            f"(max |Δ| {worst[0]:.1e} at step {worst[1]}, "
             f"tolerance {VERIFY_TOL:g})",
             flush=True,
         )

@@ -115,6 +115,7 @@ def _adamw_steps(
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
+    microbatches: int = 1,
 ) -> list[StepLog]:
     """`steps` AdamW steps of `model` (whose call returns the replicated loss) on the full global batches."""
     return _loop(
@@ -127,6 +128,7 @@ def _adamw_steps(
         precision=precision,
         checkpoint=checkpoint,
         on_step=on_step,
+        microbatches=microbatches,
     )
 
 
@@ -142,9 +144,12 @@ def _loop(
     reseed: int | None = None,
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
+    microbatches: int = 1,
 ) -> list[StepLog]:
     """The step loop every path shares: AdamW on `model`, step i at data position (samples consumed) p
-    taking ``batch_at_position(p)``; `reseed` s reseeds the RNG with s + i before step i. With `checkpoint`
+    taking ``batch_at_position(p)``; `reseed` s reseeds the RNG with s + i before step i. `microbatches` > 1
+    (single-device references of microbatched plans) cuts each batch along dim 0 and accumulates the gradients
+    of loss / M in order, the loss being the microbatches' mean. With `checkpoint`
     the loop starts where its checkpoint left off and saves as it is told; the logs it returns are the whole
     run's, the resumed steps' included (their losses from the checkpoint)."""
     opt = adamw(model.parameters(), lr)
@@ -160,10 +165,19 @@ def _loop(
             if reseed is not None:
                 torch.manual_seed(reseed + i)
             t0 = time.perf_counter()
-            with autocast(precision, device):
-                out = model(*inputs)
-            loss = _loss_of(out)
-            loss.backward()
+            if microbatches == 1:
+                with autocast(precision, device):
+                    out = model(*inputs)
+                loss = _loss_of(out)
+                loss.backward()
+            else:  # gradient accumulation, as a microbatched plan's schedule runs the step (one device only)
+                parts = []
+                for chunk in zip(*(x.chunk(microbatches) for x in inputs)):
+                    with autocast(precision, device):
+                        part = _loss_of(model(*chunk))
+                    (part / microbatches).backward()
+                    parts.append(part.detach())
+                loss = torch.stack(parts).mean()
             opt.step()
             opt.zero_grad()
             log = StepLog(i, float(loss.detach().float()), time.perf_counter() - t0)
@@ -186,10 +200,11 @@ def train_single(
     device: Any = "cpu",
     precision: str | None = None,
     data: ByteText | None = None,
+    microbatches: int = 1,
 ) -> list[StepLog]:
-    """The single-device reference."""
+    """The single-device reference (with `microbatches`: gradient accumulation, see ``_loop``)."""
     model = _as_precision(reference_model(cfg, seed).to(device), precision)
-    return _adamw_steps(model, cfg, steps, seed, lr, device, precision, data=data)
+    return _adamw_steps(model, cfg, steps, seed, lr, device, precision, data=data, microbatches=microbatches)
 
 
 def train_atp(
@@ -277,6 +292,7 @@ def train_model(
     checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
+    microbatches: int = 1,
 ) -> list[StepLog]:
     """`steps` AdamW steps of any model: ``build(device)`` returns a
     :class:`~meshpilot.models.sources.Built` (seeded: the same on every rank), fed ``built.batches``.
@@ -317,6 +333,7 @@ def train_model(
         reseed=seed + 1000,
         checkpoint=checkpoint,
         on_step=on_step,
+        microbatches=1 if plan is not None else microbatches,
     )
 
 
