@@ -45,6 +45,8 @@ the busiest rank. :func:`expected_pairs` is that one number; the docs (docs/moe.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -116,57 +118,63 @@ def _grouped(rows: Tensor, counts: list[int], gate_up: Tensor, down: Tensor, act
     return torch.cat(outs) if outs else rows.new_empty((0, down.shape[1]))
 
 
-class _Exchange:
-    """Expert parallelism over one mesh axis: who sends how many rows where. ``send`` / ``recv`` are the
-    split sizes per peer; ``local_counts`` rows per local expert of what was received; ``perm`` reorders
-    the received rows (peer-major) by local expert."""
+@dataclass(frozen=True)
+class _EP:
+    """Expert parallelism over one mesh axis: its process group (by name), the axis's name and size."""
 
-    def __init__(self, call: OwnCall, axis: int, counts: Tensor) -> None:
-        self.group = call.mesh.get_group(axis).group_name
-        peers = call.mesh.size(axis)
-        per = counts.numel() // peers
-        got = _all_to_all(counts, None, None, self.group).view(peers, per)  # [peer][local expert]
-        self.send = counts.view(peers, per).sum(1).tolist()
+    group: str
+    axis: str
+    peers: int
+
+
+class _Exchange:
+    """Who sends how many rows where: ``send`` / ``recv`` are the split sizes per peer; ``local_counts`` rows
+    per local expert of what was received; ``perm`` reorders the received rows (peer-major) by local expert."""
+
+    def __init__(self, ep: _EP, counts: Tensor) -> None:
+        self.ep = ep
+        per = counts.numel() // ep.peers
+        got = self._all_to_all(counts, [per] * ep.peers, [per] * ep.peers).view(ep.peers, per)  # [peer][expert]
+        self.send = counts.view(ep.peers, per).sum(1).tolist()
         self.recv = got.sum(1).tolist()
         self.local_counts = got.sum(0).tolist()
-        expert_of_row = torch.arange(per, device=counts.device).repeat(peers).repeat_interleave(got.reshape(-1))
+        expert_of_row = torch.arange(per, device=counts.device).repeat(ep.peers).repeat_interleave(got.reshape(-1))
         self.perm = torch.argsort(expert_of_row, stable=True)
 
     def dispatch(self, rows: Tensor) -> Tensor:
         """Rows (sorted by global expert) to the experts' owners, then grouped by local expert."""
-        return _all_to_all(rows, self.recv, self.send, self.group)[self.perm]
+        return self._all_to_all(rows, self.recv, self.send)[self.perm]
 
     def combine(self, rows: Tensor) -> Tensor:
         """Results grouped by local expert back to the ranks that sent them, in their sorted order."""
         back = torch.empty_like(rows)
         back[self.perm] = rows
-        return _all_to_all(back, self.send, self.recv, self.group)
+        return self._all_to_all(back, self.send, self.recv)
+
+    def _all_to_all(self, t: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+        """``all_to_all_single`` with split sizes, reported to the collective recorder as the bytes this
+        rank holds (its input)."""
+        import torch.distributed as dist
+
+        from meshpilot import compat
+        from meshpilot.runtime import collective_log
+
+        t = t.contiguous()
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        collective_log.record(CollectiveKind.ALL_TO_ALL, self.ep.axis, self.ep.peers, t.numel() * t.element_size())
+        group = compat.resolve_process_group()(self.ep.group)
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+        return out
 
 
-def _all_to_all(t: Tensor, out_splits, in_splits, group: str) -> Tensor:
-    """A functional ``all_to_all_single`` (what the collective recorder sees), waited."""
-    t = torch.ops._c10d_functional.all_to_all_single(t.contiguous(), out_splits, in_splits, group)
-    return torch.ops._c10d_functional.wait_tensor(t)
-
-
-def _ep_axis(call: OwnCall | None) -> int | None:
-    """The mesh axis the experts are sharded over (operand 3, gate_up_proj), if any."""
-    if call is None:
-        return None
-    axes = call.sharding_axes(call.ins[3], 0)
-    return axes[0] if axes else None
-
-
-def _forward_local(call, x, idx, w, gate_up, down, act_name: str) -> Tensor:
+def _forward_local(x, idx, w, gate_up, down, act_name: str, experts: int, ep: _EP | None) -> Tensor:
     act = _activation(act_name)[0]
-    experts = call.global_shape(3)[0] if call is not None else gate_up.shape[0]
     r = _Routing(idx, experts)
     rows = x[r.token]
-    axis = _ep_axis(call)
-    if axis is None:
+    if ep is None:
         y = _grouped(rows, r.counts.tolist(), gate_up, down, act)
     else:
-        ex = _Exchange(call, axis, r.counts)
+        ex = _Exchange(ep, r.counts)
         y = ex.combine(_grouped(ex.dispatch(rows), ex.local_counts, gate_up, down, act))
     weights = w.reshape(-1)[r.order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, r.token, (y * weights).to(x.dtype))
@@ -189,16 +197,14 @@ def _expert_vjp(x, g, w, gate_up, down, act) -> tuple[Tensor, Tensor, Tensor, Te
     return dh @ gate_up, (g * y).sum(-1), dh.t() @ x, dy.t() @ m
 
 
-def _backward_local(call, g, x, idx, w, gate_up, down, act_name: str):
+def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int, ep: _EP | None):
     act = _activation(act_name)
-    experts = call.global_shape(4)[0] if call is not None else gate_up.shape[0]
     r = _Routing(idx, experts)
     h = x.shape[-1]
     dtype = torch.promote_types(torch.promote_types(x.dtype, g.dtype), w.dtype)
     wf = w.reshape(-1)[r.order]
     rows = torch.cat([x[r.token].to(dtype), g[r.token].to(dtype), wf.unsqueeze(-1).to(dtype)], dim=-1)
-    axis = _ep_axis(call) if call is None else _ep_axis_backward(call)
-    ex = _Exchange(call, axis, r.counts) if axis is not None else None
+    ex = _Exchange(ep, r.counts) if ep is not None else None
     if ex is not None:
         rows, counts = ex.dispatch(rows), ex.local_counts
     else:
@@ -220,18 +226,13 @@ def _backward_local(call, g, x, idx, w, gate_up, down, act_name: str):
     return dx, dw.view_as(w), d_gate_up, d_down
 
 
-def _ep_axis_backward(call: OwnCall) -> int | None:
-    axes = call.sharding_axes(call.ins[4], 0)
-    return axes[0] if axes else None
-
-
 # ------------------------------------------------------------------------------------------- the op pair
 
 
 @torch.library.custom_op("meshpilot::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str) -> Tensor:
     """Dropless top-k experts: ``out[t] = Σ_j w[t, j] · expert_{idx[t, j]}(x[t])`` (SwiGLU experts)."""
-    return _forward_local(None, x, idx, w, gate_up, down, act)
+    return _forward_local(x, idx, w, gate_up, down, act, gate_up.shape[0], None)
 
 
 @moe_experts.register_fake
@@ -244,7 +245,7 @@ def moe_experts_backward(
     g: Tensor, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(∂x, ∂w, ∂gate_up, ∂down)`` of :data:`moe_experts`."""
-    return _backward_local(None, g, x, idx, w, gate_up, down, act)
+    return _backward_local(g, x, idx, w, gate_up, down, act, gate_up.shape[0], None)
 
 
 @moe_experts_backward.register_fake
@@ -375,12 +376,56 @@ def _backward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
     return _strategies(b, node, backward=True)
 
 
+# ------------------------------------------------------------------------------------------- on the shards
+#
+# The runtime records each step's local ops once and replays them (runtime/record.py); the routing decides
+# split sizes and row counts, so the sharded kernels are custom ops too: the recording holds one opaque call
+# that runs the routing afresh every step. Their collectives are reported to the recorder by the kernel.
+
+
+@torch.library.custom_op("meshpilot::moe_experts_shard", mutates_args=())
+def moe_experts_shard(
+    x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int, ep: str
+) -> Tensor:
+    """:data:`moe_experts` on this rank's shards; ``ep`` is ``"group axis-name peers"`` (tab-separated) or empty."""
+    return _forward_local(x, idx, w, gate_up, down, act, experts, _ep_of(ep))
+
+
+@torch.library.custom_op("meshpilot::moe_experts_shard_backward", mutates_args=())
+def moe_experts_shard_backward(
+    g: Tensor, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int, ep: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:data:`moe_experts_backward` on this rank's shards."""
+    return _backward_local(g, x, idx, w, gate_up, down, act, experts, _ep_of(ep))
+
+
+def _ep_of(ep: str) -> _EP | None:
+    if not ep:
+        return None
+    group, axis, peers = ep.split("\t")
+    return _EP(group, axis, int(peers))
+
+
+def _ep_args(call: OwnCall, experts_operand: int) -> str:
+    """``"group axis-name peers"`` (tab-separated) of the axis the experts are sharded over, or ``""``."""
+    axes = call.sharding_axes(call.ins[experts_operand], 0)
+    if not axes:
+        return ""
+    a = axes[0]
+    from meshpilot.cluster.mesh import default_axis_names
+
+    names = call.mesh.mesh_dim_names or default_axis_names(call.mesh.ndim)
+    return "\t".join((call.mesh.get_group(a).group_name, names[a], str(call.mesh.size(a))))
+
+
 def _run_forward(call: OwnCall, x, idx, w, gate_up, down, act):
-    return _forward_local(call, x, idx, w, gate_up, down, act)
+    experts = call.global_shape(3)[0]
+    return moe_experts_shard(x, idx, w, gate_up, down, act, experts, _ep_args(call, 3))
 
 
 def _run_backward(call: OwnCall, g, x, idx, w, gate_up, down, act):
-    return _backward_local(call, g, x, idx, w, gate_up, down, act)
+    experts = call.global_shape(4)[0]
+    return moe_experts_shard_backward(g, x, idx, w, gate_up, down, act, experts, _ep_args(call, 4))
 
 
 OPS = (
