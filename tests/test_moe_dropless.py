@@ -5,8 +5,8 @@ backward node; the ILP picks expert parallelism by itself where the experts' gra
 all-to-alls (large experts, few tokens) and data parallelism where they do not (tiny experts); a bad
 activation is one line.
 
-On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel, on one and two mesh axes) and the
-forced data-parallel plan (4 ranks), trained 2 AdamW steps beside the single-device HF model: loss and every gradient
+On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel on (4, 1); on (2, 2) and (2, 4)
+with data parallelism on the other axis) and the forced data-parallel plan (4 ranks), trained 2 AdamW steps beside the single-device HF model: loss and every gradient
 within 1e-5, and the collectives equal the plan's. The expert-parallel combine moves a routing-dependent
 number of rows (the plan prices the mean, :func:`meshpilot.ops.moe.expected_pairs`), so its all-to-alls are
 compared per rank by count and axis and over all ranks by total bytes; every other collective by kind, axis
@@ -233,6 +233,8 @@ def _check_counts(per_rank: list[list], planned: Counter) -> None:
 @pytest.mark.parametrize("world", sorted(MESHES))
 def test_mixtral_equals_single_device(plans, world):
     keys = [k for k in plans if k[0] != "tiny" and k[1][0] * k[1][1] == world]
+    if world == 8:  # the suite's time: on 8 ranks only EP x DP on (2, 4) (pure EP runs on 4; (8, 1) planned above)
+        keys = [k for k in keys if k[1] == (2, 4)]
     jobs = [(f"job{i}", plans[k].to_json()) for i, k in enumerate(keys)]
     per_rank = run_distributed(_worker, world, jobs, timeout=900)
     for i, key in enumerate(keys):
