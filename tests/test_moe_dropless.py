@@ -5,12 +5,12 @@ backward node; the ILP picks expert parallelism by itself where the experts' gra
 all-to-alls (large experts, few tokens) and data parallelism where they do not (tiny experts); a bad
 activation is one line.
 
-On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel on (4, 1); on (2, 2) and (2, 4)
-with data parallelism on the other axis) and the forced data-parallel plan (4 ranks), trained 2 AdamW steps beside the single-device HF model: loss and every gradient
-within 1e-5, and the collectives equal the plan's. The expert-parallel combine moves a routing-dependent
-number of rows (the plan prices the mean, :func:`meshpilot.ops.moe.expected_pairs`), so its all-to-alls are
-compared per rank by count and axis and over all ranks by total bytes; every other collective by kind, axis
-and bytes.
+On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel on (4, 1); on (2, 2) and (2, 4) with
+data parallelism on the other axis) and the forced data-parallel plan (4 ranks), trained 2 AdamW steps beside
+the single-device HF model: loss and every gradient within 1e-5, and the collectives equal the plan's. The
+expert-parallel combine moves a routing-dependent number of rows (the plan prices the mean,
+:func:`meshpilot.ops.moe.expected_pairs`), so its all-to-alls are compared per rank by count and axis and over
+all ranks by total bytes; every other collective by kind, axis and bytes.
 """
 
 from __future__ import annotations
