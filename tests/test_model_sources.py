@@ -106,7 +106,9 @@ def test_hf_builder_keeps_the_library_defaults_plus_overrides():
     bert = build_model("hf:bert", hf_config=TINY["bert"])
     assert type(bert.model.model).__name__ == "BertForMaskedLM"
     moe = build_model("hf:mixtral", hf_config=["num_hidden_layers=1", "hidden_size=32", "num_local_experts=4"])
-    assert "MixtralForCausalLM, experts batched_mm" in moe.label  # capturable: static shapes, any dtype
+    assert "MixtralForCausalLM, experts meshpilot" in moe.label  # dropless experts as one op (ops/moe.py)
+    kept = build_model("hf:mixtral", hf_config=["num_hidden_layers=1", "experts_implementation=batched_mm"])
+    assert "MixtralForCausalLM, experts batched_mm" in kept.label  # transformers' static path on request
     roberta = build_model("hf:roberta", hf_config=["num_hidden_layers=1"])  # any AutoConfig model type
     assert type(roberta.model.model).__name__ == "RobertaForMaskedLM"
 

@@ -516,8 +516,12 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     from torch.utils.flop_counter import flop_registry
 
     from meshpilot.ops.attention import attention_flops
+    from meshpilot.ops.moe import moe_flops
 
     name = str(target)
+    moe = moe_flops(name, args)
+    if moe is not None:
+        return moe
     if name == "meshpilot.sdpa.default":
         return attention_flops(args[0].shape, args[1].shape, args[2].shape, backward=False)
     if name == "meshpilot.sdpa_backward.default":

@@ -13,8 +13,9 @@ Three kinds of source, for `meshpilot plan` and `meshpilot train` alike:
   (``key=value``, values read as int / float / bool / None / JSON / text, or a ``config.json`` file); a key
   neither the configuration class defines nor the model's code reads is an error, not silently kept. An
   encoder-decoder without ``decoder_start_token_id`` gets its pad token (what T5 starts its decoder with); a
-  mixture of experts (``hf:mixtral``) without ``experts_implementation`` gets ``batched_mm`` (static shapes; the
-  default grouped_mm needs bfloat16 on CUDA, the eager experts have data-dependent shapes).
+  mixture of experts (``hf:mixtral``) without ``experts_implementation`` gets ``meshpilot``: HF's dropless
+  top-k experts as one op (:mod:`meshpilot.ops.moe`, data-dependent shapes inside it, expert-parallel
+  strategies); ``--hf-config experts_implementation=batched_mm`` keeps transformers' static-shape path.
   The example inputs are ``(input_ids, labels)`` of ``[batch, seq]`` random tokens (default batch 4, seq 128
   capped at the model's positions) and the loss is the model's own (``labels=``);
 - ``package.module:factory``: your own builder, imported (the current directory is on the import path).
@@ -318,10 +319,14 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
             f"--hf-config {', '.join(bad)}: not a key of {type(default).__name__}; check the spelling against "
             f"the transformers docs (e.g. {', '.join(_sample_keys(default))})"
         )
-    if "experts_implementation" not in overrides and "experts_implementation" in _model_source(t, name):
-        # a mixture of experts: torch's grouped_mm is bfloat16/CUDA-only and the eager experts index with
-        # data-dependent shapes; batched_mm is static and runs anywhere
-        overrides["experts_implementation"] = "batched_mm"
+    if "experts_implementation" in _model_source(t, name):
+        from meshpilot.ops.moe import IMPLEMENTATION, register_with_transformers
+
+        register_with_transformers()
+        if "experts_implementation" not in overrides:
+            # a mixture of experts: torch's grouped_mm is bfloat16/CUDA-only and the eager experts index with
+            # data-dependent shapes capture cannot see; meshpilot's op hides them in one node with EP strategies
+            overrides["experts_implementation"] = IMPLEMENTATION
     try:
         return t.AutoConfig.for_model(name, **overrides)
     except (ValueError, TypeError, KeyError) as e:

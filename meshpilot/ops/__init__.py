@@ -15,6 +15,8 @@ module                            ops
                                   backward, and running statistics exactly as one device computes them
 :mod:`~meshpilot.ops.attention`   the device-generic ``meshpilot::sdpa`` pair (a custom op: its strategies
                                   live in DTensor's propagator, DTensor runs it)
+:mod:`~meshpilot.ops.moe`         dropless top-k experts ``meshpilot::moe_experts`` pair (a custom op, HF's
+                                  experts path): replicated, data- and expert-parallel (variable all-to-all)
 ================================  ==========================================================================
 
 An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
@@ -102,10 +104,10 @@ def _local_shape_and_offset(global_shape, mesh, placements):
 @functools.cache
 def registry() -> dict[str, OwnOp]:
     """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, dropout, fill, vocab
+    from meshpilot.ops import batch_norm, dropout, fill, moe, vocab
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill):
+    for module in (vocab, dropout, batch_norm, fill, moe):
         for op in module.OPS:
             ops[op.target] = op
     return ops

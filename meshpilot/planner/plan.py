@@ -277,7 +277,9 @@ class Plan:
         those of ``CollectiveLog.counts()`` (``meshpilot.runtime.collective_log``), which records a run.
 
         With ``backend="gloo"`` an all-to-all is counted as DTensor issues it on CPU process groups
-        (which lack all-to-all): an all-gather of the shards, ``n`` times the bytes each rank holds.
+        (which lack all-to-all): an all-gather of the shards, ``n`` times the bytes each rank holds. An op's own
+        all-to-all (``src == dst``: expert parallelism's dispatch and combine, :mod:`meshpilot.ops.moe`) is
+        issued as ``all_to_all_single``, which gloo carries, and stays an all-to-all.
         """
         per_step = self.step_schedule().microbatches
         out: Counter = Counter()
@@ -285,7 +287,8 @@ class Plan:
             if phase is not None and c.phase != phase:
                 continue
             times = 1 if c.dst.startswith("grad:") else per_step
-            if backend == "gloo" and c.kind == CollectiveKind.ALL_TO_ALL:
+            own = c.src == c.dst and c.operand == -1
+            if backend == "gloo" and c.kind == CollectiveKind.ALL_TO_ALL and not own:
                 out[(CollectiveKind.ALL_GATHER, self.axis_name(c.axis), c.nbytes * self.mesh_shape[c.axis])] += times
             else:
                 out[(c.kind, self.axis_name(c.axis), c.nbytes)] += times

@@ -1,0 +1,248 @@
+"""Hugging Face Mixtral's dropless experts (``experts_implementation="meshpilot"``, :mod:`meshpilot.ops.moe`).
+
+Pure: the op equals HF's own eager experts loop (loss and gradients) and captures as one forward and one
+backward node; the ILP picks expert parallelism by itself where the experts' gradients outweigh the tokens'
+all-to-alls (large experts, few tokens) and data parallelism where they do not (tiny experts); a bad
+activation is one line.
+
+On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel on (4, 1); on (2, 2) and (2, 4) with
+data parallelism on the other axis) and the forced data-parallel plan (4 ranks), trained 2 AdamW steps beside
+the single-device HF model: loss and every gradient within 1e-5, and the collectives equal the plan's. The
+expert-parallel combine moves a routing-dependent number of rows (the plan prices the mean,
+:func:`meshpilot.ops.moe.expected_pairs`), so its all-to-alls are compared per rank by count and axis and over
+all ranks by total bytes; every other collective by kind, axis and bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
+from dist_utils import run_distributed
+
+TOL = 1e-5
+STEPS = 2
+VOCAB, BATCH, SEQ = 64, 8, 4
+CLUSTER = "atp-ic2"  # PCIe between NVLink pairs: the experts' gradient all-reduce is dear
+# large experts, few tokens: the experts' gradient all-reduce costs more than the tokens' all-to-alls
+BIG = dict(hidden_size=256, intermediate_size=1024, num_local_experts=8)
+TINY = dict(hidden_size=32, intermediate_size=48, num_local_experts=4)
+MESHES = {4: [(4, 1), (2, 2)], 8: [(8, 1), (2, 4)]}
+
+
+def build(sizes: dict, impl: str | None = None, device: str = "cpu"):
+    from meshpilot.models.sources import hf_model
+
+    cfg = dict(
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        vocab_size=VOCAB,
+        **sizes,
+    )
+    if impl is not None:
+        cfg["experts_implementation"] = impl
+    torch.manual_seed(0)
+    model = hf_model("mixtral", cfg, device=device)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    if device == "meta":
+        ids, labels = ids.to("meta"), labels.to("meta")
+    return model, (ids, labels)
+
+
+def _moe_node(p, backward: bool = False):
+    target = "meshpilot.moe_experts_backward.default" if backward else "meshpilot.moe_experts.default"
+    (node,) = [n for n in p.nodes if n.target == target]
+    return node
+
+
+def _expert_axes(p) -> list[int]:
+    """Mesh axes the plan shards the experts over (gate_up_proj, operand 3 of the forward op)."""
+    return [a for a, pl in enumerate(_moe_node(p).ins[3]) if pl == "S(0)" and p.mesh_shape[a] > 1]
+
+
+# ------------------------------------------------------------------------------------------- one process
+
+
+def test_op_equals_hf_eager_experts_and_captures_as_one_node():
+    from meshpilot.graph.capture import capture
+
+    got = {}
+    for impl in ("eager", "meshpilot"):
+        model, inputs = build(TINY, impl)
+        loss = model(*inputs)
+        loss.backward()
+        got[impl] = (loss.item(), {n: p.grad for n, p in model.named_parameters()})
+    assert abs(got["meshpilot"][0] - got["eager"][0]) <= TOL
+    for n, g in got["eager"][1].items():
+        assert (got["meshpilot"][1][n] - g).abs().max().item() <= TOL, n
+    model, inputs = build(TINY, device="meta")  # the default path of hf:mixtral
+    assert model.model.config._experts_implementation == "meshpilot"
+    targets = Counter(str(n.target) for n in capture(model, inputs).nodes)
+    assert targets["meshpilot.moe_experts.default"] == 1
+    assert targets["meshpilot.moe_experts_backward.default"] == 1
+    assert not any("nonzero" in t for t in targets)
+
+
+def test_batched_mm_stays_available():
+    model, inputs = build(TINY, "batched_mm")
+    assert model.model.config._experts_implementation == "batched_mm"
+    assert torch.isfinite(model(*inputs))
+
+
+def test_unsupported_activation_is_one_line():
+    from meshpilot.errors import UserError
+
+    model, inputs = build(dict(TINY, hidden_act="tanh"))
+    with pytest.raises(UserError, match="hidden_act 'tanh'.*experts_implementation=batched_mm"):
+        model(*inputs)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Solver plans for BIG on every mesh of MESHES and forced data-parallel ones, and TINY's on (4, 1)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import forced
+
+    model, inputs = build(BIG, device="meta")
+    graph = capture(model, inputs)
+    out = {}
+    for shapes in MESHES.values():
+        for shape in shapes:
+            out[("solver", shape)] = plan(model, inputs, CLUSTER, mesh_shape=shape, graph=graph, mappings=("row",))
+        shape = shapes[0]
+        if shape != (4, 1):
+            continue  # forced data parallel on (8, 1) fails in the runtime's gradient sync (see the lead's report)
+        dp = forced("data_parallel", model, inputs, shape)
+        out[("data_parallel", shape)] = plan(
+            model, inputs, CLUSTER, mesh_shape=shape, force=dp, graph=graph, mappings=("row",)
+        )
+    tiny, tiny_inputs = build(TINY, device="meta")
+    out[("tiny", (4, 1))] = plan(tiny, tiny_inputs, CLUSTER, mesh_shape=(4, 1), mappings=("row",))
+    return out
+
+
+def test_solver_finds_expert_parallelism_where_it_is_cheaper(plans):
+    for shapes in MESHES.values():
+        for shape in shapes:
+            p = plans[("solver", shape)]
+            assert not p.fallbacks, [f.line() for f in p.fallbacks][:3]
+            assert len(_expert_axes(p)) == 1, (shape, _moe_node(p))
+            a2a = [c for c in p.collectives if c.kind == "all_to_all" and c.src == c.dst]
+            assert len(a2a) == 6, (shape, a2a)  # counts, dispatch, combine; forward and backward
+    dp = plans[("data_parallel", (4, 1))]
+    assert _expert_axes(dp) == []
+    assert plans[("solver", (4, 1))].time.total_s < dp.time.total_s
+    assert _expert_axes(plans[("tiny", (4, 1))]) == []  # tiny experts: their all-reduce is cheaper
+
+
+# ------------------------------------------------------------------------------------------- 4 and 8 ranks
+
+
+def _reference() -> list[dict]:
+    model, inputs = build(BIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*inputs)
+        loss.backward()
+        out.append({"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+        opt.step()
+    return out
+
+
+def _local(ref: torch.Tensor, got) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    from meshpilot import compat
+
+    if not isinstance(got, DTensor):
+        return ref
+    shape, offset = compat.local_shape_and_offset()(ref.shape, got.device_mesh, got.placements)
+    return ref[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _worker(jobs: list[tuple[str, str]]) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.spmd import parallelize
+
+    ref = _reference()
+    graph = capture(*build(BIG))
+    out = {}
+    for job, plan_json in jobs:
+        plan = Plan.from_json(plan_json)
+        model, inputs = build(BIG)
+        pm = parallelize(model, plan, graph=graph)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        res: dict = {"loss": [], "grad": [], "counts": []}
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            with record_collectives(pm.mesh) as log:
+                loss = pm(*inputs)
+                loss.backward()
+            res["loss"].append(abs(loss.item() - ref[step]["loss"]))
+            errs = []
+            for n, p in model.named_parameters():
+                local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                errs.append((local - _local(ref[step]["grads"][n], p.grad)).abs().max().item())
+            res["grad"].append(max(errs))
+            res["counts"].append(sorted(log.counts().items()))
+            opt.step()
+        res["mismatches"] = list(pm.mismatches)
+        out[job] = res
+    return out
+
+
+def _check_counts(per_rank: list[list], planned: Counter) -> None:
+    """Every collective but the all-to-alls by (kind, axis, bytes) on every rank; the all-to-alls by (axis,
+    count) on every rank and by total bytes over the ranks (the combine's size follows the routing)."""
+    a2a = "all_to_all"
+    want_rest = Counter({k: v for k, v in planned.items() if k[0] != a2a})
+    want_a2a: Counter = Counter()
+    for k, v in planned.items():
+        if k[0] == a2a:
+            want_a2a[k[1]] += v
+    want_bytes = len(per_rank) * sum(k[2] * v for k, v in planned.items() if k[0] == a2a)
+    got_bytes = 0
+    for items in per_rank:
+        got = Counter(dict((tuple(k), v) for k, v in items))
+        assert Counter({k: v for k, v in got.items() if k[0] != a2a}) == want_rest, (sorted(got), sorted(planned))
+        got_a2a: Counter = Counter()
+        for k, v in got.items():
+            if k[0] == a2a:
+                got_a2a[k[1]] += v
+                got_bytes += k[2] * v
+        assert got_a2a == want_a2a, (got_a2a, want_a2a)
+    assert got_bytes == want_bytes, (got_bytes, want_bytes)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(MESHES))
+def test_mixtral_equals_single_device(plans, world):
+    keys = [k for k in plans if k[0] != "tiny" and k[1][0] * k[1][1] == world]
+    if world == 8:  # the suite's time: on 8 ranks only EP x DP on (2, 4) (pure EP runs on 4; (8, 1) planned above)
+        keys = [k for k in keys if k[1] == (2, 4)]
+    jobs = [(f"job{i}", plans[k].to_json()) for i, k in enumerate(keys)]
+    per_rank = run_distributed(_worker, world, jobs, timeout=900)
+    for i, key in enumerate(keys):
+        job = f"job{i}"
+        for r in per_rank:
+            assert max(r[job]["loss"]) <= TOL, (key, r[job]["loss"])
+            assert max(r[job]["grad"]) <= TOL, (key, r[job]["grad"])
+            assert not r[job]["mismatches"], (key, r[job]["mismatches"][:3])
+        planned = plans[key].collective_counts(backend="gloo")
+        for step in range(STEPS):
+            _check_counts([r[job]["counts"][step] for r in per_rank], planned)
