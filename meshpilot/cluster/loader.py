@@ -413,7 +413,7 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
                 out.append(f"{key} = {_f(bw / GB)}")
         for key, alpha in zip(("alpha1_us", "alpha2_us"), entry.latency):
             if alpha is not None:
-                out.append(f"{key} = {_f(alpha * 1e6)}")
+                out.append(f"{key} = {_f(float(f'{alpha * 1e6:.6g}'))}")  # no 977.9999999999999
         out.append("")
     return "\n".join(out)
 
