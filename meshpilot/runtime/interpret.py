@@ -86,6 +86,12 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, gl
     """A DTensor of `local` (this rank's piece) in `placements`, of `global_val`'s global shape."""
     spec_cls, meta_cls = compat.dtensor_spec()
     meta = meta_cls(global_val.shape, global_val.stride(), global_val.dtype)
+    want = local_shape(global_val.shape, mesh, placements)
+    if tuple(local.shape) != want:  # a mislabelled value would compute silently wrong or fail far away
+        raise RuntimeError(
+            f"meshpilot internal error: a local piece of shape {tuple(local.shape)} labelled "
+            f"{tuple(placements)} of a {tuple(global_val.shape)} tensor (expected {want})"
+        )
     return DTensor(local, spec_cls(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
@@ -189,7 +195,15 @@ class Interpreter:
         for node in nodes:
             if node.kind == NodeKind.GETITEM:
                 src, i = node.inputs[0]
-                env[node.name] = (env[src][i],)
+                v = env[src][i]
+                # The plan may take the element in another layout than its producer left it (an edge
+                # like any other, priced by the search): reshard here, or the value would be labelled
+                # with a layout it does not hold.
+                want = self.plan.node(node.name).in_placements(0) if isinstance(v, DTensor) else None
+                if want is not None and tuple(v._spec.placements) != tuple(want):
+                    with tagged((node.index, 0)):
+                        v = redistribute(v, want)
+                env[node.name] = (v,)
             else:
                 env[node.name] = self.call(node, env)
             if last_use is not None:
