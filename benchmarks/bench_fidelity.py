@@ -100,7 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="also time every plan on this control cluster (the same shape with a fast link between nodes)",
     )
-    p.add_argument("--fake", action="store_true", help="also time one rank's compute on a fake process group")
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="also time one rank's compute on a fake process group, and predict it on a device probed alone "
+        "(one process: the cost model's compute terms without neighbours or communication)",
+    )
     p.add_argument("--plans-only", action="store_true", help="plan and predict on --cluster (and --probed) only")
     p.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     return p.parse_args(argv)
@@ -292,6 +297,32 @@ def measure_fake(manifest: Path, world: int, out_dir: Path, args: argparse.Names
     return json.loads(result.read_text())
 
 
+def probe_alone(gemms: Path, out_dir: Path) -> Path:
+    """``meshpilot probe`` in ONE process (torchrun, 1 rank, one thread): the device as a rank sees it with
+    no neighbours on its cores, with the plans' GEMMs. Only its device profile is used (:func:`predict_alone`)."""
+    out = out_dir / "alone.probed.toml"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "meshpilot.cli.main", "probe", "--out", str(out), "--matmul-shapes", str(gemms)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with (out_dir / "alone.probe.log").open("w") as fh:
+        subprocess.run(cmd, check=True, stdout=fh, stderr=fh, env=env)
+    return out
+
+
+def predict_alone(plans: dict, graph: Any, cluster: Any, alone: Path) -> dict:
+    """Per plan, the closed form's compute + optimizer on `cluster` with the device profile probed alone:
+    what the fake-process-group step measures (one rank's work, no communication, no neighbours)."""
+    from meshpilot.cluster import load_cluster
+
+    device = load_cluster(str(alone)).device
+    solo = dataclasses.replace(load_cluster(cluster), device=device)
+    out = {}
+    for name, (p, _) in plans.items():
+        t = reprice(p, graph, solo).time
+        out[name] = {"compute_s": t.compute_s, "optimizer_s": t.optimizer_s}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- report
 
 PREDICTORS = (
@@ -310,11 +341,12 @@ def rows(
     steps: dict | None,
     control: dict | None = None,
     fake: dict | None = None,
+    alone: dict | None = None,
 ) -> list[dict]:
     """One row per plan: its predictions, the measured step and the decomposition runs where given."""
     meas = {r["name"]: r for r in steps["results"]} if steps else {}
     ctrl = {r["name"]: r["median_s"] for r in control["results"]} if control else {}
-    comp = {r["name"]: r["median_s"] for r in fake["results"]} if fake else {}
+    comp = {r["name"]: r for r in fake["results"]} if fake else {}
     out = []
     for s in specs:
         p, path = plans[s.name]
@@ -344,7 +376,10 @@ def rows(
         if s.name in ctrl:
             r["control"] = ctrl[s.name]
         if s.name in comp:
-            r["compute_fake"] = comp[s.name]
+            r["compute_fake"] = comp[s.name]["median_s"]
+            r["optimizer_fake"] = comp[s.name].get("optimizer_median_s")
+        if alone is not None:
+            r["alone"] = alone[s.name]
         out.append(r)
     return out
 
@@ -369,9 +404,11 @@ def table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
 def split_table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Where the step goes: the closed form's compute, communication and optimizer update (file, probed)
     beside the measured update (``opt.step()`` + ``zero_grad``, slowest rank, median), one rank's measured
-    compute (fake process group), the step on the control cluster and the measured link cost."""
+    compute (fake process group) and its prediction on a device probed alone, the step on the control cluster
+    and the measured link cost."""
     head = ["plan", "compute file", "comm file", "optimizer file", "compute probed", "comm probed"]
-    head += ["optimizer probed", "optimizer measured", "compute/rank (fake PG)"]
+    head += ["optimizer probed", "optimizer measured", "compute + optimizer, probed alone"]
+    head += ["compute/rank (fake PG)", "optimizer (fake PG)"]
     head += ["step, control", "step", "link cost (step - control)"]
     body = []
     for r in rs:
@@ -387,7 +424,9 @@ def split_table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
                 _ms(q["communication_s"] + q["resharding_s"] if q else None),
                 _ms(q.get("optimizer_s")),
                 _ms(r.get("measured_optimizer")),
+                _ms(r["alone"]["compute_s"] + r["alone"]["optimizer_s"] if "alone" in r else None),
                 _ms(r.get("compute_fake")),
+                _ms(r.get("optimizer_fake")),
                 _ms(ctrl),
                 _ms(meas),
                 _ms(None if meas is None or ctrl is None else meas - ctrl),
@@ -459,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     t_plans = time.perf_counter() - t_start
 
     # 2. measure, 3. probe and re-price
-    steps, steps_s, probe_s, load_steps, control, fake = None, 0.0, 0.0, None, None, None
+    steps, steps_s, probe_s, load_steps, control, fake, alone = None, 0.0, 0.0, None, None, None, None
     probed = args.probed
     if not args.plans_only:
         l1 = os.getloadavg()
@@ -471,13 +510,14 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"control {args.control.name}: {control_s:.0f} s")
         if args.fake:
             fake = measure_fake(manifest, steps["world"], args.out_dir, args)
+            alone = predict_alone(plans, graph, cluster, probe_alone(gemms, args.out_dir))
         if probed is None:
             probed, probe_s = probe_cluster(cluster_file, gemms, args.out_dir, args)
             console.print(f"probed cluster: {probed} ({probe_s:.0f} s)")
     pred_probed = predict(plans, graph, load_cluster(str(probed))) if probed else None
 
     # 4. report
-    rs = rows(specs, plans, pred_file, pred_probed, steps, control, fake)
+    rs = rows(specs, plans, pred_file, pred_probed, steps, control, fake, alone)
     stats = {}
     if steps:
         meas = [r["measured"] for r in rs]
