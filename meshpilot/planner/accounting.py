@@ -19,7 +19,7 @@ cost nothing): ``o`` is the device's fixed cost per operator (``DeviceProfile.op
 launch; 0 when not measured). The sum is exact where the host waits for every operator (a CPU); where a
 device queues kernels asynchronously (a GPU) it is an upper bound, by at most ``o`` per operator.
 
-``update(p, s) = 21 · B_p / sf_p / (membw · eff_m) + n_t · (9 · o_foreach + 2 · o)`` for every trainable
+``update(p, s) = 21 · B_p / sf_p / (membw · eff_m) + 9 · o_foreach + 2 · o`` for every trainable
 parameter ``p`` (``B_p`` its bytes, ``sf_p`` the shard factor of its layout under ``s``: a parameter
 sharded by the plan or by the ZeRO pass updates only its shard): the foreach AdamW step
 (``torch/optim/adam.py``, ``_multi_tensor_adam``, defaults: decoupled weight decay, no amsgrad) streams
@@ -27,8 +27,8 @@ sharded by the plan or by the ZeRO pass updates only its shard): the foreach Ada
 ``exp_avg`` towards the gradient (3), ``mul_`` (2) and ``addcmul_`` (4) of ``exp_avg_sq``, ``sqrt`` (2),
 ``div_`` (2) and ``add_`` of ``eps`` (2) making the denominator, ``addcdiv_`` into the weight (4) —
 through 9 foreach operators (those 8 and the step counter's ``add_``), each paying
-``DeviceProfile.foreach_overhead`` per tensor ``n_t = 1``, and reads its step counter twice
-(``_get_value``: two scalar operators, ``o`` each). Memory-bound on every device: no FLOP term.
+``o_foreach = DeviceProfile.foreach_overhead`` for this parameter's tensor in its list, and reads its step
+counter twice (``_get_value``: two scalar operators, ``o`` each). Memory-bound on every device: no FLOP term.
 
 over the *edges* ``e`` of the step (:class:`Edge`, :class:`EdgeKind`): every operand of a node, read in the
 layout its strategy wants from the layout its producer emits; the loss, made replicated; every parameter's
