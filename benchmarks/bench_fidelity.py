@@ -9,9 +9,12 @@ On an emulated 2 nodes x 4 ranks cluster (``meshpilot emulate``, root needed):
 2. measure: ``benchmarks/fidelity_step_worker.py`` runs under ``emulate`` (8 ranks) and times the training
    step (forward + backward + AdamW) of every plan, round-robin, median over rounds of the slowest rank;
 3. calibrate: ``meshpilot probe`` runs under ``emulate`` on the same cluster (as ``bench_atp_emulated.py``
-   does) and the SAME plans are re-priced on the probed file (:func:`reprice`: every node's roofline seconds
-   and every collective's cost-model seconds on the probed cluster; strategies, layouts and collectives
-   unchanged), then simulated on it;
+   does), with ``--matmul-shapes`` naming every GEMM a device runs under any of the plans (their local
+   shards, ``accounting.plan_gemms``; written to --out-dir/gemms.json), so each matmul is priced at the rate
+   measured for its own shape; it also measures the fixed cost of an operator and of a foreach operator per
+   tensor. The SAME plans are re-priced on the probed file (:func:`reprice`: every node's seconds, the
+   optimizer's update and every collective's cost-model seconds on the probed cluster; strategies, layouts
+   and collectives unchanged), then simulated on it;
 4. report: plan | mesh | kind | closed-form and simulated step on the file and on the probed cluster |
    measured step, then per predictor the Spearman rank correlation with the measured steps (target >= 0.9)
    and the median relative error |pred - meas| / meas (target <= 25 %).
@@ -97,7 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="also time every plan on this control cluster (the same shape with a fast link between nodes)",
     )
-    p.add_argument("--fake", action="store_true", help="also time one rank's compute on a fake process group")
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="also time one rank's compute on a fake process group, and predict it on a device probed alone "
+        "(one process: the cost model's compute terms without neighbours or communication)",
+    )
     p.add_argument("--plans-only", action="store_true", help="plan and predict on --cluster (and --probed) only")
     p.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     return p.parse_args(argv)
@@ -205,6 +213,36 @@ def reprice(plan: Any, graph: Any, cluster: Any) -> Any:
     return reprice_plan(plan, graph, cluster)
 
 
+def write_gemms(plans: dict, graph: Any, path: Path) -> list:
+    """Every distinct GEMM ``(m, n, k, dtype)`` a device runs under any of `plans` (``accounting.plan_gemms``),
+    as the JSON list ``meshpilot probe --matmul-shapes`` reads."""
+    from meshpilot.planner.accounting import plan_gemms
+
+    seen: dict[tuple, None] = {}
+    for p, _ in plans.values():
+        seen.update(dict.fromkeys(plan_gemms(p, graph)))
+    shapes = [list(g) for g in seen]
+    path.write_text(json.dumps(shapes) + "\n")
+    return shapes
+
+
+def probe_cluster(cluster_file: Path, gemms: Path, out_dir: Path, args: argparse.Namespace) -> tuple[Path, float]:
+    """``meshpilot probe`` under ``emulate`` on `cluster_file`, timing the GEMMs listed in `gemms` too."""
+    from bench_atp_emulated import _emulate, _fail
+
+    name = cluster_file.stem
+    probed = out_dir / f"{name}.probed.toml"
+    cmd = ["python", "-m", "meshpilot.cli.main", "probe", "--out", str(probed), "--name", f"{name}-probed"]
+    cmd += ["--p2p-budget", str(args.probe_budget), "--matmul-shapes", str(gemms)]
+    if args.probe_bytes:
+        cmd += ["--bytes", args.probe_bytes]
+    log = out_dir / f"{name}.probe.log"
+    rc, secs = _emulate(cluster_file, cmd, log, args)
+    if rc != 0 or not probed.is_file():
+        _fail(f"probe on {name}", rc, log)
+    return probed, secs
+
+
 def predict(plans: dict, graph: Any, cluster: Any) -> dict:
     """Closed-form and simulated step (and the closed form's split) of every plan, re-priced on `cluster`."""
     from meshpilot.sim import simulate
@@ -219,6 +257,7 @@ def predict(plans: dict, graph: Any, cluster: Any) -> dict:
             "compute_s": q.time.compute_s,
             "communication_s": q.time.communication_s,
             "resharding_s": q.time.resharding_s,
+            "optimizer_s": q.time.optimizer_s,
             "sim_s": sim.step_s,
             "sim_exposed_s": c.exposed_comm_s,
             "sim_hidden_s": c.hidden_comm_s,
@@ -258,6 +297,32 @@ def measure_fake(manifest: Path, world: int, out_dir: Path, args: argparse.Names
     return json.loads(result.read_text())
 
 
+def probe_alone(gemms: Path, out_dir: Path) -> Path:
+    """``meshpilot probe`` in ONE process (torchrun, 1 rank, one thread): the device as a rank sees it with
+    no neighbours on its cores, with the plans' GEMMs. Only its device profile is used (:func:`predict_alone`)."""
+    out = out_dir / "alone.probed.toml"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "meshpilot.cli.main", "probe", "--out", str(out), "--matmul-shapes", str(gemms)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with (out_dir / "alone.probe.log").open("w") as fh:
+        subprocess.run(cmd, check=True, stdout=fh, stderr=fh, env=env)
+    return out
+
+
+def predict_alone(plans: dict, graph: Any, cluster: Any, alone: Path) -> dict:
+    """Per plan, the closed form's compute + optimizer on `cluster` with the device profile probed alone:
+    what the fake-process-group step measures (one rank's work, no communication, no neighbours)."""
+    from meshpilot.cluster import load_cluster
+
+    device = load_cluster(str(alone)).device
+    solo = dataclasses.replace(load_cluster(cluster), device=device)
+    out = {}
+    for name, (p, _) in plans.items():
+        t = reprice(p, graph, solo).time
+        out[name] = {"compute_s": t.compute_s, "optimizer_s": t.optimizer_s}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- report
 
 PREDICTORS = (
@@ -276,11 +341,12 @@ def rows(
     steps: dict | None,
     control: dict | None = None,
     fake: dict | None = None,
+    alone: dict | None = None,
 ) -> list[dict]:
     """One row per plan: its predictions, the measured step and the decomposition runs where given."""
     meas = {r["name"]: r for r in steps["results"]} if steps else {}
     ctrl = {r["name"]: r["median_s"] for r in control["results"]} if control else {}
-    comp = {r["name"]: r["median_s"] for r in fake["results"]} if fake else {}
+    comp = {r["name"]: r for r in fake["results"]} if fake else {}
     out = []
     for s in specs:
         p, path = plans[s.name]
@@ -305,11 +371,15 @@ def rows(
         if s.name in meas:
             m = meas[s.name]
             r |= {"measured": m["median_s"], "measured_min": m["min_s"], "measured_max": m["max_s"]}
+            r["measured_optimizer"] = m.get("optimizer_median_s")
             r["loss0"] = m["loss0"]
         if s.name in ctrl:
             r["control"] = ctrl[s.name]
         if s.name in comp:
-            r["compute_fake"] = comp[s.name]
+            r["compute_fake"] = comp[s.name]["median_s"]
+            r["optimizer_fake"] = comp[s.name].get("optimizer_median_s")
+        if alone is not None:
+            r["alone"] = alone[s.name]
         out.append(r)
     return out
 
@@ -332,9 +402,13 @@ def table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def split_table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Where the step goes: the closed form's compute and communication (file, probed) beside one rank's
-    measured compute (fake process group), the step on the control cluster and the measured link cost."""
-    head = ["plan", "compute file", "comm file", "compute probed", "comm probed", "compute/rank (fake PG)"]
+    """Where the step goes: the closed form's compute, communication and optimizer update (file, probed)
+    beside the measured update (``opt.step()`` + ``zero_grad``, slowest rank, median), one rank's measured
+    compute (fake process group) and its prediction on a device probed alone, the step on the control cluster
+    and the measured link cost."""
+    head = ["plan", "compute file", "comm file", "optimizer file", "compute probed", "comm probed"]
+    head += ["optimizer probed", "optimizer measured", "compute + optimizer, probed alone"]
+    head += ["compute/rank (fake PG)", "optimizer (fake PG)"]
     head += ["step, control", "step", "link cost (step - control)"]
     body = []
     for r in rs:
@@ -345,9 +419,14 @@ def split_table(rs: list[dict]) -> tuple[list[str], list[list[str]]]:
                 r["name"],
                 _ms(f["compute_s"]),
                 _ms(f["communication_s"] + f["resharding_s"]),
+                _ms(f["optimizer_s"]),
                 _ms(q.get("compute_s")),
                 _ms(q["communication_s"] + q["resharding_s"] if q else None),
+                _ms(q.get("optimizer_s")),
+                _ms(r.get("measured_optimizer")),
+                _ms(r["alone"]["compute_s"] + r["alone"]["optimizer_s"] if "alone" in r else None),
                 _ms(r.get("compute_fake")),
+                _ms(r.get("optimizer_fake")),
                 _ms(ctrl),
                 _ms(meas),
                 _ms(None if meas is None or ctrl is None else meas - ctrl),
@@ -373,7 +452,7 @@ def stats_lines(stats: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench_atp_emulated import Topology, machine, markdown, probe
+    from bench_atp_emulated import machine, markdown
     from rich.console import Console
     from rich.table import Table
 
@@ -410,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         if not math.isclose(again, p.time.total_s, rel_tol=1e-9):
             raise SystemExit(f"re-pricing {name} on its own cluster gives {again} s, not {p.time.total_s} s")
     pred_file = predict(plans, graph, cluster)
+    gemms = args.out_dir / "gemms.json"
+    console.print(f"{len(write_gemms(plans, graph, gemms))} distinct local GEMMs over the plans: {gemms}")
     manifest = args.out_dir / "manifest.json"
     manifest.write_text(
         json.dumps({"model": cfg, "plans": [{"name": s.name, "path": str(plans[s.name][1])} for s in specs]}) + "\n"
@@ -417,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     t_plans = time.perf_counter() - t_start
 
     # 2. measure, 3. probe and re-price
-    steps, steps_s, probe_s, load_steps, control, fake = None, 0.0, 0.0, None, None, None
+    steps, steps_s, probe_s, load_steps, control, fake, alone = None, 0.0, 0.0, None, None, None, None
     probed = args.probed
     if not args.plans_only:
         l1 = os.getloadavg()
@@ -429,13 +510,14 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"control {args.control.name}: {control_s:.0f} s")
         if args.fake:
             fake = measure_fake(manifest, steps["world"], args.out_dir, args)
+            alone = predict_alone(plans, graph, cluster, probe_alone(gemms, args.out_dir))
         if probed is None:
-            probed, probe_s = probe(Topology(cluster_file.stem, cluster_file), args.out_dir, args)
+            probed, probe_s = probe_cluster(cluster_file, gemms, args.out_dir, args)
             console.print(f"probed cluster: {probed} ({probe_s:.0f} s)")
     pred_probed = predict(plans, graph, load_cluster(str(probed))) if probed else None
 
     # 4. report
-    rs = rows(specs, plans, pred_file, pred_probed, steps, control, fake)
+    rs = rows(specs, plans, pred_file, pred_probed, steps, control, fake, alone)
     stats = {}
     if steps:
         meas = [r["measured"] for r in rs]

@@ -13,8 +13,10 @@ rotated by r; a barrier before each step; each rank times its own step; a step's
 a plan's result is the median over its rounds (min and max too).
 
 Rank 0 writes ``{"world", "nodes", "model", "steps", "warmup", "results": [{"name", "median_s", "min_s",
-"max_s", "steps_s", "loss0", "build_s"}], ...}`` to --out. ``loss0`` (the first warm-up loss) is the same
-for every plan up to float summation order: every plan trains the same model on the same batch.
+"max_s", "steps_s", "optimizer_median_s", "loss0", "build_s"}], ...}`` to --out; ``optimizer_median_s`` is
+the step's ``opt.step()`` + ``zero_grad`` part (slowest rank per round, median over the rounds). ``loss0``
+(the first warm-up loss) is the same for every plan up to float summation order: every plan trains the same
+model on the same batch.
 
 ``--fake-world N`` runs one process on torch's fake process group instead (as ``atp_step_worker.py``): a
 rank's share of the computation, and what the runtime does around it, with no communication at all.
@@ -29,6 +31,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,19 +105,33 @@ def main(argv: list[str] | None = None) -> int:
     def step(c: dict) -> float:
         loss = c["model"](idx, tgt)
         loss.backward()
+        t0 = time.perf_counter()
         c["opt"].step()
         c["opt"].zero_grad(set_to_none=True)
+        c["opt_times"].append(time.perf_counter() - t0)
         return float(loss.detach())
 
+    for c in configs:
+        c["opt_times"] = []
     per, t_warm, t_total = time_round_robin(configs, step, args.warmup, args.steps)
+    # the optimizer's part of each timed step (the last --steps of each config's calls), slowest rank
+    opt_local = torch.tensor([t for c in configs for t in c["opt_times"][-args.steps :]], dtype=torch.float64)
+    dist.all_reduce(opt_local, op=dist.ReduceOp.MAX)
+    opt_per = opt_local.view(len(configs), args.steps).tolist()
     traces = [trace_step(c, step) for c in configs] if args.trace else []
     every: list = [None] * world
     if traces:
         dist.all_gather_object(every, traces)
     if rank == 0:
         results = [
-            {"name": c["name"], **step_stats(ts), "loss0": c["loss0"], "build_s": c["build_s"]}
-            for c, ts in zip(configs, per)
+            {
+                "name": c["name"],
+                **step_stats(ts),
+                "optimizer_median_s": statistics.median(os_),
+                "loss0": c["loss0"],
+                "build_s": c["build_s"],
+            }
+            for c, ts, os_ in zip(configs, per, opt_per)
         ]
         for k, r in enumerate(results):
             if traces:

@@ -96,3 +96,61 @@ def test_reprice_on_the_planning_cluster_reproduces_the_plan(built):
     assert [(c.kind, c.axis, c.nbytes, c.src, c.dst) for c in other.collectives] == [
         (c.kind, c.axis, c.nbytes, c.src, c.dst) for c in p.collectives
     ]
+
+
+def _with_fixed_costs(cluster, op: float, each: float):
+    import dataclasses
+
+    from meshpilot.cluster import load_cluster
+
+    cl = load_cluster(cluster)
+    return dataclasses.replace(cl, device=dataclasses.replace(cl.device, op_overhead=op, foreach_overhead=each))
+
+
+def test_fixed_costs_and_the_optimizer_step_are_priced_by_the_one_accounting(built):
+    """The per-operator cost is paid once per kernel and microbatch, the AdamW update once a step at 21
+    parameter-sized streams per shard plus its operators' fixed costs; the ILP ranks by the same number."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.graph.views import aliases_input
+    from meshpilot.planner.accounting import ADAMW_PASSES, reprice
+    from meshpilot.sharding.placements import from_json, shard_factor
+
+    model, inputs = built["gpt-tiny"]
+    graph = capture(model, inputs)
+    cl = _with_fixed_costs("atp-ic3", op=3e-6, each=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, inputs, cl, mesh_shape=(2, 2), graph=graph, microbatches=2)
+    assert p.time.total_s == pytest.approx(_chosen_objective(p), rel=1e-9, abs=1e-15)
+    base = reprice(p, graph, _with_fixed_costs(cl, 0.0, 0.0))
+    kernels = [n for n in graph.nodes if n.kind == "op" and not aliases_input(n) and (n.flops or n.bytes_written)]
+    assert p.time.compute_s - base.time.compute_s == pytest.approx(2 * len(kernels) * 3e-6, rel=1e-9)
+    trainable = [n for n in graph.nodes if n.kind == "param" and graph.grads.get(n.fqn) is not None]
+    assert p.time.optimizer_s - base.time.optimizer_s == pytest.approx(len(trainable) * (9e-6 + 2 * 3e-6), rel=1e-9)
+    layout = {n.name: from_json(n.outs[0]) for n in p.nodes}
+    dev = cl.device
+    streams = sum(ADAMW_PASSES * n.out.nbytes / shard_factor(layout[n.name], p.mesh_shape) for n in trainable) / (
+        dev.memory_bandwidth * dev.memory_efficiency
+    )
+    assert base.time.optimizer_s == pytest.approx(streams, rel=1e-9)
+    assert p.time.total_s == pytest.approx(
+        p.time.compute_s + p.time.communication_s + p.time.resharding_s + p.time.optimizer_s
+    )
+
+
+def test_plan_gemms_are_the_local_shards_a_device_runs(built):
+    """Under data parallelism over 4 devices every GEMM a device runs is the model's at a quarter batch."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.graph.gemms import graph_gemms
+    from meshpilot.planner import forced
+    from meshpilot.planner.accounting import plan_gemms
+
+    model, inputs = built["gpt-tiny"]
+    graph = capture(model, inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp = forced.data_parallel(model, inputs, (4, 1))
+        p = plan(model, inputs, "atp-ic3", graph=graph, mesh_shape=(4, 1), force=dp)
+    quarter = capture(model, tuple(x[: x.shape[0] // 4] for x in inputs))
+    assert sorted(plan_gemms(p, graph)) == sorted((g.m, g.n, g.k, g.dtype) for g in graph_gemms(quarter))
+    assert sorted(plan_gemms(p, graph)) != sorted((g.m, g.n, g.k, g.dtype) for g in graph_gemms(graph))

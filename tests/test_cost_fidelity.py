@@ -246,3 +246,43 @@ def test_probe_matmul_options_fail_before_the_process_group(args, says, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
     assert not (tmp_path / "c.toml").exists()
+
+
+def test_matmul_shapes_file_reads_and_mistakes_are_one_line(monkeypatch, capsys, tmp_path):
+    import json
+
+    from meshpilot.cli.main import main
+    from meshpilot.cli.probe import read_gemm_shapes
+
+    good = tmp_path / "g.json"
+    good.write_text(json.dumps([[256, 768, 256, "float32"], [8, 8, 8, "bfloat16"]]))
+    assert read_gemm_shapes(good) == ((256, 768, 256, "float32"), (8, 8, 8, "bfloat16"))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    bad = tmp_path / "b.json"
+    for text, says in (("[[1, 2, 3]]", "entry 0 is [1, 2, 3]"), ("{", "is not JSON"), (None, "cannot be read")):
+        bad.unlink(missing_ok=True)
+        if text is not None:
+            bad.write_text(text)
+        assert main(["probe", "--matmul-shapes", str(bad), "--out", str(tmp_path / "c.toml")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "c.toml").exists()
+
+
+def test_probe_measures_the_fixed_cost_of_an_operator():
+    """One tiny operator and one foreach operator per tensor take a positive time well under a millisecond."""
+    import time
+
+    from meshpilot.cluster.probe import OVERHEAD_OPS, op_overheads
+
+    def timed(action):  # the probe's own timer, without the lockstep barrier: median of 3 calls
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            action()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[1]
+
+    op, each = op_overheads(torch.device("cpu"), timed)
+    assert OVERHEAD_OPS == 100 and 0 < op < 1e-3 and 0 < each < 1e-3

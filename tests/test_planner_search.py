@@ -38,6 +38,19 @@ def bench_graph(layers=2, h=256, heads=4, batch=4, seq=64):
     return capture(m, (torch.empty(batch, seq, h, device="meta"),))
 
 
+def update_free(name: str = "atp-ic3"):
+    """`name` with an unbounded device memory bandwidth: the optimizer's update (memory-bound,
+    ``accounting.optimizer_seconds``) and every memory-bound operator cost nothing, so the ZeRO pass is tested
+    on communication and memory alone (with the update priced, a sharded weight also updates less: see
+    :func:`test_a_cheaper_update_makes_the_ilp_shard_a_weight_whose_communication_ties`)."""
+    import dataclasses
+
+    from meshpilot.cluster import load_cluster
+
+    cl = load_cluster(name)
+    return dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory_bandwidth=1e30))
+
+
 def grad_kinds(p: Plan, fqn: str) -> set[str]:
     return {c.kind for c in p.collectives if c.dst == f"grad:{fqn}"}
 
@@ -68,13 +81,14 @@ def test_search_picks_the_best_fixed_mesh_and_skips_only_hopeless_shapes():
 
 
 def test_zero_post_pass_when_memory_requires_it():
+    CL = update_free()
     # small enough a batch that the weights' state is a good part of the peak (the loss' replicated
     # gradient [tokens, h] is a temporary no sharding of the weights removes)
     g = wide_graph(256, 1 << 12)
-    free = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=1e12)
+    free = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=1e12)
     cap = 0.75 * free.memory.total  # above the least the plain plans reach (0.625: the temporaries stay)
-    off = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=cap)
-    on = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="auto", memory_bytes=cap)
+    off = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="off", memory_bytes=cap)
+    on = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="auto", memory_bytes=cap)
     assert off.zero == ()
     assert on.zero and {z.reason for z in on.zero} == {"memory"}
     assert on.solver.memory_row == "zero"
@@ -92,10 +106,11 @@ def test_zero_post_pass_when_memory_requires_it():
 
 
 def test_zero_tie_saves_memory_and_off_leaves_the_all_reduce():
+    CL = update_free()
     # DP over 8 devices for `down`: ring reduce-scatter + all-gather = Rabenseifner all-reduce in seconds
     g = wide_graph(1024, 1 << 16)
-    off = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off")
-    on = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="auto")
+    off = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="off")
+    on = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="auto")
     assert off.zero == () and "all_reduce" in grad_kinds(off, "down.weight")
     (z,) = on.zero
     assert (z.param, z.reason, z.axes) == ("down.weight", "cheaper", (0,))
@@ -112,14 +127,25 @@ def test_zero_tie_saves_memory_and_off_leaves_the_all_reduce():
 
 
 def test_zero_leaves_latency_bound_gradients_all_reduced():
+    CL = update_free()
     # small gradients: recursive-doubling all-reduce beats reduce-scatter + all-gather (2x the latency)
     g = wide_graph(256, 1 << 16)
-    p = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="auto")
+    p = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="auto")
     assert p.zero == ()
     assert all(grad_kinds(p, f) <= {"all_reduce"} for f in ("up.weight", "down.weight"))
-    forced = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="all")
+    forced = plan(None, (), CL, mesh_shape=(8, 1), graph=g, zero="all")
     assert forced.zero and all(z.delta_s > 0 for z in forced.zero)
     assert forced.time.total_s > p.time.total_s
+
+
+def test_a_cheaper_update_makes_the_ilp_shard_a_weight_whose_communication_ties():
+    # on the real device the update is memory-bound time: a weight stored 1/8 per device updates 1/8 of it, and
+    # reduce-scatter + all-gather cost what the all-reduce did, so the ILP itself stores `down` sharded
+    g = wide_graph(1024, 1 << 16)
+    free = plan(None, (), update_free(), mesh_shape=(8, 1), graph=g, zero="off")
+    real = plan(None, (), "atp-ic3", mesh_shape=(8, 1), graph=g, zero="off")
+    assert "all_reduce" in grad_kinds(free, "down.weight") and grad_kinds(real, "down.weight") == {"reduce_scatter"}
+    assert real.time.optimizer_s > 0 and free.time.optimizer_s < 1e-15
 
 
 # ------------------------------------------------------------------------------------------------- Plan
@@ -127,7 +153,7 @@ def test_zero_leaves_latency_bound_gradients_all_reduced():
 
 def test_plan_json_is_backward_compatible_and_str_is_readable(tmp_path):
     g = wide_graph(1024, 1 << 16)
-    p = plan(None, (), "atp-ic3", num_devices=8, graph=g)
+    p = plan(None, (), update_free(), num_devices=8, graph=g)
     assert p.zero
     path = tmp_path / "plan.json"
     p.save(path)

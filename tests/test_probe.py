@@ -184,7 +184,8 @@ def test_summarize_reduces_raw_timings():
         "ar": {((2, 1), 0): [1e-6, 5e-6]},
         "ar_small": {((2, 1), 0): [30e-6, 50e-6]},
         "skipped": 0,
-        "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True},
+        "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True}
+        | {"op_overhead": 4e-6, "foreach_overhead": 1e-6},
     }
     rec1 = {
         "lat": {},
@@ -194,7 +195,8 @@ def test_summarize_reduces_raw_timings():
         "ar": {((2, 1), 0): [4e-6, 2e-6]},
         "ar_small": {((2, 1), 0): [40e-6, 20e-6]},
         "skipped": 0,
-        "device": {"float32": 3e9, "bfloat16": None, "memory_bandwidth": 2e9, "memory_bytes": 8e9, "host_memory": True},
+        "device": {"float32": 3e9, "bfloat16": None, "memory_bandwidth": 2e9, "memory_bytes": 8e9, "host_memory": True}
+        | {"op_overhead": 7e-6, "foreach_overhead": 2e-6},
     }
     m = summarize([rec0, rec1], ["h", "h"], "gloo", opts, "probed-cpu")
     assert m.p2p_latency[0, 1] == m.p2p_latency[1, 0] == pytest.approx(1e-6)
@@ -206,6 +208,8 @@ def test_summarize_reduces_raw_timings():
     # 4-byte all-reduce: slowest rank per repeat (40, 50 us), median 45 us, over ceil(log2 2) = 1 step
     assert m.allreduce_latency[(2, 1)] == (pytest.approx(45e-6), None)
     assert m.device.flops_for("float32") == 2e9 and m.device.memory_bytes == 4e9  # host memory / 2 ranks
+    # fixed costs: the median over ranks, rounded to 4 digits and printing back as whole microseconds
+    assert (m.device.op_overhead, m.device.foreach_overhead) == (5.5e-6, 1.5e-6)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,6 +230,17 @@ def test_device_profile_table_loads_and_named_devices_stay_names():
     text = cluster_to_toml(preset_cluster("atp-ic3"))
     assert 'device = "a100-80gb"' in text and "device_profile" not in text
     assert cluster_from_dict(tomllib.loads(text), "t").device == DEVICES["a100-80gb"]
+    assert DEVICES["h100"].op_overhead == DEVICES["h100"].foreach_overhead == 0.0  # no datasheet number
+
+
+def test_device_profile_fixed_costs_load_and_round_trip():
+    prof = {"kind": "mine", "peak_tflops_fp32": 1.5, "memory_GBps": 100.0, "memory_GiB": 2.0}
+    c = cluster_from_dict(_doc(device_profile=prof | {"op_overhead_us": 12.5, "foreach_overhead_us": 0.0}), "t")
+    assert c.device.op_overhead == pytest.approx(12.5e-6) and c.device.foreach_overhead == 0.0
+    text = cluster_to_toml(c)
+    assert "op_overhead_us = 12.5" in text and "foreach_overhead_us" not in text  # 0: not modelled, left out
+    assert cluster_from_dict(tomllib.loads(text), "t").device == c.device
+    assert "op_overhead_us" not in cluster_to_toml(cluster_from_dict(_doc(device_profile=prof), "t"))
 
 
 @pytest.mark.parametrize(
@@ -257,6 +272,18 @@ def test_device_profile_table_loads_and_named_devices_stay_names():
         (
             {"device_profile": {"kind": "x", "peak_tflops_fp32": 1, "memory_GBps": 1, "memory_GiB": 1, "tf32": 2}},
             "device_profile.tf32",
+        ),
+        (
+            {
+                "device_profile": {
+                    "kind": "x",
+                    "peak_tflops_fp32": 1,
+                    "memory_GBps": 1,
+                    "memory_GiB": 1,
+                    "op_overhead_us": -1,
+                }
+            },
+            "device_profile.op_overhead_us",
         ),
         ({}, "device"),
     ],
@@ -361,6 +388,8 @@ def test_device_rates_are_timed_in_lockstep_with_the_other_ranks():
         ProbeOptions.for_device(cuda=False, quick=True), matmul_shapes=((32, 48, 16, "float32"),)
     )
     out = measure_device(torch.device("cpu"), opts, barrier=lambda: calls.append(1))
-    timed = len(opts.matmul_sizes) + len(opts.matmul_shapes) + 1  # square matmuls, model GEMMs, the copy
+    # square matmuls, model GEMMs, the tiny operator and the foreach operator, the copy
+    timed = len(opts.matmul_sizes) + len(opts.matmul_shapes) + 2 + 1
     assert len(calls) == timed * opts.repeats
     assert out["float32"] > 0 and out["memory_bandwidth"] > 0 and out["matmul"][0] > 0
+    assert out["op_overhead"] > 0 and out["foreach_overhead"] > 0

@@ -178,7 +178,9 @@ def test_trivial_schedule_equals_the_closed_form(tiny_plan):
     assert r.step_s == pytest.approx(tiny_plan.time.total_s, rel=REL)
     (c,) = r.classes
     assert len(c.ranks) == 4 and c.hidden_comm_s == 0
-    assert c.compute_s == pytest.approx(tiny_plan.time.compute_s, rel=REL)
+    assert tiny_plan.time.optimizer_s > 0  # the update runs after G, on the compute stream
+    assert c.compute_s == pytest.approx(tiny_plan.time.compute_s + tiny_plan.time.optimizer_s, rel=REL)
+    assert [e.dur_s for e in r.events if e.name == "optimizer"] == [pytest.approx(tiny_plan.time.optimizer_s)]
     comm = tiny_plan.time.communication_s + tiny_plan.time.resharding_s
     assert c.exposed_comm_s == pytest.approx(comm, rel=REL)
     # every collective duration is the cost model's, as the plan recorded it
@@ -191,10 +193,10 @@ def test_overlapped_and_accumulated_schedules(tiny_plan):
     assert over.step_s <= trivial.step_s * (1 + REL)
     assert over.classes[0].hidden_comm_s > 0
     assert over.classes[0].compute_s == pytest.approx(trivial.classes[0].compute_s, rel=REL)
-    # two microbatches: twice the compute and the per-microbatch collectives, the gradients' once
+    # two microbatches: twice the compute and the per-microbatch collectives, the gradients' and the update once
     acc = simulate(tiny_plan, schedule=accumulate(4, 2))
     grads = sum(c.seconds for c in tiny_plan.collectives if c.dst.startswith("grad:"))
-    assert acc.step_s == pytest.approx(2 * trivial.step_s - grads, rel=REL)
+    assert acc.step_s == pytest.approx(2 * trivial.step_s - grads - tiny_plan.time.optimizer_s, rel=REL)
 
 
 def test_duplex_overlap_ratio(tiny_plan, tmp_path):

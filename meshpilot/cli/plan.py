@@ -470,9 +470,10 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     tt.add_column("what")
     total = t.total_s or 1.0
     for name, v, what in (
-        ("compute", t.compute_s, "operators on the device (roofline: FLOPs and bytes)"),
+        ("compute", t.compute_s, "operators on the device (roofline: FLOPs and bytes; fixed cost per operator)"),
         ("communication", t.communication_s, "reductions of partial sums (all-reduce, reduce-scatter)"),
         ("resharding", t.resharding_s, "layout changes (all-gather, all-to-all)"),
+        ("optimizer", t.optimizer_s, "AdamW update of this device's parameter shards (bytes / memory bandwidth)"),
     ):
         tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
     tt.add_section()

@@ -21,7 +21,9 @@ Eq. 4's prediction from the measured matrix. Use the file as `--cluster FILE` wi
 `--matmul-shapes-from MODEL` (a built-in model; `--matmul-dtype bfloat16` for a GPT in bf16) also times every
 GEMM of that model's training step at its own shape and writes them as [[device_profile.matmul]]: the cost
 model then prices each matmul at the nearest measured shape instead of the best square one
-(`docs/cost_model.md`).
+(`docs/cost_model.md`). `--matmul-shapes FILE` does the same for any model: a JSON list of [m, n, k, dtype]
+(e.g. every plan's local GEMMs, `meshpilot.planner.accounting.plan_gemms`). The probe also measures the
+fixed cost of one tiny operator and of a foreach operator per tensor (`op_overhead_us`, `foreach_overhead_us`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "atp-m4, bert-tiny, mlp, …): the cost model then prices each matmul at the nearest measured shape",
     )
     p.add_argument(
+        "--matmul-shapes",
+        metavar="FILE",
+        help="also time the GEMMs listed in this JSON file ([[m, n, k, dtype], ...]; any captured model's, e.g. "
+        "every plan's local shards from meshpilot.planner.accounting.plan_gemms)",
+    )
+    p.add_argument(
         "--matmul-dtype",
         choices=("float32", "bfloat16"),
         help="GPT models: the dtype of --matmul-shapes-from's parameters and GEMMs (default: the model's)",
@@ -110,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
     # before the process group: a mistake in the model is one line on every rank, nothing half-started
     gemms = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype) if args.matmul_shapes_from else ()
+    if args.matmul_shapes:
+        gemms = tuple(dict.fromkeys(gemms + read_gemm_shapes(args.matmul_shapes)))
     import torch
     import torch.distributed as dist
 
@@ -181,6 +191,34 @@ def model_gemm_shapes(model: str, dtype: str | None = None) -> tuple[tuple[int, 
     built = build_model(model, dtype=dtype, device="meta")
     graph = capture(built.model, built.inputs)
     return tuple((g.m, g.n, g.k, g.dtype) for g in graph_gemms(graph))
+
+
+def read_gemm_shapes(path: str | Path) -> tuple[tuple[int, int, int, str], ...]:
+    """The GEMMs ``(m, n, k, dtype)`` of a ``--matmul-shapes`` JSON file (a list of ``[m, n, k, dtype]``)."""
+    import json
+
+    from meshpilot.cluster.loader import MATMUL_DTYPES
+
+    fix = 'write a JSON list of [m, n, k, dtype] entries, e.g. [[256, 768, 256, "float32"]]'
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--matmul-shapes {path}: cannot be read ({e.strerror}); give an existing JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--matmul-shapes {path}: is not JSON ({e}); {fix}") from None
+    if not isinstance(data, list):
+        raise UserError(f"--matmul-shapes {path}: is not a list; {fix}")
+    out = []
+    for i, entry in enumerate(data):
+        ok = isinstance(entry, list) and len(entry) == 4 and entry[3] in MATMUL_DTYPES
+        ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in entry[:3])
+        if not ok:
+            raise UserError(
+                f"--matmul-shapes {path}: entry {i} is {entry!r}, not [m, n, k, dtype] with positive whole m, n, k "
+                f"and dtype one of {', '.join(MATMUL_DTYPES)}; {fix}"
+            )
+        out.append((entry[0], entry[1], entry[2], entry[3]))
+    return tuple(out)
 
 
 def _check_out(out: Path) -> str | None:

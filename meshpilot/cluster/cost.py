@@ -19,6 +19,8 @@ Compute (roofline): t = max(FLOPs / rate, bytes / (membw * eff_m)), where rate i
 [m, k] @ [k, n], the rate measured at the nearest shape of its dtype (``DeviceProfile.matmul_flops``; a
 probed profile's table), and otherwise peak(dtype) * eff_c. A probed profile has eff_c = eff_m = 1: its
 peak is the best matmul rate the probe measured, membw its measured copy bandwidth (read + write).
+The accounting adds the device's fixed cost per operator (``DeviceProfile.op_overhead``) to each
+operator's roofline and prices the optimizer's update from ``membw`` (``planner.accounting``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,18 @@ with efficiency 1.0, and optionally a table of matmul rates measured at given sh
 :meth:`DeviceProfile.matmul_flops` prices a GEMM ``[m, k] @ [k, n]`` at the rate measured for the nearest
 shape of its dtype (distance ``Σ (log x − log x')²`` over m, n, k), and at ``peak × compute_efficiency``
 when the table has no entry of that dtype.
+
+Two fixed costs complete a probed profile (``meshpilot probe`` measures both; 0 = not modelled, the
+default of every built-in profile, whose vendors publish no such number):
+
+* ``op_overhead`` — seconds of one tiny operator run back to back with others (one-element ``add``): what
+  every kernel costs beyond its FLOPs and bytes. On a CPU it is the framework's dispatch (the kernel runs
+  in the calling thread); on a GPU the launch and dispatch cost of a kernel. The roofline adds it once per
+  operator (``accounting.ComputeCost``).
+* ``foreach_overhead`` — seconds per tensor of one ``torch._foreach_*`` operator over a list of tiny
+  tensors: a CPU loops over the list (about one dispatch per tensor), a GPU fuses the list into a few
+  launches (a fraction of ``op_overhead`` per tensor). The optimizer step pays it per parameter shard
+  and foreach operator (``accounting.optimizer_seconds``).
 """
 
 from __future__ import annotations
@@ -54,6 +66,10 @@ class DeviceProfile:
     """Fraction of peak memory bandwidth that streaming kernels reach."""
     matmul: tuple[MatmulRate, ...] = ()
     """Matmul rates measured at given shapes (a probed profile); empty: every GEMM at the peak rate."""
+    op_overhead: float = 0.0
+    """Seconds one operator costs beyond its roofline (module docstring); 0: not modelled."""
+    foreach_overhead: float = 0.0
+    """Seconds per tensor of one ``torch._foreach_*`` operator (module docstring); 0: not modelled."""
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back to float32 for dtypes without a faster path."""

@@ -34,6 +34,8 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     memory_GiB = 5.8
     compute_efficiency = 1.0      # optional (default 0.6): fraction of peak_tflops that matmuls reach
     memory_efficiency = 1.0       # optional (default 0.8): fraction of memory_GBps that kernels reach
+    op_overhead_us = 12.0         # optional (default 0): fixed cost of one operator beyond its roofline
+    foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
 
     [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
     m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
@@ -74,6 +76,8 @@ PROFILE_KEYS = {
     "memory_GiB",
     "compute_efficiency",
     "memory_efficiency",
+    "op_overhead_us",
+    "foreach_overhead_us",
     "matmul",
 }
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
@@ -179,7 +183,10 @@ _PROFILE_FIX = {
     "memory_GiB": "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0",
     "compute_efficiency": "give a fraction in (0, 1], e.g. 0.6, or leave the key out",
     "memory_efficiency": "give a fraction in (0, 1], e.g. 0.8, or leave the key out",
+    "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
+    "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
 }
+_OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us")
 
 
 def _device_profile(table: Any, source: str) -> DeviceProfile:
@@ -202,7 +209,10 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             continue
         where = f"device_profile.{key}"
         value = _number(table[key], where, source, positive=False)
-        if value <= 0 or (key.endswith("efficiency") and value > 1):
+        if key in _OVERHEAD_KEYS:
+            if value < 0:
+                raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
+        elif value <= 0 or (key.endswith("efficiency") and value > 1):
             need = "in (0, 1]" if key.endswith("efficiency") else "greater than zero"
             raise ClusterFileError(source, where, f"is {value}, must be {need}", _PROFILE_FIX[key])
         values[key] = value
@@ -217,6 +227,8 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         values.get("compute_efficiency", DeviceProfile.compute_efficiency),
         values.get("memory_efficiency", DeviceProfile.memory_efficiency),
         _matmul_rates(table.get("matmul", []), source),
+        values.get("op_overhead_us", 0.0) * 1e-6,
+        values.get("foreach_overhead_us", 0.0) * 1e-6,
     )
 
 
@@ -425,6 +437,9 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
         out.append(f"peak_tflops_bf16 = {_f(d.peak_flops['bfloat16'] / 1e12)}")
     out += [f"memory_GBps = {_f(d.memory_bandwidth / GB)}", f"memory_GiB = {_f(d.memory_bytes / 2**30)}"]
     out += [f"compute_efficiency = {_f(d.compute_efficiency)}", f"memory_efficiency = {_f(d.memory_efficiency)}"]
+    for key, sec in (("op_overhead_us", d.op_overhead), ("foreach_overhead_us", d.foreach_overhead)):
+        if sec:
+            out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
     for r in d.matmul:
         out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
         out.append(f"tflops = {_f(r.flops / 1e12)}")

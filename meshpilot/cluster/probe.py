@@ -17,7 +17,12 @@ after warm-up repeats that are not counted):
    With ``ProbeOptions.matmul_shapes`` (``meshpilot probe --matmul-shapes-from MODEL``: a model's own
    GEMMs, ``meshpilot.graph.gemms``) each GEMM ``[m, k] @ [k, n]`` is also timed as training runs it:
    back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), median of the repeats;
-   ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks).
+   ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks). The
+   shapes come from a built-in model (``--matmul-shapes-from``) or from a file of any captured model's
+   GEMMs (``--matmul-shapes FILE``, e.g. every plan's local shards: ``accounting.plan_gemms``).
+   Fixed costs (:func:`op_overheads`, lockstep and median as above): one tiny operator (100 one-element
+   ``add``s back to back, per op) — ``DeviceProfile.op_overhead``, the cost of a kernel beyond its roofline —
+   and one ``torch._foreach_add_`` over 100 one-element tensors, per tensor — ``foreach_overhead``.
 2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
    round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
    ping-pong; bandwidth a -> b = bytes / (time for a to send the large buffer and get a 4-byte ack,
@@ -370,6 +375,8 @@ def summarize(
         MatmulRate(m, n, k, dtype, _round(_median([d["matmul"][j] for d in devs])))
         for j, (m, n, k, dtype) in enumerate(opts.matmul_shapes)
     )
+    overheads = [_median([d.get(key, math.nan) for d in devs]) for key in ("op_overhead", "foreach_overhead")]
+    op_s, each_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
     device = DeviceProfile(
         kind,
         flops,
@@ -378,6 +385,8 @@ def summarize(
         1.0,
         1.0,
         rates,
+        op_s,
+        each_s,
     )
     skipped = sum(rec["skipped"] for rec in records[:1])
     return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
@@ -442,6 +451,7 @@ def measure_device(device: Any, opts: ProbeOptions, barrier: Callable[[], Any] |
     if device.type == "cuda":
         out["bfloat16"] = best_matmul(torch.bfloat16)
     out["matmul"] = [gemm_rate(device, m, n, k, dtype, opts, barrier=barrier) for m, n, k, dtype in opts.matmul_shapes]
+    out["op_overhead"], out["foreach_overhead"] = op_overheads(device, timed)
     src = torch.ones(max(1, opts.copy_bytes // 4), device=device)
     dst = torch.empty_like(src)
     out["memory_bandwidth"] = 2 * src.numel() * 4 / timed(functools.partial(dst.copy_, src))
@@ -453,6 +463,31 @@ def measure_device(device: Any, opts: ProbeOptions, barrier: Callable[[], Any] |
         out["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         out["host_memory"] = True  # shared by the ranks of the host: summarize() divides
     return out
+
+
+OVERHEAD_OPS = 100
+"""Tiny operators per timed call of :func:`op_overheads` (and tensors in its foreach list)."""
+
+
+def op_overheads(device: Any, timed: Callable[[Callable[[], Any]], float]) -> tuple[float, float]:
+    """Seconds of one tiny operator, and per tensor of one foreach operator, on `device` (module docstring,
+    1.): :data:`OVERHEAD_OPS` one-element ``add``s back to back (an output buffer reused, as a training step's
+    allocator does), and one ``torch._foreach_add_`` over that many one-element tensors; `timed` runs each
+    call (lockstep, median) and the time per operator / per tensor is the call's over the count."""
+    import torch
+
+    x = torch.ones(1, device=device)
+    y = torch.ones(1, device=device)
+    z = torch.empty(1, device=device)
+    many = [torch.ones(1, device=device) for _ in range(OVERHEAD_OPS)]
+
+    def tiny() -> None:
+        for _ in range(OVERHEAD_OPS):
+            torch.add(x, y, out=z)
+
+    op = timed(tiny) / OVERHEAD_OPS
+    each = timed(functools.partial(torch._foreach_add_, many, 1.0)) / OVERHEAD_OPS
+    return op, each
 
 
 def gemm_rate(

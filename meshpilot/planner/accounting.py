@@ -11,14 +11,33 @@ Its step, over ``m`` microbatches (``F0 B0 … F(m-1) B(m-1) G``, ``meshpilot.pl
     T = m · Σ_v compute(v, s_v)                       → :class:`ComputeCost` (roofline on the device)
       + m · Σ_v Σ own collectives of s_v               (``Strategy.colls``: ops that communicate inside)
       + Σ_e runs(e) · Σ_{c ∈ reshard(e)} cost(c)      → :func:`step_edges`, ``Resharder``
+      + Σ_p update(p, s_p)                             → :func:`optimizer_seconds` (once a step)
+
+``compute(v, s) = roofline(v's share under s) + o`` for an operator that runs a kernel (views and aliases
+cost nothing): ``o`` is the device's fixed cost per operator (``DeviceProfile.op_overhead``, what
+``meshpilot probe`` measures for a one-element ``add`` among many; on a CPU the dispatch, on a GPU the
+launch; 0 when not measured). The sum is exact where the host waits for every operator (a CPU); where a
+device queues kernels asynchronously (a GPU) it is an upper bound, by at most ``o`` per operator.
+
+``update(p, s) = 21 · B_p / sf_p / (membw · eff_m) + 9 · o_foreach + 2 · o`` for every trainable
+parameter ``p`` (``B_p`` its bytes, ``sf_p`` the shard factor of its layout under ``s``: a parameter
+sharded by the plan or by the ZeRO pass updates only its shard): the foreach AdamW step
+(``torch/optim/adam.py``, ``_multi_tensor_adam``, defaults: decoupled weight decay, no amsgrad) streams
+21 parameter-sized tensors per parameter — ``mul_`` of the weight (read, write: 2), ``lerp_`` of
+``exp_avg`` towards the gradient (3), ``mul_`` (2) and ``addcmul_`` (4) of ``exp_avg_sq``, ``sqrt`` (2),
+``div_`` (2) and ``add_`` of ``eps`` (2) making the denominator, ``addcdiv_`` into the weight (4) —
+through 9 foreach operators (those 8 and the step counter's ``add_``), each paying
+``o_foreach = DeviceProfile.foreach_overhead`` for this parameter's tensor in its list, and reads its step
+counter twice (``_get_value``: two scalar operators, ``o`` each). Memory-bound on every device: no FLOP term.
 
 over the *edges* ``e`` of the step (:class:`Edge`, :class:`EdgeKind`): every operand of a node, read in the
 layout its strategy wants from the layout its producer emits; the loss, made replicated; every parameter's
 gradient, resharded into the parameter's layout; every updated buffer's new value, into the buffer's
 layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a step, ``G``). A collective that
-reduces (all-reduce, reduce-scatter) counts as communication, the others as resharding
-(``StepTime``). :func:`account` returns ``T``'s parts, the seconds of each node and the
-``PlannedCollective`` list in graph order.
+reduces (all-reduce, reduce-scatter) counts as communication, the others as resharding, the update as
+``optimizer_s`` (``StepTime``). :func:`account` returns ``T``'s parts, the seconds of each node and the
+``PlannedCollective`` list in graph order. The ILP prices the same terms (``ilp.build_structure``: the
+update as a cost of the parameter's strategy), the ZeRO pass the change of the update with its layout.
 
 Memory
 ------
@@ -104,6 +123,15 @@ from meshpilot.sharding.placements import replicated, shard_factor, work_split
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
 
+ADAMW_PASSES = 21
+"""Parameter-sized tensors one foreach AdamW step reads or writes per parameter (module docstring)."""
+
+ADAMW_FOREACH_OPS = 9
+"""``torch._foreach_*`` operators of one foreach AdamW step (module docstring)."""
+
+ADAMW_SCALAR_OPS = 2
+"""Scalar operators per parameter of one foreach AdamW step: its step counter read twice (``_get_value``)."""
+
 MEMORY_ROWS = ("update", "backward")
 """The ILP's memory rows (module docstring)."""
 
@@ -165,6 +193,14 @@ def zero_row_bytes(node: OpNode, n_rep: float) -> RowBytes:
     assert node.out is not None
     s = state_bytes(node.out, True)
     return RowBytes((s.persistent + s.grad + s.update_temp) / n_rep, s.param + s.persistent / n_rep)
+
+
+def optimizer_seconds(info: TensorInfo, sf: float, device: Any) -> float:
+    """Seconds of the foreach AdamW update of a trainable parameter's shard on `device` (module docstring:
+    ``update(p, s)``): :data:`ADAMW_PASSES` parameter-sized streams of ``B / sf`` bytes at the device's
+    memory bandwidth, plus the fixed costs of its operators."""
+    streams = ADAMW_PASSES * info.nbytes / sf / (device.memory_bandwidth * device.memory_efficiency)
+    return streams + ADAMW_FOREACH_OPS * device.foreach_overhead + ADAMW_SCALAR_OPS * device.op_overhead
 
 
 def kept_copy_bytes(info: TensorInfo, layout: Any, wants: Sequence[Any], mesh_shape: Sequence[int]) -> float:
@@ -432,15 +468,31 @@ class ComputeCost:
         self.graph = graph
 
     def node(self, node: OpNode, s: Any) -> float:
-        """Roofline seconds of the device's share of `node` under strategy `s`; a matmul at the rate measured
-        for its local GEMM shape (``CostModel.compute``). Views and aliases (``_unsafe_view``) cost nothing."""
+        """Seconds of the device's share of `node` under strategy `s`: its roofline, a matmul at the rate
+        measured for its local GEMM shape (``CostModel.compute``), plus the device's fixed cost per operator
+        (``DeviceProfile.op_overhead``). Views and aliases (``_unsafe_view``) cost nothing."""
         if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
             return 0.0
         out = next((p for p in s.outs if p is not None), None)
         split = work_split(out, self.mesh_shape) if out is not None else 1
         dtype = node.out.dtype if node.out is not None else "float32"
         nbytes = (node.bytes_read + node.bytes_written) / split
-        return self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
+        roofline = self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
+        return roofline + self.cm.device.op_overhead
+
+    def update(self, node: OpNode, s: Any) -> float:
+        """Seconds of the optimizer's update of parameter `node` stored as strategy `s` lays it out
+        (:func:`optimizer_seconds`); 0 for anything but a trainable parameter."""
+        if node.kind != NodeKind.PARAM or node.out is None or self.graph is None:
+            return 0.0
+        if self.graph.grads.get(node.fqn) is None:
+            return 0.0
+        sf = shard_factor(s.outs[0], self.mesh_shape) if s.outs and s.outs[0] is not None else 1
+        return optimizer_seconds(node.out, sf, self.cm.device)
+
+    def local_gemm(self, node: OpNode, s: Any) -> tuple[int, int, int] | None:
+        """(m, n, k) of the device's shard of a matmul under `s`; None for anything else."""
+        return self._local_gemm(node, s)
 
     def _local_gemm(self, node: OpNode, s: Any) -> tuple[int, int, int] | None:
         """(m, n, k) of the device's shard of a matmul under `s` (operand dims divided by their shards)."""
@@ -576,11 +628,12 @@ def account(
             add(c, e.runs(microbatches), e.phase(graph), e.src, e.label(graph), e.operand)
 
     seconds: dict[str, float] = {}
-    total_compute = 0.0
+    total_compute = total_update = 0.0
     for node in graph.nodes:
         st = chosen[node.name]
         seconds[node.name] = sec = compute.node(node, st)
         total_compute += sec * microbatches
+        total_update += compute.update(node, st)
         phase = Phase.FWD if node.phase == Phase.FWD else Phase.BWD
         for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
             add(c, microbatches, phase, node.name, node.name)
@@ -588,7 +641,8 @@ def account(
             cross(e)
     for e in tail:
         cross(e)
-    return TimeAccount(StepTime(total_compute, parts["comm"], parts["reshard"]), seconds, tuple(colls))
+    step = StepTime(total_compute, parts["comm"], parts["reshard"], total_update)
+    return TimeAccount(step, seconds, tuple(colls))
 
 
 def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
@@ -601,19 +655,33 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     import numpy as np
 
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
-    from meshpilot.sharding.placements import from_json
-    from meshpilot.sharding.reshard import Collective, Resharder
-    from meshpilot.sharding.strategies import Strategy, fake_device_mesh
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import fake_device_mesh
 
     cl = load_cluster(cluster)
     shape = tuple(plan.mesh_shape)
     lm = LogicalMesh(cl, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape))
     resharder = Resharder(fake_device_mesh(shape), CostModel(lm))
+    chosen = plan_strategies(plan)
+    acct = account(
+        graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
+    )
+    nodes = tuple(dataclasses.replace(n, seconds=acct.node_seconds[n.name]) for n in plan.nodes)
+    return dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
+
+
+def plan_strategies(plan: Any) -> dict[str, Any]:
+    """Every node's chosen strategy, rebuilt from a saved plan (layouts, source, and the collectives an own
+    strategy issues inside the op)."""
+    from meshpilot.sharding.placements import from_json
+    from meshpilot.sharding.reshard import Collective
+    from meshpilot.sharding.strategies import Strategy
+
     own: dict[str, list[Collective]] = {}
     for c in plan.collectives:
         if c.src == c.dst:  # issued inside the op (an own strategy's)
             own.setdefault(c.src, []).append(Collective(c.kind, c.axis, c.nbytes))
-    chosen = {
+    return {
         n.name: Strategy(
             tuple(from_json(x) if x is not None else None for x in n.outs),
             tuple(from_json(x) for x in n.ins),
@@ -622,8 +690,19 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
         )
         for n in plan.nodes
     }
-    acct = account(
-        graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
-    )
-    nodes = tuple(dataclasses.replace(n, seconds=acct.node_seconds[n.name]) for n in plan.nodes)
-    return dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
+
+
+def plan_gemms(plan: Any, graph: OpGraph) -> list[tuple[int, int, int, str]]:
+    """The distinct GEMMs ``(m, n, k, dtype)`` one device of `plan` runs: every matmul of `graph` at its local
+    shard's shape under the plan's strategies, most frequent first. What ``meshpilot probe --matmul-shapes``
+    measures so that a custom model's plans are priced at their own GEMMs' rates."""
+    from collections import Counter
+
+    chosen = plan_strategies(plan)
+    cc = ComputeCost(None, plan.mesh_shape, graph)
+    seen: Counter = Counter()
+    for node in graph.nodes:
+        dims = cc.local_gemm(node, chosen[node.name]) if node.kind == NodeKind.OP else None
+        if dims is not None and node.out is not None:
+            seen[(*dims, node.out.dtype)] += 1
+    return [key for key, _ in seen.most_common()]

@@ -20,8 +20,10 @@ Objective (Eq. 1)
 
 * ``d_g[k] = Σ_{v in g} compute(v, m_v(k))`` — roofline time of the node's shard of the work
   (FLOPs and bytes divided by the devices sharing it, ``CostModel.compute``; a matmul at the rate the
-  device profile measured for the nearest GEMM shape to its shard's, ``DeviceProfile.matmul_flops``), in
-  :meth:`accounting.ComputeCost.node`. Views and ``_unsafe_view`` cost nothing.
+  device profile measured for the nearest GEMM shape to its shard's, ``DeviceProfile.matmul_flops``) plus
+  the device's fixed cost per operator, in :meth:`accounting.ComputeCost.node`. Views and ``_unsafe_view``
+  cost nothing. A trainable parameter's choice also carries the optimizer's update of its shard, once a
+  step (:meth:`accounting.ComputeCost.update`: a sharded weight updates less).
   Alpa sets compute to zero and forbids replicated matmuls instead; we price replication honestly.
   ``c_v`` (an op's own communication) is zero for DTensor strategies: partial sums stay ``Partial`` and
   are reduced on the outgoing edge, where ``R`` prices them. meshpilot's own strategies may issue
@@ -515,6 +517,15 @@ def build_structure(
         per = np.array([costs.node(node, s) for s in strategies[r]], dtype=float)
         if per.any():
             cost_terms.append((r, per * count if count != 1 else per))
+    # the optimizer's update of each trainable parameter, once a step, by the layout it is stored in
+    update_count: dict[tuple, list] = {}
+    for n in graph.nodes:
+        if n.kind == "param" and n.out is not None and graph.grads.get(n.fqn) is not None:
+            update_count.setdefault((rep[n.name], n.out), [n, 0])[1] += 1
+    for (r, _), (node, count) in update_count.items():
+        per = np.array([costs.update(node, s) for s in strategies[r]], dtype=float)
+        if per.any():
+            cost_terms.append((r, per * count))
     merge_cost = {r: np.array([costs.node(graph[r], s) for s in strategies[r]], dtype=float) for r in merge}
     edge_terms = [EdgeClass(*k, c[0]) for k, c in edge_count.items() if k[5] is not None]
 

@@ -101,12 +101,16 @@ class StepTime:
     """Predicted seconds of one training step (no overlap assumed)."""
 
     compute_s: float
+    """Operators of the forward and backward, every microbatch (roofline + fixed cost per operator)."""
     communication_s: float
     resharding_s: float
+    optimizer_s: float = 0.0
+    """The AdamW update of this device's parameter shards, once a step (``accounting.optimizer_seconds``);
+    0 in plans written before it was modelled."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.communication_s + self.resharding_s
+        return self.compute_s + self.communication_s + self.resharding_s + self.optimizer_s
 
 
 @dataclass(frozen=True)
@@ -318,7 +322,8 @@ class Plan:
             f"{self.mapping} mapping)" + (f", {self.precision}" if self.precision else ""),
             f"  step time    {t.total_s * ms:.3f} ms = compute {t.compute_s * ms:.3f} ({t.compute_s / tot:.0%})"
             f" + communication {t.communication_s * ms:.3f} ({t.communication_s / tot:.0%})"
-            f" + resharding {t.resharding_s * ms:.3f} ({t.resharding_s / tot:.0%})",
+            f" + resharding {t.resharding_s * ms:.3f} ({t.resharding_s / tot:.0%})"
+            f" + optimizer {t.optimizer_s * ms:.3f} ({t.optimizer_s / tot:.0%})",
             f"  memory       {m.total / gib:.3f} GiB per device of {m.capacity / gib:.1f} GiB"
             f" ({m.total / m.capacity if m.capacity else 0:.0%}): params {m.params / gib:.3f},"
             f" grads {m.grads / gib:.3f}, AdamW {m.optimizer / gib:.3f},"

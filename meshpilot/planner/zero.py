@@ -6,8 +6,9 @@ preferring a dim no other axis shards); its gradient and AdamW states follow. Th
 planned layouts, so the run (DTensor) all-gathers the weight where it is read and reduce-scatters the
 gradient into the shard: all-reduce → reduce-scatter + all-gather, and every rank updates ``1/n_a`` of the
 weight. Each switch is priced exactly: ``Δt`` = the gradient's new resharding + the consumers' new
-all-gathers (each once per microbatch) − what they cost before (``accounting.edge_seconds``: the edges and
-prices of the step time, DTensor's own steps, latency included); ``Δmem`` on the ILP's two memory rows
+all-gathers (each once per microbatch) + the update of the smaller shard − what they cost before
+(``accounting.edge_seconds``: the edges and prices of the step time, DTensor's own steps, latency
+included; ``accounting.optimizer_seconds``); ``Δmem`` on the ILP's two memory rows
 (``ilp`` docstring, terms from ``meshpilot.planner.accounting``): update row
 ``(W + O + G + T_opt) · (1/sf' − 1/sf)``, backward row ``(W + O) · (1/sf' − 1/sf)`` plus the gathered copy
 where a view of the weight is kept for the backward (:func:`_zero_delta`). The rule, with ``ε = 1e-9``
@@ -16,8 +17,9 @@ relative:
 * **cheaper**: ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or ``|Δt| ≤ ε``
   and ``Δmem < 0``. On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
   ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest,
-  so large gradients tie (and the switch wins on memory and on the update work, which the step time does
-  not model); small, latency-bound gradients (recursive doubling) stay all-reduced.
+  so for large gradients the communication ties and the smaller update decides (the switch also wins on
+  memory); small, latency-bound gradients (recursive doubling) stay all-reduced unless the update saves
+  more than the extra collective costs.
 * **memory**: if the plan's rows still exceed the capacity, the remaining candidates are applied in
   increasing order of ``Δt / saved bytes`` until they do.
 
@@ -43,7 +45,14 @@ from typing import Any
 import numpy as np
 
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
-from meshpilot.planner.accounting import Edge, EdgeKind, edge_seconds, kept_copy_bytes, state_bytes
+from meshpilot.planner.accounting import (
+    Edge,
+    EdgeKind,
+    edge_seconds,
+    kept_copy_bytes,
+    optimizer_seconds,
+    state_bytes,
+)
 from meshpilot.planner.plan import ZeroSwitch
 from meshpilot.sharding.placements import is_even, shard_factor, to_json
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
@@ -196,7 +205,9 @@ def zero_pass(
         if st is None:
             continue
         t_old, t_new = (
-            _param_edges_s(graph, p, lay, g_layout, chosen, pe, resharder, microbatches) for lay in (old, new)
+            _param_edges_s(graph, p, lay, g_layout, chosen, pe, resharder, microbatches)
+            + optimizer_seconds(p.out, shard_factor(lay, mesh_shape), resharder.cost_model.device)
+            for lay in (old, new)
         )
         if t_new >= UNSUPPORTED_S > t_old:  # a reader needs a resharding DTensor cannot run from `new`
             continue

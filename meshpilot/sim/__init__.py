@@ -17,7 +17,8 @@ hierarchical matrix (``Cluster.layers``: e.g. the nodes' network and a node's NV
 ``sum(NodeChoice.seconds)`` of its nodes (``F``: every node that is not in the backward phase; ``B``/``I``/``W``:
 the backward ones), times ``1 + pct/100`` on a straggler; a collective the schedule does not issue itself is
 *blocking* (issue + wait) where the plan places it: an edge's before its consumer node, an op's own after the
-op, the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step.
+op, the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step,
+followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.
 
@@ -54,7 +55,7 @@ peers, for a straggler, or for the step's end). ``step`` = the latest end over a
 *Overlap ratio* (HiDup Table 4; :attr:`ClassTime.overlap_ratio`, :func:`overlap_ratio`): ``hidden`` ÷
 ``min(compute, comm)`` — the share of the smaller of the two streams that runs beside the other.
 
-Not modelled: compute/communication contention for SMs or memory bandwidth, the optimizer step, network
+Not modelled: compute/communication contention for SMs or memory bandwidth, network
 topology below a layer (a layer is one shared resource per rank), per-message protocol effects.
 """
 

@@ -337,6 +337,9 @@ class _Lowering:
             elif k == ActionKind.GRAD_SYNC:
                 for c in self.grads:
                     self._blocking(c, 0, ops)
+                update = float(getattr(self.plan.time, "optimizer_s", 0.0))
+                if update > 0:  # the optimizer's update, once the gradients are in
+                    ops.append((_COMPUTE, update, "optimizer"))
             elif k == ActionKind.ISSUE:
                 ops.append(
                     (
