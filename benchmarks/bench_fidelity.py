@@ -23,6 +23,8 @@ A plan with a ``col`` mapping (axis 0 on contiguous ranks) sees the probe's entr
 rank groups (``LogicalMesh`` matches calibration entries by groups: a col (4, 2)'s axis 0 is the row
 (2, 4)'s axis 1).
 
+    sudo python benchmarks/bench_fidelity.py --fake --markdown --out-dir out/bench-fidelity/quiet
+                                                                           # the documented run (5-6 min quiet)
     sudo python benchmarks/bench_fidelity.py                               # probe, plan, measure, report
     sudo python benchmarks/bench_fidelity.py --probed out/x.probed.toml     # reuse an earlier probe
     python benchmarks/bench_fidelity.py --plans-only                        # plans and predictions only
