@@ -1,7 +1,10 @@
 """The pipeline runtime on 4 gloo ranks against the single device: 2 stages x 2 ranks under GPipe and 1F1B, and
 stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 microbatches of the tiny GPT: loss
-and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. One
-spawn; every check inside it."""
+and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
+stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
+submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
+searched plans of a 1-rank and a 3-rank mesh; loss and gradients against the single device, every collective,
+send and receive counted against the plans'. One spawn; every check inside it."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -67,6 +70,7 @@ def _worker(configs: dict, mlp_plan: str) -> dict:
             o_pp.step()
         out[name] = res
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
+    out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
     except UserError as e:
@@ -107,6 +111,95 @@ def _run_planned_mlp(text: str) -> dict:
     return {"grad": grad, "equal_counts": log.counts() == pm.planned_counts(), "stage": pm.stage}
 
 
+INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
+    "tp|dp": ([((0, 4), (0, 1), (1, 2)), ((4, 8), (2, 3), (1, 2))], ("megatron_tp", "data_parallel"), "1f1b"),
+    "1|3": ([((0, 4), (0,), (1, 1)), ((4, 8), (1, 2, 3), (1, 3))], (None, None), "gpipe"),
+}
+MICRO = 2
+"""Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
+
+
+def _tiny_gpt_graph():
+    import warnings
+
+    import torch
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    cfg = gpt_tiny(layers=4)
+    model = GPT(cfg).to("meta")
+    idx = torch.zeros((MICRO, cfg.seq), dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, (idx, idx), capture(model, (idx, idx))
+
+
+def _run_intra(plans: dict[str, str]) -> dict:
+    """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device."""
+    import torch
+
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    cfg = gpt_tiny(layers=4)
+    _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
+    out = {}
+    for name, text in plans.items():
+        plan = PipelinePlan.from_json(text)
+        torch.manual_seed(0)
+        idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+        tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+        torch.manual_seed(1)
+        ref = GPT(cfg)
+        torch.manual_seed(1)
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
+        params = dict(ref.named_parameters())
+        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
+        res["names"] = len(pm.named_parameters())
+        res["mismatches"] = 0
+        for _ in range(STEPS):
+            o_ref.zero_grad()
+            o_pp.zero_grad()
+            l_ref = ref(idx, tgt)
+            l_ref.backward()
+            with record_collectives(pm.mesh) as log:
+                loss = pm.step(idx, tgt)
+            if loss is not None:
+                res["loss"].append(abs(loss.item() - l_ref.item()))
+            res["grad"].append(
+                max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+            )
+            res["counts"].append(log.counts())
+            o_ref.step()
+            o_pp.step()
+        res["mismatches"] = len(pm.program.interp.mismatches)
+        out[name] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def intra_plans() -> dict[str, str]:
+    """The INTRA pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
+    from meshpilot.planner import forced
+    from meshpilot.planner.pipeline import fixed_pipeline
+
+    model, inputs, graph = _tiny_gpt_graph()
+    out = {}
+    for name, (stages, kinds, kind) in INTRA.items():
+        pp = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind)
+        force = [
+            getattr(forced, k)(model, inputs, shape, **({"graph": graph} if k == "megatron_tp" else {})) if k else None
+            for k, (_, _, shape) in zip(kinds, stages)
+        ]
+        out[name] = pp.with_intra(graph, "atp-ic3", force=force).to_json()
+    return out
+
+
 @pytest.fixture(scope="module")
 def mlp_plan() -> str:
     import warnings
@@ -123,8 +216,8 @@ def mlp_plan() -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan):
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, timeout=300)
+def four_ranks(mlp_plan, intra_plans):
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -185,3 +278,39 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         res = out["planned-mlp"]
         assert res["stage"] == stage_of[rank]
         assert res["grad"] < 1e-5 and res["equal_counts"]
+
+
+@pytest.mark.parametrize("name", list(INTRA))
+def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
+    stages = INTRA[name][0]
+    for rank, out in enumerate(four_ranks):
+        res = out[name]
+        assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
+        assert res["names"] > 0 and res["mismatches"] == 0
+        assert max(res["grad"]) < 1e-5, (rank, res["grad"])
+        if res["stage"] == len(stages) - 1:
+            assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
+        for counts in res["counts"]:  # every collective, send and receive as the plans say, every step
+            assert counts == res["planned"], (rank, counts - res["planned"], res["planned"] - counts)
+
+
+def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    tp, dp = PipelinePlan.from_json(intra_plans["tp|dp"]).intra
+    assert any("S(0)" in "".join(layout) for _, layout in tp.params)  # column-parallel weights: not data parallel
+    assert all(set(layout) == {"R"} for _, layout in dp.params)
+    row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
+    for rank, out in enumerate(four_ranks):
+        got = out["tp|dp"]["counts"][0]
+        sends = {k: c for k, c in got.items() if k[0] == CollectiveKind.SEND}
+        recvs = {k: c for k, c in got.items() if k[0] == CollectiveKind.RECV}
+        if rank < 2:  # Megatron stage: replicated activations, each replica sends one of the 2 rows, 4 microbatches;
+            # the gradients come back as batch rows from both data-parallel ranks
+            assert sends == {(CollectiveKind.SEND, "pp", row): 4}
+            assert recvs == {(CollectiveKind.RECV, "pp", row): 8}
+            assert any(k[0] == CollectiveKind.ALL_REDUCE and k[1] != "pp" for k in got)  # row-parallel sums
+        else:
+            assert recvs == {(CollectiveKind.RECV, "pp", row): 4}
+            assert sends == {(CollectiveKind.SEND, "pp", row): 8}

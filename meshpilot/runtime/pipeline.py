@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import fx
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import Phase
+from meshpilot.graph.capture import OpGraph, Phase
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.sharding.reshard import CollectiveKind
@@ -62,6 +62,7 @@ _RUNS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND, Act
 
 if TYPE_CHECKING:
     from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 PP_AXIS = "pp"
 """The axis name boundary sends and receives are recorded under."""
@@ -100,6 +101,19 @@ def _stage_inputs(split_gm: fx.GraphModule, num_stages: int) -> list[StageInputs
     return out
 
 
+def check_schedule(schedule: Schedule, stage_ranks: Sequence[Sequence[int]]) -> None:
+    """One line if `schedule` has actions the pipeline runtimes do not run or its stages miss or repeat a rank."""
+    odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in _RUNS})
+    if odd:
+        raise UserError(
+            f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
+            "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline)"
+        )
+    world = dist.get_world_size()
+    if sorted(r for rs in stage_ranks for r in rs) != list(range(world)):
+        raise UserError(f"the schedule's stages cover ranks {tuple(stage_ranks)}; give every rank 0..{world - 1} once")
+
+
 class PipelineModule:
     """This rank's stage of a pipeline and the step that runs it (module docstring)."""
 
@@ -122,17 +136,7 @@ class PipelineModule:
             raise UserError(
                 f"{len(split_points)} split points for {S} stages; give one module name per stage after the first"
             )
-        odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in _RUNS})
-        if odd:
-            raise UserError(
-                f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
-                "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline)"
-            )
-        world = dist.get_world_size()
-        if sorted(r for rs in self.stage_ranks for r in rs) != list(range(world)):
-            raise UserError(
-                f"the schedule's stages cover ranks {self.stage_ranks}; give every rank 0..{world - 1} once"
-            )
+        check_schedule(schedule, self.stage_ranks)
         rank = dist.get_rank()
         self.stage = next(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
         self.pos = self.stage_ranks[self.stage].index(rank)
@@ -313,19 +317,31 @@ def pipeline_parallelize(
     inputs: Sequence[torch.Tensor],
     plan: PipelinePlan | Sequence[str],
     schedule: Schedule | None = None,
-) -> PipelineModule:
+    *,
+    graph: OpGraph | None = None,
+) -> PipelineModule | PlannedPipelineModule:
     """This rank's stage of `model` run on a pipeline: `plan` a :class:`~meshpilot.planner.pipeline.PipelinePlan`
     (its ``split_points`` and ``step_schedule()``), or the module names that begin stages 1, 2, … (``blocks.2``)
-    with `schedule` (one rank class per stage). `inputs` is an example global batch (module docstring)."""
+    with `schedule` (one rank class per stage). `inputs` is an example global batch (module docstring).
+
+    A plan holding its stages' intra-operator plans (``PipelinePlan.with_intra``) runs each stage with its own
+    plan on its own submesh (:mod:`meshpilot.runtime.pipeline_stages`); `graph` then reuses a capture of the
+    model on one microbatch (the plan's graph). Without them every stage runs data parallel (above)."""
     from meshpilot.planner.pipeline import PipelinePlan
 
     if isinstance(plan, PipelinePlan):
         if schedule is not None:
             raise UserError("give a PipelinePlan (it holds its schedule) or split points with a schedule, not both")
+        if plan.intra:
+            from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
+
+            if not dist.is_initialized():
+                raise UserError("pipeline_parallelize needs torch.distributed initialised (run under torchrun)")
+            return PlannedPipelineModule(model, inputs, plan, graph=graph)
         return PipelineModule(model, inputs, plan.split_points, plan.step_schedule())
     if schedule is None:
         raise UserError("split points need a schedule: pass schedule=meshpilot.planner.schedule.pipeline(...)")
     return PipelineModule(model, inputs, list(plan), schedule)
 
 
-__all__ = ["DP_AXIS", "PP_AXIS", "PipelineModule", "pipeline_parallelize"]
+__all__ = ["DP_AXIS", "PP_AXIS", "PipelineModule", "check_schedule", "pipeline_parallelize"]
