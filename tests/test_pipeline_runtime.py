@@ -314,3 +314,27 @@ def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
         else:
             assert recvs == {(CollectiveKind.RECV, "pp", row): 4}
             assert sends == {(CollectiveKind.SEND, "pp", row): 8}
+
+
+def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_path, capsys, monkeypatch):
+    """`meshpilot train --plan pp.json`: the checks before any process group, one line each (no spawn)."""
+    from meshpilot.cli.main import main
+
+    path = tmp_path / "pp.json"
+    path.write_text(intra_plans["tp|dp"])  # planned for a global batch of 8 in 4 microbatches of gpt_tiny(4)
+    cases = [
+        ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
+        ("4", ["--checkpoint-dir", str(tmp_path / "ck")], ("--checkpoint-dir", "not checkpointed")),
+        (
+            "4",
+            [],
+            ("stage 0", "different model or input shapes"),
+        ),  # gpt-tiny's own batch of 4 is another microbatch shape than the plan's
+    ]
+    for world, extra, needles in cases:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", world)
+        rc = main(["train", "--model", "gpt-tiny", "--layers", "4", "--plan", str(path), *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc != 0 and len(err.splitlines()) == 1, err
+        assert all(n in err for n in needles), err
