@@ -147,7 +147,8 @@ def _run_intra(plans: dict[str, str]) -> dict:
     cfg = gpt_tiny(layers=4)
     _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
     out = {}
-    for name, text in plans.items():
+    runs = [(name, text, False) for name, text in plans.items()] + [("tp|dp+gather", plans["tp|dp"], True)]
+    for name, text, gather in runs:
         plan = PipelinePlan.from_json(text)
         torch.manual_seed(0)
         idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
@@ -155,7 +156,7 @@ def _run_intra(plans: dict[str, str]) -> dict:
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph, local_gather=gather)
         params = dict(ref.named_parameters())
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -280,9 +281,9 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         assert res["grad"] < 1e-5 and res["equal_counts"]
 
 
-@pytest.mark.parametrize("name", list(INTRA))
+@pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather"])
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
-    stages = INTRA[name][0]
+    stages = INTRA[name.removesuffix("+gather")][0]
     for rank, out in enumerate(four_ranks):
         res = out[name]
         assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
@@ -338,3 +339,47 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
         err = capsys.readouterr().err.strip()
         assert rc != 0 and len(err.splitlines()) == 1, err
         assert all(n in err for n in needles), err
+
+
+def test_local_all_gather_halves_the_gradient_rows_crossing_meshes(four_ranks):
+    """Alpa's local all-gather on the Megatron | data-parallel pipeline: the gradient boundary, replicated on
+    the Megatron stage's 2 ranks, crosses once (each row to one of them) and is all-gathered there; the
+    activations (batch rows on the receiving side) cross as before."""
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    def sent(key: str) -> int:
+        return sum(
+            n * c for out in four_ranks for (k, _, n), c in out[key]["counts"][0].items() if k == CollectiveKind.SEND
+        )
+
+    row = 16 * 32 * 4
+    plain, gathered = sent("tp|dp"), sent("tp|dp+gather")
+    # per microbatch: 2 activation rows forward either way; gradients 2 rows x 2 replicas, or 2 rows once
+    assert plain == 4 * (2 + 4) * row and gathered == 4 * (2 + 2) * row
+    for rank in (0, 1):
+        got = four_ranks[rank]["tp|dp+gather"]["counts"][0]
+        assert got[(CollectiveKind.ALL_GATHER, "local", 2 * row)] == 4  # the 2 rows, gathered once a microbatch
+        assert got[(CollectiveKind.RECV, "pp", row)] == 4
+
+
+def test_tiles_and_the_local_all_gather_plan():
+    """Pure: which rows each rank holds and which tiles cross, with and without the local all-gather."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshpilot.runtime.crossmesh import MeshSide, Tile, cross_bytes, gather_plan, rows_of, tiles
+
+    R, S0 = Replicate(), Shard(0)
+    assert rows_of(8, (2, 2), (S0, S0), (1, 0)) == (4, 6)  # nested: axis 0 halves, axis 1 halves again
+    assert rows_of(8, (2, 2), (R, S0), (1, 1)) == (4, 8)
+    one = MeshSide((0,), (1, 1), (R, R))
+    three = MeshSide((1, 2, 3), (1, 3), (R, S0))
+    assert tiles(6, one, three) == [Tile(0, 1, 0, 2), Tile(0, 2, 2, 4), Tile(0, 3, 4, 6)]
+    # 2 replicas send to 4 receivers replicating over axis 0 and splitting rows over axis 1
+    src = MeshSide((0, 1), (1, 2), (R, R))
+    dst = MeshSide((2, 3, 4, 5), (2, 2), (R, S0))
+    plain = tiles(4, src, dst)
+    assert len(plain) == 4 and cross_bytes(plain, 1) == 8  # every receiver gets its 2 rows over the link
+    gp = gather_plan(4, src, dst)
+    assert gp.groups == ((2, 4), (3, 5))  # receivers holding the same rows
+    assert cross_bytes(gp.tiles, 1) == 4  # each row crosses once
+    assert {(t.dst, t.lo, t.hi) for t in gp.tiles} == {(2, 0, 1), (4, 1, 2), (3, 2, 3), (5, 3, 4)}

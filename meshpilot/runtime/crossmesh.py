@@ -128,6 +128,7 @@ def gather_plan(n: int, src: MeshSide, dst: MeshSide) -> GatherPlan:
     blocks = sorted(held)
     out = []
     for (lo, hi), members in sorted(groups.items()):
+        members.sort()  # a process group's ranks in order: the all-gather's list order is the rows' order
         k = len(members)
         if (hi - lo) % k:
             raise UserError(

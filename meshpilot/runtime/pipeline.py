@@ -319,6 +319,7 @@ def pipeline_parallelize(
     schedule: Schedule | None = None,
     *,
     graph: OpGraph | None = None,
+    local_gather: bool = False,
 ) -> PipelineModule | PlannedPipelineModule:
     """This rank's stage of `model` run on a pipeline: `plan` a :class:`~meshpilot.planner.pipeline.PipelinePlan`
     (its ``split_points`` and ``step_schedule()``), or the module names that begin stages 1, 2, … (``blocks.2``)
@@ -326,7 +327,9 @@ def pipeline_parallelize(
 
     A plan holding its stages' intra-operator plans (``PipelinePlan.with_intra``) runs each stage with its own
     plan on its own submesh (:mod:`meshpilot.runtime.pipeline_stages`); `graph` then reuses a capture of the
-    model on one microbatch (the plan's graph). Without them every stage runs data parallel (above)."""
+    model on one microbatch (the plan's graph), and ``local_gather=True`` moves a boundary the receiving stage
+    replicates by Alpa's local all-gather (``runtime.crossmesh``). Without them every stage runs data parallel
+    (above)."""
     from meshpilot.planner.pipeline import PipelinePlan
 
     if isinstance(plan, PipelinePlan):
@@ -337,7 +340,7 @@ def pipeline_parallelize(
 
             if not dist.is_initialized():
                 raise UserError("pipeline_parallelize needs torch.distributed initialised (run under torchrun)")
-            return PlannedPipelineModule(model, inputs, plan, graph=graph)
+            return PlannedPipelineModule(model, inputs, plan, graph=graph, local_gather=local_gather)
         return PipelineModule(model, inputs, plan.split_points, plan.step_schedule())
     if schedule is None:
         raise UserError("split points need a schedule: pass schedule=meshpilot.planner.schedule.pipeline(...)")

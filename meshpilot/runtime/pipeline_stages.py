@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from meshpilot import compat
 from meshpilot.errors import UserError
@@ -57,7 +57,7 @@ from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph
 from meshpilot.runtime.collective_log import phase_scope, record
-from meshpilot.runtime.crossmesh import MeshSide, Tile, rows_of, tiles, wire_layout
+from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.program import _as_tuple, _last_uses
 from meshpilot.runtime.record import record as record_program
@@ -69,6 +69,8 @@ if TYPE_CHECKING:
 
 PP_AXIS = "pp"
 """The axis name tile sends and receives are recorded under."""
+LOCAL_AXIS = "local"
+"""The axis name of a local all-gather among the receivers of a replicated boundary (``crossmesh``)."""
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,7 @@ class PlannedPipelineModule:
         pplan: PipelinePlan,
         *,
         graph: OpGraph | None = None,
+        local_gather: bool = False,
     ) -> None:
         from meshpilot.ops import register_dtensor_strategies
         from meshpilot.planner.pipeline import runnable_layers
@@ -373,13 +376,24 @@ class PlannedPipelineModule:
         self.graph = slices[self.stage]
         # the wire layouts and tiles of every transfer this rank takes part in
         self.tiles: dict[int, list[Tile]] = {}
+        self.gathers: dict[int, tuple[Any, int]] = {}
+        """Transfers this rank all-gathers after receiving (local all-gather): (process group, its size)."""
         wires: dict[int, tuple[Placements, Placements]] = {}
         for t in self.transfers:
             src_layout = plans[t.src].node(t.node).out_placements(t.index)
             dst_layout = plans[t.dst].node(t.boundary).out_placements(0)
             src = _side(plans[t.src], pplan.stages[t.src].ranks, src_layout)
             dst = _side(plans[t.dst], pplan.stages[t.dst].ranks, dst_layout)
-            self.tiles[t.k] = tiles(t.info.shape[0], src, dst)
+            replicas = math.prod(n for n, p in zip(dst.shape, dst.wire) if not isinstance(p, Shard))
+            if local_gather and replicas > 1:
+                gp = gather_plan(t.info.shape[0], src, dst)
+                self.tiles[t.k] = list(gp.tiles)
+                for members in gp.groups:  # new groups are collective: every rank creates each, in one order
+                    group = dist.new_group(list(members))
+                    if rank in members:
+                        self.gathers[t.k] = (group, len(members))
+            else:
+                self.tiles[t.k] = tiles(t.info.shape[0], src, dst)
             if t.src == self.stage:
                 wires[t.k] = (src.wire, tuple(src_layout))
             elif t.dst == self.stage:
@@ -478,7 +492,15 @@ class PlannedPipelineModule:
                             record(CollectiveKind.RECV, PP_AXIS, 2, buf.numel() * buf.element_size(), phase)
                             dist.recv(buf, tile.src, tag=self._tag(m, t))
                             pieces.append(buf)
-                        got.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+                        mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                        if t.k in self.gathers:  # local all-gather: the rows of the other receivers holding them
+                            group, size = self.gathers[t.k]
+                            parts = [torch.empty_like(mine) for _ in range(size)]
+                            nbytes = mine.numel() * mine.element_size() * size
+                            record(CollectiveKind.ALL_GATHER, LOCAL_AXIS, size, nbytes, phase)
+                            dist.all_gather(parts, mine, group=group)
+                            mine = torch.cat(parts)
+                        got.append(mine)
                     received[(m, forward)] = got
             elif k == ActionKind.FORWARD:
                 buffers = [self._buffers[n] for n in self.graph.buffer_names]
@@ -529,6 +551,8 @@ class PlannedPipelineModule:
                 for c in resharder.collectives(planned, wire, t.info):
                     out[(c.kind, self.plan.axis_name(c.axis), c.nbytes)] += self.M
             row = math.prod(t.info.shape[1:]) * t.info.itemsize
+            if t.k in self.gathers:
+                out[(CollectiveKind.ALL_GATHER, LOCAL_AXIS, t.info.shape[0] * row)] += self.M
             for tile in self.tiles[t.k]:
                 if tile.src == rank:
                     out[(CollectiveKind.SEND, PP_AXIS, (tile.hi - tile.lo) * row)] += self.M
@@ -537,4 +561,4 @@ class PlannedPipelineModule:
         return out
 
 
-__all__ = ["PP_AXIS", "PlannedPipelineModule", "StageProgram", "Transfer", "find_transfers", "stage_mesh"]
+__all__ = ["LOCAL_AXIS", "PP_AXIS", "PlannedPipelineModule", "StageProgram", "Transfer", "find_transfers", "stage_mesh"]
