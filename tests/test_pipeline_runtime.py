@@ -3,8 +3,10 @@ stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 mic
 and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
 stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
 submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
-searched plans of a 1-rank and a 3-rank mesh; loss and gradients against the single device, every collective,
-send and receive counted against the plans'. One spawn; every check inside it."""
+searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle, and the
+first pipeline again with Alpa's local all-gather; loss and gradients against the single device, every
+collective, send and receive counted against the plans', the bytes crossing meshes with and without the local
+all-gather. One spawn; every check inside it."""
 
 from __future__ import annotations
 
@@ -114,6 +116,11 @@ def _run_planned_mlp(text: str) -> dict:
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
     "tp|dp": ([((0, 4), (0, 1), (1, 2)), ((4, 8), (2, 3), (1, 2))], ("megatron_tp", "data_parallel"), "1f1b"),
     "1|3": ([((0, 4), (0,), (1, 1)), ((4, 8), (1, 2, 3), (1, 3))], (None, None), "gpipe"),
+    "1|tp|1": (
+        [((0, 3), (0,), (1, 1)), ((3, 6), (1, 2), (1, 2)), ((6, 8), (3,), (1, 1))],
+        (None, "megatron_tp", None),
+        "1f1b",
+    ),
 }
 MICRO = 2
 """Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""

@@ -14,6 +14,11 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
   torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
       --hf-config n_layer=2 n_embd=64 n_head=4
 
+A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of a built-in GPT trains the same way, on its
+stages' submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan when the plan holds them,
+PipelinePlan.with_intra): the model's own batch, cut into the plan's microbatches; no checkpoints yet:
+  meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
+
 Checkpoints (with --plan): --checkpoint-dir DIR saves the model, AdamW's state, the step, the data position
 and the random state through torch.distributed.checkpoint every --checkpoint-every N steps, after the last
 step, and on SIGTERM (then the run stops); --resume continues from the newest complete checkpoint in DIR,
@@ -67,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plan",
         type=Path,
         metavar="FILE|auto",
-        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP; 'auto': "
+        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP, or a "
+        "pipeline plan (`meshpilot plan --pipeline --out FILE`); 'auto': "
         "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node), saved "
         "in --checkpoint-dir/plan.json or a temporary file",
     )

@@ -87,6 +87,15 @@ it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t
 Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
+5. What the runtime runs — :func:`runnable_layers`, :meth:`PipelinePlan.with_intra`, :func:`fixed_pipeline`
+----------------------------------------------------------------------------------------------------------
+The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —
+its slice over :func:`runnable_layers` (``stage.layers`` with the nodes no module made placed by their
+dependencies, so that forward values flow to later stages and gradients to earlier ones) on the stage's
+logical mesh and mapping, over the plan's microbatches — and keeps the resulting ``Plan`` per stage in
+``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
+builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
+
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
 leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline (GPipe
 and 1F1B share Eq. 2's step; the simulator times a ``step_schedule`` with one stage plan for every stage, not
