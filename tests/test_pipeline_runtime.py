@@ -122,6 +122,8 @@ INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per 
         "1f1b",
     ),
 }
+ZB = ("1|tp|1",)
+"""Configurations also run under the zero-bubble schedule (``planner.schedule.zero_bubble``: I and W)."""
 MICRO = 2
 """Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
 
@@ -142,28 +144,35 @@ def _tiny_gpt_graph():
         return model, (idx, idx), capture(model, (idx, idx))
 
 
-def _run_intra(plans: dict[str, str]) -> dict:
-    """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device."""
+def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
+    """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device; `runs`: (result
+    name, plan name, local all-gather?, zero-bubble schedule?) each, by default every plan as saved, the
+    Megatron | data-parallel one with the local all-gather, and those of ZB under the zero-bubble schedule."""
     import torch
 
     from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.schedule import zero_bubble
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
     _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
     out = {}
-    runs = [(name, text, False) for name, text in plans.items()] + [("tp|dp+gather", plans["tp|dp"], True)]
-    for name, text, gather in runs:
-        plan = PipelinePlan.from_json(text)
+    if runs is None:
+        runs = [(name, name, False, False) for name in plans]
+        runs += [("tp|dp+gather", "tp|dp", True, False)]
+        runs += [(f"{name}+zb", name, False, True) for name in ZB]
+    for name, key, gather, zb in runs:
+        plan = PipelinePlan.from_json(plans[key])
+        sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
         torch.manual_seed(0)
         idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
         tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph, local_gather=gather)
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, sched, graph=graph, local_gather=gather)
         params = dict(ref.named_parameters())
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -288,9 +297,9 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         assert res["grad"] < 1e-5 and res["equal_counts"]
 
 
-@pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather"])
+@pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
-    stages = INTRA[name.removesuffix("+gather")][0]
+    stages = INTRA[name.split("+")[0]][0]
     for rank, out in enumerate(four_ranks):
         res = out[name]
         assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
@@ -390,3 +399,25 @@ def test_tiles_and_the_local_all_gather_plan():
     assert gp.groups == ((2, 4), (3, 5))  # receivers holding the same rows
     assert cross_bytes(gp.tiles, 1) == 4  # each row crosses once
     assert {(t.dst, t.lo, t.hi) for t in gp.tiles} == {(2, 0, 1), (4, 1, 2), (3, 2, 3), (5, 3, 4)}
+
+
+def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_work():
+    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the last stage runs
+    each W at once while earlier stages delay theirs (filling the drain); in flight as under 1F1B."""
+    from meshpilot.planner.schedule import ActionKind, PipelineKind, in_flight, pipeline, zero_bubble
+
+    zb = zero_bubble([[0], [1, 2], [3]], 4)
+    assert in_flight(zb) == in_flight(pipeline([[0], [1, 2], [3]], 4, PipelineKind.ONE_F_ONE_B))
+    for s, rc in enumerate(zb.classes):
+        acts = list(rc.actions)
+        kinds = [a.kind for a in acts]
+        assert ActionKind.BACKWARD not in kinds and kinds[-1] == ActionKind.GRAD_SYNC
+        for m in range(4):
+            i = acts.index(next(a for a in acts if a.kind == ActionKind.BACKWARD_INPUT and a.microbatch == m))
+            w = acts.index(next(a for a in acts if a.kind == ActionKind.BACKWARD_WEIGHT and a.microbatch == m))
+            assert i < w
+            if s > 0:
+                assert acts[i + 1].kind == ActionKind.SEND  # the previous stage waits for it: sent before any W
+        if s == 2:
+            assert str(zb).splitlines()[3].startswith("ranks 3: R0<1 F0 I0 S0>1 W0 R1<1")
+    assert "W0" in str(zb).splitlines()[1].split("I2")[1]  # stage 0 holds its first W back two backwards

@@ -101,13 +101,29 @@ def _stage_inputs(split_gm: fx.GraphModule, num_stages: int) -> list[StageInputs
     return out
 
 
-def check_schedule(schedule: Schedule, stage_ranks: Sequence[Sequence[int]]) -> None:
-    """One line if `schedule` has actions the pipeline runtimes do not run or its stages miss or repeat a rank."""
-    odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in _RUNS})
+_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+
+
+def check_schedule(schedule: Schedule, stage_ranks: Sequence[Sequence[int]], *, split_backward: bool = False) -> None:
+    """One line if `schedule` has actions the pipeline runtimes do not run (``I`` / ``W`` only with
+    `split_backward`: the runtime of stages with their own plans) or its stages miss or repeat a rank."""
+    runs = _RUNS | _SPLIT if split_backward else _RUNS
+    odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in runs})
     if odd:
+        if split_backward:
+            raise UserError(
+                f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, I, W, S, R "
+                "and G; give a GPipe, 1F1B or zero-bubble schedule (meshpilot.planner.schedule)"
+            )
         raise UserError(
             f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
-            "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline)"
+            "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline), or a plan with its stages' plans "
+            "(PipelinePlan.with_intra) for a zero-bubble one"
+        )
+    if [tuple(c.ranks) for c in schedule.classes] != [tuple(r) for r in stage_ranks]:
+        raise UserError(
+            f"schedule {schedule.name!r} has rank classes {[tuple(c.ranks) for c in schedule.classes]}; a pipeline "
+            f"schedule has one per stage, the stages' ranks {[tuple(r) for r in stage_ranks]} in order"
         )
     world = dist.get_world_size()
     if sorted(r for rs in stage_ranks for r in rs) != list(range(world)):
@@ -327,20 +343,26 @@ def pipeline_parallelize(
 
     A plan holding its stages' intra-operator plans (``PipelinePlan.with_intra``) runs each stage with its own
     plan on its own submesh (:mod:`meshpilot.runtime.pipeline_stages`); `graph` then reuses a capture of the
-    model on one microbatch (the plan's graph), and ``local_gather=True`` moves a boundary the receiving stage
-    replicates by Alpa's local all-gather (``runtime.crossmesh``). Without them every stage runs data parallel
-    (above)."""
+    model on one microbatch (the plan's graph), ``local_gather=True`` moves a boundary the receiving stage
+    replicates by Alpa's local all-gather (``runtime.crossmesh``), and `schedule` replaces the plan's own
+    (one rank class per stage, e.g. ``planner.schedule.zero_bubble``: backwards split into ``I`` and ``W``).
+    Without them every stage runs data parallel (above)."""
     from meshpilot.planner.pipeline import PipelinePlan
 
     if isinstance(plan, PipelinePlan):
-        if schedule is not None:
-            raise UserError("give a PipelinePlan (it holds its schedule) or split points with a schedule, not both")
         if plan.intra:
             from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
             if not dist.is_initialized():
                 raise UserError("pipeline_parallelize needs torch.distributed initialised (run under torchrun)")
-            return PlannedPipelineModule(model, inputs, plan, graph=graph, local_gather=local_gather)
+            return PlannedPipelineModule(
+                model, inputs, plan, graph=graph, local_gather=local_gather, schedule=schedule
+            )  # fmt: skip
+        if schedule is not None:
+            raise UserError(
+                "a PipelinePlan without its stages' plans runs its own schedule; leave schedule= out, or add the "
+                "stages' plans (PipelinePlan.with_intra) to run another (a zero-bubble one)"
+            )
         return PipelineModule(model, inputs, plan.split_points, plan.step_schedule())
     if schedule is None:
         raise UserError("split points need a schedule: pass schedule=meshpilot.planner.schedule.pipeline(...)")

@@ -176,6 +176,38 @@ class StageProgram:
             keep.add(g.loss[0])
         self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=keep)
         self.forward_gm = self.backward_gm = self.grad_sync_gm = None
+        self._split_backward(g)
+
+    def _split_backward(self, g: OpGraph) -> None:
+        """The backward as ``I`` (the nodes the gradients sent to the previous stage need) and ``W`` (the rest:
+        weight gradients), and what ``I`` hands ``W`` (values it made or received that ``W`` reads)."""
+        made = {n.name: n for n in self.bwd_nodes}
+        cone: set[str] = set()
+        stack = [t.node for t in self.send_bwd]
+        while stack:
+            x = stack.pop()
+            if x in cone or x not in made:
+                continue
+            cone.add(x)
+            stack += [src for src, _ in made[x].inputs]
+        self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
+        self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
+        by_i = cone | set(self.late)
+        handoff: dict[tuple[str, int], None] = {}
+        for n in self.w_nodes:
+            for src, i in n.inputs:
+                if src in by_i:
+                    handoff.setdefault((src, i), None)
+        grads = [g.grads[f] for f in self.trainable if g.grads.get(f) is not None]
+        for gr in grads:
+            if gr[0] in by_i:
+                handoff.setdefault(gr, None)
+        self.handoff = list(handoff)
+        self.handoff_specs: list[Any] = []
+        keep_i = {s for s, _ in self.handoff} | {t.node for t in self.send_bwd}
+        self._last_use_i = _last_uses(self.i_nodes, keep=keep_i)
+        self._last_use_w = _last_uses(self.w_nodes, keep={gr[0] for gr in grads})
+        self.input_gm = self.weight_gm = None
 
     # ------------------------------------------------------------------ values crossing stages
     def _received(self, t: Transfer, local: torch.Tensor) -> DTensor:
@@ -278,6 +310,64 @@ class StageProgram:
             out += [self._outgoing(t, env) for t in self.send_bwd]
         return tuple(out)
 
+    # ------------------------------------------------------------------ backward split: I then W (zero bubble)
+    def _env(self, pairs, specs, locals_) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for (s, i), spec, local in zip(pairs, specs, locals_):
+            env.setdefault(s, {})[i] = DTensor(local, spec, requires_grad=False) if spec is not None else local
+        return env
+
+    def backward_input(self, saved, received) -> tuple[list, list]:
+        """``I``: (values to send backward, what ``W`` reads of this microbatch) as local tensors."""
+        args = [*saved, *received]
+        if self.input_gm is None:
+            self.input_gm, result = record_program(lambda *flat: self._input_body(flat), *args)
+        else:
+            result = self.input_gm(*args)
+        result = list(result)
+        n_out = len(self.send_bwd)
+        return result[:n_out], result[n_out:]
+
+    def _input_body(self, flat) -> tuple:
+        n_saved = len(self.saved)
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+            for t, local in zip(self.recv_bwd, flat[n_saved:]):
+                env.setdefault(t.boundary, {})[0] = self._received(t, local)
+            env = {k: _as_tuple(v) for k, v in env.items()}
+            self.interp.run(self.i_nodes, env, self._last_use_i)
+            out = [self._outgoing(t, env) for t in self.send_bwd]
+            kept = [env[s][i] for s, i in self.handoff]
+            self.handoff_specs = [v._spec if isinstance(v, DTensor) else None for v in kept]
+            out += [v._local_tensor if isinstance(v, DTensor) else v for v in kept]
+        return tuple(out)
+
+    def backward_weight(self, saved, handed) -> list:
+        """``W``: this rank's part of each trainable parameter's gradient (None: no gradient)."""
+        args = [*saved, *handed]
+        if self.weight_gm is None:
+            self.weight_gm, result = record_program(lambda *flat: self._weight_body(flat), *args)
+        else:
+            result = self.weight_gm(*args)
+        it = iter(result)
+        return [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
+
+    def _weight_body(self, flat) -> tuple:
+        g, n_saved = self.graph, len(self.saved)
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+            for k, v in self._env(self.handoff, self.handoff_specs, flat[n_saved:]).items():
+                env.setdefault(k, {}).update(v)
+            env = {k: _as_tuple(v) for k, v in env.items()}
+            self.interp.run(self.w_nodes, env, self._last_use_w)
+            out = []
+            for fqn in self.trainable:
+                gr = g.grads.get(fqn)
+                if gr is not None:
+                    v = env[gr[0]][gr[1]]
+                    out.append(v._local_tensor if isinstance(v, DTensor) else v)
+        return tuple(out)
+
     # ------------------------------------------------------------------ gradient synchronisation
     def grad_sync(self, grads: list) -> list:
         present = [x for x in grads if x is not None]
@@ -326,6 +416,7 @@ class PlannedPipelineModule:
         *,
         graph: OpGraph | None = None,
         local_gather: bool = False,
+        schedule: Schedule | None = None,
     ) -> None:
         from meshpilot.ops import register_dtensor_strategies
         from meshpilot.planner.pipeline import runnable_layers
@@ -335,10 +426,15 @@ class PlannedPipelineModule:
 
         register_dtensor_strategies()
         self.pplan = pplan
-        self.schedule: Schedule = pplan.step_schedule()
+        self.schedule: Schedule = schedule if schedule is not None else pplan.step_schedule()
         self.stage_ranks = tuple(st.ranks for st in pplan.stages)
         self.M = pplan.microbatches
-        check_schedule(self.schedule, self.stage_ranks)
+        if self.schedule.microbatches != self.M:
+            raise UserError(
+                f"schedule {self.schedule.name!r} runs {self.schedule.microbatches} microbatches, the plan was made "
+                f"for {self.M}; give a schedule of {self.M}"
+            )
+        check_schedule(self.schedule, self.stage_ranks, split_backward=True)
         rank = dist.get_rank()
         S = len(pplan.stages)
         self.stage = next(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
@@ -460,6 +556,7 @@ class PlannedPipelineModule:
         received: dict[tuple[int, bool], list[torch.Tensor]] = {}
         outgoing: dict[tuple[int, bool], list[torch.Tensor]] = {}
         saved: dict[int, list] = {}
+        handed: dict[int, list] = {}
         losses: list[torch.Tensor] = []
         grads: list | None = None
         sends: list = []
@@ -514,14 +611,19 @@ class PlannedPipelineModule:
                     losses.append(loss.detach())
                 saved[m] = kept
                 outgoing[(m, True)] = out
-            elif k == ActionKind.BACKWARD:
+            elif k in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 with phase_scope(Phase.BWD):
-                    gs, out = prog.backward(saved.pop(m), received.pop((m, False), []))
+                    if k == ActionKind.BACKWARD:
+                        gs, outgoing[(m, False)] = prog.backward(saved.pop(m), received.pop((m, False), []))
+                    else:
+                        gs = prog.backward_weight(saved.pop(m), handed.pop(m))
                 gs = [x / self.M if x is not None else None for x in gs]
                 grads = (
                     gs if grads is None else [y if x is None else x if y is None else x + y for x, y in zip(grads, gs)]
                 )
-                outgoing[(m, False)] = out
+            elif k == ActionKind.BACKWARD_INPUT:
+                with phase_scope(Phase.BWD):
+                    outgoing[(m, False)], handed[m] = prog.backward_input(saved[m], received.pop((m, False), []))
             elif k == ActionKind.GRAD_SYNC:
                 with phase_scope(Phase.BWD):
                     synced = prog.grad_sync(grads or [None] * len(self._trainable))
