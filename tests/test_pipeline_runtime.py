@@ -335,18 +335,20 @@ def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
 
 def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_path, capsys, monkeypatch):
     """`meshpilot train --plan pp.json`: the checks before any process group, one line each (no spawn)."""
+    import json
+
     from meshpilot.cli.main import main
 
     path = tmp_path / "pp.json"
     path.write_text(intra_plans["tp|dp"])  # planned for a global batch of 8 in 4 microbatches of gpt_tiny(4)
+    bare = tmp_path / "bare.json"  # the same stages without their plans: data-parallel stages
+    bare.write_text(json.dumps({k: v for k, v in json.loads(intra_plans["tp|dp"]).items() if k != "intra"}))
+    other_shapes = ("stage 0", "different model or input shapes")  # gpt-tiny's own batch of 4 is not the plan's
     cases = [
         ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
         ("4", ["--checkpoint-dir", str(tmp_path / "ck")], ("--checkpoint-dir", "not checkpointed")),
-        (
-            "4",
-            [],
-            ("stage 0", "different model or input shapes"),
-        ),  # gpt-tiny's own batch of 4 is another microbatch shape than the plan's
+        ("4", [], other_shapes),
+        ("4", ["--plan", str(bare)], ("no stage plans", "microbatch of 1 rows", "stages of [2] ranks")),
     ]
     for world, extra, needles in cases:
         monkeypatch.setenv("RANK", "0")

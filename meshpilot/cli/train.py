@@ -498,6 +498,13 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
             "leave --precision out"
         )
     graph = None
+    odd = sorted({len(st.ranks) for st in plan.stages if (cfg.batch // M) % len(st.ranks)})
+    if not plan.intra and odd:
+        raise UserError(
+            f"{source}: holds no stage plans, so every stage runs data parallel, cutting each microbatch of "
+            f"{cfg.batch // M} rows over its ranks; stages of {odd} ranks do not divide it: give the stages' plans "
+            "(PipelinePlan.with_intra) or a model batch divisible by the microbatches x each stage's ranks"
+        )
     if plan.intra:
         with torch.device("meta"):
             model = GPT(cfg)
