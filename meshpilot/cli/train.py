@@ -718,7 +718,7 @@ def _train(
         cluster = plan.intra[0].cluster if plan.intra else ""
         rate = Throughput(
             items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size(),
-            planned_s=plan.step_s, cluster=cluster,
+            planned_s=plan.step_s if cluster else 0.0, cluster=cluster,
         )  # fmt: skip
         if rank == 0 and not plan.intra:
             print(
