@@ -1,8 +1,14 @@
 """Running a pipeline: stages on submeshes, microbatches on a :class:`~meshpilot.planner.schedule.Schedule`.
 
-:func:`pipeline_parallelize` cuts the model into stages with ``torch.distributed.pipelining.pipeline`` (its
-tracer splits the forward at the modules that begin stages 1, 2, …, e.g. ``blocks.2``; the loss computed in
-the model's forward stays in the last stage) and keeps this rank's stage module. :meth:`PipelineModule.step`
+A :class:`~meshpilot.planner.pipeline.PipelinePlan` that holds its stages' intra-operator plans
+(``PipelinePlan.with_intra``) runs each stage with its own plan: :mod:`meshpilot.runtime.pipeline_stages`
+(cross-mesh resharding in :mod:`meshpilot.runtime.crossmesh`). This module is the other way, for plans
+without them and for split points given with a schedule: every stage data parallel.
+
+Data-parallel stages: :func:`pipeline_parallelize` cuts the model into stages with
+``torch.distributed.pipelining.pipeline`` (its tracer splits the forward at the modules that begin stages 1,
+2, …, e.g. ``blocks.2``; the loss computed in the model's forward stays in the last stage) and keeps this
+rank's stage module. :meth:`PipelineModule.step`
 then runs this rank's actions of the schedule (``planner.schedule.pipeline``: GPipe, 1F1B):
 
 ``F m``  the stage module on microbatch m — the model's own inputs it reads (every rank passes the full
@@ -25,8 +31,8 @@ size, several when they differ (a stage of 1 rank sends a stage of 3 one row-til
 concatenates them). The schedule names the first rank of the peer stage; the tiles say which ranks really
 talk. Refused in one line: a batch that does not split into equal shards on every stage, a boundary whose
 dim 0 is not the batch, boundaries that are not one tensor from the stage just before (skip connections
-across stages). Alpa's local all-gather (cross the slow link once, all-gather on the fast one) is not done:
-with batch-sharded boundaries every row crosses once already.
+across stages). Alpa's local all-gather (cross the slow link once, all-gather on the fast one) is not needed
+here: with batch-sharded boundaries every row crosses once already (the stage-plan runtime has it).
 
 With equal shards and a loss that averages over its batch (the GPT's cross-entropy), the step's gradients
 equal the single-device full-batch gradients and its loss (the mean over microbatches and shards) the

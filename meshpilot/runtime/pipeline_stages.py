@@ -16,6 +16,11 @@ node runs the strategy the stage's search chose, through the same machinery as `
   each gradient, gradients for the previous stage);
 * gradient sync ``G`` — each gradient into its parameter's layout (the stage plan's ``grad:`` collectives).
 
+Under a zero-bubble schedule (``planner.schedule.zero_bubble``) the backward runs as two programs instead:
+``I m`` — the backward nodes the gradients sent to the previous stage depend on (data flow from those
+values back through the slice), ending with those gradients and what ``W`` will read of its values and of
+the received gradients — and ``W m``, the remaining nodes (the weight gradients).
+
 Values crossing stages (:class:`Transfer`) are the slice's ``boundary:`` inputs: the activations (and anything
 else of the previous stage's forward) a stage reads, sent after ``F`` on the schedule's ``S``; the gradients
 it reads from the next stage's backward, sent after ``B``. Each moves between the two meshes as
@@ -538,13 +543,10 @@ class PlannedPipelineModule:
     def _tag(self, m: int, t: Transfer) -> int:
         return m * len(self.transfers) + t.k
 
-    def _my_rows(self, t: Transfer, side: str) -> int:
-        """The first row of the wire piece this rank holds of transfer `t` (`side`: ``src`` or ``dst``)."""
-        stage = t.src if side == "src" else t.dst
+    def _first_row(self, t: Transfer) -> int:
+        """The first row of the wire piece of transfer `t` this (sending) rank holds."""
         wire, _ = self.program.wires[t.k]
-        coord = self.mesh.get_coordinate()
-        assert stage == self.stage and coord is not None
-        return rows_of(t.info.shape[0], tuple(self.mesh.shape), wire, coord)[0]
+        return rows_of(t.info.shape[0], tuple(self.mesh.shape), wire, self.mesh.get_coordinate())[0]
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor | None:
         """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this stage's
@@ -569,7 +571,7 @@ class PlannedPipelineModule:
                 if k == ActionKind.SEND:
                     todo = prog.send_fwd if forward else prog.send_bwd
                     for t, local in zip(todo, outgoing.pop((m, forward))):
-                        first = self._my_rows(t, "src")
+                        first = self._first_row(t)
                         for tile in self.tiles[t.k]:
                             if tile.src != rank:
                                 continue
