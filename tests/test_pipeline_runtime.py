@@ -10,6 +10,8 @@ all-gather. One spawn; every check inside it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from dist_utils import run_distributed
 
@@ -128,6 +130,7 @@ MICRO = 2
 """Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
 
 
+@functools.cache
 def _tiny_gpt_graph():
     import warnings
 
@@ -423,3 +426,29 @@ def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_wor
         if s == 2:
             assert str(zb).splitlines()[3].startswith("ranks 3: R0<1 F0 I0 S0>1 W0 R1<1")
     assert "W0" in str(zb).splitlines()[1].split("I2")[1]  # stage 0 holds its first W back two backwards
+
+
+def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
+    """Pure: at every cut of the tiny GPT's 8 layers the runtime's slices (``runnable_layers``) exchange forward
+    values from stage 0 to 1 and gradients from 1 to 0 only; the planner's ``stage.layers`` puts the backward's
+    running sum of the residual gradient in the last layer, which no pipeline can run."""
+    from meshpilot.errors import UserError
+    from meshpilot.planner.pipeline import runnable_layers
+    from meshpilot.planner.stage import layers, slice_graph
+    from meshpilot.runtime.pipeline_stages import find_transfers
+
+    _, _, graph = _tiny_gpt_graph()
+
+    def transfers(all_layers, cut):
+        slices = [slice_graph(graph, 0, cut, all_layers), slice_graph(graph, cut, len(all_layers), all_layers)]
+        stage_of = {x: int(j >= cut) for j, layer in enumerate(all_layers) for x in layer.nodes}
+        return find_transfers(graph, slices, stage_of)
+
+    run = runnable_layers(graph)
+    assert [x.name for x in run] == [x.name for x in layers(graph)]
+    for cut in range(1, len(run)):
+        found = transfers(run, cut)
+        assert any(t.forward for t in found) and any(not t.forward for t in found), cut
+        assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
+    with pytest.raises(UserError, match="reads .* of stage"):
+        transfers(layers(graph), 3)
