@@ -1,9 +1,16 @@
 """The pipeline runtime on 4 gloo ranks against the single device: 2 stages x 2 ranks under GPipe and 1F1B, and
 stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 microbatches of the tiny GPT: loss
-and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. One
-spawn; every check inside it."""
+and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
+stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
+submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
+searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle, and the
+first pipeline again with Alpa's local all-gather; loss and gradients against the single device, every
+collective, send and receive counted against the plans', the bytes crossing meshes with and without the local
+all-gather. One spawn; every check inside it."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 from dist_utils import run_distributed
@@ -20,7 +27,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -67,6 +74,7 @@ def _worker(configs: dict, mlp_plan: str) -> dict:
             o_pp.step()
         out[name] = res
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
+    out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
     except UserError as e:
@@ -107,6 +115,111 @@ def _run_planned_mlp(text: str) -> dict:
     return {"grad": grad, "equal_counts": log.counts() == pm.planned_counts(), "stage": pm.stage}
 
 
+INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
+    "tp|dp": ([((0, 4), (0, 1), (1, 2)), ((4, 8), (2, 3), (1, 2))], ("megatron_tp", "data_parallel"), "1f1b"),
+    "1|3": ([((0, 4), (0,), (1, 1)), ((4, 8), (1, 2, 3), (1, 3))], (None, None), "gpipe"),
+    "1|tp|1": (
+        [((0, 3), (0,), (1, 1)), ((3, 6), (1, 2), (1, 2)), ((6, 8), (3,), (1, 1))],
+        (None, "megatron_tp", None),
+        "1f1b",
+    ),
+}
+ZB = ("1|tp|1",)
+"""Configurations also run under the zero-bubble schedule (``planner.schedule.zero_bubble``: I and W)."""
+MICRO = 2
+"""Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
+
+
+@functools.cache
+def _tiny_gpt_graph():
+    import warnings
+
+    import torch
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    cfg = gpt_tiny(layers=4)
+    model = GPT(cfg).to("meta")
+    idx = torch.zeros((MICRO, cfg.seq), dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, (idx, idx), capture(model, (idx, idx))
+
+
+def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
+    """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device; `runs`: (result
+    name, plan name, local all-gather?, zero-bubble schedule?) each, by default every plan as saved, the
+    Megatron | data-parallel one with the local all-gather, and those of ZB under the zero-bubble schedule."""
+    import torch
+
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.schedule import zero_bubble
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    cfg = gpt_tiny(layers=4)
+    _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
+    out = {}
+    if runs is None:
+        runs = [(name, name, False, False) for name in plans]
+        runs += [("tp|dp+gather", "tp|dp", True, False)]
+        runs += [(f"{name}+zb", name, False, True) for name in ZB]
+    for name, key, gather, zb in runs:
+        plan = PipelinePlan.from_json(plans[key])
+        sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
+        torch.manual_seed(0)
+        idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+        tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+        torch.manual_seed(1)
+        ref = GPT(cfg)
+        torch.manual_seed(1)
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, sched, graph=graph, local_gather=gather)
+        params = dict(ref.named_parameters())
+        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
+        res["names"] = len(pm.named_parameters())
+        res["mismatches"] = 0
+        for _ in range(STEPS):
+            o_ref.zero_grad()
+            o_pp.zero_grad()
+            l_ref = ref(idx, tgt)
+            l_ref.backward()
+            with record_collectives(pm.mesh) as log:
+                loss = pm.step(idx, tgt)
+            if loss is not None:
+                res["loss"].append(abs(loss.item() - l_ref.item()))
+            res["grad"].append(
+                max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+            )
+            res["counts"].append(log.counts())
+            o_ref.step()
+            o_pp.step()
+        res["mismatches"] = len(pm.program.interp.mismatches)
+        out[name] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def intra_plans() -> dict[str, str]:
+    """The INTRA pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
+    from meshpilot.planner import forced
+    from meshpilot.planner.pipeline import fixed_pipeline
+
+    model, inputs, graph = _tiny_gpt_graph()
+    out = {}
+    for name, (stages, kinds, kind) in INTRA.items():
+        pp = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind)
+        force = [
+            getattr(forced, k)(model, inputs, shape, **({"graph": graph} if k == "megatron_tp" else {})) if k else None
+            for k, (_, _, shape) in zip(kinds, stages)
+        ]
+        out[name] = pp.with_intra(graph, "atp-ic3", force=force).to_json()
+    return out
+
+
 @pytest.fixture(scope="module")
 def mlp_plan() -> str:
     import warnings
@@ -123,8 +236,8 @@ def mlp_plan() -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan):
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, timeout=300)
+def four_ranks(mlp_plan, intra_plans):
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -185,3 +298,157 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         res = out["planned-mlp"]
         assert res["stage"] == stage_of[rank]
         assert res["grad"] < 1e-5 and res["equal_counts"]
+
+
+@pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
+def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
+    stages = INTRA[name.split("+")[0]][0]
+    for rank, out in enumerate(four_ranks):
+        res = out[name]
+        assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
+        assert res["names"] > 0 and res["mismatches"] == 0
+        assert max(res["grad"]) < 1e-5, (rank, res["grad"])
+        if res["stage"] == len(stages) - 1:
+            assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
+        for counts in res["counts"]:  # every collective, send and receive as the plans say, every step
+            assert counts == res["planned"], (rank, counts - res["planned"], res["planned"] - counts)
+
+
+def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    tp, dp = PipelinePlan.from_json(intra_plans["tp|dp"]).intra
+    assert any("S(0)" in "".join(layout) for _, layout in tp.params)  # column-parallel weights: not data parallel
+    assert all(set(layout) == {"R"} for _, layout in dp.params)
+    row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
+    for rank, out in enumerate(four_ranks):
+        got = out["tp|dp"]["counts"][0]
+        sends = {k: c for k, c in got.items() if k[0] == CollectiveKind.SEND}
+        recvs = {k: c for k, c in got.items() if k[0] == CollectiveKind.RECV}
+        if rank < 2:  # Megatron stage: replicated activations, each replica sends one of the 2 rows, 4 microbatches;
+            # the gradients come back as batch rows from both data-parallel ranks
+            assert sends == {(CollectiveKind.SEND, "pp", row): 4}
+            assert recvs == {(CollectiveKind.RECV, "pp", row): 8}
+            assert any(k[0] == CollectiveKind.ALL_REDUCE and k[1] != "pp" for k in got)  # row-parallel sums
+        else:
+            assert recvs == {(CollectiveKind.RECV, "pp", row): 4}
+            assert sends == {(CollectiveKind.SEND, "pp", row): 8}
+
+
+def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_path, capsys, monkeypatch):
+    """`meshpilot train --plan pp.json`: the checks before any process group, one line each (no spawn)."""
+    import json
+
+    from meshpilot.cli.main import main
+
+    path = tmp_path / "pp.json"
+    path.write_text(intra_plans["tp|dp"])  # planned for a global batch of 8 in 4 microbatches of gpt_tiny(4)
+    bare = tmp_path / "bare.json"  # the same stages without their plans: data-parallel stages
+    bare.write_text(json.dumps({k: v for k, v in json.loads(intra_plans["tp|dp"]).items() if k != "intra"}))
+    other_shapes = ("stage 0", "different model or input shapes")  # gpt-tiny's own batch of 4 is not the plan's
+    cases = [
+        ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
+        ("4", ["--checkpoint-dir", str(tmp_path / "ck")], ("--checkpoint-dir", "not checkpointed")),
+        ("4", [], other_shapes),
+        ("4", ["--plan", str(bare)], ("no stage plans", "microbatch of 1 rows", "stages of [2] ranks")),
+    ]
+    for world, extra, needles in cases:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", world)
+        rc = main(["train", "--model", "gpt-tiny", "--layers", "4", "--plan", str(path), *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc != 0 and len(err.splitlines()) == 1, err
+        assert all(n in err for n in needles), err
+
+
+def test_local_all_gather_halves_the_gradient_rows_crossing_meshes(four_ranks):
+    """Alpa's local all-gather on the Megatron | data-parallel pipeline: the gradient boundary, replicated on
+    the Megatron stage's 2 ranks, crosses once (each row to one of them) and is all-gathered there; the
+    activations (batch rows on the receiving side) cross as before."""
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    def sent(key: str) -> int:
+        return sum(
+            n * c for out in four_ranks for (k, _, n), c in out[key]["counts"][0].items() if k == CollectiveKind.SEND
+        )
+
+    row = 16 * 32 * 4
+    plain, gathered = sent("tp|dp"), sent("tp|dp+gather")
+    # per microbatch: 2 activation rows forward either way; gradients 2 rows x 2 replicas, or 2 rows once
+    assert plain == 4 * (2 + 4) * row and gathered == 4 * (2 + 2) * row
+    for rank in (0, 1):
+        got = four_ranks[rank]["tp|dp+gather"]["counts"][0]
+        assert got[(CollectiveKind.ALL_GATHER, "local", 2 * row)] == 4  # the 2 rows, gathered once a microbatch
+        assert got[(CollectiveKind.RECV, "pp", row)] == 4
+
+
+def test_tiles_and_the_local_all_gather_plan():
+    """Pure: which rows each rank holds and which tiles cross, with and without the local all-gather."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshpilot.runtime.crossmesh import MeshSide, Tile, cross_bytes, gather_plan, rows_of, tiles
+
+    R, S0 = Replicate(), Shard(0)
+    assert rows_of(8, (2, 2), (S0, S0), (1, 0)) == (4, 6)  # nested: axis 0 halves, axis 1 halves again
+    assert rows_of(8, (2, 2), (R, S0), (1, 1)) == (4, 8)
+    one = MeshSide((0,), (1, 1), (R, R))
+    three = MeshSide((1, 2, 3), (1, 3), (R, S0))
+    assert tiles(6, one, three) == [Tile(0, 1, 0, 2), Tile(0, 2, 2, 4), Tile(0, 3, 4, 6)]
+    # 2 replicas send to 4 receivers replicating over axis 0 and splitting rows over axis 1
+    src = MeshSide((0, 1), (1, 2), (R, R))
+    dst = MeshSide((2, 3, 4, 5), (2, 2), (R, S0))
+    plain = tiles(4, src, dst)
+    assert len(plain) == 4 and cross_bytes(plain, 1) == 8  # every receiver gets its 2 rows over the link
+    gp = gather_plan(4, src, dst)
+    assert gp.groups == ((2, 4), (3, 5))  # receivers holding the same rows
+    assert cross_bytes(gp.tiles, 1) == 4  # each row crosses once
+    assert {(t.dst, t.lo, t.hi) for t in gp.tiles} == {(2, 0, 1), (4, 1, 2), (3, 2, 3), (5, 3, 4)}
+
+
+def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_work():
+    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the last stage runs
+    each W at once while earlier stages delay theirs (filling the drain); in flight as under 1F1B."""
+    from meshpilot.planner.schedule import ActionKind, PipelineKind, in_flight, pipeline, zero_bubble
+
+    zb = zero_bubble([[0], [1, 2], [3]], 4)
+    assert in_flight(zb) == in_flight(pipeline([[0], [1, 2], [3]], 4, PipelineKind.ONE_F_ONE_B))
+    for s, rc in enumerate(zb.classes):
+        acts = list(rc.actions)
+        kinds = [a.kind for a in acts]
+        assert ActionKind.BACKWARD not in kinds and kinds[-1] == ActionKind.GRAD_SYNC
+        for m in range(4):
+            i = acts.index(next(a for a in acts if a.kind == ActionKind.BACKWARD_INPUT and a.microbatch == m))
+            w = acts.index(next(a for a in acts if a.kind == ActionKind.BACKWARD_WEIGHT and a.microbatch == m))
+            assert i < w
+            if s > 0:
+                assert acts[i + 1].kind == ActionKind.SEND  # the previous stage waits for it: sent before any W
+        if s == 2:
+            assert str(zb).splitlines()[3].startswith("ranks 3: R0<1 F0 I0 S0>1 W0 R1<1")
+    assert "W0" in str(zb).splitlines()[1].split("I2")[1]  # stage 0 holds its first W back two backwards
+
+
+def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
+    """Pure: at every cut of the tiny GPT's 8 layers the runtime's slices (``runnable_layers``) exchange forward
+    values from stage 0 to 1 and gradients from 1 to 0 only; the planner's ``stage.layers`` puts the backward's
+    running sum of the residual gradient in the last layer, which no pipeline can run."""
+    from meshpilot.errors import UserError
+    from meshpilot.planner.pipeline import runnable_layers
+    from meshpilot.planner.stage import layers, slice_graph
+    from meshpilot.runtime.pipeline_stages import find_transfers
+
+    _, _, graph = _tiny_gpt_graph()
+
+    def transfers(all_layers, cut):
+        slices = [slice_graph(graph, 0, cut, all_layers), slice_graph(graph, cut, len(all_layers), all_layers)]
+        stage_of = {x: int(j >= cut) for j, layer in enumerate(all_layers) for x in layer.nodes}
+        return find_transfers(graph, slices, stage_of)
+
+    run = runnable_layers(graph)
+    assert [x.name for x in run] == [x.name for x in layers(graph)]
+    for cut in range(1, len(run)):
+        found = transfers(run, cut)
+        assert any(t.forward for t in found) and any(not t.forward for t in found), cut
+        assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
+    with pytest.raises(UserError, match="reads .* of stage"):
+        transfers(layers(graph), 3)

@@ -14,6 +14,11 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
   torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
       --hf-config n_layer=2 n_embd=64 n_head=4
 
+A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of a built-in GPT trains the same way, on its
+stages' submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan when the plan holds them,
+PipelinePlan.with_intra): the model's own batch, cut into the plan's microbatches; no checkpoints yet:
+  meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
+
 Checkpoints (with --plan): --checkpoint-dir DIR saves the model, AdamW's state, the step, the data position
 and the random state through torch.distributed.checkpoint every --checkpoint-every N steps, after the last
 step, and on SIGTERM (then the run stops); --resume continues from the newest complete checkpoint in DIR,
@@ -67,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--plan",
         type=Path,
         metavar="FILE|auto",
-        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP; 'auto': "
+        help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP, or a "
+        "pipeline plan (`meshpilot plan --pipeline --out FILE`); 'auto': "
         "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node), saved "
         "in --checkpoint-dir/plan.json or a temporary file",
     )
@@ -165,6 +171,18 @@ def load_plan(path: Path):
 
     if not path.is_file() and not path.is_dir():
         raise UserError(f"--plan {path}: no such file; write one with `meshpilot plan ... --out {path}`")
+    if path.is_file():
+        from meshpilot.planner.pipeline import PIPELINE_FORMAT, PipelinePlan
+
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = None  # Plan.load says what is wrong
+        if isinstance(doc, dict) and doc.get("format") == PIPELINE_FORMAT:
+            try:
+                return PipelinePlan.from_dict(doc)
+            except UserError as e:
+                raise UserError(f"--plan {path}: {e}") from None
     try:
         return Plan.load(path)
     except UserError as e:
@@ -249,7 +267,7 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
     if args.data is not None:
         prep["data"] = _text_data(args, prep)
     if args.verify:
-        precision = prep["plan"].precision if "plan" in prep else args.precision
+        precision = _plan_precision(prep["plan"]) if "plan" in prep else args.precision
         if precision in ("bf16", "bf16-mixed"):
             raise UserError(
                 f"--verify: a {precision} run rounds differently on every layout, so its losses cannot equal one "
@@ -406,6 +424,8 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
         if args.mesh or args.chunks != 1:
             raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
         plan = load_plan(args.plan)
+        if _is_pipeline(plan):
+            return _prepare_pipeline(args, plan, cfg, world)
         check_plan_precision(args, plan)
         graph = check_plan(plan, cfg, world, f"--plan {args.plan}")
         (b, t), _ = plan.input_shapes[0]  # one microbatch: the step's batch is the schedule's microbatches of it
@@ -430,6 +450,79 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     return {"shape": shape, "cfg": cfg}
 
 
+def _is_pipeline(plan) -> bool:
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    return isinstance(plan, PipelinePlan)
+
+
+def _plan_precision(plan) -> str | None:
+    """A plan's precision; a pipeline plan's is its stages' plans' (None without them: the model's own)."""
+    if _is_pipeline(plan):
+        return plan.intra[0].precision if plan.intra else None
+    return plan.precision
+
+
+def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
+    """A pipeline plan (``meshpilot plan --pipeline``) for the GPT `cfg`: the world, the batch, and with its
+    stages' plans each checked against the model's slice (captured on meta tensors at one microbatch)."""
+    import torch
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT
+    from meshpilot.planner.pipeline import runnable_layers
+    from meshpilot.planner.stage import slice_graph
+    from meshpilot.planner.validate import validate_plan
+
+    source = f"--plan {args.plan}"
+    if world != plan.num_devices:
+        raise UserError(
+            f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
+            f"{world}; launch with --nproc-per-node {plan.num_devices}"
+        )
+    if args.checkpoint_dir is not None:
+        raise UserError(
+            f"--checkpoint-dir: pipeline plans are not checkpointed yet (each stage's parameters live on its own "
+            f"submesh); train {source} without --checkpoint-dir"
+        )
+    M = plan.microbatches
+    if cfg.batch % M:
+        raise UserError(
+            f"{source}: the model's batch {cfg.batch} does not split into the plan's {M} microbatches; "
+            f"plan again for --model {args.model} (its batch is {cfg.batch})"
+        )
+    precision = _plan_precision(plan)
+    if args.precision and args.precision != (precision or "fp32"):
+        raise UserError(
+            f"--precision {args.precision}: the pipeline plan {args.plan} trains in {precision or 'fp32'}; "
+            "leave --precision out"
+        )
+    graph = None
+    odd = sorted({len(st.ranks) for st in plan.stages if (cfg.batch // M) % len(st.ranks)})
+    if not plan.intra and odd:
+        raise UserError(
+            f"{source}: holds no stage plans, so every stage runs data parallel, cutting each microbatch of "
+            f"{cfg.batch // M} rows over its ranks; stages of {odd} ranks do not divide it: give the stages' plans "
+            "(PipelinePlan.with_intra) or a model batch divisible by the microbatches x each stage's ranks"
+        )
+    if plan.intra:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        idx = torch.empty(cfg.batch // M, cfg.seq, dtype=torch.long, device="meta")
+        graph = capture(model, (idx, idx), precision=precision or None)
+        run_layers = runnable_layers(graph)
+        if len(run_layers) != plan.stages[-1].layers[1]:
+            raise UserError(
+                f"{source}: planned for {plan.stages[-1].layers[1]} layers but --model {args.model} has "
+                f"{len(run_layers)}; give the model the plan was made for"
+            )
+        for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
+            validate_plan(
+                p, graph=slice_graph(graph, st.layers[0], st.layers[1], run_layers), source=f"{source} stage {j}"
+            )
+    return {"plan": plan, "graph": graph, "cfg": cfg}
+
+
 def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     """Any `meshpilot plan` model (hf:<name>, a factory, a built-in) with a saved plan: the model is built and
     captured on the meta device at the plan's input shapes and checked against the plan."""
@@ -450,6 +543,11 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
     plan = load_plan(args.plan)
     source = f"--plan {args.plan}"
+    if _is_pipeline(plan):
+        raise UserError(
+            f"{source}: pipeline plans train the built-in GPTs so far, not {args.model!r}; plan this model without "
+            "--pipeline, or train a GPT (--model gpt-tiny ...)"
+        )
     validate_plan(plan, world_size=world, source=source)
     check_plan_precision(args, plan)
     shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's
@@ -551,7 +649,7 @@ def _train(
     import torch.distributed as dist
 
     from meshpilot.runtime.checkpoint import Stopped
-    from meshpilot.runtime.train import train_atp, train_model, train_plan
+    from meshpilot.runtime.train import train_atp, train_model, train_pipeline, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -588,7 +686,14 @@ def _train(
         saved_with["layouts"] = Layouts.of(plan).to_dict()
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
     done = [] if resume is None else [dict(d) for d in resume.logs]
-    if plan is not None:
+    pipelined = plan is not None and _is_pipeline(plan)
+    if pipelined:
+        info = {
+            "stages": [{"ranks": list(s.ranks), "mesh": list(s.mesh_shape)} for s in plan.stages],
+            "plan": str(args.plan),
+            "precision": _plan_precision(plan) or "fp32",
+        }
+    elif plan is not None:
         info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
     else:
         info = {"mesh": list(shape), "precision": args.precision or "fp32"}
@@ -609,7 +714,19 @@ def _train(
 
     from meshpilot.runtime.progress import Throughput
 
-    if plan is not None:
+    if pipelined:
+        cluster = plan.intra[0].cluster if plan.intra else ""
+        rate = Throughput(
+            items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size(),
+            planned_s=plan.step_s if cluster else 0.0, cluster=cluster,
+        )  # fmt: skip
+        if rank == 0 and not plan.intra:
+            print(
+                f"note: {args.plan} holds no stage plans: each stage runs data parallel on its submesh "
+                "(PipelinePlan.with_intra adds them)",
+                flush=True,
+            )
+    elif plan is not None:
         rate = Throughput.of_plan(plan, args.steps, dist.get_world_size())
     else:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
         rate = Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
@@ -621,7 +738,11 @@ def _train(
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
     try:
-        if build is not None:
+        if pipelined:
+            train_pipeline(
+                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, on_step=on_step, data=data
+            )
+        elif build is not None:
             train_model(
                 build,
                 args.steps,
@@ -703,7 +824,7 @@ def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, dev
     if build is not None:
         single = train_model(build, n, args.seed, args.lr, device=device, data=data, microbatches=m)
     else:
-        precision = plan.precision if plan is not None else args.precision
+        precision = _plan_precision(plan) if plan is not None else args.precision
         single = train_single(
             cfg, n, args.seed, args.lr, device=device, precision=precision or None, data=data, microbatches=m
         )

@@ -87,6 +87,15 @@ it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t
 Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
+5. What the runtime runs — :func:`runnable_layers`, :meth:`PipelinePlan.with_intra`, :func:`fixed_pipeline`
+----------------------------------------------------------------------------------------------------------
+The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —
+its slice over :func:`runnable_layers` (``stage.layers`` with the nodes no module made placed by their
+dependencies, so that forward values flow to later stages and gradients to earlier ones) on the stage's
+logical mesh and mapping, over the plan's microbatches — and keeps the resulting ``Plan`` per stage in
+``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
+builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
+
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
 leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline (GPipe
 and 1F1B share Eq. 2's step; the simulator times a ``step_schedule`` with one stage plan for every stage, not
@@ -110,13 +119,13 @@ import numpy as np
 
 from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import OpGraph
+from meshpilot.graph.capture import OpGraph, OpNode
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
 from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
 from meshpilot.planner.schedule import in_flight as schedule_in_flight
-from meshpilot.planner.stage import Layer, StageCost, StagePlanner, layers
+from meshpilot.planner.stage import Layer, StageCost, StagePlanner, _layer_key, layers
 
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
@@ -406,6 +415,63 @@ def _dp(
     return float(tops[s - 1]), stages
 
 
+# ---------------------------------------------------------------- runnable stages
+
+
+def runnable_layers(graph: OpGraph) -> list[Layer]:
+    """``stage.layers(graph)`` with every node the model's own modules did not make (the root's ops: the loss,
+    the backward's sums of a residual stream's gradients) placed where a pipeline can run it.
+
+    The layers, their names and order are ``stage.layers``'; a node a module made stays in that module's
+    layer. A node no module made goes, in the forward, to the latest layer among its operands' (it runs once
+    they exist), or when it reads leaves only (a view of the targets) to the earliest layer among its
+    readers'; in the backward, to the earliest layer among its backward operands' (a gradient flows from
+    later layers to earlier ones), or when it reads none to the latest among its forward operands' (the
+    loss's seed gradient), else to the latest among its readers'. ``stage.layers`` gives such nodes their
+    first operand's layer, which the planner's costs tolerate but a pipeline cannot run: the backward's
+    running sum of the residual gradient would make the first stage wait for the last stage's backward and
+    the last stage for the first's. Leaves join the layer of their first reader, as there. Pure."""
+    from meshpilot.graph.capture import LEAF_KINDS, Phase
+
+    base = layers(graph)
+    order = {layer.name: j for j, layer in enumerate(base)}
+    where: dict[str, int] = {}
+    deferred: list[OpNode] = []
+    for n in graph.nodes:
+        if n.kind in LEAF_KINDS:
+            continue
+        key = _layer_key(n.module)
+        if key is not None and key in order:
+            where[n.name] = order[key]
+            continue
+        made = [(where[s], graph[s].phase) for s, _ in n.inputs if s in where]
+        if n.phase == Phase.BWD:
+            back = [j for j, ph in made if ph == Phase.BWD]
+            if back:
+                where[n.name] = min(back)
+            elif made:
+                where[n.name] = max(j for j, _ in made)
+            else:
+                deferred.append(n)
+        elif made:
+            where[n.name] = max(j for j, _ in made)
+        else:
+            deferred.append(n)
+    for n in reversed(deferred):
+        readers = [where[u] for u in graph.users[n.name] if u in where]
+        if not readers:
+            where[n.name] = 0 if n.phase != Phase.BWD else len(base) - 1
+        else:
+            where[n.name] = max(readers) if n.phase == Phase.BWD else min(readers)
+    for n in graph.nodes:
+        if n.kind in LEAF_KINDS:
+            where[n.name] = next((where[u] for u in graph.users[n.name] if u in where), 0)
+    members: list[list[str]] = [[] for _ in base]
+    for n in graph.nodes:
+        members[where[n.name]].append(n.name)
+    return [Layer(b.name, tuple(m), sum(graph[x].flops for x in m)) for b, m in zip(base, members)]
+
+
 # ---------------------------------------------------------------- the result
 
 
@@ -455,12 +521,50 @@ class PipelinePlan:
     """Stage costs searched (StagePlanner cache misses) by this call."""
     t_max_tried: int
     schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
+    intra: tuple[Plan, ...] = ()
+    """Each stage's intra-operator plan (:meth:`with_intra`; empty until then): the strategies of every node of
+    the stage's slice (``slice_graph`` over :func:`runnable_layers`) on its logical mesh, its ``mesh_ranks``
+    indices into the stage's ``ranks``. ``meshpilot.runtime.pipeline`` runs each stage with its own."""
 
     @property
     def split_points(self) -> tuple[str, ...]:
         """The first layer of every stage after the first (``blocks.2``): where the runtime cuts the model
         (``meshpilot.runtime.pipeline``)."""
         return tuple(s.layer_names[0] for s in self.stages[1:])
+
+    def with_intra(
+        self,
+        graph: OpGraph,
+        cluster,
+        *,
+        force: Sequence[dict[str, str] | None] | None = None,
+        time_limit: float = 30.0,
+    ) -> PipelinePlan:
+        """This plan with :attr:`intra`: every stage's slice (layers of :func:`runnable_layers`) searched on the
+        stage's logical mesh and mapping over the plan's microbatches (``meshpilot.planner.auto.plan`` with
+        the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
+        `graph` is the one-microbatch graph the plan was made from; ``force[j]`` pins layouts in stage j
+        (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). Pure."""
+        import warnings
+
+        from meshpilot.planner.auto import plan as plan_intra
+        from meshpilot.planner.stage import slice_graph
+
+        force = list(force) if force is not None else [None] * len(self.stages)
+        if len(force) != len(self.stages):
+            raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
+        run_layers = runnable_layers(graph)
+        plans = []
+        for st, pinned in zip(self.stages, force):
+            sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
+            with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
+                warnings.simplefilter("ignore", UserWarning)
+                p = plan_intra(
+                    None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
+                    microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
+                )  # fmt: skip
+            plans.append(p)
+        return dataclasses.replace(self, intra=tuple(plans))
 
     def step_schedule(self) -> Schedule:
         """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage."""
@@ -507,8 +611,10 @@ class PipelinePlan:
 
     def to_dict(self) -> dict:
         """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
-        costs, the clustering, the microbatches and the schedule (its kind and its actions)."""
-        d = dataclasses.asdict(self)
+        costs, the clustering, the microbatches, the schedule (its kind and its actions) and the stages' intra-operator
+        plans (``intra``: each a ``Plan.to_dict``, absent before :meth:`with_intra`)."""
+        d = dataclasses.asdict(dataclasses.replace(self, intra=()))
+        d["intra"] = [p.to_dict() for p in self.intra]
         d["schedule"] = self.schedule.value
         for st, stage in zip(d["stages"], self.stages):
             st["cost"]["mapping"] = stage.cost.mapping.value
@@ -548,8 +654,15 @@ class PipelinePlan:
                 tuple(tuple(b) for b in cl["bounds"]), tuple(cl["flops"]), tuple(cl["recv_bytes"]), cl["delta"]
             )
             scalars = ("microbatches", "num_devices", "capacity", "dp_step_s", "planning_s", "stage_plans")
+            intra = tuple(
+                Plan.from_dict(p, source=f"pipeline plan stage {j}") for j, p in enumerate(d.get("intra", ()))
+            )
+            if intra and len(intra) != len(stages):
+                raise UserError(
+                    f"pipeline plan: {len(intra)} intra-operator plans for {len(stages)} stages; save it again"
+                )
             plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
-                       schedule=PipelineKind(d["schedule"]), **{k: d[k] for k in scalars})  # fmt: skip
+                       schedule=PipelineKind(d["schedule"]), intra=intra, **{k: d[k] for k in scalars})  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
         if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
@@ -776,4 +889,52 @@ def plan_pipeline(
         sp.misses - misses,
         tried,
         kind,
+    )
+
+
+def fixed_pipeline(
+    graph: OpGraph,
+    cluster,
+    stages: Sequence[tuple[tuple[int, int], Sequence[int], Sequence[int]]],
+    *,
+    microbatches: int,
+    schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
+    planner: StagePlanner | None = None,
+    **stage_kw,
+) -> PipelinePlan:
+    """A :class:`PipelinePlan` of stages given by hand — ``(layers [start, stop), ranks, logical mesh shape)``
+    each — costed as :func:`plan_pipeline` costs its own (``StagePlanner.plan`` on the stage's ranks, Eq. 2's
+    step, Eq. 5's memory under `schedule`); nothing is searched but each stage's intra-operator plan. For a
+    split chosen by the user, and for tests that need particular stages and meshes. Pure."""
+    t0 = time.perf_counter()
+    kind = PipelineKind(schedule)
+    sp = planner if planner is not None else StagePlanner(graph, cluster)
+    K = len(sp.layers)
+    bounds = [tuple(int(x) for x in layers_) for layers_, _, _ in stages]
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != K or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        raise UserError(f"stages cover layers {bounds}; give contiguous ranges [start, stop) from 0 to {K}")
+    ranks = [tuple(int(r) for r in rk) for _, rk, _ in stages]
+    n = sum(len(r) for r in ranks)
+    if sorted(r for rk in ranks for r in rk) != list(range(n)):
+        raise UserError(f"stages on ranks {ranks}; give every rank 0..{n - 1} to exactly one stage")
+    C = received_bytes(graph, sp.layers)
+    capacity = float(stage_kw.get("capacity", sp.cluster.device.memory_bytes))
+    misses = sp.misses
+    out = []
+    for j, ((start, stop), rk, (_, _, shape)) in enumerate(zip(bounds, ranks, stages)):
+        c = sp.plan(start, stop, rk, tuple(shape), microbatches=microbatches, **stage_kw)
+        fl = stage_in_flight(kind, len(stages) - j, microbatches)
+        names = tuple(x.name for x in sp.layers[start:stop])
+        t = c.time.total_s / microbatches
+        out.append(
+            PipelineStage(
+                (start, stop), names, rk, c.mesh_shape, c, t, fl, stage_memory(c, fl), float(C[start, stop - 1])
+            )
+        )
+    fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
+    clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
+    ts = [s.t_s for s in out]
+    step = sum(ts) + (microbatches - 1) * max(ts)
+    return PipelinePlan(
+        tuple(out), microbatches, n, clustering, capacity, step, time.perf_counter() - t0, sp.misses - misses, 0, kind
     )

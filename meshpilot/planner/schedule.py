@@ -380,6 +380,41 @@ def pipeline(stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: Pipe
     return Schedule(tuple(classes), B, kind.value)
 
 
+ZERO_BUBBLE = "zb-h1"
+"""The name of :func:`zero_bubble`'s schedules."""
+
+
+def zero_bubble(stage_ranks: Sequence[Sequence[int]], microbatches: int) -> Schedule:
+    """A zero-bubble schedule in the manner of ZB-H1 (Qi et al., 2024; torch's ``ScheduleZBVZeroBubble`` family):
+    1F1B's order with every backward split into ``I m`` (the gradient of the stage's input, which the previous
+    stage waits for: received before, sent after) and ``W m`` (the weight gradients, which nobody waits for).
+    Stage s of S delays each ``W`` by min(S − 1 − s, B) backwards, so the weight work of the early stages fills
+    the drain of 1F1B, where they would wait for the next stage's ``I``; the last stage runs ``W`` right away.
+    Microbatches in flight are 1F1B's (``W`` frees nothing the forward made that ``I`` did not keep)."""
+    base = pipeline(stage_ranks, microbatches, PipelineKind.ONE_F_ONE_B)
+    S, B = len(stage_ranks), microbatches
+    classes = []
+    for s, rc in enumerate(base.classes):
+        lag = min(S - 1 - s, B)
+        acts: list[Action] = []
+        done = 0
+        due = False  # a W to place once the I just placed has sent its gradient on
+        for a in rc.actions:
+            if due and not (a.kind == ActionKind.SEND and acts and acts[-1].kind == ActionKind.BACKWARD_INPUT):
+                acts.append(Action(ActionKind.BACKWARD_WEIGHT, done))
+                done, due = done + 1, False
+            if a.kind == ActionKind.GRAD_SYNC:
+                acts += [Action(ActionKind.BACKWARD_WEIGHT, m) for m in range(done, B)]
+                acts.append(a)
+            elif a.kind == ActionKind.BACKWARD:
+                acts.append(Action(ActionKind.BACKWARD_INPUT, a.microbatch))
+                due = a.microbatch - lag >= done
+            else:
+                acts.append(a)
+        classes.append(RankClass(rc.ranks, tuple(acts)))
+    return Schedule(tuple(classes), B, ZERO_BUBBLE)
+
+
 def _stage_order(kind: PipelineKind, s: int, S: int, B: int) -> list[tuple[ActionKind, int]]:
     F, BW = ActionKind.FORWARD, ActionKind.BACKWARD
     if kind == PipelineKind.GPIPE:

@@ -1,8 +1,14 @@
 """Running a pipeline: stages on submeshes, microbatches on a :class:`~meshpilot.planner.schedule.Schedule`.
 
-:func:`pipeline_parallelize` cuts the model into stages with ``torch.distributed.pipelining.pipeline`` (its
-tracer splits the forward at the modules that begin stages 1, 2, …, e.g. ``blocks.2``; the loss computed in
-the model's forward stays in the last stage) and keeps this rank's stage module. :meth:`PipelineModule.step`
+A :class:`~meshpilot.planner.pipeline.PipelinePlan` that holds its stages' intra-operator plans
+(``PipelinePlan.with_intra``) runs each stage with its own plan: :mod:`meshpilot.runtime.pipeline_stages`
+(cross-mesh resharding in :mod:`meshpilot.runtime.crossmesh`). This module is the other way, for plans
+without them and for split points given with a schedule: every stage data parallel.
+
+Data-parallel stages: :func:`pipeline_parallelize` cuts the model into stages with
+``torch.distributed.pipelining.pipeline`` (its tracer splits the forward at the modules that begin stages 1,
+2, …, e.g. ``blocks.2``; the loss computed in the model's forward stays in the last stage) and keeps this
+rank's stage module. :meth:`PipelineModule.step`
 then runs this rank's actions of the schedule (``planner.schedule.pipeline``: GPipe, 1F1B):
 
 ``F m``  the stage module on microbatch m — the model's own inputs it reads (every rank passes the full
@@ -25,8 +31,8 @@ size, several when they differ (a stage of 1 rank sends a stage of 3 one row-til
 concatenates them). The schedule names the first rank of the peer stage; the tiles say which ranks really
 talk. Refused in one line: a batch that does not split into equal shards on every stage, a boundary whose
 dim 0 is not the batch, boundaries that are not one tensor from the stage just before (skip connections
-across stages). Alpa's local all-gather (cross the slow link once, all-gather on the fast one) is not done:
-with batch-sharded boundaries every row crosses once already.
+across stages). Alpa's local all-gather (cross the slow link once, all-gather on the fast one) is not needed
+here: with batch-sharded boundaries every row crosses once already (the stage-plan runtime has it).
 
 With equal shards and a loss that averages over its batch (the GPT's cross-entropy), the step's gradients
 equal the single-device full-batch gradients and its loss (the mean over microbatches and shards) the
@@ -53,7 +59,7 @@ import torch.distributed as dist
 from torch import fx
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import Phase
+from meshpilot.graph.capture import OpGraph, Phase
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.sharding.reshard import CollectiveKind
@@ -62,6 +68,7 @@ _RUNS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND, Act
 
 if TYPE_CHECKING:
     from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 PP_AXIS = "pp"
 """The axis name boundary sends and receives are recorded under."""
@@ -100,6 +107,35 @@ def _stage_inputs(split_gm: fx.GraphModule, num_stages: int) -> list[StageInputs
     return out
 
 
+_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+
+
+def check_schedule(schedule: Schedule, stage_ranks: Sequence[Sequence[int]], *, split_backward: bool = False) -> None:
+    """One line if `schedule` has actions the pipeline runtimes do not run (``I`` / ``W`` only with
+    `split_backward`: the runtime of stages with their own plans) or its stages miss or repeat a rank."""
+    runs = _RUNS | _SPLIT if split_backward else _RUNS
+    odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in runs})
+    if odd:
+        if split_backward:
+            raise UserError(
+                f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, I, W, S, R "
+                "and G; give a GPipe, 1F1B or zero-bubble schedule (meshpilot.planner.schedule)"
+            )
+        raise UserError(
+            f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
+            "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline), or a plan with its stages' plans "
+            "(PipelinePlan.with_intra) for a zero-bubble one"
+        )
+    if [tuple(c.ranks) for c in schedule.classes] != [tuple(r) for r in stage_ranks]:
+        raise UserError(
+            f"schedule {schedule.name!r} has rank classes {[tuple(c.ranks) for c in schedule.classes]}; a pipeline "
+            f"schedule has one per stage, the stages' ranks {[tuple(r) for r in stage_ranks]} in order"
+        )
+    world = dist.get_world_size()
+    if sorted(r for rs in stage_ranks for r in rs) != list(range(world)):
+        raise UserError(f"the schedule's stages cover ranks {tuple(stage_ranks)}; give every rank 0..{world - 1} once")
+
+
 class PipelineModule:
     """This rank's stage of a pipeline and the step that runs it (module docstring)."""
 
@@ -122,17 +158,7 @@ class PipelineModule:
             raise UserError(
                 f"{len(split_points)} split points for {S} stages; give one module name per stage after the first"
             )
-        odd = sorted({str(a) for c in schedule.classes for a in c.actions if a.kind not in _RUNS})
-        if odd:
-            raise UserError(
-                f"schedule {schedule.name!r} has actions {', '.join(odd[:3])}: this runtime runs F, B, S, R and G; "
-                "give a GPipe or 1F1B schedule (meshpilot.planner.schedule.pipeline)"
-            )
-        world = dist.get_world_size()
-        if sorted(r for rs in self.stage_ranks for r in rs) != list(range(world)):
-            raise UserError(
-                f"the schedule's stages cover ranks {self.stage_ranks}; give every rank 0..{world - 1} once"
-            )
+        check_schedule(schedule, self.stage_ranks)
         rank = dist.get_rank()
         self.stage = next(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
         self.pos = self.stage_ranks[self.stage].index(rank)
@@ -313,19 +339,40 @@ def pipeline_parallelize(
     inputs: Sequence[torch.Tensor],
     plan: PipelinePlan | Sequence[str],
     schedule: Schedule | None = None,
-) -> PipelineModule:
+    *,
+    graph: OpGraph | None = None,
+    local_gather: bool = False,
+) -> PipelineModule | PlannedPipelineModule:
     """This rank's stage of `model` run on a pipeline: `plan` a :class:`~meshpilot.planner.pipeline.PipelinePlan`
     (its ``split_points`` and ``step_schedule()``), or the module names that begin stages 1, 2, … (``blocks.2``)
-    with `schedule` (one rank class per stage). `inputs` is an example global batch (module docstring)."""
+    with `schedule` (one rank class per stage). `inputs` is an example global batch (module docstring).
+
+    A plan holding its stages' intra-operator plans (``PipelinePlan.with_intra``) runs each stage with its own
+    plan on its own submesh (:mod:`meshpilot.runtime.pipeline_stages`); `graph` then reuses a capture of the
+    model on one microbatch (the plan's graph), ``local_gather=True`` moves a boundary the receiving stage
+    replicates by Alpa's local all-gather (``runtime.crossmesh``), and `schedule` replaces the plan's own
+    (one rank class per stage, e.g. ``planner.schedule.zero_bubble``: backwards split into ``I`` and ``W``).
+    Without them every stage runs data parallel (above)."""
     from meshpilot.planner.pipeline import PipelinePlan
 
     if isinstance(plan, PipelinePlan):
+        if plan.intra:
+            from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
+
+            if not dist.is_initialized():
+                raise UserError("pipeline_parallelize needs torch.distributed initialised (run under torchrun)")
+            return PlannedPipelineModule(
+                model, inputs, plan, graph=graph, local_gather=local_gather, schedule=schedule
+            )  # fmt: skip
         if schedule is not None:
-            raise UserError("give a PipelinePlan (it holds its schedule) or split points with a schedule, not both")
+            raise UserError(
+                "a PipelinePlan without its stages' plans runs its own schedule; leave schedule= out, or add the "
+                "stages' plans (PipelinePlan.with_intra) to run another (a zero-bubble one)"
+            )
         return PipelineModule(model, inputs, plan.split_points, plan.step_schedule())
     if schedule is None:
         raise UserError("split points need a schedule: pass schedule=meshpilot.planner.schedule.pipeline(...)")
     return PipelineModule(model, inputs, list(plan), schedule)
 
 
-__all__ = ["DP_AXIS", "PP_AXIS", "PipelineModule", "pipeline_parallelize"]
+__all__ = ["DP_AXIS", "PP_AXIS", "PipelineModule", "check_schedule", "pipeline_parallelize"]

@@ -4,7 +4,8 @@ All paths build the model from the same seed and feed the same batches, and step
 their losses are comparable step by step: `train_single` (one device), `train_atp`
 (ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
 `meshpilot.parallelize`). `train_model` is the same loop for any model (``hf:<name>``, a factory, a zoo
-model): single-device, or under a plan.
+model): single-device, or under a plan. `train_pipeline` runs a GPT under a pipeline plan
+(``meshpilot.runtime.pipeline``: stages on submeshes, microbatches on the plan's schedule; no checkpoints).
 
 `device` is where the model runs (``cuda:LOCAL_RANK`` on a GPU, with an NCCL group). `precision` is how:
 ``fp32``; ``bf16`` (the model cast to bfloat16, AdamW's states with it); ``bf16-mixed`` (float32 master
@@ -278,6 +279,52 @@ def train_plan(
 
     model = parallelize(reference_model(cfg, seed), plan, device=device, graph=graph)  # it follows plan.precision
     return _adamw_steps(model, cfg, steps, seed, lr, device, checkpoint=checkpoint, on_step=on_step, data=data)
+
+
+def train_pipeline(
+    cfg: GPTConfig,
+    plan,
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-3,
+    graph=None,
+    device: Any = "cpu",
+    *,
+    on_step: Callable[[StepLog], None] | None = None,
+    data: ByteText | None = None,
+) -> list[StepLog]:
+    """A :class:`~meshpilot.planner.pipeline.PipelinePlan` for the GPT `cfg` run by
+    ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan when the plan
+    holds them, else data parallel), AdamW on this rank's stage's parameters. Call on every rank of an
+    initialised process group of the plan's device count; every rank passes the full global batch of `cfg`
+    (``cfg.batch``: the plan's microbatches of one microbatch each) and gets the step's loss, which the last
+    stage computes and sends to every rank: the single-device loss of gradient accumulation over the
+    microbatches. `graph` reuses a capture of one microbatch's step."""
+    import torch.distributed as dist
+
+    from meshpilot.runtime.pipeline import PipelineModule, pipeline_parallelize
+
+    device = torch.device(device)
+    first = batch_at(cfg, 0, seed, data)
+    pm = pipeline_parallelize(reference_model(cfg, seed).to(device), first, plan, graph=graph)
+    opt = adamw(pm.parameters(), lr)
+    last = plan.stages[-1].ranks[0]
+    logs: list[StepLog] = []
+    for i in range(steps):
+        inputs = tuple(x.to(device) for x in batch_at(cfg, i * cfg.batch, seed, data))
+        t0 = time.perf_counter()
+        loss = pm.step(*inputs)
+        opt.step()
+        opt.zero_grad()
+        seen = torch.zeros((), device=device) if loss is None else loss.detach().float().clone()
+        if loss is not None and isinstance(pm, PipelineModule) and pm.group is not None:
+            dist.all_reduce(seen, group=pm.group)  # data-parallel stages: each rank holds its rows' mean
+            seen /= pm.d
+        dist.broadcast(seen, src=last)
+        logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
+        if on_step is not None:
+            on_step(logs[-1])
+    return logs
 
 
 def train_model(

@@ -1,0 +1,668 @@
+"""A pipeline whose stages each run their own intra-operator plan on their own submesh.
+
+:func:`meshpilot.runtime.pipeline.pipeline_parallelize` takes this path for a
+:class:`~meshpilot.planner.pipeline.PipelinePlan` that holds its stages' plans (``PipelinePlan.with_intra``).
+Stage s's work is the slice of the model's captured step that its plan was searched on
+(``stage.slice_graph`` over ``pipeline.runnable_layers``: its layers' forward and backward nodes), so every
+node runs the strategy the stage's search chose, through the same machinery as ``parallelize``: the
+:class:`~meshpilot.runtime.interpret.Interpreter` on a ``DeviceMesh`` of the stage's ranks (its logical mesh,
+``Plan.mesh_ranks`` indexing ``PipelineStage.ranks``), recorded into programs on the first step
+(:mod:`meshpilot.runtime.record`) and replayed after. Per stage, three programs (:class:`StageProgram`):
+
+* forward ``F m`` — (parameters, buffers, microbatch m of the model's inputs, values received from the
+  previous stage) → (the loss on the last stage, buffer updates, what the backward keeps, values for the
+  next stage);
+* backward ``B m`` — (what the forward kept, gradients received from the next stage) → (this stage's part of
+  each gradient, gradients for the previous stage);
+* gradient sync ``G`` — each gradient into its parameter's layout (the stage plan's ``grad:`` collectives).
+
+Under a zero-bubble schedule (``planner.schedule.zero_bubble``) the backward runs as two programs instead:
+``I m`` — the backward nodes the gradients sent to the previous stage depend on (data flow from those
+values back through the slice), ending with those gradients and what ``W`` will read of its values and of
+the received gradients — and ``W m``, the remaining nodes (the weight gradients).
+
+Values crossing stages (:class:`Transfer`) are the slice's ``boundary:`` inputs: the activations (and anything
+else of the previous stage's forward) a stage reads, sent after ``F`` on the schedule's ``S``; the gradients
+it reads from the next stage's backward, sent after ``B``. Each moves between the two meshes as
+:mod:`meshpilot.runtime.crossmesh` says: the sender's program ends by resharding it into the wire layout
+(its collectives run on the sender's mesh), row tiles cross by ``isend`` / ``recv``, and the receiver's
+program starts by taking the wire layout to its planned one (local). Model inputs and constants a stage reads
+are its own copies (every rank passes the full batch), not transfers.
+
+Refused in one line: a value crossing more than one stage or against the schedule's direction (a later stage's
+backward reading an earlier stage's backward), a parameter or buffer used by two stages (tied weights), a
+scalar boundary, a batch that does not split into the plan's microbatches, a plan made for another model.
+
+Microbatch m's gradients are scaled by 1/B where they are accumulated (the boundary gradients are not: the
+scaling is linear), so with a loss that averages over its batch the step's gradients equal the single-device
+full-batch gradients and its loss is the mean of the microbatches'. :meth:`PlannedPipelineModule.planned_counts`
+is what the step issues according to the plans — each stage plan's collectives (``Plan.collective_counts``),
+the senders' wire reshards (``Resharder``) and the tiles' sends and receives — keyed like
+``CollectiveLog.counts()`` on the stage's mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from meshpilot import compat
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
+from meshpilot.planner.plan import Plan
+from meshpilot.planner.schedule import ActionKind, Schedule
+from meshpilot.planner.stage import BOUNDARY, slice_graph
+from meshpilot.runtime.collective_log import phase_scope, record
+from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
+from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
+from meshpilot.runtime.program import _as_tuple, _last_uses
+from meshpilot.runtime.record import record as record_program
+from meshpilot.sharding.placements import Placements, replicated
+from meshpilot.sharding.reshard import CollectiveKind
+
+if TYPE_CHECKING:
+    from meshpilot.planner.pipeline import PipelinePlan
+
+PP_AXIS = "pp"
+"""The axis name tile sends and receives are recorded under."""
+LOCAL_AXIS = "local"
+"""The axis name of a local all-gather among the receivers of a replicated boundary (``crossmesh``)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One value crossing from stage `src` to stage `dst` each microbatch (module docstring)."""
+
+    node: str
+    index: int
+    src: int
+    dst: int
+    forward: bool
+    """Sent after the producer's ``F`` (to the next stage) or after its ``B`` (to the previous stage)."""
+    info: TensorInfo
+    boundary: str
+    """The receiving slice's input leaf for it."""
+    k: int
+    """Its number among the pipeline's transfers (the message tag is ``microbatch · count + k``)."""
+
+
+def _boundary_source(name: str) -> tuple[str, int]:
+    src, _, i = name[len(BOUNDARY) + 1 :].rpartition(":")
+    return src, int(i)
+
+
+def find_transfers(graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int]) -> list[Transfer]:
+    """Every value one stage's slice reads from another (module docstring); one line for what is not carried."""
+    out: list[Transfer] = []
+    for s, sub in enumerate(slices):
+        for leaf in sub.nodes:
+            if leaf.kind != NodeKind.INPUT or not leaf.name.startswith(BOUNDARY + ":"):
+                continue
+            src, i = _boundary_source(leaf.name)
+            made = graph[src]
+            if made.kind in (NodeKind.INPUT, NodeKind.CONST):
+                continue  # every stage has the model's inputs and constants
+            if made.kind in (NodeKind.PARAM, NodeKind.BUFFER):
+                raise UserError(
+                    f"{made.kind} {made.fqn} is used by stages {stage_of[src]} and {s} (tied weights); this runtime "
+                    "gives a parameter to one stage: split so both users are in one stage, or untie it"
+                )
+            a = stage_of[src]
+            readers = {graph[u].phase for u in graph.users[src] if stage_of.get(u) == s}
+            if a == s - 1 and made.phase == Phase.FWD:
+                forward = True
+            elif a == s + 1 and made.phase == Phase.BWD and readers == {Phase.BWD}:
+                forward = False
+            else:
+                raise UserError(
+                    f"stage {s} reads {src} ({made.phase} of stage {a}, {made.where()}); this runtime passes forward "
+                    "values to the next stage and gradients to the previous one: choose other split points"
+                )
+            info = made.outputs[i]
+            if not info.shape:
+                raise UserError(
+                    f"stage {s} reads the scalar {src} from stage {a}; split where a tensor with rows crosses"
+                )
+            out.append(Transfer(src, i, a, s, forward, info, leaf.name, len(out)))
+    return out
+
+
+class StageProgram:
+    """One stage's forward, backward and gradient-sync programs on this rank (module docstring)."""
+
+    def __init__(
+        self,
+        interp: Interpreter,
+        trainable: list[str],
+        recv_fwd: list[Transfer],
+        recv_bwd: list[Transfer],
+        send_fwd: list[Transfer],
+        send_bwd: list[Transfer],
+        wires: dict[int, tuple[Placements, Placements]],
+    ) -> None:
+        self.interp = interp
+        g = self.graph = interp.graph
+        self.trainable = trainable
+        self.recv_fwd, self.recv_bwd, self.send_fwd, self.send_bwd = recv_fwd, recv_bwd, send_fwd, send_bwd
+        self.wires = wires
+        late = {t.boundary for t in recv_bwd}
+        self.fwd_nodes = [n for n in g.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.FWD]
+        self.bwd_nodes = [n for n in g.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.BWD]
+        self.leaves = [n for n in g.nodes if n.kind in LEAF_KINDS and n.name not in late]
+        self.late = {t.boundary: j for j, t in enumerate(recv_bwd)}
+        self.early = {t.boundary: j for j, t in enumerate(recv_fwd)}
+        fwd_names = {n.name for n in self.fwd_nodes} | {n.name for n in self.leaves}
+        saved: dict[tuple[str, int], None] = {}
+        for n in self.bwd_nodes:
+            for src, i in n.inputs:
+                if src in fwd_names:
+                    saved.setdefault((src, i), None)
+        for t in send_bwd:
+            if t.node in fwd_names:  # a forward value only the backward sends: kept like the backward's inputs
+                saved.setdefault((t.node, t.index), None)
+        for fqn in trainable:
+            gr = g.grads.get(fqn)
+            if gr is not None and gr[0] in fwd_names:
+                saved.setdefault(gr, None)
+        self.saved = list(saved)
+        self.saved_specs: list[Any] = []
+        keep = {s for s, _ in self.saved} | {t.node for t in (*send_fwd, *send_bwd)}
+        keep |= {s for s, _ in g.buffer_updates.values()} | {v[0] for v in g.grads.values() if v is not None}
+        if g.loss is not None:
+            keep.add(g.loss[0])
+        self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=keep)
+        self.forward_gm = self.backward_gm = self.grad_sync_gm = None
+        self._split_backward(g)
+
+    def _split_backward(self, g: OpGraph) -> None:
+        """The backward as ``I`` (the nodes the gradients sent to the previous stage need) and ``W`` (the rest:
+        weight gradients), and what ``I`` hands ``W`` (values it made or received that ``W`` reads)."""
+        made = {n.name: n for n in self.bwd_nodes}
+        cone: set[str] = set()
+        stack = [t.node for t in self.send_bwd]
+        while stack:
+            x = stack.pop()
+            if x in cone or x not in made:
+                continue
+            cone.add(x)
+            stack += [src for src, _ in made[x].inputs]
+        self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
+        self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
+        by_i = cone | set(self.late)
+        handoff: dict[tuple[str, int], None] = {}
+        for n in self.w_nodes:
+            for src, i in n.inputs:
+                if src in by_i:
+                    handoff.setdefault((src, i), None)
+        grads = [g.grads[f] for f in self.trainable if g.grads.get(f) is not None]
+        for gr in grads:
+            if gr[0] in by_i:
+                handoff.setdefault(gr, None)
+        self.handoff = list(handoff)
+        self.handoff_specs: list[Any] = []
+        keep_i = {s for s, _ in self.handoff} | {t.node for t in self.send_bwd}
+        self._last_use_i = _last_uses(self.i_nodes, keep=keep_i)
+        self._last_use_w = _last_uses(self.w_nodes, keep={gr[0] for gr in grads})
+        self.input_gm = self.weight_gm = None
+
+    # ------------------------------------------------------------------ values crossing stages
+    def _received(self, t: Transfer, local: torch.Tensor) -> DTensor:
+        """A received value (this rank's rows in the wire layout) in the layout this stage planned for it."""
+        wire, planned = self.wires[t.k]
+        meta = torch.empty(t.info.shape, dtype=dtype_from_name(t.info.dtype), device="meta")
+        return redistribute(wrap_local(local, self.interp.mesh, wire, meta), planned)
+
+    def _outgoing(self, t: Transfer, env: dict) -> torch.Tensor:
+        wire, _ = self.wires[t.k]
+        v = env[t.node][t.index]
+        return redistribute(v, wire).to_local().contiguous()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, params, buffers, inputs, received) -> tuple:
+        """(loss or None, buffer updates, saved, values to send forward) as local tensors."""
+        args = [*params, *buffers, *inputs, *received]
+        if self.forward_gm is None:
+            self.forward_gm, result = record_program(lambda *flat: self._forward_body(flat), *args)
+        else:
+            result = self.forward_gm(*args)
+        result = list(result)
+        loss = result.pop(0) if self.graph.loss is not None else None
+        n_up, n_saved = len(self.graph.buffer_updates), len(self.saved)
+        return loss, result[:n_up], result[n_up : n_up + n_saved], result[n_up + n_saved :]
+
+    def _forward_body(self, flat) -> tuple:
+        g, interp = self.graph, self.interp
+        n_p, n_b, n_i = len(g.param_names), len(g.buffer_names), self.num_model_inputs
+        params = dict(zip(g.param_names, flat[:n_p]))
+        buffers = dict(zip(g.buffer_names, flat[n_p : n_p + n_b]))
+        inputs = flat[n_p + n_b : n_p + n_b + n_i]
+        received = flat[n_p + n_b + n_i :]
+        env: dict[str, tuple] = {}
+        with torch.no_grad(), compat.no_transform_optimization():
+            for leaf in self.leaves:
+                env[leaf.name] = (self._leaf(leaf, params, buffers, inputs, received),)
+            interp.run(self.fwd_nodes, env, self._last_use)
+            out = []
+            if g.loss is not None:
+                ln, li = g.loss
+                out.append(redistribute(env[ln][li], replicated(interp.mesh.ndim)).to_local())
+            out += [
+                redistribute(env[s][i], replicated(interp.mesh.ndim)).to_local() for s, i in g.buffer_updates.values()
+            ]
+            saved = [env[s][i] for s, i in self.saved]
+            self.saved_specs = [v._spec if isinstance(v, DTensor) else None for v in saved]
+            out += [v._local_tensor if isinstance(v, DTensor) else v for v in saved]
+            out += [self._outgoing(t, env) for t in self.send_fwd]
+        return tuple(out)
+
+    def _leaf(self, leaf, params, buffers, inputs, received) -> Any:
+        interp, g = self.interp, self.graph
+        if leaf.kind == NodeKind.PARAM:
+            val = leaf.fx_node.meta["val"]
+            return wrap_local(params[leaf.fqn], interp.mesh, interp.plan.param_layout(leaf.fqn), val)
+        if leaf.kind == NodeKind.BUFFER:
+            return interp.leaf(leaf, buffers[leaf.fqn])
+        if leaf.kind == NodeKind.CONST:
+            return interp.leaf(leaf, g.consts[leaf.name])
+        j = self.early.get(leaf.name)
+        if j is not None:
+            return self._received(self.recv_fwd[j], received[j])
+        if leaf.name.startswith(BOUNDARY + ":"):  # a model input or constant another stage reads first
+            src = self.whole[_boundary_source(leaf.name)[0]]
+            value = inputs[int(src.fqn.split(":")[1])] if src.kind == NodeKind.INPUT else self.whole.consts[src.name]
+            return interp.leaf(leaf, value)
+        return interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, saved, received) -> tuple[list, list]:
+        """(this rank's part of each trainable parameter's gradient or None, values to send backward)."""
+        args = [*saved, *received]
+        if self.backward_gm is None:
+            self.backward_gm, result = record_program(lambda *flat: self._backward_body(flat), *args)
+        else:
+            result = self.backward_gm(*args)
+        it = iter(result)
+        grads = [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
+        return grads, list(it)
+
+    def _backward_body(self, flat) -> tuple:
+        g, interp = self.graph, self.interp
+        n_saved = len(self.saved)
+        env: dict[str, Any] = {}
+        with torch.no_grad(), compat.no_transform_optimization():
+            for (s, i), spec, local in zip(self.saved, self.saved_specs, flat[:n_saved]):
+                value = DTensor(local, spec, requires_grad=False) if spec is not None else local
+                env.setdefault(s, {})[i] = value
+            for t, local in zip(self.recv_bwd, flat[n_saved:]):
+                env.setdefault(t.boundary, {})[0] = self._received(t, local)
+            env = {k: _as_tuple(v) for k, v in env.items()}
+            interp.run(self.bwd_nodes, env, self._last_use)
+            out = []
+            for fqn in self.trainable:
+                gr = g.grads.get(fqn)
+                if gr is not None:
+                    v = env[gr[0]][gr[1]]
+                    out.append(v._local_tensor if isinstance(v, DTensor) else v)
+            out += [self._outgoing(t, env) for t in self.send_bwd]
+        return tuple(out)
+
+    # ------------------------------------------------------------------ backward split: I then W (zero bubble)
+    def _env(self, pairs, specs, locals_) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for (s, i), spec, local in zip(pairs, specs, locals_):
+            env.setdefault(s, {})[i] = DTensor(local, spec, requires_grad=False) if spec is not None else local
+        return env
+
+    def backward_input(self, saved, received) -> tuple[list, list]:
+        """``I``: (values to send backward, what ``W`` reads of this microbatch) as local tensors."""
+        args = [*saved, *received]
+        if self.input_gm is None:
+            self.input_gm, result = record_program(lambda *flat: self._input_body(flat), *args)
+        else:
+            result = self.input_gm(*args)
+        result = list(result)
+        n_out = len(self.send_bwd)
+        return result[:n_out], result[n_out:]
+
+    def _input_body(self, flat) -> tuple:
+        n_saved = len(self.saved)
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+            for t, local in zip(self.recv_bwd, flat[n_saved:]):
+                env.setdefault(t.boundary, {})[0] = self._received(t, local)
+            env = {k: _as_tuple(v) for k, v in env.items()}
+            self.interp.run(self.i_nodes, env, self._last_use_i)
+            out = [self._outgoing(t, env) for t in self.send_bwd]
+            kept = [env[s][i] for s, i in self.handoff]
+            self.handoff_specs = [v._spec if isinstance(v, DTensor) else None for v in kept]
+            out += [v._local_tensor if isinstance(v, DTensor) else v for v in kept]
+        return tuple(out)
+
+    def backward_weight(self, saved, handed) -> list:
+        """``W``: this rank's part of each trainable parameter's gradient (None: no gradient)."""
+        args = [*saved, *handed]
+        if self.weight_gm is None:
+            self.weight_gm, result = record_program(lambda *flat: self._weight_body(flat), *args)
+        else:
+            result = self.weight_gm(*args)
+        it = iter(result)
+        return [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
+
+    def _weight_body(self, flat) -> tuple:
+        g, n_saved = self.graph, len(self.saved)
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+            for k, v in self._env(self.handoff, self.handoff_specs, flat[n_saved:]).items():
+                env.setdefault(k, {}).update(v)
+            env = {k: _as_tuple(v) for k, v in env.items()}
+            self.interp.run(self.w_nodes, env, self._last_use_w)
+            out = []
+            for fqn in self.trainable:
+                gr = g.grads.get(fqn)
+                if gr is not None:
+                    v = env[gr[0]][gr[1]]
+                    out.append(v._local_tensor if isinstance(v, DTensor) else v)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ gradient synchronisation
+    def grad_sync(self, grads: list) -> list:
+        present = [x for x in grads if x is not None]
+        if self.grad_sync_gm is None:
+            self.grad_sync_gm, result = record_program(lambda *flat: self._grad_sync_body(flat), *present)
+        else:
+            result = self.grad_sync_gm(*present)
+        it = iter(result)
+        return [next(it) if x is not None else None for x in grads]
+
+    def _grad_sync_body(self, flat) -> tuple:
+        g, interp, plan = self.graph, self.interp, self.interp.plan
+        out = []
+        with torch.no_grad(), compat.no_transform_optimization():
+            it = iter(flat)
+            for fqn in self.trainable:
+                gr = g.grads.get(fqn)
+                if gr is None:
+                    continue
+                held = plan.node(gr[0]).out_placements(gr[1])
+                value = wrap_local(next(it), interp.mesh, held, g[gr[0]].fx_node.meta["val"])
+                out.append(redistribute(value, plan.param_layout(fqn)).to_local())
+        return tuple(out)
+
+
+def stage_mesh(plan: Plan, ranks: Sequence[int], device_type: str) -> DeviceMesh:
+    """The DeviceMesh of a stage: its plan's logical mesh over the stage's physical ranks (every rank of the
+    world must create every stage's mesh, in one order: new process groups are collective)."""
+    physical = torch.tensor([ranks[i] for i in plan.mesh_ranks], dtype=torch.int).reshape(plan.mesh_shape)
+    return DeviceMesh(device_type, physical, mesh_dim_names=tuple(plan.mesh_axes))
+
+
+def _side(plan: Plan, ranks: Sequence[int], layout: Placements) -> MeshSide:
+    flat = tuple(int(r) for r in np.asarray([ranks[i] for i in plan.mesh_ranks]))
+    return MeshSide(flat, tuple(plan.mesh_shape), wire_layout(layout))
+
+
+class PlannedPipelineModule:
+    """This rank's stage of a pipeline whose stages run their own plans (module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inputs: Sequence[torch.Tensor],
+        pplan: PipelinePlan,
+        *,
+        graph: OpGraph | None = None,
+        local_gather: bool = False,
+        schedule: Schedule | None = None,
+    ) -> None:
+        from meshpilot.ops import register_dtensor_strategies
+        from meshpilot.planner.pipeline import runnable_layers
+        from meshpilot.planner.validate import validate_plan
+        from meshpilot.runtime.pipeline import check_schedule
+        from meshpilot.runtime.spmd import model_device
+
+        register_dtensor_strategies()
+        self.pplan = pplan
+        self.schedule: Schedule = schedule if schedule is not None else pplan.step_schedule()
+        self.stage_ranks = tuple(st.ranks for st in pplan.stages)
+        self.M = pplan.microbatches
+        if self.schedule.microbatches != self.M:
+            raise UserError(
+                f"schedule {self.schedule.name!r} runs {self.schedule.microbatches} microbatches, the plan was made "
+                f"for {self.M}; give a schedule of {self.M}"
+            )
+        check_schedule(self.schedule, self.stage_ranks, split_backward=True)
+        rank = dist.get_rank()
+        S = len(pplan.stages)
+        self.stage = next(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
+        self.last = self.stage == S - 1
+        self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
+        whole = {x.shape[0] for x in inputs if x.dim() > 0}
+        if len(whole) != 1 or whole.pop() % self.M:
+            raise UserError(
+                f"inputs of batch sizes {sorted({x.shape[0] for x in inputs})} do not split into the plan's {self.M} "
+                f"microbatches; give one batch size divisible by {self.M}"
+            )
+        device = model_device(model)
+        self.device = device
+        plans = pplan.intra
+        examples = [torch.empty((x.shape[0] // self.M, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs]
+        if graph is None:
+            graph = capture(model, examples, precision=plans[0].precision)
+        self.whole = graph
+        run_layers = runnable_layers(graph)
+        slices = [slice_graph(graph, st.layers[0], st.layers[1], run_layers) for st in pplan.stages]
+        for j, (p, sub) in enumerate(zip(plans, slices)):
+            try:
+                validate_plan(p, graph=sub)
+            except UserError as e:
+                raise UserError(f"pipeline stage {j}: {e}") from None
+        stage_of: dict[str, int] = {}
+        for s, st in enumerate(pplan.stages):
+            for layer in run_layers[st.layers[0] : st.layers[1]]:
+                for name in layer.nodes:
+                    stage_of[name] = s
+        self.transfers = find_transfers(graph, slices, stage_of)
+        self.meshes = [stage_mesh(p, st.ranks, device.type) for p, st in zip(plans, pplan.stages)]
+        self.mesh = self.meshes[self.stage]
+        self.plan = plans[self.stage]
+        self.graph = slices[self.stage]
+        # the wire layouts and tiles of every transfer this rank takes part in
+        self.tiles: dict[int, list[Tile]] = {}
+        self.gathers: dict[int, tuple[Any, int]] = {}
+        """Transfers this rank all-gathers after receiving (local all-gather): (process group, its size)."""
+        wires: dict[int, tuple[Placements, Placements]] = {}
+        for t in self.transfers:
+            src_layout = plans[t.src].node(t.node).out_placements(t.index)
+            dst_layout = plans[t.dst].node(t.boundary).out_placements(0)
+            src = _side(plans[t.src], pplan.stages[t.src].ranks, src_layout)
+            dst = _side(plans[t.dst], pplan.stages[t.dst].ranks, dst_layout)
+            replicas = math.prod(n for n, p in zip(dst.shape, dst.wire) if not isinstance(p, Shard))
+            if local_gather and replicas > 1:
+                gp = gather_plan(t.info.shape[0], src, dst)
+                self.tiles[t.k] = list(gp.tiles)
+                for members in gp.groups:  # new groups are collective: every rank creates each, in one order
+                    group = dist.new_group(list(members))
+                    if rank in members:
+                        self.gathers[t.k] = (group, len(members))
+            else:
+                self.tiles[t.k] = tiles(t.info.shape[0], src, dst)
+            if t.src == self.stage:
+                wires[t.k] = (src.wire, tuple(src_layout))
+            elif t.dst == self.stage:
+                wires[t.k] = (dst.wire, tuple(dst_layout))
+        mine = self.stage
+        recv_fwd = [t for t in self.transfers if t.dst == mine and t.forward]
+        recv_bwd = [t for t in self.transfers if t.dst == mine and not t.forward]
+        send_fwd = [t for t in self.transfers if t.src == mine and t.forward]
+        send_bwd = [t for t in self.transfers if t.src == mine and not t.forward]
+        self._distribute_parameters(model)
+        interp = Interpreter(self.graph, self.plan, self.mesh, device)
+        self.program = StageProgram(interp, self._trainable, recv_fwd, recv_bwd, send_fwd, send_bwd, wires)
+        self.program.whole = graph
+        self.program.num_model_inputs = len(inputs)
+        self._buffers = dict(model.named_buffers())
+
+    # ------------------------------------------------------------------ parameters
+    def _distribute_parameters(self, model: torch.nn.Module) -> None:
+        from meshpilot.runtime.interpret import to_dtensor
+
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._params: list[torch.nn.Parameter] = []
+        self._trainable: list[str] = []
+        for fqn in self.graph.param_names:
+            old = model.get_parameter(fqn)
+            with torch.no_grad():
+                d = to_dtensor(old.detach(), self.mesh, self.plan.param_layout(fqn))
+            new = torch.nn.Parameter(d, requires_grad=old.requires_grad)
+            for alias in aliases[id(old)]:
+                mod_name, _, leaf = alias.rpartition(".")
+                model.get_submodule(mod_name)._parameters[leaf] = new
+            self._params.append(new)
+            if old.requires_grad:
+                self._trainable.append(fqn)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This stage's parameters: DTensors on its mesh in its plan's layouts."""
+        return list(self._params)
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(zip(self.graph.param_names, self._params))
+
+    # ------------------------------------------------------------------ the step
+    def _tag(self, m: int, t: Transfer) -> int:
+        return m * len(self.transfers) + t.k
+
+    def _first_row(self, t: Transfer) -> int:
+        """The first row of the wire piece of transfer `t` this (sending) rank holds."""
+        wire, _ = self.program.wires[t.k]
+        return rows_of(t.info.shape[0], tuple(self.mesh.shape), wire, self.mesh.get_coordinate())[0]
+
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this stage's
+        parameters (summed into what is there); returns the step's loss on the last stage's ranks (the mean of
+        the microbatches' losses), None elsewhere."""
+        rank = dist.get_rank()
+        prog = self.program
+        chunks = [x.to(self.device).chunk(self.M) for x in inputs]
+        received: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        outgoing: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        saved: dict[int, list] = {}
+        handed: dict[int, list] = {}
+        losses: list[torch.Tensor] = []
+        grads: list | None = None
+        sends: list = []
+        params = [p._local_tensor for p in self._params]
+        for a in self.schedule.actions(rank):
+            k, m = a.kind, a.microbatch
+            if k in (ActionKind.SEND, ActionKind.RECV):
+                forward = (self._first[a.peer] > self.stage) == (k == ActionKind.SEND)
+                phase = Phase.FWD if forward else Phase.BWD
+                if k == ActionKind.SEND:
+                    todo = prog.send_fwd if forward else prog.send_bwd
+                    for t, local in zip(todo, outgoing.pop((m, forward))):
+                        first = self._first_row(t)
+                        for tile in self.tiles[t.k]:
+                            if tile.src != rank:
+                                continue
+                            piece = local[tile.lo - first : tile.hi - first].contiguous()
+                            record(CollectiveKind.SEND, PP_AXIS, 2, piece.numel() * piece.element_size(), phase)
+                            sends.append(dist.isend(piece, tile.dst, tag=self._tag(m, t)))
+                else:
+                    todo = prog.recv_fwd if forward else prog.recv_bwd
+                    got = []
+                    for t in todo:
+                        pieces = []
+                        for tile in self.tiles[t.k]:
+                            if tile.dst != rank:
+                                continue
+                            shape = (tile.hi - tile.lo, *t.info.shape[1:])
+                            buf = torch.empty(shape, dtype=dtype_from_name(t.info.dtype), device=self.device)
+                            record(CollectiveKind.RECV, PP_AXIS, 2, buf.numel() * buf.element_size(), phase)
+                            dist.recv(buf, tile.src, tag=self._tag(m, t))
+                            pieces.append(buf)
+                        mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                        if t.k in self.gathers:  # local all-gather: the rows of the other receivers holding them
+                            group, size = self.gathers[t.k]
+                            parts = [torch.empty_like(mine) for _ in range(size)]
+                            nbytes = mine.numel() * mine.element_size() * size
+                            record(CollectiveKind.ALL_GATHER, LOCAL_AXIS, size, nbytes, phase)
+                            dist.all_gather(parts, mine, group=group)
+                            mine = torch.cat(parts)
+                        got.append(mine)
+                    received[(m, forward)] = got
+            elif k == ActionKind.FORWARD:
+                buffers = [self._buffers[n] for n in self.graph.buffer_names]
+                mb = [c[m] for c in chunks]
+                with phase_scope(Phase.FWD):
+                    loss, updates, kept, out = prog.forward(params, buffers, mb, received.pop((m, True), []))
+                with torch.no_grad():
+                    for fqn, value in zip(self.graph.buffer_updates, updates):
+                        self._buffers[fqn].copy_(value)
+                if loss is not None:
+                    losses.append(loss.detach())
+                saved[m] = kept
+                outgoing[(m, True)] = out
+            elif k in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                with phase_scope(Phase.BWD):
+                    if k == ActionKind.BACKWARD:
+                        gs, outgoing[(m, False)] = prog.backward(saved.pop(m), received.pop((m, False), []))
+                    else:
+                        gs = prog.backward_weight(saved.pop(m), handed.pop(m))
+                gs = [x / self.M if x is not None else None for x in gs]
+                grads = (
+                    gs if grads is None else [y if x is None else x if y is None else x + y for x, y in zip(grads, gs)]
+                )
+            elif k == ActionKind.BACKWARD_INPUT:
+                with phase_scope(Phase.BWD):
+                    outgoing[(m, False)], handed[m] = prog.backward_input(saved[m], received.pop((m, False), []))
+            elif k == ActionKind.GRAD_SYNC:
+                with phase_scope(Phase.BWD):
+                    synced = prog.grad_sync(grads or [None] * len(self._trainable))
+                by_name = dict(self.named_parameters())
+                for fqn, x in zip(self._trainable, synced):
+                    if x is None:
+                        continue
+                    p = by_name[fqn]
+                    d = DTensor(x, p._spec, requires_grad=False)
+                    p.grad = d if p.grad is None else p.grad + d
+        for w in sends:
+            w.wait()
+        return torch.stack(losses).mean() if self.last else None
+
+    def planned_counts(self) -> Counter[tuple[CollectiveKind, str, int]]:
+        """What this rank's step issues according to the plans (module docstring), keyed like
+        ``CollectiveLog.counts()`` on this stage's mesh."""
+        from meshpilot.sharding.reshard import Resharder
+        from meshpilot.sharding.strategies import fake_device_mesh
+
+        rank = dist.get_rank()
+        out: Counter = Counter(self.plan.collective_counts(backend="gloo"))
+        resharder = Resharder(fake_device_mesh(tuple(self.plan.mesh_shape)), None)
+        for t in self.transfers:
+            if t.src == self.stage:
+                wire, planned = self.program.wires[t.k]
+                for c in resharder.collectives(planned, wire, t.info):
+                    out[(c.kind, self.plan.axis_name(c.axis), c.nbytes)] += self.M
+            row = math.prod(t.info.shape[1:]) * t.info.itemsize
+            if t.k in self.gathers:
+                out[(CollectiveKind.ALL_GATHER, LOCAL_AXIS, t.info.shape[0] * row)] += self.M
+            for tile in self.tiles[t.k]:
+                if tile.src == rank:
+                    out[(CollectiveKind.SEND, PP_AXIS, (tile.hi - tile.lo) * row)] += self.M
+                if tile.dst == rank:
+                    out[(CollectiveKind.RECV, PP_AXIS, (tile.hi - tile.lo) * row)] += self.M
+        return out
+
+
+__all__ = ["LOCAL_AXIS", "PP_AXIS", "PlannedPipelineModule", "StageProgram", "Transfer", "find_transfers", "stage_mesh"]
