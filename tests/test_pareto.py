@@ -7,6 +7,7 @@ never above the ILP plan's it was seeded with, Fig. 11 / Fig. 12's layouts on BE
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,7 @@ def test_pareto_candidate_is_priced_by_the_accounting_and_beats_its_seed(reduced
         assert 2 * acct.time.compute_s * (1 - 1e-9) <= psi <= acct.time.total_s * (1 + 1e-9)
         assert psi <= pareto.duplex_time(task.graph, ilp.chosen, task.resharder, compute) * (1 + 1e-9)
         assert psi < acct.time.total_s * 0.99  # the overlap is real on this model: more than 1% hidden
+        assert cand.status.endswith("seeded by the ILP")
 
 
 def test_unseeded_beam_is_a_valid_plan(reduced):
@@ -239,6 +241,10 @@ def test_cli_searcher_recorded_in_the_plan(capsys, tmp_path):
     from meshpilot.planner.plan import Plan
 
     assert Plan.load(out).solver.searcher == "best"
+    assert main(["plan", "--model", "mlp", "-c", "atp-ic3", "-n", "2", "--searcher", "pareto", "--ops", "none"]) == 0
+    text = capsys.readouterr().out
+    assert "pareto: duplex" in text
+    assert re.search(r"★.*1\.00x", text), text  # the chosen row is the reference, not the duplex objective
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--model", "mlp", "-c", "atp-ic3", "-n", "2", "--searcher", "dp"])
     assert exc.value.code == 2

@@ -471,10 +471,16 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     cand = Table(title="Mesh candidates (predicted step time of each one's optimal plan)")
     for col in ("", "mesh", "mapping", "step", "vs chosen", "note"):
         cand.add_column(col, justify="right" if col in ("step", "vs chosen") else "left")
+    # relative to the chosen candidate's step (``s.objective_s`` is the searcher's own objective: the pareto
+    # searcher's is its duplex step, not the step the candidates are ranked by)
+    ref = next(
+        (c.objective_s for c in s.candidates if tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping),
+        s.objective_s,
+    )
     for c in s.candidates:
         chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
         step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
-        ratio = f"{c.objective_s / s.objective_s:.2f}x" if c.objective_s is not None and s.objective_s else "—"
+        ratio = f"{c.objective_s / ref:.2f}x" if c.objective_s is not None and ref else "—"
         note = _short_note(c)
         cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
     out.print(cand)

@@ -406,6 +406,8 @@ class ParetoResult:
     states: int
     """States expanded over the whole graph."""
     search_s: float
+    seeded: bool = False
+    """Whether an incumbent's path was kept (False also when its strategies were not all among the node's)."""
 
 
 def pareto_search(
@@ -582,7 +584,7 @@ def pareto_search(
         h = parent
     for n in nodes:  # leaves nothing read
         chosen.setdefault(n.name, struct.strategies[n.name][0])
-    return ParetoResult(chosen, best.psi, expanded, time.perf_counter() - t0)
+    return ParetoResult(chosen, best.psi, expanded, time.perf_counter() - t0, incumbent is not None)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -675,7 +677,7 @@ class ParetoSearcher:
             acct.time.total_s,
             usage,
             note=f"pareto: duplex {res.psi_s * 1e3:.1f} ms vs {serial2 * 1e3:.1f} ms serial (2 microbatches)",
-            status=f"pareto beam {self.beam}" + (" seeded by the ILP" if incumbent is not None else ""),
+            status=f"pareto beam {self.beam}" + (" seeded by the ILP" if res.seeded else ""),
             objective_s=res.psi_s,
             num_groups=res.states,
             build_s=0.0,
