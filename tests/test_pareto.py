@@ -150,6 +150,8 @@ def test_pareto_candidate_is_priced_by_the_accounting_and_beats_its_seed(reduced
         assert psi <= pareto.duplex_time(task.graph, ilp.chosen, task.resharder, compute) * (1 + 1e-9)
         assert psi < acct.time.total_s * 0.99  # the overlap is real on this model: more than 1% hidden
         assert cand.status.endswith("seeded by the ILP")
+        # on the serial (no-overlap) step the ILP is the optimum; the DP's plan stays within 5% of it
+        assert ilp.time_s * (1 - 1e-3) <= cand.time_s <= ilp.time_s * 1.05
 
 
 def test_unseeded_beam_is_a_valid_plan(reduced):

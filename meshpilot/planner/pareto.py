@@ -50,9 +50,10 @@ Terms of §4.1 and where they are
   (a leaf is decided lazily, at its first reader, among the layouts that equal the form that reader wants or
   shard it further on axes the reader replicates — HiDup's *replicated* or *sharded* parameter placement;
   :meth:`_Leaves.options`). ``_State.key`` hashes ``(C, F)``. ``Q₁`` dominates ``Q₂`` when they reach the
-  same state and ``ψ_Q₁ ≤ ψ_Q₂``, ``φ_Q₁ ≤ φ_Q₂``, one strictly (§4.2); with the open stage kept open the
-  same test is componentwise on ``(base, p, c, x, tail)`` — everything after the cut adds only maxima and
-  sums, monotone in each of them, so a dominated state can never end faster (Theorem 1; :func:`_prune`).
+  same state and ``ψ_Q₁ ≤ ψ_Q₂``, ``φ_Q₁ ≤ φ_Q₂``, one strictly (§4.2: the paper's pair, for closed stages).
+  With the last stage kept open the DP's test is in its own coordinates: componentwise ``≤`` on
+  ``(base, p, c, x, tail)`` (``_State.dominates``, :func:`_prune`) — everything after the cut adds only maxima
+  and sums of these, nondecreasing in each, so a dominated state can never end faster (Theorem 1's argument).
 * **The DP (Fig. 4).** For each cut in order (each node ``k``), every kept strategy ``Q`` is extended by every
   signature of node ``k`` (and the options of leaves it decides), giving ``Q ⊕ (O, S)``; dominated ones are
   dropped, the rest kept. The answer is the complete strategy of least ψ.
