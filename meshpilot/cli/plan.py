@@ -112,6 +112,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="microbatches the global batch is cut into (accumulate, overlapped; duplex: 2; default 1; "
         "--pipeline: default 4)",
     )
+    p.add_argument(
+        "--searcher",
+        choices=SEARCHER_NAMES,
+        default="ilp",
+        help="what chooses each operator's strategy per mesh candidate: ilp (default; Alpa's ILP, HiGHS: the "
+        "least step time with computation and communication added up), pareto (HiDup's duplex-aware Pareto DP "
+        "over graph cuts, seeded by the ILP's plan: the least step when one microbatch's collectives run beside "
+        "the other's compute, as --schedule duplex runs it; its duplex time is in the candidates' notes) or best "
+        "(both, the faster by the plan's own accounting); recorded in the plan",
+    )
     p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
     p.add_argument(
         "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
@@ -136,6 +146,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------------------------ model
 
 SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
+SEARCHER_NAMES = ("ilp", "pareto", "best")
+"""``--searcher``: ``meshpilot.planner.search.SEARCHERS``."""
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "auto")
 PIPELINE_MICROBATCHES = 4
 
@@ -229,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         precision=args.precision,
         schedule=sched,
+        searcher=args.searcher,
     )
     if args.out:
         save_plan(plan, args.out)
@@ -316,9 +329,11 @@ def make_plan(
     progress: Console | None = None,
     precision: str | None = None,
     schedule: dict[str, Any] | None = None,
+    searcher: str = "ilp",
 ):
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
-    ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`)."""
+    ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
+    ``meshpilot.planner.search.SEARCHERS``."""
     from meshpilot.cluster import mesh_shapes_2d
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import check_precision, microbatch_inputs
@@ -336,7 +351,7 @@ def make_plan(
     capture_s = time.perf_counter() - t0
     what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
     with (
-        progress.status(f"solving the sharding ILP on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"),
+        progress.status(f"searching ({searcher}) on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"),
         warnings.catch_warnings(record=True) as caught,
     ):
         warnings.simplefilter("always")
@@ -351,6 +366,7 @@ def make_plan(
             time_limit=time_limit,
             graph=graph,
             precision=precision,
+            searcher=searcher,
             **schedule,
         )
     for w in caught:  # e.g. a --force pattern that matches nothing
@@ -455,10 +471,16 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     cand = Table(title="Mesh candidates (predicted step time of each one's optimal plan)")
     for col in ("", "mesh", "mapping", "step", "vs chosen", "note"):
         cand.add_column(col, justify="right" if col in ("step", "vs chosen") else "left")
+    # relative to the chosen candidate's step (``s.objective_s`` is the searcher's own objective: the pareto
+    # searcher's is its duplex step, not the step the candidates are ranked by)
+    ref = next(
+        (c.objective_s for c in s.candidates if tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping),
+        s.objective_s,
+    )
     for c in s.candidates:
         chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
         step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
-        ratio = f"{c.objective_s / s.objective_s:.2f}x" if c.objective_s is not None and s.objective_s else "—"
+        ratio = f"{c.objective_s / ref:.2f}x" if c.objective_s is not None and ref else "—"
         note = _short_note(c)
         cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
     out.print(cand)
@@ -561,7 +583,8 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         out.print(f"[yellow]warning:[/yellow] {w}")
     post = getattr(s, "post_s", 0.0)
     out.print(
-        f"solver: {s.status}; gap {s.gap:.2%}; {s.num_vars:,} variables, {s.num_constraints:,} constraints, "
+        f"solver: {s.searcher}, {s.status}; gap {s.gap:.2%}; {s.num_vars:,} variables, "
+        f"{s.num_constraints:,} constraints, "
         f"{s.num_groups:,} decision groups; {s.total_s:.2f} s (capture {s.capture_s:.2f}, build "
         f"{s.build_s:.2f}, solve {s.solve_s:.2f}" + (f", post-pass {post:.2f}" if post else "") + ") over "
         f"{len(s.candidates)} mesh candidate(s)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -84,6 +85,25 @@ def builtin_models() -> dict[str, ModelEntry]:
             64,
         ),
     ]
+    for base, (cls, kw) in zoo.HIDUP_MODELS.items():
+        gate = "Sparsely-Gated top-2" if kw["top_k"] == 2 else "Switch top-1"
+        arch = "BERT-Base-like" if cls is zoo.BertMoE else "ViT (BERT-Base-like encoder, 32x32 images)"
+        zoo_entries.append(
+            (
+                base,
+                f"HiDup {arch}, 8 layers, MoE every 2nd FFN, {gate}, {kw['experts']} experts",
+                partial(zoo.hidup_model, base),
+                64,
+            )
+        )
+        zoo_entries.append(
+            (
+                f"{base}-tiny",
+                f"{base} at toy size (h=32, 2 layers, 4 experts)",
+                partial(zoo.hidup_model, f"{base}-tiny"),
+                4,
+            )
+        )
     for name, summary, factory, batch in zoo_entries:
         out[name] = ModelEntry(name, summary, _zoo_builder(factory, batch))
     return out

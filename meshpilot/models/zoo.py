@@ -10,6 +10,8 @@ GroupNorm), so data parallelism is exact. All are constructible on the meta devi
 - :class:`WideResNet`: a small Wide-ResNet-like conv net (3x3 convs, residual blocks widened by `k`).
 - :class:`MoEModel`: embedding -> transformer-style blocks whose MLP is a GShard top-2 mixture of experts
   written as dispatch / expert / combine einsums (expert parallelism shards the expert dim `e`).
+- :class:`BertMoE`, :class:`ViTMoE`: HiDup §6.1's BERT-SGMoE / BERT-Switch / ViT-SGMoE / ViT-Switch (an MoE
+  feed-forward in every second layer, top-2 or top-1 gating with capacity and the load-balancing loss).
 - :class:`PlanBenchTransformer`: the planning benchmark's transformer (pre-LN, bias-free q/k/v/o, ReLU MLP).
 """
 
@@ -46,7 +48,8 @@ class _EncoderLayer(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
         self.up, self.down = nn.Linear(h, ffn), nn.Linear(ffn, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention half: ``ln1(x + attention(x))`` (post-LN, as BERT)."""
         b, s, h = x.shape
         d = h // self.heads
 
@@ -54,7 +57,10 @@ class _EncoderLayer(nn.Module):
             return t.view(b, s, self.heads, d).transpose(1, 2)
 
         att = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
-        x = self.ln1(x + self.o(att.transpose(1, 2).reshape(b, s, h)))  # post-LN, as BERT
+        return self.ln1(x + self.o(att.transpose(1, 2).reshape(b, s, h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
         return self.ln2(x + self.down(F.gelu(self.up(x))))
 
 
@@ -111,45 +117,71 @@ class WideResNet(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """GShard top-2 mixture of experts on [tokens, m] with capacity `c` per expert.
+    """GShard mixture of experts, top-`top_k` gating with capacity `c` per expert, on tokens [s, m] or on
+    groups of tokens [g, s, m] (GShard's groups: each group routes its own tokens into `capacity` slots).
 
-    gates [s, e] = softmax(x W_g); the top-2 experts of each token get a slot in their expert's buffer of
-    `capacity` slots in token order (tokens past capacity are dropped for that expert), giving
-    dispatch [s, e, c] (0/1) and combine [s, e, c] (gate weights). Then (GShard's einsums):
-        expert_in  [e, c, m] = einsum("sec,sm->ecm", dispatch, x)
-        hidden     [e, c, f] = relu(einsum("ecm,emf->ecf", expert_in, w_in))
-        expert_out [e, c, m] = einsum("ecf,efm->ecm", hidden, w_out)
-        y          [s, m]    = einsum("sec,ecm->sm", combine, expert_out)
+    gates [.., s, e] = softmax(x W_g); the top-k experts of each token get a slot in their expert's buffer of
+    `capacity` slots in token order, the first choices before the second (tokens past capacity are dropped
+    for that expert), giving dispatch [.., s, e, c] (0/1) and combine [.., s, e, c] (gate weights). Then
+    (GShard's einsums; ``..`` is the group dim g when there is one):
+        expert_in  [e, .., c, m] = einsum("..sec,..sm->e..cm", dispatch, x)
+        hidden     [e, .., c, f] = act(einsum("e..cm,emf->e..cf", expert_in, w_in))
+        expert_out [e, .., c, m] = einsum("e..cf,efm->e..cm", hidden, w_out)
+        y          [.., s, m]    = einsum("..sec,e..cm->..sm", combine, expert_out)
     Sharding `e` over a mesh axis is expert parallelism; the reshard of `x` into expert_in is its all-to-all.
+    `top_k` = 2 is the Sparsely-Gated MoE (Shazeer et al.) / GShard, 1 is the Switch Transformer.
+
+    :meth:`moe` also returns the load-balancing loss (Switch / GShard): ``e · Σ_e f_e · P_e`` with ``f_e``
+    the fraction of tokens whose first choice is expert e and ``P_e`` the mean gate probability of e.
     """
 
-    def __init__(self, m: int, f: int, experts: int, capacity: int) -> None:
+    def __init__(self, m: int, f: int, experts: int, capacity: int, top_k: int = 2, act: str = "relu") -> None:
         super().__init__()
-        self.experts, self.capacity = experts, capacity
+        self.experts, self.capacity, self.top_k, self.act = experts, capacity, top_k, act
         self.gate = nn.Linear(m, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, m, f) / math.sqrt(m))
         self.w_out = nn.Parameter(torch.randn(experts, f, m) / math.sqrt(f))
 
-    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dispatch and combine masks [s, e, c] for tokens x [s, m]."""
-        probs = F.softmax(self.gate(x), dim=-1)  # [s, e]
-        top = probs.topk(2, dim=-1)
-        combine = x.new_zeros(x.shape[0], self.experts, self.capacity)
-        for k in range(2):
-            onehot = F.one_hot(top.indices[:, k], self.experts).to(x.dtype)  # [s, e]
-            prior = combine.sum(dim=2).gt(0).to(x.dtype).sum(dim=0, keepdim=True) if k else 0
-            pos = (torch.cumsum(onehot, dim=0) - 1 + prior) * onehot  # slot of each token in its expert
+    def _route(self, x: torch.Tensor, aux: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        probs = F.softmax(self.gate(x), dim=-1)  # [.., s, e]
+        top = probs.topk(self.top_k, dim=-1)
+        combine = x.new_zeros(*x.shape[:-1], self.experts, self.capacity)  # [.., s, e, c]
+        tokens = x.dim() - 2  # the token dim of [.., s, m]
+        for k in range(self.top_k):
+            onehot = F.one_hot(top.indices[..., k], self.experts).to(x.dtype)  # [.., s, e]
+            prior = combine.sum(dim=-1).gt(0).to(x.dtype).sum(dim=tokens, keepdim=True) if k else 0
+            pos = (torch.cumsum(onehot, dim=tokens) - 1 + prior) * onehot  # slot of each token in its expert
             keep = onehot * (pos < self.capacity).to(x.dtype)
-            slot = F.one_hot(pos.long().clamp(max=self.capacity - 1), self.capacity).to(x.dtype)  # [s, e, c]
-            combine = combine + (keep * top.values[:, k : k + 1]).unsqueeze(-1) * slot
-        return combine.gt(0).to(x.dtype), combine
+            slot = F.one_hot(pos.long().clamp(max=self.capacity - 1), self.capacity).to(x.dtype)  # [.., s, e, c]
+            combine = combine + (keep * top.values[..., k : k + 1]).unsqueeze(-1) * slot
+        balance = None
+        if aux:
+            first = F.one_hot(top.indices[..., 0], self.experts).to(x.dtype)
+            dims = tuple(range(x.dim() - 1))
+            balance = self.experts * (first.mean(dim=dims) * probs.mean(dim=dims)).sum()
+        return combine.gt(0).to(x.dtype), combine, balance
+
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dispatch and combine masks [.., s, e, c] for tokens x [.., s, m]."""
+        dispatch, combine, _ = self._route(x, aux=False)
+        return dispatch, combine
+
+    def _experts(self, x: torch.Tensor, dispatch: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        act = F.gelu if self.act == "gelu" else F.relu
+        expert_in = torch.einsum("...sec,...sm->e...cm", dispatch, x)
+        hidden = act(torch.einsum("e...cm,emf->e...cf", expert_in, self.w_in))
+        expert_out = torch.einsum("e...cf,efm->e...cm", hidden, self.w_out)
+        return torch.einsum("...sec,e...cm->...sm", combine, expert_out)
+
+    def moe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and its load-balancing loss."""
+        dispatch, combine, balance = self._route(x, aux=True)
+        assert balance is not None
+        return self._experts(x, dispatch, combine), balance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dispatch, combine = self.routing(x)
-        expert_in = torch.einsum("sec,sm->ecm", dispatch, x)
-        hidden = F.relu(torch.einsum("ecm,emf->ecf", expert_in, self.w_in))
-        expert_out = torch.einsum("ecf,efm->ecm", hidden, self.w_out)
-        return torch.einsum("sec,ecm->sm", combine, expert_out)
+        return self._experts(x, dispatch, combine)
 
 
 class MoEModel(nn.Module):
@@ -169,6 +201,157 @@ class MoEModel(nn.Module):
         for norm, moe in zip(self.norms, self.moes):
             x = x + moe(norm(x))
         return F.cross_entropy(self.head(x), targets.reshape(-1))
+
+
+class _MoEEncoderLayer(_EncoderLayer):
+    """An encoder layer whose feed-forward is a :class:`MoELayer` over groups of tokens (one group per sequence
+    or image); ``forward`` returns the output and the layer's load-balancing loss."""
+
+    def __init__(self, h: int, heads: int, ffn: int, experts: int, capacity: int, top_k: int) -> None:
+        nn.Module.__init__(self)
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.moe = MoELayer(h, ffn, experts, capacity, top_k=top_k, act="gelu")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x = self.attend(x)
+        y, balance = self.moe.moe(x)  # groups = sequences: [b, s, h]
+        return self.ln2(x + y), balance
+
+
+class _MoEEncoder(nn.Module):
+    """HiDup §6.1's MoE encoder: `layers` post-LN BERT layers, every second one's feed-forward a mixture of
+    `experts` experts (top-`top_k` gating, GShard's capacity ``ceil(top_k · s / experts · capacity_factor)`` per
+    sequence, overflow dropped); the loss adds `balance_weight` × each MoE layer's load-balancing loss."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        ffn: int,
+        layers: int,
+        experts: int,
+        top_k: int,
+        tokens: int,
+        capacity_factor: float,
+        balance_weight: float,
+    ) -> None:
+        super().__init__()
+        capacity = max(1, math.ceil(top_k * tokens / experts * capacity_factor))
+        self.balance_weight = balance_weight
+        self.layers = nn.ModuleList(
+            _MoEEncoderLayer(hidden, heads, ffn, experts, capacity, top_k)
+            if i % 2
+            else _EncoderLayer(hidden, heads, ffn)
+            for i in range(layers)
+        )
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        balance = x.new_zeros(())
+        for layer in self.layers:
+            if isinstance(layer, _MoEEncoderLayer):
+                x, b = layer(x)
+                balance = balance + b
+            else:
+                x = layer(x)
+        return x, self.balance_weight * balance
+
+
+class BertMoE(_MoEEncoder):
+    """BERT-SGMoE / BERT-Switch (HiDup §6.1): BERT-Base-like (token + position embeddings, post-LN encoder,
+    GELU), `layers` layers with an MoE feed-forward in every second one, a vocabulary head on every position;
+    loss = cross-entropy + the load-balancing loss."""
+
+    def __init__(
+        self,
+        vocab: int = 30522,
+        seq: int = 128,
+        hidden: int = 768,
+        heads: int = 12,
+        ffn: int = 3072,
+        layers: int = 8,
+        experts: int = 8,
+        top_k: int = 2,
+        capacity_factor: float = 1.0,
+        balance_weight: float = 0.01,
+    ) -> None:
+        super().__init__(hidden, heads, ffn, layers, experts, top_k, seq, capacity_factor, balance_weight)
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = idx.shape[1]
+        x = self.ln(self.tok(idx) + self.pos(torch.arange(s, device=idx.device)))  # [b, s, h]
+        x, balance = self.encode(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) + balance
+
+
+class ViTMoE(_MoEEncoder):
+    """ViT-SGMoE / ViT-Switch (HiDup §6.1): images cut into `patch`×`patch` patches, a linear patch embedding
+    plus position embeddings, the same MoE encoder (BERT-Base-like, post-LN), mean-pooled into a classifier;
+    loss = cross-entropy + the load-balancing loss."""
+
+    def __init__(
+        self,
+        image: int = 32,
+        patch: int = 4,
+        channels: int = 3,
+        classes: int = 10,
+        hidden: int = 768,
+        heads: int = 12,
+        ffn: int = 3072,
+        layers: int = 8,
+        experts: int = 16,
+        top_k: int = 2,
+        capacity_factor: float = 1.0,
+        balance_weight: float = 0.01,
+    ) -> None:
+        tokens = (image // patch) ** 2
+        super().__init__(hidden, heads, ffn, layers, experts, top_k, tokens, capacity_factor, balance_weight)
+        self.image, self.patch, self.channels = image, patch, channels
+        self.embed = nn.Linear(channels * patch * patch, hidden)
+        self.pos = nn.Parameter(torch.randn(tokens, hidden) * 0.02)
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        b, c, hw, p = images.shape[0], self.channels, self.image, self.patch
+        n = hw // p
+        patches = images.reshape(b, c, n, p, n, p).permute(0, 2, 4, 1, 3, 5).reshape(b, n * n, c * p * p)
+        x = self.ln(self.embed(patches) + self.pos)  # [b, tokens, h]
+        x, balance = self.encode(x)
+        return F.cross_entropy(self.head(x.mean(dim=1)), targets) + balance
+
+
+HIDUP_MODELS = {
+    # name: (class, top_k, paper size?) — experts proportional to devices: 1 per GPU (BERT), 2 per GPU (ViT),
+    # for the 8 GPUs of HiDup's 2 x 4 clusters
+    "bert-sgmoe": (BertMoE, dict(top_k=2, experts=8)),
+    "bert-switch": (BertMoE, dict(top_k=1, experts=8)),
+    "vit-sgmoe": (ViTMoE, dict(top_k=2, experts=16)),
+    "vit-switch": (ViTMoE, dict(top_k=1, experts=16)),
+}
+"""HiDup §6.1's four benchmark models at paper size (BERT-Base-like, 8 layers; 8 GPUs' worth of experts)."""
+
+HIDUP_TINY = {
+    "bert": dict(vocab=64, seq=16, hidden=32, heads=4, ffn=64, layers=2, experts=4),
+    "vit": dict(image=8, patch=4, hidden=32, heads=4, ffn=64, layers=2, experts=4),
+}
+"""The tiny variants (``bert-sgmoe-tiny`` …) for runs: the same code at toy sizes."""
+
+
+def hidup_model(name: str) -> nn.Module:
+    """The HiDup model `name` (``bert-sgmoe``, ``vit-switch-tiny``, …; :data:`HIDUP_MODELS`)."""
+    base = name.removesuffix("-tiny")
+    cls, kw = HIDUP_MODELS[base]
+    kw = dict(kw)
+    if name.endswith("-tiny"):
+        kw.update(HIDUP_TINY[base.split("-")[0]])
+    return cls(**kw)
 
 
 class _BenchBlock(nn.Module):
@@ -237,6 +420,11 @@ def example_inputs(name: str, model: nn.Module, batch: int, device: str | torch.
     if isinstance(model, MoEModel):
         vocab = model.tok.num_embeddings
         return ints(vocab, batch, 8), ints(vocab, batch, 8)
+    if isinstance(model, BertMoE):
+        vocab, seq = model.tok.num_embeddings, model.pos.num_embeddings
+        return ints(vocab, batch, seq), ints(vocab, batch, seq)
+    if isinstance(model, ViTMoE):
+        return floats(batch, model.channels, model.image, model.image), ints(model.head.out_features, batch)
     if isinstance(model, PlanBenchTransformer):
         h = model.blocks[0].q.in_features
         return (floats(batch, 2048 if dev.type == "meta" else 8, h),)

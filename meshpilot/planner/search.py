@@ -14,8 +14,13 @@ Searchers (:data:`SEARCHERS`, chosen by name with ``plan(..., searcher=)``):
   device (at most :data:`REFITS` times), and on the plain memory rows when the ZeRO rows' plan does not fit
   or fitting cost time.
 
-A second searcher (HiDup's overlap-aware Pareto dynamic program) implements the same
-:meth:`Searcher.search`; a pipeline's stage planner calls it through ``meshpilot.planner.stage``.
+* ``pareto`` (:class:`~meshpilot.planner.pareto.ParetoSearcher`): HiDup's duplex-aware Pareto dynamic
+  program over graph cuts (``meshpilot.planner.pareto``; its docstring maps Eq. 4–5, dominance and Fig. 4 to
+  the code), beam-bounded; minimises the duplex step (one microbatch's communication behind the other's
+  compute), its candidate priced by the accounting like the ILP's, the duplex time in ``objective_s``.
+* ``best`` (:class:`~meshpilot.planner.pareto.BestSearcher`): both, the faster by the accounting.
+
+A pipeline's stage planner calls a searcher through ``meshpilot.planner.stage``.
 """
 
 from __future__ import annotations
@@ -214,7 +219,9 @@ def _note(c: Candidate) -> str:
     return f"ZeRO: {len(c.switches)} parameters ({', '.join(why)})"
 
 
-SEARCHERS: dict[str, Searcher] = {s.name: s for s in (ILPSearcher(),)}
+from meshpilot.planner.pareto import BestSearcher, ParetoSearcher  # noqa: E402  (they import this module's types)
+
+SEARCHERS: dict[str, Searcher] = {s.name: s for s in (ILPSearcher(), ParetoSearcher(), BestSearcher())}
 """Every searcher by name."""
 
 
