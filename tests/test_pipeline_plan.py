@@ -301,3 +301,75 @@ def test_auto_schedule_takes_the_shorter_simulated_step(gpt_planner):
     want = "gpipe" if steps["gpipe"] < steps["1f1b"] else "1f1b"
     assert auto.schedule.value == want
     assert auto.simulate("alpa-p3x8").step_s == min(steps.values())
+
+
+def _shape_of(g):
+    """A slice up to names: every node with its operands as positions (what the stage search reads)."""
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    canon = tuple(pos[g.canonical.get(n.name, n.name)] for n in g.nodes)
+    nodes = tuple(
+        (n.kind, n.target, n.outputs, n.flops, n.phase, n.saved_for_backward, tuple((pos[s], i) for s, i in n.inputs))
+        for n in g.nodes
+    )
+    grads = sorted((pos[next(n.name for n in g.nodes if n.fqn == p)], pos[v[0]], v[1]) for p, v in g.grads.items())
+    return nodes, canon, grads, None if g.loss is None else (pos[g.loss[0]], g.loss[1])
+
+
+def test_identical_ranges_share_one_search_and_the_same_plan():
+    """A 4-block GPT: ranges of identical layers slice into the same problem (so share one search), and the
+    DP with the shared cache finds the same plan and numbers as with every range searched on its own."""
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.stage import range_keys, slice_graph
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4))("meta", None))
+    shared, alone = StagePlanner(graph, "alpa-p3x8"), StagePlanner(graph, "alpa-p3x8", share_identical=False)
+    K = len(shared.layers)
+    key = range_keys(graph, shared.layers)
+    blocks = [j for j, x in enumerate(shared.layers) if x.name.startswith("blocks.")]
+    a, b = blocks[1], blocks[2]  # (the capture's backward repeats start inside the last block: it is unlike)
+    assert key(a, a + 1) == key(b, b + 1) != key(a, a + 2) and key(0, 1) != key(a, a + 1)
+    for start in range(K):
+        for stop in range(start + 1, K + 1):
+            for s2 in range(start + 1, K - (stop - start) + 1):
+                if key(start, stop) == key(s2, s2 + stop - start):
+                    assert _shape_of(slice_graph(graph, start, stop)) == _shape_of(
+                        slice_graph(graph, s2, s2 + stop - start)
+                    )
+    # two identical ranges: one search; the shared cost is the one a search of the second range finds
+    before = shared.misses
+    c1 = shared.plan(a, a + 1, range(2), (1, 2), microbatches=4)
+    c2 = shared.plan(b, b + 1, range(2), (1, 2), microbatches=4)
+    assert shared.misses == before + 1 and c2.layers == (b, b + 1) and c1.layers == (a, a + 1)
+    c3 = alone.plan(b, b + 1, range(2), (1, 2), microbatches=4)
+    assert (c2.time, c2.memory, c2.peaks, c2.forward_s) == (c3.time, c3.memory, c3.peaks, c3.forward_s)
+    # the DP with the shared cache: the same plan, numbers and Eq. 5 checks as with every range searched
+    kw = dict(microbatches=4, num_devices=2, epsilon=0)
+    p = plan_pipeline(graph, "alpa-p3x8", planner=shared, **kw)
+    q = plan_pipeline(graph, "alpa-p3x8", planner=alone, **kw)
+    assert [(s.layers, s.ranks, s.mesh_shape, s.t_s, s.memory_bytes) for s in p.stages] == [
+        (s.layers, s.ranks, s.mesh_shape, s.t_s, s.memory_bytes) for s in q.stages
+    ]
+    assert p.dp_step_s == q.dp_step_s and p.step_s == q.step_s
+
+
+def test_alpa_benchmark_models_at_the_papers_sizes():
+    """Tables 6–8 in the zoo: built on the meta device at the paper's shapes, with its GPU count; the GPT and
+    MoE parameter counts within 10% of the tables' (Wide-ResNet's layers are not defined in the paper)."""
+    models = builtin_models()
+    want = {"gpt3-350m": (0.35e9, 1), "gpt3-39b": (39e9, 64), "gshard-moe-380m": (0.38e9, 1),
+            "gshard-moe-70b": (70e9, 64), "wresnet-250m": (None, 1), "wresnet-13b": (None, 64)}  # fmt: skip
+    names = [n for n in models if n.startswith(("gpt3-", "gshard-moe-", "wresnet-"))]
+    assert len(names) == 18 and all(n in names for n in want)
+    assert sorted({models[n].devices for n in names}) == [1, 4, 8, 16, 32, 64]
+    for name in want:  # (building all 18 on meta takes ~10 s; the smallest and largest of each table)
+        entry = models[name]
+        model, inputs = entry.build("meta", 2)
+        assert all(p.is_meta for p in model.parameters()) and inputs[0].shape[0] == 2
+        count, devices = want[name]
+        assert entry.devices == devices
+        if count is not None and not name.startswith("gpt3-"):
+            assert sum(p.numel() for p in model.parameters()) == pytest.approx(count, rel=0.1)
+    cfg = models["gpt3-39b"].config
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.seq, cfg.vocab, cfg.batch) == (48, 8192, 64, 1024, 51200, 1024)
+    assert cfg.num_params() == pytest.approx(39e9, rel=0.1)

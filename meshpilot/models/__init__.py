@@ -27,6 +27,8 @@ class ModelEntry:
     build: Callable[[str, int | None], tuple[nn.Module, tuple[torch.Tensor, ...]]]
     """build(device, batch) -> (module, example inputs); device "meta" allocates nothing."""
     config: Any = None
+    devices: int | None = None
+    """The device count the model is benchmarked on (Alpa's rows: the paper's GPUs), when it has one."""
 
 
 def _gpt_builder(cfg: Any) -> Callable[[str, int | None], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
@@ -106,7 +108,19 @@ def builtin_models() -> dict[str, ModelEntry]:
         )
     for name, summary, factory, batch in zoo_entries:
         out[name] = ModelEntry(name, summary, _zoo_builder(factory, batch))
+    for name, row in zoo.alpa_models().items():  # Alpa's Tables 6–8
+        config = zoo.alpa_gpt_config(row) if row.family == zoo.AlpaFamily.GPT else None
+        out[name] = ModelEntry(name, row.summary, _alpa_builder(row), config, row.devices)
     return out
+
+
+def _alpa_builder(row: Any):
+    def build(device: str = "cpu", batch: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        from meshpilot.models.zoo import alpa_build
+
+        return alpa_build(row, device, batch)
+
+    return build
 
 
 def gpt_config(name: str | None, **overrides: Any) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -429,3 +430,203 @@ def example_inputs(name: str, model: nn.Module, batch: int, device: str | torch.
         h = model.blocks[0].q.in_features
         return (floats(batch, 2048 if dev.type == "meta" else 8, h),)
     raise ValueError(f"no example inputs for model {name!r}")
+
+
+# -------------------------------------------------------------------------------- Alpa's benchmark models
+# Alpa §8.1 and Appendix B (Tables 6–8): GPT-3, GShard MoE and Wide-ResNet at the paper's sizes, each with the
+# number of GPUs the paper trains it on. `alpa_models()` lists them; `models.builtin_models()` serves them by
+# name (`--model gpt3-39b`). GPTs are the zoo's GPT (`models/gpt.py`) with the table's shape.
+
+
+class AlpaFamily(StrEnum):
+    """Which of Alpa's three benchmark families a model is (§8.1)."""
+
+    GPT = "gpt"
+    MOE = "moe"
+    WRESNET = "wresnet"
+
+
+ALPA_GPT_BATCH = 1024
+"""Global batch of every GPT-3 and MoE row (Alpa §8.1: sequences of 1024 tokens)."""
+
+ALPA_WRESNET_BATCH = 1536
+"""Global batch of the Wide-ResNet rows (Alpa Table 4)."""
+
+
+@dataclass(frozen=True)
+class AlpaModel:
+    """One row of Alpa's Tables 6–8: the model's shape, its global batch and the paper's GPU count."""
+
+    name: str
+    family: AlpaFamily
+    params: str
+    """The table's parameter count, as printed (``39B``)."""
+    devices: int
+    """GPUs the paper trains it on (its default device count here)."""
+    global_batch: int
+    shape: dict
+    """The table's columns: GPT ``layers, hidden, heads``; MoE the same and ``experts``; Wide-ResNet ``layers,
+    channels, width``."""
+
+    @property
+    def summary(self) -> str:
+        cols = " ".join(f"{k}={v}" for k, v in self.shape.items())
+        return f"Alpa {self.family.value} {self.params} ({cols}), {self.devices} GPUs in the paper"
+
+
+_TABLE_6 = [("350m", 24, 1024, 16, 1), ("1.3b", 24, 2048, 32, 4), ("2.6b", 32, 2560, 32, 8),
+            ("6.7b", 32, 4096, 32, 16), ("15b", 48, 5120, 32, 32), ("39b", 48, 8192, 64, 64)]  # fmt: skip
+_TABLE_7 = [("380m", 8, 768, 16, 8, 1), ("1.3b", 16, 768, 16, 16, 4), ("2.4b", 16, 1024, 16, 16, 8),
+            ("10b", 16, 1536, 16, 32, 16), ("27b", 16, 2048, 32, 48, 32), ("70b", 32, 2048, 32, 64, 64)]  # fmt: skip
+_TABLE_8 = [("250m", 50, 160, 2, 1), ("1b", 50, 320, 2, 4), ("2b", 50, 448, 2, 8), ("4b", 50, 640, 2, 16),
+            ("6.8b", 50, 320, 16, 32), ("13b", 101, 320, 16, 64)]  # fmt: skip
+
+
+def alpa_models() -> dict[str, AlpaModel]:
+    """Every row of Alpa's Tables 6–8 by name: ``gpt3-350m`` … ``gpt3-39b``, ``gshard-moe-380m`` …
+    ``gshard-moe-70b``, ``wresnet-250m`` … ``wresnet-13b``."""
+    out = [AlpaModel(f"gpt3-{p}", AlpaFamily.GPT, p.upper(), n, ALPA_GPT_BATCH, dict(layers=L, hidden=h, heads=a))
+           for p, L, h, a, n in _TABLE_6]  # fmt: skip
+    out += [AlpaModel(f"gshard-moe-{p}", AlpaFamily.MOE, p.upper(), n, ALPA_GPT_BATCH,
+                      dict(layers=L, hidden=h, heads=a, experts=e)) for p, L, h, a, e, n in _TABLE_7]  # fmt: skip
+    out += [AlpaModel(f"wresnet-{p}", AlpaFamily.WRESNET, p.upper(), n, ALPA_WRESNET_BATCH,
+                      dict(layers=L, channels=c, width=w)) for p, L, c, w, n in _TABLE_8]  # fmt: skip
+    return {m.name: m for m in out}
+
+
+def alpa_gpt_config(row: AlpaModel):
+    """The GPTConfig of a Table 6 row: vocabulary 51200, sequence 1024, fp16, batch = the global batch."""
+    from meshpilot.models.gpt import GPTConfig
+
+    s = row.shape
+    return GPTConfig(vocab=51200, seq=1024, layers=s["layers"], hidden=s["hidden"], heads=s["heads"],
+                     batch=row.global_batch, dtype="float16")  # fmt: skip
+
+
+class _GShardBlock(nn.Module):
+    """Pre-LN transformer layer of GShard: attention, then the zoo's top-2 :class:`MoELayer` over the batch's
+    tokens (or the GPT MLP when `moe` is None)."""
+
+    def __init__(self, cfg, moe: MoELayer | None) -> None:
+        from meshpilot.models.gpt import MLP, CausalSelfAttention
+
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn = moe if moe is not None else MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        y = self.ln2(x)
+        if isinstance(self.ffn, MoELayer):
+            b, s, h = y.shape
+            return x + self.ffn(y.reshape(b * s, h)).view(b, s, h)
+        return x + self.ffn(y)
+
+
+class GShardMoE(nn.Module):
+    """GShard MoE language model (Alpa §8.1): token + position embedding, `layers` transformer layers whose
+    MLP is a top-2 mixture of `experts` experts of width 4h, final LayerNorm, vocabulary head. Every layer has
+    experts: Table 7's parameter counts are those (380M: 8 layers of 8 experts at h=768), though §8.1's text
+    says every second layer. The experts' capacity is ``2 · tokens / experts`` (capacity factor 1 for top-2)
+    of the batch the model is built for."""
+
+    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, experts: int, tokens: int) -> None:
+        from meshpilot.models.gpt import GPTConfig
+
+        super().__init__()
+        cfg = GPTConfig(vocab=vocab, seq=seq, layers=layers, hidden=hidden, heads=heads)
+        capacity = max(1, math.ceil(2 * tokens / experts))
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(
+            _GShardBlock(cfg, MoELayer(hidden, 4 * hidden, experts, capacity)) for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _Bottleneck(nn.Module):
+    """ResNet bottleneck: 1x1 to `inner`, 3x3 (stride), 1x1 to `out`, each after GroupNorm + ReLU (pre-act)."""
+
+    def __init__(self, cin: int, inner: int, out: int, stride: int) -> None:
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(_groups(cin), cin), nn.Conv2d(cin, inner, 1, bias=False)
+        self.n2, self.c2 = nn.GroupNorm(_groups(inner), inner), nn.Conv2d(inner, inner, 3, stride, 1, bias=False)
+        self.n3, self.c3 = nn.GroupNorm(_groups(inner), inner), nn.Conv2d(inner, out, 1, bias=False)
+        self.skip = nn.Conv2d(cin, out, 1, stride, bias=False) if (cin, stride) != (out, 1) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(F.relu(self.n1(x)))
+        y = self.c2(F.relu(self.n2(y)))
+        y = self.c3(F.relu(self.n3(y)))
+        return y + (x if self.skip is None else self.skip(x))
+
+
+def _groups(c: int) -> int:
+    return math.gcd(c, 32)
+
+
+class WideBottleneckResNet(nn.Module):
+    """Wide-ResNet of Alpa's Table 8: a 7x7 stem of `channels`, four stages of bottleneck blocks (3, 4, 6, 3
+    for 50 layers; 3, 4, 23, 3 for 101) of inner width ``channels · 2^i`` and output ``2 · width · channels ·
+    2^i`` (the paper does not define its layers; this reading gives Table 8's 6.8B row 6.65B, its w=2 rows
+    0.6x and its 13B row 8.7B), pooled classifier. GroupNorm instead of BatchNorm, as the zoo's other WRN
+    (data parallelism stays exact)."""
+
+    def __init__(self, layers: int = 50, channels: int = 64, width: int = 2, classes: int = 1024) -> None:
+        super().__init__()
+        stages = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}.get(layers)
+        if stages is None:
+            raise ValueError(f"WideBottleneckResNet: layers={layers}; give 50 or 101")
+        self.stem = nn.Conv2d(3, channels, 7, 2, 3, bias=False)
+        blocks, cin = [], channels
+        for i, count in enumerate(stages):
+            inner, out = channels * 2**i, 2 * width * channels * 2**i
+            for j in range(count):
+                blocks.append(_Bottleneck(cin, inner, out, 2 if j == 0 and i > 0 else 1))
+                cin = out
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.GroupNorm(_groups(cin), cin)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(self.stem(x), 3, 2, 1)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.fc(F.relu(self.norm(x)).mean(dim=(2, 3))), targets)
+
+
+def alpa_build(row: AlpaModel, device: str | torch.device = "meta", batch: int | None = None) -> tuple:
+    """(module, example inputs) of an Alpa row for a batch of `batch` (default: the global batch) on `device`."""
+    from meshpilot.models import _gpt_builder
+
+    b = batch or row.global_batch
+    s = row.shape
+    if row.family == AlpaFamily.GPT:
+        return _gpt_builder(alpa_gpt_config(row))(str(device), b)
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+
+    def data(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev) if dev.type != "meta" else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    with torch.device(device):
+        if row.family == AlpaFamily.MOE:
+            model = GShardMoE(32000, 1024, s["layers"], s["hidden"], s["heads"], s["experts"], b * 1024)
+        else:
+            model = WideBottleneckResNet(s["layers"], s["channels"], s["width"], 1024)
+    if row.family == AlpaFamily.MOE:
+        shape = (b, 1024)
+        return model, (
+            data(torch.randint(0, 32000, shape, generator=g)),
+            data(torch.randint(0, 32000, shape, generator=g)),
+        )
+    img = torch.empty(b, 3, 224, 224, device="meta") if dev.type == "meta" else torch.randn(b, 3, 224, 224, generator=g)
+    return model, (data(img) if dev.type != "meta" else img, data(torch.randint(0, 1024, (b,), generator=g)))

@@ -28,7 +28,8 @@ strategy builder, the searcher and the accounting take like any captured graph:
 * the loss (and its replication edge) is the last stage's only; a parameter's gradient edge is kept when
   the stage computes the gradient (a tied weight used by two stages gets its gradient in the stage that
   sums it); buffer updates made in the stage are kept.
-* repeated-layer sharing (``OpGraph.canonical``) is kept where both twins are in the slice.
+* repeated-layer sharing (``OpGraph.canonical``) is kept inside the slice: each class of identical nodes
+  shares the strategies of its first member in the slice (``_slice_canonical``).
 
 The slice's ``gm`` is the whole model's (not runnable on its own); planning reads only the nodes.
 
@@ -44,6 +45,16 @@ stage fits — is the stage DP's question; `capacity` only bounds the search. Re
 (graph, layer range, ranks, shape, microbatches, capacity, zero mode, searcher): the DP asks for the same
 stage on the same submesh many times, and slices and strategy tables are built once per (graph, range) and
 (range, shape).
+
+Identical stages (:func:`range_keys`)
+-------------------------------------
+In a stack of identical layers, layers 2..5 and 3..6 of a GPT slice into the same problem up to node names:
+the same operators in the same order, the same edges, boundary leaves of the same shapes in the same places,
+the same sharing. The cache's key for the range is therefore not ``(start, stop)`` but an id of that problem
+(its layers' name-free block signatures in graph order), so a uniform GPT of K layers needs O(K) distinct
+searches per submesh shape — one per range length and per embedding / head inclusion — instead of O(K²).
+The cost found for one range is returned for an identical one with its own ``layers``; the numbers are the
+same as searching it (``StagePlanner(share_identical=False)`` does, for the tests).
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,9 +169,114 @@ def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Laye
         buffer_updates={b: v for b, v in graph.buffer_updates.items() if b in buffers and v[0] in names},
         consts={k: v for k, v in graph.consts.items() if k in names},
         precision=graph.precision,
-        canonical={a: b for a, b in graph.canonical.items() if a in names and b in names},
+        canonical=_slice_canonical(graph, nodes),
     )
     return sub
+
+
+def _slice_canonical(graph: OpGraph, nodes: Sequence[OpNode]) -> dict[str, str]:
+    """Repeated-layer sharing inside a slice: every node of a class of identical nodes (``graph.canonical``)
+    maps to the class's first member *in the slice*, so a slice of ``blocks.2..3`` shares as ``blocks.0..1``
+    does (their slices are then the same problem, which the stage cost cache relies on)."""
+    first: dict[str, str] = {}
+    out: dict[str, str] = {}
+    for n in nodes:
+        c = graph.canonical.get(n.name)
+        if c is None:
+            continue
+        rep = first.setdefault(c, n.name)
+        if rep != n.name:
+            out[n.name] = rep
+    return out
+
+
+def _where(all_layers: Sequence[Layer]) -> dict[str, tuple[int, int]]:
+    """Node -> (its layer, its position among the layer's nodes)."""
+    return {x: (j, q) for j, layer in enumerate(all_layers) for q, x in enumerate(layer.nodes)}
+
+
+def _depth_pattern(graph: OpGraph, n: OpNode) -> tuple:
+    """How the operands' depths compare (ranks with ties, and which are 0): all the ILP's merge reads."""
+    ds = [graph[s].depth for s, _ in n.inputs]
+    order = sorted(set(ds))
+    return tuple((order.index(d), d == 0) for d in ds)
+
+
+def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, int], int]:
+    """A function giving layers ``[start, stop)`` a key such that two ranges with the same key slice into
+    the same problem up to names (module docstring, *Identical stages*).
+
+    The graph in order is a sequence of *blocks*: maximal runs of nodes of one layer. Each block gets a
+    name-free signature of its nodes: kind, op, outputs, FLOPs and bytes, phase, flags, how its operands'
+    depths compare, the class of identical nodes it is in (``graph.canonical``), whether it is the loss;
+    an operand in the same layer as (its position there, output), one in another layer as its tensor and
+    phase only (what a boundary leaf would be). What crosses layers is listed apart as *links* (reader's
+    layer and position, operand; source's layer, position, output; a parameter's gradient and a buffer's
+    update are links too). A range's key is its blocks in graph order as (layer − start, signature) and its
+    links: to a layer inside as (offsets and positions), to one outside as which distinct outside value
+    (numbered in order of first reading) — one boundary leaf each.
+    """
+    where = _where(all_layers)
+    ids: dict[tuple, int] = {}
+    links: list[tuple[int, int, int, int, int, int]] = []
+
+    def operand(j: int, q: int, k: int, src: str, i: int) -> tuple:
+        sj, sq = where[src]
+        if sj == j:
+            return (sq, i)
+        links.append((j, q, k, sj, sq, i))
+        return (graph[src].outputs[i], graph[src].phase.value)
+
+    def node_sig(n: OpNode) -> tuple:
+        j, q = where[n.name]
+        ins = tuple(operand(j, q, k, s, i) for k, (s, i) in enumerate(n.inputs))
+        if n.kind == NodeKind.PARAM and graph.grads.get(n.fqn) is not None:
+            operand(j, q, -1, *graph.grads[n.fqn])
+        if n.kind == NodeKind.BUFFER and n.fqn in graph.buffer_updates:
+            operand(j, q, -2, *graph.buffer_updates[n.fqn])
+        loss = graph.loss[1] if graph.loss is not None and graph.loss[0] == n.name else None
+        return (
+            n.kind.value, n.target, n.outputs, n.flops, n.bytes_read, n.bytes_written, n.is_param, n.phase.value,
+            n.is_view, n.saved_for_backward, ins, _depth_pattern(graph, n), graph.canonical.get(n.name, n.name),
+            loss,
+        )  # fmt: skip
+
+    block_layer: list[int] = []
+    block_sig: list[int] = []
+    run: list[tuple] = []
+    for n in graph.nodes:
+        j = where[n.name][0]
+        if run and block_layer[-1] != j:
+            block_sig.append(ids.setdefault(tuple(run), len(ids)))
+            run = []
+        if not run:
+            block_layer.append(j)
+        run.append(node_sig(n))
+    block_sig.append(ids.setdefault(tuple(run), len(ids)))
+    bl = np.asarray(block_layer, dtype=np.int64)
+    bs = np.asarray(block_sig, dtype=np.int64)
+    # the links: reader's layer, position, operand; source's layer, position, output
+    X = np.asarray(links, dtype=np.int64).reshape(-1, 6)
+    keys: dict[bytes, int] = {}
+
+    def key(start: int, stop: int) -> int:
+        m = (bl >= start) & (bl < stop)
+        parts = [np.stack([bl[m] - start, bs[m]]).tobytes()]
+        sub = X[(X[:, 0] >= start) & (X[:, 0] < stop)]
+        inside = (sub[:, 3] >= start) & (sub[:, 3] < stop)
+        rows = sub.copy()
+        rows[:, 0] -= start
+        rows[inside, 3] -= start
+        out = np.flatnonzero(~inside)
+        if len(out):  # an outside value: which one, by first reading (one boundary leaf per value)
+            _, first, inverse = np.unique(sub[out][:, 3:], axis=0, return_index=True, return_inverse=True)
+            rank = np.argsort(np.argsort(first))
+            rows[out, 3] = -1 - rank[inverse.reshape(-1)]
+            rows[out, 4:] = 0
+        parts.append(rows.tobytes())
+        return keys.setdefault(b"|".join(parts), len(keys))
+
+    return key
 
 
 @dataclass(frozen=True)
@@ -187,12 +303,17 @@ class StageCost:
 class StagePlanner:
     """:func:`plan_stage` with its caches, for one captured graph and cluster."""
 
-    def __init__(self, graph: OpGraph, cluster):
+    def __init__(self, graph: OpGraph, cluster, *, share_identical: bool = True):
+        """`share_identical`: cost a range of layers once for every range that slices into the same problem
+        (:func:`range_keys`); False costs every range on its own (the same numbers, more searches)."""
         from meshpilot.cluster import load_cluster
 
         self.graph = graph
         self.cluster = load_cluster(cluster)
         self.layers = layers(graph)
+        self.share_identical = share_identical
+        self._range_key = range_keys(graph, self.layers) if share_identical else None
+        self._where: dict[str, tuple[int, int]] | None = None
         self._slices: dict[tuple[int, int], tuple[OpGraph, list, ParamEdges]] = {}
         self._structs: dict[tuple, tuple[Structure, StrategyBuilder]] = {}
         self._costs: dict[tuple, StageCost | PlanError] = {}
@@ -219,8 +340,11 @@ class StagePlanner:
         zero: ZeroMode | str = ZeroMode.AUTO,
         searcher: str = "ilp",
         time_limit: float = 30.0,
+        force: Mapping[str, str] | None = None,
     ) -> StageCost:
-        """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached)."""
+        """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
+        leaves' layouts as ``meshpilot.plan(force=)`` does (``planner.forced``: a Megatron stage); patterns
+        naming nothing in the stage are ignored."""
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
@@ -229,34 +353,69 @@ class StagePlanner:
             last = self.cluster.num_devices - 1
             raise UserError(f"ranks {list(ranks)}: cluster {self.cluster.name!r} has ranks 0..{last}; pick ranks of it")
         cap = float(capacity if capacity is not None else self.cluster.device.memory_bytes)
-        key = (start, stop, ranks, shape, microbatches, cap, str(zero), searcher)
+        if not 0 <= start < stop <= len(self.layers):
+            K = len(self.layers)
+            raise UserError(f"layers [{start}, {stop}): the model has {K} layers; give 0 <= start < stop")
+        rkey = self._range_key(start, stop) if self._range_key is not None else (start, stop)
+        pinned = self._pins(start, stop, force)
+        key = (rkey, ranks, shape, microbatches, cap, str(zero), searcher, pinned)
         found = self._costs.get(key)
         if found is not None:
             self.hits += 1
             if isinstance(found, PlanError):
                 raise found
+            if found.layers != (start, stop):  # an identical range's cost: the same numbers, this range's names
+                found = self._renamed(found, start, stop)
             return found
         self.misses += 1
         try:
-            cost = self._search(start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit)
+            cost = self._search(
+                start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned
+            )
         except PlanError as e:
             self._costs[key] = e
             raise
         self._costs[key] = cost
         return cost
 
-    def _search(self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit) -> StageCost:
+    def _renamed(self, cost: StageCost, start: int, stop: int) -> StageCost:
+        """`cost` of an identical range, told in this range's layers and node names (``MemoryUse.peak_at``: the
+        node at the same position of the corresponding layer)."""
+        if self._where is None:
+            self._where = _where(self.layers)
+        memory = cost.memory
+        at = self._where.get(memory.peak_at or "")
+        if at is not None:
+            j = at[0] - cost.layers[0] + start
+            memory = dataclasses.replace(memory, peak_at=self.layers[j].nodes[at[1]])
+        return dataclasses.replace(cost, layers=(start, stop), memory=memory)
+
+    def _pins(self, start: int, stop: int, force: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+        """The `force` patterns that name a leaf of the stage, sorted (hashable: part of the cache key). Pins
+        name parameters and inputs, which identical ranges do not share, so pinned stages are keyed by their
+        own layers (the range key covers pins only through the names)."""
+        if not force:
+            return ()
+        import fnmatch
+
+        sub = self._slice(start, stop)[0]
+        names = [n.fqn or n.name for n in sub.nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT)]
+        return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k)))
+
+    def _search(self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()) -> StageCost:
         from meshpilot.cluster import CostModel, LogicalMesh
 
         t0 = time.perf_counter()
         sub, edges, pe = self._slice(start, stop)
         dmesh = fake_device_mesh(shape)
-        skey = (start, stop, shape, microbatches)
+        skey = (start, stop, shape, microbatches, pinned)
         hit = self._structs.get(skey)
         if hit is None:
             builder = StrategyBuilder(sub, dmesh)
             cm0 = CostModel(LogicalMesh(self.cluster, shape, np.asarray(ranks).reshape(shape)))
-            struct = build_structure(sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches)
+            struct = build_structure(
+                sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches, force=dict(pinned) or None
+            )
             hit = self._structs[skey] = (struct, builder)
         struct, _ = hit
         chooser = get_searcher(searcher)

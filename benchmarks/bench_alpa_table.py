@@ -1,0 +1,175 @@
+"""Alpa's Tables 6–8 on the ``alpa-p3x8`` preset (8 V100 16 GB per node, 25 Gbps between nodes): for each row
+the pipeline plan's predicted throughput next to a hand-designed baseline's on the same cost model.
+
+    python benchmarks/bench_alpa_table.py                                  # the GPT rows that finish
+    python benchmarks/bench_alpa_table.py --rows gpt3-350m gpt3-1.3b --microbatches 16 32
+
+Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
+microbatches B given (one capture of one microbatch's step per B, on meta tensors):
+
+* meshpilot: ``plan_pipeline`` (stage DP over every layer, submeshes, each stage's own intra-operator ILP,
+  1F1B) — Eq. 2's step;
+* Megatron-LM 3D (GPT): a grid over (pp, tp, dp) with pp · tp · dp = n, tp ≤ 8 inside a node, the blocks split
+  evenly over pp stages (embeddings with the first, head with the last), each stage on a (dp, tp) mesh of
+  contiguous ranks with Megatron's layouts pinned (``planner.forced.megatron_tp``; no ZeRO: ``zero="off"``),
+  B and the schedule (1F1B, GPipe: Eq. 5's memory check with each schedule's microbatches in flight) — the
+  fastest that fits, on the same ``StagePlanner`` (the same cost model and accounting).
+
+Throughput is the paper's metric: the step's model FLOPs (the captured graph's, forward and backward, times
+B) over the predicted step, in PFLOPS. Planning time is meshpilot's: the captures and ``plan_pipeline`` calls
+of the row, wall seconds. For MoE rows the baseline is DeepSpeed-style (:func:`deepspeed_moe`), for
+Wide-ResNet PP-DP (:func:`pp_dp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+from meshpilot.graph.capture import capture
+from meshpilot.models import builtin_models
+from meshpilot.models.zoo import AlpaFamily, alpa_models
+from meshpilot.planner.forced import megatron_tp
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.pipeline import plan_pipeline, stage_in_flight, stage_memory
+from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.stage import StagePlanner
+
+CLUSTER = "alpa-p3x8"
+
+
+@dataclass
+class Best:
+    step_s: float = math.inf
+    flops: float = 0.0
+    what: str = "none fits"
+
+    def offer(self, step_s: float, flops: float, what: str) -> None:
+        if step_s < self.step_s:
+            self.step_s, self.flops, self.what = step_s, flops, what
+
+    @property
+    def pflops(self) -> float:
+        return self.flops / self.step_s / 1e15 if math.isfinite(self.step_s) else 0.0
+
+
+def megatron(sp: StagePlanner, model, inputs, n: int, B: int, best: Best, flops: float) -> None:
+    """Megatron-LM's 3D grid for one B (module docstring) into `best`."""
+    names = [x.name for x in sp.layers]
+    blocks = [j for j, x in enumerate(names) if x.startswith("blocks.")]
+    first, K = blocks[0], len(names)
+    cap = sp.cluster.device.memory_bytes
+    mb = inputs[0].shape[0]
+    for pp in (p for p in range(1, n + 1) if n % p == 0 and len(blocks) % p == 0):
+        for tp in (t for t in (1, 2, 4, 8) if (n // pp) % t == 0):
+            dp = n // pp // tp
+            if mb % dp:
+                continue
+            force = megatron_tp(model, inputs, (dp, tp), graph=sp.graph)
+            per = len(blocks) // pp
+            edges = [0, *(first + s * per for s in range(1, pp)), K]
+            bounds = list(zip(edges, edges[1:]))
+            try:
+                costs = [
+                    sp.plan(
+                        a, b, range(s * dp * tp, (s + 1) * dp * tp), (dp, tp), microbatches=B, zero="off", force=force
+                    )
+                    for s, (a, b) in enumerate(bounds)
+                ]
+            except PlanError:
+                continue
+            ts = [c.time.total_s / B for c in costs]
+            step = sum(ts) + (B - 1) * max(ts)
+            for kind in (PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE):
+                if all(stage_memory(c, stage_in_flight(kind, pp - s, B)) <= cap for s, c in enumerate(costs)):
+                    best.offer(step, flops, f"pp={pp} tp={tp} dp={dp} B={B} {kind.value}")
+                    break
+
+
+def deepspeed_moe(sp: StagePlanner, n: int, B: int, best: Best, flops: float) -> None:
+    """DeepSpeed-style MoE (Alpa §8.1's baseline): no pipeline; one (1, n) mesh, the experts' weights sharded
+    over it on their expert dim (expert parallelism), every other weight replicated with ZeRO sharding its
+    update (``zero="all"``), the ILP choosing the rest (data-parallel activations)."""
+    K = len(sp.layers)
+    sharded = "RS(0)" if n > 1 else "RR"
+    force = {p: sharded if p.endswith((".w_in", ".w_out")) else "RR" for p in sp.graph.param_names}
+    try:
+        c = sp.plan(0, K, range(n), (1, n), microbatches=B, zero="all", force=force)
+    except PlanError:
+        return
+    if stage_memory(c, 1) <= sp.cluster.device.memory_bytes:
+        best.offer(c.time.total_s, flops, f"EP={n} ZeRO, B={B}")
+
+
+def pp_dp(sp: StagePlanner, n: int, B: int, best: Best, flops: float, clusters: int | None) -> None:
+    """PP-DP (Alpa's Wide-ResNet baseline): the same stage DP with every weight pinned replicated and no ZeRO,
+    so each stage is data parallel (the ILP may still shard activations)."""
+    force = {p: "RR" for p in sp.graph.param_names}
+    try:
+        p = plan_pipeline(sp.graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=clusters, planner=sp,
+                          force=force, zero="off")  # fmt: skip
+    except PlanError:
+        return
+    best.offer(p.step_s, flops, f"B={B} " + "+".join(f"{s.layers[1] - s.layers[0]}L@{len(s.ranks)}" for s in p.stages))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    gpts = [n for n, m in alpa_models().items() if m.family == AlpaFamily.GPT]
+    ap.add_argument("--rows", nargs="+", default=gpts[:3], help="model names (default: the first GPT rows)")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--clusters", type=int, default=0, help="Eq. 6's L for meshpilot (0: every layer)")
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
+    head = (
+        f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<34} {'baseline PFLOPS':>15} "
+        f"{'baseline plan':<34} {'plan s':>7}"
+    )
+    print(head + "\n" + "-" * len(head), flush=True)
+    rows = alpa_models()
+    for name in args.rows:
+        row = rows[name]
+        entry = builtin_models()[name]
+        n = entry.devices
+        ours, base = Best(), Best()
+        planning = 0.0
+        for B in args.microbatches:
+            if row.global_batch % B:
+                continue
+            t0 = time.perf_counter()
+            model, inputs = entry.build("meta", row.global_batch // B)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = capture(model, inputs)
+            sp = StagePlanner(graph, CLUSTER)
+            flops = sum(x.flops for x in graph.nodes) * B
+            try:
+                p = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=args.clusters or None,
+                                  planner=sp)  # fmt: skip
+                stages = "+".join(f"{s.layers[1] - s.layers[0]}L@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages)
+                ours.offer(p.step_s, flops, f"B={B} {stages}")
+            except PlanError:
+                pass
+            planning += time.perf_counter() - t0
+            if args.no_baseline:
+                continue
+            if row.family == AlpaFamily.GPT:
+                megatron(sp, model, inputs, n, B, base, flops)
+            elif row.family == AlpaFamily.MOE:
+                deepspeed_moe(sp, n, B, base, flops)
+            else:
+                pp_dp(sp, n, B, base, flops, args.clusters or None)
+        print(
+            f"{name:<16} {n:>4} {ours.pflops:16.3f} {ours.what:<34.34} {base.pflops:15.3f} {base.what:<34.34} "
+            f"{planning:7.1f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
