@@ -64,7 +64,7 @@ from meshpilot.planner.stage import BOUNDARY, slice_graph
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.program import _as_tuple, _last_uses
+from meshpilot.runtime.program import _as_tuple, _last_uses, synced_grads
 from meshpilot.runtime.record import record as record_program
 from meshpilot.sharding.placements import Placements, replicated
 from meshpilot.sharding.reshard import CollectiveKind
@@ -384,18 +384,7 @@ class StageProgram:
         return [next(it) if x is not None else None for x in grads]
 
     def _grad_sync_body(self, flat) -> tuple:
-        g, interp, plan = self.graph, self.interp, self.interp.plan
-        out = []
-        with torch.no_grad(), compat.no_transform_optimization():
-            it = iter(flat)
-            for fqn in self.trainable:
-                gr = g.grads.get(fqn)
-                if gr is None:
-                    continue
-                held = plan.node(gr[0]).out_placements(gr[1])
-                value = wrap_local(next(it), interp.mesh, held, g[gr[0]].fx_node.meta["val"])
-                out.append(redistribute(value, plan.param_layout(fqn)).to_local())
-        return tuple(out)
+        return synced_grads(self.graph, self.interp, self.trainable, flat)
 
 
 def stage_mesh(plan: Plan, ranks: Sequence[int], device_type: str) -> DeviceMesh:

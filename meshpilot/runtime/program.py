@@ -250,21 +250,28 @@ class StepProgram:
         return [next(it) if g is not None else None for g in grads]
 
     def _grad_sync_body(self, flat) -> tuple:
-        graph, interp, plan = self.graph, self.interp, self.interp.plan
-        out = []
-        with torch.no_grad(), compat.no_transform_optimization():
-            it = iter(flat)
-            for fqn in self.trainable:
-                g = graph.grads.get(fqn)
-                if g is None:
-                    continue
-                held = plan.node(g[0]).out_placements(g[1])
-                value = wrap_local(next(it), interp.mesh, held, graph[g[0]].fx_node.meta["val"])
-                out.append(redistribute(value, self._param_layout(fqn)).to_local())
-        return tuple(out)
+        return synced_grads(self.graph, self.interp, self.trainable, flat)
 
     def _param_layout(self, fqn: str):
         return self.interp.plan.param_layout(fqn)
+
+
+def synced_grads(graph: OpGraph, interp: Interpreter, trainable, flat) -> tuple:
+    """The gradients `flat` (the present ones of `trainable`'s, as the backward left them) resharded into
+    their parameters' layouts: the body of a gradient-synchronisation program (this module's and a
+    pipeline stage's)."""
+    plan = interp.plan
+    out = []
+    with torch.no_grad(), compat.no_transform_optimization():
+        it = iter(flat)
+        for fqn in trainable:
+            g = graph.grads.get(fqn)
+            if g is None:
+                continue
+            held = plan.node(g[0]).out_placements(g[1])
+            value = wrap_local(next(it), interp.mesh, held, graph[g[0]].fx_node.meta["val"])
+            out.append(redistribute(value, plan.param_layout(fqn)).to_local())
+    return tuple(out)
 
 
 def _val(node) -> torch.Tensor:
