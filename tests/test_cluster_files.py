@@ -102,6 +102,24 @@ CASES = [
         "calibration[0]",
         "at least one",
     ),
+    (
+        "calibration-curve-not-ascending",
+        'device = "h100"\n' + GOOD_LAYER + "\n[[calibration]]\nmesh = [2, 2]\ncurve1 = [[1024, 5.0], [512, 9.0]]\n",
+        "calibration[0].curve1[1]",
+        "bytes ascending",
+    ),
+    (
+        "calibration-curve-not-pairs",
+        'device = "h100"\n' + GOOD_LAYER + "\n[[calibration]]\nmesh = [2, 2]\ncurve2 = [1024, 5.0]\n",
+        "calibration[0].curve2[0]",
+        "[[bytes, microseconds], ...]",
+    ),
+    (
+        "calibration-curve-negative-time",
+        'device = "h100"\n' + GOOD_LAYER + "\n[[calibration]]\nmesh = [2, 2]\ncurve1 = [[1024, -5.0]]\n",
+        "calibration[0].curve1[0]",
+        "microseconds",
+    ),
     ("bad-toml", 'device = "h100\n', "file", "fix the TOML syntax"),
 ]
 

@@ -21,7 +21,9 @@ from meshpilot.cluster.loader import cluster_to_toml
 from meshpilot.cluster.probe import (
     Measurements,
     ProbeOptions,
+    _curve,
     build_cluster,
+    curve_sizes,
     node_layout,
     round_robin,
     summarize,
@@ -183,6 +185,7 @@ def test_summarize_reduces_raw_timings():
         "node": {},
         "ar": {((2, 1), 0): [1e-6, 5e-6]},
         "ar_small": {((2, 1), 0): [30e-6, 50e-6]},
+        "ar_curve": {},
         "skipped": 0,
         "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True}
         | {"op_overhead": 4e-6, "foreach_overhead": 1e-6},
@@ -210,6 +213,46 @@ def test_summarize_reduces_raw_timings():
     assert m.device.flops_for("float32") == 2e9 and m.device.memory_bytes == 4e9  # host memory / 2 ranks
     # fixed costs: the median over ranks, rounded to 4 digits and printing back as whole microseconds
     assert (m.device.op_overhead, m.device.foreach_overhead) == (5.5e-6, 1.5e-6)
+    # curve (no sizes between 4 B and 1000 B): per repeat the slowest rank, median over repeats
+    assert m.allreduce_curve[(2, 1)] == (((4, pytest.approx(45e-6)), (1000, pytest.approx(4.5e-6))), None)
+
+
+def test_the_allreduce_curve_is_measured_between_the_small_and_large_messages_and_prices_collectives(tmp_path):
+    """Sizes between the 4-byte and the large all-reduce (16 KiB, then 8x); the curve survives the TOML
+    round trip on the axis it was measured on; the cost model interpolates it for all-reduce and takes half
+    for all-gather / reduce-scatter; the other axis keeps alpha-beta."""
+    from meshpilot.cluster.cost import CostModel, on_curve
+
+    assert curve_sizes(4 * 2**20) == (16384, 131072, 1048576)
+    assert curve_sizes(16384) == ()
+    key = ((2, 2), 1)
+    recs = []
+    for slow in (1.0, 2.0):  # the slower rank's times are what counts
+        recs.append(
+            {
+                "ar": {key: [slow * 0.5, slow * 0.7]},
+                "ar_small": {key: [slow * 1e-3, slow * 3e-3]},
+                "ar_curve": {(*key, 16384): [slow * 0.01, slow * 0.01], (*key, 131072): [slow * 0.03, slow * 0.05]},
+            }
+        )
+    # rank 1 slower: 4 B median(2, 6) ms; 16 KiB 20 ms; 128 KiB median(60, 100) ms; 1 MiB median(1.0, 1.4) s
+    got = _curve(recs, (2, 2), 1, 2**20)
+    assert got == ((4, 4e-3), (16384, 0.02), (131072, 0.08), (2**20, 1.2))
+    # interpolation by hand: halfway between 16 KiB and 128 KiB; beyond the last point its segment's slope
+    assert on_curve(got, (16384 + 131072) / 2) == pytest.approx(0.05)
+    assert on_curve(got, 2) == 4e-3
+    assert on_curve(got, 2 * 2**20) == pytest.approx(1.2 + 2**20 * (1.2 - 0.08) / (2**20 - 131072))
+    assert on_curve(((10, 3.0), (20, 1.0), (30, 5.0)), 20) == 3.0  # never cheaper for a larger message
+    m = _measurements(["h"] * 4, np.full((4, 4), 10 * GB), allreduce={(2, 2): (4e9, 5e9)})
+    m.allreduce_curve = {(2, 2): (None, got)}
+    back = load_cluster_file(write_cluster_toml(build_cluster(m, name="curve"), tmp_path / "c.toml"))
+    assert [c.curve for c in back.calibration] == [(None, got)]
+    cost = CostModel(LogicalMesh(back, (2, 2)))
+    assert cost.all_reduce(65536, 1) == pytest.approx(on_curve(got, 65536))
+    assert cost.all_gather(65536, 1) == cost.reduce_scatter(65536, 1) == pytest.approx(on_curve(got, 65536) / 2)
+    m.allreduce_curve = {}
+    plain = CostModel(LogicalMesh(build_cluster(m), (2, 2)))
+    assert cost.all_reduce(65536, 0) == pytest.approx(plain.all_reduce(65536, 0))  # axis 0: no curve
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -105,3 +105,24 @@ def test_op_without_strategy_falls_back_to_replicated_with_a_warning():
     assert all(fmt(p) == "RR" for n in cd for p in strats[n.name][0].ins)
     assert {n.name for n in cd} <= set(sb.fallbacks)
     assert all("_cdist_forward" in sb.fallbacks[n.name] for n in cd)
+
+
+def test_an_all_to_all_is_priced_as_dtensor_issues_it_on_a_cpu_mesh():
+    """DTensor reshards S(i) -> S(j) on a gloo (CPU) mesh by an all-gather of every rank's shard and a local
+    chunk: the planner prices that all-gather (n times the bytes each rank holds); on a GPU cluster the
+    all-to-all itself. A collective an op issues itself (expert parallelism's all_to_all_single) stays an
+    all-to-all on CPU too."""
+    from meshpilot.cluster.devices import DEVICES
+    from meshpilot.cluster.topology import Cluster
+
+    info = TensorInfo((64, 64), "float32")
+    swap = ((Shard(0), R), (Shard(1), R))
+    gpu = load_cluster("atp-ic3")
+    cpu = Cluster("same-links-on-cpu", gpu.layers, DEVICES["cpu"], gpu.calibration)
+    on_gpu, on_cpu = (Resharder(fake_device_mesh((2, 4)), CostModel(LogicalMesh(c, (2, 4)))) for c in (gpu, cpu))
+    (a2a,) = on_cpu.collectives(*swap, info)
+    assert a2a == Collective("all_to_all", 0, info.nbytes // 2)
+    assert on_gpu.cost(*swap, info) == on_gpu.cost_model.all_to_all(info.nbytes // 2, 0)
+    assert on_cpu.cost(*swap, info) == on_cpu.cost_model.all_gather(2 * (info.nbytes // 2), 0)
+    assert on_cpu.cost(*swap, info) != on_cpu.cost_model.all_to_all(info.nbytes // 2, 0)
+    assert on_cpu.op_collective_cost(a2a) == on_cpu.cost_model.all_to_all(info.nbytes // 2, 0)

@@ -15,6 +15,19 @@ bandwidth from Eq. 3, n = devices per group, M = bytes). Each collective takes t
 
 Ignoring alpha, all-reduce's M / T is Eq. 4's algorithm bandwidth B = n / (2(n-1)) * B'.
 
+Measured curves. Where the cluster file holds an all-reduce curve for the axis' groups (``[[calibration]]``
+``curve1`` / ``curve2``: ``meshpilot probe`` times every group of the axis at once at several message sizes),
+the three ring collectives take their time from it instead (:func:`on_curve`; points (M_i, t_i), t made
+non-decreasing):
+
+  all-reduce      t(M) = t_i + (M - M_i) * (t_{i+1} - t_i) / (M_{i+1} - M_i)   for M_i <= M <= M_{i+1}
+                  t(M) = t_0 below the first point; the last segment's slope beyond the last
+  all-gather      t(M) / 2     (a ring all-reduce is a reduce-scatter and an all-gather of the same M:
+  reduce-scatter  t(M) / 2      each half of both the bandwidth and the latency terms above)
+
+Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
+costs about 6x a 4-byte one and a 1 MiB one about twice its bandwidth term (docs/cost_model.md).
+
 Compute (roofline): t = max(FLOPs / rate, bytes / (membw * eff_m)), where rate is, for a GEMM
 [m, k] @ [k, n], the rate measured at the nearest shape of its dtype (``DeviceProfile.matmul_flops``; a
 probed profile's table), and otherwise peak(dtype) * eff_c. A probed profile has eff_c = eff_m = 1: its
@@ -33,6 +46,26 @@ from meshpilot.cluster.mesh import LogicalMesh
 Axes = int | Sequence[int]
 
 
+def on_curve(curve: Sequence[tuple[int, float]], nbytes: float) -> float:
+    """Seconds of an all-reduce of `nbytes` on a measured curve of (bytes, seconds) points, bytes ascending:
+    linear between points, the first point's time below it, the last segment's slope beyond the last
+    point (the per-byte cost of the largest messages measured; proportional to the last point when there is
+    one). Times are made non-decreasing first: a larger message is never cheaper (probe noise)."""
+    xs = [float(b) for b, _ in curve]
+    ys: list[float] = []
+    for _, t in curve:
+        ys.append(max(t, ys[-1]) if ys else t)
+    if nbytes <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if nbytes <= xs[i]:
+            return ys[i - 1] + (nbytes - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    if slope <= 0.0:
+        slope = ys[-1] / xs[-1]
+    return ys[-1] + (nbytes - xs[-1]) * slope
+
+
 def _log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
@@ -44,6 +77,7 @@ class CostModel:
         self.mesh = mesh
         self.device = mesh.cluster.device
         self._axis_cache: dict[tuple[int, ...], tuple[int, float, float]] = {}
+        self._curve_cache: dict[tuple[int, ...], tuple[tuple[int, float], ...] | None] = {}
 
     def _axis(self, axes: Axes) -> tuple[int, float, float]:
         """(n, B', alpha) for `axes`, cached: Eq. 3 is the expensive part."""
@@ -55,11 +89,21 @@ class CostModel:
             self._axis_cache[key] = (n, bw, alpha)
         return self._axis_cache[key]
 
+    def _curve(self, axes: Axes) -> tuple[tuple[int, float], ...] | None:
+        """The axis' measured all-reduce curve (module docstring), cached; None when not measured."""
+        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        if key not in self._curve_cache:
+            self._curve_cache[key] = self.mesh.allreduce_curve(key) if self.mesh.axis_size(key) > 1 else None
+        return self._curve_cache[key]
+
     def all_reduce(self, nbytes: float, axes: Axes) -> float:
         """All-reduce of `nbytes` (each rank's buffer) over `axes`."""
         n, bw, a = self._axis(axes)
         if n == 1 or nbytes == 0:
             return 0.0
+        curve = self._curve(axes)
+        if curve is not None:
+            return on_curve(curve, nbytes)
         ring = 2 * (n - 1) / n * nbytes / bw
         return min(ring + 2 * (n - 1) * a, ring + 2 * _log2(n) * a, _log2(n) * (a + nbytes / bw))
 
@@ -68,6 +112,9 @@ class CostModel:
         n, bw, a = self._axis(axes)
         if n == 1 or nbytes == 0:
             return 0.0
+        curve = self._curve(axes)
+        if curve is not None:
+            return on_curve(curve, nbytes) / 2
         return (n - 1) / n * nbytes / bw + min(n - 1, _log2(n)) * a
 
     def reduce_scatter(self, nbytes: float, axes: Axes) -> float:

@@ -71,6 +71,13 @@ class DeviceProfile:
     foreach_overhead: float = 0.0
     """Seconds per tensor of one ``torch._foreach_*`` operator (module docstring); 0: not modelled."""
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU device (the ``cpu`` preset, or any profile ``meshpilot probe`` measured on CPU ranks, which it
+        names ``probed-cpu``): its meshes run on gloo, where DTensor lacks all-to-all
+        (``meshpilot.sharding.reshard.as_issued``)."""
+        return self.kind == "cpu" or self.kind.startswith("probed-cpu")
+
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back to float32 for dtypes without a faster path."""
         if dtype in self.peak_flops:

@@ -23,6 +23,8 @@ A cluster file::
     mesh = [2, 8]
     B1_GBps = 9.5                 # mesh axis 0; B2_GBps for axis 1; either may be left out
     alpha1_us = 12.0              # optional: measured per-message latency of axis 0 (alpha2_us: axis 1)
+    curve1 = [[16384, 310.0], [1048576, 480.0]]   # optional: all-reduce [bytes, microseconds] points of
+                                  # axis 0 (curve2: axis 1), bytes ascending; the cost model interpolates them
 
 Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot probe`` writes them)::
 
@@ -67,7 +69,7 @@ MAX_NUMBER = 1e9
 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
-CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us"}
+CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2"}
 PROFILE_KEYS = {
     "kind",
     "peak_tflops_fp32",
@@ -384,9 +386,8 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
             f"use a shape whose product is {n}",
         )
     if not CALIBRATION_KEYS.difference({"mesh"}) & raw.keys():
-        raise ClusterFileError(
-            source, where, "has no measurement", "give at least one of B1_GBps, B2_GBps, alpha1_us, alpha2_us"
-        )
+        keys = ", ".join(sorted(CALIBRATION_KEYS - {"mesh"}))
+        raise ClusterFileError(source, where, "has no measurement", f"give at least one of {keys}")
 
     def values(keys: tuple[str, str], unit: float) -> tuple[float | None, ...]:
         return tuple(
@@ -395,7 +396,33 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
 
     algbw = values(("B1_GBps", "B2_GBps"), GB)
     latency = values(("alpha1_us", "alpha2_us"), 1e-6)
-    return Calibration(mesh=(mesh[0], mesh[1]), algbw=algbw, latency=latency if any(latency) else ())
+    curve = tuple(_curve(raw[k], f"{where}.{k}", source) if k in raw else None for k in ("curve1", "curve2"))
+    return Calibration(
+        mesh=(mesh[0], mesh[1]),
+        algbw=algbw,
+        latency=latency if any(latency) else (),
+        curve=curve if any(curve) else (),
+    )
+
+
+def _curve(raw: Any, where: str, source: str) -> tuple[tuple[int, float], ...]:
+    """``[[bytes, microseconds], ...]``, bytes whole, positive and ascending, as (bytes, seconds) points."""
+    fix = "write it as [[bytes, microseconds], ...] with bytes ascending, e.g. [[16384, 310.0], [1048576, 480.0]]"
+    if not isinstance(raw, list) or not raw:
+        raise ClusterFileError(source, where, f"must be a non-empty list of [bytes, microseconds], got {raw!r}", fix)
+    points = []
+    for i, pair in enumerate(raw):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ClusterFileError(source, f"{where}[{i}]", f"must be [bytes, microseconds], got {pair!r}", fix)
+        nbytes = pair[0]
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+            got = f"bytes must be a positive whole number, got {nbytes!r}"
+            raise ClusterFileError(source, f"{where}[{i}]", got, fix)
+        if points and nbytes <= points[-1][0]:
+            raise ClusterFileError(source, f"{where}[{i}]", f"bytes {nbytes} do not ascend", fix)
+        seconds = _number(pair[1], f"{where}[{i}]", source, positive=True, fix="give microseconds, e.g. 310.0")
+        points.append((nbytes, seconds * 1e-6))
+    return tuple(points)
 
 
 def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
@@ -426,6 +453,10 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
         for key, alpha in zip(("alpha1_us", "alpha2_us"), entry.latency):
             if alpha is not None:
                 out.append(f"{key} = {_f(float(f'{alpha * 1e6:.6g}'))}")  # no 977.9999999999999
+        for key, curve in zip(("curve1", "curve2"), entry.curve):
+            if curve is not None:
+                pts = ", ".join(f"[{b}, {_f(float(f'{t * 1e6:.6g}'))}]" for b, t in curve)
+                out.append(f"{key} = [{pts}]")
         out.append("")
     return "\n".join(out)
 

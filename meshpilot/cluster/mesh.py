@@ -59,6 +59,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -196,9 +197,14 @@ class LogicalMesh:
             return measured
         return group_latency(self.cluster, self.groups(axes))
 
-    def _calibrated(self, axes: int | Sequence[int], what: str) -> float | None:
-        """The measured value `what` (``algbw``: B; ``latency``: alpha) of the calibration entry whose groups
-        are this axis' groups, or None.
+    def allreduce_curve(self, axes: int | Sequence[int]) -> tuple[tuple[int, float], ...] | None:
+        """Measured all-reduce ``(bytes, seconds)`` points of a calibration entry whose groups are this axis'
+        groups (``Calibration.curve``), or None."""
+        return self._calibrated(axes, "curve")
+
+    def _calibrated(self, axes: int | Sequence[int], what: str) -> Any:
+        """The measured value `what` (``algbw``: B; ``latency``: alpha; ``curve``) of the calibration entry whose
+        groups are this axis' groups, or None.
 
         A probe measures mesh ``shape`` with the row mapping (``arange(n).reshape(shape)``), so an entry's axis
         ``j`` holds for exactly those rank groups; a col-mapped (4, 2) mesh's axis 0 is a row-mapped (2, 4)'s

@@ -39,6 +39,9 @@ after warm-up repeats that are not counted):
    all-reduce the same way: its median time t gives the axis' alpha = t / ceil(log2 d), the latency with
    which the cost model's small all-reduce (recursive doubling, ``meshpilot.cluster.cost``) takes t — on
    CPU ranks mostly gloo's own work per collective, which the pairwise ping-pong of phase 2 misses.
+   Then the sizes between (:func:`curve_sizes`: 16 KiB, 128 KiB, 1 MiB for 4 MiB messages): with the 4-byte
+   and the large measurement they make the axis' curve (:func:`_curve`: per repeat the slowest rank, median
+   over repeats), which the cost model interpolates (``Calibration.curve``).
 
 How :func:`build_cluster` makes the hierarchy:
 
@@ -56,8 +59,8 @@ How :func:`build_cluster` makes the hierarchy:
 * A missing entry takes the median of the measured entries of its layer (of all measured pairs if the
   layer has none); a missing group bandwidth the unit's largest P2P entry; a missing latency 0.
   A one-device world gets one layer of one rank whose (unused) bandwidth is the device's memory bandwidth.
-* Every measured mesh becomes a calibration entry (B1, B2 and alpha1, alpha2), so the planner uses the
-  measured numbers.
+* Every measured mesh becomes a calibration entry (B1, B2, alpha1, alpha2 and the curves), so the planner
+  uses the measured numbers.
 * Numbers are rounded to 4 significant digits (the run-to-run noise is larger). The device profile
   carries the measured rates with compute and memory efficiency 1.0: they are what kernels reach.
 """
@@ -128,6 +131,10 @@ class ProbeOptions:
         return dataclasses.replace(opts, **changes)
 
 
+Curve = tuple[tuple[int, float], ...]
+"""Measured (bytes, seconds) points of one all-reduce, bytes ascending (``Calibration.curve``)."""
+
+
 @dataclass
 class Measurements:
     """What one probe measured, reduced to numbers (see the module docstring for each)."""
@@ -154,6 +161,8 @@ class Measurements:
     """Rank pairs not measured because the P2P budget ran out."""
     allreduce_latency: dict[tuple[int, int], tuple[float | None, float | None]] = field(default_factory=dict)
     """Per 2D mesh shape, each axis' alpha from the 4-byte all-reduce (module docstring, 5.; None: size 1)."""
+    allreduce_curve: dict[tuple[int, int], tuple[Curve | None, ...]] = field(default_factory=dict)
+    """Per 2D mesh shape, each axis' all-reduce (bytes, seconds) points (:func:`curve_sizes`; None: size 1)."""
     seconds: float = 0.0
     """Wall time of the probe."""
 
@@ -277,6 +286,7 @@ def build_layers(m: Measurements) -> tuple[Layer, ...]:
 def calibration_entries(
     allreduce: dict[tuple[int, int], tuple[float | None, float | None]],
     latency: dict[tuple[int, int], tuple[float | None, float | None]] | None = None,
+    curves: dict[tuple[int, int], tuple[Curve | None, ...]] | None = None,
 ) -> tuple:
     """One :class:`Calibration` per measured mesh shape (axes of size 1 carry None)."""
 
@@ -287,14 +297,21 @@ def calibration_entries(
     for shape, algbw in allreduce.items():
         vals = valid(algbw)
         alphas = valid((latency or {}).get(shape, ()))
-        if any(v is not None for v in vals + alphas):
-            out.append(Calibration(mesh=(shape[0], shape[1]), algbw=vals, latency=alphas if any(alphas) else ()))
+        curve = (curves or {}).get(shape, ())
+        if any(v is not None for v in vals + alphas) or any(curve):
+            entry = Calibration(
+                mesh=(shape[0], shape[1]),
+                algbw=vals,
+                latency=alphas if any(alphas) else (),
+                curve=curve if any(curve) else (),
+            )
+            out.append(entry)
     return tuple(out)
 
 
 def build_cluster(m: Measurements, name: str = "probed", calibrate: bool = True, source: str = "") -> Cluster:
     """The probed cluster; `calibrate=False` leaves out the measured all-reduce bandwidths (Eq. 3/4 only)."""
-    calibration = calibration_entries(m.allreduce, m.allreduce_latency) if calibrate else ()
+    calibration = calibration_entries(m.allreduce, m.allreduce_latency, m.allreduce_curve) if calibrate else ()
     return Cluster(
         name=name,
         layers=build_layers(m),
@@ -344,6 +361,7 @@ def summarize(
             node_bw[na, nb] = len(per_rank) * nbytes / _net(float(worst.min()), alpha)
     allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
     alphas: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+    curves: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
     for shape in mesh_shapes_2d(world):
         out: list[float | None] = []
         small: list[float | None] = []
@@ -362,6 +380,7 @@ def summarize(
                 small.append(t / max(1, math.ceil(math.log2(shape[axis]))))
         allreduce[shape] = (out[0], out[1])
         alphas[shape] = (small[0], small[1])
+        curves[shape] = tuple(_curve(records, shape, axis, nbytes) for axis in (0, 1))
     devs = [rec["device"] for rec in records]
     on_host = {h: hosts.count(h) for h in hosts}
     for dev, host in zip(devs, hosts):
@@ -389,7 +408,36 @@ def summarize(
         each_s,
     )
     skipped = sum(rec["skipped"] for rec in records[:1])
-    return Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
+    m = Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
+    m.allreduce_curve = curves
+    return m
+
+
+def curve_sizes(nbytes: int) -> tuple[int, ...]:
+    """Message sizes of the all-reduce curve between the 4-byte and the `nbytes` measurements: 16 KiB and
+    every 8x up to below `nbytes` (16 KiB, 128 KiB, 1 MiB at the CPU default of 4 MiB)."""
+    out, size = [], 16 * 1024
+    while size < nbytes:
+        out.append(size)
+        size *= 8
+    return tuple(out)
+
+
+def _curve(records: list[dict[str, Any]], shape: tuple[int, int], axis: int, nbytes: int) -> Curve | None:
+    """The (bytes, seconds) all-reduce points of one mesh axis: 4 bytes, :func:`curve_sizes`, `nbytes`; each
+    the median over repeats of the slowest rank (what a training step waits for)."""
+    points = []
+    for size, key, table in (
+        (4, (shape, axis), "ar_small"),
+        *((s, (shape, axis, s), "ar_curve") for s in curve_sizes(nbytes)),
+        (nbytes, (shape, axis), "ar"),
+    ):
+        per_rank = [rec[table][key] for rec in records if key in rec.get(table, {})]
+        if per_rank and all(per_rank):
+            t = float(np.median(np.max(np.array(per_rank), axis=0)))
+            if math.isfinite(t) and t > 0:
+                points.append((size, _round(t)))
+    return tuple(points) if len(points) >= 2 else None
 
 
 def _net(t: float, alpha: float) -> float:
@@ -673,6 +721,9 @@ class _Runner:
                 progress(f"all-reduce DeviceMesh{shape} axis {axis}: {len(groups)} groups of {shape[axis]}")
                 rec["ar"][(shape, axis)] = self.timed(lambda g=mine: self._allreduce(g))
                 rec["ar_small"][(shape, axis)] = self.timed(lambda g=mine: self._allreduce(g, self.tiny_in))
+                for size in curve_sizes(self.opts.nbytes):
+                    buf = self.sink[: size // 4]
+                    rec["ar_curve"][(shape, axis, size)] = self.timed(lambda g=mine, b=buf: self._allreduce(g, b))
 
     def _allreduce(self, group: Any, buf: Any = None) -> bool:
         self.dist.all_reduce(self.sink if buf is None else buf, group=group)
@@ -706,7 +757,16 @@ def probe(
     nodes = node_layout(hosts)
     say(f"{len(hosts)} ranks on {len(nodes)} node(s), {backend}; messages of {opts.nbytes / MiB:g} MiB")
     run = _Runner(opts, comm_device)
-    rec: dict[str, Any] = {"lat": {}, "p2p": {}, "fan": {}, "node": {}, "ar": {}, "ar_small": {}, "skipped": 0}
+    rec: dict[str, Any] = {
+        "lat": {},
+        "p2p": {},
+        "fan": {},
+        "node": {},
+        "ar": {},
+        "ar_small": {},
+        "ar_curve": {},
+        "skipped": 0,
+    }
     say(f"device: matmul {', '.join(str(n) for n in opts.matmul_sizes)}; copy {opts.copy_bytes / MiB:g} MiB")
     if opts.matmul_shapes:
         say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")

@@ -77,6 +77,12 @@ class Calibration:
     """Per mesh axis, the measured alpha in seconds (None or absent: the layers' latency): a 4-byte all-reduce
     of every group of the axis at once took ``ceil(log2 d) * alpha``, the cost model's small-message time. On
     CPU ranks it holds gloo's per-collective work (``meshpilot.cluster.probe``, phase 5)."""
+    curve: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+    """Per mesh axis, measured all-reduce times ``(bytes, seconds)`` at several message sizes, bytes ascending
+    (None or absent: not measured), every group of the axis at once. Where present the cost model prices
+    all-reduce, all-gather and reduce-scatter on that axis from it (``meshpilot.cluster.cost``,
+    :func:`~meshpilot.cluster.cost.on_curve`) instead of alpha and B: a collective's fixed cost grows with its
+    message well past a single latency (TCP, protocol and chunking), which two numbers cannot describe."""
 
 
 @dataclass(frozen=True, eq=False)

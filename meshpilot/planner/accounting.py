@@ -610,7 +610,8 @@ def account(
     colls: list[PlannedCollective] = []
 
     def add(c: Any, runs: int, phase: Phase, src: str, dst: str, operand: int = -1) -> None:
-        sec = resharder.collective_cost(c)
+        own = src == dst and operand == -1  # issued by the op itself (Strategy.colls), not by a resharding
+        sec = resharder.op_collective_cost(c) if own else resharder.collective_cost(c)
         parts["comm" if c.is_reduction else "reshard"] += sec * runs
         colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase.value, src, dst, sec, operand))
 

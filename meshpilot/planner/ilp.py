@@ -608,7 +608,7 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
     groups = prob.groups
     for r, per in struct.cost_terms:
         groups[group_of[r]].cost += per[nmap[r]]
-    cc = pricer.resharder.collective_cost
+    cc = pricer.resharder.op_collective_cost
     for r, count in struct.coll_terms:
         per = np.array([sum(cc(c) for c in s.colls) for s in struct.strategies[r]], dtype=float)
         groups[group_of[r]].cost += per[nmap[r]] * count

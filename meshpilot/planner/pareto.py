@@ -614,7 +614,7 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
         comm = 0.0
         for a, (src, i) in enumerate(node.inputs):
             comm += cost(chosen[src].outs[i], st.ins[a], graph[src].outputs[i])
-        comp = compute.node(node, st) + sum(resharder.collective_cost(col) for col in st.colls)
+        comp = compute.node(node, st) + sum(resharder.op_collective_cost(col) for col in st.colls)
         base, p, c, x = _advance(base, p, c, x, comm, comp)
         for i, info in enumerate(node.outputs):
             v = (node.name, i)

@@ -26,7 +26,7 @@ from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
 from meshpilot.planner.schedule import Schedule, trivial
 from meshpilot.sharding.placements import Placements, from_json
-from meshpilot.sharding.reshard import CollectiveKind
+from meshpilot.sharding.reshard import CollectiveKind, as_issued
 
 Layout = tuple[str, ...]
 """A tensor layout in JSON form: one placement string per mesh axis (``("S(0)", "R")``)."""
@@ -80,6 +80,12 @@ class PlannedCollective:
     operand: int = -1
     """Which operand of ``dst`` it reshards (-1: a collective the op issues itself, or a loss / gradient /
     buffer edge)."""
+
+    @property
+    def issued_by_op(self) -> bool:
+        """True for a collective the op issues itself (``Strategy.colls``: src = dst, no operand), False for
+        a resharding DTensor issues between ops."""
+        return self.src == self.dst and self.operand == -1
 
 
 @dataclass(frozen=True)
@@ -291,11 +297,9 @@ class Plan:
             if phase is not None and c.phase != phase:
                 continue
             times = 1 if c.dst.startswith("grad:") else per_step
-            own = c.src == c.dst and c.operand == -1
-            if backend == "gloo" and c.kind == CollectiveKind.ALL_TO_ALL and not own:
-                out[(CollectiveKind.ALL_GATHER, self.axis_name(c.axis), c.nbytes * self.mesh_shape[c.axis])] += times
-            else:
-                out[(c.kind, self.axis_name(c.axis), c.nbytes)] += times
+            on_gloo = backend == "gloo" and not c.issued_by_op
+            kind, nbytes = as_issued(c.kind, c.nbytes, self.mesh_shape[c.axis], on_gloo)
+            out[(kind, self.axis_name(c.axis), nbytes)] += times
         return out
 
     # ---------------------------------------------------------------- printing

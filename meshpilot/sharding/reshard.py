@@ -72,6 +72,17 @@ class Collective(NamedTuple):
         return CollectiveKind(self.kind).is_reduction
 
 
+def as_issued(kind: CollectiveKind, nbytes: int, group: int, on_cpu: bool) -> tuple[CollectiveKind, int]:
+    """The collective DTensor really issues for a resharding collective of `kind` and `nbytes` on a mesh
+    axis of `group` ranks: on a CPU mesh (gloo) DTensor has no all-to-all and reshards ``S(i) -> S(j)`` by
+    an all-gather of every rank's shard (``group`` times the bytes each holds) and a local chunk
+    (``torch.distributed.tensor._collective_utils.shard_dim_alltoall``); everything else as planned. The
+    planner prices what this returns and the collective counts compare runs against it."""
+    if on_cpu and kind == CollectiveKind.ALL_TO_ALL:
+        return CollectiveKind.ALL_GATHER, nbytes * group
+    return kind, nbytes
+
+
 def tensor_meta(info: TensorInfo) -> TensorMeta:
     shape = torch.Size(info.shape)
     stride = []
@@ -176,6 +187,13 @@ class Resharder:
         return c
 
     def collective_cost(self, col: Collective) -> float:
+        """Seconds of one collective of a resharding, as DTensor issues it on this mesh (:func:`as_issued`)."""
         if col.kind == CollectiveKind.UNSUPPORTED:
             return UNSUPPORTED_S
+        kind, nbytes = as_issued(col.kind, col.nbytes, self.mesh_shape[col.axis], self.cost_model.device.is_cpu)
+        return getattr(self.cost_model, kind)(nbytes, col.axis)
+
+    def op_collective_cost(self, col: Collective) -> float:
+        """Seconds of a collective an op issues itself (``Strategy.colls``: meshpilot's own ops call the
+        process group directly, e.g. ``all_to_all_single``, which gloo carries): priced as planned."""
         return getattr(self.cost_model, col.kind)(col.nbytes, col.axis)

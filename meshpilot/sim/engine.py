@@ -294,11 +294,15 @@ class _Lowering:
     def duration(self, c: int) -> tuple[float, float]:
         """(latency L, bandwidth part W) of collective `c` from the cost model (package docstring)."""
         col = self.plan.collectives[c]
-        key = (col.kind, col.axis, col.nbytes)
+        key = (col.kind, col.axis, col.nbytes, col.issued_by_op)
         if key not in self._dur:
             if col.kind in _COST_KINDS:
-                f = getattr(self.cm, col.kind)
-                t, t2 = f(col.nbytes, col.axis), f(2 * col.nbytes, col.axis)
+                from meshpilot.sharding.reshard import as_issued
+
+                cpu = self.cm.device.is_cpu and not col.issued_by_op
+                kind, nbytes = as_issued(col.kind, col.nbytes, self.plan.mesh_shape[col.axis], cpu)
+                f = getattr(self.cm, kind)
+                t, t2 = f(nbytes, col.axis), f(2 * nbytes, col.axis)
                 lat = min(max(2 * t - t2, 0.0), t)
             else:
                 t, lat = float(col.seconds), 0.0
