@@ -101,6 +101,14 @@ def test_help_explains_the_options(capsys):
     for opt in ("--model", "--cluster", "--devices", "--mesh", "--batch", "--seq", "--layers", "--out", "--json"):
         assert opt in out
     assert "meta device" in out and "train --plan" in out
+    # every built-in model is named, or its family with its first and last size (`gpt3-350m … gpt3-39b`)
+    from meshpilot.models import builtin_models
+
+    flat = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse wraps lines at hyphens
+    for name in builtin_models():
+        base = name.removesuffix("-tiny") if "-tiny versions" in flat else name  # "… and their -tiny versions"
+        family = re.sub(r"-?[\d.]+[mb]?$", "", base)
+        assert base in flat or f"{family}-" in flat or f"{family}1" in flat, name
 
 
 def test_unknown_model(capsys):

@@ -61,8 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "-m",
         required=True,
         metavar="M",
-        help="a built-in model (`meshpilot presets`: gpt-tiny, atp-m1 … atp-m4, mlp, bert-tiny, wrn-tiny, "
-        "moe-tiny, bench-transformer), 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads, "
+        help="a built-in model (`meshpilot presets` lists each with its size: gpt-tiny, atp-m1 … atp-m4, mlp, "
+        "bert-tiny, wrn-tiny, moe-tiny, bench-transformer; HiDup's bert-sgmoe, bert-switch, vit-sgmoe, vit-switch "
+        "and their -tiny versions; Alpa's Tables 6-8: gpt3-350m … gpt3-39b, gshard-moe-380m … gshard-moe-70b, "
+        "wresnet-250m … wresnet-13b), 'gpt' (24 layers, h=4096, 32 heads) sized with --layers/--hidden/--heads, "
         "hf:<name> (a transformers model without weights: hf:gpt2, hf:llama, hf:bert, hf:t5, hf:mixtral or any "
         "AutoConfig model_type; sized with --hf-config) or package.module:factory (your own: " + FACTORY_PROTOCOL + ")",
     )
