@@ -39,7 +39,7 @@ after warm-up repeats that are not counted):
    all-reduce the same way: its median time t gives the axis' alpha = t / ceil(log2 d), the latency with
    which the cost model's small all-reduce (recursive doubling, ``meshpilot.cluster.cost``) takes t — on
    CPU ranks mostly gloo's own work per collective, which the pairwise ping-pong of phase 2 misses.
-   Then the sizes between (:func:`curve_sizes`: 16 KiB, 128 KiB, 1 MiB for 4 MiB messages): with the 4-byte
+   Then the sizes between (:func:`curve_sizes`: 64 B to 1 MiB for 4 MiB messages): with the 4-byte
    and the large measurement they make the axis' curve (:func:`_curve`: per repeat the slowest rank, median
    over repeats), which the cost model interpolates (``Calibration.curve``).
 
@@ -414,9 +414,12 @@ def summarize(
 
 
 def curve_sizes(nbytes: int) -> tuple[int, ...]:
-    """Message sizes of the all-reduce curve between the 4-byte and the `nbytes` measurements: 16 KiB and
-    every 8x up to below `nbytes` (16 KiB, 128 KiB, 1 MiB at the CPU default of 4 MiB)."""
-    out, size = [], 16 * 1024
+    """Message sizes of the all-reduce curve between the 4-byte and the `nbytes` measurements: 64 B, 1 KiB,
+    then 16 KiB and every 8x, all below `nbytes` (64 B, 1 KiB, 16 KiB, 128 KiB, 1 MiB at the CPU default of
+    4 MiB). The small ones matter: over gloo on a TCP link every message past a few bytes paid a floor of
+    about 20 ms on the emulated slow link, where 4 bytes took 3-4 ms (docs/cluster.md)."""
+    out = [size for size in (64, 1024) if size < nbytes]
+    size = 16 * 1024
     while size < nbytes:
         out.append(size)
         size *= 8
