@@ -245,6 +245,8 @@ def test_trace_overlap_by_hand():
     assert split["compute_s"] == pytest.approx(0.4) and split["comm_s"] == pytest.approx(0.43)
     assert split["overlap_s"] == pytest.approx(0.23) and split["ratio"] == pytest.approx(0.23 / 0.4)
     assert split["bounded"] == 1
+    # the lower bound: the second collective may have ended at once; the first was in flight 0.1-0.5
+    assert split["overlap_low_s"] == pytest.approx(0.2) and split["ratio_low"] == pytest.approx(0.2 / 0.4)
 
 
 def _program(body):

@@ -299,8 +299,14 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
     A collective is in flight from its issue until its wait returns if the wait blocked (longer than
     `blocked_s`), else at most until the wait began (an upper bound: ``bounded`` counts those). Compute is
     the programs' time less the blocked waits; overlap is the communication time the compute stream was not
-    blocked, i.e. ``comm - blocked waits``; ``ratio`` = overlap ÷ min(compute, comm) (HiDup Table 4)."""
+    blocked, i.e. ``comm - blocked waits``; ``ratio`` = overlap ÷ min(compute, comm) (HiDup Table 4).
+
+    ``comm``, ``overlap`` and ``ratio`` are upper bounds where some waits did not block (the collective ended
+    somewhere between its issue and its wait). ``overlap_low_s`` counts only the collectives whose wait
+    blocked (their end is known), and ``ratio_low`` = overlap_low ÷ min(compute, comm) is a lower bound of
+    the ratio: the true one lies in [``ratio_low``, ``ratio``]."""
     spans: list[tuple[float, float]] = []
+    known: list[tuple[float, float]] = []
     blocked: list[tuple[float, float]] = []
     busy = 0.0
     bounded = 0
@@ -319,6 +325,7 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
         elif what == "waited" and key in issue:
             if t - wait[key] > blocked_s:
                 spans.append((issue[key], t))
+                known.append((issue[key], t))
                 blocked.append((wait[key], t))
             else:
                 spans.append((issue[key], wait[key]))
@@ -327,12 +334,15 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
     stalled = _measure(blocked)
     compute = busy - stalled
     overlap = max(comm - stalled, 0.0)
+    overlap_low = max(_measure(known) - stalled, 0.0)
     low = min(compute, comm)
     return {
         "compute_s": compute,
         "comm_s": comm,
         "overlap_s": overlap,
         "ratio": overlap / low if low > 0 else 0.0,
+        "overlap_low_s": overlap_low,
+        "ratio_low": overlap_low / low if low > 0 else 0.0,
         "bounded": float(bounded),
     }
 
