@@ -7,7 +7,10 @@ Per cluster file (fast, medium and slow inter-node links; ``meshpilot emulate``,
    batch, with the ``duplex`` schedule; "without" is the same plan under ``accumulate`` (the two
    microbatches one after the other; same strategies, same collectives);
 2. predict: ``meshpilot.sim.simulate`` of both: step, compute, communication, overlap ratio (HiDup Table 4:
-   overlapped ÷ min(compute, communication));
+   overlapped ÷ min(compute, communication)) — on the cluster file, and with ``--probe`` also on the cluster
+   ``meshpilot probe`` measures under the same emulated topology with the plans' own GEMMs
+   (``bench_fidelity.write_gemms`` / ``probe_cluster``; both plans re-priced on it, ``accounting.reprice``),
+   so the simulated compute is the probed device's, not the file's nominal CPU profile;
 3. measure: ``fidelity_step_worker.py`` times both plans' training steps under ``emulate`` (8 ranks,
    round-robin, median of the rounds; its docstring has the protocol), then runs one more step of each with
    its forward / backward programs traced (``--trace``: ``meshpilot.runtime.duplex.traced``): per rank the
@@ -20,6 +23,11 @@ times alone: without duplex nothing overlaps, so ``overlapped ≈ T_without − 
 not share the cores as the 8 ranks do).
 
     sudo python benchmarks/bench_duplex.py --out-dir /tmp/bench-duplex --markdown
+    sudo python benchmarks/bench_duplex.py --hidden 1024 --mlp-ratio 32 --probe --markdown   # issue 11's targets
+
+Megatron TP's traffic per layer grows with ``h · tokens`` and its compute with ``ffn · h · tokens``: a wide
+hidden size and MLP (``--hidden``, ``--mlp-ratio``) make computation and communication comparable on the slow
+link, where duplex's overlap can shorten the step.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="global batch (2 microbatches of half)")
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--mlp-ratio", type=int, default=4, help="MLP inner width as a multiple of --hidden (default 4)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument(
         "--warmup", type=int, default=2, help="untimed steps (>= 2: the first records, the second builds duplex)"
@@ -60,6 +69,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--port", type=int, default=29400)
     p.add_argument("--png", type=Path, help="write the simulated timelines of the slowest link here")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="also probe each link under emulate (with the plans' GEMMs) and simulate both plans on the probed cluster",
+    )
+    p.add_argument(
+        "--probed",
+        action="append",
+        default=[],
+        metavar="LINK=FILE",
+        help="reuse a probed cluster TOML for LINK instead of probing (repeatable; implies --probe for LINK)",
+    )
+    p.add_argument("--probe-bytes", default=None, help="message size for the probe (default: probe's)")
+    p.add_argument("--probe-budget", type=float, default=60.0, help="probe's --p2p-budget seconds (default 60)")
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
 
@@ -86,15 +109,45 @@ def make_plans(cfg: dict, cluster_file: Path, folder: Path) -> dict:
     dup = plan(model, (whole, whole), cluster, mesh_shape=MESH, graph=graph, force=force, microbatches=2, duplex=True)
     acc = dataclasses.replace(dup, schedule=accumulate(8, 2))
     folder.mkdir(parents=True, exist_ok=True)
-    out = {}
+    out: dict = {"_graph": graph}
     for name, p in (("duplex", dup), ("without", acc)):
         path = folder / f"{name}.json"
         p.save(path)
-        sim = simulate(p, cluster=cluster)
-        c = sim.classes[0]
-        out[name] = {"path": str(path), "sim": sim, "sim_s": sim.step_s, "compute_s": c.compute_s}
-        out[name] |= {"comm_s": c.comm_s, "overlap": c.overlap_ratio}
+        out[name] = {"path": str(path), "plan": p} | predicted(simulate(p, cluster=cluster))
     return out
+
+
+def predicted(sim) -> dict:
+    """The simulated step of one plan and its first rank class's split (HiDup Table 4's terms)."""
+    c = sim.classes[0]
+    return {"sim": sim, "sim_s": sim.step_s, "compute_s": c.compute_s, "comm_s": c.comm_s, "overlap": c.overlap_ratio}
+
+
+def predict_probed(plans: dict, probed: Path) -> dict:
+    """Both plans re-priced on the probed cluster (``accounting.reprice``: the same strategies and collectives,
+    every price from the probe) and simulated there."""
+    from meshpilot.cluster import load_cluster
+    from meshpilot.planner.accounting import reprice
+    from meshpilot.sim import simulate
+
+    cluster = load_cluster(str(probed))
+    out = {}
+    for name in ("duplex", "without"):
+        q = reprice(plans[name]["plan"], plans["_graph"], cluster)
+        out[name] = predicted(simulate(q, cluster=cluster))
+    return out
+
+
+def probe_link(plans: dict, cluster_file: Path, folder: Path, args: argparse.Namespace) -> Path:
+    """``meshpilot probe`` under ``emulate`` on `cluster_file`, timing every GEMM the two plans run
+    (``bench_fidelity``'s steps, reused)."""
+    from bench_fidelity import probe_cluster, write_gemms
+
+    gemms = folder / "gemms.json"
+    write_gemms({n: (plans[n]["plan"], None) for n in ("duplex", "without")}, plans["_graph"], gemms)
+    probed, secs = probe_cluster(cluster_file, gemms, folder, args)
+    print(f"probed {cluster_file.name} in {secs:.0f} s: {probed}", flush=True)
+    return probed
 
 
 def run_worker(manifest: Path, out_dir: Path, tag: str, args: argparse.Namespace, cluster_file: Path | None) -> dict:
@@ -123,10 +176,49 @@ def run_worker(manifest: Path, out_dir: Path, tag: str, args: argparse.Namespace
     return {r["name"]: r for r in doc["results"]} | {"_seconds": doc["seconds"]}
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results table: measured steps, the traced split (median rank), the simulated ones (file, probed)."""
+    head = (
+        "| link | without ms | duplex ms | gain | traced compute / comm ms (duplex, median rank) "
+        "| overlap ratio (trace, median rank [min-max]; lower bound; without) "
+        "| sim (file): without / duplex ms, ratio "
+        "| sim (probed): without / duplex ms, compute / comm ms, ratio |"
+    )
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        dup = r["trace"]["duplex"]
+        probed = "—"
+        if r.get("probed"):
+            probed = (
+                f"{r['probed_without_s'] * 1e3:.0f} / {r['probed_sim_s'] * 1e3:.0f}, "
+                f"{r['probed_compute_s'] * 1e3:.0f} / {r['probed_comm_s'] * 1e3:.0f}, {r['probed_overlap']:.0%}"
+            )
+        lines.append(
+            f"| {r['link']} | {r['measured_without_s'] * 1e3:.0f} | {r['measured_duplex_s'] * 1e3:.0f} "
+            f"| {r['gain']:.1%} | {_median([t['compute_s'] for t in dup]) * 1e3:.0f} / "
+            f"{_median([t['comm_s'] for t in dup]) * 1e3:.0f} "
+            f"| {r['trace_overlap']:.0%} [{r['trace_overlap_range'][0]:.0%}-{r['trace_overlap_range'][1]:.0%}]; "
+            f"{r.get('trace_overlap_low', float('nan')):.0%}; {r['trace_without']:.0%} "
+            f"| {r['sim_without_s'] * 1e3:.0f} / {r['sim_duplex_s'] * 1e3:.0f}, {r['sim_overlap']:.0%} | {probed} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO / "benchmarks"))
-    cfg = {k: getattr(args, k) for k in ("vocab", "seq", "layers", "hidden", "heads", "batch")}
+    cfg = {k: getattr(args, k) for k in ("vocab", "seq", "layers", "hidden", "heads", "mlp_ratio", "batch")}
+    reuse = {}
+    for item in args.probed:
+        link, sep, file = item.partition("=")
+        if not sep or link not in CLUSTERS or not Path(file).is_file():
+            links = ", ".join(CLUSTERS)
+            raise SystemExit(f"--probed {item}: give LINK=FILE with LINK one of {links} and an existing file")
+        reuse[link] = Path(file)
     rows = []
     fake = None
     for link in args.links:
@@ -142,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         t_comp = fake["without"]["median_s"]
         t_comm = max(t_acc - t_comp, 0.0)
         low = min(t_comp, t_comm)
+        probed = reuse.get(link) or (probe_link(plans, CLUSTERS[link], folder, args) if args.probe else None)
+        on_probed = predict_probed(plans, probed) if probed else None
         trace = meas["duplex"]["trace"]  # per rank: compute, comm, overlap of the traced F / B programs
         ratios = sorted(t["ratio"] for t in trace)
         row = {
             "link": link,
             "trace_overlap": ratios[len(ratios) // 2],
             "trace_overlap_range": (ratios[0], ratios[-1]),
+            "trace_overlap_low": _median([t.get("ratio_low", 0.0) for t in trace]),
             "trace_without": sorted(t["ratio"] for t in meas["without"]["trace"])[len(ratios) // 2],
             "trace_bounded": max(t["bounded"] for t in trace),
             "trace": {"duplex": trace, "without": meas["without"]["trace"]},
@@ -162,32 +257,24 @@ def main(argv: list[str] | None = None) -> int:
             "sim_compute_s": plans["duplex"]["compute_s"],
             "sim_comm_s": plans["duplex"]["comm_s"],
             "sim_overlap": plans["duplex"]["overlap"],
+            "probed": str(probed) if probed else None,
             "emulate_s": meas["_seconds"],
             "loadavg": os.getloadavg(),
         }
+        if on_probed:
+            for key in ("sim_s", "compute_s", "comm_s", "overlap"):
+                row[f"probed_{key}"] = on_probed["duplex"][key]
+            row["probed_without_s"] = on_probed["without"]["sim_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.png and link == args.links[-1]:
             from meshpilot.sim import write_timelines
 
-            write_timelines([plans["duplex"]["sim"], plans["without"]["sim"]], args.png)
+            shown = on_probed or plans
+            write_timelines([shown["duplex"]["sim"], shown["without"]["sim"]], args.png)
     (args.out_dir / "results.json").write_text(json.dumps(rows, indent=1))
     if args.markdown:
-        print(
-            "| link | without ms | duplex ms | gain | compute ms | comm ms | overlap ratio (measured) "
-            "| overlap ratio (trace, median rank [min-max]; without) "
-            "| sim without ms | sim duplex ms | sim overlap ratio |"
-        )
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            print(
-                f"| {r['link']} | {r['measured_without_s'] * 1e3:.1f} | {r['measured_duplex_s'] * 1e3:.1f} "
-                f"| {r['gain']:.1%} | {r['measured_compute_s'] * 1e3:.1f} | {r['measured_comm_s'] * 1e3:.1f} "
-                f"| {r['measured_overlap']:.0%} | {r['trace_overlap']:.0%} [{r['trace_overlap_range'][0]:.0%}-"
-                f"{r['trace_overlap_range'][1]:.0%}]; {r['trace_without']:.0%} "
-                f"| {r['sim_without_s'] * 1e3:.1f} | {r['sim_duplex_s'] * 1e3:.1f} "
-                f"| {r['sim_overlap']:.0%} |"
-            )
+        print(markdown(rows))
     return 0
 
 

@@ -165,12 +165,14 @@ def test_train_plan_checks_the_file_and_the_world_size(tmp_path, capsys, monkeyp
 
 
 def test_duplex_schedule_from_plan_to_simulate(tmp_path, capsys):
-    """`plan --schedule duplex --out` saves the duplex schedule (2 microbatches of the global batch);
-    `simulate` shows the overlap ratio, the step without duplex, and draws both timelines."""
+    """`plan --schedule duplex --out` saves the duplex schedule (2 microbatches of the global batch) and shows
+    the simulated step's overlap ratio; `simulate` shows the overlap ratio, the step without duplex, and draws
+    both timelines."""
     out = tmp_path / "plan.json"
     args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "2x2", "--ops", "none"]
     assert main([*args, "--schedule", "duplex", "--out", str(out)]) == 0
-    capsys.readouterr()
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "simulated, duplex schedule" in shown and "overlap ratio" in shown  # the plan's predicted overlap
     plan = Plan.load(out)
     assert plan.step_schedule().name == "duplex" and plan.step_schedule().microbatches == 2
     png = tmp_path / "both.png"

@@ -245,3 +245,54 @@ def test_trace_overlap_by_hand():
     assert split["compute_s"] == pytest.approx(0.4) and split["comm_s"] == pytest.approx(0.43)
     assert split["overlap_s"] == pytest.approx(0.23) and split["ratio"] == pytest.approx(0.23 / 0.4)
     assert split["bounded"] == 1
+    # the lower bound: the second collective may have ended at once; the first was in flight 0.1-0.5
+    assert split["overlap_low_s"] == pytest.approx(0.2) and split["ratio_low"] == pytest.approx(0.2 / 0.4)
+
+
+def _program(body):
+    """A hand-built program ``x -> ...`` (never run: fx nodes only) around one all-reduce of ``x + 1``."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.add.Tensor, (x, 1))
+    c = g.call_function(torch.ops._c10d_functional.all_reduce.default, (y, "sum", "0"))
+    g.output(body(g, y, c))
+    return g, c
+
+
+def test_check_in_flight_refuses_races_with_the_backend():
+    """What gloo's threads could race (``duplex.check_in_flight``): a collective never waited, its output read
+    before the wait, its input written in place while in flight; a wait on a view of the output (DTensor's
+    pattern) and DTensor's ``_wrap_tensor_autograd`` are fine, and neither counts as a collective."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers _wrap_tensor_autograd
+
+    from meshpilot.runtime.duplex import check_in_flight, waits_of
+    from meshpilot.runtime.overlap import is_collective
+
+    ops = torch.ops.aten
+    fc = torch.ops._c10d_functional
+
+    def fine(g, y, c):
+        g.call_function(fc._wrap_tensor_autograd.default, (c,))
+        v = g.call_function(ops.view.default, (c, [-1]))
+        return g.call_function(ops.mul.Tensor, (g.call_function(fc.wait_tensor.default, (v,)), 2))
+
+    g, c = _program(fine)
+    check_in_flight(g)
+    assert [w.target for w in waits_of(c)] == [fc.wait_tensor.default]
+    assert [n.name for n in g.nodes if is_collective(n)] == [c.name]
+
+    cases = {
+        "no wait_tensor": lambda g, y, c: c,
+        "before its wait_tensor": lambda g, y, c: (
+            g.call_function(ops.mul.Tensor, (c, 2)),
+            g.call_function(fc.wait_tensor.default, (c,)),
+        ),
+        "writes into a buffer": lambda g, y, c: (
+            g.call_function(ops.add_.Tensor, (y, 1)),
+            g.call_function(fc.wait_tensor.default, (c,)),
+        ),
+    }
+    for what, body in cases.items():
+        g, _ = _program(body)
+        with pytest.raises(RuntimeError, match=what):
+            check_in_flight(g)

@@ -507,6 +507,8 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
 
         sim = simulate(plan, cluster=cluster)
         what = f"simulated, {plan.step_schedule().name} schedule (`meshpilot simulate`)"
+        if any(c.hidden_comm_s > 0 for c in sim.classes):  # HiDup Table 4's ratio, the lowest over rank classes
+            what += f"; overlap ratio {min(c.overlap_ratio for c in sim.classes):.0%}"
         tt.add_row("simulated", fmt_s(sim.step_s), f"{sim.step_s / total:.1%}", what)
     except UserError:
         pass

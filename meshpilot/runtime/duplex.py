@@ -51,8 +51,7 @@ def overlapped_collectives(gm: torch.fx.GraphModule) -> int:
     for n in nodes:
         if not is_collective(n):
             continue
-        waits = [u for u in n.users if "wait_tensor" in str(u.target)]
-        end = min((order[w] for w in waits), default=len(nodes))
+        end = min((order[w] for w in waits_of(n)), default=len(nodes))
         m = n.meta.get(MICROBATCH)
         between = nodes[order[n] + 1 : end]
         if any(b.meta.get(MICROBATCH) not in (None, m) and b.op == "call_function" for b in between):
@@ -174,8 +173,83 @@ def interleave(
         raise RuntimeError("duplex: the two microbatches' programs could not be ordered (a dependence cycle)")
     g.output(tuple(value(m, o) for m in (0, 1) for o in outs))
     g.lint()
+    check_in_flight(g)
     out = torch.fx.GraphModule(gm, g)
     out.recompile()
+    return out
+
+
+_PASSIVE = ("wait_tensor", "_wrap_tensor_autograd")  # ops that may touch an in-flight collective's output
+
+
+def check_in_flight(g: torch.fx.Graph) -> None:
+    """Refuse (``RuntimeError``) a program in which the backend's threads could race the program's own ops
+    on an in-flight collective's buffers. Between a collective's issue and its ``wait_tensor`` gloo reads
+    its input and writes its output from its own threads (NCCL: from its stream), so:
+
+    * every collective has a ``wait_tensor`` (on its output or a view of it: the wait finds the work by
+      storage) in the program: a work dropped unwaited keeps writing into an output the program has returned;
+    * nothing but views, the wait and DTensor's ``_wrap_tensor_autograd`` (which only wraps it) touches the
+      output (or a view of it) before the wait;
+    * no op writes, in place, into the collective's input or output before the wait.
+
+    Interleaving reorders ops only along data dependences, so a recorded program that satisfies this keeps
+    satisfying it; the check makes a violation (a future op or recording change) a clear error instead of a
+    rare crash or wrong numbers on one rank."""
+    nodes = list(g.nodes)
+    order = {n: k for k, n in enumerate(nodes)}
+    for n in nodes:
+        if not is_collective(n):
+            continue
+        views = _views(n)  # DTensor may view the output before waiting (the wait finds the work by storage)
+        users = {u for v in views for u in v.users if u not in views}
+        waits = waits_of(n)
+        if not waits:
+            raise RuntimeError(f"duplex: collective {n.name} has no wait_tensor in the program")
+        end = min(order[w] for w in waits)
+        early = [u.name for u in users if order[u] < end and not any(p in str(u.target) for p in _PASSIVE)]
+        if early:
+            raise RuntimeError(f"duplex: {', '.join(sorted(early))} read(s) {n.name}'s output before its wait_tensor")
+        buffers = views | {a for a in n.args if isinstance(a, torch.fx.Node)}
+        for b in nodes[order[n] + 1 : end]:
+            if _writes_into(b) & buffers:
+                raise RuntimeError(f"duplex: {b.name} writes into a buffer of {n.name} while it is in flight")
+
+
+def waits_of(collective: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``wait_tensor`` ops on a collective's output or on a view of it (DTensor views some outputs
+    before waiting; the wait finds the work by the storage)."""
+    views = _views(collective)
+    return [u for v in views for u in v.users if u not in views and "wait_tensor" in str(u.target)]
+
+
+def _views(n: torch.fx.Node) -> set[torch.fx.Node]:
+    """`n` and the views of it (ops whose result aliases their input without writing), transitively."""
+    out, todo = {n}, [n]
+    while todo:
+        for u in todo.pop().users:
+            schema = getattr(u.target, "_schema", None)
+            if u.op != "call_function" or schema is None or not schema.returns or u in out:
+                continue
+            alias = schema.returns[0].alias_info
+            if alias is not None and not alias.is_write:
+                out.add(u)
+                todo.append(u)
+    return out
+
+
+def _writes_into(n: torch.fx.Node) -> set[torch.fx.Node]:
+    """The argument nodes an op writes into in place (its schema's mutable arguments)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None or not schema.is_mutable:
+        return set()
+    out = set()
+    for k, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = n.args[k] if k < len(n.args) else n.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node):
+            out.add(value)
     return out
 
 
@@ -203,12 +277,12 @@ def traced(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             ids[n] = len(ids)
             with g.inserting_after(n):
                 g.call_function(_stamp, ("issue", ids[n]))
-    for n in nodes:
-        if "wait_tensor" in str(n.target) and n.args and n.args[0] in ids:
-            with g.inserting_before(n):
-                g.call_function(_stamp, ("wait", ids[n.args[0]]))
-            with g.inserting_after(n):
-                g.call_function(_stamp, ("waited", ids[n.args[0]]))
+    for n, key in list(ids.items()):
+        for w in waits_of(n)[:1]:
+            with g.inserting_before(w):
+                g.call_function(_stamp, ("wait", key))
+            with g.inserting_after(w):
+                g.call_function(_stamp, ("waited", key))
     first = next(n for n in g.nodes if n.op != "placeholder")
     with g.inserting_before(first):
         g.call_function(_stamp, ("begin", -1))
@@ -225,8 +299,14 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
     A collective is in flight from its issue until its wait returns if the wait blocked (longer than
     `blocked_s`), else at most until the wait began (an upper bound: ``bounded`` counts those). Compute is
     the programs' time less the blocked waits; overlap is the communication time the compute stream was not
-    blocked, i.e. ``comm - blocked waits``; ``ratio`` = overlap ÷ min(compute, comm) (HiDup Table 4)."""
+    blocked, i.e. ``comm - blocked waits``; ``ratio`` = overlap ÷ min(compute, comm) (HiDup Table 4).
+
+    ``comm``, ``overlap`` and ``ratio`` are upper bounds where some waits did not block (the collective ended
+    somewhere between its issue and its wait). ``overlap_low_s`` counts only the collectives whose wait
+    blocked (their end is known), and ``ratio_low`` = overlap_low ÷ min(compute, comm) is a lower bound of
+    the ratio: the true one lies in [``ratio_low``, ``ratio``]."""
     spans: list[tuple[float, float]] = []
+    known: list[tuple[float, float]] = []
     blocked: list[tuple[float, float]] = []
     busy = 0.0
     bounded = 0
@@ -245,6 +325,7 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
         elif what == "waited" and key in issue:
             if t - wait[key] > blocked_s:
                 spans.append((issue[key], t))
+                known.append((issue[key], t))
                 blocked.append((wait[key], t))
             else:
                 spans.append((issue[key], wait[key]))
@@ -253,12 +334,15 @@ def trace_overlap(events: Sequence[tuple[str, int, float]], blocked_s: float = 5
     stalled = _measure(blocked)
     compute = busy - stalled
     overlap = max(comm - stalled, 0.0)
+    overlap_low = max(_measure(known) - stalled, 0.0)
     low = min(compute, comm)
     return {
         "compute_s": compute,
         "comm_s": comm,
         "overlap_s": overlap,
         "ratio": overlap / low if low > 0 else 0.0,
+        "overlap_low_s": overlap_low,
+        "ratio_low": overlap_low / low if low > 0 else 0.0,
         "bounded": float(bounded),
     }
 

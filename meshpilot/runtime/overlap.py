@@ -23,11 +23,13 @@ from meshpilot.planner.schedule import ActionKind, Schedule
 
 
 def is_collective(node: torch.fx.Node) -> bool:
+    """An op that issues a collective: ``_c10d_functional``'s, less ``wait_tensor`` and DTensor's
+    ``_wrap_tensor_autograd`` (which only wraps an issued collective's output)."""
     target = node.target
     return (
         node.op == "call_function"
         and getattr(target, "namespace", "") == "_c10d_functional"
-        and not str(target).startswith("_c10d_functional.wait_tensor")
+        and not str(target).startswith(("_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd"))
     )
 
 
