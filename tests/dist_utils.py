@@ -21,6 +21,7 @@ single-device model and its ``parallelize``'d copy trained side by side, compare
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -50,6 +51,10 @@ def _child(
     kwargs: dict[str, Any],
 ) -> None:
     out_path = os.path.join(tmpdir, f"rank{rank}.pkl")
+    # a segfault in native code (gloo) leaves no traceback: faulthandler writes every thread's Python stack
+    # here, and the parent puts it in the failure message
+    fault = open(os.path.join(tmpdir, f"rank{rank}.fault"), "w")  # noqa: SIM115 - open until the process dies
+    faulthandler.enable(file=fault, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -69,6 +74,14 @@ def _child(
     with open(tmp, "wb") as fh:
         pickle.dump(payload, fh)
     os.replace(tmp, out_path)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 class _RankCrashed(DistributedTestError):
@@ -136,6 +149,9 @@ def _run(
                 if not os.path.exists(path):
                     failure = f"rank {rank} exited with code {p.exitcode} without a result"
                     crashed = p.exitcode is not None and p.exitcode < 0
+                    stack = _read(os.path.join(tmpdir, f"rank{rank}.fault"))
+                    if stack:
+                        failure += f"; its Python stacks when it died:\n{stack}"
                     break
                 with open(path, "rb") as fh:
                     status, _ = pickle.load(fh)
