@@ -108,11 +108,12 @@ def _run_planned_mlp(text: str) -> dict:
     torch.manual_seed(3)
     pm = pipeline_parallelize(MLPModel(), (x, y), plan)
     ref(x, y).backward()
-    with record_collectives() as log:
+    with record_collectives(pm.mesh) as log:
         pm.step(x, y)
     params = dict(ref.named_parameters())
-    grad = max((params[n].grad - p.grad).abs().max().item() for n, p in pm.named_parameters())
-    return {"grad": grad, "equal_counts": log.counts() == pm.planned_counts(), "stage": pm.stage}
+    grad = max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+    counts = log.counts() == pm.planned_counts()
+    return {"grad": grad, "equal_counts": counts, "stage": pm.stage, "own_plans": type(pm).__name__}
 
 
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
@@ -221,18 +222,14 @@ def intra_plans() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def mlp_plan() -> str:
-    import warnings
+def mlp_plan(tmp_path_factory) -> str:
+    """The MLP's pipeline as `meshpilot plan --pipeline --out` saves it: each stage's own plan inside."""
+    from meshpilot.cli.main import main
 
-    from meshpilot.graph.capture import capture
-    from meshpilot.models import builtin_models
-    from meshpilot.planner.pipeline import plan_pipeline
-
-    model, inputs = builtin_models()["mlp"].build("meta", 4)  # one microbatch of 4 of the global 16
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(model, inputs)
-    return plan_pipeline(graph, "atp-ic3", microbatches=4, num_devices=4, num_stages=2).to_json()
+    path = tmp_path_factory.mktemp("mlp") / "pp.json"
+    args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--pipeline", "--microbatches", "4", "--stages", "2"]
+    assert main([*args, "--batch", "16", "--out", str(path)]) == 0
+    return path.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -292,12 +289,12 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
     from meshpilot.planner.pipeline import PipelinePlan
 
     plan = PipelinePlan.from_json(mlp_plan)
-    assert len(plan.stages) == 2
+    assert len(plan.stages) == 2 and len(plan.intra) == 2  # saved with each stage's own plan, run with it
     stage_of = {r: j for j, s in enumerate(plan.stages) for r in s.ranks}
     for rank, out in enumerate(four_ranks):
         res = out["planned-mlp"]
         assert res["stage"] == stage_of[rank]
-        assert res["grad"] < 1e-5 and res["equal_counts"]
+        assert res["grad"] < 1e-5 and res["equal_counts"] and res["own_plans"] == "PlannedPipelineModule"
 
 
 @pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
