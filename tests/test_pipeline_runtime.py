@@ -247,7 +247,7 @@ def test_two_stages_equal_the_single_device(four_ranks, name):
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
-@pytest.mark.parametrize("kind", [k.value for k in PipelineKind])
+@pytest.mark.parametrize("kind", [PipelineKind.GPIPE.value, PipelineKind.ONE_F_ONE_B.value])
 def test_sends_receives_and_all_reduces_counted_equal_to_the_schedule(four_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
@@ -428,10 +428,11 @@ def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_wor
 def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
     """Pure: at every cut of the tiny GPT's 8 layers the runtime's slices (``runnable_layers``) exchange forward
     values from stage 0 to 1 and gradients from 1 to 0 only; the planner's ``stage.layers`` puts the backward's
-    running sum of the residual gradient in the last layer, which no pipeline can run."""
+    running sum of the residual gradient in the last layer, which no pipeline can run, so the stage DP costs
+    ``runnable_layers`` too."""
     from meshpilot.errors import UserError
     from meshpilot.planner.pipeline import runnable_layers
-    from meshpilot.planner.stage import layers, slice_graph
+    from meshpilot.planner.stage import StagePlanner, layers, slice_graph
     from meshpilot.runtime.pipeline_stages import find_transfers
 
     _, _, graph = _tiny_gpt_graph()
@@ -443,6 +444,8 @@ def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
 
     run = runnable_layers(graph)
     assert [x.name for x in run] == [x.name for x in layers(graph)]
+    # the stage DP costs the slices the runtime runs: one function gives both their layers
+    assert StagePlanner(graph, "atp-ic3").layers == run
     for cut in range(1, len(run)):
         found = transfers(run, cut)
         assert any(t.forward for t in found) and any(not t.forward for t in found), cut
