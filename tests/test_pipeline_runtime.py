@@ -11,6 +11,7 @@ all-gather. One spawn; every check inside it."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 from dist_utils import run_distributed
@@ -124,6 +125,11 @@ INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per 
         (None, "megatron_tp", None),
         "1f1b",
     ),
+    "interleaved": (  # 2 chunks per group, the groups' logical meshes transposed: 3 boundaries, each both ways
+        [((0, 2), (0, 1), (1, 2)), ((2, 4), (2, 3), (2, 1)), ((4, 6), (0, 1), (1, 2)), ((6, 8), (2, 3), (2, 1))],
+        (None, None, None, None),
+        "interleaved-1f1b",
+    ),
 }
 ZB = ("1|tp|1",)
 """Configurations also run under the zero-bubble schedule (``planner.schedule.zero_bubble``: I and W)."""
@@ -181,7 +187,7 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
         res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
-        res["names"] = len(pm.named_parameters())
+        res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
         res["mismatches"] = 0
         for _ in range(STEPS):
             o_ref.zero_grad()
@@ -198,20 +204,38 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
             res["counts"].append(log.counts())
             o_ref.step()
             o_pp.step()
-        res["mismatches"] = len(pm.program.interp.mismatches)
+        res["mismatches"] = len(pm.mismatches)
         out[name] = res
     return out
 
 
-@pytest.fixture(scope="module")
-def intra_plans() -> dict[str, str]:
-    """The INTRA pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
+EIGHT = {  # on 8 ranks, as INTRA
+    "4 stages": (  # Megatron | data parallel | Megatron | searched, on meshes (1, 2), (2, 1), (1, 2), (1, 2)
+        [((0, 3), (0, 1), (1, 2)), ((3, 4), (2, 3), (2, 1)), ((4, 5), (4, 5), (1, 2)), ((5, 8), (6, 7), (1, 2))],
+        ("megatron_tp", "data_parallel", "megatron_tp", None),
+        "1f1b",
+    ),
+    "2 stages interleaved": (  # 2 groups of 4 ranks on meshes (2, 2) and (1, 4), 2 chunks each
+        [((0, 2), (0, 1, 2, 3), (2, 2)), ((2, 4), (4, 5, 6, 7), (1, 4))]
+        + [((4, 6), (0, 1, 2, 3), (2, 2)), ((6, 8), (4, 5, 6, 7), (1, 4))],
+        (None, None, None, None),
+        "interleaved-1f1b",
+    ),
+}
+EIGHT_RUNS = [("4 stages", "4 stages", False, False), ("4 stages+zb", "4 stages", False, True)]
+EIGHT_RUNS += [("4 stages+gather", "4 stages", True, False), ("2 stages interleaved", "2 stages interleaved", 0, 0)]
+"""(result, plan, local all-gather?, zero bubble?): 1F1B, ZB-H1 and with Alpa's local all-gather on 4 stages,
+Interleaved1F1B on 2 groups."""
+
+
+def _plans(configs: dict) -> dict[str, str]:
+    """`configs`' pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
     from meshpilot.planner import forced
     from meshpilot.planner.pipeline import fixed_pipeline
 
     model, inputs, graph = _tiny_gpt_graph()
     out = {}
-    for name, (stages, kinds, kind) in INTRA.items():
+    for name, (stages, kinds, kind) in configs.items():
         pp = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind)
         force = [
             getattr(forced, k)(model, inputs, shape, **({"graph": graph} if k == "megatron_tp" else {})) if k else None
@@ -219,6 +243,17 @@ def intra_plans() -> dict[str, str]:
         ]
         out[name] = pp.with_intra(graph, "atp-ic3", force=force).to_json()
     return out
+
+
+@pytest.fixture(scope="module")
+def intra_plans() -> dict[str, str]:
+    return _plans(INTRA)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict]:
+    """The one 8-rank spawn: every EIGHT_RUNS pipeline, 3 steps each beside the single device."""
+    return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -299,16 +334,30 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
 
 @pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
-    stages = INTRA[name.split("+")[0]][0]
-    for rank, out in enumerate(four_ranks):
+    _check_intra(four_ranks, INTRA[name.split("+")[0]][0], name)
+
+
+@pytest.mark.parametrize("name", [run[0] for run in EIGHT_RUNS])
+def test_on_eight_ranks_stages_with_their_own_plans_equal_the_single_device(eight_ranks, name):
+    """2 and 4 stages on meshes of 2 and 4 ranks of different shapes, under 1F1B, ZB-H1 and Interleaved1F1B
+    (and with the local all-gather): loss and gradients within 1e-5 over 3 steps, every collective as the plans
+    say and every send and receive as the schedule's actions say."""
+    _check_intra(eight_ranks, EIGHT[name.split("+")[0]][0], name)
+
+
+def _check_intra(outs: list[dict], stages: list, name: str) -> None:
+    for rank, out in enumerate(outs):
         res = out[name]
         assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
         assert res["names"] > 0 and res["mismatches"] == 0
         assert max(res["grad"]) < 1e-5, (rank, res["grad"])
-        if res["stage"] == len(stages) - 1:
+        assert res["last"] == (rank in stages[-1][1])
+        if res["last"]:
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
         for counts in res["counts"]:  # every collective, send and receive as the plans say, every step
             assert counts == res["planned"], (rank, counts - res["planned"], res["planned"] - counts)
+            # and every send and receive as the schedule's S and R actions say
+            assert +Counter({k: c for k, c in counts.items() if k[1] == "pp"}) == res["p2p"], rank
 
 
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
