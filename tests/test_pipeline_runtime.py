@@ -3,10 +3,12 @@ stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 mic
 and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
 stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
 submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
-searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle, and the
-first pipeline again with Alpa's local all-gather; loss and gradients against the single device, every
-collective, send and receive counted against the plans', the bytes crossing meshes with and without the local
-all-gather. One spawn; every check inside it."""
+searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle (1F1B and
+ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
+all-gather; loss and gradients against the single device, every collective, send and receive counted against
+the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather. One 4-rank
+spawn; every check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B, ZB-H1 and with the
+local all-gather, and Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
 
 from __future__ import annotations
 
