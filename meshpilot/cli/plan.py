@@ -104,7 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the step's schedule saved with the plan: trivial (F0 B0 G, default), accumulate (--microbatches, "
         "gradients reduced once), overlapped (collectives issued right after their producer), duplex (HiDup: "
         "2 microbatches interleaved stage by stage, one's collectives beside the other's compute); with "
-        "--pipeline: 1f1b (default), gpipe or auto (the shorter simulated step)",
+        "--pipeline: 1f1b (default), gpipe, interleaved-1f1b (1F1B's groups holding 2 chunks each) or auto (the "
+        "shortest simulated step of the three)",
     )
     p.add_argument(
         "--microbatches",
@@ -149,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
 SEARCHER_NAMES = ("ilp", "pareto", "best")
 """``--searcher``: ``meshpilot.planner.search.SEARCHERS``."""
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "auto")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "auto")
 PIPELINE_MICROBATCHES = 4
 
 
