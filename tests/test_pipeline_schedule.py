@@ -152,7 +152,7 @@ def test_the_planner_interleaves_1f1b_stages_and_auto_weighs_it():
         warnings.simplefilter("ignore")
         graph = capture(*builtin_models()["gpt-tiny"].build("meta", 2))
     sp = StagePlanner(graph, "alpa-p3x8")
-    kw = dict(microbatches=4, num_devices=4, num_stages=2, planner=sp, epsilon=0.0)
+    kw = dict(microbatches=4, num_devices=2, num_stages=2, planner=sp, epsilon=0.0)
     one = plan_pipeline(graph, "alpa-p3x8", **kw)
     inter = plan_pipeline(graph, "alpa-p3x8", schedule="interleaved-1f1b", **kw)
     assert inter.groups == one.groups and inter.chunks == 2 and len(inter.stages) == 4
