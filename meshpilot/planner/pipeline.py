@@ -97,10 +97,25 @@ logical mesh and mapping, over the plan's microbatches — and keeps the resulti
 ``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
 builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
 
+6. Interleaved1F1B — :func:`interleave`
+--------------------------------------
+With P groups (the DP's stages' submeshes and logical meshes) each holding v chunks, the layers are clustered
+again into V = v·P clusters (Eq. 6 with L = V), chunk j on group j mod P, each costed by the stage planner.
+With T_g = Σ t_j over group g's chunks the step is
+
+    B · max_g T_g + (Σ_j t_j − max_g T_g) / v                                        → ``PipelinePlan.step_s``
+
+(Eq. 2 for v = 1; the fill and drain run chunks a v-th of a group's work: Narayanan et al. §2.2), and
+Eq. 5 per group adds its chunks' ``stage_memory`` with each chunk's own in-flight count read off the
+schedule (``schedule.stage_in_flight_of``): an upper bound, the chunks' peaks need not coincide.
+``plan_pipeline(schedule="auto")`` adds the 1F1B plan interleaved with v = 2 to GPipe and 1F1B and keeps the
+shortest simulated step (the simulator counts each of the V − 1 boundaries' sends, which Eq. 2 leaves out).
+
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
-leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline (GPipe
-and 1F1B share Eq. 2's step; the simulator times a ``step_schedule`` with one stage plan for every stage, not
-each stage's own), interleaved and zero-bubble schedules, and a stage plan searched for the memory that f(s)
+leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline in the
+DP (it uses Eq. 2; the simulator times a ``step_schedule`` with each stage's forward and backward times), the
+DP searching the interleaved split itself (``interleave`` re-cuts 1F1B's groups), zero-bubble schedules'
+``I`` / ``W`` (the simulator does not time them), and a stage plan searched for the memory that f(s)
 microbatches in flight leave it (the ILP is given the
 whole device; a plan that then fails Eq. 5 is dropped, not re-searched).
 """

@@ -30,7 +30,9 @@ Builders: :func:`trivial` (one microbatch, collectives where the plan puts them)
 (``F0 B0 F1 B1 … G``: gradient accumulation over microbatches, the gradients reduced once),
 :func:`overlapped` (each collective issued right after its producing node and waited right before its
 first consumer, so communication runs beside the compute in between) and :func:`duplex` (HiDup §3: two
-microbatches interleaved stage by stage, one's collectives running while the other computes).
+microbatches interleaved stage by stage, one's collectives running while the other computes); for pipelines
+:func:`pipeline` (GPipe, 1F1B), :func:`interleaved_1f1b` (v stages per rank class) and :func:`zero_bubble`
+(ZB-H1).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ Under a zero-bubble schedule (``planner.schedule.zero_bubble``) the backward run
 values back through the slice), ending with those gradients and what ``W`` will read of its values and of
 the received gradients — and ``W m``, the remaining nodes (the weight gradients).
 
+Under Interleaved1F1B (``planner.schedule.interleaved_1f1b``) a rank holds the v stages of its group: one
+:class:`StageProgram`, mesh and set of parameters each (stages on the same ranks in the same arrangement share
+one ``DeviceMesh``), and each action names its stage (``2F3``; a send or receive both stages).
+
 Values crossing stages (:class:`Transfer`) are the slice's ``boundary:`` inputs: the activations (and anything
 else of the previous stage's forward) a stage reads, sent after ``F`` on the schedule's ``S``; the gradients
 it reads from the next stage's backward, sent after ``B``. Each moves between the two meshes as
