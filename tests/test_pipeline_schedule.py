@@ -138,19 +138,26 @@ def test_interleaved_step_is_narayanans(P, B):
 
 
 def test_the_planner_interleaves_1f1b_stages_and_auto_weighs_it():
-    """Pure: ``plan_pipeline(schedule="interleaved-1f1b")`` keeps 1F1B's groups and meshes, cuts the tiny GPT's
+    """Pure: ``plan_pipeline(schedule="interleaved-1f1b")`` keeps 1F1B's groups and meshes, cuts the GPT's 8
     layers into 2·P chunks (stage j on group j mod P), prices each with the stage planner and times the step by
-    the simulator; ``auto`` takes it exactly when its simulated step is the shortest; saved and loaded equal."""
+    the simulator; saved and loaded equal. ``auto`` takes the shortest simulated step: here (stages of about a
+    millisecond, sends of microseconds) the interleaved one, whose bubble is half 1F1B's."""
     import warnings
 
+    import torch
+
     from meshpilot.graph.capture import capture
-    from meshpilot.models import builtin_models
+    from meshpilot.models.gpt import GPT, GPTConfig
     from meshpilot.planner.pipeline import AUTO, PipelinePlan, plan_pipeline
     from meshpilot.planner.stage import StagePlanner
 
+    cfg = GPTConfig(vocab=64, seq=64, layers=4, hidden=256, heads=8, batch=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    x = torch.zeros((2, cfg.seq), dtype=torch.long, device="meta")  # one microbatch of 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = capture(*builtin_models()["gpt-tiny"].build("meta", 2))
+        graph = capture(model, (x, x))
     sp = StagePlanner(graph, "alpa-p3x8")
     kw = dict(microbatches=4, num_devices=2, num_stages=2, planner=sp, epsilon=0.0)
     one = plan_pipeline(graph, "alpa-p3x8", **kw)
@@ -162,8 +169,8 @@ def test_the_planner_interleaves_1f1b_stages_and_auto_weighs_it():
     assert inter.step_schedule().name == "interleaved-1f1b" and len(inter.step_schedule().classes) == 2
     assert PipelinePlan.from_json(inter.to_json()).step_schedule() == inter.step_schedule()
     sims = {p.schedule.value: p.simulate("alpa-p3x8").step_s for p in (one, inter)}
+    sims["gpipe"] = plan_pipeline(graph, "alpa-p3x8", schedule="gpipe", **kw).simulate("alpa-p3x8").step_s
+    assert sims["interleaved-1f1b"] < min(sims["1f1b"], sims["gpipe"])
+    assert inter.step_s < one.step_s  # the closed form agrees: the fill and drain halve
     best = plan_pipeline(graph, "alpa-p3x8", schedule=AUTO, **kw)
-    gpipe = plan_pipeline(graph, "alpa-p3x8", schedule="gpipe", **kw).simulate("alpa-p3x8").step_s
-    assert best.simulate("alpa-p3x8").step_s == pytest.approx(min(*sims.values(), gpipe))
-    if sims["interleaved-1f1b"] < min(sims["1f1b"], gpipe):
-        assert best.schedule == PipelineKind.INTERLEAVED_1F1B
+    assert best.schedule == PipelineKind.INTERLEAVED_1F1B and best.stages == inter.stages
