@@ -503,3 +503,19 @@ def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
         assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
     with pytest.raises(UserError, match="reads .* of stage"):
         transfers(layers(graph), 3)
+
+
+def test_an_interleaved_plan_without_its_stage_plans_is_refused(intra_plans):
+    """Pure (no process group): the data-parallel stages cannot hold a group's several stages; one line."""
+    import json
+
+    from meshpilot.errors import UserError
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    bare = PipelinePlan.from_dict({k: v for k, v in json.loads(intra_plans["interleaved"]).items() if k != "intra"})
+    assert bare.chunks == 2 and not bare.intra
+    with pytest.raises(UserError, match="interleaved 1F1B plan runs with its stages' own plans") as e:
+        pipeline_parallelize(GPT(gpt_tiny(layers=4)), (), bare)
+    assert "\n" not in str(e.value)
