@@ -3,14 +3,17 @@ stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 mic
 and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
 stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
 submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
-searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle, and the
-first pipeline again with Alpa's local all-gather; loss and gradients against the single device, every
-collective, send and receive counted against the plans', the bytes crossing meshes with and without the local
-all-gather. One spawn; every check inside it."""
+searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle (1F1B and
+ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
+all-gather; loss and gradients against the single device, every collective, send and receive counted against
+the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather. One 4-rank
+spawn; every check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B and ZB-H1, and
+Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 from dist_utils import run_distributed
@@ -108,11 +111,12 @@ def _run_planned_mlp(text: str) -> dict:
     torch.manual_seed(3)
     pm = pipeline_parallelize(MLPModel(), (x, y), plan)
     ref(x, y).backward()
-    with record_collectives() as log:
+    with record_collectives(pm.mesh) as log:
         pm.step(x, y)
     params = dict(ref.named_parameters())
-    grad = max((params[n].grad - p.grad).abs().max().item() for n, p in pm.named_parameters())
-    return {"grad": grad, "equal_counts": log.counts() == pm.planned_counts(), "stage": pm.stage}
+    grad = max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+    counts = log.counts() == pm.planned_counts()
+    return {"grad": grad, "equal_counts": counts, "stage": pm.stage, "own_plans": type(pm).__name__}
 
 
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
@@ -122,6 +126,11 @@ INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per 
         [((0, 3), (0,), (1, 1)), ((3, 6), (1, 2), (1, 2)), ((6, 8), (3,), (1, 1))],
         (None, "megatron_tp", None),
         "1f1b",
+    ),
+    "interleaved": (  # 2 chunks per group, the groups' logical meshes transposed: 3 boundaries, each both ways
+        [((0, 2), (0, 1), (1, 2)), ((2, 4), (2, 3), (2, 1)), ((4, 6), (0, 1), (1, 2)), ((6, 8), (2, 3), (2, 1))],
+        (None, None, None, None),
+        "interleaved-1f1b",
     ),
 }
 ZB = ("1|tp|1",)
@@ -180,7 +189,7 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
         o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
         res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
-        res["names"] = len(pm.named_parameters())
+        res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
         res["mismatches"] = 0
         for _ in range(STEPS):
             o_ref.zero_grad()
@@ -197,20 +206,38 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
             res["counts"].append(log.counts())
             o_ref.step()
             o_pp.step()
-        res["mismatches"] = len(pm.program.interp.mismatches)
+        res["mismatches"] = len(pm.mismatches)
         out[name] = res
     return out
 
 
-@pytest.fixture(scope="module")
-def intra_plans() -> dict[str, str]:
-    """The INTRA pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
+EIGHT = {  # on 8 ranks, as INTRA
+    "4 stages": (  # Megatron | data parallel | Megatron | searched, on meshes (1, 2), (2, 1), (1, 2), (1, 2)
+        [((0, 3), (0, 1), (1, 2)), ((3, 4), (2, 3), (2, 1)), ((4, 5), (4, 5), (1, 2)), ((5, 8), (6, 7), (1, 2))],
+        ("megatron_tp", "data_parallel", "megatron_tp", None),
+        "1f1b",
+    ),
+    "2 stages interleaved": (  # 2 groups of 4 ranks on meshes (2, 2) and (1, 4), 2 chunks each
+        [((0, 2), (0, 1, 2, 3), (2, 2)), ((2, 4), (4, 5, 6, 7), (1, 4))]
+        + [((4, 6), (0, 1, 2, 3), (2, 2)), ((6, 8), (4, 5, 6, 7), (1, 4))],
+        (None, None, None, None),
+        "interleaved-1f1b",
+    ),
+}
+EIGHT_RUNS = [("4 stages", "4 stages", False, False), ("4 stages+zb", "4 stages", False, True)]
+EIGHT_RUNS += [("2 stages interleaved", "2 stages interleaved", False, False)]
+"""(result, plan, local all-gather?, zero bubble?): 1F1B and ZB-H1 on 4 stages, Interleaved1F1B on 2 groups (the
+local all-gather is checked on 4 ranks)."""
+
+
+def _plans(configs: dict) -> dict[str, str]:
+    """`configs`' pipelines as saved JSON, each stage's intra-operator plan inside (planned in the parent)."""
     from meshpilot.planner import forced
     from meshpilot.planner.pipeline import fixed_pipeline
 
     model, inputs, graph = _tiny_gpt_graph()
     out = {}
-    for name, (stages, kinds, kind) in INTRA.items():
+    for name, (stages, kinds, kind) in configs.items():
         pp = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind)
         force = [
             getattr(forced, k)(model, inputs, shape, **({"graph": graph} if k == "megatron_tp" else {})) if k else None
@@ -221,18 +248,25 @@ def intra_plans() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def mlp_plan() -> str:
-    import warnings
+def intra_plans() -> dict[str, str]:
+    return _plans(INTRA)
 
-    from meshpilot.graph.capture import capture
-    from meshpilot.models import builtin_models
-    from meshpilot.planner.pipeline import plan_pipeline
 
-    model, inputs = builtin_models()["mlp"].build("meta", 4)  # one microbatch of 4 of the global 16
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(model, inputs)
-    return plan_pipeline(graph, "atp-ic3", microbatches=4, num_devices=4, num_stages=2).to_json()
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict]:
+    """The one 8-rank spawn: every EIGHT_RUNS pipeline, 3 steps each beside the single device."""
+    return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory) -> str:
+    """The MLP's pipeline as `meshpilot plan --pipeline --out` saves it: each stage's own plan inside."""
+    from meshpilot.cli.main import main
+
+    path = tmp_path_factory.mktemp("mlp") / "pp.json"
+    args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--pipeline", "--microbatches", "4", "--stages", "2"]
+    assert main([*args, "--batch", "16", "--out", str(path)]) == 0
+    return path.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +284,7 @@ def test_two_stages_equal_the_single_device(four_ranks, name):
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
-@pytest.mark.parametrize("kind", [k.value for k in PipelineKind])
+@pytest.mark.parametrize("kind", [PipelineKind.GPIPE.value, PipelineKind.ONE_F_ONE_B.value])
 def test_sends_receives_and_all_reduces_counted_equal_to_the_schedule(four_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
@@ -292,26 +326,40 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
     from meshpilot.planner.pipeline import PipelinePlan
 
     plan = PipelinePlan.from_json(mlp_plan)
-    assert len(plan.stages) == 2
+    assert len(plan.stages) == 2 and len(plan.intra) == 2  # saved with each stage's own plan, run with it
     stage_of = {r: j for j, s in enumerate(plan.stages) for r in s.ranks}
     for rank, out in enumerate(four_ranks):
         res = out["planned-mlp"]
         assert res["stage"] == stage_of[rank]
-        assert res["grad"] < 1e-5 and res["equal_counts"]
+        assert res["grad"] < 1e-5 and res["equal_counts"] and res["own_plans"] == "PlannedPipelineModule"
 
 
 @pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
-    stages = INTRA[name.split("+")[0]][0]
-    for rank, out in enumerate(four_ranks):
+    _check_intra(four_ranks, INTRA[name.split("+")[0]][0], name)
+
+
+@pytest.mark.parametrize("name", [run[0] for run in EIGHT_RUNS])
+def test_on_eight_ranks_stages_with_their_own_plans_equal_the_single_device(eight_ranks, name):
+    """2 and 4 stages on meshes of 2 and 4 ranks of different shapes, under 1F1B, ZB-H1 and Interleaved1F1B:
+    loss and gradients within 1e-5 over 3 steps, every collective as the plans say and every send and receive
+    as the schedule's actions say."""
+    _check_intra(eight_ranks, EIGHT[name.split("+")[0]][0], name)
+
+
+def _check_intra(outs: list[dict], stages: list, name: str) -> None:
+    for rank, out in enumerate(outs):
         res = out[name]
         assert res["stage"] == next(j for j, (_, ranks, _) in enumerate(stages) if rank in ranks)
         assert res["names"] > 0 and res["mismatches"] == 0
         assert max(res["grad"]) < 1e-5, (rank, res["grad"])
-        if res["stage"] == len(stages) - 1:
+        assert res["last"] == (rank in stages[-1][1])
+        if res["last"]:
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
         for counts in res["counts"]:  # every collective, send and receive as the plans say, every step
             assert counts == res["planned"], (rank, counts - res["planned"], res["planned"] - counts)
+            # and every send and receive as the schedule's S and R actions say
+            assert +Counter({k: c for k, c in counts.items() if k[1] == "pp"}) == res["p2p"], rank
 
 
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
@@ -431,10 +479,11 @@ def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_wor
 def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
     """Pure: at every cut of the tiny GPT's 8 layers the runtime's slices (``runnable_layers``) exchange forward
     values from stage 0 to 1 and gradients from 1 to 0 only; the planner's ``stage.layers`` puts the backward's
-    running sum of the residual gradient in the last layer, which no pipeline can run."""
+    running sum of the residual gradient in the last layer, which no pipeline can run, so the stage DP costs
+    ``runnable_layers`` too."""
     from meshpilot.errors import UserError
     from meshpilot.planner.pipeline import runnable_layers
-    from meshpilot.planner.stage import layers, slice_graph
+    from meshpilot.planner.stage import StagePlanner, layers, slice_graph
     from meshpilot.runtime.pipeline_stages import find_transfers
 
     _, _, graph = _tiny_gpt_graph()
@@ -446,9 +495,27 @@ def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
 
     run = runnable_layers(graph)
     assert [x.name for x in run] == [x.name for x in layers(graph)]
+    # the stage DP costs the slices the runtime runs: one function gives both their layers
+    assert StagePlanner(graph, "atp-ic3").layers == run
     for cut in range(1, len(run)):
         found = transfers(run, cut)
         assert any(t.forward for t in found) and any(not t.forward for t in found), cut
         assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
     with pytest.raises(UserError, match="reads .* of stage"):
         transfers(layers(graph), 3)
+
+
+def test_an_interleaved_plan_without_its_stage_plans_is_refused(intra_plans):
+    """Pure (no process group): the data-parallel stages cannot hold a group's several stages; one line."""
+    import json
+
+    from meshpilot.errors import UserError
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    bare = PipelinePlan.from_dict({k: v for k, v in json.loads(intra_plans["interleaved"]).items() if k != "intra"})
+    assert bare.chunks == 2 and not bare.intra
+    with pytest.raises(UserError, match="interleaved 1F1B plan runs with its stages' own plans") as e:
+        pipeline_parallelize(GPT(gpt_tiny(layers=4)), (), bare)
+    assert "\n" not in str(e.value)

@@ -18,7 +18,8 @@ Examples:
 --pipeline plans stages instead (Alpa's stage DP: layers cut into stages, devices into submeshes, each stage
 planned on its own logical mesh, the schedule's microbatches in flight checked against memory); --batch is
 then the global batch, cut into --microbatches. It prints the stages, the predicted step with its bubble
-and the schedule's actions per stage, and --out / --json save the pipeline plan.
+and the schedule's actions per stage, and --out / --json save the pipeline plan with every stage's own
+intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -105,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the step's schedule saved with the plan: trivial (F0 B0 G, default), accumulate (--microbatches, "
         "gradients reduced once), overlapped (collectives issued right after their producer), duplex (HiDup: "
         "2 microbatches interleaved stage by stage, one's collectives beside the other's compute); with "
-        "--pipeline: 1f1b (default), gpipe or auto (the shorter simulated step)",
+        "--pipeline: 1f1b (default), gpipe, interleaved-1f1b (1F1B's groups holding 2 chunks each) or auto (the "
+        "shortest simulated step of the three)",
     )
     p.add_argument(
         "--microbatches",
@@ -150,7 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
 SEARCHER_NAMES = ("ilp", "pareto", "best")
 """``--searcher``: ``meshpilot.planner.search.SEARCHERS``."""
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "auto")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "auto")
 PIPELINE_MICROBATCHES = 4
 
 
@@ -302,6 +304,9 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
             schedule=schedule,
             time_limit=args.time_limit,
         )
+    if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
+        with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
+            pp = pp.with_intra(graph, cluster, time_limit=args.time_limit)
     if args.out:
         from meshpilot.io import atomic_write
 

@@ -15,8 +15,9 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
       --hf-config n_layer=2 n_embd=64 n_head=4
 
 A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of a built-in GPT trains the same way, on its
-stages' submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan when the plan holds them,
-PipelinePlan.with_intra): the model's own batch, cut into the plan's microbatches; no checkpoints yet:
+stages' submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan, which `plan --pipeline`
+saves with it; a plan without them runs every stage data parallel): the model's own batch, cut into the plan's
+microbatches; no checkpoints yet:
   meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
 
 Checkpoints (with --plan): --checkpoint-dir DIR saves the model, AdamW's state, the step, the data position
@@ -502,8 +503,9 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
     if not plan.intra and odd:
         raise UserError(
             f"{source}: holds no stage plans, so every stage runs data parallel, cutting each microbatch of "
-            f"{cfg.batch // M} rows over its ranks; stages of {odd} ranks do not divide it: give the stages' plans "
-            "(PipelinePlan.with_intra) or a model batch divisible by the microbatches x each stage's ranks"
+            f"{cfg.batch // M} rows over its ranks; stages of {odd} ranks do not divide it: save the plan again with "
+            "`meshpilot plan --pipeline --out` (which saves each stage's own plan) or plan for a batch divisible by "
+            "the microbatches x each stage's ranks"
         )
     if plan.intra:
         with torch.device("meta"):
@@ -723,7 +725,7 @@ def _train(
         if rank == 0 and not plan.intra:
             print(
                 f"note: {args.plan} holds no stage plans: each stage runs data parallel on its submesh "
-                "(PipelinePlan.with_intra adds them)",
+                "(`meshpilot plan --pipeline --out` saves them)",
                 flush=True,
             )
     elif plan is not None:

@@ -1,14 +1,14 @@
 """Pipeline planning: slicing the model into stages and the cluster into submeshes (Alpa §5, Eq. 2–6).
 
-The single-stage planner (``meshpilot.planner.auto``) shards every operator over one mesh. Here the model's
-layers (``stage.layers``) are cut into S contiguous *stages*, the devices into S *submeshes*, and each stage
-runs its own intra-operator plan on its submesh (``stage.StagePlanner.plan``, cached), the stages passing
-activations forward and gradients backward under a synchronous schedule of B microbatches (1F1B by default,
-or GPipe: ``schedule.PipelineKind``). The graph given is the step of **one microbatch**;
-:func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the predicted step.
-The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
-``Schedule`` (``step_schedule``: what the simulator times and ``meshpilot.runtime.pipeline`` runs) and the
-module names the runtime cuts the model at (``split_points``).
+The single-stage planner (``meshpilot.planner.auto``) shards every operator over one mesh. Here the model's layers
+(``stage.runnable_layers``: the ones the runtime runs) are cut into S contiguous *stages*, the devices into S
+*submeshes*, and each stage runs its own intra-operator plan on its submesh (``stage.StagePlanner.plan``, cached),
+the stages passing activations forward and gradients backward under a synchronous schedule of B microbatches (1F1B
+by default, GPipe, Interleaved1F1B or zero bubble: ``schedule.PipelineKind``). The graph given is the step of **one
+microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the predicted
+step. The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
+``Schedule`` (``step_schedule``: what the simulator times and ``meshpilot.runtime.pipeline`` runs) and the module
+names the runtime cuts the model at (``split_points``).
 
 1. Layer clustering (Alpa Eq. 6) — :func:`cluster_layers`
 ---------------------------------------------------------
@@ -91,15 +91,31 @@ bound is a fraction of the step whatever the model's size (a tiny model's stages
 ----------------------------------------------------------------------------------------------------------
 The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —
 its slice over :func:`runnable_layers` (``stage.layers`` with the nodes no module made placed by their
-dependencies, so that forward values flow to later stages and gradients to earlier ones) on the stage's
+dependencies, so that forward values flow to later stages and gradients to earlier ones; the same layers the
+stage DP costs: ``StagePlanner.layers``) on the stage's
 logical mesh and mapping, over the plan's microbatches — and keeps the resulting ``Plan`` per stage in
 ``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
 builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
 
+6. Interleaved1F1B — :func:`interleave`
+--------------------------------------
+With P groups (the DP's stages' submeshes and logical meshes) each holding v chunks, the layers are clustered
+again into V = v·P clusters (Eq. 6 with L = V), chunk j on group j mod P, each costed by the stage planner.
+With T_g = Σ t_j over group g's chunks the step is
+
+    B · max_g T_g + (Σ_j t_j − max_g T_g) / v                                        → ``PipelinePlan.step_s``
+
+(Eq. 2 for v = 1; the fill and drain run chunks a v-th of a group's work: Narayanan et al. §2.2), and
+Eq. 5 per group adds its chunks' ``stage_memory`` with each chunk's own in-flight count read off the
+schedule (``schedule.stage_in_flight_of``): an upper bound, the chunks' peaks need not coincide.
+``plan_pipeline(schedule="auto")`` adds the 1F1B plan interleaved with v = 2 to GPipe and 1F1B and keeps the
+shortest simulated step (the simulator counts each of the V − 1 boundaries' sends, which Eq. 2 leaves out).
+
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
-leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline (GPipe
-and 1F1B share Eq. 2's step; the simulator times a ``step_schedule`` with one stage plan for every stage, not
-each stage's own), interleaved and zero-bubble schedules, and a stage plan searched for the memory that f(s)
+leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline in the
+DP (it uses Eq. 2; the simulator times a ``step_schedule`` with each stage's forward and backward times), the
+DP searching the interleaved split itself (``interleave`` re-cuts 1F1B's groups), zero-bubble schedules'
+``I`` / ``W`` (the simulator does not time them), and a stage plan searched for the memory that f(s)
 microbatches in flight leave it (the ILP is given the
 whole device; a plan that then fails Eq. 5 is dropped, not re-searched).
 """
@@ -119,13 +135,13 @@ import numpy as np
 
 from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import OpGraph, OpNode
+from meshpilot.graph.capture import OpGraph
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
 from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
 from meshpilot.planner.schedule import in_flight as schedule_in_flight
-from meshpilot.planner.stage import Layer, StageCost, StagePlanner, _layer_key, layers
+from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers
 
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
@@ -216,7 +232,7 @@ def cluster_layers(
 ) -> Clustering:
     """Alpa's operator clustering (Eq. 6) over the model's layers (module docstring, section 1). `received`
     is :func:`received_bytes` of the layers, when already computed."""
-    all_layers = list(all_layers) if all_layers is not None else layers(graph)
+    all_layers = list(all_layers) if all_layers is not None else runnable_layers(graph)
     K = len(all_layers)
     if isinstance(num_clusters, bool) or not isinstance(num_clusters, int) or num_clusters < 1:
         raise UserError(f"num_clusters={num_clusters!r}: give a whole number of clusters, at least 1")
@@ -415,63 +431,6 @@ def _dp(
     return float(tops[s - 1]), stages
 
 
-# ---------------------------------------------------------------- runnable stages
-
-
-def runnable_layers(graph: OpGraph) -> list[Layer]:
-    """``stage.layers(graph)`` with every node the model's own modules did not make (the root's ops: the loss,
-    the backward's sums of a residual stream's gradients) placed where a pipeline can run it.
-
-    The layers, their names and order are ``stage.layers``'; a node a module made stays in that module's
-    layer. A node no module made goes, in the forward, to the latest layer among its operands' (it runs once
-    they exist), or when it reads leaves only (a view of the targets) to the earliest layer among its
-    readers'; in the backward, to the earliest layer among its backward operands' (a gradient flows from
-    later layers to earlier ones), or when it reads none to the latest among its forward operands' (the
-    loss's seed gradient), else to the latest among its readers'. ``stage.layers`` gives such nodes their
-    first operand's layer, which the planner's costs tolerate but a pipeline cannot run: the backward's
-    running sum of the residual gradient would make the first stage wait for the last stage's backward and
-    the last stage for the first's. Leaves join the layer of their first reader, as there. Pure."""
-    from meshpilot.graph.capture import LEAF_KINDS, Phase
-
-    base = layers(graph)
-    order = {layer.name: j for j, layer in enumerate(base)}
-    where: dict[str, int] = {}
-    deferred: list[OpNode] = []
-    for n in graph.nodes:
-        if n.kind in LEAF_KINDS:
-            continue
-        key = _layer_key(n.module)
-        if key is not None and key in order:
-            where[n.name] = order[key]
-            continue
-        made = [(where[s], graph[s].phase) for s, _ in n.inputs if s in where]
-        if n.phase == Phase.BWD:
-            back = [j for j, ph in made if ph == Phase.BWD]
-            if back:
-                where[n.name] = min(back)
-            elif made:
-                where[n.name] = max(j for j, _ in made)
-            else:
-                deferred.append(n)
-        elif made:
-            where[n.name] = max(j for j, _ in made)
-        else:
-            deferred.append(n)
-    for n in reversed(deferred):
-        readers = [where[u] for u in graph.users[n.name] if u in where]
-        if not readers:
-            where[n.name] = 0 if n.phase != Phase.BWD else len(base) - 1
-        else:
-            where[n.name] = max(readers) if n.phase == Phase.BWD else min(readers)
-    for n in graph.nodes:
-        if n.kind in LEAF_KINDS:
-            where[n.name] = next((where[u] for u in graph.users[n.name] if u in where), 0)
-    members: list[list[str]] = [[] for _ in base]
-    for n in graph.nodes:
-        members[where[n.name]].append(n.name)
-    return [Layer(b.name, tuple(m), sum(graph[x].flops for x in m)) for b, m in zip(base, members)]
-
-
 # ---------------------------------------------------------------- the result
 
 
@@ -487,7 +446,7 @@ class PipelineStage:
     """One stage of a pipeline plan."""
 
     layers: tuple[int, int]
-    """Layers ``[start, stop)`` of ``stage.layers(graph)``."""
+    """Layers ``[start, stop)`` of ``stage.runnable_layers(graph)``."""
     layer_names: tuple[str, ...]
     ranks: tuple[int, ...]
     mesh_shape: tuple[int, ...]
@@ -566,8 +525,26 @@ class PipelinePlan:
             plans.append(p)
         return dataclasses.replace(self, intra=tuple(plans))
 
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The rank classes: every stage's ranks, once, in stage order (Interleaved1F1B: stage j runs on
+        ``groups[j % P]``; otherwise one per stage)."""
+        out: list[tuple[int, ...]] = []
+        for st in self.stages:
+            if st.ranks not in out:
+                out.append(st.ranks)
+        return tuple(out)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per rank class (v: 1 but under Interleaved1F1B)."""
+        return len(self.stages) // len(self.groups)
+
     def step_schedule(self) -> Schedule:
-        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage."""
+        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage (per group of
+        :attr:`chunks` stages under Interleaved1F1B)."""
+        if self.schedule == PipelineKind.INTERLEAVED_1F1B:
+            return pipeline(self.groups, self.microbatches, self.schedule, self.chunks)
         return pipeline([s.ranks for s in self.stages], self.microbatches, self.schedule)
 
     def simulate(self, cluster, p2p_bytes: float = 0.0):
@@ -591,18 +568,20 @@ class PipelinePlan:
             nodes += [NodeChoice(f"b{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f)]
         # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
         # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
-        S = len(self.stages)
-        stage_of = {st.ranks[0]: j for j, st in enumerate(self.stages)}
-        sched = pipeline([[j] for j in range(S)], B, self.schedule)
+        # (under Interleaved1F1B one per group, its actions' stages naming their spans)
+        P = len(self.groups)
+        sched = pipeline([[j] for j in range(P)], B, self.schedule, self.chunks)
         classes = []
-        for rc, span in zip(sched.classes, spans):
-            acts = tuple(dataclasses.replace(a, nodes=span) if a.kind.is_compute else a for a in rc.actions)
+        for j, rc in enumerate(sched.classes):
+            acts = tuple(
+                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage]) if a.kind.is_compute else a
+                for a in rc.actions
+            )
             classes.append(dataclasses.replace(rc, actions=acts))
-        assert set(stage_of.values()) == set(range(S))
         sched = Schedule(tuple(classes), sched.microbatches, sched.name)
-        firsts = tuple(st.ranks[0] for st in self.stages)
+        firsts = tuple(g[0] for g in self.groups)
         stand_in = Plan(
-            cluster=cl.name, mesh_shape=(S,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
+            cluster=cl.name, mesh_shape=(P,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
             params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
             memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
             solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
@@ -689,17 +668,24 @@ class PipelinePlan:
 
     @property
     def max_s(self) -> float:
-        return max(s.t_s for s in self.stages)
+        """The slowest rank class's time per microbatch: max t_i (under Interleaved1F1B: of each group's
+        chunks' t_i added up)."""
+        per: dict[tuple[int, ...], float] = {}
+        for s in self.stages:
+            per[s.ranks] = per.get(s.ranks, 0.0) + s.t_s
+        return max(per.values())
 
     @property
     def step_s(self) -> float:
-        """Eq. 2: Σ t_i + (B − 1) · max t_i."""
-        return self.sum_s + (self.microbatches - 1) * self.max_s
+        """Eq. 2: Σ t_i + (B − 1) · max t_i, i.e. B · max t_i + the bubble (Interleaved1F1B: with the groups'
+        times for max t_i and its v-fold smaller bubble; Narayanan et al. §2.2)."""
+        return self.microbatches * self.max_s + self.bubble_s
 
     @property
     def bubble_s(self) -> float:
-        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i."""
-        return self.sum_s - self.max_s
+        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i (Interleaved1F1B:
+        that over v, the fill and drain running chunks a v-th of a group's work)."""
+        return (self.sum_s - self.max_s) / self.chunks
 
     def __str__(self) -> str:
         B, S = self.microbatches, len(self.stages)
@@ -717,10 +703,16 @@ class PipelinePlan:
                 f"  {j:<5}  [{s.layers[0]},{s.layers[1]}) {names:<22.22} {rk:<10} {mesh:<8} "
                 f"{_secs(s.t_s):>12}  {_size(s.memory_bytes):>10}  {s.in_flight}"
             )
-        rows.append(
-            f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
-            f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
-        )
+        if self.chunks > 1:
+            rows.append(
+                f"  step = B·max T_g + (Σ t_i − max T_g)/v = {B}·{_secs(self.max_s)} + {_secs(self.bubble_s)} = "
+                f"{_secs(self.step_s)} ({self.chunks} chunks per group: T_g the sum of a group's chunks' t_i)"
+            )
+        else:
+            rows.append(
+                f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
+                f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
+            )
         rows.append(
             f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches, {self.t_max_tried} t_max tried"
         )
@@ -786,6 +778,13 @@ def plan_pipeline(
             found.append((p.simulate(sp.cluster).step_s, rank, p))
         if not found:
             raise errors[0]
+        if found[0][1] == 0:  # 1F1B's groups and meshes with two chunks each (Interleaved1F1B), where it fits
+            ikw = dict(stage_kw, **({"capacity": float(memory_bytes)} if memory_bytes is not None else {}))
+            try:
+                p = interleave(found[0][2], sp, 2, delta=delta, **ikw)
+                found.append((p.simulate(sp.cluster).step_s, 2, p))
+            except PlanError:
+                pass
         best = min(found, key=lambda x: (x[0], x[1]))[2]
         return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
     try:
@@ -793,6 +792,15 @@ def plan_pipeline(
     except ValueError:
         choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
         raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
+    if kind == PipelineKind.INTERLEAVED_1F1B:  # 1F1B's stages on their groups, each cut again into 2 chunks
+        sp = planner if planner is not None else StagePlanner(graph, cluster)
+        base = plan_pipeline(
+            graph, cluster, microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
+            num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
+            schedule=PipelineKind.ONE_F_ONE_B, **stage_kw,
+        )  # fmt: skip
+        ikw = dict(stage_kw, **({"capacity": float(memory_bytes)} if memory_bytes is not None else {}))
+        return dataclasses.replace(interleave(base, sp, 2, delta=delta, **ikw), planning_s=time.perf_counter() - t0)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
@@ -914,16 +922,18 @@ def fixed_pipeline(
     if not bounds or bounds[0][0] != 0 or bounds[-1][1] != K or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
         raise UserError(f"stages cover layers {bounds}; give contiguous ranges [start, stop) from 0 to {K}")
     ranks = [tuple(int(r) for r in rk) for _, rk, _ in stages]
-    n = sum(len(r) for r in ranks)
-    if sorted(r for rk in ranks for r in rk) != list(range(n)):
+    groups = _groups(ranks, kind)
+    n = sum(len(r) for r in groups)
+    if sorted(r for rk in groups for r in rk) != list(range(n)):
         raise UserError(f"stages on ranks {ranks}; give every rank 0..{n - 1} to exactly one stage")
     C = received_bytes(graph, sp.layers)
     capacity = float(stage_kw.get("capacity", sp.cluster.device.memory_bytes))
     misses = sp.misses
+    held = _held_per_stage(kind, groups, len(stages), microbatches)
     out = []
     for j, ((start, stop), rk, (_, _, shape)) in enumerate(zip(bounds, ranks, stages)):
         c = sp.plan(start, stop, rk, tuple(shape), microbatches=microbatches, **stage_kw)
-        fl = stage_in_flight(kind, len(stages) - j, microbatches)
+        fl = held[j]
         names = tuple(x.name for x in sp.layers[start:stop])
         t = c.time.total_s / microbatches
         out.append(
@@ -933,8 +943,92 @@ def fixed_pipeline(
         )
     fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
     clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
-    ts = [s.t_s for s in out]
-    step = sum(ts) + (microbatches - 1) * max(ts)
-    return PipelinePlan(
-        tuple(out), microbatches, n, clustering, capacity, step, time.perf_counter() - t0, sp.misses - misses, 0, kind
+    plan = PipelinePlan(
+        tuple(out), microbatches, n, clustering, capacity, 0.0, time.perf_counter() - t0, sp.misses - misses, 0, kind
     )
+    return dataclasses.replace(plan, dp_step_s=plan.step_s)
+
+
+def _groups(ranks: Sequence[tuple[int, ...]], kind: PipelineKind) -> list[tuple[int, ...]]:
+    """The rank classes of stages on `ranks`: one per stage, or under Interleaved1F1B the P distinct ones,
+    stage j on class j mod P (one line otherwise)."""
+    if kind != PipelineKind.INTERLEAVED_1F1B:
+        return list(ranks)
+    groups: list[tuple[int, ...]] = []
+    for rk in ranks:
+        if rk not in groups:
+            groups.append(rk)
+    P = len(groups)
+    if P < 2 or len(ranks) % P or any(rk != groups[j % P] for j, rk in enumerate(ranks)) or len(ranks) == P:
+        raise UserError(
+            f"interleaved 1F1B stages on ranks {ranks}: give v ≥ 2 rounds of the same P ≥ 2 rank groups, stage j "
+            "on group j mod P (e.g. [0,1], [2,3], [0,1], [2,3])"
+        )
+    return groups
+
+
+def _held_per_stage(kind: PipelineKind, groups: Sequence[tuple[int, ...]], stages: int, B: int) -> list[int]:
+    """Microbatches whose activations each stage holds at most under `kind` (read off the schedule)."""
+    if kind != PipelineKind.INTERLEAVED_1F1B:
+        return [stage_in_flight(kind, stages - j, B) for j in range(stages)]
+    from meshpilot.planner.schedule import stage_in_flight_of
+
+    held = stage_in_flight_of(pipeline([[p] for p in range(len(groups))], B, kind, stages // len(groups)))
+    return [held[j] for j in range(stages)]
+
+
+def interleave(
+    plan: PipelinePlan, planner: StagePlanner, chunks: int = 2, *, delta: float = DEFAULT_DELTA, **stage_kw
+) -> PipelinePlan:
+    """`plan`'s rank groups and logical meshes under Interleaved1F1B: the layers cut again into v·P chunks
+    (Eq. 6's clustering into v·P clusters), chunk j on group j mod P with that group's mesh shape, each costed
+    by the stage planner; Eq. 5 per group with every chunk's in-flight activations (the chunks' peaks added
+    up: conservative). Raises :class:`PlanError` when the layers or the microbatches do not allow it or a
+    group's chunks do not fit. Pure."""
+    t0 = time.perf_counter()
+    P, B, sp = len(plan.stages), plan.microbatches, planner
+    V = chunks * P
+    if P < 2 or B % P or len(sp.layers) < V:
+        raise PlanError(
+            f"interleaved 1F1B needs ≥ 2 stages, microbatches a multiple of them and ≥ {V} layers; this plan has "
+            f"{P} stages, {B} microbatches, {len(sp.layers)} layers"
+        )
+    C = received_bytes(sp.graph, sp.layers)
+    bounds = cluster_layers(sp.graph, V, delta=delta, all_layers=sp.layers, received=C).bounds
+    if len(bounds) != V:
+        raise PlanError(f"interleaved 1F1B: the layers cluster into {len(bounds)} chunks, not {V}")
+    groups = [st.ranks for st in plan.stages]
+    held = _held_per_stage(PipelineKind.INTERLEAVED_1F1B, groups, V, B)
+    misses = sp.misses
+    out = []
+    for j, (start, stop) in enumerate(bounds):
+        g = plan.stages[j % P]
+        c = sp.plan(start, stop, g.ranks, g.mesh_shape, microbatches=B, **stage_kw)
+        names = tuple(x.name for x in sp.layers[start:stop])
+        out.append(
+            PipelineStage(
+                (start, stop),
+                names,
+                g.ranks,
+                c.mesh_shape,
+                c,
+                c.time.total_s / B,
+                held[j],
+                stage_memory(c, held[j]),
+                float(C[start, stop - 1]),
+            )  # fmt: skip
+        )
+    for p in range(P):
+        used = sum(st.memory_bytes for st in out[p::P])
+        if used > plan.capacity:
+            raise PlanError(
+                f"interleaved 1F1B: group {p}'s {chunks} chunks need {_size(used)} per device, "
+                f"over {_size(plan.capacity)}"
+            )
+    fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
+    clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), delta)
+    new = dataclasses.replace(
+        plan, stages=tuple(out), clustering=clustering, schedule=PipelineKind.INTERLEAVED_1F1B, intra=(),
+        stage_plans=plan.stage_plans + sp.misses - misses, planning_s=plan.planning_s + time.perf_counter() - t0,
+    )  # fmt: skip
+    return dataclasses.replace(new, dp_step_s=new.step_s)

@@ -17,6 +17,10 @@ uses for its actions (``2F0``), extended by node ranges and collectives:
 ``+7.3``, ``-7.3``         issue / wait collective ``Plan.collectives[7]`` of microbatch 3; compute between an
                            issue and its wait overlaps the collective
 ``S3>5``, ``R3<1``         send to rank 5 / receive from rank 1 the boundary values of microbatch 3 (stages)
+``2F3``, ``2S3>5/3``       the same, of virtual stage 2 when a rank class holds several (Interleaved1F1B):
+                           the prefix names the stage doing it (as torch's ``2F0``), a send or receive also
+                           the other end's stage after ``/`` (2 and 3 may sit on the same two rank classes
+                           both ways, so the stages say which boundary and which direction)
 =========================  =============================================================================
 
 A schedule prints as one line per rank class, ``ranks 0-3: F0 B0 G`` (the trivial step), and
@@ -26,7 +30,9 @@ Builders: :func:`trivial` (one microbatch, collectives where the plan puts them)
 (``F0 B0 F1 B1 … G``: gradient accumulation over microbatches, the gradients reduced once),
 :func:`overlapped` (each collective issued right after its producing node and waited right before its
 first consumer, so communication runs beside the compute in between) and :func:`duplex` (HiDup §3: two
-microbatches interleaved stage by stage, one's collectives running while the other computes).
+microbatches interleaved stage by stage, one's collectives running while the other computes); for pipelines
+:func:`pipeline` (GPipe, 1F1B), :func:`interleaved_1f1b` (v stages per rank class) and :func:`zero_bubble`
+(ZB-H1).
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ class Action:
     """Index into ``Plan.collectives`` (issue / wait)."""
     peer: int | None = None
     """The other rank of a send / receive."""
+    stage: int | None = None
+    """The (virtual) pipeline stage whose work this is, when a rank class holds several; None: its only one."""
+    peer_stage: int | None = None
+    """The stage at the other end of a send / receive of a :attr:`stage` (set with it)."""
 
     def __str__(self) -> str:
         k = self.kind
@@ -80,41 +90,64 @@ class Action:
             return "G"
         if k in (ActionKind.ISSUE, ActionKind.WAIT):
             return f"{k.value}{self.collective}.{self.microbatch}"
+        pre = "" if self.stage is None else str(self.stage)
+        post = "" if self.peer_stage is None else f"/{self.peer_stage}"
         if k == ActionKind.SEND:
-            return f"S{self.microbatch}>{self.peer}"
+            return f"{pre}S{self.microbatch}>{self.peer}{post}"
         if k == ActionKind.RECV:
-            return f"R{self.microbatch}<{self.peer}"
+            return f"{pre}R{self.microbatch}<{self.peer}{post}"
         span = f"[{self.nodes[0]}:{self.nodes[1]}]" if self.nodes is not None else ""
-        return f"{k.value}{self.microbatch}{span}"
+        return f"{pre}{k.value}{self.microbatch}{span}"
+
+    @property
+    def forward(self) -> bool | None:
+        """For a send / receive between stages given by :attr:`stage`: whether it carries the forward's values
+        (to a later stage); None without stages (the runtime tells by the peer's position)."""
+        if self.stage is None or self.peer_stage is None:
+            return None
+        return (self.peer_stage > self.stage) == (self.kind == ActionKind.SEND)
+
+    @property
+    def boundary(self) -> tuple[int, int, int | None, int | None]:
+        """What a send and its receive share: (microbatch, forward?, sending stage, receiving stage); the stages
+        are None without them."""
+        if self.stage is None:
+            return (self.microbatch, -1, None, None)
+        src, dst = (self.stage, self.peer_stage) if self.kind == ActionKind.SEND else (self.peer_stage, self.stage)
+        return (self.microbatch, int(bool(self.forward)), src, dst)
 
 
 _ACTION = re.compile(
-    r"^(?:(?P<compute>[FBIW])(?P<mb>\d+)(?:\[(?P<start>\d+):(?P<stop>\d+)\])?"
+    r"^(?:(?P<stage>\d+)?(?:(?P<compute>[FBIW])(?P<mb>\d+)(?:\[(?P<start>\d+):(?P<stop>\d+)\])?"
+    r"|S(?P<smb>\d+)>(?P<speer>\d+)(?:/(?P<sps>\d+))?"
+    r"|R(?P<rmb>\d+)<(?P<rpeer>\d+)(?:/(?P<rps>\d+))?)"
     r"|(?P<grad>G)"
-    r"|(?P<coll>[+-])(?P<c>\d+)\.(?P<cmb>\d+)"
-    r"|S(?P<smb>\d+)>(?P<speer>\d+)"
-    r"|R(?P<rmb>\d+)<(?P<rpeer>\d+))$"
+    r"|(?P<coll>[+-])(?P<c>\d+)\.(?P<cmb>\d+))$"
 )
 
 
 def parse_action(text: str) -> Action:
     """The :class:`Action` printed as `text` (one line naming the problem otherwise)."""
     m = _ACTION.match(text.strip())
-    if m is None:
+    peer_stage = None if m is None else m["sps"] or m["rps"]
+    if m is None or (m["stage"] is None) != (peer_stage is None) and not m["compute"]:
         raise UserError(
             f"schedule action {text!r}: write F3, B3, I3, W3 (optionally F3[start:stop]), G, +7.3 / -7.3 "
-            "(issue / wait collective 7 of microbatch 3), S3>5 or R3<1"
+            "(issue / wait collective 7 of microbatch 3), S3>5 or R3<1; of virtual stage 2: 2F3, 2S3>5/3 "
+            "(to rank 5, its stage 3)"
         )
+    stage = int(m["stage"]) if m["stage"] is not None else None
     if m["compute"]:
         nodes = (int(m["start"]), int(m["stop"])) if m["start"] is not None else None
-        return Action(ActionKind(m["compute"]), int(m["mb"]), nodes=nodes)
+        return Action(ActionKind(m["compute"]), int(m["mb"]), nodes=nodes, stage=stage)
     if m["grad"]:
         return Action(ActionKind.GRAD_SYNC)
     if m["coll"]:
         return Action(ActionKind(m["coll"]), int(m["cmb"]), collective=int(m["c"]))
+    ps = int(peer_stage) if peer_stage is not None else None
     if m["smb"] is not None:
-        return Action(ActionKind.SEND, int(m["smb"]), peer=int(m["speer"]))
-    return Action(ActionKind.RECV, int(m["rmb"]), peer=int(m["rpeer"]))
+        return Action(ActionKind.SEND, int(m["smb"]), peer=int(m["speer"]), stage=stage, peer_stage=ps)
+    return Action(ActionKind.RECV, int(m["rmb"]), peer=int(m["rpeer"]), stage=stage, peer_stage=ps)
 
 
 @dataclass(frozen=True)
@@ -342,9 +375,14 @@ class PipelineKind(StrEnum):
     ONE_F_ONE_B = "1f1b"
     """Stage s of S runs min(B, S − s) forwards, then alternates one backward, one forward, then drains the
     backwards (``Schedule1F1B``): the same bubble as GPipe, at most S − s microbatches in flight."""
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    """Each of P rank classes holds v > 1 model chunks (virtual stages c·P + p), run 1F1B-like, depth first
+    (``ScheduleInterleaved1F1B``): the bubble shrinks about v-fold, for v times the sends (:func:`interleaved_1f1b`)."""
 
 
-def pipeline(stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: PipelineKind | str) -> Schedule:
+def pipeline(
+    stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: PipelineKind | str, chunks: int = 2
+) -> Schedule:
     """One rank class per stage (``stage_ranks[s]``: its ranks), running `kind`'s order of forwards and
     backwards over `microbatches`, with the boundary sends and receives around them and the gradient sync
     last.
@@ -354,8 +392,11 @@ def pipeline(stage_ranks: Sequence[Sequence[int]], microbatches: int, kind: Pipe
     peer of a send / receive is the *first* rank of the other stage: the runtime
     (``meshpilot.runtime.pipeline``) sends each rank of it the batch rows both hold; the simulator takes
     peers literally, so simulate one rank per stage (``PipelinePlan.simulate`` does). Sends do not block
-    (the simulator and the runtime start them and go on); receives wait."""
+    (the simulator and the runtime start them and go on); receives wait. Interleaved1F1B: `stage_ranks` are
+    the rank classes, each holding `chunks` stages (:func:`interleaved_1f1b`)."""
     kind = PipelineKind(kind)
+    if kind == PipelineKind.INTERLEAVED_1F1B:
+        return interleaved_1f1b(stage_ranks, microbatches, chunks)
     S, B = len(stage_ranks), microbatches
     if S < 1 or any(len(r) == 0 for r in stage_ranks):
         raise UserError("pipeline schedule: give at least one stage, each with at least one rank")
@@ -415,6 +456,58 @@ def zero_bubble(stage_ranks: Sequence[Sequence[int]], microbatches: int) -> Sche
     return Schedule(tuple(classes), B, ZERO_BUBBLE)
 
 
+def interleaved_1f1b(groups: Sequence[Sequence[int]], microbatches: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., 2021, §2.2; torch's ``ScheduleInterleaved1F1B``): the model cut into
+    V = v·P stages, stage j on rank class j mod P (`groups`: the P classes, v = `chunks`), so each class holds v
+    non-contiguous chunks; one rank class per group, its actions prefixed by the stage (``2F3``).
+
+    With B microbatches in rounds of P (B a multiple of P), a class runs its forwards *depth first*: round r's
+    P microbatches through chunk 0, then chunk 1, …, then round r + 1; its backwards the same way from chunk
+    v − 1 down. Class p runs the first w_p = min(v·B, (v − 1)·P + 2·(P − 1 − p)) forwards (warm-up; the last
+    class starts its first backward as soon as its last chunk holds a forward), then alternates one forward,
+    one backward, then drains the backwards. Each microbatch crosses every class v times: V − 1 sends each
+    way instead of P − 1, and the bubble, (P − 1) stage-steps of a v-times shorter stage, about v times
+    smaller than 1F1B's. In flight per class: up to w_p + 1 chunk-microbatches (:func:`in_flight`), each a
+    v-th of the class's layers."""
+    P, B, v = len(groups), microbatches, chunks
+    if P < 2 or any(len(r) == 0 for r in groups):
+        raise UserError("interleaved 1F1B: give at least 2 rank classes, each with at least one rank")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+        raise UserError(f"chunks={v!r}: interleaved 1F1B holds at least 2 stages per rank class; give 2 or more")
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1 or B % P:
+        raise UserError(
+            f"microbatches={B!r}: interleaved 1F1B runs microbatches in rounds of the {P} rank classes; give a "
+            f"multiple of {P}"
+        )
+    V = v * P
+    first = [int(r[0]) for r in groups]
+    fwd = [(c, m) for r in range(0, B, P) for c in range(v) for m in range(r, r + P)]
+    bwd = [(c, m) for r in range(0, B, P) for c in reversed(range(v)) for m in range(r, r + P)]
+    classes = []
+    for p, ranks in enumerate(groups):
+        warm = min(v * B, (v - 1) * P + 2 * (P - 1 - p))
+        order = [(ActionKind.FORWARD, x) for x in fwd[:warm]]
+        f, b = warm, 0
+        while b < len(bwd):
+            if f < len(fwd):
+                order.append((ActionKind.FORWARD, fwd[f]))
+                f += 1
+            order.append((ActionKind.BACKWARD, bwd[b]))
+            b += 1
+        acts: list[Action] = []
+        for k, (c, m) in order:
+            j = c * P + p
+            before, after = (j - 1, j + 1) if k == ActionKind.FORWARD else (j + 1, j - 1)
+            if 0 <= before < V:
+                acts.append(Action(ActionKind.RECV, m, peer=first[before % P], stage=j, peer_stage=before))
+            acts.append(Action(k, m, stage=j))
+            if 0 <= after < V:
+                acts.append(Action(ActionKind.SEND, m, peer=first[after % P], stage=j, peer_stage=after))
+        acts.append(Action(ActionKind.GRAD_SYNC))
+        classes.append(RankClass(tuple(int(r) for r in ranks), tuple(acts)))
+    return Schedule(tuple(classes), B, PipelineKind.INTERLEAVED_1F1B.value)
+
+
 def _stage_order(kind: PipelineKind, s: int, S: int, B: int) -> list[tuple[ActionKind, int]]:
     F, BW = ActionKind.FORWARD, ActionKind.BACKWARD
     if kind == PipelineKind.GPIPE:
@@ -433,17 +526,32 @@ def _stage_order(kind: PipelineKind, s: int, S: int, B: int) -> list[tuple[Actio
 
 def in_flight(schedule: Schedule) -> dict[tuple[int, ...], int]:
     """Per rank class: the most microbatches whose forward ran and whose backward (``B`` or ``I``) did not
-    yet — how many microbatches' activations the class holds at once."""
-    out = {}
+    yet — how many microbatches' activations the class holds at once (under Interleaved1F1B: (stage,
+    microbatch) pairs, each a chunk's activations)."""
+    return {c.ranks: max(_held(c.actions).values(), default=0) for c in schedule.classes}
+
+
+def stage_in_flight_of(schedule: Schedule) -> dict[int | None, int]:
+    """Per stage (an action's ``stage``; None where a class holds one): the most microbatches whose activations
+    it holds at once."""
+    out: dict[int | None, int] = {}
     for c in schedule.classes:
-        started: set[int] = set()
-        done: set[int] = set()
-        peak = 0
-        for a in c.actions:
-            if a.kind == ActionKind.FORWARD:
-                started.add(a.microbatch)
-            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-                done.add(a.microbatch)
-            peak = max(peak, len(started - done))
-        out[c.ranks] = peak
+        for st, n in _held(c.actions, by_stage=True).items():
+            out[st] = max(out.get(st, 0), n)
     return out
+
+
+def _held(actions: Sequence[Action], by_stage: bool = False) -> dict:
+    """The peak count of microbatches forwarded and not yet backwarded, over all (or per stage)."""
+    live: dict = {}
+    peak: dict = {}
+    for a in actions:
+        key = a.stage if by_stage else 0
+        if a.kind == ActionKind.FORWARD:
+            live.setdefault(key, set()).add((a.stage, a.microbatch))
+        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            live.setdefault(key, set()).discard((a.stage, a.microbatch))
+        else:
+            continue
+        peak[key] = max(peak.get(key, 0), len(live[key]))
+    return peak

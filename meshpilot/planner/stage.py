@@ -13,7 +13,9 @@ A node belongs to the layer its ``OpNode.module`` path names; the backward of a 
 (capture records the forward module of backward nodes). Nodes no module made (the root's own ops: the loss,
 an addition in the root's forward) join the layer of their first operand that has one, else the first
 layer (forward) or the last (backward); leaves (parameters, buffers, inputs, constants) join the layer of
-their first reader. A stage is a contiguous range of layers ``[start, stop)``.
+their first reader. A stage is a contiguous range of layers ``[start, stop)``. What the planner costs and the
+pipeline runtime runs are :func:`runnable_layers`: the same layers with the nodes no module made placed where a
+pipeline can run them (forward values flow to later stages, gradients to earlier ones).
 
 The slice (:func:`slice_graph`)
 -------------------------------
@@ -126,6 +128,60 @@ def layers(graph: OpGraph) -> list[Layer]:
     for n in graph.nodes:
         members[key[n.name]].append(n.name)
     return [Layer(k, tuple(members[k]), sum(graph[x].flops for x in members[k])) for k in order]
+
+
+def runnable_layers(graph: OpGraph) -> list[Layer]:
+    """``stage.layers(graph)`` with every node the model's own modules did not make (the root's ops: the loss,
+    the backward's sums of a residual stream's gradients) placed where a pipeline can run it.
+
+    The layers, their names and order are ``stage.layers``'; a node a module made stays in that module's
+    layer. A node no module made goes, in the forward, to the latest layer among its operands' (it runs once
+    they exist), or when it reads leaves only (a view of the targets) to the earliest layer among its
+    readers'; in the backward, to the earliest layer among its backward operands' (a gradient flows from
+    later layers to earlier ones), or when it reads none to the latest among its forward operands' (the
+    loss's seed gradient), else to the latest among its readers'. ``stage.layers`` gives such nodes their
+    first operand's layer, which the planner's costs tolerate but a pipeline cannot run: the backward's
+    running sum of the residual gradient would make the first stage wait for the last stage's backward and
+    the last stage for the first's. Leaves join the layer of their first reader, as there. Pure."""
+    from meshpilot.graph.capture import LEAF_KINDS
+
+    base = layers(graph)
+    order = {layer.name: j for j, layer in enumerate(base)}
+    where: dict[str, int] = {}
+    deferred: list[OpNode] = []
+    for n in graph.nodes:
+        if n.kind in LEAF_KINDS:
+            continue
+        key = _layer_key(n.module)
+        if key is not None and key in order:
+            where[n.name] = order[key]
+            continue
+        made = [(where[s], graph[s].phase) for s, _ in n.inputs if s in where]
+        if n.phase == Phase.BWD:
+            back = [j for j, ph in made if ph == Phase.BWD]
+            if back:
+                where[n.name] = min(back)
+            elif made:
+                where[n.name] = max(j for j, _ in made)
+            else:
+                deferred.append(n)
+        elif made:
+            where[n.name] = max(j for j, _ in made)
+        else:
+            deferred.append(n)
+    for n in reversed(deferred):
+        readers = [where[u] for u in graph.users[n.name] if u in where]
+        if not readers:
+            where[n.name] = 0 if n.phase != Phase.BWD else len(base) - 1
+        else:
+            where[n.name] = max(readers) if n.phase == Phase.BWD else min(readers)
+    for n in graph.nodes:
+        if n.kind in LEAF_KINDS:
+            where[n.name] = next((where[u] for u in graph.users[n.name] if u in where), 0)
+    members: list[list[str]] = [[] for _ in base]
+    for n in graph.nodes:
+        members[where[n.name]].append(n.name)
+    return [Layer(b.name, tuple(m), sum(graph[x].flops for x in m)) for b, m in zip(base, members)]
 
 
 def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Layer] | None = None) -> OpGraph:
@@ -310,7 +366,7 @@ class StagePlanner:
 
         self.graph = graph
         self.cluster = load_cluster(cluster)
-        self.layers = layers(graph)
+        self.layers = runnable_layers(graph)
         self.share_identical = share_identical
         self._range_key = range_keys(graph, self.layers) if share_identical else None
         self._where: dict[str, tuple[int, int]] | None = None

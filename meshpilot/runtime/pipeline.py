@@ -356,6 +356,11 @@ def pipeline_parallelize(
     from meshpilot.planner.pipeline import PipelinePlan
 
     if isinstance(plan, PipelinePlan):
+        if plan.chunks > 1 and not plan.intra:
+            raise UserError(
+                "an interleaved 1F1B plan runs with its stages' own plans; save it with `meshpilot plan --pipeline "
+                "--out` (or add them: PipelinePlan.with_intra)"
+            )
         if plan.intra:
             from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 

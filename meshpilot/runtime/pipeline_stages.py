@@ -21,6 +21,10 @@ Under a zero-bubble schedule (``planner.schedule.zero_bubble``) the backward run
 values back through the slice), ending with those gradients and what ``W`` will read of its values and of
 the received gradients — and ``W m``, the remaining nodes (the weight gradients).
 
+Under Interleaved1F1B (``planner.schedule.interleaved_1f1b``) a rank holds the v stages of its group: one
+:class:`StageProgram`, mesh and set of parameters each (stages on the same ranks in the same arrangement share
+one ``DeviceMesh``), and each action names its stage (``2F3``; a send or receive both stages).
+
 Values crossing stages (:class:`Transfer`) are the slice's ``boundary:`` inputs: the activations (and anything
 else of the previous stage's forward) a stage reads, sent after ``F`` on the schedule's ``S``; the gradients
 it reads from the next stage's backward, sent after ``B``. Each moves between the two meshes as
@@ -229,12 +233,7 @@ class StageProgram:
     # ------------------------------------------------------------------ forward
     def forward(self, params, buffers, inputs, received) -> tuple:
         """(loss or None, buffer updates, saved, values to send forward) as local tensors."""
-        args = [*params, *buffers, *inputs, *received]
-        if self.forward_gm is None:
-            self.forward_gm, result = record_program(lambda *flat: self._forward_body(flat), *args)
-        else:
-            result = self.forward_gm(*args)
-        result = list(result)
+        result = list(self._run("forward_gm", self._forward_body, [*params, *buffers, *inputs, *received]))
         loss = result.pop(0) if self.graph.loss is not None else None
         n_up, n_saved = len(self.graph.buffer_updates), len(self.saved)
         return loss, result[:n_up], result[n_up : n_up + n_saved], result[n_up + n_saved :]
@@ -285,35 +284,42 @@ class StageProgram:
     # ------------------------------------------------------------------ backward
     def backward(self, saved, received) -> tuple[list, list]:
         """(this rank's part of each trainable parameter's gradient or None, values to send backward)."""
-        args = [*saved, *received]
-        if self.backward_gm is None:
-            self.backward_gm, result = record_program(lambda *flat: self._backward_body(flat), *args)
-        else:
-            result = self.backward_gm(*args)
-        it = iter(result)
+        it = iter(self._run("backward_gm", self._backward_body, [*saved, *received]))
         grads = [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
         return grads, list(it)
 
-    def _backward_body(self, flat) -> tuple:
-        g, interp = self.graph, self.interp
+    def _run(self, attr: str, body, args: list) -> Any:
+        """Program `attr` on `args`: recorded from `body` on the first call (``runtime.record``), replayed after."""
+        gm = getattr(self, attr)
+        if gm is not None:
+            return gm(*args)
+        gm, result = record_program(lambda *flat: body(flat), *args)
+        setattr(self, attr, gm)
+        return result
+
+    def _backward_env(self, flat) -> dict[str, tuple]:
+        """The backward's starting values: what the forward kept, then the gradients received (``B`` and ``I``)."""
         n_saved = len(self.saved)
-        env: dict[str, Any] = {}
+        env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+        for t, local in zip(self.recv_bwd, flat[n_saved:]):
+            env.setdefault(t.boundary, {})[0] = self._received(t, local)
+        return {k: _as_tuple(v) for k, v in env.items()}
+
+    def _grads_out(self, env: dict) -> list:
+        """This rank's part of each trainable parameter's gradient the stage computes (local tensors)."""
+        out = []
+        for fqn in self.trainable:
+            gr = self.graph.grads.get(fqn)
+            if gr is not None:
+                v = env[gr[0]][gr[1]]
+                out.append(v._local_tensor if isinstance(v, DTensor) else v)
+        return out
+
+    def _backward_body(self, flat) -> tuple:
         with torch.no_grad(), compat.no_transform_optimization():
-            for (s, i), spec, local in zip(self.saved, self.saved_specs, flat[:n_saved]):
-                value = DTensor(local, spec, requires_grad=False) if spec is not None else local
-                env.setdefault(s, {})[i] = value
-            for t, local in zip(self.recv_bwd, flat[n_saved:]):
-                env.setdefault(t.boundary, {})[0] = self._received(t, local)
-            env = {k: _as_tuple(v) for k, v in env.items()}
-            interp.run(self.bwd_nodes, env, self._last_use)
-            out = []
-            for fqn in self.trainable:
-                gr = g.grads.get(fqn)
-                if gr is not None:
-                    v = env[gr[0]][gr[1]]
-                    out.append(v._local_tensor if isinstance(v, DTensor) else v)
-            out += [self._outgoing(t, env) for t in self.send_bwd]
-        return tuple(out)
+            env = self._backward_env(flat)
+            self.interp.run(self.bwd_nodes, env, self._last_use)
+            return tuple(self._grads_out(env) + [self._outgoing(t, env) for t in self.send_bwd])
 
     # ------------------------------------------------------------------ backward split: I then W (zero bubble)
     def _env(self, pairs, specs, locals_) -> dict[str, Any]:
@@ -324,22 +330,13 @@ class StageProgram:
 
     def backward_input(self, saved, received) -> tuple[list, list]:
         """``I``: (values to send backward, what ``W`` reads of this microbatch) as local tensors."""
-        args = [*saved, *received]
-        if self.input_gm is None:
-            self.input_gm, result = record_program(lambda *flat: self._input_body(flat), *args)
-        else:
-            result = self.input_gm(*args)
-        result = list(result)
+        result = list(self._run("input_gm", self._input_body, [*saved, *received]))
         n_out = len(self.send_bwd)
         return result[:n_out], result[n_out:]
 
     def _input_body(self, flat) -> tuple:
-        n_saved = len(self.saved)
         with torch.no_grad(), compat.no_transform_optimization():
-            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
-            for t, local in zip(self.recv_bwd, flat[n_saved:]):
-                env.setdefault(t.boundary, {})[0] = self._received(t, local)
-            env = {k: _as_tuple(v) for k, v in env.items()}
+            env = self._backward_env(flat)
             self.interp.run(self.i_nodes, env, self._last_use_i)
             out = [self._outgoing(t, env) for t in self.send_bwd]
             kept = [env[s][i] for s, i in self.handoff]
@@ -349,38 +346,22 @@ class StageProgram:
 
     def backward_weight(self, saved, handed) -> list:
         """``W``: this rank's part of each trainable parameter's gradient (None: no gradient)."""
-        args = [*saved, *handed]
-        if self.weight_gm is None:
-            self.weight_gm, result = record_program(lambda *flat: self._weight_body(flat), *args)
-        else:
-            result = self.weight_gm(*args)
-        it = iter(result)
+        it = iter(self._run("weight_gm", self._weight_body, [*saved, *handed]))
         return [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
 
     def _weight_body(self, flat) -> tuple:
-        g, n_saved = self.graph, len(self.saved)
+        n_saved = len(self.saved)
         with torch.no_grad(), compat.no_transform_optimization():
             env = self._env(self.saved, self.saved_specs, flat[:n_saved])
             for k, v in self._env(self.handoff, self.handoff_specs, flat[n_saved:]).items():
                 env.setdefault(k, {}).update(v)
             env = {k: _as_tuple(v) for k, v in env.items()}
             self.interp.run(self.w_nodes, env, self._last_use_w)
-            out = []
-            for fqn in self.trainable:
-                gr = g.grads.get(fqn)
-                if gr is not None:
-                    v = env[gr[0]][gr[1]]
-                    out.append(v._local_tensor if isinstance(v, DTensor) else v)
-        return tuple(out)
+            return tuple(self._grads_out(env))
 
     # ------------------------------------------------------------------ gradient synchronisation
     def grad_sync(self, grads: list) -> list:
-        present = [x for x in grads if x is not None]
-        if self.grad_sync_gm is None:
-            self.grad_sync_gm, result = record_program(lambda *flat: self._grad_sync_body(flat), *present)
-        else:
-            result = self.grad_sync_gm(*present)
-        it = iter(result)
+        it = iter(self._run("grad_sync_gm", self._grad_sync_body, [x for x in grads if x is not None]))
         return [next(it) if x is not None else None for x in grads]
 
     def _grad_sync_body(self, flat) -> tuple:
@@ -400,7 +381,8 @@ def _side(plan: Plan, ranks: Sequence[int], layout: Placements) -> MeshSide:
 
 
 class PlannedPipelineModule:
-    """This rank's stage of a pipeline whose stages run their own plans (module docstring)."""
+    """This rank's stages of a pipeline whose stages run their own plans (module docstring): one, or under
+    Interleaved1F1B the v stages of its rank group."""
 
     def __init__(
         self,
@@ -413,10 +395,10 @@ class PlannedPipelineModule:
         schedule: Schedule | None = None,
     ) -> None:
         from meshpilot.ops import register_dtensor_strategies
-        from meshpilot.planner.pipeline import runnable_layers
+        from meshpilot.planner.stage import runnable_layers
         from meshpilot.planner.validate import validate_plan
         from meshpilot.runtime.pipeline import check_schedule
-        from meshpilot.runtime.spmd import model_device
+        from meshpilot.runtime.spmd import distribute_parameters, model_device
 
         register_dtensor_strategies()
         self.pplan = pplan
@@ -428,11 +410,13 @@ class PlannedPipelineModule:
                 f"schedule {self.schedule.name!r} runs {self.schedule.microbatches} microbatches, the plan was made "
                 f"for {self.M}; give a schedule of {self.M}"
             )
-        check_schedule(self.schedule, self.stage_ranks, split_backward=True)
+        check_schedule(self.schedule, pplan.groups, split_backward=True)
         rank = dist.get_rank()
         S = len(pplan.stages)
-        self.stage = next(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
-        self.last = self.stage == S - 1
+        self.stages = tuple(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
+        """This rank's stages, ascending (several under Interleaved1F1B)."""
+        self.stage = self.stages[0]
+        self.last = S - 1 in self.stages
         self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
         whole = {x.shape[0] for x in inputs if x.dim() > 0}
         if len(whole) != 1 or whole.pop() % self.M:
@@ -460,7 +444,13 @@ class PlannedPipelineModule:
                 for name in layer.nodes:
                     stage_of[name] = s
         self.transfers = find_transfers(graph, slices, stage_of)
-        self.meshes = [stage_mesh(p, st.ranks, device.type) for p, st in zip(plans, pplan.stages)]
+        meshes: dict[tuple, DeviceMesh] = {}  # stages on the same ranks in the same arrangement share one
+        self.meshes = []
+        for p, st in zip(plans, pplan.stages):
+            key = (tuple(st.ranks[i] for i in p.mesh_ranks), tuple(p.mesh_shape), tuple(p.mesh_axes))
+            if key not in meshes:
+                meshes[key] = stage_mesh(p, st.ranks, device.type)
+            self.meshes.append(meshes[key])
         self.mesh = self.meshes[self.stage]
         self.plan = plans[self.stage]
         self.graph = slices[self.stage]
@@ -468,7 +458,7 @@ class PlannedPipelineModule:
         self.tiles: dict[int, list[Tile]] = {}
         self.gathers: dict[int, tuple[Any, int]] = {}
         """Transfers this rank all-gathers after receiving (local all-gather): (process group, its size)."""
-        wires: dict[int, tuple[Placements, Placements]] = {}
+        wires: dict[int, dict[int, tuple[Placements, Placements]]] = {s: {} for s in self.stages}
         for t in self.transfers:
             src_layout = plans[t.src].node(t.node).out_placements(t.index)
             dst_layout = plans[t.dst].node(t.boundary).out_placements(0)
@@ -484,49 +474,41 @@ class PlannedPipelineModule:
                         self.gathers[t.k] = (group, len(members))
             else:
                 self.tiles[t.k] = tiles(t.info.shape[0], src, dst)
-            if t.src == self.stage:
-                wires[t.k] = (src.wire, tuple(src_layout))
-            elif t.dst == self.stage:
-                wires[t.k] = (dst.wire, tuple(dst_layout))
-        mine = self.stage
-        recv_fwd = [t for t in self.transfers if t.dst == mine and t.forward]
-        recv_bwd = [t for t in self.transfers if t.dst == mine and not t.forward]
-        send_fwd = [t for t in self.transfers if t.src == mine and t.forward]
-        send_bwd = [t for t in self.transfers if t.src == mine and not t.forward]
-        self._distribute_parameters(model)
-        interp = Interpreter(self.graph, self.plan, self.mesh, device)
-        self.program = StageProgram(interp, self._trainable, recv_fwd, recv_bwd, send_fwd, send_bwd, wires)
-        self.program.whole = graph
-        self.program.num_model_inputs = len(inputs)
+            if t.src in wires:
+                wires[t.src][t.k] = (src.wire, tuple(src_layout))
+            if t.dst in wires:
+                wires[t.dst][t.k] = (dst.wire, tuple(dst_layout))
         self._buffers = dict(model.named_buffers())
+        self.programs: dict[int, StageProgram] = {}
+        self._params_of: dict[int, list[torch.nn.Parameter]] = {}
+        self._trainable_of: dict[int, list[str]] = {}
+        for s in self.stages:
+            params, trainable = distribute_parameters(model, slices[s].param_names, plans[s], self.meshes[s])
+            self._params_of[s], self._trainable_of[s] = params, trainable
+            mine = [t for t in self.transfers if s in (t.src, t.dst)]
+            prog = StageProgram(
+                Interpreter(slices[s], plans[s], self.meshes[s], device), trainable,
+                [t for t in mine if t.dst == s and t.forward], [t for t in mine if t.dst == s and not t.forward],
+                [t for t in mine if t.src == s and t.forward], [t for t in mine if t.src == s and not t.forward],
+                wires[s],
+            )  # fmt: skip
+            prog.whole = graph
+            prog.num_model_inputs = len(inputs)
+            self.programs[s] = prog
+        self.program = self.programs[self.stage]
 
     # ------------------------------------------------------------------ parameters
-    def _distribute_parameters(self, model: torch.nn.Module) -> None:
-        from meshpilot.runtime.interpret import to_dtensor
-
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self._params: list[torch.nn.Parameter] = []
-        self._trainable: list[str] = []
-        for fqn in self.graph.param_names:
-            old = model.get_parameter(fqn)
-            with torch.no_grad():
-                d = to_dtensor(old.detach(), self.mesh, self.plan.param_layout(fqn))
-            new = torch.nn.Parameter(d, requires_grad=old.requires_grad)
-            for alias in aliases[id(old)]:
-                mod_name, _, leaf = alias.rpartition(".")
-                model.get_submodule(mod_name)._parameters[leaf] = new
-            self._params.append(new)
-            if old.requires_grad:
-                self._trainable.append(fqn)
-
     def parameters(self) -> list[torch.nn.Parameter]:
-        """This stage's parameters: DTensors on its mesh in its plan's layouts."""
-        return list(self._params)
+        """This rank's stages' parameters: DTensors on their meshes in their plans' layouts."""
+        return [p for s in self.stages for p in self._params_of[s]]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return list(zip(self.graph.param_names, self._params))
+        return [(n, p) for s in self.stages for n, p in zip(self.programs[s].graph.param_names, self._params_of[s])]
+
+    @property
+    def mismatches(self) -> list[str]:
+        """Nodes of this rank's stages where DTensor chose another output layout than the plan."""
+        return [m for s in self.stages for m in self.programs[s].interp.mismatches]
 
     # ------------------------------------------------------------------ the step
     def _tag(self, m: int, t: Transfer) -> int:
@@ -534,115 +516,163 @@ class PlannedPipelineModule:
 
     def _first_row(self, t: Transfer) -> int:
         """The first row of the wire piece of transfer `t` this (sending) rank holds."""
-        wire, _ = self.program.wires[t.k]
-        return rows_of(t.info.shape[0], tuple(self.mesh.shape), wire, self.mesh.get_coordinate())[0]
+        wire, _ = self.programs[t.src].wires[t.k]
+        mesh = self.meshes[t.src]
+        return rows_of(t.info.shape[0], tuple(mesh.shape), wire, mesh.get_coordinate())[0]
+
+    def _exchange(self, a, stage: int, outgoing: dict, received: dict, sends: list) -> None:
+        """A send (``S``) or receive (``R``) of `stage`'s boundary values: the tiles this rank sends or receives,
+        and a local all-gather after a receive where the plan has one."""
+        rank = dist.get_rank()
+        k, m = a.kind, a.microbatch
+        forward, todo = self._moved(a, stage)
+        phase = Phase.FWD if forward else Phase.BWD
+        if k == ActionKind.SEND:
+            for t, local in zip(todo, outgoing.pop((stage, m, forward))):
+                first = self._first_row(t)
+                for tile in self.tiles[t.k]:
+                    if tile.src != rank:
+                        continue
+                    piece = local[tile.lo - first : tile.hi - first].contiguous()
+                    record(CollectiveKind.SEND, PP_AXIS, 2, piece.numel() * piece.element_size(), phase)
+                    sends.append(dist.isend(piece, tile.dst, tag=self._tag(m, t)))
+            return
+        got = []
+        for t in todo:
+            pieces = []
+            for tile in self.tiles[t.k]:
+                if tile.dst != rank:
+                    continue
+                shape = (tile.hi - tile.lo, *t.info.shape[1:])
+                buf = torch.empty(shape, dtype=dtype_from_name(t.info.dtype), device=self.device)
+                record(CollectiveKind.RECV, PP_AXIS, 2, buf.numel() * buf.element_size(), phase)
+                dist.recv(buf, tile.src, tag=self._tag(m, t))
+                pieces.append(buf)
+            mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if t.k in self.gathers:  # local all-gather: the rows of the other receivers holding them
+                group, size = self.gathers[t.k]
+                parts = [torch.empty_like(mine) for _ in range(size)]
+                nbytes = mine.numel() * mine.element_size() * size
+                record(CollectiveKind.ALL_GATHER, LOCAL_AXIS, size, nbytes, phase)
+                dist.all_gather(parts, mine, group=group)
+                mine = torch.cat(parts)
+            got.append(mine)
+        received[(stage, m, forward)] = got
+
+    def _moved(self, a, stage: int) -> tuple[bool, list[Transfer]]:
+        """Whether send / receive `a` of `stage` goes forward, and the transfers it moves."""
+        prog = self.programs[stage]
+        forward = a.forward
+        if forward is None:
+            forward = (self._first[a.peer] > stage) == (a.kind == ActionKind.SEND)
+        if a.kind == ActionKind.SEND:
+            return forward, prog.send_fwd if forward else prog.send_bwd
+        return forward, prog.recv_fwd if forward else prog.recv_bwd
+
+    def scheduled_p2p(self) -> Counter[tuple[CollectiveKind, str, int]]:
+        """The sends and receives this rank's actions of the schedule issue: each ``S`` / ``R`` the tiles of its
+        stage's transfers that way that this rank sends or receives (keyed like ``CollectiveLog.counts()``)."""
+        rank = dist.get_rank()
+        out: Counter = Counter()
+        for a in self.schedule.actions(rank):
+            if a.kind not in (ActionKind.SEND, ActionKind.RECV):
+                continue
+            send = a.kind == ActionKind.SEND
+            kind = CollectiveKind.SEND if send else CollectiveKind.RECV
+            _, todo = self._moved(a, a.stage if a.stage is not None else self.stage)
+            for t in todo:
+                row = math.prod(t.info.shape[1:]) * t.info.itemsize
+                for tile in self.tiles[t.k]:
+                    if (tile.src if send else tile.dst) == rank:
+                        out[(kind, PP_AXIS, (tile.hi - tile.lo) * row)] += 1
+        return out
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this stage's
-        parameters (summed into what is there); returns the step's loss on the last stage's ranks (the mean of
-        the microbatches' losses), None elsewhere."""
-        rank = dist.get_rank()
-        prog = self.program
+        """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this rank's
+        stages' parameters (summed into what is there); returns the step's loss on the last stage's ranks (the
+        mean of the microbatches' losses), None elsewhere."""
         chunks = [x.to(self.device).chunk(self.M) for x in inputs]
-        received: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        outgoing: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        saved: dict[int, list] = {}
-        handed: dict[int, list] = {}
+        received: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        outgoing: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        saved: dict[tuple[int, int], list] = {}
+        handed: dict[tuple[int, int], list] = {}
         losses: list[torch.Tensor] = []
-        grads: list | None = None
+        grads: dict[int, list | None] = {s: None for s in self.stages}
         sends: list = []
-        params = [p._local_tensor for p in self._params]
-        for a in self.schedule.actions(rank):
+        params = {s: [p._local_tensor for p in self._params_of[s]] for s in self.stages}
+        for a in self.schedule.actions(dist.get_rank()):
             k, m = a.kind, a.microbatch
+            s = a.stage if a.stage is not None else self.stage
+            prog = self.programs.get(s)
             if k in (ActionKind.SEND, ActionKind.RECV):
-                forward = (self._first[a.peer] > self.stage) == (k == ActionKind.SEND)
-                phase = Phase.FWD if forward else Phase.BWD
-                if k == ActionKind.SEND:
-                    todo = prog.send_fwd if forward else prog.send_bwd
-                    for t, local in zip(todo, outgoing.pop((m, forward))):
-                        first = self._first_row(t)
-                        for tile in self.tiles[t.k]:
-                            if tile.src != rank:
-                                continue
-                            piece = local[tile.lo - first : tile.hi - first].contiguous()
-                            record(CollectiveKind.SEND, PP_AXIS, 2, piece.numel() * piece.element_size(), phase)
-                            sends.append(dist.isend(piece, tile.dst, tag=self._tag(m, t)))
-                else:
-                    todo = prog.recv_fwd if forward else prog.recv_bwd
-                    got = []
-                    for t in todo:
-                        pieces = []
-                        for tile in self.tiles[t.k]:
-                            if tile.dst != rank:
-                                continue
-                            shape = (tile.hi - tile.lo, *t.info.shape[1:])
-                            buf = torch.empty(shape, dtype=dtype_from_name(t.info.dtype), device=self.device)
-                            record(CollectiveKind.RECV, PP_AXIS, 2, buf.numel() * buf.element_size(), phase)
-                            dist.recv(buf, tile.src, tag=self._tag(m, t))
-                            pieces.append(buf)
-                        mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                        if t.k in self.gathers:  # local all-gather: the rows of the other receivers holding them
-                            group, size = self.gathers[t.k]
-                            parts = [torch.empty_like(mine) for _ in range(size)]
-                            nbytes = mine.numel() * mine.element_size() * size
-                            record(CollectiveKind.ALL_GATHER, LOCAL_AXIS, size, nbytes, phase)
-                            dist.all_gather(parts, mine, group=group)
-                            mine = torch.cat(parts)
-                        got.append(mine)
-                    received[(m, forward)] = got
+                self._exchange(a, s, outgoing, received, sends)
             elif k == ActionKind.FORWARD:
-                buffers = [self._buffers[n] for n in self.graph.buffer_names]
+                g = prog.graph
+                buffers = [self._buffers[n] for n in g.buffer_names]
                 mb = [c[m] for c in chunks]
                 with phase_scope(Phase.FWD):
-                    loss, updates, kept, out = prog.forward(params, buffers, mb, received.pop((m, True), []))
+                    loss, updates, kept, out = prog.forward(params[s], buffers, mb, received.pop((s, m, True), []))
                 with torch.no_grad():
-                    for fqn, value in zip(self.graph.buffer_updates, updates):
+                    for fqn, value in zip(g.buffer_updates, updates):
                         self._buffers[fqn].copy_(value)
                 if loss is not None:
                     losses.append(loss.detach())
-                saved[m] = kept
-                outgoing[(m, True)] = out
+                saved[(s, m)] = kept
+                outgoing[(s, m, True)] = out
             elif k in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 with phase_scope(Phase.BWD):
                     if k == ActionKind.BACKWARD:
-                        gs, outgoing[(m, False)] = prog.backward(saved.pop(m), received.pop((m, False), []))
+                        got = received.pop((s, m, False), [])
+                        gs, outgoing[(s, m, False)] = prog.backward(saved.pop((s, m)), got)
                     else:
-                        gs = prog.backward_weight(saved.pop(m), handed.pop(m))
+                        gs = prog.backward_weight(saved.pop((s, m)), handed.pop((s, m)))
                 gs = [x / self.M if x is not None else None for x in gs]
-                grads = (
-                    gs if grads is None else [y if x is None else x if y is None else x + y for x, y in zip(grads, gs)]
+                acc = grads[s]
+                grads[s] = (
+                    gs if acc is None else [y if x is None else x if y is None else x + y for x, y in zip(acc, gs)]
                 )
             elif k == ActionKind.BACKWARD_INPUT:
                 with phase_scope(Phase.BWD):
-                    outgoing[(m, False)], handed[m] = prog.backward_input(saved[m], received.pop((m, False), []))
+                    got = received.pop((s, m, False), [])
+                    outgoing[(s, m, False)], handed[(s, m)] = prog.backward_input(saved[(s, m)], got)
             elif k == ActionKind.GRAD_SYNC:
-                with phase_scope(Phase.BWD):
-                    synced = prog.grad_sync(grads or [None] * len(self._trainable))
-                by_name = dict(self.named_parameters())
-                for fqn, x in zip(self._trainable, synced):
-                    if x is None:
-                        continue
-                    p = by_name[fqn]
-                    d = DTensor(x, p._spec, requires_grad=False)
-                    p.grad = d if p.grad is None else p.grad + d
+                for st in self.stages:
+                    self._grad_sync(st, grads[st])
         for w in sends:
             w.wait()
         return torch.stack(losses).mean() if self.last else None
 
+    def _grad_sync(self, s: int, grads: list | None) -> None:
+        """Stage `s`'s gradients into their parameters' layouts, added to their ``.grad``."""
+        prog = self.programs[s]
+        with phase_scope(Phase.BWD):
+            synced = prog.grad_sync(grads or [None] * len(self._trainable_of[s]))
+        by_name = dict(zip(prog.graph.param_names, self._params_of[s]))
+        for fqn, x in zip(self._trainable_of[s], synced):
+            if x is None:
+                continue
+            p = by_name[fqn]
+            d = DTensor(x, p._spec, requires_grad=False)
+            p.grad = d if p.grad is None else p.grad + d
+
     def planned_counts(self) -> Counter[tuple[CollectiveKind, str, int]]:
         """What this rank's step issues according to the plans (module docstring), keyed like
-        ``CollectiveLog.counts()`` on this stage's mesh."""
+        ``CollectiveLog.counts()`` on this rank's meshes."""
         from meshpilot.sharding.reshard import Resharder
         from meshpilot.sharding.strategies import fake_device_mesh
 
         rank = dist.get_rank()
-        out: Counter = Counter(self.plan.collective_counts(backend="gloo"))
-        resharder = Resharder(fake_device_mesh(tuple(self.plan.mesh_shape)), None)
+        out: Counter = Counter()
+        for s in self.stages:
+            plan = self.programs[s].interp.plan
+            out.update(plan.collective_counts(backend="gloo"))
+            resharder = Resharder(fake_device_mesh(tuple(plan.mesh_shape)), None)
+            for t in self.transfers:
+                if t.src == s:
+                    wire, planned = self.programs[s].wires[t.k]
+                    for c in resharder.collectives(planned, wire, t.info):
+                        out[(c.kind, plan.axis_name(c.axis), c.nbytes)] += self.M
         for t in self.transfers:
-            if t.src == self.stage:
-                wire, planned = self.program.wires[t.k]
-                for c in resharder.collectives(planned, wire, t.info):
-                    out[(c.kind, self.plan.axis_name(c.axis), c.nbytes)] += self.M
             row = math.prod(t.info.shape[1:]) * t.info.itemsize
             if t.k in self.gathers:
                 out[(CollectiveKind.ALL_GATHER, LOCAL_AXIS, t.info.shape[0] * row)] += self.M

@@ -268,6 +268,32 @@ def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
     return y if x is None else x if y is None else x + y
 
 
+def distribute_parameters(
+    model: torch.nn.Module, param_names: Sequence[str], plan: Plan, mesh: DeviceMesh
+) -> tuple[list[torch.nn.Parameter], list[str]]:
+    """Each parameter of `param_names` (fully qualified) replaced in `model`, under every name it has there (tied
+    weights), by a Parameter holding a DTensor on `mesh` in `plan`'s layout for it. Returns the new parameters
+    in `param_names`' order and the names of those that require gradients. The SPMD module and each pipeline
+    stage (``runtime.pipeline_stages``) distribute theirs with it."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    params: list[torch.nn.Parameter] = []
+    trainable: list[str] = []
+    for fqn in param_names:
+        old = model.get_parameter(fqn)
+        with torch.no_grad():
+            d = to_dtensor(old.detach(), mesh, plan.param_layout(fqn))
+        new = torch.nn.Parameter(d, requires_grad=old.requires_grad)
+        for alias in aliases[id(old)]:
+            mod_name, _, leaf = alias.rpartition(".")
+            model.get_submodule(mod_name)._parameters[leaf] = new
+        params.append(new)
+        if old.requires_grad:
+            trainable.append(fqn)
+    return params, trainable
+
+
 class ParallelModule(torch.nn.Module):
     """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
 
@@ -303,23 +329,7 @@ class ParallelModule(torch.nn.Module):
 
     # ------------------------------------------------------------------ parameters
     def _distribute_parameters(self) -> None:
-        model, mesh = self.module, self.mesh
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self._params: list[torch.nn.Parameter] = []
-        self._trainable: list[str] = []
-        for fqn in self.graph.param_names:
-            old = model.get_parameter(fqn)
-            with torch.no_grad():
-                d = to_dtensor(old.detach(), mesh, self.plan.param_layout(fqn))
-            new = torch.nn.Parameter(d, requires_grad=old.requires_grad)
-            for alias in aliases[id(old)]:
-                mod_name, _, leaf = alias.rpartition(".")
-                model.get_submodule(mod_name)._parameters[leaf] = new
-            self._params.append(new)
-            if old.requires_grad:
-                self._trainable.append(fqn)
+        self._params, self._trainable = distribute_parameters(self.module, self.graph.param_names, self.plan, self.mesh)
 
     # ------------------------------------------------------------------ step
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -441,4 +451,4 @@ def shard_inputs(inputs: Sequence[torch.Tensor], plan: Plan, mesh: DeviceMesh) -
     return [to_dtensor(x, mesh, from_json(layout)) for x, layout in zip(inputs, plan.inputs)]
 
 
-__all__ = ["ParallelModule", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]
+__all__ = ["ParallelModule", "distribute_parameters", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]

@@ -355,10 +355,10 @@ class _Lowering:
                 )
             elif k == ActionKind.WAIT:
                 ops.append((_WAIT, (a.collective, a.microbatch), f"wait {a}"))
-            elif k == ActionKind.SEND:
-                ops.append((_SEND, a.microbatch, str(a), a.peer))
+            elif k == ActionKind.SEND:  # a send and its receive meet on (peer ranks, Action.boundary)
+                ops.append((_SEND, a.boundary, str(a), a.peer))
             else:
-                ops.append((_RECV, a.microbatch, str(a), a.peer))
+                ops.append((_RECV, a.boundary, str(a), a.peer))
         return ops
 
     def _label(self, c: int, m: int) -> str:
