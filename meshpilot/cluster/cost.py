@@ -21,7 +21,8 @@ the three ring collectives take their time from it instead (:func:`on_curve`; po
 non-decreasing):
 
   all-reduce      t(M) = t_i + (M - M_i) * (t_{i+1} - t_i) / (M_{i+1} - M_i)   for M_i <= M <= M_{i+1}
-                  t(M) = t_0 below the first point; the last segment's slope beyond the last
+                  t(M) = t_0 below the first point; the last segment's slope beyond the last;
+                  t made non-decreasing by least squares first (pool adjacent violators)
   all-gather      t(M) / 2     (a ring all-reduce is a reduce-scatter and an all-gather of the same M:
   reduce-scatter  t(M) / 2      each half of both the bandwidth and the latency terms above)
 
@@ -50,11 +51,10 @@ def on_curve(curve: Sequence[tuple[int, float]], nbytes: float) -> float:
     """Seconds of an all-reduce of `nbytes` on a measured curve of (bytes, seconds) points, bytes ascending:
     linear between points, the first point's time below it, the last segment's slope beyond the last
     point (the per-byte cost of the largest messages measured; proportional to the last point when there is
-    one). Times are made non-decreasing first: a larger message is never cheaper (probe noise)."""
+    one). Times are made non-decreasing first (:func:`monotone`): a larger message is never cheaper, so a
+    measured dip is probe noise."""
     xs = [float(b) for b, _ in curve]
-    ys: list[float] = []
-    for _, t in curve:
-        ys.append(max(t, ys[-1]) if ys else t)
+    ys = monotone([t for _, t in curve])
     if nbytes <= xs[0]:
         return ys[0]
     for i in range(1, len(xs)):
@@ -64,6 +64,19 @@ def on_curve(curve: Sequence[tuple[int, float]], nbytes: float) -> float:
     if slope <= 0.0:
         slope = ys[-1] / xs[-1]
     return ys[-1] + (nbytes - xs[-1]) * slope
+
+
+def monotone(ys: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `ys` in least squares (pool adjacent violators): a run of points
+    that dips is replaced by its mean, so one noisy point neither lifts its neighbours (a running maximum
+    would) nor is dropped."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def _log2(n: int) -> int:
