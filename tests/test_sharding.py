@@ -126,3 +126,17 @@ def test_an_all_to_all_is_priced_as_dtensor_issues_it_on_a_cpu_mesh():
     assert on_cpu.cost(*swap, info) == on_cpu.cost_model.all_gather(2 * (info.nbytes // 2), 0)
     assert on_cpu.cost(*swap, info) != on_cpu.cost_model.all_to_all(info.nbytes // 2, 0)
     assert on_cpu.op_collective_cost(a2a) == on_cpu.cost_model.all_to_all(info.nbytes // 2, 0)
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce():
+    """ProcessGroupGloo has no reduce-scatter algorithm (it all-reduces and keeps its chunk): on a CPU device
+    the cost model prices a reduce-scatter as the all-reduce of the same buffer; on a GPU as half of it."""
+    from meshpilot.cluster.devices import DEVICES
+    from meshpilot.cluster.topology import Cluster
+
+    gpu = load_cluster("atp-ic3")
+    cpu = Cluster("same-links-on-cpu", gpu.layers, DEVICES["cpu"], gpu.calibration)
+    on_gpu, on_cpu = (CostModel(LogicalMesh(c, (2, 4))) for c in (gpu, cpu))
+    m = 1 << 24
+    assert on_cpu.reduce_scatter(m, 1) == on_cpu.all_reduce(m, 1)
+    assert on_gpu.reduce_scatter(m, 1) == on_gpu.all_gather(m, 1) < on_gpu.all_reduce(m, 1)
