@@ -87,6 +87,12 @@ it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t
 Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
+Repeated stacks (``planner.stack``): when the model is L ≥ 4 identical blocks between special layers (or
+the graph is a ``stack.Stack``: a few of its blocks captured), the table above is filled by
+``stack.StackTable`` instead — each stage composed from one middle block's plan (k times) and its special
+layers' plans, planned once per logical mesh and memory cap — and the same DP runs on it;
+``PipelinePlan.costing`` and the printout say which path was taken (``fast=False`` forces the exact one).
+
 5. What the runtime runs — :func:`runnable_layers`, :meth:`PipelinePlan.with_intra`, :func:`fixed_pipeline`
 ----------------------------------------------------------------------------------------------------------
 The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —

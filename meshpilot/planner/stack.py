@@ -24,8 +24,8 @@ A stage of layers ``[start, stop)`` is a pre part ``P = [a, min(stop, p))`` (whe
 and a post part ``Q`` (when ``stop > p + L``). For each submesh size d, logical shape (a, b) and cap level
 ℓ, the pieces are planned by ``StagePlanner.plan_with_memory`` on the captured graph — every sub-range of
 the pre layers and of the post layers at the device's capacity, one *middle* block (graph layer ``p + 1``)
-under the cap ``capacity / 2^ℓ``. With each piece x's step over B microbatches ``t_x`` (its
-``StageCost.time``) and memory parts (``stage.StageMemory``: static ``W+O+I``, gradients ``G``, update
+under the cap ``capacity / 4^ℓ`` (:data:`LEVEL_STEP`). With each piece x's step over B microbatches
+``t_x`` (its ``StageCost.time``) and memory parts (``stage.StageMemory``: static ``W+O+I``, gradients ``G``, update
 temporaries ``U``, saved activations ``A``, live peak ``V``):
 
     t(stage)          = t_P + k · t_blk + t_Q                                          → ``T``
@@ -42,11 +42,22 @@ between them (the block's plan read as its own successor: the layout it leaves i
 takes its input in — the tests hold the fast path to the exact path's plan and step on small GPTs).
 
 Eq. 5 then reads ``max(upd, fb + (f(s) − 1) · act) ≤ capacity`` (``pipeline.stage_memory``), vectorised over
-every range and stage count at once per (shape, level). Levels trade time for memory: level ℓ + 1 of a shape
-is planned only when at level ℓ some range of blocks does not fit with one microbatch in flight (a tighter
-cap makes the ILP shard state and activations further), up to :data:`LEVELS` levels; each (range, size, s)
-keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP (``pipeline._dp``) as
-the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them.
+every range and stage count at once per (shape, level) (``StackTable.arrays``). Levels trade time for memory:
+the ILP of one block given the whole device keeps its state where it is fastest (replicated on an axis, no
+ZeRO), which k such blocks may not afford; level ℓ + 1 of a shape is planned only when at level ℓ some
+range of blocks useful on that submesh fits with no number of stages after it, and up to the level whose
+cap is a share of the device for the most blocks such a range has (``4^ℓ ≥ k``). Each (range, size, s)
+keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP (``pipeline._dp``) as the
+exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
+(:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
+
+Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
+after the last block; each piece's boundary input is laid out as its search chose); the first and last
+blocks are priced as the middle one; and the pieces' logical
+mesh mapping is each piece's own (the stage reports its largest piece's). ``stage.layers`` puts each block's
+root-level residual-gradient sum in the layer of its first operand — ln_f's — so a whole-model capture's ln_f
+carries L of them and a :func:`capture_stack` graph's :data:`KEEP` (a few additions per block: the step
+differs by under 1% on the tests' GPTs).
 
 Searches: per shape, one block (per level used) plus the pre and post sub-ranges — ``p(p+1)/2 + q(q+1)/2``,
 6 for a GPT — whatever L, instead of O(L) ranges of growing size.
@@ -77,8 +88,8 @@ MIN_BLOCKS = 4
 KEEP = 4
 """Blocks :func:`capture_stack` traces (first, two middles, last)."""
 
-LEVELS = 3
-"""Memory caps tried for the block piece: capacity, capacity / 2, capacity / 4 (module docstring, 2)."""
+LEVEL_STEP = 4
+"""Level ℓ plans the block piece under ``capacity / LEVEL_STEP^ℓ`` (module docstring, 2)."""
 
 
 class StageCosting(StrEnum):
@@ -253,14 +264,13 @@ class StackTable:
     in_flight: object
     """``s -> f(s)``: microbatches in flight of a stage with s stages from it to the end."""
     kw: dict = field(default_factory=dict)
-    levels: int = LEVELS
     candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
     """(size, shape, level) of each candidate; ``arrays``' ``arg`` indexes it."""
 
     def _piece(self, rng: tuple[int, int], ranks, shape, level: int) -> _Piece | None:
         kw = dict(self.kw)
         if level:
-            kw["capacity"] = self.capacity / 2**level
+            kw["capacity"] = self.capacity / LEVEL_STEP**level
         try:
             c, m = self.planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
         except PlanError:
@@ -305,10 +315,10 @@ class StackTable:
             for shape in mesh_shapes_2d(d):
                 specials = [self._specials(pres, ranks, shape), self._specials(posts, ranks, shape)]
                 blocks_needed = use & (NB > 0)
-                for level in range(self.levels):
+                most = NB[blocks_needed].max() if blocks_needed.any() else 1
+                for level in range(1 + math.ceil(math.log(max(most, 1), LEVEL_STEP))):
                     blk = self._piece((mid, mid + 1), ranks, shape, level)
                     T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
-                    mem1 = np.maximum(upd, fb)
                     T = np.where(use & tri, T, math.inf)
                     self.candidates.append((d, shape, level))
                     cid = len(self.candidates) - 1
@@ -318,8 +328,8 @@ class StackTable:
                     better = cand < t[1:, :, :, z]
                     t[1:, :, :, z] = np.where(better, cand, t[1:, :, :, z])
                     arg[1:, :, :, z] = np.where(better, cid, arg[1:, :, :, z])
-                    # a tighter cap only where some range of blocks does not fit with one microbatch in flight
-                    if blk is None or not (blocks_needed & ~(mem1 <= self.capacity)).any():
+                    # a tighter cap only where some range of blocks fits with no number of stages after it
+                    if blk is None or not (blocks_needed & ~ok.any(axis=0)).any():
                         break
         return t, arg
 
@@ -327,35 +337,60 @@ class StackTable:
         return [None] + [self._piece(r, ranks, shape, 0) for r in ranges[1:]]
 
     def stage_cost(self, start: int, stop: int, ranks: Sequence[int], cand: int) -> StageCost:
-        """The stage of model layers ``[start, stop)`` composed from its pieces planned on `ranks` as
-        candidate `cand` (its shape and level): time, memory parts and peaks as in the module docstring."""
+        """The stage of model layers ``[start, stop)`` composed on `ranks` as candidate `cand` (its shape and
+        level) of :meth:`arrays`."""
         _, shape, level = self.candidates[cand]
-        pre, nb, post = self.stack.parts(start, stop)
-        pieces: list[tuple[_Piece, int]] = []
-        if pre is not None:
-            pieces.append((self._piece(pre, ranks, shape, 0), 1))
-        if nb:
-            mid = self.stack.middle
-            pieces.append((self._piece((mid, mid + 1), ranks, shape, level), nb))
-        if post is not None:
-            pieces.append((self._piece(post, ranks, shape, 0), 1))
-        if any(x is None for x, _ in pieces):
-            raise PlanError(f"layers [{start}, {stop}) on ranks {list(ranks)} as {shape}: a piece has no plan")
-        fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
-        time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
-        main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
-        grads = sum(x.mem.grads * w for x, w in pieces)
-        peak = max(fb, upd)
-        held_grads = grads if upd >= fb else 0.0
-        memory = MemoryUse(
-            params=static, grads=held_grads, optimizer=0.0, activations=0.0, inputs=0.0,
-            capacity=float(self.kw.get("capacity", self.capacity)), temporaries=peak - static - held_grads,
-            row=0.0, peak_at="",
+        return compose_stage(
+            self.planner, self.stack, start, stop, ranks, shape, microbatches=self.microbatches, level=level,
+            capacity=self.capacity, **self.kw,
         )  # fmt: skip
-        return StageCost(
-            (start, stop), tuple(ranks), tuple(shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
-            sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
-        )  # fmt: skip
+
+
+def compose_stage(
+    planner: StagePlanner,
+    stack: Stack,
+    start: int,
+    stop: int,
+    ranks: Sequence[int],
+    mesh_shape: Sequence[int],
+    *,
+    microbatches: int,
+    level: int = 0,
+    capacity: float | None = None,
+    **kw,
+) -> StageCost:
+    """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
+    pieces (module docstring, 2): the pre and post parts planned as they are, the blocks as k times a middle
+    block planned under ``capacity / LEVEL_STEP^level``. `kw` goes to ``StagePlanner.plan`` for every piece (``zero``,
+    ``force``: a Megatron stage's pinned layouts). Raises ``PlanError`` when a piece has no plan."""
+    cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
+    kw = {k: v for k, v in kw.items() if k != "capacity"}
+    pre, nb, post = stack.parts(start, stop)
+    asked: list[tuple[tuple[int, int], int, float]] = []
+    if pre is not None:
+        asked.append((pre, 1, cap))
+    if nb:
+        asked.append(((stack.middle, stack.middle + 1), nb, cap / LEVEL_STEP**level))
+    if post is not None:
+        asked.append((post, 1, cap))
+    pieces = []
+    for (a, b), w, c in asked:
+        cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **kw)
+        pieces.append((_Piece(cost, mem), w))
+    fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
+    main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
+    grads = sum(x.mem.grads * w for x, w in pieces)
+    peak = max(fb, upd)
+    held_grads = grads if upd >= fb else 0.0
+    memory = MemoryUse(
+        params=static, grads=held_grads, optimizer=0.0, activations=0.0, inputs=0.0, capacity=cap,
+        temporaries=peak - static - held_grads, row=0.0, peak_at="",
+    )  # fmt: skip
+    return StageCost(
+        (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
+        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
+    )  # fmt: skip
 
 
 def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, float, float, float]:
