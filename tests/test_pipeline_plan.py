@@ -396,6 +396,27 @@ def test_repeated_block_costs_choose_the_exact_paths_plan():
                 plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=n, fast=False)
 
 
+def test_repeated_block_replanned_under_a_tighter_cap_when_blocks_do_not_fit():
+    """A 6-block GPT as one stage on 2 devices with 70% of the memory its plan takes at full capacity: the
+    block planned at the device's capacity does not fit 6 times, so the fast path plans it again under a
+    tighter cap (``stack._cap_for``) and finds a plan that fits — no slower than the exact path's, whose
+    whole-stage search is given the same device."""
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=6, batch=16, hidden=64))("meta", 4))
+    sp = StagePlanner(graph, "alpa-p3x8")
+    kw = dict(microbatches=4, num_devices=2, num_stages=1, planner=sp)
+    roomy = plan_pipeline(graph, "alpa-p3x8", **kw)
+    cap = 0.7 * roomy.stages[0].memory_bytes
+    before = sp.misses
+    tight = plan_pipeline(graph, "alpa-p3x8", memory_bytes=cap, **kw)
+    block_searches = sp.misses - before
+    exact = plan_pipeline(graph, "alpa-p3x8", memory_bytes=cap, fast=False, **kw)
+    assert tight.stages[0].memory_bytes <= cap and tight.step_s > roomy.step_s
+    assert tight.step_s <= exact.step_s and block_searches >= 2
+
+
 def test_fast_path_only_for_repeated_stacks(gpt_planner):
     """gpt-tiny's 2 blocks are no repeated stack: the exact path runs, and asking for the fast one is one line."""
     graph = gpt_planner.graph

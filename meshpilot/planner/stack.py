@@ -24,9 +24,9 @@ A stage of layers ``[start, stop)`` is a pre part ``P = [a, min(stop, p))`` (whe
 and a post part ``Q`` (when ``stop > p + L``). For each submesh size d, logical shape (a, b) and cap level
 ℓ, the pieces are planned by ``StagePlanner.plan_with_memory`` on the captured graph — every sub-range of
 the pre layers and of the post layers at the device's capacity, one *middle* block (graph layer ``p + 1``)
-under the cap ``capacity / 4^ℓ`` (:data:`LEVEL_STEP`). With each piece x's step over B microbatches
-``t_x`` (its ``StageCost.time``) and memory parts (``stage.StageMemory``: static ``W+O+I``, gradients ``G``, update
-temporaries ``U``, saved activations ``A``, live peak ``V``):
+under a cap that starts at the device's capacity (the levels below). With each piece x's step over B
+microbatches ``t_x`` (its ``StageCost.time``) and memory parts (``stage.StageMemory``: static ``W+O+I``,
+gradients ``G``, update temporaries ``U``, saved activations ``A``, live peak ``V``):
 
     t(stage)          = t_P + k · t_blk + t_Q                                          → ``T``
     static            = s_P + k · s_blk + s_Q                                          → ``static``
@@ -44,11 +44,13 @@ takes its input in — the tests hold the fast path to the exact path's plan and
 Eq. 5 then reads ``max(upd, fb + (f(s) − 1) · act) ≤ capacity`` (``pipeline.stage_memory``), vectorised over
 every range and stage count at once per (shape, level) (``StackTable.arrays``). Levels trade time for memory:
 the ILP of one block given the whole device keeps its state where it is fastest (replicated on an axis, no
-ZeRO), which k such blocks may not afford; level ℓ + 1 of a shape is planned only when at level ℓ some
-range of blocks useful on that submesh fits with no number of stages after it, and up to the level whose
-cap is a share of the device for the most blocks such a range has (``4^ℓ ≥ k``). Each (range, size, s)
-keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP (``pipeline._dp``) as the
-exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
+ZeRO), which k such blocks may not afford. When at level ℓ some range of blocks useful on that submesh fits
+with no number of stages after it, the block is planned again (level ℓ + 1, at most :data:`MAX_LEVELS`)
+under its own peak scaled by how far k_ℓ blocks of it overflow the device (``_cap_for``), k_ℓ the fewest
+blocks of such a range and at least twice the previous level's (so the levels reach the largest ranges in
+a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet ends the levels. Each
+(range, size, s) keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP
+(``pipeline._dp``) as the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
 (:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
 
 Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
@@ -88,8 +90,8 @@ MIN_BLOCKS = 4
 KEEP = 4
 """Blocks :func:`capture_stack` traces (first, two middles, last)."""
 
-LEVEL_STEP = 4
-"""Level ℓ plans the block piece under ``capacity / LEVEL_STEP^ℓ`` (module docstring, 2)."""
+MAX_LEVELS = 5
+"""Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
 
 
 class StageCosting(StrEnum):
@@ -265,12 +267,11 @@ class StackTable:
     """``s -> f(s)``: microbatches in flight of a stage with s stages from it to the end."""
     kw: dict = field(default_factory=dict)
     candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
-    """(size, shape, level) of each candidate; ``arrays``' ``arg`` indexes it."""
+    """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
 
-    def _piece(self, rng: tuple[int, int], ranks, shape, level: int) -> _Piece | None:
+    def _piece(self, rng: tuple[int, int], ranks, shape, cap: float) -> _Piece | None:
         kw = dict(self.kw)
-        if level:
-            kw["capacity"] = self.capacity / LEVEL_STEP**level
+        kw["capacity"] = cap
         try:
             c, m = self.planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
         except PlanError:
@@ -315,12 +316,12 @@ class StackTable:
             for shape in mesh_shapes_2d(d):
                 specials = [self._specials(pres, ranks, shape), self._specials(posts, ranks, shape)]
                 blocks_needed = use & (NB > 0)
-                most = NB[blocks_needed].max() if blocks_needed.any() else 1
-                for level in range(1 + math.ceil(math.log(max(most, 1), LEVEL_STEP))):
-                    blk = self._piece((mid, mid + 1), ranks, shape, level)
+                block_cap, target = self.capacity, 0
+                for _ in range(MAX_LEVELS):
+                    blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
                     T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
                     T = np.where(use & tri, T, math.inf)
-                    self.candidates.append((d, shape, level))
+                    self.candidates.append((d, shape, block_cap))
                     cid = len(self.candidates) - 1
                     mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
                     ok = (mem <= self.capacity) & np.isfinite(T)[None]
@@ -329,21 +330,34 @@ class StackTable:
                     t[1:, :, :, z] = np.where(better, cand, t[1:, :, :, z])
                     arg[1:, :, :, z] = np.where(better, cid, arg[1:, :, :, z])
                     # a tighter cap only where some range of blocks fits with no number of stages after it
-                    if blk is None or not (blocks_needed & ~ok.any(axis=0)).any():
+                    fitless = blocks_needed & ~ok.any(axis=0)
+                    if blk is None or not fitless.any():
                         break
+                    target = max(int(NB[fitless].min()), 2 * target)
+                    block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
         return t, arg
 
     def _specials(self, ranges, ranks, shape) -> list[_Piece | None]:
-        return [None] + [self._piece(r, ranks, shape, 0) for r in ranges[1:]]
+        return [None] + [self._piece(r, ranks, shape, self.capacity) for r in ranges[1:]]
 
     def stage_cost(self, start: int, stop: int, ranks: Sequence[int], cand: int) -> StageCost:
         """The stage of model layers ``[start, stop)`` composed on `ranks` as candidate `cand` (its shape and
-        level) of :meth:`arrays`."""
-        _, shape, level = self.candidates[cand]
+        block cap) of :meth:`arrays`."""
+        _, shape, block_cap = self.candidates[cand]
+        kw = {k: v for k, v in self.kw.items() if k != "capacity"}
         return compose_stage(
-            self.planner, self.stack, start, stop, ranks, shape, microbatches=self.microbatches, level=level,
-            capacity=self.capacity, **self.kw,
+            self.planner, self.stack, start, stop, ranks, shape, microbatches=self.microbatches,
+            capacity=self.capacity, block_capacity=block_cap, **kw,
         )  # fmt: skip
+
+
+def _cap_for(m: StageMemory, k: int, capacity: float) -> float:
+    """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
+    (Eq. 5 with one microbatch in flight) are over the device's capacity."""
+    carry = max(m.saved, m.grads)
+    need = max(k * (m.static + carry) - carry + m.live_peak, k * (m.static + m.grads + m.update_temp))
+    own = max(m.static + m.live_peak, m.static + m.grads + m.update_temp)
+    return own * capacity / need
 
 
 def compose_stage(
@@ -355,14 +369,15 @@ def compose_stage(
     mesh_shape: Sequence[int],
     *,
     microbatches: int,
-    level: int = 0,
     capacity: float | None = None,
+    block_capacity: float | None = None,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
-    pieces (module docstring, 2): the pre and post parts planned as they are, the blocks as k times a middle
-    block planned under ``capacity / LEVEL_STEP^level``. `kw` goes to ``StagePlanner.plan`` for every piece (``zero``,
-    ``force``: a Megatron stage's pinned layouts). Raises ``PlanError`` when a piece has no plan."""
+    pieces (module docstring, 2): the pre and post parts planned under `capacity`, the blocks as k times a
+    middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
+    every piece (``zero``, ``force``: a Megatron stage's pinned layouts). Raises ``PlanError`` when a piece
+    has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -370,7 +385,7 @@ def compose_stage(
     if pre is not None:
         asked.append((pre, 1, cap))
     if nb:
-        asked.append(((stack.middle, stack.middle + 1), nb, cap / LEVEL_STEP**level))
+        asked.append(((stack.middle, stack.middle + 1), nb, cap if block_capacity is None else block_capacity))
     if post is not None:
         asked.append((post, 1, cap))
     pieces = []
