@@ -137,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     head = (
-        f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<34} {'baseline PFLOPS':>15} "
+        f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
         f"{'baseline plan':<34} {'plan s':>7} {'cpu s':>6}"
     )
     print(head + "\n" + "-" * len(head), flush=True)
@@ -183,7 +183,7 @@ def main() -> None:
             else:
                 pp_dp(sp, n, B, base, flops, args.clusters or None)
         print(
-            f"{name:<16} {n:>4} {ours.pflops:16.3f} {ours.what:<34.34} {base.pflops:15.3f} {base.what:<34.34} "
+            f"{name:<16} {n:>4} {ours.pflops:16.3f} {ours.what:<48} {base.pflops:15.3f} {base.what:<34.34} "
             f"{planning:7.1f} {planning_cpu:6.1f}",
             flush=True,
         )
