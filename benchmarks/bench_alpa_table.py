@@ -5,20 +5,23 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
     python benchmarks/bench_alpa_table.py --rows gpt3-350m gpt3-1.3b --microbatches 16 32
 
 Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
-microbatches B given (one capture of one microbatch's step per B, on meta tensors):
+microbatches B given (one capture of one microbatch's step per B, on meta tensors; for a GPT the capture of
+4 of its blocks, ``planner.stack.capture_stack``, unless ``--exact``):
 
-* meshpilot: ``plan_pipeline`` (stage DP over every layer, submeshes, each stage's own intra-operator ILP,
-  1F1B) — Eq. 2's step;
+* meshpilot: ``plan_pipeline`` (stage DP over every layer, submeshes, 1F1B; a GPT's stages costed from one
+  block's plan and the embeddings' and head's, ``planner.stack``; ``--exact``: every range's own
+  intra-operator ILP) — Eq. 2's step;
 * Megatron-LM 3D (GPT): a grid over (pp, tp, dp) with pp · tp · dp = n, tp ≤ 8 inside a node, the blocks split
   evenly over pp stages (embeddings with the first, head with the last), each stage on a (dp, tp) mesh of
   contiguous ranks with Megatron's layouts pinned (``planner.forced.megatron_tp``; no ZeRO: ``zero="off"``),
   B and the schedule (1F1B, GPipe: Eq. 5's memory check with each schedule's microbatches in flight) — the
-  fastest that fits, on the same ``StagePlanner`` (the same cost model and accounting).
+  fastest that fits, on the same ``StagePlanner`` (the same cost model and accounting); with a stack, each
+  stage composed from the same pieces as meshpilot's (``stack.compose_stage``, the layouts pinned in each).
 
 Throughput is the paper's metric: the step's model FLOPs (the captured graph's, forward and backward, times
 B) over the predicted step, in PFLOPS. Planning time is meshpilot's: the captures and ``plan_pipeline`` calls
-of the row, wall seconds. For MoE rows the baseline is DeepSpeed-style (:func:`deepspeed_moe`), for
-Wide-ResNet PP-DP (:func:`pp_dp`).
+of the row, wall and this process's CPU seconds. For MoE rows the baseline is DeepSpeed-style
+(:func:`deepspeed_moe`), for Wide-ResNet PP-DP (:func:`pp_dp`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from meshpilot.planner.forced import megatron_tp
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import plan_pipeline, stage_in_flight, stage_memory
 from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.stack import Stack, capture_stack, compose_stage
 from meshpilot.planner.stage import StagePlanner
 
 CLUSTER = "alpa-p3x8"
@@ -57,9 +61,12 @@ class Best:
         return self.flops / self.step_s / 1e15 if math.isfinite(self.step_s) else 0.0
 
 
-def megatron(sp: StagePlanner, model, inputs, n: int, B: int, best: Best, flops: float) -> None:
-    """Megatron-LM's 3D grid for one B (module docstring) into `best`."""
-    names = [x.name for x in sp.layers]
+def megatron(sp: StagePlanner, stack: Stack | None, model, inputs, n: int, B: int, best: Best, flops: float) -> None:
+    """Megatron-LM's 3D grid for one B (module docstring) into `best`. With `stack` (a repeated stack: the
+    captured blocks of ``capture_stack``) every stage is costed as meshpilot's fast path costs its own
+    (``stack.compose_stage``: the same pieces, the same cost model), else by a search of its whole slice."""
+    model_layers = stack.layers if stack is not None else sp.layers
+    names = [x.name for x in model_layers]
     blocks = [j for j, x in enumerate(names) if x.startswith("blocks.")]
     first, K = blocks[0], len(names)
     cap = sp.cluster.device.memory_bytes
@@ -74,12 +81,14 @@ def megatron(sp: StagePlanner, model, inputs, n: int, B: int, best: Best, flops:
             edges = [0, *(first + s * per for s in range(1, pp)), K]
             bounds = list(zip(edges, edges[1:]))
             try:
-                costs = [
-                    sp.plan(
-                        a, b, range(s * dp * tp, (s + 1) * dp * tp), (dp, tp), microbatches=B, zero="off", force=force
-                    )
-                    for s, (a, b) in enumerate(bounds)
-                ]
+                costs = []
+                for s, (a, b) in enumerate(bounds):
+                    ranks = range(s * dp * tp, (s + 1) * dp * tp)
+                    if stack is not None:
+                        c = compose_stage(sp, stack, a, b, ranks, (dp, tp), microbatches=B, zero="off", force=force)
+                    else:
+                        c = sp.plan(a, b, ranks, (dp, tp), microbatches=B, zero="off", force=force)
+                    costs.append(c)
             except PlanError:
                 continue
             ts = [c.time.total_s / B for c in costs]
@@ -124,11 +133,12 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--clusters", type=int, default=0, help="Eq. 6's L for meshpilot (0: every layer)")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--exact", action="store_true", help="capture every block and search every stage range (GPT)")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     head = (
-        f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<34} {'baseline PFLOPS':>15} "
-        f"{'baseline plan':<34} {'plan s':>7}"
+        f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
+        f"{'baseline plan':<34} {'plan s':>7} {'cpu s':>6}"
     )
     print(head + "\n" + "-" * len(head), flush=True)
     rows = alpa_models()
@@ -137,36 +147,44 @@ def main() -> None:
         entry = builtin_models()[name]
         n = entry.devices
         ours, base = Best(), Best()
-        planning = 0.0
+        planning = planning_cpu = 0.0
         for B in args.microbatches:
             if row.global_batch % B:
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model, inputs = entry.build("meta", row.global_batch // B)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                graph = capture(model, inputs)
+            stack = None
+            if row.family == AlpaFamily.GPT and not args.exact:
+                got = capture_stack(model, inputs)
+                stack, graph = (got, got.graph) if isinstance(got, Stack) else (None, got)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    graph = capture(model, inputs)
             sp = StagePlanner(graph, CLUSTER)
-            flops = sum(x.flops for x in graph.nodes) * B
+            # the model's FLOPs: its layers' (a stack's repeated blocks counted L times)
+            flops = sum(x.flops for x in (stack.layers if stack is not None else sp.layers)) * B
             try:
-                p = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=args.clusters or None,
-                                  planner=sp)  # fmt: skip
+                fast = False if args.exact else None
+                p = plan_pipeline(stack or graph, sp.cluster, microbatches=B, num_devices=n,
+                                  num_clusters=args.clusters or None, planner=sp, fast=fast)  # fmt: skip
                 stages = "+".join(f"{s.layers[1] - s.layers[0]}L@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages)
                 ours.offer(p.step_s, flops, f"B={B} {stages}")
             except PlanError:
                 pass
             planning += time.perf_counter() - t0
+            planning_cpu += time.process_time() - c0
             if args.no_baseline:
                 continue
             if row.family == AlpaFamily.GPT:
-                megatron(sp, model, inputs, n, B, base, flops)
+                megatron(sp, stack, model, inputs, n, B, base, flops)
             elif row.family == AlpaFamily.MOE:
                 deepspeed_moe(sp, n, B, base, flops)
             else:
                 pp_dp(sp, n, B, base, flops, args.clusters or None)
         print(
-            f"{name:<16} {n:>4} {ours.pflops:16.3f} {ours.what:<34.34} {base.pflops:15.3f} {base.what:<34.34} "
-            f"{planning:7.1f}",
+            f"{name:<16} {n:>4} {ours.pflops:16.3f} {ours.what:<48} {base.pflops:15.3f} {base.what:<34.34} "
+            f"{planning:7.1f} {planning_cpu:6.1f}",
             flush=True,
         )
 

@@ -5,9 +5,11 @@ gpt-tiny and a mid-size GPT on the meta device, on the ``alpa-p3x8`` preset (8 V
     python benchmarks/bench_pipeline_plan.py --devices 8 --clusters 4
     python benchmarks/bench_pipeline_plan.py --compare --mid-layers 8 16 --devices 16 --models mid
 
-With ``--compare`` each row is planned twice back to back, first with every layer range searched on its own
-(``StagePlanner(share_identical=False)``, the planner before identical ranges shared one search), then with
-the shared cache; the two plans must be the same, and the row shows both times.
+A GPT of 4 blocks or more takes ``plan_pipeline``'s repeated-stack path (``planner.stack``) unless ``--exact``
+(every layer range searched, as before that path existed). With ``--compare`` each row is planned twice
+back to back, first with every layer range searched on its own (``StagePlanner(share_identical=False)``,
+the planner before identical ranges shared one search), then with the shared cache; the two plans must be
+the same, and the row shows both times.
 
 Each row is one ``plan_pipeline`` call end to end after capture (clustering, every stage search, the DP):
 the stages chosen (layers, submesh, logical mesh), the predicted 1F1B step Σ t_i + (B−1)·max t_i, the
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also plan without sharing identical ranges, first")
     ap.add_argument("--cluster", default="alpa-p3x8")
     ap.add_argument("--show", action="store_true", help="print each plan")
+    ap.add_argument("--exact", action="store_true", help="search every layer range (no repeated-stack path)")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {args.cluster}")
     head = (
@@ -68,6 +71,7 @@ def main() -> None:
     print("-" * len(head))
     B = args.microbatches
     clusters = args.clusters or None
+    fast = False if args.exact else None
     for name, build, batch in models(args.mid_layers, args.models):
         model, inputs = build("meta", batch // B)  # one microbatch's step
         with warnings.catch_warnings():
@@ -78,14 +82,18 @@ def main() -> None:
             if args.compare:
                 sp = StagePlanner(graph, args.cluster, share_identical=False)
                 t0, c0 = time.perf_counter(), time.process_time()
-                u = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=clusters, planner=sp)
+                u = plan_pipeline(
+                    graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=clusters, planner=sp, fast=fast
+                )
                 uw, uc = time.perf_counter() - t0, time.process_time() - c0
                 extra = f" {u.stage_plans:>18} {uw:7.1f} {uc:6.1f}"
             sp = StagePlanner(graph, args.cluster)  # a fresh cache per row: its time is a user's first call
             t0, c0 = time.perf_counter(), time.process_time()
-            p = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=clusters, planner=sp)
+            p = plan_pipeline(
+                graph, sp.cluster, microbatches=B, num_devices=n, num_clusters=clusters, planner=sp, fast=fast
+            )
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            one = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_stages=1, planner=sp)
+            one = plan_pipeline(graph, sp.cluster, microbatches=B, num_devices=n, num_stages=1, planner=sp, fast=fast)
             stages = " ".join(f"[{s.layers[0]},{s.layers[1]})@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages)
             print(
                 f"{name:<26} {n:>4} {B:>3} {stages:<44} {p.step_s * 1e3:9.3f} {one.step_s * 1e3:10.3f} "

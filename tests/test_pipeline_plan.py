@@ -344,13 +344,86 @@ def test_identical_ranges_share_one_search_and_the_same_plan():
     c3 = alone.plan(b, b + 1, range(2), (1, 2), microbatches=4)
     assert (c2.time, c2.memory, c2.peaks, c2.forward_s) == (c3.time, c3.memory, c3.peaks, c3.forward_s)
     # the DP with the shared cache: the same plan, numbers and Eq. 5 checks as with every range searched
-    kw = dict(microbatches=4, num_devices=2, epsilon=0)
+    kw = dict(microbatches=4, num_devices=2, epsilon=0, fast=False)
     p = plan_pipeline(graph, "alpa-p3x8", planner=shared, **kw)
     q = plan_pipeline(graph, "alpa-p3x8", planner=alone, **kw)
     assert [(s.layers, s.ranks, s.mesh_shape, s.t_s, s.memory_bytes) for s in p.stages] == [
         (s.layers, s.ranks, s.mesh_shape, s.t_s, s.memory_bytes) for s in q.stages
     ]
     assert p.dp_step_s == q.dp_step_s and p.step_s == q.step_s
+
+
+def _stages(p):
+    return [(s.layers, s.ranks, s.mesh_shape) for s in p.stages]
+
+
+def test_repeated_block_costs_choose_the_exact_paths_plan():
+    """The fast path (``planner.stack``: stages composed from one middle block's plan and the special layers')
+    on 4- and 6-block GPTs: the same stages, submeshes and logical meshes as the exact path (every range
+    searched), its step within 1e-9 of the exact costing of that plan, its Eq. 5 memory never below the exact
+    one's (the composition over-counts a little, never under) and within 15%; a truncated capture of the
+    6-block model (``capture_stack``: 4 blocks traced) gives the same plan with its step within 1%."""
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.pipeline import fixed_pipeline
+    from meshpilot.planner.stack import Stack, StageCosting, capture_stack
+
+    for layers_, n, B in ((4, 2, 4), (6, 4, 4)):
+        build = _gpt_builder(gpt_tiny(layers=layers_, batch=16))
+        graph = _capture(*build("meta", 16 // B))
+        sp = StagePlanner(graph, "alpa-p3x8")
+        kw = dict(microbatches=B, num_devices=n, epsilon=0, planner=sp)
+        fast = plan_pipeline(graph, "alpa-p3x8", **kw)
+        assert fast.costing == StageCosting.STACK and "repeated-block stage costs" in str(fast)
+        if layers_ == 4:  # the exact path on the larger one takes ~10 s: its plan is checked by fixed_pipeline
+            exact = plan_pipeline(graph, "alpa-p3x8", fast=False, **kw)
+            assert exact.costing == StageCosting.EXACT and _stages(exact) == _stages(fast)
+        costed = fixed_pipeline(graph, "alpa-p3x8", _stages(fast), microbatches=B, planner=sp)
+        assert fast.step_s == pytest.approx(costed.step_s, rel=1e-9)
+        for f, e in zip(fast.stages, costed.stages):
+            assert e.memory_bytes <= f.memory_bytes <= 1.15 * e.memory_bytes
+        if layers_ == 6:
+            stack = capture_stack(*build("meta", 16 // B))
+            assert isinstance(stack, Stack) and (stack.kept, stack.blocks, stack.pre, stack.post) == (4, 6, 2, 2)
+            assert [x.name for x in stack.layers] == [x.name for x in sp.layers]
+            # (the post layers differ: ``stage.layers`` puts each block's root-level residual-gradient sum in the
+            # layer of its first operand, ln_f's, so ln_f of the whole model holds L of them and of the capture 4)
+            blocks = slice(stack.pre, stack.pre + stack.blocks)
+            assert [x.flops for x in stack.layers[blocks]] == pytest.approx([x.flops for x in sp.layers[blocks]])
+            small = plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=n, epsilon=0)
+            assert _stages(small) == _stages(fast) and small.step_s == pytest.approx(fast.step_s, rel=0.01)
+            with pytest.raises(UserError, match="exact path"):
+                plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=n, fast=False)
+
+
+def test_repeated_block_replanned_under_a_tighter_cap_when_blocks_do_not_fit():
+    """A 6-block GPT as one stage on 2 devices with 70% of the memory its plan takes at full capacity: the
+    block planned at the device's capacity does not fit 6 times, so the fast path plans it again under a
+    tighter cap (``stack._cap_for``) and finds a plan that fits — no slower than the exact path's, whose
+    whole-stage search is given the same device."""
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=6, batch=16, hidden=64))("meta", 4))
+    sp = StagePlanner(graph, "alpa-p3x8")
+    kw = dict(microbatches=4, num_devices=2, num_stages=1, planner=sp)
+    roomy = plan_pipeline(graph, "alpa-p3x8", **kw)
+    cap = 0.7 * roomy.stages[0].memory_bytes
+    before = sp.misses
+    tight = plan_pipeline(graph, "alpa-p3x8", memory_bytes=cap, **kw)
+    block_searches = sp.misses - before
+    exact = plan_pipeline(graph, "alpa-p3x8", memory_bytes=cap, fast=False, **kw)
+    assert tight.stages[0].memory_bytes <= cap and tight.step_s > roomy.step_s
+    assert tight.step_s <= exact.step_s and block_searches >= 2
+
+
+def test_fast_path_only_for_repeated_stacks(gpt_planner):
+    """gpt-tiny's 2 blocks are no repeated stack: the exact path runs, and asking for the fast one is one line."""
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=2, num_devices=2, planner=gpt_planner)
+    assert p.costing.value == "exact"
+    with pytest.raises(UserError, match="not a repeated stack"):
+        plan_pipeline(graph, "alpa-p3x8", microbatches=2, num_devices=2, planner=gpt_planner, fast=True)
 
 
 def test_alpa_benchmark_models_at_the_papers_sizes():

@@ -87,6 +87,12 @@ it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t
 Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
 
+Repeated stacks (``planner.stack``): when the model is L ≥ 4 identical blocks between special layers (or
+the graph is a ``stack.Stack``: a few of its blocks captured), the table above is filled by
+``stack.StackTable`` instead — each stage composed from one middle block's plan (k times) and its special
+layers' plans, planned once per logical mesh and memory cap — and the same DP runs on it;
+``PipelinePlan.costing`` and the printout say which path was taken (``fast=False`` forces the exact one).
+
 5. What the runtime runs — :func:`runnable_layers`, :meth:`PipelinePlan.with_intra`, :func:`fixed_pipeline`
 ----------------------------------------------------------------------------------------------------------
 The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —
@@ -141,6 +147,7 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
 from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
 from meshpilot.planner.schedule import in_flight as schedule_in_flight
+from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers
 
 DEFAULT_DELTA = 0.1
@@ -480,6 +487,9 @@ class PipelinePlan:
     """Stage costs searched (StagePlanner cache misses) by this call."""
     t_max_tried: int
     schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
+    costing: StageCosting = StageCosting.EXACT
+    """How the stage table was filled: every range searched, or composed from a repeated block's plan
+    (``planner.stack``)."""
     intra: tuple[Plan, ...] = ()
     """Each stage's intra-operator plan (:meth:`with_intra`; empty until then): the strategies of every node of
     the stage's slice (``slice_graph`` over :func:`runnable_layers`) on its logical mesh, its ``mesh_ranks``
@@ -595,6 +605,7 @@ class PipelinePlan:
         d = dataclasses.asdict(dataclasses.replace(self, intra=()))
         d["intra"] = [p.to_dict() for p in self.intra]
         d["schedule"] = self.schedule.value
+        d["costing"] = self.costing.value
         for st, stage in zip(d["stages"], self.stages):
             st["cost"]["mapping"] = stage.cost.mapping.value
         d["step_schedule"] = self.step_schedule().to_dict()
@@ -641,7 +652,9 @@ class PipelinePlan:
                     f"pipeline plan: {len(intra)} intra-operator plans for {len(stages)} stages; save it again"
                 )
             plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
-                       schedule=PipelineKind(d["schedule"]), intra=intra, **{k: d[k] for k in scalars})  # fmt: skip
+                       schedule=PipelineKind(d["schedule"]), intra=intra,
+                       costing=StageCosting(d.get("costing", StageCosting.EXACT.value)),
+                       **{k: d[k] for k in scalars})  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
         if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
@@ -714,7 +727,8 @@ class PipelinePlan:
                 f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
             )
         rows.append(
-            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches, {self.t_max_tried} t_max tried"
+            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches ({self.costing.value} stage "
+            f"costs), {self.t_max_tried} t_max tried"
         )
         return "\n".join(rows)
 
@@ -750,6 +764,7 @@ def plan_pipeline(
     memory_bytes: float | None = None,
     planner: StagePlanner | None = None,
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
+    fast: bool | None = None,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -760,18 +775,32 @@ def plan_pipeline(
     stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
     ``time_limit``). `schedule` is the pipeline schedule, or ``"auto"``: the DP is run for each kind (the
     stage costs are cached, so the second run only re-checks Eq. 5 and re-runs the DP) and the plan whose
-    simulated step (:meth:`PipelinePlan.simulate`) is shortest wins, 1F1B on a tie (fewer microbatches in flight)."""
+    simulated step (:meth:`PipelinePlan.simulate`) is shortest wins, 1F1B on a tie (fewer microbatches in flight).
+
+    `graph` may be a :class:`~meshpilot.planner.stack.Stack` (``stack.capture_stack``: a few blocks captured for
+    a model of many). `fast`: stage costs composed from one block's plan (``planner.stack``; the plan's
+    ``costing`` says which path was taken) — None (default) when the model is a repeated stack, True to
+    require it, False for every range searched on its own (the exact path; a :class:`Stack` of fewer captured
+    blocks than the model's has no exact path)."""
     t0 = time.perf_counter()
+    stack: Stack | None = graph if isinstance(graph, Stack) else None
+    if stack is not None:
+        if fast is False and stack.kept != stack.blocks:
+            raise UserError(
+                f"fast=False: the graph has {stack.kept} of the model's {stack.blocks} blocks; capture the whole "
+                "model (graph.capture.capture) for the exact path"
+            )
+        graph = stack.graph
     if schedule == AUTO:
         sp = planner if planner is not None else StagePlanner(graph, cluster)
         kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                   num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
-                  planner=sp)  # fmt: skip
+                  planner=sp, fast=fast)  # fmt: skip
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
         for rank, k in enumerate((PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE)):
             try:
-                p = plan_pipeline(graph, cluster, schedule=k, **kw, **stage_kw)
+                p = plan_pipeline(stack or graph, cluster, schedule=k, **kw, **stage_kw)
             except PlanError as e:
                 errors.append(e)
                 continue
@@ -812,7 +841,17 @@ def plan_pipeline(
     n = cl.num_devices if num_devices is None else num_devices
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cl.num_devices:
         raise UserError(f"num_devices={num_devices!r}: cluster {cl.name!r} has {cl.num_devices}; give 1..that")
-    K = len(sp.layers)
+    if stack is None and fast is not False:
+        stack = find_stack(graph, sp.layers, sp._range_key)
+        if stack is None and fast:
+            raise UserError(
+                f"fast=True: the model is not a repeated stack of at least {MIN_BLOCKS} identical blocks in one "
+                "ModuleList; plan it with fast=None or False"
+            )
+    if stack is not None and fast is False:
+        stack = None
+    model_layers = list(stack.layers) if stack is not None else sp.layers
+    K = len(model_layers)
     if num_stages is not None:
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise UserError(f"num_stages={num_stages!r}: give a whole number of stages, at least 1")
@@ -821,8 +860,10 @@ def plan_pipeline(
         if num_stages > n:
             raise UserError(f"num_stages={num_stages}: only {n} devices, one per stage at least; give at most {n}")
     C = received_bytes(graph, sp.layers)
+    if stack is not None:
+        C = stack.received(C)
     L_asked = num_clusters if num_clusters is not None else K
-    clusters = cluster_layers(graph, L_asked, delta=delta, all_layers=sp.layers, received=C)
+    clusters = cluster_layers(graph, L_asked, delta=delta, all_layers=model_layers, received=C)
     L = len(clusters.bounds)
     if num_stages is not None and num_stages > L:
         raise UserError(
@@ -836,8 +877,15 @@ def plan_pipeline(
     S = num_stages if num_stages is not None else min(L, n)
     misses = sp.misses
     table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw))
-    table.fill()
-    t, arg = table.arrays()
+    if stack is None:
+        table.fill()
+        t, arg = table.arrays()
+    else:
+        fast_table = StackTable(
+            sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
+            lambda s: stage_in_flight(kind, s, microbatches), dict(stage_kw),
+        )  # fmt: skip
+        t, arg = fast_table.arrays()
     B = microbatches
     cands = np.unique(t[np.isfinite(t)])
     best: tuple[float, list[tuple[int, int, int]]] | None = None
@@ -868,15 +916,18 @@ def plan_pipeline(
     stages = []
     for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks)):
         s_left = len(chosen) - r
-        c = table.costs[(k, i, sizes[z])][arg[s_left, k, i, z]]
         start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
-        if rk != c.ranks:
-            c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
+        if stack is not None:
+            c = fast_table.stage_cost(start, stop, rk, int(arg[s_left, k, i, z]))
+        else:
+            c = table.costs[(k, i, sizes[z])][arg[s_left, k, i, z]]
+            if rk != c.ranks:
+                c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
         fl = stage_in_flight(kind, s_left, B)
         stages.append(
             PipelineStage(
                 (start, stop),
-                tuple(x.name for x in sp.layers[start:stop]),
+                tuple(x.name for x in model_layers[start:stop]),
                 rk,
                 c.mesh_shape,
                 c,
@@ -897,6 +948,7 @@ def plan_pipeline(
         sp.misses - misses,
         tried,
         kind,
+        StageCosting.STACK if stack is not None else StageCosting.EXACT,
     )
 
 

@@ -72,7 +72,7 @@ import numpy as np
 from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
-from meshpilot.planner.accounting import ComputeCost, PhasePeaks, account, phase_peaks, step_edges
+from meshpilot.planner.accounting import ComputeCost, PhasePeaks, _parts, account, step_edges
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.search import SearchTask, get_searcher
@@ -356,6 +356,29 @@ class StageCost:
     search_s: float
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """The parts of a stage plan's memory per device that :class:`~meshpilot.planner.accounting.PhasePeaks`
+    is made of, kept so that plans of consecutive pieces can be composed (``planner.stack``):
+    ``forward_backward = static + live_peak``, ``update = static + grads + update_temp``, ``activations =
+    saved``."""
+
+    static: float
+    """Weights, optimizer state and input leaves (``W + O + I``)."""
+    grads: float
+    """Every parameter gradient (held at the optimizer step)."""
+    update_temp: float
+    """The optimizer update's temporaries."""
+    saved: float
+    """One microbatch's saved-for-backward values."""
+    live_peak: float
+    """``max_i live(i)``: the forward + backward's peak of values, persistent state not included."""
+
+    @property
+    def peaks(self) -> PhasePeaks:
+        return PhasePeaks(self.static + self.live_peak, self.static + self.grads + self.update_temp, self.saved)
+
+
 class StagePlanner:
     """:func:`plan_stage` with its caches, for one captured graph and cluster."""
 
@@ -373,6 +396,7 @@ class StagePlanner:
         self._slices: dict[tuple[int, int], tuple[OpGraph, list, ParamEdges]] = {}
         self._structs: dict[tuple, tuple[Structure, StrategyBuilder]] = {}
         self._costs: dict[tuple, StageCost | PlanError] = {}
+        self._memory: dict[tuple, StageMemory] = {}
         self.hits = 0
         self.misses = 0
 
@@ -415,6 +439,7 @@ class StagePlanner:
         rkey = self._range_key(start, stop) if self._range_key is not None else (start, stop)
         pinned = self._pins(start, stop, force)
         key = (rkey, ranks, shape, microbatches, cap, str(zero), searcher, pinned)
+        self._last_key = key
         found = self._costs.get(key)
         if found is not None:
             self.hits += 1
@@ -425,14 +450,21 @@ class StagePlanner:
             return found
         self.misses += 1
         try:
-            cost = self._search(
+            cost, mem = self._search(
                 start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned
             )
         except PlanError as e:
             self._costs[key] = e
             raise
         self._costs[key] = cost
+        self._memory[key] = mem
         return cost
+
+    def plan_with_memory(self, start: int, stop: int, ranks: Sequence[int], mesh_shape: Sequence[int], **kw):
+        """:meth:`plan` and the :class:`StageMemory` its peaks are made of (for composing stages from pieces:
+        ``planner.stack``)."""
+        cost = self.plan(start, stop, ranks, mesh_shape, **kw)
+        return cost, self._memory[self._last_key]
 
     def _renamed(self, cost: StageCost, start: int, stop: int) -> StageCost:
         """`cost` of an identical range, told in this range's layers and node names (``MemoryUse.peak_at``: the
@@ -458,7 +490,9 @@ class StagePlanner:
         names = [n.fqn or n.name for n in sub.nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT)]
         return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k)))
 
-    def _search(self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()) -> StageCost:
+    def _search(
+        self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()
+    ) -> tuple[StageCost, StageMemory]:
         from meshpilot.cluster import CostModel, LogicalMesh
 
         t0 = time.perf_counter()
@@ -498,17 +532,12 @@ class StagePlanner:
         acct = account(sub, cand.chosen, resharder, ComputeCost(resharder.cost_model, shape, sub), microbatches, edges)
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
-        return StageCost(
-            (start, stop),
-            ranks,
-            shape,
-            cand.mapping,
-            acct.time,
-            cand.usage,
-            phase_peaks(sub, cand.chosen, shape),
-            fwd,
-            time.perf_counter() - t0,
+        p = _parts(sub, cand.chosen, shape)
+        mem = StageMemory(p.params + p.optimizer + p.inputs, p.grads, p.update_temp, p.saved, p.live.peak)
+        cost = StageCost(
+            (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )
+        return cost, mem
 
 
 def plan_stage(

@@ -1,0 +1,460 @@
+"""Stage costs of a repeated stack from one block's plan: the fast path of the stage DP (``planner.pipeline``).
+
+A transformer is a few *special* layers (embeddings before, final norm and head after) around L identical
+*blocks*. The exact stage table (``pipeline._StageTable``) runs the intra-operator search of every range of
+layers on every submesh shape — O(L) distinct searches per shape even with identical ranges shared
+(``stage.range_keys``), each over a slice that grows with the range, and the capture itself traces all L
+blocks. Here a stage is priced from *pieces* planned once per (logical mesh, memory cap):
+
+1. The stack (:func:`find_stack`, :func:`capture_stack`)
+-------------------------------------------------------
+The model's layers (``stage.layers``) are ``p`` pre layers, the blocks ``c.0 .. c.(L−1)`` of one container
+``c`` (a ``ModuleList``), and ``q`` post layers. It is a *repeated stack* when the middle blocks ``c.1 ..
+c.(L−2)`` slice into the same problem one at a time and two at a time (``range_keys``: same operators,
+edges, boundary tensors and sharing) and L ≥ :data:`MIN_BLOCKS` (first, two middles, last: the capture's
+backward makes the first and last blocks unlike the others). :func:`capture_stack` captures a model with
+only :data:`KEEP` of its L blocks (the container cut short for the trace, then restored) and lays out the
+L-block model's layers from it (:attr:`Stack.layers`: the first, a middle block repeated, the last), so the
+trace costs a few blocks, not L. A graph of all L blocks is a stack too (:func:`find_stack`), with pieces
+from its own layers.
+
+2. Pieces and their composition (:class:`StackTable`)
+-----------------------------------------------------
+A stage of layers ``[start, stop)`` is a pre part ``P = [a, min(stop, p))`` (when ``start < p``), k blocks,
+and a post part ``Q`` (when ``stop > p + L``). For each submesh size d, logical shape (a, b) and cap level
+ℓ, the pieces are planned by ``StagePlanner.plan_with_memory`` on the captured graph — every sub-range of
+the pre layers and of the post layers at the device's capacity, one *middle* block (graph layer ``p + 1``)
+under a cap that starts at the device's capacity (the levels below). With each piece x's step over B
+microbatches ``t_x`` (its ``StageCost.time``) and memory parts (``stage.StageMemory``: static ``W+O+I``,
+gradients ``G``, update temporaries ``U``, saved activations ``A``, live peak ``V``):
+
+    t(stage)          = t_P + k · t_blk + t_Q                                          → ``T``
+    static            = s_P + k · s_blk + s_Q                                          → ``static``
+    forward_backward  = static + max over pieces x of (V_x + Σ_{y ≠ x} max(A_y, G_y))  → ``fb``
+    update            = static + Σ_x (G_x + U_x)                                       → ``upd``
+    activations       = A_P + k · A_blk + A_Q                                          → ``act``
+
+(a block repeated k times counts as k pieces in the max: its own peak with the other k − 1 blocks' carries).
+The carry ``max(A_y, G_y)`` bounds what piece y holds while x peaks: its saved activations when x runs
+before y's backward, its gradients after. A range with no block is a piece itself (exact). A stage of one
+piece is exactly the exact table's cost; one of k > 1 blocks assumes the blocks chain with no resharding
+between them (the block's plan read as its own successor: the layout it leaves its output in is the one it
+takes its input in — the tests hold the fast path to the exact path's plan and step on small GPTs).
+
+Eq. 5 then reads ``max(upd, fb + (f(s) − 1) · act) ≤ capacity`` (``pipeline.stage_memory``), vectorised over
+every range and stage count at once per (shape, level) (``StackTable.arrays``). Levels trade time for memory:
+the ILP of one block given the whole device keeps its state where it is fastest (replicated on an axis, no
+ZeRO), which k such blocks may not afford. When at level ℓ some range of blocks useful on that submesh fits
+with no number of stages after it, the block is planned again (level ℓ + 1, at most :data:`MAX_LEVELS`)
+under its own peak scaled by how far k_ℓ blocks of it overflow the device (``_cap_for``), k_ℓ the fewest
+blocks of such a range and at least twice the previous level's (so the levels reach the largest ranges in
+a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet ends the levels. Each
+(range, size, s) keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP
+(``pipeline._dp``) as the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
+(:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
+
+Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
+after the last block; each piece's boundary input is laid out as its search chose); the first and last
+blocks are priced as the middle one; and the pieces' logical
+mesh mapping is each piece's own (the stage reports its largest piece's). ``stage.layers`` puts each block's
+root-level residual-gradient sum in the layer of its first operand — ln_f's — so a whole-model capture's ln_f
+carries L of them and a :func:`capture_stack` graph's :data:`KEEP` (a few additions per block: the step
+differs by under 1% on the tests' GPTs).
+
+Searches: per shape, one block (per level used) plus the pre and post sub-ranges — ``p(p+1)/2 + q(q+1)/2``,
+6 for a GPT — whatever L, instead of O(L) ranges of growing size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+from meshpilot.cluster.mesh import mesh_shapes_2d
+from meshpilot.graph.capture import OpGraph, capture
+from meshpilot.planner.accounting import PhasePeaks
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.plan import MemoryUse, StepTime
+from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
+
+MIN_BLOCKS = 4
+"""Fewest blocks a repeated stack has: the first, two middle ones (one range of two), the last."""
+
+KEEP = 4
+"""Blocks :func:`capture_stack` traces (first, two middles, last)."""
+
+MAX_LEVELS = 5
+"""Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
+
+
+class StageCosting(StrEnum):
+    """How a pipeline plan's stages were costed."""
+
+    EXACT = "exact"
+    """Every range of layers searched as one slice (``pipeline._StageTable``)."""
+    STACK = "repeated-block"
+    """Composed from one block's plan and the special layers' (this module)."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A model of pre layers, L identical blocks and post layers, and the graph its pieces are planned on."""
+
+    graph: OpGraph
+    """The captured graph: all L blocks, or :attr:`kept` of them (:func:`capture_stack`)."""
+    container: str
+    pre: int
+    blocks: int
+    """L: the model's blocks."""
+    kept: int
+    """Blocks in :attr:`graph`."""
+    post: int
+    layers: tuple[Layer, ...]
+    """The model's layers (``stage.layers`` of the whole model): those of :attr:`graph` when every block was
+    captured, else the pre layers, the first block, a middle block repeated, the last block, the post layers
+    (a repeated block lists no nodes: they are not in :attr:`graph`)."""
+
+    @property
+    def middle(self) -> int:
+        """The graph layer of the middle block whose plan every block is priced by."""
+        return self.pre + 1
+
+    def parts(self, start: int, stop: int) -> tuple[tuple[int, int] | None, int, tuple[int, int] | None]:
+        """Model layers ``[start, stop)`` as (pre part in graph layers or None, blocks, post part or None)."""
+        p, L = self.pre, self.blocks
+        pre = (start, min(stop, p)) if start < p else None
+        k = max(0, min(stop, p + L) - max(start, p))
+        off = self.kept - L
+        post = (max(start, p + L) + off, stop + off) if stop > p + L else None
+        return pre, k, post
+
+    def graph_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Graph layers with the same ends as model layers ``[start, stop)``: what crosses into it is the
+        same (the first / last block kept where the range has it, at most two blocks in between)."""
+        p, L, m = self.pre, self.blocks, self.kept
+        if m == L:
+            return start, stop
+        js, je = max(start, p) - p, min(stop, p + L) - p  # blocks [js, je)
+        if je <= js:  # no block: pre or post only
+            return (start, stop) if stop <= p else (start + m - L, stop + m - L)
+        n = je - js
+        if js == 0 and je == L:
+            gs, ge = 0, m
+        elif js == 0:
+            gs, ge = 0, min(n, 2)
+        elif je == L:
+            gs, ge = m - min(n, 2), m
+        else:
+            gs, ge = 1, 1 + min(n, 2)
+        a = start if start < p else p + gs
+        b = stop + m - L if stop > p + L else p + ge
+        return a, b
+
+    def received(self, C: np.ndarray) -> np.ndarray:
+        """``pipeline.received_bytes`` of the model's layers from that of the graph's (``C``)."""
+        K = len(self.layers)
+        if self.kept == self.blocks:
+            return C
+        out = np.zeros((K, K))
+        for i in range(K):
+            for k in range(i, K):
+                a, b = self.graph_range(i, k + 1)
+                out[i, k] = C[a, b - 1]
+        return out
+
+
+def _block_runs(all_layers: Sequence[Layer]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive layers ``c.0, c.1, …`` of one container: (c, first layer, count)."""
+    runs: list[tuple[str, int, int]] = []
+    for j, layer in enumerate(all_layers):
+        head, _, idx = layer.name.rpartition(".")
+        if not head or not idx.isdigit():
+            continue
+        if runs and runs[-1][0] == head and runs[-1][1] + runs[-1][2] == j and int(idx) == runs[-1][2]:
+            runs[-1] = (head, runs[-1][1], runs[-1][2] + 1)
+        elif int(idx) == 0:
+            runs.append((head, j, 1))
+    return runs
+
+
+def find_stack(graph: OpGraph, all_layers: Sequence[Layer] | None = None, key=None) -> Stack | None:
+    """The repeated stack of `graph` (module docstring, 1), or None when it has none of at least
+    :data:`MIN_BLOCKS` blocks. `key` is ``stage.range_keys(graph, all_layers)`` when already made."""
+    all_layers = tuple(all_layers) if all_layers is not None else tuple(runnable_layers(graph))
+    runs = [r for r in _block_runs(all_layers) if r[2] >= MIN_BLOCKS]
+    if not runs:
+        return None
+    c, p, L = max(runs, key=lambda r: r[2])
+    key = key if key is not None else range_keys(graph, all_layers)
+    mids = range(p + 1, p + L - 1)
+    if len({key(j, j + 1) for j in mids}) != 1 or len({key(j, j + 2) for j in mids[:-1]}) != 1:
+        return None
+    return Stack(graph, c, p, L, L, len(all_layers) - p - L, all_layers)
+
+
+def capture_stack(model: torch.nn.Module, inputs, *, keep: int = KEEP, **capture_kw) -> Stack | OpGraph:
+    """Capture `model` with only `keep` blocks of its longest container of identical children (module
+    docstring, 1) and lay out the whole model's layers from them. Returns the :class:`Stack`, or the whole
+    model's captured graph when it has no such container (or no more blocks than `keep`), or when the
+    captured blocks are not a repeated stack. `capture_kw` goes to ``graph.capture.capture``."""
+
+    def sig(m: torch.nn.Module) -> tuple:
+        return type(m), tuple((k, tuple(v.shape), v.dtype) for k, v in m.state_dict(keep_vars=True).items())
+
+    def whole() -> OpGraph:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return capture(model, inputs, **capture_kw)
+
+    best = None
+    for name, child in model.named_children():
+        repeated = isinstance(child, torch.nn.ModuleList) and len(child) > keep and len({sig(b) for b in child}) == 1
+        if repeated and (best is None or len(child) > len(best[1])):
+            best = (name, child)
+    if best is None:
+        return whole()
+    name, full = best
+    setattr(model, name, torch.nn.ModuleList(list(full)[:keep]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = capture(model, inputs, **capture_kw)
+    finally:
+        setattr(model, name, full)
+    small = find_stack(graph)
+    if small is None or small.container != name or small.blocks != keep:
+        return whole()
+    p, L, gl = small.pre, len(full), small.layers
+    blocks = [dataclasses.replace(gl[p], name=f"{name}.0")]
+    blocks += [Layer(f"{name}.{j}", (), gl[p + 1].flops) for j in range(1, L - 1)]
+    blocks += [dataclasses.replace(gl[p + keep - 1], name=f"{name}.{L - 1}")]
+    model_layers = (*gl[:p], *blocks, *gl[p + keep :])
+    return Stack(graph, name, p, L, keep, small.post, model_layers)
+
+
+@dataclass
+class _Piece:
+    cost: StageCost
+    mem: StageMemory
+
+
+def _sum_time(parts: Sequence[tuple[StepTime, float]]) -> StepTime:
+    return StepTime(*(sum(getattr(t, f.name) * w for t, w in parts) for f in dataclasses.fields(StepTime)))
+
+
+@dataclass
+class StackTable:
+    """The fast stage table (module docstring, 2): ``t[s, k, i, z]`` like ``pipeline._StageTable.arrays``."""
+
+    planner: StagePlanner
+    stack: Stack
+    bounds: tuple[tuple[int, int], ...]
+    """Each cluster's model layers ``[start, stop)``."""
+    sizes: tuple[int, ...]
+    microbatches: int
+    capacity: float
+    max_stages: int
+    useful: object
+    """``(k, i, d) -> bool``: whether the range can be a stage (``pipeline._StageTable.useful``)."""
+    in_flight: object
+    """``s -> f(s)``: microbatches in flight of a stage with s stages from it to the end."""
+    kw: dict = field(default_factory=dict)
+    candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
+    """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
+
+    def _piece(self, rng: tuple[int, int], ranks, shape, cap: float) -> _Piece | None:
+        kw = dict(self.kw)
+        kw["capacity"] = cap
+        try:
+            c, m = self.planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
+        except PlanError:
+            return None
+        return _Piece(c, m)
+
+    def _layout(self):
+        """Per cluster range (k, i): its pre part, blocks and post part, as index arrays."""
+        L = len(self.bounds)
+        st = self.stack
+        pre_ids: dict[tuple[int, int] | None, int] = {None: 0}
+        post_ids: dict[tuple[int, int] | None, int] = {None: 0}
+        PA = np.zeros((L, L), dtype=np.int64)
+        PB = np.zeros((L, L), dtype=np.int64)
+        NB = np.zeros((L, L))
+        for k in range(L):
+            for i in range(k, L):
+                pre, nb, post = st.parts(self.bounds[k][0], self.bounds[i][1])
+                PA[k, i] = pre_ids.setdefault(pre, len(pre_ids))
+                PB[k, i] = post_ids.setdefault(post, len(post_ids))
+                NB[k, i] = nb
+        return PA, PB, NB, list(pre_ids), list(post_ids)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``t[s, k, i, z]`` (t_intra: ∞ where nothing fits) and ``arg[s, k, i, z]`` (into :attr:`candidates`),
+        planning the pieces as it goes (module docstring, 2)."""
+        L, Z, S, B = len(self.bounds), len(self.sizes), self.max_stages, self.microbatches
+        t = np.full((S + 1, L, L, Z), math.inf)
+        arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
+        PA, PB, NB, pres, posts = self._layout()
+        tri = np.triu(np.ones((L, L), dtype=bool))
+        f = np.array([self.in_flight(s) for s in range(1, S + 1)], dtype=float)
+        for z, d in enumerate(self.sizes):
+            use = np.zeros((L, L), dtype=bool)
+            for k in range(L):
+                for i in range(k, L):
+                    use[k, i] = self.useful(k, i, d)
+            if not use.any():
+                continue
+            ranks = range(d)
+            mid = self.stack.middle
+            for shape in mesh_shapes_2d(d):
+                specials = [self._specials(pres, ranks, shape), self._specials(posts, ranks, shape)]
+                blocks_needed = use & (NB > 0)
+                block_cap, target = self.capacity, 0
+                for _ in range(MAX_LEVELS):
+                    blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
+                    T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
+                    T = np.where(use & tri, T, math.inf)
+                    self.candidates.append((d, shape, block_cap))
+                    cid = len(self.candidates) - 1
+                    mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
+                    ok = (mem <= self.capacity) & np.isfinite(T)[None]
+                    cand = np.where(ok, T[None] / B, math.inf)
+                    better = cand < t[1:, :, :, z]
+                    t[1:, :, :, z] = np.where(better, cand, t[1:, :, :, z])
+                    arg[1:, :, :, z] = np.where(better, cid, arg[1:, :, :, z])
+                    # a tighter cap only where some range of blocks fits with no number of stages after it
+                    fitless = blocks_needed & ~ok.any(axis=0)
+                    if blk is None or not fitless.any():
+                        break
+                    target = max(int(NB[fitless].min()), 2 * target)
+                    block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+        return t, arg
+
+    def _specials(self, ranges, ranks, shape) -> list[_Piece | None]:
+        return [None] + [self._piece(r, ranks, shape, self.capacity) for r in ranges[1:]]
+
+    def stage_cost(self, start: int, stop: int, ranks: Sequence[int], cand: int) -> StageCost:
+        """The stage of model layers ``[start, stop)`` composed on `ranks` as candidate `cand` (its shape and
+        block cap) of :meth:`arrays`."""
+        _, shape, block_cap = self.candidates[cand]
+        kw = {k: v for k, v in self.kw.items() if k != "capacity"}
+        return compose_stage(
+            self.planner, self.stack, start, stop, ranks, shape, microbatches=self.microbatches,
+            capacity=self.capacity, block_capacity=block_cap, **kw,
+        )  # fmt: skip
+
+
+def _cap_for(m: StageMemory, k: int, capacity: float) -> float:
+    """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
+    (Eq. 5 with one microbatch in flight) are over the device's capacity."""
+    carry = max(m.saved, m.grads)
+    need = max(k * (m.static + carry) - carry + m.live_peak, k * (m.static + m.grads + m.update_temp))
+    own = max(m.static + m.live_peak, m.static + m.grads + m.update_temp)
+    return own * capacity / need
+
+
+def compose_stage(
+    planner: StagePlanner,
+    stack: Stack,
+    start: int,
+    stop: int,
+    ranks: Sequence[int],
+    mesh_shape: Sequence[int],
+    *,
+    microbatches: int,
+    capacity: float | None = None,
+    block_capacity: float | None = None,
+    **kw,
+) -> StageCost:
+    """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
+    pieces (module docstring, 2): the pre and post parts planned under `capacity`, the blocks as k times a
+    middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
+    every piece (``zero``, ``force``: a Megatron stage's pinned layouts). Raises ``PlanError`` when a piece
+    has no plan."""
+    cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
+    kw = {k: v for k, v in kw.items() if k != "capacity"}
+    pre, nb, post = stack.parts(start, stop)
+    asked: list[tuple[tuple[int, int], int, float]] = []
+    if pre is not None:
+        asked.append((pre, 1, cap))
+    if nb:
+        asked.append(((stack.middle, stack.middle + 1), nb, cap if block_capacity is None else block_capacity))
+    if post is not None:
+        asked.append((post, 1, cap))
+    pieces = []
+    for (a, b), w, c in asked:
+        cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **kw)
+        pieces.append((_Piece(cost, mem), w))
+    fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
+    main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
+    grads = sum(x.mem.grads * w for x, w in pieces)
+    peak = max(fb, upd)
+    held_grads = grads if upd >= fb else 0.0
+    memory = MemoryUse(
+        params=static, grads=held_grads, optimizer=0.0, activations=0.0, inputs=0.0, capacity=cap,
+        temporaries=peak - static - held_grads, row=0.0, peak_at="",
+    )  # fmt: skip
+    return StageCost(
+        (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
+        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
+    )  # fmt: skip
+
+
+def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, float, float, float]:
+    """(forward_backward, update, activations, static) of pieces in forward order, each repeated w times."""
+    static = sum(m.static * w for m, w in pieces)
+    carry = [max(m.saved, m.grads) for m, _ in pieces]
+    total_carry = sum(c * w for c, (_, w) in zip(carry, pieces))
+    fb = static + max(m.live_peak + total_carry - c for c, (m, _) in zip(carry, pieces))
+    upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
+    act = sum(m.saved * w for m, w in pieces)
+    return fb, upd, act, static
+
+
+def _compose(specials, blk: _Piece | None, PA, PB, NB):
+    """Vectorised :func:`_compose_one` over every cluster range: (T, fb, upd, act) arrays, T = ∞ where a
+    piece has no plan."""
+
+    def table(pieces: list[_Piece | None]) -> np.ndarray:
+        # columns: t, static, carry, live, grads + update_temp, saved, present (live = -inf when absent)
+        rows = []
+        for x in pieces:
+            if x is None:
+                rows.append([0.0, 0.0, 0.0, -math.inf, 0.0, 0.0])
+            else:
+                m = x.mem
+                rows.append(
+                    [
+                        x.cost.time.total_s,
+                        m.static,
+                        max(m.saved, m.grads),
+                        m.live_peak,
+                        m.grads + m.update_temp,
+                        m.saved,
+                    ]
+                )
+        return np.array(rows)
+
+    pre_t, post_t = table(specials[0]), table(specials[1])
+    missing_pre = np.array([False] + [x is None for x in specials[0][1:]])
+    missing_post = np.array([False] + [x is None for x in specials[1][1:]])
+    b = table([blk])[0] if blk is not None else np.array([math.inf, 0.0, 0.0, -math.inf, 0.0, 0.0])
+    P, Q = pre_t[PA], post_t[PB]
+    with np.errstate(invalid="ignore"):
+        T = P[..., 0] + np.where(NB > 0, NB * b[0], 0.0) + Q[..., 0]
+    T = np.where(missing_pre[PA] | missing_post[PB], math.inf, T)
+    static = P[..., 1] + NB * b[1] + Q[..., 1]
+    carry = P[..., 2] + NB * b[2] + Q[..., 2]
+    blk_live = np.where(NB > 0, b[3] + carry - b[2], -math.inf)
+    fb = static + np.maximum.reduce([P[..., 3] + carry - P[..., 2], blk_live, Q[..., 3] + carry - Q[..., 2]])
+    upd = static + P[..., 4] + NB * b[4] + Q[..., 4]
+    act = P[..., 5] + NB * b[5] + Q[..., 5]
+    return T, fb, upd, act
