@@ -360,7 +360,7 @@ def _stages(p):
 def test_repeated_block_costs_choose_the_exact_paths_plan():
     """The fast path (``planner.stack``: stages composed from one middle block's plan and the special layers')
     on 4- and 6-block GPTs: the same stages, submeshes and logical meshes as the exact path (every range
-    searched), its step within 1e-9 of the exact costing of that plan, its Eq. 5 memory never below the exact
+    searched), its step within 0.2% of the exact costing of that plan, its Eq. 5 memory never below the exact
     one's (the composition over-counts a little, never under) and within 15%; a truncated capture of the
     6-block model (``capture_stack``: 4 blocks traced) gives the same plan with its step within 1%."""
     from meshpilot.models import _gpt_builder
@@ -379,7 +379,9 @@ def test_repeated_block_costs_choose_the_exact_paths_plan():
             exact = plan_pipeline(graph, "alpa-p3x8", fast=False, **kw)
             assert exact.costing == StageCosting.EXACT and _stages(exact) == _stages(fast)
         costed = fixed_pipeline(graph, "alpa-p3x8", _stages(fast), microbatches=B, planner=sp)
-        assert fast.step_s == pytest.approx(costed.step_s, rel=1e-9)
+        # not exact: the runnable layers give the first and the last block the backward's residual sums that
+        # cross them (stage.runnable_layers), and the fast path prices every block as a middle one (6e-4 here)
+        assert fast.step_s == pytest.approx(costed.step_s, rel=2e-3)
         for f, e in zip(fast.stages, costed.stages):
             assert e.memory_bytes <= f.memory_bytes <= 1.15 * e.memory_bytes
         if layers_ == 6:
