@@ -8,14 +8,14 @@ blocks. Here a stage is priced from *pieces* planned once per (logical mesh, mem
 
 1. The stack (:func:`find_stack`, :func:`capture_stack`)
 -------------------------------------------------------
-The model's layers (``stage.layers``) are ``p`` pre layers, the blocks ``c.0 .. c.(L−1)`` of one container
-``c`` (a ``ModuleList``), and ``q`` post layers. It is a *repeated stack* when the middle blocks ``c.1 ..
-c.(L−2)`` slice into the same problem one at a time and two at a time (``range_keys``: same operators,
-edges, boundary tensors and sharing) and L ≥ :data:`MIN_BLOCKS` (first, two middles, last: the capture's
-backward makes the first and last blocks unlike the others). :func:`capture_stack` captures a model with
-only :data:`KEEP` of its L blocks (the container cut short for the trace, then restored) and lays out the
-L-block model's layers from it (:attr:`Stack.layers`: the first, a middle block repeated, the last), so the
-trace costs a few blocks, not L. A graph of all L blocks is a stack too (:func:`find_stack`), with pieces
+The model's layers (``stage.runnable_layers``: the split the DP and the runtime share) are ``p`` pre layers, the
+blocks ``c.0 .. c.(L−1)`` of one container ``c`` (a ``ModuleList``), and ``q`` post layers. It is a *repeated
+stack* when the middle blocks ``c.1 .. c.(L−2)`` slice into the same problem one at a time and two at a time
+(``range_keys``: same operators, edges, boundary tensors and sharing) and L ≥ :data:`MIN_BLOCKS` (first, two
+middles, last: the capture's backward makes the first and last blocks unlike the others). :func:`capture_stack`
+captures a model with only :data:`KEEP` of its L blocks (the container cut short for the trace, then restored) and
+lays out the L-block model's layers from it (:attr:`Stack.layers`: the first, a middle block repeated, the last),
+so the trace costs a few blocks, not L. A graph of all L blocks is a stack too (:func:`find_stack`), with pieces
 from its own layers.
 
 2. Pieces and their composition (:class:`StackTable`)
@@ -55,11 +55,9 @@ a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet
 
 Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
 after the last block; each piece's boundary input is laid out as its search chose); the first and last
-blocks are priced as the middle one; and the pieces' logical
-mesh mapping is each piece's own (the stage reports its largest piece's). ``stage.layers`` puts each block's
-root-level residual-gradient sum in the layer of its first operand — ln_f's — so a whole-model capture's ln_f
-carries L of them and a :func:`capture_stack` graph's :data:`KEEP` (a few additions per block: the step
-differs by under 1% on the tests' GPTs).
+blocks are priced as the middle one (``stage.runnable_layers`` gives them the backward's residual-gradient
+sums that cross them, so they differ a little: 0.06 % of the step on the tests' 4-block GPT); and the pieces'
+logical mesh mapping is each piece's own (the stage reports its largest piece's).
 
 Searches: per shape, one block (per level used) plus the pre and post sub-ranges — ``p(p+1)/2 + q(q+1)/2``,
 6 for a GPT — whatever L, instead of O(L) ranges of growing size.
