@@ -609,9 +609,7 @@ def account(
     parts = {"comm": 0.0, "reshard": 0.0}
     colls: list[PlannedCollective] = []
 
-    def add(c: Any, runs: int, phase: Phase, src: str, dst: str, operand: int = -1) -> None:
-        own = src == dst and operand == -1  # issued by the op itself (Strategy.colls), not by a resharding
-        sec = resharder.op_collective_cost(c) if own else resharder.collective_cost(c)
+    def add(c: Any, sec: float, runs: int, phase: Phase, src: str, dst: str, operand: int = -1) -> None:
         parts["comm" if c.is_reduction else "reshard"] += sec * runs
         colls.append(PlannedCollective(c.kind, c.axis, c.nbytes, phase.value, src, dst, sec, operand))
 
@@ -626,7 +624,7 @@ def account(
         if info is None or have is None or want is None:
             return
         for c in resharder.collectives(have, want, info):
-            add(c, e.runs(microbatches), e.phase(graph), e.src, e.label(graph), e.operand)
+            add(c, resharder.collective_cost(c), e.runs(microbatches), e.phase(graph), e.src, e.label(graph), e.operand)
 
     seconds: dict[str, float] = {}
     total_compute = total_update = 0.0
@@ -637,7 +635,7 @@ def account(
         total_update += compute.update(node, st)
         phase = Phase.FWD if node.phase == Phase.FWD else Phase.BWD
         for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
-            add(c, microbatches, phase, node.name, node.name)
+            add(c, resharder.op_collective_cost(c), microbatches, phase, node.name, node.name)
         for e in by_dst.get(node.name, ()):
             cross(e)
     for e in tail:
