@@ -61,14 +61,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshpilot import compat
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.program import _as_tuple, _last_uses, synced_grads
+from meshpilot.runtime.program import _as_tuple, _last_uses, split_phases, synced_grads
 from meshpilot.runtime.record import record as record_program
 from meshpilot.sharding.placements import Placements, replicated
 from meshpilot.sharding.reshard import CollectiveKind
@@ -158,26 +158,12 @@ class StageProgram:
         self.trainable = trainable
         self.recv_fwd, self.recv_bwd, self.send_fwd, self.send_bwd = recv_fwd, recv_bwd, send_fwd, send_bwd
         self.wires = wires
-        late = {t.boundary for t in recv_bwd}
-        self.fwd_nodes = [n for n in g.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.FWD]
-        self.bwd_nodes = [n for n in g.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.BWD]
-        self.leaves = [n for n in g.nodes if n.kind in LEAF_KINDS and n.name not in late]
         self.late = {t.boundary: j for j, t in enumerate(recv_bwd)}
         self.early = {t.boundary: j for j, t in enumerate(recv_fwd)}
-        fwd_names = {n.name for n in self.fwd_nodes} | {n.name for n in self.leaves}
-        saved: dict[tuple[str, int], None] = {}
-        for n in self.bwd_nodes:
-            for src, i in n.inputs:
-                if src in fwd_names:
-                    saved.setdefault((src, i), None)
-        for t in send_bwd:
-            if t.node in fwd_names:  # a forward value only the backward sends: kept like the backward's inputs
-                saved.setdefault((t.node, t.index), None)
-        for fqn in trainable:
-            gr = g.grads.get(fqn)
-            if gr is not None and gr[0] in fwd_names:
-                saved.setdefault(gr, None)
-        self.saved = list(saved)
+        # a forward value only the backward sends is kept like the backward's inputs
+        self.fwd_nodes, self.bwd_nodes, self.leaves, self.saved = split_phases(
+            g, trainable, late=set(self.late), also_saved=[(t.node, t.index) for t in send_bwd]
+        )
         self.saved_specs: list[Any] = []
         keep = {s for s, _ in self.saved} | {t.node for t in (*send_fwd, *send_bwd)}
         keep |= {s for s, _ in g.buffer_updates.values()} | {v[0] for v in g.grads.values() if v is not None}

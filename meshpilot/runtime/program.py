@@ -27,6 +27,7 @@ instead (for debugging the runtime: the same ops, without the recording).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,20 +66,7 @@ class StepProgram:
         self.graph: OpGraph = interp.graph
         self.trainable = trainable
         self.compile = compile
-        graph = self.graph
-        self.fwd_nodes = [n for n in graph.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.FWD]
-        self.bwd_nodes = [n for n in graph.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.BWD]
-        self.leaves = [n for n in graph.nodes if n.kind in LEAF_KINDS]
-        fwd_names = {n.name for n in self.fwd_nodes} | {n.name for n in self.leaves}
-        saved: dict[tuple[str, int], None] = {}
-        for n in self.bwd_nodes:
-            for src, i in n.inputs:
-                if src in fwd_names:
-                    saved.setdefault((src, i), None)
-        for fqn in trainable:  # a gradient the forward already holds (e.g. a parameter used as-is)
-            g = graph.grads.get(fqn)
-            if g is not None and g[0] in fwd_names:
-                saved.setdefault(g, None)
+        self.fwd_nodes, self.bwd_nodes, self.leaves, saved = split_phases(self.graph, trainable)
         self.saved = [Saved(s, i) for s, i in saved]
         self.saved_specs: list[Any] = []
         self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=self._kept())
@@ -254,6 +242,37 @@ class StepProgram:
 
     def _param_layout(self, fqn: str):
         return self.interp.plan.param_layout(fqn)
+
+
+def split_phases(
+    graph: OpGraph,
+    trainable: list[str],
+    *,
+    late: set[str] = frozenset(),
+    also_saved: Iterable[tuple[str, int]] = (),
+) -> tuple[list, list, list, list[tuple[str, int]]]:
+    """A step's forward nodes, backward nodes, leaves (less the `late` ones: a pipeline stage's gradients
+    received for its backward) and, in order, the forward values the backward reads: its operands made in
+    the forward or by a leaf, then those of `also_saved` made there (a stage's values only the backward
+    sends), then a trainable parameter's gradient the forward already holds (a parameter used as-is). One
+    split for the SPMD step's program and a pipeline stage's."""
+    fwd = [n for n in graph.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.FWD]
+    bwd = [n for n in graph.nodes if n.kind not in LEAF_KINDS and n.phase == Phase.BWD]
+    leaves = [n for n in graph.nodes if n.kind in LEAF_KINDS and n.name not in late]
+    fwd_names = {n.name for n in fwd} | {n.name for n in leaves}
+    saved: dict[tuple[str, int], None] = {}
+    for n in bwd:
+        for src, i in n.inputs:
+            if src in fwd_names:
+                saved.setdefault((src, i), None)
+    for src, i in also_saved:
+        if src in fwd_names:
+            saved.setdefault((src, i), None)
+    for fqn in trainable:
+        g = graph.grads.get(fqn)
+        if g is not None and g[0] in fwd_names:
+            saved.setdefault(g, None)
+    return fwd, bwd, leaves, list(saved)
 
 
 def synced_grads(graph: OpGraph, interp: Interpreter, trainable, flat) -> tuple:
