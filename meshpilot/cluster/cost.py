@@ -30,8 +30,8 @@ On a CPU device (gloo) a reduce-scatter is an all-reduce of the whole buffer, cu
 reduce-scatter algorithm and ProcessGroupGloo all-reduces, then keeps its chunk.
 
 Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
-costs about 6x a 4-byte one and a 1 MiB one about twice its bandwidth term (docs/cluster.md, "Measured
-curves").
+costs 3 to 9 times a 4-byte one (measured at different loads) and a 1 MiB one about twice its bandwidth
+term (docs/cluster.md, "Measured curves").
 
 Compute (roofline): t = max(FLOPs / rate, bytes / (membw * eff_m)), where rate is, for a GEMM
 [m, k] @ [k, n], the rate measured at the nearest shape of its dtype (``DeviceProfile.matmul_flops``; a
