@@ -257,6 +257,24 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     assert "does not split into --microbatches 2" in capsys.readouterr().err
 
 
+def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
+    """`plan --pipeline` captures a GPT of 6 blocks with 4 of them (planner.stack) and, to save the plan with each
+    stage's own operators, the whole model after planning: every saved stage plan covers its slice."""
+    from meshpilot.cli.main import main
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.stack import StageCosting
+
+    out = tmp_path / "pp.json"
+    args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
+    assert main([*args, "--microbatches", "2", "--out", str(out)]) == 0
+    assert "(repeated-block stage costs)" in capsys.readouterr().out
+    p = PipelinePlan.from_json(out.read_text())
+    assert p.costing is StageCosting.STACK and len(p.intra) == len(p.stages) == 2
+    assert p.stages[-1].layers[1] == 10  # wte, wpe, 6 blocks, ln_f, lm_head: the whole model's layers
+    for st, intra in zip(p.stages, p.intra):
+        assert intra.mesh_shape == st.mesh_shape and intra.nodes
+
+
 def test_simulated_step_of_a_pipeline_plan(gpt_planner):
     graph = gpt_planner.graph
     B = 4

@@ -20,6 +20,8 @@ planned on its own logical mesh, the schedule's microbatches in flight checked a
 then the global batch, cut into --microbatches. It prints the stages, the predicted step with its bubble
 and the schedule's actions per stage, and --out / --json save the pipeline plan with every stage's own
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
+A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
+(the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -277,6 +279,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import check_precision
     from meshpilot.planner.pipeline import plan_pipeline
+    from meshpilot.planner.stack import Stack, capture_stack
 
     if args.mesh or args.force:
         raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
@@ -291,8 +294,11 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
         raise UserError(f"--batch {whole} does not split into --microbatches {M}; give a batch divisible by {M}")
     built = build_model(args.model, batch=whole // M, **kw)
     progress = Console(stderr=True)
+    precision = check_precision(built.model, None, args.precision)
     with progress.status(f"capturing one microbatch's step of {built.name} on meta tensors …"):
-        graph = capture(built.model, built.inputs, precision=check_precision(built.model, None, args.precision))
+        # a model of many identical blocks is traced with a few of them (planner.stack): its stages are costed
+        # from one block's plan, and capture no longer grows with the depth
+        graph = capture_stack(built.model, built.inputs, precision=precision)
     with progress.status(f"planning stages on {n} devices …"):
         pp = plan_pipeline(
             graph,
@@ -305,6 +311,9 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
             time_limit=args.time_limit,
         )
     if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
+        if isinstance(graph, Stack):  # each stage's own plan needs its operators: the whole model's graph
+            with progress.status(f"capturing all of {built.name} for the stages' operators …"):
+                graph = capture(built.model, built.inputs, precision=precision)
         with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
             pp = pp.with_intra(graph, cluster, time_limit=args.time_limit)
     if args.out:
