@@ -125,16 +125,23 @@ def predicted(sim) -> dict:
 
 def predict_probed(plans: dict, probed: Path) -> dict:
     """Both plans re-priced on the probed cluster (``accounting.reprice``: the same strategies and collectives,
-    every price from the probe) and simulated there."""
+    every price from the probe) and simulated there; and (``*_alone``) simulated without the probe's busy
+    curves, every collective at its time alone whether or not its rank computes (``meshpilot.sim``,
+    *Contention*)."""
     from meshpilot.cluster import load_cluster
     from meshpilot.planner.accounting import reprice
     from meshpilot.sim import simulate
 
     cluster = load_cluster(str(probed))
+    # the same cluster without the busy curves: every collective at its time alone (no contention)
+    alone = dataclasses.replace(
+        cluster, calibration=tuple(dataclasses.replace(c, busy_curve=()) for c in cluster.calibration)
+    )
     out = {}
     for name in ("duplex", "without"):
         q = reprice(plans[name]["plan"], plans["_graph"], cluster)
         out[name] = predicted(simulate(q, cluster=cluster))
+        out[f"{name}_alone"] = predicted(simulate(q, cluster=alone))
     return out
 
 
@@ -186,16 +193,19 @@ def markdown(rows: list[dict]) -> str:
         "| link | without ms | duplex ms | gain | traced compute / comm ms (duplex, median rank) "
         "| overlap ratio (trace, median rank [min-max]; lower bound; without) "
         "| sim (file): without / duplex ms, ratio "
-        "| sim (probed): without / duplex ms, compute / comm ms, ratio |"
+        "| sim (probed): without / duplex ms, compute / comm ms, ratio "
+        "| sim (probed, no contention): without / duplex ms, compute / comm ms, ratio |"
     )
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         dup = r["trace"]["duplex"]
-        probed = "—"
+        probed = alone = "—"
         if r.get("probed"):
-            probed = (
-                f"{r['probed_without_s'] * 1e3:.0f} / {r['probed_sim_s'] * 1e3:.0f}, "
-                f"{r['probed_compute_s'] * 1e3:.0f} / {r['probed_comm_s'] * 1e3:.0f}, {r['probed_overlap']:.0%}"
+            probed, alone = (
+                f"{r[f'probed_{p}without_s'] * 1e3:.0f} / {r[f'probed_{p}sim_s'] * 1e3:.0f}, "
+                f"{r[f'probed_{p}compute_s'] * 1e3:.0f} / {r[f'probed_{p}comm_s'] * 1e3:.0f}, "
+                f"{r[f'probed_{p}overlap']:.0%}"
+                for p in ("", "alone_")
             )
         lines.append(
             f"| {r['link']} | {r['measured_without_s'] * 1e3:.0f} | {r['measured_duplex_s'] * 1e3:.0f} "
@@ -203,7 +213,8 @@ def markdown(rows: list[dict]) -> str:
             f"{_median([t['comm_s'] for t in dup]) * 1e3:.0f} "
             f"| {r['trace_overlap']:.0%} [{r['trace_overlap_range'][0]:.0%}-{r['trace_overlap_range'][1]:.0%}]; "
             f"{r.get('trace_overlap_low', float('nan')):.0%}; {r['trace_without']:.0%} "
-            f"| {r['sim_without_s'] * 1e3:.0f} / {r['sim_duplex_s'] * 1e3:.0f}, {r['sim_overlap']:.0%} | {probed} |"
+            f"| {r['sim_without_s'] * 1e3:.0f} / {r['sim_duplex_s'] * 1e3:.0f}, {r['sim_overlap']:.0%} | {probed} "
+            f"| {alone} |"
         )
     return "\n".join(lines)
 
@@ -264,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         if on_probed:
             for key in ("sim_s", "compute_s", "comm_s", "overlap"):
                 row[f"probed_{key}"] = on_probed["duplex"][key]
+                row[f"probed_alone_{key}"] = on_probed["duplex_alone"][key]
             row["probed_without_s"] = on_probed["without"]["sim_s"]
+            row["probed_alone_without_s"] = on_probed["without_alone"]["sim_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.png and link == args.links[-1]:

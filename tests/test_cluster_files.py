@@ -120,6 +120,20 @@ CASES = [
         "calibration[0].curve1[0]",
         "microseconds",
     ),
+    (
+        "calibration-busy-without-its-curve",
+        'device = "cpu"\n' + GOOD_LAYER + "\n[[calibration]]\nmesh = [2, 2]\ncurve1 = [[1024, 5.0]]\n"
+        "busy2 = [[1024, 9.0]]\n",
+        "calibration[0].busy2",
+        "add curve2",
+    ),
+    (
+        "calibration-busy-not-ascending",
+        'device = "cpu"\n' + GOOD_LAYER + "\n[[calibration]]\nmesh = [2, 2]\ncurve1 = [[1024, 5.0]]\n"
+        "busy1 = [[1024, 9.0], [64, 9.0]]\n",
+        "calibration[0].busy1[1]",
+        "bytes ascending",
+    ),
     ("bad-toml", 'device = "h100\n', "file", "fix the TOML syntax"),
 ]
 

@@ -21,8 +21,10 @@ from meshpilot.cluster.loader import cluster_to_toml
 from meshpilot.cluster.probe import (
     Measurements,
     ProbeOptions,
+    _busy_curve,
     _curve,
     build_cluster,
+    busy_sizes,
     curve_sizes,
     node_layout,
     round_robin,
@@ -258,6 +260,41 @@ def test_the_allreduce_curve_is_measured_between_the_small_and_large_messages_an
     assert cost.all_reduce(65536, 0) == pytest.approx(plain.all_reduce(65536, 0))  # axis 0: no curve
 
 
+def test_the_busy_curve_round_trips_and_gives_the_busy_factor_on_cpu_only(tmp_path):
+    """Phase 6: the all-reduce beside compute at 1 KiB up to the large message, per repeat the slowest rank,
+    median over repeats; written as busy1 / busy2 and read back on its axis; the cost model's busy factor is its
+    ratio to the curve alone (never below 1) on a CPU device, 1 on a GPU, on an axis without it, or without the
+    curve alone."""
+    from meshpilot.cluster.cost import CostModel
+
+    assert busy_sizes(4 * 2**20) == (1024, 16384, 131072, 1048576, 4 * 2**20)
+    key = ((2, 2), 1)
+    recs = [
+        {"ar_busy": {(*key, 1024): [slow * 0.1, slow * 0.3], (*key, 16384): [slow * 0.2, slow * 0.2]}}
+        for slow in (1, 2)
+    ]
+    busy = _busy_curve(recs, (2, 2), 1, 16384)
+    assert busy == ((1024, pytest.approx(0.4)), (16384, pytest.approx(0.4)))  # 0.2, 0.6 -> 0.4; 0.4, 0.4 -> 0.4
+    alone = ((4, 0.01), (1024, 0.1), (16384, 0.5))
+    cpu = dataclasses.replace(DEV, kind="probed-cpu")
+    m = _measurements(["h"] * 4, np.full((4, 4), 10 * GB), allreduce={(2, 2): (4e9, 5e9)})
+    m.device = cpu
+    m.allreduce_curve = {(2, 2): (None, alone)}
+    m.allreduce_busy = {(2, 2): (None, busy)}
+    back = load_cluster_file(write_cluster_toml(build_cluster(m, name="busy"), tmp_path / "c.toml"))
+    ((none, loaded),) = [c.busy_curve for c in back.calibration]
+    assert none is None and loaded == ((1024, pytest.approx(0.4)), (16384, pytest.approx(0.4)))
+    cost = CostModel(LogicalMesh(back, (2, 2)))
+    assert cost.busy_factor(1024, 1) == pytest.approx(4.0)
+    assert cost.busy_factor(4, 1) == pytest.approx(40.0)  # below 1 KiB: the first busy point over 4 B's time
+    assert cost.busy_factor(16384, 1) == 1.0  # 0.4 s beside compute against 0.5 s alone: never below 1
+    assert cost.busy_factor(1024, 0) == 1.0  # axis 0 not measured
+    gpu = dataclasses.replace(back, device=DEVICES["a100-80gb"])
+    assert CostModel(LogicalMesh(gpu, (2, 2))).busy_factor(1024, 1) == 1.0
+    m.allreduce_curve = {}  # a busy curve without its curve alone is not written
+    assert all(not c.busy_curve for c in build_cluster(m).calibration)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The [device_profile] table of cluster files
 
@@ -406,6 +443,7 @@ def _probe_as_two_nodes():
         "layers": [(layer.name, layer.ranks) for layer in c.layers],
         "node_bw": m.node_bw.tolist(),
         "calibrated": sorted(e.mesh for e in c.calibration),
+        "busy": {e.mesh: [None if b is None else [n for n, _ in b] for b in e.busy_curve] for e in c.calibration},
         "toml": cluster_to_toml(c),
     }
 
@@ -418,6 +456,9 @@ def test_probe_on_two_fake_nodes_measures_both_layers():
     assert result["layers"] == [("node", 2), ("device", 2)]
     assert result["node_bw"][0][1] > 0 and result["node_bw"][1][0] > 0
     assert result["calibrated"] == [(1, 4), (2, 2), (4, 1)]
+    # phase 6 (gloo): every axis of more than one rank timed beside compute at every size
+    sizes = list(busy_sizes(ProbeOptions.for_device(cuda=False, quick=True).nbytes))
+    assert result["busy"] == {(1, 4): [None, sizes], (2, 2): [sizes, sizes], (4, 1): [sizes, None]}
     assert cluster_from_dict(tomllib.loads(result["toml"]), "t").num_devices == 4
 
 

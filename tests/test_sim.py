@@ -7,12 +7,13 @@ duration is its bandwidth term alone: an all-reduce of M bytes over 2 ranks take
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from meshpilot.cluster import load_cluster
+from meshpilot.cluster import DEVICES, load_cluster
 from meshpilot.cluster.topology import Cluster, Layer
 from meshpilot.errors import UserError
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, PlannedCollective, SolverReport, StepTime
@@ -116,6 +117,43 @@ def test_ring_all_reduce_shares_its_link_with_an_all_gather():
     assert _close(c.compute_s, 2.5 * MS)
     assert _close(c.hidden_comm_s, 1 * MS) and _close(c.exposed_comm_s, 0.5 * MS)  # comm spans 1..2.5 ms
     assert abs(c.idle_s) < 1e-15
+
+
+def _busy_cluster(device: str, latency: bool) -> Cluster:
+    """Two ranks whose axis-0 all-reduce of 1e8 B is measured at 1 ms alone and 2 ms while computing (busy
+    factor 2). Through the origin (`latency` False) the latency part L = 2 t(M) - t(2M) is 0: all link; with
+    t(2M) = 1.5 ms (`latency` True) it is L = 0.5 ms of latency and 0.5 ms of link."""
+    from meshpilot.cluster.topology import Calibration
+
+    t2 = 1.5 if latency else 2.0
+    alone = ((100_000_000, 1 * MS), (200_000_000, t2 * MS))
+    busy = ((100_000_000, 2 * MS), (200_000_000, 2 * t2 * MS))
+    cal = Calibration(mesh=(2, 1), algbw=(None, None), curve=(alone, None), busy_curve=(busy, None))
+    return dataclasses.replace(_cluster(2), device=DEVICES[device], calibration=(cal,))
+
+
+@pytest.mark.parametrize(
+    "beside_ms, device, latency, end_ms",
+    [
+        (3.0, "cpu", False, 3.0),  # wholly beside n1: 2 x 1 ms, from 1 to 3 ms
+        (0.5, "cpu", False, 2.25),  # 0.5 ms beside n1 does a quarter of its work; the rest alone: 1 + 0.5 + 0.75
+        (1.5, "cpu", True, 2.75),  # latency 0.5 ms at half speed (to 2 ms), link 0.5 ms busy, then 0.25 ms alone
+        (3.0, "a100-80gb", False, 2.0),  # a GPU: no contention, 1 ms
+    ],
+)
+def test_a_collective_beside_compute_runs_slower_by_its_busy_factor_on_cpu(beside_ms, device, latency, end_ms):
+    cluster = _busy_cluster(device, latency)
+    plan = _plan(
+        (2,),
+        [("n0", "fwd", 1 * MS), ("n1", "fwd", beside_ms * MS), ("n2", "fwd", 1 * MS)],
+        [("all_reduce", 0, 1e8, "n0", "n2", 0)],
+        "schedule overlapped, 1 microbatch\nranks 0-1: F0[0:1] +0.0 F0[1:2] -0.0 F0[2:3]",
+    )
+    (comm,) = [e for e in simulate(plan, cluster=cluster).events if e.cat == "comm"]
+    assert _close(comm.start_s, 1 * MS) and _close(comm.start_s + comm.dur_s, end_ms * MS)
+    # alone (the blocking chain: nothing computes while it is in flight) it takes its 1 ms on either device
+    (alone,) = [e for e in simulate(_chain(), cluster=cluster).events if e.cat == "comm"]
+    assert _close(alone.dur_s, 1 * MS)
 
 
 def test_straggler_delays_the_collective_and_everything_after():

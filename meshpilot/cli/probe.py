@@ -14,10 +14,11 @@ It measures the device (matmul FLOP/s, memory bandwidth and capacity), point-to-
 latency between every pair of ranks, each rank's bandwidth to all its node's other ranks at once, the
 aggregate bandwidth between nodes, and the all-reduce on each axis of every 2D mesh shape (its bandwidth,
 and its time at 4 B, 64 B, 1 KiB, 16 KiB, 128 KiB, 1 MiB and the large message: the curve the cost model
-prices all-reduce, all-gather and reduce-scatter from).
+prices all-reduce, all-gather and reduce-scatter from) — on gloo also while every rank computes (1 KiB to
+the large message: the busy curve, with which the simulator slows collectives that overlap compute).
 Rank 0 writes the hierarchy (node and device layers, from the hostnames; under `meshpilot emulate`, from
 the emulated nodes), a [device_profile] with the measured numbers and a [[calibration]] entry per mesh
-(B1/B2, alpha1/alpha2, curve1/curve2), then prints each mesh's measured B1/B2 next to Eq. 4's prediction
+(B1/B2, alpha1/alpha2, curve1/curve2, busy1/busy2), then prints each mesh's measured B1/B2 next to Eq. 4's prediction
 from the measured matrix. Use the file as `--cluster FILE` with any command.
 
 `--matmul-shapes-from MODEL` (a built-in model; `--matmul-dtype bfloat16` for a GPT in bf16) also times every

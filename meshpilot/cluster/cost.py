@@ -29,6 +29,19 @@ non-decreasing):
 On a CPU device (gloo) a reduce-scatter is an all-reduce of the whole buffer, curve or not: gloo has no
 reduce-scatter algorithm and ProcessGroupGloo all-reduces, then keeps its chunk.
 
+Contention with compute (CPU devices only). On a CPU device the backend's threads (gloo's) share the cores
+with the ranks' compute, so a collective in flight while its rank computes takes longer than alone. Where the
+cluster file holds the axis' all-reduce curve measured while every rank computes (``busy1`` / ``busy2``,
+``Calibration.busy_curve``; ``meshpilot probe`` phase 6) as well as the curve alone:
+
+  busy factor     f(M) = max(1, busy(M) / curve(M))    both by :func:`on_curve`; M = the bytes the
+                                                        collective issues, whatever its kind
+
+and f = 1 on other devices (a GPU's collectives run on their own stream and engines) or without both curves
+(:meth:`CostModel.busy_factor`, the one home of this rule). The simulator slows a transfer by f while its
+rank computes (``meshpilot.sim``, *Contention*); the serial step (accounting) never overlaps, so it never
+applies f.
+
 Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
 costs 3 to 9 times a 4-byte one (measured at different loads) and a 1 MiB one about twice its bandwidth
 term (docs/cluster.md, "Measured curves").
@@ -95,6 +108,7 @@ class CostModel:
         self.device = mesh.cluster.device
         self._axis_cache: dict[tuple[int, ...], tuple[int, float, float]] = {}
         self._curve_cache: dict[tuple[int, ...], tuple[tuple[int, float], ...] | None] = {}
+        self._busy_cache: dict[tuple[int, ...], tuple[tuple[int, float], ...] | None] = {}
 
     def _axis(self, axes: Axes) -> tuple[int, float, float]:
         """(n, B', alpha) for `axes`, cached: Eq. 3 is the expensive part."""
@@ -112,6 +126,21 @@ class CostModel:
         if key not in self._curve_cache:
             self._curve_cache[key] = self.mesh.allreduce_curve(key) if self.mesh.axis_size(key) > 1 else None
         return self._curve_cache[key]
+
+    def busy_factor(self, nbytes: float, axes: Axes) -> float:
+        """How many times longer a collective issuing `nbytes` on `axes` takes while its rank computes (module
+        docstring, *Contention with compute*): 1.0 unless the device is a CPU and the axis has both measured
+        curves."""
+        if not self.device.is_cpu or nbytes <= 0:
+            return 1.0
+        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        if key not in self._busy_cache:
+            busy = self.mesh.allreduce_busy_curve(key) if self.mesh.axis_size(key) > 1 else None
+            self._busy_cache[key] = busy
+        busy, alone = self._busy_cache[key], self._curve(axes)
+        if busy is None or alone is None:
+            return 1.0
+        return max(1.0, on_curve(busy, nbytes) / on_curve(alone, nbytes))
 
     def all_reduce(self, nbytes: float, axes: Axes) -> float:
         """All-reduce of `nbytes` (each rank's buffer) over `axes`."""

@@ -25,6 +25,8 @@ A cluster file::
     alpha1_us = 12.0              # optional: measured per-message latency of axis 0 (alpha2_us: axis 1)
     curve1 = [[16384, 310.0], [1048576, 480.0]]   # optional: all-reduce [bytes, microseconds] points of
                                   # axis 0 (curve2: axis 1), bytes ascending; the cost model interpolates them
+    busy1 = [[16384, 900.0], [1048576, 700.0]]    # optional: the same all-reduce while every rank computes
+                                  # (busy2: axis 1); on CPU devices it slows collectives that overlap compute
 
 Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot probe`` writes them)::
 
@@ -69,7 +71,7 @@ MAX_NUMBER = 1e9
 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
-CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2"}
+CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2", "busy1", "busy2"}
 PROFILE_KEYS = {
     "kind",
     "peak_tflops_fp32",
@@ -397,11 +399,21 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
     algbw = values(("B1_GBps", "B2_GBps"), GB)
     latency = values(("alpha1_us", "alpha2_us"), 1e-6)
     curve = tuple(_curve(raw[k], f"{where}.{k}", source) if k in raw else None for k in ("curve1", "curve2"))
+    busy = tuple(_curve(raw[k], f"{where}.{k}", source) if k in raw else None for k in ("busy1", "busy2"))
+    for j, (alone, loaded) in enumerate(zip(curve or (None, None), busy)):
+        if loaded is not None and alone is None:
+            raise ClusterFileError(
+                source,
+                f"{where}.busy{j + 1}",
+                f"needs curve{j + 1}: the busy curve slows a collective by its ratio to the curve alone",
+                f"add curve{j + 1} (meshpilot probe measures both) or remove busy{j + 1}",
+            )
     return Calibration(
         mesh=(mesh[0], mesh[1]),
         algbw=algbw,
         latency=latency if any(latency) else (),
         curve=curve if any(curve) else (),
+        busy_curve=busy if any(busy) else (),
     )
 
 
@@ -453,7 +465,7 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
         for key, alpha in zip(("alpha1_us", "alpha2_us"), entry.latency):
             if alpha is not None:
                 out.append(f"{key} = {_f(float(f'{alpha * 1e6:.6g}'))}")  # no 977.9999999999999
-        for key, curve in zip(("curve1", "curve2"), entry.curve):
+        for key, curve in (*zip(("curve1", "curve2"), entry.curve), *zip(("busy1", "busy2"), entry.busy_curve)):
             if curve is not None:
                 pts = ", ".join(f"[{b}, {_f(float(f'{t * 1e6:.6g}'))}]" for b, t in curve)
                 out.append(f"{key} = [{pts}]")

@@ -202,9 +202,14 @@ class LogicalMesh:
         groups (``Calibration.curve``), or None."""
         return self._calibrated(axes, "curve")
 
+    def allreduce_busy_curve(self, axes: int | Sequence[int]) -> tuple[tuple[int, float], ...] | None:
+        """Measured all-reduce ``(bytes, seconds)`` points of this axis while every rank computes
+        (``Calibration.busy_curve``), or None."""
+        return self._calibrated(axes, "busy_curve")
+
     def _calibrated(self, axes: int | Sequence[int], what: str) -> Any:
-        """The measured value `what` (``algbw``: B; ``latency``: alpha; ``curve``) of the calibration entry whose
-        groups are this axis' groups, or None.
+        """The measured value `what` (``algbw``: B; ``latency``: alpha; ``curve``; ``busy_curve``) of the
+        calibration entry whose groups are this axis' groups, or None.
 
         A probe measures mesh ``shape`` with the row mapping (``arange(n).reshape(shape)``), so an entry's axis
         ``j`` holds for exactly those rank groups; a col-mapped (4, 2) mesh's axis 0 is a row-mapped (2, 4)'s

@@ -42,6 +42,14 @@ after warm-up repeats that are not counted):
    Then the sizes between (:func:`curve_sizes`: 64 B to 1 MiB for 4 MiB messages): with the 4-byte
    and the large measurement they make the axis' curve (:func:`_curve`: per repeat the slowest rank, median
    over repeats), which the cost model interpolates (``Calibration.curve``).
+6. **All-reduce beside compute** (gloo only: on CPU ranks the backend's threads share the cores with the
+   compute). The same groups all-reduce at :func:`busy_sizes` while every rank runs float32 matmuls
+   (:data:`INFLIGHT_GEMM`) until it sees its all-reduce complete (:meth:`_Runner.inflight`: issued
+   asynchronously after a barrier, ``Work.is_completed`` polled between matmuls; one warm-up repeat, the
+   previous phase having warmed the groups). Per repeat the slowest rank, median over repeats: the axis'
+   busy curve (``Calibration.busy_curve``). Its ratio to the curve alone is how much longer a collective in
+   flight beside compute takes (``CostModel.busy_factor``; on the emulated 100 Mbit/s link, 8 ranks on 2
+   cores: 1.5x at 2 MiB, 4x at 512 KiB, docs/benchmarks.md).
 
 How :func:`build_cluster` makes the hierarchy:
 
@@ -59,8 +67,8 @@ How :func:`build_cluster` makes the hierarchy:
 * A missing entry takes the median of the measured entries of its layer (of all measured pairs if the
   layer has none); a missing group bandwidth the unit's largest P2P entry; a missing latency 0.
   A one-device world gets one layer of one rank whose (unused) bandwidth is the device's memory bandwidth.
-* Every measured mesh becomes a calibration entry (B1, B2, alpha1, alpha2 and the curves), so the planner
-  uses the measured numbers.
+* Every measured mesh becomes a calibration entry (B1, B2, alpha1, alpha2, the curves and the busy
+  curves), so the planner uses the measured numbers.
 * Numbers are rounded to 4 significant digits (the run-to-run noise is larger). The device profile
   carries the measured rates with compute and memory efficiency 1.0: they are what kernels reach.
 """
@@ -163,6 +171,8 @@ class Measurements:
     """Per 2D mesh shape, each axis' alpha from the 4-byte all-reduce (module docstring, 5.; None: size 1)."""
     allreduce_curve: dict[tuple[int, int], tuple[Curve | None, ...]] = field(default_factory=dict)
     """Per 2D mesh shape, each axis' all-reduce (bytes, seconds) points (:func:`curve_sizes`; None: size 1)."""
+    allreduce_busy: dict[tuple[int, int], tuple[Curve | None, ...]] = field(default_factory=dict)
+    """Per 2D mesh shape, each axis' all-reduce points while every rank computes (phase 6; None: not measured)."""
     seconds: float = 0.0
     """Wall time of the probe."""
 
@@ -287,6 +297,7 @@ def calibration_entries(
     allreduce: dict[tuple[int, int], tuple[float | None, float | None]],
     latency: dict[tuple[int, int], tuple[float | None, float | None]] | None = None,
     curves: dict[tuple[int, int], tuple[Curve | None, ...]] | None = None,
+    busy: dict[tuple[int, int], tuple[Curve | None, ...]] | None = None,
 ) -> tuple:
     """One :class:`Calibration` per measured mesh shape (axes of size 1 carry None)."""
 
@@ -298,12 +309,14 @@ def calibration_entries(
         vals = valid(algbw)
         alphas = valid((latency or {}).get(shape, ()))
         curve = (curves or {}).get(shape, ())
+        loaded = tuple(b if j < len(curve) and curve[j] else None for j, b in enumerate((busy or {}).get(shape, ())))
         if any(v is not None for v in vals + alphas) or any(curve):
             entry = Calibration(
                 mesh=(shape[0], shape[1]),
                 algbw=vals,
                 latency=alphas if any(alphas) else (),
                 curve=curve if any(curve) else (),
+                busy_curve=loaded if any(loaded) else (),
             )
             out.append(entry)
     return tuple(out)
@@ -311,7 +324,9 @@ def calibration_entries(
 
 def build_cluster(m: Measurements, name: str = "probed", calibrate: bool = True, source: str = "") -> Cluster:
     """The probed cluster; `calibrate=False` leaves out the measured all-reduce bandwidths (Eq. 3/4 only)."""
-    calibration = calibration_entries(m.allreduce, m.allreduce_latency, m.allreduce_curve) if calibrate else ()
+    calibration = (
+        calibration_entries(m.allreduce, m.allreduce_latency, m.allreduce_curve, m.allreduce_busy) if calibrate else ()
+    )
     return Cluster(
         name=name,
         layers=build_layers(m),
@@ -362,6 +377,7 @@ def summarize(
     allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
     alphas: dict[tuple[int, int], tuple[float | None, float | None]] = {}
     curves: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
+    busy: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
     for shape in mesh_shapes_2d(world):
         out: list[float | None] = []
         small: list[float | None] = []
@@ -381,6 +397,7 @@ def summarize(
         allreduce[shape] = (out[0], out[1])
         alphas[shape] = (small[0], small[1])
         curves[shape] = tuple(_curve(records, shape, axis, nbytes) for axis in (0, 1))
+        busy[shape] = tuple(_busy_curve(records, shape, axis, nbytes) for axis in (0, 1))
     devs = [rec["device"] for rec in records]
     on_host = {h: hosts.count(h) for h in hosts}
     for dev, host in zip(devs, hosts):
@@ -410,6 +427,7 @@ def summarize(
     skipped = sum(rec["skipped"] for rec in records[:1])
     m = Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
     m.allreduce_curve = curves
+    m.allreduce_busy = busy
     return m
 
 
@@ -441,6 +459,26 @@ def _curve(records: list[dict[str, Any]], shape: tuple[int, int], axis: int, nby
             if math.isfinite(t) and t > 0:
                 points.append((size, _round(t)))
     return tuple(points) if len(points) >= 2 else None
+
+
+def busy_sizes(nbytes: int) -> tuple[int, ...]:
+    """Message sizes of the busy curve (phase 6): those of :func:`curve_sizes` from 1 KiB up, and `nbytes`
+    (1 KiB, 16 KiB, 128 KiB, 1 MiB, 4 MiB at the CPU default); below 1 KiB the curve's first point holds."""
+    return (*(s for s in curve_sizes(nbytes) if s >= 1024), nbytes)
+
+
+def _busy_curve(records: list[dict[str, Any]], shape: tuple[int, int], axis: int, nbytes: int) -> Curve | None:
+    """The (bytes, seconds) points of one mesh axis' all-reduce beside compute (phase 6): per size the median
+    over repeats of the slowest rank."""
+    points = []
+    for size in busy_sizes(nbytes):
+        key = (shape, axis, size)
+        per_rank = [rec["ar_busy"][key] for rec in records if key in rec.get("ar_busy", {})]
+        if per_rank and all(per_rank):
+            t = float(np.median(np.max(np.array(per_rank), axis=0)))
+            if math.isfinite(t) and t > 0:
+                points.append((size, _round(t)))
+    return tuple(points) if points else None
 
 
 def _net(t: float, alpha: float) -> float:
@@ -578,6 +616,11 @@ def gemm_rate(
             barrier()
         times.append(run(inner))
     return 2.0 * m * n * k * inner / max(_median(times), 1e-12)
+
+
+INFLIGHT_GEMM = 256
+"""Side n of the square float32 matmul the in-flight all-reduce runs beside (:meth:`_Runner.inflight`): a few
+milliseconds per call when 8 ranks share 2 cores, the granularity of the completion poll."""
 
 
 class _Runner:
@@ -727,10 +770,37 @@ class _Runner:
                 for size in curve_sizes(self.opts.nbytes):
                     buf = self.sink[: size // 4]
                     rec["ar_curve"][(shape, axis, size)] = self.timed(lambda g=mine, b=buf: self._allreduce(g, b))
+                if self.dev.type != "cpu":
+                    continue
+                for size in busy_sizes(self.opts.nbytes):
+                    rec["ar_busy"][(shape, axis, size)] = self.inflight(mine, self.sink[: size // 4])
 
     def _allreduce(self, group: Any, buf: Any = None) -> bool:
         self.dist.all_reduce(self.sink if buf is None else buf, group=group)
         return True
+
+    def inflight(self, group: Any, buf: Any = None) -> list[float]:
+        """Seconds of one all-reduce of `buf` (default the large buffer) while this rank computes (module
+        docstring, 6.): per repeat, a barrier, then the all-reduce issued asynchronously and matmuls of
+        :data:`INFLIGHT_GEMM` run back to back until this rank sees it complete (``Work.is_completed`` polled
+        between two matmuls); the time from issue to the first poll that saw it done."""
+        import torch
+
+        n = INFLIGHT_GEMM
+        a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        target = self.sink if buf is None else buf
+        times = []
+        for rep in range(1 + self.opts.repeats):
+            self.barrier()
+            t0 = time.perf_counter()
+            work = self.dist.all_reduce(target, group=group, async_op=True)
+            while not work.is_completed():
+                torch.mm(a, b, out=c)
+            took = time.perf_counter() - t0
+            work.wait()
+            if rep >= 1:
+                times.append(took)
+        return times
 
 
 def probe(
@@ -768,6 +838,7 @@ def probe(
         "ar": {},
         "ar_small": {},
         "ar_curve": {},
+        "ar_busy": {},
         "skipped": 0,
     }
     say(f"device: matmul {', '.join(str(n) for n in opts.matmul_sizes)}; copy {opts.copy_bytes / MiB:g} MiB")

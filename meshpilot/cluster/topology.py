@@ -83,6 +83,12 @@ class Calibration:
     all-reduce, all-gather and reduce-scatter on that axis from it (``meshpilot.cluster.cost``,
     :func:`~meshpilot.cluster.cost.on_curve`) instead of alpha and B: a collective's fixed cost grows with its
     message well past a single latency (TCP, protocol and chunking), which two numbers cannot describe."""
+    busy_curve: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+    """Per mesh axis, the same all-reduce timed while every rank computes (``meshpilot.cluster.probe``, phase
+    6; None or absent: not measured): on CPU ranks gloo's threads share the cores with the compute, so a
+    collective in flight beside compute takes longer than alone. The cost model's
+    :meth:`~meshpilot.cluster.cost.CostModel.busy_factor` divides it by ``curve``; the simulator slows a
+    transfer by that factor while its rank computes (``meshpilot.sim``, *Contention*)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,6 +35,13 @@ link; with ``k`` transfers active each progresses at rate ``1/k`` (processor sha
 (:meth:`_Link.advance`, :meth:`_Link.next_finish`). Alone, a transfer takes exactly ``t``; two of ``t1 <= t2``
 issued together end at ``2 t1`` and ``t1 + t2``.
 
+*Contention* (CPU devices). A collective's busy factor ``f`` (``CostModel.busy_factor``: the axis' all-reduce
+measured while every rank computes over the same alone, ``Calibration.busy_curve``; 1 on GPUs and without the
+measurement) slows it while its rank's compute stream runs: its latency then elapses at rate ``1/f`` and its
+link share at ``1/(k f)`` (:meth:`_Link.advance`, ``_Transfer.slow``); when the compute stream starts or stops
+(:meth:`_Sim._set_busy`) the rest of each slowed latency and the link's next completion are rescheduled at
+the new rates. A collective wholly beside compute takes ``f t``, one wholly after it ``t``.
+
 *Dependencies.* A collective of a group starts (``ready``) when the last member issued it:
 ``ready = max_{j in group} issue_j`` (:meth:`_Sim._issue`); a wait blocks the compute stream until the
 transfer's end. So a straggler's late issue delays every member of its groups, and everything after.
@@ -55,7 +62,7 @@ peers, for a straggler, or for the step's end). ``step`` = the latest end over a
 *Overlap ratio* (HiDup Table 4; :attr:`ClassTime.overlap_ratio`, :func:`overlap_ratio`): ``hidden`` ÷
 ``min(compute, comm)`` — the share of the smaller of the two streams that runs beside the other.
 
-Not modelled: compute/communication contention for SMs or memory bandwidth, network
+Not modelled: compute slowed by communication, contention for SMs or memory bandwidth on GPUs, network
 topology below a layer (a layer is one shared resource per rank), per-message protocol effects.
 """
 

@@ -291,11 +291,13 @@ class _Lowering:
         bwd_ops = [i for i, n in enumerate(nodes) if n.phase == "bwd"]
         self.last = {False: fwd_ops[-1] if fwd_ops else -1, True: bwd_ops[-1] if bwd_ops else -1}
 
-    def duration(self, c: int) -> tuple[float, float]:
-        """(latency L, bandwidth part W) of collective `c` from the cost model (package docstring)."""
+    def duration(self, c: int) -> tuple[float, float, float]:
+        """(latency L, bandwidth part W, busy factor f) of collective `c` from the cost model (package
+        docstring, *Durations* and *Contention*)."""
         col = self.plan.collectives[c]
         key = (col.kind, col.axis, col.nbytes, col.issued_by_op)
         if key not in self._dur:
+            busy = 1.0
             if col.kind in _COST_KINDS:
                 from meshpilot.sharding.reshard import as_issued
 
@@ -304,9 +306,10 @@ class _Lowering:
                 f = getattr(self.cm, kind)
                 t, t2 = f(nbytes, col.axis), f(2 * nbytes, col.axis)
                 lat = min(max(2 * t - t2, 0.0), t)
+                busy = self.cm.busy_factor(nbytes, col.axis)
             else:
                 t, lat = float(col.seconds), 0.0
-            self._dur[key] = (lat, t - lat)
+            self._dur[key] = (lat, t - lat, busy)
         return self._dur[key]
 
     def p2p(self, nbytes: float, src: int, dst: int) -> tuple[float, float, int]:
@@ -409,25 +412,31 @@ class _Lowering:
 
 
 class _Link:
-    """One rank's link of one cluster layer: processor sharing among its active transfers."""
+    """One rank's link of one cluster layer: processor sharing among its active transfers, each slowed by its
+    busy factor while the rank computes (package docstring, *Contention*)."""
 
-    __slots__ = ("active", "last", "version")
+    __slots__ = ("active", "last", "slow", "version")
 
     def __init__(self) -> None:
         self.active: dict[int, float] = {}
+        self.slow: dict[int, float] = {}  # busy factors above 1 of the active transfers
         self.last = 0.0
         self.version = 0
 
-    def advance(self, now: float) -> None:
+    def advance(self, now: float, busy: bool) -> None:
         k = len(self.active)
         if k and now > self.last:
             dt = (now - self.last) / k
             for t in self.active:
-                self.active[t] -= dt
+                self.active[t] -= dt / self.slow.get(t, 1.0) if busy else dt
         self.last = now
 
-    def next_finish(self) -> float:
-        return self.last + len(self.active) * min(self.active.values())
+    def eta(self, t: int, busy: bool) -> float:
+        """Seconds transfer `t` needs at the current rates, were it alone on the link."""
+        return self.active[t] * self.slow.get(t, 1.0) if busy else self.active[t]
+
+    def next_finish(self, busy: bool) -> float:
+        return self.last + len(self.active) * min(self.eta(t, busy) for t in self.active)
 
 
 @dataclass
@@ -438,6 +447,15 @@ class _Transfer:
     ready: float
     work: float
     label: str
+    slow: float = 1.0
+    """Busy factor: how many times slower it progresses while its rank computes."""
+    lat_left: float = 0.0
+    """Latency still to run (at rate 1, or 1 / slow while the rank computes), as of `lat_last`."""
+    lat_last: float = 0.0
+    version: int = 0
+    """Bumped when the end of its latency is rescheduled."""
+    joined: bool = False
+    """On its link (latency over)."""
 
 
 class _Sim:
@@ -469,6 +487,8 @@ class _Sim:
         self.waiter: dict[tuple, int] = {}
         self.links: dict[tuple[int, int], _Link] = {}
         self.transfers: list[_Transfer] = []
+        self.busy = [False] * n  # the compute stream is running
+        self.slowed: list[set[int]] = [set() for _ in range(n)]  # unfinished transfers with a busy factor > 1
         self.count = 0
 
     def push(self, t: float, kind: int, payload: Any) -> None:
@@ -482,28 +502,37 @@ class _Sim:
             now, _, kind, payload = heapq.heappop(self.heap)
             self.count += 1
             if kind == 0:  # compute done
+                self._set_busy(payload, False, now)
                 self.pc[payload] += 1
                 self.step(payload, now)
             elif kind == 1:  # latency over: join the link
-                tr = self.transfers[payload]
+                tid, version = payload
+                tr = self.transfers[tid]
+                if version != tr.version:
+                    continue
+                tr.joined = True
                 link = self._link(tr.sim, tr.layer)
-                link.advance(now)
+                link.advance(now, self.busy[tr.sim])
                 if tr.work <= 0:
-                    self._complete(payload, now)
+                    self._complete(tid, now)
                 else:
-                    link.active[payload] = tr.work
+                    link.active[tid] = tr.work
+                    if tr.slow > 1.0:
+                        link.slow[tid] = tr.slow
                     self._reschedule(tr.sim, tr.layer, link)
             else:  # a link's earliest transfer may be done
                 (sim, layer), version = payload
                 link = self.links[(sim, layer)]
                 if version != link.version:
                     continue
-                link.advance(now)
+                busy = self.busy[sim]
+                link.advance(now, busy)
                 # the transfer this event was scheduled for ends now, whatever rounding left of its work
-                first = min(link.active, key=link.active.__getitem__)
+                first = min(link.active, key=lambda t: link.eta(t, busy))
                 done = [t for t, rem in link.active.items() if t == first or rem <= 1e-9 * self.transfers[t].work]
                 for t in done:
                     del link.active[t]
+                    link.slow.pop(t, None)
                 self._reschedule(sim, layer, link)
                 for t in done:
                     self._complete(t, now)
@@ -525,18 +554,57 @@ class _Sim:
     def _reschedule(self, sim: int, layer: int, link: _Link) -> None:
         link.version += 1
         if link.active:
-            self.push(link.next_finish(), 2, ((sim, layer), link.version))
+            self.push(link.next_finish(self.busy[sim]), 2, ((sim, layer), link.version))
 
-    def _start(self, sim: int, done_key: tuple, lat: float, work: float, layer: int, label: str, now: float) -> None:
+    def _start(
+        self,
+        sim: int,
+        done_key: tuple,
+        lat: float,
+        work: float,
+        layer: int,
+        label: str,
+        now: float,
+        slow: float = 1.0,
+    ) -> None:
         tid = len(self.transfers)
-        self.transfers.append(_Transfer(sim, done_key, layer, now, work, label))
+        tr = _Transfer(sim, done_key, layer, now, work, label, slow, lat, now)
+        self.transfers.append(tr)
         if lat <= 0 and work <= 0:
             self._complete(tid, now)
         else:
-            self.push(now + lat, 1, tid)
+            if slow > 1.0:
+                self.slowed[sim].add(tid)
+            self.push(now + lat * (slow if self.busy[sim] else 1.0), 1, (tid, tr.version))
+
+    def _set_busy(self, s: int, busy: bool, now: float) -> None:
+        """Rank `s`'s compute stream starts (`busy`) or stops: its slowed transfers change rate from here
+        (package docstring, *Contention*): the rest of a latency is rescheduled, the links advanced at the old
+        rates and their next completion rescheduled at the new."""
+        if self.busy[s] == busy:
+            return
+        if not self.slowed[s]:
+            self.busy[s] = busy
+            return
+        layers = set()
+        for tid in self.slowed[s]:
+            tr = self.transfers[tid]
+            if tr.joined:
+                layers.add(tr.layer)
+                continue
+            tr.lat_left = max(0.0, tr.lat_left - (now - tr.lat_last) / (tr.slow if self.busy[s] else 1.0))
+            tr.lat_last = now
+            tr.version += 1
+            self.push(now + tr.lat_left * (tr.slow if busy else 1.0), 1, (tid, tr.version))
+        for layer in layers:
+            self.links[(s, layer)].advance(now, self.busy[s])
+        self.busy[s] = busy
+        for layer in layers:
+            self._reschedule(s, layer, self.links[(s, layer)])
 
     def _complete(self, tid: int, now: float) -> None:
         tr = self.transfers[tid]
+        self.slowed[tr.sim].discard(tid)
         if now > tr.ready:
             self.comm[tr.sim].append((tr.ready, now))
             self.events.append(TraceEvent(self.reps[tr.sim], 1 + tr.layer, tr.label, tr.ready, now - tr.ready, "comm"))
@@ -568,6 +636,7 @@ class _Sim:
                     self.compute[s].append((now, now + dur))
                     self.events.append(TraceEvent(self.reps[s], 0, op[2], now, dur, "compute"))
                     self.push(now + dur, 0, s)
+                    self._set_busy(s, True, now)
                     return
             elif kind == _ISSUE:
                 self._issue(s, op, now)
@@ -598,8 +667,8 @@ class _Sim:
             need = self.members[j].get(axis, (j,))
             if all(m in got for m in need):
                 ready = max(got[m] for m in need)
-                lat, work = self.low.duration(key[0])
-                self._start(j, (j, key), lat, work, self.low.layer_of(axis), label, ready)
+                lat, work, slow = self.low.duration(key[0])
+                self._start(j, (j, key), lat, work, self.low.layer_of(axis), label, ready, slow)
             else:
                 still.append(j)
         self.pending[key] = still
