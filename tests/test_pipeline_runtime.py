@@ -455,12 +455,14 @@ def test_tiles_and_the_local_all_gather_plan():
 
 
 def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_work():
-    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the last stage runs
-    each W at once while earlier stages delay theirs (filling the drain); in flight as under 1F1B."""
-    from meshpilot.planner.schedule import ActionKind, PipelineKind, in_flight, pipeline, zero_bubble
+    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the first stage runs
+    each W at once while later stages delay theirs by their index (ZB-H1: the drain's I pass unblocked); in
+    flight until I as under 1F1B, until W min(B, S) on every stage."""
+    from meshpilot.planner.schedule import ActionKind, PipelineKind, held_until_weight, in_flight, pipeline, zero_bubble
 
     zb = zero_bubble([[0], [1, 2], [3]], 4)
     assert in_flight(zb) == in_flight(pipeline([[0], [1, 2], [3]], 4, PipelineKind.ONE_F_ONE_B))
+    assert set(held_until_weight(zb).values()) == {3}
     for s, rc in enumerate(zb.classes):
         acts = list(rc.actions)
         kinds = [a.kind for a in acts]
@@ -471,9 +473,9 @@ def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_wor
             assert i < w
             if s > 0:
                 assert acts[i + 1].kind == ActionKind.SEND  # the previous stage waits for it: sent before any W
-        if s == 2:
-            assert str(zb).splitlines()[3].startswith("ranks 3: R0<1 F0 I0 S0>1 W0 R1<1")
-    assert "W0" in str(zb).splitlines()[1].split("I2")[1]  # stage 0 holds its first W back two backwards
+        if s == 0:
+            assert str(zb).splitlines()[1].startswith("ranks 0: F0 S0>1 F1 S1>1 F2 S2>1 R0<1 I0 W0 F3")
+    assert "W0" in str(zb).splitlines()[3].split("I2")[1]  # the last stage holds its first W back two backwards
 
 
 def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
