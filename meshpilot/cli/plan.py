@@ -145,7 +145,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pipeline", action="store_true", help="plan a pipeline: stages on submeshes (Alpa's stage DP; see above)"
     )
-    p.add_argument("--stages", type=positive_int, help="--pipeline: the number of stages (default: the DP chooses)")
+    p.add_argument(
+        "--stages",
+        type=positive_int,
+        help="--pipeline: the number of stages (interleaved-1f1b: of device groups, each holding 2 chunks; default: "
+        "the search chooses)",
+    )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
