@@ -158,13 +158,16 @@ def _tiny_gpt_graph():
 
 def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device; `runs`: (result
-    name, plan name, local all-gather?, zero-bubble schedule?) each, by default every plan as saved, the
-    Megatron | data-parallel one with the local all-gather, and those of ZB under the zero-bubble schedule."""
+    name, plan name, local all-gather?, zero-bubble schedule? — True: given to ``pipeline_parallelize``,
+    "kind": the plan's own, of kind zb-h1) each, by default every plan as saved, the Megatron | data-parallel
+    one with the local all-gather, and those of ZB as plans of kind zb-h1."""
+    import dataclasses
+
     import torch
 
     from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.pipeline import PipelinePlan
-    from meshpilot.planner.schedule import zero_bubble
+    from meshpilot.planner.schedule import PipelineKind, zero_bubble
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
@@ -174,10 +177,14 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     if runs is None:
         runs = [(name, name, False, False) for name in plans]
         runs += [("tp|dp+gather", "tp|dp", True, False)]
-        runs += [(f"{name}+zb", name, False, True) for name in ZB]
+        runs += [(f"{name}+zb", name, False, "kind") for name in ZB]
     for name, key, gather, zb in runs:
         plan = PipelinePlan.from_json(plans[key])
         sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
+        if zb == "kind":  # the plan's own kind, saved and loaded as `meshpilot train --plan` reads it
+            plan = PipelinePlan.from_json(dataclasses.replace(plan, schedule=PipelineKind.ZERO_BUBBLE).to_json())
+            assert plan.step_schedule() == sched
+            sched = None
         torch.manual_seed(0)
         idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
         tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))

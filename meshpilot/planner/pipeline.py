@@ -132,8 +132,10 @@ as Alpa bounds every stage by t_max, the DP is run for bounds on every chunk's t
 each time below the last optimum's slowest chunk, until nothing fits — and of these optima
 (``_Interleaved``, each exact under its bound) the one with the shortest simulated step
 (:meth:`PipelinePlan.simulate`) is the plan.
-``plan_pipeline(schedule="auto")`` plans every kind (``AUTO_ORDER``: 1F1B, ZB-H1, GPipe, Interleaved1F1B) and
-keeps the shortest simulated step (the simulator also counts each boundary's send, which Eq. 2 leaves out;
+``plan_pipeline(schedule="auto")`` plans every kind (``AUTO_ORDER``: 1F1B, ZB-H1, GPipe, Interleaved1F1B — the
+last only where the others' stage costs are exact: on a repeated stack they are composed from one block's plan,
+which this search does not use, and searching every range would undo that path's speed) and keeps the
+shortest simulated step (the simulator also counts each boundary's send, which Eq. 2 leaves out;
 ZB-H1's I and W are priced apart: :func:`input_grad_share`).
 
 7. Zero bubble — ``schedule.zero_bubble``, :func:`input_grad_share`
@@ -890,6 +892,8 @@ def plan_pipeline(
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
         for rank, k in enumerate(AUTO_ORDER):
+            if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
+                continue  # its search costs every range on its own: not where the others composed a block's costs
             try:
                 p = plan_pipeline(stack or graph, cluster, schedule=k, chunks=chunks, **kw, **stage_kw)
             except PlanError as e:
