@@ -123,7 +123,9 @@ and Eq. 5 per group adds its chunks' ``stage_memory``, each with its own in-flig
 
 The closed form rises with every T_g and with Σ t = Σ T_g, so a (T, M) matched or beaten in every group by
 another cannot lead to a better plan: the front at (V, L) holds the optimum (the tests check it against
-brute force). A front is cut at ``INTERLEAVED_FRONT`` entries (then ``plan_pipeline`` warns).
+brute force). For the same reason a partial split whose closed form already exceeds a step some split reaches
+(a first pass keeping 8 entries per front gives one) is dropped. A front is cut at ``INTERLEAVED_FRONT``
+entries (then ``plan_pipeline`` warns).
 
 The closed form is the simulator's step only for chunks of equal time: a skewed split (a heavy chunk followed
 by a light one on the other group) keeps groups waiting inside each round of P microbatches, which the closed
@@ -1222,17 +1224,27 @@ class _Chunk:
 
 
 def _interleaved_dp(
-    options: dict[tuple[int, int, int], list[_Chunk]], L: int, P: int, v: int, B: int, capacity: float
+    options: dict[tuple[int, int, int], list[_Chunk]],
+    L: int,
+    P: int,
+    v: int,
+    B: int,
+    capacity: float,
+    *,
+    front_cap: int = INTERLEAVED_FRONT,
+    bound: float = math.inf,
 ) -> tuple[float, list[_Chunk], bool] | None:
     """The least interleaved step over the splits of L clusters into V = v·P chunks, chunk j on group j mod P
     (module docstring, section 6): a DP over (chunk j, clusters used k) keeping the Pareto front of (T_g, M_g)
-    per group; `options[(j, k, i)]`: chunk j over clusters k..i, one per logical shape. Returns (step, the
-    chunks, whether a front was capped at :data:`INTERLEAVED_FRONT`) or None when nothing fits."""
+    per group; `options[(j, k, i)]`: chunk j over clusters k..i, one per logical shape. A partial split whose
+    closed form already exceeds `bound` (a step some split reaches) is dropped: more chunks only add to it.
+    Returns (step, the chunks, whether a front was cut at `front_cap`) or None when nothing fits."""
     V = v * P
     front: dict[int, list[tuple[tuple[float, ...], tuple[float, ...], float, tuple]]] = {
         0: [((0.0,) * P, (0.0,) * P, 0.0, ())]
     }  # k -> [(T per group, M per group, Σ t, chosen chunks as a linked tuple)]
     capped = False
+    limit = bound * (1 + 1e-12)
     for j in range(V):
         g = j % P
         nxt: dict[int, list] = {}
@@ -1244,6 +1256,8 @@ def _interleaved_dp(
                         if m > capacity:
                             continue
                         T2 = T[:g] + (T[g] + opt.t,) + T[g + 1 :]
+                        if B * max(T2) + (tot + opt.t - max(T2)) / v > limit:
+                            continue
                         M2 = M[:g] + (m,) + M[g + 1 :]
                         nxt.setdefault(i + 1, []).append((T2, M2, tot + opt.t, (chain, opt)))
         front = {}
@@ -1253,8 +1267,8 @@ def _interleaved_dp(
             for e in entries:  # drop what another entry matches or beats in every group's time and memory
                 if not any(all(a <= b for a, b in zip(o[0] + o[1], e[0] + e[1])) for o in kept):
                     kept.append(e)
-            if len(kept) > INTERLEAVED_FRONT:
-                capped, kept = True, kept[:INTERLEAVED_FRONT]
+            if len(kept) > front_cap:
+                capped, kept = True, kept[:front_cap]
             front[k] = kept
     best = None
     for T, _, tot, chain in front.get(L, ()):
@@ -1339,7 +1353,11 @@ def _plan_interleaved(
                 while j < len(cands) and cands[j] * (1 + epsilon) >= t_max:
                     j += 1
                 bounded = {key: [o for o in opts if o.t <= t_max] for key, opts in options.items()}
-                found = _interleaved_dp(bounded, L, P, v, B, capacity)
+                quick = _interleaved_dp(bounded, L, P, v, B, capacity, front_cap=8)  # a step some split reaches
+                if quick is None:
+                    found = _interleaved_dp(bounded, L, P, v, B, capacity)
+                else:
+                    found = _interleaved_dp(bounded, L, P, v, B, capacity, bound=quick[0]) or quick
                 if found is None:
                     break
                 capped |= found[2]
