@@ -92,7 +92,7 @@ def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
     clusters into v·P chunks (v = 2, every P) x group sizes x logical shape per chunk, each group's chunks'
     memory added up, scored by the closed form B·max T_g + (Σ t − max T_g)/v — returned per bound on the chunks'
     t: {t_max: least step with every chunk ≤ t_max} over the distinct chunk times."""
-    from meshpilot.planner.pipeline import _held_per_stage, stage_in_flight
+    from meshpilot.planner.pipeline import _held_per_stage, bypassed, stage_in_flight
 
     kind = PipelineKind(kind)
     nodes, per_node = devices_per_node(planner.cluster, n)
@@ -122,6 +122,7 @@ def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
                         best = min(best, sum(ts) + (B - 1) * max(ts))
         return best
     v, found = 2, []  # (max chunk t, step)
+    skipped = bypassed(planner.graph, planner.layers)  # chunks a value would cross whole: not runnable
     for P in range(2, n + 1):
         V = v * P
         if B % P or V > K:
@@ -130,6 +131,8 @@ def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
         for cuts in itertools.combinations(range(1, K), V - 1):
             edges = (0, *cuts, K)
             ranges = [(bounds[a][0], bounds[b - 1][1]) for a, b in zip(edges, edges[1:])]
+            if any(skipped[a, b - 1] for a, b in ranges):
+                continue
             for szs in itertools.product(sizes, repeat=P):
                 if sum(szs) != n:
                     continue
@@ -191,7 +194,7 @@ def test_dp_equals_brute_force_over_split_submesh_and_schedule(gpt_planner):
     and group sizes, and under each bound on the chunks' t its optimum is brute force's — also with a device too
     small for the unbounded optimum's groups, so memory decides. ``auto`` keeps the shortest simulated step of
     the kinds' plans."""
-    from meshpilot.planner.pipeline import _plan_interleaved, cluster_layers
+    from meshpilot.planner.pipeline import _plan_interleaved, bypassed, cluster_layers
 
     graph, n, B = gpt_planner.graph, 4, 4
     kw = dict(microbatches=B, num_devices=n, planner=gpt_planner, epsilon=0.0)
@@ -210,6 +213,9 @@ def test_dp_equals_brute_force_over_split_submesh_and_schedule(gpt_planner):
     clusters = cluster_layers(graph, len(bounds), all_layers=gpt_planner.layers)
     sizes = submesh_sizes(*devices_per_node(gpt_planner.cluster, n))
     inter = plan_pipeline(graph, "alpa-p3x8", schedule="interleaved-1f1b", **kw)
+    skipped = bypassed(graph, gpt_planner.layers)  # wpe alone: the first block's gradient to wte crosses it
+    assert [gpt_planner.layers[j].name for j in range(len(bounds)) if skipped[j, j]] == ["wpe"]
+    assert not any(skipped[a, b - 1] for a, b in (st.layers for st in inter.stages))
     per_group = max(sum(st.memory_bytes for st in inter.stages if st.ranks == g) for g in inter.groups)
     for c in (cap, 0.999 * per_group):  # the DP's memory check: each group's chunks added up
         want = brute_force_kind(gpt_planner, bounds, n, B, c, "interleaved-1f1b")

@@ -133,7 +133,9 @@ form does not see (a 4-block GPT on 2 groups of ``alpa-p3x8``: closed form 0.96 
 as Alpa bounds every stage by t_max, the DP is run for bounds on every chunk's t — the largest first, then
 each time below the last optimum's slowest chunk, until nothing fits — and of these optima
 (``_Interleaved``, each exact under its bound) the one with the shortest simulated step
-(:meth:`PipelinePlan.simulate`) is the plan.
+(:meth:`PipelinePlan.simulate`) is the plan. A chunk that a value would cross whole (made before it, read
+after it: :func:`bypassed`; on the GPTs the position embeddings alone, which the token embeddings' gradient
+from the first block skips) is not an option: the stage runtime passes values to the next stage only.
 ``plan_pipeline(schedule="auto")`` plans every kind (``AUTO_ORDER``: 1F1B, ZB-H1, GPipe, Interleaved1F1B — the
 last only where the others' stage costs are exact: on a repeated stack they are composed from one block's plan,
 which this search does not use, and searching every range would undo that path's speed) and keeps the
@@ -568,6 +570,8 @@ class PipelinePlan:
     stage_plans: int
     """Stage costs searched (StagePlanner cache misses) by this call."""
     t_max_tried: int
+    """Bounds on every stage's t the DP ran under (Interleaved1F1B: on every chunk's, over every group count and
+    group sizes; ZB-H1 without a fixed depth: over every depth)."""
     schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
     costing: StageCosting = StageCosting.EXACT
     """How the stage table was filled: every range searched, or composed from a repeated block's plan
@@ -1200,6 +1204,21 @@ def _held_per_stage(kind: PipelineKind, groups: Sequence[tuple[int, ...]], stage
     return [held[j] for j in range(stages)]
 
 
+def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
+    """``X[s, e]`` (s ≤ e): whether a value made in a layer before s is read in one after e, or the other way
+    round — a stage of layers s..e between two cuts would have it cross more than one boundary, which the
+    stage runtime refuses (``runtime.pipeline_stages``: one line, "choose other split points")."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    K = len(layers)
+    X = np.zeros((K, K), dtype=bool)
+    for n in graph.nodes:
+        for src, _ in n.inputs:
+            a, b = sorted((where.get(src, -1), where.get(n.name, -1)))
+            if a >= 0 and b - a >= 2:
+                X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
+    return X
+
+
 def _size_tuples(sizes: Sequence[int], parts: int, total: int) -> list[tuple[int, ...]]:
     """Every ordered tuple of `parts` allowed submesh sizes adding up to `total` (groups' device counts)."""
     if parts == 0:
@@ -1311,11 +1330,12 @@ def _plan_interleaved(
     """Interleaved1F1B's search (module docstring, section 6): over the group counts P (`num_stages`, or every
     one with B a multiple of P and v·P ≤ the clusters), the groups' submesh sizes and a bound t_max on every
     chunk's t (the distinct chunk times, those within (1 + `epsilon`) tried together), :func:`_interleaved_dp`
-    on the stage planner's costs. Returns every distinct optimum found, the (P, sizes) configurations tried
-    and whether a front was capped."""
+    on the stage planner's costs. Returns every distinct optimum found, the bounds tried (over every P and
+    group sizes: ``PipelinePlan.t_max_tried``) and whether a front was capped."""
     L = len(clusters.bounds)
     Ps = [num_stages] if num_stages is not None else range(2, min(n, L // v) + 1)
     costs: dict[tuple[int, int, int], list[StageCost]] = {}
+    skipped = bypassed(sp.graph, sp.layers)
 
     def cost(k: int, i: int, d: int) -> list[StageCost]:
         if (k, i, d) not in costs:
@@ -1337,12 +1357,13 @@ def _plan_interleaved(
             continue
         held = stage_in_flight_of(pipeline([[p] for p in range(P)], B, PipelineKind.INTERLEAVED_1F1B, v))
         for group_sizes in _size_tuples(sizes, P, n):
-            tried += 1
             options: dict[tuple[int, int, int], list[_Chunk]] = {}
             for j in range(V):
                 d = group_sizes[j % P]
                 for k in range(j, L - (V - 1 - j)):
                     for i in range(k, L - (V - 1 - j)):
+                        if skipped[clusters.bounds[k][0], clusters.bounds[i][1] - 1]:
+                            continue  # a value would cross it: the runtime cannot run this chunk between two cuts
                         options[(j, k, i)] = [
                             _Chunk(k, i, c, c.time.total_s / B, stage_memory(c, held[j])) for c in cost(k, i, d)
                         ]
@@ -1353,6 +1374,7 @@ def _plan_interleaved(
                 while j < len(cands) and cands[j] * (1 + epsilon) >= t_max:
                     j += 1
                 bounded = {key: [o for o in opts if o.t <= t_max] for key, opts in options.items()}
+                tried += 1
                 quick = _interleaved_dp(bounded, L, P, v, B, capacity, front_cap=8)  # a step some split reaches
                 if quick is None:
                     found = _interleaved_dp(bounded, L, P, v, B, capacity)
