@@ -105,6 +105,10 @@ def test_help_explains_the_options(capsys):
     from meshpilot.models import builtin_models
 
     flat = re.sub(r"-\s+", "-", " ".join(out.split()))  # argparse wraps lines at hyphens
+    from meshpilot.planner.schedule import PipelineKind
+
+    for kind in PipelineKind:  # each pipeline schedule named with what it is: "gpipe (all forwards, …"
+        assert re.search(rf"{re.escape(kind.value)} \(\w", flat), kind
     for name in builtin_models():
         base = name.removesuffix("-tiny") if "-tiny versions" in flat else name  # "… and their -tiny versions"
         family = re.sub(r"-?[\d.]+[mb]?$", "", base)

@@ -22,6 +22,7 @@ from meshpilot.planner.pipeline import (
     stage_memory,
     submesh_sizes,
 )
+from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stage import StagePlanner
 
 
@@ -86,6 +87,74 @@ def brute_force(planner, bounds, n, B, cap, num_stages=None, **kw):
     return best
 
 
+def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
+    """`brute_force` with `kind`'s memory rule (``stage_in_flight``); for Interleaved1F1B every split of the
+    clusters into v·P chunks (v = 2, every P) x group sizes x logical shape per chunk, each group's chunks'
+    memory added up, scored by the closed form B·max T_g + (Σ t − max T_g)/v — returned per bound on the chunks'
+    t: {t_max: least step with every chunk ≤ t_max} over the distinct chunk times."""
+    from meshpilot.planner.pipeline import _held_per_stage, bypassed, stage_in_flight
+
+    kind = PipelineKind(kind)
+    nodes, per_node = devices_per_node(planner.cluster, n)
+    sizes = submesh_sizes(nodes, per_node)
+    K = len(bounds)
+    if kind != PipelineKind.INTERLEAVED_1F1B:
+        best = math.inf
+        for S in range(1, min(K, n) + 1):
+            for cuts in itertools.combinations(range(1, K), S - 1):
+                edges = (0, *cuts, K)
+                ranges = [(bounds[a][0], bounds[b - 1][1]) for a, b in zip(edges, edges[1:])]
+                for szs in itertools.product(sizes, repeat=S):
+                    if sum(szs) != n:
+                        continue
+                    options = []
+                    for r, ((start, stop), d) in enumerate(zip(ranges, szs)):
+                        opts = []
+                        for shape in mesh_shapes_2d(d):
+                            try:
+                                c = planner.plan(start, stop, range(d), shape, microbatches=B, **kw)
+                            except PlanError:
+                                continue
+                            if stage_memory(c, stage_in_flight(kind, S - r, B, S)) <= cap:
+                                opts.append(c.time.total_s / B)
+                        options.append(opts)
+                    for ts in itertools.product(*options):
+                        best = min(best, sum(ts) + (B - 1) * max(ts))
+        return best
+    v, found = 2, []  # (max chunk t, step)
+    skipped = bypassed(planner.graph, planner.layers)  # chunks a value would cross whole: not runnable
+    for P in range(2, n + 1):
+        V = v * P
+        if B % P or V > K:
+            continue
+        held = _held_per_stage(kind, [(p,) for p in range(P)], V, B)
+        for cuts in itertools.combinations(range(1, K), V - 1):
+            edges = (0, *cuts, K)
+            ranges = [(bounds[a][0], bounds[b - 1][1]) for a, b in zip(edges, edges[1:])]
+            if any(skipped[a, b - 1] for a, b in ranges):
+                continue
+            for szs in itertools.product(sizes, repeat=P):
+                if sum(szs) != n:
+                    continue
+                options = []
+                for j, (start, stop) in enumerate(ranges):
+                    opts = []
+                    for shape in mesh_shapes_2d(szs[j % P]):
+                        try:
+                            c = planner.plan(start, stop, range(szs[j % P]), shape, microbatches=B, **kw)
+                        except PlanError:
+                            continue
+                        opts.append((c.time.total_s / B, stage_memory(c, held[j])))
+                    options.append(opts)
+                for combo in itertools.product(*options):
+                    if any(sum(m for _, m in combo[g::P]) > cap for g in range(P)):
+                        continue
+                    T = [sum(t for t, _ in combo[g::P]) for g in range(P)]
+                    ts = [t for t, _ in combo]
+                    found.append((max(ts), B * max(T) + (sum(ts) - max(T)) / v))
+    return {t_max: min(step for m, step in found if m <= t_max) for t_max in sorted({m for m, _ in found})}
+
+
 def test_dp_equals_brute_force_on_gpt_tiny(gpt_planner):
     graph = gpt_planner.graph
     p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)
@@ -118,6 +187,56 @@ def test_dp_equals_brute_force_on_an_mlp_over_two_nodes(mlp_planner, B):
     assert q.dp_step_s == pytest.approx(brute_force(mlp_planner, q.clustering.bounds, 4, B, q.capacity), rel=1e-12)
 
 
+def test_dp_equals_brute_force_over_split_submesh_and_schedule(gpt_planner):
+    """gpt-tiny's 6 layers on 4 devices, B = 4: for every schedule kind the stage DP's optimum equals brute force
+    over every split x submesh sizes x logical shapes on the same costs, each under its kind's memory rule (1F1B:
+    S − s in flight, ZB-H1: min(B, S) until W, GPipe: B); for Interleaved1F1B the DP chooses its own 2·P chunks
+    and group sizes, and under each bound on the chunks' t its optimum is brute force's — also with a device too
+    small for the unbounded optimum's groups, so memory decides. ``auto`` keeps the shortest simulated step of
+    the kinds' plans."""
+    from meshpilot.planner.pipeline import _plan_interleaved, bypassed, cluster_layers
+
+    graph, n, B = gpt_planner.graph, 4, 4
+    kw = dict(microbatches=B, num_devices=n, planner=gpt_planner, epsilon=0.0)
+    cap = gpt_planner.cluster.device.memory_bytes
+    bounds = tuple((j, j + 1) for j in range(len(gpt_planner.layers)))
+    sims = {}
+    for kind in ("1f1b", "zb-h1", "gpipe"):
+        p = plan_pipeline(graph, "alpa-p3x8", schedule=kind, **kw)
+        assert p.clustering.bounds == bounds and p.schedule.value == kind
+        assert p.dp_step_s == pytest.approx(brute_force_kind(gpt_planner, bounds, n, B, cap, kind), rel=1e-12)
+        S = len(p.stages)
+        assert [st.in_flight for st in p.stages] == {
+            "1f1b": [min(B, S - j) for j in range(S)], "zb-h1": [min(B, S)] * S, "gpipe": [B] * S
+        }[kind]  # fmt: skip
+        sims[kind] = p.simulate("alpa-p3x8").step_s
+    clusters = cluster_layers(graph, len(bounds), all_layers=gpt_planner.layers)
+    sizes = submesh_sizes(*devices_per_node(gpt_planner.cluster, n))
+    inter = plan_pipeline(graph, "alpa-p3x8", schedule="interleaved-1f1b", **kw)
+    skipped = bypassed(graph, gpt_planner.layers)  # wpe alone: the first block's gradient to wte crosses it
+    assert [gpt_planner.layers[j].name for j in range(len(bounds)) if skipped[j, j]] == ["wpe"]
+    assert not any(skipped[a, b - 1] for a, b in (st.layers for st in inter.stages))
+    per_group = max(sum(st.memory_bytes for st in inter.stages if st.ranks == g) for g in inter.groups)
+    for c in (cap, 0.999 * per_group):  # the DP's memory check: each group's chunks added up
+        want = brute_force_kind(gpt_planner, bounds, n, B, c, "interleaved-1f1b")
+        found, _, capped = _plan_interleaved(gpt_planner, clusters, sizes, n, B, 2, None, c, 0.0, {})
+        assert not capped and found
+        first = max(found, key=lambda x: x.t_max)  # the largest bound: no chunk excluded
+        assert first.t_max >= max(want) and first.step_s == pytest.approx(min(want.values()), rel=1e-12)
+        for x in found:
+            assert x.step_s == pytest.approx(min(s for m, s in want.items() if m <= x.t_max), rel=1e-12)
+        if c == cap:
+            assert inter.chunks == 2 and inter.dp_step_s in [pytest.approx(x.step_s, rel=1e-12) for x in found]
+            assert per_group <= cap
+        else:
+            assert want[max(want)] > min(x.step_s for x in _plan_interleaved(
+                gpt_planner, clusters, sizes, n, B, 2, None, cap, 0.0, {})[0])  # fmt: skip
+    sims["interleaved-1f1b"] = inter.simulate("alpa-p3x8").step_s
+    auto = plan_pipeline(graph, "alpa-p3x8", schedule="auto", **kw)
+    assert auto.simulate("alpa-p3x8").step_s == min(sims.values())
+    assert auto.schedule.value == min(sims, key=sims.get)
+
+
 def test_memory_check_holds_activations_of_later_stages(mlp_planner):
     """Eq. 5: with a capacity between one microbatch's peak and the 1F1B peak, stages drop out; the DP and
     brute force agree, and every chosen stage fits with its microbatches in flight."""
@@ -133,6 +252,12 @@ def test_memory_check_holds_activations_of_later_stages(mlp_planner):
     assert p.dp_step_s == pytest.approx(brute_force(mlp_planner, p.clustering.bounds, 2, B, cap, **kw), rel=1e-12)
     assert all(s.memory_bytes <= cap for s in p.stages)
     assert [(s.layers, s.mesh_shape) for s in p.stages] != [(s.layers, s.mesh_shape) for s in free.stages]
+    # ZB-H1 holds min(B, S) on every stage (its W delayed on the later ones): its own rule, the same agreement
+    z = plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, memory_bytes=cap, epsilon=0,
+                      schedule="zb-h1")  # fmt: skip
+    want = brute_force_kind(mlp_planner, z.clustering.bounds, 2, B, cap, "zb-h1", **kw)
+    assert z.dp_step_s == pytest.approx(want, rel=1e-12) and all(s.memory_bytes <= cap for s in z.stages)
+    assert all(s.in_flight == min(B, len(z.stages)) for s in z.stages)
 
 
 def test_epsilon_keeps_within_its_bound(gpt_planner):
@@ -312,13 +437,74 @@ def test_simulated_step_of_a_pipeline_plan(gpt_planner):
 def test_auto_schedule_takes_the_shorter_simulated_step(gpt_planner):
     graph = gpt_planner.graph
     kw = dict(microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
-    steps = {
-        k: plan_pipeline(graph, "alpa-p3x8", schedule=k, **kw).simulate("alpa-p3x8").step_s for k in ("1f1b", "gpipe")
-    }
+    steps = {k: plan_pipeline(graph, "alpa-p3x8", schedule=k, **kw).simulate("alpa-p3x8").step_s for k in PipelineKind}
     auto = plan_pipeline(graph, "alpa-p3x8", schedule="auto", **kw)
-    want = "gpipe" if steps["gpipe"] < steps["1f1b"] else "1f1b"
-    assert auto.schedule.value == want
+    assert auto.schedule == min(steps, key=steps.get)
     assert auto.simulate("alpa-p3x8").step_s == min(steps.values())
+
+
+def _uniform(S, B, f, i, w, kind):
+    """A plan of S identical one-rank stages (each microbatch: forward f, input gradients i, weight gradients w),
+    built by hand: what the simulator prices, without a stage search."""
+    from meshpilot.cluster.mesh import MeshMapping
+    from meshpilot.planner.accounting import PhasePeaks
+    from meshpilot.planner.pipeline import Clustering, PipelinePlan, PipelineStage
+    from meshpilot.planner.plan import MemoryUse, StepTime
+    from meshpilot.planner.stage import StageCost
+
+    t = f + i + w
+    stages = []
+    for j in range(S):
+        c = StageCost((j, j + 1), (j,), (1, 1), MeshMapping.ROW, StepTime(t * B, 0.0, 0.0),
+                      MemoryUse(0, 0, 0, 0, 0, 1e9), PhasePeaks(0, 0, 0), f * B, 0.0)  # fmt: skip
+        stages.append(PipelineStage((j, j + 1), (f"l{j}",), (j,), (1, 1), c, t, 1, 0.0, 0.0, i / (i + w)))
+    clustering = Clustering(tuple((j, j + 1) for j in range(S)), (1.0,) * S, (0.0,) * S, 0.0)
+    return PipelinePlan(tuple(stages), B, S, clustering, 1e9, 0.0, 0.0, 0, 0, PipelineKind(kind))
+
+
+def _free_links():
+    layer = {"name": "node", "ranks": 8, "p2p_GBps": 100.0, "group_GBps": 100.0, "latency_us": 0.0}
+    return cluster_from_dict({"name": "free", "device": "v100-16gb", "layers": [layer]}, "test_pipeline_plan")
+
+
+@pytest.mark.parametrize(
+    "S, B, f, i, w",
+    [(4, 8, 1.0, 1.0, 1.0), (4, 12, 2.0, 1.0, 0.5), (3, 3, 1.0, 3.0, 1.0), (2, 5, 1.0, 0.5, 2.5)],
+)
+def test_zero_bubble_prices_input_and_weight_gradients_apart(S, B, f, i, w):
+    """On S uniform stages with B ≥ S and free links, each B = I + W in the simulator: 1F1B's step is
+    (B + S − 1)·(F + I + W) and ZB-H1's B·(F + I + W) + (S − 1)·max(F, I, F + I − W) (schedule.zero_bubble's
+    docstring): a third of the bubble when F = I = W, below 1F1B's whenever W > 0."""
+    cl = _free_links()
+    one = _uniform(S, B, f, i, w, "1f1b").simulate(cl)
+    zb = _uniform(S, B, f, i, w, "zb-h1").simulate(cl)
+    assert one.step_s == pytest.approx((B + S - 1) * (f + i + w), rel=1e-12)
+    assert zb.step_s == pytest.approx(B * (f + i + w) + (S - 1) * max(f, i, f + i - w), rel=1e-12)
+    assert zb.step_s < one.step_s
+    for c in zb.classes:  # every stage computes B·(F + I + W): no part of a backward counted twice
+        assert c.compute_s == pytest.approx(B * (f + i + w), rel=1e-12)
+    if f == i == w:
+        assert zb.step_s - B * 3 * f == pytest.approx((one.step_s - B * 3 * f) / 3, rel=1e-12)
+
+
+def test_input_gradient_share_is_the_cone_of_what_is_sent_back(mlp_planner):
+    """A Linear's input- and weight-gradient matmuls have the same FLOPs, so a stage of the MLP after the first
+    runs about half its backward FLOPs as I (and the activations' and the loss's backward); the first stage
+    sends nothing back: all W. The simulator refuses an I or W without its part of the nodes."""
+    from meshpilot.planner.pipeline import input_grad_share
+    from meshpilot.planner.schedule import parse_schedule
+    from meshpilot.sim import simulate
+
+    g, layers = mlp_planner.graph, mlp_planner.layers
+    assert input_grad_share(g, layers, 0, len(layers)) == 0.0
+    for start in range(1, len(layers)):
+        assert input_grad_share(g, layers, start, len(layers)) == pytest.approx(0.5, abs=0.01)
+    plan = plan_pipeline(g, None, microbatches=2, num_devices=2, planner=mlp_planner, num_stages=2)
+    assert plan.stages[0].input_share == 0.0 and 0.49 < plan.stages[1].input_share < 0.51
+    intra = plan.with_intra(g, _two_by_two()).intra[0]
+    with pytest.raises(UserError, match="I0 is a part of a backward"):
+        text = f"schedule zb-h1, 1 microbatch\nranks 0-{len(intra.mesh_ranks) - 1}: F0 I0 W0 G"
+        simulate(intra, cluster=_two_by_two(), schedule=parse_schedule(text))
 
 
 def _shape_of(g):

@@ -158,13 +158,16 @@ def _tiny_gpt_graph():
 
 def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     """Each pipeline plan with its stages' own plans, 3 AdamW steps beside the single device; `runs`: (result
-    name, plan name, local all-gather?, zero-bubble schedule?) each, by default every plan as saved, the
-    Megatron | data-parallel one with the local all-gather, and those of ZB under the zero-bubble schedule."""
+    name, plan name, local all-gather?, zero-bubble schedule? — True: given to ``pipeline_parallelize``,
+    "kind": the plan's own, of kind zb-h1) each, by default every plan as saved, the Megatron | data-parallel
+    one with the local all-gather, and those of ZB as plans of kind zb-h1."""
+    import dataclasses
+
     import torch
 
     from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.pipeline import PipelinePlan
-    from meshpilot.planner.schedule import zero_bubble
+    from meshpilot.planner.schedule import PipelineKind, zero_bubble
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
@@ -174,10 +177,14 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     if runs is None:
         runs = [(name, name, False, False) for name in plans]
         runs += [("tp|dp+gather", "tp|dp", True, False)]
-        runs += [(f"{name}+zb", name, False, True) for name in ZB]
+        runs += [(f"{name}+zb", name, False, "kind") for name in ZB]
     for name, key, gather, zb in runs:
         plan = PipelinePlan.from_json(plans[key])
         sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
+        if zb == "kind":  # the plan's own kind, saved and loaded as `meshpilot train --plan` reads it
+            plan = PipelinePlan.from_json(dataclasses.replace(plan, schedule=PipelineKind.ZERO_BUBBLE).to_json())
+            assert plan.step_schedule() == sched
+            sched = None
         torch.manual_seed(0)
         idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
         tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
@@ -455,12 +462,14 @@ def test_tiles_and_the_local_all_gather_plan():
 
 
 def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_work():
-    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the last stage runs
-    each W at once while earlier stages delay theirs (filling the drain); in flight as under 1F1B."""
-    from meshpilot.planner.schedule import ActionKind, PipelineKind, in_flight, pipeline, zero_bubble
+    """Pure: every stage runs I m before W m, sends its input gradient right after I, and the first stage runs
+    each W at once while later stages delay theirs by their index (ZB-H1: the drain's I pass unblocked); in
+    flight until I as under 1F1B, until W min(B, S) on every stage."""
+    from meshpilot.planner.schedule import ActionKind, PipelineKind, held_until_weight, in_flight, pipeline, zero_bubble
 
     zb = zero_bubble([[0], [1, 2], [3]], 4)
     assert in_flight(zb) == in_flight(pipeline([[0], [1, 2], [3]], 4, PipelineKind.ONE_F_ONE_B))
+    assert set(held_until_weight(zb).values()) == {3}
     for s, rc in enumerate(zb.classes):
         acts = list(rc.actions)
         kinds = [a.kind for a in acts]
@@ -471,9 +480,9 @@ def test_the_zero_bubble_schedule_splits_each_backward_into_input_and_weight_wor
             assert i < w
             if s > 0:
                 assert acts[i + 1].kind == ActionKind.SEND  # the previous stage waits for it: sent before any W
-        if s == 2:
-            assert str(zb).splitlines()[3].startswith("ranks 3: R0<1 F0 I0 S0>1 W0 R1<1")
-    assert "W0" in str(zb).splitlines()[1].split("I2")[1]  # stage 0 holds its first W back two backwards
+        if s == 0:
+            assert str(zb).splitlines()[1].startswith("ranks 0: F0 S0>1 F1 S1>1 F2 S2>1 R0<1 I0 W0 F3")
+    assert "W0" in str(zb).splitlines()[3].split("I2")[1]  # the last stage holds its first W back two backwards
 
 
 def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():

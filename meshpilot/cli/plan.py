@@ -47,6 +47,7 @@ from meshpilot.cli.common import add_cluster_arg, add_hf_config_arg, console, ge
 from meshpilot.errors import UserError
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
+from meshpilot.planner.schedule import PipelineKind
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
@@ -108,8 +109,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the step's schedule saved with the plan: trivial (F0 B0 G, default), accumulate (--microbatches, "
         "gradients reduced once), overlapped (collectives issued right after their producer), duplex (HiDup: "
         "2 microbatches interleaved stage by stage, one's collectives beside the other's compute); with "
-        "--pipeline: 1f1b (default), gpipe, interleaved-1f1b (1F1B's groups holding 2 chunks each) or auto (the "
-        "shortest simulated step of the three)",
+        "--pipeline: 1f1b (default: stage s holds S-s microbatches), gpipe (all forwards, then all backwards: "
+        "B in flight), interleaved-1f1b (P device groups holding 2 chunks each, split by the stage DP: a v-fold "
+        "smaller bubble for v times the sends), zb-h1 (zero bubble: each backward split into input- and "
+        "weight-gradient work, weight work filling 1F1B's drain; min(B, S) in flight on every stage) or auto "
+        "(the shortest simulated step of them all)",
     )
     p.add_argument(
         "--microbatches",
@@ -143,7 +147,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pipeline", action="store_true", help="plan a pipeline: stages on submeshes (Alpa's stage DP; see above)"
     )
-    p.add_argument("--stages", type=positive_int, help="--pipeline: the number of stages (default: the DP chooses)")
+    p.add_argument(
+        "--stages",
+        type=positive_int,
+        help="--pipeline: the number of stages (interleaved-1f1b: of device groups, each holding 2 chunks; default: "
+        "the search chooses)",
+    )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -154,7 +163,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 SCHEDULES = ("trivial", "accumulate", "overlapped", "duplex")
 SEARCHER_NAMES = ("ilp", "pareto", "best")
 """``--searcher``: ``meshpilot.planner.search.SEARCHERS``."""
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "auto")
+PIPELINE_SCHEDULES = (*(k.value for k in PipelineKind), "auto")
 PIPELINE_MICROBATCHES = 4
 
 

@@ -4,9 +4,9 @@ The single-stage planner (``meshpilot.planner.auto``) shards every operator over
 (``stage.runnable_layers``: the ones the runtime runs) are cut into S contiguous *stages*, the devices into S
 *submeshes*, and each stage runs its own intra-operator plan on its submesh (``stage.StagePlanner.plan``, cached),
 the stages passing activations forward and gradients backward under a synchronous schedule of B microbatches (1F1B
-by default, GPipe, Interleaved1F1B or zero bubble: ``schedule.PipelineKind``). The graph given is the step of **one
-microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the predicted
-step. The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
+by default, GPipe, Interleaved1F1B or zero bubble ZB-H1: ``schedule.PipelineKind``). The graph given is the step
+of **one microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the
+predicted step. The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
 ``Schedule`` (``step_schedule``: what the simulator times and ``meshpilot.runtime.pipeline`` runs) and the module
 names the runtime cuts the model at (``split_points``).
 
@@ -54,7 +54,8 @@ synchronisation once), so the per-microbatch latency with the synchronisation am
     t = c.time.total_s / B                                                         → ``t``
 
 A stage with s stages from it to the end (itself included) keeps up to f(s) microbatches' activations in
-flight — min(B, s) under 1F1B, B under GPipe, counted on the schedule itself (``stage_in_flight``) — so it
+flight — min(B, s) under 1F1B, B under GPipe, min(B, S) under ZB-H1 (a microbatch's saved values are held
+until its ``W``, which the later stages delay), counted on the schedule itself (``stage_in_flight``) — so it
 fits when
 
     max(P.update, P.forward_backward + (f(s) − 1) · P.activations) ≤ capacity        → ``stage_memory``
@@ -103,27 +104,59 @@ logical mesh and mapping, over the plan's microbatches — and keeps the resulti
 ``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
 builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
 
-6. Interleaved1F1B — :func:`interleave`
---------------------------------------
-With P groups (the DP's stages' submeshes and logical meshes) each holding v chunks, the layers are clustered
-again into V = v·P clusters (Eq. 6 with L = V), chunk j on group j mod P, each costed by the stage planner.
-With T_g = Σ t_j over group g's chunks the step is
+6. Interleaved1F1B — :func:`_plan_interleaved`, :func:`_interleaved_dp`
+----------------------------------------------------------------------
+P groups of devices each hold v chunks: the clusters are cut into V = v·P contiguous chunks, chunk j on group
+j mod P (whose submesh size z_g every chunk of the group shares; each chunk its own logical shape). With
+T_g = Σ t_j over group g's chunks, the closed form of the step (Narayanan et al. §2.2; Eq. 2 for v = 1: the
+fill and drain run chunks a v-th of a group's work) is
 
     B · max_g T_g + (Σ_j t_j − max_g T_g) / v                                        → ``PipelinePlan.step_s``
 
-(Eq. 2 for v = 1; the fill and drain run chunks a v-th of a group's work: Narayanan et al. §2.2), and
-Eq. 5 per group adds its chunks' ``stage_memory`` with each chunk's own in-flight count read off the
-schedule (``schedule.stage_in_flight_of``): an upper bound, the chunks' peaks need not coincide.
-``plan_pipeline(schedule="auto")`` adds the 1F1B plan interleaved with v = 2 to GPipe and 1F1B and keeps the
-shortest simulated step (the simulator counts each of the V − 1 boundaries' sends, which Eq. 2 leaves out).
+and Eq. 5 per group adds its chunks' ``stage_memory``, each with its own in-flight count read off the schedule
+(``schedule.stage_in_flight_of``): an upper bound, the chunks' peaks need not coincide. The search, for each P
+(B a multiple of P, V ≤ L) and each tuple of group sizes (z_0..z_{P−1}) adding up to n:
+
+    D(j, k) = the Pareto front of (T_0..T_{P−1}, M_0..M_{P−1}) over chunks 0..j−1 covering clusters 0..k−1
+    D(j+1, i+1) ∋ D(j, k) + (t, mem) of chunk j over clusters k..i in one logical shape, on group j mod P,
+                  kept while M_{j mod P} ≤ capacity                                  → ``_interleaved_dp``
+
+The closed form rises with every T_g and with Σ t = Σ T_g, so a (T, M) matched or beaten in every group by
+another cannot lead to a better plan: the front at (V, L) holds the optimum (the tests check it against
+brute force). For the same reason a partial split whose closed form already exceeds a step some split reaches
+(a first pass keeping 8 entries per front gives one) is dropped. A front is cut at ``INTERLEAVED_FRONT``
+entries (then ``plan_pipeline`` warns).
+
+The closed form is the simulator's step only for chunks of equal time: a skewed split (a heavy chunk followed
+by a light one on the other group) keeps groups waiting inside each round of P microbatches, which the closed
+form does not see (a 4-block GPT on 2 groups of ``alpa-p3x8``: closed form 0.96 ms, simulated 1.20 ms). So,
+as Alpa bounds every stage by t_max, the DP is run for bounds on every chunk's t — the largest first, then
+each time below the last optimum's slowest chunk, until nothing fits — and of these optima
+(``_Interleaved``, each exact under its bound) the one with the shortest simulated step
+(:meth:`PipelinePlan.simulate`) is the plan. A chunk that a value would cross whole (made before it, read
+after it: :func:`bypassed`; on the GPTs the position embeddings alone, which the token embeddings' gradient
+from the first block skips) is not an option: the stage runtime passes values to the next stage only.
+``plan_pipeline(schedule="auto")`` plans every kind (``AUTO_ORDER``: 1F1B, ZB-H1, GPipe, Interleaved1F1B — the
+last only where the others' stage costs are exact: on a repeated stack they are composed from one block's plan,
+which this search does not use, and searching every range would undo that path's speed) and keeps the
+shortest simulated step (the simulator also counts each boundary's send, which Eq. 2 leaves out;
+ZB-H1's I and W are priced apart: :func:`input_grad_share`).
+
+7. Zero bubble — ``schedule.zero_bubble``, :func:`input_grad_share`
+------------------------------------------------------------------
+ZB-H1's stages are the DP's (Eq. 2 with ZB-H1's memory rule above: the DP does not see its smaller bubble;
+``auto`` and the printout's simulated step do). The simulator splits each stage's backward per microbatch,
+t − forward, into ``I`` and ``W`` by FLOPs: ``I`` takes the share of the stage's backward FLOPs in the nodes
+the gradients sent to the previous stage depend on (the split the stage runtime makes), ``W`` the rest.
+Collectives and memory traffic are split in the same ratio, which the FLOPs need not reflect.
 
 Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
 leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline in the
-DP (it uses Eq. 2; the simulator times a ``step_schedule`` with each stage's forward and backward times), the
-DP searching the interleaved split itself (``interleave`` re-cuts 1F1B's groups), zero-bubble schedules'
-``I`` / ``W`` (the simulator does not time them), and a stage plan searched for the memory that f(s)
-microbatches in flight leave it (the ILP is given the
-whole device; a plan that then fails Eq. 5 is dropped, not re-searched).
+DP (it uses Eq. 2 and the closed form above; the simulator times a ``step_schedule`` with each stage's
+forward, input- and weight-gradient times), the interleaved search on a ``Stack`` of fewer captured blocks
+(it costs every range on its own: ``PlanError``), and a stage plan searched for the memory that f(s)
+microbatches in flight leave it (the ILP is given the whole device; a plan that then fails Eq. 5 is dropped,
+not re-searched).
 """
 
 from __future__ import annotations
@@ -134,6 +167,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -145,13 +179,23 @@ from meshpilot.graph.capture import OpGraph
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
-from meshpilot.planner.schedule import PipelineKind, Schedule, pipeline
-from meshpilot.planner.schedule import in_flight as schedule_in_flight
+from meshpilot.planner.schedule import (
+    ActionKind,
+    PipelineKind,
+    Schedule,
+    held_until_weight,
+    pipeline,
+    stage_in_flight_of,
+)
 from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers
 
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
+
+_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+"""The compute actions :meth:`PipelinePlan.simulate` gives node spans: its stand-in's f, i + w, i, w."""
 
 DEFAULT_EPSILON = 1e-3
 """t_max values within this fraction of each other are tried together; the step found is within this
@@ -315,11 +359,15 @@ def place(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 @functools.cache
-def stage_in_flight(kind: PipelineKind, stages_left: int, microbatches: int) -> int:
+def stage_in_flight(kind: PipelineKind, stages_left: int, microbatches: int, stages: int | None = None) -> int:
     """Microbatches whose activations a stage with `stages_left` stages from it to the end (itself included)
-    holds at most under `kind` (GPipe: all B; 1F1B: min(B, stages_left)), read off the schedule itself."""
-    sched = pipeline([[r] for r in range(stages_left)], microbatches, kind)
-    return schedule_in_flight(sched)[(0,)]
+    holds at most under `kind` in a pipeline of `stages` stages (default: `stages_left`, the stage first) —
+    GPipe: all B; 1F1B: min(B, stages_left); ZB-H1: min(B, stages), every stage alike, since a microbatch's
+    saved values stay until its ``W``, which the later stages delay (``schedule.held_until_weight``) — read
+    off the schedule itself."""
+    S = stages_left if stages is None else stages
+    sched = pipeline([[r] for r in range(S)], microbatches, kind)
+    return held_until_weight(sched)[(S - stages_left,)]
 
 
 def _fits(cost: StageCost, in_flight: int, capacity: float) -> bool:
@@ -332,6 +380,34 @@ def stage_memory(cost: StageCost, in_flight: int) -> float:
     optimizer step's peak, or the forward + backward peak plus the further microbatches' activations."""
     p = cost.peaks
     return max(p.update, p.forward_backward + (in_flight - 1) * p.activations)
+
+
+def input_grad_share(graph: OpGraph, layers: Sequence[Layer], start: int, stop: int) -> float:
+    """Of the backward FLOPs of `layers` ``[start, stop)`` of `graph`, the share a zero-bubble schedule runs as
+    ``I``: the backward nodes the gradients sent to the previous stage depend on — the cone, within the stage,
+    of its backward values that an earlier layer's backward reads, the split the stage runtime makes
+    (``runtime.pipeline_stages``) — the rest being ``W`` (the weight gradients). 0 for the first stage
+    (nothing is sent back: its whole backward is ``W``) and for a backward without FLOPs."""
+    if start == 0:
+        return 0.0
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    mine = {n.name: n for n in graph.nodes if n.phase == "bwd" and start <= where.get(n.name, -1) < stop}
+    seeds = [
+        src
+        for n in graph.nodes
+        if n.phase == "bwd" and where.get(n.name, stop) < start
+        for src, _ in n.inputs
+        if src in mine
+    ]
+    cone: set[str] = set()
+    while seeds:
+        x = seeds.pop()
+        if x in cone or x not in mine:
+            continue
+        cone.add(x)
+        seeds += [src for src, _ in mine[x].inputs]
+    total = sum(n.flops for n in mine.values())
+    return sum(mine[x].flops for x in cone) / total if total > 0 else 0.0
 
 
 @dataclass
@@ -389,7 +465,8 @@ class _StageTable:
             z = self.sizes.index(d)
             for s in range(1, S + 1):
                 for j, c in enumerate(found):
-                    if _fits(c, stage_in_flight(self.kind, s, B), self.capacity) and c.time.total_s / B < t[s, k, i, z]:
+                    fl = stage_in_flight(self.kind, s, B, self.stages)
+                    if _fits(c, fl, self.capacity) and c.time.total_s / B < t[s, k, i, z]:
                         t[s, k, i, z], arg[s, k, i, z] = c.time.total_s / B, j
         return t, arg
 
@@ -444,6 +521,10 @@ def _dp(
 AUTO = "auto"
 """``plan_pipeline(schedule=AUTO)``: the schedule kind whose simulated step is shortest."""
 
+AUTO_ORDER = (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.GPIPE, PipelineKind.INTERLEAVED_1F1B)
+"""The kinds ``AUTO`` plans, in the order that breaks ties of the simulated step: fewest microbatches in flight
+first (1F1B's S − s, zero bubble's min(B, S), GPipe's B), then Interleaved1F1B's v-fold sends."""
+
 PIPELINE_FORMAT = "meshpilot-pipeline-plan/1"
 """The ``format`` field of a saved :class:`PipelinePlan`."""
 
@@ -468,6 +549,9 @@ class PipelineStage:
     """Per device: Eq. 5's left side, :func:`stage_memory`."""
     recv_bytes: float
     """Bytes per microbatch the stage reads from other stages (not priced in the step; module docstring)."""
+    input_share: float | None = None
+    """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
+    previous stage), the rest being ``W``: :func:`input_grad_share` (None: a plan saved before it was kept)."""
 
 
 @dataclass(frozen=True)
@@ -486,6 +570,8 @@ class PipelinePlan:
     stage_plans: int
     """Stage costs searched (StagePlanner cache misses) by this call."""
     t_max_tried: int
+    """Bounds on every stage's t the DP ran under (Interleaved1F1B: on every chunk's, over every group count and
+    group sizes; ZB-H1 without a fixed depth: over every depth)."""
     schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
     costing: StageCosting = StageCosting.EXACT
     """How the stage table was filled: every range searched, or composed from a repeated block's plan
@@ -514,8 +600,6 @@ class PipelinePlan:
         the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
         `graph` is the one-microbatch graph the plan was made from; ``force[j]`` pins layouts in stage j
         (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). Pure."""
-        import warnings
-
         from meshpilot.planner.auto import plan as plan_intra
         from meshpilot.planner.stage import slice_graph
 
@@ -553,9 +637,10 @@ class PipelinePlan:
     def step_schedule(self) -> Schedule:
         """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage (per group of
         :attr:`chunks` stages under Interleaved1F1B)."""
-        if self.schedule == PipelineKind.INTERLEAVED_1F1B:
-            return pipeline(self.groups, self.microbatches, self.schedule, self.chunks)
-        return pipeline([s.ranks for s in self.stages], self.microbatches, self.schedule)
+        return self._schedule_on(self.groups)
+
+    def _schedule_on(self, groups: Sequence[Sequence[int]]) -> Schedule:
+        return pipeline(groups, self.microbatches, self.schedule, self.chunks)
 
     def simulate(self, cluster, p2p_bytes: float = 0.0):
         """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
@@ -569,22 +654,34 @@ class PipelinePlan:
 
         cl = load_cluster(cluster)
         B = self.microbatches
+        sched = self.step_schedule()
+        split = any(a.kind in _SPLIT for c in sched.classes for a in c.actions)
         nodes: list[NodeChoice] = []
-        spans = []
+        spans: list[dict[ActionKind, tuple[int, int]]] = []
         for j, st in enumerate(self.stages):
             f = st.cost.forward_s / B
-            spans.append((len(nodes), len(nodes) + 2))
+            share = st.input_share
+            if split and share is None:
+                raise UserError(
+                    "pipeline plan: its stages lack their input-gradient share (input_share); save it again"
+                )
+            b_in = (st.t_s - f) * (share or 0.0)
+            at = len(nodes)
+            spans.append(dict(zip(_PARTS, ((at, at + 1), (at + 1, at + 3), (at + 1, at + 2), (at + 2, at + 3)))))
             nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
-            nodes += [NodeChoice(f"b{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f)]
+            nodes += [NodeChoice(f"i{j}", "stage", "op", (), (), "s", "bwd", b_in)]
+            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f - b_in)]
         # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
         # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
         # (under Interleaved1F1B one per group, its actions' stages naming their spans)
         P = len(self.groups)
-        sched = pipeline([[j] for j in range(P)], B, self.schedule, self.chunks)
+        sched = self._schedule_on([[j] for j in range(P)])
         classes = []
         for j, rc in enumerate(sched.classes):
             acts = tuple(
-                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage]) if a.kind.is_compute else a
+                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage][a.kind])
+                if a.kind.is_compute
+                else a
                 for a in rc.actions
             )
             classes.append(dataclasses.replace(rc, actions=acts))
@@ -629,6 +726,7 @@ class PipelinePlan:
                     c["forward_s"], c["search_s"],
                 )  # fmt: skip
                 fields = {k: st[k] for k in ("t_s", "in_flight", "memory_bytes", "recv_bytes")}
+                fields["input_share"] = st.get("input_share")
                 stages.append(
                     PipelineStage(
                         tuple(st["layers"]),
@@ -765,6 +863,7 @@ def plan_pipeline(
     planner: StagePlanner | None = None,
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     fast: bool | None = None,
+    chunks: int = 2,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -798,22 +897,17 @@ def plan_pipeline(
                   planner=sp, fast=fast)  # fmt: skip
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
-        for rank, k in enumerate((PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE)):
+        for rank, k in enumerate(AUTO_ORDER):
+            if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
+                continue  # its search costs every range on its own: not where the others composed a block's costs
             try:
-                p = plan_pipeline(stack or graph, cluster, schedule=k, **kw, **stage_kw)
+                p = plan_pipeline(stack or graph, cluster, schedule=k, chunks=chunks, **kw, **stage_kw)
             except PlanError as e:
                 errors.append(e)
                 continue
             found.append((p.simulate(sp.cluster).step_s, rank, p))
         if not found:
             raise errors[0]
-        if found[0][1] == 0:  # 1F1B's groups and meshes with two chunks each (Interleaved1F1B), where it fits
-            ikw = dict(stage_kw, **({"capacity": float(memory_bytes)} if memory_bytes is not None else {}))
-            try:
-                p = interleave(found[0][2], sp, 2, delta=delta, **ikw)
-                found.append((p.simulate(sp.cluster).step_s, 2, p))
-            except PlanError:
-                pass
         best = min(found, key=lambda x: (x[0], x[1]))[2]
         return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
     try:
@@ -821,15 +915,6 @@ def plan_pipeline(
     except ValueError:
         choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
         raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
-    if kind == PipelineKind.INTERLEAVED_1F1B:  # 1F1B's stages on their groups, each cut again into 2 chunks
-        sp = planner if planner is not None else StagePlanner(graph, cluster)
-        base = plan_pipeline(
-            graph, cluster, microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
-            num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
-            schedule=PipelineKind.ONE_F_ONE_B, **stage_kw,
-        )  # fmt: skip
-        ikw = dict(stage_kw, **({"capacity": float(memory_bytes)} if memory_bytes is not None else {}))
-        return dataclasses.replace(interleave(base, sp, 2, delta=delta, **ikw), planning_s=time.perf_counter() - t0)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
@@ -876,6 +961,88 @@ def plan_pipeline(
         stage_kw.setdefault("capacity", capacity)
     S = num_stages if num_stages is not None else min(L, n)
     misses = sp.misses
+    if kind == PipelineKind.ZERO_BUBBLE and num_stages is None:  # its memory rule depends on the depth: a DP each
+        best: PipelinePlan | None = None
+        tried = 0
+        for depth in range(1, S + 1):
+            try:
+                p = plan_pipeline(
+                    stack or graph, cluster, microbatches=microbatches, num_devices=n, num_clusters=num_clusters,
+                    num_stages=depth, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
+                    schedule=kind, fast=fast, **stage_kw,
+                )  # fmt: skip
+            except PlanError:
+                continue
+            tried += p.t_max_tried
+            if best is None or p.dp_step_s < best.dp_step_s:
+                best = p
+        if best is None:
+            raise PlanError(
+                f"no pipeline fits: no split of {K} layers into up to {S} stages on {n} devices keeps every stage "
+                f"within {_size(capacity)} per device with ZB-H1's microbatches in flight; use more devices, fewer "
+                "microbatches or a smaller model"
+            )
+        return dataclasses.replace(
+            best, planning_s=time.perf_counter() - t0, stage_plans=sp.misses - misses, t_max_tried=tried
+        )
+    if kind == PipelineKind.INTERLEAVED_1F1B:
+        if stack is not None and stack.kept != stack.blocks:
+            raise PlanError(
+                "interleaved 1F1B searches every layer range on its own: capture the whole model (not capture_stack)"
+            )
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+            raise UserError(f"chunks={chunks!r}: interleaved 1F1B holds at least 2 chunks per group; give 2 or more")
+        found, tried, capped = _plan_interleaved(
+            sp, clusters, sizes, n, microbatches, chunks, num_stages, capacity, epsilon, stage_kw
+        )
+        if not found:
+            raise PlanError(
+                f"no interleaved 1F1B plan fits: {L} layer clusters into {chunks} chunks on each of "
+                f"{num_stages or 'P ≥ 2'} device groups of {n} devices with {microbatches} microbatches (a multiple "
+                f"of P), each group's chunks within {_size(capacity)} per device; use more layers or devices, or "
+                "another schedule"
+            )
+        if capped:
+            warnings.warn(
+                f"interleaved 1F1B: a search front passed {INTERLEAVED_FRONT} entries and was cut; the plan may not "
+                "be the optimum",
+                stacklevel=2,
+            )
+
+        def build(x: _Interleaved, recost: bool) -> PipelinePlan:
+            ranks = place(list(x.group_sizes))
+            P = len(x.group_sizes)
+            held = _held_per_stage(kind, ranks, len(x.chunks), microbatches)
+            stages = []
+            for j, ch in enumerate(x.chunks):
+                rk, c = ranks[j % P], ch.cost
+                start, stop = clusters.bounds[ch.k][0], clusters.bounds[ch.i][1]
+                if recost and rk != c.ranks:
+                    c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=microbatches, **stage_kw)
+                stages.append(
+                    PipelineStage(
+                        (start, stop),
+                        tuple(y.name for y in model_layers[start:stop]),
+                        rk,
+                        c.mesh_shape,
+                        c,
+                        c.time.total_s / microbatches,
+                        held[j],
+                        stage_memory(c, held[j]),
+                        float(C[start, stop - 1]),
+                        input_grad_share(graph, sp.layers, start, stop) if recost else None,
+                    )  # fmt: skip
+                )
+            bounds = tuple(st.layers for st in stages)
+            fl_sum = tuple(sum(y.flops for y in model_layers[a:b]) for a, b in bounds)
+            chunked = Clustering(bounds, fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), clusters.delta)
+            return PipelinePlan(
+                tuple(stages), microbatches, n, chunked, capacity, x.step_s, time.perf_counter() - t0,
+                sp.misses - misses, tried, kind, StageCosting.EXACT,
+            )  # fmt: skip
+
+        best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
+        return build(best, True)
     table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw))
     if stack is None:
         table.fill()
@@ -883,7 +1050,7 @@ def plan_pipeline(
     else:
         fast_table = StackTable(
             sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
-            lambda s: stage_in_flight(kind, s, microbatches), dict(stage_kw),
+            lambda s: stage_in_flight(kind, s, microbatches, num_stages), dict(stage_kw),
         )  # fmt: skip
         t, arg = fast_table.arrays()
     B = microbatches
@@ -923,7 +1090,7 @@ def plan_pipeline(
             c = table.costs[(k, i, sizes[z])][arg[s_left, k, i, z]]
             if rk != c.ranks:
                 c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
-        fl = stage_in_flight(kind, s_left, B)
+        fl = stage_in_flight(kind, s_left, B, len(chosen))
         stages.append(
             PipelineStage(
                 (start, stop),
@@ -935,6 +1102,7 @@ def plan_pipeline(
                 fl,
                 stage_memory(c, fl),
                 float(C[start, stop - 1]),
+                input_grad_share(graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop))),
             )
         )
     return PipelinePlan(
@@ -990,7 +1158,16 @@ def fixed_pipeline(
         t = c.time.total_s / microbatches
         out.append(
             PipelineStage(
-                (start, stop), names, rk, c.mesh_shape, c, t, fl, stage_memory(c, fl), float(C[start, stop - 1])
+                (start, stop),
+                names,
+                rk,
+                c.mesh_shape,
+                c,
+                t,
+                fl,
+                stage_memory(c, fl),
+                float(C[start, stop - 1]),
+                input_grad_share(graph, sp.layers, start, stop),
             )
         )
     fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
@@ -1022,65 +1199,193 @@ def _groups(ranks: Sequence[tuple[int, ...]], kind: PipelineKind) -> list[tuple[
 def _held_per_stage(kind: PipelineKind, groups: Sequence[tuple[int, ...]], stages: int, B: int) -> list[int]:
     """Microbatches whose activations each stage holds at most under `kind` (read off the schedule)."""
     if kind != PipelineKind.INTERLEAVED_1F1B:
-        return [stage_in_flight(kind, stages - j, B) for j in range(stages)]
-    from meshpilot.planner.schedule import stage_in_flight_of
-
+        return [stage_in_flight(kind, stages - j, B, stages) for j in range(stages)]
     held = stage_in_flight_of(pipeline([[p] for p in range(len(groups))], B, kind, stages // len(groups)))
     return [held[j] for j in range(stages)]
 
 
-def interleave(
-    plan: PipelinePlan, planner: StagePlanner, chunks: int = 2, *, delta: float = DEFAULT_DELTA, **stage_kw
-) -> PipelinePlan:
-    """`plan`'s rank groups and logical meshes under Interleaved1F1B: the layers cut again into v·P chunks
-    (Eq. 6's clustering into v·P clusters), chunk j on group j mod P with that group's mesh shape, each costed
-    by the stage planner; Eq. 5 per group with every chunk's in-flight activations (the chunks' peaks added
-    up: conservative). Raises :class:`PlanError` when the layers or the microbatches do not allow it or a
-    group's chunks do not fit. Pure."""
-    t0 = time.perf_counter()
-    P, B, sp = len(plan.stages), plan.microbatches, planner
-    V = chunks * P
-    if P < 2 or B % P or len(sp.layers) < V:
-        raise PlanError(
-            f"interleaved 1F1B needs ≥ 2 stages, microbatches a multiple of them and ≥ {V} layers; this plan has "
-            f"{P} stages, {B} microbatches, {len(sp.layers)} layers"
-        )
-    C = received_bytes(sp.graph, sp.layers)
-    bounds = cluster_layers(sp.graph, V, delta=delta, all_layers=sp.layers, received=C).bounds
-    if len(bounds) != V:
-        raise PlanError(f"interleaved 1F1B: the layers cluster into {len(bounds)} chunks, not {V}")
-    groups = [st.ranks for st in plan.stages]
-    held = _held_per_stage(PipelineKind.INTERLEAVED_1F1B, groups, V, B)
-    misses = sp.misses
-    out = []
-    for j, (start, stop) in enumerate(bounds):
-        g = plan.stages[j % P]
-        c = sp.plan(start, stop, g.ranks, g.mesh_shape, microbatches=B, **stage_kw)
-        names = tuple(x.name for x in sp.layers[start:stop])
-        out.append(
-            PipelineStage(
-                (start, stop),
-                names,
-                g.ranks,
-                c.mesh_shape,
-                c,
-                c.time.total_s / B,
-                held[j],
-                stage_memory(c, held[j]),
-                float(C[start, stop - 1]),
-            )  # fmt: skip
-        )
-    for p in range(P):
-        used = sum(st.memory_bytes for st in out[p::P])
-        if used > plan.capacity:
-            raise PlanError(
-                f"interleaved 1F1B: group {p}'s {chunks} chunks need {_size(used)} per device, "
-                f"over {_size(plan.capacity)}"
-            )
-    fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
-    clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), delta)
-    new = dataclasses.replace(
-        plan, stages=tuple(out), clustering=clustering, schedule=PipelineKind.INTERLEAVED_1F1B, intra=(),
-        stage_plans=plan.stage_plans + sp.misses - misses, planning_s=plan.planning_s + time.perf_counter() - t0,
-    )  # fmt: skip
-    return dataclasses.replace(new, dp_step_s=new.step_s)
+def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
+    """``X[s, e]`` (s ≤ e): whether a value made in a layer before s is read in one after e, or the other way
+    round — a stage of layers s..e between two cuts would have it cross more than one boundary, which the
+    stage runtime refuses (``runtime.pipeline_stages``: one line, "choose other split points")."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    K = len(layers)
+    X = np.zeros((K, K), dtype=bool)
+    for n in graph.nodes:
+        for src, _ in n.inputs:
+            a, b = sorted((where.get(src, -1), where.get(n.name, -1)))
+            if a >= 0 and b - a >= 2:
+                X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
+    return X
+
+
+def _size_tuples(sizes: Sequence[int], parts: int, total: int) -> list[tuple[int, ...]]:
+    """Every ordered tuple of `parts` allowed submesh sizes adding up to `total` (groups' device counts)."""
+    if parts == 0:
+        return [()] if total == 0 else []
+    return [(d, *rest) for d in sizes if d <= total for rest in _size_tuples(sizes, parts - 1, total - d)]
+
+
+INTERLEAVED_FRONT = 256
+"""Most (T, M) vectors :func:`_interleaved_dp` keeps per (chunk, clusters used); beyond it those with the least
+slowest group and Σ t are kept, and the search is no longer exact (``plan_pipeline`` warns)."""
+
+
+@dataclass
+class _Chunk:
+    """One option for a virtual stage: clusters ``k..i`` on its group's submesh, one logical shape."""
+
+    k: int
+    i: int
+    cost: StageCost
+    t: float
+    memory: float
+
+
+def _interleaved_dp(
+    options: dict[tuple[int, int, int], list[_Chunk]],
+    L: int,
+    P: int,
+    v: int,
+    B: int,
+    capacity: float,
+    *,
+    front_cap: int = INTERLEAVED_FRONT,
+    bound: float = math.inf,
+) -> tuple[float, list[_Chunk], bool] | None:
+    """The least interleaved step over the splits of L clusters into V = v·P chunks, chunk j on group j mod P
+    (module docstring, section 6): a DP over (chunk j, clusters used k) keeping the Pareto front of (T_g, M_g)
+    per group; `options[(j, k, i)]`: chunk j over clusters k..i, one per logical shape. A partial split whose
+    closed form already exceeds `bound` (a step some split reaches) is dropped: more chunks only add to it.
+    Returns (step, the chunks, whether a front was cut at `front_cap`) or None when nothing fits."""
+    V = v * P
+    front: dict[int, list[tuple[tuple[float, ...], tuple[float, ...], float, tuple]]] = {
+        0: [((0.0,) * P, (0.0,) * P, 0.0, ())]
+    }  # k -> [(T per group, M per group, Σ t, chosen chunks as a linked tuple)]
+    capped = False
+    limit = bound * (1 + 1e-12)
+    for j in range(V):
+        g = j % P
+        nxt: dict[int, list] = {}
+        for k, entries in front.items():
+            for i in range(k, L - (V - 1 - j)):
+                for opt in options.get((j, k, i), ()):
+                    for T, M, tot, chain in entries:
+                        m = M[g] + opt.memory
+                        if m > capacity:
+                            continue
+                        T2 = T[:g] + (T[g] + opt.t,) + T[g + 1 :]
+                        if B * max(T2) + (tot + opt.t - max(T2)) / v > limit:
+                            continue
+                        M2 = M[:g] + (m,) + M[g + 1 :]
+                        nxt.setdefault(i + 1, []).append((T2, M2, tot + opt.t, (chain, opt)))
+        front = {}
+        for k, entries in nxt.items():
+            entries.sort(key=lambda e: (max(e[0]), e[2], e[1]))
+            kept: list = []
+            for e in entries:  # drop what another entry matches or beats in every group's time and memory
+                if not any(all(a <= b for a, b in zip(o[0] + o[1], e[0] + e[1])) for o in kept):
+                    kept.append(e)
+            if len(kept) > front_cap:
+                capped, kept = True, kept[:front_cap]
+            front[k] = kept
+    best = None
+    for T, _, tot, chain in front.get(L, ()):
+        step = B * max(T) + (tot - max(T)) / v
+        if best is None or step < best[0]:
+            best = (step, chain)
+    if best is None:
+        return None
+    chunks: list[_Chunk] = []
+    chain = best[1]
+    while chain:
+        chain, opt = chain
+        chunks.append(opt)
+    return best[0], chunks[::-1], capped
+
+
+@dataclass(frozen=True)
+class _Interleaved:
+    """One optimum of the interleaved DP: under a bound on every chunk's t, for one P and group sizes."""
+
+    step_s: float
+    """The closed form (module docstring, section 6) the DP minimised."""
+    t_max: float
+    group_sizes: tuple[int, ...]
+    chunks: tuple[_Chunk, ...]
+
+
+def _plan_interleaved(
+    sp: StagePlanner,
+    clusters: Clustering,
+    sizes: Sequence[int],
+    n: int,
+    B: int,
+    v: int,
+    num_stages: int | None,
+    capacity: float,
+    epsilon: float,
+    stage_kw: dict,
+) -> tuple[list[_Interleaved], int, bool]:
+    """Interleaved1F1B's search (module docstring, section 6): over the group counts P (`num_stages`, or every
+    one with B a multiple of P and v·P ≤ the clusters), the groups' submesh sizes and a bound t_max on every
+    chunk's t (the distinct chunk times, those within (1 + `epsilon`) tried together), :func:`_interleaved_dp`
+    on the stage planner's costs. Returns every distinct optimum found, the bounds tried (over every P and
+    group sizes: ``PipelinePlan.t_max_tried``) and whether a front was capped."""
+    L = len(clusters.bounds)
+    Ps = [num_stages] if num_stages is not None else range(2, min(n, L // v) + 1)
+    costs: dict[tuple[int, int, int], list[StageCost]] = {}
+    skipped = bypassed(sp.graph, sp.layers)
+
+    def cost(k: int, i: int, d: int) -> list[StageCost]:
+        if (k, i, d) not in costs:
+            start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
+            found = []
+            for shape in mesh_shapes_2d(d):
+                try:
+                    found.append(sp.plan(start, stop, range(d), shape, microbatches=B, **stage_kw))
+                except PlanError:
+                    continue
+            costs[(k, i, d)] = found
+        return costs[(k, i, d)]
+
+    out: dict[tuple, _Interleaved] = {}
+    tried, capped = 0, False
+    for P in Ps:
+        V = v * P
+        if P < 2 or B % P or V > L:
+            continue
+        held = stage_in_flight_of(pipeline([[p] for p in range(P)], B, PipelineKind.INTERLEAVED_1F1B, v))
+        for group_sizes in _size_tuples(sizes, P, n):
+            options: dict[tuple[int, int, int], list[_Chunk]] = {}
+            for j in range(V):
+                d = group_sizes[j % P]
+                for k in range(j, L - (V - 1 - j)):
+                    for i in range(k, L - (V - 1 - j)):
+                        if skipped[clusters.bounds[k][0], clusters.bounds[i][1] - 1]:
+                            continue  # a value would cross it: the runtime cannot run this chunk between two cuts
+                        options[(j, k, i)] = [
+                            _Chunk(k, i, c, c.time.total_s / B, stage_memory(c, held[j])) for c in cost(k, i, d)
+                        ]
+            cands = sorted({o.t for opts in options.values() for o in opts}, reverse=True)
+            j = 0
+            while j < len(cands):  # t_max from the largest down, each below the last optimum's slowest chunk
+                t_max = cands[j]
+                while j < len(cands) and cands[j] * (1 + epsilon) >= t_max:
+                    j += 1
+                bounded = {key: [o for o in opts if o.t <= t_max] for key, opts in options.items()}
+                tried += 1
+                quick = _interleaved_dp(bounded, L, P, v, B, capacity, front_cap=8)  # a step some split reaches
+                if quick is None:
+                    found = _interleaved_dp(bounded, L, P, v, B, capacity)
+                else:
+                    found = _interleaved_dp(bounded, L, P, v, B, capacity, bound=quick[0]) or quick
+                if found is None:
+                    break
+                capped |= found[2]
+                key = (group_sizes, tuple((o.k, o.i, o.cost.mesh_shape) for o in found[1]))
+                out.setdefault(key, _Interleaved(found[0], t_max, group_sizes, tuple(found[1])))
+                slowest = max(o.t for o in found[1])  # the next bound excludes this optimum's slowest chunk
+                while j < len(cands) and cands[j] >= slowest:
+                    j += 1
+    return list(out.values()), tried, capped

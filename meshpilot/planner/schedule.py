@@ -31,8 +31,8 @@ Builders: :func:`trivial` (one microbatch, collectives where the plan puts them)
 :func:`overlapped` (each collective issued right after its producing node and waited right before its
 first consumer, so communication runs beside the compute in between) and :func:`duplex` (HiDup §3: two
 microbatches interleaved stage by stage, one's collectives running while the other computes); for pipelines
-:func:`pipeline` (GPipe, 1F1B), :func:`interleaved_1f1b` (v stages per rank class) and :func:`zero_bubble`
-(ZB-H1).
+:func:`pipeline` (GPipe, 1F1B, and through it :func:`interleaved_1f1b`, v stages per rank class, and
+:func:`zero_bubble`, ZB-H1: each a :class:`PipelineKind`).
 """
 
 from __future__ import annotations
@@ -378,6 +378,11 @@ class PipelineKind(StrEnum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     """Each of P rank classes holds v > 1 model chunks (virtual stages c·P + p), run 1F1B-like, depth first
     (``ScheduleInterleaved1F1B``): the bubble shrinks about v-fold, for v times the sends (:func:`interleaved_1f1b`)."""
+    ZERO_BUBBLE = "zb-h1"
+    """1F1B with each backward split into the input gradients ``I`` (what the previous stage waits for) and the
+    weight gradients ``W``, the early stages' ``W`` delayed into 1F1B's drain (ZB-H1, :func:`zero_bubble`): a
+    bubble of about (S − 1)·(F + I − W) instead of (S − 1)·(F + I + W), the forward's saved values held until
+    ``W`` (:func:`held_until_weight`)."""
 
 
 def pipeline(
@@ -397,6 +402,8 @@ def pipeline(
     kind = PipelineKind(kind)
     if kind == PipelineKind.INTERLEAVED_1F1B:
         return interleaved_1f1b(stage_ranks, microbatches, chunks)
+    if kind == PipelineKind.ZERO_BUBBLE:
+        return zero_bubble(stage_ranks, microbatches)
     S, B = len(stage_ranks), microbatches
     if S < 1 or any(len(r) == 0 for r in stage_ranks):
         raise UserError("pipeline schedule: give at least one stage, each with at least one rank")
@@ -421,22 +428,31 @@ def pipeline(
     return Schedule(tuple(classes), B, kind.value)
 
 
-ZERO_BUBBLE = "zb-h1"
+ZERO_BUBBLE = PipelineKind.ZERO_BUBBLE.value
 """The name of :func:`zero_bubble`'s schedules."""
 
 
 def zero_bubble(stage_ranks: Sequence[Sequence[int]], microbatches: int) -> Schedule:
-    """A zero-bubble schedule in the manner of ZB-H1 (Qi et al., 2024; torch's ``ScheduleZBVZeroBubble`` family):
-    1F1B's order with every backward split into ``I m`` (the gradient of the stage's input, which the previous
-    stage waits for: received before, sent after) and ``W m`` (the weight gradients, which nobody waits for).
-    Stage s of S delays each ``W`` by min(S − 1 − s, B) backwards, so the weight work of the early stages fills
-    the drain of 1F1B, where they would wait for the next stage's ``I``; the last stage runs ``W`` right away.
-    Microbatches in flight are 1F1B's (``W`` frees nothing the forward made that ``I`` did not keep)."""
+    """ZB-H1 (Qi et al., 2024, §3.1; torch's ``ScheduleZBVZeroBubble`` family): 1F1B's order with every backward
+    split into ``I m`` (the gradient of the stage's input, which the previous stage waits for: received before,
+    sent after) and ``W m`` (the weight gradients, which nobody waits for). Stage s of S runs ``W m`` after
+    ``I (m + s)`` (the first stage at once, the last S − 1 backwards late, the rest after its last ``I``): the
+    input gradients of the drain then pass every stage without waiting behind weight work, and the later
+    stages' postponed ``W`` fill what would be their idle time in it.
+
+    On S uniform stages with B ≥ S microbatches and free links the step is
+    B·(F + I + W) + (S − 1)·max(F, I, F + I − W), against 1F1B's (B + S − 1)·(F + I + W): the bubble
+    (S − 1)·(F + I − W) of the paper where W ≤ F, I — a third of 1F1B's when F = I = W
+    (``tests/test_pipeline_plan.py`` checks it in the simulator).
+
+    Microbatches whose ``I`` has not run are 1F1B's (:func:`in_flight`); the stage runtime keeps a microbatch's
+    saved forward values until its ``W`` (``W`` reads the layers' inputs), and counted up to ``W``
+    (:func:`held_until_weight`) every stage holds min(B, S) — 1F1B's first stage's count, on every stage."""
     base = pipeline(stage_ranks, microbatches, PipelineKind.ONE_F_ONE_B)
-    S, B = len(stage_ranks), microbatches
+    B = microbatches
     classes = []
     for s, rc in enumerate(base.classes):
-        lag = min(S - 1 - s, B)
+        lag = min(s, B)
         acts: list[Action] = []
         done = 0
         due = False  # a W to place once the I just placed has sent its gradient on
@@ -541,15 +557,27 @@ def stage_in_flight_of(schedule: Schedule) -> dict[int | None, int]:
     return out
 
 
-def _held(actions: Sequence[Action], by_stage: bool = False) -> dict:
-    """The peak count of microbatches forwarded and not yet backwarded, over all (or per stage)."""
+def held_until_weight(schedule: Schedule) -> dict[tuple[int, ...], int]:
+    """Per rank class: the most microbatches whose forward ran and whose weight gradients (``B`` or ``W``) did
+    not yet — the saved forward values held at once where ``W`` reads them (the zero-bubble schedules'
+    memory rule; equal to :func:`in_flight` where backwards are not split)."""
+    return {c.ranks: max(_held(c.actions, until=_ENDS_WEIGHT).values(), default=0) for c in schedule.classes}
+
+
+_ENDS_INPUT = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+_ENDS_WEIGHT = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
+
+
+def _held(actions: Sequence[Action], by_stage: bool = False, until: frozenset = _ENDS_INPUT) -> dict:
+    """The peak count of microbatches forwarded and not yet backwarded (by an action of `until`), over all (or
+    per stage)."""
     live: dict = {}
     peak: dict = {}
     for a in actions:
         key = a.stage if by_stage else 0
         if a.kind == ActionKind.FORWARD:
             live.setdefault(key, set()).add((a.stage, a.microbatch))
-        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+        elif a.kind in until:
             live.setdefault(key, set()).discard((a.stage, a.microbatch))
         else:
             continue

@@ -376,6 +376,11 @@ class _Lowering:
     def _compute(self, a: Action, explicit: set, ops: list[tuple]) -> None:
         bwd = a.kind != ActionKind.FORWARD
         m = a.microbatch
+        if a.nodes is None and a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
+            raise UserError(
+                f"simulate: {a} is a part of a backward; give the nodes it runs ({a.kind.value}{m}[start:stop]), as "
+                "PipelinePlan.simulate does, or a whole B"
+            )
         lo, hi = a.nodes if a.nodes is not None else (0, len(self.seconds))
         run, start = 0.0, None
 
