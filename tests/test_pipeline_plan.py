@@ -343,6 +343,15 @@ def test_identical_ranges_share_one_search_and_the_same_plan():
     assert shared.misses == before + 1 and c2.layers == (b, b + 1) and c1.layers == (a, a + 1)
     c3 = alone.plan(b, b + 1, range(2), (1, 2), microbatches=4)
     assert (c2.time, c2.memory, c2.peaks, c2.forward_s) == (c3.time, c3.memory, c3.peaks, c3.forward_s)
+    # ranks whose mesh prices alike (two GPUs of another node): no search, the numbers a search there finds;
+    # two GPUs of different nodes are another problem
+    before = shared.misses
+    c4 = shared.plan(b, b + 1, range(10, 12), (1, 2), microbatches=4)
+    c5 = alone.plan(b, b + 1, range(10, 12), (1, 2), microbatches=4)
+    assert shared.misses == before and c4.ranks == (10, 11)
+    assert (c4.time, c4.memory, c4.peaks, c4.forward_s) == (c5.time, c5.memory, c5.peaks, c5.forward_s)
+    c6 = shared.plan(b, b + 1, (0, 8), (1, 2), microbatches=4)
+    assert shared.misses == before + 1 and c6.time.total_s > c4.time.total_s
     # the DP with the shared cache: the same plan, numbers and Eq. 5 checks as with every range searched
     kw = dict(microbatches=4, num_devices=2, epsilon=0, fast=False)
     p = plan_pipeline(graph, "alpa-p3x8", planner=shared, **kw)
@@ -434,7 +443,7 @@ def test_alpa_benchmark_models_at_the_papers_sizes():
     models = builtin_models()
     want = {"gpt3-350m": (0.35e9, 1), "gpt3-39b": (39e9, 64), "gshard-moe-380m": (0.38e9, 1),
             "gshard-moe-70b": (70e9, 64), "wresnet-250m": (None, 1), "wresnet-13b": (None, 64)}  # fmt: skip
-    names = [n for n in models if n.startswith(("gpt3-", "gshard-moe-", "wresnet-"))]
+    names = [n for n in models if n.startswith(("gpt3-", "gshard-moe-", "wresnet-")) and n != "gpt3-175b"]
     assert len(names) == 18 and all(n in names for n in want)
     assert sorted({models[n].devices for n in names}) == [1, 4, 8, 16, 32, 64]
     for name in want:  # (building all 18 on meta takes ~10 s; the smallest and largest of each table)
@@ -448,3 +457,7 @@ def test_alpa_benchmark_models_at_the_papers_sizes():
     cfg = models["gpt3-39b"].config
     assert (cfg.layers, cfg.hidden, cfg.heads, cfg.seq, cfg.vocab, cfg.batch) == (48, 8192, 64, 1024, 51200, 1024)
     assert cfg.num_params() == pytest.approx(39e9, rel=0.1)
+    big = models["gpt3-175b"]  # GPT-3 175B (not an Alpa row): issue 10's planning target on dgx-h100:512
+    c = big.config
+    assert (c.layers, c.hidden, c.heads, c.seq, c.vocab, big.devices) == (96, 12288, 96, 2048, 51200, 4096)
+    assert c.num_params() == pytest.approx(175e9, rel=0.01)
