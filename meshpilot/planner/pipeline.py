@@ -142,6 +142,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -317,6 +318,25 @@ def place(sizes: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
+class LogicalShapes(StrEnum):
+    """Which logical mesh shapes (a, b), a · b = d, a stage of d devices is costed on."""
+
+    ALL = "all"
+    """Every one (``mesh_shapes_2d``): Alpa's enumeration."""
+    IN_NODE = "in-node"
+    """Those whose second axis b divides the devices of a node (b ≤ M, row mapping keeps it inside a node):
+    tensor parallelism within a node, the rest over the first axis. For large clusters (module docstring,
+    section 2): (q, M) has as many shapes as 8q has divisors."""
+
+
+def logical_shapes(d: int, per_node: int, which: LogicalShapes = LogicalShapes.ALL) -> list[tuple[int, int]]:
+    """The logical shapes of a submesh of `d` devices (`per_node` to a node) that the stage table costs."""
+    every = mesh_shapes_2d(d)
+    if LogicalShapes(which) == LogicalShapes.ALL:
+        return every
+    return [(a, b) for a, b in every if per_node % b == 0]
+
+
 # ---------------------------------------------------------------- 3. stage costs
 
 
@@ -355,6 +375,8 @@ class _StageTable:
     kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     kw: dict = field(default_factory=dict)
     costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
+    shapes: object = mesh_shapes_2d
+    """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (:func:`logical_shapes`)."""
 
     def useful(self, k: int, i: int, d: int) -> bool:
         """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
@@ -377,7 +399,7 @@ class _StageTable:
                     if not self.useful(k, i, d):
                         continue
                     found = []
-                    for shape in mesh_shapes_2d(d):
+                    for shape in self.shapes(d):
                         try:
                             c = self.planner.plan(start, stop, range(d), shape, microbatches=B, **self.kw)
                         except PlanError:
@@ -464,9 +486,13 @@ def _search_t_max(
 
     The groups below the first one with any plan are skipped by a binary search on feasibility — exact, since
     raising t_max only adds stage options, so a DP with no plan at some t_max has none at any smaller one —
-    and from there on they are tried in ascending order until B · t_max reaches the best step found."""
+    and from there on they are tried in ascending order until B · t_max reaches the best step found. The DP
+    counts devices in units of the sizes' greatest common divisor (whole nodes when only (q, M) submeshes
+    are allowed: the same sums, M times fewer columns)."""
     groups = _t_max_groups(t, epsilon)
     runs: dict[int, tuple[float, list[tuple[int, int, int]]] | None] = {}
+    unit = math.gcd(n, *sizes)  # devices counted in units every size is a multiple of (whole nodes: 8)
+    sizes, n = [d // unit for d in sizes], n // unit
 
     def run(g: int):
         if g not in runs:
@@ -822,6 +848,8 @@ def plan_pipeline(
     planner: StagePlanner | None = None,
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     fast: bool | None = None,
+    submeshes: Sequence[int] | None = None,
+    shapes: LogicalShapes | str = LogicalShapes.ALL,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -838,7 +866,11 @@ def plan_pipeline(
     a model of many). `fast`: stage costs composed from one block's plan (``planner.stack``; the plan's
     ``costing`` says which path was taken) — None (default) when the model is a repeated stack, True to
     require it, False for every range searched on its own (the exact path; a :class:`Stack` of fewer captured
-    blocks than the model's has no exact path)."""
+    blocks than the model's has no exact path).
+
+    For large clusters (module docstring, section 2): `submeshes` restricts the stage sizes to these of
+    Theorem 1's (e.g. whole nodes in powers of two), `shapes` the logical shapes per size
+    (:class:`LogicalShapes`); both narrow the search (the plan is the best among them)."""
     t0 = time.perf_counter()
     stack: Stack | None = graph if isinstance(graph, Stack) else None
     if stack is not None:
@@ -852,7 +884,7 @@ def plan_pipeline(
         sp = planner if planner is not None else StagePlanner(graph, cluster)
         kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                   num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
-                  planner=sp, fast=fast)  # fmt: skip
+                  planner=sp, fast=fast, submeshes=submeshes, shapes=shapes)  # fmt: skip
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
         for rank, k in enumerate((PipelineKind.ONE_F_ONE_B, PipelineKind.GPIPE)):
@@ -883,7 +915,7 @@ def plan_pipeline(
         base = plan_pipeline(
             graph, cluster, microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
             num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
-            schedule=PipelineKind.ONE_F_ONE_B, **stage_kw,
+            schedule=PipelineKind.ONE_F_ONE_B, submeshes=submeshes, shapes=shapes, **stage_kw,
         )  # fmt: skip
         ikw = dict(stage_kw, **({"capacity": float(memory_bytes)} if memory_bytes is not None else {}))
         return dataclasses.replace(interleave(base, sp, 2, delta=delta, **ikw), planning_s=time.perf_counter() - t0)
@@ -928,19 +960,34 @@ def plan_pipeline(
         )
     nodes, per_node = devices_per_node(cl, n)
     sizes = submesh_sizes(nodes, per_node)
+    if submeshes is not None:
+        asked = tuple(sorted({int(x) for x in submeshes}))
+        if not asked or any(x not in sizes for x in asked):
+            raise UserError(
+                f"submeshes={list(submeshes)}: stage sizes must be among Theorem 1's for {n} devices "
+                f"({', '.join(map(str, sizes[:12]))}{', …' if len(sizes) > 12 else ''})"
+            )
+        sizes = asked
+    try:
+        which = LogicalShapes(shapes)
+    except ValueError:
+        raise UserError(f"shapes={shapes!r}: give one of {', '.join(k.value for k in LogicalShapes)}") from None
+    shapes_of = functools.partial(logical_shapes, per_node=per_node, which=which)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
     if memory_bytes is not None:  # the stage searches get the same device
         stage_kw.setdefault("capacity", capacity)
     S = num_stages if num_stages is not None else min(L, n)
     misses = sp.misses
-    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw))
+    table = _StageTable(
+        sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of
+    )
     if stack is None:
         table.fill()
         t, arg = table.arrays()
     else:
         fast_table = StackTable(
             sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
-            lambda s: stage_in_flight(kind, s, microbatches), dict(stage_kw),
+            lambda s: stage_in_flight(kind, s, microbatches), dict(stage_kw), shapes=shapes_of,
         )  # fmt: skip
         t, arg = fast_table.arrays()
     B = microbatches
