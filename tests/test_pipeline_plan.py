@@ -14,8 +14,10 @@ from meshpilot.models import builtin_models
 from meshpilot.models.zoo import MLPModel, example_inputs
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import (
+    LogicalShapes,
     cluster_layers,
     devices_per_node,
+    logical_shapes,
     place,
     plan_pipeline,
     received_bytes,
@@ -56,11 +58,11 @@ def mlp_planner():
     return StagePlanner(graph, _two_by_two())
 
 
-def brute_force(planner, bounds, n, B, cap, num_stages=None, **kw):
+def brute_force(planner, bounds, n, B, cap, num_stages=None, sizes=None, shapes=mesh_shapes_2d, **kw):
     """min over every split of the clusters `bounds` into stages x submesh sizes x logical shapes of Eq. 2,
     with Eq. 5 checked per stage; every stage costed by the same StagePlanner on ranks 0..size-1."""
     nodes, per_node = devices_per_node(planner.cluster, n)
-    sizes = submesh_sizes(nodes, per_node)
+    sizes = sizes or submesh_sizes(nodes, per_node)
     K = len(bounds)
     best = math.inf
     for S in range(1, min(K, n) + 1) if num_stages is None else (num_stages,):
@@ -73,7 +75,7 @@ def brute_force(planner, bounds, n, B, cap, num_stages=None, **kw):
                 options = []
                 for r, ((start, stop), d) in enumerate(zip(ranges, szs)):
                     opts = []
-                    for shape in mesh_shapes_2d(d):
+                    for shape in shapes(d):
                         try:
                             c = planner.plan(start, stop, range(d), shape, microbatches=B, **kw)
                         except PlanError:
@@ -116,6 +118,28 @@ def test_dp_equals_brute_force_on_an_mlp_over_two_nodes(mlp_planner, B):
     q = plan_pipeline(graph, None, microbatches=B, num_devices=4, planner=mlp_planner, num_clusters=2, epsilon=0.0)
     assert len(q.clustering.bounds) == 2
     assert q.dp_step_s == pytest.approx(brute_force(mlp_planner, q.clustering.bounds, 4, B, q.capacity), rel=1e-12)
+
+
+def test_narrowed_search_for_large_clusters_equals_brute_force_on_it(mlp_planner):
+    """``submeshes=`` (whole nodes only: the DP counts devices in nodes) and ``shapes=LogicalShapes.IN_NODE``
+    (tensor parallelism inside a node): the DP finds brute force's optimum over the same sizes and shapes; a
+    size outside Theorem 1's or an unknown shape set is one line."""
+    graph = mlp_planner.graph  # two nodes of 2 devices
+    p = plan_pipeline(graph, None, microbatches=3, num_devices=4, planner=mlp_planner, epsilon=0.0, submeshes=[2, 4])
+    assert {len(s.ranks) for s in p.stages} <= {2, 4}
+    want = brute_force(mlp_planner, p.clustering.bounds, 4, 3, p.capacity, sizes=(2, 4))
+    assert p.dp_step_s == pytest.approx(want, rel=1e-12)
+    assert logical_shapes(8, 4, LogicalShapes.IN_NODE) == [(8, 1), (4, 2), (2, 4)]
+    assert logical_shapes(8, 4) == mesh_shapes_2d(8)
+    q = plan_pipeline(graph, None, microbatches=3, num_devices=4, planner=mlp_planner, epsilon=0.0, shapes="in-node")
+    shapes = lambda d: logical_shapes(d, 2, LogicalShapes.IN_NODE)  # noqa: E731
+    assert q.dp_step_s == pytest.approx(
+        brute_force(mlp_planner, q.clustering.bounds, 4, 3, q.capacity, shapes=shapes), rel=1e-12
+    )
+    with pytest.raises(UserError, match=r"submeshes=\[3\]: stage sizes must be among"):
+        plan_pipeline(graph, None, microbatches=3, num_devices=4, planner=mlp_planner, submeshes=[3])
+    with pytest.raises(UserError, match="shapes='diagonal'"):
+        plan_pipeline(graph, None, microbatches=3, num_devices=4, planner=mlp_planner, shapes="diagonal")
 
 
 def test_memory_check_holds_activations_of_later_stages(mlp_planner):
