@@ -44,6 +44,14 @@ are then re-costed on the ranks :func:`place` gave them (the same numbers on clu
 are alike: ``alpa-p3x8``, ``atp-ic*``). Placement is larger submeshes first, stage order among equals —
 not yet "neighbouring stages closest", which Alpa also does.
 
+Large clusters. On N = 512 nodes of 8 there are 515 submesh sizes and a (q, 8) submesh has as many logical
+shapes as 8q has divisors, each a block search; the DP's tables are dense over sizes. ``plan_pipeline``'s
+``submeshes`` keeps only some of Theorem 1's sizes (e.g. 2^j whole nodes: any sum of them that equals n
+still covers the devices, the same placement) and ``shapes`` only some logical shapes
+(:class:`LogicalShapes`: ``IN_NODE`` keeps (d/b, b) with b dividing M, tensor parallelism inside a node);
+the plan is then the best over those. With every size a multiple of u (8 for whole nodes) the DP counts
+devices in units of u: F(s, k, d) is only reachable at multiples of u, so the same recurrence on d/u.
+
 3. Stage costs and the memory check (Alpa Eq. 5) — ``_StageTable``
 -----------------------------------------------------------------
 For clusters k..i, submesh size d and logical shape (a, b) with a·b = d (``mesh_shapes_2d``):
