@@ -108,6 +108,16 @@ def builtin_models() -> dict[str, ModelEntry]:
         )
     for name, summary, factory, batch in zoo_entries:
         out[name] = ModelEntry(name, summary, _zoo_builder(factory, batch))
+    from meshpilot.models.gpt import GPT3_175B
+
+    c = GPT3_175B
+    out["gpt3-175b"] = ModelEntry(
+        "gpt3-175b",
+        f"GPT-3 175B, L={c.layers} h={c.hidden} heads={c.heads} b={c.batch} s={c.seq}, planned for 4,096 GPUs",
+        _gpt_builder(c),
+        c,
+        4096,
+    )
     for name, row in zoo.alpa_models().items():  # Alpa's Tables 6–8
         config = zoo.alpa_gpt_config(row) if row.family == zoo.AlpaFamily.GPT else None
         out[name] = ModelEntry(name, row.summary, _alpa_builder(row), config, row.devices)

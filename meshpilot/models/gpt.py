@@ -99,6 +99,10 @@ ATP_M2 = GPTConfig(vocab=51200, seq=2048, layers=24, hidden=4096, heads=32, batc
 ATP_M3 = GPTConfig(vocab=51200, seq=2048, layers=24, hidden=8192, heads=64, batch=4)
 ATP_M4 = GPTConfig(vocab=51200, seq=2048, layers=24, hidden=12288, heads=96, batch=4)
 
+GPT3_175B = GPTConfig(vocab=51200, seq=2048, layers=96, hidden=12288, heads=96, batch=1536, dtype="float16")
+"""GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048; batch 1536
+sequences, the 3.2M tokens of the paper), fp16: issue 10's planning-speed target on ``dgx-h100:512``."""
+
 BUILTIN_GPTS: dict[str, GPTConfig] = {
     "atp-m1": ATP_M1,
     "atp-m2": ATP_M2,

@@ -44,6 +44,14 @@ are then re-costed on the ranks :func:`place` gave them (the same numbers on clu
 are alike: ``alpa-p3x8``, ``atp-ic*``). Placement is larger submeshes first, stage order among equals —
 not yet "neighbouring stages closest", which Alpa also does.
 
+Large clusters. On N = 512 nodes of 8 there are 515 submesh sizes and a (q, 8) submesh has as many logical
+shapes as 8q has divisors, each a block search; the DP's tables are dense over sizes. ``plan_pipeline``'s
+``submeshes`` keeps only some of Theorem 1's sizes (e.g. 2^j whole nodes: any sum of them that equals n
+still covers the devices, the same placement) and ``shapes`` only some logical shapes
+(:class:`LogicalShapes`: ``IN_NODE`` keeps (d/b, b) with b dividing M, tensor parallelism inside a node);
+the plan is then the best over those. With every size a multiple of u (8 for whole nodes) the DP counts
+devices in units of u: F(s, k, d) is only reachable at multiples of u, so the same recurrence on d/u.
+
 3. Stage costs and the memory check (Alpa Eq. 5) — ``_StageTable``
 -----------------------------------------------------------------
 For clusters k..i, submesh size d and logical shape (a, b) with a·b = d (``mesh_shapes_2d``):
@@ -84,6 +92,12 @@ a factor (1 + ε) of the first untried one are tried together, at the largest of
 is scored by its own slowest stage, Σ t_i + (B−1)·max t_i. So with ε = 0 the DP is exact (the tests check
 it against brute force), and with ε > 0 the plan found is within (B−1)·ε·t_max ≤ ε·T* of the optimum
 (the optimum's slowest stage shares a group with some tried t_max ≤ (1 + ε) times it).
+
+Most groups have no plan at all: t_max under the slowest stage that any feasible pipeline must have
+(on gpt3-39b, B = 64, 334 of 336 groups; the DP ran on each). Feasibility is monotone in t_max — a larger
+t_max only adds entries to T — so the first feasible group is found by a binary search (⌈log₂ groups⌉ DPs)
+and the ascending enumeration starts there (``_search_t_max``): the groups skipped are exactly those whose
+DP finds nothing, so the plan is the same.
 
 Alpa's ε is absolute (10⁻⁶ s, for stages of tens of milliseconds and more); ours is relative, so the
 bound is a fraction of the step whatever the model's size (a tiny model's stages take microseconds).
@@ -170,6 +184,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -355,6 +370,25 @@ def place(sizes: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
+class LogicalShapes(StrEnum):
+    """Which logical mesh shapes (a, b), a · b = d, a stage of d devices is costed on."""
+
+    ALL = "all"
+    """Every one (``mesh_shapes_2d``): Alpa's enumeration."""
+    IN_NODE = "in-node"
+    """Those whose second axis b divides the devices of a node (b ≤ M, row mapping keeps it inside a node):
+    tensor parallelism within a node, the rest over the first axis. For large clusters (module docstring,
+    section 2): (q, M) has as many shapes as 8q has divisors."""
+
+
+def logical_shapes(d: int, per_node: int, which: LogicalShapes = LogicalShapes.ALL) -> list[tuple[int, int]]:
+    """The logical shapes of a submesh of `d` devices (`per_node` to a node) that the stage table costs."""
+    every = mesh_shapes_2d(d)
+    if LogicalShapes(which) == LogicalShapes.ALL:
+        return every
+    return [(a, b) for a, b in every if per_node % b == 0]
+
+
 # ---------------------------------------------------------------- 3. stage costs
 
 
@@ -425,6 +459,8 @@ class _StageTable:
     kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     kw: dict = field(default_factory=dict)
     costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
+    shapes: object = mesh_shapes_2d
+    """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (:func:`logical_shapes`)."""
 
     def useful(self, k: int, i: int, d: int) -> bool:
         """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
@@ -447,7 +483,7 @@ class _StageTable:
                     if not self.useful(k, i, d):
                         continue
                     found = []
-                    for shape in mesh_shapes_2d(d):
+                    for shape in self.shapes(d):
                         try:
                             c = self.planner.plan(start, stop, range(d), shape, microbatches=B, **self.kw)
                         except PlanError:
@@ -513,6 +549,61 @@ def _dp(
         stages.append((k, i, z))
         k, d = i + 1, d - sizes[z]
     return float(tops[s - 1]), stages
+
+
+def _t_max_groups(t: np.ndarray, epsilon: float) -> list[tuple[float, float]]:
+    """The t_max tried, as (smallest, largest) of each group of distinct t_intra values within a factor
+    (1 + ε) of the group's smallest, ascending (module docstring, section 4); the DP runs at the largest."""
+    cands = np.unique(t[np.isfinite(t)])
+    groups = []
+    j = 0
+    while j < len(cands):
+        nxt = bisect.bisect_right(cands, cands[j] * (1 + epsilon), lo=j + 1)
+        groups.append((float(cands[j]), float(cands[nxt - 1])))
+        j = nxt
+    return groups
+
+
+def _search_t_max(
+    t: np.ndarray, sizes: Sequence[int], n: int, B: int, epsilon: float, stages: int | None
+) -> tuple[tuple[float, list[tuple[int, int, int]]] | None, int]:
+    """The best (score, stages) over the t_max groups and how many DPs ran (module docstring, section 4).
+
+    The groups below the first one with any plan are skipped by a binary search on feasibility — exact, since
+    raising t_max only adds stage options, so a DP with no plan at some t_max has none at any smaller one —
+    and from there on they are tried in ascending order until B · t_max reaches the best step found. The DP
+    counts devices in units of the sizes' greatest common divisor (whole nodes when only (q, M) submeshes
+    are allowed: the same sums, M times fewer columns)."""
+    groups = _t_max_groups(t, epsilon)
+    runs: dict[int, tuple[float, list[tuple[int, int, int]]] | None] = {}
+    unit = math.gcd(n, *sizes)  # devices counted in units every size is a multiple of (whole nodes: 8)
+    sizes, n = [d // unit for d in sizes], n // unit
+
+    def run(g: int):
+        if g not in runs:
+            runs[g] = _dp(t, sizes, n, groups[g][1], stages)
+        return runs[g]
+
+    lo, hi = 0, len(groups)  # the first feasible group is in [lo, hi]; hi = len: none
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if run(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    best: tuple[float, list[tuple[int, int, int]]] | None = None
+    for g in range(lo, len(groups)):
+        if best is not None and B * groups[g][0] >= best[0]:
+            break
+        found = run(g)
+        if found is None:
+            continue
+        chosen = found[1]
+        ts = [t[len(chosen) - r, k, i, z] for r, (k, i, z) in enumerate(chosen)]
+        score = sum(ts) + (B - 1) * max(ts)
+        if best is None or score < best[0]:
+            best = (score, chosen)
+    return best, len(runs)
 
 
 # ---------------------------------------------------------------- the result
@@ -864,6 +955,8 @@ def plan_pipeline(
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     fast: bool | None = None,
     chunks: int = 2,
+    submeshes: Sequence[int] | None = None,
+    shapes: LogicalShapes | str = LogicalShapes.ALL,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -880,7 +973,11 @@ def plan_pipeline(
     a model of many). `fast`: stage costs composed from one block's plan (``planner.stack``; the plan's
     ``costing`` says which path was taken) — None (default) when the model is a repeated stack, True to
     require it, False for every range searched on its own (the exact path; a :class:`Stack` of fewer captured
-    blocks than the model's has no exact path)."""
+    blocks than the model's has no exact path).
+
+    For large clusters (module docstring, section 2): `submeshes` restricts the stage sizes to these of
+    Theorem 1's (e.g. whole nodes in powers of two), `shapes` the logical shapes per size
+    (:class:`LogicalShapes`); both narrow the search (the plan is the best among them)."""
     t0 = time.perf_counter()
     stack: Stack | None = graph if isinstance(graph, Stack) else None
     if stack is not None:
@@ -894,7 +991,7 @@ def plan_pipeline(
         sp = planner if planner is not None else StagePlanner(graph, cluster)
         kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                   num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
-                  planner=sp, fast=fast)  # fmt: skip
+                  planner=sp, fast=fast, submeshes=submeshes, shapes=shapes)  # fmt: skip
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
         for rank, k in enumerate(AUTO_ORDER):
@@ -956,6 +1053,19 @@ def plan_pipeline(
         )
     nodes, per_node = devices_per_node(cl, n)
     sizes = submesh_sizes(nodes, per_node)
+    if submeshes is not None:
+        asked = tuple(sorted({int(x) for x in submeshes}))
+        if not asked or any(x not in sizes for x in asked):
+            raise UserError(
+                f"submeshes={list(submeshes)}: stage sizes must be among Theorem 1's for {n} devices "
+                f"({', '.join(map(str, sizes[:12]))}{', …' if len(sizes) > 12 else ''})"
+            )
+        sizes = asked
+    try:
+        which = LogicalShapes(shapes)
+    except ValueError:
+        raise UserError(f"shapes={shapes!r}: give one of {', '.join(k.value for k in LogicalShapes)}") from None
+    shapes_of = functools.partial(logical_shapes, per_node=per_node, which=which)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
     if memory_bytes is not None:  # the stage searches get the same device
         stage_kw.setdefault("capacity", capacity)
@@ -969,7 +1079,7 @@ def plan_pipeline(
                 p = plan_pipeline(
                     stack or graph, cluster, microbatches=microbatches, num_devices=n, num_clusters=num_clusters,
                     num_stages=depth, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
-                    schedule=kind, fast=fast, **stage_kw,
+                    schedule=kind, fast=fast, submeshes=submeshes, shapes=shapes, **stage_kw,
                 )  # fmt: skip
             except PlanError:
                 continue
@@ -1043,35 +1153,20 @@ def plan_pipeline(
 
         best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
         return build(best, True)
-    table = _StageTable(sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw))
+    table = _StageTable(
+        sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of
+    )
     if stack is None:
         table.fill()
         t, arg = table.arrays()
     else:
         fast_table = StackTable(
             sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
-            lambda s: stage_in_flight(kind, s, microbatches, num_stages), dict(stage_kw),
+            lambda s: stage_in_flight(kind, s, microbatches, num_stages), dict(stage_kw), shapes=shapes_of,
         )  # fmt: skip
         t, arg = fast_table.arrays()
     B = microbatches
-    cands = np.unique(t[np.isfinite(t)])
-    best: tuple[float, list[tuple[int, int, int]]] | None = None
-    tried = 0
-    j = 0
-    while j < len(cands):
-        if best is not None and B * cands[j] >= best[0]:
-            break
-        j = bisect.bisect_right(cands, cands[j] * (1 + epsilon), lo=j + 1)
-        t_max = float(cands[j - 1])
-        tried += 1
-        found = _dp(t, sizes, n, t_max, num_stages)
-        if found is None:
-            continue
-        chosen = found[1]
-        ts = [t[len(chosen) - r, k, i, z] for r, (k, i, z) in enumerate(chosen)]
-        score = sum(ts) + (B - 1) * max(ts)
-        if best is None or score < best[0]:
-            best = (score, chosen)
+    best, tried = _search_t_max(t, sizes, n, B, epsilon, num_stages)
     if best is None:
         raise PlanError(
             f"no pipeline fits: no split of {K} layers into {num_stages or f'up to {S}'} "

@@ -264,6 +264,8 @@ class StackTable:
     in_flight: object
     """``s -> f(s)``: microbatches in flight of a stage with s stages from it to the end."""
     kw: dict = field(default_factory=dict)
+    shapes: object = mesh_shapes_2d
+    """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (``pipeline.logical_shapes``)."""
     candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
     """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
 
@@ -311,7 +313,7 @@ class StackTable:
                 continue
             ranks = range(d)
             mid = self.stack.middle
-            for shape in mesh_shapes_2d(d):
+            for shape in self.shapes(d):
                 specials = [self._specials(pres, ranks, shape), self._specials(posts, ranks, shape)]
                 blocks_needed = use & (NB > 0)
                 block_cap, target = self.capacity, 0

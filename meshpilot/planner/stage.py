@@ -57,11 +57,22 @@ the same sharing. The cache's key for the range is therefore not ``(start, stop)
 searches per submesh shape — one per range length and per embedding / head inclusion — instead of O(K²).
 The cost found for one range is returned for an identical one with its own ``layers``; the numbers are the
 same as searching it (``StagePlanner(share_identical=False)`` does, for the tests).
+
+Identical meshes (``StagePlanner._mesh_key``)
+---------------------------------------------
+The search reads the ranks of a stage only through the cost model of its logical mesh under each device
+mapping it tries (``cluster.cost.CostModel``): per set of mesh axes, the group size, the bus bandwidth (Eq. 3
+or a calibration), the latency and a measured all-reduce curve; compute is the cluster's one device's. Two
+rank sets with the same shape and the same values of all of these get the same plan, so the cache keys the
+mesh by those values: the stage DP costs every submesh on ranks ``0..d−1`` and re-costs the chosen stages
+on the ranks ``pipeline.place`` gives them, which on a cluster of identical nodes (``alpa-p3x8``,
+``dgx-h100``) are the same problem (the cost found is returned with the asked ranks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -397,6 +408,7 @@ class StagePlanner:
         self._structs: dict[tuple, tuple[Structure, StrategyBuilder]] = {}
         self._costs: dict[tuple, StageCost | PlanError] = {}
         self._memory: dict[tuple, StageMemory] = {}
+        self._mesh_keys: dict[tuple, tuple] = {}
         self.hits = 0
         self.misses = 0
 
@@ -438,7 +450,8 @@ class StagePlanner:
             raise UserError(f"layers [{start}, {stop}): the model has {K} layers; give 0 <= start < stop")
         rkey = self._range_key(start, stop) if self._range_key is not None else (start, stop)
         pinned = self._pins(start, stop, force)
-        key = (rkey, ranks, shape, microbatches, cap, str(zero), searcher, pinned)
+        mkey = self._mesh_key(ranks, shape) if self.share_identical else ranks
+        key = (rkey, mkey, shape, microbatches, cap, str(zero), searcher, pinned)
         self._last_key = key
         found = self._costs.get(key)
         if found is not None:
@@ -447,6 +460,8 @@ class StagePlanner:
                 raise found
             if found.layers != (start, stop):  # an identical range's cost: the same numbers, this range's names
                 found = self._renamed(found, start, stop)
+            if found.ranks != ranks:  # ranks whose mesh prices every collective alike: the same plan there
+                found = dataclasses.replace(found, ranks=ranks)
             return found
         self.misses += 1
         try:
@@ -459,6 +474,25 @@ class StagePlanner:
         self._costs[key] = cost
         self._memory[key] = mem
         return cost
+
+    def _mesh_key(self, ranks: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
+        """What the search reads of `ranks` as `shape` (module docstring, *Identical meshes*): per device
+        mapping the search tries, each axis set's group size, bus bandwidth, latency and measured curve."""
+        key = (ranks, shape)
+        hit = self._mesh_keys.get(key)
+        if hit is None:
+            from meshpilot.cluster import LogicalMesh
+
+            axes = [(a,) for a in range(len(shape))] + list(itertools.permutations(range(len(shape)), 2))
+            parts = []
+            for mapping in _mappings(shape):
+                mesh = LogicalMesh(self.cluster, shape, np.asarray(ranks)[mapped_ranks(shape, mapping)])
+                for ax in axes:
+                    n = mesh.axis_size(ax)
+                    if n > 1:
+                        parts.append((ax, n, mesh.bus_bandwidth(ax), mesh.latency(ax), mesh.allreduce_curve(ax)))
+            hit = self._mesh_keys[key] = ("mesh", tuple(parts))
+        return hit
 
     def plan_with_memory(self, start: int, stop: int, ranks: Sequence[int], mesh_shape: Sequence[int], **kw):
         """:meth:`plan` and the :class:`StageMemory` its peaks are made of (for composing stages from pieces:
@@ -511,8 +545,7 @@ class StagePlanner:
         chooser = get_searcher(searcher)
         best = None
         errors: list[PlanError] = []
-        maps = [MeshMapping.ROW] + ([MeshMapping.COL] if sum(d > 1 for d in shape) > 1 else [])
-        for mapping in maps:
+        for mapping in _mappings(shape):
             physical = np.asarray(ranks)[mapped_ranks(shape, mapping)]
             resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
             task = SearchTask(
@@ -538,6 +571,11 @@ class StagePlanner:
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )
         return cost, mem
+
+
+def _mappings(shape: tuple[int, ...]) -> list[MeshMapping]:
+    """The device mappings a stage search tries on `shape`: row, and column when two axes have devices."""
+    return [MeshMapping.ROW] + ([MeshMapping.COL] if sum(d > 1 for d in shape) > 1 else [])
 
 
 def plan_stage(
