@@ -14,6 +14,7 @@ from meshpilot.models import builtin_models
 from meshpilot.models.zoo import MLPModel, example_inputs
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import (
+    Clustering,
     LogicalShapes,
     cluster_layers,
     devices_per_node,
@@ -21,11 +22,12 @@ from meshpilot.planner.pipeline import (
     place,
     plan_pipeline,
     received_bytes,
+    refused_ranges,
     stage_memory,
     submesh_sizes,
 )
 from meshpilot.planner.schedule import PipelineKind
-from meshpilot.planner.stage import StagePlanner
+from meshpilot.planner.stage import StagePlanner, runnable_layers
 
 
 def _capture(model, inputs):
@@ -629,6 +631,16 @@ def test_repeated_block_costs_choose_the_exact_paths_plan():
             # layer of its first operand, ln_f's, so ln_f of the whole model holds L of them and of the capture 4)
             blocks = slice(stack.pre, stack.pre + stack.blocks)
             assert [x.flops for x in stack.layers[blocks]] == pytest.approx([x.flops for x in sp.layers[blocks]])
+            # the ranges the stage runtime refuses (a value crossing a stage whole: wpe alone) read the same from
+            # the 4 captured blocks as from all 6, and no plan of either path has such a stage
+            every = Clustering(tuple((j, j + 1) for j in range(len(sp.layers))), (), (), 0.0)
+            refused = refused_ranges(graph, sp.layers, every)
+            assert (
+                refused.any()
+                and (refused_ranges(stack.graph, runnable_layers(stack.graph), every, stack) == refused).all()
+            )
+            many = plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=n, num_stages=n)
+            assert len(many.stages) == n and not any(refused[a, b - 1] for a, b in (st.layers for st in many.stages))
             small = plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=n, epsilon=0)
             assert _stages(small) == _stages(fast) and small.step_s == pytest.approx(fast.step_s, rel=0.01)
             with pytest.raises(UserError, match="exact path"):

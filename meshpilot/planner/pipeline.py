@@ -55,7 +55,9 @@ devices in units of u: F(s, k, d) is only reachable at multiples of u, so the sa
 3. Stage costs and the memory check (Alpa Eq. 5) — ``_StageTable``
 -----------------------------------------------------------------
 For clusters k..i, submesh size d and logical shape (a, b) with a·b = d (``mesh_shapes_2d``):
-``c = StagePlanner.plan(layers of k..i, range(d), (a, b), microbatches=B)``. Its ``time`` is the whole
+``c = StagePlanner.plan(layers of k..i, range(d), (a, b), microbatches=B)`` — for every range but those the
+stage runtime refuses, where a value made before k is read after i and would cross the stage whole
+(:func:`refused_ranges`: GPT's ``wpe`` alone, between the embedding and the first block). Its ``time`` is the whole
 step of the stage over B microbatches (``accounting.account``: B forwards and backwards, the gradients'
 synchronisation once), so the per-microbatch latency with the synchronisation amortised is
 
@@ -461,11 +463,16 @@ class _StageTable:
     costs: dict[tuple[int, int, int], list[StageCost]] = field(default_factory=dict)
     shapes: object = mesh_shapes_2d
     """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (:func:`logical_shapes`)."""
+    refused: np.ndarray | None = None
+    """``[k, i]``: clusters k..i would be a stage that a value crosses whole (:func:`refused_ranges`)."""
 
     def useful(self, k: int, i: int, d: int) -> bool:
         """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
-        with `stages` (or up to ``max_stages``) stages: the others need a stage per side that has clusters,
-        at most one per cluster and per device, and no devices left over."""
+        with `stages` (or up to ``max_stages``) stages: the stage runtime can run it (no value crosses it
+        whole), the others need a stage per side that has clusters, at most one per cluster and per device,
+        and no devices left over."""
+        if self.refused is not None and self.refused[k, i]:
+            return False
         L = len(self.clusters.bounds)
         other = self.devices - d
         least = (k > 0) + (i < L - 1)
@@ -1154,8 +1161,9 @@ def plan_pipeline(
         best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
         return build(best, True)
     table = _StageTable(
-        sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of
-    )
+        sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of,
+        refused=refused_ranges(graph, sp.layers, clusters, stack),
+    )  # fmt: skip
     if stack is None:
         table.fill()
         t, arg = table.arrays()
@@ -1312,6 +1320,22 @@ def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
             if a >= 0 and b - a >= 2:
                 X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
     return X
+
+
+def refused_ranges(graph: OpGraph, layers: Sequence[Layer], clusters: Clustering, stack=None) -> np.ndarray:
+    """``R[k, i]``: a stage of clusters k..i would have a value cross it whole (:func:`bypassed` of its first
+    and last layer), so the stage DP leaves it out. With a :class:`~meshpilot.planner.stack.Stack`, `graph` and
+    `layers` are its captured graph's and each range of the model's layers reads as the captured range it
+    maps to (``Stack.received``: the blocks repeat, so do the values crossing them)."""
+    X = bypassed(graph, layers).astype(float)
+    if stack is not None:
+        X = stack.received(X)
+    L = len(clusters.bounds)
+    R = np.zeros((L, L), dtype=bool)
+    for k in range(L):
+        for i in range(k, L):
+            R[k, i] = X[clusters.bounds[k][0], clusters.bounds[i][1] - 1] > 0
+    return R
 
 
 def _size_tuples(sizes: Sequence[int], parts: int, total: int) -> list[tuple[int, ...]]:
