@@ -61,9 +61,10 @@ def mlp_planner():
     return StagePlanner(graph, _two_by_two())
 
 
-def brute_force(planner, bounds, n, B, cap, num_stages=None, sizes=None, shapes=mesh_shapes_2d, **kw):
+def brute_force(planner, bounds, n, B, cap, num_stages=None, sizes=None, shapes=mesh_shapes_2d, in_flight=None, **kw):
     """min over every split of the clusters `bounds` into stages x submesh sizes x logical shapes of Eq. 2,
-    with Eq. 5 checked per stage; every stage costed by the same StagePlanner on ranks 0..size-1."""
+    with Eq. 5 checked per stage (``in_flight(S, r)`` microbatches held by stage r of S; default 1F1B's
+    min(B, S − r)); every stage costed by the same StagePlanner on ranks 0..size-1."""
     nodes, per_node = devices_per_node(planner.cluster, n)
     sizes = sizes or submesh_sizes(nodes, per_node)
     K = len(bounds)
@@ -83,7 +84,8 @@ def brute_force(planner, bounds, n, B, cap, num_stages=None, sizes=None, shapes=
                             c = planner.plan(start, stop, range(d), shape, microbatches=B, **kw)
                         except PlanError:
                             continue
-                        if stage_memory(c, min(B, S - r)) <= cap:
+                        held = min(B, S - r) if in_flight is None else in_flight(S, r)
+                        if stage_memory(c, held) <= cap:
                             opts.append(c.time.total_s / B)
                     options.append(opts)
                 for ts in itertools.product(*options):
@@ -99,32 +101,11 @@ def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
     from meshpilot.planner.pipeline import _held_per_stage, bypassed, stage_in_flight
 
     kind = PipelineKind(kind)
+    if kind != PipelineKind.INTERLEAVED_1F1B:
+        return brute_force(planner, bounds, n, B, cap, in_flight=lambda S, r: stage_in_flight(kind, S - r, B, S), **kw)
     nodes, per_node = devices_per_node(planner.cluster, n)
     sizes = submesh_sizes(nodes, per_node)
     K = len(bounds)
-    if kind != PipelineKind.INTERLEAVED_1F1B:
-        best = math.inf
-        for S in range(1, min(K, n) + 1):
-            for cuts in itertools.combinations(range(1, K), S - 1):
-                edges = (0, *cuts, K)
-                ranges = [(bounds[a][0], bounds[b - 1][1]) for a, b in zip(edges, edges[1:])]
-                for szs in itertools.product(sizes, repeat=S):
-                    if sum(szs) != n:
-                        continue
-                    options = []
-                    for r, ((start, stop), d) in enumerate(zip(ranges, szs)):
-                        opts = []
-                        for shape in mesh_shapes_2d(d):
-                            try:
-                                c = planner.plan(start, stop, range(d), shape, microbatches=B, **kw)
-                            except PlanError:
-                                continue
-                            if stage_memory(c, stage_in_flight(kind, S - r, B, S)) <= cap:
-                                opts.append(c.time.total_s / B)
-                        options.append(opts)
-                    for ts in itertools.product(*options):
-                        best = min(best, sum(ts) + (B - 1) * max(ts))
-        return best
     v, found = 2, []  # (max chunk t, step)
     skipped = bypassed(planner.graph, planner.layers)  # chunks a value would cross whole: not runnable
     for P in range(2, n + 1):
