@@ -651,6 +651,19 @@ class PipelineStage:
     """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
     previous stage), the rest being ``W``: :func:`input_grad_share` (None: a plan saved before it was kept)."""
 
+    @classmethod
+    def costed(
+        cls, layers: Sequence[Layer], start: int, stop: int, ranks: tuple[int, ...], cost: StageCost,
+        microbatches: int, in_flight: int, C: np.ndarray, input_share: float | None,
+    ) -> PipelineStage:  # fmt: skip
+        """The stage of `layers` ``[start, stop)`` on `ranks`, planned as `cost` (its mesh), with `in_flight`
+        microbatches held; ``C`` is :func:`received_bytes` over the same layers."""
+        return cls(
+            (start, stop), tuple(x.name for x in layers[start:stop]), ranks, cost.mesh_shape, cost,
+            cost.time.total_s / microbatches, in_flight, stage_memory(cost, in_flight), float(C[start, stop - 1]),
+            input_share,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -1136,20 +1149,8 @@ def plan_pipeline(
                 start, stop = clusters.bounds[ch.k][0], clusters.bounds[ch.i][1]
                 if recost and rk != c.ranks:
                     c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=microbatches, **stage_kw)
-                stages.append(
-                    PipelineStage(
-                        (start, stop),
-                        tuple(y.name for y in model_layers[start:stop]),
-                        rk,
-                        c.mesh_shape,
-                        c,
-                        c.time.total_s / microbatches,
-                        held[j],
-                        stage_memory(c, held[j]),
-                        float(C[start, stop - 1]),
-                        input_grad_share(graph, sp.layers, start, stop) if recost else None,
-                    )  # fmt: skip
-                )
+                share = input_grad_share(graph, sp.layers, start, stop) if recost else None
+                stages.append(PipelineStage.costed(model_layers, start, stop, rk, c, microbatches, held[j], C, share))
             bounds = tuple(st.layers for st in stages)
             fl_sum = tuple(sum(y.flops for y in model_layers[a:b]) for a, b in bounds)
             chunked = Clustering(bounds, fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), clusters.delta)
@@ -1194,20 +1195,8 @@ def plan_pipeline(
             if rk != c.ranks:
                 c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
         fl = stage_in_flight(kind, s_left, B, len(chosen))
-        stages.append(
-            PipelineStage(
-                (start, stop),
-                tuple(x.name for x in model_layers[start:stop]),
-                rk,
-                c.mesh_shape,
-                c,
-                c.time.total_s / B,
-                fl,
-                stage_memory(c, fl),
-                float(C[start, stop - 1]),
-                input_grad_share(graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop))),
-            )
-        )
+        share = input_grad_share(graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
+        stages.append(PipelineStage.costed(model_layers, start, stop, rk, c, B, fl, C, share))
     return PipelinePlan(
         tuple(stages),
         B,
@@ -1256,23 +1245,8 @@ def fixed_pipeline(
     out = []
     for j, ((start, stop), rk, (_, _, shape)) in enumerate(zip(bounds, ranks, stages)):
         c = sp.plan(start, stop, rk, tuple(shape), microbatches=microbatches, **stage_kw)
-        fl = held[j]
-        names = tuple(x.name for x in sp.layers[start:stop])
-        t = c.time.total_s / microbatches
-        out.append(
-            PipelineStage(
-                (start, stop),
-                names,
-                rk,
-                c.mesh_shape,
-                c,
-                t,
-                fl,
-                stage_memory(c, fl),
-                float(C[start, stop - 1]),
-                input_grad_share(graph, sp.layers, start, stop),
-            )
-        )
+        share = input_grad_share(graph, sp.layers, start, stop)
+        out.append(PipelineStage.costed(sp.layers, start, stop, rk, c, microbatches, held[j], C, share))
     fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
     clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
     plan = PipelinePlan(
