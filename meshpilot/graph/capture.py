@@ -44,7 +44,7 @@ import math
 import operator
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -246,6 +246,20 @@ class OpGraph:
             chain.append(node.inputs[0][0])  # a view's tensor operand is its first
             node = self[chain[-1]]
         return chain
+
+    @staticmethod
+    def input_cone(nodes: Mapping[str, OpNode], seeds: Iterable[str]) -> set[str]:
+        """Names of `nodes` that `seeds` are or read, transitively, walking inputs only through `nodes` (a
+        stage's backward: what the gradients it sends back need — zero bubble's ``I``)."""
+        cone: set[str] = set()
+        stack = list(seeds)
+        while stack:
+            x = stack.pop()
+            if x in cone or x not in nodes:
+                continue
+            cone.add(x)
+            stack += [src for src, _ in nodes[x].inputs]
+        return cone
 
     def fingerprint(self) -> str:
         """A hash of the graph's structure: a saved plan checks it against the model it is applied to."""

@@ -435,13 +435,7 @@ def input_grad_share(graph: OpGraph, layers: Sequence[Layer], start: int, stop: 
         for src, _ in n.inputs
         if src in mine
     ]
-    cone: set[str] = set()
-    while seeds:
-        x = seeds.pop()
-        if x in cone or x not in mine:
-            continue
-        cone.add(x)
-        seeds += [src for src, _ in mine[x].inputs]
+    cone = OpGraph.input_cone(mine, seeds)
     total = sum(n.flops for n in mine.values())
     return sum(mine[x].flops for x in cone) / total if total > 0 else 0.0
 

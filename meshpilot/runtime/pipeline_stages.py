@@ -176,15 +176,7 @@ class StageProgram:
     def _split_backward(self, g: OpGraph) -> None:
         """The backward as ``I`` (the nodes the gradients sent to the previous stage need) and ``W`` (the rest:
         weight gradients), and what ``I`` hands ``W`` (values it made or received that ``W`` reads)."""
-        made = {n.name: n for n in self.bwd_nodes}
-        cone: set[str] = set()
-        stack = [t.node for t in self.send_bwd]
-        while stack:
-            x = stack.pop()
-            if x in cone or x not in made:
-                continue
-            cone.add(x)
-            stack += [src for src, _ in made[x].inputs]
+        cone = OpGraph.input_cone({n.name: n for n in self.bwd_nodes}, (t.node for t in self.send_bwd))
         self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
         self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
         by_i = cone | set(self.late)
