@@ -1422,7 +1422,7 @@ def _plan_interleaved(
     L = len(clusters.bounds)
     Ps = [num_stages] if num_stages is not None else range(2, min(n, L // v) + 1)
     costs: dict[tuple[int, int, int], list[StageCost]] = {}
-    skipped = bypassed(sp.graph, sp.layers)
+    refused = refused_ranges(sp.graph, sp.layers, clusters)
 
     def cost(k: int, i: int, d: int) -> list[StageCost]:
         if (k, i, d) not in costs:
@@ -1449,7 +1449,7 @@ def _plan_interleaved(
                 d = group_sizes[j % P]
                 for k in range(j, L - (V - 1 - j)):
                     for i in range(k, L - (V - 1 - j)):
-                        if skipped[clusters.bounds[k][0], clusters.bounds[i][1] - 1]:
+                        if refused[k, i]:
                             continue  # a value would cross it: the runtime cannot run this chunk between two cuts
                         options[(j, k, i)] = [
                             _Chunk(k, i, c, c.time.total_s / B, stage_memory(c, held[j])) for c in cost(k, i, d)
