@@ -17,7 +17,9 @@ What it does, in order:
    ``LlamaForCausalLM`` (``attn_implementation="sdpa"``, fp32 and bf16), the Wide-ResNet conv net and
    moe-tiny. Each: ``meshpilot.plan`` for the world size on the probed cluster, ``meshpilot.parallelize`` of
    a copy on the device, then 3 AdamW steps of both in lockstep: loss and every gradient within 1e-5
-   relative (fp32) or 1e-2 (bf16, bf16-mixed) of eager; then the median step time of each (ratio
+   relative (fp32) or 1e-2 (bf16, bf16-mixed) of eager — beside it the first step's gradient difference and a
+   second eager copy's against the first (the device's own run-to-run noise: CUDA kernels that add with
+   atomics differ between runs, and AdamW's normalised steps amplify it); then the median step time of each (ratio
    parallel / eager), and for each the peak memory of a step (CUDA: ``max_memory_allocated``; CPU:
    ``StorageTracker``) less what the other model holds, and the median forward + backward time, against
    the plan's predicted peak and compute.
@@ -26,7 +28,8 @@ What it does, in order:
    dtype, AdamW(lr=1e-5; foreach, CUDA's default, on CPU too), peak statistics reset, 3 warm-up and 10
    full steps (forward, backward, step, ``zero_grad(set_to_none=True)``), then 5 forward + backward steps
    (grads set to None between them); the peak over all and the median forward + backward time, against a
-   1-device plan's predictions.
+   1-device plan's predictions; then the model parallelized by that plan, its step and forward + backward
+   timed alternately with eager's (the interpreter tax: issue 14 wants ≤ 1.05×).
 
 It prints the tables with rich and writes everything (probe, per model, per shape, environment) as JSON to
 ``--json-out``. A model that fails (capture, plan, run) gets its error in its row; the others still run.
@@ -295,6 +298,11 @@ class ModelResult:
     mesh: list[int] = field(default_factory=list)
     max_loss_rel: float | None = None
     max_grad_rel: float | None = None
+    first_grad_rel: float | None = None
+    """The gradients' difference at the first step, before AdamW's steps amplify it."""
+    floor_grad_rel: float | None = None
+    """The same 3 steps of a second eager copy against the first: what the device's own run-to-run
+    differences (atomics in CUDA kernels) give; 0 where the kernels are deterministic."""
     tolerance: float | None = None
     ok: bool | None = None
     eager_step_s: float | None = None
@@ -323,14 +331,17 @@ def check_model(case: Case, dev: Device, cluster: Any, steps: int, timed: int) -
     res.predicted_compute_s = plan.time.compute_s
     res.plan_warnings = list(plan.warnings)
     pm = meshpilot.parallelize(par, plan, graph=graph)
-    eager = Trainer(ref, adamw(ref.parameters(), 1e-3), inputs, case.precision == "bf16-mixed", dev.type)
+    mixed = case.precision == "bf16-mixed"
+    eager = Trainer(ref, adamw(ref.parameters(), 1e-3), inputs, mixed, dev.type)
     parallel = Trainer(pm, adamw(pm.parameters(), 1e-3), inputs, False, dev.type)
-    loss_rel = grad_rel = 0.0
+    twin_model = copy.deepcopy(ref)
+    twin = Trainer(twin_model, adamw(twin_model.parameters(), 1e-3), inputs, mixed, dev.type)
+    loss_rel = grad_rel = floor = 0.0
     names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    for _ in range(steps):
-        le, lp = eager.loss(), parallel.loss()
-        le.backward()
-        lp.backward()
+    for step in range(steps):
+        le, lp, lt = eager.loss(), parallel.loss(), twin.loss()
+        for loss in (le, lp, lt):
+            loss.backward()
         loss_rel = max(loss_rel, _rel(lp, le))
         for n in names:  # parallelize replaced `par`'s parameters by its DTensor ones, in place
             ge, gp = ref.get_parameter(n).grad, par.get_parameter(n).grad
@@ -338,10 +349,14 @@ def check_model(case: Case, dev: Device, cluster: Any, steps: int, timed: int) -
                 raise AssertionError(f"{n}: gradient only in {'eager' if gp is None else 'parallel'}")
             if ge is not None:
                 grad_rel = max(grad_rel, _rel(gp, ge))
-        for t in (eager, parallel):
+                floor = max(floor, _rel(twin_model.get_parameter(n).grad, ge))
+        if step == 0:
+            res.first_grad_rel = grad_rel
+        for t in (eager, parallel, twin):
             t.opt.step()
             t.opt.zero_grad(set_to_none=True)
-    res.max_loss_rel, res.max_grad_rel = loss_rel, grad_rel
+    del twin, twin_model
+    res.max_loss_rel, res.max_grad_rel, res.floor_grad_rel = loss_rel, grad_rel, floor
     res.ok = loss_rel <= res.tolerance and grad_rel <= res.tolerance
     res.eager_step_s, res.parallel_step_s = (_median_time(dev, t.step, timed) for t in (eager, parallel))
     res.eager_fwd_bwd_s, res.parallel_fwd_bwd_s = (_median_fwd_bwd(dev, t, timed) for t in (eager, parallel))
@@ -384,6 +399,11 @@ class ShapeResult:
     predicted_peak: float | None = None
     predicted_peak_at: str = ""
     predicted_compute_s: float | None = None
+    eager_step_s: float | None = None
+    parallel_step_s: float | None = None
+    parallel_fwd_bwd_s: float | None = None
+    """The same model parallelized by the 1-device plan: median full step and forward + backward, timed
+    alternately with the eager model's (``eager_step_s``; forward + backward: ``measured_fwd_bwd_s``)."""
     error: str = ""
 
 
@@ -415,7 +435,23 @@ def check_shape(shape: dict, dev: Device, cluster: Any, tiny: bool) -> ShapeResu
             times.append(dev.time(t.forward_backward))
             t.opt.zero_grad(set_to_none=True)
     res.measured_peak, res.measured_fwd_bwd_s = out["peak"], statistics.median(times)
-    del t, model
+    # the interpreter tax (issue 14, point 4): the planned program against eager on the same weights, timed in
+    # alternation so that clocks and other load drift alike for both
+    par_model = copy.deepcopy(model)
+    graph = capture(par_model, t.inputs)
+    plan1 = meshpilot.plan(par_model, t.inputs, cluster, num_devices=1, graph=graph)
+    pm = meshpilot.parallelize(par_model, plan1, graph=graph)
+    p = Trainer(pm, adamw(pm.parameters(), 1e-5), t.inputs)
+    steps: dict[str, list[float]] = {"eager": [], "par": [], "par_fb": []}
+    p.step()  # the first call records the program
+    for _ in range(full):
+        steps["eager"].append(dev.time(t.step))
+        steps["par"].append(dev.time(p.step))
+    for _ in range(fb):
+        steps["par_fb"].append(dev.time(p.forward_backward))
+        p.opt.zero_grad(set_to_none=True)
+    res.eager_step_s, res.parallel_step_s, res.parallel_fwd_bwd_s = (statistics.median(v) for v in steps.values())
+    del t, model, p, pm, par_model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -500,7 +536,8 @@ def print_tables(models: list[ModelResult], shapes: list[ShapeResult], probe_inf
         f"{len(probe_info.get('gemms', []))} GEMM shapes measured; {probe_info.get('file', '')}"
     )
     t = Table(title="Models: meshpilot.parallelize vs eager (3 AdamW steps), predictions vs measurements")
-    cols = ["model", "precision", "mesh", "loss rel", "grad rel", "ok", "step par/eager", "peak pred GiB"]
+    cols = ["model", "precision", "mesh", "loss rel", "grad rel", "step 1", "eager twin", "ok", "step par/eager"]
+    cols += ["peak pred GiB"]
     cols += ["peak eager GiB", "pred/eager", "peak par GiB", "f+b pred ms", "f+b eager ms", "pred/eager", "error"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("model", "precision", "error") else "right")
@@ -511,6 +548,8 @@ def print_tables(models: list[ModelResult], shapes: list[ShapeResult], probe_inf
             "x".join(map(str, r.mesh)) or "—",
             f"{r.max_loss_rel:.1e}" if r.max_loss_rel is not None else "—",
             f"{r.max_grad_rel:.1e}" if r.max_grad_rel is not None else "—",
+            f"{r.first_grad_rel:.1e}" if r.first_grad_rel is not None else "—",
+            f"{r.floor_grad_rel:.1e}" if r.floor_grad_rel is not None else "—",
             {True: "yes", False: "NO", None: "—"}[r.ok],
             _ratio(r.parallel_step_s, r.eager_step_s),
             _gib(r.predicted_peak),
@@ -525,6 +564,7 @@ def print_tables(models: list[ModelResult], shapes: list[ShapeResult], probe_inf
     con.print(t)
     s = Table(title="GPT shapes (the json's protocol): predicted / measured")
     cols = ["shape", "params", "peak pred GiB", "peak meas GiB", "ratio", "f+b pred ms", "f+b meas ms", "ratio"]
+    cols += ["step eager ms", "step par/eager", "f+b par/eager"]
     for c in [*cols, "error"]:
         s.add_column(c, justify="left" if c in ("shape", "error") else "right")
     for r in shapes:
@@ -539,6 +579,9 @@ def print_tables(models: list[ModelResult], shapes: list[ShapeResult], probe_inf
             _ms(r.predicted_compute_s),
             _ms(r.measured_fwd_bwd_s),
             _ratio(r.predicted_compute_s, r.measured_fwd_bwd_s),
+            _ms(r.eager_step_s),
+            _ratio(r.parallel_step_s, r.eager_step_s),
+            _ratio(r.parallel_fwd_bwd_s, r.measured_fwd_bwd_s),
             r.error[:60],
         )
     con.print(s)

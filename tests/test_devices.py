@@ -143,6 +143,31 @@ def test_mixed_precision_runs_as_autocast_does(group):
         assert err <= 1e-2 * max(a.grad.abs().max().item(), 1e-3), (name, err)
 
 
+def test_factories_and_casts_run_on_the_mesh_device():
+    """Capture runs on CPU (or meta) tensors, so `arange` and autocast's `_to_copy` record `device=cpu`; the
+    runtime calls them on the rank's device (on an H100 the bf16-mixed GPT failed in `mm` with a CPU operand)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.runtime.interpret import NodeCall
+
+    model, inputs = _gpt()
+    graph = capture(model, inputs, precision="bf16-mixed")
+    plan = _plan(model, inputs, precision="bf16-mixed", graph=graph)
+    on_cpu = [n for n in graph.nodes if n.fx_node is not None and torch.device("cpu") in n.fx_node.kwargs.values()]
+    targets = {str(n.target) for n in on_cpu}
+    assert {"aten.arange.default", "aten._to_copy.default"} <= targets, targets
+    meta = torch.device("meta")
+    for node in on_cpu:
+        call = NodeCall(node, plan.node(node.name), None, meta)
+        operands = [torch.empty(v.shape, dtype=v.dtype, device=meta) for v in _operand_vals(node)]
+        _, kwargs = call.arguments(operands)
+        assert kwargs["device"] == meta, node.name
+        assert call.target(*call.arguments(operands)[0], **kwargs).device == meta, node.name
+
+
+def _operand_vals(node):
+    return [a.meta["val"] for a in node.fx_node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
 def test_bf16_plan_trains_the_model_in_bf16(group):
     from meshpilot.runtime.spmd import parallelize
 

@@ -119,7 +119,7 @@ class NodeCall:
         "_keys",
     )
 
-    def __init__(self, node: OpNode, choice: NodeChoice, mesh: DeviceMesh) -> None:
+    def __init__(self, node: OpNode, choice: NodeChoice, mesh: DeviceMesh, device: torch.device) -> None:
         fx = node.fx_node
         self.node = node
         self.target = fx.target
@@ -155,6 +155,10 @@ class NodeCall:
                     a = None
                 else:
                     a = v
+            elif isinstance(a, torch.device):
+                # Capture ran on CPU or meta tensors, so factories (arange) and casts (_to_copy under
+                # autocast or a dtype change) carry that device as an argument: run them on this rank's.
+                a = device
             self._leaves.append(a)
         self._spec = spec
         self._nargs = len(fx.args)
@@ -214,7 +218,7 @@ class Interpreter:
     def call(self, node: OpNode, env: dict[str, tuple]) -> tuple:
         ex = self.calls.get(node.name)
         if ex is None:
-            ex = self.calls[node.name] = NodeCall(node, self.plan.node(node.name), self.mesh)
+            ex = self.calls[node.name] = NodeCall(node, self.plan.node(node.name), self.mesh, self.device)
         operands = []
         for a, (src, i) in enumerate(node.inputs):
             v = env[src][i]
