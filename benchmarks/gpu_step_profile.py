@@ -35,8 +35,8 @@ import meshpilot  # noqa: E402
 from meshpilot.graph.capture import capture  # noqa: E402
 
 
-def profile_steps(t: Trainer, steps: int, cuda: bool) -> tuple[dict[str, tuple[int, float]], float, float]:
-    """{op: (calls per step, device ms per step)}, device ms per step, host ms per step."""
+def profile_steps(t: Trainer, steps: int, cuda: bool) -> tuple[dict[str, tuple[int, float, float]], float, float]:
+    """{op: (calls, device ms, host self ms) per step}, device ms per step, host ms per step."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for _ in range(2):
         t.step()
@@ -49,13 +49,60 @@ def profile_steps(t: Trainer, steps: int, cuda: bool) -> tuple[dict[str, tuple[i
         if cuda:
             torch.cuda.synchronize()
     host = (time.perf_counter() - t0) * 1e3 / steps
-    ops: dict[str, tuple[int, float]] = {}
+    ops: dict[str, tuple[int, float, float]] = {}
     total = 0.0
     for e in prof.key_averages():
         dev_us = getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total
-        ops[e.key] = (round(e.count / steps), dev_us / 1e3 / steps)
+        ops[e.key] = (round(e.count / steps), dev_us / 1e3 / steps, e.self_cpu_time_total / 1e3 / steps)
         total += dev_us / 1e3 / steps
     return ops, total, host
+
+
+def time_modes(model, graph, plan, inputs, modes: list[str], n: int, cuda: bool, label: str) -> None:
+    """Median step and forward + backward (ms) of eager and of the planned model under each compile mode."""
+    import statistics
+
+    from rich.console import Console
+    from rich.table import Table
+
+    def clock(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    eager = Trainer(model, adamw(model.parameters(), 1e-5), inputs)
+    table = Table(title=f"{label}: step time by compile mode (ms, median of {n})")
+    for c in ("mode", "eager step", "planned step", "ratio", "eager f+b", "planned f+b", "ratio", "error"):
+        table.add_column(c, justify="left" if c in ("mode", "error") else "right")
+    for mode in modes:
+        try:
+            par = copy.deepcopy(model)
+            compile_arg = {"none": False, "inductor": True}.get(mode, mode)
+            pm = meshpilot.parallelize(par, plan, graph=graph, compile=compile_arg)
+            p = Trainer(pm, adamw(pm.parameters(), 1e-5), inputs)
+            for _ in range(3):
+                p.step()
+                eager.step()
+            se, sp, fe, fp = [], [], [], []
+            for _ in range(n):
+                se.append(clock(eager.step))
+                sp.append(clock(p.step))
+            for _ in range(n):
+                fe.append(clock(eager.forward_backward))
+                eager.opt.zero_grad(set_to_none=True)
+                fp.append(clock(p.forward_backward))
+                p.opt.zero_grad(set_to_none=True)
+            m = [statistics.median(x) for x in (se, sp, fe, fp)]
+            table.add_row(mode, f"{m[0]:.2f}", f"{m[1]:.2f}", f"{m[1] / m[0]:.3f}", f"{m[2]:.2f}", f"{m[3]:.2f}",
+                          f"{m[3] / m[2]:.3f}", "")  # fmt: skip
+            del p, pm, par
+        except Exception as e:  # noqa: BLE001 - the row says what failed
+            table.add_row(mode, "", "", "", "", "", "", f"{type(e).__name__}: {str(e)[:80]}")
+    Console(width=160).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the shape at gpu_check's tiny size (smoke run)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps of each (default 3)")
     ap.add_argument("--rows", type=int, default=25, help="table rows, largest device-time difference first")
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        help="instead of profiling, time the step (eager vs planned, alternately, --timed each) with parallelize's "
+        "compile= set to each of these: none, inductor, cudagraphs",
+    )
+    ap.add_argument("--timed", type=int, default=20, help="timed steps per mode (default 20)")
     args = ap.parse_args(argv)
     from meshpilot.models.gpt import GPT, GPTConfig
 
@@ -83,9 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(dev):
         model = GPT(cfg)
     inputs = _tokens(cfg.vocab, cfg.batch, cfg.seq, dev)
+    label = f"L{shape['layers']} h{shape['hidden']} {shape['batch']}x{shape['seq']} {shape['dtype']}"
     par = copy.deepcopy(model)
     graph = capture(par, inputs)
     plan = meshpilot.plan(par, inputs, "dgx-h100", num_devices=1, graph=graph)
+    if args.modes:
+        time_modes(model, graph, plan, inputs, args.modes, args.timed, cuda, label)
+        dist.destroy_process_group()
+        return 0
     pm = meshpilot.parallelize(par, plan, graph=graph)
     eager = Trainer(model, adamw(model.parameters(), 1e-5), inputs)
     parallel = Trainer(pm, adamw(pm.parameters(), 1e-5), inputs)
@@ -94,24 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    label = f"L{shape['layers']} h{shape['hidden']} {shape['batch']}x{shape['seq']} {shape['dtype']}"
-    table = Table(title=f"{label}: per step, eager vs planned ({'device' if cuda else 'CPU self'} ms)")
-    for c in ("op", "calls eager", "calls planned", "ms eager", "ms planned", "ms planned - eager"):
-        table.add_column(c, justify="left" if c == "op" else "right")
-    keys = set(e_ops) | set(p_ops)
-    diff: dict[str, float] = defaultdict(float)
-    for k in keys:
-        (ce, te), (cp, tp) = e_ops.get(k, (0, 0.0)), p_ops.get(k, (0, 0.0))
-        if ce != cp or abs(tp - te) > 0.01:
-            diff[k] = tp - te
-    for k in sorted(diff, key=lambda k: -abs(diff[k]))[: args.rows]:
-        (ce, te), (cp, tp) = e_ops.get(k, (0, 0.0)), p_ops.get(k, (0, 0.0))
-        table.add_row(k[:70], str(ce), str(cp), f"{te:.3f}", f"{tp:.3f}", f"{tp - te:+.3f}")
     con = Console(width=160)
-    con.print(table)
+    zero = (0, 0.0, 0.0)
+    for col, what in ((1, "device ms" if cuda else "CPU self ms"), (2, "host self ms")):
+        if col == 2 and not cuda:
+            break
+        table = Table(title=f"{label}: per step, eager vs planned ({what})")
+        for c in ("op", "calls eager", "calls planned", "eager", "planned", "planned - eager"):
+            table.add_column(c, justify="left" if c == "op" else "right")
+        diff: dict[str, float] = defaultdict(float)
+        for k in set(e_ops) | set(p_ops):
+            a, b = e_ops.get(k, zero), p_ops.get(k, zero)
+            if a[0] != b[0] or abs(b[col] - a[col]) > 0.01:
+                diff[k] = b[col] - a[col]
+        for k in sorted(diff, key=lambda k: -abs(diff[k]))[: args.rows]:
+            a, b = e_ops.get(k, zero), p_ops.get(k, zero)
+            table.add_row(k[:70], str(a[0]), str(b[0]), f"{a[col]:.3f}", f"{b[col]:.3f}", f"{b[col] - a[col]:+.3f}")
+        con.print(table)
     con.print(
         f"per step: device {e_dev:.2f} → {p_dev:.2f} ms; host wall {e_host:.2f} → {p_host:.2f} ms; "
-        f"calls {sum(c for c, _ in e_ops.values())} → {sum(c for c, _ in p_ops.values())}"
+        f"calls {sum(v[0] for v in e_ops.values())} → {sum(v[0] for v in p_ops.values())}"
     )
     dist.destroy_process_group()
     return 0

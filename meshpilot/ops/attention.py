@@ -12,9 +12,10 @@ device kernels
 ====== ==================================================================================================
 cpu    ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (what eager CPU attention runs, so a
        planned model equals the eager one to the last bit on an unsharded problem)
-cuda   ``_scaled_dot_product_flash_attention`` (fp16/bf16, head dim ≤ 256 and a multiple of 8, no mask) or
-       ``_scaled_dot_product_efficient_attention`` (no mask), with their backward kernels; each is checked once
-       per process against the math path on a small problem before it is used (:func:`_checked`)
+cuda   the kernel eager attention picks for the operands (torch's ``_fused_sdp_choice``: cuDNN, flash or
+       memory-efficient; no mask), with its backward kernel, so the planned model runs what eager runs; each
+       is checked once per process against the math path on a small problem before it is used
+       (:func:`_checked`), the next eligible one taking its place if it fails
 other  the math path (:func:`_math_forward`, :func:`_math_backward`): softmax(QKᵀ·scale + mask) V and its
        gradient written out; every device runs it, and it is what the checks compare with
 ====== ==================================================================================================
@@ -213,30 +214,48 @@ def _cpu_backward(g, q, k, v, out, lse, mask, is_causal, scale):
     return dq, dk, dv
 
 
-def _cuda_kernel(q: Tensor, mask: Tensor | None) -> str:
-    """``flash``, ``efficient`` or ``math`` for these operands (only kernels that passed their check)."""
+# torch.nn.attention.SDPBackend's values, as ``aten._fused_sdp_choice`` returns them, and our kernels' names
+_TORCH_CHOICE = {1: "flash", 2: "efficient", 3: "cudnn"}
+
+
+def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> str:
+    """``cudnn``, ``flash``, ``efficient`` or ``math``: the kernel eager ``F.scaled_dot_product_attention``
+    runs for these operands (torch's own choice, ``aten._fused_sdp_choice``, which also follows a user's
+    ``sdpa_kernel`` context), so a planned model computes what the eager one does, bit for bit on one device;
+    the next eligible one if that kernel failed its check (:func:`_checked`)."""
+    if mask is not None:
+        return "math"
+    choice = _TORCH_CHOICE.get(int(aten._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)))
     e = q.shape[-1]
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if mask is None and half and e % 8 == 0 and e <= 256 and _checked("flash", q.dtype):
-        return "flash"
-    if mask is None and _checked("efficient", q.dtype):
-        return "efficient"
+    flash_ok = q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
+    for kernel in (choice, "flash" if flash_ok else None, "efficient"):
+        if kernel is not None and _checked(kernel, q.dtype):
+            return kernel
     return "math"
 
 
-def _cuda_forward(q, k, v, mask, is_causal, scale):
-    kernel = _cuda_kernel(q, mask)
+_CUDNN_LSE_DIMS: dict[torch.dtype, int] = {}
+"""How many dims cuDNN's log-sum-exp has (its backward wants it back as its forward gave it)."""
+
+
+def _kernel_forward(kernel: str, q, k, v, is_causal, scale) -> tuple[Tensor, Tensor]:
+    """`kernel`'s ``(out, lse [b, h, t])``."""
+    t = q.shape[-2]
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
         return out, lse
     if kernel == "efficient":
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
-        return out, lse[..., : q.shape[-2]].contiguous()  # the kernel pads lse to a multiple of 32 rows
-    return _math_forward(q, k, v, mask, is_causal, scale)
+        return out, lse[..., :t].contiguous()  # the kernel pads lse to a multiple of 32 rows
+    if kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)[:2]
+        _CUDNN_LSE_DIMS[q.dtype] = lse.dim()
+        return out, lse.reshape(q.shape[:3])  # [b, h, t] (cuDNN's may carry a trailing 1)
+    return _math_forward(q, k, v, None, is_causal, scale)
 
 
-def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
-    kernel = _cuda_kernel(q, mask)
+def _kernel_backward(kernel: str, g, q, k, v, out, lse, is_causal, scale) -> tuple[Tensor, Tensor, Tensor]:
+    """`kernel`'s ``(dq, dk, dv)``; `lse` as :func:`_kernel_forward` returned it."""
     t, s = q.shape[-2], k.shape[-2]
     if kernel == "flash":
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
@@ -252,7 +271,30 @@ def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
             g, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale
         )
         return dq, dk, dv
-    return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
+    if kernel == "cudnn":
+        stats = lse.unsqueeze(-1) if _CUDNN_LSE_DIMS.get(q.dtype, 3) == 4 else lse
+        if g.stride() != out.stride():  # cuDNN reads the output's gradient in the output's layout
+            g = torch.empty_like(out).copy_(g)
+        seed = torch.zeros(1, dtype=torch.int64, device=q.device)  # read only with dropout
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            g, q, k, v, out, stats, seed, seed, None, None, None, t, s, 0.0, is_causal, scale=scale
+        )
+        return dq, dk, dv
+    return _math_backward(g, q, k, v, out, lse, None, is_causal, scale)
+
+
+def _cuda_forward(q, k, v, mask, is_causal, scale):
+    kernel = _cuda_kernel(q, k, v, mask, is_causal, scale)
+    if kernel == "math":
+        return _math_forward(q, k, v, mask, is_causal, scale)
+    return _kernel_forward(kernel, q, k, v, is_causal, scale)
+
+
+def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
+    kernel = _cuda_kernel(q, k, v, mask, is_causal, scale)
+    if kernel == "math":
+        return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
+    return _kernel_backward(kernel, g, q, k, v, out, lse, is_causal, scale)
 
 
 _FORWARD = {"cpu": _cpu_forward, "cuda": _cuda_forward}
@@ -267,20 +309,15 @@ def _checked(kernel: str, dtype: torch.dtype) -> bool:
     key = (kernel, dtype)
     if key in _CHECKS:
         return _CHECKS[key]
-    _CHECKS[key] = False  # while checking, the kernel under test is not chosen recursively
     ok, why = False, ""
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, g = (torch.randn(2, 2, 40, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        # [b, h, t, e] views of [b, t, h, e] storage, as a model's heads are split, and a contiguous gradient
+        q, k, v, g = (torch.randn(2, 40, 2, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        q, k, v, g = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2).contiguous()
         scale = 0.125
-        if kernel == "flash":
-            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
-        else:
-            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
-            lse = lse[..., :40].contiguous()
-        _CHECKS[key] = True
-        got = (out, *_cuda_backward(g, q, k, v, out, lse, None, True, scale))
-        _CHECKS[key] = False
+        out, lse = _kernel_forward(kernel, q, k, v, True, scale)
+        got = (out, *_kernel_backward(kernel, g, q, k, v, out, lse, True, scale))
         ref_out, ref_lse = _math_forward(q, k, v, None, True, scale)
         want = (ref_out, *_math_backward(g, q, k, v, ref_out, ref_lse, None, True, scale))
         tol = 1e-4 if dtype == torch.float32 else 3e-2

@@ -20,7 +20,8 @@ A step is three programs, one per kind of schedule action (``meshpilot.planner.s
   layout (the plan's ``grad:`` collectives), once per step.
 
 Programs are specialised to the plan, the rank and the input shapes (the caller checks the shapes).
-``compile=True`` hands both programs to ``torch.compile``. ``MESHPILOT_INTERPRET=1`` interprets every step
+``compile=True`` hands both programs to ``torch.compile`` (``compile="cudagraphs"``: its CUDA-graph backend,
+the recorded kernels replayed without Python between them). ``MESHPILOT_INTERPRET=1`` interprets every step
 instead (for debugging the runtime: the same ops, without the recording).
 """
 
@@ -59,7 +60,12 @@ class StepProgram:
     """The forward and backward programs of one plan on one rank (module docstring)."""
 
     def __init__(
-        self, interp: Interpreter, trainable: list[str], *, compile: bool = False, schedule: Schedule | None = None
+        self,
+        interp: Interpreter,
+        trainable: list[str],
+        *,
+        compile: bool | str = False,
+        schedule: Schedule | None = None,
     ) -> None:
         self.interp = interp
         self.schedule = schedule
@@ -313,10 +319,12 @@ def _last_uses(nodes, keep: set[str]) -> dict[str, int]:
     return last
 
 
-def _maybe_compile(gm: torch.fx.GraphModule, compile: bool):
+def _maybe_compile(gm: torch.fx.GraphModule, compile: bool | str):
+    """`gm`, or `gm` through ``torch.compile`` with the backend `compile` names (``True``: inductor;
+    ``"cudagraphs"``: the same kernels replayed as CUDA graphs, no Python between them)."""
     if not compile:
         return gm
     try:
-        return torch.compile(gm, dynamic=False)
+        return torch.compile(gm, dynamic=False, backend=compile if isinstance(compile, str) else "inductor")
     except Exception as e:  # noqa: BLE001 - compile is an option: say why it is off
         raise UserError(f"compile=True: torch.compile could not take the program ({type(e).__name__}: {e})") from None

@@ -297,7 +297,9 @@ def distribute_parameters(
 class ParallelModule(torch.nn.Module):
     """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, mesh: DeviceMesh, graph: OpGraph, *, compile: bool = False):
+    def __init__(
+        self, model: torch.nn.Module, plan: Plan, mesh: DeviceMesh, graph: OpGraph, *, compile: bool | str = False
+    ):
         super().__init__()
         self.module = model
         self.plan = plan
@@ -389,7 +391,7 @@ def parallelize(
     device: str | torch.device | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     graph: OpGraph | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> ParallelModule:
     """Make `model` run `plan` on the current process group (see the module docstring).
 
@@ -398,7 +400,8 @@ def parallelize(
     DTensor parameters in place; build the optimizer on the returned module's ``parameters()``. `graph`
     reuses a capture of this model on the plan's input shapes (several plans of one model are then run
     without tracing it again); its fingerprint is still checked against the plan's. ``compile=True`` runs
-    the step's programs through ``torch.compile``.
+    the step's programs through ``torch.compile`` (a string names its backend: ``"cudagraphs"`` replays the
+    same kernels as CUDA graphs, for a step that Python launches slower than the GPU runs it).
     """
     from meshpilot.planner.validate import validate_plan
 
