@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_check import GPT_SHAPES, Trainer, _tokens, adamw, tiny_shape  # noqa: E402
+from gpu_check import GPT_SHAPES, Trainer, _rel, _tokens, adamw, tiny_shape  # noqa: E402
 
 import meshpilot  # noqa: E402
 from meshpilot.graph.capture import capture  # noqa: E402
@@ -76,7 +76,7 @@ def time_modes(model, graph, plan, inputs, modes: list[str], n: int, cuda: bool,
 
     eager = Trainer(model, adamw(model.parameters(), 1e-5), inputs)
     table = Table(title=f"{label}: step time by compile mode (ms, median of {n})")
-    for c in ("mode", "eager step", "planned step", "ratio", "eager f+b", "planned f+b", "ratio", "error"):
+    for c in ("mode", "grad rel", "eager step", "planned step", "ratio", "eager f+b", "planned f+b", "ratio", "error"):
         table.add_column(c, justify="left" if c in ("mode", "error") else "right")
     for mode in modes:
         try:
@@ -84,6 +84,15 @@ def time_modes(model, graph, plan, inputs, modes: list[str], n: int, cuda: bool,
             compile_arg = {"none": False, "inductor": True}.get(mode, mode)
             pm = meshpilot.parallelize(par, plan, graph=graph, compile=compile_arg)
             p = Trainer(pm, adamw(pm.parameters(), 1e-5), inputs)
+            # one lockstep step from the same weights: the planned gradients against eager's
+            le, lp = eager.loss(), p.loss()
+            le.backward()
+            lp.backward()
+            names = [n for n, q in model.named_parameters() if q.requires_grad]
+            rel = max(_rel(par.get_parameter(k).grad, model.get_parameter(k).grad) for k in names)
+            for t in (eager, p):
+                t.opt.step()
+                t.opt.zero_grad(set_to_none=True)
             for _ in range(3):
                 p.step()
                 eager.step()
@@ -97,11 +106,11 @@ def time_modes(model, graph, plan, inputs, modes: list[str], n: int, cuda: bool,
                 fp.append(clock(p.forward_backward))
                 p.opt.zero_grad(set_to_none=True)
             m = [statistics.median(x) for x in (se, sp, fe, fp)]
-            table.add_row(mode, f"{m[0]:.2f}", f"{m[1]:.2f}", f"{m[1] / m[0]:.3f}", f"{m[2]:.2f}", f"{m[3]:.2f}",
-                          f"{m[3] / m[2]:.3f}", "")  # fmt: skip
+            cells = [f"{rel:.1e}", f"{m[0]:.2f}", f"{m[1]:.2f}", f"{m[1] / m[0]:.3f}", f"{m[2]:.2f}", f"{m[3]:.2f}"]
+            table.add_row(mode, *cells, f"{m[3] / m[2]:.3f}", "")
             del p, pm, par
         except Exception as e:  # noqa: BLE001 - the row says what failed
-            table.add_row(mode, "", "", "", "", "", "", f"{type(e).__name__}: {str(e)[:80]}")
+            table.add_row(mode, "", "", "", "", "", "", "", f"{type(e).__name__}: {str(e)[:80]}")
     Console(width=160).print(table)
 
 

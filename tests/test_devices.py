@@ -117,6 +117,14 @@ def test_cpu_model_runs_on_a_cpu_mesh(group):
         pm(inputs[0][:2], inputs[1][:2])
 
 
+def test_cudagraphs_needs_a_cuda_mesh(group):
+    from meshpilot.runtime.spmd import parallelize
+
+    model, inputs = _gpt()
+    with pytest.raises(UserError, match=r"compile='cudagraphs'.*cpu mesh with 1 microbatches.*compile=True"):
+        parallelize(model, _plan(model, inputs), compile="cudagraphs")
+
+
 # ------------------------------------------------------------------------------------------- precision
 
 

@@ -184,6 +184,8 @@ class _ScheduleRun:
             ):
                 self.actions.append(a)
         self.m = sched.microbatches
+        if pm._cudagraphs:  # the last step's outputs are dead: CUDA graphs may reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         self.inputs = [x.chunk(self.m) for x in inputs] if self.m > 1 else [(x,) for x in inputs]
         self.losses: dict[int, torch.Tensor] = {}
         self.saved: dict[int, list] = {}
@@ -197,13 +199,16 @@ class _ScheduleRun:
 
     def loss(self) -> torch.Tensor:
         losses = [self.losses[m] for m in range(self.m)]
-        return (losses[0] if self.m == 1 else torch.stack(losses).mean()).detach()
+        loss = (losses[0] if self.m == 1 else torch.stack(losses).mean()).detach()
+        return loss.clone() if self.pm._cudagraphs else loss  # outlives the graph's memory
 
     def finish(self) -> list:
         self._run(len(self.actions))
         pm = self.pm
         out = []
         for fqn, g in zip(pm._trainable, self.synced or [None] * len(pm._trainable)):
+            if g is not None and pm._cudagraphs:
+                g = g.clone()  # a gradient outlives the step, the graph's memory does not
             out.append(DTensor(g, pm.module.get_parameter(fqn)._spec, requires_grad=False) if g is not None else None)
         return out
 
@@ -311,6 +316,13 @@ class ParallelModule(torch.nn.Module):
             if mesh.device_type == "cuda"
             else (torch.device(mesh.device_type))
         )
+        self._cudagraphs = compile == "cudagraphs"
+        if self._cudagraphs and (mesh.device_type != "cuda" or self.schedule.microbatches > 1):
+            raise UserError(
+                f"compile='cudagraphs' replays one microbatch's programs on a CUDA mesh; this is a "
+                f"{mesh.device_type} mesh with {self.schedule.microbatches} microbatches per step: "
+                "use compile=True or False (or a plan with one microbatch on GPUs)"
+            )
         self._distribute_parameters()
         key = (id(graph), plan.to_json(), id(mesh), str(self.device), tuple(self._trainable), compile)
         cached = _PROGRAMS.get(key)
