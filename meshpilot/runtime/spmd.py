@@ -145,11 +145,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout: torch.Tensor):
         run, ctx.run = ctx.run, None
-        grads = run.finish()
-        scale = float(gout) if gout is not None else 1.0
-        if scale != 1.0:
-            grads = [g * scale if g is not None else None for g in grads]
-        return (None, None, *grads)
+        return (None, None, *run.finish(gout))
 
 
 class _ScheduleRun:
@@ -202,13 +198,32 @@ class _ScheduleRun:
         loss = (losses[0] if self.m == 1 else torch.stack(losses).mean()).detach()
         return loss.clone() if self.pm._cudagraphs else loss  # outlives the graph's memory
 
-    def finish(self) -> list:
+    def finish(self, gout: torch.Tensor | None) -> list:
+        """The rest of the step; the parameters' gradients (DTensors), times the loss' gradient `gout`."""
         self._run(len(self.actions))
         pm = self.pm
+        grads = list(self.synced or [None] * len(pm._trainable))
+        at = [i for i, g in enumerate(grads) if g is not None]
+        if gout is not None and at and gout.device.type != "cpu":
+            # Scaled on the device: reading `gout` (1 for loss.backward()) on the host would wait for the whole
+            # forward and leave the GPU idle while the backward's first kernels are launched. Exact for 1. In
+            # place on the program's own outputs; copies out of the CUDA graphs' memory, which the step outlives.
+            present = [grads[i] for i in at]
+            if pm._cudagraphs or len({g.data_ptr() for g in present}) < len(present):  # or one tensor twice
+                present = torch._foreach_mul(present, gout)
+            else:
+                torch._foreach_mul_(present, gout)
+            for i, g in zip(at, present):
+                grads[i] = g
+        else:
+            scale = float(gout) if gout is not None else 1.0
+            for i in at:
+                if scale != 1.0:
+                    grads[i] = grads[i] * scale
+                elif pm._cudagraphs:
+                    grads[i] = grads[i].clone()  # a gradient outlives the step, the graph's memory does not
         out = []
-        for fqn, g in zip(pm._trainable, self.synced or [None] * len(pm._trainable)):
-            if g is not None and pm._cudagraphs:
-                g = g.clone()  # a gradient outlives the step, the graph's memory does not
+        for fqn, g in zip(pm._trainable, grads):
             out.append(DTensor(g, pm.module.get_parameter(fqn)._spec, requires_grad=False) if g is not None else None)
         return out
 
