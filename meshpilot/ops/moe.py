@@ -36,6 +36,13 @@ same axis the experts are, each rank sends each (token, expert) pair to the rank
 ``all_to_all_single`` and *variable* split sizes (gloo and NCCL both carry them), the owners compute and send
 the results back.
 
+**In steps, for duplex.** With expert parallelism the runtime runs the op as kernels in three steps
+(``meshpilot.ops.OpPart``; the section *on the shards* below): lead (counts exchanged, dispatch issued and left
+in flight), body (dispatch waited, local experts, combine issued), tail (combine waited, weighted sum). The
+op declares its first two collectives as issued before its computation (``OwnOp.leading``), so the duplex
+schedule cuts around it and runs one microbatch's all-to-alls beside the other's experts
+(``meshpilot.runtime.duplex``); the simulator prices them so. The arithmetic is the one-kernel path's.
+
 **Pricing data-dependent sizes.** Capture sees no routing, so the plan prices the variable all-to-alls at the
 expected load of a uniform router: every rank sends and receives ``T_local · k`` rows. The dispatch input is
 exactly that on every rank (each rank sends all of its pairs); the combine input (the rows a rank received) is
