@@ -238,11 +238,19 @@ def _backward_dtype(x: Tensor, g: Tensor, w: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, g.dtype), w.dtype)
 
 
-def _backward_rows(g, x, idx, w, r: _Routing) -> Tensor:
-    """Each pair's ``[x | g | w]`` row, sorted by expert."""
+def _backward_feats(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """Each token's ``[x | g]`` in the backward's row dtype."""
     dtype = _backward_dtype(x, g, w)
-    wf = w.reshape(-1)[r.order]
-    return torch.cat([x[r.token].to(dtype), g[r.token].to(dtype), wf.unsqueeze(-1).to(dtype)], dim=-1)
+    return torch.cat([x.to(dtype), g.to(dtype)], dim=-1)
+
+
+def _pair_rows(feats: Tensor, w: Tensor | None, r: _Routing) -> Tensor:
+    """Each (token, expert) pair's row ``feats[token]``, sorted by expert, with the pair's routing weight
+    appended when `w` is given (the backward's ``[x | g | w]``)."""
+    rows = feats[r.token]
+    if w is None:
+        return rows
+    return torch.cat([rows, w.reshape(-1)[r.order].unsqueeze(-1).to(rows.dtype)], dim=-1)
 
 
 def _backward_experts(rows, counts: list[int], x, g, w, gate_up, down, act) -> tuple[Tensor, Tensor, Tensor]:
@@ -273,7 +281,7 @@ def _backward_unsort(back_rows, x, w, r: _Routing) -> tuple[Tensor, Tensor]:
 def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int):
     act = _activation(act_name)
     r = _Routing(idx, experts)
-    rows = _backward_rows(g, x, idx, w, r)
+    rows = _pair_rows(_backward_feats(g, x, w), w, r)
     back_rows, d_gate_up, d_down = _backward_experts(rows, r.counts.tolist(), x, g, w, gate_up, down, act)
     dx, dw = _backward_unsort(back_rows, x, w, r)
     return dx, dw, d_gate_up, d_down
@@ -475,10 +483,7 @@ def moe_ep_dispatch(feats: Tensor, idx: Tensor, w: Tensor | None, got: Tensor, e
     when `w` is given: the backward's ``[x | g | w]``), sorted by expert, to the owner of its expert. Returns
     the received rows (peer-major) while the all-to-all is in flight."""
     r = _Routing(idx, experts)
-    rows = feats[r.token]
-    if w is not None:
-        rows = torch.cat([rows, w.reshape(-1)[r.order].unsqueeze(-1).to(rows.dtype)], dim=-1)
-    return _Exchange(got, _ep_of(ep), r.counts).dispatch(rows)
+    return _Exchange(got, _ep_of(ep), r.counts).dispatch(_pair_rows(feats, w, r))
 
 
 @torch.library.custom_op("meshpilot::moe_ep_combine", mutates_args=())
@@ -571,10 +576,9 @@ def _run_backward(call: OwnCall, g, x, idx, w, gate_up, down, act):
     from meshpilot.ops import OpPart
     from meshpilot.runtime.record import in_part
 
-    dtype = _backward_dtype(x, g, w)
     with in_part(OpPart.LEAD):
         got = moe_ep_counts(idx, experts, ep)
-        sent = moe_ep_dispatch(torch.cat([x.to(dtype), g.to(dtype)], dim=-1), idx, w, got, experts, ep)
+        sent = moe_ep_dispatch(_backward_feats(g, x, w), idx, w, got, experts, ep)
     back, d_gate_up, d_down = moe_ep_experts_backward(_wait(sent), got, x, g, w, gate_up, down, act)
     back = moe_ep_combine(back, idx, got, experts, ep)
     with in_part(OpPart.TAIL):
