@@ -331,3 +331,32 @@ def test_check_in_flight_refuses_races_with_the_backend():
         g, _ = _program(body)
         with pytest.raises(RuntimeError, match=what):
             check_in_flight(g)
+
+
+def test_moe_in_flight_kernels_are_collectives_to_the_reordering_passes():
+    """The expert-parallel MoE's dispatch and combine kernels return an all-to-all in flight
+    (``OwnOp.in_flight``): ``is_collective`` counts them, ``check_in_flight`` wants their ``wait_tensor`` and
+    refuses a read before it, like a functional collective's; the other MoE kernels are not collectives."""
+    import meshpilot.ops.moe  # noqa: F401 - registers the kernels
+    from meshpilot.runtime.duplex import check_in_flight, waits_of
+    from meshpilot.runtime.overlap import is_collective
+
+    mp, fc, ops = torch.ops.meshpilot, torch.ops._c10d_functional, torch.ops.aten
+
+    def program(read_early: bool):
+        g = torch.fx.Graph()
+        x, idx = g.placeholder("x"), g.placeholder("idx")
+        got = g.call_function(mp.moe_ep_counts.default, (idx, 4, "0\tep\t2"))
+        sent = g.call_function(mp.moe_ep_dispatch.default, (x, idx, None, got, 4, "0\tep\t2"))
+        if read_early:
+            g.call_function(ops.mul.Tensor, (sent, 2))
+        rows = g.call_function(fc.wait_tensor.default, (sent,))
+        g.output(rows)
+        return g, got, sent
+
+    g, got, sent = program(False)
+    check_in_flight(g)
+    assert is_collective(sent) and not is_collective(got)
+    assert [w.target for w in waits_of(sent)] == [fc.wait_tensor.default]
+    with pytest.raises(RuntimeError, match="before its wait_tensor"):
+        check_in_flight(program(True)[0])
