@@ -25,6 +25,15 @@ not share the cores as the 8 ranks do).
     sudo python benchmarks/bench_duplex.py --out-dir /tmp/bench-duplex --markdown
     sudo python benchmarks/bench_duplex.py --hidden 1024 --mlp-ratio 32 --probe --markdown   # issue 11's targets
 
+``--model mixtral`` runs Hugging Face's Mixtral instead (dropless top-2 experts, ``meshpilot.ops.moe``; sized by
+``--layers``, ``--hidden``, ``--heads``, ``--mlp-ratio`` (the experts' inner width), ``--experts``, ``--vocab``,
+``--seq``), planned by the solver on mesh 1x8 (expert parallelism over the 8 ranks where it chooses it; the
+run prints the experts' layout), whose expert all-to-alls duplex overlaps with the other microbatch's experts
+and routing. No fake-group run there (the routing's split sizes need real all-to-alls), so the table's
+step-derived ratio is left out; the traced one stands.
+
+    sudo python benchmarks/bench_duplex.py --model mixtral --links slow medium --markdown
+
 Megatron TP's traffic per layer grows with ``h · tokens`` and its compute with ``ffn · h · tokens``: a wide
 hidden size and MLP (``--hidden``, ``--mlp-ratio``) make computation and communication comparable on the slow
 link, where duplex's overlap can shorten the step.
@@ -62,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (2 microbatches of half)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--mlp-ratio", type=int, default=4, help="MLP inner width as a multiple of --hidden (default 4)")
+    p.add_argument("--model", choices=("gpt", "mixtral"), default="gpt")
+    p.add_argument("--experts", type=int, default=8, help="--model mixtral: experts per MoE layer (default 8)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument(
         "--warmup", type=int, default=2, help="untimed steps (>= 2: the first records, the second builds duplex)"
@@ -87,8 +98,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_plans(cfg: dict, cluster_file: Path, folder: Path) -> dict:
-    """The duplex plan and the same strategies without duplex, saved; and their simulations."""
+def mixtral_source(args: argparse.Namespace) -> dict:
+    """The manifest's ``source`` of ``--model mixtral`` (``fidelity_step_worker.py`` builds it on every rank)."""
+    hf = {
+        "num_hidden_layers": args.layers,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * args.mlp_ratio,
+        "num_local_experts": args.experts,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": args.seq,
+    }
+    return {
+        "name": "hf:mixtral",
+        "hf_config": [f"{k}={v}" for k, v in hf.items()],
+        "batch": args.batch,
+        "seq": args.seq,
+    }
+
+
+def make_plans(cfg: dict, cluster_file: Path, folder: Path, source: dict | None = None) -> dict:
+    """The duplex plan and the same strategies without duplex, saved; and their simulations. A GPT under
+    Megatron TP (`cfg`), or the model `source` names (``mixtral_source``) as the solver plans it."""
     import torch
 
     from meshpilot.cluster import load_cluster
@@ -99,14 +132,28 @@ def make_plans(cfg: dict, cluster_file: Path, folder: Path) -> dict:
     from meshpilot.planner.schedule import accumulate
     from meshpilot.sim import simulate
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**cfg))
-    whole = torch.empty(cfg["batch"], cfg["seq"], dtype=torch.long, device="meta")
-    half = torch.empty(cfg["batch"] // 2, cfg["seq"], dtype=torch.long, device="meta")
-    graph = capture(model, (half, half))
     cluster = load_cluster(str(cluster_file))
-    force = forced.megatron_tp(model, (half, half), MESH, graph=graph)
-    dup = plan(model, (whole, whole), cluster, mesh_shape=MESH, graph=graph, force=force, microbatches=2, duplex=True)
+    if source is None:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**cfg))
+        whole = torch.empty(cfg["batch"], cfg["seq"], dtype=torch.long, device="meta")
+        half = torch.empty(cfg["batch"] // 2, cfg["seq"], dtype=torch.long, device="meta")
+        graph = capture(model, (half, half))
+        force = forced.megatron_tp(model, (half, half), MESH, graph=graph)
+        inputs = (whole, whole)
+    else:
+        from meshpilot.models.sources import build_model
+
+        def built(batch: int):
+            return build_model(source["name"], hf_config=source["hf_config"], batch=batch, seq=source["seq"])
+
+        full, small = built(source["batch"]), built(source["batch"] // 2)
+        model, inputs, force = full.model, full.inputs, None
+        graph = capture(small.model, small.inputs)
+    dup = plan(model, inputs, cluster, mesh_shape=MESH, graph=graph, force=force, microbatches=2, duplex=True)
+    if source is not None:
+        experts = [n.ins[3] for n in dup.nodes if n.target == "meshpilot.moe_experts.default"]
+        print(f"{cluster_file.name}: experts' layouts {experts}", flush=True)
     acc = dataclasses.replace(dup, schedule=accumulate(8, 2))
     folder.mkdir(parents=True, exist_ok=True)
     out: dict = {"_graph": graph}
@@ -232,17 +279,19 @@ def main(argv: list[str] | None = None) -> int:
         reuse[link] = Path(file)
     rows = []
     fake = None
+    source = mixtral_source(args) if args.model == "mixtral" else None
     for link in args.links:
         folder = args.out_dir / link
-        plans = make_plans(cfg, CLUSTERS[link], folder)
+        plans = make_plans(cfg, CLUSTERS[link], folder, source)
         manifest = folder / "manifest.json"
         entries = [{"name": n, "path": plans[n]["path"]} for n in ("duplex", "without")]
-        manifest.write_text(json.dumps({"model": cfg, "plans": entries, "microbatches": 2}))
-        if fake is None:
+        model = {"source": source} if source is not None else {"model": cfg}
+        manifest.write_text(json.dumps(model | {"plans": entries, "microbatches": 2}))
+        if fake is None and source is None:
             fake = run_worker(manifest, args.out_dir, "fake", args, None)
         meas = run_worker(manifest, folder, "steps", args, CLUSTERS[link])
         t_dup, t_acc = meas["duplex"]["median_s"], meas["without"]["median_s"]
-        t_comp = fake["without"]["median_s"]
+        t_comp = fake["without"]["median_s"] if fake is not None else float("nan")
         t_comm = max(t_acc - t_comp, 0.0)
         low = min(t_comp, t_comm)
         probed = reuse.get(link) or (probe_link(plans, CLUSTERS[link], folder, args) if args.probe else None)

@@ -18,6 +18,10 @@ the step's ``opt.step()`` + ``zero_grad`` part (slowest rank per round, median o
 (the first warm-up loss) is the same for every plan up to float summation order: every plan trains the same
 model on the same batch.
 
+Instead of ``"model"`` a manifest may name any ``--model`` source (``meshpilot.models.sources.build_model``):
+``{"source": {"name": "hf:mixtral", "hf_config": ["key=value", ...], "batch": B, "seq": S}, ...}``; every rank
+builds it on the CPU with the same seed and steps on its example inputs (``bench_duplex.py --model mixtral``).
+
 ``--fake-world N`` runs one process on torch's fake process group instead (as ``atp_step_worker.py``): a
 rank's share of the computation, and what the runtime does around it, with no communication at all.
 
@@ -83,27 +87,51 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest = json.loads(args.manifest.read_text())
-    cfg = GPTConfig(**manifest["model"])
-    idx, tgt = batches(cfg, 1, args.seed)[0]
-    with torch.device("meta"):
-        meta = GPT(cfg)
     # plans with M microbatches are made for a microbatch of the global batch (all plans of a manifest alike)
     microbatches = int(manifest.get("microbatches", 1))
-    example = torch.empty(cfg.batch // microbatches, cfg.seq, dtype=torch.long, device="meta")
-    graph = capture(meta, (example, example))
+    source = manifest.get("source")
+    if source is None:
+        cfg = GPTConfig(**manifest["model"])
+        inputs = batches(cfg, 1, args.seed)[0]
+        with torch.device("meta"):
+            meta = GPT(cfg)
+        example = torch.empty(cfg.batch // microbatches, cfg.seq, dtype=torch.long, device="meta")
+        graph = capture(meta, (example, example))
+
+        def fresh():
+            return reference_model(cfg, args.seed)
+    else:
+        from meshpilot.models.sources import build_model
+
+        def built(batch: int, device: str):
+            return build_model(
+                source["name"],
+                hf_config=source.get("hf_config"),
+                batch=batch,
+                seq=source.get("seq"),
+                device=device,
+                seed=args.seed,
+            )
+
+        inputs = built(source["batch"], "cpu").inputs
+        small = built(source["batch"] // microbatches, "meta")
+        graph = capture(small.model, small.inputs)
+
+        def fresh():
+            return built(source["batch"], "cpu").model
 
     configs = []
     for entry in manifest["plans"]:
         t0 = time.perf_counter()
         plan = Plan.load(entry["path"])
         mesh = mesh_for_plan(plan, "cpu") if args.fake_world else None  # parallelize refuses a fake group
-        model = parallelize(reference_model(cfg, args.seed), plan, mesh=mesh, graph=graph)
+        model = parallelize(fresh(), plan, mesh=mesh, graph=graph)
         opt = adamw(model.parameters(), lr=args.lr)  # the optimizer `meshpilot train` steps with
         configs.append({"name": entry["name"], "model": model, "opt": opt, "times": [], "loss0": None, "build_s": 0.0})
         configs[-1]["build_s"] = time.perf_counter() - t0
 
     def step(c: dict) -> float:
-        loss = c["model"](idx, tgt)
+        loss = c["model"](*inputs)
         loss.backward()
         t0 = time.perf_counter()
         c["opt"].step()
@@ -136,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, r in enumerate(results):
             if traces:
                 r["trace"] = [every[rk][k] for rk in range(world)]  # per rank
-        doc = {"world": world, "model": manifest["model"], "results": results}
+        doc = {"world": world, "model": manifest.get("model", source), "results": results}
         write_result("FIDELITY_STEP_RESULT", args.out, doc, args.steps, args.warmup, t_warm, t_total)
     dist.barrier()
     dist.destroy_process_group()

@@ -151,6 +151,15 @@ def expand_to_full_mesh_op_strategy() -> Any:
     return require("torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy")
 
 
+def register_work() -> Any | None:
+    """``_register_work(tensor, work)``: ``_c10d_functional.wait_tensor(tensor)`` then waits for `work`
+    (an expert-parallel all-to-all left in flight, ``meshpilot.ops.moe``); None on a torch without it."""
+    return lookup(
+        "torch._C._distributed_c10d._register_work",
+        "the expert-parallel MoE waits for its all-to-alls inside each step (duplex cannot overlap them)",
+    )
+
+
 def resolve_process_group() -> Any:
     return require("torch.distributed.distributed_c10d._resolve_process_group")
 

@@ -30,9 +30,9 @@ MESH = {4: (2, 2), 8: (2, 4)}
 # mixtral: HF Mixtral's dropless experts, expert-parallel on (2, 2) (test_moe_dropless's BIG sizes): no capacity,
 # so its two microbatches give what the whole batch gives; on 4 ranks only (the suite's time)
 MODELS = {4: ("gpt", "moe", "bn", "mixtral"), 8: ("gpt", "moe")}
-# duplex off (accumulate, same strategies) beside duplex on: the BatchNorm net (test_models_parallel runs the GPT and
-# the MoE under accumulate already)
-OFF = {4: ("bn",), 8: ()}
+# duplex off (accumulate, same strategies) beside duplex on: the BatchNorm net and Mixtral, whose expert-parallel MoE
+# runs in the same steps either way (test_models_parallel runs the GPT and the MoE under accumulate already)
+OFF = {4: ("bn", "mixtral"), 8: ()}
 # BatchNorm's plan counts an all-gather into the BatchNorm and one into the mean after it that the runtime issues
 # once (with any schedule, one microbatch too: a planner-side count, not duplex's); its duplex run is checked to
 # issue what duplex off issues
@@ -152,7 +152,24 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
             "fwd": overlapped_collectives(prog.forward_pair_gm) if prog.forward_pair_gm is not None else -1,
             "bwd": overlapped_collectives(prog.backward_pair_gm) if prog.backward_pair_gm is not None else -1,
         }
+        res["moe_order"] = {"fwd": _moe_order(prog.forward_pair_gm), "bwd": _moe_order(prog.backward_pair_gm)}
         out[job] = res
+    return out
+
+
+def _moe_order(gm) -> list[tuple[str, int]]:
+    """``(step, microbatch)`` of the expert-parallel MoE's kernels (``meshpilot.ops.moe``: ``dispatch``,
+    ``experts``, ``combine``, …) and of the waits on its all-to-alls (``wait_dispatch``, ``wait_combine``), in
+    the order of an interleaved program (empty without one)."""
+    from meshpilot.runtime.duplex import MICROBATCH
+
+    out: list[tuple[str, int]] = []
+    for n in gm.graph.nodes if gm is not None else ():
+        target = str(n.target)
+        if target.startswith("meshpilot.moe_ep_"):
+            out.append((target.split(".")[1].removeprefix("moe_ep_"), n.meta.get(MICROBATCH)))
+        elif "wait_tensor" in target and str(n.args[0].target).startswith("meshpilot.moe_ep_"):
+            out.append(("wait_" + str(n.args[0].target).split(".")[1].removeprefix("moe_ep_"), n.meta.get(MICROBATCH)))
     return out
 
 
@@ -205,17 +222,35 @@ def test_duplex_runs_interleaved_and_overlaps_collectives(runs):
             continue
         acts = plan.step_schedule().actions(0)
         assert plan.step_schedule().name == "duplex"
-        if interleaved(acts, ActionKind.FORWARD):
-            assert r["overlapped"]["fwd"] > 0, f"{name} on {world}: {r['overlapped']}"
-        else:
-            # only where the forward's collectives are all inside one op: Mixtral's expert-parallel all-to-alls
-            # live inside meshpilot::moe_experts, so a plan without other resharding in the forward has no
-            # stage to cut (docs/moe.md, "Under duplex")
-            assert name in ROUTED and r["overlapped"]["fwd"] <= 0, f"{name} on {world}: {r['overlapped']}"
+        # every forward has collectives to interleave: Mixtral's too, since the expert-parallel MoE runs in steps
+        # with its all-to-alls between them (docs/moe.md, "Under duplex")
+        assert interleaved(acts, ActionKind.FORWARD), f"{name} on {world}"
+        assert r["overlapped"]["fwd"] > 0, f"{name} on {world}: {r['overlapped']}"
         if interleaved(acts, ActionKind.BACKWARD):
             assert r["overlapped"]["bwd"] > 0, f"{name} on {world}: {r['overlapped']}"
         else:
             assert r["overlapped"]["bwd"] == -1 and name == "bn", f"{name} on {world}: {r['overlapped']}"
+
+
+def test_duplex_issues_one_microbatchs_all_to_all_before_the_others_experts(runs):
+    """The expert-parallel MoE under duplex, in the order of the interleaved programs each rank ran: microbatch
+    1's dispatch is issued before microbatch 0's experts compute and waited only after them; microbatch 0's
+    combine is issued before microbatch 1's experts and waited after them (forward and backward)."""
+    world, plans, results = runs
+    checked = 0
+    for name, mode in plans:
+        if name not in ROUTED or mode != "on":
+            continue
+        for rank, res in enumerate(results):
+            for ph, experts in (("fwd", "experts"), ("bwd", "experts_backward")):
+                order = res[f"{name}-{mode}"]["moe_order"][ph]
+                at = {step: k for k, step in enumerate(order)}
+                assert len(at) == len(order) == 14, f"rank {rank} {ph}: {order}"  # one MoE layer, 7 kernels per mb
+                where = f"rank {rank}/{world} {name} {ph}: {order}"
+                assert at[("dispatch", 1)] < at[(experts, 0)] < at[("wait_dispatch", 1)], where
+                assert at[("combine", 0)] < at[(experts, 1)] < at[("wait_combine", 0)], where
+                checked += 1
+    assert checked == (2 * world if "mixtral" in MODELS[world] else 0)
 
 
 def test_duplex_off_gives_the_same_step(runs):
@@ -296,3 +331,32 @@ def test_check_in_flight_refuses_races_with_the_backend():
         g, _ = _program(body)
         with pytest.raises(RuntimeError, match=what):
             check_in_flight(g)
+
+
+def test_moe_in_flight_kernels_are_collectives_to_the_reordering_passes():
+    """The expert-parallel MoE's dispatch and combine kernels return an all-to-all in flight
+    (``OwnOp.in_flight``): ``is_collective`` counts them, ``check_in_flight`` wants their ``wait_tensor`` and
+    refuses a read before it, like a functional collective's; the other MoE kernels are not collectives."""
+    import meshpilot.ops.moe  # noqa: F401 - registers the kernels
+    from meshpilot.runtime.duplex import check_in_flight, waits_of
+    from meshpilot.runtime.overlap import is_collective
+
+    mp, fc, ops = torch.ops.meshpilot, torch.ops._c10d_functional, torch.ops.aten
+
+    def program(read_early: bool):
+        g = torch.fx.Graph()
+        x, idx = g.placeholder("x"), g.placeholder("idx")
+        got = g.call_function(mp.moe_ep_counts.default, (idx, 4, "0\tep\t2"))
+        sent = g.call_function(mp.moe_ep_dispatch.default, (x, idx, None, got, 4, "0\tep\t2"))
+        if read_early:
+            g.call_function(ops.mul.Tensor, (sent, 2))
+        rows = g.call_function(fc.wait_tensor.default, (sent,))
+        g.output(rows)
+        return g, got, sent
+
+    g, got, sent = program(False)
+    check_in_flight(g)
+    assert is_collective(sent) and not is_collective(got)
+    assert [w.target for w in waits_of(sent)] == [fc.wait_tensor.default]
+    with pytest.raises(RuntimeError, match="before its wait_tensor"):
+        check_in_flight(program(True)[0])

@@ -20,7 +20,12 @@ module                            ops
 ================================  ==========================================================================
 
 An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
-and the plan lists them, so the collectives a run issues still equal the plan's. An *exclusive* op offers
+and the plan lists them, so the collectives a run issues still equal the plan's. Most ops issue them after
+their computation and wait at once; an op may instead run in steps (:class:`OpPart`) with its first
+:attr:`OwnOp.leading` collectives issued before its computation and left in flight (its :attr:`OwnOp.in_flight`
+kernels, waited by a later ``wait_tensor``): the expert-parallel MoE's dispatch and combine, which HiDup's
+duplex hides behind the other microbatch's compute (the schedule, the simulator and the runtime read these
+two fields). An *exclusive* op offers
 only meshpilot's strategies: DTensor's would run but not exactly (dropout draws each shard's mask from the
 local generator; BatchNorm would use per-shard batch statistics).
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -47,6 +53,29 @@ class OwnOp:
     """``(call: OwnCall, *args, **kwargs)`` on the local shards; returns the local outputs."""
     exclusive: bool = False
     """Offer only these strategies (DTensor's would not be exact)."""
+    leading: int = 0
+    """How many of a strategy's own collectives (``Strategy.colls``, in order) the op issues *before* its
+    computation (an MoE's per-expert counts and dispatch); the rest come after it (the combine). 0: all after
+    (the op computes, then communicates). The duplex schedule issues the leading ones a stage early and waits
+    for the rest a stage late; the simulator places them so (``meshpilot.sim``)."""
+    in_flight: tuple[str, ...] = ()
+    """Targets of the kernels :attr:`run` records that return a collective's output while it is still in
+    flight (the program waits for it with ``_c10d_functional.wait_tensor``): collectives to the runtime's
+    reordering passes (``meshpilot.runtime.overlap.is_collective``)."""
+
+
+class OpPart(StrEnum):
+    """Which step of an own op's work a recorded kernel belongs to, relative to the op's computation (the
+    runtime records it as ``node.meta["meshpilot_part"]``, ``meshpilot.runtime.record.in_part``)."""
+
+    LEAD = "lead"
+    """Before the computation, up to issuing the leading collectives (:attr:`OwnOp.leading`): duplex runs it
+    in the stage before the op's."""
+    BODY = "body"
+    """The computation, from waiting for the leading collectives to issuing the trailing ones (the default)."""
+    TAIL = "tail"
+    """After the computation, from waiting for the trailing collectives on: duplex runs it in the stage after
+    the op's."""
 
 
 class OwnCall:
@@ -116,6 +145,18 @@ def registry() -> dict[str, OwnOp]:
 def own_op(target: str) -> OwnOp | None:
     """The own op for an ATen target name, if meshpilot has one."""
     return registry().get(target)
+
+
+def leading_collectives(target: str) -> int:
+    """:attr:`OwnOp.leading` of the op `target` (0 for any other op)."""
+    op = own_op(target)
+    return op.leading if op is not None else 0
+
+
+@functools.cache
+def in_flight_targets() -> frozenset[str]:
+    """Every own op's :attr:`OwnOp.in_flight` kernel targets."""
+    return frozenset(t for op in registry().values() for t in op.in_flight)
 
 
 _REGISTERED = False

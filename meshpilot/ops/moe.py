@@ -36,6 +36,13 @@ same axis the experts are, each rank sends each (token, expert) pair to the rank
 ``all_to_all_single`` and *variable* split sizes (gloo and NCCL both carry them), the owners compute and send
 the results back.
 
+**In steps, for duplex.** With expert parallelism the runtime runs the op as kernels in three steps
+(``meshpilot.ops.OpPart``; the section *on the shards* below): lead (counts exchanged, dispatch issued and left
+in flight), body (dispatch waited, local experts, combine issued), tail (combine waited, weighted sum). The
+op declares its first two collectives as issued before its computation (``OwnOp.leading``), so the duplex
+schedule cuts around it and runs one microbatch's all-to-alls beside the other's experts
+(``meshpilot.runtime.duplex``); the simulator prices them so. The arithmetic is the one-kernel path's.
+
 **Pricing data-dependent sizes.** Capture sees no routing, so the plan prices the variable all-to-alls at the
 expected load of a uniform router: every rank sends and receives ``T_local · k`` rows. The dispatch input is
 exactly that on every rank (each rank sends all of its pairs); the combine input (the rows a rank received) is
@@ -128,54 +135,83 @@ class _EP:
 
 
 class _Exchange:
-    """Who sends how many rows where: ``send`` / ``recv`` are the split sizes per peer; ``local_counts`` rows
-    per local expert of what was received; ``perm`` reorders the received rows (peer-major) by local expert."""
+    """Who sends how many rows where, from `got` [peers, E / peers] (how many rows each peer sends to each
+    of this rank's experts) and this rank's per-expert `counts` [E]: ``send`` / ``recv`` are the split sizes
+    per peer; ``local_counts`` rows per local expert of what was received; ``perm`` reorders the received rows
+    (peer-major) by local expert. Without `counts` (:meth:`local`) only the receiving side is known."""
 
-    def __init__(self, ep: _EP, counts: Tensor) -> None:
+    def __init__(self, got: Tensor, ep: _EP | None = None, counts: Tensor | None = None) -> None:
         self.ep = ep
-        per = counts.numel() // ep.peers
-        got = self._all_to_all(counts, [per] * ep.peers, [per] * ep.peers).view(ep.peers, per)  # [peer][expert]
-        self.send = counts.view(ep.peers, per).sum(1).tolist()
+        peers, per = got.shape
+        self.send = counts.view(peers, per).sum(1).tolist() if counts is not None else []
         self.recv = got.sum(1).tolist()
         self.local_counts = got.sum(0).tolist()
-        expert_of_row = torch.arange(per, device=counts.device).repeat(ep.peers).repeat_interleave(got.reshape(-1))
+        expert_of_row = torch.arange(per, device=got.device).repeat(peers).repeat_interleave(got.reshape(-1))
         self.perm = torch.argsort(expert_of_row, stable=True)
 
+    @classmethod
+    def local(cls, got: Tensor) -> _Exchange:
+        """The receiving side only: grouping received rows by local expert and back."""
+        return cls(got)
+
     def dispatch(self, rows: Tensor) -> Tensor:
-        """Rows (sorted by global expert) to the experts' owners, then grouped by local expert."""
-        return self._all_to_all(rows, self.recv, self.send)[self.perm]
+        """Issue: rows (sorted by global expert) to the experts' owners; the received rows, peer-major, with
+        the all-to-all in flight (``wait_tensor`` before reading them)."""
+        return _all_to_all(self.ep, rows, self.recv, self.send, in_flight=True)
 
     def combine(self, rows: Tensor) -> Tensor:
-        """Results grouped by local expert back to the ranks that sent them, in their sorted order."""
+        """Issue: rows (peer-major, as received) back to the ranks that sent them; this rank's pairs' rows in
+        their sorted order, with the all-to-all in flight."""
+        return _all_to_all(self.ep, rows, self.send, self.recv, in_flight=True)
+
+    def grouped(self, rows: Tensor) -> Tensor:
+        """Received rows (peer-major) grouped by local expert."""
+        return rows[self.perm]
+
+    def ungrouped(self, rows: Tensor) -> Tensor:
+        """Rows grouped by local expert back in the received (peer-major) order."""
         back = torch.empty_like(rows)
         back[self.perm] = rows
-        return self._all_to_all(back, self.send, self.recv)
-
-    def _all_to_all(self, t: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
-        """``all_to_all_single`` with split sizes, reported to the collective recorder as the bytes this
-        rank holds (its input)."""
-        import torch.distributed as dist
-
-        from meshpilot import compat
-        from meshpilot.runtime import collective_log
-
-        t = t.contiguous()
-        out = t.new_empty((sum(out_splits), *t.shape[1:]))
-        collective_log.record(CollectiveKind.ALL_TO_ALL, self.ep.axis, self.ep.peers, t.numel() * t.element_size())
-        group = compat.resolve_process_group()(self.ep.group)
-        dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
-        return out
+        return back
 
 
-def _forward_local(x, idx, w, gate_up, down, act_name: str, experts: int, ep: _EP | None) -> Tensor:
+def _exchange_counts(ep: _EP, counts: Tensor) -> Tensor:
+    """``got`` [peers, E / peers]: every peer's per-expert counts of this rank's experts (an all-to-all,
+    waited: the split sizes of the dispatch follow from it)."""
+    per = counts.numel() // ep.peers
+    return _all_to_all(ep, counts, [per] * ep.peers, [per] * ep.peers).view(ep.peers, per)
+
+
+def _all_to_all(ep: _EP, t: Tensor, out_splits: list[int], in_splits: list[int], in_flight: bool = False) -> Tensor:
+    """``all_to_all_single`` with split sizes, reported to the collective recorder as the bytes this rank
+    holds (its input). `in_flight`: return at once with the work registered on the output, so
+    ``_c10d_functional.wait_tensor(output)`` waits for it (backend threads move the rows meanwhile; gloo
+    keeps the input alive until then); waited here on a torch without ``_register_work``."""
+    import torch.distributed as dist
+
+    from meshpilot import compat
+    from meshpilot.runtime import collective_log
+
+    t = t.contiguous()
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))
+    collective_log.record(CollectiveKind.ALL_TO_ALL, ep.axis, ep.peers, t.numel() * t.element_size())
+    group = compat.resolve_process_group()(ep.group)
+    register = compat.register_work() if in_flight else None
+    work = dist.all_to_all_single(out, t, out_splits, in_splits, group=group, async_op=register is not None)
+    if register is not None:
+        register(out, work)
+    return out
+
+
+def _forward_local(x, idx, w, gate_up, down, act_name: str, experts: int) -> Tensor:
     act = _activation(act_name)[0]
     r = _Routing(idx, experts)
-    rows = x[r.token]
-    if ep is None:
-        y = _grouped(rows, r.counts.tolist(), gate_up, down, act)
-    else:
-        ex = _Exchange(ep, r.counts)
-        y = ex.combine(_grouped(ex.dispatch(rows), ex.local_counts, gate_up, down, act))
+    y = _grouped(x[r.token], r.counts.tolist(), gate_up, down, act)
+    return _weighted_sum(y, x, w, r)
+
+
+def _weighted_sum(y: Tensor, x: Tensor, w: Tensor, r: _Routing) -> Tensor:
+    """``out_t = Σ_e w_{t,e} y_{t,e}`` from the pairs' outputs `y` in sorted order."""
     weights = w.reshape(-1)[r.order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, r.token, (y * weights).to(x.dtype))
 
@@ -197,18 +233,30 @@ def _expert_vjp(x, g, w, gate_up, down, act) -> tuple[Tensor, Tensor, Tensor, Te
     return dh @ gate_up, (g * y).sum(-1), dh.t() @ x, dy.t() @ m
 
 
-def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int, ep: _EP | None):
-    act = _activation(act_name)
-    r = _Routing(idx, experts)
+def _backward_dtype(x: Tensor, g: Tensor, w: Tensor) -> torch.dtype:
+    """The dtype the backward's rows ``[x | g | w]`` and ``[∂x | ∂w]`` travel in."""
+    return torch.promote_types(torch.promote_types(x.dtype, g.dtype), w.dtype)
+
+
+def _backward_feats(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """Each token's ``[x | g]`` in the backward's row dtype."""
+    dtype = _backward_dtype(x, g, w)
+    return torch.cat([x.to(dtype), g.to(dtype)], dim=-1)
+
+
+def _pair_rows(feats: Tensor, w: Tensor | None, r: _Routing) -> Tensor:
+    """Each (token, expert) pair's row ``feats[token]``, sorted by expert, with the pair's routing weight
+    appended when `w` is given (the backward's ``[x | g | w]``)."""
+    rows = feats[r.token]
+    if w is None:
+        return rows
+    return torch.cat([rows, w.reshape(-1)[r.order].unsqueeze(-1).to(rows.dtype)], dim=-1)
+
+
+def _backward_experts(rows, counts: list[int], x, g, w, gate_up, down, act) -> tuple[Tensor, Tensor, Tensor]:
+    """(``[∂x | ∂w]`` rows, ∂gate_up, ∂down) of rows ``[x | g | w]`` grouped by local expert."""
     h = x.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(x.dtype, g.dtype), w.dtype)
-    wf = w.reshape(-1)[r.order]
-    rows = torch.cat([x[r.token].to(dtype), g[r.token].to(dtype), wf.unsqueeze(-1).to(dtype)], dim=-1)
-    ex = _Exchange(ep, r.counts) if ep is not None else None
-    if ex is not None:
-        rows, counts = ex.dispatch(rows), ex.local_counts
-    else:
-        counts = r.counts.tolist()
+    dtype = rows.dtype
     d_gate_up, d_down = torch.zeros_like(gate_up), torch.zeros_like(down)
     back = []
     for j, part in enumerate(rows.split(counts)):
@@ -218,12 +266,25 @@ def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int, ep
         dx, dw, d_gate_up[j], d_down[j] = _expert_vjp(px, pg, pw, gate_up[j], down[j], act)
         back.append(torch.cat([dx.to(dtype), dw.unsqueeze(-1).to(dtype)], dim=-1))
     back_rows = torch.cat(back) if back else rows.new_empty((0, h + 1))
-    if ex is not None:
-        back_rows = ex.combine(back_rows)
+    return back_rows, d_gate_up, d_down
+
+
+def _backward_unsort(back_rows, x, w, r: _Routing) -> tuple[Tensor, Tensor]:
+    """(∂x, ∂w) from the pairs' ``[∂x | ∂w]`` rows in sorted order."""
+    h = x.shape[-1]
     dx = torch.zeros_like(x).index_add_(0, r.token, back_rows[:, :h].to(x.dtype))
     dw = torch.empty(w.numel(), dtype=w.dtype, device=w.device)
     dw[r.order] = back_rows[:, h].to(w.dtype)
-    return dx, dw.view_as(w), d_gate_up, d_down
+    return dx, dw.view_as(w)
+
+
+def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int):
+    act = _activation(act_name)
+    r = _Routing(idx, experts)
+    rows = _pair_rows(_backward_feats(g, x, w), w, r)
+    back_rows, d_gate_up, d_down = _backward_experts(rows, r.counts.tolist(), x, g, w, gate_up, down, act)
+    dx, dw = _backward_unsort(back_rows, x, w, r)
+    return dx, dw, d_gate_up, d_down
 
 
 # ------------------------------------------------------------------------------------------- the op pair
@@ -232,7 +293,7 @@ def _backward_local(g, x, idx, w, gate_up, down, act_name: str, experts: int, ep
 @torch.library.custom_op("meshpilot::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str) -> Tensor:
     """Dropless top-k experts: ``out[t] = Σ_j w[t, j] · expert_{idx[t, j]}(x[t])`` (SwiGLU experts)."""
-    return _forward_local(x, idx, w, gate_up, down, act, gate_up.shape[0], None)
+    return _forward_local(x, idx, w, gate_up, down, act, gate_up.shape[0])
 
 
 @moe_experts.register_fake
@@ -245,7 +306,7 @@ def moe_experts_backward(
     g: Tensor, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(∂x, ∂w, ∂gate_up, ∂down)`` of :data:`moe_experts`."""
-    return _backward_local(g, x, idx, w, gate_up, down, act, gate_up.shape[0], None)
+    return _backward_local(g, x, idx, w, gate_up, down, act, gate_up.shape[0])
 
 
 @moe_experts_backward.register_fake
@@ -379,29 +440,97 @@ def _backward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
 # ------------------------------------------------------------------------------------------- on the shards
 #
 # The runtime records each step's local ops once and replays them (runtime/record.py); the routing decides
-# split sizes and row counts, so the sharded kernels are custom ops too: the recording holds one opaque call
-# that runs the routing afresh every step. Their collectives are reported to the recorder by the kernel.
+# split sizes and row counts, so the sharded kernels are custom ops too: the recording holds opaque calls
+# that run the routing afresh every step. Their collectives are reported to the recorder by the kernel.
+#
+# Without expert parallelism the op is one kernel. With it, the op runs in steps (OpPart), so that HiDup's
+# duplex can put the other microbatch's compute beside each all-to-all:
+#
+#   LEAD  moe_ep_counts (per-expert counts exchanged, waited: they are the split sizes)
+#         moe_ep_dispatch (rows sorted by expert, all-to-all issued, left in flight)
+#   BODY  wait_tensor; moe_ep_experts (the local experts); moe_ep_combine (all-to-all back issued, in flight)
+#   TAIL  wait_tensor; moe_ep_sum (Σ_e w_{t,e} y_{t,e})
+#
+# and the backward alike, with rows [x | g | w] out and [∂x | ∂w] back. The arithmetic is the one-kernel
+# path's, step for step; only where the program waits changes.
 
 
 @torch.library.custom_op("meshpilot::moe_experts_shard", mutates_args=())
 def moe_experts_shard(
-    x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int, ep: str
+    x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int
 ) -> Tensor:
-    """:data:`moe_experts` on this rank's shards; ``ep`` is ``"group axis-name peers"`` (tab-separated) or empty."""
-    return _forward_local(x, idx, w, gate_up, down, act, experts, _ep_of(ep))
+    """:data:`moe_experts` on this rank's shards, without expert parallelism (data-parallel or replicated)."""
+    return _forward_local(x, idx, w, gate_up, down, act, experts)
 
 
 @torch.library.custom_op("meshpilot::moe_experts_shard_backward", mutates_args=())
 def moe_experts_shard_backward(
-    g: Tensor, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int, ep: str
+    g: Tensor, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str, experts: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:data:`moe_experts_backward` on this rank's shards."""
-    return _backward_local(g, x, idx, w, gate_up, down, act, experts, _ep_of(ep))
+    """:data:`moe_experts_backward` on this rank's shards, without expert parallelism."""
+    return _backward_local(g, x, idx, w, gate_up, down, act, experts)
 
 
-def _ep_of(ep: str) -> _EP | None:
-    if not ep:
-        return None
+@torch.library.custom_op("meshpilot::moe_ep_counts", mutates_args=())
+def moe_ep_counts(idx: Tensor, experts: int, ep: str) -> Tensor:
+    """[peers, experts / peers]: how many of each peer's pairs go to each of this rank's experts."""
+    return _exchange_counts(_ep_of(ep), torch.bincount(idx.reshape(-1), minlength=experts))
+
+
+@torch.library.custom_op("meshpilot::moe_ep_dispatch", mutates_args=())
+def moe_ep_dispatch(feats: Tensor, idx: Tensor, w: Tensor | None, got: Tensor, experts: int, ep: str) -> Tensor:
+    """Issue the dispatch: each (token, expert) pair's row ``feats[token]`` (with its routing weight appended
+    when `w` is given: the backward's ``[x | g | w]``), sorted by expert, to the owner of its expert. Returns
+    the received rows (peer-major) while the all-to-all is in flight."""
+    r = _Routing(idx, experts)
+    return _Exchange(got, _ep_of(ep), r.counts).dispatch(_pair_rows(feats, w, r))
+
+
+@torch.library.custom_op("meshpilot::moe_ep_combine", mutates_args=())
+def moe_ep_combine(rows: Tensor, idx: Tensor, got: Tensor, experts: int, ep: str) -> Tensor:
+    """Issue the combine: results (peer-major, as received) back to the ranks that sent them. Returns this
+    rank's pairs' results, sorted by expert, while the all-to-all is in flight."""
+    counts = torch.bincount(idx.reshape(-1), minlength=experts)
+    return _Exchange(got, _ep_of(ep), counts).combine(rows)
+
+
+@torch.library.custom_op("meshpilot::moe_ep_experts", mutates_args=())
+def moe_ep_experts(rows: Tensor, got: Tensor, gate_up: Tensor, down: Tensor, act: str) -> Tensor:
+    """The local experts on the received rows (peer-major): their outputs, in the same order."""
+    ex = _Exchange.local(got)
+    y = _grouped(ex.grouped(rows), ex.local_counts, gate_up, down, _activation(act)[0])
+    return ex.ungrouped(y)
+
+
+@torch.library.custom_op("meshpilot::moe_ep_experts_backward", mutates_args=())
+def moe_ep_experts_backward(
+    rows: Tensor, got: Tensor, x: Tensor, g: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, act: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(``[∂x | ∂w]`` rows in the received order, ∂gate_up, ∂down) of the received ``[x | g | w]`` rows."""
+    ex = _Exchange.local(got)
+    back, d_gate_up, d_down = _backward_experts(
+        ex.grouped(rows), ex.local_counts, x, g, w, gate_up, down, _activation(act)
+    )
+    return ex.ungrouped(back), d_gate_up, d_down
+
+
+@torch.library.custom_op("meshpilot::moe_ep_sum", mutates_args=())
+def moe_ep_sum(y: Tensor, x: Tensor, idx: Tensor, w: Tensor, experts: int) -> Tensor:
+    """``out_t = Σ_e w_{t,e} y_{t,e}`` from this rank's pairs' results (sorted by expert)."""
+    return _weighted_sum(y, x, w, _Routing(idx, experts))
+
+
+@torch.library.custom_op("meshpilot::moe_ep_unsort", mutates_args=())
+def moe_ep_unsort(back: Tensor, x: Tensor, idx: Tensor, w: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """(∂x, ∂w) from this rank's pairs' ``[∂x | ∂w]`` rows (sorted by expert)."""
+    return _backward_unsort(back, x, w, _Routing(idx, experts))
+
+
+IN_FLIGHT = (str(torch.ops.meshpilot.moe_ep_dispatch.default), str(torch.ops.meshpilot.moe_ep_combine.default))
+"""The kernels that return an all-to-all's output in flight (``OwnOp.in_flight``)."""
+
+
+def _ep_of(ep: str) -> _EP:
     group, axis, peers = ep.split("\t")
     return _EP(group, axis, int(peers))
 
@@ -418,17 +547,49 @@ def _ep_args(call: OwnCall, experts_operand: int) -> str:
     return "\t".join((call.mesh.get_group(a).group_name, names[a], str(call.mesh.size(a))))
 
 
+def _wait(t: Tensor) -> Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
 def _run_forward(call: OwnCall, x, idx, w, gate_up, down, act):
     experts = call.global_shape(3)[0]
-    return moe_experts_shard(x, idx, w, gate_up, down, act, experts, _ep_args(call, 3))
+    ep = _ep_args(call, 3)
+    if not ep:
+        return moe_experts_shard(x, idx, w, gate_up, down, act, experts)
+    from meshpilot.ops import OpPart
+    from meshpilot.runtime.record import in_part
+
+    with in_part(OpPart.LEAD):
+        got = moe_ep_counts(idx, experts, ep)
+        sent = moe_ep_dispatch(x, idx, None, got, experts, ep)
+    y = moe_ep_experts(_wait(sent), got, gate_up, down, act)
+    back = moe_ep_combine(y, idx, got, experts, ep)
+    with in_part(OpPart.TAIL):
+        return moe_ep_sum(_wait(back), x, idx, w, experts)
 
 
 def _run_backward(call: OwnCall, g, x, idx, w, gate_up, down, act):
     experts = call.global_shape(4)[0]
-    return moe_experts_shard_backward(g, x, idx, w, gate_up, down, act, experts, _ep_args(call, 4))
+    ep = _ep_args(call, 4)
+    if not ep:
+        return moe_experts_shard_backward(g, x, idx, w, gate_up, down, act, experts)
+    from meshpilot.ops import OpPart
+    from meshpilot.runtime.record import in_part
 
+    with in_part(OpPart.LEAD):
+        got = moe_ep_counts(idx, experts, ep)
+        sent = moe_ep_dispatch(_backward_feats(g, x, w), idx, w, got, experts, ep)
+    back, d_gate_up, d_down = moe_ep_experts_backward(_wait(sent), got, x, g, w, gate_up, down, act)
+    back = moe_ep_combine(back, idx, got, experts, ep)
+    with in_part(OpPart.TAIL):
+        dx, dw = moe_ep_unsort(_wait(back), x, idx, w, experts)
+    return dx, dw, d_gate_up, d_down
+
+
+LEADING = 2
+"""Own collectives issued before the computation: the per-expert counts and the dispatch (the combine after)."""
 
 OPS = (
-    OwnOp(FORWARD, _forward_strategies, _run_forward, exclusive=True),
-    OwnOp(BACKWARD, _backward_strategies, _run_backward, exclusive=True),
+    OwnOp(FORWARD, _forward_strategies, _run_forward, exclusive=True, leading=LEADING, in_flight=IN_FLIGHT),
+    OwnOp(BACKWARD, _backward_strategies, _run_backward, exclusive=True, leading=LEADING, in_flight=IN_FLIGHT),
 )

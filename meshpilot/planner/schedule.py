@@ -271,11 +271,15 @@ def duplex(plan: Any) -> Schedule:
 
     where ``c`` are the collectives consumed at ``s_k`` and ``c'`` those consumed at ``s_k+1``: microbatch 0's
     collectives at the end of stage ``k`` run while microbatch 1 computes stage ``k``, and microbatch 1's
-    while microbatch 0 computes stage ``k+1``. The backward does the same over the backward nodes (after
+    while microbatch 0 computes stage ``k+1``. An own op that issues collectives before its computation
+    (``meshpilot.ops.OwnOp.leading``: the expert-parallel MoE's counts and dispatch) is cut around the same
+    way: its leading collectives are consumed at the op (issued at the end of the stage before), the rest
+    (the combine) at the node after it. The backward does the same over the backward nodes (after
     both forwards); gradients of the two microbatches are accumulated and synchronised once (``G``).
     Semantics are gradient accumulation over 2 microbatches (:func:`accumulate`): an op that depends on
     its batch (BatchNorm's statistics, an MoE's capacity) sees each microbatch on its own."""
     spans, edges = _phase_edges(plan)
+    steps = _op_steps(plan)
     acts: list[Action] = []
     for ph, kind in _PHASES.items():
         nodes = spans[ph]
@@ -283,7 +287,7 @@ def duplex(plan: Any) -> Schedule:
             continue
         lo, hi = nodes[0], nodes[-1] + 1
         at: dict[int, list[int]] = {}
-        for _, dst, c in edges[ph]:
+        for _, dst, c in edges[ph] + steps[ph]:
             if lo < dst < hi:
                 at.setdefault(dst, []).append(c)
         cuts = [lo, *sorted(at), hi]
@@ -325,6 +329,27 @@ def _phase_edges(plan: Any) -> tuple[dict[str, list[int]], dict[str, list[tuple[
         if col.phase in edges:
             edges[col.phase].append((index.get(col.src, -1), index[col.dst], c))
     return spans, edges
+
+
+def _op_steps(plan: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """Per phase, ``(producer index, consumer index, collective)`` of the collectives of own ops that run in
+    steps (``meshpilot.ops.OwnOp.leading`` > 0): an op ``i``'s leading ones ``(i - 1, i, c)``, the rest
+    ``(i, i + 1, c)`` — the cut points duplex gives them."""
+    from meshpilot.ops import leading_collectives
+
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    out: dict[str, list[tuple[int, int, int]]] = {ph: [] for ph in _PHASES}
+    seen: dict[int, int] = {}
+    for c, col in enumerate(plan.collectives):
+        if not (col.src == col.dst and col.operand < 0 and col.dst in index and col.phase in out):
+            continue
+        i = index[col.dst]
+        lead = leading_collectives(plan.nodes[i].target)
+        if lead <= 0:
+            continue
+        k = seen[i] = seen.get(i, -1) + 1
+        out[col.phase].append((i - 1, i, c) if k < lead else (i, i + 1, c))
+    return out
 
 
 def interleaved(actions: tuple[Action, ...] | list[Action], kind: ActionKind) -> bool:

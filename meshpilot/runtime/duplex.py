@@ -14,6 +14,12 @@ resharding edge consumed at a stage start ``s_k+1``, with the ops that prepare i
 ``k`` follows, and the ``wait_tensor`` (an op of the consumer's stage) comes only after it. Functional
 collectives run on the backend's own threads (gloo) or stream (NCCL), so that compute overlaps them.
 
+An own op that runs in steps (``meshpilot.ops.OpPart``: the expert-parallel MoE, whose collectives the
+schedule cuts around it) is placed the same way: its lead (routing, the dispatch issued) in the stage before
+the op's when the op starts a stage, its body (the dispatch's wait, the experts, the combine issued) in the
+op's, its tail (the combine's wait, the weighted sum) in the stage of the node after it. So microbatch 1's
+dispatch is in flight while microbatch 0's experts run, and microbatch 0's combine while microbatch 1's do.
+
 Why one program instead of running each node range as its own call: a recorded program has no seams at the
 stage boundaries (values cross them freely: residuals, saved activations), and an in-flight collective's
 ``wait_tensor`` must sit in the same program as its issue; one graph keeps both, adds no Python per stage,
@@ -36,7 +42,9 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from meshpilot.ops import OpPart
 from meshpilot.runtime.overlap import is_collective, preparation
+from meshpilot.runtime.record import PART
 
 MICROBATCH = "meshpilot_microbatch"
 """``node.meta`` key: which microbatch's copy an op of an interleaved program is."""
@@ -75,7 +83,13 @@ def _stages(gm: torch.fx.GraphModule, starts: Sequence[int], leaves: set[int]) -
             out[n] = 0
             continue
         if isinstance(tag, tuple) and isinstance(tag[0], int) and tag[0] not in leaves:
-            current = max(current, stage_of(tag[0]))
+            part = n.meta.get(PART)
+            if part == OpPart.LEAD:  # an own op's lead (its dispatch issued): the stage before the op's
+                s = stage_of(tag[0])
+                out[n] = s - 1 if tag[0] in starts_set and s > 0 else s
+                continue
+            # an own op's tail (after its combine's wait) belongs to the stage of the node after it
+            current = max(current, stage_of(tag[0] + 1 if part == OpPart.TAIL else tag[0]))
             if tag[1] >= 0:
                 groups.setdefault(tag, []).append(n)
         out[n] = current

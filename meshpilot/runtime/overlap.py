@@ -19,18 +19,21 @@ from typing import Any
 import torch
 import torch.fx
 
+from meshpilot.ops import in_flight_targets
 from meshpilot.planner.schedule import ActionKind, Schedule
 
 
 def is_collective(node: torch.fx.Node) -> bool:
     """An op that issues a collective: ``_c10d_functional``'s, less ``wait_tensor`` and DTensor's
-    ``_wrap_tensor_autograd`` (which only wraps an issued collective's output)."""
+    ``_wrap_tensor_autograd`` (which only wraps an issued collective's output), and an own op's kernel that
+    returns a collective's output in flight (``meshpilot.ops.OwnOp.in_flight``: the MoE's dispatch and
+    combine), waited by a later ``wait_tensor`` like a functional collective."""
+    if node.op != "call_function":
+        return False
     target = node.target
-    return (
-        node.op == "call_function"
-        and getattr(target, "namespace", "") == "_c10d_functional"
-        and not str(target).startswith(("_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd"))
-    )
+    if getattr(target, "namespace", "") == "_c10d_functional":
+        return not str(target).startswith(("_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd"))
+    return getattr(target, "namespace", "") == "meshpilot" and str(target) in in_flight_targets()
 
 
 def issue_points(schedule: Schedule, plan: Any, kind: ActionKind, rank: int) -> dict[tuple[int, int], int]:

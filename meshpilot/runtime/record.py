@@ -35,6 +35,9 @@ class NotReplayable(RuntimeError):
 _READBACKS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 _OUTSIDE = [0]
 _TAG: list[Any] = [None]
+_PART: list[Any] = [None]
+PART = "meshpilot_part"
+"""``node.meta`` key: the step of an own op's work a kernel was recorded in (``meshpilot.ops.OpPart``)."""
 
 
 @contextlib.contextmanager
@@ -47,6 +50,19 @@ def tagged(tag: Any) -> Iterator[None]:
         yield
     finally:
         _TAG[0] = saved
+
+
+@contextlib.contextmanager
+def in_part(part: Any) -> Iterator[None]:
+    """Label the ops recorded meanwhile as step `part` (``node.meta["meshpilot_part"]``, a
+    ``meshpilot.ops.OpPart``) of the own op whose node they are tagged with: duplex places an op's lead a
+    stage early and its tail a stage late (``meshpilot.runtime.duplex``)."""
+    saved = _PART[0]
+    _PART[0] = part
+    try:
+        yield
+    finally:
+        _PART[0] = saved
 
 
 @contextlib.contextmanager
@@ -93,6 +109,8 @@ class _Recorder(TorchDispatchMode):
         f_args, f_kwargs = pytree.tree_map_only(torch.Tensor, self.node_of, (args, kwargs))
         node = self.graph.call_function(func, tuple(f_args), dict(f_kwargs))
         node.meta["meshpilot_tag"] = _TAG[0]
+        if _PART[0] is not None:
+            node.meta[PART] = _PART[0]
         if isinstance(out, torch.Tensor):
             self.nodes[out] = node
         elif isinstance(out, (tuple, list)):

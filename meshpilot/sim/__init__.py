@@ -17,7 +17,9 @@ hierarchical matrix (``Cluster.layers``: e.g. the nodes' network and a node's NV
 ``sum(NodeChoice.seconds)`` of its nodes (``F``: every node that is not in the backward phase; ``B``/``I``/``W``:
 the backward ones), times ``1 + pct/100`` on a straggler; a collective the schedule does not issue itself is
 *blocking* (issue + wait) where the plan places it: an edge's before its consumer node, an op's own after the
-op, the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step,
+op (the first ``OwnOp.leading`` of them before it: an expert-parallel MoE's counts and dispatch; duplex issues
+those a stage early and waits for its combine a stage late, so the other microbatch computes beside them),
+the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step,
 followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.

@@ -16,6 +16,7 @@ import numpy as np
 
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write
+from meshpilot.ops import leading_collectives
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
 
 _COST_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -278,11 +279,14 @@ class _Lowering:
         self.post: dict[int, list[int]] = {}
         self.tail: dict[bool, list[int]] = {False: [], True: []}  # loss / buffers / unknown, per phase (bwd?)
         self.grads: list[int] = []
+        own: dict[int, int] = {}
         for c, col in enumerate(plan.collectives):
             if col.dst.startswith("grad:"):
                 self.grads.append(c)
-            elif col.src == col.dst and col.dst in self.index:
-                self.post.setdefault(self.index[col.dst], []).append(c)
+            elif col.src == col.dst and col.dst in self.index:  # an op's own: its leading ones before it
+                i = self.index[col.dst]
+                k = own[i] = own.get(i, -1) + 1
+                (self.pre if k < leading_collectives(nodes[i].target) else self.post).setdefault(i, []).append(c)
             elif col.dst in self.index:
                 self.pre.setdefault(self.index[col.dst], []).append(c)
             else:
