@@ -57,7 +57,8 @@ def sdpa(
     enable_gqa: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of scaled dot-product attention, no dropout; the kernel is the device's."""
-    k, v = _expand_kv(q, k, v, enable_gqa)
+    if not _grouped(q, k, v, attn_mask, is_causal, _scale(q, scale)):
+        k, v = _expand_kv(q, k, v, enable_gqa)
     fn = _FORWARD.get(q.device.type, _math_forward)
     out, lse = fn(q, k, v, _float_mask(attn_mask, q), is_causal, _scale(q, scale))
     return _heads_inner(out), lse
@@ -92,7 +93,8 @@ def sdpa_backward(
     enable_gqa: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :data:`sdpa`; the kernel is the device's."""
-    kx, vx = _expand_kv(q, k, v, enable_gqa)
+    grouped = _grouped(q, k, v, attn_mask, is_causal, _scale(q, scale))
+    kx, vx = (k, v) if grouped else _expand_kv(q, k, v, enable_gqa)
     fn = _BACKWARD.get(q.device.type, _math_backward)
     dq, dk, dv = fn(grad_out.contiguous(), q, kx, vx, out, lse, _float_mask(attn_mask, q), is_causal, _scale(q, scale))
     if kx.shape[1] != k.shape[1]:  # grouped-query: sum the repeated heads' gradients back
@@ -166,6 +168,20 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tenso
     return k, v
 
 
+def _grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> bool:
+    """Whether the device's kernel takes key/value with fewer heads than the query as they are — as eager
+    attention passes them (``enable_gqa``) — rather than repeated here: the kernel then sums the groups'
+    gradients in its own accumulators, and the planned model computes what eager does (on an H100 the
+    repeated heads' bfloat16 gradients, summed afterwards, differed from eager's by 1e-2 relative)."""
+    if k.shape[1] == q.shape[1] or mask is not None:
+        return False
+    if q.device.type == "cpu":
+        return int(aten._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=True)) == 1
+    if q.device.type == "cuda":
+        return _cuda_kernel(q, k, v, None, is_causal, scale) in _GQA_KERNELS
+    return False
+
+
 def _float_mask(mask: Tensor | None, q: Tensor) -> Tensor | None:
     """A boolean mask (True = attend) as the additive float mask the kernels take, as eager sdpa converts it."""
     if mask is None or mask.dtype != torch.bool:
@@ -225,13 +241,18 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal
     the next eligible one if that kernel failed its check (:func:`_checked`)."""
     if mask is not None:
         return "math"
-    choice = _TORCH_CHOICE.get(int(aten._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)))
+    gqa = k.shape[1] != q.shape[1]  # key/value heads not repeated: only kernels that take them so
+    choice = _TORCH_CHOICE.get(int(aten._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=gqa)))
     e = q.shape[-1]
     flash_ok = q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
     for kernel in (choice, "flash" if flash_ok else None, "efficient"):
-        if kernel is not None and _checked(kernel, q.dtype):
+        if kernel is not None and (not gqa or kernel in _GQA_KERNELS) and _checked(kernel, q.dtype, gqa):
             return kernel
     return "math"
+
+
+_GQA_KERNELS = ("flash", "cudnn")
+"""CUDA kernels that take key/value with fewer heads than the query (grouped-query attention)."""
 
 
 _CUDNN_LSE_DIMS: dict[torch.dtype, int] = {}
@@ -300,13 +321,13 @@ def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
 _FORWARD = {"cpu": _cpu_forward, "cuda": _cuda_forward}
 _BACKWARD = {"cpu": _cpu_backward, "cuda": _cuda_backward}
 
-_CHECKS: dict[tuple[str, torch.dtype], bool] = {}
+_CHECKS: dict[tuple[str, torch.dtype, bool], bool] = {}
 
 
-def _checked(kernel: str, dtype: torch.dtype) -> bool:
+def _checked(kernel: str, dtype: torch.dtype, gqa: bool = False) -> bool:
     """Whether CUDA `kernel` agrees with the math path on a small causal problem in `dtype` (forward and
     backward); checked once per process, and a kernel that raises or disagrees is not used (with a warning)."""
-    key = (kernel, dtype)
+    key = (kernel, dtype, gqa)
     if key in _CHECKS:
         return _CHECKS[key]
     ok, why = False, ""
@@ -315,11 +336,15 @@ def _checked(kernel: str, dtype: torch.dtype) -> bool:
         # [b, h, t, e] views of [b, t, h, e] storage, as a model's heads are split, and a contiguous gradient
         q, k, v, g = (torch.randn(2, 40, 2, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
         q, k, v, g = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2).contiguous()
+        if gqa:  # one key/value head for the two query heads
+            k, v = k[:, :1], v[:, :1]
         scale = 0.125
         out, lse = _kernel_forward(kernel, q, k, v, True, scale)
         got = (out, *_kernel_backward(kernel, g, q, k, v, out, lse, True, scale))
-        ref_out, ref_lse = _math_forward(q, k, v, None, True, scale)
-        want = (ref_out, *_math_backward(g, q, k, v, ref_out, ref_lse, None, True, scale))
+        kx, vx = _expand_kv(q, k, v, True)
+        ref_out, ref_lse = _math_forward(q, kx, vx, None, True, scale)
+        dq, dk, dv = _math_backward(g, q, kx, vx, ref_out, ref_lse, None, True, scale)
+        want = (ref_out, dq, dk.sum(1, keepdim=True) if gqa else dk, dv.sum(1, keepdim=True) if gqa else dv)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         err = max(_relative_error(x, y) for x, y in zip(got, want))
         ok = err <= tol
@@ -327,7 +352,8 @@ def _checked(kernel: str, dtype: torch.dtype) -> bool:
     except Exception as e:  # noqa: BLE001 - any failure means: do not use this kernel
         why = f"{type(e).__name__}: {e}"
     if not ok:
-        note = f"meshpilot: CUDA {kernel} attention ({dtype}) not used: {why}; the math path runs instead"
+        what = f"{dtype}, grouped-query" if gqa else str(dtype)
+        note = f"meshpilot: CUDA {kernel} attention ({what}) not used: {why}; the math path runs instead"
         warnings.warn(note, stacklevel=2)
     _CHECKS[key] = ok
     return ok
