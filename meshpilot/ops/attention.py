@@ -170,9 +170,8 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tenso
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> bool:
     """Whether the device's kernel takes key/value with fewer heads than the query as they are — as eager
-    attention passes them (``enable_gqa``) — rather than repeated here: the kernel then sums the groups'
-    gradients in its own accumulators, and the planned model computes what eager does (on an H100 the
-    repeated heads' bfloat16 gradients, summed afterwards, differed from eager's by 1e-2 relative)."""
+    attention passes them (``enable_gqa``) — rather than repeated here: the same kernel call as eager's, the
+    groups' gradients summed in the kernel's accumulators, no repeated copies of key and value held."""
     if k.shape[1] == q.shape[1] or mask is not None:
         return False
     if q.device.type == "cpu":
