@@ -66,16 +66,22 @@ or a calibration), the latency and a measured all-reduce curve; compute is the c
 rank sets with the same shape and the same values of all of these get the same plan, so the cache keys the
 mesh by those values: the stage DP costs every submesh on ranks ``0..d−1`` and re-costs the chosen stages
 on the ranks ``pipeline.place`` gives them, which on a cluster of identical nodes (``alpa-p3x8``,
-``dgx-h100``) are the same problem (the cost found is returned with the asked ranks).
+``dgx-h100``) are the same problem (the cost found is returned with the asked ranks). One ``Resharder`` is
+kept per logical mesh and device mapping, so a stage searched under several memory caps prices each mapping's
+ILP once (``ilp.priced``); and a mapping whose values are those of a mapping already tried on the shape (column
+and row on a square block of one node's uniform links) is the same ILP, so it is not solved again (the first
+mapping's plan is kept, as the strict comparison of the two would keep it).
 
 Floors (``StagePlanner.floor``)
 -------------------------------
 Lower bounds of every plan of a stage on one logical mesh, whatever its memory cap, read off the ILP's
 structure (``ilp.build_structure``) without a search:
 
-    time_s    = Σ_terms min_k cost_term[k]            (compute of each class of nodes × its count × B, and
-                                                      each parameter's update, at the cheapest strategy)
-    update    = Σ_terms min_k min(std, zero)[update, k]     backward = Σ_terms min_k min(std, zero)[backward, k]
+    time_s    = Σ_terms min_k cost_term[k]            (``auto.compute_lower_bound``: compute of each class
+                                                      of nodes × its count × B, and each parameter's update,
+                                                      at the cheapest strategy)
+    update    = Σ_terms min_k min(std, zero)[update, k]      (``auto.min_memory`` takes the larger row of
+    backward  = Σ_terms min_k min(std, zero)[backward, k]     one kind; these keep the rows apart)
     saved     = Σ_(saved terms) min_k std[backward, k]
 
 ``accounting.account`` prices a plan as each node's compute under its chosen strategy (× B) plus each
@@ -101,6 +107,7 @@ from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.planner.accounting import MEMORY_ROWS, ComputeCost, PhasePeaks, _parts, account, step_edges
+from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.search import SearchTask, get_searcher
@@ -441,6 +448,8 @@ class StagePlanner:
         self._costs: dict[tuple, StageCost | PlanError] = {}
         self._memory: dict[tuple, StageMemory] = {}
         self._mesh_keys: dict[tuple, tuple] = {}
+        self._mapping_keys: dict[tuple, tuple] = {}
+        self._resharders: dict[tuple, Resharder] = {}
         self.hits = 0
         self.misses = 0
 
@@ -513,17 +522,25 @@ class StagePlanner:
         key = (ranks, shape)
         hit = self._mesh_keys.get(key)
         if hit is None:
+            hit = self._mesh_keys[key] = ("mesh", tuple(self._priced_as(ranks, shape, m) for m in _mappings(shape)))
+        return hit
+
+    def _priced_as(self, ranks: tuple[int, ...], shape: tuple[int, ...], mapping: MeshMapping) -> tuple:
+        """What the search reads of `ranks` as `shape` under one device mapping: each axis set's group size,
+        bus bandwidth, latency and measured curve (two mappings with the same are the same ILP)."""
+        key = (ranks, shape, mapping)
+        hit = self._mapping_keys.get(key)
+        if hit is None:
             from meshpilot.cluster import LogicalMesh
 
             axes = [(a,) for a in range(len(shape))] + list(itertools.permutations(range(len(shape)), 2))
+            mesh = LogicalMesh(self.cluster, shape, np.asarray(ranks)[mapped_ranks(shape, mapping)])
             parts = []
-            for mapping in _mappings(shape):
-                mesh = LogicalMesh(self.cluster, shape, np.asarray(ranks)[mapped_ranks(shape, mapping)])
-                for ax in axes:
-                    n = mesh.axis_size(ax)
-                    if n > 1:
-                        parts.append((ax, n, mesh.bus_bandwidth(ax), mesh.latency(ax), mesh.allreduce_curve(ax)))
-            hit = self._mesh_keys[key] = ("mesh", tuple(parts))
+            for ax in axes:
+                n = mesh.axis_size(ax)
+                if n > 1:
+                    parts.append((ax, n, mesh.bus_bandwidth(ax), mesh.latency(ax), mesh.allreduce_curve(ax)))
+            hit = self._mapping_keys[key] = tuple(parts)
         return hit
 
     def plan_with_memory(self, start: int, stop: int, ranks: Sequence[int], mesh_shape: Sequence[int], **kw):
@@ -590,7 +607,7 @@ class StagePlanner:
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         struct = self._structure(start, stop, ranks, shape, microbatches, self._pins(start, stop, force))
-        seconds = sum(float(per.min()) for _, per in struct.cost_terms)
+        seconds = compute_lower_bound(struct)
         update = backward = saved = 0.0
         up, back = MEMORY_ROWS.index("update"), MEMORY_ROWS.index("backward")
         for _, std, zero in struct.mem_terms:  # [rows, strategies]: each term at its least over every strategy
@@ -613,9 +630,18 @@ class StagePlanner:
         chooser = get_searcher(searcher)
         best = None
         errors: list[PlanError] = []
+        seen: set[tuple] = set()
         for mapping in _mappings(shape):
+            priced_as = self._priced_as(ranks, shape, mapping)
+            if priced_as in seen:  # the same ILP as a mapping tried before: the same plan, which that one keeps
+                continue
+            seen.add(priced_as)
             physical = np.asarray(ranks)[mapped_ranks(shape, mapping)]
-            resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+            rkey = (shape, physical.tobytes())  # one resharder per logical mesh: its prices are kept (ilp.priced)
+            resharder = self._resharders.get(rkey)
+            if resharder is None:
+                resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+                self._resharders[rkey] = resharder
             task = SearchTask(
                 sub, struct, resharder, pe, mapping, capacity=cap, zero=zero, microbatches=microbatches,
                 time_limit=time_limit,
