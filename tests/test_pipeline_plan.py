@@ -651,7 +651,7 @@ def test_repeated_block_replanned_under_a_tighter_cap_when_blocks_do_not_fit():
 
 
 def test_floors_skip_only_what_cannot_change_the_stage_table():
-    """A 6-block GPT (hidden 512) as one stage on 24 devices of ``alpa-p3x8`` under a cap that makes the block
+    """A 4-block GPT (hidden 512) as one stage on 24 devices of ``alpa-p3x8`` under a cap that makes the block
     piece descend cap levels: the table with the floors' cuts (``StackTable.prune``: meshes searched in the
     order of their floors, a mesh or a further cap level skipped when no plan of it under any cap could win an
     entry) equals the table that searches every mesh and level — each t_intra and the (size, shape, cap) that
@@ -664,7 +664,7 @@ def test_floors_skip_only_what_cannot_change_the_stage_table():
     from meshpilot.planner.pipeline import _StageTable, stage_in_flight
     from meshpilot.planner.stack import StackTable, find_stack
 
-    graph = _capture(*_gpt_builder(gpt_tiny(layers=6, batch=16, hidden=512))("meta", 4))
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4, batch=16, hidden=512))("meta", 4))
     n, B, kind = 24, 4, PipelineKind.ONE_F_ONE_B
     tables, searches = {}, {}
     for prune in (True, False):

@@ -72,10 +72,12 @@ saved values, ``act``'s terms; f_P, f_Q of the range's pre and post pieces, 0 wh
 change an entry only if it fits (``need ≤ capacity``) and ``t_low`` is below the entry's t, or equal with X
 earlier in the order (``_can_improve``). When no entry passes, X (or its remaining levels) is skipped: the
 table is the same as searching it. Meshes are visited in the order of their block floor's time, so the fast
-ones fill the table first and the slow ones (a 24-device mesh whose axis of 3 shards nothing) meet entries
-they cannot beat; the tie rule keeps the order-independent winner. A level's cap is computed as before from
-the previous level's plan, so the levels searched are a prefix of those the enumeration would search. The
-pre and post pieces are planned only where a range useful on that size has them. ``floor`` is a bound only
+ones fill the table first and the slow ones (1x24 on 24 devices: an axis that shards little) meet entries
+they cannot beat; the tie rule keeps the order-independent winner. Floors are compared less
+:data:`FLOOR_MARGIN` (a floor as tight as a plan sums the same terms in another order). A level's cap is
+computed as before from the previous level's plan, so the levels searched are a prefix of those the
+enumeration would search. The pre and post pieces are planned only where a range useful on that size has
+them. ``floor`` is a bound only
 if the search's plan is priced by the same terms: the tests check it against every plan searched.
 
 Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
