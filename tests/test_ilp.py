@@ -195,3 +195,29 @@ def test_compute_lower_bound_is_below_every_plan_of_the_shape():
         for mapping in ("row", "col") if min(shape) > 1 else ("row",):
             p = plan(None, (), cl, mesh_shape=shape, mappings=(mapping,), graph=g)
             assert 0 < lb <= p.time.compute_s * (1 + 1e-12), (shape, mapping, lb, p.time)
+
+
+def test_a_problem_solved_again_under_another_capacity_is_a_fresh_solve():
+    """``ilp.priced`` keeps a mapping's problem on its structure and ``solve`` keeps its matrices per memory row
+    kind: a second solve of the kept problem under a tighter capacity (and the ZeRO rows) picks what a freshly
+    priced problem under that capacity picks, and the capacity binds (the choice differs from the roomy one)."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.ilp import Pricer, build_structure, price, priced
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    shape = (2, 4)
+    dm = fake_device_mesh(shape)
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), shape))
+    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    rs = Resharder(dm, cm)
+    roomy = solve(priced(struct, rs, 1e12), memory="zero")
+    tight_cap = 1.05 * min_memory(struct, "zero")
+    kept = priced(struct, rs, tight_cap)
+    assert kept is priced(struct, rs) and len(kept.lp) >= 1
+    again = solve(kept, memory="zero", capacity=tight_cap)
+    fresh = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=tight_cap)
+    assert again.choice == fresh.choice and again.objective == fresh.objective
+    assert again.choice != roomy.choice and again.num_constraints == fresh.num_constraints

@@ -4,6 +4,7 @@ import itertools
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -647,6 +648,55 @@ def test_repeated_block_replanned_under_a_tighter_cap_when_blocks_do_not_fit():
     exact = plan_pipeline(graph, "alpa-p3x8", memory_bytes=cap, fast=False, **kw)
     assert tight.stages[0].memory_bytes <= cap and tight.step_s > roomy.step_s
     assert tight.step_s <= exact.step_s and block_searches >= 2
+
+
+def test_floors_skip_only_what_cannot_change_the_stage_table():
+    """A 4-block GPT (hidden 512) as one stage on 24 devices of ``alpa-p3x8`` under a cap that makes the block
+    piece descend cap levels: the table with the floors' cuts (``StackTable.prune``: meshes searched in the
+    order of their floors, a mesh or a further cap level skipped when no plan of it under any cap could win an
+    entry) equals the table that searches every mesh and level — each t_intra and the (size, shape, cap) that
+    wins it — with fewer searches; and each floor (``StagePlanner.floor``) is at most what every plan searched
+    on that mesh costs: its time, its two memory rows, its saved values (and a plan's live peak holds them)."""
+    import functools
+
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.pipeline import _StageTable, stage_in_flight
+    from meshpilot.planner.stack import StackTable, find_stack
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4, batch=16, hidden=512))("meta", 4))
+    n, B, kind = 24, 4, PipelineKind.ONE_F_ONE_B
+    tables, searches = {}, {}
+    for prune in (True, False):
+        sp = StagePlanner(graph, "alpa-p3x8")
+        stack = find_stack(graph, sp.layers)
+        cap = 0.004 * sp.cluster.device.memory_bytes
+        clusters = cluster_layers(graph, len(stack.layers), all_layers=list(stack.layers))
+        per_node = devices_per_node(sp.cluster, n)[1]
+        L = len(clusters.bounds)
+        useful = _StageTable(sp, clusters, (n,), B, cap, L, n, None).useful
+        table = StackTable(
+            sp, stack, clusters.bounds, (n,), B, cap, L, useful, lambda s: stage_in_flight(kind, s, B),
+            {"capacity": cap}, shapes=functools.partial(logical_shapes, per_node=per_node), prune=prune,
+        )  # fmt: skip
+        t, arg = table.arrays()
+        tables[prune] = (t, [table.candidates[a] if a >= 0 else None for a in arg.ravel()])
+        searches[prune] = (sp.misses, len(table.candidates), len(logical_shapes(n, per_node)))
+    t, winners = tables[True]
+    assert np.isfinite(t).any() and np.array_equal(t, tables[False][0]) and winners == tables[False][1]
+    assert searches[False][1] > searches[False][2]  # the block descended cap levels on some mesh
+    assert searches[True][0] < searches[False][0]
+    checked = 0
+    for key, cost in sp._costs.items():  # the planner that searched every mesh and level
+        if isinstance(cost, PlanError):
+            continue
+        m, (a, b) = sp._memory[key], cost.layers
+        fl = sp.floor(a, b, cost.ranks, cost.mesh_shape, microbatches=B)
+        tol = 1 + 1e-12
+        assert fl.time_s <= cost.time.total_s * tol and fl.saved <= m.saved * tol <= m.live_peak * tol**2
+        assert fl.update <= (m.static + m.grads + m.update_temp) * tol and fl.backward <= (m.static + m.saved) * tol
+        checked += 1
+    assert checked >= 20
 
 
 def test_fast_path_only_for_repeated_stacks(gpt_planner):

@@ -86,3 +86,33 @@ def test_bad_stage_requests_are_one_line(planner):
         planner.plan(0, 2, (0, 1), (2, 2))
     with pytest.raises(UserError, match=r"ranks \[0, 100000\]: cluster 'atp-ic3' has ranks 0\.\."):
         planner.plan(0, 2, (0, 100_000), (2, 1))
+
+
+def test_a_mapping_priced_like_one_tried_is_not_solved_again(gpt, monkeypatch):
+    """On a 2x2 block of one ``alpa-p3x8`` node (uniform links) the column mapping reads the same axis sizes,
+    bandwidths and latencies as the row mapping: the search solves the row mapping's ILP only and keeps its
+    plan, the one searching both gives (the strict comparison keeps the first of equals). On 2x4 the two differ
+    (an axis of 2 over 2 or 4 apart) and both are searched."""
+    from meshpilot.cluster.mesh import MeshMapping
+    from meshpilot.planner import stage as stage_mod
+
+    calls = []
+    real = stage_mod.get_searcher
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def search(self, task):
+            calls.append(task.mapping)
+            return self.inner.search(task)
+
+    monkeypatch.setattr(stage_mod, "get_searcher", lambda name: Counting(real(name)))
+    sp = StagePlanner(gpt[2], "alpa-p3x8")
+    square = sp.plan(0, 3, range(4), (2, 2))
+    assert calls == [MeshMapping.ROW] and square.mapping == MeshMapping.ROW
+    task_col = sp._priced_as(tuple(range(4)), (2, 2), MeshMapping.COL)
+    assert task_col == sp._priced_as(tuple(range(4)), (2, 2), MeshMapping.ROW)
+    calls.clear()
+    sp.plan(0, 3, range(8), (2, 4))
+    assert calls == [MeshMapping.ROW, MeshMapping.COL]

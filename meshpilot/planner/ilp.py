@@ -89,7 +89,9 @@ Nothing but the resharding seconds depends on how mesh coordinates map to device
   nodes get their maps (they depend on resharding seconds), and the groups, edge blocks and memory rows
   are filled from the classes.
 
-:func:`build_problem` (structure + price) is the one-call form.
+:func:`build_problem` (structure + price) is the one-call form. :func:`priced` keeps each mapping's problem on
+its structure (a stage searched under several memory caps is priced once), and :func:`solve` keeps each
+problem's matrices per memory row kind: between solves of one problem only the memory rows' bound changes.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class Problem:
     build_s: float = 0.0
     forced: frozenset[str] = frozenset()
     """Nodes whose layout a ``force`` pattern pinned (the ZeRO post-pass leaves them alone)."""
+    lp: dict = field(default_factory=dict, repr=False, compare=False)
+    """:func:`solve`'s matrices per memory row kind: only the capacity changes between solves of one problem."""
 
     def new_group(self, size: int, owner: str) -> int:
         rows = len(MEMORY_ROWS)
@@ -359,6 +363,9 @@ class Structure:
     forced: frozenset[str]
     build_s: float = 0.0
     coll_terms: list[tuple[str, int]] = field(default_factory=list)
+    priced: dict = field(default_factory=dict, repr=False, compare=False)
+    """:func:`price`'s problems by the resharder they were priced with (:func:`priced`): a stage searched under
+    several memory caps prices each device mapping once."""
     """(representative, nodes of its class) for representatives with strategies that issue collectives
     inside the op (``Strategy.colls``); priced per mapping like edges."""
 
@@ -637,6 +644,17 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
     return prob
 
 
+def priced(struct: Structure, resharder: Resharder, capacity: float = math.inf) -> Problem:
+    """:func:`price` of `struct` on `resharder`'s mapping, kept on the structure: the same problem (prices
+    depend on the mapping only) whatever the capacity, which is set on it for this call."""
+    hit = struct.priced.get(id(resharder))
+    if hit is None or hit[0] is not resharder:
+        hit = struct.priced[id(resharder)] = (resharder, price(struct, Pricer(struct.table, resharder)))
+    prob = hit[1]
+    prob.capacity = capacity
+    return prob
+
+
 def build_problem(
     graph: OpGraph,
     builder: StrategyBuilder,
@@ -712,22 +730,11 @@ class Solution:
     """Bytes per device on each plain row (``accounting.MEMORY_ROWS``)."""
 
 
-def solve(
-    prob: Problem,
-    time_limit: float = 30.0,
-    mip_rel_gap: float = 1e-3,
-    memory: str = "plain",
-    capacity: float | None = None,
-) -> Solution:
-    """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``).
-
-    ``memory="zero"`` holds the ZeRO memory rows (module docstring) to the capacity instead of the plain
-    ones; `capacity` overrides ``prob.capacity`` (the planner lowers it when the liveness peak exceeds it).
-    """
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _lp(prob: Problem, memory: str, has_mem_row: bool):
+    """:func:`solve`'s objective, constraint matrix and row bounds (the memory rows' upper bounds left open),
+    built from `prob` (module docstring, *Linearisation*)."""
     from scipy.sparse import coo_matrix
 
-    t0 = time.perf_counter()
     groups = prob.groups
     sizes = np.array([g.size for g in groups], dtype=np.int64)
     offs = np.zeros(len(groups) + 1, dtype=np.int64)
@@ -765,34 +772,63 @@ def solve(
     ub = np.zeros(r)
     lb[: len(groups)] = 1.0
     ub[: len(groups)] = 1.0
-    cap = prob.capacity if capacity is None else capacity
     n_rows = len(MEMORY_ROWS)
     mem_plain = np.concatenate([g.mem for g in groups], axis=1) if groups else np.zeros((n_rows, 0))
     mem_zero = (
         np.concatenate([g.mem if g.mem_zero is None else g.mem_zero for g in groups], axis=1) if groups else mem_plain
     )
     held = mem_zero if memory == "zero" else mem_plain
-    has_mem_row = math.isfinite(cap)
     if has_mem_row:
-        min_need = _min_need(groups, memory)
-        if min_need > cap:
-            raise PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(min_need)} "
-                f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
-                "; use more devices, a smaller batch or model, or a device with more memory",
-                mesh_shape=prob.mesh_shape,
-                need_bytes=min_need,
-                capacity_bytes=cap,
-            )
         for row in held:
             nz = np.flatnonzero(row)
             rows.append(np.full(len(nz), r))
             cols.append(nz)
             vals.append(row[nz])
             lb = np.append(lb, -np.inf)
-            ub = np.append(ub, cap)
+            ub = np.append(ub, np.inf)
             r += 1
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n_vars)).tocsr()
+    return c, A, lb, ub, offs, n_s, n_vars, r, mem_plain, mem_zero
+
+
+def solve(
+    prob: Problem,
+    time_limit: float = 30.0,
+    mip_rel_gap: float = 1e-3,
+    memory: str = "plain",
+    capacity: float | None = None,
+) -> Solution:
+    """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``).
+
+    ``memory="zero"`` holds the ZeRO memory rows (module docstring) to the capacity instead of the plain
+    ones; `capacity` overrides ``prob.capacity`` (the planner lowers it when the liveness peak exceeds it).
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    t0 = time.perf_counter()
+    groups = prob.groups
+    cap = prob.capacity if capacity is None else capacity
+    has_mem_row = math.isfinite(cap)
+    if has_mem_row:
+        need = prob.lp.get(("need", memory))
+        if need is None:
+            need = prob.lp[("need", memory)] = _min_need(groups, memory)
+        if need > cap:
+            raise PlanError(
+                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
+                f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory",
+                mesh_shape=prob.mesh_shape,
+                need_bytes=need,
+                capacity_bytes=cap,
+            )
+    lp = prob.lp.get((memory, has_mem_row))
+    if lp is None:  # everything but the capacity: built once per problem and row kind
+        lp = prob.lp[(memory, has_mem_row)] = _lp(prob, memory, has_mem_row)
+    c, A, lb, ub_open, offs, n_s, n_vars, r, mem_plain, mem_zero = lp
+    ub = ub_open.copy()
+    if has_mem_row:
+        ub[r - len(MEMORY_ROWS) :] = cap
     integrality = np.zeros(n_vars)
     integrality[:n_s] = 1
     # scale seconds to keep HiGHS' tolerances meaningful

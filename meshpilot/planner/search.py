@@ -34,7 +34,7 @@ from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.graph.capture import OpGraph
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import memory_use
-from meshpilot.planner.ilp import PlanError, Pricer, Structure, price, solve
+from meshpilot.planner.ilp import PlanError, Structure, priced, solve
 from meshpilot.planner.plan import MemoryUse, ZeroSwitch
 from meshpilot.planner.zero import ParamEdges, ZeroMode, zero_pass
 from meshpilot.sharding.reshard import Resharder
@@ -117,7 +117,7 @@ class ILPSearcher:
 
     def search(self, task: SearchTask) -> Candidate:
         t0 = time.perf_counter()
-        prob = price(task.struct, Pricer(task.struct.table, task.resharder), task.capacity)
+        prob = priced(task.struct, task.resharder, task.capacity)
         build_s = time.perf_counter() - t0
         capacity = task.capacity
         solves = solve_s = post_s = 0.0

@@ -53,6 +53,33 @@ a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet
 (``pipeline._dp``) as the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
 (:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
 
+3. Which meshes and cap levels are searched (``StackTable.arrays``, ``prune``)
+-------------------------------------------------------------------------------
+Each entry of the table is the least ``(t, o)`` over the candidates that fit it, ``o`` the candidate's place
+in the enumeration order (shape in ``shapes(d)`` order, then level): what searching in that order and keeping
+strict improvements gives. Before a logical mesh X of size d is searched, and before each further cap level
+of it, its *floors* (``StagePlanner.floor``: every node's compute and every parameter's update at their
+cheapest strategy, each memory term at its least — lower bounds of any plan of the piece on X under any
+cap) bound every candidate X can still give, per range ``(k, i)`` and stage count s:
+
+    t      ≥ t_low(k, i)     = (f_P.t + NB · f_blk.t + f_Q.t) / B                            → ``_lower``
+    Eq. 5  ≥ need(s, k, i)   = max(f_P.u + NB · f_blk.u + f_Q.u,
+                                   f_P.b + NB · f_blk.b + f_Q.b + (f(s) − 1) · (f_P.a + NB · f_blk.a + f_Q.a))
+
+(``u``: the update row ``static + grads + update_temp``, exactly ``upd``'s terms; ``b``: ``static + saved``,
+at most ``fb`` since each piece's live peak holds its saved values and a carry ``max(A, G) ≥ A``; ``a``:
+saved values, ``act``'s terms; f_P, f_Q of the range's pre and post pieces, 0 when it has none). X can
+change an entry only if it fits (``need ≤ capacity``) and ``t_low`` is below the entry's t, or equal with X
+earlier in the order (``_can_improve``). When no entry passes, X (or its remaining levels) is skipped: the
+table is the same as searching it. Meshes are visited in the order of their block floor's time, so the fast
+ones fill the table first and the slow ones (1x24 on 24 devices: an axis that shards little) meet entries
+they cannot beat; the tie rule keeps the order-independent winner. Floors are compared less
+:data:`FLOOR_MARGIN` (a floor as tight as a plan sums the same terms in another order). A level's cap is
+computed as before from the previous level's plan, so the levels searched are a prefix of those the
+enumeration would search. The pre and post pieces are planned only where a range useful on that size has
+them. ``floor`` is a bound only
+if the search's plan is priced by the same terms: the tests check it against every plan searched.
+
 Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
 after the last block; each piece's boundary input is laid out as its search chose); the first and last
 blocks are priced as the middle one (``stage.runnable_layers`` gives them the backward's residual-gradient
@@ -90,6 +117,10 @@ KEEP = 4
 
 MAX_LEVELS = 5
 """Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
+
+FLOOR_MARGIN = 1e-9
+"""Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
+cost sum the same terms in other orders, so a floor as tight as the plan may exceed it by a rounding."""
 
 
 class StageCosting(StrEnum):
@@ -268,6 +299,9 @@ class StackTable:
     """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (``pipeline.logical_shapes``)."""
     candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
     """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
+    prune: bool = True
+    """Skip the logical meshes and cap levels whose floors show they cannot change an entry (module
+    docstring, 3: the same table); False searches every one (for the tests)."""
 
     def _piece(self, rng: tuple[int, int], ranks, shape, cap: float) -> _Piece | None:
         kw = dict(self.kw)
@@ -297,38 +331,59 @@ class StackTable:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``t[s, k, i, z]`` (t_intra: ∞ where nothing fits) and ``arg[s, k, i, z]`` (into :attr:`candidates`),
-        planning the pieces as it goes (module docstring, 2)."""
+        planning the pieces as it goes (module docstring, 2 and 3)."""
         L, Z, S, B = len(self.bounds), len(self.sizes), self.max_stages, self.microbatches
         t = np.full((S + 1, L, L, Z), math.inf)
         arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
         PA, PB, NB, pres, posts = self._layout()
         tri = np.triu(np.ones((L, L), dtype=bool))
         f = np.array([self.in_flight(s) for s in range(1, S + 1)], dtype=float)
+        mid = self.stack.middle
         for z, d in enumerate(self.sizes):
             use = np.zeros((L, L), dtype=bool)
             for k in range(L):
                 for i in range(k, L):
                     use[k, i] = self.useful(k, i, d)
+            use &= tri
             if not use.any():
                 continue
             ranks = range(d)
-            mid = self.stack.middle
-            for shape in self.shapes(d):
-                specials = [self._specials(pres, ranks, shape), self._specials(posts, ranks, shape)]
+            used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
+            shapes = list(self.shapes(d))
+            floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
+                      for shape in shapes]  # fmt: skip
+            # the winner of each entry is the least (t, order) of the candidates, order = (shape's place in
+            # `shapes`, level): what searching in that order and keeping strict improvements gives
+            order = np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64)
+            tz = t[1:, :, :, z]  # a view: written in place
+            az = arg[1:, :, :, z]
+            for j in sorted(range(len(shapes)), key=lambda j: (floors[j][2].time_s if self.prune else 0.0, j)):
+                shape = shapes[j]
+                lower = self._lower(floors[j], PA, PB, NB, f, use) if self.prune else None
+                if lower is not None and not self._can_improve(lower, tz, order, j * MAX_LEVELS):
+                    continue
+                specials = [
+                    self._specials(pres, ranks, shape, used_pre),
+                    self._specials(posts, ranks, shape, used_post),
+                ]
                 blocks_needed = use & (NB > 0)
                 block_cap, target = self.capacity, 0
-                for _ in range(MAX_LEVELS):
+                for level in range(MAX_LEVELS):
+                    key = j * MAX_LEVELS + level
+                    if level and lower is not None and not self._can_improve(lower, tz, order, key):
+                        break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
                     blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
                     T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
-                    T = np.where(use & tri, T, math.inf)
+                    T = np.where(use, T, math.inf)
                     self.candidates.append((d, shape, block_cap))
                     cid = len(self.candidates) - 1
                     mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
                     ok = (mem <= self.capacity) & np.isfinite(T)[None]
                     cand = np.where(ok, T[None] / B, math.inf)
-                    better = cand < t[1:, :, :, z]
-                    t[1:, :, :, z] = np.where(better, cand, t[1:, :, :, z])
-                    arg[1:, :, :, z] = np.where(better, cid, arg[1:, :, :, z])
+                    better = (cand < tz) | ((cand == tz) & np.isfinite(cand) & (key < order))
+                    tz[better] = cand[better]
+                    az[better] = cid
+                    order[better] = key
                     # a tighter cap only where some range of blocks fits with no number of stages after it
                     fitless = blocks_needed & ~ok.any(axis=0)
                     if blk is None or not fitless.any():
@@ -337,8 +392,48 @@ class StackTable:
                     block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
         return t, arg
 
-    def _specials(self, ranges, ranks, shape) -> list[_Piece | None]:
-        return [None] + [self._piece(r, ranks, shape, self.capacity) for r in ranges[1:]]
+    def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
+        """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
+        size has) only: the others' ranges are ∞ in ``arrays`` whatever they cost."""
+        return [None] + [self._piece(r, ranks, shape, self.capacity) if j in used else None
+                         for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
+
+    def _floors(self, pres, posts, used_pre, used_post, ranks, shape):
+        """``StagePlanner.floor`` of the used pre pieces, the used post pieces (by id; None unused) and the
+        middle block on `shape`."""
+        kw = {k: v for k, v in self.kw.items() if k == "force"}
+        B, mid = self.microbatches, self.stack.middle
+
+        def one(rng):
+            return self.planner.floor(rng[0], rng[1], ranks, shape, microbatches=B, **kw)
+
+        pre = [None] + [one(r) if j in used_pre else None for j, r in enumerate(pres[1:], 1)]
+        post = [None] + [one(r) if j in used_post else None for j, r in enumerate(posts[1:], 1)]
+        return pre, post, one((mid, mid + 1))
+
+    def _lower(self, floors, PA, PB, NB, f, use) -> tuple[np.ndarray, np.ndarray]:
+        """Per cluster range, what no candidate of one logical mesh (any cap) can beat (module docstring, 3):
+        ``t[k, i]``, a lower bound of its t_intra, and ``fit[s, k, i]``, whether it may fit with s stages
+        from it to the end (its memory floor within the capacity); ranges not useful: no fit."""
+        pre, post, blk = floors
+
+        def cols(xs) -> np.ndarray:  # [id, (time, update, backward, saved)]; absent pieces count 0
+            return np.array([[0.0] * 4 if x is None else [x.time_s, x.update, x.backward, x.saved] for x in xs])
+
+        P, Q = cols(pre)[PA], cols(post)[PB]
+        b = np.array([blk.time_s, blk.update, blk.backward, blk.saved])
+        lo = P + Q + NB[..., None] * b
+        margin = 1 - FLOOR_MARGIN
+        t_low = lo[..., 0] * margin / self.microbatches
+        need = np.maximum(lo[None, ..., 1], lo[None, ..., 2] + (f[:, None, None] - 1) * lo[None, ..., 3]) * margin
+        return t_low, (need <= self.capacity) & use[None]
+
+    @staticmethod
+    def _can_improve(lower, t, order, key: int) -> bool:
+        """Whether a candidate of order `key` whose every entry is at least ``lower`` (``_lower``) could win
+        some entry of ``t`` (the current winners, of order ``order``): beat it, or tie it and come first."""
+        t_low, fit = lower
+        return bool((fit & ((t_low[None] < t) | ((t_low[None] == t) & (key < order)))).any())
 
     def stage_cost(self, start: int, stop: int, ranks: Sequence[int], cand: int) -> StageCost:
         """The stage of model layers ``[start, stop)`` composed on `ranks` as candidate `cand` (its shape and

@@ -66,7 +66,30 @@ or a calibration), the latency and a measured all-reduce curve; compute is the c
 rank sets with the same shape and the same values of all of these get the same plan, so the cache keys the
 mesh by those values: the stage DP costs every submesh on ranks ``0..d−1`` and re-costs the chosen stages
 on the ranks ``pipeline.place`` gives them, which on a cluster of identical nodes (``alpa-p3x8``,
-``dgx-h100``) are the same problem (the cost found is returned with the asked ranks).
+``dgx-h100``) are the same problem (the cost found is returned with the asked ranks). One ``Resharder`` is
+kept per logical mesh and device mapping, so a stage searched under several memory caps prices each mapping's
+ILP once (``ilp.priced``); and a mapping whose values are those of a mapping already tried on the shape (column
+and row on a square block of one node's uniform links) is the same ILP, so it is not solved again (the first
+mapping's plan is kept, as the strict comparison of the two would keep it).
+
+Floors (``StagePlanner.floor``)
+-------------------------------
+Lower bounds of every plan of a stage on one logical mesh, whatever its memory cap, read off the ILP's
+structure (``ilp.build_structure``) without a search:
+
+    time_s    = Σ_terms min_k cost_term[k]            (``auto.compute_lower_bound``: compute of each class
+                                                      of nodes × its count × B, and each parameter's update,
+                                                      at the cheapest strategy)
+    update    = Σ_terms min_k min(std, zero)[update, k]      (``auto.min_memory`` takes the larger row of
+    backward  = Σ_terms min_k min(std, zero)[backward, k]     one kind; these keep the rows apart)
+    saved     = Σ_(saved terms) min_k std[backward, k]
+
+``accounting.account`` prices a plan as each node's compute under its chosen strategy (× B) plus each
+parameter's update plus communication and resharding (≥ 0); the chosen strategy is one of the node's own
+(the ZeRO post-pass re-lays parameters among theirs), so ``time.total_s ≥ time_s``. The plan's
+``static + grads + update_temp`` and ``static + saved`` are the ILP's two rows (``accounting._parts``) at the
+chosen strategies, each term at least its least over every strategy. ``stack.StackTable`` uses the floors
+to skip meshes that cannot change its table.
 """
 
 from __future__ import annotations
@@ -83,7 +106,8 @@ import numpy as np
 from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
-from meshpilot.planner.accounting import ComputeCost, PhasePeaks, _parts, account, step_edges
+from meshpilot.planner.accounting import MEMORY_ROWS, ComputeCost, PhasePeaks, _parts, account, step_edges
+from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.search import SearchTask, get_searcher
@@ -390,6 +414,21 @@ class StageMemory:
         return PhasePeaks(self.static + self.live_peak, self.static + self.grads + self.update_temp, self.saved)
 
 
+@dataclass(frozen=True)
+class StageFloor:
+    """Lower bounds, over every plan of a stage on one logical mesh under any memory cap, of its time and its
+    memory rows per device (``StagePlanner.floor``; module docstring, *Floors*)."""
+
+    time_s: float
+    """Of ``StageCost.time.total_s``: every node's compute and every parameter's update at their cheapest."""
+    update: float
+    """Of ``static + grads + update_temp`` (``StageMemory``): the optimizer step's row."""
+    backward: float
+    """Of ``static + saved``: the row at the start of the backward."""
+    saved: float
+    """Of ``saved``: one microbatch's values the backward reads."""
+
+
 class StagePlanner:
     """:func:`plan_stage` with its caches, for one captured graph and cluster."""
 
@@ -409,6 +448,8 @@ class StagePlanner:
         self._costs: dict[tuple, StageCost | PlanError] = {}
         self._memory: dict[tuple, StageMemory] = {}
         self._mesh_keys: dict[tuple, tuple] = {}
+        self._mapping_keys: dict[tuple, tuple] = {}
+        self._resharders: dict[tuple, Resharder] = {}
         self.hits = 0
         self.misses = 0
 
@@ -481,17 +522,25 @@ class StagePlanner:
         key = (ranks, shape)
         hit = self._mesh_keys.get(key)
         if hit is None:
+            hit = self._mesh_keys[key] = ("mesh", tuple(self._priced_as(ranks, shape, m) for m in _mappings(shape)))
+        return hit
+
+    def _priced_as(self, ranks: tuple[int, ...], shape: tuple[int, ...], mapping: MeshMapping) -> tuple:
+        """What the search reads of `ranks` as `shape` under one device mapping: each axis set's group size,
+        bus bandwidth, latency and measured curve (two mappings with the same are the same ILP)."""
+        key = (ranks, shape, mapping)
+        hit = self._mapping_keys.get(key)
+        if hit is None:
             from meshpilot.cluster import LogicalMesh
 
             axes = [(a,) for a in range(len(shape))] + list(itertools.permutations(range(len(shape)), 2))
+            mesh = LogicalMesh(self.cluster, shape, np.asarray(ranks)[mapped_ranks(shape, mapping)])
             parts = []
-            for mapping in _mappings(shape):
-                mesh = LogicalMesh(self.cluster, shape, np.asarray(ranks)[mapped_ranks(shape, mapping)])
-                for ax in axes:
-                    n = mesh.axis_size(ax)
-                    if n > 1:
-                        parts.append((ax, n, mesh.bus_bandwidth(ax), mesh.latency(ax), mesh.allreduce_curve(ax)))
-            hit = self._mesh_keys[key] = ("mesh", tuple(parts))
+            for ax in axes:
+                n = mesh.axis_size(ax)
+                if n > 1:
+                    parts.append((ax, n, mesh.bus_bandwidth(ax), mesh.latency(ax), mesh.allreduce_curve(ax)))
+            hit = self._mapping_keys[key] = tuple(parts)
         return hit
 
     def plan_with_memory(self, start: int, stop: int, ranks: Sequence[int], mesh_shape: Sequence[int], **kw):
@@ -524,6 +573,51 @@ class StagePlanner:
         names = [n.fqn or n.name for n in sub.nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT)]
         return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k)))
 
+    def _structure(self, start, stop, ranks, shape, microbatches, pinned=()) -> Structure:
+        """The ILP's structure of layers ``[start, stop)`` on `shape` (``ilp.build_structure``), built once per
+        (range, shape, microbatches, pins): it reads the ranks only for compute, the cluster's one device's."""
+        from meshpilot.cluster import CostModel, LogicalMesh
+
+        skey = (start, stop, shape, microbatches, pinned)
+        hit = self._structs.get(skey)
+        if hit is None:
+            sub = self._slice(start, stop)[0]
+            dmesh = fake_device_mesh(shape)
+            builder = StrategyBuilder(sub, dmesh)
+            cm0 = CostModel(LogicalMesh(self.cluster, shape, np.asarray(ranks).reshape(shape)))
+            struct = build_structure(
+                sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches, force=dict(pinned) or None
+            )
+            hit = self._structs[skey] = (struct, builder)
+        return hit[0]
+
+    def floor(
+        self,
+        start: int,
+        stop: int,
+        ranks: Sequence[int],
+        mesh_shape: Sequence[int],
+        *,
+        microbatches: int = 1,
+        force: Mapping[str, str] | None = None,
+    ) -> StageFloor:
+        """Lower bounds of every plan of layers ``[start, stop)`` on `mesh_shape` — its time and memory rows,
+        whatever its memory cap (module docstring, *Floors*): no search, the ILP's structure only (built once,
+        as the search builds it)."""
+        ranks = tuple(int(r) for r in ranks)
+        shape = tuple(int(d) for d in mesh_shape)
+        struct = self._structure(start, stop, ranks, shape, microbatches, self._pins(start, stop, force))
+        seconds = compute_lower_bound(struct)
+        update = backward = saved = 0.0
+        up, back = MEMORY_ROWS.index("update"), MEMORY_ROWS.index("backward")
+        for _, std, zero in struct.mem_terms:  # [rows, strategies]: each term at its least over every strategy
+            least = np.minimum(std, zero).min(axis=1)
+            update += float(least[up])
+            backward += float(least[back])
+            if not std[up].any():  # a value the backward reads (on the backward row only)
+                saved += float(least[back])
+        return StageFloor(seconds, update, backward, saved)
+
     def _search(
         self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()
     ) -> tuple[StageCost, StageMemory]:
@@ -532,22 +626,22 @@ class StagePlanner:
         t0 = time.perf_counter()
         sub, edges, pe = self._slice(start, stop)
         dmesh = fake_device_mesh(shape)
-        skey = (start, stop, shape, microbatches, pinned)
-        hit = self._structs.get(skey)
-        if hit is None:
-            builder = StrategyBuilder(sub, dmesh)
-            cm0 = CostModel(LogicalMesh(self.cluster, shape, np.asarray(ranks).reshape(shape)))
-            struct = build_structure(
-                sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches, force=dict(pinned) or None
-            )
-            hit = self._structs[skey] = (struct, builder)
-        struct, _ = hit
+        struct = self._structure(start, stop, ranks, shape, microbatches, pinned)
         chooser = get_searcher(searcher)
         best = None
         errors: list[PlanError] = []
+        seen: set[tuple] = set()
         for mapping in _mappings(shape):
+            priced_as = self._priced_as(ranks, shape, mapping)
+            if priced_as in seen:  # the same ILP as a mapping tried before: the same plan, which that one keeps
+                continue
+            seen.add(priced_as)
             physical = np.asarray(ranks)[mapped_ranks(shape, mapping)]
-            resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+            rkey = (shape, physical.tobytes())  # one resharder per logical mesh: its prices are kept (ilp.priced)
+            resharder = self._resharders.get(rkey)
+            if resharder is None:
+                resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+                self._resharders[rkey] = resharder
             task = SearchTask(
                 sub, struct, resharder, pe, mapping, capacity=cap, zero=zero, microbatches=microbatches,
                 time_limit=time_limit,
