@@ -266,6 +266,11 @@ def test_memory_check_holds_activations_of_later_stages(mlp_planner):
     want = brute_force_kind(mlp_planner, z.clustering.bounds, 2, B, cap, "zb-h1", **kw)
     assert z.dp_step_s == pytest.approx(want, rel=1e-12) and all(s.memory_bytes <= cap for s in z.stages)
     assert all(s.in_flight == min(B, len(z.stages)) for s in z.stages)
+    # below one microbatch's peak nothing fits: one line naming the schedule whose in-flight rule was checked
+    for kind in ("gpipe", "zb-h1"):
+        with pytest.raises(PlanError, match=rf"no pipeline fits: .* with {kind}'s microbatches in flight; use more"):
+            plan_pipeline(graph, None, microbatches=B, num_devices=2, planner=mlp_planner, memory_bytes=one / 100,
+                          epsilon=0, schedule=kind)  # fmt: skip
 
 
 def test_epsilon_keeps_within_its_bound(gpt_planner):

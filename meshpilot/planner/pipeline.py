@@ -1103,8 +1103,8 @@ def plan_pipeline(
         if best is None:
             raise PlanError(
                 f"no pipeline fits: no split of {K} layers into up to {S} stages on {n} devices keeps every stage "
-                f"within {_size(capacity)} per device with ZB-H1's microbatches in flight; use more devices, fewer "
-                "microbatches or a smaller model"
+                f"within {_size(capacity)} per device with {kind.value}'s microbatches in flight; use more devices, "
+                "fewer microbatches or a smaller model"
             )
         return dataclasses.replace(
             best, planning_s=time.perf_counter() - t0, stage_plans=sp.misses - misses, t_max_tried=tried
@@ -1173,8 +1173,8 @@ def plan_pipeline(
     if best is None:
         raise PlanError(
             f"no pipeline fits: no split of {K} layers into {num_stages or f'up to {S}'} "
-            f"stages on {n} devices keeps every stage within {_size(capacity)} per device with 1F1B's microbatches "
-            "in flight; use more devices, fewer microbatches or a smaller model"
+            f"stages on {n} devices keeps every stage within {_size(capacity)} per device with {kind.value}'s "
+            "microbatches in flight; use more devices, fewer microbatches or a smaller model"
         )
     score, chosen = best
     ranks = place([sizes[z] for _, _, z in chosen])
