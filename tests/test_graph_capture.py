@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,3 +99,26 @@ def test_repeated_layers_share_canonical_nodes_and_params():
     # tied nodes are the same op on the same shapes
     for k, v in tied.items():
         assert g[k].target == g[v].target and g[k].outputs == g[v].outputs
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_attention_op_is_eager_attention_bit_for_bit_on_cpu(kv_heads):
+    """``meshpilot::sdpa`` and its backward equal ``F.scaled_dot_product_attention`` exactly on CPU (the same
+    kernel call), grouped-query attention included: fewer key/value heads are passed to the kernel as eager
+    passes them, not repeated and summed back."""
+    from meshpilot.ops import attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 16, 8, generator=g, requires_grad=True) for _ in range(2))
+    gqa = kv_heads != 4
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    grad = torch.randn(want.shape, generator=g)
+    dq, dk, dv = torch.autograd.grad(want, (q, k, v), grad)
+    with torch.no_grad():
+        out, lse = attention.sdpa(q, k, v, None, True, None, gqa)
+        got = attention.sdpa_backward(grad, q, k, v, out, lse, None, True, None, gqa)
+    assert attention._grouped(q, k, v, None, True, 8**-0.5) == gqa  # the kernel takes the fewer heads
+    assert torch.equal(out, want)
+    for a, b in zip(got, (dq, dk, dv)):
+        assert a.shape == b.shape and torch.equal(a, b)
