@@ -91,7 +91,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.tensor import Partial
 
-from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.graph.gemms import node_gemm
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import ComputeCost, account, memory_use
@@ -625,6 +625,29 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
             if graph.loss is not None and v == tuple(graph.loss):
                 tail += 2 * cost(st.outs[i], replicated(nd), info)
     return _psi(base, p, c, x) + tail
+
+
+def hidup_moe_force(graph: OpGraph) -> dict[str, str]:
+    """HiDup Fig. 12 (right, its 10 Gbps layout) of every MoE layer of `graph` (``zoo.MoELayer``, mesh (1, n)) as
+    a ``build_structure(force=)`` pattern: the gating matmul replicated (``RR``: computed on every device from the
+    unpartitioned MoE input), the experts' ``w_in`` / ``w_out`` sharded on the expert dim (``RS(0)``), and the
+    combine (the layer's last forward bmm) contracting the expert-sharded outputs into a Partial (``RP``). The
+    search places the rest (docs/hidup.md, "Fig. 11 and Fig. 12"; ``benchmarks/bench_hidup_fig12.py``)."""
+    force: dict[str, str] = {}
+    combine: dict[str, str] = {}
+    for n in graph.nodes:
+        module = n.module or ""
+        if n.kind == NodeKind.PARAM and (n.fqn or "").endswith((".moe.w_in", ".moe.w_out")):
+            force[n.fqn] = "RS(0)"
+        elif n.phase != Phase.FWD:
+            continue
+        elif n.target == "aten.mm.default" and module.endswith(".moe.gate"):
+            force[n.name] = "RR"
+            combine[module.removesuffix(".moe.gate")] = ""
+        elif n.target == "aten.bmm.default" and module in combine:
+            combine[module] = n.name
+    force.update({name: "RP" for name in combine.values() if name})
+    return force
 
 
 # ------------------------------------------------------------------------------------------ searchers
