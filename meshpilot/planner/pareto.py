@@ -595,6 +595,12 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
     """ψ (Eq. 4–5) of a fixed choice of strategies: the duplex step of two microbatches of `graph`, stages cut
     where ``schedule.duplex`` cuts them, gradients synchronised once, the loss and buffer updates not
     overlapped (module docstring). The same cost the DP minimises, for any searcher's plan."""
+    return sum(duplex_parts(graph, chosen, resharder, compute))
+
+
+def duplex_parts(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute: ComputeCost) -> tuple[float, float]:
+    """:func:`duplex_time` in two parts: (the stages' ψ, the exposed tail after them — the gradients'
+    synchronisation, the loss's and the buffer updates' resharding)."""
     nd = len(resharder.mesh_shape)
     base = p = c = x = tail = 0.0
     grads = {g: fqn for fqn, g in graph.grads.items() if g is not None}
@@ -624,7 +630,7 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
                 tail += 2 * cost(st.outs[i], chosen[bnode[bsrc[v]]].outs[0], info)
             if graph.loss is not None and v == tuple(graph.loss):
                 tail += 2 * cost(st.outs[i], replicated(nd), info)
-    return _psi(base, p, c, x) + tail
+    return _psi(base, p, c, x), tail
 
 
 def hidup_moe_force(graph: OpGraph) -> dict[str, str]:
