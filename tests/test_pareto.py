@@ -228,6 +228,48 @@ def test_fig12_slow_link_replicates_gating_and_the_moe_input(reduced, found):
     assert _replicated(gate) and _replicated(tokens), (gate, tokens)
 
 
+def test_fig12_hidup_layout_forced_costs_its_token_collectives(reduced, found):
+    """docs/hidup.md, "Fig. 11 and Fig. 12" (traced with benchmarks/bench_hidup_fig12.py): HiDup's 10 Gbps layout,
+    forced (:func:`pareto.hidup_moe_force`), is a plan the model prices with no all-to-all of the dispatched
+    tokens in the forward — the dispatch reads the replicated MoE input, the combine contracts the
+    expert-sharded expert outputs into a Partial (it needs the model's combine to contract (e, c) with e outer)
+    — and it is dearer than GShard's by its all-gather of the MoE input and reduce-scatter of the MoE output,
+    each priced above an all-to-all of the dispatched tokens: per-rank bytes (T against 2T / 8)."""
+    task, compute = reduced.tasks[SLOW], reduced.compute[SLOW]
+    cm = task.resharder.cost_model
+    force = pareto.hidup_moe_force(reduced.graph)
+    struct = build_structure(
+        reduced.graph,
+        StrategyBuilder(reduced.graph, fake_device_mesh(MESH)),
+        task.resharder,
+        cm,
+        force=force,
+        microbatches=2,
+    )
+    forced = SEARCHERS["ilp"].search(
+        SearchTask(reduced.graph, struct, task.resharder, task.param_edges, MeshMapping.ROW, microbatches=2)
+    )
+    gate, tokens, w_in = _moe_layouts(reduced, forced)
+    assert _replicated(gate) and _replicated(tokens) and w_in[1] == Shard(0), (gate, tokens, w_in)
+    colls = account(task.graph, forced.chosen, task.resharder, compute, 2).collectives
+    fwd = [c for c in colls if c.phase == "fwd"]
+    moe_in = 32 * 64 * 256 * 4  # the MoE input [g, s, m], fp32: T
+    dispatched = 2 * moe_in // 8  # expert_in [e, g, c, m] has e·c = 2s slots; one rank's share
+    assert all(c.nbytes < dispatched for c in fwd if str(c.kind) == "all_to_all"), fwd
+    gathered = [c for c in fwd if str(c.kind) == "all_gather" and c.nbytes == moe_in]
+    scattered = [c for c in fwd if str(c.kind) == "reduce_scatter" and c.nbytes == moe_in]
+    assert gathered and scattered, fwd
+    gshard_a2a = [
+        c
+        for c in account(task.graph, found[SLOW][0].chosen, task.resharder, compute, 2).collectives
+        if c.phase == "fwd" and str(c.kind) == "all_to_all" and c.nbytes == dispatched
+    ]
+    assert len(gshard_a2a) == 2, gshard_a2a  # dispatch and combine, the latter with no detour (e outer)
+    # HiDup's two collectives of the MoE input / output against GShard's two all-to-alls: 3x dearer here
+    assert gathered[0].seconds + scattered[0].seconds > 2 * sum(c.seconds for c in gshard_a2a)
+    assert forced.time_s > found[SLOW][0].time_s
+
+
 def test_searchers_registered_and_unknown_name_is_one_line():
     assert {"ilp", "pareto", "best"} <= set(SEARCHERS)
     with pytest.raises(Exception, match="expected one of ilp, pareto, best"):

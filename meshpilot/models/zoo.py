@@ -172,7 +172,11 @@ class MoELayer(nn.Module):
         expert_in = torch.einsum("...sec,...sm->e...cm", dispatch, x)
         hidden = act(torch.einsum("e...cm,emf->e...cf", expert_in, self.w_in))
         expert_out = torch.einsum("e...cf,efm->e...cm", hidden, self.w_out)
-        return torch.einsum("...sec,e...cm->...sm", combine, expert_out)
+        # the combine contracts (e, c) with e outer, so an expert-sharded expert_out is a shard of the flattened
+        # contraction dim (torch.einsum flattens it as (c, e): resharding expert_out for any expert-sharded
+        # combine; docs/hidup.md, "Fig. 11 and Fig. 12")
+        by_group = expert_out.movedim(0, -3).flatten(-3, -2)  # [.., e·c, m]
+        return combine.flatten(-2) @ by_group
 
     def moe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output and its load-balancing loss."""

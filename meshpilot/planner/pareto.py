@@ -91,7 +91,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.tensor import Partial
 
-from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.graph.gemms import node_gemm
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import ComputeCost, account, memory_use
@@ -595,6 +595,12 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
     """ψ (Eq. 4–5) of a fixed choice of strategies: the duplex step of two microbatches of `graph`, stages cut
     where ``schedule.duplex`` cuts them, gradients synchronised once, the loss and buffer updates not
     overlapped (module docstring). The same cost the DP minimises, for any searcher's plan."""
+    return sum(duplex_parts(graph, chosen, resharder, compute))
+
+
+def duplex_parts(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute: ComputeCost) -> tuple[float, float]:
+    """:func:`duplex_time` in two parts: (the stages' ψ, the exposed tail after them — the gradients'
+    synchronisation, the loss's and the buffer updates' resharding)."""
     nd = len(resharder.mesh_shape)
     base = p = c = x = tail = 0.0
     grads = {g: fqn for fqn, g in graph.grads.items() if g is not None}
@@ -624,7 +630,30 @@ def duplex_time(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute:
                 tail += 2 * cost(st.outs[i], chosen[bnode[bsrc[v]]].outs[0], info)
             if graph.loss is not None and v == tuple(graph.loss):
                 tail += 2 * cost(st.outs[i], replicated(nd), info)
-    return _psi(base, p, c, x) + tail
+    return _psi(base, p, c, x), tail
+
+
+def hidup_moe_force(graph: OpGraph) -> dict[str, str]:
+    """HiDup Fig. 12 (right, its 10 Gbps layout) of every MoE layer of `graph` (``zoo.MoELayer``, mesh (1, n)) as
+    a ``build_structure(force=)`` pattern: the gating matmul replicated (``RR``: computed on every device from the
+    unpartitioned MoE input), the experts' ``w_in`` / ``w_out`` sharded on the expert dim (``RS(0)``), and the
+    combine (the layer's last forward bmm) contracting the expert-sharded outputs into a Partial (``RP``). The
+    search places the rest (docs/hidup.md, "Fig. 11 and Fig. 12"; ``benchmarks/bench_hidup_fig12.py``)."""
+    force: dict[str, str] = {}
+    combine: dict[str, str] = {}
+    for n in graph.nodes:
+        module = n.module or ""
+        if n.kind == NodeKind.PARAM and (n.fqn or "").endswith((".moe.w_in", ".moe.w_out")):
+            force[n.fqn] = "RS(0)"
+        elif n.phase != Phase.FWD:
+            continue
+        elif n.target == "aten.mm.default" and module.endswith(".moe.gate"):
+            force[n.name] = "RR"
+            combine[module.removesuffix(".moe.gate")] = ""
+        elif n.target == "aten.bmm.default" and module in combine:
+            combine[module] = n.name
+    force.update({name: "RP" for name in combine.values() if name})
+    return force
 
 
 # ------------------------------------------------------------------------------------------ searchers
