@@ -176,6 +176,44 @@ def test_duplex_schedule_and_simulator_hide_the_expert_all_to_alls(plans):
     assert sim.classes[0].hidden_comm_s > 0
 
 
+def test_pareto_search_prices_the_expert_all_to_alls_around_the_experts():
+    """HiDup's Pareto DP prices the expert-parallel MoE as the duplex schedule runs it: its counts and dispatch
+    in the communication step of its stage, its combine opening the next (``OwnOp.leading``), so the ψ of an
+    expert-parallel plan is below the same plan's with the op's all-to-alls inside its computation; the DP's
+    own ψ is :func:`duplex_time`'s of the strategies it returns."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks
+    from meshpilot.cluster.mesh import MeshMapping
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner import pareto
+    from meshpilot.planner.accounting import ComputeCost, step_edges
+    from meshpilot.planner.ilp import build_structure
+    from meshpilot.planner.search import SEARCHERS, SearchTask
+    from meshpilot.planner.zero import ParamEdges
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    model, inputs = build(BIG, device="meta")
+    graph = capture(model, inputs)
+    shape = (4, 1)
+    dmesh = fake_device_mesh(shape)
+    cm = CostModel(LogicalMesh(load_cluster(CLUSTER), shape, mapped_ranks(shape, MeshMapping.ROW)))
+    struct = build_structure(graph, StrategyBuilder(graph, dmesh), Resharder(dmesh, cm), cm, microbatches=2)
+    task = SearchTask(graph, struct, Resharder(dmesh, cm), ParamEdges.of(graph, step_edges(graph)), MeshMapping.ROW,
+                      microbatches=2)  # fmt: skip
+    compute = ComputeCost(cm, shape, graph)
+    ilp = SEARCHERS["ilp"].search(task)
+    moe = [n for n in graph.nodes if pareto.leading_collectives(str(n.target))]
+    assert moe and all(len(ilp.chosen[n.name].colls) == 3 for n in moe)  # expert-parallel: counts, dispatch, combine
+    split = pareto.duplex_time(graph, ilp.chosen, task.resharder, compute)
+    with pytest.MonkeyPatch.context() as mp:  # the op's collectives counted inside its computation, as before
+        mp.setattr(pareto, "leading_collectives", lambda target: 0)
+        inside = pareto.duplex_time(graph, ilp.chosen, task.resharder, compute)
+    assert split < inside, (split, inside)
+    cand = pareto.ParetoSearcher().search(task, incumbent=ilp)
+    assert cand.objective_s == pytest.approx(pareto.duplex_time(graph, cand.chosen, task.resharder, compute), rel=1e-9)
+    assert cand.objective_s <= split * (1 + 1e-9)
+
+
 # ------------------------------------------------------------------------------------------- 4 and 8 ranks
 
 

@@ -26,7 +26,11 @@ Terms of §4.1 and where they are
   (``schedule.duplex``). In the DP a node whose chosen signature needs operand collectives of ``comm > 0``
   seconds opens a new stage with communication step ``comm`` and computation step its compute; a node that
   needs none adds its compute to the open stage (:func:`_advance`). An op's own collectives
-  (``Strategy.colls``, e.g. a vocabulary-parallel softmax) run inside its computation step.
+  (``Strategy.colls``, e.g. a vocabulary-parallel softmax) run inside its computation step — unless the op
+  issues its first ones before its computation and the rest after (``OwnOp.leading``: the expert-parallel
+  MoE's counts and dispatch, then its combine), where the duplex schedule cuts around it: the leading ones
+  join the communication step of the op's stage and the trailing ones open the next stage
+  (:func:`_advance_op`), as the schedule and the simulator place them.
 * **Costs ψ and φ (Eq. 4–5).** For a strategy ``Q`` of stages ``1..i``, with ``comm⁽ⁱ⁾`` and ``comp⁽ⁱ⁾``
   one microbatch's communication and computation of stage ``i``::
 
@@ -94,6 +98,7 @@ from torch.distributed.tensor import Partial
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.graph.gemms import node_gemm
 from meshpilot.io import fmt_size
+from meshpilot.ops import leading_collectives
 from meshpilot.planner.accounting import ComputeCost, account, memory_use
 from meshpilot.planner.ilp import PlanError, Pricer, Structure, is_trivial
 from meshpilot.sharding.placements import by_id, pid, replicated
@@ -122,6 +127,13 @@ def _advance(base: float, p: float, c: float, x: float, comm: float, comp: float
     return base, p, c, x + comp
 
 
+def _advance_op(base: float, p: float, c: float, x: float, comm: float, comp: float, after: float) -> tuple:
+    """An op appended (:func:`_advance`), then, if it leaves ``after`` seconds of its own collectives in flight
+    after its computation (``OwnOp.leading`` > 0), a new stage that starts with them."""
+    state = _advance(base, p, c, x, comm, comp)
+    return _advance(*state, after, 0.0) if after > 0.0 else state
+
+
 def _psi(base: float, p: float, c: float, x: float) -> float:
     """ψ of the strategy with its open stage closed (Eq. 5 with nothing appended)."""
     return base + max(p, c) + max(c, x) + x
@@ -148,6 +160,7 @@ class _Costs:
         self.graph, self.struct, self.pricer, self.compute = graph, struct, pricer, compute
         self._comp: dict[tuple, np.ndarray] = {}
         self._own: dict[str, np.ndarray] = {}
+        self._split: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._labs: dict[tuple[str, int], tuple[np.ndarray, tuple[int, ...]]] = {}
         self._row: dict[tuple, np.ndarray] = {}
 
@@ -169,8 +182,20 @@ class _Costs:
         r = self.struct.rep[node.name]
         v = self._own.get(r)
         if v is None:
-            cc = self.pricer.resharder.collective_cost
+            cc = self.pricer.resharder.op_collective_cost  # issued by the op itself, as duplex_time prices them
             v = self._own[r] = np.array([sum(cc(c) for c in s.colls) for s in self.struct.strategies[node.name]])
+        return v
+
+    def own_split(self, node: OpNode) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of the own collectives each strategy issues before its computation (``OwnOp.leading``) and
+        after it."""
+        r = self.struct.rep[node.name]
+        v = self._split.get(r)
+        if v is None:
+            n, cc = leading_collectives(str(node.target)), self.pricer.resharder.op_collective_cost
+            sts = self.struct.strategies[node.name]
+            lead = np.array([sum(cc(c) for c in s.colls[:n]) for s in sts])
+            v = self._split[r] = (lead, np.array([sum(cc(c) for c in s.colls[n:]) for s in sts]))
         return v
 
     def _labels(self, r: str, slot: int, ids: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -468,7 +493,12 @@ def pareto_search(
             continue
         name, k = node.name, node.index
         sts = struct.strategies[name]
-        comp = costs.comp(node) + costs.own(node)
+        if leading_collectives(str(node.target)):  # own collectives around the computation (module docstring)
+            lead, after = costs.own_split(node)
+            comp = costs.comp(node)
+        else:
+            lead = after = np.zeros(len(sts))
+            comp = costs.comp(node) + costs.own(node)
         out_ids = struct.out_ids[struct.rep[name]]
         in_ids = struct.in_ids[struct.rep[name]]
         dying = [src for src in set(node.inputs) if last.get(src, -1) <= k]
@@ -503,19 +533,29 @@ def pareto_search(
                 js = range(len(sts)) if not trivial else [int(np.argmin(comm + comp))]
                 for j in js:
                     for dec, c0, p0 in _combos(j, undecided, out_ids, in_ids, graph, costs, leaves, trivial, None):
-                        base, p, c, x = _advance(st.base, st.p, st.c, st.x, comm[j] + c0, comp[j])
+                        base, p, c, x = _advance_op(
+                            st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j]
+                        )
                         sc = _psi(base, p, c, x) + st.tail + tail[j] + st.pending + p0
                         picks.append((sc, j, dec, p0, (base, p, c, x), False))
                 picks.sort(key=lambda t: t[0])
                 picks = picks[: POOL * beam]
             else:
                 js = np.array([int(np.argmin(comm + comp))]) if trivial else np.arange(len(sts))
-                tot_c = comm[js]
+                tot_c = comm[js] + lead[js]
                 new_stage = tot_c > 0
                 base = np.where(new_stage, st.base + np.maximum(st.p, st.c) + np.maximum(st.c, st.x), st.base)
                 p = np.where(new_stage, st.x, st.p)
                 c = np.where(new_stage, tot_c, st.c)
                 x = np.where(new_stage, comp[js], st.x + comp[js])
+                a = after[js]
+                if a.any():  # _advance_op's second stage, where the op leaves collectives in flight
+                    base, p, c, x = (
+                        np.where(a > 0, base + np.maximum(p, c) + np.maximum(c, x), base),
+                        np.where(a > 0, x, p),
+                        np.where(a > 0, a, c),
+                        np.where(a > 0, 0.0, x),
+                    )
                 sc = base + np.maximum(p, c) + np.maximum(c, x) + x + st.tail + tail[js] + st.pending
                 order = np.argsort(sc, kind="stable")[: POOL * beam]
                 picks = [
@@ -526,7 +566,7 @@ def pareto_search(
                 j = incumbent[name]
                 forced = {src[0]: inc_leaf[src[0]] for src, _ in undecided}
                 (dec, c0, p0), *_ = _combos(j, undecided, out_ids, in_ids, graph, costs, leaves, trivial, forced)
-                base4 = _advance(st.base, st.p, st.c, st.x, comm[j] + c0, comp[j])
+                base4 = _advance_op(st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j])
                 picks.append((0.0, j, dec, p0, base4, True))
             for _, j, dec, p0, (base, p, c, x), inc in picks:
                 lay = dict(st.lay)
@@ -620,8 +660,12 @@ def duplex_parts(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute
         comm = 0.0
         for a, (src, i) in enumerate(node.inputs):
             comm += cost(chosen[src].outs[i], st.ins[a], graph[src].outputs[i])
-        comp = compute.node(node, st) + sum(resharder.op_collective_cost(col) for col in st.colls)
-        base, p, c, x = _advance(base, p, c, x, comm, comp)
+        n = leading_collectives(str(node.target))
+        own = [resharder.op_collective_cost(col) for col in st.colls]
+        if n:  # collectives before and after the computation (module docstring)
+            base, p, c, x = _advance_op(base, p, c, x, comm + sum(own[:n]), compute.node(node, st), sum(own[n:]))
+        else:
+            base, p, c, x = _advance(base, p, c, x, comm, compute.node(node, st) + sum(own))
         for i, info in enumerate(node.outputs):
             v = (node.name, i)
             if v in grads:
