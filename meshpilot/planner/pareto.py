@@ -134,6 +134,17 @@ def _advance_op(base: float, p: float, c: float, x: float, comm: float, comp: fl
     return _advance(*state, after, 0.0) if after > 0.0 else state
 
 
+def _advance_all(base, p, c, x, comm: np.ndarray, comp: np.ndarray | float) -> tuple[np.ndarray, ...]:
+    """:func:`_advance` over arrays of candidates (one per strategy)."""
+    new = comm > 0
+    return (
+        np.where(new, base + np.maximum(p, c) + np.maximum(c, x), base),
+        np.where(new, x, p),
+        np.where(new, comm, c),
+        np.where(new, comp, x + comp),
+    )
+
+
 def _psi(base: float, p: float, c: float, x: float) -> float:
     """ψ of the strategy with its open stage closed (Eq. 5 with nothing appended)."""
     return base + max(p, c) + max(c, x) + x
@@ -159,7 +170,6 @@ class _Costs:
     def __init__(self, graph: OpGraph, struct: Structure, pricer: Pricer, compute: ComputeCost):
         self.graph, self.struct, self.pricer, self.compute = graph, struct, pricer, compute
         self._comp: dict[tuple, np.ndarray] = {}
-        self._own: dict[str, np.ndarray] = {}
         self._split: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._labs: dict[tuple[str, int], tuple[np.ndarray, tuple[int, ...]]] = {}
         self._row: dict[tuple, np.ndarray] = {}
@@ -177,18 +187,10 @@ class _Costs:
             v = self._comp[key] = np.array([self.compute.node(node, s) for s in sts], dtype=float)
         return v
 
-    def own(self, node: OpNode) -> np.ndarray:
-        """Seconds of the collectives each strategy issues inside the op."""
-        r = self.struct.rep[node.name]
-        v = self._own.get(r)
-        if v is None:
-            cc = self.pricer.resharder.op_collective_cost  # issued by the op itself, as duplex_time prices them
-            v = self._own[r] = np.array([sum(cc(c) for c in s.colls) for s in self.struct.strategies[node.name]])
-        return v
-
     def own_split(self, node: OpNode) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds of the own collectives each strategy issues before its computation (``OwnOp.leading``) and
-        after it."""
+        """Seconds of the collectives each strategy issues inside the op (``Strategy.colls``, issued by the op
+        itself, as :func:`duplex_time` prices them): those before its computation (``OwnOp.leading``; none for
+        most ops) and those after it."""
         r = self.struct.rep[node.name]
         v = self._split.get(r)
         if v is None:
@@ -493,12 +495,10 @@ def pareto_search(
             continue
         name, k = node.name, node.index
         sts = struct.strategies[name]
-        if leading_collectives(str(node.target)):  # own collectives around the computation (module docstring)
-            lead, after = costs.own_split(node)
-            comp = costs.comp(node)
-        else:
-            lead = after = np.zeros(len(sts))
-            comp = costs.comp(node) + costs.own(node)
+        lead, after = costs.own_split(node)
+        comp = costs.comp(node)
+        if not leading_collectives(str(node.target)):  # all after: inside the computation step (module docstring)
+            comp, after = comp + after, np.zeros(len(sts))
         out_ids = struct.out_ids[struct.rep[name]]
         in_ids = struct.in_ids[struct.rep[name]]
         dying = [src for src in set(node.inputs) if last.get(src, -1) <= k]
@@ -542,20 +542,9 @@ def pareto_search(
                 picks = picks[: POOL * beam]
             else:
                 js = np.array([int(np.argmin(comm + comp))]) if trivial else np.arange(len(sts))
-                tot_c = comm[js] + lead[js]
-                new_stage = tot_c > 0
-                base = np.where(new_stage, st.base + np.maximum(st.p, st.c) + np.maximum(st.c, st.x), st.base)
-                p = np.where(new_stage, st.x, st.p)
-                c = np.where(new_stage, tot_c, st.c)
-                x = np.where(new_stage, comp[js], st.x + comp[js])
-                a = after[js]
-                if a.any():  # _advance_op's second stage, where the op leaves collectives in flight
-                    base, p, c, x = (
-                        np.where(a > 0, base + np.maximum(p, c) + np.maximum(c, x), base),
-                        np.where(a > 0, x, p),
-                        np.where(a > 0, a, c),
-                        np.where(a > 0, 0.0, x),
-                    )
+                base, p, c, x = _advance_all(st.base, st.p, st.c, st.x, comm[js] + lead[js], comp[js])
+                if after[js].any():  # _advance_op's second stage, where the op leaves collectives in flight
+                    base, p, c, x = _advance_all(base, p, c, x, after[js], 0.0)
                 sc = base + np.maximum(p, c) + np.maximum(c, x) + x + st.tail + tail[js] + st.pending
                 order = np.argsort(sc, kind="stable")[: POOL * beam]
                 picks = [
