@@ -258,8 +258,8 @@ _CUDNN_LSE_DIMS: dict[torch.dtype, int] = {}
 """How many dims cuDNN's log-sum-exp has (its backward wants it back as its forward gave it)."""
 
 
-def _kernel_forward(kernel: str, q, k, v, is_causal, scale) -> tuple[Tensor, Tensor]:
-    """`kernel`'s ``(out, lse [b, h, t])``."""
+def _kernel_forward(kernel: str, q, k, v, is_causal, scale, mask=None) -> tuple[Tensor, Tensor]:
+    """`kernel`'s ``(out, lse [b, h, t])``; only ``math`` takes a `mask`."""
     t = q.shape[-2]
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
@@ -271,11 +271,11 @@ def _kernel_forward(kernel: str, q, k, v, is_causal, scale) -> tuple[Tensor, Ten
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)[:2]
         _CUDNN_LSE_DIMS[q.dtype] = lse.dim()
         return out, lse.reshape(q.shape[:3])  # [b, h, t] (cuDNN's may carry a trailing 1)
-    return _math_forward(q, k, v, None, is_causal, scale)
+    return _math_forward(q, k, v, mask, is_causal, scale)
 
 
-def _kernel_backward(kernel: str, g, q, k, v, out, lse, is_causal, scale) -> tuple[Tensor, Tensor, Tensor]:
-    """`kernel`'s ``(dq, dk, dv)``; `lse` as :func:`_kernel_forward` returned it."""
+def _kernel_backward(kernel: str, g, q, k, v, out, lse, is_causal, scale, mask=None) -> tuple[Tensor, Tensor, Tensor]:
+    """`kernel`'s ``(dq, dk, dv)``; `lse` as :func:`_kernel_forward` returned it; only ``math`` takes a `mask`."""
     t, s = q.shape[-2], k.shape[-2]
     if kernel == "flash":
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
@@ -300,21 +300,16 @@ def _kernel_backward(kernel: str, g, q, k, v, out, lse, is_causal, scale) -> tup
             g, q, k, v, out, stats, seed, seed, None, None, None, t, s, 0.0, is_causal, scale=scale
         )
         return dq, dk, dv
-    return _math_backward(g, q, k, v, out, lse, None, is_causal, scale)
+    return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
 
 
 def _cuda_forward(q, k, v, mask, is_causal, scale):
-    kernel = _cuda_kernel(q, k, v, mask, is_causal, scale)
-    if kernel == "math":
-        return _math_forward(q, k, v, mask, is_causal, scale)
-    return _kernel_forward(kernel, q, k, v, is_causal, scale)
+    return _kernel_forward(_cuda_kernel(q, k, v, mask, is_causal, scale), q, k, v, is_causal, scale, mask)
 
 
 def _cuda_backward(g, q, k, v, out, lse, mask, is_causal, scale):
     kernel = _cuda_kernel(q, k, v, mask, is_causal, scale)
-    if kernel == "math":
-        return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
-    return _kernel_backward(kernel, g, q, k, v, out, lse, is_causal, scale)
+    return _kernel_backward(kernel, g, q, k, v, out, lse, is_causal, scale, mask)
 
 
 _FORWARD = {"cpu": _cpu_forward, "cuda": _cuda_forward}
