@@ -416,7 +416,8 @@ def check_shape(shape: dict, dev: Device, cluster: Any, tiny: bool) -> ShapeResu
     with torch.device("meta"):
         meta = GPT(cfg)
     idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
-    plan = meshpilot.plan(meta, (idx, idx), cluster, num_devices=1)
+    graph = capture(meta, (idx, idx))  # shapes only: the device model below runs this graph and plan too
+    plan = meshpilot.plan(meta, (idx, idx), cluster, num_devices=1, graph=graph)
     res.predicted_peak, res.predicted_peak_at = plan.memory.total, plan.memory.peak_at
     res.predicted_compute_s = plan.time.compute_s
     res.params = sum(p.numel() for p in meta.parameters())
@@ -438,9 +439,7 @@ def check_shape(shape: dict, dev: Device, cluster: Any, tiny: bool) -> ShapeResu
     # the interpreter tax (issue 14, point 4): the planned program against eager on the same weights, timed in
     # alternation so that clocks and other load drift alike for both
     par_model = copy.deepcopy(model)
-    graph = capture(par_model, t.inputs)
-    plan1 = meshpilot.plan(par_model, t.inputs, cluster, num_devices=1, graph=graph)
-    pm = meshpilot.parallelize(par_model, plan1, graph=graph)
+    pm = meshpilot.parallelize(par_model, plan, graph=graph)
     p = Trainer(pm, adamw(pm.parameters(), 1e-5), t.inputs)
     steps: dict[str, list[float]] = {"eager": [], "par": [], "par_fb": []}
     p.step()  # the first call records the program
