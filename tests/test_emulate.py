@@ -29,6 +29,7 @@ from meshpilot.emulate import (
     torchrun_target,
 )
 from meshpilot.emulate import netns as netns_mod
+from meshpilot.emulate.sched import flat_scheduler
 
 pytestmark = pytest.mark.emulate
 
@@ -68,8 +69,10 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 # A bare print: under PYTHONUNBUFFERED it writes the text and the newline in two calls, the case in which two
 # ranks sharing one pipe spliced their lines; emulate must still deliver each rank's line whole.
+AG = "/proc/sys/kernel/sched_autogroup_enabled"
+ag = open(AG).read().strip() if os.path.exists(AG) else "none"
 print(f"RESULT rank={rank} world={world} node={os.environ['MESHPILOT_EMULATE_NODE']} "
-      f"addr={os.environ['MESHPILOT_EMULATE_ADDR']} sum={t.item():g}")
+      f"addr={os.environ['MESHPILOT_EMULATE_ADDR']} sum={t.item():g} autogroup={ag}")
 mode = sys.argv[1]
 
 def pingpong(src, dst, nbytes, reps=3):
@@ -163,12 +166,13 @@ def bw_run(root_netns, files):
 def test_two_nodes_all_reduce_and_cleanup(bw_run):
     proc, _ = bw_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pattern = r"^\[node (\d)\] \[rank (\d)\] RESULT rank=(\d) world=4 node=(\d) addr=(\S+) sum=(\S+)$"
+    pattern = r"^\[node (\d)\] \[rank (\d)\] RESULT rank=(\d) world=4 node=(\d) addr=(\S+) sum=(\S+) autogroup=(\S+)$"
     found = re.findall(pattern, proc.stdout, re.M)
     assert len(found) == 4, proc.stdout  # one whole line per rank, each labelled with its node and rank
-    for prefix, label, rank, node, addr, total in found:
+    for prefix, label, rank, node, addr, total, autogroup in found:
         assert prefix == node and label == rank and int(node) == int(rank) // 2  # contiguous ranks per node
         assert addr == f"10.213.7.{100 + int(node)}" and total == "10"
+        assert autogroup in ("0", "none")  # the ranks ran on one run queue (meshpilot.emulate.sched)
     assert "group 0.05 GB/s" in proc.stderr  # the plan was printed
     pid = int(re.search(r"namespaces mpe(\d+)n\*", proc.stderr).group(1))
     _assert_clean(pid)
@@ -309,6 +313,25 @@ def test_dry_run_prints_ip_tc_and_torchrun(capsys, files):
     assert out.count("--tee 3 --log-dir") == 2  # every rank's lines reach the console whole, labelled
     assert re.search(r"^ip netns del mpe\d+n1$", out, re.M)  # and the teardown it would run
     assert "train.py --lr 1" in out
+
+
+def test_flat_scheduler_turns_autogroup_off_and_restores_it(tmp_path):
+    knob = tmp_path / "sched_autogroup_enabled"
+    knob.write_text("1\n")
+    with flat_scheduler(path=knob) as changed:
+        assert changed and knob.read_text() == "0\n"
+    assert knob.read_text() == "1\n"
+    with pytest.raises(RuntimeError), flat_scheduler(path=knob):
+        raise RuntimeError("a failing run")
+    assert knob.read_text() == "1\n"  # restored on failure too
+    with flat_scheduler(path=knob, keep=True) as changed:
+        assert not changed and knob.read_text() == "1\n"
+    lines: list[str] = []
+    with flat_scheduler(path=knob, dry_run=True, echo=lines.append) as changed:
+        assert not changed and knob.read_text() == "1\n"
+    assert lines == [f"echo 0 > {knob}   # restored to 1 at the end (see meshpilot.emulate.sched)"]
+    with flat_scheduler(path=tmp_path / "absent") as changed:  # a kernel without autogroup
+        assert not changed
 
 
 def test_plan_rates_follow_layer_0():

@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="after one node fails, seconds the others get before they are stopped (default 5)",
     )
+    p.add_argument(
+        "--keep-autogroup",
+        action="store_true",
+        help="leave the kernel's autogroup as it is (by default it is off for the run: with it each rank is one "
+        "scheduling group and its collectives wait behind other ranks' compute; docs/emulate.md)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the ip/tc/torchrun commands, run nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="do not print the network plan")
     p.add_argument(
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             grace=args.grace,
             dry_run=args.dry_run,
             quiet=args.quiet,
+            keep_autogroup=args.keep_autogroup,
         )
     except Interrupted as e:
         print(f"meshpilot emulate: interrupted by {e}; nodes stopped and network removed", file=sys.stderr)

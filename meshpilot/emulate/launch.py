@@ -46,6 +46,7 @@ from meshpilot.emulate.netns import (
     plan_network,
     probe_kernel,
 )
+from meshpilot.emulate.sched import flat_scheduler
 from meshpilot.errors import UserError
 
 DEFAULT_PORT = 29400
@@ -207,6 +208,7 @@ def run_emulated(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     quiet: bool = False,
+    keep_autogroup: bool = False,
 ) -> int:
     """Run `cmd` as a torchrun job on `cluster`'s nodes, each in its own shaped network namespace.
 
@@ -214,10 +216,12 @@ def run_emulated(
     ``["python", "train.py", ...]``, ``["-m", "pkg.mod", ...]`` or any executable. `nproc_per_node`
     defaults to :func:`devices_per_node`; `bw_scale` multiplies every bandwidth (presets quote GB/s that a
     CPU box cannot carry: 0.002 turns 25 GB/s into 50 MB/s). `timeout` (seconds) stops the job and
-    returns 124. `stdout`/`stderr` receive the prefixed agent output (default: ``sys.stdout``/``sys.stderr``
-    at the time of writing). Returns the job's exit code (see the module doc); raises
-    :class:`~meshpilot.errors.UserError` when emulation cannot run here and :class:`Interrupted` after a
-    signal, in both cases with nothing left behind.
+    returns 124. Unless `keep_autogroup`, the kernel's autogroup is off for the run (:mod:`.sched`: each rank
+    its own scheduling group makes its collectives wait behind other ranks' compute). `stdout`/`stderr`
+    receive the prefixed agent output (default: ``sys.stdout``/``sys.stderr`` at the time of writing).
+    Returns the job's exit code (see the module doc); raises :class:`~meshpilot.errors.UserError` when
+    emulation cannot run here and :class:`Interrupted` after a signal, in both cases with nothing left
+    behind.
     """
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
@@ -250,7 +254,11 @@ def run_emulated(
         print(f"meshpilot emulate: {msg}", file=err(), flush=True)
 
     if dry_run:
-        with emulated_network(plan, dry_run=True, echo=lambda line: print(line, file=out(), flush=True)):
+        echo = lambda line: print(line, file=out(), flush=True)  # noqa: E731
+        with (
+            flat_scheduler(keep=keep_autogroup, dry_run=True, echo=echo),
+            emulated_network(plan, dry_run=True, echo=echo),
+        ):
             for n, argv in zip(plan.nodes, commands("<rank logs>")):
                 extra = agent_env(plan, n, base={})
                 envs = " ".join(f"{k}={v}" for k, v in extra.items())
@@ -270,7 +278,9 @@ def run_emulated(
     forwarders: list[threading.Thread] = []
     # the ranks' log files (torchrun's --tee copies) live only as long as the run
     with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"{plan.prefix}-logs-") as log_dir:
-        with emulated_network(plan):
+        with flat_scheduler(keep=keep_autogroup) as flat, emulated_network(plan):
+            if flat and not quiet:
+                note("kernel autogroup off for this run (restored at the end; --keep-autogroup leaves it)")
             try:
                 for n, argv in zip(plan.nodes, commands(log_dir)):
                     p = subprocess.Popen(
