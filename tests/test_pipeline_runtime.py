@@ -401,11 +401,12 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
     path.write_text(intra_plans["tp|dp"])  # planned for a global batch of 8 in 4 microbatches of gpt_tiny(4)
     bare = tmp_path / "bare.json"  # the same stages without their plans: data-parallel stages
     bare.write_text(json.dumps({k: v for k, v in json.loads(intra_plans["tp|dp"]).items() if k != "intra"}))
-    other_shapes = ("stage 0", "different model or input shapes")  # gpt-tiny's own batch of 4 is not the plan's
+    other_model = ("stage 0", "different model or input shapes")  # the batch and sequence come from the plan;
+    # the model does not: a wider one is not the one it was made for
     cases = [
         ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
         ("4", ["--checkpoint-dir", str(tmp_path / "ck")], ("--checkpoint-dir", "not checkpointed")),
-        ("4", [], other_shapes),
+        ("4", ["--hidden", "64"], other_model),
         ("4", ["--plan", str(bare)], ("no stage plans", "microbatch of 1 rows", "stages of [2] ranks")),
     ]
     for world, extra, needles in cases:
@@ -415,6 +416,24 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
         err = capsys.readouterr().err.strip()
         assert rc != 0 and len(err.splitlines()) == 1, err
         assert all(n in err for n in needles), err
+
+
+def test_train_takes_a_pipeline_plans_batch_and_sequence_from_the_plan(intra_plans):
+    """As for a one-stage plan, `meshpilot train --plan pp.json` runs the shapes the plan was made for (stage 0's
+    microbatch times the microbatches), not the built-in model's own batch of 4 (checked before any spawn)."""
+    import argparse
+
+    from meshpilot.cli.train import _prepare_pipeline
+    from meshpilot.models import gpt_config
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    plan = PipelinePlan.from_json(intra_plans["tp|dp"])
+    (b, t), _ = plan.intra[0].input_shapes[0]
+    args = argparse.Namespace(plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None)
+    cfg = gpt_config("gpt-tiny", layers=4)
+    assert cfg.batch == 4  # the built-in model's own
+    got = _prepare_pipeline(args, plan, cfg, plan.num_devices)["cfg"]
+    assert (got.batch, got.seq) == (8, 16) == (b * plan.microbatches, t)
 
 
 def test_local_all_gather_halves_the_gradient_rows_crossing_meshes(four_ranks):

@@ -487,6 +487,9 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
             f"submesh); train {source} without --checkpoint-dir"
         )
     M = plan.microbatches
+    if plan.intra and plan.intra[0].input_shapes:  # the shapes it was planned for, as for a one-stage plan
+        (b, t), _ = plan.intra[0].input_shapes[0]  # stage 0's first input: one microbatch's token ids
+        cfg = replace(cfg, batch=int(b) * M, seq=int(t))
     if cfg.batch % M:
         raise UserError(
             f"{source}: the model's batch {cfg.batch} does not split into the plan's {M} microbatches; "
