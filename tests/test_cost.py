@@ -29,6 +29,23 @@ def test_collective_relations():
     assert cm.all_reduce(m, (0, 1)) >= cm.all_reduce(m, 1)
 
 
+def test_all_to_all_counts_every_member_crossing_the_node_link():
+    """An all-to-all of all 8 ranks of 2 nodes x 4: each of a node's 4 ranks sends 4 of its 8 slices to the
+    other node, 2 M through the node's link at once (a ring puts (7/8) M through it); with 4 groups of one
+    rank per node (mesh 4x2 row-mapped: axis 0), each group sends M/2 out of each node, 4 groups together
+    the same 2 M."""
+    c = load_cluster("hidup-2x4-10g")
+    link = float(c.layers[0].group_bw[0])
+    m = 3 * 2**20
+    whole = CostModel(LogicalMesh(c, (1, 8))).all_to_all(m, 1)
+    assert whole == pytest.approx(2 * m / link + 7 * c.layers[0].latency, rel=1e-6)
+    across = CostModel(LogicalMesh(c, (2, 4))).all_to_all(m, 0)  # 4 groups of 2, one rank per node each
+    assert across == pytest.approx(2 * m / link + c.layers[0].latency, rel=1e-6)
+    inside = CostModel(LogicalMesh(c, (2, 4))).all_to_all(m, 1)  # never leaves a node: the formula as before
+    mesh = LogicalMesh(c, (2, 4))
+    assert inside == pytest.approx(3 / 4 * m / mesh.bus_bandwidth(1) + 3 * mesh.latency(1), rel=1e-9)
+
+
 def test_small_messages_pay_latency_and_size_one_axes_are_free():
     cm = CostModel(LogicalMesh(load_cluster("atp-ic4"), (16, 1)))
     assert cm.all_reduce(1e9, 1) == 0.0 and cm.all_gather(1e9, 1) == 0.0

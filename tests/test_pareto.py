@@ -265,8 +265,9 @@ def test_fig12_hidup_layout_forced_costs_its_token_collectives(reduced, found):
         if c.phase == "fwd" and str(c.kind) == "all_to_all" and c.nbytes == dispatched
     ]
     assert len(gshard_a2a) == 2, gshard_a2a  # dispatch and combine, the latter with no detour (e outer)
-    # HiDup's two collectives of the MoE input / output against GShard's two all-to-alls: 3x dearer here
-    assert gathered[0].seconds + scattered[0].seconds > 2 * sum(c.seconds for c in gshard_a2a)
+    # HiDup's two collectives of the MoE input / output against GShard's two all-to-alls: 1.6x dearer here, with
+    # the all-to-all priced at the node link all 4 ranks of a node cross at once (3x with a ring's share of it)
+    assert gathered[0].seconds + scattered[0].seconds > 1.5 * sum(c.seconds for c in gshard_a2a)
     assert forced.time_s > found[SLOW][0].time_s
 
 

@@ -8,7 +8,12 @@ bandwidth from Eq. 3, n = devices per group, M = bytes). Each collective takes t
                   rec. doubling ceil(log2 n) * (alpha + M/B')                 (small messages)
   all-gather      ring / rec. doubling  (n-1)/n * M/B' + min(n-1, ceil(log2 n)) * alpha   (M = output bytes)
   reduce-scatter  the same, M = input bytes
-  all-to-all      pairwise      (n-1)/n * M/B' + (n-1) * alpha                 (M = bytes each rank holds)
+  all-to-all      pairwise      max((n-1)/n * M/B', M * X) + (n-1) * alpha     (M = bytes each rank holds)
+                  X = max over layers j and units u crossed of  sum_g k_g(u) (n - k_g(u)) / n / GroupBW_j(u)
+                  (k_g(u): members of group g inside u; every member sends M/n to each peer, so all of u's
+                  members' traffic to the outside leaves through u's uplink at once: on 2 nodes x 4, an
+                  axis of all 8 ranks puts 2M through each node's link, where a ring puts (7/8)M;
+                  :func:`meshpilot.cluster.mesh.exchange_seconds_per_byte`)
   broadcast       binomial tree ceil(log2 n) * (alpha + M/B'),  or scatter + all-gather
                                 2(n-1)/n * M/B' + (ceil(log2 n) + n - 1) * alpha
   send/recv       alpha + M / P2P(src, dst)
@@ -109,6 +114,7 @@ class CostModel:
         self._axis_cache: dict[tuple[int, ...], tuple[int, float, float]] = {}
         self._curve_cache: dict[tuple[int, ...], tuple[tuple[int, float], ...] | None] = {}
         self._busy_cache: dict[tuple[int, ...], tuple[tuple[int, float], ...] | None] = {}
+        self._exchange_cache: dict[tuple[int, ...], float] = {}
 
     def _axis(self, axes: Axes) -> tuple[int, float, float]:
         """(n, B', alpha) for `axes`, cached: Eq. 3 is the expensive part."""
@@ -176,7 +182,10 @@ class CostModel:
         n, bw, a = self._axis(axes)
         if n == 1 or nbytes == 0:
             return 0.0
-        return (n - 1) / n * nbytes / bw + (n - 1) * a
+        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        if key not in self._exchange_cache:
+            self._exchange_cache[key] = self.mesh.exchange_seconds_per_byte(key)
+        return max((n - 1) / n * nbytes / bw, nbytes * self._exchange_cache[key]) + (n - 1) * a
 
     def broadcast(self, nbytes: float, axes: Axes) -> float:
         """Broadcast of `nbytes` from one rank of each group to the others."""

@@ -190,6 +190,11 @@ class LogicalMesh:
             return measured * 2 * (d - 1) / d
         return self.effective_bandwidth(axes)
 
+    def exchange_seconds_per_byte(self, axes: int | Sequence[int]) -> float:
+        """Seconds per byte of each rank's buffer that an all-to-all over `axes` spends at the busiest
+        uplink (:func:`exchange_seconds_per_byte`)."""
+        return exchange_seconds_per_byte(self.cluster, self.groups(axes))
+
     def latency(self, axes: int | Sequence[int]) -> float:
         """Alpha of one message over `axes`: a calibration entry's measured alpha for these groups, else the
         largest latency among the layers its groups span."""
@@ -257,6 +262,7 @@ def _unit_ids(cluster: Cluster, coords: np.ndarray, j: int) -> np.ndarray:
 _EQ3: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Eq. 3 per cluster and rank groups: every logical mesh of a planning run over the same groups (a stage
 planner builds one per search and device mapping) asks once; on 4,096 ranks one evaluation takes ~0.1 s."""
+_EXCHANGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exchange_seconds_per_byte, likewise
 
 
 def effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
@@ -323,6 +329,37 @@ class _Ring:
         if self.uniform:
             return float(self.reach[u, others].sum())
         return self.bottleneck
+
+
+def exchange_seconds_per_byte(cluster: Cluster, groups: np.ndarray) -> float:
+    """Seconds per byte each rank holds, for an all-to-all in every one of `groups` at once, counted at the
+    units' uplinks (module docstring of :mod:`meshpilot.cluster.cost`, all-to-all): for every layer j and
+    unit u of it that a group crosses, the bytes leaving u over its group bandwidth. A group with k of
+    its n members in u sends k (n - k) / n of a rank's bytes out of u (each of the k sends 1/n to each
+    of the n - k outside); the groups crossing u add up. 0 for groups of one device. Cached."""
+    groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
+    n = groups.shape[1]
+    if n <= 1:
+        return 0.0
+    memo = _EXCHANGE.setdefault(cluster, {})
+    key = (groups.shape, groups.tobytes())
+    if key in memo:
+        return memo[key]
+    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
+    worst = 0.0
+    for j, layer in enumerate(cluster.layers):
+        unit = _unit_ids(cluster, coords.reshape(-1, coords.shape[-1]), j).reshape(groups.shape)
+        out: dict[int, float] = {}
+        for g in range(groups.shape[0]):
+            units, k = np.unique(unit[g], return_counts=True)
+            if units.size <= 1:
+                continue  # this group does not cross layer j
+            for u, ku in zip(units.tolist(), k.tolist()):
+                out[u] = out.get(u, 0.0) + ku * (n - ku) / n
+        for u, share in out.items():
+            worst = max(worst, share / float(layer.group_bw[u % layer.ranks]))
+    memo[key] = worst
+    return worst
 
 
 def group_latency(cluster: Cluster, groups: np.ndarray) -> float:
