@@ -41,6 +41,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
+    p.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
@@ -68,7 +70,9 @@ def plans(args: argparse.Namespace) -> dict[str, dict]:
     from meshpilot.sim import simulate
 
     cl = load_cluster(args.cluster)
-    cfg = gpt_config("gpt-tiny", layers=args.layers, hidden=args.hidden, heads=args.heads)
+    cfg = gpt_config(
+        "gpt-tiny", layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq
+    )
     B = args.microbatches
     with torch.device("meta"):
         model = GPT(cfg)
