@@ -254,7 +254,10 @@ def run_emulated(
         print(f"meshpilot emulate: {msg}", file=err(), flush=True)
 
     if dry_run:
-        echo = lambda line: print(line, file=out(), flush=True)  # noqa: E731
+
+        def echo(line: str) -> None:
+            print(line, file=out(), flush=True)
+
         with (
             flat_scheduler(keep=keep_autogroup, dry_run=True, echo=echo),
             emulated_network(plan, dry_run=True, echo=echo),
