@@ -6,6 +6,7 @@ with the reason otherwise. Every emulated host lives in 10.213.7.0/24 inside nam
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -316,22 +317,44 @@ def test_dry_run_prints_ip_tc_and_torchrun(capsys, files):
 
 
 def test_flat_scheduler_turns_autogroup_off_and_restores_it(tmp_path):
-    knob = tmp_path / "sched_autogroup_enabled"
+    knob, state = tmp_path / "sched_autogroup_enabled", tmp_path / "state.json"
     knob.write_text("1\n")
-    with flat_scheduler(path=knob) as changed:
-        assert changed and knob.read_text() == "0\n"
-    assert knob.read_text() == "1\n"
-    with pytest.raises(RuntimeError), flat_scheduler(path=knob):
+    with flat_scheduler(path=knob, state=state) as changed:
+        assert changed and knob.read_text() == "0\n" and state.exists()
+    assert knob.read_text() == "1\n" and not state.exists()
+    with pytest.raises(RuntimeError), flat_scheduler(path=knob, state=state):
         raise RuntimeError("a failing run")
     assert knob.read_text() == "1\n"  # restored on failure too
-    with flat_scheduler(path=knob, keep=True) as changed:
+    with flat_scheduler(path=knob, state=state, keep=True) as changed:
         assert not changed and knob.read_text() == "1\n"
     lines: list[str] = []
-    with flat_scheduler(path=knob, dry_run=True, echo=lines.append) as changed:
+    with flat_scheduler(path=knob, state=state, dry_run=True, echo=lines.append) as changed:
         assert not changed and knob.read_text() == "1\n"
     assert lines == [f"echo 0 > {knob}   # restored to 1 at the end (see meshpilot.emulate.sched)"]
-    with flat_scheduler(path=tmp_path / "absent") as changed:  # a kernel without autogroup
+    with flat_scheduler(path=tmp_path / "absent", state=state) as changed:  # a kernel without autogroup
         assert not changed
+    knob.write_text("0\n")
+    with flat_scheduler(path=knob, state=state) as changed:  # the machine's own 0: nothing to restore
+        assert not changed
+    assert knob.read_text() == "0\n"
+
+
+def test_overlapping_runs_restore_autogroup_when_the_last_ends(tmp_path):
+    knob, state = tmp_path / "sched_autogroup_enabled", tmp_path / "state.json"
+    knob.write_text("1\n")
+    first, second = flat_scheduler(path=knob, state=state), flat_scheduler(path=knob, state=state)
+    assert first.__enter__() and second.__enter__()  # the second finds 0, but the first's: it holds it too
+    first.__exit__(None, None, None)
+    assert knob.read_text() == "0\n"  # the second run is still going
+    second.__exit__(None, None, None)
+    assert knob.read_text() == "1\n" and not state.exists()
+    # a run killed before it could restore: the next run restores the value it found first, then ends alike
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    state.write_text(json.dumps({"found": "1", "holders": [f"{dead.stdout.strip()}:x"]}))
+    knob.write_text("0\n")
+    with flat_scheduler(path=knob, state=state) as changed:
+        assert changed and knob.read_text() == "0\n"
+    assert knob.read_text() == "1\n" and not state.exists()
 
 
 def test_plan_rates_follow_layer_0():
