@@ -105,6 +105,11 @@ def _log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 
+def _key(axes: Axes) -> tuple[int, ...]:
+    """`axes` as the tuple the per-axis caches of :class:`CostModel` key on."""
+    return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
 class CostModel:
     """Seconds for collectives over the axes of one logical mesh, and for compute on its devices."""
 
@@ -118,7 +123,7 @@ class CostModel:
 
     def _axis(self, axes: Axes) -> tuple[int, float, float]:
         """(n, B', alpha) for `axes`, cached: Eq. 3 is the expensive part."""
-        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        key = _key(axes)
         if key not in self._axis_cache:
             n = self.mesh.axis_size(key)
             bw = self.mesh.bus_bandwidth(key) if n > 1 else math.inf
@@ -128,7 +133,7 @@ class CostModel:
 
     def _curve(self, axes: Axes) -> tuple[tuple[int, float], ...] | None:
         """The axis' measured all-reduce curve (module docstring), cached; None when not measured."""
-        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        key = _key(axes)
         if key not in self._curve_cache:
             self._curve_cache[key] = self.mesh.allreduce_curve(key) if self.mesh.axis_size(key) > 1 else None
         return self._curve_cache[key]
@@ -139,7 +144,7 @@ class CostModel:
         curves."""
         if not self.device.is_cpu or nbytes <= 0:
             return 1.0
-        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        key = _key(axes)
         if key not in self._busy_cache:
             busy = self.mesh.allreduce_busy_curve(key) if self.mesh.axis_size(key) > 1 else None
             self._busy_cache[key] = busy
@@ -182,7 +187,7 @@ class CostModel:
         n, bw, a = self._axis(axes)
         if n == 1 or nbytes == 0:
             return 0.0
-        key = (axes,) if isinstance(axes, int) else tuple(axes)
+        key = _key(axes)
         if key not in self._exchange_cache:
             self._exchange_cache[key] = self.mesh.exchange_seconds_per_byte(key)
         return max((n - 1) / n * nbytes / bw, nbytes * self._exchange_cache[key]) + (n - 1) * a

@@ -57,14 +57,14 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.topology import Cluster
+from meshpilot.cluster.topology import Cluster, Layer
 from meshpilot.errors import UserError
 
 
@@ -265,25 +265,36 @@ planner builds one per search and device mapping) asks once; on 4,096 ranks one 
 _EXCHANGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exchange_seconds_per_byte, likewise
 
 
+def _memoised(store: weakref.WeakKeyDictionary, cluster: Cluster, groups: np.ndarray, compute) -> float:
+    """`compute(cluster, groups)`, kept in `store` per cluster and rank groups."""
+    memo = store.setdefault(cluster, {})
+    key = (groups.shape, groups.tobytes())
+    if key not in memo:
+        memo[key] = compute(cluster, groups)
+    return memo[key]
+
+
+def _layer_units(cluster: Cluster, groups: np.ndarray) -> Iterator[tuple[int, Layer, np.ndarray]]:
+    """Per layer j of `cluster`: (j, the layer, the id of the layer-j unit holding each member of `groups`,
+    shaped like `groups`)."""
+    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
+    for j, layer in enumerate(cluster.layers):
+        yield j, layer, _unit_ids(cluster, coords.reshape(-1, coords.shape[-1]), j).reshape(groups.shape)
+
+
 def effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
     """Eq. 3 (generalised, see module docstring): B' for `groups` [num_groups, group_size] running at once
     (cached per cluster and groups)."""
     groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
     if groups.shape[1] <= 1:
         return math.inf
-    memo = _EQ3.setdefault(cluster, {})
-    key = (groups.shape, groups.tobytes())
-    if key not in memo:
-        memo[key] = _effective_bandwidth(cluster, groups)
-    return memo[key]
+    return _memoised(_EQ3, cluster, groups, _effective_bandwidth)
 
 
 def _effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
     rings: dict[tuple, _Ring] = {}  # ring_j(u, g) depends on the layer, the members and u only
-    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
     best = math.inf
-    for j, layer in enumerate(cluster.layers):
-        unit = _unit_ids(cluster, coords.reshape(-1, coords.shape[-1]), j).reshape(groups.shape)
+    for j, layer, unit in _layer_units(cluster, groups):
         parent = unit // layer.ranks
         share: dict[int, int] = {}
         cap: dict[int, float] = {}
@@ -338,17 +349,15 @@ def exchange_seconds_per_byte(cluster: Cluster, groups: np.ndarray) -> float:
     its n members in u sends k (n - k) / n of a rank's bytes out of u (each of the k sends 1/n to each
     of the n - k outside); the groups crossing u add up. 0 for groups of one device. Cached."""
     groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
-    n = groups.shape[1]
-    if n <= 1:
+    if groups.shape[1] <= 1:
         return 0.0
-    memo = _EXCHANGE.setdefault(cluster, {})
-    key = (groups.shape, groups.tobytes())
-    if key in memo:
-        return memo[key]
-    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
+    return _memoised(_EXCHANGE, cluster, groups, _exchange_seconds_per_byte)
+
+
+def _exchange_seconds_per_byte(cluster: Cluster, groups: np.ndarray) -> float:
+    n = groups.shape[1]
     worst = 0.0
-    for j, layer in enumerate(cluster.layers):
-        unit = _unit_ids(cluster, coords.reshape(-1, coords.shape[-1]), j).reshape(groups.shape)
+    for _, layer, unit in _layer_units(cluster, groups):
         out: dict[int, float] = {}
         for g in range(groups.shape[0]):
             units, k = np.unique(unit[g], return_counts=True)
@@ -358,7 +367,6 @@ def exchange_seconds_per_byte(cluster: Cluster, groups: np.ndarray) -> float:
                 out[u] = out.get(u, 0.0) + ku * (n - ku) / n
         for u, share in out.items():
             worst = max(worst, share / float(layer.group_bw[u % layer.ranks]))
-    memo[key] = worst
     return worst
 
 
