@@ -90,6 +90,7 @@ accounting (``Candidate.time_s``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,15 @@ def _advance_op(base: float, p: float, c: float, x: float, comm: float, comp: fl
     return _advance(*state, after, 0.0) if after > 0.0 else state
 
 
+def _own_steps(leading: int, own: Sequence[float]) -> tuple[float, float, float]:
+    """An op's own collectives' seconds `own` (in ``Strategy.colls`` order) as (before its computation, inside
+    it, after it): an op with `leading` > 0 (``OwnOp.leading``) issues its first `leading` before and the rest
+    after; any other runs them all inside its computation step (module docstring)."""
+    if leading:
+        return sum(own[:leading]), 0.0, sum(own[leading:])
+    return 0.0, sum(own), 0.0
+
+
 def _advance_all(base, p, c, x, comm: np.ndarray, comp: np.ndarray | float) -> tuple[np.ndarray, ...]:
     """:func:`_advance` over arrays of candidates (one per strategy)."""
     new = comm > 0
@@ -170,7 +180,7 @@ class _Costs:
     def __init__(self, graph: OpGraph, struct: Structure, pricer: Pricer, compute: ComputeCost):
         self.graph, self.struct, self.pricer, self.compute = graph, struct, pricer, compute
         self._comp: dict[tuple, np.ndarray] = {}
-        self._split: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._steps: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._labs: dict[tuple[str, int], tuple[np.ndarray, tuple[int, ...]]] = {}
         self._row: dict[tuple, np.ndarray] = {}
 
@@ -187,17 +197,16 @@ class _Costs:
             v = self._comp[key] = np.array([self.compute.node(node, s) for s in sts], dtype=float)
         return v
 
-    def own_split(self, node: OpNode) -> tuple[np.ndarray, np.ndarray]:
+    def own_steps(self, node: OpNode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Seconds of the collectives each strategy issues inside the op (``Strategy.colls``, issued by the op
-        itself, as :func:`duplex_time` prices them): those before its computation (``OwnOp.leading``; none for
-        most ops) and those after it."""
+        itself, as :func:`duplex_time` prices them), split by :func:`_own_steps` into those before its
+        computation, inside it and after it."""
         r = self.struct.rep[node.name]
-        v = self._split.get(r)
+        v = self._steps.get(r)
         if v is None:
             n, cc = leading_collectives(str(node.target)), self.pricer.resharder.op_collective_cost
-            sts = self.struct.strategies[node.name]
-            lead = np.array([sum(cc(c) for c in s.colls[:n]) for s in sts])
-            v = self._split[r] = (lead, np.array([sum(cc(c) for c in s.colls[n:]) for s in sts]))
+            rows = [_own_steps(n, [cc(c) for c in s.colls]) for s in self.struct.strategies[node.name]]
+            v = self._steps[r] = tuple(np.array(col, dtype=float) for col in zip(*rows))
         return v
 
     def _labels(self, r: str, slot: int, ids: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -495,10 +504,8 @@ def pareto_search(
             continue
         name, k = node.name, node.index
         sts = struct.strategies[name]
-        lead, after = costs.own_split(node)
-        comp = costs.comp(node)
-        if not leading_collectives(str(node.target)):  # all after: inside the computation step (module docstring)
-            comp, after = comp + after, np.zeros(len(sts))
+        lead, inside, after = costs.own_steps(node)
+        comp = costs.comp(node) + inside
         out_ids = struct.out_ids[struct.rep[name]]
         in_ids = struct.in_ids[struct.rep[name]]
         dying = [src for src in set(node.inputs) if last.get(src, -1) <= k]
@@ -649,12 +656,9 @@ def duplex_parts(graph: OpGraph, chosen: dict[str, Strategy], resharder, compute
         comm = 0.0
         for a, (src, i) in enumerate(node.inputs):
             comm += cost(chosen[src].outs[i], st.ins[a], graph[src].outputs[i])
-        n = leading_collectives(str(node.target))
         own = [resharder.op_collective_cost(col) for col in st.colls]
-        if n:  # collectives before and after the computation (module docstring)
-            base, p, c, x = _advance_op(base, p, c, x, comm + sum(own[:n]), compute.node(node, st), sum(own[n:]))
-        else:
-            base, p, c, x = _advance(base, p, c, x, comm, compute.node(node, st) + sum(own))
+        lead, inside, after = _own_steps(leading_collectives(str(node.target)), own)
+        base, p, c, x = _advance_op(base, p, c, x, comm + lead, compute.node(node, st) + inside, after)
         for i, info in enumerate(node.outputs):
             v = (node.name, i)
             if v in grads:
