@@ -37,12 +37,13 @@ STATE = Path("/run/meshpilot-autogroup.json")
 
 
 def _alive(holder: str) -> bool:
+    """Whether the process of a ``"<pid>:<token>"`` holder still runs (one of another user's counts)."""
     try:
         os.kill(int(holder.split(":")[0]), 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -86,10 +87,8 @@ def flat_scheduler(
         return
     me = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"
     with _locked(state) as data:
-        if not data["holders"]:  # the first run, or every earlier holder died: restore what they found
-            if "found" in data:
-                path.write_text(data["found"] + "\n")
-            data["found"] = path.read_text().strip()
+        # the first run reads the knob; the others (and a run after holders that died) keep what it found
+        data.setdefault("found", path.read_text().strip())
         held = data["found"] != "0"
         if held:
             data["holders"].append(me)
@@ -103,4 +102,4 @@ def flat_scheduler(
         with _locked(state) as data:
             data["holders"] = [h for h in data["holders"] if h != me]
             if not data["holders"]:
-                path.write_text(data.get("found", "1") + "\n")
+                path.write_text(data["found"] + "\n")
