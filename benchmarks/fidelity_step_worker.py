@@ -22,6 +22,12 @@ Instead of ``"model"`` a manifest may name any ``--model`` source (``meshpilot.m
 ``{"source": {"name": "hf:mixtral", "hf_config": ["key=value", ...], "batch": B, "seq": S}, ...}``; every rank
 builds it on the CPU with the same seed and steps on its example inputs (``bench_duplex.py --model mixtral``).
 
+With ``--trace``, each rank's split also carries ``usage``: its CPU seconds (user, system), minor page
+faults and context switches during the traced step, for the whole process (gloo's threads too) and for its
+main thread alone (``getrusage``); with ``MESHPILOT_TRACE_EVENTS=1`` in the environment, ``events``: the raw
+``duplex.TRACE`` time stamps (``perf_counter``, one clock for every process of the machine), to line the ranks
+up against each other (docs/benchmarks.md, *One collective at a time per group*).
+
 ``--fake-world N`` runs one process on torch's fake process group instead (as ``atp_step_worker.py``): a
 rank's share of the computation, and what the runtime does around it, with no communication at all.
 
@@ -190,11 +196,28 @@ def trace_step(c: dict, step) -> dict:
             setattr(prog, fn, duplex.traced(getattr(prog, gm)))
     dist.barrier()
     duplex.TRACE.clear()
+    before = _usage()
     step(c)
     split = duplex.trace_overlap(list(duplex.TRACE))
+    split["usage"] = {k: a - b for (k, a), b in zip(_usage().items(), before.values())}
+    if os.environ.get("MESHPILOT_TRACE_EVENTS"):  # the raw time stamps, for a look across ranks
+        split["events"] = list(duplex.TRACE)
     for fn, f in kept.items():
         setattr(prog, fn, f)
     return split
+
+
+def _usage() -> dict:
+    """This rank's CPU seconds and scheduler / memory counters: the whole process (every thread: gloo's too)
+    and its main thread alone (``getrusage``)."""
+    import resource
+
+    out = {}
+    for who, flag in (("process", resource.RUSAGE_SELF), ("main", resource.RUSAGE_THREAD)):
+        r = resource.getrusage(flag)
+        out |= {f"{who}_user_s": r.ru_utime, f"{who}_sys_s": r.ru_stime, f"{who}_minflt": r.ru_minflt}
+        out |= {f"{who}_nvcsw": r.ru_nvcsw, f"{who}_nivcsw": r.ru_nivcsw}
+    return out
 
 
 if __name__ == "__main__":

@@ -154,6 +154,30 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
         }
         res["moe_order"] = {"fwd": _moe_order(prog.forward_pair_gm), "bwd": _moe_order(prog.backward_pair_gm)}
         out[job] = res
+    out["groups"] = _group_order(pm.mesh)
+    return out
+
+
+def _group_order(mesh) -> dict:
+    """Per mesh axis: the gloo worker threads of this rank's group, and whether collectives issued on it
+    complete in issue order — a 16 MiB all-reduce, then a 4-byte one right after it, both asynchronous: when
+    the small one has completed, has the large one? (gloo's default pool of two threads runs both at once,
+    and the small one ends first; ``runtime.groups``)."""
+    import torch.distributed as dist
+
+    out: dict = {}
+    for axis in range(mesh.ndim):
+        pg = mesh.get_group(axis)
+        backend = pg._get_backend(torch.device("cpu"))
+        in_order = None
+        if dist.get_world_size(pg) > 1:
+            big, small = torch.ones(4 << 20), torch.ones(1)
+            first = dist.all_reduce(big, group=pg, async_op=True)
+            second = dist.all_reduce(small, group=pg, async_op=True)
+            second.wait()
+            in_order = first.is_completed()
+            first.wait()
+        out[axis] = {"threads": backend.options._threads, "in_order": in_order}
     return out
 
 
@@ -251,6 +275,31 @@ def test_duplex_issues_one_microbatchs_all_to_all_before_the_others_experts(runs
                 assert at[("combine", 0)] < at[(experts, 1)] < at[("wait_combine", 0)], where
                 checked += 1
     assert checked == (2 * world if "mixtral" in MODELS[world] else 0)
+
+
+def test_mesh_groups_run_one_collective_at_a_time(runs):
+    """The plan's mesh groups on gloo have one worker thread, so a collective issued after another on the same
+    group completes after it (the order the simulator and duplex's schedule assume; ``runtime.groups``)."""
+    world, plans, results = runs
+    for rank, res in enumerate(results):
+        for axis, g in res["groups"].items():
+            assert g["threads"] == 1, f"rank {rank} axis {axis}: {g}"
+            assert g["in_order"] in (True, None), f"rank {rank} axis {axis}: the later collective ended first"
+        assert any(g["in_order"] for g in res["groups"].values()), f"rank {rank}: no axis with 2+ ranks checked"
+
+
+def test_gloo_threads_setting(monkeypatch):
+    from meshpilot.errors import UserError
+    from meshpilot.runtime import groups
+
+    monkeypatch.delenv(groups.THREADS_ENV, raising=False)
+    assert groups._threads() == 1
+    monkeypatch.setenv(groups.THREADS_ENV, "2")
+    assert groups._threads() == 2
+    for bad in ("two", "0"):
+        monkeypatch.setenv(groups.THREADS_ENV, bad)
+        with pytest.raises(UserError, match=f"MESHPILOT_GLOO_THREADS={bad!r}: give a whole number"):
+            groups._threads()
 
 
 def test_duplex_off_gives_the_same_step(runs):

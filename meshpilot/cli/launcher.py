@@ -108,8 +108,14 @@ def _forward_sigterm(proc: subprocess.Popen):
 
 
 def _torchrun_noise(line: str) -> bool:
-    """torchrun's own log lines (``W0612 10:00:00.123 …``) and its banner of asterisks."""
-    return bool(re.match(r"^[WIEF]\d{4} \d\d:\d\d:\d\d", line)) or line.startswith("*****")
+    """torchrun's own log lines (``W0612 10:00:00.123 …``), its banner of asterisks, and c10d's warnings that
+    a rendezvous store's socket poll timed out (``[rank0]:[W1125 …] socket.cpp:469] … likely a timeout``: a
+    rank waiting at a new process group for a silent one; the timeout line that follows says so)."""
+    return (
+        bool(re.match(r"^[WIEF]\d{4} \d\d:\d\d:\d\d", line))
+        or line.startswith("*****")
+        or bool(re.match(r"^(\[rank\d+\]:)?\[W\d{4} [\d:.]+ socket\.cpp:\d+\]", line))
+    )
 
 
 __all__ = ["launch"]

@@ -67,6 +67,7 @@ from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
+from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.program import _as_tuple, _last_uses, split_phases, synced_grads
 from meshpilot.runtime.record import record as record_program
@@ -350,7 +351,7 @@ def stage_mesh(plan: Plan, ranks: Sequence[int], device_type: str) -> DeviceMesh
     """The DeviceMesh of a stage: its plan's logical mesh over the stage's physical ranks (every rank of the
     world must create every stage's mesh, in one order: new process groups are collective)."""
     physical = torch.tensor([ranks[i] for i in plan.mesh_ranks], dtype=torch.int).reshape(plan.mesh_shape)
-    return DeviceMesh(device_type, physical, mesh_dim_names=tuple(plan.mesh_axes))
+    return device_mesh(device_type, physical, tuple(plan.mesh_axes))
 
 
 def _side(plan: Plan, ranks: Sequence[int], layout: Placements) -> MeshSide:

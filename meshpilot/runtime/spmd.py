@@ -39,6 +39,7 @@ from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import Action, ActionKind, interleaved
 from meshpilot.runtime.collective_log import phase_scope
+from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StepProgram
 from meshpilot.sharding.placements import from_json
@@ -59,7 +60,7 @@ def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
     world, mesh = _MESHES.get(key, (None, None))
     if mesh is None or world is not dist.group.WORLD:
         ranks = torch.tensor(plan.mesh_ranks, dtype=torch.int).reshape(plan.mesh_shape)
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(plan.mesh_axes))
+        mesh = device_mesh(device_type, ranks, tuple(plan.mesh_axes))
         _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
 
