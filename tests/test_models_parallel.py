@@ -37,7 +37,8 @@ KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
 ZOO = ("gpt", "bert", "mlp", "wrn", "moe")
 FRESH = "hybrid"
 FALLBACK = "cdist"
-MODELS = (*ZOO, FRESH, FALLBACK)
+WIDE = "wideconv"
+MODELS = (*ZOO, FRESH, FALLBACK, WIDE)
 # 8 ranks on this 2-core machine cost twice what 4 do: there, the models whose layouts differ on 8 (attention
 # heads, experts, the conv net and the fresh hybrid); the MLP and the fallback model run on 4 ranks only
 MODELS_AT = {4: MODELS, 8: ("gpt", "bert", "wrn", "moe", FRESH)}
@@ -45,7 +46,9 @@ MODELS_AT = {4: MODELS, 8: ("gpt", "bert", "wrn", "moe", FRESH)}
 # ZeRO-3 over 8 ranks, Megatron TP 4 x DP 2). Profiled: 8-rank program recording costs 2-28 s a run, and these
 # 25 runs were a quarter of the fixture (128 of 544 s) while repeating the 4-rank pure-mesh layouts.
 FORCED_MESHES = {4: MESHES[4], 8: [(2, 4)]}
-KINDS_OF = {FALLBACK: ("solver",)}  # the model with an op no strategy covers: the solver's plan only
+# the model with an op no strategy covers, and the wide conv net (its channel-parallel convolutions): the solver's
+# plan only
+KINDS_OF = {FALLBACK: ("solver",), WIDE: ("solver",)}
 ADAMW = dict(lr=1e-3, eps=1e-4)  # see the module docstring
 CLUSTER = "atp-ic3"
 # schedules beyond the trivial one (issue 9): the solver's plan of these models on one mesh per world size,
@@ -53,6 +56,23 @@ CLUSTER = "atp-ic3"
 SCHEDULES = {"accumulate2": dict(microbatches=2), "accumulate4": dict(microbatches=4), "overlapped": {}}
 SCHEDULE_MODELS = ("gpt", "bert", "moe", "wrn")
 SCHEDULE_MESH = {4: (2, 2), 8: (2, 4)}
+
+
+class WideConvNet(nn.Module):
+    """Three 3x3 convolutions 64 channels wide on 4x4 images, batch 2: weights outweigh activations, so the
+    solver shards the convolutions on their channels (``meshpilot.ops.conv``) — output channels for the first
+    (it has a bias), input channels (partial sums) for the bias-free ones."""
+
+    def __init__(self, c: int = 64, classes: int = 8) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, c, 3, padding=1)
+        self.c2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.c3 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.c3(F.relu(self.c2(F.relu(self.c1(x)))))  # [2, 64, 4, 4]
+        return F.cross_entropy(self.head(h.mean((2, 3))), labels)
 
 
 class HybridNet(nn.Module):
@@ -125,6 +145,8 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         return HybridNet(), (torch.randn(8, 3, 8, 8, generator=g), ints(8, 8))
     if name == FALLBACK:
         return CdistNet(), (torch.randn(8, 16, generator=g), ints(8, 8))
+    if name == WIDE:
+        return WideConvNet(), (torch.randn(2, 3, 4, 4, generator=g), ints(8, 2))
     raise KeyError(name)
 
 
@@ -422,6 +444,25 @@ def test_collectives_match_the_plan(runs):
     assert nonempty >= len(plans) * 3 // 4
     axes = Counter(c.axis for p in plans.values() for c in p.collectives)
     assert axes[0] > 0 and axes[1] > 0
+
+
+def test_channel_parallel_convolutions_match_single_device(runs):
+    """Convolutions sharded on their output channels (output ``S(1)``) and on their input channels (partial
+    sums), as the solver plans the wide conv net on every mesh: loss, gradients and parameters equal one
+    device's (the collectives: ``test_collectives_match_the_plan``)."""
+    world, plans, results = runs
+    _only_where_run(world, WIDE)
+    keys = [k for k in plans if k[0] == WIDE]
+    outs = {
+        p
+        for k in keys
+        for n in plans[k].nodes
+        if n.target == "aten.convolution.default"
+        for p in n.outs[0]
+        if p in ("S(1)", "P")
+    }
+    assert outs == {"S(1)", "P"}, outs  # both channel rules are in the plans the runs compare
+    _check_equal(world, plans, results, keys)
 
 
 def test_forced_plans_differ_from_each_other(runs):

@@ -163,15 +163,16 @@ _REGISTERED = False
 
 
 def register_dtensor_strategies() -> None:
-    """Strategies meshpilot adds to DTensor's propagator: the attention pair, GroupNorm's backward
-    (idempotent)."""
+    """Strategies meshpilot adds to DTensor's propagator: the attention pair, GroupNorm's backward, the
+    convolution's channel-parallel rules (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    from meshpilot.ops import attention, group_norm
+    from meshpilot.ops import attention, conv, group_norm
 
     attention.register_strategies()
     group_norm.register_backward_strategy()
+    conv.register_channel_strategies()
     _REGISTERED = True
 
 
