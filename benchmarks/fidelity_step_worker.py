@@ -26,7 +26,7 @@ With ``--trace``, each rank's split also carries ``usage``: its CPU seconds (use
 faults and context switches during the traced step, for the whole process (gloo's threads too) and for its
 main thread alone (``getrusage``); with ``MESHPILOT_TRACE_EVENTS=1`` in the environment, ``events``: the raw
 ``duplex.TRACE`` time stamps (``perf_counter``, one clock for every process of the machine), to line the ranks
-up against each other (docs/benchmarks.md, *One collective at a time per group*).
+up against each other (``trace_across_ranks.py``; docs/benchmarks.md, *One collective at a time per group*).
 
 ``--fake-world N`` runs one process on torch's fake process group instead (as ``atp_step_worker.py``): a
 rank's share of the computation, and what the runtime does around it, with no communication at all.
