@@ -65,11 +65,15 @@ def mesh_backends(ndim: int) -> tuple[tuple[str, dist.ProcessGroupGloo._Options]
     torch's 30 minutes), else ``None`` (torch's groups)."""
     if not dist.is_initialized() or str(dist.get_backend()).lower() != "gloo":
         return None
+    try:  # private corners of torch.distributed: a torch without them keeps its own groups (two threads)
+        default = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = default.options._timeout
+        opts._threads = _threads()  # a bad MESHPILOT_GLOO_THREADS is one line here, before any group is made
+    except (AttributeError, RuntimeError):
+        return None
     if not hasattr(dist.Backend, SERIAL_GLOO.upper()):
         dist.Backend.register_backend(SERIAL_GLOO, _create, devices=["cpu"])
-    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = default.options._timeout
     return tuple((SERIAL_GLOO, opts) for _ in range(ndim))
 
 
