@@ -22,8 +22,6 @@ argument on the local call: the CPU and CUDA kernels size ``grad_bias`` from ``g
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from meshpilot import compat
@@ -33,8 +31,19 @@ BACKWARD = torch.ops.aten.convolution_backward.default
 _MARK = "_meshpilot_channel_rules"
 
 
-def _plain(transposed: Any, groups: Any) -> bool:
-    return not transposed and groups == 1
+def _with_channel_rules(base, transposed_at: int, bias_at: int, channel_rules):
+    """DTensor's single-dim strategy `base` with ``channel_rules(has_bias)`` appended for plain convolutions:
+    ``args_schema[transposed_at]`` is the op's ``transposed`` flag and the slot two after it its ``groups``
+    (both ops' schemas); ``args_schema[bias_at]`` its bias (the forward) or ``bias_sizes`` (the backward)."""
+
+    def strategy(op, args_schema, kwargs_schema):
+        rules = list(base(op, args_schema, kwargs_schema))
+        if args_schema[transposed_at] or args_schema[transposed_at + 2] != 1:
+            return rules
+        return rules + channel_rules(args_schema[bias_at] is not None)
+
+    setattr(strategy, _MARK, True)
+    return strategy
 
 
 def register_channel_strategies() -> bool:
@@ -49,31 +58,21 @@ def register_channel_strategies() -> bool:
     if getattr(fwd, _MARK, False):
         return True
 
-    def forward(op, args_schema, kwargs_schema):
+    def forward(has_bias: bool) -> list:
         # convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
-        rules = list(fwd(op, args_schema, kwargs_schema))
-        if not _plain(args_schema[6], args_schema[8]):
-            return rules
-        has_bias = args_schema[2] is not None
-        # [output, input, weight, (bias)]
-        rules.append([Shard(1), Replicate(), Shard(0)] + ([Shard(0)] if has_bias else []))
-        if not has_bias:
-            rules.append([Partial("sum"), Shard(1), Shard(1)])
-        return rules
+        # rules: [output, input, weight, (bias)]; input channels only without a bias
+        out_channels = [Shard(1), Replicate(), Shard(0)] + ([Shard(0)] if has_bias else [])
+        return [out_channels] if has_bias else [out_channels, [Partial("sum"), Shard(1), Shard(1)]]
 
-    def backward(op, args_schema, kwargs_schema):
+    def backward(has_bias: bool) -> list:
         # convolution_backward(grad_output, input, weight, bias_sizes?, stride, padding, dilation, transposed,
         #                      output_padding, groups, output_mask)
-        rules = list(bwd(op, args_schema, kwargs_schema))
-        if not _plain(args_schema[7], args_schema[9]):
-            return rules
-        has_bias = args_schema[3] is not None
-        # [grad_input, grad_weight, grad_bias, grad_output, input, weight]
-        rules.append([Partial("sum"), Shard(0), Shard(0) if has_bias else None, Shard(1), Replicate(), Shard(0)])
-        rules.append([Shard(1), Shard(1), Replicate() if has_bias else None, Replicate(), Shard(1), Shard(1)])
-        return rules
+        # rules: [grad_input, grad_weight, grad_bias, grad_output, input, weight]
+        return [
+            [Partial("sum"), Shard(0), Shard(0) if has_bias else None, Shard(1), Replicate(), Shard(0)],
+            [Shard(1), Shard(1), Replicate() if has_bias else None, Replicate(), Shard(1), Shard(1)],
+        ]
 
-    for f in (forward, backward):
-        setattr(f, _MARK, True)
-    singles[FORWARD], singles[BACKWARD] = forward, backward
+    singles[FORWARD] = _with_channel_rules(fwd, 6, 2, forward)
+    singles[BACKWARD] = _with_channel_rules(bwd, 7, 3, backward)
     return True
