@@ -12,9 +12,10 @@ between the nodes), two 4 MiB all-reduces issued back to back: the first complet
 two threads, 0.73 s with one; both after 1.32 / 1.37 s (the link's throughput is the same).
 
 torch's ``new_group`` passes gloo no options but a timeout, so a group with one thread is made through a
-registered backend (:data:`SERIAL_GLOO`, ``torch.distributed.Backend.register_backend``) whose creator builds
-``ProcessGroupGloo`` with ``threads = 1``; :func:`mesh_backends` asks ``DeviceMesh`` to build every axis'
-groups with it when the default group is gloo. The groups are ordinary ``ProcessGroupGloo`` objects
+registered backend (:data:`SERIAL_GLOO`, ``torch.distributed.Backend.register_backend``, extended API: its
+creator receives the options ``DeviceMesh`` passes) that builds ``ProcessGroupGloo`` from them;
+:func:`mesh_backends` gives ``DeviceMesh`` those options (``threads = 1``, the default group's timeout) for
+every axis when the default group is gloo. The groups are ordinary ``ProcessGroupGloo`` objects
 (functional collectives, DTensor and ``all_to_all_single`` work as on the default gloo). Setting
 ``MESHPILOT_GLOO_THREADS`` to a number keeps gloo's pool of that many threads (``2``: torch's default), to
 compare.
@@ -22,7 +23,6 @@ compare.
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
@@ -50,12 +50,11 @@ def _threads() -> int:
     return n
 
 
-def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._threads = _threads()
-    opts._timeout = timeout
+def _create(common, opts: dist.ProcessGroupGloo._Options) -> dist.ProcessGroupGloo:
+    """The registered backend's creator (torch's extended API): `common` carries the group's store, rank and
+    size; `opts` are :func:`mesh_backends`' options (threads, timeout), given the default network device."""
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+    return dist.ProcessGroupGloo(common.store, common.group_rank, common.group_size, opts)
 
 
 def mesh_backends(ndim: int) -> tuple[tuple[str, dist.ProcessGroupGloo._Options], ...] | None:
@@ -73,7 +72,7 @@ def mesh_backends(ndim: int) -> tuple[tuple[str, dist.ProcessGroupGloo._Options]
     except (AttributeError, RuntimeError):
         return None
     if not hasattr(dist.Backend, SERIAL_GLOO.upper()):
-        dist.Backend.register_backend(SERIAL_GLOO, _create, devices=["cpu"])
+        dist.Backend.register_backend(SERIAL_GLOO, _create, extended_api=True, devices=["cpu"])
     return tuple((SERIAL_GLOO, opts) for _ in range(ndim))
 
 
