@@ -737,3 +737,27 @@ def test_alpa_benchmark_models_at_the_papers_sizes():
     c = big.config
     assert (c.layers, c.hidden, c.heads, c.seq, c.vocab, big.devices) == (96, 12288, 96, 2048, 51200, 4096)
     assert c.num_params() == pytest.approx(175e9, rel=0.01)
+
+
+def test_gshard_moe_routes_tokens_in_groups():
+    """Table 7's MoE routes in GShard's groups of 2048 tokens (Alpa's ``expert_group_size``): each group fills
+    its own capacity, so the layer's output is the MoE of each group's tokens on their own (two sequences a
+    group) — with every token routed at once it is not — and a batch that does not split is one line."""
+    from meshpilot.models.zoo import GSHARD_GROUP, GShardMoE
+
+    torch.manual_seed(0)
+    m = GShardMoE(64, 1024, 1, 8, 2, 4, 4 * 1024)
+    block, moe = m.blocks[0], m.blocks[0].ffn
+    assert block.group == GSHARD_GROUP == 2048 and moe.capacity == 2 * GSHARD_GROUP // 4
+    with torch.no_grad():
+        moe.gate.weight.mul_(50)  # peaked gates: experts overflow their capacity, so routing order matters
+        x = m.wte(torch.randint(0, 64, (4, 1024))) + m.wpe(torch.arange(1024))
+        y = block.ln2(x + block.attn(block.ln1(x)))  # the MoE's input [4, 1024, 8]
+        flat = y.reshape(4096, 8)
+        groups = torch.cat([moe(flat[:2048]), moe(flat[2048:])])
+        assert torch.equal(block(x), x + block.attn(block.ln1(x)) + groups.view(4, 1024, 8))
+        moe.capacity = 2 * 4096 // 4  # every token at once, the same capacity factor: another output
+        assert not torch.allclose(moe(flat), groups)
+    assert GShardMoE(64, 1024, 1, 8, 2, 4, 1024).blocks[0].ffn.capacity == 2 * 1024 // 4  # one group: the batch
+    with pytest.raises(ValueError, match="groups of 2048"):
+        GShardMoE(64, 1024, 1, 8, 2, 4, 3 * 1024)

@@ -507,14 +507,19 @@ def alpa_gpt_config(row: AlpaModel):
                      batch=row.global_batch, dtype="float16")  # fmt: skip
 
 
+GSHARD_GROUP = 2048
+"""Tokens per routing group of :class:`GShardMoE` (Alpa's MoE benchmarks: ``expert_group_size`` 2048)."""
+
+
 class _GShardBlock(nn.Module):
     """Pre-LN transformer layer of GShard: attention, then the zoo's top-2 :class:`MoELayer` over the batch's
-    tokens (or the GPT MLP when `moe` is None)."""
+    tokens in groups of `group` (or the GPT MLP when `moe` is None)."""
 
-    def __init__(self, cfg, moe: MoELayer | None) -> None:
+    def __init__(self, cfg, moe: MoELayer | None, group: int = 0) -> None:
         from meshpilot.models.gpt import MLP, CausalSelfAttention
 
         super().__init__()
+        self.group = group
         self.ln1, self.ln2 = nn.LayerNorm(cfg.hidden), nn.LayerNorm(cfg.hidden)
         self.attn = CausalSelfAttention(cfg)
         self.ffn = moe if moe is not None else MLP(cfg)
@@ -524,7 +529,10 @@ class _GShardBlock(nn.Module):
         y = self.ln2(x)
         if isinstance(self.ffn, MoELayer):
             b, s, h = y.shape
-            return x + self.ffn(y.reshape(b * s, h)).view(b, s, h)
+            group = min(self.group, b * s)
+            if (b * s) % group:
+                raise ValueError(f"GShardMoE: {b * s} tokens do not split into groups of {group}")
+            return x + self.ffn(y.reshape(b * s // group, group, h)).view(b, s, h)  # [groups, group, h]
         return x + self.ffn(y)
 
 
@@ -532,18 +540,24 @@ class GShardMoE(nn.Module):
     """GShard MoE language model (Alpa §8.1): token + position embedding, `layers` transformer layers whose
     MLP is a top-2 mixture of `experts` experts of width 4h, final LayerNorm, vocabulary head. Every layer has
     experts: Table 7's parameter counts are those (380M: 8 layers of 8 experts at h=768), though §8.1's text
-    says every second layer. The experts' capacity is ``2 · tokens / experts`` (capacity factor 1 for top-2)
-    of the batch the model is built for."""
+    says every second layer. Tokens are routed in GShard's groups of :data:`GSHARD_GROUP` (Alpa's benchmark
+    sets ``expert_group_size`` 2048), or all of them when the batch has fewer: each group fills its own
+    ``2 · group / experts`` slots per expert (capacity factor 1 for top-2), so the dispatch and combine
+    masks grow with the batch, not with its square."""
 
     def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, experts: int, tokens: int) -> None:
         from meshpilot.models.gpt import GPTConfig
 
         super().__init__()
         cfg = GPTConfig(vocab=vocab, seq=seq, layers=layers, hidden=hidden, heads=heads)
-        capacity = max(1, math.ceil(2 * tokens / experts))
+        group = min(GSHARD_GROUP, tokens)
+        if tokens % group:
+            raise ValueError(f"GShardMoE: {tokens} tokens do not split into groups of {group}; give a batch whose "
+                             f"tokens are a multiple of {group}")  # fmt: skip
+        capacity = max(1, math.ceil(2 * group / experts))
         self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.blocks = nn.ModuleList(
-            _GShardBlock(cfg, MoELayer(hidden, 4 * hidden, experts, capacity)) for _ in range(layers)
+            _GShardBlock(cfg, MoELayer(hidden, 4 * hidden, experts, capacity), group) for _ in range(layers)
         )
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
