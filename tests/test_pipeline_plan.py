@@ -714,8 +714,8 @@ def test_fast_path_only_for_repeated_stacks(gpt_planner):
 
 
 def test_alpa_benchmark_models_at_the_papers_sizes():
-    """Tables 6–8 in the zoo: built on the meta device at the paper's shapes, with its GPU count; the GPT and
-    MoE parameter counts within 10% of the tables' (Wide-ResNet's layers are not defined in the paper)."""
+    """Tables 6–8 in the zoo: built on the meta device at the paper's shapes, in float16, with its GPU count; the
+    GPT and MoE parameter counts within 10% of the tables' (Wide-ResNet's layers are not defined in the paper)."""
     models = builtin_models()
     want = {"gpt3-350m": (0.35e9, 1), "gpt3-39b": (39e9, 64), "gshard-moe-380m": (0.38e9, 1),
             "gshard-moe-70b": (70e9, 64), "wresnet-250m": (None, 1), "wresnet-13b": (None, 64)}  # fmt: skip
@@ -726,6 +726,7 @@ def test_alpa_benchmark_models_at_the_papers_sizes():
         entry = models[name]
         model, inputs = entry.build("meta", 2)
         assert all(p.is_meta for p in model.parameters()) and inputs[0].shape[0] == 2
+        assert {p.dtype for p in model.parameters()} == {torch.float16}  # Alpa's mixed precision, every table
         count, devices = want[name]
         assert entry.devices == devices
         if count is not None and not name.startswith("gpt3-"):

@@ -453,6 +453,11 @@ class AlpaFamily(StrEnum):
 ALPA_GPT_BATCH = 1024
 """Global batch of every GPT-3 and MoE row (Alpa §8.1: sequences of 1024 tokens)."""
 
+ALPA_DTYPE = torch.float16
+"""Parameters and activations of every row (Alpa §9: mixed-precision training; the GPT rows' ``GPTConfig.dtype``):
+with the accounting's AdamW states in the parameter's dtype, 8 bytes a parameter, so GShard 70B's 560 GB fit
+its 64 GPUs of 16 GB (in float32, 1.1 TB would not)."""
+
 ALPA_WRESNET_BATCH = 1536
 """Global batch of the Wide-ResNet rows (Alpa Table 4)."""
 
@@ -499,12 +504,13 @@ def alpa_models() -> dict[str, AlpaModel]:
 
 
 def alpa_gpt_config(row: AlpaModel):
-    """The GPTConfig of a Table 6 row: vocabulary 51200, sequence 1024, fp16, batch = the global batch."""
+    """The GPTConfig of a Table 6 row: vocabulary 51200, sequence 1024, :data:`ALPA_DTYPE`, batch = the global
+    batch."""
     from meshpilot.models.gpt import GPTConfig
 
     s = row.shape
     return GPTConfig(vocab=51200, seq=1024, layers=s["layers"], hidden=s["hidden"], heads=s["heads"],
-                     batch=row.global_batch, dtype="float16")  # fmt: skip
+                     batch=row.global_batch, dtype=str(ALPA_DTYPE).removeprefix("torch."))  # fmt: skip
 
 
 GSHARD_GROUP = 2048
@@ -640,6 +646,7 @@ def alpa_build(row: AlpaModel, device: str | torch.device = "meta", batch: int |
             model = GShardMoE(32000, 1024, s["layers"], s["hidden"], s["heads"], s["experts"], b * 1024)
         else:
             model = WideBottleneckResNet(s["layers"], s["channels"], s["width"], 1024)
+    model = model.to(ALPA_DTYPE)
     if row.family == AlpaFamily.MOE:
         shape = (b, 1024)
         return model, (
@@ -647,4 +654,5 @@ def alpa_build(row: AlpaModel, device: str | torch.device = "meta", batch: int |
             data(torch.randint(0, 32000, shape, generator=g)),
         )
     img = torch.empty(b, 3, 224, 224, device="meta") if dev.type == "meta" else torch.randn(b, 3, 224, 224, generator=g)
+    img = img.to(ALPA_DTYPE)
     return model, (data(img) if dev.type != "meta" else img, data(torch.randint(0, 1024, (b,), generator=g)))
