@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,3 +223,23 @@ def test_a_problem_solved_again_under_another_capacity_is_a_fresh_solve():
     fresh = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=tight_cap)
     assert again.choice == fresh.choice and again.objective == fresh.objective
     assert again.choice != roomy.choice and again.num_constraints == fresh.num_constraints
+
+
+def test_highs_debug_print_is_kept_off_stdout(capfd):
+    """scipy's HiGHS prints a debug line to the C stdout on some MIPs (one of the GPT-39B plan's), which
+    ``meshpilot plan --json > plan.json`` would carry into the JSON; around a solve, `highs_stdout_filtered`
+    drops it and passes on, in order, everything else written to the descriptor (fails without the filter)."""
+    import ctypes
+
+    from meshpilot.planner.ilp import highs_stdout_filtered
+
+    libc = ctypes.CDLL(None)
+    print("before", flush=True)
+    with highs_stdout_filtered():
+        libc.printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        libc.printf(b"another line of the solver\n")
+        os.write(1, b"written to the descriptor\n")
+    print("after", flush=True)
+    out = capfd.readouterr().out
+    assert "HighsMipSolverData" not in out
+    assert out.splitlines() == ["before", "another line of the solver", "written to the descriptor", "after"]

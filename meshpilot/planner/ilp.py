@@ -96,8 +96,13 @@ problem's matrices per memory row kind: between solves of one problem only the m
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -834,13 +839,14 @@ def solve(
     # scale seconds to keep HiGHS' tolerances meaningful
     normal = np.abs(c[c < UNSUPPORTED_S])
     scale = 1.0 / max(float(normal.max()) if normal.size else 1.0, 1e-12)
-    res = milp(
-        c * scale,
-        constraints=LinearConstraint(A, lb, ub),
-        integrality=integrality,
-        bounds=Bounds(0, 1),
-        options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "presolve": True},
-    )
+    with highs_stdout_filtered():
+        res = milp(
+            c * scale,
+            constraints=LinearConstraint(A, lb, ub),
+            integrality=integrality,
+            bounds=Bounds(0, 1),
+            options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "presolve": True},
+        )
     solve_s = time.perf_counter() - t0
     if res.x is None:
         if has_mem_row:
@@ -877,6 +883,44 @@ def solve(
         "zero" if memory == "zero" else "plain",
         tuple(float(v) for v in mem_plain @ xs),
     )
+
+
+HIGHS_DEBUG_PREFIX = b"HighsMipSolverData::"
+"""What the debug print in scipy's HiGHS (1.12) starts with: on some MIPs it writes
+``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();`` to the C stdout (one of the 210
+large ILPs of the GPT-39B plan), which ``meshpilot plan --json > plan.json`` would carry into the JSON."""
+
+
+@contextlib.contextmanager
+def highs_stdout_filtered() -> Iterator[None]:
+    """Run a solve with the process' C stdout (file descriptor 1) sent to a temporary file, then pass on what
+    was written there except HiGHS' debug lines (:data:`HIGHS_DEBUG_PREFIX`): nothing else is lost (a
+    thread's print lands after the solve instead of during it), and stdout stays the plan's own."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no usable stdout: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield
+        finally:
+            _libc_fflush()  # what the solver left in the C library's buffer goes to the file, not to stdout later
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not line.startswith(HIGHS_DEBUG_PREFIX)]
+            if kept:
+                os.write(1, b"".join(kept))
+
+
+def _libc_fflush() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # no C library to flush (not on glibc / musl / macOS)
+        ctypes.CDLL(None).fflush(None)
 
 
 def _min_need(groups: list[Group], memory: str) -> float:
