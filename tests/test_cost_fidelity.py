@@ -161,8 +161,8 @@ def test_precision_must_match_the_parameters():
     for precision in ("fp32", "bf16-mixed"):
         with pytest.raises(PlanError, match="model.float()"):
             meshpilot.plan(model, (idx, idx), str(H100), num_devices=1, precision=precision)
-    with pytest.raises(UserError, match="choose one of fp32, bf16, bf16-mixed"):
-        meshpilot.plan(model, (idx, idx), str(H100), num_devices=1, precision="fp16")
+    with pytest.raises(UserError, match="choose one of fp32, bf16, fp16, bf16-mixed"):
+        meshpilot.plan(model, (idx, idx), str(H100), num_devices=1, precision="fp8")
 
 
 # ------------------------------------------------------------------------------------ matmul rates

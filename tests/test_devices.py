@@ -192,7 +192,7 @@ def test_bf16_plan_trains_the_model_in_bf16(group):
 
 def test_unknown_precision_is_one_line():
     model, inputs = _gpt()
-    with pytest.raises(UserError, match=r"precision 'fp8': choose one of fp32, bf16, bf16-mixed"):
+    with pytest.raises(UserError, match=r"precision 'fp8': choose one of fp32, bf16, fp16, bf16-mixed"):
         _plan(model, inputs, precision="fp8")
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from meshpilot.cli.main import main
+from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
 from meshpilot.planner.plan import Plan
 
@@ -192,6 +193,10 @@ def test_precision_is_stored_in_the_plan(capsys, tmp_path):
     capsys.readouterr()
     plan = _plan_json(capsys, ["-m", "mlp", "--precision", "bf16"])
     assert plan.precision == "bf16"
+    plan = _plan_json(capsys, ["-m", "mlp", "--precision", "fp16"])  # the float32 model traced in float16
+    assert plan.precision == "fp16" and plan.peak_flops == load_cluster("atp-ic3").device.flops_for("float16")
+    # a float16 model (Alpa's rows are) plans as it is: once refused as "precision 'float16'"
+    assert _plan_json(capsys, ["-m", "gpt-tiny", "--dtype", "float16"]).precision == "fp16"
 
 
 def test_train_device_choice(monkeypatch):

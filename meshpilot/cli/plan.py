@@ -45,12 +45,13 @@ from rich.table import Table
 
 from meshpilot.cli.common import add_cluster_arg, add_hf_config_arg, console, get_cluster, positive_float, positive_int
 from meshpilot.errors import UserError
+from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
 from meshpilot.planner.schedule import PipelineKind
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
-PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+PRECISIONS = tuple(p.value for p in Precision)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,8 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision",
         choices=PRECISIONS,
-        help="how the run trains, stored in the plan: fp32, bf16 (the model cast to bfloat16) or bf16-mixed "
-        "(fp32 master weights, forward and backward under bfloat16 autocast); default: the parameters' dtype",
+        help="how the run trains, stored in the plan: fp32, bf16 / fp16 (the model cast to bfloat16 / float16) or "
+        "bf16-mixed (fp32 master weights, forward and backward under bfloat16 autocast); default: the "
+        "parameters' dtype",
     )
     p.add_argument(
         "--force",

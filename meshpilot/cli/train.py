@@ -29,8 +29,9 @@ under this run's plan, mesh and world size, whatever they were at the save:
 Under torchrun --max-restarts, a restarted run resumes from the newest checkpoint by itself.
 
 --device auto (default) runs rank r on cuda:LOCAL_RANK with NCCL when torch sees a GPU, else on the CPU with
-gloo. --precision fp32 | bf16 (the model cast to bfloat16) | bf16-mixed (fp32 master weights, bfloat16
-autocast); with --plan the plan's precision is used (`meshpilot plan --precision`) and must match.
+gloo. --precision fp32 | bf16 / fp16 (the model cast to bfloat16 / float16) | bf16-mixed (fp32 master
+weights, bfloat16 autocast); with --plan the plan's precision is used (`meshpilot plan --precision`) and must
+match.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 
 from meshpilot.cli.common import add_hf_config_arg, positive_float, positive_int
 from meshpilot.errors import UserError
+from meshpilot.graph.capture import Precision
 from meshpilot.io import atomic_write, check_writable
 
 LAUNCHED_ENV = "MESHPILOT_LAUNCHED"
@@ -147,9 +149,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "bf16-mixed"),
-        help="fp32, bf16 (model cast to bfloat16) or bf16-mixed (fp32 master weights under bfloat16 autocast); "
-        "with --plan: the plan's (must match if given)",
+        choices=tuple(p.value for p in Precision),
+        help="fp32, bf16 / fp16 (model cast to bfloat16 / float16) or bf16-mixed (fp32 master weights under "
+        "bfloat16 autocast); with --plan: the plan's (must match if given)",
     )
     p.set_defaults(func=run)
 
@@ -269,10 +271,11 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
         prep["data"] = _text_data(args, prep)
     if args.verify:
         precision = _plan_precision(prep["plan"]) if "plan" in prep else args.precision
-        if precision in ("bf16", "bf16-mixed"):
+        if precision in (Precision.BF16, Precision.FP16, Precision.BF16_MIXED):
             raise UserError(
                 f"--verify: a {precision} run rounds differently on every layout, so its losses cannot equal one "
-                "device's to 1e-5; verify the plan in fp32 (`meshpilot plan --precision fp32`), then train in bf16"
+                f"device's to 1e-5; verify the plan in fp32 (`meshpilot plan --precision fp32`), then train in "
+                f"{precision}"
             )
     if args.checkpoint_dir is not None:
         if "plan" not in prep:

@@ -97,6 +97,8 @@ class Precision(StrEnum):
     """Parameters, activations and optimizer state in float32."""
     BF16 = "bf16"
     """Everything in bfloat16 (optimizer state too, as ``torch.optim.AdamW`` allocates it)."""
+    FP16 = "fp16"
+    """Everything in float16, the same way (Alpa's benchmark rows are built so: ``models.zoo.ALPA_DTYPE``)."""
     BF16_MIXED = "bf16-mixed"
     """float32 parameters and optimizer state; the forward and backward under bfloat16 autocast (matmuls,
     convolutions and attention in bfloat16, reductions and normalisations in float32: autocast's op lists,
@@ -117,8 +119,18 @@ class Precision(StrEnum):
             ) from None
 
     @property
+    def cast_dtype(self) -> torch.dtype | None:
+        """The dtype a model's floating parameters, buffers and inputs are cast to (``bf16``, ``fp16``)."""
+        return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(self)
+
+    @property
     def param_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self == Precision.BF16 else torch.float32
+        return self.cast_dtype or torch.float32
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the matmuls run in: the device's peak FLOP/s of it is the plan's MFU reference."""
+        return {Precision.FP16: "float16", Precision.FP32: "float32"}.get(self, "bfloat16")
 
 
 class CaptureError(UserError):
@@ -350,12 +362,12 @@ def capture(
     element is the loss, or an output with ``.loss``), or ``loss = loss_fn(model(*example_inputs))``. Only
     shapes and dtypes of the inputs, parameters and buffers are used: they may live on the meta device or on
     a GPU. A bare tensor is one input. `precision` (:class:`Precision`) traces the step as it will run:
-    ``bf16`` with floating parameters, buffers and inputs in bfloat16, ``bf16-mixed`` under autocast, none as
-    the model is.
+    ``bf16`` (``fp16``) with floating parameters, buffers and inputs in bfloat16 (float16), ``bf16-mixed`` under
+    autocast, none as the model is.
     """
     inputs = as_inputs(example_inputs)
     precision = Precision.parse(precision)
-    cast = torch.bfloat16 if precision == Precision.BF16 else None
+    cast = precision.cast_dtype if precision is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     pnames, bnames = list(params), list(buffers)

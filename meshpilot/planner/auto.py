@@ -259,11 +259,15 @@ def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple:
     return tuple(x.narrow(0, 0, x.shape[0] // microbatches) for x in inputs)
 
 
+_OWN_PRECISION = {"float32": Precision.FP32.value, "bfloat16": Precision.BF16.value, "float16": Precision.FP16.value}
+"""The precision of a model whose parameters are all of one dtype."""
+
+
 def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precision: str | None) -> str:
     """The plan's precision (:class:`~meshpilot.graph.capture.Precision`): as asked, or inferred from the
-    parameters' dtypes (``fp32``, ``bf16``; another dtype by its name). ``bf16`` casts a float32 model (the
-    capture traces it in bfloat16, the runtime casts the model); ``bf16-mixed`` needs float32 parameters
-    (the master weights autocast reads)."""
+    parameters' dtypes (``fp32``, ``bf16``, ``fp16``; another dtype by its name). ``bf16`` and ``fp16`` cast a
+    float32 model (the capture traces it in that dtype, the runtime casts the model); ``bf16-mixed`` needs
+    float32 parameters (the master weights autocast reads)."""
     asked = Precision.parse(precision)
     if model is not None:
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
@@ -271,7 +275,7 @@ def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precis
         dtypes = {n.out.dtype for n in graph.nodes if n.kind == "param" and n.out is not None}
     else:
         dtypes = set()
-    own = {"float32": "fp32", "bfloat16": "bf16"}.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
+    own = _OWN_PRECISION.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
     if asked is None:
         return graph.precision.value if graph is not None and graph.precision else own or "+".join(sorted(dtypes))
     if graph is not None and model is None:
@@ -282,6 +286,12 @@ def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precis
             "cast the model first (model.float()) or leave precision out to plan it as it is"
         )
     return asked.value
+
+
+def _compute_dtype(precision: str | None) -> str:
+    """The dtype whose peak FLOP/s the plan's MFU is told against: the precision's, float32 for a plan labelled
+    with its parameters' dtypes (``check_precision``: a model of several dtypes)."""
+    return Precision(precision).compute_dtype if precision in set(Precision) else "float32"
 
 
 def compute_lower_bound(struct: Structure) -> float:
@@ -374,7 +384,7 @@ def _assemble(
         precision=precision,
         schedule=accumulate(math.prod(cand.shape), microbatches) if microbatches > 1 else None,
         step_flops=microbatches * sum(n.flops for n in graph.nodes if n.kind == NodeKind.OP),
-        peak_flops=lm.cluster.device.flops_for("bfloat16" if str(precision or "").startswith("bf16") else "float32"),
+        peak_flops=lm.cluster.device.flops_for(_compute_dtype(precision)),
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from meshpilot.graph.capture import Precision
 from meshpilot.models.gpt import GPT, GPTConfig
 from meshpilot.runtime.data import ByteText
 
@@ -97,9 +98,10 @@ def autocast(precision: str | None, device: Any = "cpu"):
 
 
 def _as_precision(model: torch.nn.Module, precision: str | None) -> torch.nn.Module:
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    elif precision in ("fp32", "bf16-mixed"):
+    cast = Precision.parse(precision).cast_dtype if precision else None
+    if cast is not None:
+        model.to(cast)
+    elif precision in (Precision.FP32, Precision.BF16_MIXED):
         model.float()  # master weights in float32
     return model
 
