@@ -118,6 +118,12 @@ class Precision(StrEnum):
                 "model's own dtypes)"
             ) from None
 
+    @classmethod
+    def of_label(cls, label: str | None) -> Precision | None:
+        """The precision a plan is labelled with; None for no label or one naming the parameters' own dtypes
+        (``planner.auto.check_precision`` labels a model of other or several dtypes so)."""
+        return cls(label) if label in set(cls) else None
+
     @property
     def cast_dtype(self) -> torch.dtype | None:
         """The dtype a model's floating parameters, buffers and inputs are cast to (``bf16``, ``fp16``)."""

@@ -291,7 +291,8 @@ def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precis
 def _compute_dtype(precision: str | None) -> str:
     """The dtype whose peak FLOP/s the plan's MFU is told against: the precision's, float32 for a plan labelled
     with its parameters' dtypes (``check_precision``: a model of several dtypes)."""
-    return Precision(precision).compute_dtype if precision in set(Precision) else "float32"
+    p = Precision.of_label(precision)
+    return p.compute_dtype if p is not None else "float32"
 
 
 def compute_lower_bound(struct: Structure) -> float:

@@ -450,8 +450,8 @@ def parallelize(
         raise UserError(f"mesh shape {tuple(mesh.shape)} does not match the plan's {plan.mesh_shape}")
     if mesh.device_type != dev.type:
         raise UserError(f"the mesh is on {mesh.device_type} but the model on {dev}; build the mesh for {dev.type}")
-    cast = Precision.parse(plan.precision).cast_dtype if plan.precision else None
-    if cast is not None:  # the plan trains in bfloat16 / float16: so does the model
+    own = Precision.of_label(plan.precision)  # the plan trains in bfloat16 / float16: so does the model
+    if own is not None and (cast := own.cast_dtype) is not None:
         model.to(cast)
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
     if graph is None:

@@ -98,8 +98,8 @@ def autocast(precision: str | None, device: Any = "cpu"):
 
 
 def _as_precision(model: torch.nn.Module, precision: str | None) -> torch.nn.Module:
-    cast = Precision.parse(precision).cast_dtype if precision else None
-    if cast is not None:
+    own = Precision.of_label(precision)
+    if own is not None and (cast := own.cast_dtype) is not None:
         model.to(cast)
     elif precision in (Precision.FP32, Precision.BF16_MIXED):
         model.float()  # master weights in float32
