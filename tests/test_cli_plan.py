@@ -143,6 +143,10 @@ def test_no_plan_fits_is_the_plan_error(capsys):
         capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--memory-gib", "1e-6"]
     )
     assert "no sharding plan fits" in err and "1.05 KiB" in err  # 1e-6 GiB, readable (not "0.00 GiB")
+    # every shape fails: one clause with the shapes and the smallest need, not one per shape
+    err = _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--memory-gib", "1e-6"])
+    assert "on any mesh shape ((4, 1), (2, 2), (1, 4)): the smallest per-device memory found is" in err
+    assert err.count("1.05 KiB") == 1 and err.count("use more devices") == 1
 
 
 def test_out_into_a_missing_folder(tmp_path, capsys):

@@ -209,11 +209,7 @@ def plan(
             if best is None or cand.time_s < best.time_s - 1e-15:
                 best, best_builder, best_lm, best_resharder = cand, builder, lm, task.resharder
     if best is None:
-        raise (
-            errors[0]
-            if len(errors) == 1
-            else PlanError("no sharding plan fits on any mesh shape: " + "; ".join(str(e) for e in errors[:3]))
-        )
+        raise _no_shape_fits(errors)
     compute = ComputeCost(best_resharder.cost_model, best.shape, graph)
     acct = account(graph, best.chosen, best_resharder, compute, microbatches, edges)
     report = SolverReport(
@@ -286,6 +282,26 @@ def check_precision(model: torch.nn.Module | None, graph: OpGraph | None, precis
             "cast the model first (model.float()) or leave precision out to plan it as it is"
         )
     return asked.value
+
+
+def _no_shape_fits(errors: list[PlanError]) -> PlanError:
+    """One error for every mesh shape that found no plan: when each says what it needs, the least need against
+    the capacity once (not a clause per shape); else the distinct messages, the first three."""
+    if len(errors) == 1:
+        return errors[0]
+    if all(e.need_bytes is not None and e.capacity_bytes is not None for e in errors):
+        least = min(errors, key=lambda e: e.need_bytes)
+        shapes = ", ".join(dict.fromkeys(str(e.mesh_shape) for e in errors))
+        return PlanError(
+            f"no sharding plan fits on any mesh shape ({shapes}): the smallest per-device memory found is "
+            f"{fmt_size(least.need_bytes)} (mesh {least.mesh_shape}) but a device holds "
+            f"{fmt_size(least.capacity_bytes)}; use more devices, more microbatches (a smaller batch per step), a "
+            "smaller model, or a device with more memory",
+            mesh_shape=least.mesh_shape,
+            need_bytes=least.need_bytes,
+            capacity_bytes=least.capacity_bytes,
+        )
+    return PlanError("no sharding plan fits on any mesh shape: " + "; ".join(list(dict.fromkeys(map(str, errors)))[:3]))
 
 
 def _compute_dtype(precision: str | None) -> str:
