@@ -43,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshpilot.cli.common import add_hf_config_arg, positive_float, positive_int
+from meshpilot.cli.plan import PRECISIONS
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.io import atomic_write, check_writable
@@ -149,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=tuple(p.value for p in Precision),
+        choices=PRECISIONS,
         help="fp32, bf16 / fp16 (model cast to bfloat16 / float16) or bf16-mixed (fp32 master weights under "
         "bfloat16 autocast); with --plan: the plan's (must match if given)",
     )

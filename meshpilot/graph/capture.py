@@ -130,10 +130,6 @@ class Precision(StrEnum):
         return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(self)
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        return self.cast_dtype or torch.float32
-
-    @property
     def compute_dtype(self) -> str:
         """The dtype the matmuls run in: the device's peak FLOP/s of it is the plan's MFU reference."""
         return {Precision.FP16: "float16", Precision.FP32: "float32"}.get(self, "bfloat16")

@@ -517,11 +517,20 @@ GSHARD_GROUP = 2048
 """Tokens per routing group of :class:`GShardMoE` (Alpa's MoE benchmarks: ``expert_group_size`` 2048)."""
 
 
+def _routing_group(tokens: int, group: int) -> int:
+    """Tokens per routing group for `tokens` in groups of at most `group`: all of them when fewer."""
+    g = min(group, tokens)
+    if tokens % g:
+        raise ValueError(f"GShardMoE: {tokens} tokens do not split into groups of {g}; give a batch whose tokens "
+                         f"are a multiple of {g}")  # fmt: skip
+    return g
+
+
 class _GShardBlock(nn.Module):
     """Pre-LN transformer layer of GShard: attention, then the zoo's top-2 :class:`MoELayer` over the batch's
     tokens in groups of `group` (or the GPT MLP when `moe` is None)."""
 
-    def __init__(self, cfg, moe: MoELayer | None, group: int = 0) -> None:
+    def __init__(self, cfg, moe: MoELayer | None, group: int) -> None:
         from meshpilot.models.gpt import MLP, CausalSelfAttention
 
         super().__init__()
@@ -535,9 +544,7 @@ class _GShardBlock(nn.Module):
         y = self.ln2(x)
         if isinstance(self.ffn, MoELayer):
             b, s, h = y.shape
-            group = min(self.group, b * s)
-            if (b * s) % group:
-                raise ValueError(f"GShardMoE: {b * s} tokens do not split into groups of {group}")
+            group = _routing_group(b * s, self.group)
             return x + self.ffn(y.reshape(b * s // group, group, h)).view(b, s, h)  # [groups, group, h]
         return x + self.ffn(y)
 
@@ -556,10 +563,7 @@ class GShardMoE(nn.Module):
 
         super().__init__()
         cfg = GPTConfig(vocab=vocab, seq=seq, layers=layers, hidden=hidden, heads=heads)
-        group = min(GSHARD_GROUP, tokens)
-        if tokens % group:
-            raise ValueError(f"GShardMoE: {tokens} tokens do not split into groups of {group}; give a batch whose "
-                             f"tokens are a multiple of {group}")  # fmt: skip
+        group = _routing_group(tokens, GSHARD_GROUP)
         capacity = max(1, math.ceil(2 * group / experts))
         self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.blocks = nn.ModuleList(
