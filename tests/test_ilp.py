@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -223,6 +224,43 @@ def test_a_problem_solved_again_under_another_capacity_is_a_fresh_solve():
     fresh = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=tight_cap)
     assert again.choice == fresh.choice and again.objective == fresh.objective
     assert again.choice != roomy.choice and again.num_constraints == fresh.num_constraints
+
+
+def test_a_capacity_is_answered_by_what_the_problem_already_solved(monkeypatch):
+    """``solve`` keeps each problem's answers: the plan without memory rows (once per problem) answers every
+    capacity its rows fit, a capped plan answers a smaller capacity its rows still fit, and HiGHS runs only
+    for the rest. Each answer is what a fresh problem under that capacity gets, within the MIP gap."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.ilp import Pricer, build_structure, price, priced
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    dm = fake_device_mesh((2, 4))
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), (2, 4)))
+    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    rs = Resharder(dm, cm)
+    runs = []
+    real = ilp._milp
+    monkeypatch.setattr(ilp, "_milp", lambda prob, memory, cap, *a: runs.append(cap) or real(prob, memory, cap, *a))
+    kept = priced(struct, rs)
+    free = solve(kept, memory="zero", capacity=1e15)  # rows far from binding: the row-free plan, one solve
+    assert runs == [math.inf]
+    tight = 1.05 * min_memory(struct, "zero")
+    assert free.memory_zero > tight  # the capacity below binds
+    caps = [free.memory_zero, tight, tight * (1 - 1e-9)]
+    answers = [solve(kept, memory="zero", capacity=cap) for cap in caps]
+    caps.append(answers[1].memory_zero)  # the capped plan's own rows: it still fits
+    answers.append(solve(kept, memory="zero", capacity=caps[-1]))
+    # one HiGHS run with the rows (the tight cap); the others reused: a fitting plan of an equal or larger cap
+    assert runs == [math.inf, tight], runs
+    for cap, got in zip(caps, answers, strict=True):
+        fresh = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=cap)
+        assert got.memory_zero <= cap and got.row == "zero"
+        assert abs(got.objective - fresh.objective) <= 2e-3 * fresh.objective
+    assert answers[0].choice == free.choice and answers[1].choice != free.choice
 
 
 def test_highs_debug_print_is_kept_off_stdout(capfd):

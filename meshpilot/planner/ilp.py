@@ -92,6 +92,9 @@ Nothing but the resharding seconds depends on how mesh coordinates map to device
 :func:`build_problem` (structure + price) is the one-call form. :func:`priced` keeps each mapping's problem on
 its structure (a stage searched under several memory caps is priced once), and :func:`solve` keeps each
 problem's matrices per memory row kind: between solves of one problem only the memory rows' bound changes.
+It keeps the answers too: the plan without memory rows (solved once per problem; LP-integral on a repeated
+block, a tenth of a capped solve) answers every capacity its rows fit, and a plan found under a capacity
+answers any smaller one its rows still fit (the feasible set only shrank) — both exact within the MIP gap.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
@@ -803,30 +806,105 @@ def solve(
     memory: str = "plain",
     capacity: float | None = None,
 ) -> Solution:
-    """Build the sparse ILP and run HiGHS (``scipy.optimize.milp``).
+    """The plan of `prob` under a memory capacity: HiGHS (``scipy.optimize.milp``) on the sparse ILP.
 
     ``memory="zero"`` holds the ZeRO memory rows (module docstring) to the capacity instead of the plain
     ones; `capacity` overrides ``prob.capacity`` (the planner lowers it when the liveness peak exceeds it).
-    """
-    from scipy.optimize import Bounds, LinearConstraint, milp
 
+    A problem is solved under several capacities (a stage's cap levels, the refits), and the memory rows are
+    what makes a solve slow (their knapsack gap; without them the relaxation of a repeated block is already
+    integral). So each problem keeps what it has solved (:func:`_known`) and a capacity is answered, in this
+    order, by: an answer found under a capacity at least as large whose rows fit this one (the feasible set
+    only shrank, so it is still optimal within the gap) or that had no plan; the plan without memory rows,
+    solved once per problem, when its rows fit; and only then a solve with the rows.
+    """
     t0 = time.perf_counter()
     groups = prob.groups
     cap = prob.capacity if capacity is None else capacity
     has_mem_row = math.isfinite(cap)
-    if has_mem_row:
-        need = prob.lp.get(("need", memory))
-        if need is None:
-            need = prob.lp[("need", memory)] = _min_need(groups, memory)
-        if need > cap:
+    if not has_mem_row:
+        sol = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
+        return replace(sol, row=_row_kind(memory), solve_s=time.perf_counter() - t0)
+    need = prob.lp.get(("need", memory))
+    if need is None:
+        need = prob.lp[("need", memory)] = _min_need(groups, memory)
+    if need > cap:
+        raise PlanError(
+            f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
+            f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
+            "; use more devices, a smaller batch or model, or a device with more memory",
+            mesh_shape=prob.mesh_shape,
+            need_bytes=need,
+            capacity_bytes=cap,
+        )
+    known = _known(prob, memory, cap)
+    if known is None:
+        free = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
+        known = free if _held(free, memory) <= cap else _solve_cached(prob, memory, cap, time_limit, mip_rel_gap)
+    if isinstance(known, PlanError):
+        raise PlanError(
+            f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
+            f"(HiGHS: {known.highs}); the smallest need found is {fmt_size(need)}"
+            "; use more devices, a smaller batch or model, or a device with more memory",
+            mesh_shape=prob.mesh_shape,
+            need_bytes=need,
+            capacity_bytes=cap,
+        )
+    return replace(known, row=_row_kind(memory), solve_s=time.perf_counter() - t0)
+
+
+@dataclass
+class _NoPlan:
+    """A capacity under which HiGHS found no plan, and what it said."""
+
+    highs: str
+
+
+def _row_kind(memory: str) -> str:
+    return "zero" if memory == "zero" else "plain"
+
+
+def _held(sol: Solution, memory: str) -> float:
+    """The larger of `sol`'s memory rows of the kind `memory` holds to the capacity."""
+    return sol.memory_zero if memory == "zero" else sol.memory
+
+
+def _known(prob: Problem, memory: str, cap: float) -> Solution | _NoPlan | None:
+    """What an earlier solve of `prob` already answers for `cap`: a plan solved under a capacity ``c ≥ cap``
+    (or none) whose held rows fit `cap` — optimal here too, within its gap, as every plan under `cap` was
+    feasible there — or a capacity ``c ≥ cap`` with no plan; None when neither."""
+    for c, ans in prob.lp.get(("solved", _row_kind(memory)), ()):
+        if c >= cap and (isinstance(ans, _NoPlan) or _held(ans, memory) <= cap):
+            return ans
+    free = prob.lp.get(("solved", None))
+    if isinstance(free, Solution) and _held(free, memory) <= cap:
+        return free
+    return None
+
+
+def _solve_cached(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float):
+    """:func:`_milp` under `cap` (``inf``: no memory rows, one answer for both row kinds), kept on `prob`."""
+    if not math.isfinite(cap):
+        free = prob.lp.get(("solved", None))
+        if free is None:  # the same problem for both row kinds: built and solved as the plain one
+            free = prob.lp[("solved", None)] = _milp(prob, "plain", cap, time_limit, mip_rel_gap)
+        if isinstance(free, _NoPlan):
             raise PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
-                f"but a device holds {fmt_size(cap)} (mesh {prob.mesh_shape})"
-                "; use more devices, a smaller batch or model, or a device with more memory",
+                f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {free.highs}",
                 mesh_shape=prob.mesh_shape,
-                need_bytes=need,
-                capacity_bytes=cap,
             )
+        return free
+    ans = _milp(prob, memory, cap, time_limit, mip_rel_gap)
+    prob.lp.setdefault(("solved", _row_kind(memory)), []).append((cap, ans))
+    return ans
+
+
+def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float) -> Solution | _NoPlan:
+    """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    t0 = time.perf_counter()
+    has_mem_row = math.isfinite(cap)
     lp = prob.lp.get((memory, has_mem_row))
     if lp is None:  # everything but the capacity: built once per problem and row kind
         lp = prob.lp[(memory, has_mem_row)] = _lp(prob, memory, has_mem_row)
@@ -847,23 +925,10 @@ def solve(
             bounds=Bounds(0, 1),
             options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "presolve": True},
         )
-    solve_s = time.perf_counter() - t0
     if res.x is None:
-        if has_mem_row:
-            need = _min_need(groups, memory)
-            raise PlanError(
-                f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
-                f"(HiGHS: {res.message}); the smallest need found is {fmt_size(need)}"
-                "; use more devices, a smaller batch or model, or a device with more memory",
-                mesh_shape=prob.mesh_shape,
-                need_bytes=need,
-                capacity_bytes=cap,
-            )
-        raise PlanError(
-            f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {res.message}",
-            mesh_shape=prob.mesh_shape,
-        )
+        return _NoPlan(str(res.message))
     x = res.x
+    groups = prob.groups
     pick = [int(np.argmax(x[offs[gi] : offs[gi + 1]])) for gi in range(len(groups))]
     choice = {name: int(prob.node_map[name][pick[g]]) for name, g in prob.node_group.items()}
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
@@ -875,12 +940,12 @@ def solve(
         objective,
         gap,
         str(res.message),
-        solve_s,
+        time.perf_counter() - t0,
         n_vars,
         r,
         float((mem_plain @ xs).max()),
         float((mem_zero @ xs).max()),
-        "zero" if memory == "zero" else "plain",
+        _row_kind(memory),
         tuple(float(v) for v in mem_plain @ xs),
     )
 
