@@ -103,7 +103,11 @@ def fake_device_mesh(shape: Sequence[int], ranks: np.ndarray | None = None) -> D
 
 # ------------------------------------------------------------------------------------------ enumeration
 
-_STRATEGY_CACHE: dict[tuple[int, ...], dict[str, tuple[list, str | None]]] = {}
+_STRATEGY_CACHE: dict[tuple[int, ...], dict[tuple, tuple[list, str | None]]] = {}
+"""Per mesh shape: (node key, operand layout ids) -> the node's strategies and why it fell back (if it did)."""
+
+_CONST_KEY = "meshpilot_const_key"
+"""The fx node ``meta`` entry holding :func:`_const_key`."""
 
 
 _COST_MODULES: list | None = None
@@ -157,7 +161,7 @@ class StrategyBuilder:
         )
         # shared by every builder on a mesh of this shape: strategies depend on the op, its operand shapes
         # and layouts and the mesh shape only, so forced plans and repeated planning reuse them
-        self._cache: dict[str, tuple[list[Strategy], str | None]] = _STRATEGY_CACHE.setdefault(self.mesh_shape, {})
+        self._cache: dict[tuple, tuple[list[Strategy], str | None]] = _STRATEGY_CACHE.setdefault(self.mesh_shape, {})
         self.fallbacks: dict[str, str] = {}
         """Node -> why it has no strategy but the replicated one (the plan lists these per node)."""
 
@@ -183,15 +187,7 @@ class StrategyBuilder:
             return self.leaf(node)
         if node.kind == "getitem":
             return [Strategy((p,), (p,), StrategySource.DTENSOR) for p in operand_candidates[0]]
-        key = repr(
-            (
-                node.target,
-                node.outputs,
-                [self.graph[s].outputs[i] for s, i in node.inputs],
-                operand_candidates,
-                _const_key(node),
-            )
-        )
+        key = (self._node_key(node), tuple(tuple(map(pid, c)) for c in operand_candidates))
         hit = self._cache.get(key)
         if hit is not None:
             strategies, why = hit
@@ -203,6 +199,12 @@ class StrategyBuilder:
             strategies = self._compute(node, operand_candidates)
         self._cache[key] = (strategies, self._last_fallback)
         return strategies
+
+    def _node_key(self, node: OpNode) -> str:
+        """What the strategies of `node` depend on besides its operands' layouts: the op, its outputs, its
+        operands' shapes and dtypes and its constant arguments."""
+        operands = [self.graph[s].outputs[i] for s, i in node.inputs]
+        return repr((node.target, node.outputs, operands, _const_key(node)))
 
     def _fallback(self, node: OpNode, why: str) -> list[Strategy]:
         from meshpilot.ops import unavailable
@@ -483,7 +485,15 @@ def _meta_of(v):
     return None
 
 
-def _const_key(node: OpNode):
-    if node.fx_node is None:
+def _const_key(node: OpNode) -> str | None:
+    """The fx node's arguments with its tensor operands blanked out (its constants), as a string; kept in the
+    fx node's ``meta`` (a stage's slice of the graph shares its fx nodes, and the pipeline planner asks for
+    the strategies of every node once per range and mesh shape: the pytree walk was a tenth of a Wide-ResNet
+    plan's time)."""
+    fx = node.fx_node
+    if fx is None:
         return None
-    return repr(pytree.tree_map_only(torch.fx.Node, lambda _: "T", (node.fx_node.args, node.fx_node.kwargs)))
+    key = fx.meta.get(_CONST_KEY)
+    if key is None:
+        key = fx.meta[_CONST_KEY] = repr(pytree.tree_map_only(torch.fx.Node, lambda _: "T", (fx.args, fx.kwargs)))
+    return key
