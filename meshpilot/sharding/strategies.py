@@ -200,11 +200,11 @@ class StrategyBuilder:
         self._cache[key] = (strategies, self._last_fallback)
         return strategies
 
-    def _node_key(self, node: OpNode) -> str:
+    def _node_key(self, node: OpNode) -> tuple:
         """What the strategies of `node` depend on besides its operands' layouts: the op, its outputs, its
-        operands' shapes and dtypes and its constant arguments."""
-        operands = [self.graph[s].outputs[i] for s, i in node.inputs]
-        return repr((node.target, node.outputs, operands, _const_key(node)))
+        operands' shapes and dtypes and its constant arguments (hashable values, compared as they are)."""
+        operands = tuple(self.graph[s].outputs[i] for s, i in node.inputs)
+        return (node.target, tuple(node.outputs), operands, _const_key(node))
 
     def _fallback(self, node: OpNode, why: str) -> list[Strategy]:
         from meshpilot.ops import unavailable
