@@ -762,3 +762,38 @@ def test_gshard_moe_routes_tokens_in_groups():
     assert GShardMoE(64, 1024, 1, 8, 2, 4, 1024).blocks[0].ffn.capacity == 2 * 1024 // 4  # one group: the batch
     with pytest.raises(ValueError, match="groups of 2048"):
         GShardMoE(64, 1024, 1, 8, 2, 4, 3 * 1024)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_stage_table_searched_in_worker_processes_is_the_serial_table(fast, monkeypatch):
+    """``planner.parallel``: the stage table's columns (one per submesh size) searched in 2 forked workers give
+    the plan one process gives — stages, ranks, logical meshes, step to the last digit, the same searches —
+    on the repeated-block path and the exact one; the chosen stages' costs come back into the parent's planner
+    (a second plan there searches nothing). A bad worker count is one line."""
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner import parallel
+    from meshpilot.planner.stack import StageCosting
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4, batch=16, hidden=256))("meta", 4))
+    plans, built = {}, {}
+    # the exact path searches every range: 4 layer clusters on 8 devices keep it short
+    kw = dict(microbatches=4, fast=fast, num_devices=16 if fast else 8, num_clusters=None if fast else 4)
+    for workers in (1, 2):
+        sp = StagePlanner(graph, "alpa-p3x8")
+        p = plan_pipeline(graph, sp.cluster, planner=sp, workers=workers, **kw)
+        again = sp.misses
+        plan_pipeline(graph, sp.cluster, planner=sp, workers=workers, **kw)
+        assert sp.misses == again  # every search of the first plan is in this planner's cache
+        stages = [(s.layers, s.ranks, s.mesh_shape, s.t_s, s.memory_bytes) for s in p.stages]
+        plans[workers] = (stages, p.step_s, p.stage_plans, p.costing)
+        built[workers] = len(sp._structs)  # ILP structures built in this process
+    assert plans[1] == plans[2] and len(plans[1][0]) >= 1
+    assert plans[1][3] == (StageCosting.STACK if fast else StageCosting.EXACT)
+    assert built[2] < built[1]  # the searches ran in the workers
+    assert len(plans[1][0]) > 1 or plans[1][0][0][2] != (1, 1)  # the plan uses more than one device
+    with pytest.raises(UserError, match="MESHPILOT_PLAN_WORKERS='two'"):
+        monkeypatch.setenv("MESHPILOT_PLAN_WORKERS", "two")
+        parallel.plan_workers()
+    with pytest.raises(UserError, match="workers=0"):
+        parallel.plan_workers(0)

@@ -151,6 +151,13 @@ class PlanError(UserError):
         self.need_bytes = need_bytes
         self.capacity_bytes = capacity_bytes
 
+    def __reduce__(self):  # pickled with its fields (a planning worker returns the stages that fit nowhere)
+        return (_plan_error, (str(self), self.mesh_shape, self.need_bytes, self.capacity_bytes))
+
+
+def _plan_error(message: str, mesh_shape, need_bytes, capacity_bytes) -> PlanError:
+    return PlanError(message, mesh_shape=mesh_shape, need_bytes=need_bytes, capacity_bytes=capacity_bytes)
+
 
 _TRIVIAL_TARGETS = {
     "aten.clone.default",

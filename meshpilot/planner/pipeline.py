@@ -195,6 +195,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.parallel import map_columns, plan_workers
 from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
 from meshpilot.planner.schedule import (
     ActionKind,
@@ -459,6 +460,8 @@ class _StageTable:
     """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (:func:`logical_shapes`)."""
     refused: np.ndarray | None = None
     """``[k, i]``: clusters k..i would be a stage that a value crosses whole (:func:`refused_ranges`)."""
+    workers: int = 1
+    """Processes the columns are searched in (``planner.parallel``)."""
 
     def useful(self, k: int, i: int, d: int) -> bool:
         """Whether clusters k..i on d devices can be a stage of a plan covering every cluster and device
@@ -476,21 +479,28 @@ class _StageTable:
         return self.stages is None and least + 1 <= self.max_stages or self.stages in range(least + 1, most + 2)
 
     def fill(self) -> None:
+        """Every useful (range, size) searched on each logical shape: a column per size, in :attr:`workers`
+        processes (``planner.parallel``: the same costs as one after the other)."""
+        for column in map_columns(self._column, self.sizes, self.planner, self.workers):
+            self.costs.update(column)
+
+    def _column(self, d: int) -> dict[tuple[int, int, int], list[StageCost]]:
         L, B = len(self.clusters.bounds), self.microbatches
+        out = {}
         for k in range(L):
             for i in range(k, L):
+                if not self.useful(k, i, d):
+                    continue
                 start, stop = self.clusters.bounds[k][0], self.clusters.bounds[i][1]
-                for d in self.sizes:
-                    if not self.useful(k, i, d):
+                found = []
+                for shape in self.shapes(d):
+                    try:
+                        c = self.planner.plan(start, stop, range(d), shape, microbatches=B, **self.kw)
+                    except PlanError:
                         continue
-                    found = []
-                    for shape in self.shapes(d):
-                        try:
-                            c = self.planner.plan(start, stop, range(d), shape, microbatches=B, **self.kw)
-                        except PlanError:
-                            continue
-                        found.append(c)
-                    self.costs[(k, i, d)] = found
+                    found.append(c)
+                out[(k, i, d)] = found
+        return out
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``t[s, k, i, z]``: t_intra of clusters k..i on size z with s stages from it to the end (∞: none
@@ -971,6 +981,7 @@ def plan_pipeline(
     chunks: int = 2,
     submeshes: Sequence[int] | None = None,
     shapes: LogicalShapes | str = LogicalShapes.ALL,
+    workers: int | None = None,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -991,8 +1002,12 @@ def plan_pipeline(
 
     For large clusters (module docstring, section 2): `submeshes` restricts the stage sizes to these of
     Theorem 1's (e.g. whole nodes in powers of two), `shapes` the logical shapes per size
-    (:class:`LogicalShapes`); both narrow the search (the plan is the best among them)."""
+    (:class:`LogicalShapes`); both narrow the search (the plan is the best among them).
+
+    `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
+    ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
     t0 = time.perf_counter()
+    workers = plan_workers(workers)
     stack: Stack | None = graph if isinstance(graph, Stack) else None
     if stack is not None:
         if fast is False and stack.kept != stack.blocks:
@@ -1005,7 +1020,7 @@ def plan_pipeline(
         sp = planner if planner is not None else StagePlanner(graph, cluster)
         kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                   num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
-                  planner=sp, fast=fast, submeshes=submeshes, shapes=shapes)  # fmt: skip
+                  planner=sp, fast=fast, submeshes=submeshes, shapes=shapes, workers=workers)  # fmt: skip
         found: list[tuple[float, int, PipelinePlan]] = []
         errors = []
         for rank, k in enumerate(AUTO_ORDER):
@@ -1093,7 +1108,7 @@ def plan_pipeline(
                 p = plan_pipeline(
                     stack or graph, cluster, microbatches=microbatches, num_devices=n, num_clusters=num_clusters,
                     num_stages=depth, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
-                    schedule=kind, fast=fast, submeshes=submeshes, shapes=shapes, **stage_kw,
+                    schedule=kind, fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, **stage_kw,
                 )  # fmt: skip
             except PlanError:
                 continue
@@ -1157,7 +1172,7 @@ def plan_pipeline(
         return build(best, True)
     table = _StageTable(
         sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of,
-        refused=refused_ranges(graph, sp.layers, clusters, stack),
+        refused=refused_ranges(graph, sp.layers, clusters, stack), workers=workers,
     )  # fmt: skip
     if stack is None:
         table.fill()
@@ -1166,6 +1181,7 @@ def plan_pipeline(
         fast_table = StackTable(
             sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, microbatches, num_stages), dict(stage_kw), shapes=shapes_of,
+            workers=workers,
         )  # fmt: skip
         t, arg = fast_table.arrays()
     B = microbatches

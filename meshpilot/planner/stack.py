@@ -93,6 +93,7 @@ Searches: per shape, one block (per level used) plus the pre and post sub-ranges
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -106,6 +107,7 @@ from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.graph.capture import OpGraph, capture
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.parallel import map_columns
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
 
@@ -299,6 +301,8 @@ class StackTable:
     """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (``pipeline.logical_shapes``)."""
     candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
     """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
+    workers: int = 1
+    """Processes the columns are computed in (``planner.parallel``)."""
     prune: bool = True
     """Skip the logical meshes and cap levels whose floors show they cannot change an entry (module
     docstring, 3: the same table); False searches every one (for the tests)."""
@@ -331,66 +335,78 @@ class StackTable:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``t[s, k, i, z]`` (t_intra: ∞ where nothing fits) and ``arg[s, k, i, z]`` (into :attr:`candidates`),
-        planning the pieces as it goes (module docstring, 2 and 3)."""
-        L, Z, S, B = len(self.bounds), len(self.sizes), self.max_stages, self.microbatches
+        planning the pieces as it goes (module docstring, 2 and 3): a column per submesh size, in
+        :attr:`workers` processes (``planner.parallel``: the same table as one after the other)."""
+        L, Z, S = len(self.bounds), len(self.sizes), self.max_stages
         t = np.full((S + 1, L, L, Z), math.inf)
         arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
-        PA, PB, NB, pres, posts = self._layout()
-        tri = np.triu(np.ones((L, L), dtype=bool))
+        layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, S + 1)], dtype=float)
-        mid = self.stack.middle
-        for z, d in enumerate(self.sizes):
-            use = np.zeros((L, L), dtype=bool)
-            for k in range(L):
-                for i in range(k, L):
-                    use[k, i] = self.useful(k, i, d)
-            use &= tri
-            if not use.any():
-                continue
-            ranks = range(d)
-            used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
-            shapes = list(self.shapes(d))
-            floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
-                      for shape in shapes]  # fmt: skip
-            # the winner of each entry is the least (t, order) of the candidates, order = (shape's place in
-            # `shapes`, level): what searching in that order and keeping strict improvements gives
-            order = np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64)
-            tz = t[1:, :, :, z]  # a view: written in place
-            az = arg[1:, :, :, z]
-            for j in sorted(range(len(shapes)), key=lambda j: (floors[j][2].time_s if self.prune else 0.0, j)):
-                shape = shapes[j]
-                lower = self._lower(floors[j], PA, PB, NB, f, use) if self.prune else None
-                if lower is not None and not self._can_improve(lower, tz, order, j * MAX_LEVELS):
-                    continue
-                specials = [
-                    self._specials(pres, ranks, shape, used_pre),
-                    self._specials(posts, ranks, shape, used_post),
-                ]
-                blocks_needed = use & (NB > 0)
-                block_cap, target = self.capacity, 0
-                for level in range(MAX_LEVELS):
-                    key = j * MAX_LEVELS + level
-                    if level and lower is not None and not self._can_improve(lower, tz, order, key):
-                        break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-                    blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
-                    T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
-                    T = np.where(use, T, math.inf)
-                    self.candidates.append((d, shape, block_cap))
-                    cid = len(self.candidates) - 1
-                    mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
-                    ok = (mem <= self.capacity) & np.isfinite(T)[None]
-                    cand = np.where(ok, T[None] / B, math.inf)
-                    better = (cand < tz) | ((cand == tz) & np.isfinite(cand) & (key < order))
-                    tz[better] = cand[better]
-                    az[better] = cid
-                    order[better] = key
-                    # a tighter cap only where some range of blocks fits with no number of stages after it
-                    fitless = blocks_needed & ~ok.any(axis=0)
-                    if blk is None or not fitless.any():
-                        break
-                    target = max(int(NB[fitless].min()), 2 * target)
-                    block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+        columns = map_columns(functools.partial(self._column, layout, f), range(Z), self.planner, self.workers)
+        for z, (tz, az, cands) in enumerate(columns):
+            t[1:, :, :, z] = tz
+            arg[1:, :, :, z] = np.where(az >= 0, az + len(self.candidates), -1)
+            self.candidates += cands
         return t, arg
+
+    def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """Size z's column: ``t[1:, :, :, z]``, ``arg`` into the candidates it returns (module docstring, 2 and
+        3)."""
+        L, S, B = len(self.bounds), self.max_stages, self.microbatches
+        tz = np.full((S, L, L), math.inf)
+        az = np.full((S, L, L), -1, dtype=np.int64)
+        candidates: list[tuple[int, tuple[int, int], float]] = []
+        PA, PB, NB, pres, posts = layout
+        d = self.sizes[z]
+        use = np.zeros((L, L), dtype=bool)
+        for k in range(L):
+            for i in range(k, L):
+                use[k, i] = self.useful(k, i, d)
+        if not use.any():
+            return tz, az, candidates
+        mid = self.stack.middle
+        ranks = range(d)
+        used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
+        shapes = list(self.shapes(d))
+        floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
+                  for shape in shapes]  # fmt: skip
+        # the winner of each entry is the least (t, order) of the candidates, order = (shape's place in
+        # `shapes`, level): what searching in that order and keeping strict improvements gives
+        order = np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64)
+        for j in sorted(range(len(shapes)), key=lambda j: (floors[j][2].time_s if self.prune else 0.0, j)):
+            shape = shapes[j]
+            lower = self._lower(floors[j], PA, PB, NB, f, use) if self.prune else None
+            if lower is not None and not self._can_improve(lower, tz, order, j * MAX_LEVELS):
+                continue
+            specials = [
+                self._specials(pres, ranks, shape, used_pre),
+                self._specials(posts, ranks, shape, used_post),
+            ]
+            blocks_needed = use & (NB > 0)
+            block_cap, target = self.capacity, 0
+            for level in range(MAX_LEVELS):
+                key = j * MAX_LEVELS + level
+                if level and lower is not None and not self._can_improve(lower, tz, order, key):
+                    break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
+                blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
+                T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
+                T = np.where(use, T, math.inf)
+                candidates.append((d, shape, block_cap))
+                cid = len(candidates) - 1
+                mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
+                ok = (mem <= self.capacity) & np.isfinite(T)[None]
+                cand = np.where(ok, T[None] / B, math.inf)
+                better = (cand < tz) | ((cand == tz) & np.isfinite(cand) & (key < order))
+                tz[better] = cand[better]
+                az[better] = cid
+                order[better] = key
+                # a tighter cap only where some range of blocks fits with no number of stages after it
+                fitless = blocks_needed & ~ok.any(axis=0)
+                if blk is None or not fitless.any():
+                    break
+                target = max(int(NB[fitless].min()), 2 * target)
+                block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+        return tz, az, candidates
 
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this

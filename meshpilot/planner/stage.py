@@ -95,6 +95,7 @@ to skip meshes that cannot change its table.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 import time
@@ -293,7 +294,7 @@ def _depth_pattern(graph: OpGraph, n: OpNode) -> tuple:
     return tuple((order.index(d), d == 0) for d in ds)
 
 
-def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, int], int]:
+def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, int], bytes]:
     """A function giving layers ``[start, stop)`` a key such that two ranges with the same key slice into
     the same problem up to names (module docstring, *Identical stages*).
 
@@ -348,9 +349,8 @@ def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, in
     bs = np.asarray(block_sig, dtype=np.int64)
     # the links: reader's layer, position, operand; source's layer, position, output
     X = np.asarray(links, dtype=np.int64).reshape(-1, 6)
-    keys: dict[bytes, int] = {}
 
-    def key(start: int, stop: int) -> int:
+    def key(start: int, stop: int) -> bytes:
         m = (bl >= start) & (bl < stop)
         parts = [np.stack([bl[m] - start, bs[m]]).tobytes()]
         sub = X[(X[:, 0] >= start) & (X[:, 0] < stop)]
@@ -365,7 +365,9 @@ def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, in
             rows[out, 3] = -1 - rank[inverse.reshape(-1)]
             rows[out, 4:] = 0
         parts.append(rows.tobytes())
-        return keys.setdefault(b"|".join(parts), len(keys))
+        # a digest, not a number given in order of asking: the same in every process (``planner.parallel``
+        # merges the stage costs that forked workers keyed)
+        return hashlib.blake2b(b"|".join(parts), digest_size=16).digest()
 
     return key
 
@@ -452,6 +454,28 @@ class StagePlanner:
         self._resharders: dict[tuple, Resharder] = {}
         self.hits = 0
         self.misses = 0
+
+    def mark(self) -> tuple[int, int, int]:
+        """Where the caches stand now, for :meth:`exported` (``planner.parallel``)."""
+        return len(self._costs), self.hits, self.misses
+
+    def exported(self, mark: tuple[int, int, int]) -> tuple[list, list, int, int]:
+        """The stage costs searched since `mark` (entries are only ever added, in order) and the hits and
+        misses since, for :meth:`merge` in another process."""
+        n, hits, misses = mark
+        costs = list(self._costs.items())[n:]
+        memory = [(k, self._memory[k]) for k, _ in costs if k in self._memory]
+        return costs, memory, self.hits - hits, self.misses - misses
+
+    def merge(self, searched: tuple[list, list, int, int]) -> None:
+        """Add what a worker's :meth:`exported` returned: its searches count as this planner's."""
+        costs, memory, hits, misses = searched
+        for k, v in costs:
+            self._costs.setdefault(k, v)
+        for k, v in memory:
+            self._memory.setdefault(k, v)
+        self.hits += hits
+        self.misses += misses
 
     def _slice(self, start: int, stop: int):
         hit = self._slices.get((start, stop))

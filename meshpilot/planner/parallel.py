@@ -1,0 +1,91 @@
+"""The pipeline planner's stage searches spread over forked worker processes, one submesh size at a time.
+
+The stage table (``pipeline._StageTable``, ``stack.StackTable``) is a column per submesh size d: every search
+of a column runs on d devices' logical shapes, so no search of one column reads what another column's found
+(the stage planner's caches are keyed by mesh shape, and the ILP problems they keep by structure and
+mapping). The columns are therefore computed in any order, and here in worker processes, with the same
+results as one after the other — what Alpa does with its stage profiling across a Ray cluster, on one
+machine's cores. HiGHS solves one problem on one core, so this is where planning gets more than one.
+
+How: the workers are forked (Linux; elsewhere, and with one worker, the columns run here), so they start
+with the planner as it is — its caches, the captured graph — and nothing is pickled going out. Each task
+is one column; it returns its result and the stage costs it searched (``StagePlanner.exported``), which
+this process merges (``StagePlanner.merge``): the chosen stages are then read from the cache, exactly as
+the serial run would read them. A worker keeps its caches across the columns it takes.
+
+How many: ``workers`` (``plan_pipeline(workers=...)``, ``meshpilot plan --workers``), else the environment's
+``MESHPILOT_PLAN_WORKERS``, else the CPUs this process may run on, at most :data:`MAX_WORKERS`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from meshpilot.errors import UserError
+
+MAX_WORKERS = 8
+"""Most worker processes by default (each holds a copy of the planner's caches as they grow)."""
+
+ENV = "MESHPILOT_PLAN_WORKERS"
+
+_JOB: tuple[Callable[[Any], Any], Any] | None = None
+"""The column function and the planner, set before the fork (the workers inherit them)."""
+
+
+def plan_workers(workers: int | None = None) -> int:
+    """The worker processes to use: `workers`, else ``$MESHPILOT_PLAN_WORKERS``, else the usable CPUs (at most
+    :data:`MAX_WORKERS`); a bad value is one :class:`UserError` line."""
+    if workers is None:
+        raw = os.environ.get(ENV)
+        if raw is None:
+            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            return max(1, min(MAX_WORKERS, usable))
+        try:
+            workers = int(raw)
+        except ValueError:
+            raise UserError(f"{ENV}={raw!r}: give a whole number of planning processes, at least 1") from None
+        where = ENV
+    else:
+        where = "workers"
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise UserError(f"{where}={workers!r}: give a whole number of planning processes, at least 1")
+    return workers
+
+
+def can_fork() -> bool:
+    """Whether columns may run in forked workers: Linux's fork (macOS' is unsafe with system libraries,
+    Windows has none)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers: int) -> list[Any]:
+    """``[fn(x) for x in items]``, with ``fn`` run in up to `workers` forked processes when there are several
+    items, and the stage costs they searched merged into `planner` (module docstring). The results come back
+    in `items`' order."""
+    global _JOB
+    n = min(workers, len(items))
+    if n <= 1 or not can_fork():
+        return [fn(x) for x in items]
+    _JOB = (fn, planner)
+    try:
+        with multiprocessing.get_context("fork").Pool(n) as pool:
+            outs = pool.map(_column, items, chunksize=1)
+    finally:
+        _JOB = None
+    results = []
+    for res, searched in outs:
+        planner.merge(searched)
+        results.append(res)
+    return results
+
+
+def _column(item: Any) -> tuple[Any, Any]:
+    """In a worker: one column and the stage costs it searched."""
+    assert _JOB is not None
+    fn, planner = _JOB
+    mark = planner.mark()
+    return fn(item), planner.exported(mark)
