@@ -155,6 +155,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--pipeline: the number of stages (interleaved-1f1b: of device groups, each holding 2 chunks; default: "
         "the search chooses)",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
+        "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
+    )
     p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -234,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         return run_pipeline(args, cluster, n, memory)
     if args.stages is not None:
         raise UserError("--stages plans a pipeline; add --pipeline (or drop --stages)")
+    if args.workers is not None:
+        raise UserError("--workers runs a pipeline's stage searches; add --pipeline (or drop --workers)")
     sched = schedule_options(args.schedule, args.microbatches)
     built = build_model(
         args.model,
@@ -320,6 +328,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
             memory_bytes=memory,
             schedule=schedule,
             time_limit=args.time_limit,
+            workers=args.workers,
         )
     if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
         if isinstance(graph, Stack):  # each stage's own plan needs its operators: the whole model's graph
