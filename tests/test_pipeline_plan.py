@@ -801,3 +801,7 @@ def test_stage_table_searched_in_worker_processes_is_the_serial_table(fast, monk
         parallel.plan_workers()
     with pytest.raises(UserError, match="workers=0"):
         parallel.plan_workers(0)
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # a daemon may not fork: its columns run in it
+        assert parallel.can_fork() and pool.apply(parallel.can_fork) is False

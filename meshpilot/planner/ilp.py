@@ -855,7 +855,7 @@ def solve(
             need_bytes=need,
             capacity_bytes=cap,
         )
-    known = _known(prob, memory, cap)
+    known = _known(prob, memory, cap, (time_limit, mip_rel_gap))
     if known is None:
         free = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
         known = free if _held(free, memory) <= cap else _solve_cached(prob, memory, cap, time_limit, mip_rel_gap)
@@ -876,6 +876,8 @@ class _NoPlan:
     """A capacity under which HiGHS found no plan, and what it said."""
 
     highs: str
+    infeasible: bool
+    """HiGHS proved that no plan fits (not: ran out of time before finding one)."""
 
 
 def _row_kind(memory: str) -> str:
@@ -887,14 +889,15 @@ def _held(sol: Solution, memory: str) -> float:
     return sol.memory_zero if memory == "zero" else sol.memory
 
 
-def _known(prob: Problem, memory: str, cap: float) -> Solution | _NoPlan | None:
-    """What an earlier solve of `prob` already answers for `cap`: a plan solved under a capacity ``c ≥ cap``
-    (or none) whose held rows fit `cap` — optimal here too, within its gap, as every plan under `cap` was
-    feasible there — or a capacity ``c ≥ cap`` with no plan; None when neither."""
-    for c, ans in prob.lp.get(("solved", _row_kind(memory)), ()):
-        if c >= cap and (isinstance(ans, _NoPlan) or _held(ans, memory) <= cap):
+def _known(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan | None:
+    """What an earlier solve of `prob` with the same `settings` (time limit, gap) already answers for `cap`:
+    a plan solved under a capacity ``c ≥ cap`` (or none) whose held rows fit `cap` — optimal here too, within
+    its gap, as every plan under `cap` was feasible there — or a capacity ``c ≥ cap`` proven to have no
+    plan; None when neither."""
+    for c, ans in prob.lp.get(("solved", _row_kind(memory), settings), ()):
+        if c >= cap and (ans.infeasible if isinstance(ans, _NoPlan) else _held(ans, memory) <= cap):
             return ans
-    free = prob.lp.get(("solved", None))
+    free = prob.lp.get(("solved", None, settings))
     if isinstance(free, Solution) and _held(free, memory) <= cap:
         return free
     return None
@@ -902,10 +905,11 @@ def _known(prob: Problem, memory: str, cap: float) -> Solution | _NoPlan | None:
 
 def _solve_cached(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float):
     """:func:`_milp` under `cap` (``inf``: no memory rows, one answer for both row kinds), kept on `prob`."""
+    settings = (time_limit, mip_rel_gap)
     if not math.isfinite(cap):
-        free = prob.lp.get(("solved", None))
+        free = prob.lp.get(("solved", None, settings))
         if free is None:  # the same problem for both row kinds: built and solved as the plain one
-            free = prob.lp[("solved", None)] = _milp(prob, "plain", cap, time_limit, mip_rel_gap)
+            free = prob.lp[("solved", None, settings)] = _milp(prob, "plain", cap, time_limit, mip_rel_gap)
         if isinstance(free, _NoPlan):
             raise PlanError(
                 f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {free.highs}",
@@ -913,7 +917,7 @@ def _solve_cached(prob: Problem, memory: str, cap: float, time_limit: float, mip
             )
         return free
     ans = _milp(prob, memory, cap, time_limit, mip_rel_gap)
-    prob.lp.setdefault(("solved", _row_kind(memory)), []).append((cap, ans))
+    prob.lp.setdefault(("solved", _row_kind(memory), settings), []).append((cap, ans))
     return ans
 
 
@@ -944,7 +948,7 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
             options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "presolve": True},
         )
     if res.x is None:
-        return _NoPlan(str(res.message))
+        return _NoPlan(str(res.message), infeasible=res.status == 2)
     x = res.x
     groups = prob.groups
     pick = [int(np.argmax(x[offs[gi] : offs[gi + 1]])) for gi in range(len(groups))]

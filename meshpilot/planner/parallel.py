@@ -58,8 +58,12 @@ def plan_workers(workers: int | None = None) -> int:
 
 def can_fork() -> bool:
     """Whether columns may run in forked workers: Linux's fork (macOS' is unsafe with system libraries,
-    Windows has none)."""
-    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+    Windows has none), and not from a daemon process (a ``multiprocessing.Pool``'s worker may have none)."""
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not multiprocessing.current_process().daemon
+    )
 
 
 def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers: int) -> list[Any]:
