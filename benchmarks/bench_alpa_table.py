@@ -20,7 +20,7 @@ microbatches B given (one capture of one microbatch's step per B, on meta tensor
 
 Throughput is the paper's metric: the step's model FLOPs (the captured graph's, forward and backward, times
 B) over the predicted step, in PFLOPS. Planning time is meshpilot's: the captures and ``plan_pipeline`` calls
-of the row, wall and this process's CPU seconds. For MoE rows the baseline is DeepSpeed-style
+of the row, wall and CPU seconds (this process' and its planning workers'). For MoE rows the baseline is DeepSpeed-style
 (:func:`deepspeed_moe`), for Wide-ResNet PP-DP (:func:`pp_dp`).
 """
 
@@ -44,6 +44,12 @@ from meshpilot.planner.stack import Stack, capture_stack, compose_stage
 from meshpilot.planner.stage import StagePlanner
 
 CLUSTER = "alpa-p3x8"
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished children (``plan_pipeline``'s planning workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
@@ -151,7 +157,7 @@ def main() -> None:
         for B in args.microbatches:
             if row.global_batch % B:
                 continue
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), _cpu()
             model, inputs = entry.build("meta", row.global_batch // B)
             stack = None
             if row.family == AlpaFamily.GPT and not args.exact:
@@ -173,7 +179,7 @@ def main() -> None:
             except PlanError:
                 pass
             planning += time.perf_counter() - t0
-            planning_cpu += time.process_time() - c0
+            planning_cpu += _cpu() - c0
             if args.no_baseline:
                 continue
             if row.family == AlpaFamily.GPT:
