@@ -73,7 +73,9 @@ fits when
 with ``P = c.peaks`` (``accounting.phase_peaks``: the optimizer step's peak, the forward + backward peak with
 one microbatch in flight, and one microbatch's saved activations — counted even where the optimizer step
 is the single-microbatch peak). ``t_intra(k..i, d, s)`` is the least t over the logical
-shapes that fit; none fitting (or the stage planner finding no plan) is ∞.
+shapes that fit; none fitting (or the stage planner finding no plan) is ∞. The searches of one size d share
+nothing with another size's, so the table is filled a column per size in ``workers`` forked processes
+(``planner.parallel``), their stage costs merged back: the same table as one process fills.
 
 4. The stage DP (Alpa Eq. 2–4) — :func:`_dp`
 --------------------------------------------
