@@ -263,6 +263,44 @@ def test_a_capacity_is_answered_by_what_the_problem_already_solved(monkeypatch):
     assert answers[0].choice == free.choice and answers[1].choice != free.choice
 
 
+def test_a_capacity_highs_finds_no_plan_under_is_one_line_and_answers_smaller_ones(monkeypatch):
+    """A capped solve HiGHS proves infeasible (stood in for by its answer: the real one needs a capacity between
+    the memory floor and the true least need) is a PlanError naming the capacity and HiGHS' words; a smaller
+    capacity is answered by it without another run, and one HiGHS ran out of time on is not."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.ilp import build_structure, priced
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    dm = fake_device_mesh((2, 4))
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), (2, 4)))
+    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    kept = priced(struct, Resharder(dm, cm))
+    tight = 1.05 * min_memory(struct, "zero")
+    runs = []
+    real = ilp._milp
+
+    def milp(prob, memory, cap, *a):
+        runs.append(cap)
+        if math.isinf(cap):
+            return real(prob, memory, cap, *a)
+        return ilp._NoPlan("The problem is infeasible.", infeasible=cap < 1.02 * tight)
+
+    monkeypatch.setattr(ilp, "_milp", milp)
+    for cap in (tight, 0.99 * tight):
+        with pytest.raises(PlanError, match=r"no sharding plan fits in .* \(HiGHS: The problem is infeasible\.\)"):
+            solve(kept, memory="zero", capacity=cap)
+    assert runs == [math.inf, tight]  # the smaller capacity: answered by the proven one
+    runs.clear()
+    for cap in (1.03 * tight, 1.029 * tight):  # not proven (a time limit, say): each capacity is solved
+        with pytest.raises(PlanError):
+            solve(kept, memory="zero", capacity=cap)
+    assert runs == [1.03 * tight, 1.029 * tight]
+
+
 def test_highs_debug_print_is_kept_off_stdout(capfd):
     """scipy's HiGHS prints a debug line to the C stdout on some MIPs (one of the GPT-39B plan's), which
     ``meshpilot plan --json > plan.json`` would carry into the JSON; around a solve, `highs_stdout_filtered`

@@ -859,7 +859,7 @@ def solve(
     if known is None:
         free = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
         known = free if _held(free, memory) <= cap else _solve_cached(prob, memory, cap, time_limit, mip_rel_gap)
-    if isinstance(known, PlanError):
+    if isinstance(known, _NoPlan):
         raise PlanError(
             f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
             f"(HiGHS: {known.highs}); the smallest need found is {fmt_size(need)}"
