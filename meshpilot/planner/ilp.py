@@ -840,9 +840,9 @@ def solve(
     groups = prob.groups
     cap = prob.capacity if capacity is None else capacity
     has_mem_row = math.isfinite(cap)
+    settings = (time_limit, mip_rel_gap)
     if not has_mem_row:
-        sol = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
-        return replace(sol, row=_row_kind(memory), solve_s=time.perf_counter() - t0)
+        return replace(_free(prob, settings), row=_row_kind(memory), solve_s=time.perf_counter() - t0)
     need = prob.lp.get(("need", memory))
     if need is None:
         need = prob.lp[("need", memory)] = _min_need(groups, memory)
@@ -855,10 +855,10 @@ def solve(
             need_bytes=need,
             capacity_bytes=cap,
         )
-    known = _known(prob, memory, cap, (time_limit, mip_rel_gap))
+    known = _known(prob, memory, cap, settings)
     if known is None:
-        free = _solve_cached(prob, memory, math.inf, time_limit, mip_rel_gap)
-        known = free if _held(free, memory) <= cap else _solve_cached(prob, memory, cap, time_limit, mip_rel_gap)
+        free = _free(prob, settings)
+        known = free if _held(free, memory) <= cap else _capped(prob, memory, cap, settings)
     if isinstance(known, _NoPlan):
         raise PlanError(
             f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
@@ -903,20 +903,23 @@ def _known(prob: Problem, memory: str, cap: float, settings: tuple[float, float]
     return None
 
 
-def _solve_cached(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float):
-    """:func:`_milp` under `cap` (``inf``: no memory rows, one answer for both row kinds), kept on `prob`."""
-    settings = (time_limit, mip_rel_gap)
-    if not math.isfinite(cap):
-        free = prob.lp.get(("solved", None, settings))
-        if free is None:  # the same problem for both row kinds: built and solved as the plain one
-            free = prob.lp[("solved", None, settings)] = _milp(prob, "plain", cap, time_limit, mip_rel_gap)
-        if isinstance(free, _NoPlan):
-            raise PlanError(
-                f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {free.highs}",
-                mesh_shape=prob.mesh_shape,
-            )
-        return free
-    ans = _milp(prob, memory, cap, time_limit, mip_rel_gap)
+def _free(prob: Problem, settings: tuple[float, float]) -> Solution:
+    """The plan of `prob` without memory rows (one answer for both row kinds: solved once, as the plain one),
+    kept on `prob`."""
+    free = prob.lp.get(("solved", None, settings))
+    if free is None:
+        free = prob.lp[("solved", None, settings)] = _milp(prob, "plain", math.inf, *settings)
+    if isinstance(free, _NoPlan):
+        raise PlanError(
+            f"the sharding ILP could not be solved on mesh {prob.mesh_shape}: {free.highs}",
+            mesh_shape=prob.mesh_shape,
+        )
+    return free
+
+
+def _capped(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan:
+    """:func:`_milp` with the `memory` rows held to `cap`, its answer kept on `prob` for :func:`_known`."""
+    ans = _milp(prob, memory, cap, *settings)
     prob.lp.setdefault(("solved", _row_kind(memory), settings), []).append((cap, ans))
     return ans
 
