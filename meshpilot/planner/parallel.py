@@ -13,7 +13,7 @@ is one column; it returns its result and the stage costs it searched (``StagePla
 this process merges (``StagePlanner.merge``): the chosen stages are then read from the cache, exactly as
 the serial run would read them. A worker keeps its caches across the columns it takes.
 
-How many: ``workers`` (``plan_pipeline(workers=...)``, ``meshpilot plan --workers``), else the environment's
+How many: ``workers`` (``plan_pipeline(workers=...)``, ``meshpilot plan --pipeline --workers``), else the environment's
 ``MESHPILOT_PLAN_WORKERS``, else the CPUs this process may run on, at most :data:`MAX_WORKERS`.
 """
 
