@@ -805,3 +805,51 @@ def test_stage_table_searched_in_worker_processes_is_the_serial_table(fast, monk
 
     with multiprocessing.get_context("fork").Pool(1) as pool:  # a daemon may not fork: its columns run in it
         assert parallel.can_fork() and pool.apply(parallel.can_fork) is False
+
+
+GPT2 = ["n_layer=2", "n_embd=32", "n_head=2", "vocab_size=128", "n_positions=16"]
+"""A tiny Hugging Face GPT-2: its blocks in ``model.transformer.h``, the token embedding tied to the LM head,
+dropout 0.1 (HF's default)."""
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2_graph():
+    from meshpilot.models.sources import build_model
+
+    built = build_model("hf:gpt2", hf_config=GPT2, batch=2, seq=8)
+    return _capture(built.model, built.inputs)
+
+
+def test_hugging_face_layers_are_found_inside_nested_containers(hf_gpt2_graph):
+    """HF's blocks sit in ``model.transformer.h`` under ``HFLoss``: each is a layer of its own, and so are the
+    modules beside them (embeddings, final norm, LM head); the ops of the containers' own forwards (GPT2Model's
+    position ids) are placed as the root's are."""
+    names = [layer.name for layer in runnable_layers(hf_gpt2_graph)]
+    blocks = [n for n in names if n.startswith("model.transformer.h.")]
+    assert blocks == ["model.transformer.h.0", "model.transformer.h.1"], names
+    assert names[0] == "model.transformer.wte" and names[-1] == "model.lm_head", names
+    assert "model.transformer.ln_f" in names and "model" not in names and "model.transformer" not in names
+
+
+def test_a_tied_weight_keeps_its_readers_in_one_stage(hf_gpt2_graph):
+    """GPT-2's token embedding is read by its first layer and its last (the tied LM head): no stage may hold
+    one of them without the other (the stage runtime gives a parameter to one stage), so a split into 2 stages
+    is one line naming the weight, and the plan without a stage count is one stage."""
+    from meshpilot.planner.pipeline import tied
+
+    L = len(runnable_layers(hf_gpt2_graph))
+    X = tied(hf_gpt2_graph, runnable_layers(hf_gpt2_graph))
+    assert not X[0, L - 1] and X[0, 0] and X[1, L - 1] and X[0, L - 2]
+    with pytest.raises(PlanError, match=r"tied weight model\.transformer\.wte\.weight.*tie_word_embeddings=false"):
+        plan_pipeline(hf_gpt2_graph, "atp-ic3", microbatches=2, num_devices=2, num_stages=2)
+    one = plan_pipeline(hf_gpt2_graph, "atp-ic3", microbatches=2, num_devices=2)
+    assert [st.layers for st in one.stages] == [(0, L)]
+
+
+def test_a_pipeline_of_a_model_that_draws_random_numbers_is_refused(hf_gpt2_graph):
+    """Dropout in training: the stages would draw on their own ranks, not in one device's order — one line
+    (before any process group), not a run that silently differs."""
+    from meshpilot.runtime.pipeline_stages import check_no_random
+
+    with pytest.raises(UserError, match=r"native_dropout.*in model\.transformer\.drop.*dropout to 0"):
+        check_no_random(hf_gpt2_graph)

@@ -30,7 +30,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -77,6 +77,7 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict) -> dict:
             o_pp.step()
         out[name] = res
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
+    out["hf-llama"] = _run_planned_hf(hf_plan)
     out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
@@ -117,6 +118,56 @@ def _run_planned_mlp(text: str) -> dict:
     grad = max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
     counts = log.counts() == pm.planned_counts()
     return {"grad": grad, "equal_counts": counts, "stage": pm.stage, "own_plans": type(pm).__name__}
+
+
+HF_LLAMA = ["num_hidden_layers=4", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4"]
+HF_LLAMA += ["num_key_value_heads=2", "vocab_size=256"]
+"""A tiny Hugging Face Llama (``hf:llama``): its layers nested in ``model.model.layers``, rotary embeddings
+computed once in ``LlamaModel.forward`` and read by every layer, untied embeddings."""
+
+
+def _run_planned_hf(text: str) -> dict:
+    """The planner's pipeline of Hugging Face's Llama (``meshpilot plan --pipeline --out``) run as planned,
+    3 AdamW steps beside the single device: HF's own loss and every gradient, the collectives, sends and
+    receives against the plans' and the schedule's."""
+    import torch
+
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    plan = PipelinePlan.from_json(text)
+    ref = build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device="cpu", seed=0)
+    mine = build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device="cpu", seed=0)
+    inputs = ref.inputs
+    pm = pipeline_parallelize(mine.model, inputs, plan)
+    params = dict(ref.model.named_parameters())
+    o_ref = torch.optim.AdamW(ref.model.parameters(), lr=1e-2)
+    o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
+    res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
+    res["meshes"] = [tuple(st.mesh_shape) for st in plan.stages]
+    for _ in range(STEPS):
+        o_ref.zero_grad()
+        o_pp.zero_grad()
+        # the single device: HF's mean loss over the global batch, as gradient accumulation's mean of the
+        # microbatches' (equal microbatches, no padding)
+        l_ref = sum(ref.model(*(x.chunk(plan.microbatches)[m] for x in inputs)) for m in range(plan.microbatches))
+        l_ref = l_ref / plan.microbatches
+        l_ref.backward()
+        with record_collectives(pm.mesh) as log:
+            loss = pm.step(*inputs)
+        if loss is not None:
+            res["loss"].append(abs(loss.item() - l_ref.item()))
+        res["grad"].append(
+            max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+        )
+        res["counts"].append(log.counts())
+        o_ref.step()
+        o_pp.step()
+    res["mismatches"] = len(pm.mismatches)
+    return res
 
 
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
@@ -277,8 +328,19 @@ def mlp_plan(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan, intra_plans):
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, timeout=300)
+def hf_plan(tmp_path_factory) -> str:
+    """Hugging Face Llama's pipeline of 2 stages on 4 devices as `meshpilot plan --pipeline --out` saves it."""
+    from meshpilot.cli.main import main
+
+    path = tmp_path_factory.mktemp("hf") / "pp.json"
+    args = ["plan", "-m", "hf:llama", "--hf-config", *HF_LLAMA, "-c", "atp-ic3", "-n", "4", "--pipeline"]
+    assert main([*args, "--stages", "2", "--batch", "8", "--seq", "16", "--out", str(path)]) == 0
+    return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(mlp_plan, intra_plans, hf_plan):
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -369,6 +431,18 @@ def _check_intra(outs: list[dict], stages: list, name: str) -> None:
             assert +Counter({k: c for k, c in counts.items() if k[1] == "pp"}) == res["p2p"], rank
 
 
+def test_a_hugging_face_llama_pipeline_as_planned_equals_the_single_device(four_ranks, hf_plan):
+    """A model nobody here wrote: HF's Llama, split by the planner (its layers found inside
+    ``model.model.layers``, the cut before a decoder layer), each stage its own plan: HF's loss and every
+    gradient within 1e-5 of the single device over 3 steps, every collective, send and receive as planned."""
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    plan = PipelinePlan.from_json(hf_plan)
+    assert len(plan.stages) == 2 and plan.stages[0].layers[0] == 0
+    stages = [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages]
+    _check_intra(four_ranks, stages, "hf-llama")
+
+
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
     from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.sharding.reshard import CollectiveKind
@@ -413,6 +487,35 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", world)
         rc = main(["train", "--model", "gpt-tiny", "--layers", "4", "--plan", str(path), *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc != 0 and len(err.splitlines()) == 1, err
+        assert all(n in err for n in needles), err
+
+
+def test_train_refuses_in_one_line_what_a_hugging_face_pipeline_cannot_run(hf_plan, tmp_path, capsys, monkeypatch):
+    """`meshpilot train --plan pp.json --model hf:…`, before any process group: the Llama plan under another
+    world size or with --checkpoint-dir, the plan given another model, and a GPT-2 with dropout (HF's
+    default 0.1), whose stages would draw random numbers in another order than one device."""
+    from meshpilot.cli.main import main
+
+    llama = tmp_path / "llama.json"
+    llama.write_text(hf_plan)
+    gpt2 = tmp_path / "gpt2.json"
+    small = ["n_layer=2", "n_embd=32", "n_head=2", "vocab_size=128", "n_positions=16"]
+    args = ["plan", "-m", "hf:gpt2", "--hf-config", *small, "-c", "atp-ic3", "-n", "4", "--pipeline"]
+    assert main([*args, "--batch", "8", "--seq", "8", "--out", str(gpt2)]) == 0
+    capsys.readouterr()
+    llama_args = ["--model", "hf:llama", "--hf-config", *HF_LLAMA, "--plan", str(llama)]
+    cases = [
+        ("2", llama_args, ("4 devices", "world size is 2")),
+        ("4", [*llama_args, "--checkpoint-dir", str(tmp_path / "ck")], ("not checkpointed",)),
+        ("4", ["--model", "hf:llama", "--hf-config", *HF_LLAMA[:-1], "--plan", str(llama)], ("stage 0",)),
+        ("4", ["--model", "hf:gpt2", "--hf-config", *small, "--plan", str(gpt2)], ("native_dropout", "dropout to 0")),
+    ]
+    for world, argv, needles in cases:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", world)
+        rc = main(["train", *argv])
         err = capsys.readouterr().err.strip()
         assert rc != 0 and len(err.splitlines()) == 1, err
         assert all(n in err for n in needles), err

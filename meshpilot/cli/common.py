@@ -13,7 +13,14 @@ from rich.console import Console
 from meshpilot.cluster import Cluster, load_cluster
 from meshpilot.io import fmt_size  # noqa: F401 - re-exported for the subcommands
 
-console = Console()
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console for the subcommands' output. Emoji codes off: a model named ``hf:llama`` prints as
+    itself, not with ``:llama:`` turned into a llama."""
+    return Console(stderr=stderr, emoji=False)
+
+
+console = make_console()
 
 
 def _number(text: str, kind: type, what: str, *, allow_zero: bool = False) -> float:

@@ -43,7 +43,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, add_hf_config_arg, console, get_cluster, positive_float, positive_int
+from meshpilot.cli.common import (
+    add_cluster_arg,
+    add_hf_config_arg,
+    console,
+    get_cluster,
+    make_console,
+    positive_float,
+    positive_int,
+)
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
@@ -254,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         hf_config=args.hf_config,
     )
     # progress goes to stderr, so `--json > plan.json` stays clean
-    progress = Console(stderr=True)
+    progress = make_console(stderr=True)
     plan, graph = make_plan(
         built,
         cluster,
@@ -312,7 +320,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
     if whole % M:
         raise UserError(f"--batch {whole} does not split into --microbatches {M}; give a batch divisible by {M}")
     built = build_model(args.model, batch=whole // M, **kw)
-    progress = Console(stderr=True)
+    progress = make_console(stderr=True)
     precision = check_precision(built.model, None, args.precision)
     with progress.status(f"capturing one microbatch's step of {built.name} on meta tensors …"):
         # a model of many identical blocks is traced with a few of them (planner.stack): its stages are costed
@@ -376,7 +384,7 @@ def make_plan(
     from meshpilot.planner.auto import plan as plan_fn
 
     schedule = schedule or {}
-    progress = progress or Console(stderr=True)
+    progress = progress or make_console(stderr=True)
     shapes = [shape] if shape else mesh_shapes_2d(n)
     candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
     t0 = time.perf_counter()

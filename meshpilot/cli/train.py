@@ -14,11 +14,16 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
   torchrun --standalone --nproc-per-node 2 -m meshpilot.cli.main train --plan p.json --model hf:gpt2 \
       --hf-config n_layer=2 n_embd=64 n_head=4
 
-A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of a built-in GPT trains the same way, on its
-stages' submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan, which `plan --pipeline`
-saves with it; a plan without them runs every stage data parallel): the model's own batch, cut into the plan's
-microbatches; no checkpoints yet:
+A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of any model trains the same way, on its stages'
+submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan, which `plan --pipeline` saves
+with it; a built-in GPT's plan without them runs every stage data parallel): the plan's batch, cut into its
+microbatches; no checkpoints yet, no dropout (its stages would draw random numbers in another order):
   meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
+  meshpilot plan --pipeline --model hf:llama --hf-config num_hidden_layers=4 hidden_size=64 \
+      intermediate_size=128 num_attention_heads=4 num_key_value_heads=2 --batch 8 --seq 16 -c atp-ic3 -n 4 \
+      --stages 2 --out pp.json
+  meshpilot train --nproc-per-node 4 --model hf:llama --hf-config num_hidden_layers=4 hidden_size=64 \
+      intermediate_size=128 num_attention_heads=4 num_key_value_heads=2 --plan pp.json --steps 3 --verify 3
 
 Checkpoints (with --plan): --checkpoint-dir DIR saves the model, AdamW's state, the step, the data position
 and the random state through torch.distributed.checkpoint every --checkpoint-every N steps, after the last
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -455,6 +461,15 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     return {"shape": shape, "cfg": cfg}
 
 
+def _step_items(cfg, graph, microbatches: int) -> int:
+    """Tokens one step of a pipeline plan trains: the GPT's batch × sequence, or for any other model the
+    plan's microbatches × the first input's elements at one microbatch (`graph`'s capture)."""
+    if cfg is not None:
+        return cfg.batch * cfg.seq
+    first = graph.input_infos[0] if graph is not None and graph.input_infos else None
+    return math.prod(first.shape) * microbatches if first is not None else 0
+
+
 def _is_pipeline(plan) -> bool:
     from meshpilot.planner.pipeline import PipelinePlan
 
@@ -475,21 +490,9 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
 
     from meshpilot.graph.capture import capture
     from meshpilot.models.gpt import GPT
-    from meshpilot.planner.pipeline import runnable_layers
-    from meshpilot.planner.stage import slice_graph
-    from meshpilot.planner.validate import validate_plan
 
     source = f"--plan {args.plan}"
-    if world != plan.num_devices:
-        raise UserError(
-            f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
-            f"{world}; launch with --nproc-per-node {plan.num_devices}"
-        )
-    if args.checkpoint_dir is not None:
-        raise UserError(
-            f"--checkpoint-dir: pipeline plans are not checkpointed yet (each stage's parameters live on its own "
-            f"submesh); train {source} without --checkpoint-dir"
-        )
+    _check_pipeline_run(args, plan, world)
     M = plan.microbatches
     if plan.intra and plan.intra[0].input_shapes:  # the shapes it was planned for, as for a one-stage plan
         (b, t), _ = plan.intra[0].input_shapes[0]  # stage 0's first input: one microbatch's token ids
@@ -500,11 +503,6 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
             f"plan again for --model {args.model} (its batch is {cfg.batch})"
         )
     precision = _plan_precision(plan)
-    if args.precision and args.precision != (precision or "fp32"):
-        raise UserError(
-            f"--precision {args.precision}: the pipeline plan {args.plan} trains in {precision or 'fp32'}; "
-            "leave --precision out"
-        )
     graph = None
     odd = sorted({len(st.ranks) for st in plan.stages if (cfg.batch // M) % len(st.ranks)})
     if not plan.intra and odd:
@@ -519,17 +517,50 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
             model = GPT(cfg)
         idx = torch.empty(cfg.batch // M, cfg.seq, dtype=torch.long, device="meta")
         graph = capture(model, (idx, idx), precision=precision or None)
-        run_layers = runnable_layers(graph)
-        if len(run_layers) != plan.stages[-1].layers[1]:
-            raise UserError(
-                f"{source}: planned for {plan.stages[-1].layers[1]} layers but --model {args.model} has "
-                f"{len(run_layers)}; give the model the plan was made for"
-            )
-        for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
-            validate_plan(
-                p, graph=slice_graph(graph, st.layers[0], st.layers[1], run_layers), source=f"{source} stage {j}"
-            )
+        _check_stage_plans(args, plan, graph)
     return {"plan": plan, "graph": graph, "cfg": cfg}
+
+
+def _check_pipeline_run(args: argparse.Namespace, plan, world: int) -> None:
+    """What a pipeline plan's run needs of the command line, whatever the model: the plan's device count as
+    the world size, no checkpoints, the plan's precision."""
+    source = f"--plan {args.plan}"
+    if world != plan.num_devices:
+        raise UserError(
+            f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
+            f"{world}; launch with --nproc-per-node {plan.num_devices}"
+        )
+    if args.checkpoint_dir is not None:
+        raise UserError(
+            f"--checkpoint-dir: pipeline plans are not checkpointed yet (each stage's parameters live on its own "
+            f"submesh); train {source} without --checkpoint-dir"
+        )
+    precision = _plan_precision(plan)
+    if args.precision and args.precision != (precision or "fp32"):
+        raise UserError(
+            f"--precision {args.precision}: the pipeline plan {args.plan} trains in {precision or 'fp32'}; "
+            "leave --precision out"
+        )
+
+
+def _check_stage_plans(args: argparse.Namespace, plan, graph) -> None:
+    """Each stage's plan against its slice of `graph` (the model's step captured at one microbatch): a plan
+    made for another model fails here, in one line, before any process group."""
+    from meshpilot.planner.pipeline import runnable_layers
+    from meshpilot.planner.stage import slice_graph
+    from meshpilot.planner.validate import validate_plan
+    from meshpilot.runtime.pipeline_stages import check_no_random
+
+    source = f"--plan {args.plan}"
+    run_layers = runnable_layers(graph)
+    if len(run_layers) != plan.stages[-1].layers[1]:
+        raise UserError(
+            f"{source}: planned for {plan.stages[-1].layers[1]} layers but --model {args.model} has "
+            f"{len(run_layers)}; give the model the plan was made for"
+        )
+    for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
+        validate_plan(p, graph=slice_graph(graph, st.layers[0], st.layers[1], run_layers), source=f"{source} stage {j}")
+    check_no_random(graph)
 
 
 def _prepare_any(args: argparse.Namespace, world: int) -> dict:
@@ -552,28 +583,39 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
     plan = load_plan(args.plan)
     source = f"--plan {args.plan}"
-    if _is_pipeline(plan):
-        raise UserError(
-            f"{source}: pipeline plans train the built-in GPTs so far, not {args.model!r}; plan this model without "
-            "--pipeline, or train a GPT (--model gpt-tiny ...)"
-        )
-    validate_plan(plan, world_size=world, source=source)
-    check_plan_precision(args, plan)
-    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's
-    m = plan.step_schedule().microbatches
+    pipelined = _is_pipeline(plan)
+    if pipelined:
+        _check_pipeline_run(args, plan, world)
+        if not plan.intra:
+            raise UserError(
+                f"{source}: holds no stage plans, which a pipeline of {args.model!r} needs (only the built-in GPTs "
+                "run stages data parallel without them); save the plan again with `meshpilot plan --pipeline --out`"
+            )
+        one = plan.intra[0]  # stage 0's plan: the model's inputs at one microbatch, as a one-stage plan has them
+        shape0 = one.input_shapes[0][0] if one.input_shapes else ()
+        m = plan.microbatches
+    else:
+        validate_plan(plan, world_size=world, source=source)
+        check_plan_precision(args, plan)
+        shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's
+        m = plan.step_schedule().microbatches
     sizes: dict = {}
     if kind(args.model) == "hf" and len(shape0) == 2:
         sizes = {"batch": int(shape0[0]) * m, "seq": int(shape0[1])}
     elif kind(args.model) == "builtin" and shape0:
         sizes = {"batch": int(shape0[0]) * m}
     meta = build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes: here
-    graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=plan.precision or None)
-    validate_plan(plan, graph=graph, source=source)
+    precision = _plan_precision(plan)
+    graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=precision or None)
+    if pipelined:
+        _check_stage_plans(args, plan, graph)
+    else:
+        validate_plan(plan, graph=graph, source=source)
 
     def build(device):
         return build_model(args.model, hf_config=args.hf_config, device=device, seed=args.seed, **sizes)
 
-    return {"plan": plan, "build": build}
+    return {"plan": plan, "build": build, "graph": graph if pipelined else None}
 
 
 def check_plan(plan, cfg, world: int, source: str):
@@ -726,7 +768,7 @@ def _train(
     if pipelined:
         cluster = plan.intra[0].cluster if plan.intra else ""
         rate = Throughput(
-            items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size(),
+            items=_step_items(cfg, graph, plan.microbatches), unit="tok", steps=args.steps, world=dist.get_world_size(),
             planned_s=plan.step_s if cluster else 0.0, cluster=cluster,
         )  # fmt: skip
         if rank == 0 and not plan.intra:
@@ -749,8 +791,9 @@ def _train(
     try:
         if pipelined:
             train_pipeline(
-                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, on_step=on_step, data=data
-            )
+                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, on_step=on_step, data=data,
+                build=build,
+            )  # fmt: skip
         elif build is not None:
             train_model(
                 build,

@@ -194,7 +194,7 @@ import numpy as np
 
 from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import OpGraph
+from meshpilot.graph.capture import NodeKind, OpGraph
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
@@ -1172,9 +1172,11 @@ def plan_pipeline(
 
         best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
         return build(best, True)
+    refused = refused_ranges(graph, sp.layers, clusters, stack)
+    _check_splittable(refused, [num_stages] if num_stages else range(1, S + 1), graph, sp.layers, clusters)
     table = _StageTable(
         sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of,
-        refused=refused_ranges(graph, sp.layers, clusters, stack), workers=workers,
+        refused=refused, workers=workers,
     )  # fmt: skip
     if stack is None:
         table.fill()
@@ -1308,12 +1310,67 @@ def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     return X
 
 
+def tied(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
+    """``X[s, e]`` (s ≤ e): whether a stage of layers s..e would hold some but not all of the layers that
+    read one parameter or buffer (a tied weight: Hugging Face GPT-2's token embedding, read again by its LM
+    head) — the stage runtime gives a parameter to one stage and refuses a plan that splits its readers
+    (``runtime.pipeline_stages``: one line, "tied weights"). The readers' span ``[a, b]`` must lie inside the
+    stage or outside it."""
+    K = len(layers)
+    X = np.zeros((K, K), dtype=bool)
+    s, e = np.meshgrid(np.arange(K), np.arange(K), indexing="ij")
+    for _, a, b in tied_spans(graph, layers):
+        X |= (s <= e) & (s <= b) & (e >= a) & ~((s <= a) & (e >= b))
+    return X
+
+
+def tied_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[str, int, int]]:
+    """(name, first layer, last layer) of each parameter or buffer read in more than one layer."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    out = []
+    for n in graph.nodes:
+        if n.kind not in (NodeKind.PARAM, NodeKind.BUFFER) or n.name not in where:
+            continue
+        readers = [where[u] for u in graph.users[n.name] if u in where] + [where[n.name]]
+        if min(readers) < max(readers):
+            out.append((n.fqn or n.name, min(readers), max(readers)))
+    return out
+
+
+def _check_splittable(
+    refused: np.ndarray, counts: Sequence[int], graph: OpGraph, layers: Sequence[Layer], clusters: Clustering
+) -> None:
+    """A one-line PlanError when the clusters split into none of `counts` stages that the stage runtime can
+    run (each stage a range :func:`refused_ranges` leaves in), whatever their devices and memory."""
+    L = len(clusters.bounds)
+    most = max(counts)
+    can = np.zeros((most + 1, L + 1), dtype=bool)  # can[s, i]: clusters 0..i-1 in s runnable stages
+    can[0, 0] = True
+    for n_st in range(1, most + 1):
+        for i in range(1, L + 1):
+            can[n_st, i] = any(can[n_st - 1, k] and not refused[k, i - 1] for k in range(i))
+    if any(can[c, L] for c in counts):
+        return
+    ties = tied_spans(graph, layers)
+    if ties:
+        name, a, b = max(ties, key=lambda t: t[2] - t[1])
+        why = (
+            f"the tied weight {name} is read by layers {layers[a].name} and {layers[b].name}, which must share a "
+            "stage (a Hugging Face model unties it with --hf-config tie_word_embeddings=false)"
+        )
+    else:
+        why = "values made in one layer are read several layers later, so no cut between them can run"
+    stages = f"{counts[0]} stages" if len(counts) == 1 else f"up to {most} stages"
+    raise PlanError(f"no split of {len(layers)} layers into {stages} can run: {why}; plan fewer stages (--stages)")
+
+
 def refused_ranges(graph: OpGraph, layers: Sequence[Layer], clusters: Clustering, stack=None) -> np.ndarray:
     """``R[k, i]``: a stage of clusters k..i would have a value cross it whole (:func:`bypassed` of its first
-    and last layer), so the stage DP leaves it out. With a :class:`~meshpilot.planner.stack.Stack`, `graph` and
-    `layers` are its captured graph's and each range of the model's layers reads as the captured range it
-    maps to (``Stack.received``: the blocks repeat, so do the values crossing them)."""
-    X = bypassed(graph, layers).astype(float)
+    and last layer) or split the readers of a tied weight (:func:`tied`), so the stage DP leaves it out. With
+    a :class:`~meshpilot.planner.stack.Stack`, `graph` and `layers` are its captured graph's and each range of
+    the model's layers reads as the captured range it maps to (``Stack.received``: the blocks repeat, so do
+    the values crossing them)."""
+    X = (bypassed(graph, layers) | tied(graph, layers)).astype(float)
     if stack is not None:
         X = stack.received(X)
     L = len(clusters.bounds)

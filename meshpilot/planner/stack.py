@@ -231,8 +231,8 @@ def find_stack(graph: OpGraph, all_layers: Sequence[Layer] | None = None, key=No
 
 
 def capture_stack(model: torch.nn.Module, inputs, *, keep: int = KEEP, **capture_kw) -> Stack | OpGraph:
-    """Capture `model` with only `keep` blocks of its longest container of identical children (module
-    docstring, 1) and lay out the whole model's layers from them. Returns the :class:`Stack`, or the whole
+    """Capture `model` with only `keep` blocks of its longest container of identical children, at any depth
+    but inside no numbered child (module docstring, 1) and lay out the whole model's layers from them. Returns the :class:`Stack`, or the whole
     model's captured graph when it has no such container (or no more blocks than `keep`), or when the
     captured blocks are not a repeated stack. `capture_kw` goes to ``graph.capture.capture``."""
 
@@ -245,20 +245,28 @@ def capture_stack(model: torch.nn.Module, inputs, *, keep: int = KEEP, **capture
             return capture(model, inputs, **capture_kw)
 
     best = None
-    for name, child in model.named_children():
+    for name, child in model.named_modules():  # nested too (a Hugging Face Llama's model.model.layers), not
+        # inside a numbered child (a layer's experts)
+        outer = bool(name) and not any(part.isdigit() for part in name.split("."))
         repeated = isinstance(child, torch.nn.ModuleList) and len(child) > keep and len({sig(b) for b in child}) == 1
-        if repeated and (best is None or len(child) > len(best[1])):
+        if outer and repeated and (best is None or len(child) > len(best[1])):
             best = (name, child)
     if best is None:
         return whole()
     name, full = best
-    setattr(model, name, torch.nn.ModuleList(list(full)[:keep]))
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, attr, torch.nn.ModuleList(list(full)[:keep]))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph = capture(model, inputs, **capture_kw)
+    except Exception:  # noqa: BLE001 - a forward that needs all its blocks (it reads their count): the whole model
+        graph = None
     finally:
-        setattr(model, name, full)
+        setattr(parent, attr, full)
+    if graph is None:
+        return whole()
     small = find_stack(graph)
     if small is None or small.container != name or small.blocks != keep:
         return whole()

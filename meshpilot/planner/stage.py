@@ -9,6 +9,10 @@ Layers (:func:`layers`)
 -----------------------
 A *layer* is the work of one child of the model's root module — or, for a container of numbered children
 (``blocks.0``, ``blocks.1``; a ``ModuleList`` / ``Sequential``), of one numbered child — in forward order.
+Containers may sit deeper, as in Hugging Face's models (``model.layers.3`` in a Llama, ``model.transformer.h.3``
+in a GPT-2 under ``HFLoss``): then a module on the way to a container is split into its children in the same
+way (``model.transformer.wte``, ``model.transformer.h.0`` … , ``model.transformer.ln_f``, ``model.lm_head``)
+and its own ops count as the root's (:func:`layer_keys`).
 A node belongs to the layer its ``OpNode.module`` path names; the backward of a layer belongs to it too
 (capture records the forward module of backward nodes). Nodes no module made (the root's own ops: the loss,
 an addition in the root's forward) join the layer of their first operand that has one, else the first
@@ -129,24 +133,39 @@ class Layer:
     flops: float
 
 
-def _layer_key(module: str | None) -> str | None:
-    """``blocks.3.attn.q`` -> ``blocks.3``; ``lm_head`` -> ``lm_head``; the root or unknown -> None."""
-    if not module:
+def layer_keys(graph: OpGraph) -> Callable[[str | None], str | None]:
+    """The function naming the layer of a module path (module docstring, *Layers*): the path cut after its
+    first numbered part (``blocks.3.attn.q`` -> ``blocks.3``, ``model.layers.3.mlp`` -> ``model.layers.3``),
+    or, for a path with no numbered part, cut at the first module that holds no container of numbered
+    children (``lm_head`` -> ``lm_head``; ``model.transformer.wte`` -> ``model.transformer.wte`` when
+    ``model.transformer.h`` holds the blocks). The root, and a module that holds such a container (the
+    ops of ``LlamaModel.forward`` itself), name no layer: None."""
+    holders: set[tuple[str, ...]] = {()}
+    for n in graph.nodes:
+        parts = tuple(n.module.split(".")) if n.module else ()
+        i = next((i for i, x in enumerate(parts) if x.isdigit()), None)
+        if i is not None:
+            holders.update(parts[:j] for j in range(i + 1))
+
+    def key(module: str | None) -> str | None:
+        parts = module.split(".") if module else []
+        for i, x in enumerate(parts):
+            if x.isdigit() or tuple(parts[: i + 1]) not in holders:
+                return ".".join(parts[: i + 1])
         return None
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1].isdigit():
-        return ".".join(parts[:2])
-    return parts[0]
+
+    return key
 
 
 def layers(graph: OpGraph) -> list[Layer]:
     """The model's layers in forward order (module docstring)."""
+    layer_key = layer_keys(graph)
     key: dict[str, str | None] = {}
     order: list[str] = []
     for n in graph.nodes:
         if n.kind != NodeKind.OP and n.kind != NodeKind.GETITEM:
             continue
-        k = _layer_key(n.module)
+        k = layer_key(n.module)
         if k is None:
             k = next((key[s] for s, _ in n.inputs if key.get(s) is not None), None)
         key[n.name] = k
@@ -182,13 +201,14 @@ def runnable_layers(graph: OpGraph) -> list[Layer]:
     from meshpilot.graph.capture import LEAF_KINDS
 
     base = layers(graph)
+    layer_key = layer_keys(graph)
     order = {layer.name: j for j, layer in enumerate(base)}
     where: dict[str, int] = {}
     deferred: list[OpNode] = []
     for n in graph.nodes:
         if n.kind in LEAF_KINDS:
             continue
-        key = _layer_key(n.module)
+        key = layer_key(n.module)
         if key is not None and key in order:
             where[n.name] = order[key]
             continue

@@ -359,6 +359,22 @@ def _side(plan: Plan, ranks: Sequence[int], layout: Placements) -> MeshSide:
     return MeshSide(flat, tuple(plan.mesh_shape), wire_layout(layout))
 
 
+def check_no_random(graph: OpGraph) -> None:
+    """One line when the model draws random numbers (dropout in training): its stages would draw them on other
+    ranks, in another order than one device does, so the pipeline could not equal the single device."""
+    from meshpilot.runtime.spmd import is_random_op
+
+    drawn = next((n for n in graph.nodes if n.kind == NodeKind.OP and is_random_op(n.target)), None)
+    if drawn is not None:
+        where = f" in {drawn.module}" if drawn.module else ""
+        raise UserError(
+            f"{drawn.target}{where}: a pipeline's stages draw random numbers on their own ranks, not in one "
+            "device's order, so its training would differ from the single device's; set the model's dropout to 0 "
+            "(Hugging Face: --hf-config resid_pdrop=0 embd_pdrop=0 attn_pdrop=0 or its *_dropout keys) or plan "
+            "without --pipeline"
+        )
+
+
 class PlannedPipelineModule:
     """This rank's stages of a pipeline whose stages run their own plans (module docstring): one, or under
     Interleaved1F1B the v stages of its rank group."""
@@ -417,6 +433,7 @@ class PlannedPipelineModule:
                 validate_plan(p, graph=sub)
             except UserError as e:
                 raise UserError(f"pipeline stage {j}: {e}") from None
+        check_no_random(graph)
         stage_of: dict[str, int] = {}
         for s, st in enumerate(pplan.stages):
             for layer in run_layers[st.layers[0] : st.layers[1]]:

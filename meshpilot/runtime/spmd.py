@@ -457,12 +457,13 @@ def parallelize(
     if graph is None:
         graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision)
     validate_plan(plan, graph=graph)
-    if any(_is_random(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
+    if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
 
 
-def _is_random(target: str) -> bool:
+def is_random_op(target: str) -> bool:
+    """Whether the op named `target` (``aten.native_dropout.default``) draws from the random generator."""
     op = _ATEN_BY_NAME.get(target)
     if op is None:
         namespace, _, rest = target.partition(".")

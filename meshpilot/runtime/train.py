@@ -284,7 +284,7 @@ def train_plan(
 
 
 def train_pipeline(
-    cfg: GPTConfig,
+    cfg: GPTConfig | None,
     plan,
     steps: int,
     seed: int = 0,
@@ -294,26 +294,36 @@ def train_pipeline(
     *,
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
+    build: Callable[[Any], Any] | None = None,
 ) -> list[StepLog]:
-    """A :class:`~meshpilot.planner.pipeline.PipelinePlan` for the GPT `cfg` run by
-    ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan when the plan
-    holds them, else data parallel), AdamW on this rank's stage's parameters. Call on every rank of an
-    initialised process group of the plan's device count; every rank passes the full global batch of `cfg`
-    (``cfg.batch``: the plan's microbatches of one microbatch each) and gets the step's loss, which the last
-    stage computes and sends to every rank: the single-device loss of gradient accumulation over the
-    microbatches. `graph` reuses a capture of one microbatch's step."""
+    """A :class:`~meshpilot.planner.pipeline.PipelinePlan` for the GPT `cfg` — or, with `build`, for any model
+    (``build(device)`` a seeded :class:`~meshpilot.models.sources.Built`, as :func:`train_model` takes it) — run
+    by ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan when the
+    plan holds them, else data parallel), AdamW on this rank's stage's parameters. Call on every rank of an
+    initialised process group of the plan's device count; every rank passes the full global batch (the plan's
+    microbatches of one microbatch each) and gets the step's loss, which the last stage computes and sends to
+    every rank: the single-device loss of gradient accumulation over the microbatches. `graph` reuses a
+    capture of one microbatch's step."""
     import torch.distributed as dist
 
     from meshpilot.runtime.pipeline import PipelineModule, pipeline_parallelize
 
     device = torch.device(device)
-    first = batch_at(cfg, 0, seed, data)
-    pm = pipeline_parallelize(reference_model(cfg, seed).to(device), first, plan, graph=graph)
+    if build is not None:
+        built = build(device)
+        model, batch, size = built.model, _batch_source(built, seed, data), built.batch_size
+    else:
+        model, size = reference_model(cfg, seed).to(device), cfg.batch
+
+        def batch(position: int) -> tuple:
+            return batch_at(cfg, position, seed, data)
+
+    pm = pipeline_parallelize(model, batch(0), plan, graph=graph)
     opt = adamw(pm.parameters(), lr)
     last = plan.stages[-1].ranks[0]
     logs: list[StepLog] = []
     for i in range(steps):
-        inputs = tuple(x.to(device) for x in batch_at(cfg, i * cfg.batch, seed, data))
+        inputs = tuple(x.to(device) for x in batch(i * size))
         t0 = time.perf_counter()
         loss = pm.step(*inputs)
         opt.step()
@@ -360,20 +370,9 @@ def train_model(
         model = parallelize(model, plan)
     else:
         model = _as_precision(model, precision)
-    if data is not None:  # a token model's [batch, seq] input_ids, and labels = input_ids (module docstring)
-        b, t = built.inputs[0].shape
-
-        def batch_at_position(position: int) -> tuple:
-            ids = data.batch(position, seed, b, t)
-            return ids, ids.clone()
-    else:
-
-        def batch_at_position(position: int) -> tuple:
-            return built.batches(1, seed, position)[0]
-
     return _loop(
         model,
-        batch_at_position,
+        _batch_source(built, seed, data),
         built.batch_size,
         steps,
         lr,
@@ -384,6 +383,20 @@ def train_model(
         on_step=on_step,
         microbatches=1 if plan is not None else microbatches,
     )
+
+
+def _batch_source(built: Any, seed: int, data: ByteText | None) -> Callable[[int], tuple]:
+    """``position -> batch`` of a built model: `built`'s own batches from sample `position`, or with `data` a
+    token model's [batch, seq] input_ids read from the text there, and labels = input_ids (module docstring)."""
+    if data is None:
+        return lambda position: built.batches(1, seed, position)[0]
+    b, t = built.inputs[0].shape
+
+    def batch_at_position(position: int) -> tuple:
+        ids = data.batch(position, seed, b, t)
+        return ids, ids.clone()
+
+    return batch_at_position
 
 
 def _loss_of(out: Any) -> torch.Tensor:
