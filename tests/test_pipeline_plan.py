@@ -853,3 +853,23 @@ def test_a_pipeline_of_a_model_that_draws_random_numbers_is_refused(hf_gpt2_grap
 
     with pytest.raises(UserError, match=r"native_dropout.*in model\.transformer\.drop.*dropout to 0"):
         check_no_random(hf_gpt2_graph)
+
+
+def test_a_hugging_face_llama_is_a_repeated_stack_planned_as_its_whole_graph():
+    """HF Llama's decoder layers (``model.model.layers``, nested under ``HFLoss``) each read two constants of
+    their own (``_tensor_constant``): keyed by value, the middle layers slice into one problem, so
+    ``capture_stack`` traces 4 of its 6 layers and the stage table composes the rest — the same stages and step
+    as the exact table over the whole capture."""
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner.stack import Stack, capture_stack
+
+    cfg = ["num_hidden_layers=6", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4"]
+    built = build_model("hf:llama", hf_config=[*cfg, "num_key_value_heads=2", "vocab_size=256"], batch=2, seq=16)
+    stack = capture_stack(built.model, built.inputs)
+    assert isinstance(stack, Stack) and (stack.container, stack.blocks, stack.kept) == ("model.model.layers", 6, 4)
+    fast = plan_pipeline(stack, "atp-ic3", microbatches=4, num_devices=4)
+    exact = plan_pipeline(_capture(built.model, built.inputs), "atp-ic3", microbatches=4, num_devices=4)
+    assert [(s.layers, s.ranks, s.mesh_shape) for s in fast.stages] == [
+        (s.layers, s.ranks, s.mesh_shape) for s in exact.stages
+    ]
+    assert fast.step_s == pytest.approx(exact.step_s, rel=1e-9)

@@ -9,14 +9,14 @@ blocks. Here a stage is priced from *pieces* planned once per (logical mesh, mem
 1. The stack (:func:`find_stack`, :func:`capture_stack`)
 -------------------------------------------------------
 The model's layers (``stage.runnable_layers``: the split the DP and the runtime share) are ``p`` pre layers, the
-blocks ``c.0 .. c.(L−1)`` of one container ``c`` (a ``ModuleList``), and ``q`` post layers. It is a *repeated
-stack* when the middle blocks ``c.1 .. c.(L−2)`` slice into the same problem one at a time and two at a time
-(``range_keys``: same operators, edges, boundary tensors and sharing) and L ≥ :data:`MIN_BLOCKS` (first, two
-middles, last: the capture's backward makes the first and last blocks unlike the others). :func:`capture_stack`
-captures a model with only :data:`KEEP` of its L blocks (the container cut short for the trace, then restored) and
-lays out the L-block model's layers from it (:attr:`Stack.layers`: the first, a middle block repeated, the last),
-so the trace costs a few blocks, not L. A graph of all L blocks is a stack too (:func:`find_stack`), with pieces
-from its own layers.
+blocks ``c.0 .. c.(L−1)`` of one container ``c`` (a ``ModuleList``, at any depth: ``model.model.layers`` in a
+Hugging Face Llama), and ``q`` post layers. It is a *repeated stack* when the middle blocks ``c.1 .. c.(L−2)`` slice
+into the same problem one at a time and two at a time (``range_keys``: same operators, edges, boundary tensors and
+sharing) and L ≥ :data:`MIN_BLOCKS` (first, two middles, last: the capture's backward makes the first and last
+blocks unlike the others). :func:`capture_stack` captures a model with only :data:`KEEP` of its L blocks (the
+container cut short for the trace, then restored) and lays out the L-block model's layers from it
+(:attr:`Stack.layers`: the first, a middle block repeated, the last), so the trace costs a few blocks, not L. A
+graph of all L blocks is a stack too (:func:`find_stack`), with pieces from its own layers.
 
 2. Pieces and their composition (:class:`StackTable`)
 -----------------------------------------------------
@@ -232,9 +232,10 @@ def find_stack(graph: OpGraph, all_layers: Sequence[Layer] | None = None, key=No
 
 def capture_stack(model: torch.nn.Module, inputs, *, keep: int = KEEP, **capture_kw) -> Stack | OpGraph:
     """Capture `model` with only `keep` blocks of its longest container of identical children, at any depth
-    but inside no numbered child (module docstring, 1) and lay out the whole model's layers from them. Returns the :class:`Stack`, or the whole
-    model's captured graph when it has no such container (or no more blocks than `keep`), or when the
-    captured blocks are not a repeated stack. `capture_kw` goes to ``graph.capture.capture``."""
+    but inside no numbered child (module docstring, 1), and lay out the whole model's layers from them.
+    Returns the :class:`Stack`, or the whole model's captured graph when it has no such container (or no more
+    blocks than `keep`), or when the captured blocks are not a repeated stack. `capture_kw` goes to
+    ``graph.capture.capture``."""
 
     def sig(m: torch.nn.Module) -> tuple:
         return type(m), tuple((k, tuple(v.shape), v.dtype) for k, v in m.state_dict(keep_vars=True).items())

@@ -107,6 +107,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
@@ -320,7 +321,8 @@ def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, in
 
     The graph in order is a sequence of *blocks*: maximal runs of nodes of one layer. Each block gets a
     name-free signature of its nodes: kind, op, outputs, FLOPs and bytes, phase, flags, how its operands'
-    depths compare, the class of identical nodes it is in (``graph.canonical``), whether it is the loss;
+    depths compare, the class of identical nodes it is in (``graph.canonical``; a constant's by its value),
+    whether it is the loss;
     an operand in the same layer as (its position there, output), one in another layer as its tensor and
     phase only (what a boundary leaf would be). What crosses layers is listed apart as *links* (reader's
     layer and position, operand; source's layer, position, output; a parameter's gradient and a buffer's
@@ -349,9 +351,18 @@ def range_keys(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[int, in
         loss = graph.loss[1] if graph.loss is not None and graph.loss[0] == n.name else None
         return (
             n.kind.value, n.target, n.outputs, n.flops, n.bytes_read, n.bytes_written, n.is_param, n.phase.value,
-            n.is_view, n.saved_for_backward, ins, _depth_pattern(graph, n), graph.canonical.get(n.name, n.name),
-            loss,
+            n.is_view, n.saved_for_backward, ins, _depth_pattern(graph, n), node_class(n), loss,
         )  # fmt: skip
+
+    def node_class(n: OpNode) -> object:
+        """The class of identical nodes `n` is in: its representative's name — but a constant is a class of
+        its own (``detect_repeats`` ties no constants), named by its value, so two blocks' constants (a Hugging
+        Face attention's ``_tensor_constant`` per layer) key alike."""
+        if n.kind == NodeKind.CONST and n.name in graph.consts:
+            value = graph.consts[n.name].detach().cpu().contiguous()
+            raw = value.reshape(-1).view(torch.uint8).numpy().tobytes()
+            return ("const", str(value.dtype), tuple(value.shape), hashlib.blake2b(raw).digest())
+        return graph.canonical.get(n.name, n.name)
 
     block_layer: list[int] = []
     block_sig: list[int] = []
