@@ -868,7 +868,8 @@ def test_a_hugging_face_llama_is_a_repeated_stack_planned_as_its_whole_graph():
     stack = capture_stack(built.model, built.inputs)
     assert isinstance(stack, Stack) and (stack.container, stack.blocks, stack.kept) == ("model.model.layers", 6, 4)
     fast = plan_pipeline(stack, "atp-ic3", microbatches=4, num_devices=4)
-    exact = plan_pipeline(_capture(built.model, built.inputs), "atp-ic3", microbatches=4, num_devices=4)
+    exact = plan_pipeline(_capture(built.model, built.inputs), "atp-ic3", microbatches=4, num_devices=4, fast=False)
+    assert str(fast.costing) == "repeated-block" and str(exact.costing) == "exact"
     assert [(s.layers, s.ranks, s.mesh_shape) for s in fast.stages] == [
         (s.layers, s.ranks, s.mesh_shape) for s in exact.stages
     ]
