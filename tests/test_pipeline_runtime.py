@@ -6,8 +6,9 @@ submesh beside data parallelism on the other (a replicated boundary resharded to
 searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle (1F1B and
 ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
 all-gather; loss and gradients against the single device, every collective, send and receive counted against
-the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather. One 4-rank
-spawn; every check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B and ZB-H1, and
+the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather; and the
+planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. One 4-rank spawn; every
+check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B and ZB-H1, and
 Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -78,6 +79,7 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str) -> di
         out[name] = res
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
     out["hf-llama"] = _run_planned_hf(hf_plan)
+    out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
     out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
@@ -126,10 +128,16 @@ HF_LLAMA += ["num_key_value_heads=2", "vocab_size=256"]
 computed once in ``LlamaModel.forward`` and read by every layer, untied embeddings."""
 
 
-def _run_planned_hf(text: str) -> dict:
-    """The planner's pipeline of Hugging Face's Llama (``meshpilot plan --pipeline --out``) run as planned,
-    3 AdamW steps beside the single device: HF's own loss and every gradient, the collectives, sends and
-    receives against the plans' and the schedule's."""
+HF_MIXTRAL = ["num_hidden_layers=4", "hidden_size=32", "intermediate_size=48", "num_local_experts=4"]
+HF_MIXTRAL += ["num_attention_heads=4", "num_key_value_heads=2", "num_experts_per_tok=2", "vocab_size=64"]
+HF_MIXTRAL += ["max_position_embeddings=32"]
+"""A tiny Hugging Face Mixtral (``hf:mixtral``): dropless top-2 MoE layers, run by meshpilot's own MoE op."""
+
+
+def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = None, seq: int = 16) -> dict:
+    """The planner's pipeline of a Hugging Face model (``meshpilot plan --pipeline --out``; Llama by default)
+    run as planned, 3 AdamW steps beside the single device: HF's own loss and every gradient, the
+    collectives, sends and receives against the plans' and the schedule's."""
     import torch
 
     from meshpilot.models.sources import build_model
@@ -138,8 +146,9 @@ def _run_planned_hf(text: str) -> dict:
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     plan = PipelinePlan.from_json(text)
-    ref = build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device="cpu", seed=0)
-    mine = build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device="cpu", seed=0)
+    config = HF_LLAMA if config is None else config
+    ref = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
+    mine = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
     inputs = ref.inputs
     pm = pipeline_parallelize(mine.model, inputs, plan)
     params = dict(ref.model.named_parameters())
@@ -339,8 +348,19 @@ def hf_plan(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan, intra_plans, hf_plan):
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, timeout=300)
+def moe_plan(tmp_path_factory) -> str:
+    """Hugging Face Mixtral's pipeline of 2 stages on 4 devices, as `meshpilot plan --pipeline --out` saves it."""
+    from meshpilot.cli.main import main
+
+    path = tmp_path_factory.mktemp("moe") / "pp.json"
+    args = ["plan", "-m", "hf:mixtral", "--hf-config", *HF_MIXTRAL, "-c", "atp-ic2", "-n", "4", "--pipeline"]
+    assert main([*args, "--stages", "2", "--batch", "8", "--seq", "4", "--out", str(path)]) == 0
+    return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan):
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -441,6 +461,16 @@ def test_a_hugging_face_llama_pipeline_as_planned_equals_the_single_device(four_
     assert len(plan.stages) == 2 and plan.stages[0].layers[0] == 0
     stages = [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages]
     _check_intra(four_ranks, stages, "hf-llama")
+
+
+def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(four_ranks, moe_plan):
+    """HF's Mixtral (dropless top-2 MoE, meshpilot's MoE op) split into 2 stages by the planner: loss and every
+    gradient within 1e-5 of the single device over 3 steps, every collective, send and receive as planned."""
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    plan = PipelinePlan.from_json(moe_plan)
+    assert len(plan.stages) == 2
+    _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
 
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
