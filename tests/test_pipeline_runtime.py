@@ -138,45 +138,21 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
     """The planner's pipeline of a Hugging Face model (``meshpilot plan --pipeline --out``; Llama by default)
     run as planned, 3 AdamW steps beside the single device: HF's own loss and every gradient, the
     collectives, sends and receives against the plans' and the schedule's."""
-    import torch
-
     from meshpilot.models.sources import build_model
     from meshpilot.planner.pipeline import PipelinePlan
-    from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     plan = PipelinePlan.from_json(text)
     config = HF_LLAMA if config is None else config
-    ref = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
+    ref = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0).model
     mine = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
-    inputs = ref.inputs
+    inputs, M = mine.inputs, plan.microbatches
     pm = pipeline_parallelize(mine.model, inputs, plan)
-    params = dict(ref.model.named_parameters())
-    o_ref = torch.optim.AdamW(ref.model.parameters(), lr=1e-2)
-    o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
-    res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
-    res["meshes"] = [tuple(st.mesh_shape) for st in plan.stages]
-    for _ in range(STEPS):
-        o_ref.zero_grad()
-        o_pp.zero_grad()
-        # the single device: HF's mean loss over the global batch, as gradient accumulation's mean of the
-        # microbatches' (equal microbatches, no padding)
-        l_ref = sum(ref.model(*(x.chunk(plan.microbatches)[m] for x in inputs)) for m in range(plan.microbatches))
-        l_ref = l_ref / plan.microbatches
-        l_ref.backward()
-        with record_collectives(pm.mesh) as log:
-            loss = pm.step(*inputs)
-        if loss is not None:
-            res["loss"].append(abs(loss.item() - l_ref.item()))
-        res["grad"].append(
-            max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
-        )
-        res["counts"].append(log.counts())
-        o_ref.step()
-        o_pp.step()
-    res["mismatches"] = len(pm.mismatches)
-    return res
+
+    def ref_loss():  # HF's mean loss over the global batch, as gradient accumulation's mean of the microbatches'
+        return sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M  # (equal ones, no padding)
+
+    return _beside_single_device(pm, ref, inputs, ref_loss)
 
 
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
@@ -228,7 +204,6 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.schedule import PipelineKind, zero_bubble
-    from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
@@ -252,30 +227,41 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
         ref = GPT(cfg)
         torch.manual_seed(1)
         pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, sched, graph=graph, local_gather=gather)
-        params = dict(ref.named_parameters())
-        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-        res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
-        res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
-        res["mismatches"] = 0
-        for _ in range(STEPS):
-            o_ref.zero_grad()
-            o_pp.zero_grad()
-            l_ref = ref(idx, tgt)
-            l_ref.backward()
-            with record_collectives(pm.mesh) as log:
-                loss = pm.step(idx, tgt)
-            if loss is not None:
-                res["loss"].append(abs(loss.item() - l_ref.item()))
-            res["grad"].append(
-                max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
-            )
-            res["counts"].append(log.counts())
-            o_ref.step()
-            o_pp.step()
-        res["mismatches"] = len(pm.mismatches)
-        out[name] = res
+        out[name] = _beside_single_device(pm, ref, (idx, tgt))
     return out
+
+
+def _beside_single_device(pm, ref, inputs: tuple, ref_loss=None) -> dict:
+    """STEPS AdamW steps of the pipeline `pm` on `inputs` beside the single-device model `ref` (its loss
+    ``ref(*inputs)``, or ``ref_loss()``): per step |Δ loss| (on the last stage) and the largest gradient
+    difference, the recorded collectives; the plans' counts, the schedule's sends and receives, the plans'
+    mismatches."""
+    import torch
+
+    from meshpilot.runtime.collective_log import record_collectives
+
+    params = dict(ref.named_parameters())
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_pp = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "stage": pm.stage}
+    res["names"], res["last"], res["p2p"] = len(pm.named_parameters()), pm.last, pm.scheduled_p2p()
+    for _ in range(STEPS):
+        o_ref.zero_grad()
+        o_pp.zero_grad()
+        l_ref = ref(*inputs) if ref_loss is None else ref_loss()
+        l_ref.backward()
+        with record_collectives(pm.mesh) as log:
+            loss = pm.step(*inputs)
+        if loss is not None:
+            res["loss"].append(abs(loss.item() - l_ref.item()))
+        res["grad"].append(
+            max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
+        )
+        res["counts"].append(log.counts())
+        o_ref.step()
+        o_pp.step()
+    res["mismatches"] = len(pm.mismatches)
+    return res
 
 
 EIGHT = {  # on 8 ranks, as INTRA
@@ -325,37 +311,33 @@ def eight_ranks() -> list[dict]:
     return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def mlp_plan(tmp_path_factory) -> str:
-    """The MLP's pipeline as `meshpilot plan --pipeline --out` saves it: each stage's own plan inside."""
+def _saved_pipeline(tmp_path_factory, *args: str) -> str:
+    """`meshpilot plan --pipeline -n 4 --stages 2 ARGS --out pp.json`'s file: each stage's own plan inside."""
     from meshpilot.cli.main import main
 
-    path = tmp_path_factory.mktemp("mlp") / "pp.json"
-    args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--pipeline", "--microbatches", "4", "--stages", "2"]
-    assert main([*args, "--batch", "16", "--out", str(path)]) == 0
+    path = tmp_path_factory.mktemp("pp") / "pp.json"
+    assert main(["plan", "--pipeline", "-n", "4", "--stages", "2", *args, "--out", str(path)]) == 0
     return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory) -> str:
+    """The MLP's pipeline of 2 stages on 4 devices."""
+    return _saved_pipeline(tmp_path_factory, "-m", "mlp", "-c", "atp-ic3", "--microbatches", "4", "--batch", "16")
 
 
 @pytest.fixture(scope="module")
 def hf_plan(tmp_path_factory) -> str:
-    """Hugging Face Llama's pipeline of 2 stages on 4 devices as `meshpilot plan --pipeline --out` saves it."""
-    from meshpilot.cli.main import main
-
-    path = tmp_path_factory.mktemp("hf") / "pp.json"
-    args = ["plan", "-m", "hf:llama", "--hf-config", *HF_LLAMA, "-c", "atp-ic3", "-n", "4", "--pipeline"]
-    assert main([*args, "--stages", "2", "--batch", "8", "--seq", "16", "--out", str(path)]) == 0
-    return path.read_text()
+    """Hugging Face Llama's pipeline of 2 stages on 4 devices."""
+    args = ["-m", "hf:llama", "--hf-config", *HF_LLAMA, "-c", "atp-ic3", "--batch", "8", "--seq", "16"]
+    return _saved_pipeline(tmp_path_factory, *args)
 
 
 @pytest.fixture(scope="module")
 def moe_plan(tmp_path_factory) -> str:
-    """Hugging Face Mixtral's pipeline of 2 stages on 4 devices, as `meshpilot plan --pipeline --out` saves it."""
-    from meshpilot.cli.main import main
-
-    path = tmp_path_factory.mktemp("moe") / "pp.json"
-    args = ["plan", "-m", "hf:mixtral", "--hf-config", *HF_MIXTRAL, "-c", "atp-ic2", "-n", "4", "--pipeline"]
-    assert main([*args, "--stages", "2", "--batch", "8", "--seq", "4", "--out", str(path)]) == 0
-    return path.read_text()
+    """Hugging Face Mixtral's pipeline of 2 stages on 4 devices."""
+    args = ["-m", "hf:mixtral", "--hf-config", *HF_MIXTRAL, "-c", "atp-ic2", "--batch", "8", "--seq", "4"]
+    return _saved_pipeline(tmp_path_factory, *args)
 
 
 @pytest.fixture(scope="module")
