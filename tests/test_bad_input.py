@@ -199,6 +199,18 @@ CASES = [
     ),
     (["train", "--plan", "{p2.json}", "--mesh", "2x1"], ("--plan", "--mesh"), None, {"RANK": "0", "WORLD_SIZE": "2"}),
     (
+        ["train", "--plan", "{p2.json}", "--batch", "3"],
+        ("--batch 3", "p2.json", "was made for", "leave --batch out"),
+        None,
+        {"RANK": "0", "WORLD_SIZE": "2"},
+    ),
+    (
+        ["train", "--plan", "{p2.json}", "--seq", "7"],
+        ("--seq 7", "p2.json", "was made for", "--seq 7"),
+        None,
+        {"RANK": "0", "WORLD_SIZE": "2"},
+    ),
+    (
         ["train", "--plan", "{p2.json}", "--json-out", "{dir}/no/l.json"],
         ("--json-out", "does not exist"),
         "{dir}/no/l.json",

@@ -539,16 +539,23 @@ def test_train_takes_a_pipeline_plans_batch_and_sequence_from_the_plan(intra_pla
     import argparse
 
     from meshpilot.cli.train import _prepare_pipeline
+    from meshpilot.errors import UserError
     from meshpilot.models import gpt_config
     from meshpilot.planner.pipeline import PipelinePlan
 
     plan = PipelinePlan.from_json(intra_plans["tp|dp"])
     (b, t), _ = plan.intra[0].input_shapes[0]
-    args = argparse.Namespace(plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None)
     cfg = gpt_config("gpt-tiny", layers=4)
     assert cfg.batch == 4  # the built-in model's own
-    got = _prepare_pipeline(args, plan, cfg, plan.num_devices)["cfg"]
-    assert (got.batch, got.seq) == (8, 16) == (b * plan.microbatches, t)
+    for batch, seq in ((None, None), (8, 16)):  # --batch / --seq left out, or given as the plan has them
+        args = argparse.Namespace(
+            plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None, batch=batch, seq=seq
+        )
+        got = _prepare_pipeline(args, plan, cfg, plan.num_devices)["cfg"]
+        assert (got.batch, got.seq) == (8, 16) == (b * plan.microbatches, t)
+    args = argparse.Namespace(plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None, batch=4, seq=None)
+    with pytest.raises(UserError, match=r"^--batch 4: --plan pp\.json was made for 8; leave --batch out"):
+        _prepare_pipeline(args, plan, cfg, plan.num_devices)
 
 
 def test_local_all_gather_halves_the_gradient_rows_crossing_meshes(four_ranks):

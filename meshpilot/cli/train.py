@@ -6,7 +6,8 @@ Launch with torchrun, e.g.:
   meshpilot plan --model gpt-tiny --cluster atp-ic3 --devices 4 --out plan.json
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --plan plan.json
 
-With --plan the batch size and sequence length come from the plan (the shapes it was made for); --model and
+With --plan the batch size and sequence length come from the plan (the shapes it was made for; --batch and
+--seq, when given, must match them; without --plan they size the GPT, with --plan auto the plan); --model and
 its --layers/--hidden/--heads (or --hf-config) must describe the model the plan was made for (its graph
 fingerprint is checked). Any `meshpilot plan` model trains with a plan: hf:<name>, package.module:factory
 or a built-in; without --plan only the built-in GPTs train (ATP's layers on --mesh):
@@ -76,6 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=positive_int, help="override the GPT's layer count")
     p.add_argument("--hidden", type=positive_int, help="override the GPT's hidden size")
     p.add_argument("--heads", type=positive_int, help="override the GPT's attention heads")
+    p.add_argument(
+        "--batch",
+        "-b",
+        type=positive_int,
+        help="global batch size: with --plan FILE the plan's (read from it; given here, it must match), with "
+        "--plan auto the one to plan for, without --plan the GPT's",
+    )
+    p.add_argument("--seq", "-s", type=positive_int, help="sequence length, as --batch")
     p.add_argument("--mesh", default=None, help="ATP DeviceMesh d1xd2 (default: WORLDx1, Megatron-LM 1D)")
     p.add_argument("--chunks", type=int, default=1, choices=(1, 2, 4), help="ATP chunk-overlap chunks k")
     p.add_argument(
@@ -365,7 +374,10 @@ def _auto_plan(args: argparse.Namespace, world: int) -> Path:
     if args.mesh or args.chunks != 1:
         raise UserError("--plan auto chooses the mesh and every layout; leave out --mesh and --chunks")
     cluster = load_cluster(args.cluster)
-    built = build_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, hf_config=args.hf_config)
+    built = build_model(
+        args.model, batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        hf_config=args.hf_config,
+    )  # fmt: skip
     plan, _ = make_plan(built, cluster, world, None, precision=args.precision)
     if args.checkpoint_dir is not None:
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -441,12 +453,14 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
         graph = check_plan(plan, cfg, world, f"--plan {args.plan}")
         (b, t), _ = plan.input_shapes[0]  # one microbatch: the step's batch is the schedule's microbatches of it
         batch = int(b) * plan.step_schedule().microbatches
+        check_sizes(args, batch, int(t), f"--plan {args.plan}")
         return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=batch, seq=int(t))}
     if args.precision == "bf16-mixed":
         raise UserError(
             "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
             f"{args.model} --precision bf16-mixed --out plan.json`) and train with --plan plan.json"
         )
+    cfg = replace(cfg, batch=args.batch or cfg.batch, seq=args.seq or cfg.seq)
     shape = parse_mesh(args.mesh) if args.mesh else (world, 1)
     if world % (shape[0] * shape[1]):
         raise UserError(
@@ -459,6 +473,20 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
             "change --mesh or --chunks"
         )
     return {"shape": shape, "cfg": cfg}
+
+
+def check_sizes(args: argparse.Namespace, batch: int | None, seq: int | None, source: str) -> None:
+    """--batch / --seq given with a saved plan: the sizes it was made for (`batch`, `seq`; None: the model's
+    inputs have no such size), or one line."""
+    for flag, given, planned in (("--batch", args.batch, batch), ("--seq", args.seq, seq)):
+        if given is None or given == planned:
+            continue
+        if planned is None:
+            raise UserError(f"{flag} {given}: {args.model!r} takes its input shapes from itself; leave {flag} out")
+        raise UserError(
+            f"{flag} {given}: {source} was made for {planned}; leave {flag} out (train reads it from the plan) or plan "
+            f"again with {flag} {given}"
+        )
 
 
 def _step_items(cfg, graph, microbatches: int) -> int:
@@ -497,6 +525,9 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
     if plan.intra and plan.intra[0].input_shapes:  # the shapes it was planned for, as for a one-stage plan
         (b, t), _ = plan.intra[0].input_shapes[0]  # stage 0's first input: one microbatch's token ids
         cfg = replace(cfg, batch=int(b) * M, seq=int(t))
+        check_sizes(args, cfg.batch, cfg.seq, source)
+    else:  # data-parallel stages run the GPT at its own sizes
+        cfg = replace(cfg, batch=args.batch or cfg.batch, seq=args.seq or cfg.seq)
     if cfg.batch % M:
         raise UserError(
             f"{source}: the model's batch {cfg.batch} does not split into the plan's {M} microbatches; "
@@ -604,6 +635,7 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         sizes = {"batch": int(shape0[0]) * m, "seq": int(shape0[1])}
     elif kind(args.model) == "builtin" and shape0:
         sizes = {"batch": int(shape0[0]) * m}
+    check_sizes(args, sizes.get("batch"), sizes.get("seq"), source)
     meta = build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes: here
     precision = _plan_precision(plan)
     graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=precision or None)

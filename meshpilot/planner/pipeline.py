@@ -1319,21 +1319,39 @@ def tied(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     K = len(layers)
     X = np.zeros((K, K), dtype=bool)
     s, e = np.meshgrid(np.arange(K), np.arange(K), indexing="ij")
-    for _, a, b in tied_spans(graph, layers):
+    for w in tied_spans(graph, layers):
+        a, b = w.first, w.last
         X |= (s <= e) & (s <= b) & (e >= a) & ~((s <= a) & (e >= b))
     return X
 
 
-def tied_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[str, int, int]]:
-    """(name, first layer, last layer) of each parameter or buffer read in more than one layer."""
+@dataclass(frozen=True)
+class TiedWeight:
+    """A parameter or buffer read in more than one layer (:func:`tied_spans`)."""
+
+    name: str
+    readers: tuple[int, ...]
+    """The layers reading it (its own layer included), ascending."""
+
+    @property
+    def first(self) -> int:
+        return self.readers[0]
+
+    @property
+    def last(self) -> int:
+        return self.readers[-1]
+
+
+def tied_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[TiedWeight]:
+    """Each parameter or buffer read in more than one layer, with the layers that read it."""
     where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
     out = []
     for n in graph.nodes:
         if n.kind not in (NodeKind.PARAM, NodeKind.BUFFER) or n.name not in where:
             continue
-        readers = [where[u] for u in graph.users[n.name] if u in where] + [where[n.name]]
-        if min(readers) < max(readers):
-            out.append((n.fqn or n.name, min(readers), max(readers)))
+        readers = sorted({where[u] for u in graph.users[n.name] if u in where} | {where[n.name]})
+        if len(readers) > 1:
+            out.append(TiedWeight(n.fqn or n.name, tuple(readers)))
     return out
 
 
@@ -1353,10 +1371,13 @@ def _check_splittable(
         return
     ties = tied_spans(graph, layers)
     if ties:
-        name, a, b = max(ties, key=lambda t: t[2] - t[1])
+        w = max(ties, key=lambda t: t.last - t.first)
+        names = [layers[j].name for j in w.readers]
+        readers = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + " and " + names[-1]
         why = (
-            f"the tied weight {name} is read by layers {layers[a].name} and {layers[b].name}, which must share a "
-            "stage (a Hugging Face model unties it with --hf-config tie_word_embeddings=false)"
+            f"the tied weight {w.name} is read by layers {readers}, which must share a stage (untie it in the "
+            "model: Hugging Face configs that honour it take --hf-config tie_word_embeddings=false; T5's encoder "
+            "and decoder share their embedding whatever it says)"
         )
     else:
         why = "values made in one layer are read several layers later, so no cut between them can run"
