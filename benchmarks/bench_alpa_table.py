@@ -33,6 +33,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from bench_plan_speed import cpu_seconds
+
 from meshpilot.graph.capture import capture
 from meshpilot.models import builtin_models
 from meshpilot.models.zoo import AlpaFamily, alpa_models
@@ -44,12 +46,6 @@ from meshpilot.planner.stack import Stack, capture_stack, compose_stage
 from meshpilot.planner.stage import StagePlanner
 
 CLUSTER = "alpa-p3x8"
-
-
-def _cpu() -> float:
-    """CPU seconds of this process and of its finished children (``plan_pipeline``'s planning workers)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
@@ -157,7 +153,7 @@ def main() -> None:
         for B in args.microbatches:
             if row.global_batch % B:
                 continue
-            t0, c0 = time.perf_counter(), _cpu()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             model, inputs = entry.build("meta", row.global_batch // B)
             stack = None
             if row.family == AlpaFamily.GPT and not args.exact:
@@ -179,7 +175,7 @@ def main() -> None:
             except PlanError:
                 pass
             planning += time.perf_counter() - t0
-            planning_cpu += _cpu() - c0
+            planning_cpu += cpu_seconds() - c0
             if args.no_baseline:
                 continue
             if row.family == AlpaFamily.GPT:

@@ -52,8 +52,8 @@ def main() -> None:
             run(name, workers)
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and of its finished children (the planning workers)."""
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (``plan_pipeline``'s planning workers)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
@@ -63,17 +63,17 @@ def run(name: str, workers: int | None) -> None:
     wall seconds of each part."""
     row = ROWS[name]
     print(f"{name} on {row['cluster']}, workers={workers}: load average {os.getloadavg()}, {os.cpu_count()} CPUs")
-    c0, w0 = _cpu(), time.perf_counter()
+    c0, w0 = cpu_seconds(), time.perf_counter()
     model, inputs = builtin_models()[name].build("meta", row["batch"] // row["B"])
     stack = capture_stack(model, inputs)
     assert isinstance(stack, Stack)
-    c1, w1 = _cpu(), time.perf_counter()
+    c1, w1 = cpu_seconds(), time.perf_counter()
     sp = StagePlanner(stack.graph, row["cluster"])
     p = plan_pipeline(
         stack, sp.cluster, microbatches=row["B"], num_devices=row["devices"], planner=sp, workers=workers,
         **row["kw"],
     )  # fmt: skip
-    c2, w2 = _cpu(), time.perf_counter()
+    c2, w2 = cpu_seconds(), time.perf_counter()
     print(p)
     print(
         f"{name}, workers={workers}: capture {c1 - c0:.1f} s CPU ({w1 - w0:.1f} s wall), plan_pipeline "

@@ -158,9 +158,10 @@ def layer_keys(graph: OpGraph) -> Callable[[str | None], str | None]:
     return key
 
 
-def layers(graph: OpGraph) -> list[Layer]:
-    """The model's layers in forward order (module docstring)."""
-    layer_key = layer_keys(graph)
+def layers(graph: OpGraph, layer_key: Callable[[str | None], str | None] | None = None) -> list[Layer]:
+    """The model's layers in forward order (module docstring); `layer_key` is ``layer_keys(graph)`` when
+    already made."""
+    layer_key = layer_key or layer_keys(graph)
     key: dict[str, str | None] = {}
     order: list[str] = []
     for n in graph.nodes:
@@ -201,8 +202,8 @@ def runnable_layers(graph: OpGraph) -> list[Layer]:
     the last stage for the first's. Leaves join the layer of their first reader, as there. Pure."""
     from meshpilot.graph.capture import LEAF_KINDS
 
-    base = layers(graph)
     layer_key = layer_keys(graph)
+    base = layers(graph, layer_key)
     order = {layer.name: j for j, layer in enumerate(base)}
     where: dict[str, int] = {}
     deferred: list[OpNode] = []
