@@ -31,7 +31,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, resumes: tuple) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -80,6 +80,7 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
     out["hf-llama"] = _run_planned_hf(hf_plan)
     out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
+    out["resumes"] = _resumes(hf_plan, *resumes)
     out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
@@ -153,6 +154,42 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
         return sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M  # (equal ones, no padding)
 
     return _beside_single_device(pm, ref, inputs, ref_loss)
+
+
+def _resumes(pipeline_text: str, one_text: str, root: str) -> dict[str, list[float]]:
+    """Checkpoints of HF Llama's pipeline (``meshpilot train --plan pp.json --checkpoint-dir``'s path): the
+    losses of 3 AdamW steps straight through, and of runs that save after step 2 and resume for step 3 under
+    the same pipeline, from the pipeline's checkpoint under a one-stage plan on the same 4 ranks, and from that
+    plan's checkpoint under the pipeline."""
+    import torch.distributed as dist
+
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.checkpoint import Checkpointing, newest
+    from meshpilot.runtime.train import train_model, train_pipeline
+
+    pp, one = PipelinePlan.from_json(pipeline_text), Plan.from_json(one_text)
+
+    def build(device):
+        return build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device=device, seed=0)
+
+    def run(plan, steps: int, directory: str | None = None, resume_from: str | None = None) -> list[float]:
+        ck = None
+        if directory is not None:
+            ck = Checkpointing(f"{root}/{directory}", resume=newest(f"{root}/{resume_from}") if resume_from else None)
+        if isinstance(plan, PipelinePlan):
+            logs = train_pipeline(None, plan, steps, build=build, checkpoint=ck)
+        else:
+            logs = train_model(build, steps, plan=plan, checkpoint=ck)
+        dist.barrier()
+        return [x.loss for x in logs]
+
+    out = {"straight": run(pp, 3), "saved": run(pp, 2, "pp"), "one saved": run(one, 2, "one")}
+    out["same plan"] = run(pp, 3, "pp-again", "pp")
+    out["pipeline to one"] = run(one, 3, "pp-to-one", "pp")
+    out["one to pipeline"] = run(pp, 3, "one-to-pp", "one")
+    return out
 
 
 INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per stage, schedule)
@@ -341,8 +378,20 @@ def moe_plan(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan):
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, timeout=300)
+def hf_one_plan(tmp_path_factory) -> str:
+    """Hugging Face Llama's one-stage plan on the same 4 devices (mesh 2x2)."""
+    from meshpilot.cli.main import main
+
+    path = tmp_path_factory.mktemp("one") / "one.json"
+    args = ["plan", "-m", "hf:llama", "--hf-config", *HF_LLAMA, "-c", "atp-ic3", "-n", "4", "--mesh", "2x2"]
+    assert main([*args, "--batch", "8", "--seq", "16", "--ops", "none", "--out", str(path)]) == 0
+    return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tmp_path_factory):
+    resumes = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")))
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, resumes, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -455,6 +504,23 @@ def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(fou
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
 
+def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_and_one_stage(four_ranks):
+    """HF Llama's pipeline saves after step 2 (each rank its stage's DTensors and AdamW states, by the model's
+    parameter names) and resumes for step 3: under the same pipeline, under a one-stage plan on the same ranks
+    (the checkpoint of a pipeline read as one module's), and the one-stage plan's checkpoint under the
+    pipeline; every rank sees the same losses, the resumed steps equal the run straight through."""
+    for out in four_ranks:
+        got = out["resumes"]
+        assert got == four_ranks[0]["resumes"]
+        straight = got["straight"]
+        assert len(straight) == 3 and got["saved"] == straight[:2]
+        assert max(abs(a - b) for a, b in zip(got["one saved"], straight)) < 1e-5
+        for key, source in (("same plan", "saved"), ("pipeline to one", "saved"), ("one to pipeline", "one saved")):
+            assert len(got[key]) == 3 and got[key][:2] == got[source], key  # steps 0-1: the checkpoint's logs
+            assert abs(got[key][2] - straight[2]) < 1e-5, (key, got[key], straight)
+        assert got["same plan"] == straight  # the same plan, the same state: the same numbers
+
+
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
     from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.sharding.reshard import CollectiveKind
@@ -491,7 +557,7 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
     # the model does not: a wider one is not the one it was made for
     cases = [
         ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
-        ("4", ["--checkpoint-dir", str(tmp_path / "ck")], ("--checkpoint-dir", "not checkpointed")),
+        ("4", ["--plan", str(bare), "--checkpoint-dir", str(tmp_path / "ck")], ("bare.json", "not checkpointed")),
         ("4", ["--hidden", "64"], other_model),
         ("4", ["--plan", str(bare)], ("no stage plans", "microbatch of 1 rows", "stages of [2] ranks")),
     ]
@@ -506,7 +572,7 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
 
 def test_train_refuses_in_one_line_what_a_hugging_face_pipeline_cannot_run(hf_plan, tmp_path, capsys, monkeypatch):
     """`meshpilot train --plan pp.json --model hf:…`, before any process group: the Llama plan under another
-    world size or with --checkpoint-dir, the plan given another model, and a GPT-2 with dropout (HF's
+    world size, the plan given another model, and a GPT-2 with dropout (HF's
     default 0.1), whose stages would draw random numbers in another order than one device."""
     from meshpilot.cli.main import main
 
@@ -520,7 +586,6 @@ def test_train_refuses_in_one_line_what_a_hugging_face_pipeline_cannot_run(hf_pl
     llama_args = ["--model", "hf:llama", "--hf-config", *HF_LLAMA, "--plan", str(llama)]
     cases = [
         ("2", llama_args, ("4 devices", "world size is 2")),
-        ("4", [*llama_args, "--checkpoint-dir", str(tmp_path / "ck")], ("not checkpointed",)),
         ("4", ["--model", "hf:llama", "--hf-config", *HF_LLAMA[:-1], "--plan", str(llama)], ("stage 0",)),
         ("4", ["--model", "hf:gpt2", "--hf-config", *small, "--plan", str(gpt2)], ("native_dropout", "dropout to 0")),
     ]

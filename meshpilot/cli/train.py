@@ -18,7 +18,8 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
 A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of any model trains the same way, on its stages'
 submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan, which `plan --pipeline` saves
 with it; a built-in GPT's plan without them runs every stage data parallel): the plan's batch, cut into its
-microbatches; no checkpoints yet, no dropout (its stages would draw random numbers in another order):
+microbatches; checkpoints as below (a pipeline's resume under another pipeline or a one-stage plan, and back);
+no dropout (its stages would draw random numbers in another order):
   meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
   meshpilot plan --pipeline --model hf:llama --hf-config num_hidden_layers=4 hidden_size=64 \
       intermediate_size=128 num_attention_heads=4 num_key_value_heads=2 --batch 8 --seq 16 -c atp-ic3 -n 4 \
@@ -554,17 +555,17 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
 
 def _check_pipeline_run(args: argparse.Namespace, plan, world: int) -> None:
     """What a pipeline plan's run needs of the command line, whatever the model: the plan's device count as
-    the world size, no checkpoints, the plan's precision."""
+    the world size, its stages' plans for checkpoints, the plan's precision."""
     source = f"--plan {args.plan}"
     if world != plan.num_devices:
         raise UserError(
             f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
             f"{world}; launch with --nproc-per-node {plan.num_devices}"
         )
-    if args.checkpoint_dir is not None:
+    if args.checkpoint_dir is not None and not plan.intra:
         raise UserError(
-            f"--checkpoint-dir: pipeline plans are not checkpointed yet (each stage's parameters live on its own "
-            f"submesh); train {source} without --checkpoint-dir"
+            f"--checkpoint-dir: {source} holds no stage plans (its stages run data parallel, which is not "
+            "checkpointed); save the plan again with `meshpilot plan --pipeline --out`, which keeps each stage's plan"
         )
     precision = _plan_precision(plan)
     if args.precision and args.precision != (precision or "fp32"):
@@ -765,8 +766,11 @@ def _train(
 
         saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
         saved_with["data"] = str(args.data) if args.data else "random tokens"
-        saved_with["mesh"] = list(plan.mesh_shape)
-        saved_with["layouts"] = Layouts.of(plan).to_dict()
+        if _is_pipeline(plan):
+            saved_with["stages"] = [{"ranks": list(s.ranks), "mesh": list(s.mesh_shape)} for s in plan.stages]
+        else:
+            saved_with["mesh"] = list(plan.mesh_shape)
+            saved_with["layouts"] = Layouts.of(plan).to_dict()
         checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
     done = [] if resume is None else [dict(d) for d in resume.logs]
     pipelined = plan is not None and _is_pipeline(plan)
@@ -786,7 +790,7 @@ def _train(
         info["resumed_from"] = str(resume.path)
     if rank == 0 and resume is not None:
         print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
-        if plan is not None:
+        if plan is not None and not _is_pipeline(plan):
             moved = _reshard_line(resume.manifest, plan)
             if moved:
                 print(moved, flush=True)
@@ -823,8 +827,8 @@ def _train(
     try:
         if pipelined:
             train_pipeline(
-                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, on_step=on_step, data=data,
-                build=build,
+                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, checkpoint=checkpoint,
+                on_step=on_step, data=data, build=build,
             )  # fmt: skip
         elif build is not None:
             train_model(

@@ -37,6 +37,15 @@ layouts; the optimizer's states created by a zero-learning-rate step), has DCP f
 them back with ``set_state_dict``. The signature is compared first: another model (a different size,
 precision or architecture) is one line naming the first tensor that differs.
 
+**Pipelines.** A pipeline (``runtime.pipeline_stages.PlannedPipelineModule``) has no one module whose state
+``get_state_dict`` could name: each rank holds its stages' parameters, DTensors on the stage's submesh. Each
+rank therefore writes those, its stages' persistent buffers and AdamW's states of its parameters, under the
+model's parameter names, with param groups that name every parameter of the model (the same on every rank,
+as ``get_state_dict`` names them for one module): together the ranks write what a one-stage run writes, so a
+pipeline's checkpoint loads under another pipeline (each rank reads its new stages' names) or under a
+one-stage plan, and a one-stage checkpoint under a pipeline. At load the optimizer's states are made by one
+step of learning rate 0 on zero gradients (:func:`_init_optimizer_state`) and filled in place.
+
 **Random state.** meshpilot's random ops (dropout) draw the mask of the whole tensor on every rank from the
 same generator state, and ``parallelize`` checks that the ranks' states agree: the one meaningful state is
 global. ``save`` keeps rank 0's CPU generator (and its CUDA generator when the model runs on a GPU) and
@@ -151,11 +160,64 @@ def newest(directory: str | Path) -> Checkpoint | None:
 # ------------------------------------------------------------------------------------------- state
 
 
-def _target(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module: a ParallelModule's state is its wrapped model's, named as on one device."""
+def _pipelined(model: Any) -> bool:
+    from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
+
+    return isinstance(model, PlannedPipelineModule)
+
+
+def _target(model: Any) -> torch.nn.Module:
+    """The user's module: a ParallelModule's (or a pipeline's) state is its wrapped model's, named as on one
+    device."""
     from meshpilot.runtime.spmd import ParallelModule
 
-    return model.module if isinstance(model, ParallelModule) else model
+    return model.module if isinstance(model, ParallelModule) or _pipelined(model) else model
+
+
+def _state_dicts(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as DCP saves and fills them, named by the model's parameter
+    names. A pipeline rank (module docstring, *Pipelines*) holds its stages' part: their parameters (DTensors on
+    the stage's mesh) and buffers, AdamW's states of those parameters, and param groups that name every
+    parameter of the model, alike on every rank, as ``get_state_dict`` names them for the whole module."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not _pipelined(model):
+        return get_state_dict(_target(model), optimizer)
+    params = dict(model.named_parameters())
+    name_of = {id(p): n for n, p in params.items()}
+    state = {name_of[id(p)]: dict(st) for p, st in optimizer.state.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(model.model_parameter_names)}
+              for g in optimizer.param_groups]  # fmt: skip
+    return {**params, **model.owned_buffers()}, {"state": state, "param_groups": groups}
+
+
+def _set_state_dicts(model: Any, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Hand what DCP loaded into `model_sd` / `optim_sd` (made by :func:`_state_dicts`) back to the model and
+    the optimizer; a pipeline's tensors were filled in place, its param groups' settings are set here."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if not _pipelined(model):
+        set_state_dict(_target(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        return
+    for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _init_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A pipeline's optimizer given its states (AdamW's moments and step counts) by one step of learning rate
+    0 on zero gradients, so that DCP can fill them in place (``get_state_dict`` does the same for a module)."""
+    if not _pipelined(model) or optimizer.state:
+        return
+    rates = [g["lr"] for g in optimizer.param_groups]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, rates):
+        g["lr"] = lr
 
 
 def signature(model: torch.nn.Module) -> dict[str, list]:
@@ -193,10 +255,10 @@ def _digest(states: dict[str, torch.Tensor]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def _model_device(model: Any) -> torch.device:
     from meshpilot.runtime.spmd import ParallelModule
 
-    if isinstance(model, ParallelModule):
+    if isinstance(model, ParallelModule) or _pipelined(model):
         return model.device
     for t in model.parameters():
         return t.device
@@ -245,7 +307,7 @@ def _kill_hook(step: int) -> None:
 
 def save(
     directory: str | Path,
-    model: torch.nn.Module,
+    model: Any,
     optimizer: torch.optim.Optimizer,
     *,
     step: int,
@@ -261,7 +323,6 @@ def save(
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     directory = Path(directory)
     final = step_dir(directory, step)
@@ -275,7 +336,7 @@ def save(
             shutil.rmtree(tmp)  # what an interrupted save of this step left
         tmp.mkdir()
     _barrier()
-    model_sd, optim_sd = get_state_dict(_target(model), optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp_save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(tmp, sync_files=True))
     _kill_hook(step)
     if _rank() == 0:
@@ -299,13 +360,13 @@ def save(
     return final
 
 
-def load(checkpoint: Checkpoint | str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
-    """Load `checkpoint` into `model` (a ParallelModule under any plan, or a plain module) and `optimizer`
+def load(checkpoint: Checkpoint | str | Path, model: Any, optimizer: torch.optim.Optimizer) -> Checkpoint:
+    """Load `checkpoint` into `model` (a ParallelModule under any plan, a pipeline's ``PlannedPipelineModule``,
+    or a plain module) and `optimizer`
     (built on ``model.parameters()``, not yet stepped), and set this rank's random generators to the saved
     state. Collective. A checkpoint of another model is a UserError naming the first tensor that differs."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else read(checkpoint)
     why = _mismatch(ck.manifest.get("signature", {}), signature(model))
@@ -314,11 +375,11 @@ def load(checkpoint: Checkpoint | str | Path, model: torch.nn.Module, optimizer:
             f"--resume {ck.path}: the checkpoint was saved from another model ({why}); resume with the model, "
             "sizes and precision it was saved with, or give a new --checkpoint-dir"
         )
-    target = _target(model)
-    model_sd, optim_sd = get_state_dict(target, optimizer)
+    _init_optimizer_state(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, storage_reader=FileSystemReader(ck.path))
-    set_state_dict(target, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _set_state_dicts(model, optimizer, state["model"], state["optim"])
     device = _model_device(model)
     for kind, text in ck.manifest.get("rng", {}).items():
         value = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

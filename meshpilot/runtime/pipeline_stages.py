@@ -474,7 +474,11 @@ class PlannedPipelineModule:
                 wires[t.src][t.k] = (src.wire, tuple(src_layout))
             if t.dst in wires:
                 wires[t.dst][t.k] = (dst.wire, tuple(dst_layout))
+        self.module = model
+        """The model whose parameters this rank's stages replaced by their DTensors (its state dict names them)."""
+        self.model_parameter_names = tuple(n for n, _ in model.named_parameters())
         self._buffers = dict(model.named_buffers())
+        self._persistent = tuple(k for k in model.state_dict() if k in self._buffers)
         self.programs: dict[int, StageProgram] = {}
         self._params_of: dict[int, list[torch.nn.Parameter]] = {}
         self._trainable_of: dict[int, list[str]] = {}
@@ -500,6 +504,12 @@ class PlannedPipelineModule:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for s in self.stages for n, p in zip(self.programs[s].graph.param_names, self._params_of[s])]
+
+    def owned_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' buffers that the model's state dict holds (the persistent ones), by name: what a
+        checkpoint saves of them (``runtime.checkpoint``); the stages update them in place."""
+        mine = {n for s in self.stages for n in self.programs[s].graph.buffer_names}
+        return {n: self._buffers[n] for n in self._persistent if n in mine}
 
     @property
     def mismatches(self) -> list[str]:

@@ -5,7 +5,7 @@ their losses are comparable step by step: `train_single` (one device), `train_at
 (ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
 `meshpilot.parallelize`). `train_model` is the same loop for any model (``hf:<name>``, a factory, a zoo
 model): single-device, or under a plan. `train_pipeline` runs a GPT under a pipeline plan
-(``meshpilot.runtime.pipeline``: stages on submeshes, microbatches on the plan's schedule; no checkpoints).
+(``meshpilot.runtime.pipeline``: stages on submeshes, microbatches on the plan's schedule).
 
 `device` is where the model runs (``cuda:LOCAL_RANK`` on a GPU, with an NCCL group). `precision` is how:
 ``fp32``; ``bf16`` (the model cast to bfloat16, AdamW's states with it); ``bf16-mixed`` (float32 master
@@ -17,7 +17,8 @@ own precision, which ``meshpilot.parallelize`` follows (the casts of bf16-mixed 
 samples p .. p + batch - 1. Every rank builds the same global batch (the runtime takes its slice), so a run
 resumed at position p on another world size or plan sees exactly the batches the uninterrupted run saw.
 
-**Checkpoints.** `train_plan` and `train_model` take ``checkpoint=`` (a
+**Checkpoints.** `train_plan`, `train_model` and `train_pipeline` (a plan holding its stages' plans) take
+``checkpoint=`` (a
 :class:`~meshpilot.runtime.checkpoint.Checkpointing`): resume from its checkpoint before the first step,
 save every N steps, after the last, and on SIGTERM (:mod:`meshpilot.runtime.checkpoint`). `on_step` sees
 each step's log as it finishes (``train --json-out`` writes the curve as it goes).
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.models.gpt import GPT, GPTConfig
 from meshpilot.runtime.data import ByteText
@@ -292,6 +294,7 @@ def train_pipeline(
     graph=None,
     device: Any = "cpu",
     *,
+    checkpoint: Any = None,
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
     build: Callable[[Any], Any] | None = None,
@@ -303,7 +306,8 @@ def train_pipeline(
     initialised process group of the plan's device count; every rank passes the full global batch (the plan's
     microbatches of one microbatch each) and gets the step's loss, which the last stage computes and sends to
     every rank: the single-device loss of gradient accumulation over the microbatches. `graph` reuses a
-    capture of one microbatch's step."""
+    capture of one microbatch's step. With `checkpoint` (a plan that holds its stages' plans) the run starts
+    where its checkpoint left off and saves as it is told, as :func:`_loop`'s."""
     import torch.distributed as dist
 
     from meshpilot.runtime.pipeline import PipelineModule, pipeline_parallelize
@@ -319,23 +323,38 @@ def train_pipeline(
             return batch_at(cfg, position, seed, data)
 
     pm = pipeline_parallelize(model, batch(0), plan, graph=graph)
+    if checkpoint is not None and isinstance(pm, PipelineModule):
+        raise UserError(
+            "checkpoints of a pipeline need its stages' plans (data-parallel stages are not checkpointed); save the "
+            "plan with `meshpilot plan --pipeline --out`"
+        )
     opt = adamw(pm.parameters(), lr)
     last = plan.stages[-1].ranks[0]
     logs: list[StepLog] = []
-    for i in range(steps):
-        inputs = tuple(x.to(device) for x in batch(i * size))
-        t0 = time.perf_counter()
-        loss = pm.step(*inputs)
-        opt.step()
-        opt.zero_grad()
-        seen = torch.zeros((), device=device) if loss is None else loss.detach().float().clone()
-        if loss is not None and isinstance(pm, PipelineModule) and pm.group is not None:
-            dist.all_reduce(seen, group=pm.group)  # data-parallel stages: each rank holds its rows' mean
-            seen /= pm.d
-        dist.broadcast(seen, src=last)
-        logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
-        if on_step is not None:
-            on_step(logs[-1])
+    start, position = 0, 0
+    with checkpoint if checkpoint is not None else contextlib.nullcontext():
+        if checkpoint is not None:
+            start, position, done = checkpoint.restore(pm, opt)
+            logs = [StepLog(int(d["step"]), float(d["loss"]), float(d["seconds"])) for d in done]
+        for i in range(start, steps):
+            inputs = tuple(x.to(device) for x in batch(position))
+            t0 = time.perf_counter()
+            loss = pm.step(*inputs)
+            opt.step()
+            opt.zero_grad()
+            seen = torch.zeros((), device=device) if loss is None else loss.detach().float().clone()
+            if loss is not None and isinstance(pm, PipelineModule) and pm.group is not None:
+                dist.all_reduce(seen, group=pm.group)  # data-parallel stages: each rank holds its rows' mean
+                seen /= pm.d
+            dist.broadcast(seen, src=last)
+            logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
+            position += size
+            if on_step is not None:
+                on_step(logs[-1])
+            if checkpoint is not None:
+                checkpoint.after_step(
+                    pm, opt, step=i + 1, position=position, logs=[x.__dict__ for x in logs], last=i + 1 == steps
+                )
     return logs
 
 
