@@ -831,23 +831,57 @@ def test_hugging_face_layers_are_found_inside_nested_containers(hf_gpt2_graph):
     assert "model.transformer.ln_f" in names and "model" not in names and "model.transformer" not in names
 
 
-def test_a_tied_weight_keeps_its_readers_in_one_stage(hf_gpt2_graph):
-    """GPT-2's token embedding is read by its first layer and its last (the tied LM head): no stage may hold
-    one of them without the other (the stage runtime gives a parameter to one stage), so a split into 2 stages
-    is one line naming the weight, and the plan without a stage count is one stage."""
-    from meshpilot.planner.pipeline import tied
+def test_a_tied_weight_is_copied_into_every_stage_that_reads_it(hf_gpt2_graph):
+    """GPT-2's token embedding is read by its first layer and its last (the tied LM head): any split runs, the
+    stage with the head holding a copy whose gradient is the head's part (the LM head's backward), the stage
+    with the embedding the sum of the parts, reading the head's part as a boundary (zeros at run time: the
+    parts meet in the runtime's tied sync); neither the copy nor the part crosses stages, so no split is
+    refused for them."""
+    from meshpilot.planner.pipeline import bypassed, unsplittable
+    from meshpilot.planner.stage import gradient_sums, slice_graph, tied_params
 
-    L = len(runnable_layers(hf_gpt2_graph))
-    X = tied(hf_gpt2_graph, runnable_layers(hf_gpt2_graph))
-    assert not X[0, L - 1] and X[0, 0] and X[1, L - 1] and X[0, L - 2]
-    with pytest.raises(
-        PlanError,
-        match=r"tied weight model\.transformer\.wte\.weight is read by layers model\.transformer\.wte and "
-        r"model\.lm_head, .*tie_word_embeddings=false",
-    ):
-        plan_pipeline(hf_gpt2_graph, "atp-ic3", microbatches=2, num_devices=2, num_stages=2)
-    one = plan_pipeline(hf_gpt2_graph, "atp-ic3", microbatches=2, num_devices=2)
-    assert [st.layers for st in one.stages] == [(0, L)]
+    layers = runnable_layers(hf_gpt2_graph)
+    L, wte = len(layers), "model.transformer.wte.weight"
+    assert tied_params(hf_gpt2_graph, layers) == {wte}
+    assert not unsplittable(hf_gpt2_graph, layers).any() and not bypassed(hf_gpt2_graph, layers)[0, L - 2]
+    sums = gradient_sums(hf_gpt2_graph, [wte])
+    head, embedding = slice_graph(hf_gpt2_graph, L - 1, L, layers), slice_graph(hf_gpt2_graph, 0, 1, layers)
+    assert wte in head.param_names and wte in embedding.param_names
+    part = head.grads[wte][0]
+    assert sums[part] == wte and head[part].module == "model.lm_head"
+    assert embedding.grads[wte] == hf_gpt2_graph.grads[wte]
+    assert any(n.name == f"boundary:{part}:0" for n in embedding.nodes)
+    for stages in (2, 3):
+        p = plan_pipeline(hf_gpt2_graph, "atp-ic3", microbatches=2, num_devices=4, num_stages=stages)
+        assert len(p.stages) == stages and p.stages[0].layers[0] == 0 and p.stages[-1].layers[1] == L
+
+
+def test_a_module_called_twice_keeps_both_calls_in_one_stage():
+    """A module called early and again late (T5's decoder calls its dropout after the embedding and after the
+    final norm) puts the late call's work in the early layer: a forward value flowing back to an earlier layer,
+    which no cut between the two may separate; the DP's cuts fall outside that span."""
+    from meshpilot.planner.pipeline import against_spans, unsplittable
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l0, self.act = torch.nn.Linear(8, 8), torch.nn.ReLU()
+            self.l1, self.l2, self.l3 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = self.l2(self.l1(self.act(self.l0(x))))
+            return self.l3(self.act(x)).square().mean()  # act again: its work joins layer 1
+
+    graph = _capture(Twice(), (torch.randn(4, 8),))
+    layers = runnable_layers(graph)
+    assert [layer.name for layer in layers] == ["l0", "act", "l1", "l2", "l3"]
+    assert against_spans(graph, layers) == [(1, 3)]
+    X = unsplittable(graph, layers)
+    assert X[0, 1] and X[2, 4] and not X[0, 3] and not X[1, 4] and not X[4, 4]
+    for stages in (2, 3):
+        p = plan_pipeline(graph, "atp-ic3", microbatches=2, num_devices=4, num_stages=stages)
+        cuts = [st.layers[0] for st in p.stages[1:]]
+        assert len(cuts) == stages - 1 and all(c <= 1 or c >= 4 for c in cuts), cuts
 
 
 def test_a_pipeline_of_a_model_that_draws_random_numbers_is_refused(hf_gpt2_graph):

@@ -31,7 +31,7 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, resumes: tuple) -> dict:
+def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -80,7 +80,10 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
     out["hf-llama"] = _run_planned_hf(hf_plan)
     out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
-    out["resumes"] = _resumes(hf_plan, *resumes)
+    one_plan, root, tied_plan, tied_one_plan = extra
+    out["resumes"] = _resumes(hf_plan, one_plan, f"{root}/llama")
+    out["resumes-tied"] = _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8)
+    out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
     out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
@@ -129,6 +132,10 @@ HF_LLAMA += ["num_key_value_heads=2", "vocab_size=256"]
 computed once in ``LlamaModel.forward`` and read by every layer, untied embeddings."""
 
 
+HF_GPT2 = ["n_layer=2", "n_embd=32", "n_head=2", "vocab_size=128", "n_positions=16"]
+HF_GPT2 += ["resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"]
+"""A tiny Hugging Face GPT-2 (``hf:gpt2``) with its default tied embedding and LM head, dropout off."""
+
 HF_MIXTRAL = ["num_hidden_layers=4", "hidden_size=32", "intermediate_size=48", "num_local_experts=4"]
 HF_MIXTRAL += ["num_attention_heads=4", "num_key_value_heads=2", "num_experts_per_tok=2", "vocab_size=64"]
 HF_MIXTRAL += ["max_position_embeddings=32"]
@@ -156,11 +163,13 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
     return _beside_single_device(pm, ref, inputs, ref_loss)
 
 
-def _resumes(pipeline_text: str, one_text: str, root: str) -> dict[str, list[float]]:
-    """Checkpoints of HF Llama's pipeline (``meshpilot train --plan pp.json --checkpoint-dir``'s path): the
-    losses of 3 AdamW steps straight through, and of runs that save after step 2 and resume for step 3 under
-    the same pipeline, from the pipeline's checkpoint under a one-stage plan on the same 4 ranks, and from that
-    plan's checkpoint under the pipeline."""
+def _resumes(
+    pipeline_text: str, one_text: str, root: str, model: str = "hf:llama", config: list | None = None, seq: int = 16
+) -> dict[str, list[float]]:
+    """Checkpoints of an HF model's pipeline (Llama's by default; ``meshpilot train --plan pp.json
+    --checkpoint-dir``'s path): the losses of 3 AdamW steps straight through, and of runs that save after step 2
+    and resume for step 3 under the same pipeline, from the pipeline's checkpoint under a one-stage plan on the
+    same 4 ranks, and from that plan's checkpoint under the pipeline."""
     import torch.distributed as dist
 
     from meshpilot.models.sources import build_model
@@ -172,7 +181,7 @@ def _resumes(pipeline_text: str, one_text: str, root: str) -> dict[str, list[flo
     pp, one = PipelinePlan.from_json(pipeline_text), Plan.from_json(one_text)
 
     def build(device):
-        return build_model("hf:llama", hf_config=HF_LLAMA, batch=8, seq=16, device=device, seed=0)
+        return build_model(model, hf_config=config or HF_LLAMA, batch=8, seq=seq, device=device, seed=0)
 
     def run(plan, steps: int, directory: str | None = None, resume_from: str | None = None) -> list[float]:
         ck = None
@@ -348,12 +357,12 @@ def eight_ranks() -> list[dict]:
     return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600)
 
 
-def _saved_pipeline(tmp_path_factory, *args: str) -> str:
-    """`meshpilot plan --pipeline -n 4 --stages 2 ARGS --out pp.json`'s file: each stage's own plan inside."""
+def _saved_pipeline(tmp_path_factory, *args: str, stages: int = 2) -> str:
+    """`meshpilot plan --pipeline -n 4 --stages STAGES ARGS --out pp.json`'s file: each stage's own plan inside."""
     from meshpilot.cli.main import main
 
     path = tmp_path_factory.mktemp("pp") / "pp.json"
-    assert main(["plan", "--pipeline", "-n", "4", "--stages", "2", *args, "--out", str(path)]) == 0
+    assert main(["plan", "--pipeline", "-n", "4", "--stages", str(stages), *args, "--out", str(path)]) == 0
     return path.read_text()
 
 
@@ -378,20 +387,38 @@ def moe_plan(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_one_plan(tmp_path_factory) -> str:
-    """Hugging Face Llama's one-stage plan on the same 4 devices (mesh 2x2)."""
+def tied_plan(tmp_path_factory) -> str:
+    """Hugging Face GPT-2's pipeline of 3 stages on 4 devices, its embedding tied to its LM head (the default)."""
+    args = ["-m", "hf:gpt2", "--hf-config", *HF_GPT2, "-c", "atp-ic3", "--batch", "8", "--seq", "8"]
+    return _saved_pipeline(tmp_path_factory, *args, stages=3)
+
+
+def _one_stage(tmp_path_factory, model: str, config: list, seq: int) -> str:
+    """`meshpilot plan -m MODEL -n 4 --mesh 2x2 --out one.json`'s file: a one-stage plan on the same 4 devices."""
     from meshpilot.cli.main import main
 
     path = tmp_path_factory.mktemp("one") / "one.json"
-    args = ["plan", "-m", "hf:llama", "--hf-config", *HF_LLAMA, "-c", "atp-ic3", "-n", "4", "--mesh", "2x2"]
-    assert main([*args, "--batch", "8", "--seq", "16", "--ops", "none", "--out", str(path)]) == 0
+    args = ["plan", "-m", model, "--hf-config", *config, "-c", "atp-ic3", "-n", "4", "--mesh", "2x2"]
+    assert main([*args, "--batch", "8", "--seq", str(seq), "--ops", "none", "--out", str(path)]) == 0
     return path.read_text()
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tmp_path_factory):
-    resumes = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")))
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, resumes, timeout=300)
+def hf_one_plan(tmp_path_factory) -> str:
+    """Hugging Face Llama's one-stage plan on the same 4 devices (mesh 2x2)."""
+    return _one_stage(tmp_path_factory, "hf:llama", HF_LLAMA, 16)
+
+
+@pytest.fixture(scope="module")
+def tied_one_plan(tmp_path_factory) -> str:
+    """Hugging Face GPT-2's (tied) one-stage plan on the same 4 devices (mesh 2x2)."""
+    return _one_stage(tmp_path_factory, "hf:gpt2", HF_GPT2, 8)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tied_plan, tied_one_plan, tmp_path_factory):
+    extra = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")), tied_plan, tied_one_plan)
+    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -494,6 +521,20 @@ def test_a_hugging_face_llama_pipeline_as_planned_equals_the_single_device(four_
     _check_intra(four_ranks, stages, "hf-llama")
 
 
+def test_a_tied_embedding_and_head_in_stages_apart_equal_the_single_device(four_ranks, tied_plan):
+    """HF GPT-2 (embedding tied to the LM head) in 3 stages: the first and the last hold a copy each, the
+    head's part of the gradient stays in the last stage, and the parts are summed across the two after the
+    step (an all-reduce over their ranks, counted with the full-tensor gathers it needs): loss and every
+    gradient, the copies' included, within 1e-5 of one device over 3 steps, every collective as planned."""
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    plan = PipelinePlan.from_json(tied_plan)
+    assert len(plan.stages) == 3
+    wte = "model.transformer.wte.weight"
+    assert [any(name == wte for name, _ in p.params) for p in plan.intra] == [True, False, True]  # two copies
+    _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-gpt2-tied")
+
+
 def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(four_ranks, moe_plan):
     """HF's Mixtral (dropless top-2 MoE, meshpilot's MoE op) split into 2 stages by the planner: loss and every
     gradient within 1e-5 of the single device over 3 steps, every collective, send and receive as planned."""
@@ -504,20 +545,23 @@ def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(fou
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
 
-def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_and_one_stage(four_ranks):
-    """HF Llama's pipeline saves after step 2 (each rank its stage's DTensors and AdamW states, by the model's
-    parameter names) and resumes for step 3: under the same pipeline, under a one-stage plan on the same ranks
-    (the checkpoint of a pipeline read as one module's), and the one-stage plan's checkpoint under the
-    pipeline; every rank sees the same losses, the resumed steps equal the run straight through."""
+@pytest.mark.parametrize("key", ["resumes", "resumes-tied"])
+def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_and_one_stage(four_ranks, key):
+    """HF Llama's pipeline (and GPT-2's of 3 stages, two of them holding the tied embedding: one copy is
+    written, under both of its names as a one-stage run writes it) saves after step 2 — each rank its stages'
+    DTensors and AdamW states, by the model's parameter names — and resumes for step 3: under the same
+    pipeline, under a one-stage plan on the same ranks (the checkpoint of a pipeline read as one module's), and
+    the one-stage plan's checkpoint under the pipeline; every rank sees the same losses, the resumed steps
+    equal the run straight through."""
     for out in four_ranks:
-        got = out["resumes"]
-        assert got == four_ranks[0]["resumes"]
+        got = out[key]
+        assert got == four_ranks[0][key]
         straight = got["straight"]
         assert len(straight) == 3 and got["saved"] == straight[:2]
         assert max(abs(a - b) for a, b in zip(got["one saved"], straight)) < 1e-5
-        for key, source in (("same plan", "saved"), ("pipeline to one", "saved"), ("one to pipeline", "one saved")):
-            assert len(got[key]) == 3 and got[key][:2] == got[source], key  # steps 0-1: the checkpoint's logs
-            assert abs(got[key][2] - straight[2]) < 1e-5, (key, got[key], straight)
+        for run, source in (("same plan", "saved"), ("pipeline to one", "saved"), ("one to pipeline", "one saved")):
+            assert len(got[run]) == 3 and got[run][:2] == got[source], run  # steps 0-1: the checkpoint's logs
+            assert abs(got[run][2] - straight[2]) < 1e-5, (run, got[run], straight)
         assert got["same plan"] == straight  # the same plan, the same state: the same numbers
 
 

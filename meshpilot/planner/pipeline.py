@@ -194,7 +194,7 @@ import numpy as np
 
 from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph
+from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
@@ -208,7 +208,7 @@ from meshpilot.planner.schedule import (
     stage_in_flight_of,
 )
 from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
-from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers
+from meshpilot.planner.stage import Layer, StageCost, StagePlanner, gradient_sums, runnable_layers, tied_params
 
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
@@ -1298,36 +1298,63 @@ def _held_per_stage(kind: PipelineKind, groups: Sequence[tuple[int, ...]], stage
 def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     """``X[s, e]`` (s ≤ e): whether a value made in a layer before s is read in one after e, or the other way
     round — a stage of layers s..e between two cuts would have it cross more than one boundary, which the
-    stage runtime refuses (``runtime.pipeline_stages``: one line, "choose other split points")."""
+    stage runtime refuses (``runtime.pipeline_stages``: one line, "choose other split points"). A tied
+    parameter and its gradient's parts do not cross: each stage holding a reader keeps a copy and its own part
+    (``stage.slice_graph``, *Tied parameters*)."""
     where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    ties = tied_params(graph, layers)
+    sums = gradient_sums(graph, ties)
     K = len(layers)
     X = np.zeros((K, K), dtype=bool)
     for n in graph.nodes:
         for src, _ in n.inputs:
+            m = graph[src]
+            if (m.kind == NodeKind.PARAM and m.fqn in ties) or (src in sums and n.name in sums):
+                continue
             a, b = sorted((where.get(src, -1), where.get(n.name, -1)))
             if a >= 0 and b - a >= 2:
                 X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
     return X
 
 
-def tied(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
+def unsplittable(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     """``X[s, e]`` (s ≤ e): whether a stage of layers s..e would hold some but not all of the layers that
-    read one parameter or buffer (a tied weight: Hugging Face GPT-2's token embedding, read again by its LM
-    head) — the stage runtime gives a parameter to one stage and refuses a plan that splits its readers
-    (``runtime.pipeline_stages``: one line, "tied weights"). The readers' span ``[a, b]`` must lie inside the
-    stage or outside it."""
+    read one buffer — the stage runtime gives a buffer to one stage and refuses a plan that splits its readers
+    (``runtime.pipeline_stages``: one line) — or one end but not the other of a value flowing against the
+    pipeline (:func:`against_spans`). Each such span ``[a, b]`` must lie inside the stage or outside it. (A tied
+    parameter is copied into each stage that reads it: ``stage.slice_graph``.)"""
     K = len(layers)
     X = np.zeros((K, K), dtype=bool)
     s, e = np.meshgrid(np.arange(K), np.arange(K), indexing="ij")
-    for w in tied_spans(graph, layers):
-        a, b = w.first, w.last
+    spans = [(w.first, w.last) for w in shared_buffers(graph, layers)] + against_spans(graph, layers)
+    for a, b in spans:
         X |= (s <= e) & (s <= b) & (e >= a) & ~((s <= a) & (e >= b))
     return X
 
 
+def against_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, int]]:
+    """``(a, b)`` (a < b) of each value that would cross stages against the pipeline's direction if a cut
+    fell between layers a and b: a forward value made in a later layer and read in an earlier one (a module
+    called twice, as T5's decoder calls its dropout after the embedding and again after the final norm), or
+    a gradient made in an earlier layer's backward and read in a later one's (the runtime passes forward values
+    to later stages and gradients to earlier ones; a tied parameter's gradient parts stay where they are)."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    sums = gradient_sums(graph, tied_params(graph, layers))
+    out = set()
+    for n in graph.nodes:
+        for src, _ in n.inputs:
+            p, q = where.get(src), where.get(n.name)
+            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or (src in sums and n.name in sums):
+                continue
+            made = graph[src].phase
+            if (p > q and made == Phase.FWD) or (p < q and made == Phase.BWD) or (p > q and n.phase != Phase.BWD):
+                out.add((min(p, q), max(p, q)))
+    return sorted(out)
+
+
 @dataclass(frozen=True)
-class TiedWeight:
-    """A parameter or buffer read in more than one layer (:func:`tied_spans`)."""
+class SharedBuffer:
+    """A buffer read in more than one layer (:func:`shared_buffers`)."""
 
     name: str
     readers: tuple[int, ...]
@@ -1342,16 +1369,16 @@ class TiedWeight:
         return self.readers[-1]
 
 
-def tied_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[TiedWeight]:
-    """Each parameter or buffer read in more than one layer, with the layers that read it."""
+def shared_buffers(graph: OpGraph, layers: Sequence[Layer]) -> list[SharedBuffer]:
+    """Each buffer read in more than one layer, with the layers that read it."""
     where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
     out = []
     for n in graph.nodes:
-        if n.kind not in (NodeKind.PARAM, NodeKind.BUFFER) or n.name not in where:
+        if n.kind != NodeKind.BUFFER or n.name not in where:
             continue
         readers = sorted({where[u] for u in graph.users[n.name] if u in where} | {where[n.name]})
         if len(readers) > 1:
-            out.append(TiedWeight(n.fqn or n.name, tuple(readers)))
+            out.append(SharedBuffer(n.fqn or n.name, tuple(readers)))
     return out
 
 
@@ -1369,16 +1396,12 @@ def _check_splittable(
             can[n_st, i] = any(can[n_st - 1, k] and not refused[k, i - 1] for k in range(i))
     if any(can[c, L] for c in counts):
         return
-    ties = tied_spans(graph, layers)
+    ties = shared_buffers(graph, layers)
     if ties:
         w = max(ties, key=lambda t: t.last - t.first)
         names = [layers[j].name for j in w.readers]
         readers = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + " and " + names[-1]
-        why = (
-            f"the tied weight {w.name} is read by layers {readers}, which must share a stage (untie it in the "
-            "model: Hugging Face configs that honour it take --hf-config tie_word_embeddings=false; T5's encoder "
-            "and decoder share their embedding whatever it says)"
-        )
+        why = f"the buffer {w.name} is read by layers {readers}, which must share a stage"
     else:
         why = "values made in one layer are read several layers later, so no cut between them can run"
     stages = f"{counts[0]} stages" if len(counts) == 1 else f"up to {most} stages"
@@ -1387,11 +1410,12 @@ def _check_splittable(
 
 def refused_ranges(graph: OpGraph, layers: Sequence[Layer], clusters: Clustering, stack=None) -> np.ndarray:
     """``R[k, i]``: a stage of clusters k..i would have a value cross it whole (:func:`bypassed` of its first
-    and last layer) or split the readers of a tied weight (:func:`tied`), so the stage DP leaves it out. With
+    and last layer) or split a span that must share a stage (:func:`unsplittable`: a buffer's readers, a value
+    flowing against the pipeline), so the stage DP leaves it out. With
     a :class:`~meshpilot.planner.stack.Stack`, `graph` and `layers` are its captured graph's and each range of
     the model's layers reads as the captured range it maps to (``Stack.received``: the blocks repeat, so do
     the values crossing them)."""
-    X = (bypassed(graph, layers) | tied(graph, layers)).astype(float)
+    X = (bypassed(graph, layers) | unsplittable(graph, layers)).astype(float)
     if stack is not None:
         X = stack.received(X)
     L = len(clusters.bounds)

@@ -39,6 +39,19 @@ strategy builder, the searcher and the accounting take like any captured graph:
 
 The slice's ``gm`` is the whole model's (not runnable on its own); planning reads only the nodes.
 
+Tied parameters (:func:`tied_params`)
+-------------------------------------
+A parameter that nodes of several layers read — GPT-2's token embedding, read again by its LM head; T5's
+shared embedding, read by its encoder, its decoder and its head — is not a value crossing stages but a
+*copy* in every stage that reads it (Megatron-LM's embedding group): the slice holds the parameter node
+itself, with its own layout, memory and update priced by the stage's search. Autograd sums the readers'
+contributions to its gradient with additions (:func:`gradient_sums`: the gradient's node and, through every
+``aten.add.Tensor``, their operands); a stage that does not hold that sum takes, as its copy's gradient, its
+own part — the one value of the sums it makes that another stage reads — and a stage that reads another
+stage's part keeps it as a boundary input, which the runtime feeds zeros (``runtime.pipeline_stages``: each
+part stays in its stage, and the copies' gradients are summed across the stages after the step). So no part
+crosses stages, and neither the copies nor the parts constrain where the cuts go.
+
 Cost and cache (:func:`plan_stage`)
 -----------------------------------
 For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``) on the
@@ -242,14 +255,55 @@ def runnable_layers(graph: OpGraph) -> list[Layer]:
     return [Layer(b.name, tuple(m), sum(graph[x].flops for x in m)) for b, m in zip(base, members)]
 
 
+def tied_params(graph: OpGraph, all_layers: Sequence[Layer]) -> frozenset[str]:
+    """The parameters (by name) that nodes of more than one layer read: a tied embedding and LM head (module
+    docstring, *Tied parameters*)."""
+    where = {name: j for j, layer in enumerate(all_layers) for name in layer.nodes}
+    out = set()
+    for n in graph.nodes:
+        if n.kind == NodeKind.PARAM and len({where[u] for u in graph.users[n.name] if u in where}) > 1:
+            out.add(n.fqn)
+    return frozenset(out)
+
+
+GRAD_ADD = "aten.add.Tensor"
+"""The op autograd sums a parameter's gradient contributions with."""
+
+
+def gradient_sums(graph: OpGraph, fqns) -> dict[str, str]:
+    """Node name -> parameter name, for the nodes whose values add up into the gradient of each parameter of
+    `fqns`: its gradient's node and, through every :data:`GRAD_ADD` among them, their operands (each reader's
+    contribution, and partial sums)."""
+    out: dict[str, str] = {}
+    for fqn in fqns:
+        g = graph.grads.get(fqn)
+        todo = [g[0]] if g is not None else []
+        while todo:
+            name = todo.pop()
+            if name in out:
+                continue
+            out[name] = fqn
+            if graph[name].target == GRAD_ADD:
+                todo += [src for src, _ in graph[name].inputs]
+    return out
+
+
 def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Layer] | None = None) -> OpGraph:
     """The nodes of layers ``[start, stop)`` as a graph of their own (module docstring)."""
     all_layers = list(all_layers) if all_layers is not None else layers(graph)
     if not 0 <= start < stop <= len(all_layers):
         raise UserError(f"layers [{start}, {stop}): the model has {len(all_layers)} layers; give 0 <= start < stop")
     inside = {x for layer in all_layers[start:stop] for x in layer.nodes}
+    tied = tied_params(graph, all_layers)
     nodes: list[OpNode] = []
     boundary: dict[tuple[str, int], str] = {}
+    copies: set[str] = set()
+
+    def copy(src: str) -> str:  # a tied parameter another layer's stage holds: this stage's own copy
+        if src not in copies:
+            copies.add(src)
+            nodes.append(graph[src])
+        return src
 
     def bound(src: str, i: int) -> str:
         name = boundary.get((src, i))
@@ -263,7 +317,11 @@ def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Laye
     for n in graph.nodes:
         if n.name not in inside:
             continue
-        ins = tuple((s, i) if s in inside else (bound(s, i), 0) for s, i in n.inputs)
+        ins = tuple(
+            (s, i) if s in inside else (copy(s), i) if graph[s].kind == NodeKind.PARAM and graph[s].fqn in tied
+            else (bound(s, i), 0)
+            for s, i in n.inputs
+        )  # fmt: skip
         nodes.append(dataclasses.replace(n, inputs=ins))
     # graph order with boundary leaves before their first reader, renumbered
     nodes = [dataclasses.replace(n, index=k) for k, n in enumerate(nodes)]
@@ -271,6 +329,16 @@ def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Laye
     params = [p for p in graph.param_names if any(n.kind == NodeKind.PARAM and n.fqn == p for n in nodes)]
     buffers = [b for b in graph.buffer_names if any(n.kind == NodeKind.BUFFER and n.fqn == b for n in nodes)]
     grads = {p: g for p, g in graph.grads.items() if p in params and g is not None and g[0] in names}
+    sums = gradient_sums(graph, [p for p in params if p in tied and p not in grads])
+    for p in sorted(set(sums.values())):  # a stage without the sum of a tied weight's gradient: its part
+        out = [x for x in names if sums.get(x) == p and any(u not in inside for u in graph.users[x])]
+        if len(out) > 1:
+            raise UserError(
+                f"layers [{start}, {stop}) add into the gradient of the tied weight {p} in {len(out)} places that "
+                "other stages sum; cut the stages elsewhere"
+            )
+        if out:
+            grads[p] = (out[0], 0)
     sub = OpGraph(
         nodes=nodes,
         gm=graph.gm,

@@ -174,21 +174,24 @@ def _target(model: Any) -> torch.nn.Module:
     return model.module if isinstance(model, ParallelModule) or _pipelined(model) else model
 
 
-def _state_dicts(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _state_dicts(model: Any, optimizer: torch.optim.Optimizer, saving: bool = False) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts as DCP saves and fills them, named by the model's parameter
     names. A pipeline rank (module docstring, *Pipelines*) holds its stages' part: their parameters (DTensors on
     the stage's mesh) and buffers, AdamW's states of those parameters, and param groups that name every
-    parameter of the model, alike on every rank, as ``get_state_dict`` names them for the whole module."""
+    parameter of the model, alike on every rank, as ``get_state_dict`` names them for the whole module;
+    `saving`: a tied weight's copies but its first holder's left out (one layout per name is written; every
+    copy reads it back)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if not _pipelined(model):
         return get_state_dict(_target(model), optimizer)
-    params = dict(model.named_parameters())
+    params = dict(model.saved_parameters() if saving else model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
-    state = {name_of[id(p)]: dict(st) for p, st in optimizer.state.items()}
+    state = {name_of[id(p)]: dict(st) for p, st in optimizer.state.items() if id(p) in name_of}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(model.model_parameter_names)}
               for g in optimizer.param_groups]  # fmt: skip
-    return {**params, **model.owned_buffers()}, {"state": state, "param_groups": groups}
+    named = {alias: p for n, p in params.items() for alias in model.aliases.get(n, (n,))}  # as the state dict
+    return {**named, **model.owned_buffers()}, {"state": state, "param_groups": groups}
 
 
 def _set_state_dicts(model: Any, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
@@ -336,7 +339,7 @@ def save(
             shutil.rmtree(tmp)  # what an interrupted save of this step left
         tmp.mkdir()
     _barrier()
-    model_sd, optim_sd = _state_dicts(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, saving=True)
     dcp_save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(tmp, sync_files=True))
     _kill_hook(step)
     if _rank() == 0:

@@ -33,15 +33,27 @@ it reads from the next stage's backward, sent after ``B``. Each moves between th
 program starts by taking the wire layout to its planned one (local). Model inputs and constants a stage reads
 are its own copies (every rank passes the full batch), not transfers.
 
+Tied weights: a parameter several stages read (GPT-2's embedding and LM head) is a copy in each of them
+(``stage.slice_graph``, *Tied parameters*), Megatron-LM's embedding group. Each stage keeps its own part of
+the gradient: its copy's gradient is the part it makes, and where a stage's slice reads another stage's part
+(the sum autograd makes of them) it reads zeros instead (:func:`zero_filled`; no transfer). After the step,
+once every stage has synchronised its gradients, the copies' gradients are summed across the stages holding
+one (:class:`TiedSync`): each holder's gradient as a full tensor (all-gathered on its mesh), contributed by
+the stage's first rank, all-reduced over a group of the holders' ranks, and each copy's shard of the sum made
+its gradient; the copies then take the same AdamW step. A checkpoint writes the first holder's copy; every
+copy reads it back.
+
 Refused in one line: a value crossing more than one stage or against the schedule's direction (a later stage's
-backward reading an earlier stage's backward), a parameter or buffer used by two stages (tied weights), a
-scalar boundary, a batch that does not split into the plan's microbatches, a plan made for another model.
+backward reading an earlier stage's backward), a buffer used by two stages, a tied weight read by two stages
+of one rank group (Interleaved1F1B), a scalar boundary, a batch that does not split into the plan's
+microbatches, a plan made for another model.
 
 Microbatch m's gradients are scaled by 1/B where they are accumulated (the boundary gradients are not: the
 scaling is linear), so with a loss that averages over its batch the step's gradients equal the single-device
 full-batch gradients and its loss is the mean of the microbatches'. :meth:`PlannedPipelineModule.planned_counts`
 is what the step issues according to the plans — each stage plan's collectives (``Plan.collective_counts``),
-the senders' wire reshards (``Resharder``) and the tiles' sends and receives — keyed like
+the senders' wire reshards (``Resharder``), the tiles' sends and receives and the tied sync's gathers and
+all-reduce — keyed like
 ``CollectiveLog.counts()`` on the stage's mesh.
 """
 
@@ -64,11 +76,11 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
-from meshpilot.planner.stage import BOUNDARY, slice_graph
+from meshpilot.planner.stage import BOUNDARY, gradient_sums, slice_graph, tied_params
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
 from meshpilot.runtime.groups import device_mesh
-from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
+from meshpilot.runtime.interpret import Interpreter, redistribute, to_dtensor, wrap_local
 from meshpilot.runtime.program import _as_tuple, _last_uses, split_phases, synced_grads
 from meshpilot.runtime.record import record as record_program
 from meshpilot.sharding.placements import Placements, replicated
@@ -81,6 +93,25 @@ PP_AXIS = "pp"
 """The axis name tile sends and receives are recorded under."""
 LOCAL_AXIS = "local"
 """The axis name of a local all-gather among the receivers of a replicated boundary (``crossmesh``)."""
+
+
+TIED_AXIS = "tied"
+"""The axis name the all-reduce of a tied weight's gradient across its stages is recorded under."""
+
+
+@dataclass(frozen=True)
+class TiedSync:
+    """A tied weight that several stages hold a copy of (module docstring, *Tied weights*)."""
+
+    fqn: str
+    holders: tuple[int, ...]
+    """The stages holding a copy, ascending: the first one's copy is what a checkpoint saves."""
+    info: TensorInfo
+    group: Any
+    """The process group of the holders' ranks (None on a rank outside it)."""
+    size: int
+    mine: tuple[int, ...]
+    """This rank's stages among the holders."""
 
 
 @dataclass(frozen=True)
@@ -105,14 +136,44 @@ def _boundary_source(name: str) -> tuple[str, int]:
     return src, int(i)
 
 
-def find_transfers(graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int]) -> list[Transfer]:
-    """Every value one stage's slice reads from another (module docstring); one line for what is not carried."""
+def zero_filled(
+    graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int], sums: dict[str, str]
+) -> dict[int, list[str]]:
+    """Per stage, its boundary inputs that are another stage's part of a tied weight's gradient (``sums``:
+    ``stage.gradient_sums``): each stage keeps its own part as its copy's gradient, so here they read zeros
+    and the parts meet in the tied sync (module docstring, *Tied weights*)."""
+    out: dict[int, list[str]] = {}
+    for s, sub in enumerate(slices):
+        for leaf in sub.nodes:
+            if leaf.kind != NodeKind.INPUT or not leaf.name.startswith(BOUNDARY + ":"):
+                continue
+            src, _ = _boundary_source(leaf.name)
+            if src not in sums:
+                continue
+            maker = stage_of[src]
+            if sums[src] not in slices[maker].grads or slices[maker].grads[sums[src]][0] != src:
+                raise UserError(
+                    f"stage {s} reads {src}, a part of {sums[src]}'s gradient that stage {maker} makes but does not "
+                    "keep as its copy's; choose other split points"
+                )
+            out.setdefault(s, []).append(leaf.name)
+    return out
+
+
+def find_transfers(
+    graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int], sums: dict[str, str] | None = None
+) -> list[Transfer]:
+    """Every value one stage's slice reads from another (module docstring), but the parts of a tied weight's
+    gradient (`sums`, :func:`zero_filled`); one line for what is not carried."""
     out: list[Transfer] = []
+    sums = sums or {}
     for s, sub in enumerate(slices):
         for leaf in sub.nodes:
             if leaf.kind != NodeKind.INPUT or not leaf.name.startswith(BOUNDARY + ":"):
                 continue
             src, i = _boundary_source(leaf.name)
+            if src in sums:
+                continue
             made = graph[src]
             if made.kind in (NodeKind.INPUT, NodeKind.CONST):
                 continue  # every stage has the model's inputs and constants
@@ -153,6 +214,7 @@ class StageProgram:
         send_fwd: list[Transfer],
         send_bwd: list[Transfer],
         wires: dict[int, tuple[Placements, Placements]],
+        zero_fill: Sequence[str] = (),
     ) -> None:
         self.interp = interp
         g = self.graph = interp.graph
@@ -161,9 +223,11 @@ class StageProgram:
         self.wires = wires
         self.late = {t.boundary: j for j, t in enumerate(recv_bwd)}
         self.early = {t.boundary: j for j, t in enumerate(recv_fwd)}
+        self.zero_fill = tuple(zero_fill)
+        """Boundary inputs of the backward that read zeros: other stages' parts of a tied weight's gradient."""
         # a forward value only the backward sends is kept like the backward's inputs
         self.fwd_nodes, self.bwd_nodes, self.leaves, self.saved = split_phases(
-            g, trainable, late=set(self.late), also_saved=[(t.node, t.index) for t in send_bwd]
+            g, trainable, late=set(self.late) | set(self.zero_fill), also_saved=[(t.node, t.index) for t in send_bwd]
         )
         self.saved_specs: list[Any] = []
         keep = {s for s, _ in self.saved} | {t.node for t in (*send_fwd, *send_bwd)}
@@ -180,7 +244,7 @@ class StageProgram:
         cone = OpGraph.input_cone({n.name: n for n in self.bwd_nodes}, (t.node for t in self.send_bwd))
         self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
         self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
-        by_i = cone | set(self.late)
+        by_i = cone | set(self.late) | set(self.zero_fill)
         handoff: dict[tuple[str, int], None] = {}
         for n in self.w_nodes:
             for src, i in n.inputs:
@@ -282,6 +346,10 @@ class StageProgram:
         env = self._env(self.saved, self.saved_specs, flat[:n_saved])
         for t, local in zip(self.recv_bwd, flat[n_saved:]):
             env.setdefault(t.boundary, {})[0] = self._received(t, local)
+        for name in self.zero_fill:
+            leaf = self.graph[name]
+            zeros = torch.zeros(leaf.out.shape, dtype=dtype_from_name(leaf.out.dtype), device=self.interp.device)
+            env[name] = {0: self.interp.leaf(leaf, zeros)}
         return {k: _as_tuple(v) for k, v in env.items()}
 
     def _grads_out(self, env: dict) -> list:
@@ -439,7 +507,10 @@ class PlannedPipelineModule:
             for layer in run_layers[st.layers[0] : st.layers[1]]:
                 for name in layer.nodes:
                     stage_of[name] = s
-        self.transfers = find_transfers(graph, slices, stage_of)
+        ties = tied_params(graph, run_layers)
+        sums = gradient_sums(graph, ties)
+        self.transfers = find_transfers(graph, slices, stage_of, sums)
+        zeros = zero_filled(graph, slices, stage_of, sums)
         meshes: dict[tuple, DeviceMesh] = {}  # stages on the same ranks in the same arrangement share one
         self.meshes = []
         for p, st in zip(plans, pplan.stages):
@@ -477,6 +548,11 @@ class PlannedPipelineModule:
         self.module = model
         """The model whose parameters this rank's stages replaced by their DTensors (its state dict names them)."""
         self.model_parameter_names = tuple(n for n, _ in model.named_parameters())
+        names: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        self.aliases = {ns[0]: tuple(ns) for ns in names.values()}
+        """Each parameter's names in the model (a weight tied by assignment has several; its state dict has all)."""
         self._buffers = dict(model.named_buffers())
         self._persistent = tuple(k for k in model.state_dict() if k in self._buffers)
         self.programs: dict[int, StageProgram] = {}
@@ -490,12 +566,30 @@ class PlannedPipelineModule:
                 Interpreter(slices[s], plans[s], self.meshes[s], device), trainable,
                 [t for t in mine if t.dst == s and t.forward], [t for t in mine if t.dst == s and not t.forward],
                 [t for t in mine if t.src == s and t.forward], [t for t in mine if t.src == s and not t.forward],
-                wires[s],
+                wires[s], zeros.get(s, ()),
             )  # fmt: skip
             prog.whole = graph
             prog.num_model_inputs = len(inputs)
             self.programs[s] = prog
         self.program = self.programs[self.stage]
+        self.tied: list[TiedSync] = []
+        """The tied weights several stages hold a copy of, each summed across them after the step."""
+        for fqn in sorted(ties):
+            holders = tuple(j for j, sub in enumerate(slices) if fqn in sub.param_names)
+            if len(holders) < 2:
+                continue
+            for i, a in enumerate(holders):
+                for b in holders[i + 1 :]:
+                    if set(self.stage_ranks[a]) & set(self.stage_ranks[b]):
+                        raise UserError(
+                            f"the tied weight {fqn} is read by stages {a} and {b}, which share ranks "
+                            "(Interleaved1F1B); put its readers in stages of different rank groups, or in one stage"
+                        )
+            members = sorted({r for h in holders for r in self.stage_ranks[h]})
+            group = dist.new_group(members)  # collective: every rank creates every one, in one order
+            info = graph[next(n.name for n in graph.nodes if n.kind == NodeKind.PARAM and n.fqn == fqn)].out
+            mine = tuple(h for h in holders if h in self.stages)
+            self.tied.append(TiedSync(fqn, holders, info, group if rank in members else None, len(members), mine))
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -504,6 +598,15 @@ class PlannedPipelineModule:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for s in self.stages for n, p in zip(self.programs[s].graph.param_names, self._params_of[s])]
+
+    def saved_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """:meth:`named_parameters` but the copies of a tied weight in stages other than its first holder: what
+        a checkpoint writes (one layout per name); a load fills the copies too."""
+        copies = {(s, t.fqn) for t in self.tied for s in t.holders[1:]}
+        return [
+            (n, p) for s in self.stages for n, p in zip(self.programs[s].graph.param_names, self._params_of[s])
+            if (s, n) not in copies
+        ]  # fmt: skip
 
     def owned_buffers(self) -> dict[str, torch.Tensor]:
         """This rank's stages' buffers that the model's state dict holds (the persistent ones), by name: what a
@@ -646,7 +749,32 @@ class PlannedPipelineModule:
                     self._grad_sync(st, grads[st])
         for w in sends:
             w.wait()
+        self._sync_tied()
         return torch.stack(losses).mean() if self.last else None
+
+    def _param(self, s: int, fqn: str) -> torch.nn.Parameter:
+        return self._params_of[s][self.programs[s].graph.param_names.index(fqn)]
+
+    def _sync_tied(self) -> None:
+        """Each tied weight's gradient summed over the stages holding a copy (module docstring, *Tied
+        weights*): every holder's gradient as a full tensor, contributed by the stage's first rank, all-reduced
+        over the holders' ranks, and each copy's shard of the sum made its gradient."""
+        rank = dist.get_rank()
+        for t in self.tied:
+            if t.group is None:
+                continue
+            full = torch.zeros(t.info.shape, dtype=dtype_from_name(t.info.dtype), device=self.device)
+            for s in t.mine:
+                grad = self._param(s, t.fqn).grad
+                if grad is not None:
+                    whole = grad.full_tensor()
+                    if rank == self.stage_ranks[s][0]:
+                        full += whole
+            record(CollectiveKind.ALL_REDUCE, TIED_AXIS, t.size, full.nbytes, Phase.BWD)
+            dist.all_reduce(full, group=t.group)
+            for s in t.mine:
+                p = self._param(s, t.fqn)
+                p.grad = to_dtensor(full, self.meshes[s], p.placements)
 
     def _grad_sync(self, s: int, grads: list | None) -> None:
         """Stage `s`'s gradients into their parameters' layouts, added to their ``.grad``."""
@@ -678,6 +806,16 @@ class PlannedPipelineModule:
                     wire, planned = self.programs[s].wires[t.k]
                     for c in resharder.collectives(planned, wire, t.info):
                         out[(c.kind, plan.axis_name(c.axis), c.nbytes)] += self.M
+        for t in self.tied:
+            for s in t.mine:
+                plan = self.programs[s].interp.plan
+                resharder = Resharder(fake_device_mesh(tuple(plan.mesh_shape)), None)
+                for c in resharder.collectives(
+                    tuple(plan.param_layout(t.fqn)), replicated(len(plan.mesh_shape)), t.info
+                ):
+                    out[(c.kind, plan.axis_name(c.axis), c.nbytes)] += 1
+            if t.group is not None:
+                out[(CollectiveKind.ALL_REDUCE, TIED_AXIS, t.info.nbytes)] += 1
         for t in self.transfers:
             row = math.prod(t.info.shape[1:]) * t.info.itemsize
             if t.k in self.gathers:
@@ -690,4 +828,13 @@ class PlannedPipelineModule:
         return out
 
 
-__all__ = ["LOCAL_AXIS", "PP_AXIS", "PlannedPipelineModule", "StageProgram", "Transfer", "find_transfers", "stage_mesh"]
+__all__ = [
+    "LOCAL_AXIS",
+    "PP_AXIS",
+    "TIED_AXIS",
+    "PlannedPipelineModule",
+    "StageProgram",
+    "Transfer",
+    "find_transfers",
+    "stage_mesh",
+]
