@@ -84,6 +84,7 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
     out["resumes"] = _resumes(hf_plan, one_plan, f"{root}/llama")
     out["resumes-tied"] = _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8)
     out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
+    out["tied-accumulated"] = _accumulated(tied_plan)
     out.update(_run_intra(intra_plans))
     try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
         pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
@@ -161,6 +162,25 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
         return sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M  # (equal ones, no padding)
 
     return _beside_single_device(pm, ref, inputs, ref_loss)
+
+
+def _accumulated(text: str) -> float:
+    """The tied GPT-2 pipeline stepped twice with no ``zero_grad`` between (gradients accumulated over steps,
+    the tied sync adding each step's parts once) beside the single device: the largest gradient difference."""
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    plan = PipelinePlan.from_json(text)
+    ref = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0).model
+    mine = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0)
+    inputs, M = mine.inputs, plan.microbatches
+    pm = pipeline_parallelize(mine.model, inputs, plan)
+    for _ in range(2):
+        (sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M).backward()
+        pm.step(*inputs)
+    params = dict(ref.named_parameters())
+    return max((params[n].grad - p.grad.full_tensor()).abs().max().item() for n, p in pm.named_parameters())
 
 
 def _resumes(
@@ -533,6 +553,8 @@ def test_a_tied_embedding_and_head_in_stages_apart_equal_the_single_device(four_
     wte = "model.transformer.wte.weight"
     assert [any(name == wte for name, _ in p.params) for p in plan.intra] == [True, False, True]  # two copies
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-gpt2-tied")
+    # two steps' gradients accumulated (no zero_grad between): each step's parts are summed once
+    assert max(out["tied-accumulated"] for out in four_ranks) < 1e-5
 
 
 def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(four_ranks, moe_plan):

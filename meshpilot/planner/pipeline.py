@@ -226,11 +226,18 @@ fraction of the optimum (module docstring, section 4; Alpa §5.2 uses an absolut
 
 
 def received_bytes(graph: OpGraph, all_layers: Sequence[Layer]) -> np.ndarray:
-    """``C[i, k]`` (i ≤ k): bytes of the values layers i..k read that a layer outside i..k makes."""
+    """``C[i, k]`` (i ≤ k): bytes of the values layers i..k read that a layer outside i..k makes (a tied
+    parameter and its gradient's parts are not read across: each stage has its copy and keeps its part,
+    ``stage.slice_graph``)."""
     where = {name: j for j, layer in enumerate(all_layers) for name in layer.nodes}
+    ties = tied_params(graph, all_layers)
+    sums = gradient_sums(graph, ties)
     readers: dict[tuple[str, int], set[int]] = {}
     for n in graph.nodes:
         for src, idx in n.inputs:
+            m = graph[src]
+            if (m.kind == NodeKind.PARAM and m.fqn in ties) or (src in sums and n.name in sums):
+                continue
             readers.setdefault((src, idx), set()).add(where[n.name])
     K = len(all_layers)
     C = np.zeros((K, K))

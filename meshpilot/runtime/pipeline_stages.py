@@ -39,8 +39,9 @@ the gradient: its copy's gradient is the part it makes, and where a stage's slic
 (the sum autograd makes of them) it reads zeros instead (:func:`zero_filled`; no transfer). After the step,
 once every stage has synchronised its gradients, the copies' gradients are summed across the stages holding
 one (:class:`TiedSync`): each holder's gradient as a full tensor (all-gathered on its mesh), contributed by
-the stage's first rank, all-reduced over a group of the holders' ranks, and each copy's shard of the sum made
-its gradient; the copies then take the same AdamW step. A checkpoint writes the first holder's copy; every
+the stage's first rank, all-reduced over a group of the holders' ranks, and each copy's shard of the sum added
+to its gradient (this step's parts only: gradients accumulated over steps stay right); the copies then take the
+same AdamW step. A checkpoint writes the first holder's copy; every
 copy reads it back.
 
 Refused in one line: a value crossing more than one stage or against the schedule's direction (a later stage's
@@ -574,6 +575,8 @@ class PlannedPipelineModule:
         self.program = self.programs[self.stage]
         self.tied: list[TiedSync] = []
         """The tied weights several stages hold a copy of, each summed across them after the step."""
+        self._parts: dict[tuple[int, str], DTensor] = {}
+        """This step's synchronised gradient of each copy (stage, name), until the tied sync adds it up."""
         for fqn in sorted(ties):
             holders = tuple(j for j, sub in enumerate(slices) if fqn in sub.param_names)
             if len(holders) < 2:
@@ -756,25 +759,27 @@ class PlannedPipelineModule:
         return self._params_of[s][self.programs[s].graph.param_names.index(fqn)]
 
     def _sync_tied(self) -> None:
-        """Each tied weight's gradient summed over the stages holding a copy (module docstring, *Tied
-        weights*): every holder's gradient as a full tensor, contributed by the stage's first rank, all-reduced
-        over the holders' ranks, and each copy's shard of the sum made its gradient."""
+        """Each tied weight's gradient of this step summed over the stages holding a copy (module docstring,
+        *Tied weights*): every holder's part as a full tensor, contributed by the stage's first rank, all-reduced
+        over the holders' ranks, and each copy's shard of the sum added to its gradient (which may hold earlier
+        steps' when they are accumulated)."""
         rank = dist.get_rank()
         for t in self.tied:
             if t.group is None:
                 continue
             full = torch.zeros(t.info.shape, dtype=dtype_from_name(t.info.dtype), device=self.device)
             for s in t.mine:
-                grad = self._param(s, t.fqn).grad
-                if grad is not None:
-                    whole = grad.full_tensor()
+                part = self._parts.pop((s, t.fqn), None)
+                if part is not None:
+                    whole = part.full_tensor()
                     if rank == self.stage_ranks[s][0]:
                         full += whole
             record(CollectiveKind.ALL_REDUCE, TIED_AXIS, t.size, full.nbytes, Phase.BWD)
             dist.all_reduce(full, group=t.group)
             for s in t.mine:
                 p = self._param(s, t.fqn)
-                p.grad = to_dtensor(full, self.meshes[s], p.placements)
+                d = to_dtensor(full, self.meshes[s], p.placements)
+                p.grad = d if p.grad is None else p.grad + d
 
     def _grad_sync(self, s: int, grads: list | None) -> None:
         """Stage `s`'s gradients into their parameters' layouts, added to their ``.grad``."""
@@ -782,11 +787,15 @@ class PlannedPipelineModule:
         with phase_scope(Phase.BWD):
             synced = prog.grad_sync(grads or [None] * len(self._trainable_of[s]))
         by_name = dict(zip(prog.graph.param_names, self._params_of[s]))
+        tied = {t.fqn for t in self.tied}
         for fqn, x in zip(self._trainable_of[s], synced):
             if x is None:
                 continue
             p = by_name[fqn]
             d = DTensor(x, p._spec, requires_grad=False)
+            if fqn in tied:  # this step's part: added once summed across the copies (_sync_tied)
+                self._parts[(s, fqn)] = d
+                continue
             p.grad = d if p.grad is None else p.grad + d
 
     def planned_counts(self) -> Counter[tuple[CollectiveKind, str, int]]:
