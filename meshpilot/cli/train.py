@@ -461,7 +461,7 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
             "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
             f"{args.model} --precision bf16-mixed --out plan.json`) and train with --plan plan.json"
         )
-    cfg = replace(cfg, batch=args.batch or cfg.batch, seq=args.seq or cfg.seq)
+    cfg = _sized(cfg, args)
     shape = parse_mesh(args.mesh) if args.mesh else (world, 1)
     if world % (shape[0] * shape[1]):
         raise UserError(
@@ -474,6 +474,11 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
             "change --mesh or --chunks"
         )
     return {"shape": shape, "cfg": cfg}
+
+
+def _sized(cfg, args: argparse.Namespace):
+    """The GPT `cfg` at --batch / --seq where given (a run with no plan to read them from)."""
+    return replace(cfg, batch=args.batch or cfg.batch, seq=args.seq or cfg.seq)
 
 
 def check_sizes(args: argparse.Namespace, batch: int | None, seq: int | None, source: str) -> None:
@@ -528,7 +533,7 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
         cfg = replace(cfg, batch=int(b) * M, seq=int(t))
         check_sizes(args, cfg.batch, cfg.seq, source)
     else:  # data-parallel stages run the GPT at its own sizes
-        cfg = replace(cfg, batch=args.batch or cfg.batch, seq=args.seq or cfg.seq)
+        cfg = _sized(cfg, args)
     if cfg.batch % M:
         raise UserError(
             f"{source}: the model's batch {cfg.batch} does not split into the plan's {M} microbatches; "

@@ -208,7 +208,7 @@ from meshpilot.planner.schedule import (
     stage_in_flight_of,
 )
 from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
-from meshpilot.planner.stage import Layer, StageCost, StagePlanner, gradient_sums, runnable_layers, tied_params
+from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers, stays_in_stage
 
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
@@ -230,13 +230,11 @@ def received_bytes(graph: OpGraph, all_layers: Sequence[Layer]) -> np.ndarray:
     parameter and its gradient's parts are not read across: each stage has its copy and keeps its part,
     ``stage.slice_graph``)."""
     where = {name: j for j, layer in enumerate(all_layers) for name in layer.nodes}
-    ties = tied_params(graph, all_layers)
-    sums = gradient_sums(graph, ties)
+    stays = stays_in_stage(graph, all_layers)
     readers: dict[tuple[str, int], set[int]] = {}
     for n in graph.nodes:
         for src, idx in n.inputs:
-            m = graph[src]
-            if (m.kind == NodeKind.PARAM and m.fqn in ties) or (src in sums and n.name in sums):
+            if stays(src, n.name):
                 continue
             readers.setdefault((src, idx), set()).add(where[n.name])
     K = len(all_layers)
@@ -1309,14 +1307,12 @@ def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     parameter and its gradient's parts do not cross: each stage holding a reader keeps a copy and its own part
     (``stage.slice_graph``, *Tied parameters*)."""
     where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
-    ties = tied_params(graph, layers)
-    sums = gradient_sums(graph, ties)
+    stays = stays_in_stage(graph, layers)
     K = len(layers)
     X = np.zeros((K, K), dtype=bool)
     for n in graph.nodes:
         for src, _ in n.inputs:
-            m = graph[src]
-            if (m.kind == NodeKind.PARAM and m.fqn in ties) or (src in sums and n.name in sums):
+            if stays(src, n.name):
                 continue
             a, b = sorted((where.get(src, -1), where.get(n.name, -1)))
             if a >= 0 and b - a >= 2:
@@ -1346,12 +1342,12 @@ def against_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, in
     a gradient made in an earlier layer's backward and read in a later one's (the runtime passes forward values
     to later stages and gradients to earlier ones; a tied parameter's gradient parts stay where they are)."""
     where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
-    sums = gradient_sums(graph, tied_params(graph, layers))
+    stays = stays_in_stage(graph, layers)
     out = set()
     for n in graph.nodes:
         for src, _ in n.inputs:
             p, q = where.get(src), where.get(n.name)
-            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or (src in sums and n.name in sums):
+            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or stays(src, n.name):
                 continue
             made = graph[src].phase
             if (p > q and made == Phase.FWD) or (p < q and made == Phase.BWD) or (p > q and n.phase != Phase.BWD):
@@ -1403,9 +1399,9 @@ def _check_splittable(
             can[n_st, i] = any(can[n_st - 1, k] and not refused[k, i - 1] for k in range(i))
     if any(can[c, L] for c in counts):
         return
-    ties = shared_buffers(graph, layers)
-    if ties:
-        w = max(ties, key=lambda t: t.last - t.first)
+    shared = shared_buffers(graph, layers)
+    if shared:
+        w = max(shared, key=lambda t: t.last - t.first)
         names = [layers[j].name for j in w.readers]
         readers = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + " and " + names[-1]
         why = f"the buffer {w.name} is read by layers {readers}, which must share a stage"

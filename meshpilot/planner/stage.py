@@ -288,6 +288,20 @@ def gradient_sums(graph: OpGraph, fqns) -> dict[str, str]:
     return out
 
 
+def stays_in_stage(graph: OpGraph, all_layers: Sequence[Layer]) -> Callable[[str, str], bool]:
+    """``(src, dst) -> bool``: whether the edge from node `src` to node `dst` needs no transfer wherever the
+    stages are cut — `src` a tied parameter (every stage that reads it holds a copy) or both ends parts of a
+    tied parameter's gradient (each stage keeps its own part): module docstring, *Tied parameters*."""
+    tied = tied_params(graph, all_layers)
+    sums = gradient_sums(graph, tied)
+
+    def stays(src: str, dst: str) -> bool:
+        m = graph[src]
+        return (m.kind == NodeKind.PARAM and m.fqn in tied) or (src in sums and dst in sums)
+
+    return stays
+
+
 def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Layer] | None = None) -> OpGraph:
     """The nodes of layers ``[start, stop)`` as a graph of their own (module docstring)."""
     all_layers = list(all_layers) if all_layers is not None else layers(graph)

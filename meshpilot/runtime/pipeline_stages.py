@@ -77,7 +77,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
-from meshpilot.planner.stage import BOUNDARY, gradient_sums, slice_graph, tied_params
+from meshpilot.planner.stage import BOUNDARY, slice_graph, stays_in_stage, tied_params
 from meshpilot.runtime.collective_log import phase_scope, record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
 from meshpilot.runtime.groups import device_mesh
@@ -137,44 +137,43 @@ def _boundary_source(name: str) -> tuple[str, int]:
     return src, int(i)
 
 
-def zero_filled(
-    graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int], sums: dict[str, str]
-) -> dict[int, list[str]]:
-    """Per stage, its boundary inputs that are another stage's part of a tied weight's gradient (``sums``:
-    ``stage.gradient_sums``): each stage keeps its own part as its copy's gradient, so here they read zeros
-    and the parts meet in the tied sync (module docstring, *Tied weights*)."""
+def zero_filled(slices: Sequence[OpGraph], stage_of: dict[str, int], stays) -> dict[int, list[str]]:
+    """Per stage, its boundary inputs that are another stage's part of a tied weight's gradient, read only by
+    the additions of its parts (`stays`: ``stage.stays_in_stage``): each stage keeps its own part as its copy's
+    gradient, so here they read zeros and the parts meet in the tied sync (module docstring, *Tied weights*)."""
     out: dict[int, list[str]] = {}
     for s, sub in enumerate(slices):
         for leaf in sub.nodes:
             if leaf.kind != NodeKind.INPUT or not leaf.name.startswith(BOUNDARY + ":"):
                 continue
-            src, _ = _boundary_source(leaf.name)
-            if src not in sums:
+            src, i = _boundary_source(leaf.name)
+            parts = [stays(src, u) for u in sub.users[leaf.name]]
+            if not any(parts):
                 continue
             maker = stage_of[src]
-            if sums[src] not in slices[maker].grads or slices[maker].grads[sums[src]][0] != src:
+            if not all(parts) or (src, i) not in slices[maker].grads.values():
                 raise UserError(
-                    f"stage {s} reads {src}, a part of {sums[src]}'s gradient that stage {maker} makes but does not "
-                    "keep as its copy's; choose other split points"
+                    f"stage {s} reads {src}, a part of a tied weight's gradient that stage {maker} makes, other than "
+                    "as the sum of the parts; choose other split points"
                 )
             out.setdefault(s, []).append(leaf.name)
     return out
 
 
 def find_transfers(
-    graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int], sums: dict[str, str] | None = None
+    graph: OpGraph, slices: Sequence[OpGraph], stage_of: dict[str, int], zeros: dict[int, list[str]] | None = None
 ) -> list[Transfer]:
     """Every value one stage's slice reads from another (module docstring), but the parts of a tied weight's
-    gradient (`sums`, :func:`zero_filled`); one line for what is not carried."""
+    gradient each stage reads as zeros (`zeros`, :func:`zero_filled`); one line for what is not carried."""
     out: list[Transfer] = []
-    sums = sums or {}
+    zeros = zeros or {}
     for s, sub in enumerate(slices):
         for leaf in sub.nodes:
             if leaf.kind != NodeKind.INPUT or not leaf.name.startswith(BOUNDARY + ":"):
                 continue
-            src, i = _boundary_source(leaf.name)
-            if src in sums:
+            if leaf.name in zeros.get(s, ()):
                 continue
+            src, i = _boundary_source(leaf.name)
             made = graph[src]
             if made.kind in (NodeKind.INPUT, NodeKind.CONST):
                 continue  # every stage has the model's inputs and constants
@@ -509,9 +508,8 @@ class PlannedPipelineModule:
                 for name in layer.nodes:
                     stage_of[name] = s
         ties = tied_params(graph, run_layers)
-        sums = gradient_sums(graph, ties)
-        self.transfers = find_transfers(graph, slices, stage_of, sums)
-        zeros = zero_filled(graph, slices, stage_of, sums)
+        zeros = zero_filled(slices, stage_of, stays_in_stage(graph, run_layers))
+        self.transfers = find_transfers(graph, slices, stage_of, zeros)
         meshes: dict[tuple, DeviceMesh] = {}  # stages on the same ranks in the same arrangement share one
         self.meshes = []
         for p, st in zip(plans, pplan.stages):

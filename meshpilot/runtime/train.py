@@ -49,6 +49,11 @@ class StepLog:
     loss: float
     seconds: float
 
+    @classmethod
+    def of(cls, d: dict) -> StepLog:
+        """A step as a checkpoint's manifest keeps it (``__dict__``, through JSON)."""
+        return cls(int(d["step"]), float(d["loss"]), float(d["seconds"]))
+
 
 def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     """The optimizer every training path uses: AdamW with ``foreach`` — CUDA's default, and on CPU it
@@ -164,7 +169,7 @@ def _loop(
     with ctx:
         if checkpoint is not None:
             start, position, done = checkpoint.restore(model, opt)
-            logs = [StepLog(int(d["step"]), float(d["loss"]), float(d["seconds"])) for d in done]
+            logs = [StepLog.of(d) for d in done]
         for i in range(start, steps):
             inputs = tuple(x.to(device) for x in batch_at_position(position))
             if reseed is not None:
@@ -335,7 +340,7 @@ def train_pipeline(
     with checkpoint if checkpoint is not None else contextlib.nullcontext():
         if checkpoint is not None:
             start, position, done = checkpoint.restore(pm, opt)
-            logs = [StepLog(int(d["step"]), float(d["loss"]), float(d["seconds"])) for d in done]
+            logs = [StepLog.of(d) for d in done]
         for i in range(start, steps):
             inputs = tuple(x.to(device) for x in batch(position))
             t0 = time.perf_counter()
