@@ -23,8 +23,10 @@ purpose, so a test can show a fallback on a torch that has them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -207,6 +209,23 @@ class JointExport:
 
     def __init__(self, gm: torch.fx.GraphModule, mutated_inputs: list[int], has_grad: list[bool]) -> None:
         self.gm, self.mutated_inputs, self.has_grad = gm, mutated_inputs, has_grad
+
+
+@contextlib.contextmanager
+def tracing_state() -> Iterator[None]:
+    """Tell the model's code that it is being traced, as ``torch.export`` does for a non-strict export
+    (``torch._export.utils._compiling_state_context``): ``torch.compiler.is_compiling()`` and
+    ``is_exporting()`` answer True. Code that guards a data-dependent branch with "am I traced" —
+    transformers' ``is_tracing`` / ``is_torchdynamo_compiling``, ``torch._dynamo.is_compiling`` — then takes
+    its tracing branch, whatever kind of tensor it sees (ours are functional wrappers of fake tensors, which
+    no ``isinstance`` check recognises)."""
+    compiler = torch.compiler
+    saved = compiler._is_compiling_flag, compiler._is_exporting_flag
+    compiler._is_compiling_flag = compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = saved
 
 
 def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:

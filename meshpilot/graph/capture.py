@@ -394,6 +394,7 @@ def capture(
         stack.enter_context(_quiet_fake_tensor_logs())
         stack.enter_context(tracing.module_hooks())
         stack.enter_context(tracing)
+        stack.enter_context(compat.tracing_state())
         try:
             joint = compat.joint_export(functional_step, flat, len(state))
         except UserError:
