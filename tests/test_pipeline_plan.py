@@ -421,7 +421,7 @@ def test_simulated_step_of_a_pipeline_plan(gpt_planner):
     graph = gpt_planner.graph
     B = 4
     p = plan_pipeline(graph, "alpa-p3x8", microbatches=B, num_devices=4, planner=gpt_planner, num_stages=2)
-    r = p.simulate("alpa-p3x8")
+    r = p.simulate("alpa-p3x8", p2p_bytes=0.0)  # sends of 0 bytes: the latency alone (priced ones: below)
     for j, st in enumerate(p.stages):  # each stage computes its B microbatches' t, nothing else
         (cls,) = [c for c in r.classes if c.ranks == (j,)]
         assert cls.compute_s == pytest.approx(B * st.t_s, rel=1e-9)
@@ -912,3 +912,64 @@ def test_a_hugging_face_llama_is_a_repeated_stack_planned_as_its_whole_graph():
         (s.layers, s.ranks, s.mesh_shape) for s in exact.stages
     ]
     assert fast.step_s == pytest.approx(exact.step_s, rel=1e-9)
+
+
+def _runtime_transfers(graph, plan):
+    """What the stage runtime finds crossing the plan's boundaries (``pipeline_stages.find_transfers``)."""
+    from meshpilot.planner.stage import slice_graph, stays_in_stage
+    from meshpilot.runtime.pipeline_stages import find_transfers, zero_filled
+
+    layers = runnable_layers(graph)
+    slices = [slice_graph(graph, st.layers[0], st.layers[1], layers) for st in plan.stages]
+    stage_of = {name: s for s, st in enumerate(plan.stages) for x in layers[slice(*st.layers)] for name in x.nodes}
+    zeros = zero_filled(slices, stage_of, stays_in_stage(graph, layers))
+    return find_transfers(graph, slices, stage_of, zeros)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_transfers_are_the_runtimes_and_priced_in_the_simulated_step(gpt_planner, stages):
+    from meshpilot.planner.pipeline import PipelinePlan
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=stages)
+    assert p.cluster == "alpa-p3x8" and len(p.transfers) == 2 * (stages - 1)
+    found = _runtime_transfers(graph, p)
+    for x in p.transfers:  # the same values, both directions of every boundary, bytes > 0
+        theirs = sorted(f"{t.node}:{t.index}" for t in found if (t.src, t.dst, t.forward) == (x.src, x.dst, x.forward))
+        assert list(x.values) == theirs and x.nbytes > 0 and x.seconds > 0
+        assert x.nbytes == sum(t.info.nbytes for t in found if (t.src, t.dst) == (x.src, x.dst))
+    # priced: each send its boundary's bytes, so the step is longer than with sends of 0 bytes
+    assert p.simulate().step_s > p.simulate(p2p_bytes=0.0).step_s
+    q = PipelinePlan.from_json(p.to_json())
+    assert q == p and q.simulate().step_s == p.simulate("alpa-p3x8").step_s
+    old = p.to_dict()
+    del old["transfers"], old["cluster"]  # a plan saved before both were kept: sends of 0 bytes
+    r = PipelinePlan.from_dict(old)
+    assert r.transfers == () and r.simulate("alpa-p3x8").step_s == p.simulate(p2p_bytes=0.0).step_s
+
+
+def test_transfers_of_a_repeated_stack_are_the_whole_graphs():
+    """A 6-block GPT captured with 4 blocks (planner.stack) has, at every cut, the bytes its whole capture has."""
+    from meshpilot.cluster import load_cluster
+    from meshpilot.models import gpt_config
+    from meshpilot.models.gpt import GPT
+    from meshpilot.planner.pipeline import stage_transfers
+    from meshpilot.planner.stack import capture_stack
+
+    cfg = gpt_config("gpt-tiny", layers=6)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros((cfg.batch, cfg.seq), dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stack = capture_stack(model, (tokens, tokens))
+        whole = capture(model, (tokens, tokens))
+    cl = load_cluster("alpa-p3x8")
+    layers = runnable_layers(whole)
+    K = len(layers)
+    assert stack.kept < stack.blocks and len(stack.layers) == K
+    for cut in range(1, K):
+        bounds, ranks = [(0, cut), (cut, K)], [(0,), (8,)]
+        mine = stage_transfers(stack.graph, runnable_layers(stack.graph), bounds, ranks, cl, stack)
+        theirs = stage_transfers(whole, layers, bounds, ranks, cl)
+        assert [x.nbytes for x in mine] == [x.nbytes for x in theirs] and mine[0].nbytes > 0, cut

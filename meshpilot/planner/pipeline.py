@@ -186,7 +186,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -624,6 +624,78 @@ def _search_t_max(
     return best, len(runs)
 
 
+# ---------------------------------------------------------------- 8. transfers between stages
+
+
+@dataclass(frozen=True)
+class StageTransfer:
+    """The values one stage sends another each microbatch (module docstring, section 8): what
+    ``runtime.pipeline_stages.find_transfers`` finds in the stages' slices, read off the whole graph."""
+
+    src: int
+    """The sending stage."""
+    dst: int
+    """The receiving stage: ``src + 1`` for the forward's values, ``src − 1`` for the backward's gradients."""
+    forward: bool
+    values: tuple[str, ...]
+    """Each value as ``node:output`` of the graph the plan was made from."""
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: float
+    """Per microbatch: the values' bytes added up (each crosses the link once)."""
+    seconds: float
+    """Per microbatch over the cluster's link between the two stages' first ranks (``CostModel.send_recv_ranks``:
+    the latency of the highest layer they differ in + ``nbytes`` over its P2P bandwidth)."""
+
+
+def _crossing_edges(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, int, bool, str, int]]:
+    """``(lo, hi, forward, node, output)`` of every value read in another layer than the one making it: it
+    crosses every cut ``c`` with ``lo < c ≤ hi`` (leaves — the model's inputs, constants, parameters, buffers —
+    and a tied weight's copies and gradient parts cross none: ``stage.stays_in_stage``)."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    stays = stays_in_stage(graph, layers)
+    out = set()
+    for n in graph.nodes:
+        for src, i in n.inputs:
+            p, q = where.get(src), where.get(n.name)
+            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or stays(src, n.name):
+                continue
+            if graph[src].outputs[i] is not None:
+                out.add((min(p, q), max(p, q), p < q, src, i))
+    return sorted(out)
+
+
+def stage_transfers(
+    graph: OpGraph,
+    layers: Sequence[Layer],
+    stage_layers: Sequence[tuple[int, int]],
+    ranks: Sequence[Sequence[int]],
+    cluster,
+    stack: Stack | None = None,
+    *,
+    edges: list[tuple[int, int, bool, str, int]] | None = None,
+) -> tuple[StageTransfer, ...]:
+    """Every boundary's transfers, both directions, of stages over model layers `stage_layers` on `ranks`
+    (module docstring, section 8). `graph` and `layers` are the captured graph's (a :class:`Stack`'s: a cut
+    between the model's layers reads as the graph cut with the same layers after it, ``Stack.graph_range``);
+    `edges` is :func:`_crossing_edges` of them, when already made."""
+    edges = edges if edges is not None else _crossing_edges(graph, layers)
+    K = stage_layers[-1][1]
+    out = []
+    for j in range(len(stage_layers) - 1):
+        c = stage_layers[j + 1][0]
+        gc = stack.graph_range(c, K)[0] if stack is not None else c
+        a, b = int(ranks[j][0]), int(ranks[j + 1][0])
+        for forward in (True, False):
+            vals = sorted({(src, i) for lo, hi, fwd, src, i in edges if fwd == forward and lo < gc <= hi})
+            infos = [graph[src].outputs[i] for src, i in vals]
+            nbytes = float(sum(x.nbytes for x in infos))
+            seconds = cluster.p2p_latency(a, b) + nbytes / cluster.p2p_bandwidth(a, b) if nbytes and a != b else 0.0
+            src, dst = (j, j + 1) if forward else (j + 1, j)
+            names = tuple(f"{s}:{i}" for s, i in vals)
+            out.append(StageTransfer(src, dst, forward, names, tuple(tuple(x.shape) for x in infos), nbytes, seconds))
+    return tuple(out)
+
+
 # ---------------------------------------------------------------- the result
 
 
@@ -702,6 +774,12 @@ class PipelinePlan:
     """Each stage's intra-operator plan (:meth:`with_intra`; empty until then): the strategies of every node of
     the stage's slice (``slice_graph`` over :func:`runnable_layers`) on its logical mesh, its ``mesh_ranks``
     indices into the stage's ``ranks``. ``meshpilot.runtime.pipeline`` runs each stage with its own."""
+    transfers: tuple[StageTransfer, ...] = ()
+    """Each stage boundary's values per microbatch, both directions (:func:`stage_transfers`: module docstring,
+    section 8); what :meth:`simulate` sends. Empty in a plan saved before they were kept (its sends carry 0
+    bytes)."""
+    cluster: str = ""
+    """The name of the cluster the plan was made for ("" in a plan saved before it was kept)."""
 
     @property
     def split_points(self) -> tuple[str, ...]:
@@ -764,17 +842,23 @@ class PipelinePlan:
     def _schedule_on(self, groups: Sequence[Sequence[int]]) -> Schedule:
         return pipeline(groups, self.microbatches, self.schedule, self.chunks)
 
-    def simulate(self, cluster, p2p_bytes: float = 0.0):
+    def simulate(self, cluster=None, p2p_bytes: float | None = None):
         """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
         :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's
         forward per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (``t_s`` less that:
-        backward and the amortised gradient sync), each send `p2p_bytes` over the cluster's link between the
-        stages' first ranks, its latency included (Eq. 2 leaves sends out). Returns the ``SimResult``: its
-        ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
+        backward and the amortised gradient sync), each send over the cluster's link between the stages' first
+        ranks, its latency included (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes
+        (or `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
+        ``SimResult``: its ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
         from meshpilot.cluster import load_cluster
         from meshpilot.sim import simulate
 
-        cl = load_cluster(cluster)
+        if cluster is None and not self.cluster:
+            raise UserError("pipeline plan: it does not name its cluster (saved before it did); give the cluster")
+        cl = load_cluster(cluster if cluster is not None else self.cluster)
+        sends: float | dict[tuple[int, int], float] = (
+            float(p2p_bytes) if p2p_bytes is not None else {(x.src, x.dst): x.nbytes for x in self.transfers}
+        )
         B = self.microbatches
         sched = self.step_schedule()
         split = any(a.kind in _SPLIT for c in sched.classes for a in c.actions)
@@ -815,7 +899,7 @@ class PipelinePlan:
             memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
             solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
         )  # fmt: skip
-        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=p2p_bytes)
+        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends)
 
     def to_dict(self) -> dict:
         """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
@@ -867,6 +951,11 @@ class PipelinePlan:
             intra = tuple(
                 Plan.from_dict(p, source=f"pipeline plan stage {j}") for j, p in enumerate(d.get("intra", ()))
             )
+            transfers = tuple(
+                StageTransfer(x["src"], x["dst"], bool(x["forward"]), tuple(x["values"]),
+                              tuple(tuple(sh) for sh in x["shapes"]), float(x["nbytes"]), float(x["seconds"]))
+                for x in d.get("transfers", ())
+            )  # fmt: skip
             if intra and len(intra) != len(stages):
                 raise UserError(
                     f"pipeline plan: {len(intra)} intra-operator plans for {len(stages)} stages; save it again"
@@ -874,6 +963,7 @@ class PipelinePlan:
             plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
                        schedule=PipelineKind(d["schedule"]), intra=intra,
                        costing=StageCosting(d.get("costing", StageCosting.EXACT.value)),
+                       transfers=transfers, cluster=str(d.get("cluster", "")),
                        **{k: d[k] for k in scalars})  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
@@ -1023,26 +1113,11 @@ def plan_pipeline(
                 "model (graph.capture.capture) for the exact path"
             )
         graph = stack.graph
+    call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
+                num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
+                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks, **stage_kw)  # fmt: skip
     if schedule == AUTO:
-        sp = planner if planner is not None else StagePlanner(graph, cluster)
-        kw = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
-                  num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes,
-                  planner=sp, fast=fast, submeshes=submeshes, shapes=shapes, workers=workers)  # fmt: skip
-        found: list[tuple[float, int, PipelinePlan]] = []
-        errors = []
-        for rank, k in enumerate(AUTO_ORDER):
-            if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
-                continue  # its search costs every range on its own: not where the others composed a block's costs
-            try:
-                p = plan_pipeline(stack or graph, cluster, schedule=k, chunks=chunks, **kw, **stage_kw)
-            except PlanError as e:
-                errors.append(e)
-                continue
-            found.append((p.simulate(sp.cluster).step_s, rank, p))
-        if not found:
-            raise errors[0]
-        best = min(found, key=lambda x: (x[0], x[1]))[2]
-        return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
+        return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
         kind = PipelineKind(schedule)
     except ValueError:
@@ -1052,13 +1127,80 @@ def plan_pipeline(
         raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
     if epsilon < 0:
         raise UserError(f"epsilon={epsilon}: the relative t_max step must be at least 0, e.g. 1e-3")
+    setup = _prepare(graph, stack, cluster, call, stage_kw, t0)
+    if kind == PipelineKind.ZERO_BUBBLE and num_stages is None:  # its memory rule depends on the depth: a DP each
+        return _zero_bubble_depths(stack or graph, cluster, setup, call)
+    if kind == PipelineKind.INTERLEAVED_1F1B:
+        return _interleaved_plan(setup, kind, call)
+    return _dp_plan(setup, kind, call)
+
+
+@dataclass
+class _Setup:
+    """What :func:`plan_pipeline`'s planning of one schedule works on (its checks done): the graph and its
+    stack, the stage planner, the devices, the model's layers and clusters, the sizes and shapes costed."""
+
+    graph: OpGraph
+    stack: Stack | None
+    sp: StagePlanner
+    n: int
+    model_layers: list[Layer]
+    C: np.ndarray
+    """:func:`received_bytes` over the model's layers."""
+    clusters: Clustering
+    sizes: tuple[int, ...]
+    shapes_of: Callable[[int], list[tuple[int, int]]]
+    capacity: float
+    S: int
+    """The most stages."""
+    stage_kw: dict
+    t0: float
+    misses: int
+    """``sp.misses`` when the call began (``PipelinePlan.stage_plans`` counts from it)."""
+    edges: list | None = None
+    """:func:`_crossing_edges` of the graph, made on first use."""
+
+    def transfers(self, stage_layers: Sequence[tuple[int, int]], ranks: Sequence[Sequence[int]]):
+        """:func:`stage_transfers` of stages over these model layers on these ranks."""
+        if self.edges is None:
+            self.edges = _crossing_edges(self.graph, self.sp.layers)
+        return stage_transfers(self.graph, self.sp.layers, stage_layers, ranks, self.sp.cluster, self.stack,
+                               edges=self.edges)  # fmt: skip
+
+
+def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> PipelinePlan:
+    """``schedule="auto"``: every kind of :data:`AUTO_ORDER` planned, the shortest simulated step kept (its
+    sends priced by the plan's transfers), the order breaking ties."""
+    call = dict(call)
+    sp = call["planner"] = call["planner"] if call["planner"] is not None else StagePlanner(captured, cluster)
+    found: list[tuple[float, int, PipelinePlan]] = []
+    errors = []
+    for rank, k in enumerate(AUTO_ORDER):
+        if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
+            continue  # its search costs every range on its own: not where the others composed a block's costs
+        try:
+            p = plan_pipeline(graph, cluster, schedule=k, **call)
+        except PlanError as e:
+            errors.append(e)
+            continue
+        found.append((p.simulate(sp.cluster).step_s, rank, p))
+    if not found:
+        raise errors[0]
+    best = min(found, key=lambda x: (x[0], x[1]))[2]
+    return dataclasses.replace(best, planning_s=time.perf_counter() - t0)
+
+
+def _prepare(graph: OpGraph, stack: Stack | None, cluster, call: dict, stage_kw: dict, t0: float) -> _Setup:
+    """The checks of :func:`plan_pipeline`'s arguments and what every schedule's planning shares (:class:`_Setup`):
+    the stack found, the clusters (Eq. 6), Theorem 1's sizes (or `submeshes`) and the logical shapes."""
+    planner, fast, num_stages = call["planner"], call["fast"], call["num_stages"]
     sp = planner if planner is not None else StagePlanner(graph, cluster)
     if planner is not None and planner.graph is not graph:
         raise UserError("planner= was made for another graph; pass the StagePlanner of this graph")
     cl = sp.cluster
-    n = cl.num_devices if num_devices is None else num_devices
+    n = cl.num_devices if call["num_devices"] is None else call["num_devices"]
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cl.num_devices:
-        raise UserError(f"num_devices={num_devices!r}: cluster {cl.name!r} has {cl.num_devices}; give 1..that")
+        raise UserError(f"num_devices={call['num_devices']!r}: cluster {cl.name!r} has {cl.num_devices}; give 1..that")
     if stack is None and fast is not False:
         stack = find_stack(graph, sp.layers, sp._range_key)
         if stack is None and fast:
@@ -1080,13 +1222,27 @@ def plan_pipeline(
     C = received_bytes(graph, sp.layers)
     if stack is not None:
         C = stack.received(C)
-    L_asked = num_clusters if num_clusters is not None else K
-    clusters = cluster_layers(graph, L_asked, delta=delta, all_layers=model_layers, received=C)
+    L_asked = call["num_clusters"] if call["num_clusters"] is not None else K
+    clusters = cluster_layers(graph, L_asked, delta=call["delta"], all_layers=model_layers, received=C)
     L = len(clusters.bounds)
     if num_stages is not None and num_stages > L:
         raise UserError(
             f"num_stages={num_stages}: only {L} layer clusters; raise num_clusters to at least {num_stages}"
         )
+    sizes, shapes_of = _sizes_and_shapes(cl, n, call["submeshes"], call["shapes"])
+    memory_bytes = call["memory_bytes"]
+    capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
+    stage_kw = dict(stage_kw)
+    if memory_bytes is not None:  # the stage searches get the same device
+        stage_kw.setdefault("capacity", capacity)
+    S = num_stages if num_stages is not None else min(L, n)
+    return _Setup(graph, stack, sp, n, model_layers, C, clusters, sizes, shapes_of, capacity, S, stage_kw, t0,
+                  sp.misses)  # fmt: skip
+
+
+def _sizes_and_shapes(cl, n: int, submeshes, shapes) -> tuple[tuple[int, ...], Callable]:
+    """Theorem 1's submesh sizes for `n` devices (or those of `submeshes`, checked) and the logical shapes
+    costed per size (:class:`LogicalShapes`)."""
     nodes, per_node = devices_per_node(cl, n)
     sizes = submesh_sizes(nodes, per_node)
     if submeshes is not None:
@@ -1101,108 +1257,118 @@ def plan_pipeline(
         which = LogicalShapes(shapes)
     except ValueError:
         raise UserError(f"shapes={shapes!r}: give one of {', '.join(k.value for k in LogicalShapes)}") from None
-    shapes_of = functools.partial(logical_shapes, per_node=per_node, which=which)
-    capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
-    if memory_bytes is not None:  # the stage searches get the same device
-        stage_kw.setdefault("capacity", capacity)
-    S = num_stages if num_stages is not None else min(L, n)
-    misses = sp.misses
-    if kind == PipelineKind.ZERO_BUBBLE and num_stages is None:  # its memory rule depends on the depth: a DP each
-        best: PipelinePlan | None = None
-        tried = 0
-        for depth in range(1, S + 1):
-            try:
-                p = plan_pipeline(
-                    stack or graph, cluster, microbatches=microbatches, num_devices=n, num_clusters=num_clusters,
-                    num_stages=depth, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=sp,
-                    schedule=kind, fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, **stage_kw,
-                )  # fmt: skip
-            except PlanError:
-                continue
-            tried += p.t_max_tried
-            if best is None or p.dp_step_s < best.dp_step_s:
-                best = p
-        if best is None:
-            raise PlanError(
-                f"no pipeline fits: no split of {K} layers into up to {S} stages on {n} devices keeps every stage "
-                f"within {_size(capacity)} per device with {kind.value}'s microbatches in flight; use more devices, "
-                "fewer microbatches or a smaller model"
-            )
-        return dataclasses.replace(
-            best, planning_s=time.perf_counter() - t0, stage_plans=sp.misses - misses, t_max_tried=tried
-        )
-    if kind == PipelineKind.INTERLEAVED_1F1B:
-        if stack is not None and stack.kept != stack.blocks:
-            raise PlanError(
-                "interleaved 1F1B searches every layer range on its own: capture the whole model (not capture_stack)"
-            )
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
-            raise UserError(f"chunks={chunks!r}: interleaved 1F1B holds at least 2 chunks per group; give 2 or more")
-        found, tried, capped = _plan_interleaved(
-            sp, clusters, sizes, n, microbatches, chunks, num_stages, capacity, epsilon, stage_kw
-        )
-        if not found:
-            raise PlanError(
-                f"no interleaved 1F1B plan fits: {L} layer clusters into {chunks} chunks on each of "
-                f"{num_stages or 'P ≥ 2'} device groups of {n} devices with {microbatches} microbatches (a multiple "
-                f"of P), each group's chunks within {_size(capacity)} per device; use more layers or devices, or "
-                "another schedule"
-            )
-        if capped:
-            warnings.warn(
-                f"interleaved 1F1B: a search front passed {INTERLEAVED_FRONT} entries and was cut; the plan may not "
-                "be the optimum",
-                stacklevel=2,
-            )
+    return sizes, functools.partial(logical_shapes, per_node=per_node, which=which)
 
-        def build(x: _Interleaved, recost: bool) -> PipelinePlan:
-            ranks = place(list(x.group_sizes))
-            P = len(x.group_sizes)
-            held = _held_per_stage(kind, ranks, len(x.chunks), microbatches)
-            stages = []
-            for j, ch in enumerate(x.chunks):
-                rk, c = ranks[j % P], ch.cost
-                start, stop = clusters.bounds[ch.k][0], clusters.bounds[ch.i][1]
-                if recost and rk != c.ranks:
-                    c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=microbatches, **stage_kw)
-                share = input_grad_share(graph, sp.layers, start, stop) if recost else None
-                stages.append(PipelineStage.costed(model_layers, start, stop, rk, c, microbatches, held[j], C, share))
-            bounds = tuple(st.layers for st in stages)
-            fl_sum = tuple(sum(y.flops for y in model_layers[a:b]) for a, b in bounds)
-            chunked = Clustering(bounds, fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), clusters.delta)
-            return PipelinePlan(
-                tuple(stages), microbatches, n, chunked, capacity, x.step_s, time.perf_counter() - t0,
-                sp.misses - misses, tried, kind, StageCosting.EXACT,
-            )  # fmt: skip
 
-        best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
-        return build(best, True)
-    refused = refused_ranges(graph, sp.layers, clusters, stack)
-    _check_splittable(refused, [num_stages] if num_stages else range(1, S + 1), graph, sp.layers, clusters)
+def _no_fit(setup: _Setup, kind: PipelineKind, stages) -> PlanError:
+    K = len(setup.model_layers)
+    return PlanError(
+        f"no pipeline fits: no split of {K} layers into {stages} stages on {setup.n} devices keeps every "
+        f"stage within {_size(setup.capacity)} per device with {kind.value}'s microbatches in flight; use more "
+        "devices, fewer microbatches or a smaller model"
+    )
+
+
+def _zero_bubble_depths(graph, cluster, setup: _Setup, call: dict) -> PipelinePlan:
+    """ZB-H1 without a fixed depth: its memory rule depends on the depth, so a DP per depth S, the least Eq. 2
+    kept."""
+    call = dict(call, planner=setup.sp, num_devices=setup.n)
+    best: PipelinePlan | None = None
+    tried = 0
+    for depth in range(1, setup.S + 1):
+        try:
+            p = plan_pipeline(graph, cluster, schedule=PipelineKind.ZERO_BUBBLE, **dict(call, num_stages=depth))
+        except PlanError:
+            continue
+        tried += p.t_max_tried
+        if best is None or p.dp_step_s < best.dp_step_s:
+            best = p
+    if best is None:
+        raise _no_fit(setup, PipelineKind.ZERO_BUBBLE, f"up to {setup.S}")
+    return dataclasses.replace(
+        best, planning_s=time.perf_counter() - setup.t0, stage_plans=setup.sp.misses - setup.misses, t_max_tried=tried
+    )
+
+
+def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
+    """Interleaved1F1B (module docstring, section 6): :func:`_plan_interleaved`'s optima, the one with the
+    shortest simulated step built on its placed ranks."""
+    sp, stack, clusters, B, chunks = setup.sp, setup.stack, setup.clusters, call["microbatches"], call["chunks"]
+    num_stages, L, n = call["num_stages"], len(setup.clusters.bounds), setup.n
+    if stack is not None and stack.kept != stack.blocks:
+        raise PlanError(
+            "interleaved 1F1B searches every layer range on its own: capture the whole model (not capture_stack)"
+        )
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+        raise UserError(f"chunks={chunks!r}: interleaved 1F1B holds at least 2 chunks per group; give 2 or more")
+    found, tried, capped = _plan_interleaved(
+        sp, clusters, setup.sizes, n, B, chunks, num_stages, setup.capacity, call["epsilon"], setup.stage_kw
+    )
+    if not found:
+        raise PlanError(
+            f"no interleaved 1F1B plan fits: {L} layer clusters into {chunks} chunks on each of "
+            f"{num_stages or 'P ≥ 2'} device groups of {n} devices with {B} microbatches (a multiple "
+            f"of P), each group's chunks within {_size(setup.capacity)} per device; use more layers or devices, or "
+            "another schedule"
+        )
+    if capped:
+        warnings.warn(
+            f"interleaved 1F1B: a search front passed {INTERLEAVED_FRONT} entries and was cut; the plan may not "
+            "be the optimum",
+            stacklevel=3,
+        )
+
+    def build(x: _Interleaved, recost: bool) -> PipelinePlan:
+        ranks = place(list(x.group_sizes))
+        P = len(x.group_sizes)
+        held = _held_per_stage(kind, ranks, len(x.chunks), B)
+        stages = []
+        for j, ch in enumerate(x.chunks):
+            rk, c = ranks[j % P], ch.cost
+            start, stop = clusters.bounds[ch.k][0], clusters.bounds[ch.i][1]
+            if recost and rk != c.ranks:
+                c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
+            share = input_grad_share(setup.graph, sp.layers, start, stop) if recost else None
+            stages.append(PipelineStage.costed(setup.model_layers, start, stop, rk, c, B, held[j], setup.C, share))
+        bounds = tuple(st.layers for st in stages)
+        fl_sum = tuple(sum(y.flops for y in setup.model_layers[a:b]) for a, b in bounds)
+        chunked = Clustering(bounds, fl_sum, tuple(float(setup.C[a, b - 1]) for a, b in bounds), clusters.delta)
+        return PipelinePlan(
+            tuple(stages), B, n, chunked, setup.capacity, x.step_s, time.perf_counter() - setup.t0,
+            sp.misses - setup.misses, tried, kind, StageCosting.EXACT,
+            transfers=setup.transfers(bounds, [st.ranks for st in stages]), cluster=sp.cluster.name,
+        )  # fmt: skip
+
+    best = min(found, key=lambda x: (build(x, False).simulate(sp.cluster).step_s, x.step_s))
+    return build(best, True)
+
+
+def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
+    """1F1B, GPipe or ZB-H1 of a given depth: the stage table (exact, or composed from a repeated block's plan),
+    the t_max search over Alpa's DP, and the chosen stages costed on their placed ranks."""
+    sp, stack, clusters, B = setup.sp, setup.stack, setup.clusters, call["microbatches"]
+    num_stages, S, n = call["num_stages"], setup.S, setup.n
+    refused = refused_ranges(setup.graph, sp.layers, clusters, stack)
+    _check_splittable(refused, [num_stages] if num_stages else range(1, S + 1), setup.graph, sp.layers, clusters)
     table = _StageTable(
-        sp, clusters, sizes, microbatches, capacity, S, n, num_stages, kind, dict(stage_kw), shapes=shapes_of,
-        refused=refused, workers=workers,
+        sp, clusters, setup.sizes, B, setup.capacity, S, n, num_stages, kind, dict(setup.stage_kw),
+        shapes=setup.shapes_of, refused=refused, workers=call["workers"],
     )  # fmt: skip
     if stack is None:
         table.fill()
         t, arg = table.arrays()
     else:
         fast_table = StackTable(
-            sp, stack, clusters.bounds, sizes, microbatches, capacity, S, table.useful,
-            lambda s: stage_in_flight(kind, s, microbatches, num_stages), dict(stage_kw), shapes=shapes_of,
-            workers=workers,
+            sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
+            lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
+            workers=call["workers"],
         )  # fmt: skip
         t, arg = fast_table.arrays()
-    B = microbatches
-    best, tried = _search_t_max(t, sizes, n, B, epsilon, num_stages)
+    best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
     if best is None:
-        raise PlanError(
-            f"no pipeline fits: no split of {K} layers into {num_stages or f'up to {S}'} "
-            f"stages on {n} devices keeps every stage within {_size(capacity)} per device with {kind.value}'s "
-            "microbatches in flight; use more devices, fewer microbatches or a smaller model"
-        )
+        raise _no_fit(setup, kind, num_stages or f"up to {S}")
     score, chosen = best
-    ranks = place([sizes[z] for _, _, z in chosen])
+    ranks = place([setup.sizes[z] for _, _, z in chosen])
     stages = []
     for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks)):
         s_left = len(chosen) - r
@@ -1210,25 +1376,18 @@ def plan_pipeline(
         if stack is not None:
             c = fast_table.stage_cost(start, stop, rk, int(arg[s_left, k, i, z]))
         else:
-            c = table.costs[(k, i, sizes[z])][arg[s_left, k, i, z]]
+            c = table.costs[(k, i, setup.sizes[z])][arg[s_left, k, i, z]]
             if rk != c.ranks:
-                c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **stage_kw)
+                c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
         fl = stage_in_flight(kind, s_left, B, len(chosen))
-        share = input_grad_share(graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
-        stages.append(PipelineStage.costed(model_layers, start, stop, rk, c, B, fl, C, share))
+        share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
+        stages.append(PipelineStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
+    costing = StageCosting.STACK if stack is not None else StageCosting.EXACT
     return PipelinePlan(
-        tuple(stages),
-        B,
-        n,
-        clusters,
-        capacity,
-        score,
-        time.perf_counter() - t0,
-        sp.misses - misses,
-        tried,
-        kind,
-        StageCosting.STACK if stack is not None else StageCosting.EXACT,
-    )
+        tuple(stages), B, n, clusters, setup.capacity, score, time.perf_counter() - setup.t0,
+        sp.misses - setup.misses, tried, kind, costing,
+        transfers=setup.transfers([st.layers for st in stages], ranks), cluster=sp.cluster.name,
+    )  # fmt: skip
 
 
 def fixed_pipeline(
@@ -1269,8 +1428,9 @@ def fixed_pipeline(
     fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
     clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
     plan = PipelinePlan(
-        tuple(out), microbatches, n, clustering, capacity, 0.0, time.perf_counter() - t0, sp.misses - misses, 0, kind
-    )
+        tuple(out), microbatches, n, clustering, capacity, 0.0, time.perf_counter() - t0, sp.misses - misses, 0, kind,
+        transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster), cluster=sp.cluster.name,
+    )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 
 

@@ -7,7 +7,7 @@ import heapq
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -475,7 +475,7 @@ class _Sim:
         members: list[dict[int, tuple[int, ...]]],
         reps: list[int],
         low: _Lowering,
-        p2p_bytes: float,
+        p2p_bytes: float | Mapping[tuple[int, int], float],
     ):
         self.programs, self.scale, self.members, self.reps = programs, scale, members, reps
         self.low, self.p2p_bytes = low, p2p_bytes
@@ -652,7 +652,7 @@ class _Sim:
             elif kind == _SEND:
                 peer = op[3]
                 rank = self.reps[s]
-                lat, work, layer = self.low.p2p(self.p2p_bytes, rank, peer)
+                lat, work, layer = self.low.p2p(self._send_bytes(op[1], rank, peer), rank, peer)
                 self._start(s, ("p2p", op[1], rank, peer), lat, work, layer, op[2], now)
             else:  # wait / receive
                 key = (s, op[1]) if kind == _WAIT else ("p2p", op[1], op[3], self.reps[s])
@@ -664,6 +664,15 @@ class _Sim:
             self.pc[s] += 1
         self.finished[s] = True
         self.end[s] = max(self.end[s], now)
+
+    def _send_bytes(self, boundary: tuple, rank: int, peer: int) -> float:
+        """Bytes of one send: `p2p_bytes` itself, or its entry for (sending stage, receiving stage) — the
+        action's stages (``Action.boundary``) where it names them, else the two mesh ranks (one per stage, as
+        ``PipelinePlan.simulate`` lays a pipeline out); 0 for a pair it lacks."""
+        if not isinstance(self.p2p_bytes, Mapping):
+            return float(self.p2p_bytes)
+        src, dst = (boundary[2], boundary[3]) if boundary[2] is not None else (rank, peer)
+        return float(self.p2p_bytes.get((src, dst), 0.0))
 
     def _issue(self, s: int, op: tuple, now: float) -> None:
         key, label, axis = op[1], op[2], op[3]
@@ -693,12 +702,13 @@ def simulate(
     schedule: Schedule | None = None,
     straggler: dict[int, float] | None = None,
     symmetric: bool = True,
-    p2p_bytes: float = 0.0,
+    p2p_bytes: float | Mapping[tuple[int, int], float] = 0.0,
 ) -> SimResult:
     """Simulate one step of `plan` (its ``step_schedule()`` unless `schedule` is given) on `cluster` (default:
     ``load_cluster(plan.cluster)``). `straggler` maps a rank (its row-major mesh position, as the schedule
     numbers ranks) to how many percent slower it computes. `symmetric=False` simulates every rank on its
-    own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send."""
+    own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send, or per (sending stage,
+    receiving stage) (``PipelinePlan.simulate``: each boundary's ``StageTransfer``)."""
     t0 = time.perf_counter()
     if cluster is None:
         from meshpilot.cluster import load_cluster
