@@ -391,6 +391,10 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     assert "ranks 1: R0<0 F0 R1<0 F1 B0 S0>0 B1 S1>0 G" in text
     p = PipelinePlan.from_json(out.read_text())
     assert len(p.stages) == 2 and p.schedule.value == "gpipe" and f"cut before: {p.split_points[0]}" in text
+    assert main(["simulate", str(out)]) == 0  # each boundary's transfer, its bytes > 0, priced in the step
+    sim = capsys.readouterr().out
+    assert "0 → 1" in sim and "activations" in sim and "1 → 0" in sim and "gradients" in sim
+    assert all(x.nbytes > 0 for x in p.transfers) and f"{p.simulate().step_s * 1e6:.3g} µs" in sim
     assert main([*args, "--batch", "7"]) == 2  # a UserError: one line, exit status 2
     assert "does not split into --microbatches 2" in capsys.readouterr().err
     assert main([*args, "--workers", "2", "--schedule", "gpipe"]) == 0  # the stage searches in 2 processes

@@ -85,11 +85,16 @@ def _check_out(path: Path | None, flag: str) -> None:
 
 
 def load_plan(path: Path):
+    """A saved plan: a ``Plan`` or a ``PipelinePlan`` (by its ``format`` field)."""
+    from meshpilot.planner.pipeline import PIPELINE_FORMAT, PipelinePlan
     from meshpilot.planner.plan import Plan
 
     if not path.is_file():
         raise UserError(f"{path}: does not exist; save a plan with `meshpilot plan ... --out {path}`")
     try:
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("format") == PIPELINE_FORMAT:
+            return PipelinePlan.from_dict(doc)
         return Plan.load(path)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path}: is not a plan's JSON; save one with `meshpilot plan ... --out FILE`") from None
@@ -108,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.microbatches is not None and args.microbatches < 1:
         raise UserError(f"--microbatches {args.microbatches}: give at least 1")
     plan = load_plan(args.plan)
+    if not hasattr(plan, "mesh_shape"):
+        return run_pipeline(args, plan, straggler)
     world = 1
     for d in plan.mesh_shape:
         world *= d
@@ -171,4 +178,45 @@ def run(args: argparse.Namespace) -> int:
         else:
             result.write_png(args.png)
             console.print(f"timeline: {args.png}")
+    return 0
+
+
+def run_pipeline(args: argparse.Namespace, pp, straggler: dict[int, float]) -> int:
+    """A pipeline plan (``meshpilot plan --out pp.json`` with stages): its schedule simulated with one stand-in
+    rank per stage (``PipelinePlan.simulate``), each boundary's transfer sent over the link between the stages,
+    and a table of those transfers."""
+    from meshpilot.cli.plan import fmt_s
+    from meshpilot.io import fmt_size
+
+    if args.schedule != "plan" or args.microbatches is not None or straggler:
+        raise UserError("a pipeline plan simulates its own schedule: drop --schedule, --microbatches and --straggler")
+    result = pp.simulate(args.cluster or None)
+    table = Table(title=f"Simulated step: {pp.schedule.value}, {pp.microbatches} microbatches, {len(pp.stages)} stages")
+    for col in ("stage (ranks)", "compute", "sends (exposed)", "idle", "ends at"):
+        table.add_column(col, justify="left" if col.startswith("stage") else "right")
+    for c in result.classes:
+        g = pp.groups[c.ranks[0]]
+        table.add_row(f"{c.ranks[0]} ({g[0]}-{g[-1]})", fmt_s(c.compute_s), fmt_s(c.exposed_comm_s),
+                      fmt_s(max(c.idle_s, 0.0)), fmt_s(c.end_s))  # fmt: skip
+    table.add_section()
+    table.add_row("[bold]step[/bold]", "", "", "", f"[bold]{fmt_s(result.step_s)}[/bold]")
+    console.print(table)
+    tt = Table(title="Transfers per microbatch at each stage boundary (priced in the step above)")
+    for col in ("from → to", "what", "values", "bytes", "over the link"):
+        tt.add_column(col, justify="right" if col in ("values", "bytes", "over the link") else "left")
+    for x in pp.transfers:
+        tt.add_row(f"{x.src} → {x.dst}", "activations" if x.forward else "gradients", str(len(x.values)),
+                   fmt_size(x.nbytes), fmt_s(x.seconds))  # fmt: skip
+    if not pp.transfers:
+        tt.add_row("—", "none recorded (a plan saved before transfers were kept: sends of 0 bytes)", "", "", "")
+    console.print(tt)
+    console.print(
+        f"Eq. 2 (no sends, no schedule): {fmt_s(pp.step_s)}; simulated / Eq. 2 {result.step_s / pp.step_s:.3f}"
+    )
+    if args.trace:
+        result.write_trace(args.trace)
+        console.print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.png:
+        result.write_png(args.png)
+        console.print(f"timeline: {args.png}")
     return 0
