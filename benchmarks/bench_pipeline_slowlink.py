@@ -87,7 +87,11 @@ def plans(args: argparse.Namespace) -> dict[str, dict]:
         pp = pp.with_intra(graph, cl)
         plan_s = time.perf_counter() - t0
         boundary = cfg.batch // B * cfg.seq * cfg.hidden * 4  # one microbatch's activation, float32
-        sim = pp.simulate(cl, p2p_bytes=boundary).step_s
+        sim = pp.simulate(cl).step_s  # each boundary's transfer priced (PipelinePlan.transfers)
+        sent = ", ".join(f"{x.src}->{x.dst} {x.nbytes / 2**10:.0f} KiB {x.seconds * 1e3:.2f} ms" for x in pp.transfers)
+        print(f"pipeline: simulated {sim * 1e3:.2f} ms with its transfers ({sent}); {boundary} bytes a send: "
+              f"{pp.simulate(cl, p2p_bytes=boundary).step_s * 1e3:.2f} ms; 0 bytes: "
+              f"{pp.simulate(cl, p2p_bytes=0.0).step_s * 1e3:.2f} ms", flush=True)  # fmt: skip
         out["pipeline"] = {
             "plan": pp.to_json(), "simulated_s": sim, "planned_s": pp.step_s, "planning_s": plan_s,
             "what": " | ".join(f"ranks {s.ranks[0]}-{s.ranks[-1]} {'x'.join(map(str, s.mesh_shape))} "

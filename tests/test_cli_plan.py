@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 
 from meshpilot.cli.main import main
+from meshpilot.graph.capture import capture
+from meshpilot.models import builtin_models
 from meshpilot.planner.plan import Plan
 
 
@@ -23,7 +26,7 @@ def _one_line_error(capsys, args: list[str], *needles: str) -> str:
 
 
 def test_rich_plan_of_a_small_model(capsys):
-    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2"]) == 0
+    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--stages", "1"]) == 0
     out = capsys.readouterr().out
     for section in (
         "Mesh candidates",
@@ -144,7 +147,9 @@ def test_no_plan_fits_is_the_plan_error(capsys):
     )
     assert "no sharding plan fits" in err and "1.05 KiB" in err  # 1e-6 GiB, readable (not "0.00 GiB")
     # every shape fails: one clause with the shapes and the smallest need, not one per shape
-    err = _one_line_error(capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--memory-gib", "1e-6"])
+    err = _one_line_error(
+        capsys, ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "4", "--memory-gib", "1e-6", "--stages", "1"]
+    )
     assert "on any mesh shape ((4, 1), (2, 2), (1, 4)): the smallest per-device memory found is" in err
     assert err.count("1.05 KiB") == 1 and err.count("use more devices") == 1
 
@@ -190,3 +195,36 @@ def test_duplex_schedule_from_plan_to_simulate(tmp_path, capsys):
     assert "duplex above, without below" in text and png.read_bytes()[:4] == b"\x89PNG"
     _one_line_error(capsys, [*args, "--schedule", "duplex", "--microbatches", "4"], "interleaves 2 microbatches")
     _one_line_error(capsys, [*args, "--schedule", "accumulate"], "--microbatches 2 or more")
+
+
+def test_plan_weighs_one_stage_against_the_best_pipeline(capsys):
+    """Without --stages, `meshpilot plan` plans one stage and the stage DP's best and keeps the shorter step,
+    printing both; --stages 1 is the one-stage plan alone, --stages 2 the pipeline alone."""
+    base = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--ops", "none"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "chose " in out and "one stage (SPMD on all 2 devices): predicted step" in out
+    assert "the pipeline of " in out and "simulated step" in out
+    assert main([*base, "--stages", "1"]) == 0
+    one = capsys.readouterr().out
+    assert "Mesh candidates" in one and "weighed against" not in one and "the pipeline of" not in one
+    assert main([*base, "--stages", "2", "--microbatches", "2"]) == 0
+    two = capsys.readouterr().out
+    assert "2 stages on 2 devices, 2 microbatches" in two and "chose the" not in two
+
+
+def test_a_model_one_stage_cannot_hold_gets_stages(capsys):
+    """When the whole batch's saved activations and the weights spread over every device are more than a device
+    holds, no one-stage search is run and the plan is a pipeline (with enough microbatches), saying why."""
+    from meshpilot.planner.decide import model_bytes, one_stage_floor
+
+    args = ["plan", "-m", "gpt-tiny", "-c", "alpa-p3x8", "-n", "2", "--batch", "64", "--memory-gib", "0.002"]
+    assert main([*args, "--ops", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "one stage does not fit: with the whole batch at once each of the 2 devices holds at least" in out
+    assert "chose the pipeline of" in out and "stages on 2 devices" in out
+    built = builtin_models()["gpt-tiny"].build("meta", 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(*built)
+    assert one_stage_floor(model_bytes(graph), 2, 1) > 0.002 * 2**30

@@ -399,8 +399,10 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     assert "does not split into --microbatches 2" in capsys.readouterr().err
     assert main([*args, "--workers", "2", "--schedule", "gpipe"]) == 0  # the stage searches in 2 processes
     assert "2 stages on 2 devices, 2 microbatches (gpipe)" in capsys.readouterr().out
-    assert main(["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--workers", "2"]) == 2
-    assert capsys.readouterr().err.strip().endswith("add --pipeline (or drop --workers)")
+    assert main(["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--stages", "1", "--workers", "2"]) == 2
+    assert (
+        capsys.readouterr().err.strip().endswith("--workers runs a pipeline's stage searches; drop it (or --stages 1)")
+    )
 
 
 def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):

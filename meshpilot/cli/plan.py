@@ -15,7 +15,15 @@ Examples:
   meshpilot plan --model mlp --cluster atp-ic3 --devices 4 --json > plan.json
   meshpilot plan --model gpt-tiny --layers 4 --cluster alpa-p3x8 --devices 4 --pipeline --microbatches 4
 
---pipeline plans stages instead (Alpa's stage DP: layers cut into stages, devices into submeshes, each stage
+One stage or a pipeline: without --stages, the command plans both — one stage (the per-operator plan above on
+all the devices) and the stage DP's best pipeline (below) — and keeps the shorter step (the pipeline's
+simulated, its sends priced), printing the other and why (meshpilot/planner/decide.py). A model whose weights,
+AdamW states and whole-batch saved activations exceed the devices' memory even spread evenly is not searched
+as one stage. --stages 1 (or --mesh, --force, a one-stage --schedule or --searcher) plans one stage only;
+--stages N (N >= 2) or --pipeline a pipeline only. Without --microbatches the pipeline takes the fewest
+(a power of two, at least 4) whose activations leave half a device free, doubled while no pipeline fits.
+
+--pipeline plans stages (Alpa's stage DP: layers cut into stages, devices into submeshes, each stage
 planned on its own logical mesh, the schedule's microbatches in flight checked against memory); --batch is
 then the global batch, cut into --microbatches. It prints the stages, the predicted step with its bubble
 and the schedule's actions per stage, and --out / --json save the pipeline plan with every stage's own
@@ -36,7 +44,8 @@ import re
 import time
 import warnings
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -244,47 +253,74 @@ def run(args: argparse.Namespace) -> int:
     memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
-    if args.pipeline:
+    mode = plan_mode(args)
+    if mode is PlanMode.PIPELINE:
         return run_pipeline(args, cluster, n, memory)
-    if args.stages is not None:
-        raise UserError("--stages plans a pipeline; add --pipeline (or drop --stages)")
+    if mode is PlanMode.WEIGH:
+        return run_weighed(args, cluster, n, memory)
+    if args.stages not in (None, 1):
+        raise UserError("--stages plans a pipeline; drop --mesh / --force / a one-stage --schedule or --searcher")
     if args.workers is not None:
-        raise UserError("--workers runs a pipeline's stage searches; add --pipeline (or drop --workers)")
+        raise UserError("--workers runs a pipeline's stage searches; drop it (or --stages 1)")
+    plan, graph, built = one_stage_plan(args, cluster, n, shape, force, memory)
+    if args.json or args.out:
+        _save_or_print(args, plan)
+        if args.json:
+            return 0
+    show_one_stage(args, plan, graph, built, cluster, n)
+    return 0
+
+
+class PlanMode(StrEnum):
+    """What the flags ask ``meshpilot plan`` for (module docstring, *One stage or a pipeline*)."""
+
+    ONE_STAGE = "one stage"
+    """``--stages 1``, or a flag only a one-stage plan takes (``--mesh``, ``--force``, its schedules,
+    ``--searcher``)."""
+    PIPELINE = "pipeline"
+    """``--pipeline``, ``--stages N`` (N ≥ 2) or a pipeline schedule."""
+    WEIGH = "weigh"
+    """Neither: both planned (``planner.decide``), the shorter step kept."""
+
+
+def plan_mode(args: argparse.Namespace) -> PlanMode:
+    """The :class:`PlanMode` of the command line."""
+    if args.pipeline or (args.stages or 0) > 1 or args.schedule in PIPELINE_SCHEDULES:
+        return PlanMode.PIPELINE
+    one_only = args.mesh or args.force or args.schedule is not None or args.searcher != "ilp"
+    return PlanMode.ONE_STAGE if args.stages == 1 or one_only else PlanMode.WEIGH
+
+
+def one_stage_plan(args, cluster, n: int, shape, force, memory, progress: Console | None = None):
+    """Today's SPMD plan of the whole batch on `n` devices: (plan, captured graph, built model)."""
     sched = schedule_options(args.schedule, args.microbatches)
     built = build_model(
-        args.model,
-        batch=args.batch,
-        seq=args.seq,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        dtype=args.dtype,
-        hf_config=args.hf_config,
-    )
+        args.model, batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        dtype=args.dtype, hf_config=args.hf_config,
+    )  # fmt: skip
     # progress goes to stderr, so `--json > plan.json` stays clean
-    progress = make_console(stderr=True)
     plan, graph = make_plan(
-        built,
-        cluster,
-        n,
-        shape,
-        force=force,
-        memory_bytes=memory,
-        time_limit=args.time_limit,
-        progress=progress,
-        precision=args.precision,
-        schedule=sched,
+        built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit,
+        progress=progress or make_console(stderr=True), precision=args.precision, schedule=sched,
         searcher=args.searcher,
-    )
+    )  # fmt: skip
+    return plan, graph, built
+
+
+def _save_or_print(args: argparse.Namespace, plan: Any) -> None:
+    """``--out`` (atomically) and ``--json`` (to stdout) of the chosen plan, one stage or a pipeline."""
+    import sys
+
     if args.out:
         save_plan(plan, args.out)
     if args.json:
-        import sys
-
         sys.stdout.write(plan.to_json() + "\n")
         if args.out:
-            progress.print(f"saved the plan to {args.out}")
-        return 0
+            make_console(stderr=True).print(f"saved the plan to {args.out}")
+
+
+def show_one_stage(args, plan, graph, built, cluster, n: int) -> None:
+    """The one-stage plan's tables, and how to train with a saved one."""
     render(plan, graph, built.label, n, console, ops=args.ops, cluster=cluster)
     if args.out:
         console.print(f"saved the plan to [bold]{args.out}[/bold]")
@@ -296,68 +332,168 @@ def run(args: argparse.Namespace) -> int:
                 f"train with it: torchrun --standalone --nproc-per-node {n} -m meshpilot.cli.main train "
                 f"--plan {args.out} --model {args.model}{sizes}"
             )
-    return 0
 
 
 def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float | None) -> int:
-    """``meshpilot plan --pipeline``: capture one microbatch's step, run the stage DP, print / save the result."""
-    import sys
-
-    from meshpilot.graph.capture import capture
-    from meshpilot.planner.auto import check_precision
-    from meshpilot.planner.pipeline import plan_pipeline
-    from meshpilot.planner.stack import Stack, capture_stack
-
+    """``meshpilot plan --pipeline`` (or ``--stages N``): capture one microbatch's step, run the stage DP, print /
+    save the result."""
     if args.mesh or args.force:
         raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
-    M = args.microbatches or PIPELINE_MICROBATCHES
     schedule = args.schedule or "1f1b"
     if schedule not in PIPELINE_SCHEDULES:
         raise UserError(f"--schedule {schedule}: a pipeline runs {', '.join(PIPELINE_SCHEDULES)}; give one of those")
+    progress = make_console(stderr=True)
+    staged = Staged.search(args, cluster, n, memory, progress, schedule)
+    return staged.finish(args, cluster, progress)
+
+
+def _model_kw(args: argparse.Namespace) -> dict[str, Any]:
     kw = dict(seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads, dtype=args.dtype)
     kw["hf_config"] = args.hf_config
-    whole = args.batch or build_model(args.model, batch=None, **kw).inputs[0].shape[0]
-    if whole % M:
-        raise UserError(f"--batch {whole} does not split into --microbatches {M}; give a batch divisible by {M}")
-    built = build_model(args.model, batch=whole // M, **kw)
-    progress = make_console(stderr=True)
-    precision = check_precision(built.model, None, args.precision)
-    with progress.status(f"capturing one microbatch's step of {built.name} on meta tensors …"):
-        # a model of many identical blocks is traced with a few of them (planner.stack): its stages are costed
-        # from one block's plan, and capture no longer grows with the depth
-        graph = capture_stack(built.model, built.inputs, precision=precision)
-    with progress.status(f"planning stages on {n} devices …"):
-        pp = plan_pipeline(
-            graph,
-            cluster,
-            microbatches=M,
-            num_devices=n,
-            num_stages=args.stages,
-            memory_bytes=memory,
-            schedule=schedule,
-            time_limit=args.time_limit,
-            workers=args.workers,
-        )
-    if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
-        if isinstance(graph, Stack):  # each stage's own plan needs its operators: the whole model's graph
-            with progress.status(f"capturing all of {built.name} for the stages' operators …"):
-                graph = capture(built.model, built.inputs, precision=precision)
-        with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
-            pp = pp.with_intra(graph, cluster, time_limit=args.time_limit)
-    if args.out:
-        from meshpilot.io import atomic_write
+    return kw
 
-        atomic_write(args.out, pp.to_json() + "\n")
-    if args.json:
-        sys.stdout.write(pp.to_json() + "\n")
+
+@dataclass
+class Staged:
+    """A pipeline plan and what it was planned from: the built microbatch model, its captured graph (a
+    ``planner.stack.Stack`` for a repeated stack), the global batch and the microbatches."""
+
+    pp: Any
+    graph: Any
+    built: Built
+    whole: int
+    microbatches: int
+
+    @classmethod
+    def capture(cls, args: argparse.Namespace, whole: int, microbatches: int, progress: Console):
+        """(built, graph) of one microbatch of ``whole / microbatches`` rows."""
+        from meshpilot.planner.auto import check_precision
+        from meshpilot.planner.stack import capture_stack
+
+        if whole % microbatches:
+            raise UserError(
+                f"--batch {whole} does not split into --microbatches {microbatches}; give a batch divisible by "
+                f"{microbatches}"
+            )
+        built = build_model(args.model, batch=whole // microbatches, **_model_kw(args))
+        precision = check_precision(built.model, None, args.precision)
+        with progress.status(f"capturing one microbatch's step of {built.name} on meta tensors …"):
+            # a model of many identical blocks is traced with a few of them (planner.stack): its stages are costed
+            # from one block's plan, and capture no longer grows with the depth
+            return built, capture_stack(built.model, built.inputs, precision=precision)
+
+    @classmethod
+    def search(cls, args, cluster, n: int, memory, progress: Console, schedule: str = "1f1b", first=None) -> Staged:
+        """The stage DP at ``--microbatches``, or by default at ``planner.decide.default_microbatches``, doubled
+        while no pipeline fits (module docstring of ``planner.decide``, 2). `first`: (microbatches, built, graph)
+        already captured."""
+        from meshpilot.planner.decide import default_microbatches, model_bytes
+        from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.pipeline import plan_pipeline
+
+        whole = args.batch or build_model(args.model, batch=None, **_model_kw(args)).inputs[0].shape[0]
+        B = args.microbatches or (PIPELINE_MICROBATCHES if whole % PIPELINE_MICROBATCHES == 0 else 1)
+        built, graph = first[1:] if first else cls.capture(args, whole, B, progress)
+        if args.microbatches is None:
+            cap = memory or cluster.device.memory_bytes
+            chosen = default_microbatches(model_bytes(graph), n, whole, cap)
+            if chosen != B:
+                B = chosen
+                built, graph = cls.capture(args, whole, B, progress)
+        while True:
+            try:
+                with progress.status(f"planning stages on {n} devices ({B} microbatches) …"):
+                    pp = plan_pipeline(
+                        graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
+                        schedule=schedule, time_limit=args.time_limit, workers=args.workers,
+                    )  # fmt: skip
+                return cls(pp, graph, built, whole, B)
+            except PlanError:
+                if args.microbatches is not None or whole % (2 * B):
+                    raise
+            B *= 2  # the default's floor was not enough: smaller microbatches hold less
+            progress.print(f"no pipeline fits with {B // 2} microbatches: trying {B}")
+            built, graph = cls.capture(args, whole, B, progress)
+
+    def finish(self, args: argparse.Namespace, cluster: Any, progress: Console, note: str = "") -> int:
+        """Save (each stage's own intra-operator plan first: the whole model's graph) and print."""
+        from meshpilot.graph.capture import capture
+        from meshpilot.planner.auto import check_precision
+        from meshpilot.planner.stack import Stack
+
+        pp, graph, built = self.pp, self.graph, self.built
+        if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
+            if isinstance(graph, Stack):  # each stage's own plan needs its operators: the whole model's graph
+                with progress.status(f"capturing all of {built.name} for the stages' operators …"):
+                    precision = check_precision(built.model, None, args.precision)
+                    graph = capture(built.model, built.inputs, precision=precision)
+            with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
+                pp = self.pp = pp.with_intra(graph, cluster, time_limit=args.time_limit)
+            _save_or_print(args, pp)
+            if args.json:
+                return 0
+        B = self.microbatches
+        console.print(
+            f"{built.label}: global batch {self.whole} in {B} microbatches of {self.whole // B}", soft_wrap=True
+        )
+        console.print(str(pp), soft_wrap=True, markup=False, highlight=False)
+        console.print(str(pp.step_schedule()), soft_wrap=True, markup=False, highlight=False)
+        if pp.split_points:
+            console.print(f"cut before: {', '.join(pp.split_points)}", soft_wrap=True, markup=False)
+        if note:
+            console.print(note, soft_wrap=True, markup=False, highlight=False)
+        if args.out:
+            console.print(f"saved the pipeline plan to [bold]{args.out}[/bold]")
         return 0
-    console.print(f"{built.label}: global batch {whole} in {M} microbatches of {whole // M}", soft_wrap=True)
-    console.print(str(pp), soft_wrap=True, markup=False, highlight=False)
-    console.print(str(pp.step_schedule()), soft_wrap=True, markup=False, highlight=False)
-    if pp.split_points:
-        console.print(f"cut before: {', '.join(pp.split_points)}", soft_wrap=True, markup=False)
-    if args.out:
-        console.print(f"saved the pipeline plan to [bold]{args.out}[/bold]")
+
+
+def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | None) -> int:
+    """Neither ``--stages`` nor a flag of one kind: one stage and the stage DP's best both planned, the shorter
+    step kept and why printed (``planner.decide``)."""
+    from meshpilot.planner.decide import Choice, model_bytes, one_stage_floor, weigh
+    from meshpilot.planner.ilp import PlanError
+
+    progress = make_console(stderr=True)
+    whole = args.batch or build_model(args.model, batch=None, **_model_kw(args)).inputs[0].shape[0]
+    B0 = args.microbatches or (PIPELINE_MICROBATCHES if whole % PIPELINE_MICROBATCHES == 0 else 1)
+    built, graph = Staged.capture(args, whole, B0, progress)
+    cap = memory or cluster.device.memory_bytes
+    floor = one_stage_floor(model_bytes(graph), n, B0)
+    one = None
+    if floor > cap:
+        why_one = (
+            f"one stage does not fit: with the whole batch at once each of the {n} devices holds at least "
+            f"{fmt_size(floor)} (weights, AdamW states and every saved activation spread evenly) against "
+            f"{fmt_size(cap)}"
+        )
+    else:
+        try:
+            one = one_stage_plan(args, cluster, n, None, None, memory, progress)
+            why_one = f"one stage (SPMD on all {n} devices): predicted step {fmt_s(one[0].time.total_s)}"
+        except PlanError as e:
+            why_one = f"one stage: {e}"
+    try:
+        staged = Staged.search(args, cluster, n, memory, progress, first=(B0, built, graph))
+        pp_s = staged.pp.simulate().step_s
+        S = len(staged.pp.stages)
+        why_pp = (
+            f"the pipeline of {S} stage{'s' * (S != 1)} ({staged.microbatches} microbatches): simulated step "
+            f"{fmt_s(pp_s)}"
+        )
+    except PlanError as e:
+        if one is None:
+            raise PlanError(f"{why_one}; and no pipeline fits: {e}") from None
+        staged, pp_s, why_pp = None, math.inf, f"a pipeline, of which none fits: {e}"
+    weighed = weigh(one[0].time.total_s if one else None, pp_s if staged else None, why_one, why_pp)
+    if weighed.choice is Choice.PIPELINE:
+        return staged.finish(args, cluster, progress, note=weighed.why)
+    plan, g1, b1 = one
+    if args.json or args.out:
+        _save_or_print(args, plan)
+        if args.json:
+            return 0
+    show_one_stage(args, plan, g1, b1, cluster, n)
+    console.print(weighed.why, soft_wrap=True)
     return 0
 
 

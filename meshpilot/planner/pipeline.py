@@ -168,8 +168,32 @@ t − forward, into ``I`` and ``W`` by FLOPs: ``I`` takes the share of the stage
 the gradients sent to the previous stage depend on (the split the stage runtime makes), ``W`` the rest.
 Collectives and memory traffic are split in the same ratio, which the FLOPs need not reflect.
 
-Not modelled yet: the send / receive of boundary values between stages (Alpa's cross-mesh resharding; Eq. 2
-leaves it out too: ``PipelineStage.recv_bytes`` shows what would move), the schedule's own timeline in the
+8. Transfers between stages — :func:`stage_transfers`, :class:`StageTransfer`
+----------------------------------------------------------------------------
+At the boundary between stages j and j + 1 (the model's layers cut at c), the values crossing each
+microbatch are read off the whole graph, as the stage runtime reads them off the stages' slices
+(``runtime.pipeline_stages.find_transfers``: the tests hold the two to the same values): every value made in
+a layer before c and read in one at or after it (the forward's activations, sent j → j + 1), and every value
+made at or after c and read before it (the backward's gradients, j + 1 → j); the model's inputs, constants,
+parameters and buffers are every stage's own, and a tied weight's copies and gradient parts cross nothing
+(``stage.stays_in_stage``). A stage runtime refuses a value that skips a stage (:func:`bypassed`), so what
+crosses cut c is exactly what moves between j and j + 1. Per direction:
+
+    bytes(j → j ± 1) = Σ_values numel · itemsize                                       → ``nbytes``
+    seconds          = latency(a, b) + bytes / p2p_bandwidth(a, b)                     → ``seconds``
+
+with a, b the stages' first ranks and the cluster's latency and P2P bandwidth of the highest layer where they
+differ (``CostModel.send_recv_ranks``, what the simulator charges a send). Each value crosses once: the
+runtime's row tiles with Alpa's local all-gather (``runtime.crossmesh``); without it a value replicated on the
+receiver crosses once per replica, which this does not price. On a repeated stack (``planner.stack``) a cut
+between the model's layers reads as the captured graph's cut with the same layers after it
+(``Stack.graph_range``: two blocks apart are two kept blocks apart), so a 52-layer model's boundaries cost what
+its 4-block capture shows. ``plan_pipeline`` stores them in ``PipelinePlan.transfers``; ``simulate`` sends each
+boundary's bytes in both directions, so ``schedule="auto"`` ranks the kinds with the sends priced (Eq. 2 and
+the DP still leave them out: the stage table has no boundary yet when it costs a stage).
+
+Not modelled yet: the sends in the DP's objective (Eq. 2 leaves them out; the simulator and ``auto`` price
+them, section 8), the schedule's own timeline in the
 DP (it uses Eq. 2 and the closed form above; the simulator times a ``step_schedule`` with each stage's
 forward, input- and weight-gradient times), the interleaved search on a ``Stack`` of fewer captured blocks
 (it costs every range on its own: ``PlanError``), and a stage plan searched for the memory that f(s)
@@ -729,7 +753,8 @@ class PipelineStage:
     memory_bytes: float
     """Per device: Eq. 5's left side, :func:`stage_memory`."""
     recv_bytes: float
-    """Bytes per microbatch the stage reads from other stages (not priced in the step; module docstring)."""
+    """Bytes per microbatch the stage reads from other stages (Eq. 6's C; the sends priced are
+    ``PipelinePlan.transfers``)."""
     input_share: float | None = None
     """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
     previous stage), the rest being ``W``: :func:`input_grad_share` (None: a plan saved before it was kept)."""
