@@ -5,10 +5,11 @@
 
 Per ``PipelineKind`` (and ``auto``): ``plan_pipeline(schedule=kind)`` on ``alpa-p3x8`` with the whole model
 captured (every layer range searched: the interleaved search needs the exact path), then
-``PipelinePlan.simulate`` on the same cluster (the boundary sends carry their latency only, as ``auto`` weighs
-them). Printed: the stages (layers @ logical mesh, ranks), the DP's objective (Eq. 2, or the interleaved
-closed form), the simulated step, the in-flight microbatches per stage, and the CPU seconds of the call (one
-``StagePlanner`` shared by all rows, so the first row pays the stage searches the later ones reuse).
+``PipelinePlan.simulate`` on the same cluster (each boundary's transfer sent, ``PipelinePlan.transfers``, as
+``auto`` weighs them; and with sends of 0 bytes, their latency only, as ``auto`` weighed them before the
+transfers were kept). Printed: the stages (layers @ logical mesh, ranks), the DP's objective (Eq. 2, or the
+interleaved closed form), the simulated steps, the in-flight microbatches per stage, and the CPU seconds of the
+call (one ``StagePlanner`` shared by all rows, so the first row pays the stage searches the later ones reuse).
 """
 
 from __future__ import annotations
@@ -53,21 +54,25 @@ def main() -> None:
         p = plan_pipeline(graph, args.cluster, schedule=kind, **kw)
         cpu = time.process_time() - t0
         sim = p.simulate(args.cluster).step_s
+        sim0 = p.simulate(args.cluster, p2p_bytes=0.0).step_s
         stages = " ".join(f"[{s.layers[0]},{s.layers[1]})@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages)
         groups = ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in p.groups)
         held = ",".join(str(s.in_flight) for s in p.stages)
         name = kind if kind == AUTO else kind.value
-        rows.append((f"{name} → {p.schedule.value}", stages, groups, p.dp_step_s, sim, held, cpu))
+        rows.append((f"{name} → {p.schedule.value}", stages, groups, p.dp_step_s, sim, held, cpu, sim0))
     print(f"gpt L={cfg.layers} h={cfg.hidden} s={cfg.seq} b={args.batch}, {args.devices} devices of {args.cluster}, "
           f"B={args.microbatches}")  # fmt: skip
     if args.markdown:
-        print("| schedule | stages (layers @ mesh) | rank groups | DP objective | simulated step | in flight | CPU s |")
-        print("| --- | --- | --- | ---: | ---: | --- | ---: |")
+        print("| schedule | stages (layers @ mesh) | rank groups | DP objective | simulated step | sends of 0 bytes "
+              "| in flight | CPU s |")  # fmt: skip
+        print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
         for r in rows:
-            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3] * 1e3:.3f} ms | {r[4] * 1e3:.3f} ms | {r[5]} | {r[6]:.1f} |")
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3] * 1e3:.3f} ms | {r[4] * 1e3:.3f} ms | {r[7] * 1e3:.3f} ms "
+                  f"| {r[5]} | {r[6]:.1f} |")  # fmt: skip
     else:
         for r in rows:
-            print(f"{r[0]:<34} {r[1]:<60} {r[2]:<16} {r[3] * 1e3:9.3f} ms {r[4] * 1e3:9.3f} ms  {r[5]:<16} {r[6]:.1f}")
+            print(f"{r[0]:<34} {r[1]:<60} {r[2]:<16} {r[3] * 1e3:9.3f} ms {r[4] * 1e3:9.3f} ms "
+                  f"{r[7] * 1e3:9.3f} ms  {r[5]:<16} {r[6]:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

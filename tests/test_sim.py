@@ -295,7 +295,10 @@ def test_cli_simulate(tiny_plan, tmp_path, capsys):
 def test_plan_command_shows_the_simulated_step(capsys):
     from meshpilot.cli.main import main
 
-    assert main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--ops", "none"]) == 0
+    assert (
+        main(["plan", "--model", "mlp", "--cluster", "atp-ic3", "--devices", "2", "--ops", "none", "--stages", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "simulated" in out and "trivial schedule" in out
 
