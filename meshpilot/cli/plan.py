@@ -408,8 +408,8 @@ class Staged:
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B)
-            except PlanError:
-                if args.microbatches is not None or whole % (2 * B):
+            except PlanError as e:  # only memory is helped by more microbatches
+                if args.microbatches is not None or whole % (2 * B) or not str(e).startswith("no pipeline fits"):
                     raise
             B *= 2  # the default's floor was not enough: smaller microbatches hold less
             progress.print(f"no pipeline fits with {B // 2} microbatches: trying {B}")
