@@ -468,7 +468,9 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
         )
     else:
         try:
-            one = one_stage_plan(args, cluster, n, None, None, memory, progress)
+            # the whole batch at once (today's one-stage plan); --microbatches is the pipeline's
+            whole_batch = argparse.Namespace(**{**vars(args), "microbatches": None})
+            one = one_stage_plan(whole_batch, cluster, n, None, None, memory, progress)
             why_one = f"one stage (SPMD on all {n} devices): predicted step {fmt_s(one[0].time.total_s)}"
         except PlanError as e:
             why_one = f"one stage: {e}"
