@@ -56,6 +56,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
+from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.schedule import PipelineKind
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
@@ -110,7 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="PATTERN=LAYOUT",
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
-        "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
+        "or 'input:*=S(0)R' (repeatable; the most specific pattern wins: an exact name, then the pattern with more "
+        "literal characters; wildcards name parameters, buffers and inputs; meshpilot.planner.force)",
     )
     p.add_argument(
         "--schedule",
@@ -206,7 +208,8 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def parse_force(items: list[str]) -> dict[str, str] | None:
+def parse_force(items: list[str]) -> ForceSpec | None:
+    """``--force PATTERN=LAYOUT …`` read and checked (every layout, matched or not; one per axis of a 2D mesh)."""
     if not items:
         return None
     out: dict[str, str] = {}
@@ -214,8 +217,13 @@ def parse_force(items: list[str]) -> dict[str, str] | None:
         pattern, sep, layout = item.partition("=")
         if not sep or not pattern.strip() or not layout.strip():
             raise UserError(f"--force {item!r}: not PATTERN=LAYOUT; write e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
-        out[pattern.strip()] = layout.strip().replace(" ", "")
-    return out
+        pattern, layout = pattern.strip(), layout.strip().replace(" ", "")
+        if out.get(pattern, layout) != layout:
+            raise UserError(f"--force {pattern!r}: given twice, as {out[pattern]} and {layout}; keep one")
+        out[pattern] = layout
+    spec = ForceSpec(out, flag="--force")
+    spec.check_mesh(2)
+    return spec
 
 
 # ------------------------------------------------------------------------------------------------ run
