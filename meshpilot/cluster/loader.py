@@ -68,6 +68,9 @@ MAX_DEVICES = 65_536
 """The most devices a cluster may have (files and sized presets): larger ones exhaust memory, not plan."""
 MAX_NUMBER = 1e9
 """The largest bandwidth (GB/s), latency (us), rate (TFLOP/s) or size (GiB) a cluster file may give."""
+MIN_NUMBER = 1e-6
+"""The smallest non-zero number a cluster file may give in its units (1 KB/s, 1 fs, 1 MFLOP/s, 1 KiB, an
+efficiency of one in a million): below it a value is a unit mistake, shown as 0 and dividing by almost zero."""
 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
@@ -212,7 +215,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         if key not in table:
             continue
         where = f"device_profile.{key}"
-        value = _number(table[key], where, source, positive=False)
+        value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
         if key in _OVERHEAD_KEYS:
             if value < 0:
                 raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
@@ -278,6 +281,13 @@ def _number(
     if abs(value) > MAX_NUMBER:
         raise ClusterFileError(
             source, key, f"is {value:g}, larger than any real device ({MAX_NUMBER:g})", f"{fix} (check the units)"
+        )
+    if value != 0 and abs(value) < MIN_NUMBER:
+        raise ClusterFileError(
+            source,
+            key,
+            f"is {value:g}, smaller than any real device ({MIN_NUMBER:g})",
+            f"{fix} (check the units)" + (", or 0" if allow_zero else ""),
         )
     if positive and (value < 0 or (value == 0 and not allow_zero)):
         need = "zero or more" if allow_zero else "greater than zero"
