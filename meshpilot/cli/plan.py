@@ -49,6 +49,7 @@ from meshpilot.cli.common import (
     console,
     get_cluster,
     make_console,
+    path_arg,
     positive_float,
     positive_int,
 )
@@ -171,7 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
     )
-    p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
+    p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
 
@@ -236,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
     if n < 1:
         raise UserError(f"--devices {n}: give at least 1 device")
     if n > cluster.num_devices:
+        given = f"--devices {n}" if args.devices else f"--mesh {args.mesh} ({n} devices)"
         raise UserError(
-            f"--devices {n}: cluster {cluster.name!r} has only {cluster.num_devices} devices; pick 1..that "
+            f"{given}: cluster {cluster.name!r} has only {cluster.num_devices} devices; pick 1..that "
             "(or a bigger cluster, e.g. dgx-h100:NODES)"
         )
     if shape and math.prod(shape) != n:

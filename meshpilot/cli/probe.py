@@ -39,7 +39,7 @@ import socket
 import sys
 from pathlib import Path
 
-from meshpilot.cli.common import positive_float, positive_int
+from meshpilot.cli.common import path_arg, positive_float, positive_int
 from meshpilot.errors import UserError
 
 TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main probe --out cluster.toml"
@@ -53,7 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--out", "-o", default="cluster-probed.toml", metavar="PATH", help="where rank 0 writes the cluster TOML"
+        "--out",
+        "-o",
+        type=path_arg,
+        default="cluster-probed.toml",
+        metavar="PATH",
+        help="where rank 0 writes the cluster TOML",
     )
     p.add_argument("--name", help="the cluster's name in the file (default: probed-<host>-<ranks>)")
     p.add_argument(

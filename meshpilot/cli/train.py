@@ -50,7 +50,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from meshpilot.cli.common import add_hf_config_arg, positive_float, positive_int
+from meshpilot.cli.common import add_hf_config_arg, path_arg, positive_float, positive_int
 from meshpilot.cli.plan import PRECISIONS
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
@@ -90,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=int, default=1, choices=(1, 2, 4), help="ATP chunk-overlap chunks k")
     p.add_argument(
         "--plan",
-        type=Path,
+        type=path_arg,
         metavar="FILE|auto",
         help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP, or a "
         "pipeline plan (`meshpilot plan --pipeline --out FILE`); 'auto': "
@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument(
         "--data",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="train on this text file as byte tokens (0-255; the model needs a vocabulary of 256 or more): "
         "windows drawn by the seed, resumable at any data position (default: random tokens)",
@@ -115,12 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument(
         "--json-out",
-        type=Path,
+        type=path_arg,
         help="rank 0 writes the per-step losses and times here as JSON, rewritten (atomically) after every step",
     )
     p.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="save checkpoints in DIR/step-N (with --plan): every --checkpoint-every steps, after the last, on SIGTERM",
     )
