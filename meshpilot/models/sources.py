@@ -337,7 +337,10 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
         return t.AutoConfig.for_model(name, **overrides)
     except rejects as e:
         why = " ".join(str(e).split())
-        raise UserError(f"--hf-config: {type(default).__name__} rejects the values: {why}") from None
+        raise UserError(
+            f"--hf-config: {type(default).__name__} rejects the values: {why}; give each key a value of its type "
+            "(numbers unquoted: num_hidden_layers=2)"
+        ) from None
 
 
 def _model_source(t: Any, name: str) -> str:
