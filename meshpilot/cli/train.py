@@ -5,6 +5,9 @@ Launch with torchrun, e.g.:
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --mesh 2x2 --steps 5
   meshpilot plan --model gpt-tiny --cluster atp-ic3 --devices 4 --out plan.json
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --plan plan.json
+or let `meshpilot train --nproc-per-node 4 ...` launch torchrun after checking every input: a mistake is then
+one line and exit 2. Under a bare torchrun rank 0 says it first, then torchrun adds its own ChildFailedError
+traceback and exits 1 (it does so for any failed rank).
 
 With --plan the batch size and sequence length come from the plan (the shapes it was made for; --batch and
 --seq, when given, must match them; without --plan they size the GPT, with --plan auto the plan); --model and
