@@ -956,6 +956,12 @@ def _init_group(backend: str, timeout) -> None:
     to connect."""
     import torch.distributed as dist
 
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise UserError(
+            f"environment {'/'.join(missing)} not set: RANK and WORLD_SIZE alone do not make a process group; "
+            "launch with torchrun (or give --nproc-per-node N)"
+        )
     kw = {} if timeout is None else {"timeout": timeout}
     attempt = os.environ.get(RESTART_ENV, "0").strip()
     if attempt in ("", "0"):
