@@ -215,17 +215,18 @@ def test_precedence_exact_name_then_more_literal_characters():
     assert ForceSpec({"[*]x": "RR"}).winner("*x").exact == "*x"  # an escaped wildcard is a literal
 
 
-def test_wildcards_pin_leaves_only_and_exact_names_pin_operators():
+def test_leaf_patterns_never_pin_operators_and_the_others_pin_operators_by_name():
     from meshpilot.planner.force import ForceSpec
 
     model, inputs = build("mlp")
     graph = capture(model, inputs)
-    mm = next(n for n in graph.nodes if n.kind == "op")
-    spec = ForceSpec({"*": "RR", mm.name: "S(0)R"})
-    assert spec.rule_for(mm).pattern == mm.name
-    other_op = next(n for n in graph.nodes if n.kind == "op" and n.name != mm.name)
-    assert spec.rule_for(other_op) is None  # '*' names parameters, buffers and inputs, never operators
-    assert spec.rule_for(next(n for n in graph.nodes if n.kind == "param")).pattern == "*"
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    mm, relu = ops[0], next(n for n in ops if n.target.startswith("aten.relu"))
+    pins = ForceSpec({"*": "RR", mm.name: "S(0)R", "relu*": "S(0)R"}).bind(graph)
+    assert pins.rule_for(mm).pattern == mm.name
+    assert pins.rule_for(relu).pattern == "relu*"  # it names no parameter or input: operators by name
+    assert pins.rule_for(next(n for n in ops if n not in (mm, relu) and not n.name.startswith("relu"))) is None
+    assert pins.rule_for(next(n for n in graph.nodes if n.kind == "param")).pattern == "*"
 
 
 @pytest.mark.parametrize(

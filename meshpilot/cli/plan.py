@@ -113,7 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="PATTERN=LAYOUT",
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
         "or 'input:*=S(0)R' (repeatable; the most specific pattern wins: an exact name, then the pattern with more "
-        "literal characters; wildcards name parameters, buffers and inputs; meshpilot.planner.force)",
+        "literal characters; a pattern naming no parameter, buffer or input pins operator nodes by name; "
+        "meshpilot.planner.force)",
     )
     p.add_argument(
         "--schedule",

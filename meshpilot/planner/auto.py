@@ -85,7 +85,7 @@ def plan(
     `num_devices` of it (default: all); `mesh_shape` fixes the shape instead of searching all 2D shapes.
     `memory_bytes` overrides the device capacity. `force` pins layouts of parameters / inputs by name
     pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh: the most specific
-    pattern wins a name; wildcards name parameters, buffers and inputs only; ``meshpilot.planner.force``).
+    pattern wins a name; ``*`` pins parameters, buffers and inputs, not operators; ``meshpilot.planner.force``).
     `zero` is the ZeRO-like post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all``
     (module docstring).
     `precision` is how the run trains: ``fp32`` or ``bf16`` (the parameters' own dtype; checked), or
@@ -125,9 +125,10 @@ def plan(
         inputs = microbatch_inputs(example_inputs, microbatches)
         graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
-    if force:
-        force.check_graph(graph)
-    for line in force.notes(graph) if force else ():
+    pins = force.bind(graph) if force else None
+    if pins is not None:
+        pins.check()
+    for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
     edges = step_edges(graph)
     param_edges = ParamEdges.of(graph, edges)
@@ -238,8 +239,8 @@ def plan(
         searcher=chooser.name,
     )
     result = _assemble(graph, best, acct, best_builder, best_lm, capacity, report, precision, microbatches)
-    if force:
-        force.check_plan(result.params, result.inputs, graph)
+    if pins is not None:
+        pins.check_plan(result.params, result.inputs)
     if overlap:
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
     if duplex:

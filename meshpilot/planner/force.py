@@ -5,11 +5,11 @@
 * a **layout** is one placement per mesh axis: ``R`` (replicated), ``P`` (partial sum) or ``S(d)`` (dim d
   sharded), e.g. ``S(0)R`` on a 2D mesh. Every layout is read before anything is planned, whether its pattern
   matches anything or not: ``XYZ`` or a layout of the wrong length is an error. ``S(d)`` on a tensor with d
-  or fewer dims is an error once the pattern matches it.
+  or fewer dims is an error once the pattern matches it, and on no tensor of the model when it matches none.
 * a **pattern** names parameters and buffers by qualified name (``layers.0.weight``) and example inputs as
-  ``input:<i>``; wildcards (``*``, ``?``, ``[...]``) match those names only. An operator node of the captured
-  graph is pinned only by a pattern equal to its node name (``mm_3``: what ``planner.forced`` writes for
-  Megatron's matmul outputs): ``"*"`` pins every parameter, buffer and input, never the operators between.
+  ``input:<i>``. A pattern that names none of those names operator nodes of the captured graph by node name
+  instead (``mm_3``, as ``planner.forced`` pins Megatron's matmul outputs; ``_native_batch_norm_legit_functional*``):
+  so ``"*"`` pins every parameter, buffer and input, never the operators between them.
 * **precedence**, when several patterns match one name: a pattern without wildcards (the exact name) wins;
   among wildcard patterns the one with more literal characters wins (``input:*`` over ``*``,
   ``blocks.*.fc.weight`` over ``blocks.*``); two equally specific patterns giving one name different layouts
@@ -26,7 +26,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,17 +106,12 @@ class ForceRule:
         return [int(p[2:-1]) for p in self.placements if p.startswith("S(")]
 
 
-class ForceSpec(Mapping[str, str]):
-    """A force dict, read and checked: ``spec.rule_for(node)`` is the pattern that pins a node (module
-    docstring: the most specific wins). A Mapping, so it goes wherever a ``force=`` dict goes; `flag` names the
-    CLI option the patterns came from, for messages."""
+class _Matcher:
+    """The precedence of a set of rules over names: exact, then more literal characters; ties refused."""
 
-    def __init__(self, force: Mapping[str, str], flag: str | None = None):
-        self._force = dict(force)
-        self.flag = flag
-        self.rules = tuple(ForceRule.read(p, lay, flag) for p, lay in self._force.items())
+    def __init__(self, rules: Sequence[ForceRule]):
         self._exact: dict[str, ForceRule] = {}
-        for r in self.rules:
+        for r in rules:
             if r.exact is None:
                 continue
             other = self._exact.get(r.exact)
@@ -125,13 +120,46 @@ class ForceSpec(Mapping[str, str]):
                     f"{r.where} and {other.where} both name {r.exact!r} exactly with different layouts; keep one"
                 )
             self._exact[r.exact] = r
-        self._wild = sorted((r for r in self.rules if r.exact is None), key=lambda r: -r.literals)
-        alts = "|".join(f"(?P<p{i}>{fnmatch.translate(r.pattern)})" for i, r in enumerate(self._wild))
-        self._match = re.compile(alts, re.S).fullmatch if self._wild else None
+        self.wild = sorted((r for r in rules if r.exact is None), key=lambda r: -r.literals)
+        alts = "|".join(f"(?P<p{i}>{fnmatch.translate(r.pattern)})" for i, r in enumerate(self.wild))
+        self._match = re.compile(alts, re.S).fullmatch if self.wild else None
+
+    def winner(self, name: str) -> ForceRule | None:
+        rule = self._exact.get(name)
+        if rule is not None or self._match is None:
+            return rule
+        m = self._match(name)
+        if m is None:
+            return None
+        best = self.wild[int(m.lastgroup[1:])]
+        for other in self.wild:
+            if (
+                other is not best
+                and other.literals == best.literals
+                and other.placements != best.placements
+                and fnmatch.fnmatchcase(name, other.pattern)
+            ):
+                raise UserError(
+                    f"{best.where} and {other.where} both match {name!r}, equally specific, with different layouts; "
+                    f"add an exact pattern for {name!r} or make one pattern more specific"
+                )
+        return best
+
+
+class ForceSpec(Mapping[str, str]):
+    """A force dict, read and checked (module docstring). A Mapping, so it goes wherever a ``force=`` dict goes;
+    `flag` names the CLI option the patterns came from, for messages. ``spec.bind(graph)`` says which pattern
+    pins each node of a captured graph."""
+
+    def __init__(self, force: Mapping[str, str], flag: str | None = None):
+        self._force = dict(force)
+        self.flag = flag
+        self.rules = tuple(ForceRule.read(p, lay, flag) for p, lay in self._force.items())
+        self._leaves = _Matcher(self.rules)
 
     @classmethod
     def of(cls, force: Mapping[str, str] | None) -> ForceSpec | None:
-        """`force` read (itself when it already is a ForceSpec; cached by its items: the planner asks per node)."""
+        """`force` read (itself when it already is a ForceSpec; cached by its items)."""
         if force is None or isinstance(force, ForceSpec):
             return force
         if not all(isinstance(v, str) for v in force.values()):
@@ -151,7 +179,6 @@ class ForceSpec(Mapping[str, str]):
     def __repr__(self) -> str:
         return f"ForceSpec({self._force!r})"
 
-    # reading
     def check_mesh(self, ndim: int, mesh_shape: tuple[int, ...] | None = None) -> None:
         """Every layout has one placement per mesh axis (`ndim` of them; `mesh_shape` for the message)."""
         mesh = f"the {ndim}-D mesh {mesh_shape}" if mesh_shape else f"a {ndim}-D mesh"
@@ -164,39 +191,38 @@ class ForceSpec(Mapping[str, str]):
 
     def winner(self, name: str) -> ForceRule | None:
         """The rule that pins the parameter, buffer or input called `name` (module docstring's precedence)."""
-        rule = self._exact.get(name)
-        if rule is not None or self._match is None:
-            return rule
-        m = self._match(name)
-        if m is None:
-            return None
-        best = self._wild[int(m.lastgroup[1:])]
-        for other in self._wild:
-            if (
-                other is not best
-                and other.literals == best.literals
-                and other.placements != best.placements
-                and fnmatch.fnmatchcase(name, other.pattern)
-            ):
-                raise UserError(
-                    f"{best.where} and {other.where} both match {name!r}, equally specific, with different layouts; "
-                    f"add an exact pattern for {name!r} or make one pattern more specific"
-                )
-        return best
+        return self._leaves.winner(name)
+
+    def bind(self, graph: OpGraph) -> BoundForce:
+        """Which pattern pins each node of `graph` (cached on the graph: the planner binds once per mesh)."""
+        cache = graph.__dict__.setdefault("_force_bound", {})
+        bound = cache.get(id(self))
+        if bound is None or bound.spec is not self:
+            bound = cache[id(self)] = BoundForce(self, graph)
+        return bound
+
+
+class BoundForce:
+    """A :class:`ForceSpec` on one graph: patterns that match a parameter, buffer or input pin those leaves;
+    the others (``mm_3``, ``_native_batch_norm_legit_functional*``) pin the operator nodes they match by name."""
+
+    def __init__(self, spec: ForceSpec, graph: OpGraph):
+        self.spec, self.graph = spec, graph
+        self.leaves = [n.fqn for n in graph.nodes if n.kind in LEAF_KINDS and n.fqn]
+        self.leaf_rules = {r.pattern for r in spec.rules if _matches(r, self.leaves, set(self.leaves))}
+        self._ops = _Matcher([r for r in spec.rules if r.pattern not in self.leaf_rules])
 
     def rule_for(self, node: OpNode) -> ForceRule | None:
-        """The rule that pins `node`: a leaf by its qualified name (any pattern), any node by its exact name."""
+        """The rule that pins `node` (None when no pattern does)."""
         if node.kind in LEAF_KINDS and node.fqn:
-            rule = self.winner(node.fqn)
-            if rule is not None:
-                return rule
-        return self._exact.get(node.name)
+            return self.spec.winner(node.fqn)
+        return self._ops.winner(node.name)
 
     def check_dims(self, rule: ForceRule, node: OpNode) -> None:
         """`rule`'s S(d) fit the tensor it pins."""
         name = node.fqn or node.name
         if node.out is None:
-            raise UserError(f"{rule.where}: {name} is not a tensor; pin parameters, buffers and inputs")
+            raise UserError(f"{rule.where}: {name} is not a tensor; pin parameters, buffers, inputs or tensor ops")
         nd = len(node.out.shape)
         for d in rule.sharded_dims():
             if d >= nd:
@@ -206,56 +232,57 @@ class ForceSpec(Mapping[str, str]):
                     f"shard it; {dims}"
                 )
 
-    def check_graph(self, graph: OpGraph) -> None:
-        """No layout shards a dim that no parameter, buffer or input of `graph` has (matched or not)."""
-        leaves = [n for n in graph.nodes if n.kind in LEAF_KINDS]
-        most = max((len(n.out.shape) for n in leaves if n.out is not None), default=0)
-        fqns = {n.fqn for n in leaves}
-        for r in self.rules:
-            if r.exact is not None and r.exact not in fqns and r.exact in graph.by_name:
-                continue  # an operator node: its output may have more dims than any leaf (checked when pinned)
+    def check(self) -> None:
+        """Before planning: a pattern that pins nothing still has layouts that fit some tensor of the graph (an
+        S(7) on a model of 2-D tensors is refused whether or not its pattern matches)."""
+        names = [n.name for n in self.graph.nodes]
+        most = max((len(n.out.shape) for n in self.graph.nodes if n.out is not None), default=0)
+        for r in self.spec.rules:
+            if r.pattern in self.leaf_rules or _matches(r, names, self.graph.by_name):
+                continue  # pins something: checked against each tensor it pins
             for d in r.sharded_dims():
                 if d >= most:
                     raise UserError(
-                        f"{r.where}: S({d}) shards dim {d}, but no parameter or input of the model has more than "
-                        f"{most} dim(s); give S(0) … S({max(most - 1, 0)}) or R"
+                        f"{r.where}: S({d}) shards dim {d}, but no tensor of the model has more than {most} "
+                        f"dim(s); give S(0) … S({max(most - 1, 0)}) or R"
                     )
 
-    def notes(self, graph: OpGraph) -> list[str]:
+    def notes(self) -> list[str]:
         """One warning per pattern that pins nothing (it matches no name, or more specific patterns win every
-        name it matches) and per pattern that overrides another on some names (which one won, where)."""
-        leaves = [n.fqn for n in graph.nodes if n.kind in LEAF_KINDS and n.fqn]
-        node_names = {n.name for n in graph.nodes}
-        won: dict[str, list[str]] = {r.pattern: [] for r in self.rules}
+        name it matches) and per pattern that overrides another on some leaves (which one won, where)."""
+        spec, leaves = self.spec, self.leaves
+        won: dict[str, list[str]] = {r.pattern: [] for r in spec.rules}
         over: dict[tuple[str, str], list[str]] = {}
+        wild = [r for r in spec.rules if r.exact is None]  # an exact pattern names one name: never overridden
         for name in leaves:
-            rule = self.winner(name)
+            rule = spec.winner(name)
             if rule is None:
                 continue
             won[rule.pattern].append(name)
-            for other in self._wild:  # an exact pattern names one name: only wildcards can be overridden
+            for other in wild:
                 if (
                     other is not rule
                     and other.placements != rule.placements
                     and fnmatch.fnmatchcase(name, other.pattern)
                 ):
                     over.setdefault((rule.pattern, other.pattern), []).append(name)
+        ops = [n.name for n in self.graph.nodes if n.kind not in LEAF_KINDS]
         out = []
-        by_pattern = {r.pattern: r for r in self.rules}
-        for r in self.rules:
-            matched = [x for x in leaves if fnmatch.fnmatchcase(x, r.pattern)]
-            if won[r.pattern] or (r.exact in node_names and r.exact not in leaves):
+        for r in spec.rules:
+            if won[r.pattern]:
                 continue
-            if not matched:
-                shown = ", ".join(leaves[:12]) + (f", … ({len(leaves)} in all)" if len(leaves) > 12 else "")
-                out.append(
-                    f"force pattern {r.pattern!r} matches nothing and pins nothing; the names it can match: {shown}"
-                )
-            else:
+            matched = [x for x in leaves if fnmatch.fnmatchcase(x, r.pattern)]
+            if matched:
                 out.append(
                     f"force pattern {r.pattern!r} pins nothing: more specific patterns win every name it matches "
                     f"({_few(matched)}); remove it or narrow the others"
                 )
+            elif not _matches(r, ops, set(ops)):
+                shown = ", ".join(leaves[:12]) + (f", … ({len(leaves)} in all)" if len(leaves) > 12 else "")
+                out.append(
+                    f"force pattern {r.pattern!r} matches nothing and pins nothing; the names it can match: {shown}"
+                )
+        by_pattern = {r.pattern: r for r in spec.rules}
         for (win, lose), names in over.items():
             w, lo = by_pattern[win], by_pattern[lose]
             out.append(
@@ -264,17 +291,24 @@ class ForceSpec(Mapping[str, str]):
             )
         return out
 
-    def check_plan(self, params: Any, inputs: Any, graph: OpGraph) -> None:
+    def check_plan(self, params: Any, inputs: Any) -> None:
         """Every pinned parameter and input of the finished plan is in its pattern's layout."""
-        fqns = [n.fqn for n in graph.nodes if n.kind == NodeKind.INPUT]
+        fqns = [n.fqn for n in self.graph.nodes if n.kind == NodeKind.INPUT]
         held = [(fqn, tuple(lay)) for fqn, lay in params] + [(f, tuple(lay)) for f, lay in zip(fqns, inputs)]
         for name, layout in held:
-            rule = self.winner(name)
+            rule = self.spec.winner(name)
             if rule is not None and layout != rule.placements:
                 raise UserError(
                     f"{rule.where}: the plan holds {name} as {''.join(layout)}, not as pinned; "
                     "the planner broke a pin: report it with the model and the force patterns"
                 )
+
+
+def _matches(rule: ForceRule, names: list[str], name_set: Collection[str]) -> bool:
+    """Whether `rule` matches one of `names` (`name_set`: the same names, for an exact rule's lookup)."""
+    if rule.exact is not None:
+        return rule.exact in name_set
+    return bool(fnmatch.filter(names, rule.pattern))
 
 
 @functools.lru_cache(maxsize=32)
@@ -286,4 +320,4 @@ def _few(names: list[str], k: int = 4) -> str:
     return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
 
 
-__all__ = ["ForceRule", "ForceSpec", "LEAF_KINDS", "literal", "parse_layout"]
+__all__ = ["BoundForce", "ForceRule", "ForceSpec", "LEAF_KINDS", "literal", "parse_layout"]

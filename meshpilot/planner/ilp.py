@@ -105,7 +105,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -125,7 +125,7 @@ from meshpilot.planner.accounting import (
     step_edges,
     zero_row_bytes,
 )
-from meshpilot.planner.force import ForceSpec
+from meshpilot.planner.force import BoundForce, ForceSpec
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
@@ -452,8 +452,9 @@ def build_structure(
     """
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
-    if force:
-        ForceSpec.of(force).check_mesh(len(mesh_shape), mesh_shape)
+    pins = ForceSpec.of(force).bind(graph) if force else None
+    if pins is not None:
+        pins.spec.check_mesh(len(mesh_shape), mesh_shape)
     costs = ComputeCost(cost_model, mesh_shape, graph)
     strategies: dict[str, list[Strategy]] = {}
     rep: dict[str, str] = {}
@@ -487,8 +488,8 @@ def build_structure(
         sts = memo.get(mkey)
         if sts is None:
             sts = memo[mkey] = builder.for_node(node, cands) or _placeholder(node, mesh_shape)
-        if force:
-            kept = _apply_force(node, sts, force, mesh_shape)
+        if pins is not None:
+            kept = _apply_force(node, sts, pins, mesh_shape)
             if kept is not sts:
                 forced.add(name)
                 sts = kept
@@ -696,18 +697,16 @@ def build_problem(
     return prob
 
 
-def _apply_force(
-    node: OpNode, sts: list[Strategy], force: Mapping[str, str], mesh_shape: tuple[int, ...]
-) -> list[Strategy]:
+def _apply_force(node: OpNode, sts: list[Strategy], pins: BoundForce, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     """The strategies a force pattern leaves (`sts` itself when no pattern pins the node): the winning pattern's
-    layout (``planner.force``: the most specific pattern wins; wildcards name parameters, buffers and inputs)."""
+    layout (``planner.force``: the most specific pattern wins; patterns matching a parameter, buffer or input
+    pin those, the others operator nodes by name)."""
     from meshpilot.sharding.placements import fmt
 
-    spec = ForceSpec.of(force)
-    rule = spec.rule_for(node)
+    rule = pins.rule_for(node)
     if rule is None:
         return sts
-    spec.check_dims(rule, node)
+    pins.check_dims(rule, node)
     kept = [s for s in sts if s.outs and fmt(s.outs[0]) == rule.layout]
     if not kept:
         can = sorted({fmt(s.outs[0]) for s in sts if s.outs})
