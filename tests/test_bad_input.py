@@ -170,6 +170,18 @@ CASES = [
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "3x3"], ("--mesh 3x3 (9 devices)", "only 8 devices"), None, None),
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--out", ""], ("argument --out", "empty"), None, None),
     (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--schedule", "accumulate", "--microbatches", "3"],
+        ("--microbatches 3", "batch 8", "--batch divisible by 3"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--schedule", "duplex", "--batch", "3"],
+        ("--schedule duplex (2 microbatches)", "batch 3", "--batch divisible by 2"),
+        None,
+        None,
+    ),
+    (
         ["plan", "-m", "mlp", "-c", "atp-ic3", "--force", "zz=XYZ"],
         ("--force 'zz=XYZ'", "not a layout", "S(0)R"),
         None,

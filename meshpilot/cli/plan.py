@@ -272,6 +272,11 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         hf_config=args.hf_config,
     )
+    m = sched["microbatches"]
+    whole = built.inputs[0].shape[0] if built.inputs and built.inputs[0].dim() else None
+    if m > 1 and whole is not None and whole % m:
+        flag = f"--microbatches {m}" if args.microbatches else f"--schedule {args.schedule} ({m} microbatches)"
+        raise UserError(f"{flag}: the batch {whole} does not split into {m}; give a --batch divisible by {m}")
     # progress goes to stderr, so `--json > plan.json` stays clean
     progress = make_console(stderr=True)
     plan, graph = make_plan(
