@@ -40,29 +40,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_cluster_arg(p)
     p.add_argument("--devices", "-n", type=positive_int, help="tensor-parallel devices N (default: all of the cluster)")
-    p.add_argument("--model", "-m", default="atp-m2", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
+    p.add_argument("--model", "-m", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
     p.add_argument("--layers", type=positive_int, help="override the model's layer count L")
     p.add_argument("--hidden", type=positive_int, help="override the hidden size h")
     p.add_argument("--heads", type=positive_int, help="override the attention heads")
     p.add_argument("--batch", "-b", type=positive_int, help="override the micro-batch size b")
     p.add_argument("--seq", "-s", type=positive_int, help="override the sequence length s")
-    p.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="activation dtype (default fp16)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="activation dtype (default float16)")
     p.add_argument("--json", action="store_true", help='print {"chosen": [d1, d2], "candidates": [...]}')
     p.add_argument(
         "--sweep",
         action="store_true",
         help="Fig. 12: T_comm/Δ of ATP-1/2/4/8 and ATP-OPT for N = 4 … --max-devices on a sized preset",
     )
-    p.add_argument("--max-devices", type=positive_int, default=1024, help="largest N of the sweep (default 1024)")
+    p.add_argument("--max-devices", type=positive_int, help="largest N of the sweep (default 1024)")
     p.add_argument(
-        "--out", type=path_arg, default="atp-sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.png"
+        "--out", type=path_arg, help="sweep output prefix: writes PREFIX.csv and PREFIX.png (default atp-sweep)"
     )
     p.set_defaults(func=run)
 
 
+SEARCH_ONLY = ("devices", "model", "layers", "hidden", "heads", "batch", "seq", "dtype", "json")
+"""Flags of the mesh search that the sweep (T_comm / Δ: no model, every N) has no use for."""
+SWEEP_ONLY = ("max_devices", "out")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) not in (None, False)]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.sweep:
+        unused = _given(args, SEARCH_ONLY)
+        if unused:
+            raise UserError(
+                f"{', '.join(unused)}: not used by --sweep (T_comm / Δ of every mesh for N = 4 … --max-devices, "
+                "written to --out PREFIX.csv); drop them, or drop --sweep to search one model's mesh"
+            )
         return run_sweep(args)
+    unused = _given(args, SWEEP_ONLY)
+    if unused:
+        raise UserError(f"{', '.join(unused)}: only with --sweep; add --sweep or drop them")
+    args.model, args.dtype = args.model or "atp-m2", args.dtype or "float16"
     cluster = get_cluster(args)
     model = gpt_config(
         args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq
@@ -129,6 +148,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"--cluster {args.cluster}: --sweep sizes the preset itself (N = 4 … --max-devices); "
             f"write --cluster {name} and set --max-devices"
         )
+    args.max_devices = args.max_devices or 1024
+    args.out = args.out or Path("atp-sweep")
     ns = [n for n in SWEEP_SIZES[name] if n <= args.max_devices]
     if not ns:
         raise UserError(

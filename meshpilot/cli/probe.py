@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise UserError(f"not launched by torchrun (no {'/'.join(missing)}); run one process per device: {TORCHRUN}")
+    if args.name is not None and not args.name.strip():
+        raise UserError("--name: empty; give the cluster a name (or leave --name out for probed-<host>-<ranks>)")
     if args.matmul_dtype and not args.matmul_shapes_from:
         raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
     # before the process group: a mistake in the model is one line on every rank, nothing half-started

@@ -111,6 +111,13 @@ def run(args: argparse.Namespace) -> int:
     _check_out(args.png, "--png")
     if args.microbatches is not None and args.microbatches < 1:
         raise UserError(f"--microbatches {args.microbatches}: give at least 1")
+    if args.microbatches is not None and args.schedule in ("plan", "trivial"):
+        raise UserError(
+            f"--microbatches {args.microbatches}: only for a rebuilt --schedule accumulate or overlapped, not "
+            f"--schedule {args.schedule}; add one of those or drop --microbatches"
+        )
+    if args.schedule == "accumulate" and (args.microbatches or 1) < 2:
+        raise UserError("--schedule accumulate: give --microbatches 2 or more")
     plan = load_plan(args.plan)
     world = 1
     for d in plan.mesh_shape:

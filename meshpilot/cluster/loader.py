@@ -75,6 +75,8 @@ efficiency of one in a million): below it a value is a unit mistake, shown as 0 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
 CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2", "busy1", "busy2"}
+CALIBRATION_AXIS = {k: int(k[-1] if k[-1].isdigit() else k.split("_")[0][-1]) - 1 for k in CALIBRATION_KEYS - {"mesh"}}
+"""The mesh axis each calibration key measures (``B1_GBps``, ``alpha1_us``, ``curve1``, ``busy1``: axis 0)."""
 PROFILE_KEYS = {
     "kind",
     "peak_tflops_fp32",
@@ -397,6 +399,15 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
             f"shape {mesh} has {math.prod(mesh)} devices but the layers give {n}",
             f"use a shape whose product is {n}",
         )
+    for axis, size in enumerate(mesh):
+        idle = [k for k in raw if CALIBRATION_AXIS.get(k) == axis]
+        if size == 1 and idle:
+            raise ClusterFileError(
+                source,
+                f"{where}.{idle[0]}",
+                f"measures mesh axis {axis} of {mesh}, which has size 1 and runs no collective",
+                f"remove it, or give the axis of size > 1 ({'B1_GBps' if axis else 'B2_GBps'}, ...)",
+            )
     if not CALIBRATION_KEYS.difference({"mesh"}) & raw.keys():
         keys = ", ".join(sorted(CALIBRATION_KEYS - {"mesh"}))
         raise ClusterFileError(source, where, "has no measurement", f"give at least one of {keys}")
