@@ -62,6 +62,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "profile.toml").write_text(
         profile + head.split("\n", 1)[1] + "ranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n"
     )
+    (d / "cal1.toml").write_text(
+        head + "ranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n[[calibration]]\nmesh = [2, 1]\nB2_GBps = 5\n"
+    )
     (d / "nodev.toml").write_text('[[layers]]\nname = "n"\nranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n')
     (d / "dir.toml").mkdir()
     (d / "plain.txt").write_text("x")
@@ -124,6 +127,7 @@ CASES = [
     (["topology", "-c", "{tinylat.toml}"], ("tinylat.toml", "layers[0].latency_us", "1e-300", "or 0"), None, None),
     (["topology", "-c", "{profile.toml}"], ("profile.toml", "device_profile.peak_tflops_fp32", "TFLOP/s"), None, None),
     (["simulate", "{p2.json}", "-c", "{tiny.toml}"], ("tiny.toml", "p2p_GBps", "1e-300"), None, None),
+    (["topology", "-c", "{cal1.toml}"], ("cal1.toml", "calibration[0].B2_GBps", "size 1", "remove it"), None, None),
     # atp
     (["atp", "-c", "atp-ic3", "--devices", "-2"], ("--devices", "at least 1"), None, None),
     (["atp", "-c", "atp-ic3", "--devices", "64"], ("--devices 64", "pick 1..that"), None, None),
@@ -153,6 +157,8 @@ CASES = [
     ),
     (["atp", "-c", "atp-ic5", "--sweep", "--out", "{dir}"], ("--out", "is a folder", "atp-sweep"), None, None),
     (["atp", "-c", "{tiny.toml}"], ("tiny.toml", "p2p_GBps", "1e-300"), None, None),
+    (["atp", "-c", "atp-ic5", "--sweep", "--json", "--seq", "8"], ("--seq, --json", "not used by --sweep"), None, None),
+    (["atp", "-c", "atp-ic3", "--out", "x"], ("--out", "only with --sweep"), None, None),
     # plan
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--devices", "0"], ("--devices", "at least 1"), None, None),
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--devices", "99"], ("--devices 99", "pick 1..that"), None, None),
@@ -245,6 +251,8 @@ CASES = [
     ),
     (["simulate", "{p2.json}", "--straggler", "1:50", "--straggler", "1:20"], ("rank 1", "more than once"), None, None),
     (["simulate", "{p2.json}", "--png", ""], ("argument --png", "empty"), None, None),
+    (["simulate", "{p2.json}", "--microbatches", "2"], ("--microbatches 2", "not --schedule plan"), None, None),
+    (["simulate", "{p2.json}", "--schedule", "accumulate"], ("accumulate", "--microbatches 2 or more"), None, None),
     (["simulate", ""], ("argument plan", "empty"), None, None),
     # train (torchrun's environment; every check before the process group)
     (["train", "--plan", "{v99.json}"], ("v99.json", "version", "99"), None, {"RANK": "0", "WORLD_SIZE": "2"}),
@@ -317,6 +325,12 @@ CASES = [
     # probe
     (["probe", "--repeats", "0"], ("--repeats",), None, None),
     (["probe", "--out", ""], ("argument --out", "empty"), None, None),
+    (
+        ["probe", "--name", " "],
+        ("--name", "empty"),
+        None,
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    ),
     (["probe", "--p2p-budget", "-1"], ("--p2p-budget",), None, None),
     (["probe"], ("torchrun",), None, None),
     # emulate

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             f"--schedule {args.schedule}; add one of those or drop --microbatches"
         )
     if args.schedule == "accumulate" and (args.microbatches or 1) < 2:
-        raise UserError("--schedule accumulate: give --microbatches 2 or more")
+        raise UserError("--schedule accumulate: one microbatch is the trivial schedule; give --microbatches 2 or more")
     plan = load_plan(args.plan)
     world = 1
     for d in plan.mesh_shape:
