@@ -199,7 +199,7 @@ def schedule_options(schedule: str | None, microbatches: int | None) -> dict[str
     if schedule == "trivial" and microbatches not in (None, 1):
         raise UserError(f"--microbatches {microbatches}: the trivial schedule has one; add --schedule accumulate")
     if schedule == "accumulate" and (microbatches or 1) < 2:
-        raise UserError("--schedule accumulate: give --microbatches 2 or more")
+        raise UserError("--schedule accumulate: one microbatch is the trivial schedule; give --microbatches 2 or more")
     return {"microbatches": microbatches or 1, "overlap": schedule == "overlapped"}
 
 
@@ -325,7 +325,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
     from meshpilot.planner.stack import Stack, capture_stack
 
     if args.mesh or args.force:
-        raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
+        raise UserError("--pipeline chooses each stage's mesh itself; drop --mesh / --force")
     M = args.microbatches or PIPELINE_MICROBATCHES
     schedule = args.schedule or "1f1b"
     if schedule not in PIPELINE_SCHEDULES:

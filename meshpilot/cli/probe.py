@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.name is not None and not args.name.strip():
         raise UserError("--name: empty; give the cluster a name (or leave --name out for probed-<host>-<ranks>)")
     if args.matmul_dtype and not args.matmul_shapes_from:
-        raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
+        raise UserError("--matmul-dtype: no model to cast; give the model too (--matmul-shapes-from MODEL)")
     # before the process group: a mistake in the model is one line on every rank, nothing half-started
     gemms = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype) if args.matmul_shapes_from else ()
     if args.matmul_shapes:

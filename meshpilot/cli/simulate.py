@@ -94,7 +94,9 @@ def load_plan(path: Path):
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path}: is not a plan's JSON; save one with `meshpilot plan ... --out FILE`") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{path}: not a meshpilot plan ({type(e).__name__}: {e})") from None
+        raise UserError(
+            f"{path}: not a meshpilot plan ({type(e).__name__}: {e}); give a plan saved by `meshpilot plan --out FILE`"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     _check_out(args.trace, "--trace")
     _check_out(args.png, "--png")
     if args.microbatches is not None and args.microbatches < 1:
-        raise UserError(f"--microbatches {args.microbatches}: give at least 1")
+        raise UserError(f"--microbatches {args.microbatches}: not a number of microbatches; give at least 1")
     if args.microbatches is not None and args.schedule in ("plan", "trivial"):
         raise UserError(
             f"--microbatches {args.microbatches}: only for a rebuilt --schedule accumulate or overlapped, not "

@@ -319,7 +319,9 @@ def check_checkpoint_flags(args: argparse.Namespace):
     if directory is None:
         given = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume)) if v]
         if given:
-            raise UserError(f"{', '.join(given)}: needs --checkpoint-dir DIR (where the checkpoints are)")
+            raise UserError(
+                f"{', '.join(given)}: needs --checkpoint-dir DIR (where the checkpoints are); add it or drop {given[0]}"
+            )
         return None
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--checkpoint-dir {directory}: is a file; give a folder (it is created if missing)")
@@ -443,7 +445,7 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     if not _is_gpt(args.model):
         return _prepare_any(args, world)
     if args.hf_config:
-        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}")
+        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}; drop --hf-config")
     from meshpilot.models import gpt_config
 
     cfg = gpt_config(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads)
@@ -620,7 +622,7 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
     given = [f"--{k}" for k in ("layers", "hidden", "heads") if getattr(args, k)]
     if given:
-        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
+        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}; drop {given[0]}")
     plan = load_plan(args.plan)
     source = f"--plan {args.plan}"
     pipelined = _is_pipeline(plan)
