@@ -194,12 +194,8 @@ class ForceSpec(Mapping[str, str]):
         return self._leaves.winner(name)
 
     def bind(self, graph: OpGraph) -> BoundForce:
-        """Which pattern pins each node of `graph` (cached on the graph: the planner binds once per mesh)."""
-        cache = graph.__dict__.setdefault("_force_bound", {})
-        bound = cache.get(id(self))
-        if bound is None or bound.spec is not self:
-            bound = cache[id(self)] = BoundForce(self, graph)
-        return bound
+        """Which pattern pins each node of `graph` (linear in the patterns: exact ones are looked up)."""
+        return BoundForce(self, graph)
 
 
 class BoundForce:
@@ -250,7 +246,7 @@ class BoundForce:
     def notes(self) -> list[str]:
         """One warning per pattern that pins nothing (it matches no name, or more specific patterns win every
         name it matches) and per pattern that overrides another on some leaves (which one won, where)."""
-        spec, leaves = self.spec, self.leaves
+        spec, leaves, leaf_set = self.spec, self.leaves, set(self.leaves)
         won: dict[str, list[str]] = {r.pattern: [] for r in spec.rules}
         over: dict[tuple[str, str], list[str]] = {}
         wild = [r for r in spec.rules if r.exact is None]  # an exact pattern names one name: never overridden
@@ -271,7 +267,7 @@ class BoundForce:
         for r in spec.rules:
             if won[r.pattern]:
                 continue
-            matched = [x for x in leaves if fnmatch.fnmatchcase(x, r.pattern)]
+            matched = fnmatch.filter(leaves, r.pattern) if r.exact is None else [r.exact] * (r.exact in leaf_set)
             if matched:
                 out.append(
                     f"force pattern {r.pattern!r} pins nothing: more specific patterns win every name it matches "
