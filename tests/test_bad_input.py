@@ -56,6 +56,15 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "big.toml").write_text(head + "ranks = 200000\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n")
     (d / "inf.toml").write_text(head + "ranks = 2\np2p_GBps = 1e308\ngroup_GBps = 1\nlatency_us = 1\n")
     (d / "neg.toml").write_text(head + "ranks = 2\np2p_GBps = -1\ngroup_GBps = 1\nlatency_us = 1\n")
+    (d / "tiny.toml").write_text(head + "ranks = 2\np2p_GBps = 1e-300\ngroup_GBps = 1\nlatency_us = 1\n")
+    (d / "tinylat.toml").write_text(head + "ranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1e-300\n")
+    profile = '[device_profile]\nkind = "x"\npeak_tflops_fp32 = 1e-300\nmemory_GBps = 1\nmemory_GiB = 1\n'
+    (d / "profile.toml").write_text(
+        profile + head.split("\n", 1)[1] + "ranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n"
+    )
+    (d / "cal1.toml").write_text(
+        head + "ranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n[[calibration]]\nmesh = [2, 1]\nB2_GBps = 5\n"
+    )
     (d / "nodev.toml").write_text('[[layers]]\nname = "n"\nranks = 2\np2p_GBps = 1\ngroup_GBps = 1\nlatency_us = 1\n')
     (d / "dir.toml").mkdir()
     (d / "plain.txt").write_text("x")
@@ -112,6 +121,13 @@ CASES = [
     (["topology", "-c", "atp-ic3", "--devices", "0"], ("--devices", "at least 1"), None, None),
     (["topology", "-c", "atp-ic3", "--devices", "99"], ("--devices 99", "pick 1..that"), None, None),
     (["topology"], ("--cluster",), None, None),
+    (["topology", "-c", "atp-ic5:"], ("'atp-ic5:'", "nothing after ':'", "atp-ic5:64"), None, None),
+    (["topology", "-c", "atp-ic5:\u0663"], ("whole number of devices",), None, None),  # an Arabic-Indic 3
+    (["topology", "-c", "{tiny.toml}"], ("tiny.toml", "layers[0].p2p_GBps", "1e-300", "GB/s"), None, None),
+    (["topology", "-c", "{tinylat.toml}"], ("tinylat.toml", "layers[0].latency_us", "1e-300", "or 0"), None, None),
+    (["topology", "-c", "{profile.toml}"], ("profile.toml", "device_profile.peak_tflops_fp32", "TFLOP/s"), None, None),
+    (["simulate", "{p2.json}", "-c", "{tiny.toml}"], ("tiny.toml", "p2p_GBps", "1e-300"), None, None),
+    (["topology", "-c", "{cal1.toml}"], ("cal1.toml", "calibration[0].B2_GBps", "size 1", "remove it"), None, None),
     # atp
     (["atp", "-c", "atp-ic3", "--devices", "-2"], ("--devices", "at least 1"), None, None),
     (["atp", "-c", "atp-ic3", "--devices", "64"], ("--devices 64", "pick 1..that"), None, None),
@@ -124,6 +140,25 @@ CASES = [
         None,
     ),
     (["atp", "-c", "atp-ic5", "--sweep", "--max-devices", "0"], ("--max-devices",), None, None),
+    (["atp", "-c", "atp-ic5", "--sweep", "--out", ""], ("argument --out", "empty"), None, None),
+    (["atp", "-c", "atp-ic5:abc", "--sweep"], ("'atp-ic5:abc'", "whole number"), None, None),
+    (["atp", "-c", "atp-ic6:", "--sweep"], ("'atp-ic6:'", "nothing after ':'"), None, None),
+    (
+        ["atp", "-c", "atp-ic5:16", "--sweep"],
+        ("--cluster atp-ic5:16", "sizes the preset itself", "--cluster atp-ic5"),
+        None,
+        None,
+    ),
+    (
+        ["atp", "-c", "atp-ic5", "--sweep", "--max-devices", "2", "--out", "{dir}/sw2"],
+        ("--max-devices 2", "smallest N", "at least 4"),
+        "{dir}/sw2.csv",
+        None,
+    ),
+    (["atp", "-c", "atp-ic5", "--sweep", "--out", "{dir}"], ("--out", "is a folder", "atp-sweep"), None, None),
+    (["atp", "-c", "{tiny.toml}"], ("tiny.toml", "p2p_GBps", "1e-300"), None, None),
+    (["atp", "-c", "atp-ic5", "--sweep", "--json", "--seq", "8"], ("--seq, --json", "not used by --sweep"), None, None),
+    (["atp", "-c", "atp-ic3", "--out", "x"], ("--out", "only with --sweep"), None, None),
     # plan
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--devices", "0"], ("--devices", "at least 1"), None, None),
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--devices", "99"], ("--devices 99", "pick 1..that"), None, None),
@@ -138,6 +173,62 @@ CASES = [
     (["plan", "-m", "nope", "-c", "atp-ic3"], ("--model 'nope'", "meshpilot presets"), None, None),
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--layers", "2"], ("--layers", "only for GPT"), None, None),
     (["plan", "-m", "mlp", "-c", "atp-ic3", "--force", "fc1.weight"], ("--force", "PATTERN=LAYOUT"), None, None),
+    (["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "3x3"], ("--mesh 3x3 (9 devices)", "only 8 devices"), None, None),
+    (["plan", "-m", "mlp", "-c", "atp-ic3", "--out", ""], ("argument --out", "empty"), None, None),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--schedule", "accumulate", "--microbatches", "3"],
+        ("--microbatches 3", "batch 8", "--batch divisible by 3"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--schedule", "duplex", "--batch", "3"],
+        ("--schedule duplex (2 microbatches)", "batch 3", "--batch divisible by 2"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--force", "zz=XYZ"],
+        ("--force 'zz=XYZ'", "not a layout", "S(0)R"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--force", "zz=S(0)"],
+        ("--force 'zz=S(0)'", "1 placement", "2-D mesh"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--force", "a=RR", "--force", "a=RS(0)"],
+        ("'a'", "given twice"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--force", "zz=S(7)R", "--out", "{dir}/f7.json"],
+        ("--force 'zz=S(7)R'", "S(7)", "more than 2 dim", "S(1) or R"),
+        "{dir}/f7.json",
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "2x1", "--force", "layers.0.bias=S(1)R"],
+        ("--force 'layers.0.bias=S(1)R'", "layers.0.bias has 1 dim", "S(0) … S(0) or R"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "2x1", "--force", "*=RR", "--force", "?*=S(0)R"],
+        ("--force '*=RR'", "--force '?*=S(0)R'", "equally specific", "exact pattern"),
+        None,
+        None,
+    ),
+    (
+        ["plan", "-m", "mlp", "-c", "atp-ic3", "--mesh", "2x1", "--batch", "3", "--force", "input:0=S(0)R"],
+        ("--force 'input:0=S(0)R'", "shape (3, 32)", "cannot be S(0)R on mesh (2, 1)", "pin one of RR"),
+        None,
+        None,
+    ),
     (
         ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--out", "{dir}/nope/p.json"],
         ("--out", "does not exist"),
@@ -158,6 +249,11 @@ CASES = [
         None,
         None,
     ),
+    (["simulate", "{p2.json}", "--straggler", "1:50", "--straggler", "1:20"], ("rank 1", "more than once"), None, None),
+    (["simulate", "{p2.json}", "--png", ""], ("argument --png", "empty"), None, None),
+    (["simulate", "{p2.json}", "--microbatches", "2"], ("--microbatches 2", "not --schedule plan"), None, None),
+    (["simulate", "{p2.json}", "--schedule", "accumulate"], ("accumulate", "--microbatches 2 or more"), None, None),
+    (["simulate", ""], ("argument plan", "empty"), None, None),
     # train (torchrun's environment; every check before the process group)
     (["train", "--plan", "{v99.json}"], ("v99.json", "version", "99"), None, {"RANK": "0", "WORLD_SIZE": "2"}),
     (
@@ -219,6 +315,8 @@ CASES = [
     (["train", "--mesh", "3x1"], ("--mesh 3x1", "world size 2"), None, {"RANK": "0", "WORLD_SIZE": "2"}),
     (["train"], ("WORLD_SIZE=0",), None, {"RANK": "0", "WORLD_SIZE": "0"}),
     (["train"], ("WORLD_SIZE='x'", "whole number"), None, {"RANK": "0", "WORLD_SIZE": "x"}),
+    (["train", "--plan", "", "--nproc-per-node", "2"], ("argument --plan", "empty"), None, None),
+    (["train", "--mesh", "2x1", "--steps", "1"], ("MASTER_ADDR", "torchrun"), None, {"RANK": "0", "WORLD_SIZE": "2"}),
     (["train", "--steps", "0"], ("--steps",), None, None),
     (["train", "--timeout", "nan"], ("--timeout", "finite"), None, None),
     (["train", "--nproc-per-node", "0"], ("--nproc-per-node",), None, None),
@@ -226,6 +324,13 @@ CASES = [
     (["train", "--model", "nope", "--nproc-per-node", "2"], ("nope",), None, None),
     # probe
     (["probe", "--repeats", "0"], ("--repeats",), None, None),
+    (["probe", "--out", ""], ("argument --out", "empty"), None, None),
+    (
+        ["probe", "--name", " "],
+        ("--name", "empty"),
+        None,
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    ),
     (["probe", "--p2p-budget", "-1"], ("--p2p-budget",), None, None),
     (["probe"], ("torchrun",), None, None),
     # emulate
@@ -238,6 +343,7 @@ CASES = [
     # demo
     (["demo", "--plan-out", "{dir}/gone/p.json"], ("--plan-out", "does not exist"), "{dir}/gone/p.json", None),
     (["demo", "--procs", "0"], ("--procs",), None, None),
+    (["demo", "--plan-out", ""], ("argument --plan-out", "empty"), None, None),
     (["demo", "--procs", "64"], ("--procs 64",), None, None),
     (["demo", "--steps", "-1"], ("--steps",), None, None),
     (["demo", "-c", "atp-ic5:1000000"], ("65,536",), None, None),
@@ -254,6 +360,8 @@ def _fill(x: str, files: dict[str, Path]) -> str:
 def test_cli_bad_input(argv, needles, out, env, files, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
     argv = [_fill(a, files) for a in argv]
     out = _fill(out, files) if out else None
     _one_line(capsys, argv, tuple(_fill(n, files) for n in needles), out=out, env=env, mp=monkeypatch)
@@ -264,6 +372,38 @@ def test_force_pattern_that_matches_nothing_warns(capsys):
     err = capsys.readouterr().err
     assert rc == 0
     assert "'fc9.weight' matches nothing" in err and "layers.0.weight" in err.replace("\n", "")
+
+
+def test_hf_config_value_of_the_wrong_type_is_one_line(capsys):
+    pytest.importorskip("transformers")
+    line = _one_line(
+        capsys,
+        ["plan", "-m", "hf:gpt2", "--hf-config", "n_layer=abc", "-c", "atp-ic3"],
+        ("--hf-config", "GPT2Config rejects", "n_layer", "value of its type"),
+    )
+    assert "Traceback" not in line
+
+
+def test_a_multi_line_user_error_prints_as_one_line(capsys, monkeypatch):
+    import meshpilot.cli.topology as topology
+
+    def run(args):
+        raise UserError("a library's message\n  spread over lines; fix it")
+
+    monkeypatch.setattr(topology, "run", run)
+    line = _one_line(capsys, ["topology", "-c", "atp-ic3"], ("a library's message spread over lines; fix it",))
+    assert line.endswith("fix it")
+
+
+def test_preset_specs_parse_in_one_place():
+    from meshpilot.cluster.presets import parse_preset
+
+    assert parse_preset("atp-ic5")[1] == 64 and parse_preset("atp-ic5:8")[1] == 8
+    assert parse_preset("atp-ic3")[1] is None
+    assert parse_preset("dgx-h100:2")[0].devices(2) == 16 and parse_preset("atp-ic6:4")[0].devices(4) == 16
+    for bad in ("atp-ic5:", "atp-ic5:abc", "atp-ic5:\u0663", "atp-ic3:", "atp-ic5:-1"):
+        with pytest.raises(UserError):
+            parse_preset(bad)
 
 
 def test_written_files_honour_the_umask(tmp_path):

@@ -175,3 +175,81 @@ def test_vocabulary_parallel_embedding_is_offered_and_runs_as_meshpilot_strategy
     assert dt_fwd and not any("S(0)" in fmt(s.ins[0]) for s in dt_fwd)
     assert dt_bwd and not any("S(0)" in fmt(s.outs[0]) for s in dt_bwd)
     assert not sb.fallbacks
+
+
+# ------------------------------------------------------------------------------------------ force patterns
+
+
+def _mlp_plan(force, shape=(2, 2)):
+    import warnings
+
+    model, inputs = build("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(model, inputs, "atp-ic3", mesh_shape=shape, force=force)
+    return p, [str(w.message) for w in caught if "force pattern" in str(w.message)]
+
+
+def test_plans_docstring_example_is_data_parallel_and_says_which_pattern_won():
+    """``{"*": "RR", "input:*": "S(0)R"}`` (``plan``'s own docstring) was fully replicated: ``*`` came first and
+    won the inputs, and it matched every operator too. The most specific pattern wins, whatever the order."""
+    p, notes = _mlp_plan({"*": "RR", "input:*": "S(0)R"})
+    assert [tuple(lay) for lay in p.inputs] == [("S(0)", "R"), ("S(0)", "R")]
+    assert all(tuple(lay) == ("R", "R") for _, lay in p.params)
+    grads = {(c.kind, c.axis) for c in p.collectives if c.dst.startswith("grad:")}
+    assert ("all_reduce", 0) in grads  # data parallel: gradients all-reduced over the batch axis
+    assert notes == ["force pattern 'input:*' (S(0)R) overrides '*' (RR) on input:0, input:1: the more specific "
+                     "pattern wins"]  # fmt: skip
+    q, _ = _mlp_plan({"input:*": "S(0)R", "*": "RR"})  # the order does not matter
+    assert (q.inputs, q.params) == (p.inputs, p.params)
+
+
+def test_precedence_exact_name_then_more_literal_characters():
+    from meshpilot.planner.force import ForceSpec
+
+    spec = ForceSpec({"*": "RR", "layers.*": "S(0)R", "layers.*.weight": "RS(0)", "layers.0.weight": "S(1)R"})
+    assert spec.winner("layers.0.weight").pattern == "layers.0.weight"  # exact beats every wildcard
+    assert spec.winner("layers.1.weight").pattern == "layers.*.weight"  # 14 literal characters beat 7
+    assert spec.winner("layers.1.bias").pattern == "layers.*"
+    assert spec.winner("input:0").pattern == "*"
+    assert ForceSpec({"[*]x": "RR"}).winner("*x").exact == "*x"  # an escaped wildcard is a literal
+
+
+def test_leaf_patterns_never_pin_operators_and_the_others_pin_operators_by_name():
+    from meshpilot.planner.force import ForceSpec
+
+    model, inputs = build("mlp")
+    graph = capture(model, inputs)
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    mm, relu = ops[0], next(n for n in ops if n.target.startswith("aten.relu"))
+    pins = ForceSpec({"*": "RR", mm.name: "S(0)R", "relu*": "S(0)R"}).bind(graph)
+    assert pins.rule_for(mm).pattern == mm.name
+    assert pins.rule_for(relu).pattern == "relu*"  # it names no parameter or input: operators by name
+    assert pins.rule_for(next(n for n in ops if n not in (mm, relu) and not n.name.startswith("relu"))) is None
+    assert pins.rule_for(next(n for n in graph.nodes if n.kind == "param")).pattern == "*"
+
+
+@pytest.mark.parametrize(
+    "force, needles",
+    [
+        ({"zz": "XYZ"}, ("force['zz'] = 'XYZ'", "not a layout", "S(0)R")),  # checked though it matches nothing
+        ({"input:0": "S(0)"}, ("1 placement(s)", "2-D mesh (2, 2)")),
+        ({"zz": "S(7)R"}, ("S(7)", "more than 2 dim")),  # no tensor of the model has 8 dims
+        ({"layers.0.bias": "RS(1)"}, ("layers.0.bias has 1 dim", "S(0) … S(0) or R")),
+        ({"*": "RR", "?*": "S(0)R"}, ("equally specific", "exact pattern")),
+        ({"a": "RR", "[a]": "S(0)R"}, ("both name 'a' exactly",)),
+        ({"input:0": ["S(0)", "R"]}, ("layout string",)),
+    ],
+)
+def test_bad_force_is_one_user_error(force, needles):
+    with pytest.raises(UserError) as e:
+        _mlp_plan(force)
+    msg = str(e.value)
+    assert "\n" not in msg and "; " in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_a_pattern_that_pins_nothing_warns():
+    _, notes = _mlp_plan({"layers.*": "RR", "layers.*.weight": "RS(0)", "layers.*.bias": "S(0)R"})
+    assert any("pins nothing: more specific patterns win every name it matches" in n for n in notes), notes

@@ -122,3 +122,22 @@ def test_attention_op_is_eager_attention_bit_for_bit_on_cpu(kv_heads):
     assert torch.equal(out, want)
     for a, b in zip(got, (dq, dk, dv)):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_attention_with_dropout_and_a_boolean_mask_is_eager_attention():
+    """With dropout the captured call is the math composite, which adds its mask as it is: a boolean mask
+    (True = attend, what Hugging Face passes while traced) must reach it as 0 / -inf, as the public
+    ``F.scaled_dot_product_attention`` converts it — added as 0 / 1 it masked nothing (found on HF GPT-2)."""
+    from meshpilot.ops.attention import captured_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    torch.manual_seed(3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.25)
+    torch.manual_seed(3)
+    got = captured_sdpa(q, k, v, mask, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.manual_seed(3)
+    unmasked = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    assert not torch.allclose(got, unmasked, atol=1e-3)  # the mask mattered

@@ -9,12 +9,25 @@ from pathlib import Path
 
 from rich.table import Table
 
-from meshpilot.cli.common import add_cluster_arg, console, fmt_gbps, gbps, get_cluster, positive_int, print_json
+from meshpilot.cli.common import (
+    add_cluster_arg,
+    console,
+    fmt_gbps,
+    gbps,
+    get_cluster,
+    path_arg,
+    positive_int,
+    print_json,
+)
 from meshpilot.cluster import load_cluster
+from meshpilot.cluster.presets import parse_preset
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write, check_writable
 from meshpilot.models import gpt_config
 from meshpilot.planner.atp import DTYPE_BYTES, closed_form, search, sweep
+
+SWEEP_SIZES = {"atp-ic5": [2**k for k in range(2, 11)], "atp-ic6": [q * q for q in (2, 4, 8, 16, 32)]}
+"""The device counts N of ATP's Fig. 12 sweep on each sized preset (IC6: q x q tori)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,27 +40,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_cluster_arg(p)
     p.add_argument("--devices", "-n", type=positive_int, help="tensor-parallel devices N (default: all of the cluster)")
-    p.add_argument("--model", "-m", default="atp-m2", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
+    p.add_argument("--model", "-m", help="built-in GPT (atp-m1 … atp-m4) or 'gpt' (default atp-m2)")
     p.add_argument("--layers", type=positive_int, help="override the model's layer count L")
     p.add_argument("--hidden", type=positive_int, help="override the hidden size h")
     p.add_argument("--heads", type=positive_int, help="override the attention heads")
     p.add_argument("--batch", "-b", type=positive_int, help="override the micro-batch size b")
     p.add_argument("--seq", "-s", type=positive_int, help="override the sequence length s")
-    p.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="activation dtype (default fp16)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="activation dtype (default float16)")
     p.add_argument("--json", action="store_true", help='print {"chosen": [d1, d2], "candidates": [...]}')
     p.add_argument(
         "--sweep",
         action="store_true",
         help="Fig. 12: T_comm/Δ of ATP-1/2/4/8 and ATP-OPT for N = 4 … --max-devices on a sized preset",
     )
-    p.add_argument("--max-devices", type=positive_int, default=1024, help="largest N of the sweep (default 1024)")
-    p.add_argument("--out", default="atp-sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.png")
+    p.add_argument("--max-devices", type=positive_int, help="largest N of the sweep (default 1024)")
+    p.add_argument(
+        "--out", type=path_arg, help="sweep output prefix: writes PREFIX.csv and PREFIX.png (default atp-sweep)"
+    )
     p.set_defaults(func=run)
+
+
+SEARCH_ONLY = ("devices", "model", "layers", "hidden", "heads", "batch", "seq", "dtype", "json")
+"""Flags of the mesh search that the sweep (T_comm / Δ: no model, every N) has no use for."""
+SWEEP_ONLY = ("max_devices", "out")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) not in (None, False)]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.sweep:
+        unused = _given(args, SEARCH_ONLY)
+        if unused:
+            raise UserError(
+                f"{', '.join(unused)}: not used by --sweep (T_comm / Δ of every mesh for N = 4 … --max-devices, "
+                "written to --out PREFIX.csv); drop them, or drop --sweep to search one model's mesh"
+            )
         return run_sweep(args)
+    unused = _given(args, SWEEP_ONLY)
+    if unused:
+        raise UserError(f"{', '.join(unused)}: only with --sweep; add --sweep or drop them")
+    args.model, args.dtype = args.model or "atp-m2", args.dtype or "float16"
     cluster = get_cluster(args)
     model = gpt_config(
         args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq
@@ -106,16 +140,30 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     name = args.cluster.partition(":")[0]
-    if name not in ("atp-ic5", "atp-ic6"):
+    if name not in SWEEP_SIZES:
         raise UserError(f"--sweep needs a sized preset, atp-ic5 or atp-ic6; got {args.cluster!r}")
+    parse_preset(args.cluster)  # the same checks as every other command's --cluster
+    if ":" in args.cluster:
+        raise UserError(
+            f"--cluster {args.cluster}: --sweep sizes the preset itself (N = 4 … --max-devices); "
+            f"write --cluster {name} and set --max-devices"
+        )
+    args.max_devices = args.max_devices or 1024
+    args.out = args.out or Path("atp-sweep")
+    ns = [n for n in SWEEP_SIZES[name] if n <= args.max_devices]
+    if not ns:
+        raise UserError(
+            f"--max-devices {args.max_devices}: below the sweep's smallest N ({SWEEP_SIZES[name][0]} on {name}); "
+            f"give at least {SWEEP_SIZES[name][0]}"
+        )
     out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a folder; give a file prefix inside it, e.g. {out / 'atp-sweep'}")
     for suffix in (".csv", ".png"):
         check_writable(out.with_suffix(suffix), "--out")
     if name == "atp-ic5":
-        ns = [n for n in (2**k for k in range(2, 11)) if n <= args.max_devices]
         at = lambda n: load_cluster(f"atp-ic5:{n}")  # noqa: E731
     else:
-        ns = [q * q for q in (2, 4, 8, 16, 32) if q * q <= args.max_devices]
         at = lambda n: load_cluster(f"atp-ic6:{round(n**0.5)}")  # noqa: E731
     ways = (1, 2, 4, 8)
     with console.status("sweeping meshes …"):

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -46,6 +47,14 @@ def nonnegative_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (NaN, inf, 0 and negatives are refused)."""
     return float(_number(text, float, "a finite number greater than 0"))
+
+
+def path_arg(text: str) -> Path:
+    """argparse type: a file or folder path. An empty one is refused with the flag named (``Path("")`` is ``.``,
+    the current folder, which no message about ``--out`` should show)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty; give a file or folder name")
+    return Path(text)
 
 
 def add_cluster_arg(parser: argparse.ArgumentParser, required: bool = True) -> None:

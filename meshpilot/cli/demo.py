@@ -20,7 +20,7 @@ import numpy as np
 from rich.panel import Panel
 from rich.table import Table
 
-from meshpilot.cli.common import console, positive_int
+from meshpilot.cli.common import console, path_arg, positive_int
 from meshpilot.cluster import GB, load_cluster
 from meshpilot.errors import UserError
 from meshpilot.io import check_writable
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--plan-out",
-        type=Path,
+        type=path_arg,
         help="keep the plan here and its simulated timeline beside it (default: the plan in a temporary folder, "
         "the timeline in the system's temporary directory as meshpilot-demo-step.png)",
     )

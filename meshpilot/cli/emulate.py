@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             print("nothing to clean up")
         return 0
     if args.force:
-        raise UserError("--force only goes with --cleanup")
+        raise UserError("--force: only goes with --cleanup; add --cleanup or drop --force")
     if not args.cluster:
         raise UserError("--cluster is missing; give a preset name or a cluster TOML file")
     if not cmd:

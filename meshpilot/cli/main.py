@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"meshpilot {args.command}: error: {e}", file=sys.stderr)
+        one_line = " ".join(str(e).split())  # a message quoting a library's multi-line error stays one line
+        print(f"meshpilot {args.command}: error: {one_line}", file=sys.stderr)
         return e.exit_code
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()

@@ -58,6 +58,7 @@ from meshpilot.cli.common import (
     console,
     get_cluster,
     make_console,
+    path_arg,
     positive_float,
     positive_int,
 )
@@ -65,6 +66,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
+from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.schedule import PipelineKind
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
@@ -119,7 +121,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="PATTERN=LAYOUT",
         help="pin the layout of parameters / inputs matching an fnmatch pattern, e.g. 'blocks.*.mlp.fc.weight=RS(0)' "
-        "or 'input:*=S(0)R' (repeatable; the first matching pattern wins)",
+        "or 'input:*=S(0)R' (repeatable; the most specific pattern wins: an exact name, then the pattern with more "
+        "literal characters; a pattern naming no parameter, buffer or input pins operator nodes by name; "
+        "meshpilot.planner.force)",
     )
     p.add_argument(
         "--schedule",
@@ -178,7 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
     )
-    p.add_argument("--out", "-o", type=Path, help="save the plan as JSON here (written atomically)")
+    p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
 
@@ -204,7 +208,7 @@ def schedule_options(schedule: str | None, microbatches: int | None) -> dict[str
     if schedule == "trivial" and microbatches not in (None, 1):
         raise UserError(f"--microbatches {microbatches}: the trivial schedule has one; add --schedule accumulate")
     if schedule == "accumulate" and (microbatches or 1) < 2:
-        raise UserError("--schedule accumulate: give --microbatches 2 or more")
+        raise UserError("--schedule accumulate: one microbatch is the trivial schedule; give --microbatches 2 or more")
     return {"microbatches": microbatches or 1, "overlap": schedule == "overlapped"}
 
 
@@ -215,7 +219,8 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def parse_force(items: list[str]) -> dict[str, str] | None:
+def parse_force(items: list[str]) -> ForceSpec | None:
+    """``--force PATTERN=LAYOUT …`` read and checked (every layout, matched or not; one per axis of a 2D mesh)."""
     if not items:
         return None
     out: dict[str, str] = {}
@@ -223,8 +228,13 @@ def parse_force(items: list[str]) -> dict[str, str] | None:
         pattern, sep, layout = item.partition("=")
         if not sep or not pattern.strip() or not layout.strip():
             raise UserError(f"--force {item!r}: not PATTERN=LAYOUT; write e.g. 'blocks.*.mlp.fc.weight=RS(0)'")
-        out[pattern.strip()] = layout.strip().replace(" ", "")
-    return out
+        pattern, layout = pattern.strip(), layout.strip().replace(" ", "")
+        if out.get(pattern, layout) != layout:
+            raise UserError(f"--force {pattern!r}: given twice, as {out[pattern]} and {layout}; keep one")
+        out[pattern] = layout
+    spec = ForceSpec(out, flag="--force")
+    spec.check_mesh(2)
+    return spec
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -237,8 +247,9 @@ def run(args: argparse.Namespace) -> int:
     if n < 1:
         raise UserError(f"--devices {n}: give at least 1 device")
     if n > cluster.num_devices:
+        given = f"--devices {n}" if args.devices else f"--mesh {args.mesh} ({n} devices)"
         raise UserError(
-            f"--devices {n}: cluster {cluster.name!r} has only {cluster.num_devices} devices; pick 1..that "
+            f"{given}: cluster {cluster.name!r} has only {cluster.num_devices} devices; pick 1..that "
             "(or a bigger cluster, e.g. dgx-h100:NODES)"
         )
     if shape and math.prod(shape) != n:
@@ -298,6 +309,11 @@ def one_stage_plan(args, cluster, n: int, shape, force, memory, progress: Consol
         args.model, batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
         dtype=args.dtype, hf_config=args.hf_config,
     )  # fmt: skip
+    m = sched["microbatches"]
+    whole = built.inputs[0].shape[0] if built.inputs and built.inputs[0].dim() else None
+    if m > 1 and whole is not None and whole % m:
+        flag = f"--microbatches {m}" if args.microbatches else f"--schedule {args.schedule} ({m} microbatches)"
+        raise UserError(f"{flag}: the batch {whole} does not split into {m}; give a --batch divisible by {m}")
     # progress goes to stderr, so `--json > plan.json` stays clean
     plan, graph = make_plan(
         built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit,
@@ -338,7 +354,7 @@ def run_pipeline(args: argparse.Namespace, cluster: Any, n: int, memory: float |
     """``meshpilot plan --pipeline`` (or ``--stages N``): capture one microbatch's step, run the stage DP, print /
     save the result."""
     if args.mesh or args.force:
-        raise UserError("--pipeline chooses each stage's mesh itself: drop --mesh / --force")
+        raise UserError("--pipeline chooses each stage's mesh itself; drop --mesh / --force")
     schedule = args.schedule or "1f1b"
     if schedule not in PIPELINE_SCHEDULES:
         raise UserError(f"--schedule {schedule}: a pipeline runs {', '.join(PIPELINE_SCHEDULES)}; give one of those")

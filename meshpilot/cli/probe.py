@@ -39,7 +39,7 @@ import socket
 import sys
 from pathlib import Path
 
-from meshpilot.cli.common import positive_float, positive_int
+from meshpilot.cli.common import path_arg, positive_float, positive_int
 from meshpilot.errors import UserError
 
 TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main probe --out cluster.toml"
@@ -53,7 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--out", "-o", default="cluster-probed.toml", metavar="PATH", help="where rank 0 writes the cluster TOML"
+        "--out",
+        "-o",
+        type=path_arg,
+        default="cluster-probed.toml",
+        metavar="PATH",
+        help="where rank 0 writes the cluster TOML",
     )
     p.add_argument("--name", help="the cluster's name in the file (default: probed-<host>-<ranks>)")
     p.add_argument(
@@ -117,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise UserError(f"not launched by torchrun (no {'/'.join(missing)}); run one process per device: {TORCHRUN}")
+    if args.name is not None and not args.name.strip():
+        raise UserError("--name: empty; give the cluster a name (or leave --name out for probed-<host>-<ranks>)")
     if args.matmul_dtype and not args.matmul_shapes_from:
-        raise UserError("--matmul-dtype: give the model too (--matmul-shapes-from MODEL)")
+        raise UserError("--matmul-dtype: no model to cast; give the model too (--matmul-shapes-from MODEL)")
     # before the process group: a mistake in the model is one line on every rank, nothing half-started
     gemms = model_gemm_shapes(args.matmul_shapes_from, args.matmul_dtype) if args.matmul_shapes_from else ()
     if args.matmul_shapes:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from meshpilot.cli.common import console
+from meshpilot.cli.common import console, path_arg
 from meshpilot.errors import UserError
 
 
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("plan", type=Path, help="a plan saved by `meshpilot plan --out plan.json`")
+    p.add_argument("plan", type=path_arg, help="a plan saved by `meshpilot plan --out plan.json`")
     p.add_argument(
         "--straggler",
         action="append",
@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="C",
         help="the cluster (preset or TOML file) when the plan's recorded name is not a preset",
     )
-    p.add_argument("--trace", type=Path, metavar="T.json", help="write a Chrome trace (Perfetto) here, atomically")
-    p.add_argument("--png", type=Path, metavar="T.png", help="write a timeline image here, atomically")
+    p.add_argument("--trace", type=path_arg, metavar="T.json", help="write a Chrome trace (Perfetto) here, atomically")
+    p.add_argument("--png", type=path_arg, metavar="T.png", help="write a timeline image here, atomically")
     p.set_defaults(func=run)
 
 
@@ -99,7 +99,9 @@ def load_plan(path: Path):
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path}: is not a plan's JSON; save one with `meshpilot plan ... --out FILE`") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{path}: not a meshpilot plan ({type(e).__name__}: {e})") from None
+        raise UserError(
+            f"{path}: not a meshpilot plan ({type(e).__name__}: {e}); give a plan saved by `meshpilot plan --out FILE`"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,10 +110,21 @@ def run(args: argparse.Namespace) -> int:
     from meshpilot.sim import parse_straggler, simulate, write_timelines
 
     straggler = parse_straggler(args.straggler)
+    if len(straggler) < len(args.straggler):
+        ranks = [item.partition(":")[0].strip() for item in args.straggler]
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise UserError(f"--straggler: rank {', '.join(twice)} given more than once; give each rank one RANK:PCT")
     _check_out(args.trace, "--trace")
     _check_out(args.png, "--png")
     if args.microbatches is not None and args.microbatches < 1:
-        raise UserError(f"--microbatches {args.microbatches}: give at least 1")
+        raise UserError(f"--microbatches {args.microbatches}: not a number of microbatches; give at least 1")
+    if args.microbatches is not None and args.schedule in ("plan", "trivial"):
+        raise UserError(
+            f"--microbatches {args.microbatches}: only for a rebuilt --schedule accumulate or overlapped, not "
+            f"--schedule {args.schedule}; add one of those or drop --microbatches"
+        )
+    if args.schedule == "accumulate" and (args.microbatches or 1) < 2:
+        raise UserError("--schedule accumulate: one microbatch is the trivial schedule; give --microbatches 2 or more")
     plan = load_plan(args.plan)
     if not hasattr(plan, "mesh_shape"):
         return run_pipeline(args, plan, straggler)
@@ -158,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         f"closed form (no overlap, one microbatch as planned): {fmt_s(t.total_s)}; simulated / closed form "
         f"{ratio:.3f}. {result.world} ranks simulated as {result.sim_ranks} class(es) in {result.wall_s:.3f} s "
         f"({result.num_events} events)"
-        + (f"; stragglers {', '.join(f'{r}: +{p:g}%' for r, p in sorted(straggler.items()))}" if straggler else "")
+        + (f"; stragglers {', '.join(f'{r}: {p:+g}%' for r, p in sorted(straggler.items()))}" if straggler else "")
     )
     if base is not None:
         worst = min(result.classes, key=lambda c: c.overlap_ratio)

@@ -5,6 +5,9 @@ Launch with torchrun, e.g.:
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --mesh 2x2 --steps 5
   meshpilot plan --model gpt-tiny --cluster atp-ic3 --devices 4 --out plan.json
   torchrun --standalone --nproc-per-node 4 -m meshpilot.cli.main train --model gpt-tiny --plan plan.json
+or let `meshpilot train --nproc-per-node 4 ...` launch torchrun after checking every input: a mistake is then
+one line and exit 2. Under a bare torchrun rank 0 says it first, then torchrun adds its own ChildFailedError
+traceback and exits 1 (it does so for any failed rank).
 
 With --plan the batch size and sequence length come from the plan (the shapes it was made for; --batch and
 --seq, when given, must match them; without --plan they size the GPT, with --plan auto the plan); --model and
@@ -50,7 +53,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from meshpilot.cli.common import add_hf_config_arg, positive_float, positive_int
+from meshpilot.cli.common import add_hf_config_arg, path_arg, positive_float, positive_int
 from meshpilot.cli.plan import PRECISIONS
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
@@ -90,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=int, default=1, choices=(1, 2, 4), help="ATP chunk-overlap chunks k")
     p.add_argument(
         "--plan",
-        type=Path,
+        type=path_arg,
         metavar="FILE|auto",
         help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP, or a "
         "pipeline plan (`meshpilot plan --pipeline --out FILE`); 'auto': "
@@ -107,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument(
         "--data",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="train on this text file as byte tokens (0-255; the model needs a vocabulary of 256 or more): "
         "windows drawn by the seed, resumable at any data position (default: random tokens)",
@@ -115,12 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     p.add_argument(
         "--json-out",
-        type=Path,
+        type=path_arg,
         help="rank 0 writes the per-step losses and times here as JSON, rewritten (atomically) after every step",
     )
     p.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="save checkpoints in DIR/step-N (with --plan): every --checkpoint-every steps, after the last, on SIGTERM",
     )
@@ -316,7 +319,9 @@ def check_checkpoint_flags(args: argparse.Namespace):
     if directory is None:
         given = [f for f, v in (("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume)) if v]
         if given:
-            raise UserError(f"{', '.join(given)}: needs --checkpoint-dir DIR (where the checkpoints are)")
+            raise UserError(
+                f"{', '.join(given)}: needs --checkpoint-dir DIR (where the checkpoints are); add it or drop {given[0]}"
+            )
         return None
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--checkpoint-dir {directory}: is a file; give a folder (it is created if missing)")
@@ -440,7 +445,7 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     if not _is_gpt(args.model):
         return _prepare_any(args, world)
     if args.hf_config:
-        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}")
+        raise UserError(f"--hf-config: only for hf:<name> models, not {args.model!r}; drop --hf-config")
     from meshpilot.models import gpt_config
 
     cfg = gpt_config(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads)
@@ -617,7 +622,7 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
     given = [f"--{k}" for k in ("layers", "hidden", "heads") if getattr(args, k)]
     if given:
-        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}")
+        raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}; drop {given[0]}")
     plan = load_plan(args.plan)
     source = f"--plan {args.plan}"
     pipelined = _is_pipeline(plan)
@@ -953,6 +958,12 @@ def _init_group(backend: str, timeout) -> None:
     to connect."""
     import torch.distributed as dist
 
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise UserError(
+            f"environment {'/'.join(missing)} not set: RANK and WORLD_SIZE alone do not make a process group; "
+            "launch with torchrun (or give --nproc-per-node N)"
+        )
     kw = {} if timeout is None else {"timeout": timeout}
     attempt = os.environ.get(RESTART_ENV, "0").strip()
     if attempt in ("", "0"):

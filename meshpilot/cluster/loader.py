@@ -68,10 +68,15 @@ MAX_DEVICES = 65_536
 """The most devices a cluster may have (files and sized presets): larger ones exhaust memory, not plan."""
 MAX_NUMBER = 1e9
 """The largest bandwidth (GB/s), latency (us), rate (TFLOP/s) or size (GiB) a cluster file may give."""
+MIN_NUMBER = 1e-6
+"""The smallest non-zero number a cluster file may give in its units (1 KB/s, 1 fs, 1 MFLOP/s, 1 KiB, an
+efficiency of one in a million): below it a value is a unit mistake, shown as 0 and dividing by almost zero."""
 
 TOP_KEYS = {"name", "device", "device_profile", "layers", "calibration"}
 LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
 CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2", "busy1", "busy2"}
+CALIBRATION_AXIS = {k: int(k[-1] if k[-1].isdigit() else k.split("_")[0][-1]) - 1 for k in CALIBRATION_KEYS - {"mesh"}}
+"""The mesh axis each calibration key measures (``B1_GBps``, ``alpha1_us``, ``curve1``, ``busy1``: axis 0)."""
 PROFILE_KEYS = {
     "kind",
     "peak_tflops_fp32",
@@ -212,7 +217,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         if key not in table:
             continue
         where = f"device_profile.{key}"
-        value = _number(table[key], where, source, positive=False)
+        value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
         if key in _OVERHEAD_KEYS:
             if value < 0:
                 raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
@@ -278,6 +283,13 @@ def _number(
     if abs(value) > MAX_NUMBER:
         raise ClusterFileError(
             source, key, f"is {value:g}, larger than any real device ({MAX_NUMBER:g})", f"{fix} (check the units)"
+        )
+    if value != 0 and abs(value) < MIN_NUMBER:
+        raise ClusterFileError(
+            source,
+            key,
+            f"is {value:g}, smaller than any real device ({MIN_NUMBER:g})",
+            f"{fix} (check the units)" + (", or 0" if allow_zero else ""),
         )
     if positive and (value < 0 or (value == 0 and not allow_zero)):
         need = "zero or more" if allow_zero else "greater than zero"
@@ -387,6 +399,15 @@ def _calibration(raw: dict[str, Any], where: str, source: str, n: int) -> Calibr
             f"shape {mesh} has {math.prod(mesh)} devices but the layers give {n}",
             f"use a shape whose product is {n}",
         )
+    for axis, size in enumerate(mesh):
+        idle = [k for k in raw if CALIBRATION_AXIS.get(k) == axis]
+        if size == 1 and idle:
+            raise ClusterFileError(
+                source,
+                f"{where}.{idle[0]}",
+                f"measures mesh axis {axis} of {mesh}, which has size 1 and runs no collective",
+                f"remove it, or give the axis of size > 1 ({'B1_GBps' if axis else 'B2_GBps'}, ...)",
+            )
     if not CALIBRATION_KEYS.difference({"mesh"}) & raw.keys():
         keys = ", ".join(sorted(CALIBRATION_KEYS - {"mesh"}))
         raise ClusterFileError(source, where, "has no measurement", f"give at least one of {keys}")

@@ -141,6 +141,14 @@ class Preset:
     build: Callable[..., dict[str, Any]]
     size: str | None = None
     default_size: int | None = None
+    devices_per_size: int = 1
+    """Devices per unit of the size: 8 for ``dgx-h100:NODES``."""
+    squared: bool = False
+    """The size is a side q of q x q devices (``atp-ic6:q``)."""
+
+    def devices(self, n: int) -> int:
+        """How many devices the preset has at size `n`."""
+        return (n * n if self.squared else n) * self.devices_per_size
 
 
 PRESETS: dict[str, Preset] = {
@@ -156,7 +164,7 @@ PRESETS: dict[str, Preset] = {
         Preset("atp-ic3", "8 x A100 on NVSwitch (ATP IC3)", _ic3),
         Preset("atp-ic4", "2 nodes x 8 A100, 200 Gbps InfiniBand (ATP IC4)", _ic4),
         Preset("atp-ic5", "N GPUs on an NVLink-Network switch (ATP IC5)", _ic5, "devices", 64),
-        Preset("atp-ic6", "q x q 2D torus of 25 GB/s links (ATP IC6)", _ic6, "q (torus side)", 4),
+        Preset("atp-ic6", "q x q 2D torus of 25 GB/s links (ATP IC6)", _ic6, "q (torus side)", 4, squared=True),
         Preset("atp-fig7a", "4 nodes x 4 A100, 4 NVLinks of 50 GB/s, 200 Gbps HDR (ATP Fig. 7a)", _fig7a),
         Preset("alpa-p3x8", "8 x p3.16xlarge: 8 V100-16GB NVLink per node, 25 Gbps (Alpa §8)", _p3x8),
         Preset(
@@ -179,41 +187,46 @@ PRESETS: dict[str, Preset] = {
             "2 x 4 V100 NVLink, 10 Gbps (HiDup §6)",
             lambda: _hidup("hidup-2x4-10g", 2, 4, 10.0),
         ),
-        Preset("dgx-h100", "N nodes of 8 H100, NVSwitch, 8 x 400 Gbps IB", _dgx_h100, "nodes", 2),
+        Preset("dgx-h100", "N nodes of 8 H100, NVSwitch, 8 x 400 Gbps IB", _dgx_h100, "nodes", 2, devices_per_size=8),
     ]
 }
 
 
-def preset_cluster(spec: str) -> Cluster:
-    """The preset named `spec` ("atp-ic3", "atp-ic5:64", ...)."""
-    name, _, size = spec.partition(":")
+def parse_preset(spec: str) -> tuple[Preset, int | None]:
+    """The preset `spec` names and its size (None for a fixed-size preset): ``"atp-ic5:64"`` -> (IC5, 64),
+    ``"atp-ic5"`` -> (IC5, its default size). Every mistake in the spec is a UserError naming it."""
+    name, colon, size = spec.partition(":")
     preset = PRESETS.get(name)
     if preset is None:
         raise UserError(f"cluster {spec!r}: unknown preset and no such file; run `meshpilot presets` for the names")
     if preset.size is None:
-        if size:
+        if colon:
             raise UserError(f"cluster {spec!r}: preset {name!r} has a fixed size; write just {name!r}")
-        data = preset.build()
-    else:
-        if size and not size.isdigit():
-            raise UserError(
-                f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; "
-                f"e.g. {name}:{preset.default_size}"
-            )
-        n = int(size) if size else preset.default_size
-        if n < 1:
-            raise UserError(f"cluster {spec!r}: the size must be at least 1; e.g. {name}:{preset.default_size}")
-        from meshpilot.cluster.loader import MAX_DEVICES
+        return preset, None
+    example = f"e.g. {name}:{preset.default_size}"
+    if colon and not size:
+        raise UserError(
+            f"cluster {spec!r}: nothing after ':'; give the {preset.size}, {example}, or write just {name!r}"
+        )
+    if size and not (size.isascii() and size.isdigit()):
+        raise UserError(f"cluster {spec!r}: the size after ':' must be a whole number of {preset.size}; {example}")
+    n = int(size) if size else preset.default_size
+    if n < 1:
+        raise UserError(f"cluster {spec!r}: the size must be at least 1; {example}")
+    from meshpilot.cluster.loader import MAX_DEVICES
 
-        devices = n * n if name == "atp-ic6" else n
-        if preset.size and "node" in preset.size:
-            devices = n * 8
-        if devices > MAX_DEVICES:
-            raise UserError(
-                f"cluster {spec!r}: {devices:,} devices, more than meshpilot plans for ({MAX_DEVICES:,}); "
-                f"give a smaller {preset.size} after ':'"
-            )
-        data = preset.build(n)
+    if preset.devices(n) > MAX_DEVICES:
+        raise UserError(
+            f"cluster {spec!r}: {preset.devices(n):,} devices, more than meshpilot plans for ({MAX_DEVICES:,}); "
+            f"give a smaller {preset.size} after ':'"
+        )
+    return preset, n
+
+
+def preset_cluster(spec: str) -> Cluster:
+    """The preset named `spec` ("atp-ic3", "atp-ic5:64", ...)."""
+    preset, n = parse_preset(spec)
+    data = preset.build() if n is None else preset.build(n)
     return cluster_from_dict(data, source=f"preset {spec}")
 
 

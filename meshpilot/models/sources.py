@@ -32,6 +32,7 @@ imported, is not callable or returns something else) is one :class:`~meshpilot.e
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -327,10 +328,19 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
             # a mixture of experts: torch's grouped_mm is bfloat16/CUDA-only and the eager experts index with
             # data-dependent shapes capture cannot see; meshpilot's op hides them in one node with EP strategies
             overrides["experts_implementation"] = IMPLEMENTATION
+    rejects: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError)
+    with contextlib.suppress(ImportError):  # transformers >= 5 validates its configs as strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+
+        rejects += (StrictDataclassError,)
     try:
         return t.AutoConfig.for_model(name, **overrides)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UserError(f"--hf-config: {type(default).__name__} rejects the values: {e}") from None
+    except rejects as e:
+        why = " ".join(str(e).split())
+        raise UserError(
+            f"--hf-config: {type(default).__name__} rejects the values: {why}; give each key a value of its type "
+            "(numbers unquoted: num_hidden_layers=2)"
+        ) from None
 
 
 def _model_source(t: Any, name: str) -> str:

@@ -147,8 +147,10 @@ def captured_sdpa(
     )
     if plain:
         return sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)[0]
+    # the math op adds its mask: a boolean one (True = attend) must first become 0 / -inf, as the public
+    # F.scaled_dot_product_attention converts it before it dispatches (added as 0 / 1 it masks nothing)
     out, _ = aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        query, key, value, _float_mask(attn_mask, query), dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )
     return out
 

@@ -39,6 +39,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
+from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -83,8 +84,10 @@ def plan(
     `cluster` is a :class:`~meshpilot.cluster.Cluster` or a preset name / TOML path. The mesh uses
     `num_devices` of it (default: all); `mesh_shape` fixes the shape instead of searching all 2D shapes.
     `memory_bytes` overrides the device capacity. `force` pins layouts of parameters / inputs by name
-    pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh). `zero` is the ZeRO-like
-    post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all`` (module docstring).
+    pattern (``{"*": "RR", "input:*": "S(0)R"}`` is data parallelism on a 2D mesh: the most specific
+    pattern wins a name; ``*`` pins parameters, buffers and inputs, not operators; ``meshpilot.planner.force``).
+    `zero` is the ZeRO-like post-pass: ``auto`` (when cheaper or needed for memory), ``off`` or ``all``
+    (module docstring).
     `precision` is how the run trains: ``fp32`` or ``bf16`` (the parameters' own dtype; checked), or
     ``bf16-mixed`` (``torch.autocast`` to bfloat16 over fp32 parameters: the step is captured under autocast,
     so its casts and bf16 copies are in the graph, and AdamW keeps fp32 states); default: the parameters'
@@ -110,6 +113,9 @@ def plan(
     zero = ZeroMode(zero)
     chooser = get_searcher(searcher)
     t_start = time.perf_counter()
+    force = ForceSpec.of(force)  # every layout read before any work, matched or not
+    if force:
+        force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
     cl = load_cluster(cluster)
     n = _check_devices(cl, num_devices, mesh_shape)
     capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
@@ -119,7 +125,10 @@ def plan(
         inputs = microbatch_inputs(example_inputs, microbatches)
         graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
     capture_s = time.perf_counter() - t0
-    for line in unmatched_force(graph, force):
+    pins = force.bind(graph) if force else None
+    if pins is not None:
+        pins.check()
+    for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
     edges = step_edges(graph)
     param_edges = ParamEdges.of(graph, edges)
@@ -230,6 +239,8 @@ def plan(
         searcher=chooser.name,
     )
     result = _assemble(graph, best, acct, best_builder, best_lm, capacity, report, precision, microbatches)
+    if pins is not None:
+        pins.check_plan(result.params, result.inputs)
     if overlap:
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
     if duplex:
@@ -429,24 +440,6 @@ def _check_devices(cl: Any, num_devices: int | None, mesh_shape: Sequence[int] |
             "(num_devices / mesh_shape), or use a bigger cluster"
         )
     return n
-
-
-def unmatched_force(graph: OpGraph, force: dict[str, str] | None) -> list[str]:
-    """One warning per `force` pattern that names no parameter, buffer or input of `graph` (a typo pins nothing),
-    listing the names it could have matched."""
-    import fnmatch
-
-    if not force:
-        return []
-    names = [n.fqn or n.name for n in graph.nodes if n.kind in ("param", "buffer", "input")]
-    out = []
-    for pattern in force:
-        if not any(fnmatch.fnmatchcase(x, pattern) for x in names) and not any(
-            fnmatch.fnmatchcase(n.name, pattern) for n in graph.nodes
-        ):
-            shown = ", ".join(names[:12]) + (f", … ({len(names)} in all)" if len(names) > 12 else "")
-            out.append(f"force pattern {pattern!r} matches nothing and pins nothing; the names it can match: {shown}")
-    return out
 
 
 def _fallback_warnings(fallbacks: tuple[Fallback, ...]) -> list[str]:

@@ -100,7 +100,6 @@ answers any smaller one its rows still fit (the feasible set only shrank) — bo
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import sys
@@ -126,6 +125,7 @@ from meshpilot.planner.accounting import (
     step_edges,
     zero_row_bytes,
 )
+from meshpilot.planner.force import BoundForce, ForceSpec
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
@@ -452,6 +452,9 @@ def build_structure(
     """
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
+    pins = ForceSpec.of(force).bind(graph) if force else None
+    if pins is not None:
+        pins.spec.check_mesh(len(mesh_shape), mesh_shape)
     costs = ComputeCost(cost_model, mesh_shape, graph)
     strategies: dict[str, list[Strategy]] = {}
     rep: dict[str, str] = {}
@@ -485,8 +488,8 @@ def build_structure(
         sts = memo.get(mkey)
         if sts is None:
             sts = memo[mkey] = builder.for_node(node, cands) or _placeholder(node, mesh_shape)
-        if force:
-            kept = _apply_force(node, sts, force)
+        if pins is not None:
+            kept = _apply_force(node, sts, pins, mesh_shape)
             if kept is not sts:
                 forced.add(name)
                 sts = kept
@@ -694,33 +697,26 @@ def build_problem(
     return prob
 
 
-def _apply_force(node: OpNode, sts: list[Strategy], force: dict[str, str]) -> list[Strategy]:
-    """The strategies a force pattern leaves (`sts` itself when no pattern names the node): the first
-    pattern, in `force`'s order, that matches the node's qualified name or its node name."""
+def _apply_force(node: OpNode, sts: list[Strategy], pins: BoundForce, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """The strategies a force pattern leaves (`sts` itself when no pattern pins the node): the winning pattern's
+    layout (``planner.force``: the most specific pattern wins; patterns matching a parameter, buffer or input
+    pin those, the others operator nodes by name)."""
     from meshpilot.sharding.placements import fmt
 
-    match = _force_matcher(tuple(force))
-    m = match(node.fqn or "") or match(node.name)
-    if m is None:
+    rule = pins.rule_for(node)
+    if rule is None:
         return sts
-    layout = force[list(force)[int(m.lastgroup[1:])]]
-    kept = [s for s in sts if s.outs and fmt(s.outs[0]) == layout]
+    pins.check_dims(rule, node)
+    kept = [s for s in sts if s.outs and fmt(s.outs[0]) == rule.layout]
     if not kept:
+        can = sorted({fmt(s.outs[0]) for s in sts if s.outs})
+        shape = tuple(node.out.shape) if node.out is not None else ()
         raise PlanError(
-            f"cannot force {node.fqn or node.name} to {layout}: its layouts are {sorted({fmt(s.outs[0]) for s in sts})}"
+            f"{rule.where}: {node.fqn or node.name} (shape {shape}) cannot be {rule.layout} on mesh {mesh_shape}; "
+            f"pin one of {', '.join(can)} (S(d) needs dim d divisible by that mesh axis)",
+            mesh_shape=mesh_shape,
         )
     return kept
-
-
-@functools.lru_cache(maxsize=64)
-def _force_matcher(patterns: tuple[str, ...]):
-    """One regular expression for fnmatch `patterns`, each alternative a named group ``p<i>``: a full match's
-    ``lastgroup`` is the first pattern that matches (a Megatron baseline pins every parameter by name, and
-    one fnmatch call per pattern and node was a third of its planning time)."""
-    import fnmatch
-    import re
-
-    return re.compile("|".join(f"(?P<p{i}>{fnmatch.translate(p)})" for i, p in enumerate(patterns)), re.S).fullmatch
 
 
 def _merge_map_ids(node_cost: np.ndarray, src_outs: np.ndarray, ins: np.ndarray, info, pricer: Pricer) -> np.ndarray:
