@@ -1114,7 +1114,8 @@ def plan_pipeline(
     stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
     ``time_limit``). `schedule` is the pipeline schedule, or ``"auto"``: the DP is run for each kind (the
     stage costs are cached, so the second run only re-checks Eq. 5 and re-runs the DP) and the plan whose
-    simulated step (:meth:`PipelinePlan.simulate`) is shortest wins, 1F1B on a tie (fewer microbatches in flight).
+    simulated step (:meth:`PipelinePlan.simulate`, each boundary's transfer sent) is shortest wins, 1F1B on a tie
+    (fewer microbatches in flight).
 
     `graph` may be a :class:`~meshpilot.planner.stack.Stack` (``stack.capture_stack``: a few blocks captured for
     a model of many). `fast`: stage costs composed from one block's plan (``planner.stack``; the plan's
