@@ -213,19 +213,22 @@ class JointExport:
 
 @contextlib.contextmanager
 def tracing_state() -> Iterator[None]:
-    """Tell the model's code that it is being traced, as ``torch.export`` does for a non-strict export
-    (``torch._export.utils._compiling_state_context``): ``torch.compiler.is_compiling()`` and
-    ``is_exporting()`` answer True. Code that guards a data-dependent branch with "am I traced" —
-    transformers' ``is_tracing`` / ``is_torchdynamo_compiling``, ``torch._dynamo.is_compiling`` — then takes
-    its tracing branch, whatever kind of tensor it sees (ours are functional wrappers of fake tensors, which
-    no ``isinstance`` check recognises)."""
+    """Tell the model's code that it is being traced, as ``torch.compile`` does: ``torch.compiler.is_compiling()``
+    answers True. Code that guards a data-dependent branch with "am I traced" — transformers' ``is_tracing`` /
+    ``is_torchdynamo_compiling``, ``torch._dynamo.is_compiling`` — then takes its tracing branch, whatever kind
+    of tensor it sees (ours are functional wrappers of fake tensors, which no ``isinstance`` check recognises).
+
+    Compiling, not exporting (``is_exporting()`` stays False; ``torch.export`` sets both): a capture, like a
+    compiled step, serves the example shapes it was made for, while an exported graph must serve any input, so
+    under "exporting" transformers materialises every causal mask and gives up ``is_causal``. Attention would
+    then carry an explicit mask, which the flash and memory-efficient kernels refuse on a GPU."""
     compiler = torch.compiler
-    saved = compiler._is_compiling_flag, compiler._is_exporting_flag
-    compiler._is_compiling_flag = compiler._is_exporting_flag = True
+    saved = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        compiler._is_compiling_flag, compiler._is_exporting_flag = saved
+        compiler._is_compiling_flag = saved
 
 
 def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:
