@@ -41,7 +41,7 @@ from meshpilot.planner.schedule import Action, ActionKind, interleaved
 from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
-from meshpilot.runtime.program import StepProgram
+from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
 
 
@@ -251,7 +251,7 @@ class _ScheduleRun:
             mb = [chunks[a.microbatch] for chunks in self.inputs]
             self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
         elif a.kind == ActionKind.BACKWARD:
-            self._accumulate(pm.program.backward(self.saved.pop(a.microbatch)))
+            self._accumulate(pm.program.backward(self.saved.pop(a.microbatch))[0])
         else:  # gradient synchronisation
             self.synced = pm.program.grad_sync(self.grads or [])
 
@@ -277,7 +277,7 @@ _EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_
 # Programs depend on the plan, the captured graph, the mesh and this rank, not on the parameters' values (the
 # programs take them as inputs): a second model parallelized with the same plan and graph (a restart, a
 # second optimizer's run in a test) reuses the recorded programs instead of recording them again.
-_PROGRAMS: dict[tuple, tuple[Plan, StepProgram]] = {}
+_PROGRAMS: dict[tuple, tuple[Plan, StageProgram]] = {}
 _MAX_PROGRAMS = 16
 
 
@@ -344,7 +344,7 @@ class ParallelModule(torch.nn.Module):
         cached = _PROGRAMS.get(key)
         if cached is None or cached[0] is not plan and cached[0].to_json() != key[1]:
             interp = Interpreter(graph, plan, mesh, self.device)
-            program = StepProgram(interp, self._trainable, compile=compile, schedule=self.schedule)
+            program = StageProgram(interp, self._trainable, compile=compile, schedule=self.schedule)
             cached = _PROGRAMS[key] = (plan, program)
             while len(_PROGRAMS) > _MAX_PROGRAMS:
                 del _PROGRAMS[next(iter(_PROGRAMS))]
@@ -404,7 +404,7 @@ class ParallelModule(torch.nn.Module):
     def _forward(self, inputs: list) -> tuple[torch.Tensor, list]:
         params = [p._local_tensor for p in self._params]
         buffers = [self._buffers_by_name[n] for n in self.graph.buffer_names]
-        loss, updates, saved = self.program.forward(params, buffers, list(inputs))
+        loss, updates, saved, _ = self.program.forward(params, buffers, list(inputs))
         with torch.no_grad():
             for fqn, value in zip(self.graph.buffer_updates, updates):
                 self._buffers_by_name[fqn].copy_(value)

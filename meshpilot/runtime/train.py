@@ -17,7 +17,7 @@ own precision, which ``meshpilot.parallelize`` follows (the casts of bf16-mixed 
 samples p .. p + batch - 1. Every rank builds the same global batch (the runtime takes its slice), so a run
 resumed at position p on another world size or plan sees exactly the batches the uninterrupted run saw.
 
-**Checkpoints.** `train_plan`, `train_model` and `train_pipeline` (a plan holding its stages' plans) take
+**Checkpoints.** `train_plan`, `train_model` and `train_pipeline` take
 ``checkpoint=`` (a
 :class:`~meshpilot.runtime.checkpoint.Checkpointing`): resume from its checkpoint before the first step,
 save every N steps, after the last, and on SIGTERM (:mod:`meshpilot.runtime.checkpoint`). `on_step` sees
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.models.gpt import GPT, GPTConfig
 from meshpilot.runtime.data import ByteText
@@ -306,16 +305,16 @@ def train_pipeline(
 ) -> list[StepLog]:
     """A :class:`~meshpilot.planner.pipeline.PipelinePlan` for the GPT `cfg` — or, with `build`, for any model
     (``build(device)`` a seeded :class:`~meshpilot.models.sources.Built`, as :func:`train_model` takes it) — run
-    by ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan when the
-    plan holds them, else data parallel), AdamW on this rank's stage's parameters. Call on every rank of an
+    by ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan: the plan's,
+    or data-parallel ones where it holds none), AdamW on this rank's stage's parameters. Call on every rank of an
     initialised process group of the plan's device count; every rank passes the full global batch (the plan's
     microbatches of one microbatch each) and gets the step's loss, which the last stage computes and sends to
     every rank: the single-device loss of gradient accumulation over the microbatches. `graph` reuses a
-    capture of one microbatch's step. With `checkpoint` (a plan that holds its stages' plans) the run starts
+    capture of one microbatch's step. With `checkpoint` the run starts
     where its checkpoint left off and saves as it is told, as :func:`_loop`'s."""
     import torch.distributed as dist
 
-    from meshpilot.runtime.pipeline import PipelineModule, pipeline_parallelize
+    from meshpilot.runtime.pipeline import pipeline_parallelize
 
     device = torch.device(device)
     if build is not None:
@@ -328,11 +327,6 @@ def train_pipeline(
             return batch_at(cfg, position, seed, data)
 
     pm = pipeline_parallelize(model, batch(0), plan, graph=graph)
-    if checkpoint is not None and isinstance(pm, PipelineModule):
-        raise UserError(
-            "checkpoints of a pipeline need its stages' plans (data-parallel stages are not checkpointed); save the "
-            "plan with `meshpilot plan --pipeline --out`"
-        )
     opt = adamw(pm.parameters(), lr)
     last = plan.stages[-1].ranks[0]
     logs: list[StepLog] = []
@@ -348,9 +342,6 @@ def train_pipeline(
             opt.step()
             opt.zero_grad()
             seen = torch.zeros((), device=device) if loss is None else loss.detach().float().clone()
-            if loss is not None and isinstance(pm, PipelineModule) and pm.group is not None:
-                dist.all_reduce(seen, group=pm.group)  # data-parallel stages: each rank holds its rows' mean
-                seen /= pm.d
             dist.broadcast(seen, src=last)
             logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
             position += size
