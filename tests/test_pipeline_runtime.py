@@ -173,7 +173,7 @@ def _resumes(
     from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.plan import Plan
     from meshpilot.runtime.checkpoint import Checkpointing, newest
-    from meshpilot.runtime.train import train_model, train_pipeline
+    from meshpilot.runtime.train import train_model
 
     pp, one = PipelinePlan.from_json(pipeline_text), Plan.from_json(one_text)
 
@@ -184,10 +184,7 @@ def _resumes(
         ck = None
         if directory is not None:
             ck = Checkpointing(f"{root}/{directory}", resume=newest(f"{root}/{resume_from}") if resume_from else None)
-        if isinstance(plan, PipelinePlan):
-            logs = train_pipeline(None, plan, steps, build=build, checkpoint=ck)
-        else:
-            logs = train_model(build, steps, plan=plan, checkpoint=ck)
+        logs = train_model(build, steps, plan=plan, checkpoint=ck)  # one path for a pipeline and a one-stage plan
         dist.barrier()
         return [x.loss for x in logs]
 

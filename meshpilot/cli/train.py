@@ -728,7 +728,7 @@ def _train(
     import torch.distributed as dist
 
     from meshpilot.runtime.checkpoint import Stopped
-    from meshpilot.runtime.train import train_atp, train_model, train_pipeline, train_plan
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -820,12 +820,7 @@ def _train(
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
     try:
-        if pipelined:
-            train_pipeline(
-                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, checkpoint=checkpoint,
-                on_step=on_step, data=data, build=build,
-            )  # fmt: skip
-        elif build is not None:
+        if build is not None:  # any plan, one-stage or pipelined: one path (meshpilot.parallelize)
             train_model(
                 build,
                 args.steps,
@@ -836,6 +831,7 @@ def _train(
                 checkpoint=checkpoint,
                 on_step=on_step,
                 data=data,
+                graph=graph,
             )
         elif plan is not None:
             train_plan(

@@ -534,6 +534,14 @@ class PlannedPipelineModule:
         self._sync_tied()
         return torch.stack(losses).mean() if self.last else None
 
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """:meth:`step`, its loss sent from the last stage's first rank to every rank: one training step as
+        ``ParallelModule.train_step`` is one (``runtime.train`` runs both the same way)."""
+        loss = self.step(*inputs)
+        seen = torch.zeros((), device=self.device) if loss is None else loss.detach().float().clone()
+        dist.broadcast(seen, src=self.stage_ranks[-1][0])
+        return seen
+
     def _param(self, s: int, fqn: str) -> torch.nn.Parameter:
         return self._params_of[s][self.programs[s].graph.param_names.index(fqn)]
 

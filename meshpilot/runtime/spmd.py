@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
+
+if TYPE_CHECKING:
+    from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 
 def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
@@ -372,6 +375,13 @@ class ParallelModule(torch.nn.Module):
             run.losses[m], _ = self._forward([chunks[m] for chunks in run.inputs])
         return run.loss()
 
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One training step on the full global batch: the loss (replicated: every rank has it), the gradients
+        added to ``.grad``. The same call as a pipeline's (``PlannedPipelineModule.train_step``)."""
+        loss = self(*inputs)
+        loss.backward()
+        return loss.detach()
+
     def _check_inputs(self, inputs: tuple) -> tuple:
         graph, m = self.graph, self.schedule.microbatches
         if len(inputs) != graph.num_inputs:
@@ -420,8 +430,14 @@ def parallelize(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     graph: OpGraph | None = None,
     compile: bool | str = False,
-) -> ParallelModule:
+    inputs: Sequence[torch.Tensor] | None = None,
+) -> ParallelModule | PlannedPipelineModule:
     """Make `model` run `plan` on the current process group (see the module docstring).
+
+    `plan` is a one-stage :class:`~meshpilot.planner.plan.Plan` or a
+    :class:`~meshpilot.planner.pipeline.PipelinePlan`: a pipeline runs each stage's plan on its own submesh
+    (``runtime.pipeline.pipeline_parallelize``, `inputs` an example global batch, `graph` a capture at one
+    microbatch; no `mesh` or `loss_fn`). Either module's ``train_step(*batch)`` is one training step.
 
     The mesh's device is the model's (``device=`` moves the model there first; ``mesh=`` gives the mesh).
     `loss_fn` must be the one given to ``meshpilot.plan`` (if any). The model's parameters are replaced by
@@ -431,8 +447,11 @@ def parallelize(
     the step's programs through ``torch.compile`` (a string names its backend: ``"cudagraphs"`` replays the
     same kernels as CUDA graphs, for a step that Python launches slower than the GPU runs it).
     """
+    from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.validate import validate_plan
 
+    if isinstance(plan, PipelinePlan):
+        return _parallelize_pipeline(model, plan, mesh, device, loss_fn, graph, compile, inputs)
     register_dtensor_strategies()
     if not dist.is_initialized():
         raise UserError(
@@ -460,6 +479,22 @@ def parallelize(
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
+
+
+def _parallelize_pipeline(model, plan, mesh, device, loss_fn, graph, compile, inputs) -> PlannedPipelineModule:
+    """:func:`parallelize` of a pipeline plan: every stage on its own submesh (``runtime.pipeline``)."""
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    if mesh is not None or loss_fn is not None:
+        raise UserError(
+            "a pipeline plan builds one mesh per stage and takes the model's own loss; leave mesh= and loss_fn= out"
+        )
+    if inputs is None:
+        raise UserError("a pipeline plan needs inputs= (an example global batch) to cut its microbatches")
+    if device is not None:
+        model.to(torch.device(device))
+    dev = model_device(model)
+    return pipeline_parallelize(model, [x.to(dev) for x in inputs], plan, graph=graph, compile=compile)
 
 
 def is_random_op(target: str) -> bool:
