@@ -8,7 +8,7 @@ searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron s
 ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
 all-gather; loss and gradients against the single device, every collective, send and receive counted against
 the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather; and the
-planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. One 4-rank spawn; every
+planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. Two 4-rank spawns; every
 check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B and ZB-H1, and
 Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
 
@@ -32,7 +32,9 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
+def _dp_worker(configs: dict) -> dict:
+    """CONFIGS (plans without their stages' plans: data-parallel stage plans made at the start) beside the
+    single device, and the pipeline's bad inputs."""
     import torch
 
     from meshpilot.errors import UserError
@@ -55,15 +57,6 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
         pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan)
         out[name] = _beside_single_device(pm, ref, (idx, tgt))
         out[name]["own_plans"] = type(pm).__name__
-    out["planned-mlp"] = _run_planned_mlp(mlp_plan)
-    out["hf-llama"] = _run_planned_hf(hf_plan)
-    out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
-    one_plan, root, tied_plan, tied_one_plan = extra
-    out["resumes"] = _resumes(hf_plan, one_plan, f"{root}/llama")
-    out["resumes-tied"] = _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8)
-    out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
-    out["tied-accumulated"] = _accumulated(tied_plan)
-    out.update(_run_intra(intra_plans))
     uneven = PipelinePlan.from_json(configs["1f1b-1+3"])
     odd = "schedule odd, 4 microbatches\nranks 0: F0 +3.0 B0 G\nranks 1-3: F0 B0 G"
     bad = {  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks; an action the runtime does not run
@@ -76,6 +69,20 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
             call()
         except UserError as e:
             out[key] = str(e)
+    return out
+
+
+def _worker(mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
+    out: dict = {}
+    out["planned-mlp"] = _run_planned_mlp(mlp_plan)
+    out["hf-llama"] = _run_planned_hf(hf_plan)
+    out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
+    one_plan, root, tied_plan, tied_one_plan = extra
+    out["resumes"] = _resumes(hf_plan, one_plan, f"{root}/llama")
+    out["resumes-tied"] = _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8)
+    out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
+    out["tied-accumulated"] = _accumulated(tied_plan)
+    out.update(_run_intra(intra_plans))
     return out
 
 
@@ -437,13 +444,19 @@ def tied_one_plan(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tied_plan, tied_one_plan, tmp_path_factory):
     extra = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")), tied_plan, tied_one_plan)
-    return run_distributed(_worker, 4, _bare_plans(), mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900)
+    return run_distributed(_worker, 4, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def dp_ranks() -> list[dict]:
+    """The 4-rank spawn of the plans without their stages' plans (CONFIGS) and the bad inputs."""
+    return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_data_parallel_stages_equal_the_single_device(four_ranks, name):
+def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
     """A plan without its stages' plans runs data-parallel stage plans made at the start, by the same runtime."""
-    for rank, out in enumerate(four_ranks):
+    for rank, out in enumerate(dp_ranks):
         res = out[name]
         assert res["names"] > 0 and res["own_plans"] == "PlannedPipelineModule"
         assert max(res["grad"]) < 1e-5, (rank, res["grad"])
@@ -452,11 +465,11 @@ def test_data_parallel_stages_equal_the_single_device(four_ranks, name):
 
 
 @pytest.mark.parametrize("kind", [PipelineKind.GPIPE.value, PipelineKind.ONE_F_ONE_B.value])
-def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(four_ranks, kind):
+def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(dp_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
     boundary = 1 * 16 * 32 * 4  # batch 8 / 4 microbatches / 2 ranks: 1 sequence of 16 tokens x hidden 32, float32
-    for out in four_ranks:
+    for out in dp_ranks:
         res = out[kind]
         for counts in res["counts"]:
             assert counts == res["planned"]
@@ -468,11 +481,11 @@ def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(four_ranks, k
         assert n_reduce >= res["names"]  # at least one gradient all-reduce per parameter of the stage, once a step
 
 
-def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
+def test_submeshes_of_different_sizes_exchange_tiles(dp_ranks):
     from meshpilot.sharding.reshard import CollectiveKind
 
     row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
-    first, *rest = [out["1f1b-1+3"] for out in four_ranks]
+    first, *rest = [out["1f1b-1+3"] for out in dp_ranks]
     for res in [first, *rest]:
         assert all(counts == res["planned"] for counts in res["counts"])
     # stage 0 (1 rank, 3 rows a microbatch) sends each of the 3 ranks of stage 1 its row, 4 microbatches
@@ -483,8 +496,8 @@ def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
         assert res["counts"][0][(CollectiveKind.SEND, "pp", row)] == 4
 
 
-def test_bad_input_is_refused_in_one_line(four_ranks):
-    out = four_ranks[0]
+def test_bad_input_is_refused_in_one_line(dp_ranks):
+    out = dp_ranks[0]
     assert "equal shards" in out["uneven"] and "divisible by 4" in out["uneven"]
     assert "runs a PipelinePlan, not a list" in out["split"]
     assert "+3.0" in out["action"] and "F, B, I, W, S, R and G" in out["action"]
