@@ -78,8 +78,9 @@ from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, captur
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph, stays_in_stage, tied_params
-from meshpilot.runtime.collective_log import phase_scope, record
+from meshpilot.runtime.collective_log import record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
+from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StageLinks, StageProgram
@@ -479,60 +480,24 @@ class PlannedPipelineModule:
         return out
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this rank's
-        stages' parameters (summed into what is there); returns the step's loss on the last stage's ranks (the
-        mean of the microbatches' losses), None elsewhere."""
-        chunks = [x.to(self.device).chunk(self.M) for x in inputs]
-        received: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
-        outgoing: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
-        saved: dict[tuple[int, int], list] = {}
-        handed: dict[tuple[int, int], list] = {}
-        losses: list[torch.Tensor] = []
-        grads: dict[int, list | None] = {s: None for s in self.stages}
-        sends: list = []
+        """One training step on the full global batch `inputs`: this rank's actions of the schedule run by the
+        one loop (``runtime.executor.StepRun``: ``S`` / ``R`` by :meth:`_exchange`); the gradients land in
+        ``.grad`` of this rank's stages' parameters (summed into what is there), the tied weights' summed across
+        their stages; returns the step's loss on the last stage's ranks (the mean of the microbatches' losses),
+        None elsewhere."""
+        actions, paired = executed_actions(self.schedule, dist.get_rank())
         params = {s: [p._local_tensor for p in self._params_of[s]] for s in self.stages}
-        for a in self.schedule.actions(dist.get_rank()):
-            k, m = a.kind, a.microbatch
-            s = a.stage if a.stage is not None else self.stage
-            prog = self.programs.get(s)
-            if k in (ActionKind.SEND, ActionKind.RECV):
-                self._exchange(a, s, outgoing, received, sends)
-            elif k == ActionKind.FORWARD:
-                g = prog.graph
-                buffers = [self._buffers[n] for n in g.buffer_names]
-                mb = [c[m] for c in chunks]
-                with phase_scope(Phase.FWD):
-                    loss, updates, kept, out = prog.forward(params[s], buffers, mb, received.pop((s, m, True), []))
-                with torch.no_grad():
-                    for fqn, value in zip(g.buffer_updates, updates):
-                        self._buffers[fqn].copy_(value)
-                if loss is not None:
-                    losses.append(loss.detach())
-                saved[(s, m)] = kept
-                outgoing[(s, m, True)] = out
-            elif k in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-                with phase_scope(Phase.BWD):
-                    if k == ActionKind.BACKWARD:
-                        got = received.pop((s, m, False), [])
-                        gs, outgoing[(s, m, False)] = prog.backward(saved.pop((s, m)), got)
-                    else:
-                        gs = prog.backward_weight(saved.pop((s, m)), handed.pop((s, m)))
-                gs = [x / self.M if x is not None else None for x in gs]
-                acc = grads[s]
-                grads[s] = (
-                    gs if acc is None else [y if x is None else x if y is None else x + y for x, y in zip(acc, gs)]
-                )
-            elif k == ActionKind.BACKWARD_INPUT:
-                with phase_scope(Phase.BWD):
-                    got = received.pop((s, m, False), [])
-                    outgoing[(s, m, False)], handed[(s, m)] = prog.backward_input(saved[(s, m)], got)
-            elif k == ActionKind.GRAD_SYNC:
-                for st in self.stages:
-                    self._grad_sync(st, grads[st])
-        for w in sends:
-            w.wait()
+        run = StepRun(
+            actions, paired, self.programs, params, self._buffers, [x.to(self.device) for x in inputs], self.M,
+            stage=self.stage, exchange=self._exchange,
+        )  # fmt: skip
+        run.run()
+        run.wait()
+        for s in self.stages:
+            if s in run.synced:
+                self._set_grads(s, run.synced[s])
         self._sync_tied()
-        return torch.stack(losses).mean() if self.last else None
+        return run.loss() if self.last else None
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """:meth:`step`, its loss sent from the last stage's first rank to every rank: one training step as
@@ -568,11 +533,10 @@ class PlannedPipelineModule:
                 d = to_dtensor(full, self.meshes[s], p.placements)
                 p.grad = d if p.grad is None else p.grad + d
 
-    def _grad_sync(self, s: int, grads: list | None) -> None:
-        """Stage `s`'s gradients into their parameters' layouts, added to their ``.grad``."""
+    def _set_grads(self, s: int, synced: list) -> None:
+        """Stage `s`'s synchronised gradients (``G``) added to its parameters' ``.grad``; a tied weight's kept
+        for the tied sync."""
         prog = self.programs[s]
-        with phase_scope(Phase.BWD):
-            synced = prog.grad_sync(grads or [None] * len(self._trainable_of[s]))
         by_name = dict(zip(prog.graph.param_names, self._params_of[s]))
         tied = {t.fqn for t in self.tied}
         for fqn, x in zip(self._trainable_of[s], synced):
