@@ -1,4 +1,5 @@
-"""The pipeline runtime on 4 gloo ranks against the single device: 2 stages x 2 ranks under GPipe and 1F1B, and
+"""The pipeline runtime on 4 gloo ranks against the single device: plans without their stages' plans (data-parallel
+stage plans made at the start): 2 stages x 2 ranks under GPipe and 1F1B, and
 stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 microbatches of the tiny GPT: loss
 and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
 stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
@@ -7,7 +8,7 @@ searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron s
 ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
 all-gather; loss and gradients against the single device, every collective, send and receive counted against
 the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather; and the
-planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. One 4-rank spawn; every
+planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. Two 4-rank spawns; every
 check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B and ZB-H1, and
 Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
 
@@ -31,52 +32,48 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
 }
 
 
-def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
+def _dp_worker(configs: dict) -> dict:
+    """CONFIGS (plans without their stages' plans: data-parallel stage plans made at the start) beside the
+    single device, and the pipeline's bad inputs."""
     import torch
-    import torch.distributed as dist
 
     from meshpilot.errors import UserError
     from meshpilot.models.gpt import GPT, gpt_tiny
-    from meshpilot.planner.schedule import pipeline
-    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.schedule import parse_schedule
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
-    torch.manual_seed(0)
     out: dict = {}
-    for name, (stage_ranks, kind, batch) in configs.items():
+    for name, text in configs.items():  # plans without stage plans: data-parallel stages made at the start
+        plan = PipelinePlan.from_json(text)
         torch.manual_seed(0)
+        batch = CONFIGS[name][2]
         idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
         tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq))
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        model = GPT(cfg)
-        sched = pipeline(stage_ranks, 4, kind)
-        pm = pipeline_parallelize(model, (idx, tgt), ["blocks.2"], sched)
-        params = dict(ref.named_parameters())
-        mine = pm.named_parameters()
-        o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        o_pp = torch.optim.AdamW([p for _, p in mine], lr=1e-2)
-        res: dict = {"loss": [], "grad": [], "counts": [], "planned": pm.planned_counts(), "names": len(mine)}
-        res["stage"] = pm.stage
-        for _ in range(STEPS):
-            o_ref.zero_grad()
-            o_pp.zero_grad()
-            l_ref = ref(idx, tgt)
-            l_ref.backward()
-            with record_collectives() as log:
-                loss = pm.step(idx, tgt)
-            if loss is not None:  # the model's loss: the mean over the last stage's ranks
-                loss = loss.clone()
-                if pm.group is not None:
-                    dist.all_reduce(loss, group=pm.group)
-                res["loss"].append(abs(loss.item() / pm.d - l_ref.item()))
-            res["grad"].append(max((params[n].grad - p.grad).abs().max().item() for n, p in mine))
-            res["counts"].append(log.counts())
-            o_ref.step()
-            o_pp.step()
-        out[name] = res
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan)
+        out[name] = _beside_single_device(pm, ref, (idx, tgt))
+        out[name]["own_plans"] = type(pm).__name__
+    uneven = PipelinePlan.from_json(configs["1f1b-1+3"])
+    odd = "schedule odd, 4 microbatches\nranks 0: F0 +3.0 B0 G\nranks 1-3: F0 B0 G"
+    bad = {  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks; an action the runtime does not run
+        "uneven": lambda: pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), uneven),
+        "action": lambda: pipeline_parallelize(GPT(cfg), (idx, tgt), uneven, parse_schedule(odd)),
+        "split": lambda: pipeline_parallelize(GPT(cfg), (idx, tgt), ["blocks.2"]),
+    }
+    for key, call in bad.items():
+        try:
+            call()
+        except UserError as e:
+            out[key] = str(e)
+    return out
+
+
+def _worker(mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
+    out: dict = {}
     out["planned-mlp"] = _run_planned_mlp(mlp_plan)
     out["hf-llama"] = _run_planned_hf(hf_plan)
     out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
@@ -86,19 +83,6 @@ def _worker(configs: dict, mlp_plan: str, intra_plans: dict, hf_plan: str, moe_p
     out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
     out["tied-accumulated"] = _accumulated(tied_plan)
     out.update(_run_intra(intra_plans))
-    try:  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks
-        pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), ["blocks.2"], pipeline([[0], [1, 2, 3]], 4, "1f1b"))
-    except UserError as e:
-        out["uneven"] = str(e)
-    from meshpilot.planner.schedule import parse_schedule
-
-    zb = "schedule zb, 1 microbatch\nranks 0-1: F0 S0>2 I0 W0 G\nranks 2-3: R0<0 F0 B0 G"
-    bad = {"split": (["blocks.9"], pipeline([[0, 1], [2, 3]], 4, "1f1b")), "action": (["blocks.2"], parse_schedule(zb))}
-    for key, (points, sched) in bad.items():
-        try:
-            pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), points, sched)
-        except UserError as e:
-            out[key] = str(e)
     return out
 
 
@@ -196,7 +180,7 @@ def _resumes(
     from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.plan import Plan
     from meshpilot.runtime.checkpoint import Checkpointing, newest
-    from meshpilot.runtime.train import train_model, train_pipeline
+    from meshpilot.runtime.train import train_model
 
     pp, one = PipelinePlan.from_json(pipeline_text), Plan.from_json(one_text)
 
@@ -207,10 +191,7 @@ def _resumes(
         ck = None
         if directory is not None:
             ck = Checkpointing(f"{root}/{directory}", resume=newest(f"{root}/{resume_from}") if resume_from else None)
-        if isinstance(plan, PipelinePlan):
-            logs = train_pipeline(None, plan, steps, build=build, checkpoint=ck)
-        else:
-            logs = train_model(build, steps, plan=plan, checkpoint=ck)
+        logs = train_model(build, steps, plan=plan, checkpoint=ck)  # one path for a pipeline and a one-stage plan
         dist.barrier()
         return [x.loss for x in logs]
 
@@ -366,6 +347,31 @@ def _plans(configs: dict) -> dict[str, str]:
     return out
 
 
+def _bare_plans() -> dict[str, str]:
+    """CONFIGS as saved pipeline plans without their stages' plans (``fixed_pipeline``; blocks 2 and 3, the
+    final norm and the head in stage 1), which the runtime runs with data-parallel stage plans."""
+    import warnings
+
+    import torch
+
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.pipeline import fixed_pipeline
+
+    cfg = gpt_tiny(layers=4)
+    model = GPT(cfg).to("meta")
+    out = {}
+    for name, (stage_ranks, kind, batch) in CONFIGS.items():
+        idx = torch.zeros((batch // 4, cfg.seq), dtype=torch.long, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = capture(model, (idx, idx))
+        stages = [((0, 4), tuple(stage_ranks[0]), (1, len(stage_ranks[0])))]
+        stages += [((4, 8), tuple(stage_ranks[1]), (1, len(stage_ranks[1])))]
+        out[name] = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind).to_json()
+    return out
+
+
 @pytest.fixture(scope="module")
 def intra_plans() -> dict[str, str]:
     return _plans(INTRA)
@@ -438,40 +444,48 @@ def tied_one_plan(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tied_plan, tied_one_plan, tmp_path_factory):
     extra = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")), tied_plan, tied_one_plan)
-    return run_distributed(_worker, 4, CONFIGS, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=300)
+    return run_distributed(_worker, 4, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def dp_ranks() -> list[dict]:
+    """The 4-rank spawn of the plans without their stages' plans (CONFIGS) and the bad inputs."""
+    return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_stages_equal_the_single_device(four_ranks, name):
-    for rank, out in enumerate(four_ranks):
+def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
+    """A plan without its stages' plans runs data-parallel stage plans made at the start, by the same runtime."""
+    for rank, out in enumerate(dp_ranks):
         res = out[name]
-        assert res["names"] > 0
+        assert res["names"] > 0 and res["own_plans"] == "PlannedPipelineModule"
         assert max(res["grad"]) < 1e-5, (rank, res["grad"])
-        if res["stage"] == 1:  # the last stage holds the loss
+        if res["last"]:  # the last stage holds the loss
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
 @pytest.mark.parametrize("kind", [PipelineKind.GPIPE.value, PipelineKind.ONE_F_ONE_B.value])
-def test_sends_receives_and_all_reduces_counted_equal_to_the_schedule(four_ranks, kind):
+def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(dp_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
     boundary = 1 * 16 * 32 * 4  # batch 8 / 4 microbatches / 2 ranks: 1 sequence of 16 tokens x hidden 32, float32
-    for out in four_ranks:
+    for out in dp_ranks:
         res = out[kind]
         for counts in res["counts"]:
             assert counts == res["planned"]
+        assert res["p2p"] == {k: c for k, c in res["planned"].items() if k[1] == "pp"}
         got = res["counts"][0]
         assert got[(CollectiveKind.SEND, "pp", boundary)] == 4  # 4 microbatches cross the one boundary
         assert got[(CollectiveKind.RECV, "pp", boundary)] == 4
-        n_reduce = sum(c for (k, _, _), c in got.items() if k == CollectiveKind.ALL_REDUCE)
-        assert n_reduce == res["names"]  # one gradient all-reduce per parameter of the stage, once per step
+        n_reduce = sum(c for (k, a, _), c in got.items() if k == CollectiveKind.ALL_REDUCE and a != "pp")
+        assert n_reduce >= res["names"]  # at least one gradient all-reduce per parameter of the stage, once a step
 
 
-def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
+def test_submeshes_of_different_sizes_exchange_tiles(dp_ranks):
     from meshpilot.sharding.reshard import CollectiveKind
 
     row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
-    first, *rest = [out["1f1b-1+3"] for out in four_ranks]
+    first, *rest = [out["1f1b-1+3"] for out in dp_ranks]
     for res in [first, *rest]:
         assert all(counts == res["planned"] for counts in res["counts"])
     # stage 0 (1 rank, 3 rows a microbatch) sends each of the 3 ranks of stage 1 its row, 4 microbatches
@@ -482,11 +496,11 @@ def test_submeshes_of_different_sizes_exchange_tiles(four_ranks):
         assert res["counts"][0][(CollectiveKind.SEND, "pp", row)] == 4
 
 
-def test_bad_input_is_refused_in_one_line(four_ranks):
-    out = four_ranks[0]
+def test_bad_input_is_refused_in_one_line(dp_ranks):
+    out = dp_ranks[0]
     assert "equal shards" in out["uneven"] and "divisible by 4" in out["uneven"]
-    assert "'blocks.9' is no module" in out["split"]
-    assert "I0, W0" in out["action"] and "GPipe or 1F1B" in out["action"]
+    assert "runs a PipelinePlan, not a list" in out["split"]
+    assert "+3.0" in out["action"] and "F, B, I, W, S, R and G" in out["action"]
 
 
 def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
@@ -623,7 +637,6 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
     # the model does not: a wider one is not the one it was made for
     cases = [
         ("3", [], ("4 devices", "world size is 3", "--nproc-per-node 4")),
-        ("4", ["--plan", str(bare), "--checkpoint-dir", str(tmp_path / "ck")], ("bare.json", "not checkpointed")),
         ("4", ["--hidden", "64"], other_model),
         ("4", ["--plan", str(bare)], ("no stage plans", "microbatch of 1 rows", "stages of [2] ranks")),
     ]
@@ -784,19 +797,3 @@ def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
         assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
     with pytest.raises(UserError, match="reads .* of stage"):
         transfers(layers(graph), 3)
-
-
-def test_an_interleaved_plan_without_its_stage_plans_is_refused(intra_plans):
-    """Pure (no process group): the data-parallel stages cannot hold a group's several stages; one line."""
-    import json
-
-    from meshpilot.errors import UserError
-    from meshpilot.models.gpt import GPT, gpt_tiny
-    from meshpilot.planner.pipeline import PipelinePlan
-    from meshpilot.runtime.pipeline import pipeline_parallelize
-
-    bare = PipelinePlan.from_dict({k: v for k, v in json.loads(intra_plans["interleaved"]).items() if k != "intra"})
-    assert bare.chunks == 2 and not bare.intra
-    with pytest.raises(UserError, match="interleaved 1F1B plan runs with its stages' own plans") as e:
-        pipeline_parallelize(GPT(gpt_tiny(layers=4)), (), bare)
-    assert "\n" not in str(e.value)

@@ -20,7 +20,7 @@ or a built-in; without --plan only the built-in GPTs train (ATP's layers on --me
 
 A pipeline plan (`meshpilot plan --pipeline --out pp.json`) of any model trains the same way, on its stages'
 submeshes (meshpilot.runtime.pipeline; each stage its own intra-operator plan, which `plan --pipeline` saves
-with it; a built-in GPT's plan without them runs every stage data parallel): the plan's batch, cut into its
+with it; a plan without them runs a data-parallel plan on every stage): the plan's batch, cut into its
 microbatches; checkpoints as below (a pipeline's resume under another pipeline or a one-stage plan, and back);
 no dropout (its stages would draw random numbers in another order):
   meshpilot train --nproc-per-node 4 --model gpt-tiny --layers 4 --plan pp.json --steps 3 --verify 3
@@ -565,17 +565,12 @@ def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
 
 def _check_pipeline_run(args: argparse.Namespace, plan, world: int) -> None:
     """What a pipeline plan's run needs of the command line, whatever the model: the plan's device count as
-    the world size, its stages' plans for checkpoints, the plan's precision."""
+    the world size, the plan's precision."""
     source = f"--plan {args.plan}"
     if world != plan.num_devices:
         raise UserError(
             f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
             f"{world}; launch with --nproc-per-node {plan.num_devices}"
-        )
-    if args.checkpoint_dir is not None and not plan.intra:
-        raise UserError(
-            f"--checkpoint-dir: {source} holds no stage plans (its stages run data parallel, which is not "
-            "checkpointed); save the plan again with `meshpilot plan --pipeline --out`, which keeps each stage's plan"
         )
     precision = _plan_precision(plan)
     if args.precision and args.precision != (precision or "fp32"):
@@ -628,13 +623,8 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     pipelined = _is_pipeline(plan)
     if pipelined:
         _check_pipeline_run(args, plan, world)
-        if not plan.intra:
-            raise UserError(
-                f"{source}: holds no stage plans, which a pipeline of {args.model!r} needs (only the built-in GPTs "
-                "run stages data parallel without them); save the plan again with `meshpilot plan --pipeline --out`"
-            )
-        one = plan.intra[0]  # stage 0's plan: the model's inputs at one microbatch, as a one-stage plan has them
-        shape0 = one.input_shapes[0][0] if one.input_shapes else ()
+        one = plan.intra[0] if plan.intra else None  # stage 0's plan: one microbatch's inputs, as a one-stage plan's
+        shape0 = one.input_shapes[0][0] if one is not None and one.input_shapes else ()  # none: the model's sizes
         m = plan.microbatches
     else:
         validate_plan(plan, world_size=world, source=source)
@@ -743,7 +733,7 @@ def _train(
     import torch.distributed as dist
 
     from meshpilot.runtime.checkpoint import Stopped
-    from meshpilot.runtime.train import train_atp, train_model, train_pipeline, train_plan
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -819,8 +809,8 @@ def _train(
         )  # fmt: skip
         if rank == 0 and not plan.intra:
             print(
-                f"note: {args.plan} holds no stage plans: each stage runs data parallel on its submesh "
-                "(`meshpilot plan --pipeline --out` saves them)",
+                f"note: {args.plan} holds no stage plans: each stage runs a data-parallel plan on its submesh "
+                "(`meshpilot plan --pipeline --out` saves searched ones)",
                 flush=True,
             )
     elif plan is not None:
@@ -835,12 +825,7 @@ def _train(
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
     try:
-        if pipelined:
-            train_pipeline(
-                cfg, plan, args.steps, args.seed, args.lr, graph=graph, device=device, checkpoint=checkpoint,
-                on_step=on_step, data=data, build=build,
-            )  # fmt: skip
-        elif build is not None:
+        if build is not None:  # any plan, one-stage or pipelined: one path (meshpilot.parallelize)
             train_model(
                 build,
                 args.steps,
@@ -851,6 +836,7 @@ def _train(
                 checkpoint=checkpoint,
                 on_step=on_step,
                 data=data,
+                graph=graph,
             )
         elif plan is not None:
             train_plan(

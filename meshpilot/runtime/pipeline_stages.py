@@ -1,7 +1,8 @@
 """A pipeline whose stages each run their own intra-operator plan on their own submesh.
 
-:func:`meshpilot.runtime.pipeline.pipeline_parallelize` takes this path for a
-:class:`~meshpilot.planner.pipeline.PipelinePlan` that holds its stages' plans (``PipelinePlan.with_intra``).
+:func:`meshpilot.runtime.pipeline.pipeline_parallelize` runs every
+:class:`~meshpilot.planner.pipeline.PipelinePlan` here, with the stages' plans it holds (``PipelinePlan.with_intra``)
+or data-parallel ones made for it (``pipeline.data_parallel_stages``).
 Stage s's work is the slice of the model's captured step that its plan was searched on
 (``stage.slice_graph`` over ``pipeline.runnable_layers``: its layers' forward and backward nodes), so every
 node runs the strategy the stage's search chose, through the same machinery as ``parallelize``: the
@@ -72,18 +73,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
 from meshpilot.planner.plan import Plan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph, stays_in_stage, tied_params
-from meshpilot.runtime.collective_log import phase_scope, record
+from meshpilot.runtime.collective_log import record
 from meshpilot.runtime.crossmesh import MeshSide, Tile, gather_plan, rows_of, tiles, wire_layout
+from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
-from meshpilot.runtime.interpret import Interpreter, redistribute, to_dtensor, wrap_local
-from meshpilot.runtime.program import _as_tuple, _last_uses, split_phases, synced_grads
-from meshpilot.runtime.record import record as record_program
+from meshpilot.runtime.interpret import Interpreter, to_dtensor
+from meshpilot.runtime.program import StageLinks, StageProgram
 from meshpilot.sharding.placements import Placements, replicated
 from meshpilot.sharding.reshard import CollectiveKind
 
@@ -202,219 +202,6 @@ def find_transfers(
     return out
 
 
-class StageProgram:
-    """One stage's forward, backward and gradient-sync programs on this rank (module docstring)."""
-
-    def __init__(
-        self,
-        interp: Interpreter,
-        trainable: list[str],
-        recv_fwd: list[Transfer],
-        recv_bwd: list[Transfer],
-        send_fwd: list[Transfer],
-        send_bwd: list[Transfer],
-        wires: dict[int, tuple[Placements, Placements]],
-        zero_fill: Sequence[str] = (),
-    ) -> None:
-        self.interp = interp
-        g = self.graph = interp.graph
-        self.trainable = trainable
-        self.recv_fwd, self.recv_bwd, self.send_fwd, self.send_bwd = recv_fwd, recv_bwd, send_fwd, send_bwd
-        self.wires = wires
-        self.late = {t.boundary: j for j, t in enumerate(recv_bwd)}
-        self.early = {t.boundary: j for j, t in enumerate(recv_fwd)}
-        self.zero_fill = tuple(zero_fill)
-        """Boundary inputs of the backward that read zeros: other stages' parts of a tied weight's gradient."""
-        # a forward value only the backward sends is kept like the backward's inputs
-        self.fwd_nodes, self.bwd_nodes, self.leaves, self.saved = split_phases(
-            g, trainable, late=set(self.late) | set(self.zero_fill), also_saved=[(t.node, t.index) for t in send_bwd]
-        )
-        self.saved_specs: list[Any] = []
-        keep = {s for s, _ in self.saved} | {t.node for t in (*send_fwd, *send_bwd)}
-        keep |= {s for s, _ in g.buffer_updates.values()} | {v[0] for v in g.grads.values() if v is not None}
-        if g.loss is not None:
-            keep.add(g.loss[0])
-        self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=keep)
-        self.forward_gm = self.backward_gm = self.grad_sync_gm = None
-        self._split_backward(g)
-
-    def _split_backward(self, g: OpGraph) -> None:
-        """The backward as ``I`` (the nodes the gradients sent to the previous stage need) and ``W`` (the rest:
-        weight gradients), and what ``I`` hands ``W`` (values it made or received that ``W`` reads)."""
-        cone = OpGraph.input_cone({n.name: n for n in self.bwd_nodes}, (t.node for t in self.send_bwd))
-        self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
-        self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
-        by_i = cone | set(self.late) | set(self.zero_fill)
-        handoff: dict[tuple[str, int], None] = {}
-        for n in self.w_nodes:
-            for src, i in n.inputs:
-                if src in by_i:
-                    handoff.setdefault((src, i), None)
-        grads = [g.grads[f] for f in self.trainable if g.grads.get(f) is not None]
-        for gr in grads:
-            if gr[0] in by_i:
-                handoff.setdefault(gr, None)
-        self.handoff = list(handoff)
-        self.handoff_specs: list[Any] = []
-        keep_i = {s for s, _ in self.handoff} | {t.node for t in self.send_bwd}
-        self._last_use_i = _last_uses(self.i_nodes, keep=keep_i)
-        self._last_use_w = _last_uses(self.w_nodes, keep={gr[0] for gr in grads})
-        self.input_gm = self.weight_gm = None
-
-    # ------------------------------------------------------------------ values crossing stages
-    def _received(self, t: Transfer, local: torch.Tensor) -> DTensor:
-        """A received value (this rank's rows in the wire layout) in the layout this stage planned for it."""
-        wire, planned = self.wires[t.k]
-        meta = torch.empty(t.info.shape, dtype=dtype_from_name(t.info.dtype), device="meta")
-        return redistribute(wrap_local(local, self.interp.mesh, wire, meta), planned)
-
-    def _outgoing(self, t: Transfer, env: dict) -> torch.Tensor:
-        wire, _ = self.wires[t.k]
-        v = env[t.node][t.index]
-        return redistribute(v, wire).to_local().contiguous()
-
-    # ------------------------------------------------------------------ forward
-    def forward(self, params, buffers, inputs, received) -> tuple:
-        """(loss or None, buffer updates, saved, values to send forward) as local tensors."""
-        result = list(self._run("forward_gm", self._forward_body, [*params, *buffers, *inputs, *received]))
-        loss = result.pop(0) if self.graph.loss is not None else None
-        n_up, n_saved = len(self.graph.buffer_updates), len(self.saved)
-        return loss, result[:n_up], result[n_up : n_up + n_saved], result[n_up + n_saved :]
-
-    def _forward_body(self, flat) -> tuple:
-        g, interp = self.graph, self.interp
-        n_p, n_b, n_i = len(g.param_names), len(g.buffer_names), self.num_model_inputs
-        params = dict(zip(g.param_names, flat[:n_p]))
-        buffers = dict(zip(g.buffer_names, flat[n_p : n_p + n_b]))
-        inputs = flat[n_p + n_b : n_p + n_b + n_i]
-        received = flat[n_p + n_b + n_i :]
-        env: dict[str, tuple] = {}
-        with torch.no_grad(), compat.no_transform_optimization():
-            for leaf in self.leaves:
-                env[leaf.name] = (self._leaf(leaf, params, buffers, inputs, received),)
-            interp.run(self.fwd_nodes, env, self._last_use)
-            out = []
-            if g.loss is not None:
-                ln, li = g.loss
-                out.append(redistribute(env[ln][li], replicated(interp.mesh.ndim)).to_local())
-            out += [
-                redistribute(env[s][i], replicated(interp.mesh.ndim)).to_local() for s, i in g.buffer_updates.values()
-            ]
-            saved = [env[s][i] for s, i in self.saved]
-            self.saved_specs = [v._spec if isinstance(v, DTensor) else None for v in saved]
-            out += [v._local_tensor if isinstance(v, DTensor) else v for v in saved]
-            out += [self._outgoing(t, env) for t in self.send_fwd]
-        return tuple(out)
-
-    def _leaf(self, leaf, params, buffers, inputs, received) -> Any:
-        interp, g = self.interp, self.graph
-        if leaf.kind == NodeKind.PARAM:
-            val = leaf.fx_node.meta["val"]
-            return wrap_local(params[leaf.fqn], interp.mesh, interp.plan.param_layout(leaf.fqn), val)
-        if leaf.kind == NodeKind.BUFFER:
-            return interp.leaf(leaf, buffers[leaf.fqn])
-        if leaf.kind == NodeKind.CONST:
-            return interp.leaf(leaf, g.consts[leaf.name])
-        j = self.early.get(leaf.name)
-        if j is not None:
-            return self._received(self.recv_fwd[j], received[j])
-        if leaf.name.startswith(BOUNDARY + ":"):  # a model input or constant another stage reads first
-            src = self.whole[_boundary_source(leaf.name)[0]]
-            value = inputs[int(src.fqn.split(":")[1])] if src.kind == NodeKind.INPUT else self.whole.consts[src.name]
-            return interp.leaf(leaf, value)
-        return interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
-
-    # ------------------------------------------------------------------ backward
-    def backward(self, saved, received) -> tuple[list, list]:
-        """(this rank's part of each trainable parameter's gradient or None, values to send backward)."""
-        it = iter(self._run("backward_gm", self._backward_body, [*saved, *received]))
-        grads = [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
-        return grads, list(it)
-
-    def _run(self, attr: str, body, args: list) -> Any:
-        """Program `attr` on `args`: recorded from `body` on the first call (``runtime.record``), replayed after."""
-        gm = getattr(self, attr)
-        if gm is not None:
-            return gm(*args)
-        gm, result = record_program(lambda *flat: body(flat), *args)
-        setattr(self, attr, gm)
-        return result
-
-    def _backward_env(self, flat) -> dict[str, tuple]:
-        """The backward's starting values: what the forward kept, then the gradients received (``B`` and ``I``)."""
-        n_saved = len(self.saved)
-        env = self._env(self.saved, self.saved_specs, flat[:n_saved])
-        for t, local in zip(self.recv_bwd, flat[n_saved:]):
-            env.setdefault(t.boundary, {})[0] = self._received(t, local)
-        for name in self.zero_fill:
-            leaf = self.graph[name]
-            zeros = torch.zeros(leaf.out.shape, dtype=dtype_from_name(leaf.out.dtype), device=self.interp.device)
-            env[name] = {0: self.interp.leaf(leaf, zeros)}
-        return {k: _as_tuple(v) for k, v in env.items()}
-
-    def _grads_out(self, env: dict) -> list:
-        """This rank's part of each trainable parameter's gradient the stage computes (local tensors)."""
-        out = []
-        for fqn in self.trainable:
-            gr = self.graph.grads.get(fqn)
-            if gr is not None:
-                v = env[gr[0]][gr[1]]
-                out.append(v._local_tensor if isinstance(v, DTensor) else v)
-        return out
-
-    def _backward_body(self, flat) -> tuple:
-        with torch.no_grad(), compat.no_transform_optimization():
-            env = self._backward_env(flat)
-            self.interp.run(self.bwd_nodes, env, self._last_use)
-            return tuple(self._grads_out(env) + [self._outgoing(t, env) for t in self.send_bwd])
-
-    # ------------------------------------------------------------------ backward split: I then W (zero bubble)
-    def _env(self, pairs, specs, locals_) -> dict[str, Any]:
-        env: dict[str, Any] = {}
-        for (s, i), spec, local in zip(pairs, specs, locals_):
-            env.setdefault(s, {})[i] = DTensor(local, spec, requires_grad=False) if spec is not None else local
-        return env
-
-    def backward_input(self, saved, received) -> tuple[list, list]:
-        """``I``: (values to send backward, what ``W`` reads of this microbatch) as local tensors."""
-        result = list(self._run("input_gm", self._input_body, [*saved, *received]))
-        n_out = len(self.send_bwd)
-        return result[:n_out], result[n_out:]
-
-    def _input_body(self, flat) -> tuple:
-        with torch.no_grad(), compat.no_transform_optimization():
-            env = self._backward_env(flat)
-            self.interp.run(self.i_nodes, env, self._last_use_i)
-            out = [self._outgoing(t, env) for t in self.send_bwd]
-            kept = [env[s][i] for s, i in self.handoff]
-            self.handoff_specs = [v._spec if isinstance(v, DTensor) else None for v in kept]
-            out += [v._local_tensor if isinstance(v, DTensor) else v for v in kept]
-        return tuple(out)
-
-    def backward_weight(self, saved, handed) -> list:
-        """``W``: this rank's part of each trainable parameter's gradient (None: no gradient)."""
-        it = iter(self._run("weight_gm", self._weight_body, [*saved, *handed]))
-        return [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
-
-    def _weight_body(self, flat) -> tuple:
-        n_saved = len(self.saved)
-        with torch.no_grad(), compat.no_transform_optimization():
-            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
-            for k, v in self._env(self.handoff, self.handoff_specs, flat[n_saved:]).items():
-                env.setdefault(k, {}).update(v)
-            env = {k: _as_tuple(v) for k, v in env.items()}
-            self.interp.run(self.w_nodes, env, self._last_use_w)
-            return tuple(self._grads_out(env))
-
-    # ------------------------------------------------------------------ gradient synchronisation
-    def grad_sync(self, grads: list) -> list:
-        it = iter(self._run("grad_sync_gm", self._grad_sync_body, [x for x in grads if x is not None]))
-        return [next(it) if x is not None else None for x in grads]
-
-    def _grad_sync_body(self, flat) -> tuple:
-        return synced_grads(self.graph, self.interp, self.trainable, flat)
-
-
 def stage_mesh(plan: Plan, ranks: Sequence[int], device_type: str) -> DeviceMesh:
     """The DeviceMesh of a stage: its plan's logical mesh over the stage's physical ranks (every rank of the
     world must create every stage's mesh, in one order: new process groups are collective)."""
@@ -456,11 +243,12 @@ class PlannedPipelineModule:
         graph: OpGraph | None = None,
         local_gather: bool = False,
         schedule: Schedule | None = None,
+        compile: bool | str = False,
     ) -> None:
         from meshpilot.ops import register_dtensor_strategies
         from meshpilot.planner.stage import runnable_layers
         from meshpilot.planner.validate import validate_plan
-        from meshpilot.runtime.pipeline import check_schedule
+        from meshpilot.runtime.pipeline import check_schedule, microbatch_examples
         from meshpilot.runtime.spmd import distribute_parameters, model_device
 
         register_dtensor_strategies()
@@ -473,7 +261,7 @@ class PlannedPipelineModule:
                 f"schedule {self.schedule.name!r} runs {self.schedule.microbatches} microbatches, the plan was made "
                 f"for {self.M}; give a schedule of {self.M}"
             )
-        check_schedule(self.schedule, pplan.groups, split_backward=True)
+        check_schedule(self.schedule, pplan.groups)
         rank = dist.get_rank()
         S = len(pplan.stages)
         self.stages = tuple(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
@@ -481,16 +269,10 @@ class PlannedPipelineModule:
         self.stage = self.stages[0]
         self.last = S - 1 in self.stages
         self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
-        whole = {x.shape[0] for x in inputs if x.dim() > 0}
-        if len(whole) != 1 or whole.pop() % self.M:
-            raise UserError(
-                f"inputs of batch sizes {sorted({x.shape[0] for x in inputs})} do not split into the plan's {self.M} "
-                f"microbatches; give one batch size divisible by {self.M}"
-            )
+        examples = microbatch_examples(inputs, self.M)
         device = model_device(model)
         self.device = device
         plans = pplan.intra
-        examples = [torch.empty((x.shape[0] // self.M, *x.shape[1:]), dtype=x.dtype, device="meta") for x in inputs]
         if graph is None:
             graph = capture(model, examples, precision=plans[0].precision)
         self.whole = graph
@@ -561,14 +343,14 @@ class PlannedPipelineModule:
             params, trainable = distribute_parameters(model, slices[s].param_names, plans[s], self.meshes[s])
             self._params_of[s], self._trainable_of[s] = params, trainable
             mine = [t for t in self.transfers if s in (t.src, t.dst)]
-            prog = StageProgram(
-                Interpreter(slices[s], plans[s], self.meshes[s], device), trainable,
-                [t for t in mine if t.dst == s and t.forward], [t for t in mine if t.dst == s and not t.forward],
-                [t for t in mine if t.src == s and t.forward], [t for t in mine if t.src == s and not t.forward],
-                wires[s], zeros.get(s, ()),
+            into, out = [t for t in mine if t.dst == s], [t for t in mine if t.src == s]
+            links = StageLinks(
+                tuple(t for t in into if t.forward), tuple(t for t in into if not t.forward),
+                tuple(t for t in out if t.forward), tuple(t for t in out if not t.forward),
+                wires[s], tuple(zeros.get(s, ())),
             )  # fmt: skip
-            prog.whole = graph
-            prog.num_model_inputs = len(inputs)
+            interp = Interpreter(slices[s], plans[s], self.meshes[s], device)
+            prog = StageProgram(interp, trainable, links=links, whole=graph, compile=compile)
             self.programs[s] = prog
         self.program = self.programs[self.stage]
         self.tied: list[TiedSync] = []
@@ -698,60 +480,32 @@ class PlannedPipelineModule:
         return out
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """One training step on the full global batch `inputs`: the gradients land in ``.grad`` of this rank's
-        stages' parameters (summed into what is there); returns the step's loss on the last stage's ranks (the
-        mean of the microbatches' losses), None elsewhere."""
-        chunks = [x.to(self.device).chunk(self.M) for x in inputs]
-        received: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
-        outgoing: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
-        saved: dict[tuple[int, int], list] = {}
-        handed: dict[tuple[int, int], list] = {}
-        losses: list[torch.Tensor] = []
-        grads: dict[int, list | None] = {s: None for s in self.stages}
-        sends: list = []
+        """One training step on the full global batch `inputs`: this rank's actions of the schedule run by the
+        one loop (``runtime.executor.StepRun``: ``S`` / ``R`` by :meth:`_exchange`); the gradients land in
+        ``.grad`` of this rank's stages' parameters (summed into what is there), the tied weights' summed across
+        their stages; returns the step's loss on the last stage's ranks (the mean of the microbatches' losses),
+        None elsewhere."""
+        actions, paired = executed_actions(self.schedule, dist.get_rank())
         params = {s: [p._local_tensor for p in self._params_of[s]] for s in self.stages}
-        for a in self.schedule.actions(dist.get_rank()):
-            k, m = a.kind, a.microbatch
-            s = a.stage if a.stage is not None else self.stage
-            prog = self.programs.get(s)
-            if k in (ActionKind.SEND, ActionKind.RECV):
-                self._exchange(a, s, outgoing, received, sends)
-            elif k == ActionKind.FORWARD:
-                g = prog.graph
-                buffers = [self._buffers[n] for n in g.buffer_names]
-                mb = [c[m] for c in chunks]
-                with phase_scope(Phase.FWD):
-                    loss, updates, kept, out = prog.forward(params[s], buffers, mb, received.pop((s, m, True), []))
-                with torch.no_grad():
-                    for fqn, value in zip(g.buffer_updates, updates):
-                        self._buffers[fqn].copy_(value)
-                if loss is not None:
-                    losses.append(loss.detach())
-                saved[(s, m)] = kept
-                outgoing[(s, m, True)] = out
-            elif k in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-                with phase_scope(Phase.BWD):
-                    if k == ActionKind.BACKWARD:
-                        got = received.pop((s, m, False), [])
-                        gs, outgoing[(s, m, False)] = prog.backward(saved.pop((s, m)), got)
-                    else:
-                        gs = prog.backward_weight(saved.pop((s, m)), handed.pop((s, m)))
-                gs = [x / self.M if x is not None else None for x in gs]
-                acc = grads[s]
-                grads[s] = (
-                    gs if acc is None else [y if x is None else x if y is None else x + y for x, y in zip(acc, gs)]
-                )
-            elif k == ActionKind.BACKWARD_INPUT:
-                with phase_scope(Phase.BWD):
-                    got = received.pop((s, m, False), [])
-                    outgoing[(s, m, False)], handed[(s, m)] = prog.backward_input(saved[(s, m)], got)
-            elif k == ActionKind.GRAD_SYNC:
-                for st in self.stages:
-                    self._grad_sync(st, grads[st])
-        for w in sends:
-            w.wait()
+        run = StepRun(
+            actions, paired, self.programs, params, self._buffers, [x.to(self.device) for x in inputs], self.M,
+            stage=self.stage, exchange=self._exchange,
+        )  # fmt: skip
+        run.run()
+        run.wait()
+        for s in self.stages:
+            if s in run.synced:
+                self._set_grads(s, run.synced[s])
         self._sync_tied()
-        return torch.stack(losses).mean() if self.last else None
+        return run.loss() if self.last else None
+
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """:meth:`step`, its loss sent from the last stage's first rank to every rank: one training step as
+        ``ParallelModule.train_step`` is one (``runtime.train`` runs both the same way)."""
+        loss = self.step(*inputs)
+        seen = torch.zeros((), device=self.device) if loss is None else loss.detach().float().clone()
+        dist.broadcast(seen, src=self.stage_ranks[-1][0])
+        return seen
 
     def _param(self, s: int, fqn: str) -> torch.nn.Parameter:
         return self._params_of[s][self.programs[s].graph.param_names.index(fqn)]
@@ -779,11 +533,10 @@ class PlannedPipelineModule:
                 d = to_dtensor(full, self.meshes[s], p.placements)
                 p.grad = d if p.grad is None else p.grad + d
 
-    def _grad_sync(self, s: int, grads: list | None) -> None:
-        """Stage `s`'s gradients into their parameters' layouts, added to their ``.grad``."""
+    def _set_grads(self, s: int, synced: list) -> None:
+        """Stage `s`'s synchronised gradients (``G``) added to its parameters' ``.grad``; a tied weight's kept
+        for the tied sync."""
         prog = self.programs[s]
-        with phase_scope(Phase.BWD):
-            synced = prog.grad_sync(grads or [None] * len(self._trainable_of[s]))
         by_name = dict(zip(prog.graph.param_names, self._params_of[s]))
         tied = {t.fqn for t in self.tied}
         for fqn, x in zip(self._trainable_of[s], synced):

@@ -9,18 +9,28 @@ slices and process groups as constants. The recording is an ``fx.GraphModule`` �
 (``program.forward_gm.code`` shows it) that later steps call directly: one op per line, no interpretation,
 no DTensor. The first call's own outputs are used, so no step is spent on recording.
 
-A step is three programs, one per kind of schedule action (``meshpilot.planner.schedule``):
+One class, :class:`StageProgram`, holds the programs of every stage of every plan: the SPMD step of
+``parallelize`` is the one stage with no transfers (:data:`NO_LINKS`), a pipeline stage
+(``runtime.pipeline_stages``) the same programs with values received at their start and sent at their end
+(:class:`StageLinks`). Per kind of schedule action (``meshpilot.planner.schedule``):
 
-* **forward** (``F``) ``(*parameter locals, *buffer locals, *inputs) -> (loss, *buffer updates, *saved)`` runs
-  the forward nodes of one microbatch; ``saved`` are the local tensors the backward reads (activations,
-  inputs, parameters);
-* **backward** (``B``) ``(*saved) -> (*gradients)`` runs the backward nodes and returns each gradient as it
-  was produced (partial sums unreduced), so microbatches' gradients add up locally;
+* **forward** (``F``) ``(*parameter locals, *buffer locals, *inputs, *received) -> (loss, *buffer updates,
+  *saved, *sent)`` runs the forward nodes of one microbatch; ``saved`` are the local tensors the backward
+  reads (activations, inputs, parameters); a stage without the loss returns none, one that sends forward
+  ends by resharding those values into their wire layout (``runtime.crossmesh``);
+* **backward** (``B``) ``(*saved, *received) -> (*gradients, *sent)`` runs the backward nodes and returns
+  each gradient as it was produced (partial sums unreduced), so microbatches' gradients add up locally;
+* **input / weight** (``I`` / ``W``, zero-bubble schedules) the backward cut in two by data flow: ``I`` the
+  nodes the gradients sent to the previous stage depend on, ``W`` the rest (the weight gradients);
 * **gradient synchronisation** (``G``) ``(*gradients) -> (*gradients)`` reshards each into its parameter's
   layout (the plan's ``grad:`` collectives), once per step.
 
+With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
+early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
+are interleaved into one (``forward_pair`` / ``backward_pair``, ``runtime.duplex``).
+
 Programs are specialised to the plan, the rank and the input shapes (the caller checks the shapes).
-``compile=True`` hands both programs to ``torch.compile`` (``compile="cudagraphs"``: its CUDA-graph backend,
+``compile=True`` hands every program to ``torch.compile`` (``compile="cudagraphs"``: its CUDA-graph backend,
 the recorded kernels replayed without Python between them). ``MESHPILOT_INTERPRET=1`` interprets every step
 instead (for debugging the runtime: the same ops, without the recording).
 """
@@ -28,8 +38,8 @@ instead (for debugging the runtime: the same ops, without the recording).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,8 +47,9 @@ from torch.distributed.tensor import DTensor
 
 from meshpilot import compat
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
+from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
+from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.overlap import issue_early, issue_points
@@ -49,45 +60,109 @@ _INTERPRET = os.environ.get("MESHPILOT_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
-class Saved:
-    """One value the backward reads: the producing node's output and the layout it is held in."""
+class StageLinks:
+    """What a pipeline stage exchanges with its neighbours (``runtime.pipeline_stages``): the transfers it
+    receives and sends each way, their (wire, planned) layouts by transfer number, and the boundary inputs of
+    its backward that read zeros (other stages' parts of a tied weight's gradient). The SPMD step is the stage
+    with none: :data:`NO_LINKS`."""
 
-    node: str
-    index: int
+    recv_fwd: tuple = ()
+    recv_bwd: tuple = ()
+    send_fwd: tuple = ()
+    send_bwd: tuple = ()
+    wires: dict = field(default_factory=dict)
+    zero_fill: tuple[str, ...] = ()
 
 
-class StepProgram:
-    """The forward and backward programs of one plan on one rank (module docstring)."""
+NO_LINKS = StageLinks()
+
+
+class StageProgram:
+    """The recorded programs of one stage of a plan on this rank (module docstring): the SPMD step is the one
+    stage with no transfers; a pipeline stage receives and sends values at its programs' edges."""
 
     def __init__(
         self,
         interp: Interpreter,
         trainable: list[str],
         *,
+        links: StageLinks = NO_LINKS,
         compile: bool | str = False,
         schedule: Schedule | None = None,
+        whole: OpGraph | None = None,
     ) -> None:
         self.interp = interp
-        self.schedule = schedule
-        self.graph: OpGraph = interp.graph
+        g = self.graph = interp.graph
+        self.whole = whole if whole is not None else g
+        """The model's whole graph (a stage's boundary leaves that are model inputs or constants are found there)."""
         self.trainable = trainable
+        self.schedule = schedule
         self.compile = compile
-        self.fwd_nodes, self.bwd_nodes, self.leaves, saved = split_phases(self.graph, trainable)
-        self.saved = [Saved(s, i) for s, i in saved]
+        self.links = links
+        self.recv_fwd, self.recv_bwd = list(links.recv_fwd), list(links.recv_bwd)
+        self.send_fwd, self.send_bwd = list(links.send_fwd), list(links.send_bwd)
+        self.wires = links.wires
+        self.late = {t.boundary: j for j, t in enumerate(self.recv_bwd)}
+        self.early = {t.boundary: j for j, t in enumerate(self.recv_fwd)}
+        self.zero_fill = tuple(links.zero_fill)
+        # a forward value only the backward sends is kept like the backward's inputs
+        self.fwd_nodes, self.bwd_nodes, self.leaves, self.saved = split_phases(
+            g,
+            trainable,
+            late=set(self.late) | set(self.zero_fill),
+            also_saved=[(t.node, t.index) for t in self.send_bwd],
+        )
         self.saved_specs: list[Any] = []
-        self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=self._kept())
-        self.forward_gm: torch.fx.GraphModule | None = None
-        self.backward_gm: torch.fx.GraphModule | None = None
-        self.grad_sync_gm: torch.fx.GraphModule | None = None
-        self._forward_fn = None
-        self._backward_fn = None
-        self._grad_sync_fn = None
-        self.forward_pair_gm: torch.fx.GraphModule | None = None
-        self.backward_pair_gm: torch.fx.GraphModule | None = None
-        self._forward_pair_fn = None
-        self._backward_pair_fn = None
+        keep = {s for s, _ in self.saved} | {t.node for t in (*self.send_fwd, *self.send_bwd)}
+        keep |= {s for s, _ in g.buffer_updates.values()} | {v[0] for v in g.grads.values() if v is not None}
+        if g.loss is not None:
+            keep.add(g.loss[0])
+        self._last_use = _last_uses(self.fwd_nodes + self.bwd_nodes, keep=keep)
+        self.num_model_inputs = 0
+        for name in ("forward", "backward", "grad_sync", "input", "weight", "forward_pair", "backward_pair"):
+            setattr(self, f"{name}_gm", None)  # the recorded program: its .code shows it
+            setattr(self, f"_{name}_fn", None)  # what runs it: the program, or torch.compile's of it
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+        self._split_backward(g)
+
+    def _split_backward(self, g: OpGraph) -> None:
+        """The backward as ``I`` (the nodes the gradients sent to the previous stage need) and ``W`` (the rest:
+        weight gradients), and what ``I`` hands ``W`` (values it made or received that ``W`` reads)."""
+        cone = OpGraph.input_cone({n.name: n for n in self.bwd_nodes}, (t.node for t in self.send_bwd))
+        self.i_nodes = [n for n in self.bwd_nodes if n.name in cone]
+        self.w_nodes = [n for n in self.bwd_nodes if n.name not in cone]
+        by_i = cone | set(self.late) | set(self.zero_fill)
+        handoff: dict[tuple[str, int], None] = {}
+        for n in self.w_nodes:
+            for src, i in n.inputs:
+                if src in by_i:
+                    handoff.setdefault((src, i), None)
+        grads = [g.grads[f] for f in self.trainable if g.grads.get(f) is not None]
+        for gr in grads:
+            if gr[0] in by_i:
+                handoff.setdefault(gr, None)
+        self.handoff = list(handoff)
+        self.handoff_specs: list[Any] = []
+        keep_i = {s for s, _ in self.handoff} | {t.node for t in self.send_bwd}
+        self._last_use_i = _last_uses(self.i_nodes, keep=keep_i)
+        self._last_use_w = _last_uses(self.w_nodes, keep={gr[0] for gr in grads})
+
+    # ------------------------------------------------------------------ recording
+    def _run(self, name: str, body, args: list, kind: ActionKind | None = None) -> Any:
+        """Program `name` on `args`: recorded from `body` on the first call (``runtime.record``) — reordered for
+        the schedule's early-issued collectives where `kind` has them, and compiled when asked — then called."""
+        if _INTERPRET:
+            return body(args)
+        fn = getattr(self, f"_{name}_fn")
+        if fn is not None:
+            return fn(*args)
+        gm, result = record(lambda *flat: body(flat), *args)
+        setattr(self, f"{name}_gm", gm)
+        if kind is not None:
+            self._issue_early(gm, kind)
+        setattr(self, f"_{name}_fn", _maybe_compile(gm, self.compile))
+        return result
 
     def _issue_early(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
         """Reorder a phase's program so the schedule's early-issued collectives overlap compute."""
@@ -98,99 +173,151 @@ class StepProgram:
         points = issue_points(self.schedule, self.interp.plan, kind, dist.get_rank())
         self.issued_early[kind] = issue_early(gm, points)
 
-    def _kept(self) -> set[str]:
-        g = self.graph
-        keep = {g.loss[0]} | {s for s, _ in g.buffer_updates.values()} | {s.node for s in self.saved}
-        keep |= {v[0] for v in g.grads.values() if v is not None}
-        return keep
+    # ------------------------------------------------------------------ values crossing stages
+    def _received(self, t, local: torch.Tensor) -> DTensor:
+        """A received value (this rank's rows in the wire layout) in the layout this stage planned for it."""
+        wire, planned = self.wires[t.k]
+        meta = torch.empty(t.info.shape, dtype=dtype_from_name(t.info.dtype), device="meta")
+        return redistribute(wrap_local(local, self.interp.mesh, wire, meta), planned)
+
+    def _outgoing(self, t, env: dict) -> torch.Tensor:
+        wire, _ = self.wires[t.k]
+        v = env[t.node][t.index]
+        return redistribute(v, wire).to_local().contiguous()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, params: list[torch.Tensor], buffers: list[torch.Tensor], inputs: list[torch.Tensor]):
-        """(loss, buffer updates, saved) as local tensors; records the program on the first call."""
-        args = [*params, *buffers, *inputs]
-        if _INTERPRET:
-            result = self._forward_body(args)
-        elif self._forward_fn is None:
-            self.forward_gm, result = record(lambda *flat: self._forward_body(flat), *args)
-            self._issue_early(self.forward_gm, ActionKind.FORWARD)
-            self._forward_fn = _maybe_compile(self.forward_gm, self.compile)
-        else:
-            result = self._forward_fn(*args)
-        n_up = len(self.graph.buffer_updates)
-        return result[0], list(result[1 : 1 + n_up]), list(result[1 + n_up :])
+    def forward(self, params: list, buffers: list, inputs: list, received: Sequence = ()) -> tuple:
+        """(loss or None, buffer updates, saved, values to send forward) as local tensors."""
+        self.num_model_inputs = len(inputs)
+        result = list(self._run("forward", self._forward_body, [*params, *buffers, *inputs, *received], FWD))
+        loss = result.pop(0) if self.graph.loss is not None else None
+        n_up, n_saved = len(self.graph.buffer_updates), len(self.saved)
+        return loss, result[:n_up], result[n_up : n_up + n_saved], result[n_up + n_saved :]
 
     def _forward_body(self, flat) -> tuple:
-        graph, interp = self.graph, self.interp
-        n_p = len(graph.param_names)
-        n_b = len(graph.buffer_names)
-        params = dict(zip(graph.param_names, flat[:n_p]))
-        buffers = dict(zip(graph.buffer_names, flat[n_p : n_p + n_b]))
-        inputs = flat[n_p + n_b :]
+        g, interp = self.graph, self.interp
+        n_p, n_b, n_i = len(g.param_names), len(g.buffer_names), self.num_model_inputs
+        params = dict(zip(g.param_names, flat[:n_p]))
+        buffers = dict(zip(g.buffer_names, flat[n_p : n_p + n_b]))
+        inputs = flat[n_p + n_b : n_p + n_b + n_i]
+        received = flat[n_p + n_b + n_i :]
         env: dict[str, tuple] = {}
         with torch.no_grad(), compat.no_transform_optimization():
             for leaf in self.leaves:
                 with tagged((leaf.index, -1)):
-                    env[leaf.name] = (self._leaf_value(leaf, params, buffers, inputs),)
+                    env[leaf.name] = (self._leaf(leaf, params, buffers, inputs, received),)
             interp.run(self.fwd_nodes, env, self._last_use)
-
-            ln, li = graph.loss
-            loss = redistribute(env[ln][li], replicated(interp.mesh.ndim)).to_local()
-            updates = [
-                redistribute(env[s][i], replicated(interp.mesh.ndim)).to_local()
-                for s, i in graph.buffer_updates.values()
+            out = []
+            if g.loss is not None:
+                ln, li = g.loss
+                out.append(redistribute(env[ln][li], replicated(interp.mesh.ndim)).to_local())
+            out += [
+                redistribute(env[s][i], replicated(interp.mesh.ndim)).to_local() for s, i in g.buffer_updates.values()
             ]
-            saved = [env[s.node][s.index] for s in self.saved]
+            saved = [env[s][i] for s, i in self.saved]
             self.saved_specs = [v._spec if isinstance(v, DTensor) else None for v in saved]
-            locals_ = [v._local_tensor if isinstance(v, DTensor) else v for v in saved]
-        return (loss, *updates, *locals_)
+            out += [v._local_tensor if isinstance(v, DTensor) else v for v in saved]
+            out += [self._outgoing(t, env) for t in self.send_fwd]
+        return tuple(out)
 
-    def _leaf_value(self, leaf, params: dict, buffers: dict, inputs) -> Any:
-        interp = self.interp
+    def _leaf(self, leaf, params: dict, buffers: dict, inputs, received) -> Any:
+        interp, g = self.interp, self.graph
         if leaf.kind == NodeKind.PARAM:
-            return wrap_local(params[leaf.fqn], interp.mesh, self._param_layout(leaf.fqn), _val(leaf))
+            return wrap_local(params[leaf.fqn], interp.mesh, interp.plan.param_layout(leaf.fqn), _val(leaf))
         if leaf.kind == NodeKind.BUFFER:
             return interp.leaf(leaf, buffers[leaf.fqn])
-        if leaf.kind == NodeKind.INPUT:
-            return interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
-        return interp.leaf(leaf, self.graph.consts[leaf.name])
+        if leaf.kind == NodeKind.CONST:
+            return interp.leaf(leaf, g.consts[leaf.name])
+        j = self.early.get(leaf.name)
+        if j is not None:
+            return self._received(self.recv_fwd[j], received[j])
+        if leaf.name.startswith(BOUNDARY + ":"):  # a model input or constant another stage reads first
+            src = self.whole[leaf.name[len(BOUNDARY) + 1 :].rpartition(":")[0]]
+            value = inputs[int(src.fqn.split(":")[1])] if src.kind == NodeKind.INPUT else self.whole.consts[src.name]
+            return interp.leaf(leaf, value)
+        return interp.leaf(leaf, inputs[int(leaf.fqn.split(":")[1])])
 
     # ------------------------------------------------------------------ backward
-    def backward(self, saved: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """This rank's piece of each trainable parameter's gradient, in the layout the backward produced it
-        (partial sums not yet reduced: :meth:`grad_sync` does that, once per step); None: no gradient."""
-        if _INTERPRET:
-            result = self._backward_body(saved)
-        elif self._backward_fn is None:
-            self.backward_gm, result = record(lambda *flat: self._backward_body(flat), *saved)
-            self._issue_early(self.backward_gm, ActionKind.BACKWARD)
-            self._backward_fn = _maybe_compile(self.backward_gm, self.compile)
-        else:
-            result = self._backward_fn(*saved)
-        it = iter(result)
+    def backward(self, saved: list, received: Sequence = ()) -> tuple[list, list]:
+        """(this rank's piece of each trainable parameter's gradient, in the layout the backward produced it —
+        partial sums unreduced: :meth:`grad_sync` does that once per step — or None; values to send backward)."""
+        it = iter(self._run("backward", self._backward_body, [*saved, *received], BWD))
+        return self._grads_of(it), list(it)
+
+    def _grads_of(self, it) -> list:
         return [next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable]
 
+    def _backward_env(self, flat) -> dict[str, tuple]:
+        """The backward's starting values: what the forward kept, then the gradients received (``B`` and ``I``)."""
+        n_saved = len(self.saved)
+        env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+        for t, local in zip(self.recv_bwd, flat[n_saved:]):
+            env.setdefault(t.boundary, {})[0] = self._received(t, local)
+        for name in self.zero_fill:
+            leaf = self.graph[name]
+            zeros = torch.zeros(leaf.out.shape, dtype=dtype_from_name(leaf.out.dtype), device=self.interp.device)
+            env[name] = {0: self.interp.leaf(leaf, zeros)}
+        return {k: _as_tuple(v) for k, v in env.items()}
+
+    def _grads_out(self, env: dict) -> list:
+        """This rank's part of each trainable parameter's gradient the stage computes (local tensors)."""
+        out = []
+        for fqn in self.trainable:
+            gr = self.graph.grads.get(fqn)
+            if gr is not None:
+                v = env[gr[0]][gr[1]]
+                out.append(v._local_tensor if isinstance(v, DTensor) else v)
+        return out
+
     def _backward_body(self, flat) -> tuple:
-        graph, interp = self.graph, self.interp
-        env: dict[str, tuple] = {}
         with torch.no_grad(), compat.no_transform_optimization():
-            for s, spec, local in zip(self.saved, self.saved_specs, flat):
-                value = DTensor(local, spec, requires_grad=False) if spec is not None else local
-                env.setdefault(s.node, {})[s.index] = value  # type: ignore[index]
+            env = self._backward_env(flat)
+            self.interp.run(self.bwd_nodes, env, self._last_use)
+            return tuple(self._grads_out(env) + [self._outgoing(t, env) for t in self.send_bwd])
+
+    # ------------------------------------------------------------------ backward split: I then W (zero bubble)
+    @staticmethod
+    def _env(pairs, specs, locals_) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for (s, i), spec, local in zip(pairs, specs, locals_):
+            env.setdefault(s, {})[i] = DTensor(local, spec, requires_grad=False) if spec is not None else local
+        return env
+
+    def backward_input(self, saved: list, received: Sequence) -> tuple[list, list]:
+        """``I``: (values to send backward, what ``W`` reads of this microbatch) as local tensors."""
+        result = list(self._run("input", self._input_body, [*saved, *received]))
+        n_out = len(self.send_bwd)
+        return result[:n_out], result[n_out:]
+
+    def _input_body(self, flat) -> tuple:
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._backward_env(flat)
+            self.interp.run(self.i_nodes, env, self._last_use_i)
+            out = [self._outgoing(t, env) for t in self.send_bwd]
+            kept = [env[s][i] for s, i in self.handoff]
+            self.handoff_specs = [v._spec if isinstance(v, DTensor) else None for v in kept]
+            out += [v._local_tensor if isinstance(v, DTensor) else v for v in kept]
+        return tuple(out)
+
+    def backward_weight(self, saved: list, handed: list) -> list:
+        """``W``: this rank's part of each trainable parameter's gradient (None: no gradient)."""
+        return self._grads_of(iter(self._run("weight", self._weight_body, [*saved, *handed])))
+
+    def _weight_body(self, flat) -> tuple:
+        n_saved = len(self.saved)
+        with torch.no_grad(), compat.no_transform_optimization():
+            env = self._env(self.saved, self.saved_specs, flat[:n_saved])
+            for k, v in self._env(self.handoff, self.handoff_specs, flat[n_saved:]).items():
+                env.setdefault(k, {}).update(v)
             env = {k: _as_tuple(v) for k, v in env.items()}
-            interp.run(self.bwd_nodes, env, self._last_use)
-            grads = []
-            for fqn in self.trainable:
-                g = graph.grads.get(fqn)
-                if g is not None:
-                    value = env[g[0]][g[1]]
-                    grads.append(value._local_tensor if isinstance(value, DTensor) else value)
-        return tuple(grads)
+            self.interp.run(self.w_nodes, env, self._last_use_w)
+            return tuple(self._grads_out(env))
 
     # ------------------------------------------------------------------ duplex: two microbatches in one program
     def has_pair(self, kind: ActionKind) -> bool:
         """Whether phase `kind` is recorded, so its two-microbatch program can be built (the first step runs
         the microbatches one after the other)."""
-        return not _INTERPRET and (self.forward_gm if kind == ActionKind.FORWARD else self.backward_gm) is not None
+        return not _INTERPRET and (self.forward_gm if kind == FWD else self.backward_gm) is not None
 
     def _starts(self, kind: ActionKind) -> list[int]:
         import torch.distributed as dist
@@ -205,9 +332,7 @@ class StepProgram:
             names = self.graph.buffer_names
             chain = {n_p + names.index(fqn): 1 + k for k, fqn in enumerate(self.graph.buffer_updates)}
             leaves = {leaf.index for leaf in self.leaves}
-            self.forward_pair_gm = interleave(
-                self.forward_gm, self._starts(ActionKind.FORWARD), leaves, shared=n_p + n_b, chain=chain
-            )
+            self.forward_pair_gm = interleave(self.forward_gm, self._starts(FWD), leaves, shared=n_p + n_b, chain=chain)
             self._forward_pair_fn = _maybe_compile(self.forward_pair_gm, self.compile)
         result = self._forward_pair_fn(*params, *buffers, *inputs0, *inputs1)
         half = len(result) // 2
@@ -218,36 +343,24 @@ class StepProgram:
         """:meth:`backward` of two microbatches as one interleaved program: both microbatches' gradients."""
         if self._backward_pair_fn is None:
             leaves = {leaf.index for leaf in self.leaves}
-            self.backward_pair_gm = interleave(self.backward_gm, self._starts(ActionKind.BACKWARD), leaves)
+            self.backward_pair_gm = interleave(self.backward_gm, self._starts(BWD), leaves)
             self._backward_pair_fn = _maybe_compile(self.backward_pair_gm, self.compile)
         result = self._backward_pair_fn(*saved0, *saved1)
         half = len(result) // 2
-        out = []
-        for r in (result[:half], result[half:]):
-            it = iter(r)
-            out.append([next(it) if self.graph.grads.get(fqn) is not None else None for fqn in self.trainable])
-        return out[0], out[1]
+        return self._grads_of(iter(result[:half])), self._grads_of(iter(result[half:]))
 
     # ------------------------------------------------------------------ gradient synchronisation
     def grad_sync(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Each gradient (as :meth:`backward` left it, summed over microbatches) resharded into its
-        parameter's layout: the plan's ``grad:`` collectives, once per step."""
-        present = [g for g in grads if g is not None]
-        if _INTERPRET:
-            result = self._grad_sync_body(present)
-        elif self._grad_sync_fn is None:
-            self.grad_sync_gm, result = record(lambda *flat: self._grad_sync_body(flat), *present)
-            self._grad_sync_fn = _maybe_compile(self.grad_sync_gm, self.compile)
-        else:
-            result = self._grad_sync_fn(*present)
-        it = iter(result)
-        return [next(it) if g is not None else None for g in grads]
+        """Each gradient (as the backward left it, summed over microbatches) resharded into its parameter's
+        layout: the plan's ``grad:`` collectives, once per step."""
+        it = iter(self._run("grad_sync", self._grad_sync_body, [x for x in grads if x is not None]))
+        return [next(it) if x is not None else None for x in grads]
 
     def _grad_sync_body(self, flat) -> tuple:
         return synced_grads(self.graph, self.interp, self.trainable, flat)
 
-    def _param_layout(self, fqn: str):
-        return self.interp.plan.param_layout(fqn)
+
+FWD, BWD = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
 def split_phases(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,15 +34,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner.plan import Plan
-from meshpilot.planner.schedule import Action, ActionKind, interleaved
-from meshpilot.runtime.collective_log import phase_scope
+from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
-from meshpilot.runtime.program import StepProgram
+from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
+
+if TYPE_CHECKING:
+    from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 
 def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
@@ -150,60 +152,32 @@ class _Step(torch.autograd.Function):
 
 
 class _ScheduleRun:
-    """One step of a :class:`~meshpilot.planner.schedule.Schedule` on this rank: the global batch cut into
-    the schedule's microbatches (dim 0 of every input), each action run in order.
-
-    The loss is the mean of the microbatches' losses and each microbatch's gradients are scaled by 1/M, so
-    with equal microbatches and a loss that averages over its batch the step equals the full-batch step
-    (BatchNorm normalises each microbatch by its own statistics: the semantics of gradient accumulation).
-    Issue and wait actions are not run here: they place the collectives inside the recorded programs
-    (``meshpilot.runtime.program``). A phase whose node ranges alternate between the two microbatches (the
-    ``duplex`` schedule) runs as one program holding both, interleaved (``meshpilot.runtime.duplex``)."""
+    """One step of the plan's schedule on this rank: the one loop over its actions (``runtime.executor``) on the
+    module's one stage, split where autograd needs it — the actions up to the loss in ``forward``, the rest in
+    ``backward`` — and the gradients handed to autograd as DTensors, times the loss' gradient."""
 
     def __init__(self, pm: ParallelModule, inputs: tuple) -> None:
         self.pm = pm
-        sched = pm.schedule
-        self.actions: list[Action] = []
-        mine = sched.actions(dist.get_rank())
-        # a duplex phase (microbatches alternating stage by stage) runs as one two-microbatch program
-        self.paired = {k for k in (ActionKind.FORWARD, ActionKind.BACKWARD) if interleaved(mine, k)}
-        if self.paired and sched.microbatches != 2:
-            raise UserError(
-                f"schedule {sched.name!r} interleaves {sched.microbatches} microbatches within a phase; the runtime "
-                "interleaves exactly 2 (meshpilot.planner.schedule.duplex)"
-            )
-        for a in mine:  # a phase's node ranges are one program run
-            if a.kind in self.paired:
-                if not any(b.kind == a.kind for b in self.actions):
-                    self.actions.append(Action(a.kind, 0))
-            elif a.kind in _EXECUTED and not (
-                self.actions and a.nodes is not None and (a.kind, a.microbatch) == _key(self.actions[-1])
-            ):
-                self.actions.append(a)
-        self.m = sched.microbatches
+        actions, paired = executed_actions(pm.schedule, dist.get_rank())
         if pm._cudagraphs:  # the last step's outputs are dead: CUDA graphs may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
-        self.inputs = [x.chunk(self.m) for x in inputs] if self.m > 1 else [(x,) for x in inputs]
-        self.losses: dict[int, torch.Tensor] = {}
-        self.saved: dict[int, list] = {}
-        self.grads: list | None = None
-        self.synced: list | None = None
-        self.next = 0
+        params = [p._local_tensor for p in pm._params]
+        self.run = StepRun(
+            actions, paired, {0: pm.program}, {0: params}, pm._buffers_by_name, inputs, pm.schedule.microbatches
+        )
 
     def until_loss(self) -> None:
-        last_forward = max(i for i, a in enumerate(self.actions) if a.kind == ActionKind.FORWARD)
-        self._run(last_forward + 1)
+        self.run.until_loss()
 
     def loss(self) -> torch.Tensor:
-        losses = [self.losses[m] for m in range(self.m)]
-        loss = (losses[0] if self.m == 1 else torch.stack(losses).mean()).detach()
+        loss = self.run.loss().detach()
         return loss.clone() if self.pm._cudagraphs else loss  # outlives the graph's memory
 
     def finish(self, gout: torch.Tensor | None) -> list:
         """The rest of the step; the parameters' gradients (DTensors), times the loss' gradient `gout`."""
-        self._run(len(self.actions))
+        self.run.run()
         pm = self.pm
-        grads = list(self.synced or [None] * len(pm._trainable))
+        grads = list(self.run.synced.get(0) or [None] * len(pm._trainable))
         at = [i for i, g in enumerate(grads) if g is not None]
         if gout is not None and at and gout.device.type != "cpu":
             # Scaled on the device: reading `gout` (1 for loss.backward()) on the host would wait for the whole
@@ -228,65 +202,12 @@ class _ScheduleRun:
             out.append(DTensor(g, pm.module.get_parameter(fqn)._spec, requires_grad=False) if g is not None else None)
         return out
 
-    def _run(self, stop: int) -> None:
-        while self.next < stop:
-            a = self.actions[self.next]
-            self.next += 1
-            with phase_scope(Phase.FWD if a.kind == ActionKind.FORWARD else Phase.BWD):
-                self._run_action(a)
-
-    def _run_action(self, a: Action) -> None:
-        pm = self.pm
-        if a.kind in self.paired and pm.program.has_pair(a.kind):
-            self._run_pair(a.kind)
-        elif a.kind in self.paired:  # the first step records the one-microbatch program: one after the other
-            for m in (0, 1):
-                self._run_single(Action(a.kind, m))
-        else:
-            self._run_single(a)
-
-    def _run_single(self, a: Action) -> None:
-        pm = self.pm
-        if a.kind == ActionKind.FORWARD:
-            mb = [chunks[a.microbatch] for chunks in self.inputs]
-            self.losses[a.microbatch], self.saved[a.microbatch] = pm._forward(mb)
-        elif a.kind == ActionKind.BACKWARD:
-            self._accumulate(pm.program.backward(self.saved.pop(a.microbatch)))
-        else:  # gradient synchronisation
-            self.synced = pm.program.grad_sync(self.grads or [])
-
-    def _accumulate(self, grads: list) -> None:
-        if self.m > 1:
-            grads = [g / self.m if g is not None else None for g in grads]
-        self.grads = grads if self.grads is None else [_add(x, y) for x, y in zip(self.grads, grads)]
-
-    def _run_pair(self, kind: ActionKind) -> None:
-        """Both microbatches of a duplex phase in one interleaved program (``meshpilot.runtime.duplex``)."""
-        pm = self.pm
-        if kind == ActionKind.FORWARD:
-            results = pm._forward_pair([chunks[0] for chunks in self.inputs], [chunks[1] for chunks in self.inputs])
-            for m, (loss, saved) in enumerate(results):
-                self.losses[m], self.saved[m] = loss, saved
-        else:
-            for grads in pm.program.backward_pair(self.saved.pop(0), self.saved.pop(1)):
-                self._accumulate(grads)
-
-
-_EXECUTED = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.GRAD_SYNC})
 
 # Programs depend on the plan, the captured graph, the mesh and this rank, not on the parameters' values (the
 # programs take them as inputs): a second model parallelized with the same plan and graph (a restart, a
 # second optimizer's run in a test) reuses the recorded programs instead of recording them again.
-_PROGRAMS: dict[tuple, tuple[Plan, StepProgram]] = {}
+_PROGRAMS: dict[tuple, tuple[Plan, StageProgram]] = {}
 _MAX_PROGRAMS = 16
-
-
-def _key(a: Action) -> tuple:
-    return (a.kind, a.microbatch)
-
-
-def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
-    return y if x is None else x if y is None else x + y
 
 
 def distribute_parameters(
@@ -344,7 +265,7 @@ class ParallelModule(torch.nn.Module):
         cached = _PROGRAMS.get(key)
         if cached is None or cached[0] is not plan and cached[0].to_json() != key[1]:
             interp = Interpreter(graph, plan, mesh, self.device)
-            program = StepProgram(interp, self._trainable, compile=compile, schedule=self.schedule)
+            program = StageProgram(interp, self._trainable, compile=compile, schedule=self.schedule)
             cached = _PROGRAMS[key] = (plan, program)
             while len(_PROGRAMS) > _MAX_PROGRAMS:
                 del _PROGRAMS[next(iter(_PROGRAMS))]
@@ -368,9 +289,15 @@ class ParallelModule(torch.nn.Module):
             params = [p for p, fqn in zip(self._params, self.graph.param_names) if p.requires_grad]
             return _Step.apply(self, inputs, *params)
         run = _ScheduleRun(self, inputs)
-        for m in range(run.m):
-            run.losses[m], _ = self._forward([chunks[m] for chunks in run.inputs])
+        run.run.forward_only()
         return run.loss()
+
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One training step on the full global batch: the loss (replicated: every rank has it), the gradients
+        added to ``.grad``. The same call as a pipeline's (``PlannedPipelineModule.train_step``)."""
+        loss = self(*inputs)
+        loss.backward()
+        return loss.detach()
 
     def _check_inputs(self, inputs: tuple) -> tuple:
         graph, m = self.graph, self.schedule.microbatches
@@ -391,25 +318,6 @@ class ParallelModule(torch.nn.Module):
             out.append(x.to(self.device, want, non_blocking=True))
         return tuple(out)
 
-    def _forward_pair(self, inputs0: list, inputs1: list) -> list[tuple[torch.Tensor, list]]:
-        """Two microbatches' forwards as one duplex program: (loss, saved) of each; buffers updated by both."""
-        params = [p._local_tensor for p in self._params]
-        buffers = [self._buffers_by_name[n] for n in self.graph.buffer_names]
-        results = self.program.forward_pair(params, buffers, list(inputs0), list(inputs1))
-        with torch.no_grad():
-            for fqn, value in zip(self.graph.buffer_updates, results[1][1]):
-                self._buffers_by_name[fqn].copy_(value)
-        return [(loss.detach(), saved) for loss, _, saved in results]
-
-    def _forward(self, inputs: list) -> tuple[torch.Tensor, list]:
-        params = [p._local_tensor for p in self._params]
-        buffers = [self._buffers_by_name[n] for n in self.graph.buffer_names]
-        loss, updates, saved = self.program.forward(params, buffers, list(inputs))
-        with torch.no_grad():
-            for fqn, value in zip(self.graph.buffer_updates, updates):
-                self._buffers_by_name[fqn].copy_(value)
-        return loss.detach(), saved
-
 
 def parallelize(
     model: torch.nn.Module,
@@ -420,8 +328,14 @@ def parallelize(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     graph: OpGraph | None = None,
     compile: bool | str = False,
-) -> ParallelModule:
+    inputs: Sequence[torch.Tensor] | None = None,
+) -> ParallelModule | PlannedPipelineModule:
     """Make `model` run `plan` on the current process group (see the module docstring).
+
+    `plan` is a one-stage :class:`~meshpilot.planner.plan.Plan` or a
+    :class:`~meshpilot.planner.pipeline.PipelinePlan`: a pipeline runs each stage's plan on its own submesh
+    (``runtime.pipeline.pipeline_parallelize``, `inputs` an example global batch, `graph` a capture at one
+    microbatch; no `mesh` or `loss_fn`). Either module's ``train_step(*batch)`` is one training step.
 
     The mesh's device is the model's (``device=`` moves the model there first; ``mesh=`` gives the mesh).
     `loss_fn` must be the one given to ``meshpilot.plan`` (if any). The model's parameters are replaced by
@@ -431,8 +345,11 @@ def parallelize(
     the step's programs through ``torch.compile`` (a string names its backend: ``"cudagraphs"`` replays the
     same kernels as CUDA graphs, for a step that Python launches slower than the GPU runs it).
     """
+    from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.validate import validate_plan
 
+    if isinstance(plan, PipelinePlan):
+        return _parallelize_pipeline(model, plan, mesh, device, loss_fn, graph, compile, inputs)
     register_dtensor_strategies()
     if not dist.is_initialized():
         raise UserError(
@@ -460,6 +377,22 @@ def parallelize(
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
+
+
+def _parallelize_pipeline(model, plan, mesh, device, loss_fn, graph, compile, inputs) -> PlannedPipelineModule:
+    """:func:`parallelize` of a pipeline plan: every stage on its own submesh (``runtime.pipeline``)."""
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    if mesh is not None or loss_fn is not None:
+        raise UserError(
+            "a pipeline plan builds one mesh per stage and takes the model's own loss; leave mesh= and loss_fn= out"
+        )
+    if inputs is None:
+        raise UserError("a pipeline plan needs inputs= (an example global batch) to cut its microbatches")
+    if device is not None:
+        model.to(torch.device(device))
+    dev = model_device(model)
+    return pipeline_parallelize(model, [x.to(dev) for x in inputs], plan, graph=graph, compile=compile)
 
 
 def is_random_op(target: str) -> bool:

@@ -4,8 +4,9 @@ All paths build the model from the same seed and feed the same batches, and step
 their losses are comparable step by step: `train_single` (one device), `train_atp`
 (ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
 `meshpilot.parallelize`). `train_model` is the same loop for any model (``hf:<name>``, a factory, a zoo
-model): single-device, or under a plan. `train_pipeline` runs a GPT under a pipeline plan
-(``meshpilot.runtime.pipeline``: stages on submeshes, microbatches on the plan's schedule).
+model): single-device, or under a plan. A plan is a one-stage ``Plan`` or a ``PipelinePlan`` alike: both run
+through ``meshpilot.parallelize``, whose module's ``train_step`` is the step on every rank (a pipeline's loss
+sent from its last stage), so one loop (:func:`_loop`) trains, checkpoints and resumes either.
 
 `device` is where the model runs (``cuda:LOCAL_RANK`` on a GPU, with an NCCL group). `precision` is how:
 ``fp32``; ``bf16`` (the model cast to bfloat16, AdamW's states with it); ``bf16-mixed`` (float32 master
@@ -17,7 +18,7 @@ own precision, which ``meshpilot.parallelize`` follows (the casts of bf16-mixed 
 samples p .. p + batch - 1. Every rank builds the same global batch (the runtime takes its slice), so a run
 resumed at position p on another world size or plan sees exactly the batches the uninterrupted run saw.
 
-**Checkpoints.** `train_plan`, `train_model` and `train_pipeline` (a plan holding its stages' plans) take
+**Checkpoints.** `train_plan` and `train_model` take
 ``checkpoint=`` (a
 :class:`~meshpilot.runtime.checkpoint.Checkpointing`): resume from its checkpoint before the first step,
 save every N steps, after the last, and on SIGTERM (:mod:`meshpilot.runtime.checkpoint`). `on_step` sees
@@ -35,7 +36,6 @@ from typing import Any
 
 import torch
 
-from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.models.gpt import GPT, GPTConfig
 from meshpilot.runtime.data import ByteText
@@ -127,7 +127,8 @@ def _adamw_steps(
     data: ByteText | None = None,
     microbatches: int = 1,
 ) -> list[StepLog]:
-    """`steps` AdamW steps of `model` (whose call returns the replicated loss) on the full global batches."""
+    """`steps` AdamW steps of `model` (a parallelized model, or one whose call returns the loss) on the full
+    global batches."""
     return _loop(
         model,
         lambda position: batch_at(cfg, position, seed, data),
@@ -175,7 +176,9 @@ def _loop(
             if reseed is not None:
                 torch.manual_seed(reseed + i)
             t0 = time.perf_counter()
-            if microbatches == 1:
+            if hasattr(model, "train_step"):  # under a plan, one-stage or pipelined: the step on every rank
+                loss = model.train_step(*inputs)
+            elif microbatches == 1:
                 with autocast(precision, device):
                     out = model(*inputs)
                 loss = _loss_of(out)
@@ -277,90 +280,20 @@ def train_plan(
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
 ) -> list[StepLog]:
-    """A :class:`~meshpilot.planner.plan.Plan` for the GPT `cfg` run by ``meshpilot.parallelize``.
+    """A plan for the GPT `cfg` — a :class:`~meshpilot.planner.plan.Plan` or a
+    :class:`~meshpilot.planner.pipeline.PipelinePlan` — run by ``meshpilot.parallelize`` (in the plan's
+    precision).
 
     Call on every rank of an initialised process group whose size is the plan's device count. Every rank
-    passes the full global batch (the runtime takes its local slice) and gets the replicated loss, which is
-    the single-device loss. `graph` reuses a capture of the model at the plan's shapes. `checkpoint`: see
-    the module docstring.
+    passes the full global batch (the runtime takes its local slice) and gets the loss on every rank, which is
+    the single-device loss (of gradient accumulation over the plan's microbatches). `graph` reuses a capture
+    of the model at one microbatch. `checkpoint`: see the module docstring.
     """
     from meshpilot.runtime.spmd import parallelize
 
-    model = parallelize(reference_model(cfg, seed), plan, device=device, graph=graph)  # it follows plan.precision
+    example = batch_at(cfg, 0, seed, data)  # a pipeline's stages are cut for one microbatch of this batch
+    model = parallelize(reference_model(cfg, seed), plan, device=device, graph=graph, inputs=example)
     return _adamw_steps(model, cfg, steps, seed, lr, device, checkpoint=checkpoint, on_step=on_step, data=data)
-
-
-def train_pipeline(
-    cfg: GPTConfig | None,
-    plan,
-    steps: int,
-    seed: int = 0,
-    lr: float = 1e-3,
-    graph=None,
-    device: Any = "cpu",
-    *,
-    checkpoint: Any = None,
-    on_step: Callable[[StepLog], None] | None = None,
-    data: ByteText | None = None,
-    build: Callable[[Any], Any] | None = None,
-) -> list[StepLog]:
-    """A :class:`~meshpilot.planner.pipeline.PipelinePlan` for the GPT `cfg` — or, with `build`, for any model
-    (``build(device)`` a seeded :class:`~meshpilot.models.sources.Built`, as :func:`train_model` takes it) — run
-    by ``meshpilot.runtime.pipeline.pipeline_parallelize`` (each stage its own intra-operator plan when the
-    plan holds them, else data parallel), AdamW on this rank's stage's parameters. Call on every rank of an
-    initialised process group of the plan's device count; every rank passes the full global batch (the plan's
-    microbatches of one microbatch each) and gets the step's loss, which the last stage computes and sends to
-    every rank: the single-device loss of gradient accumulation over the microbatches. `graph` reuses a
-    capture of one microbatch's step. With `checkpoint` (a plan that holds its stages' plans) the run starts
-    where its checkpoint left off and saves as it is told, as :func:`_loop`'s."""
-    import torch.distributed as dist
-
-    from meshpilot.runtime.pipeline import PipelineModule, pipeline_parallelize
-
-    device = torch.device(device)
-    if build is not None:
-        built = build(device)
-        model, batch, size = built.model, _batch_source(built, seed, data), built.batch_size
-    else:
-        model, size = reference_model(cfg, seed).to(device), cfg.batch
-
-        def batch(position: int) -> tuple:
-            return batch_at(cfg, position, seed, data)
-
-    pm = pipeline_parallelize(model, batch(0), plan, graph=graph)
-    if checkpoint is not None and isinstance(pm, PipelineModule):
-        raise UserError(
-            "checkpoints of a pipeline need its stages' plans (data-parallel stages are not checkpointed); save the "
-            "plan with `meshpilot plan --pipeline --out`"
-        )
-    opt = adamw(pm.parameters(), lr)
-    last = plan.stages[-1].ranks[0]
-    logs: list[StepLog] = []
-    start, position = 0, 0
-    with checkpoint if checkpoint is not None else contextlib.nullcontext():
-        if checkpoint is not None:
-            start, position, done = checkpoint.restore(pm, opt)
-            logs = [StepLog.of(d) for d in done]
-        for i in range(start, steps):
-            inputs = tuple(x.to(device) for x in batch(position))
-            t0 = time.perf_counter()
-            loss = pm.step(*inputs)
-            opt.step()
-            opt.zero_grad()
-            seen = torch.zeros((), device=device) if loss is None else loss.detach().float().clone()
-            if loss is not None and isinstance(pm, PipelineModule) and pm.group is not None:
-                dist.all_reduce(seen, group=pm.group)  # data-parallel stages: each rank holds its rows' mean
-                seen /= pm.d
-            dist.broadcast(seen, src=last)
-            logs.append(StepLog(i, float(seen), time.perf_counter() - t0))
-            position += size
-            if on_step is not None:
-                on_step(logs[-1])
-            if checkpoint is not None:
-                checkpoint.after_step(
-                    pm, opt, step=i + 1, position=position, logs=[x.__dict__ for x in logs], last=i + 1 == steps
-                )
-    return logs
 
 
 def train_model(
@@ -376,27 +309,30 @@ def train_model(
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
     microbatches: int = 1,
+    graph: Any = None,
 ) -> list[StepLog]:
     """`steps` AdamW steps of any model: ``build(device)`` returns a
     :class:`~meshpilot.models.sources.Built` (seeded: the same on every rank), fed ``built.batches``.
 
-    With `plan` (every rank of an initialised group) the model runs under ``meshpilot.parallelize`` in the
-    plan's precision; without, on `device` alone in `precision` (the single-device reference). The RNG is
+    With `plan` (every rank of an initialised group; a one-stage or a pipeline plan, `graph` a capture of the
+    model at one microbatch) the model runs under ``meshpilot.parallelize`` in the plan's precision; without,
+    on `device` alone in `precision` (the single-device reference). The RNG is
     reseeded before each step, so dropout draws the same numbers in both. `checkpoint`, `on_step`: see the
     module docstring.
     """
     built = build(torch.device(device))
     model = built.model
+    source = _batch_source(built, seed, data)
     if plan is not None:
         from meshpilot.runtime.spmd import parallelize
 
         precision = None  # the plan's graph has it
-        model = parallelize(model, plan)
+        model = parallelize(model, plan, graph=graph, inputs=source(0))
     else:
         model = _as_precision(model, precision)
     return _loop(
         model,
-        _batch_source(built, seed, data),
+        source,
         built.batch_size,
         steps,
         lr,
