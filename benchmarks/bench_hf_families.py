@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--run", action="store_true", help="also run the planned families on 4 gloo ranks")
     ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
+    ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -194,6 +195,8 @@ def main() -> None:
     if not args.table:
         only = set(filter(None, args.only.split(",")))
         fams = [f for f in families(tuple(args.kinds.split(","))) if not only or f.model_type in only]
+        i, n = map(int, args.shard.split("/"))
+        fams = fams[i::n]
         print(f"transformers {transformers.__version__}: {len(fams)} families", flush=True)
         plan_phase(fams, settings, out, args.limit)
         if args.run:

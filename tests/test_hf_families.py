@@ -68,10 +68,10 @@ def test_sample_covers_every_head_class():
 
 
 def test_tiny_overrides_keep_the_architecture():
-    from meshpilot.models.hf_families import tiny_overrides
+    from meshpilot.models.hf_families import Family, config_for, tiny_overrides
 
-    falcon = tiny_overrides("falcon")
-    assert falcon["num_attention_heads"] == 4 and "num_kv_heads" not in falcon  # multi-query (1 kv head) kept
+    falcon = config_for(Family("falcon", "FalconForCausalLM", "causal"), tiny_overrides("falcon"))
+    assert falcon.num_attention_heads == 4 and falcon.multi_query and falcon.parallel_attn  # MQA, parallel block
     assert tiny_overrides("llama")["num_hidden_layers"] == 2
     mistral = tiny_overrides("mistral")
     assert mistral["num_key_value_heads"] < mistral["num_attention_heads"]  # grouped-query kept

@@ -3,9 +3,10 @@
 DTensor registers its pointwise strategy (every operand and the output in one layout, shards on any dim,
 partial sums through linear ops only) for ops tagged ``torch.Tag.pointwise`` and a short list of extras.
 Some activation backwards compute ``grad_input[i] = f(grad_output[i], x[i])`` elementwise but carry no tag
-(``softplus_backward``: xIELU, Apertus' activation), so a captured graph that uses them fell back to full
-replicas. Each op listed here reads and writes one element per position of operands of one shape, which is
-what the pointwise strategy assumes; it is exact under any sharding of that shape.
+(``softplus_backward``: xIELU, Apertus' activation), nor does ``masked_fill`` with a 0-d tensor value (CPM-Ant),
+so a captured graph that used them fell back to full replicas. Each op listed here reads and writes one element
+per position of operands of one (broadcast) shape, which is what the pointwise strategy assumes; it is exact
+under any sharding of that shape.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from meshpilot import compat
 aten = torch.ops.aten
 
 REGISTER_POINTWISE = "torch.distributed.tensor._ops._pointwise_ops._register_single_dim_pointwise"
-# elementwise backwards without the pointwise tag: (grad_output, self, *scalars)
+# elementwise ops without the pointwise tag: backwards (grad_output, self, *scalars), and masked_fill with a
+# 0-d tensor value (CPM-Ant's attention mask; its Scalar overload is tagged), the 0-d operand broadcast
 OPS = (
     aten.softplus_backward.default,
     aten.softshrink_backward.default,
     aten.hardshrink_backward.default,
-    aten.logit_backward.default,
     aten.elu_backward.default,
     aten.mish_backward.default,
+    aten.masked_fill.Tensor,
 )
 
 
