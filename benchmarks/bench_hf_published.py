@@ -74,7 +74,7 @@ def main() -> None:
     from meshpilot.models.hf_families import PUBLISHED
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="names of PUBLISHED (comma-separated)")
+    ap.add_argument("--only", default="", help="names of PUBLISHED (comma-separated), planned in this order")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default="/tmp/hf_published.jsonl")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
@@ -82,7 +82,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     out = Path(args.out)
     if not args.table:
-        for name in [n for n in PUBLISHED if not args.only or n in args.only.split(",")]:
+        for name in args.only.split(",") if args.only else list(PUBLISHED):  # in the order given
             row = plan_one(name, args.batch)
             with out.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")

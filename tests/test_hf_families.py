@@ -3,7 +3,7 @@
 StableLM, Mistral, Falcon, Mixtral and BART, with its default configuration made tiny by key names (the
 architecture's flags kept: Falcon's multi-query attention and parallel block, Phi's partial rotary, GPT-Neo's
 local attention, Mixtral's experts, BART's encoder-decoder), dropout off, ``use_cache=False`` and sdpa
-attention; GPT-2, Llama and BART also with ``use_cache=True`` and eager attention.
+attention; GPT-2 and Llama also with ``use_cache=True`` and eager attention.
 
 Pure (one process): each plans on a (2, 2) mesh of ``dgx-h100`` with no fallback.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import lockstep_adamw, run_distributed
 
@@ -28,7 +27,7 @@ MESH = (2, 2)
 SAMPLE = ("gpt2", "gpt_neo", "gptj", "gpt_neox", "llama", "qwen2", "phi", "stablelm", "mistral", "falcon")
 SAMPLE += ("mixtral", "bart")
 # (use_cache, attention) beyond the default (False, sdpa), for the families of these model types
-MORE_SETTINGS = {"gpt2": [(True, "sdpa"), (False, "eager")], "llama": [(True, "eager")], "bart": [(True, "sdpa")]}
+MORE_SETTINGS = {"gpt2": [(True, "eager")], "llama": [(True, "sdpa"), (False, "eager")]}
 pytestmark = pytest.mark.timeout(1200)
 
 
@@ -138,14 +137,17 @@ def test_every_sample_family_equals_single_device(runs):
                 bad.append(f"{what}: loss {max(r['loss']):.2g} gradient {max(r['grad']):.2g}")
             elif not all(r["counts_equal"]) or r["mismatches"]:
                 bad.append(f"{what}: collectives differ from the plan's")
+    print("\n".join(bad))
     assert not bad, bad
 
 
 def test_published_sizes_table_is_consistent():
     """Every published size names a family of the installed transformers and overrides real config keys."""
-    from meshpilot.models.hf_families import PUBLISHED, published_config
+    from meshpilot.models.hf_families import PUBLISHED, published, published_config
 
     for name in PUBLISHED:
+        fam, over, _ = published(name)
         cfg = published_config(name)
-        assert cfg.num_hidden_layers >= 24, name
-    assert torch.__version__  # the published configs build without allocating (meta device): see the benchmark
+        for key, value in over.items():
+            assert getattr(cfg, key) == value, (name, key)  # each published value reached the configuration
+    assert published_config("falcon-7b").num_attention_heads == 71

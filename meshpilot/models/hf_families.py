@@ -392,7 +392,7 @@ PUBLISHED: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "pythia-6.9b": (
         "gpt_neox", "GPTNeoXForCausalLM",
         dict(hidden_size=4096, num_attention_heads=32, num_hidden_layers=32, intermediate_size=16384,
-             vocab_size=50432, rotary_pct=0.25, use_parallel_residual=True, max_position_embeddings=2048),
+             vocab_size=50432, use_parallel_residual=True, max_position_embeddings=2048),
         2048,
     ),
     "falcon-7b": (
@@ -431,13 +431,14 @@ PUBLISHED: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "phi-2": (
         "phi", "PhiForCausalLM",
         dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_hidden_layers=32,
-             vocab_size=51200, partial_rotary_factor=0.4, max_position_embeddings=2048),
+             vocab_size=51200, max_position_embeddings=2048,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
         2048,
     ),
     "stablelm-3b-4e1t": (
         "stablelm", "StableLmForCausalLM",
         dict(hidden_size=2560, intermediate_size=6912, num_attention_heads=32, num_key_value_heads=32,
-             num_hidden_layers=32, vocab_size=50304, partial_rotary_factor=0.25, max_position_embeddings=4096),
+             num_hidden_layers=32, vocab_size=50304, max_position_embeddings=4096),
         2048,
     ),
     "smollm-135m": (
