@@ -151,3 +151,26 @@ def test_published_sizes_table_is_consistent():
         for key, value in over.items():
             assert getattr(cfg, key) == value, (name, key)  # each published value reached the configuration
     assert published_config("falcon-7b").num_attention_heads == 71
+
+
+def test_a_branch_on_tensor_values_is_one_line_naming_its_source_line():
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if (y > 0).any():  # the line the message must name
+                y = y * 2
+            return y.sum()
+
+    with pytest.raises(CaptureError) as err:
+        capture(Branchy(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "reads a tensor's value" in text and "use_cache=False" in text
+    assert "test_hf_families.py:" in text
