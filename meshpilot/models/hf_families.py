@@ -121,6 +121,8 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
             new_list = _tiny_list(k, v)
             if new_list is not None:
                 out[k] = new_list
+    if any(_int(d.get(k)) for k in _EXPERT_KEYS):  # a default that leaves top-k unset (DeepSeek-V2's): two
+        out.update({k: 2 for k in _TOPK_KEYS if k in d and d[k] is None})
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
     for k, v in d.items():  # per-layer patterns written as [[pattern, repeats], …] (GPT-Neo's attention_types)
         if layers and _is_layer_pattern(v) and sum(len(p) * n for p, n in v) == layers:
