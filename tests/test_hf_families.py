@@ -28,7 +28,7 @@ SAMPLE = ("gpt2", "gpt_neo", "gptj", "gpt_neox", "llama", "qwen2", "phi", "stabl
 SAMPLE += ("mixtral", "bart")
 # (use_cache, attention) beyond the default (False, sdpa), for the families of these model types
 MORE_SETTINGS = {"gpt2": [(True, "eager")], "llama": [(True, "sdpa"), (False, "eager")]}
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(1800)  # as test_hf_models: the fixtures plan and run every case at once
 
 
 def _cases() -> list[tuple]:
@@ -119,7 +119,7 @@ def runs(outcomes):
     keys = [k for k, (_, o) in outcomes.items() if o.ok]
     jobs = [(f.name, f.kind, c, a, outcomes[(f, c, a)][0], outcomes[(f, c, a)][1].plan.to_json()) for f, c, a in keys]
     t0 = time.perf_counter()
-    per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1100)
+    per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700)
     print(f"\n{len(jobs)} sample runs on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
     return {k: [r[i] for r in per_rank] for i, k in enumerate(keys)}
 
