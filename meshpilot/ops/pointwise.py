@@ -27,6 +27,7 @@ OPS = (
     aten.elu_backward.default,
     aten.mish_backward.default,
     aten.masked_fill.Tensor,
+    aten.polar.default,  # complex rotary tables (DeepSeek-V2): polar(abs, angle) element by element
 )
 
 
