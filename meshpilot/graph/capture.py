@@ -505,8 +505,15 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     place = " ".join(p for p in (f"in {module or 'the model'}", f"({where})" if where else "") if p)
     name = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else name
+    op = getattr(e, "func", None)
+    if "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name:
+        return (
+            f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
+            "bool()): a branch on data capture cannot follow; choose the setting that takes the static path "
+            "(for transformers models a config flag such as use_cache=False, attn_implementation=sdpa or "
+            "experts_implementation=meshpilot) or write the branch with torch.where"
+        )
     if "DynamicOutputShape" in name or "DataDependent" in name or "data-dependent" in text.lower():
-        op = getattr(e, "func", None)
         what = f"{op}" if op is not None else "an op whose output shape depends on tensor values"
         return (
             f"cannot capture the model: {what} {place} has a data-dependent output shape (nonzero, boolean-mask "

@@ -15,6 +15,8 @@ module                            ops
                                   backward, and running statistics exactly as one device computes them
 :mod:`~meshpilot.ops.attention`   the device-generic ``meshpilot::sdpa`` pair (a custom op: its strategies
                                   live in DTensor's propagator, DTensor runs it)
+:mod:`~meshpilot.ops.pointwise`   DTensor's pointwise strategy for untagged elementwise backwards
+                                  (``softplus_backward``, …)
 :mod:`~meshpilot.ops.moe`         dropless top-k experts ``meshpilot::moe_experts`` pair (a custom op, HF's
                                   experts path): replicated, data- and expert-parallel (variable all-to-all)
 ================================  ==========================================================================
@@ -164,13 +166,14 @@ _REGISTERED = False
 
 def register_dtensor_strategies() -> None:
     """Strategies meshpilot adds to DTensor's propagator: the attention pair, GroupNorm's backward, the
-    convolution's channel-parallel rules (idempotent)."""
+    convolution's channel-parallel rules, the pointwise rule for untagged elementwise backwards (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    from meshpilot.ops import attention, conv, group_norm
+    from meshpilot.ops import attention, conv, group_norm, pointwise
 
     attention.register_strategies()
+    pointwise.register_strategies()
     group_norm.register_backward_strategy()
     conv.register_channel_strategies()
     _REGISTERED = True

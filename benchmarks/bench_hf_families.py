@@ -1,0 +1,209 @@
+"""Every family of the installed transformers, tiny: planned on a (2, 2) mesh, then run on 4 gloo ranks.
+
+    PYTHONPATH=. python benchmarks/bench_hf_families.py [--kinds causal,masked,seq2seq,image]
+        [--settings nocache-sdpa,cache-sdpa,nocache-eager,cache-eager] [--run] [--limit 120]
+        [--out /tmp/hf_families.jsonl] [--only gpt2,llama] [--table]
+
+Phase 1 plans each family (``meshpilot.models.hf_families``: its default configuration made tiny by key
+names, dropout off) under each setting — ``use_cache`` on or off, sdpa or eager attention — on a (2, 2) mesh
+of ``dgx-h100``, each capped at ``--limit`` seconds. Phase 2 (``--run``) trains every family whose first
+setting planned without fallback on 4 gloo ranks beside the single device (3 AdamW steps: loss and every
+gradient within 1e-5, the collectives issued equal to the plan's; ``tests/test_hf_families.py``'s worker).
+Every result is one JSON line appended to ``--out`` as it comes, so a long sweep can be resumed (rows already
+there are skipped) and watched; ``--table`` prints the summary and the table of what failed, as in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+SETTINGS = ("nocache-sdpa", "cache-sdpa", "nocache-eager", "cache-eager")
+TOL = 1e-5
+
+
+def _setting(name: str) -> tuple[bool, str]:
+    cache, _, attn = name.partition("-")
+    return cache == "cache", attn
+
+
+def _done(out: Path) -> dict[tuple, dict]:
+    rows = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows[(r["phase"], r["family"], r["setting"])] = r
+    return rows
+
+
+def _append(out: Path, row: dict) -> None:
+    with out.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def plan_phase(fams, settings, out: Path, limit: float) -> None:
+    from meshpilot.models.hf_families import no_dropout, tiny_overrides, try_plan
+
+    done = _done(out)
+    for fam in fams:
+        for setting in settings:
+            if ("plan", fam.name, setting) in done:
+                continue
+            use_cache, attn = _setting(setting)
+            try:
+                over = {**tiny_overrides(fam.model_type), **no_dropout(fam.model_type)}
+            except Exception as e:  # noqa: BLE001 - a family whose default config cannot even be made
+                over = None
+                o_status, o_reason, o_s = "unbuilt", f"{type(e).__name__}: {e}".splitlines()[0], 0.0
+            if over is not None:
+                o = try_plan(fam, use_cache=use_cache, attn=attn, overrides=over, limit_s=limit)
+                o_status, o_reason, o_s = o.status, o.reason, o.seconds
+            row = {
+                "phase": "plan", "family": fam.name, "kind": fam.kind, "setting": setting,
+                "status": o_status, "reason": o_reason[:400], "seconds": round(o_s, 2),
+            }  # fmt: skip
+            if over is not None and o.plan is not None and setting == settings[0]:
+                row["plan"] = o.plan.to_json()
+                row["overrides"] = over
+            _append(out, row)
+            print(f"{o_status:8s} {o_s:6.1f}s {fam.name} [{setting}] {o_reason[:200]}", flush=True)
+
+
+def run_phase(out: Path, setting: str, chunk: int) -> None:
+    """Every family planned without fallback under `setting`: 4 gloo ranks, `chunk` families per spawn."""
+    from dist_utils import DistributedTestError, run_distributed
+    from test_hf_families import lockstep_families
+
+    done = _done(out)
+    todo = [
+        r for (ph, fam, st), r in done.items()
+        if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
+    ]  # fmt: skip
+    use_cache, attn = _setting(setting)
+    for i in range(0, len(todo), chunk):
+        part = todo[i : i + chunk]
+        jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"]) for r in part]
+        t0 = time.perf_counter()
+        try:
+            per_rank = run_distributed(lockstep_families, 4, jobs, timeout=3000)
+        except DistributedTestError as e:
+            if len(part) > 1:  # a crash takes the spawn down: retry one by one to find which
+                for r in part:
+                    _run_one(out, r, setting, use_cache, attn)
+                continue
+            per_rank = None
+            err = str(e).strip().splitlines()[-1][:300]
+        for k, r in enumerate(part):
+            row = {"phase": "run", "family": r["family"], "kind": r["kind"], "setting": setting}
+            if per_rank is None:
+                row.update(status="crashed", reason=err)
+            else:
+                row.update(_verdict([res[k] for res in per_rank]))
+            row["seconds"] = round((time.perf_counter() - t0) / len(part), 1)
+            _append(out, row)
+            print(f"run {row['status']:8s} {r['family']} {row.get('reason', '')[:200]}", flush=True)
+
+
+def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str) -> None:
+    from dist_utils import DistributedTestError, run_distributed
+    from test_hf_families import lockstep_families
+
+    row = {"phase": "run", "family": r["family"], "kind": r["kind"], "setting": setting}
+    t0 = time.perf_counter()
+    try:
+        jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"])]
+        row.update(_verdict([res[0] for res in run_distributed(lockstep_families, 4, jobs, timeout=1200)]))
+    except DistributedTestError as e:
+        row.update(status="crashed", reason=str(e).strip().splitlines()[-1][:300])
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    _append(out, row)
+    print(f"run {row['status']:8s} {r['family']} {row.get('reason', '')[:200]}", flush=True)
+
+
+def _verdict(results: list[dict]) -> dict:
+    """One family's run over the ranks: exact, or what differed first."""
+    if any("error" in r for r in results):
+        return {"status": "error", "reason": next(r["error"] for r in results if "error" in r)}
+    loss = max(max(r["loss"]) for r in results)
+    grad = max(max(r["grad"]) for r in results)
+    counts = all(r["counts_equal"] for r in results)
+    out = {"status": "exact", "loss": loss, "grad": grad}
+    if loss > TOL or grad > TOL:
+        out.update(status="differs", reason=f"loss {loss:.2g}, gradient {grad:.2g} from one device")
+    elif not counts:
+        out.update(status="counts", reason="collectives issued differ from the plan's")
+    return out
+
+
+def table(out: Path, settings: tuple[str, ...]) -> str:
+    """The summary (per kind and setting: planned / run exactly / refused, of how many) and every failure."""
+    rows = _done(out)
+    lines = ["| kind | setting | families | planned | fallback | refused | not built | run exactly |"]
+    lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    fails = []
+    for kind in ("causal", "masked", "seq2seq", "image"):
+        for st in settings:
+            plans = [r for (ph, _, s), r in rows.items() if ph == "plan" and s == st and r["kind"] == kind]
+            if not plans:
+                continue
+            c = Counter(r["status"] for r in plans)
+            runs = [r for (ph, _, s), r in rows.items() if ph == "run" and s == st and r["kind"] == kind]
+            exact = sum(r["status"] == "exact" for r in runs)
+            ran = f"{exact} / {len(runs)}" if runs else "—"
+            lines.append(
+                f"| {kind} | {st} | {len(plans)} | {c['planned']} | {c['fallback']} | "
+                f"{c['refused'] + c['timeout']} | {c['unbuilt']} | {ran} |"
+            )
+            fails += [r for r in plans + runs if r["status"] not in ("planned", "exact")]
+    lines += ["", "| family | setting | phase | status | reason |", "| --- | --- | --- | --- | --- |"]
+    for r in sorted(fails, key=lambda r: (r["family"], r["setting"])):
+        reason = r.get("reason", "").replace("|", "\\|")
+        lines.append(f"| {r['family']} | {r['setting']} | {r['phase']} | {r['status']} | {reason} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kinds", default="causal,masked,seq2seq,image")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--only", default="", help="model types to keep (comma-separated)")
+    ap.add_argument("--limit", type=float, default=120.0, help="seconds of planning per family and setting")
+    ap.add_argument("--out", default="/tmp/hf_families.jsonl")
+    ap.add_argument("--run", action="store_true", help="also run the planned families on 4 gloo ranks")
+    ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
+    ap.add_argument("--table", action="store_true", help="only print the table of --out")
+    ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    from meshpilot.models.hf_families import families
+
+    settings = tuple(args.settings.split(","))
+    out = Path(args.out)
+    if not args.table:
+        only = set(filter(None, args.only.split(",")))
+        fams = [f for f in families(tuple(args.kinds.split(","))) if not only or f.model_type in only]
+        i, n = map(int, args.shard.split("/"))
+        fams = fams[i::n]
+        print(f"transformers {transformers.__version__}: {len(fams)} families", flush=True)
+        plan_phase(fams, settings, out, args.limit)
+        if args.run:
+            run_phase(out, settings[0], args.chunk)
+    print(f"transformers {transformers.__version__}")
+    print(table(out, settings))
+
+
+if __name__ == "__main__":
+    main()

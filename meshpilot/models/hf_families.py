@@ -1,0 +1,485 @@
+"""Every model family of the installed ``transformers``, tiny or at a published size, for tests and benchmarks.
+
+:func:`families` walks transformers' own auto-mappings (causal LM, masked LM, sequence-to-sequence LM, image
+classification) and yields one :class:`Family` per (model type, head class). :func:`tiny_overrides` shrinks a
+family's default configuration generically — layers, hidden size, heads, key/value heads, feed-forward width,
+vocabulary, experts, positions, image size — from the *names* of its configuration keys, never from the model's
+name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
+rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
+:func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
+with ``use_cache`` and the attention implementation chosen, and :func:`try_plan` captures and plans it,
+returning a :class:`Outcome` whose one-line reason names what refused it (a capture error already names the op
+and the model's source line: ``meshpilot.graph.capture._explain``).
+
+:data:`PUBLISHED` holds published sizes (the keys of each model's ``config.json`` that matter for planning) as
+overrides of the library default, for planning the 7B class on the meta device (:func:`build_published`):
+configurations cannot be downloaded here, so they are written down.
+
+Shared by ``tests/test_hf_families.py`` (a fast sample) and ``benchmarks/bench_hf_families.py`` (the sweep).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpilot.errors import UserError
+
+# the auto-mappings walked, by the short kind this module calls them
+MAPPINGS = {
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+TEXT_KINDS = ("causal", "masked", "seq2seq")
+
+TINY_VOCAB, TINY_BATCH, TINY_SEQ, TINY_IMAGE = 128, 4, 8, 32
+HIDDEN, HEADS, FFN, LAYERS, EXPERTS, POSITIONS = 32, 4, 64, 2, 4, 64
+
+# configuration keys by meaning (the spellings transformers' configurations use)
+_LAYER_KEYS = {
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+    "num_decoder_layers", "num_encoder_layers", "text_layers", "n_text_layer",
+}  # fmt: skip
+_HIDDEN_KEYS = {"hidden_size", "n_embd", "d_model", "dim", "embed_dim", "embedding_size", "n_embed", "emb_dim"}
+_HEAD_KEYS = {
+    "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
+}  # fmt: skip
+_KV_HEAD_KEYS = {"num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", "n_kv_heads"}
+_FFN_KEYS = {
+    "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_hidden_size",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size", "d_inner",
+    "ff_intermediate_size", "mlp_dim", "intermediate_dim",
+}  # fmt: skip
+_EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"}
+_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+_POSITION_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "max_sequence_length"}
+_HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_size", "kv_channels"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One (model type, head class) of an auto-mapping: ``kind`` is a key of :data:`MAPPINGS`."""
+
+    model_type: str
+    class_name: str
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}/{self.class_name}"
+
+
+def families(kinds: tuple[str, ...] = tuple(MAPPINGS)) -> list[Family]:
+    """Every family of the installed transformers in the mappings of `kinds`, in mapping order, each (model
+    type, class) once (BART's causal and seq2seq heads are two families; its masked head is its seq2seq
+    class again, listed once)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for kind in kinds:
+        for model_type, cls in getattr(ma, MAPPINGS[kind]).items():
+            if isinstance(cls, (tuple, list)):
+                cls = cls[0]
+            if (model_type, cls) not in seen:
+                seen.add((model_type, cls))
+                out.append(Family(model_type, cls, kind))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- sizes
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
+    """Overrides that make `model_type`'s default configuration tiny, chosen by key names only: the default's
+    flags (attention kind, parallel blocks, position scheme, tying) stay. Key/value heads keep their relation to
+    the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    d = default.to_dict()
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if _int(v) and v > 0:
+            new = _tiny_value(k, v, d, vocab)
+            if new is not None and new != v:
+                out[k] = new
+        elif isinstance(v, list) and v and all(_int(x) and x > 0 for x in v):
+            new_list = _tiny_list(k, v)
+            if new_list is not None:
+                out[k] = new_list
+    if any(_int(d.get(k)) for k in _EXPERT_KEYS):  # a default that leaves top-k unset (DeepSeek-V2's): two
+        out.update({k: 2 for k in _TOPK_KEYS if k in d and d[k] is None})
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    for k, v in d.items():  # per-layer patterns written as [[pattern, repeats], …] (GPT-Neo's attention_types)
+        if layers and _is_layer_pattern(v) and sum(len(p) * n for p, n in v) == layers:
+            out[k] = [[p, max(1, LAYERS // len(p))] for p, n in v[:1]]
+    for k, v in d.items():  # special tokens beyond the tiny vocabulary: the last token
+        if k.endswith("token_id") and _int(v) and v >= vocab:
+            out[k] = vocab - 1
+        elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
+            out[k] = [min(x, vocab - 1) for x in v]
+    return out
+
+
+def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
+    """The tiny value of integer key `key` (default `v`), or None to keep it."""
+    if key in _LAYER_KEYS:
+        return min(v, LAYERS)
+    if key in _HIDDEN_KEYS:
+        return min(v, HIDDEN)
+    if key in _HEAD_KEYS:
+        return min(v, HEADS)
+    if key in _KV_HEAD_KEYS:
+        q = max((d[k] for k in _HEAD_KEYS if _int(d.get(k))), default=v)
+        if v == 1:
+            return 1  # multi-query attention stays multi-query
+        return HEADS if v >= q else min(v, HEADS // 2)
+    if key in ("n_group", "num_expert_groups", "n_groups_routed"):
+        return min(v, 2)  # expert groups (DeepSeek's routing) must divide the tiny expert count
+    if key in ("topk_group", "num_limited_groups"):
+        return 1
+    if key.endswith("_heads") or key.endswith("n_heads"):
+        return min(v, HEADS)  # a state-space head count (Mamba-2's mamba_n_heads) dividing the tiny width
+    if key in _FFN_KEYS:
+        return min(v, FFN)
+    if key in _HEAD_DIM_KEYS:
+        return min(v, HIDDEN // HEADS)
+    if key in _EXPERT_KEYS:
+        return min(v, EXPERTS)
+    if key in _TOPK_KEYS:
+        return min(v, 2)
+    if key in _POSITION_KEYS:
+        return min(v, POSITIONS)
+    if key == "vocab_size" or key.endswith("_vocab_size"):
+        return min(v, vocab)
+    if key == "image_size":
+        return min(v, TINY_IMAGE)
+    if ("rope" in key or "rotary" in key or key.endswith("head_dim")) and key.endswith(("_dim", "_size")):
+        return min(v, HIDDEN // HEADS)  # a rotary part of a head (GPT-J's rotary_dim, MLA's qk_rope_head_dim)
+    if key.endswith(("_rank", "_dim", "_size", "_channels")) and v > 64 and "vocab" not in key:
+        return 16  # a low-rank projection (MLA's kv_lora_rank), a rope/nope split, a state size: small
+    return None
+
+
+def _is_layer_pattern(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], list) and _int(x[1]) for x in v)
+    )
+
+
+def no_dropout(model_type: str) -> dict[str, float]:
+    """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout)."""
+    from transformers import AutoConfig
+
+    d = AutoConfig.for_model(model_type).to_dict()
+    return {k: 0.0 for k, v in d.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+
+
+def _tiny_list(key: str, v: list[int]) -> list[int] | None:
+    """Per-stage lists of vision models: fewer channels and blocks, as many stages."""
+    if key in ("depths", "num_layers", "layer_depths", "depth"):
+        return [1] * len(v)
+    if key in ("hidden_sizes", "embed_dims", "embed_dim", "dims", "hidden_dims", "widths", "channels"):
+        return [min(x, 16 * (2**i)) for i, x in enumerate(v)]
+    if key in ("num_heads", "num_attention_heads", "heads"):
+        return [min(x, 2) for x in v]
+    return None
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+class HFImageLoss(nn.Module):
+    """``model(pixel_values=…, labels=…).loss``: HF's own loss for an image classifier."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values, labels=labels).loss
+
+
+def attention(family: Family, attn: str) -> str:
+    """`attn`, or ``eager`` where the family's class has no sdpa path (GPT-Neo): its only attention."""
+    import transformers
+
+    cls = getattr(transformers, family.class_name)
+    return "eager" if attn == "sdpa" and getattr(cls, "_supports_sdpa", True) is False else attn
+
+
+def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = False, attn: str | None = "sdpa") -> Any:
+    """The family's configuration: the library default, `overrides`, ``use_cache`` (where the configuration
+    has it) and the attention implementation (None: the library's choice)."""
+    from meshpilot.models.sources import hf_config
+
+    over = dict(overrides)
+    if attn is not None:
+        over["attn_implementation"] = attention(family, attn)
+    cfg = hf_config(family.model_type, over)
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = use_cache
+    if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
+        cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
+    return cfg
+
+
+def build(
+    family: Family,
+    overrides: dict[str, Any] | None = None,
+    *,
+    use_cache: bool = False,
+    attn: str | None = "sdpa",
+    batch: int = TINY_BATCH,
+    seq: int = TINY_SEQ,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The family's model (train mode, seeded; tiny by default: :func:`tiny_overrides`) wrapped in HF's own
+    loss, and its example inputs: ``(input_ids, labels)`` of random tokens, or for an image classifier
+    ``(pixel_values, labels)``. On ``meta`` the inputs are empty meta tensors."""
+    import transformers
+
+    if overrides is None:
+        overrides = tiny_overrides(family.model_type)
+    cfg = config_for(family, overrides, use_cache=use_cache, attn=attn)
+    cls = getattr(transformers, family.class_name)
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    except Exception as e:  # noqa: BLE001 - a configuration the model cannot be built from: one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{family.name}: cannot be built from its tiny config ({msg})") from None
+    model.train()
+    meta = torch.device(device).type == "meta"
+    g = torch.Generator().manual_seed(seed + 1)
+    if family.kind == "image":
+        size = getattr(cfg, "image_size", TINY_IMAGE)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        chans = getattr(cfg, "num_channels", 3)
+        classes = max(int(getattr(cfg, "num_labels", 2)), 1)
+        if meta:
+            return HFImageLoss(model), (
+                torch.empty(batch, chans, size, size, device="meta"),
+                torch.empty(batch, dtype=torch.long, device="meta"),
+            )
+        pix = torch.randn(batch, chans, size, size, generator=g)
+        return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
+    from meshpilot.models.sources import HFLoss
+
+    vocab = int(cfg.vocab_size)
+    if meta:
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        return HFLoss(model), (ids, ids)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return HFLoss(model), (ids, torch.randint(0, vocab, (batch, seq), generator=g))
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+
+@dataclass
+class Outcome:
+    """What planning one family did: ``status`` is ``planned`` (no fallback), ``fallback`` (planned, some
+    node replicated: the first named in `reason`), ``refused`` (capture or planning refused it: `reason`, one
+    line), ``unbuilt`` (transformers could not build it tiny) or ``timeout``."""
+
+    family: Family
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+    plan: Any = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "planned"
+
+
+class _Timeout(BaseException):
+    """Out of time: a BaseException, so that no ``except Exception`` of the code it interrupts swallows it."""
+
+
+@contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`_Timeout` after `seconds` of this process' CPU time (SIGPROF: on a shared machine wall time
+    counts other processes' turns; main thread only; None: no limit)."""
+    if not seconds:
+        yield
+        return
+
+    def ring(signum, frame):
+        raise _Timeout
+
+    old = signal.signal(signal.SIGPROF, ring)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (its type when it has no text)."""
+    text = " ".join(x.strip() for x in str(e).strip().splitlines())[:400]  # a validator's reason is below
+    return text if isinstance(e, UserError) else f"{type(e).__name__}: {text}".rstrip(": ")
+
+
+def try_plan(
+    family: Family,
+    *,
+    use_cache: bool = False,
+    attn: str | None = "sdpa",
+    mesh_shape: tuple[int, int] = (2, 2),
+    cluster: str = "dgx-h100",
+    overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    limit_s: float | None = 120.0,
+    seq: int = TINY_SEQ,
+    batch: int = TINY_BATCH,
+) -> Outcome:
+    """Build `family` and plan it on `mesh_shape` of `cluster`; never raises for the model's sake."""
+    from meshpilot.planner.auto import plan
+
+    t0 = time.perf_counter()
+    try:
+        with _deadline(limit_s):
+            try:
+                model, inputs = build(
+                    family, overrides, use_cache=use_cache, attn=attn, device=device, seq=seq, batch=batch
+                )
+            except UserError as e:
+                return Outcome(family, "unbuilt", one_line(e), time.perf_counter() - t0)
+            p = plan(model, inputs, cluster, mesh_shape=mesh_shape, mappings=("row",))
+    except _Timeout:
+        return Outcome(family, "timeout", f"over {limit_s:.0f} s of CPU", time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - every refusal is a row of the table
+        return Outcome(family, "refused", one_line(e), time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
+    if p.fallbacks:
+        return Outcome(family, "fallback", f"{len(p.fallbacks)} replicated: {p.fallbacks[0].line()}", dt, p)
+    return Outcome(family, "planned", "", dt, p)
+
+
+# ------------------------------------------------------------------------------------------- published sizes
+
+# Published sizes as overrides of each model type's library default (the planning-relevant keys of the
+# checkpoint's config.json, written down: nothing can be downloaded here). (model type, head class, overrides,
+# sequence length). What each tests: head counts the mesh does not divide (gpt2-xl 25, falcon-7b 71, SmolLM 9),
+# vocabularies of 150k-256k (Qwen2, BLOOM, Gemma), multi-query attention and parallel attention/MLP blocks
+# (Falcon, GPT-J, GPT-NeoX), ALiBi (BLOOM), grouped-query attention (Mistral, Qwen2, Mixtral), experts.
+PUBLISHED: dict[str, tuple[str, str, dict[str, Any], int]] = {
+    "gpt2-xl": ("gpt2", "GPT2LMHeadModel", dict(n_embd=1600, n_head=25, n_layer=48, n_positions=1024), 1024),
+    "gpt-j-6b": (
+        "gptj", "GPTJForCausalLM",
+        dict(n_embd=4096, n_head=16, n_layer=28, rotary_dim=64, vocab_size=50400, n_positions=2048), 2048,
+    ),
+    "pythia-6.9b": (
+        "gpt_neox", "GPTNeoXForCausalLM",
+        dict(hidden_size=4096, num_attention_heads=32, num_hidden_layers=32, intermediate_size=16384,
+             vocab_size=50432, use_parallel_residual=True, max_position_embeddings=2048),
+        2048,
+    ),
+    "falcon-7b": (
+        "falcon", "FalconForCausalLM",
+        dict(hidden_size=4544, num_attention_heads=71, num_hidden_layers=32, vocab_size=65024, multi_query=True,
+             parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False),
+        2048,
+    ),
+    "bloom-7b1": (
+        "bloom", "BloomForCausalLM", dict(hidden_size=4096, n_head=32, n_layer=30, vocab_size=250880), 2048,
+    ),
+    "llama-2-7b": (
+        "llama", "LlamaForCausalLM",
+        dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+             num_hidden_layers=32, vocab_size=32000, max_position_embeddings=4096),
+        2048,
+    ),
+    "mistral-7b": (
+        "mistral", "MistralForCausalLM",
+        dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             num_hidden_layers=32, vocab_size=32000, sliding_window=4096),
+        2048,
+    ),
+    "qwen2-7b": (
+        "qwen2", "Qwen2ForCausalLM",
+        dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+             num_hidden_layers=28, vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False),
+        2048,
+    ),
+    "gemma-7b": (
+        "gemma", "GemmaForCausalLM",
+        dict(hidden_size=3072, intermediate_size=24576, num_attention_heads=16, num_key_value_heads=16,
+             head_dim=256, num_hidden_layers=28, vocab_size=256000),
+        2048,
+    ),
+    "phi-2": (
+        "phi", "PhiForCausalLM",
+        dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_hidden_layers=32,
+             vocab_size=51200, max_position_embeddings=2048,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
+        2048,
+    ),
+    "stablelm-3b-4e1t": (
+        "stablelm", "StableLmForCausalLM",
+        dict(hidden_size=2560, intermediate_size=6912, num_attention_heads=32, num_key_value_heads=32,
+             num_hidden_layers=32, vocab_size=50304, max_position_embeddings=4096),
+        2048,
+    ),
+    "smollm-135m": (
+        "llama", "LlamaForCausalLM",
+        dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+             num_hidden_layers=30, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True),
+        2048,
+    ),
+    "gpt-neo-2.7b": (
+        "gpt_neo", "GPTNeoForCausalLM",
+        dict(hidden_size=2560, num_heads=20, num_layers=32, attention_types=[[["global", "local"], 16]],
+             vocab_size=50257, max_position_embeddings=2048),
+        2048,
+    ),
+    "mixtral-8x7b": (
+        "mixtral", "MixtralForCausalLM",
+        dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             num_hidden_layers=32, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+        2048,
+    ),
+    "bart-large": (
+        "bart", "BartForConditionalGeneration",
+        dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+             decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265),
+        1024,
+    ),
+}  # fmt: skip
+
+
+def published(name: str) -> tuple[Family, dict[str, Any], int]:
+    """(family, overrides, sequence length) of the published model `name` (a key of :data:`PUBLISHED`)."""
+    if name not in PUBLISHED:
+        raise UserError(f"{name!r}: not a published size here; choose one of {', '.join(PUBLISHED)}")
+    model_type, cls, over, seq = PUBLISHED[name]
+    kind = "seq2seq" if cls.endswith("ConditionalGeneration") else "causal"
+    return Family(model_type, cls, kind), dict(over), seq
+
+
+def published_config(name: str) -> Any:
+    """The transformers configuration of published model `name` (no model built)."""
+    fam, over, _ = published(name)
+    return config_for(fam, over)

@@ -1,0 +1,176 @@
+"""A fast sample of every transformers family (``meshpilot.models.hf_families``; the full sweep is
+``benchmarks/bench_hf_families.py``): each head class of GPT-2, GPT-Neo, GPT-J, GPT-NeoX, Llama, Qwen2, Phi,
+StableLM, Mistral, Falcon, Mixtral and BART, with its default configuration made tiny by key names (the
+architecture's flags kept: Falcon's multi-query attention and parallel block, Phi's partial rotary, GPT-Neo's
+local attention, Mixtral's experts, BART's encoder-decoder), dropout off, ``use_cache=False`` and sdpa
+attention; GPT-2 and Llama also with ``use_cache=True`` and eager attention.
+
+Pure (one process): each plans on a (2, 2) mesh of ``dgx-h100`` with no fallback.
+
+On 4 gloo processes (one spawn for every model): each plan trained beside the single-device model for 3 AdamW
+steps (``dist_utils.lockstep_adamw``): loss and every gradient within 1e-5 at every step, and the collectives
+each step issues equal to the plan's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
+from dist_utils import lockstep_adamw, run_distributed
+
+TOL = 1e-5
+STEPS = 3
+WORLD = 4
+MESH = (2, 2)
+SAMPLE = ("gpt2", "gpt_neo", "gptj", "gpt_neox", "llama", "qwen2", "phi", "stablelm", "mistral", "falcon")
+SAMPLE += ("mixtral", "bart")
+# (use_cache, attention) beyond the default (False, sdpa), for the families of these model types
+MORE_SETTINGS = {"gpt2": [(True, "eager")], "llama": [(True, "sdpa"), (False, "eager")]}
+pytestmark = pytest.mark.timeout(1800)  # as test_hf_models: the fixtures plan and run every case at once
+
+
+def _cases() -> list[tuple]:
+    """(family, use_cache, attention) of the sample."""
+    from meshpilot.models.hf_families import TEXT_KINDS, families
+
+    fams = [f for f in families(TEXT_KINDS) if f.model_type in SAMPLE]
+    out = [(f, False, "sdpa") for f in fams]
+    out += [(f, c, a) for f in fams for c, a in MORE_SETTINGS.get(f.model_type, [])]
+    return out
+
+
+def _overrides(model_type: str) -> dict:
+    from meshpilot.models.hf_families import no_dropout, tiny_overrides
+
+    return {**tiny_overrides(model_type), **no_dropout(model_type)}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    from meshpilot.models.hf_families import try_plan
+
+    t0 = time.perf_counter()
+    out = {}
+    for fam, cache, attn in _cases():
+        over = _overrides(fam.model_type)
+        out[(fam, cache, attn)] = (over, try_plan(fam, use_cache=cache, attn=attn, overrides=over, mesh_shape=MESH))
+    print(f"\n{len(out)} sample plans in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def test_sample_covers_every_head_class():
+    names = {f.name for f, _, _ in _cases()}
+    assert {"bart/BartForCausalLM", "bart/BartForConditionalGeneration", "mixtral/MixtralForCausalLM"} <= names
+    assert len({f.model_type for f, _, _ in _cases()}) == len(SAMPLE)
+
+
+def test_tiny_overrides_keep_the_architecture():
+    from meshpilot.models.hf_families import Family, config_for, tiny_overrides
+
+    falcon = config_for(Family("falcon", "FalconForCausalLM", "causal"), tiny_overrides("falcon"))
+    assert falcon.num_attention_heads == 4 and falcon.multi_query and falcon.parallel_attn  # MQA, parallel block
+    assert tiny_overrides("llama")["num_hidden_layers"] == 2
+    mistral = tiny_overrides("mistral")
+    assert mistral["num_key_value_heads"] < mistral["num_attention_heads"]  # grouped-query kept
+    assert tiny_overrides("gpt_neo")["attention_types"] == [[["global", "local"], 1]]  # local attention kept
+
+
+def test_every_sample_family_plans_without_fallback(outcomes):
+    failed = [f"{f.name} cache={c} {a}: {o.status} {o.reason}" for (f, c, a), (_, o) in outcomes.items() if not o.ok]
+    assert not failed, failed
+
+
+# ------------------------------------------------------------------------------------------- 4 ranks
+
+
+def lockstep_families(jobs: list[tuple]) -> list[dict]:
+    """On each rank: per job ``(family name, kind, use_cache, attention, overrides, plan JSON)`` the family
+    built twice (the single-device reference and the parallelized copy, the same seed), trained side by side
+    for STEPS AdamW steps; per job its loss and gradient differences per step, whether each step's collectives
+    equal the plan's, and the seconds it took (or ``error``: one line). Shared with the benchmark."""
+    from meshpilot.models.hf_families import Family, build, one_line
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.spmd import parallelize
+
+    out = []
+    for name, kind, use_cache, attn, overrides, plan_json in jobs:
+        t0 = time.perf_counter()
+        fam = Family(*name.split("/"), kind)
+        try:
+            plan = Plan.from_json(plan_json)
+            ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
+            model, _ = build(fam, overrides, use_cache=use_cache, attn=attn)
+            pm = parallelize(model, plan)
+            res = lockstep_adamw(ref, pm, inputs, STEPS, lr=1e-3)
+            planned = plan.collective_counts(backend="gloo")
+            res["counts_equal"] = [c == planned for c in res.pop("counts")]
+            res["mismatches"] = len(pm.mismatches)
+        except Exception as e:  # noqa: BLE001 - one family's failure is its row, not the spawn's end
+            res = {"error": one_line(e)[:300]}
+        res["seconds"] = time.perf_counter() - t0
+        out.append(res)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(outcomes):
+    keys = [k for k, (_, o) in outcomes.items() if o.ok]
+    jobs = [(f.name, f.kind, c, a, outcomes[(f, c, a)][0], outcomes[(f, c, a)][1].plan.to_json()) for f, c, a in keys]
+    t0 = time.perf_counter()
+    per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700)
+    print(f"\n{len(jobs)} sample runs on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
+    return {k: [r[i] for r in per_rank] for i, k in enumerate(keys)}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_every_sample_family_equals_single_device(runs):
+    bad = []
+    for (fam, cache, attn), per_rank in runs.items():
+        for rank, r in enumerate(per_rank):
+            what = f"{fam.name} cache={cache} {attn} rank {rank}"
+            if "error" in r:
+                bad.append(f"{what}: {r['error']}")
+            elif max(r["loss"]) > TOL or max(r["grad"]) > TOL:
+                bad.append(f"{what}: loss {max(r['loss']):.2g} gradient {max(r['grad']):.2g}")
+            elif not all(r["counts_equal"]) or r["mismatches"]:
+                bad.append(f"{what}: collectives differ from the plan's")
+    print("\n".join(bad))
+    assert not bad, bad
+
+
+def test_published_sizes_table_is_consistent():
+    """Every published size names a family of the installed transformers and overrides real config keys."""
+    from meshpilot.models.hf_families import PUBLISHED, published, published_config
+
+    for name in PUBLISHED:
+        fam, over, _ = published(name)
+        cfg = published_config(name)
+        for key, value in over.items():
+            assert getattr(cfg, key) == value, (name, key)  # each published value reached the configuration
+    assert published_config("falcon-7b").num_attention_heads == 71
+
+
+def test_a_branch_on_tensor_values_is_one_line_naming_its_source_line():
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if (y > 0).any():  # the line the message must name
+                y = y * 2
+            return y.sum()
+
+    with pytest.raises(CaptureError) as err:
+        capture(Branchy(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "reads a tensor's value" in text and "use_cache=False" in text
+    assert "test_hf_families.py:" in text
