@@ -441,8 +441,8 @@ class _CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # only while the model's forward runs: the trace's second pass replays the first graph, whose
-        # nodes already carry their places
+        # only while the model's forward runs: the backward's nodes take their forward op's places
+        # (compat._places_from_forward)
         source = _user_frame() if self.stack else None
         if source is not None:
             self.last_source = source
