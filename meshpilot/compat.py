@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -259,7 +260,9 @@ def _flat_joint(
     """The export's joint graph as meshpilot reads it: placeholders ``arg{i}_1`` for the flat arguments only
     (the tangents the export adds are unused: ``no_tangents``), outputs the forward's (mutated inputs, loss)
     then each gradient an argument wants and receives; and which arguments received one. Every other node
-    is copied with its name and metadata (its fake value included)."""
+    is copied with its metadata (its fake value included) and named as its trace named it, renumbered in order
+    (:func:`copy_node`), so a graph with the same ops in the same order has the same names however it was
+    made (``graph.replicate`` builds one without tracing every block)."""
     pytree = torch.utils._pytree
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -275,7 +278,7 @@ def _flat_joint(
         if node.op == "output":
             output = node
         elif node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda a: env[a])
+            env[node] = copy_node(graph, node, lambda a: env[a])
     leaves = pytree.tree_leaves(output.args[0])
     fw_outs, grads = pytree.tree_unflatten(leaves, fx_g._out_spec)
     has_grad = [False] * num_args
@@ -286,6 +289,21 @@ def _flat_joint(
             outs.append(env[g])
     graph.output(tuple(outs))
     return torch.fx.GraphModule(fx_g, graph), has_grad
+
+
+_NUMBERED = re.compile(r"(.*)_(\d+)$")
+
+
+def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform, meta: dict | None = None) -> torch.fx.Node:
+    """A copy of `node` appended to `graph`, its arguments mapped by `arg_transform`, named by its name's stem
+    (``mm_12`` -> ``mm``, numbered by `graph` as a trace numbers it), with `meta` or a copy of its own."""
+    args = torch.fx.node.map_arg(node.args, arg_transform)
+    kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
+    match = _NUMBERED.match(node.name)
+    stem = match.group(1) if match else node.name
+    new = graph.create_node(node.op, node.target, args, kwargs, name=stem, type_expr=node.type)
+    new.meta = dict(node.meta) if meta is None else meta
+    return new
 
 
 def _places_from_forward(fx_g: torch.fx.GraphModule) -> None:
