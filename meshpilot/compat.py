@@ -261,16 +261,15 @@ def _flat_joint(
     (the tangents the export adds are unused: ``no_tangents``), outputs the forward's (mutated inputs, loss)
     then each gradient an argument wants and receives; and which arguments received one. Every other node
     is copied with its metadata (its fake value included) and named as its trace named it, renumbered in order
-    (:func:`copy_node`), so a graph with the same ops in the same order has the same names however it was
+    (:class:`GraphCopy`), so a graph with the same ops in the same order has the same names however it was
     made (``graph.replicate`` builds one without tracing every block)."""
     pytree = torch.utils._pytree
-    graph = torch.fx.Graph()
+    out = GraphCopy(fx_g)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     old_placeholders = [n for n in fx_g.graph.nodes if n.op == "placeholder"]
     for i, ph in enumerate(old_placeholders):
         if i < num_args:
-            env[ph] = graph.placeholder(f"arg{i}_1")
-            env[ph].meta = dict(ph.meta)
+            env[ph] = out.placeholder(f"arg{i}_1", ph.meta)
         elif ph.users:
             raise RuntimeError(f"the joint export reads its tangent {ph.name}; meshpilot exports without tangents")
     output = None
@@ -278,7 +277,7 @@ def _flat_joint(
         if node.op == "output":
             output = node
         elif node.op != "placeholder":
-            env[node] = copy_node(graph, node, lambda a: env[a])
+            env[node] = out.copy(node, lambda a: env[a])
     leaves = pytree.tree_leaves(output.args[0])
     fw_outs, grads = pytree.tree_unflatten(leaves, fx_g._out_spec)
     has_grad = [False] * num_args
@@ -287,23 +286,54 @@ def _flat_joint(
         if want and g is not None:
             has_grad[i] = True
             outs.append(env[g])
-    graph.output(tuple(outs))
-    return torch.fx.GraphModule(fx_g, graph), has_grad
+    out.graph.output(tuple(outs))
+    return out.module(), has_grad
 
 
 _NUMBERED = re.compile(r"(.*)_(\d+)$")
+_CONSTANT = "_tensor_constant"
 
 
-def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform, meta: dict | None = None) -> torch.fx.Node:
-    """A copy of `node` appended to `graph`, its arguments mapped by `arg_transform`, named by its name's stem
-    (``mm_12`` -> ``mm``, numbered by `graph` as a trace numbers it), with `meta` or a copy of its own."""
-    args = torch.fx.node.map_arg(node.args, arg_transform)
-    kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
-    match = _NUMBERED.match(node.name)
-    stem = match.group(1) if match else node.name
-    new = graph.create_node(node.op, node.target, args, kwargs, name=stem, type_expr=node.type)
-    new.meta = dict(node.meta) if meta is None else meta
-    return new
+class GraphCopy:
+    """A graph built from copies of another graph module's nodes, named as a trace names them: each copy by
+    its name's stem (``mm_12`` -> ``mm``) numbered by the new graph, a traced constant (``get_attr`` of
+    ``_tensor_constant<k>``) as the next ``_tensor_constant<k>`` with its value (a buffer where it was one);
+    so two graphs with the same ops in the same order have the same names however they were made."""
+
+    def __init__(self, owner: torch.fx.GraphModule) -> None:
+        self.graph = torch.fx.Graph()
+        self.owner = owner
+        self.holder = torch.nn.Module()
+        self.constants = 0
+
+    def placeholder(self, name: str, meta: dict) -> torch.fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta = dict(meta)
+        return node
+
+    def copy(self, node: torch.fx.Node, arg_transform, meta: dict | None = None) -> torch.fx.Node:
+        """`node` appended, its arguments mapped by `arg_transform`, with `meta` or a copy of its own."""
+        target, name = node.target, node.name
+        if node.op == "get_attr":
+            value = getattr(self.owner, target)
+            if target.startswith(_CONSTANT):
+                target = name = f"{_CONSTANT}{self.constants}"
+                self.constants += 1
+            if node.target in self.owner._buffers:
+                self.holder.register_buffer(target, value)
+            else:
+                setattr(self.holder, target, value)
+        else:
+            match = _NUMBERED.match(name)
+            name = match.group(1) if match else name
+        args = torch.fx.node.map_arg(node.args, arg_transform)
+        kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
+        new = self.graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
+        new.meta = dict(node.meta) if meta is None else meta
+        return new
+
+    def module(self) -> torch.fx.GraphModule:
+        return torch.fx.GraphModule(self.holder, self.graph)
 
 
 def _places_from_forward(fx_g: torch.fx.GraphModule) -> None:

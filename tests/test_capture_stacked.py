@@ -85,15 +85,28 @@ def test_unlike_blocks_and_short_stacks_are_traced_whole():
     assert len(capture(model, inputs).param_names) == len(list(model.parameters()))
 
 
-def test_hf_bert_stack_is_the_whole_trace():
+HF = {
+    "hf:bert": ["num_hidden_layers=6", "hidden_size=32", "intermediate_size=64", "num_attention_heads=4"],
+    # a traced constant in every layer (the attention's scale): each copy gets its own
+    "hf:gpt2": ["n_layer=6", "n_embd=64", "n_head=4", "n_positions=64"],
+    "hf:llama": ["num_hidden_layers=6", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4"]
+    + ["num_key_value_heads=2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_hf_stack_is_the_whole_trace(name):
     pytest.importorskip("transformers")
     from meshpilot.models.sources import build_model
 
-    cfg = ["num_hidden_layers=6", "hidden_size=32", "intermediate_size=64", "num_attention_heads=4", "vocab_size=128"]
-    built = build_model("hf:bert", hf_config=cfg, batch=2, seq=16, device="meta")
+    built = build_model(name, hf_config=[*HF[name], "vocab_size=128"], batch=2, seq=16, device="meta")
     fast, copied = _stacked(built.model, built.inputs)
     assert copied
-    assert _described(fast) == _described(capture(built.model, built.inputs, stacked=False))
+    whole = capture(built.model, built.inputs, stacked=False)
+    assert _described(fast) == _described(whole)
+    assert {k: (v.dtype, v.shape, v.tolist()) for k, v in fast.consts.items()} == {
+        k: (v.dtype, v.shape, v.tolist()) for k, v in whole.consts.items()
+    }
 
 
 def test_plans_of_the_stacked_graph_are_the_whole_graphs():

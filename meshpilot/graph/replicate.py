@@ -17,14 +17,16 @@ fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_
    block 2 reads block 1 (its input), block 1 reads block 0; where block 2 reads the last block (the
    gradient coming back), block 1 reads block 2; where block 2 reads a parameter, block 1 reads its own of
    the same name; anything else (inputs, masks, positions) both read alike. Nothing but the blocks after
-   block 2 may read block 2's nodes, nothing but block 0's backward block 1's. No constant, buffer update or
-   parameter shared between blocks inside a span. Otherwise None, and the caller traces the whole model.
+   block 2 may read block 2's nodes, nothing but block 0's backward block 1's. No buffer of a block updated
+   in place, no parameter shared between blocks; a constant the trace made in a block (``get_attr``) holds
+   block 1's value (a copy gets its own constant of that value). Otherwise None, and the caller traces the
+   whole model.
 5. **The copies** (:func:`_emit`): the L-block graph in the order the whole trace records it — blocks 0, 1,
    2, copies 3 … L − 2, then the last block, its backward, the copies' backward L − 2 … 3, block 2's, 1's
    and 0's. A copy reads its predecessor where block 2 reads block 1, its successor where block 2 reads the
    last block, its own parameters (placeholders in the whole model's order); the last block reads copy
    L − 2 where it read block 2. Module paths are renamed (``blocks.2.attn`` → ``blocks.7.attn``); fake
-   values are shared with the template. Names are renumbered in order (``compat.copy_node``), as the whole
+   values are shared with the template. Names are renumbered in order (``compat.GraphCopy``), as the whole
    trace's are: the tests hold the result to the whole trace node for node.
 
 What a trace of 4 blocks cannot see: a forward whose code reads the number of blocks (a scale of 1/√L
@@ -139,13 +141,15 @@ class _Spans:
         return [self.ops[i] for i in (*fwd, *bwd)]
 
     def sound(self, root_paths: set[str | None]) -> bool:
-        """Each span holds its block's nodes and the root's only, all of the block's, and no constant."""
+        """Each span holds its block's nodes and the root's only, all of the block's, ops and traced constants."""
         for j in (1, 2):
             inside = self.members(j)
             if len([n for n in self.ops if self.label[n] == j]) != sum(self.label[n] == j for n in inside):
                 return False
             for n in inside:
-                if n.op != "call_function" or (self.label[n] != j and _module(n) not in root_paths):
+                if self.label[n] != j and _module(n) not in root_paths:
+                    return False
+                if n.op != "call_function" and not (n.op == "get_attr" and n.target.startswith(compat._CONSTANT)):
                     return False
         return len(self.f1) == len(self.f2) and len(self.b1) == len(self.b2)
 
@@ -166,7 +170,14 @@ class _Template:
     """Block 2's parameter or buffer name -> its suffix (``attn.q.weight``)."""
 
 
-def _template(spans: _Spans, names: dict[torch.fx.Node, str], prefix: str) -> _Template | None:
+def _same_constant(gm: torch.fx.GraphModule, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    x, y = getattr(gm, a.target), getattr(gm, b.target)
+    return x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(x, y))
+
+
+def _template(
+    gm: torch.fx.GraphModule, spans: _Spans, names: dict[torch.fx.Node, str], prefix: str
+) -> _Template | None:
     """Block 2 checked against block 1 (module docstring, 4), or None."""
     two, one = spans.members(2), spans.members(1)
     pos = {n: k for k, n in enumerate(two)}
@@ -175,7 +186,7 @@ def _template(spans: _Spans, names: dict[torch.fx.Node, str], prefix: str) -> _T
     nxt: dict[torch.fx.Node, int] = {}
     params: dict[str, str] = {}
     for n2, n1 in zip(two, one):
-        if n2.target != n1.target:
+        if n2.op != n1.op or (n2.target != n1.target if n2.op != "get_attr" else not _same_constant(gm, n2, n1)):
             return None
         leaves2, spec2 = pytree.tree_flatten((n2.args, n2.kwargs))
         leaves1, spec1 = pytree.tree_flatten((n1.args, n1.kwargs))
@@ -241,7 +252,7 @@ def _emit(
 ) -> tuple[torch.fx.GraphModule, list[bool]] | None:
     """The `blocks`-block graph from the traced one (module docstring, 5) and which of `full_names` receive a
     gradient; None when a gradient of block 2 is not made inside block 2."""
-    L, graph = blocks, torch.fx.Graph()
+    L, out = blocks, compat.GraphCopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = dict(zip(flat.names, placeholders))
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -252,8 +263,7 @@ def _emit(
         rest = name[len(f"{prefix}{b}.") :] if b is not None else ""
         src = name if b is None or b <= 2 else f"{prefix}{3 if b == L - 1 else 2}.{rest}"
         source[name] = src
-        new_ph[name] = graph.placeholder(f"arg{i}_1")
-        new_ph[name].meta = dict(by_name[src].meta)
+        new_ph[name] = out.placeholder(f"arg{i}_1", by_name[src].meta)
         if b is None or b <= 2 or b == L - 1:
             env[by_name[src]] = new_ph[name]
     copies = {m: [None] * len(t.nodes) for m in range(3, L - 1)}
@@ -273,7 +283,7 @@ def _emit(
 
         for k in part:
             node = t.nodes[k]
-            copies[m][k] = compat.copy_node(graph, node, arg, _renamed(node.meta, prefix, 2, m))
+            copies[m][k] = out.copy(node, arg, _renamed(node.meta, prefix, 2, m))
 
     by_name_of = {ph: name for name, ph in by_name.items()}
     last = range(spans.f2.stop, spans.b2.start)
@@ -282,12 +292,12 @@ def _emit(
             for m in range(L - 2, 2, -1):
                 emit_copy(m, range(n_fwd, len(t.nodes)))
         if n in t.pos:
-            env[n] = compat.copy_node(graph, n, lambda a: copies[3][t.nxt[a]] if a in t.nxt else env[a])
+            env[n] = out.copy(n, lambda a: copies[3][t.nxt[a]] if a in t.nxt else env[a])
         else:
             rewire = i in last
             meta = _renamed(n.meta, prefix, 3, L - 1) if spans.label[n] == 3 else None
-            env[n] = compat.copy_node(
-                graph, n, lambda a, rewire=rewire: copies[L - 2][t.pos[a]] if rewire and a in t.pos else env[a], meta
+            env[n] = out.copy(
+                n, lambda a, rewire=rewire: copies[L - 2][t.pos[a]] if rewire and a in t.pos else env[a], meta
             )
         if i == spans.f2.stop - 1:
             for m in range(3, L - 1):
@@ -308,8 +318,8 @@ def _emit(
             result.append(copies[b][t.pos[g]])
         else:
             result.append(env[g])
-    graph.output(tuple(result))
-    return torch.fx.GraphModule(gm, graph), has_grad
+    out.graph.output(tuple(result))
+    return out.module(), has_grad
 
 
 def extend(
@@ -326,7 +336,7 @@ def extend(
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = dict(zip(placeholders, flat_names))
-    t = _template(spans, names, prefix)
+    t = _template(gm, spans, names, prefix)
     if t is None or not _local(spans, t):
         return None
     if any(_block_of(flat_names[i], prefix) is not None for i in joint.mutated_inputs):
