@@ -83,6 +83,13 @@ def test_unlike_blocks_and_short_stacks_are_traced_whole():
     model.blocks[3].o = nn.Linear(32, 32, bias=True)  # one block unlike the others
     assert replicate.find_container(model) is None
     assert len(capture(model, inputs).param_names) == len(list(model.parameters()))
+    model, inputs = _tiny(6)
+    for j, block in enumerate(model.blocks):  # a flag set apart every fifth block, a counter in every block
+        block.windowed, block.layer_idx = j % 5 == 4, j
+    assert replicate.find_container(model) is None
+    for block in model.blocks:
+        block.windowed = False
+    assert replicate.find_container(model).blocks == 6  # the flag alike in every block; the counter is one
 
 
 HF = {

@@ -20,6 +20,12 @@ device-generic ``meshpilot::sdpa`` pair (:mod:`meshpilot.ops.attention`), so a p
 names no CPU kernel; and every node records the module path and source line it came from (``OpNode.module``,
 ``OpNode.source``; backward nodes those of their forward op), for warnings and errors that say where.
 
+A model whose longest list of identical blocks holds more than four is traced with four and the other blocks
+are copied from a middle one (:mod:`meshpilot.graph.replicate`, after checking the traced blocks are alike
+shifted by one): the trace's cost grows with the ops it records, and nearly all of a transformer's are its
+blocks'. The copy is the whole trace node for node, names included (``capture(..., stacked=False)`` traces
+every block).
+
 A forward that cannot be traced ends in one line (:class:`CaptureError`): the op, the module path and source
 line, and a way out — a data-dependent shape (``nonzero``, a boolean mask), inputs whose shapes the model
 rejects, an unsupported Python construct.

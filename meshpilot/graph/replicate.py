@@ -5,7 +5,8 @@ blocks': tracing 4 of 32 blocks and laying out the other 28 as copies of the gra
 fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_stacked` is the whole path:
 
 1. **The stack** (:func:`find_container`): the longest ``ModuleList`` of more than :data:`KEEP` children of
-   one type with the same parameter and buffer shapes, inside no numbered child — ``planner.stack``'s rule.
+   one type with the same parameter and buffer shapes, inside no numbered child — ``planner.stack``'s rule —
+   whose blocks' plain attributes are alike but for a block counter (:func:`_same_settings`).
 2. **The trace**: the model with the list cut to its first :data:`KEEP` blocks (first ``0``, middles ``1``,
    ``2``, last ``3``; restored afterwards), traced as usual. Block 3 stands for the model's last block, L − 1.
 3. **The spans** (:class:`_Spans`): nodes belong to a block by the module path the trace stamped on them (the
@@ -30,7 +31,9 @@ fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_
    trace's are: the tests hold the result to the whole trace node for node.
 
 What a trace of 4 blocks cannot see: a forward whose code reads the number of blocks (a scale of 1/√L
-inside a block) traces 4's. ``capture(..., stacked=False)`` traces every block.
+inside a block) traces 4's, and a block that behaves apart by its index without an attribute saying so
+(``config.layer_types[self.layer_idx]`` read in the forward) is copied as a middle one.
+``capture(..., stacked=False)`` traces every block.
 """
 
 from __future__ import annotations
@@ -68,9 +71,35 @@ def find_container(model: torch.nn.Module, keep: int = KEEP) -> Site | None:
         outer = bool(name) and not any(part.isdigit() for part in name.split("."))
         if not (outer and isinstance(child, torch.nn.ModuleList) and len(child) > keep):
             continue
-        if len({sig(b) for b in child}) == 1 and (best is None or len(child) > best.blocks):
+        alike = len({sig(b) for b in child}) == 1 and _same_settings(list(child))
+        if alike and (best is None or len(child) > best.blocks):
             best = Site(name, len(child))
     return best
+
+
+_SETTING = (bool, int, float, str, type(None))
+
+
+def _same_settings(blocks: list[torch.nn.Module]) -> bool:
+    """Every block's plain attributes (of it and its submodules: flags, sizes, names) are alike, but for a
+    number that counts the blocks (Hugging Face's ``layer_idx``). A block set apart by a flag (a sliding-window
+    or a global-attention layer every few, ``attention_type``) is not a copy of a middle block: the stack is
+    traced whole, as the four traced blocks could not show it."""
+    seen: dict[tuple[str, str], list] = {}
+    for block in blocks:
+        for path, m in block.named_modules():
+            for attr, value in vars(m).items():
+                if not attr.startswith("_") and isinstance(value, _SETTING):
+                    seen.setdefault((path, attr), []).append(value)
+    for values in seen.values():
+        if len(values) != len(blocks):
+            return False
+        if len(set(values)) == 1:
+            continue
+        ints = all(type(v) is int for v in values)
+        if not (ints and all(v - values[0] == j for j, v in enumerate(values))):
+            return False
+    return True
 
 
 @contextlib.contextmanager
