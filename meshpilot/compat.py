@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -233,15 +234,17 @@ def tracing_state() -> Iterator[None]:
 
 def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:
     """AOTAutograd's export of ``fn(*flat_args) -> (loss,)`` with the gradients of the arguments that require
-    them — ``torch._functorch.aot_autograd.aot_export_module(trace_joint=True)`` done in two calls, so that
+    them — ``torch._functorch.aot_autograd.aot_export_module(trace_joint=True)`` done by hand, so that
 
     * a parameter the loss does not use gets no gradient (``aot_export_module`` raises), and
-    * the second trace runs the first graph through ``torch.fx.Interpreter`` with node meta preserved, so
-      the module path and source line stamped on the first trace's nodes reach the final graph (backward
-      nodes take their forward op's, matched by autograd's sequence number).
+    * the module path and source line stamped on the trace's nodes stay on them (backward nodes take their
+      forward op's, matched by autograd's sequence number).
+
+    The model is traced once: the export's graph is then rewritten in place of a second trace (which
+    replayed it through ``torch.fx.Interpreter`` under ``make_fx`` and cost as much as the first), by
+    :func:`_flat_joint` — the same nodes, metadata and fake values, with flat outputs.
     """
     export = require("torch._functorch.aot_autograd._aot_export_function")
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     fx_traceback = torch.fx.traceback
     with fx_traceback.preserve_node_meta():
@@ -249,27 +252,91 @@ def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:
             fn, tuple(flat_args), num_params_buffers=num_params_buffers, no_tangents=True, trace_joint=True
         )
     _places_from_forward(fx_g)
-    mutated = list(meta.mutated_inp_runtime_indices)
     wants = [isinstance(a, torch.Tensor) and a.requires_grad for a in flat_args]
-    has_grad = [False] * len(flat_args)
-    in_spec, out_spec = fx_g._in_spec, fx_g._out_spec
-    tangents = [None] * (meta.num_outputs + meta.num_mutated_inp_runtime_indices)
+    gm, has_grad = _flat_joint(fx_g, len(flat_args), wants)
+    return JointExport(gm, list(meta.mutated_inp_runtime_indices), has_grad)
 
-    def flattened(*args):
-        placeholders = torch.fx._pytree.tree_flatten_spec([list(args), tangents], in_spec)
-        flat_out = torch.fx.Interpreter(fx_g).run(*placeholders)
-        leaves = torch.utils._pytree.tree_leaves(flat_out)
-        fw_outs, grads = torch.utils._pytree.tree_unflatten(leaves, out_spec)
-        outs = list(fw_outs)
-        for i, (want, g) in enumerate(zip(wants, grads)):
-            if want and g is not None:
-                has_grad[i] = True
-                outs.append(g)
-        return tuple(outs)
 
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(flattened)(*flat_args)
-    return JointExport(gm, mutated, has_grad)
+def _flat_joint(
+    fx_g: torch.fx.GraphModule, num_args: int, wants: list[bool]
+) -> tuple[torch.fx.GraphModule, list[bool]]:
+    """The export's joint graph as meshpilot reads it: placeholders ``arg{i}_1`` for the flat arguments only
+    (the tangents the export adds are unused: ``no_tangents``), outputs the forward's (mutated inputs, loss)
+    then each gradient an argument wants and receives; and which arguments received one. Every other node
+    is copied with its metadata (its fake value included) and named as its trace named it, renumbered in order
+    (:class:`GraphCopy`), so a graph with the same ops in the same order has the same names however it was
+    made (``graph.replicate`` builds one without tracing every block)."""
+    pytree = torch.utils._pytree
+    out = GraphCopy(fx_g)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    old_placeholders = [n for n in fx_g.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(old_placeholders):
+        if i < num_args:
+            env[ph] = out.placeholder(f"arg{i}_1", ph.meta)
+        elif ph.users:
+            raise RuntimeError(f"the joint export reads its tangent {ph.name}; meshpilot exports without tangents")
+    output = None
+    for node in fx_g.graph.nodes:
+        if node.op == "output":
+            output = node
+        elif node.op != "placeholder":
+            env[node] = out.copy(node, lambda a: env[a])
+    leaves = pytree.tree_leaves(output.args[0])
+    fw_outs, grads = pytree.tree_unflatten(leaves, fx_g._out_spec)
+    has_grad = [False] * num_args
+    outs = [env[o] for o in fw_outs]
+    for i, (want, g) in enumerate(zip(wants, grads)):
+        if want and g is not None:
+            has_grad[i] = True
+            outs.append(env[g])
+    out.graph.output(tuple(outs))
+    return out.module(), has_grad
+
+
+_NUMBERED = re.compile(r"(.*)_(\d+)$")
+_CONSTANT = "_tensor_constant"
+
+
+class GraphCopy:
+    """A graph built from copies of another graph module's nodes, named as a trace names them: each copy by
+    its name's stem (``mm_12`` -> ``mm``) numbered by the new graph, a traced constant (``get_attr`` of
+    ``_tensor_constant<k>``) as the next ``_tensor_constant<k>`` with its value (a buffer where it was one);
+    so two graphs with the same ops in the same order have the same names however they were made."""
+
+    def __init__(self, owner: torch.fx.GraphModule) -> None:
+        self.graph = torch.fx.Graph()
+        self.owner = owner
+        self.holder = torch.nn.Module()
+        self.constants = 0
+
+    def placeholder(self, name: str, meta: dict) -> torch.fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta = dict(meta)
+        return node
+
+    def copy(self, node: torch.fx.Node, arg_transform, meta: dict | None = None) -> torch.fx.Node:
+        """`node` appended, its arguments mapped by `arg_transform`, with `meta` or a copy of its own."""
+        target, name = node.target, node.name
+        if node.op == "get_attr":
+            value = getattr(self.owner, target)
+            if target.startswith(_CONSTANT):
+                target = name = f"{_CONSTANT}{self.constants}"
+                self.constants += 1
+            if node.target in self.owner._buffers:
+                self.holder.register_buffer(target, value)
+            else:
+                setattr(self.holder, target, value)
+        else:
+            match = _NUMBERED.match(name)
+            name = match.group(1) if match else name
+        args = torch.fx.node.map_arg(node.args, arg_transform)
+        kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
+        new = self.graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
+        new.meta = dict(node.meta) if meta is None else meta
+        return new
+
+    def module(self) -> torch.fx.GraphModule:
+        return torch.fx.GraphModule(self.holder, self.graph)
 
 
 def _places_from_forward(fx_g: torch.fx.GraphModule) -> None:

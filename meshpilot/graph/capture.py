@@ -20,6 +20,12 @@ device-generic ``meshpilot::sdpa`` pair (:mod:`meshpilot.ops.attention`), so a p
 names no CPU kernel; and every node records the module path and source line it came from (``OpNode.module``,
 ``OpNode.source``; backward nodes those of their forward op), for warnings and errors that say where.
 
+A model whose longest list of identical blocks holds more than four is traced with four and the other blocks
+are copied from a middle one (:mod:`meshpilot.graph.replicate`, after checking the traced blocks are alike
+shifted by one): the trace's cost grows with the ops it records, and nearly all of a transformer's are its
+blocks'. The copy is the whole trace node for node, names included (``capture(..., stacked=False)`` traces
+every block).
+
 A forward that cannot be traced ends in one line (:class:`CaptureError`): the op, the module path and source
 line, and a way out — a data-dependent shape (``nonzero``, a boolean mask), inputs whose shapes the model
 rejects, an unsupported Python construct.
@@ -357,6 +363,7 @@ def capture(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     precision: Precision | str | None = None,
+    stacked: bool = True,
 ) -> OpGraph:
     """Trace one training step of `model` on `example_inputs` into an :class:`OpGraph`.
 
@@ -365,10 +372,38 @@ def capture(
     shapes and dtypes of the inputs, parameters and buffers are used: they may live on the meta device or on
     a GPU. A bare tensor is one input. `precision` (:class:`Precision`) traces the step as it will run:
     ``bf16`` (``fp16``) with floating parameters, buffers and inputs in bfloat16 (float16), ``bf16-mixed`` under
-    autocast, none as the model is.
+    autocast, none as the model is. With `stacked`, a model with a list of more than four identical blocks is
+    traced with four and the others are copied (:mod:`meshpilot.graph.replicate`; the same graph, node for
+    node); without it, or when the blocks do not pass replicate's checks, every block is traced.
     """
     inputs = as_inputs(example_inputs)
     precision = Precision.parse(precision)
+    params = dict(model.named_parameters())
+    pnames, bnames = list(params), list(dict(model.named_buffers()))
+    names = pnames + bnames + [f"input:{i}" for i in range(len(inputs))]
+
+    def trace() -> tuple:
+        return _trace(model, inputs, loss_fn, precision)
+
+    traced = None
+    if stacked:
+        from meshpilot.graph import replicate
+
+        traced = replicate.capture_stacked(trace, model, names)
+    joint, _, fake_inputs = traced if traced is not None else trace()
+    graph = _build_graph(joint, params, pnames, bnames, fake_inputs)
+    graph.precision = precision
+    return graph
+
+
+def _trace(
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    precision: Precision | None,
+) -> tuple[compat.JointExport, list[str], tuple[torch.Tensor, ...]]:
+    """The joint export of the model's step, the names of its flat arguments (parameters, buffers,
+    ``input:<i>``) and the fake inputs."""
     cast = precision.cast_dtype if precision is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -401,9 +436,7 @@ def capture(
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
             raise CaptureError(_explain(e, tracing)) from None
-    graph = _build_graph(joint, params, pnames, bnames, tuple(fake_inputs))
-    graph.precision = precision
-    return graph
+    return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs)
 
 
 # ---------------------------------------------------------------------------------- tracing: routes, places
@@ -441,8 +474,8 @@ class _CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # only while the model's forward runs: the trace's second pass replays the first graph, whose
-        # nodes already carry their places
+        # only while the model's forward runs: the backward's nodes take their forward op's places
+        # (compat._places_from_forward)
         source = _user_frame() if self.stack else None
         if source is not None:
             self.last_source = source
