@@ -164,7 +164,7 @@ layer_st = st.fixed_dictionaries(
         "ranks": st.integers(1, 4),
         "p2p": st.floats(0.5, 500),
         "group": st.floats(0.5, 1000),
-        "lat": st.floats(0, 20),
+        "lat": st.one_of(st.just(0.0), st.floats(1e-3, 20)),  # 0, or a real latency (tinier is refused)
     }
 )
 

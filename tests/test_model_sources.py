@@ -234,7 +234,8 @@ def test_train_starts_nccl_on_cuda_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("device", torch.device(d)))
     monkeypatch.setattr(dist, "init_process_group", fake_init)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
-    for k, v in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"}.items():
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for k, v in env.items():  # what torchrun sets
         monkeypatch.setenv(k, v)
     with pytest.raises(Stop):
         main(["train", "--model", "gpt-tiny", "--mesh", "2x2", "--steps", "1"])
