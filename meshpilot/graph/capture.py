@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.node import map_arg
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -681,10 +682,7 @@ def _build_graph(
                 fx_node.name, NodeKind.GETITEM, "getitem", ((src.name, int(idx)),), (_tensor_info(val),), is_view=True
             )
         else:
-            leaves = pytree.tree_leaves((fx_node.args, fx_node.kwargs))
-            tensor_args = [
-                a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-            ]
+            tensor_args = [a for a in _arg_nodes(fx_node) if isinstance(a.meta.get("val"), torch.Tensor)]
             inputs = tuple((a.name, 0) for a in tensor_args)
             if isinstance(val, (tuple, list)):
                 outputs = tuple(_tensor_info(v) for v in val)
@@ -693,8 +691,8 @@ def _build_graph(
             is_view = is_view_op(fx_node.target)
             node = OpNode(fx_node.name, NodeKind.OP, str(fx_node.target), inputs, outputs, is_view=is_view)
             if not is_view:
-                fake_args = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), fx_node.args)
-                fake_kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), fx_node.kwargs)
+                fake_args = map_arg(fx_node.args, _fake_value)
+                fake_kwargs = map_arg(fx_node.kwargs, _fake_value)
                 node.flops = _flops(fx_node.target, fake_args, fake_kwargs, val)
                 node.bytes_read = float(sum(a.meta["val"].nbytes for a in {t: None for t in tensor_args}))
                 node.bytes_written = float(sum(o.nbytes for o in outputs if o is not None))
@@ -748,6 +746,25 @@ def _build_graph(
     return graph
 
 
+# fx's own map_arg (in C) walks a node's arguments as pytree would, keeping their containers' types, at a
+# fraction of pytree's cost on the ~5,000 nodes of a 32-block step.
+
+
+def _arg_nodes(fx_node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes among `fx_node`'s arguments and keyword arguments, in order, repeats kept."""
+    found: list[torch.fx.Node] = []
+    map_arg((fx_node.args, fx_node.kwargs), found.append)
+    return found
+
+
+def _fake_value(a: torch.fx.Node) -> Any:
+    return a.meta.get("val")
+
+
+def _tensor_mark(_: torch.fx.Node) -> str:
+    return "T"
+
+
 def _place(fx_node: torch.fx.Node) -> tuple[str | None, str | None]:
     """(module path, ``file:line``) the trace stamped on a node."""
     stack = fx_node.meta.get("nn_module_stack") or {}
@@ -793,7 +810,7 @@ def _signature(n: OpNode, g_by: dict[str, OpNode], fx_node: torch.fx.Node | None
     ins = tuple((g_by[s].outputs[i], g_by[s].kind if g_by[s].kind != NodeKind.OP else "") for s, i in n.inputs)
     consts: Any = ()
     if fx_node is not None and n.kind == NodeKind.OP:
-        consts = pytree.tree_map_only(torch.fx.Node, lambda _: "T", (fx_node.args, fx_node.kwargs))
+        consts = map_arg((fx_node.args, fx_node.kwargs), _tensor_mark)
     elif n.kind == NodeKind.GETITEM:
         consts = n.inputs[0][1]
     return repr((n.target, n.outputs, ins, consts))
