@@ -287,6 +287,7 @@ class ReshardTable:
         self.colls: list[Collective] = []
         self._cid: dict[Collective, int] = {}
         self._spec: dict[tuple, tuple[int, int, np.ndarray, np.ndarray]] = {}
+        self._steps: dict[tuple[int, int, int], tuple[tuple[str, int, float], ...]] = {}
 
     def spec(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo):
         """``(|P|, |Q|, entry, collective)``: entry ``p·|Q| + q`` needs ``colls[collective]``."""
@@ -296,16 +297,15 @@ class ReshardTable:
             return hit
         ent: list[int] = []
         cid: list[int] = []
-        nq = len(Q)
-        rs = self.resharder
+        nq, ndim, nbytes = len(Q), len(info.shape), info.nbytes
         for a, p in enumerate(P):
             if p < 0:
                 continue
-            src = by_id(p)
             for b, q in enumerate(Q):
                 if q == p or q < 0:
                     continue
-                for c in rs.collectives(src, by_id(q), info):
+                for kind, axis, frac in self._pair(p, q, ndim):
+                    c = Collective(kind, axis, round(frac * nbytes))  # as Resharder.collectives makes it
                     j = self._cid.get(c)
                     if j is None:
                         j = self._cid[c] = len(self.colls)
@@ -313,6 +313,14 @@ class ReshardTable:
                     ent.append(a * nq + b)
                     cid.append(j)
         hit = self._spec[key] = (len(P), nq, np.asarray(ent, dtype=np.int64), np.asarray(cid, dtype=np.int64))
+        return hit
+
+    def _pair(self, p: int, q: int, ndim: int) -> tuple[tuple[str, int, float], ...]:
+        """``Resharder.steps`` between interned layouts: keyed by ids, which hash faster than placements."""
+        key = (p, q, ndim)
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = self.resharder.steps(by_id(p), by_id(q), ndim)
         return hit
 
 

@@ -110,7 +110,7 @@ class Resharder:
         self._mat: dict[tuple, np.ndarray] = {}
         self._cost_ids: dict[tuple, float] = {}
 
-    def _structure(self, src: Placements, dst: Placements, ndim: int) -> tuple[tuple[str, int, float], ...]:
+    def steps(self, src: Placements, dst: Placements, ndim: int) -> tuple[tuple[str, int, float], ...]:
         """DTensor's steps for ``src -> dst`` on an ``ndim``-D tensor: (kind, axis, fraction of the tensor).
 
         Computed once per layout pair on a canonical tensor whose every dim is the mesh size, so each
@@ -154,7 +154,7 @@ class Resharder:
             return ()
         return tuple(
             Collective(kind, axis, round(frac * info.nbytes))
-            for kind, axis, frac in self._structure(src, dst, len(info.shape))
+            for kind, axis, frac in self.steps(src, dst, len(info.shape))
         )
 
     def cost(self, src: Placements, dst: Placements, info: TensorInfo) -> float:
