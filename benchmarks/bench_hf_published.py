@@ -24,18 +24,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def plan_one(name: str, batch: int) -> dict:
+def plan_one(name: str, batch: int, precision: str = "fp32") -> dict:
+    import torch
+
     from meshpilot.models.hf_families import build, one_line, published
     from meshpilot.models.sources import count
     from meshpilot.planner.auto import plan
 
     fam, over, seq = published(name)
     t0, c0 = time.perf_counter(), time.process_time()
-    row: dict = {"model": name, "family": fam.name, "batch": batch, "seq": seq}
+    row: dict = {"model": name, "family": fam.name, "batch": batch, "seq": seq, "precision": precision}
     try:
         model, inputs = build(fam, over, attn="sdpa", batch=batch, seq=seq, device="meta")
+        if precision == "bf16":
+            model = model.to(torch.bfloat16)
         row["params"] = count(sum(p.numel() for p in model.parameters()))
-        p = plan(model, inputs, "dgx-h100", num_devices=8)
+        p = plan(model, inputs, "dgx-h100", num_devices=8, precision=None if precision == "fp32" else precision)
     except Exception as e:  # noqa: BLE001 - a refusal is the row
         row.update(status="refused", reason=one_line(e), seconds=round(time.perf_counter() - t0, 1))
         return row
@@ -58,6 +62,8 @@ def table(rows: list[dict]) -> str:
         "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
+        if r.get("precision", "fp32") != "fp32":
+            r = dict(r, model=f"{r['model']} ({r['precision']})")
         if r["status"] == "refused":
             lines.append(f"| {r['model']} | {r['family']} | {r.get('params', '')} | {r['batch']} × {r['seq']} | "
                          f"— | {r['seconds']} s | refused: {r['reason']} | | |")  # fmt: skip
@@ -78,19 +84,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default="/tmp/hf_published.jsonl")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="fp32 parameters (the default), or bf16 parameters, gradients and AdamW states (the model cast)",
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     out = Path(args.out)
     if not args.table:
         for name in args.only.split(",") if args.only else list(PUBLISHED):  # in the order given
-            row = plan_one(name, args.batch)
+            row = plan_one(name, args.batch, args.precision)
             with out.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
     rows = {}
     for line in out.read_text().splitlines():
         r = json.loads(line)
-        rows[r["model"]] = r  # the latest row of each model
+        rows[r["model"], r.get("precision", "fp32")] = r  # the latest row of each model and precision
     import transformers
 
     print(f"transformers {transformers.__version__}")
