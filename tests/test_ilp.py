@@ -319,3 +319,35 @@ def test_highs_debug_print_is_kept_off_stdout(capfd):
     out = capfd.readouterr().out
     assert "HighsMipSolverData" not in out
     assert out.splitlines() == ["before", "another line of the solver", "written to the descriptor", "after"]
+
+
+def test_reshard_table_by_ids_is_the_resharders_collectives():
+    """The table's entries (steps keyed by interned layout ids) are exactly ``Resharder.collectives`` of every
+    layout pair, on tensors of 1-3 dims, on a 2D and a 3D mesh."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks
+    from meshpilot.graph.capture import TensorInfo
+    from meshpilot.planner.ilp import ReshardTable
+    from meshpilot.sharding.placements import by_id, candidate_placements, pid
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import fake_device_mesh
+
+    cl = load_cluster("dgx-h100:2")
+    for shape in [(2, 4), (2, 2, 2)]:
+        dm = fake_device_mesh(shape)
+        rs = Resharder(dm, CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, "row"))))
+        table = ReshardTable(rs)
+        for info in [TensorInfo((16,), "float32"), TensorInfo((8, 24), "bfloat16"), TensorInfo((4, 8, 12), "float32")]:
+            ids = tuple(pid(p) for p in candidate_placements(info.shape, shape))
+            P, Q = ids + (-1,), ids[::-1]
+            n_p, n_q, ent, cid = table.spec(P, Q, info)
+            got: dict[int, list] = {}
+            for e, c in zip(ent.tolist(), cid.tolist()):
+                got.setdefault(e, []).append(table.colls[c])
+            want = {}
+            for a, p in enumerate(P):
+                for b, q in enumerate(Q):
+                    if p >= 0 and q >= 0 and p != q:
+                        colls = list(rs.collectives(by_id(p), by_id(q), info))
+                        if colls:
+                            want[a * n_q + b] = colls
+            assert (n_p, n_q) == (len(P), len(Q)) and got == want and want
