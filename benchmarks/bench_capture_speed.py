@@ -5,6 +5,10 @@ transformer (32 layers, h 4096, batch 64, sequence 2048) planned on ``dgx-h100:3
     git worktree add /tmp/x4f 4f92d9a && git worktree add /tmp/xa0 a0f2f93
     python benchmarks/bench_capture_speed.py /tmp/x4f /tmp/xa0 . --runs 3
 
+or, leaving the repository's worktree list alone, plain copies of the commits' trees:
+
+    for c in 4f92d9a a0f2f93; do mkdir -p /tmp/x$c && git archive $c | tar -x -C /tmp/x$c; done
+
 Each tree is a checkout of meshpilot run with ``PYTHONPATH`` at it. Per run: the process's CPU seconds
 (user + system, ``getrusage(RUSAGE_CHILDREN)``: what the whole ``python -c 'plan(...)'`` cost, imports
 included), the CPU seconds of the ``plan()`` call alone (``time.process_time`` around it), its capture's wall
