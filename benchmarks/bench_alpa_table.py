@@ -22,14 +22,6 @@ Throughput is the paper's metric: the step's model FLOPs (the captured graph's, 
 B) over the predicted step, in PFLOPS. Planning time is meshpilot's: the captures and ``plan_pipeline`` calls
 of the row, wall and CPU seconds (this process' and its planning workers'). For MoE rows the baseline is DeepSpeed-style
 (:func:`deepspeed_moe`), for Wide-ResNet PP-DP (:func:`pp_dp`).
-
-``--compare`` (GPT rows) prints instead, per row and B, the narrowed stage table (``plan_pipeline(narrow=True)``:
-the block's cap levels on the fastest logical meshes of each size only, ``planner.stack`` docstring, section 4)
-against the exact one: each plan's predicted step (Eq. 2, every stage planned exactly), their ratio, and each
-one's planning time — wall and CPU of ``plan_pipeline`` (its workers included) on a fresh ``StagePlanner``, the
-narrowed first, after one shared capture:
-
-    nice -n 10 python benchmarks/bench_alpa_table.py --compare --microbatches 64 --rows gpt3-350m gpt3-1.3b
 """
 
 from __future__ import annotations
@@ -136,33 +128,6 @@ def pp_dp(sp: StagePlanner, n: int, B: int, best: Best, flops: float, clusters: 
     best.offer(p.step_s, flops, f"B={B} " + "+".join(f"{s.layers[1] - s.layers[0]}L@{len(s.ranks)}" for s in p.stages))
 
 
-def compare(name: str, B: int) -> None:
-    """One GPT row at B microbatches: the narrowed table's plan against the exact table's (``--compare``)."""
-    entry = builtin_models()[name]
-    n = entry.devices
-    model, inputs = entry.build("meta", alpa_models()[name].global_batch // B)
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    stack = capture_stack(model, inputs)
-    capture_s = (time.perf_counter() - t0, cpu_seconds() - c0)
-    out = {}
-    for narrow in (True, False):
-        sp = StagePlanner(stack.graph, CLUSTER)
-        t0, c0 = time.perf_counter(), cpu_seconds()
-        p = plan_pipeline(stack, sp.cluster, microbatches=B, num_devices=n, planner=sp, narrow=narrow)
-        out[narrow] = (p, time.perf_counter() - t0, cpu_seconds() - c0)
-    (pn, wn, cn), (pe, we, ce) = out[True], out[False]
-
-    def stages(p) -> str:
-        return "+".join(f"{s.layers[1] - s.layers[0]}L@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages)
-
-    print(
-        f"| {name} | {n} | {B} | {pn.step_s:.6g} s | {pe.step_s:.6g} s | {pn.step_s / pe.step_s - 1:+.3%} | "
-        f"{wn:.1f} s ({cn:.1f} s) | {we:.1f} s ({ce:.1f} s) | {pn.stage_plans} / {pe.stage_plans} | "
-        f"{stages(pn)} | {stages(pe)} | {capture_s[1]:.1f} s |",
-        flush=True,
-    )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     gpts = [n for n, m in alpa_models().items() if m.family == AlpaFamily.GPT]
@@ -171,21 +136,7 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=0, help="Eq. 6's L for meshpilot (0: every layer)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--exact", action="store_true", help="capture every block and search every stage range (GPT)")
-    ap.add_argument("--compare", action="store_true", help="narrowed against exact stage table (GPT rows)")
     args = ap.parse_args()
-    if args.compare:
-        print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
-        print(
-            "| row | GPUs | B | step, narrowed | step, exact | narrowed / exact − 1 | narrowed: wall (CPU) | "
-            "exact: wall (CPU) | searches | stages, narrowed | stages, exact | capture CPU |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |",
-            flush=True,
-        )
-        for name in args.rows:
-            for B in args.microbatches:
-                compare(name, B)
-        print(f"load average {os.getloadavg()}", flush=True)
-        return
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "

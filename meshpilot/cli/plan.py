@@ -182,13 +182,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
     )
-    p.add_argument(
-        "--exact-table",
-        action="store_true",
-        help="--pipeline, a model of repeated blocks: search the block's memory cap levels on every logical mesh "
-        "(default: on the fastest two of each submesh size, planner/stack.py section 4; both plan each chosen "
-        "stage exactly)",
-    )
     p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -429,7 +422,6 @@ class Staged:
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
-                        narrow=not args.exact_table,
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B)
             except PlanError as e:  # only memory is helped by more microbatches

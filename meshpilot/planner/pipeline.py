@@ -231,7 +231,7 @@ from meshpilot.planner.schedule import (
     pipeline,
     stage_in_flight_of,
 )
-from meshpilot.planner.stack import CAPPED_SHAPES, MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
+from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers, stays_in_stage
 
 DEFAULT_DELTA = 0.1
@@ -1133,7 +1133,6 @@ def plan_pipeline(
     submeshes: Sequence[int] | None = None,
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
-    narrow: bool = False,
     **stage_kw,
 ) -> PipelinePlan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -1158,12 +1157,7 @@ def plan_pipeline(
     (:class:`LogicalShapes`); both narrow the search (the plan is the best among them).
 
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
-    ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one.
-
-    `narrow` (a repeated stack only): the block's memory cap levels searched on the ``stack.CAPPED_SHAPES``
-    fastest logical meshes of each size only (``planner.stack`` docstring, section 4): every entry of that table
-    is the exact table's or ∞, and the chosen stages are planned as the exact table plans them, so the plan's
-    step is exact and at least the exact table's optimum (``benchmarks/bench_alpa_table.py --compare``)."""
+    ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
     t0 = time.perf_counter()
     workers = plan_workers(workers)
     stack: Stack | None = graph if isinstance(graph, Stack) else None
@@ -1176,8 +1170,7 @@ def plan_pipeline(
         graph = stack.graph
     call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                 num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
-                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks, narrow=narrow,
-                **stage_kw)  # fmt: skip
+                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks, **stage_kw)  # fmt: skip
     if schedule == AUTO:
         return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
@@ -1238,7 +1231,7 @@ def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> Pipe
     found: list[tuple[float, int, PipelinePlan]] = []
     errors = []
     for rank, k in enumerate(AUTO_ORDER):
-        if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing != StageCosting.EXACT for _, _, p in found):
+        if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
             continue  # its search costs every range on its own: not where the others composed a block's costs
         try:
             p = plan_pipeline(graph, cluster, schedule=k, **call)
@@ -1423,7 +1416,7 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
         fast_table = StackTable(
             sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
-            workers=call["workers"], capped_shapes=CAPPED_SHAPES if call["narrow"] else None,
+            workers=call["workers"],
         )  # fmt: skip
         t, arg = fast_table.arrays()
     best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
@@ -1444,9 +1437,7 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
         fl = stage_in_flight(kind, s_left, B, len(chosen))
         share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
         stages.append(PipelineStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
-    costing = (
-        StageCosting.EXACT if stack is None else StageCosting.STACK_NARROWED if call["narrow"] else StageCosting.STACK
-    )
+    costing = StageCosting.STACK if stack is not None else StageCosting.EXACT
     return PipelinePlan(
         tuple(stages), B, n, clusters, setup.capacity, score, time.perf_counter() - setup.t0,
         sp.misses - setup.misses, tried, kind, costing,

@@ -80,20 +80,6 @@ enumeration would search. The pre and post pieces are planned only where a range
 them. ``floor`` is a bound only
 if the search's plan is priced by the same terms: the tests check it against every plan searched.
 
-Cap levels run after every mesh of the size has been planned at the device's capacity, so those plans can
-already rule a level out.
-
-4. The narrowed table (``StackTable.capped_shapes``, ``pipeline.plan_pipeline(narrow=True)``)
-----------------------------------------------------------------------------------------------
-The cap levels are where the table's time goes: on GPT-39B (64 V100s of ``alpa-p3x8``) one block ILP under a
-tight cap on a 16- or 32-device mesh takes 3–11 s of HiGHS (closing its memory rows' integrality gap), the same
-block at the device's capacity 0.1–1 s with its structure. The narrowed table plans every logical mesh's block
-at the device's capacity as before and lets only the :data:`CAPPED_SHAPES` meshes of each size whose block is
-fastest there descend the cap levels. Each entry is then the exact table's or ∞ (a candidate it lacks), never
-less, and the DP's chosen stages are composed from exactly searched pieces as the exact table's are: the plan
-is an exact plan whose step is at least the exact table's optimum. How much more is measured, not bounded
-(``benchmarks/bench_alpa_table.py --compare`` on the Alpa GPT rows; docs/benchmarks.md).
-
 Not modelled: resharding between the pieces of a stage (the first block after the embeddings, the head
 after the last block; each piece's boundary input is laid out as its search chose); the first and last
 blocks are priced as the middle one (``stage.runnable_layers`` gives them the backward's residual-gradient
@@ -134,10 +120,6 @@ KEEP = 4
 MAX_LEVELS = 5
 """Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
 
-CAPPED_SHAPES = 2
-"""The logical meshes per submesh size whose block descends cap levels in the narrowed table (module docstring,
-4): those whose block is fastest at the device's capacity."""
-
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
 cost sum the same terms in other orders, so a floor as tight as the plan may exceed it by a rounding."""
@@ -150,9 +132,6 @@ class StageCosting(StrEnum):
     """Every range of layers searched as one slice (``pipeline._StageTable``)."""
     STACK = "repeated-block"
     """Composed from one block's plan and the special layers' (this module)."""
-    STACK_NARROWED = "repeated-block, cap levels on the fastest meshes"
-    """As :attr:`STACK`, the block's memory cap levels searched on the :data:`CAPPED_SHAPES` fastest logical
-    meshes of each size only (module docstring, 4)."""
 
 
 @dataclass(frozen=True)
@@ -311,34 +290,6 @@ def _sum_time(parts: Sequence[tuple[StepTime, float]]) -> StepTime:
 
 
 @dataclass
-class _Column:
-    """One submesh size's column of the table as it fills: each entry's t_intra, winning candidate and its
-    order (``StackTable._column``)."""
-
-    t: np.ndarray
-    arg: np.ndarray
-    order: np.ndarray
-    candidates: list[tuple[int, tuple[int, int], float]]
-
-
-@dataclass(eq=False)
-class _Mesh:
-    """One logical mesh of a column: its floors' bounds, special pieces and the block's current cap level."""
-
-    j: int
-    """Its place in the size's shapes (the enumeration order)."""
-    shape: tuple[int, int]
-    lower: tuple[np.ndarray, np.ndarray] | None
-    specials: list
-    cap: float
-    """The block piece's memory cap for the next level."""
-    target: int = 0
-    """The fewest blocks the last level's cap was set for."""
-    blk: _Piece | None = None
-    """The block's plan at the last level."""
-
-
-@dataclass
 class StackTable:
     """The fast stage table (module docstring, 2): ``t[s, k, i, z]`` like ``pipeline._StageTable.arrays``."""
 
@@ -364,9 +315,6 @@ class StackTable:
     prune: bool = True
     """Skip the logical meshes and cap levels whose floors show they cannot change an entry (module
     docstring, 3: the same table); False searches every one (for the tests)."""
-    capped_shapes: int | None = None
-    """None: every logical mesh's block descends cap levels (the exact table); k: only the k of each size whose
-    block at the device's capacity is fastest (the approximate table, module docstring, 4)."""
 
     def _piece(self, rng: tuple[int, int], ranks, shape, cap: float) -> _Piece | None:
         kw = dict(self.kw)
@@ -412,75 +360,62 @@ class StackTable:
 
     def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list]:
         """Size z's column: ``t[1:, :, :, z]``, ``arg`` into the candidates it returns (module docstring, 2 and
-        3): every logical mesh's block at the device's capacity first, then the cap levels of the meshes that
-        descend them (every one, or the :attr:`capped_shapes` fastest: section 4)."""
-        L, S = len(self.bounds), self.max_stages
-        col = _Column(np.full((S, L, L), math.inf), np.full((S, L, L), -1, dtype=np.int64),
-                      np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), [])  # fmt: skip
+        3)."""
+        L, S, B = len(self.bounds), self.max_stages, self.microbatches
+        tz = np.full((S, L, L), math.inf)
+        az = np.full((S, L, L), -1, dtype=np.int64)
+        candidates: list[tuple[int, tuple[int, int], float]] = []
         PA, PB, NB, pres, posts = layout
         d = self.sizes[z]
-        use = np.array([[i >= k and self.useful(k, i, d) for i in range(L)] for k in range(L)], dtype=bool)
+        use = np.zeros((L, L), dtype=bool)
+        for k in range(L):
+            for i in range(k, L):
+                use[k, i] = self.useful(k, i, d)
         if not use.any():
-            return col.t, col.arg, col.candidates
+            return tz, az, candidates
+        mid = self.stack.middle
         ranks = range(d)
         used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
         shapes = list(self.shapes(d))
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
                   for shape in shapes]  # fmt: skip
-        meshes = []
+        # the winner of each entry is the least (t, order) of the candidates, order = (shape's place in
+        # `shapes`, level): what searching in that order and keeping strict improvements gives
+        order = np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64)
         for j in sorted(range(len(shapes)), key=lambda j: (floors[j][2].time_s if self.prune else 0.0, j)):
+            shape = shapes[j]
             lower = self._lower(floors[j], PA, PB, NB, f, use) if self.prune else None
-            if lower is not None and not self._can_improve(lower, col.t, col.order, j * MAX_LEVELS):
+            if lower is not None and not self._can_improve(lower, tz, order, j * MAX_LEVELS):
                 continue
             specials = [
-                self._specials(pres, ranks, shapes[j], used_pre),
-                self._specials(posts, ranks, shapes[j], used_post),
+                self._specials(pres, ranks, shape, used_pre),
+                self._specials(posts, ranks, shape, used_post),
             ]
-            mesh = _Mesh(j, shapes[j], lower, specials, self.capacity)
-            if self._level(col, mesh, 0, layout, f, use, d):
-                meshes.append(mesh)
-        for mesh in self._descending(meshes):
-            for level in range(1, MAX_LEVELS):
-                if mesh.lower is not None and not self._can_improve(
-                    mesh.lower, col.t, col.order, mesh.j * MAX_LEVELS + level
-                ):
+            blocks_needed = use & (NB > 0)
+            block_cap, target = self.capacity, 0
+            for level in range(MAX_LEVELS):
+                key = j * MAX_LEVELS + level
+                if level and lower is not None and not self._can_improve(lower, tz, order, key):
                     break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-                if not self._level(col, mesh, level, layout, f, use, d):
+                blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
+                T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
+                T = np.where(use, T, math.inf)
+                candidates.append((d, shape, block_cap))
+                cid = len(candidates) - 1
+                mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
+                ok = (mem <= self.capacity) & np.isfinite(T)[None]
+                cand = np.where(ok, T[None] / B, math.inf)
+                better = (cand < tz) | ((cand == tz) & np.isfinite(cand) & (key < order))
+                tz[better] = cand[better]
+                az[better] = cid
+                order[better] = key
+                # a tighter cap only where some range of blocks fits with no number of stages after it
+                fitless = blocks_needed & ~ok.any(axis=0)
+                if blk is None or not fitless.any():
                     break
-        return col.t, col.arg, col.candidates
-
-    def _descending(self, meshes: list[_Mesh]) -> list[_Mesh]:
-        """The meshes whose block descends cap levels: every one (the exact table), or the
-        :attr:`capped_shapes` whose block at the device's capacity is fastest (module docstring, 4)."""
-        if self.capped_shapes is None:
-            return meshes
-        fastest = sorted(meshes, key=lambda m: (m.blk.cost.time.total_s, m.j))[: self.capped_shapes]
-        return [m for m in meshes if m in fastest]
-
-    def _level(self, col: _Column, mesh: _Mesh, level: int, layout, f: np.ndarray, use: np.ndarray, d: int) -> bool:
-        """Plan `mesh`'s block under its current cap, offer every range composed from it to `col` (the least
-        ``(t, order)`` wins an entry) and set the next level's cap; whether a further level is wanted: the
-        block has a plan and some range of blocks useful here fits with no number of stages after it."""
-        PA, PB, NB, _, _ = layout
-        blk = mesh.blk = self._piece((self.stack.middle, self.stack.middle + 1), range(d), mesh.shape, mesh.cap)
-        T, fb, upd, act = _compose(mesh.specials, blk, PA, PB, NB)
-        T = np.where(use, T, math.inf)
-        key = mesh.j * MAX_LEVELS + level
-        col.candidates.append((d, mesh.shape, mesh.cap))
-        mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
-        ok = (mem <= self.capacity) & np.isfinite(T)[None]
-        cand = np.where(ok, T[None] / self.microbatches, math.inf)
-        better = (cand < col.t) | ((cand == col.t) & np.isfinite(cand) & (key < col.order))
-        col.t[better] = cand[better]
-        col.arg[better] = len(col.candidates) - 1
-        col.order[better] = key
-        # a tighter cap only where some range of blocks fits with no number of stages after it
-        fitless = use & (NB > 0) & ~ok.any(axis=0)
-        if blk is None or not fitless.any():
-            return False
-        mesh.target = max(int(NB[fitless].min()), 2 * mesh.target)
-        mesh.cap = min(0.9 * mesh.cap, _cap_for(blk.mem, mesh.target, self.capacity))
-        return True
+                target = max(int(NB[fitless].min()), 2 * target)
+                block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+        return tz, az, candidates
 
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
