@@ -12,7 +12,8 @@
    device mappings (axis 1 on contiguous ranks, the default, or axis 0 on contiguous ranks) the structure
    is priced on that mapping's :class:`~meshpilot.cluster.CostModel` and handed to the searcher
    (:class:`~meshpilot.planner.search.SearchTask`; the ILP prices it with :func:`~meshpilot.planner.ilp.price`,
-   solves it, and runs the ZeRO-like post-pass, :func:`~meshpilot.planner.zero.zero_pass`).
+   solves it, and runs the ZeRO-like post-pass, :func:`~meshpilot.planner.zero.zero_pass`): the one mesh
+   search, :func:`~meshpilot.planner.meshsearch.search_mesh`, which the stage planner calls too.
 4. The candidate with the least predicted step time becomes the :class:`~meshpilot.planner.plan.Plan`; if
    none fits in memory, :class:`~meshpilot.planner.ilp.PlanError` names the smallest need found and the
    capacity.

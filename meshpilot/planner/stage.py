@@ -54,8 +54,9 @@ crosses stages, and neither the copies nor the parts constrain where the cuts go
 
 Cost and cache (:func:`plan_stage`)
 -----------------------------------
-For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``) on the
-logical mesh of the given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
+For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``, through
+the one mesh search the single-stage planner uses too: ``meshsearch.search_mesh``) on the logical mesh of the
+given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
 coordinates), and the fastest is a :class:`StageCost`: the stage's time over its microbatches (compute,
 communication, resharding; ``accounting.account``), the peak bytes per device for one microbatch in flight
 (``accounting.memory_use``) and each phase's peak with one microbatch's activations
