@@ -198,7 +198,9 @@ DP (it uses Eq. 2 and the closed form above; the simulator times a ``step_schedu
 forward, input- and weight-gradient times), the interleaved search on a ``Stack`` of fewer captured blocks
 (it costs every range on its own: ``PlanError``), and a stage plan searched for the memory that f(s)
 microbatches in flight leave it (the ILP is given the whole device; a plan that then fails Eq. 5 is dropped,
-not re-searched).
+not re-searched), and activation rematerialization (Alpa recomputes activations, §9): the first of S stages
+holds f(S) microbatches' saved values of all its layers, which on GPT-39B (64 V100s, B = 64) leaves its blocks
+only the tightest cap levels' plans, 4–9× slower a microbatch than the other stages (docs/benchmarks.md).
 """
 
 from __future__ import annotations
