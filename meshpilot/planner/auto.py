@@ -103,7 +103,7 @@ def plan(
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
-    from meshpilot.planner.meshsearch import TIE_S, mappings_of, search_mesh
+    from meshpilot.planner.meshsearch import mappings_of, search_mesh
 
     if duplex and (microbatches != 2 or overlap):
         raise PlanError(
@@ -206,10 +206,9 @@ def plan(
             post_s += cand.post_s
             solves += cand.solves
             tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
-        top = found.best
-        if top is not None and (best is None or top.candidate.time_s < best.time_s - TIE_S):
-            best, best_builder, best_resharder = top.candidate, builder, top.resharder
-            best_lm = best_resharder.cost_model.mesh
+            if best is None or cand.time_s < best.time_s - 1e-15:  # over every shape: the first of near-equal ones
+                best, best_builder, best_resharder = cand, builder, t.resharder
+                best_lm = best_resharder.cost_model.mesh
     if best is None:
         raise _no_shape_fits(errors)
     compute = ComputeCost(best_resharder.cost_model, best.shape, graph)

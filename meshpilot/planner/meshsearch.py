@@ -12,7 +12,7 @@ mapping-independent structure (strategies, groups, compute: ``ilp.build_structur
 caller, and a :class:`~meshpilot.planner.search.SearchTask` on the mapping's resharder goes to the searcher
 (``search.Searcher``: the ILP, HiDup's Pareto DP or both). The answer, per shape,
 
-    best = argmin_m  time(searcher(structure, resharder_m))       (the first of equal times)
+    best = argmin_m  time(searcher(structure, resharder_m))       (the first of equal times: ``MeshSearch.best``)
 
 with every mapping's outcome (a plan or its ``PlanError``) kept for the caller's report
 (:class:`MeshSearch`). Mappings whose axes the search prices alike (``same``: equal group sizes, bandwidths,
@@ -32,9 +32,6 @@ from meshpilot.planner.ilp import PlanError, Structure
 from meshpilot.planner.search import Candidate, Searcher, SearchTask
 from meshpilot.planner.zero import ParamEdges, ZeroMode
 from meshpilot.sharding.reshard import Resharder
-
-TIE_S = 1e-15
-"""A mapping replaces the best so far only when faster by more than this (seconds): ties keep the first."""
 
 
 def mappings_of(shape: Sequence[int], allowed: Sequence[MeshMapping | str] = tuple(MeshMapping)) -> list[MeshMapping]:
@@ -66,7 +63,7 @@ class MeshSearch:
         """The try with the least step time (the first of equal ones), None where no mapping has a plan."""
         best = None
         for t in self.tries:
-            if t.candidate is not None and (best is None or t.candidate.time_s < best.candidate.time_s - TIE_S):
+            if t.candidate is not None and (best is None or t.candidate.time_s < best.candidate.time_s):
                 best = t
         return best
 
