@@ -205,6 +205,7 @@ def test_plan_weighs_one_stage_against_the_best_pipeline(capsys):
     out = capsys.readouterr().out
     assert "chose " in out and "one stage (SPMD on all 2 devices): predicted step" in out
     assert "the pipeline of " in out and "simulated step" in out
+    assert re.search(r"the pipeline of \d+ stages? (\[\d+,\d+\)@\dx\d ?)+ \(\d+ microbatches\)", out)  # its stages
     assert main([*base, "--stages", "1"]) == 0
     one = capsys.readouterr().out
     assert "Mesh candidates" in one and "weighed against" not in one and "the pipeline of" not in one

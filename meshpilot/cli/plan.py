@@ -494,9 +494,12 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
         staged = Staged.search(args, cluster, n, memory, progress, first=(B0, built, graph))
         pp_s = staged.pp.simulate().step_s
         S = len(staged.pp.stages)
+        layout = " ".join(
+            f"[{a},{b})@{'x'.join(map(str, st.mesh_shape))}" for st in staged.pp.stages for a, b in [st.layers]
+        )
         why_pp = (
-            f"the pipeline of {S} stage{'s' * (S != 1)} ({staged.microbatches} microbatches): simulated step "
-            f"{fmt_s(pp_s)}"
+            f"the pipeline of {S} stage{'s' * (S != 1)} {layout} ({staged.microbatches} microbatches): simulated "
+            f"step {fmt_s(pp_s)}"
         )
     except PlanError as e:
         if one is None:

@@ -12,7 +12,8 @@
    device mappings (axis 1 on contiguous ranks, the default, or axis 0 on contiguous ranks) the structure
    is priced on that mapping's :class:`~meshpilot.cluster.CostModel` and handed to the searcher
    (:class:`~meshpilot.planner.search.SearchTask`; the ILP prices it with :func:`~meshpilot.planner.ilp.price`,
-   solves it, and runs the ZeRO-like post-pass, :func:`~meshpilot.planner.zero.zero_pass`).
+   solves it, and runs the ZeRO-like post-pass, :func:`~meshpilot.planner.zero.zero_pass`): the one mesh
+   search, :func:`~meshpilot.planner.meshsearch.search_mesh`, which the stage planner calls too.
 4. The candidate with the least predicted step time becomes the :class:`~meshpilot.planner.plan.Plan`; if
    none fits in memory, :class:`~meshpilot.planner.ilp.PlanError` names the smallest need found and the
    capacity.
@@ -50,7 +51,7 @@ from meshpilot.planner.plan import (
 )
 from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.planner.schedule import duplex as duplex_schedule
-from meshpilot.planner.search import EPS, Candidate, Searcher, SearchTask, get_searcher
+from meshpilot.planner.search import EPS, Candidate, Searcher, get_searcher
 from meshpilot.planner.zero import ZERO_MODES, ParamEdges, ZeroMode
 from meshpilot.sharding.placements import to_json
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
@@ -102,6 +103,7 @@ def plan(
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     """
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
+    from meshpilot.planner.meshsearch import mappings_of, search_mesh
 
     if duplex and (microbatches != 2 or overlap):
         raise PlanError(
@@ -162,8 +164,7 @@ def plan(
         shaped.append((compute_lower_bound(struct), len(shaped), shape, dmesh, builder, struct))
     # 2. most promising shape first; a shape whose lower bound reaches the best step time is skipped
     for lower, _, shape, dmesh, builder, struct in sorted(shaped, key=lambda x: (x[0], x[1])):
-        maps = [MeshMapping(m) for m in mappings if m == MeshMapping.ROW or sum(d > 1 for d in shape) > 1]
-        maps = maps or [MeshMapping.ROW]
+        maps = mappings_of(shape, mappings)
         if best is not None and lower >= best.time_s:
             for mapping in maps:
                 tried.append(
@@ -189,34 +190,25 @@ def plan(
             errors.append(e)
             tried += [MeshCandidate(shape, mapping, None, str(e), need_bytes=need) for mapping in maps]
             continue
-        for mapping in maps:
-            lm = LogicalMesh(cl, shape, mapped_ranks(shape, mapping))
-            cm = CostModel(lm)
-            task = SearchTask(
-                graph,
-                struct,
-                Resharder(dmesh, cm),
-                param_edges,
-                mapping,
-                capacity=capacity,
-                zero=zero,
-                microbatches=microbatches,
-                time_limit=time_limit,
-                mip_gap=mip_gap,
-            )
-            try:
-                cand = chooser.search(task)
-            except PlanError as e:
-                errors.append(e)
-                tried.append(MeshCandidate(shape, mapping, None, str(e), need_bytes=e.need_bytes))
+        found = search_mesh(
+            graph, struct, param_edges, chooser, range(n), maps,
+            lambda _, physical, dmesh=dmesh, shape=shape: Resharder(dmesh, CostModel(LogicalMesh(cl, shape, physical))),
+            capacity=capacity, zero=zero, microbatches=microbatches, time_limit=time_limit, mip_gap=mip_gap,
+        )  # fmt: skip
+        for t in found.tries:
+            if t.candidate is None:
+                errors.append(t.error)
+                tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
                 continue
+            cand = t.candidate
             build_s += cand.build_s
             solve_s += cand.solve_s
             post_s += cand.post_s
             solves += cand.solves
-            tried.append(MeshCandidate(shape, mapping, float(cand.time_s), cand.note))
-            if best is None or cand.time_s < best.time_s - 1e-15:
-                best, best_builder, best_lm, best_resharder = cand, builder, lm, task.resharder
+            tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
+            if best is None or cand.time_s < best.time_s - 1e-15:  # over every shape: the first of near-equal ones
+                best, best_builder, best_resharder = cand, builder, t.resharder
+                best_lm = best_resharder.cost_model.mesh
     if best is None:
         raise _no_shape_fits(errors)
     compute = ComputeCost(best_resharder.cost_model, best.shape, graph)

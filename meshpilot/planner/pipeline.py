@@ -198,7 +198,9 @@ DP (it uses Eq. 2 and the closed form above; the simulator times a ``step_schedu
 forward, input- and weight-gradient times), the interleaved search on a ``Stack`` of fewer captured blocks
 (it costs every range on its own: ``PlanError``), and a stage plan searched for the memory that f(s)
 microbatches in flight leave it (the ILP is given the whole device; a plan that then fails Eq. 5 is dropped,
-not re-searched).
+not re-searched), and activation rematerialization (Alpa recomputes activations, §9): the first of S stages
+holds f(S) microbatches' saved values of all its layers, which on GPT-39B (64 V100s, B = 64) leaves its blocks
+only the tightest cap levels' plans, 4–9× slower a microbatch than the other stages (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -671,20 +673,49 @@ class StageTransfer:
     the latency of the highest layer they differ in + ``nbytes`` over its P2P bandwidth)."""
 
 
+@dataclass(frozen=True)
+class Crossing:
+    """One read of a value in another layer than the one making it (:func:`crossings`)."""
+
+    src: str
+    """The node making the value."""
+    output: int
+    """Which of `src`'s outputs."""
+    dst: str
+    """The node reading it."""
+    made_in: int
+    """The layer of `src`."""
+    read_in: int
+    """The layer of `dst` (≠ `made_in`)."""
+
+
+def crossings(graph: OpGraph, layers: Sequence[Layer]) -> Iterator[Crossing]:
+    """Every read of a value in another layer than the one making it, in graph order: the one scan behind
+    :func:`stage_transfers` (what crosses a cut), :func:`bypassed` (what would skip a stage) and
+    :func:`against_spans` (what would flow backwards). Leaves are included (each caller filters them); an edge
+    that needs no transfer wherever the stages are cut (a tied weight's copies and gradient parts,
+    ``stage.stays_in_stage``) is not."""
+    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
+    stays = stays_in_stage(graph, layers)
+    for n in graph.nodes:
+        q = where.get(n.name)
+        if q is None:
+            continue
+        for src, i in n.inputs:
+            p = where.get(src)
+            if p is not None and p != q and not stays(src, n.name):
+                yield Crossing(src, i, n.name, p, q)
+
+
 def _crossing_edges(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, int, bool, str, int]]:
     """``(lo, hi, forward, node, output)`` of every value read in another layer than the one making it: it
     crosses every cut ``c`` with ``lo < c ≤ hi`` (leaves — the model's inputs, constants, parameters, buffers —
     and a tied weight's copies and gradient parts cross none: ``stage.stays_in_stage``)."""
-    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
-    stays = stays_in_stage(graph, layers)
     out = set()
-    for n in graph.nodes:
-        for src, i in n.inputs:
-            p, q = where.get(src), where.get(n.name)
-            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or stays(src, n.name):
-                continue
-            if graph[src].outputs[i] is not None:
-                out.add((min(p, q), max(p, q), p < q, src, i))
+    for x in crossings(graph, layers):
+        if graph[x.src].kind not in LEAF_KINDS and graph[x.src].outputs[x.output] is not None:
+            p, q = x.made_in, x.read_in
+            out.add((min(p, q), max(p, q), p < q, x.src, x.output))
     return sorted(out)
 
 
@@ -1492,17 +1523,12 @@ def bypassed(graph: OpGraph, layers: Sequence[Layer]) -> np.ndarray:
     stage runtime refuses (``runtime.pipeline_stages``: one line, "choose other split points"). A tied
     parameter and its gradient's parts do not cross: each stage holding a reader keeps a copy and its own part
     (``stage.slice_graph``, *Tied parameters*)."""
-    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
-    stays = stays_in_stage(graph, layers)
     K = len(layers)
     X = np.zeros((K, K), dtype=bool)
-    for n in graph.nodes:
-        for src, _ in n.inputs:
-            if stays(src, n.name):
-                continue
-            a, b = sorted((where.get(src, -1), where.get(n.name, -1)))
-            if a >= 0 and b - a >= 2:
-                X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
+    for x in crossings(graph, layers):
+        a, b = sorted((x.made_in, x.read_in))
+        if b - a >= 2:
+            X[a + 1 : b, a + 1 : b] |= np.triu(np.ones((b - a - 1, b - a - 1), dtype=bool))
     return X
 
 
@@ -1527,17 +1553,17 @@ def against_spans(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, in
     called twice, as T5's decoder calls its dropout after the embedding and again after the final norm), or
     a gradient made in an earlier layer's backward and read in a later one's (the runtime passes forward values
     to later stages and gradients to earlier ones; a tied parameter's gradient parts stay where they are)."""
-    where = {name: j for j, layer in enumerate(layers) for name in layer.nodes}
-    stays = stays_in_stage(graph, layers)
     out = set()
-    for n in graph.nodes:
-        for src, _ in n.inputs:
-            p, q = where.get(src), where.get(n.name)
-            if p is None or q is None or p == q or graph[src].kind in LEAF_KINDS or stays(src, n.name):
-                continue
-            made = graph[src].phase
-            if (p > q and made == Phase.FWD) or (p < q and made == Phase.BWD) or (p > q and n.phase != Phase.BWD):
-                out.add((min(p, q), max(p, q)))
+    for x in crossings(graph, layers):
+        if graph[x.src].kind in LEAF_KINDS:
+            continue
+        p, q, made = x.made_in, x.read_in, graph[x.src].phase
+        if (
+            (p > q and made == Phase.FWD)
+            or (p < q and made == Phase.BWD)
+            or (p > q and graph[x.dst].phase != Phase.BWD)
+        ):
+            out.add((min(p, q), max(p, q)))
     return sorted(out)
 
 

@@ -54,8 +54,9 @@ crosses stages, and neither the copies nor the parts constrain where the cuts go
 
 Cost and cache (:func:`plan_stage`)
 -----------------------------------
-For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``) on the
-logical mesh of the given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
+For every device mapping of the asked shape, the slice is searched (``meshpilot.planner.search``, through
+the one mesh search the single-stage planner uses too: ``meshsearch.search_mesh``) on the logical mesh of the
+given ranks (``LogicalMesh`` of the cluster with those physical ranks at its
 coordinates), and the fastest is a :class:`StageCost`: the stage's time over its microbatches (compute,
 communication, resharding; ``accounting.account``), the peak bytes per device for one microbatch in flight
 (``accounting.memory_use``) and each phase's peak with one microbatch's activations
@@ -128,8 +129,9 @@ from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.planner.accounting import MEMORY_ROWS, ComputeCost, PhasePeaks, _parts, account, step_edges
 from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
+from meshpilot.planner.meshsearch import mappings_of, search_mesh
 from meshpilot.planner.plan import MemoryUse, StepTime
-from meshpilot.planner.search import SearchTask, get_searcher
+from meshpilot.planner.search import get_searcher
 from meshpilot.planner.zero import ParamEdges, ZeroMode
 from meshpilot.sharding.reshard import Resharder
 from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
@@ -660,7 +662,7 @@ class StagePlanner:
         key = (ranks, shape)
         hit = self._mesh_keys.get(key)
         if hit is None:
-            hit = self._mesh_keys[key] = ("mesh", tuple(self._priced_as(ranks, shape, m) for m in _mappings(shape)))
+            hit = self._mesh_keys[key] = ("mesh", tuple(self._priced_as(ranks, shape, m) for m in mappings_of(shape)))
         return hit
 
     def _priced_as(self, ranks: tuple[int, ...], shape: tuple[int, ...], mapping: MeshMapping) -> tuple:
@@ -711,6 +713,17 @@ class StagePlanner:
         names = [n.fqn or n.name for n in sub.nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT)]
         return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k)))
 
+    def _resharder(self, dmesh, shape: tuple[int, ...], physical: np.ndarray) -> Resharder:
+        """One resharder per logical mesh (`shape` over the row-major ranks `physical`): its prices are kept
+        (``ilp.priced``) across the stage searches on it."""
+        from meshpilot.cluster import CostModel, LogicalMesh
+
+        rkey = (shape, physical.tobytes())
+        hit = self._resharders.get(rkey)
+        if hit is None:
+            hit = self._resharders[rkey] = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
+        return hit
+
     def _structure(self, start, stop, ranks, shape, microbatches, pinned=()) -> Structure:
         """The ILP's structure of layers ``[start, stop)`` on `shape` (``ilp.build_structure``), built once per
         (range, shape, microbatches, pins): it reads the ranks only for compute, the cluster's one device's."""
@@ -759,41 +772,21 @@ class StagePlanner:
     def _search(
         self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()
     ) -> tuple[StageCost, StageMemory]:
-        from meshpilot.cluster import CostModel, LogicalMesh
 
         t0 = time.perf_counter()
         sub, edges, pe = self._slice(start, stop)
         dmesh = fake_device_mesh(shape)
         struct = self._structure(start, stop, ranks, shape, microbatches, pinned)
-        chooser = get_searcher(searcher)
-        best = None
-        errors: list[PlanError] = []
-        seen: set[tuple] = set()
-        for mapping in _mappings(shape):
-            priced_as = self._priced_as(ranks, shape, mapping)
-            if priced_as in seen:  # the same ILP as a mapping tried before: the same plan, which that one keeps
-                continue
-            seen.add(priced_as)
-            physical = np.asarray(ranks)[mapped_ranks(shape, mapping)]
-            rkey = (shape, physical.tobytes())  # one resharder per logical mesh: its prices are kept (ilp.priced)
-            resharder = self._resharders.get(rkey)
-            if resharder is None:
-                resharder = Resharder(dmesh, CostModel(LogicalMesh(self.cluster, shape, physical)))
-                self._resharders[rkey] = resharder
-            task = SearchTask(
-                sub, struct, resharder, pe, mapping, capacity=cap, zero=zero, microbatches=microbatches,
-                time_limit=time_limit,
-            )  # fmt: skip
-            try:
-                cand = chooser.search(task)
-            except PlanError as e:
-                errors.append(e)
-                continue
-            if best is None or cand.time_s < best[0].time_s:
-                best = (cand, resharder)
-        if best is None:
-            raise errors[0]
-        cand, resharder = best
+        found = search_mesh(
+            sub, struct, pe, get_searcher(searcher), ranks, mappings_of(shape),
+            lambda _, physical: self._resharder(dmesh, shape, physical),
+            capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit,
+            same=lambda m: self._priced_as(ranks, shape, m),
+        )  # fmt: skip
+        top = found.best
+        if top is None:
+            raise found.errors[0]
+        cand, resharder = top.candidate, top.resharder
         acct = account(sub, cand.chosen, resharder, ComputeCost(resharder.cost_model, shape, sub), microbatches, edges)
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
@@ -803,11 +796,6 @@ class StagePlanner:
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )
         return cost, mem
-
-
-def _mappings(shape: tuple[int, ...]) -> list[MeshMapping]:
-    """The device mappings a stage search tries on `shape`: row, and column when two axes have devices."""
-    return [MeshMapping.ROW] + ([MeshMapping.COL] if sum(d > 1 for d in shape) > 1 else [])
 
 
 def plan_stage(
