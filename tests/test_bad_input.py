@@ -19,7 +19,7 @@ import torch
 
 from meshpilot.cli.main import main
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.planner.validate import validate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,8 +484,8 @@ def test_plan_load_missing_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def good_plan(files) -> Plan:
-    return Plan.load(files["p2.json"])
+def good_plan(files) -> StagePlan:
+    return StagePlan.load(files["p2.json"])
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 from meshpilot.cli.main import main
 from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -63,9 +63,9 @@ TINY = {
 PLAN = ["-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--time-limit", "10"]
 
 
-def _plan_json(capsys, args: list[str]) -> Plan:
+def _plan_json(capsys, args: list[str]) -> StagePlan:
     assert main(["plan", *args, *PLAN, "--json"]) == 0, capsys.readouterr().err
-    return Plan.from_json(capsys.readouterr().out)
+    return StagePlan.from_json(capsys.readouterr().out)
 
 
 def _one_line_error(capsys, args: list[str], *needles: str, command: str = "plan") -> str:

@@ -206,7 +206,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import json
 import math
 import time
 import warnings
@@ -216,17 +215,16 @@ from enum import StrEnum
 
 import numpy as np
 
-from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
+from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
-from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
-from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
+from meshpilot.planner.plan import Plan as PipelinePlan
+from meshpilot.planner.plan import PlanStage as PipelineStage
+from meshpilot.planner.plan import StageTransfer
 from meshpilot.planner.schedule import (
-    ActionKind,
     PipelineKind,
-    Schedule,
     held_until_weight,
     pipeline,
     stage_in_flight_of,
@@ -237,9 +235,6 @@ from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_lay
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
 
-_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
-_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-"""The compute actions :meth:`PipelinePlan.simulate` gives node spans: its stand-in's f, i + w, i, w."""
 
 DEFAULT_EPSILON = 1e-3
 """t_max values within this fraction of each other are tried together; the step found is within this
@@ -651,26 +646,6 @@ def _search_t_max(
 # ---------------------------------------------------------------- 8. transfers between stages
 
 
-@dataclass(frozen=True)
-class StageTransfer:
-    """The values one stage sends another each microbatch (module docstring, section 8): what
-    ``runtime.pipeline_stages.find_transfers`` finds in the stages' slices, read off the whole graph."""
-
-    src: int
-    """The sending stage."""
-    dst: int
-    """The receiving stage: ``src + 1`` for the forward's values, ``src − 1`` for the backward's gradients."""
-    forward: bool
-    values: tuple[str, ...]
-    """Each value as ``node:output`` of the graph the plan was made from."""
-    shapes: tuple[tuple[int, ...], ...]
-    nbytes: float
-    """Per microbatch: the values' bytes added up (each crosses the link once)."""
-    seconds: float
-    """Per microbatch over the cluster's link between the two stages' first ranks (``CostModel.send_recv_ranks``:
-    the latency of the highest layer they differ in + ``nbytes`` over its P2P bandwidth)."""
-
-
 def _crossing_edges(graph: OpGraph, layers: Sequence[Layer]) -> list[tuple[int, int, bool, str, int]]:
     """``(lo, hi, forward, node, output)`` of every value read in another layer than the one making it: it
     crosses every cut ``c`` with ``lo < c ≤ hi`` (leaves — the model's inputs, constants, parameters, buffers —
@@ -729,351 +704,6 @@ AUTO = "auto"
 AUTO_ORDER = (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.GPIPE, PipelineKind.INTERLEAVED_1F1B)
 """The kinds ``AUTO`` plans, in the order that breaks ties of the simulated step: fewest microbatches in flight
 first (1F1B's S − s, zero bubble's min(B, S), GPipe's B), then Interleaved1F1B's v-fold sends."""
-
-PIPELINE_FORMAT = "meshpilot-pipeline-plan/1"
-"""The ``format`` field of a saved :class:`PipelinePlan`."""
-
-
-@dataclass(frozen=True)
-class PipelineStage:
-    """One stage of a pipeline plan."""
-
-    layers: tuple[int, int]
-    """Layers ``[start, stop)`` of ``stage.runnable_layers(graph)``."""
-    layer_names: tuple[str, ...]
-    ranks: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    cost: StageCost
-    """The stage planned on `ranks` as `mesh_shape` over the pipeline's microbatches."""
-    t_s: float
-    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
-    in_flight: int
-    """Microbatches whose activations the stage holds at most under the plan's schedule (1F1B: min(B, stages
-    from it to the end); GPipe: B): :func:`stage_in_flight`."""
-    memory_bytes: float
-    """Per device: Eq. 5's left side, :func:`stage_memory`."""
-    recv_bytes: float
-    """Bytes per microbatch the stage reads from other stages (Eq. 6's C; the sends priced are
-    ``PipelinePlan.transfers``)."""
-    input_share: float | None = None
-    """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
-    previous stage), the rest being ``W``: :func:`input_grad_share` (None: a plan saved before it was kept)."""
-
-    @classmethod
-    def costed(
-        cls, layers: Sequence[Layer], start: int, stop: int, ranks: tuple[int, ...], cost: StageCost,
-        microbatches: int, in_flight: int, C: np.ndarray, input_share: float | None,
-    ) -> PipelineStage:  # fmt: skip
-        """The stage of `layers` ``[start, stop)`` on `ranks`, planned as `cost` (its mesh), with `in_flight`
-        microbatches held; ``C`` is :func:`received_bytes` over the same layers."""
-        return cls(
-            (start, stop), tuple(x.name for x in layers[start:stop]), ranks, cost.mesh_shape, cost,
-            cost.time.total_s / microbatches, in_flight, stage_memory(cost, in_flight), float(C[start, stop - 1]),
-            input_share,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Stages, their submeshes, the schedule and the predicted step (module docstring)."""
-
-    stages: tuple[PipelineStage, ...]
-    microbatches: int
-    num_devices: int
-    clustering: Clustering
-    capacity: float
-    dp_step_s: float
-    """The DP's T* on the canonical ranks each size was costed on (equals :attr:`step_s` when the placed
-    stages cost the same, as on the presets' aligned blocks)."""
-    planning_s: float
-    stage_plans: int
-    """Stage costs searched (StagePlanner cache misses) by this call."""
-    t_max_tried: int
-    """Bounds on every stage's t the DP ran under (Interleaved1F1B: on every chunk's, over every group count and
-    group sizes; ZB-H1 without a fixed depth: over every depth)."""
-    schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
-    costing: StageCosting = StageCosting.EXACT
-    """How the stage table was filled: every range searched, or composed from a repeated block's plan
-    (``planner.stack``)."""
-    intra: tuple[Plan, ...] = ()
-    """Each stage's intra-operator plan (:meth:`with_intra`; empty until then): the strategies of every node of
-    the stage's slice (``slice_graph`` over :func:`runnable_layers`) on its logical mesh, its ``mesh_ranks``
-    indices into the stage's ``ranks``. ``meshpilot.runtime.pipeline`` runs each stage with its own."""
-    transfers: tuple[StageTransfer, ...] = ()
-    """Each stage boundary's values per microbatch, both directions (:func:`stage_transfers`: module docstring,
-    section 8); what :meth:`simulate` sends. Empty in a plan saved before they were kept (its sends carry 0
-    bytes)."""
-    cluster: str = ""
-    """The name of the cluster the plan was made for ("" in a plan saved before it was kept)."""
-
-    @property
-    def split_points(self) -> tuple[str, ...]:
-        """The first layer of every stage after the first (``blocks.2``): where the runtime cuts the model
-        (``meshpilot.runtime.pipeline``)."""
-        return tuple(s.layer_names[0] for s in self.stages[1:])
-
-    def with_intra(
-        self,
-        graph: OpGraph,
-        cluster,
-        *,
-        force: Sequence[dict[str, str] | None] | None = None,
-        time_limit: float = 30.0,
-    ) -> PipelinePlan:
-        """This plan with :attr:`intra`: every stage's slice (layers of :func:`runnable_layers`) searched on the
-        stage's logical mesh and mapping over the plan's microbatches (``meshpilot.planner.auto.plan`` with
-        the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
-        `graph` is the one-microbatch graph the plan was made from; ``force[j]`` pins layouts in stage j
-        (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). Pure."""
-        from meshpilot.planner.auto import plan as plan_intra
-        from meshpilot.planner.stage import slice_graph
-
-        force = list(force) if force is not None else [None] * len(self.stages)
-        if len(force) != len(self.stages):
-            raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
-        run_layers = runnable_layers(graph)
-        plans = []
-        for st, pinned in zip(self.stages, force):
-            sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
-            with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
-                warnings.simplefilter("ignore", UserWarning)
-                p = plan_intra(
-                    None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
-                    microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
-                )  # fmt: skip
-            plans.append(p)
-        return dataclasses.replace(self, intra=tuple(plans))
-
-    @property
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The rank classes: every stage's ranks, once, in stage order (Interleaved1F1B: stage j runs on
-        ``groups[j % P]``; otherwise one per stage)."""
-        out: list[tuple[int, ...]] = []
-        for st in self.stages:
-            if st.ranks not in out:
-                out.append(st.ranks)
-        return tuple(out)
-
-    @property
-    def chunks(self) -> int:
-        """Stages per rank class (v: 1 but under Interleaved1F1B)."""
-        return len(self.stages) // len(self.groups)
-
-    def step_schedule(self) -> Schedule:
-        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage (per group of
-        :attr:`chunks` stages under Interleaved1F1B)."""
-        return self._schedule_on(self.groups)
-
-    def _schedule_on(self, groups: Sequence[Sequence[int]]) -> Schedule:
-        return pipeline(groups, self.microbatches, self.schedule, self.chunks)
-
-    def simulate(self, cluster=None, p2p_bytes: float | None = None):
-        """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
-        :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's
-        forward per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (``t_s`` less that:
-        backward and the amortised gradient sync), each send over the cluster's link between the stages' first
-        ranks, its latency included (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes
-        (or `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
-        ``SimResult``: its ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
-        from meshpilot.cluster import load_cluster
-        from meshpilot.sim import simulate
-
-        if cluster is None and not self.cluster:
-            raise UserError("pipeline plan: it does not name its cluster (saved before it did); give the cluster")
-        cl = load_cluster(cluster if cluster is not None else self.cluster)
-        sends: float | dict[tuple[int, int], float] = (
-            float(p2p_bytes) if p2p_bytes is not None else {(x.src, x.dst): x.nbytes for x in self.transfers}
-        )
-        B = self.microbatches
-        sched = self.step_schedule()
-        split = any(a.kind in _SPLIT for c in sched.classes for a in c.actions)
-        nodes: list[NodeChoice] = []
-        spans: list[dict[ActionKind, tuple[int, int]]] = []
-        for j, st in enumerate(self.stages):
-            f = st.cost.forward_s / B
-            share = st.input_share
-            if split and share is None:
-                raise UserError(
-                    "pipeline plan: its stages lack their input-gradient share (input_share); save it again"
-                )
-            b_in = (st.t_s - f) * (share or 0.0)
-            at = len(nodes)
-            spans.append(dict(zip(_PARTS, ((at, at + 1), (at + 1, at + 3), (at + 1, at + 2), (at + 2, at + 3)))))
-            nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
-            nodes += [NodeChoice(f"i{j}", "stage", "op", (), (), "s", "bwd", b_in)]
-            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f - b_in)]
-        # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
-        # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
-        # (under Interleaved1F1B one per group, its actions' stages naming their spans)
-        P = len(self.groups)
-        sched = self._schedule_on([[j] for j in range(P)])
-        classes = []
-        for j, rc in enumerate(sched.classes):
-            acts = tuple(
-                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage][a.kind])
-                if a.kind.is_compute
-                else a
-                for a in rc.actions
-            )
-            classes.append(dataclasses.replace(rc, actions=acts))
-        sched = Schedule(tuple(classes), sched.microbatches, sched.name)
-        firsts = tuple(g[0] for g in self.groups)
-        stand_in = Plan(
-            cluster=cl.name, mesh_shape=(P,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
-            params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
-            memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
-            solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
-        )  # fmt: skip
-        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends)
-
-    def to_dict(self) -> dict:
-        """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
-        costs, the clustering, the microbatches, the schedule (its kind and its actions) and the stages' intra-operator
-        plans (``intra``: each a ``Plan.to_dict``, absent before :meth:`with_intra`)."""
-        d = dataclasses.asdict(dataclasses.replace(self, intra=()))
-        d["intra"] = [p.to_dict() for p in self.intra]
-        d["schedule"] = self.schedule.value
-        d["costing"] = self.costing.value
-        for st, stage in zip(d["stages"], self.stages):
-            st["cost"]["mapping"] = stage.cost.mapping.value
-        d["step_schedule"] = self.step_schedule().to_dict()
-        d["format"] = PIPELINE_FORMAT
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PipelinePlan:
-        """The plan :meth:`to_dict` gave (one line naming the problem for anything else)."""
-        if not isinstance(d, dict) or d.get("format") != PIPELINE_FORMAT:
-            raise UserError(
-                f'not a pipeline plan (no "format": "{PIPELINE_FORMAT}"); save one with meshpilot plan --pipeline'
-            )
-        try:
-            stages = []
-            for st in d["stages"]:
-                c = st["cost"]
-                cost = StageCost(
-                    tuple(c["layers"]), tuple(c["ranks"]), tuple(c["mesh_shape"]), MeshMapping(c["mapping"]),
-                    StepTime(**c["time"]), MemoryUse(**c["memory"]), PhasePeaks(**c["peaks"]),
-                    c["forward_s"], c["search_s"],
-                )  # fmt: skip
-                fields = {k: st[k] for k in ("t_s", "in_flight", "memory_bytes", "recv_bytes")}
-                fields["input_share"] = st.get("input_share")
-                stages.append(
-                    PipelineStage(
-                        tuple(st["layers"]),
-                        tuple(st["layer_names"]),
-                        tuple(st["ranks"]),
-                        tuple(st["mesh_shape"]),
-                        cost,
-                        **fields,
-                    )  # fmt: skip
-                )
-            cl = d["clustering"]
-            clustering = Clustering(
-                tuple(tuple(b) for b in cl["bounds"]), tuple(cl["flops"]), tuple(cl["recv_bytes"]), cl["delta"]
-            )
-            scalars = ("microbatches", "num_devices", "capacity", "dp_step_s", "planning_s", "stage_plans")
-            intra = tuple(
-                Plan.from_dict(p, source=f"pipeline plan stage {j}") for j, p in enumerate(d.get("intra", ()))
-            )
-            transfers = tuple(
-                StageTransfer(x["src"], x["dst"], bool(x["forward"]), tuple(x["values"]),
-                              tuple(tuple(sh) for sh in x["shapes"]), float(x["nbytes"]), float(x["seconds"]))
-                for x in d.get("transfers", ())
-            )  # fmt: skip
-            if intra and len(intra) != len(stages):
-                raise UserError(
-                    f"pipeline plan: {len(intra)} intra-operator plans for {len(stages)} stages; save it again"
-                )
-            plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
-                       schedule=PipelineKind(d["schedule"]), intra=intra,
-                       costing=StageCosting(d.get("costing", StageCosting.EXACT.value)),
-                       transfers=transfers, cluster=str(d.get("cluster", "")),
-                       **{k: d[k] for k in scalars})  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
-        if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
-            raise UserError(
-                "pipeline plan: its step_schedule does not match its stages and schedule kind; save it again"
-            )
-        return plan
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> PipelinePlan:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"pipeline plan: not JSON ({e})") from None
-        return cls.from_dict(d)
-
-    @property
-    def sum_s(self) -> float:
-        """Σ t_i: one microbatch through every stage (the pipeline's fill and drain)."""
-        return sum(s.t_s for s in self.stages)
-
-    @property
-    def max_s(self) -> float:
-        """The slowest rank class's time per microbatch: max t_i (under Interleaved1F1B: of each group's
-        chunks' t_i added up)."""
-        per: dict[tuple[int, ...], float] = {}
-        for s in self.stages:
-            per[s.ranks] = per.get(s.ranks, 0.0) + s.t_s
-        return max(per.values())
-
-    @property
-    def step_s(self) -> float:
-        """Eq. 2: Σ t_i + (B − 1) · max t_i, i.e. B · max t_i + the bubble (Interleaved1F1B: with the groups'
-        times for max t_i and its v-fold smaller bubble; Narayanan et al. §2.2)."""
-        return self.microbatches * self.max_s + self.bubble_s
-
-    @property
-    def bubble_s(self) -> float:
-        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i (Interleaved1F1B:
-        that over v, the fill and drain running chunks a v-th of a group's work)."""
-        return (self.sum_s - self.max_s) / self.chunks
-
-    def __str__(self) -> str:
-        B, S = self.microbatches, len(self.stages)
-        head = (
-            f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches "
-            f"({self.schedule.value}), "
-            f"{len(self.clustering.bounds)} layer clusters (δ={self.clustering.delta:g})"
-        )
-        rows = [head, "  stage  layers                        ranks      mesh      t/microbatch     mem/dev  in flight"]
-        for j, s in enumerate(self.stages):
-            names = s.layer_names[0] if len(s.layer_names) == 1 else f"{s.layer_names[0]}..{s.layer_names[-1]}"
-            rk = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
-            mesh = "x".join(map(str, s.mesh_shape))
-            rows.append(
-                f"  {j:<5}  [{s.layers[0]},{s.layers[1]}) {names:<22.22} {rk:<10} {mesh:<8} "
-                f"{_secs(s.t_s):>12}  {_size(s.memory_bytes):>10}  {s.in_flight}"
-            )
-        if self.chunks > 1:
-            rows.append(
-                f"  step = B·max T_g + (Σ t_i − max T_g)/v = {B}·{_secs(self.max_s)} + {_secs(self.bubble_s)} = "
-                f"{_secs(self.step_s)} ({self.chunks} chunks per group: T_g the sum of a group's chunks' t_i)"
-            )
-        else:
-            rows.append(
-                f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
-                f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
-            )
-        rows.append(
-            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches ({self.costing.value} stage "
-            f"costs), {self.t_max_tried} t_max tried"
-        )
-        return "\n".join(rows)
-
-
-def _secs(x: float) -> str:
-    if x >= 1:
-        return f"{x:.3f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3f} ms"
-    return f"{x * 1e6:.2f} µs"
 
 
 def _size(b: float) -> str:
