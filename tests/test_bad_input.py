@@ -41,13 +41,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
         edit(p)
         (d / name).write_text(json.dumps(p))
 
+    def stage(p: dict) -> dict:  # the one stage's plan inside the saved Plan
+        return p["stages"][0]["plan"]
+
     variant("v99.json", lambda p: p.update(version=99))
-    variant("s9.json", lambda p: p["params"][0].__setitem__(1, ["S(9)", "R"]))
-    variant("q.json", lambda p: p["params"][0].__setitem__(1, ["Q", "R"]))
-    variant("dup.json", lambda p: p.update(mesh_ranks=[0, 0]))
-    variant("oor.json", lambda p: p.update(mesh_ranks=[0, 7]))
-    variant("nosolver.json", lambda p: p.pop("solver"))
-    variant("shape0.json", lambda p: p.update(mesh_shape=[0, 1]))
+    variant("s9.json", lambda p: stage(p)["params"][0].__setitem__(1, ["S(9)", "R"]))
+    variant("q.json", lambda p: stage(p)["params"][0].__setitem__(1, ["Q", "R"]))
+    variant("dup.json", lambda p: stage(p).update(mesh_ranks=[0, 0]))
+    variant("oor.json", lambda p: stage(p).update(mesh_ranks=[0, 7]))
+    variant("nosolver.json", lambda p: stage(p).pop("solver"))
+    variant("shape0.json", lambda p: stage(p).update(mesh_shape=[0, 1]))
     (d / "notjson.json").write_text("{not json")
     (d / "list.json").write_text("[1, 2]")
     (d / "other.json").write_text(json.dumps({"hello": 1}))

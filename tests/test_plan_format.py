@@ -110,3 +110,26 @@ def test_validate_checks_a_pipeline_against_its_model():
             validate(plan, source="pp.json", **kw)
         text = str(e.value)
         assert "\n" not in text and text.startswith("pp.json: ") and all(n in text for n in needles), text
+
+
+def test_the_runtime_moves_the_plans_transfers_which_are_what_the_slices_read():
+    """Lowered at plan time: the pipeline runtime takes its transfers from the Plan (``planned_transfers``), the
+    same values, directions and boundary inputs it would read off the stages' slices (``find_transfers``)."""
+    from meshpilot.planner.stage import runnable_layers, slice_graph, stays_in_stage
+    from meshpilot.runtime.pipeline_stages import find_transfers, planned_transfers, zero_filled
+
+    p = Plan.load(PIPE)
+    graph = _gpt_graph(p)
+    layers = runnable_layers(graph)
+    slices = [slice_graph(graph, st.layers[0], st.layers[1], layers) for st in p.stages]
+    stage_of = {name: s for s, st in enumerate(p.stages) for x in layers[slice(*st.layers)] for name in x.nodes}
+    zeros = zero_filled(slices, stage_of, stays_in_stage(graph, layers))
+    planned = planned_transfers(p, graph, slices, zeros)
+    found = find_transfers(graph, slices, stage_of, zeros)
+
+    def key(t):
+        return (t.node, t.index, t.src, t.dst, t.forward, t.boundary, t.info)
+
+    assert planned is not None and sorted(map(key, planned)) == sorted(map(key, found))
+    assert [t.k for t in planned] == list(range(len(planned)))
+    assert planned_transfers(dataclasses.replace(p, transfers=()), graph, slices, zeros) is None  # an older plan

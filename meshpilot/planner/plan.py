@@ -722,9 +722,12 @@ class Plan:
         """This plan with every stage's :attr:`PlanStage.plan`: its slice (layers of ``stage.runnable_layers``)
         searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
         with the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
-        `graph` is the one-microbatch graph the plan was made from; ``force[j]`` pins layouts in stage j
-        (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). Pure."""
+        `graph` is the one-microbatch graph the plan was made from (the whole model's); ``force[j]`` pins
+        layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). The
+        :attr:`transfers` are read off `graph` again (``pipeline.stage_transfers``), naming its nodes. Pure."""
+        from meshpilot.cluster import load_cluster
         from meshpilot.planner.auto import plan as plan_intra
+        from meshpilot.planner.pipeline import stage_transfers
         from meshpilot.planner.stage import runnable_layers, slice_graph
 
         force = list(force) if force is not None else [None] * len(self.stages)
@@ -741,7 +744,16 @@ class Plan:
                     microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
                 )  # fmt: skip
             stages.append(dataclasses.replace(st, plan=p))
-        return dataclasses.replace(self, stages=tuple(stages))
+        # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the
+        # runtime moves (``runtime.pipeline_stages``) and the simulator prices; a boundary the plan priced keeps
+        # its seconds (on the plan's cluster, which `cluster` — data-parallel stages' — need not be)
+        bounds, ranks = [st.layers for st in stages], [st.ranks for st in stages]
+        priced = {(x.src, x.dst, x.forward): x for x in self.transfers}
+        transfers = []
+        for y in stage_transfers(graph, run_layers, bounds, ranks, load_cluster(cluster)):
+            x = priced.get((y.src, y.dst, y.forward))
+            transfers.append(dataclasses.replace(y, seconds=x.seconds) if x is not None and x.nbytes == y.nbytes else y)
+        return dataclasses.replace(self, stages=tuple(stages), transfers=tuple(transfers))
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

@@ -199,6 +199,32 @@ def find_transfers(
     return out
 
 
+def planned_transfers(
+    plan: Plan, graph: OpGraph, slices: Sequence[OpGraph], zeros: dict[int, list[str]]
+) -> list[Transfer] | None:
+    """The plan's own transfers (``Plan.transfers``, lowered by the planner and checked by ``validate``) as the
+    values this runtime moves, in the plan's order; None when the plan holds none, or names a value this graph
+    does not make or the receiving slice does not read from another stage (`zeros`: :func:`zero_filled`) — a
+    plan saved before it kept them, or costed on a stack's few blocks and not passed through
+    ``Plan.with_intra``: :func:`find_transfers` then reads them off the slices."""
+    if not plan.transfers:
+        return None
+    out: list[Transfer] = []
+    for x in plan.transfers:
+        for value in x.values:
+            node, _, i = value.rpartition(":")
+            boundary = f"{BOUNDARY}:{value}"
+            if node not in graph.by_name or boundary not in slices[x.dst].by_name or boundary in zeros.get(x.dst, ()):
+                return None
+            info = graph[node].outputs[int(i)]
+            if not info.shape:
+                raise UserError(
+                    f"stage {x.dst} reads the scalar {node} from stage {x.src}; split where a tensor with rows crosses"
+                )
+            out.append(Transfer(node, int(i), x.src, x.dst, x.forward, info, boundary, len(out)))
+    return out
+
+
 def stage_mesh(plan: StagePlan, ranks: Sequence[int], device_type: str) -> DeviceMesh:
     """The DeviceMesh of a stage: its plan's logical mesh over the stage's physical ranks (every rank of the
     world must create every stage's mesh, in one order: new process groups are collective)."""
@@ -279,7 +305,8 @@ class PlannedPipelineModule:
                 for name in layer.nodes:
                     stage_of[name] = s
         zeros = zero_filled(slices, stage_of, stays_in_stage(graph, run_layers))
-        self.transfers = find_transfers(graph, slices, stage_of, zeros)
+        planned = planned_transfers(self.pplan, graph, slices, zeros)
+        self.transfers = planned if planned is not None else find_transfers(graph, slices, stage_of, zeros)
         return slices, zeros, tied_params(graph, run_layers)
 
     def _make_meshes(self) -> None:
