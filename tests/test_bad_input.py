@@ -514,15 +514,25 @@ def test_validate_plan(good_plan, edit, kwargs, needles):
 
 
 def test_validate_plan_with_graph(good_plan):
-    from meshpilot.cli.train import check_plan
-    from meshpilot.models import gpt_config
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.validate import validate
 
-    graph = check_plan(good_plan, gpt_config("gpt-tiny"), 2, "p.json")  # the good plan passes
+    def gpt_graph(layers: int):
+        (b, t), _ = good_plan.input_shapes[0]
+        with torch.device("meta"):
+            model = GPT(dataclasses.replace(gpt_tiny(layers=layers), batch=b, seq=t))
+        idx = torch.empty(b, t, dtype=torch.long, device="meta")
+        return capture(model, (idx, idx))
+
+    graph = gpt_graph(2)
+    validate(Plan.single(good_plan), world_size=2, graph=graph, source="p.json")  # the good plan passes
     params = list(good_plan.params)
     params[0] = (params[0][0], ("S(2)", "R"))  # wte.weight is 2-D
     bad = dataclasses.replace(good_plan, params=tuple(params))
     _api(lambda: validate_plan(bad, graph=graph, source="p.json"), "params[wte.weight][0]", "S(2)", "2 dim")
-    _api(lambda: check_plan(good_plan, gpt_config("gpt-tiny", layers=3), 2, "p.json"), "fingerprint", "different model")
+    other = gpt_graph(3)
+    _api(lambda: validate(Plan.single(good_plan), graph=other, source="p.json"), "fingerprint", "different model")
 
 
 def test_parallelize_without_process_group(good_plan):

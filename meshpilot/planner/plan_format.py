@@ -96,7 +96,8 @@ def _read(d: dict, where: str, intra: list | None) -> Plan:
         raise UserError(f"{where}{e.args[0]}: missing from the plan (hand-edited or damaged?); {_replan('')}") from None
     except (TypeError, ValueError, IndexError, AttributeError) as e:
         raise UserError(f"{where}malformed plan ({type(e).__name__}: {e}); {_replan('')}") from None
-    if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
+    # a pipeline's actions are rebuilt from its stages and kind; a one-stage plan's are its stage plan's own
+    if "step_schedule" in d and not plan.is_single and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
         raise UserError(f"{where}its step_schedule does not match its stages and schedule kind; {_replan('')}")
     return plan
 
