@@ -643,14 +643,10 @@ def _train(
     resume=None,
     data=None,
 ) -> int:
-    import sys
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-
-    from meshpilot.runtime.checkpoint import Stopped
-    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -662,64 +658,19 @@ def _train(
 
         time.sleep(3 * (args.timeout or 1))
     rank = dist.get_rank()
-    if getattr(args, "auto_planned", False) and plan is not None and dist.get_world_size() > 1:
-        # under bare torchrun every rank planned for itself: the plans must be one plan
-        digests: list = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, plan.run_digest())
-        if len(set(digests)) > 1:
-            if rank == 0:
-                print(
-                    "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
-                    "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            dist.destroy_process_group()
-            return 2
-    checkpoint = None
-    if args.checkpoint_dir is not None:
-        from meshpilot.planner.reshard_checkpoint import Layouts
-        from meshpilot.runtime.checkpoint import Checkpointing
-
-        saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
-        saved_with["data"] = str(args.data) if args.data else "random tokens"
-        saved_with.update(_plan_info(plan))
-        if plan.is_single:  # what a resume under another one-stage plan moves (_reshard_line)
-            saved_with["layouts"] = Layouts.of(plan.only).to_dict()
-        checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
+    if not _ranks_planned_alike(args, plan, rank):
+        dist.destroy_process_group()
+        return 2
+    checkpoint = _checkpointing(args, plan, resume)
     done = [] if resume is None else [dict(d) for d in resume.logs]
-    if plan is not None:
-        info = {**_plan_info(plan), "plan": str(args.plan), "precision": plan.precision or "fp32"}
-    else:
-        info = {"mesh": list(shape), "precision": args.precision or "fp32"}
-    info["device"] = device.type
-    info["backend"] = backend
-    if resume is not None:
-        info["resumed_from"] = str(resume.path)
-    if rank == 0 and resume is not None:
-        print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
-        if plan is not None and plan.is_single:
-            moved = _reshard_line(resume.manifest, plan.only)
-            if moved:
-                print(moved, flush=True)
+    info = _run_info(args, plan, shape, resume, rank)
+    info["device"], info["backend"] = device.type, backend
 
     def write_json(finished: bool) -> None:
         if rank == 0 and args.json_out:
             atomic_write(args.json_out, json.dumps({**info, "finished": finished, "steps": done}))
 
-    from meshpilot.runtime.progress import Throughput
-
-    if plan is not None:
-        items = _step_items(cfg, graph, plan.microbatches)
-        rate = Throughput.of_plan(plan, args.steps, dist.get_world_size(), items=items)
-        if rank == 0 and not plan.intra:
-            print(
-                f"note: {args.plan} holds no stage plans: each stage runs a data-parallel plan on its submesh "
-                "(`meshpilot plan --pipeline --out` saves searched ones)",
-                flush=True,
-            )
-    else:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
-        rate = Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
+    rate = _throughput(args, plan, cfg, graph, rank)
 
     def on_step(s) -> None:
         done.append(dict(s.__dict__))
@@ -727,53 +678,111 @@ def _train(
         if rank == 0:
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
+    run = dict(cfg=cfg, shape=shape, plan=plan, graph=graph, build=build, data=data, device=device, done=done)
+    code = _run_steps(args, run, checkpoint, on_step, rank, write_json)
+    if code != STOPPED_EXIT:
+        dist.destroy_process_group()
+    return code
+
+
+def _ranks_planned_alike(args: argparse.Namespace, plan, rank: int) -> bool:
+    """--plan auto under bare torchrun, where every rank planned for itself: whether the plans are one plan
+    (rank 0 says so in one line when not)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not getattr(args, "auto_planned", False) or plan is None or dist.get_world_size() == 1:
+        return True
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, plan.run_digest())
+    if len(set(digests)) > 1 and rank == 0:
+        print(
+            "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
+            "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
+            file=sys.stderr,
+            flush=True,
+        )
+    return len(set(digests)) == 1
+
+
+def _checkpointing(args: argparse.Namespace, plan, resume):
+    """--checkpoint-dir: the run's Checkpointing, its manifest saying how it was trained (None without)."""
+    if args.checkpoint_dir is None:
+        return None
+    from meshpilot.planner.reshard_checkpoint import Layouts
+    from meshpilot.runtime.checkpoint import Checkpointing
+
+    saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
+    saved_with["data"] = str(args.data) if args.data else "random tokens"
+    saved_with.update(_plan_info(plan))
+    if plan.is_single:  # what a resume under another one-stage plan moves (_reshard_line)
+        saved_with["layouts"] = Layouts.of(plan.only).to_dict()
+    return Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
+
+
+def _run_info(args: argparse.Namespace, plan, shape, resume, rank: int) -> dict:
+    """What --json-out records of the run (its plan's stages or ATP's mesh, the precision, a resume); rank 0
+    says where a resume starts and what it moves."""
+    if plan is not None:
+        info = {**_plan_info(plan), "plan": str(args.plan), "precision": plan.precision or "fp32"}
+    else:
+        info = {"mesh": list(shape), "precision": args.precision or "fp32"}
+    if resume is None:
+        return info
+    info["resumed_from"] = str(resume.path)
+    if rank == 0:
+        print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
+        moved = _reshard_line(resume.manifest, plan.only) if plan is not None and plan.is_single else None
+        if moved:
+            print(moved, flush=True)
+    return info
+
+
+def _throughput(args: argparse.Namespace, plan, cfg, graph, rank: int):
+    """The progress line's numbers: from the plan (``Throughput.of_plan``), or ATP's GPT tokens."""
+    import torch.distributed as dist
+
+    from meshpilot.runtime.progress import Throughput
+
+    if plan is None:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
+        return Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
+    if rank == 0 and not plan.intra:
+        print(
+            f"note: {args.plan} holds no stage plans: each stage runs a data-parallel plan on its submesh "
+            "(`meshpilot plan --pipeline --out` saves searched ones)",
+            flush=True,
+        )
+    items = _step_items(cfg, graph, plan.microbatches)
+    return Throughput.of_plan(plan, args.steps, dist.get_world_size(), items=items)
+
+
+def _run_steps(args: argparse.Namespace, run: dict, checkpoint, on_step, rank: int, write_json) -> int:
+    """The steps (any model under a plan, the GPT under a plan, or ATP's layers), then --verify: the exit
+    code (a SIGTERM stop: STOPPED_EXIT; a timed-out collective ends the process with 124)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from meshpilot.runtime.checkpoint import Stopped
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
+
+    cfg, plan, build, device, data = run["cfg"], run["plan"], run["build"], run["device"], run["data"]
+    common = dict(device=device, on_step=on_step, data=data)
     try:
         if build is not None:  # any plan, one-stage or pipelined: one path (meshpilot.parallelize)
-            train_model(
-                build,
-                args.steps,
-                args.seed,
-                args.lr,
-                plan=plan,
-                device=device,
-                checkpoint=checkpoint,
-                on_step=on_step,
-                data=data,
-                graph=graph,
-            )
+            train_model(build, args.steps, args.seed, args.lr, plan=plan, checkpoint=checkpoint, graph=run["graph"],
+                        **common)  # fmt: skip
         elif plan is not None:
-            train_plan(
-                cfg,
-                plan,
-                args.steps,
-                args.seed,
-                args.lr,
-                graph=graph,
-                device=device,
-                checkpoint=checkpoint,
-                on_step=on_step,
-                data=data,
-            )
+            train_plan(cfg, plan, args.steps, args.seed, args.lr, graph=run["graph"], checkpoint=checkpoint, **common)
         else:
-            train_atp(
-                cfg,
-                shape,
-                args.steps,
-                args.seed,
-                args.lr,
-                args.chunks,
-                device=device,
-                precision=args.precision,
-                on_step=on_step,
-                data=data,
-            )
-        if args.verify and not _verify(
-            args, done, cfg=cfg, plan=plan, build=build, device=device, rank=rank, data=data
-        ):
-            write_json(True)
-            dist.destroy_process_group()
-            return 1
+            train_atp(cfg, run["shape"], args.steps, args.seed, args.lr, args.chunks, precision=args.precision,
+                      **common)  # fmt: skip
+        verified = not args.verify or _verify(
+            args, run["done"], cfg=cfg, plan=plan, build=build, device=device, rank=rank, data=data
+        )
         write_json(True)
+        return 0 if verified else 1
     except Stopped as e:
         if rank == 0:
             print(
@@ -795,8 +804,6 @@ def _train(
             )
             os._exit(124)
         raise
-    dist.destroy_process_group()
-    return 0
 
 
 def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, device, rank: int, data=None) -> bool:
