@@ -32,7 +32,9 @@ it reads from the next stage's backward, sent after ``B``. Each moves between th
 :mod:`meshpilot.runtime.crossmesh` says: the sender's program ends by resharding it into the wire layout
 (its collectives run on the sender's mesh), row tiles cross by ``isend`` / ``recv``, and the receiver's
 program starts by taking the wire layout to its planned one (local). Model inputs and constants a stage reads
-are its own copies (every rank passes the full batch), not transfers.
+are its own copies (every rank passes the full batch), not transfers. Which values cross is the plan's
+(``Plan.transfers``, lowered by the planner: :func:`planned_transfers`); a plan file without them has them
+read off the slices here (:func:`find_transfers`, which the tests hold equal to the plan's).
 
 Tied weights: a parameter several stages read (GPT-2's embedding and LM head) is a copy in each of them
 (``stage.slice_graph``, *Tied parameters*), Megatron-LM's embedding group. Each stage keeps its own part of
