@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
-from meshpilot.planner.schedule import ActionKind, PipelineKind, Schedule, pipeline, trivial
+from meshpilot.planner.schedule import DUPLEX, ActionKind, PipelineKind, Schedule, pipeline, trivial
 from meshpilot.sharding.placements import Placements, from_json
 from meshpilot.sharding.reshard import CollectiveKind, as_issued
 
@@ -657,8 +657,9 @@ class Plan:
         n = math.prod(plan.mesh_shape)
         B = plan.step_schedule().microbatches
         total = plan.time.total_s
+        held = 2 if plan.step_schedule().name == DUPLEX else 1  # accumulation holds one microbatch at a time
         stage = PlanStage(
-            None, (), tuple(range(n)), tuple(plan.mesh_shape), None, total / B, B, plan.memory.total, 0.0, plan=plan
+            None, (), tuple(range(n)), tuple(plan.mesh_shape), None, total / B, held, plan.memory.total, 0.0, plan=plan
         )
         return cls((stage,), B, n, None, plan.memory.capacity, total, plan.solver.total_s, 0, 0, None,
                    cluster=plan.cluster)  # fmt: skip
