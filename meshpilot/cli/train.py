@@ -502,8 +502,9 @@ def _prepare_gpt_plan(args: argparse.Namespace, plan, cfg, world: int) -> dict:
     source = f"--plan {args.plan}"
     _check_run(args, plan, world)
     M = plan.microbatches
-    shapes = [tuple(s) for s, _ in plan.input_shapes]  # one microbatch's, as planned
-    if shapes and (len(shapes) != 2 or any(len(s) != 2 for s in shapes)):
+    shapes = [tuple(s) for s, _ in plan.input_shapes]  # one microbatch's, as planned (a pipeline's first stage
+    shapes = shapes if plan.is_single else shapes[:1]  # reads the token ids and values sent back to it)
+    if shapes and (len(shapes) != (2 if plan.is_single else 1) or any(len(s) != 2 for s in shapes)):
         raise UserError(
             f"{source}: input_shapes {shapes}: train runs GPTs, whose inputs are two [batch, seq] token tensors; "
             "give a plan made for a GPT (`meshpilot plan --model gpt-tiny ...`)"

@@ -692,7 +692,8 @@ class Plan:
 
     @property
     def input_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """One microbatch's input shapes and dtypes (the first stage plan's; () without one)."""
+        """One microbatch's input shapes and dtypes: the first stage plan's (a pipeline's first stage reads the
+        model's first inputs, then the values other stages send it); () without one."""
         return self.stages[0].plan.input_shapes if self.stages[0].plan is not None else ()
 
     def run_digest(self) -> str:
