@@ -5,7 +5,7 @@
 
 Per ``PipelineKind`` (and ``auto``): ``plan_pipeline(schedule=kind)`` on ``alpa-p3x8`` with the whole model
 captured (every layer range searched: the interleaved search needs the exact path), then
-``PipelinePlan.simulate`` on the same cluster (each boundary's transfer sent, ``PipelinePlan.transfers``, as
+``Plan.simulate`` on the same cluster (each boundary's transfer sent, ``Plan.transfers``, as
 ``auto`` weighs them; and with sends of 0 bytes, their latency only, as ``auto`` weighed them before the
 transfers were kept). Printed: the stages (layers @ logical mesh, ranks), the DP's objective (Eq. 2, or the
 interleaved closed form), the simulated steps, the in-flight microbatches per stage, and the CPU seconds of the

@@ -10,7 +10,7 @@ shaped to the cluster file) a GPT is planned three ways on all 8 ranks:
   Megatron's tensor-parallel layouts pinned (``planner.forced.megatron_tp``): tensor parallelism across the link;
 * ``single-best``: the single-stage planner's own choice over every mesh shape (for reference).
 
-Each plan's step is simulated (``PipelinePlan.simulate`` with the boundary's bytes per send, ``sim.simulate``)
+Each plan's step is simulated (``Plan.simulate`` with the boundary's bytes per send, ``sim.simulate``)
 and, with ``--measure`` (root), trained under ``meshpilot emulate`` with ``meshpilot train --plan`` for
 ``--steps`` steps; the median step after ``--warmup`` is the measured one. Results go to
 ``OUT/results.json`` and a table on stdout.
@@ -87,7 +87,7 @@ def plans(args: argparse.Namespace) -> dict[str, dict]:
         pp = pp.with_intra(graph, cl)
         plan_s = time.perf_counter() - t0
         boundary = cfg.batch // B * cfg.seq * cfg.hidden * 4  # one microbatch's activation, float32
-        sim = pp.simulate(cl).step_s  # each boundary's transfer priced (PipelinePlan.transfers)
+        sim = pp.simulate(cl).step_s  # each boundary's transfer priced (Plan.transfers)
         sent = ", ".join(f"{x.src}->{x.dst} {x.nbytes / 2**10:.0f} KiB {x.seconds * 1e3:.2f} ms" for x in pp.transfers)
         print(f"pipeline: simulated {sim * 1e3:.2f} ms with its transfers ({sent}); {boundary} bytes a send: "
               f"{pp.simulate(cl, p2p_bytes=boundary).step_s * 1e3:.2f} ms; 0 bytes: "

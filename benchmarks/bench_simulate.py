@@ -54,14 +54,14 @@ def main() -> None:
     console = Console() if Console().is_terminal else Console(width=200)
 
     from meshpilot.cluster import load_cluster
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.planner.schedule import accumulate, overlapped
     from meshpilot.sim import simulate
 
     cluster = load_cluster(args.cluster)
     t0 = time.perf_counter()
     if args.load:
-        plan = Plan.load(args.load)
+        plan = StagePlan.load(args.load)
         how = f"loaded {args.load}"
     else:
         import meshpilot
@@ -79,7 +79,7 @@ def main() -> None:
         plan = meshpilot.plan(
             built.model, built.inputs, cluster, mesh_shape=shape, mappings=("row",), force=force, graph=graph,
             memory_bytes=args.memory_gib * 2**30, zero="off",
-        )  # fmt: skip
+        ).only  # fmt: skip
         how = f"{built.label}; Megatron TP forced on {shape}"
         if args.save:
             plan.save(args.save)

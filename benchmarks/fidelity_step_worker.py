@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshpilot.graph.capture import capture
     from meshpilot.models.gpt import GPT, GPTConfig
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import mesh_for_plan, parallelize
     from meshpilot.runtime.train import adamw, batches, reference_model
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = []
     for entry in manifest["plans"]:
         t0 = time.perf_counter()
-        plan = Plan.load(entry["path"])
+        plan = StagePlan.load(entry["path"])
         mesh = mesh_for_plan(plan, "cpu") if args.fake_world else None  # parallelize refuses a fake group
         model = parallelize(fresh(), plan, mesh=mesh, graph=graph)
         opt = adamw(model.parameters(), lr=args.lr)  # the optimizer `meshpilot train` steps with

@@ -325,7 +325,7 @@ def check_model(case: Case, dev: Device, cluster: Any, steps: int, timed: int) -
     par = copy.deepcopy(ref)
     graph = capture(par, inputs, precision=case.precision)
     world = dist.get_world_size()
-    plan = meshpilot.plan(par, inputs, cluster, num_devices=world, graph=graph, precision=case.precision)
+    plan = meshpilot.plan(par, inputs, cluster, num_devices=world, graph=graph, precision=case.precision).only
     res.mesh = list(plan.mesh_shape)
     res.predicted_peak, res.predicted_peak_at = plan.memory.total, plan.memory.peak_at
     res.predicted_compute_s = plan.time.compute_s
@@ -417,7 +417,7 @@ def check_shape(shape: dict, dev: Device, cluster: Any, tiny: bool) -> ShapeResu
         meta = GPT(cfg)
     idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
     graph = capture(meta, (idx, idx))  # shapes only: the device model below runs this graph and plan too
-    plan = meshpilot.plan(meta, (idx, idx), cluster, num_devices=1, graph=graph)
+    plan = meshpilot.plan(meta, (idx, idx), cluster, num_devices=1, graph=graph).only
     res.predicted_peak, res.predicted_peak_at = plan.memory.total, plan.memory.peak_at
     res.predicted_compute_s = plan.time.compute_s
     res.params = sum(p.numel() for p in meta.parameters())

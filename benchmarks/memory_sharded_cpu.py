@@ -34,7 +34,7 @@ def measure(kind: str, shape: tuple[int, int]) -> tuple[float, list[int]]:
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(2))
     force = getattr(forced, kind)(model, (x, y), shape)
-    plan = meshpilot.plan(model, (x, y), "atp-ic3", mesh_shape=shape, force=force)
+    plan = meshpilot.plan(model, (x, y), "atp-ic3", mesh_shape=shape, force=force).only
     pm = meshpilot.parallelize(model, plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
 

@@ -2,8 +2,8 @@
 
     import meshpilot
     cluster = meshpilot.load_cluster("atp-ic3")                    # preset, TOML file, or `meshpilot probe`
-    plan = meshpilot.plan(model, (x, y), cluster, num_devices=8)   # pure: FakeTensor capture + Alpa ILP
-    plan.save("plan.json")
+    plan = meshpilot.plan(model, (x, y), cluster, num_devices=8)   # pure: FakeTensor capture + Alpa ILP -> Plan
+    plan.save("plan.json")                                         # one JSON format, one stage or a pipeline
     # under torchrun:
     pm = meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))
 
@@ -18,8 +18,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "plan": "meshpilot.planner.auto",
+    "plan": "meshpilot.api",
     "Plan": "meshpilot.planner.plan",
+    "StagePlan": "meshpilot.planner.plan",
     "PlanError": "meshpilot.planner.ilp",
     "parallelize": "meshpilot.runtime.spmd",
     "load_cluster": "meshpilot.cluster",

@@ -19,7 +19,7 @@ import torch
 
 from meshpilot.cli.main import main
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.planner.validate import validate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,13 +41,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
         edit(p)
         (d / name).write_text(json.dumps(p))
 
+    def stage(p: dict) -> dict:  # the one stage's plan inside the saved Plan
+        return p["stages"][0]["plan"]
+
     variant("v99.json", lambda p: p.update(version=99))
-    variant("s9.json", lambda p: p["params"][0].__setitem__(1, ["S(9)", "R"]))
-    variant("q.json", lambda p: p["params"][0].__setitem__(1, ["Q", "R"]))
-    variant("dup.json", lambda p: p.update(mesh_ranks=[0, 0]))
-    variant("oor.json", lambda p: p.update(mesh_ranks=[0, 7]))
-    variant("nosolver.json", lambda p: p.pop("solver"))
-    variant("shape0.json", lambda p: p.update(mesh_shape=[0, 1]))
+    variant("s9.json", lambda p: stage(p)["params"][0].__setitem__(1, ["S(9)", "R"]))
+    variant("q.json", lambda p: stage(p)["params"][0].__setitem__(1, ["Q", "R"]))
+    variant("dup.json", lambda p: stage(p).update(mesh_ranks=[0, 0]))
+    variant("oor.json", lambda p: stage(p).update(mesh_ranks=[0, 7]))
+    variant("nosolver.json", lambda p: stage(p).pop("solver"))
+    variant("shape0.json", lambda p: stage(p).update(mesh_shape=[0, 1]))
     (d / "notjson.json").write_text("{not json")
     (d / "list.json").write_text("[1, 2]")
     (d / "other.json").write_text(json.dumps({"hello": 1}))
@@ -484,8 +487,8 @@ def test_plan_load_missing_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def good_plan(files) -> Plan:
-    return Plan.load(files["p2.json"])
+def good_plan(files) -> StagePlan:
+    return StagePlan.load(files["p2.json"])
 
 
 @pytest.mark.parametrize(
@@ -511,15 +514,25 @@ def test_validate_plan(good_plan, edit, kwargs, needles):
 
 
 def test_validate_plan_with_graph(good_plan):
-    from meshpilot.cli.train import check_plan
-    from meshpilot.models import gpt_config
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.gpt import GPT, gpt_tiny
+    from meshpilot.planner.validate import validate
 
-    graph = check_plan(good_plan, gpt_config("gpt-tiny"), 2, "p.json")  # the good plan passes
+    def gpt_graph(layers: int):
+        (b, t), _ = good_plan.input_shapes[0]
+        with torch.device("meta"):
+            model = GPT(dataclasses.replace(gpt_tiny(layers=layers), batch=b, seq=t))
+        idx = torch.empty(b, t, dtype=torch.long, device="meta")
+        return capture(model, (idx, idx))
+
+    graph = gpt_graph(2)
+    validate(Plan.single(good_plan), world_size=2, graph=graph, source="p.json")  # the good plan passes
     params = list(good_plan.params)
     params[0] = (params[0][0], ("S(2)", "R"))  # wte.weight is 2-D
     bad = dataclasses.replace(good_plan, params=tuple(params))
     _api(lambda: validate_plan(bad, graph=graph, source="p.json"), "params[wte.weight][0]", "S(2)", "2 dim")
-    _api(lambda: check_plan(good_plan, gpt_config("gpt-tiny", layers=3), 2, "p.json"), "fingerprint", "different model")
+    other = gpt_graph(3)
+    _api(lambda: validate(Plan.single(good_plan), graph=other, source="p.json"), "fingerprint", "different model")
 
 
 def test_parallelize_without_process_group(good_plan):

@@ -127,12 +127,12 @@ def test_plans_of_the_stacked_graph_are_the_whole_graphs():
 
 
 def _worker(plan_json: str) -> dict:
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
     ref, inputs = _tiny(6)
     model, _ = _tiny(6)
-    pm = parallelize(model, Plan.from_json(plan_json), graph=capture(model, inputs))
+    pm = parallelize(model, StagePlan.from_json(plan_json), graph=capture(model, inputs))
     r = lockstep_adamw(ref, pm, inputs, steps=2)
     return {"loss": max(r["loss"]), "grad": max(r["grad"]), "param": r["param"]}
 

@@ -12,7 +12,7 @@ import pytest
 from meshpilot.cli.main import main
 from meshpilot.graph.capture import capture
 from meshpilot.models import builtin_models
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 
 
 def _one_line_error(capsys, args: list[str], *needles: str) -> str:
@@ -51,9 +51,9 @@ def test_json_is_the_plan_and_out_saves_it(tmp_path, capsys):
     args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "2x2", "--json", "--out", str(path)]
     assert main(args) == 0
     captured = capsys.readouterr()
-    plan = Plan.from_json(captured.out)
+    plan = StagePlan.from_json(captured.out)  # the one-stage Plan's stage plan
     assert plan.mesh_shape == (2, 2)
-    assert Plan.load(path) == plan
+    assert StagePlan.load(path) == plan and Plan.load(path).only == plan
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
     assert json.loads(path.read_text())["cluster"] == "atp-ic3"
     assert plan.time.total_s > 0 and plan.memory.total > 0
@@ -77,7 +77,7 @@ def test_force_pins_a_parameter_layout(capsys):
     args = ["plan", "-m", "gpt-tiny", "-c", "atp-ic3", "-n", "4", "--mesh", "1x4", "--json"]
     args += ["--force", "blocks.*.mlp.fc.weight=RS(0)", "--force", "blocks.*.mlp.proj.weight=RS(1)"]
     assert main(args) == 0
-    plan = Plan.from_json(capsys.readouterr().out)
+    plan = StagePlan.from_json(capsys.readouterr().out)
     layouts = dict(plan.params)
     assert layouts["blocks.0.mlp.fc.weight"] == ("R", "S(0)")
     assert layouts["blocks.1.mlp.proj.weight"] == ("R", "S(1)")
@@ -88,7 +88,7 @@ def test_large_gpt_plans_on_meta_in_seconds(capsys):
     layers is one decision group, and the chosen plan fits in 80 GiB."""
     args = ["plan", "-m", "atp-m4", "-c", "dgx-h100", "-n", "8", "--mesh", "2x4", "--dtype", "bfloat16", "--json"]
     assert main(args) == 0
-    plan = Plan.from_json(capsys.readouterr().out)
+    plan = StagePlan.from_json(capsys.readouterr().out)
     assert plan.mesh_shape == (2, 4)
     assert plan.memory.total <= plan.memory.capacity == 80 * 2**30
     assert plan.solver.gap < 0.01

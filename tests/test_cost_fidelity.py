@@ -46,10 +46,10 @@ def _row_id(row: dict) -> str:
     return f"L{row['layers']}-h{row['hidden']}-b{row['batch']}x{row['seq']}-{row['dtype']}"
 
 
-_PLANS: dict[str, meshpilot.Plan] = {}
+_PLANS: dict[str, meshpilot.StagePlan] = {}
 
 
-def _h100_plan(row: dict) -> meshpilot.Plan:
+def _h100_plan(row: dict) -> meshpilot.StagePlan:
     """The 1-device plan of a json row's GPT on the measured H100 (memoised: memory and compute tests share it)."""
     key = _row_id(row)
     if key not in _PLANS:
@@ -66,7 +66,7 @@ def _h100_plan(row: dict) -> meshpilot.Plan:
             model = GPT(cfg)
         assert sum(p.numel() for p in model.parameters()) == row["params"]
         idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
-        _PLANS[key] = meshpilot.plan(model, (idx, idx), load_cluster(str(H100)), num_devices=1)
+        _PLANS[key] = meshpilot.plan(model, (idx, idx), load_cluster(str(H100)), num_devices=1).only
     return _PLANS[key]
 
 
@@ -130,7 +130,7 @@ def test_predicted_peak_is_what_eager_torch_holds(dtype, precision, shape):
     x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
     y = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
     measured = _eager_peak(model, x, y, mixed=precision == "bf16-mixed")
-    p = meshpilot.plan(model, (x, y), load_cluster(str(H100)), num_devices=1, precision=precision)
+    p = meshpilot.plan(model, (x, y), load_cluster(str(H100)), num_devices=1, precision=precision).only
     # what the tracker sees beyond the prediction: AdamW's 4-byte step counters, the loss
     assert 0 <= measured - p.memory.total <= 8 * len(list(model.parameters())) + 64, (measured, p.memory)
     if shape["batch"] == 1:
@@ -144,13 +144,13 @@ def test_bf16_mixed_keeps_fp32_state_and_counts_the_bf16_copies():
     with torch.device("meta"):
         model = GPT(cfg)
     idx = torch.empty(4, 64, dtype=torch.long, device="meta")
-    fp32 = meshpilot.plan(model, (idx, idx), str(H100), num_devices=1)
-    mixed = meshpilot.plan(model, (idx, idx), str(H100), num_devices=1, precision="bf16-mixed")
+    fp32 = meshpilot.plan(model, (idx, idx), str(H100), num_devices=1).only
+    mixed = meshpilot.plan(model, (idx, idx), str(H100), num_devices=1, precision="bf16-mixed").only
     assert (fp32.precision, mixed.precision) == ("fp32", "bf16-mixed")
     assert mixed.memory.params == fp32.memory.params and mixed.memory.optimizer == 2 * mixed.memory.params
     assert any(n.target == "aten._to_copy.default" for n in mixed.nodes)
     assert mixed.time.compute_s < fp32.time.compute_s  # bf16 GEMMs at 756.7 instead of 51.2 TFLOP/s
-    again = meshpilot.Plan.from_json(mixed.to_json())
+    again = meshpilot.Plan.from_json(mixed.to_json()).only
     assert again.precision == "bf16-mixed" and again.memory == mixed.memory
 
 
@@ -189,8 +189,8 @@ def test_measured_gemm_rates_change_the_plan_s_compute():
     base = dataclasses.replace(probed, device=dataclasses.replace(probed.device, matmul=(), op_overhead=0.0))
     half = MatmulRate(4096, 1024, 1024, "bfloat16", base.device.flops_for("bfloat16") / 2)
     slower = dataclasses.replace(base, device=dataclasses.replace(base.device, matmul=(half,)))
-    a = meshpilot.plan(model, (idx, idx), base, num_devices=1)
-    b = meshpilot.plan(model, (idx, idx), slower, num_devices=1)
+    a = meshpilot.plan(model, (idx, idx), base, num_devices=1).only
+    b = meshpilot.plan(model, (idx, idx), slower, num_devices=1).only
     # every bf16 GEMM (most of the step) now at half the rate; the memory-bound rest unchanged
     assert 1.5 * a.time.compute_s < b.time.compute_s < 2 * a.time.compute_s, (a.time, b.time)
 

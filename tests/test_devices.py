@@ -54,7 +54,7 @@ def _gpt(dtype=torch.float32):
 def _plan(model, inputs, **kw):
     import meshpilot
 
-    return meshpilot.plan(model, inputs, "dgx-h100", num_devices=1, **kw)
+    return meshpilot.plan(model, inputs, "dgx-h100", num_devices=1, **kw).only
 
 
 # ------------------------------------------------------------------------------------------- devices
@@ -206,7 +206,7 @@ def test_a_moved_private_symbol_degrades_by_name():
         "import torch, meshpilot\n"
         "from meshpilot.models import builtin_models\n"
         "model, inputs = builtin_models()['wrn-tiny'].build('meta', 4)\n"
-        "p = meshpilot.plan(model, inputs, 'atp-ic3', mesh_shape=(2, 1))\n"
+        "p = meshpilot.plan(model, inputs, 'atp-ic3', mesh_shape=(2, 1)).only\n"
         "print('\\n'.join(p.warnings))\n"
     )
     env = dict(os.environ, MESHPILOT_COMPAT_HIDE="torch.distributed.tensor._ops._math_ops._adjust_group_norm_scalars")

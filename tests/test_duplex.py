@@ -113,7 +113,7 @@ def _reference(name: str) -> list[dict]:
 
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     from meshpilot.graph.capture import Phase, capture
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.duplex import overlapped_collectives
     from meshpilot.runtime.spmd import parallelize
@@ -121,7 +121,7 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     out: dict = {}
     refs: dict = {}
     for job, name, plan_json in jobs:
-        plan = Plan.from_json(plan_json)
+        plan = StagePlan.from_json(plan_json)
         ref = refs.setdefault(name, _reference(name))
         model, inputs = build(name)
         graph = capture(model, [x.chunk(2)[0] for x in inputs])

@@ -91,7 +91,7 @@ def lockstep_families(jobs: list[tuple]) -> list[dict]:
     for STEPS AdamW steps; per job its loss and gradient differences per step, whether each step's collectives
     equal the plan's, and the seconds it took (or ``error``: one line). Shared with the benchmark."""
     from meshpilot.models.hf_families import Family, build, one_line
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
     out = []
@@ -99,7 +99,7 @@ def lockstep_families(jobs: list[tuple]) -> list[dict]:
         t0 = time.perf_counter()
         fam = Family(*name.split("/"), kind)
         try:
-            plan = Plan.from_json(plan_json)
+            plan = StagePlan.from_json(plan_json)
             ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
             model, _ = build(fam, overrides, use_cache=use_cache, attn=attn)
             pm = parallelize(model, plan)

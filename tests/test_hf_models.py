@@ -160,11 +160,11 @@ def _local(ref: torch.Tensor, got) -> torch.Tensor:
 def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.spmd import parallelize
 
-    plan = Plan.from_json(plan_json)
+    plan = StagePlan.from_json(plan_json)
     model, inputs = build(name)
     pm = parallelize(model, plan, graph=graph)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)

@@ -207,11 +207,11 @@ def test_batchnorm_is_batch_sharded_with_its_statistics_reduced(plans):
 
 
 def _run(name: str, plan_json: str, graph) -> dict:
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.spmd import parallelize
 
-    plan = Plan.from_json(plan_json)
+    plan = StagePlan.from_json(plan_json)
     ref, inputs = build(name)
     model, _ = build(name)
     pm = parallelize(model, plan, graph=graph)

@@ -18,7 +18,7 @@ import torch
 from meshpilot.cli.main import main
 from meshpilot.cluster import load_cluster
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -63,9 +63,9 @@ TINY = {
 PLAN = ["-c", "atp-ic3", "-n", "2", "--mesh", "2x1", "--time-limit", "10"]
 
 
-def _plan_json(capsys, args: list[str]) -> Plan:
+def _plan_json(capsys, args: list[str]) -> StagePlan:
     assert main(["plan", *args, *PLAN, "--json"]) == 0, capsys.readouterr().err
-    return Plan.from_json(capsys.readouterr().out)
+    return StagePlan.from_json(capsys.readouterr().out)
 
 
 def _one_line_error(capsys, args: list[str], *needles: str, command: str = "plan") -> str:
@@ -188,7 +188,7 @@ def test_errors_are_one_line(capsys, factory_module, monkeypatch):
 def test_precision_is_stored_in_the_plan(capsys, tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", "-m", "mlp", *PLAN, "--precision", "bf16-mixed", "--out", str(out), "--ops", "none"]) == 0
-    assert json.loads(out.read_text())["precision"] == "bf16-mixed"
+    assert json.loads(out.read_text())["stages"][0]["plan"]["precision"] == "bf16-mixed"  # the stage plan says
     assert Plan.load(out).precision == "bf16-mixed"
     capsys.readouterr()
     plan = _plan_json(capsys, ["-m", "mlp", "--precision", "bf16"])

@@ -265,14 +265,14 @@ def _run_plan(name: str, plan, graph, ref: list[dict]) -> dict:
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     """Run every (job id, model, plan JSON): per step its loss, gradients, parameters and collectives."""
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
 
     refs: dict = {}
     graphs: dict = {}
     out: dict = {}
     for job, name, plan_json in jobs:
         t0 = time.perf_counter()
-        plan = Plan.from_json(plan_json)
+        plan = StagePlan.from_json(plan_json)
         m = plan.step_schedule().microbatches
         if (name, m) not in refs:
             refs[(name, m)] = _reference(name, ADAMW, m)

@@ -245,7 +245,7 @@ def _worker(jobs: list[tuple[str, str]]) -> dict:
     from torch.distributed.tensor import DTensor
 
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.spmd import parallelize
 
@@ -253,7 +253,7 @@ def _worker(jobs: list[tuple[str, str]]) -> dict:
     graph = capture(*build(BIG))
     out = {}
     for job, plan_json in jobs:
-        plan = Plan.from_json(plan_json)
+        plan = StagePlan.from_json(plan_json)
         model, inputs = build(BIG)
         pm = parallelize(model, plan, graph=graph)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)

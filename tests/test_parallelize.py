@@ -30,10 +30,10 @@ def _build(name: str):
 
 def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
-    plan = Plan.from_json(plan_json)
+    plan = StagePlan.from_json(plan_json)
     ref, inputs = _build(name)
     model, _ = _build(name)
     if name not in graphs:
@@ -54,13 +54,13 @@ def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
 def _both_runtimes(name: str, plan_json: str, graphs: dict) -> list:
     """One step of the DTensor runtime (`plan_json`) and one ATP block, recorded by one recorder."""
     from meshpilot.models.gpt import gpt_tiny
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.atp import ATPBlock, init_mesh
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.spmd import parallelize
 
     model, inputs = _build(name)
-    pm = parallelize(model, Plan.from_json(plan_json), graph=graphs[name])
+    pm = parallelize(model, StagePlan.from_json(plan_json), graph=graphs[name])
     cfg = gpt_tiny()
     block = ATPBlock(cfg, init_mesh((2, 2)))
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden // 2, requires_grad=True)

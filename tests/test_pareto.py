@@ -283,9 +283,9 @@ def test_cli_searcher_recorded_in_the_plan(capsys, tmp_path):
     assert main([*args, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "solver: best" in text and "best of ilp" in text
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
 
-    assert Plan.load(out).solver.searcher == "best"
+    assert StagePlan.load(out).solver.searcher == "best"
     assert main(["plan", "--model", "mlp", "-c", "atp-ic3", "-n", "2", "--searcher", "pareto", "--ops", "none"]) == 0
     text = capsys.readouterr().out
     assert "pareto: duplex" in text

@@ -354,13 +354,13 @@ def test_bad_input_is_one_line(gpt_planner, mlp_planner):
 
 
 def test_plan_saves_and_loads_with_its_schedule(gpt_planner, tmp_path):
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.planner.schedule import in_flight
 
     graph = gpt_planner.graph
     p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=2)
     assert p.schedule.value == "1f1b" and "(1f1b)" in str(p)
-    q = PipelinePlan.from_json(p.to_json())
+    q = Plan.from_json(p.to_json())
     assert q == p and q.step_schedule() == p.step_schedule()
     assert p.split_points == (p.stages[1].layer_names[0],)
     sched = p.step_schedule()
@@ -370,18 +370,18 @@ def test_plan_saves_and_loads_with_its_schedule(gpt_planner, tmp_path):
                       schedule="gpipe")  # fmt: skip
     assert [s.in_flight for s in g.stages] == [4, 4]  # GPipe holds every microbatch's activations
     assert all(s.memory_bytes >= t.memory_bytes for s, t in zip(g.stages, p.stages))
-    assert PipelinePlan.from_json(g.to_json()).step_schedule().name == "gpipe"
+    assert Plan.from_json(g.to_json()).step_schedule().name == "gpipe"
     bad = p.to_dict()
     bad["stages"][0].pop("ranks")
-    with pytest.raises(UserError, match="pipeline plan: a field is missing"):
-        PipelinePlan.from_dict(bad)
+    with pytest.raises(UserError, match="ranks: missing from the plan"):
+        Plan.from_dict(bad)
     with pytest.raises(UserError, match="schedule='dualpipe'"):
         plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, schedule="dualpipe")
 
 
 def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     from meshpilot.cli.main import main
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
     out = tmp_path / "pp.json"
     args = ["plan", "-m", "mlp", "-c", "atp-ic3", "-n", "2", "--pipeline", "--microbatches", "2", "--stages", "2"]
@@ -389,7 +389,7 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "2 stages on 2 devices, 2 microbatches (gpipe)" in text and "schedule gpipe, 2 microbatches" in text
     assert "ranks 1: R0<0 F0 R1<0 F1 B0 S0>0 B1 S1>0 G" in text
-    p = PipelinePlan.from_json(out.read_text())
+    p = Plan.from_json(out.read_text())
     assert len(p.stages) == 2 and p.schedule.value == "gpipe" and f"cut before: {p.split_points[0]}" in text
     assert main(["simulate", str(out)]) == 0  # each boundary's transfer, its bytes > 0, priced in the step
     sim = capsys.readouterr().out
@@ -409,14 +409,14 @@ def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
     """`plan --pipeline` captures a GPT of 6 blocks with 4 of them (planner.stack) and, to save the plan with each
     stage's own operators, the whole model after planning: every saved stage plan covers its slice."""
     from meshpilot.cli.main import main
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
 
     out = tmp_path / "pp.json"
     args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
     assert main([*args, "--microbatches", "2", "--out", str(out)]) == 0
     assert "(repeated-block stage costs)" in capsys.readouterr().out
-    p = PipelinePlan.from_json(out.read_text())
+    p = Plan.from_json(out.read_text())
     assert p.costing is StageCosting.STACK and len(p.intra) == len(p.stages) == 2
     assert p.stages[-1].layers[1] == 10  # wte, wpe, 6 blocks, ln_f, lm_head: the whole model's layers
     for st, intra in zip(p.stages, p.intra):
@@ -471,8 +471,8 @@ def _uniform(S, B, f, i, w, kind):
     built by hand: what the simulator prices, without a stage search."""
     from meshpilot.cluster.mesh import MeshMapping
     from meshpilot.planner.accounting import PhasePeaks
-    from meshpilot.planner.pipeline import Clustering, PipelinePlan, PipelineStage
-    from meshpilot.planner.plan import MemoryUse, StepTime
+    from meshpilot.planner.pipeline import Clustering
+    from meshpilot.planner.plan import MemoryUse, Plan, PlanStage, StepTime
     from meshpilot.planner.stage import StageCost
 
     t = f + i + w
@@ -480,9 +480,9 @@ def _uniform(S, B, f, i, w, kind):
     for j in range(S):
         c = StageCost((j, j + 1), (j,), (1, 1), MeshMapping.ROW, StepTime(t * B, 0.0, 0.0),
                       MemoryUse(0, 0, 0, 0, 0, 1e9), PhasePeaks(0, 0, 0), f * B, 0.0)  # fmt: skip
-        stages.append(PipelineStage((j, j + 1), (f"l{j}",), (j,), (1, 1), c, t, 1, 0.0, 0.0, i / (i + w)))
+        stages.append(PlanStage((j, j + 1), (f"l{j}",), (j,), (1, 1), c, t, 1, 0.0, 0.0, i / (i + w)))
     clustering = Clustering(tuple((j, j + 1) for j in range(S)), (1.0,) * S, (0.0,) * S, 0.0)
-    return PipelinePlan(tuple(stages), B, S, clustering, 1e9, 0.0, 0.0, 0, 0, PipelineKind(kind))
+    return Plan(tuple(stages), B, S, clustering, 1e9, 0.0, 0.0, 0, 0, PipelineKind(kind))
 
 
 def _free_links():
@@ -893,7 +893,7 @@ def test_a_module_called_twice_keeps_both_calls_in_one_stage():
 def test_a_pipeline_of_a_model_that_draws_random_numbers_is_refused(hf_gpt2_graph):
     """Dropout in training: the stages would draw on their own ranks, not in one device's order — one line
     (before any process group), not a run that silently differs."""
-    from meshpilot.runtime.pipeline_stages import check_no_random
+    from meshpilot.planner.validate import check_no_random
 
     with pytest.raises(UserError, match=r"native_dropout.*in model\.transformer\.drop.*dropout to 0"):
         check_no_random(hf_gpt2_graph)
@@ -934,7 +934,7 @@ def _runtime_transfers(graph, plan):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_transfers_are_the_runtimes_and_priced_in_the_simulated_step(gpt_planner, stages):
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
     graph = gpt_planner.graph
     p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, num_stages=stages)
@@ -946,11 +946,11 @@ def test_transfers_are_the_runtimes_and_priced_in_the_simulated_step(gpt_planner
         assert x.nbytes == sum(t.info.nbytes for t in found if (t.src, t.dst) == (x.src, x.dst))
     # priced: each send its boundary's bytes, so the step is longer than with sends of 0 bytes
     assert p.simulate().step_s > p.simulate(p2p_bytes=0.0).step_s
-    q = PipelinePlan.from_json(p.to_json())
+    q = Plan.from_json(p.to_json())
     assert q == p and q.simulate().step_s == p.simulate("alpa-p3x8").step_s
     old = p.to_dict()
     del old["transfers"], old["cluster"]  # a plan saved before both were kept: sends of 0 bytes
-    r = PipelinePlan.from_dict(old)
+    r = Plan.from_dict(old)
     assert r.transfers == () and r.simulate("alpa-p3x8").step_s == p.simulate(p2p_bytes=0.0).step_s
 
 

@@ -2,7 +2,7 @@
 stage plans made at the start): 2 stages x 2 ranks under GPipe and 1F1B, and
 stages on submeshes of 1 and 3 ranks under 1F1B (tile sends between them), 4 microbatches of the tiny GPT: loss
 and gradients over 3 AdamW steps, and the sends, receives and all-reduces counted against the schedule's. Then
-stages running their own intra-operator plans (``PipelinePlan.with_intra``): Megatron tensor parallelism on one
+stages running their own intra-operator plans (``Plan.with_intra``): Megatron tensor parallelism on one
 submesh beside data parallelism on the other (a replicated boundary resharded to batch rows and back), and the
 searched plans of a 1-rank and a 3-rank mesh (GPipe), 3 stages with a Megatron stage in the middle (1F1B and
 ZB-H1), Interleaved1F1B (2 chunks on each of 2 groups), and the first pipeline again with Alpa's local
@@ -39,14 +39,14 @@ def _dp_worker(configs: dict) -> dict:
 
     from meshpilot.errors import UserError
     from meshpilot.models.gpt import GPT, gpt_tiny
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.planner.schedule import parse_schedule
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
     out: dict = {}
     for name, text in configs.items():  # plans without stage plans: data-parallel stages made at the start
-        plan = PipelinePlan.from_json(text)
+        plan = Plan.from_json(text)
         torch.manual_seed(0)
         batch = CONFIGS[name][2]
         idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
@@ -57,7 +57,7 @@ def _dp_worker(configs: dict) -> dict:
         pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan)
         out[name] = _beside_single_device(pm, ref, (idx, tgt))
         out[name]["own_plans"] = type(pm).__name__
-    uneven = PipelinePlan.from_json(configs["1f1b-1+3"])
+    uneven = Plan.from_json(configs["1f1b-1+3"])
     odd = "schedule odd, 4 microbatches\nranks 0: F0 +3.0 B0 G\nranks 1-3: F0 B0 G"
     bad = {  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks; an action the runtime does not run
         "uneven": lambda: pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), uneven),
@@ -91,11 +91,11 @@ def _run_planned_mlp(text: str) -> dict:
     import torch
 
     from meshpilot.models.zoo import MLPModel
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    plan = PipelinePlan.from_json(text)
+    plan = Plan.from_json(text)
     torch.manual_seed(2)
     x, y = torch.randn(16, 32), torch.randint(0, 16, (16,))
     torch.manual_seed(3)
@@ -132,10 +132,10 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
     run as planned, 3 AdamW steps beside the single device: HF's own loss and every gradient, the
     collectives, sends and receives against the plans' and the schedule's."""
     from meshpilot.models.sources import build_model
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    plan = PipelinePlan.from_json(text)
+    plan = Plan.from_json(text)
     config = HF_LLAMA if config is None else config
     ref = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0).model
     mine = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
@@ -152,10 +152,10 @@ def _accumulated(text: str) -> float:
     """The tied GPT-2 pipeline stepped twice with no ``zero_grad`` between (gradients accumulated over steps,
     the tied sync adding each step's parts once) beside the single device: the largest gradient difference."""
     from meshpilot.models.sources import build_model
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    plan = PipelinePlan.from_json(text)
+    plan = Plan.from_json(text)
     ref = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0).model
     mine = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0)
     inputs, M = mine.inputs, plan.microbatches
@@ -177,12 +177,11 @@ def _resumes(
     import torch.distributed as dist
 
     from meshpilot.models.sources import build_model
-    from meshpilot.planner.pipeline import PipelinePlan
     from meshpilot.planner.plan import Plan
     from meshpilot.runtime.checkpoint import Checkpointing, newest
     from meshpilot.runtime.train import train_model
 
-    pp, one = PipelinePlan.from_json(pipeline_text), Plan.from_json(one_text)
+    pp, one = Plan.from_json(pipeline_text), Plan.from_json(one_text)
 
     def build(device):
         return build_model(model, hf_config=config or HF_LLAMA, batch=8, seq=seq, device=device, seed=0)
@@ -249,7 +248,7 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     import torch
 
     from meshpilot.models.gpt import GPT, gpt_tiny
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.planner.schedule import PipelineKind, zero_bubble
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
@@ -261,10 +260,10 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
         runs += [("tp|dp+gather", "tp|dp", True, False)]
         runs += [(f"{name}+zb", name, False, "kind") for name in ZB]
     for name, key, gather, zb in runs:
-        plan = PipelinePlan.from_json(plans[key])
+        plan = Plan.from_json(plans[key])
         sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
         if zb == "kind":  # the plan's own kind, saved and loaded as `meshpilot train --plan` reads it
-            plan = PipelinePlan.from_json(dataclasses.replace(plan, schedule=PipelineKind.ZERO_BUBBLE).to_json())
+            plan = Plan.from_json(dataclasses.replace(plan, schedule=PipelineKind.ZERO_BUBBLE).to_json())
             assert plan.step_schedule() == sched
             sched = None
         torch.manual_seed(0)
@@ -499,14 +498,14 @@ def test_submeshes_of_different_sizes_exchange_tiles(dp_ranks):
 def test_bad_input_is_refused_in_one_line(dp_ranks):
     out = dp_ranks[0]
     assert "equal shards" in out["uneven"] and "divisible by 4" in out["uneven"]
-    assert "runs a PipelinePlan, not a list" in out["split"]
+    assert "runs a Plan of stages, not a list" in out["split"]
     assert "+3.0" in out["action"] and "F, B, I, W, S, R and G" in out["action"]
 
 
 def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
-    plan = PipelinePlan.from_json(mlp_plan)
+    plan = Plan.from_json(mlp_plan)
     assert len(plan.stages) == 2 and len(plan.intra) == 2  # saved with each stage's own plan, run with it
     stage_of = {r: j for j, s in enumerate(plan.stages) for r in s.ranks}
     for rank, out in enumerate(four_ranks):
@@ -547,9 +546,9 @@ def test_a_hugging_face_llama_pipeline_as_planned_equals_the_single_device(four_
     """A model nobody here wrote: HF's Llama, split by the planner (its layers found inside
     ``model.model.layers``, the cut before a decoder layer), each stage its own plan: HF's loss and every
     gradient within 1e-5 of the single device over 3 steps, every collective, send and receive as planned."""
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
-    plan = PipelinePlan.from_json(hf_plan)
+    plan = Plan.from_json(hf_plan)
     assert len(plan.stages) == 2 and plan.stages[0].layers[0] == 0
     stages = [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages]
     _check_intra(four_ranks, stages, "hf-llama")
@@ -560,9 +559,9 @@ def test_a_tied_embedding_and_head_in_stages_apart_equal_the_single_device(four_
     head's part of the gradient stays in the last stage, and the parts are summed across the two after the
     step (an all-reduce over their ranks, counted with the full-tensor gathers it needs): loss and every
     gradient, the copies' included, within 1e-5 of one device over 3 steps, every collective as planned."""
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
-    plan = PipelinePlan.from_json(tied_plan)
+    plan = Plan.from_json(tied_plan)
     assert len(plan.stages) == 3
     wte = "model.transformer.wte.weight"
     assert [any(name == wte for name, _ in p.params) for p in plan.intra] == [True, False, True]  # two copies
@@ -574,9 +573,9 @@ def test_a_tied_embedding_and_head_in_stages_apart_equal_the_single_device(four_
 def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(four_ranks, moe_plan):
     """HF's Mixtral (dropless top-2 MoE, meshpilot's MoE op) split into 2 stages by the planner: loss and every
     gradient within 1e-5 of the single device over 3 steps, every collective, send and receive as planned."""
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
-    plan = PipelinePlan.from_json(moe_plan)
+    plan = Plan.from_json(moe_plan)
     assert len(plan.stages) == 2
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
@@ -602,10 +601,10 @@ def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_a
 
 
 def test_a_megatron_stage_beside_a_data_parallel_one(four_ranks, intra_plans):
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.sharding.reshard import CollectiveKind
 
-    tp, dp = PipelinePlan.from_json(intra_plans["tp|dp"]).intra
+    tp, dp = Plan.from_json(intra_plans["tp|dp"]).intra
     assert any("S(0)" in "".join(layout) for _, layout in tp.params)  # column-parallel weights: not data parallel
     assert all(set(layout) == {"R"} for _, layout in dp.params)
     row = 16 * 32 * 4  # one sequence of 16 tokens x hidden 32, float32
@@ -632,7 +631,8 @@ def test_train_refuses_what_it_cannot_run_for_a_pipeline_plan(intra_plans, tmp_p
     path = tmp_path / "pp.json"
     path.write_text(intra_plans["tp|dp"])  # planned for a global batch of 8 in 4 microbatches of gpt_tiny(4)
     bare = tmp_path / "bare.json"  # the same stages without their plans: data-parallel stages
-    bare.write_text(json.dumps({k: v for k, v in json.loads(intra_plans["tp|dp"]).items() if k != "intra"}))
+    doc = json.loads(intra_plans["tp|dp"])
+    bare.write_text(json.dumps({**doc, "stages": [{**st, "plan": None} for st in doc["stages"]]}))
     other_model = ("stage 0", "different model or input shapes")  # the batch and sequence come from the plan;
     # the model does not: a wider one is not the one it was made for
     cases = [
@@ -682,12 +682,12 @@ def test_train_takes_a_pipeline_plans_batch_and_sequence_from_the_plan(intra_pla
     microbatch times the microbatches), not the built-in model's own batch of 4 (checked before any spawn)."""
     import argparse
 
-    from meshpilot.cli.train import _prepare_pipeline
+    from meshpilot.cli.train import _prepare_gpt_plan
     from meshpilot.errors import UserError
     from meshpilot.models import gpt_config
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
 
-    plan = PipelinePlan.from_json(intra_plans["tp|dp"])
+    plan = Plan.from_json(intra_plans["tp|dp"])
     (b, t), _ = plan.intra[0].input_shapes[0]
     cfg = gpt_config("gpt-tiny", layers=4)
     assert cfg.batch == 4  # the built-in model's own
@@ -695,11 +695,11 @@ def test_train_takes_a_pipeline_plans_batch_and_sequence_from_the_plan(intra_pla
         args = argparse.Namespace(
             plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None, batch=batch, seq=seq
         )
-        got = _prepare_pipeline(args, plan, cfg, plan.num_devices)["cfg"]
+        got = _prepare_gpt_plan(args, plan, cfg, plan.num_devices)["cfg"]
         assert (got.batch, got.seq) == (8, 16) == (b * plan.microbatches, t)
     args = argparse.Namespace(plan="pp.json", model="gpt-tiny", checkpoint_dir=None, precision=None, batch=4, seq=None)
     with pytest.raises(UserError, match=r"^--batch 4: --plan pp\.json was made for 8; leave --batch out"):
-        _prepare_pipeline(args, plan, cfg, plan.num_devices)
+        _prepare_gpt_plan(args, plan, cfg, plan.num_devices)
 
 
 def test_local_all_gather_halves_the_gradient_rows_crossing_meshes(four_ranks):

@@ -151,7 +151,8 @@ def test_the_planner_interleaves_1f1b_stages_and_auto_weighs_it():
 
     from meshpilot.graph.capture import capture
     from meshpilot.models.gpt import GPT, GPTConfig
-    from meshpilot.planner.pipeline import AUTO, PipelinePlan, plan_pipeline
+    from meshpilot.planner.pipeline import AUTO, plan_pipeline
+    from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
     from meshpilot.planner.stage import StagePlanner
 
@@ -172,7 +173,7 @@ def test_the_planner_interleaves_1f1b_stages_and_auto_weighs_it():
     assert [st.mesh_shape for st in inter.stages] == [st.mesh_shape for _ in range(2) for st in one.stages]
     assert [st.layers for st in inter.stages] == list(inter.clustering.bounds)
     assert inter.step_schedule().name == "interleaved-1f1b" and len(inter.step_schedule().classes) == 2
-    assert PipelinePlan.from_json(inter.to_json()).step_schedule() == inter.step_schedule()
+    assert Plan.from_json(inter.to_json()).step_schedule() == inter.step_schedule()
     sims = {p.schedule.value: p.simulate("alpa-p3x8").step_s for p in (one, inter)}
     sims["gpipe"] = plan_pipeline(graph, "alpa-p3x8", schedule="gpipe", **kw).simulate("alpa-p3x8").step_s
     assert sims["interleaved-1f1b"] < min(sims["1f1b"], sims["gpipe"])

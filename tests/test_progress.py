@@ -6,6 +6,7 @@ import pytest
 
 from meshpilot.models import builtin_models
 from meshpilot.planner.auto import plan
+from meshpilot.planner.plan import Plan
 from meshpilot.runtime.progress import Throughput, seconds_text
 
 
@@ -17,7 +18,7 @@ def gpt_plan():
 
 def test_a_plan_knows_its_flops_tokens_and_peak(gpt_plan):
     (b, t), dtype = gpt_plan.input_shapes[0]  # one microbatch of token ids
-    rate = Throughput.of_plan(gpt_plan, steps=10, world=4)
+    rate = Throughput.of_plan(Plan.single(gpt_plan), steps=10, world=4)
     assert (rate.items, rate.unit) == (2 * b * t, "tok")  # both microbatches
     assert rate.peak_flops == 67e12  # an H100's float32 peak, the dgx-h100 preset's device
     # the model's FLOPs: at least the 6 N D of its matmuls' parameters (N weights x D tokens x 6), not wildly more
@@ -40,11 +41,8 @@ def test_mfu_is_model_flops_over_the_worlds_peak():
 def test_samples_for_models_whose_input_is_not_tokens():
     class P:  # a plan's fields the line reads
         input_shapes = (((16, 3, 8, 8), "torch.float32"),)
-        step_flops, peak_flops, cluster = 1e9, 1e12, "c"
-        time = type("T", (), {"total_s": 1e-3})()
-
-        def step_schedule(self):
-            return type("S", (), {"microbatches": 1})()
+        microbatches, cluster, step_s = 1, "c", 1e-3
+        intra = (type("S", (), {"step_flops": 1e9, "peak_flops": 1e12})(),)
 
     rate = Throughput.of_plan(P(), steps=2, world=2)
     assert (rate.items, rate.unit) == (16, "samples")

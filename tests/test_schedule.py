@@ -93,7 +93,7 @@ def test_overlapped_issues_each_edge_first_collective_after_its_producer():
 
     model = zoo.MLPModel((32, 64, 64, 16))
     inputs = (torch.randn(8, 32), torch.randint(0, 16, (8,)))
-    plan = meshpilot.plan(model, inputs, "atp-ic3", mesh_shape=(2, 2))
+    plan = meshpilot.plan(model, inputs, "atp-ic3", mesh_shape=(2, 2)).only
     sched = overlapped(plan)
     acts = sched.actions(3)
     index = {n.name: i for i, n in enumerate(plan.nodes)}
@@ -125,7 +125,8 @@ def test_duplex_interleaves_two_microbatches_stage_by_stage():
 
     torch.manual_seed(0)
     idx = torch.randint(0, 64, (8, 9))
-    plan = meshpilot.plan(GPT(gpt_tiny(batch=8, seq=8)), (idx[:, :-1], idx[:, 1:]), "atp-ic3", mesh_shape=(2, 2))
+    model = GPT(gpt_tiny(batch=8, seq=8))
+    plan = meshpilot.plan(model, (idx[:, :-1], idx[:, 1:]), "atp-ic3", mesh_shape=(2, 2)).only
     sched = duplex(plan)
     assert sched.name == "duplex" and sched.microbatches == 2 and parse_schedule(str(sched)) == sched
     acts = sched.actions(0)

@@ -16,7 +16,7 @@ import pytest
 from meshpilot.cluster import DEVICES, load_cluster
 from meshpilot.cluster.topology import Cluster, Layer
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, PlannedCollective, SolverReport, StepTime
+from meshpilot.planner.plan import MemoryUse, NodeChoice, PlannedCollective, SolverReport, StagePlan, StepTime
 from meshpilot.planner.schedule import accumulate, overlapped, parse_schedule
 from meshpilot.sim import parse_straggler, rank_classes, simulate
 
@@ -30,7 +30,7 @@ def _cluster(n: int) -> Cluster:
     return Cluster("test", (layer,), load_cluster("atp-ic3").device)
 
 
-def _plan(mesh_shape, nodes, collectives, schedule=None) -> Plan:
+def _plan(mesh_shape, nodes, collectives, schedule=None) -> StagePlan:
     """A plan with the given nodes ((name, phase, seconds)) and collectives ((kind, axis, nbytes, src, dst, op))."""
     world = int(np.prod(mesh_shape))
     cm = _cost(mesh_shape)
@@ -38,7 +38,7 @@ def _plan(mesh_shape, nodes, collectives, schedule=None) -> Plan:
         PlannedCollective(k, a, nb, "fwd", src, dst, getattr(cm, k)(nb, a), op)
         for k, a, nb, src, dst, op in collectives
     )
-    return Plan(
+    return StagePlan(
         cluster="test",
         mesh_shape=tuple(mesh_shape),
         mesh_ranks=tuple(range(world)),
@@ -208,7 +208,7 @@ def tiny_plan():
     from meshpilot.cli.plan import build_model
 
     built = build_model("gpt-tiny", device="meta")
-    return meshpilot.plan(built.model, built.inputs, "atp-ic3", num_devices=4)
+    return meshpilot.plan(built.model, built.inputs, "atp-ic3", num_devices=4).only
 
 
 def test_trivial_schedule_equals_the_closed_form(tiny_plan):

@@ -105,14 +105,14 @@ def test_vocab_parallel_loss_is_cheaper_than_gathering_a_large_vocabulary():
 
 
 def _worker(jobs: list[tuple[str, str]]) -> dict:
-    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.plan import StagePlan
 
     model, inputs = build("gpt")
     graph = capture(model, inputs)
     ref = _reference("gpt", ADAMW)
     out = {}
     for key, plan_json in jobs:
-        out[key] = _run_plan("gpt", Plan.from_json(plan_json), graph, ref)
+        out[key] = _run_plan("gpt", StagePlan.from_json(plan_json), graph, ref)
     return out
 
 

@@ -453,7 +453,7 @@ class Staged:
             f"{built.label}: global batch {self.whole} in {B} microbatches of {self.whole // B}", soft_wrap=True
         )
         console.print(str(pp), soft_wrap=True, markup=False, highlight=False)
-        console.print(str(pp.step_schedule()), soft_wrap=True, markup=False, highlight=False)
+        console.print("\n".join(pp.schedule_lines()), soft_wrap=True, markup=False, highlight=False)
         if pp.split_points:
             console.print(f"cut before: {', '.join(pp.split_points)}", soft_wrap=True, markup=False)
         if note:

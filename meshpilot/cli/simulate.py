@@ -30,7 +30,6 @@ ranks), thread 0 compute, one thread per cluster layer's link; grey `wait` spans
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.table import Table
@@ -85,23 +84,12 @@ def _check_out(path: Path | None, flag: str) -> None:
 
 
 def load_plan(path: Path):
-    """A saved plan: a ``Plan`` or a ``PipelinePlan`` (by its ``format`` field)."""
-    from meshpilot.planner.pipeline import PIPELINE_FORMAT, PipelinePlan
+    """A saved plan (``Plan.load``: the one format, or an older one-stage or pipeline file)."""
     from meshpilot.planner.plan import Plan
 
     if not path.is_file():
         raise UserError(f"{path}: does not exist; save a plan with `meshpilot plan ... --out {path}`")
-    try:
-        doc = json.loads(path.read_text())
-        if isinstance(doc, dict) and doc.get("format") == PIPELINE_FORMAT:
-            return PipelinePlan.from_dict(doc)
-        return Plan.load(path)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path}: is not a plan's JSON; save one with `meshpilot plan ... --out FILE`") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(
-            f"{path}: not a meshpilot plan ({type(e).__name__}: {e}); give a plan saved by `meshpilot plan --out FILE`"
-        ) from None
+    return Plan.load(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.schedule == "accumulate" and (args.microbatches or 1) < 2:
         raise UserError("--schedule accumulate: one microbatch is the trivial schedule; give --microbatches 2 or more")
-    plan = load_plan(args.plan)
-    if not hasattr(plan, "mesh_shape"):
-        return run_pipeline(args, plan, straggler)
+    whole = load_plan(args.plan)
+    if not whole.is_single:
+        return run_pipeline(args, whole, straggler)
+    plan = whole.only
     world = 1
     for d in plan.mesh_shape:
         world *= d
@@ -196,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_pipeline(args: argparse.Namespace, pp, straggler: dict[int, float]) -> int:
     """A pipeline plan (``meshpilot plan --out pp.json`` with stages): its schedule simulated with one stand-in
-    rank per stage (``PipelinePlan.simulate``), each boundary's transfer sent over the link between the stages,
+    rank per stage (``Plan.simulate``), each boundary's transfer sent over the link between the stages,
     and a table of those transfers."""
     from meshpilot.cli.plan import fmt_s
     from meshpilot.io import fmt_size

@@ -189,23 +189,12 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def load_plan(path: Path):
-    """A saved Plan, or a one-line UserError saying what is wrong with the file (and which key)."""
+    """A saved Plan (the one format, or an older one-stage or pipeline file), or a one-line UserError saying
+    what is wrong with the file (and which key)."""
     from meshpilot.planner.plan import Plan
 
     if not path.is_file() and not path.is_dir():
         raise UserError(f"--plan {path}: no such file; write one with `meshpilot plan ... --out {path}`")
-    if path.is_file():
-        from meshpilot.planner.pipeline import PIPELINE_FORMAT, PipelinePlan
-
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            doc = None  # Plan.load says what is wrong
-        if isinstance(doc, dict) and doc.get("format") == PIPELINE_FORMAT:
-            try:
-                return PipelinePlan.from_dict(doc)
-            except UserError as e:
-                raise UserError(f"--plan {path}: {e}") from None
     try:
         return Plan.load(path)
     except UserError as e:
@@ -233,15 +222,6 @@ def choose_device(requested: str, local_rank: int):
             "node (torchrun --nproc-per-node)"
         )
     return torch.device("cuda", local_rank), "nccl"
-
-
-def check_plan_precision(args: argparse.Namespace, plan) -> None:
-    planned = plan.precision or "fp32"
-    if args.precision and args.precision != planned:
-        raise UserError(
-            f"--precision {args.precision}: the plan {args.plan} was made for {planned}; re-plan with "
-            f"`meshpilot plan ... --precision {args.precision}` or leave --precision out"
-        )
 
 
 def _is_gpt(name: str) -> bool:
@@ -290,7 +270,7 @@ def prepare(args: argparse.Namespace, world: int) -> dict:
     if args.data is not None:
         prep["data"] = _text_data(args, prep)
     if args.verify:
-        precision = _plan_precision(prep["plan"]) if "plan" in prep else args.precision
+        precision = (prep["plan"].precision or None) if "plan" in prep else args.precision
         if precision in (Precision.BF16, Precision.FP16, Precision.BF16_MIXED):
             raise UserError(
                 f"--verify: a {precision} run rounds differently on every layout, so its losses cannot equal one "
@@ -452,15 +432,7 @@ def _prepare_model(args: argparse.Namespace, world: int) -> dict:
     if args.plan is not None:
         if args.mesh or args.chunks != 1:
             raise UserError("--plan fixes the mesh and every layout; leave out --mesh and --chunks")
-        plan = load_plan(args.plan)
-        if _is_pipeline(plan):
-            return _prepare_pipeline(args, plan, cfg, world)
-        check_plan_precision(args, plan)
-        graph = check_plan(plan, cfg, world, f"--plan {args.plan}")
-        (b, t), _ = plan.input_shapes[0]  # one microbatch: the step's batch is the schedule's microbatches of it
-        batch = int(b) * plan.step_schedule().microbatches
-        check_sizes(args, batch, int(t), f"--plan {args.plan}")
-        return {"plan": plan, "graph": graph, "cfg": replace(cfg, batch=batch, seq=int(t))}
+        return _prepare_gpt_plan(args, load_plan(args.plan), cfg, world)
     if args.precision == "bf16-mixed":
         raise UserError(
             "--precision bf16-mixed: ATP's layers do not run under autocast; plan it (`meshpilot plan --model "
@@ -500,104 +472,88 @@ def check_sizes(args: argparse.Namespace, batch: int | None, seq: int | None, so
         )
 
 
+def _plan_info(plan) -> dict:
+    """A plan's stages (ranks, mesh) for the run's JSON and a checkpoint's manifest; a one-stage plan's mesh too."""
+    out: dict = {"stages": [{"ranks": list(s.ranks), "mesh": list(s.mesh_shape)} for s in plan.stages]}
+    if plan.is_single:
+        out["mesh"] = list(plan.only.mesh_shape)
+    return out
+
+
 def _step_items(cfg, graph, microbatches: int) -> int:
-    """Tokens one step of a pipeline plan trains: the GPT's batch × sequence, or for any other model the
-    plan's microbatches × the first input's elements at one microbatch (`graph`'s capture)."""
+    """Tokens one step of a plan trains when its stage plans do not say (``Throughput.of_plan``): the GPT's
+    batch × sequence, or for any other model the plan's microbatches × the first input's elements at one
+    microbatch (`graph`'s capture)."""
     if cfg is not None:
         return cfg.batch * cfg.seq
     first = graph.input_infos[0] if graph is not None and graph.input_infos else None
     return math.prod(first.shape) * microbatches if first is not None else 0
 
 
-def _is_pipeline(plan) -> bool:
-    from meshpilot.planner.pipeline import PipelinePlan
-
-    return isinstance(plan, PipelinePlan)
-
-
-def _plan_precision(plan) -> str | None:
-    """A plan's precision; a pipeline plan's is its stages' plans' (None without them: the model's own)."""
-    if _is_pipeline(plan):
-        return plan.intra[0].precision if plan.intra else None
-    return plan.precision
-
-
-def _prepare_pipeline(args: argparse.Namespace, plan, cfg, world: int) -> dict:
-    """A pipeline plan (``meshpilot plan --pipeline``) for the GPT `cfg`: the world, the batch, and with its
-    stages' plans each checked against the model's slice (captured on meta tensors at one microbatch)."""
+def _prepare_gpt_plan(args: argparse.Namespace, plan, cfg, world: int) -> dict:
+    """A saved plan, one stage or a pipeline, for the GPT `cfg`: the world, the precision, the batch, and the
+    plan checked (``planner.validate.validate``) against the GPT captured on meta tensors at one microbatch."""
     import torch
 
     from meshpilot.graph.capture import capture
     from meshpilot.models.gpt import GPT
+    from meshpilot.planner.validate import validate
 
     source = f"--plan {args.plan}"
-    _check_pipeline_run(args, plan, world)
+    _check_run(args, plan, world)
     M = plan.microbatches
-    if plan.intra and plan.intra[0].input_shapes:  # the shapes it was planned for, as for a one-stage plan
-        (b, t), _ = plan.intra[0].input_shapes[0]  # stage 0's first input: one microbatch's token ids
+    shapes = [tuple(s) for s, _ in plan.input_shapes]  # one microbatch's, as planned (a pipeline's first stage
+    shapes = shapes if plan.is_single else shapes[:1]  # reads the token ids and values sent back to it)
+    if shapes and (len(shapes) != (2 if plan.is_single else 1) or any(len(s) != 2 for s in shapes)):
+        raise UserError(
+            f"{source}: input_shapes {shapes}: train runs GPTs, whose inputs are two [batch, seq] token tensors; "
+            "give a plan made for a GPT (`meshpilot plan --model gpt-tiny ...`)"
+        )
+    if shapes:
+        (b, t) = shapes[0]
         cfg = replace(cfg, batch=int(b) * M, seq=int(t))
         check_sizes(args, cfg.batch, cfg.seq, source)
-    else:  # data-parallel stages run the GPT at its own sizes
+    else:  # a pipeline without its stages' plans (data-parallel stages) runs the GPT at its own sizes
         cfg = _sized(cfg, args)
     if cfg.batch % M:
         raise UserError(
             f"{source}: the model's batch {cfg.batch} does not split into the plan's {M} microbatches; "
             f"plan again for --model {args.model} (its batch is {cfg.batch})"
         )
-    precision = _plan_precision(plan)
-    graph = None
-    odd = sorted({len(st.ranks) for st in plan.stages if (cfg.batch // M) % len(st.ranks)})
-    if not plan.intra and odd:
-        raise UserError(
-            f"{source}: holds no stage plans, so every stage runs data parallel, cutting each microbatch of "
-            f"{cfg.batch // M} rows over its ranks; stages of {odd} ranks do not divide it: save the plan again with "
-            "`meshpilot plan --pipeline --out` (which saves each stage's own plan) or plan for a batch divisible by "
-            "the microbatches x each stage's ranks"
-        )
-    if plan.intra:
-        with torch.device("meta"):
-            model = GPT(cfg)
-        idx = torch.empty(cfg.batch // M, cfg.seq, dtype=torch.long, device="meta")
-        graph = capture(model, (idx, idx), precision=precision or None)
-        _check_stage_plans(args, plan, graph)
+    _check_data_parallel_stages(plan, cfg.batch // M, source)
+    with torch.device("meta"):
+        model = GPT(replace(cfg, batch=cfg.batch // M))
+    idx = torch.empty(cfg.batch // M, cfg.seq, dtype=torch.long, device="meta")
+    graph = capture(model, (idx, idx), precision=plan.precision or None)
+    validate(plan, world_size=world, graph=graph, source=source)
     return {"plan": plan, "graph": graph, "cfg": cfg}
 
 
-def _check_pipeline_run(args: argparse.Namespace, plan, world: int) -> None:
-    """What a pipeline plan's run needs of the command line, whatever the model: the plan's device count as
-    the world size, the plan's precision."""
-    source = f"--plan {args.plan}"
-    if world != plan.num_devices:
+def _check_data_parallel_stages(plan, rows: int, source: str) -> None:
+    """A pipeline without its stages' plans runs each stage data parallel, cutting each microbatch of `rows`
+    rows over the stage's ranks: one line when they do not divide it."""
+    odd = sorted({len(st.ranks) for st in plan.stages if rows % len(st.ranks)})
+    if not plan.intra and odd:
         raise UserError(
-            f"{source}: a pipeline of {len(plan.stages)} stages on {plan.num_devices} devices but the world size is "
-            f"{world}; launch with --nproc-per-node {plan.num_devices}"
-        )
-    precision = _plan_precision(plan)
-    if args.precision and args.precision != (precision or "fp32"):
-        raise UserError(
-            f"--precision {args.precision}: the pipeline plan {args.plan} trains in {precision or 'fp32'}; "
-            "leave --precision out"
+            f"{source}: holds no stage plans, so every stage runs data parallel, cutting each microbatch of "
+            f"{rows} rows over its ranks; stages of {odd} ranks do not divide it: save the plan again with "
+            "`meshpilot plan --pipeline --out` (which saves each stage's own plan) or plan for a batch divisible by "
+            "the microbatches x each stage's ranks"
         )
 
 
-def _check_stage_plans(args: argparse.Namespace, plan, graph) -> None:
-    """Each stage's plan against its slice of `graph` (the model's step captured at one microbatch): a plan
-    made for another model fails here, in one line, before any process group."""
-    from meshpilot.planner.pipeline import runnable_layers
-    from meshpilot.planner.stage import slice_graph
-    from meshpilot.planner.validate import validate_plan
-    from meshpilot.runtime.pipeline_stages import check_no_random
+def _check_run(args: argparse.Namespace, plan, world: int) -> None:
+    """What a plan's run needs of the command line, whatever the model: the plan itself checked with the world
+    size (``validate`` without the model), the plan's precision."""
+    from meshpilot.planner.validate import validate
 
-    source = f"--plan {args.plan}"
-    run_layers = runnable_layers(graph)
-    if len(run_layers) != plan.stages[-1].layers[1]:
+    validate(plan, world_size=world, source=f"--plan {args.plan}")  # before any model is built or captured
+    planned = plan.precision or "fp32"
+    if args.precision and args.precision != planned:
         raise UserError(
-            f"{source}: planned for {plan.stages[-1].layers[1]} layers but --model {args.model} has "
-            f"{len(run_layers)}; give the model the plan was made for"
+            f"--precision {args.precision}: the plan {args.plan} was made for {planned}; re-plan with "
+            f"`meshpilot plan ... --precision {args.precision}` or leave --precision out"
         )
-    for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
-        validate_plan(p, graph=slice_graph(graph, st.layers[0], st.layers[1], run_layers), source=f"{source} stage {j}")
-    check_no_random(graph)
 
 
 def _prepare_any(args: argparse.Namespace, world: int) -> dict:
@@ -606,7 +562,7 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     from meshpilot.graph.capture import capture
     from meshpilot.models.sources import build_model, kind
     from meshpilot.planner.auto import microbatch_inputs
-    from meshpilot.planner.validate import validate_plan
+    from meshpilot.planner.validate import validate
 
     if args.plan is None:
         raise UserError(
@@ -620,17 +576,9 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         raise UserError(f"{', '.join(given)}: only for built-in GPTs, not {args.model!r}; drop {given[0]}")
     plan = load_plan(args.plan)
     source = f"--plan {args.plan}"
-    pipelined = _is_pipeline(plan)
-    if pipelined:
-        _check_pipeline_run(args, plan, world)
-        one = plan.intra[0] if plan.intra else None  # stage 0's plan: one microbatch's inputs, as a one-stage plan's
-        shape0 = one.input_shapes[0][0] if one is not None and one.input_shapes else ()  # none: the model's sizes
-        m = plan.microbatches
-    else:
-        validate_plan(plan, world_size=world, source=source)
-        check_plan_precision(args, plan)
-        shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's
-        m = plan.step_schedule().microbatches
+    _check_run(args, plan, world)
+    shape0 = plan.input_shapes[0][0] if plan.input_shapes else ()  # one microbatch's (none: the model's sizes)
+    m = plan.microbatches
     sizes: dict = {}
     if kind(args.model) == "hf" and len(shape0) == 2:
         sizes = {"batch": int(shape0[0]) * m, "seq": int(shape0[1])}
@@ -638,43 +586,13 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
         sizes = {"batch": int(shape0[0]) * m}
     check_sizes(args, sizes.get("batch"), sizes.get("seq"), source)
     meta = build_model(args.model, hf_config=args.hf_config, device="meta", **sizes)  # its mistakes: here
-    precision = _plan_precision(plan)
-    graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=precision or None)
-    if pipelined:
-        _check_stage_plans(args, plan, graph)
-    else:
-        validate_plan(plan, graph=graph, source=source)
+    graph = capture(meta.model, microbatch_inputs(meta.inputs, m), precision=plan.precision or None)
+    validate(plan, world_size=world, graph=graph, source=source)
 
     def build(device):
         return build_model(args.model, hf_config=args.hf_config, device=device, seed=args.seed, **sizes)
 
-    return {"plan": plan, "build": build, "graph": graph if pipelined else None}
-
-
-def check_plan(plan, cfg, world: int, source: str):
-    """validate_plan against the world size and the GPT `cfg` captured on meta tensors at the plan's input
-    shapes (a plan for another model fails here, before any process group); returns the graph."""
-    import torch
-
-    from meshpilot.graph.capture import capture
-    from meshpilot.models.gpt import GPT
-    from meshpilot.planner.validate import validate_plan
-
-    validate_plan(plan, world_size=world, source=source)
-    shapes = [tuple(s) for s, _ in plan.input_shapes]
-    if len(shapes) != 2 or any(len(s) != 2 for s in shapes):
-        raise UserError(
-            f"{source}: input_shapes {shapes}: train runs GPTs, whose inputs are two [batch, seq] token tensors; "
-            "give a plan made for a GPT (`meshpilot plan --model gpt-tiny ...`)"
-        )
-    b, t = shapes[0]
-    cfg = replace(cfg, batch=int(b), seq=int(t))
-    with torch.device("meta"):
-        model = GPT(cfg)
-    idx = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
-    graph = capture(model, (idx, idx), precision=plan.precision or None)
-    validate_plan(plan, graph=graph, source=source)
-    return graph
+    return {"plan": plan, "build": build, "graph": graph}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -726,14 +644,10 @@ def _train(
     resume=None,
     data=None,
 ) -> int:
-    import sys
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-
-    from meshpilot.runtime.checkpoint import Stopped
-    from meshpilot.runtime.train import train_atp, train_model, train_plan
 
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -745,78 +659,19 @@ def _train(
 
         time.sleep(3 * (args.timeout or 1))
     rank = dist.get_rank()
-    if getattr(args, "auto_planned", False) and plan is not None and dist.get_world_size() > 1:
-        # under bare torchrun every rank planned for itself: the plans must be one plan
-        digests: list = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, plan.run_digest())
-        if len(set(digests)) > 1:
-            if rank == 0:
-                print(
-                    "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
-                    "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            dist.destroy_process_group()
-            return 2
-    checkpoint = None
-    if args.checkpoint_dir is not None:
-        from meshpilot.planner.reshard_checkpoint import Layouts
-        from meshpilot.runtime.checkpoint import Checkpointing
-
-        saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
-        saved_with["data"] = str(args.data) if args.data else "random tokens"
-        if _is_pipeline(plan):
-            saved_with["stages"] = [{"ranks": list(s.ranks), "mesh": list(s.mesh_shape)} for s in plan.stages]
-        else:
-            saved_with["mesh"] = list(plan.mesh_shape)
-            saved_with["layouts"] = Layouts.of(plan).to_dict()
-        checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
+    if not _ranks_planned_alike(args, plan, rank):
+        dist.destroy_process_group()
+        return 2
+    checkpoint = _checkpointing(args, plan, resume)
     done = [] if resume is None else [dict(d) for d in resume.logs]
-    pipelined = plan is not None and _is_pipeline(plan)
-    if pipelined:
-        info = {
-            "stages": [{"ranks": list(s.ranks), "mesh": list(s.mesh_shape)} for s in plan.stages],
-            "plan": str(args.plan),
-            "precision": _plan_precision(plan) or "fp32",
-        }
-    elif plan is not None:
-        info = {"mesh": list(plan.mesh_shape), "plan": str(args.plan), "precision": plan.precision}
-    else:
-        info = {"mesh": list(shape), "precision": args.precision or "fp32"}
-    info["device"] = device.type
-    info["backend"] = backend
-    if resume is not None:
-        info["resumed_from"] = str(resume.path)
-    if rank == 0 and resume is not None:
-        print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
-        if plan is not None and not _is_pipeline(plan):
-            moved = _reshard_line(resume.manifest, plan)
-            if moved:
-                print(moved, flush=True)
+    info = _run_info(args, plan, shape, resume, rank)
+    info["device"], info["backend"] = device.type, backend
 
     def write_json(finished: bool) -> None:
         if rank == 0 and args.json_out:
             atomic_write(args.json_out, json.dumps({**info, "finished": finished, "steps": done}))
 
-    from meshpilot.runtime.progress import Throughput
-
-    if pipelined:
-        cluster = plan.intra[0].cluster if plan.intra else ""
-        rate = Throughput(
-            items=_step_items(cfg, graph, plan.microbatches), unit="tok", steps=args.steps, world=dist.get_world_size(),
-            planned_s=plan.step_s if cluster else 0.0, cluster=cluster,
-        )  # fmt: skip
-        if rank == 0 and not plan.intra:
-            print(
-                f"note: {args.plan} holds no stage plans: each stage runs a data-parallel plan on its submesh "
-                "(`meshpilot plan --pipeline --out` saves searched ones)",
-                flush=True,
-            )
-    elif plan is not None:
-        rate = Throughput.of_plan(plan, args.steps, dist.get_world_size())
-    else:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
-        rate = Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
+    rate = _throughput(args, plan, cfg, graph, rank)
 
     def on_step(s) -> None:
         done.append(dict(s.__dict__))
@@ -824,53 +679,111 @@ def _train(
         if rank == 0:
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
 
+    run = dict(cfg=cfg, shape=shape, plan=plan, graph=graph, build=build, data=data, device=device, done=done)
+    code = _run_steps(args, run, checkpoint, on_step, rank, write_json)
+    if code != STOPPED_EXIT:
+        dist.destroy_process_group()
+    return code
+
+
+def _ranks_planned_alike(args: argparse.Namespace, plan, rank: int) -> bool:
+    """--plan auto under bare torchrun, where every rank planned for itself: whether the plans are one plan
+    (rank 0 says so in one line when not)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not getattr(args, "auto_planned", False) or plan is None or dist.get_world_size() == 1:
+        return True
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, plan.run_digest())
+    if len(set(digests)) > 1 and rank == 0:
+        print(
+            "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
+            "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
+            file=sys.stderr,
+            flush=True,
+        )
+    return len(set(digests)) == 1
+
+
+def _checkpointing(args: argparse.Namespace, plan, resume):
+    """--checkpoint-dir: the run's Checkpointing, its manifest saying how it was trained (None without)."""
+    if args.checkpoint_dir is None:
+        return None
+    from meshpilot.planner.reshard_checkpoint import Layouts
+    from meshpilot.runtime.checkpoint import Checkpointing
+
+    saved_with = {"seed": args.seed, "lr": args.lr, "model": args.model, "plan": str(args.plan)}
+    saved_with["data"] = str(args.data) if args.data else "random tokens"
+    saved_with.update(_plan_info(plan))
+    if plan.is_single:  # what a resume under another one-stage plan moves (_reshard_line)
+        saved_with["layouts"] = Layouts.of(plan.only).to_dict()
+    return Checkpointing(args.checkpoint_dir, args.checkpoint_every, resume, saved_with)
+
+
+def _run_info(args: argparse.Namespace, plan, shape, resume, rank: int) -> dict:
+    """What --json-out records of the run (its plan's stages or ATP's mesh, the precision, a resume); rank 0
+    says where a resume starts and what it moves."""
+    if plan is not None:
+        info = {**_plan_info(plan), "plan": str(args.plan), "precision": plan.precision or "fp32"}
+    else:
+        info = {"mesh": list(shape), "precision": args.precision or "fp32"}
+    if resume is None:
+        return info
+    info["resumed_from"] = str(resume.path)
+    if rank == 0:
+        print(f"resumed from {resume.path} (after step {resume.step}, data position {resume.position})", flush=True)
+        moved = _reshard_line(resume.manifest, plan.only) if plan is not None and plan.is_single else None
+        if moved:
+            print(moved, flush=True)
+    return info
+
+
+def _throughput(args: argparse.Namespace, plan, cfg, graph, rank: int):
+    """The progress line's numbers: from the plan (``Throughput.of_plan``), or ATP's GPT tokens."""
+    import torch.distributed as dist
+
+    from meshpilot.runtime.progress import Throughput
+
+    if plan is None:  # ATP's layers: the GPT's tokens, no plan to predict or count FLOPs
+        return Throughput(items=cfg.batch * cfg.seq, unit="tok", steps=args.steps, world=dist.get_world_size())
+    if rank == 0 and not plan.intra:
+        print(
+            f"note: {args.plan} holds no stage plans: each stage runs a data-parallel plan on its submesh "
+            "(`meshpilot plan --pipeline --out` saves searched ones)",
+            flush=True,
+        )
+    items = _step_items(cfg, graph, plan.microbatches)
+    return Throughput.of_plan(plan, args.steps, dist.get_world_size(), items=items)
+
+
+def _run_steps(args: argparse.Namespace, run: dict, checkpoint, on_step, rank: int, write_json) -> int:
+    """The steps (any model under a plan, the GPT under a plan, or ATP's layers), then --verify: the exit
+    code (a SIGTERM stop: STOPPED_EXIT; a timed-out collective ends the process with 124)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from meshpilot.runtime.checkpoint import Stopped
+    from meshpilot.runtime.train import train_atp, train_model, train_plan
+
+    cfg, plan, build, device, data = run["cfg"], run["plan"], run["build"], run["device"], run["data"]
+    common = dict(device=device, on_step=on_step, data=data)
     try:
         if build is not None:  # any plan, one-stage or pipelined: one path (meshpilot.parallelize)
-            train_model(
-                build,
-                args.steps,
-                args.seed,
-                args.lr,
-                plan=plan,
-                device=device,
-                checkpoint=checkpoint,
-                on_step=on_step,
-                data=data,
-                graph=graph,
-            )
+            train_model(build, args.steps, args.seed, args.lr, plan=plan, checkpoint=checkpoint, graph=run["graph"],
+                        **common)  # fmt: skip
         elif plan is not None:
-            train_plan(
-                cfg,
-                plan,
-                args.steps,
-                args.seed,
-                args.lr,
-                graph=graph,
-                device=device,
-                checkpoint=checkpoint,
-                on_step=on_step,
-                data=data,
-            )
+            train_plan(cfg, plan, args.steps, args.seed, args.lr, graph=run["graph"], checkpoint=checkpoint, **common)
         else:
-            train_atp(
-                cfg,
-                shape,
-                args.steps,
-                args.seed,
-                args.lr,
-                args.chunks,
-                device=device,
-                precision=args.precision,
-                on_step=on_step,
-                data=data,
-            )
-        if args.verify and not _verify(
-            args, done, cfg=cfg, plan=plan, build=build, device=device, rank=rank, data=data
-        ):
-            write_json(True)
-            dist.destroy_process_group()
-            return 1
+            train_atp(cfg, run["shape"], args.steps, args.seed, args.lr, args.chunks, precision=args.precision,
+                      **common)  # fmt: skip
+        verified = not args.verify or _verify(
+            args, run["done"], cfg=cfg, plan=plan, build=build, device=device, rank=rank, data=data
+        )
         write_json(True)
+        return 0 if verified else 1
     except Stopped as e:
         if rank == 0:
             print(
@@ -892,8 +805,6 @@ def _train(
             )
             os._exit(124)
         raise
-    dist.destroy_process_group()
-    return 0
 
 
 def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, device, rank: int, data=None) -> bool:
@@ -904,11 +815,11 @@ def _verify(args: argparse.Namespace, done: list[dict], *, cfg, plan, build, dev
     from meshpilot.runtime.train import train_model, train_single
 
     n = min(args.verify, len(done))
-    m = plan.step_schedule().microbatches if plan is not None else 1  # the same semantics: accumulation over m
+    m = plan.microbatches if plan is not None else 1  # the same semantics: accumulation over m
     if build is not None:
         single = train_model(build, n, args.seed, args.lr, device=device, data=data, microbatches=m)
     else:
-        precision = _plan_precision(plan) if plan is not None else args.precision
+        precision = (plan.precision or None) if plan is not None else args.precision
         single = train_single(
             cfg, n, args.seed, args.lr, device=device, precision=precision or None, data=data, microbatches=m
         )

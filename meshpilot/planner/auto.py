@@ -46,8 +46,8 @@ from meshpilot.planner.plan import (
     Fallback,
     MeshCandidate,
     NodeChoice,
-    Plan,
     SolverReport,
+    StagePlan,
 )
 from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.planner.schedule import duplex as duplex_schedule
@@ -79,7 +79,7 @@ def plan(
     overlap: bool = False,
     duplex: bool = False,
     searcher: str | Searcher = "ilp",
-) -> Plan:
+) -> StagePlan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
     `cluster` is a :class:`~meshpilot.cluster.Cluster` or a preset name / TOML path. The mesh uses
@@ -344,8 +344,8 @@ def _assemble(
     report: SolverReport,
     precision: str,
     microbatches: int = 1,
-) -> Plan:
-    """The :class:`Plan` of the chosen candidate: its strategies, and its time and collectives as `acct`
+) -> StagePlan:
+    """The :class:`StagePlan` of the chosen candidate: its strategies, and its time and collectives as `acct`
     (``accounting.account``) prices them."""
     chosen = cand.chosen
     nodes = tuple(
@@ -383,7 +383,7 @@ def _assemble(
         )
     if memory.total > capacity * (1 + EPS):
         warnings.append(f"predicted memory {fmt_size(memory.total)} exceeds {fmt_size(capacity)}")
-    return Plan(
+    return StagePlan(
         cluster=lm.cluster.name,
         mesh_shape=tuple(cand.shape),
         mesh_axes=lm.axis_names(),

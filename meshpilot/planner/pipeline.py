@@ -6,7 +6,7 @@ The single-stage planner (``meshpilot.planner.auto``) shards every operator over
 the stages passing activations forward and gradients backward under a synchronous schedule of B microbatches (1F1B
 by default, GPipe, Interleaved1F1B or zero bubble ZB-H1: ``schedule.PipelineKind``). The graph given is the step
 of **one microbatch**; :func:`plan_pipeline` finds the stages, submeshes and logical mesh shapes that minimise the
-predicted step. The result, :class:`PipelinePlan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
+predicted step. The result, :class:`Plan`, saves as JSON (``to_json`` / ``from_json``), gives its step as a
 ``Schedule`` (``step_schedule``: what the simulator times and ``meshpilot.runtime.pipeline`` runs) and the module
 names the runtime cuts the model at (``split_points``).
 
@@ -110,16 +110,16 @@ Repeated stacks (``planner.stack``): when the model is L ≥ 4 identical blocks 
 the graph is a ``stack.Stack``: a few of its blocks captured), the table above is filled by
 ``stack.StackTable`` instead — each stage composed from one middle block's plan (k times) and its special
 layers' plans, planned once per logical mesh and memory cap — and the same DP runs on it;
-``PipelinePlan.costing`` and the printout say which path was taken (``fast=False`` forces the exact one).
+``Plan.costing`` and the printout say which path was taken (``fast=False`` forces the exact one).
 
-5. What the runtime runs — :func:`runnable_layers`, :meth:`PipelinePlan.with_intra`, :func:`fixed_pipeline`
+5. What the runtime runs — :func:`runnable_layers`, :meth:`Plan.with_intra`, :func:`fixed_pipeline`
 ----------------------------------------------------------------------------------------------------------
 The DP keeps each stage's cost, not its strategies. ``with_intra`` searches every chosen stage once more —
 its slice over :func:`runnable_layers` (``stage.layers`` with the nodes no module made placed by their
 dependencies, so that forward values flow to later stages and gradients to earlier ones; the same layers the
 stage DP costs: ``StagePlanner.layers``) on the stage's
-logical mesh and mapping, over the plan's microbatches — and keeps the resulting ``Plan`` per stage in
-``PipelinePlan.intra``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
+logical mesh and mapping, over the plan's microbatches — and keeps the resulting ``StagePlan`` per stage in
+``PlanStage.plan``, which the JSON carries and ``meshpilot.runtime.pipeline`` runs. ``fixed_pipeline``
 builds a plan from stages given by hand (layers, ranks, logical mesh), costed as the DP costs its own.
 
 6. Interleaved1F1B — :func:`_plan_interleaved`, :func:`_interleaved_dp`
@@ -129,7 +129,7 @@ j mod P (whose submesh size z_g every chunk of the group shares; each chunk its 
 T_g = Σ t_j over group g's chunks, the closed form of the step (Narayanan et al. §2.2; Eq. 2 for v = 1: the
 fill and drain run chunks a v-th of a group's work) is
 
-    B · max_g T_g + (Σ_j t_j − max_g T_g) / v                                        → ``PipelinePlan.step_s``
+    B · max_g T_g + (Σ_j t_j − max_g T_g) / v                                        → ``Plan.step_s``
 
 and Eq. 5 per group adds its chunks' ``stage_memory``, each with its own in-flight count read off the schedule
 (``schedule.stage_in_flight_of``): an upper bound, the chunks' peaks need not coincide. The search, for each P
@@ -151,7 +151,7 @@ form does not see (a 4-block GPT on 2 groups of ``alpa-p3x8``: closed form 0.96 
 as Alpa bounds every stage by t_max, the DP is run for bounds on every chunk's t — the largest first, then
 each time below the last optimum's slowest chunk, until nothing fits — and of these optima
 (``_Interleaved``, each exact under its bound) the one with the shortest simulated step
-(:meth:`PipelinePlan.simulate`) is the plan. A chunk that a value would cross whole (made before it, read
+(:meth:`Plan.simulate`) is the plan. A chunk that a value would cross whole (made before it, read
 after it: :func:`bypassed`; on the GPTs the position embeddings alone, which the token embeddings' gradient
 from the first block skips) is not an option: the stage runtime passes values to the next stage only.
 ``plan_pipeline(schedule="auto")`` plans every kind (``AUTO_ORDER``: 1F1B, ZB-H1, GPipe, Interleaved1F1B — the
@@ -188,7 +188,7 @@ runtime's row tiles with Alpa's local all-gather (``runtime.crossmesh``); withou
 receiver crosses once per replica, which this does not price. On a repeated stack (``planner.stack``) a cut
 between the model's layers reads as the captured graph's cut with the same layers after it
 (``Stack.graph_range``: two blocks apart are two kept blocks apart), so a 52-layer model's boundaries cost what
-its 4-block capture shows. ``plan_pipeline`` stores them in ``PipelinePlan.transfers``; ``simulate`` sends each
+its 4-block capture shows. ``plan_pipeline`` stores them in ``Plan.transfers``; ``simulate`` sends each
 boundary's bytes in both directions, so ``schedule="auto"`` ranks the kinds with the sends priced (Eq. 2 and
 the DP still leave them out: the stage table has no boundary yet when it costs a stage).
 
@@ -208,7 +208,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import json
 import math
 import time
 import warnings
@@ -218,17 +217,14 @@ from enum import StrEnum
 
 import numpy as np
 
-from meshpilot.cluster.mesh import MeshMapping, mesh_shapes_2d
+from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
-from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
-from meshpilot.planner.plan import MemoryUse, NodeChoice, Plan, SolverReport, StepTime
+from meshpilot.planner.plan import Plan, PlanStage, StageTransfer
 from meshpilot.planner.schedule import (
-    ActionKind,
     PipelineKind,
-    Schedule,
     held_until_weight,
     pipeline,
     stage_in_flight_of,
@@ -239,9 +235,6 @@ from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_lay
 DEFAULT_DELTA = 0.1
 """Clusters may exceed the average FLOPs by this fraction (Eq. 6's δ)."""
 
-_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
-_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-"""The compute actions :meth:`PipelinePlan.simulate` gives node spans: its stand-in's f, i + w, i, w."""
 
 DEFAULT_EPSILON = 1e-3
 """t_max values within this fraction of each other are tried together; the step found is within this
@@ -654,26 +647,6 @@ def _search_t_max(
 
 
 @dataclass(frozen=True)
-class StageTransfer:
-    """The values one stage sends another each microbatch (module docstring, section 8): what
-    ``runtime.pipeline_stages.find_transfers`` finds in the stages' slices, read off the whole graph."""
-
-    src: int
-    """The sending stage."""
-    dst: int
-    """The receiving stage: ``src + 1`` for the forward's values, ``src − 1`` for the backward's gradients."""
-    forward: bool
-    values: tuple[str, ...]
-    """Each value as ``node:output`` of the graph the plan was made from."""
-    shapes: tuple[tuple[int, ...], ...]
-    nbytes: float
-    """Per microbatch: the values' bytes added up (each crosses the link once)."""
-    seconds: float
-    """Per microbatch over the cluster's link between the two stages' first ranks (``CostModel.send_recv_ranks``:
-    the latency of the highest layer they differ in + ``nbytes`` over its P2P bandwidth)."""
-
-
-@dataclass(frozen=True)
 class Crossing:
     """One read of a value in another layer than the one making it (:func:`crossings`)."""
 
@@ -761,351 +734,6 @@ AUTO_ORDER = (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.G
 """The kinds ``AUTO`` plans, in the order that breaks ties of the simulated step: fewest microbatches in flight
 first (1F1B's S − s, zero bubble's min(B, S), GPipe's B), then Interleaved1F1B's v-fold sends."""
 
-PIPELINE_FORMAT = "meshpilot-pipeline-plan/1"
-"""The ``format`` field of a saved :class:`PipelinePlan`."""
-
-
-@dataclass(frozen=True)
-class PipelineStage:
-    """One stage of a pipeline plan."""
-
-    layers: tuple[int, int]
-    """Layers ``[start, stop)`` of ``stage.runnable_layers(graph)``."""
-    layer_names: tuple[str, ...]
-    ranks: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    cost: StageCost
-    """The stage planned on `ranks` as `mesh_shape` over the pipeline's microbatches."""
-    t_s: float
-    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
-    in_flight: int
-    """Microbatches whose activations the stage holds at most under the plan's schedule (1F1B: min(B, stages
-    from it to the end); GPipe: B): :func:`stage_in_flight`."""
-    memory_bytes: float
-    """Per device: Eq. 5's left side, :func:`stage_memory`."""
-    recv_bytes: float
-    """Bytes per microbatch the stage reads from other stages (Eq. 6's C; the sends priced are
-    ``PipelinePlan.transfers``)."""
-    input_share: float | None = None
-    """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
-    previous stage), the rest being ``W``: :func:`input_grad_share` (None: a plan saved before it was kept)."""
-
-    @classmethod
-    def costed(
-        cls, layers: Sequence[Layer], start: int, stop: int, ranks: tuple[int, ...], cost: StageCost,
-        microbatches: int, in_flight: int, C: np.ndarray, input_share: float | None,
-    ) -> PipelineStage:  # fmt: skip
-        """The stage of `layers` ``[start, stop)`` on `ranks`, planned as `cost` (its mesh), with `in_flight`
-        microbatches held; ``C`` is :func:`received_bytes` over the same layers."""
-        return cls(
-            (start, stop), tuple(x.name for x in layers[start:stop]), ranks, cost.mesh_shape, cost,
-            cost.time.total_s / microbatches, in_flight, stage_memory(cost, in_flight), float(C[start, stop - 1]),
-            input_share,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Stages, their submeshes, the schedule and the predicted step (module docstring)."""
-
-    stages: tuple[PipelineStage, ...]
-    microbatches: int
-    num_devices: int
-    clustering: Clustering
-    capacity: float
-    dp_step_s: float
-    """The DP's T* on the canonical ranks each size was costed on (equals :attr:`step_s` when the placed
-    stages cost the same, as on the presets' aligned blocks)."""
-    planning_s: float
-    stage_plans: int
-    """Stage costs searched (StagePlanner cache misses) by this call."""
-    t_max_tried: int
-    """Bounds on every stage's t the DP ran under (Interleaved1F1B: on every chunk's, over every group count and
-    group sizes; ZB-H1 without a fixed depth: over every depth)."""
-    schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
-    costing: StageCosting = StageCosting.EXACT
-    """How the stage table was filled: every range searched, or composed from a repeated block's plan
-    (``planner.stack``)."""
-    intra: tuple[Plan, ...] = ()
-    """Each stage's intra-operator plan (:meth:`with_intra`; empty until then): the strategies of every node of
-    the stage's slice (``slice_graph`` over :func:`runnable_layers`) on its logical mesh, its ``mesh_ranks``
-    indices into the stage's ``ranks``. ``meshpilot.runtime.pipeline`` runs each stage with its own."""
-    transfers: tuple[StageTransfer, ...] = ()
-    """Each stage boundary's values per microbatch, both directions (:func:`stage_transfers`: module docstring,
-    section 8); what :meth:`simulate` sends. Empty in a plan saved before they were kept (its sends carry 0
-    bytes)."""
-    cluster: str = ""
-    """The name of the cluster the plan was made for ("" in a plan saved before it was kept)."""
-
-    @property
-    def split_points(self) -> tuple[str, ...]:
-        """The first layer of every stage after the first (``blocks.2``): where the runtime cuts the model
-        (``meshpilot.runtime.pipeline``)."""
-        return tuple(s.layer_names[0] for s in self.stages[1:])
-
-    def with_intra(
-        self,
-        graph: OpGraph,
-        cluster,
-        *,
-        force: Sequence[dict[str, str] | None] | None = None,
-        time_limit: float = 30.0,
-    ) -> PipelinePlan:
-        """This plan with :attr:`intra`: every stage's slice (layers of :func:`runnable_layers`) searched on the
-        stage's logical mesh and mapping over the plan's microbatches (``meshpilot.planner.auto.plan`` with
-        the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
-        `graph` is the one-microbatch graph the plan was made from; ``force[j]`` pins layouts in stage j
-        (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). Pure."""
-        from meshpilot.planner.auto import plan as plan_intra
-        from meshpilot.planner.stage import slice_graph
-
-        force = list(force) if force is not None else [None] * len(self.stages)
-        if len(force) != len(self.stages):
-            raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
-        run_layers = runnable_layers(graph)
-        plans = []
-        for st, pinned in zip(self.stages, force):
-            sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
-            with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
-                warnings.simplefilter("ignore", UserWarning)
-                p = plan_intra(
-                    None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
-                    microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
-                )  # fmt: skip
-            plans.append(p)
-        return dataclasses.replace(self, intra=tuple(plans))
-
-    @property
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The rank classes: every stage's ranks, once, in stage order (Interleaved1F1B: stage j runs on
-        ``groups[j % P]``; otherwise one per stage)."""
-        out: list[tuple[int, ...]] = []
-        for st in self.stages:
-            if st.ranks not in out:
-                out.append(st.ranks)
-        return tuple(out)
-
-    @property
-    def chunks(self) -> int:
-        """Stages per rank class (v: 1 but under Interleaved1F1B)."""
-        return len(self.stages) // len(self.groups)
-
-    def step_schedule(self) -> Schedule:
-        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: one rank class per stage (per group of
-        :attr:`chunks` stages under Interleaved1F1B)."""
-        return self._schedule_on(self.groups)
-
-    def _schedule_on(self, groups: Sequence[Sequence[int]]) -> Schedule:
-        return pipeline(groups, self.microbatches, self.schedule, self.chunks)
-
-    def simulate(self, cluster=None, p2p_bytes: float | None = None):
-        """The step's timeline from the simulator (``meshpilot.sim.simulate``): every stage's ranks run
-        :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's
-        forward per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (``t_s`` less that:
-        backward and the amortised gradient sync), each send over the cluster's link between the stages' first
-        ranks, its latency included (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes
-        (or `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
-        ``SimResult``: its ``step_s`` is the schedule's step with its bubbles, which Eq. 2 approximates."""
-        from meshpilot.cluster import load_cluster
-        from meshpilot.sim import simulate
-
-        if cluster is None and not self.cluster:
-            raise UserError("pipeline plan: it does not name its cluster (saved before it did); give the cluster")
-        cl = load_cluster(cluster if cluster is not None else self.cluster)
-        sends: float | dict[tuple[int, int], float] = (
-            float(p2p_bytes) if p2p_bytes is not None else {(x.src, x.dst): x.nbytes for x in self.transfers}
-        )
-        B = self.microbatches
-        sched = self.step_schedule()
-        split = any(a.kind in _SPLIT for c in sched.classes for a in c.actions)
-        nodes: list[NodeChoice] = []
-        spans: list[dict[ActionKind, tuple[int, int]]] = []
-        for j, st in enumerate(self.stages):
-            f = st.cost.forward_s / B
-            share = st.input_share
-            if split and share is None:
-                raise UserError(
-                    "pipeline plan: its stages lack their input-gradient share (input_share); save it again"
-                )
-            b_in = (st.t_s - f) * (share or 0.0)
-            at = len(nodes)
-            spans.append(dict(zip(_PARTS, ((at, at + 1), (at + 1, at + 3), (at + 1, at + 2), (at + 2, at + 3)))))
-            nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
-            nodes += [NodeChoice(f"i{j}", "stage", "op", (), (), "s", "bwd", b_in)]
-            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f - b_in)]
-        # one simulated rank per stage (its ranks share one timeline: the stand-in has no collectives), at the
-        # stage's first physical rank; the simulator takes a send's peer literally, so peers become stage indices
-        # (under Interleaved1F1B one per group, its actions' stages naming their spans)
-        P = len(self.groups)
-        sched = self._schedule_on([[j] for j in range(P)])
-        classes = []
-        for j, rc in enumerate(sched.classes):
-            acts = tuple(
-                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage][a.kind])
-                if a.kind.is_compute
-                else a
-                for a in rc.actions
-            )
-            classes.append(dataclasses.replace(rc, actions=acts))
-        sched = Schedule(tuple(classes), sched.microbatches, sched.name)
-        firsts = tuple(g[0] for g in self.groups)
-        stand_in = Plan(
-            cluster=cl.name, mesh_shape=(P,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
-            params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
-            memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
-            solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
-        )  # fmt: skip
-        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends)
-
-    def to_dict(self) -> dict:
-        """Plain data (JSON): the stages with their layer ranges, ranks, logical meshes and stage plans'
-        costs, the clustering, the microbatches, the schedule (its kind and its actions) and the stages' intra-operator
-        plans (``intra``: each a ``Plan.to_dict``, absent before :meth:`with_intra`)."""
-        d = dataclasses.asdict(dataclasses.replace(self, intra=()))
-        d["intra"] = [p.to_dict() for p in self.intra]
-        d["schedule"] = self.schedule.value
-        d["costing"] = self.costing.value
-        for st, stage in zip(d["stages"], self.stages):
-            st["cost"]["mapping"] = stage.cost.mapping.value
-        d["step_schedule"] = self.step_schedule().to_dict()
-        d["format"] = PIPELINE_FORMAT
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PipelinePlan:
-        """The plan :meth:`to_dict` gave (one line naming the problem for anything else)."""
-        if not isinstance(d, dict) or d.get("format") != PIPELINE_FORMAT:
-            raise UserError(
-                f'not a pipeline plan (no "format": "{PIPELINE_FORMAT}"); save one with meshpilot plan --pipeline'
-            )
-        try:
-            stages = []
-            for st in d["stages"]:
-                c = st["cost"]
-                cost = StageCost(
-                    tuple(c["layers"]), tuple(c["ranks"]), tuple(c["mesh_shape"]), MeshMapping(c["mapping"]),
-                    StepTime(**c["time"]), MemoryUse(**c["memory"]), PhasePeaks(**c["peaks"]),
-                    c["forward_s"], c["search_s"],
-                )  # fmt: skip
-                fields = {k: st[k] for k in ("t_s", "in_flight", "memory_bytes", "recv_bytes")}
-                fields["input_share"] = st.get("input_share")
-                stages.append(
-                    PipelineStage(
-                        tuple(st["layers"]),
-                        tuple(st["layer_names"]),
-                        tuple(st["ranks"]),
-                        tuple(st["mesh_shape"]),
-                        cost,
-                        **fields,
-                    )  # fmt: skip
-                )
-            cl = d["clustering"]
-            clustering = Clustering(
-                tuple(tuple(b) for b in cl["bounds"]), tuple(cl["flops"]), tuple(cl["recv_bytes"]), cl["delta"]
-            )
-            scalars = ("microbatches", "num_devices", "capacity", "dp_step_s", "planning_s", "stage_plans")
-            intra = tuple(
-                Plan.from_dict(p, source=f"pipeline plan stage {j}") for j, p in enumerate(d.get("intra", ()))
-            )
-            transfers = tuple(
-                StageTransfer(x["src"], x["dst"], bool(x["forward"]), tuple(x["values"]),
-                              tuple(tuple(sh) for sh in x["shapes"]), float(x["nbytes"]), float(x["seconds"]))
-                for x in d.get("transfers", ())
-            )  # fmt: skip
-            if intra and len(intra) != len(stages):
-                raise UserError(
-                    f"pipeline plan: {len(intra)} intra-operator plans for {len(stages)} stages; save it again"
-                )
-            plan = cls(tuple(stages), clustering=clustering, t_max_tried=d["t_max_tried"],
-                       schedule=PipelineKind(d["schedule"]), intra=intra,
-                       costing=StageCosting(d.get("costing", StageCosting.EXACT.value)),
-                       transfers=transfers, cluster=str(d.get("cluster", "")),
-                       **{k: d[k] for k in scalars})  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"pipeline plan: a field is missing or malformed ({e!r}); save it again") from None
-        if "step_schedule" in d and Schedule.from_dict(d["step_schedule"]) != plan.step_schedule():
-            raise UserError(
-                "pipeline plan: its step_schedule does not match its stages and schedule kind; save it again"
-            )
-        return plan
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> PipelinePlan:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"pipeline plan: not JSON ({e})") from None
-        return cls.from_dict(d)
-
-    @property
-    def sum_s(self) -> float:
-        """Σ t_i: one microbatch through every stage (the pipeline's fill and drain)."""
-        return sum(s.t_s for s in self.stages)
-
-    @property
-    def max_s(self) -> float:
-        """The slowest rank class's time per microbatch: max t_i (under Interleaved1F1B: of each group's
-        chunks' t_i added up)."""
-        per: dict[tuple[int, ...], float] = {}
-        for s in self.stages:
-            per[s.ranks] = per.get(s.ranks, 0.0) + s.t_s
-        return max(per.values())
-
-    @property
-    def step_s(self) -> float:
-        """Eq. 2: Σ t_i + (B − 1) · max t_i, i.e. B · max t_i + the bubble (Interleaved1F1B: with the groups'
-        times for max t_i and its v-fold smaller bubble; Narayanan et al. §2.2)."""
-        return self.microbatches * self.max_s + self.bubble_s
-
-    @property
-    def bubble_s(self) -> float:
-        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i (Interleaved1F1B:
-        that over v, the fill and drain running chunks a v-th of a group's work)."""
-        return (self.sum_s - self.max_s) / self.chunks
-
-    def __str__(self) -> str:
-        B, S = self.microbatches, len(self.stages)
-        head = (
-            f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches "
-            f"({self.schedule.value}), "
-            f"{len(self.clustering.bounds)} layer clusters (δ={self.clustering.delta:g})"
-        )
-        rows = [head, "  stage  layers                        ranks      mesh      t/microbatch     mem/dev  in flight"]
-        for j, s in enumerate(self.stages):
-            names = s.layer_names[0] if len(s.layer_names) == 1 else f"{s.layer_names[0]}..{s.layer_names[-1]}"
-            rk = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
-            mesh = "x".join(map(str, s.mesh_shape))
-            rows.append(
-                f"  {j:<5}  [{s.layers[0]},{s.layers[1]}) {names:<22.22} {rk:<10} {mesh:<8} "
-                f"{_secs(s.t_s):>12}  {_size(s.memory_bytes):>10}  {s.in_flight}"
-            )
-        if self.chunks > 1:
-            rows.append(
-                f"  step = B·max T_g + (Σ t_i − max T_g)/v = {B}·{_secs(self.max_s)} + {_secs(self.bubble_s)} = "
-                f"{_secs(self.step_s)} ({self.chunks} chunks per group: T_g the sum of a group's chunks' t_i)"
-            )
-        else:
-            rows.append(
-                f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
-                f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
-            )
-        rows.append(
-            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches ({self.costing.value} stage "
-            f"costs), {self.t_max_tried} t_max tried"
-        )
-        return "\n".join(rows)
-
-
-def _secs(x: float) -> str:
-    if x >= 1:
-        return f"{x:.3f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.3f} ms"
-    return f"{x * 1e6:.2f} µs"
-
 
 def _size(b: float) -> str:
     for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -1136,7 +764,7 @@ def plan_pipeline(
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
     **stage_kw,
-) -> PipelinePlan:
+) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
     `microbatches` microbatches on the first `num_devices` devices of `cluster` (module docstring).
 
@@ -1145,7 +773,7 @@ def plan_pipeline(
     stage searches and in Eq. 5); `stage_kw` goes to ``StagePlanner.plan`` (``zero``, ``searcher``,
     ``time_limit``). `schedule` is the pipeline schedule, or ``"auto"``: the DP is run for each kind (the
     stage costs are cached, so the second run only re-checks Eq. 5 and re-runs the DP) and the plan whose
-    simulated step (:meth:`PipelinePlan.simulate`, each boundary's transfer sent) is shortest wins, 1F1B on a tie
+    simulated step (:meth:`Plan.simulate`, each boundary's transfer sent) is shortest wins, 1F1B on a tie
     (fewer microbatches in flight).
 
     `graph` may be a :class:`~meshpilot.planner.stack.Stack` (``stack.capture_stack``: a few blocks captured for
@@ -1213,7 +841,7 @@ class _Setup:
     stage_kw: dict
     t0: float
     misses: int
-    """``sp.misses`` when the call began (``PipelinePlan.stage_plans`` counts from it)."""
+    """``sp.misses`` when the call began (``Plan.stage_plans`` counts from it)."""
     edges: list | None = None
     """:func:`_crossing_edges` of the graph, made on first use."""
 
@@ -1225,12 +853,12 @@ class _Setup:
                                edges=self.edges)  # fmt: skip
 
 
-def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> PipelinePlan:
+def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> Plan:
     """``schedule="auto"``: every kind of :data:`AUTO_ORDER` planned, the shortest simulated step kept (its
     sends priced by the plan's transfers), the order breaking ties."""
     call = dict(call)
     sp = call["planner"] = call["planner"] if call["planner"] is not None else StagePlanner(captured, cluster)
-    found: list[tuple[float, int, PipelinePlan]] = []
+    found: list[tuple[float, int, Plan]] = []
     errors = []
     for rank, k in enumerate(AUTO_ORDER):
         if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
@@ -1326,11 +954,11 @@ def _no_fit(setup: _Setup, kind: PipelineKind, stages) -> PlanError:
     )
 
 
-def _zero_bubble_depths(graph, cluster, setup: _Setup, call: dict) -> PipelinePlan:
+def _zero_bubble_depths(graph, cluster, setup: _Setup, call: dict) -> Plan:
     """ZB-H1 without a fixed depth: its memory rule depends on the depth, so a DP per depth S, the least Eq. 2
     kept."""
     call = dict(call, planner=setup.sp, num_devices=setup.n)
-    best: PipelinePlan | None = None
+    best: Plan | None = None
     tried = 0
     for depth in range(1, setup.S + 1):
         try:
@@ -1347,7 +975,7 @@ def _zero_bubble_depths(graph, cluster, setup: _Setup, call: dict) -> PipelinePl
     )
 
 
-def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
+def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
     """Interleaved1F1B (module docstring, section 6): :func:`_plan_interleaved`'s optima, the one with the
     shortest simulated step built on its placed ranks."""
     sp, stack, clusters, B, chunks = setup.sp, setup.stack, setup.clusters, call["microbatches"], call["chunks"]
@@ -1375,7 +1003,7 @@ def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Pipeline
             stacklevel=3,
         )
 
-    def build(x: _Interleaved, recost: bool) -> PipelinePlan:
+    def build(x: _Interleaved, recost: bool) -> Plan:
         ranks = place(list(x.group_sizes))
         P = len(x.group_sizes)
         held = _held_per_stage(kind, ranks, len(x.chunks), B)
@@ -1386,11 +1014,11 @@ def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Pipeline
             if recost and rk != c.ranks:
                 c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
             share = input_grad_share(setup.graph, sp.layers, start, stop) if recost else None
-            stages.append(PipelineStage.costed(setup.model_layers, start, stop, rk, c, B, held[j], setup.C, share))
+            stages.append(PlanStage.costed(setup.model_layers, start, stop, rk, c, B, held[j], setup.C, share))
         bounds = tuple(st.layers for st in stages)
         fl_sum = tuple(sum(y.flops for y in setup.model_layers[a:b]) for a, b in bounds)
         chunked = Clustering(bounds, fl_sum, tuple(float(setup.C[a, b - 1]) for a, b in bounds), clusters.delta)
-        return PipelinePlan(
+        return Plan(
             tuple(stages), B, n, chunked, setup.capacity, x.step_s, time.perf_counter() - setup.t0,
             sp.misses - setup.misses, tried, kind, StageCosting.EXACT,
             transfers=setup.transfers(bounds, [st.ranks for st in stages]), cluster=sp.cluster.name,
@@ -1400,7 +1028,7 @@ def _interleaved_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Pipeline
     return build(best, True)
 
 
-def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
+def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
     """1F1B, GPipe or ZB-H1 of a given depth: the stage table (exact, or composed from a repeated block's plan),
     the t_max search over Alpa's DP, and the chosen stages costed on their placed ranks."""
     sp, stack, clusters, B = setup.sp, setup.stack, setup.clusters, call["microbatches"]
@@ -1438,9 +1066,9 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> PipelinePlan:
                 c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
         fl = stage_in_flight(kind, s_left, B, len(chosen))
         share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
-        stages.append(PipelineStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
+        stages.append(PlanStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
     costing = StageCosting.STACK if stack is not None else StageCosting.EXACT
-    return PipelinePlan(
+    return Plan(
         tuple(stages), B, n, clusters, setup.capacity, score, time.perf_counter() - setup.t0,
         sp.misses - setup.misses, tried, kind, costing,
         transfers=setup.transfers([st.layers for st in stages], ranks), cluster=sp.cluster.name,
@@ -1456,8 +1084,8 @@ def fixed_pipeline(
     schedule: PipelineKind | str = PipelineKind.ONE_F_ONE_B,
     planner: StagePlanner | None = None,
     **stage_kw,
-) -> PipelinePlan:
-    """A :class:`PipelinePlan` of stages given by hand — ``(layers [start, stop), ranks, logical mesh shape)``
+) -> Plan:
+    """A :class:`Plan` of stages given by hand — ``(layers [start, stop), ranks, logical mesh shape)``
     each — costed as :func:`plan_pipeline` costs its own (``StagePlanner.plan`` on the stage's ranks, Eq. 2's
     step, Eq. 5's memory under `schedule`); nothing is searched but each stage's intra-operator plan. For a
     split chosen by the user, and for tests that need particular stages and meshes. Pure."""
@@ -1481,10 +1109,10 @@ def fixed_pipeline(
     for j, ((start, stop), rk, (_, _, shape)) in enumerate(zip(bounds, ranks, stages)):
         c = sp.plan(start, stop, rk, tuple(shape), microbatches=microbatches, **stage_kw)
         share = input_grad_share(graph, sp.layers, start, stop)
-        out.append(PipelineStage.costed(sp.layers, start, stop, rk, c, microbatches, held[j], C, share))
+        out.append(PlanStage.costed(sp.layers, start, stop, rk, c, microbatches, held[j], C, share))
     fl_sum = tuple(sum(x.flops for x in sp.layers[a:b]) for a, b in bounds)
     clustering = Clustering(tuple(bounds), fl_sum, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
-    plan = PipelinePlan(
+    plan = Plan(
         tuple(out), microbatches, n, clustering, capacity, 0.0, time.perf_counter() - t0, sp.misses - misses, 0, kind,
         transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster), cluster=sp.cluster.name,
     )  # fmt: skip
@@ -1753,7 +1381,7 @@ def _plan_interleaved(
     one with B a multiple of P and v·P ≤ the clusters), the groups' submesh sizes and a bound t_max on every
     chunk's t (the distinct chunk times, those within (1 + `epsilon`) tried together), :func:`_interleaved_dp`
     on the stage planner's costs. Returns every distinct optimum found, the bounds tried (over every P and
-    group sizes: ``PipelinePlan.t_max_tried``) and whether a front was capped."""
+    group sizes: ``Plan.t_max_tried``) and whether a front was capped."""
     L = len(clusters.bounds)
     Ps = [num_stages] if num_stages is not None else range(2, min(n, L // v) + 1)
     costs: dict[tuple[int, int, int], list[StageCost]] = {}

@@ -1,32 +1,50 @@
-"""The :class:`Plan`: an immutable, JSON-serialisable record of how to run one training step.
+"""The plan: an immutable, JSON-serialisable record of how to run one training step.
 
-It holds the mesh (shape, axis names and the physical rank of every coordinate), every node's chosen strategy (layouts
-of its operands and outputs, printable as ``linear_3: S(0)R × RS(1) → S(0)S(1)``), each parameter's layout,
-the collectives the run will issue (kind, mesh axis, bytes, forward or backward), the predicted step time
-split into compute / communication (reductions of partial sums) / resharding (all-gathers, all-to-alls),
-memory per device, the parameters the ZeRO-like post-pass sharded (``zero``; their layouts in ``params``
-are the sharded ones and ``collectives`` holds their reduce-scatters and all-gathers), the solver's report
-and warnings. ``str(plan)`` is the readable form: the summary (mesh, step-time split, memory, collectives,
-ZeRO, solver gap and time, mesh candidates, warnings), every parameter's layout, then one line per
-operator (``linear_3: S(0)R × RS(1) → S(0)S(1)``) with the collectives that feed it.
-``Plan.save(path)`` / ``Plan.load(path)`` round-trip through JSON; ``meshpilot.parallelize(model, plan)``
-runs it.
+:class:`Plan` is the one plan type: its **stages** (:class:`PlanStage`: layers, physical ranks, logical mesh and
+the stage's :class:`StagePlan`), the pipeline **schedule** (a ``PipelineKind``; a one-stage plan's step schedule
+is its stage plan's), the **microbatches** and the **transfers** between stages (:class:`StageTransfer`, bytes
+per microbatch both ways). SPMD is one stage (:meth:`Plan.single`, what ``meshpilot.plan`` returns); the stage
+DP (``planner.pipeline.plan_pipeline``) makes pipelines. ``Plan.save(path)`` / ``Plan.load(path)`` round-trip
+through the one JSON format (``planner.plan_format``: a format name and a version; older files load);
+``Plan.simulate`` times it and ``meshpilot.parallelize(model, plan)`` runs it.
+
+A :class:`StagePlan` is how one stage runs on its mesh: the mesh (shape, axis names and the physical rank of every
+coordinate), every node's chosen strategy (layouts of its operands and outputs, printable as
+``linear_3: S(0)R × RS(1) → S(0)S(1)``), each parameter's layout, the collectives the run will issue (kind,
+mesh axis, bytes, forward or backward), the predicted step time split into compute / communication (reductions
+of partial sums) / resharding (all-gathers, all-to-alls), memory per device, the parameters the ZeRO-like
+post-pass sharded (``zero``; their layouts in ``params`` are the sharded ones and ``collectives`` holds their
+reduce-scatters and all-gathers), the solver's report and warnings. ``str(stage_plan)`` is the readable form:
+the summary (mesh, step-time split, memory, collectives, ZeRO, solver gap and time, mesh candidates,
+warnings), every parameter's layout, then one line per operator with the collectives that feed it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
+import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
-from meshpilot.planner.schedule import Schedule, trivial
+from meshpilot.planner.schedule import DUPLEX, ActionKind, PipelineKind, Schedule, pipeline, trivial
 from meshpilot.sharding.placements import Placements, from_json
 from meshpilot.sharding.reshard import CollectiveKind, as_issued
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from meshpilot.graph.capture import OpGraph
+    from meshpilot.planner.pipeline import Clustering
+    from meshpilot.planner.stack import StageCosting
+    from meshpilot.planner.stage import Layer, StageCost
 
 Layout = tuple[str, ...]
 """A tensor layout in JSON form: one placement string per mesh axis (``("S(0)", "R")``)."""
@@ -202,8 +220,9 @@ class ZeroSwitch:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How to run one training step of a model on a mesh (see the module docstring)."""
+class StagePlan:
+    """How one stage runs one training step on its mesh: every operator's strategy (see the module docstring).
+    A one-stage :class:`Plan` holds one; a pipeline's stages hold one each."""
 
     cluster: str
     mesh_shape: tuple[int, ...]
@@ -398,8 +417,9 @@ class Plan:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> Plan:
-        """The plan `d` (``to_dict``'s form); a one-line UserError naming `source` and the key when it is not one."""
+    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> StagePlan:
+        """The stage plan `d` (``to_dict``'s form); a one-line UserError naming `source` and the key when it is
+        not one."""
         from meshpilot.planner.validate import check_version
 
         where = f"{source}: " if source else ""
@@ -418,7 +438,7 @@ class Plan:
             raise UserError(f"{where}malformed plan ({type(e).__name__}: {e}); {fix}") from None
 
     @classmethod
-    def _from_dict(cls, d: dict[str, Any]) -> Plan:
+    def _from_dict(cls, d: dict[str, Any]) -> StagePlan:
         def tup(x):
             return tuple(tup(v) for v in x) if isinstance(x, list) else x
 
@@ -478,6 +498,413 @@ class Plan:
         )
 
     def to_json(self) -> str:
+        """This stage plan as a one-stage :class:`Plan`'s JSON: the one plan format (``Plan.to_json``)."""
+        return Plan.single(self).to_json()
+
+    @classmethod
+    def from_json(cls, text: str, source: str | None = None) -> StagePlan:
+        """The stage plan of a saved one-stage plan (``Plan.from_json(...).only``; a pipeline: one line)."""
+        return Plan.from_json(text, source=source).only
+
+    def save(self, path: str | Path) -> None:
+        """Save as a one-stage :class:`Plan` (``Plan.save``)."""
+        Plan.single(self).save(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> StagePlan:
+        """The stage plan of a saved one-stage plan (``Plan.load(path).only``)."""
+        return Plan.load(path).only
+
+
+_SHORT = {
+    CollectiveKind.ALL_REDUCE: "AR",
+    CollectiveKind.REDUCE_SCATTER: "RS",
+    CollectiveKind.ALL_GATHER: "AG",
+    CollectiveKind.ALL_TO_ALL: "A2A",
+}
+
+
+def _bytes(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, Schedule):
+        return o.to_dict()
+    if hasattr(o, "__dataclass_fields__"):
+        return {k: v for k, v in asdict(o).items() if not k.startswith("_")}
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------ the whole plan
+
+
+@dataclass(frozen=True)
+class StageTransfer:
+    """The values one stage sends another each microbatch (``planner.pipeline`` docstring, section 8): what
+    ``runtime.pipeline_stages.find_transfers`` finds in the stages' slices, read off the whole graph."""
+
+    src: int
+    """The sending stage."""
+    dst: int
+    """The receiving stage: ``src + 1`` for the forward's values, ``src − 1`` for the backward's gradients."""
+    forward: bool
+    values: tuple[str, ...]
+    """Each value as ``node:output`` of the graph the plan was made from."""
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: float
+    """Per microbatch: the values' bytes added up (each crosses the link once)."""
+    seconds: float
+    """Per microbatch over the cluster's link between the two stages' first ranks (``CostModel.send_recv_ranks``:
+    the latency of the highest layer they differ in + ``nbytes`` over its P2P bandwidth)."""
+
+
+@dataclass(frozen=True)
+class PlanStage:
+    """One stage of a :class:`Plan`: which layers, on which ranks, planned how."""
+
+    layers: tuple[int, int] | None
+    """Layers ``[start, stop)`` of ``stage.runnable_layers(graph)``; None: the whole model (a one-stage plan)."""
+    layer_names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    cost: StageCost | None
+    """The stage DP's cost of the stage on `ranks` as `mesh_shape` over the plan's microbatches (None: a
+    one-stage plan, whose :attr:`plan` prices it)."""
+    t_s: float
+    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
+    in_flight: int
+    """Microbatches whose activations the stage holds at most under the plan's schedule (1F1B: min(B, stages
+    from it to the end); GPipe: B): ``pipeline.stage_in_flight``."""
+    memory_bytes: float
+    """Per device: Eq. 5's left side (``pipeline.stage_memory``); a one-stage plan's predicted peak."""
+    recv_bytes: float
+    """Bytes per microbatch the stage reads from other stages (Eq. 6's C; the sends priced are
+    ``Plan.transfers``)."""
+    input_share: float | None = None
+    """Of the stage's backward, the share a zero-bubble schedule runs as ``I`` (the input gradients sent to the
+    previous stage), the rest being ``W``: ``pipeline.input_grad_share`` (None: not kept)."""
+    plan: StagePlan | None = None
+    """The stage's intra-operator plan: every node's strategy on its logical mesh, its ``mesh_ranks`` indices
+    into :attr:`ranks` (None in a pipeline plan before ``Plan.with_intra``)."""
+
+    @classmethod
+    def costed(
+        cls, layers: Sequence[Layer], start: int, stop: int, ranks: tuple[int, ...], cost: StageCost,
+        microbatches: int, in_flight: int, C: np.ndarray, input_share: float | None,
+    ) -> PlanStage:  # fmt: skip
+        """The stage of `layers` ``[start, stop)`` on `ranks`, planned as `cost` (its mesh), with `in_flight`
+        microbatches held; ``C`` is ``pipeline.received_bytes`` over the same layers."""
+        from meshpilot.planner.pipeline import stage_memory
+
+        return cls(
+            (start, stop), tuple(x.name for x in layers[start:stop]), ranks, cost.mesh_shape, cost,
+            cost.time.total_s / microbatches, in_flight, stage_memory(cost, in_flight), float(C[start, stop - 1]),
+            input_share,
+        )  # fmt: skip
+
+
+_SPLIT = frozenset({ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+"""The compute actions :meth:`Plan.simulate` gives node spans: its stand-in's f, i + w, i, w."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run one training step: the stages (each its layers, ranks and :class:`StagePlan`), the schedule,
+    the microbatches and the transfers between stages. A one-stage plan (:meth:`single`, what
+    ``meshpilot.plan`` returns) is the whole model on every device with no transfers; a pipeline's comes from the
+    stage DP (``planner.pipeline.plan_pipeline``). One JSON format (``planner.plan_format``)."""
+
+    stages: tuple[PlanStage, ...]
+    microbatches: int
+    num_devices: int
+    clustering: Clustering | None
+    """The stage DP's layer clusters (None: a one-stage plan)."""
+    capacity: float
+    dp_step_s: float
+    """The DP's T* on the canonical ranks each size was costed on (equals :attr:`step_s` when the placed
+    stages cost the same, as on the presets' aligned blocks); a one-stage plan's predicted step."""
+    planning_s: float
+    stage_plans: int
+    """Stage costs searched (StagePlanner cache misses) by the stage DP."""
+    t_max_tried: int
+    """Bounds on every stage's t the DP ran under (Interleaved1F1B: on every chunk's, over every group count and
+    group sizes; ZB-H1 without a fixed depth: over every depth)."""
+    schedule: PipelineKind | None = PipelineKind.ONE_F_ONE_B
+    """The pipeline schedule's kind (None: a one-stage plan, whose stage plan holds its step's schedule)."""
+    costing: StageCosting | str = "exact"
+    """How the stage table was filled (a ``stack.StageCosting``): every range searched, or composed from a
+    repeated block's plan (``planner.stack``)."""
+    transfers: tuple[StageTransfer, ...] = ()
+    """Each stage boundary's values per microbatch, both directions (``pipeline.stage_transfers``): what
+    :meth:`simulate` sends and the runtime moves."""
+    cluster: str = ""
+    """The name of the cluster the plan was made for ("" in a pipeline plan saved before it was kept)."""
+
+    def __post_init__(self) -> None:
+        from meshpilot.planner.stack import StageCosting  # stack.py imports this module: not at the top
+
+        object.__setattr__(self, "costing", StageCosting(self.costing))
+
+    # ---------------------------------------------------------------- one stage
+    @classmethod
+    def single(cls, plan: StagePlan) -> Plan:
+        """The one-stage plan of `plan`: the whole model on its mesh's devices, no transfers."""
+        n = math.prod(plan.mesh_shape)
+        B = plan.step_schedule().microbatches
+        total = plan.time.total_s
+        held = 2 if plan.step_schedule().name == DUPLEX else 1  # accumulation holds one microbatch at a time
+        stage = PlanStage(
+            None, (), tuple(range(n)), tuple(plan.mesh_shape), None, total / B, held, plan.memory.total, 0.0, plan=plan
+        )
+        return cls((stage,), B, n, None, plan.memory.capacity, total, plan.solver.total_s, 0, 0, None,
+                   cluster=plan.cluster)  # fmt: skip
+
+    @property
+    def is_single(self) -> bool:
+        """Whether this is a one-stage plan (the whole model on every device)."""
+        return len(self.stages) == 1 and self.stages[0].layers is None
+
+    @property
+    def only(self) -> StagePlan:
+        """The stage plan of a one-stage plan; one line for a pipeline."""
+        if not self.is_single or self.stages[0].plan is None:
+            raise UserError(
+                f"this plan is a pipeline of {len(self.stages)} stages, not one stage; read its stages' plans "
+                "(Plan.stages[j].plan) or make a one-stage plan (`meshpilot plan --stages 1`)"
+            )
+        return self.stages[0].plan
+
+    @property
+    def intra(self) -> tuple[StagePlan, ...]:
+        """Every stage's plan, in stage order; empty when a stage has none (a pipeline before :meth:`with_intra`)."""
+        plans = tuple(st.plan for st in self.stages)
+        return () if any(p is None for p in plans) else plans  # type: ignore[return-value]
+
+    @property
+    def precision(self) -> str:
+        """The stages' plans' precision ("" without them: the model's own)."""
+        return self.stages[0].plan.precision if self.stages[0].plan is not None else ""
+
+    @property
+    def input_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """One microbatch's input shapes and dtypes: the first stage plan's (a pipeline's first stage reads the
+        model's first inputs, then the values other stages send it); () without one."""
+        return self.stages[0].plan.input_shapes if self.stages[0].plan is not None else ()
+
+    def run_digest(self) -> str:
+        """SHA-256 of what running the plan depends on (every stage's ranks, layers and ``StagePlan.run_digest``,
+        the schedule), not of how it was found: two plans with one digest run identically."""
+        import hashlib
+
+        if self.is_single:
+            return self.only.run_digest()
+        parts = [[st.layers, st.ranks, st.plan.run_digest() if st.plan else None] for st in self.stages]
+        parts.append(self.step_schedule().to_dict())
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    # ---------------------------------------------------------------- stages
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """The first layer of every stage after the first (``blocks.2``): where the runtime cuts the model."""
+        return tuple(s.layer_names[0] for s in self.stages[1:])
+
+    def with_intra(
+        self,
+        graph: OpGraph,
+        cluster,
+        *,
+        force: Sequence[dict[str, str] | None] | None = None,
+        time_limit: float = 30.0,
+    ) -> Plan:
+        """This plan with every stage's :attr:`PlanStage.plan`: its slice (layers of ``stage.runnable_layers``)
+        searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
+        with the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
+        `graph` is the one-microbatch graph the plan was made from (the whole model's); ``force[j]`` pins
+        layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). The
+        :attr:`transfers` are read off `graph` again (``pipeline.stage_transfers``), naming its nodes. Pure."""
+        from meshpilot.cluster import load_cluster
+        from meshpilot.planner.auto import plan as plan_intra
+        from meshpilot.planner.pipeline import stage_transfers
+        from meshpilot.planner.stage import runnable_layers, slice_graph
+
+        force = list(force) if force is not None else [None] * len(self.stages)
+        if len(force) != len(self.stages):
+            raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
+        run_layers = runnable_layers(graph)
+        stages = []
+        for st, pinned in zip(self.stages, force):
+            sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
+            with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
+                warnings.simplefilter("ignore", UserWarning)
+                p = plan_intra(
+                    None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
+                    microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
+                )  # fmt: skip
+            stages.append(dataclasses.replace(st, plan=p))
+        # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the
+        # runtime moves (``runtime.pipeline_stages``) and the simulator prices; a boundary the plan priced keeps
+        # its seconds (on the plan's cluster, which `cluster` — data-parallel stages' — need not be)
+        bounds, ranks = [st.layers for st in stages], [st.ranks for st in stages]
+        priced = {(x.src, x.dst, x.forward): x for x in self.transfers}
+        transfers = []
+        for y in stage_transfers(graph, run_layers, bounds, ranks, load_cluster(cluster)):
+            x = priced.get((y.src, y.dst, y.forward))
+            transfers.append(dataclasses.replace(y, seconds=x.seconds) if x is not None and x.nbytes == y.nbytes else y)
+        return dataclasses.replace(self, stages=tuple(stages), transfers=tuple(transfers))
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The rank classes: every stage's ranks, once, in stage order (Interleaved1F1B: stage j runs on
+        ``groups[j % P]``; otherwise one per stage)."""
+        out: list[tuple[int, ...]] = []
+        for st in self.stages:
+            if st.ranks not in out:
+                out.append(st.ranks)
+        return tuple(out)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per rank class (v: 1 but under Interleaved1F1B)."""
+        return len(self.stages) // len(self.groups)
+
+    # ---------------------------------------------------------------- the schedule
+    def step_schedule(self) -> Schedule:
+        """The step as a :class:`~meshpilot.planner.schedule.Schedule`: a one-stage plan's own (its stage plan's),
+        a pipeline's one rank class per stage (per group of :attr:`chunks` stages under Interleaved1F1B)."""
+        if self.schedule is None:
+            return self.only.step_schedule()
+        return self._schedule_on(self.groups)
+
+    def _schedule_on(self, groups: Sequence[Sequence[int]]) -> Schedule:
+        return pipeline(groups, self.microbatches, self.schedule, self.chunks)
+
+    def schedule_lines(self, full: bool = False, width: int = 6) -> list[str]:
+        """The schedule's actions, one line per rank class: every action with `full`, else the first and last
+        `width` with the count between (``2F0 2F1 … (120 more) … 3B63 G``) — a 64-microbatch pipeline's
+        whole listing is thousands of tokens a line (``meshpilot plan --json`` saves it: ``step_schedule``)."""
+        sched = self.step_schedule()
+        out = [str(sched).splitlines()[0]]
+        for c in sched.classes:
+            if full or len(c.actions) <= 2 * width + 1:
+                out.append(str(c))
+                continue
+            head = str(dataclasses.replace(c, actions=c.actions[:width]))
+            tail = " ".join(str(a) for a in c.actions[-width:])
+            out.append(f"{head} … ({len(c.actions) - 2 * width} more) … {tail}")
+        return out
+
+    # ---------------------------------------------------------------- time
+    @property
+    def sum_s(self) -> float:
+        """Σ t_i: one microbatch through every stage (the pipeline's fill and drain)."""
+        return sum(s.t_s for s in self.stages)
+
+    @property
+    def max_s(self) -> float:
+        """The slowest rank class's time per microbatch: max t_i (under Interleaved1F1B: of each group's
+        chunks' t_i added up)."""
+        per: dict[tuple[int, ...], float] = {}
+        for s in self.stages:
+            per[s.ranks] = per.get(s.ranks, 0.0) + s.t_s
+        return max(per.values())
+
+    @property
+    def step_s(self) -> float:
+        """Eq. 2: Σ t_i + (B − 1) · max t_i, i.e. B · max t_i + the bubble (Interleaved1F1B: with the groups'
+        times for max t_i and its v-fold smaller bubble; Narayanan et al. §2.2); a one-stage plan's predicted
+        step (``StagePlan.time``)."""
+        if self.is_single and self.stages[0].plan is not None:
+            return self.only.time.total_s
+        return self.microbatches * self.max_s + self.bubble_s
+
+    @property
+    def bubble_s(self) -> float:
+        """What the step spends beyond the slowest stage's B microbatches: Σ t_i − max t_i (Interleaved1F1B:
+        that over v, the fill and drain running chunks a v-th of a group's work)."""
+        return (self.sum_s - self.max_s) / self.chunks
+
+    def simulate(self, cluster=None, p2p_bytes: float | None = None, **kw: Any):
+        """The step's timeline from the simulator (``meshpilot.sim.simulate``). A one-stage plan: its stage plan's
+        schedule on every rank (`kw`: the simulator's options, stragglers). A pipeline: every stage's ranks run
+        :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's forward
+        per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (backward and the amortised
+        gradient sync), each send over the cluster's link between the stages' first ranks, its latency included
+        (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes (or `p2p_bytes`, every send
+        alike, when given). `cluster` defaults to the plan's own. Returns the ``SimResult``."""
+        from meshpilot.cluster import load_cluster
+        from meshpilot.sim import simulate
+
+        if cluster is None and not self.cluster:
+            raise UserError("plan: it does not name its cluster (saved before it did); give the cluster")
+        cl = load_cluster(cluster if cluster is not None else self.cluster)
+        if self.is_single:
+            return simulate(self.only, cluster=cl, **kw)
+        sends: float | dict[tuple[int, int], float] = (
+            float(p2p_bytes) if p2p_bytes is not None else {(x.src, x.dst): x.nbytes for x in self.transfers}
+        )
+        stand_in, sched = self._stand_in(cl)
+        return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends, **kw)
+
+    def _stand_in(self, cl) -> tuple[StagePlan, Schedule]:
+        """One simulated rank per stage group, at its first physical rank (its ranks share one timeline: the
+        stand-in has no collectives), with an f, i and w node per stage; the simulator takes a send's peer
+        literally, so peers become stage indices (under Interleaved1F1B one per group, its actions' stages
+        naming their spans)."""
+        B = self.microbatches
+        split = any(a.kind in _SPLIT for c in self.step_schedule().classes for a in c.actions)
+        nodes: list[NodeChoice] = []
+        spans: list[dict[ActionKind, tuple[int, int]]] = []
+        for j, st in enumerate(self.stages):
+            f = st.cost.forward_s / B
+            if split and st.input_share is None:
+                raise UserError("pipeline plan: its stages lack their input-gradient share (input_share); plan again")
+            b_in = (st.t_s - f) * (st.input_share or 0.0)
+            at = len(nodes)
+            spans.append(dict(zip(_PARTS, ((at, at + 1), (at + 1, at + 3), (at + 1, at + 2), (at + 2, at + 3)))))
+            nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
+            nodes += [NodeChoice(f"i{j}", "stage", "op", (), (), "s", "bwd", b_in)]
+            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f - b_in)]
+        P = len(self.groups)
+        sched = self._schedule_on([[j] for j in range(P)])
+        classes = []
+        for j, rc in enumerate(sched.classes):
+            acts = tuple(
+                dataclasses.replace(a, nodes=spans[j if a.stage is None else a.stage][a.kind])
+                if a.kind.is_compute
+                else a
+                for a in rc.actions
+            )
+            classes.append(dataclasses.replace(rc, actions=acts))
+        firsts = tuple(g[0] for g in self.groups)
+        stand_in = StagePlan(
+            cluster=cl.name, mesh_shape=(P,), mesh_ranks=firsts, mapping="row", nodes=tuple(nodes),
+            params=(), inputs=(), input_shapes=(), time=StepTime(self.step_s, 0.0, 0.0),
+            memory=MemoryUse(0, 0, 0, 0, 0, self.capacity), collectives=(), warnings=(),
+            solver=SolverReport("pipeline", self.step_s, 0, 0, 0, 0, 0, 0, 0, self.planning_s), fingerprint="",
+        )  # fmt: skip
+        return stand_in, Schedule(tuple(classes), sched.microbatches, sched.name)
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The one plan format (``planner.plan_format``)."""
+        from meshpilot.planner.plan_format import plan_to_dict
+
+        return plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str | None = None) -> Plan:
+        """The plan of a dict in the one format, or of an older file (a one-stage plan, a pipeline plan); one
+        line naming `source` for anything else (``planner.plan_format``)."""
+        from meshpilot.planner.plan_format import plan_from_dict
+
+        return plan_from_dict(d, source)
+
+    def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
@@ -486,9 +913,8 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             where = f"{source}: " if source else ""
-            raise UserError(
-                f"{where}not JSON ({e}); give a plan saved by `meshpilot plan --out FILE` or Plan.save"
-            ) from None
+            fix = "give a plan saved by `meshpilot plan --out FILE` or Plan.save"
+            raise UserError(f"{where}not JSON ({e}); {fix}") from None
         return cls.from_dict(data, source=source)
 
     def save(self, path: str | Path) -> None:
@@ -513,25 +939,72 @@ class Plan:
             raise UserError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
         return cls.from_json(text, source=str(path))
 
+    # ---------------------------------------------------------------- printing
+    def summary(self) -> str:
+        """A one-stage plan's summary (``StagePlan.summary``); a pipeline's stage table."""
+        return self.only.summary() if self.is_single else self._table()
 
-_SHORT = {
-    CollectiveKind.ALL_REDUCE: "AR",
-    CollectiveKind.REDUCE_SCATTER: "RS",
-    CollectiveKind.ALL_GATHER: "AG",
-    CollectiveKind.ALL_TO_ALL: "A2A",
-}
+    def __str__(self) -> str:
+        """A one-stage plan's full listing (``StagePlan.__str__``); a pipeline's stage table and transfers."""
+        if self.is_single:
+            return str(self.only)
+        return "\n".join([self._table(), *self.transfer_lines()])
+
+    def transfer_lines(self) -> list[str]:
+        """One line per stage boundary and direction: the values' count and bytes per microbatch."""
+        out = []
+        for x in self.transfers:
+            what = "activations" if x.forward else "gradients"
+            out.append(
+                f"  transfer {x.src} → {x.dst} ({what}): {len(x.values)} values, {_size(x.nbytes)} per microbatch,"
+                f" {_secs(x.seconds)} on the link"
+            )
+        return out
+
+    def _table(self) -> str:
+        B, S = self.microbatches, len(self.stages)
+        kind = self.schedule.value if self.schedule is not None else "one stage"
+        clusters = (
+            f", {len(self.clustering.bounds)} layer clusters (δ={self.clustering.delta:g})" if self.clustering else ""
+        )
+        head = f"pipeline: {S} stage{'s' * (S != 1)} on {self.num_devices} devices, {B} microbatches ({kind}){clusters}"
+        rows = [head, "  stage  layers                        ranks      mesh      t/microbatch     mem/dev  in flight"]
+        for j, s in enumerate(self.stages):
+            names = s.layer_names[0] if len(s.layer_names) == 1 else f"{s.layer_names[0]}..{s.layer_names[-1]}"
+            layers = f"[{s.layers[0]},{s.layers[1]})" if s.layers is not None else "all"
+            rk = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
+            mesh = "x".join(map(str, s.mesh_shape))
+            rows.append(
+                f"  {j:<5}  {layers} {names:<22.22} {rk:<10} {mesh:<8} "
+                f"{_secs(s.t_s):>12}  {_size(s.memory_bytes):>10}  {s.in_flight}"
+            )
+        if self.chunks > 1:
+            rows.append(
+                f"  step = B·max T_g + (Σ t_i − max T_g)/v = {B}·{_secs(self.max_s)} + {_secs(self.bubble_s)} = "
+                f"{_secs(self.step_s)} ({self.chunks} chunks per group: T_g the sum of a group's chunks' t_i)"
+            )
+        else:
+            rows.append(
+                f"  step = Σ t_i + (B−1)·max t_i = {_secs(self.sum_s)} + {B - 1}·{_secs(self.max_s)} = "
+                f"{_secs(self.step_s)} (bubble Σ t_i − max t_i = {_secs(self.bubble_s)})"
+            )
+        rows.append(
+            f"  planned in {self.planning_s:.2f} s: {self.stage_plans} stage searches ({self.costing.value} stage "
+            f"costs), {self.t_max_tried} t_max tried"
+        )
+        return "\n".join(rows)
 
 
-def _bytes(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{int(n)} B"
+def _secs(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3f} ms"
+    return f"{x * 1e6:.2f} µs"
 
 
-def _default(o: Any) -> Any:
-    if isinstance(o, Schedule):
-        return o.to_dict()
-    if hasattr(o, "__dataclass_fields__"):
-        return {k: v for k, v in asdict(o).items() if not k.startswith("_")}
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+def _size(b: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= f:
+            return f"{b / f:.1f} {unit}"
+    return f"{b:.0f} B"

@@ -421,7 +421,7 @@ def pipeline(
     sends ``S m>q`` its output after; a backward receives from stage s + 1 and sends to stage s − 1. The
     peer of a send / receive is the *first* rank of the other stage: the runtime
     (``meshpilot.runtime.pipeline``) sends each rank of it the batch rows both hold; the simulator takes
-    peers literally, so simulate one rank per stage (``PipelinePlan.simulate`` does). Sends do not block
+    peers literally, so simulate one rank per stage (``Plan.simulate`` does). Sends do not block
     (the simulator and the runtime start them and go on); receives wait. Interleaved1F1B: `stage_ranks` are
     the rank classes, each holding `chunks` stages (:func:`interleaved_1f1b`)."""
     kind = PipelineKind(kind)

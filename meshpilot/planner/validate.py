@@ -1,8 +1,17 @@
 """Plan validation: everything that can be checked about a :class:`~meshpilot.planner.plan.Plan` before a process
-group starts, in one pure function.
+group starts, in one pure function, :func:`validate`, which ``meshpilot train`` (before ``init_process_group``)
+and ``meshpilot.parallelize`` (both runtimes) call:
 
-:func:`validate_plan` raises a one-line :class:`~meshpilot.errors.UserError` naming the file (`source`), the key
-and the fix for the first problem found:
+* the world size (when given): the plan's device count;
+* the stages' ranks: every rank ``0 … num_devices − 1`` in exactly one rank group;
+* every stage's :class:`~meshpilot.planner.plan.StagePlan` by :func:`validate_plan` (below) — with `graph`, a
+  pipeline's against its stage's slice of it (``stage.slice_graph``), after the layer count;
+* with `graph`, for a pipeline: no random draws (:func:`check_no_random`: its stages would draw them in
+  another order than one device does), and its ``transfers`` — what the simulator prices — are the values
+  that cross each stage boundary of the graph (``pipeline.stage_transfers``).
+
+:func:`validate_plan` checks one stage plan and raises a one-line :class:`~meshpilot.errors.UserError`
+naming the file (`source`), the key and the fix for the first problem found:
 
 * ``version``: one this meshpilot reads (:data:`SUPPORTED_VERSIONS`);
 * ``mesh_shape``: one or more positive whole sizes;
@@ -142,4 +151,90 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
             _check_layout(layout, axes, rank, where, f"nodes[{node.name}].outs[{i}]")
 
 
-__all__ = ["SUPPORTED_VERSIONS", "check_version", "validate_plan"]
+def validate(plan: Any, *, world_size: int | None = None, graph: Any = None, source: str | None = None) -> None:
+    """Check the :class:`~meshpilot.planner.plan.Plan` `plan` (module docstring): `graph` is the model's step
+    captured at one microbatch (a one-stage plan: at its input shapes). One line for the first problem. Pure."""
+    where = f"{source}: " if source else ""
+    if plan.is_single:
+        validate_plan(plan.only, world_size=world_size, graph=graph, source=source)
+        return
+    n = plan.num_devices
+    if world_size is not None and world_size != n:
+        raise UserError(
+            f"{where}a pipeline of {len(plan.stages)} stages on {n} devices but the world size is {world_size}; "
+            f"launch with --nproc-per-node {n}"
+        )
+    covered = sorted(r for g in plan.groups for r in g)
+    if covered != list(range(n)):
+        raise UserError(
+            f"{where}stages: their ranks {plan.groups} do not hold every rank 0 … {n - 1} once; plan again "
+            "(`meshpilot plan ... --out FILE`)"
+        )
+    for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
+        validate_plan(p, world_size=len(st.ranks), source=f"{where}stage {j}")
+    if graph is None:
+        return
+    from meshpilot.planner.stage import runnable_layers, slice_graph
+
+    run_layers = runnable_layers(graph)
+    if len(run_layers) != plan.stages[-1].layers[1]:
+        raise UserError(
+            f"{where}planned for {plan.stages[-1].layers[1]} layers but the model has {len(run_layers)}; give the "
+            "model the plan was made for"
+        )
+    for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
+        validate_plan(p, graph=slice_graph(graph, st.layers[0], st.layers[1], run_layers), source=f"{where}stage {j}")
+    check_no_random(graph)
+    _check_transfers(plan, graph, run_layers, where)
+
+
+def _check_transfers(plan: Any, graph: Any, run_layers: Any, where: str) -> None:
+    """The plan's transfers (``Plan.transfers``: what the simulator prices) are the values that cross its
+    stage boundaries in `graph` (``pipeline.stage_transfers``); a plan saved before it kept them has none."""
+    from meshpilot.planner.pipeline import stage_transfers
+
+    if not plan.transfers:
+        return
+    bounds = [st.layers for st in plan.stages]
+    ranks = [st.ranks for st in plan.stages]
+    free = _FreeLinks()
+    found = {(x.src, x.dst, x.forward): x for x in stage_transfers(graph, run_layers, bounds, ranks, free)}
+    for x in plan.transfers:  # by count and bytes: a plan costed on a repeated stack names its few blocks' nodes
+        y = found.get((x.src, x.dst, x.forward))
+        if y is None or (len(y.values), y.nbytes) != (len(x.values), x.nbytes):
+            n, b = (len(y.values), y.nbytes) if y is not None else (0, 0.0)
+            raise UserError(
+                f"{where}transfers: stage {x.src} → {x.dst} carries {len(x.values)} values ({x.nbytes:.0f} bytes) a "
+                f"microbatch in the plan but {n} ({b:.0f} bytes) cross that boundary in this model; plan again for "
+                "this model (`meshpilot plan ... --out FILE`)"
+            )
+
+
+class _FreeLinks:
+    """A cluster whose links cost nothing: :func:`_check_transfers` compares values, not seconds."""
+
+    def p2p_latency(self, a: int, b: int) -> float:
+        return 0.0
+
+    def p2p_bandwidth(self, a: int, b: int) -> float:
+        return 1.0
+
+
+def check_no_random(graph: Any) -> None:
+    """One line when the model draws random numbers (dropout in training): a pipeline's stages would draw them on
+    other ranks, in another order than one device does, so the pipeline could not equal the single device."""
+    from meshpilot.graph.capture import NodeKind
+    from meshpilot.runtime.spmd import is_random_op
+
+    drawn = next((n for n in graph.nodes if n.kind == NodeKind.OP and is_random_op(n.target)), None)
+    if drawn is not None:
+        where = f" in {drawn.module}" if drawn.module else ""
+        raise UserError(
+            f"{drawn.target}{where}: a pipeline's stages draw random numbers on their own ranks, not in one "
+            "device's order, so its training would differ from the single device's; set the model's dropout to 0 "
+            "(Hugging Face: --hf-config resid_pdrop=0 embd_pdrop=0 attn_pdrop=0 or its *_dropout keys) or plan "
+            "one stage (--stages 1)"
+        )
+
+
+__all__ = ["SUPPORTED_VERSIONS", "check_no_random", "check_version", "validate", "validate_plan"]

@@ -34,7 +34,7 @@ from meshpilot import compat
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
 from meshpilot.graph.views import STRICT_VIEWS
 from meshpilot.ops import OwnCall, own_op
-from meshpilot.planner.plan import NodeChoice, Plan
+from meshpilot.planner.plan import NodeChoice, StagePlan
 from meshpilot.runtime.record import outside_program, tagged
 from meshpilot.sharding.placements import Placements, from_json, replicated
 from meshpilot.sharding.strategies import StrategySource
@@ -177,7 +177,7 @@ class NodeCall:
 class Interpreter:
     """Executes nodes of one plan's graph on one mesh (module docstring)."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, graph: OpGraph, plan: StagePlan, mesh: DeviceMesh, device: torch.device) -> None:
         self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
         self.calls: dict[str, NodeCall] = {}
         self.mismatches: list[str] = []

@@ -1,9 +1,9 @@
-"""Running a pipeline: ``pipeline_parallelize(model, inputs, plan)``, `plan` a ``planner.pipeline.PipelinePlan``.
+"""Running a pipeline: ``pipeline_parallelize(model, inputs, plan)``, `plan` a ``planner.plan.Plan`` of stages.
 
 Every stage runs its own intra-operator plan on its own submesh (:mod:`meshpilot.runtime.pipeline_stages`:
 the stage's slice of the captured step, the same DTensor interpreter and recorded programs as
 ``parallelize``; values crossing stages by :mod:`meshpilot.runtime.crossmesh`). A plan holds those stage
-plans once it went through ``PipelinePlan.with_intra`` (``meshpilot plan --pipeline --out`` saves them). A
+plans once it went through ``Plan.with_intra`` (``meshpilot plan --pipeline --out`` saves them). A
 plan without them runs **data-parallel stages**, which are ordinary stage plans too: :func:`data_parallel_stages`
 makes them — every stage's slice planned with its parameters pinned replicated and the model's inputs pinned
 batch-sharded over the stage's ranks (``planner.forced.data_parallel``), the ILP choosing the rest (so the
@@ -33,7 +33,7 @@ from meshpilot.graph.capture import OpGraph
 from meshpilot.planner.schedule import ActionKind, Schedule
 
 if TYPE_CHECKING:
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 _RUNS = frozenset(
@@ -82,8 +82,8 @@ def microbatch_examples(inputs: Sequence[torch.Tensor], microbatches: int) -> li
 
 
 def data_parallel_stages(
-    pplan: PipelinePlan, model: torch.nn.Module, examples: Sequence[torch.Tensor], graph: OpGraph, cluster: Any
-) -> PipelinePlan:
+    pplan: Plan, model: torch.nn.Module, examples: Sequence[torch.Tensor], graph: OpGraph, cluster: Any
+) -> Plan:
     """`pplan` with a data-parallel plan for every stage (module docstring): `examples` one microbatch of the
     model's inputs, `graph` the model's step captured on them. Pure (searched where called)."""
     from meshpilot.planner import forced
@@ -105,7 +105,7 @@ def data_parallel_stages(
 def pipeline_parallelize(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
-    plan: PipelinePlan,
+    plan: Plan,
     schedule: Schedule | None = None,
     *,
     graph: OpGraph | None = None,
@@ -121,14 +121,14 @@ def pipeline_parallelize(
     backwards split into ``I`` and ``W``); `cluster` costs the data-parallel stages' plans; `compile` hands
     every stage's programs to ``torch.compile`` as ``parallelize`` does."""
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.pipeline import PipelinePlan
+    from meshpilot.planner.plan import Plan
     from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
     if not dist.is_initialized():
         raise UserError("pipeline_parallelize needs torch.distributed initialised (run under torchrun)")
-    if not isinstance(plan, PipelinePlan):
+    if not isinstance(plan, Plan) or plan.is_single:
         raise UserError(
-            f"pipeline_parallelize runs a PipelinePlan, not a {type(plan).__name__}; make one with "
+            f"pipeline_parallelize runs a Plan of stages, not a {type(plan).__name__} of one; make one with "
             "meshpilot.planner.pipeline.plan_pipeline or fixed_pipeline (split points: layer ranges)"
         )
     examples = microbatch_examples(inputs, plan.microbatches)
@@ -145,7 +145,7 @@ def pipeline_parallelize(
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], UserError):
             raise box[0]
-        plan = PipelinePlan.from_json(box[0])
+        plan = Plan.from_json(box[0])
     return PlannedPipelineModule(
         model, inputs, plan, graph=graph, local_gather=local_gather, schedule=schedule, compile=compile
     )

@@ -1,13 +1,13 @@
 """A pipeline whose stages each run their own intra-operator plan on their own submesh.
 
 :func:`meshpilot.runtime.pipeline.pipeline_parallelize` runs every
-:class:`~meshpilot.planner.pipeline.PipelinePlan` here, with the stages' plans it holds (``PipelinePlan.with_intra``)
+:class:`~meshpilot.planner.plan.Plan` of stages here, with the stages' plans it holds (``Plan.with_intra``)
 or data-parallel ones made for it (``pipeline.data_parallel_stages``).
 Stage s's work is the slice of the model's captured step that its plan was searched on
 (``stage.slice_graph`` over ``pipeline.runnable_layers``: its layers' forward and backward nodes), so every
 node runs the strategy the stage's search chose, through the same machinery as ``parallelize``: the
 :class:`~meshpilot.runtime.interpret.Interpreter` on a ``DeviceMesh`` of the stage's ranks (its logical mesh,
-``Plan.mesh_ranks`` indexing ``PipelineStage.ranks``), recorded into programs on the first step
+``StagePlan.mesh_ranks`` indexing ``PlanStage.ranks``), recorded into programs on the first step
 (:mod:`meshpilot.runtime.record`) and replayed after. Per stage, three programs (:class:`StageProgram`):
 
 * forward ``F m`` — (parameters, buffers, microbatch m of the model's inputs, values received from the
@@ -32,7 +32,9 @@ it reads from the next stage's backward, sent after ``B``. Each moves between th
 :mod:`meshpilot.runtime.crossmesh` says: the sender's program ends by resharding it into the wire layout
 (its collectives run on the sender's mesh), row tiles cross by ``isend`` / ``recv``, and the receiver's
 program starts by taking the wire layout to its planned one (local). Model inputs and constants a stage reads
-are its own copies (every rank passes the full batch), not transfers.
+are its own copies (every rank passes the full batch), not transfers. Which values cross is the plan's
+(``Plan.transfers``, lowered by the planner: :func:`planned_transfers`); a plan file without them has them
+read off the slices here (:func:`find_transfers`, which the tests hold equal to the plan's).
 
 Tied weights: a parameter several stages read (GPT-2's embedding and LM head) is a copy in each of them
 (``stage.slice_graph``, *Tied parameters*), Megatron-LM's embedding group. Each stage keeps its own part of
@@ -53,7 +55,7 @@ microbatches, a plan made for another model.
 Microbatch m's gradients are scaled by 1/B where they are accumulated (the boundary gradients are not: the
 scaling is linear), so with a loss that averages over its batch the step's gradients equal the single-device
 full-batch gradients and its loss is the mean of the microbatches'. :meth:`PlannedPipelineModule.planned_counts`
-is what the step issues according to the plans — each stage plan's collectives (``Plan.collective_counts``),
+is what the step issues according to the plans — each stage plan's collectives (``StagePlan.collective_counts``),
 the senders' wire reshards (``Resharder``), the tiles' sends and receives and the tied sync's gathers and
 all-reduce — keyed like
 ``CollectiveLog.counts()`` on the stage's mesh.
@@ -65,7 +67,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph, stays_in_stage, tied_params
 from meshpilot.runtime.collective_log import record
@@ -86,9 +88,6 @@ from meshpilot.runtime.interpret import Interpreter, to_dtensor
 from meshpilot.runtime.program import StageLinks, StageProgram
 from meshpilot.sharding.placements import Placements, replicated
 from meshpilot.sharding.reshard import CollectiveKind
-
-if TYPE_CHECKING:
-    from meshpilot.planner.pipeline import PipelinePlan
 
 PP_AXIS = "pp"
 """The axis name tile sends and receives are recorded under."""
@@ -202,32 +201,42 @@ def find_transfers(
     return out
 
 
-def stage_mesh(plan: Plan, ranks: Sequence[int], device_type: str) -> DeviceMesh:
+def planned_transfers(
+    plan: Plan, graph: OpGraph, slices: Sequence[OpGraph], zeros: dict[int, list[str]]
+) -> list[Transfer] | None:
+    """The plan's own transfers (``Plan.transfers``, lowered by the planner and checked by ``validate``) as the
+    values this runtime moves, in the plan's order; None when the plan holds none, or names a value this graph
+    does not make or the receiving slice does not read from another stage (`zeros`: :func:`zero_filled`) — a
+    plan saved before it kept them, or costed on a stack's few blocks and not passed through
+    ``Plan.with_intra``: :func:`find_transfers` then reads them off the slices."""
+    if not plan.transfers:
+        return None
+    out: list[Transfer] = []
+    for x in plan.transfers:
+        for value in x.values:
+            node, _, i = value.rpartition(":")
+            boundary = f"{BOUNDARY}:{value}"
+            if node not in graph.by_name or boundary not in slices[x.dst].by_name or boundary in zeros.get(x.dst, ()):
+                return None
+            info = graph[node].outputs[int(i)]
+            if not info.shape:
+                raise UserError(
+                    f"stage {x.dst} reads the scalar {node} from stage {x.src}; split where a tensor with rows crosses"
+                )
+            out.append(Transfer(node, int(i), x.src, x.dst, x.forward, info, boundary, len(out)))
+    return out
+
+
+def stage_mesh(plan: StagePlan, ranks: Sequence[int], device_type: str) -> DeviceMesh:
     """The DeviceMesh of a stage: its plan's logical mesh over the stage's physical ranks (every rank of the
     world must create every stage's mesh, in one order: new process groups are collective)."""
     physical = torch.tensor([ranks[i] for i in plan.mesh_ranks], dtype=torch.int).reshape(plan.mesh_shape)
     return device_mesh(device_type, physical, tuple(plan.mesh_axes))
 
 
-def _side(plan: Plan, ranks: Sequence[int], layout: Placements) -> MeshSide:
+def _side(plan: StagePlan, ranks: Sequence[int], layout: Placements) -> MeshSide:
     flat = tuple(int(r) for r in np.asarray([ranks[i] for i in plan.mesh_ranks]))
     return MeshSide(flat, tuple(plan.mesh_shape), wire_layout(layout))
-
-
-def check_no_random(graph: OpGraph) -> None:
-    """One line when the model draws random numbers (dropout in training): its stages would draw them on other
-    ranks, in another order than one device does, so the pipeline could not equal the single device."""
-    from meshpilot.runtime.spmd import is_random_op
-
-    drawn = next((n for n in graph.nodes if n.kind == NodeKind.OP and is_random_op(n.target)), None)
-    if drawn is not None:
-        where = f" in {drawn.module}" if drawn.module else ""
-        raise UserError(
-            f"{drawn.target}{where}: a pipeline's stages draw random numbers on their own ranks, not in one "
-            "device's order, so its training would differ from the single device's; set the model's dropout to 0 "
-            "(Hugging Face: --hf-config resid_pdrop=0 embd_pdrop=0 attn_pdrop=0 or its *_dropout keys) or plan "
-            "without --pipeline"
-        )
 
 
 class PlannedPipelineModule:
@@ -238,7 +247,7 @@ class PlannedPipelineModule:
         self,
         model: torch.nn.Module,
         inputs: Sequence[torch.Tensor],
-        pplan: PipelinePlan,
+        pplan: Plan,
         *,
         graph: OpGraph | None = None,
         local_gather: bool = False,
@@ -246,63 +255,80 @@ class PlannedPipelineModule:
         compile: bool | str = False,
     ) -> None:
         from meshpilot.ops import register_dtensor_strategies
-        from meshpilot.planner.stage import runnable_layers
-        from meshpilot.planner.validate import validate_plan
-        from meshpilot.runtime.pipeline import check_schedule, microbatch_examples
-        from meshpilot.runtime.spmd import distribute_parameters, model_device
+        from meshpilot.planner.validate import validate
+        from meshpilot.runtime.pipeline import microbatch_examples
+        from meshpilot.runtime.spmd import model_device
 
         register_dtensor_strategies()
         self.pplan = pplan
-        self.schedule: Schedule = schedule if schedule is not None else pplan.step_schedule()
-        self.stage_ranks = tuple(st.ranks for st in pplan.stages)
         self.M = pplan.microbatches
+        self._use_schedule(schedule)
+        rank = dist.get_rank()
+        self.stage_ranks = tuple(st.ranks for st in pplan.stages)
+        self.stages = tuple(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
+        """This rank's stages, ascending (several under Interleaved1F1B)."""
+        self.stage = self.stages[0]
+        self.last = len(pplan.stages) - 1 in self.stages
+        self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
+        self.device = model_device(model)
+        examples = microbatch_examples(inputs, self.M)  # one line when the batch does not split
+        if graph is None:
+            graph = capture(model, examples, precision=pplan.precision)
+        validate(pplan, world_size=dist.get_world_size(), graph=graph)
+        self.whole = graph
+        slices, zeros, ties = self._slice(graph)
+        self._make_meshes()
+        wires = self._make_tiles(local_gather)
+        self._make_programs(model, slices, wires, zeros, compile)
+        self._make_ties(ties, slices)
+
+    def _use_schedule(self, schedule: Schedule | None) -> None:
+        """The plan's schedule or `schedule` (one rank class per stage group), checked against the plan."""
+        from meshpilot.runtime.pipeline import check_schedule
+
+        self.schedule: Schedule = schedule if schedule is not None else self.pplan.step_schedule()
         if self.schedule.microbatches != self.M:
             raise UserError(
                 f"schedule {self.schedule.name!r} runs {self.schedule.microbatches} microbatches, the plan was made "
                 f"for {self.M}; give a schedule of {self.M}"
             )
-        check_schedule(self.schedule, pplan.groups)
-        rank = dist.get_rank()
-        S = len(pplan.stages)
-        self.stages = tuple(s for s, rs in enumerate(self.stage_ranks) if rank in rs)
-        """This rank's stages, ascending (several under Interleaved1F1B)."""
-        self.stage = self.stages[0]
-        self.last = S - 1 in self.stages
-        self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
-        examples = microbatch_examples(inputs, self.M)
-        device = model_device(model)
-        self.device = device
-        plans = pplan.intra
-        if graph is None:
-            graph = capture(model, examples, precision=plans[0].precision)
-        self.whole = graph
+        check_schedule(self.schedule, self.pplan.groups)
+
+    def _slice(self, graph: OpGraph) -> tuple[list[OpGraph], dict[int, list[str]], set[str]]:
+        """Every stage's slice of `graph`, the boundary inputs each reads as zeros, the tied weights; sets
+        :attr:`transfers` (module docstring)."""
+        from meshpilot.planner.stage import runnable_layers
+
         run_layers = runnable_layers(graph)
-        slices = [slice_graph(graph, st.layers[0], st.layers[1], run_layers) for st in pplan.stages]
-        for j, (p, sub) in enumerate(zip(plans, slices)):
-            try:
-                validate_plan(p, graph=sub)
-            except UserError as e:
-                raise UserError(f"pipeline stage {j}: {e}") from None
-        check_no_random(graph)
+        slices = [slice_graph(graph, st.layers[0], st.layers[1], run_layers) for st in self.pplan.stages]
         stage_of: dict[str, int] = {}
-        for s, st in enumerate(pplan.stages):
+        for s, st in enumerate(self.pplan.stages):
             for layer in run_layers[st.layers[0] : st.layers[1]]:
                 for name in layer.nodes:
                     stage_of[name] = s
-        ties = tied_params(graph, run_layers)
         zeros = zero_filled(slices, stage_of, stays_in_stage(graph, run_layers))
-        self.transfers = find_transfers(graph, slices, stage_of, zeros)
-        meshes: dict[tuple, DeviceMesh] = {}  # stages on the same ranks in the same arrangement share one
+        planned = planned_transfers(self.pplan, graph, slices, zeros)
+        self.transfers = planned if planned is not None else find_transfers(graph, slices, stage_of, zeros)
+        return slices, zeros, tied_params(graph, run_layers)
+
+    def _make_meshes(self) -> None:
+        """Every stage's DeviceMesh (all ranks create all, in one order); stages on the same ranks in the same
+        arrangement share one."""
+        plans = self.pplan.intra
+        meshes: dict[tuple, DeviceMesh] = {}
         self.meshes = []
-        for p, st in zip(plans, pplan.stages):
+        for p, st in zip(plans, self.pplan.stages):
             key = (tuple(st.ranks[i] for i in p.mesh_ranks), tuple(p.mesh_shape), tuple(p.mesh_axes))
             if key not in meshes:
-                meshes[key] = stage_mesh(p, st.ranks, device.type)
+                meshes[key] = stage_mesh(p, st.ranks, self.device.type)
             self.meshes.append(meshes[key])
         self.mesh = self.meshes[self.stage]
         self.plan = plans[self.stage]
-        self.graph = slices[self.stage]
-        # the wire layouts and tiles of every transfer this rank takes part in
+
+    def _make_tiles(self, local_gather: bool) -> dict[int, dict[int, tuple[Placements, Placements]]]:
+        """The wire layouts and row tiles of every transfer (and the local all-gather groups where asked): sets
+        :attr:`tiles` and :attr:`gathers`; returns, per stage of this rank, each transfer's (wire, planned)."""
+        plans, rank = self.pplan.intra, dist.get_rank()
         self.tiles: dict[int, list[Tile]] = {}
         self.gathers: dict[int, tuple[Any, int]] = {}
         """Transfers this rank all-gathers after receiving (local all-gather): (process group, its size)."""
@@ -310,8 +336,8 @@ class PlannedPipelineModule:
         for t in self.transfers:
             src_layout = plans[t.src].node(t.node).out_placements(t.index)
             dst_layout = plans[t.dst].node(t.boundary).out_placements(0)
-            src = _side(plans[t.src], pplan.stages[t.src].ranks, src_layout)
-            dst = _side(plans[t.dst], pplan.stages[t.dst].ranks, dst_layout)
+            src = _side(plans[t.src], self.stage_ranks[t.src], src_layout)
+            dst = _side(plans[t.dst], self.stage_ranks[t.dst], dst_layout)
             replicas = math.prod(n for n, p in zip(dst.shape, dst.wire) if not isinstance(p, Shard))
             if local_gather and replicas > 1:
                 gp = gather_plan(t.info.shape[0], src, dst)
@@ -326,6 +352,12 @@ class PlannedPipelineModule:
                 wires[t.src][t.k] = (src.wire, tuple(src_layout))
             if t.dst in wires:
                 wires[t.dst][t.k] = (dst.wire, tuple(dst_layout))
+        return wires
+
+    def _make_programs(self, model, slices, wires, zeros, compile: bool | str) -> None:
+        """This rank's stages' parameters as DTensors of their plans and their :class:`StageProgram`\\ s."""
+        from meshpilot.runtime.spmd import distribute_parameters
+
         self.module = model
         """The model whose parameters this rank's stages replaced by their DTensors (its state dict names them)."""
         self.model_parameter_names = tuple(n for n, _ in model.named_parameters())
@@ -339,6 +371,7 @@ class PlannedPipelineModule:
         self.programs: dict[int, StageProgram] = {}
         self._params_of: dict[int, list[torch.nn.Parameter]] = {}
         self._trainable_of: dict[int, list[str]] = {}
+        plans = self.pplan.intra
         for s in self.stages:
             params, trainable = distribute_parameters(model, slices[s].param_names, plans[s], self.meshes[s])
             self._params_of[s], self._trainable_of[s] = params, trainable
@@ -349,10 +382,15 @@ class PlannedPipelineModule:
                 tuple(t for t in out if t.forward), tuple(t for t in out if not t.forward),
                 wires[s], tuple(zeros.get(s, ())),
             )  # fmt: skip
-            interp = Interpreter(slices[s], plans[s], self.meshes[s], device)
-            prog = StageProgram(interp, trainable, links=links, whole=graph, compile=compile)
-            self.programs[s] = prog
+            interp = Interpreter(slices[s], plans[s], self.meshes[s], self.device)
+            self.programs[s] = StageProgram(interp, trainable, links=links, whole=self.whole, compile=compile)
         self.program = self.programs[self.stage]
+        self.graph = slices[self.stage]
+
+    def _make_ties(self, ties: set[str], slices: Sequence[OpGraph]) -> None:
+        """The tied weights several stages hold a copy of (module docstring, *Tied weights*), each with the
+        process group of its holders' ranks (collective: every rank creates every one, in one order)."""
+        rank = dist.get_rank()
         self.tied: list[TiedSync] = []
         """The tied weights several stages hold a copy of, each summed across them after the step."""
         self._parts: dict[tuple[int, str], DTensor] = {}
@@ -369,8 +407,8 @@ class PlannedPipelineModule:
                             "(Interleaved1F1B); put its readers in stages of different rank groups, or in one stage"
                         )
             members = sorted({r for h in holders for r in self.stage_ranks[h]})
-            group = dist.new_group(members)  # collective: every rank creates every one, in one order
-            info = graph[next(n.name for n in graph.nodes if n.kind == NodeKind.PARAM and n.fqn == fqn)].out
+            group = dist.new_group(members)
+            info = self.whole[next(n.name for n in self.whole.nodes if n.kind == NodeKind.PARAM and n.fqn == fqn)].out
             mine = tuple(h for h in holders if h in self.stages)
             self.tied.append(TiedSync(fqn, holders, info, group if rank in members else None, len(members), mine))
 

@@ -6,14 +6,14 @@
 
 - **Measured** step time: the step's wall seconds on rank 0 (forward, backward, optimizer step); the first step
   also records the runtime's programs (``meshpilot.runtime.program``) and is slower.
-- **Planned**: ``Plan.time.total_s``, the cost model's step on the cluster the plan was made for (a plan made
+- **Planned**: ``Plan.step_s``, the cost model's step on the cluster the plan was made for (a plan made
   for H100s and run on CPU processes predicts the H100 step, which is what it says).
 - **Throughput**: tokens per second when the model's first input is integer token ids ``[batch, seq]`` (every
   microbatch of the step), samples per second otherwise.
-- **MFU** (model FLOP/s utilisation) = ``Plan.step_flops`` / measured seconds / (world size x
-  ``Plan.peak_flops``): the model's own FLOPs (the captured graph's, not recomputation or communication) over
-  the peak of the devices the plan was made for. Without a plan (ATP's layers), or with a plan saved before
-  those fields existed, the MFU is left out.
+- **MFU** (model FLOP/s utilisation) = the stage plans' ``StagePlan.step_flops`` / measured seconds / (world
+  size x ``StagePlan.peak_flops``): the model's own FLOPs (the captured graph's, not recomputation or
+  communication) over the peak of the devices the plan was made for. Without a plan (ATP's layers), or with a
+  plan saved before those fields existed, the MFU is left out.
 """
 
 from __future__ import annotations
@@ -44,20 +44,22 @@ class Throughput:
     cluster: str = ""
 
     @classmethod
-    def of_plan(cls, plan: Any, steps: int, world: int) -> Throughput:
-        """From a plan's first input (``Plan.input_shapes``: one microbatch) and its schedule's microbatches."""
+    def of_plan(cls, plan: Any, steps: int, world: int, items: int = 0) -> Throughput:
+        """From a :class:`~meshpilot.planner.plan.Plan`: its first input (``Plan.input_shapes``: one microbatch)
+        times its microbatches (`items` when it holds no stage plans to read them from), the stages' FLOPs
+        added up, its predicted step (``Plan.step_s``) where it names its cluster."""
         shape, dtype = plan.input_shapes[0] if plan.input_shapes else ((), "float32")
-        m = plan.step_schedule().microbatches
         tokens = len(shape) == 2 and ("int" in dtype or "long" in dtype)
         per_mb = shape[0] * shape[1] if tokens else (shape[0] if shape else 0)
+        stage_plans = plan.intra
         return cls(
-            items=int(per_mb) * m,
-            unit="tok" if tokens else "samples",
+            items=int(per_mb) * plan.microbatches if per_mb else items,
+            unit="tok" if tokens or not per_mb else "samples",
             steps=steps,
             world=world,
-            step_flops=plan.step_flops,
-            peak_flops=plan.peak_flops,
-            planned_s=plan.time.total_s,
+            step_flops=sum(p.step_flops for p in stage_plans),
+            peak_flops=stage_plans[0].peak_flops if stage_plans else 0.0,
+            planned_s=plan.step_s if plan.cluster else 0.0,
             cluster=plan.cluster,
         )
 

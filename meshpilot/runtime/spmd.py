@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
-from meshpilot.planner.plan import Plan
+from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, to_dtensor
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
 
 
-def mesh_for_plan(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
+def mesh_for_plan(plan: StagePlan, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh a plan runs on, its axes named ``plan.mesh_axes`` (the process group must already be
     initialised)."""
     n = math.prod(plan.mesh_shape)
@@ -206,12 +206,12 @@ class _ScheduleRun:
 # Programs depend on the plan, the captured graph, the mesh and this rank, not on the parameters' values (the
 # programs take them as inputs): a second model parallelized with the same plan and graph (a restart, a
 # second optimizer's run in a test) reuses the recorded programs instead of recording them again.
-_PROGRAMS: dict[tuple, tuple[Plan, StageProgram]] = {}
+_PROGRAMS: dict[tuple, tuple[StagePlan, StageProgram]] = {}
 _MAX_PROGRAMS = 16
 
 
 def distribute_parameters(
-    model: torch.nn.Module, param_names: Sequence[str], plan: Plan, mesh: DeviceMesh
+    model: torch.nn.Module, param_names: Sequence[str], plan: StagePlan, mesh: DeviceMesh
 ) -> tuple[list[torch.nn.Parameter], list[str]]:
     """Each parameter of `param_names` (fully qualified) replaced in `model`, under every name it has there (tied
     weights), by a Parameter holding a DTensor on `mesh` in `plan`'s layout for it. Returns the new parameters
@@ -240,7 +240,7 @@ class ParallelModule(torch.nn.Module):
     """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, plan: Plan, mesh: DeviceMesh, graph: OpGraph, *, compile: bool | str = False
+        self, model: torch.nn.Module, plan: StagePlan, mesh: DeviceMesh, graph: OpGraph, *, compile: bool | str = False
     ):
         super().__init__()
         self.module = model
@@ -321,7 +321,7 @@ class ParallelModule(torch.nn.Module):
 
 def parallelize(
     model: torch.nn.Module,
-    plan: Plan,
+    plan: Plan | StagePlan,
     mesh: DeviceMesh | None = None,
     *,
     device: str | torch.device | None = None,
@@ -332,10 +332,11 @@ def parallelize(
 ) -> ParallelModule | PlannedPipelineModule:
     """Make `model` run `plan` on the current process group (see the module docstring).
 
-    `plan` is a one-stage :class:`~meshpilot.planner.plan.Plan` or a
-    :class:`~meshpilot.planner.pipeline.PipelinePlan`: a pipeline runs each stage's plan on its own submesh
-    (``runtime.pipeline.pipeline_parallelize``, `inputs` an example global batch, `graph` a capture at one
-    microbatch; no `mesh` or `loss_fn`). Either module's ``train_step(*batch)`` is one training step.
+    `plan` is a :class:`~meshpilot.planner.plan.Plan` (or the :class:`~meshpilot.planner.plan.StagePlan` of one
+    stage, run as ``Plan.single`` of it). A one-stage plan runs here on one mesh of every device; a pipeline runs
+    each stage's plan on its own submesh (``runtime.pipeline.pipeline_parallelize``, `inputs` an example global
+    batch, `graph` a capture at one microbatch; no `mesh` or `loss_fn`). Either module's ``train_step(*batch)``
+    is one training step.
 
     The mesh's device is the model's (``device=`` moves the model there first; ``mesh=`` gives the mesh).
     `loss_fn` must be the one given to ``meshpilot.plan`` (if any). The model's parameters are replaced by
@@ -345,18 +346,19 @@ def parallelize(
     the step's programs through ``torch.compile`` (a string names its backend: ``"cudagraphs"`` replays the
     same kernels as CUDA graphs, for a step that Python launches slower than the GPU runs it).
     """
-    from meshpilot.planner.pipeline import PipelinePlan
-    from meshpilot.planner.validate import validate_plan
+    from meshpilot.planner.validate import validate
 
-    if isinstance(plan, PipelinePlan):
-        return _parallelize_pipeline(model, plan, mesh, device, loss_fn, graph, compile, inputs)
+    whole = plan if isinstance(plan, Plan) else Plan.single(plan)
+    if not whole.is_single:
+        return _parallelize_pipeline(model, whole, mesh, device, loss_fn, graph, compile, inputs)
+    plan = whole.only
     register_dtensor_strategies()
     if not dist.is_initialized():
         raise UserError(
             "meshpilot.parallelize needs torch.distributed initialised; run under torchrun and call "
             "torch.distributed.init_process_group first"
         )
-    validate_plan(plan, world_size=dist.get_world_size())
+    validate(whole, world_size=dist.get_world_size())
     if device is not None:
         model.to(torch.device(device))
     dev = model_device(model)
@@ -373,7 +375,7 @@ def parallelize(
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
     if graph is None:
         graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision)
-    validate_plan(plan, graph=graph)
+    validate(whole, graph=graph)
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
@@ -412,7 +414,7 @@ def is_random_op(target: str) -> bool:
 _ATEN_BY_NAME: dict[str, Any] = {}
 
 
-def shard_inputs(inputs: Sequence[torch.Tensor], plan: Plan, mesh: DeviceMesh) -> list[Any]:
+def shard_inputs(inputs: Sequence[torch.Tensor], plan: StagePlan, mesh: DeviceMesh) -> list[Any]:
     """The planned DTensor of each input (what a step does with full-batch inputs)."""
     return [to_dtensor(x, mesh, from_json(layout)) for x, layout in zip(inputs, plan.inputs)]
 

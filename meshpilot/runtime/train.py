@@ -4,9 +4,9 @@ All paths build the model from the same seed and feed the same batches, and step
 their losses are comparable step by step: `train_single` (one device), `train_atp`
 (ATP's 2D tensor parallelism on a mesh) and `train_plan` (a `meshpilot.plan` Plan run by
 `meshpilot.parallelize`). `train_model` is the same loop for any model (``hf:<name>``, a factory, a zoo
-model): single-device, or under a plan. A plan is a one-stage ``Plan`` or a ``PipelinePlan`` alike: both run
-through ``meshpilot.parallelize``, whose module's ``train_step`` is the step on every rank (a pipeline's loss
-sent from its last stage), so one loop (:func:`_loop`) trains, checkpoints and resumes either.
+model): single-device, or under a plan. A ``Plan`` of one stage or of a pipeline's runs through
+``meshpilot.parallelize``, whose module's ``train_step`` is the step on every rank (a pipeline's loss sent from
+its last stage), so one loop (:func:`_loop`) trains, checkpoints and resumes either.
 
 `device` is where the model runs (``cuda:LOCAL_RANK`` on a GPU, with an NCCL group). `precision` is how:
 ``fp32``; ``bf16`` (the model cast to bfloat16, AdamW's states with it); ``bf16-mixed`` (float32 master
@@ -280,9 +280,8 @@ def train_plan(
     on_step: Callable[[StepLog], None] | None = None,
     data: ByteText | None = None,
 ) -> list[StepLog]:
-    """A plan for the GPT `cfg` — a :class:`~meshpilot.planner.plan.Plan` or a
-    :class:`~meshpilot.planner.pipeline.PipelinePlan` — run by ``meshpilot.parallelize`` (in the plan's
-    precision).
+    """A plan for the GPT `cfg` — a :class:`~meshpilot.planner.plan.Plan`, one stage or a pipeline — run by
+    ``meshpilot.parallelize`` (in the plan's precision).
 
     Call on every rank of an initialised process group whose size is the plan's device count. Every rank
     passes the full global batch (the runtime takes its local slice) and gets the loss on every rank, which is

@@ -383,7 +383,7 @@ class _Lowering:
         if a.nodes is None and a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
             raise UserError(
                 f"simulate: {a} is a part of a backward; give the nodes it runs ({a.kind.value}{m}[start:stop]), as "
-                "PipelinePlan.simulate does, or a whole B"
+                "Plan.simulate does, or a whole B"
             )
         lo, hi = a.nodes if a.nodes is not None else (0, len(self.seconds))
         run, start = 0.0, None
@@ -668,7 +668,7 @@ class _Sim:
     def _send_bytes(self, boundary: tuple, rank: int, peer: int) -> float:
         """Bytes of one send: `p2p_bytes` itself, or its entry for (sending stage, receiving stage) — the
         action's stages (``Action.boundary``) where it names them, else the two mesh ranks (one per stage, as
-        ``PipelinePlan.simulate`` lays a pipeline out); 0 for a pair it lacks."""
+        ``Plan.simulate`` lays a pipeline out); 0 for a pair it lacks."""
         if not isinstance(self.p2p_bytes, Mapping):
             return float(self.p2p_bytes)
         src, dst = (boundary[2], boundary[3]) if boundary[2] is not None else (rank, peer)
@@ -708,7 +708,7 @@ def simulate(
     ``load_cluster(plan.cluster)``). `straggler` maps a rank (its row-major mesh position, as the schedule
     numbers ranks) to how many percent slower it computes. `symmetric=False` simulates every rank on its
     own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send, or per (sending stage,
-    receiving stage) (``PipelinePlan.simulate``: each boundary's ``StageTransfer``)."""
+    receiving stage) (``Plan.simulate``: each boundary's ``StageTransfer``)."""
     t0 = time.perf_counter()
     if cluster is None:
         from meshpilot.cluster import load_cluster
