@@ -82,6 +82,24 @@ def test_every_sample_family_plans_without_fallback(outcomes):
     assert not failed, failed
 
 
+# failure classes the full sweep found and meshpilot fixed, planned here only (in-process, no spawn):
+# DeepSeek-V3.2's sparse-attention mask ``attention_mask & ~index_mask`` (a replicated causal mask meeting a
+# batch-sharded index mask: the pointwise op takes the replica's local slice) and Aria's transposed experts
+FIXED = {
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "aria_text": "AriaTextForCausalLM",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FIXED))
+def test_fixed_failure_classes_plan_without_fallback(model_type):
+    from meshpilot.models.hf_families import Family, try_plan
+
+    fam = Family(model_type, FIXED[model_type], "causal")
+    o = try_plan(fam, overrides=_overrides(model_type), mesh_shape=MESH)
+    assert o.ok, f"{fam.name}: {o.status} {o.reason}"
+
+
 # ------------------------------------------------------------------------------------------- 4 ranks
 
 
