@@ -75,6 +75,8 @@ def test_tiny_overrides_keep_the_architecture():
     mistral = tiny_overrides("mistral")
     assert mistral["num_key_value_heads"] < mistral["num_attention_heads"]  # grouped-query kept
     assert tiny_overrides("gpt_neo")["attention_types"] == [[["global", "local"], 1]]  # local attention kept
+    fuyu = tiny_overrides("fuyu")["text_config"]  # a nested text model is shrunk too (was an 8B-class OOM)
+    assert fuyu["hidden_size"] == 32 and fuyu["num_hidden_layers"] == 2 and fuyu["vocab_size"] == 128
 
 
 def test_every_sample_family_plans_without_fallback(outcomes):
