@@ -92,8 +92,9 @@ def plan_phase(fams, settings, out: Path, limit: float, redo: bool = False) -> N
             print(f"{o_status:8s} {o_s:6.1f}s {fam.name} [{setting}] {o_reason[:200]}", flush=True)
 
 
-def run_phase(out: Path, setting: str, chunk: int) -> None:
-    """Every family planned without fallback under `setting`: 4 gloo ranks, `chunk` families per spawn."""
+def run_phase(out: Path, setting: str, chunk: int, most: int | None = None) -> None:
+    """Every family planned without fallback under `setting` (the first `most` not run yet): 4 gloo ranks,
+    `chunk` families per spawn."""
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -102,6 +103,7 @@ def run_phase(out: Path, setting: str, chunk: int) -> None:
         r for (ph, fam, st), r in done.items()
         if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
     ]  # fmt: skip
+    todo = todo[:most]
     use_cache, attn = _setting(setting)
     for i in range(0, len(todo), chunk):
         part = todo[i : i + chunk]
@@ -208,6 +210,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/hf_families.jsonl")
     ap.add_argument("--run", action="store_true", help="also run the planned families on 4 gloo ranks")
     ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
+    ap.add_argument("--run-most", type=int, default=None, help="run at most this many families (a sample)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the plan phase (with --run: run what --out planned)")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
     ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
     ap.add_argument("--redo", action="store_true", help="plan again families --out already has (after a fix)")
@@ -225,9 +229,10 @@ def main() -> None:
         i, n = map(int, args.shard.split("/"))
         fams = fams[i::n]
         print(f"transformers {transformers.__version__}: {len(fams)} families", flush=True)
-        plan_phase(fams, settings, out, args.limit, args.redo)
+        if not args.no_plan:
+            plan_phase(fams, settings, out, args.limit, args.redo)
         if args.run:
-            run_phase(out, settings[0], args.chunk)
+            run_phase(out, settings[0], args.chunk, args.run_most)
     print(f"transformers {transformers.__version__}")
     print(table(out, settings))
 
