@@ -92,9 +92,9 @@ def plan_phase(fams, settings, out: Path, limit: float, redo: bool = False) -> N
             print(f"{o_status:8s} {o_s:6.1f}s {fam.name} [{setting}] {o_reason[:200]}", flush=True)
 
 
-def run_phase(out: Path, setting: str, chunk: int, most: int | None = None) -> None:
-    """Every family planned without fallback under `setting` (the first `most` not run yet): 4 gloo ranks,
-    `chunk` families per spawn."""
+def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, names: set[str] | None = None) -> None:
+    """Every family planned without fallback under `setting` (of `names` if given; the first `most` not run
+    yet): 4 gloo ranks, `chunk` families per spawn."""
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -103,7 +103,7 @@ def run_phase(out: Path, setting: str, chunk: int, most: int | None = None) -> N
         r for (ph, fam, st), r in done.items()
         if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
     ]  # fmt: skip
-    todo = todo[:most]
+    todo = [r for r in todo if names is None or r["family"] in names][:most]
     use_cache, attn = _setting(setting)
     for i in range(0, len(todo), chunk):
         part = todo[i : i + chunk]
@@ -232,7 +232,7 @@ def main() -> None:
         if not args.no_plan:
             plan_phase(fams, settings, out, args.limit, args.redo)
         if args.run:
-            run_phase(out, settings[0], args.chunk, args.run_most)
+            run_phase(out, settings[0], args.chunk, args.run_most, {f.name for f in fams} if only else None)
     print(f"transformers {transformers.__version__}")
     print(table(out, settings))
 
