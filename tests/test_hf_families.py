@@ -86,12 +86,9 @@ def test_every_sample_family_plans_without_fallback(outcomes):
 
 # failure classes the full sweep found and meshpilot fixed, planned here only (in-process, no spawn):
 # DeepSeek-V3.2's sparse-attention mask ``attention_mask & ~index_mask`` (a replicated causal mask meeting a
-# batch-sharded index mask: the pointwise op takes the replica's local slice), Falcon-Mamba's ``stack`` of a
-# partial sum beside a replica (DTensor's strategy follows one operand: asked per common layout) and Aria's
-# transposed experts
+# batch-sharded index mask: the pointwise op takes the replica's local slice) and Aria's transposed experts
 FIXED = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
-    "falcon_mamba": "FalconMambaForCausalLM",
     "aria_text": "AriaTextForCausalLM",
 }
 

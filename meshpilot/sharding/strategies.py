@@ -324,40 +324,39 @@ class StrategyBuilder:
             (info := self.graph[src].outputs[i]) is not None and dtype_from_name(info.dtype).is_floating_point
             for src, i in node.inputs
         ]
-        plain = self._even_plain_specs(node, result.strategies)
-        if plain is None:
-            return self._fallback(node, f"{node.target}: operand count mismatch")
+        plain: list[tuple[tuple, tuple, OpSpec]] = []
+        for spec in result.strategies:
+            outs, ins = _spec_list(spec)
+            if ins is None:
+                ins = tuple(outs[0] for _ in range(n_in))
+            if len(ins) != n_in:
+                return self._fallback(node, f"{node.target}: operand count mismatch ({len(ins)} vs {n_in})")
+            out_pl = tuple(self._canonical(o.placements) if o is not None else None for o in outs)
+            if len(out_pl) < len(node.outputs):
+                out_pl = out_pl + (out_pl[-1],) * (len(node.outputs) - len(out_pl))
+            in_pl = tuple(self._canonical(s.placements) for s in ins)
+            if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
+                continue
+            ok = all(
+                is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
+            ) and all(
+                p is None or o is None or is_even(p, o.shape, self.mesh_shape) for p, o in zip(out_pl, node.outputs)
+            )
+            if ok:
+                plain.append((out_pl, in_pl, spec))
 
-        def reachable(in_pl: tuple, level: int) -> bool:
+        def reachable(in_pl: tuple, sliced: bool) -> bool:
             return all(
                 p in cand_index[k]
                 or (floats[k] and _partial_joins(k, in_pl, cands[k]))
-                or (level >= 1 and any(_slice_of(c, p) for c in cands[k]))
-                or (level >= 2 and not any(isinstance(x, Partial) for x in p))
+                or (sliced and any(_slice_of(c, p) for c in cands[k]))
                 for k, p in enumerate(in_pl)
             )
 
         # operand layouts their producers emit (a partial operand only as a bias joining a product); where
         # none is common to every operand (a replicated mask meeting a sharded one), layouts a producer's
-        # replica reaches by local slicing; where still none (a partial sum meeting a replica), any layout
-        # without partial sums, which the edge's resharding (all-reduce, all-gather) makes
-        keep: list = []
-        for level in range(3):
-            if not keep:
-                keep = [x for x in plain if reachable(x[1], level)]
-        if not keep and single is None and n_in > 1:
-            # a strategy function that follows one operand's layout (stack, cat: a partial sum beside a
-            # replica): ask it once per layout offered to every operand alike
-            specs = []
-            for pl in unique(p for c in cands for p in c if not any(isinstance(x, Partial) for x in p)):
-                it = iter([OpStrategy([OpSpec(DTensorSpec(self.dmesh, pl, o.strategies[0].output_spec.tensor_meta))])
-                           for o in operand_strats])  # fmt: skip
-                schema = OpSchema(op, tuple(wrap(x) for x in fx_node.args),
-                                  {k: wrap(v) for k, v in fx_node.kwargs.items()},
-                                  schema_info=self.prop.op_to_schema_info.get(op))  # fmt: skip
-                with contextlib.suppress(Exception):
-                    specs.extend(func(schema).strategies)
-            keep = [x for x in self._even_plain_specs(node, specs) or [] if reachable(x[1], 2)]
+        # replica reaches by local slicing too
+        keep = [x for x in plain if reachable(x[1], False)] or [x for x in plain if reachable(x[1], True)]
         parsed = [(Strategy(o, i, StrategySource.DTENSOR), spec) for o, i, spec in keep]
         any_negative = single is None and any(
             spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row) for _, spec in parsed
@@ -388,32 +387,6 @@ class StrategyBuilder:
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
-
-    def _even_plain_specs(self, node: OpNode, specs: list) -> list[tuple[tuple, tuple, OpSpec]] | None:
-        """(output layouts, input layouts, spec) of each DTensor strategy in `specs` whose layouts are plain
-        (R, S, P(sum)) and even on this mesh, canonical; None when a strategy's operand count is not the node's."""
-        n_in = len(node.inputs)
-        out = []
-        for spec in specs:
-            outs, ins = _spec_list(spec)
-            if ins is None:
-                ins = tuple(outs[0] for _ in range(n_in))
-            if len(ins) != n_in:
-                return None
-            out_pl = tuple(self._canonical(o.placements) if o is not None else None for o in outs)
-            if len(out_pl) < len(node.outputs):
-                out_pl = out_pl + (out_pl[-1],) * (len(node.outputs) - len(out_pl))
-            in_pl = tuple(self._canonical(s.placements) for s in ins)
-            if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
-                continue
-            ok = all(
-                is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
-            ) and all(
-                p is None or o is None or is_even(p, o.shape, self.mesh_shape) for p, o in zip(out_pl, node.outputs)
-            )
-            if ok:
-                out.append((out_pl, in_pl, spec))
-        return out
 
     def _canonical(self, pl: Placements) -> Placements:
         """`pl` with ``R`` on every mesh axis of one device (a shard or partial sum over one device is the
