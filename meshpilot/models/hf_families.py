@@ -382,6 +382,9 @@ def try_plan(
     except Exception as e:  # noqa: BLE001 - every refusal is a row of the table
         return Outcome(family, "refused", one_line(e), time.perf_counter() - t0)
     dt = time.perf_counter() - t0
+    unrunnable = [w for w in p.warnings if "cannot run" in w]  # shard -> partial steps: the plan would not run
+    if unrunnable:
+        return Outcome(family, "refused", unrunnable[0], dt, p)
     if p.fallbacks:
         return Outcome(family, "fallback", f"{len(p.fallbacks)} replicated: {p.fallbacks[0].line()}", dt, p)
     return Outcome(family, "planned", "", dt, p)
