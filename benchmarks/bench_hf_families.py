@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 SETTINGS = ("nocache-sdpa", "cache-sdpa", "nocache-eager", "cache-eager")
+TEXT = ("causal", "masked", "seq2seq")
 TOL = 1e-5
 
 
@@ -52,14 +53,25 @@ def _append(out: Path, row: dict) -> None:
         fh.write(json.dumps(row) + "\n")
 
 
-def plan_phase(fams, settings, out: Path, limit: float) -> None:
+def plan_phase(fams, settings, out: Path, limit: float, redo: bool = False) -> None:
+    """Plan every family of `fams` under each setting, appending one row each; rows already in `out` are
+    skipped unless `redo` (a re-plan after a fix: the table reads each family's latest row)."""
     from meshpilot.models.hf_families import no_dropout, tiny_overrides, try_plan
 
-    done = _done(out)
+    done = {} if redo else _done(out)
     for fam in fams:
         for setting in settings:
             if ("plan", fam.name, setting) in done:
                 continue
+            if ("start", fam.name, setting) in done:  # the last sweep died planning it: its row says so
+                row = {
+                    "phase": "plan", "family": fam.name, "kind": fam.kind, "setting": setting,
+                    "status": "crashed", "reason": "the sweep's process was killed planning it (out of memory?)",
+                }  # fmt: skip
+                _append(out, row)
+                print(f"crashed          {fam.name} [{setting}] {row['reason']}", flush=True)
+                continue
+            _append(out, {"phase": "start", "family": fam.name, "kind": fam.kind, "setting": setting})
             use_cache, attn = _setting(setting)
             try:
                 over = {**tiny_overrides(fam.model_type), **no_dropout(fam.model_type)}
@@ -80,8 +92,9 @@ def plan_phase(fams, settings, out: Path, limit: float) -> None:
             print(f"{o_status:8s} {o_s:6.1f}s {fam.name} [{setting}] {o_reason[:200]}", flush=True)
 
 
-def run_phase(out: Path, setting: str, chunk: int) -> None:
-    """Every family planned without fallback under `setting`: 4 gloo ranks, `chunk` families per spawn."""
+def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, names: set[str] | None = None) -> None:
+    """Every family planned without fallback under `setting` (of `names` if given; the first `most` not run
+    yet): 4 gloo ranks, `chunk` families per spawn."""
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -90,6 +103,7 @@ def run_phase(out: Path, setting: str, chunk: int) -> None:
         r for (ph, fam, st), r in done.items()
         if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
     ]  # fmt: skip
+    todo = [r for r in todo if names is None or r["family"] in names][:most]
     use_cache, attn = _setting(setting)
     for i in range(0, len(todo), chunk):
         part = todo[i : i + chunk]
@@ -146,26 +160,40 @@ def _verdict(results: list[dict]) -> dict:
     return out
 
 
+def _summary(kind: str, setting: str, plans: list[dict], runs: list[dict]) -> str:
+    """One row of the summary table: counts by status, and the share planned with no fallback of all the
+    families and of those transformers builds tiny."""
+    c = Counter(r["status"] for r in plans)
+    exact = sum(r["status"] == "exact" for r in runs)
+    ran = f"{exact} / {len(runs)}" if runs else "—"
+    built = len(plans) - c["unbuilt"]
+    share = f"{100 * c['planned'] / len(plans):.0f} % / {100 * c['planned'] / built:.0f} %" if built else "—"
+    return (
+        f"| {kind} | {setting} | {len(plans)} | {c['planned']} | {c['fallback']} | "
+        f"{c['refused'] + c['timeout'] + c['crashed']} | {c['unbuilt']} | {share} | {ran} |"
+    )
+
+
 def table(out: Path, settings: tuple[str, ...]) -> str:
-    """The summary (per kind and setting: planned / run exactly / refused, of how many) and every failure."""
+    """The summary (per kind and setting, and the text kinds together: planned / run exactly / refused, of how
+    many) and every failure."""
     rows = _done(out)
-    lines = ["| kind | setting | families | planned | fallback | refused | not built | run exactly |"]
-    lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = [
+        "| kind | setting | families | planned | fallback | refused | not built | planned of all / of built "
+        "| run exactly |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     fails = []
-    for kind in ("causal", "masked", "seq2seq", "image"):
+    groups = [(k, (k,)) for k in ("causal", "masked", "seq2seq", "image")] + [("text", TEXT)]
+    for label, kinds in groups:
         for st in settings:
-            plans = [r for (ph, _, s), r in rows.items() if ph == "plan" and s == st and r["kind"] == kind]
-            if not plans:
+            plans = [r for (ph, _, s), r in rows.items() if ph == "plan" and s == st and r["kind"] in kinds]
+            runs = [r for (ph, _, s), r in rows.items() if ph == "run" and s == st and r["kind"] in kinds]
+            if not plans or (label == "text" and len({r["kind"] for r in plans}) < 2):
                 continue
-            c = Counter(r["status"] for r in plans)
-            runs = [r for (ph, _, s), r in rows.items() if ph == "run" and s == st and r["kind"] == kind]
-            exact = sum(r["status"] == "exact" for r in runs)
-            ran = f"{exact} / {len(runs)}" if runs else "—"
-            lines.append(
-                f"| {kind} | {st} | {len(plans)} | {c['planned']} | {c['fallback']} | "
-                f"{c['refused'] + c['timeout']} | {c['unbuilt']} | {ran} |"
-            )
-            fails += [r for r in plans + runs if r["status"] not in ("planned", "exact")]
+            lines.append(_summary(label, st, plans, runs))
+            if label != "text":
+                fails += [r for r in plans + runs if r["status"] not in ("planned", "exact")]
     lines += ["", "| family | setting | phase | status | reason |", "| --- | --- | --- | --- | --- |"]
     for r in sorted(fails, key=lambda r: (r["family"], r["setting"])):
         reason = r.get("reason", "").replace("|", "\\|")
@@ -182,8 +210,11 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/hf_families.jsonl")
     ap.add_argument("--run", action="store_true", help="also run the planned families on 4 gloo ranks")
     ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
+    ap.add_argument("--run-most", type=int, default=None, help="run at most this many families (a sample)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the plan phase (with --run: run what --out planned)")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
     ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
+    ap.add_argument("--redo", action="store_true", help="plan again families --out already has (after a fix)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -198,9 +229,10 @@ def main() -> None:
         i, n = map(int, args.shard.split("/"))
         fams = fams[i::n]
         print(f"transformers {transformers.__version__}: {len(fams)} families", flush=True)
-        plan_phase(fams, settings, out, args.limit)
+        if not args.no_plan:
+            plan_phase(fams, settings, out, args.limit, args.redo)
         if args.run:
-            run_phase(out, settings[0], args.chunk)
+            run_phase(out, settings[0], args.chunk, args.run_most, {f.name for f in fams} if only else None)
     print(f"transformers {transformers.__version__}")
     print(table(out, settings))
 

@@ -109,8 +109,12 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
-    d = default.to_dict()
+    return _tiny_dict(AutoConfig.for_model(model_type).to_dict(), vocab)
+
+
+def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
+    dict with its own ``model_type``) is shrunk the same way and written back whole."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if _int(v) and v > 0:
@@ -121,6 +125,10 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
             new_list = _tiny_list(k, v)
             if new_list is not None:
                 out[k] = new_list
+        elif isinstance(v, dict) and "model_type" in v:
+            sub = _tiny_dict(v, vocab)
+            if sub:
+                out[k] = {**v, **sub}
     if any(_int(d.get(k)) for k in _EXPERT_KEYS):  # a default that leaves top-k unset (DeepSeek-V2's): two
         out.update({k: 2 for k in _TOPK_KEYS if k in d and d[k] is None})
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
@@ -233,8 +241,9 @@ def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = F
     if attn is not None:
         over["attn_implementation"] = attention(family, attn)
     cfg = hf_config(family.model_type, over)
-    if hasattr(cfg, "use_cache"):
-        cfg.use_cache = use_cache
+    for c in {id(cfg): cfg, id(text := cfg.get_text_config()): text}.values():  # a composite's text model too
+        if hasattr(c, "use_cache"):
+            c.use_cache = use_cache
     if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
         cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     return cfg
@@ -284,7 +293,7 @@ def build(
         return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
     from meshpilot.models.sources import HFLoss
 
-    vocab = int(cfg.vocab_size)
+    vocab = int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)  # a composite's: its text
     if meta:
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         return HFLoss(model), (ids, ids)
@@ -373,6 +382,9 @@ def try_plan(
     except Exception as e:  # noqa: BLE001 - every refusal is a row of the table
         return Outcome(family, "refused", one_line(e), time.perf_counter() - t0)
     dt = time.perf_counter() - t0
+    unrunnable = [w for w in p.warnings if "cannot run" in w]  # shard -> partial steps: the plan would not run
+    if unrunnable:
+        return Outcome(family, "refused", unrunnable[0], dt, p)
     if p.fallbacks:
         return Outcome(family, "fallback", f"{len(p.fallbacks)} replicated: {p.fallbacks[0].line()}", dt, p)
     return Outcome(family, "planned", "", dt, p)

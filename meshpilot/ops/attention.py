@@ -11,7 +11,8 @@ runs, by the tensors' device (:data:`_FORWARD`, :data:`_BACKWARD`):
 device kernels
 ====== ==================================================================================================
 cpu    ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (what eager CPU attention runs, so a
-       planned model equals the eager one to the last bit on an unsharded problem)
+       planned model equals the eager one to the last bit on an unsharded problem); values of another head
+       size than the queries (multi-head latent attention), which that kernel refuses: the math path
 cuda   the kernel eager attention picks for the operands (torch's ``_fused_sdp_choice``: cuDNN, flash or
        memory-efficient; no mask), with its backward kernel, so the planned model runs what eager runs; each
        is checked once per process against the math path on a small problem before it is used
@@ -220,11 +221,15 @@ def _math_backward(g, q, k, v, out, lse, mask, is_causal, scale) -> tuple[Tensor
 
 
 def _cpu_forward(q, k, v, mask, is_causal, scale):
+    if v.shape[-1] != q.shape[-1]:  # values of another head size (MLA's): the CPU kernel refuses, eager uses math
+        return _math_forward(q, k, v, mask, is_causal, scale)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     return out, lse
 
 
 def _cpu_backward(g, q, k, v, out, lse, mask, is_causal, scale):
+    if v.shape[-1] != q.shape[-1]:  # as the forward
+        return _math_backward(g, q, k, v, out, lse, mask, is_causal, scale)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )

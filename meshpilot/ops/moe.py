@@ -331,21 +331,51 @@ moe_experts.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
     """transformers' experts interface entry (``experts_implementation="meshpilot"``): the experts module's
-    forward as one :data:`moe_experts` call."""
+    forward as one :data:`moe_experts` call. Experts stored transposed (``is_transposed``: ``[E, h, 2f]`` and
+    ``[E, f, h]``, Aria's) are passed as transposed views (autograd carries the gradients back)."""
     layout_ok = getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
-    layout_ok = layout_ok and getattr(self, "is_concatenated", True) and not getattr(self, "is_transposed", False)
-    if not layout_ok or getattr(self, "has_post_expert_norm", False):
+    layout_ok = layout_ok and getattr(self, "is_concatenated", True)
+    if not layout_ok or getattr(self, "has_post_expert_norm", False) or _own_gate(self):
         raise UserError(
             f"{type(self).__name__}: experts_implementation=meshpilot takes concatenated [gate; up] experts "
-            "without bias or post-norm; set --hf-config experts_implementation=batched_mm"
+            "without bias, post-norm or a gate of their own; set --hf-config experts_implementation=batched_mm"
         )
     act = _act_name(self)
     _activation(act)  # an unsupported activation is refused here, at capture, in one line
-    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+    gate_up, down = self.gate_up_proj, self.down_proj  # [E, 2f, h], [E, h, f]
+    if getattr(self, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, act)
+
+
+def _own_gate(module: torch.nn.Module) -> bool:
+    """Whether the experts gate ``[gate; up]`` their own way (a clamped or scaled SwiGLU: their class overrides
+    transformers' ``_apply_gate``), which :data:`moe_experts`' ``act(gate) * up`` would not compute."""
+    from transformers.integrations import moe as hf_moe
+
+    default = getattr(hf_moe, "_default_apply_gate", None)
+    gate = getattr(type(module), "_apply_gate", default)
+    return default is not None and gate is not default
+
+
+_ACT_CLASSES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gelu", "ReLU": "relu"}
+"""Activation modules (transformers' and torch's) by class name: the experts' ``act_fn``, when they have one."""
 
 
 def _act_name(module: torch.nn.Module) -> str:
-    return getattr(module.config, "hidden_act", None) or getattr(module.config, "hidden_activation", "silu")
+    """The gate's activation: the configuration's name when the experts' own ``act_fn`` is that activation
+    (or they hold none), else the name of ``act_fn``'s class (Aria's routed experts are SiLU whatever
+    ``hidden_act`` says)."""
+    from transformers.activations import ACT2FN
+
+    name = getattr(module.config, "hidden_act", None) or getattr(module.config, "hidden_activation", "silu")
+    act_fn = getattr(module, "act_fn", None)
+    if not isinstance(act_fn, torch.nn.Module) or (name in ACT2FN and type(ACT2FN[name]) is type(act_fn)):
+        return name
+    cls = type(act_fn).__name__
+    if cls == "GELU" and getattr(act_fn, "approximate", "none") == "none":
+        return "gelu"
+    return _ACT_CLASSES.get(cls, cls)
 
 
 def register_with_transformers() -> None:

@@ -324,8 +324,7 @@ class StrategyBuilder:
             (info := self.graph[src].outputs[i]) is not None and dtype_from_name(info.dtype).is_floating_point
             for src, i in node.inputs
         ]
-        parsed: list[tuple[Strategy, OpSpec]] = []
-        any_negative = False
+        plain: list[tuple[tuple, tuple, OpSpec]] = []
         for spec in result.strategies:
             outs, ins = _spec_list(spec)
             if ins is None:
@@ -338,21 +337,30 @@ class StrategyBuilder:
             in_pl = tuple(self._canonical(s.placements) for s in ins)
             if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
                 continue
-            if any(
-                p not in cand_index[k] and not (floats[k] and _partial_joins(k, in_pl, cands[k]))
-                for k, p in enumerate(in_pl)
-            ):
-                continue  # a partial operand its producer never emits (and that is no bias joining a product)
             ok = all(
                 is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
             ) and all(
                 p is None or o is None or is_even(p, o.shape, self.mesh_shape) for p, o in zip(out_pl, node.outputs)
             )
-            if not ok:
-                continue
-            if single is None and spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row):
-                any_negative = True
-            parsed.append((Strategy(out_pl, in_pl, StrategySource.DTENSOR), spec))
+            if ok:
+                plain.append((out_pl, in_pl, spec))
+
+        def reachable(in_pl: tuple, sliced: bool) -> bool:
+            return all(
+                p in cand_index[k]
+                or (floats[k] and _partial_joins(k, in_pl, cands[k]))
+                or (sliced and any(_slice_of(c, p) for c in cands[k]))
+                for k, p in enumerate(in_pl)
+            )
+
+        # operand layouts their producers emit (a partial operand only as a bias joining a product); where
+        # none is common to every operand (a replicated mask meeting a sharded one), layouts a producer's
+        # replica reaches by local slicing too
+        keep = [x for x in plain if reachable(x[1], False)] or [x for x in plain if reachable(x[1], True)]
+        parsed = [(Strategy(o, i, StrategySource.DTENSOR), spec) for o, i, spec in keep]
+        any_negative = single is None and any(
+            spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row) for _, spec in parsed
+        )
         if not parsed:
             return self._own(node) or self._fallback(
                 node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
@@ -455,6 +463,12 @@ def _partial_joins(k: int, ins: tuple[Placements, ...], candidates: list[Placeme
     if not all(any(isinstance(ins[j][a], Shard) for j in range(len(ins)) if j != k) for a in axes):
         return False
     return any(all(isinstance(c[a], Replicate) for a in axes) for c in candidates)
+
+
+def _slice_of(have: Placements, want: Placements) -> bool:
+    """Whether layout `want` is a local slice of layout `have`: on every mesh axis the same placement, or a
+    replica that the axis shards (``R -> S(d)``: each rank keeps its block, no communication)."""
+    return all(h == w or (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))
 
 
 def unique_strategies(strats) -> list[Strategy]:
