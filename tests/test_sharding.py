@@ -8,7 +8,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
 from meshpilot.graph.capture import TensorInfo, capture
 from meshpilot.sharding.placements import candidate_placements, fmt, from_json, to_json
-from meshpilot.sharding.reshard import Collective, Resharder
+from meshpilot.sharding.reshard import Collective, Resharder, via_replicate
 from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
 
 R = Replicate()
@@ -43,11 +43,16 @@ def test_table2_resharding_collectives():
     assert rs.collectives((Partial(), R), (R, R), info) == (Collective("all_reduce", 0, m),)
     assert rs.collectives((R, Partial()), (R, S0), info) == (Collective("reduce_scatter", 1, m),)
     assert rs.cost((S0, R), (R, R), info) > 0 == rs.cost((R, R), (S0, S1), info)
-    # what DTensor's redistribute refuses is never planned: shard -> partial, and one partial kind to another
-    # (P(avg) -> P(sum) raises "Redistribution from one partial type ... is unsupported" at run time)
-    for src, dst in (((S0, R), (Partial(), R)), ((Partial("avg"), R), (Partial("sum"), R))):
-        assert [c.kind for c in rs.collectives(src, dst, info)] == ["unsupported"], (src, dst)
-        assert rs.cost(src, dst, info) >= 1e3
+    # what DTensor's redistribute refuses is never planned: one partial kind to another (P(avg) -> P(sum)
+    # raises "Redistribution from one partial type ... is unsupported" at run time)
+    src, dst = (Partial("avg"), R), (Partial("sum"), R)
+    assert [c.kind for c in rs.collectives(src, dst, info)] == ["unsupported"]
+    assert rs.cost(src, dst, info) >= 1e3
+    # shard -> partial, which DTensor has no step for either, goes through a replica (via_replicate): the
+    # all-gather of that axis, then a free partial share (Gemma's tiny plan needed 32 such steps)
+    assert rs.collectives((S0, R), (Partial(), R), info) == (Collective("all_gather", 0, m),)
+    assert rs.collectives((S0, S1), (S0, Partial()), info) == (Collective("all_gather", 1, m // 2),)
+    assert rs.cost((S0, R), (Partial(), R), info) == rs.cost((S0, R), (R, R), info)
     assert rs.collectives((Partial("avg"), R), (Partial("avg"), R), info) == ()
 
 
@@ -140,3 +145,37 @@ def test_gloo_reduce_scatter_costs_an_all_reduce():
     m = 1 << 24
     assert on_cpu.reduce_scatter(m, 1) == on_cpu.all_reduce(m, 1)
     assert on_gpu.reduce_scatter(m, 1) == on_gpu.all_gather(m, 1) < on_gpu.all_reduce(m, 1)
+
+
+def _shard_to_partial(x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """On 2 gloo ranks: `x` sharded on dim 0, redistributed to a partial sum by the runtime; the sum of the
+    ranks' partial shares and the collectives issued."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from meshpilot.runtime.collective_log import record_collectives
+    from meshpilot.runtime.interpret import redistribute
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+    dt = distribute_tensor(x, mesh, [Shard(0)])
+    with record_collectives(mesh) as log:
+        out = redistribute(dt, (Partial(),))
+    assert out.placements == (Partial(),)
+    total = out.to_local().clone()
+    dist.all_reduce(total)
+    return total, [(str(e.kind), e.nbytes) for e in log]
+
+
+def test_shard_to_partial_runs_through_a_replica_as_planned():
+    """The runtime's ``redistribute`` takes S -> P as the planner prices it (one all-gather of the whole
+    tensor), and the partial shares sum to the tensor exactly."""
+    from dist_utils import run_distributed
+
+    assert via_replicate((Shard(0), R), (Partial(), Shard(1))) == (R, Shard(1))
+    assert via_replicate((Shard(0), R), (Shard(0), Partial())) is None  # R -> P: DTensor's own free step
+    x = torch.arange(32.0).reshape(8, 4)
+    planned = resharder((2,)).collectives((Shard(0),), (Partial(),), TensorInfo((8, 4), "float32"))
+    for total, issued in run_distributed(_shard_to_partial, 2, x):
+        assert torch.equal(total, x)
+        assert issued == [(str(c.kind), c.nbytes) for c in planned] == [("all_gather", x.nbytes)]

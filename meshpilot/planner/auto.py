@@ -378,7 +378,7 @@ def _assemble(
     bad = sum(c.kind == CollectiveKind.UNSUPPORTED for c in acct.collectives)
     if bad:
         warnings.append(
-            f"{bad} resharding steps DTensor cannot run (shard → partial), priced at {UNSUPPORTED_S:.0f} s each: "
+            f"{bad} resharding steps DTensor cannot run (one partial kind to another), priced at {UNSUPPORTED_S:.0f} s each: "
             "no supported plan was found on this mesh"
         )
     if memory.total > capacity * (1 + EPS):

@@ -37,6 +37,7 @@ from meshpilot.ops import OwnCall, own_op
 from meshpilot.planner.plan import NodeChoice, StagePlan
 from meshpilot.runtime.record import outside_program, tagged
 from meshpilot.sharding.placements import Placements, from_json, replicated
+from meshpilot.sharding.reshard import via_replicate
 from meshpilot.sharding.strategies import StrategySource
 
 aten = torch.ops.aten
@@ -61,10 +62,14 @@ _LOCAL_OPS = {aten.convolution.default, aten.convolution_backward.default}
 
 def redistribute(x: DTensor, placements: Placements) -> DTensor:
     """``x`` in `placements` (Partial targets allowed), by DTensor's own transform steps; no autograd. Layouts
-    that differ only on mesh axes of one device are the same tensor: relabelled, no collective."""
+    that differ only on mesh axes of one device are the same tensor: relabelled, no collective. A shard that
+    must become a partial sum is gathered first (``sharding.reshard.via_replicate``, as the planner prices it)."""
     placements = tuple(placements)
     if tuple(x.placements) == placements:
         return x
+    via = via_replicate(tuple(x.placements), placements)
+    if via is not None:
+        x = redistribute(x, via)
     spec_cls, _ = compat.dtensor_spec()
     spec = spec_cls(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
     sizes = x.device_mesh.shape

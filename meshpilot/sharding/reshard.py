@@ -9,6 +9,7 @@ the run issues. Each step acts on one mesh axis and becomes one collective of th
     S(d) -> R     all-gather(M_a, axis a)         "resharding"    (Table 2 #2, #3)
     S(d) -> S(e)  all-to-all(M_a / n_a, axis a)   "resharding"    (Table 2 #4, #5)
     R -> S(d), R -> P                             free: a local slice (Table 2 #1)
+    S(d) -> P     all-gather(M_a, axis a), then R -> P   (DTensor has no such step: :func:`via_replicate`)
 
 ``M_a`` follows the local tensor through the steps (the whole tensor cut by every shard it has right then),
 counted as :class:`CollectiveKind` says (an all-gather's gathered output, a reduce-scatter's input, ...).
@@ -23,14 +24,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from meshpilot.graph.capture import TensorInfo, dtype_from_name
 from meshpilot.sharding.placements import Placements, by_id
 
 UNSUPPORTED_S = 1e3
-"""Cost of a resharding DTensor cannot do (shard -> partial, one partial kind -> another): large enough
-that no plan uses it."""
+"""Cost of a resharding DTensor cannot do (one partial kind -> another; shard -> partial goes through a replica,
+:func:`via_replicate`): large enough that no plan uses it."""
 
 
 class CollectiveKind(StrEnum):
@@ -53,7 +55,8 @@ class CollectiveKind(StrEnum):
     SEND = "send"
     RECV = "recv"
     UNSUPPORTED = "unsupported"
-    """A resharding DTensor cannot run (shard → partial): priced at ``UNSUPPORTED_S`` so no plan uses it."""
+    """A resharding DTensor cannot run (one partial kind → another): priced at ``UNSUPPORTED_S`` so no plan uses
+    it."""
 
     @property
     def is_reduction(self) -> bool:
@@ -97,6 +100,17 @@ def tensor_meta(info: TensorInfo) -> TensorMeta:
 _STRUCTURES: dict[tuple[int, ...], dict[tuple, tuple[tuple[str, int, float], ...]]] = {}
 
 
+def via_replicate(src: Placements, dst: Placements) -> Placements | None:
+    """The layout a ``src -> dst`` resharding passes through where DTensor cannot take it in one go: `dst` with
+    every mesh axis that goes from a shard to a partial sum replicated instead (DTensor turns a shard into a
+    partial on no axis; gathering it first and then keeping a partial share of the replica is exact). ``None``
+    where no axis does. The planner prices ``src -> via -> dst`` and the runtime
+    (``runtime.interpret.redistribute``) runs it, so the collectives are the ones planned."""
+    if not any(a.is_shard() and b.is_partial() for a, b in zip(src, dst)):
+        return None
+    return tuple(Replicate() if a.is_shard() and b.is_partial() else b for a, b in zip(src, dst))
+
+
 class Resharder:
     """Collectives and seconds of ``src -> dst`` for tensors on one mesh, cached by (src, dst, tensor)."""
 
@@ -121,6 +135,11 @@ class Resharder:
         hit = self._struct.get(key)
         if hit is not None:
             return hit
+        via = via_replicate(src, dst)
+        if via is not None:  # shard -> partial: gathered first (its steps), then a free partial share
+            res = self.steps(src, via, ndim) + self.steps(via, dst, ndim)
+            self._struct[key] = res
+            return res
         from torch.distributed.tensor._redistribute import _gen_transform_infos
 
         m = math.prod(self.mesh_shape)
@@ -135,8 +154,8 @@ class Resharder:
             local = 1.0 / math.prod(k for p, k in zip(current, self.mesh_shape) if p.is_shard())
             current[t.mesh_dim] = b
             if b.is_partial() and not (a.is_replicate() or a == b):
-                # DTensor turns neither a shard nor another kind of partial (P(avg) -> P(sum)) into a
-                # partial: never plan it
+                # DTensor turns no other kind of partial (P(avg) -> P(sum)) into a partial (a shard met
+                # mid-chain neither; a shard in `src` went through via_replicate above): never plan it
                 out.append((CollectiveKind.UNSUPPORTED, t.mesh_dim, 0.0))
                 continue
             kind = t._comm_type_key()
