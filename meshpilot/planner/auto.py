@@ -378,8 +378,8 @@ def _assemble(
     bad = sum(c.kind == CollectiveKind.UNSUPPORTED for c in acct.collectives)
     if bad:
         warnings.append(
-            f"{bad} resharding steps DTensor cannot run (one partial kind to another), priced at {UNSUPPORTED_S:.0f} s each: "
-            "no supported plan was found on this mesh"
+            f"{bad} resharding steps DTensor cannot run (one partial kind to another), priced at "
+            f"{UNSUPPORTED_S:.0f} s each: no supported plan was found on this mesh"
         )
     if memory.total > capacity * (1 + EPS):
         warnings.append(f"predicted memory {fmt_size(memory.total)} exceeds {fmt_size(capacity)}")
