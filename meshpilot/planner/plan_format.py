@@ -72,7 +72,7 @@ def plan_from_dict(d: Any, source: str | None = None) -> Plan:
     if fmt is None:  # a one-stage plan of version 1 (StagePlan.from_dict says what a damaged one lacks)
         return Plan.single(StagePlan.from_dict(d, source=source))
     if fmt == OLD_PIPELINE_FORMAT:
-        return _read(d, where, [d.get("intra", [])])
+        return _read(d, where, d.get("intra", []))
     if fmt != PLAN_FORMAT:
         what = f'"format" {fmt!r}' if fmt is not None else 'no "format"'
         raise UserError(f"{where}not a meshpilot plan ({what}); give a plan saved by `meshpilot plan --out FILE`")
@@ -87,9 +87,9 @@ def plan_from_dict(d: Any, source: str | None = None) -> Plan:
 
 def _read(d: dict, where: str, intra: list | None) -> Plan:
     """The plan of the one format (`intra` None: each stage's plan in its ``plan``) or of an old pipeline file
-    (`intra`: ``[its list of stage plans]``)."""
+    (`intra`: its list of stage plans)."""
     try:
-        plan = _build(d, where, intra[0] if intra is not None else None)
+        plan = _build(d, where, intra)
     except UserError:
         raise
     except KeyError as e:
