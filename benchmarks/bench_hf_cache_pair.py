@@ -5,7 +5,10 @@ step, fallbacks and CPU seconds of each ``plan()`` call. Run it on two trees bac
     (cd OLD && PYTHONPATH=OLD python /path/to/benchmarks/bench_hf_cache_pair.py)
 """
 
-import time, torch
+import time
+
+import torch
+
 from meshpilot.models.sources import hf_model
 from meshpilot.planner.auto import plan
 
@@ -37,6 +40,5 @@ for name, cfg in CFG.items():
         ids = torch.randint(0, 64, (4, 8))
         c0 = time.process_time()
         p = plan(m, (ids, ids), "dgx-h100", mesh_shape=(2, 2))
-        print(
-            f"{name:8s} use_cache={cache!s:5s} step {p.time.total_s * 1e6:.3f} us  fallbacks {len(p.fallbacks)}  CPU {time.process_time() - c0:.2f} s"
-        )
+        line = f"{name:8s} use_cache={cache!s:5s} step {p.time.total_s * 1e6:.3f} us"
+        print(f"{line}  fallbacks {len(p.fallbacks)}  CPU {time.process_time() - c0:.2f} s")
