@@ -70,28 +70,44 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
+    _model_args(p)
+    _plan_args(p)
+    _run_args(p)
+    _checkpoint_args(p)
+    _launch_args(p)
+    p.set_defaults(func=run)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """What is trained: the model, its sizes and the batch."""
+    g = p.add_argument_group("model and batch")
+    g.add_argument(
         "--model",
         "-m",
         default="gpt-tiny",
         help="built-in GPT (default gpt-tiny; see `meshpilot presets`); with --plan also any `meshpilot plan` "
         "model: hf:<name>, package.module:factory, a built-in",
     )
-    add_hf_config_arg(p, "hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)")
-    p.add_argument("--layers", type=positive_int, help="override the GPT's layer count")
-    p.add_argument("--hidden", type=positive_int, help="override the GPT's hidden size")
-    p.add_argument("--heads", type=positive_int, help="override the GPT's attention heads")
-    p.add_argument(
+    add_hf_config_arg(g, "hf:<name> models: the config overrides given to `meshpilot plan` (repeatable)")
+    g.add_argument("--layers", type=positive_int, help="override the GPT's layer count")
+    g.add_argument("--hidden", type=positive_int, help="override the GPT's hidden size")
+    g.add_argument("--heads", type=positive_int, help="override the GPT's attention heads")
+    g.add_argument(
         "--batch",
         "-b",
         type=positive_int,
         help="global batch size: with --plan FILE the plan's (read from it; given here, it must match), with "
         "--plan auto the one to plan for, without --plan the GPT's",
     )
-    p.add_argument("--seq", "-s", type=positive_int, help="sequence length, as --batch")
-    p.add_argument("--mesh", default=None, help="ATP DeviceMesh d1xd2 (default: WORLDx1, Megatron-LM 1D)")
-    p.add_argument("--chunks", type=int, default=1, choices=(1, 2, 4), help="ATP chunk-overlap chunks k")
-    p.add_argument(
+    g.add_argument("--seq", "-s", type=positive_int, help="sequence length, as --batch")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    """How it is split: a saved or automatic plan, or ATP on a mesh."""
+    g = p.add_argument_group("plan")
+    g.add_argument("--mesh", default=None, help="ATP DeviceMesh d1xd2 (default: WORLDx1, Megatron-LM 1D)")
+    g.add_argument("--chunks", type=int, default=1, choices=(1, 2, 4), help="ATP chunk-overlap chunks k")
+    g.add_argument(
         "--plan",
         type=path_arg,
         metavar="FILE|auto",
@@ -100,64 +116,79 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node), saved "
         "in --checkpoint-dir/plan.json or a temporary file",
     )
-    p.add_argument(
+    g.add_argument(
         "--cluster",
         "-c",
         metavar="C",
         help="with --plan auto: the cluster to plan for (a preset, a TOML file, `meshpilot probe`'s output)",
     )
-    p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    p.add_argument(
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """The training loop: steps, seed, data, optimizer, what is written."""
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    g.add_argument(
         "--data",
         type=path_arg,
         metavar="FILE",
         help="train on this text file as byte tokens (0-255; the model needs a vocabulary of 256 or more): "
         "windows drawn by the seed, resumable at any data position (default: random tokens)",
     )
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
-    p.add_argument(
+    g.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    g.add_argument(
         "--json-out",
         type=path_arg,
         help="rank 0 writes the per-step losses and times here as JSON, rewritten (atomically) after every step",
     )
-    p.add_argument(
+
+
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """Saving and resuming."""
+    g = p.add_argument_group("checkpoints")
+    g.add_argument(
         "--checkpoint-dir",
         type=path_arg,
         metavar="DIR",
         help="save checkpoints in DIR/step-N (with --plan): every --checkpoint-every steps, after the last, on SIGTERM",
     )
-    p.add_argument(
+    g.add_argument(
         "--checkpoint-every",
         type=positive_int,
         metavar="N",
         help="save a checkpoint every N steps (default: only after the last step and on SIGTERM)",
     )
-    p.add_argument(
+    g.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint-dir (any plan, mesh or world size); "
         "--steps counts from the start of the run",
     )
-    p.add_argument(
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the ranks run, and the check against one device."""
+    g = p.add_argument_group("launch and checks")
+    g.add_argument(
         "--nproc-per-node",
         type=positive_int,
         metavar="N",
         help="launch N local ranks itself (torch.distributed.run) after checking every input: mistakes end in one line",
     )
-    p.add_argument(
+    g.add_argument(
         "--timeout",
         type=positive_float,
         metavar="S",
         help="a collective that waits longer than S seconds (a stalled rank) ends the run, naming the ranks",
     )
-    p.add_argument(
+    g.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="auto (default): cuda:LOCAL_RANK with NCCL when torch.cuda.is_available(), else the CPU with gloo",
     )
-    p.add_argument(
+    g.add_argument(
         "--verify",
         type=positive_int,
         nargs="?",
@@ -167,13 +198,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"check that every loss equals this run's within {VERIFY_TOL:g} (x |loss| above 1); exit 1 if not. Every rank "
         "runs the reference on its own device, so the model must fit one; fp32 only",
     )
-    p.add_argument(
+    g.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="fp32, bf16 / fp16 (model cast to bfloat16 / float16) or bf16-mixed (fp32 master weights under "
         "bfloat16 autocast); with --plan: the plan's (must match if given)",
     )
-    p.set_defaults(func=run)
 
 
 VERIFY_STEPS = 3
