@@ -49,6 +49,8 @@ MODELS_AT = {4: MODELS, 8: ("gpt", "bert", "wrn", "moe", FRESH)}
 # all 4 ranks on (4, 1), Megatron TP over all 4 on (1, 4). Dropped for the suite's time (84 distinct 4-rank runs
 # were its longest fixture): data parallel and ZeRO-3 on (1, 4) (the same layouts along the other axis) and
 # Megatron on (4, 1) (a TP group of one: the data-parallel plan, which the runs deduplicated anyway).
+# a mesh of three axes (issue 31): the solver's plan of the GPT on 2 x 2 x 2, beside the 2D shapes above
+MESHES_3D = {4: {}, 8: {"gpt": [(2, 2, 2)]}}
 FORCED_MESHES = {
     4: {"data_parallel": [(4, 1), (2, 2)], "megatron_tp": [(2, 2), (1, 4)], "zero3": [(4, 1), (2, 2)]},
     8: {kind: [(2, 4)] for kind in KINDS[1:]},
@@ -180,6 +182,8 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
                     kw = {"graph": graph} if kind == "megatron_tp" else {}
                     force = forced(kind, model, inputs, shape, **kw)
                 plans[(name, shape, kind)] = plan(model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph)
+        for shape in MESHES_3D[world].get(name, []):
+            plans[(name, shape, "solver")] = plan(model, inputs, CLUSTER, mesh_shape=shape, graph=graph)
         if name in SCHEDULE_MODELS:
             shape = SCHEDULE_MESH[world]
             for kind, kw in SCHEDULES.items():
@@ -452,6 +456,21 @@ def test_collectives_match_the_plan(runs):
     assert nonempty >= len(plans) * 3 // 4
     axes = Counter(c.axis for p in plans.values() for c in p.collectives)
     assert axes[0] > 0 and axes[1] > 0
+
+
+def test_three_axis_mesh_plan_matches_single_device(runs):
+    """The solver's plan on a 2 x 2 x 2 mesh: it communicates on every one of the three axes, and its loss,
+    gradients and parameters equal one device's (its collectives: ``test_collectives_match_the_plan``)."""
+    world, plans, results = runs
+    keys = [k for k in plans if len(k[1]) == 3]
+    if not MESHES_3D[world]:
+        assert not keys
+        pytest.skip(f"3-axis meshes run on {[w for w in MESHES_3D if MESHES_3D[w]]} ranks (MESHES_3D)")
+    assert len(keys) == sum(len(v) for v in MESHES_3D[world].values())
+    for k in keys:
+        assert tuple(plans[k].mesh_shape) == k[1]
+        assert {c.axis for c in plans[k].collectives} == {0, 1, 2}, (k, Counter(c.axis for c in plans[k].collectives))
+    _check_equal(world, plans, results, keys)
 
 
 def test_channel_parallel_convolutions_match_single_device(runs):

@@ -101,7 +101,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--devices", "-n", type=positive_int, help="devices the plan uses (default: --mesh's, or all of the cluster)"
     )
-    p.add_argument("--mesh", metavar="d1xd2", help="fix the mesh shape (default: search every 2D shape)")
+    p.add_argument(
+        "--mesh",
+        metavar="d1xd2[xd3]",
+        help="fix the mesh shape, 2 or 3 axes (default: search every 2D shape)",
+    )
     p.add_argument("--batch", "-b", type=positive_int, help="global batch size (default: the model's)")
     p.add_argument("--seq", "-s", type=positive_int, help="GPTs and hf:<name> models: sequence length")
     p.add_argument("--layers", type=positive_int, help="GPTs: transformer blocks")
@@ -212,15 +216,22 @@ def schedule_options(schedule: str | None, microbatches: int | None) -> dict[str
     return {"microbatches": microbatches or 1, "overlap": schedule == "overlapped"}
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
+MESH_AXES = (2, 3)
+"""Axes a --mesh may have: the 2D shapes the search visits, or a 3-axis mesh (e.g. node x data x tensor) given."""
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
     parts = text.lower().replace(",", "x").split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise UserError(f"--mesh {text!r}: not a mesh shape; write two positive sizes as d1xd2, e.g. 2x4")
-    return int(parts[0]), int(parts[1])
+    if len(parts) not in MESH_AXES or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise UserError(
+            f"--mesh {text!r}: not a mesh shape; write two or three positive sizes as d1xd2 or d1xd2xd3, e.g. 2x4"
+        )
+    return tuple(int(p) for p in parts)
 
 
-def parse_force(items: list[str]) -> ForceSpec | None:
-    """``--force PATTERN=LAYOUT …`` read and checked (every layout, matched or not; one per axis of a 2D mesh)."""
+def parse_force(items: list[str], ndim: int = 2) -> ForceSpec | None:
+    """``--force PATTERN=LAYOUT …`` read and checked (every layout, matched or not; one per axis of an
+    `ndim`-axis mesh)."""
     if not items:
         return None
     out: dict[str, str] = {}
@@ -233,7 +244,7 @@ def parse_force(items: list[str]) -> ForceSpec | None:
             raise UserError(f"--force {pattern!r}: given twice, as {out[pattern]} and {layout}; keep one")
         out[pattern] = layout
     spec = ForceSpec(out, flag="--force")
-    spec.check_mesh(2)
+    spec.check_mesh(ndim)
     return spec
 
 
@@ -258,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.time_limit <= 0:
         raise UserError(f"--time-limit {args.time_limit}: give a positive number of seconds")
-    force = parse_force(args.force)
+    force = parse_force(args.force, len(shape) if shape else 2)
     if args.out:
         check_out(args.out)
     memory = args.memory_gib * 2**30 if args.memory_gib is not None else None
