@@ -102,17 +102,9 @@ def plan(
     :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`). `searcher`
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     """
-    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mapped_ranks, mesh_shapes_2d
-    from meshpilot.planner.meshsearch import mappings_of, search_mesh
+    from meshpilot.cluster import load_cluster, mesh_shapes_2d
 
-    if duplex and (microbatches != 2 or overlap):
-        raise PlanError(
-            f"duplex=True interleaves two microbatches: pass microbatches=2 (got {microbatches})"
-            + (" and drop overlap=True (one schedule per plan)" if overlap else "")
-        )
-    if zero not in ZERO_MODES:
-        raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
-    zero = ZeroMode(zero)
+    zero = _check_options(zero, microbatches, overlap, duplex)
     chooser = get_searcher(searcher)
     t_start = time.perf_counter()
     force = ForceSpec.of(force)  # every layout read before any work, matched or not
@@ -132,105 +124,19 @@ def plan(
         pins.check()
     for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
-    edges = step_edges(graph)
-    param_edges = ParamEdges.of(graph, edges)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
-    best: Candidate | None = None
-    best_builder: StrategyBuilder | None = None
-    best_lm: Any = None
-    best_resharder: Resharder | None = None
-    tried: list[MeshCandidate] = []
-    errors: list[PlanError] = []
-    build_s = solve_s = post_s = 0.0
-    solves = 0
-    # 1. every shape's structure (strategies, groups, classes) and its compute-only lower bound
-    shaped = []
-    for shape in shapes:
-        t1 = time.perf_counter()
-        dmesh = fake_device_mesh(shape)
-        builder = StrategyBuilder(graph, dmesh)
-        cm0 = CostModel(LogicalMesh(cl, shape, mapped_ranks(shape, MeshMapping.ROW)))
-        # compute is priced on the device (the same for every mapping); resharding per mapping, below
-        struct = build_structure(
-            graph,
-            builder,
-            Resharder(dmesh, cm0),
-            cm0,
-            merge_trivial=merge_trivial,
-            force=force,
-            microbatches=microbatches,
-        )
-        build_s += time.perf_counter() - t1
-        shaped.append((compute_lower_bound(struct), len(shaped), shape, dmesh, builder, struct))
-    # 2. most promising shape first; a shape whose lower bound reaches the best step time is skipped
-    for lower, _, shape, dmesh, builder, struct in sorted(shaped, key=lambda x: (x[0], x[1])):
-        maps = mappings_of(shape, mappings)
-        if best is not None and lower >= best.time_s:
-            for mapping in maps:
-                tried.append(
-                    MeshCandidate(
-                        shape,
-                        mapping,
-                        None,
-                        f"skipped: compute alone takes at least {lower * 1e3:.1f} ms, "
-                        f"the best plan {best.time_s * 1e3:.1f} ms",
-                    )
-                )
-            continue
-        need = min_memory(struct, "plain" if zero == ZeroMode.OFF else "zero")
-        if need > capacity:
-            e = PlanError(
-                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
-                f"but a device holds {fmt_size(capacity)} (mesh {shape})"
-                "; use more devices, a smaller batch or model, or a device with more memory",
-                mesh_shape=shape,
-                need_bytes=need,
-                capacity_bytes=capacity,
-            )
-            errors.append(e)
-            tried += [MeshCandidate(shape, mapping, None, str(e), need_bytes=need) for mapping in maps]
-            continue
-        found = search_mesh(
-            graph, struct, param_edges, chooser, range(n), maps,
-            lambda _, physical, dmesh=dmesh, shape=shape: Resharder(dmesh, CostModel(LogicalMesh(cl, shape, physical))),
-            capacity=capacity, zero=zero, microbatches=microbatches, time_limit=time_limit, mip_gap=mip_gap,
-        )  # fmt: skip
-        for t in found.tries:
-            if t.candidate is None:
-                errors.append(t.error)
-                tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
-                continue
-            cand = t.candidate
-            build_s += cand.build_s
-            solve_s += cand.solve_s
-            post_s += cand.post_s
-            solves += cand.solves
-            tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
-            if best is None or cand.time_s < best.time_s - 1e-15:  # over every shape: the first of near-equal ones
-                best, best_builder, best_resharder = cand, builder, t.resharder
-                best_lm = best_resharder.cost_model.mesh
+    search = _ShapeSearch(graph, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
+    shaped = search.structures(shapes, force, merge_trivial)
+    for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
+        search.visit(shape_struct, mappings)
+    best = search.best
     if best is None:
-        raise _no_shape_fits(errors)
-    compute = ComputeCost(best_resharder.cost_model, best.shape, graph)
-    acct = account(graph, best.chosen, best_resharder, compute, microbatches, edges)
-    report = SolverReport(
-        status=best.status,
-        objective_s=best.objective_s,
-        gap=best.gap,
-        num_vars=best.num_vars,
-        num_constraints=best.num_constraints,
-        num_groups=best.num_groups,
-        capture_s=capture_s,
-        build_s=build_s,
-        solve_s=solve_s,
-        total_s=time.perf_counter() - t_start,
-        candidates=tuple(tried),
-        post_s=post_s,
-        memory_row=best.memory_row,
-        ilps_solved=solves,
-        searcher=chooser.name,
-    )
-    result = _assemble(graph, best, acct, best_builder, best_lm, capacity, report, precision, microbatches)
+        raise _no_shape_fits(search.errors)
+    compute = ComputeCost(search.best_resharder.cost_model, best.shape, graph)
+    acct = account(graph, best.chosen, search.best_resharder, compute, microbatches, search.edges)
+    report = search.report(capture_s, time.perf_counter() - t_start)
+    lm = search.best_resharder.cost_model.mesh
+    result = _assemble(graph, best, acct, search.best_builder, lm, capacity, report, precision, microbatches)
     if pins is not None:
         pins.check_plan(result.params, result.inputs)
     if overlap:
@@ -238,6 +144,153 @@ def plan(
     if duplex:
         result = dataclasses.replace(result, schedule=duplex_schedule(result))
     return result
+
+
+def _check_options(zero: str, microbatches: int, overlap: bool, duplex: bool) -> ZeroMode:
+    """The options that contradict each other refused before any work; the ZeRO mode read."""
+    if duplex and (microbatches != 2 or overlap):
+        raise PlanError(
+            f"duplex=True interleaves two microbatches: pass microbatches=2 (got {microbatches})"
+            + (" and drop overlap=True (one schedule per plan)" if overlap else "")
+        )
+    if zero not in ZERO_MODES:
+        raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
+    return ZeroMode(zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapeStructure:
+    """One mesh shape's ILP structure and the compute-only lower bound of any plan on it."""
+
+    lower: float
+    order: int
+    shape: tuple[int, ...]
+    dmesh: Any
+    builder: StrategyBuilder
+    struct: Structure
+
+
+@dataclasses.dataclass
+class _ShapeSearch:
+    """Steps 2–4 of the module docstring: the shapes' structures, then each shape's mappings searched in
+    order of the lower bound, keeping the fastest candidate, every candidate tried and every error."""
+
+    graph: OpGraph
+    cluster: Any
+    devices: int
+    capacity: float
+    zero: ZeroMode
+    microbatches: int
+    chooser: Searcher
+    time_limit: float
+    mip_gap: float
+    best: Candidate | None = None
+    best_builder: StrategyBuilder | None = None
+    best_resharder: Resharder | None = None
+    tried: list[MeshCandidate] = dataclasses.field(default_factory=list)
+    errors: list[PlanError] = dataclasses.field(default_factory=list)
+    build_s: float = 0.0
+    solve_s: float = 0.0
+    post_s: float = 0.0
+    solves: int = 0
+
+    def __post_init__(self) -> None:
+        self.edges = step_edges(self.graph)
+        self.param_edges = ParamEdges.of(self.graph, self.edges)
+
+    def structures(self, shapes: Sequence[tuple[int, ...]], force: Any, merge_trivial: bool) -> list[_ShapeStructure]:
+        """Every shape's structure (strategies, groups, classes) and its compute-only lower bound."""
+        from meshpilot.cluster import CostModel, LogicalMesh, mapped_ranks
+
+        out = []
+        for shape in shapes:
+            t1 = time.perf_counter()
+            dmesh = fake_device_mesh(shape)
+            builder = StrategyBuilder(self.graph, dmesh)
+            cm0 = CostModel(LogicalMesh(self.cluster, shape, mapped_ranks(shape, MeshMapping.ROW)))
+            # compute is priced on the device (the same for every mapping); resharding per mapping, in visit
+            struct = build_structure(
+                self.graph,
+                builder,
+                Resharder(dmesh, cm0),
+                cm0,
+                merge_trivial=merge_trivial,
+                force=force,
+                microbatches=self.microbatches,
+            )
+            self.build_s += time.perf_counter() - t1
+            out.append(_ShapeStructure(compute_lower_bound(struct), len(out), shape, dmesh, builder, struct))
+        return out
+
+    def visit(self, s: _ShapeStructure, mappings: Sequence[MeshMapping | str]) -> None:
+        """Search one shape's mappings, unless its lower bound reaches the best step time or its least memory
+        exceeds the capacity (both recorded as candidates with the reason)."""
+        from meshpilot.cluster import CostModel, LogicalMesh
+        from meshpilot.planner.meshsearch import mappings_of, search_mesh
+
+        maps = mappings_of(s.shape, mappings)
+        if self.best is not None and s.lower >= self.best.time_s:
+            note = (
+                f"skipped: compute alone takes at least {s.lower * 1e3:.1f} ms, "
+                f"the best plan {self.best.time_s * 1e3:.1f} ms"
+            )
+            self.tried += [MeshCandidate(s.shape, mapping, None, note) for mapping in maps]
+            return
+        need = min_memory(s.struct, "plain" if self.zero == ZeroMode.OFF else "zero")
+        if need > self.capacity:
+            e = PlanError(
+                f"no sharding plan fits: the smallest per-device memory found is {fmt_size(need)} "
+                f"but a device holds {fmt_size(self.capacity)} (mesh {s.shape})"
+                "; use more devices, a smaller batch or model, or a device with more memory",
+                mesh_shape=s.shape,
+                need_bytes=need,
+                capacity_bytes=self.capacity,
+            )
+            self.errors.append(e)
+            self.tried += [MeshCandidate(s.shape, mapping, None, str(e), need_bytes=need) for mapping in maps]
+            return
+        cl, shape, dmesh = self.cluster, s.shape, s.dmesh
+        found = search_mesh(
+            self.graph, s.struct, self.param_edges, self.chooser, range(self.devices), maps,
+            lambda _, physical: Resharder(dmesh, CostModel(LogicalMesh(cl, shape, physical))),
+            capacity=self.capacity, zero=self.zero, microbatches=self.microbatches, time_limit=self.time_limit,
+            mip_gap=self.mip_gap,
+        )  # fmt: skip
+        for t in found.tries:
+            if t.candidate is None:
+                self.errors.append(t.error)
+                self.tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
+                continue
+            cand = t.candidate
+            self.build_s += cand.build_s
+            self.solve_s += cand.solve_s
+            self.post_s += cand.post_s
+            self.solves += cand.solves
+            self.tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
+            if self.best is None or cand.time_s < self.best.time_s - 1e-15:  # over every shape: the first of ties
+                self.best, self.best_builder, self.best_resharder = cand, s.builder, t.resharder
+
+    def report(self, capture_s: float, total_s: float) -> SolverReport:
+        """The solver report of the best candidate, with every candidate tried and the time split."""
+        best = self.best
+        assert best is not None
+        return SolverReport(
+            status=best.status,
+            objective_s=best.objective_s,
+            gap=best.gap,
+            num_vars=best.num_vars,
+            num_constraints=best.num_constraints,
+            num_groups=best.num_groups,
+            capture_s=capture_s,
+            build_s=self.build_s,
+            solve_s=self.solve_s,
+            total_s=total_s,
+            candidates=tuple(self.tried),
+            post_s=self.post_s,
+            memory_row=best.memory_row,
+            ilps_solved=self.solves,
+            searcher=self.chooser.name,
+        )
 
 
 def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple:
