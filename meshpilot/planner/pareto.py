@@ -114,8 +114,19 @@ _LEAVES = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT, NodeKind.CONST)
 _MASK = (1 << 61) - 1
 
 
+_M64 = (1 << 64) - 1
+
+
 def _h(value: tuple[str, int], lid: int) -> int:
-    return hash((value, lid)) & _MASK
+    """A value-in-layout's share of a cut's key (keys are sums of these, so a state's key follows its
+    cut as values come and go). Mixed by splitmix64's finaliser: Python's tuple hash is close to linear in
+    a small int, so ``hash((v, 2)) + hash((w, 3))`` and ``hash((v, 1)) + hash((w, 4))`` collided for some
+    hash seeds — distinct cuts shared a key, ``_prune`` compared them as one, and the plan depended on
+    ``PYTHONHASHSEED``."""
+    z = ((hash(value) & _M64) * 0x9E3779B97F4A7C15 + lid + 1) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & _MASK
 
 
 # ------------------------------------------------------------------------------------------ Eq. 4–5
@@ -459,169 +470,227 @@ def pareto_search(
     `incumbent` (a complete choice, e.g. the ILP's), its path is kept beside the beam, so the answer's ψ is at
     most the incumbent's (:func:`duplex_time`)."""
     t0 = time.perf_counter()
-    inc_index: dict[str, int] = {}
-    inc_leaf: dict[str, int] = {}
-    if incumbent is not None:
-        inc_index = _indices(struct, incumbent)
-        if inc_index is None:
-            incumbent = None
-        else:
-            inc_leaf = {
-                n.name: int(struct.out_ids[struct.rep[n.name]][inc_index[n.name], 0])
-                for n in graph.nodes
-                if n.kind in _LEAVES
-            }
-            incumbent = inc_index  # type: ignore[assignment]
-    costs = _Costs(graph, struct, pricer, compute)
-    leaves = _Leaves(graph, struct, costs)
-    nodes = graph.nodes
-    nd = len(struct.mesh_shape)
-    rep_loss = pid(replicated(nd))
-    # how long each value stays on the cut: its last reader, or the producer of a tail edge into it
-    last: dict[tuple[str, int], int] = {}
-    for n in nodes:
-        for src in n.inputs:
-            last[src] = max(last.get(src, -1), n.index)
-    tails: dict[str, list[_Tail]] = {}
-    pnode = {n.fqn: n.name for n in nodes if n.kind == NodeKind.PARAM}
-    bnode = {n.fqn: n.name for n in nodes if n.kind == NodeKind.BUFFER}
-    for fqn, g in graph.grads.items():
-        if g is not None and fqn in pnode:
-            tails.setdefault(g[0], []).append(_Tail(g[1], pnode[fqn], 1))
-            key = (pnode[fqn], 0)
-            last[key] = max(last.get(key, -1), graph[g[0]].index)
-    for fqn, (src, i) in graph.buffer_updates.items():
-        tails.setdefault(src, []).append(_Tail(i, bnode[fqn], 2))
-        key = (bnode[fqn], 0)
-        last[key] = max(last.get(key, -1), graph[src].index)
-    if graph.loss is not None:
-        tails.setdefault(graph.loss[0], []).append(_Tail(graph.loss[1], None, 2))
-
-    states = [_State({}, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, {}, None, incumbent is not None)]
-    expanded = 0
-    for node in nodes:
-        if node.kind in _LEAVES:
-            continue
-        name, k = node.name, node.index
-        sts = struct.strategies[name]
-        lead, inside, after = costs.own_steps(node)
-        comp = costs.comp(node) + inside
-        out_ids = struct.out_ids[struct.rep[name]]
-        in_ids = struct.in_ids[struct.rep[name]]
-        dying = [src for src in set(node.inputs) if last.get(src, -1) <= k]
-        dying += [(t.leaf, 0) for t in tails.get(name, ()) if t.leaf is not None and last.get((t.leaf, 0), -1) <= k]
-        produced = [i for i, info in enumerate(node.outputs) if info is not None and last.get((name, i), -1) > k]
-        trivial = len(sts) > 1 and is_trivial(node)
-        children: list[_State] = []
-        for st in states:
-            expanded += 1
-            undecided: list[tuple[tuple[str, int], int]] = []
-            comm = np.zeros(len(sts))
-            for a, src in enumerate(node.inputs):
-                have = st.lay.get(src)
-                if have is None and graph[src[0]].kind in _LEAVES:
-                    undecided.append((src, a))
-                    continue
-                comm = comm + costs.reshard_in(node, a, -1 if have is None else have)
-            tail = np.zeros(len(sts))
-            tail_fixed = []  # tails into leaves not yet decided: decided as the producer emits
-            for t in tails.get(name, ()):
-                if t.leaf is None:
-                    tail = tail + t.runs * costs.reshard_out(node, t.index, rep_loss)
-                    continue
-                want = st.lay.get((t.leaf, 0))
-                if want is None:
-                    tail_fixed.append(t)
-                    continue
-                tail = tail + t.runs * costs.reshard_out(node, t.index, want)
-
-            picks: list[tuple] = []  # (score, j, leaf decisions, estimate, (base, p, c, x), incumbent?)
-            if undecided:
-                js = range(len(sts)) if not trivial else [int(np.argmin(comm + comp))]
-                for j in js:
-                    for dec, c0, p0 in _combos(j, undecided, out_ids, in_ids, graph, costs, leaves, trivial, None):
-                        base, p, c, x = _advance_op(
-                            st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j]
-                        )
-                        sc = _psi(base, p, c, x) + st.tail + tail[j] + st.pending + p0
-                        picks.append((sc, j, dec, p0, (base, p, c, x), False))
-                picks.sort(key=lambda t: t[0])
-                picks = picks[: POOL * beam]
-            else:
-                js = np.array([int(np.argmin(comm + comp))]) if trivial else np.arange(len(sts))
-                base, p, c, x = _advance_all(st.base, st.p, st.c, st.x, comm[js] + lead[js], comp[js])
-                if after[js].any():  # _advance_op's second stage, where the op leaves collectives in flight
-                    base, p, c, x = _advance_all(base, p, c, x, after[js], 0.0)
-                sc = base + np.maximum(p, c) + np.maximum(c, x) + x + st.tail + tail[js] + st.pending
-                order = np.argsort(sc, kind="stable")[: POOL * beam]
-                picks = [
-                    (float(sc[o]), int(js[o]), (), 0.0, (float(base[o]), float(p[o]), float(c[o]), float(x[o])), False)
-                    for o in order
-                ]
-            if st.inc and incumbent is not None:  # the incumbent's own extension, always kept
-                j = incumbent[name]
-                forced = {src[0]: inc_leaf[src[0]] for src, _ in undecided}
-                (dec, c0, p0), *_ = _combos(j, undecided, out_ids, in_ids, graph, costs, leaves, trivial, forced)
-                base4 = _advance_op(st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j])
-                picks.append((0.0, j, dec, p0, base4, True))
-            for _, j, dec, p0, (base, p, c, x), inc in picks:
-                lay = dict(st.lay)
-                key = st.key
-                decisions = []
-                est = dict(st.est) if dec else st.est
-                for leaf, lid, e in dec:
-                    est[leaf] = e
-                    decisions.append((leaf, leaves.index_of(leaf, lid)))
-                    if last.get((leaf, 0), -1) > k:
-                        lay[(leaf, 0)] = lid
-                        key = (key + _h((leaf, 0), lid)) & _MASK
-                extra_tail = 0.0
-                for t in tail_fixed:  # a tail into a leaf nobody read before: the leaf takes the emitted layout
-                    lid = int(out_ids[j, t.index])
-                    jl = inc_index[t.leaf] if inc and incumbent is not None else leaves.index_of(t.leaf, lid)
-                    decisions.append((t.leaf, jl))
-                    stored = int(struct.out_ids[struct.rep[t.leaf]][jl, 0])
-                    extra_tail += t.runs * costs.pair(lid, stored, node.outputs[t.index])
-                for src in dying:
-                    lid = lay.pop(src, None)
-                    if lid is not None:
-                        key = (key - _h(src, lid)) & _MASK
-                for i in produced:
-                    lid = int(out_ids[j, i])
-                    lay[(name, i)] = lid
-                    key = (key + _h((name, i), lid)) & _MASK
-                pend = st.pending + p0
-                for t in tails.get(name, ()):  # gradients priced now: their estimates leave the score
-                    if t.leaf is not None and t.runs == 1 and t.leaf in est:
-                        est = dict(est) if est is st.est else est
-                        pend -= est.pop(t.leaf)
-                child = _State(
-                    lay,
-                    key,
-                    base,
-                    p,
-                    c,
-                    x,
-                    st.tail + float(tail[j]) + extra_tail,
-                    max(pend, 0.0),
-                    est,
-                    (st.hist, name, j, tuple(decisions)),
-                    inc,
-                )
-                children.append(child)
-        states = _prune(children, beam)
+    dp = _ParetoDP(graph, struct, _Costs(graph, struct, pricer, compute), beam)
+    inc_index = _indices(struct, incumbent) if incumbent is not None else None
+    if inc_index is not None:
+        dp.keep_incumbent(inc_index)
+    states = [_State({}, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, {}, None, inc_index is not None)]
+    for node in graph.nodes:
+        if node.kind not in _LEAVES:
+            states = _prune([c for st in states for c in dp.expand(st, _NodeStep.of(node, dp))], beam)
     best = min(states, key=lambda s: s.psi)
-    chosen: dict[str, Strategy] = {}
-    h = best.hist
-    while h is not None:
-        parent, name, j, decisions = h
-        chosen[name] = struct.strategies[name][j]
-        for leaf, jl in decisions:
-            chosen.setdefault(leaf, struct.strategies[leaf][jl])
-        h = parent
-    for n in nodes:  # leaves nothing read
-        chosen.setdefault(n.name, struct.strategies[n.name][0])
-    return ParetoResult(chosen, best.psi, expanded, time.perf_counter() - t0, incumbent is not None)
+    return ParetoResult(dp.chosen(best), best.psi, dp.expanded, time.perf_counter() - t0, inc_index is not None)
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """One extension of a state by a strategy of the node: its score, strategy index, the leaves it decides
+    (``(leaf, layout id, estimate)``), their pending estimate, the four running sums and whether it is the
+    incumbent's own."""
+
+    score: float
+    j: int
+    decisions: tuple
+    pending: float
+    sums: tuple[float, float, float, float]
+    incumbent: bool
+
+
+@dataclass(frozen=True)
+class _NodeStep:
+    """What the DP needs of one operator, the same for every state it extends."""
+
+    node: OpNode
+    strategies: list
+    lead: np.ndarray
+    comp: np.ndarray
+    after: np.ndarray
+    out_ids: np.ndarray
+    in_ids: np.ndarray
+    dying: list
+    produced: list[int]
+    trivial: bool
+
+    @staticmethod
+    def of(node: OpNode, dp: _ParetoDP) -> _NodeStep:
+        name, k = node.name, node.index
+        sts = dp.struct.strategies[name]
+        lead, inside, after = dp.costs.own_steps(node)
+        last = dp.last
+        dying = [src for src in set(node.inputs) if last.get(src, -1) <= k]
+        dying += [(t.leaf, 0) for t in dp.tails.get(name, ()) if t.leaf is not None and last.get((t.leaf, 0), -1) <= k]
+        return _NodeStep(
+            node,
+            sts,
+            lead,
+            dp.costs.comp(node) + inside,
+            after,
+            dp.struct.out_ids[dp.struct.rep[name]],
+            dp.struct.in_ids[dp.struct.rep[name]],
+            dying,
+            [i for i, info in enumerate(node.outputs) if info is not None and last.get((name, i), -1) > k],
+            len(sts) > 1 and is_trivial(node),
+        )
+
+
+class _ParetoDP:
+    """The DP's fixed context: each value's lifetime on the cut (its last reader, or the producer of a tail
+    edge into it), the tail edges (gradients into parameters, buffer updates, the loss), the incumbent."""
+
+    def __init__(self, graph: OpGraph, struct: Structure, costs: _Costs, beam: int) -> None:
+        self.graph, self.struct, self.costs, self.beam = graph, struct, costs, beam
+        self.leaves = _Leaves(graph, struct, costs)
+        self.rep_loss = pid(replicated(len(struct.mesh_shape)))
+        self.incumbent: dict[str, int] | None = None
+        self.inc_leaf: dict[str, int] = {}
+        self.expanded = 0
+        self.last: dict[tuple[str, int], int] = {}
+        self.tails: dict[str, list[_Tail]] = {}
+        self._lifetimes()
+
+    def _lifetimes(self) -> None:
+        graph, last, tails = self.graph, self.last, self.tails
+        for n in graph.nodes:
+            for src in n.inputs:
+                last[src] = max(last.get(src, -1), n.index)
+        pnode = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM}
+        bnode = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.BUFFER}
+        for fqn, g in graph.grads.items():
+            if g is not None and fqn in pnode:
+                tails.setdefault(g[0], []).append(_Tail(g[1], pnode[fqn], 1))
+                key = (pnode[fqn], 0)
+                last[key] = max(last.get(key, -1), graph[g[0]].index)
+        for fqn, (src, i) in graph.buffer_updates.items():
+            tails.setdefault(src, []).append(_Tail(i, bnode[fqn], 2))
+            key = (bnode[fqn], 0)
+            last[key] = max(last.get(key, -1), graph[src].index)
+        if graph.loss is not None:
+            tails.setdefault(graph.loss[0], []).append(_Tail(graph.loss[1], None, 2))
+
+    def keep_incumbent(self, inc_index: dict[str, int]) -> None:
+        """Keep the path of the complete choice `inc_index` (strategy index per node) beside the beam."""
+        self.incumbent = inc_index
+        self.inc_leaf = {
+            n.name: int(self.struct.out_ids[self.struct.rep[n.name]][inc_index[n.name], 0])
+            for n in self.graph.nodes
+            if n.kind in _LEAVES
+        }
+
+    def expand(self, st: _State, ns: _NodeStep) -> list[_State]:
+        """Every kept extension of state `st` by a strategy of `ns`'s node."""
+        self.expanded += 1
+        costs, graph, node = self.costs, self.graph, ns.node
+        undecided: list[tuple[tuple[str, int], int]] = []
+        comm = np.zeros(len(ns.strategies))
+        for a, src in enumerate(node.inputs):
+            have = st.lay.get(src)
+            if have is None and graph[src[0]].kind in _LEAVES:
+                undecided.append((src, a))
+                continue
+            comm = comm + costs.reshard_in(node, a, -1 if have is None else have)
+        tail = np.zeros(len(ns.strategies))
+        tail_fixed = []  # tails into leaves not yet decided: decided as the producer emits
+        for t in self.tails.get(node.name, ()):
+            if t.leaf is None:
+                tail = tail + t.runs * costs.reshard_out(node, t.index, self.rep_loss)
+                continue
+            want = st.lay.get((t.leaf, 0))
+            if want is None:
+                tail_fixed.append(t)
+                continue
+            tail = tail + t.runs * costs.reshard_out(node, t.index, want)
+        picks = self._picks(st, ns, comm, tail, undecided)
+        return [self._child(st, ns, pick, float(tail[pick.j]), tail_fixed) for pick in picks]
+
+    def _picks(self, st: _State, ns: _NodeStep, comm: np.ndarray, tail: np.ndarray, undecided: list) -> list[_Pick]:
+        """The best ``POOL · beam`` strategies of the node after `st` (with the leaves they decide), and the
+        incumbent's own extension when `st` is on its path."""
+        lead, comp, after = ns.lead, ns.comp, ns.after
+        picks: list[_Pick] = []
+        if undecided:
+            js = range(len(ns.strategies)) if not ns.trivial else [int(np.argmin(comm + comp))]
+            for j in js:
+                for dec, c0, p0 in self._combos(j, undecided, ns, None):
+                    sums = _advance_op(st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j])
+                    sc = _psi(*sums) + st.tail + tail[j] + st.pending + p0
+                    picks.append(_Pick(sc, j, dec, p0, sums, False))
+            picks.sort(key=lambda t: t.score)
+            picks = picks[: POOL * self.beam]
+        else:
+            js = np.array([int(np.argmin(comm + comp))]) if ns.trivial else np.arange(len(ns.strategies))
+            base, p, c, x = _advance_all(st.base, st.p, st.c, st.x, comm[js] + lead[js], comp[js])
+            if after[js].any():  # _advance_op's second stage, where the op leaves collectives in flight
+                base, p, c, x = _advance_all(base, p, c, x, after[js], 0.0)
+            sc = base + np.maximum(p, c) + np.maximum(c, x) + x + st.tail + tail[js] + st.pending
+            order = np.argsort(sc, kind="stable")[: POOL * self.beam]
+            picks = [
+                _Pick(float(sc[o]), int(js[o]), (), 0.0, (float(base[o]), float(p[o]), float(c[o]), float(x[o])), False)
+                for o in order
+            ]
+        if st.inc and self.incumbent is not None:  # the incumbent's own extension, always kept
+            j = self.incumbent[ns.node.name]
+            forced = {src[0]: self.inc_leaf[src[0]] for src, _ in undecided}
+            (dec, c0, p0), *_ = self._combos(j, undecided, ns, forced)
+            sums = _advance_op(st.base, st.p, st.c, st.x, comm[j] + c0 + lead[j], comp[j], after[j])
+            picks.append(_Pick(0.0, j, dec, p0, sums, True))
+        return picks
+
+    def _combos(self, j: int, undecided: list, ns: _NodeStep, forced: dict | None) -> list:
+        return _combos(j, undecided, ns.out_ids, ns.in_ids, self.graph, self.costs, self.leaves, ns.trivial, forced)
+
+    def _child(self, st: _State, ns: _NodeStep, pick: _Pick, tail_j: float, tail_fixed: list) -> _State:
+        """The state `pick` makes of `st`: the cut's layouts (hashed in `key`), the leaves decided, the
+        pending estimates, the tails priced."""
+        name, k, j = ns.node.name, ns.node.index, pick.j
+        last = self.last
+        lay = dict(st.lay)
+        key = st.key
+        decisions = []
+        est = dict(st.est) if pick.decisions else st.est
+        for leaf, lid, e in pick.decisions:
+            est[leaf] = e
+            decisions.append((leaf, self.leaves.index_of(leaf, lid)))
+            if last.get((leaf, 0), -1) > k:
+                lay[(leaf, 0)] = lid
+                key = (key + _h((leaf, 0), lid)) & _MASK
+        extra_tail = 0.0
+        for t in tail_fixed:  # a tail into a leaf nobody read before: the leaf takes the emitted layout
+            lid = int(ns.out_ids[j, t.index])
+            inc = pick.incumbent and self.incumbent is not None
+            jl = self.incumbent[t.leaf] if inc else self.leaves.index_of(t.leaf, lid)
+            decisions.append((t.leaf, jl))
+            stored = int(self.struct.out_ids[self.struct.rep[t.leaf]][jl, 0])
+            extra_tail += t.runs * self.costs.pair(lid, stored, ns.node.outputs[t.index])
+        for src in ns.dying:
+            lid = lay.pop(src, None)
+            if lid is not None:
+                key = (key - _h(src, lid)) & _MASK
+        for i in ns.produced:
+            lid = int(ns.out_ids[j, i])
+            lay[(name, i)] = lid
+            key = (key + _h((name, i), lid)) & _MASK
+        pend = st.pending + pick.pending
+        for t in self.tails.get(name, ()):  # gradients priced now: their estimates leave the score
+            if t.leaf is not None and t.runs == 1 and t.leaf in est:
+                est = dict(est) if est is st.est else est
+                pend -= est.pop(t.leaf)
+        base, p, c, x = pick.sums
+        hist = (st.hist, name, j, tuple(decisions))
+        return _State(lay, key, base, p, c, x, st.tail + tail_j + extra_tail, max(pend, 0.0), est, hist, pick.incumbent)
+
+    def chosen(self, best: _State) -> dict[str, Strategy]:
+        """The strategies along `best`'s history; leaves nothing read take their first strategy."""
+        chosen: dict[str, Strategy] = {}
+        h = best.hist
+        while h is not None:
+            parent, name, j, decisions = h
+            chosen[name] = self.struct.strategies[name][j]
+            for leaf, jl in decisions:
+                chosen.setdefault(leaf, self.struct.strategies[leaf][jl])
+            h = parent
+        for n in self.graph.nodes:
+            chosen.setdefault(n.name, self.struct.strategies[n.name][0])
+        return chosen
 
 
 # ------------------------------------------------------------------------------------------ evaluation
