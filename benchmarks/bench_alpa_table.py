@@ -3,6 +3,13 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
 
     python benchmarks/bench_alpa_table.py                                  # the GPT rows that finish
     python benchmarks/bench_alpa_table.py --rows gpt3-350m gpt3-1.3b --microbatches 16 32
+    python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # approximate vs exact table
+
+``--tables`` (GPT rows; default: all of them): per row and B, the repeated-block stage table costed both ways
+(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the approximate
+table whose chosen stages are then searched under their own caps, and the exact one of every cap level — with
+the final plan's predicted step (Eq. 2), its stages, the step's ratio and each planning's wall and CPU seconds
+(``plan_pipeline`` only: the capture is shared).
 
 Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
 microbatches B given (one capture of one microbatch's step per B, on meta tensors; for a GPT the capture of
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -136,8 +144,14 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=0, help="Eq. 6's L for meshpilot (0: every layer)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--exact", action="store_true", help="capture every block and search every stage range (GPT)")
+    ap.add_argument("--tables", action="store_true", help="GPT rows: the approximate table against the exact one")
+    ap.add_argument("--workers", type=int, default=None, help="--tables: plan_pipeline's planning processes")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
+    if args.tables:
+        rows = args.rows if "--rows" in sys.argv else gpts
+        compare_tables(rows, args.microbatches, args.workers)
+        return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
         f"{'baseline plan':<34} {'plan s':>7} {'cpu s':>6}"
@@ -189,6 +203,42 @@ def main() -> None:
             f"{planning:7.1f} {planning_cpu:6.1f}",
             flush=True,
         )
+
+
+def compare_tables(names: list[str], microbatches: list[int], workers: int | None) -> None:
+    """``--tables`` (module docstring): per GPT row and B, the approximate and the exact stage table's plans."""
+    head = (
+        f"{'model':<10} {'GPUs':>4} {'B':>3} {'table':<11} {'step s':>12} {'apx/ex':>7} {'wall s':>7} {'cpu s':>7} "
+        f"{'searches':>8}  stages"
+    )
+    print(head + "\n" + "-" * len(head), flush=True)
+    for name in names:
+        row, entry = alpa_models()[name], builtin_models()[name]
+        for B in microbatches:
+            if row.global_batch % B:
+                continue
+            stack = capture_stack(*entry.build("meta", row.global_batch // B))
+            steps = {}
+            for costing in ("approximate", "exact"):
+                t0, c0 = time.perf_counter(), cpu_seconds()
+                try:
+                    p = plan_pipeline(stack, CLUSTER, microbatches=B, num_devices=entry.devices, costing=costing,
+                                      workers=workers)  # fmt: skip
+                except PlanError as e:
+                    print(f"{name:<10} {entry.devices:>4} {B:>3} {costing:<11} no plan: {e}", flush=True)
+                    continue
+                wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+                steps[costing] = p.step_s
+                stages = " ".join(
+                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages for a, b in [s.layers]
+                )
+                # approximate / exact on the exact row: the approximate table's step against the exact one's
+                ratio = steps["approximate"] / p.step_s if costing == "exact" and "approximate" in steps else 1.0
+                print(
+                    f"{name:<10} {entry.devices:>4} {B:>3} {costing:<11} {p.step_s:12.6f} {ratio:7.4f} {wall:7.1f} "
+                    f"{cpu:7.1f} {p.stage_plans:>8}  {stages}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

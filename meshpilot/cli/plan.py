@@ -30,6 +30,8 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
+--approximate-table costs that table from each logical mesh's block at full memory, ZeRO-sharded and estimated,
+and searches only the chosen stages under their own memory caps (experimental: see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -185,6 +187,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
+    )
+    p.add_argument(
+        "--approximate-table",
+        action="store_true",
+        help="a model of repeated blocks: cost the stage table from each logical mesh's block at full memory, "
+        "ZeRO-sharded and estimated, then search the chosen stages under their own memory caps (instead of the "
+        "block under every cap level); experimental: its plan can be much slower (docs/benchmarks.md)",
     )
     p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
@@ -433,6 +442,7 @@ class Staged:
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
+                        costing="approximate" if args.approximate_table else "exact",
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B)
             except PlanError as e:  # only memory is helped by more microbatches

@@ -229,7 +229,7 @@ from meshpilot.planner.schedule import (
     pipeline,
     stage_in_flight_of,
 )
-from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, find_stack
+from meshpilot.planner.stack import MIN_BLOCKS, Stack, StackTable, StageCosting, TableCosting, find_stack
 from meshpilot.planner.stage import Layer, StageCost, StagePlanner, runnable_layers, stays_in_stage
 
 DEFAULT_DELTA = 0.1
@@ -763,6 +763,7 @@ def plan_pipeline(
     submeshes: Sequence[int] | None = None,
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
+    costing: TableCosting | str = TableCosting.EXACT,
     **stage_kw,
 ) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -786,6 +787,11 @@ def plan_pipeline(
     Theorem 1's (e.g. whole nodes in powers of two), `shapes` the logical shapes per size
     (:class:`LogicalShapes`); both narrow the search (the plan is the best among them).
 
+    `costing` (a repeated stack's table, ``stack.TableCosting``): ``"exact"`` (default) composes it from the
+    block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
+    capacity, its ZeRO-sharded variant and an estimate, then searches the chosen stages under their own caps
+    and runs the DP again (``stack`` module docstring, 4; not the default: on GPT-39B its plan is 54 % slower).
+
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
     t0 = time.perf_counter()
@@ -800,7 +806,8 @@ def plan_pipeline(
         graph = stack.graph
     call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                 num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
-                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks, **stage_kw)  # fmt: skip
+                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
+                costing=_costing(costing), **stage_kw)  # fmt: skip
     if schedule == AUTO:
         return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
@@ -818,6 +825,13 @@ def plan_pipeline(
     if kind == PipelineKind.INTERLEAVED_1F1B:
         return _interleaved_plan(setup, kind, call)
     return _dp_plan(setup, kind, call)
+
+
+def _costing(costing: TableCosting | str) -> TableCosting:
+    try:
+        return TableCosting(costing)
+    except ValueError:
+        raise UserError(f"costing={costing!r}: give one of {', '.join(c.value for c in TableCosting)}") from None
 
 
 @dataclass
@@ -861,7 +875,8 @@ def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> Plan
     found: list[tuple[float, int, Plan]] = []
     errors = []
     for rank, k in enumerate(AUTO_ORDER):
-        if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing == StageCosting.STACK for _, _, p in found):
+        composed = (StageCosting.STACK, StageCosting.STACK_APPROX)
+        if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing in composed for _, _, p in found):
             continue  # its search costs every range on its own: not where the others composed a block's costs
         try:
             p = plan_pipeline(graph, cluster, schedule=k, **call)
@@ -1046,12 +1061,17 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
         fast_table = StackTable(
             sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
-            workers=call["workers"],
+            workers=call["workers"], costing=call["costing"],
         )  # fmt: skip
         t, arg = fast_table.arrays()
     best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
     if best is None:
         raise _no_fit(setup, kind, num_stages or f"up to {S}")
+    if stack is not None and fast_table.costing == TableCosting.APPROXIMATE:
+        best, more = _refine_chosen(fast_table, t, arg, best, setup, kind, call)
+        tried += more
+        if best is None:
+            raise _no_fit(setup, kind, num_stages or f"up to {S}")
     score, chosen = best
     ranks = place([setup.sizes[z] for _, _, z in chosen])
     stages = []
@@ -1067,12 +1087,52 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
         fl = stage_in_flight(kind, s_left, B, len(chosen))
         share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
         stages.append(PlanStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
-    costing = StageCosting.STACK if stack is not None else StageCosting.EXACT
+    costing = StageCosting.EXACT
+    if stack is not None:
+        approximate = fast_table.costing == TableCosting.APPROXIMATE
+        costing = StageCosting.STACK_APPROX if approximate else StageCosting.STACK
     return Plan(
         tuple(stages), B, n, clusters, setup.capacity, score, time.perf_counter() - setup.t0,
         sp.misses - setup.misses, tried, kind, costing,
         transfers=setup.transfers([st.layers for st in stages], ranks), cluster=sp.cluster.name,
     )  # fmt: skip
+
+
+REFINE_ROUNDS = 8
+"""Most rounds of :func:`_refine_chosen` (each: the chosen stages searched under their own caps, the DP again)."""
+
+
+def _refine_chosen(table: StackTable, t: np.ndarray, arg: np.ndarray, best, setup: _Setup, kind, call: dict):
+    """The approximate table's answer made exact (``stack`` module docstring, 4): each chosen stage searched
+    under its own cap (``StackTable.refine``: the fastest plan that fits, the table's own plan among them), its
+    entry in `t` / `arg` replaced by that (an estimate's may rise, a plan's only falls), and the DP run again,
+    until it chooses only stages so searched. After :data:`REFINE_ROUNDS` rounds the entries still estimates are
+    dropped and the DP runs once more: its stages are then plans. Returns the best (score, stages) or None, and
+    the DPs run."""
+    B, n, num_stages = call["microbatches"], setup.n, call["num_stages"]
+    bounds = setup.clusters.bounds
+    done: set[tuple[int, int, int, int]] = set()
+    tried = 0
+    for _ in range(REFINE_ROUNDS):
+        chosen = best[1]
+        ranks = place([setup.sizes[z] for _, _, z in chosen])
+        todo = [((len(chosen) - r, k, i, z), rk) for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks))]
+        todo = [(x, rk) for x, rk in todo if x not in done]
+        if not todo:
+            return best, tried
+        for (s_left, k, i, z), rk in todo:
+            done.add((s_left, k, i, z))
+            fl = stage_in_flight(kind, s_left, B, num_stages)
+            t_new, cand = table.refine(bounds[k][0], bounds[i][1], rk, int(arg[s_left, k, i, z]), fl)
+            t[s_left, k, i, z], arg[s_left, k, i, z] = t_new, cand
+        best, more = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
+        tried += more
+        if best is None:
+            return None, tried
+    estimate = np.array([c.estimate for c in table.candidates] + [False])  # arg -1: index -1, no estimate
+    t[estimate[arg]] = math.inf
+    best, more = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
+    return best, tried + more
 
 
 def fixed_pipeline(

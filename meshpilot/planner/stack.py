@@ -88,6 +88,30 @@ logical mesh mapping is each piece's own (the stage reports its largest piece's)
 
 Searches: per shape, one block (per level used) plus the pre and post sub-ranges — ``p(p+1)/2 + q(q+1)/2``,
 6 for a GPT — whatever L, instead of O(L) ranges of growing size.
+
+4. The approximate table, then the chosen stages exactly (``TableCosting.APPROXIMATE``, :meth:`StackTable.refine`)
+-----------------------------------------------------------------------------------------------------------
+Opt-in (``plan_pipeline(costing="approximate")``, ``meshpilot plan --approximate-table``). The cap levels'
+searches are what the exact table costs: a block's ILP whose memory rows bind is a knapsack HiGHS closes with
+cuts (seconds each on GPT-39B's sub-GiB caps), where the same ILP without binding rows is solved at its root in a
+tenth of a second. The approximate table searches no capped block; per logical mesh it composes up to three
+block pieces (:class:`ApproxLevel`, each only where some range of blocks fits with none before it): FULL, the
+block at the device's capacity (level 0 above); ZERO, the same search with every replicated update
+ZeRO-sharded (``zero.ZeroMode.ALL``: no new ILP, the post-pass on the same answer); ESTIMATE, no plan but ZERO's
+time and live peak with the memory floors' static, update and saved bytes (``StagePlanner.floor``) — a guess at
+what a plan under a tight cap costs. The DP runs on it; then each chosen stage (range, ranks, s stages from
+it on) is searched under its own cap (``refine``): its block on the candidate's logical mesh at the device's
+capacity, then, while the composed stage does not fit Eq. 5 with its f(s) microbatches in flight, under the
+cap ``_cap_for`` gives for its k blocks and f(s) (at most :data:`MAX_LEVELS`, each ≤ 0.9 of the last). The
+fastest of those and the table's own plan replaces the entry (an estimate's entry may rise) and the DP runs
+again, until it chooses only stages so searched (``pipeline._refine_chosen``, at most
+``pipeline.REFINE_ROUNDS`` rounds; then the estimates left are dropped). The final plan's stages are plans,
+costed as :meth:`stage_cost` costs them.
+
+Measured (``docs/benchmarks.md``, "The approximate stage table"): on small GPTs it gives the exact table's plan
+with fewer searches, but on GPT-39B (B = 64, ``alpa-p3x8``) the estimates are far below what a capped plan
+costs on 8x2 (a stage estimated at ~5 s a microbatch is 9-12 s once searched), the rounds run out, and its plan
+is 54 % slower than the exact table's at about the same CPU — hence not the default.
 """
 
 from __future__ import annotations
@@ -98,7 +122,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 import numpy as np
 import torch
@@ -110,6 +134,7 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
+from meshpilot.planner.zero import ZeroMode
 
 MIN_BLOCKS = 4
 """Fewest blocks a repeated stack has: the first, two middle ones (one range of two), the last."""
@@ -131,7 +156,21 @@ class StageCosting(StrEnum):
     EXACT = "exact"
     """Every range of layers searched as one slice (``pipeline._StageTable``)."""
     STACK = "repeated-block"
-    """Composed from one block's plan and the special layers' (this module)."""
+    """Composed from one block's plan and the special layers' (this module), the block under cap levels."""
+    STACK_APPROX = "repeated-block approximate-then-exact"
+    """Composed as :attr:`STACK`, the table's block plans uncapped or ZeRO-sharded (no capped search), the chosen
+    stages then searched under their own cap (module docstring, 4)."""
+
+
+class TableCosting(StrEnum):
+    """Which block plans :class:`StackTable` composes its entries from (module docstring, 2 and 4)."""
+
+    APPROXIMATE = "approximate"
+    """Per logical mesh, the block planned at the device's capacity, ZeRO-sharded and estimated (:class:`ApproxLevel`):
+    no memory-capped search; the chosen stages are searched under their own caps afterwards
+    (:meth:`StackTable.refine`). Experimental (module docstring, 4)."""
+    EXACT = "exact"
+    """Per logical mesh, the block planned under up to :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
 
 
 @dataclass(frozen=True)
@@ -308,17 +347,21 @@ class StackTable:
     kw: dict = field(default_factory=dict)
     shapes: object = mesh_shapes_2d
     """``d -> [(a, b), ...]``: the logical shapes costed per submesh size (``pipeline.logical_shapes``)."""
-    candidates: list[tuple[int, tuple[int, int], int]] = field(default_factory=list)
-    """(size, shape, the block piece's memory cap) of each candidate; ``arrays``' ``arg`` indexes it."""
+    candidates: list[Candidate] = field(default_factory=list)
+    """Each candidate's size, shape and block plan; ``arrays``' ``arg`` indexes it."""
     workers: int = 1
     """Processes the columns are computed in (``planner.parallel``)."""
     prune: bool = True
     """Skip the logical meshes and cap levels whose floors show they cannot change an entry (module
     docstring, 3: the same table); False searches every one (for the tests)."""
+    costing: TableCosting = TableCosting.EXACT
+    """The block plans the entries are composed from (:class:`TableCosting`)."""
 
-    def _piece(self, rng: tuple[int, int], ranks, shape, cap: float) -> _Piece | None:
+    def _piece(self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
+        if zero is not None:
+            kw["zero"] = zero
         try:
             c, m = self.planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
         except PlanError:
@@ -364,7 +407,7 @@ class StackTable:
         L, S, B = len(self.bounds), self.max_stages, self.microbatches
         tz = np.full((S, L, L), math.inf)
         az = np.full((S, L, L), -1, dtype=np.int64)
-        candidates: list[tuple[int, tuple[int, int], float]] = []
+        candidates: list[Candidate] = []
         PA, PB, NB, pres, posts = layout
         d = self.sizes[z]
         use = np.zeros((L, L), dtype=bool)
@@ -393,14 +436,19 @@ class StackTable:
             ]
             blocks_needed = use & (NB > 0)
             block_cap, target = self.capacity, 0
-            for level in range(MAX_LEVELS):
+            approximate = self.costing == TableCosting.APPROXIMATE
+            blk = None
+            for level in range(len(ApproxLevel) if approximate else MAX_LEVELS):
                 key = j * MAX_LEVELS + level
                 if level and lower is not None and not self._can_improve(lower, tz, order, key):
                     break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-                blk = self._piece((mid, mid + 1), ranks, shape, block_cap)
+                if approximate:
+                    blk, c = self._approx_block(ApproxLevel(level), blk, ranks, shape)
+                else:
+                    blk, c = self._piece((mid, mid + 1), ranks, shape, block_cap), Candidate(d, shape, block_cap)
                 T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
                 T = np.where(use, T, math.inf)
-                candidates.append((d, shape, block_cap))
+                candidates.append(c)
                 cid = len(candidates) - 1
                 mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
                 ok = (mem <= self.capacity) & np.isfinite(T)[None]
@@ -413,9 +461,27 @@ class StackTable:
                 fitless = blocks_needed & ~ok.any(axis=0)
                 if blk is None or not fitless.any():
                     break
-                target = max(int(NB[fitless].min()), 2 * target)
-                block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+                if not approximate:
+                    target = max(int(NB[fitless].min()), 2 * target)
+                    block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
         return tz, az, candidates
+
+    def _approx_block(self, level: ApproxLevel, prev: _Piece | None, ranks, shape) -> tuple[_Piece | None, Candidate]:
+        """The approximate table's block piece at `level` on `shape` (module docstring, 4) and its candidate;
+        `prev` is the previous level's piece."""
+        mid, cap, d = self.stack.middle, self.capacity, len(ranks)
+        if level == ApproxLevel.FULL:
+            return self._piece((mid, mid + 1), ranks, shape, cap), Candidate(d, shape, cap)
+        if level == ApproxLevel.ZERO:
+            return self._piece((mid, mid + 1), ranks, shape, cap, ZeroMode.ALL), Candidate(d, shape, cap, ZeroMode.ALL)
+        c = Candidate(d, shape, cap, ZeroMode.ALL, estimate=True)
+        if prev is None:
+            return None, c
+        kw = {k: v for k, v in self.kw.items() if k == "force"}
+        fl = self.planner.floor(mid, mid + 1, ranks, shape, microbatches=self.microbatches, **kw)
+        static = max(fl.backward - fl.saved, 0.0)
+        mem = StageMemory(static, max(fl.update - static, 0.0), 0.0, fl.saved, prev.mem.live_peak)
+        return _Piece(prev.cost, mem), c
 
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
@@ -462,20 +528,89 @@ class StackTable:
 
     def stage_cost(self, start: int, stop: int, ranks: Sequence[int], cand: int) -> StageCost:
         """The stage of model layers ``[start, stop)`` composed on `ranks` as candidate `cand` (its shape and
-        block cap) of :meth:`arrays`."""
-        _, shape, block_cap = self.candidates[cand]
+        block plan) of :meth:`arrays`."""
+        c = self.candidates[cand]
         kw = {k: v for k, v in self.kw.items() if k != "capacity"}
         return compose_stage(
-            self.planner, self.stack, start, stop, ranks, shape, microbatches=self.microbatches,
-            capacity=self.capacity, block_capacity=block_cap, **kw,
+            self.planner, self.stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
+            capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, **kw,
         )  # fmt: skip
 
+    def refine(self, start: int, stop: int, ranks: Sequence[int], cand: int, in_flight: int) -> tuple[float, int]:
+        """The chosen stage of model layers ``[start, stop)`` with `in_flight` microbatches searched under its own
+        cap on candidate `cand`'s logical mesh (module docstring, 4): its block planned at the device's capacity,
+        then while the composed stage does not fit, under the cap :func:`_cap_for` gives for this stage's blocks
+        (at most :data:`MAX_LEVELS` caps, each at most 0.9 of the last). Returns (t_intra, candidate) of the
+        fastest that fits among these and `cand`'s plan (an estimate's: its ZeRO-sharded block), ∞ when none
+        does; a new candidate is appended when one of these wins."""
+        c = self.candidates[cand]
+        _, nb, _ = self.stack.parts(start, stop)
+        B, capacity = self.microbatches, self.capacity
+        kw = {k: v for k, v in self.kw.items() if k != "capacity"}
 
-def _cap_for(m: StageMemory, k: int, capacity: float) -> float:
+        def priced(block_cap: float, zero) -> tuple[float, StageCost | None]:
+            try:
+                cost = compose_stage(
+                    self.planner, self.stack, start, stop, ranks, c.shape, microbatches=B, capacity=capacity,
+                    block_capacity=block_cap, block_zero=zero, **kw,
+                )  # fmt: skip
+            except PlanError:
+                return math.inf, None
+            p = cost.peaks
+            fits = max(p.update, p.forward_backward + (in_flight - 1) * p.activations) <= capacity
+            return (cost.time.total_s / B if fits else math.inf), cost
+
+        best_t, best = priced(c.block_cap, c.block_zero)[0], cand
+        if c.estimate:  # the estimate's own plan is ZERO's: a plan, its candidate one
+            self.candidates.append(dataclasses.replace(c, estimate=False))
+            best = len(self.candidates) - 1
+        cap = capacity
+        for _ in range(MAX_LEVELS if nb else 1):
+            t, cost = priced(cap, None)
+            if t < best_t:
+                self.candidates.append(Candidate(c.size, c.shape, cap, None))
+                best_t, best = t, len(self.candidates) - 1
+            if cost is None or math.isfinite(t):
+                break
+            blk = self.planner.plan_with_memory(self.stack.middle, self.stack.middle + 1, ranks, c.shape,
+                                                microbatches=B, capacity=cap, **kw)[1]  # fmt: skip
+            cap = min(0.9 * cap, _cap_for(blk, nb, capacity, in_flight))
+        return best_t, best
+
+
+class ApproxLevel(IntEnum):
+    """The approximate table's block pieces per logical mesh, in the order tried (module docstring, 4)."""
+
+    FULL = 0
+    """The block searched at the device's capacity."""
+    ZERO = 1
+    """The same search with every replicated update ZeRO-sharded (``zero.ZeroMode.ALL``)."""
+    ESTIMATE = 2
+    """No plan: :attr:`ZERO`'s time and live peak with the memory floors' static, update and saved bytes
+    (``StagePlanner.floor``) — what a plan under a tight cap roughly costs; an entry from it is searched exactly
+    (``StackTable.refine``) before a plan may use it."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One logical mesh's block plan in :class:`StackTable`: what its entries were composed from."""
+
+    size: int
+    shape: tuple[int, int]
+    block_cap: float
+    """The block's memory cap."""
+    block_zero: ZeroMode | None = None
+    """The block's ZeRO post-pass (None: the table's own, ``zero.ZeroMode.AUTO`` by default)."""
+    estimate: bool = False
+    """An estimate (``ApproxLevel.ESTIMATE``), not a plan: its entries must be searched (``StackTable.refine``)."""
+
+
+def _cap_for(m: StageMemory, k: int, capacity: float, in_flight: int = 1) -> float:
     """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
-    (Eq. 5 with one microbatch in flight) are over the device's capacity."""
+    (Eq. 5 with `in_flight` microbatches in flight) are over the device's capacity."""
     carry = max(m.saved, m.grads)
-    need = max(k * (m.static + carry) - carry + m.live_peak, k * (m.static + m.grads + m.update_temp))
+    fb = k * (m.static + carry) - carry + m.live_peak + (in_flight - 1) * k * m.saved
+    need = max(fb, k * (m.static + m.grads + m.update_temp))
     own = max(m.static + m.live_peak, m.static + m.grads + m.update_temp)
     return own * capacity / need
 
@@ -491,12 +626,14 @@ def compose_stage(
     microbatches: int,
     capacity: float | None = None,
     block_capacity: float | None = None,
+    block_zero: ZeroMode | None = None,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
     pieces (module docstring, 2): the pre and post parts planned under `capacity`, the blocks as k times a
     middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
-    every piece (``zero``, ``force``: a Megatron stage's pinned layouts). Raises ``PlanError`` when a piece
+    every piece (``zero``, ``force``: a Megatron stage's pinned layouts; `block_zero` overrides ``zero`` for the
+    block). Raises ``PlanError`` when a piece
     has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
@@ -504,13 +641,15 @@ def compose_stage(
     asked: list[tuple[tuple[int, int], int, float]] = []
     if pre is not None:
         asked.append((pre, 1, cap))
+    blk = (stack.middle, stack.middle + 1)
     if nb:
-        asked.append(((stack.middle, stack.middle + 1), nb, cap if block_capacity is None else block_capacity))
+        asked.append((blk, nb, cap if block_capacity is None else block_capacity))
     if post is not None:
         asked.append((post, 1, cap))
     pieces = []
     for (a, b), w, c in asked:
-        cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **kw)
+        zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
+        cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
     fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
     time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
