@@ -31,7 +31,9 @@ is about 1.1 MB.
 bucket ``k`` starts at ``s_k = max(r_k, e_{k-1})`` where ``r_k`` is the moment its last gradient is produced
 (the backward's node seconds and non-gradient collectives, in graph order, up to that node) and ends at
 ``e_k = s_k + T_k``. What the step still waits for is ``max(0, e_last - t_backward)``; the rest of ``sum T_k``
-is hidden: :attr:`BucketOverlap.hidden_s`. With several microbatches the buckets are synchronised once after
+is hidden: :attr:`BucketOverlap.hidden_s`, kept in the plan as ``StepTime.hidden_s`` (``StepTime.overlapped_s``
+is the predicted step with it; ``StepTime.total_s`` stays the serial step the searchers minimise, which do not
+see buckets yet). With several microbatches the buckets are synchronised once after
 the last backward (nothing hidden; fewer latencies only).
 """
 
@@ -214,7 +216,24 @@ def bucket_overlap(plan: Any, graph: OpGraph, buckets: Sequence[GradBucket], mic
 def with_buckets(plan: Any, graph: OpGraph, cost: Any, size: int | None = None) -> Any:
     """`plan` (a ``StagePlan`` of `graph`) with its gradient buckets (:func:`plan_buckets` on the cost model
     `cost`) and their overlap priced into its time (``StepTime.hidden_s``)."""
-    buckets = plan_buckets(graph, plan, cost, size)
+    return _priced(plan, graph, plan_buckets(graph, plan, cost, size))
+
+
+def repriced_buckets(plan: Any, graph: OpGraph, cost: Any) -> Any:
+    """`plan`'s buckets (the same gradients) priced on the cost model `cost` (``accounting.reprice``)."""
+    buckets = tuple(
+        dataclasses.replace(
+            b,
+            seconds=cost.all_reduce(b.nbytes, b.axis)
+            if b.kind == CollectiveKind.ALL_REDUCE
+            else cost.reduce_scatter(b.nbytes, b.axis),
+        )
+        for b in plan.grad_buckets
+    )
+    return _priced(plan, graph, buckets)
+
+
+def _priced(plan: Any, graph: OpGraph, buckets: tuple[GradBucket, ...]) -> Any:
     priced = bucket_overlap(plan, graph, buckets, plan.step_schedule().microbatches)
     time = dataclasses.replace(plan.time, hidden_s=priced.hidden_s)
     return dataclasses.replace(plan, grad_buckets=buckets, time=time)
@@ -229,5 +248,6 @@ __all__ = [
     "bucket_overlap",
     "grad_move",
     "plan_buckets",
+    "repriced_buckets",
     "with_buckets",
 ]

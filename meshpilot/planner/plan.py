@@ -138,7 +138,14 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.communication_s + self.resharding_s + self.optimizer_s - self.hidden_s
+        """The serial step: every collective exposed (what the searchers minimise and compare)."""
+        return self.compute_s + self.communication_s + self.resharding_s + self.optimizer_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The step the runtime takes with the gradient buckets issued during the backward: :attr:`total_s`
+        less :attr:`hidden_s`."""
+        return self.total_s - self.hidden_s
 
 
 @dataclass(frozen=True)
