@@ -372,6 +372,13 @@ class StagePlan:
             f"  collectives  {len(self.collectives)} per step (fwd {by_phase.get('fwd', 0)},"
             f" bwd {by_phase.get('bwd', 0)}): {kinds}",
         ]
+        if self.grad_buckets:
+            size = sum(b.nbytes for b in self.grad_buckets)
+            lines.append(
+                f"  buckets      {sum(len(b.params) for b in self.grad_buckets)} gradients in "
+                f"{len(self.grad_buckets)} buckets ({_bytes(size)}), issued during the backward: "
+                f"{t.hidden_s * ms:.3f} ms hidden, step {t.overlapped_s * ms:.3f} ms"
+            )
         if self.zero:
             reasons = Counter(z.reason for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
