@@ -23,7 +23,11 @@ One class, :class:`StageProgram`, holds the programs of every stage of every pla
 * **input / weight** (``I`` / ``W``, zero-bubble schedules) the backward cut in two by data flow: ``I`` the
   nodes the gradients sent to the previous stage depend on, ``W`` the rest (the weight gradients);
 * **gradient synchronisation** (``G``) ``(*gradients) -> (*gradients)`` reshards each into its parameter's
-  layout (the plan's ``grad:`` collectives), once per step.
+  layout (the plan's ``grad:`` collectives), once per step. The plan's gradient buckets
+  (``StagePlan.grad_buckets``, ``runtime.buckets``) go one flat collective a bucket; where a step runs the
+  backward program once (one microbatch, no ``I``/``W`` split) the backward issues them itself, each right
+  after its last gradient (``runtime.overlap.issue_when_ready``), and waits for them at its end, so they run
+  behind the rest of the backward and ``G`` reshards only the other gradients.
 
 With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
 early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
