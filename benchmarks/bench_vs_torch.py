@@ -13,6 +13,7 @@ the machine's noise:
   mp: ZeRO-3     the same with ``forced.zero3`` (every parameter sharded on its first divisible dim);
   mp: solver     the solver's own plan for N devices on a cluster describing this box
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
+  mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
   ..., no buckets  (``--unbucketed``) the DP and ZeRO-3 plans without their buckets: one collective per
                  gradient after the backward, as before buckets existed (before / after in one launch).
 
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TORCH = ("DDP", "FSDP2")
 BASE = {"mp: DP": "DDP", "mp: ZeRO-3": "FSDP2", "mp: DP, no buckets": "DDP", "mp: ZeRO-3, no buckets": "FSDP2"}
+BASE["mp: DP, 25 MiB buckets"] = "DDP"
 """What each meshpilot variant is compared with (the solver's plan: the faster of the two)."""
 UNBUCKETED = ", no buckets"
 MODELS = {
@@ -88,10 +90,13 @@ def build(spec: dict, device: str, seed: int = 0):
 def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, dict]:
     from bench_step_time import local_cluster, matmul_tflops
 
+    from meshpilot.cluster.cost import CostModel
     from meshpilot.cluster.loader import cluster_from_dict
+    from meshpilot.cluster.mesh import LogicalMesh
     from meshpilot.graph.capture import capture
     from meshpilot.planner import forced
     from meshpilot.planner.auto import plan
+    from meshpilot.planner.buckets import with_buckets
 
     built = build(spec, "meta")
     graph = capture(built.model, built.inputs)
@@ -109,6 +114,14 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         path = folder / (name.split()[-1] + ".json")
         p.save(path)
         out[name] = {"path": str(path), "predicted_ms": p.time.overlapped_s * 1e3, "buckets": len(p.grad_buckets)}
+        if args.big_buckets and name == "mp: DP":  # DDP's bucket size instead of the alpha-beta one
+            big = with_buckets(p, graph, CostModel(LogicalMesh(cluster, (n,))), size=25 * 2**20)
+            big.save(path.with_name(path.stem + "-big.json"))
+            out[name + ", 25 MiB buckets"] = {
+                "path": str(path.with_name(path.stem + "-big.json")),
+                "predicted_ms": big.time.overlapped_s * 1e3,
+                "buckets": len(big.grad_buckets),
+            }
         if args.unbucketed and name != "mp: solver":  # the same plan without buckets: one collective a gradient
             bare = dataclasses.replace(p, grad_buckets=(), time=dataclasses.replace(p.time, hidden_s=0.0))
             bare.save(path.with_name(path.stem + "-bare.json"))
@@ -181,6 +194,11 @@ def main() -> int:
         action="store_true",
         help="plan with overlap=True: every resharding collective (ZeRO-3's weight all-gathers too) issued right "
         "after its producer and waited for before its consumer (meshpilot.planner.schedule.overlapped)",
+    )
+    ap.add_argument(
+        "--big-buckets",
+        action="store_true",
+        help="also run the data-parallel plan with DDP's 25 MiB buckets instead of the planner's alpha-beta size",
     )
     ap.add_argument(
         "--unbucketed",
