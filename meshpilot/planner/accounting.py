@@ -654,6 +654,7 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     import numpy as np
 
     from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner.buckets import repriced_buckets
     from meshpilot.sharding.reshard import Resharder
     from meshpilot.sharding.strategies import fake_device_mesh
 
@@ -666,7 +667,8 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
         graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
     )
     nodes = tuple(dataclasses.replace(n, seconds=acct.node_seconds[n.name]) for n in plan.nodes)
-    return dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
+    out = dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
+    return repriced_buckets(out, graph, resharder.cost_model)  # the same buckets, their overlap priced again
 
 
 def plan_strategies(plan: Any) -> dict[str, Any]:

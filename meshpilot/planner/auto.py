@@ -40,6 +40,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
+from meshpilot.planner.buckets import with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
@@ -143,7 +144,7 @@ def plan(
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
     if duplex:
         result = dataclasses.replace(result, schedule=duplex_schedule(result))
-    return result
+    return with_buckets(result, graph, search.best_resharder.cost_model)
 
 
 def _check_options(zero: str, microbatches: int, overlap: bool, duplex: bool) -> ZeroMode:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
+from meshpilot.planner.buckets import GradBucket
 from meshpilot.planner.schedule import DUPLEX, ActionKind, PipelineKind, Schedule, pipeline, trivial
 from meshpilot.sharding.placements import Placements, from_json
 from meshpilot.sharding.reshard import CollectiveKind, as_issued
@@ -131,10 +132,20 @@ class StepTime:
     optimizer_s: float = 0.0
     """The AdamW update of this device's parameter shards, once a step (``accounting.optimizer_seconds``);
     0 in plans written before it was modelled."""
+    hidden_s: float = 0.0
+    """Of ``communication_s``, the gradient synchronisation the plan's buckets hide behind the backward (and
+    the latencies they save): ``planner.buckets.bucket_overlap``; 0 without buckets."""
 
     @property
     def total_s(self) -> float:
+        """The serial step: every collective exposed (what the searchers minimise and compare)."""
         return self.compute_s + self.communication_s + self.resharding_s + self.optimizer_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The step the runtime takes with the gradient buckets issued during the backward: :attr:`total_s`
+        less :attr:`hidden_s`."""
+        return self.total_s - self.hidden_s
 
 
 @dataclass(frozen=True)
@@ -260,6 +271,9 @@ class StagePlan:
     peak_flops: float = 0.0
     """Peak FLOP/s of one device of the planned cluster at the plan's compute dtype (bfloat16 for the bf16
     precisions, else float32): MFU's denominator, per device; 0 in older plans."""
+    grad_buckets: tuple[GradBucket, ...] = ()
+    """Gradients synchronised together, each bucket one collective issued during the backward as soon as its
+    last gradient exists (``planner.buckets``); empty in older plans: one collective per gradient after it."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -312,8 +326,11 @@ class StagePlan:
         """
         per_step = self.step_schedule().microbatches
         out: Counter = Counter()
+        bucketed = {f"grad:{p}" for b in self.grad_buckets for p in b.params}
+        for b in self.grad_buckets if phase in (None, "bwd") else ():
+            out[(CollectiveKind(b.kind), self.axis_name(b.axis), b.nbytes)] += 1
         for c in self.collectives:
-            if phase is not None and c.phase != phase:
+            if (phase is not None and c.phase != phase) or c.dst in bucketed:
                 continue
             times = 1 if c.dst.startswith("grad:") else per_step
             on_gloo = backend == "gloo" and not c.issued_by_op
@@ -355,6 +372,13 @@ class StagePlan:
             f"  collectives  {len(self.collectives)} per step (fwd {by_phase.get('fwd', 0)},"
             f" bwd {by_phase.get('bwd', 0)}): {kinds}",
         ]
+        if self.grad_buckets:
+            size = sum(b.nbytes for b in self.grad_buckets)
+            lines.append(
+                f"  buckets      {sum(len(b.params) for b in self.grad_buckets)} gradients in "
+                f"{len(self.grad_buckets)} buckets ({_bytes(size)}), issued during the backward: "
+                f"{t.hidden_s * ms:.3f} ms hidden, step {t.overlapped_s * ms:.3f} ms"
+            )
         if self.zero:
             reasons = Counter(z.reason for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
@@ -495,6 +519,10 @@ class StagePlan:
             ),
             fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
             schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None,
+            grad_buckets=tuple(
+                GradBucket(tuple(b["params"]), b["kind"], b["axis"], b["nbytes"], b.get("seconds", 0.0))
+                for b in d.get("grad_buckets", ())
+            ),
         )
 
     def to_json(self) -> str:

@@ -97,3 +97,36 @@ def preparation(coll: torch.fx.Node, group: set[torch.fx.Node]) -> list[torch.fx
         need.add(n)
         stack.extend(i for i in n.all_input_nodes if i in group)
     return [n for n in coll.graph.nodes if n in need]
+
+
+def issue_when_ready(gm: torch.fx.GraphModule, kind: str) -> int:
+    """Move the ops tagged ``(kind, k)`` of every ``k`` (a gradient bucket's flattening and collective:
+    ``runtime.buckets``) to right after the last op that computes one of their inputs: the collective is
+    issued the moment its last gradient exists, and the compute recorded after that point runs while it is in
+    flight; the waits (tagged otherwise) stay where they were. Returns how many groups moved."""
+    groups: dict[Any, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        tag = n.meta.get("meshpilot_tag")
+        if isinstance(tag, tuple) and len(tag) == 2 and tag[0] == kind:
+            groups.setdefault(tag[1], []).append(n)
+    moved = 0
+    for chain in groups.values():
+        members = set(chain)
+        order = {n: k for k, n in enumerate(gm.graph.nodes)}
+        inputs = [i for n in chain for i in n.all_input_nodes if i not in members]
+        last_placeholder = max((n for n in gm.graph.nodes if n.op == "placeholder"), key=order.get, default=None)
+        anchor = max(inputs, key=order.get, default=last_placeholder)
+        if anchor is None:
+            continue
+        if anchor.op == "placeholder":
+            anchor = last_placeholder
+        if order[anchor] + 1 >= order[chain[0]]:
+            continue  # already right after it
+        prev = anchor
+        for n in chain:
+            prev.append(n)
+            prev = n
+        moved += 1
+    gm.graph.lint()
+    gm.recompile()
+    return moved

@@ -23,7 +23,11 @@ One class, :class:`StageProgram`, holds the programs of every stage of every pla
 * **input / weight** (``I`` / ``W``, zero-bubble schedules) the backward cut in two by data flow: ``I`` the
   nodes the gradients sent to the previous stage depend on, ``W`` the rest (the weight gradients);
 * **gradient synchronisation** (``G``) ``(*gradients) -> (*gradients)`` reshards each into its parameter's
-  layout (the plan's ``grad:`` collectives), once per step.
+  layout (the plan's ``grad:`` collectives), once per step. The plan's gradient buckets
+  (``StagePlan.grad_buckets``, ``runtime.buckets``) go one flat collective a bucket; where a step runs the
+  backward program once (one microbatch, no ``I``/``W`` split) the backward issues them itself, each right
+  after its last gradient (``runtime.overlap.issue_when_ready``), and waits for them at its end, so they run
+  behind the rest of the backward and ``G`` reshards only the other gradients.
 
 With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
 early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
@@ -38,7 +42,7 @@ instead (for debugging the runtime: the same ops, without the recording).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +54,10 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
+from meshpilot.runtime.buckets import ISSUE, BucketSync
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import issue_early, issue_points
+from meshpilot.runtime.overlap import issue_early, issue_points, issue_when_ready
 from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
@@ -124,6 +129,13 @@ class StageProgram:
             setattr(self, f"_{name}_fn", None)  # what runs it: the program, or torch.compile's of it
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+        self.buckets = BucketSync(interp.plan, g, interp.mesh, trainable)
+        """The plan's gradient buckets of this stage (``runtime.buckets``)."""
+        self.buckets_in_backward = bool(self.buckets) and _backward_once(schedule)
+        """Whether the backward program issues the buckets (one backward a step: each bucket as soon as its
+        last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
+        self.buckets_moved = 0
+        """Buckets the recorded backward issues right after their last gradient (``issue_when_ready``)."""
         self._split_backward(g)
 
     def _split_backward(self, g: OpGraph) -> None:
@@ -161,6 +173,8 @@ class StageProgram:
         setattr(self, f"{name}_gm", gm)
         if kind is not None:
             self._issue_early(gm, kind)
+        if name == "backward" and self.buckets_in_backward:
+            self.buckets_moved = issue_when_ready(gm, ISSUE)
         setattr(self, f"_{name}_fn", _maybe_compile(gm, self.compile))
         return result
 
@@ -273,7 +287,17 @@ class StageProgram:
         with torch.no_grad(), compat.no_transform_optimization():
             env = self._backward_env(flat)
             self.interp.run(self.bwd_nodes, env, self._last_use)
-            return tuple(self._grads_out(env) + [self._outgoing(t, env) for t in self.send_bwd])
+            grads = self._grads_out(env)
+            if self.buckets_in_backward:
+                grads = self._bucketed(grads)
+            return tuple(grads + [self._outgoing(t, env) for t in self.send_bwd])
+
+    def _bucketed(self, grads: list) -> list:
+        """The backward's local gradients (the present ones, in `trainable` order) with every bucket's
+        synchronised into its parameters' layouts (``runtime.buckets``)."""
+        present = [f for f in self.trainable if self.graph.grads.get(f) is not None]
+        synced = self.buckets.run(dict(zip(present, grads)))
+        return [synced.get(f, x) for f, x in zip(present, grads)]
 
     # ------------------------------------------------------------------ backward split: I then W (zero bubble)
     @staticmethod
@@ -357,7 +381,8 @@ class StageProgram:
         return [next(it) if x is not None else None for x in grads]
 
     def _grad_sync_body(self, flat) -> tuple:
-        return synced_grads(self.graph, self.interp, self.trainable, flat)
+        done = self.buckets.params if self.buckets_in_backward else frozenset()
+        return synced_grads(self.graph, self.interp, self.trainable, flat, buckets=self.buckets, done=done)
 
 
 FWD, BWD = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -394,22 +419,43 @@ def split_phases(
     return fwd, bwd, leaves, list(saved)
 
 
-def synced_grads(graph: OpGraph, interp: Interpreter, trainable, flat) -> tuple:
+def synced_grads(
+    graph: OpGraph,
+    interp: Interpreter,
+    trainable,
+    flat,
+    *,
+    buckets: BucketSync | None = None,
+    done: Collection[str] = frozenset(),
+) -> tuple:
     """The gradients `flat` (the present ones of `trainable`'s, as the backward left them) resharded into
     their parameters' layouts: the body of a gradient-synchronisation program (this module's and a
-    pipeline stage's)."""
+    pipeline stage's). Those of `done` are already (the backward synchronised their buckets); those of
+    `buckets` otherwise go by bucket (``runtime.buckets``), the rest one by one."""
     plan = interp.plan
-    out = []
+    present = [f for f in trainable if graph.grads.get(f) is not None]
+    local = dict(zip(present, flat))
     with torch.no_grad(), compat.no_transform_optimization():
-        it = iter(flat)
-        for fqn in trainable:
-            g = graph.grads.get(fqn)
-            if g is None:
+        by_bucket = buckets.run(local) if buckets and not set(buckets.params) <= set(done) else {}
+        out = []
+        for fqn in present:
+            if fqn in done or fqn in by_bucket:
+                out.append(local[fqn] if fqn in done else by_bucket[fqn])
                 continue
+            g = graph.grads[fqn]
             held = plan.node(g[0]).out_placements(g[1])
-            value = wrap_local(next(it), interp.mesh, held, graph[g[0]].fx_node.meta["val"])
+            value = wrap_local(local[fqn], interp.mesh, held, graph[g[0]].fx_node.meta["val"])
             out.append(redistribute(value, plan.param_layout(fqn)).to_local())
     return tuple(out)
+
+
+def _backward_once(schedule: Schedule | None) -> bool:
+    """Whether a step runs the stage's backward program exactly once (one microbatch, not cut into ``I`` and
+    ``W``): then it can synchronise the gradient buckets itself."""
+    if schedule is None or schedule.microbatches != 1:
+        return False
+    split = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    return not any(a.kind in split for c in schedule.classes for a in c.actions)
 
 
 def _val(node) -> torch.Tensor:

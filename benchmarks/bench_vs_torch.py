@@ -1,0 +1,353 @@
+"""meshpilot's data-parallel and ZeRO-3 steps against PyTorch's own: ``DistributedDataParallel`` and ``fully_shard``.
+
+One torchrun launch of --nproc gloo processes (default 4, loopback) per model trains every variant from the same
+weights (same seed) on the same batch, their steps interleaved (the order rotated every round) so they share
+the machine's noise:
+
+  DDP            ``torch.nn.parallel.DistributedDataParallel`` (its default 25 MiB buckets), each rank its
+                 1/N of the batch;
+  FSDP2          ``fully_shard`` on every block (every element of the model's ``nn.ModuleList``s) and the root;
+  mp: DP         ``meshpilot.plan(..., mesh_shape=(N,), force=forced.data_parallel(...))`` run by
+                 ``meshpilot.parallelize`` (every parameter replicated, the inputs batch-sharded), with the
+                 gradient buckets the planner chose (``meshpilot.planner.buckets``);
+  mp: ZeRO-3     the same with ``forced.zero3`` (every parameter sharded on its first divisible dim);
+  mp: solver     the solver's own plan for N devices on a cluster describing this box
+                 (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
+  mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
+  ..., no buckets  (``--unbucketed``) the DP and ZeRO-3 plans without their buckets: one collective per
+                 gradient after the backward, as before buckets existed (before / after in one launch).
+
+Models: ``gpt`` (the zoo's GPT, ``gpt-tiny`` grown to 4 layers, h 256, batch 8 x 128) and ``llama`` (a tiny
+``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128). ``--overlap`` plans every meshpilot
+variant with ``overlap=True`` (each resharding collective, ZeRO-3's weight all-gathers included, issued right
+after its producer and waited for before its consumer).
+
+A step is forward + backward + AdamW (foreach) step + zero_grad on the full global batch, timed between two
+barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU
+seconds of the busiest rank's process in the step (all its threads: less sensitive to other jobs), the ratio
+to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced), and the
+collectives one step ran (the torch profiler's ``gloo:*`` events: DDP's, FSDP's and DTensor's alike). One more
+step of each variant is split by the torch profiler into ATen compute, communication (issue + wait, as the
+calling thread sees it) and the rest (host: Python, DTensor dispatch, autograd)
+(``bench_step_time.profile_step``). The first step's loss of every variant is compared with DDP's.
+
+    python benchmarks/bench_vs_torch.py --unbucketed            # GPT and Llama, with the before/after rows
+    python benchmarks/bench_vs_torch.py --models gpt --overlap
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TORCH = ("DDP", "FSDP2")
+BASE = {"mp: DP": "DDP", "mp: ZeRO-3": "FSDP2", "mp: DP, no buckets": "DDP", "mp: ZeRO-3, no buckets": "FSDP2"}
+BASE["mp: DP, 25 MiB buckets"] = "DDP"
+"""What each meshpilot variant is compared with (the solver's plan: the faster of the two)."""
+UNBUCKETED = ", no buckets"
+MODELS = {
+    "gpt": {"name": "gpt-tiny", "layers": 4, "hidden": 256, "heads": 8, "batch": 8, "seq": 128},
+    "llama": {
+        "name": "hf:llama",
+        "hf_config": [
+            "hidden_size=256",
+            "intermediate_size=688",
+            "num_hidden_layers=4",
+            "num_attention_heads=8",
+            "num_key_value_heads=8",
+            "vocab_size=2048",
+        ],
+        "batch": 8,
+        "seq": 128,
+    },
+}
+
+
+def build(spec: dict, device: str, seed: int = 0):
+    from meshpilot.models.sources import build_model
+
+    kw = {k: v for k, v in spec.items() if k != "name"}
+    torch.manual_seed(seed)  # built-in models take the global generator's: every variant the same weights
+    return build_model(spec["name"], device=device, seed=seed, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+
+def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, dict]:
+    from bench_step_time import local_cluster, matmul_tflops
+
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.loader import cluster_from_dict
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner import forced
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.buckets import with_buckets
+
+    built = build(spec, "meta")
+    graph = capture(built.model, built.inputs)
+    n = args.nproc
+    tflops = args.tflops or matmul_tflops() * min(1.0, (os.cpu_count() or 1) / n)
+    cluster = cluster_from_dict(local_cluster(n, tflops, args.gbps, args.latency_us), source="bench_vs_torch")
+    out = {}
+    for name, kw in (
+        ("mp: DP", {"mesh_shape": (n,), "force": forced.data_parallel(built.model, built.inputs, (n,))}),
+        ("mp: ZeRO-3", {"mesh_shape": (n,), "force": forced.zero3(built.model, built.inputs, (n,))}),
+        ("mp: solver", {"num_devices": n}),
+    ):
+        t0 = time.perf_counter()
+        p = plan(built.model, built.inputs, cluster, graph=graph, overlap=args.overlap, **kw)
+        path = folder / (name.split()[-1] + ".json")
+        p.save(path)
+        out[name] = {"path": str(path), "predicted_ms": p.time.overlapped_s * 1e3, "buckets": len(p.grad_buckets)}
+        if args.big_buckets and name == "mp: DP":  # DDP's bucket size instead of the alpha-beta one
+            big = with_buckets(p, graph, CostModel(LogicalMesh(cluster, (n,))), size=25 * 2**20)
+            big.save(path.with_name(path.stem + "-big.json"))
+            out[name + ", 25 MiB buckets"] = {
+                "path": str(path.with_name(path.stem + "-big.json")),
+                "predicted_ms": big.time.overlapped_s * 1e3,
+                "buckets": len(big.grad_buckets),
+            }
+        if args.unbucketed and name != "mp: solver":  # the same plan without buckets: one collective a gradient
+            bare = dataclasses.replace(p, grad_buckets=(), time=dataclasses.replace(p.time, hidden_s=0.0))
+            bare.save(path.with_name(path.stem + "-bare.json"))
+            out[name + UNBUCKETED] = {"path": str(path.with_name(path.stem + "-bare.json")), "buckets": 0}
+            out[name + UNBUCKETED]["predicted_ms"] = bare.time.overlapped_s * 1e3
+        print(
+            f"  {name}: mesh {p.mesh_shape}, {len(p.collectives)} planned collectives, {len(p.grad_buckets)} "
+            f"gradient buckets, predicted {p.time.overlapped_s * 1e3:.0f} ms (serial {p.time.total_s * 1e3:.0f} ms), "
+            f"planned in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    return out
+
+
+def run_model(key: str, args: argparse.Namespace, passthrough: list[str]) -> dict:
+    spec = MODELS[key]
+    print(f"{key}: planning …", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-vs-torch-") as tmp:
+        plans = make_plans(spec, args, Path(tmp))
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        cmd += [str(Path(__file__).resolve()), *passthrough, "--worker", key, "--plans", json.dumps(plans)]
+        cmd += ["--result", str(result)]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0 or not result.is_file():
+            raise SystemExit(f"the {args.nproc}-process run of {key} failed (exit {proc.returncode})")
+        res = json.loads(result.read_text())
+    for name, p in plans.items():
+        res["variants"][name]["predicted_ms"] = p["predicted_ms"]
+    return res
+
+
+def table(key: str, res: dict) -> list[str]:
+    v = res["variants"]
+    med = {k: statistics.median(x["times"]) * 1e3 for k, x in v.items()}
+    cpu = {k: statistics.median(x["cpu"]) * 1e3 for k, x in v.items()}
+    lines = [
+        f"**{key}** ({res['label']}), {res['steps']} steps after {res['warmup']} warm-up, {res['world']} gloo ranks",
+        "",
+        "| variant | median ms | CPU ms (busiest rank) | vs | ratio | predicted ms | collectives | "
+        "compute / comm / host ms (one profiled step) |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for k in v:
+        base = BASE.get(k)
+        if k == "mp: solver":
+            base = min(("DDP", "FSDP2"), key=lambda b: med[b])
+        ratio = f"{med[k] / med[base]:.2f}x" if base else ""
+        p = v[k].get("profile") or {}
+        split = f"{p['compute_ms']:.0f} / {p['comm_ms']:.0f} / {p['other_ms']:.0f}" if p else ""
+        pred = f"{v[k]['predicted_ms']:.0f}" if "predicted_ms" in v[k] else ""
+        colls = v[k]["collectives"]
+        count = f"{sum(colls.values())} ({', '.join(f'{n} {c}' for c, n in sorted(colls.items()))})"
+        lines.append(f"| {k} | {med[k]:.0f} | {cpu[k]:.0f} | {base or ''} | {ratio} | {pred} | {count} | {split} |")
+    diffs = {k: x["loss0_diff"] for k, x in v.items()}
+    lines.append("")
+    lines.append("|first loss - DDP's|: " + ", ".join(f"{k} {d:.1e}" for k, d in diffs.items()))
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt,llama", help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled split of one more step")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="plan with overlap=True: every resharding collective (ZeRO-3's weight all-gathers too) issued right "
+        "after its producer and waited for before its consumer (meshpilot.planner.schedule.overlapped)",
+    )
+    ap.add_argument(
+        "--big-buckets",
+        action="store_true",
+        help="also run the data-parallel plan with DDP's 25 MiB buckets instead of the planner's alpha-beta size",
+    )
+    ap.add_argument(
+        "--unbucketed",
+        action="store_true",
+        help="also run the data-parallel and ZeRO-3 plans without their gradient buckets (before / after)",
+    )
+    ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
+    ap.add_argument("--gbps", type=float, default=0.25, help="the solver's loopback bandwidth, GB/s")
+    ap.add_argument("--latency-us", type=float, default=125.0, help="the solver's latency per ring step, µs")
+    ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--plans", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    command = "python benchmarks/bench_vs_torch.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    passthrough = [a for a in sys.argv[1:]]
+    if "--json-out" in passthrough:
+        j = passthrough.index("--json-out")
+        del passthrough[j : j + 2]
+    all_res = {"command": command, "load": [os.getloadavg()], "models": {}}
+    for key in args.models.split(","):
+        if key not in MODELS:
+            raise SystemExit(f"--models: unknown model {key!r}; choose from {', '.join(MODELS)}")
+        all_res["models"][key] = run_model(key, args, passthrough)
+        print("\n".join(table(key, all_res["models"][key])), flush=True)
+    all_res["load"].append(os.getloadavg())
+    print(f"\n{command}; load average before/after: {all_res['load']}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(all_res, indent=1))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+def wrap_torch(kind: str, model: torch.nn.Module) -> torch.nn.Module:
+    if kind == "DDP":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            for block in m:
+                fully_shard(block)
+    return fully_shard(model)
+
+
+def count_collectives(fn) -> dict[str, int]:
+    """The collectives one call of `fn` runs, by gloo's name for them (the torch profiler's ``gloo:*`` events:
+    every process-group collective, DDP's and FSDP's and DTensor's functional ones alike; barriers left out)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    kinds: dict[str, int] = {}
+    for e in prof.events():
+        if e.name.startswith("gloo:") and "barrier" not in e.name:
+            kinds[e.name[5:]] = kinds.get(e.name[5:], 0) + 1
+    dist.barrier()
+    return kinds
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+    from bench_step_time import profile_step
+
+    from meshpilot.planner.plan import Plan
+    from meshpilot.runtime.spmd import parallelize
+    from meshpilot.runtime.train import adamw
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = MODELS[args.worker]
+    plans = json.loads(args.plans)
+    variants = (*TORCH, *plans)
+    full = build(spec, "cpu").inputs
+    rows = full[0].shape[0] // world
+    mine = tuple(x[rank * rows : (rank + 1) * rows] for x in full)
+    models, inputs = {}, {}
+    for k in variants:
+        m = build(spec, "cpu").model
+        if k in plans:
+            models[k], inputs[k] = parallelize(m, Plan.load(plans[k]["path"])), full
+        else:
+            models[k], inputs[k] = wrap_torch(k, m), mine
+    opts = {k: adamw(m.parameters(), lr=1e-4) for k, m in models.items()}
+
+    def step(name: str) -> float:
+        loss = models[name](*inputs[name])
+        loss.backward()
+        opts[name].step()
+        opts[name].zero_grad()
+        t = loss.detach().clone()
+        if name in ("DDP", "FSDP2"):  # each rank's loss is its rows' mean: the batch's is their mean
+            dist.all_reduce(t)
+            t /= world
+        return float(t)
+
+    times = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    losses = {k: [] for k in variants}
+    for i in range(args.warmup + args.steps):
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        for name in order:
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            loss = step(name)
+            dist.barrier()
+            dt = time.perf_counter() - t0
+            used = torch.tensor([time.process_time() - c0, dt], dtype=torch.float64)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            losses[name].append(loss)
+            if i >= args.warmup:
+                times[name].append(float(used[1]))
+                cpu[name].append(float(used[0]))
+        if rank == 0 and i >= args.warmup:
+            print(f"step {i}: " + ", ".join(f"{k} {times[k][-1] * 1e3:.0f} ms" for k in variants), flush=True)
+    colls = {k: count_collectives(lambda k=k: step(k)) for k in variants}
+    profiles = {k: None for k in variants}
+    if not args.no_profile:
+        for k in variants:
+            profiles[k] = profile_step(lambda k=k: step(k), rank)
+    if rank == 0:
+        out = {
+            "label": build(spec, "meta").label,
+            "world": world,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "variants": {
+                k: {
+                    "times": times[k],
+                    "cpu": cpu[k],
+                    "collectives": colls[k],
+                    "loss0_diff": abs(losses[k][0] - losses["DDP"][0]),
+                    "profile": profiles[k],
+                }
+                for k in variants
+            },
+        }
+        Path(args.result).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

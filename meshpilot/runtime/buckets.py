@@ -1,0 +1,115 @@
+"""A plan's gradient buckets run: each bucket's gradients flattened into one buffer, one collective, split back.
+
+``meshpilot.planner.buckets`` decides the buckets (``StagePlan.grad_buckets``); here
+:class:`BucketSync` issues them on local tensors (the gradients as the backward leaves them: partial sums over
+the bucket's mesh axis) as ``_c10d_functional`` collectives, which return at once and are waited for by a
+later ``wait_tensor``, and gives back each gradient in its parameter's layout:
+
+* all-reduce (replicated parameters): the gradients' elements one after the other, all-reduced, each
+  gradient a view of its part of the result (as DDP's ``gradient_as_bucket_view``);
+* reduce-scatter (sharded parameters, ZeRO): each gradient cut along its shard dim into the axis' ``n``
+  rank chunks, row ``r`` of the buffer holding every gradient's chunk ``r``; reduce-scattered, this rank's
+  row split back into its shards.
+
+:meth:`BucketSync.issue` runs under the tag ``(ISSUE, k)`` and :meth:`BucketSync.finish` under ``(WAIT, k)``
+(``runtime.record.tagged``), so in a recorded backward the issue of bucket ``k`` can be moved to right after
+its last gradient (:func:`meshpilot.runtime.overlap.issue_when_ready`) while its wait stays at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpilot.graph.capture import OpGraph
+from meshpilot.planner.buckets import GradBucket, GradMove, grad_move
+from meshpilot.planner.plan import StagePlan
+from meshpilot.runtime.record import tagged
+from meshpilot.sharding.placements import from_json
+from meshpilot.sharding.reshard import CollectiveKind
+
+ISSUE, WAIT = "bucket", "bucket-wait"
+"""Tags (first element) of a bucket's issuing ops and of its waiting ops in a recorded program."""
+
+_funcol = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class _Member:
+    fqn: str
+    move: GradMove
+
+
+class BucketSync:
+    """The buckets of one stage's plan whose parameters are all `trainable` here, ready to run on `mesh`."""
+
+    def __init__(self, plan: StagePlan, graph: OpGraph, mesh: DeviceMesh, trainable: list[str]) -> None:
+        mine = set(trainable)
+        self.buckets: list[GradBucket] = []
+        self.members: list[list[_Member]] = []
+        for b in plan.grad_buckets:
+            if not b.params or not set(b.params) <= mine:
+                continue
+            members = []
+            for fqn in b.params:
+                g = graph.grads[fqn]
+                held = from_json(plan.node(g[0]).outs[g[1]])
+                move = grad_move(held, plan.param_layout(fqn), graph[g[0]].outputs[g[1]].shape, plan.mesh_shape)
+                if move is None or move.axis != b.axis or move.kind != CollectiveKind(b.kind):
+                    raise RuntimeError(f"meshpilot internal error: bucket of {b.params} does not match {fqn}'s layouts")
+                members.append(_Member(fqn, move))
+            self.buckets.append(b)
+            self.members.append(members)
+        self.params = {m.fqn for ms in self.members for m in ms}
+        """Every parameter whose gradient a bucket synchronises."""
+        self.mesh = mesh
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets)
+
+    def issue(self, k: int, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket `k`'s collective on `grads` (its parameters' local gradients, in its order): in flight."""
+        b = self.buckets[k]
+        group = self.mesh.get_group(b.axis).group_name
+        with tagged((ISSUE, k)):
+            if b.kind == CollectiveKind.ALL_REDUCE:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                return _funcol.all_reduce(flat, "sum", group)
+            n = self.mesh.size(b.axis)
+            rows = [g.movedim(m.move.dim, 0).reshape(n, -1) for g, m in zip(grads, self.members[k])]
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            return _funcol.reduce_scatter_tensor(flat, "sum", n, group)
+
+    def finish(self, k: int, pending: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Wait for bucket `k` and split its result into the gradients in their parameters' layouts (`grads`:
+        the local gradients it was issued on, for their shapes)."""
+        b = self.buckets[k]
+        with tagged((WAIT, k)):
+            out = _funcol.wait_tensor(pending)
+            if b.kind == CollectiveKind.ALL_REDUCE:
+                parts = out.split([g.numel() for g in grads])
+                return [p.view(g.shape) for p, g in zip(parts, grads)]
+            n = self.mesh.size(b.axis)
+            parts = out.split([g.numel() // n for g in grads])
+            synced = []
+            for p, g, m in zip(parts, grads, self.members[k]):
+                moved = g.movedim(m.move.dim, 0).shape
+                shard = p.reshape(moved[0] // n, *moved[1:]).movedim(0, m.move.dim)
+                synced.append(shard.contiguous())
+            return synced
+
+    def run(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every bucket issued, then every bucket waited for: `grads` (local, by parameter) synchronised."""
+        pending = []
+        for k, members in enumerate(self.members):
+            pending.append(self.issue(k, [grads[m.fqn] for m in members]))
+        out = {}
+        for k, members in enumerate(self.members):
+            local = [grads[m.fqn] for m in members]
+            out.update(zip((m.fqn for m in members), self.finish(k, pending[k], local)))
+        return out
+
+
+__all__ = ["ISSUE", "WAIT", "BucketSync"]
