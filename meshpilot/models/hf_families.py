@@ -116,22 +116,32 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
     dict with its own ``model_type``) is shrunk the same way and written back whole."""
     out: dict[str, Any] = {}
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    keep = _kept_layers(layers)
     for k, v in d.items():
         if _int(v) and v > 0:
             new = _tiny_value(k, v, d, vocab)
             if new is not None and new != v:
                 out[k] = new
-        elif isinstance(v, list) and v and all(_int(x) and x > 0 for x in v):
-            new_list = _tiny_list(k, v)
-            if new_list is not None:
-                out[k] = new_list
+        elif isinstance(v, list) and v and all(_int(x) and x > 0 for x in v) and _tiny_list(k, v) is not None:
+            out[k] = _tiny_list(k, v)
+        elif keep and isinstance(v, list) and len(v) == layers and not _is_layer_pattern(v):
+            out[k] = [_tiny_value(k, v[i], d, vocab) or v[i] if _int(v[i]) else v[i] for i in keep]
+        elif keep and isinstance(v, dict) and v and all(isinstance(i, str) and i.isdigit() for i in v):
+            out[k] = _per_layer_dict(v, keep, d, vocab)  # {layer index: overrides} (Gemma-4's per_layer_config)
         elif isinstance(v, dict) and "model_type" in v:
             sub = _tiny_dict(v, vocab)
             if sub:
                 out[k] = {**v, **sub}
-    if any(_int(d.get(k)) for k in _EXPERT_KEYS):  # a default that leaves top-k unset (DeepSeek-V2's): two
+    if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
+        out["num_kv_shared_layers"] = 0  # two layers cannot both produce and reuse each attention kind's cache
+    if any(_int(d.get(k)) for k in _EXPERT_KEYS) or _int(d.get("moe_intermediate_size")):
+        # a mixture of experts whose default leaves its expert count or top-k unset (DeepSeek-V2's top-k,
+        # Dots1's both): the tiny sizes
+        out.update({k: EXPERTS for k in _EXPERT_KEYS if k in d and d[k] is None})
         out.update({k: 2 for k in _TOPK_KEYS if k in d and d[k] is None})
-    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+        if "n_shared_experts" in d and d["n_shared_experts"] is None:
+            out["n_shared_experts"] = 1
     for k, v in d.items():  # per-layer patterns written as [[pattern, repeats], …] (GPT-Neo's attention_types)
         if layers and _is_layer_pattern(v) and sum(len(p) * n for p, n in v) == layers:
             out[k] = [[p, max(1, LAYERS // len(p))] for p, n in v[:1]]
@@ -140,6 +150,27 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
             out[k] = vocab - 1
         elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
             out[k] = [min(x, vocab - 1) for x in v]
+    return out
+
+
+def _kept_layers(layers: int | None) -> list[int] | None:
+    """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
+    per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
+    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds. None where the
+    default has no more layers than the tiny model."""
+    if not layers or layers <= LAYERS:
+        return None
+    return [*range(LAYERS - 1), layers - 1]
+
+
+def _per_layer_dict(v: dict[str, Any], keep: list[int], d: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A ``{layer index: value}`` dict renumbered to the kept layers (entries of dropped layers dropped), each
+    value shrunk as a configuration of its own."""
+    out = {}
+    for new, old in enumerate(keep):
+        entry = next((e for i, e in v.items() if int(i) == old), None)
+        if entry is not None:
+            out[str(new)] = {**entry, **_tiny_dict(entry, vocab)} if isinstance(entry, dict) else entry
     return out
 
 
@@ -172,8 +203,10 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         return min(v, 2)
     if key in _POSITION_KEYS:
         return min(v, POSITIONS)
-    if key == "vocab_size" or key.endswith("_vocab_size"):
-        return min(v, vocab)
+    if key.startswith("vocab_size") or key.endswith("_vocab_size"):
+        return min(v, vocab)  # also a per-layer input vocabulary (Gemma-3n's vocab_size_per_layer_input)
+    if key.startswith("hidden_size_"):
+        return min(v, HIDDEN // 2)  # a per-layer input width (hidden_size_per_layer_input)
     if key == "image_size":
         return min(v, TINY_IMAGE)
     if ("rope" in key or "rotary" in key or key.endswith("head_dim")) and key.endswith(("_dim", "_size")):
@@ -269,6 +302,9 @@ def build(
         overrides = tiny_overrides(family.model_type)
     cfg = config_for(family, overrides, use_cache=use_cache, attn=attn)
     cls = getattr(transformers, family.class_name)
+    wants = getattr(cls, "config_class", None)
+    if wants is not None and not isinstance(cfg, wants) and isinstance(cfg.get_text_config(), wants):
+        cfg = cfg.get_text_config()  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
     torch.manual_seed(seed)
     try:
         with torch.device(device):
