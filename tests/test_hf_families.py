@@ -90,10 +90,14 @@ def test_every_sample_family_plans_without_fallback(outcomes):
 
 # failure classes the full sweep found and meshpilot fixed, planned here only (in-process, no spawn):
 # DeepSeek-V3.2's sparse-attention mask ``attention_mask & ~index_mask`` (a replicated causal mask meeting a
-# batch-sharded index mask: the pointwise op takes the replica's local slice) and Aria's transposed experts
+# batch-sharded index mask: the pointwise op takes the replica's local slice), Aria's transposed experts,
+# Mamba's associative scan (``stack`` of a ``cat`` and a strided slice: ``meshpilot.ops.stack``) and
+# Llama-4's chunked-attention mask (``floor_divide``, untagged: ``meshpilot.ops.pointwise``)
 FIXED = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "aria_text": "AriaTextForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 

@@ -1,0 +1,43 @@
+"""The untagged elementwise ops ``meshpilot.ops.pointwise`` gives DTensor's pointwise strategy are elementwise.
+Their planning is checked on the families that use them (``tests/test_hf_families.py``: Llama-4's
+``floor_divide``), their 4-rank runs in the family sweep (``benchmarks/bench_hf_families.py --run``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshpilot.ops import pointwise
+
+
+@pytest.mark.parametrize("op", pointwise.OPS, ids=str)
+def test_each_listed_op_is_elementwise(op):
+    """The pointwise strategy's assumption, checked on the op itself: computing it on a block of its
+    operands gives that block of its output."""
+    torch.manual_seed(0)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    name = str(op)
+    if "masked_fill" in name:
+        args = (x, x > 0, torch.tensor(2.0))
+    elif "polar" in name:
+        args = (x.abs(), g)
+    elif "floor_divide.Scalar" in name:
+        args = (x, 0.7)
+    elif "floor_divide" in name:
+        args = (x, g.abs() + 0.5)
+    elif name == "aten.elu_backward.default":
+        args = (g, 1.0, 1.0, 1.0, False, x)  # (grad_output, alpha, scale, input_scale, is_result, self)
+    elif "log_sigmoid_backward" in name:
+        args = (g, x, torch.ops.aten.log_sigmoid_forward(x)[1])
+    elif "backward" in name:
+        extra = {"softplus": (1.0, 20.0), "softshrink": (0.5,), "hardshrink": (0.5,)}
+        extra |= {"leaky_relu": (0.01, False), "hardtanh": (-1.0, 1.0)}
+        key = name.split(".")[1].removesuffix("_backward")
+        args = (g, x, *extra.get(key, ()))
+    else:
+        args = (x,)
+    block = tuple(slice(1, 3) for _ in range(2))
+    whole = op(*args)
+    part = op(*[a[block] if isinstance(a, torch.Tensor) and a.dim() == 2 else a for a in args])
+    for w, p in zip(whole if isinstance(whole, tuple) else (whole,), part if isinstance(part, tuple) else (part,)):
+        assert torch.equal(w[block], p)
