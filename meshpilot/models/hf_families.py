@@ -133,6 +133,10 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
             sub = _tiny_dict(v, vocab)
             if sub:
                 out[k] = {**v, **sub}
+    for k, v in d.items():
+        if layers is None and k.endswith(("block_type", "layer_types")) and _strings(v) and len(v) > LAYERS:
+            out[k] = list(dict.fromkeys(v))  # layers named by a pattern only (Nemotron-H): one of each kind
+    _keep_products(d, out)
     if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
         out["num_kv_shared_layers"] = 0  # two layers cannot both produce and reuse each attention kind's cache
     if any(_int(d.get(k)) for k in _EXPERT_KEYS) or _int(d.get("moe_intermediate_size")):
@@ -151,6 +155,24 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
         elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
             out[k] = [min(x, vocab - 1) for x in v]
     return out
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+
+
+def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Keep ``heads × head size = hidden × expand`` where the default has it (Mamba-2's state-space heads:
+    its configuration refuses anything else): the head size follows the tiny width and head count."""
+    hidden = next((k for k in _HIDDEN_KEYS if _int(d.get(k))), None)
+    expand = d.get("expand")
+    if hidden is None or not _int(expand):
+        return
+    for h in [k for k in d if k.endswith(("num_heads", "n_heads")) and _int(d[k])]:
+        for hd in [k for k in d if k.endswith("head_dim") and _int(d[k])]:
+            if d[h] * d[hd] == d[hidden] * expand and h.split("num_heads")[0] == hd.split("head_dim")[0]:
+                n = out.get(h, d[h])
+                out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
 
 
 def _kept_layers(layers: int | None) -> list[int] | None:
@@ -187,8 +209,8 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         if v == 1:
             return 1  # multi-query attention stays multi-query
         return HEADS if v >= q else min(v, HEADS // 2)
-    if key in ("n_group", "num_expert_groups", "n_groups_routed"):
-        return min(v, 2)  # expert groups (DeepSeek's routing) must divide the tiny expert count
+    if key in ("n_group", "num_expert_groups", "n_groups_routed", "n_groups"):
+        return min(v, 2)  # expert groups (DeepSeek's routing), state-space groups: divide the tiny counts
     if key in ("topk_group", "num_limited_groups"):
         return 1
     if key.endswith("_heads") or key.endswith("n_heads"):
@@ -265,6 +287,14 @@ def attention(family: Family, attn: str) -> str:
     return "eager" if attn == "sdpa" and getattr(cls, "_supports_sdpa", True) is False else attn
 
 
+def text_config(cfg: Any) -> Any:
+    """A composite configuration's text part; its decoder's where it has a text encoder too (MusicGen's)."""
+    try:
+        return cfg.get_text_config()
+    except ValueError:  # several text configurations
+        return cfg.get_text_config(decoder=True)
+
+
 def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = False, attn: str | None = "sdpa") -> Any:
     """The family's configuration: the library default, `overrides`, ``use_cache`` (where the configuration
     has it) and the attention implementation (None: the library's choice)."""
@@ -274,9 +304,11 @@ def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = F
     if attn is not None:
         over["attn_implementation"] = attention(family, attn)
     cfg = hf_config(family.model_type, over)
-    for c in {id(cfg): cfg, id(text := cfg.get_text_config()): text}.values():  # a composite's text model too
+    for c in {id(cfg): cfg, id(text := text_config(cfg)): text}.values():  # a composite's text model too
         if hasattr(c, "use_cache"):
             c.use_cache = use_cache
+    if family.kind == "causal" and not cfg.is_encoder_decoder:
+        cfg.is_decoder = True  # an encoder's causal head (BERT's, Reformer's) is a decoder: causal masks
     if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
         cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     return cfg
@@ -303,8 +335,8 @@ def build(
     cfg = config_for(family, overrides, use_cache=use_cache, attn=attn)
     cls = getattr(transformers, family.class_name)
     wants = getattr(cls, "config_class", None)
-    if wants is not None and not isinstance(cfg, wants) and isinstance(cfg.get_text_config(), wants):
-        cfg = cfg.get_text_config()  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
+    if wants is not None and not isinstance(cfg, wants) and isinstance(text_config(cfg), wants):
+        cfg = text_config(cfg)  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
     torch.manual_seed(seed)
     try:
         with torch.device(device):
@@ -329,7 +361,7 @@ def build(
         return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
     from meshpilot.models.sources import HFLoss
 
-    vocab = int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)  # a composite's: its text
+    vocab = int(getattr(cfg, "vocab_size", None) or text_config(cfg).vocab_size)  # a composite's: its text
     if meta:
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         return HFLoss(model), (ids, ids)
