@@ -60,7 +60,7 @@ _FFN_KEYS = {
     "ff_intermediate_size", "mlp_dim", "intermediate_dim",
 }  # fmt: skip
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+_TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
 _POSITION_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "max_sequence_length"}
 _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_size", "kv_channels"}
 
@@ -163,7 +163,15 @@ def _strings(v: Any) -> bool:
 
 def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
     """Keep ``heads × head size = hidden × expand`` where the default has it (Mamba-2's state-space heads:
-    its configuration refuses anything else): the head size follows the tiny width and head count."""
+    its configuration refuses anything else): the head size follows the tiny width and head count; and a
+    latent-attention query head as its two parts (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``)."""
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")  # multi-head latent attention: a query head is both parts
+    if (
+        _int(d.get("qk_head_dim"))
+        and all(_int(d.get(k)) for k in parts)
+        and d["qk_head_dim"] == sum(d[k] for k in parts)
+    ):
+        out["qk_head_dim"] = sum(out.get(k, d[k]) for k in parts)
     hidden = next((k for k in _HIDDEN_KEYS if _int(d.get(k))), None)
     expand = d.get("expand")
     if hidden is None or not _int(expand):
