@@ -217,7 +217,7 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         if v == 1:
             return 1  # multi-query attention stays multi-query
         return HEADS if v >= q else min(v, HEADS // 2)
-    if key in ("n_group", "num_expert_groups", "n_groups_routed", "n_groups"):
+    if key in ("n_group", "num_expert_group", "num_expert_groups", "n_groups_routed", "n_groups"):
         return min(v, 2)  # expert groups (DeepSeek's routing), state-space groups: divide the tiny counts
     if key in ("topk_group", "num_limited_groups"):
         return 1
