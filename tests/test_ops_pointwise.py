@@ -1,4 +1,5 @@
-"""The untagged elementwise ops ``meshpilot.ops.pointwise`` gives DTensor's pointwise strategy are elementwise.
+"""The untagged elementwise ops ``meshpilot.ops.pointwise`` gives DTensor's pointwise strategy are elementwise, and
+``index_add`` (``meshpilot.ops.index_add``) plans sharded off its indexed dim.
 Their planning is checked on the families that use them (``tests/test_hf_families.py``: Llama-4's
 ``floor_divide``), their 4-rank runs in the family sweep (``benchmarks/bench_hf_families.py --run``)."""
 
@@ -41,3 +42,26 @@ def test_each_listed_op_is_elementwise(op):
     part = op(*[a[block] if isinstance(a, torch.Tensor) and a.dim() == 2 else a for a in args])
     for w, p in zip(whole if isinstance(whole, tuple) else (whole,), part if isinstance(part, tuple) else (part,)):
         assert torch.equal(w[block], p)
+
+
+class _Select(torch.nn.Module):
+    """``index_select`` along the last dim (XLNet's relative shift): its backward is ``index_add``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)  # [b, s, 8]
+        return torch.index_select(y, 2, torch.arange(6, device=y.device)).square().mean()
+
+
+def test_index_add_plans_sharded_off_its_indexed_dim():
+    """``index_add`` had no strategy (a replicated fallback); ``meshpilot.ops.index_add`` shards it on the
+    other dims."""
+    from meshpilot.planner.auto import plan
+
+    p = plan(_Select(), (torch.randn(8, 4, 8),), "dgx-h100", mesh_shape=(2, 2), mappings=("row",))
+    adds = [n for n in p.nodes if "index_add" in n.target]
+    assert adds and not p.fallbacks, [f.line() for f in p.fallbacks]
+    assert all("S(2)" not in pl for n in adds for pl in n.outs[0]), [n.outs for n in adds]
