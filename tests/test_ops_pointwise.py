@@ -65,3 +65,28 @@ def test_index_add_plans_sharded_off_its_indexed_dim():
     adds = [n for n in p.nodes if "index_add" in n.target]
     assert adds and not p.fallbacks, [f.line() for f in p.fallbacks]
     assert all("S(2)" not in pl for n in adds for pl in n.outs[0]), [n.outs for n in adds]
+
+
+class _Unfold(torch.nn.Module):
+    """``unfold`` (``im2col``) and a 2-D average pooling of a sequence (ConvBERT's, Funnel's): the pooling's
+    backward is ``avg_pool2d_backward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x).unsqueeze(1)  # [b, 1, s, 8]
+        cols = torch.nn.functional.unfold(y, kernel_size=(3, 1), padding=(1, 0))  # [b, 3, s * 8]
+        pooled = torch.nn.functional.avg_pool2d(y, (2, 1), stride=(2, 1))
+        return cols.square().mean() + pooled.square().mean()
+
+
+def test_per_sample_kernels_plan_without_fallback():
+    """``im2col`` and ``avg_pool2d_backward`` had no strategy; ``meshpilot.ops.batched`` shards them on the
+    batch."""
+    from meshpilot.planner.auto import plan
+
+    p = plan(_Unfold(), (torch.randn(8, 4, 8),), "dgx-h100", mesh_shape=(2, 2), mappings=("row",))
+    assert {"im2col", "avg_pool2d_backward"} <= {n.target.split(".")[1] for n in p.nodes if n.kind == "op"}
+    assert not p.fallbacks, [f.line() for f in p.fallbacks]
