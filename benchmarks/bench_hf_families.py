@@ -39,12 +39,13 @@ def _setting(name: str) -> tuple[bool, str]:
 
 
 def _done(out: Path) -> dict[tuple, dict]:
+    """The latest row of each (phase, family, setting) in `out`, each with its line number as ``_line``."""
     rows = {}
     if out.exists():
-        for line in out.read_text().splitlines():
+        for i, line in enumerate(out.read_text().splitlines()):
             if line.strip():
                 r = json.loads(line)
-                rows[(r["phase"], r["family"], r["setting"])] = r
+                rows[(r["phase"], r["family"], r["setting"])] = {**r, "_line": i}
     return rows
 
 
@@ -99,9 +100,14 @@ def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, name
     from test_hf_families import lockstep_families
 
     done = _done(out)
+
+    def stale(fam: str, plan_row: dict) -> bool:  # never run, or run on a plan made before the latest
+        run = done.get(("run", fam, setting))
+        return run is None or run["_line"] < plan_row["_line"]
+
     todo = [
         r for (ph, fam, st), r in done.items()
-        if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
+        if ph == "plan" and st == setting and r["status"] == "planned" and stale(fam, r)
     ]  # fmt: skip
     todo = [r for r in todo if names is None or r["family"] in names][:most]
     use_cache, attn = _setting(setting)
@@ -188,7 +194,11 @@ def table(out: Path, settings: tuple[str, ...]) -> str:
     for label, kinds in groups:
         for st in settings:
             plans = [r for (ph, _, s), r in rows.items() if ph == "plan" and s == st and r["kind"] in kinds]
-            runs = [r for (ph, _, s), r in rows.items() if ph == "run" and s == st and r["kind"] in kinds]
+            # a run of an older plan of the family does not count
+            runs = [
+                r for (ph, f, s), r in rows.items()
+                if ph == "run" and s == st and r["kind"] in kinds and r["_line"] > rows[("plan", f, s)]["_line"]
+            ]  # fmt: skip
             if not plans or (label == "text" and len({r["kind"] for r in plans}) < 2):
                 continue
             lines.append(_summary(label, st, plans, runs))
