@@ -255,11 +255,12 @@ def _is_layer_pattern(v: Any) -> bool:
 
 
 def no_dropout(model_type: str) -> dict[str, float]:
-    """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout)."""
+    """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout or LayerDrop)."""
     from transformers import AutoConfig
 
     d = AutoConfig.for_model(model_type).to_dict()
-    return {k: 0.0 for k, v in d.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+    drops = ("dropout", "pdrop", "layerdrop")  # LayerDrop skips whole layers at random: dropout too
+    return {k: 0.0 for k, v in d.items() if any(x in k for x in drops) and isinstance(v, float) and v > 0}
 
 
 def _tiny_list(key: str, v: list[int]) -> list[int] | None:
