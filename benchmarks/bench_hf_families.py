@@ -39,12 +39,13 @@ def _setting(name: str) -> tuple[bool, str]:
 
 
 def _done(out: Path) -> dict[tuple, dict]:
+    """The latest row of each (phase, family, setting) in `out`, each with its line number as ``_line``."""
     rows = {}
     if out.exists():
-        for line in out.read_text().splitlines():
+        for i, line in enumerate(out.read_text().splitlines()):
             if line.strip():
                 r = json.loads(line)
-                rows[(r["phase"], r["family"], r["setting"])] = r
+                rows[(r["phase"], r["family"], r["setting"])] = {**r, "_line": i}
     return rows
 
 
@@ -92,16 +93,24 @@ def plan_phase(fams, settings, out: Path, limit: float, redo: bool = False) -> N
             print(f"{o_status:8s} {o_s:6.1f}s {fam.name} [{setting}] {o_reason[:200]}", flush=True)
 
 
-def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, names: set[str] | None = None) -> None:
+def run_phase(
+    out: Path, setting: str, chunk: int, most: int | None = None, names: set[str] | None = None, per: float = 600.0
+) -> None:
     """Every family planned without fallback under `setting` (of `names` if given; the first `most` not run
-    yet): 4 gloo ranks, `chunk` families per spawn."""
+    yet): 4 gloo ranks, `chunk` families per spawn, `per` seconds per family before the spawn is ended (ranks
+    that wait for each other in mismatched collectives never return on their own)."""
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
     done = _done(out)
+
+    def stale(fam: str, plan_row: dict) -> bool:  # never run, or run on a plan made before the latest
+        run = done.get(("run", fam, setting))
+        return run is None or run["_line"] < plan_row["_line"]
+
     todo = [
         r for (ph, fam, st), r in done.items()
-        if ph == "plan" and st == setting and r["status"] == "planned" and ("run", fam, st) not in done
+        if ph == "plan" and st == setting and r["status"] == "planned" and stale(fam, r)
     ]  # fmt: skip
     todo = [r for r in todo if names is None or r["family"] in names][:most]
     use_cache, attn = _setting(setting)
@@ -110,11 +119,11 @@ def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, name
         jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"]) for r in part]
         t0 = time.perf_counter()
         try:
-            per_rank = run_distributed(lockstep_families, 4, jobs, timeout=3000)
+            per_rank = run_distributed(lockstep_families, 4, jobs, timeout=per * len(part))
         except DistributedTestError as e:
             if len(part) > 1:  # a crash takes the spawn down: retry one by one to find which
                 for r in part:
-                    _run_one(out, r, setting, use_cache, attn)
+                    _run_one(out, r, setting, use_cache, attn, per)
                 continue
             per_rank = None
             err = str(e).strip().splitlines()[-1][:300]
@@ -129,7 +138,7 @@ def run_phase(out: Path, setting: str, chunk: int, most: int | None = None, name
             print(f"run {row['status']:8s} {r['family']} {row.get('reason', '')[:200]}", flush=True)
 
 
-def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str) -> None:
+def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str, per: float) -> None:
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -137,7 +146,7 @@ def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str) -> No
     t0 = time.perf_counter()
     try:
         jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"])]
-        row.update(_verdict([res[0] for res in run_distributed(lockstep_families, 4, jobs, timeout=1200)]))
+        row.update(_verdict([res[0] for res in run_distributed(lockstep_families, 4, jobs, timeout=per)]))
     except DistributedTestError as e:
         row.update(status="crashed", reason=str(e).strip().splitlines()[-1][:300])
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -188,7 +197,11 @@ def table(out: Path, settings: tuple[str, ...]) -> str:
     for label, kinds in groups:
         for st in settings:
             plans = [r for (ph, _, s), r in rows.items() if ph == "plan" and s == st and r["kind"] in kinds]
-            runs = [r for (ph, _, s), r in rows.items() if ph == "run" and s == st and r["kind"] in kinds]
+            # a run of an older plan of the family does not count
+            runs = [
+                r for (ph, f, s), r in rows.items()
+                if ph == "run" and s == st and r["kind"] in kinds and r["_line"] > rows[("plan", f, s)]["_line"]
+            ]  # fmt: skip
             if not plans or (label == "text" and len({r["kind"] for r in plans}) < 2):
                 continue
             lines.append(_summary(label, st, plans, runs))
@@ -210,6 +223,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/hf_families.jsonl")
     ap.add_argument("--run", action="store_true", help="also run the planned families on 4 gloo ranks")
     ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
+    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per family of a 4-rank spawn")
     ap.add_argument("--run-most", type=int, default=None, help="run at most this many families (a sample)")
     ap.add_argument("--no-plan", action="store_true", help="skip the plan phase (with --run: run what --out planned)")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
@@ -232,7 +246,8 @@ def main() -> None:
         if not args.no_plan:
             plan_phase(fams, settings, out, args.limit, args.redo)
         if args.run:
-            run_phase(out, settings[0], args.chunk, args.run_most, {f.name for f in fams} if only else None)
+            names = {f.name for f in fams} if only else None
+            run_phase(out, settings[0], args.chunk, args.run_most, names, args.run_timeout)
     print(f"transformers {transformers.__version__}")
     print(table(out, settings))
 

@@ -77,6 +77,10 @@ def test_tiny_overrides_keep_the_architecture():
     assert tiny_overrides("gpt_neo")["attention_types"] == [[["global", "local"], 1]]  # local attention kept
     fuyu = tiny_overrides("fuyu")["text_config"]  # a nested text model is shrunk too (was an 8B-class OOM)
     assert fuyu["hidden_size"] == 32 and fuyu["num_hidden_layers"] == 2 and fuyu["vocab_size"] == 128
+    # per-layer settings follow the layers kept, the first and the last (were refused as 26 layer types for 2)
+    g3n = tiny_overrides("gemma3n_text")
+    assert g3n["layer_types"] == ["sliding_attention", "full_attention"] and g3n["intermediate_size"] == [64, 64]
+    assert tiny_overrides("gemma4_text")["per_layer_config"] == {"1": {"head_dim": 8}}  # was layer "29"
 
 
 def test_every_sample_family_plans_without_fallback(outcomes):
@@ -86,10 +90,14 @@ def test_every_sample_family_plans_without_fallback(outcomes):
 
 # failure classes the full sweep found and meshpilot fixed, planned here only (in-process, no spawn):
 # DeepSeek-V3.2's sparse-attention mask ``attention_mask & ~index_mask`` (a replicated causal mask meeting a
-# batch-sharded index mask: the pointwise op takes the replica's local slice) and Aria's transposed experts
+# batch-sharded index mask: the pointwise op takes the replica's local slice), Aria's transposed experts,
+# Mamba's associative scan (``stack`` of a ``cat`` and a strided slice: ``meshpilot.ops.stack``) and
+# Llama-4's chunked-attention mask (``floor_divide``, untagged: ``meshpilot.ops.pointwise``)
 FIXED = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "aria_text": "AriaTextForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 

@@ -43,11 +43,10 @@ def test_table2_resharding_collectives():
     assert rs.collectives((Partial(), R), (R, R), info) == (Collective("all_reduce", 0, m),)
     assert rs.collectives((R, Partial()), (R, S0), info) == (Collective("reduce_scatter", 1, m),)
     assert rs.cost((S0, R), (R, R), info) > 0 == rs.cost((R, R), (S0, S1), info)
-    # what DTensor's redistribute refuses is never planned: one partial kind to another (P(avg) -> P(sum)
-    # raises "Redistribution from one partial type ... is unsupported" at run time)
+    # one partial kind to another (P(avg) -> P(sum)), which DTensor's redistribute refuses ("Redistribution
+    # from one partial type ... is unsupported"), goes through a replica: its all-reduce, then a free share
     src, dst = (Partial("avg"), R), (Partial("sum"), R)
-    assert [c.kind for c in rs.collectives(src, dst, info)] == ["unsupported"]
-    assert rs.cost(src, dst, info) >= 1e3
+    assert rs.collectives(src, dst, info) == (Collective("all_reduce", 0, m),)
     # shard -> partial, which DTensor has no step for either, goes through a replica (via_replicate): the
     # all-gather of that axis, then a free partial share (Gemma's tiny plan needed 32 such steps)
     assert rs.collectives((S0, R), (Partial(), R), info) == (Collective("all_gather", 0, m),)
@@ -147,18 +146,22 @@ def test_gloo_reduce_scatter_costs_an_all_reduce():
     assert on_gpu.reduce_scatter(m, 1) == on_gpu.all_gather(m, 1) < on_gpu.all_reduce(m, 1)
 
 
-def _shard_to_partial(x: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """On 2 gloo ranks: `x` sharded on dim 0, redistributed to a partial sum by the runtime; the sum of the
-    ranks' partial shares and the collectives issued."""
+def _shard_to_partial(x: torch.Tensor, src: str = "shard") -> tuple[torch.Tensor, list]:
+    """On 2 gloo ranks: `x` sharded on dim 0 (`src` ``shard``) or as a partial average (``avg``: rank r holds
+    ``x * (r + 0.5)``, whose average is ``x`` exactly), redistributed to a partial sum by the runtime; the
+    sum of the ranks' partial shares and the collectives issued."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.interpret import redistribute
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
-    dt = distribute_tensor(x, mesh, [Shard(0)])
+    if src == "avg":
+        dt = DTensor.from_local(x * (dist.get_rank() + 0.5), mesh, [Partial("avg")], run_check=False)
+    else:
+        dt = distribute_tensor(x, mesh, [Shard(0)])
     with record_collectives(mesh) as log:
         out = redistribute(dt, (Partial(),))
     assert out.placements == (Partial(),)
@@ -179,3 +182,9 @@ def test_shard_to_partial_runs_through_a_replica_as_planned():
     for total, issued in run_distributed(_shard_to_partial, 2, x):
         assert torch.equal(total, x)
         assert issued == [(str(c.kind), c.nbytes) for c in planned] == [("all_gather", x.nbytes)]
+    # P(avg) -> P(sum) the same way: the all-reduce of the averages, then a free share; exact
+    assert via_replicate((Partial("avg"), R), (Partial(), R)) == (R, R)
+    planned = resharder((2,)).collectives((Partial("avg"),), (Partial(),), TensorInfo((8, 4), "float32"))
+    for total, issued in run_distributed(_shard_to_partial, 2, x, "avg"):
+        assert torch.equal(total, x)
+        assert issued == [(str(c.kind), c.nbytes) for c in planned] == [("all_reduce", x.nbytes)]

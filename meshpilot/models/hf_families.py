@@ -60,7 +60,7 @@ _FFN_KEYS = {
     "ff_intermediate_size", "mlp_dim", "intermediate_dim",
 }  # fmt: skip
 _EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"}
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
+_TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "num_selected_experts", "moe_k"}
 _POSITION_KEYS = {"max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "max_sequence_length"}
 _HEAD_DIM_KEYS = {"head_dim", "d_kv", "attention_head_size", "kv_channels"}
 
@@ -116,22 +116,36 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
     dict with its own ``model_type``) is shrunk the same way and written back whole."""
     out: dict[str, Any] = {}
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    keep = _kept_layers(layers)
     for k, v in d.items():
         if _int(v) and v > 0:
             new = _tiny_value(k, v, d, vocab)
             if new is not None and new != v:
                 out[k] = new
-        elif isinstance(v, list) and v and all(_int(x) and x > 0 for x in v):
-            new_list = _tiny_list(k, v)
-            if new_list is not None:
-                out[k] = new_list
+        elif isinstance(v, list) and v and all(_int(x) and x > 0 for x in v) and _tiny_list(k, v) is not None:
+            out[k] = _tiny_list(k, v)
+        elif keep and isinstance(v, list) and len(v) == layers and not _is_layer_pattern(v):
+            out[k] = [_tiny_value(k, v[i], d, vocab) or v[i] if _int(v[i]) else v[i] for i in keep]
+        elif keep and isinstance(v, dict) and v and all(isinstance(i, str) and i.isdigit() for i in v):
+            out[k] = _per_layer_dict(v, keep, d, vocab)  # {layer index: overrides} (Gemma-4's per_layer_config)
         elif isinstance(v, dict) and "model_type" in v:
             sub = _tiny_dict(v, vocab)
             if sub:
                 out[k] = {**v, **sub}
-    if any(_int(d.get(k)) for k in _EXPERT_KEYS):  # a default that leaves top-k unset (DeepSeek-V2's): two
+    for k, v in d.items():
+        if layers is None and k.endswith(("block_type", "layer_types")) and _strings(v) and len(v) > LAYERS:
+            out[k] = list(dict.fromkeys(v))  # layers named by a pattern only (Nemotron-H): one of each kind
+    _keep_products(d, out)
+    if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
+        out["num_kv_shared_layers"] = 0  # two layers cannot both produce and reuse each attention kind's cache
+    if any(_int(d.get(k)) for k in _EXPERT_KEYS) or _int(d.get("moe_intermediate_size")):
+        # a mixture of experts whose default leaves its expert count or top-k unset (DeepSeek-V2's top-k,
+        # Dots1's both): the tiny sizes
+        out.update({k: EXPERTS for k in _EXPERT_KEYS if k in d and d[k] is None})
         out.update({k: 2 for k in _TOPK_KEYS if k in d and d[k] is None})
-    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+        if "n_shared_experts" in d and d["n_shared_experts"] is None:
+            out["n_shared_experts"] = 1
     for k, v in d.items():  # per-layer patterns written as [[pattern, repeats], …] (GPT-Neo's attention_types)
         if layers and _is_layer_pattern(v) and sum(len(p) * n for p, n in v) == layers:
             out[k] = [[p, max(1, LAYERS // len(p))] for p, n in v[:1]]
@@ -140,6 +154,53 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
             out[k] = vocab - 1
         elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
             out[k] = [min(x, vocab - 1) for x in v]
+    return out
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+
+
+def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Keep ``heads × head size = hidden × expand`` where the default has it (Mamba-2's state-space heads:
+    its configuration refuses anything else): the head size follows the tiny width and head count; and a
+    latent-attention query head as its two parts (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``)."""
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")  # multi-head latent attention: a query head is both parts
+    if (
+        _int(d.get("qk_head_dim"))
+        and all(_int(d.get(k)) for k in parts)
+        and d["qk_head_dim"] == sum(d[k] for k in parts)
+    ):
+        out["qk_head_dim"] = sum(out.get(k, d[k]) for k in parts)
+    hidden = next((k for k in _HIDDEN_KEYS if _int(d.get(k))), None)
+    expand = d.get("expand")
+    if hidden is None or not _int(expand):
+        return
+    for h in [k for k in d if k.endswith(("num_heads", "n_heads")) and _int(d[k])]:
+        for hd in [k for k in d if k.endswith("head_dim") and _int(d[k])]:
+            if d[h] * d[hd] == d[hidden] * expand and h.split("num_heads")[0] == hd.split("head_dim")[0]:
+                n = out.get(h, d[h])
+                out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
+
+
+def _kept_layers(layers: int | None) -> list[int] | None:
+    """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
+    per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
+    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds. None where the
+    default has no more layers than the tiny model."""
+    if not layers or layers <= LAYERS:
+        return None
+    return [*range(LAYERS - 1), layers - 1]
+
+
+def _per_layer_dict(v: dict[str, Any], keep: list[int], d: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A ``{layer index: value}`` dict renumbered to the kept layers (entries of dropped layers dropped), each
+    value shrunk as a configuration of its own."""
+    out = {}
+    for new, old in enumerate(keep):
+        entry = next((e for i, e in v.items() if int(i) == old), None)
+        if entry is not None:
+            out[str(new)] = {**entry, **_tiny_dict(entry, vocab)} if isinstance(entry, dict) else entry
     return out
 
 
@@ -156,8 +217,8 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         if v == 1:
             return 1  # multi-query attention stays multi-query
         return HEADS if v >= q else min(v, HEADS // 2)
-    if key in ("n_group", "num_expert_groups", "n_groups_routed"):
-        return min(v, 2)  # expert groups (DeepSeek's routing) must divide the tiny expert count
+    if key in ("n_group", "num_expert_group", "num_expert_groups", "n_groups_routed", "n_groups"):
+        return min(v, 2)  # expert groups (DeepSeek's routing), state-space groups: divide the tiny counts
     if key in ("topk_group", "num_limited_groups"):
         return 1
     if key.endswith("_heads") or key.endswith("n_heads"):
@@ -172,8 +233,10 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         return min(v, 2)
     if key in _POSITION_KEYS:
         return min(v, POSITIONS)
-    if key == "vocab_size" or key.endswith("_vocab_size"):
-        return min(v, vocab)
+    if key.startswith("vocab_size") or key.endswith("_vocab_size"):
+        return min(v, vocab)  # also a per-layer input vocabulary (Gemma-3n's vocab_size_per_layer_input)
+    if key.startswith("hidden_size_"):
+        return min(v, HIDDEN // 2)  # a per-layer input width (hidden_size_per_layer_input)
     if key == "image_size":
         return min(v, TINY_IMAGE)
     if ("rope" in key or "rotary" in key or key.endswith("head_dim")) and key.endswith(("_dim", "_size")):
@@ -192,11 +255,12 @@ def _is_layer_pattern(v: Any) -> bool:
 
 
 def no_dropout(model_type: str) -> dict[str, float]:
-    """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout)."""
+    """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout or LayerDrop)."""
     from transformers import AutoConfig
 
     d = AutoConfig.for_model(model_type).to_dict()
-    return {k: 0.0 for k, v in d.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+    drops = ("dropout", "pdrop", "layerdrop")  # LayerDrop skips whole layers at random: dropout too
+    return {k: 0.0 for k, v in d.items() if any(x in k for x in drops) and isinstance(v, float) and v > 0}
 
 
 def _tiny_list(key: str, v: list[int]) -> list[int] | None:
@@ -232,6 +296,14 @@ def attention(family: Family, attn: str) -> str:
     return "eager" if attn == "sdpa" and getattr(cls, "_supports_sdpa", True) is False else attn
 
 
+def text_config(cfg: Any) -> Any:
+    """A composite configuration's text part; its decoder's where it has a text encoder too (MusicGen's)."""
+    try:
+        return cfg.get_text_config()
+    except ValueError:  # several text configurations
+        return cfg.get_text_config(decoder=True)
+
+
 def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = False, attn: str | None = "sdpa") -> Any:
     """The family's configuration: the library default, `overrides`, ``use_cache`` (where the configuration
     has it) and the attention implementation (None: the library's choice)."""
@@ -241,9 +313,11 @@ def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = F
     if attn is not None:
         over["attn_implementation"] = attention(family, attn)
     cfg = hf_config(family.model_type, over)
-    for c in {id(cfg): cfg, id(text := cfg.get_text_config()): text}.values():  # a composite's text model too
+    for c in {id(cfg): cfg, id(text := text_config(cfg)): text}.values():  # a composite's text model too
         if hasattr(c, "use_cache"):
             c.use_cache = use_cache
+    if family.kind == "causal" and not cfg.is_encoder_decoder:
+        cfg.is_decoder = True  # an encoder's causal head (BERT's, Reformer's) is a decoder: causal masks
     if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
         cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     return cfg
@@ -269,6 +343,9 @@ def build(
         overrides = tiny_overrides(family.model_type)
     cfg = config_for(family, overrides, use_cache=use_cache, attn=attn)
     cls = getattr(transformers, family.class_name)
+    wants = getattr(cls, "config_class", None)
+    if wants is not None and not isinstance(cfg, wants) and isinstance(text_config(cfg), wants):
+        cfg = text_config(cfg)  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
     torch.manual_seed(seed)
     try:
         with torch.device(device):
@@ -293,7 +370,7 @@ def build(
         return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
     from meshpilot.models.sources import HFLoss
 
-    vocab = int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)  # a composite's: its text
+    vocab = int(getattr(cfg, "vocab_size", None) or text_config(cfg).vocab_size)  # a composite's: its text
     if meta:
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         return HFLoss(model), (ids, ids)

@@ -10,6 +10,7 @@ the run issues. Each step acts on one mesh axis and becomes one collective of th
     S(d) -> S(e)  all-to-all(M_a / n_a, axis a)   "resharding"    (Table 2 #4, #5)
     R -> S(d), R -> P                             free: a local slice (Table 2 #1)
     S(d) -> P     all-gather(M_a, axis a), then R -> P   (DTensor has no such step: :func:`via_replicate`)
+    P(x) -> P(y)  all-reduce(M_a, axis a), then R -> P(y) (one partial kind to another, P(avg) -> P(sum): neither)
 
 ``M_a`` follows the local tensor through the steps (the whole tensor cut by every shard it has right then),
 counted as :class:`CollectiveKind` says (an all-gather's gathered output, a reduce-scatter's input, ...).
@@ -31,8 +32,9 @@ from meshpilot.graph.capture import TensorInfo, dtype_from_name
 from meshpilot.sharding.placements import Placements, by_id
 
 UNSUPPORTED_S = 1e3
-"""Cost of a resharding DTensor cannot do (one partial kind -> another; shard -> partial goes through a replica,
-:func:`via_replicate`): large enough that no plan uses it."""
+"""Cost of a resharding DTensor cannot do (shard -> partial and one partial kind -> another go through a replica,
+:func:`via_replicate`; what is left is a chain DTensor's planner builds through such a step): large enough that
+no plan uses it."""
 
 
 class CollectiveKind(StrEnum):
@@ -102,13 +104,19 @@ _STRUCTURES: dict[tuple[int, ...], dict[tuple, tuple[tuple[str, int, float], ...
 
 def via_replicate(src: Placements, dst: Placements) -> Placements | None:
     """The layout a ``src -> dst`` resharding passes through where DTensor cannot take it in one go: `dst` with
-    every mesh axis that goes from a shard to a partial sum replicated instead (DTensor turns a shard into a
-    partial on no axis; gathering it first and then keeping a partial share of the replica is exact). ``None``
-    where no axis does. The planner prices ``src -> via -> dst`` and the runtime
-    (``runtime.interpret.redistribute``) runs it, so the collectives are the ones planned."""
-    if not any(a.is_shard() and b.is_partial() for a, b in zip(src, dst)):
+    every mesh axis that goes from a shard, or from another kind of partial (``P(avg) -> P(sum)``), to a
+    partial replicated instead. DTensor takes neither step; gathering (or all-reducing with the source's own
+    reduction) first and then keeping a partial share of the replica is exact: the shares of ``R -> P(y)`` reduce
+    with ``y`` to the replica. ``None`` where no axis needs it. The planner prices ``src -> via -> dst`` and the
+    runtime (``runtime.interpret.redistribute``) runs it, so the collectives are the ones planned."""
+    if not any(_needs_replica(a, b) for a, b in zip(src, dst)):
         return None
-    return tuple(Replicate() if a.is_shard() and b.is_partial() else b for a, b in zip(src, dst))
+    return tuple(Replicate() if _needs_replica(a, b) else b for a, b in zip(src, dst))
+
+
+def _needs_replica(a, b) -> bool:
+    """Whether placement `a` becomes partial `b` on one mesh axis only through a replica."""
+    return b.is_partial() and (a.is_shard() or (a.is_partial() and a != b))
 
 
 class Resharder:
