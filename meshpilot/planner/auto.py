@@ -429,11 +429,14 @@ def _assemble(
     warnings = _fallback_warnings(fallbacks)
     if cand.gap > 0.01:
         warnings.append(f"ILP stopped at gap {cand.gap:.2%} (time limit)")
-    bad = sum(c.kind == CollectiveKind.UNSUPPORTED for c in acct.collectives)
-    if bad:
-        warnings.append(
-            f"{bad} resharding steps DTensor cannot run (one partial kind to another), priced at "
-            f"{UNSUPPORTED_S:.0f} s each: no supported plan was found on this mesh"
+    bad = [c for c in acct.collectives if c.kind == CollectiveKind.UNSUPPORTED]
+    if bad:  # what cannot run is refused, never handed to the runtime
+        c = bad[0]
+        raise PlanError(
+            f"no plan on mesh {tuple(cand.shape)} avoids resharding DTensor cannot run: {len(bad)} step(s) (priced "
+            f"{UNSUPPORTED_S:.0f} s each), the first from {c.src} into {c.dst} (one partial kind to another, or a shard into a partial mid-chain); "
+            "pin that value's layout with force= / --force, or try another mesh shape",
+            mesh_shape=tuple(cand.shape),
         )
     if memory.total > capacity * (1 + EPS):
         warnings.append(f"predicted memory {fmt_size(memory.total)} exceeds {fmt_size(capacity)}")
