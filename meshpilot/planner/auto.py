@@ -433,9 +433,10 @@ def _assemble(
     if bad:  # what cannot run is refused, never handed to the runtime
         c = bad[0]
         raise PlanError(
-            f"no plan on mesh {tuple(cand.shape)} avoids resharding DTensor cannot run: {len(bad)} step(s) (priced "
-            f"{UNSUPPORTED_S:.0f} s each), the first from {c.src} into {c.dst} (one partial kind to another, or a shard into a partial mid-chain); "
-            "pin that value's layout with force= / --force, or try another mesh shape",
+            f"no plan on mesh {tuple(cand.shape)} avoids resharding DTensor cannot run: {len(bad)} step(s) "
+            f"(priced {UNSUPPORTED_S:.0f} s each), the first from {c.src} into {c.dst} (one partial kind to "
+            "another, or a shard into a partial mid-chain); pin that value's layout with force= / --force, or "
+            "try another mesh shape",
             mesh_shape=tuple(cand.shape),
         )
     if memory.total > capacity * (1 + EPS):
