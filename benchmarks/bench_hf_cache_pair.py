@@ -12,26 +12,20 @@ import torch
 from meshpilot.models.sources import hf_model
 from meshpilot.planner.auto import plan
 
+LLAMA_LIKE = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    vocab_size=64,
+)
+"""Llama and Mistral share their config keys: the same tiny sizes for both."""
 CFG = {
     "gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=64),
-    "llama": dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        vocab_size=64,
-    ),
-    "mistral": dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        vocab_size=64,
-    ),
+    "llama": LLAMA_LIKE,
+    "mistral": LLAMA_LIKE,
 }
 for name, cfg in CFG.items():
     for cache in (True, False):

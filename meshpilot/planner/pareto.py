@@ -477,7 +477,8 @@ def pareto_search(
     states = [_State({}, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, {}, None, inc_index is not None)]
     for node in graph.nodes:
         if node.kind not in _LEAVES:
-            states = _prune([c for st in states for c in dp.expand(st, _NodeStep.of(node, dp))], beam)
+            ns = _NodeStep.of(node, dp)  # once per node, shared by every state it extends
+            states = _prune([c for st in states for c in dp.expand(st, ns)], beam)
     best = min(states, key=lambda s: s.psi)
     return ParetoResult(dp.chosen(best), best.psi, dp.expanded, time.perf_counter() - t0, inc_index is not None)
 
