@@ -2,8 +2,8 @@
 
 Pure: the op equals HF's own eager experts loop (loss and gradients) and captures as one forward and one
 backward node; the ILP picks expert parallelism by itself where the experts' gradients outweigh the tokens'
-all-to-alls (large experts, few tokens) and data parallelism where they do not (tiny experts); a bad
-activation is one line.
+all-to-alls (large experts, few tokens) and data parallelism where they do not (tiny experts); an
+activation the op lacks runs transformers' batched_mm path, with a warning.
 
 On 4 and 8 gloo ranks (one spawn each): the solver's plans (expert-parallel on (4, 1); on (2, 2) and (2, 4) with
 data parallelism on the other axis) and the forced data-parallel plans ((4, 1) and (8, 1)), trained 2 AdamW steps beside
@@ -96,12 +96,20 @@ def test_batched_mm_stays_available():
     assert torch.isfinite(model(*inputs))
 
 
-def test_unsupported_activation_is_one_line():
-    from meshpilot.errors import UserError
+def test_unsupported_activation_runs_transformers_path():
+    from meshpilot.ops import moe
 
-    model, inputs = build(dict(TINY, hidden_act="tanh"))
-    with pytest.raises(UserError, match="hidden_act 'tanh'.*experts_implementation=batched_mm"):
-        model(*inputs)
+    moe._NOTED.clear()  # noted once per process: this test must see it
+    got = {}
+    for impl in ("batched_mm", "meshpilot"):
+        torch.manual_seed(0)
+        model, inputs = build(dict(TINY, hidden_act="tanh"), impl)
+        if impl == "meshpilot":
+            with pytest.warns(UserWarning, match="activation 'tanh'.*batched_mm"):
+                got[impl] = model(*inputs)
+        else:
+            got[impl] = model(*inputs)
+    torch.testing.assert_close(got["meshpilot"], got["batched_mm"], rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

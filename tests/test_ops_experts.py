@@ -3,8 +3,8 @@ layouts beyond Mixtral's, in one process.
 
 Experts stored transposed (Aria's ``[E, h, 2f]``) run as the op on transposed views and equal transformers'
 own eager loop (loss and every gradient); experts that gate ``[gate; up]`` their own way (a class overriding
-``_apply_gate``) are refused in one line naming the setting that avoids it, instead of being computed as
-``act(gate) * up``.
+``_apply_gate``) run transformers' ``batched_mm`` path with one warning, instead of being computed as
+``act(gate) * up``; GPT-OSS's tiny model (biases, interleaved clamped gate) then equals its eager loop.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def test_transposed_experts_equal_the_eager_loop():
         assert (got["meshpilot"][1][n] - g).abs().max().item() <= TOL, n
 
 
-def test_experts_with_their_own_gate_are_one_line():
+def test_experts_with_their_own_gate_run_transformers_path():
     from transformers.integrations.moe import use_experts_implementation
 
-    from meshpilot.errors import UserError
+    from meshpilot.ops import moe
     from meshpilot.ops.moe import experts_forward
 
     @use_experts_implementation()
@@ -59,5 +59,26 @@ def test_experts_with_their_own_gate_are_one_line():
     cfg = transformers.MixtralConfig(hidden_size=4, intermediate_size=4)
     experts = ClampedExperts(cfg)
     x, idx, w = torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
-    with pytest.raises(UserError, match="a gate of their own; set --hf-config experts_implementation=batched_mm"):
-        experts_forward(experts, x, idx, w)
+    moe._NOTED.clear()  # noted once per process: this test must see it
+    with pytest.warns(UserWarning, match="ClampedExperts: these experts have a gate of their own.*batched_mm"):
+        got = experts_forward(experts, x, idx, w)
+    gate_up = x @ experts.gate_up_proj[0].T  # every token to expert 0 with weight 1: the clamped SwiGLU by hand
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate.clamp(max=1.0)) * up) @ experts.down_proj[0].T
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_gpt_oss_experts_equal_the_eager_loop():
+    from meshpilot.models.hf_families import Family, build, no_dropout, tiny_overrides
+
+    got = {}
+    for impl in ("eager", "meshpilot"):
+        over = {**tiny_overrides("gpt_oss"), **no_dropout("gpt_oss"), "experts_implementation": impl}
+        model, inputs = build(Family("gpt_oss", "GptOssForCausalLM", "causal"), over)
+        loss = model(*inputs)
+        loss.backward()
+        got[impl] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert abs(got["meshpilot"][0] - got["eager"][0]) <= TOL
+    assert got["meshpilot"][1].keys() == got["eager"][1].keys()
+    for n, g in got["eager"][1].items():
+        assert (got["meshpilot"][1][n] - g).abs().max().item() <= TOL, n

@@ -1,5 +1,6 @@
 """The untagged elementwise ops ``meshpilot.ops.pointwise`` gives DTensor's pointwise strategy are elementwise, and
-``index_add`` (``meshpilot.ops.index_add``) plans sharded off its indexed dim.
+``index_add`` (``meshpilot.ops.index_add``) and ``unfold`` (``meshpilot.ops.unfold``) plan sharded off their
+indexed dim.
 Their planning is checked on the families that use them (``tests/test_hf_families.py``: Llama-4's
 ``floor_divide``), their 4-rank runs in the family sweep (``benchmarks/bench_hf_families.py --run``)."""
 
@@ -90,3 +91,34 @@ def test_per_sample_kernels_plan_without_fallback():
     p = plan(_Unfold(), (torch.randn(8, 4, 8),), "dgx-h100", mesh_shape=(2, 2), mappings=("row",))
     assert {"im2col", "avg_pool2d_backward"} <= {n.target.split(".")[1] for n in p.nodes if n.kind == "op"}
     assert not p.fallbacks, [f.line() for f in p.fallbacks]
+
+
+class _Windows(torch.nn.Module):
+    """Sliding windows along the sequence (``Tensor.unfold``, Inkling2's short convolution): its backward is
+    ``unfold_backward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x).transpose(1, 2)  # [b, 8, s]
+        windows = y.unfold(-1, 3, 1)  # [b, 8, s - 2, 3]
+        return (windows * torch.arange(3.0)).sum(-1).square().mean()
+
+
+def test_unfold_plans_sharded_off_its_unfolded_dim():
+    """``unfold`` and ``unfold_backward`` had no strategy; ``meshpilot.ops.unfold`` shards them on the other dims,
+    and the backward run on a block (with the block's sizes) is that block of the whole backward."""
+    from meshpilot.ops.unfold import _local_sizes
+    from meshpilot.planner.auto import plan
+
+    p = plan(_Windows(), (torch.randn(8, 6, 8),), "dgx-h100", mesh_shape=(2, 2), mappings=("row",))
+    assert {"unfold", "unfold_backward"} <= {n.target.split(".")[1] for n in p.nodes if n.kind == "op"}
+    assert not p.fallbacks, [f.line() for f in p.fallbacks]
+    unfolds = [n for n in p.nodes if n.target.startswith("aten.unfold")]
+    assert all("S(2)" not in pl for n in unfolds for pl in n.outs[0]), [n.outs for n in unfolds]
+    g = torch.randn(4, 6, 5, 3)
+    whole = torch.ops.aten.unfold_backward(g, [4, 6, 7], 2, 3, 1)
+    part = torch.ops.aten.unfold_backward(g[1:3, 2:5], _local_sizes(g[1:3, 2:5], [4, 6, 7], 2), 2, 3, 1)
+    assert torch.equal(whole[1:3, 2:5], part)

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from meshpilot.cli.common import (
@@ -566,33 +567,31 @@ def make_plan(
     shapes = [shape] if shape else mesh_shapes_2d(n)
     candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
     t0 = time.perf_counter()
-    with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
-        precision = check_precision(built.model, None, precision)
-        inputs = microbatch_inputs(built.inputs, schedule.get("microbatches", 1))
-        graph = capture(built.model, inputs, precision=precision)
-    capture_s = time.perf_counter() - t0
-    what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
-    with (
-        progress.status(f"searching ({searcher}) on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"),
-        warnings.catch_warnings(record=True) as caught,
-    ):
+    with warnings.catch_warnings(record=True) as caught:  # shown after the search, one line each
         warnings.simplefilter("always")
-        plan = plan_fn(
-            built.model,
-            built.inputs,
-            cluster,
-            num_devices=n,
-            mesh_shape=shape,
-            force=force,
-            memory_bytes=memory_bytes,
-            time_limit=time_limit,
-            graph=graph,
-            precision=precision,
-            searcher=searcher,
-            **schedule,
-        )
+        with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
+            precision = check_precision(built.model, None, precision)
+            inputs = microbatch_inputs(built.inputs, schedule.get("microbatches", 1))
+            graph = capture(built.model, inputs, precision=precision)
+        capture_s = time.perf_counter() - t0
+        what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
+        with progress.status(f"searching ({searcher}) on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"):
+            plan = plan_fn(
+                built.model,
+                built.inputs,
+                cluster,
+                num_devices=n,
+                mesh_shape=shape,
+                force=force,
+                memory_bytes=memory_bytes,
+                time_limit=time_limit,
+                graph=graph,
+                precision=precision,
+                searcher=searcher,
+                **schedule,
+            )
     for w in caught:  # e.g. a --force pattern that matches nothing
-        progress.print(f"[yellow]warning:[/yellow] {w.message}", soft_wrap=True)
+        progress.print(f"[yellow]warning:[/yellow] {escape(str(w.message))}", soft_wrap=True)
     # the planner was handed the graph: record the capture it did not time itself
     solver = replace(plan.solver, capture_s=capture_s, total_s=plan.solver.total_s + capture_s)
     return replace(plan, solver=solver), graph

@@ -137,6 +137,9 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
         if layers is None and k.endswith(("block_type", "layer_types")) and _strings(v) and len(v) > LAYERS:
             out[k] = list(dict.fromkeys(v))  # layers named by a pattern only (Nemotron-H): one of each kind
     _keep_products(d, out)
+    _fill_unset_heads(d, out)
+    if d.get("default_language", "") is None and d.get("languages"):
+        out["default_language"] = list(d["languages"])[0]  # X-MOD's adapters need a language for unnamed input
     if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
         out["num_kv_shared_layers"] = 0  # two layers cannot both produce and reuse each attention kind's cache
     if any(_int(d.get(k)) for k in _EXPERT_KEYS) or _int(d.get("moe_intermediate_size")):
@@ -155,6 +158,20 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
         elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
             out[k] = [min(x, vocab - 1) for x in v]
     return out
+
+
+def _fill_unset_heads(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Head sizes a default leaves ``None`` yet its model reads as numbers (HunYuan's and Ministral's
+    ``head_dim``, Nemotron's ``num_key_value_heads``): what an unset value means elsewhere in transformers,
+    hidden / heads and one key/value head per query head."""
+    heads = out.get("num_attention_heads", d.get("num_attention_heads"))
+    hidden = out.get("hidden_size", d.get("hidden_size"))
+    if not (_int(heads) and _int(hidden) and heads > 0):
+        return
+    if "head_dim" in d and d["head_dim"] is None:
+        out["head_dim"] = hidden // heads
+    if "num_key_value_heads" in d and d["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = heads
 
 
 def _strings(v: Any) -> bool:

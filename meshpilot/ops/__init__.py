@@ -14,6 +14,7 @@ module                            ops
 :mod:`~meshpilot.ops.stack`       ``stack`` of operands in one common layout (DTensor's follows the first
                                   operand's producers only)
 :mod:`~meshpilot.ops.index_add`   ``index_add`` (``index_select``'s backward) sharded off its indexed dim
+:mod:`~meshpilot.ops.unfold`      ``Tensor.unfold`` (sliding windows) and its backward, off the unfolded dim
 :mod:`~meshpilot.ops.batched`     ``im2col``, ``col2im``, ``avg_pool2d_backward``: sample- (channel-) parallel
 :mod:`~meshpilot.ops.batch_norm`  training BatchNorm with batch-sharded statistics reduced across ranks, its
                                   backward, and running statistics exactly as one device computes them
@@ -139,10 +140,10 @@ def _local_shape_and_offset(global_shape, mesh, placements):
 @functools.cache
 def registry() -> dict[str, OwnOp]:
     """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, batched, dropout, fill, index_add, moe, stack, vocab
+    from meshpilot.ops import batch_norm, batched, dropout, fill, index_add, moe, stack, unfold, vocab
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill, stack, index_add, batched, moe):
+    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe):
         for op in module.OPS:
             ops[op.target] = op
     return ops

@@ -6,6 +6,9 @@ tensors cannot see. meshpilot registers its own experts implementation with tran
 (``experts_implementation="meshpilot"``, :func:`register_with_transformers`; ``hf:mixtral`` uses it by
 default): the whole experts computation becomes one custom op whose operands have static shapes, so the
 captured graph holds one forward and one backward node, and everything data-dependent happens inside them.
+Experts the op does not compute (biases, no gate, a clamped or scaled gate of their own: GPT-OSS, DeepSeek-V4,
+Nemotron-H) run transformers' ``batched_mm`` path instead, with a one-line warning: static shapes, so they
+plan and run exactly, but their weights are gathered per (token, expert) pair and not expert-parallel.
 
 Math (per token t, its k chosen experts e with routing weights w_{t,e}, SwiGLU experts)::
 
@@ -52,6 +55,7 @@ the busiest rank. :func:`expected_pairs` is that one number; the docs (docs/moe.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -333,19 +337,43 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     """transformers' experts interface entry (``experts_implementation="meshpilot"``): the experts module's
     forward as one :data:`moe_experts` call. Experts stored transposed (``is_transposed``: ``[E, h, 2f]`` and
     ``[E, f, h]``, Aria's) are passed as transposed views (autograd carries the gradients back)."""
-    layout_ok = getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
-    layout_ok = layout_ok and getattr(self, "is_concatenated", True)
-    if not layout_ok or getattr(self, "has_post_expert_norm", False) or _own_gate(self):
-        raise UserError(
-            f"{type(self).__name__}: experts_implementation=meshpilot takes concatenated [gate; up] experts "
-            "without bias, post-norm or a gate of their own; set --hf-config experts_implementation=batched_mm"
+    why = _not_ours(self)
+    if why:  # the op would compute something else: transformers' own static-shape path, said once per class
+        from transformers.integrations.moe import batched_mm_experts_forward
+
+        _note_once(
+            f"{type(self).__name__}: these experts have {why}, which meshpilot's experts op does not compute; "
+            "they run transformers' batched_mm experts instead (static shapes, exact, no expert parallelism)"
         )
+        return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     act = _act_name(self)
-    _activation(act)  # an unsupported activation is refused here, at capture, in one line
     gate_up, down = self.gate_up_proj, self.down_proj  # [E, 2f, h], [E, h, f]
     if getattr(self, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, act)
+
+
+def _not_ours(module: torch.nn.Module) -> str:
+    """What of `module`'s experts :data:`moe_experts` does not compute ("" when it computes them all)."""
+    checks = [
+        (not getattr(module, "has_gate", True), "no gate"),
+        (getattr(module, "has_bias", False), "biases"),
+        (not getattr(module, "is_concatenated", True), "gate and up not concatenated"),
+        (getattr(module, "has_post_expert_norm", False), "a post-expert norm"),
+        (_own_gate(module), "a gate of their own"),
+        (_act_name(module) not in _ACTIVATIONS, f"activation {_act_name(module)!r}"),
+    ]
+    return ", ".join(what for hit, what in checks if hit)
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    """Warn with `line` once per process (every layer's experts call the entry on every capture)."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        warnings.warn(line, UserWarning, stacklevel=3)
 
 
 def _own_gate(module: torch.nn.Module) -> bool:
