@@ -1,8 +1,9 @@
 """A fast sample of every transformers family (``meshpilot.models.hf_families``; the full sweep is
 ``benchmarks/bench_hf_families.py``): each head class of GPT-2, GPT-Neo, GPT-J, GPT-NeoX, Llama, Qwen2, Phi,
-StableLM, Mistral, Falcon, Mixtral and BART, with its default configuration made tiny by key names (the
+StableLM, Mistral, Falcon, Mixtral, BART and GPT-OSS, with its default configuration made tiny by key names (the
 architecture's flags kept: Falcon's multi-query attention and parallel block, Phi's partial rotary, GPT-Neo's
-local attention, Mixtral's experts, BART's encoder-decoder), dropout off, ``use_cache=False`` and sdpa
+local attention, Mixtral's experts, BART's encoder-decoder, GPT-OSS's biased experts with a clamped gate of
+their own, which run transformers' batched_mm path), dropout off, ``use_cache=False`` and sdpa
 attention; GPT-2 and Llama also with ``use_cache=True`` and eager attention.
 
 Pure (one process): each plans on a (2, 2) mesh of ``dgx-h100`` with no fallback.
@@ -25,7 +26,7 @@ STEPS = 3
 WORLD = 4
 MESH = (2, 2)
 SAMPLE = ("gpt2", "gpt_neo", "gptj", "gpt_neox", "llama", "qwen2", "phi", "stablelm", "mistral", "falcon")
-SAMPLE += ("mixtral", "bart")
+SAMPLE += ("mixtral", "bart", "gpt_oss")  # GPT-OSS: experts with biases and a clamped gate (batched_mm)
 # (use_cache, attention) beyond the default (False, sdpa), for the families of these model types
 MORE_SETTINGS = {"gpt2": [(True, "eager")], "llama": [(True, "sdpa"), (False, "eager")]}
 pytestmark = pytest.mark.timeout(1800)  # as test_hf_models: the fixtures plan and run every case at once
@@ -98,6 +99,7 @@ FIXED = {
     "aria_text": "AriaTextForCausalLM",
     "mamba": "MambaForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "nemotron": "NemotronForCausalLM",  # its default leaves num_key_value_heads unset: not buildable before
 }
 
 

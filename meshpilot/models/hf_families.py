@@ -138,6 +138,8 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
             out[k] = list(dict.fromkeys(v))  # layers named by a pattern only (Nemotron-H): one of each kind
     _keep_products(d, out)
     _fill_unset_heads(d, out)
+    if "vocab_size" in d and d["vocab_size"] is None:
+        out["vocab_size"] = vocab  # ESM's default leaves it to the tokenizer
     if d.get("default_language", "") is None and d.get("languages"):
         out["default_language"] = list(d["languages"])[0]  # X-MOD's adapters need a language for unnamed input
     if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
