@@ -155,6 +155,11 @@ def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str
 
 ROCE_GPU_GBPS = 50.0
 """One 400 Gbps RoCE / InfiniBand NIC per GPU: 50 GB/s each way."""
+NVLINK4_GBPS = 450.0
+"""An H100 SXM's NVLink-4 per direction: 18 links of 25 GB/s each way (NVIDIA's "900 GB/s" counts both
+directions). The frontier presets give every link per direction, the NICs' 50 GB/s too, since a ring's or
+Rabenseifner's all-reduce sends and receives at once: its bandwidth term is the per-direction rate (``dgx-h100``
+and ATP's presets keep the papers' two-direction NVLink numbers)."""
 LLAMA3_POD_GPUS = 3072
 """Llama 3 §3.3.1: 192 racks of 16 GPUs (two servers) under cluster switches, a pod of 3,072 GPUs with full
 bisection bandwidth."""
@@ -164,7 +169,7 @@ LLAMA3_OVERSUBSCRIPTION = 7
 
 def _llama3_h100(pods: int) -> dict[str, Any]:
     # The Llama 3 Herd of Models §3.3.1 (Meta's 24K-GPU RoCE cluster): Grand Teton servers of 8 H100 SXM (80 GB
-    # HBM3, 700 W) on NVLink / NVSwitch (NVLink-4, 900 GB/s per GPU), one 400 Gbps RoCE NIC per GPU (8 x 50 GB/s =
+    # HBM3, 700 W) on NVLink / NVSwitch (NVLink-4, 450 GB/s each way per GPU), one 400 Gbps RoCE NIC per GPU (8 x 50 GB/s =
     # 400 GB/s a server); a three-layer Clos: 16 GPUs a rack under one ToR, 192 racks a pod of 3,072 GPUs with no
     # oversubscription (so the pod is one flat layer of 384 servers), 8 pods joined by aggregation switches at
     # 1:7, so a pod's bandwidth to the rest is its GPUs' NIC bandwidth / 7. Latencies are not published: 2 us on
@@ -175,7 +180,7 @@ def _llama3_h100(pods: int) -> dict[str, Any]:
     layers = [
         _layer("pod", pods, pod_out, pod_out, 10.0),
         _layer("node", servers, node, node, 5.0),
-        _layer("gpu", 8, 900.0, 900.0, 2.0),
+        _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0),
     ]
     out = {"name": f"llama3-h100:{pods}", "device_profile": _h100_measured("h100-sxm-80gb", 80.0, 3350.0)}
     out["layers"] = layers
@@ -189,7 +194,7 @@ def _torchtitan_h100(nodes: int) -> dict[str, Any]:
     # measured efficiency above are an upper bound on its rate). No oversubscription is given for 512 GPUs:
     # the hosts sit on one non-blocking layer.
     node = 8 * ROCE_GPU_GBPS
-    layers = [_layer("node", nodes, node, node, 5.0), _layer("gpu", 8, 900.0, 900.0, 2.0)]
+    layers = [_layer("node", nodes, node, node, 5.0), _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0)]
     out = {"name": f"torchtitan-h100:{nodes}", "device_profile": _h100_measured("h100-hbm2e-96gb", 96.0, 2400.0)}
     out["layers"] = layers
     return out
