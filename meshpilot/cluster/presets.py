@@ -168,12 +168,12 @@ LLAMA3_OVERSUBSCRIPTION = 7
 
 
 def _llama3_h100(pods: int) -> dict[str, Any]:
-    # The Llama 3 Herd of Models §3.3.1 (Meta's 24K-GPU RoCE cluster): Grand Teton servers of 8 H100 SXM (80 GB
-    # HBM3, 700 W) on NVLink / NVSwitch (NVLink-4, 450 GB/s each way per GPU), one 400 Gbps RoCE NIC per GPU (8 x 50 GB/s =
+    # The Llama 3 Herd of Models §3.3.1 (Meta's 24K-GPU RoCE cluster): Grand Teton servers of 8 H100 SXM (80 GB HBM3,
+    # 700 W) on NVLink / NVSwitch (NVLink-4, 450 GB/s each way per GPU), one 400 Gbps RoCE NIC per GPU (8 x 50 GB/s =
     # 400 GB/s a server); a three-layer Clos: 16 GPUs a rack under one ToR, 192 racks a pod of 3,072 GPUs with no
-    # oversubscription (so the pod is one flat layer of 384 servers), 8 pods joined by aggregation switches at
-    # 1:7, so a pod's bandwidth to the rest is its GPUs' NIC bandwidth / 7. Latencies are not published: 2 us on
-    # NVLink, 5 us through the ToR and cluster switches (as `dgx-h100`), 10 us through the aggregation layer.
+    # oversubscription (so the pod is one flat layer of 384 servers), 8 pods joined by aggregation switches at 1:7, so a
+    # pod's bandwidth to the rest is its GPUs' NIC bandwidth / 7. Latencies are not published: 2 us on NVLink, 5 us
+    # through the ToR and cluster switches (as `dgx-h100`), 10 us through the aggregation layer.
     servers = LLAMA3_POD_GPUS // 8
     pod_out = LLAMA3_POD_GPUS * ROCE_GPU_GBPS / LLAMA3_OVERSUBSCRIPTION
     node = 8 * ROCE_GPU_GBPS
