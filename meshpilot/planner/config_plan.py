@@ -46,7 +46,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
-from meshpilot.planner.forced import megatron_tp
+from meshpilot.planner.forced import _exact, megatron_tp
 from meshpilot.planner.pipeline import (
     Clustering,
     _groups,
@@ -58,7 +58,7 @@ from meshpilot.planner.pipeline import (
 from meshpilot.planner.plan import Plan, PlanStage
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage
-from meshpilot.planner.stage import StageCost, StagePlanner
+from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
 
 
@@ -253,7 +253,8 @@ def plan_config(
     if first.shape[0] != cfg.graph_batch:
         raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
     mesh = (cfg.dp, cfg.tp)
-    force = megatron_tp(model, inputs, mesh, graph=stack.graph) if cfg.tp > 1 else None
+    force = megatron_tp(model, inputs, mesh, graph=stack.graph) if cfg.tp > 1 else {}
+    force.update(boundary_pins(sp, stack, cfg))
     chunks = cfg.pp * cfg.virtual
     bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
     groups = stage_ranks(cfg)
@@ -265,6 +266,24 @@ def plan_config(
     )
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
+
+
+def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[str, str]:
+    """Every stage piece's boundary inputs (``stage.slice_graph``'s ``boundary:`` leaves) whose dim 0 is the
+    microbatch's rows, pinned batch-sharded over DP (``S(0)R``): each replica's stage receives its own rows, as the
+    previous stage's replica sends them (:func:`send_shares`). Unpinned, the search may keep such an input
+    replicated, which costs it nothing in time but holds every replica's rows on every rank."""
+    p, end = stack.pre, len(sp.layers)
+    pieces = [(stack.middle, stack.middle + 1)]
+    pieces += [(a, b) for a in range(p) for b in range(a + 1, p + 1)]
+    pieces += [(a, b) for a in range(end - stack.post, end) for b in range(a + 1, end + 1)]
+    pins = {}
+    for a, b in pieces:
+        for n in slice_graph(stack.graph, a, b, sp.layers).nodes:
+            name = n.fqn or n.name
+            if name.startswith(f"{BOUNDARY}:") and n.out is not None and n.out.shape[:1] == (cfg.graph_batch,):
+                pins[_exact(name)] = "S(0)R"  # rows over DP (mesh axis 0), whole on every TP rank
+    return pins
 
 
 def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks, costs, t0: float) -> Plan:
@@ -366,6 +385,7 @@ __all__ = [
     "ParallelConfig",
     "Recompute",
     "Split",
+    "boundary_pins",
     "breakdown",
     "check_config",
     "model_flops_per_token",
