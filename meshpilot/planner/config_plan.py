@@ -16,8 +16,9 @@ The plan
   Transformer layer each from the first and the last stages"): the embeddings alone in the first chunk, the
   final norm and head alone in the last, the blocks evenly over the PP · V − 2 between.
 * **Each stage's operators**: Megatron-LM's layouts pinned on its ``(DP, TP)`` mesh (``planner.forced.
-  megatron_tp``: column / row pairs, vocabulary-parallel embedding and head), the ILP choosing the operators'
-  algorithms; a stage of k blocks composed from one block's plan (``planner.stack.compose_stage``).
+  megatron_tp``: column / row pairs, vocabulary-parallel embedding and head; without TP every weight replicated,
+  ``forced.data_parallel``) and each piece's boundary rows over DP (:func:`boundary_pins`), the ILP choosing
+  the operators' algorithms; a stage of k blocks composed from one block's plan (``planner.stack.compose_stage``).
 * **ZeRO** (``zero=``): 0 keeps every state replicated over DP; 1 and 2 shard the optimizer update (AdamW
   states and the master weights' update) over DP where the post-pass can (``zero.ZeroMode.ALL``; meshpilot
   does not tell 1 from 2: gradients are reduced whole before the update either way); 3 is refused beside
@@ -46,7 +47,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
-from meshpilot.planner.forced import _exact, megatron_tp
+from meshpilot.planner.forced import _exact, data_parallel, megatron_tp
 from meshpilot.planner.pipeline import (
     Clustering,
     _groups,
@@ -253,7 +254,10 @@ def plan_config(
     if first.shape[0] != cfg.graph_batch:
         raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
     mesh = (cfg.dp, cfg.tp)
-    force = megatron_tp(model, inputs, mesh, graph=stack.graph) if cfg.tp > 1 else {}
+    if cfg.tp > 1:
+        force = megatron_tp(model, inputs, mesh, graph=stack.graph)
+    else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
+        force = data_parallel(model, inputs, mesh)
     force.update(boundary_pins(sp, stack, cfg))
     chunks = cfg.pp * cfg.virtual
     bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
@@ -273,6 +277,8 @@ def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[s
     microbatch's rows, pinned batch-sharded over DP (``S(0)R``): each replica's stage receives its own rows, as the
     previous stage's replica sends them (:func:`send_shares`). Unpinned, the search may keep such an input
     replicated, which costs it nothing in time but holds every replica's rows on every rank."""
+    if cfg.dp == 1:
+        return {}  # an axis of one device is R
     p, end = stack.pre, len(sp.layers)
     pieces = [(stack.middle, stack.middle + 1)]
     pieces += [(a, b) for a in range(p) for b in range(a + 1, p + 1)]
@@ -329,7 +335,8 @@ class Breakdown:
     compute_s: float
     """The group's operators, every microbatch of every chunk."""
     tp_s: float
-    """Its TP collectives and resharding, every microbatch (none overlapped)."""
+    """Its collectives and resharding issued every microbatch (none overlapped): TP's, and the few small ones
+    besides (the loss' reduction over DP in the last stage)."""
     dp_s: float
     """Its gradient synchronisation over DP, once a step (none overlapped)."""
     optimizer_s: float
@@ -337,7 +344,7 @@ class Breakdown:
     """The rest: the bubble (fill and drain) and the exposed sends between stages."""
 
     def rows(self) -> list[tuple[str, float]]:
-        return [("compute", self.compute_s), ("TP communication", self.tp_s), ("DP gradient sync", self.dp_s),
+        return [("compute", self.compute_s), ("TP (per-microbatch) comm.", self.tp_s), ("DP gradient sync", self.dp_s),
                 ("optimizer", self.optimizer_s), ("bubble + exposed sends", self.pipeline_s)]  # fmt: skip
 
 
