@@ -310,6 +310,7 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
         tuple(stages), B, cfg.devices, clustering, float(sp.cluster.device.memory_bytes), 0.0,
         time.perf_counter() - t0, 0, 0, kind, StageCosting.STACK,
         transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster, stack), cluster=sp.cluster.name,
+        send_split=cfg.dp,
     )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 
@@ -318,12 +319,13 @@ def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
     """Bytes one rank sends per microbatch at each stage boundary: the transfer (the whole step's microbatch,
     every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; the TP ranks of a
     replica each send its rows whole (no scatter / gather), as meshpilot's cross-mesh tiles move them."""
-    return {(x.src, x.dst): x.nbytes / cp.config.dp for x in cp.plan.transfers}
+    return {(x.src, x.dst): x.nbytes / cp.plan.send_split for x in cp.plan.transfers}
 
 
 def simulate_config(cp: ConfigPlan, **kw):
-    """``Plan.simulate`` of the configuration's plan, each send one rank's share (:func:`send_shares`)."""
-    return cp.plan.simulate(p2p_bytes=send_shares(cp), **kw)
+    """``Plan.simulate`` of the configuration's plan: its ``send_split`` is DP, each send one rank's share
+    (:func:`send_shares`)."""
+    return cp.plan.simulate(**kw)
 
 
 @dataclass(frozen=True)

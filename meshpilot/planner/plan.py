@@ -27,7 +27,7 @@ import math
 import re
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -672,6 +672,10 @@ class Plan:
     :meth:`simulate` sends and the runtime moves."""
     cluster: str = ""
     """The name of the cluster the plan was made for ("" in a pipeline plan saved before it was kept)."""
+    send_split: int = 1
+    """Ranks of a stage that each send their own share of a boundary's :attr:`transfers`, in parallel on their
+    own links (a configuration's plan, ``planner.config_plan``: its DP replicas' rows); :meth:`simulate` sends
+    ``nbytes / send_split`` from the stand-in rank. 1: the whole transfer over one link."""
 
     def __post_init__(self) -> None:
         from meshpilot.planner.stack import StageCosting  # stack.py imports this module: not at the top
@@ -856,15 +860,15 @@ class Plan:
         that over v, the fill and drain running chunks a v-th of a group's work)."""
         return (self.sum_s - self.max_s) / self.chunks
 
-    def simulate(self, cluster=None, p2p_bytes: float | Mapping[tuple[int, int], float] | None = None, **kw: Any):
+    def simulate(self, cluster=None, p2p_bytes: float | None = None, **kw: Any):
         """The step's timeline from the simulator (``meshpilot.sim.simulate``). A one-stage plan: its stage plan's
         schedule on every rank (`kw`: the simulator's options, stragglers). A pipeline: every stage's ranks run
         :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's forward
         per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (backward and the amortised
         gradient sync), each send over the cluster's link between the stages' first ranks, its latency included
-        (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes (or `p2p_bytes`: every send
-        alike, or per (src, dst) stage pair, e.g. one rank's share of a transfer spread over the stages' ranks).
-        `cluster` defaults to the plan's own. Returns the ``SimResult``."""
+        (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes over :attr:`send_split` (or
+        `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
+        ``SimResult``."""
         from meshpilot.cluster import load_cluster
         from meshpilot.sim import simulate
 
@@ -873,11 +877,11 @@ class Plan:
         cl = load_cluster(cluster if cluster is not None else self.cluster)
         if self.is_single:
             return simulate(self.only, cluster=cl, **kw)
-        sends: float | dict[tuple[int, int], float] = {(x.src, x.dst): x.nbytes for x in self.transfers}
-        if isinstance(p2p_bytes, Mapping):
-            sends = {k: float(v) for k, v in p2p_bytes.items()}
-        elif p2p_bytes is not None:
-            sends = float(p2p_bytes)
+        sends: float | dict[tuple[int, int], float] = (
+            float(p2p_bytes)
+            if p2p_bytes is not None
+            else {(x.src, x.dst): x.nbytes / self.send_split for x in self.transfers}
+        )
         stand_in, sched = self._stand_in(cl)
         return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends, **kw)
 
