@@ -139,3 +139,35 @@ def test_refused_rows_say_why_and_simulate_nothing():
             res = bf.run_row(row)
             assert res.simulated is None and res.refused and "\n" not in res.refused
             assert res.to_json()["simulated_as_published"] is None
+
+
+def test_cli_plans_a_config_saves_it_and_simulate_prices_the_same_step(tmp_path, capsys):
+    from meshpilot.cli.main import main
+    from meshpilot.planner.plan import Plan
+
+    hf = [f"{k}={v}" for k, v in TINY.items()]
+    out = tmp_path / "cfg.json"
+    cfg = "tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends"
+    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--seq", "64", "--cluster", "dgx-h100:1"]
+    assert main([*argv, "--config", cfg, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.load(out)
+    assert plan.send_split == 2 and len(plan.stages) == 4 and plan.schedule == PipelineKind.INTERLEAVED_1F1B
+    step = plan.simulate().step_s
+    assert f"simulated step {bf_fmt(step)}" in printed
+    assert main(["simulate", str(out)]) == 0
+    assert bf_fmt(step) in capsys.readouterr().out
+    for extra, needle in [
+        (["--mesh", "2x4"], "--mesh"),
+        (["--batch", "3"], "--batch 3"),
+        (["--precision", "fp32"], "give it once"),
+    ]:
+        assert main([*argv, "--config", cfg, *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+
+
+def bf_fmt(seconds: float) -> str:
+    from meshpilot.cli.plan import fmt_s
+
+    return fmt_s(seconds)
