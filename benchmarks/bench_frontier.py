@@ -187,17 +187,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", choices=[r.name for r in ROWS], help="default: every row")
     ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list here")
-    ap.add_argument("--trace", metavar="T.json", help="the last simulated row's Perfetto trace")
-    ap.add_argument("--png", metavar="T.png", help="the last simulated row's timeline")
+    ap.add_argument("--trace", metavar="T.json", help="the --trace-row's Perfetto trace of one step")
+    ap.add_argument("--png", metavar="T.png", help="the --trace-row's timeline of one step")
+    ap.add_argument("--trace-row", default="llama3-405b-16k", help="the row --trace and --png draw")
     ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
     args = ap.parse_args()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]
     results = []
-    for j, row in enumerate(rows):
-        last = j == len(rows) - 1
-        results.append(run_row(row, args.trace if last else None, args.png if last else None, not args.no_terms))
+    for row in rows:
+        drawn = row.name == args.trace_row
+        results.append(run_row(row, args.trace if drawn else None, args.png if drawn else None, not args.no_terms))
     show(results)
     if args.json:
         with open(args.json, "w") as f:
