@@ -42,6 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +62,10 @@ from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage
 from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
+
+if TYPE_CHECKING:
+    from meshpilot.cluster.topology import Cluster
+    from meshpilot.sim.engine import SimResult
 
 
 class Recompute(StrEnum):
@@ -234,7 +239,7 @@ def plan_config(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
     stack: Stack,
-    cluster,
+    cluster: Cluster | str,
     cfg: ParallelConfig,
     *,
     planner: StagePlanner | None = None,
@@ -322,7 +327,7 @@ def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
     return {(x.src, x.dst): x.nbytes / cp.plan.send_split for x in cp.plan.transfers}
 
 
-def simulate_config(cp: ConfigPlan, **kw):
+def simulate_config(cp: ConfigPlan, **kw: Any) -> SimResult:
     """``Plan.simulate`` of the configuration's plan: its ``send_split`` is DP, each send one rank's share
     (:func:`send_shares`)."""
     return cp.plan.simulate(**kw)
@@ -350,7 +355,14 @@ class Breakdown:
                 ("optimizer", self.optimizer_s), ("bubble + exposed sends", self.pipeline_s)]  # fmt: skip
 
 
-def breakdown(cp: ConfigPlan, model, inputs, stack: Stack, step_s: float, planner: StagePlanner) -> Breakdown:
+def breakdown(
+    cp: ConfigPlan,
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    stack: Stack,
+    step_s: float,
+    planner: StagePlanner,
+) -> Breakdown:
     """The terms of :class:`Breakdown`. TP and DP communication are told apart by costing every chunk at twice
     the microbatches too: a collective per microbatch doubles, the gradient sync once a step does not
     (``c(2B) − c(B)`` is B microbatches' TP time; the strategies are pinned, so both choose the same ones)."""
