@@ -12,22 +12,22 @@ The plan
   consecutive ranks (inside a server when TP ≤ 8).
 * **Stages** (:func:`stage_bounds`): PP · V chunks (V = ``virtual``: the chunks each pipeline group holds,
   interleaved 1F1B when V > 1; chunk j on group j mod PP). ``split=even``: the blocks cut evenly, the
-  embeddings with the first chunk and the head with the last. ``split=ends`` (Llama 3 §3.3.2: "reduce one
-  Transformer layer each from the first and the last stages"): the embeddings alone in the first chunk, the
+  embeddings with the first chunk and the head with the last. ``split=ends`` (Llama 3 §3.3.2 balances its
+  pipeline by taking one layer off the first and the last stage): the embeddings alone in the first chunk, the
   final norm and head alone in the last, the blocks evenly over the PP · V − 2 between.
 * **Each stage's operators**: Megatron-LM's layouts pinned on its ``(DP, TP)`` mesh (``planner.forced.
   megatron_tp``: column / row pairs, vocabulary-parallel embedding and head; without TP every weight replicated,
   ``forced.data_parallel``) and each piece's boundary rows over DP (:func:`boundary_pins`), the ILP choosing
   the operators' algorithms; a stage of k blocks composed from one block's plan (``planner.stack.compose_stage``).
-* **ZeRO** (``zero=``): 0 keeps every state replicated over DP; 1 and 2 shard the optimizer update (AdamW
-  states and the master weights' update) over DP where the post-pass can (``zero.ZeroMode.ALL``; meshpilot
-  does not tell 1 from 2: gradients are reduced whole before the update either way); 3 is refused beside
-  TP (its layouts and Megatron's pin the same weights).
+* **ZeRO** (``zero=``): only 0, every state replicated over DP. The ZeRO post-pass (``planner.zero``) leaves
+  pinned weights alone, and here every weight is pinned, so ZeRO 1–3 are refused rather than planned as 0. In
+  time they differ from 0 by the update of a 1/DP shard instead of the whole (the gradient's reduce-scatter and
+  the weights' all-gather move an all-reduce's bytes); in memory by far more.
 * **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
   ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
 
 Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism), ``ep > 1``
-(expert parallelism; dense models here), ``recompute`` other than ``none``.
+(expert parallelism; dense models here), ``recompute`` other than ``none``, ``zero`` above 0.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
@@ -107,7 +107,7 @@ class ParallelConfig:
     """Sequences in one replica's microbatch."""
     recompute: Recompute = Recompute.NONE
     zero: int = 0
-    """ZeRO stage: 0, 1, 2 (the update sharded over DP) or 3 (refused beside TP)."""
+    """ZeRO stage: only 0 is planned (module docstring, *ZeRO*)."""
     precision: str = "bf16-mixed"
     split: Split = Split.EVEN
 
@@ -178,10 +178,11 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
             f"--config recompute={cfg.recompute.value}: activation recomputation is not in meshpilot's plans yet; "
             "plan recompute=none (its memory is then what the step holds without it)"
         )
-    if cfg.zero not in (0, 1, 2, 3):
-        raise UserError(f"--config zero={cfg.zero}: ZeRO stages are 0, 1, 2 or 3")
-    if cfg.zero == 3 and cfg.tp > 1:
-        raise UserError("--config zero=3 with tp > 1: both pin the same weights; give zero=0, 1 or 2 with TP")
+    if cfg.zero:
+        raise UserError(
+            f"--config zero={cfg.zero}: ZeRO over pinned layouts is not modelled (the ZeRO pass leaves pinned weights "
+            "alone); plan zero=0, whose step differs only by the sharded optimizer update"
+        )
     interleaved = cfg.schedule == PipelineKind.INTERLEAVED_1F1B
     if interleaved != (cfg.virtual > 1):
         raise UserError(
@@ -231,10 +232,6 @@ class ConfigPlan:
     planning_s: float
 
 
-def _zero_mode(cfg: ParallelConfig) -> ZeroMode:
-    return ZeroMode.OFF if cfg.zero == 0 else ZeroMode.ALL
-
-
 def plan_config(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -270,7 +267,7 @@ def plan_config(
     ranks = [groups[j % cfg.pp] for j in range(chunks)]
     B = cfg.microbatches
     costs = tuple(
-        compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=_zero_mode(cfg), force=force)
+        compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
         for (a, b), rk in zip(bounds, ranks)
     )
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
