@@ -139,10 +139,23 @@ H100_BF16_MEASURED_TFLOPS = 756.7
 H100_COPY_MEASURED_GBPS = 2950.0
 
 
+LLAMA3_405B_TP8_GEMMS = (
+    (8192, 2048, 16384, 818.0), (8192, 128, 16384, 311.9), (8192, 16384, 2048, 750.1), (8192, 6656, 16384, 781.5),
+    (8192, 16384, 6656, 681.0), (16384, 6656, 8192, 691.7), (2048, 16384, 8192, 738.7), (6656, 16384, 8192, 753.4),
+    (16384, 2048, 8192, 728.1), (8192, 8192, 8192, 719.5),
+)  # fmt: skip
+"""bf16 GEMMs ``(m, n, k, TFLOP/s)`` measured on one H100 80GB HBM3 (700 W, torch 2.11.0+cu130, random data, the
+mean of 20 after 3 warm-ups; 2026-11-26, docs/frontier/h100_llama405b_shapes.json): Llama 3 405B's block under TP 8
+at one 8,192-token sequence (q, k / v, o, gate / up, down; their input- and weight-gradient shapes). The cost model
+prices each GEMM at the nearest of them (``DeviceProfile.matmul_flops``), other FLOPs at the efficiency above."""
+
+
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
-    """An H100 SXM device profile at the measured efficiencies above; `memory_gib` and `memory_gbps` the
-    machine's HBM (80 GiB HBM3 at 3,350 GB/s on Llama 3's servers, 96 GiB HBM2e at 2,400 on torchtitan's)."""
+    """An H100 SXM device profile at the measured efficiencies and GEMM rates above; `memory_gib` and `memory_gbps`
+    the machine's HBM (80 GiB HBM3 at 3,350 GB/s on Llama 3's servers, 96 GiB HBM2e at 2,400 on torchtitan's)."""
+    gemms = [{"m": m, "n": n, "k": k, "dtype": "bfloat16", "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_GEMMS]
     return {
+        "matmul": gemms,
         "kind": kind,
         "peak_tflops_fp32": 67.0,
         "peak_tflops_bf16": 989.5,
