@@ -994,6 +994,8 @@ class Plan:
                 f"  transfer {x.src} → {x.dst} ({what}): {len(x.values)} values, {_size(x.nbytes)} per microbatch,"
                 f" {_secs(x.seconds)} on the link"
             )
+        if self.send_split > 1 and out:
+            out.append(f"  each sent as {self.send_split} shares on their own ranks' links (send_split; simulated so)")
         return out
 
     def _table(self) -> str:
