@@ -196,6 +196,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ZeRO-sharded and estimated, then search the chosen stages under their own memory caps (instead of the "
         "block under every cap level); experimental: its plan can be much slower (docs/benchmarks.md)",
     )
+    p.add_argument(
+        "--config",
+        metavar="KEY=V,…",
+        help="plan a published configuration as stated, searching nothing but each stage's operators: tp, pp, dp "
+        "degrees, schedule (1f1b, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, zero, "
+        "precision, split=even|ends (cp, ep, recompute are refused); Llama 3's rank order, Megatron's layouts "
+        "(meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,"
+        "microbatches=32 (--batch, if given, must be dp x microbatches x micro_batch); a model of repeated blocks",
+    )
     p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
     p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
     p.set_defaults(func=run)
@@ -263,6 +272,8 @@ def parse_force(items: list[str], ndim: int = 2) -> ForceSpec | None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = get_cluster(args)
+    if args.config:
+        return run_config(args, cluster)
     shape = parse_mesh(args.mesh) if args.mesh else None
     n = args.devices or (math.prod(shape) if shape else cluster.num_devices)
     if n < 1:
@@ -300,6 +311,53 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             return 0
     show_one_stage(args, plan, graph, built, cluster, n)
+    return 0
+
+
+CONFIG_CONFLICTS = ("mesh", "force", "stages", "pipeline", "schedule", "microbatches", "devices", "searcher")
+
+
+def run_config(args: argparse.Namespace, cluster: Any) -> int:
+    """``meshpilot plan --config``: the configuration's plan (``planner.config_plan``), its simulated step."""
+    from meshpilot.planner.config_plan import parse_config, plan_config
+    from meshpilot.planner.stack import Stack, capture_stack
+
+    cfg = parse_config(args.config)
+    given = [f"--{k}" for k in CONFIG_CONFLICTS if getattr(args, k) not in (None, False, [], "ilp")]
+    if given:
+        raise UserError(f"{', '.join(given)}: --config states the plan; put its degrees and schedule in --config")
+    if args.precision and args.precision != cfg.precision:
+        raise UserError(f"--precision {args.precision}: --config says precision={cfg.precision}; give it once")
+    if args.batch is not None and args.batch != cfg.global_batch:
+        raise UserError(
+            f"--batch {args.batch}: --config's step is dp x microbatches x micro_batch = {cfg.global_batch}"
+        )
+    if args.out:
+        check_out(args.out)
+    progress = make_console(stderr=True)
+    built = build_model(args.model, batch=cfg.graph_batch, **_model_kw(args))
+    with progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"):
+        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    if not isinstance(stack, Stack):
+        raise UserError(
+            f"--config: {built.name} is not a stack of at least 5 identical blocks; plan it without --config"
+        )
+    with progress.status(f"planning {cfg.short()} on {cfg.devices:,} devices …"):
+        cp = plan_config(built.model, built.inputs, stack, cluster, cfg)
+        sim = cp.plan.simulate(cluster)
+    if args.json or args.out:
+        _save_or_print(args, cp.plan)
+        if args.json:
+            return 0
+    console.print(f"{built.label}: {cfg.short()}, global batch {cfg.global_batch}", soft_wrap=True)
+    console.print(str(cp.plan), soft_wrap=True, markup=False, highlight=False)
+    console.print(
+        f"simulated step {fmt_s(sim.step_s)} (Eq. 2: {fmt_s(cp.plan.step_s)}), planned in {cp.planning_s:.1f} s; "
+        "the stages carry no operator plans (`meshpilot simulate` it; not `train`)",
+        soft_wrap=True,
+    )
+    if args.out:
+        console.print(f"saved the plan to [bold]{args.out}[/bold]")
     return 0
 
 

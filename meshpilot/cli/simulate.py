@@ -212,6 +212,8 @@ def run_pipeline(args: argparse.Namespace, pp, straggler: dict[int, float]) -> i
     if not pp.transfers:
         tt.add_row("—", "none recorded (a plan saved before transfers were kept: sends of 0 bytes)", "", "", "")
     console.print(tt)
+    if pp.send_split > 1:
+        console.print(f"each transfer sent as {pp.send_split} shares, one per rank's own link (the plan's send_split)")
     console.print(
         f"Eq. 2 (no sends, no schedule): {fmt_s(pp.step_s)}; simulated / Eq. 2 {result.step_s / pp.step_s:.3f}"
     )

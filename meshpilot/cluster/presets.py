@@ -132,6 +132,87 @@ def _dgx_h100(nodes: int) -> dict[str, Any]:
     )
 
 
+# H100 SXM at BF16, measured on one H100 80GB (../shared/gpu/h100-gpt-steps.json, `meshpilot probe --backend
+# nccl`, torch 2.11.0+cu130, 2026-11): bf16 matmul 756.7 TFLOP/s of the datasheet's 989.5 dense (0.765), fp32
+# 51.2 of 67, device copy 2,950 GB/s of 3,350 (0.88). The datasheet peaks are the `h100` device's.
+H100_BF16_MEASURED_TFLOPS = 756.7
+H100_COPY_MEASURED_GBPS = 2950.0
+
+
+LLAMA3_405B_TP8_GEMMS = (
+    (8192, 2048, 16384, 818.0), (8192, 128, 16384, 311.9), (8192, 16384, 2048, 750.1), (8192, 6656, 16384, 781.5),
+    (8192, 16384, 6656, 681.0), (16384, 6656, 8192, 691.7), (2048, 16384, 8192, 738.7), (6656, 16384, 8192, 753.4),
+    (16384, 2048, 8192, 728.1), (8192, 8192, 8192, 719.5),
+)  # fmt: skip
+"""bf16 GEMMs ``(m, n, k, TFLOP/s)`` measured on one H100 80GB HBM3 (700 W, torch 2.11.0+cu130, random data, the
+mean of 20 after 3 warm-ups; 2026-11-26, docs/frontier/h100_llama405b_shapes.json): Llama 3 405B's block under TP 8
+at one 8,192-token sequence (q, k / v, o, gate / up, down; their input- and weight-gradient shapes). The cost model
+prices each GEMM at the nearest of them (``DeviceProfile.matmul_flops``), other FLOPs at the efficiency above."""
+
+
+def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
+    """An H100 SXM device profile at the measured efficiencies and GEMM rates above; `memory_gib` and `memory_gbps`
+    the machine's HBM (80 GiB HBM3 at 3,350 GB/s on Llama 3's servers, 96 GiB HBM2e at 2,400 on torchtitan's)."""
+    gemms = [{"m": m, "n": n, "k": k, "dtype": "bfloat16", "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_GEMMS]
+    return {
+        "matmul": gemms,
+        "kind": kind,
+        "peak_tflops_fp32": 67.0,
+        "peak_tflops_bf16": 989.5,
+        "memory_GBps": memory_gbps,
+        "memory_GiB": memory_gib,
+        "compute_efficiency": round(H100_BF16_MEASURED_TFLOPS / 989.5, 4),
+        "memory_efficiency": round(H100_COPY_MEASURED_GBPS / 3350.0, 4),
+    }
+
+
+ROCE_GPU_GBPS = 50.0
+"""One 400 Gbps RoCE / InfiniBand NIC per GPU: 50 GB/s each way."""
+NVLINK4_GBPS = 450.0
+"""An H100 SXM's NVLink-4 per direction: 18 links of 25 GB/s each way (NVIDIA's "900 GB/s" counts both
+directions). The frontier presets give every link per direction, the NICs' 50 GB/s too, since a ring's or
+Rabenseifner's all-reduce sends and receives at once: its bandwidth term is the per-direction rate (``dgx-h100``
+and ATP's presets keep the papers' two-direction NVLink numbers)."""
+LLAMA3_POD_GPUS = 3072
+"""Llama 3 §3.3.1: 192 racks of 16 GPUs (two servers) under cluster switches, a pod of 3,072 GPUs with full
+bisection bandwidth."""
+LLAMA3_OVERSUBSCRIPTION = 7
+"""Llama 3 §3.3.1: the aggregation layer joining the pods is oversubscribed 1:7."""
+
+
+def _llama3_h100(pods: int) -> dict[str, Any]:
+    # The Llama 3 Herd of Models §3.3.1 (Meta's 24K-GPU RoCE cluster): Grand Teton servers of 8 H100 SXM (80 GB HBM3,
+    # 700 W) on NVLink / NVSwitch (NVLink-4, 450 GB/s each way per GPU), one 400 Gbps RoCE NIC per GPU (8 x 50 GB/s =
+    # 400 GB/s a server); a three-layer Clos: 16 GPUs a rack under one ToR, 192 racks a pod of 3,072 GPUs with no
+    # oversubscription (so the pod is one flat layer of 384 servers), 8 pods joined by aggregation switches at 1:7, so a
+    # pod's bandwidth to the rest is its GPUs' NIC bandwidth / 7. Latencies are not published: 2 us on NVLink, 5 us
+    # through the ToR and cluster switches (as `dgx-h100`), 10 us through the aggregation layer.
+    servers = LLAMA3_POD_GPUS // 8
+    pod_out = LLAMA3_POD_GPUS * ROCE_GPU_GBPS / LLAMA3_OVERSUBSCRIPTION
+    node = 8 * ROCE_GPU_GBPS
+    layers = [
+        _layer("pod", pods, pod_out, pod_out, 10.0),
+        _layer("node", servers, node, node, 5.0),
+        _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0),
+    ]
+    out = {"name": f"llama3-h100:{pods}", "device_profile": _h100_measured("h100-sxm-80gb", 80.0, 3350.0)}
+    out["layers"] = layers
+    return out
+
+
+def _torchtitan_h100(nodes: int) -> dict[str, Any]:
+    # torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Grand Teton hosts of 8 H100 "fully connected with
+    # NVLink", each GPU with 96 GB HBM2e at 2.4 TB/s, "backend RDMA network with 400 Gb/s per GPU", the default
+    # 500 W power limit (the file: its peak is "between SXM and NVL" and not known, so the SXM peak and the
+    # measured efficiency above are an upper bound on its rate). No oversubscription is given for 512 GPUs:
+    # the hosts sit on one non-blocking layer.
+    node = 8 * ROCE_GPU_GBPS
+    layers = [_layer("node", nodes, node, node, 5.0), _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0)]
+    out = {"name": f"torchtitan-h100:{nodes}", "device_profile": _h100_measured("h100-hbm2e-96gb", 96.0, 2400.0)}
+    out["layers"] = layers
+    return out
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named cluster; `size` says what the number after the colon means, if it takes one."""
@@ -188,6 +269,22 @@ PRESETS: dict[str, Preset] = {
             lambda: _hidup("hidup-2x4-10g", 2, 4, 10.0),
         ),
         Preset("dgx-h100", "N nodes of 8 H100, NVSwitch, 8 x 400 Gbps IB", _dgx_h100, "nodes", 2, devices_per_size=8),
+        Preset(
+            "llama3-h100",
+            "Llama 3's RoCE cluster: pods of 3,072 H100 (384 servers of 8, NVSwitch, 400 Gbps a GPU), 1:7 between pods",
+            _llama3_h100,
+            "pods",
+            8,
+            devices_per_size=LLAMA3_POD_GPUS,
+        ),
+        Preset(
+            "torchtitan-h100",
+            "torchtitan's Grand Teton H100 (96 GB HBM2e, 500 W): N hosts of 8, NVLink, 400 Gbps RDMA a GPU",
+            _torchtitan_h100,
+            "nodes",
+            64,
+            devices_per_size=8,
+        ),
     ]
 }
 

@@ -17,9 +17,13 @@ are always ``R``.
      transposes, permutes and size-1 views (``nn.Linear``'s ``t()``, an einsum's reshuffling of a
      ``[experts, in, out]`` expert weight), with ``addmm``'s 1-D parameter operand as its bias; a
      parameter used by two such ops is not a linear;
-  2. each linear's output starts a *chain*, which passes through views/reshapes/transposes/selects,
-     ``getitem``, element-wise ops whose other tensor operands are chains too (or scalars: ``silu(g) * u``
-     joins two chains) and scaled-dot-product attention whose q, k and v are all chains (head-parallel);
+  2. each linear's output starts a *chain*, which passes through views/reshapes/transposes/selects, casts,
+     ``expand`` (grouped-query attention's repeated key/value heads), ``getitem``, element-wise ops whose
+     other tensor operands are chains too (or scalars: ``silu(g) * u`` joins two chains) and scaled-dot-product
+     attention whose q, k and v are all chains (head-parallel). A 4-D chain value is taken to be in attention's
+     ``[batch, heads, seq, head_dim]`` layout: it also passes element-wise ops whose other operands broadcast
+     over its heads and concatenations of chains on another dim — rotary embeddings (``q * cos +
+     rotate_half(q) * sin``, cos and sin ``[1, 1, seq, head_dim]``), which head-parallel sharding leaves whole;
   3. a linear whose activation operand is a chain is a *row* linear of the chain's linears, its *columns*;
      any other consumer of a chain (layer norm, softmax over features, a residual add with a non-chain
      tensor, a loss, a reduction) disqualifies the linears of that chain;
@@ -167,6 +171,8 @@ class TPGroup:
 
 
 _MM = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
+_CAST = "aten._to_copy.default"
+"""A dtype cast: autocast's bfloat16 copy of a weight, the logits' float32 copy before the loss."""
 
 
 def _is_attention(target: str) -> bool:
@@ -238,7 +244,7 @@ def _trace_to_param(graph: OpGraph, name: str, dims: list[int]):
             m[d0], m[d1] = d1, d0
         elif t == "aten.permute.default":
             m = {i: int(p) % len(out.shape) for i, p in enumerate(args[1])}
-        elif t in SHAPE_VIEWS:
+        elif t in SHAPE_VIEWS or t == _CAST:  # a cast (autocast's bf16 copy of a weight) keeps its dims
             m = _align(inp.shape, out.shape)
             if m is None:
                 return None
@@ -337,19 +343,44 @@ def _passes(graph: OpGraph, n, ins: list) -> bool:
     if n.kind == "getitem":
         return True
     t = n.target
-    if t in LAYOUT_VIEWS:
+    if t in LAYOUT_VIEWS or t == "aten.expand.default":  # expand: grouped-query attention's repeated kv heads
         return ins[0] is not None and all(c is None for c in ins[1:])
     if _is_attention(t):
         return len(ins) >= 3 and all(c is not None for c in ins[:3]) and all(c is None for c in ins[3:])
     fx = n.fx_node
+    if t == "aten.cat.default" and fx is not None:
+        # rotary embeddings' rotate-half: halves of the head dim joined again, every part a chain
+        return _on_heads(n) and all(c is not None for c in ins) and _dim(fx, 1, 0, n) != HEAD_DIM
     if fx is not None and torch.Tag.pointwise in getattr(fx.target, "tags", ()):
         for (s, i), c in zip(n.inputs, ins):
             if c is None:
                 info = graph[s].outputs[i]
-                if info is None or info.numel != 1:
+                if info is None or (info.numel != 1 and not (_on_heads(n) and _broadcasts_heads(info.shape))):
                     return False
         return True
     return False
+
+
+HEAD_DIM = 1
+"""The heads' dim of a 4-D chain value: attention's ``[batch, heads, seq, head_dim]``, as sdpa takes it."""
+
+
+def _on_heads(n) -> bool:
+    """Whether node `n`'s output is a 4-D value in attention's layout (:data:`HEAD_DIM`)."""
+    return n.out is not None and len(n.out.shape) == 4
+
+
+def _broadcasts_heads(shape: Sequence[int]) -> bool:
+    """Whether an operand of `shape` broadcasts over the heads of a 4-D chain value (rotary cos / sin
+    ``[1, 1, seq, head_dim]``): head-parallel sharding leaves it whole on every rank."""
+    at = len(shape) - 4 + HEAD_DIM
+    return len(shape) <= 4 and (at < 0 or shape[at] == 1)
+
+
+def _dim(fx, pos: int, default: int, n) -> int:
+    """The dim argument at `pos` of an FX node (keyword ``dim`` too), made non-negative for `n`'s rank."""
+    d = fx.args[pos] if len(fx.args) > pos else fx.kwargs.get("dim", default)
+    return int(d) % len(n.out.shape)
 
 
 def megatron_tp(
@@ -471,7 +502,7 @@ def vocab_parallel_heads(graph: OpGraph) -> list[tuple[Linear, str]]:
         if n.fx_node.args[1] % len(n.out.shape) != len(n.out.shape) - 1:
             continue
         src = graph[n.inputs[0][0]]
-        while src.target in SHAPE_VIEWS and src.inputs and src.out is not None:
+        while (src.target in SHAPE_VIEWS or src.target == _CAST) and src.inputs and src.out is not None:
             if src.out.shape[-1] != n.out.shape[-1]:
                 break
             src = graph[src.inputs[0][0]]

@@ -672,6 +672,10 @@ class Plan:
     :meth:`simulate` sends and the runtime moves."""
     cluster: str = ""
     """The name of the cluster the plan was made for ("" in a pipeline plan saved before it was kept)."""
+    send_split: int = 1
+    """Ranks of a stage that each send their own share of a boundary's :attr:`transfers`, in parallel on their
+    own links (a configuration's plan, ``planner.config_plan``: its DP replicas' rows); :meth:`simulate` sends
+    ``nbytes / send_split`` from the stand-in rank. 1: the whole transfer over one link."""
 
     def __post_init__(self) -> None:
         from meshpilot.planner.stack import StageCosting  # stack.py imports this module: not at the top
@@ -862,8 +866,9 @@ class Plan:
         :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's forward
         per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (backward and the amortised
         gradient sync), each send over the cluster's link between the stages' first ranks, its latency included
-        (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes (or `p2p_bytes`, every send
-        alike, when given). `cluster` defaults to the plan's own. Returns the ``SimResult``."""
+        (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes over :attr:`send_split` (or
+        `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
+        ``SimResult``."""
         from meshpilot.cluster import load_cluster
         from meshpilot.sim import simulate
 
@@ -873,7 +878,9 @@ class Plan:
         if self.is_single:
             return simulate(self.only, cluster=cl, **kw)
         sends: float | dict[tuple[int, int], float] = (
-            float(p2p_bytes) if p2p_bytes is not None else {(x.src, x.dst): x.nbytes for x in self.transfers}
+            float(p2p_bytes)
+            if p2p_bytes is not None
+            else {(x.src, x.dst): x.nbytes / self.send_split for x in self.transfers}
         )
         stand_in, sched = self._stand_in(cl)
         return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends, **kw)
@@ -987,6 +994,8 @@ class Plan:
                 f"  transfer {x.src} → {x.dst} ({what}): {len(x.values)} values, {_size(x.nbytes)} per microbatch,"
                 f" {_secs(x.seconds)} on the link"
             )
+        if self.send_split > 1 and out:
+            out.append(f"  each sent as {self.send_split} shares on their own ranks' links (send_split; simulated so)")
         return out
 
     def _table(self) -> str:

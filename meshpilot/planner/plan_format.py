@@ -48,6 +48,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     d["clustering"] = dataclasses.asdict(plan.clustering) if plan.clustering is not None else None
     d["stages"] = [_stage_to_dict(st) for st in plan.stages]
     d["transfers"] = [dataclasses.asdict(x) for x in plan.transfers]
+    d["send_split"] = plan.send_split
     d["step_schedule"] = plan.step_schedule().to_dict()
     return d
 
@@ -125,7 +126,7 @@ def _build(d: dict, where: str, intra: list | None) -> Plan:
     kind = PipelineKind(d["schedule"]) if d.get("schedule") is not None else None
     return Plan(
         stages, clustering=clustering, schedule=kind, costing=d.get("costing", "exact"), transfers=transfers,
-        cluster=str(d.get("cluster", "")), **{k: d[k] for k in _SCALARS},
+        cluster=str(d.get("cluster", "")), send_split=int(d.get("send_split", 1)), **{k: d[k] for k in _SCALARS},
     )  # fmt: skip
 
 

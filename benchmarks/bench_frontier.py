@@ -1,0 +1,210 @@
+"""Frontier runs reproduced on paper (issue 32): each published row's configuration planned as published
+(``planner.config_plan``), simulated at full scale, and its throughput held against the paper's.
+
+    nice -n 10 python benchmarks/bench_frontier.py                        # every row
+    nice -n 10 python benchmarks/bench_frontier.py --rows llama3-405b-16k --trace t.json --png t.png
+    nice -n 10 python benchmarks/bench_frontier.py --json rows.json
+
+Per row: the model built on the meta device (Hugging Face's ``LlamaForCausalLM`` at the paper's dimensions,
+``use_cache=False``), one microbatch of the step (DP · micro-batch sequences) captured with 4 of its blocks
+(``planner.stack.capture_stack``), the configuration's plan (``config_plan.plan_config``: Megatron-pinned
+stages on Llama 3's rank order), its step simulated (``config_plan.simulate_config``: one stand-in rank per
+pipeline group, the groups' sends at one rank's share) and split term by term (``config_plan.breakdown``).
+TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config_plan.model_flops_per_token``);
+the error is simulated / published − 1. A row whose configuration meshpilot cannot represent (context
+parallelism, activation recomputation, FP8) is printed with the reason and simulated as nothing.
+
+``--json FILE``: a list of rows ``{name, unit, published, simulated_as_published, planned, planning_s, ...}``;
+``planned`` and ``planning_s`` (meshpilot's own plan for the same model, cluster and batch) are null: that
+search at this scale is not done yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshpilot.errors import UserError
+from meshpilot.models.sources import build_hf
+from meshpilot.planner.config_plan import (
+    Breakdown,
+    breakdown,
+    model_flops_per_token,
+    parse_config,
+    plan_config,
+    simulate_config,
+    tflops_per_gpu,
+)
+from meshpilot.planner.stack import Stack, capture_stack
+from meshpilot.planner.stage import StagePlanner
+
+LLAMA3_405B = dict(
+    num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, use_cache=False,
+    max_position_embeddings=131072,
+)  # fmt: skip
+"""Llama 3 405B (Llama 3 paper, Table 3); ``use_cache=False``: a training step keeps no KV cache."""
+
+LLAMA3_CONFIG = "tp=8,schedule=interleaved-1f1b,virtual=8,split=ends,precision=bf16"
+"""What the Llama 3 paper's §3.3.2 states beside Table 4's degrees: interleaved 1F1B whose first chunk holds only the
+embedding and last only the head (one chunk per layer: v = 128 / 16 = 8), no activation checkpointing at 8K, in
+BF16; its FSDP-style sharding of the optimizer is not planned (``config_plan``: ZeRO over pinned layouts), which
+changes the step by the update of a 1/DP shard (0.045 s whole on the busiest group). Micro-batch size 1 (not stated)
+makes the microbatches the batch per DP. ``precision=bf16``: the step in bfloat16 as Megatron-style BF16 training
+runs it (meshpilot's ``bf16-mixed`` is torch autocast, whose float32 residual stream doubles every send)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published run."""
+
+    name: str
+    source: str
+    unit: str
+    published: float
+    model: dict[str, Any]
+    seq: int
+    cluster: str
+    config: str
+    refused: str = ""
+    """Why meshpilot cannot plan it as published (empty: it can)."""
+
+
+ROWS = [
+    Row("llama3-405b-8k", "Llama 3 Table 4", "TFLOP/s/GPU", 430.0, LLAMA3_405B, 8192, "llama3-h100",
+        f"{LLAMA3_CONFIG},pp=16,dp=64,microbatches=32"),
+    Row("llama3-405b-16k", "Llama 3 Table 4", "TFLOP/s/GPU", 400.0, LLAMA3_405B, 8192, "llama3-h100",
+        f"{LLAMA3_CONFIG},pp=16,dp=128,microbatches=16"),
+    Row("llama3-405b-16k-cp16", "Llama 3 Table 4", "TFLOP/s/GPU", 380.0, LLAMA3_405B, 131072, "llama3-h100",
+        f"{LLAMA3_CONFIG},cp=16,pp=16,dp=8,microbatches=16"),
+    Row("torchtitan-405b-1f1b", "torchtitan H100 Table 5", "tokens/s/GPU", 100.0, LLAMA3_405B, 8192,
+        "torchtitan-h100:64", "tp=8,pp=8,dp=8,microbatches=32,recompute=full",
+        refused="torchtitan ran it with Float8 linears and full activation checkpointing, neither modelled"),
+    Row("torchtitan-405b-interleaved", "torchtitan H100 Table 5", "tokens/s/GPU", 128.0, LLAMA3_405B, 8192,
+        "torchtitan-h100:64", "tp=8,pp=8,dp=8,schedule=interleaved-1f1b,virtual=2,microbatches=32,"
+        "recompute=full", refused="torchtitan ran it with Float8 linears and full activation checkpointing, neither "
+        "modelled"),
+]  # fmt: skip
+
+
+@dataclass
+class Result:
+    """What one row gave."""
+
+    row: Row
+    simulated: float | None = None
+    refused: str = ""
+    capture_s: float = 0.0
+    config_plan_s: float = 0.0
+    simulate_s: float = 0.0
+    step_s: float = 0.0
+    eq2_step_s: float = 0.0
+    peak_gib: float = 0.0
+    terms: Breakdown | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error(self) -> float | None:
+        return None if self.simulated is None else self.simulated / self.row.published - 1
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.row
+        return {
+            "name": r.name, "unit": r.unit, "published": r.published, "simulated_as_published": self.simulated,
+            "planned": None, "planning_s": None, "error": self.error, "refused": self.refused or None,
+            "source": r.source, "cluster": r.cluster, "config": r.config, "step_s": self.step_s or None,
+            "eq2_step_s": self.eq2_step_s or None, "capture_s": self.capture_s, "config_plan_s": self.config_plan_s,
+            "simulate_s": self.simulate_s, "peak_memory_gib": self.peak_gib or None,
+            "terms_s": dict(self.terms.rows()) if self.terms else None,
+        }  # fmt: skip
+
+
+def run_row(row: Row, trace: str | None = None, png: str | None = None, terms: bool = True) -> Result:
+    """Plan `row`'s configuration as published, simulate it, and price its throughput (module docstring)."""
+    out = Result(row)
+    if row.refused:
+        out.refused = row.refused
+        return out
+    try:
+        cfg = parse_config(row.config)
+    except UserError as e:
+        out.refused = str(e)
+        return out
+    t0 = time.perf_counter()
+    built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
+    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    if not isinstance(stack, Stack):
+        raise UserError(f"{row.name}: the model is not a repeated stack of blocks; the frontier rows need one")
+    out.capture_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sp = StagePlanner(stack.graph, row.cluster)
+    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    out.config_plan_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sim = simulate_config(cp)
+    out.simulate_s = time.perf_counter() - t0
+    out.step_s, out.eq2_step_s = sim.step_s, cp.plan.step_s
+    out.peak_gib = max(st.memory_bytes for st in cp.plan.stages) / 2**30
+    layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
+    per_token = model_flops_per_token(built.model, layers, hidden, row.seq)
+    out.simulated = tflops_per_gpu(per_token, cfg.global_batch * row.seq, sim.step_s, cfg.devices)
+    if terms:
+        out.terms = breakdown(cp, built.model, built.inputs, stack, sim.step_s, sp)
+    if trace:
+        sim.write_trace(trace)
+    if png:
+        sim.write_png(png)
+    return out
+
+
+def show(results: list[Result]) -> None:
+    """The table, then each row's terms."""
+    head = f"{'row':<28} {'unit':<13} {'published':>9} {'simulated':>9} {'error':>7} {'step s':>7} {'peak GiB':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in results:
+        if r.simulated is None:
+            print(f"{r.row.name:<28} {r.row.unit:<13} {r.row.published:9.0f} {'—':>9}  refused: {r.refused}")
+            continue
+        print(
+            f"{r.row.name:<28} {r.row.unit:<13} {r.row.published:9.0f} {r.simulated:9.1f} {r.error:+7.1%} "
+            f"{r.step_s:7.2f} {r.peak_gib:8.1f}"
+        )
+    for r in results:
+        if r.terms is None:
+            continue
+        print(f"\n{r.row.name}: {r.row.config} on {r.row.cluster}")
+        print(f"  capture {r.capture_s:.1f} s, config plan {r.config_plan_s:.1f} s, simulation {r.simulate_s:.2f} s")
+        print(f"  Eq. 2 step {r.eq2_step_s:.3f} s, simulated {r.step_s:.3f} s; the busiest pipeline group:")
+        for name, s in r.terms.rows():
+            print(f"    {name:<24} {s:8.3f} s  {s / r.step_s:6.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", choices=[r.name for r in ROWS], help="default: every row")
+    ap.add_argument("--json", metavar="FILE", help="write the rows as a JSON list here")
+    ap.add_argument("--trace", metavar="T.json", help="the --trace-row's Perfetto trace of one step")
+    ap.add_argument("--png", metavar="T.png", help="the --trace-row's timeline of one step")
+    ap.add_argument("--trace-row", default="llama3-405b-16k", help="the row --trace and --png draw")
+    ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
+    args = ap.parse_args()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
+    rows = [r for r in ROWS if not args.rows or r.name in args.rows]
+    results = []
+    for row in rows:
+        drawn = row.name == args.trace_row
+        results.append(run_row(row, args.trace if drawn else None, args.png if drawn else None, not args.no_terms))
+    show(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_json() for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

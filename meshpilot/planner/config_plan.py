@@ -1,0 +1,417 @@
+"""A published parallel configuration as a plan: "TP 8, PP 16, DP 64, interleaved 1F1B" in, a :class:`Plan` out.
+
+Papers state their runs as degrees and switches, not as per-operator layouts. :func:`parse_config` reads them
+(``tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,microbatches=32``; keys in :class:`ParallelConfig`)
+and :func:`plan_config` builds the plan meshpilot would run for them — nothing is searched but each stage's
+operators under the pinned layouts — so that ``Plan.simulate`` can be held against the paper's throughput.
+
+The plan
+--------
+* **Ranks** (:func:`stage_ranks`): Llama 3's order ``[TP, CP, PP, DP]``, TP fastest (§3.3.2): rank
+  ``t + TP · (c + CP · (p + PP · d))``; pipeline group p's ranks form a ``(DP, TP)`` logical mesh, TP on
+  consecutive ranks (inside a server when TP ≤ 8).
+* **Stages** (:func:`stage_bounds`): PP · V chunks (V = ``virtual``: the chunks each pipeline group holds,
+  interleaved 1F1B when V > 1; chunk j on group j mod PP). ``split=even``: the blocks cut evenly, the
+  embeddings with the first chunk and the head with the last. ``split=ends`` (Llama 3 §3.3.2 balances its
+  pipeline by taking one layer off the first and the last stage): the embeddings alone in the first chunk, the
+  final norm and head alone in the last, the blocks evenly over the PP · V − 2 between.
+* **Each stage's operators**: Megatron-LM's layouts pinned on its ``(DP, TP)`` mesh (``planner.forced.
+  megatron_tp``: column / row pairs, vocabulary-parallel embedding and head; without TP every weight replicated,
+  ``forced.data_parallel``) and each piece's boundary rows over DP (:func:`boundary_pins`), the ILP choosing
+  the operators' algorithms; a stage of k blocks composed from one block's plan (``planner.stack.compose_stage``).
+* **ZeRO** (``zero=``): only 0, every state replicated over DP. The ZeRO post-pass (``planner.zero``) leaves
+  pinned weights alone, and here every weight is pinned, so ZeRO 1–3 are refused rather than planned as 0. In
+  time they differ from 0 by the update of a 1/DP shard instead of the whole (the gradient's reduce-scatter and
+  the weights' all-gather move an all-reduce's bytes); in memory by far more.
+* **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
+  ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
+
+Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism), ``ep > 1``
+(expert parallelism; dense models here), ``recompute`` other than ``none``, ``zero`` above 0.
+
+Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
+N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
+the ``QKᵀ`` and ``AV`` matmuls counted in full, causal or not); TFLOP/s per GPU = model FLOPs / step / GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import OpGraph
+from meshpilot.planner.forced import _exact, data_parallel, megatron_tp
+from meshpilot.planner.pipeline import (
+    Clustering,
+    _groups,
+    _held_per_stage,
+    input_grad_share,
+    received_bytes,
+    stage_transfers,
+)
+from meshpilot.planner.plan import Plan, PlanStage
+from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.stack import Stack, StageCosting, compose_stage
+from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
+from meshpilot.planner.zero import ZeroMode
+
+if TYPE_CHECKING:
+    from meshpilot.cluster.topology import Cluster
+    from meshpilot.sim.engine import SimResult
+
+
+class Recompute(StrEnum):
+    """Activation recomputation as papers name it."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Split(StrEnum):
+    """How layers are cut into a pipeline's chunks (module docstring, *Stages*)."""
+
+    EVEN = "even"
+    ENDS = "ends"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A run's parallel configuration as papers state it (module docstring)."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-LM's column / row pairs), inside a server."""
+    cp: int = 1
+    """Context-parallel degree; refused above 1 (not modelled)."""
+    pp: int = 1
+    """Pipeline groups."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    ep: int = 1
+    """Expert-parallel degree; refused above 1."""
+    schedule: PipelineKind = PipelineKind.ONE_F_ONE_B
+    """The pipeline schedule; ``interleaved-1f1b`` needs ``virtual`` ≥ 2."""
+    virtual: int = 1
+    """Chunks per pipeline group (virtual stages)."""
+    microbatches: int = 1
+    """Microbatches per step (per replica: the paper's batch per DP over the micro-batch size)."""
+    micro_batch: int = 1
+    """Sequences in one replica's microbatch."""
+    recompute: Recompute = Recompute.NONE
+    zero: int = 0
+    """ZeRO stage: only 0 is planned (module docstring, *ZeRO*)."""
+    precision: str = "bf16-mixed"
+    split: Split = Split.EVEN
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp * self.ep
+
+    @property
+    def graph_batch(self) -> int:
+        """Sequences of one microbatch of the whole step (what the captured graph takes)."""
+        return self.dp * self.micro_batch
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch
+
+    def short(self) -> str:
+        """``TP8 CP1 PP16 DP64 interleaved-1f1b v8 B32``."""
+        v = f" v{self.virtual}" if self.virtual > 1 else ""
+        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} {self.schedule.value}{v} B{self.microbatches}"
+
+
+_INT_KEYS = ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch", "zero")
+_ENUMS = {"schedule": PipelineKind, "recompute": Recompute, "split": Split}
+_EXAMPLE = "e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,microbatches=32"
+
+
+def parse_config(text: str) -> ParallelConfig:
+    """``key=value`` pairs separated by commas (module docstring) as a checked :class:`ParallelConfig`."""
+    keys = {f.name for f in dataclasses.fields(ParallelConfig)}
+    values: dict[str, object] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        key, eq, raw = (s.strip() for s in item.partition("="))
+        if not eq or key not in keys:
+            raise UserError(f"--config {item!r}: not key=value of a known key; keys: {', '.join(sorted(keys))}")
+        if key in values:
+            raise UserError(f"--config: {key} given twice; give each key once")
+        if key in _INT_KEYS:
+            if not raw.isdigit():
+                raise UserError(f"--config {key}={raw}: give a whole number; {_EXAMPLE}")
+            values[key] = int(raw)
+        elif key in _ENUMS:
+            try:
+                values[key] = _ENUMS[key](raw)
+            except ValueError:
+                names = ", ".join(e.value for e in _ENUMS[key])
+                raise UserError(f"--config {key}={raw}: choose one of {names}") from None
+        else:
+            values[key] = raw
+    return check_config(ParallelConfig(**values))  # type: ignore[arg-type]
+
+
+def check_config(cfg: ParallelConfig) -> ParallelConfig:
+    """`cfg` if meshpilot can plan it, else a UserError naming what it cannot represent."""
+    for key in ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"--config {key}={getattr(cfg, key)}: give at least 1")
+    if cfg.cp > 1:
+        raise UserError(
+            f"--config cp={cfg.cp}: context parallelism is not modelled by meshpilot's planner yet; plan cp=1"
+        )
+    if cfg.ep > 1:
+        raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
+    if cfg.recompute != Recompute.NONE:
+        raise UserError(
+            f"--config recompute={cfg.recompute.value}: activation recomputation is not in meshpilot's plans yet; "
+            "plan recompute=none (its memory is then what the step holds without it)"
+        )
+    if cfg.zero:
+        raise UserError(
+            f"--config zero={cfg.zero}: ZeRO over pinned layouts is not modelled (the ZeRO pass leaves pinned weights "
+            "alone); plan zero=0, whose step differs only by the sharded optimizer update"
+        )
+    interleaved = cfg.schedule == PipelineKind.INTERLEAVED_1F1B
+    if interleaved != (cfg.virtual > 1):
+        raise UserError(
+            f"--config schedule={cfg.schedule.value}, virtual={cfg.virtual}: interleaved-1f1b and virtual ≥ 2 go "
+            "together; give both or neither"
+        )
+    if interleaved and cfg.microbatches % cfg.pp:
+        raise UserError(
+            f"--config microbatches={cfg.microbatches}: interleaved 1F1B runs a multiple of pp={cfg.pp}; give one"
+        )
+    return cfg
+
+
+def stage_ranks(cfg: ParallelConfig) -> list[tuple[int, ...]]:
+    """Per pipeline group p, its ranks as a row-major ``(DP, TP)`` mesh (module docstring, *Ranks*)."""
+    tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
+    return [tuple(t + tp * (cp * (p + pp * d)) for d in range(cfg.dp) for t in range(tp)) for p in range(pp)]
+
+
+def stage_bounds(pre: int, blocks: int, post: int, chunks: int, split: Split) -> list[tuple[int, int]]:
+    """Model layers ``[start, stop)`` of each of `chunks` chunks: `pre` layers, `blocks` blocks, `post` layers
+    (module docstring, *Stages*)."""
+    inner = chunks - 2 if split == Split.ENDS else chunks
+    if split == Split.ENDS and (chunks < 3 or not pre or not post):
+        raise UserError(f"--config split=ends: needs pre and post layers and at least 3 chunks, not {chunks}")
+    if inner < 1 or blocks % inner:
+        raise UserError(
+            f"--config: {blocks} blocks do not split evenly into {inner} chunks (pp · virtual"
+            f"{' − 2' if split == Split.ENDS else ''}); pick degrees that divide them"
+        )
+    per = blocks // inner
+    cuts = [pre + per * j for j in range(1, inner)]
+    if split == Split.ENDS:
+        cuts = [pre, *cuts, pre + blocks]
+    edges = [0, *cuts, pre + blocks + post]
+    return list(zip(edges, edges[1:]))
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    """:func:`plan_config`'s result: the plan and what it was made from."""
+
+    config: ParallelConfig
+    plan: Plan
+    costs: tuple[StageCost, ...]
+    """Each chunk's cost on its group's ranks, at the plan's microbatches."""
+    planning_s: float
+
+
+def plan_config(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    stack: Stack,
+    cluster: Cluster | str,
+    cfg: ParallelConfig,
+    *,
+    planner: StagePlanner | None = None,
+) -> ConfigPlan:
+    """The plan of `cfg` (module docstring) for `model` whose captured repeated stack is `stack`
+    (``planner.stack.capture_stack`` of one microbatch, ``cfg.graph_batch`` sequences) on `cluster`."""
+    t0 = time.perf_counter()
+    cfg = check_config(cfg)
+    sp = planner if planner is not None else StagePlanner(stack.graph, cluster)
+    cl = sp.cluster
+    if cfg.devices > cl.num_devices:
+        raise UserError(
+            f"--config {cfg.short()}: {cfg.devices:,} devices, cluster {cl.name!r} has {cl.num_devices:,}; "
+            "give a larger cluster"
+        )
+    first = next(x for x in inputs if isinstance(x, torch.Tensor))
+    if first.shape[0] != cfg.graph_batch:
+        raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
+    mesh = (cfg.dp, cfg.tp)
+    if cfg.tp > 1:
+        force = megatron_tp(model, inputs, mesh, graph=stack.graph)
+    else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
+        force = data_parallel(model, inputs, mesh)
+    force.update(boundary_pins(sp, stack, cfg))
+    chunks = cfg.pp * cfg.virtual
+    bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
+    groups = stage_ranks(cfg)
+    ranks = [groups[j % cfg.pp] for j in range(chunks)]
+    B = cfg.microbatches
+    costs = tuple(
+        compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
+        for (a, b), rk in zip(bounds, ranks)
+    )
+    plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
+    return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
+
+
+def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[str, str]:
+    """Every stage piece's boundary inputs (``stage.slice_graph``'s ``boundary:`` leaves) whose dim 0 is the
+    microbatch's rows, pinned batch-sharded over DP (``S(0)R``): each replica's stage receives its own rows, as the
+    previous stage's replica sends them (:func:`send_shares`). Unpinned, the search may keep such an input
+    replicated, which costs it nothing in time but holds every replica's rows on every rank."""
+    if cfg.dp == 1:
+        return {}  # an axis of one device is R
+    p, end = stack.pre, len(sp.layers)
+    pieces = [(stack.middle, stack.middle + 1)]
+    pieces += [(a, b) for a in range(p) for b in range(a + 1, p + 1)]
+    pieces += [(a, b) for a in range(end - stack.post, end) for b in range(a + 1, end + 1)]
+    pins = {}
+    for a, b in pieces:
+        for n in slice_graph(stack.graph, a, b, sp.layers).nodes:
+            name = n.fqn or n.name
+            if name.startswith(f"{BOUNDARY}:") and n.out is not None and n.out.shape[:1] == (cfg.graph_batch,):
+                pins[_exact(name)] = "S(0)R"  # rows over DP (mesh axis 0), whole on every TP rank
+    return pins
+
+
+def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks, costs, t0: float) -> Plan:
+    """The :class:`Plan` of chunks `bounds` on `ranks` costed as `costs` (as ``pipeline.fixed_pipeline``
+    builds one, over the stack's model layers)."""
+    kind, B = cfg.schedule, cfg.microbatches
+    graph: OpGraph = stack.graph
+    layers = list(stack.layers)
+    C = stack.received(received_bytes(graph, sp.layers))
+    held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
+    stages = []
+    for j, ((a, b), rk, c) in enumerate(zip(bounds, ranks, costs)):
+        share = input_grad_share(graph, sp.layers, *stack.graph_range(a, b))
+        stages.append(PlanStage.costed(layers, a, b, rk, c, B, held[j], C, share))
+    flops = tuple(sum(x.flops for x in layers[a:b]) for a, b in bounds)
+    clustering = Clustering(tuple(bounds), flops, tuple(float(C[a, b - 1]) for a, b in bounds), 0.0)
+    plan = Plan(
+        tuple(stages), B, cfg.devices, clustering, float(sp.cluster.device.memory_bytes), 0.0,
+        time.perf_counter() - t0, 0, 0, kind, StageCosting.STACK,
+        transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster, stack), cluster=sp.cluster.name,
+        send_split=cfg.dp,
+    )  # fmt: skip
+    return dataclasses.replace(plan, dp_step_s=plan.step_s)
+
+
+def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
+    """Bytes one rank sends per microbatch at each stage boundary: the transfer (the whole step's microbatch,
+    every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; the TP ranks of a
+    replica each send its rows whole (no scatter / gather), as meshpilot's cross-mesh tiles move them."""
+    return {(x.src, x.dst): x.nbytes / cp.plan.send_split for x in cp.plan.transfers}
+
+
+def simulate_config(cp: ConfigPlan, **kw: Any) -> SimResult:
+    """``Plan.simulate`` of the configuration's plan: its ``send_split`` is DP, each send one rank's share
+    (:func:`send_shares`)."""
+    return cp.plan.simulate(**kw)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One step of a configuration's plan, term by term, for the busiest pipeline group (seconds)."""
+
+    step_s: float
+    """The simulated step."""
+    compute_s: float
+    """The group's operators, every microbatch of every chunk."""
+    tp_s: float
+    """Its collectives and resharding issued every microbatch (none overlapped): TP's, and the few small ones
+    besides (the loss' reduction over DP in the last stage)."""
+    dp_s: float
+    """Its gradient synchronisation over DP, once a step (none overlapped)."""
+    optimizer_s: float
+    pipeline_s: float
+    """The rest: the bubble (fill and drain) and the exposed sends between stages."""
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("compute", self.compute_s), ("TP (per-microbatch) comm.", self.tp_s), ("DP gradient sync", self.dp_s),
+                ("optimizer", self.optimizer_s), ("bubble + exposed sends", self.pipeline_s)]  # fmt: skip
+
+
+def breakdown(
+    cp: ConfigPlan,
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    stack: Stack,
+    step_s: float,
+    planner: StagePlanner,
+) -> Breakdown:
+    """The terms of :class:`Breakdown`. TP and DP communication are told apart by costing every chunk at twice
+    the microbatches too: a collective per microbatch doubles, the gradient sync once a step does not
+    (``c(2B) − c(B)`` is B microbatches' TP time; the strategies are pinned, so both choose the same ones)."""
+    cfg = cp.config
+    twice = dataclasses.replace(cfg, microbatches=2 * cfg.microbatches)
+    double = plan_config(model, inputs, stack, planner.cluster, twice, planner=planner)
+    busiest = max(range(cfg.pp), key=lambda g: sum(c.time.total_s for c in cp.costs[g :: cfg.pp]))
+    one, two = cp.costs[busiest :: cfg.pp], double.costs[busiest :: cfg.pp]
+
+    def comm(c: StageCost) -> float:
+        return c.time.communication_s + c.time.resharding_s
+
+    tp = sum(comm(b) - comm(a) for a, b in zip(one, two))
+    dp = sum(comm(a) for a in one) - tp
+    compute = sum(c.time.compute_s for c in one)
+    opt = sum(c.time.optimizer_s for c in one)
+    return Breakdown(step_s, compute, tp, dp, opt, step_s - compute - tp - dp - opt)
+
+
+def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int) -> float:
+    """``6 · N + 12 · L · h · s`` (module docstring, *Throughput*), N without the input embedding table."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None and hasattr(model, "model"):
+        embed = model.model.get_input_embeddings()
+    n = sum(p.numel() for p in model.parameters())
+    if embed is not None:
+        n -= embed.weight.numel()
+    return 6.0 * n + 12.0 * layers * hidden * seq
+
+
+def tflops_per_gpu(flops_per_token: float, tokens: int, step_s: float, gpus: int) -> float:
+    """Model TFLOP/s per GPU of a step of `tokens` taking `step_s` on `gpus`."""
+    if step_s <= 0 or not math.isfinite(step_s):
+        return 0.0
+    return flops_per_token * tokens / step_s / gpus / 1e12
+
+
+__all__ = [
+    "Breakdown",
+    "ConfigPlan",
+    "ParallelConfig",
+    "Recompute",
+    "Split",
+    "boundary_pins",
+    "breakdown",
+    "check_config",
+    "model_flops_per_token",
+    "parse_config",
+    "plan_config",
+    "send_shares",
+    "simulate_config",
+    "stage_bounds",
+    "stage_ranks",
+    "tflops_per_gpu",
+]

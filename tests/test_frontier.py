@@ -1,0 +1,173 @@
+"""Issue 32's frontier rows on a reduced case: the presets, a published configuration read and refused, its plan's
+ranks and chunks, Megatron's pairs found in a Hugging Face Llama, and ``bench_frontier.run_row`` end to end on a
+tiny Llama on 8 GPUs (the same code path as the 16,384-GPU rows; no spawn)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_frontier as bf  # noqa: E402
+
+from meshpilot.cluster import load_cluster  # noqa: E402
+from meshpilot.errors import UserError  # noqa: E402
+from meshpilot.models.sources import build_hf  # noqa: E402
+from meshpilot.planner.config_plan import (  # noqa: E402
+    Split,
+    boundary_pins,
+    parse_config,
+    send_shares,
+    stage_bounds,
+    stage_ranks,
+)
+from meshpilot.planner.forced import megatron_groups  # noqa: E402
+from meshpilot.planner.schedule import PipelineKind  # noqa: E402
+from meshpilot.planner.stack import capture_stack  # noqa: E402
+
+TINY = dict(
+    num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=512, tie_word_embeddings=False, use_cache=False, max_position_embeddings=256,
+)  # fmt: skip
+"""A Llama with Llama 3's structure (grouped-query attention, rotary embeddings, a gated MLP) at toy size."""
+
+
+def test_llama3_cluster_is_pods_of_3072_at_one_seventh_between():
+    cl = load_cluster("llama3-h100")
+    assert cl.num_devices == 24_576 and [x.name for x in cl.layers] == ["pod", "node", "gpu"]
+    pod, node, gpu = cl.layers
+    assert (pod.ranks, node.ranks, gpu.ranks) == (8, 384, 8)
+    assert pod.group_bw[0] == pytest.approx(3072 * 50e9 / 7)  # 1:7 oversubscribed aggregation
+    assert node.group_bw[0] == pytest.approx(400e9) and gpu.group_bw[0] == pytest.approx(450e9)
+    assert cl.device.flops_for("bfloat16") * cl.device.compute_efficiency == pytest.approx(756.7e12, rel=1e-3)
+    assert load_cluster("llama3-h100:2").num_devices == 6144
+    tt = load_cluster("torchtitan-h100:64")
+    assert tt.num_devices == 512 and tt.device.memory_bytes == 96 * 2**30
+
+
+def test_config_is_read_and_what_cannot_be_planned_is_one_line():
+    cfg = parse_config("tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,microbatches=32,split=ends")
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.virtual, cfg.microbatches) == (8, 16, 64, 8, 32)
+    assert cfg.schedule == PipelineKind.INTERLEAVED_1F1B and cfg.split == Split.ENDS
+    assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
+    for text, needle in [
+        ("tp=8,cp=16", "context parallelism"),
+        ("tp=8,recompute=full", "recomputation"),
+        ("tp=8,zero=1", "ZeRO over pinned layouts"),
+        ("pp=4,schedule=interleaved-1f1b", "virtual"),
+        ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
+        ("tp=eight", "whole number"),
+        ("tensor=8", "known key"),
+        ("schedule=pipedream", "choose one of"),
+        ("tp=2,tp=4", "twice"),
+    ]:
+        with pytest.raises(UserError, match=needle) as e:
+            parse_config(text)
+        assert "\n" not in str(e.value)
+
+
+def test_ranks_follow_llama3_order_and_chunks_balance_the_ends():
+    cfg = parse_config("tp=2,pp=2,dp=2")
+    # [TP, CP, PP, DP], TP fastest: group p's (DP, TP) mesh holds t + 2 (p + 2 d)
+    assert stage_ranks(cfg) == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    # 126 blocks, 16 groups of 8 chunks: the embeddings alone first, the head alone last, one block a chunk
+    ends = stage_bounds(2, 126, 2, 128, Split.ENDS)
+    assert ends[0] == (0, 2) and ends[-1] == (128, 130) and all(b - a == 1 for a, b in ends[1:-1])
+    assert stage_bounds(2, 8, 2, 4, Split.EVEN) == [(0, 4), (4, 6), (6, 8), (8, 12)]
+    with pytest.raises(UserError, match="do not split evenly"):
+        stage_bounds(2, 126, 2, 16, Split.EVEN)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_megatron_pairs_of_a_hugging_face_llama(precision):
+    """Rotary embeddings, grouped-query attention's repeated kv heads and autocast's casts do not hide the pairs."""
+    built = build_hf("llama", TINY, batch=2, seq=32)
+    stack = capture_stack(built.model, built.inputs, precision=precision)
+    got = {g.names() for g in megatron_groups(stack.graph) if "layers.1." in g.columns[0].weight}
+    pre = "model.model.layers.1."
+    attn = tuple(f"{pre}self_attn.{x}_proj.weight" for x in "qkv"), (f"{pre}self_attn.o_proj.weight",)
+    mlp = (f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"), (f"{pre}mlp.down_proj.weight",)
+    assert got == {attn, mlp}
+
+
+def _row(config: str) -> bf.Row:
+    return bf.Row("tiny", "test", "TFLOP/s/GPU", 1.0, TINY, 64, "dgx-h100:1", config)
+
+
+def test_reduced_row_plans_simulates_and_splits_its_step():
+    res = bf.run_row(_row("tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends"))
+    assert not res.refused and res.simulated > 0 and res.step_s > 0
+    t = res.terms
+    parts = [t.compute_s, t.tp_s, t.dp_s, t.optimizer_s]
+    assert all(x >= 0 for x in parts) and t.tp_s > 0 and t.dp_s > 0
+    # the pipeline term is what the simulated step adds to the busiest group's work: bubble and sends
+    assert t.pipeline_s == pytest.approx(res.step_s - sum(parts)) and t.pipeline_s > 0
+    # the simulated step holds Eq. 2's (which leaves the sends out) within the sends' share
+    assert res.step_s >= res.eq2_step_s * 0.99
+    row = res.to_json()
+    assert {"name", "unit", "published", "simulated_as_published", "planned", "planning_s"} <= set(row)
+    assert row["simulated_as_published"] == res.simulated and row["planned"] is None
+
+
+def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share():
+    # pure DP stages: what is left per microbatch is the loss' reduction, a few latencies
+    no_tp = bf.run_row(_row("pp=2,dp=4,microbatches=4")).terms
+    tp = bf.run_row(_row("tp=2,pp=2,dp=2,microbatches=4")).terms
+    assert no_tp.tp_s < 0.05 * tp.tp_s and no_tp.dp_s > 0
+    from meshpilot.planner.config_plan import plan_config
+    from meshpilot.planner.stage import StagePlanner
+
+    cfg = parse_config("pp=2,dp=4,microbatches=4")
+    built = build_hf("llama", TINY, batch=cfg.graph_batch, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    sp = StagePlanner(stack.graph, "dgx-h100:1")
+    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    shares = send_shares(cp)
+    assert shares and all(shares[(x.src, x.dst)] == x.nbytes / 4 for x in cp.plan.transfers)
+    # every piece's boundary rows arrive batch-sharded over DP (one replica's rows a rank), the hidden state among them
+    pins = boundary_pins(sp, stack, cfg)
+    assert pins and set(pins.values()) == {"S(0)R"}
+    assert len(pins) >= 2  # the block's hidden-state input in the forward and its gradient in the backward
+
+
+def test_refused_rows_say_why_and_simulate_nothing():
+    for row in bf.ROWS:
+        if row.name.endswith("cp16") or row.refused:
+            res = bf.run_row(row)
+            assert res.simulated is None and res.refused and "\n" not in res.refused
+            assert res.to_json()["simulated_as_published"] is None
+
+
+def test_cli_plans_a_config_saves_it_and_simulate_prices_the_same_step(tmp_path, capsys):
+    from meshpilot.cli.main import main
+    from meshpilot.planner.plan import Plan
+
+    hf = [f"{k}={v}" for k, v in TINY.items()]
+    out = tmp_path / "cfg.json"
+    cfg = "tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends"
+    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--seq", "64", "--cluster", "dgx-h100:1"]
+    assert main([*argv, "--config", cfg, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.load(out)
+    assert plan.send_split == 2 and len(plan.stages) == 4 and plan.schedule == PipelineKind.INTERLEAVED_1F1B
+    step = plan.simulate().step_s
+    assert f"simulated step {bf_fmt(step)}" in printed
+    assert main(["simulate", str(out)]) == 0
+    assert bf_fmt(step) in capsys.readouterr().out
+    for extra, needle in [
+        (["--mesh", "2x4"], "--mesh"),
+        (["--batch", "3"], "--batch 3"),
+        (["--precision", "fp32"], "give it once"),
+    ]:
+        assert main([*argv, "--config", cfg, *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+
+
+def bf_fmt(seconds: float) -> str:
+    from meshpilot.cli.plan import fmt_s
+
+    return fmt_s(seconds)
