@@ -33,6 +33,7 @@ LLAMA = dict(
 
 
 def _gpt(device: str = "meta"):
+    torch.manual_seed(0)  # every build the same weights: the reference, the parallel copy, every rank
     b = build_model("gpt-tiny", layers=4, batch=8, seq=512, device=device)
     return b.model, tuple(b.inputs)
 
