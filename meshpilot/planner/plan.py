@@ -336,11 +336,12 @@ class StagePlan:
         r = self.recompute
         if r is None:
             return "none: every activation the backward reads is kept from the forward"
-        gib = 2**30
+        from meshpilot.io import fmt_size
+
         shown = ", ".join(r.regions[:4]) + (f" … ({len(r.regions)} blocks)" if len(r.regions) > 4 else "")
-        before = f"{r.memory_before / gib:.3f} GiB → " if r.memory_before else ""
+        before = f"{fmt_size(r.memory_before)} → " if r.memory_before else ""
         return (
-            f"{shown} ({r.mode}: {r.reason}); memory {before}{r.memory_after / gib:.3f} GiB per device, "
+            f"{shown} ({r.mode}: {r.reason}); memory {before}{fmt_size(r.memory_after)} per device, "
             f"step +{r.extra_s * 1e3:.3f} ms recomputing"
         )
 

@@ -65,6 +65,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
+from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import storage_base
 from meshpilot.planner.plan import RecomputeChoice, StagePlan
 
@@ -325,16 +326,12 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
         except PlanError as e:
             error, last = e, None
         if last is not None and last.memory.total <= capacity * (1 + 1e-9):
-            why = f"the plan without it needs {_gib(before)} per device, over the {_gib(capacity)} cap"
+            why = f"the plan without it needs {fmt_size(before)} per device, over the {fmt_size(capacity)} cap"
             return _recorded(last, graph, names, mode, why, before)
         k += 1
     if last is not None:
         return last  # every block recomputed and still over: the plan says so in its warnings
     raise error
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.3f} GiB"
 
 
 def _recorded(
