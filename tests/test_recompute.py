@@ -127,6 +127,11 @@ def test_auto_recomputes_only_what_the_cap_needs_and_records_why(capped):
         assert auto.memory.total <= c["cap"] < r.memory_before, name
         assert r.memory_after == auto.memory.total and r.extra_s > 0
         assert sum(n.seconds for n in auto.nodes if rc.is_copy(n.name)) > 0  # the second forward is priced
+        by_name = {n.name: n for n in auto.nodes}
+        for n in auto.nodes:  # a copy runs as its original does (a TP block re-issues its collectives)
+            orig = by_name.get(n.name.removesuffix(rc.SUFFIX))  # None: made in the forward for the backward only
+            if rc.is_copy(n.name) and orig is not None:
+                assert (n.ins, n.outs, n.source, n.phase) == (orig.ins, orig.outs, orig.source, "bwd"), n.name
         assert full.time.compute_s > none.time.compute_s
         assert auto.fingerprint == none.fingerprint  # the plan is of the model as captured
         assert "recompute" in auto.summary() and r.regions[0] in auto.summary()
