@@ -9,10 +9,13 @@ it as they see any graph — one code path, no second runtime.
 Regions (:func:`regions`)
 -------------------------
 A region is one numbered block of the model (``blocks.3``, ``model.layers.3``: ``stage.layer_keys``, the
-layers the stage DP cuts at) — its forward nodes ``F_R`` (ops and getitems whose module lies in it). A value of
-``F_R`` that a forward node outside ``F_R`` reads is one of the block's *outputs* (the residual stream to the
-next block): the next block keeps it anyway, so it is never recomputed. Every other value of ``F_R`` that the
-backward reads is *interior*. The nodes recomputed are the interior values the backward reads and their
+layers the stage DP cuts at) — its forward side ``F_R``: the ops and getitems its modules made before the
+backward begins (:func:`backward_start`, the node after the last forward one). ``F_R`` includes what the joint
+graph computes during the forward for the backward only (a weight's transpose, a ``detach`` of an attention
+output, a norm's mean and rstd): capture gives those ``Phase.BWD``, but they run with the forward. A value of
+``F_R`` that a node outside ``F_R`` reads before the backward begins is one of the block's *outputs* (the
+residual stream to the next block): the next block keeps it anyway, so it is never recomputed. Every other value
+of ``F_R`` that the backward reads is *interior*. The nodes recomputed are the interior values and their
 ancestors inside ``F_R``, stopping at outputs (``Region.recomputed``).
 
 The transform (:func:`apply`)
@@ -21,7 +24,7 @@ For every chosen region each recomputed node ``v`` gets a copy ``v'`` (named ``v
 
 * ``v'`` is a backward node (``Phase.BWD``) reading the copies of its operands that were copied and the
   originals of the rest (the block's saved inputs: the previous block's output, parameters, masks);
-* every backward node that read ``v`` reads ``v'``;
+* every node of the backward that read ``v`` reads ``v'``; an original made for the backward only is dropped;
 * the copies of a region run together, just before the first backward node that reads one of them;
 * ``v'`` is in ``v``'s class of identical nodes (``OpGraph.canonical``), so the ILP gives it ``v``'s strategy:
   a tensor-parallel block re-issues its forward collectives in the backward, as Megatron's does, and the plan's
@@ -42,7 +45,7 @@ default) recomputes only when the plan without it does not fit the memory cap:
 
 1. plan the captured graph; if its predicted peak ``M_0`` fits the capacity ``C``, that is the plan;
 2. order the regions by ``saved_R / extra_R``, the bytes the region stops keeping per second of forward it
-   adds (``Region.saved_bytes``, and ``Region.forward_s`` its forward on one device by the cost model's
+   adds (``Region.saved_bytes``, and :func:`forward_seconds`, its forward on one device by the cost model's
    roofline), largest first (identical blocks tie: forward order);
 3. the fewest regions ``k`` whose graph fits ``C`` under the first plan's strategies (copies taking their
    original's; :func:`accounting.memory_use`, exact for those strategies) is the first guess (1 when step 1
@@ -50,7 +53,9 @@ default) recomputes only when the plan without it does not fit the memory cap:
    else ``k + 1`` … up to every region.
 
 The plan records the regions, why, and the predicted peak before and after (:class:`RecomputeChoice`), and
-prices the copies' compute and collectives in its step time like any node's.
+prices the copies' compute and collectives in its step time like any node's. ``auto`` takes the fewest blocks
+that fit, not the fastest plan among those that fit (a tighter cap with one more block can plan faster: the
+ILP shards less). Only one-stage plans recompute: a pipeline's stages (``Plan.with_intra``) run as captured.
 """
 
 from __future__ import annotations
