@@ -198,3 +198,17 @@ def test_recomputing_plans_train_equal_to_one_device_on_4_ranks(capped):
             f" -> {c['auto'].memory.total / 2**20:.2f} MiB; measured fwd+bwd peak on rank 0 "
             f"{per_rank[0][name]['peak_none'] / 2**20:.2f} -> {per_rank[0][name]['peak_auto'] / 2**20:.2f} MiB"
         )
+
+
+def test_plan_cli_says_which_blocks_recompute_and_why(capsys, tmp_path):
+    from meshpilot.cli.main import main
+
+    gpt = ["plan", "-m", "gpt-tiny", "--layers", "4", "--batch", "8", "--seq", "512", "-c", CLUSTER, "-n", "4"]
+    out = tmp_path / "p.json"
+    assert main([*gpt, "--mesh", "4x1", "--memory-gib", "0.0075", "--ops", "none", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "recompute: blocks.0 (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
+    assert StagePlan.from_json(out.read_text()).recompute.regions == ("blocks.0",)
+    assert main([*gpt, "--pipeline", "--recompute", "full"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--recompute full" in err and "--stages 1" in err
