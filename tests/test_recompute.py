@@ -9,6 +9,7 @@ and hold less memory than the same mesh without recomputation, measured (``clust
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -21,7 +22,8 @@ from meshpilot.planner import recompute as rc
 from meshpilot.planner.accounting import memory_use
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
-from meshpilot.planner.plan import StagePlan
+from meshpilot.planner.plan import Plan, StagePlan
+from meshpilot.planner.validate import validate
 
 CLUSTER = "alpa-p3x8"
 MESH = (2, 2)
@@ -110,7 +112,7 @@ def _capped(name: str) -> dict:
     except PlanError:
         pass
     auto = plan(model, inputs, CLUSTER, memory_bytes=cap, **kw)
-    return dict(none=none, full=full, auto=auto, cap=cap)
+    return dict(none=none, full=full, auto=auto, cap=cap, graph=graph)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,9 @@ def test_auto_recomputes_only_what_the_cap_needs_and_records_why(capped):
         assert "recompute" in auto.summary() and r.regions[0] in auto.summary()
         back = StagePlan.from_json(auto.to_json())
         assert back.recompute == r and back.nodes == auto.nodes
+        bad = dataclasses.replace(auto, recompute=dataclasses.replace(r, regions=("blocks.9",)))
+        with pytest.raises(rc.RecomputeError, match="no block 'blocks.9'"):
+            validate(Plan.single(bad), graph=c["graph"])
     # an older file (no recompute field) still loads, as a plan without recomputation
     d = json.loads(capped["gpt"]["none"].to_json())
     for st in d["stages"]:
