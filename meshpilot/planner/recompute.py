@@ -347,7 +347,7 @@ def _recorded(
     copies = {n.name for n in plan.nodes if is_copy(n.name)}
     m = plan.step_schedule().microbatches
     extra = m * sum(n.seconds for n in plan.nodes if n.name in copies)
-    extra += sum(c.seconds * m for c in plan.collectives if c.dst in copies or c.src in copies)
+    extra += sum(c.seconds * m for c in plan.collectives if c.dst in copies)  # what a copy reads: new
     choice = RecomputeChoice(
         mode=mode.value,
         regions=tuple(names),
