@@ -302,7 +302,6 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
 
     if mode is RecomputeMode.NONE:
         return plan_fn(graph)
-    order = ordered(graph, cluster)
     if mode is RecomputeMode.FULL:
         names = [r.name for r in regions(graph)]
         if not names:
@@ -316,11 +315,15 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
     try:
         first = plan_fn(graph)
     except PlanError as e:
-        if e.need_bytes is None or not order:
+        if e.need_bytes is None:
             raise
         error = e
-    if first is not None and (first.memory.total <= capacity * (1 + 1e-9) or not order):
-        return first
+    fits = first is not None and first.memory.total <= capacity * (1 + 1e-9)
+    order = ordered(graph, cluster) if not fits else []  # a plan that fits costs no look at the blocks
+    if not order:
+        if first is not None:
+            return first
+        raise error
     before = first.memory.total if first is not None else error.need_bytes
     k = fitting_count(graph, order, first, capacity) if first is not None else 1
     last: StagePlan | None = None
