@@ -70,6 +70,7 @@ from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
 from meshpilot.planner.force import ForceSpec
+from meshpilot.planner.recompute import RecomputeMode
 from meshpilot.planner.schedule import PipelineKind
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
@@ -163,6 +164,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(both, the faster by the plan's own accounting); recorded in the plan",
     )
     p.add_argument("--memory-gib", type=positive_float, help="device memory in GiB (default: the cluster's device)")
+    p.add_argument(
+        "--recompute",
+        choices=[m.value for m in RecomputeMode],
+        default=RecomputeMode.AUTO.value,
+        help="one stage: which repeated blocks run their forward again in the backward instead of keeping their "
+        "activations: auto (default: only when the plan does not fit the memory otherwise, the fewest blocks that "
+        "make it fit), none, or full (every block); recorded in the plan",
+    )
     p.add_argument(
         "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
     )
@@ -297,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
     mode = plan_mode(args)
+    if mode is PlanMode.PIPELINE and args.recompute == RecomputeMode.FULL:
+        raise UserError("--recompute full: a pipeline's stages run as captured; plan one stage (--stages 1) for it")
     if mode is PlanMode.PIPELINE:
         return run_pipeline(args, cluster, n, memory)
     if mode is PlanMode.WEIGH:
@@ -397,7 +408,7 @@ def one_stage_plan(args, cluster, n: int, shape, force, memory, progress: Consol
     plan, graph = make_plan(
         built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit,
         progress=progress or make_console(stderr=True), precision=args.precision, schedule=sched,
-        searcher=args.searcher,
+        searcher=args.searcher, recompute=args.recompute,
     )  # fmt: skip
     return plan, graph, built
 
@@ -611,6 +622,7 @@ def make_plan(
     precision: str | None = None,
     schedule: dict[str, Any] | None = None,
     searcher: str = "ilp",
+    recompute: str = "auto",
 ):
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
@@ -646,6 +658,7 @@ def make_plan(
                 graph=graph,
                 precision=precision,
                 searcher=searcher,
+                recompute=recompute,
                 **schedule,
             )
     for w in caught:  # e.g. a --force pattern that matches nothing
@@ -811,6 +824,8 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     )
     mt.add_row("capacity", fmt_size(m.capacity), "")
     out.print(mt)
+    if plan.recompute is not None:
+        out.print(f"recompute: {plan.recompute_line()}", soft_wrap=True)
 
     pt = Table(title="Parameter layouts (layer indices as *)")
     pt.add_column("parameters")

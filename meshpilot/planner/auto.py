@@ -39,6 +39,7 @@ from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
+from meshpilot.planner import recompute as recompute_choice
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
 from meshpilot.planner.buckets import with_buckets
 from meshpilot.planner.force import ForceSpec
@@ -80,6 +81,7 @@ def plan(
     overlap: bool = False,
     duplex: bool = False,
     searcher: str | Searcher = "ilp",
+    recompute: str = "auto",
 ) -> StagePlan:
     """Choose the mesh and every operator's sharding that minimise the predicted step time.
 
@@ -102,6 +104,9 @@ def plan(
     interleaved stage by stage, one's collectives running while the other computes. See
     :func:`~meshpilot.graph.capture.capture` for what the model must return (or pass `loss_fn`). `searcher`
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
+    `recompute` is which repeated blocks run their forward again in the backward instead of keeping their
+    activations (``meshpilot.planner.recompute``): ``auto`` (only when the plan does not fit the memory
+    otherwise), ``none`` or ``full``.
     """
     from meshpilot.cluster import load_cluster, mesh_shapes_2d
 
@@ -126,18 +131,30 @@ def plan(
     for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
     shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
-    search = _ShapeSearch(graph, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
-    shaped = search.structures(shapes, force, merge_trivial)
-    for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
-        search.visit(shape_struct, mappings)
-    best = search.best
+
+    def search_graph(g: OpGraph) -> StagePlan:
+        search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
+        shaped = search.structures(shapes, force, merge_trivial)
+        for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
+            search.visit(shape_struct, mappings)
+        return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
+
+    return recompute_choice.choose(graph, recompute_choice.RecomputeMode.parse(recompute), capacity, cl, search_graph)
+
+
+def _finish(
+    graph: OpGraph, search: _ShapeSearch, capture_s: float, t_start: float, precision: str, pins: Any,
+    overlap: bool, duplex: bool,
+) -> StagePlan:  # fmt: skip
+    """The plan of the search's best candidate on `graph`: priced, assembled, its schedule and buckets."""
+    best, microbatches = search.best, search.microbatches
     if best is None:
         raise _no_shape_fits(search.errors)
     compute = ComputeCost(search.best_resharder.cost_model, best.shape, graph)
     acct = account(graph, best.chosen, search.best_resharder, compute, microbatches, search.edges)
     report = search.report(capture_s, time.perf_counter() - t_start)
     lm = search.best_resharder.cost_model.mesh
-    result = _assemble(graph, best, acct, search.best_builder, lm, capacity, report, precision, microbatches)
+    result = _assemble(graph, best, acct, search.best_builder, lm, search.capacity, report, precision, microbatches)
     if pins is not None:
         pins.check_plan(result.params, result.inputs)
     if overlap:

@@ -212,6 +212,30 @@ class SolverReport:
     """Which searcher chose the strategies (``meshpilot.planner.search.SEARCHERS``)."""
 
 
+def _recompute_of(d: dict[str, Any] | None) -> RecomputeChoice | None:
+    """The :class:`RecomputeChoice` of a saved stage plan's ``recompute`` (None: absent, as in older files)."""
+    if not d:
+        return None
+    return RecomputeChoice(**{**d, "regions": tuple(d["regions"])})
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """The blocks a plan recomputes in the backward and why (``meshpilot.planner.recompute``)."""
+
+    mode: str
+    """``auto`` (chosen because the plan did not fit otherwise) or ``full`` (asked for)."""
+    regions: tuple[str, ...]
+    """The recomputed blocks' module paths (``model.layers.3``), in the order they were chosen."""
+    reason: str
+    memory_before: float
+    """Predicted peak bytes per device without recomputation (0 when not planned: ``full``)."""
+    memory_after: float
+    """Predicted peak bytes per device of this plan."""
+    extra_s: float
+    """Seconds a step spends recomputing: the copies' compute and the collectives they issue."""
+
+
 @dataclass(frozen=True)
 class ZeroSwitch:
     """One parameter the ZeRO-like post-pass moved from replicated to sharded on some mesh axes: its gradient
@@ -274,6 +298,9 @@ class StagePlan:
     grad_buckets: tuple[GradBucket, ...] = ()
     """Gradients synchronised together, each bucket one collective issued during the backward as soon as its
     last gradient exists (``planner.buckets``); empty in older plans: one collective per gradient after it."""
+    recompute: RecomputeChoice | None = None
+    """The blocks whose forward the backward runs again (their nodes' copies are in :attr:`nodes`, named
+    ``<node>_recomputed``); None: none (and in older plans)."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -303,6 +330,20 @@ class StagePlan:
         d = self.to_dict()
         keys = ("mesh_shape", "mesh_ranks", "nodes", "params", "inputs", "schedule")
         return hashlib.sha256(json.dumps([d[k] for k in keys]).encode()).hexdigest()
+
+    def recompute_line(self) -> str:
+        """Which blocks recompute their forward in the backward, why, and what it costs and saves."""
+        r = self.recompute
+        if r is None:
+            return "none: every activation the backward reads is kept from the forward"
+        from meshpilot.io import fmt_size
+
+        shown = ", ".join(r.regions[:4]) + (f" … ({len(r.regions)} blocks)" if len(r.regions) > 4 else "")
+        before = f"{fmt_size(r.memory_before)} → " if r.memory_before else ""
+        return (
+            f"{shown} ({r.mode}: {r.reason}); memory {before}{fmt_size(r.memory_after)} per device, "
+            f"step +{r.extra_s * 1e3:.3f} ms recomputing"
+        )
 
     def param_layout(self, fqn: str) -> Placements:
         for name, layout in self.params:
@@ -379,6 +420,8 @@ class StagePlan:
                 f"{len(self.grad_buckets)} buckets ({_bytes(size)}), issued during the backward: "
                 f"{t.hidden_s * ms:.3f} ms hidden, step {t.overlapped_s * ms:.3f} ms"
             )
+        if self.recompute is not None:
+            lines.append("  recompute    " + self.recompute_line())
         if self.zero:
             reasons = Counter(z.reason for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
@@ -523,6 +566,7 @@ class StagePlan:
                 GradBucket(tuple(b["params"]), b["kind"], b["axis"], b["nbytes"], b.get("seconds", 0.0))
                 for b in d.get("grad_buckets", ())
             ),
+            recompute=_recompute_of(d.get("recompute")),
         )
 
     def to_json(self) -> str:
@@ -776,6 +820,7 @@ class Plan:
                 p = plan_intra(
                     None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
                     microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
+                    recompute="none",  # a pipeline stage's runtime runs its slice as captured
                 )  # fmt: skip
             stages.append(dataclasses.replace(st, plan=p))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the

@@ -128,6 +128,10 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
             f"{plan.fingerprint} vs {graph.fingerprint()}); plan again for this model, or pass the model and "
             "sizes (--model/--layers/--hidden/--heads) it was made for"
         )
+    if graph is not None and getattr(plan, "recompute", None) is not None:
+        from meshpilot.planner.recompute import apply
+
+        apply(graph, plan.recompute.regions)  # each block is the model's and recomputes exactly, or one line
 
     axes = len(shape)
     for i, layout in enumerate(plan.inputs):

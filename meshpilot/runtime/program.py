@@ -167,14 +167,17 @@ class StageProgram:
         if _INTERPRET:
             return body(args)
         fn = getattr(self, f"_{name}_fn")
+        boxed = name == "backward" and not self.compile
         if fn is not None:
-            return fn(*args)
+            return fn(args) if boxed else fn(*args)
         gm, result = record(lambda *flat: body(flat), *args)
         setattr(self, f"{name}_gm", gm)
         if kind is not None:
             self._issue_early(gm, kind)
         if name == "backward" and self.buckets_in_backward:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
+        if boxed:
+            _boxed(gm)
         setattr(self, f"_{name}_fn", _maybe_compile(gm, self.compile))
         return result
 
@@ -255,7 +258,10 @@ class StageProgram:
     def backward(self, saved: list, received: Sequence = ()) -> tuple[list, list]:
         """(this rank's piece of each trainable parameter's gradient, in the layout the backward produced it —
         partial sums unreduced: :meth:`grad_sync` does that once per step — or None; values to send backward)."""
-        it = iter(self._run("backward", self._backward_body, [*saved, *received], BWD))
+        args = [*saved, *received]
+        if isinstance(saved, list):  # the caller's last reference (``StepRun`` pops it): freed as the program goes
+            saved.clear()
+        it = iter(self._run("backward", self._backward_body, args, BWD))
         return self._grads_of(it), list(it)
 
     def _grads_of(self, it) -> list:
@@ -476,6 +482,16 @@ def _last_uses(nodes, keep: set[str]) -> dict[str, int]:
     for k in keep:
         last[k] = big
     return last
+
+
+def _boxed(gm: torch.fx.GraphModule) -> None:
+    """Make `gm` take its inputs as one list that it empties (torch.fx's boxed calling convention): each
+    saved activation is then freed after its last use in the backward, as the plan's accounting has it, instead
+    of living until the program returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
 
 
 def _maybe_compile(gm: torch.fx.GraphModule, compile: bool | str):

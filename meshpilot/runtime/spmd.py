@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
+from meshpilot.planner import recompute
 from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
@@ -376,6 +377,7 @@ def parallelize(
     if graph is None:
         graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision)
     validate(whole, graph=graph)
+    graph = recompute.for_plan(graph, plan)  # the blocks the plan recomputes run again in the backward
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)

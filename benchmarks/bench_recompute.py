@@ -1,0 +1,140 @@
+"""Activation recomputation as the memory cap tightens: which blocks the plan recomputes, its predicted step and
+peak at each cap, and (under torchrun) the peak the runtime holds at three of them.
+
+    python benchmarks/bench_recompute.py plan --out /tmp/rc_caps.json          # the table (pure planning)
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_recompute.py measure /tmp/rc_caps.json
+
+``plan``: a 4-block GPT (gpt-tiny, batch 8 x 512 tokens, fp32) on 4 devices of ``alpa-p3x8`` (every 2D mesh
+searched), planned without recomputation and with every block recomputed; then under caps from just above the
+first plan's peak down past the second's, ``recompute="auto"`` (``meshpilot.planner.recompute``). One row per
+cap: the mesh, the blocks recomputed, the predicted step and peak per device (or why no plan fits). The plans
+with none, some and all blocks recomputed are saved for ``measure``.
+
+``measure``: each saved plan run by ``meshpilot.parallelize`` with foreach AdamW on the gloo ranks: one warm-up
+step, then every rank's peak storage bytes over two full steps (``cluster.memtrack.StorageTracker``, parameter
+shards, AdamW states and inputs included), as ``benchmarks/memory_sharded_cpu.py`` measures; rank 0 prints the
+predicted peak beside the largest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshpilot.graph.capture import capture  # noqa: E402
+from meshpilot.io import fmt_size  # noqa: E402
+from meshpilot.models.sources import build_model  # noqa: E402
+from meshpilot.planner.auto import plan  # noqa: E402
+from meshpilot.planner.ilp import PlanError  # noqa: E402
+from meshpilot.planner.plan import StagePlan  # noqa: E402
+
+CLUSTER, DEVICES = "alpa-p3x8", 4
+MODEL = dict(layers=4, batch=8, seq=512)
+
+
+def _model(device: str):
+    torch.manual_seed(0)
+    b = build_model("gpt-tiny", device=device, **MODEL)
+    return b.model, tuple(b.inputs)
+
+
+def _row(cap: float | None, p: StagePlan | None, error: str = "") -> str:
+    cap_s = fmt_size(cap) if cap is not None else "none"
+    if p is None:
+        return f"| {cap_s} | — | — | — | — | {error} |"
+    blocks = ", ".join(p.recompute.regions) if p.recompute is not None else "none"
+    return (
+        f"| {cap_s} | {p.mesh_shape} | {blocks} | {p.time.total_s * 1e3:.3f} ms | {fmt_size(p.memory.total)} | "
+        f"{p.recompute.reason if p.recompute is not None else ''} |"
+    )
+
+
+def run_plan(out: Path) -> None:
+    model, inputs = _model("meta")
+    graph = capture(model, inputs)
+    t0 = time.process_time()
+    none = plan(model, inputs, CLUSTER, num_devices=DEVICES, graph=graph, recompute="none")
+    full = plan(model, inputs, CLUSTER, num_devices=DEVICES, graph=graph, recompute="full")
+    hi, lo = none.memory.total, full.memory.total
+    caps = [hi * 1.01] + [hi - (hi - lo) * f for f in (0.15, 0.35, 0.55, 0.75, 0.95)] + [lo * 0.9]
+    print("| cap per device | mesh | blocks recomputed | predicted step | predicted peak | why |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(_row(None, none))
+    print(_row(None, full).replace("| none |", "| none (full asked) |", 1))
+    kept: dict[int, StagePlan] = {}
+    for cap in caps:
+        try:
+            p = plan(model, inputs, CLUSTER, num_devices=DEVICES, graph=graph, memory_bytes=cap)
+            print(_row(cap, p))
+            kept.setdefault(len(p.recompute.regions) if p.recompute else 0, p)
+        except PlanError as e:
+            print(_row(cap, None, str(e).split(";")[0]))
+    print(f"\n{len(caps) + 2} plans in {time.process_time() - t0:.0f} s of CPU")
+    counts = sorted(kept)
+    chosen = {k: kept[k] for k in (counts[0], counts[len(counts) // 2], counts[-1])}
+    out.write_text(json.dumps({str(k): p.to_json() for k, p in chosen.items()}))
+    print(f"saved the plans recomputing {', '.join(map(str, chosen))} blocks to {out}")
+
+
+def _peaks(p: StagePlan) -> list[int]:
+    """Every rank's peak storage bytes over two full AdamW steps of plan `p`, after one warm-up step."""
+    import torch.distributed as dist
+
+    import meshpilot
+    from meshpilot.cluster.memtrack import StorageTracker
+
+    model, inputs = _model("cpu")
+    pm = meshpilot.parallelize(model, p)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
+
+    def step() -> None:
+        pm(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    with StorageTracker(existing=[*pm.parameters(), *state, *inputs]) as tracker:
+        step()
+        step()
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, tracker.peak)
+    return peaks
+
+
+def run_measure(path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for k, text in json.loads(path.read_text()).items():
+        p = StagePlan.from_json(text)
+        peaks = _peaks(p)
+        if dist.get_rank() == 0:
+            top = max(peaks)
+            print(
+                f"{k} blocks recomputed, mesh {p.mesh_shape}: predicted {fmt_size(p.memory.total)}, measured "
+                f"{fmt_size(top)} (ranks {', '.join(fmt_size(x) for x in peaks)}), predicted / measured "
+                f"{p.memory.total / top:.3f}",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/rc_caps.json"))
+    sub.add_parser("measure").add_argument("plans", type=Path)
+    args = ap.parse_args()
+    run_plan(args.out) if args.cmd == "plan" else run_measure(args.plans)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Activation recomputation as a planned choice: which repeated blocks re-run their forward in the backward.
+
+A block recomputed (Megatron's *full* recompute, ``torch.utils.checkpoint`` around one transformer block) keeps
+only its inputs from the forward; when the backward reaches it, the block's forward runs again from those inputs
+and the backward reads the recomputed values. meshpilot writes this into the captured graph itself
+(:func:`apply`), so the strategy search, the accounting of time and memory and the runtime's programs all see
+it as they see any graph — one code path, no second runtime.
+
+Regions (:func:`regions`)
+-------------------------
+A region is one numbered block of the model (``blocks.3``, ``model.layers.3``: ``stage.layer_keys``, the
+layers the stage DP cuts at) — its forward side ``F_R``: the ops and getitems its modules made before the
+backward begins (:func:`backward_start`, the node after the last forward one). ``F_R`` includes what the joint
+graph computes during the forward for the backward only (a weight's transpose, a ``detach`` of an attention
+output, a norm's mean and rstd): capture gives those ``Phase.BWD``, but they run with the forward. A value of
+``F_R`` that a node outside ``F_R`` reads before the backward begins is one of the block's *outputs* (the
+residual stream to the next block): the next block keeps it anyway, so it is never recomputed. Every other value
+of ``F_R`` that the backward reads is *interior*. The nodes recomputed are the interior values and their
+ancestors inside ``F_R``, stopping at outputs (``Region.recomputed``).
+
+The transform (:func:`apply`)
+-----------------------------
+For every chosen region each recomputed node ``v`` gets a copy ``v'`` (named ``v`` + :data:`SUFFIX`):
+
+* ``v'`` is a backward node (``Phase.BWD``) reading the copies of its operands that were copied and the
+  originals of the rest (the block's saved inputs: the previous block's output, parameters, masks);
+* every node of the backward that read ``v`` reads ``v'``; an original made for the backward only is dropped;
+* the copies of a region run together, just before the first backward node that reads one of them;
+* ``v'`` is in ``v``'s class of identical nodes (``OpGraph.canonical``), so the ILP gives it ``v``'s strategy:
+  a tensor-parallel block re-issues its forward collectives in the backward, as Megatron's does, and the plan's
+  collectives count them.
+
+Then ``saved_for_backward`` is what the backward reads of the forward: a recomputed block's inputs, no longer
+its interior. The copies share their original's FX node (the runtime's template of the call); the plan keeps the
+fingerprint of the graph as captured, and the runtime applies the plan's regions to its own capture
+(:func:`for_plan`), which gives the same graph.
+
+Random draws: a region whose recomputed nodes draw random numbers (dropout) would draw other numbers the second
+time; it is refused (:class:`RecomputeError` under ``full``, left out under ``auto``), never run differently.
+
+The choice (:func:`choose`)
+---------------------------
+``recompute="none"`` plans the graph as captured, ``"full"`` recomputes every region, and ``"auto"`` (the
+default) recomputes only when the plan without it does not fit the memory cap:
+
+1. plan the captured graph; if its predicted peak ``M_0`` fits the capacity ``C``, that is the plan;
+2. order the regions by ``saved_R / extra_R``, the bytes the region stops keeping per second of forward it
+   adds (``Region.saved_bytes``, and :func:`forward_seconds`, its forward on one device by the cost model's
+   roofline), largest first (identical blocks tie: forward order);
+3. the fewest regions ``k`` whose graph fits ``C`` under the first plan's strategies (copies taking their
+   original's; :func:`accounting.memory_use`, exact for those strategies) is the first guess (1 when step 1
+   found no plan at all); plan the graph with the first ``k`` regions recomputed and take it if it fits,
+   else ``k + 1`` … up to every region.
+
+The plan records the regions, why, and the predicted peak before and after (:class:`RecomputeChoice`), and
+prices the copies' compute and collectives in its step time like any node's. ``auto`` takes the fewest blocks
+that fit, not the fastest plan among those that fit (a tighter cap with one more block can plan faster: the
+ILP shards less). Only one-stage plans recompute: a pipeline's stages (``Plan.with_intra``) run as captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from meshpilot.errors import UserError
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
+from meshpilot.io import fmt_size
+from meshpilot.planner.accounting import storage_base
+from meshpilot.planner.plan import RecomputeChoice, StagePlan
+
+SUFFIX = "_recomputed"
+"""What a recomputed copy's name adds to its original's."""
+
+
+class RecomputeMode(StrEnum):
+    """Which regions a plan recomputes (``--recompute``)."""
+
+    AUTO = "auto"
+    """Only when the plan without recomputation does not fit the memory cap, the fewest regions that fit."""
+    NONE = "none"
+    """None: every activation the backward reads is kept from the forward."""
+    FULL = "full"
+    """Every repeated block."""
+
+    @classmethod
+    def parse(cls, value: str | RecomputeMode) -> RecomputeMode:
+        try:
+            return cls(value)
+        except ValueError:
+            raise UserError(
+                f"recompute={value!r}: choose one of {', '.join(m.value for m in cls)} (auto: only when the plan "
+                "does not fit in memory)"
+            ) from None
+
+
+class RecomputeError(UserError):
+    """A region that cannot be recomputed exactly, or one the graph does not have."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One numbered block of the model, as recomputation sees it (module docstring, *Regions*)."""
+
+    name: str
+    """The block's module path (``model.layers.3``)."""
+    recomputed: tuple[str, ...]
+    """Nodes copied into the backward, in graph order."""
+    saved_bytes: float
+    """Bytes (whole tensors, one microbatch) of the interior values the backward stops keeping."""
+    flops: float
+    """FLOPs of the recomputed nodes: the forward run again."""
+    random: str | None = None
+    """The first recomputed node that draws random numbers, where the model made it (None: none does)."""
+
+
+def _is_random(node: OpNode) -> bool:
+    target = node.fx_node.target if node.fx_node is not None else None
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def backward_start(graph: OpGraph) -> int:
+    """Index of the first node after the last forward one: where the step's backward begins. Before it, the
+    joint graph also holds nodes only the backward reads, made while the forward ran (a weight's transpose, a
+    ``detach`` of an attention output, a norm's mean): they are the forward's side of a block."""
+    return 1 + max((n.index for n in graph.nodes if n.phase == Phase.FWD), default=-1)
+
+
+def regions(graph: OpGraph) -> list[Region]:
+    """Every numbered block of `graph` with something to recompute, in forward order (module docstring)."""
+    from meshpilot.planner.stage import layer_keys
+
+    key = layer_keys(graph)
+    start = backward_start(graph)
+    members: dict[str, set[str]] = {}
+    for n in graph.nodes[:start]:
+        if n.kind not in (NodeKind.OP, NodeKind.GETITEM):
+            continue
+        k = key(n.module)
+        if k is not None and any(part.isdigit() for part in k.split(".")):
+            members.setdefault(k, set()).add(n.name)
+    out = []
+    for name, inside in members.items():
+        region = _region(graph, name, inside, start)
+        if region.recomputed:
+            out.append(region)
+    return out
+
+
+def _region(graph: OpGraph, name: str, inside: set[str], start: int) -> Region:
+    """The region of block `name` whose forward-side nodes are `inside`; the backward begins at `start`."""
+    before, after = graph.nodes[:start], graph.nodes[start:]
+    outputs = {s for n in before if n.name not in inside for s, _ in n.inputs} & inside
+    interior = {(s, i) for n in after for s, i in n.inputs if s in inside and s not in outputs}
+    cone: set[str] = set()
+    stack = [s for s, _ in interior]
+    while stack:
+        x = stack.pop()
+        if x in cone or x not in inside or x in outputs:
+            continue
+        cone.add(x)
+        stack += [s for s, _ in graph[x].inputs]
+    nodes = [n for n in before if n.name in cone]
+    bases = {storage_base(graph, s, i) for s, i in interior}
+    saved = sum(graph[b].outputs[i].nbytes for b, i in bases if b in cone and graph[b].outputs[i] is not None)
+    random = next((f"{n.target} in {n.where()}" for n in nodes if _is_random(n)), None)
+    return Region(name, tuple(n.name for n in nodes), saved, sum(n.flops for n in nodes), random)
+
+
+def _check(graph: OpGraph, names: Sequence[str]) -> list[Region]:
+    """The regions `names`, each one `graph` has and recomputes exactly; one line for the first that is not."""
+    by_name = {r.name: r for r in regions(graph)}
+    out = []
+    for name in names:
+        r = by_name.get(name)
+        if r is None:
+            known = ", ".join(list(by_name)[:4]) + (" …" if len(by_name) > 4 else "") or "none"
+            raise RecomputeError(
+                f"recompute: the model has no block {name!r} to recompute (its blocks: {known}); plan again for "
+                "this model"
+            )
+        if r.random is not None:
+            raise RecomputeError(
+                f"recompute: block {name} draws random numbers ({r.random}), which a second forward would draw "
+                "differently; set the model's dropout to 0 or plan with --recompute none (recompute='none')"
+            )
+        out.append(r)
+    return out
+
+
+def apply(graph: OpGraph, names: Sequence[str]) -> OpGraph:
+    """`graph` with the blocks `names` recomputed in the backward (module docstring, *The transform*); `graph`
+    itself when `names` is empty. Pure: `graph` is not changed."""
+    if not names:
+        return graph
+    start = backward_start(graph)
+    copy_of: dict[str, str] = {}
+    before: dict[int, list[OpNode]] = {}
+    for region in _check(graph, names):
+        made = {x: x + SUFFIX for x in region.recomputed}
+        first = min(graph[u].index for x in made for u in graph.users[x] if graph[u].index >= start)
+        for x in region.recomputed:
+            n = graph[x]
+            ins = tuple((made.get(s, s), i) for s, i in n.inputs)
+            before.setdefault(first, []).append(dataclasses.replace(n, name=made[x], phase=Phase.BWD, inputs=ins))
+        copy_of.update(made)
+    nodes: list[OpNode] = []
+    for n in graph.nodes:
+        nodes += before.get(n.index, [])
+        if n.phase == Phase.BWD and n.name in copy_of:  # made in the forward for the backward: the copy serves
+            continue
+        ins = tuple((copy_of.get(s, s), i) for s, i in n.inputs) if n.index >= start else n.inputs
+        nodes.append(dataclasses.replace(n, inputs=ins))
+    return _renumbered(graph, nodes, copy_of)
+
+
+def _renumbered(graph: OpGraph, nodes: list[OpNode], copy_of: dict[str, str]) -> OpGraph:
+    """`graph` with `nodes` (copies made, readers redirected) renumbered, the forward values the backward reads
+    marked saved, and each copy in its original's class of identical nodes."""
+    by_name = {n.name: n for n in nodes}
+    for i, n in enumerate(nodes):
+        n.index = i
+        n.saved_for_backward = False
+    for n in nodes:
+        missing = next((s for s, _ in n.inputs if s not in by_name), None)
+        if missing is not None:  # a bug here would run wrong or fail far away: stop where it is seen
+            raise RuntimeError(f"meshpilot internal error: recomputation left {n.name} reading {missing}, now gone")
+        if n.phase == Phase.BWD:
+            for s, _ in n.inputs:
+                if by_name[s].phase == Phase.FWD:
+                    by_name[s].saved_for_backward = True
+    canonical = dict(graph.canonical)
+    for orig, copy in copy_of.items():
+        canonical[copy] = canonical.get(orig, orig)
+    return dataclasses.replace(graph, nodes=nodes, canonical=canonical)
+
+
+def for_plan(graph: OpGraph, plan: StagePlan) -> OpGraph:
+    """The graph `plan` was made for, from the model's capture `graph`: its recomputed blocks applied."""
+    return apply(graph, plan.recompute.regions) if plan.recompute is not None else graph
+
+
+def is_copy(name: str) -> bool:
+    """Whether node `name` is a recomputed copy."""
+    return name.endswith(SUFFIX)
+
+
+# ------------------------------------------------------------------------------------------ the choice
+
+
+def forward_seconds(region: Region, graph: OpGraph, cluster: Any) -> float:
+    """Seconds of `region`'s recomputed forward on one device of `cluster` (each node's roofline, as the cost
+    model prices compute, plus the device's cost per operator)."""
+    from meshpilot.cluster import CostModel, LogicalMesh, mapped_ranks
+    from meshpilot.cluster.mesh import MeshMapping
+
+    one = CostModel(LogicalMesh(cluster, (1, 1), mapped_ranks((1, 1), MeshMapping.ROW)))
+    total = 0.0
+    for x in region.recomputed:
+        n = graph[x]
+        if n.kind != NodeKind.OP or n.is_view:
+            continue
+        dtype = n.out.dtype if n.out is not None else "float32"
+        total += one.compute(n.flops, n.bytes_read + n.bytes_written, dtype) + one.device.op_overhead
+    return total
+
+
+def ordered(graph: OpGraph, cluster: Any) -> list[Region]:
+    """The regions that can be recomputed exactly, most bytes saved per second of forward added first."""
+    usable = [r for r in regions(graph) if r.random is None]
+    rate = {r.name: r.saved_bytes / max(forward_seconds(r, graph, cluster), 1e-12) for r in usable}
+    return sorted(usable, key=lambda r: -rate[r.name])  # sorted is stable: ties keep forward order
+
+
+def fitting_count(graph: OpGraph, order: Sequence[Region], plan: StagePlan, capacity: float) -> int:
+    """The fewest of `order`'s regions whose recomputation makes `plan`'s strategies fit `capacity` (copies
+    taking their original's strategy): the first guess of :func:`choose` (``len(order)`` when none fits)."""
+    from meshpilot.planner.accounting import memory_use, plan_strategies
+
+    chosen = plan_strategies(plan)
+    for k in range(1, len(order) + 1):
+        g = apply(graph, [r.name for r in order[:k]])
+        strategies = {n.name: chosen[n.name.removesuffix(SUFFIX)] for n in g.nodes}
+        if memory_use(g, strategies, plan.mesh_shape).total <= capacity:
+            return k
+    return len(order)
+
+
+PlanFn = Callable[[OpGraph], StagePlan]
+"""Plans one graph (``auto.plan`` with everything but the graph fixed); raises ``PlanError`` when none fits."""
+
+
+def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, plan_fn: PlanFn) -> StagePlan:
+    """The plan of `graph` under `mode` on `cluster` with `capacity` bytes a device (module docstring, *The
+    choice*)."""
+    from meshpilot.planner.ilp import PlanError
+
+    if mode is RecomputeMode.NONE:
+        return plan_fn(graph)
+    if mode is RecomputeMode.FULL:
+        names = [r.name for r in regions(graph)]
+        if not names:
+            raise RecomputeError(
+                "recompute=full: the model has no numbered blocks to recompute; plan with recompute auto or none"
+            )
+        _check(graph, names)
+        return _recorded(plan_fn(apply(graph, names)), graph, names, mode, "asked for (--recompute full)", None)
+    first: StagePlan | None = None
+    error: PlanError | None = None
+    try:
+        first = plan_fn(graph)
+    except PlanError as e:
+        if e.need_bytes is None:
+            raise
+        error = e
+    fits = first is not None and first.memory.total <= capacity * (1 + 1e-9)
+    order = ordered(graph, cluster) if not fits else []  # a plan that fits costs no look at the blocks
+    if not order:
+        if first is not None:
+            return first
+        raise error
+    before = first.memory.total if first is not None else error.need_bytes
+    k = fitting_count(graph, order, first, capacity) if first is not None else 1
+    last: StagePlan | None = None
+    while k <= len(order):
+        names = [r.name for r in order[:k]]
+        try:
+            last = plan_fn(apply(graph, names))
+        except PlanError as e:
+            error, last = e, None
+        if last is not None and last.memory.total <= capacity * (1 + 1e-9):
+            why = f"the plan without it needs {fmt_size(before)} per device, over the {fmt_size(capacity)} cap"
+            return _recorded(last, graph, names, mode, why, before)
+        k += 1
+    if last is not None:
+        return last  # every block recomputed and still over: the plan says so in its warnings
+    raise error
+
+
+def _recorded(
+    plan: StagePlan, graph: OpGraph, names: Sequence[str], mode: RecomputeMode, why: str, before: float | None
+) -> StagePlan:
+    """`plan` (made on the recomputing graph) as the plan of the captured `graph`: its fingerprint and FLOPs
+    (the model's, not counting the copies: MFU counts model FLOPs), with the choice recorded."""
+    copies = {n.name for n in plan.nodes if is_copy(n.name)}
+    m = plan.step_schedule().microbatches
+    extra = m * sum(n.seconds for n in plan.nodes if n.name in copies)
+    extra += sum(c.seconds * m for c in plan.collectives if c.dst in copies)  # what a copy reads: new
+    choice = RecomputeChoice(
+        mode=mode.value,
+        regions=tuple(names),
+        reason=why,
+        memory_before=float(before) if before is not None else 0.0,
+        memory_after=plan.memory.total,
+        extra_s=extra,
+    )
+    flops = m * sum(n.flops for n in graph.nodes if n.kind == NodeKind.OP)
+    return dataclasses.replace(plan, fingerprint=graph.fingerprint(), step_flops=flops, recompute=choice)
+
+
+__all__ = [
+    "SUFFIX",
+    "RecomputeError",
+    "RecomputeMode",
+    "Region",
+    "apply",
+    "choose",
+    "for_plan",
+    "is_copy",
+    "ordered",
+    "regions",
+]

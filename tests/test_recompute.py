@@ -1,0 +1,219 @@
+"""Activation recomputation as a planned choice (``meshpilot.planner.recompute``).
+
+Pure: the regions of a GPT, the transform (copies in the backward, tied to their originals' strategies, the
+interior no longer saved), the refusal of a block that draws random numbers, the plan's record and its JSON.
+On 4 gloo ranks (one spawn): a GPT and a tiny Llama planned under a memory cap that forces recomputation train
+equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps), issue the plan's collectives,
+and hold less memory than the same mesh without recomputation, measured (``cluster.memtrack``) and predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from dist_utils import lockstep_adamw, run_distributed
+
+from meshpilot.graph.capture import Phase, capture
+from meshpilot.models.sources import build_model, hf_model
+from meshpilot.planner import recompute as rc
+from meshpilot.planner.accounting import memory_use
+from meshpilot.planner.auto import plan
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.plan import Plan, StagePlan
+from meshpilot.planner.validate import validate
+
+CLUSTER = "alpa-p3x8"
+MESH = (2, 2)
+STEPS = 3
+LLAMA = dict(
+    num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, use_cache=False,
+)  # fmt: skip
+
+
+def _gpt(device: str = "meta"):
+    torch.manual_seed(0)  # every build the same weights: the reference, the parallel copy, every rank
+    b = build_model("gpt-tiny", layers=4, batch=8, seq=512, device=device)
+    return b.model, tuple(b.inputs)
+
+
+def _llama(device: str = "meta"):
+    torch.manual_seed(0)
+    model = hf_model("llama", dict(LLAMA))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA["vocab_size"], (4, 256), generator=g)
+    return model.to(device) if device != "meta" else model, (
+        ids,
+        torch.randint(0, LLAMA["vocab_size"], (4, 256), generator=g),
+    )
+
+
+BUILD = {"gpt": _gpt, "llama": _llama}
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return capture(*_gpt())
+
+
+def test_regions_are_the_blocks_and_the_transform_keeps_only_their_inputs(gpt_graph):
+    g = gpt_graph
+    regs = rc.regions(g)
+    assert [r.name for r in regs] == [f"blocks.{i}" for i in range(4)]
+    assert all(r.saved_bytes > 0 and r.flops > 0 and r.random is None for r in regs)
+    g2 = rc.apply(g, ["blocks.1"])
+    copies = [n for n in g2.nodes if rc.is_copy(n.name)]
+    assert len(copies) == len(regs[1].recomputed) and all(n.phase == Phase.BWD for n in copies)
+    for c in copies:  # each copy is in its original's class: the ILP gives it the original's strategy
+        orig = c.name.removesuffix(rc.SUFFIX)
+        assert g2.canonical[c.name] == g.canonical.get(orig, orig)
+    # the block's interior is no longer kept for the backward; a block left alone keeps its own
+    saved = {n.name for n in g2.nodes if n.saved_for_backward}
+    assert not saved & set(regs[1].recomputed)
+    assert saved & set(regs[2].recomputed)
+    # every backward reader of an interior value reads a copy made before it
+    pos = {n.name: n.index for n in g2.nodes}
+    for n in g2.nodes:
+        for s, _ in n.inputs:
+            assert pos[s] < n.index
+    assert memory_use(rc.apply(g, [r.name for r in regs])).total < memory_use(g).total
+    assert g2.fingerprint() != g.fingerprint() and rc.apply(g, []) is g
+
+
+def test_a_block_that_draws_random_numbers_is_refused_in_one_line():
+    torch.manual_seed(0)
+    model = hf_model("gpt2", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))
+    ids = torch.randint(0, 64, (2, 16))
+    g = capture(model, (ids, ids))
+    regs = rc.regions(g)
+    assert regs and all(r.random is not None for r in regs)
+    with pytest.raises(rc.RecomputeError, match=r"draws random numbers .*dropout to 0") as e:
+        rc.apply(g, [regs[0].name])
+    assert "\n" not in str(e.value)
+    with pytest.raises(rc.RecomputeError, match="no block 'blocks.9'"):
+        rc.apply(g, ["blocks.9"])
+    assert rc.ordered(g, __import__("meshpilot").cluster.load_cluster(CLUSTER)) == []
+
+
+def _capped(name: str) -> dict:
+    """Plans of model `name` on MESH: without recomputation, and under a cap half way to full recomputation."""
+    model, inputs = BUILD[name]()
+    graph = capture(model, inputs)
+    kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",))
+    none = plan(model, inputs, CLUSTER, recompute="none", **kw)
+    full = plan(model, inputs, CLUSTER, recompute="full", **kw)
+    cap = (none.memory.total + full.memory.total) / 2
+    try:
+        over = plan(model, inputs, CLUSTER, recompute="none", memory_bytes=cap, **kw)
+        assert over.memory.total > cap  # without recomputation nothing fits the cap
+    except PlanError:
+        pass
+    auto = plan(model, inputs, CLUSTER, memory_bytes=cap, **kw)
+    return dict(none=none, full=full, auto=auto, cap=cap, graph=graph)
+
+
+@pytest.fixture(scope="module")
+def capped():
+    return {name: _capped(name) for name in BUILD}
+
+
+def test_auto_recomputes_only_what_the_cap_needs_and_records_why(capped):
+    for name, c in capped.items():
+        auto, none, full = c["auto"], c["none"], c["full"]
+        assert none.recompute is None and full.recompute.mode == "full"
+        r = auto.recompute
+        assert r is not None and r.mode == "auto" and r.regions, name
+        assert auto.memory.total <= c["cap"] < r.memory_before, name
+        assert r.memory_after == auto.memory.total and r.extra_s > 0
+        assert sum(n.seconds for n in auto.nodes if rc.is_copy(n.name)) > 0  # the second forward is priced
+        by_name = {n.name: n for n in auto.nodes}
+        for n in auto.nodes:  # a copy runs as its original does (a TP block re-issues its collectives)
+            orig = by_name.get(n.name.removesuffix(rc.SUFFIX))  # None: made in the forward for the backward only
+            if rc.is_copy(n.name) and orig is not None:
+                assert (n.ins, n.outs, n.source, n.phase) == (orig.ins, orig.outs, orig.source, "bwd"), n.name
+        assert full.time.compute_s > none.time.compute_s
+        assert auto.fingerprint == none.fingerprint  # the plan is of the model as captured
+        assert "recompute" in auto.summary() and r.regions[0] in auto.summary()
+        back = StagePlan.from_json(auto.to_json())
+        assert back.recompute == r and back.nodes == auto.nodes
+        bad = dataclasses.replace(auto, recompute=dataclasses.replace(r, regions=("blocks.9",)))
+        with pytest.raises(rc.RecomputeError, match="no block 'blocks.9'"):
+            validate(Plan.single(bad), graph=c["graph"])
+    # an older file (no recompute field) still loads, as a plan without recomputation
+    d = json.loads(capped["gpt"]["none"].to_json())
+    for st in d["stages"]:
+        st["plan"].pop("recompute", None)
+    assert StagePlan.from_json(json.dumps(d)).recompute is None
+
+
+# ------------------------------------------------------------------------------------------- 4 ranks
+
+
+def _step_peak(name: str, plan_json: str) -> int:
+    """Bytes of storage one forward + backward of the parallelized model holds at its peak on this rank."""
+    from meshpilot.cluster.memtrack import StorageTracker
+    from meshpilot.runtime.spmd import parallelize
+
+    model, inputs = BUILD[name]("cpu")
+    pm = parallelize(model, StagePlan.from_json(plan_json))
+    pm(*inputs).backward()  # the first step records the programs; the second is measured
+    for p in pm.parameters():
+        p.grad = None
+    with StorageTracker(existing=[*pm.parameters(), *inputs]) as t:
+        pm(*inputs).backward()
+    return t.peak
+
+
+def _worker(jobs: dict) -> dict:
+    from meshpilot.runtime.spmd import parallelize
+
+    out = {}
+    for name, (auto_json, none_json) in jobs.items():
+        ref, inputs = BUILD[name]("cpu")
+        model, _ = BUILD[name]("cpu")
+        plan_ = StagePlan.from_json(auto_json)
+        pm = parallelize(model, plan_)
+        res = lockstep_adamw(ref, pm, inputs, STEPS)
+        planned = plan_.collective_counts(backend="gloo")
+        res["counts_equal"] = [c == planned for c in res["counts"]]
+        res["peak_auto"] = _step_peak(name, auto_json)
+        res["peak_none"] = _step_peak(name, none_json)
+        out[name] = res
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_recomputing_plans_train_equal_to_one_device_on_4_ranks(capped):
+    jobs = {name: (c["auto"].to_json(), c["none"].to_json()) for name, c in capped.items()}
+    per_rank = run_distributed(_worker, 4, jobs, timeout=1200)
+    for name, c in capped.items():
+        predicted = c["none"].memory.total - c["auto"].memory.total
+        for rank, r in enumerate(per_rank):
+            got = r[name]
+            assert max(got["loss"]) < 1e-5 and max(got["grad"]) < 1e-5, (name, rank, got["loss"], got["grad"])
+            assert all(got["counts_equal"]), (name, rank, got["counts"][0])
+            measured = got["peak_none"] - got["peak_auto"]
+            assert measured > 0 and predicted > 0, (name, rank, measured, predicted)
+        print(
+            f"\n{name}: recompute {c['auto'].recompute.regions}; predicted peak {c['none'].memory.total / 2**20:.2f}"
+            f" -> {c['auto'].memory.total / 2**20:.2f} MiB; measured fwd+bwd peak on rank 0 "
+            f"{per_rank[0][name]['peak_none'] / 2**20:.2f} -> {per_rank[0][name]['peak_auto'] / 2**20:.2f} MiB"
+        )
+
+
+def test_plan_cli_says_which_blocks_recompute_and_why(capsys, tmp_path):
+    from meshpilot.cli.main import main
+
+    gpt = ["plan", "-m", "gpt-tiny", "--layers", "4", "--batch", "8", "--seq", "512", "-c", CLUSTER, "-n", "4"]
+    out = tmp_path / "p.json"
+    assert main([*gpt, "--mesh", "4x1", "--memory-gib", "0.0075", "--ops", "none", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "recompute: blocks.0 (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
+    assert StagePlan.from_json(out.read_text()).recompute.regions == ("blocks.0",)
+    assert main([*gpt, "--pipeline", "--recompute", "full"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--recompute full" in err and "--stages 1" in err
