@@ -211,7 +211,15 @@ def tiny_plan():
     return meshpilot.plan(built.model, built.inputs, "atp-ic3", num_devices=4).only
 
 
+def _unbucketed(plan):
+    """`plan` without its gradient buckets: one collective per gradient at ``G``, nothing hidden."""
+    return dataclasses.replace(plan, grad_buckets=(), time=dataclasses.replace(plan.time, hidden_s=0.0))
+
+
 def test_trivial_schedule_equals_the_closed_form(tiny_plan):
+    """Without buckets nothing overlaps in the trivial step: the serial closed form. (With them: the
+    buckets' own tests, ``test_sim_buckets``.)"""
+    tiny_plan = _unbucketed(tiny_plan)
     r = simulate(tiny_plan)
     assert r.step_s == pytest.approx(tiny_plan.time.total_s, rel=REL)
     (c,) = r.classes
@@ -226,6 +234,7 @@ def test_trivial_schedule_equals_the_closed_form(tiny_plan):
 
 
 def test_overlapped_and_accumulated_schedules(tiny_plan):
+    tiny_plan = _unbucketed(tiny_plan)
     trivial = simulate(tiny_plan)
     over = simulate(tiny_plan, schedule=overlapped(tiny_plan))
     assert over.step_s <= trivial.step_s * (1 + REL)
@@ -235,6 +244,47 @@ def test_overlapped_and_accumulated_schedules(tiny_plan):
     acc = simulate(tiny_plan, schedule=accumulate(4, 2))
     grads = sum(c.seconds for c in tiny_plan.collectives if c.dst.startswith("grad:"))
     assert acc.step_s == pytest.approx(2 * trivial.step_s - grads - tiny_plan.time.optimizer_s, rel=REL)
+
+
+def test_a_data_parallel_plans_buckets_priced_as_simulated():
+    """A forced data-parallel GPT (no collective in its backward beside a bucket: the loss' token count is
+    all-reduced before the first bucket is issued): its planner's buckets run
+    behind the backward, and the planner's predicted step (``StepTime.overlapped_s``) is the simulated step;
+    with two microbatches ``G`` synchronises them: the closed form of the unbucketed plan, less the
+    per-gradient collectives, plus the buckets' span at ``G`` (``bucket_overlap`` with nothing to hide
+    behind)."""
+    import meshpilot
+    from meshpilot.cli.plan import build_model
+    from meshpilot.planner.buckets import bucket_overlap, grad_producers
+    from meshpilot.planner.forced import data_parallel
+
+    built = build_model("gpt-tiny", device="meta")
+    force = data_parallel(built.model, built.inputs, (4, 1))
+    plan = meshpilot.plan(built.model, built.inputs, "atp-ic3", mesh_shape=(4, 1), force=force).only
+    assert plan.grad_buckets and plan.time.hidden_s > 0
+    at = {n.name: i for i, n in enumerate(plan.nodes)}
+    first = min(at[grad_producers(plan)[p]] for b in plan.grad_buckets for p in b.params)
+    assert all(at[c.dst] < first for c in plan.collectives if c.phase == "bwd" and not c.dst.startswith("grad:"))
+    r = simulate(plan)
+    assert r.step_s == pytest.approx(plan.time.overlapped_s, rel=REL)
+    assert meshpilot.Plan.single(plan).step_s == plan.time.overlapped_s
+    acc = simulate(plan, schedule=accumulate(4, 2))
+    plain = simulate(_unbucketed(plan), schedule=accumulate(4, 2))
+    at_g = bucket_overlap(plan, plan.grad_buckets, _cost_of(plan), in_backward=False).exposed_s
+    grads = sum(c.seconds for c in plan.collectives if c.dst.startswith("grad:"))
+    assert at_g < grads  # fewer latencies
+    assert acc.step_s == pytest.approx(plain.step_s - grads + at_g, rel=REL)
+
+
+def _cost_of(plan):
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+
+    return CostModel(
+        LogicalMesh(
+            load_cluster(plan.cluster), tuple(plan.mesh_shape), np.asarray(plan.mesh_ranks).reshape(plan.mesh_shape)
+        )
+    )
 
 
 def test_duplex_overlap_ratio(tiny_plan, tmp_path):

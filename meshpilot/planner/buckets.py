@@ -27,26 +27,44 @@ never hidden, and a bucket's collective cannot start before its last gradient. S
 25 MiB default is the top). On this repository's 4 gloo ranks over loopback (alpha 125 us, B' 0.25 GB/s) that
 is about 1.1 MB.
 
-**Overlap (pricing).** With one microbatch the buckets run on one communication stream during the backward:
-bucket ``k`` starts at ``s_k = max(r_k, e_{k-1})`` where ``r_k`` is the moment its last gradient is produced
-(the backward's node seconds and non-gradient collectives, in graph order, up to that node) and ends at
-``e_k = s_k + T_k``. What the step still waits for is ``max(0, e_last - t_backward)``; the rest of ``sum T_k``
-is hidden: :attr:`BucketOverlap.hidden_s`, kept in the plan as ``StepTime.hidden_s`` (``StepTime.overlapped_s``
-is the predicted step with it; ``StepTime.total_s`` stays the serial step the searchers minimise, which do not
-see buckets yet). With several microbatches the buckets are synchronised once after
-the last backward (nothing hidden; fewer latencies only).
+**Overlap (pricing).** Where a step runs the backward once (:func:`backward_issues_buckets`: one microbatch,
+no ``I``/``W`` split) the backward issues bucket ``k`` the moment its last gradient exists and waits for every
+bucket at its end (``meshpilot.runtime.program``); elsewhere ``G`` issues them all after the last backward and
+waits for them. :func:`bucket_overlap` prices that with the simulator's model of a collective (``meshpilot.sim``):
+a latency ``L_k`` off the link, then a bandwidth part ``W_k`` on it (:func:`latency_work`), each progressing
+``f_k`` times slower while the rank computes (``CostModel.busy_factor``; 1 on GPUs). With ``r_k`` the moment
+bucket ``k``'s last gradient is ready (the backward's node seconds and its other collectives, in the order the
+simulator runs them: :func:`_backward`), ``adv(t, x)`` the time ``x`` alone-seconds started at ``t`` end (rate
+``1/f_k`` inside the backward's compute spans, 1 outside: :func:`_progress`) and ``e`` the last end on the
+bucket's mesh axis so far, each axis serving its buckets in the order their latencies end (``a_k``),
+
+    a_k = adv(r_k, L_k),    e_k = adv(max(a_k, e), W_k)       (at ``G``: r_k = 0, no compute spans)
+
+and the step waits ``max(0, max_k e_k - t_backward)`` after the backward (at ``G``: ``max_k e_k``). The links
+serve the buckets one after the other here where the simulator shares a link among concurrent ones; both
+finish the last at the same moment (a work-conserving link) while every bucket's busy factor is the same, and
+the buckets are the only transfers on the link — so this equals the simulated step of a plan whose backward
+issues no collective of its own (data parallel) on GPUs exactly (``tests/test_sim.py``); a backward with
+collectives of its own (tensor parallelism, ZeRO-3's gathers) shares the link with them in the simulator,
+not here. The rest of the per-gradient collectives'
+``sum T`` is hidden: :attr:`BucketOverlap.hidden_s`, kept in the plan as ``StepTime.hidden_s`` (the predicted
+step is ``StepTime.overlapped_s``, which the mesh search compares: :func:`choice_hidden_s`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from meshpilot.graph.capture import OpGraph, Phase
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase
+from meshpilot.ops import leading_collectives
+from meshpilot.planner.schedule import ActionKind
 from meshpilot.sharding.placements import from_json
 from meshpilot.sharding.reshard import CollectiveKind
 
@@ -63,8 +81,8 @@ class GradBucket:
 
     params: tuple[str, ...]
     """Parameter names, in the order the backward produces their gradients."""
-    kind: str
-    """``all_reduce`` or ``reduce_scatter`` (a ``CollectiveKind`` value)."""
+    kind: CollectiveKind
+    """``ALL_REDUCE`` or ``REDUCE_SCATTER`` (stored in plan files as its value)."""
     axis: int
     """The mesh axis it runs over."""
     nbytes: int
@@ -166,8 +184,7 @@ def plan_buckets(graph: OpGraph, plan: Any, cost: Any, size: int | None = None) 
     done.sort(key=lambda x: x[0])
     out = []
     for _, (kind, axis, _), (params, nbytes) in done:
-        sec = cost.all_reduce(nbytes, axis) if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter(nbytes, axis)
-        out.append(GradBucket(tuple(params), str(kind), axis, nbytes, sec))
+        out.append(GradBucket(tuple(params), kind, axis, nbytes, bucket_fn(cost, kind)(nbytes, axis)))
     return tuple(out)
 
 
@@ -180,7 +197,7 @@ class BucketOverlap:
     replaced_s: float
     """The per-gradient collectives they replace (what the serial step priced)."""
     exposed_s: float
-    """What the step still waits for after the backward."""
+    """What the step still waits for after the backward (or, synchronised at ``G``, the buckets' span there)."""
 
     @property
     def hidden_s(self) -> float:
@@ -188,53 +205,187 @@ class BucketOverlap:
         return self.replaced_s - self.exposed_s
 
 
-def bucket_overlap(plan: Any, graph: OpGraph, buckets: Sequence[GradBucket], microbatches: int = 1) -> BucketOverlap:
-    """Price `buckets` in `plan`'s step (module docstring, *Overlap*)."""
-    bucketed = {p for b in buckets for p in b.params}
-    replaced = sum(c.seconds for c in plan.collectives if c.dst.startswith("grad:") and c.dst[5:] in bucketed)
-    total = sum(b.seconds for b in buckets)
-    if microbatches > 1 or not buckets:
-        return BucketOverlap(total, replaced, total)
-    before: dict[str, float] = {}
+def backward_issues_buckets(schedule: Any) -> bool:
+    """Whether a step of `schedule` runs a stage's backward program exactly once (one microbatch, the backward
+    not cut into ``I`` and ``W``), so the backward issues each bucket right after its last gradient; otherwise
+    ``G`` issues every bucket after the last backward. ``meshpilot.runtime.program`` decides by this rule, and
+    the pricing here and the simulator follow it."""
+    if schedule is None or schedule.microbatches != 1:
+        return False
+    split = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    return not any(a.kind in split for c in schedule.classes for a in c.actions)
+
+
+def latency_work(cost_fn: Callable[[float, int], float], nbytes: float, axis: int) -> tuple[float, float]:
+    """(latency ``L``, bandwidth part ``W``) of a collective whose time is ``cost_fn(nbytes, axis)``: ``L = 2 t(M)
+    - t(2M)`` clamped to ``[0, t]`` (exact while one algorithm wins at M and 2M), ``W = t - L``. The one split
+    of the simulator (``meshpilot.sim``, *Durations*) and of this module's pricing."""
+    t, t2 = cost_fn(nbytes, axis), cost_fn(2 * nbytes, axis)
+    lat = min(max(2 * t - t2, 0.0), t)
+    return lat, t - lat
+
+
+def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
+    """The cost model's function of a bucket's collective."""
+    return cost.all_reduce if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """One microbatch's backward as the step runs it: when each node's outputs are ready, the compute stream's
+    busy spans, and when its last op (and the collectives after it) ends; times from the backward's start."""
+
+    ready: dict[str, float]
+    spans: tuple[tuple[float, float], ...]
+    end_s: float
+
+
+def _backward(plan: Any) -> _Backward:
+    """Walk `plan`'s backward nodes in order as the simulator lowers them: each node's incoming collectives
+    (and the first ``OwnOp.leading`` of its own) block before it, the rest of its own after it, the backward's
+    other collectives after its last node; the gradients' (``grad:``) are not in it."""
+    pre: dict[str, float] = {}
+    post: dict[str, float] = {}
+    tail = 0.0
+    own: dict[str, int] = {}
+    names = {n.name: n for n in plan.nodes}
     for c in plan.collectives:
-        if c.phase == Phase.BWD.value and not c.dst.startswith("grad:"):
-            before[c.dst] = before.get(c.dst, 0.0) + c.seconds
-    t, ready = 0.0, {}
+        if c.phase != Phase.BWD.value or c.dst.startswith("grad:"):
+            continue
+        if c.dst not in names:
+            tail += c.seconds
+        elif c.src == c.dst:
+            k = own[c.dst] = own.get(c.dst, -1) + 1
+            side = pre if k < leading_collectives(names[c.dst].target) else post
+            side[c.dst] = side.get(c.dst, 0.0) + c.seconds
+        else:
+            pre[c.dst] = pre.get(c.dst, 0.0) + c.seconds
+    t, ready, spans = 0.0, {}, []
     for n in plan.nodes:
         if n.phase != Phase.BWD.value:
             continue
-        t += n.seconds + before.get(n.name, 0.0)
+        t += pre.get(n.name, 0.0)
+        if n.seconds > 0:
+            if spans and spans[-1][1] == t:
+                spans[-1] = (spans[-1][0], t + n.seconds)
+            else:
+                spans.append((t, t + n.seconds))
+            t += n.seconds
         ready[n.name] = t
-    producer = {fqn: g[0] for fqn, g in graph.grads.items() if g is not None}
-    end = 0.0
+        t += post.get(n.name, 0.0)
+    return _Backward(ready, tuple(spans), t + tail)
+
+
+def _progress(start: float, amount: float, spans: Sequence[tuple[float, float]], slow: float) -> float:
+    """When `amount` seconds of a transfer's alone-time are done, started at `start`, progressing at rate
+    ``1/slow`` inside the compute stream's busy `spans` (sorted, disjoint) and at rate 1 outside them."""
+    t, left = start, amount
+    for a, b in spans[max(0, bisect.bisect_right(spans, (t, math.inf)) - 1) :]:
+        if b <= t:
+            continue
+        if a > t:
+            if left <= a - t:
+                return t + left
+            left -= a - t
+            t = a
+        if left * slow <= b - t:
+            return t + left * slow
+        left -= (b - t) / slow
+        t = b
+    return t + left
+
+
+def grad_producers(plan: Any) -> dict[str, str]:
+    """Parameter name -> the node whose output is its gradient (the ``src`` of its ``grad:`` collectives)."""
+    return {c.dst[5:]: c.src for c in plan.collectives if c.dst.startswith("grad:")}
+
+
+def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backward: bool) -> BucketOverlap:
+    """Price `buckets` in `plan`'s step on the cost model `cost` (module docstring, *Overlap*): issued by the
+    backward (`in_backward`) or all at ``G``."""
+    bucketed = {p for b in buckets for p in b.params}
+    replaced = sum(c.seconds for c in plan.collectives if c.dst.startswith("grad:") and c.dst[5:] in bucketed)
+    total = sum(b.seconds for b in buckets)
+    if not buckets:
+        return BucketOverlap(0.0, replaced, 0.0)
+    if in_backward:
+        bwd, producer = _backward(plan), grad_producers(plan)
+    else:
+        bwd, producer = _Backward({}, (), 0.0), {}
+    arrivals = []  # (when its latency is over, mesh axis, bandwidth part, busy factor)
     for b in buckets:
-        start = max(ready.get(producer[b.params[-1]], 0.0) if b.params else 0.0, end)
-        end = start + b.seconds
-    return BucketOverlap(total, replaced, min(total, max(0.0, end - t)))
+        lat, work = latency_work(bucket_fn(cost, b.kind), b.nbytes, b.axis)
+        slow = cost.busy_factor(b.nbytes, b.axis)
+        issued = bwd.ready.get(producer.get(b.params[-1], ""), 0.0) if b.params else 0.0
+        arrivals.append((_progress(issued, lat, bwd.spans, slow), b.axis, work, slow))
+    free: dict[int, float] = {}
+    last = bwd.end_s
+    for arrived, axis, work, slow in sorted(arrivals):  # each link serves them in the order they arrive
+        free[axis] = _progress(max(arrived, free.get(axis, 0.0)), work, bwd.spans, slow)
+        last = max(last, free[axis])
+    return BucketOverlap(total, replaced, last - bwd.end_s)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A searcher's choice read as the parts of a ``StagePlan`` that :func:`plan_buckets` and
+    :func:`bucket_overlap` read: nodes (name, target, phase, seconds, output layouts), the parameters'
+    layouts, the accounting's collectives."""
+
+    mesh_shape: tuple[int, ...]
+    nodes: tuple[Any, ...]
+    collectives: tuple[Any, ...]
+    layouts: dict[str, Any]
+    _index: dict[str, Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+
+    def node(self, name: str) -> Any:
+        return self._index[name]
+
+    def param_layout(self, fqn: str) -> Any:
+        return self.layouts[fqn]
+
+
+def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, microbatches: int, edges: Any) -> float:
+    """``StepTime.hidden_s`` of the plan the strategies `chosen` (by node) make on `resharder`'s mesh: its
+    buckets (:func:`plan_buckets`) priced as the runtime runs them (:func:`bucket_overlap`; one microbatch: in
+    the backward). The mesh search subtracts it from a candidate's serial step, so shapes and mappings are
+    compared by the step they run (``planner.auto``)."""
+    from meshpilot.planner.accounting import ComputeCost, account
+    from meshpilot.planner.plan import NodeChoice
+    from meshpilot.sharding.placements import to_json
+
+    cost = resharder.cost_model
+    shape = tuple(resharder.mesh_shape)
+    acct = account(graph, chosen, resharder, ComputeCost(cost, shape, graph), microbatches, edges)
+    nodes = []
+    for n in graph.nodes:
+        outs = tuple(tuple(to_json(p)) if p is not None else None for p in chosen[n.name].outs)
+        nodes.append(NodeChoice(n.name, n.target, n.kind, (), outs, "", n.phase, acct.node_seconds[n.name]))
+    layouts = {n.fqn: chosen[n.name].outs[0] for n in graph.nodes if n.kind == NodeKind.PARAM}
+    view = _Choice(shape, tuple(nodes), tuple(acct.collectives), layouts)
+    buckets = plan_buckets(graph, view, cost)
+    return bucket_overlap(view, buckets, cost, microbatches == 1).hidden_s
 
 
 def with_buckets(plan: Any, graph: OpGraph, cost: Any, size: int | None = None) -> Any:
     """`plan` (a ``StagePlan`` of `graph`) with its gradient buckets (:func:`plan_buckets` on the cost model
     `cost`) and their overlap priced into its time (``StepTime.hidden_s``)."""
-    return _priced(plan, graph, plan_buckets(graph, plan, cost, size))
+    return _priced(plan, plan_buckets(graph, plan, cost, size), cost)
 
 
-def repriced_buckets(plan: Any, graph: OpGraph, cost: Any) -> Any:
+def repriced_buckets(plan: Any, cost: Any) -> Any:
     """`plan`'s buckets (the same gradients) priced on the cost model `cost` (``accounting.reprice``)."""
     buckets = tuple(
-        dataclasses.replace(
-            b,
-            seconds=cost.all_reduce(b.nbytes, b.axis)
-            if b.kind == CollectiveKind.ALL_REDUCE
-            else cost.reduce_scatter(b.nbytes, b.axis),
-        )
-        for b in plan.grad_buckets
+        dataclasses.replace(b, seconds=bucket_fn(cost, b.kind)(b.nbytes, b.axis)) for b in plan.grad_buckets
     )
-    return _priced(plan, graph, buckets)
+    return _priced(plan, buckets, cost)
 
 
-def _priced(plan: Any, graph: OpGraph, buckets: tuple[GradBucket, ...]) -> Any:
-    priced = bucket_overlap(plan, graph, buckets, plan.step_schedule().microbatches)
+def _priced(plan: Any, buckets: tuple[GradBucket, ...], cost: Any) -> Any:
+    priced = bucket_overlap(plan, buckets, cost, backward_issues_buckets(plan.step_schedule()))
     time = dataclasses.replace(plan.time, hidden_s=priced.hidden_s)
     return dataclasses.replace(plan, grad_buckets=buckets, time=time)
 
@@ -244,8 +395,13 @@ __all__ = [
     "BucketOverlap",
     "GradBucket",
     "GradMove",
+    "backward_issues_buckets",
     "bucket_bytes",
+    "bucket_fn",
     "bucket_overlap",
+    "choice_hidden_s",
+    "grad_producers",
+    "latency_work",
     "grad_move",
     "plan_buckets",
     "repriced_buckets",

@@ -21,6 +21,12 @@ op (the first ``OwnOp.leading`` of them before it: an expert-parallel MoE's coun
 those a stage early and waits for its combine a stage late, so the other microbatch computes beside them),
 the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step,
 followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
+*Gradient buckets* (``StagePlan.grad_buckets``, ``meshpilot.planner.buckets``) replace their gradients'
+``grad:`` collectives and run as the runtime runs them: where a step runs the backward once
+(``buckets.backward_issues_buckets``: one microbatch, no ``I``/``W`` split) the backward issues bucket ``k``
+right after the node that produces its last gradient (the ``src`` of that gradient's ``grad:`` collective) and
+waits for every bucket at its end, so they run beside the rest of the backward; otherwise ``G`` issues all of
+them, then waits for them, before the other gradients' collectives (:meth:`_Lowering._buckets`).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.
 
@@ -28,7 +34,8 @@ followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
 ``meshpilot.cluster.cost``: the fastest algorithm, already counting every group of the axis running at once,
 ATP Eq. 3). It splits into a latency part ``L`` and a bandwidth part ``W = t - L``, read off the cost model
 itself as ``L = 2 t(M) - t(2M)`` (exact while one algorithm wins at M and 2M; clamped to ``[0, t]``) in
-:meth:`_Lowering.duration`. A send takes ``CostModel.send_recv_ranks``.
+:meth:`_Lowering.duration` (``planner.buckets.latency_work``, the split the planner's bucket pricing uses
+too). A send takes ``CostModel.send_recv_ranks``.
 
 *Links, processor sharing.* A transfer occupies the link of the outermost layer its group crosses
 (:meth:`_Lowering.layer_of`), per rank: ``(sim rank, layer)`` in :class:`_Link`. After ``L`` it joins the
