@@ -5,7 +5,8 @@ On an emulated 2 nodes x 4 ranks cluster (``meshpilot emulate``, root needed):
 1. plans: one GPT is planned several ways on the cluster file (--cluster): the solver's free choice, the
    solver on fixed meshes, forced data parallelism, ZeRO-3 and Megatron TP (``meshpilot.planner.forced``),
    some of them also with the ``overlap=True`` schedule. Each plan is saved to --out-dir/plans/, with its
-   closed-form step (``plan.time.total_s``) and its simulated step (``meshpilot.sim.simulate``) on the file;
+   closed-form step (``plan.time.overlapped_s``; serial: ``total_s``) and its simulated step
+   (``meshpilot.sim.simulate``) on the file;
 2. measure: ``benchmarks/fidelity_step_worker.py`` runs under ``emulate`` (8 ranks) and times the training
    step (forward + backward + AdamW) of every plan, round-robin, median over rounds of the slowest rank;
 3. calibrate: ``meshpilot probe`` runs under ``emulate`` on the same cluster (as ``bench_atp_emulated.py``
@@ -200,7 +201,8 @@ def make_plans(specs: Sequence[PlanSpec], cfg: dict, cluster: Any, folder: Path,
         out[spec.name] = (p, path)
         log(
             f"plan {spec.name}: mesh {p.mesh_shape} {p.mapping}, {len(p.collectives)} collectives, "
-            f"{len(p.zero)} ZeRO switches, closed form {p.time.total_s * 1e3:.1f} ms "
+            f"{len(p.zero)} ZeRO switches, {len(p.grad_buckets)} gradient buckets, closed form "
+            f"{p.time.overlapped_s * 1e3:.1f} ms (serial {p.time.total_s * 1e3:.1f}) "
             f"({time.perf_counter() - t0:.1f} s)"
         )
     return {"graph": graph, "plans": out}
@@ -246,16 +248,24 @@ def probe_cluster(cluster_file: Path, gemms: Path, out_dir: Path, args: argparse
 
 
 def predict(plans: dict, graph: Any, cluster: Any) -> dict:
-    """Closed-form and simulated step (and the closed form's split) of every plan, re-priced on `cluster`."""
+    """Closed-form and simulated step (and the closed form's split) of every plan, re-priced on `cluster`: as
+    the planner and simulator price it now (gradient buckets overlapped where the runtime overlaps them:
+    ``StepTime.overlapped_s``, ``meshpilot.sim``) and as they priced it before they priced the buckets
+    (``serial``: ``StepTime.total_s``, every collective exposed; the plan simulated without its buckets, one
+    collective per gradient at ``G``, which is what the simulator did with a bucketed plan then)."""
     from meshpilot.sim import simulate
 
     out = {}
     for name, (p, _) in plans.items():
         q = reprice(p, graph, cluster)
         sim = simulate(q, cluster=cluster)
+        unbucketed = dataclasses.replace(q, grad_buckets=(), time=dataclasses.replace(q.time, hidden_s=0.0))
         c = sim.classes[0]
         out[name] = {
-            "closed_s": q.time.total_s,
+            "closed_s": q.time.overlapped_s,
+            "closed_serial_s": q.time.total_s,
+            "sim_serial_s": simulate(unbucketed, cluster=cluster).step_s,
+            "buckets": len(q.grad_buckets),
             "compute_s": q.time.compute_s,
             "communication_s": q.time.communication_s,
             "resharding_s": q.time.resharding_s,
@@ -332,6 +342,8 @@ PREDICTORS = (
     ("sim_file", "simulated (file)"),
     ("closed_probed", "closed-form (probed)"),
     ("sim_probed", "simulated (probed)"),
+    ("closed_probed_serial", "closed-form (probed), buckets not priced"),
+    ("sim_probed_serial", "simulated (probed), buckets not priced"),
 )
 
 
@@ -360,6 +372,7 @@ def rows(
             "plan": str(path),
             "collectives": len(p.collectives),
             "zero_switches": len(p.zero),
+            "buckets": pred_file[s.name]["buckets"],
             "closed_file": pred_file[s.name]["closed_s"],
             "sim_file": pred_file[s.name]["sim_s"],
             "file": pred_file[s.name],
@@ -368,6 +381,8 @@ def rows(
             r |= {
                 "closed_probed": pred_probed[s.name]["closed_s"],
                 "sim_probed": pred_probed[s.name]["sim_s"],
+                "closed_probed_serial": pred_probed[s.name]["closed_serial_s"],
+                "sim_probed_serial": pred_probed[s.name]["sim_serial_s"],
                 "probed": pred_probed[s.name],
             }
         if s.name in meas:
@@ -487,9 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     made = make_plans(specs, cfg, cluster, args.out_dir / "plans", log=console.print)
     graph, plans = made["graph"], made["plans"]
     for name, (p, _) in plans.items():
-        again = reprice(p, graph, cluster).time.total_s
-        if not math.isclose(again, p.time.total_s, rel_tol=1e-9):
-            raise SystemExit(f"re-pricing {name} on its own cluster gives {again} s, not {p.time.total_s} s")
+        again = reprice(p, graph, cluster).time.overlapped_s
+        if not math.isclose(again, p.time.overlapped_s, rel_tol=1e-9):
+            raise SystemExit(f"re-pricing {name} on its own cluster gives {again} s, not {p.time.overlapped_s} s")
     pred_file = predict(plans, graph, cluster)
     gemms = args.out_dir / "gemms.json"
     console.print(f"{len(write_gemms(plans, graph, gemms))} distinct local GEMMs over the plans: {gemms}")

@@ -108,3 +108,17 @@ def test_a_bucket_beside_compute_is_slowed_by_its_busy_factor(device, end_ms):
     assert _close(r.step_s, 5 * MS) and _close(plan.time.overlapped_s, r.step_s)
     priced = bucket_overlap(plan, plan.grad_buckets, CostModel(LogicalMesh(cluster, (2,))), True)
     assert _close(priced.exposed_s, 1 * MS)
+
+
+def test_a_collective_of_the_backward_holds_the_link_in_the_closed_form_and_shares_it_in_the_simulator():
+    """b1 first all-gathers 2e8 B (1 ms) on the link p1's bucket (issued at 2 ms too) runs on. The simulator
+    shares the link: both end at 4 ms, b1 runs 4..6, p0's bucket 6..7: step 7 ms, as serial (nothing hidden).
+    The closed form lets the gather go first (2..3), b1 run 3..5 with p1's bucket beside it (3..4), p0's 5..6:
+    6 ms — optimistic where the backward has collectives of its own (``planner.buckets`` docstring)."""
+    plan = _bucketed()
+    gather = PlannedCollective("all_gather", 0, int(2e8), "bwd", "b0", "b1", _cost((2,)).all_gather(2e8, 0), 0)
+    time = dataclasses.replace(plan.time, resharding_s=gather.seconds)
+    plan = repriced_buckets(dataclasses.replace(plan, collectives=(*plan.collectives, gather), time=time), _cost((2,)))
+    r = simulate(plan, cluster=_cluster(2))
+    assert _close(r.step_s, 7 * MS) and _spans(r, "comm") == [(2, 4), (2, 4), (6, 7)]
+    assert _close(plan.time.total_s, 7 * MS) and _close(plan.time.overlapped_s, 6 * MS)

@@ -30,25 +30,27 @@ is about 1.1 MB.
 **Overlap (pricing).** Where a step runs the backward once (:func:`backward_issues_buckets`: one microbatch,
 no ``I``/``W`` split) the backward issues bucket ``k`` the moment its last gradient exists and waits for every
 bucket at its end (``meshpilot.runtime.program``); elsewhere ``G`` issues them all after the last backward and
-waits for them. :func:`bucket_overlap` prices that with the simulator's model of a collective (``meshpilot.sim``):
-a latency ``L_k`` off the link, then a bandwidth part ``W_k`` on it (:func:`latency_work`), each progressing
-``f_k`` times slower while the rank computes (``CostModel.busy_factor``; 1 on GPUs). With ``r_k`` the moment
-bucket ``k``'s last gradient is ready (the backward's node seconds and its other collectives, in the order the
-simulator runs them: :func:`_backward`), ``adv(t, x)`` the time ``x`` alone-seconds started at ``t`` end (rate
-``1/f_k`` inside the backward's compute spans, 1 outside: :func:`_progress`) and ``e`` the last end on the
-bucket's mesh axis so far, each axis serving its buckets in the order their latencies end (``a_k``),
+waits for them. :func:`bucket_overlap` prices that with the simulator's model of a collective (``meshpilot.sim``;
+:func:`collective_parts`): a latency ``L_k`` off the link, then a bandwidth part ``W_k`` on its cluster layer's
+link (:func:`link_of`), both progressing ``f_k`` times slower while the rank computes (``CostModel.busy_factor``;
+1 on GPUs). The backward is walked as the simulator runs it (:func:`_backward`): node seconds, and its own
+collectives blocking where the plan places them, each holding its link for its ``W``. With ``r_k`` the moment
+bucket ``k``'s last gradient is ready and ``adv(t, x)`` the moment ``x`` alone-seconds started at ``t`` are done
+(rate ``1/f_k`` in the backward's compute spans, 0 while a collective of the backward holds the link, 1 otherwise:
+:func:`_progress`), each link serves its buckets in the order their latencies end:
 
-    a_k = adv(r_k, L_k),    e_k = adv(max(a_k, e), W_k)       (at ``G``: r_k = 0, no compute spans)
+    a_k = adv(r_k, L_k),    e_k = adv(max(a_k, e_prev), W_k)        (at ``G``: r_k = 0, nothing else running)
 
-and the step waits ``max(0, max_k e_k - t_backward)`` after the backward (at ``G``: ``max_k e_k``). The links
-serve the buckets one after the other here where the simulator shares a link among concurrent ones; both
-finish the last at the same moment (a work-conserving link) while every bucket's busy factor is the same, and
-the buckets are the only transfers on the link — so this equals the simulated step of a plan whose backward
-issues no collective of its own (data parallel) on GPUs exactly (``tests/test_sim.py``); a backward with
-collectives of its own (tensor parallelism, ZeRO-3's gathers) shares the link with them in the simulator,
-not here. The rest of the per-gradient collectives'
-``sum T`` is hidden: :attr:`BucketOverlap.hidden_s`, kept in the plan as ``StepTime.hidden_s`` (the predicted
-step is ``StepTime.overlapped_s``, which the mesh search compares: :func:`choice_hidden_s`).
+and the step waits ``max(0, max_k e_k - t_backward)`` after the backward (at ``G``: ``max_k e_k``). The
+simulator instead shares a link among everything on it (processor sharing). Among buckets alone both finish
+the last one at the same moment (a work-conserving link; the busy factors equal), so where the backward has no
+collective of its own (data parallel) the two agree exactly (``tests/test_sim_buckets.py``, ``test_sim``).
+Where it has (tensor parallelism, ZeRO-3's gathers) a blocking collective here goes first and the bucket waits,
+while the simulator slows both: this closed form is then optimistic (it does not delay the backward), the
+simulator the reference (``docs/benchmarks.md``, the fidelity re-run, measures both). What the serial step's
+per-gradient collectives cost beyond the exposed part is hidden: :attr:`BucketOverlap.hidden_s`, kept as
+``StepTime.hidden_s``; the predicted step ``StepTime.overlapped_s`` is what the mesh search compares
+(:func:`choice_hidden_s`).
 """
 
 from __future__ import annotations
@@ -218,11 +220,50 @@ def backward_issues_buckets(schedule: Any) -> bool:
 
 def latency_work(cost_fn: Callable[[float, int], float], nbytes: float, axis: int) -> tuple[float, float]:
     """(latency ``L``, bandwidth part ``W``) of a collective whose time is ``cost_fn(nbytes, axis)``: ``L = 2 t(M)
-    - t(2M)`` clamped to ``[0, t]`` (exact while one algorithm wins at M and 2M), ``W = t - L``. The one split
-    of the simulator (``meshpilot.sim``, *Durations*) and of this module's pricing."""
+    - t(2M)`` clamped to ``[0, t]`` (exact while one algorithm wins at M and 2M), ``W = t - L``."""
     t, t2 = cost_fn(nbytes, axis), cost_fn(2 * nbytes, axis)
     lat = min(max(2 * t - t2, 0.0), t)
     return lat, t - lat
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A collective as the simulator runs it: a latency off the link, a bandwidth part on it, and how many
+    times slower both progress while its rank computes."""
+
+    latency_s: float
+    work_s: float
+    busy: float = 1.0
+
+
+def collective_parts(cost: Any, kind: str, nbytes: float, axis: int, *, by_op: bool, seconds: float) -> Parts:
+    """:class:`Parts` of a collective of `kind` and `nbytes` on mesh `axis`, as issued (``reshard.as_issued``:
+    a CPU mesh's all-to-all resharding is an all-gather), split by :func:`latency_work`; a kind the cost model
+    does not price (a send): its `seconds`, all on the link. The one split of the simulator (``meshpilot.sim``,
+    *Durations*) and of this module's pricing."""
+    from meshpilot.sharding.reshard import as_issued
+
+    if kind not in _PRICED:
+        return Parts(0.0, float(seconds))
+    kind, nbytes = as_issued(CollectiveKind(kind), nbytes, cost.mesh.shape[axis], cost.device.is_cpu and not by_op)
+    lat, work = latency_work(getattr(cost, kind), nbytes, axis)
+    return Parts(lat, work, cost.busy_factor(nbytes, axis))
+
+
+_PRICED = frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
+
+
+def link_of(cost: Any, axis: int) -> int:
+    """The cluster layer whose link a collective on mesh `axis` of `cost`'s mesh occupies: the outermost layer
+    its groups cross (every rank's link of that layer is one shared resource; the simulator's ``layer_of``)."""
+    import numpy as np
+
+    groups = cost.mesh.groups(axis)
+    cluster = cost.mesh.cluster
+    nl = len(cluster.layers)
+    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, nl)
+    varies = (coords.max(axis=1) != coords.min(axis=1)).any(axis=0)
+    return int(np.argmax(varies)) if varies.any() else nl - 1
 
 
 def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
@@ -232,39 +273,55 @@ def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
 
 @dataclass(frozen=True)
 class _Backward:
-    """One microbatch's backward as the step runs it: when each node's outputs are ready, the compute stream's
-    busy spans, and when its last op (and the collectives after it) ends; times from the backward's start."""
+    """One microbatch's backward as the step runs it, times from its start: when each node's outputs are
+    ready, the compute stream's busy spans, the spans each mesh axis' link carries the backward's own
+    collectives, and when its last op (and the collectives after it) ends."""
 
     ready: dict[str, float]
     spans: tuple[tuple[float, float], ...]
+    links: dict[int, tuple[tuple[float, float], ...]]
+    """Per cluster layer (:func:`link_of`), the spans its link carries the backward's own collectives."""
     end_s: float
 
 
-def _backward(plan: Any) -> _Backward:
+def _backward(plan: Any, cost: Any) -> _Backward:
     """Walk `plan`'s backward nodes in order as the simulator lowers them: each node's incoming collectives
     (and the first ``OwnOp.leading`` of its own) block before it, the rest of its own after it, the backward's
-    other collectives after its last node; the gradients' (``grad:``) are not in it."""
-    pre: dict[str, float] = {}
-    post: dict[str, float] = {}
-    tail = 0.0
+    other collectives after its last node; the gradients' (``grad:``) are not in it. A blocking collective
+    takes its latency, then its bandwidth part on its axis' link."""
+    pre: dict[str, list] = {}
+    post: dict[str, list] = {}
+    tail: list = []
     own: dict[str, int] = {}
     names = {n.name: n for n in plan.nodes}
     for c in plan.collectives:
         if c.phase != Phase.BWD.value or c.dst.startswith("grad:"):
             continue
         if c.dst not in names:
-            tail += c.seconds
+            tail.append(c)
         elif c.src == c.dst:
             k = own[c.dst] = own.get(c.dst, -1) + 1
-            side = pre if k < leading_collectives(names[c.dst].target) else post
-            side[c.dst] = side.get(c.dst, 0.0) + c.seconds
+            (pre if k < leading_collectives(names[c.dst].target) else post).setdefault(c.dst, []).append(c)
         else:
-            pre[c.dst] = pre.get(c.dst, 0.0) + c.seconds
+            pre.setdefault(c.dst, []).append(c)
     t, ready, spans = 0.0, {}, []
+    links: dict[int, list[tuple[float, float]]] = {}
+    layer: dict[int, int] = {}
+
+    def block(cs) -> None:
+        nonlocal t
+        for c in cs:
+            parts = collective_parts(cost, c.kind, c.nbytes, c.axis, by_op=c.issued_by_op, seconds=c.seconds)
+            t += parts.latency_s
+            if parts.work_s > 0:
+                ell = layer[c.axis] if c.axis in layer else layer.setdefault(c.axis, link_of(cost, c.axis))
+                links.setdefault(ell, []).append((t, t + parts.work_s))
+            t += parts.work_s
+
     for n in plan.nodes:
         if n.phase != Phase.BWD.value:
             continue
-        t += pre.get(n.name, 0.0)
+        block(pre.get(n.name, ()))
         if n.seconds > 0:
             if spans and spans[-1][1] == t:
                 spans[-1] = (spans[-1][0], t + n.seconds)
@@ -272,15 +329,16 @@ def _backward(plan: Any) -> _Backward:
                 spans.append((t, t + n.seconds))
             t += n.seconds
         ready[n.name] = t
-        t += post.get(n.name, 0.0)
-    return _Backward(ready, tuple(spans), t + tail)
+        block(post.get(n.name, ()))
+    block(tail)
+    return _Backward(ready, tuple(spans), {a: tuple(v) for a, v in links.items()}, t)
 
 
-def _progress(start: float, amount: float, spans: Sequence[tuple[float, float]], slow: float) -> float:
-    """When `amount` seconds of a transfer's alone-time are done, started at `start`, progressing at rate
-    ``1/slow`` inside the compute stream's busy `spans` (sorted, disjoint) and at rate 1 outside them."""
+def _progress(start: float, amount: float, segments: Sequence[tuple[float, float, float]]) -> float:
+    """When `amount` seconds of a transfer's alone-time are done, started at `start`: ``segments`` (sorted,
+    disjoint ``(from, to, slowdown)``) slow it by their factor (``inf``: no progress), 1 elsewhere."""
     t, left = start, amount
-    for a, b in spans[max(0, bisect.bisect_right(spans, (t, math.inf)) - 1) :]:
+    for a, b, slow in segments[max(0, bisect.bisect_right(segments, (t, math.inf, math.inf)) - 1) :]:
         if b <= t:
             continue
         if a > t:
@@ -288,9 +346,10 @@ def _progress(start: float, amount: float, spans: Sequence[tuple[float, float]],
                 return t + left
             left -= a - t
             t = a
-        if left * slow <= b - t:
+        if slow != math.inf and left * slow <= b - t:
             return t + left * slow
-        left -= (b - t) / slow
+        if slow != math.inf:
+            left -= (b - t) / slow
         t = b
     return t + left
 
@@ -309,20 +368,22 @@ def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backw
     if not buckets:
         return BucketOverlap(0.0, replaced, 0.0)
     if in_backward:
-        bwd, producer = _backward(plan), grad_producers(plan)
+        bwd, producer = _backward(plan, cost), grad_producers(plan)
     else:
-        bwd, producer = _Backward({}, (), 0.0), {}
-    arrivals = []  # (when its latency is over, mesh axis, bandwidth part, busy factor)
+        bwd, producer = _Backward({}, (), {}, 0.0), {}
+    arrivals = []  # (when its latency is over, its link, bandwidth part, busy factor)
+    layer = {a: link_of(cost, a) for a in {b.axis for b in buckets}}
     for b in buckets:
-        lat, work = latency_work(bucket_fn(cost, b.kind), b.nbytes, b.axis)
-        slow = cost.busy_factor(b.nbytes, b.axis)
+        parts = collective_parts(cost, b.kind, b.nbytes, b.axis, by_op=False, seconds=b.seconds)
         issued = bwd.ready.get(producer.get(b.params[-1], ""), 0.0) if b.params else 0.0
-        arrivals.append((_progress(issued, lat, bwd.spans, slow), b.axis, work, slow))
+        computing = [(x, y, parts.busy) for x, y in bwd.spans]
+        arrivals.append((_progress(issued, parts.latency_s, computing), layer[b.axis], parts.work_s, parts.busy))
     free: dict[int, float] = {}
     last = bwd.end_s
-    for arrived, axis, work, slow in sorted(arrivals):  # each link serves them in the order they arrive
-        free[axis] = _progress(max(arrived, free.get(axis, 0.0)), work, bwd.spans, slow)
-        last = max(last, free[axis])
+    for arrived, ell, work, slow in sorted(arrivals):  # each link serves them in the order they arrive
+        link = sorted([(x, y, slow) for x, y in bwd.spans] + [(x, y, math.inf) for x, y in bwd.links.get(ell, ())])
+        free[ell] = _progress(max(arrived, free.get(ell, 0.0)), work, link)
+        last = max(last, free[ell])
     return BucketOverlap(total, replaced, last - bwd.end_s)
 
 
@@ -400,6 +461,7 @@ __all__ = [
     "bucket_fn",
     "bucket_overlap",
     "choice_hidden_s",
+    "collective_parts",
     "grad_producers",
     "latency_work",
     "grad_move",

@@ -17,10 +17,8 @@ import numpy as np
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write
 from meshpilot.ops import leading_collectives
-from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, grad_producers, latency_work
+from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, collective_parts, grad_producers, link_of
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
-
-_COST_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 # program ops (tuples, for speed): (_COMPUTE, seconds, label) | (_ISSUE, key, label, axis) | (_WAIT, key, label)
 # | (_SEND, key, label, peer) | (_RECV, key, label)
@@ -327,17 +325,8 @@ class _Lowering:
             kind, axis, nbytes, by_op, seconds = col.kind, col.axis, col.nbytes, col.issued_by_op, col.seconds
         key = (kind, axis, nbytes, by_op)
         if key not in self._dur:
-            busy = 1.0
-            if kind in _COST_KINDS:
-                from meshpilot.sharding.reshard import as_issued
-
-                cpu = self.cm.device.is_cpu and not by_op
-                kind, nbytes = as_issued(kind, nbytes, self.plan.mesh_shape[axis], cpu)
-                lat, work = latency_work(getattr(self.cm, kind), nbytes, axis)
-                busy = self.cm.busy_factor(nbytes, axis)
-            else:
-                lat, work = 0.0, float(seconds)
-            self._dur[key] = (lat, work, busy)
+            parts = collective_parts(self.cm, kind, nbytes, axis, by_op=by_op, seconds=seconds)
+            self._dur[key] = (parts.latency_s, parts.work_s, parts.busy)
         return self._dur[key]
 
     def p2p(self, nbytes: float, src: int, dst: int) -> tuple[float, float, int]:
@@ -354,11 +343,7 @@ class _Lowering:
     def layer_of(self, axis: int) -> int:
         """Outermost cluster layer the groups of mesh `axis` cross (their bottleneck link)."""
         if axis not in self._layer:
-            groups = self.lm.groups(axis)
-            nl = len(self.cluster.layers)
-            coords = self.cluster.coords(groups.reshape(-1)).reshape(*groups.shape, nl)
-            varies = (coords.max(axis=1) != coords.min(axis=1)).any(axis=0)
-            self._layer[axis] = int(np.argmax(varies)) if varies.any() else nl - 1
+            self._layer[axis] = link_of(self.cm, axis)
         return self._layer[axis]
 
     def program(self, rc: RankClass) -> list[tuple]:
