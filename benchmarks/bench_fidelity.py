@@ -72,6 +72,7 @@ PLANS = (
     PlanSpec("solver", "solver", None),
     PlanSpec("solver+overlap", "solver", None, overlap=True),
     PlanSpec("solver-2x4", "solver", (2, 4)),
+    PlanSpec("solver-4x2", "solver", (4, 2)),  # the free choice before the mesh search priced the buckets
     PlanSpec("dp-8x1", "data parallel", (8, 1)),
     PlanSpec("zero3-8x1", "ZeRO-3", (8, 1)),
     PlanSpec("megatron-2x4", "Megatron TP", (2, 4)),
