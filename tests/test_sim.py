@@ -97,10 +97,10 @@ def test_two_rank_pipeline_chain_send_receive():
     assert _close(second.compute_s, 2 * MS) and _close(second.idle_s, 2 * MS)  # waited 0..2 ms for the send
 
 
-def test_ring_all_reduce_shares_its_link_with_an_all_gather():
-    """Both issued at 1 ms on the same link: each progresses at half speed. The all-gather (0.5 ms alone) ends
-    at 1 + 2 * 0.5 = 2 ms, the all-reduce (1 ms alone) at 1 + 0.5 + 1 = 2.5 ms (work conserving: 1.5 ms of
-    link time). n1 (1 ms) runs beside them, n2 (0.5 ms) waits for the all-reduce: step 3 ms."""
+def test_one_groups_collectives_run_in_issue_order():
+    """Both issued at 1 ms on mesh axis 0's process group, which runs one collective at a time (gloo's queue,
+    NCCL's stream): the all-reduce (1 ms) runs 1..2 ms, the all-gather (0.5 ms) 2..2.5 ms. n1 (1 ms) runs
+    beside them, n2 (0.5 ms) waits for both: step 3 ms."""
     plan = _plan(
         (2,),
         [("n0", "fwd", 1 * MS), ("n1", "fwd", 1 * MS), ("n2", "fwd", 0.5 * MS)],
@@ -110,9 +110,9 @@ def test_ring_all_reduce_shares_its_link_with_an_all_gather():
     assert _close(plan.collectives[0].seconds, 1 * MS) and _close(plan.collectives[1].seconds, 0.5 * MS)
     r = simulate(plan, cluster=_cluster(2))
     comm = {e.name.split()[0]: e for e in r.events if e.cat == "comm"}
-    assert _close(comm["all_gather@axis0"].start_s, 1 * MS) and _close(comm["all_gather@axis0"].dur_s, 1 * MS)
-    assert _close(comm["all_reduce@axis0"].start_s, 1 * MS) and _close(comm["all_reduce@axis0"].dur_s, 1.5 * MS)
-    assert _close(r.step_s, 3 * MS)  # without sharing the all-reduce would end at 2 ms: step 2.5 ms
+    assert _close(comm["all_reduce@axis0"].start_s, 1 * MS) and _close(comm["all_reduce@axis0"].dur_s, 1 * MS)
+    assert _close(comm["all_gather@axis0"].start_s, 2 * MS) and _close(comm["all_gather@axis0"].dur_s, 0.5 * MS)
+    assert _close(r.step_s, 3 * MS)
     (c,) = r.classes
     assert _close(c.compute_s, 2.5 * MS)
     assert _close(c.hidden_comm_s, 1 * MS) and _close(c.exposed_comm_s, 0.5 * MS)  # comm spans 1..2.5 ms

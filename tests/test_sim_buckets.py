@@ -58,27 +58,26 @@ def test_a_bucket_runs_behind_the_backward_of_the_layers_before_it():
     assert _close(plan.time.overlapped_s, r.step_s)
 
 
-def test_buckets_in_flight_together_share_the_link():
-    """p1's bucket of 3e8 B (3 ms) runs from 2 ms; p0's joins it at 4 ms with 1 ms left each: both at half
-    speed, both end at 6 ms. The closed form serves them one after the other (5 ms, then 6 ms): the same last
-    end, so the same step, 6 ms of the serial 8 ms."""
+def test_a_groups_buckets_run_one_after_the_other():
+    """p1's bucket of 3e8 B (3 ms) runs 2..5 ms; p0's, issued at 4 ms on the same process group, waits for it
+    (a group runs one collective at a time) and runs 5..6 ms: 6 ms of the serial 8 ms, in both."""
     plan = _bucketed(3e8)
     r = simulate(plan, cluster=_cluster(2))
     assert _close(r.step_s, 6 * MS)
-    assert _spans(r, "comm") == [(2, 6), (4, 6)]
+    assert _spans(r, "comm") == [(2, 5), (5, 6)]
     assert _close(plan.time.total_s, 8 * MS) and _close(plan.time.hidden_s, 2 * MS)
     assert _close(plan.time.overlapped_s, r.step_s)
 
 
 def test_with_two_microbatches_G_synchronises_the_buckets():
-    """Two backwards a step: G issues both buckets at 8 ms (two microbatches of 4 ms) and waits: they share the
-    link and end at 10 ms, as the serial step prices them; nothing is hidden."""
+    """Two backwards a step: G issues both buckets at 8 ms (two microbatches of 4 ms) and waits: they run one
+    after the other and end at 10 ms, as the serial step prices them; nothing is hidden."""
     plan = _bucketed(schedule=None)
     plan = repriced_buckets(dataclasses.replace(plan, schedule=accumulate(2, 2)), _cost((2,)))
     assert not backward_issues_buckets(plan.schedule)
     r = simulate(plan, cluster=_cluster(2))
     assert _close(r.step_s, 10 * MS)
-    assert _spans(r, "comm") == [(8, 10), (8, 10)]
+    assert _spans(r, "comm") == [(8, 9), (9, 10)]
     priced = bucket_overlap(plan, plan.grad_buckets, _cost((2,)), False)
     assert _close(priced.exposed_s, 2 * MS) and abs(plan.time.hidden_s) < 1e-15
 
@@ -89,7 +88,7 @@ def test_a_zero_bubble_split_backward_synchronises_at_G():
     assert not backward_issues_buckets(sched) and backward_issues_buckets(trivial(2))
     plan = _bucketed()
     r = simulate(plan, cluster=_cluster(2), schedule=sched)
-    assert _close(r.step_s, 6 * MS) and _spans(r, "comm") == [(4, 6), (4, 6)]
+    assert _close(r.step_s, 6 * MS) and _spans(r, "comm") == [(4, 5), (5, 6)]
 
 
 @pytest.mark.parametrize("device, end_ms", [("cpu", 4.0), ("a100-80gb", 3.0)])
@@ -110,15 +109,14 @@ def test_a_bucket_beside_compute_is_slowed_by_its_busy_factor(device, end_ms):
     assert _close(priced.exposed_s, 1 * MS)
 
 
-def test_a_collective_of_the_backward_holds_the_link_in_the_closed_form_and_shares_it_in_the_simulator():
-    """b1 first all-gathers 2e8 B (1 ms) on the link p1's bucket (issued at 2 ms too) runs on. The simulator
-    shares the link: both end at 4 ms, b1 runs 4..6, p0's bucket 6..7: step 7 ms, as serial (nothing hidden).
-    The closed form lets the gather go first (2..3), b1 run 3..5 with p1's bucket beside it (3..4), p0's 5..6:
-    6 ms — optimistic where the backward has collectives of its own (``planner.buckets`` docstring)."""
+def test_a_collective_of_the_backward_waits_for_its_groups_bucket():
+    """b1 first all-gathers 2e8 B (1 ms) on the process group p1's bucket was issued on at 2 ms: the gather
+    waits for the bucket (2..3), runs 3..4, b1 4..6, p0's bucket 6..7: step 7 ms, the serial step (nothing
+    hidden: the bucket delayed the backward as much as it ran behind it), in both."""
     plan = _bucketed()
     gather = PlannedCollective("all_gather", 0, int(2e8), "bwd", "b0", "b1", _cost((2,)).all_gather(2e8, 0), 0)
     time = dataclasses.replace(plan.time, resharding_s=gather.seconds)
     plan = repriced_buckets(dataclasses.replace(plan, collectives=(*plan.collectives, gather), time=time), _cost((2,)))
     r = simulate(plan, cluster=_cluster(2))
-    assert _close(r.step_s, 7 * MS) and _spans(r, "comm") == [(2, 4), (2, 4), (6, 7)]
-    assert _close(plan.time.total_s, 7 * MS) and _close(plan.time.overlapped_s, 6 * MS)
+    assert _close(r.step_s, 7 * MS) and _spans(r, "comm") == [(2, 3), (3, 4), (6, 7)]
+    assert _close(plan.time.total_s, 7 * MS) and _close(plan.time.overlapped_s, 7 * MS)

@@ -30,27 +30,26 @@ is about 1.1 MB.
 **Overlap (pricing).** Where a step runs the backward once (:func:`backward_issues_buckets`: one microbatch,
 no ``I``/``W`` split) the backward issues bucket ``k`` the moment its last gradient exists and waits for every
 bucket at its end (``meshpilot.runtime.program``); elsewhere ``G`` issues them all after the last backward and
-waits for them. :func:`bucket_overlap` prices that with the simulator's model of a collective (``meshpilot.sim``;
-:func:`collective_parts`): a latency ``L_k`` off the link, then a bandwidth part ``W_k`` on its cluster layer's
-link (:func:`link_of`), both progressing ``f_k`` times slower while the rank computes (``CostModel.busy_factor``;
-1 on GPUs). The backward is walked as the simulator runs it (:func:`_backward`): node seconds, and its own
-collectives blocking where the plan places them, each holding its link for its ``W``. With ``r_k`` the moment
-bucket ``k``'s last gradient is ready and ``adv(t, x)`` the moment ``x`` alone-seconds started at ``t`` are done
-(rate ``1/f_k`` in the backward's compute spans, 0 while a collective of the backward holds the link, 1 otherwise:
-:func:`_progress`), each link serves its buckets in the order their latencies end:
+waits for them. A mesh axis' process group runs one collective at a time, in issue order (gloo's work queue,
+NCCL's stream), so a bucket starts when it is issued and its group's previous collective is done — and a
+collective of the backward itself (tensor parallelism, ZeRO-3's gathers) on that group waits for the buckets
+issued before it, delaying the backward. :func:`bucket_overlap` walks the backward as the simulator lowers it
+(:func:`_own_collectives`: node seconds, its own collectives blocking where the plan places them) with a queue
+per group (:class:`_Groups`): with ``T_k`` bucket ``k``'s time (:func:`collective_parts`, the simulator's), ``f_k``
+its busy factor (``CostModel.busy_factor``; 1 on GPUs), ``r_k`` the moment its last gradient is ready and
+``adv(t, x)`` the moment ``x`` alone-seconds started at ``t`` are done (rate ``1/f_k`` in the backward's compute
+spans, 1 elsewhere: :func:`_progress`),
 
-    a_k = adv(r_k, L_k),    e_k = adv(max(a_k, e_prev), W_k)        (at ``G``: r_k = 0, nothing else running)
+    e_k = adv(max(r_k, e_prev), T_k)     (e_prev: the group's previous collective's end; at ``G``: r_k = 0)
 
-and the step waits ``max(0, max_k e_k - t_backward)`` after the backward (at ``G``: ``max_k e_k``). The
-simulator instead shares a link among everything on it (processor sharing). Among buckets alone both finish
-the last one at the same moment (a work-conserving link; the busy factors equal), so where the backward has no
-collective of its own (data parallel) the two agree exactly (``tests/test_sim_buckets.py``, ``test_sim``).
-Where it has (tensor parallelism, ZeRO-3's gathers) a blocking collective here goes first and the bucket waits,
-while the simulator slows both: this closed form is then optimistic (it does not delay the backward), the
-simulator the reference (``docs/benchmarks.md``, the fidelity re-run, measures both). What the serial step's
-per-gradient collectives cost beyond the exposed part is hidden: :attr:`BucketOverlap.hidden_s`, kept as
-``StepTime.hidden_s``; the predicted step ``StepTime.overlapped_s`` is what the mesh search compares
-(:func:`choice_hidden_s`).
+a blocking collective ``c`` of the backward runs ``max(t, e_prev) .. + T_c`` and the compute stream resumes
+after it. The step then waits ``(t_backward - t_alone) + max(0, max_k e_k - t_backward)`` for the buckets:
+how much they delayed the backward (``t_alone``: its end with no bucket ahead of its collectives) and what
+runs after it (at ``G``: ``max_k e_k``). Equal to the simulated step (``tests/test_sim_buckets.py``,
+``test_sim``) but where the simulator shares a cluster layer's link between two groups' transfers at once
+(processor sharing), which this closed form does not model. The serial step's per-gradient collectives cost
+beyond that is hidden: :attr:`BucketOverlap.hidden_s`, kept as ``StepTime.hidden_s``; the predicted step
+``StepTime.overlapped_s`` is what the mesh search compares (:func:`choice_hidden_s`).
 """
 
 from __future__ import annotations
@@ -271,24 +270,10 @@ def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
     return cost.all_reduce if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter
 
 
-@dataclass(frozen=True)
-class _Backward:
-    """One microbatch's backward as the step runs it, times from its start: when each node's outputs are
-    ready, the compute stream's busy spans, the spans each mesh axis' link carries the backward's own
-    collectives, and when its last op (and the collectives after it) ends."""
-
-    ready: dict[str, float]
-    spans: tuple[tuple[float, float], ...]
-    links: dict[int, tuple[tuple[float, float], ...]]
-    """Per cluster layer (:func:`link_of`), the spans its link carries the backward's own collectives."""
-    end_s: float
-
-
-def _backward(plan: Any, cost: Any) -> _Backward:
-    """Walk `plan`'s backward nodes in order as the simulator lowers them: each node's incoming collectives
-    (and the first ``OwnOp.leading`` of its own) block before it, the rest of its own after it, the backward's
-    other collectives after its last node; the gradients' (``grad:``) are not in it. A blocking collective
-    takes its latency, then its bandwidth part on its axis' link."""
+def _own_collectives(plan: Any) -> tuple[dict[str, list], dict[str, list], list]:
+    """The backward's collectives but the gradients' (``grad:``), as the simulator places them: (before a node,
+    after a node, after the backward's last node). An edge's before its consumer; an op's own after it, the
+    first ``OwnOp.leading`` of them before it; one whose consumer is no node (a buffer's) at the end."""
     pre: dict[str, list] = {}
     post: dict[str, list] = {}
     tail: list = []
@@ -304,39 +289,35 @@ def _backward(plan: Any, cost: Any) -> _Backward:
             (pre if k < leading_collectives(names[c.dst].target) else post).setdefault(c.dst, []).append(c)
         else:
             pre.setdefault(c.dst, []).append(c)
-    t, ready, spans = 0.0, {}, []
-    links: dict[int, list[tuple[float, float]]] = {}
-    layer: dict[int, int] = {}
+    return pre, post, tail
 
-    def block(cs) -> None:
-        nonlocal t
-        for c in cs:
-            parts = collective_parts(cost, c.kind, c.nbytes, c.axis, by_op=c.issued_by_op, seconds=c.seconds)
-            t += parts.latency_s
-            if parts.work_s > 0:
-                ell = layer[c.axis] if c.axis in layer else layer.setdefault(c.axis, link_of(cost, c.axis))
-                links.setdefault(ell, []).append((t, t + parts.work_s))
-            t += parts.work_s
 
-    for n in plan.nodes:
-        if n.phase != Phase.BWD.value:
-            continue
-        block(pre.get(n.name, ()))
-        if n.seconds > 0:
-            if spans and spans[-1][1] == t:
-                spans[-1] = (spans[-1][0], t + n.seconds)
-            else:
-                spans.append((t, t + n.seconds))
-            t += n.seconds
-        ready[n.name] = t
-        block(post.get(n.name, ()))
-    block(tail)
-    return _Backward(ready, tuple(spans), {a: tuple(v) for a, v in links.items()}, t)
+class _Groups:
+    """Each mesh axis' process group runs its collectives one at a time, in the order they are issued (gloo's
+    work queue, NCCL's stream): a collective starts when it is issued and the group's previous one is done,
+    and takes its alone-time, ``busy`` times slower while the rank computes (``spans``, known up to the moment
+    an answer is asked for: a rank waiting for a group computes nothing until the group is done)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self.free: dict[int, float] = {}
+        self.queued: dict[int, list[tuple[float, float, float]]] = {}
+
+    def issue(self, axis: int, at: float, seconds: float, busy: float) -> None:
+        self.queued.setdefault(axis, []).append((at, seconds, busy))
+
+    def done(self, axis: int) -> float:
+        """When everything issued on `axis` so far ends."""
+        t = self.free.get(axis, 0.0)
+        for at, seconds, busy in self.queued.pop(axis, ()):
+            t = _progress(max(at, t), seconds, [(a, b, busy) for a, b in self.spans])
+        self.free[axis] = t
+        return t
 
 
 def _progress(start: float, amount: float, segments: Sequence[tuple[float, float, float]]) -> float:
     """When `amount` seconds of a transfer's alone-time are done, started at `start`: ``segments`` (sorted,
-    disjoint ``(from, to, slowdown)``) slow it by their factor (``inf``: no progress), 1 elsewhere."""
+    disjoint ``(from, to, slowdown)``) slow it by their factor, 1 elsewhere."""
     t, left = start, amount
     for a, b, slow in segments[max(0, bisect.bisect_right(segments, (t, math.inf, math.inf)) - 1) :]:
         if b <= t:
@@ -346,10 +327,9 @@ def _progress(start: float, amount: float, segments: Sequence[tuple[float, float
                 return t + left
             left -= a - t
             t = a
-        if slow != math.inf and left * slow <= b - t:
+        if left * slow <= b - t:
             return t + left * slow
-        if slow != math.inf:
-            left -= (b - t) / slow
+        left -= (b - t) / slow
         t = b
     return t + left
 
@@ -357,6 +337,13 @@ def _progress(start: float, amount: float, segments: Sequence[tuple[float, float
 def grad_producers(plan: Any) -> dict[str, str]:
     """Parameter name -> the node whose output is its gradient (the ``src`` of its ``grad:`` collectives)."""
     return {c.dst[5:]: c.src for c in plan.collectives if c.dst.startswith("grad:")}
+
+
+def _seconds(cost: Any, c: Any) -> tuple[float, float]:
+    """(alone seconds, busy factor) of a planned collective or a bucket (:func:`collective_parts`)."""
+    kind, by_op = c.kind, getattr(c, "issued_by_op", False)
+    parts = collective_parts(cost, kind, c.nbytes, c.axis, by_op=by_op, seconds=c.seconds)
+    return parts.latency_s + parts.work_s, parts.busy
 
 
 def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backward: bool) -> BucketOverlap:
@@ -367,24 +354,41 @@ def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backw
     total = sum(b.seconds for b in buckets)
     if not buckets:
         return BucketOverlap(0.0, replaced, 0.0)
-    if in_backward:
-        bwd, producer = _backward(plan, cost), grad_producers(plan)
-    else:
-        bwd, producer = _Backward({}, (), {}, 0.0), {}
-    arrivals = []  # (when its latency is over, its link, bandwidth part, busy factor)
-    layer = {a: link_of(cost, a) for a in {b.axis for b in buckets}}
+    groups = _Groups()
+    if not in_backward:
+        for b in buckets:
+            groups.issue(b.axis, 0.0, *_seconds(cost, b))
+        return BucketOverlap(total, replaced, max(groups.done(a) for a in {b.axis for b in buckets}))
+    producer = grad_producers(plan)
+    at: dict[str, list[GradBucket]] = {}
     for b in buckets:
-        parts = collective_parts(cost, b.kind, b.nbytes, b.axis, by_op=False, seconds=b.seconds)
-        issued = bwd.ready.get(producer.get(b.params[-1], ""), 0.0) if b.params else 0.0
-        computing = [(x, y, parts.busy) for x, y in bwd.spans]
-        arrivals.append((_progress(issued, parts.latency_s, computing), layer[b.axis], parts.work_s, parts.busy))
-    free: dict[int, float] = {}
-    last = bwd.end_s
-    for arrived, ell, work, slow in sorted(arrivals):  # each link serves them in the order they arrive
-        link = sorted([(x, y, slow) for x, y in bwd.spans] + [(x, y, math.inf) for x, y in bwd.links.get(ell, ())])
-        free[ell] = _progress(max(arrived, free.get(ell, 0.0)), work, link)
-        last = max(last, free[ell])
-    return BucketOverlap(total, replaced, last - bwd.end_s)
+        at.setdefault(producer.get(b.params[-1], ""), []).append(b)
+    pre, post, tail = _own_collectives(plan)
+    t = alone = 0.0  # the backward's end so far, and what it would be with no bucket ahead of its collectives
+
+    def block(cs) -> None:  # the compute stream waits for each: its group drains first
+        nonlocal t, alone
+        for c in cs:
+            seconds, _ = _seconds(cost, c)
+            t = max(t, groups.done(c.axis)) + seconds
+            alone += seconds
+            groups.free[c.axis] = t
+
+    bwd = [n for n in plan.nodes if n.phase == Phase.BWD.value]
+    for b in [*at.pop("", ()), *(b for n in plan.nodes if n.phase != Phase.BWD.value for b in at.pop(n.name, ()))]:
+        groups.issue(b.axis, 0.0, *_seconds(cost, b))  # a gradient the forward already holds
+    for n in bwd:
+        block(pre.get(n.name, ()))
+        if n.seconds > 0:
+            groups.spans.append((t, t + n.seconds))
+            t += n.seconds
+            alone += n.seconds
+        block(post.get(n.name, ()))
+        for b in at.get(n.name, ()):
+            groups.issue(b.axis, t, *_seconds(cost, b))
+    block(tail)
+    last = max(groups.done(a) for a in {b.axis for b in buckets})
+    return BucketOverlap(total, replaced, (t - alone) + max(0.0, last - t))
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,16 @@ itself as ``L = 2 t(M) - t(2M)`` (exact while one algorithm wins at M and 2M; cl
 :meth:`_Lowering.duration` (``planner.buckets.latency_work``, the split the planner's bucket pricing uses
 too). A send takes ``CostModel.send_recv_ranks``.
 
+*Groups.* A mesh axis' process group runs one collective at a time, in the order its rank issues them (gloo's
+work queue, NCCL's stream): a collective issued while its group runs another waits for it
+(:meth:`_Sim._in_group`; a rank class's queue, so a straggler's group members are not synchronised by it).
+
 *Links, processor sharing.* A transfer occupies the link of the outermost layer its group crosses
 (:meth:`_Lowering.layer_of`), per rank: ``(sim rank, layer)`` in :class:`_Link`. After ``L`` it joins the
 link; with ``k`` transfers active each progresses at rate ``1/k`` (processor sharing): at every event
 ``remaining_i -= (now - last) / k`` and the next completion is ``now + k * min(remaining)``
 (:meth:`_Link.advance`, :meth:`_Link.next_finish`). Alone, a transfer takes exactly ``t``; two of ``t1 <= t2``
-issued together end at ``2 t1`` and ``t1 + t2``.
+(of two groups) issued together end at ``2 t1`` and ``t1 + t2``.
 
 *Contention* (CPU devices). A collective's busy factor ``f`` (``CostModel.busy_factor``: the axis' all-reduce
 measured while every rank computes over the same alone, ``Calibration.busy_curve``; 1 on GPUs and without the

@@ -7,6 +7,7 @@ import heapq
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,6 +493,8 @@ class _Transfer:
     """Bumped when the end of its latency is rescheduled."""
     joined: bool = False
     """On its link (latency over)."""
+    group: tuple[int, int] | None = None
+    """(sim rank, mesh axis) of a collective: its process group, which runs one collective at a time."""
 
 
 class _Sim:
@@ -524,6 +527,8 @@ class _Sim:
         self.links: dict[tuple[int, int], _Link] = {}
         self.transfers: list[_Transfer] = []
         self.busy = [False] * n  # the compute stream is running
+        self.group_busy: set[tuple[int, int]] = set()  # (sim rank, mesh axis) groups running a collective
+        self.group_queue: dict[tuple[int, int], deque] = {}  # and what waits behind it, in issue order
         self.slowed: list[set[int]] = [set() for _ in range(n)]  # unfinished transfers with a busy factor > 1
         self.count = 0
 
@@ -602,9 +607,10 @@ class _Sim:
         label: str,
         now: float,
         slow: float = 1.0,
+        group: tuple[int, int] | None = None,
     ) -> None:
         tid = len(self.transfers)
-        tr = _Transfer(sim, done_key, layer, now, work, label, slow, lat, now)
+        tr = _Transfer(sim, done_key, layer, now, work, label, slow, lat, now, group=group)
         self.transfers.append(tr)
         if lat <= 0 and work <= 0:
             self._complete(tid, now)
@@ -638,9 +644,27 @@ class _Sim:
         for layer in layers:
             self._reschedule(s, layer, self.links[(s, layer)])
 
+    def _in_group(self, sim: int, axis: int, start: tuple, ready: float) -> None:
+        """Start a collective of rank `sim`'s group on mesh `axis` (`start`: ``_start``'s arguments but ``now``,
+        its busy factor last) at `ready`, or queue it behind the group's running one (package docstring,
+        *Groups*)."""
+        g = (sim, axis)
+        if g in self.group_busy:
+            self.group_queue.setdefault(g, deque()).append(start)
+            return
+        self.group_busy.add(g)
+        self._start(*start[:6], ready, start[6], group=g)
+
     def _complete(self, tid: int, now: float) -> None:
         tr = self.transfers[tid]
         self.slowed[tr.sim].discard(tid)
+        if tr.group is not None:  # the group's next collective starts now
+            queue = self.group_queue.get(tr.group)
+            if queue:
+                start = queue.popleft()
+                self._start(*start[:6], now, start[6], group=tr.group)
+            else:
+                self.group_busy.discard(tr.group)
         if now > tr.ready:
             self.comm[tr.sim].append((tr.ready, now))
             self.events.append(TraceEvent(self.reps[tr.sim], 1 + tr.layer, tr.label, tr.ready, now - tr.ready, "comm"))
@@ -713,7 +737,7 @@ class _Sim:
             if all(m in got for m in need):
                 ready = max(got[m] for m in need)
                 lat, work, slow = self.low.duration(key[0])
-                self._start(j, (j, key), lat, work, self.low.layer_of(axis), label, ready, slow)
+                self._in_group(j, axis, (j, (j, key), lat, work, self.low.layer_of(axis), label, slow), ready)
             else:
                 still.append(j)
         self.pending[key] = still
