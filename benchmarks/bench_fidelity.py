@@ -29,6 +29,7 @@ rank groups (``LogicalMesh`` matches calibration entries by groups: a col (4, 2)
     sudo python benchmarks/bench_fidelity.py                               # probe, plan, measure, report
     sudo python benchmarks/bench_fidelity.py --probed out/x.probed.toml     # reuse an earlier probe
     python benchmarks/bench_fidelity.py --plans-only                        # plans and predictions only
+    python benchmarks/bench_fidelity.py --reprice-run out/bench-fidelity/x  # an earlier run priced by this code
 
 See docs/benchmarks.md, section "Cost-model fidelity on an emulated cluster".
 """
@@ -111,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(one process: the cost model's compute terms without neighbours or communication)",
     )
     p.add_argument("--plans-only", action="store_true", help="plan and predict on --cluster (and --probed) only")
+    p.add_argument(
+        "--reprice-run",
+        type=Path,
+        metavar="DIR",
+        help="no new run: the plans, probed cluster and measured steps of an earlier --out-dir priced by this code",
+    )
     p.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     return p.parse_args(argv)
 
@@ -468,8 +475,40 @@ def stats_lines(stats: dict) -> list[str]:
     return lines
 
 
+def reprice_run(folder: Path, cfg: dict) -> list[str]:
+    """An earlier run's plans (``folder``/plans), its probed cluster and its measured steps (``steps.json``),
+    priced again by this code: the markdown table and each predictor's statistics (before / after a pricing
+    change, on the same measurements)."""
+    from meshpilot.cluster import load_cluster
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.plan import Plan
+
+    steps = json.loads((folder / "steps.json").read_text())
+    meas = {r["name"]: r["median_s"] for r in steps["results"]}
+    plans = {n: (Plan.load(folder / "plans" / f"{n}.json").only, None) for n in meas}
+    (probed,) = folder.glob("*.probed.toml")
+    model, inputs = _model_and_inputs(cfg)
+    pred = predict(plans, capture(model, inputs), load_cluster(str(probed)))
+    keys = [("closed_s", "closed-form"), ("sim_s", "simulated")]
+    keys += [("closed_serial_s", "closed-form, buckets not priced"), ("sim_serial_s", "simulated, buckets not priced")]
+    lines = ["| plan | " + " | ".join(f"{label} (probed) ms" for _, label in keys) + " | measured ms |"]
+    lines.append("|---" * (len(keys) + 2) + "|")
+    for n, m in meas.items():
+        lines.append(f"| {n} | " + " | ".join(_ms(pred[n][k]) for k, _ in keys) + f" | {_ms(m)} |")
+    for k, label in keys:
+        f = fidelity([pred[n][k] for n in meas], list(meas.values()))
+        lines.append(
+            f"- {label} (probed): Spearman {f['spearman']:.3f}, median relative error "
+            f"{f['median_rel_error'] * 100:.1f} %, median predicted / measured {f['median_ratio']:.3f}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reprice_run:
+        print("\n".join(reprice_run(args.reprice_run, gpt_config(args))))
+        return 0
     from bench_atp_emulated import machine, markdown
     from rich.console import Console
     from rich.table import Table
