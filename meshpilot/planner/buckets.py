@@ -252,19 +252,6 @@ def collective_parts(cost: Any, kind: str, nbytes: float, axis: int, *, by_op: b
 _PRICED = frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
 
 
-def link_of(cost: Any, axis: int) -> int:
-    """The cluster layer whose link a collective on mesh `axis` of `cost`'s mesh occupies: the outermost layer
-    its groups cross (every rank's link of that layer is one shared resource; the simulator's ``layer_of``)."""
-    import numpy as np
-
-    groups = cost.mesh.groups(axis)
-    cluster = cost.mesh.cluster
-    nl = len(cluster.layers)
-    coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, nl)
-    varies = (coords.max(axis=1) != coords.min(axis=1)).any(axis=0)
-    return int(np.argmax(varies)) if varies.any() else nl - 1
-
-
 def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
     """The cost model's function of a bucket's collective."""
     return cost.all_reduce if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter

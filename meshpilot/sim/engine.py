@@ -18,7 +18,7 @@ import numpy as np
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write
 from meshpilot.ops import leading_collectives
-from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, collective_parts, grad_producers, link_of
+from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, collective_parts, grad_producers
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
 
 # program ops (tuples, for speed): (_COMPUTE, seconds, label) | (_ISSUE, key, label, axis) | (_WAIT, key, label)
@@ -344,7 +344,11 @@ class _Lowering:
     def layer_of(self, axis: int) -> int:
         """Outermost cluster layer the groups of mesh `axis` cross (their bottleneck link)."""
         if axis not in self._layer:
-            self._layer[axis] = link_of(self.cm, axis)
+            groups = self.lm.groups(axis)
+            nl = len(self.cluster.layers)
+            coords = self.cluster.coords(groups.reshape(-1)).reshape(*groups.shape, nl)
+            varies = (coords.max(axis=1) != coords.min(axis=1)).any(axis=0)
+            self._layer[axis] = int(np.argmax(varies)) if varies.any() else nl - 1
         return self._layer[axis]
 
     def program(self, rc: RankClass) -> list[tuple]:
