@@ -5,7 +5,8 @@ On an emulated 2 nodes x 4 ranks cluster (``meshpilot emulate``, root needed):
 1. plans: one GPT is planned several ways on the cluster file (--cluster): the solver's free choice, the
    solver on fixed meshes, forced data parallelism, ZeRO-3 and Megatron TP (``meshpilot.planner.forced``),
    some of them also with the ``overlap=True`` schedule. Each plan is saved to --out-dir/plans/, with its
-   closed-form step (``plan.time.total_s``) and its simulated step (``meshpilot.sim.simulate``) on the file;
+   closed-form step (``plan.time.overlapped_s``; serial: ``total_s``) and its simulated step
+   (``meshpilot.sim.simulate``) on the file;
 2. measure: ``benchmarks/fidelity_step_worker.py`` runs under ``emulate`` (8 ranks) and times the training
    step (forward + backward + AdamW) of every plan, round-robin, median over rounds of the slowest rank;
 3. calibrate: ``meshpilot probe`` runs under ``emulate`` on the same cluster (as ``bench_atp_emulated.py``
@@ -28,6 +29,7 @@ rank groups (``LogicalMesh`` matches calibration entries by groups: a col (4, 2)
     sudo python benchmarks/bench_fidelity.py                               # probe, plan, measure, report
     sudo python benchmarks/bench_fidelity.py --probed out/x.probed.toml     # reuse an earlier probe
     python benchmarks/bench_fidelity.py --plans-only                        # plans and predictions only
+    python benchmarks/bench_fidelity.py --reprice-run out/bench-fidelity/x  # an earlier run priced by this code
 
 See docs/benchmarks.md, section "Cost-model fidelity on an emulated cluster".
 """
@@ -71,6 +73,7 @@ PLANS = (
     PlanSpec("solver", "solver", None),
     PlanSpec("solver+overlap", "solver", None, overlap=True),
     PlanSpec("solver-2x4", "solver", (2, 4)),
+    PlanSpec("solver-4x2", "solver", (4, 2)),  # the free choice before the mesh search priced the buckets
     PlanSpec("dp-8x1", "data parallel", (8, 1)),
     PlanSpec("zero3-8x1", "ZeRO-3", (8, 1)),
     PlanSpec("megatron-2x4", "Megatron TP", (2, 4)),
@@ -109,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(one process: the cost model's compute terms without neighbours or communication)",
     )
     p.add_argument("--plans-only", action="store_true", help="plan and predict on --cluster (and --probed) only")
+    p.add_argument(
+        "--reprice-run",
+        type=Path,
+        metavar="DIR",
+        help="no new run: the plans, probed cluster and measured steps of an earlier --out-dir priced by this code",
+    )
     p.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     return p.parse_args(argv)
 
@@ -200,7 +209,8 @@ def make_plans(specs: Sequence[PlanSpec], cfg: dict, cluster: Any, folder: Path,
         out[spec.name] = (p, path)
         log(
             f"plan {spec.name}: mesh {p.mesh_shape} {p.mapping}, {len(p.collectives)} collectives, "
-            f"{len(p.zero)} ZeRO switches, closed form {p.time.total_s * 1e3:.1f} ms "
+            f"{len(p.zero)} ZeRO switches, {len(p.grad_buckets)} gradient buckets, closed form "
+            f"{p.time.overlapped_s * 1e3:.1f} ms (serial {p.time.total_s * 1e3:.1f}) "
             f"({time.perf_counter() - t0:.1f} s)"
         )
     return {"graph": graph, "plans": out}
@@ -246,16 +256,24 @@ def probe_cluster(cluster_file: Path, gemms: Path, out_dir: Path, args: argparse
 
 
 def predict(plans: dict, graph: Any, cluster: Any) -> dict:
-    """Closed-form and simulated step (and the closed form's split) of every plan, re-priced on `cluster`."""
+    """Closed-form and simulated step (and the closed form's split) of every plan, re-priced on `cluster`: as
+    the planner and simulator price it now (gradient buckets overlapped where the runtime overlaps them:
+    ``StepTime.overlapped_s``, ``meshpilot.sim``) and as they priced it before they priced the buckets
+    (``serial``: ``StepTime.total_s``, every collective exposed; the plan simulated without its buckets, one
+    collective per gradient at ``G``, which is what the simulator did with a bucketed plan then)."""
     from meshpilot.sim import simulate
 
     out = {}
     for name, (p, _) in plans.items():
         q = reprice(p, graph, cluster)
         sim = simulate(q, cluster=cluster)
+        unbucketed = dataclasses.replace(q, grad_buckets=(), time=dataclasses.replace(q.time, hidden_s=0.0))
         c = sim.classes[0]
         out[name] = {
-            "closed_s": q.time.total_s,
+            "closed_s": q.time.overlapped_s,
+            "closed_serial_s": q.time.total_s,
+            "sim_serial_s": simulate(unbucketed, cluster=cluster).step_s,
+            "buckets": len(q.grad_buckets),
             "compute_s": q.time.compute_s,
             "communication_s": q.time.communication_s,
             "resharding_s": q.time.resharding_s,
@@ -332,6 +350,8 @@ PREDICTORS = (
     ("sim_file", "simulated (file)"),
     ("closed_probed", "closed-form (probed)"),
     ("sim_probed", "simulated (probed)"),
+    ("closed_probed_serial", "closed-form (probed), buckets not priced"),
+    ("sim_probed_serial", "simulated (probed), buckets not priced"),
 )
 
 
@@ -360,6 +380,7 @@ def rows(
             "plan": str(path),
             "collectives": len(p.collectives),
             "zero_switches": len(p.zero),
+            "buckets": pred_file[s.name]["buckets"],
             "closed_file": pred_file[s.name]["closed_s"],
             "sim_file": pred_file[s.name]["sim_s"],
             "file": pred_file[s.name],
@@ -368,6 +389,8 @@ def rows(
             r |= {
                 "closed_probed": pred_probed[s.name]["closed_s"],
                 "sim_probed": pred_probed[s.name]["sim_s"],
+                "closed_probed_serial": pred_probed[s.name]["closed_serial_s"],
+                "sim_probed_serial": pred_probed[s.name]["sim_serial_s"],
                 "probed": pred_probed[s.name],
             }
         if s.name in meas:
@@ -452,8 +475,40 @@ def stats_lines(stats: dict) -> list[str]:
     return lines
 
 
+def reprice_run(folder: Path, cfg: dict) -> list[str]:
+    """An earlier run's plans (``folder``/plans), its probed cluster and its measured steps (``steps.json``),
+    priced again by this code: the markdown table and each predictor's statistics (before / after a pricing
+    change, on the same measurements)."""
+    from meshpilot.cluster import load_cluster
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.plan import Plan
+
+    steps = json.loads((folder / "steps.json").read_text())
+    meas = {r["name"]: r["median_s"] for r in steps["results"]}
+    plans = {n: (Plan.load(folder / "plans" / f"{n}.json").only, None) for n in meas}
+    (probed,) = folder.glob("*.probed.toml")
+    model, inputs = _model_and_inputs(cfg)
+    pred = predict(plans, capture(model, inputs), load_cluster(str(probed)))
+    keys = [("closed_s", "closed-form"), ("sim_s", "simulated")]
+    keys += [("closed_serial_s", "closed-form, buckets not priced"), ("sim_serial_s", "simulated, buckets not priced")]
+    lines = ["| plan | " + " | ".join(f"{label} (probed) ms" for _, label in keys) + " | measured ms |"]
+    lines.append("|---" * (len(keys) + 2) + "|")
+    for n, m in meas.items():
+        lines.append(f"| {n} | " + " | ".join(_ms(pred[n][k]) for k, _ in keys) + f" | {_ms(m)} |")
+    for k, label in keys:
+        f = fidelity([pred[n][k] for n in meas], list(meas.values()))
+        lines.append(
+            f"- {label} (probed): Spearman {f['spearman']:.3f}, median relative error "
+            f"{f['median_rel_error'] * 100:.1f} %, median predicted / measured {f['median_ratio']:.3f}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reprice_run:
+        print("\n".join(reprice_run(args.reprice_run, gpt_config(args))))
+        return 0
     from bench_atp_emulated import machine, markdown
     from rich.console import Console
     from rich.table import Table
@@ -487,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     made = make_plans(specs, cfg, cluster, args.out_dir / "plans", log=console.print)
     graph, plans = made["graph"], made["plans"]
     for name, (p, _) in plans.items():
-        again = reprice(p, graph, cluster).time.total_s
-        if not math.isclose(again, p.time.total_s, rel_tol=1e-9):
-            raise SystemExit(f"re-pricing {name} on its own cluster gives {again} s, not {p.time.total_s} s")
+        again = reprice(p, graph, cluster).time.overlapped_s
+        if not math.isclose(again, p.time.overlapped_s, rel_tol=1e-9):
+            raise SystemExit(f"re-pricing {name} on its own cluster gives {again} s, not {p.time.overlapped_s} s")
     pred_file = predict(plans, graph, cluster)
     gemms = args.out_dir / "gemms.json"
     console.print(f"{len(write_gemms(plans, graph, gemms))} distinct local GEMMs over the plans: {gemms}")

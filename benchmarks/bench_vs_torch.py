@@ -25,7 +25,9 @@ after its producer and waited for before its consumer).
 A step is forward + backward + AdamW (foreach) step + zero_grad on the full global batch, timed between two
 barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU
 seconds of the busiest rank's process in the step (all its threads: less sensitive to other jobs), the ratio
-to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced), and the
+to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced; with
+``--probed FILE``, a cluster ``meshpilot probe`` measured on this box, also the plan re-priced on it in closed
+form and simulated, each over the measured median), and the
 collectives one step ran (the torch profiler's ``gloo:*`` events: DDP's, FSDP's and DTensor's alike). One more
 step of each variant is split by the torch profiler into ATen compute, communication (issue + wait, as the
 calling thread sees it) and the rest (host: Python, DTensor dispatch, autograd)
@@ -87,6 +89,20 @@ def build(spec: dict, device: str, seed: int = 0):
 # ----------------------------------------------------------------------------------------------- parent
 
 
+def predictions(p, graph, probed) -> dict[str, float]:
+    """The plan's predicted step in ms on the cluster it was planned for (``StepTime.overlapped_s``) and, given
+    a `probed` cluster, re-priced on it (``accounting.reprice``) in closed form and simulated (``meshpilot.sim``)."""
+    out = {"predicted_ms": p.time.overlapped_s * 1e3}
+    if probed is not None:
+        from meshpilot.planner.accounting import reprice
+        from meshpilot.sim import simulate
+
+        q = reprice(p, graph, probed)
+        out["probed_ms"] = q.time.overlapped_s * 1e3
+        out["simulated_ms"] = simulate(q, cluster=probed).step_s * 1e3
+    return out
+
+
 def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, dict]:
     from bench_step_time import local_cluster, matmul_tflops
 
@@ -103,6 +119,11 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
     n = args.nproc
     tflops = args.tflops or matmul_tflops() * min(1.0, (os.cpu_count() or 1) / n)
     cluster = cluster_from_dict(local_cluster(n, tflops, args.gbps, args.latency_us), source="bench_vs_torch")
+    probed = None
+    if args.probed:
+        from meshpilot.cluster import load_cluster
+
+        probed = load_cluster(str(args.probed))
     out = {}
     for name, kw in (
         ("mp: DP", {"mesh_shape": (n,), "force": forced.data_parallel(built.model, built.inputs, (n,))}),
@@ -113,20 +134,19 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         p = plan(built.model, built.inputs, cluster, graph=graph, overlap=args.overlap, **kw)
         path = folder / (name.split()[-1] + ".json")
         p.save(path)
-        out[name] = {"path": str(path), "predicted_ms": p.time.overlapped_s * 1e3, "buckets": len(p.grad_buckets)}
+        out[name] = {"path": str(path), "buckets": len(p.grad_buckets)} | predictions(p, graph, probed)
         if args.big_buckets and name == "mp: DP":  # DDP's bucket size instead of the alpha-beta one
             big = with_buckets(p, graph, CostModel(LogicalMesh(cluster, (n,))), size=25 * 2**20)
             big.save(path.with_name(path.stem + "-big.json"))
             out[name + ", 25 MiB buckets"] = {
                 "path": str(path.with_name(path.stem + "-big.json")),
-                "predicted_ms": big.time.overlapped_s * 1e3,
                 "buckets": len(big.grad_buckets),
-            }
+            } | predictions(big, graph, probed)
         if args.unbucketed and name != "mp: solver":  # the same plan without buckets: one collective a gradient
             bare = dataclasses.replace(p, grad_buckets=(), time=dataclasses.replace(p.time, hidden_s=0.0))
             bare.save(path.with_name(path.stem + "-bare.json"))
             out[name + UNBUCKETED] = {"path": str(path.with_name(path.stem + "-bare.json")), "buckets": 0}
-            out[name + UNBUCKETED]["predicted_ms"] = bare.time.overlapped_s * 1e3
+            out[name + UNBUCKETED] |= predictions(bare, graph, probed)
         print(
             f"  {name}: mesh {p.mesh_shape}, {len(p.collectives)} planned collectives, {len(p.grad_buckets)} "
             f"gradient buckets, predicted {p.time.overlapped_s * 1e3:.0f} ms (serial {p.time.total_s * 1e3:.0f} ms), "
@@ -150,7 +170,7 @@ def run_model(key: str, args: argparse.Namespace, passthrough: list[str]) -> dic
             raise SystemExit(f"the {args.nproc}-process run of {key} failed (exit {proc.returncode})")
         res = json.loads(result.read_text())
     for name, p in plans.items():
-        res["variants"][name]["predicted_ms"] = p["predicted_ms"]
+        res["variants"][name].update({k: v for k, v in p.items() if k.endswith("_ms")})
     return res
 
 
@@ -161,9 +181,9 @@ def table(key: str, res: dict) -> list[str]:
     lines = [
         f"**{key}** ({res['label']}), {res['steps']} steps after {res['warmup']} warm-up, {res['world']} gloo ranks",
         "",
-        "| variant | median ms | CPU ms (busiest rank) | vs | ratio | predicted ms | collectives | "
-        "compute / comm / host ms (one profiled step) |",
-        "|---|---:|---:|---|---:|---:|---:|---|",
+        "| variant | median ms | CPU ms (busiest rank) | vs | ratio | predicted ms | probed: predicted / simulated"
+        " ms (pred / meas) | collectives | compute / comm / host ms (one profiled step) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for k in v:
         base = BASE.get(k)
@@ -173,9 +193,14 @@ def table(key: str, res: dict) -> list[str]:
         p = v[k].get("profile") or {}
         split = f"{p['compute_ms']:.0f} / {p['comm_ms']:.0f} / {p['other_ms']:.0f}" if p else ""
         pred = f"{v[k]['predicted_ms']:.0f}" if "predicted_ms" in v[k] else ""
+        probed = ""
+        if "probed_ms" in v[k]:
+            pr, sim = v[k]["probed_ms"], v[k]["simulated_ms"]
+            probed = f"{pr:.0f} / {sim:.0f} ({pr / med[k]:.2f} / {sim / med[k]:.2f})"
         colls = v[k]["collectives"]
         count = f"{sum(colls.values())} ({', '.join(f'{n} {c}' for c, n in sorted(colls.items()))})"
-        lines.append(f"| {k} | {med[k]:.0f} | {cpu[k]:.0f} | {base or ''} | {ratio} | {pred} | {count} | {split} |")
+        row = f"| {k} | {med[k]:.0f} | {cpu[k]:.0f} | {base or ''} | {ratio} | {pred} | {probed} | {count} | {split} |"
+        lines.append(row)
     diffs = {k: x["loss0_diff"] for k, x in v.items()}
     lines.append("")
     lines.append("|first loss - DDP's|: " + ", ".join(f"{k} {d:.1e}" for k, d in diffs.items()))
@@ -208,6 +233,12 @@ def main() -> int:
     ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
     ap.add_argument("--gbps", type=float, default=0.25, help="the solver's loopback bandwidth, GB/s")
     ap.add_argument("--latency-us", type=float, default=125.0, help="the solver's latency per ring step, µs")
+    ap.add_argument(
+        "--probed",
+        type=Path,
+        help="a cluster file `meshpilot probe` wrote on this box with --nproc ranks: every meshpilot plan is also "
+        "re-priced on it and simulated (predicted / measured per variant)",
+    )
     ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--plans", help=argparse.SUPPRESS)

@@ -22,6 +22,7 @@ from meshpilot.planner.auto import plan
 from meshpilot.planner.buckets import bucket_bytes, bucket_overlap, grad_move, with_buckets
 from meshpilot.planner.plan import Plan
 from meshpilot.sharding.placements import from_json
+from meshpilot.sharding.reshard import CollectiveKind
 
 CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, batch=8)
 CLUSTER = "atp-ic3"
@@ -196,7 +197,7 @@ def test_overlap_pricing_hides_all_but_the_tail():
     p = plan(model, inputs, CLUSTER, mesh_shape=(WORLD,), force=forced.data_parallel(model, inputs, (WORLD,)))
     assert p.grad_buckets and p.time.hidden_s > 0  # the planner's own buckets: fewer latencies at least
     p = with_buckets(p, graph, _cost(), BUCKET)
-    priced = bucket_overlap(p, graph, p.grad_buckets)
+    priced = bucket_overlap(p, p.grad_buckets, _cost(), in_backward=True)
     assert len(p.grad_buckets) >= 3
     # the last bucket is exposed, the earlier ones run behind the backward of the layers before them
     assert p.grad_buckets[-1].seconds <= priced.exposed_s + 1e-15 < priced.bucket_s
@@ -216,6 +217,9 @@ def test_old_plan_files_load_without_buckets():
     again = Plan.from_dict(d).only
     assert again.grad_buckets == p.grad_buckets
     st = d["stages"][0]["plan"] if "stages" in d else d
+    assert st["grad_buckets"][0]["kind"] in ("all_reduce", "reduce_scatter")  # the enum's value in the file
+    assert Plan.from_json(Plan.single(p).to_json()).only.grad_buckets == p.grad_buckets
+    assert isinstance(again.grad_buckets[0].kind, CollectiveKind)
     st.pop("grad_buckets", None)
     st["time"].pop("hidden_s", None)
     old = Plan.from_dict(d).only

@@ -66,6 +66,9 @@ CLUSTER = "atp-ic3"
 SCHEDULES = {"accumulate4": dict(microbatches=4), "overlapped": {}}
 SCHEDULE_MODELS = ("gpt", "bert", "moe", "wrn")
 SCHEDULE_MESH = {4: (2, 2), 8: (2, 4)}
+# gradient buckets on 8 ranks (issue 30): the GPT's data-parallel plan with small buckets, one more run of the spawn
+BUCKETED = ("gpt", {8: (8, 1)})
+BUCKET_BYTES = 16 * 1024
 
 
 class WideConvNet(nn.Module):
@@ -189,15 +192,32 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
             for kind, kw in SCHEDULES.items():
                 overlap = kind == "overlapped"
                 plans[(name, shape, kind)] = plan(model, inputs, CLUSTER, mesh_shape=shape, overlap=overlap, **kw)
+        if name == BUCKETED[0] and world in BUCKETED[1]:
+            plans[(name, BUCKETED[1][world], "bucketed")] = _small_buckets(model, inputs, graph, BUCKETED[1][world])
     return plans
 
 
+def _small_buckets(model, inputs, graph, shape):
+    """The data-parallel plan re-bucketed at ``BUCKET_BYTES``: its gradients in several buckets, each issued by
+    the backward after its last gradient (``planner.buckets``)."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.cluster.presets import load_cluster
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.buckets import with_buckets
+    from meshpilot.planner.forced import forced
+
+    p = plan(model, inputs, CLUSTER, mesh_shape=shape, force=forced("data_parallel", model, inputs, shape), graph=graph)
+    return with_buckets(p, graph, CostModel(LogicalMesh(load_cluster(CLUSTER), shape)), BUCKET_BYTES)
+
+
 def _plan_key(p) -> str:
-    """What a run depends on: mesh, every node's strategy, parameter and input layouts."""
+    """What a run depends on: mesh, every node's strategy, parameter and input layouts, schedule, buckets."""
     import json
 
     d = p.to_dict()
-    return json.dumps([d["mesh_shape"], d["mesh_ranks"], d["nodes"], d["params"], d["inputs"], d["schedule"]])
+    keys = ("mesh_shape", "mesh_ranks", "nodes", "params", "inputs", "schedule", "grad_buckets")
+    return json.dumps([d.get(k) for k in keys])
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -271,6 +291,8 @@ def _run_plan(name: str, plan, graph, ref: list[dict]) -> dict:
         opt.step()
         res["param"].append(_max_err((n, ref[step]["params"][n], p.detach()) for n, p in params.items()))
     res["mismatches"] = list(pm.mismatches)
+    prog = pm.program
+    res["buckets"] = (len(prog.buckets.buckets), prog.buckets_in_backward, prog.buckets_moved)
     return res
 
 
@@ -414,6 +436,28 @@ def test_own_strategies_are_exercised(runs):
         own = {n.target for n in p.nodes if n.source == "meshpilot"} - SHAPE_ONLY
         assert own == (emb | ce if name in ("gpt", "bert", "moe") else ce), (name, shape, own)
         assert any(c.src == c.dst for c in p.collectives), (name, shape)
+
+
+def test_gradient_buckets_are_issued_by_the_backward(runs):
+    """Every one-microbatch plan's gradient buckets (the planner's, and the small ones of the 8-rank bucketed
+    plan) are run by the backward program, each bucket's collective moved to right after its last gradient
+    where it was not there already; with 4 microbatches ``G`` runs them. The bucketed plan equals one device
+    (its collectives, one per bucket: ``test_collectives_match_the_plan``)."""
+    world, plans, results = runs
+    for key, p in plans.items():
+        in_backward = p.step_schedule().microbatches == 1
+        for rank, res in enumerate(results):
+            count, issued_by_backward, moved = res[key]["buckets"]
+            assert count == len(p.grad_buckets), (rank, key)
+            assert issued_by_backward == (in_backward and count > 0), (rank, key)
+            assert moved <= count and (moved > 0 or not issued_by_backward or count == 1), (rank, key, moved)
+    keys = [k for k in plans if k[2] == "bucketed"]
+    assert len(keys) == (world in BUCKETED[1])
+    for k in keys:
+        assert len(plans[k].grad_buckets) >= 3, plans[k].grad_buckets
+        assert all(res[k]["buckets"][2] >= len(plans[k].grad_buckets) - 1 for res in results)
+    if keys:
+        _check_equal(world, plans, results, keys)
 
 
 def test_ops_without_strategy_run_replicated_and_are_listed(runs):

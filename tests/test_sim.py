@@ -97,10 +97,10 @@ def test_two_rank_pipeline_chain_send_receive():
     assert _close(second.compute_s, 2 * MS) and _close(second.idle_s, 2 * MS)  # waited 0..2 ms for the send
 
 
-def test_ring_all_reduce_shares_its_link_with_an_all_gather():
-    """Both issued at 1 ms on the same link: each progresses at half speed. The all-gather (0.5 ms alone) ends
-    at 1 + 2 * 0.5 = 2 ms, the all-reduce (1 ms alone) at 1 + 0.5 + 1 = 2.5 ms (work conserving: 1.5 ms of
-    link time). n1 (1 ms) runs beside them, n2 (0.5 ms) waits for the all-reduce: step 3 ms."""
+def test_one_groups_collectives_run_in_issue_order():
+    """Both issued at 1 ms on mesh axis 0's process group, which runs one collective at a time (gloo's queue,
+    NCCL's stream): the all-reduce (1 ms) runs 1..2 ms, the all-gather (0.5 ms) 2..2.5 ms. n1 (1 ms) runs
+    beside them, n2 (0.5 ms) waits for both: step 3 ms."""
     plan = _plan(
         (2,),
         [("n0", "fwd", 1 * MS), ("n1", "fwd", 1 * MS), ("n2", "fwd", 0.5 * MS)],
@@ -110,9 +110,9 @@ def test_ring_all_reduce_shares_its_link_with_an_all_gather():
     assert _close(plan.collectives[0].seconds, 1 * MS) and _close(plan.collectives[1].seconds, 0.5 * MS)
     r = simulate(plan, cluster=_cluster(2))
     comm = {e.name.split()[0]: e for e in r.events if e.cat == "comm"}
-    assert _close(comm["all_gather@axis0"].start_s, 1 * MS) and _close(comm["all_gather@axis0"].dur_s, 1 * MS)
-    assert _close(comm["all_reduce@axis0"].start_s, 1 * MS) and _close(comm["all_reduce@axis0"].dur_s, 1.5 * MS)
-    assert _close(r.step_s, 3 * MS)  # without sharing the all-reduce would end at 2 ms: step 2.5 ms
+    assert _close(comm["all_reduce@axis0"].start_s, 1 * MS) and _close(comm["all_reduce@axis0"].dur_s, 1 * MS)
+    assert _close(comm["all_gather@axis0"].start_s, 2 * MS) and _close(comm["all_gather@axis0"].dur_s, 0.5 * MS)
+    assert _close(r.step_s, 3 * MS)
     (c,) = r.classes
     assert _close(c.compute_s, 2.5 * MS)
     assert _close(c.hidden_comm_s, 1 * MS) and _close(c.exposed_comm_s, 0.5 * MS)  # comm spans 1..2.5 ms
@@ -211,7 +211,15 @@ def tiny_plan():
     return meshpilot.plan(built.model, built.inputs, "atp-ic3", num_devices=4).only
 
 
+def _unbucketed(plan):
+    """`plan` without its gradient buckets: one collective per gradient at ``G``, nothing hidden."""
+    return dataclasses.replace(plan, grad_buckets=(), time=dataclasses.replace(plan.time, hidden_s=0.0))
+
+
 def test_trivial_schedule_equals_the_closed_form(tiny_plan):
+    """Without buckets nothing overlaps in the trivial step: the serial closed form. (With them: the
+    buckets' own tests, ``test_sim_buckets``.)"""
+    tiny_plan = _unbucketed(tiny_plan)
     r = simulate(tiny_plan)
     assert r.step_s == pytest.approx(tiny_plan.time.total_s, rel=REL)
     (c,) = r.classes
@@ -226,6 +234,7 @@ def test_trivial_schedule_equals_the_closed_form(tiny_plan):
 
 
 def test_overlapped_and_accumulated_schedules(tiny_plan):
+    tiny_plan = _unbucketed(tiny_plan)
     trivial = simulate(tiny_plan)
     over = simulate(tiny_plan, schedule=overlapped(tiny_plan))
     assert over.step_s <= trivial.step_s * (1 + REL)
@@ -235,6 +244,47 @@ def test_overlapped_and_accumulated_schedules(tiny_plan):
     acc = simulate(tiny_plan, schedule=accumulate(4, 2))
     grads = sum(c.seconds for c in tiny_plan.collectives if c.dst.startswith("grad:"))
     assert acc.step_s == pytest.approx(2 * trivial.step_s - grads - tiny_plan.time.optimizer_s, rel=REL)
+
+
+def test_a_data_parallel_plans_buckets_priced_as_simulated():
+    """A forced data-parallel GPT (no collective in its backward beside a bucket: the loss' token count is
+    all-reduced before the first bucket is issued): its planner's buckets run
+    behind the backward, and the planner's predicted step (``StepTime.overlapped_s``) is the simulated step;
+    with two microbatches ``G`` synchronises them: the closed form of the unbucketed plan, less the
+    per-gradient collectives, plus the buckets' span at ``G`` (``bucket_overlap`` with nothing to hide
+    behind)."""
+    import meshpilot
+    from meshpilot.cli.plan import build_model
+    from meshpilot.planner.buckets import bucket_overlap, grad_producers
+    from meshpilot.planner.forced import data_parallel
+
+    built = build_model("gpt-tiny", device="meta")
+    force = data_parallel(built.model, built.inputs, (4, 1))
+    plan = meshpilot.plan(built.model, built.inputs, "atp-ic3", mesh_shape=(4, 1), force=force).only
+    assert plan.grad_buckets and plan.time.hidden_s > 0
+    at = {n.name: i for i, n in enumerate(plan.nodes)}
+    first = min(at[grad_producers(plan)[p]] for b in plan.grad_buckets for p in b.params)
+    assert all(at[c.dst] < first for c in plan.collectives if c.phase == "bwd" and not c.dst.startswith("grad:"))
+    r = simulate(plan)
+    assert r.step_s == pytest.approx(plan.time.overlapped_s, rel=REL)
+    assert meshpilot.Plan.single(plan).step_s == plan.time.overlapped_s
+    acc = simulate(plan, schedule=accumulate(4, 2))
+    plain = simulate(_unbucketed(plan), schedule=accumulate(4, 2))
+    at_g = bucket_overlap(plan, plan.grad_buckets, _cost_of(plan), in_backward=False).exposed_s
+    grads = sum(c.seconds for c in plan.collectives if c.dst.startswith("grad:"))
+    assert at_g < grads  # fewer latencies
+    assert acc.step_s == pytest.approx(plain.step_s - grads + at_g, rel=REL)
+
+
+def _cost_of(plan):
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+
+    return CostModel(
+        LogicalMesh(
+            load_cluster(plan.cluster), tuple(plan.mesh_shape), np.asarray(plan.mesh_ranks).reshape(plan.mesh_shape)
+        )
+    )
 
 
 def test_duplex_overlap_ratio(tiny_plan, tmp_path):

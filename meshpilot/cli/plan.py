@@ -578,7 +578,7 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
             # the whole batch at once (today's one-stage plan); --microbatches is the pipeline's
             whole_batch = argparse.Namespace(**{**vars(args), "microbatches": None})
             one = one_stage_plan(whole_batch, cluster, n, None, None, memory, progress)
-            why_one = f"one stage (SPMD on all {n} devices): predicted step {fmt_s(one[0].time.total_s)}"
+            why_one = f"one stage (SPMD on all {n} devices): predicted step {fmt_s(one[0].time.overlapped_s)}"
         except PlanError as e:
             why_one = f"one stage: {e}"
     try:
@@ -596,7 +596,7 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
         if one is None:
             raise PlanError(f"{why_one}; and no pipeline fits: {e}") from None
         staged, pp_s, why_pp = None, math.inf, f"a pipeline, of which none fits: {e}"
-    weighed = weigh(one[0].time.total_s if one else None, pp_s if staged else None, why_one, why_pp)
+    weighed = weigh(one[0].time.overlapped_s if one else None, pp_s if staged else None, why_one, why_pp)
     if weighed.choice is Choice.PIPELINE:
         return staged.finish(args, cluster, progress, note=weighed.why)
     plan, g1, b1 = one

@@ -668,7 +668,7 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     )
     nodes = tuple(dataclasses.replace(n, seconds=acct.node_seconds[n.name]) for n in plan.nodes)
     out = dataclasses.replace(plan, cluster=cl.name, nodes=nodes, collectives=acct.collectives, time=acct.time)
-    return repriced_buckets(out, graph, resharder.cost_model)  # the same buckets, their overlap priced again
+    return repriced_buckets(out, resharder.cost_model)  # the same buckets, their overlap priced again
 
 
 def plan_strategies(plan: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner import recompute as recompute_choice
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
-from meshpilot.planner.buckets import with_buckets
+from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
@@ -280,6 +280,8 @@ class _ShapeSearch:
                 self.tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
                 continue
             cand = t.candidate
+            # compared by the step it runs: its gradient buckets' overlap priced (planner.buckets)
+            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, self.edges)
             self.build_s += cand.build_s
             self.solve_s += cand.solve_s
             self.post_s += cand.post_s

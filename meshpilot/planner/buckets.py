@@ -27,26 +27,45 @@ never hidden, and a bucket's collective cannot start before its last gradient. S
 25 MiB default is the top). On this repository's 4 gloo ranks over loopback (alpha 125 us, B' 0.25 GB/s) that
 is about 1.1 MB.
 
-**Overlap (pricing).** With one microbatch the buckets run on one communication stream during the backward:
-bucket ``k`` starts at ``s_k = max(r_k, e_{k-1})`` where ``r_k`` is the moment its last gradient is produced
-(the backward's node seconds and non-gradient collectives, in graph order, up to that node) and ends at
-``e_k = s_k + T_k``. What the step still waits for is ``max(0, e_last - t_backward)``; the rest of ``sum T_k``
-is hidden: :attr:`BucketOverlap.hidden_s`, kept in the plan as ``StepTime.hidden_s`` (``StepTime.overlapped_s``
-is the predicted step with it; ``StepTime.total_s`` stays the serial step the searchers minimise, which do not
-see buckets yet). With several microbatches the buckets are synchronised once after
-the last backward (nothing hidden; fewer latencies only).
+**Overlap (pricing).** Where a step runs the backward once (:func:`backward_issues_buckets`: one microbatch,
+no ``I``/``W`` split) the backward issues bucket ``k`` the moment its last gradient exists and waits for every
+bucket at its end (``meshpilot.runtime.program``); elsewhere ``G`` issues them all after the last backward and
+waits for them. A mesh axis' process group runs one collective at a time, in issue order (gloo's work queue,
+NCCL's stream), so a bucket starts when it is issued and its group's previous collective is done — and a
+collective of the backward itself (tensor parallelism, ZeRO-3's gathers) on that group waits for the buckets
+issued before it, delaying the backward. :func:`bucket_overlap` walks the backward as the simulator lowers it
+(:func:`_own_collectives`: node seconds, its own collectives blocking where the plan places them) with a queue
+per group (:class:`_Groups`): with ``T_k`` bucket ``k``'s time (:func:`collective_parts`, the simulator's), ``f_k``
+its busy factor (``CostModel.busy_factor``; 1 on GPUs), ``r_k`` the moment its last gradient is ready and
+``adv(t, x)`` the moment ``x`` alone-seconds started at ``t`` are done (rate ``1/f_k`` in the backward's compute
+spans, 1 elsewhere: :func:`_progress`),
+
+    e_k = adv(max(r_k, e_prev), T_k)     (e_prev: the group's previous collective's end; at ``G``: r_k = 0)
+
+a blocking collective ``c`` of the backward runs ``max(t, e_prev) .. + T_c`` and the compute stream resumes
+after it. The step then waits ``(t_backward - t_alone) + max(0, max_k e_k - t_backward)`` for the buckets:
+how much they delayed the backward (``t_alone``: its end with no bucket ahead of its collectives) and what
+runs after it (at ``G``: ``max_k e_k``). Equal to the simulated step (``tests/test_sim_buckets.py``,
+``test_sim``) but where the simulator shares a cluster layer's link between two groups' transfers at once
+(processor sharing), which this closed form does not model. The serial step's per-gradient collectives cost
+beyond that is hidden: :attr:`BucketOverlap.hidden_s`, kept as ``StepTime.hidden_s``; the predicted step
+``StepTime.overlapped_s`` is what the mesh search compares (:func:`choice_hidden_s`).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from meshpilot.graph.capture import OpGraph, Phase
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase
+from meshpilot.ops import leading_collectives
+from meshpilot.planner.schedule import ActionKind
 from meshpilot.sharding.placements import from_json
 from meshpilot.sharding.reshard import CollectiveKind
 
@@ -63,8 +82,8 @@ class GradBucket:
 
     params: tuple[str, ...]
     """Parameter names, in the order the backward produces their gradients."""
-    kind: str
-    """``all_reduce`` or ``reduce_scatter`` (a ``CollectiveKind`` value)."""
+    kind: CollectiveKind
+    """``ALL_REDUCE`` or ``REDUCE_SCATTER`` (stored in plan files as its value)."""
     axis: int
     """The mesh axis it runs over."""
     nbytes: int
@@ -166,8 +185,7 @@ def plan_buckets(graph: OpGraph, plan: Any, cost: Any, size: int | None = None) 
     done.sort(key=lambda x: x[0])
     out = []
     for _, (kind, axis, _), (params, nbytes) in done:
-        sec = cost.all_reduce(nbytes, axis) if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter(nbytes, axis)
-        out.append(GradBucket(tuple(params), str(kind), axis, nbytes, sec))
+        out.append(GradBucket(tuple(params), kind, axis, nbytes, bucket_fn(cost, kind)(nbytes, axis)))
     return tuple(out)
 
 
@@ -180,7 +198,7 @@ class BucketOverlap:
     replaced_s: float
     """The per-gradient collectives they replace (what the serial step priced)."""
     exposed_s: float
-    """What the step still waits for after the backward."""
+    """What the step still waits for after the backward (or, synchronised at ``G``, the buckets' span there)."""
 
     @property
     def hidden_s(self) -> float:
@@ -188,53 +206,238 @@ class BucketOverlap:
         return self.replaced_s - self.exposed_s
 
 
-def bucket_overlap(plan: Any, graph: OpGraph, buckets: Sequence[GradBucket], microbatches: int = 1) -> BucketOverlap:
-    """Price `buckets` in `plan`'s step (module docstring, *Overlap*)."""
+def backward_issues_buckets(schedule: Any) -> bool:
+    """Whether a step of `schedule` runs a stage's backward program exactly once (one microbatch, the backward
+    not cut into ``I`` and ``W``), so the backward issues each bucket right after its last gradient; otherwise
+    ``G`` issues every bucket after the last backward. ``meshpilot.runtime.program`` decides by this rule, and
+    the pricing here and the simulator follow it."""
+    if schedule is None or schedule.microbatches != 1:
+        return False
+    split = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    return not any(a.kind in split for c in schedule.classes for a in c.actions)
+
+
+def latency_work(cost_fn: Callable[[float, int], float], nbytes: float, axis: int) -> tuple[float, float]:
+    """(latency ``L``, bandwidth part ``W``) of a collective whose time is ``cost_fn(nbytes, axis)``: ``L = 2 t(M)
+    - t(2M)`` clamped to ``[0, t]`` (exact while one algorithm wins at M and 2M), ``W = t - L``."""
+    t, t2 = cost_fn(nbytes, axis), cost_fn(2 * nbytes, axis)
+    lat = min(max(2 * t - t2, 0.0), t)
+    return lat, t - lat
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A collective as the simulator runs it: a latency off the link, a bandwidth part on it, and how many
+    times slower both progress while its rank computes."""
+
+    latency_s: float
+    work_s: float
+    busy: float = 1.0
+
+
+def collective_parts(cost: Any, kind: str, nbytes: float, axis: int, *, by_op: bool, seconds: float) -> Parts:
+    """:class:`Parts` of a collective of `kind` and `nbytes` on mesh `axis`, as issued (``reshard.as_issued``:
+    a CPU mesh's all-to-all resharding is an all-gather), split by :func:`latency_work`; a kind the cost model
+    does not price (a send): its `seconds`, all on the link. The one split of the simulator (``meshpilot.sim``,
+    *Durations*) and of this module's pricing."""
+    from meshpilot.sharding.reshard import as_issued
+
+    if kind not in _PRICED:
+        return Parts(0.0, float(seconds))
+    kind, nbytes = as_issued(CollectiveKind(kind), nbytes, cost.mesh.shape[axis], cost.device.is_cpu and not by_op)
+    lat, work = latency_work(getattr(cost, kind), nbytes, axis)
+    return Parts(lat, work, cost.busy_factor(nbytes, axis))
+
+
+_PRICED = frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
+
+
+def bucket_fn(cost: Any, kind: CollectiveKind) -> Callable[[float, int], float]:
+    """The cost model's function of a bucket's collective."""
+    return cost.all_reduce if kind == CollectiveKind.ALL_REDUCE else cost.reduce_scatter
+
+
+def _own_collectives(plan: Any) -> tuple[dict[str, list], dict[str, list], list]:
+    """The backward's collectives but the gradients' (``grad:``), as the simulator places them: (before a node,
+    after a node, after the backward's last node). An edge's before its consumer; an op's own after it, the
+    first ``OwnOp.leading`` of them before it; one whose consumer is no node (a buffer's) at the end."""
+    pre: dict[str, list] = {}
+    post: dict[str, list] = {}
+    tail: list = []
+    own: dict[str, int] = {}
+    names = {n.name: n for n in plan.nodes}
+    for c in plan.collectives:
+        if c.phase != Phase.BWD.value or c.dst.startswith("grad:"):
+            continue
+        if c.dst not in names:
+            tail.append(c)
+        elif c.src == c.dst:
+            k = own[c.dst] = own.get(c.dst, -1) + 1
+            (pre if k < leading_collectives(names[c.dst].target) else post).setdefault(c.dst, []).append(c)
+        else:
+            pre.setdefault(c.dst, []).append(c)
+    return pre, post, tail
+
+
+class _Groups:
+    """Each mesh axis' process group runs its collectives one at a time, in the order they are issued (gloo's
+    work queue, NCCL's stream): a collective starts when it is issued and the group's previous one is done,
+    and takes its alone-time, ``busy`` times slower while the rank computes (``spans``, known up to the moment
+    an answer is asked for: a rank waiting for a group computes nothing until the group is done)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self.free: dict[int, float] = {}
+        self.queued: dict[int, list[tuple[float, float, float]]] = {}
+
+    def issue(self, axis: int, at: float, seconds: float, busy: float) -> None:
+        self.queued.setdefault(axis, []).append((at, seconds, busy))
+
+    def done(self, axis: int) -> float:
+        """When everything issued on `axis` so far ends."""
+        t = self.free.get(axis, 0.0)
+        for at, seconds, busy in self.queued.pop(axis, ()):
+            t = _progress(max(at, t), seconds, [(a, b, busy) for a, b in self.spans])
+        self.free[axis] = t
+        return t
+
+
+def _progress(start: float, amount: float, segments: Sequence[tuple[float, float, float]]) -> float:
+    """When `amount` seconds of a transfer's alone-time are done, started at `start`: ``segments`` (sorted,
+    disjoint ``(from, to, slowdown)``) slow it by their factor, 1 elsewhere."""
+    t, left = start, amount
+    for a, b, slow in segments[max(0, bisect.bisect_right(segments, (t, math.inf, math.inf)) - 1) :]:
+        if b <= t:
+            continue
+        if a > t:
+            if left <= a - t:
+                return t + left
+            left -= a - t
+            t = a
+        if left * slow <= b - t:
+            return t + left * slow
+        left -= (b - t) / slow
+        t = b
+    return t + left
+
+
+def grad_producers(plan: Any) -> dict[str, str]:
+    """Parameter name -> the node whose output is its gradient (the ``src`` of its ``grad:`` collectives)."""
+    return {c.dst[5:]: c.src for c in plan.collectives if c.dst.startswith("grad:")}
+
+
+def _seconds(cost: Any, c: Any) -> tuple[float, float]:
+    """(alone seconds, busy factor) of a planned collective or a bucket (:func:`collective_parts`)."""
+    kind, by_op = c.kind, getattr(c, "issued_by_op", False)
+    parts = collective_parts(cost, kind, c.nbytes, c.axis, by_op=by_op, seconds=c.seconds)
+    return parts.latency_s + parts.work_s, parts.busy
+
+
+def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backward: bool) -> BucketOverlap:
+    """Price `buckets` in `plan`'s step on the cost model `cost` (module docstring, *Overlap*): issued by the
+    backward (`in_backward`) or all at ``G``."""
     bucketed = {p for b in buckets for p in b.params}
     replaced = sum(c.seconds for c in plan.collectives if c.dst.startswith("grad:") and c.dst[5:] in bucketed)
     total = sum(b.seconds for b in buckets)
-    if microbatches > 1 or not buckets:
-        return BucketOverlap(total, replaced, total)
-    before: dict[str, float] = {}
-    for c in plan.collectives:
-        if c.phase == Phase.BWD.value and not c.dst.startswith("grad:"):
-            before[c.dst] = before.get(c.dst, 0.0) + c.seconds
-    t, ready = 0.0, {}
-    for n in plan.nodes:
-        if n.phase != Phase.BWD.value:
-            continue
-        t += n.seconds + before.get(n.name, 0.0)
-        ready[n.name] = t
-    producer = {fqn: g[0] for fqn, g in graph.grads.items() if g is not None}
-    end = 0.0
+    if not buckets:
+        return BucketOverlap(0.0, replaced, 0.0)
+    groups = _Groups()
+    if not in_backward:
+        for b in buckets:
+            groups.issue(b.axis, 0.0, *_seconds(cost, b))
+        return BucketOverlap(total, replaced, max(groups.done(a) for a in {b.axis for b in buckets}))
+    producer = grad_producers(plan)
+    at: dict[str, list[GradBucket]] = {}
     for b in buckets:
-        start = max(ready.get(producer[b.params[-1]], 0.0) if b.params else 0.0, end)
-        end = start + b.seconds
-    return BucketOverlap(total, replaced, min(total, max(0.0, end - t)))
+        at.setdefault(producer.get(b.params[-1], ""), []).append(b)
+    pre, post, tail = _own_collectives(plan)
+    t = alone = 0.0  # the backward's end so far, and what it would be with no bucket ahead of its collectives
+
+    def block(cs) -> None:  # the compute stream waits for each: its group drains first
+        nonlocal t, alone
+        for c in cs:
+            seconds, _ = _seconds(cost, c)
+            t = max(t, groups.done(c.axis)) + seconds
+            alone += seconds
+            groups.free[c.axis] = t
+
+    bwd = [n for n in plan.nodes if n.phase == Phase.BWD.value]
+    for b in [*at.pop("", ()), *(b for n in plan.nodes if n.phase != Phase.BWD.value for b in at.pop(n.name, ()))]:
+        groups.issue(b.axis, 0.0, *_seconds(cost, b))  # a gradient the forward already holds
+    for n in bwd:
+        block(pre.get(n.name, ()))
+        if n.seconds > 0:
+            groups.spans.append((t, t + n.seconds))
+            t += n.seconds
+            alone += n.seconds
+        block(post.get(n.name, ()))
+        for b in at.get(n.name, ()):
+            groups.issue(b.axis, t, *_seconds(cost, b))
+    block(tail)
+    last = max(groups.done(a) for a in {b.axis for b in buckets})
+    return BucketOverlap(total, replaced, (t - alone) + max(0.0, last - t))
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A searcher's choice read as the parts of a ``StagePlan`` that :func:`plan_buckets` and
+    :func:`bucket_overlap` read: nodes (name, target, phase, seconds, output layouts), the parameters'
+    layouts, the accounting's collectives."""
+
+    mesh_shape: tuple[int, ...]
+    nodes: tuple[Any, ...]
+    collectives: tuple[Any, ...]
+    layouts: dict[str, Any]
+    _index: dict[str, Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+
+    def node(self, name: str) -> Any:
+        return self._index[name]
+
+    def param_layout(self, fqn: str) -> Any:
+        return self.layouts[fqn]
+
+
+def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, microbatches: int, edges: Any) -> float:
+    """``StepTime.hidden_s`` of the plan the strategies `chosen` (by node) make on `resharder`'s mesh: its
+    buckets (:func:`plan_buckets`) priced as the runtime runs them (:func:`bucket_overlap`; one microbatch: in
+    the backward). The mesh search subtracts it from a candidate's serial step, so shapes and mappings are
+    compared by the step they run (``planner.auto``)."""
+    from meshpilot.planner.accounting import ComputeCost, account
+    from meshpilot.planner.plan import NodeChoice
+    from meshpilot.sharding.placements import to_json
+
+    cost = resharder.cost_model
+    shape = tuple(resharder.mesh_shape)
+    acct = account(graph, chosen, resharder, ComputeCost(cost, shape, graph), microbatches, edges)
+    nodes = []
+    for n in graph.nodes:
+        outs = tuple(tuple(to_json(p)) if p is not None else None for p in chosen[n.name].outs)
+        nodes.append(NodeChoice(n.name, n.target, n.kind, (), outs, "", n.phase, acct.node_seconds[n.name]))
+    layouts = {n.fqn: chosen[n.name].outs[0] for n in graph.nodes if n.kind == NodeKind.PARAM}
+    view = _Choice(shape, tuple(nodes), tuple(acct.collectives), layouts)
+    buckets = plan_buckets(graph, view, cost)
+    return bucket_overlap(view, buckets, cost, microbatches == 1).hidden_s
 
 
 def with_buckets(plan: Any, graph: OpGraph, cost: Any, size: int | None = None) -> Any:
     """`plan` (a ``StagePlan`` of `graph`) with its gradient buckets (:func:`plan_buckets` on the cost model
     `cost`) and their overlap priced into its time (``StepTime.hidden_s``)."""
-    return _priced(plan, graph, plan_buckets(graph, plan, cost, size))
+    return _priced(plan, plan_buckets(graph, plan, cost, size), cost)
 
 
-def repriced_buckets(plan: Any, graph: OpGraph, cost: Any) -> Any:
+def repriced_buckets(plan: Any, cost: Any) -> Any:
     """`plan`'s buckets (the same gradients) priced on the cost model `cost` (``accounting.reprice``)."""
     buckets = tuple(
-        dataclasses.replace(
-            b,
-            seconds=cost.all_reduce(b.nbytes, b.axis)
-            if b.kind == CollectiveKind.ALL_REDUCE
-            else cost.reduce_scatter(b.nbytes, b.axis),
-        )
-        for b in plan.grad_buckets
+        dataclasses.replace(b, seconds=bucket_fn(cost, b.kind)(b.nbytes, b.axis)) for b in plan.grad_buckets
     )
-    return _priced(plan, graph, buckets)
+    return _priced(plan, buckets, cost)
 
 
-def _priced(plan: Any, graph: OpGraph, buckets: tuple[GradBucket, ...]) -> Any:
-    priced = bucket_overlap(plan, graph, buckets, plan.step_schedule().microbatches)
+def _priced(plan: Any, buckets: tuple[GradBucket, ...], cost: Any) -> Any:
+    priced = bucket_overlap(plan, buckets, cost, backward_issues_buckets(plan.step_schedule()))
     time = dataclasses.replace(plan.time, hidden_s=priced.hidden_s)
     return dataclasses.replace(plan, grad_buckets=buckets, time=time)
 
@@ -244,8 +447,14 @@ __all__ = [
     "BucketOverlap",
     "GradBucket",
     "GradMove",
+    "backward_issues_buckets",
     "bucket_bytes",
+    "bucket_fn",
     "bucket_overlap",
+    "choice_hidden_s",
+    "collective_parts",
+    "grad_producers",
+    "latency_work",
     "grad_move",
     "plan_buckets",
     "repriced_buckets",

@@ -30,7 +30,7 @@ middle block once per block of the model.
 
 3. The choice — :class:`Choice`
 -------------------------------
-The one-stage plan's predicted step (``Plan.time.total_s``) against the pipeline's simulated step
+The one-stage plan's predicted step (``Plan.time.overlapped_s``) against the pipeline's simulated step
 (``Plan.simulate``: Eq. 2's stages under the schedule, each boundary's transfer sent): the smaller
 wins; :class:`Weighed` keeps both and why, and the CLI prints it.
 """

@@ -138,13 +138,14 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        """The serial step: every collective exposed (what the searchers minimise and compare)."""
+        """The serial step: every collective exposed (what the ILP's linear objective prices)."""
         return self.compute_s + self.communication_s + self.resharding_s + self.optimizer_s
 
     @property
     def overlapped_s(self) -> float:
-        """The step the runtime takes with the gradient buckets issued during the backward: :attr:`total_s`
-        less :attr:`hidden_s`."""
+        """The predicted step, the gradient buckets priced as the runtime runs them (in the backward or at
+        ``G``): :attr:`total_s` less :attr:`hidden_s`. What the mesh search compares, ``Plan.step_s`` of a
+        one-stage plan, and what the simulator gives for a plan whose backward has no collective of its own."""
         return self.total_s - self.hidden_s
 
 
@@ -369,7 +370,7 @@ class StagePlan:
         out: Counter = Counter()
         bucketed = {f"grad:{p}" for b in self.grad_buckets for p in b.params}
         for b in self.grad_buckets if phase in (None, "bwd") else ():
-            out[(CollectiveKind(b.kind), self.axis_name(b.axis), b.nbytes)] += 1
+            out[(b.kind, self.axis_name(b.axis), b.nbytes)] += 1
         for c in self.collectives:
             if (phase is not None and c.phase != phase) or c.dst in bucketed:
                 continue
@@ -563,7 +564,7 @@ class StagePlan:
             fallbacks=tuple(Fallback(**f) for f in d.get("fallbacks", ())),
             schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None,
             grad_buckets=tuple(
-                GradBucket(tuple(b["params"]), b["kind"], b["axis"], b["nbytes"], b.get("seconds", 0.0))
+                GradBucket(tuple(b["params"]), CollectiveKind(b["kind"]), b["axis"], b["nbytes"], b.get("seconds", 0.0))
                 for b in d.get("grad_buckets", ())
             ),
             recompute=_recompute_of(d.get("recompute")),
@@ -894,9 +895,9 @@ class Plan:
     def step_s(self) -> float:
         """Eq. 2: Σ t_i + (B − 1) · max t_i, i.e. B · max t_i + the bubble (Interleaved1F1B: with the groups'
         times for max t_i and its v-fold smaller bubble; Narayanan et al. §2.2); a one-stage plan's predicted
-        step (``StagePlan.time``)."""
+        step (``StagePlan.time.overlapped_s``: its gradient buckets priced as they run)."""
         if self.is_single and self.stages[0].plan is not None:
-            return self.only.time.total_s
+            return self.only.time.overlapped_s
         return self.microbatches * self.max_s + self.bubble_s
 
     @property

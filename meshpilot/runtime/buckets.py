@@ -57,7 +57,7 @@ class BucketSync:
                 g = graph.grads[fqn]
                 held = from_json(plan.node(g[0]).outs[g[1]])
                 move = grad_move(held, plan.param_layout(fqn), graph[g[0]].outputs[g[1]].shape, plan.mesh_shape)
-                if move is None or move.axis != b.axis or move.kind != CollectiveKind(b.kind):
+                if move is None or move.axis != b.axis or move.kind != b.kind:
                     raise RuntimeError(f"meshpilot internal error: bucket of {b.params} does not match {fqn}'s layouts")
                 members.append(_Member(fqn, move))
             self.buckets.append(b)

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
+from meshpilot.planner.buckets import backward_issues_buckets
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
@@ -131,7 +132,7 @@ class StageProgram:
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
         self.buckets = BucketSync(interp.plan, g, interp.mesh, trainable)
         """The plan's gradient buckets of this stage (``runtime.buckets``)."""
-        self.buckets_in_backward = bool(self.buckets) and _backward_once(schedule)
+        self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
         """Whether the backward program issues the buckets (one backward a step: each bucket as soon as its
         last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
         self.buckets_moved = 0
@@ -453,15 +454,6 @@ def synced_grads(
             value = wrap_local(local[fqn], interp.mesh, held, graph[g[0]].fx_node.meta["val"])
             out.append(redistribute(value, plan.param_layout(fqn)).to_local())
     return tuple(out)
-
-
-def _backward_once(schedule: Schedule | None) -> bool:
-    """Whether a step runs the stage's backward program exactly once (one microbatch, not cut into ``I`` and
-    ``W``): then it can synchronise the gradient buckets itself."""
-    if schedule is None or schedule.microbatches != 1:
-        return False
-    split = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-    return not any(a.kind in split for c in schedule.classes for a in c.actions)
 
 
 def _val(node) -> torch.Tensor:

@@ -40,7 +40,7 @@ class Throughput:
     peak_flops: float = 0.0
     """Peak FLOP/s of one planned device (``Plan.peak_flops``); 0: unknown."""
     planned_s: float = 0.0
-    """The plan's predicted step (``Plan.time.total_s``); 0: no plan."""
+    """The plan's predicted step (``Plan.step_s``); 0: no plan."""
     cluster: str = ""
 
     @classmethod

@@ -21,6 +21,12 @@ op (the first ``OwnOp.leading`` of them before it: an expert-parallel MoE's coun
 those a stage early and waits for its combine a stage late, so the other microbatch computes beside them),
 the loss' and buffers' at the end of the forward, the gradients' (``grad:``) at ``G``, once per step,
 followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
+*Gradient buckets* (``StagePlan.grad_buckets``, ``meshpilot.planner.buckets``) replace their gradients'
+``grad:`` collectives and run as the runtime runs them: where a step runs the backward once
+(``buckets.backward_issues_buckets``: one microbatch, no ``I``/``W`` split) the backward issues bucket ``k``
+right after the node that produces its last gradient (the ``src`` of that gradient's ``grad:`` collective) and
+waits for every bucket at its end, so they run beside the rest of the backward; otherwise ``G`` issues all of
+them, then waits for them, before the other gradients' collectives (:meth:`_Lowering._buckets`).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.
 
@@ -28,14 +34,19 @@ followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
 ``meshpilot.cluster.cost``: the fastest algorithm, already counting every group of the axis running at once,
 ATP Eq. 3). It splits into a latency part ``L`` and a bandwidth part ``W = t - L``, read off the cost model
 itself as ``L = 2 t(M) - t(2M)`` (exact while one algorithm wins at M and 2M; clamped to ``[0, t]``) in
-:meth:`_Lowering.duration`. A send takes ``CostModel.send_recv_ranks``.
+:meth:`_Lowering.duration` (``planner.buckets.latency_work``, the split the planner's bucket pricing uses
+too). A send takes ``CostModel.send_recv_ranks``.
+
+*Groups.* A mesh axis' process group runs one collective at a time, in the order its rank issues them (gloo's
+work queue, NCCL's stream): a collective issued while its group runs another waits for it
+(:meth:`_Sim._in_group`; a rank class's queue, so a straggler's group members are not synchronised by it).
 
 *Links, processor sharing.* A transfer occupies the link of the outermost layer its group crosses
 (:meth:`_Lowering.layer_of`), per rank: ``(sim rank, layer)`` in :class:`_Link`. After ``L`` it joins the
 link; with ``k`` transfers active each progresses at rate ``1/k`` (processor sharing): at every event
 ``remaining_i -= (now - last) / k`` and the next completion is ``now + k * min(remaining)``
 (:meth:`_Link.advance`, :meth:`_Link.next_finish`). Alone, a transfer takes exactly ``t``; two of ``t1 <= t2``
-issued together end at ``2 t1`` and ``t1 + t2``.
+(of two groups) issued together end at ``2 t1`` and ``t1 + t2``.
 
 *Contention* (CPU devices). A collective's busy factor ``f`` (``CostModel.busy_factor``: the axis' all-reduce
 measured while every rank computes over the same alone, ``Calibration.busy_curve``; 1 on GPUs and without the

@@ -7,6 +7,7 @@ import heapq
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +18,19 @@ import numpy as np
 from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write
 from meshpilot.ops import leading_collectives
+from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, collective_parts, grad_producers
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
-
-_COST_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 # program ops (tuples, for speed): (_COMPUTE, seconds, label) | (_ISSUE, key, label, axis) | (_WAIT, key, label)
 # | (_SEND, key, label, peer) | (_RECV, key, label)
 _COMPUTE, _ISSUE, _WAIT, _SEND, _RECV = range(5)
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Gradient bucket `k` of the plan (``StagePlan.grad_buckets``) where a key names a collective."""
+
+    k: int
 
 
 @dataclass(frozen=True)
@@ -264,7 +271,7 @@ def _cost_model(cluster: Any, shape: tuple[int, ...], ranks: tuple[int, ...]) ->
 class _Lowering:
     """Durations, links and programs for one plan on one cluster."""
 
-    def __init__(self, plan: Any, cluster: Any):
+    def __init__(self, plan: Any, cluster: Any, schedule: Schedule):
         self.plan = plan
         self.cluster = cluster
         self.cm = _cost_model(cluster, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
@@ -280,7 +287,11 @@ class _Lowering:
         self.tail: dict[bool, list[int]] = {False: [], True: []}  # loss / buffers / unknown, per phase (bwd?)
         self.grads: list[int] = []
         own: dict[int, int] = {}
+        self.buckets: tuple[GradBucket, ...] = tuple(getattr(plan, "grad_buckets", ()))
+        bucketed = {f"grad:{p}" for b in self.buckets for p in b.params}
         for c, col in enumerate(plan.collectives):
+            if col.dst in bucketed:
+                continue  # synchronised by its bucket
             if col.dst.startswith("grad:"):
                 self.grads.append(c)
             elif col.src == col.dst and col.dst in self.index:  # an op's own: its leading ones before it
@@ -294,26 +305,29 @@ class _Lowering:
         fwd_ops = [i for i, n in enumerate(nodes) if n.phase == "fwd"]
         bwd_ops = [i for i, n in enumerate(nodes) if n.phase == "bwd"]
         self.last = {False: fwd_ops[-1] if fwd_ops else -1, True: bwd_ops[-1] if bwd_ops else -1}
+        self.in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
+        """The backward issues each bucket after its last gradient and waits at its end (else ``G`` does)."""
+        self.bucket_at: dict[int, list[int]] = {}
+        if self.in_backward:
+            producer = grad_producers(plan)
+            for k, b in enumerate(self.buckets):
+                i = self.index.get(producer.get(b.params[-1], ""), -1)
+                at = i if i >= 0 and self.bwd[i] else (bwd_ops[0] if bwd_ops else -1)
+                self.bucket_at.setdefault(at, []).append(k)
 
-    def duration(self, c: int) -> tuple[float, float, float]:
-        """(latency L, bandwidth part W, busy factor f) of collective `c` from the cost model (package
-        docstring, *Durations* and *Contention*)."""
-        col = self.plan.collectives[c]
-        key = (col.kind, col.axis, col.nbytes, col.issued_by_op)
+    def duration(self, c: int | _Bucket) -> tuple[float, float, float]:
+        """(latency L, bandwidth part W, busy factor f) of collective `c` (or gradient bucket) from the cost
+        model (package docstring, *Durations* and *Contention*)."""
+        if isinstance(c, _Bucket):
+            b = self.buckets[c.k]
+            kind, axis, nbytes, by_op, seconds = b.kind, b.axis, b.nbytes, False, b.seconds
+        else:
+            col = self.plan.collectives[c]
+            kind, axis, nbytes, by_op, seconds = col.kind, col.axis, col.nbytes, col.issued_by_op, col.seconds
+        key = (kind, axis, nbytes, by_op)
         if key not in self._dur:
-            busy = 1.0
-            if col.kind in _COST_KINDS:
-                from meshpilot.sharding.reshard import as_issued
-
-                cpu = self.cm.device.is_cpu and not col.issued_by_op
-                kind, nbytes = as_issued(col.kind, col.nbytes, self.plan.mesh_shape[col.axis], cpu)
-                f = getattr(self.cm, kind)
-                t, t2 = f(nbytes, col.axis), f(2 * nbytes, col.axis)
-                lat = min(max(2 * t - t2, 0.0), t)
-                busy = self.cm.busy_factor(nbytes, col.axis)
-            else:
-                t, lat = float(col.seconds), 0.0
-            self._dur[key] = (lat, t - lat, busy)
+            parts = collective_parts(self.cm, kind, nbytes, axis, by_op=by_op, seconds=seconds)
+            self._dur[key] = (parts.latency_s, parts.work_s, parts.busy)
         return self._dur[key]
 
     def p2p(self, nbytes: float, src: int, dst: int) -> tuple[float, float, int]:
@@ -346,6 +360,9 @@ class _Lowering:
             if k.is_compute:
                 self._compute(a, explicit, ops)
             elif k == ActionKind.GRAD_SYNC:
+                if not self.in_backward:  # every bucket issued, then every one waited for (BucketSync.run)
+                    self._buckets(range(len(self.buckets)), 0, ops, issue=True)
+                    self._buckets(range(len(self.buckets)), 0, ops, issue=False)
                 for c in self.grads:
                     self._blocking(c, 0, ops)
                 update = float(getattr(self.plan.time, "optimizer_s", 0.0))
@@ -371,6 +388,16 @@ class _Lowering:
     def _label(self, c: int, m: int) -> str:
         col = self.plan.collectives[c]
         return f"{col.kind}@{self.plan.axis_name(col.axis)} #{c}.{m}"
+
+    def _buckets(self, ks: Iterable[int], m: int, ops: list[tuple], issue: bool) -> None:
+        """Issue (`issue`) or wait for the gradient buckets `ks` of microbatch `m`."""
+        for k in ks:
+            b = self.buckets[k]
+            label = f"bucket {k}: {b.kind}@{self.plan.axis_name(b.axis)} ({len(b.params)} gradients)"
+            if issue:
+                ops.append((_ISSUE, (_Bucket(k), m), label, b.axis))
+            else:
+                ops.append((_WAIT, (_Bucket(k), m), f"wait {label}"))
 
     def _blocking(self, c: int, m: int, ops: list[tuple]) -> None:
         label = self._label(c, m)
@@ -411,9 +438,14 @@ class _Lowering:
             if i in self.post:
                 flush(i + 1)
                 colls(self.post[i])
+            if bwd and i in self.bucket_at:  # a bucket's last gradient: the backward issues it now
+                flush(i + 1)
+                self._buckets(self.bucket_at[i], m, ops, issue=True)
             if i == self.last[bwd]:
                 flush(i + 1)
                 colls(self.tail[bwd])
+                if bwd and self.in_backward:  # the backward program ends waiting for its buckets
+                    self._buckets(range(len(self.buckets)), m, ops, issue=False)
         flush(min(hi, len(self.seconds)))
 
 
@@ -465,6 +497,8 @@ class _Transfer:
     """Bumped when the end of its latency is rescheduled."""
     joined: bool = False
     """On its link (latency over)."""
+    group: tuple[int, int] | None = None
+    """(sim rank, mesh axis) of a collective: its process group, which runs one collective at a time."""
 
 
 class _Sim:
@@ -497,6 +531,8 @@ class _Sim:
         self.links: dict[tuple[int, int], _Link] = {}
         self.transfers: list[_Transfer] = []
         self.busy = [False] * n  # the compute stream is running
+        self.group_busy: set[tuple[int, int]] = set()  # (sim rank, mesh axis) groups running a collective
+        self.group_queue: dict[tuple[int, int], deque] = {}  # and what waits behind it, in issue order
         self.slowed: list[set[int]] = [set() for _ in range(n)]  # unfinished transfers with a busy factor > 1
         self.count = 0
 
@@ -575,9 +611,10 @@ class _Sim:
         label: str,
         now: float,
         slow: float = 1.0,
+        group: tuple[int, int] | None = None,
     ) -> None:
         tid = len(self.transfers)
-        tr = _Transfer(sim, done_key, layer, now, work, label, slow, lat, now)
+        tr = _Transfer(sim, done_key, layer, now, work, label, slow, lat, now, group=group)
         self.transfers.append(tr)
         if lat <= 0 and work <= 0:
             self._complete(tid, now)
@@ -611,9 +648,27 @@ class _Sim:
         for layer in layers:
             self._reschedule(s, layer, self.links[(s, layer)])
 
+    def _in_group(self, sim: int, axis: int, start: tuple, ready: float) -> None:
+        """Start a collective of rank `sim`'s group on mesh `axis` (`start`: ``_start``'s arguments but ``now``,
+        its busy factor last) at `ready`, or queue it behind the group's running one (package docstring,
+        *Groups*)."""
+        g = (sim, axis)
+        if g in self.group_busy:
+            self.group_queue.setdefault(g, deque()).append(start)
+            return
+        self.group_busy.add(g)
+        self._start(*start[:6], ready, start[6], group=g)
+
     def _complete(self, tid: int, now: float) -> None:
         tr = self.transfers[tid]
         self.slowed[tr.sim].discard(tid)
+        if tr.group is not None:  # the group's next collective starts now
+            queue = self.group_queue.get(tr.group)
+            if queue:
+                start = queue.popleft()
+                self._start(*start[:6], now, start[6], group=tr.group)
+            else:
+                self.group_busy.discard(tr.group)
         if now > tr.ready:
             self.comm[tr.sim].append((tr.ready, now))
             self.events.append(TraceEvent(self.reps[tr.sim], 1 + tr.layer, tr.label, tr.ready, now - tr.ready, "comm"))
@@ -686,7 +741,7 @@ class _Sim:
             if all(m in got for m in need):
                 ready = max(got[m] for m in need)
                 lat, work, slow = self.low.duration(key[0])
-                self._start(j, (j, key), lat, work, self.low.layer_of(axis), label, ready, slow)
+                self._in_group(j, axis, (j, (j, key), lat, work, self.low.layer_of(axis), label, slow), ready)
             else:
                 still.append(j)
         self.pending[key] = still
@@ -730,7 +785,7 @@ def simulate(
     covered = sorted(r for c in schedule.classes for r in c.ranks)
     if covered != list(range(world)):
         raise UserError(f"schedule {schedule.name!r} does not name every rank 0..{world - 1} exactly once")
-    low = _Lowering(plan, cluster)
+    low = _Lowering(plan, cluster, schedule)
     axes = sorted({c.axis for c in plan.collectives})
     if symmetric:
         classes = rank_classes(schedule, tuple(plan.mesh_shape), axes, straggler)
