@@ -756,7 +756,7 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     out.print(
         f"[bold]{label}[/bold]\non {plan.cluster}, {n} devices: [bold]DeviceMesh({mesh})[/bold], {plan.mapping} "
         f"mapping ({contiguous} on contiguous ranks), predicted step "
-        f"[bold]{fmt_s(t.total_s)}[/bold], {fmt_size(m.total)} per device"
+        f"[bold]{fmt_s(t.overlapped_s)}[/bold], {fmt_size(m.total)} per device"
     )
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
 
@@ -792,6 +792,13 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
     tt.add_section()
     tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
+    if t.overlapped_s < t.total_s:  # the step the search ranks by: buckets behind the backward
+        tt.add_row(
+            "overlapped",
+            fmt_s(t.overlapped_s),
+            f"{t.overlapped_s / total:.1%}",
+            "the gradient buckets issued during the backward, as the runtime runs them (planner/buckets.py)",
+        )
     try:  # the simulated step beside the closed form (meshpilot.sim) on the cluster the plan was made for
         from meshpilot.sim import simulate
 
