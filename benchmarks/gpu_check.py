@@ -318,14 +318,17 @@ class ModelResult:
     error: str = ""
 
 
-def check_model(case: Case, dev: Device, cluster: Any, steps: int, timed: int) -> ModelResult:
-    """Plan, parallelize and compare one model with eager (module docstring, step 2)."""
+def check_model(case: Case, dev: Device, cluster: Any, steps: int, timed: int, recompute: str = "auto") -> ModelResult:
+    """Plan, parallelize and compare one model with eager (module docstring, step 2); `recompute` as
+    ``meshpilot plan --recompute`` (``full``: every block recomputed, the predicted peak against the measured)."""
     res = ModelResult(case.name, case.precision, tolerance=TOLERANCE[case.precision])
     ref, inputs = case.build(dev.name)
     par = copy.deepcopy(ref)
     graph = capture(par, inputs, precision=case.precision)
     world = dist.get_world_size()
-    plan = meshpilot.plan(par, inputs, cluster, num_devices=world, graph=graph, precision=case.precision).only
+    plan = meshpilot.plan(
+        par, inputs, cluster, num_devices=world, graph=graph, precision=case.precision, recompute=recompute
+    ).only
     res.mesh = list(plan.mesh_shape)
     res.predicted_peak, res.predicted_peak_at = plan.memory.total, plan.memory.peak_at
     res.predicted_compute_s = plan.time.compute_s
@@ -605,6 +608,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="model names to check (default: all); 'none' skips the models")
     ap.add_argument("--no-shapes", action="store_true", help="skip the GPT shapes")
     ap.add_argument("--steps", type=int, default=3, help="lockstep AdamW steps compared with eager (default 3)")
+    ap.add_argument(
+        "--recompute",
+        choices=("auto", "none", "full"),
+        default="auto",
+        help="the models' plans recompute as `meshpilot plan --recompute` says (default auto)",
+    )
     ap.add_argument("--timed", type=int, help="timed repeats for medians (default 10; 2 with --tiny)")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:
@@ -630,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         models = []
         for case in cases:
             try:
-                models.append(check_model(case, dev, cluster, args.steps, timed))
+                models.append(check_model(case, dev, cluster, args.steps, timed, args.recompute))
             except Exception as e:  # noqa: BLE001 - the row says what failed; the others still run
                 models.append(ModelResult(case.name, case.precision, error=_error(e)))
             if dev.type == "cuda":
