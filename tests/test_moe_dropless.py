@@ -153,21 +153,22 @@ def test_duplex_schedule_and_simulator_hide_the_expert_all_to_alls(plans):
     """The duplex schedule cuts around the expert-parallel MoE (the op issues its counts and dispatch before
     its computation, ``OwnOp.leading``, and its combine after): microbatch 1's dispatch is issued before
     microbatch 0's experts and waited after them, microbatch 0's combine likewise around microbatch 1's; the
-    simulator runs those transfers beside that compute, and without duplex prices the op as the closed form
-    does (no overlap: the step equals ``plan.time``)."""
+    simulator runs those transfers beside that compute (one at a time on their process group), and without
+    duplex prices the op as the closed form does (the step equals ``plan.time``'s, where only the gradient
+    buckets overlap the backward)."""
     import dataclasses
 
     from meshpilot.planner.schedule import ActionKind, duplex
     from meshpilot.sim import simulate
 
     p = plans[("solver", (4, 1))]
-    assert simulate(p).step_s == pytest.approx(p.time.total_s, rel=1e-9)
+    assert simulate(p).step_s == pytest.approx(p.time.overlapped_s, rel=1e-9)
     for backward in (False, True):
         node = _moe_node(p, backward)
         i = next(k for k, n in enumerate(p.nodes) if n.name == node.name)
         own = [c for c, col in enumerate(p.collectives) if col.src == col.dst == node.name]
         assert len(own) == 3  # counts, dispatch, combine
-        dispatch, combine = own[1], own[2]
+        counts, dispatch, combine = own
         kind = ActionKind.BACKWARD if backward else ActionKind.FORWARD
         acts = [str(a) for a in duplex(p).actions(0)]
         experts = [f"{kind.value}{m}[{i}:{i + 1}]" for m in (0, 1)]
@@ -178,9 +179,12 @@ def test_duplex_schedule_and_simulator_hide_the_expert_all_to_alls(plans):
         sim = simulate(dataclasses.replace(p, schedule=duplex(p)))
         span = {e.name: (e.start_s, e.start_s + e.dur_s) for e in sim.events if e.rank == 0}
         axis = p.axis_name(p.collectives[dispatch].axis)
-        for coll, m, other in ((dispatch, 1, 0), (combine, 0, 1)):
-            (a0, a1), (c0, c1) = span[f"all_to_all@{axis} #{coll}.{m}"], span[experts[other]]
-            assert max(a0, c0) < min(a1, c1), (coll, m, span[f"all_to_all@{axis} #{coll}.{m}"], span[experts[other]])
+        # a process group runs one collective at a time: microbatch 1's dispatch queues behind its counts, so
+        # what runs beside microbatch 0's experts is the first of the two in flight
+        for colls, m, other in (((counts, dispatch), 1, 0), ((combine,), 0, 1)):
+            (c0, c1) = span[experts[other]]
+            runs = [span[f"all_to_all@{axis} #{coll}.{m}"] for coll in colls]
+            assert any(max(a0, c0) < min(a1, c1) for a0, a1 in runs), (colls, m, runs, (c0, c1))
     assert sim.classes[0].hidden_comm_s > 0
 
 
