@@ -84,6 +84,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_model_args(p)
+    _add_search_args(p)
+    _add_pipeline_args(p)
+    p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
+    p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
+    p.set_defaults(func=run)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its sizes and precision, and the cluster and devices it is planned for."""
     p.add_argument(
         "--model",
         "-m",
@@ -123,6 +133,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bf16-mixed (fp32 master weights, forward and backward under bfloat16 autocast); default: the "
         "parameters' dtype",
     )
+
+
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    """What steers the per-operator search: pinned layouts, schedule, searcher, memory, recomputation."""
     p.add_argument(
         "--force",
         action="append",
@@ -183,6 +197,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "produce partial sums or have a collective in front, 'all' every node, 'none' skips the table; a stack of "
         "repeated layers is shown once either way",
     )
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """Stages: the stage DP's options, and a published configuration planned as stated (``--config``)."""
     p.add_argument(
         "--pipeline", action="store_true", help="plan a pipeline: stages on submeshes (Alpa's stage DP; see above)"
     )
@@ -214,9 +232,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,"
         "microbatches=32 (--batch, if given, must be dp x microbatches x micro_batch); a model of repeated blocks",
     )
-    p.add_argument("--out", "-o", type=path_arg, help="save the plan as JSON here (written atomically)")
-    p.add_argument("--json", action="store_true", help="print the plan's JSON (what --out saves) instead of tables")
-    p.set_defaults(func=run)
 
 
 # ------------------------------------------------------------------------------------------------ model
