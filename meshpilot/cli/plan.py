@@ -775,77 +775,11 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
     )
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
 
-    cand = Table(title="Mesh candidates (predicted step time of each one's optimal plan)")
-    for col in ("", "mesh", "mapping", "step", "vs chosen", "note"):
-        cand.add_column(col, justify="right" if col in ("step", "vs chosen") else "left")
-    # relative to the chosen candidate's step (``s.objective_s`` is the searcher's own objective: the pareto
-    # searcher's is its duplex step, not the step the candidates are ranked by)
-    ref = next(
-        (c.objective_s for c in s.candidates if tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping),
-        s.objective_s,
-    )
-    for c in s.candidates:
-        chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
-        step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
-        ratio = f"{c.objective_s / ref:.2f}x" if c.objective_s is not None and ref else "—"
-        note = _short_note(c)
-        cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
-    out.print(cand)
+    out.print(_candidates_table(plan))
 
-    tt = Table(title="Predicted step time (no overlap)")
-    tt.add_column("part")
-    tt.add_column("time", justify="right")
-    tt.add_column("share", justify="right")
-    tt.add_column("what")
-    total = t.total_s or 1.0
-    for name, v, what in (
-        ("compute", t.compute_s, "operators on the device (roofline: FLOPs and bytes; fixed cost per operator)"),
-        ("communication", t.communication_s, "reductions of partial sums (all-reduce, reduce-scatter)"),
-        ("resharding", t.resharding_s, "layout changes (all-gather, all-to-all)"),
-        ("optimizer", t.optimizer_s, "AdamW update of this device's parameter shards (bytes / memory bandwidth)"),
-    ):
-        tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
-    tt.add_section()
-    tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
-    if t.overlapped_s < t.total_s:  # the step the search ranks by: buckets behind the backward
-        tt.add_row(
-            "overlapped",
-            fmt_s(t.overlapped_s),
-            f"{t.overlapped_s / total:.1%}",
-            "the gradient buckets issued during the backward, as the runtime runs them (planner/buckets.py)",
-        )
-    try:  # the simulated step beside the closed form (meshpilot.sim) on the cluster the plan was made for
-        from meshpilot.sim import simulate
+    out.print(_time_table(plan, cluster))
 
-        sim = simulate(plan, cluster=cluster)
-        what = f"simulated, {plan.step_schedule().name} schedule (`meshpilot simulate`)"
-        if any(c.hidden_comm_s > 0 for c in sim.classes):  # HiDup Table 4's ratio, the lowest over rank classes
-            what += f"; overlap ratio {min(c.overlap_ratio for c in sim.classes):.0%}"
-        tt.add_row("simulated", fmt_s(sim.step_s), f"{sim.step_s / total:.1%}", what)
-    except UserError:
-        pass
-    out.print(tt)
-
-    mt = Table(title="Memory per device")
-    mt.add_column("part")
-    mt.add_column("bytes", justify="right")
-    mt.add_column("of capacity", justify="right")
-    cap = m.capacity or 1.0
-    for name, v in (
-        ("parameters", m.params),
-        ("gradients", m.grads),
-        ("AdamW states (fp32)", m.optimizer),
-        ("saved activations", m.activations),
-        ("inputs", m.inputs),
-    ):
-        mt.add_row(name, fmt_size(v), f"{v / cap:.1%}")
-    mt.add_section()
-    style = "green" if m.total <= m.capacity else "red"
-    mt.add_row(
-        "[bold]total[/bold]", f"[{style}]{fmt_size(m.total)}[/{style}]", f"[{style}]{m.total / cap:.1%}[/{style}]"
-    )
-    mt.add_row("capacity", fmt_size(m.capacity), "")
-    out.print(mt)
+    out.print(_memory_table(plan))
     if plan.recompute is not None:
         out.print(f"recompute: {plan.recompute_line()}", soft_wrap=True)
 
@@ -910,6 +844,90 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
 
 
 _HEAVY = ("mm", "bmm", "addmm", "baddbmm", "convolution", "embedding", "_scaled_dot_product", "linear")
+
+
+def _candidates_table(plan: Any) -> Table:
+    """Every mesh candidate's predicted step, relative to the chosen one's."""
+    s = plan.solver
+    cand = Table(title="Mesh candidates (predicted step time of each one's optimal plan)")
+    for col in ("", "mesh", "mapping", "step", "vs chosen", "note"):
+        cand.add_column(col, justify="right" if col in ("step", "vs chosen") else "left")
+    # relative to the chosen candidate's step (``s.objective_s`` is the searcher's own objective: the pareto
+    # searcher's is its duplex step, not the step the candidates are ranked by)
+    ref = next(
+        (c.objective_s for c in s.candidates if tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping),
+        s.objective_s,
+    )
+    for c in s.candidates:
+        chosen = tuple(c.shape) == tuple(plan.mesh_shape) and c.mapping == plan.mapping
+        step = fmt_s(c.objective_s) if c.objective_s is not None else "—"
+        ratio = f"{c.objective_s / ref:.2f}x" if c.objective_s is not None and ref else "—"
+        note = _short_note(c)
+        cand.add_row("★" if chosen else "", str(tuple(c.shape)), c.mapping, step, ratio, note or "")
+    return cand
+
+
+def _time_table(plan: Any, cluster: Any) -> Table:
+    """The predicted step split into parts, its overlapped step and the simulated one."""
+    t = plan.time
+    tt = Table(title="Predicted step time (no overlap)")
+    tt.add_column("part")
+    tt.add_column("time", justify="right")
+    tt.add_column("share", justify="right")
+    tt.add_column("what")
+    total = t.total_s or 1.0
+    for name, v, what in (
+        ("compute", t.compute_s, "operators on the device (roofline: FLOPs and bytes; fixed cost per operator)"),
+        ("communication", t.communication_s, "reductions of partial sums (all-reduce, reduce-scatter)"),
+        ("resharding", t.resharding_s, "layout changes (all-gather, all-to-all)"),
+        ("optimizer", t.optimizer_s, "AdamW update of this device's parameter shards (bytes / memory bandwidth)"),
+    ):
+        tt.add_row(name, fmt_s(v), f"{v / total:.1%}", what)
+    tt.add_section()
+    tt.add_row("[bold]total[/bold]", f"[bold]{fmt_s(t.total_s)}[/bold]", "100%", f"{len(plan.collectives)} collectives")
+    if t.overlapped_s < t.total_s:  # the step the search ranks by: buckets behind the backward
+        tt.add_row(
+            "overlapped",
+            fmt_s(t.overlapped_s),
+            f"{t.overlapped_s / total:.1%}",
+            "the gradient buckets issued during the backward, as the runtime runs them (planner/buckets.py)",
+        )
+    try:  # the simulated step beside the closed form (meshpilot.sim) on the cluster the plan was made for
+        from meshpilot.sim import simulate
+
+        sim = simulate(plan, cluster=cluster)
+        what = f"simulated, {plan.step_schedule().name} schedule (`meshpilot simulate`)"
+        if any(c.hidden_comm_s > 0 for c in sim.classes):  # HiDup Table 4's ratio, the lowest over rank classes
+            what += f"; overlap ratio {min(c.overlap_ratio for c in sim.classes):.0%}"
+        tt.add_row("simulated", fmt_s(sim.step_s), f"{sim.step_s / total:.1%}", what)
+    except UserError:
+        pass
+    return tt
+
+
+def _memory_table(plan: Any) -> Table:
+    """Memory per device by kind, against the capacity."""
+    m = plan.memory
+    mt = Table(title="Memory per device")
+    mt.add_column("part")
+    mt.add_column("bytes", justify="right")
+    mt.add_column("of capacity", justify="right")
+    cap = m.capacity or 1.0
+    for name, v in (
+        ("parameters", m.params),
+        ("gradients", m.grads),
+        ("AdamW states (fp32)", m.optimizer),
+        ("saved activations", m.activations),
+        ("inputs", m.inputs),
+    ):
+        mt.add_row(name, fmt_size(v), f"{v / cap:.1%}")
+    mt.add_section()
+    style = "green" if m.total <= m.capacity else "red"
+    mt.add_row(
+        "[bold]total[/bold]", f"[{style}]{fmt_size(m.total)}[/{style}]", f"[{style}]{m.total / cap:.1%}[/{style}]"
+    )
+    mt.add_row("capacity", fmt_size(m.capacity), "")
+    return mt
 
 
 def _shown(graph: Any, node: Any, choice: Any, collectives: Counter) -> bool:
