@@ -23,6 +23,14 @@ def _aria(impl: str):
     return build(Family("aria_text", "AriaTextForCausalLM", "causal"), over)
 
 
+def _assert_same_loss_and_grads(got: tuple, want: tuple) -> None:
+    """(loss, {name: gradient}) of two runs within TOL: the loss and every gradient, the same names."""
+    assert abs(got[0] - want[0]) <= TOL
+    assert got[1].keys() == want[1].keys()
+    for n, g in want[1].items():
+        assert (got[1][n] - g).abs().max().item() <= TOL, n
+
+
 def test_transposed_experts_equal_the_eager_loop():
     got = {}
     for impl in ("eager", "meshpilot"):
@@ -32,10 +40,7 @@ def test_transposed_experts_equal_the_eager_loop():
         loss = model(*inputs)
         loss.backward()
         got[impl] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert abs(got["meshpilot"][0] - got["eager"][0]) <= TOL
-    assert got["meshpilot"][1].keys() == got["eager"][1].keys()
-    for n, g in got["eager"][1].items():
-        assert (got["meshpilot"][1][n] - g).abs().max().item() <= TOL, n
+    _assert_same_loss_and_grads(got["meshpilot"], got["eager"])
 
 
 def test_experts_with_their_own_gate_run_transformers_path():
@@ -78,7 +83,4 @@ def test_gpt_oss_experts_equal_the_eager_loop():
         loss = model(*inputs)
         loss.backward()
         got[impl] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert abs(got["meshpilot"][0] - got["eager"][0]) <= TOL
-    assert got["meshpilot"][1].keys() == got["eager"][1].keys()
-    for n, g in got["eager"][1].items():
-        assert (got["meshpilot"][1][n] - g).abs().max().item() <= TOL, n
+    _assert_same_loss_and_grads(got["meshpilot"], got["eager"])
