@@ -184,12 +184,18 @@ def _run(
         return results
 
 
-def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2) -> dict:
+def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2, ref64: Any = None) -> dict:
     """Train the single-device `ref` and the parallelized `pm` (a ``ParallelModule``) side by side with AdamW.
 
     Per step: ``loss`` (|loss difference|), ``grad`` (largest |gradient difference| over the parameters) and
     ``counts`` (the collectives `pm`'s forward and backward issued, ``CollectiveLog.counts()``); after
     the last step ``param`` (largest |parameter difference|). The last step's gradients are left in place.
+
+    ``ref64``, a float64 copy of `ref` (the same initial weights), is the referee for a difference: it trains
+    in lockstep and per step ``grad64_ref`` / ``grad64_par`` are how far the float32 single-device and the
+    parallel gradients are from its. A parallel run no farther from float64 than the single device is as
+    exact as float32 allows (another order of the same sums, amplified by AdamW where a gradient is near its
+    eps), however far the two float32 runs are from each other.
     """
     import torch
 
@@ -199,6 +205,7 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
     # AdamW op of every DTensor parameter through DTensor's dispatch (the bulk of a small model's step)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True)
     o_par = torch.optim.AdamW(pm.parameters(), lr=lr, foreach=True)
+    o_64 = None if ref64 is None else torch.optim.AdamW(ref64.parameters(), lr=lr, foreach=True)
     pairs = list(zip(ref.parameters(), pm.parameters()))
     out: dict = {"loss": [], "grad": [], "counts": []}
     for step in range(steps):
@@ -207,6 +214,10 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
         torch.manual_seed(1000 + step)  # the same random stream (dropout) for both
         l_ref = ref(*inputs)
         l_ref.backward()
+        if o_64 is not None:
+            o_64.zero_grad()
+            torch.manual_seed(1000 + step)
+            ref64(*[x.double() if torch.is_floating_point(x) else x for x in inputs]).backward()
         torch.manual_seed(1000 + step)
         with record_collectives(pm.mesh) as log:
             loss = pm(*inputs)
@@ -214,6 +225,11 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2)
         out["loss"].append(abs(l_ref.item() - loss.item()))
         out["grad"].append(max(_grad_difference(a.grad, b.grad) for a, b in pairs))
         out["counts"].append(log.counts())
+        if o_64 is not None:
+            g64 = [p.grad for p in ref64.parameters()]
+            out.setdefault("grad64_ref", []).append(max(_grad_difference(b, a.grad) for (a, _), b in zip(pairs, g64)))
+            out.setdefault("grad64_par", []).append(max(_grad_difference(b, p.grad) for (_, p), b in zip(pairs, g64)))
+            o_64.step()
         o_ref.step()
         o_par.step()
     out["param"] = max((a - b.full_tensor()).abs().max().item() for a, b in pairs)
@@ -225,4 +241,5 @@ def _grad_difference(ref: Any, got: Any) -> float:
     LM: the encoder-side weights) has None on both sides (0.0), on one side only infinity."""
     if ref is None or got is None:
         return 0.0 if ref is None and got is None else float("inf")
-    return (ref - got.full_tensor()).abs().max().item()
+    full = got.full_tensor() if hasattr(got, "full_tensor") else got
+    return (ref - full.to(ref.dtype)).abs().max().item()
