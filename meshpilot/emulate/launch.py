@@ -227,18 +227,7 @@ def run_emulated(
         cluster = load_cluster(cluster)
     target = torchrun_target(cmd)
     nproc = devices_per_node(cluster) if nproc_per_node is None else nproc_per_node
-    if nproc < 1:
-        raise UserError(f"--nproc-per-node {nproc}: must be at least 1")
-    if not 1 <= port <= 65535:
-        raise UserError(f"--port {port}: must be 1..65535")
-    if not dry_run:
-        check_privileges()
-        support = probe_kernel()
-        if support.reason:
-            raise UserError(f"cannot emulate a cluster here: {support.reason}")
-        netem = support.netem
-    else:
-        netem = True
+    netem = _check_emulation(nproc, port, dry_run)
     plan = plan_network(cluster, bw_scale=bw_scale, netem=netem)
     out = (lambda: stdout) if stdout is not None else (lambda: sys.stdout)
     err = (lambda: stderr) if stderr is not None else (lambda: sys.stderr)
@@ -254,20 +243,8 @@ def run_emulated(
         print(f"meshpilot emulate: {msg}", file=err(), flush=True)
 
     if dry_run:
-
-        def echo(line: str) -> None:
-            print(line, file=out(), flush=True)
-
-        with (
-            flat_scheduler(keep=keep_autogroup, dry_run=True, echo=echo),
-            emulated_network(plan, dry_run=True, echo=echo),
-        ):
-            for n, argv in zip(plan.nodes, commands("<rank logs>")):
-                extra = agent_env(plan, n, base={})
-                envs = " ".join(f"{k}={v}" for k, v in extra.items())
-                print(f"{' '.join(argv[:4])} env {envs} {' '.join(argv[4:])}", file=out(), flush=True)
+        _print_dry_run(plan, commands("<rank logs>"), out, keep_autogroup)
         return 0
-
     if not quiet:
         note(
             f"{cluster.name}: {len(plan.nodes)} nodes x {nproc} ranks in namespaces {plan.prefix}n*, "
@@ -275,39 +252,85 @@ def run_emulated(
         )
         for line in plan.describe().splitlines():
             note(line)
-
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
     forwarders: list[threading.Thread] = []
     # the ranks' log files (torchrun's --tee copies) live only as long as the run
     with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"{plan.prefix}-logs-") as log_dir:
         with flat_scheduler(keep=keep_autogroup) as flat, emulated_network(plan):
             if flat and not quiet:
                 note("kernel autogroup off for this run (restored at the end; --keep-autogroup leaves it)")
-            try:
-                for n, argv in zip(plan.nodes, commands(log_dir)):
-                    p = subprocess.Popen(
-                        argv,
-                        env=agent_env(plan, n, env),
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                    )
-                    procs.append(p)
-                    for stream, sink in ((p.stdout, out), (p.stderr, err)):
-                        t = threading.Thread(
-                            target=_forward, args=(stream, sink, f"[node {n.index}] ", lock), daemon=True
-                        )
-                        t.start()
-                        forwarders.append(t)
-                rc = _monitor(procs, timeout=timeout, grace=grace, note=note)
-            finally:
-                _stop(procs, grace=3.0)
+            rc = _run_agents(
+                plan, commands(log_dir), env, (out, err), forwarders, timeout=timeout, grace=grace, note=note
+            )
         # The namespaces are gone with every process that held the pipes: the forwarders drain and end.
         for t in forwarders:
             t.join(timeout=5)
     return rc
+
+
+def _check_emulation(nproc: int, port: int, dry_run: bool) -> bool:
+    """The arguments checked and, unless `dry_run`, this machine's right and kernel support to emulate; whether
+    netem (delays) is available. Raises :class:`UserError` in one line."""
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node {nproc}: must be at least 1")
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port}: must be 1..65535")
+    if dry_run:
+        return True
+    check_privileges()
+    support = probe_kernel()
+    if support.reason:
+        raise UserError(f"cannot emulate a cluster here: {support.reason}")
+    return support.netem
+
+
+def _print_dry_run(plan: NetworkPlan, commands: list[list[str]], out: Callable[[], IO[str]], keep: bool) -> None:
+    """What a run would do, printed instead of done: the scheduler and network commands, then each node's
+    agent command with its environment."""
+
+    def echo(line: str) -> None:
+        print(line, file=out(), flush=True)
+
+    with flat_scheduler(keep=keep, dry_run=True, echo=echo), emulated_network(plan, dry_run=True, echo=echo):
+        for n, argv in zip(plan.nodes, commands):
+            extra = agent_env(plan, n, base={})
+            envs = " ".join(f"{k}={v}" for k, v in extra.items())
+            print(f"{' '.join(argv[:4])} env {envs} {' '.join(argv[4:])}", file=out(), flush=True)
+
+
+def _run_agents(
+    plan: NetworkPlan,
+    commands: list[list[str]],
+    env: dict[str, str] | None,
+    sinks: tuple[Callable[[], IO[str]], Callable[[], IO[str]]],
+    forwarders: list[threading.Thread],
+    *,
+    timeout: float | None,
+    grace: float,
+    note: Callable,
+) -> int:
+    """Start each node's torchrun agent in its namespace, its stdout and stderr forwarded to `sinks` prefixed by
+    the node (the threads appended to `forwarders`, for the caller to join once the namespaces are gone), wait
+    for the job (:func:`_monitor`) and stop whatever is left; the job's exit code."""
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    try:
+        for n, argv in zip(plan.nodes, commands):
+            p = subprocess.Popen(
+                argv,
+                env=agent_env(plan, n, env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            procs.append(p)
+            for stream, sink in zip((p.stdout, p.stderr), sinks):
+                t = threading.Thread(target=_forward, args=(stream, sink, f"[node {n.index}] ", lock), daemon=True)
+                t.start()
+                forwarders.append(t)
+        return _monitor(procs, timeout=timeout, grace=grace, note=note)
+    finally:
+        _stop(procs, grace=3.0)
 
 
 def _monitor(procs: list[subprocess.Popen], *, timeout: float | None, grace: float, note: Callable) -> int:
