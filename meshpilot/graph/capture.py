@@ -634,12 +634,50 @@ def _build_graph(
     bnames: list[str],
     example_inputs: tuple[torch.Tensor, ...],
 ) -> OpGraph:
+    """The :class:`OpGraph` of a captured joint step: its leaves (parameters, buffers, inputs), one node per
+    constant and per op of the joint graph, depths, what the step returns, and phases."""
     gm: torch.fx.GraphModule = joint.gm
     _simplify(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    n_p, n_b = len(pnames), len(bnames)
-    nodes: list[OpNode] = []
+    nodes = _leaf_nodes(placeholders, pnames, bnames)
     consts: dict[str, torch.Tensor] = {}
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "get_attr":
+            consts[fx_node.name] = getattr(gm, fx_node.target)
+            nodes.append(_const_node(fx_node, consts[fx_node.name]))
+        elif fx_node.op == "call_function":
+            nodes.append(_op_node(fx_node))
+
+    for i, n in enumerate(nodes):
+        n.index = i
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        if n.inputs:
+            n.depth = 1 + max(by_name[s].depth for s, _ in n.inputs)
+
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    buffer_updates, loss, grads = _step_outputs(joint, list(output_node.args[0]), params, pnames, bnames)
+    _assign_phases(nodes, by_name, [loss[0], *(s for s, _ in buffer_updates.values())])
+    graph = OpGraph(
+        nodes=nodes,
+        gm=gm,
+        param_names=pnames,
+        buffer_names=bnames,
+        num_inputs=len(example_inputs),
+        loss=loss,
+        grads=grads,
+        input_infos=[TensorInfo(tuple(x.shape), dtype_name(x.dtype)) for x in example_inputs],
+        buffer_updates=buffer_updates,
+        consts=consts,
+    )
+    detect_repeats(graph)
+    return graph
+
+
+def _leaf_nodes(placeholders: list[torch.fx.Node], pnames: list[str], bnames: list[str]) -> list[OpNode]:
+    """The joint graph's placeholders, in order: the parameters, then the buffers, then the step's inputs."""
+    n_p, n_b = len(pnames), len(bnames)
+    nodes = []
     for i, ph in enumerate(placeholders):
         info = _tensor_info(ph.meta.get("val"))
         if i < n_p:
@@ -661,54 +699,54 @@ def _build_graph(
                 fx_node=ph,
             )
         )
+    return nodes
 
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    for fx_node in gm.graph.nodes:
-        if fx_node.op == "get_attr":
-            value = getattr(gm, fx_node.target)
-            consts[fx_node.name] = value
-            info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
-            node = OpNode(fx_node.name, NodeKind.CONST, "constant", (), (info,), phase=Phase.LEAF)
-            node.module, node.source = _place(fx_node)
-            node.fx_node = fx_node
-            nodes.append(node)
-            continue
-        if fx_node.op != "call_function":
-            continue
-        val = fx_node.meta.get("val")
-        if fx_node.target is operator.getitem:
-            src, idx = fx_node.args
-            node = OpNode(
-                fx_node.name, NodeKind.GETITEM, "getitem", ((src.name, int(idx)),), (_tensor_info(val),), is_view=True
-            )
+
+def _const_node(fx_node: torch.fx.Node, value: torch.Tensor) -> OpNode:
+    """A constant the graph reads (``get_attr``): a leaf with its shape and dtype."""
+    info = TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+    node = OpNode(fx_node.name, NodeKind.CONST, "constant", (), (info,), phase=Phase.LEAF)
+    node.module, node.source = _place(fx_node)
+    node.fx_node = fx_node
+    return node
+
+
+def _op_node(fx_node: torch.fx.Node) -> OpNode:
+    """One ``call_function`` of the joint graph: a getitem of a tuple-valued op, or an op with its tensor
+    inputs, its outputs and (unless it is a view) its FLOPs and bytes read and written."""
+    val = fx_node.meta.get("val")
+    if fx_node.target is operator.getitem:
+        src, idx = fx_node.args
+        node = OpNode(
+            fx_node.name, NodeKind.GETITEM, "getitem", ((src.name, int(idx)),), (_tensor_info(val),), is_view=True
+        )
+    else:
+        tensor_args = [a for a in _arg_nodes(fx_node) if isinstance(a.meta.get("val"), torch.Tensor)]
+        inputs = tuple((a.name, 0) for a in tensor_args)
+        if isinstance(val, (tuple, list)):
+            outputs = tuple(_tensor_info(v) for v in val)
         else:
-            tensor_args = [a for a in _arg_nodes(fx_node) if isinstance(a.meta.get("val"), torch.Tensor)]
-            inputs = tuple((a.name, 0) for a in tensor_args)
-            if isinstance(val, (tuple, list)):
-                outputs = tuple(_tensor_info(v) for v in val)
-            else:
-                outputs = (_tensor_info(val),)
-            is_view = is_view_op(fx_node.target)
-            node = OpNode(fx_node.name, NodeKind.OP, str(fx_node.target), inputs, outputs, is_view=is_view)
-            if not is_view:
-                fake_args = map_arg(fx_node.args, _fake_value)
-                fake_kwargs = map_arg(fx_node.kwargs, _fake_value)
-                node.flops = _flops(fx_node.target, fake_args, fake_kwargs, val)
-                node.bytes_read = float(sum(a.meta["val"].nbytes for a in {t: None for t in tensor_args}))
-                node.bytes_written = float(sum(o.nbytes for o in outputs if o is not None))
-        node.module, node.source = _place(fx_node)
-        node.fx_node = fx_node
-        nodes.append(node)
+            outputs = (_tensor_info(val),)
+        is_view = is_view_op(fx_node.target)
+        node = OpNode(fx_node.name, NodeKind.OP, str(fx_node.target), inputs, outputs, is_view=is_view)
+        if not is_view:
+            fake_args = map_arg(fx_node.args, _fake_value)
+            fake_kwargs = map_arg(fx_node.kwargs, _fake_value)
+            node.flops = _flops(fx_node.target, fake_args, fake_kwargs, val)
+            node.bytes_read = float(sum(a.meta["val"].nbytes for a in {t: None for t in tensor_args}))
+            node.bytes_written = float(sum(o.nbytes for o in outputs if o is not None))
+    node.module, node.source = _place(fx_node)
+    node.fx_node = fx_node
+    return node
 
-    for i, n in enumerate(nodes):
-        n.index = i
-    by_name = {n.name: n for n in nodes}
-    for n in nodes:
-        if n.inputs:
-            n.depth = 1 + max(by_name[s].depth for s, _ in n.inputs)
 
-    # outputs: (*updated buffers, loss, *gradients of the parameters that receive one)
-    outs = list(output_node.args[0])
+def _step_outputs(
+    joint: Any, outs: list[Any], params: dict[str, torch.nn.Parameter], pnames: list[str], bnames: list[str]
+) -> tuple[dict[str, tuple[str, int]], tuple[str, int], dict[str, tuple[str, int] | None]]:
+    """What the joint step returns, ``(*updated buffers, loss, *gradients of the parameters that receive
+    one)``, as (buffer updates by buffer name, the loss, each trainable parameter's gradient or None).
+    A forward that writes into a parameter or an input in place is refused in one line."""
+    n_p, n_b = len(pnames), len(bnames)
     n_updates = len(joint.mutated_inputs)
     buffer_updates: dict[str, tuple[str, int]] = {}
     for k, i in enumerate(joint.mutated_inputs):
@@ -719,8 +757,7 @@ def _build_graph(
                 "copy (or a registered buffer) instead"
             )
         buffer_updates[bnames[i - n_p]] = (outs[k].name, 0)
-    loss_fx = outs[n_updates]
-    loss = (loss_fx.name, 0)
+    loss = (outs[n_updates].name, 0)
     grads: dict[str, tuple[str, int] | None] = {}
     it = iter(outs[n_updates + 1 :])
     for i, name in enumerate(pnames):
@@ -728,22 +765,7 @@ def _build_graph(
             continue
         g = next(it) if joint.has_grad[i] else None
         grads[name] = (g.name, 0) if isinstance(g, torch.fx.Node) else None
-
-    _assign_phases(nodes, by_name, [loss[0], *(s for s, _ in buffer_updates.values())])
-    graph = OpGraph(
-        nodes=nodes,
-        gm=gm,
-        param_names=pnames,
-        buffer_names=bnames,
-        num_inputs=len(example_inputs),
-        loss=loss,
-        grads=grads,
-        input_infos=[TensorInfo(tuple(x.shape), dtype_name(x.dtype)) for x in example_inputs],
-        buffer_updates=buffer_updates,
-        consts=consts,
-    )
-    detect_repeats(graph)
-    return graph
+    return buffer_updates, loss, grads
 
 
 # fx's own map_arg (in C) walks a node's arguments as pytree would, keeping their containers' types, at a
