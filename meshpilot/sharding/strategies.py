@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 import torch
@@ -218,6 +219,9 @@ class StrategyBuilder:
         return [Strategy(outs, ins, StrategySource.FALLBACK)]
 
     def _compute(self, node: OpNode, cands: list[list[Placements]]) -> list[Strategy]:
+        """`node`'s strategies: an own op's, or DTensor's for its ATen op (:meth:`_dtensor_strategies`, each
+        layout canonical, even and reachable from what the operands' producers emit, one per input layout as
+        DTensor would select it) and meshpilot's beside them; the replicated fallback where none applies."""
         nd = len(self.mesh_shape)
         if not node.inputs:
             outs = tuple(replicated(nd) if o is not None else None for o in node.outputs)
@@ -225,112 +229,109 @@ class StrategyBuilder:
         own = own_op(node.target)
         if own is not None and own.exclusive:
             return own.strategies(self, node) or self._fallback(node, f"{node.target}: no exact strategy applies")
-        fx_node = node.fx_node
-        op = fx_node.target
+        op = node.fx_node.target
         if not isinstance(op, torch._ops.OpOverload):
             return self._fallback(node, f"{node.target} is not an ATen op")
         single = self._singles.get(op) if self._expand_single is not None else None
         func = self.prop.op_strategy_funcs.get(op)
         if single is None and func is None:
             return self._own(node) or self._fallback(node, f"DTensor has no sharding strategy for {node.target}")
-
-        operand_strats: list[OpStrategy] = []
-        for (src, i), c in zip(node.inputs, cands):
-            tm = tensor_meta(self.graph[src].outputs[i])
-            if single is not None:
-                # DTensor's single-dim expansion wants one layout per operand; any layout holding a Shard
-                # makes it fill its sharding placeholders, and the expansion enumerates every combination.
-                rep = next((p for p in c if any(isinstance(x, Shard) for x in p)), c[0])
-                operand_strats.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, rep, tm))]))
-            else:
-                operand_strats.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, p, tm)) for p in c]))
-        it = iter(operand_strats)
-
-        def wrap(a):
-            nonlocal it
-            if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
-                kids = [next(it) for _ in a]
-                return TupleStrategy(tuple(kids) if isinstance(a, tuple) else kids)
-            if _is_tensor_node(a):
-                return next(it)
-            if isinstance(a, (list, tuple)):
-                return type(a)(wrap(x) for x in a)
-            if isinstance(a, torch.fx.Node):
-                return a.meta.get("val")
-            return a
-
-        args = tuple(wrap(a) for a in fx_node.args)
-        kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
         try:
-            if single is not None:
-                info = self._single_infos.get(op)
-                schema = OpSchema(op, args, kwargs, schema_info=info)
-                val = fx_node.meta.get("val")
-                if isinstance(val, (tuple, list)):
-                    out_meta = tuple(_meta_of(v) for v in val)
-                else:
-                    out_meta = _meta_of(val)
-                fn = self._expand_single(self.dmesh, schema, single, out_meta)
-                result = fn(op, schema.args_meta, schema.kwargs_meta)
-            else:
-                try:
-                    schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
-                    result = func(schema)
-                except (RuntimeError, KeyError):
-                    if len(operand_strats) != 1:
-                        raise
-                    # a strategy function that rejects some operand layouts outright (strict views refuse
-                    # to reshape a sharded dim): ask per layout and keep the ones it accepts; the
-                    # replicated layout is always offered, so the operand can be resharded to it
-                    specs: list[OpSpec] = []
-                    errors: list[str] = []
-                    tm = operand_strats[0].strategies[0].output_spec.tensor_meta
-                    layouts = unique([*cands[0], replicated(len(self.mesh_shape))])
-                    for pl in layouts:
-                        it = iter([OpStrategy([OpSpec(DTensorSpec(self.dmesh, pl, tm))])])
-                        args = tuple(wrap(a) for a in fx_node.args)
-                        kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
-                        schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
-                        try:
-                            specs.extend(func(schema).strategies)
-                        except (RuntimeError, KeyError) as e:
-                            errors.append(f"{type(e).__name__}: {e}")
-                    if not specs:
-                        raise RuntimeError(errors[0] if errors else "no layout accepted") from None
-                    cands = [layouts]
-                    result = OpStrategy(specs)
-                except (IndexError, AssertionError):
-                    # some strategy functions walk their operands' strategies in lockstep: offer every
-                    # operand's layouts as lists of one common length and ask again
-                    longest = max(len(o.strategies) for o in operand_strats)
-                    it = iter(
-                        [
-                            OpStrategy([o.strategies[j % len(o.strategies)] for j in range(longest)])
-                            for o in operand_strats
-                        ]
-                    )
-                    args = tuple(wrap(a) for a in fx_node.args)
-                    kwargs = {k: wrap(v) for k, v in fx_node.kwargs.items()}
-                    schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
-                    result = func(schema)
+            result, cands = self._dtensor_strategies(node, op, single, func, cands)
         except Exception as e:  # noqa: BLE001 - DTensor could not enumerate: replicate
             return self._fallback(node, f"DTensor strategy for {node.target} failed: {type(e).__name__}: {e}")
         if not isinstance(result, OpStrategy):
             return self._fallback(node, f"{node.target}: tuple strategies are not planned yet")
-
-        n_in = len(node.inputs)
+        plain = self._plain_specs(node, result)
+        if isinstance(plain, str):
+            return self._fallback(node, plain)
         cand_index = [{p: j for j, p in enumerate(c)} for c in cands]
-        floats = [
-            (info := self.graph[src].outputs[i]) is not None and dtype_from_name(info.dtype).is_floating_point
-            for src, i in node.inputs
-        ]
+        parsed = self._reachable(node, plain, cands, cand_index)
+        if not parsed:
+            return self._own(node) or self._fallback(
+                node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
+            )
+        strategies = unique_strategies(_selected(parsed, cand_index, negative_costs_count=single is None).values())
+        strategies += self._own(node)
+        if not strategies:
+            return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
+        return strategies
+
+    def _operand_strategies(self, node: OpNode, single: Any, cands: list[list[Placements]]) -> list[OpStrategy]:
+        """Each operand's candidate layouts as DTensor's ``OpStrategy``. DTensor's single-dim expansion wants
+        one layout per operand; any layout holding a Shard makes it fill its sharding placeholders, and the
+        expansion enumerates every combination."""
+        out: list[OpStrategy] = []
+        for (src, i), c in zip(node.inputs, cands):
+            tm = tensor_meta(self.graph[src].outputs[i])
+            if single is not None:
+                rep = next((p for p in c if any(isinstance(x, Shard) for x in p)), c[0])
+                out.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, rep, tm))]))
+            else:
+                out.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, p, tm)) for p in c]))
+        return out
+
+    def _dtensor_strategies(
+        self, node: OpNode, op: Any, single: Any, func: Any, cands: list[list[Placements]]
+    ) -> tuple[Any, list[list[Placements]]]:
+        """DTensor's strategies for `op` given the operands' candidate layouts, and the candidates they were
+        asked with (a strategy function that rejects some layouts of a single operand is asked per layout,
+        with the replicated one added). Raises whatever DTensor raises when it cannot enumerate."""
+        fx_node = node.fx_node
+        operand_strats = self._operand_strategies(node, single, cands)
+        if single is not None:
+            args, kwargs = _schema_args(fx_node, operand_strats)
+            schema = OpSchema(op, args, kwargs, schema_info=self._single_infos.get(op))
+            val = fx_node.meta.get("val")
+            out_meta = tuple(_meta_of(v) for v in val) if isinstance(val, (tuple, list)) else _meta_of(val)
+            fn = self._expand_single(self.dmesh, schema, single, out_meta)
+            return fn(op, schema.args_meta, schema.kwargs_meta), cands
+        info = self.prop.op_to_schema_info.get(op)
+
+        def ask(strats: list[OpStrategy]) -> Any:
+            args, kwargs = _schema_args(fx_node, strats)
+            return func(OpSchema(op, args, kwargs, schema_info=info))
+
+        try:
+            return ask(operand_strats), cands
+        except (RuntimeError, KeyError):
+            if len(operand_strats) != 1:
+                raise
+            # a strategy function that rejects some operand layouts outright (strict views refuse to reshape a
+            # sharded dim): ask per layout and keep the ones it accepts; the replicated layout is always
+            # offered, so the operand can be resharded to it
+            specs: list[OpSpec] = []
+            errors: list[str] = []
+            tm = operand_strats[0].strategies[0].output_spec.tensor_meta
+            layouts = unique([*cands[0], replicated(len(self.mesh_shape))])
+            for pl in layouts:
+                try:
+                    specs.extend(ask([OpStrategy([OpSpec(DTensorSpec(self.dmesh, pl, tm))])]).strategies)
+                except (RuntimeError, KeyError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+            if not specs:
+                raise RuntimeError(errors[0] if errors else "no layout accepted") from None
+            return OpStrategy(specs), [layouts]
+        except (IndexError, AssertionError):
+            # some strategy functions walk their operands' strategies in lockstep: offer every operand's
+            # layouts as lists of one common length and ask again
+            longest = max(len(o.strategies) for o in operand_strats)
+            return ask(
+                [OpStrategy([o.strategies[j % len(o.strategies)] for j in range(longest)]) for o in operand_strats]
+            ), cands
+
+    def _plain_specs(self, node: OpNode, result: OpStrategy) -> list[tuple[tuple, tuple, OpSpec]] | str:
+        """DTensor's strategies as (output layouts, input layouts, spec), canonical, keeping those made of
+        plain placements and even on every operand and output; a one-line reason where DTensor's answer does
+        not match the node."""
+        n_in = len(node.inputs)
         plain: list[tuple[tuple, tuple, OpSpec]] = []
         for spec in result.strategies:
             outs, ins = _spec_list(spec)
             if ins is None:
                 ins = tuple(outs[0] for _ in range(n_in))
             if len(ins) != n_in:
-                return self._fallback(node, f"{node.target}: operand count mismatch ({len(ins)} vs {n_in})")
+                return f"{node.target}: operand count mismatch ({len(ins)} vs {n_in})"
             out_pl = tuple(self._canonical(o.placements) if o is not None else None for o in outs)
             if len(out_pl) < len(node.outputs):
                 out_pl = out_pl + (out_pl[-1],) * (len(node.outputs) - len(out_pl))
@@ -344,6 +345,18 @@ class StrategyBuilder:
             )
             if ok:
                 plain.append((out_pl, in_pl, spec))
+        return plain
+
+    def _reachable(
+        self, node: OpNode, plain: list[tuple[tuple, tuple, OpSpec]], cands: list[list[Placements]], cand_index
+    ) -> list[tuple[Strategy, OpSpec]]:
+        """The strategies whose operand layouts their producers emit (a partial operand only as a bias joining
+        a product); where none is common to every operand (a replicated mask meeting a sharded one), layouts
+        a producer's replica reaches by local slicing too."""
+        floats = [
+            (info := self.graph[src].outputs[i]) is not None and dtype_from_name(info.dtype).is_floating_point
+            for src, i in node.inputs
+        ]
 
         def reachable(in_pl: tuple, sliced: bool) -> bool:
             return all(
@@ -353,40 +366,8 @@ class StrategyBuilder:
                 for k, p in enumerate(in_pl)
             )
 
-        # operand layouts their producers emit (a partial operand only as a bias joining a product); where
-        # none is common to every operand (a replicated mask meeting a sharded one), layouts a producer's
-        # replica reaches by local slicing too
         keep = [x for x in plain if reachable(x[1], False)] or [x for x in plain if reachable(x[1], True)]
-        parsed = [(Strategy(o, i, StrategySource.DTENSOR), spec) for o, i, spec in keep]
-        any_negative = single is None and any(
-            spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row) for _, spec in parsed
-        )
-        if not parsed:
-            return self._own(node) or self._fallback(
-                node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
-            )
-
-        # fixed points of DTensor's own selection, one per distinct input layout
-        chosen: dict[tuple, Strategy] = {}
-        if not any_negative:
-            for s, _ in parsed:
-                chosen[s.ins] = s  # the last one wins, as in _select_min_cost_strategy
-        else:
-            all_specs = [sp for _, sp in parsed]
-            for s, _ in parsed:
-                if s.ins in chosen:
-                    continue
-                idx = [cand_index[k].get(p) for k, p in enumerate(s.ins)]
-                if any(j is None for j in idx):
-                    continue
-                pick = _dtensor_pick(all_specs, [st for st, _ in parsed], idx, s.ins)
-                if pick is not None and pick.ins == s.ins:
-                    chosen[s.ins] = pick
-        strategies = unique_strategies(chosen.values())
-        strategies += self._own(node)
-        if not strategies:
-            return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
-        return strategies
+        return [(Strategy(o, i, StrategySource.DTENSOR), spec) for o, i, spec in keep]
 
     def _canonical(self, pl: Placements) -> Placements:
         """`pl` with ``R`` on every mesh axis of one device (a shard or partial sum over one device is the
@@ -511,3 +492,49 @@ def _const_key(node: OpNode) -> str | None:
     if key is None:
         key = fx.meta[_CONST_KEY] = repr(pytree.tree_map_only(torch.fx.Node, lambda _: "T", (fx.args, fx.kwargs)))
     return key
+
+
+def _schema_args(fx_node: torch.fx.Node, operand_strats: list[OpStrategy]) -> tuple[tuple, dict]:
+    """`fx_node`'s arguments for an ``OpSchema``: each tensor operand replaced, in order, by the next of
+    `operand_strats` (a list of tensors by a ``TupleStrategy``), other nodes by their values."""
+    it = iter(operand_strats)
+
+    def wrap(a: Any) -> Any:
+        if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
+            kids = [next(it) for _ in a]
+            return TupleStrategy(tuple(kids) if isinstance(a, tuple) else kids)
+        if _is_tensor_node(a):
+            return next(it)
+        if isinstance(a, (list, tuple)):
+            return type(a)(wrap(x) for x in a)
+        if isinstance(a, torch.fx.Node):
+            return a.meta.get("val")
+        return a
+
+    args = tuple(wrap(a) for a in fx_node.args)
+    return args, {k: wrap(v) for k, v in fx_node.kwargs.items()}
+
+
+def _selected(parsed: list[tuple[Strategy, OpSpec]], cand_index: list[dict], negative_costs_count: bool) -> dict:
+    """The fixed points of DTensor's own selection, one strategy per distinct input layout: the last one
+    wins, as in ``_select_min_cost_strategy``, unless the specs carry negative redistribution costs (counted
+    only for non-single-dim strategies), where DTensor's pick for that layout is kept when it is a fixed point."""
+    any_negative = negative_costs_count and any(
+        spec.redistribute_cost and any(c < 0 for row in spec.redistribute_cost for c in row) for _, spec in parsed
+    )
+    chosen: dict[tuple, Strategy] = {}
+    if not any_negative:
+        for s, _ in parsed:
+            chosen[s.ins] = s
+        return chosen
+    all_specs = [sp for _, sp in parsed]
+    for s, _ in parsed:
+        if s.ins in chosen:
+            continue
+        idx = [cand_index[k].get(p) for k, p in enumerate(s.ins)]
+        if any(j is None for j in idx):
+            continue
+        pick = _dtensor_pick(all_specs, [st for st, _ in parsed], idx, s.ins)
+        if pick is not None and pick.ins == s.ins:
+            chosen[s.ins] = pick
+    return chosen
