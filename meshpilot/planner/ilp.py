@@ -463,30 +463,69 @@ def build_structure(
     pins = ForceSpec.of(force).bind(graph) if force else None
     if pins is not None:
         pins.spec.check_mesh(len(mesh_shape), mesh_shape)
+    g = _group_nodes(graph, builder, pins, mesh_shape, merge_trivial)
     costs = ComputeCost(cost_model, mesh_shape, graph)
-    strategies: dict[str, list[Strategy]] = {}
-    rep: dict[str, str] = {}
-    reps: list[str] = []
-    group_of: dict[str, int] = {}
-    sizes: list[int] = []
-    owners: list[str] = []
-    merge: dict[str, tuple[str, int, int]] = {}
-    forced: set[str] = set()
+    out_ids = {r: _id_matrix([s.out_ids for s in g.strategies[r]]) for r in g.reps}
+    in_ids = {r: _id_matrix([s.in_ids for s in g.strategies[r]]) for r in g.reps}
+    merge_cost = {r: np.array([costs.node(graph[r], s) for s in g.strategies[r]], dtype=float) for r in g.merge}
+    return Structure(
+        graph=graph,
+        mesh_shape=mesh_shape,
+        strategies=g.strategies,
+        rep=g.rep,
+        reps=g.reps,
+        group_of=g.group_of,
+        group_sizes=g.sizes,
+        group_owner=g.owners,
+        merge=g.merge,
+        merge_cost=merge_cost,
+        out_ids=out_ids,
+        in_ids=in_ids,
+        cost_terms=_cost_terms(graph, g, costs, microbatches),
+        edge_terms=_edge_classes(graph, g.rep, len(mesh_shape), microbatches),
+        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape),
+        table=ReshardTable.for_shape(resharder),
+        coll_terms=[(r, count * microbatches) for r, count in g.coll_count.items()],
+        forced=frozenset(g.forced),
+        build_s=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class _Grouped:
+    """The node pass of :func:`build_structure`: each node's strategies, its representative (a repeated
+    layer's node shares its canonical twin's; a trivial op is merged into its deepest operand, Alpa §4.2),
+    the ILP's groups, and the compute and collective terms keyed so that identical nodes count once."""
+
+    strategies: dict[str, list[Strategy]] = field(default_factory=dict)
+    rep: dict[str, str] = field(default_factory=dict)
+    reps: list[str] = field(default_factory=list)
+    group_of: dict[str, int] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)
+    merge: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    forced: set[str] = field(default_factory=set)
+    cost_count: dict[tuple, list] = field(default_factory=dict)
+    """(representative, FLOPs, bytes, dtype, GEMM) → [a node, how many]."""
+    coll_count: dict[str, int] = field(default_factory=dict)
+    """Representative → nodes whose strategies issue collectives of their own."""
+
+
+def _group_nodes(graph: OpGraph, builder: StrategyBuilder, pins, mesh_shape: tuple[int, ...], merge_trivial: bool):
+    """Every node's strategies (forced layouts applied) and its group: :class:`_Grouped`."""
+    g = _Grouped()
     canonical = graph.canonical
     cand_cache: dict[tuple[int, int], list] = {}
     memo: dict[tuple, list[Strategy]] = {}
 
     def cands_of(src: str, i: int) -> list:
-        sts = strategies[src]
+        sts = g.strategies[src]
         key = (id(sts), i)
         c = cand_cache.get(key)
         if c is None:
             c = cand_cache[key] = StrategyBuilder.out_candidates(sts, i)
         return c
 
-    cost_count: dict[tuple, list] = {}
-    edge_count: dict[tuple, list] = {}
-    coll_count: dict[str, int] = {}
     for node in graph.nodes:
         name = node.name
         canon = canonical.get(name, name)
@@ -499,39 +538,42 @@ def build_structure(
         if pins is not None:
             kept = _apply_force(node, sts, pins, mesh_shape)
             if kept is not sts:
-                forced.add(name)
+                g.forced.add(name)
                 sts = kept
-        strategies[name] = sts
-        if canon != name and canon in rep and (strategies[canon] is sts or strategies[canon] == sts):
-            r = rep[name] = rep[canon]
+        g.strategies[name] = sts
+        if canon != name and canon in g.rep and (g.strategies[canon] is sts or g.strategies[canon] == sts):
+            r = g.rep[name] = g.rep[canon]
         elif merge_trivial and is_trivial(node) and len(sts) > 1:
             # merge into the deepest operand (Alpa §4.2)
             a = max(range(len(node.inputs)), key=lambda j: graph[node.inputs[j][0]].depth)
             src, i = node.inputs[a]
-            r = rep[name] = name
-            reps.append(name)
-            group_of[name] = group_of[rep[src]]
-            merge[name] = (src, i, a)
+            r = g.rep[name] = name
+            g.reps.append(name)
+            g.group_of[name] = g.group_of[g.rep[src]]
+            g.merge[name] = (src, i, a)
         else:
-            r = rep[name] = name
-            reps.append(name)
-            group_of[name] = len(sizes)
-            sizes.append(len(sts))
-            owners.append(name)
+            r = g.rep[name] = name
+            g.reps.append(name)
+            g.group_of[name] = len(g.sizes)
+            g.sizes.append(len(sts))
+            g.owners.append(name)
         if node.kind == "op":
             gemm = node_gemm(graph, node)
             key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None, gemm)
-            hit = cost_count.get(key)
+            hit = g.cost_count.get(key)
             if hit is None:
-                cost_count[key] = [node, 1]
+                g.cost_count[key] = [node, 1]
             else:
                 hit[1] += 1
             if any(st.colls for st in sts):
-                coll_count[r] = coll_count.get(r, 0) + 1
+                g.coll_count[r] = g.coll_count.get(r, 0) + 1
+    return g
 
-    # the step's edges (``accounting.step_edges``): operands; the loss, replicated; gradients into their
-    # parameter's layout; updated buffers into theirs — identical ones (repeated layers) priced once
-    nd = len(mesh_shape)
+
+def _edge_classes(graph: OpGraph, rep: dict[str, str], nd: int, microbatches: int) -> list[EdgeClass]:
+    """The step's edges (``accounting.step_edges``): operands; the loss, replicated; gradients into their
+    parameter's layout; updated buffers into theirs — identical ones (repeated layers) priced once."""
+    edge_count: dict[tuple, list] = {}
     for e in step_edges(graph):
         info = graph[e.src].outputs[e.index]
         if e.kind == EdgeKind.OPERAND:
@@ -541,28 +583,34 @@ def build_structure(
         else:
             key = (rep[e.src], e.index, rep[e.dst], EdgeEnd.OUTPUT, 0, info)
         edge_count.setdefault(key, [0])[0] += e.runs(microbatches)
+    return [EdgeClass(*k, c[0]) for k, c in edge_count.items() if k[5] is not None]
 
-    out_ids = {r: _id_matrix([s.out_ids for s in strategies[r]]) for r in reps}
-    in_ids = {r: _id_matrix([s.in_ids for s in strategies[r]]) for r in reps}
-    cost_terms = []
-    for (r, *_), (node, count) in cost_count.items():
+
+def _cost_terms(graph: OpGraph, g: _Grouped, costs: ComputeCost, microbatches: int) -> list:
+    """Seconds per strategy of each representative: its ops' compute, every microbatch, and the optimizer's
+    update of each trainable parameter, once a step, by the layout it is stored in."""
+    terms = []
+    for (r, *_), (node, count) in g.cost_count.items():
         count *= microbatches
-        per = np.array([costs.node(node, s) for s in strategies[r]], dtype=float)
+        per = np.array([costs.node(node, s) for s in g.strategies[r]], dtype=float)
         if per.any():
-            cost_terms.append((r, per * count if count != 1 else per))
-    # the optimizer's update of each trainable parameter, once a step, by the layout it is stored in
+            terms.append((r, per * count if count != 1 else per))
     update_count: dict[tuple, list] = {}
     for n in graph.nodes:
         if n.kind == "param" and n.out is not None and graph.grads.get(n.fqn) is not None:
-            update_count.setdefault((rep[n.name], n.out), [n, 0])[1] += 1
+            update_count.setdefault((g.rep[n.name], n.out), [n, 0])[1] += 1
     for (r, _), (node, count) in update_count.items():
-        per = np.array([costs.update(node, s) for s in strategies[r]], dtype=float)
+        per = np.array([costs.update(node, s) for s in g.strategies[r]], dtype=float)
         if per.any():
-            cost_terms.append((r, per * count))
-    merge_cost = {r: np.array([costs.node(graph[r], s) for s in strategies[r]], dtype=float) for r in merge}
-    edge_terms = [EdgeClass(*k, c[0]) for k, c in edge_count.items() if k[5] is not None]
+            terms.append((r, per * count))
+    return terms
 
-    # memory per device
+
+def _memory_terms(graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[int, ...]) -> list:
+    """Bytes per device of each representative on the ILP's two memory rows, plain and with the ZeRO
+    post-pass's sharded updates: leaves (weights, gradients, optimizer states; buffers; inputs) and the
+    values the backward reads (on the backward row only)."""
+
     def sf_of(r: str, i: int) -> np.ndarray:
         ids = out_ids[r][:, i]
         return np.array([shard_factor(by_id(p), mesh_shape) if p >= 0 else 1 for p in ids], dtype=float)
@@ -579,12 +627,12 @@ def build_structure(
     for n in graph.nodes:
         if n.kind in ("param", "buffer", "input") and n.out is not None:
             trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
-            key = ("leaf", rep[n.name], 0, n.out, n.kind, trainable, n.name in forced)
+            key = ("leaf", g.rep[n.name], 0, n.out, n.kind, trainable, n.name in g.forced)
             mem_count.setdefault(key, [0, n])[0] += 1
     for name, i in saved_values(graph):
         info = graph[name].outputs[i]
-        mem_count.setdefault(("saved", rep[name], i, info, "op", False, False), [0, graph[name]])[0] += 1
-    mem_terms = []
+        mem_count.setdefault(("saved", g.rep[name], i, info, "op", False, False), [0, graph[name]])[0] += 1
+    terms = []
     for (kind, r, i, info, _, trainable, is_forced), (count, node) in mem_count.items():
         sf = sf_of(r, i)[None, :]  # [1, K]
         if kind == "leaf":
@@ -595,29 +643,8 @@ def build_structure(
                 zero = np.minimum(std, np.stack([z.update, z.backward]) / sf)
         else:  # a value the backward reads: on the backward row only
             std = zero = np.array([0.0, float(info.nbytes)])[:, None] / sf
-        mem_terms.append((r, std * count, zero * count))
-
-    return Structure(
-        graph=graph,
-        mesh_shape=mesh_shape,
-        strategies=strategies,
-        rep=rep,
-        reps=reps,
-        group_of=group_of,
-        group_sizes=sizes,
-        group_owner=owners,
-        merge=merge,
-        merge_cost=merge_cost,
-        out_ids=out_ids,
-        in_ids=in_ids,
-        cost_terms=cost_terms,
-        edge_terms=edge_terms,
-        mem_terms=mem_terms,
-        table=ReshardTable.for_shape(resharder),
-        coll_terms=[(r, count * microbatches) for r, count in coll_count.items()],
-        forced=frozenset(forced),
-        build_s=time.perf_counter() - t0,
-    )
+        terms.append((r, std * count, zero * count))
+    return terms
 
 
 def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Problem:
