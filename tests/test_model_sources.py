@@ -319,3 +319,17 @@ def test_plan_auto_is_made_once_and_handed_to_the_ranks(capsys):
     _one_line_error(
         capsys, ["train", "--nproc-per-node", "2", "-c", "atp-ic3"], "only with --plan auto", command="train"
     )
+
+
+def test_builtin_weights_follow_the_seed():
+    """`--seed` reaches the built-in models as it reaches HF's and a factory's: the same seed builds the same
+    weights whatever the global RNG did before, another seed other weights."""
+    from meshpilot.models.sources import build_model
+
+    first = build_model("gpt-tiny", device="cpu", seed=1).model
+    torch.rand(5)  # the global stream moves on
+    again = build_model("gpt-tiny", device="cpu", seed=1).model
+    other = build_model("gpt-tiny", device="cpu", seed=2).model
+    for a, b in zip(first.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters()))

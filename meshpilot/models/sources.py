@@ -146,7 +146,7 @@ def build_model(
             raise UserError(f"--batch/--seq: {name!r} builds its own inputs; size them in the factory")
         return build_factory(name, device=device, seed=seed)
     return build_builtin(
-        name, batch=batch, seq=seq, layers=layers, hidden=hidden, heads=heads, dtype=dtype, device=device
+        name, batch=batch, seq=seq, layers=layers, hidden=hidden, heads=heads, dtype=dtype, device=device, seed=seed
     )
 
 
@@ -163,8 +163,10 @@ def build_builtin(
     heads: int | None = None,
     dtype: str | None = None,
     device: str | torch.device = "meta",
+    seed: int = 0,
 ) -> Built:
-    """A built-in model (or 'gpt' with overrides) and its (inputs..., targets) on `device`."""
+    """A built-in model (or 'gpt' with overrides) and its (inputs..., targets) on `device`; its weights drawn
+    after ``torch.manual_seed(seed)`` (on a real device), so every rank and the reference build the same."""
     from meshpilot.models import builtin_models, gpt_config
 
     models = builtin_models()
@@ -176,6 +178,8 @@ def build_builtin(
         )
     entry = models.get(name)
     device = str(device)
+    if device != "meta":
+        torch.manual_seed(seed)
     if name == "gpt" or entry.config is not None:
         cfg = gpt_config(name, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype=dtype)
         from meshpilot.models.gpt import GPT
