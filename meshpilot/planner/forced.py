@@ -402,92 +402,116 @@ def megatron_tp(
     mesh_shape = _check_mesh(mesh_shape)
     nd = len(mesh_shape)
     tp_axis = tp_axis % nd
-    tp = mesh_shape[tp_axis]
     graph = graph if graph is not None else capture(model, example_inputs, loss_fn=loss_fn)
-    shapes = _params(model)
-    force = {_exact(n): _replicated(mesh_shape) for n in shapes}
-
-    def on_tp(d: int) -> str:
-        out = ["R"] * nd
-        out[tp_axis] = f"S({d})"
-        return _layout(out)
-
     dp_axes = [a for a in range(nd) if a != tp_axis]
-    inputs = _inputs(example_inputs, mesh_shape, dp_axes)
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
     lead = _batch_placements(tuple(first.shape), mesh_shape, dp_axes) if first is not None else ["R"] * nd
-    batch_axes = [a for a in dp_axes if lead[a] == "S(0)"]
+    pins = _TPPins(graph, _params(model), mesh_shape, tp_axis, [a for a in dp_axes if lead[a] == "S(0)"])
+    if mesh_shape[tp_axis] > 1:
+        pins.pin_pairs()
+        pins.pin_embeddings()
+        if vocab_loss:
+            pins.pin_vocab_heads()
+    pins.force.update(_inputs(example_inputs, mesh_shape, dp_axes))
+    return pins.force
 
-    def rows_on_batch_axes(rows: int, tp_placement: str) -> list[str]:
+
+class _TPPins:
+    """The layouts :func:`megatron_tp` pins, built up in :attr:`force`: every parameter replicated to start
+    with, then Megatron's pairs, vocabulary-parallel tables and heads sharded over the TP axis, the rows of
+    their outputs batch-sharded as the inputs are (over `batch_axes`)."""
+
+    def __init__(self, graph: OpGraph, shapes: dict, mesh_shape: tuple[int, ...], tp_axis: int, batch_axes: list):
+        self.graph, self.shapes, self.mesh_shape = graph, shapes, mesh_shape
+        self.tp_axis, self.tp, self.batch_axes = tp_axis, mesh_shape[tp_axis], batch_axes
+        self.force: dict[str, str] = {_exact(n): _replicated(mesh_shape) for n in shapes}
+
+    def on_tp(self, d: int) -> str:
+        """Dim `d` sharded on the TP axis, replicated on the others."""
+        out = ["R"] * len(self.mesh_shape)
+        out[self.tp_axis] = f"S({d})"
+        return _layout(out)
+
+    def rows_on_batch_axes(self, rows: int, tp_placement: str) -> list[str]:
         """A layout whose dim 0 (`rows` long) is sharded over the batch axes that divide it evenly."""
-        out, k = ["R"] * nd, 1
-        for a in batch_axes:
-            if rows % (k * mesh_shape[a]) == 0:
-                out[a], k = "S(0)", k * mesh_shape[a]
-        out[tp_axis] = tp_placement
+        out, k = ["R"] * len(self.mesh_shape), 1
+        for a in self.batch_axes:
+            if rows % (k * self.mesh_shape[a]) == 0:
+                out[a], k = "S(0)", k * self.mesh_shape[a]
+        out[self.tp_axis] = tp_placement
         return out
 
-    def matmul_out(node: str, tp_placement: str) -> str | None:
+    def matmul_out(self, node: str, tp_placement: str) -> str | None:
         """The layout of a 2-D linear's output: rows batch-sharded as the inputs, `tp_placement` on TP."""
-        info = graph[node].out
-        if graph[node].target == "aten.bmm.default" or info is None or len(info.shape) != 2:
+        info = self.graph[node].out
+        if self.graph[node].target == "aten.bmm.default" or info is None or len(info.shape) != 2:
             return None
-        return _layout(rows_on_batch_axes(info.shape[0], tp_placement))
+        return _layout(self.rows_on_batch_axes(info.shape[0], tp_placement))
 
-    def pin_column(c) -> None:  # a column-parallel linear: output features sharded on the TP axis
-        force[_exact(c.weight)] = on_tp(c.out_dim)
+    def pin_column(self, c) -> None:
+        """A column-parallel linear: output features sharded on the TP axis."""
+        self.force[_exact(c.weight)] = self.on_tp(c.out_dim)
         if c.bias is not None:
-            force[_exact(c.bias)] = on_tp(0)
-        lay = matmul_out(c.node, "S(1)")
+            self.force[_exact(c.bias)] = self.on_tp(0)
+        lay = self.matmul_out(c.node, "S(1)")
         if lay is not None:
-            force[c.node] = lay
+            self.force[c.node] = lay
 
-    if tp > 1:
-        for group in megatron_groups(graph):
+    def pin_pairs(self) -> None:
+        """Each column / row group (:func:`megatron_groups`) whose weights the TP degree divides: columns
+        sharded by output features, rows by input features with partial-sum outputs."""
+        shapes, tp = self.shapes, self.tp
+        for group in megatron_groups(self.graph):
             ok = all(shapes[c.weight][c.out_dim] % tp == 0 for c in group.columns) and all(
                 shapes[r.weight][r.in_dim] % tp == 0 for r in group.rows
             )
             if not ok:
                 continue
             for c in group.columns:
-                pin_column(c)
+                self.pin_column(c)
             for r in group.rows:
-                force[_exact(r.weight)] = on_tp(r.in_dim)
-                lay = matmul_out(r.node, "P")
+                self.force[_exact(r.weight)] = self.on_tp(r.in_dim)
+                lay = self.matmul_out(r.node, "P")
                 if lay is not None:
-                    force[r.node] = lay
-        # vocabulary-parallel embedding tables (Megatron-LM's); a lookup of an input's ids keeps its partial
-        # sums over the TP axis, reduced where they are consumed
+                    self.force[r.node] = lay
+
+    def pin_embeddings(self) -> None:
+        """Vocabulary-parallel embedding tables (Megatron-LM's); a lookup of an input's ids keeps its partial
+        sums over the TP axis, reduced where they are consumed."""
+        graph, nd = self.graph, len(self.mesh_shape)
         for n in graph.nodes:
             if n.phase != "fwd" or n.target != "aten.embedding.default" or len(n.inputs) < 2:
                 continue
             table, ids = graph[n.inputs[0][0]], graph[n.inputs[1][0]]
-            if table.kind != "param" or table.out is None or table.out.shape[0] % tp:
+            if table.kind != "param" or table.out is None or table.out.shape[0] % self.tp:
                 continue
-            if force.get(_exact(table.fqn), "R" * nd) != _replicated(mesh_shape):
+            if self.force.get(_exact(table.fqn), "R" * nd) != _replicated(self.mesh_shape):
                 continue  # a weight some matmul pair already shards
-            force[_exact(table.fqn)] = on_tp(0)
+            self.force[_exact(table.fqn)] = self.on_tp(0)
             if ids.kind == "input" and n.out is not None:
-                force[n.name] = _layout(rows_on_batch_axes(n.out.shape[0], "P"))
-        if vocab_loss:
-            for lin, lsm in vocab_parallel_heads(graph):
-                if shapes[lin.weight][lin.out_dim] % tp or force[_exact(lin.weight)] != _replicated(mesh_shape):
-                    continue
-                info = graph[lsm].out
-                cls = graph[lsm].fx_node.args[1] % len(info.shape)
-                if cls != 0:
-                    out = rows_on_batch_axes(info.shape[0], f"S({cls})")
-                else:  # the class dim is dim 0: no rows to shard
-                    out = ["R"] * nd
-                    out[tp_axis] = "S(0)"
-                pin_column(lin)
-                force[lsm] = _layout(out)
-                # its nll_loss: a partial sum over the TP axis and over the batch axes sharding its rows
-                for user in graph.users[lsm]:
-                    if graph[user].target == "aten.nll_loss_forward.default" and graph[user].phase == "fwd":
-                        force[user] = _layout(["P" if p != "R" else "R" for p in out])
-    force.update(inputs)
-    return force
+                self.force[n.name] = _layout(self.rows_on_batch_axes(n.out.shape[0], "P"))
+
+    def pin_vocab_heads(self) -> None:
+        """An LM head feeding the cross-entropy: column-parallel, its log-softmax class-sharded on the TP axis
+        and its nll_loss a partial sum over the TP axis and the batch axes sharding its rows."""
+        graph, force = self.graph, self.force
+        for lin, lsm in vocab_parallel_heads(graph):
+            if self.shapes[lin.weight][lin.out_dim] % self.tp or force[_exact(lin.weight)] != _replicated(
+                self.mesh_shape
+            ):
+                continue
+            info = graph[lsm].out
+            cls = graph[lsm].fx_node.args[1] % len(info.shape)
+            if cls != 0:
+                out = self.rows_on_batch_axes(info.shape[0], f"S({cls})")
+            else:  # the class dim is dim 0: no rows to shard
+                out = ["R"] * len(self.mesh_shape)
+                out[self.tp_axis] = "S(0)"
+            self.pin_column(lin)
+            force[lsm] = _layout(out)
+            for user in graph.users[lsm]:
+                if graph[user].target == "aten.nll_loss_forward.default" and graph[user].phase == "fwd":
+                    force[user] = _layout(["P" if p != "R" else "R" for p in out])
 
 
 def vocab_parallel_heads(graph: OpGraph) -> list[tuple[Linear, str]]:
