@@ -216,16 +216,30 @@ def test_plan_weighs_one_stage_against_the_best_pipeline(capsys):
 
 def test_a_model_one_stage_cannot_hold_gets_stages(capsys):
     """When the whole batch's saved activations and the weights spread over every device are more than a device
-    holds, no one-stage search is run and the plan is a pipeline (with enough microbatches), saying why."""
+    holds, no one-stage search is run and the plan is a pipeline (with enough microbatches), saying why. Where
+    the one-stage search may recompute (the default), the floor is what recomputed blocks keep: here it fits, so
+    one stage is searched (recomputing) and weighed against the pipeline."""
     from meshpilot.planner.decide import model_bytes, one_stage_floor
 
     args = ["plan", "-m", "gpt-tiny", "-c", "alpa-p3x8", "-n", "2", "--batch", "64", "--memory-gib", "0.002"]
-    assert main([*args, "--ops", "none"]) == 0
+    assert main([*args, "--ops", "none", "--recompute", "none"]) == 0
     out = capsys.readouterr().out
     assert "one stage does not fit: with the whole batch at once each of the 2 devices holds at least" in out
     assert "chose the pipeline of" in out and "stages on 2 devices" in out
+    assert main([*args, "--ops", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" not in out and "one stage (SPMD on all 2 devices): predicted step" in out
     built = builtin_models()["gpt-tiny"].build("meta", 64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(*built)
     assert one_stage_floor(model_bytes(graph), 2, 1) > 0.002 * 2**30
+
+
+def test_a_recomputing_plan_prints_its_operators(capsys):
+    """A one-stage plan that recomputes blocks is shown on the graph it was made for: its operator table lists
+    the recomputed copies (it raised KeyError on a node the transform drops)."""
+    args = ["plan", "-m", "gpt-tiny", "--layers", "2", "-c", "dgx-h100", "-n", "2", "--stages", "1"]
+    assert main([*args, "--recompute", "full", "--ops", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute: blocks.0, blocks.1" in out and "_recomputed" in out

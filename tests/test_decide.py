@@ -66,3 +66,22 @@ def test_weigh_keeps_the_shorter_step_one_stage_on_a_tie():
     assert weigh(1.0, None, "one stage", "no pipeline").why == "chose one stage; weighed against no pipeline"
     with pytest.raises(ValueError):
         weigh(None, None, "", "")
+
+
+def test_the_floor_with_recomputation_is_below_plain_and_a_lower_bound_of_the_recomputed_graph():
+    """Where the one-stage search may recompute, the floor counts what the backward keeps with every block
+    recomputed: less than as captured, never more than the recomputed graph really keeps (a lower bound), and
+    a stack counts it as the whole model does."""
+    from meshpilot.planner.recompute import apply, regions
+
+    model, inputs = _gpt(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = capture(model, inputs)
+        stack = capture_stack(model, inputs)
+    plain, rec = model_bytes(whole), model_bytes(whole, recompute=True)
+    assert rec.state == plain.state and rec.per_microbatch < 0.6 * plain.per_microbatch
+    recomputed = apply(whole, [r.name for r in regions(whole) if r.random is None])
+    kept = sum(recomputed[s].outputs[i].nbytes for s, i in saved_values(recomputed))
+    assert rec.per_microbatch <= kept + sum(x.nbytes for x in whole.input_infos) + 1e-6
+    assert model_bytes(stack, recompute=True).per_microbatch == pytest.approx(rec.per_microbatch)

@@ -580,13 +580,14 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
     B0 = args.microbatches or (PIPELINE_MICROBATCHES if whole % PIPELINE_MICROBATCHES == 0 else 1)
     built, graph = Staged.capture(args, whole, B0, progress)
     cap = memory or cluster.device.memory_bytes
-    floor = one_stage_floor(model_bytes(graph), n, B0)
+    recomputing = args.recompute != RecomputeMode.NONE
+    floor = one_stage_floor(model_bytes(graph, recompute=recomputing), n, B0)
     one = None
     if floor > cap:
+        kept = "what the backward keeps with every block recomputed" if recomputing else "every saved activation"
         why_one = (
             f"one stage does not fit: with the whole batch at once each of the {n} devices holds at least "
-            f"{fmt_size(floor)} (weights, AdamW states and every saved activation spread evenly) against "
-            f"{fmt_size(cap)}"
+            f"{fmt_size(floor)} (weights, AdamW states and {kept} spread evenly) against {fmt_size(cap)}"
         )
     else:
         try:
@@ -764,7 +765,11 @@ def op_sections(graph: Any) -> list[tuple[tuple[int, int] | None, list[Any]]]:
 
 
 def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "summary", cluster: Any = None) -> None:
-    """The plan as rich tables (see the module docstring)."""
+    """The plan as rich tables (see the module docstring). `graph` is the model's capture; a plan that
+    recomputes blocks is shown on the graph it was made for (``recompute.for_plan``)."""
+    from meshpilot.planner.recompute import for_plan
+
+    graph = for_plan(graph, plan)
     t, m, s = plan.time, plan.memory, plan.solver
     mesh = ", ".join(f"{a}={d}" for a, d in zip(plan.mesh_axes, plan.mesh_shape))
     contiguous = plan.mesh_axes[-1 if plan.mapping == "row" else 0]

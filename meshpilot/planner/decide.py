@@ -17,6 +17,9 @@ on at least one device, so the most loaded device holds at least the average:
 with W, O of every parameter (``accounting.state_bytes``: O = 2 W for a trainable one), I the microbatch's input
 leaves and A its saved values (``accounting.saved_values``), per microbatch. Above the device's capacity, no
 one-stage plan fits: the search (78 s on GPT-39B over its mesh shapes) is not run, and the printout says why.
+Where the one-stage search may recompute (``--recompute auto`` or ``full``: ``planner.recompute``), A is what
+the backward keeps with every block that can be recomputed exactly recomputed — A less each such block's
+interior (``Region.saved_bytes``) — so the floor stays a lower bound of every plan the search could return.
 
 2. How many microbatches by default — :func:`default_microbatches`
 -----------------------------------------------------------------
@@ -71,9 +74,10 @@ class ModelBytes:
     """Rows (the batch dimension) of the microbatch the graph was captured with."""
 
 
-def model_bytes(graph: OpGraph | Stack) -> ModelBytes:
+def model_bytes(graph: OpGraph | Stack, recompute: bool = False) -> ModelBytes:
     """:class:`ModelBytes` of a captured microbatch's graph, or of a :class:`Stack`'s model (its middle block
-    counted once per block of the model)."""
+    counted once per block of the model). `recompute`: the saved values less the interior of every block
+    recomputation can take (those that draw no random numbers; module docstring, 1)."""
     stack = graph if isinstance(graph, Stack) else None
     g = stack.graph if stack is not None else graph
     layers = runnable_layers(g)
@@ -94,6 +98,13 @@ def model_bytes(graph: OpGraph | Stack) -> ModelBytes:
     for src, i in saved_values(g):
         if src in where:
             per_mb[where[src]] += float(g[src].outputs[i].nbytes)
+    if recompute:
+        from meshpilot.planner.recompute import regions
+
+        for r in regions(g):
+            j = where.get(r.recomputed[0])
+            if r.random is None and j is not None:
+                per_mb[j] = max(0.0, per_mb[j] - r.saved_bytes)
     weights = [1.0] * len(layers)
     if stack is not None and stack.kept != stack.blocks:  # the kept blocks stand for the model's
         pre, post = stack.pre, stack.kept + stack.pre
