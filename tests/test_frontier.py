@@ -55,7 +55,7 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
     for text, needle in [
         ("tp=8,cp=16", "context parallelism"),
-        ("tp=8,recompute=full", "recomputation"),
+        ("tp=8,recompute=selective", "whole blocks"),
         ("tp=8,zero=1", "ZeRO over pinned layouts"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
