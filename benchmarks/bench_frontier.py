@@ -34,6 +34,7 @@ from meshpilot.models.sources import build_hf
 from meshpilot.planner.config_plan import (
     Breakdown,
     breakdown,
+    group_memory,
     model_flops_per_token,
     parse_config,
     plan_config,
@@ -149,7 +150,7 @@ def run_row(row: Row, trace: str | None = None, png: str | None = None, terms: b
     sim = simulate_config(cp)
     out.simulate_s = time.perf_counter() - t0
     out.step_s, out.eq2_step_s = sim.step_s, cp.plan.step_s
-    out.peak_gib = max(st.memory_bytes for st in cp.plan.stages) / 2**30
+    out.peak_gib = group_memory(cp) / 2**30
     layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
     per_token = model_flops_per_token(built.model, layers, hidden, row.seq)
     out.simulated = tflops_per_gpu(per_token, cfg.global_batch * row.seq, sim.step_s, cfg.devices)

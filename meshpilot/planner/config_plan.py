@@ -337,6 +337,13 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 
 
+def group_memory(cp: ConfigPlan) -> float:
+    """Bytes per GPU of the plan's fullest pipeline group: its chunks' Eq. 5 (``PlanStage.memory_bytes``, each
+    with its own microbatches in flight) summed, as the stage DP bounds an interleaved group."""
+    p = cp.config.pp
+    return max(sum(s.memory_bytes for s in cp.plan.stages[g::p]) for g in range(p))
+
+
 def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
     """Bytes one rank sends per microbatch at each stage boundary: the transfer (the whole step's microbatch,
     every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; the TP ranks of a
@@ -426,6 +433,7 @@ __all__ = [
     "boundary_pins",
     "breakdown",
     "check_config",
+    "group_memory",
     "model_flops_per_token",
     "parse_config",
     "plan_config",

@@ -75,6 +75,7 @@ from meshpilot.planner.config_plan import (
     ParallelConfig,
     Recompute,
     Split,
+    group_memory,
     plan_config,
     recomputed_stack,
     simulate_config,
@@ -345,12 +346,6 @@ def estimate(est: _Estimator, cfg: ParallelConfig) -> float:
     return est.time(cfg, est.chunks(cfg))
 
 
-def _group_memory(cp: ConfigPlan) -> float:
-    """The plan's Eq. 5 per GPU: its stages' memory summed per group, the fullest group."""
-    p = cp.config.pp
-    return max(sum(s.memory_bytes for s in cp.plan.stages[g::p]) for g in range(p))
-
-
 @dataclass
 class _Captures:
     """One capture per microbatch of the whole step (sequences), shared by the plans of that size, and its
@@ -453,7 +448,7 @@ def _plan_best(captures: _Captures, cl: Cluster, chosen: Sequence[Candidate], ca
         model, inputs, stack, sp = captures(c.config.graph_batch, c.config.recompute)
         cp = plan_config(model, inputs, stack, cl, c.config, planner=sp)
         step = simulate_config(cp).step_s
-        mem = _group_memory(cp)
+        mem = group_memory(cp)
         got = replace(c, simulated_s=step, plan_memory_bytes=mem, plan_s=time.perf_counter() - t0, fits=mem <= cap)
         planned.append(got)
         if got.fits and (best is None or step < best[1]):
