@@ -282,10 +282,15 @@ def plan_config(
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
 
 
+def is_recomputed(stack: Stack) -> bool:
+    """Whether `stack`'s graph holds recomputed copies (:func:`recomputed_stack`'s)."""
+    return any(recompute.is_copy(n.name) for n in stack.graph.nodes)
+
+
 def recomputed_stack(stack: Stack) -> Stack:
     """`stack` with every captured block recomputed in the backward (module docstring, *Recomputation*);
     `stack` itself when it already is."""
-    if any(recompute.is_copy(n.name) for n in stack.graph.nodes):
+    if is_recomputed(stack):
         return stack
     names = [r.name for r in recompute.regions(stack.graph) if r.name.startswith(f"{stack.container}.")]
     small = find_stack(recompute.apply(stack.graph, names))
@@ -434,6 +439,7 @@ __all__ = [
     "breakdown",
     "check_config",
     "group_memory",
+    "is_recomputed",
     "model_flops_per_token",
     "parse_config",
     "plan_config",

@@ -76,6 +76,7 @@ from meshpilot.planner.config_plan import (
     Recompute,
     Split,
     group_memory,
+    is_recomputed,
     plan_config,
     recomputed_stack,
     simulate_config,
@@ -83,6 +84,7 @@ from meshpilot.planner.config_plan import (
     stage_ranks,
 )
 from meshpilot.planner.forced import data_parallel, megatron_tp
+from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import _held_per_stage
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, _compose_one, capture_stack
@@ -234,7 +236,7 @@ def plan_pieces(
     """:class:`Pieces` at TP `tp` (module docstring, 2) of `stack`, the one-sequence capture of `model` on
     `inputs` (recomputed or not), planned by `sp`; None when a piece has no plan (e.g. heads that TP does not
     divide)."""
-    recompute = Recompute.FULL if stack is recomputed_stack(stack) else Recompute.NONE
+    recompute = Recompute.FULL if is_recomputed(stack) else Recompute.NONE
     mesh = (1, tp)
     try:
         force = megatron_tp(model, inputs, mesh, graph=stack.graph) if tp > 1 else data_parallel(model, inputs, mesh)
@@ -247,7 +249,7 @@ def plan_pieces(
     for a, b in ranges:
         try:
             cost, mem = sp.plan_with_memory(a, b, ranks, mesh, microbatches=1, zero=ZeroMode.OFF, force=force)
-        except Exception:  # noqa: BLE001 - a piece with no plan at this TP: the TP is not offered
+        except PlanError:  # a piece with no plan at this TP (heads it does not divide): the TP is not offered
             return None
         t = cost.time
         got.append(Piece(t.compute_s + t.communication_s + t.resharding_s, t.optimizer_s, mem))
