@@ -14,9 +14,17 @@ TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config
 the error is simulated / published − 1. A row whose configuration meshpilot cannot represent (context
 parallelism, activation recomputation, FP8) is printed with the reason and simulated as nothing.
 
-``--json FILE``: a list of rows ``{name, unit, published, simulated_as_published, planned, planning_s, ...}``;
-``planned`` and ``planning_s`` (meshpilot's own plan for the same model, cluster and batch) are null: that
-search at this scale is not done yet.
+meshpilot's own plan (``planner.config_search.search_configs``, what ``meshpilot plan --config auto`` runs): for
+the same model, GPUs, global batch and sequence, the configuration meshpilot chooses itself — TP / PP / DP,
+schedule, microbatches and their size, recomputation, split — within the device's memory by Eq. 5 per pipeline
+group, planned and simulated by the same path as the published one. Where the published configuration's own
+plan needs more than the device's memory by that bound, the search is run a second time within that larger
+figure, like for like. ``--no-search`` skips both.
+
+``--json FILE``: a list of rows ``{name, unit, published, simulated_as_published, planned, planning_s, ...}``:
+``planned`` the own plan's simulated throughput (the row's unit), ``planning_s`` its search's wall seconds (CPU
+in ``planning_cpu_s``), ``planned_config`` the configuration it chose (``--config`` syntax), and the same three
+``..._at_published_memory`` for the second search; null for a refused row.
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from meshpilot.models.sources import build_hf
 from meshpilot.planner.config_plan import (
     Breakdown,
     breakdown,
+    group_memory,
     model_flops_per_token,
     parse_config,
     plan_config,
     simulate_config,
     tflops_per_gpu,
 )
+from meshpilot.planner.config_search import SearchResult, config_string, search_configs
 from meshpilot.planner.stack import Stack, capture_stack
 from meshpilot.planner.stage import StagePlanner
 
@@ -57,6 +67,13 @@ BF16; its FSDP-style sharding of the optimizer is not planned (``config_plan``: 
 changes the step by the update of a 1/DP shard (0.045 s whole on the busiest group). Micro-batch size 1 (not stated)
 makes the microbatches the batch per DP. ``precision=bf16``: the step in bfloat16 as Megatron-style BF16 training
 runs it (meshpilot's ``bf16-mixed`` is torch autocast, whose float32 residual stream doubles every send)."""
+
+
+FP8 = (
+    "torchtitan ran it with Float8 linears: no H100 FP8 measurement to rate them by (../shared/gpu holds bf16 "
+    "only; its full activation checkpointing is planned now, recompute=full)"
+)
+"""Why torchtitan's rows stay refused."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +101,33 @@ ROWS = [
         f"{LLAMA3_CONFIG},cp=16,pp=16,dp=8,microbatches=16"),
     Row("torchtitan-405b-1f1b", "torchtitan H100 Table 5", "tokens/s/GPU", 100.0, LLAMA3_405B, 8192,
         "torchtitan-h100:64", "tp=8,pp=8,dp=8,microbatches=32,recompute=full",
-        refused="torchtitan ran it with Float8 linears and full activation checkpointing, neither modelled"),
+        refused=FP8),
     Row("torchtitan-405b-interleaved", "torchtitan H100 Table 5", "tokens/s/GPU", 128.0, LLAMA3_405B, 8192,
         "torchtitan-h100:64", "tp=8,pp=8,dp=8,schedule=interleaved-1f1b,virtual=2,microbatches=32,"
-        "recompute=full", refused="torchtitan ran it with Float8 linears and full activation checkpointing, neither "
-        "modelled"),
+        "recompute=full", refused=FP8),
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Own:
+    """meshpilot's own plan for a row: the search's answer, priced in the row's unit."""
+
+    throughput: float
+    config: str
+    search: SearchResult
+
+    def to_json(self, suffix: str) -> dict[str, Any]:
+        s = self.search
+        return {f"planned{suffix}": self.throughput, f"planning_s{suffix}": s.planning_s,
+                f"planning_cpu_s{suffix}": s.cpu_s, f"planned_config{suffix}": self.config,
+                f"planned_step_s{suffix}": s.best_step_s, f"planned_memory_gib{suffix}": group_memory(s.best) / 2**30,
+                f"search_capacity_gib{suffix}": s.capacity / 2**30}  # fmt: skip
+
+
+def _own_json(own: Own | None, suffix: str) -> dict[str, Any]:
+    if own is not None:
+        return own.to_json(suffix)
+    return {f"planned{suffix}": None, f"planning_s{suffix}": None, f"planned_config{suffix}": None}
 
 
 @dataclass
@@ -106,6 +144,10 @@ class Result:
     eq2_step_s: float = 0.0
     peak_gib: float = 0.0
     terms: Breakdown | None = None
+    own: Own | None = None
+    """meshpilot's own plan within the device's memory."""
+    own_same_memory: Own | None = None
+    """…and within the published configuration's own Eq. 5, where that is larger."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -116,7 +158,8 @@ class Result:
         r = self.row
         return {
             "name": r.name, "unit": r.unit, "published": r.published, "simulated_as_published": self.simulated,
-            "planned": None, "planning_s": None, "error": self.error, "refused": self.refused or None,
+            **_own_json(self.own, ""), **_own_json(self.own_same_memory, "_at_published_memory"),
+            "error": self.error, "refused": self.refused or None,
             "source": r.source, "cluster": r.cluster, "config": r.config, "step_s": self.step_s or None,
             "eq2_step_s": self.eq2_step_s or None, "capture_s": self.capture_s, "config_plan_s": self.config_plan_s,
             "simulate_s": self.simulate_s, "peak_memory_gib": self.peak_gib or None,
@@ -124,7 +167,9 @@ class Result:
         }  # fmt: skip
 
 
-def run_row(row: Row, trace: str | None = None, png: str | None = None, terms: bool = True) -> Result:
+def run_row(
+    row: Row, trace: str | None = None, png: str | None = None, terms: bool = True, search: bool = False
+) -> Result:
     """Plan `row`'s configuration as published, simulate it, and price its throughput (module docstring)."""
     out = Result(row)
     if row.refused:
@@ -149,12 +194,18 @@ def run_row(row: Row, trace: str | None = None, png: str | None = None, terms: b
     sim = simulate_config(cp)
     out.simulate_s = time.perf_counter() - t0
     out.step_s, out.eq2_step_s = sim.step_s, cp.plan.step_s
-    out.peak_gib = max(st.memory_bytes for st in cp.plan.stages) / 2**30
+    out.peak_gib = group_memory(cp) / 2**30
     layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
     per_token = model_flops_per_token(built.model, layers, hidden, row.seq)
     out.simulated = tflops_per_gpu(per_token, cfg.global_batch * row.seq, sim.step_s, cfg.devices)
     if terms:
         out.terms = breakdown(cp, built.model, built.inputs, stack, sim.step_s, sp)
+    if search:
+        price = lambda step: tflops_per_gpu(per_token, cfg.global_batch * row.seq, step, cfg.devices)  # noqa: E731
+        out.own = own_plan(row, cfg, sp.cluster, price)
+        published_gib = group_memory(cp)
+        if published_gib > out.own.search.capacity:
+            out.own_same_memory = own_plan(row, cfg, sp.cluster, price, capacity=published_gib)
     if trace:
         sim.write_trace(trace)
     if png:
@@ -162,17 +213,52 @@ def run_row(row: Row, trace: str | None = None, png: str | None = None, terms: b
     return out
 
 
+def own_plan(row: Row, cfg, cluster, price, capacity: float | None = None) -> Own:
+    """The search (module docstring) for `row`'s model, GPUs, batch and sequence, within `capacity` bytes a GPU
+    (default: the device's)."""
+
+    def build(rows: int):
+        b = build_hf("llama", row.model, batch=rows, seq=row.seq)
+        return b.model, b.inputs
+
+    res = search_configs(build, cluster, cfg.devices, cfg.global_batch, precision=cfg.precision, capacity=capacity)
+    return Own(price(res.best_step_s), config_string(res.best.config), res)
+
+
+def show_own(r: Result) -> None:
+    """Each search's leading candidates, its choice and its time."""
+    for own in (r.own, r.own_same_memory):
+        if own is None:
+            continue
+        s = own.search
+        print(f"\n{r.row.name}: meshpilot's own plan within {s.capacity / 2**30:.1f} GiB a GPU (Eq. 5 per group): "
+              f"{s.enumerated} configurations, {s.over_memory} of the leading estimates over memory; "
+              f"{s.planning_s:.1f} s wall, {s.cpu_s:.1f} s CPU")  # fmt: skip
+        print(f"  {'configuration':<58} {'estimate':>8} {'simulated':>9} {'bound GiB':>9} {'plan GiB':>8}")
+        for c in s.leading:
+            sim = f"{c.simulated_s:9.3f}" if c.simulated_s is not None else f"{'—':>9}"
+            pm = f"{c.plan_memory_bytes / 2**30:8.1f}" if c.plan_memory_bytes is not None else f"{'—':>8}"
+            cfg = f"{c.config.short()} m{c.config.micro_batch} {c.config.split.value} rc={c.config.recompute.value}"
+            print(f"  {cfg:<58} {c.estimate_s:8.3f} {sim} {c.memory_bytes / 2**30:9.1f} {pm}")
+        print(f"  chose {own.config}: {own.throughput:.1f} {r.row.unit}")
+
+
 def show(results: list[Result]) -> None:
-    """The table, then each row's terms."""
-    head = f"{'row':<28} {'unit':<13} {'published':>9} {'simulated':>9} {'error':>7} {'step s':>7} {'peak GiB':>8}"
+    """The table (published, simulated as published, meshpilot's own plan side by side), each row's terms,
+    then each search's candidates."""
+    head = (f"{'row':<28} {'unit':<13} {'published':>9} {'simulated':>9} {'error':>7} {'step s':>7} {'peak GiB':>8} "
+            f"{'own plan':>8} {'vs pub.':>7} {'vs sim.':>7} {'same mem.':>9}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     for r in results:
         if r.simulated is None:
             print(f"{r.row.name:<28} {r.row.unit:<13} {r.row.published:9.0f} {'—':>9}  refused: {r.refused}")
             continue
+        own = (f"{r.own.throughput:8.1f} {r.own.throughput / r.row.published - 1:+7.1%} "
+               f"{r.own.throughput / r.simulated - 1:+7.1%}" if r.own else f"{'—':>8} {'':>7} {'':>7}")  # fmt: skip
+        same = f"{r.own_same_memory.throughput:9.1f}" if r.own_same_memory else f"{'—':>9}"
         print(
             f"{r.row.name:<28} {r.row.unit:<13} {r.row.published:9.0f} {r.simulated:9.1f} {r.error:+7.1%} "
-            f"{r.step_s:7.2f} {r.peak_gib:8.1f}"
+            f"{r.step_s:7.2f} {r.peak_gib:8.1f} {own} {same}"
         )
     for r in results:
         if r.terms is None:
@@ -182,6 +268,8 @@ def show(results: list[Result]) -> None:
         print(f"  Eq. 2 step {r.eq2_step_s:.3f} s, simulated {r.step_s:.3f} s; the busiest pipeline group:")
         for name, s in r.terms.rows():
             print(f"    {name:<24} {s:8.3f} s  {s / r.step_s:6.1%}")
+    for r in results:
+        show_own(r)
 
 
 def main() -> None:
@@ -192,6 +280,7 @@ def main() -> None:
     ap.add_argument("--png", metavar="T.png", help="the --trace-row's timeline of one step")
     ap.add_argument("--trace-row", default="llama3-405b-16k", help="the row --trace and --png draw")
     ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
+    ap.add_argument("--no-search", action="store_true", help="skip meshpilot's own plan (the configuration search)")
     args = ap.parse_args()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
@@ -199,7 +288,8 @@ def main() -> None:
     results = []
     for row in rows:
         drawn = row.name == args.trace_row
-        results.append(run_row(row, args.trace if drawn else None, args.png if drawn else None, not args.no_terms))
+        trace, png = (args.trace, args.png) if drawn else (None, None)
+        results.append(run_row(row, trace, png, not args.no_terms, not args.no_search))
     show(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -55,7 +55,7 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
     for text, needle in [
         ("tp=8,cp=16", "context parallelism"),
-        ("tp=8,recompute=full", "recomputation"),
+        ("tp=8,recompute=selective", "whole blocks"),
         ("tp=8,zero=1", "ZeRO over pinned layouts"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
@@ -171,3 +171,46 @@ def bf_fmt(seconds: float) -> str:
     from meshpilot.cli.plan import fmt_s
 
     return fmt_s(seconds)
+
+
+def test_config_search_beats_the_stated_config_within_its_memory_and_every_candidate_fits():
+    """The same path as the frontier rows' own plans (``config_search.search_configs``) on 8 GPUs: within the
+    memory the stated configuration's plan takes, the search's plan simulates no slower than it, every candidate
+    it reports is within its Eq. 5 bound, and the plan kept is ``plan_config``'s for the chosen configuration."""
+    from meshpilot.planner.config_search import config_string, search_configs
+
+    stated = bf.run_row(
+        _row("tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends"), terms=False
+    )
+    cap = stated.peak_gib * 2**30
+
+    def build(rows):
+        b = build_hf("llama", TINY, batch=rows, seq=64)
+        return b.model, b.inputs
+
+    res = search_configs(build, "dgx-h100:1", 8, 8, precision="bf16-mixed", capacity=cap, top=2, shown=6)
+    assert res.best_step_s <= stated.step_s
+    assert res.leading and all(c.memory_bytes <= cap for c in res.leading)
+    assert [c.config for c in res.planned] == [c.config for c in res.leading if c.simulated_s is not None]
+    assert all(c.plan_memory_bytes is not None and c.fits == (c.plan_memory_bytes <= cap) for c in res.planned)
+    kept = next(c for c in res.planned if c.config == res.best.config)
+    assert kept.fits and kept.simulated_s == res.best_step_s == min(c.simulated_s for c in res.planned if c.fits)
+    # the chosen configuration reads back as --config, and plans to the same step
+    again = bf.run_row(_row(config_string(res.best.config)), terms=False)
+    assert again.step_s == pytest.approx(res.best_step_s, rel=1e-9)
+    # estimates are ordered, and each is the pieces' price of its configuration
+    ests = [c.estimate_s for c in res.leading]
+    assert ests == sorted(ests) and res.enumerated >= len(res.leading)
+
+
+def test_config_auto_needs_the_batch_and_help_names_it(capsys):
+    from meshpilot.cli.main import main
+
+    hf = [f"{k}={v}" for k, v in TINY.items()]
+    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--seq", "64", "--cluster", "dgx-h100:1"]
+    assert main([*argv, "--config", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--config auto" in " ".join(capsys.readouterr().out.split())

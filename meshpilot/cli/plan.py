@@ -227,10 +227,13 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "--config",
         metavar="KEY=V,…",
         help="plan a published configuration as stated, searching nothing but each stage's operators: tp, pp, dp "
-        "degrees, schedule (1f1b, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, zero, "
-        "precision, split=even|ends (cp, ep, recompute are refused); Llama 3's rank order, Megatron's layouts "
-        "(meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,"
-        "microbatches=32 (--batch, if given, must be dp x microbatches x micro_batch); a model of repeated blocks",
+        "degrees, schedule (1f1b, zb-h1, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, "
+        "recompute=none|full, zero, precision, split=even|ends (cp, ep, selective recompute are refused); Llama 3's "
+        "rank order, Megatron's layouts (meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,"
+        "schedule=interleaved-1f1b,virtual=8,microbatches=32 (--batch, if given, must be dp x microbatches x "
+        "micro_batch); a model of repeated blocks. --config auto: meshpilot searches the configuration itself "
+        "(TP / PP / DP, schedule, microbatches and their size, recompute, split within --memory-gib; "
+        "meshpilot/planner/config_search.py) for --batch sequences a step on --devices (default: the cluster's)",
     )
 
 
@@ -348,6 +351,8 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
     from meshpilot.planner.config_plan import parse_config, plan_config
     from meshpilot.planner.stack import Stack, capture_stack
 
+    if args.config.strip() == "auto":
+        return run_config_search(args, cluster)
     cfg = parse_config(args.config)
     given = [f"--{k}" for k in CONFIG_CONFLICTS if getattr(args, k) not in (None, False, [], "ilp")]
     if given:
@@ -381,6 +386,53 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
         f"simulated step {fmt_s(sim.step_s)} (Eq. 2: {fmt_s(cp.plan.step_s)}), planned in {cp.planning_s:.1f} s; "
         "the stages carry no operator plans (`meshpilot simulate` it; not `train`)",
         soft_wrap=True,
+    )
+    if args.out:
+        console.print(f"saved the plan to [bold]{args.out}[/bold]")
+    return 0
+
+
+def run_config_search(args: argparse.Namespace, cluster: Any) -> int:
+    """``meshpilot plan --config auto``: meshpilot's own configuration (``planner.config_search``), its
+    candidates and its plan."""
+    from meshpilot.planner.config_search import config_string, search_configs
+
+    given = [f"--{k}" for k in CONFIG_CONFLICTS if k != "devices" and getattr(args, k) not in (None, False, [], "ilp")]
+    if given:
+        raise UserError(f"{', '.join(given)}: --config auto chooses the plan; drop them")
+    if args.batch is None:
+        raise UserError("--config auto: give the global batch in sequences (--batch N), what the step must train")
+    if args.out:
+        check_out(args.out)
+    devices = args.devices or cluster.num_devices
+    precision = args.precision or "bf16-mixed"
+    capacity = args.memory_gib * 2**30 if args.memory_gib is not None else None
+
+    def build(rows: int) -> tuple[Any, Any]:
+        b = build_model(args.model, batch=rows, **_model_kw(args))
+        return b.model, b.inputs
+
+    with make_console(stderr=True).status(f"searching configurations of {devices:,} devices …"):
+        res = search_configs(build, cluster, devices, args.batch, precision=precision, capacity=capacity)
+    if args.json or args.out:
+        _save_or_print(args, res.best.plan)
+        if args.json:
+            return 0
+    t = Table(title=f"best estimates within {res.capacity / 2**30:.1f} GiB a GPU (Eq. 5 per pipeline group)")
+    for col in ("configuration", "estimate", "simulated", "memory bound", "plan's memory"):
+        t.add_column(col)
+    for c in res.leading:
+        sim = fmt_s(c.simulated_s) if c.simulated_s is not None else "—"
+        pm = fmt_size(c.plan_memory_bytes) if c.plan_memory_bytes is not None else "—"
+        t.add_row(c.config.short() + f" m{c.config.micro_batch} rc={c.config.recompute.value}",
+                  fmt_s(c.estimate_s), sim, fmt_size(c.memory_bytes), pm)  # fmt: skip
+    console.print(t)
+    console.print(
+        f"chose --config {config_string(res.best.config)}: simulated step {fmt_s(res.best_step_s)}; "
+        f"{res.enumerated} configurations, {res.over_memory} of the leading ones over memory; searched in "
+        f"{res.planning_s:.1f} s ({res.cpu_s:.1f} s CPU)",
+        soft_wrap=True,
+        markup=False,
     )
     if args.out:
         console.print(f"saved the plan to [bold]{args.out}[/bold]")

@@ -26,8 +26,13 @@ The plan
 * **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
   ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
 
+* **Recomputation** (``recompute=full``, Megatron's full recompute): every block of the stack recomputed in the
+  backward (``planner.recompute.apply`` on the captured blocks, the stack found again and expanded:
+  :func:`recomputed_stack`), so each block keeps only its input from the forward and runs its forward (its TP
+  collectives too) a second time; the pre and post layers run as captured.
+
 Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism), ``ep > 1``
-(expert parallelism; dense models here), ``recompute`` other than ``none``, ``zero`` above 0.
+(expert parallelism; dense models here), ``recompute=selective``, ``zero`` above 0.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
@@ -48,6 +53,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
+from meshpilot.planner import recompute
 from meshpilot.planner.forced import _exact, data_parallel, megatron_tp
 from meshpilot.planner.pipeline import (
     Clustering,
@@ -59,7 +65,7 @@ from meshpilot.planner.pipeline import (
 )
 from meshpilot.planner.plan import Plan, PlanStage
 from meshpilot.planner.schedule import PipelineKind
-from meshpilot.planner.stack import Stack, StageCosting, compose_stage
+from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
 from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
 
@@ -173,10 +179,10 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
-    if cfg.recompute != Recompute.NONE:
+    if cfg.recompute == Recompute.SELECTIVE:
         raise UserError(
-            f"--config recompute={cfg.recompute.value}: activation recomputation is not in meshpilot's plans yet; "
-            "plan recompute=none (its memory is then what the step holds without it)"
+            "--config recompute=selective: only whole blocks are recomputed by meshpilot's plans; plan "
+            "recompute=full or recompute=none"
         )
     if cfg.zero:
         raise UserError(
@@ -245,7 +251,9 @@ def plan_config(
     (``planner.stack.capture_stack`` of one microbatch, ``cfg.graph_batch`` sequences) on `cluster`."""
     t0 = time.perf_counter()
     cfg = check_config(cfg)
-    sp = planner if planner is not None else StagePlanner(stack.graph, cluster)
+    if cfg.recompute == Recompute.FULL:
+        stack = recomputed_stack(stack)
+    sp = planner if planner is not None and planner.graph is stack.graph else StagePlanner(stack.graph, cluster)
     cl = sp.cluster
     if cfg.devices > cl.num_devices:
         raise UserError(
@@ -272,6 +280,23 @@ def plan_config(
     )
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
+
+
+def is_recomputed(stack: Stack) -> bool:
+    """Whether `stack`'s graph holds recomputed copies (:func:`recomputed_stack`'s)."""
+    return any(recompute.is_copy(n.name) for n in stack.graph.nodes)
+
+
+def recomputed_stack(stack: Stack) -> Stack:
+    """`stack` with every captured block recomputed in the backward (module docstring, *Recomputation*);
+    `stack` itself when it already is."""
+    if is_recomputed(stack):
+        return stack
+    names = [r.name for r in recompute.regions(stack.graph) if r.name.startswith(f"{stack.container}.")]
+    small = find_stack(recompute.apply(stack.graph, names))
+    if small is None or small.container != stack.container or small.blocks != stack.kept:
+        raise UserError(f"--config recompute=full: {stack.container}'s blocks differ once recomputed; plan none")
+    return expand_stack(small, stack.blocks)
 
 
 def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[str, str]:
@@ -315,6 +340,13 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
         send_split=cfg.dp,
     )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
+
+
+def group_memory(cp: ConfigPlan) -> float:
+    """Bytes per GPU of the plan's fullest pipeline group: its chunks' Eq. 5 (``PlanStage.memory_bytes``, each
+    with its own microbatches in flight) summed, as the stage DP bounds an interleaved group."""
+    p = cp.config.pp
+    return max(sum(s.memory_bytes for s in cp.plan.stages[g::p]) for g in range(p))
 
 
 def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
@@ -406,9 +438,12 @@ __all__ = [
     "boundary_pins",
     "breakdown",
     "check_config",
+    "group_memory",
+    "is_recomputed",
     "model_flops_per_token",
     "parse_config",
     "plan_config",
+    "recomputed_stack",
     "send_shares",
     "simulate_config",
     "stage_bounds",

@@ -310,12 +310,19 @@ def capture_stack(model: torch.nn.Module, inputs, *, keep: int = KEEP, **capture
     small = find_stack(graph)
     if small is None or small.container != name or small.blocks != keep:
         return whole()
-    p, L, gl = small.pre, len(full), small.layers
-    blocks = [dataclasses.replace(gl[p], name=f"{name}.0")]
-    blocks += [Layer(f"{name}.{j}", (), gl[p + 1].flops) for j in range(1, L - 1)]
-    blocks += [dataclasses.replace(gl[p + keep - 1], name=f"{name}.{L - 1}")]
-    model_layers = (*gl[:p], *blocks, *gl[p + keep :])
-    return Stack(graph, name, p, L, keep, small.post, model_layers)
+    return expand_stack(small, len(full))
+
+
+def expand_stack(small: Stack, blocks: int) -> Stack:
+    """The :class:`Stack` of a model of `blocks` blocks from `small`, the stack of its capture with fewer
+    (:func:`capture_stack`; a transform of that graph, e.g. ``planner.recompute.apply``, found again by
+    :func:`find_stack`): the first block, a middle block repeated, the last block."""
+    name, p, keep, gl = small.container, small.pre, small.blocks, small.layers
+    out = [dataclasses.replace(gl[p], name=f"{name}.0")]
+    out += [Layer(f"{name}.{j}", (), gl[p + 1].flops) for j in range(1, blocks - 1)]
+    out += [dataclasses.replace(gl[p + keep - 1], name=f"{name}.{blocks - 1}")]
+    model_layers = (*gl[:p], *out, *gl[p + keep :])
+    return Stack(small.graph, name, p, blocks, keep, small.post, model_layers)
 
 
 @dataclass

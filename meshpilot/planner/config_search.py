@@ -1,0 +1,473 @@
+"""meshpilot's own configuration for a model, a cluster and a global batch: TP / PP / DP, schedule, microbatches,
+recomputation and split searched, the best few planned and simulated as ``config_plan`` plans a published one.
+
+``config_plan`` plans a configuration as stated; this module chooses one. Every candidate it reports is a
+:class:`~meshpilot.planner.config_plan.ParallelConfig` whose plan is the one ``meshpilot plan --config`` would
+build for it, and the configuration kept is the one whose *simulated* step is the shortest among those planned.
+
+1. Enumeration (:func:`enumerate_configs`)
+------------------------------------------
+For N devices and a global batch of G sequences: TP t divides the server (t ≤ its GPUs: Megatron's pairs stay
+on NVLink), PP p divides N / t, DP d = N / (t · p); micro-batch size m and microbatches B with d · B · m = G;
+schedules 1F1B and ZB-H1 (v = 1) and interleaved 1F1B (v ≥ 2 chunks a group, B a multiple of p); the chunks
+p · v cut by ``config_plan.stage_bounds`` (``split=even`` or ``ends``); recomputation none or full. GPipe is
+left out: 1F1B has its bubble with fewer microbatches in flight. p = 1 is a single stage (1F1B of one stage:
+gradient accumulation over B).
+
+2. Pieces, priced once per (TP, recomputation) (:class:`Pieces`)
+----------------------------------------------------------------
+The model captured once with one sequence (``stack.capture_stack``; with every block recomputed for
+``recompute=full``: ``config_plan.recomputed_stack``); its three pieces — the pre layers, one middle block, the
+post layers — planned on a ``(1, t)`` mesh of one server's ranks under Megatron's pins (``forced.megatron_tp``,
+what ``plan_config`` pins): per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
+resharding: no DP axis, so no gradient sync), its optimizer step ``o_x`` and its memory parts
+(``stage.StageMemory``). A replica's microbatch of m sequences is priced at m times one (compute-bound pieces at
+this size; saved and live activations m-fold, weights and states once).
+
+3. The estimate of a candidate (:func:`estimate`)
+-------------------------------------------------
+Chunk j of layers ``[a, b)`` is pieces P, k blocks, Q (``Stack.parts``): ``t_j = m · (τ_P + k · τ_blk + τ_Q)``.
+Group g (chunks j ≡ g mod p) works ``w_g = Σ_j t_j`` a microbatch; with the busiest group's ``w``:
+
+    step ≈ (B + β) · w + AR_DP(Σ_j grads_j) + Σ_j o_j
+
+β the pipeline's fill and drain in microbatches of a group: ``p − 1`` for 1F1B, ``(p − 1) / v`` interleaved,
+``(p − 1) / 3`` for ZB-H1 (its bubble ``(p − 1)(F + I − W)`` with F, I, W about equal), 0 for one stage.
+``AR_DP`` is the gradient all-reduce over the group's DP axis by the cost model (``cluster.CostModel`` on the
+group's ``(DP, TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it). The sends between stages are left
+out of the estimate (the simulation has them).
+
+Memory bound (Eq. 5 per group, as the stage DP sums a group's chunks): chunk j composed from its pieces
+(``stack._compose_one``: the forward + backward peak ``fb_j``, the update's ``upd_j``, the saved activations
+``act_j``) holds ``h_j`` microbatches in flight (1F1B: ``min(B, p − j)``, ZB-H1: ``min(B, p)``, interleaved:
+read off the schedule, ``pipeline._held_per_stage``), and
+
+    M_g = Σ_{j ≡ g} max(upd_j, fb_j + (h_j − 1) · act_j)  ≤  capacity  for every g.
+
+This is the bound ``plan_config``'s plan reports (each stage's ``PlanStage.memory_bytes``, summed per group),
+at one sequence's pieces scaled m-fold.
+
+4. Exact plans (:func:`search_configs`)
+---------------------------------------
+Candidates within the memory bound, by estimate, best first; the first ``top`` of at most :data:`MAX_PLANNED`
+chunk-microbatches are planned with
+``plan_config`` (the model captured at their own microbatch, d · m sequences) and simulated with
+``simulate_config``; a plan whose own Eq. 5 exceeds the capacity is reported and not kept. The answer is the
+planned candidate with the shortest simulated step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+from meshpilot.errors import UserError
+from meshpilot.planner.config_plan import (
+    ConfigPlan,
+    ParallelConfig,
+    Recompute,
+    Split,
+    group_memory,
+    is_recomputed,
+    plan_config,
+    recomputed_stack,
+    simulate_config,
+    stage_bounds,
+    stage_ranks,
+)
+from meshpilot.planner.forced import data_parallel, megatron_tp
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.pipeline import _held_per_stage
+from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.stack import Stack, _compose_one, capture_stack
+from meshpilot.planner.stage import StageMemory, StagePlanner
+from meshpilot.planner.zero import ZeroMode
+
+if TYPE_CHECKING:
+    from meshpilot.cluster.topology import Cluster
+
+Build = Callable[[int], tuple[torch.nn.Module, Sequence[Any]]]
+"""A model and its inputs for a microbatch of the whole step of so many sequences (DP · micro-batch size)."""
+
+MICRO_BATCHES = (1, 2, 4)
+"""Micro-batch sizes the search tries."""
+SCHEDULES = (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.INTERLEAVED_1F1B)
+"""The schedules it tries (module docstring, 1)."""
+MAX_PLANNED = 4096
+"""Candidates whose step runs more chunk-microbatches (p · v · B) than this are estimated, not planned: the
+simulation of one grows with them (Llama 3's 16,384-GPU configuration runs 2,048 in 0.8 s; a ZB-H1 pipeline of 128
+stages and 128 microbatches took minutes)."""
+RECOMPUTES = (Recompute.NONE, Recompute.FULL)
+"""Recomputation choices it tries: none, or every block."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece planned on a ``(1, t)`` mesh for a one-sequence microbatch (module docstring, 2)."""
+
+    per_mb_s: float
+    """Forward and backward, TP collectives and resharding included, one microbatch."""
+    optimizer_s: float
+    memory: StageMemory
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The pre layers, one block and the post layers at one (TP, recomputation)."""
+
+    tp: int
+    recompute: Recompute
+    pre: Piece
+    block: Piece
+    post: Piece
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: its estimate, its memory bound and, once planned, its simulated step."""
+
+    config: ParallelConfig
+    estimate_s: float
+    memory_bytes: float
+    """The estimate's Eq. 5 per GPU, the fullest group (module docstring, 3)."""
+    simulated_s: float | None = None
+    plan_memory_bytes: float | None = None
+    """The plan's own Eq. 5 per GPU (its stages' ``memory_bytes`` summed per group), once planned."""
+    plan_s: float | None = None
+    """Seconds to capture, plan and simulate it."""
+    fits: bool = True
+    """Within the capacity by the estimate's bound, and by the plan's own once planned."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """:func:`search_configs`' answer."""
+
+    best: ConfigPlan
+    """The kept configuration's plan (``plan_config``'s)."""
+    best_step_s: float
+    """Its simulated step."""
+    planned: tuple[Candidate, ...]
+    """The candidates planned and simulated, by estimate."""
+    leading: tuple[Candidate, ...]
+    """The best estimates within the memory bound (the planned ones among them)."""
+    enumerated: int
+    over_memory: int
+    """Candidates of the first estimates checked that the memory bound ruled out."""
+    capacity: float
+    planning_s: float
+    """Wall seconds of the whole search."""
+    cpu_s: float
+    """CPU seconds of this process for it."""
+
+
+def config_string(cfg: ParallelConfig) -> str:
+    """`cfg` as ``--config`` reads it (``config_plan.parse_config``)."""
+    parts = [f"tp={cfg.tp}", f"pp={cfg.pp}", f"dp={cfg.dp}", f"schedule={cfg.schedule.value}"]
+    if cfg.virtual > 1:
+        parts.append(f"virtual={cfg.virtual}")
+    parts += [f"microbatches={cfg.microbatches}", f"micro_batch={cfg.micro_batch}"]
+    parts += [f"recompute={cfg.recompute.value}", f"split={cfg.split.value}", f"precision={cfg.precision}"]
+    return ",".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _server(cluster: Cluster) -> int:
+    """GPUs a server holds: the innermost layer's units."""
+    return cluster.layers[-1].ranks if cluster.layers else 1
+
+
+def enumerate_configs(
+    stack: Stack, cluster: Cluster, devices: int, global_batch: int, precision: str
+) -> list[ParallelConfig]:
+    """Every configuration of module docstring 1 whose chunks cut `stack`'s blocks."""
+    out = []
+    for t in (x for x in _divisors(_server(cluster)) if devices % x == 0):
+        for p in _divisors(devices // t):
+            d = devices // (t * p)
+            for m in (x for x in MICRO_BATCHES if global_batch % (d * x) == 0):
+                B = global_batch // (d * m)
+                for kind, v, split in _schedules(stack, p, B):
+                    for rc in RECOMPUTES:
+                        out.append(ParallelConfig(tp=t, pp=p, dp=d, schedule=kind, virtual=v, microbatches=B,
+                                                  micro_batch=m, recompute=rc, precision=precision,
+                                                  split=split))  # fmt: skip
+    return out
+
+
+def _schedules(stack: Stack, p: int, B: int) -> list[tuple[PipelineKind, int, Split]]:
+    """(schedule, v, split) of p groups and B microbatches whose chunks cut the stack."""
+    if p == 1:
+        return [(PipelineKind.ONE_F_ONE_B, 1, Split.EVEN)]
+    options = [(k, 1) for k in SCHEDULES if k != PipelineKind.INTERLEAVED_1F1B]
+    if B % p == 0:
+        most = (stack.blocks + 2) // p
+        options += [(PipelineKind.INTERLEAVED_1F1B, v) for v in range(2, most + 1)]
+    out = []
+    for kind, v in options:
+        for split in Split:
+            if _cuts(stack, p * v, split):
+                out.append((kind, v, split))
+    return out
+
+
+def _cuts(stack: Stack, chunks: int, split: Split) -> bool:
+    try:
+        stage_bounds(stack.pre, stack.blocks, stack.post, chunks, split)
+    except UserError:
+        return False
+    return True
+
+
+def plan_pieces(
+    model: torch.nn.Module, inputs: Sequence[Any], stack: Stack, sp: StagePlanner, tp: int
+) -> Pieces | None:
+    """:class:`Pieces` at TP `tp` (module docstring, 2) of `stack`, the one-sequence capture of `model` on
+    `inputs` (recomputed or not), planned by `sp`; None when a piece has no plan (e.g. heads that TP does not
+    divide)."""
+    recompute = Recompute.FULL if is_recomputed(stack) else Recompute.NONE
+    mesh = (1, tp)
+    try:
+        force = megatron_tp(model, inputs, mesh, graph=stack.graph) if tp > 1 else data_parallel(model, inputs, mesh)
+    except UserError:
+        return None
+    ranks = tuple(range(tp))
+    end = len(sp.layers)
+    ranges = [(0, stack.pre), (stack.middle, stack.middle + 1), (end - stack.post, end)]
+    got = []
+    for a, b in ranges:
+        try:
+            cost, mem = sp.plan_with_memory(a, b, ranks, mesh, microbatches=1, zero=ZeroMode.OFF, force=force)
+        except PlanError:  # a piece with no plan at this TP (heads it does not divide): the TP is not offered
+            return None
+        t = cost.time
+        got.append(Piece(t.compute_s + t.communication_s + t.resharding_s, t.optimizer_s, mem))
+    return Pieces(tp, recompute, *got)
+
+
+def _scaled(m: StageMemory, mb: int) -> StageMemory:
+    return replace(m, saved=m.saved * mb, live_peak=m.live_peak * mb)
+
+
+@lru_cache(maxsize=4096)
+def held(kind: PipelineKind, p: int, v: int, B: int) -> tuple[int, ...]:
+    """Microbatches each chunk holds in flight (module docstring, 3)."""
+    if p == 1:
+        return (1,)
+    if kind == PipelineKind.ONE_F_ONE_B:
+        return tuple(min(B, p - j) for j in range(p))
+    if kind == PipelineKind.ZERO_BUBBLE:
+        return (min(B, p),) * p
+    return tuple(_held_per_stage(kind, [(g,) for g in range(p)], p * v, B))
+
+
+def _bubble(cfg: ParallelConfig) -> float:
+    p = cfg.pp
+    if p == 1:
+        return 0.0
+    if cfg.schedule == PipelineKind.INTERLEAVED_1F1B:
+        return (p - 1) / cfg.virtual
+    if cfg.schedule == PipelineKind.ZERO_BUBBLE:
+        return (p - 1) / 3
+    return float(p - 1)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk of a candidate, from its pieces."""
+
+    per_mb_s: float
+    optimizer_s: float
+    pieces: tuple[tuple[StageMemory, int], ...]
+    """Each piece's memory (m-fold activations) and how many times the chunk holds it."""
+
+
+@dataclass
+class _Estimator:
+    """Prices candidates from :class:`Pieces` (module docstring, 3)."""
+
+    stack: Stack
+    cluster: Cluster
+    pieces: dict[tuple[int, Recompute], Pieces]
+    _meshes: dict[tuple[int, int, int], CostModel] = field(default_factory=dict)
+
+    def chunks(self, cfg: ParallelConfig) -> list[_Chunk]:
+        """`cfg`'s chunks from the pieces at its TP and recomputation."""
+        pc = self.pieces[(cfg.tp, cfg.recompute)]
+        st = self.stack
+        out = []
+        for a, b in stage_bounds(st.pre, st.blocks, st.post, cfg.pp * cfg.virtual, cfg.split):
+            pre, k, post = st.parts(a, b)
+            used = [(x, w) for x, w in ((pc.pre, pre is not None), (pc.block, k), (pc.post, post is not None)) if w]
+            out.append(_Chunk(
+                cfg.micro_batch * sum(x.per_mb_s * w for x, w in used), sum(x.optimizer_s * w for x, w in used),
+                tuple((_scaled(x.memory, cfg.micro_batch), int(w)) for x, w in used),
+            ))  # fmt: skip
+        return out
+
+    def time(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
+        """The estimated step (module docstring, 3)."""
+        p = cfg.pp
+        work = [sum(c.per_mb_s for c in chunks[g::p]) for g in range(p)]
+        g = int(np.argmax(work))
+        grads = sum(m.grads * w for c in chunks[g::p] for m, w in c.pieces)
+        sync = self._cost(cfg).all_reduce(grads, 0) if cfg.dp > 1 else 0.0
+        opt = sum(c.optimizer_s for c in chunks[g::p])
+        return (cfg.microbatches + _bubble(cfg)) * work[g] + sync + opt
+
+    def memory(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
+        """The Eq. 5 bound per GPU of the fullest group (module docstring, 3)."""
+        h = held(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches)
+        per = []
+        for j, c in enumerate(chunks):
+            fb, upd, act, _ = _compose_one(c.pieces)
+            per.append(max(upd, fb + (h[j] - 1) * act))
+        return max(sum(per[g :: cfg.pp]) for g in range(cfg.pp))
+
+    def _cost(self, cfg: ParallelConfig) -> CostModel:
+        key = (cfg.dp, cfg.tp, cfg.pp)
+        if key not in self._meshes:
+            ranks = np.array(stage_ranks(cfg)[0]).reshape(cfg.dp, cfg.tp)
+            self._meshes[key] = CostModel(LogicalMesh(self.cluster, (cfg.dp, cfg.tp), ranks))
+        return self._meshes[key]
+
+
+def estimate(est: _Estimator, cfg: ParallelConfig) -> float:
+    """The estimated step of `cfg` (module docstring, 3)."""
+    return est.time(cfg, est.chunks(cfg))
+
+
+@dataclass
+class _Captures:
+    """One capture per microbatch of the whole step (sequences), shared by the plans of that size, and its
+    recomputed stack; each with its planner (the plans of one graph share its cache)."""
+
+    build: Build
+    precision: str
+    cluster: Cluster
+    _got: dict[tuple[int, Recompute], tuple[Any, Any, Stack, StagePlanner]] = field(default_factory=dict)
+
+    def __call__(self, rows: int, rc: Recompute = Recompute.NONE) -> tuple[Any, Any, Stack, StagePlanner]:
+        if (rows, Recompute.NONE) not in self._got:
+            model, inputs = self.build(rows)
+            stack = capture_stack(model, inputs, precision=self.precision)
+            if not isinstance(stack, Stack):
+                raise UserError("config search: the model is not a stack of at least 5 identical blocks")
+            self._got[(rows, Recompute.NONE)] = (model, inputs, stack, StagePlanner(stack.graph, self.cluster))
+        if (rows, rc) not in self._got:
+            model, inputs, stack, _ = self._got[(rows, Recompute.NONE)]
+            stack = recomputed_stack(stack)
+            self._got[(rows, rc)] = (model, inputs, stack, StagePlanner(stack.graph, self.cluster))
+        return self._got[(rows, rc)]
+
+
+def search_configs(
+    build: Build,
+    cluster: Cluster | str,
+    devices: int,
+    global_batch: int,
+    *,
+    precision: str = "bf16",
+    capacity: float | None = None,
+    top: int = 3,
+    shown: int = 10,
+) -> SearchResult:
+    """meshpilot's own configuration for `build`'s model on `devices` of `cluster` at `global_batch` sequences
+    a step (module docstring): enumerated, estimated from pieces, bounded by Eq. 5 at `capacity` (default: the
+    device's memory), the `top` best estimates planned and simulated, the fastest simulated kept. Raises a
+    UserError when no candidate fits or none can be planned."""
+    t0, c0 = time.perf_counter(), os.times()
+    cl = load_cluster(cluster)
+    if devices > cl.num_devices or devices < 1:
+        raise UserError(f"config search: {devices:,} devices on {cl.name!r} of {cl.num_devices:,}; give 1..that")
+    cap = float(capacity if capacity is not None else cl.device.memory_bytes)
+    captures = _Captures(build, precision, cl)
+    one = captures(1)[2]
+    pieces = {}
+    for t in (x for x in _divisors(_server(cl)) if devices % x == 0):
+        for rc in RECOMPUTES:
+            got = plan_pieces(*captures(1, rc), t)
+            if got is not None:
+                pieces[(t, rc)] = got
+    est = _Estimator(one, cl, pieces)
+    configs = [c for c in enumerate_configs(one, cl, devices, global_batch, precision) if (c.tp, c.recompute) in pieces]
+    if not configs:
+        raise UserError(
+            f"config search: no TP / PP / DP of {devices:,} devices gives {global_batch} sequences a step; "
+            "give a batch that a DP degree divides"
+        )
+    ranked = sorted(((estimate(est, c), c) for c in configs), key=lambda x: x[0])
+    leading, over = _within_memory(est, ranked, cap, top, shown)
+    if not leading:
+        raise UserError(f"config search: no configuration of the {len(ranked)} fits {cap / 2**30:.1f} GiB a GPU")
+    planned, best = _plan_best(captures, cl, [c for c in leading if _plannable(c.config)][:top], cap)
+    if best is None:
+        raise UserError("config search: none of the best estimates fits once planned; give more memory")
+    planned_by = {c.config: c for c in planned}
+    leading = [planned_by.get(c.config, c) for c in leading]
+    cpu = sum(os.times()[:2]) - sum(c0[:2])
+    return SearchResult(best[0], best[1], tuple(planned), tuple(leading), len(configs), over, cap,
+                        time.perf_counter() - t0, cpu)  # fmt: skip
+
+
+def _plannable(cfg: ParallelConfig) -> bool:
+    return cfg.pp * cfg.virtual * cfg.microbatches <= MAX_PLANNED
+
+
+def _within_memory(est: _Estimator, ranked, cap: float, top: int, shown: int) -> tuple[list[Candidate], int]:
+    """The first candidates of `ranked` (estimate, config) within the memory bound — at least `shown`, and
+    enough to hold `top` plannable ones — and how many before the last of them the bound ruled out."""
+    out, over, plannable = [], 0, 0
+    for s, cfg in ranked:
+        mem = est.memory(cfg, est.chunks(cfg))
+        if mem > cap:
+            over += 1
+            continue
+        out.append(Candidate(cfg, s, mem))
+        plannable += _plannable(cfg)
+        if len(out) >= shown and plannable >= top:
+            break
+    return out, over
+
+
+def _plan_best(captures: _Captures, cl: Cluster, chosen: Sequence[Candidate], cap: float):
+    """Plan and simulate `chosen` (module docstring, 4): the candidates as planned, and (plan, step) of the
+    fastest that fits."""
+    planned, best = [], None
+    for c in chosen:
+        t0 = time.perf_counter()
+        model, inputs, stack, sp = captures(c.config.graph_batch, c.config.recompute)
+        cp = plan_config(model, inputs, stack, cl, c.config, planner=sp)
+        step = simulate_config(cp).step_s
+        mem = group_memory(cp)
+        got = replace(c, simulated_s=step, plan_memory_bytes=mem, plan_s=time.perf_counter() - t0, fits=mem <= cap)
+        planned.append(got)
+        if got.fits and (best is None or step < best[1]):
+            best = (cp, step)
+    return planned, best
+
+
+__all__ = [
+    "Build",
+    "Candidate",
+    "Piece",
+    "Pieces",
+    "SearchResult",
+    "config_string",
+    "enumerate_configs",
+    "estimate",
+    "held",
+    "plan_pieces",
+    "search_configs",
+]
