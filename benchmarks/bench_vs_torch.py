@@ -239,6 +239,12 @@ def main() -> int:
         help="a cluster file `meshpilot probe` wrote on this box with --nproc ranks: every meshpilot plan is also "
         "re-priced on it and simulated (predicted / measured per variant)",
     )
+    ap.add_argument(
+        "--cprofile",
+        type=Path,
+        help="also run --steps more steps of each variant under cProfile on every rank and save the stats as "
+        "DIR/<variant>-rank<r>.prof (where a step's CPU time goes, by Python function)",
+    )
     ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--plans", help=argparse.SUPPRESS)
@@ -294,6 +300,24 @@ def count_collectives(fn) -> dict[str, int]:
             kinds[e.name[5:]] = kinds.get(e.name[5:], 0) + 1
     dist.barrier()
     return kinds
+
+
+def cprofile_steps(folder: Path, variants, step, steps: int, rank: int) -> None:
+    """`steps` steps of each variant under cProfile, saved as ``folder/<variant>-rank<rank>.prof``."""
+    import cProfile
+
+    import torch.distributed as dist
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in variants:
+        prof = cProfile.Profile()
+        dist.barrier()
+        prof.enable()
+        for _ in range(steps):
+            step(k)
+        prof.disable()
+        dist.barrier()
+        prof.dump_stats(folder / f"{k.replace(':', '').replace(' ', '_').replace(',', '')}-rank{rank}.prof")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -357,6 +381,8 @@ def worker(args: argparse.Namespace) -> int:
     if not args.no_profile:
         for k in variants:
             profiles[k] = profile_step(lambda k=k: step(k), rank)
+    if args.cprofile:
+        cprofile_steps(args.cprofile, variants, step, args.steps, rank)
     if rank == 0:
         out = {
             "label": build(spec, "meta").label,
