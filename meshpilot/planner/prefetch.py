@@ -1,0 +1,118 @@
+"""Sharded parameters' all-gathers prefetched one layer ahead: where each is issued (ZeRO-3, FSDP's prefetch).
+
+A plan that shards a parameter (ZeRO-3) all-gathers it where an op reads it replicated: the collective is
+issued right before that op and waited at once, so the op waits for the whole gather. FSDP instead issues the
+next module's gather while the current module computes. This module says where each parameter gather of a
+phase is issued so the runtime (``meshpilot.runtime.overlap.prefetch``) and anything that prices the step read
+one rule (:func:`prefetch_points`).
+
+**Layers.** The gathers of a phase whose source is a parameter, or a view of one (a transpose the plan
+shards and gathers, at most :data:`MAX_VIEW_DEPTH` views from the parameter), are taken in
+the order of their consumers. A parameter's *layer* is its name up to the first numeric component
+(``blocks.2.attn.qkv.weight`` -> ``blocks.2``), else its module (``wte.weight`` -> ``wte``). Consecutive
+gathers of one layer form a group; groups ``G_0, G_1, ...`` follow the consumer order (a tied weight read
+at both ends of the forward is two groups).
+
+**Issue points.** Group ``G_{k+1}``'s gathers are issued right before the compute of ``G_k``'s first
+consumer (after ``G_k``'s own gathers were waited for: they were issued one group earlier), so they run
+while layer ``k`` computes; ``G_0``'s stay where the plan puts them. Each wait stays right before its
+consumer. The backward's groups run in its own consumer order: the reverse of the forward's layers. A
+gathered copy is then live from ``G_k``'s first consumer to its own last use: one layer longer than
+without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at once).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from meshpilot.graph.capture import NodeKind, OpGraph
+from meshpilot.sharding.reshard import CollectiveKind
+
+MAX_VIEW_DEPTH = 3
+"""How many views (a transpose, a reshape) may stand between a parameter and the value gathered."""
+
+_INDEX = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+@dataclass(frozen=True)
+class PrefetchGroup:
+    """The gathers of one layer that run back to back in a phase."""
+
+    layer: str
+    edges: tuple[tuple[int, int], ...]
+    """``(consumer node index, operand)`` of each gather, in consumer order."""
+    first: int
+    """The index of the group's first consumer node."""
+    nbytes: int
+    """The gathered bytes of the group (each gather's output)."""
+
+
+def layer_of(fqn: str) -> str:
+    """A parameter's layer: its name up to the first numeric component, else its module (module docstring)."""
+    m = _INDEX.match(fqn)
+    if m:
+        return m.group(1)
+    return fqn.rpartition(".")[0] or fqn
+
+
+def param_root(graph: OpGraph, name: str) -> str | None:
+    """The parameter `name` is, or is a view of (``OpGraph.view_chain``, at most :data:`MAX_VIEW_DEPTH`
+    views back); None for anything else."""
+    node = graph[graph.view_chain(name, MAX_VIEW_DEPTH)[-1]]
+    return node.fqn if node.kind == NodeKind.PARAM else None
+
+
+def prefetch_groups(plan: Any, graph: OpGraph, phase: str) -> list[PrefetchGroup]:
+    """The parameter-gather groups of `phase` (``fwd`` / ``bwd``) in consumer order (module docstring)."""
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    seen: set[tuple[str, int]] = set()
+    gathers: list[tuple[int, int, str, int]] = []
+    for col in plan.collectives:
+        if col.phase != phase or col.operand < 0 or col.src == col.dst or col.dst not in index:
+            continue
+        if (col.dst, col.operand) in seen:  # only an edge's first collective is what the consumer waits for
+            continue
+        seen.add((col.dst, col.operand))
+        if col.kind != CollectiveKind.ALL_GATHER.value or col.src not in graph.by_name:
+            continue
+        fqn = param_root(graph, col.src)
+        if fqn is not None:
+            gathers.append((index[col.dst], col.operand, layer_of(fqn), col.nbytes))
+    gathers.sort()
+    groups: list[PrefetchGroup] = []
+    run: list[tuple[int, int, str, int]] = []
+    for g in [*gathers, None]:
+        if run and (g is None or g[2] != run[0][2]):
+            edges = tuple((d, a) for d, a, _, _ in run)
+            groups.append(PrefetchGroup(run[0][2], edges, run[0][0], sum(b for *_, b in run)))
+            run = []
+        if g is not None:
+            run.append(g)
+    return groups
+
+
+def prefetch_points(plan: Any, graph: OpGraph, phase: str) -> dict[tuple[int, int], int]:
+    """``(consumer index, operand) -> node index`` before whose compute the gather is issued: group ``k+1``'s
+    at group ``k``'s first consumer (module docstring)."""
+    groups = prefetch_groups(plan, graph, phase)
+    return {edge: prev.first for prev, nxt in zip(groups, groups[1:]) for edge in nxt.edges}
+
+
+def prefetch_window_bytes(plan: Any, graph: OpGraph, phase: str) -> int:
+    """The most gathered bytes prefetch keeps live beyond what the plan's own accounting counts: while group
+    ``k`` computes, group ``k+1``'s gathered copies already exist (the largest such group)."""
+    groups = prefetch_groups(plan, graph, phase)
+    return max((g.nbytes for g in groups[1:]), default=0)
+
+
+__all__ = [
+    "MAX_VIEW_DEPTH",
+    "PrefetchGroup",
+    "layer_of",
+    "param_root",
+    "prefetch_groups",
+    "prefetch_points",
+    "prefetch_window_bytes",
+]
