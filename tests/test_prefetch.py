@@ -1,0 +1,69 @@
+"""The ZeRO-3 prefetch rule (``meshpilot.planner.prefetch``): which gathers form a layer's group and where each
+is issued. The runtime's order (issued before the previous layer's compute, waited right before use, equal to
+the single device) is checked on 4 gloo ranks in ``tests/test_grad_buckets.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from meshpilot.graph.capture import capture
+from meshpilot.models.gpt import GPT, GPTConfig
+from meshpilot.planner import forced
+from meshpilot.planner.auto import plan
+from meshpilot.planner.prefetch import layer_of, param_root, prefetch_groups, prefetch_points, prefetch_window_bytes
+
+CFG = GPTConfig(vocab=64, seq=16, layers=3, hidden=32, heads=4, batch=8)
+
+
+def _plan(kind):
+    with torch.device("meta"):
+        model = GPT(CFG)
+    tok = torch.zeros(CFG.batch, CFG.seq, dtype=torch.long)
+    inputs = (tok, tok)
+    graph = capture(model, inputs)
+    force = (forced.zero3 if kind == "zero3" else forced.data_parallel)(model, inputs, (4,))
+    return plan(model, inputs, "atp-ic3", mesh_shape=(4,), force=force, graph=graph), graph
+
+
+def test_layer_of():
+    assert layer_of("blocks.2.attn.qkv.weight") == "blocks.2"
+    assert layer_of("model.layers.10.mlp.up_proj.weight") == "model.layers.10"
+    assert layer_of("wte.weight") == "wte"
+    assert layer_of("bias") == "bias"
+
+
+def test_zero3_groups_follow_the_layers_forward_and_back():
+    p, graph = _plan("zero3")
+    fwd = [g.layer for g in prefetch_groups(p, graph, "fwd")]
+    bwd = [g.layer for g in prefetch_groups(p, graph, "bwd")]
+    blocks = [f"blocks.{i}" for i in range(CFG.layers)]
+    assert [x for x in fwd if x.startswith("blocks.")] == blocks
+    assert [x for x in bwd if x.startswith("blocks.")] == blocks[::-1]
+    index = {n.name: i for i, n in enumerate(p.nodes)}
+    source = {(index[c.dst], c.operand): c.src for c in reversed(p.collectives) if c.dst in index}
+    grouped = {e: g.layer for ph in ("fwd", "bwd") for g in prefetch_groups(p, graph, ph) for e in g.edges}
+    for edge, layer in grouped.items():  # each a gather of one of its layer's parameters (or of a view of one)
+        assert layer_of(param_root(graph, source[edge])) == layer
+    gathers = {(index[c.dst], c.operand) for c in p.collectives if c.kind == "all_gather" and c.dst in index}
+    activations = {e for e in gathers if param_root(graph, source[e]) is None}
+    assert activations and not activations & set(grouped)  # this plan also gathers activations: never prefetched
+
+
+def test_each_group_is_issued_at_the_previous_groups_first_consumer():
+    p, graph = _plan("zero3")
+    for phase in ("fwd", "bwd"):
+        groups = prefetch_groups(p, graph, phase)
+        points = prefetch_points(p, graph, phase)
+        assert set(points) == {e for g in groups[1:] for e in g.edges}
+        for prev, nxt in zip(groups, groups[1:]):
+            assert prev.first < nxt.first
+            assert all(points[e] == prev.first for e in nxt.edges)
+        assert prefetch_window_bytes(p, graph, phase) == max(g.nbytes for g in groups[1:])
+
+
+def test_data_parallel_has_nothing_to_prefetch():
+    p, graph = _plan("dp")
+    for phase in ("fwd", "bwd"):
+        assert prefetch_groups(p, graph, phase) == []
+        assert prefetch_points(p, graph, phase) == {}
+        assert prefetch_window_bytes(p, graph, phase) == 0
