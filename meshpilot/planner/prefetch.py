@@ -19,6 +19,10 @@ while layer ``k`` computes; ``G_0``'s stay where the plan puts them. Each wait s
 consumer. The backward's groups run in its own consumer order: the reverse of the forward's layers. A
 gathered copy is then live from ``G_k``'s first consumer to its own last use: one layer longer than
 without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at once).
+
+**Pricing.** :func:`prefetch_issues` is the same rule as the simulator reads it (``meshpilot.sim.simulate``'s
+``prefetch``): each prefetched gather an issue before the anchor's compute and a wait at its consumer,
+queued on its mesh axis' group in issue order like every collective there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Any
 from meshpilot.graph.capture import NodeKind, OpGraph
 from meshpilot.sharding.reshard import CollectiveKind
 
+PREFETCHED = ("trivial", "accumulate")
+"""Schedules under which the runtime prefetches (the others order their collectives themselves: ``overlapped``,
+``duplex``; or run a pipeline's stages)."""
 MAX_VIEW_DEPTH = 3
 """How many views (a transpose, a reshape) may stand between a parameter and the value gathered."""
 
@@ -100,6 +107,25 @@ def prefetch_points(plan: Any, graph: OpGraph, phase: str) -> dict[tuple[int, in
     return {edge: prev.first for prev, nxt in zip(groups, groups[1:]) for edge in nxt.edges}
 
 
+def prefetch_issues(plan: Any, graph: OpGraph) -> dict[int, list[int]]:
+    """Both phases' prefetch as the simulator reads it (``meshpilot.sim.simulate(prefetch=...)``): node index
+    -> the collectives (indices into ``plan.collectives``: each edge's first) issued right before that node's
+    compute, in issue order; each is waited for at its consumer instead of blocking there. Empty where the
+    plan's schedule does not prefetch (:data:`PREFETCHED`)."""
+    if plan.step_schedule().name not in PREFETCHED:
+        return {}
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    first: dict[tuple[int, int], int] = {}
+    for c, col in enumerate(plan.collectives):
+        if col.operand >= 0 and col.src != col.dst and col.dst in index:
+            first.setdefault((index[col.dst], col.operand), c)
+    out: dict[int, list[int]] = {}
+    for phase in ("fwd", "bwd"):
+        for edge, at in sorted(prefetch_points(plan, graph, phase).items()):
+            out.setdefault(at, []).append(first[edge])
+    return out
+
+
 def prefetch_window_bytes(plan: Any, graph: OpGraph, phase: str) -> int:
     """The most gathered bytes prefetch keeps live beyond what the plan's own accounting counts: while group
     ``k`` computes, group ``k+1``'s gathered copies already exist (the largest such group)."""
@@ -109,10 +135,12 @@ def prefetch_window_bytes(plan: Any, graph: OpGraph, phase: str) -> int:
 
 __all__ = [
     "MAX_VIEW_DEPTH",
+    "PREFETCHED",
     "PrefetchGroup",
     "layer_of",
     "param_root",
     "prefetch_groups",
+    "prefetch_issues",
     "prefetch_points",
     "prefetch_window_bytes",
 ]

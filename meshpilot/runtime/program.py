@@ -56,7 +56,7 @@ from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.buckets import backward_issues_buckets
-from meshpilot.planner.prefetch import prefetch_points
+from meshpilot.planner.prefetch import PREFETCHED, prefetch_points
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
@@ -67,9 +67,6 @@ from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
 _INTERPRET = os.environ.get("MESHPILOT_INTERPRET") == "1"
-PREFETCHED = ("trivial", "accumulate")
-"""Schedules whose programs prefetch sharded parameters (``planner.prefetch``); the others order their
-collectives themselves (``overlapped``, ``duplex``) or run a pipeline stage's."""
 
 
 @dataclass(frozen=True)
