@@ -126,6 +126,64 @@ def prefetch_issues(plan: Any, graph: OpGraph) -> dict[int, list[int]]:
     return out
 
 
+def prefetch_hidden_s(plan: Any, graph: OpGraph, cost: Any) -> float:
+    """Seconds the prefetch takes off the step on the cost model `cost` (module docstring, *Pricing*): each
+    phase walked once with every gather blocking at its consumer and once with :func:`prefetch_issues`'s issued
+    at their anchors, the difference summed. The walk is the simulator's for one rank: node seconds on the
+    compute stream, each axis' collectives one at a time in issue order (``planner.buckets``' queue, busy
+    factors included), a wait ending when its own collective does. The gradients' buckets are left out."""
+    issues = prefetch_issues(plan, graph)
+    if not issues:
+        return 0.0
+    return sum(_walk(plan, cost, ph, {}) - _walk(plan, cost, ph, issues) for ph in ("fwd", "bwd"))
+
+
+def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]]) -> float:
+    """The end of `phase`'s compute stream with `issues` prefetched (:func:`prefetch_hidden_s`)."""
+    from meshpilot.planner.buckets import _progress, _seconds  # the bucket pricing's own parts
+
+    index = {n.name: i for i, n in enumerate(plan.nodes)}
+    before: dict[int, list[int]] = {}
+    for c, col in enumerate(plan.collectives):
+        if col.phase == phase and col.dst in index and not col.dst.startswith("grad:"):
+            before.setdefault(index[col.dst], []).append(c)
+    early = {c for cs in issues.values() for c in cs}
+    spans: list[tuple[float, float, float]] = []
+    free: dict[int, float] = {}
+    queued: dict[int, list[tuple[int, float]]] = {}
+    ends: dict[int, float] = {}
+    t = 0.0
+
+    def drain(axis: int, until: int | None = None) -> float:
+        """Run `axis`' queued collectives in issue order (through `until`, else all), now that the compute
+        spans they overlap are known (the rank waits from here): when the last of them ends."""
+        q = queued.get(axis, [])
+        while q:
+            c, at = q.pop(0)
+            seconds, busy = _seconds(cost, plan.collectives[c])
+            ends[c] = free[axis] = _progress(max(at, free.get(axis, 0.0)), seconds, [(a, b, busy) for a, b in spans])
+            if c == until:
+                break
+        return free.get(axis, 0.0)
+
+    for i, n in enumerate(plan.nodes):
+        if n.phase != phase:
+            continue
+        for c in before.get(i, ()):
+            axis = plan.collectives[c].axis
+            if c in early:  # issued a layer ago: wait for it alone
+                t = max(t, ends[c] if c in ends else (drain(axis, c), ends[c])[1])
+            else:  # issued now behind what its group has queued, waited at once
+                queued.setdefault(axis, []).append((c, t))
+                t = max(t, drain(axis))
+        for c in issues.get(i, ()):
+            queued.setdefault(plan.collectives[c].axis, []).append((c, t))
+        if n.seconds > 0:
+            spans.append((t, t + n.seconds))
+            t += n.seconds
+    return t
+
+
 def prefetch_window_bytes(plan: Any, graph: OpGraph, phase: str) -> int:
     """The most gathered bytes prefetch keeps live beyond what the plan's own accounting counts: while group
     ``k`` computes, group ``k+1``'s gathered copies already exist (the largest such group)."""
@@ -140,6 +198,7 @@ __all__ = [
     "layer_of",
     "param_root",
     "prefetch_groups",
+    "prefetch_hidden_s",
     "prefetch_issues",
     "prefetch_points",
     "prefetch_window_bytes",
