@@ -18,7 +18,9 @@ consumer (after ``G_k``'s own gathers were waited for: they were issued one grou
 while layer ``k`` computes; ``G_0``'s stay where the plan puts them. Each wait stays right before its
 consumer. The backward's groups run in its own consumer order: the reverse of the forward's layers. A
 gathered copy is then live from ``G_k``'s first consumer to its own last use: one layer longer than
-without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at once).
+without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at once). The plan's predicted
+memory does not count that window yet: it would belong in the ILP's memory row (added to a solved plan, a
+plan solved to a tight cap exceeds it).
 
 **Pricing.** :func:`prefetch_issues` is the same rule as the simulator reads it (``meshpilot.sim.simulate``'s
 ``prefetch``): each prefetched gather an issue before the anchor's compute and a wait at its consumer,
