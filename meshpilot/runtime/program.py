@@ -201,8 +201,10 @@ class StageProgram:
 
     def _prefetch(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
         """Reorder a phase's program so each layer's sharded parameters are gathered while the layer before it
-        computes (``planner.prefetch``); not where the schedule issues collectives early itself."""
-        if self.schedule is not None and self.schedule.name not in PREFETCHED:
+        computes (``planner.prefetch``), under the schedules it is priced for (``PREFETCHED``): not where the
+        schedule issues collectives early itself, nor in a pipeline's stage (no schedule here: the pipeline's
+        simulation does not price a prefetch)."""
+        if self.schedule is None or self.schedule.name not in PREFETCHED:
             return
         phase = "fwd" if kind == FWD else "bwd"
         points = prefetch_points(self.interp.plan, self.graph, phase)
