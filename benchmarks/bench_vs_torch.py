@@ -25,7 +25,8 @@ after its producer and waited for before its consumer).
 A step is forward + backward + AdamW (foreach) step + zero_grad on the full global batch, timed between two
 barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU
 seconds of the busiest rank's process in the step (all its threads: less sensitive to other jobs), the ratio
-to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced; with
+to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced, less
+what the sharded parameters' prefetch hides, ``planner.prefetch.prefetch_hidden_s``; with
 ``--probed FILE``, a cluster ``meshpilot probe`` measured on this box, also the plan re-priced on it in closed
 form and simulated, each over the measured median), and the
 collectives one step ran (the torch profiler's ``gloo:*`` events: DDP's, FSDP's and DTensor's alike). One more
@@ -89,17 +90,25 @@ def build(spec: dict, device: str, seed: int = 0):
 # ----------------------------------------------------------------------------------------------- parent
 
 
-def predictions(p, graph, probed) -> dict[str, float]:
-    """The plan's predicted step in ms on the cluster it was planned for (``StepTime.overlapped_s``) and, given
-    a `probed` cluster, re-priced on it (``accounting.reprice``) in closed form and simulated (``meshpilot.sim``)."""
-    out = {"predicted_ms": p.time.overlapped_s * 1e3}
+def predictions(p, graph, probed, cost) -> dict[str, float]:
+    """The plan's predicted step in ms on the cluster it was planned for (``StepTime.overlapped_s`` less what the
+    runtime's parameter prefetch hides, ``planner.prefetch.prefetch_hidden_s`` on the cost model `cost`) and,
+    given a `probed` cluster, re-priced on it (``accounting.reprice``) in closed form and simulated
+    (``meshpilot.sim``, with the prefetch)."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.planner.prefetch import prefetch_hidden_s, prefetch_issues
+
+    hidden = prefetch_hidden_s(p, graph, cost)
+    out = {"predicted_ms": (p.time.overlapped_s - hidden) * 1e3, "prefetch_hidden_ms": hidden * 1e3}
     if probed is not None:
         from meshpilot.planner.accounting import reprice
         from meshpilot.sim import simulate
 
         q = reprice(p, graph, probed)
-        out["probed_ms"] = q.time.overlapped_s * 1e3
-        out["simulated_ms"] = simulate(q, cluster=probed).step_s * 1e3
+        on_probed = prefetch_hidden_s(q, graph, CostModel(LogicalMesh(probed, tuple(q.mesh_shape))))
+        out["probed_ms"] = (q.time.overlapped_s - on_probed) * 1e3
+        out["simulated_ms"] = simulate(q, cluster=probed, prefetch=prefetch_issues(q, graph)).step_s * 1e3
     return out
 
 
@@ -134,22 +143,25 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         p = plan(built.model, built.inputs, cluster, graph=graph, overlap=args.overlap, **kw)
         path = folder / (name.split()[-1] + ".json")
         p.save(path)
-        out[name] = {"path": str(path), "buckets": len(p.grad_buckets)} | predictions(p, graph, probed)
+        cost = CostModel(LogicalMesh(cluster, tuple(p.mesh_shape)))
+        out[name] = {"path": str(path), "buckets": len(p.grad_buckets)} | predictions(p, graph, probed, cost)
         if args.big_buckets and name == "mp: DP":  # DDP's bucket size instead of the alpha-beta one
             big = with_buckets(p, graph, CostModel(LogicalMesh(cluster, (n,))), size=25 * 2**20)
             big.save(path.with_name(path.stem + "-big.json"))
             out[name + ", 25 MiB buckets"] = {
                 "path": str(path.with_name(path.stem + "-big.json")),
                 "buckets": len(big.grad_buckets),
-            } | predictions(big, graph, probed)
+            } | predictions(big, graph, probed, cost)
         if args.unbucketed and name != "mp: solver":  # the same plan without buckets: one collective a gradient
             bare = dataclasses.replace(p, grad_buckets=(), time=dataclasses.replace(p.time, hidden_s=0.0))
             bare.save(path.with_name(path.stem + "-bare.json"))
             out[name + UNBUCKETED] = {"path": str(path.with_name(path.stem + "-bare.json")), "buckets": 0}
-            out[name + UNBUCKETED] |= predictions(bare, graph, probed)
+            out[name + UNBUCKETED] |= predictions(bare, graph, probed, cost)
+        got = out[name]
         print(
             f"  {name}: mesh {p.mesh_shape}, {len(p.collectives)} planned collectives, {len(p.grad_buckets)} "
-            f"gradient buckets, predicted {p.time.overlapped_s * 1e3:.0f} ms (serial {p.time.total_s * 1e3:.0f} ms), "
+            f"gradient buckets, predicted {got['predicted_ms']:.0f} ms ({got['prefetch_hidden_ms']:.0f} ms of it "
+            f"hidden by the parameter prefetch; serial {p.time.total_s * 1e3:.0f} ms), "
             f"planned in {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
@@ -239,6 +251,12 @@ def main() -> int:
         help="a cluster file `meshpilot probe` wrote on this box with --nproc ranks: every meshpilot plan is also "
         "re-priced on it and simulated (predicted / measured per variant)",
     )
+    ap.add_argument(
+        "--cprofile",
+        type=Path,
+        help="also run --steps more steps of each variant under cProfile on every rank and save the stats as "
+        "DIR/<variant>-rank<r>.prof (where a step's CPU time goes, by Python function)",
+    )
     ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--plans", help=argparse.SUPPRESS)
@@ -294,6 +312,24 @@ def count_collectives(fn) -> dict[str, int]:
             kinds[e.name[5:]] = kinds.get(e.name[5:], 0) + 1
     dist.barrier()
     return kinds
+
+
+def cprofile_steps(folder: Path, variants, step, steps: int, rank: int) -> None:
+    """`steps` steps of each variant under cProfile, saved as ``folder/<variant>-rank<rank>.prof``."""
+    import cProfile
+
+    import torch.distributed as dist
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in variants:
+        prof = cProfile.Profile()
+        dist.barrier()
+        prof.enable()
+        for _ in range(steps):
+            step(k)
+        prof.disable()
+        dist.barrier()
+        prof.dump_stats(folder / f"{k.replace(':', '').replace(' ', '_').replace(',', '')}-rank{rank}.prof")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -357,6 +393,8 @@ def worker(args: argparse.Namespace) -> int:
     if not args.no_profile:
         for k in variants:
             profiles[k] = profile_step(lambda k=k: step(k), rank)
+    if args.cprofile:
+        cprofile_steps(args.cprofile, variants, step, args.steps, rank)
     if rank == 0:
         out = {
             "label": build(spec, "meta").label,

@@ -6,7 +6,9 @@ ZeRO-3 plan (reduce-scatter buckets) and a 2-microbatch data-parallel plan (buck
 each side by side with the single-device model (``dist_utils.lockstep_adamw``): loss, every gradient and the
 parameters equal; the collectives issued equal the plan's (one per bucket); and in the recorded backward
 every bucket's collective is issued before the next bucket's last gradient is computed and waited for only
-after the last gradient (its issue/wait order in the program).
+after the last gradient (its issue/wait order in the program). The ZeRO-3 run also checks the parameter
+prefetch (``meshpilot.planner.prefetch``): each layer's gathers issued before the previous layer's compute,
+each waited for right before its consumer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from meshpilot.planner import forced
 from meshpilot.planner.auto import plan
 from meshpilot.planner.buckets import bucket_bytes, bucket_overlap, grad_move, with_buckets
 from meshpilot.planner.plan import Plan
+from meshpilot.planner.schedule import ActionKind
 from meshpilot.sharding.placements import from_json
 from meshpilot.sharding.reshard import CollectiveKind
 
@@ -84,6 +87,26 @@ def _issue_order(gm) -> tuple[list[tuple[str, int, int]], dict[int, int]]:
     return order, ready
 
 
+def _prefetch_order(gm) -> dict[str, dict]:
+    """In a recorded program, per resharded operand ``(consumer, operand)`` with a collective: the positions of
+    its collective and its wait, and of the first and last compute op (tagged ``(node, -1)``) of every node."""
+    from meshpilot.runtime.overlap import is_collective
+
+    edges: dict[str, dict] = {}
+    compute: dict[int, list[int]] = {}
+    for k, n in enumerate(gm.graph.nodes):
+        tag = n.meta.get("meshpilot_tag")
+        if not (isinstance(tag, tuple) and len(tag) == 2 and isinstance(tag[0], int)):
+            continue
+        if tag[1] == -1:
+            compute.setdefault(tag[0], [k, k])[1] = k
+        elif is_collective(n):
+            edges.setdefault(str(tag), {})["issue"] = k
+        elif "wait_tensor" in str(n.target):
+            edges.setdefault(str(tag), {})["wait"] = k
+    return {"edges": edges, "compute": {str(i): v for i, v in compute.items()}}
+
+
 def _worker(plans: dict[str, str]) -> dict:
     import torch.distributed as dist
 
@@ -98,6 +121,9 @@ def _worker(plans: dict[str, str]) -> dict:
         prog = pm.program
         if prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
+        if name == "zero3":
+            res["prefetch"] = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
+            res["prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
         res[name] = {
             "loss": max(got["loss"]),
             "grad": max(got["grad"]),
@@ -224,3 +250,32 @@ def test_old_plan_files_load_without_buckets():
     st["time"].pop("hidden_s", None)
     old = Plan.from_dict(d).only
     assert old.grad_buckets == () and old.time.hidden_s == 0.0
+
+
+def test_zero3_gathers_prefetched_one_layer_ahead(runs):
+    """Every group of a layer's parameter gathers after the first is issued before the compute of the previous
+    group's first consumer (so it runs while that layer computes) and waited for after it, right before its own
+    consumer's compute; the first group's gathers stay at their consumer."""
+    from meshpilot.planner.prefetch import prefetch_groups
+
+    plans, results = runs
+    p = Plan.from_json(plans["zero3"]).only
+    model, inputs = _model_inputs()
+    graph = capture(model, inputs)
+    for phase, prog in (("fwd", "forward"), ("bwd", "backward")):
+        groups = prefetch_groups(p, graph, phase)
+        assert len(groups) >= 4, (phase, [g.layer for g in groups])
+        for r in results:
+            order = r["prefetch"][prog]
+            edges, compute = order["edges"], order["compute"]
+            for prev, nxt in zip(groups, groups[1:]):
+                anchor = compute[str(prev.first)][0]
+                for d, a in nxt.edges:
+                    e = edges[str((d, a))]
+                    assert e["issue"] < anchor < e["wait"], (phase, prev.layer, nxt.layer, d, a, e, anchor)
+                    assert e["wait"] < compute[str(d)][0], (phase, d, a)
+                    assert all(c[1] < e["wait"] for i, c in compute.items() if int(i) < d), (phase, d, a)
+            for d, a in groups[0].edges:  # the first layer's are issued at their consumer
+                assert edges[str((d, a))]["issue"] > max((c[1] for i, c in compute.items() if int(i) < d), default=-1)
+            moved = r["prefetched"][str(ActionKind.FORWARD if phase == "fwd" else ActionKind.BACKWARD)]
+            assert moved == sum(len(g.edges) for g in groups[1:]), (phase, moved)

@@ -130,3 +130,61 @@ def issue_when_ready(gm: torch.fx.GraphModule, kind: str) -> int:
     gm.graph.lint()
     gm.recompile()
     return moved
+
+
+def prefetch(gm: torch.fx.GraphModule, points: dict[tuple[int, int], int]) -> int:
+    """Issue each gather ``edge`` of `points` (``meshpilot.planner.prefetch.prefetch_points``: a sharded
+    parameter's all-gather, tagged ``edge``) right before the compute of node ``points[edge]`` (its ops tagged
+    ``(node, -1)``, after that node's own operands were resharded), with the ops that prepare its input — and
+    the views of a parameter it reads that the program computes later (a transpose), moved along. Its wait
+    stays before its consumer. Edges go in consumer order, so the collectives are issued in the order they are
+    used. Returns how many moved; one whose input is not ready at the anchor stays where it is."""
+    if not points:
+        return 0
+    anchors: dict[int, torch.fx.Node] = {}
+    groups: dict[tuple[int, int], list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        tag = n.meta.get("meshpilot_tag")
+        if isinstance(tag, tuple) and len(tag) == 2 and isinstance(tag[0], int):
+            if tag[1] == -1:
+                anchors.setdefault(tag[0], n)
+            elif tag in points:
+                groups.setdefault(tag, []).append(n)
+    moved = 0
+    for edge in sorted(points):
+        group, anchor = groups.get(edge, []), anchors.get(points[edge])
+        coll = next((n for n in group if is_collective(n)), None)
+        if coll is None or anchor is None:
+            continue
+        order = {n: k for k, n in enumerate(gm.graph.nodes)}
+        chain = preparation(coll, set(group))
+        if order[anchor] >= order[chain[0]]:
+            continue  # already issued by then
+        views = _late_views(chain, order, order[anchor])
+        if views is None:
+            continue  # its input is computed after the anchor by more than views
+        for n in sorted(views, key=order.get) + chain:
+            anchor.prepend(n)
+        moved += 1
+    gm.graph.lint()
+    gm.recompile()
+    return moved
+
+
+def _late_views(chain: list[torch.fx.Node], order: dict, at: int) -> list[torch.fx.Node] | None:
+    """The ops outside `chain` it reads that run at or after position `at`, when each is a view op (no
+    collective, nothing written) of values ready before `at`; None when another op stands in the way."""
+    out: list[torch.fx.Node] = []
+    stack = [i for n in chain for i in n.all_input_nodes if i not in chain]
+    while stack:
+        n = stack.pop()
+        if order[n] < at or n in out:
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or schema.is_mutable or is_collective(n):
+            return None
+        if not any(a.alias_info is not None for a in schema.returns) or len(out) >= 4:
+            return None  # only views (cheap, no new memory) are moved
+        out.append(n)
+        stack.extend(n.all_input_nodes)
+    return out

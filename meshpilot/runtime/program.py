@@ -29,7 +29,10 @@ One class, :class:`StageProgram`, holds the programs of every stage of every pla
   after its last gradient (``runtime.overlap.issue_when_ready``), and waits for them at its end, so they run
   behind the rest of the backward and ``G`` reshards only the other gradients.
 
-With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
+Under the plain schedules (one microbatch or accumulation) the forward and backward programs issue each
+layer's sharded-parameter gathers (ZeRO-3) while the layer before it computes, waited for right before use
+(``planner.prefetch``: the rule, ``runtime.overlap.prefetch``: the reordering). With the plan's schedule
+given (``overlapped``), the forward and backward programs are reordered so
 early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
 are interleaved into one (``forward_pair`` / ``backward_pair``, ``runtime.duplex``).
 
@@ -53,12 +56,13 @@ from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.buckets import backward_issues_buckets
+from meshpilot.planner.prefetch import PREFETCHED, prefetch_points
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import issue_early, issue_points, issue_when_ready
+from meshpilot.runtime.overlap import issue_early, issue_points, issue_when_ready, prefetch
 from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
@@ -130,6 +134,9 @@ class StageProgram:
             setattr(self, f"_{name}_fn", None)  # what runs it: the program, or torch.compile's of it
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+        self.prefetched: dict[ActionKind, int] = {}
+        """Parameter gathers each phase's program issues one layer ahead (``planner.prefetch``)."""
+        """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
         self.buckets = BucketSync(interp.plan, g, interp.mesh, trainable)
         """The plan's gradient buckets of this stage (``runtime.buckets``)."""
         self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
@@ -175,6 +182,7 @@ class StageProgram:
         setattr(self, f"{name}_gm", gm)
         if kind is not None:
             self._issue_early(gm, kind)
+            self._prefetch(gm, kind)
         if name == "backward" and self.buckets_in_backward:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
         if boxed:
@@ -190,6 +198,17 @@ class StageProgram:
 
         points = issue_points(self.schedule, self.interp.plan, kind, dist.get_rank())
         self.issued_early[kind] = issue_early(gm, points)
+
+    def _prefetch(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
+        """Reorder a phase's program so each layer's sharded parameters are gathered while the layer before it
+        computes (``planner.prefetch``), under the schedules it is priced for (``PREFETCHED``): not where the
+        schedule issues collectives early itself, nor in a pipeline's stage (no schedule here: the pipeline's
+        simulation does not price a prefetch)."""
+        if self.schedule is None or self.schedule.name not in PREFETCHED:
+            return
+        phase = "fwd" if kind == FWD else "bwd"
+        points = prefetch_points(self.interp.plan, self.graph, phase)
+        self.prefetched[kind] = prefetch(gm, points)
 
     # ------------------------------------------------------------------ values crossing stages
     def _received(self, t, local: torch.Tensor) -> DTensor:

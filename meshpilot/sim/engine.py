@@ -271,8 +271,11 @@ def _cost_model(cluster: Any, shape: tuple[int, ...], ranks: tuple[int, ...]) ->
 class _Lowering:
     """Durations, links and programs for one plan on one cluster."""
 
-    def __init__(self, plan: Any, cluster: Any, schedule: Schedule):
+    def __init__(self, plan: Any, cluster: Any, schedule: Schedule, prefetch: Mapping[int, list[int]] | None = None):
         self.plan = plan
+        self.prefetch_at = dict(prefetch or {})
+        """Node index -> gathers issued before its compute, waited at their consumers (``planner.prefetch``)."""
+        self.prefetched = {c for cs in self.prefetch_at.values() for c in cs}
         self.cluster = cluster
         self.cm = _cost_model(cluster, tuple(plan.mesh_shape), tuple(plan.mesh_ranks))
         self.lm = self.cm.mesh
@@ -426,12 +429,19 @@ class _Lowering:
             if todo:
                 flush(i)
                 for c in todo:
-                    self._blocking(c, m, ops)
+                    if c in self.prefetched:  # issued a layer earlier: only its wait is here
+                        ops.append((_WAIT, (c, m), f"wait {self._label(c, m)}"))
+                    else:
+                        self._blocking(c, m, ops)
 
         for i in range(lo, min(hi, len(self.seconds))):
             if self.bwd[i] != bwd:
                 continue
             colls(self.pre.get(i, ()))
+            if i in self.prefetch_at:  # the next layer's gathers, issued before this node computes
+                flush(i)
+                for c in self.prefetch_at[i]:
+                    ops.append((_ISSUE, (c, m), self._label(c, m), self.plan.collectives[c].axis))
             if start is None:
                 start = i
             run += self.seconds[i]
@@ -758,12 +768,14 @@ def simulate(
     straggler: dict[int, float] | None = None,
     symmetric: bool = True,
     p2p_bytes: float | Mapping[tuple[int, int], float] = 0.0,
+    prefetch: Mapping[int, list[int]] | None = None,
 ) -> SimResult:
     """Simulate one step of `plan` (its ``step_schedule()`` unless `schedule` is given) on `cluster` (default:
     ``load_cluster(plan.cluster)``). `straggler` maps a rank (its row-major mesh position, as the schedule
     numbers ranks) to how many percent slower it computes. `symmetric=False` simulates every rank on its
     own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send, or per (sending stage,
-    receiving stage) (``Plan.simulate``: each boundary's ``StageTransfer``)."""
+    receiving stage) (``Plan.simulate``: each boundary's ``StageTransfer``). `prefetch`: the sharded parameters'
+    gathers the runtime issues a layer ahead (``meshpilot.planner.prefetch.prefetch_issues``)."""
     t0 = time.perf_counter()
     if cluster is None:
         from meshpilot.cluster import load_cluster
@@ -785,7 +797,7 @@ def simulate(
     covered = sorted(r for c in schedule.classes for r in c.ranks)
     if covered != list(range(world)):
         raise UserError(f"schedule {schedule.name!r} does not name every rank 0..{world - 1} exactly once")
-    low = _Lowering(plan, cluster, schedule)
+    low = _Lowering(plan, cluster, schedule, prefetch)
     axes = sorted({c.axis for c in plan.collectives})
     if symmetric:
         classes = rank_classes(schedule, tuple(plan.mesh_shape), axes, straggler)
