@@ -119,6 +119,7 @@ from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
 from meshpilot.graph.views import aliases_input
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
+from meshpilot.sharding.strategies import Strategy
 
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
@@ -131,6 +132,21 @@ ADAMW_FOREACH_OPS = 9
 
 ADAMW_SCALAR_OPS = 2
 """Scalar operators per parameter of one foreach AdamW step: its step counter read twice (``_get_value``)."""
+
+
+@dataclass(frozen=True)
+class StoredApart(Strategy):
+    """A ZeRO-2 parameter's strategy (``meshpilot.planner.zero``): ``outs[0]`` is the full copy its readers
+    read, ``stored`` the shard its gradient is reduced into and AdamW updates, all-gathered into the copy once
+    a step (``gather:<fqn>``)."""
+
+    stored: Any = None
+
+
+def stored_layout(s: Any) -> Any:
+    """The layout parameter strategy `s` stores and updates the parameter in (its gradient's target)."""
+    return s.stored if isinstance(s, StoredApart) else s.outs[0]
+
 
 MEMORY_ROWS = ("update", "backward")
 """The ILP's memory rows (module docstring)."""
@@ -264,6 +280,10 @@ class _Layouts:
     def operand(self, name: str, a: int) -> Any:
         return None if self.chosen is None else self.chosen[name].ins[a]
 
+    def stored(self, name: str) -> Any:
+        """The layout parameter `name` is stored and updated in (:func:`stored_layout`)."""
+        return None if self.chosen is None else stored_layout(self.chosen[name])
+
     def per_device(self, info: TensorInfo, layout: Any) -> float:
         return info.nbytes / (shard_factor(layout, self.mesh_shape) if layout is not None else 1)
 
@@ -335,7 +355,7 @@ def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape
         last[key] = end
         grad_keys.add(key)
         p = pnodes[fqn]
-        have, want = lay.out(*src), lay.out(p.name, 0)
+        have, want = lay.out(*src), lay.stored(p.name)
         if lay.differ(have, want) and p.out is not None:
             rkey = ("grad", fqn)
             size[rkey] = lay.per_device(p.out, want)
@@ -402,13 +422,16 @@ def _parts(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequenc
             continue
         sf = shard_factor(lay.out(n.name, 0), lay.mesh_shape) if lay.chosen is not None else 1
         trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
+        copy = 0.0  # a ZeRO-2 parameter's full copy, besides its stored shard
+        if n.kind == "param" and isinstance(lay.chosen and lay.chosen[n.name], StoredApart):
+            copy, sf = n.out.nbytes / sf, shard_factor(lay.stored(n.name), lay.mesh_shape)
         if n.kind == "param":
             s = state_bytes(n.out, trainable)
-            w, o, g, t_opt = w + s.param / sf, o + s.optimizer / sf, g + s.grad / sf, t_opt + s.update_temp / sf
+            w, o, g, t_opt = w + copy + s.param / sf, o + s.optimizer / sf, g + s.grad / sf, t_opt + s.update_temp / sf
         else:
             inputs += n.out.nbytes / sf
         r = row_bytes(n, trainable)
-        rows = [rows[0] + r.update / sf, rows[1] + r.backward / sf]
+        rows = [rows[0] + copy + r.update / sf, rows[1] + copy + r.backward / sf]
     saved = 0.0
     for v in saved_values(graph):
         info = graph[v[0]].outputs[v[1]]
@@ -487,7 +510,8 @@ class ComputeCost:
             return 0.0
         if self.graph.grads.get(node.fqn) is None:
             return 0.0
-        sf = shard_factor(s.outs[0], self.mesh_shape) if s.outs and s.outs[0] is not None else 1
+        lay = stored_layout(s) if s.outs else None
+        sf = shard_factor(lay, self.mesh_shape) if lay is not None else 1
         return optimizer_seconds(node.out, sf, self.cm.device)
 
     def local_gemm(self, node: OpNode, s: Any) -> tuple[int, int, int] | None:
@@ -543,6 +567,8 @@ class Edge:
             return chosen[self.dst].ins[self.operand]
         if self.kind == EdgeKind.LOSS:
             return replicated(ndim)
+        if self.kind == EdgeKind.GRAD:
+            return stored_layout(chosen[self.dst])
         return chosen[self.dst].outs[0]
 
     def label(self, graph: OpGraph) -> str:
@@ -640,6 +666,11 @@ def account(
             cross(e)
     for e in tail:
         cross(e)
+    for node in graph.nodes:  # ZeRO-2 weights: the updated shard all-gathered into the full copy, once a step
+        st = chosen[node.name]
+        if isinstance(st, StoredApart) and node.out is not None:
+            for c in resharder.collectives(st.stored, st.outs[0], node.out):
+                add(c, resharder.collective_cost(c), 1, Phase.FWD, node.name, f"gather:{node.fqn}")
     step = StepTime(total_compute, parts["comm"], parts["reshard"], total_update)
     return TimeAccount(step, seconds, tuple(colls))
 

@@ -34,13 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner import recompute
 from meshpilot.planner.plan import Plan, StagePlan
+from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
-from meshpilot.runtime.interpret import Interpreter, to_dtensor
+from meshpilot.runtime.interpret import Interpreter, redistribute, to_dtensor
 from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
 
@@ -162,7 +163,7 @@ class _ScheduleRun:
         actions, paired = executed_actions(pm.schedule, dist.get_rank())
         if pm._cudagraphs:  # the last step's outputs are dead: CUDA graphs may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
-        params = [p._local_tensor for p in pm._params]
+        params = pm.read_locals()
         self.run = StepRun(
             actions, paired, {0: pm.program}, {0: params}, pm._buffers_by_name, inputs, pm.schedule.microbatches
         )
@@ -237,6 +238,42 @@ def distribute_parameters(
     return params, trainable
 
 
+class GatheredCopies:
+    """The full copies of a plan's ZeRO-2 parameters (``planner.zero``; ``ZeroStage.GATHER_ONCE``).
+
+    The module's parameter (what ``parameters()`` gives the optimizer, and what checkpoints save) is the shard
+    the plan stores (``StagePlan.params``): the programs reduce-scatter its gradient into it and AdamW updates
+    it and its states there. The programs read a full copy in the layout of the parameter's node (the
+    readers' layout), all-gathered from the shard the first time a step reads it after the shard changed (an
+    optimizer step, a checkpoint loaded: the local tensor's version counter or storage moved), once a step and
+    in the forward phase, as the plan's ``gather:<fqn>`` collective. The old copy is dropped before the new
+    one is gathered, so a device holds one copy: the ``W / sf(read)`` of ``accounting._parts``.
+    """
+
+    def __init__(self, graph: OpGraph, plan: StagePlan, params: Sequence[torch.nn.Parameter]) -> None:
+        once = {z.param for z in plan.zero if z.gathered_once}
+        node = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM}
+        self.params = list(params)
+        self.read = {
+            i: plan.node(node[fqn]).out_placements(0) for i, fqn in enumerate(graph.param_names) if fqn in once
+        }
+        self.copies: dict[int, DTensor | None] = dict.fromkeys(self.read)
+        self.seen: dict[int, tuple[int, int]] = {}
+
+    def read_locals(self) -> list[torch.Tensor]:
+        out = [p._local_tensor for p in self.params]
+        for i, layout in self.read.items():
+            local = self.params[i]._local_tensor
+            key = (local.data_ptr(), local._version)
+            if self.seen.get(i) != key or self.copies[i] is None:
+                self.copies[i] = None  # one copy at a time
+                with torch.no_grad(), phase_scope(Phase.FWD):
+                    self.copies[i] = redistribute(self.params[i].detach(), layout)
+                self.seen[i] = key
+            out[i] = self.copies[i]._local_tensor
+        return out
+
+
 class ParallelModule(torch.nn.Module):
     """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
 
@@ -282,6 +319,12 @@ class ParallelModule(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
     def _distribute_parameters(self) -> None:
         self._params, self._trainable = distribute_parameters(self.module, self.graph.param_names, self.plan, self.mesh)
+        self._copies = GatheredCopies(self.graph, self.plan, self._params)
+
+    def read_locals(self) -> list[torch.Tensor]:
+        """This rank's piece of every parameter as the step's programs read it (a ZeRO-2 weight: its full copy,
+        gathered from the updated shard first if it changed: :class:`GatheredCopies`)."""
+        return self._copies.read_locals()
 
     # ------------------------------------------------------------------ step
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
