@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -244,10 +245,13 @@ class GatheredCopies:
     The module's parameter (what ``parameters()`` gives the optimizer, and what checkpoints save) is the shard
     the plan stores (``StagePlan.params``): the programs reduce-scatter its gradient into it and AdamW updates
     it and its states there. The programs read a full copy in the layout of the parameter's node (the
-    readers' layout), all-gathered from the shard the first time a step reads it after the shard changed (an
-    optimizer step, a checkpoint loaded: the local tensor's version counter or storage moved), once a step and
-    in the forward phase, as the plan's ``gather:<fqn>`` collective. The old copy is dropped before the new
-    one is gathered, so a device holds one copy: the ``W / sf(read)`` of ``accounting._parts``.
+    readers' layout), all-gathered from the shard by the first step that reads it after the shard changed —
+    once a step, in the forward phase, as the plan's ``gather:<fqn>`` collective. The shard changes under an
+    optimizer's ``step()`` (a global step hook, :func:`_after_optimizer_step`, marks the copies of the
+    parameters it stepped stale: DTensor's in-place ops do not move the local tensor's version counter) and
+    when a checkpoint is loaded into it (``runtime.checkpoint`` calls :meth:`invalidate`); a parameter changed
+    any other way needs :meth:`invalidate` too. The old copy is dropped before the new one is gathered, so a
+    device holds one copy: the ``W / sf(read)`` of ``accounting._parts``.
     """
 
     def __init__(self, graph: OpGraph, plan: StagePlan, params: Sequence[torch.nn.Parameter]) -> None:
@@ -258,20 +262,45 @@ class GatheredCopies:
             i: plan.node(node[fqn]).out_placements(0) for i, fqn in enumerate(graph.param_names) if fqn in once
         }
         self.copies: dict[int, DTensor | None] = dict.fromkeys(self.read)
-        self.seen: dict[int, tuple[int, int]] = {}
+        if self.read:
+            _LIVE_COPIES.add(self)
+            _install_step_hook()
+
+    def invalidate(self) -> None:
+        """Gather every copy again before the next read (the shards changed)."""
+        self.copies = dict.fromkeys(self.read)
+
+    def owns(self, params: set[int]) -> bool:
+        """Whether any of the parameters whose ids are `params` is one of this module's ZeRO-2 shards."""
+        return any(id(self.params[i]) in params for i in self.read)
 
     def read_locals(self) -> list[torch.Tensor]:
         out = [p._local_tensor for p in self.params]
         for i, layout in self.read.items():
-            local = self.params[i]._local_tensor
-            key = (local.data_ptr(), local._version)
-            if self.seen.get(i) != key or self.copies[i] is None:
-                self.copies[i] = None  # one copy at a time
+            if self.copies[i] is None:
                 with torch.no_grad(), phase_scope(Phase.FWD):
                     self.copies[i] = redistribute(self.params[i].detach(), layout)
-                self.seen[i] = key
             out[i] = self.copies[i]._local_tensor
         return out
+
+
+_LIVE_COPIES: weakref.WeakSet[GatheredCopies] = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: the ZeRO-2 copies of the parameters it stepped are stale."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for copies in list(_LIVE_COPIES):
+        if copies.owns(stepped):
+            copies.invalidate()
+
+
+def _install_step_hook() -> None:
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 class ParallelModule(torch.nn.Module):
@@ -325,6 +354,11 @@ class ParallelModule(torch.nn.Module):
         """This rank's piece of every parameter as the step's programs read it (a ZeRO-2 weight: its full copy,
         gathered from the updated shard first if it changed: :class:`GatheredCopies`)."""
         return self._copies.read_locals()
+
+    def invalidate_copies(self) -> None:
+        """The parameters changed outside an optimizer step (a checkpoint loaded): gather the ZeRO-2 copies
+        again before the next step reads them."""
+        self._copies.invalidate()
 
     # ------------------------------------------------------------------ step
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
