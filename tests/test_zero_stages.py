@@ -5,7 +5,8 @@ stage-3 one and holds the full copy its readers read; with memory enough ``zero=
 under a cap only stage 3 meets it picks 3; a switch's stage survives JSON, a file without it loads as 3, and
 ``validate`` names a bad one. On 4 gloo ranks (one spawn): the forced stage-2, forced stage-3 and auto plans
 train equal to one device (loss, every gradient, every parameter after 3 AdamW steps, 1e-5) and issue exactly
-the plan's collectives each step (one all-gather per stage-2 parameter a step, per read per microbatch at 3).
+the plan's collectives each step (one all-gather per stage-2 parameter a step, per read per microbatch at 3);
+a stage-2 run resumed from a checkpoint after 2 steps takes the third step as the uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -151,10 +152,41 @@ def test_the_stage_survives_json_and_old_files_load_as_3(plans, tmp_path):
 # ------------------------------------------------------------------------------------------- 4 ranks
 
 
-def _worker(jobs: dict) -> dict:
+def _resumed(text: str, directory: str) -> dict:
+    """Two AdamW steps, a checkpoint, a third step; then a fresh model loading the checkpoint takes the third
+    step: its loss and parameters against the uninterrupted run's (the shards and states saved, the full copies
+    gathered again from the loaded shards)."""
+    from meshpilot.runtime.checkpoint import load, save
+    from meshpilot.runtime.spmd import parallelize
+    from meshpilot.runtime.train import adamw
+
+    def step(pm, opt, inputs) -> float:
+        loss = pm(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, inputs = _gpt("cpu")
+    pm = parallelize(model, StagePlan.from_json(text))
+    opt = adamw(pm.parameters(), LR)
+    step(pm, opt, inputs)
+    step(pm, opt, inputs)
+    path = save(directory, pm, opt, step=2, position=0)
+    straight = step(pm, opt, inputs)
+    again, _ = _gpt("cpu")
+    pm2 = parallelize(again, StagePlan.from_json(text))
+    opt2 = adamw(pm2.parameters(), LR)
+    load(path, pm2, opt2)
+    resumed = step(pm2, opt2, inputs)
+    diff = max((a - b).abs().max().item() for a, b in zip(pm.parameters(), pm2.parameters()))
+    return {"loss": abs(straight - resumed), "param": diff}
+
+
+def _worker(jobs: dict, directory: str) -> dict:
     from meshpilot.runtime.spmd import parallelize
 
-    out = {}
+    out = {"resume": _resumed(jobs["2"], directory)}
     for name, text in jobs.items():
         ref, inputs = _gpt("cpu")
         model, _ = _gpt("cpu")
@@ -170,9 +202,11 @@ def _worker(jobs: dict) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_stage_2_3_and_auto_train_equal_to_one_device_on_4_ranks(plans):
+def test_stage_2_3_and_auto_train_equal_to_one_device_on_4_ranks(plans, tmp_path):
     jobs = {z: plans[z].to_json() for z in ("2", "3", "auto")}
-    per_rank = run_distributed(_worker, 4, jobs, timeout=1200)
+    per_rank = run_distributed(_worker, 4, jobs, str(tmp_path), timeout=1200)
+    for rank, r in enumerate(per_rank):  # a stage-2 run resumed from its checkpoint goes on as if uninterrupted
+        assert r["resume"]["loss"] < 1e-6 and r["resume"]["param"] < 1e-6, (rank, r["resume"])
     for name in jobs:
         for rank, r in enumerate(per_rank):
             got = r[name]
