@@ -97,6 +97,15 @@ def test_stage_2_gathers_once_a_step_and_keeps_the_copy(plans):
     )
 
 
+def test_the_simulator_gathers_stage_2_weights_once_a_step(plans):
+    for z in ("2", "3"):
+        p = plans[z]
+        r = Plan.single(p).simulate()
+        comm = [e for e in r.events if e.cat == "comm"]
+        assert len(comm) == sum(p.collective_counts().values()), z  # a gather: collective once, not per microbatch
+    assert Plan.single(plans["2"]).simulate().step_s < Plan.single(plans["3"]).simulate().step_s
+
+
 def test_auto_picks_stage_2_with_memory_enough(plans):
     auto = plans["auto"]
     # with memory enough, every switch auto makes gathers once (with 2 microbatches stage 3 moves more bytes)
