@@ -5,12 +5,12 @@ peak at each cap, and (under torchrun) the peak the runtime holds at three of th
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_zero.py measure /tmp/zero_caps.json
 
 ``plan``: a 4-block GPT (gpt-tiny, hidden 128, 4 heads, batch 8 x 128 tokens, fp32) on a (4, 1) mesh of
-``alpa-p3x8`` with 2 microbatches, planned without a cap with the ZeRO pass off, then with ``zero="auto"`` and
-``recompute="auto"`` under caps from the uncapped plan's peak down (each 0.9 of the last plan's peak) until no
-plan fits; for reference, uncapped plans with every ZeRO candidate forced to stage 2 and to stage 3. One row
-per cap: the ZeRO switches by stage (``planner.zero``), the blocks recomputed (``planner.recompute``), the ILP's memory
-row, the predicted step and peak per device (or why no plan fits). Three plans with different choices are
-saved for ``measure``.
+``alpa-p3x8`` with 2 microbatches (``--microbatches``), planned without a cap with the ZeRO pass off, then
+with ``zero="auto"`` and ``recompute="auto"`` under caps from the uncapped plan's peak down (each 0.9 of the
+last plan's peak) until no plan fits; for reference, uncapped plans with every ZeRO candidate forced to
+stage 2 and to stage 3. One row per plan: the ZeRO switches by stage (``planner.zero``), the blocks
+recomputed (``planner.recompute``), the ILP's memory row, the predicted step and peak per device (or why no
+plan fits). The first plan, the first with a stage-2 switch and the last are saved for ``measure``.
 
 ``measure``: each saved plan run by ``meshpilot.parallelize`` with foreach AdamW on the gloo ranks: one warm-up
 step, then every rank's peak storage bytes over two full steps (``cluster.memtrack.StorageTracker``; parameter
@@ -38,7 +38,7 @@ from meshpilot.planner.auto import plan  # noqa: E402
 from meshpilot.planner.ilp import PlanError  # noqa: E402
 from meshpilot.planner.plan import StagePlan  # noqa: E402
 
-CLUSTER, MESH, MICRO = "alpa-p3x8", (4, 1), 2
+CLUSTER, MESH = "alpa-p3x8", (4, 1)
 MODEL = dict(layers=4, hidden=128, heads=4, batch=8, seq=128)
 
 
@@ -67,10 +67,10 @@ def _row(cap: float | None, p: StagePlan | None, error: str = "") -> str:
     )
 
 
-def run_plan(out: Path) -> None:
+def run_plan(out: Path, microbatches: int) -> None:
     model, inputs = _model("meta")
-    graph = capture(model, tuple(x[: x.shape[0] // MICRO] for x in inputs))  # one microbatch
-    kw = dict(mesh_shape=MESH, graph=graph, microbatches=MICRO)
+    graph = capture(model, tuple(x[: x.shape[0] // microbatches] for x in inputs))  # one microbatch
+    kw = dict(mesh_shape=MESH, graph=graph, microbatches=microbatches)
     t0 = time.process_time()
     off = plan(None, (), CLUSTER, zero="off", recompute="none", **kw)
     print("| cap per device | switches | memory row | predicted step | predicted peak | why none |")
@@ -95,7 +95,8 @@ def run_plan(out: Path) -> None:
         cap, n = p.memory.total * 0.9, n + 1
     print(f"\n{n} plans in {time.process_time() - t0:.0f} s of CPU")
     names = list(kept)
-    chosen = {k: kept[k] for k in dict.fromkeys((names[0], names[len(names) // 2], names[-1]))}
+    mixed = next((k for k in names if "ZeRO-2" in k), names[len(names) // 2])  # a plan with stage-2 switches
+    chosen = {k: kept[k] for k in dict.fromkeys((names[0], mixed, names[-1]))}
     out.write_text(json.dumps({k: p.to_json() for k, p in chosen.items()}))
     print(f"saved the plans with {'; '.join(chosen)} to {out}")
 
@@ -147,10 +148,12 @@ def run_measure(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/zero_caps.json"))
+    planning = sub.add_parser("plan")
+    planning.add_argument("--out", type=Path, default=Path("/tmp/zero_caps.json"))
+    planning.add_argument("--microbatches", type=int, default=2)
     sub.add_parser("measure").add_argument("plans", type=Path)
     args = ap.parse_args()
-    run_plan(args.out) if args.cmd == "plan" else run_measure(args.plans)
+    run_plan(args.out, args.microbatches) if args.cmd == "plan" else run_measure(args.plans)
 
 
 if __name__ == "__main__":
