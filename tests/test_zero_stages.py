@@ -23,6 +23,7 @@ from dist_utils import lockstep_adamw, run_distributed
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import capture
 from meshpilot.models.sources import build_model
+from meshpilot.planner.accounting import reprice
 from meshpilot.planner.auto import plan
 from meshpilot.planner.plan import Plan, StagePlan, ZeroStage
 from meshpilot.planner.validate import validate
@@ -46,10 +47,14 @@ def _gpt(device: str = "meta"):
 
 
 @pytest.fixture(scope="module")
-def plans() -> dict[str, StagePlan]:
+def graph():
     model, inputs = _gpt()
-    g = capture(model, tuple(x[: x.shape[0] // MICRO] for x in inputs))  # one microbatch
-    kw = dict(mesh_shape=MESH, graph=g, microbatches=MICRO)
+    return capture(model, tuple(x[: x.shape[0] // MICRO] for x in inputs))  # one microbatch
+
+
+@pytest.fixture(scope="module")
+def plans(graph) -> dict[str, StagePlan]:
+    kw = dict(mesh_shape=MESH, graph=graph, microbatches=MICRO)
     out = {z: plan(None, (), CLUSTER, zero=z, **kw) for z in ("off", "2", "3")}
     out["auto"] = plan(None, (), CLUSTER, zero="auto", **kw)
     return out
@@ -95,6 +100,12 @@ def test_stage_2_gathers_once_a_step_and_keeps_the_copy(plans):
     assert two.time.communication_s + two.time.resharding_s == pytest.approx(
         sum(c.seconds * runs(c) for c in two.collectives)
     )
+
+
+def test_repricing_a_stage_2_plan_on_its_cluster_reproduces_it(plans, graph):
+    two = plans["2"]
+    again = reprice(two, graph, CLUSTER)
+    assert again.time == pytest.approx(two.time) and again.collectives == two.collectives
 
 
 def test_the_simulator_gathers_stage_2_weights_once_a_step(plans):

@@ -693,7 +693,7 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     shape = tuple(plan.mesh_shape)
     lm = LogicalMesh(cl, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape))
     resharder = Resharder(fake_device_mesh(shape), CostModel(lm))
-    chosen = plan_strategies(plan)
+    chosen = plan_strategies(plan, graph)
     acct = account(
         graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
     )
@@ -702,18 +702,18 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     return repriced_buckets(out, resharder.cost_model)  # the same buckets, their overlap priced again
 
 
-def plan_strategies(plan: Any) -> dict[str, Any]:
+def plan_strategies(plan: Any, graph: OpGraph | None = None) -> dict[str, Any]:
     """Every node's chosen strategy, rebuilt from a saved plan (layouts, source, and the collectives an own
-    strategy issues inside the op)."""
+    strategy issues inside the op); with `graph` (the plan's: it names the parameters' nodes), a ZeRO-2
+    parameter's as the :class:`StoredApart` it was planned as."""
     from meshpilot.sharding.placements import from_json
     from meshpilot.sharding.reshard import Collective
-    from meshpilot.sharding.strategies import Strategy
 
     own: dict[str, list[Collective]] = {}
     for c in plan.collectives:
         if c.src == c.dst:  # issued inside the op (an own strategy's)
             own.setdefault(c.src, []).append(Collective(c.kind, c.axis, c.nbytes))
-    return {
+    out = {
         n.name: Strategy(
             tuple(from_json(x) if x is not None else None for x in n.outs),
             tuple(from_json(x) for x in n.ins),
@@ -722,6 +722,12 @@ def plan_strategies(plan: Any) -> dict[str, Any]:
         )
         for n in plan.nodes
     }
+    node = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM} if graph is not None else {}
+    for z in plan.zero:
+        if z.gathered_once and z.param in node:
+            st = out[node[z.param]]
+            out[node[z.param]] = StoredApart(st.outs, st.ins, st.source, colls=st.colls, stored=from_json(z.after))
+    return out
 
 
 def plan_gemms(plan: Any, graph: OpGraph) -> list[tuple[int, int, int, str]]:
