@@ -32,12 +32,15 @@ counter twice (``_get_value``: two scalar operators, ``o`` each). Memory-bound o
 
 over the *edges* ``e`` of the step (:class:`Edge`, :class:`EdgeKind`): every operand of a node, read in the
 layout its strategy wants from the layout its producer emits; the loss, made replicated; every parameter's
-gradient, resharded into the parameter's layout; every updated buffer's new value, into the buffer's
-layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a step, ``G``). A collective that
-reduces (all-reduce, reduce-scatter) counts as communication, the others as resharding, the update as
-``optimizer_s`` (``StepTime``). :func:`account` returns ``T``'s parts, the seconds of each node and the
-``PlannedCollective`` list in graph order. The ILP prices the same terms (``ilp.build_structure``: the
-update as a cost of the parameter's strategy), the ZeRO pass the change of the update with its layout.
+gradient, resharded into the layout the parameter is stored in (:func:`stored_layout`); every updated
+buffer's new value, into the buffer's layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a
+step, ``G``). A collective that reduces (all-reduce, reduce-scatter) counts as communication, the others as
+resharding, the update as ``optimizer_s`` (``StepTime``). :func:`account` returns ``T``'s parts, the seconds
+of each node and the ``PlannedCollective`` list in graph order, then each ZeRO-2 parameter's (a
+:class:`StoredApart` strategy, ``meshpilot.planner.zero``) all-gather of its updated shard into the full copy
+its readers read, once a step (``gather:<fqn>``); its update is priced at the shard's size. The ILP prices the
+same terms (``ilp.build_structure``: the update as a cost of the parameter's strategy), the ZeRO pass the
+change of the update with its layout.
 
 Memory
 ------
@@ -55,7 +58,9 @@ Terms
 -----
 Persistent (held for the whole step):
 
-* ``W = Σ_p bytes(p) / sf(p)`` — parameters in their dtype. → :func:`state_bytes` ``.param``
+* ``W = Σ_p bytes(p) / sf(p)`` — parameters in their dtype. → :func:`state_bytes` ``.param``. A ZeRO-2
+  parameter (:class:`StoredApart`) holds its full copy ``bytes(p) / sf(read)`` besides its shard, and ``sf`` of
+  ``W``, ``O``, ``G`` and ``T_opt`` is the shard's (``_parts``; on both ILP rows too).
 * ``O = Σ_trainable 2 · bytes(p) / sf(p)`` — AdamW's ``exp_avg`` and ``exp_avg_sq``, allocated by
   ``torch.zeros_like(p)``: in the parameter's dtype, not fp32. → :func:`state_bytes` ``.optimizer``.
   Under ``precision="bf16-mixed"`` (autocast) the parameters are the fp32 master weights, so ``W`` and
