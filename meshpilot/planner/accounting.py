@@ -32,12 +32,15 @@ counter twice (``_get_value``: two scalar operators, ``o`` each). Memory-bound o
 
 over the *edges* ``e`` of the step (:class:`Edge`, :class:`EdgeKind`): every operand of a node, read in the
 layout its strategy wants from the layout its producer emits; the loss, made replicated; every parameter's
-gradient, resharded into the parameter's layout; every updated buffer's new value, into the buffer's
-layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a step, ``G``). A collective that
-reduces (all-reduce, reduce-scatter) counts as communication, the others as resharding, the update as
-``optimizer_s`` (``StepTime``). :func:`account` returns ``T``'s parts, the seconds of each node and the
-``PlannedCollective`` list in graph order. The ILP prices the same terms (``ilp.build_structure``: the
-update as a cost of the parameter's strategy), the ZeRO pass the change of the update with its layout.
+gradient, resharded into the layout the parameter is stored in (:func:`stored_layout`); every updated
+buffer's new value, into the buffer's layout. ``runs(e)`` is ``m`` except for gradients (synchronised once a
+step, ``G``). A collective that reduces (all-reduce, reduce-scatter) counts as communication, the others as
+resharding, the update as ``optimizer_s`` (``StepTime``). :func:`account` returns ``T``'s parts, the seconds
+of each node and the ``PlannedCollective`` list in graph order, then each ZeRO-2 parameter's (a
+:class:`StoredApart` strategy, ``meshpilot.planner.zero``) all-gather of its updated shard into the full copy
+its readers read, once a step (``gather:<fqn>``); its update is priced at the shard's size. The ILP prices the
+same terms (``ilp.build_structure``: the update as a cost of the parameter's strategy), the ZeRO pass the
+change of the update with its layout.
 
 Memory
 ------
@@ -55,7 +58,9 @@ Terms
 -----
 Persistent (held for the whole step):
 
-* ``W = Σ_p bytes(p) / sf(p)`` — parameters in their dtype. → :func:`state_bytes` ``.param``
+* ``W = Σ_p bytes(p) / sf(p)`` — parameters in their dtype. → :func:`state_bytes` ``.param``. A ZeRO-2
+  parameter (:class:`StoredApart`) holds its full copy ``bytes(p) / sf(read)`` besides its shard, and ``sf`` of
+  ``W``, ``O``, ``G`` and ``T_opt`` is the shard's (``_parts``; on both ILP rows too).
 * ``O = Σ_trainable 2 · bytes(p) / sf(p)`` — AdamW's ``exp_avg`` and ``exp_avg_sq``, allocated by
   ``torch.zeros_like(p)``: in the parameter's dtype, not fp32. → :func:`state_bytes` ``.optimizer``.
   Under ``precision="bf16-mixed"`` (autocast) the parameters are the fp32 master weights, so ``W`` and
@@ -119,6 +124,7 @@ from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
 from meshpilot.graph.views import aliases_input
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
+from meshpilot.sharding.strategies import Strategy
 
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
@@ -131,6 +137,21 @@ ADAMW_FOREACH_OPS = 9
 
 ADAMW_SCALAR_OPS = 2
 """Scalar operators per parameter of one foreach AdamW step: its step counter read twice (``_get_value``)."""
+
+
+@dataclass(frozen=True)
+class StoredApart(Strategy):
+    """A ZeRO-2 parameter's strategy (``meshpilot.planner.zero``): ``outs[0]`` is the full copy its readers
+    read, ``stored`` the shard its gradient is reduced into and AdamW updates, all-gathered into the copy once
+    a step (``gather:<fqn>``)."""
+
+    stored: Any = None
+
+
+def stored_layout(s: Any) -> Any:
+    """The layout parameter strategy `s` stores and updates the parameter in (its gradient's target)."""
+    return s.stored if isinstance(s, StoredApart) else s.outs[0]
+
 
 MEMORY_ROWS = ("update", "backward")
 """The ILP's memory rows (module docstring)."""
@@ -264,6 +285,10 @@ class _Layouts:
     def operand(self, name: str, a: int) -> Any:
         return None if self.chosen is None else self.chosen[name].ins[a]
 
+    def stored(self, name: str) -> Any:
+        """The layout parameter `name` is stored and updated in (:func:`stored_layout`)."""
+        return None if self.chosen is None else stored_layout(self.chosen[name])
+
     def per_device(self, info: TensorInfo, layout: Any) -> float:
         return info.nbytes / (shard_factor(layout, self.mesh_shape) if layout is not None else 1)
 
@@ -335,7 +360,7 @@ def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape
         last[key] = end
         grad_keys.add(key)
         p = pnodes[fqn]
-        have, want = lay.out(*src), lay.out(p.name, 0)
+        have, want = lay.out(*src), lay.stored(p.name)
         if lay.differ(have, want) and p.out is not None:
             rkey = ("grad", fqn)
             size[rkey] = lay.per_device(p.out, want)
@@ -402,13 +427,16 @@ def _parts(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequenc
             continue
         sf = shard_factor(lay.out(n.name, 0), lay.mesh_shape) if lay.chosen is not None else 1
         trainable = n.kind == "param" and graph.grads.get(n.fqn) is not None
+        copy = 0.0  # a ZeRO-2 parameter's full copy, besides its stored shard
+        if n.kind == "param" and isinstance(lay.chosen and lay.chosen[n.name], StoredApart):
+            copy, sf = n.out.nbytes / sf, shard_factor(lay.stored(n.name), lay.mesh_shape)
         if n.kind == "param":
             s = state_bytes(n.out, trainable)
-            w, o, g, t_opt = w + s.param / sf, o + s.optimizer / sf, g + s.grad / sf, t_opt + s.update_temp / sf
+            w, o, g, t_opt = w + copy + s.param / sf, o + s.optimizer / sf, g + s.grad / sf, t_opt + s.update_temp / sf
         else:
             inputs += n.out.nbytes / sf
         r = row_bytes(n, trainable)
-        rows = [rows[0] + r.update / sf, rows[1] + r.backward / sf]
+        rows = [rows[0] + copy + r.update / sf, rows[1] + copy + r.backward / sf]
     saved = 0.0
     for v in saved_values(graph):
         info = graph[v[0]].outputs[v[1]]
@@ -487,7 +515,8 @@ class ComputeCost:
             return 0.0
         if self.graph.grads.get(node.fqn) is None:
             return 0.0
-        sf = shard_factor(s.outs[0], self.mesh_shape) if s.outs and s.outs[0] is not None else 1
+        lay = stored_layout(s) if s.outs else None
+        sf = shard_factor(lay, self.mesh_shape) if lay is not None else 1
         return optimizer_seconds(node.out, sf, self.cm.device)
 
     def local_gemm(self, node: OpNode, s: Any) -> tuple[int, int, int] | None:
@@ -543,6 +572,8 @@ class Edge:
             return chosen[self.dst].ins[self.operand]
         if self.kind == EdgeKind.LOSS:
             return replicated(ndim)
+        if self.kind == EdgeKind.GRAD:
+            return stored_layout(chosen[self.dst])
         return chosen[self.dst].outs[0]
 
     def label(self, graph: OpGraph) -> str:
@@ -640,6 +671,11 @@ def account(
             cross(e)
     for e in tail:
         cross(e)
+    for node in graph.nodes:  # ZeRO-2 weights: the updated shard all-gathered into the full copy, once a step
+        st = chosen[node.name]
+        if isinstance(st, StoredApart) and node.out is not None:
+            for c in resharder.collectives(st.stored, st.outs[0], node.out):
+                add(c, resharder.collective_cost(c), 1, Phase.FWD, node.name, f"gather:{node.fqn}")
     step = StepTime(total_compute, parts["comm"], parts["reshard"], total_update)
     return TimeAccount(step, seconds, tuple(colls))
 
@@ -662,7 +698,7 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     shape = tuple(plan.mesh_shape)
     lm = LogicalMesh(cl, shape, np.asarray(plan.mesh_ranks, dtype=np.int64).reshape(shape))
     resharder = Resharder(fake_device_mesh(shape), CostModel(lm))
-    chosen = plan_strategies(plan)
+    chosen = plan_strategies(plan, graph)
     acct = account(
         graph, chosen, resharder, ComputeCost(resharder.cost_model, shape, graph), plan.step_schedule().microbatches
     )
@@ -671,18 +707,18 @@ def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:
     return repriced_buckets(out, resharder.cost_model)  # the same buckets, their overlap priced again
 
 
-def plan_strategies(plan: Any) -> dict[str, Any]:
+def plan_strategies(plan: Any, graph: OpGraph | None = None) -> dict[str, Any]:
     """Every node's chosen strategy, rebuilt from a saved plan (layouts, source, and the collectives an own
-    strategy issues inside the op)."""
+    strategy issues inside the op); with `graph` (the plan's: it names the parameters' nodes), a ZeRO-2
+    parameter's as the :class:`StoredApart` it was planned as."""
     from meshpilot.sharding.placements import from_json
     from meshpilot.sharding.reshard import Collective
-    from meshpilot.sharding.strategies import Strategy
 
     own: dict[str, list[Collective]] = {}
     for c in plan.collectives:
         if c.src == c.dst:  # issued inside the op (an own strategy's)
             own.setdefault(c.src, []).append(Collective(c.kind, c.axis, c.nbytes))
-    return {
+    out = {
         n.name: Strategy(
             tuple(from_json(x) if x is not None else None for x in n.outs),
             tuple(from_json(x) for x in n.ins),
@@ -691,6 +727,12 @@ def plan_strategies(plan: Any) -> dict[str, Any]:
         )
         for n in plan.nodes
     }
+    node = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM} if graph is not None else {}
+    for z in plan.zero:
+        if z.gathered_once and z.param in node:
+            st = out[node[z.param]]
+            out[node[z.param]] = StoredApart(st.outs, st.ins, st.source, colls=st.colls, stored=from_json(z.after))
+    return out
 
 
 def plan_gemms(plan: Any, graph: OpGraph) -> list[tuple[int, int, int, str]]:

@@ -40,7 +40,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner import recompute as recompute_choice
-from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges
+from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges, stored_layout
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
@@ -435,7 +435,7 @@ def _assemble(
         for node in graph.nodes
     )
     pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    params = tuple((fqn, tuple(to_json(chosen[pnode[fqn].name].outs[0]))) for fqn in graph.param_names)
+    params = tuple((fqn, tuple(to_json(stored_layout(chosen[pnode[fqn].name])))) for fqn in graph.param_names)
     memory = cand.usage
     why = builder.fallbacks
     fallbacks = tuple(

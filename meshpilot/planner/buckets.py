@@ -405,7 +405,7 @@ def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, micr
     buckets (:func:`plan_buckets`) priced as the runtime runs them (:func:`bucket_overlap`; one microbatch: in
     the backward). The mesh search subtracts it from a candidate's serial step, so shapes and mappings are
     compared by the step they run (``planner.auto``)."""
-    from meshpilot.planner.accounting import ComputeCost, account
+    from meshpilot.planner.accounting import ComputeCost, account, stored_layout
     from meshpilot.planner.plan import NodeChoice
     from meshpilot.sharding.placements import to_json
 
@@ -416,7 +416,7 @@ def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, micr
     for n in graph.nodes:
         outs = tuple(tuple(to_json(p)) if p is not None else None for p in chosen[n.name].outs)
         nodes.append(NodeChoice(n.name, n.target, n.kind, (), outs, "", n.phase, acct.node_seconds[n.name]))
-    layouts = {n.fqn: chosen[n.name].outs[0] for n in graph.nodes if n.kind == NodeKind.PARAM}
+    layouts = {n.fqn: stored_layout(chosen[n.name]) for n in graph.nodes if n.kind == NodeKind.PARAM}
     view = _Choice(shape, tuple(nodes), tuple(acct.collectives), layouts)
     buckets = plan_buckets(graph, view, cost)
     return bucket_overlap(view, buckets, cost, microbatches == 1).hidden_s

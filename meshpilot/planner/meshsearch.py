@@ -86,6 +86,7 @@ def search_mesh(
     microbatches: int,
     time_limit: float,
     mip_gap: float | None = None,
+    gather_once: bool = True,
     same: Callable[[MeshMapping], Hashable] | None = None,
 ) -> MeshSearch:
     """Search `struct` (``ilp.build_structure`` of `graph` on the shape) under each of `mappings` of `ranks`
@@ -106,7 +107,7 @@ def search_mesh(
         extra = {} if mip_gap is None else {"mip_gap": mip_gap}
         task = SearchTask(
             graph, struct, rs, param_edges, mapping, capacity=capacity, zero=zero, microbatches=microbatches,
-            time_limit=time_limit, **extra,
+            time_limit=time_limit, gather_once=gather_once, **extra,
         )  # fmt: skip
         try:
             tries.append(MappingTry(mapping, rs, searcher.search(task), None))

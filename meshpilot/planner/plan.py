@@ -14,8 +14,9 @@ coordinate), every node's chosen strategy (layouts of its operands and outputs, 
 mesh axis, bytes, forward or backward), the predicted step time split into compute / communication (reductions
 of partial sums) / resharding (all-gathers, all-to-alls), memory per device, the parameters the ZeRO-like
 post-pass sharded (``zero``; their layouts in ``params`` are the sharded ones and ``collectives`` holds their
-reduce-scatters and all-gathers), the solver's report and warnings. ``str(stage_plan)`` is the readable form:
-the summary (mesh, step-time split, memory, collectives, ZeRO, solver gap and time, mesh candidates,
+reduce-scatters and all-gathers; a stage-2 switch's node keeps the layout its readers read, and its once-a-step
+all-gather is the collective into ``gather:<fqn>``), the solver's report and warnings. ``str(stage_plan)`` is
+the readable form: the summary (mesh, step-time split, memory, collectives, ZeRO, solver gap and time, mesh candidates,
 warnings), every parameter's layout, then one line per operator with the collectives that feed it.
 """
 
@@ -29,6 +30,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +215,14 @@ class SolverReport:
     """Which searcher chose the strategies (``meshpilot.planner.search.SEARCHERS``)."""
 
 
+def _zero_stage(value: Any) -> Any:
+    """A saved switch's ``stage`` as a :class:`ZeroStage`; anything else as saved, for ``validate`` to name."""
+    try:
+        return ZeroStage(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def _recompute_of(d: dict[str, Any] | None) -> RecomputeChoice | None:
     """The :class:`RecomputeChoice` of a saved stage plan's ``recompute`` (None: absent, as in older files)."""
     if not d:
@@ -237,11 +247,28 @@ class RecomputeChoice:
     """Seconds a step spends recomputing: the copies' compute and the collectives they issue."""
 
 
+ONCE_A_STEP = ("grad:", "gather:")
+"""Prefixes of the ``dst`` of collectives a step issues once, not per microbatch: a gradient's synchronisation
+and a ZeRO-2 weight's all-gather from its updated shard (:class:`ZeroStage`)."""
+
+
+class ZeroStage(IntEnum):
+    """Where a ZeRO-switched parameter's weight is all-gathered (``meshpilot.planner.zero`` docstring). Both
+    reduce-scatter the gradient into the shard the optimizer updates; stage 1 is not told apart from 2: the
+    backward accumulates every microbatch's gradient locally and synchronises it once a step either way."""
+
+    GATHER_ONCE = 2
+    """ZeRO-2: a full copy in the layout the readers read, all-gathered from the updated shard once a step."""
+    GATHER_AT_USE = 3
+    """ZeRO-3: only the shard is stored; each reader all-gathers it, every microbatch."""
+
+
 @dataclass(frozen=True)
 class ZeroSwitch:
     """One parameter the ZeRO-like post-pass moved from replicated to sharded on some mesh axes: its gradient
-    is reduce-scattered instead of all-reduced, AdamW updates the shard, the weight is all-gathered where
-    it is read (``meshpilot.planner.zero`` docstring)."""
+    is reduce-scattered instead of all-reduced, AdamW updates the shard, and the weight is all-gathered where
+    it is read (stage 3) or once a step into a full copy the readers read (stage 2): ``meshpilot.planner.zero``
+    docstring."""
 
     param: str
     axes: tuple[int, ...]
@@ -253,6 +280,12 @@ class ZeroSwitch:
     """Change of the predicted step time (seconds; negative = faster)."""
     saved_bytes: float
     """Bytes per device saved (weights, gradients and AdamW states, less any gathered copy kept)."""
+    stage: ZeroStage = ZeroStage.GATHER_AT_USE
+    """Where the weight is gathered; plans saved before stages existed load as 3 (what they ran)."""
+
+    @property
+    def gathered_once(self) -> bool:
+        return self.stage == ZeroStage.GATHER_ONCE
 
 
 @dataclass(frozen=True)
@@ -358,7 +391,8 @@ class StagePlan:
 
     def collective_counts(self, phase: str | None = None, backend: str = "nccl") -> Counter:
         """Counter of (kind, axis name, nbytes) over the collectives one step issues, optionally of one phase:
-        each microbatch's once per microbatch of the schedule, the gradients' (``grad:``) once. The keys are
+        each microbatch's once per microbatch of the schedule, the gradients' (``grad:``) and the ZeRO-2 weights'
+        (``gather:``) once. The keys are
         those of ``CollectiveLog.counts()`` (``meshpilot.runtime.collective_log``), which records a run.
 
         With ``backend="gloo"`` an all-to-all is counted as DTensor issues it on CPU process groups
@@ -374,7 +408,7 @@ class StagePlan:
         for c in self.collectives:
             if (phase is not None and c.phase != phase) or c.dst in bucketed:
                 continue
-            times = 1 if c.dst.startswith("grad:") else per_step
+            times = 1 if c.dst.startswith(ONCE_A_STEP) else per_step
             on_gloo = backend == "gloo" and not c.issued_by_op
             kind, nbytes = as_issued(c.kind, c.nbytes, self.mesh_shape[c.axis], on_gloo)
             out[(kind, self.axis_name(c.axis), nbytes)] += times
@@ -424,7 +458,7 @@ class StagePlan:
         if self.recompute is not None:
             lines.append("  recompute    " + self.recompute_line())
         if self.zero:
-            reasons = Counter(z.reason for z in self.zero)
+            reasons = Counter(f"{z.reason}/stage {int(z.stage)}" for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
             dt = sum(z.delta_s for z in self.zero)
             lines.append(
@@ -461,7 +495,7 @@ class StagePlan:
         out = [self.summary(), "parameters (stored layout):"]
         for fqn, layout in self.params:
             z = switched.get(fqn)
-            extra = f"   ZeRO: was {_fmt(z.before)} ({z.reason})" if z else ""
+            extra = f"   ZeRO: was {_fmt(z.before)} ({z.reason}, stage {int(z.stage)})" if z else ""
             grad = into.get(f"grad:{fqn}")
             extra += f"   grad ← {', '.join(grad)}" if grad else ""
             out.append(f"  {fqn}: {_fmt(layout)}{extra}")
@@ -558,6 +592,7 @@ class StagePlan:
                     z["reason"],
                     z["delta_s"],
                     z["saved_bytes"],
+                    _zero_stage(z.get("stage", ZeroStage.GATHER_AT_USE)),
                 )
                 for z in d.get("zero", ())
             ),

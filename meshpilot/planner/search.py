@@ -61,6 +61,8 @@ class SearchTask:
     microbatches: int = 1
     time_limit: float = 30.0
     mip_gap: float = 1e-3
+    gather_once: bool = True
+    """Whether the ZeRO post-pass may choose stage 2 (``zero.zero_pass``; pipeline stages run stage 3 only)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -140,6 +142,7 @@ class ILPSearcher:
                 cap,
                 task.zero,
                 task.microbatches,
+                task.gather_once,
             )
             usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity)
             post_s += time.perf_counter() - t

@@ -130,7 +130,7 @@ from meshpilot.planner.accounting import MEMORY_ROWS, ComputeCost, PhasePeaks, _
 from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.meshsearch import mappings_of, search_mesh
-from meshpilot.planner.plan import MemoryUse, StepTime
+from meshpilot.planner.plan import MemoryUse, StepTime, ZeroStage
 from meshpilot.planner.search import get_searcher
 from meshpilot.planner.zero import ParamEdges, ZeroMode
 from meshpilot.sharding.reshard import Resharder
@@ -645,6 +645,8 @@ class StagePlanner:
                 found = dataclasses.replace(found, ranks=ranks)
             return found
         self.misses += 1
+        if ZeroMode(zero).forced == ZeroStage.GATHER_ONCE:
+            raise PlanError("zero='2': a pipeline stage gathers ZeRO weights where they are read; use zero='3'")
         try:
             cost, mem = self._search(
                 start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned
@@ -780,7 +782,7 @@ class StagePlanner:
         found = search_mesh(
             sub, struct, pe, get_searcher(searcher), ranks, mappings_of(shape),
             lambda _, physical: self._resharder(dmesh, shape, physical),
-            capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit,
+            capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit, gather_once=False,
             same=lambda m: self._priced_as(ranks, shape, m),
         )  # fmt: skip
         top = found.best

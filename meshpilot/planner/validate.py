@@ -20,6 +20,8 @@ naming the file (`source`), the key and the fix for the first problem found:
 * every placement string (``inputs``, ``params``, each node's ``ins`` / ``outs``): ``R``, ``P``, ``P(op)`` or
   ``S(d)``, one per mesh axis, and ``d`` below the tensor's rank where the rank is known (the inputs' from
   ``input_shapes``; with `graph`, the parameters' and every node's);
+* ``zero``: each switch's stage is 2 or 3 and its parameter is stored in the switch's sharded layout (with
+  `graph`, read where its stage reads it); a pipeline's stages hold no stage-2 switch;
 * ``world_size`` (when given): the mesh's device count;
 * ``graph`` (when given): the plan's graph fingerprint (a plan for another model or other input shapes).
 
@@ -146,6 +148,7 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
             node_ranks[node.name] = [None if o is None else len(o.shape) for o in node.outputs]
     for fqn, layout in plan.params:
         _check_layout(layout, axes, param_rank.get(fqn), where, f"params[{fqn}]")
+    _check_zero(plan, graph, where)
     for node in plan.nodes:
         for a, layout in enumerate(node.ins):
             _check_layout(layout, axes, None, where, f"nodes[{node.name}].ins[{a}]")
@@ -153,6 +156,30 @@ def validate_plan(plan: Any, *, world_size: int | None = None, graph: Any = None
         for i, layout in enumerate(node.outs):
             rank = ranks_out[i] if i < len(ranks_out) else None
             _check_layout(layout, axes, rank, where, f"nodes[{node.name}].outs[{i}]")
+
+
+def _check_zero(plan: Any, graph: Any, where: str) -> None:
+    """Each ZeRO switch (``plan.ZeroSwitch``): a known stage; the parameter stored in its sharded layout; with
+    `graph`, its node read in the sharded layout (stage 3) or in the layout before the switch (stage 2, the
+    full copy ``runtime.spmd.GatheredCopies`` keeps)."""
+    from meshpilot.planner.plan import ZeroStage
+
+    stored = {fqn: tuple(layout) for fqn, layout in plan.params}
+    node = {n.fqn: n.name for n in graph.nodes if n.kind == "param"} if graph is not None else {}
+    fix = "plan again (`meshpilot plan ... --out FILE`)"
+    for i, z in enumerate(plan.zero):
+        key = f"zero[{i}]"
+        if not isinstance(z.stage, ZeroStage):
+            stages = ", ".join(str(int(s)) for s in ZeroStage)
+            raise _fail(where, f"{key}.stage", f"is {z.stage!r}, a ZeRO switch is stage {stages}", fix)
+        if stored.get(z.param) != tuple(z.after):
+            got = stored.get(z.param)
+            raise _fail(where, key, f"{z.param} is stored in {got} but the switch shards it to {z.after}", fix)
+        if z.param in node:
+            read = tuple(plan.node(node[z.param]).outs[0])
+            want = tuple(z.before if z.stage == ZeroStage.GATHER_ONCE else z.after)
+            if read != want:
+                raise _fail(where, key, f"{z.param} is read in {read} but stage {int(z.stage)} reads it in {want}", fix)
 
 
 def validate(plan: Any, *, world_size: int | None = None, graph: Any = None, source: str | None = None) -> None:
@@ -176,6 +203,11 @@ def validate(plan: Any, *, world_size: int | None = None, graph: Any = None, sou
         )
     for j, (st, p) in enumerate(zip(plan.stages, plan.intra)):
         validate_plan(p, world_size=len(st.ranks), source=f"{where}stage {j}")
+        if any(z.gathered_once for z in p.zero):
+            raise UserError(
+                f"{where}stage {j}: ZeRO stage 2 switches, which the pipeline runtime does not run (it gathers "
+                "ZeRO weights where they are read); plan again with zero='3' or 'auto'"
+            )
     if graph is None:
         return
     from meshpilot.planner.stage import runnable_layers, slice_graph

@@ -2,36 +2,66 @@
 
 For a parameter stored replicated on mesh axis ``a`` whose gradient arrives by an all-reduce over ``a``,
 the post-pass can store it sharded on ``a`` instead (``S(d)`` for the first dim ``d`` that divides evenly,
-preferring a dim no other axis shards); its gradient and AdamW states follow. The consumers keep their
-planned layouts, so the run (DTensor) all-gathers the weight where it is read and reduce-scatters the
-gradient into the shard: all-reduce → reduce-scatter + all-gather, and every rank updates ``1/n_a`` of the
-weight. Each switch is priced exactly: ``Δt`` = the gradient's new resharding + the consumers' new
-all-gathers (each once per microbatch) + the update of the smaller shard − what they cost before
-(``accounting.edge_seconds``: the edges and prices of the step time, DTensor's own steps, latency
-included; ``accounting.optimizer_seconds``); ``Δmem`` on the ILP's two memory rows
-(``ilp`` docstring, terms from ``meshpilot.planner.accounting``): update row
-``(W + O + G + T_opt) · (1/sf' − 1/sf)``, backward row ``(W + O) · (1/sf' − 1/sf)`` plus the gathered copy
-where a view of the weight is kept for the backward (:func:`_zero_delta`). The rule, with ``ε = 1e-9``
-relative:
+preferring a dim no other axis shards); its gradient and AdamW states follow: all-reduce → reduce-scatter
+into the shard, and every rank updates ``1/n_a`` of the weight. Where the weight is gathered back is the
+switch's stage (``plan.ZeroStage``):
 
-* **cheaper**: ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or ``|Δt| ≤ ε``
-  and ``Δmem < 0``. On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
-  ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest,
-  so for large gradients the communication ties and the smaller update decides (the switch also wins on
-  memory); small, latency-bound gradients (recursive doubling) stay all-reduced unless the update saves
-  more than the extra collective costs.
-* **memory**: if the plan's rows still exceed the capacity, the remaining candidates are applied in
-  increasing order of ``Δt / saved bytes`` until they do.
+* **stage 3** (gather at use): only the shard is stored; the consumers keep their planned layouts, so the run
+  (DTensor) all-gathers the weight where it is read — every reader, every microbatch (the backward's readers
+  too). The parameter node's strategy is the sharded one.
+* **stage 2** (gather once): the shard is what the optimizer owns, and a full copy in the old layout is what
+  the readers read (their edges do not change); the updated shard is all-gathered into the copy once a step
+  (``runtime.spmd.GatheredCopies``; the collective into ``gather:<fqn>``). The node's strategy is an
+  ``accounting.StoredApart``: ``outs[0]`` the copy's layout, ``stored`` the shard's.
+
+Stage 1 (only AdamW's states sharded) is not told apart from 2: the backward accumulates each microbatch's
+gradient locally as a partial sum (``runtime.program``) and synchronises it once a step, so a full-size
+gradient lives through the backward either way and the reduce-scatter writes only the shard.
+
+Each option is priced exactly, with ``m`` microbatches, ``E(L → L')`` an edge's seconds
+(``accounting.edge_seconds``: DTensor's own steps, latency included) and ``U(L)`` the update of a parameter
+stored in ``L`` (``accounting.optimizer_seconds``)::
+
+    t_old = E_grad(g → old) + m · Σ_readers E(old → want) + U(old)
+    t_3   = E_grad(g → new) + m · Σ_readers E(new → want) + U(new)         (_options)
+    t_2   = E_grad(g → new) + m · Σ_readers E(old → want) + E(new → old) + U(new)
+
+and ``Δt = t − t_old``. Memory, on the ILP's two rows (``ilp`` docstring; ``W``, ``O``, ``G``, ``T_opt`` the
+weight's, AdamW states', gradient's and update temporary's whole bytes from ``accounting.state_bytes``,
+``sf`` = ``shard_factor``)::
+
+    stage 3   update   (W + O + G + T_opt) · (1/sf(new) − 1/sf(old))                      (_zero_delta)
+              backward (W + O) · (1/sf(new) − 1/sf(old)) + gathered copies kept for the backward
+    stage 2   update   W / sf(old) + (W + O + G + T_opt) · (1/sf(new) − 1/sf(old))        (_gather_once_delta)
+              backward W / sf(old) + (W + O) · (1/sf(new) − 1/sf(old))
+
+(``accounting._parts`` holds the same terms for a ``StoredApart``: the copy ``W / sf(old)`` plus the shard's
+state over ``sf(new)``.) With ``m ≥ 2``, or a weight the backward reads again, stage 2 moves fewer bytes
+(one all-gather a step instead of one per read per microbatch) and stage 3 saves ``W / sf(old)`` more.
+The rule, with ``ε = 1e-9`` relative:
+
+* **cheaper**: an option with ``Δt < −ε`` (a hierarchical all-reduce over two axes can get cheaper), or
+  ``|Δt| ≤ ε`` and ``Δmem < 0``; of a parameter's cheaper options the fastest, and of those within ``ε`` the
+  one saving more (stage 3). On a ring, reduce-scatter + all-gather move the same bytes as an all-reduce and
+  ``CostModel.all_reduce`` already takes Rabenseifner's reduce-scatter + all-gather when it is fastest, so for
+  large gradients the communication ties and the smaller update decides (the switch also wins on memory);
+  small, latency-bound gradients (recursive doubling) stay all-reduced unless the update saves more than the
+  extra collective costs.
+* **memory**: if the plan's rows still exceed the capacity, the parameters left are switched at their
+  least-sharding stage (2 where it may be chosen) in increasing order of ``Δt / saved bytes`` until they fit;
+  if they still do not, stage-2 switches move to stage 3 in increasing order of the extra seconds per extra
+  byte saved (``_choose``).
 
 After the pass the plan's peak is computed by liveness (``accounting.memory_use``); a candidate whose peak
 exceeds the capacity is re-solved with its rows held below the capacity by its peak − rows gap (at most
 ``_REFITS`` times), and is dropped (``PlanError``) if it still does not fit.
 
 With ``zero="auto"`` and a finite capacity the ILP is first solved against its ZeRO memory row (what the
-plan needs once every replicated update is sharded, ``ilp`` docstring), so it can keep the faster,
+plan needs once every replicated update is sharded at stage 3, ``ilp`` docstring), so it can keep the faster,
 less-sharded plan that fits only with the post-pass; if the post-pass cannot make it fit, or fitting cost
 time, the plain row is solved too and the faster of the two fitting plans is kept. ``zero="off"`` skips the
-pass; ``zero="all"`` applies every candidate switch. Switches are listed in ``Plan.zero`` and the plan's
+pass; ``zero="all"`` / ``"3"`` applies every candidate switch at stage 3, ``zero="2"`` at stage 2. Pipeline
+stages choose stage 3 only (their runtime gathers at use). Switches are listed in ``Plan.zero`` and the plan's
 time, memory and collectives describe the switched plan.
 """
 
@@ -48,12 +78,13 @@ from meshpilot.graph.capture import NodeKind, OpGraph, OpNode
 from meshpilot.planner.accounting import (
     Edge,
     EdgeKind,
+    StoredApart,
     edge_seconds,
     kept_copy_bytes,
     optimizer_seconds,
     state_bytes,
 )
-from meshpilot.planner.plan import ZeroSwitch
+from meshpilot.planner.plan import ZeroStage, ZeroSwitch
 from meshpilot.sharding.placements import is_even, shard_factor, to_json
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import Strategy
@@ -70,7 +101,18 @@ class ZeroMode(StrEnum):
     OFF = "off"
     """Never."""
     ALL = "all"
-    """Every candidate switch."""
+    """Every candidate switch, at stage 3 (the most memory saved)."""
+    STAGE2 = "2"
+    """Every candidate switch, at stage 2 (tests and benchmarks)."""
+    STAGE3 = "3"
+    """Every candidate switch, at stage 3 (``all``)."""
+
+    @property
+    def forced(self) -> ZeroStage | None:
+        """The stage every candidate takes, or None where the pass chooses."""
+        return {ZeroMode.ALL: ZeroStage.GATHER_AT_USE, ZeroMode.STAGE3: ZeroStage.GATHER_AT_USE}.get(
+            self, ZeroStage.GATHER_ONCE if self == ZeroMode.STAGE2 else None
+        )
 
 
 ZERO_MODES = tuple(ZeroMode)
@@ -123,9 +165,9 @@ def _zero_layout(layout, axes, shape, mesh_shape):
     return tuple(new), tuple(done)
 
 
-def _param_edges_s(graph, p: OpNode, layout, g_layout, chosen, pe: ParamEdges, resharder, microbatches) -> float:
-    """Seconds of the edges a parameter stored in `layout` is on: its gradient in, its readers out."""
-    t = edge_seconds(graph, pe.grad[p.name], g_layout, layout, resharder, microbatches)
+def _readers_s(graph, p: OpNode, layout, chosen, pe: ParamEdges, resharder, microbatches) -> float:
+    """Seconds of the edges from a parameter read in `layout` to its readers (each once per microbatch)."""
+    t = 0.0
     for e in pe.readers.get(p.name, ()):
         t += edge_seconds(graph, e, layout, chosen[e.dst].ins[e.operand], resharder, microbatches)
     return t
@@ -140,13 +182,14 @@ def _gathered_bytes(p: OpNode, layout, chosen, pe: ParamEdges, mesh_shape) -> fl
 
 @dataclass(frozen=True)
 class _Option:
-    """One parameter the pass could switch."""
+    """One way the pass could switch one parameter: to stage 2 or 3."""
 
     fqn: str
     name: str
     old: Any
     new: Any
     axes: tuple[int, ...]
+    stage: ZeroStage
     delta_s: float
     delta_rows: np.ndarray
     strategy: Strategy
@@ -155,29 +198,35 @@ class _Option:
     saved: float
     """Bytes per device the switch saves."""
 
+    @property
+    def tol(self) -> float:
+        return EPS * self.scale_s + 1e-15
 
-def zero_pass(
-    graph: OpGraph,
-    strategies: dict[str, list[Strategy]],
-    forced: frozenset[str],
-    chosen: dict[str, Strategy],
-    pe: ParamEdges,
-    resharder: Resharder,
-    memory: Sequence[float],
-    capacity: float,
-    mode: ZeroMode | str = ZeroMode.AUTO,
-    microbatches: int = 1,
-) -> tuple[list[ZeroSwitch], float, np.ndarray]:
-    """The ZeRO-like post-pass (module docstring). `memory` is the plan's bytes per device on each linear
-    memory row (``Solution.rows``); `strategies` every node's options and `forced` the nodes a ``force``
-    pattern pinned (left alone). Updates `chosen` for the switched parameters and returns (switches,
-    Δ step seconds, Δ bytes per device on each row)."""
-    rows = np.asarray(memory, dtype=float)
-    if mode == ZeroMode.OFF:
-        return [], 0.0, np.zeros_like(rows)
-    mesh_shape = tuple(resharder.mesh_shape)
+    @property
+    def cheaper(self) -> bool:
+        """Faster, or as fast and smaller (module docstring)."""
+        return self.delta_s < -self.tol or (abs(self.delta_s) <= self.tol and self.saved > 0)
+
+
+@dataclass(frozen=True)
+class _Param:
+    """What the pass knows of one parameter it could switch."""
+
+    node: OpNode
+    fqn: str
+    old: Any
+    new: Any
+    axes: tuple[int, ...]
+    g_layout: Any
+    sharded: Strategy
+    """The parameter's strategy stored in `new` (stage 3)."""
+
+
+def _candidates(graph, strategies, forced, chosen, resharder, mesh_shape) -> list[_Param]:
+    """The parameters whose gradient is all-reduced over an axis that replicates them and that have a strategy
+    sharded there (module docstring)."""
     pnodes = {n.fqn: n for n in graph.nodes if n.kind == NodeKind.PARAM}
-    options: list[_Option] = []
+    out = []
     for fqn, gsrc in graph.grads.items():
         if gsrc is None:
             continue
@@ -202,51 +251,127 @@ def zero_pass(
         if not axes:
             continue
         st = next((s for s in strategies[p.name] if s.outs[0] == new), None)
-        if st is None:
-            continue
-        t_old, t_new = (
-            _param_edges_s(graph, p, lay, g_layout, chosen, pe, resharder, microbatches)
-            + optimizer_seconds(p.out, shard_factor(lay, mesh_shape), resharder.cost_model.device)
-            for lay in (old, new)
-        )
-        if t_new >= UNSUPPORTED_S > t_old:  # a reader needs a resharding DTensor cannot run from `new`
-            continue
-        d_rows, saved = _zero_delta(p, old, new, chosen, pe, mesh_shape)
-        options.append(_Option(fqn, p.name, old, new, axes, t_new - t_old, d_rows, st, max(t_old, t_new), saved))
+        if st is not None:
+            out.append(_Param(p, fqn, old, new, axes, g_layout, st))
+    return out
 
-    applied: list[tuple[_Option, str]] = []
-    total_t = 0.0
-    total_m = np.zeros_like(rows)
-    rest = []
-    fits = lambda extra: float((rows + total_m + extra).max()) <= capacity  # noqa: E731
-    for o in options:
-        tol = EPS * o.scale_s + 1e-15
-        cheaper = o.delta_s < -tol or (abs(o.delta_s) <= tol and o.saved > 0)
-        if mode == ZeroMode.ALL or (cheaper and ((o.delta_rows <= 0).all() or fits(o.delta_rows))):
-            applied.append((o, "cheaper" if cheaper else "all"))
-            total_t += o.delta_s
-            total_m = total_m + o.delta_rows
-        else:
-            rest.append(o)
-    if not fits(0.0):
-        for o in sorted((o for o in rest if o.saved > 0), key=lambda o: o.delta_s / o.saved):
-            if fits(0.0):
-                break
-            applied.append((o, "memory"))
-            total_t += o.delta_s
-            total_m = total_m + o.delta_rows
+
+def _options(
+    graph: OpGraph, c: _Param, chosen, pe: ParamEdges, resharder, microbatches: int, gather_once: bool
+) -> list[_Option]:
+    """Parameter `c`'s stage-3 option and, with `gather_once`, its stage-2 option, each priced (module
+    docstring: ``Δt``, ``Δmem``)."""
+    p, mesh_shape, dev = c.node, tuple(resharder.mesh_shape), resharder.cost_model.device
+    grad = lambda lay: edge_seconds(graph, pe.grad[p.name], c.g_layout, lay, resharder, microbatches)  # noqa: E731
+    reads = lambda lay: _readers_s(graph, p, lay, chosen, pe, resharder, microbatches)  # noqa: E731
+    update = lambda lay: optimizer_seconds(p.out, shard_factor(lay, mesh_shape), dev)  # noqa: E731
+    t_old = grad(c.old) + reads(c.old) + update(c.old)
+    t3 = grad(c.new) + reads(c.new) + update(c.new)
+    out = []
+    if not (t3 >= UNSUPPORTED_S > t_old):  # a reader needs a resharding DTensor cannot run from `new`
+        rows, saved = _zero_delta(p, c.old, c.new, chosen, pe, mesh_shape)
+        out.append(_Option(c.fqn, p.name, c.old, c.new, c.axes, ZeroStage.GATHER_AT_USE, t3 - t_old, rows, c.sharded,
+                           max(t_old, t3), saved))  # fmt: skip
+    if gather_once:
+        t2 = grad(c.new) + reads(c.old) + resharder.cost(c.new, c.old, p.out) + update(c.new)
+        st = chosen[p.name]
+        apart = StoredApart(st.outs, st.ins, st.source, colls=st.colls, stored=c.new)
+        rows, saved = _gather_once_delta(p, c.old, c.new, mesh_shape)
+        out.append(_Option(c.fqn, p.name, c.old, c.new, c.axes, ZeroStage.GATHER_ONCE, t2 - t_old, rows, apart,
+                           max(t_old, t2), saved))  # fmt: skip
+    return out
+
+
+def zero_pass(
+    graph: OpGraph,
+    strategies: dict[str, list[Strategy]],
+    forced: frozenset[str],
+    chosen: dict[str, Strategy],
+    pe: ParamEdges,
+    resharder: Resharder,
+    memory: Sequence[float],
+    capacity: float,
+    mode: ZeroMode | str = ZeroMode.AUTO,
+    microbatches: int = 1,
+    gather_once: bool = True,
+) -> tuple[list[ZeroSwitch], float, np.ndarray]:
+    """The ZeRO-like post-pass (module docstring). `memory` is the plan's bytes per device on each linear
+    memory row (``Solution.rows``); `strategies` every node's options and `forced` the nodes a ``force``
+    pattern pinned (left alone); `gather_once` whether stage 2 may be chosen (the pipeline runtime runs
+    stage 3 only). Updates `chosen` for the switched parameters and returns (switches, Δ step seconds, Δ bytes
+    per device on each row)."""
+    mode = ZeroMode(mode)
+    rows = np.asarray(memory, dtype=float)
+    if mode == ZeroMode.OFF:
+        return [], 0.0, np.zeros_like(rows)
+    if mode.forced == ZeroStage.GATHER_ONCE and not gather_once:
+        raise ValueError("zero='2' where only stage 3 runs (a pipeline stage)")
+    mesh_shape = tuple(resharder.mesh_shape)
+    options = [
+        _options(graph, c, chosen, pe, resharder, microbatches, gather_once)
+        for c in _candidates(graph, strategies, forced, chosen, resharder, mesh_shape)
+    ]
+    picked = _choose([o for o in options if o], rows, capacity, mode)
     switches = []
-    for o, reason in applied:
+    total_t, total_m = 0.0, np.zeros_like(rows)
+    for o, reason in picked:
         chosen[o.name] = o.strategy
+        total_t += o.delta_s
+        total_m = total_m + o.delta_rows
         switches.append(
-            ZeroSwitch(o.fqn, o.axes, tuple(to_json(o.old)), tuple(to_json(o.new)), reason, o.delta_s, o.saved)
+            ZeroSwitch(o.fqn, o.axes, tuple(to_json(o.old)), tuple(to_json(o.new)), reason, o.delta_s, o.saved, o.stage)
         )
     return switches, total_t, total_m
 
 
+def _choose(options: list[list[_Option]], rows: np.ndarray, capacity: float, mode: ZeroMode) -> list[tuple]:
+    """(option, reason) per switched parameter (module docstring, "The rule"): `options` holds each
+    candidate parameter's options (stage 3 and/or 2)."""
+    at: dict[str, tuple[_Option, str]] = {}
+    fits = lambda extra=0.0: float((rows + sum((o.delta_rows for o, _ in at.values()), 0.0) + extra).max()) <= capacity  # noqa: E731
+    forced = mode.forced
+    for opts in options:
+        if forced is not None:
+            o = next((o for o in opts if o.stage == forced), None)
+            if o is not None:
+                at[o.fqn] = (o, "all")
+            continue
+        good = [o for o in opts if o.cheaper]
+        if not good:
+            continue
+        best = min(good, key=lambda o: o.delta_s)
+        best = max((o for o in good if o.delta_s <= best.delta_s + best.tol), key=lambda o: o.saved)
+        if (best.delta_rows <= 0).all() or fits(best.delta_rows):
+            at[best.fqn] = (best, "cheaper")
+    if forced is not None or fits():
+        return list(at.values())
+    # memory: first the least-sharding stage of each parameter left (2 where it may be), then 2 → 3
+    first = [min(opts, key=lambda o: o.stage) for opts in options if opts[0].fqn not in at]
+    for o in sorted((o for o in first if o.saved > 0), key=lambda o: o.delta_s / o.saved):
+        if fits():
+            break
+        at[o.fqn] = (o, "memory")
+    ups = []
+    for opts in options:
+        cur = at.get(opts[0].fqn)
+        three = next((o for o in opts if o.stage == ZeroStage.GATHER_AT_USE), None)
+        if (
+            cur is not None
+            and three is not None
+            and cur[0].stage == ZeroStage.GATHER_ONCE
+            and three.saved > cur[0].saved
+        ):
+            ups.append((three, (three.delta_s - cur[0].delta_s) / (three.saved - cur[0].saved)))
+    for o, _ in sorted(ups, key=lambda x: x[1]):
+        if fits():
+            break
+        at[o.fqn] = (o, "memory")
+    return list(at.values())
+
+
 def _zero_delta(p: OpNode, old, new, chosen, pe: ParamEdges, mesh_shape) -> tuple[np.ndarray, float]:
-    """Δ bytes per device on each memory row when parameter `p` moves from layout `old` to `new`, and the
-    bytes it saves (weight, gradient, AdamW states and update temporary, less the gathered copies the
+    """Δ bytes per device on each memory row when parameter `p` moves from layout `old` to `new` at stage 3,
+    and the bytes it saves (weight, gradient, AdamW states and update temporary, less the gathered copies the
     backward keeps): ``accounting.state_bytes`` over the shard factors, ``accounting.kept_copy_bytes``."""
     s = state_bytes(p.out, True)
     scale = 1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape)
@@ -254,3 +379,15 @@ def _zero_delta(p: OpNode, old, new, chosen, pe: ParamEdges, mesh_shape) -> tupl
     update = (s.persistent + s.grad + s.update_temp) * scale
     backward = s.persistent * scale + gathered
     return np.array([update, backward]), -(update + gathered)
+
+
+def _gather_once_delta(p: OpNode, old, new, mesh_shape) -> tuple[np.ndarray, float]:
+    """Δ bytes per device on each memory row when parameter `p` moves from layout `old` to `new` at stage 2,
+    and the bytes it saves: the stage-3 terms plus the full copy ``W / sf(old)`` the readers read, held on
+    both rows (``accounting._parts``); the readers' edges do not change, so neither do their copies."""
+    s = state_bytes(p.out, True)
+    copy = s.param / shard_factor(old, mesh_shape)
+    scale = 1 / shard_factor(new, mesh_shape) - 1 / shard_factor(old, mesh_shape)
+    update = copy + (s.persistent + s.grad + s.update_temp) * scale
+    backward = copy + s.persistent * scale
+    return np.array([update, backward]), -update

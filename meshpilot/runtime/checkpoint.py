@@ -383,6 +383,9 @@ def load(checkpoint: Checkpoint | str | Path, model: Any, optimizer: torch.optim
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, storage_reader=FileSystemReader(ck.path))
     _set_state_dicts(model, optimizer, state["model"], state["optim"])
+    refresh = getattr(model, "invalidate_copies", None)
+    if refresh is not None:  # ZeRO-2 weights: their full copies are gathered again from the loaded shards
+        refresh()
     device = _model_device(model)
     for kind, text in ck.manifest.get("rng", {}).items():
         value = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

@@ -260,7 +260,8 @@ class StageProgram:
     def _leaf(self, leaf, params: dict, buffers: dict, inputs, received) -> Any:
         interp, g = self.interp, self.graph
         if leaf.kind == NodeKind.PARAM:
-            return wrap_local(params[leaf.fqn], interp.mesh, interp.plan.param_layout(leaf.fqn), _val(leaf))
+            # the layout the readers read: the stored one, or a ZeRO-2 weight's full copy (``runtime.spmd``)
+            return wrap_local(params[leaf.fqn], interp.mesh, interp.plan.node(leaf.name).out_placements(0), _val(leaf))
         if leaf.kind == NodeKind.BUFFER:
             return interp.leaf(leaf, buffers[leaf.fqn])
         if leaf.kind == NodeKind.CONST:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture, dtype_from_name
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner import recompute
 from meshpilot.planner.plan import Plan, StagePlan
+from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
-from meshpilot.runtime.interpret import Interpreter, to_dtensor
+from meshpilot.runtime.interpret import Interpreter, redistribute, to_dtensor
 from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
 
@@ -162,7 +164,7 @@ class _ScheduleRun:
         actions, paired = executed_actions(pm.schedule, dist.get_rank())
         if pm._cudagraphs:  # the last step's outputs are dead: CUDA graphs may reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
-        params = [p._local_tensor for p in pm._params]
+        params = pm.read_locals()
         self.run = StepRun(
             actions, paired, {0: pm.program}, {0: params}, pm._buffers_by_name, inputs, pm.schedule.microbatches
         )
@@ -237,6 +239,70 @@ def distribute_parameters(
     return params, trainable
 
 
+class GatheredCopies:
+    """The full copies of a plan's ZeRO-2 parameters (``planner.zero``; ``ZeroStage.GATHER_ONCE``).
+
+    The module's parameter (what ``parameters()`` gives the optimizer, and what checkpoints save) is the shard
+    the plan stores (``StagePlan.params``): the programs reduce-scatter its gradient into it and AdamW updates
+    it and its states there. The programs read a full copy in the layout of the parameter's node (the
+    readers' layout), all-gathered from the shard by the first step that reads it after the shard changed —
+    once a step, in the forward phase, as the plan's ``gather:<fqn>`` collective. The shard changes under an
+    optimizer's ``step()`` (a global step hook, :func:`_after_optimizer_step`, marks the copies of the
+    parameters it stepped stale: DTensor's in-place ops do not move the local tensor's version counter) and
+    when a checkpoint is loaded into it (``runtime.checkpoint`` calls :meth:`invalidate`); a parameter changed
+    any other way needs :meth:`invalidate` too. The old copy is dropped before the new one is gathered, so a
+    device holds one copy: the ``W / sf(read)`` of ``accounting._parts``.
+    """
+
+    def __init__(self, graph: OpGraph, plan: StagePlan, params: Sequence[torch.nn.Parameter]) -> None:
+        once = {z.param for z in plan.zero if z.gathered_once}
+        node = {n.fqn: n.name for n in graph.nodes if n.kind == NodeKind.PARAM}
+        self.params = list(params)
+        self.read = {
+            i: plan.node(node[fqn]).out_placements(0) for i, fqn in enumerate(graph.param_names) if fqn in once
+        }
+        self.copies: dict[int, DTensor | None] = dict.fromkeys(self.read)
+        if self.read:
+            _LIVE_COPIES.add(self)
+            _install_step_hook()
+
+    def invalidate(self) -> None:
+        """Gather every copy again before the next read (the shards changed)."""
+        self.copies = dict.fromkeys(self.read)
+
+    def owns(self, params: set[int]) -> bool:
+        """Whether any of the parameters whose ids are `params` is one of this module's ZeRO-2 shards."""
+        return any(id(self.params[i]) in params for i in self.read)
+
+    def read_locals(self) -> list[torch.Tensor]:
+        out = [p._local_tensor for p in self.params]
+        for i, layout in self.read.items():
+            if self.copies[i] is None:
+                with torch.no_grad(), phase_scope(Phase.FWD):
+                    self.copies[i] = redistribute(self.params[i].detach(), layout)
+            out[i] = self.copies[i]._local_tensor
+        return out
+
+
+_LIVE_COPIES: weakref.WeakSet[GatheredCopies] = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: the ZeRO-2 copies of the parameters it stepped are stale."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for copies in list(_LIVE_COPIES):
+        if copies.owns(stepped):
+            copies.invalidate()
+
+
+def _install_step_hook() -> None:
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_optimizer_step))
+
+
 class ParallelModule(torch.nn.Module):
     """The model with DTensor parameters; ``forward(*inputs)`` runs one planned step (module docstring)."""
 
@@ -282,6 +348,17 @@ class ParallelModule(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
     def _distribute_parameters(self) -> None:
         self._params, self._trainable = distribute_parameters(self.module, self.graph.param_names, self.plan, self.mesh)
+        self._copies = GatheredCopies(self.graph, self.plan, self._params)
+
+    def read_locals(self) -> list[torch.Tensor]:
+        """This rank's piece of every parameter as the step's programs read it (a ZeRO-2 weight: its full copy,
+        gathered from the updated shard first if it changed: :class:`GatheredCopies`)."""
+        return self._copies.read_locals()
+
+    def invalidate_copies(self) -> None:
+        """The parameters changed outside an optimizer step (a checkpoint loaded): gather the ZeRO-2 copies
+        again before the next step reads them."""
+        self._copies.invalidate()
 
     # ------------------------------------------------------------------ step
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:

@@ -289,6 +289,8 @@ class _Lowering:
         self.post: dict[int, list[int]] = {}
         self.tail: dict[bool, list[int]] = {False: [], True: []}  # loss / buffers / unknown, per phase (bwd?)
         self.grads: list[int] = []
+        self.gathers: list[int] = []
+        """ZeRO-2 weights' all-gathers from their updated shards (``gather:``): once a step, after the update."""
         own: dict[int, int] = {}
         self.buckets: tuple[GradBucket, ...] = tuple(getattr(plan, "grad_buckets", ()))
         bucketed = {f"grad:{p}" for b in self.buckets for p in b.params}
@@ -297,6 +299,8 @@ class _Lowering:
                 continue  # synchronised by its bucket
             if col.dst.startswith("grad:"):
                 self.grads.append(c)
+            elif col.dst.startswith("gather:"):
+                self.gathers.append(c)
             elif col.src == col.dst and col.dst in self.index:  # an op's own: its leading ones before it
                 i = self.index[col.dst]
                 k = own[i] = own.get(i, -1) + 1
@@ -371,6 +375,8 @@ class _Lowering:
                 update = float(getattr(self.plan.time, "optimizer_s", 0.0))
                 if update > 0:  # the optimizer's update, once the gradients are in
                     ops.append((_COMPUTE, update, "optimizer"))
+                for c in self.gathers:  # the updated ZeRO-2 shards into the copies the next step reads
+                    self._blocking(c, 0, ops)
             elif k == ActionKind.ISSUE:
                 ops.append(
                     (
