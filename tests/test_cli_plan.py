@@ -243,3 +243,19 @@ def test_a_recomputing_plan_prints_its_operators(capsys):
     assert main([*args, "--recompute", "full", "--ops", "all"]) == 0
     out = capsys.readouterr().out
     assert "recompute: blocks.0, blocks.1" in out and "_recomputed" in out
+
+
+def test_zero_stage_from_the_command_line(capsys):
+    """--zero reaches the one-stage plan's ZeRO pass: stage 2 (one gather a step) and stage 3 (a gather at every
+    read of every microbatch) plan every candidate and price them apart; a pipeline refuses it in one line."""
+    args = ["plan", "-m", "gpt-tiny", "-c", "dgx-h100", "-n", "4", "--batch", "16", "--stages", "1", "--mesh", "4x1",
+            "--microbatches", "2", "--schedule", "accumulate", "--ops", "none", "--json"]  # fmt: skip
+    steps = {}
+    for z in ("2", "3"):
+        assert main([*args, "--zero", z]) == 0
+        plan = Plan.from_json(capsys.readouterr().out).stages[0].plan
+        assert plan.zero and {s.stage.value for s in plan.zero} == {int(z)}
+        steps[z] = plan.time.overlapped_s
+    assert steps["2"] < steps["3"]  # one gather a step against one per read per microbatch
+    assert main(["plan", "-m", "gpt-tiny", "-c", "dgx-h100", "-n", "4", "--pipeline", "--zero", "2"]) == 2
+    assert "--zero 2: a pipeline's stages choose their own ZeRO switches" in capsys.readouterr().err

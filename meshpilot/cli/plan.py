@@ -72,6 +72,7 @@ from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noq
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.recompute import RecomputeMode
 from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.zero import ZeroMode
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = tuple(p.value for p in Precision)
@@ -185,6 +186,16 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         help="one stage: which repeated blocks run their forward again in the backward instead of keeping their "
         "activations: auto (default: only when the plan does not fit the memory otherwise, the fewest blocks that "
         "make it fit), none, or full (every block); recorded in the plan",
+    )
+    p.add_argument(
+        "--zero",
+        choices=[m.value for m in ZeroMode],
+        default=ZeroMode.AUTO.value,
+        help="one stage: which replicated parameters are stored sharded, their gradients reduce-scattered and "
+        "their AdamW states sharded (meshpilot/planner/zero.py): auto (default: per parameter where faster or "
+        "needed to fit, at stage 2 — a full copy read, the shard gathered once a step — or stage 3 — gathered at "
+        "every read), off, all (every candidate at stage 3), 2 or 3 (every candidate at that stage); recorded in "
+        "the plan",
     )
     p.add_argument(
         "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
@@ -326,6 +337,11 @@ def run(args: argparse.Namespace) -> int:
     mode = plan_mode(args)
     if mode is PlanMode.PIPELINE and args.recompute == RecomputeMode.FULL:
         raise UserError("--recompute full: a pipeline's stages run as captured; plan one stage (--stages 1) for it")
+    if mode is PlanMode.PIPELINE and args.zero != ZeroMode.AUTO:
+        raise UserError(
+            f"--zero {args.zero}: a pipeline's stages choose their own ZeRO switches (stage 3 only); plan one stage "
+            "(--stages 1) for it"
+        )
     if mode is PlanMode.PIPELINE:
         return run_pipeline(args, cluster, n, memory)
     if mode is PlanMode.WEIGH:
@@ -475,7 +491,7 @@ def one_stage_plan(args, cluster, n: int, shape, force, memory, progress: Consol
     plan, graph = make_plan(
         built, cluster, n, shape, force=force, memory_bytes=memory, time_limit=args.time_limit,
         progress=progress or make_console(stderr=True), precision=args.precision, schedule=sched,
-        searcher=args.searcher, recompute=args.recompute,
+        searcher=args.searcher, recompute=args.recompute, zero=args.zero,
     )  # fmt: skip
     return plan, graph, built
 
@@ -691,6 +707,7 @@ def make_plan(
     schedule: dict[str, Any] | None = None,
     searcher: str = "ilp",
     recompute: str = "auto",
+    zero: str = "auto",
 ):
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
@@ -727,6 +744,7 @@ def make_plan(
                 precision=precision,
                 searcher=searcher,
                 recompute=recompute,
+                zero=zero,
                 **schedule,
             )
     for w in caught:  # e.g. a --force pattern that matches nothing
