@@ -483,7 +483,7 @@ def build_structure(
         in_ids=in_ids,
         cost_terms=_cost_terms(graph, g, costs, microbatches),
         edge_terms=_edge_classes(graph, g.rep, len(mesh_shape), microbatches),
-        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape),
+        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape, microbatches > 1),
         table=ReshardTable.for_shape(resharder),
         coll_terms=[(r, count * microbatches) for r, count in g.coll_count.items()],
         forced=frozenset(g.forced),
@@ -606,10 +606,13 @@ def _cost_terms(graph: OpGraph, g: _Grouped, costs: ComputeCost, microbatches: i
     return terms
 
 
-def _memory_terms(graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[int, ...]) -> list:
+def _memory_terms(
+    graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[int, ...], accumulating: bool = False
+) -> list:
     """Bytes per device of each representative on the ILP's two memory rows, plain and with the ZeRO
     post-pass's sharded updates: leaves (weights, gradients, optimizer states; buffers; inputs) and the
-    values the backward reads (on the backward row only)."""
+    values the backward reads (on the backward row only); `accumulating` (more than one microbatch): the
+    earlier microbatches' summed gradients on the backward row (``accounting.row_bytes``)."""
 
     def sf_of(r: str, i: int) -> np.ndarray:
         ids = out_ids[r][:, i]
@@ -636,10 +639,10 @@ def _memory_terms(graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[
     for (kind, r, i, info, _, trainable, is_forced), (count, node) in mem_count.items():
         sf = sf_of(r, i)[None, :]  # [1, K]
         if kind == "leaf":
-            std = np.array(row_bytes(node, trainable).as_tuple())[:, None] / sf  # [rows, K]
+            std = np.array(row_bytes(node, trainable, accumulating).as_tuple())[:, None] / sf  # [rows, K]
             zero = std
             if trainable and not is_forced:
-                z = zero_row_bytes(node, repl_of(r))  # arrays over the strategies
+                z = zero_row_bytes(node, repl_of(r), accumulating)  # arrays over the strategies
                 zero = np.minimum(std, np.stack([z.update, z.backward]) / sf)
         else:  # a value the backward reads: on the backward row only
             std = zero = np.array([0.0, float(info.nbytes)])[:, None] / sf

@@ -144,7 +144,7 @@ class ILPSearcher:
                 task.microbatches,
                 task.gather_once,
             )
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity)
+            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, task.microbatches)
             post_s += time.perf_counter() - t
             return Candidate(
                 task.shape,
