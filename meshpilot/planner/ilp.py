@@ -385,6 +385,10 @@ class Structure:
     table: ReshardTable
     forced: frozenset[str]
     build_s: float = 0.0
+    accumulating: bool = False
+    """Whether the memory rows (and ``search``'s ``memory_use``) hold the earlier microbatches' summed
+    gradients (``accounting``: ``A``): a one-stage plan over more than one microbatch. Pipeline stages do not
+    yet: their check (``planner.pipeline``) composes peaks without it."""
     coll_terms: list[tuple[str, int]] = field(default_factory=list)
     priced: dict = field(default_factory=dict, repr=False, compare=False)
     """:func:`price`'s problems by the resharder they were priced with (:func:`priced`): a stage searched under
@@ -448,6 +452,7 @@ def build_structure(
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
     microbatches: int = 1,
+    accumulating: bool | None = None,
 ) -> Structure:
     """Strategies, groups, compute costs, memory vectors and edge classes of one mesh shape.
 
@@ -456,8 +461,10 @@ def build_structure(
     ``{pattern: "S(0)R"}`` where the fnmatch pattern names a parameter or buffer (``layers.*.weight``), an
     input (``input:0``) or a node; forced data parallelism, Megatron tensor parallelism and ZeRO-3-like
     plans are written this way (see ``meshpilot.planner.auto``). With `microbatches` m, compute, the ops' own
-    collectives and every edge but the gradients' count m times (``accounting``: ``Edge.runs``).
+    collectives and every edge but the gradients' count m times (``accounting``: ``Edge.runs``), and
+    (`accumulating`, by default ``m > 1``) the backward memory row holds the summed gradients.
     """
+    accumulating = microbatches > 1 if accumulating is None else accumulating
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
     pins = ForceSpec.of(force).bind(graph) if force else None
@@ -483,7 +490,8 @@ def build_structure(
         in_ids=in_ids,
         cost_terms=_cost_terms(graph, g, costs, microbatches),
         edge_terms=_edge_classes(graph, g.rep, len(mesh_shape), microbatches),
-        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape, microbatches > 1),
+        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape, accumulating),
+        accumulating=accumulating,
         table=ReshardTable.for_shape(resharder),
         coll_terms=[(r, count * microbatches) for r, count in g.coll_count.items()],
         forced=frozenset(g.forced),
