@@ -82,7 +82,15 @@ its parameter's layout, the reduced copy is allocated at the end of the backward
 
 Phases of the step and its peak (→ :func:`memory_use`):
 
-* forward + backward:  ``W + O + I + max_i live(i)``
+* forward + backward:  ``W + O + I + max_i live(i)``; over ``m > 1`` microbatches (``F0 B0 F1 B1 … G``)
+  ``W + O + I + max(max_{i < end} live(i) + A, live(end))`` with ``A = Σ_p bytes(∂p) / sf(∂p as produced)``
+  (:func:`accumulated_bytes`): the runtime sums each microbatch's gradients into the step's own tensors
+  (``runtime.executor.StepRun._accumulate``, in place), so from microbatch 1 on every node of the graph runs
+  beside the sum of the earlier ones, in the layout the backward produces them (a replicated or ZeRO
+  parameter's partial sums: whole). At the end the last microbatch's gradients are added into the sum and
+  freed, and ``G`` reduces the sum: ``live(end)`` (one set of gradients and their reduced copies) again.
+  ``graph`` is one microbatch's; ``m = 1`` is the line above. Measured: ``docs/benchmarks.md``, "Gradient
+  accumulation's memory".
 * optimizer step:      ``W + O + I + G + T_opt``, ``G = Σ_trainable bytes(p) / sf(p)`` (``.grad`` in the
   parameter's dtype, :func:`state_bytes` ``.grad``) and ``T_opt = Σ_trainable bytes(p) / sf(p)``:
   ``torch._foreach_sqrt(exp_avg_sqs)``, the one state-sized temporary of the foreach AdamW update
@@ -102,7 +110,9 @@ linear lower bounds of the peak to the capacity, both built from :func:`row_byte
 
 * ``update``:   ``W + O + I + G + T_opt``  — the optimizer step, exactly;
 * ``backward``: ``W + O + I + Σ saved values / sf`` — the start of the backward, where every value the
-  backward reads is live (grads not yet produced; the temporaries live then are left out).
+  backward reads is live (grads not yet produced; the temporaries live then are left out); over ``m > 1``
+  microbatches plus ``A``, the earlier microbatches' summed gradients (:func:`row_bytes` with
+  ``accumulating``: ``G`` in the parameter's layout; ``_parts``: ``A`` exactly).
 
 ``peak − max(rows)`` is what lives at the peak beyond them (transient temporaries, gradients produced
 before the peak node, redistributed copies; ``MemoryUse.row`` is ``max(rows)``): when a plan's peak
@@ -197,23 +207,26 @@ class RowBytes:
         return (self.update, self.backward)
 
 
-def row_bytes(node: OpNode, trainable: bool) -> RowBytes:
+def row_bytes(node: OpNode, trainable: bool, accumulating: bool = False) -> RowBytes:
     """A leaf's (parameter, buffer, input) bytes on each row, unsharded: a trainable parameter holds
-    ``W + O + G + T_opt`` during the update and ``W + O`` at the start of the backward."""
+    ``W + O + G + T_opt`` during the update and ``W + O`` at the start of the backward, ``W + O + G`` when
+    `accumulating` (more than one microbatch: the earlier ones' summed gradient)."""
     assert node.out is not None
     if node.kind != "param":
         b = float(node.out.nbytes)
         return RowBytes(b, b)
     s = state_bytes(node.out, trainable)
-    return RowBytes(s.persistent + s.grad + s.update_temp, s.persistent)
+    return RowBytes(s.persistent + s.grad + s.update_temp, s.persistent + (s.grad if accumulating else 0.0))
 
 
-def zero_row_bytes(node: OpNode, n_rep: float) -> RowBytes:
+def zero_row_bytes(node: OpNode, n_rep: float, accumulating: bool = False) -> RowBytes:
     """A trainable parameter's rows when the ZeRO post-pass shards its state over the `n_rep` devices that
-    replicate it: the state divided by `n_rep`, plus (backward row) the gathered copy the forward keeps."""
+    replicate it: the state divided by `n_rep`, plus (backward row) the gathered copy the forward keeps and,
+    when `accumulating`, the summed gradient, whole (reduced once, at ``G``)."""
     assert node.out is not None
     s = state_bytes(node.out, True)
-    return RowBytes((s.persistent + s.grad + s.update_temp) / n_rep, s.param + s.persistent / n_rep)
+    acc = s.grad if accumulating else 0.0
+    return RowBytes((s.persistent + s.grad + s.update_temp) / n_rep, s.param + acc + s.persistent / n_rep)
 
 
 def optimizer_seconds(info: TensorInfo, sf: float, device: Any) -> float:
@@ -270,6 +283,10 @@ class Liveness:
     """Of the peak: parameter gradients already produced."""
     temporaries: float
     """Of the peak: everything else live there."""
+    accumulated: float = 0.0
+    """``A``: the earlier microbatches' summed gradients, live through every node of a later microbatch
+    (module docstring; 0 with one microbatch). Included in :attr:`peak` and :attr:`grads` when the peak is
+    a node's, not the end of the backward."""
 
 
 class _Layouts:
@@ -304,11 +321,14 @@ class _Layouts:
         return want if self.differ(have, want) else None
 
 
-def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = ()) -> Liveness:
+def liveness(
+    graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = (), microbatches: int = 1
+) -> Liveness:
     """Sweep the graph in execution order and return its peak of live values (module docstring).
 
     `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
-    value is whole (one device)."""
+    value is whole (one device). With `microbatches` > 1 every node before the end also holds ``A``, the
+    gradients the earlier microbatches summed (:func:`accumulated_bytes`)."""
     lay = _Layouts(chosen, mesh_shape)
     end = len(graph.nodes)
     size: dict[Any, float] = {}
@@ -373,11 +393,27 @@ def liveness(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape
     saved = {store.get(v) for v in saved_values(graph)}
     # a redistributed copy that a view the backward reads aliases is kept for the backward too
     saved |= {store.get((n.name, i)) for n in graph.nodes if n.saved_for_backward for i in range(len(n.outputs))}
-    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end)
+    held = accumulated_bytes(graph, chosen, mesh_shape) if microbatches > 1 else 0.0
+    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end, held)
 
 
-def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, saved: set, end: int) -> Liveness:
-    """Allocate at birth, free after the last use; the peak and what is live there."""
+def accumulated_bytes(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> float:
+    """``A = Σ_p bytes(∂p) / sf(layout ∂p is produced in)``: the running sum of the gradients over the
+    microbatches (``runtime.executor.StepRun._accumulate``), each in the layout the backward produces it —
+    partial sums unreduced, so a replicated or ZeRO parameter's is whole (module docstring)."""
+    lay = _Layouts(chosen, mesh_shape)
+    total = 0.0
+    for src in {src for src in graph.grads.values() if src is not None}:
+        info = graph[src[0]].outputs[src[1]]
+        total += lay.per_device(info, lay.out(*src)) if info is not None else 0.0
+    return total
+
+
+def _sweep(
+    graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, saved: set, end: int, held: float = 0.0
+) -> Liveness:
+    """Allocate at birth, free after the last use; the peak and what is live there. `held` is live at every
+    node before `end` (the accumulated gradients; at `end` the last microbatch's are added into them)."""
     death: dict[Any, int] = {}
     dying: dict[int, list[Any]] = {}
     best, best_idx, total = -1.0, -1, 0.0
@@ -386,8 +422,9 @@ def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, s
             total += size[key]
             death[key] = max(last.get(key, idx), idx)
             dying.setdefault(death[key], []).append(key)
-        if total > best:
-            best, best_idx = total, idx
+        now = total + (held if idx < end else 0.0)
+        if now > best:
+            best, best_idx = now, idx
         for key in dying.pop(idx, ()):
             total -= size[key]
     if best_idx < 0:
@@ -396,7 +433,8 @@ def _sweep(graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, s
     in_saved = sum(size[k] for k in at if k in saved)
     in_grads = sum(size[k] for k in at if k in grad_keys and k not in saved)
     name = graph.nodes[best_idx].name if best_idx < end else "end of backward"
-    return Liveness(best, name, in_saved, in_grads, best - in_saved - in_grads)
+    held = held if best_idx < end else 0.0
+    return Liveness(best, name, in_saved, in_grads + held, best - in_saved - in_grads - held, held)
 
 
 # ------------------------------------------------------------------------------------------ memory use
@@ -418,7 +456,9 @@ class _Parts:
     live: Liveness
 
 
-def _parts(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> _Parts:
+def _parts(
+    graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int], microbatches: int = 1
+) -> _Parts:
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
     rows = [0.0, 0.0]
@@ -442,7 +482,10 @@ def _parts(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequenc
         info = graph[v[0]].outputs[v[1]]
         saved += lay.per_device(info, lay.out(*v)) if info is not None else 0.0
     rows[1] += saved
-    return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, liveness(graph, chosen, mesh_shape))
+    if microbatches > 1:  # the earlier microbatches' gradients, held at the start of a later one's backward
+        rows[1] += accumulated_bytes(graph, chosen, mesh_shape)
+    live = liveness(graph, chosen, mesh_shape, microbatches)
+    return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, live)
 
 
 def memory_use(
@@ -450,10 +493,12 @@ def memory_use(
     chosen: Mapping[str, Any] | None = None,
     mesh_shape: Sequence[int] = (),
     capacity: float = float("inf"),
+    microbatches: int = 1,
 ) -> MemoryUse:
     """Predicted peak bytes per device of one training step of a plan (module docstring), as a
-    :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak."""
-    p = _parts(graph, chosen, mesh_shape)
+    :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak; `graph` is one microbatch's,
+    accumulated over `microbatches` (``F0 B0 … G``)."""
+    p = _parts(graph, chosen, mesh_shape, microbatches)
     live = p.live
     if live.peak >= p.grads + p.update_temp:  # the forward + backward peaks higher than the optimizer step
         grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node

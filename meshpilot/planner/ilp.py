@@ -385,6 +385,10 @@ class Structure:
     table: ReshardTable
     forced: frozenset[str]
     build_s: float = 0.0
+    accumulating: bool = False
+    """Whether the memory rows (and ``search``'s ``memory_use``) hold the earlier microbatches' summed
+    gradients (``accounting``: ``A``): a one-stage plan over more than one microbatch. Pipeline stages do not
+    yet: their check (``planner.pipeline``) composes peaks without it."""
     coll_terms: list[tuple[str, int]] = field(default_factory=list)
     priced: dict = field(default_factory=dict, repr=False, compare=False)
     """:func:`price`'s problems by the resharder they were priced with (:func:`priced`): a stage searched under
@@ -448,6 +452,7 @@ def build_structure(
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
     microbatches: int = 1,
+    accumulating: bool | None = None,
 ) -> Structure:
     """Strategies, groups, compute costs, memory vectors and edge classes of one mesh shape.
 
@@ -456,8 +461,10 @@ def build_structure(
     ``{pattern: "S(0)R"}`` where the fnmatch pattern names a parameter or buffer (``layers.*.weight``), an
     input (``input:0``) or a node; forced data parallelism, Megatron tensor parallelism and ZeRO-3-like
     plans are written this way (see ``meshpilot.planner.auto``). With `microbatches` m, compute, the ops' own
-    collectives and every edge but the gradients' count m times (``accounting``: ``Edge.runs``).
+    collectives and every edge but the gradients' count m times (``accounting``: ``Edge.runs``), and
+    (`accumulating`, by default ``m > 1``) the backward memory row holds the summed gradients.
     """
+    accumulating = microbatches > 1 if accumulating is None else accumulating
     t0 = time.perf_counter()
     mesh_shape = tuple(builder.mesh_shape)
     pins = ForceSpec.of(force).bind(graph) if force else None
@@ -483,7 +490,8 @@ def build_structure(
         in_ids=in_ids,
         cost_terms=_cost_terms(graph, g, costs, microbatches),
         edge_terms=_edge_classes(graph, g.rep, len(mesh_shape), microbatches),
-        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape),
+        mem_terms=_memory_terms(graph, g, out_ids, mesh_shape, accumulating),
+        accumulating=accumulating,
         table=ReshardTable.for_shape(resharder),
         coll_terms=[(r, count * microbatches) for r, count in g.coll_count.items()],
         forced=frozenset(g.forced),
@@ -606,10 +614,13 @@ def _cost_terms(graph: OpGraph, g: _Grouped, costs: ComputeCost, microbatches: i
     return terms
 
 
-def _memory_terms(graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[int, ...]) -> list:
+def _memory_terms(
+    graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[int, ...], accumulating: bool = False
+) -> list:
     """Bytes per device of each representative on the ILP's two memory rows, plain and with the ZeRO
     post-pass's sharded updates: leaves (weights, gradients, optimizer states; buffers; inputs) and the
-    values the backward reads (on the backward row only)."""
+    values the backward reads (on the backward row only); `accumulating` (more than one microbatch): the
+    earlier microbatches' summed gradients on the backward row (``accounting.row_bytes``)."""
 
     def sf_of(r: str, i: int) -> np.ndarray:
         ids = out_ids[r][:, i]
@@ -636,10 +647,10 @@ def _memory_terms(graph: OpGraph, g: _Grouped, out_ids: dict, mesh_shape: tuple[
     for (kind, r, i, info, _, trainable, is_forced), (count, node) in mem_count.items():
         sf = sf_of(r, i)[None, :]  # [1, K]
         if kind == "leaf":
-            std = np.array(row_bytes(node, trainable).as_tuple())[:, None] / sf  # [rows, K]
+            std = np.array(row_bytes(node, trainable, accumulating).as_tuple())[:, None] / sf  # [rows, K]
             zero = std
             if trainable and not is_forced:
-                z = zero_row_bytes(node, repl_of(r))  # arrays over the strategies
+                z = zero_row_bytes(node, repl_of(r), accumulating)  # arrays over the strategies
                 zero = np.minimum(std, np.stack([z.update, z.backward]) / sf)
         else:  # a value the backward reads: on the backward row only
             std = zero = np.array([0.0, float(info.nbytes)])[:, None] / sf

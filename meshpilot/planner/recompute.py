@@ -282,11 +282,11 @@ def fitting_count(graph: OpGraph, order: Sequence[Region], plan: StagePlan, capa
     taking their original's strategy): the first guess of :func:`choose` (``len(order)`` when none fits)."""
     from meshpilot.planner.accounting import memory_use, plan_strategies
 
-    chosen = plan_strategies(plan, graph)
+    chosen, m = plan_strategies(plan, graph), plan.step_schedule().microbatches
     for k in range(1, len(order) + 1):
         g = apply(graph, [r.name for r in order[:k]])
         strategies = {n.name: chosen[n.name.removesuffix(SUFFIX)] for n in g.nodes}
-        if memory_use(g, strategies, plan.mesh_shape).total <= capacity:
+        if memory_use(g, strategies, plan.mesh_shape, microbatches=m).total <= capacity:
             return k
     return len(order)
 

@@ -144,7 +144,8 @@ class ILPSearcher:
                 task.microbatches,
                 task.gather_once,
             )
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity)
+            held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
+            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held)
             post_s += time.perf_counter() - t
             return Candidate(
                 task.shape,

@@ -739,7 +739,13 @@ class StagePlanner:
             builder = StrategyBuilder(sub, dmesh)
             cm0 = CostModel(LogicalMesh(self.cluster, shape, np.asarray(ranks).reshape(shape)))
             struct = build_structure(
-                sub, builder, Resharder(dmesh, cm0), cm0, microbatches=microbatches, force=dict(pinned) or None
+                sub,
+                builder,
+                Resharder(dmesh, cm0),
+                cm0,
+                microbatches=microbatches,
+                force=dict(pinned) or None,
+                accumulating=False,  # planner.pipeline's check composes peaks without the summed gradients yet
             )
             hit = self._structs[skey] = (struct, builder)
         return hit[0]

@@ -68,10 +68,6 @@ def _key(a: Action) -> tuple:
     return (a.kind, a.microbatch, a.stage)
 
 
-def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
-    return y if x is None else x if y is None else x + y
-
-
 class StepRun:
     """One step of this rank's actions (module docstring): `programs` and `params` (parameter locals) by stage,
     `buffers` the model's buffers by name, `inputs` the global batch; `stage` the stage of actions that name
@@ -175,10 +171,27 @@ class StepRun:
 
     # ------------------------------------------------------------------ helpers
     def _accumulate(self, s: int, gs: list) -> None:
-        if self.M > 1:
-            gs = [g / self.M if g is not None else None for g in gs]
-        acc = self.grads[s]
-        self.grads[s] = gs if acc is None else [_add(x, y) for x, y in zip(acc, gs)]
+        """Add one microbatch's gradients `gs` (scaled by 1/M) into stage `s`'s sum, in place.
+
+        Each gradient leaves `gs` (the caller's list: its last reference) as it is added, so at the end of a
+        later microbatch's backward the step holds the sum and that microbatch's gradients, one tensor's
+        scaled copy at a time — not a scaled copy of every gradient and a new sum besides (4 gradient sets
+        where 2 suffice, ``docs/benchmarks.md``). The sum's tensors are the step's own (``g / M`` of the
+        first microbatch), so adding into them changes nothing the programs hold."""
+        acc = self.grads[s] = self.grads[s] or [None] * len(gs)
+        for i, g in enumerate(gs):
+            gs[i] = None
+            if g is None:
+                continue
+            if self.M == 1:  # one microbatch: its gradients are the step's, unscaled (not added into in place)
+                acc[i] = g if acc[i] is None else acc[i] + g
+                continue
+            scaled = g / self.M  # the step's own tensor
+            del g
+            if acc[i] is None:
+                acc[i] = scaled
+            else:
+                acc[i].add_(scaled)
 
     def _write_buffers(self, prog: StageProgram, updates: list) -> None:
         with torch.no_grad():
