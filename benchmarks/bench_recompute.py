@@ -83,14 +83,15 @@ def run_plan(out: Path) -> None:
     print(f"saved the plans recomputing {', '.join(map(str, chosen))} blocks to {out}")
 
 
-def _peaks(p: StagePlan) -> list[int]:
-    """Every rank's peak storage bytes over two full AdamW steps of plan `p`, after one warm-up step."""
+def step_peaks(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> list[int]:
+    """Every rank's peak storage bytes over two full AdamW steps of `model` run by plan `p`, after one warm-up
+    step; what the step holds across steps (parameters, AdamW states, ZeRO-2's gathered copies, the inputs) is
+    the baseline. Shared with ``bench_zero.py``."""
     import torch.distributed as dist
 
     import meshpilot
     from meshpilot.cluster.memtrack import StorageTracker
 
-    model, inputs = _model("cpu")
     pm = meshpilot.parallelize(model, p)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
 
@@ -101,7 +102,8 @@ def _peaks(p: StagePlan) -> list[int]:
 
     step()
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    with StorageTracker(existing=[*pm.parameters(), *state, *inputs]) as tracker:
+    copies = [c for c in pm._copies.copies.values() if c is not None]  # ZeRO-2 full copies, held across steps
+    with StorageTracker(existing=[*pm.parameters(), *state, *copies, *inputs]) as tracker:
         step()
         step()
     peaks: list = [None] * dist.get_world_size()
@@ -115,7 +117,7 @@ def run_measure(path: Path) -> None:
     dist.init_process_group("gloo")
     for k, text in json.loads(path.read_text()).items():
         p = StagePlan.from_json(text)
-        peaks = _peaks(p)
+        peaks = step_peaks(*_model("cpu"), p)
         if dist.get_rank() == 0:
             top = max(peaks)
             print(

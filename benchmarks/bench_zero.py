@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_recompute import step_peaks  # noqa: E402 - the same measurement of a plan's step
+
 from meshpilot.graph.capture import capture  # noqa: E402
 from meshpilot.io import fmt_size  # noqa: E402
 from meshpilot.models.sources import build_model  # noqa: E402
@@ -101,40 +103,13 @@ def run_plan(out: Path, microbatches: int) -> None:
     print(f"saved the plans with {'; '.join(chosen)} to {out}")
 
 
-def _peaks(p: StagePlan) -> list[int]:
-    """Every rank's peak storage bytes over two full AdamW steps of plan `p`, after one warm-up step."""
-    import torch.distributed as dist
-
-    import meshpilot
-    from meshpilot.cluster.memtrack import StorageTracker
-
-    model, inputs = _model("cpu")
-    pm = meshpilot.parallelize(model, p)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
-
-    def step() -> None:
-        pm(*inputs).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    copies = [c for c in pm._copies.copies.values() if c is not None]  # ZeRO-2 full copies, held across steps
-    with StorageTracker(existing=[*pm.parameters(), *state, *copies, *inputs]) as tracker:
-        step()
-        step()
-    peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, tracker.peak)
-    return peaks
-
-
 def run_measure(path: Path) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     for k, text in json.loads(path.read_text()).items():
         p = StagePlan.from_json(text)
-        peaks = _peaks(p)
+        peaks = step_peaks(*_model("cpu"), p)
         if dist.get_rank() == 0:
             top = max(peaks)
             print(
