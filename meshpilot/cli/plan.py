@@ -667,7 +667,7 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
             why_one = f"one stage: {e}"
     try:
         staged = Staged.search(args, cluster, n, memory, progress, first=(B0, built, graph))
-        pp_s = staged.pp.simulate().step_s
+        pp_s = staged.pp.simulate(cluster).step_s
         S = len(staged.pp.stages)
         layout = " ".join(
             f"[{a},{b})@{'x'.join(map(str, st.mesh_shape))}" for st in staged.pp.stages for a, b in [st.layers]
