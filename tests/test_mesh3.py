@@ -91,6 +91,24 @@ def test_outer_axis_is_cut_to_data_parallel_strategies(gpt):
     assert cut <= 2 * flat, (cut, flat)
 
 
+def test_restricted_enumeration_equals_the_cut_of_the_full_one(gpt, monkeypatch):
+    """DTensor asked for axis-0 rules that read the data-parallel placements only (``axes._outer_rules``) gives
+    every node exactly the strategies, in order, that cutting its full enumeration gives."""
+    import contextlib
+
+    from meshpilot.planner import axes
+
+    _, _, graph = gpt
+    monkeypatch.setattr(axes, "_OUTER_CACHE", {})
+    _, fast, _ = _structure(graph, (2, 2, 2), OuterDataParallel)
+    monkeypatch.setattr(axes, "_OUTER_CACHE", {})
+    monkeypatch.setattr(axes, "_outer_rules", lambda *a: contextlib.nullcontext())
+    _, slow, _ = _structure(graph, (2, 2, 2), OuterDataParallel)
+    for node in graph.nodes:
+        got = [(s.outs, s.ins, s.source) for s in fast.strategies[node.name]]
+        assert got == [(s.outs, s.ins, s.source) for s in slow.strategies[node.name]], node.name
+
+
 def test_search_picks_a_three_axis_mesh_on_a_slow_link(gpt):
     """On 2 nodes joined by a slow link the search tries (2, 2, 2) beside the 2D shapes (the row mapping only:
     axis 0 over the nodes) and keeps it, its step the least of every candidate; its axes are named by the
