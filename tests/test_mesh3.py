@@ -25,8 +25,9 @@ SLOW = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "emulated
 @pytest.mark.parametrize(
     ("cluster", "n", "want"),
     [
-        ("dgx-h100:2", 16, [(2, 2, 4), (2, 4, 2)]),  # 2 nodes of 8: the outer axis over the network
-        ("alpa-p3x8", 64, [(8, 2, 4), (8, 4, 2)]),
+        ("dgx-h100:2", 16, [(2, 2, 4)]),  # 2 nodes of 8: the outer axis over the network
+        ("alpa-p3x8", 64, [(8, 2, 4)]),
+        ("atp-ic5:64", 64, []),  # one switch
         ("hidup-2x4-10g", 8, [(2, 2, 2)]),
         ("dgx-h100:2", 8, []),  # inside one node: nothing a 2D shape lacks
         ("dgx-h100:2", 12, []),  # not whole nodes
