@@ -91,7 +91,7 @@ def mesh_shapes_3d(cluster: Cluster, n: int) -> list[tuple[int, int, int]]:
     data-parallel-only axis inside a unit or a free axis across units: a 3-axis ILP costs about a 2D one's
     only with the outer axis cut (``planner.axes``), so each shape must earn its place: ``a <= b`` keeps the larger
     inner axis on the contiguous ranks, the closest-linked ones inside a unit, where tensor parallelism goes
-    (its mirror ``(u, b, a)`` cost as much planning again and lost on GPT-3 6.7B: docs/benchmarks.md)."""
+    (its mirror ``(u, b, a)`` cost as much planning again and did not beat it on GPT-3 6.7B: docs/benchmarks.md)."""
     layers = cluster.layers
     if len(layers) < 2 or float(np.max(layers[0].group_bw)) >= float(np.min(layers[1].group_bw)):
         return []
