@@ -667,7 +667,7 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
             why_one = f"one stage: {e}"
     try:
         staged = Staged.search(args, cluster, n, memory, progress, first=(B0, built, graph))
-        pp_s = staged.pp.simulate().step_s
+        pp_s = staged.pp.simulate(cluster).step_s
         S = len(staged.pp.stages)
         layout = " ".join(
             f"[{a},{b})@{'x'.join(map(str, st.mesh_shape))}" for st in staged.pp.stages for a, b in [st.layers]
@@ -712,7 +712,7 @@ def make_plan(
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
     ``meshpilot.planner.search.SEARCHERS``."""
-    from meshpilot.cluster import mesh_shapes_2d
+    from meshpilot.cluster import load_cluster, mesh_shapes_2d, mesh_shapes_3d
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import check_precision, microbatch_inputs
     from meshpilot.planner.auto import plan as plan_fn
@@ -720,7 +720,9 @@ def make_plan(
     schedule = schedule or {}
     progress = progress or make_console(stderr=True)
     shapes = [shape] if shape else mesh_shapes_2d(n)
-    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
+    outer = [] if shape or force else mesh_shapes_3d(load_cluster(cluster), n)  # searched on the row mapping only
+    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes) + len(outer)
+    shapes = shapes + outer
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:  # shown after the search, one line each
         warnings.simplefilter("always")
@@ -848,6 +850,11 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         f"mapping ({contiguous} on contiguous ranks), predicted step "
         f"[bold]{fmt_s(t.overlapped_s)}[/bold], {fmt_size(m.total)} per device"
     )
+    if len(plan.mesh_shape) > 2:  # a 3-axis mesh: what each axis is used for (the search keeps axis 0 data-parallel)
+        from meshpilot.planner.axes import axis_uses
+
+        uses = ", ".join(f"{a} {u}" for a, u in zip(plan.mesh_axes, axis_uses(plan)))
+        out.print(f"mesh axes: {uses}")
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
 
     out.print(_candidates_table(plan))
