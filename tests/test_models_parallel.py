@@ -68,7 +68,9 @@ CLUSTER = "atp-ic3"
 # with gradient accumulation over 4 microbatches and with collectives issued early beside compute
 # (accumulation over 2 microbatches ran too, until it was cut for the suite's time: 4 checks the same semantics)
 SCHEDULES = {"accumulate4": dict(microbatches=4), "overlapped": {}}
-SCHEDULE_MODELS = ("gpt", "bert", "moe", "wrn")
+# on 8 ranks the two whose layouts differ most from 4 (attention heads, experts); the encoder and the conv net run
+# these schedules on 4 ranks only (the suite's time: 4 fewer 8-rank runs, each recorded for 8 processes on 2 cores)
+SCHEDULE_MODELS = {4: ("gpt", "bert", "moe", "wrn"), 8: ("gpt", "moe")}
 SCHEDULE_MESH = {4: (2, 2), 8: (2, 4)}
 # gradient buckets on 8 ranks (issue 30): the GPT's data-parallel plan with small buckets, one more run of the spawn
 BUCKETED = ("gpt", {8: (8, 1)})
@@ -194,7 +196,7 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
         if SEARCHED_3D.get(world, ("",))[0] == name:
             p = plan(model, inputs, str(SEARCHED_3D[world][1]), graph=graph)
             plans[(name, tuple(p.mesh_shape), "searched")] = p
-        if name in SCHEDULE_MODELS:
+        if name in SCHEDULE_MODELS[world]:
             shape = SCHEDULE_MESH[world]
             for kind, kw in SCHEDULES.items():
                 overlap = kind == "overlapped"
@@ -402,7 +404,7 @@ def test_schedules_match_single_device(runs, kind):
     gradients as one device computes them with the same microbatches (the collectives: checked below)."""
     world, plans, results = runs
     keys = [k for k in plans if k[2] == kind]
-    assert len(keys) == len(SCHEDULE_MODELS)
+    assert len(keys) == len(SCHEDULE_MODELS[world])
     for k in keys:
         sched = plans[k].step_schedule()
         assert sched.microbatches == SCHEDULES[kind].get("microbatches", 1)
