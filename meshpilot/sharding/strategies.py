@@ -358,11 +358,14 @@ class StrategyBuilder:
             for src, i in node.inputs
         ]
 
+        rows_of = row_sliced_operands(node.target, [self.graph[src].outputs[i] for src, i in node.inputs])
+
         def reachable(in_pl: tuple, sliced: bool) -> bool:
             return all(
                 p in cand_index[k]
                 or (floats[k] and _partial_joins(k, in_pl, cands[k]))
                 or (sliced and any(_slice_of(c, p) for c in cands[k]))
+                or (k in rows_of and any(_slice_of(c, p, only_dim=rows_of[k]) for c in cands[k]))
                 for k, p in enumerate(in_pl)
             )
 
@@ -446,10 +449,26 @@ def _partial_joins(k: int, ins: tuple[Placements, ...], candidates: list[Placeme
     return any(all(isinstance(c[a], Replicate) for a in axes) for c in candidates)
 
 
-def _slice_of(have: Placements, want: Placements) -> bool:
+def _slice_of(have: Placements, want: Placements, only_dim: int | None = None) -> bool:
     """Whether layout `want` is a local slice of layout `have`: on every mesh axis the same placement, or a
-    replica that the axis shards (``R -> S(d)``: each rank keeps its block, no communication)."""
-    return all(h == w or (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))
+    replica that the axis shards (``R -> S(d)``: each rank keeps its block, no communication); with
+    `only_dim`, only slices of that tensor dim count."""
+    return all(
+        h == w or (isinstance(h, Replicate) and isinstance(w, Shard) and only_dim in (None, w.dim))
+        for h, w in zip(have, want)
+    )
+
+
+def row_sliced_operands(target: str, operands: list) -> dict[int, int]:
+    """Operands of `target` that may be planned as a row slice of their producer's replica even where other
+    layouts need no slicing: attention's mask, cut by query rows for the sequence-parallel strategy (a mask
+    built from positions is replicated wherever it is made). Operand index -> the tensor dim sliced."""
+    from meshpilot.ops.attention import MASK_OPERAND
+
+    k = MASK_OPERAND.get(target)
+    if k is None or k >= len(operands) or operands[k] is None:
+        return {}
+    return {k: len(operands[k].shape) - 2}
 
 
 def unique_strategies(strats) -> list[Strategy]:
