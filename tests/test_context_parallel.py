@@ -64,6 +64,9 @@ def test_a_capped_long_sequence_plan_shards_every_attention_on_its_queries(plans
             if n.name.startswith("sdpa_backward"):
                 assert n.outs[1:] == (("P", "R"), ("P", "R")), (name, n.name, n.outs)  # dK, dV partial sums
         assert p.memory.total <= CAP or name == "forced"
+        assert "context      attention sequence-parallel over axis gpu (4 devices, 4 of 4 attention calls)" in (
+            p.summary()
+        ), name
 
 
 # ------------------------------------------------------------------------------------------- 4 ranks

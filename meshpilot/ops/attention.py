@@ -469,3 +469,38 @@ def register_strategies() -> None:
 
     prop.register_op_strategy(torch.ops.meshpilot.sdpa.default, forward, osm.RuntimeSchemaInfo(4))
     prop.register_op_strategy(torch.ops.meshpilot.sdpa_backward.default, backward, osm.RuntimeSchemaInfo(7))
+
+
+# ------------------------------------------------------------------------------------------- in a plan
+
+SDPA_TARGETS = ("meshpilot.sdpa.default", "meshpilot.sdpa_backward.default")
+"""The op pair's targets as a captured graph records them (``OpNode.target``)."""
+
+
+def sequence_axes(nodes, mesh_axes: tuple[str, ...]) -> dict[str, int]:
+    """Mesh axis name -> how many attention forwards of `nodes` (a plan's ``NodeChoice`` list) shard their
+    queries' sequence over it (``S(2)`` of ``[b, h, t, e]``): the plan's context-parallel axes."""
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.target != SDPA_TARGETS[0] or not n.ins:
+            continue
+        for axis, p in enumerate(n.ins[0]):
+            if p == "S(2)":
+                out[mesh_axes[axis]] = out.get(mesh_axes[axis], 0) + 1
+    return out
+
+
+def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...]) -> str | None:
+    """The plan printout's line on context parallelism (None where no attention is sequence-sharded)."""
+    axes = sequence_axes(nodes, mesh_axes)
+    if not axes:
+        return None
+    total = sum(1 for n in nodes if n.target == SDPA_TARGETS[0])
+    where = ", ".join(
+        f"axis {name} ({mesh_shape[mesh_axes.index(name)]} devices, {k} of {total} attention calls)"
+        for name, k in axes.items()
+    )
+    return (
+        f"attention sequence-parallel over {where}: each device's query rows against every key, keys and "
+        "values all-gathered, their gradients partial sums until the resharding reduces them"
+    )
