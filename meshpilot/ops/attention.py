@@ -477,13 +477,18 @@ SDPA_TARGETS = ("meshpilot.sdpa.default", "meshpilot.sdpa_backward.default")
 """The op pair's targets as a captured graph records them (``OpNode.target``)."""
 
 
+def _attention_calls(nodes) -> list:
+    """The attention forwards among a plan's nodes, recomputed copies (``*_recomputed``) left out."""
+    from meshpilot.planner.recompute import is_copy
+
+    return [n for n in nodes if n.target == SDPA_TARGETS[0] and n.ins and not is_copy(n.name)]
+
+
 def sequence_axes(nodes, mesh_axes: tuple[str, ...]) -> dict[str, int]:
     """Mesh axis name -> how many attention forwards of `nodes` (a plan's ``NodeChoice`` list) shard their
     queries' sequence over it (``S(2)`` of ``[b, h, t, e]``): the plan's context-parallel axes."""
     out: dict[str, int] = {}
-    for n in nodes:
-        if n.target != SDPA_TARGETS[0] or not n.ins:
-            continue
+    for n in _attention_calls(nodes):
         for axis, p in enumerate(n.ins[0]):
             if p == "S(2)":
                 out[mesh_axes[axis]] = out.get(mesh_axes[axis], 0) + 1
@@ -495,7 +500,7 @@ def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...])
     axes = sequence_axes(nodes, mesh_axes)
     if not axes:
         return None
-    total = sum(1 for n in nodes if n.target == SDPA_TARGETS[0])
+    total = len(_attention_calls(nodes))
     where = ", ".join(
         f"axis {name} ({mesh_shape[mesh_axes.index(name)]} devices, {k} of {total} attention calls)"
         for name, k in axes.items()
