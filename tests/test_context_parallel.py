@@ -1,8 +1,9 @@
 """Context parallelism: attention sharded on the query sequence (``meshpilot.ops.attention``), Llama 3's method.
 
-Pure: the strategy is offered for a masked call (a transformers Llama builds its causal mask as a tensor) and
-not for an ``is_causal`` one; a tiny Llama at a long sequence planned under a memory cap shards every
-attention's queries on one mesh axis, its keys and values gathered, their gradients partial.
+Pure: a tiny Llama (batch 1 × 512 tokens) planned under a memory cap that no plan with attention whole on
+each device meets shards every attention's queries on one mesh axis (its keys and values gathered, their
+gradients partial), builds its causal mask (a tensor transformers makes from positions) by query rows, and
+says so in its printout.
 On 4 gloo ranks (one spawn): that plan, and one with the sequence forced onto the axis from the inputs on,
 train equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps) and issue the plan's
 collectives.
@@ -17,14 +18,16 @@ from dist_utils import lockstep_adamw, run_distributed
 from meshpilot.graph.capture import capture
 from meshpilot.models.sources import hf_model
 from meshpilot.planner.auto import plan
+from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
 
 CLUSTER = "alpa-p3x8"
 MESH = (4, 1)
 STEPS = 3
 BATCH, SEQ = 1, 512
-CAP = 4.5 * 2**20
-"""Bytes per device: under it the sequence must be divided (a replica of this Llama's activations does not fit)."""
+CAP = 2.7 * 2**20
+"""Bytes per device: under it attention must be sequence-parallel (checked: with every attention's outputs
+pinned replicated no plan fits)."""
 LLAMA = dict(
     num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=128, use_cache=False,
@@ -50,10 +53,20 @@ def plans() -> dict[str, StagePlan]:
     model, inputs = _llama()
     graph = capture(model, inputs)
     kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
-    return {
+    try:  # attention kept whole on every device (its outputs pinned replicated): over the cap
+        whole = plan(model, inputs, CLUSTER, memory_bytes=CAP, force={"sdpa*": "RR"}, **kw)
+        assert whole.memory.total > CAP
+    except PlanError:
+        pass
+    out = {
         "auto": plan(model, inputs, CLUSTER, memory_bytes=CAP, **kw),
         "forced": plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, **kw),
     }
+    # the causal mask (built by transformers from positions) is built by query rows, as attention reads it
+    masks = [n.inputs[3][0] for n in graph.nodes if n.target == "meshpilot.sdpa.default"]
+    for name, p in out.items():
+        assert {p.node(m).outs[0] for m in masks} == {("S(2)", "R")}, name
+    return out
 
 
 def test_a_capped_long_sequence_plan_shards_every_attention_on_its_queries(plans):
