@@ -1,7 +1,7 @@
 """Context parallelism chosen by the planner: a tiny Llama at several sequence lengths and memory caps.
 
-``plan``: for each sequence length, the plan with no cap and under tightening caps (every 2D mesh of 4
-devices of ``alpa-p3x8`` searched, recomputation ``auto``): which mesh, whether attention is sequence-parallel
+``plan``: for each sequence length, the plan with no cap and under tightening caps (mesh (4, 1) of
+``alpa-p3x8``, recomputation ``auto``): which mesh, whether attention is sequence-parallel
 (and over which axis), which blocks recompute, the predicted step and peak memory; the plans are saved.
 ``measure`` (under ``torchrun --nproc-per-node 4``): each saved plan's peak storage per rank over two AdamW
 steps (``bench_recompute.step_peaks``) against its prediction.
@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_recompute import step_peaks  # noqa: E402
 
 CLUSTER = "alpa-p3x8"
-DEVICES = 4
+MESH = (4, 1)
 LLAMA = dict(
     num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=128, use_cache=False,
 )  # fmt: skip
-SEQS = (256, 1024, 2048)
-CAPS = (None, 0.8, 0.6, 0.45)
+SEQS = (1024, 2048)
+CAPS = (None, 0.6, 0.35)
 """Caps as fractions of the uncapped plan's predicted peak (None: the device's own memory)."""
 
 
@@ -68,13 +68,13 @@ def run_plan(out: Path) -> None:
     print("| ---: | ---: | --- | --- | --- | ---: | ---: |")
     for seq in SEQS:
         model, inputs = _model(seq)
-        free = plan(model, inputs, CLUSTER, num_devices=DEVICES)
+        free = plan(model, inputs, CLUSTER, mesh_shape=MESH)
         print(_row(seq, None, free), flush=True)
         saved[f"{seq}/none"] = free.to_json()
         for frac in CAPS[1:]:
             cap = frac * free.memory.total
             try:
-                p = plan(model, inputs, CLUSTER, num_devices=DEVICES, memory_bytes=cap)
+                p = plan(model, inputs, CLUSTER, mesh_shape=MESH, memory_bytes=cap)
             except PlanError as e:
                 print(_row(seq, cap, None, str(e).split(";")[0]), flush=True)
                 continue
