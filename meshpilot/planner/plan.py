@@ -457,6 +457,11 @@ class StagePlan:
             )
         if self.recompute is not None:
             lines.append("  recompute    " + self.recompute_line())
+        from meshpilot.ops.attention import context_line
+
+        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape)
+        if cp is not None:
+            lines.append("  context      " + cp)
         if self.zero:
             reasons = Counter(f"{z.reason}/stage {int(z.stage)}" for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
