@@ -146,11 +146,14 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="capture every block and search every stage range (GPT)")
     ap.add_argument("--tables", action="store_true", help="GPT rows: the approximate table against the exact one")
     ap.add_argument("--workers", type=int, default=None, help="--tables: plan_pipeline's planning processes")
+    ap.add_argument(
+        "--costings", nargs="+", default=["approximate", "exact"], help="--tables: which tables (default both)"
+    )
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     if args.tables:
         rows = args.rows if "--rows" in sys.argv else gpts
-        compare_tables(rows, args.microbatches, args.workers)
+        compare_tables(rows, args.microbatches, args.workers, args.costings)
         return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
@@ -205,8 +208,9 @@ def main() -> None:
         )
 
 
-def compare_tables(names: list[str], microbatches: list[int], workers: int | None) -> None:
-    """``--tables`` (module docstring): per GPT row and B, the approximate and the exact stage table's plans."""
+def compare_tables(names: list[str], microbatches: list[int], workers: int | None, costings: list[str]) -> None:
+    """``--tables`` (module docstring): per GPT row and B, the variant ("approximate") and the exact stage table's
+    plans; a stage marked ``rc`` recomputes its blocks."""
     head = (
         f"{'model':<10} {'GPUs':>4} {'B':>3} {'table':<11} {'step s':>12} {'apx/ex':>7} {'wall s':>7} {'cpu s':>7} "
         f"{'searches':>8}  stages"
@@ -219,7 +223,7 @@ def compare_tables(names: list[str], microbatches: list[int], workers: int | Non
                 continue
             stack = capture_stack(*entry.build("meta", row.global_batch // B))
             steps = {}
-            for costing in ("approximate", "exact"):
+            for costing in costings:
                 t0, c0 = time.perf_counter(), cpu_seconds()
                 try:
                     p = plan_pipeline(stack, CLUSTER, microbatches=B, num_devices=entry.devices, costing=costing,
@@ -230,7 +234,9 @@ def compare_tables(names: list[str], microbatches: list[int], workers: int | Non
                 wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
                 steps[costing] = p.step_s
                 stages = " ".join(
-                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages for a, b in [s.layers]
+                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{' rc' * s.cost.recompute}"
+                    for s in p.stages
+                    for a, b in [s.layers]
                 )
                 # approximate / exact on the exact row: the approximate table's step against the exact one's
                 ratio = steps["approximate"] / p.step_s if costing == "exact" and "approximate" in steps else 1.0

@@ -507,6 +507,9 @@ class StageCost:
     forward_s: float
     """Of ``time``: the forwards' compute and the collectives they issue."""
     search_s: float
+    recompute: bool = False
+    """Every block of the stage recomputed in the backward (``planner.recompute``): costed on the recomputing
+    graph (``stack.StackTable.recomputed``); ``Plan.with_intra`` plans its slice so and the runtime runs it so."""
 
 
 @dataclass(frozen=True)
