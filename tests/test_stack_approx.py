@@ -49,12 +49,12 @@ def test_variant_table_within_one_percent_of_the_exact_table_or_better(stack, ro
     assert all(st.memory_bytes <= memory * (1 + 1e-9) for st in fast.stages)
 
 
-@pytest.mark.parametrize("share", [1.0, 0.35])
+@pytest.mark.parametrize("share", [1.0, 0.5])
 def test_chosen_stages_are_real_plans_priced_again_equal(stack, roomy, share):
     """Each stage of the variant plan is one of its variants (the block's uncapped plan, or ZeRO-3-sharded; on
     the captured or the recomputing graph, as the stage says) composed on its ranks by ``compose_stage`` on a
     fresh planner: the same time and memory to the last bit, within Eq. 5; and the plan's step is Eq. 2 of those
-    times. At 0.35 of the room some stage must recompute or shard (the exact table needs capped blocks)."""
+    times. At half the room the exact table's blocks descend cap levels; the variant plan is within 1 % of it."""
     memory, B = share * roomy, 4
     fast = plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=8, memory_bytes=memory, workers=1,
                          costing="approximate")  # fmt: skip

@@ -859,6 +859,7 @@ class Plan:
                     # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
                     # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
                     recompute="full" if st.cost is not None and st.cost.recompute else "none",
+                    zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
                 )  # fmt: skip
             stages.append(dataclasses.replace(st, plan=p))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the

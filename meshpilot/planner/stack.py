@@ -716,6 +716,7 @@ def compose_stage(
     return StageCost(
         (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
         sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces), recompute and nb > 0,
+        ZeroMode(block_zero).value if block_zero is not None and nb else None,
     )  # fmt: skip
 
 

@@ -510,6 +510,9 @@ class StageCost:
     recompute: bool = False
     """Every block of the stage recomputed in the backward (``planner.recompute``): costed on the recomputing
     graph (``stack.StackTable.recomputed``); ``Plan.with_intra`` plans its slice so and the runtime runs it so."""
+    zero: str | None = None
+    """The ZeRO mode forced on the stage's blocks (``zero.ZeroMode`` value, e.g. "3": the variant table's ZeRO
+    candidates); ``Plan.with_intra`` plans its slice with it. None: the search's own."""
 
 
 @dataclass(frozen=True)
