@@ -557,11 +557,16 @@ def _dp(
     F = [np.full((L + 1, n + 1), math.inf)]
     F[0][L, 0] = 0.0
     choice: list[np.ndarray] = [np.zeros(0)]
+    live = np.isfinite(T)  # a stage count, or a first layer, with no finite t_intra has no plan: skipped
     for s in range(1, S + 1):
         Fs = np.full((L + 1, n + 1), math.inf)
         ch = np.full((L + 1, n + 1), -1, dtype=np.int64)
         prev = F[s - 1]
+        if not live[s].any() or not np.isfinite(prev).any():
+            break  # F(s) is ∞ everywhere, and so is every F(s' > s) built on it
         for k in range(L):
+            if not live[s, k].any():
+                continue
             width = L - k
             cand = np.full((Z, width, n + 1), math.inf)
             for z, d in enumerate(sizes):
@@ -574,7 +579,9 @@ def _dp(
             ch[k] = best  # z * width + (i - k)
         F.append(Fs)
         choice.append(ch)
-    tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, S + 1)]
+    tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, len(F))]
+    if not tops:
+        return None
     s = int(np.argmin(tops)) + 1
     if tops[s - 1] == math.inf:
         return None
