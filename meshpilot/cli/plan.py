@@ -30,9 +30,8 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
-That table is costed from each logical mesh's block plan at full memory, ZeRO-3-sharded and recomputed (real
-plans only, no memory-capped search; a stage made of recomputed blocks runs them so); --exact-table costs it
-from the block searched under every memory cap level instead (slow; see docs/benchmarks.md).
+--approximate-table costs that table from each logical mesh's block plan at full memory, ZeRO-sharded and
+recomputed (real plans only, no memory-capped search; see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -229,13 +228,12 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
     )
     p.add_argument(
-        "--exact-table",
+        "--approximate-table",
         action="store_true",
-        help="a model of repeated blocks: cost the stage table from the block searched under every memory cap "
-        "level (slow: minutes for GPT-39B) instead of the default variant table (each logical mesh's block "
-        "plan at full memory, ZeRO-3-sharded and recomputed: real plans only, docs/benchmarks.md)",
+        help="a model of repeated blocks: cost the stage table from each logical mesh's block plan at full "
+        "memory, ZeRO-sharded and recomputed (real plans only; instead of the block under every memory cap "
+        "level, docs/benchmarks.md)",
     )
-    p.add_argument("--approximate-table", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument(
         "--config",
         metavar="KEY=V,…",
@@ -597,7 +595,7 @@ class Staged:
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
-                        costing="exact" if args.exact_table else "approximate",
+                        costing="approximate" if args.approximate_table else "exact",
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B)
             except PlanError as e:  # only memory is helped by more microbatches
