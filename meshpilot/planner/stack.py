@@ -115,7 +115,11 @@ runtime runs stage 3 only.
 
 What it cannot give is a block plan that trades time for memory *inside* the ILP (a capped search shards a
 few more weights, keeps fewer activations): where the exact table's best stage is such a plan, the variant
-table's stage is slower or has no fit (``docs/benchmarks.md``, "A stage table of real plans").
+table's stage is slower or has no fit. Measured (``docs/benchmarks.md``, "A stage table of real plans"): within
+1 % of the exact table or faster on every Alpa GPT row, but not the default — its GPT-39B plan's ZeRO-3 stages
+do not pass ``Plan.with_intra``, whose search counts the gradients summed over the microbatches (whole, for a
+ZeRO parameter: ``accounting.accumulated_bytes``), which :class:`~meshpilot.planner.stage.StageMemory` and so
+both tables' Eq. 5 leave out.
 """
 
 from __future__ import annotations
