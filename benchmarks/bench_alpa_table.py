@@ -3,13 +3,14 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
 
     python benchmarks/bench_alpa_table.py                                  # the GPT rows that finish
     python benchmarks/bench_alpa_table.py --rows gpt3-350m gpt3-1.3b --microbatches 16 32
-    python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # approximate vs exact table
+    python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # variant vs exact table
 
 ``--tables`` (GPT rows; default: all of them): per row and B, the repeated-block stage table costed both ways
-(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the approximate
-table whose chosen stages are then searched under their own caps, and the exact one of every cap level — with
-the final plan's predicted step (Eq. 2), its stages, the step's ratio and each planning's wall and CPU seconds
-(``plan_pipeline`` only: the capture is shared).
+(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the variant
+table (each logical mesh's block planned uncapped, ZeRO-3-sharded and recomputed: real plans only) and the
+exact one of every cap level (``--costings`` picks either) — with the final plan's predicted step (Eq. 2), its
+stages (``rc``: recomputed), the step's ratio and each planning's wall and CPU seconds (``plan_pipeline``
+only: the capture is shared).
 
 Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
 microbatches B given (one capture of one microbatch's step per B, on meta tensors; for a GPT the capture of
