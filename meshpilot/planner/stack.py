@@ -108,18 +108,19 @@ each tried while some useful entry with blocks does not fit yet, and skipped whe
 change an entry (section 3; the recomputing block has floors of its own: it saves less). Every candidate is a
 plan composed k times as section 2 composes it — the same time and memory accounting as the exact table —
 so the stages the DP chooses are priced exactly by construction: :meth:`stage_cost` composes them again on
-their placed ranks from the same pieces, and nothing is refined afterwards. A stage composed from a recomputing
-candidate is marked (``StageCost.recompute``): ``Plan.with_intra`` plans its slice with its blocks recomputed
-and the stage runtime runs it so (``runtime.pipeline_stages``). ZeRO stage 2 is not a variant: the pipeline
-runtime runs stage 3 only.
+their placed ranks from the same pieces, and nothing is refined afterwards. One term more than the exact
+table: the forward + backward peak holds the gradients summed over the microbatches (``fb += Σ_x w_x ·
+acc_x``, ``StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra`` — counts them; a ZeRO-3
+block holds that sum whole, so without the term its stages looked far smaller than their plans. A stage
+composed from a recomputing candidate is marked (``StageCost.recompute``): ``Plan.with_intra`` plans its slice
+with its blocks recomputed and the stage runtime runs it so (``runtime.pipeline_stages``). ZeRO stage 2 is not
+a variant: the pipeline runtime runs stage 3 only.
 
 What it cannot give is a block plan that trades time for memory *inside* the ILP (a capped search shards a
 few more weights, keeps fewer activations): where the exact table's best stage is such a plan, the variant
 table's stage is slower or has no fit. Measured (``docs/benchmarks.md``, "A stage table of real plans"): within
-1 % of the exact table or faster on every Alpa GPT row, but not the default — its GPT-39B plan's ZeRO-3 stages
-do not pass ``Plan.with_intra``, whose search counts the gradients summed over the microbatches (whole, for a
-ZeRO parameter: ``accounting.accumulated_bytes``), which :class:`~meshpilot.planner.stage.StageMemory` and so
-both tables' Eq. 5 leave out.
+1 % of the exact table or faster on every Alpa GPT row, but not the default: without the summed gradients its
+GPT-39B plan's ZeRO-3 stages did not pass ``Plan.with_intra`` (the exact table still leaves the term out).
 """
 
 from __future__ import annotations
@@ -494,6 +495,8 @@ class StackTable:
         """Compose `blk` and `specials` over every range, keep each entry's least (t, order) in `win`; returns
         ``ok[s, k, i]``: which entries this candidate fits (Eq. 5)."""
         T, fb, upd, act = _compose(specials, blk, ctx.PA, ctx.PB, ctx.NB)
+        if self.costing == TableCosting.APPROXIMATE:  # the summed gradients, as ``auto.plan`` counts them
+            fb = fb + _accumulated(specials, blk, ctx.PA, ctx.PB, ctx.NB)
         T = np.where(ctx.use, T, math.inf)
         win.candidates.append(c)
         cid = len(win.candidates) - 1
@@ -616,7 +619,8 @@ class StackTable:
         planner, stack = self._graph_of(c.recompute)
         return compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
-            capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute, **kw,
+            capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
+            accumulated=self.costing == TableCosting.APPROXIMATE, **kw,
         )  # fmt: skip
 
 
@@ -683,6 +687,7 @@ def compose_stage(
     block_capacity: float | None = None,
     block_zero: ZeroMode | None = None,
     recompute: bool = False,
+    accumulated: bool = False,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -690,7 +695,9 @@ def compose_stage(
     middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
     every piece (``zero``, ``force``: a Megatron stage's pinned layouts; `block_zero` overrides ``zero`` for the
     block). `recompute`: `stack` is the recomputing graph's (``StackTable.recomputed``), so a stage with blocks is
-    marked recomputed (``StageCost.recompute``). Raises ``PlanError`` when a piece has no plan."""
+    marked recomputed (``StageCost.recompute``). `accumulated`: the forward + backward peak holds every piece's
+    gradients summed over the microbatches (``StageMemory.accumulated``; the variant table). Raises
+    ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -708,6 +715,8 @@ def compose_stage(
         cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
     fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    if accumulated:
+        fb += sum(x.mem.accumulated * w for x, w in pieces)
     time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
     main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
     grads = sum(x.mem.grads * w for x, w in pieces)
@@ -733,6 +742,14 @@ def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, floa
     upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
     act = sum(m.saved * w for m, w in pieces)
     return fb, upd, act, static
+
+
+def _accumulated(specials, blk: _Piece | None, PA, PB, NB) -> np.ndarray:
+    """Per cluster range, the pieces' gradients summed over the microbatches (``StageMemory.accumulated``)."""
+    pre = np.array([0.0 if x is None else x.mem.accumulated for x in specials[0]])
+    post = np.array([0.0 if x is None else x.mem.accumulated for x in specials[1]])
+    b = blk.mem.accumulated if blk is not None else 0.0
+    return pre[PA] + NB * b + post[PB]
 
 
 def _compose(specials, blk: _Piece | None, PA, PB, NB):
