@@ -150,11 +150,16 @@ def main() -> None:
     ap.add_argument(
         "--costings", nargs="+", default=["approximate", "exact"], help="--tables: which tables (default both)"
     )
+    ap.add_argument(
+        "--accumulated",
+        action="store_true",
+        help="--tables: both tables count the gradients summed over the microbatches (default: the variant only)",
+    )
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     if args.tables:
         rows = args.rows if "--rows" in sys.argv else gpts
-        compare_tables(rows, args.microbatches, args.workers, args.costings)
+        compare_tables(rows, args.microbatches, args.workers, args.costings, args.accumulated or None)
         return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
@@ -209,7 +214,9 @@ def main() -> None:
         )
 
 
-def compare_tables(names: list[str], microbatches: list[int], workers: int | None, costings: list[str]) -> None:
+def compare_tables(
+    names: list[str], microbatches: list[int], workers: int | None, costings: list[str], accumulated: bool | None
+) -> None:
     """``--tables`` (module docstring): per GPT row and B, the variant ("approximate") and the exact stage table's
     plans; a stage marked ``rc`` recomputes its blocks."""
     head = (
@@ -228,7 +235,7 @@ def compare_tables(names: list[str], microbatches: list[int], workers: int | Non
                 t0, c0 = time.perf_counter(), cpu_seconds()
                 try:
                     p = plan_pipeline(stack, CLUSTER, microbatches=B, num_devices=entry.devices, costing=costing,
-                                      workers=workers)  # fmt: skip
+                                      workers=workers, accumulated=accumulated)  # fmt: skip
                 except PlanError as e:
                     print(f"{name:<10} {entry.devices:>4} {B:>3} {costing:<11} no plan: {e}", flush=True)
                     continue

@@ -771,6 +771,7 @@ def plan_pipeline(
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
     costing: TableCosting | str = TableCosting.EXACT,
+    accumulated: bool | None = None,
     **stage_kw,
 ) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -798,6 +799,10 @@ def plan_pipeline(
     block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
     capacity, ZeRO-sharded and recomputed — real plans only, no capped search (``stack`` module docstring, 4).
 
+    `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
+    forward + backward peak (``stage.StageMemory.accumulated``, as ``auto.plan`` does); None (default): the
+    variant table counts them, the exact table does not (``stack`` module docstring, 4).
+
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
     t0 = time.perf_counter()
@@ -813,7 +818,7 @@ def plan_pipeline(
     call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                 num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
                 fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
-                costing=_costing(costing), **stage_kw)  # fmt: skip
+                costing=_costing(costing), accumulated=accumulated, **stage_kw)  # fmt: skip
     if schedule == AUTO:
         return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
@@ -1067,7 +1072,7 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
         fast_table = StackTable(
             sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
-            workers=call["workers"], costing=call["costing"],
+            workers=call["workers"], costing=call["costing"], accumulated=call["accumulated"],
             recomputed=_recomputed(sp, stack) if call["costing"] == TableCosting.APPROXIMATE else None,
         )  # fmt: skip
         t, arg = fast_table.arrays()

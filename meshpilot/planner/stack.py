@@ -406,6 +406,9 @@ class StackTable:
     docstring, 3: the same table); False searches every one (for the tests)."""
     costing: TableCosting = TableCosting.EXACT
     """The block plans the entries are composed from (:class:`TableCosting`)."""
+    accumulated: bool | None = None
+    """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``);
+    None: as :attr:`costing` does (the variant table yes, the exact table no: module docstring, 4)."""
     recomputed: tuple[StagePlanner, Stack] | None = None
     """The planner and stack of the graph with every captured block recomputed (``config_plan.recomputed_stack``):
     the variant table's recomputing levels; None: none (module docstring, 4)."""
@@ -495,7 +498,7 @@ class StackTable:
         """Compose `blk` and `specials` over every range, keep each entry's least (t, order) in `win`; returns
         ``ok[s, k, i]``: which entries this candidate fits (Eq. 5)."""
         T, fb, upd, act = _compose(specials, blk, ctx.PA, ctx.PB, ctx.NB)
-        if self.costing == TableCosting.APPROXIMATE:  # the summed gradients, as ``auto.plan`` counts them
+        if self.counts_accumulated:  # the summed gradients, as ``auto.plan`` counts them
             fb = fb + _accumulated(specials, blk, ctx.PA, ctx.PB, ctx.NB)
         T = np.where(ctx.use, T, math.inf)
         win.candidates.append(c)
@@ -556,6 +559,11 @@ class StackTable:
             ok = self._offer(ctx, win, key, specials[level.recompute], blk, c)
             if blk is not None and not (blocks_needed & ~ok).any():
                 break
+
+    @property
+    def counts_accumulated(self) -> bool:
+        """Whether the entries count the gradients summed over the microbatches (:attr:`accumulated`)."""
+        return self.costing == TableCosting.APPROXIMATE if self.accumulated is None else self.accumulated
 
     def _graph_of(self, recompute: bool) -> tuple[StagePlanner, Stack]:
         """The planner and stack of the captured graph, or of its recomputing copy (:attr:`recomputed`)."""
@@ -620,7 +628,7 @@ class StackTable:
         return compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
-            accumulated=self.costing == TableCosting.APPROXIMATE, **kw,
+            accumulated=self.counts_accumulated, **kw,
         )  # fmt: skip
 
 
