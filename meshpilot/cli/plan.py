@@ -30,8 +30,9 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
---approximate-table costs that table from each logical mesh's block at full memory, ZeRO-sharded and estimated,
-and searches only the chosen stages under their own memory caps (experimental: see docs/benchmarks.md).
+--approximate-table costs that table from each logical mesh's block plan at full memory, ZeRO-sharded and
+recomputed (real plans only, no memory-capped search); it plans faster, but on some models its plan is a few
+per cent slower than the default's (see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -230,9 +231,9 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--approximate-table",
         action="store_true",
-        help="a model of repeated blocks: cost the stage table from each logical mesh's block at full memory, "
-        "ZeRO-sharded and estimated, then search the chosen stages under their own memory caps (instead of the "
-        "block under every cap level); experimental: its plan can be much slower (docs/benchmarks.md)",
+        help="a model of repeated blocks: cost the stage table from each logical mesh's block plan at full "
+        "memory, ZeRO-sharded and recomputed (real plans only; instead of the block under every memory cap "
+        "level); plans faster, but its plan can be a few per cent slower (docs/benchmarks.md)",
     )
     p.add_argument(
         "--config",
