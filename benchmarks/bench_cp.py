@@ -24,7 +24,7 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_recompute import step_peaks  # noqa: E402
+from bench_recompute import measured_line, step_peaks  # noqa: E402
 
 CLUSTER = "alpa-p3x8"
 MESH = (4, 1)
@@ -93,13 +93,8 @@ def run_measure(path: Path, keys: list[str]) -> None:
         p = StagePlan.from_json(text)
         peaks = step_peaks(*_model(int(k.split("/")[0]), "cpu"), p)
         if dist.get_rank() == 0:
-            top = max(peaks)
-            print(
-                f"{k}: mesh {p.mesh_shape}, sequence-parallel {sequence_axes(p.nodes, p.mesh_axes) or 'no'}: "
-                f"predicted {fmt_size(p.memory.total)}, measured {fmt_size(top)} "
-                f"(ranks {', '.join(fmt_size(x) for x in peaks)}), predicted / measured {p.memory.total / top:.3f}",
-                flush=True,
-            )
+            cp = sequence_axes(p.nodes, p.mesh_axes) or "no"
+            print(f"{k}: mesh {p.mesh_shape}, sequence-parallel {cp}: {measured_line(p, peaks)}", flush=True)
     dist.destroy_process_group()
 
 
