@@ -713,16 +713,15 @@ def make_plan(
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
     ``meshpilot.planner.search.SEARCHERS``."""
-    from meshpilot.cluster import load_cluster, mesh_shapes_2d, mesh_shapes_3d
+    from meshpilot.cluster import load_cluster
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.auto import check_precision, microbatch_inputs
+    from meshpilot.planner.auto import check_precision, microbatch_inputs, searched_shapes
     from meshpilot.planner.auto import plan as plan_fn
 
     schedule = schedule or {}
     progress = progress or make_console(stderr=True)
-    shapes = [shape] if shape else mesh_shapes_2d(n)
-    outer = [] if shape or force else mesh_shapes_3d(load_cluster(cluster), n)  # searched on the row mapping only
-    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes) + len(outer)
+    shapes, outer = searched_shapes(load_cluster(cluster), n, shape, bool(force))
+    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes) + len(outer)  # the 3-axis: row only
     shapes = shapes + outer
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:  # shown after the search, one line each

@@ -111,7 +111,7 @@ def plan(
     activations (``meshpilot.planner.recompute``): ``auto`` (only when the plan does not fit the memory
     otherwise), ``none`` or ``full``.
     """
-    from meshpilot.cluster import load_cluster, mesh_shapes_2d, mesh_shapes_3d
+    from meshpilot.cluster import load_cluster
 
     zero = _check_options(zero, microbatches, overlap, duplex)
     chooser = get_searcher(searcher)
@@ -133,10 +133,7 @@ def plan(
         pins.check()
     for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
-    shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
-    # the cluster's 3-axis shapes, their outer axis data-parallel only (``planner.axes``): not under a forced
-    # layout (written for two axes) nor without the row mapping (the outer axis over the slow level)
-    outer = [] if mesh_shape or force or MeshMapping.ROW not in map(MeshMapping, mappings) else mesh_shapes_3d(cl, n)
+    shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
 
     def search_graph(g: OpGraph) -> StagePlan:
         search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
@@ -181,6 +178,25 @@ def _check_options(zero: str, microbatches: int, overlap: bool, duplex: bool) ->
     if zero not in ZERO_MODES:
         raise PlanError(f"zero={zero!r}: expected one of {', '.join(ZERO_MODES)}")
     return ZeroMode(zero)
+
+
+def searched_shapes(
+    cluster: Any,
+    n: int,
+    mesh_shape: Sequence[int] | None = None,
+    forced: bool = False,
+    mappings: Sequence[MeshMapping | str] = tuple(MeshMapping),
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The shapes :func:`plan` searches on `n` devices of `cluster` (a loaded ``Cluster``): (`mesh_shape` alone
+    or every 2D shape, the cluster's 3-axis shapes). The 3-axis ones (``mesh_shapes_3d``) have their outer axis
+    data-parallel only (``planner.axes``); none when a shape is given, under a forced layout (written for two
+    axes) or without the row mapping (which puts the outer axis over the slow level)."""
+    from meshpilot.cluster import mesh_shapes_2d, mesh_shapes_3d
+
+    shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
+    if mesh_shape or forced or MeshMapping.ROW not in map(MeshMapping, mappings):
+        return shapes, []
+    return shapes, [tuple(s) for s in mesh_shapes_3d(cluster, n)]
 
 
 @dataclasses.dataclass(frozen=True)
