@@ -105,7 +105,7 @@ class OuterDataParallel(StrategyBuilder):
         self._want = tuple(self.dp_of(src, i) for src, i in node.inputs) if node.inputs else ()
         with _outer_rules(self._want, len(node.outputs)):
             full = super().for_node(node, operand_candidates)
-        kept, dp = self._cut(node, full)
+        kept, dp = self._cut(node, full, self._want)
         self._dp[node.name] = dp
         self.offered += len(full)
         self.kept += len(kept)
@@ -116,8 +116,11 @@ class OuterDataParallel(StrategyBuilder):
         dp = self._dp.get(name) or self._dp.get(self.graph.canonical.get(name, name))
         return dp[index] if dp is not None and index < len(dp) else Replicate()
 
-    def _cut(self, node: OpNode, full: list[Strategy]) -> tuple[list[Strategy], tuple[Placement | None, ...]]:
-        """The strategies kept for `node` and its outputs' data-parallel placements on axis 0."""
+    def _cut(
+        self, node: OpNode, full: list[Strategy], want: tuple[Placement | None, ...]
+    ) -> tuple[list[Strategy], tuple[Placement | None, ...]]:
+        """The strategies kept for `node` and its outputs' data-parallel placements on axis 0; `want`: its
+        operands' data-parallel placements."""
         if not full:
             return full, ()
         if node.kind == NodeKind.PARAM:
@@ -129,7 +132,6 @@ class OuterDataParallel(StrategyBuilder):
             return kept or full, (Shard(0),) if batch else (Replicate(),)
         if not node.inputs:  # buffers, constants, factories: replicated already
             return full, _on(full[0].outs, OUTER)
-        want = tuple(self.dp_of(src, i) for src, i in node.inputs)
         data = [s for s in full if _on(s.ins, OUTER) == want]
         whole = [s for s in full if _replicated(_on(s.ins, OUTER)) and _replicated(_on(s.outs, OUTER))]
         seen = {id(s) for s in data}
