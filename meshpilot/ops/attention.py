@@ -439,15 +439,11 @@ def register_strategies() -> None:
         return [_mask_rule(args[-1].strategies[0].output_spec.tensor_meta, from_end)]
 
     def rows(op_schema, n_out: int, mask_index: int):
-        args = tensor_args(op_schema)
-        has_mask = op_schema.args_schema[mask_index] is not None
-        n_in = len(args)
-        out = [[Replicate()] * (n_out + n_in)]
+        n = n_out + len(tensor_args(op_schema))
+        out = [[Replicate()] * n]
         for dim, from_end in ((0, 4), (1, 3)):
-            row = [Shard(dim)] * (n_out + n_in)
-            if has_mask:
-                row[-1] = _mask_rule(args[-1].strategies[0].output_spec.tensor_meta, from_end)
-            out.append(row)
+            mask = mask_of(op_schema, mask_index, from_end)  # the last operand's placement, where there is a mask
+            out.append([Shard(dim)] * (n - len(mask)) + mask)
         return out
 
     def forward(op_schema):
