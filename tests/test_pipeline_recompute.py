@@ -10,7 +10,7 @@ import dataclasses
 import functools
 
 from dist_utils import run_distributed
-from test_pipeline_runtime import MICRO, _beside_single_device, _check_intra, _tiny_gpt_graph
+from test_pipeline_runtime import _beside_single_device, _check_intra, _tiny_gpt_graph, _tiny_gpt_run
 
 STAGES = [((0, 4), (0, 1), (1, 2)), ((4, 8), (2, 3), (2, 1))]
 """(layers, ranks, logical mesh): embeddings and blocks 0-1 on a (1, 2) mesh, blocks 2-3 and the head on (2, 1)."""
@@ -30,24 +30,14 @@ def _plan_json() -> str:
 
 
 def _worker(text: str) -> dict:
-    import torch
-
-    from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.recompute import is_copy
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    cfg = gpt_tiny(layers=4)
     _, _, graph = _tiny_gpt_graph()
-    plan = Plan.from_json(text)
-    torch.manual_seed(0)
-    idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
-    tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
-    torch.manual_seed(1)
-    ref = GPT(cfg)
-    torch.manual_seed(1)
-    pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
-    res = _beside_single_device(pm, ref, (idx, tgt))
+    batch, ref, model = _tiny_gpt_run()
+    pm = pipeline_parallelize(model, batch, Plan.from_json(text), graph=graph)
+    res = _beside_single_device(pm, ref, batch)
     res["copies"] = sum(is_copy(n.name) for n in pm.graph.nodes)
     return {NAME: res}
 

@@ -246,14 +246,10 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     one with the local all-gather, and those of ZB as plans of kind zb-h1."""
     import dataclasses
 
-    import torch
-
-    from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.schedule import PipelineKind, zero_bubble
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    cfg = gpt_tiny(layers=4)
     _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
     out = {}
     if runs is None:
@@ -267,15 +263,27 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
             plan = Plan.from_json(dataclasses.replace(plan, schedule=PipelineKind.ZERO_BUBBLE).to_json())
             assert plan.step_schedule() == sched
             sched = None
-        torch.manual_seed(0)
-        idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
-        tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
-        torch.manual_seed(1)
-        ref = GPT(cfg)
-        torch.manual_seed(1)
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, sched, graph=graph, local_gather=gather)
-        out[name] = _beside_single_device(pm, ref, (idx, tgt))
+        batch, ref, model = _tiny_gpt_run()
+        pm = pipeline_parallelize(model, batch, plan, sched, graph=graph, local_gather=gather)
+        out[name] = _beside_single_device(pm, ref, batch)
     return out
+
+
+def _tiny_gpt_run() -> tuple[tuple, object, object]:
+    """The intra-plan runs' global batch (4 microbatches of ``MICRO`` rows) and two identically seeded tiny GPTs:
+    the single-device reference and the copy a pipeline takes."""
+    import torch
+
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    cfg = gpt_tiny(layers=4)
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+    tgt = torch.randint(0, cfg.vocab, (4 * MICRO, cfg.seq))
+    torch.manual_seed(1)
+    ref = GPT(cfg)
+    torch.manual_seed(1)
+    return (idx, tgt), ref, GPT(cfg)
 
 
 def _beside_single_device(pm, ref, inputs: tuple, ref_loss=None) -> dict:
