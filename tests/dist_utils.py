@@ -1,14 +1,16 @@
 """Run a function in N real ``torch.distributed`` processes (gloo, CPU) from a test.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters (the
-``spawn`` start method: no forked OpenMP pools), joins them into one gloo process group through
-a ``FileStore`` in a private temporary directory (no TCP port to pick or race for), calls
-``fn(*args)`` in each, and returns the list of per-rank return values, indexed by rank. Inside
-``fn`` the rank is ``torch.distributed.get_rank()``.
+``run_distributed(fn, world_size, *args)`` calls ``fn(*args)`` in each of ``world_size`` ranks and returns
+the list of per-rank return values, indexed by rank. Inside ``fn`` the rank is
+``torch.distributed.get_rank()``. The ranks are interpreters started with the ``spawn`` method (no forked
+OpenMP pools) and joined into one gloo group through a ``FileStore`` in a private temporary directory (no TCP
+port to pick or race for), once per world size: they stay up and take the next call of that size (a
+:class:`_Pool`), so the suite starts 4 ranks once rather than once per test module. Each call still starts
+as a fresh process did: the parent's environment, torch's initial random state, no cached captures.
 
-If a rank raises, the others are terminated and the parent raises ``DistributedTestError``
-whose message holds the failing rank's traceback text. A rank that hangs is killed after
-``timeout`` seconds and reported the same way.
+If a rank raises, the ranks are terminated (a peer may be stuck in a collective) and the parent raises
+``DistributedTestError`` whose message holds the failing rank's traceback text; the next call starts fresh
+ranks. A rank that hangs is killed after ``timeout`` seconds and reported the same way.
 
 ``fn`` and its arguments must be picklable: define ``fn`` at module level in the test module
 (pytest's default ``prepend`` import mode puts ``tests/`` on ``sys.path``, which the spawned
@@ -21,9 +23,11 @@ single-device model and its ``parallelize``'d copy trained side by side, compare
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import traceback
@@ -40,40 +44,173 @@ class DistributedTestError(RuntimeError):
     """A spawned rank raised, crashed or timed out; the message carries its traceback."""
 
 
-def _child(
-    rank: int,
-    world_size: int,
-    tmpdir: str,
-    backend: str,
-    threads: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> None:
-    out_path = os.path.join(tmpdir, f"rank{rank}.pkl")
+_TORCH_SEED = 67280421310721
+"""torch's default generator seed in a fresh process: every task starts from it, as a fresh spawn did."""
+
+
+def _serve(rank: int, world_size: int, tmpdir: str, backend: str, threads: int, tasks: Any) -> None:
+    """One rank of a :class:`_Pool`: join the gloo group once, then run each task the parent sends on `tasks`
+    (a pipe) until it closes. A task's result goes to ``rank{r}.{task}.pkl`` in `tmpdir`."""
     # a segfault in native code (gloo) leaves no traceback: faulthandler writes every thread's Python stack
     # here, and the parent puts it in the failure message
     fault = open(os.path.join(tmpdir, f"rank{rank}.fault"), "w")  # noqa: SIM115 - open until the process dies
     faulthandler.enable(file=fault, all_threads=True)
-    try:
-        import torch
-        import torch.distributed as dist
+    import gc
 
-        torch.set_num_threads(threads)
-        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        result = fn(*args, **kwargs)
-        # Barrier so no rank tears down its sockets while a peer still talks to it. On an
-        # error there is no barrier (peers may be stuck in a collective); the parent kills them.
-        dist.barrier()
-        dist.destroy_process_group()
-        payload = ("ok", result)
-    except BaseException:  # noqa: BLE001 - everything must reach the parent as text
-        payload = ("error", traceback.format_exc())
-    tmp = out_path + ".tmp"
-    with open(tmp, "wb") as fh:
-        pickle.dump(payload, fh)
-    os.replace(tmp, out_path)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    while True:
+        try:
+            message = tasks.recv()
+        except EOFError:  # the parent is gone
+            break
+        if message is None:
+            break
+        task, payload = message
+        try:
+            fn, args, kwargs, env = pickle.loads(payload)  # imports the test module that defines fn
+            # what a fresh spawn gave the task: the parent's environment now, torch's initial random state, no
+            # captures cached by an earlier task (``graph_of``'s keys name a model only within one test module)
+            os.environ.clear()
+            os.environ.update(env)
+            torch.manual_seed(_TORCH_SEED)
+            _GRAPHS.clear()
+            result = fn(*args, **kwargs)
+            # Barrier so no rank reports (and the parent sends the next task) while a peer is still in this
+            # one's collectives. On an error there is no barrier (peers may be stuck); the parent kills them.
+            dist.barrier()
+            out = ("ok", result)
+        except BaseException:  # noqa: BLE001 - everything must reach the parent as text
+            out = ("error", traceback.format_exc())
+        path = os.path.join(tmpdir, f"rank{rank}.{task}.pkl")
+        with open(path + ".tmp", "wb") as fh:
+            pickle.dump(out, fh)
+        os.replace(path + ".tmp", path)
+        del out
+        gc.collect()
+    dist.destroy_process_group()
+
+
+class _Pool:
+    """`world_size` ranks in one gloo group, started once and given one task after another: the suite's
+    multi-rank checks pay for the processes, ``import torch`` and the group once per world size, not once per
+    test module (measured: 12.8 s of CPU to start 4 ranks that import the runtime and do nothing)."""
+
+    def __init__(self, world_size: int, backend: str, threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmpdir = tempfile.mkdtemp(prefix="meshpilot-dist-")
+        self.tasks = 0
+        self.pipes = []
+        self.procs = []
+        for rank in range(world_size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(rank, world_size, self.tmpdir, backend, threads, theirs))
+            p.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.procs.append(p)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; each rank's result. On any failure the pool is closed (a rank
+        left in a collective cannot be reused) and :class:`DistributedTestError` raised."""
+        self.tasks += 1
+        task = self.tasks
+        payload = pickle.dumps((fn, args, kwargs, dict(os.environ)))
+        for pipe in self.pipes:
+            pipe.send((task, payload))
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        failure: str | None = None
+        crashed = False
+        while len(results) < self.world_size and failure is None:
+            # a rank that died first: its peers then fail in a collective, and the death is the news
+            for rank, p in enumerate(self.procs):
+                path = os.path.join(self.tmpdir, f"rank{rank}.{task}.pkl")
+                if rank not in results and not p.is_alive() and not os.path.exists(path):
+                    failure = f"rank {rank} exited with code {p.exitcode} without a result"
+                    crashed = p.exitcode is not None and p.exitcode < 0
+                    stack = _read(os.path.join(self.tmpdir, f"rank{rank}.fault"))
+                    if stack:
+                        failure += f"; its Python stacks when it died:\n{stack}"
+                    break
+            for rank in range(self.world_size):
+                path = os.path.join(self.tmpdir, f"rank{rank}.{task}.pkl")
+                if failure is not None or rank in results or not os.path.exists(path):
+                    continue
+                with open(path, "rb") as fh:
+                    status, value = pickle.load(fh)
+                os.remove(path)
+                if status != "ok":
+                    failure = f"rank {rank} raised:\n{value}"
+                    break
+                results[rank] = value
+            if len(results) < self.world_size and failure is None:
+                if time.monotonic() > deadline:
+                    pending = sorted(set(range(self.world_size)) - set(results))
+                    failure = f"timed out after {timeout:.0f}s; ranks still running: {pending}"
+                    break
+                time.sleep(0.05)
+        if failure is not None:
+            self.close(force=True)
+            raise (_RankCrashed if crashed else DistributedTestError)(failure)
+        return [results[r] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, force: bool = False) -> None:
+        """Stop the ranks: asked to finish (they leave the group together), or terminated when `force` (a
+        failed task may have left them in a collective)."""
+        for pipe in self.pipes:
+            try:
+                if not force:
+                    pipe.send(None)
+                pipe.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            if force and p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10 if not force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        _POOLS.pop(next((k for k, v in _POOLS.items() if v is self), None), None)
+
+
+_POOLS: dict[tuple[int, str, int], _Pool] = {}
+"""The live pools, by (world size, backend, threads per rank), the most recently used last."""
+
+MAX_POOLS = 2
+"""Pools kept alive at once (4 and 8 ranks, the suite's two sizes); the least recently used one beyond
+closes, so an idle pool does not hold its memory for the rest of the run."""
+
+
+def _pool(world_size: int, backend: str, threads: int) -> _Pool:
+    key = (world_size, backend, threads)
+    pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.close(force=True)
+        pool = None
+    if pool is None:
+        while len(_POOLS) >= MAX_POOLS:
+            _POOLS[next(iter(_POOLS))].close()
+        pool = _Pool(world_size, backend, threads)
+    _POOLS[key] = pool
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
 
 
 def _read(path: str) -> str:
@@ -92,96 +229,27 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result (``_run`` below).
-
-    A rank killed by a signal before it reported (seen once: a segfault in one of 8 ranks of a duplex run that
-    passed on every rerun) is retried once, with a warning that names it, so the crash is visible in the
-    test report; a second crash, and every exception or timeout, fails the test.
-    """
-    try:
-        return _run(fn, world_size, *args, **kwargs)
-    except _RankCrashed as crash:
-        warnings.warn(f"{fn.__name__} on {world_size} ranks: {crash}; retried once", stacklevel=2)
-        return _run(fn, world_size, *args, **kwargs)
-
-
-def _run(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
     timeout: float = 300.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result, indexed by rank.
 
-    ``timeout`` bounds the whole run (seconds); ``threads_per_rank`` sets
-    ``torch.set_num_threads`` in each child (keep 1 on shared CPUs).
+    ``timeout`` bounds the run (seconds); ``threads_per_rank`` sets ``torch.set_num_threads`` in each rank
+    (keep 1 on shared CPUs). The ranks are a :class:`_Pool`'s, kept for the next call of the same size.
+
+    A rank killed by a signal before it reported (seen once: a segfault in one of 8 ranks of a duplex run that
+    passed on every rerun) is retried once on fresh ranks, with a warning that names it, so the crash is
+    visible in the test report; a second crash, and every exception or timeout, fails the test.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="meshpilot-dist-") as tmpdir:
-        procs = []
-        for rank in range(world_size):
-            p = ctx.Process(
-                target=_child,
-                args=(rank, world_size, tmpdir, backend, threads_per_rank, fn, args, kwargs),
-                daemon=False,
-            )
-            p.start()
-            procs.append(p)
-
-        deadline = time.monotonic() + timeout
-        failure: str | None = None
-        crashed = False
-        pending = set(range(world_size))
-        while pending and failure is None:
-            for rank in sorted(pending):
-                p = procs[rank]
-                if p.is_alive():
-                    continue
-                pending.discard(rank)
-                path = os.path.join(tmpdir, f"rank{rank}.pkl")
-                if not os.path.exists(path):
-                    failure = f"rank {rank} exited with code {p.exitcode} without a result"
-                    crashed = p.exitcode is not None and p.exitcode < 0
-                    stack = _read(os.path.join(tmpdir, f"rank{rank}.fault"))
-                    if stack:
-                        failure += f"; its Python stacks when it died:\n{stack}"
-                    break
-                with open(path, "rb") as fh:
-                    status, _ = pickle.load(fh)
-                if status != "ok":
-                    with open(path, "rb") as fh:
-                        failure = f"rank {rank} raised:\n{pickle.load(fh)[1]}"
-                    break
-            if pending and failure is None:
-                if time.monotonic() > deadline:
-                    failure = f"timed out after {timeout:.0f}s; ranks still running: {sorted(pending)}"
-                    break
-                time.sleep(0.05)
-
-        if failure is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            raise (_RankCrashed if crashed else DistributedTestError)(failure)
-
-        results = []
-        for rank, p in enumerate(procs):
-            p.join()
-            with open(os.path.join(tmpdir, f"rank{rank}.pkl"), "rb") as fh:
-                results.append(pickle.load(fh)[1])
-        return results
+    try:
+        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout)
+    except _RankCrashed as crash:
+        warnings.warn(f"{fn.__name__} on {world_size} ranks: {crash}; retried once", stacklevel=2)
+        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout)
 
 
 _GRAPHS: dict = {}
