@@ -503,13 +503,26 @@ class _TPPins:
 
     def pin_sequence(self) -> None:
         """Megatron's sequence parallelism: every pinned row linear's residual add (:func:`residual_adds`)
-        sequence-sharded on the TP axis (:meth:`sequence_layout`)."""
-        rows = [r.node for r in find_linears(self.graph) if self.force.get(r.node, "").endswith("P")]
-        for add in residual_adds(self.graph, rows):
-            info = self.graph[add].out
+        sequence-sharded on the TP axis (:meth:`sequence_layout`), and the value each pinned column linear
+        (and vocabulary-parallel head) reads, where it is of such an add's shape (the norm's output), pinned
+        whole on the TP axis: the sequence is all-gathered once, into the norm's last op, and every column
+        reads it as it is (the ILP reshards per edge: left free it would gather once per column)."""
+        graph, linears = self.graph, find_linears(self.graph)
+        rows = [r.node for r in linears if self.force.get(r.node, "").endswith("P")]
+        shapes = set()
+        for add in residual_adds(graph, rows):
+            info = graph[add].out
             lay = self.sequence_layout(tuple(info.shape)) if info is not None else None
             if lay is not None:
                 self.force[add] = lay
+                shapes.add(tuple(info.shape))
+        columns = [c for c in linears if self.force.get(c.node, "").endswith("S(1)")]
+        for c in columns:
+            src = graph[c.act]
+            while (src.target in SHAPE_VIEWS or src.target == _CAST) and src.inputs:
+                src = graph[src.inputs[0][0]]
+            if src.kind == "op" and src.out is not None and tuple(src.out.shape) in shapes:
+                self.force[src.name] = _layout(self.rows_on_batch_axes(src.out.shape[0], "R"))
 
     def pin_embeddings(self) -> None:
         """Vocabulary-parallel embedding tables (Megatron-LM's); a lookup of an input's ids keeps its partial
