@@ -19,7 +19,6 @@ from meshpilot.models.sources import build_hf  # noqa: E402
 from meshpilot.planner.config_plan import (  # noqa: E402
     Split,
     boundary_pins,
-    group_memory,
     parse_config,
     send_shares,
     stage_bounds,
@@ -158,8 +157,6 @@ def test_tp_plans_run_sequence_parallel_unless_told_not_to():
     assert set(boundary_pins(sp, stack, off, force).values()) == {"S(0)R"}
     plans = {c.sp: plan_config(built.model, built.inputs, stack, sp.cluster, c, planner=sp) for c in (on, off)}
     assert plans[1].plan.send_split == 4 and plans[0].plan.send_split == 2
-    # sequence parallelism holds less of the hidden state a rank receives: a stage's bound is no larger
-    assert group_memory(plans[1]) <= group_memory(plans[0])
 
 
 def test_group_bound_counts_chunk_microbatches_in_flight_at_once():
