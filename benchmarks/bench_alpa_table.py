@@ -3,13 +3,14 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
 
     python benchmarks/bench_alpa_table.py                                  # the GPT rows that finish
     python benchmarks/bench_alpa_table.py --rows gpt3-350m gpt3-1.3b --microbatches 16 32
-    python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # approximate vs exact table
+    python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # variant vs exact table
 
 ``--tables`` (GPT rows; default: all of them): per row and B, the repeated-block stage table costed both ways
-(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the approximate
-table whose chosen stages are then searched under their own caps, and the exact one of every cap level — with
-the final plan's predicted step (Eq. 2), its stages, the step's ratio and each planning's wall and CPU seconds
-(``plan_pipeline`` only: the capture is shared).
+(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the variant
+table (each logical mesh's block planned uncapped, ZeRO-3-sharded and recomputed: real plans only) and the
+exact one of every cap level (``--costings`` picks either) — with the final plan's predicted step (Eq. 2), its
+stages (``rc``: recomputed), the step's ratio and each planning's wall and CPU seconds (``plan_pipeline``
+only: the capture is shared).
 
 Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
 microbatches B given (one capture of one microbatch's step per B, on meta tensors; for a GPT the capture of
@@ -146,11 +147,19 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="capture every block and search every stage range (GPT)")
     ap.add_argument("--tables", action="store_true", help="GPT rows: the approximate table against the exact one")
     ap.add_argument("--workers", type=int, default=None, help="--tables: plan_pipeline's planning processes")
+    ap.add_argument(
+        "--costings", nargs="+", default=["approximate", "exact"], help="--tables: which tables (default both)"
+    )
+    ap.add_argument(
+        "--accumulated",
+        action="store_true",
+        help="--tables: both tables count the gradients summed over the microbatches (default: the variant only)",
+    )
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     if args.tables:
         rows = args.rows if "--rows" in sys.argv else gpts
-        compare_tables(rows, args.microbatches, args.workers)
+        compare_tables(rows, args.microbatches, args.workers, args.costings, args.accumulated or None)
         return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
@@ -205,8 +214,11 @@ def main() -> None:
         )
 
 
-def compare_tables(names: list[str], microbatches: list[int], workers: int | None) -> None:
-    """``--tables`` (module docstring): per GPT row and B, the approximate and the exact stage table's plans."""
+def compare_tables(
+    names: list[str], microbatches: list[int], workers: int | None, costings: list[str], accumulated: bool | None
+) -> None:
+    """``--tables`` (module docstring): per GPT row and B, the variant ("approximate") and the exact stage table's
+    plans; a stage marked ``rc`` recomputes its blocks."""
     head = (
         f"{'model':<10} {'GPUs':>4} {'B':>3} {'table':<11} {'step s':>12} {'apx/ex':>7} {'wall s':>7} {'cpu s':>7} "
         f"{'searches':>8}  stages"
@@ -219,18 +231,20 @@ def compare_tables(names: list[str], microbatches: list[int], workers: int | Non
                 continue
             stack = capture_stack(*entry.build("meta", row.global_batch // B))
             steps = {}
-            for costing in ("approximate", "exact"):
+            for costing in costings:
                 t0, c0 = time.perf_counter(), cpu_seconds()
                 try:
                     p = plan_pipeline(stack, CLUSTER, microbatches=B, num_devices=entry.devices, costing=costing,
-                                      workers=workers)  # fmt: skip
+                                      workers=workers, accumulated=accumulated)  # fmt: skip
                 except PlanError as e:
                     print(f"{name:<10} {entry.devices:>4} {B:>3} {costing:<11} no plan: {e}", flush=True)
                     continue
                 wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
                 steps[costing] = p.step_s
                 stages = " ".join(
-                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}" for s in p.stages for a, b in [s.layers]
+                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{' rc' * s.cost.recompute}"
+                    for s in p.stages
+                    for a, b in [s.layers]
                 )
                 # approximate / exact on the exact row: the approximate table's step against the exact one's
                 ratio = steps["approximate"] / p.step_s if costing == "exact" and "approximate" in steps else 1.0

@@ -111,6 +111,17 @@ def step_peaks(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> list[int]
     return peaks
 
 
+def measured_line(p: StagePlan, peaks: list[int]) -> str:
+    """Plan `p`'s predicted peak against the largest of `peaks` (every rank's, from :func:`step_peaks`), as
+    this benchmark, ``bench_zero.py`` and ``bench_cp.py`` print it."""
+    top = max(peaks)
+    ranks = ", ".join(fmt_size(x) for x in peaks)
+    return (
+        f"predicted {fmt_size(p.memory.total)}, measured {fmt_size(top)} (ranks {ranks}), "
+        f"predicted / measured {p.memory.total / top:.3f}"
+    )
+
+
 def run_measure(path: Path) -> None:
     import torch.distributed as dist
 
@@ -119,13 +130,7 @@ def run_measure(path: Path) -> None:
         p = StagePlan.from_json(text)
         peaks = step_peaks(*_model("cpu"), p)
         if dist.get_rank() == 0:
-            top = max(peaks)
-            print(
-                f"{k} blocks recomputed, mesh {p.mesh_shape}: predicted {fmt_size(p.memory.total)}, measured "
-                f"{fmt_size(top)} (ranks {', '.join(fmt_size(x) for x in peaks)}), predicted / measured "
-                f"{p.memory.total / top:.3f}",
-                flush=True,
-            )
+            print(f"{k} blocks recomputed, mesh {p.mesh_shape}: {measured_line(p, peaks)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_recompute import step_peaks  # noqa: E402 - the same measurement of a plan's step
+from bench_recompute import measured_line, step_peaks  # noqa: E402 - the same measurement of a plan's step
 
 from meshpilot.graph.capture import capture  # noqa: E402
 from meshpilot.io import fmt_size  # noqa: E402
@@ -111,12 +111,7 @@ def run_measure(path: Path) -> None:
         p = StagePlan.from_json(text)
         peaks = step_peaks(*_model("cpu"), p)
         if dist.get_rank() == 0:
-            top = max(peaks)
-            print(
-                f"{k}: predicted {fmt_size(p.memory.total)}, measured {fmt_size(top)} "
-                f"(ranks {', '.join(fmt_size(x) for x in peaks)}), predicted / measured {p.memory.total / top:.3f}",
-                flush=True,
-            )
+            print(f"{k}: {measured_line(p, peaks)}", flush=True)
     dist.destroy_process_group()
 
 

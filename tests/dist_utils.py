@@ -184,6 +184,28 @@ def _run(
         return results
 
 
+_GRAPHS: dict = {}
+
+
+def graph_of(key: str, model: Any, plan: Any) -> Any:
+    """A capture of `model` at `plan`'s input shapes, made once per rank for each (key, shapes, precision):
+    several plans of one model then run without tracing it again (``parallelize(..., graph=)``; the plan's
+    fingerprint is still checked against it). `key` names the model build, `plan` is a ``StagePlan`` in
+    float32 (``parallelize`` casts the model before it captures a lower-precision plan: None lets it)."""
+    import torch
+
+    from meshpilot.graph.capture import Precision, capture, dtype_from_name
+
+    if Precision.of_label(plan.precision) not in (None, Precision.FP32):
+        return None
+    shapes = tuple((tuple(shape), dt) for shape, dt in plan.input_shapes)
+    k = (key, shapes, plan.precision)
+    if k not in _GRAPHS:
+        examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in shapes]
+        _GRAPHS[k] = capture(model, examples, precision=plan.precision)
+    return _GRAPHS[k]
+
+
 def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2, ref64: Any = None) -> dict:
     """Train the single-device `ref` and the parallelized `pm` (a ``ParallelModule``) side by side with AdamW.
 

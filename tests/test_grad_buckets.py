@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import graph_of, lockstep_adamw, run_distributed
 
 from meshpilot.graph.capture import capture
 from meshpilot.models.gpt import GPT, GPTConfig
@@ -116,7 +116,8 @@ def _worker(plans: dict[str, str]) -> dict:
     for name, text in plans.items():
         p = Plan.from_json(text).only
         ref, inputs = _model_inputs("cpu")
-        pm = parallelize(_model_inputs("cpu")[0], p)
+        model = _model_inputs("cpu")[0]
+        pm = parallelize(model, p, graph=graph_of("gpt", model, p))
         got = lockstep_adamw(ref, pm, inputs, steps=2)
         prog = pm.program
         if prog.buckets_in_backward:

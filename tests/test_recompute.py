@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import graph_of, lockstep_adamw, run_distributed
 
 from meshpilot.graph.capture import Phase, capture
 from meshpilot.models.sources import build_model, hf_model
@@ -158,7 +158,8 @@ def _step_peak(name: str, plan_json: str) -> int:
     from meshpilot.runtime.spmd import parallelize
 
     model, inputs = BUILD[name]("cpu")
-    pm = parallelize(model, StagePlan.from_json(plan_json))
+    plan_ = StagePlan.from_json(plan_json)
+    pm = parallelize(model, plan_, graph=graph_of(name, model, plan_))
     pm(*inputs).backward()  # the first step records the programs; the second is measured
     for p in pm.parameters():
         p.grad = None
@@ -175,7 +176,7 @@ def _worker(jobs: dict) -> dict:
         ref, inputs = BUILD[name]("cpu")
         model, _ = BUILD[name]("cpu")
         plan_ = StagePlan.from_json(auto_json)
-        pm = parallelize(model, plan_)
+        pm = parallelize(model, plan_, graph=graph_of(name, model, plan_))
         res = lockstep_adamw(ref, pm, inputs, STEPS)
         planned = plan_.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]

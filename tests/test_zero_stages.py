@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import graph_of, lockstep_adamw, run_distributed
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import capture
@@ -188,14 +188,15 @@ def _resumed(text: str, directory: str) -> dict:
         return loss.item()
 
     model, inputs = _gpt("cpu")
-    pm = parallelize(model, StagePlan.from_json(text))
+    plan = StagePlan.from_json(text)
+    pm = parallelize(model, plan, graph=graph_of("gpt", model, plan))
     opt = adamw(pm.parameters(), LR)
     step(pm, opt, inputs)
     step(pm, opt, inputs)
     path = save(directory, pm, opt, step=2, position=0)
     straight = step(pm, opt, inputs)
     again, _ = _gpt("cpu")
-    pm2 = parallelize(again, StagePlan.from_json(text))
+    pm2 = parallelize(again, plan, graph=graph_of("gpt", again, plan))
     opt2 = adamw(pm2.parameters(), LR)
     load(path, pm2, opt2)
     resumed = step(pm2, opt2, inputs)
@@ -211,7 +212,7 @@ def _worker(jobs: dict, directory: str) -> dict:
         ref, inputs = _gpt("cpu")
         model, _ = _gpt("cpu")
         p = StagePlan.from_json(text)
-        pm = parallelize(model, p)
+        pm = parallelize(model, p, graph=graph_of("gpt", model, p))
         res = lockstep_adamw(ref, pm, inputs, STEPS, lr=LR)
         planned = p.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]

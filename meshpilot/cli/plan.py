@@ -30,8 +30,9 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
---approximate-table costs that table from each logical mesh's block at full memory, ZeRO-sharded and estimated,
-and searches only the chosen stages under their own memory caps (experimental: see docs/benchmarks.md).
+--approximate-table costs that table from each logical mesh's block plan at full memory, ZeRO-sharded and
+recomputed (real plans only, no memory-capped search); it plans faster, but on some models its plan is a few
+per cent slower than the default's (see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -230,9 +231,9 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--approximate-table",
         action="store_true",
-        help="a model of repeated blocks: cost the stage table from each logical mesh's block at full memory, "
-        "ZeRO-sharded and estimated, then search the chosen stages under their own memory caps (instead of the "
-        "block under every cap level); experimental: its plan can be much slower (docs/benchmarks.md)",
+        help="a model of repeated blocks: cost the stage table from each logical mesh's block plan at full "
+        "memory, ZeRO-sharded and recomputed (real plans only; instead of the block under every memory cap "
+        "level); plans faster, but its plan can be a few per cent slower (docs/benchmarks.md)",
     )
     p.add_argument(
         "--config",
@@ -668,7 +669,7 @@ def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | 
             why_one = f"one stage: {e}"
     try:
         staged = Staged.search(args, cluster, n, memory, progress, first=(B0, built, graph))
-        pp_s = staged.pp.simulate().step_s
+        pp_s = staged.pp.simulate(cluster).step_s
         S = len(staged.pp.stages)
         layout = " ".join(
             f"[{a},{b})@{'x'.join(map(str, st.mesh_shape))}" for st in staged.pp.stages for a, b in [st.layers]
@@ -713,15 +714,16 @@ def make_plan(
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
     ``meshpilot.planner.search.SEARCHERS``."""
-    from meshpilot.cluster import mesh_shapes_2d
+    from meshpilot.cluster import load_cluster
     from meshpilot.graph.capture import capture
-    from meshpilot.planner.auto import check_precision, microbatch_inputs
+    from meshpilot.planner.auto import check_precision, microbatch_inputs, searched_shapes
     from meshpilot.planner.auto import plan as plan_fn
 
     schedule = schedule or {}
     progress = progress or make_console(stderr=True)
-    shapes = [shape] if shape else mesh_shapes_2d(n)
-    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes)
+    shapes, outer = searched_shapes(load_cluster(cluster), n, shape, bool(force))
+    candidates = sum(2 if sum(d > 1 for d in s) > 1 else 1 for s in shapes) + len(outer)  # the 3-axis: row only
+    shapes = shapes + outer
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:  # shown after the search, one line each
         warnings.simplefilter("always")
@@ -849,6 +851,11 @@ def render(plan: Any, graph: Any, label: str, n: int, out: Console, ops: str = "
         f"mapping ({contiguous} on contiguous ranks), predicted step "
         f"[bold]{fmt_s(t.overlapped_s)}[/bold], {fmt_size(m.total)} per device"
     )
+    if len(plan.mesh_shape) > 2:  # a 3-axis mesh: what each axis is used for (the search keeps axis 0 data-parallel)
+        from meshpilot.planner.axes import axis_uses
+
+        uses = ", ".join(f"{a} {u}" for a, u in zip(plan.mesh_axes, axis_uses(plan)))
+        out.print(f"mesh axes: {uses}")
     out.print(f"[dim]training step captured on meta tensors: {graph.summary()}[/dim]")
 
     out.print(_candidates_table(plan))

@@ -10,6 +10,7 @@ from meshpilot.cluster.mesh import (
     effective_bandwidth,
     mapped_ranks,
     mesh_shapes_2d,
+    mesh_shapes_3d,
 )
 from meshpilot.cluster.presets import PRESETS, load_cluster, preset_cluster
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
@@ -33,5 +34,6 @@ __all__ = [
     "load_cluster_file",
     "mapped_ranks",
     "mesh_shapes_2d",
+    "mesh_shapes_3d",
     "preset_cluster",
 ]

@@ -73,6 +73,34 @@ def mesh_shapes_2d(n: int) -> list[tuple[int, int]]:
     return [(n // d2, d2) for d2 in range(1, n + 1) if n % d2 == 0]
 
 
+def mesh_shapes_3d(cluster: Cluster, n: int) -> list[tuple[int, int, int]]:
+    """The 3-axis shapes the single-stage search tries beside the 2D ones on the first `n` ranks of `cluster`:
+    ``(u, a, b)`` with ``u`` units of the top layer, ``a * b = m`` the devices one unit holds, ``1 < a <= b``,
+    ``a`` ascending. Empty unless
+
+    * the cluster has at least two layers and its top layer is the slow one (every top-level group bandwidth
+      below every one of the layer beneath: nodes joined by a network, devices joined inside a node), and
+    * the `n` ranks fill ``u >= 2`` whole units (``n = u * m``) and ``m`` is not prime.
+
+    Why these and not every factorisation of n: with the row mapping axis 0 of ``(u, a, b)`` is exactly the
+    top level, so its collectives cross only the slow links, and it is searched as data parallelism
+    (``planner.axes``: the way real runs use an axis across nodes), while inside a unit the two other axes
+    let each operator combine data and tensor parallelism without crossing the slow level. No 2D shape does
+    both: ``(u, m)`` has one axis inside the unit, ``(u * a, b)`` an axis over both levels. A one-layer cluster,
+    or ranks inside one unit, gain nothing a 2D shape lacks, and other factorisations would put a
+    data-parallel-only axis inside a unit or a free axis across units: a 3-axis ILP costs about a 2D one's
+    only with the outer axis cut (``planner.axes``), so each shape must earn its place: ``a <= b`` keeps the larger
+    inner axis on the contiguous ranks, the closest-linked ones inside a unit, where tensor parallelism goes
+    (its mirror ``(u, b, a)`` cost as much planning again and did not beat it on GPT-3 6.7B: docs/benchmarks.md)."""
+    layers = cluster.layers
+    if len(layers) < 2 or float(np.max(layers[0].group_bw)) >= float(np.min(layers[1].group_bw)):
+        return []
+    m = math.prod(layer.ranks for layer in layers[1:])
+    if n % m or n // m < 2:
+        return []
+    return [(n // m, a, m // a) for a in range(2, m) if m % a == 0 and a * a <= m]
+
+
 class MeshMapping(StrEnum):
     """Which mesh axis runs over contiguous physical ranks (stored in plans as ``Plan.mapping``)."""
 

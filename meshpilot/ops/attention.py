@@ -30,6 +30,22 @@ into matmuls, softmax and ``native_dropout``, which :mod:`meshpilot.ops.dropout`
 Sharding (registered into DTensor's propagator, so the planner offers it and DTensor runs it): replicated,
 batch-parallel (dim 0 of every tensor) and head-parallel (dim 1; key/value heads must divide like the query
 heads). A mask is sharded with the batch or heads where it has that dim, else replicated.
+
+**Sequence-parallel** (context parallelism, the all-gather method Llama 3 trained its long contexts with):
+the queries, ``out`` and ``lse`` sharded on the sequence (``S(2)`` of ``[b, h, t, e]``), the keys and values
+whole on every rank (the resharding before the op all-gathers them); in the backward ``dq`` sharded like the
+queries and ``dk``, ``dv`` *partial*: each rank's queries' share of the sum over every query, reduced where
+their consumer needs it (a reduce-scatter back to the sequence, or an all-reduce). Exact, as each query row's
+softmax needs only its own scores. The causal mask is the catch: a rank's queries begin at an offset the
+local op does not know, so a call whose causality is ``is_causal`` (the kernel masks by local row index) is
+never sharded this way (:func:`sequence_parallel`). A call with its mask written out is: the mask's query
+rows are sharded with the queries, so each rank reads its own rows through ordinary sharding and no rank is
+special in the runtime. That is how transformers models call attention (they build the causal mask as a
+tensor from positions, ``[b, 1, t, s]``), and since such a mask is made replicated (a chain of index ops on
+positions), the planner may take its rows as a free local slice of that replica
+(:func:`meshpilot.sharding.strategies.row_sliced_operands`). The cost: the mask path's kernel instead of the
+fused causal one, and the ``t × s`` mask held whole on each rank where it is built — a model calling with
+``is_causal`` keeps its fast kernel and has no sequence-parallel attention.
 """
 
 from __future__ import annotations
@@ -379,8 +395,8 @@ def attention_flops(q_shape, k_shape, v_shape, backward: bool) -> float:
 
 
 def _mask_rule(mask_meta, dim_from_end: int):
-    """The mask's placement when the other operands are sharded on batch (4) or heads (3) dims from the end:
-    sharded where the mask has that dim with more than one entry, else replicated."""
+    """The mask's placement when the other operands are sharded on batch (4), heads (3) or query rows (2) dims
+    from the end: sharded where the mask has that dim with more than one entry, else replicated."""
     from torch.distributed.tensor import Replicate, Shard
 
     nd = len(mask_meta.shape)
@@ -390,9 +406,22 @@ def _mask_rule(mask_meta, dim_from_end: int):
     return Replicate()
 
 
+MASK_OPERAND = {"meshpilot.sdpa.default": 3, "meshpilot.sdpa_backward.default": 6}
+"""Position of the mask among each op's tensor operands (when it has one: it is the last)."""
+
+
+def sequence_parallel(is_causal: bool) -> bool:
+    """Whether a call may be sharded on its query rows (the sequence-parallel strategy): not when it is
+    ``is_causal``, whose mask the kernel builds from the local query index (each rank's chunk would be masked
+    as if it began at position 0); causal calls with the mask written out (as transformers models build it)
+    are sharded exactly, the mask's rows with the queries'."""
+    return not is_causal
+
+
 def register_strategies() -> None:
-    """Replicated, batch-parallel and head-parallel strategies of both ops, in DTensor's propagator."""
-    from torch.distributed.tensor import Replicate, Shard
+    """Replicated, batch-parallel, head-parallel and sequence-parallel strategies of both ops, in DTensor's
+    propagator."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     from meshpilot import compat
 
@@ -403,25 +432,76 @@ def register_strategies() -> None:
     def tensor_args(op_schema) -> list:
         return [a for a in op_schema.args_schema if isinstance(a, osm.OpStrategy)]
 
-    def rows(op_schema, n_out: int, mask_index: int):
+    def mask_of(op_schema, mask_index: int, from_end: int) -> list:
         args = tensor_args(op_schema)
-        has_mask = op_schema.args_schema[mask_index] is not None
-        n_in = len(args)
-        out = [[Replicate()] * (n_out + n_in)]
+        if op_schema.args_schema[mask_index] is None:
+            return []
+        return [_mask_rule(args[-1].strategies[0].output_spec.tensor_meta, from_end)]
+
+    def rows(op_schema, n_out: int, mask_index: int):
+        n = n_out + len(tensor_args(op_schema))
+        out = [[Replicate()] * n]
         for dim, from_end in ((0, 4), (1, 3)):
-            row = [Shard(dim)] * (n_out + n_in)
-            if has_mask:
-                row[-1] = _mask_rule(args[-1].strategies[0].output_spec.tensor_meta, from_end)
-            out.append(row)
+            mask = mask_of(op_schema, mask_index, from_end)  # the last operand's placement, where there is a mask
+            out.append([Shard(dim)] * (n - len(mask)) + mask)
         return out
 
     def forward(op_schema):
         mesh = op_schema.get_mesh_from_args()
-        return expand(mesh, op_schema, rows(op_schema, 2, 3), input_index=2)
+        table = rows(op_schema, 2, 3)
+        if sequence_parallel(op_schema.args_schema[4]):
+            # out, lse, q by query rows; k, v whole (all-gathered by the propagator's resharding)
+            table.append([Shard(2), Shard(2), Shard(2), Replicate(), Replicate(), *mask_of(op_schema, 3, 2)])
+        return expand(mesh, op_schema, table, input_index=2)
 
     def backward(op_schema):
         mesh = op_schema.get_mesh_from_args()
-        return expand(mesh, op_schema, rows(op_schema, 3, 6), input_index=3)
+        table = rows(op_schema, 3, 6)
+        if sequence_parallel(op_schema.args_schema[7]):
+            # dq by rows; dk, dv each rank's rows' share of the sum over every query: partial
+            s, r = Shard(2), Replicate()
+            table.append([s, Partial(), Partial(), s, s, r, r, s, s, *mask_of(op_schema, 6, 2)])
+        return expand(mesh, op_schema, table, input_index=3)
 
     prop.register_op_strategy(torch.ops.meshpilot.sdpa.default, forward, osm.RuntimeSchemaInfo(4))
     prop.register_op_strategy(torch.ops.meshpilot.sdpa_backward.default, backward, osm.RuntimeSchemaInfo(7))
+
+
+# ------------------------------------------------------------------------------------------- in a plan
+
+SDPA_TARGETS = ("meshpilot.sdpa.default", "meshpilot.sdpa_backward.default")
+"""The op pair's targets as a captured graph records them (``OpNode.target``)."""
+
+
+def _attention_calls(nodes) -> list:
+    """The attention forwards among a plan's nodes, recomputed copies (``*_recomputed``) left out."""
+    from meshpilot.planner.recompute import is_copy
+
+    return [n for n in nodes if n.target == SDPA_TARGETS[0] and n.ins and not is_copy(n.name)]
+
+
+def sequence_axes(nodes, mesh_axes: tuple[str, ...]) -> dict[str, int]:
+    """Mesh axis name -> how many attention forwards of `nodes` (a plan's ``NodeChoice`` list) shard their
+    queries' sequence over it (``S(2)`` of ``[b, h, t, e]``): the plan's context-parallel axes."""
+    out: dict[str, int] = {}
+    for n in _attention_calls(nodes):
+        for axis, p in enumerate(n.ins[0]):
+            if p == "S(2)":
+                out[mesh_axes[axis]] = out.get(mesh_axes[axis], 0) + 1
+    return out
+
+
+def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...]) -> str | None:
+    """The plan printout's line on context parallelism (None where no attention is sequence-sharded)."""
+    axes = sequence_axes(nodes, mesh_axes)
+    if not axes:
+        return None
+    total = len(_attention_calls(nodes))
+    where = ", ".join(
+        f"axis {name} ({mesh_shape[mesh_axes.index(name)]} devices, {k} of {total} attention calls)"
+        for name, k in axes.items()
+    )
+    return (
+        f"attention sequence-parallel over {where}: each device's query rows against every key, keys and "
+        "values all-gathered, their gradients partial sums until the resharding reduces them"
+    )

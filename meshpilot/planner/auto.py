@@ -1,9 +1,12 @@
 """``meshpilot.plan(model, example_inputs, cluster, ...) -> Plan``: capture, enumerate, solve, search meshes.
 
 1. :func:`~meshpilot.graph.capture.capture` traces the joint forward + backward graph on fake tensors.
-2. For every candidate mesh shape — each 2D shape ``(d1, d2)`` of the devices (``mesh_shapes_2d``) — the
-   ILP's structure is built once (:func:`~meshpilot.planner.ilp.build_structure`: strategies, groups,
-   compute costs, memory, edge classes), with a lower bound of any plan's step time on that shape: the
+2. For every candidate mesh shape — each 2D shape ``(d1, d2)`` of the devices (``mesh_shapes_2d``), and the
+   3-axis shapes the cluster's hierarchy calls for (``mesh_shapes_3d``: its slow top level times two axes
+   inside a unit; their axis 0 data-parallel only, :class:`~meshpilot.planner.axes.OuterDataParallel`, and
+   searched on the row mapping only, which puts that axis over the top level) — the ILP's structure is built
+   once (:func:`~meshpilot.planner.ilp.build_structure`: strategies, groups, compute costs, memory, edge
+   classes), with a lower bound of any plan's step time on that shape: the
    compute of every class of identical nodes at its cheapest strategy (:func:`compute_lower_bound`; edges
    cost ≥ 0 and the post-pass changes no compute, so it bounds the final step time of every mapping).
 3. Shapes are visited in increasing order of that bound; a shape whose bound is at least the best step
@@ -108,7 +111,7 @@ def plan(
     activations (``meshpilot.planner.recompute``): ``auto`` (only when the plan does not fit the memory
     otherwise), ``none`` or ``full``.
     """
-    from meshpilot.cluster import load_cluster, mesh_shapes_2d
+    from meshpilot.cluster import load_cluster
 
     zero = _check_options(zero, microbatches, overlap, duplex)
     chooser = get_searcher(searcher)
@@ -130,11 +133,12 @@ def plan(
         pins.check()
     for line in pins.notes() if pins is not None else ():
         warnings.warn(line, UserWarning, stacklevel=2)
-    shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
+    shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
 
     def search_graph(g: OpGraph) -> StagePlan:
         search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
         shaped = search.structures(shapes, force, merge_trivial)
+        shaped += search.structures(outer, force, merge_trivial, outer_data_parallel=True)
         for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
             search.visit(shape_struct, mappings)
         return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
@@ -176,6 +180,25 @@ def _check_options(zero: str, microbatches: int, overlap: bool, duplex: bool) ->
     return ZeroMode(zero)
 
 
+def searched_shapes(
+    cluster: Any,
+    n: int,
+    mesh_shape: Sequence[int] | None = None,
+    forced: bool = False,
+    mappings: Sequence[MeshMapping | str] = tuple(MeshMapping),
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The shapes :func:`plan` searches on `n` devices of `cluster` (a loaded ``Cluster``): (`mesh_shape` alone
+    or every 2D shape, the cluster's 3-axis shapes). The 3-axis ones (``mesh_shapes_3d``) have their outer axis
+    data-parallel only (``planner.axes``); none when a shape is given, under a forced layout (written for two
+    axes) or without the row mapping (which puts the outer axis over the slow level)."""
+    from meshpilot.cluster import mesh_shapes_2d, mesh_shapes_3d
+
+    shapes = [tuple(mesh_shape)] if mesh_shape else [tuple(s) for s in mesh_shapes_2d(n)]
+    if mesh_shape or forced or MeshMapping.ROW not in map(MeshMapping, mappings):
+        return shapes, []
+    return shapes, [tuple(s) for s in mesh_shapes_3d(cluster, n)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _ShapeStructure:
     """One mesh shape's ILP structure and the compute-only lower bound of any plan on it."""
@@ -186,6 +209,9 @@ class _ShapeStructure:
     dmesh: Any
     builder: StrategyBuilder
     struct: Structure
+    outer_data_parallel: bool = False
+    """Axis 0 data-parallel only (``planner.axes.OuterDataParallel``): searched on the row mapping only, which
+    puts that axis over the cluster's slow top level."""
 
 
 @dataclasses.dataclass
@@ -211,20 +237,26 @@ class _ShapeSearch:
     solve_s: float = 0.0
     post_s: float = 0.0
     solves: int = 0
+    shapes_built: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    """Every shape whose structure was built, in order (a shape's index breaks ties of the lower bound)."""
 
     def __post_init__(self) -> None:
         self.edges = step_edges(self.graph)
         self.param_edges = ParamEdges.of(self.graph, self.edges)
 
-    def structures(self, shapes: Sequence[tuple[int, ...]], force: Any, merge_trivial: bool) -> list[_ShapeStructure]:
-        """Every shape's structure (strategies, groups, classes) and its compute-only lower bound."""
+    def structures(
+        self, shapes: Sequence[tuple[int, ...]], force: Any, merge_trivial: bool, outer_data_parallel: bool = False
+    ) -> list[_ShapeStructure]:
+        """Every shape's structure (strategies, groups, classes) and its compute-only lower bound; with
+        `outer_data_parallel`, on the strategies data-parallel on axis 0 (``planner.axes``)."""
         from meshpilot.cluster import CostModel, LogicalMesh, mapped_ranks
+        from meshpilot.planner.axes import OuterDataParallel
 
         out = []
         for shape in shapes:
             t1 = time.perf_counter()
             dmesh = fake_device_mesh(shape)
-            builder = StrategyBuilder(self.graph, dmesh)
+            builder = (OuterDataParallel if outer_data_parallel else StrategyBuilder)(self.graph, dmesh)
             cm0 = CostModel(LogicalMesh(self.cluster, shape, mapped_ranks(shape, MeshMapping.ROW)))
             # compute is priced on the device (the same for every mapping); resharding per mapping, in visit
             struct = build_structure(
@@ -237,7 +269,10 @@ class _ShapeSearch:
                 microbatches=self.microbatches,
             )
             self.build_s += time.perf_counter() - t1
-            out.append(_ShapeStructure(compute_lower_bound(struct), len(out), shape, dmesh, builder, struct))
+            order = len(self.shapes_built)
+            self.shapes_built.append(shape)
+            lower = compute_lower_bound(struct)
+            out.append(_ShapeStructure(lower, order, shape, dmesh, builder, struct, outer_data_parallel))
         return out
 
     def visit(self, s: _ShapeStructure, mappings: Sequence[MeshMapping | str]) -> None:
@@ -246,7 +281,7 @@ class _ShapeSearch:
         from meshpilot.cluster import CostModel, LogicalMesh
         from meshpilot.planner.meshsearch import mappings_of, search_mesh
 
-        maps = mappings_of(s.shape, mappings)
+        maps = [MeshMapping.ROW] if s.outer_data_parallel else mappings_of(s.shape, mappings)
         if self.best is not None and s.lower >= self.best.time_s:
             note = (
                 f"skipped: compute alone takes at least {s.lower * 1e3:.1f} ms, "

@@ -1,10 +1,11 @@
 """One mesh search: a logical mesh shape's device mappings, each searched, the fastest kept.
 
 Both planners that choose operator strategies on a mesh call :func:`search_mesh`: the single-stage planner
-(``planner.auto.plan``: every 2D shape of all n devices, one after the other) and the stage planner
-(``planner.stage.StagePlanner``: a stage's layers on its submesh, for the pipeline's stage DP). What differs
-between them is only what they give it: the graph (the whole step or a stage's slice), the ranks (``0..n−1``
-or the submesh's), which mappings are the same problem, and whether resharders are kept across calls.
+(``planner.auto.plan``: every 2D shape of all n devices and the cluster's 3-axis ones, one after the other) and
+the stage planner (``planner.stage.StagePlanner``: a stage's layers on its submesh, for the pipeline's stage
+DP). What differs between them is only what they give it: the graph (the whole step or a stage's slice), the
+ranks (``0..n−1`` or the submesh's), which mappings are the same problem, and whether resharders are kept across
+calls.
 
 For a shape (d1, d2) and each device mapping m (``cluster.mesh.MeshMapping``: which physical ranks form each
 axis, ``mapped_ranks``), the mesh is ``LogicalMesh(cluster, shape, ranks[mapped_ranks(shape, m)])``; the

@@ -557,11 +557,16 @@ def _dp(
     F = [np.full((L + 1, n + 1), math.inf)]
     F[0][L, 0] = 0.0
     choice: list[np.ndarray] = [np.zeros(0)]
+    live = np.isfinite(T)  # a stage count, or a first layer, with no finite t_intra has no plan: skipped
     for s in range(1, S + 1):
         Fs = np.full((L + 1, n + 1), math.inf)
         ch = np.full((L + 1, n + 1), -1, dtype=np.int64)
         prev = F[s - 1]
+        if not live[s].any() or not np.isfinite(prev).any():
+            break  # F(s) is ∞ everywhere, and so is every F(s' > s) built on it
         for k in range(L):
+            if not live[s, k].any():
+                continue
             width = L - k
             cand = np.full((Z, width, n + 1), math.inf)
             for z, d in enumerate(sizes):
@@ -574,7 +579,9 @@ def _dp(
             ch[k] = best  # z * width + (i - k)
         F.append(Fs)
         choice.append(ch)
-    tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, S + 1)]
+    tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, len(F))]
+    if not tops:
+        return None
     s = int(np.argmin(tops)) + 1
     if tops[s - 1] == math.inf:
         return None
@@ -764,6 +771,7 @@ def plan_pipeline(
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
     costing: TableCosting | str = TableCosting.EXACT,
+    accumulated: bool | None = None,
     **stage_kw,
 ) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -789,8 +797,11 @@ def plan_pipeline(
 
     `costing` (a repeated stack's table, ``stack.TableCosting``): ``"exact"`` (default) composes it from the
     block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
-    capacity, its ZeRO-sharded variant and an estimate, then searches the chosen stages under their own caps
-    and runs the DP again (``stack`` module docstring, 4; not the default: on GPT-39B its plan is 54 % slower).
+    capacity, ZeRO-sharded and recomputed — real plans only, no capped search (``stack`` module docstring, 4).
+
+    `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
+    forward + backward peak (``stage.StageMemory.accumulated``, as ``auto.plan`` does); None (default): the
+    variant table counts them, the exact table does not (``stack`` module docstring, 4).
 
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
@@ -807,7 +818,7 @@ def plan_pipeline(
     call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                 num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
                 fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
-                costing=_costing(costing), **stage_kw)  # fmt: skip
+                costing=_costing(costing), accumulated=accumulated, **stage_kw)  # fmt: skip
     if schedule == AUTO:
         return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
@@ -1061,17 +1072,13 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
         fast_table = StackTable(
             sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
-            workers=call["workers"], costing=call["costing"],
+            workers=call["workers"], costing=call["costing"], accumulated=call["accumulated"],
+            recomputed=_recomputed(sp, stack) if call["costing"] == TableCosting.APPROXIMATE else None,
         )  # fmt: skip
         t, arg = fast_table.arrays()
     best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
     if best is None:
         raise _no_fit(setup, kind, num_stages or f"up to {S}")
-    if stack is not None and fast_table.costing == TableCosting.APPROXIMATE:
-        best, more = _refine_chosen(fast_table, t, arg, best, setup, kind, call)
-        tried += more
-        if best is None:
-            raise _no_fit(setup, kind, num_stages or f"up to {S}")
     score, chosen = best
     ranks = place([setup.sizes[z] for _, _, z in chosen])
     stages = []
@@ -1098,41 +1105,16 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
     )  # fmt: skip
 
 
-REFINE_ROUNDS = 8
-"""Most rounds of :func:`_refine_chosen` (each: the chosen stages searched under their own caps, the DP again)."""
+def _recomputed(sp: StagePlanner, stack: Stack) -> tuple[StagePlanner, Stack] | None:
+    """The planner and stack of `stack` with every captured block recomputed (``config_plan.recomputed_stack``),
+    for the variant table's recomputing levels; None when its blocks cannot be recomputed exactly (dropout)."""
+    from meshpilot.planner.config_plan import recomputed_stack
 
-
-def _refine_chosen(table: StackTable, t: np.ndarray, arg: np.ndarray, best, setup: _Setup, kind, call: dict):
-    """The approximate table's answer made exact (``stack`` module docstring, 4): each chosen stage searched
-    under its own cap (``StackTable.refine``: the fastest plan that fits, the table's own plan among them), its
-    entry in `t` / `arg` replaced by that (an estimate's may rise, a plan's only falls), and the DP run again,
-    until it chooses only stages so searched. After :data:`REFINE_ROUNDS` rounds the entries still estimates are
-    dropped and the DP runs once more: its stages are then plans. Returns the best (score, stages) or None, and
-    the DPs run."""
-    B, n, num_stages = call["microbatches"], setup.n, call["num_stages"]
-    bounds = setup.clusters.bounds
-    done: set[tuple[int, int, int, int]] = set()
-    tried = 0
-    for _ in range(REFINE_ROUNDS):
-        chosen = best[1]
-        ranks = place([setup.sizes[z] for _, _, z in chosen])
-        todo = [((len(chosen) - r, k, i, z), rk) for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks))]
-        todo = [(x, rk) for x, rk in todo if x not in done]
-        if not todo:
-            return best, tried
-        for (s_left, k, i, z), rk in todo:
-            done.add((s_left, k, i, z))
-            fl = stage_in_flight(kind, s_left, B, num_stages)
-            t_new, cand = table.refine(bounds[k][0], bounds[i][1], rk, int(arg[s_left, k, i, z]), fl)
-            t[s_left, k, i, z], arg[s_left, k, i, z] = t_new, cand
-        best, more = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
-        tried += more
-        if best is None:
-            return None, tried
-    estimate = np.array([c.estimate for c in table.candidates] + [False])  # arg -1: index -1, no estimate
-    t[estimate[arg]] = math.inf
-    best, more = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
-    return best, tried + more
+    try:
+        rc = recomputed_stack(stack)
+    except UserError:
+        return None
+    return StagePlanner(rc.graph, sp.cluster), rc
 
 
 def fixed_pipeline(

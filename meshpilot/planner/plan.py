@@ -457,6 +457,11 @@ class StagePlan:
             )
         if self.recompute is not None:
             lines.append("  recompute    " + self.recompute_line())
+        from meshpilot.ops.attention import context_line
+
+        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape)
+        if cp is not None:
+            lines.append("  context      " + cp)
         if self.zero:
             reasons = Counter(f"{z.reason}/stage {int(z.stage)}" for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
@@ -856,7 +861,10 @@ class Plan:
                 p = plan_intra(
                     None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
                     microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
-                    recompute="none",  # a pipeline stage's runtime runs its slice as captured
+                    # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
+                    # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
+                    recompute="full" if st.cost is not None and st.cost.recompute else "none",
+                    zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
                 )  # fmt: skip
             stages.append(dataclasses.replace(st, plan=p))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the

@@ -89,29 +89,39 @@ logical mesh mapping is each piece's own (the stage reports its largest piece's)
 Searches: per shape, one block (per level used) plus the pre and post sub-ranges — ``p(p+1)/2 + q(q+1)/2``,
 6 for a GPT — whatever L, instead of O(L) ranges of growing size.
 
-4. The approximate table, then the chosen stages exactly (``TableCosting.APPROXIMATE``, :meth:`StackTable.refine`)
------------------------------------------------------------------------------------------------------------
+4. The variant table: real plans only (``TableCosting.APPROXIMATE``, :meth:`StackTable._variant_levels`)
+-----------------------------------------------------------------------------------------------------
 Opt-in (``plan_pipeline(costing="approximate")``, ``meshpilot plan --approximate-table``). The cap levels'
 searches are what the exact table costs: a block's ILP whose memory rows bind is a knapsack HiGHS closes with
-cuts (seconds each on GPT-39B's sub-GiB caps), where the same ILP without binding rows is solved at its root in a
-tenth of a second. The approximate table searches no capped block; per logical mesh it composes up to three
-block pieces (:class:`ApproxLevel`, each only where some range of blocks fits with none before it): FULL, the
-block at the device's capacity (level 0 above); ZERO, the same search with every replicated update
-ZeRO-sharded (``zero.ZeroMode.ALL``: no new ILP, the post-pass on the same answer); ESTIMATE, no plan but ZERO's
-time and live peak with the memory floors' static, update and saved bytes (``StagePlanner.floor``) — a guess at
-what a plan under a tight cap costs. The DP runs on it; then each chosen stage (range, ranks, s stages from
-it on) is searched under its own cap (``refine``): its block on the candidate's logical mesh at the device's
-capacity, then, while the composed stage does not fit Eq. 5 with its f(s) microbatches in flight, under the
-cap ``_cap_for`` gives for its k blocks and f(s) (at most :data:`MAX_LEVELS`, each ≤ 0.9 of the last). The
-fastest of those and the table's own plan replaces the entry (an estimate's entry may rise) and the DP runs
-again, until it chooses only stages so searched (``pipeline._refine_chosen``, at most
-``pipeline.REFINE_ROUNDS`` rounds; then the estimates left are dropped). The final plan's stages are plans,
-costed as :meth:`stage_cost` costs them.
+cuts (seconds each on GPT-39B's sub-GiB caps), where the same ILP without binding rows is solved at its root.
+The variant table runs no capped block search and estimates nothing: per logical mesh its block pieces
+(:class:`ApproxLevel`) are
 
-Measured (``docs/benchmarks.md``, "The approximate stage table"): on small GPTs it gives the exact table's plan
-with fewer searches, but on GPT-39B (B = 64, ``alpa-p3x8``) the estimates are far below what a capped plan
-costs on 8x2 (a stage estimated at ~5 s a microbatch is 9-12 s once searched), the rounds run out, and its plan
-is 54 % slower than the exact table's at about the same CPU — hence not the default.
+* FULL: the block searched at the device's capacity (level 0 above);
+* ZERO: the same answer with every replicated update ZeRO-sharded at stage 3 (``zero.ZeroMode.STAGE3``, the
+  post-pass: no new ILP);
+* RECOMPUTE, RECOMPUTE_ZERO: the same two on the *recomputing* graph (:attr:`StackTable.recomputed`:
+  ``config_plan.recomputed_stack``, every captured block's forward copied into its backward,
+  ``planner.recompute``): one more uncapped search of its block, its pre and post pieces the captured ones.
+
+each tried while some useful entry with blocks does not fit yet, and skipped where its floors show it cannot
+change an entry (section 3; the recomputing block has floors of its own: it saves less). Every candidate is a
+plan composed k times as section 2 composes it — the same time and memory accounting as the exact table —
+so the stages the DP chooses are priced exactly by construction: :meth:`stage_cost` composes them again on
+their placed ranks from the same pieces, and nothing is refined afterwards. One term more than the exact
+table: the forward + backward peak holds the gradients summed over the microbatches (``fb += Σ_x w_x ·
+acc_x``, ``StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra`` — counts them; a ZeRO-3
+block holds that sum whole, so without the term its stages looked far smaller than their plans. A stage
+composed from a recomputing candidate is marked (``StageCost.recompute``): ``Plan.with_intra`` plans its slice
+with its blocks recomputed and the stage runtime runs it so (``runtime.pipeline_stages``). ZeRO stage 2 is not
+a variant: the pipeline runtime runs stage 3 only.
+
+What it cannot give is a block plan that trades time for memory *inside* the ILP (a capped search shards a
+few more weights, keeps fewer activations): where the exact table's best stage is such a plan, the variant
+table's stage is slower or has no fit. Measured (``docs/benchmarks.md``, "A stage table of real plans"), both
+tables counting the summed gradients (``plan_pipeline(accumulated=True)`` for the exact one): a plan where the
+exact table has none on GPT-1.3B, 4.6 % and 9.4 % slower on GPT-2.6B and 6.7B — hence not the default; on
+GPT-39B a 10-stage plan of 102.7 s that ``--out`` saves, against the exact table's 495 s without the term.
 """
 
 from __future__ import annotations
@@ -145,6 +155,9 @@ KEEP = 4
 MAX_LEVELS = 5
 """Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
 
+LEVEL_KEYS = 8
+"""Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels."""
+
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
 cost sum the same terms in other orders, so a floor as tight as the plan may exceed it by a rounding."""
@@ -157,18 +170,22 @@ class StageCosting(StrEnum):
     """Every range of layers searched as one slice (``pipeline._StageTable``)."""
     STACK = "repeated-block"
     """Composed from one block's plan and the special layers' (this module), the block under cap levels."""
-    STACK_APPROX = "repeated-block approximate-then-exact"
-    """Composed as :attr:`STACK`, the table's block plans uncapped or ZeRO-sharded (no capped search), the chosen
-    stages then searched under their own cap (module docstring, 4)."""
+    STACK_APPROX = "repeated-block variants"
+    """Composed as :attr:`STACK` from the variant table's block plans: uncapped, ZeRO-sharded, recomputed (no
+    capped search, module docstring, 4)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> StageCosting | None:
+        """Plans saved before the variant table name its costing "repeated-block approximate-then-exact"."""
+        return cls.STACK_APPROX if value == "repeated-block approximate-then-exact" else None
 
 
 class TableCosting(StrEnum):
     """Which block plans :class:`StackTable` composes its entries from (module docstring, 2 and 4)."""
 
     APPROXIMATE = "approximate"
-    """Per logical mesh, the block planned at the device's capacity, ZeRO-sharded and estimated (:class:`ApproxLevel`):
-    no memory-capped search; the chosen stages are searched under their own caps afterwards
-    (:meth:`StackTable.refine`). Experimental (module docstring, 4)."""
+    """The variant table: per logical mesh the block's uncapped plan, ZeRO-sharded and recomputed
+    (:class:`ApproxLevel`), every entry a plan; no memory-capped search (module docstring, 4)."""
     EXACT = "exact"
     """Per logical mesh, the block planned under up to :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
 
@@ -331,6 +348,33 @@ class _Piece:
     mem: StageMemory
 
 
+@dataclass
+class _Winners:
+    """One column's entries so far: t_intra, candidate, order key; and the column's candidates."""
+
+    t: np.ndarray
+    arg: np.ndarray
+    order: np.ndarray
+    candidates: list
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every logical mesh of one column shares: the ranges' layout (``StackTable._layout``), the pieces
+    used, which ranges may be stages, f(s) and the ranks."""
+
+    PA: np.ndarray
+    PB: np.ndarray
+    NB: np.ndarray
+    pres: list
+    posts: list
+    used_pre: set
+    used_post: set
+    use: np.ndarray
+    f: np.ndarray
+    ranks: range
+
+
 def _sum_time(parts: Sequence[tuple[StepTime, float]]) -> StepTime:
     return StepTime(*(sum(getattr(t, f.name) * w for t, w in parts) for f in dataclasses.fields(StepTime)))
 
@@ -363,14 +407,23 @@ class StackTable:
     docstring, 3: the same table); False searches every one (for the tests)."""
     costing: TableCosting = TableCosting.EXACT
     """The block plans the entries are composed from (:class:`TableCosting`)."""
+    accumulated: bool | None = None
+    """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``);
+    None: as :attr:`costing` does (the variant table yes, the exact table no: module docstring, 4)."""
+    recomputed: tuple[StagePlanner, Stack] | None = None
+    """The planner and stack of the graph with every captured block recomputed (``config_plan.recomputed_stack``):
+    the variant table's recomputing levels; None: none (module docstring, 4)."""
 
-    def _piece(self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None) -> _Piece | None:
+    def _piece(
+        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
+    ) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
+        planner = planner or self.planner
         try:
-            c, m = self.planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
+            c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
         except PlanError:
             return None
         return _Piece(c, m)
@@ -411,7 +464,7 @@ class StackTable:
     def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list]:
         """Size z's column: ``t[1:, :, :, z]``, ``arg`` into the candidates it returns (module docstring, 2 and
         3)."""
-        L, S, B = len(self.bounds), self.max_stages, self.microbatches
+        L, S = len(self.bounds), self.max_stages
         tz = np.full((S, L, L), math.inf)
         az = np.full((S, L, L), -1, dtype=np.int64)
         candidates: list[Candidate] = []
@@ -423,7 +476,6 @@ class StackTable:
                 use[k, i] = self.useful(k, i, d)
         if not use.any():
             return tz, az, candidates
-        mid = self.stack.middle
         ranks = range(d)
         used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
         shapes = list(self.shapes(d))
@@ -431,79 +483,114 @@ class StackTable:
                   for shape in shapes]  # fmt: skip
         # the winner of each entry is the least (t, order) of the candidates, order = (shape's place in
         # `shapes`, level): what searching in that order and keeping strict improvements gives
-        order = np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64)
+        win = _Winners(tz, az, np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), candidates)
+        ctx = _Ctx(PA, PB, NB, pres, posts, used_pre, used_post, use, f, ranks)
         for j in sorted(range(len(shapes)), key=lambda j: (floors[j][2].time_s if self.prune else 0.0, j)):
-            shape = shapes[j]
             lower = self._lower(floors[j], PA, PB, NB, f, use) if self.prune else None
-            if lower is not None and not self._can_improve(lower, tz, order, j * MAX_LEVELS):
+            if lower is not None and not self._can_improve(lower, tz, win.order, j * LEVEL_KEYS):
                 continue
-            specials = [
-                self._specials(pres, ranks, shape, used_pre),
-                self._specials(posts, ranks, shape, used_post),
-            ]
-            blocks_needed = use & (NB > 0)
-            block_cap, target = self.capacity, 0
-            approximate = self.costing == TableCosting.APPROXIMATE
-            blk = None
-            for level in range(len(ApproxLevel) if approximate else MAX_LEVELS):
-                key = j * MAX_LEVELS + level
-                if level and lower is not None and not self._can_improve(lower, tz, order, key):
-                    break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-                if approximate:
-                    blk, c = self._approx_block(ApproxLevel(level), blk, ranks, shape)
-                else:
-                    blk, c = self._piece((mid, mid + 1), ranks, shape, block_cap), Candidate(d, shape, block_cap)
-                T, fb, upd, act = _compose(specials, blk, PA, PB, NB)
-                T = np.where(use, T, math.inf)
-                candidates.append(c)
-                cid = len(candidates) - 1
-                mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
-                ok = (mem <= self.capacity) & np.isfinite(T)[None]
-                cand = np.where(ok, T[None] / B, math.inf)
-                better = (cand < tz) | ((cand == tz) & np.isfinite(cand) & (key < order))
-                tz[better] = cand[better]
-                az[better] = cid
-                order[better] = key
-                # a tighter cap only where some range of blocks fits with no number of stages after it
-                fitless = blocks_needed & ~ok.any(axis=0)
-                if blk is None or not fitless.any():
-                    break
-                if not approximate:
-                    target = max(int(NB[fitless].min()), 2 * target)
-                    block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+            if self.costing == TableCosting.APPROXIMATE:
+                self._variant_levels(ctx, win, j, shapes[j], lower)
+            else:
+                self._cap_levels(ctx, win, j, shapes[j], lower)
         return tz, az, candidates
 
-    def _approx_block(self, level: ApproxLevel, prev: _Piece | None, ranks, shape) -> tuple[_Piece | None, Candidate]:
-        """The approximate table's block piece at `level` on `shape` (module docstring, 4) and its candidate;
-        `prev` is the previous level's piece."""
-        mid, cap, d = self.stack.middle, self.capacity, len(ranks)
-        if level == ApproxLevel.FULL:
-            return self._piece((mid, mid + 1), ranks, shape, cap), Candidate(d, shape, cap)
-        if level == ApproxLevel.ZERO:
-            return self._piece((mid, mid + 1), ranks, shape, cap, ZeroMode.ALL), Candidate(d, shape, cap, ZeroMode.ALL)
-        c = Candidate(d, shape, cap, ZeroMode.ALL, estimate=True)
-        if prev is None:
-            return None, c
-        kw = {k: v for k, v in self.kw.items() if k == "force"}
-        fl = self.planner.floor(mid, mid + 1, ranks, shape, microbatches=self.microbatches, **kw)
-        static = max(fl.backward - fl.saved, 0.0)
-        mem = StageMemory(static, max(fl.update - static, 0.0), 0.0, fl.saved, prev.mem.live_peak)
-        return _Piece(prev.cost, mem), c
+    def _offer(self, ctx: _Ctx, win: _Winners, key: int, specials, blk: _Piece | None, c: Candidate) -> np.ndarray:
+        """Compose `blk` and `specials` over every range, keep each entry's least (t, order) in `win`; returns
+        ``ok[s, k, i]``: which entries this candidate fits (Eq. 5)."""
+        T, fb, upd, act = _compose(specials, blk, ctx.PA, ctx.PB, ctx.NB)
+        if self.counts_accumulated:  # the summed gradients, as ``auto.plan`` counts them
+            fb = fb + _accumulated(specials, blk, ctx.PA, ctx.PB, ctx.NB)
+        T = np.where(ctx.use, T, math.inf)
+        win.candidates.append(c)
+        cid = len(win.candidates) - 1
+        f = ctx.f
+        mem = np.maximum(upd[None], fb[None] + (f[:, None, None] - 1) * act[None])
+        ok = (mem <= self.capacity) & np.isfinite(T)[None]
+        cand = np.where(ok, T[None] / self.microbatches, math.inf)
+        better = (cand < win.t) | ((cand == win.t) & np.isfinite(cand) & (key < win.order))
+        win.t[better] = cand[better]
+        win.arg[better] = cid
+        win.order[better] = key
+        return ok
 
-    def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
+    def _cap_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
+        """The exact table's candidates of logical mesh `shape` (the j-th): the block under up to
+        :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
+        mid, d = self.stack.middle, len(ctx.ranks)
+        specials = self._both_specials(self.planner, ctx, shape)
+        blocks_needed = ctx.use & (ctx.NB > 0)
+        block_cap, target = self.capacity, 0
+        for level in range(MAX_LEVELS):
+            key = j * LEVEL_KEYS + level
+            if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
+                break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
+            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
+            # a tighter cap only where some range of blocks fits with no number of stages after it
+            fitless = blocks_needed & ~ok.any(axis=0)
+            if blk is None or not fitless.any():
+                break
+            target = max(int(ctx.NB[fitless].min()), 2 * target)
+            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+
+    def _variant_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
+        """The variant table's candidates of logical mesh `shape` (the j-th; module docstring, 4): the block's
+        uncapped plan, its ZeRO-sharded answers, then the same on the recomputing graph, each while some
+        useful entry with blocks does not fit yet."""
+        blocks_needed = (ctx.use & (ctx.NB > 0))[None]
+        specials: dict[bool, list] = {}
+        for level in ApproxLevel:
+            key = j * LEVEL_KEYS + int(level)
+            if level.recompute and self.recomputed is None:
+                break
+            planner, stack = self._graph_of(level.recompute)
+            if level == ApproxLevel.RECOMPUTE and self.prune:  # it saves less: its own floors bound it
+                fl = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape, planner, stack)
+                lower = self._lower(fl, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+            if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
+                if level.recompute:
+                    break
+                continue  # no ZeRO level can change an entry; recomputing may
+            if level.recompute not in specials:
+                specials[level.recompute] = self._both_specials(planner, ctx, shape)
+            mid = stack.middle
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, self.capacity, level.zero, planner)
+            c = Candidate(len(ctx.ranks), shape, self.capacity, level.zero, level.recompute)
+            ok = self._offer(ctx, win, key, specials[level.recompute], blk, c)
+            if blk is not None and not (blocks_needed & ~ok).any():
+                break
+
+    @property
+    def counts_accumulated(self) -> bool:
+        """Whether the entries count the gradients summed over the microbatches (:attr:`accumulated`)."""
+        return self.costing == TableCosting.APPROXIMATE if self.accumulated is None else self.accumulated
+
+    def _graph_of(self, recompute: bool) -> tuple[StagePlanner, Stack]:
+        """The planner and stack of the captured graph, or of its recomputing copy (:attr:`recomputed`)."""
+        return self.recomputed if recompute else (self.planner, self.stack)
+
+    def _both_specials(self, planner: StagePlanner, ctx: _Ctx, shape) -> list:
+        return [
+            self._specials(ctx.pres, ctx.ranks, shape, ctx.used_pre, planner),
+            self._specials(ctx.posts, ctx.ranks, shape, ctx.used_post, planner),
+        ]
+
+    def _specials(self, ranges, ranks, shape, used, planner: StagePlanner | None = None) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
         size has) only: the others' ranges are ∞ in ``arrays`` whatever they cost."""
-        return [None] + [self._piece(r, ranks, shape, self.capacity) if j in used else None
+        return [None] + [self._piece(r, ranks, shape, self.capacity, planner=planner) if j in used else None
                          for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
 
-    def _floors(self, pres, posts, used_pre, used_post, ranks, shape):
+    def _floors(self, pres, posts, used_pre, used_post, ranks, shape, planner=None, stack=None):
         """``StagePlanner.floor`` of the used pre pieces, the used post pieces (by id; None unused) and the
-        middle block on `shape`."""
+        middle block on `shape` (of `planner`'s graph, default the table's)."""
         kw = {k: v for k, v in self.kw.items() if k == "force"}
-        B, mid = self.microbatches, self.stack.middle
+        planner, stack = planner or self.planner, stack or self.stack
+        B, mid = self.microbatches, stack.middle
 
         def one(rng):
-            return self.planner.floor(rng[0], rng[1], ranks, shape, microbatches=B, **kw)
+            return planner.floor(rng[0], rng[1], ranks, shape, microbatches=B, **kw)
 
         pre = [None] + [one(r) if j in used_pre else None for j, r in enumerate(pres[1:], 1)]
         post = [None] + [one(r) if j in used_post else None for j, r in enumerate(posts[1:], 1)]
@@ -538,64 +625,38 @@ class StackTable:
         block plan) of :meth:`arrays`."""
         c = self.candidates[cand]
         kw = {k: v for k, v in self.kw.items() if k != "capacity"}
+        planner, stack = self._graph_of(c.recompute)
         return compose_stage(
-            self.planner, self.stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
-            capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, **kw,
+            planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
+            capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
+            accumulated=self.counts_accumulated, **kw,
         )  # fmt: skip
-
-    def refine(self, start: int, stop: int, ranks: Sequence[int], cand: int, in_flight: int) -> tuple[float, int]:
-        """The chosen stage of model layers ``[start, stop)`` with `in_flight` microbatches searched under its own
-        cap on candidate `cand`'s logical mesh (module docstring, 4): its block planned at the device's capacity,
-        then while the composed stage does not fit, under the cap :func:`_cap_for` gives for this stage's blocks
-        (at most :data:`MAX_LEVELS` caps, each at most 0.9 of the last). Returns (t_intra, candidate) of the
-        fastest that fits among these and `cand`'s plan (an estimate's: its ZeRO-sharded block), ∞ when none
-        does; a new candidate is appended when one of these wins."""
-        c = self.candidates[cand]
-        _, nb, _ = self.stack.parts(start, stop)
-        B, capacity = self.microbatches, self.capacity
-        kw = {k: v for k, v in self.kw.items() if k != "capacity"}
-
-        def priced(block_cap: float, zero) -> tuple[float, StageCost | None]:
-            try:
-                cost = compose_stage(
-                    self.planner, self.stack, start, stop, ranks, c.shape, microbatches=B, capacity=capacity,
-                    block_capacity=block_cap, block_zero=zero, **kw,
-                )  # fmt: skip
-            except PlanError:
-                return math.inf, None
-            p = cost.peaks
-            fits = max(p.update, p.forward_backward + (in_flight - 1) * p.activations) <= capacity
-            return (cost.time.total_s / B if fits else math.inf), cost
-
-        best_t, best = priced(c.block_cap, c.block_zero)[0], cand
-        if c.estimate:  # the estimate's own plan is ZERO's: a plan, its candidate one
-            self.candidates.append(dataclasses.replace(c, estimate=False))
-            best = len(self.candidates) - 1
-        cap = capacity
-        for _ in range(MAX_LEVELS if nb else 1):
-            t, cost = priced(cap, None)
-            if t < best_t:
-                self.candidates.append(Candidate(c.size, c.shape, cap, None))
-                best_t, best = t, len(self.candidates) - 1
-            if cost is None or math.isfinite(t):
-                break
-            blk = self.planner.plan_with_memory(self.stack.middle, self.stack.middle + 1, ranks, c.shape,
-                                                microbatches=B, capacity=cap, **kw)[1]  # fmt: skip
-            cap = min(0.9 * cap, _cap_for(blk, nb, capacity, in_flight))
-        return best_t, best
 
 
 class ApproxLevel(IntEnum):
-    """The approximate table's block pieces per logical mesh, in the order tried (module docstring, 4)."""
+    """The variant table's block plans per logical mesh, in the order tried (module docstring, 4): one uncapped
+    search of the captured block and one of the recomputing block, each also with the ZeRO post-pass forced at
+    stage 3 — every one a plan, none estimated. (ZeRO stage 2 is left out: the pipeline runtime gathers ZeRO
+    weights where they are read, ``validate``.)"""
 
     FULL = 0
-    """The block searched at the device's capacity."""
+    """The block searched at the device's capacity (its ZeRO post-pass the table's own)."""
     ZERO = 1
-    """The same search with every replicated update ZeRO-sharded (``zero.ZeroMode.ALL``)."""
-    ESTIMATE = 2
-    """No plan: :attr:`ZERO`'s time and live peak with the memory floors' static, update and saved bytes
-    (``StagePlanner.floor``) — what a plan under a tight cap roughly costs; an entry from it is searched exactly
-    (``StackTable.refine``) before a plan may use it."""
+    """The same answer with every replicated update ZeRO-sharded at stage 3 (``zero.ZeroMode.STAGE3``)."""
+    RECOMPUTE = 2
+    """The block of the recomputing graph (``StackTable.recomputed``) searched at the device's capacity."""
+    RECOMPUTE_ZERO = 3
+    """:attr:`RECOMPUTE`'s answer with ZeRO stage 3 forced."""
+
+    @property
+    def zero(self) -> ZeroMode | None:
+        """The ZeRO mode forced on the block's plan (None: the table's own)."""
+        return ZeroMode.STAGE3 if self in (ApproxLevel.ZERO, ApproxLevel.RECOMPUTE_ZERO) else None
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the block is the recomputing graph's."""
+        return self >= ApproxLevel.RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -608,8 +669,8 @@ class Candidate:
     """The block's memory cap."""
     block_zero: ZeroMode | None = None
     """The block's ZeRO post-pass (None: the table's own, ``zero.ZeroMode.AUTO`` by default)."""
-    estimate: bool = False
-    """An estimate (``ApproxLevel.ESTIMATE``), not a plan: its entries must be searched (``StackTable.refine``)."""
+    recompute: bool = False
+    """Composed from the recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed."""
 
 
 def _cap_for(m: StageMemory, k: int, capacity: float, in_flight: int = 1) -> float:
@@ -634,14 +695,18 @@ def compose_stage(
     capacity: float | None = None,
     block_capacity: float | None = None,
     block_zero: ZeroMode | None = None,
+    recompute: bool = False,
+    accumulated: bool = False,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
     pieces (module docstring, 2): the pre and post parts planned under `capacity`, the blocks as k times a
     middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
     every piece (``zero``, ``force``: a Megatron stage's pinned layouts; `block_zero` overrides ``zero`` for the
-    block). Raises ``PlanError`` when a piece
-    has no plan."""
+    block). `recompute`: `stack` is the recomputing graph's (``StackTable.recomputed``), so a stage with blocks is
+    marked recomputed (``StageCost.recompute``). `accumulated`: the forward + backward peak holds every piece's
+    gradients summed over the microbatches (``StageMemory.accumulated``; the variant table). Raises
+    ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -659,6 +724,8 @@ def compose_stage(
         cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
     fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    if accumulated:
+        fb += sum(x.mem.accumulated * w for x, w in pieces)
     time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
     main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
     grads = sum(x.mem.grads * w for x, w in pieces)
@@ -670,7 +737,8 @@ def compose_stage(
     )  # fmt: skip
     return StageCost(
         (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
-        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
+        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces), recompute and nb > 0,
+        ZeroMode(block_zero).value if block_zero is not None and nb else None,
     )  # fmt: skip
 
 
@@ -683,6 +751,14 @@ def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, floa
     upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
     act = sum(m.saved * w for m, w in pieces)
     return fb, upd, act, static
+
+
+def _accumulated(specials, blk: _Piece | None, PA, PB, NB) -> np.ndarray:
+    """Per cluster range, the pieces' gradients summed over the microbatches (``StageMemory.accumulated``)."""
+    pre = np.array([0.0 if x is None else x.mem.accumulated for x in specials[0]])
+    post = np.array([0.0 if x is None else x.mem.accumulated for x in specials[1]])
+    b = blk.mem.accumulated if blk is not None else 0.0
+    return pre[PA] + NB * b + post[PB]
 
 
 def _compose(specials, blk: _Piece | None, PA, PB, NB):

@@ -126,7 +126,15 @@ import torch
 from meshpilot.cluster.mesh import MeshMapping, mapped_ranks
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
-from meshpilot.planner.accounting import MEMORY_ROWS, ComputeCost, PhasePeaks, _parts, account, step_edges
+from meshpilot.planner.accounting import (
+    MEMORY_ROWS,
+    ComputeCost,
+    PhasePeaks,
+    _parts,
+    account,
+    accumulated_bytes,
+    step_edges,
+)
 from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.meshsearch import mappings_of, search_mesh
@@ -507,6 +515,12 @@ class StageCost:
     forward_s: float
     """Of ``time``: the forwards' compute and the collectives they issue."""
     search_s: float
+    recompute: bool = False
+    """Every block of the stage recomputed in the backward (``planner.recompute``): costed on the recomputing
+    graph (``stack.StackTable.recomputed``); ``Plan.with_intra`` plans its slice so and the runtime runs it so."""
+    zero: str | None = None
+    """The ZeRO mode forced on the stage's blocks (``zero.ZeroMode`` value, e.g. "3": the variant table's ZeRO
+    candidates); ``Plan.with_intra`` plans its slice with it. None: the search's own."""
 
 
 @dataclass(frozen=True)
@@ -526,6 +540,11 @@ class StageMemory:
     """One microbatch's saved-for-backward values."""
     live_peak: float
     """``max_i live(i)``: the forward + backward's peak of values, persistent state not included."""
+    accumulated: float = 0.0
+    """The gradients summed over the microbatches, held from the second microbatch on in the layout the
+    backward produces them (``accounting.accumulated_bytes``: a replicated or ZeRO parameter's, whole); 0 for
+    one microbatch. Not in :attr:`peaks` (the exact stage table leaves it out); the variant table counts it
+    (``stack`` module docstring, 4)."""
 
     @property
     def peaks(self) -> PhasePeaks:
@@ -803,7 +822,8 @@ class StagePlanner:
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
         p = _parts(sub, cand.chosen, shape)
-        mem = StageMemory(p.params + p.optimizer + p.inputs, p.grads, p.update_temp, p.saved, p.live.peak)
+        acc = accumulated_bytes(sub, cand.chosen, shape) if microbatches > 1 else 0.0
+        mem = StageMemory(p.params + p.optimizer + p.inputs, p.grads, p.update_temp, p.saved, p.live.peak, acc)
         cost = StageCost(
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )

@@ -77,6 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, TensorInfo, capture, dtype_from_name
+from meshpilot.planner import recompute
 from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.planner.schedule import ActionKind, Schedule
 from meshpilot.planner.stage import BOUNDARY, slice_graph, stays_in_stage, tied_params
@@ -309,6 +310,9 @@ class PlannedPipelineModule:
         zeros = zero_filled(slices, stage_of, stays_in_stage(graph, run_layers))
         planned = planned_transfers(self.pplan, graph, slices, zeros)
         self.transfers = planned if planned is not None else find_transfers(graph, slices, stage_of, zeros)
+        # a stage whose plan recomputes blocks runs its slice with their forwards copied into the backward
+        # (``planner.recompute.for_plan``, as ``Plan.with_intra`` planned it); the boundaries are unchanged
+        slices = [recompute.for_plan(g, p) for g, p in zip(slices, self.pplan.intra)] or slices
         return slices, zeros, tied_params(graph, run_layers)
 
     def _make_meshes(self) -> None:

@@ -1,0 +1,113 @@
+"""Context parallelism: attention sharded on the query sequence (``meshpilot.ops.attention``), Llama 3's method.
+
+Pure: a tiny Llama (batch 1 × 512 tokens) planned under a memory cap that no plan with attention whole on
+each device meets shards every attention's queries on one mesh axis (its keys and values gathered, their
+gradients partial), builds its causal mask (a tensor transformers makes from positions) by query rows, and
+says so in its printout.
+On 4 gloo ranks (one spawn): that plan, and one with the sequence forced onto the axis from the inputs on,
+train equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps) and issue the plan's
+collectives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import lockstep_adamw, run_distributed
+
+from meshpilot.graph.capture import capture
+from meshpilot.models.sources import hf_model
+from meshpilot.planner.auto import plan
+from meshpilot.planner.ilp import PlanError
+from meshpilot.planner.plan import StagePlan
+
+CLUSTER = "alpa-p3x8"
+MESH = (4, 1)
+STEPS = 3
+BATCH, SEQ = 1, 512
+CAP = 2.7 * 2**20
+"""Bytes per device: under it attention must be sequence-parallel (checked: with every attention's outputs
+pinned replicated no plan fits)."""
+LLAMA = dict(
+    num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, use_cache=False,
+)  # fmt: skip
+
+
+def _llama(device: str = "meta"):
+    torch.manual_seed(0)  # every build the same weights: the reference, the parallel copy, every rank
+    model = hf_model("llama", dict(LLAMA))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g)
+    return (model.to(device) if device != "meta" else model), (ids, labels)
+
+
+def _sequence_axes(p: StagePlan) -> list[tuple[str, ...]]:
+    """Each attention forward's query layout (``[b, h, t, e]``: ``S(2)`` on an axis is the sequence there)."""
+    return [n.ins[0] for n in p.nodes if n.name.startswith("sdpa") and not n.name.startswith("sdpa_backward")]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, StagePlan]:
+    model, inputs = _llama()
+    graph = capture(model, inputs)
+    kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
+    try:  # attention kept whole on every device (its outputs pinned replicated): over the cap
+        whole = plan(model, inputs, CLUSTER, memory_bytes=CAP, force={"sdpa*": "RR"}, **kw)
+        assert whole.memory.total > CAP
+    except PlanError:
+        pass
+    out = {
+        "auto": plan(model, inputs, CLUSTER, memory_bytes=CAP, **kw),
+        "forced": plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, **kw),
+    }
+    # the causal mask (built by transformers from positions) is built by query rows, as attention reads it
+    masks = [n.inputs[3][0] for n in graph.nodes if n.target == "meshpilot.sdpa.default"]
+    for name, p in out.items():
+        assert {p.node(m).outs[0] for m in masks} == {("S(2)", "R")}, name
+    return out
+
+
+def test_a_capped_long_sequence_plan_shards_every_attention_on_its_queries(plans):
+    for name, p in plans.items():
+        qs = _sequence_axes(p)
+        assert len(qs) == LLAMA["num_hidden_layers"] and all(q == ("S(2)", "R") for q in qs), (name, qs)
+        for n in p.nodes:
+            if n.name.startswith("sdpa_backward"):
+                assert n.outs[1:] == (("P", "R"), ("P", "R")), (name, n.name, n.outs)  # dK, dV partial sums
+        assert p.memory.total <= CAP or name == "forced"
+        assert "context      attention sequence-parallel over axis gpu (4 devices, 4 of 4 attention calls)" in (
+            p.summary()
+        ), name
+
+
+# ------------------------------------------------------------------------------------------- 4 ranks
+
+
+def _worker(jobs: dict) -> dict:
+    from meshpilot.runtime.spmd import parallelize
+
+    out = {}
+    for name, plan_json in jobs.items():
+        ref, inputs = _llama("cpu")
+        model, _ = _llama("cpu")
+        plan_ = StagePlan.from_json(plan_json)
+        pm = parallelize(model, plan_)
+        res = lockstep_adamw(ref, pm, inputs, STEPS)
+        planned = plan_.collective_counts(backend="gloo")
+        res["counts_equal"] = [c == planned for c in res["counts"]]
+        out[name] = res
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
+    jobs = {name: p.to_json() for name, p in plans.items()}
+    per_rank = run_distributed(_worker, 4, jobs, timeout=1200)
+    for name in plans:
+        for rank, r in enumerate(per_rank):
+            got = r[name]
+            assert max(got["loss"]) < 1e-5 and max(got["grad"]) < 1e-5, (name, rank, got["loss"], got["grad"])
+            assert all(got["counts_equal"]), (name, rank, got["counts"][0])

@@ -1,0 +1,55 @@
+"""A pipeline stage that recomputes its blocks (``StageCost.recompute``: the variant stage table's recomputing
+candidates, ``planner.stack``) is planned so by ``Plan.with_intra`` and run so by the stage runtime
+(``runtime.pipeline_stages``: ``recompute.for_plan`` on its slice). One 4-rank spawn: a 2-stage 1F1B pipeline
+of a tiny GPT on 2 + 2 ranks, its second stage recomputed, 3 AdamW steps beside the single device (loss and
+every gradient within 1e-5), every collective as the plans say."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from dist_utils import run_distributed
+from test_pipeline_runtime import _beside_single_device, _check_intra, _tiny_gpt_graph, _tiny_gpt_run
+
+STAGES = [((0, 4), (0, 1), (1, 2)), ((4, 8), (2, 3), (2, 1))]
+"""(layers, ranks, logical mesh): embeddings and blocks 0-1 on a (1, 2) mesh, blocks 2-3 and the head on (2, 1)."""
+NAME = "recomputed"
+
+
+@functools.cache
+def _plan_json() -> str:
+    """STAGES as a saved plan, stage 1 marked recomputed before its plan is made."""
+    from meshpilot.planner.pipeline import fixed_pipeline
+
+    _, _, graph = _tiny_gpt_graph()
+    pp = fixed_pipeline(graph, "atp-ic3", STAGES, microbatches=4, schedule="1f1b")
+    last = pp.stages[1]
+    stages = (pp.stages[0], dataclasses.replace(last, cost=dataclasses.replace(last.cost, recompute=True)))
+    return dataclasses.replace(pp, stages=stages).with_intra(graph, "atp-ic3").to_json()
+
+
+def _worker(text: str) -> dict:
+    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.recompute import is_copy
+    from meshpilot.runtime.pipeline import pipeline_parallelize
+
+    _, _, graph = _tiny_gpt_graph()
+    batch, ref, model = _tiny_gpt_run()
+    pm = pipeline_parallelize(model, batch, Plan.from_json(text), graph=graph)
+    res = _beside_single_device(pm, ref, batch)
+    res["copies"] = sum(is_copy(n.name) for n in pm.graph.nodes)
+    return {NAME: res}
+
+
+def test_a_recomputing_stage_equals_the_single_device():
+    from meshpilot.planner.plan import Plan
+
+    plan = Plan.from_json(_plan_json())
+    rc = [st.plan.recompute for st in plan.stages]
+    assert rc[0] is None and rc[1] is not None and rc[1].regions == ("blocks.2", "blocks.3")
+    assert any(n.name.endswith("_recomputed") for n in plan.stages[1].plan.nodes)
+    outs = run_distributed(_worker, 4, _plan_json(), timeout=900)
+    _check_intra(outs, STAGES, NAME)
+    for rank, out in enumerate(outs):  # the second stage's ranks run the copies, the first's none
+        assert (out[NAME]["copies"] > 0) == (rank >= 2), (rank, out[NAME]["copies"])
