@@ -174,6 +174,19 @@ def test_group_bound_counts_chunk_microbatches_in_flight_at_once():
     assert group_bound(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, fb, upd, act) == 8 * (10 - 2) + 143 * 2
 
 
+def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():
+    """``held_one_chunk`` reads every stage's in-flight count off one p-stage schedule; ``pipeline`` counted each
+    stage on a schedule of its own (p schedules, 17 s at p = 256 in the search's ranking): the same counts."""
+    from meshpilot.planner.config_plan import held_one_chunk
+    from meshpilot.planner.pipeline import _held_per_stage
+
+    for kind in (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.GPIPE):
+        for p, B in ((1, 3), (4, 2), (8, 3), (16, 32)):
+            assert list(held_one_chunk(kind, p, B)) == _held_per_stage(kind, [(g,) for g in range(p)], p, B)
+    assert held_one_chunk(PipelineKind.ONE_F_ONE_B, 4, 8) == (4, 3, 2, 1)
+    assert set(held_one_chunk(PipelineKind.ZERO_BUBBLE, 4, 8)) == {4}  # ZB-H1: min(B, p), every stage
+
+
 def test_refused_rows_say_why_and_simulate_nothing():
     for row in bf.ROWS:
         if row.name.endswith("cp16") or row.refused:

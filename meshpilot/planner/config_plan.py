@@ -72,7 +72,7 @@ from meshpilot.planner.pipeline import (
     stage_transfers,
 )
 from meshpilot.planner.plan import Plan, PlanStage
-from meshpilot.planner.schedule import ActionKind, PipelineKind, pipeline
+from meshpilot.planner.schedule import ActionKind, PipelineKind, held_until_weight, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
 from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
@@ -366,7 +366,10 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
     graph: OpGraph = stack.graph
     layers = list(stack.layers)
     C = stack.received(received_bytes(graph, sp.layers))
-    held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
+    if kind == PipelineKind.INTERLEAVED_1F1B:
+        held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
+    else:
+        held = list(held_one_chunk(kind, len(bounds), B))
     stages = []
     for j, ((a, b), rk, c) in enumerate(zip(bounds, ranks, costs)):
         share = input_grad_share(graph, sp.layers, *stack.graph_range(a, b))
@@ -430,12 +433,22 @@ def _chunk_actions(kind: PipelineKind, p: int, v: int, B: int) -> tuple[tuple[in
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def held_one_chunk(kind: PipelineKind, p: int, B: int) -> tuple[int, ...]:
+    """Per stage of a `p`-stage pipeline of one chunk a group (1F1B, ZB-H1, GPipe) under `B` microbatches: the
+    most microbatches whose saved values it holds at once (``schedule.held_until_weight``), read off the one
+    `p`-stage schedule. ``pipeline.stage_in_flight`` builds that same schedule again for every stage, p times:
+    at p = 256 that took 17 s of the configuration search's ranking, per candidate."""
+    held = held_until_weight(pipeline([[g] for g in range(p)], B, kind))
+    return tuple(held[(g,)] for g in range(p))
+
+
 def in_flight_peaks(kind: PipelineKind, p: int, v: int, B: int, act: tuple[float, ...]) -> list[float]:
     """Per group g: ``max_t Σ_j n_j(t) · act_j`` (:func:`group_bound`), walked over the schedule's actions: a
     forward of chunk j adds ``act_j``, its backward takes it away (interleaved 1F1B; one chunk a group: its
-    ``pipeline._held_per_stage`` count, the zero-bubble schedules' held until their weight gradients)."""
+    :func:`held_one_chunk` count, the zero-bubble schedules' held until their weight gradients)."""
     if kind != PipelineKind.INTERLEAVED_1F1B:  # one chunk a group: its own maximum, as the stage DP counts it
-        held = _held_per_stage(kind, [(g,) for g in range(p)], p, B)
+        held = held_one_chunk(kind, p, B)
         return [held[g] * act[g] for g in range(p)]
     out = [0.0] * p
     for g, acts in _chunk_actions(kind, p, v, B):
