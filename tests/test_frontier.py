@@ -63,6 +63,7 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
         ("tensor=8", "known key"),
         ("schedule=pipedream", "choose one of"),
         ("tp=2,tp=4", "twice"),
+        ("tp=8,sp=2", "give sp=1 or sp=0"),
     ]:
         with pytest.raises(UserError, match=needle) as e:
             parse_config(text)
@@ -133,6 +134,59 @@ def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share(
     assert len(pins) >= 2  # the block's hidden-state input in the forward and its gradient in the backward
 
 
+def test_tp_plans_run_sequence_parallel_unless_told_not_to():
+    """``sp`` is on by default where TP > 1 (Llama 3, Megatron): the residual adds and the hidden state between
+    stages are sequence-sharded over TP and each TP rank sends its share; ``sp=0`` plans plain TP."""
+    from meshpilot.planner.config_plan import plan_config, residual_shapes
+    from meshpilot.planner.forced import megatron_tp
+    from meshpilot.planner.stage import StagePlanner
+
+    text = "tp=2,pp=2,dp=2,microbatches=4"
+    on, off = parse_config(text), parse_config(text + ",sp=0")
+    assert on.sequence_parallel and not off.sequence_parallel and not parse_config("pp=2,dp=4").sequence_parallel
+    assert "SP" in on.short() and "SP" not in off.short()
+    built = build_hf("llama", TINY, batch=on.graph_batch, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision=on.precision)
+    sp = StagePlanner(stack.graph, "dgx-h100:1")
+    force = megatron_tp(built.model, built.inputs, (2, 2), graph=stack.graph, sequence_parallel=True)
+    adds = {k: v for k, v in force.items() if stack.graph.by_name.get(k) is not None and v.endswith("S(1)")}
+    assert len([k for k in adds if stack.graph[k].target == "aten.add.Tensor"]) == 2 * stack.kept
+    assert residual_shapes(stack.graph, force) == {(2, 64, 256)}
+    pins = boundary_pins(sp, stack, on, force)
+    assert "S(0)S(1)" in pins.values() and set(pins.values()) <= {"S(0)S(1)", "S(0)R"}
+    assert set(boundary_pins(sp, stack, off, force).values()) == {"S(0)R"}
+    plans = {c.sp: plan_config(built.model, built.inputs, stack, sp.cluster, c, planner=sp) for c in (on, off)}
+    assert plans[1].plan.send_split == 4 and plans[0].plan.send_split == 2
+
+
+def test_group_bound_counts_chunk_microbatches_in_flight_at_once():
+    """Llama 3's 8,192-GPU schedule (16 groups of 8 chunks, 32 microbatches): each chunk's own maximum summed
+    is 192 chunk-microbatches, the most group 0 holds at once 143; at 16 microbatches both are 128."""
+    from meshpilot.planner.config_plan import group_bound, in_flight_peaks
+
+    ones = (1.0,) * 128
+    assert in_flight_peaks(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, ones)[0] == 143
+    assert max(in_flight_peaks(PipelineKind.INTERLEAVED_1F1B, 16, 8, 16, ones)) == 128
+    # 1F1B: one chunk a group, its own min(B, p - j)
+    assert in_flight_peaks(PipelineKind.ONE_F_ONE_B, 4, 1, 8, (1.0,) * 4) == [4, 3, 2, 1]
+    # the bound: the chunks' statics and transients once, the activations in flight at once
+    fb, upd, act = [10.0] * 128, [12.0] * 128, [2.0] * 128
+    assert group_bound(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, fb, upd, act) == 8 * (10 - 2) + 143 * 2
+
+
+def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():
+    """``held_one_chunk`` reads every stage's in-flight count off one p-stage schedule; ``pipeline`` counted each
+    stage on a schedule of its own (p schedules, 17 s at p = 256 in the search's ranking): the same counts."""
+    from meshpilot.planner.config_plan import held_one_chunk
+    from meshpilot.planner.pipeline import _held_per_stage
+
+    for kind in (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.GPIPE):
+        for p, B in ((1, 3), (4, 2), (8, 3), (16, 32)):
+            assert list(held_one_chunk(kind, p, B)) == _held_per_stage(kind, [(g,) for g in range(p)], p, B)
+    assert held_one_chunk(PipelineKind.ONE_F_ONE_B, 4, 8) == (4, 3, 2, 1)
+    assert set(held_one_chunk(PipelineKind.ZERO_BUBBLE, 4, 8)) == {4}  # ZB-H1: min(B, p), every stage
+
+
 def test_refused_rows_say_why_and_simulate_nothing():
     for row in bf.ROWS:
         if row.name.endswith("cp16") or row.refused:
@@ -152,7 +206,8 @@ def test_cli_plans_a_config_saves_it_and_simulate_prices_the_same_step(tmp_path,
     assert main([*argv, "--config", cfg, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     plan = Plan.load(out)
-    assert plan.send_split == 2 and len(plan.stages) == 4 and plan.schedule == PipelineKind.INTERLEAVED_1F1B
+    # send_split DP · TP: sequence parallelism, each rank sends its share
+    assert plan.send_split == 4 and len(plan.stages) == 4 and plan.schedule == PipelineKind.INTERLEAVED_1F1B
     step = plan.simulate().step_s
     assert f"simulated step {bf_fmt(step)}" in printed
     assert main(["simulate", str(out)]) == 0
@@ -190,6 +245,7 @@ def test_config_search_beats_the_stated_config_within_its_memory_and_every_candi
 
     res = search_configs(build, "dgx-h100:1", 8, 8, precision="bf16-mixed", capacity=cap, top=2, shown=6)
     assert res.best_step_s <= stated.step_s
+    assert all(c.config.tp == 1 or c.config.sequence_parallel for c in res.leading)  # SP wherever there is TP
     assert res.leading and all(c.memory_bytes <= cap for c in res.leading)
     assert [c.config for c in res.planned] == [c.config for c in res.leading if c.simulated_s is not None]
     assert all(c.plan_memory_bytes is not None and c.fits == (c.plan_memory_bytes <= cap) for c in res.planned)

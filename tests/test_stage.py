@@ -116,3 +116,30 @@ def test_a_mapping_priced_like_one_tried_is_not_solved_again(gpt, monkeypatch):
     calls.clear()
     sp.plan(0, 3, range(8), (2, 4))
     assert calls == [MeshMapping.ROW, MeshMapping.COL]
+
+
+def test_a_stage_keeps_a_pin_that_names_an_operator(gpt, planner):
+    """A ``force`` pattern naming an operator exactly (as ``planner.forced`` pins Megatron's row products and
+    sequence-parallel adds) holds in a stage's plan as in the whole model's: stage planning once kept only the
+    pins naming leaves (parameters, inputs) and silently planned every stage without its operator pins."""
+    model, inputs, graph = gpt
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), graph=graph)
+        # the first forward matmul of a block the free plan shards, pinned whole on every device instead
+        op = next(
+            n.name
+            for n in graph.nodes
+            if n.kind == NodeKind.OP
+            and n.phase == Phase.FWD
+            and n.target in ("aten.mm.default", "aten.addmm.default")
+            and "".join(free.node(n.name).outs[0]) != "RR"
+        )
+        force = {op: "RR"}
+        whole = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), graph=graph, force=force)
+    assert "".join(whole.node(op).outs[0]) == "RR"
+    assert whole.time.total_s > free.time.total_s  # the pin costs something: dropping it would show
+    stage = planner.plan(0, 6, range(4), (2, 2), force=force)
+    assert stage.time.total_s == pytest.approx(whole.time.total_s, rel=1e-12)
+    assert stage.memory.total == pytest.approx(whole.memory.total, rel=1e-12)
+    assert planner.plan(0, 6, range(4), (2, 2)).time.total_s == pytest.approx(free.time.total_s, rel=1e-12)

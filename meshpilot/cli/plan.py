@@ -240,8 +240,9 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=V,…",
         help="plan a published configuration as stated, searching nothing but each stage's operators: tp, pp, dp "
         "degrees, schedule (1f1b, zb-h1, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, "
-        "recompute=none|full, zero, precision, split=even|ends (cp, ep, selective recompute are refused); Llama 3's "
-        "rank order, Megatron's layouts (meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,"
+        "recompute=none|full, zero, precision, split=even|ends, sp=1|0 (Megatron's sequence parallelism, on by "
+        "default where tp > 1; cp, ep, selective recompute are refused); Llama 3's rank order, Megatron's "
+        "layouts (meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,"
         "schedule=interleaved-1f1b,virtual=8,microbatches=32 (--batch, if given, must be dp x microbatches x "
         "micro_batch); a model of repeated blocks. --config auto: meshpilot searches the configuration itself "
         "(TP / PP / DP, schedule, microbatches and their size, recompute, split within --memory-gib; "

@@ -19,6 +19,13 @@ The plan
   megatron_tp``: column / row pairs, vocabulary-parallel embedding and head; without TP every weight replicated,
   ``forced.data_parallel``) and each piece's boundary rows over DP (:func:`boundary_pins`), the ILP choosing
   the operators' algorithms; a stage of k blocks composed from one block's plan (``planner.stack.compose_stage``).
+* **Sequence parallelism** (``sp=1``, the default, when TP > 1; ``sp=0`` states a run without it): Megatron-LM's
+  SP, as Llama 3 trains (``megatron_tp(..., sequence_parallel=True)``): each row linear's residual add is
+  sequence-sharded over TP, so the residual stream, the norms and what they save hold 1/TP of the tokens, the
+  row outputs are reduce-scattered and the column inputs all-gathered (the plan's own collectives, priced by
+  the ILP), and every piece's ``[batch, seq, hidden]`` boundary (the hidden state and its gradient) is pinned
+  sequence-sharded over TP too: a stage receives and keeps its TP rank's share of the sequence, and each TP
+  rank sends its own share (``send_split`` = DP · TP). Memory is each piece's own plan's accounting.
 * **ZeRO** (``zero=``): only 0, every state replicated over DP. The ZeRO post-pass (``planner.zero``) leaves
   pinned weights alone, and here every weight is pinned, so ZeRO 1–3 are refused rather than planned as 0. In
   time they differ from 0 by the update of a 1/DP shard instead of the whole (the gradient's reduce-scatter and
@@ -42,6 +49,7 @@ the ``QKᵀ`` and ``AV`` matmuls counted in full, causal or not); TFLOP/s per GP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -64,7 +72,7 @@ from meshpilot.planner.pipeline import (
     stage_transfers,
 )
 from meshpilot.planner.plan import Plan, PlanStage
-from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.schedule import ActionKind, PipelineKind, held_until_weight, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
 from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
@@ -116,6 +124,13 @@ class ParallelConfig:
     """ZeRO stage: only 0 is planned (module docstring, *ZeRO*)."""
     precision: str = "bf16-mixed"
     split: Split = Split.EVEN
+    sp: int = 1
+    """Megatron's sequence parallelism over the TP axis: 1 (on, where TP > 1) or 0 (module docstring)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the plan shards the sequence over TP outside the TP regions."""
+        return self.tp > 1 and self.sp == 1
 
     @property
     def devices(self) -> int:
@@ -133,10 +148,11 @@ class ParallelConfig:
     def short(self) -> str:
         """``TP8 CP1 PP16 DP64 interleaved-1f1b v8 B32``."""
         v = f" v{self.virtual}" if self.virtual > 1 else ""
-        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} {self.schedule.value}{v} B{self.microbatches}"
+        sp = " SP" if self.sequence_parallel else ""
+        return f"TP{self.tp}{sp} CP{self.cp} PP{self.pp} DP{self.dp} {self.schedule.value}{v} B{self.microbatches}"
 
 
-_INT_KEYS = ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch", "zero")
+_INT_KEYS = ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch", "zero", "sp")
 _ENUMS = {"schedule": PipelineKind, "recompute": Recompute, "split": Split}
 _EXAMPLE = "e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,microbatches=32"
 
@@ -173,6 +189,8 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
     for key in ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch"):
         if getattr(cfg, key) < 1:
             raise UserError(f"--config {key}={getattr(cfg, key)}: give at least 1")
+    if cfg.sp not in (0, 1):
+        raise UserError(f"--config sp={cfg.sp}: sequence parallelism is on (1) or off (0); give sp=1 or sp=0")
     if cfg.cp > 1:
         raise UserError(
             f"--config cp={cfg.cp}: context parallelism is not modelled by meshpilot's planner yet; plan cp=1"
@@ -265,10 +283,10 @@ def plan_config(
         raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
     mesh = (cfg.dp, cfg.tp)
     if cfg.tp > 1:
-        force = megatron_tp(model, inputs, mesh, graph=stack.graph)
+        force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
     else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
         force = data_parallel(model, inputs, mesh)
-    force.update(boundary_pins(sp, stack, cfg))
+    force.update(boundary_pins(sp, stack, cfg, force))
     chunks = cfg.pp * cfg.virtual
     bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
     groups = stage_ranks(cfg)
@@ -299,12 +317,18 @@ def recomputed_stack(stack: Stack) -> Stack:
     return expand_stack(small, stack.blocks)
 
 
-def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[str, str]:
+def boundary_pins(
+    sp: StagePlanner, stack: Stack, cfg: ParallelConfig, force: dict[str, str] | None = None
+) -> dict[str, str]:
     """Every stage piece's boundary inputs (``stage.slice_graph``'s ``boundary:`` leaves) whose dim 0 is the
     microbatch's rows, pinned batch-sharded over DP (``S(0)R``): each replica's stage receives its own rows, as the
     previous stage's replica sends them (:func:`send_shares`). Unpinned, the search may keep such an input
-    replicated, which costs it nothing in time but holds every replica's rows on every rank."""
-    if cfg.dp == 1:
+    replicated, which costs it nothing in time but holds every replica's rows on every rank. With sequence
+    parallelism (`force`: ``megatron_tp``'s pins with it) a boundary of a residual add's shape — the hidden state
+    between blocks and its gradient — is sharded on the sequence over TP too (``S(0)S(1)``; ``RS(1)`` at DP 1), as
+    Megatron keeps it; the rotary tables and masks stay whole over TP."""
+    residual = residual_shapes(stack.graph, force or {}) if cfg.sequence_parallel else set()
+    if cfg.dp == 1 and not residual:
         return {}  # an axis of one device is R
     p, end = stack.pre, len(sp.layers)
     pieces = [(stack.middle, stack.middle + 1)]
@@ -314,9 +338,25 @@ def boundary_pins(sp: StagePlanner, stack: Stack, cfg: ParallelConfig) -> dict[s
     for a, b in pieces:
         for n in slice_graph(stack.graph, a, b, sp.layers).nodes:
             name = n.fqn or n.name
-            if name.startswith(f"{BOUNDARY}:") and n.out is not None and n.out.shape[:1] == (cfg.graph_batch,):
-                pins[_exact(name)] = "S(0)R"  # rows over DP (mesh axis 0), whole on every TP rank
+            if not name.startswith(f"{BOUNDARY}:") or n.out is None or n.out.shape[:1] != (cfg.graph_batch,):
+                continue
+            rows = "S(0)" if cfg.dp > 1 else "R"  # rows over DP (mesh axis 0)
+            if tuple(n.out.shape) in residual:
+                pins[_exact(name)] = rows + "S(1)"  # the sequence over TP
+            elif cfg.dp > 1:
+                pins[_exact(name)] = rows + "R"  # whole on every TP rank
     return pins
+
+
+def residual_shapes(graph: OpGraph, force: dict[str, str]) -> set[tuple[int, ...]]:
+    """Shapes of the residual adds `force` pins sequence-sharded (``forced.megatron_tp(sequence_parallel=True)``:
+    operator nodes named exactly, sharded on dim 1 over the TP axis, the last)."""
+    out = set()
+    for name, lay in force.items():
+        node = graph.by_name.get(name)
+        if node is not None and node.target == "aten.add.Tensor" and lay.endswith("S(1)") and node.out is not None:
+            out.add(tuple(node.out.shape))
+    return out
 
 
 def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks, costs, t0: float) -> Plan:
@@ -326,7 +366,10 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
     graph: OpGraph = stack.graph
     layers = list(stack.layers)
     C = stack.received(received_bytes(graph, sp.layers))
-    held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
+    if kind == PipelineKind.INTERLEAVED_1F1B:
+        held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
+    else:
+        held = list(held_one_chunk(kind, len(bounds), B))
     stages = []
     for j, ((a, b), rk, c) in enumerate(zip(bounds, ranks, costs)):
         share = input_grad_share(graph, sp.layers, *stack.graph_range(a, b))
@@ -337,22 +380,91 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
         tuple(stages), B, cfg.devices, clustering, float(sp.cluster.device.memory_bytes), 0.0,
         time.perf_counter() - t0, 0, 0, kind, StageCosting.STACK,
         transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster, stack), cluster=sp.cluster.name,
-        send_split=cfg.dp,
+        send_split=cfg.dp * (cfg.tp if cfg.sequence_parallel else 1),
     )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 
 
 def group_memory(cp: ConfigPlan) -> float:
-    """Bytes per GPU of the plan's fullest pipeline group: its chunks' Eq. 5 (``PlanStage.memory_bytes``, each
-    with its own microbatches in flight) summed, as the stage DP bounds an interleaved group."""
-    p = cp.config.pp
-    return max(sum(s.memory_bytes for s in cp.plan.stages[g::p]) for g in range(p))
+    """Bytes per GPU of the plan's fullest pipeline group by :func:`group_bound` over its chunks' costs."""
+    cfg = cp.config
+    fb = [c.peaks.forward_backward for c in cp.costs]
+    upd = [c.peaks.update for c in cp.costs]
+    act = [c.peaks.activations for c in cp.costs]
+    return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act)
+
+
+def group_bound(
+    kind: PipelineKind, p: int, v: int, B: int, fb: Sequence[float], upd: Sequence[float], act: Sequence[float]
+) -> float:
+    """Eq. 5 of the fullest of `p` pipeline groups, chunk j (of ``p · v``, on group j mod p) with forward +
+    backward peak ``fb_j``, update peak ``upd_j`` and one microbatch's saved activations ``act_j``:
+
+        M_g = max( Σ_{j≡g} upd_j,  Σ_{j≡g} (fb_j − act_j) + max_t Σ_{j≡g} n_j(t) · act_j )
+
+    n_j(t) the microbatches chunk j has forwarded and not yet backwarded at step t of the group's own schedule
+    (:func:`in_flight_peaks`: walked over the schedule's actions). Each chunk's own maximum h_j, summed
+    (``Σ_j max(upd_j, fb_j + (h_j − 1) · act_j)``, what ``PlanStage.memory_bytes`` sum to), counts maxima
+    reached at different times: under interleaved 1F1B with p = 16, v = 8 and 32 microbatches group 0's
+    chunks hold at most 192 chunk-microbatches by that sum and 143 at once. One chunk per group (1F1B, ZB-H1)
+    gives the same bound both ways."""
+    peaks = in_flight_peaks(kind, p, v, B, tuple(act))
+    groups = []
+    for g in range(p):
+        js = range(g, p * v, p)
+        update = sum(upd[j] for j in js)
+        groups.append(max(update, sum(fb[j] - act[j] for j in js) + peaks[g]))
+    return max(groups)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_actions(kind: PipelineKind, p: int, v: int, B: int) -> tuple[tuple[int, tuple[tuple[bool, int], ...]], ...]:
+    """Per group: (group, its compute actions as (forward?, chunk)) of `kind` over p groups of v chunks."""
+    sched = pipeline([[g] for g in range(p)], B, kind, v)
+    ends = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+    out = []
+    for c in sched.classes:
+        acts = tuple(
+            (a.kind == ActionKind.FORWARD, a.stage if a.stage is not None else c.ranks[0])
+            for a in c.actions
+            if a.kind == ActionKind.FORWARD or a.kind in ends
+        )
+        out.append((c.ranks[0], acts))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def held_one_chunk(kind: PipelineKind, p: int, B: int) -> tuple[int, ...]:
+    """Per stage of a `p`-stage pipeline of one chunk a group (1F1B, ZB-H1, GPipe) under `B` microbatches: the
+    most microbatches whose saved values it holds at once (``schedule.held_until_weight``), read off the one
+    `p`-stage schedule. ``pipeline.stage_in_flight`` builds that same schedule again for every stage, p times:
+    at p = 256 that took 17 s of the configuration search's ranking, per candidate."""
+    held = held_until_weight(pipeline([[g] for g in range(p)], B, kind))
+    return tuple(held[(g,)] for g in range(p))
+
+
+def in_flight_peaks(kind: PipelineKind, p: int, v: int, B: int, act: tuple[float, ...]) -> list[float]:
+    """Per group g: ``max_t Σ_j n_j(t) · act_j`` (:func:`group_bound`), walked over the schedule's actions: a
+    forward of chunk j adds ``act_j``, its backward takes it away (interleaved 1F1B; one chunk a group: its
+    :func:`held_one_chunk` count, the zero-bubble schedules' held until their weight gradients)."""
+    if kind != PipelineKind.INTERLEAVED_1F1B:  # one chunk a group: its own maximum, as the stage DP counts it
+        held = held_one_chunk(kind, p, B)
+        return [held[g] * act[g] for g in range(p)]
+    out = [0.0] * p
+    for g, acts in _chunk_actions(kind, p, v, B):
+        total = peak = 0.0
+        for forward, j in acts:
+            total += act[j] if forward else -act[j]
+            peak = max(peak, total)
+        out[g] = peak
+    return out
 
 
 def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
     """Bytes one rank sends per microbatch at each stage boundary: the transfer (the whole step's microbatch,
-    every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; the TP ranks of a
-    replica each send its rows whole (no scatter / gather), as meshpilot's cross-mesh tiles move them."""
+    every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; without sequence
+    parallelism the TP ranks of a replica each send its rows whole (no scatter / gather), as meshpilot's
+    cross-mesh tiles move them; with it each sends its share of the sequence (over DP · TP)."""
     return {(x.src, x.dst): x.nbytes / cp.plan.send_split for x in cp.plan.transfers}
 
 
@@ -438,12 +550,15 @@ __all__ = [
     "boundary_pins",
     "breakdown",
     "check_config",
+    "group_bound",
     "group_memory",
+    "in_flight_peaks",
     "is_recomputed",
     "model_flops_per_token",
     "parse_config",
     "plan_config",
     "recomputed_stack",
+    "residual_shapes",
     "send_shares",
     "simulate_config",
     "stage_bounds",

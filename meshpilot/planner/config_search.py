@@ -18,8 +18,9 @@ gradient accumulation over B).
 ----------------------------------------------------------------
 The model captured once with one sequence (``stack.capture_stack``; with every block recomputed for
 ``recompute=full``: ``config_plan.recomputed_stack``); its three pieces — the pre layers, one middle block, the
-post layers — planned on a ``(1, t)`` mesh of one server's ranks under Megatron's pins (``forced.megatron_tp``,
-what ``plan_config`` pins): per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
+post layers — planned on a ``(1, t)`` mesh of one server's ranks under Megatron's pins with sequence
+parallelism and the boundary pins (``forced.megatron_tp``, what ``plan_config`` pins at ``sp=1``, its default):
+per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
 resharding: no DP axis, so no gradient sync), its optimizer step ``o_x`` and its memory parts
 (``stage.StageMemory``). A replica's microbatch of m sequences is priced at m times one (compute-bound pieces at
 this size; saved and live activations m-fold, weights and states once).
@@ -37,15 +38,15 @@ Group g (chunks j ≡ g mod p) works ``w_g = Σ_j t_j`` a microbatch; with the b
 group's ``(DP, TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it). The sends between stages are left
 out of the estimate (the simulation has them).
 
-Memory bound (Eq. 5 per group, as the stage DP sums a group's chunks): chunk j composed from its pieces
+Memory bound (Eq. 5 per group, ``config_plan.group_bound``): chunk j composed from its pieces
 (``stack._compose_one``: the forward + backward peak ``fb_j``, the update's ``upd_j``, the saved activations
-``act_j``) holds ``h_j`` microbatches in flight (1F1B: ``min(B, p − j)``, ZB-H1: ``min(B, p)``, interleaved:
-read off the schedule, ``pipeline._held_per_stage``), and
+``act_j``), and group g's chunk-microbatches in flight at once walked over its schedule's actions
+(``config_plan.in_flight_peaks``; one chunk a group: ``h_j``, 1F1B ``min(B, p − j)``, ZB-H1 ``min(B, p)``):
 
-    M_g = Σ_{j ≡ g} max(upd_j, fb_j + (h_j − 1) · act_j)  ≤  capacity  for every g.
+    M_g = max( Σ_{j≡g} upd_j,  Σ_{j≡g} (fb_j − act_j) + max_t Σ_{j≡g} n_j(t) · act_j )  ≤  capacity  for every g.
 
-This is the bound ``plan_config``'s plan reports (each stage's ``PlanStage.memory_bytes``, summed per group),
-at one sequence's pieces scaled m-fold.
+This is the bound ``plan_config``'s plan reports (``config_plan.group_memory`` over its chunks' costs), at one
+sequence's pieces scaled m-fold.
 
 4. Exact plans (:func:`search_configs`)
 ---------------------------------------
@@ -62,7 +63,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,6 +75,8 @@ from meshpilot.planner.config_plan import (
     ParallelConfig,
     Recompute,
     Split,
+    boundary_pins,
+    group_bound,
     group_memory,
     is_recomputed,
     plan_config,
@@ -85,7 +87,6 @@ from meshpilot.planner.config_plan import (
 )
 from meshpilot.planner.forced import data_parallel, megatron_tp
 from meshpilot.planner.ilp import PlanError
-from meshpilot.planner.pipeline import _held_per_stage
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, _compose_one, capture_stack
 from meshpilot.planner.stage import StageMemory, StagePlanner
@@ -176,6 +177,8 @@ def config_string(cfg: ParallelConfig) -> str:
         parts.append(f"virtual={cfg.virtual}")
     parts += [f"microbatches={cfg.microbatches}", f"micro_batch={cfg.micro_batch}"]
     parts += [f"recompute={cfg.recompute.value}", f"split={cfg.split.value}", f"precision={cfg.precision}"]
+    if cfg.tp > 1 and not cfg.sequence_parallel:
+        parts.append("sp=0")
     return ",".join(parts)
 
 
@@ -239,9 +242,13 @@ def plan_pieces(
     recompute = Recompute.FULL if is_recomputed(stack) else Recompute.NONE
     mesh = (1, tp)
     try:
-        force = megatron_tp(model, inputs, mesh, graph=stack.graph) if tp > 1 else data_parallel(model, inputs, mesh)
+        if tp > 1:
+            force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=True)
+        else:
+            force = data_parallel(model, inputs, mesh)
     except UserError:
         return None
+    force.update(boundary_pins(sp, stack, ParallelConfig(tp=tp), force))
     ranks = tuple(range(tp))
     end = len(sp.layers)
     ranges = [(0, stack.pre), (stack.middle, stack.middle + 1), (end - stack.post, end)]
@@ -258,18 +265,6 @@ def plan_pieces(
 
 def _scaled(m: StageMemory, mb: int) -> StageMemory:
     return replace(m, saved=m.saved * mb, live_peak=m.live_peak * mb)
-
-
-@lru_cache(maxsize=4096)
-def held(kind: PipelineKind, p: int, v: int, B: int) -> tuple[int, ...]:
-    """Microbatches each chunk holds in flight (module docstring, 3)."""
-    if p == 1:
-        return (1,)
-    if kind == PipelineKind.ONE_F_ONE_B:
-        return tuple(min(B, p - j) for j in range(p))
-    if kind == PipelineKind.ZERO_BUBBLE:
-        return (min(B, p),) * p
-    return tuple(_held_per_stage(kind, [(g,) for g in range(p)], p * v, B))
 
 
 def _bubble(cfg: ParallelConfig) -> float:
@@ -328,12 +323,8 @@ class _Estimator:
 
     def memory(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
         """The Eq. 5 bound per GPU of the fullest group (module docstring, 3)."""
-        h = held(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches)
-        per = []
-        for j, c in enumerate(chunks):
-            fb, upd, act, _ = _compose_one(c.pieces)
-            per.append(max(upd, fb + (h[j] - 1) * act))
-        return max(sum(per[g :: cfg.pp]) for g in range(cfg.pp))
+        fb, upd, act, _ = zip(*(_compose_one(c.pieces) for c in chunks))
+        return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act)
 
     def _cost(self, cfg: ParallelConfig) -> CostModel:
         key = (cfg.dp, cfg.tp, cfg.pp)
@@ -467,7 +458,6 @@ __all__ = [
     "config_string",
     "enumerate_configs",
     "estimate",
-    "held",
     "plan_pieces",
     "search_configs",
 ]

@@ -36,7 +36,14 @@ are always ``R``.
   that writes them this way. Column weights are sharded on their output-feature dim (``S(0)`` of a
   ``[out, in]`` weight) and their biases on dim 0; row weights on their input-feature dim (``S(1)``), row
   biases replicated, like every other parameter (embeddings, norms, convolutions, heads feeding a loss).
-  A group whose feature dims the TP degree does not divide stays replicated. Embedding tables are
+  A group whose feature dims the TP degree does not divide stays replicated. With
+  ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, :func:`residual_adds`) each row linear's
+  residual add is pinned sharded on the sequence dim over the TP axis (dim 1 of a ``[batch, seq, hidden]``
+  value, dim 0 of a flattened ``[tokens, hidden]``; its batch rows over the other axes as the inputs): the
+  residual stream, the norms and dropout between the TP regions then hold 1/TP of the tokens on each rank, and
+  the ILP's resharding turns the row linear's partial sums into a reduce-scatter and gathers the sequence
+  again (an all-gather) where the next column linear reads it; the bytes moved are an all-reduce's.
+  Embedding tables are
   vocabulary-parallel over the TP axis (``S(0)``, Megatron-LM's; the lookup runs meshpilot's own
   strategy: each rank looks up the ids in its rows and the output is a partial sum), and a lookup of an
   input's ids is pinned to that partial output.
@@ -49,6 +56,7 @@ are always ``R``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -392,13 +400,15 @@ def megatron_tp(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     graph: OpGraph | None = None,
     vocab_loss: bool = True,
+    sequence_parallel: bool = False,
 ) -> dict[str, str]:
     """Megatron tensor parallelism over `tp_axis`, data parallelism over the other axes (module docstring).
 
     `graph` reuses a capture of the model on these inputs (``meshpilot.graph.capture.capture``).
     `vocab_loss`: a linear whose output reaches a log-softmax through views only (an LM head feeding the
     cross-entropy) is column-parallel and the log-softmax is pinned class-sharded on the TP axis, so the
-    loss runs meshpilot's vocabulary-parallel cross-entropy (:func:`vocab_parallel_heads`)."""
+    loss runs meshpilot's vocabulary-parallel cross-entropy (:func:`vocab_parallel_heads`).
+    `sequence_parallel`: the row linears' residual adds sequence-sharded over the TP axis (module docstring)."""
     mesh_shape = _check_mesh(mesh_shape)
     nd = len(mesh_shape)
     tp_axis = tp_axis % nd
@@ -412,6 +422,8 @@ def megatron_tp(
         pins.pin_embeddings()
         if vocab_loss:
             pins.pin_vocab_heads()
+        if sequence_parallel:
+            pins.pin_sequence()
     pins.force.update(_inputs(example_inputs, mesh_shape, dp_axes))
     return pins.force
 
@@ -475,6 +487,43 @@ class _TPPins:
                 if lay is not None:
                     self.force[r.node] = lay
 
+    def sequence_layout(self, shape: Sequence[int]) -> str | None:
+        """The layout of a residual-stream value under sequence parallelism: dim 0's rows over the batch axes,
+        the sequence (dim 1 of a 3-D or longer value, dim 0 of ``[tokens, hidden]``) over the TP axis; None
+        where the TP degree does not divide what is left of it."""
+        if len(shape) < 2:
+            return None
+        if len(shape) == 2:
+            out = self.rows_on_batch_axes(shape[0], "S(0)")
+            split = math.prod(self.mesh_shape[a] for a, p in enumerate(out) if p == "S(0)")
+            return _layout(out) if shape[0] % split == 0 else None
+        if shape[1] % self.tp:
+            return None
+        return _layout(self.rows_on_batch_axes(shape[0], "S(1)"))
+
+    def pin_sequence(self) -> None:
+        """Megatron's sequence parallelism: every pinned row linear's residual add (:func:`residual_adds`)
+        sequence-sharded on the TP axis (:meth:`sequence_layout`), and the value each pinned column linear
+        (and vocabulary-parallel head) reads, where it is of such an add's shape (the norm's output), pinned
+        whole on the TP axis: the sequence is all-gathered once, into the norm's last op, and every column
+        reads it as it is (the ILP reshards per edge: left free it would gather once per column)."""
+        graph, linears = self.graph, find_linears(self.graph)
+        rows = [r.node for r in linears if self.force.get(r.node, "").endswith("P")]
+        shapes = set()
+        for add in residual_adds(graph, rows):
+            info = graph[add].out
+            lay = self.sequence_layout(tuple(info.shape)) if info is not None else None
+            if lay is not None:
+                self.force[add] = lay
+                shapes.add(tuple(info.shape))
+        columns = [c for c in linears if self.force.get(c.node, "").endswith("S(1)")]
+        for c in columns:
+            src = graph[c.act]
+            while (src.target in SHAPE_VIEWS or src.target == _CAST) and src.inputs:
+                src = graph[src.inputs[0][0]]
+            if src.kind == "op" and src.out is not None and tuple(src.out.shape) in shapes:
+                self.force[src.name] = _layout(self.rows_on_batch_axes(src.out.shape[0], "R"))
+
     def pin_embeddings(self) -> None:
         """Vocabulary-parallel embedding tables (Megatron-LM's); a lookup of an input's ids keeps its partial
         sums over the TP axis, reduced where they are consumed."""
@@ -512,6 +561,39 @@ class _TPPins:
             for user in graph.users[lsm]:
                 if graph[user].target == "aten.nll_loss_forward.default" and graph[user].phase == "fwd":
                     force[user] = _layout(["P" if p != "R" else "R" for p in out])
+
+
+def residual_adds(graph: OpGraph, rows: Sequence[str]) -> list[str]:
+    """The residual add each of the linear nodes `rows` feeds: its output followed through views, casts and
+    element-wise ops of one tensor operand (dropout's scale) to the first ``add`` that joins it with another
+    value of its shape (``x + attn(ln(x))``); a row whose output is used twice first has none."""
+    out = []
+    for row in rows:
+        node = graph[row]
+        while True:
+            users = [u for u in graph.users[node.name] if graph[u].phase == "fwd"]
+            if len(users) != 1:
+                break
+            user = graph[users[0]]
+            if user.target == "aten.add.Tensor" and len(user.inputs) == 2:
+                other = next((s for s, _ in user.inputs if s != node.name), None)
+                info = graph[other].out if other is not None else None
+                if info is not None and node.out is not None and tuple(info.shape) == tuple(node.out.shape):
+                    out.append(user.name)
+                break
+            if user.target not in SHAPE_VIEWS and user.target != _CAST and not _one_tensor_pointwise(graph, user):
+                break
+            node = user
+    return out
+
+
+def _one_tensor_pointwise(graph: OpGraph, n) -> bool:
+    """An element-wise op whose other operands are scalars (dropout's scale): the residual branch passes it on
+    the way to its add."""
+    fx = n.fx_node
+    if fx is None or torch.Tag.pointwise not in getattr(fx.target, "tags", ()) or n.out is None:
+        return False
+    return all(graph[s].outputs[i] is None or graph[s].outputs[i].numel == 1 for s, i in n.inputs[1:])
 
 
 def vocab_parallel_heads(graph: OpGraph) -> list[tuple[Linear, str]]:
@@ -559,5 +641,6 @@ __all__ = [
     "forced",
     "megatron_groups",
     "megatron_tp",
+    "residual_adds",
     "zero3",
 ]

@@ -543,6 +543,8 @@ def _group_nodes(graph: OpGraph, builder: StrategyBuilder, pins, mesh_shape: tup
         sts = memo.get(mkey)
         if sts is None:
             sts = memo[mkey] = builder.for_node(node, cands) or _placeholder(node, mesh_shape)
+        if pins is not None and node.kind == "op":
+            sts = _reach_pin(graph, builder, node, cands, sts, pins, memo)
         if pins is not None:
             kept = _apply_force(node, sts, pins, mesh_shape)
             if kept is not sts:
@@ -741,6 +743,28 @@ def build_problem(
     prob = price(struct, Pricer(struct.table, resharder), capacity)
     prob.build_s = time.perf_counter() - t0
     return prob
+
+
+def _reach_pin(graph: OpGraph, builder: StrategyBuilder, node: OpNode, cands: list, sts: list, pins, memo) -> list:
+    """`sts`, or where an operator node is pinned to a layout none of them emits, its strategies asked again with
+    that layout offered for every float operand of the node's own shape: a pin may ask for a layout the
+    producers never emit (Megatron's sequence parallelism pins a residual add ``S(1)`` on the TP axis where
+    the row-parallel product arrives partial), the edge then pricing the resharding (a reduce-scatter)."""
+    from meshpilot.sharding.placements import fmt, parse_placement
+
+    rule = pins.rule_for(node)
+    if rule is None or node.out is None or any(s.outs and fmt(s.outs[0]) == rule.layout for s in sts):
+        return sts
+    want = tuple(parse_placement(p) for p in rule.placements)
+    more = []
+    for (src, i), c in zip(node.inputs, cands):
+        info = graph[src].outputs[i]
+        same = info is not None and tuple(info.shape) == tuple(node.out.shape) and info.dtype == node.out.dtype
+        more.append([*c, want] if same and want not in c else c)
+    key = (node.name, "pin", tuple(tuple(map(pid, c)) for c in more))
+    if key not in memo:
+        memo[key] = builder.for_node(node, more) or sts
+    return memo[key]
 
 
 def _apply_force(node: OpNode, sts: list[Strategy], pins: BoundForce, mesh_shape: tuple[int, ...]) -> list[Strategy]:

@@ -723,16 +723,20 @@ class StagePlanner:
         return dataclasses.replace(cost, layers=(start, stop), memory=memory)
 
     def _pins(self, start: int, stop: int, force: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
-        """The `force` patterns that name a leaf of the stage, sorted (hashable: part of the cache key). Pins
-        name parameters and inputs, which identical ranges do not share, so pinned stages are keyed by their
-        own layers (the range key covers pins only through the names)."""
+        """The `force` patterns that name a leaf of the stage or one of its operators (exactly, as
+        ``planner.forced`` pins Megatron's products and sequence-parallel adds), sorted (hashable: part of the
+        cache key). Pins name parameters, inputs and nodes, which identical ranges do not share, so pinned
+        stages are keyed by their own layers (the range key covers pins only through the names)."""
         if not force:
             return ()
         import fnmatch
 
+        from meshpilot.planner.force import literal
+
         sub = self._slice(start, stop)[0]
         names = [n.fqn or n.name for n in sub.nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.INPUT)]
-        return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k)))
+        ops = {n.name for n in sub.nodes if n.kind == NodeKind.OP}  # an operator is pinned by its exact name
+        return tuple(sorted((k, v) for k, v in force.items() if fnmatch.filter(names, k) or literal(k) in ops))
 
     def _resharder(self, dmesh, shape: tuple[int, ...], physical: np.ndarray) -> Resharder:
         """One resharder per logical mesh (`shape` over the row-major ranks `physical`): its prices are kept

@@ -247,6 +247,8 @@ class StrategyBuilder:
             return self._fallback(node, plain)
         cand_index = [{p: j for j, p in enumerate(c)} for c in cands]
         parsed = self._reachable(node, plain, cands, cand_index)
+        if not parsed and len(cands) == 1:
+            parsed, cand_index = self._gathered(node, op, single, func, cands[0])
         if not parsed:
             return self._own(node) or self._fallback(
                 node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
@@ -256,6 +258,25 @@ class StrategyBuilder:
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
+
+    def _gathered(self, node: OpNode, op: Any, single: Any, func: Any, cands: list[Placements]) -> tuple[list, list]:
+        """For a one-operand op none of whose operand's layouts DTensor shards plainly (a flatten of
+        ``[batch, seq, …]`` sharded on the sequence over one mesh axis and on the batch over another: DTensor
+        answers with a strided shard), the strategies of the layouts with one sharded axis made whole (an
+        all-gather on it, the batch kept sharded), and their candidate index; none found: ``([], [])``."""
+        whole = [_whole_on(c, a) for c in cands for a, p in enumerate(c) if isinstance(p, Shard)]
+        wider = unique([*cands, *(w for w in whole if any(isinstance(p, Shard) for p in w))])
+        if len(wider) == len(cands):
+            return [], []
+        try:
+            result, got = self._dtensor_strategies(node, op, single, func, [wider])
+        except Exception:  # noqa: BLE001 - DTensor could not enumerate these either: the fallback stands
+            return [], []
+        plain = self._plain_specs(node, result) if isinstance(result, OpStrategy) else "tuple"
+        if isinstance(plain, str):
+            return [], []
+        index = [{p: j for j, p in enumerate(c)} for c in got]
+        return self._reachable(node, plain, got, index), index
 
     def _operand_strategies(self, node: OpNode, single: Any, cands: list[list[Placements]]) -> list[OpStrategy]:
         """Each operand's candidate layouts as DTensor's ``OpStrategy``. DTensor's single-dim expansion wants
@@ -451,6 +472,11 @@ def _partial_joins(k: int, ins: tuple[Placements, ...], candidates: list[Placeme
     if not all(any(isinstance(ins[j][a], Shard) for j in range(len(ins)) if j != k) for a in axes):
         return False
     return any(all(isinstance(c[a], Replicate) for a in axes) for c in candidates)
+
+
+def _whole_on(pl: Placements, axis: int) -> Placements:
+    """`pl` with mesh axis `axis` replicated (an all-gather of that axis' shards)."""
+    return tuple(Replicate() if a == axis else p for a, p in enumerate(pl))
 
 
 def _slice_of(have: Placements, want: Placements, only_dim: int | None = None) -> bool:

@@ -1,0 +1,135 @@
+"""Megatron sequence parallelism as a layout (``planner.forced.megatron_tp(..., sequence_parallel=True)``).
+
+The row linears' residual adds are pinned sequence-sharded over the TP axis; the plan must then reduce-scatter
+the row-parallel partial sums into them (plain TP all-reduces there) and all-gather the sequence again before
+the column linears, and the runtime must run that plan equal to one device: the zoo's tiny GPT and a tiny
+Hugging Face Llama (``use_cache=False``) on 4 gloo ranks, meshes (2, 2) and (1, 4) with TP on the last axis,
+3 AdamW steps, loss and every gradient within 1e-5 and each step's collectives the plan's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_utils import lockstep_adamw, run_distributed
+
+TOL = 1e-5
+STEPS = 3
+WORLD = 4
+MESHES = ((2, 2), (1, 4))
+MODELS = ("gpt", "llama")
+TP_AXIS = 1
+
+
+def _build(name: str):
+    """The model (seeded) and its inputs: the zoo GPT (2 blocks, h 32, batch 8, sequence 8) or HF's tiny
+    Llama (2 layers, h 32, batch 4, sequence 8)."""
+    if name == "gpt":
+        from test_models_parallel import build
+
+        return build("gpt")
+    from meshpilot.models.hf_families import Family, build, no_dropout, tiny_overrides
+
+    return build(Family("llama", "LlamaForCausalLM", "causal"), {**tiny_overrides("llama"), **no_dropout("llama")})
+
+
+def _plans(name: str, shape: tuple[int, int]):
+    """(plain TP plan, SP plan, the SP pins of residual adds, the graph) of model `name` on mesh `shape`;
+    the SP pins of the norm outputs the column linears read are checked apart."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import megatron_tp
+
+    model, inputs = _build(name)
+    graph = capture(model, inputs)
+    tp = megatron_tp(model, inputs, shape, graph=graph)
+    sp = megatron_tp(model, inputs, shape, graph=graph, sequence_parallel=True)
+    p_tp = plan(model, inputs, "atp-ic3", mesh_shape=shape, force=tp, graph=graph)
+    p_sp = plan(model, inputs, "atp-ic3", mesh_shape=shape, force=sp, graph=graph)
+    pins = {k: v for k, v in sp.items() if k not in tp}
+    gathered = {k: v for k, v in pins.items() if graph[k].target != "aten.add.Tensor"}
+    assert all(v.endswith("R") for v in gathered.values()), gathered  # the columns read the sequence whole
+    # Llama's RMSNorm ends in a multiply: each block's two norms and the final one before the head are pinned;
+    # GPT's LayerNorm output is an item of native_layer_norm's tuple, left to the ILP (it gathers per column)
+    assert len(gathered) == (2 * 2 + 1 if name == "llama" else 0), gathered
+    for node, lay in gathered.items():
+        assert "".join(p_sp.node(node).outs[0]) == lay
+    return p_tp, p_sp, {k: v for k, v in pins.items() if k not in gathered}, graph
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {(name, shape): _plans(name, shape) for name in MODELS for shape in MESHES}
+
+
+def test_sequence_parallel_pins_every_residual_add_on_the_sequence_dim(plans):
+    """Two blocks, two row linears each: four residual adds, each ``[batch, seq, hidden]`` sharded on the
+    sequence (dim 1) over the TP axis and on the batch over DP where there is one."""
+    for (name, shape), (_, p_sp, pins, graph) in plans.items():
+        assert len(pins) == 4, (name, shape, pins)
+        for node, lay in pins.items():
+            assert graph[node].target == "aten.add.Tensor"
+            assert lay == ("S(0)" if shape[0] > 1 else "R") + "S(1)", (name, shape, node, lay)
+            assert "".join(p_sp.node(node).outs[0]) == lay  # the plan keeps the pin
+
+
+def test_partial_sums_reach_the_residual_adds_reduce_scattered(plans):
+    """Sequence parallelism reduce-scatters the row linears' partial sums into the residual adds and
+    all-gathers the sequence again before the column linears, in the forward; plain TP does neither there."""
+    for (name, shape), (p_tp, p_sp, pins, _) in plans.items():
+        into = {c.dst: c.kind for c in p_sp.collectives if c.phase == "fwd" and c.axis == TP_AXIS}
+        rs = [c for c in p_sp.collectives if c.phase == "fwd" and c.axis == TP_AXIS and c.dst in pins]
+        assert {c.dst for c in rs if c.kind == "reduce_scatter"} == set(pins), (name, shape, into)
+        fwd_sp = [c.kind for c in p_sp.collectives if c.phase == "fwd" and c.axis == TP_AXIS]
+        assert "all_gather" in fwd_sp, (name, shape, fwd_sp)
+        # plain TP keeps these adds whole or partial on the TP axis (on these latency-bound sizes the ILP
+        # carries the partial sums through the residual stream and reduces them where a norm needs them)
+        assert all(p_tp.node(n).outs[0][TP_AXIS] in ("P", "R") for n in pins), (name, shape)
+        assert not any(c.dst in pins for c in p_tp.collectives)
+
+
+def _lockstep(jobs: list[tuple[str, str]]) -> list[dict]:
+    """On each rank: per job (model name, SP plan JSON) the model built twice, the copy parallelized by the
+    plan, both trained :data:`STEPS` AdamW steps side by side (``dist_utils.lockstep_adamw``)."""
+    from meshpilot.planner.plan import StagePlan
+    from meshpilot.runtime.spmd import parallelize
+
+    out = []
+    for name, plan_json in jobs:
+        plan = StagePlan.from_json(plan_json)
+        ref, inputs = _build(name)
+        model, _ = _build(name)
+        pm = parallelize(model, plan)
+        res = lockstep_adamw(ref, pm, inputs, STEPS, lr=1e-3)
+        planned = plan.collective_counts(backend="gloo")
+        res["counts_equal"] = [c == planned for c in res.pop("counts")]
+        res["reduce_scatters"] = sum(n for (kind, *_), n in planned.items() if kind == "reduce_scatter")
+        out.append(res)
+    return out
+
+
+@pytest.mark.dist
+def test_sequence_parallel_plans_run_equal_to_one_device(plans):
+    keys = list(plans)
+    jobs = [(name, plans[(name, shape)][1].to_json()) for name, shape in keys]
+    per_rank = run_distributed(_lockstep, WORLD, jobs, timeout=1500)
+    for rank, results in enumerate(per_rank):
+        for (name, shape), res in zip(keys, results):
+            where = f"{name} on {shape}, rank {rank}"
+            assert max(res["loss"]) < TOL, (where, res["loss"])
+            assert max(res["grad"]) < TOL, (where, res["grad"])
+            assert all(res["counts_equal"]), where  # the runtime issued the plan's collectives, every step
+            assert res["reduce_scatters"] > 0, where
+
+
+def test_sequence_parallel_layout_skips_what_tp_does_not_divide():
+    """A sequence the TP degree does not divide keeps plain TP's residual adds (no pin), and a 2-D residual
+    stream is sharded on its token rows."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.forced import _TPPins
+
+    model, inputs = _build("gpt")
+    pins = _TPPins(capture(model, inputs), {}, (2, 4), 1, [0])
+    assert pins.sequence_layout((8, 6, 32)) is None  # 6 tokens over 4
+    assert pins.sequence_layout((8, 8, 32)) == "S(0)S(1)"
+    assert pins.sequence_layout((64, 32)) == "S(0)S(0)"
+    assert pins.sequence_layout((4, 32)) is None  # 4 rows over 2 · 4
