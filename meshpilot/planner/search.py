@@ -145,7 +145,8 @@ class ILPSearcher:
                 task.gather_once,
             )
             held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held)
+            on_cpu = task.resharder.cost_model.device.is_cpu  # gloo: DTensor's all-to-all is a gather
+            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held, on_cpu)
             post_s += time.perf_counter() - t
             return Candidate(
                 task.shape,
