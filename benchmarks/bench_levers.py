@@ -91,11 +91,20 @@ def _row(cap: float | None, plan: Plan | None, error: str = "") -> str:
     return f"| {cap_s} | {kind} | {levers} | {step * 1e3:.3f} ms | {fmt_size(peak)} |"
 
 
+def _save_three(saved: dict[str, str], out: Path) -> list[str]:
+    """Write the first, middle and last of the one-stage plans `saved` so far to `out`; their caps."""
+    keys = list(saved)
+    chosen = list(dict.fromkeys((keys[0], keys[len(keys) // 2], keys[-1])))
+    out.write_text(json.dumps({k: saved[k] for k in chosen}))
+    return chosen
+
+
 def run_plan(out: Path) -> None:
     head = "cap per device | plan | mesh | recompute | ZeRO | attention sequence-parallel over"
     print(f"| {head} | predicted step | predicted peak |")
     print("| ---: | --- | --- | --- | --- | --- | ---: | ---: |")
     saved: dict[str, str] = {}
+    chosen: list[str] = []
     top: float | None = None
     t0 = time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,9 +122,7 @@ def run_plan(out: Path) -> None:
                 top = max(s.plan.memory.total for s in plan.stages)
             if len(plan.stages) == 1:
                 saved[fmt_size(cap) if cap else "none"] = plan.stages[0].plan.to_json()
-    keys = list(saved)
-    chosen = dict.fromkeys((keys[0], keys[len(keys) // 2], keys[-1])) if keys else {}
-    out.write_text(json.dumps({k: saved[k] for k in chosen}))
+                chosen = _save_three(saved, out)  # as it goes: the rows under the tightest caps plan slowest
     print(f"\n{len(CAPS)} plans in {time.process_time() - t0:.0f} s of CPU (this process; the stage DP's workers "
           f"not counted); saved the one-stage plans at caps {', '.join(chosen)} to {out}")  # fmt: skip
 
