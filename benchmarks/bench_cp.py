@@ -24,7 +24,7 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_recompute import measured_line, step_peaks  # noqa: E402
+from bench_recompute import gloo_peak, measured_line, step_peaks  # noqa: E402
 
 CLUSTER = "alpa-p3x8"
 MESH = (4, 1)
@@ -91,10 +91,12 @@ def run_measure(path: Path, keys: list[str]) -> None:
         if keys and k not in keys:
             continue
         p = StagePlan.from_json(text)
-        peaks = step_peaks(*_model(int(k.split("/")[0]), "cpu"), p)
+        model, inputs = _model(int(k.split("/")[0]), "cpu")
+        peaks = step_peaks(model, inputs, p)
         if dist.get_rank() == 0:
             cp = sequence_axes(p.nodes, p.mesh_axes) or "no"
-            print(f"{k}: mesh {p.mesh_shape}, sequence-parallel {cp}: {measured_line(p, peaks)}", flush=True)
+            line = measured_line(p, peaks, gloo_peak(model, inputs, p))
+            print(f"{k}: mesh {p.mesh_shape}, sequence-parallel {cp}: {line}", flush=True)
     dist.destroy_process_group()
 
 

@@ -111,15 +111,32 @@ def step_peaks(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> list[int]
     return peaks
 
 
-def measured_line(p: StagePlan, peaks: list[int]) -> str:
-    """Plan `p`'s predicted peak against the largest of `peaks` (every rank's, from :func:`step_peaks`), as
-    this benchmark, ``bench_zero.py`` and ``bench_cp.py`` print it."""
+def gloo_peak(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> float:
+    """Plan `p`'s predicted peak with its redistributions issued as on the gloo ranks that measure it
+    (``accounting.reshard_bytes`` with ``on_cpu``: DTensor has no all-to-all there and gathers the whole
+    tensor instead); `p` itself was priced for its cluster's devices."""
+    from meshpilot.planner.accounting import memory_use, plan_strategies
+    from meshpilot.planner.recompute import for_plan
+
+    m = p.step_schedule().microbatches
+    one = tuple(x[: x.shape[0] // m] for x in inputs)  # the graph is one microbatch's
+    graph = for_plan(capture(model, one, precision=p.precision or None), p)
+    return memory_use(graph, plan_strategies(p, graph), p.mesh_shape, microbatches=m, on_cpu=True).total
+
+
+def measured_line(p: StagePlan, peaks: list[int], gloo: float | None = None) -> str:
+    """Plan `p`'s predicted peak (and `gloo`, its peak as issued on gloo: :func:`gloo_peak`) against the
+    largest of `peaks` (every rank's, from :func:`step_peaks`), as this benchmark, ``bench_zero.py`` and
+    ``bench_cp.py`` print it."""
     top = max(peaks)
     ranks = ", ".join(fmt_size(x) for x in peaks)
-    return (
+    line = (
         f"predicted {fmt_size(p.memory.total)}, measured {fmt_size(top)} (ranks {ranks}), "
         f"predicted / measured {p.memory.total / top:.3f}"
     )
+    if gloo is not None:
+        line += f"; predicted as issued on gloo {fmt_size(gloo)}, / measured {gloo / top:.3f}"
+    return line
 
 
 def run_measure(path: Path) -> None:
@@ -128,9 +145,11 @@ def run_measure(path: Path) -> None:
     dist.init_process_group("gloo")
     for k, text in json.loads(path.read_text()).items():
         p = StagePlan.from_json(text)
-        peaks = step_peaks(*_model("cpu"), p)
+        model, inputs = _model("cpu")
+        peaks = step_peaks(model, inputs, p)
         if dist.get_rank() == 0:
-            print(f"{k} blocks recomputed, mesh {p.mesh_shape}: {measured_line(p, peaks)}", flush=True)
+            gloo = gloo_peak(model, inputs, p)
+            print(f"{k} blocks recomputed, mesh {p.mesh_shape}: {measured_line(p, peaks, gloo)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -149,6 +149,56 @@ def test_auto_recomputes_only_what_the_cap_needs_and_records_why(capped):
     assert StagePlan.from_json(json.dumps(d)).recompute is None
 
 
+def _long_llama(seq: int):
+    """``bench_cp``'s Llama (4 layers, batch 1) at `seq` tokens, and its capture."""
+    torch.manual_seed(0)
+    model = hf_model("llama", dict(LLAMA))
+    g = torch.Generator().manual_seed(1)
+    inputs = tuple(torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g) for _ in range(2))
+    return model, inputs, capture(model, inputs)
+
+
+def test_auto_takes_the_fastest_plan_that_fits_not_the_fewest_blocks():
+    """bench_cp's 1,024-token Llama on (4, 1) under 2.6 MiB: two blocks recomputed fit, and so do three and
+    four, planned faster (the ILP shards less when more activations are recomputed). ``auto`` plans every
+    count from the first that can fit and takes the fastest that fits; the old rule (stop at the fewest)
+    would have taken a slower plan, which the test checks it saw."""
+    from meshpilot.cluster import load_cluster
+
+    model, inputs, graph = _long_llama(1024)
+    cap = 2.6 * 2**20
+    tried: list[StagePlan | None] = []
+
+    def plan_fn(g):
+        tried.append(None)
+        tried[-1] = plan(model, inputs, CLUSTER, mesh_shape=(4, 1), graph=g, recompute="none", memory_bytes=cap)
+        return tried[-1]
+
+    chosen = rc.choose(graph, rc.RecomputeMode.AUTO, cap, load_cluster(CLUSTER), plan_fn)
+    first, rest = tried[0], tried[1:]  # the first: no block recomputed
+    assert first is None or first.memory.total > cap
+    fitting = [p for p in rest if p is not None and p.memory.total <= cap * (1 + 1e-9)]
+    assert len(fitting) >= 2
+    assert chosen.memory.total <= cap and chosen.recompute.mode == "auto"
+    assert chosen.time.total_s == min(p.time.total_s for p in fitting)
+    fewest = fitting[0]  # counts are tried in increasing order
+    assert fewest.time.total_s > chosen.time.total_s  # the fewest blocks would have been slower here
+    n_regions = len(rc.regions(graph))
+    assert rc.counts(1, n_regions) == list(range(1, n_regions + 1))
+    assert rc.counts(2, 40) == [2, 3, 4, 16, 28, 40]  # past MAX_COUNTS: three, then spaced up to all
+
+
+def test_auto_finds_the_fitting_plan_a_looser_cap_finds():
+    """bench_cp's 2,048-token Llama on (4, 1) under 3.82 MiB: once ``auto`` said no plan (its smallest
+    found 5.11 MiB) while a 5 MiB cap planned 3.61 MiB with every block recomputed. The ILP's refit held the
+    rows under the cap less the uncapped plan's peak − rows gap, which no plan meets, and gave up; it now
+    bisects back towards the cap (``search.ILPSearcher``) and finds a plan that fits."""
+    model, inputs, graph = _long_llama(2048)
+    cap = 3.82 * 2**20
+    p = plan(model, inputs, CLUSTER, mesh_shape=(4, 1), graph=graph, memory_bytes=cap)
+    assert p.memory.total <= cap and p.recompute is not None and p.recompute.regions
+
+
 # ------------------------------------------------------------------------------------------- 4 ranks
 
 
@@ -213,8 +263,9 @@ def test_plan_cli_says_which_blocks_recompute_and_why(capsys, tmp_path):
     out = tmp_path / "p.json"
     assert main([*gpt, "--mesh", "4x1", "--memory-gib", "0.0075", "--ops", "none", "--out", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "recompute: blocks.0 (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
-    assert StagePlan.from_json(out.read_text()).recompute.regions == ("blocks.0",)
+    # the old rule took blocks.0 alone, the fewest that fit; two plan faster (the ILP shards less) and fit too
+    assert "recompute: blocks.0, blocks.1 (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
+    assert StagePlan.from_json(out.read_text()).recompute.regions == ("blocks.0", "blocks.1")
     assert main([*gpt, "--pipeline", "--recompute", "full"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--recompute full" in err and "--stages 1" in err

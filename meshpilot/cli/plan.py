@@ -185,8 +185,8 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         choices=[m.value for m in RecomputeMode],
         default=RecomputeMode.AUTO.value,
         help="one stage: which repeated blocks run their forward again in the backward instead of keeping their "
-        "activations: auto (default: only when the plan does not fit the memory otherwise, the fewest blocks that "
-        "make it fit), none, or full (every block); recorded in the plan",
+        "activations: auto (default: only when the plan does not fit the memory otherwise, the fastest plan that "
+        "fits over the counts of blocks it tries), none, or full (every block); recorded in the plan",
     )
     p.add_argument(
         "--zero",

@@ -75,8 +75,12 @@ consumer; a value the backward reads (``saved_for_backward``) therefore lives fr
 backward. Gradients of parameters live to the end of the backward (they become ``.grad``); the loss too.
 Where an operand's planned layout differs from its producer's, the redistributed copy (``bytes / sf(want)``)
 is live while its consumer runs; when the consumer is a view, the copy is that view's base and lives as
-long as the view (a weight all-gathered for a view the backward keeps). Where a gradient is resharded into
-its parameter's layout, the reduced copy is allocated at the end of the backward, as the runtime does.
+long as the view (a weight all-gathered for a view the backward keeps). The copy's bytes and the buffers its
+collectives hold only while they run (an all-gather along a dim other than 0 stacks the shards in a buffer
+before its ``cat``) are DTensor's as issued (:func:`reshard_bytes`; ``on_cpu``: on gloo, where an all-to-all
+is a gather of the whole); the node's peak is the larger of that moment and the one after its outputs.
+Where a gradient is resharded into its parameter's layout, the reduced copy is allocated at the end of the
+backward, as the runtime does.
 
     live(i) = Σ_{values v allocated at or before node i, last used at or after i} bytes(v) / sf(v)
 
@@ -271,6 +275,73 @@ def saved_values(graph: OpGraph) -> list[tuple[str, int]]:
 
 
 @dataclass(frozen=True)
+class ReshardBytes:
+    """Bytes per device one redistribution of a value allocates, as DTensor issues it (:func:`reshard_bytes`)."""
+
+    held: float
+    """The redistributed copy its reader reads (or the storage that copy is a view of), live until the reader
+    is done."""
+    passing: float
+    """Further buffers live only while the redistribution runs (an all-gather's buffer before its ``cat``)."""
+
+
+def reshard_bytes(
+    info: TensorInfo, have: Any, want: Any, mesh_shape: Sequence[int], on_cpu: bool = False
+) -> ReshardBytes:
+    """What redistributing a value of `info` from layout `have` to `want` allocates per device, one mesh axis
+    after the other as DTensor's ``redistribute`` walks them (``torch.distributed.tensor``:
+    ``_collective_utils``, ``Shard._to_replicate_tensor``, ``Shard._to_new_shard_dim``).
+
+    * ``S(d) → R``: an all-gather stacks the shards along dim 0 into a buffer of the result's size; for
+      ``d ≠ 0`` a ``cat`` along ``d`` then makes the result, the buffer live beside it: ``passing`` +=
+      the result's bytes.
+    * ``P → S(d)``, ``d ≠ 0``: the reduce-scatter's input is first ``cat`` into dim-0 order, a copy of the
+      input's size: ``passing`` += the input's bytes.
+    * ``S(a) → S(b)`` on gloo (``on_cpu``): no all-to-all, so DTensor all-gathers the whole of that axis
+      (buffer, and the ``cat`` for ``a ≠ 0``) and takes its own chunk along ``b``; ``.contiguous()`` copies
+      that chunk only when it is not contiguous already, so a chunk along the outermost non-unit dim is a
+      view that keeps the whole gathered tensor as the copy: ``held`` is the whole then. On a GPU the
+      all-to-all makes the shard.
+    * Every other step (``R → S``: a local chunk; ``P → R``: an all-reduce) makes the result only.
+
+    ``held`` is the last step's result; ``passing`` the largest step's buffers beyond it."""
+    lay = _Layouts(None, mesh_shape)
+    cur = list(have)
+    held, passing = lay.per_device(info, tuple(have)), 0.0
+    for i, (h, w) in enumerate(zip(have, want)):
+        if mesh_shape[i] == 1 or h == w:
+            continue
+        before = lay.per_device(info, tuple(cur))
+        cur[i] = w
+        after = lay.per_device(info, tuple(cur))
+        step = 0.0
+        if isinstance(h, Shard) and w.is_replicate() and h.dim != 0:
+            step = after
+        elif h.is_partial() and isinstance(w, Shard) and w.dim != 0:
+            step = before
+        elif isinstance(h, Shard) and isinstance(w, Shard) and on_cpu:
+            whole = before * mesh_shape[i]
+            gathered = 2 * whole if h.dim != 0 else whole  # the gather's buffer beside its cat
+            local = _local_shape(info, tuple(cur), mesh_shape)
+            if all(x == 1 for x in local[: w.dim]):  # the chunk is a view of the whole
+                after, step = whole, gathered - whole
+            else:  # .contiguous() copies the chunk out of the whole, both live then
+                step = max(gathered, whole + after) - after
+        held = after
+        passing = max(passing, step)
+    return ReshardBytes(held, passing)
+
+
+def _local_shape(info: TensorInfo, layout: Any, mesh_shape: Sequence[int]) -> list[int]:
+    """The shape one device holds of a value of `info` in `layout` (even shards, as the planner assumes)."""
+    shape = list(info.shape)
+    for p, n in zip(layout, mesh_shape):
+        if isinstance(p, Shard) and p.dim < len(shape):
+            shape[p.dim] = -(-shape[p.dim] // n)
+    return shape
+
+
+@dataclass(frozen=True)
 class Liveness:
     """The graph's values at their peak (bytes per device; persistent state not included)."""
 
@@ -322,19 +393,31 @@ class _Layouts:
 
 
 def liveness(
-    graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = (), microbatches: int = 1
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None = None,
+    mesh_shape: Sequence[int] = (),
+    microbatches: int = 1,
+    on_cpu: bool = False,
 ) -> Liveness:
     """Sweep the graph in execution order and return its peak of live values (module docstring).
 
     `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
     value is whole (one device). With `microbatches` > 1 every node before the end also holds ``A``, the
-    gradients the earlier microbatches summed (:func:`accumulated_bytes`)."""
+    gradients the earlier microbatches summed (:func:`accumulated_bytes`). `on_cpu`: the redistributions are
+    issued as DTensor issues them on gloo (:func:`reshard_bytes`)."""
     lay = _Layouts(chosen, mesh_shape)
     end = len(graph.nodes)
     size: dict[Any, float] = {}
     last: dict[Any, int] = {}
     store: dict[tuple[str, int], Any] = {}  # value -> storage key (None: persistent leaf)
     born: dict[int, list[Any]] = {}
+    passing: dict[int, float] = {}  # node -> bytes its operands' redistributions hold only while they run
+
+    def copy_bytes(info: TensorInfo, src: tuple[str, int], want: Any, idx: int) -> float:
+        r = reshard_bytes(info, lay.out(*src), want, lay.mesh_shape, on_cpu)
+        passing[idx] = max(passing.get(idx, 0.0), r.passing)
+        return r.held
+
     for n in graph.nodes:
         if n.kind in ("param", "buffer", "input"):
             store[(n.name, 0)] = None
@@ -346,7 +429,7 @@ def liveness(
             if want is not None:  # a redistributed copy becomes the view's base
                 key = ("copy", n.name)
                 info = graph[src[0]].outputs[src[1]]
-                size[key] = lay.per_device(info, want) if info is not None else 0.0
+                size[key] = copy_bytes(info, src, want, n.index) if info is not None else 0.0
                 born.setdefault(n.index, []).append(key)
             for i in range(len(n.outputs)):
                 store[(n.name, i)] = key
@@ -363,7 +446,7 @@ def liveness(
                 info = graph[src[0]].outputs[src[1]]
                 if want is not None and info is not None:
                     key = ("operand", n.name, a)
-                    size[key] = lay.per_device(info, want)
+                    size[key] = copy_bytes(info, src, want, n.index)
                     born.setdefault(n.index, []).append(key)
                     last[key] = n.index
         for src in n.inputs:
@@ -394,7 +477,7 @@ def liveness(
     # a redistributed copy that a view the backward reads aliases is kept for the backward too
     saved |= {store.get((n.name, i)) for n in graph.nodes if n.saved_for_backward for i in range(len(n.outputs))}
     held = accumulated_bytes(graph, chosen, mesh_shape) if microbatches > 1 else 0.0
-    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end, held)
+    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end, held, passing)
 
 
 def accumulated_bytes(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> float:
@@ -410,19 +493,33 @@ def accumulated_bytes(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_sha
 
 
 def _sweep(
-    graph: OpGraph, size: dict, last: dict, born: dict, grad_keys: set, saved: set, end: int, held: float = 0.0
+    graph: OpGraph,
+    size: dict,
+    last: dict,
+    born: dict,
+    grad_keys: set,
+    saved: set,
+    end: int,
+    held: float = 0.0,
+    passing: Mapping[int, float] | None = None,
 ) -> Liveness:
     """Allocate at birth, free after the last use; the peak and what is live there. `held` is live at every
-    node before `end` (the accumulated gradients; at `end` the last microbatch's are added into them)."""
+    node before `end` (the accumulated gradients; at `end` the last microbatch's are added into them).
+    `passing[i]`: bytes node ``i``'s operand redistributions hold only while they run, before the node's own
+    outputs exist (:func:`reshard_bytes`)."""
     death: dict[Any, int] = {}
     dying: dict[int, list[Any]] = {}
     best, best_idx, total = -1.0, -1, 0.0
+    passing = passing or {}
     for idx in sorted(born):
         for key in born[idx]:
             total += size[key]
             death[key] = max(last.get(key, idx), idx)
             dying.setdefault(death[key], []).append(key)
         now = total + (held if idx < end else 0.0)
+        if idx in passing:  # the redistribution's moment: the copies and their buffers, not the outputs yet
+            outputs = sum(size[k] for k in born[idx] if len(k) == 2 and isinstance(k[1], int))
+            now = max(now, now - outputs + passing[idx])
         if now > best:
             best, best_idx = now, idx
         for key in dying.pop(idx, ()):
@@ -431,7 +528,7 @@ def _sweep(
         return Liveness(0.0, "", 0.0, 0.0, 0.0)
     at = [k for idx in born if idx <= best_idx for k in born[idx] if death[k] >= best_idx]
     in_saved = sum(size[k] for k in at if k in saved)
-    in_grads = sum(size[k] for k in at if k in grad_keys and k not in saved)
+    in_grads = sum(size[k] for k in at if k in grad_keys and k not in saved)  # the rest: temporaries
     name = graph.nodes[best_idx].name if best_idx < end else "end of backward"
     held = held if best_idx < end else 0.0
     return Liveness(best, name, in_saved, in_grads + held, best - in_saved - in_grads - held, held)
@@ -457,7 +554,11 @@ class _Parts:
 
 
 def _parts(
-    graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int], microbatches: int = 1
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None,
+    mesh_shape: Sequence[int],
+    microbatches: int = 1,
+    on_cpu: bool = False,
 ) -> _Parts:
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
@@ -484,7 +585,7 @@ def _parts(
     rows[1] += saved
     if microbatches > 1:  # the earlier microbatches' gradients, held at the start of a later one's backward
         rows[1] += accumulated_bytes(graph, chosen, mesh_shape)
-    live = liveness(graph, chosen, mesh_shape, microbatches)
+    live = liveness(graph, chosen, mesh_shape, microbatches, on_cpu)
     return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, live)
 
 
@@ -494,11 +595,13 @@ def memory_use(
     mesh_shape: Sequence[int] = (),
     capacity: float = float("inf"),
     microbatches: int = 1,
+    on_cpu: bool = False,
 ) -> MemoryUse:
     """Predicted peak bytes per device of one training step of a plan (module docstring), as a
     :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak; `graph` is one microbatch's,
-    accumulated over `microbatches` (``F0 B0 … G``)."""
-    p = _parts(graph, chosen, mesh_shape, microbatches)
+    accumulated over `microbatches` (``F0 B0 … G``); `on_cpu`: its redistributions issued as on gloo
+    (:func:`reshard_bytes`)."""
+    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu)
     live = p.live
     if live.peak >= p.grads + p.update_temp:  # the forward + backward peaks higher than the optimizer step
         grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node

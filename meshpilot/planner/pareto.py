@@ -795,7 +795,7 @@ class ParetoSearcher:
         )
         t1 = time.perf_counter()
         acct = account(task.graph, res.chosen, task.resharder, compute, task.microbatches)
-        usage = memory_use(task.graph, res.chosen, shape, task.capacity)
+        usage = memory_use(task.graph, res.chosen, shape, task.capacity, on_cpu=task.resharder.cost_model.device.is_cpu)
         if usage.total > task.capacity * (1 + 1e-9):
             if incumbent is not None:
                 return incumbent

@@ -40,7 +40,7 @@ from meshpilot.planner.zero import ParamEdges, ZeroMode, zero_pass
 from meshpilot.sharding.reshard import Resharder
 from meshpilot.sharding.strategies import Strategy
 
-REFITS = 3
+REFITS = 4
 """Re-solves of one candidate whose liveness peak exceeds the capacity its linear rows were held to."""
 EPS = 1e-9
 
@@ -145,7 +145,8 @@ class ILPSearcher:
                 task.gather_once,
             )
             held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held)
+            on_cpu = task.resharder.cost_model.device.is_cpu  # gloo: DTensor's all-to-all is a gather
+            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held, on_cpu)
             post_s += time.perf_counter() - t
             return Candidate(
                 task.shape,
@@ -167,15 +168,25 @@ class ILPSearcher:
             """`attempt`; while the plan's liveness peak exceeds the capacity, re-solved (at most `REFITS`
             times) with the linear rows held to the capacity less the plan's own peak − rows gap (what lives
             at the peak beyond the rows: ``accounting`` docstring). The plan's rows exceed that bound, so each
-            re-solve picks another plan."""
-            cand = attempt(row, capacity)
+            re-solve picks another plan. That gap can overshoot (a plan with less sharded activations has
+            less beyond its rows too): a bound no plan meets is raised half way back to the last bound whose
+            plan did not fit, so a fitting plan between the two is still found (a 2,048-token Llama under
+            3.82 MiB, fitting 3.47 MiB: ``docs/benchmarks.md``, "Every lever")."""
+            cand = latest = attempt(row, capacity)
+            above, below = capacity, 0.0  # a bound whose plan peaks over the capacity; one no plan meets
             for _ in range(REFITS):
                 if fits(cand) or not math.isfinite(capacity):
                     break
+                bound = capacity - (latest.memory - latest.usage.row)
+                if not below < bound < above:
+                    bound = (below + above) / 2
                 try:
-                    cand = attempt(row, capacity - (cand.memory - cand.usage.row))
+                    latest = attempt(row, bound)
                 except PlanError:
-                    break
+                    below = bound
+                    continue
+                above = bound
+                cand = latest if fits(latest) or latest.memory < cand.memory else cand
             return cand
 
         def done(c: Candidate) -> Candidate:

@@ -1,0 +1,153 @@
+"""Every memory lever at once, as the cap tightens: one model planned by ``meshpilot plan`` (one stage weighed
+against a pipeline, recomputation, ZeRO stages and context parallelism all left to the planner) at a
+descending list of caps.
+
+    python benchmarks/bench_levers.py plan --out /tmp/levers.json     # the table (pure planning)
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_levers.py measure /tmp/levers.json
+
+``plan``: bench_cp's tiny Llama (4 layers, hidden 32, 4 heads, 2 KV heads) at batch 1 x 2,048 tokens on 4
+devices of ``alpa-p3x8``, first without a cap, then under caps as fractions of that plan's predicted peak.
+Each row runs the CLI as a user does (``meshpilot plan --memory-gib … --out``, in this process) and reads the
+saved plan back: whether it is one stage or a pipeline (and its stages), each stage's mesh, the blocks it
+recomputes, its ZeRO switches by stage, the mesh axis its attention is sequence-parallel over, the predicted
+step (one stage: the plan's overlapped step, as ``meshpilot plan`` weighs it; a pipeline: its simulated step)
+and the predicted peak per device (the largest stage's). The one-stage plans at three caps are saved.
+
+``measure``: each saved plan run by ``meshpilot.parallelize`` on 4 gloo ranks, every rank's peak storage over
+two AdamW steps (``bench_recompute.step_peaks``) beside the predicted peak, for the plan's cluster and as
+issued on gloo (``bench_recompute.gloo_peak``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cp import LLAMA  # noqa: E402
+from bench_cp import _model as llama  # noqa: E402
+from bench_recompute import gloo_peak, measured_line, step_peaks  # noqa: E402
+
+from meshpilot.io import fmt_size  # noqa: E402
+from meshpilot.ops.attention import sequence_axes  # noqa: E402
+from meshpilot.planner.plan import Plan, StagePlan  # noqa: E402
+
+CLUSTER, DEVICES, SEQ = "alpa-p3x8", 4, 2048
+CAPS = (None, 0.8, 0.6, 0.45, 0.35, 0.28, 0.22, 0.17)
+"""Caps as fractions of the uncapped plan's predicted peak (None: the device's own memory)."""
+
+
+def _cli(out: Path, cap: float | None) -> tuple[Plan, str]:
+    """``meshpilot plan`` of the model under `cap` bytes per device, saved to `out`: the plan and the line it
+    printed about one stage against a pipeline."""
+    from meshpilot.cli.main import main as cli
+
+    hf = [f"{k}={v}" for k, v in LLAMA.items()]
+    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--batch", "1", "--seq", str(SEQ)]
+    argv += ["--cluster", CLUSTER, "--devices", str(DEVICES), "--out", str(out)]
+    if cap is not None:
+        argv += ["--memory-gib", f"{cap / 2**30:.9f}"]
+    text, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(err):
+        rc = cli(argv)
+    said = " ".join(text.getvalue().split())
+    if rc != 0 or not out.exists():
+        raise RuntimeError(err.getvalue().strip().splitlines()[-1].removeprefix("meshpilot plan: error: "))
+    return Plan.load(out), said[said.rfind("chose ") :] if "chose " in said else said[-300:]
+
+
+def _stage_levers(p: StagePlan) -> str:
+    """One stage's levers: mesh, recomputed blocks, ZeRO switches by stage, the sequence-parallel axis."""
+    rc = p.recompute.regions if p.recompute is not None else ()
+    blocks = f"{len(rc)} blocks ({rc[0].rsplit('.', 1)[-1]}–{rc[-1].rsplit('.', 1)[-1]})" if rc else "none"
+    zero = Counter(f"ZeRO-{int(z.stage)}" for z in p.zero)
+    zs = ", ".join(f"{k} ×{v}" for k, v in sorted(zero.items())) or "none"
+    cp = sequence_axes(p.nodes, p.mesh_axes)
+    cps = ", ".join(f"{a} ({p.mesh_shape[p.mesh_axes.index(a)]})" for a in cp) or "no"
+    return f"{p.mesh_shape} | {blocks} | {zs} | {cps}"
+
+
+def _row(cap: float | None, plan: Plan | None, error: str = "") -> str:
+    cap_s = fmt_size(cap) if cap is not None else "none"
+    if plan is None:
+        return f"| {cap_s} | no plan: {error} | | | | | | |"
+    stages = [s.plan for s in plan.stages]
+    if len(stages) == 1:
+        step, kind = stages[0].time.overlapped_s, "one stage"
+    else:
+        step = plan.simulate().step_s
+        kind = f"pipeline, {len(stages)} stages × {plan.microbatches} microbatches"
+    levers = " / ".join(_stage_levers(s) for s in stages if s is not None)
+    peak = max(s.memory.total for s in stages if s is not None)
+    return f"| {cap_s} | {kind} | {levers} | {step * 1e3:.3f} ms | {fmt_size(peak)} |"
+
+
+def _save_three(saved: dict[str, str], out: Path) -> list[str]:
+    """Write the first, middle and last of the one-stage plans `saved` so far to `out`; their caps."""
+    keys = list(saved)
+    chosen = list(dict.fromkeys((keys[0], keys[len(keys) // 2], keys[-1])))
+    out.write_text(json.dumps({k: saved[k] for k in chosen}))
+    return chosen
+
+
+def run_plan(out: Path) -> None:
+    head = "cap per device | plan | mesh | recompute | ZeRO | attention sequence-parallel over"
+    print(f"| {head} | predicted step | predicted peak |")
+    print("| ---: | --- | --- | --- | --- | --- | ---: | ---: |")
+    saved: dict[str, str] = {}
+    chosen: list[str] = []
+    top: float | None = None
+    t0 = time.process_time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, frac in enumerate(CAPS):
+            cap = None if frac is None else frac * top
+            path = Path(tmp) / f"plan{i}.json"
+            try:
+                plan, why = _cli(path, cap)
+            except RuntimeError as e:  # the CLI's own one-line refusal is the row
+                print(_row(cap, None, str(e)[:300]), flush=True)
+                continue
+            print(_row(cap, plan), flush=True)
+            print(f"  ({why})", file=sys.stderr, flush=True)
+            if top is None:
+                top = max(s.plan.memory.total for s in plan.stages)
+            if len(plan.stages) == 1:
+                saved[fmt_size(cap) if cap else "none"] = plan.stages[0].plan.to_json()
+                chosen = _save_three(saved, out)  # as it goes: the rows under the tightest caps plan slowest
+    print(f"\n{len(CAPS)} plans in {time.process_time() - t0:.0f} s of CPU (this process; the stage DP's workers "
+          f"not counted); saved the one-stage plans at caps {', '.join(chosen)} to {out}")  # fmt: skip
+
+
+def run_measure(path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for k, text in json.loads(path.read_text()).items():
+        p = StagePlan.from_json(text)
+        model, inputs = llama(SEQ, "cpu")
+        peaks = step_peaks(model, inputs, p)
+        if dist.get_rank() == 0:
+            print(f"cap {k}: {_stage_levers(p)}: {measured_line(p, peaks, gloo_peak(model, inputs, p))}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/levers.json"))
+    sub.add_parser("measure").add_argument("plans", type=Path)
+    args = ap.parse_args()
+    run_plan(args.out) if args.cmd == "plan" else run_measure(args.plans)
+
+
+if __name__ == "__main__":
+    main()
