@@ -22,9 +22,23 @@ without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at o
 memory does not count that window yet: it would belong in the ILP's memory row (added to a solved plan, a
 plan solved to a tight cap exceeds it).
 
+**Gather groups (one flat collective a layer).** Issued one per edge, a ZeRO-3 step of the zoo GPT runs 88
+all-gathers where FSDP2 runs 9, and on a CPU host each collective costs about as much as its bytes. So the
+planner groups them as FSDP2 does (:func:`plan_gathers`, recorded as ``StagePlan.param_gathers``): within a
+layer's group above, the edges whose whole resharding is one all-gather (one collective on the edge) with the
+same mesh axis and dtype form a :class:`GatherGroup`, run as one all-gather of the members' local shards
+flattened into one buffer (``meshpilot.runtime.overlap.group_gathers``), issued where the rule above issues the
+layer's gathers (``issue_at``: the previous group's first consumer; the phase's first group at its own first
+consumer) and waited for before the group's first consumer. Edges resharded by several collectives (a 2-D
+mesh's gather over two axes) keep their own, prefetched as above. The backward gathers again (FSDP2's
+reshard-after-forward): the forward's gathered copies are not kept for it, as the plan's memory accounting
+assumes. Groups run under the :data:`PREFETCHED` schedules only (:func:`active_gathers`).
+
 **Pricing.** :func:`prefetch_issues` is the same rule as the simulator reads it (``meshpilot.sim.simulate``'s
 ``prefetch``): each prefetched gather an issue before the anchor's compute and a wait at its consumer,
-queued on its mesh axis' group in issue order like every collective there.
+queued on its mesh axis' group in issue order like every collective there; a gather group one collective of
+its summed bytes (one latency), issued at ``issue_at`` and waited at its first consumer. The closed form
+:func:`gather_hidden_s` walks each phase the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from meshpilot.graph.capture import NodeKind, OpGraph
+from meshpilot.graph.capture import NodeKind, OpGraph, Phase
 from meshpilot.sharding.reshard import CollectiveKind
 
 PREFETCHED = ("trivial", "accumulate")
@@ -56,6 +70,38 @@ class PrefetchGroup:
     """The index of the group's first consumer node."""
     nbytes: int
     """The gathered bytes of the group (each gather's output)."""
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Sharded parameters' gathers of one layer run as one all-gather of their local shards, flattened into one
+    buffer (module docstring, *Gather groups*)."""
+
+    layer: str
+    phase: Phase
+    axis: int
+    """The mesh axis it gathers over."""
+    params: tuple[str, ...]
+    """The parameter each member gathers (itself or through a view), in consumer order."""
+    edges: tuple[tuple[str, int], ...]
+    """``(consumer node, operand)`` of each member, in consumer order: the plan's collectives it replaces."""
+    nbytes: int
+    """The gathered output, every member's summed (``CollectiveKind``'s all-gather convention)."""
+    issue_at: str = ""
+    """The node before whose compute it is issued (the previous group's first consumer); empty: right before
+    its own first consumer."""
+    seconds: float = 0.0
+    """The collective's time on the planned cluster."""
+
+    kind = CollectiveKind.ALL_GATHER
+    issued_by_op = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GatherGroup:
+        """A group as a plan file stores it (the plan's ``dataclasses.asdict``)."""
+        edges = tuple((str(n), int(a)) for n, a in d["edges"])
+        return cls(d["layer"], Phase(d["phase"]), int(d["axis"]), tuple(d["params"]), edges, int(d["nbytes"]),
+                   d.get("issue_at", ""), float(d.get("seconds", 0.0)))  # fmt: skip
 
 
 def layer_of(fqn: str) -> str:
@@ -100,6 +146,51 @@ def prefetch_groups(plan: Any, graph: OpGraph, phase: str) -> list[PrefetchGroup
         if g is not None:
             run.append(g)
     return groups
+
+
+def plan_gathers(plan: Any, graph: OpGraph, cost: Any) -> tuple[GatherGroup, ...]:
+    """The gather groups of `plan` (a ``StagePlan`` of `graph`), both phases, priced on the cost model `cost`
+    (module docstring, *Gather groups*); none where its schedule does not prefetch (:data:`PREFETCHED`)."""
+    if plan.step_schedule().name not in PREFETCHED:
+        return ()
+    per_edge: dict[tuple[str, str, int], list[Any]] = {}
+    for col in plan.collectives:
+        if col.operand >= 0 and col.src != col.dst:
+            per_edge.setdefault((col.phase, col.dst, col.operand), []).append(col)
+    out: list[GatherGroup] = []
+    for phase in (Phase.FWD, Phase.BWD):
+        layers = prefetch_groups(plan, graph, phase.value)
+        for k, g in enumerate(layers):
+            issue_at = plan.nodes[layers[k - 1].first].name if k else ""
+            runs: dict[tuple[int, str], list[tuple[tuple[str, int], Any]]] = {}
+            for d, a in g.edges:
+                edge = (plan.nodes[d].name, a)
+                cols = per_edge.get((phase.value, *edge), [])
+                if len(cols) != 1:  # resharded by more than its gather: keeps its own collectives
+                    continue
+                dtype = str(graph[cols[0].src].outputs[0].dtype)
+                runs.setdefault((cols[0].axis, dtype), []).append((edge, cols[0]))
+            for (axis, _), members in runs.items():
+                nbytes = sum(c.nbytes for _, c in members)
+                params = tuple(param_root(graph, c.src) or "" for _, c in members)
+                edges = tuple(e for e, _ in members)
+                seconds = cost.all_gather(nbytes, axis)
+                out.append(GatherGroup(g.layer, phase, axis, params, edges, nbytes, issue_at, seconds))
+    return tuple(out)
+
+
+def active_gathers(plan: Any) -> tuple[GatherGroup, ...]:
+    """The plan's gather groups where its schedule runs them (:data:`PREFETCHED`), else none: the runtime, the
+    collective count and the simulator read this one rule."""
+    groups = getattr(plan, "param_gathers", ())
+    if not groups or plan.step_schedule().name not in PREFETCHED:
+        return ()
+    return tuple(groups)
+
+
+def grouped_edges(plan: Any) -> set[tuple[str, str, int]]:
+    """``(phase, consumer, operand)`` of every edge whose gather a group of :func:`active_gathers` runs."""
+    return {(g.phase.value, n, a) for g in active_gathers(plan) for n, a in g.edges}
 
 
 def prefetch_points(plan: Any, graph: OpGraph, phase: str) -> dict[tuple[int, int], int]:

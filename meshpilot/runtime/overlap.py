@@ -14,6 +14,7 @@ A collective is left in place when an input of what would move is not yet comput
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -169,6 +170,80 @@ def prefetch(gm: torch.fx.GraphModule, points: dict[tuple[int, int], int]) -> in
     gm.graph.lint()
     gm.recompile()
     return moved
+
+
+def group_gathers(gm: torch.fx.GraphModule, groups: list[tuple[list[tuple[int, int]], int | None]]) -> int:
+    """Run each gather group (``planner.prefetch.GatherGroup``: its edges ``(consumer, operand)`` and the node
+    before whose compute it is issued, None: at its first consumer) as one flat all-gather: every member's
+    collective (with its preparation and the views of a parameter it reads) moved before that point, their
+    inputs flattened into one buffer (``runtime.buckets.flat_shards``) and gathered once right after the last
+    of them, waited for where the first member's wait was and split into what each member's wait returned
+    (``split_gathered``); the members' own collectives and waits are gone. Group ``k``'s ops are tagged
+    ``(GATHER, k)`` / ``(GATHER_WAIT, k)``. Returns how many groups run so; raises when a member cannot be
+    moved there (the plan's collective count would no longer be the program's)."""
+    from meshpilot.runtime.buckets import GATHER, GATHER_WAIT, flat_shards, split_gathered
+
+    for k, (edges, at) in enumerate(groups):
+        members = _gather_members(gm, edges)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first_wait = min((w for _, _, w in members), key=order.get)
+        target = first_wait
+        if at is not None:
+            anchor = next((n for n in gm.graph.nodes if n.meta.get("meshpilot_tag") == (at, -1)), first_wait)
+            target = min(anchor, first_wait, key=order.get)
+        for chain, coll, _ in members:
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            if order[coll] < order[target]:
+                continue  # issued before the point already
+            views = _late_views(chain, order, order[target])
+            if views is None:
+                raise RuntimeError(f"meshpilot internal error: gather group {k}'s member {coll} cannot be issued early")
+            for n in sorted(views, key=order.get) + chain:
+                target.prepend(n)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        colls = [c for _, c, _ in members]
+        size, name = colls[0].args[1], colls[0].args[2]
+        if any(c.target != colls[0].target or c.args[1:] != (size, name) for c in colls):
+            raise RuntimeError(f"meshpilot internal error: gather group {k} mixes collectives: {colls}")
+        shards = [c.args[0] for c in colls]
+        with gm.graph.inserting_after(max(colls, key=order.get)):
+            flat = gm.graph.call_function(flat_shards, (shards,))
+        with gm.graph.inserting_after(flat):
+            issued = gm.graph.call_function(colls[0].target, (flat, size, name))
+        with gm.graph.inserting_before(first_wait):
+            done = gm.graph.call_function(members[0][2].target, (issued,))
+            parts = gm.graph.call_function(split_gathered, (done, size, shards))
+            pieces = [gm.graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
+        flat.meta["meshpilot_tag"] = issued.meta["meshpilot_tag"] = (GATHER, k)
+        for n in (done, parts, *pieces):
+            n.meta["meshpilot_tag"] = (GATHER_WAIT, k)
+        for (_, coll, wait), piece in zip(members, pieces):
+            wait.replace_all_uses_with(piece)
+            gm.graph.erase_node(wait)
+            gm.graph.erase_node(coll)
+    gm.graph.lint()
+    gm.recompile()
+    return len(groups)
+
+
+def _gather_members(
+    gm: torch.fx.GraphModule, edges: list[tuple[int, int]]
+) -> list[tuple[list, torch.fx.Node, torch.fx.Node]]:
+    """(preparation chain, collective, wait) of each edge's all-gather in the program (``group_gathers``)."""
+    tagged_ops: dict[tuple[int, int], list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        tag = n.meta.get("meshpilot_tag")
+        if tag in edges:
+            tagged_ops.setdefault(tag, []).append(n)
+    out = []
+    for e in edges:
+        ops = tagged_ops.get(e, [])
+        colls = [n for n in ops if is_collective(n)]
+        waits = list(colls[0].users) if len(colls) == 1 else []
+        if len(waits) != 1 or "wait_tensor" not in str(waits[0].target):
+            raise RuntimeError(f"meshpilot internal error: operand {e} is not resharded by one all-gather here")
+        out.append((preparation(colls[0], set(ops)), colls[0], waits[0]))
+    return out
 
 
 def _late_views(chain: list[torch.fx.Node], order: dict, at: int) -> list[torch.fx.Node] | None:

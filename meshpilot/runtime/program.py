@@ -31,8 +31,9 @@ One class, :class:`StageProgram`, holds the programs of every stage of every pla
 
 Under the plain schedules (one microbatch or accumulation) the forward and backward programs issue each
 layer's sharded-parameter gathers (ZeRO-3) while the layer before it computes, waited for right before use
-(``planner.prefetch``: the rule, ``runtime.overlap.prefetch``: the reordering). With the plan's schedule
-given (``overlapped``), the forward and backward programs are reordered so
+(``planner.prefetch``: the rule, ``runtime.overlap.prefetch``: the reordering), each layer's as one flat
+all-gather where the plan groups them (``StagePlan.param_gathers``, ``runtime.overlap.group_gathers``).
+With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
 early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
 are interleaved into one (``forward_pair`` / ``backward_pair``, ``runtime.duplex``).
 
@@ -56,13 +57,13 @@ from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.buckets import backward_issues_buckets
-from meshpilot.planner.prefetch import PREFETCHED, prefetch_points
+from meshpilot.planner.prefetch import PREFETCHED, active_gathers, prefetch_points
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import issue_early, issue_points, issue_when_ready, prefetch
+from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
 from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
@@ -135,8 +136,9 @@ class StageProgram:
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
         self.prefetched: dict[ActionKind, int] = {}
-        """Parameter gathers each phase's program issues one layer ahead (``planner.prefetch``)."""
-        """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+        """Parameter gathers each phase's program issues one layer ahead on their own (``planner.prefetch``)."""
+        self.gather_groups: dict[ActionKind, int] = {}
+        """Gather groups each phase's program runs as one flat all-gather (``StagePlan.param_gathers``)."""
         self.buckets = BucketSync(interp.plan, g, interp.mesh, trainable)
         """The plan's gradient buckets of this stage (``runtime.buckets``)."""
         self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
@@ -206,9 +208,18 @@ class StageProgram:
         simulation does not price a prefetch)."""
         if self.schedule is None or self.schedule.name not in PREFETCHED:
             return
+        plan = self.interp.plan
         phase = "fwd" if kind == FWD else "bwd"
-        points = prefetch_points(self.interp.plan, self.graph, phase)
+        index = {n.name: i for i, n in enumerate(plan.nodes)}
+        groups = [
+            ([(index[n], a) for n, a in g.edges], index[g.issue_at] if g.issue_at else None)
+            for g in active_gathers(plan)
+            if g.phase.value == phase
+        ]
+        grouped = {e for edges, _ in groups for e in edges}
+        points = {e: at for e, at in prefetch_points(plan, self.graph, phase).items() if e not in grouped}
         self.prefetched[kind] = prefetch(gm, points)
+        self.gather_groups[kind] = group_gathers(gm, groups)
 
     # ------------------------------------------------------------------ values crossing stages
     def _received(self, t, local: torch.Tensor) -> DTensor:
