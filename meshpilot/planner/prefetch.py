@@ -38,7 +38,8 @@ assumes. Groups run under the :data:`PREFETCHED` schedules only (:func:`active_g
 ``prefetch``): each prefetched gather an issue before the anchor's compute and a wait at its consumer,
 queued on its mesh axis' group in issue order like every collective there; a gather group one collective of
 its summed bytes (one latency), issued at ``issue_at`` and waited at its first consumer. The closed form
-:func:`gather_hidden_s` walks each phase the same way.
+:func:`gather_hidden_s` walks each phase the same way (what the grouping and the prefetch take off the
+plan's serial price, which counts every gather on its own).
 """
 
 from __future__ import annotations
@@ -201,13 +202,15 @@ def prefetch_points(plan: Any, graph: OpGraph, phase: str) -> dict[tuple[int, in
 
 
 def prefetch_issues(plan: Any, graph: OpGraph) -> dict[int, list[int]]:
-    """Both phases' prefetch as the simulator reads it (``meshpilot.sim.simulate(prefetch=...)``): node index
-    -> the collectives (indices into ``plan.collectives``: each edge's first) issued right before that node's
-    compute, in issue order; each is waited for at its consumer instead of blocking there. Empty where the
-    plan's schedule does not prefetch (:data:`PREFETCHED`)."""
+    """Both phases' prefetch of the gathers no group runs, as the simulator reads it
+    (``meshpilot.sim.simulate(prefetch=...)``; the groups it reads from the plan): node index -> the collectives
+    (indices into ``plan.collectives``: each edge's first) issued right before that node's compute, in issue
+    order; each is waited for at its consumer instead of blocking there. Empty where the plan's schedule does
+    not prefetch (:data:`PREFETCHED`)."""
     if plan.step_schedule().name not in PREFETCHED:
         return {}
     index = {n.name: i for i, n in enumerate(plan.nodes)}
+    grouped = grouped_edges(plan)
     first: dict[tuple[int, int], int] = {}
     for c, col in enumerate(plan.collectives):
         if col.operand >= 0 and col.src != col.dst and col.dst in index:
@@ -215,46 +218,64 @@ def prefetch_issues(plan: Any, graph: OpGraph) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for phase in ("fwd", "bwd"):
         for edge, at in sorted(prefetch_points(plan, graph, phase).items()):
-            out.setdefault(at, []).append(first[edge])
+            if (phase, plan.nodes[edge[0]].name, edge[1]) not in grouped:
+                out.setdefault(at, []).append(first[edge])
     return out
 
 
-def prefetch_hidden_s(plan: Any, graph: OpGraph, cost: Any) -> float:
-    """Seconds the prefetch takes off the step on the cost model `cost` (module docstring, *Pricing*): each
-    phase walked once with every gather blocking at its consumer and once with :func:`prefetch_issues`'s issued
-    at their anchors, the difference summed. The walk is the simulator's for one rank: node seconds on the
-    compute stream, each axis' collectives one at a time in issue order (``planner.buckets``' queue, busy
-    factors included), a wait ending when its own collective does. The gradients' buckets are left out."""
+def gather_hidden_s(plan: Any, graph: OpGraph, cost: Any) -> float:
+    """Seconds the gather groups and the prefetch take off the step on the cost model `cost` (module docstring,
+    *Pricing*): each phase walked once as the plan's serial price has it (every gather its own collective,
+    blocking at its consumer) and once as the runtime runs it (each group one collective issued at its
+    ``issue_at``, the other gathers at :func:`prefetch_issues`' anchors), the difference summed. The walk is the
+    simulator's for one rank: node seconds on the compute stream, each axis' collectives one at a time in issue
+    order (``planner.buckets``' queue, busy factors included), a wait ending when its own collective does. The
+    gradients' buckets are left out."""
     issues = prefetch_issues(plan, graph)
-    if not issues:
+    groups = active_gathers(plan)
+    if not issues and not groups:
         return 0.0
-    return sum(_walk(plan, cost, ph, {}) - _walk(plan, cost, ph, issues) for ph in ("fwd", "bwd"))
+    serial = sum(_walk(plan, cost, ph, {}, ()) for ph in ("fwd", "bwd"))
+    return serial - sum(_walk(plan, cost, ph, issues, groups) for ph in ("fwd", "bwd"))
 
 
-def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]]) -> float:
-    """The end of `phase`'s compute stream with `issues` prefetched (:func:`prefetch_hidden_s`)."""
+def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]], groups: tuple[GatherGroup, ...]) -> float:
+    """The end of `phase`'s compute stream with `issues` prefetched and `groups` run (:func:`gather_hidden_s`).
+    A collective is named by its index in ``plan.collectives``, a group by ``("group", k)``."""
     from meshpilot.planner.buckets import _progress, _seconds  # the bucket pricing's own parts
 
     index = {n.name: i for i, n in enumerate(plan.nodes)}
-    before: dict[int, list[int]] = {}
+    grouped = {(g.phase.value, n, a) for g in groups for n, a in g.edges}
+    coll: dict[Any, Any] = dict(enumerate(plan.collectives))
+    before: dict[int, list[Any]] = {}
+    early: set[Any] = {c for cs in issues.values() for c in cs}
+    at: dict[int, list[Any]] = {i: list(cs) for i, cs in issues.items()}
+    for k, g in enumerate(groups):
+        if g.phase.value != phase:
+            continue
+        coll[("group", k)] = g
+        before.setdefault(min(index[n] for n, _ in g.edges), []).append(("group", k))
+        if g.issue_at:
+            early.add(("group", k))
+            at.setdefault(index[g.issue_at], []).append(("group", k))
     for c, col in enumerate(plan.collectives):
-        if col.phase == phase and col.dst in index and not col.dst.startswith("grad:"):
+        own = (col.phase, col.dst, col.operand) not in grouped
+        if own and col.phase == phase and col.dst in index and not col.dst.startswith("grad:"):
             before.setdefault(index[col.dst], []).append(c)
-    early = {c for cs in issues.values() for c in cs}
-    spans: list[tuple[float, float, float]] = []
+    spans: list[tuple[float, float]] = []
     free: dict[int, float] = {}
-    queued: dict[int, list[tuple[int, float]]] = {}
-    ends: dict[int, float] = {}
+    queued: dict[int, list[tuple[Any, float]]] = {}
+    ends: dict[Any, float] = {}
     t = 0.0
 
-    def drain(axis: int, until: int | None = None) -> float:
+    def drain(axis: int, until: Any = None) -> float:
         """Run `axis`' queued collectives in issue order (through `until`, else all), now that the compute
         spans they overlap are known (the rank waits from here): when the last of them ends."""
         q = queued.get(axis, [])
         while q:
-            c, at = q.pop(0)
-            seconds, busy = _seconds(cost, plan.collectives[c])
-            ends[c] = free[axis] = _progress(max(at, free.get(axis, 0.0)), seconds, [(a, b, busy) for a, b in spans])
+            c, start = q.pop(0)
+            seconds, busy = _seconds(cost, coll[c])
+            ends[c] = free[axis] = _progress(max(start, free.get(axis, 0.0)), seconds, [(a, b, busy) for a, b in spans])
             if c == until:
                 break
         return free.get(axis, 0.0)
@@ -263,14 +284,14 @@ def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]]) -> flo
         if n.phase != phase:
             continue
         for c in before.get(i, ()):
-            axis = plan.collectives[c].axis
+            axis = coll[c].axis
             if c in early:  # issued a layer ago: wait for it alone
                 t = max(t, ends[c] if c in ends else (drain(axis, c), ends[c])[1])
             else:  # issued now behind what its group has queued, waited at once
                 queued.setdefault(axis, []).append((c, t))
                 t = max(t, drain(axis))
-        for c in issues.get(i, ()):
-            queued.setdefault(plan.collectives[c].axis, []).append((c, t))
+        for c in at.get(i, ()):
+            queued.setdefault(coll[c].axis, []).append((c, t))
         if n.seconds > 0:
             spans.append((t, t + n.seconds))
             t += n.seconds
@@ -287,11 +308,15 @@ def prefetch_window_bytes(plan: Any, graph: OpGraph, phase: str) -> int:
 __all__ = [
     "MAX_VIEW_DEPTH",
     "PREFETCHED",
+    "GatherGroup",
     "PrefetchGroup",
+    "active_gathers",
+    "gather_hidden_s",
+    "grouped_edges",
+    "plan_gathers",
     "layer_of",
     "param_root",
     "prefetch_groups",
-    "prefetch_hidden_s",
     "prefetch_issues",
     "prefetch_points",
     "prefetch_window_bytes",
