@@ -20,7 +20,9 @@ consumer. The backward's groups run in its own consumer order: the reverse of th
 gathered copy is then live from ``G_k``'s first consumer to its own last use: one layer longer than
 without prefetch (:func:`prefetch_window_bytes` is the most such bytes live at once). The plan's predicted
 memory does not count that window yet: it would belong in the ILP's memory row (added to a solved plan, a
-plan solved to a tight cap exceeds it).
+plan solved to a tight cap exceeds it). A gather group keeps every member's gathered copy from the group's wait
+(before its first consumer) to the member's last use, and while it splits the flat result it holds the flat
+buffer and the copies at once (twice the group's bytes, briefly): also not counted.
 
 **Gather groups (one flat collective a layer).** Issued one per edge, a ZeRO-3 step of the zoo GPT runs 88
 all-gathers where FSDP2 runs 9, and on a CPU host each collective costs about as much as its bytes. So the
