@@ -214,3 +214,24 @@ def test_gather_groups_only_under_the_prefetched_schedules():
     assert q.param_gathers and not active_gathers(q)
     members = sum(len(g.edges) for g in p.param_gathers)
     assert sum(q.collective_counts().values()) == sum(p.collective_counts().values()) + members - len(p.param_gathers)
+
+
+def test_the_simulator_runs_one_collective_per_group_beside_compute():
+    """Simulated, a ZeRO-3 plan's step runs one collective per gather group (none of its members' own), and the
+    groups issued a layer ahead run on the link while the rank computes."""
+    from meshpilot.planner.prefetch import prefetch_issues
+    from meshpilot.sim import simulate
+
+    p, graph = _plan("zero3")
+    result = simulate(p, cluster=_slow_cluster(), prefetch=prefetch_issues(p, graph))
+    rank = result.classes[0].ranks[0]
+    mine = [e for e in result.events if e.rank == rank]
+    groups = [e for e in mine if e.cat == "comm" and e.name.startswith("gather group")]
+    assert len(groups) == len(p.param_gathers)
+    compute = [(e.start_s, e.start_s + e.dur_s) for e in mine if e.cat == "compute"]
+    beside = sum(any(min(e.start_s + e.dur_s, y) - max(e.start_s, x) > 1e-12 for x, y in compute) for e in groups)
+    assert beside >= len(p.param_gathers) // 2, beside
+    members = {(g.phase.value, n, a) for g in p.param_gathers for n, a in g.edges}
+    for c, col in enumerate(p.collectives):
+        if (col.phase, col.dst, col.operand) in members:
+            assert not any(e.name.endswith(f"#{c}.0") for e in mine), col
