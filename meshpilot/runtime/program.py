@@ -45,6 +45,7 @@ instead (for debugging the runtime: the same ops, without the recording).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from meshpilot.planner.prefetch import PREFETCHED, active_gathers, prefetch_poin
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
+from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
@@ -180,7 +182,10 @@ class StageProgram:
         boxed = name == "backward" and not self.compile
         if fn is not None:
             return fn(args) if boxed else fn(*args)
-        gm, result = record(lambda *flat: body(flat), *args)
+        regroup = kind is not None and self._groups_of(kind)
+        rng = torch.random.get_rng_state()
+        with unrecorded() if regroup else contextlib.nullcontext():
+            gm, result = record(lambda *flat: body(flat), *args)
         setattr(self, f"{name}_gm", gm)
         if kind is not None:
             self._issue_early(gm, kind)
@@ -189,8 +194,19 @@ class StageProgram:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
         if boxed:
             _boxed(gm)
-        setattr(self, f"_{name}_fn", _maybe_compile(gm, self.compile))
+        fn = _maybe_compile(gm, self.compile)
+        setattr(self, f"_{name}_fn", fn)
+        if regroup:  # the recording gathered per edge: this step runs the grouped program, as the plan counts
+            torch.random.set_rng_state(rng)
+            return fn(list(args)) if boxed else fn(*args)
         return result
+
+    def _groups_of(self, kind: ActionKind) -> bool:
+        """Whether `kind`'s program runs gather groups (``_prefetch``)."""
+        if self.schedule is None or self.schedule.name not in PREFETCHED or kind not in (FWD, BWD):
+            return False
+        phase = "fwd" if kind == FWD else "bwd"
+        return any(g.phase.value == phase for g in active_gathers(self.interp.plan))
 
     def _issue_early(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
         """Reorder a phase's program so the schedule's early-issued collectives overlap compute."""
