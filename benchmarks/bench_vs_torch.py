@@ -15,7 +15,10 @@ the machine's noise:
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
   mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
   ..., no buckets  (``--unbucketed``) the DP and ZeRO-3 plans without their buckets: one collective per
-                 gradient after the backward, as before buckets existed (before / after in one launch).
+                 gradient after the backward, as before buckets existed (before / after in one launch);
+  mp: ZeRO-3, per-parameter gathers  (``--ungrouped``) the ZeRO-3 plan without its gather groups
+                 (``StagePlan.param_gathers``): one all-gather per parameter read, prefetched one layer ahead
+                 (before / after the groups in one launch).
 
 Models: ``gpt`` (the zoo's GPT, ``gpt-tiny`` grown to 4 layers, h 256, batch 8 x 128) and ``llama`` (a tiny
 ``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128). ``--overlap`` plans every meshpilot
@@ -26,7 +29,7 @@ A step is forward + backward + AdamW (foreach) step + zero_grad on the full glob
 barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU
 seconds of the busiest rank's process in the step (all its threads: less sensitive to other jobs), the ratio
 to DDP or FSDP2, the plan's predicted step (``StepTime.overlapped_s``: the buckets' overlap priced, less
-what the sharded parameters' prefetch hides, ``planner.prefetch.prefetch_hidden_s``; with
+what the sharded parameters' gather groups and prefetch hide, ``planner.prefetch.gather_hidden_s``; with
 ``--probed FILE``, a cluster ``meshpilot probe`` measured on this box, also the plan re-priced on it in closed
 form and simulated, each over the measured median), and the
 collectives one step ran (the torch profiler's ``gloo:*`` events: DDP's, FSDP's and DTensor's alike). One more
@@ -57,10 +60,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TORCH = ("DDP", "FSDP2")
-BASE = {"mp: DP": "DDP", "mp: ZeRO-3": "FSDP2", "mp: DP, no buckets": "DDP", "mp: ZeRO-3, no buckets": "FSDP2"}
+UNBUCKETED = ", no buckets"
+UNGROUPED = ", per-parameter gathers"
+BASE = {
+    "mp: DP": "DDP",
+    "mp: ZeRO-3": "FSDP2",
+    "mp: DP" + UNBUCKETED: "DDP",
+    "mp: ZeRO-3" + UNBUCKETED: "FSDP2",
+    "mp: ZeRO-3" + UNGROUPED: "FSDP2",
+}
 BASE["mp: DP, 25 MiB buckets"] = "DDP"
 """What each meshpilot variant is compared with (the solver's plan: the faster of the two)."""
-UNBUCKETED = ", no buckets"
 MODELS = {
     "gpt": {"name": "gpt-tiny", "layers": 4, "hidden": 256, "heads": 8, "batch": 8, "seq": 128},
     "llama": {
@@ -92,21 +102,22 @@ def build(spec: dict, device: str, seed: int = 0):
 
 def predictions(p, graph, probed, cost) -> dict[str, float]:
     """The plan's predicted step in ms on the cluster it was planned for (``StepTime.overlapped_s`` less what the
-    runtime's parameter prefetch hides, ``planner.prefetch.prefetch_hidden_s`` on the cost model `cost`) and,
+    runtime's parameter gather groups and prefetch hide, ``planner.prefetch.gather_hidden_s`` on the cost model
+    `cost`) and,
     given a `probed` cluster, re-priced on it (``accounting.reprice``) in closed form and simulated
     (``meshpilot.sim``, with the prefetch)."""
     from meshpilot.cluster.cost import CostModel
     from meshpilot.cluster.mesh import LogicalMesh
-    from meshpilot.planner.prefetch import prefetch_hidden_s, prefetch_issues
+    from meshpilot.planner.prefetch import gather_hidden_s, prefetch_issues
 
-    hidden = prefetch_hidden_s(p, graph, cost)
-    out = {"predicted_ms": (p.time.overlapped_s - hidden) * 1e3, "prefetch_hidden_ms": hidden * 1e3}
+    hidden = gather_hidden_s(p, graph, cost)
+    out = {"predicted_ms": (p.time.overlapped_s - hidden) * 1e3, "gathers_hidden_ms": hidden * 1e3}
     if probed is not None:
         from meshpilot.planner.accounting import reprice
         from meshpilot.sim import simulate
 
         q = reprice(p, graph, probed)
-        on_probed = prefetch_hidden_s(q, graph, CostModel(LogicalMesh(probed, tuple(q.mesh_shape))))
+        on_probed = gather_hidden_s(q, graph, CostModel(LogicalMesh(probed, tuple(q.mesh_shape))))
         out["probed_ms"] = (q.time.overlapped_s - on_probed) * 1e3
         out["simulated_ms"] = simulate(q, cluster=probed, prefetch=prefetch_issues(q, graph)).step_s * 1e3
     return out
@@ -157,11 +168,20 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
             bare.save(path.with_name(path.stem + "-bare.json"))
             out[name + UNBUCKETED] = {"path": str(path.with_name(path.stem + "-bare.json")), "buckets": 0}
             out[name + UNBUCKETED] |= predictions(bare, graph, probed, cost)
+        if args.ungrouped and name == "mp: ZeRO-3":  # the same plan with one all-gather per parameter read
+            flat = dataclasses.replace(p, param_gathers=())
+            flat.save(path.with_name(path.stem + "-ungrouped.json"))
+            out[name + UNGROUPED] = {
+                "path": str(path.with_name(path.stem + "-ungrouped.json")),
+                "buckets": len(p.grad_buckets),
+            }
+            out[name + UNGROUPED] |= predictions(flat, graph, probed, cost)
         got = out[name]
         print(
             f"  {name}: mesh {p.mesh_shape}, {len(p.collectives)} planned collectives, {len(p.grad_buckets)} "
-            f"gradient buckets, predicted {got['predicted_ms']:.0f} ms ({got['prefetch_hidden_ms']:.0f} ms of it "
-            f"hidden by the parameter prefetch; serial {p.time.total_s * 1e3:.0f} ms), "
+            f"gradient buckets, {len(p.param_gathers)} gather groups, predicted {got['predicted_ms']:.0f} ms "
+            f"({got['gathers_hidden_ms']:.0f} ms of it taken off by the gather groups and prefetch; "
+            f"serial {p.time.total_s * 1e3:.0f} ms), "
             f"planned in {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
@@ -241,6 +261,11 @@ def main() -> int:
         "--unbucketed",
         action="store_true",
         help="also run the data-parallel and ZeRO-3 plans without their gradient buckets (before / after)",
+    )
+    ap.add_argument(
+        "--ungrouped",
+        action="store_true",
+        help="also run the ZeRO-3 plan without its gather groups: one all-gather per parameter read (before / after)",
     )
     ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
     ap.add_argument("--gbps", type=float, default=0.25, help="the solver's loopback bandwidth, GB/s")

@@ -6,12 +6,15 @@ ZeRO-3 plan (reduce-scatter buckets) and a 2-microbatch data-parallel plan (buck
 each side by side with the single-device model (``dist_utils.lockstep_adamw``): loss, every gradient and the
 parameters equal; the collectives issued equal the plan's (one per bucket); and in the recorded backward
 every bucket's collective is issued before the next bucket's last gradient is computed and waited for only
-after the last gradient (its issue/wait order in the program). The ZeRO-3 run also checks the parameter
-prefetch (``meshpilot.planner.prefetch``): each layer's gathers issued before the previous layer's compute,
-each waited for right before its consumer.
+after the last gradient (its issue/wait order in the program). The ZeRO-3 runs (the GPT and a tiny HF Llama,
+3 AdamW steps) also check the parameter gather groups (``meshpilot.planner.prefetch``,
+``StagePlan.param_gathers``): each layer's gathers one flat all-gather, as many as the plan's groups, issued
+before the previous layer's compute and waited for right before its first consumer.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -31,6 +34,25 @@ CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, batch=8)
 CLUSTER = "atp-ic3"
 WORLD = 4
 BUCKET = 4 * 1024  # small enough that the tiny model makes several buckets in every plan
+
+
+LLAMA = [
+    "num_hidden_layers=2",
+    "hidden_size=64",
+    "intermediate_size=128",
+    "num_attention_heads=4",
+    "num_key_value_heads=4",
+    "vocab_size=128",
+    "use_cache=false",
+    "attention_bias=true",  # 1-D shards: DTensor slices their gather in flight, before its wait
+]
+
+
+def _llama(device: str = "meta"):
+    from meshpilot.models.sources import build_model
+
+    built = build_model("hf:llama", hf_config=LLAMA, batch=CFG.batch, seq=CFG.seq, device=device, seed=0)
+    return built.model, tuple(built.inputs)
 
 
 def _model_inputs(device: str = "meta", batch: int = CFG.batch):
@@ -54,13 +76,16 @@ def _plans() -> dict[str, str]:
     """The plans (as JSON), re-bucketed small so each has several buckets (a 2-microbatch plan is made for
     one microbatch of the batch)."""
     out = {}
-    for name, kind, mb in (("dp", "dp", 1), ("zero3", "zero3", 1), ("dp-accumulate", "dp", 2)):
-        model, inputs = _model_inputs(batch=CFG.batch // mb)
+    runs = (("dp", "dp", 1), ("zero3", "zero3", 1), ("dp-accumulate", "dp", 2), ("zero3-llama", "zero3", 1))
+    for name, kind, mb in runs:
+        model, inputs = _llama() if name.endswith("llama") else _model_inputs(batch=CFG.batch // mb)
         graph = capture(model, inputs)
         fn = forced.data_parallel if kind == "dp" else forced.zero3
         force = fn(model, inputs, (WORLD,))
         p = plan(model, inputs, CLUSTER, mesh_shape=(WORLD,), force=force, graph=graph, microbatches=mb)
         out[name] = with_buckets(p, graph, _cost(), BUCKET).to_json()
+    llama = Plan.from_json(out["zero3-llama"]).only
+    out["zero3-llama-ungrouped"] = dataclasses.replace(llama, param_gathers=()).to_json()  # one gather per edge
     return out
 
 
@@ -89,13 +114,21 @@ def _issue_order(gm) -> tuple[list[tuple[str, int, int]], dict[int, int]]:
 
 def _prefetch_order(gm) -> dict[str, dict]:
     """In a recorded program, per resharded operand ``(consumer, operand)`` with a collective: the positions of
-    its collective and its wait, and of the first and last compute op (tagged ``(node, -1)``) of every node."""
+    its collective and its wait; per gather group: of its collectives and its waits; and of the first and last
+    compute op (tagged ``(node, -1)``) of every node."""
+    from meshpilot.runtime.buckets import GATHER, GATHER_WAIT
     from meshpilot.runtime.overlap import is_collective
 
     edges: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
     compute: dict[int, list[int]] = {}
     for k, n in enumerate(gm.graph.nodes):
         tag = n.meta.get("meshpilot_tag")
+        if isinstance(tag, tuple) and len(tag) == 2 and tag[0] in (GATHER, GATHER_WAIT):
+            if is_collective(n):
+                groups.setdefault(str(tag[1]), {}).setdefault("issue", []).append(k)
+            elif "wait_tensor" in str(n.target):
+                groups.setdefault(str(tag[1]), {}).setdefault("wait", []).append(k)
         if not (isinstance(tag, tuple) and len(tag) == 2 and isinstance(tag[0], int)):
             continue
         if tag[1] == -1:
@@ -104,7 +137,7 @@ def _prefetch_order(gm) -> dict[str, dict]:
             edges.setdefault(str(tag), {})["issue"] = k
         elif "wait_tensor" in str(n.target):
             edges.setdefault(str(tag), {})["wait"] = k
-    return {"edges": edges, "compute": {str(i): v for i, v in compute.items()}}
+    return {"edges": edges, "groups": groups, "compute": {str(i): v for i, v in compute.items()}}
 
 
 def _worker(plans: dict[str, str]) -> dict:
@@ -115,22 +148,29 @@ def _worker(plans: dict[str, str]) -> dict:
     res = {}
     for name, text in plans.items():
         p = Plan.from_json(text).only
-        ref, inputs = _model_inputs("cpu")
-        model = _model_inputs("cpu")[0]
-        pm = parallelize(model, p, graph=graph_of("gpt", model, p))
-        got = lockstep_adamw(ref, pm, inputs, steps=2)
+        build = _llama if "llama" in name else _model_inputs
+        ref, inputs = build("cpu")
+        model = build("cpu")[0]
+        pm = parallelize(model, p, graph=graph_of(build.__name__, model, p))
+        lr = 1e-3 if "llama" in name else 1e-2  # test_hf_families' rate for transformers models
+        got = lockstep_adamw(ref, pm, inputs, steps=3 if name.startswith("zero3") else 2, lr=lr)
         prog = pm.program
         if prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
-        if name == "zero3":
-            res["prefetch"] = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
-            res["prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
+        if name.startswith("zero3"):
+            order = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
+            res[name + ":prefetch"] = order
+            res[name + ":prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
+            res[name + ":grouped"] = {str(k): v for k, v in prog.gather_groups.items()}
         res[name] = {
+            "losses": got["loss"],
+            "grads": got["grad"],
             "loss": max(got["loss"]),
             "grad": max(got["grad"]),
             "param": got["param"],
             "counts": got["counts"][-1],
             "planned": p.collective_counts(backend="gloo"),
+            "every_step": all(c == p.collective_counts(backend="gloo") for c in got["counts"]),
             "in_backward": prog.buckets_in_backward,
             "moved": prog.buckets_moved,
             "rank": dist.get_rank(),
@@ -150,10 +190,13 @@ def test_plans_have_several_buckets(runs):
         p = Plan.from_json(text).only
         assert len(p.grad_buckets) >= 2, name
         kinds = {b.kind for b in p.grad_buckets}
-        assert kinds == ({"reduce_scatter"} if name == "zero3" else {"all_reduce"}), (name, kinds)
+        assert kinds == ({"reduce_scatter"} if name.startswith("zero3") else {"all_reduce"}), (name, kinds)
 
 
-@pytest.mark.parametrize("name", ["dp", "zero3", "dp-accumulate"])
+NAMES = ["dp", "zero3", "dp-accumulate", "zero3-llama"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_bucketed_plans_match_single_device(runs, name):
     _, results = runs
     for r in results:
@@ -165,13 +208,26 @@ def test_bucketed_plans_match_single_device(runs, name):
         assert got["param"] < 1e-4, (name, got)
 
 
-@pytest.mark.parametrize("name", ["dp", "zero3", "dp-accumulate"])
+def test_grouped_gathers_change_no_value(runs):
+    """The Llama's ZeRO-3 plan run with its gather groups and without (one all-gather per edge): every step's
+    loss and gradient difference from the single device, and the parameters', are the same numbers — the flat
+    gather copies the same values, in the same ops."""
+    _, results = runs
+    for r in results:
+        a, b = r["zero3-llama"], r["zero3-llama-ungrouped"]
+        assert (a["losses"], a["grads"], a["param"]) == (b["losses"], b["grads"], b["param"])
+        assert sum(v for (k, _, _), v in a["counts"].items() if k == "all_gather") < sum(
+            v for (k, _, _), v in b["counts"].items() if k == "all_gather"
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_collectives_are_the_plans_buckets(runs, name):
     plans, results = runs
     p = Plan.from_json(plans[name]).only
     for r in results:
         got = r[name]
-        assert got["counts"] == got["planned"], name
+        assert got["counts"] == got["planned"] and got["every_step"], name  # the first (recording) step too
         for b in p.grad_buckets:  # one collective of each bucket's flat buffer
             assert any(str(kind) == b.kind and nbytes == b.nbytes for kind, _, nbytes in got["counts"]), (name, b)
 
@@ -253,30 +309,87 @@ def test_old_plan_files_load_without_buckets():
     assert old.grad_buckets == () and old.time.hidden_s == 0.0
 
 
-def test_zero3_gathers_prefetched_one_layer_ahead(runs):
-    """Every group of a layer's parameter gathers after the first is issued before the compute of the previous
-    group's first consumer (so it runs while that layer computes) and waited for after it, right before its own
-    consumer's compute; the first group's gathers stay at their consumer."""
-    from meshpilot.planner.prefetch import prefetch_groups
+@pytest.mark.parametrize("name", ["zero3", "zero3-llama"])
+def test_zero3_gathers_grouped_one_flat_collective_per_layer(runs, name):
+    """The ZeRO-3 plans group their parameter gathers (one group per layer and phase, several parameters in a
+    group) and the runs issue exactly one all-gather per group: the log's all-gathers are the plan's groups and
+    its ungrouped gathers, each group's flat buffer among them, and each program holds one collective per
+    group of its phase and none of the grouped edges' own."""
+    from meshpilot.planner.prefetch import active_gathers
 
     plans, results = runs
-    p = Plan.from_json(plans["zero3"]).only
-    model, inputs = _model_inputs()
+    p = Plan.from_json(plans[name]).only
+    groups = active_gathers(p)
+    edges = sum(len(g.edges) for g in groups)
+    assert len(groups) >= 4 and edges > len(groups), (name, len(groups), edges)
+    ungrouped = dataclasses.replace(p, param_gathers=()).collective_counts(backend="gloo")
+    per_edge = sum(v for (kind, _, _), v in ungrouped.items() if kind == "all_gather")  # gloo: all-to-alls too
+    index = {n.name: i for i, n in enumerate(p.nodes)}
+    for r in results:
+        issued = sum(v for (kind, _, _), v in r[name]["counts"].items() if kind == "all_gather")
+        assert issued == per_edge - edges + len(groups), (name, issued, per_edge, edges, len(groups))
+        for g in groups:
+            assert r[name]["counts"].get((CollectiveKind.ALL_GATHER, p.axis_name(g.axis), g.nbytes), 0) >= 1
+        for phase, prog in (("fwd", "forward"), ("bwd", "backward")):
+            order = r[name + ":prefetch"][prog]
+            mine = [g for g in groups if g.phase.value == phase]
+            assert len(order["groups"]) == len(mine), (name, phase)
+            assert all(len(o["issue"]) == len(o["wait"]) == 1 for o in order["groups"].values())
+            for g in mine:
+                for n, a in g.edges:  # the member's own collective is gone from the program
+                    assert "issue" not in order["edges"].get(str((index[n], a)), {}), (name, n, a)
+            kind = str(ActionKind.FORWARD if phase == "fwd" else ActionKind.BACKWARD)
+            assert r[name + ":grouped"][kind] == len(mine)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3-llama"])
+def test_zero3_gather_groups_prefetched_one_layer_ahead(runs, name):
+    """Every gather group but a phase's first is issued before the compute of the node its plan names
+    (``issue_at``: the previous group's first consumer, so it runs while that layer computes) and waited for
+    after it, right before its own first consumer's compute (after every earlier node's); a phase's first
+    group is issued at its first consumer, after the compute before it. The gathers no group runs keep the
+    one-layer-ahead rule of ``prefetch_points``."""
+    from meshpilot.planner.prefetch import active_gathers, prefetch_points
+
+    plans, results = runs
+    p = Plan.from_json(plans[name]).only
+    model, inputs = _llama() if name.endswith("llama") else _model_inputs()
     graph = capture(model, inputs)
+    index = {n.name: i for i, n in enumerate(p.nodes)}
     for phase, prog in (("fwd", "forward"), ("bwd", "backward")):
-        groups = prefetch_groups(p, graph, phase)
-        assert len(groups) >= 4, (phase, [g.layer for g in groups])
+        mine = [g for g in active_gathers(p) if g.phase.value == phase]
+        assert mine and not mine[0].issue_at and all(g.issue_at for g in mine[1:]), (name, phase)
         for r in results:
-            order = r["prefetch"][prog]
-            edges, compute = order["edges"], order["compute"]
-            for prev, nxt in zip(groups, groups[1:]):
-                anchor = compute[str(prev.first)][0]
-                for d, a in nxt.edges:
-                    e = edges[str((d, a))]
-                    assert e["issue"] < anchor < e["wait"], (phase, prev.layer, nxt.layer, d, a, e, anchor)
-                    assert e["wait"] < compute[str(d)][0], (phase, d, a)
-                    assert all(c[1] < e["wait"] for i, c in compute.items() if int(i) < d), (phase, d, a)
-            for d, a in groups[0].edges:  # the first layer's are issued at their consumer
-                assert edges[str((d, a))]["issue"] > max((c[1] for i, c in compute.items() if int(i) < d), default=-1)
-            moved = r["prefetched"][str(ActionKind.FORWARD if phase == "fwd" else ActionKind.BACKWARD)]
-            assert moved == sum(len(g.edges) for g in groups[1:]), (phase, moved)
+            order = r[name + ":prefetch"][prog]
+            compute = {int(i): c for i, c in order["compute"].items()}
+            for k, g in enumerate(mine):
+                issue, wait = order["groups"][str(k)]["issue"][0], order["groups"][str(k)]["wait"][0]
+                first = min(index[n] for n, _ in g.edges)
+                assert wait < compute[first][0], (name, phase, g.layer)
+                assert all(c[1] < wait for i, c in compute.items() if i < first), (name, phase, g.layer)
+                if g.issue_at:
+                    anchor = compute[index[g.issue_at]][0]
+                    assert issue < anchor < wait, (name, phase, g.layer, issue, anchor, wait)
+                else:
+                    assert issue > max((c[1] for i, c in compute.items() if i < first), default=-1)
+            grouped = {(index[n], a) for g in mine for n, a in g.edges}
+            points = {e: at for e, at in prefetch_points(p, graph, phase).items() if e not in grouped}
+            for (d, a), at in points.items():
+                e = order["edges"][str((d, a))]
+                assert e["issue"] < compute[at][0] < e["wait"] < compute[d][0], (name, phase, d, a)
+
+
+def test_a_flat_gather_splits_into_each_shards_own_gather():
+    """``flat_shards`` / ``split_gathered``: 4 ranks' shards of a weight, a bias and a transposed view laid one
+    after the other, the flat buffers concatenated as an all-gather returns them, split back: each equals the
+    shard's own all-gather (the ranks' pieces stacked along dim 0), whatever the shapes."""
+    from meshpilot.runtime.buckets import flat_shards, split_gathered
+
+    n = 4
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(8, 6, generator=g), torch.randn(12, generator=g), torch.randn(6, 8, generator=g).t()]
+    shards = [list(t.chunk(n, dim=0)) for t in full]  # shards[i][r]: rank r's piece of tensor i
+    gathered = torch.cat([flat_shards([s[r] for s in shards]) for r in range(n)])
+    got = split_gathered(gathered, n, [s[0] for s in shards])
+    for want, have in zip(full, got):
+        assert have.shape == want.shape and torch.equal(have, want)

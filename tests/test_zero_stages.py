@@ -114,7 +114,11 @@ def test_the_simulator_gathers_stage_2_weights_once_a_step(plans):
         r = Plan.single(p).simulate()
         comm = [e for e in r.events if e.cat == "comm"]
         assert len(comm) == sum(p.collective_counts().values()), z  # a gather: collective once, not per microbatch
-    assert Plan.single(plans["2"]).simulate().step_s < Plan.single(plans["3"]).simulate().step_s
+    # against stage 3 with one gather per use (its gather groups, ``StagePlan.param_gathers``, pay one latency a
+    # layer, while stage 2's once-a-step gathers are still one collective a parameter: grouped, stage 3 is the
+    # faster here)
+    per_use = dataclasses.replace(plans["3"], param_gathers=())
+    assert Plan.single(plans["2"]).simulate().step_s < Plan.single(per_use).simulate().step_s
 
 
 def test_auto_picks_stage_2_with_memory_enough(plans):
@@ -216,7 +220,7 @@ def _worker(jobs: dict, directory: str) -> dict:
         res = lockstep_adamw(ref, pm, inputs, STEPS, lr=LR)
         planned = p.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]
-        res["gathers"] = [sum(n for (k, _, _), n in c.items() if k == "all_gather") for c in res["counts"]]
+        res["gathers"] = [sum(n * b for (k, _, b), n in c.items() if k == "all_gather") for c in res["counts"]]
         out[name] = res
     return out
 
@@ -239,6 +243,7 @@ def test_stage_2_3_and_auto_train_equal_to_one_device_on_4_ranks(plans, tmp_path
                 got["counts"][0],
                 plans[name].collective_counts(backend="gloo"),
             )
-    # the same all-gathers every step; stage 2 issues fewer than stage 3
+    # the same all-gathers every step; stage 2 gathers fewer bytes than stage 3 (stage 3 groups its gathers, one
+    # collective a layer, so it may issue fewer collectives)
     g2, g3 = per_rank[0]["2"]["gathers"], per_rank[0]["3"]["gathers"]
     assert len(set(g2)) == 1 and len(set(g3)) == 1 and g2[0] < g3[0], (g2, g3)

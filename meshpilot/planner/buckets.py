@@ -424,16 +424,22 @@ def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, micr
 
 def with_buckets(plan: Any, graph: OpGraph, cost: Any, size: int | None = None) -> Any:
     """`plan` (a ``StagePlan`` of `graph`) with its gradient buckets (:func:`plan_buckets` on the cost model
-    `cost`) and their overlap priced into its time (``StepTime.hidden_s``)."""
-    return _priced(plan, plan_buckets(graph, plan, cost, size), cost)
+    `cost`) and their overlap priced into its time (``StepTime.hidden_s``), and its sharded parameters' gather
+    groups (``planner.prefetch.plan_gathers``: the other flat collectives of the step)."""
+    from meshpilot.planner.prefetch import plan_gathers
+
+    priced = _priced(plan, plan_buckets(graph, plan, cost, size), cost)
+    return dataclasses.replace(priced, param_gathers=plan_gathers(priced, graph, cost))
 
 
 def repriced_buckets(plan: Any, cost: Any) -> Any:
-    """`plan`'s buckets (the same gradients) priced on the cost model `cost` (``accounting.reprice``)."""
+    """`plan`'s buckets (the same gradients) and gather groups priced on the cost model `cost`
+    (``accounting.reprice``)."""
     buckets = tuple(
         dataclasses.replace(b, seconds=bucket_fn(cost, b.kind)(b.nbytes, b.axis)) for b in plan.grad_buckets
     )
-    return _priced(plan, buckets, cost)
+    gathers = tuple(dataclasses.replace(g, seconds=cost.all_gather(g.nbytes, g.axis)) for g in plan.param_gathers)
+    return dataclasses.replace(_priced(plan, buckets, cost), param_gathers=gathers)
 
 
 def _priced(plan: Any, buckets: tuple[GradBucket, ...], cost: Any) -> Any:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.errors import UserError
 from meshpilot.planner.buckets import GradBucket
+from meshpilot.planner.prefetch import GatherGroup, active_gathers, grouped_edges
 from meshpilot.planner.schedule import DUPLEX, ActionKind, PipelineKind, Schedule, pipeline, trivial
 from meshpilot.sharding.placements import Placements, from_json
 from meshpilot.sharding.reshard import CollectiveKind, as_issued
@@ -332,6 +333,10 @@ class StagePlan:
     grad_buckets: tuple[GradBucket, ...] = ()
     """Gradients synchronised together, each bucket one collective issued during the backward as soon as its
     last gradient exists (``planner.buckets``); empty in older plans: one collective per gradient after it."""
+    param_gathers: tuple[GatherGroup, ...] = ()
+    """Sharded parameters' gathers run one flat all-gather a layer, issued one layer ahead
+    (``planner.prefetch``); empty in older plans and where the schedule does not run them: one all-gather per
+    edge."""
     recompute: RecomputeChoice | None = None
     """The blocks whose forward the backward runs again (their nodes' copies are in :attr:`nodes`, named
     ``<node>_recomputed``); None: none (and in older plans)."""
@@ -405,8 +410,14 @@ class StagePlan:
         bucketed = {f"grad:{p}" for b in self.grad_buckets for p in b.params}
         for b in self.grad_buckets if phase in (None, "bwd") else ():
             out[(b.kind, self.axis_name(b.axis), b.nbytes)] += 1
+        for g in active_gathers(self):
+            if phase in (None, g.phase.value):
+                out[(CollectiveKind.ALL_GATHER, self.axis_name(g.axis), g.nbytes)] += per_step
+        grouped = grouped_edges(self)
         for c in self.collectives:
             if (phase is not None and c.phase != phase) or c.dst in bucketed:
+                continue
+            if (c.phase, c.dst, c.operand) in grouped:
                 continue
             times = 1 if c.dst.startswith(ONCE_A_STEP) else per_step
             on_gloo = backend == "gloo" and not c.issued_by_op
@@ -454,6 +465,13 @@ class StagePlan:
                 f"  buckets      {sum(len(b.params) for b in self.grad_buckets)} gradients in "
                 f"{len(self.grad_buckets)} buckets ({_bytes(size)}), issued during the backward: "
                 f"{t.hidden_s * ms:.3f} ms hidden, step {t.overlapped_s * ms:.3f} ms"
+            )
+        gathers = active_gathers(self)
+        if gathers:
+            edges = sum(len(g.edges) for g in gathers)
+            lines.append(
+                f"  ZeRO-3 gathers: {len(gathers)} groups ({edges} parameter gathers, "
+                f"{_bytes(sum(g.nbytes for g in gathers))}), one flat all-gather each, prefetched one layer ahead"
             )
         if self.recompute is not None:
             lines.append("  recompute    " + self.recompute_line())
@@ -607,6 +625,7 @@ class StagePlan:
                 GradBucket(tuple(b["params"]), CollectiveKind(b["kind"]), b["axis"], b["nbytes"], b.get("seconds", 0.0))
                 for b in d.get("grad_buckets", ())
             ),
+            param_gathers=tuple(GatherGroup.from_dict(g) for g in d.get("param_gathers", ())),
             recompute=_recompute_of(d.get("recompute")),
         )
 

@@ -1,4 +1,5 @@
-"""A plan's gradient buckets run: each bucket's gradients flattened into one buffer, one collective, split back.
+"""A plan's flat collectives run: each gradient bucket's gradients (and each gather group's parameter shards)
+flattened into one buffer, one collective, split back.
 
 ``meshpilot.planner.buckets`` decides the buckets (``StagePlan.grad_buckets``); here
 :class:`BucketSync` issues them on local tensors (the gradients as the backward leaves them: partial sums over
@@ -14,6 +15,12 @@ later ``wait_tensor``, and gives back each gradient in its parameter's layout:
 :meth:`BucketSync.issue` runs under the tag ``(ISSUE, k)`` and :meth:`BucketSync.finish` under ``(WAIT, k)``
 (``runtime.record.tagged``), so in a recorded backward the issue of bucket ``k`` can be moved to right after
 its last gradient (:func:`meshpilot.runtime.overlap.issue_when_ready`) while its wait stays at the end.
+
+The reverse for ZeRO-3's parameter gathers (``StagePlan.param_gathers``): :func:`flat_shards` lays a group's
+local shards one after the other, one all-gather makes row ``r`` of the result rank ``r``'s buffer, and
+:func:`split_gathered` cuts each parameter's columns out of every row into what its own all-gather would have
+returned (the rank pieces stacked along dim 0). ``runtime.overlap.group_gathers`` puts them in a recorded
+program, tagged ``(GATHER, k)`` and ``(GATHER_WAIT, k)``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from meshpilot.sharding.reshard import CollectiveKind
 
 ISSUE, WAIT = "bucket", "bucket-wait"
 """Tags (first element) of a bucket's issuing ops and of its waiting ops in a recorded program."""
+GATHER, GATHER_WAIT = "gather", "gather-wait"
+"""Tags (first element) of a gather group's issuing ops and of its waiting and splitting ops."""
 
 _funcol = torch.ops._c10d_functional
 
@@ -112,4 +121,17 @@ class BucketSync:
         return out
 
 
-__all__ = ["ISSUE", "WAIT", "BucketSync"]
+def flat_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    """A gather group's local shards as one flat buffer, one after the other (module docstring)."""
+    return torch.cat([s.reshape(-1) for s in shards])
+
+
+def split_gathered(out: torch.Tensor, n: int, shards: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The flat all-gather `out` of :func:`flat_shards`'s buffers on `n` ranks as each shard's own all-gather
+    would return it: ``[n * d0, *rest]`` for a ``[d0, *rest]`` shard, rank ``r``'s piece at rows ``r * d0``."""
+    rows = out.view(n, -1)  # [n, sum of the shards' numel]: row r is rank r's buffer
+    parts = rows.split([s.numel() for s in shards], dim=1)
+    return tuple(p.reshape(n * s.shape[0], *s.shape[1:]) if s.dim() else p.reshape(n) for p, s in zip(parts, shards))
+
+
+__all__ = ["GATHER", "GATHER_WAIT", "ISSUE", "WAIT", "BucketSync", "flat_shards", "split_gathered"]

@@ -58,6 +58,7 @@ __all__ = [
     "phase_scope",
     "record",
     "record_collectives",
+    "unrecorded",
 ]
 
 UNKNOWN_AXIS = "unknown"
@@ -149,6 +150,18 @@ class CollectiveLog:
 _lock = threading.Lock()
 _active: list[CollectiveLog] = []
 _forced_phase: list[Phase] = []
+_paused = [0]
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Collectives issued inside the block are not recorded: a recorded program's trial run that the step
+    runs again as the program (``runtime.program``: a program whose gathers a pass regrouped)."""
+    _paused[0] += 1
+    try:
+        yield
+    finally:
+        _paused[0] -= 1
 
 
 def current_phase() -> Phase:
@@ -175,7 +188,7 @@ def record(
     kind: CollectiveKind | str, axis: str, group_size: int, nbytes: int, phase: Phase | str | None = None
 ) -> None:
     """Report one collective to every open recorder (a cheap no-op when none is open)."""
-    if not _active:
+    if not _active or _paused[0]:
         return
     entry = CollectiveRecord(
         CollectiveKind(kind), axis, int(group_size), int(nbytes), Phase(phase) if phase else current_phase()

@@ -14,6 +14,8 @@ A collective is left in place when an input of what would move is not yet comput
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -169,6 +171,107 @@ def prefetch(gm: torch.fx.GraphModule, points: dict[tuple[int, int], int]) -> in
     gm.graph.lint()
     gm.recompile()
     return moved
+
+
+@dataclass
+class _Member:
+    """One edge's all-gather in a recorded program: the ops preparing its input and the collective, the views
+    funcol applies to the result in flight, and the wait."""
+
+    chain: list[torch.fx.Node]
+    coll: torch.fx.Node
+    views: list[torch.fx.Node]
+    wait: torch.fx.Node
+
+
+def group_gathers(gm: torch.fx.GraphModule, groups: list[tuple[list[tuple[int, int]], int | None]]) -> int:
+    """Run each gather group (``planner.prefetch.GatherGroup``: its edges ``(consumer, operand)`` and the node
+    before whose compute it is issued, None: at its first consumer) as one flat all-gather: every member's
+    collective (with its preparation and the views of a parameter it reads) moved before that point, their
+    inputs flattened into one buffer (``runtime.buckets.flat_shards``) and gathered once right after the last
+    of them, waited for where the first member's wait was and split into what each member's collective
+    returned (``split_gathered``; the views funcol applies before a wait then apply to that); the members' own
+    collectives and waits are gone. Group ``k``'s ops are tagged
+    ``(GATHER, k)`` / ``(GATHER_WAIT, k)``. Returns how many groups run so; raises when a member cannot be
+    moved there (the plan's collective count would no longer be the program's)."""
+    from meshpilot.runtime.buckets import GATHER, GATHER_WAIT, flat_shards, split_gathered
+
+    for k, (edges, at) in enumerate(groups):
+        members = _gather_members(gm, edges)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first_wait = min((m.wait for m in members), key=order.get)
+        target = first_wait
+        if at is not None:
+            anchor = next((n for n in gm.graph.nodes if n.meta.get("meshpilot_tag") == (at, -1)), first_wait)
+            target = min(anchor, first_wait, key=order.get)
+        for m in members:
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            if order[m.coll] < order[target]:
+                continue  # issued before the point already
+            views = _late_views(m.chain, order, order[target])
+            if views is None:
+                raise RuntimeError(f"meshpilot internal error: gather group {k}'s {m.coll} cannot be issued early")
+            for n in sorted(views, key=order.get) + m.chain:
+                target.prepend(n)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        colls = [m.coll for m in members]
+        size, name = colls[0].args[1], colls[0].args[2]
+        if any(c.target != colls[0].target or c.args[1:] != (size, name) for c in colls):
+            raise RuntimeError(f"meshpilot internal error: gather group {k} mixes collectives: {colls}")
+        shards = [c.args[0] for c in colls]
+        with gm.graph.inserting_after(max(colls, key=order.get)):
+            flat = gm.graph.call_function(flat_shards, (shards,))
+        with gm.graph.inserting_after(flat):
+            issued = gm.graph.call_function(colls[0].target, (flat, size, name))
+        with gm.graph.inserting_before(first_wait):
+            done = gm.graph.call_function(members[0].wait.target, (issued,))
+            parts = gm.graph.call_function(split_gathered, (done, size, shards))
+            pieces = [gm.graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
+        flat.meta["meshpilot_tag"] = issued.meta["meshpilot_tag"] = (GATHER, k)
+        for n in (done, parts, *pieces):
+            n.meta["meshpilot_tag"] = (GATHER_WAIT, k)
+        for m, piece in zip(members, pieces):
+            for v in m.views:  # now of the gathered piece, after the split
+                m.wait.prepend(v)
+            m.coll.replace_all_uses_with(piece)
+            m.wait.replace_all_uses_with(m.wait.args[0])
+            gm.graph.erase_node(m.wait)
+            gm.graph.erase_node(m.coll)
+    gm.graph.lint()
+    gm.recompile()
+    return len(groups)
+
+
+def _gather_members(gm: torch.fx.GraphModule, edges: list[tuple[int, int]]) -> list[_Member]:
+    """Each edge's all-gather in the program (``group_gathers``)."""
+    tagged_ops: dict[tuple[int, int], list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        tag = n.meta.get("meshpilot_tag")
+        if tag in edges:
+            tagged_ops.setdefault(tag, []).append(n)
+    out = []
+    for e in edges:
+        ops = tagged_ops.get(e, [])
+        colls = [n for n in ops if is_collective(n)]
+        views: list[torch.fx.Node] = []
+        x = colls[0] if len(colls) == 1 else None
+        while x is not None and len(x.users) == 1 and _is_view(next(iter(x.users))):
+            x = next(iter(x.users))  # a view of the collective in flight (funcol applies it before the wait)
+            views.append(x)
+        wait = next(iter(x.users)) if x is not None and len(x.users) == 1 else None
+        if wait is None or "wait_tensor" not in str(wait.target):
+            found = [str(n.target) for n in ops]
+            raise RuntimeError(f"meshpilot internal error: operand {e} is not resharded by one all-gather: {found}")
+        out.append(_Member(preparation(colls[0], set(ops)), colls[0], views, wait))
+    return out
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    """An op whose result aliases its input (a slice, a view): no collective, nothing written."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None or schema.is_mutable or is_collective(n):
+        return False
+    return any(a.alias_info is not None for a in schema.returns)
 
 
 def _late_views(chain: list[torch.fx.Node], order: dict, at: int) -> list[torch.fx.Node] | None:

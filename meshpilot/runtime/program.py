@@ -31,8 +31,9 @@ One class, :class:`StageProgram`, holds the programs of every stage of every pla
 
 Under the plain schedules (one microbatch or accumulation) the forward and backward programs issue each
 layer's sharded-parameter gathers (ZeRO-3) while the layer before it computes, waited for right before use
-(``planner.prefetch``: the rule, ``runtime.overlap.prefetch``: the reordering). With the plan's schedule
-given (``overlapped``), the forward and backward programs are reordered so
+(``planner.prefetch``: the rule, ``runtime.overlap.prefetch``: the reordering), each layer's as one flat
+all-gather where the plan groups them (``StagePlan.param_gathers``, ``runtime.overlap.group_gathers``).
+With the plan's schedule given (``overlapped``), the forward and backward programs are reordered so
 early-issued collectives overlap compute (``runtime.overlap``); under ``duplex`` two microbatches' programs
 are interleaved into one (``forward_pair`` / ``backward_pair``, ``runtime.duplex``).
 
@@ -44,6 +45,7 @@ instead (for debugging the runtime: the same ops, without the recording).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -56,13 +58,14 @@ from meshpilot import compat
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase, dtype_from_name
 from meshpilot.planner.buckets import backward_issues_buckets
-from meshpilot.planner.prefetch import PREFETCHED, prefetch_points
+from meshpilot.planner.prefetch import PREFETCHED, active_gathers, prefetch_points
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync
+from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import issue_early, issue_points, issue_when_ready, prefetch
+from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
 from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
@@ -135,8 +138,9 @@ class StageProgram:
         self.issued_early: dict[ActionKind, int] = {}
         """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
         self.prefetched: dict[ActionKind, int] = {}
-        """Parameter gathers each phase's program issues one layer ahead (``planner.prefetch``)."""
-        """Collectives each phase's program issues ahead of their consumer (the schedule's ``+c`` actions)."""
+        """Parameter gathers each phase's program issues one layer ahead on their own (``planner.prefetch``)."""
+        self.gather_groups: dict[ActionKind, int] = {}
+        """Gather groups each phase's program runs as one flat all-gather (``StagePlan.param_gathers``)."""
         self.buckets = BucketSync(interp.plan, g, interp.mesh, trainable)
         """The plan's gradient buckets of this stage (``runtime.buckets``)."""
         self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
@@ -178,7 +182,10 @@ class StageProgram:
         boxed = name == "backward" and not self.compile
         if fn is not None:
             return fn(args) if boxed else fn(*args)
-        gm, result = record(lambda *flat: body(flat), *args)
+        regroup = kind is not None and self._groups_of(kind)
+        rng = torch.random.get_rng_state()
+        with unrecorded() if regroup else contextlib.nullcontext():
+            gm, result = record(lambda *flat: body(flat), *args)
         setattr(self, f"{name}_gm", gm)
         if kind is not None:
             self._issue_early(gm, kind)
@@ -187,8 +194,19 @@ class StageProgram:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
         if boxed:
             _boxed(gm)
-        setattr(self, f"_{name}_fn", _maybe_compile(gm, self.compile))
+        fn = _maybe_compile(gm, self.compile)
+        setattr(self, f"_{name}_fn", fn)
+        if regroup:  # the recording gathered per edge: this step runs the grouped program, as the plan counts
+            torch.random.set_rng_state(rng)
+            return fn(list(args)) if boxed else fn(*args)
         return result
+
+    def _groups_of(self, kind: ActionKind) -> bool:
+        """Whether `kind`'s program runs gather groups (``_prefetch``)."""
+        if self.schedule is None or self.schedule.name not in PREFETCHED or kind not in (FWD, BWD):
+            return False
+        phase = "fwd" if kind == FWD else "bwd"
+        return any(g.phase.value == phase for g in active_gathers(self.interp.plan))
 
     def _issue_early(self, gm: torch.fx.GraphModule, kind: ActionKind) -> None:
         """Reorder a phase's program so the schedule's early-issued collectives overlap compute."""
@@ -206,9 +224,18 @@ class StageProgram:
         simulation does not price a prefetch)."""
         if self.schedule is None or self.schedule.name not in PREFETCHED:
             return
+        plan = self.interp.plan
         phase = "fwd" if kind == FWD else "bwd"
-        points = prefetch_points(self.interp.plan, self.graph, phase)
+        index = {n.name: i for i, n in enumerate(plan.nodes)}
+        groups = [
+            ([(index[n], a) for n, a in g.edges], index[g.issue_at] if g.issue_at else None)
+            for g in active_gathers(plan)
+            if g.phase.value == phase
+        ]
+        grouped = {e for edges, _ in groups for e in edges}
+        points = {e: at for e, at in prefetch_points(plan, self.graph, phase).items() if e not in grouped}
         self.prefetched[kind] = prefetch(gm, points)
+        self.gather_groups[kind] = group_gathers(gm, groups)
 
     # ------------------------------------------------------------------ values crossing stages
     def _received(self, t, local: torch.Tensor) -> DTensor:

@@ -27,6 +27,10 @@ followed by the optimizer's update (a compute op of ``plan.time.optimizer_s``).
 right after the node that produces its last gradient (the ``src`` of that gradient's ``grad:`` collective) and
 waits for every bucket at its end, so they run beside the rest of the backward; otherwise ``G`` issues all of
 them, then waits for them, before the other gradients' collectives (:meth:`_Lowering._buckets`).
+*Gather groups* (``StagePlan.param_gathers``, ``meshpilot.planner.prefetch``, under the schedules that run them:
+``prefetch.active_gathers``) replace their edges' all-gathers by one all-gather of the group's bytes, issued
+before the compute of its ``issue_at`` node (or at its first consumer) and waited for before its first
+consumer (:meth:`_Lowering._groups`).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.
 

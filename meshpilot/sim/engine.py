@@ -19,6 +19,7 @@ from meshpilot.errors import UserError
 from meshpilot.io import atomic_path, atomic_write
 from meshpilot.ops import leading_collectives
 from meshpilot.planner.buckets import GradBucket, backward_issues_buckets, collective_parts, grad_producers
+from meshpilot.planner.prefetch import active_gathers, grouped_edges
 from meshpilot.planner.schedule import Action, ActionKind, RankClass, Schedule
 
 # program ops (tuples, for speed): (_COMPUTE, seconds, label) | (_ISSUE, key, label, axis) | (_WAIT, key, label)
@@ -29,6 +30,13 @@ _COMPUTE, _ISSUE, _WAIT, _SEND, _RECV = range(5)
 @dataclass(frozen=True)
 class _Bucket:
     """Gradient bucket `k` of the plan (``StagePlan.grad_buckets``) where a key names a collective."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """Gather group `k` of the plan (``StagePlan.param_gathers``) where a key names a collective."""
 
     k: int
 
@@ -294,9 +302,10 @@ class _Lowering:
         own: dict[int, int] = {}
         self.buckets: tuple[GradBucket, ...] = tuple(getattr(plan, "grad_buckets", ()))
         bucketed = {f"grad:{p}" for b in self.buckets for p in b.params}
+        grouped = grouped_edges(plan)
         for c, col in enumerate(plan.collectives):
-            if col.dst in bucketed:
-                continue  # synchronised by its bucket
+            if col.dst in bucketed or (col.phase, col.dst, col.operand) in grouped:
+                continue  # synchronised by its bucket, gathered by its group
             if col.dst.startswith("grad:"):
                 self.grads.append(c)
             elif col.dst.startswith("gather:"):
@@ -314,6 +323,16 @@ class _Lowering:
         self.last = {False: fwd_ops[-1] if fwd_ops else -1, True: bwd_ops[-1] if bwd_ops else -1}
         self.in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
         """The backward issues each bucket after its last gradient and waits at its end (else ``G`` does)."""
+        self.gather_groups = active_gathers(plan)
+        self.group_issue: dict[int, list[int]] = {}
+        """Node index -> gather groups issued before its compute, one layer ahead (``GatherGroup.issue_at``)."""
+        self.group_wait: dict[int, list[int]] = {}
+        """Node index -> gather groups its compute waits for (their first consumer)."""
+        for k, g in enumerate(self.gather_groups):
+            first = min(self.index[n] for n, _ in g.edges)
+            self.group_wait.setdefault(first, []).append(k)
+            if g.issue_at:
+                self.group_issue.setdefault(self.index[g.issue_at], []).append(k)
         self.bucket_at: dict[int, list[int]] = {}
         if self.in_backward:
             producer = grad_producers(plan)
@@ -322,11 +341,11 @@ class _Lowering:
                 at = i if i >= 0 and self.bwd[i] else (bwd_ops[0] if bwd_ops else -1)
                 self.bucket_at.setdefault(at, []).append(k)
 
-    def duration(self, c: int | _Bucket) -> tuple[float, float, float]:
+    def duration(self, c: int | _Bucket | _Gather) -> tuple[float, float, float]:
         """(latency L, bandwidth part W, busy factor f) of collective `c` (or gradient bucket) from the cost
         model (package docstring, *Durations* and *Contention*)."""
-        if isinstance(c, _Bucket):
-            b = self.buckets[c.k]
+        if isinstance(c, (_Bucket, _Gather)):
+            b = self.buckets[c.k] if isinstance(c, _Bucket) else self.gather_groups[c.k]
             kind, axis, nbytes, by_op, seconds = b.kind, b.axis, b.nbytes, False, b.seconds
         else:
             col = self.plan.collectives[c]
@@ -408,6 +427,17 @@ class _Lowering:
             else:
                 ops.append((_WAIT, (_Bucket(k), m), f"wait {label}"))
 
+    def _groups(self, ks: Iterable[int], m: int, ops: list[tuple], wait: bool) -> None:
+        """Issue (not `wait`) the gather groups `ks` of microbatch `m`, or wait for them, issuing first those
+        issued at their own first consumer (``GatherGroup.issue_at`` empty)."""
+        for k in ks:
+            g = self.gather_groups[k]
+            label = f"gather group {k}: {g.layer} ({len(g.edges)} gathers)@{self.plan.axis_name(g.axis)}"
+            if not wait or not g.issue_at:
+                ops.append((_ISSUE, (_Gather(k), m), label, g.axis))
+            if wait:
+                ops.append((_WAIT, (_Gather(k), m), f"wait {label}"))
+
     def _blocking(self, c: int, m: int, ops: list[tuple]) -> None:
         label = self._label(c, m)
         ops.append((_ISSUE, (c, m), label, self.plan.collectives[c].axis))
@@ -443,11 +473,15 @@ class _Lowering:
         for i in range(lo, min(hi, len(self.seconds))):
             if self.bwd[i] != bwd:
                 continue
-            colls(self.pre.get(i, ()))
-            if i in self.prefetch_at:  # the next layer's gathers, issued before this node computes
+            if i in self.group_wait:
                 flush(i)
-                for c in self.prefetch_at[i]:
+                self._groups(self.group_wait[i], m, ops, wait=True)
+            colls(self.pre.get(i, ()))
+            if i in self.prefetch_at or i in self.group_issue:  # the next layer's gathers, issued before it computes
+                flush(i)
+                for c in self.prefetch_at.get(i, ()):
                     ops.append((_ISSUE, (c, m), self._label(c, m), self.plan.collectives[c].axis))
+                self._groups(self.group_issue.get(i, ()), m, ops, wait=False)
             if start is None:
                 start = i
             run += self.seconds[i]
