@@ -183,7 +183,7 @@ class StageProgram:
         if fn is not None:
             return fn(args) if boxed else fn(*args)
         regroup = kind is not None and self._groups_of(kind)
-        rng = torch.random.get_rng_state()
+        rng = _rng_states()
         with unrecorded() if regroup else contextlib.nullcontext():
             gm, result = record(lambda *flat: body(flat), *args)
         setattr(self, f"{name}_gm", gm)
@@ -197,7 +197,7 @@ class StageProgram:
         fn = _maybe_compile(gm, self.compile)
         setattr(self, f"_{name}_fn", fn)
         if regroup:  # the recording gathered per edge: this step runs the grouped program, as the plan counts
-            torch.random.set_rng_state(rng)
+            _set_rng_states(rng)  # the same dropout masks as the recording drew (CPU and every GPU)
             return fn(list(args)) if boxed else fn(*args)
         return result
 
@@ -531,6 +531,20 @@ def _boxed(gm: torch.fx.GraphModule) -> None:
 
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
+
+
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU generator's state and, where CUDA is in use, every GPU's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    """Put back what :func:`_rng_states` read."""
+    cpu, cuda = states
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _maybe_compile(gm: torch.fx.GraphModule, compile: bool | str):
