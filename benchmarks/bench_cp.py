@@ -24,7 +24,7 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_recompute import gloo_peak, measured_line, step_peaks  # noqa: E402
+from bench_recompute import measure_saved  # noqa: E402
 
 CLUSTER = "alpa-p3x8"
 MESH = (4, 1)
@@ -84,20 +84,10 @@ def run_plan(out: Path) -> None:
 
 
 def run_measure(path: Path, keys: list[str]) -> None:
-    import torch.distributed as dist
+    def label(k: str, p: StagePlan) -> str:
+        return f"{k}: mesh {p.mesh_shape}, sequence-parallel {sequence_axes(p.nodes, p.mesh_axes) or 'no'}"
 
-    dist.init_process_group("gloo")
-    for k, text in json.loads(path.read_text()).items():
-        if keys and k not in keys:
-            continue
-        p = StagePlan.from_json(text)
-        model, inputs = _model(int(k.split("/")[0]), "cpu")
-        peaks = step_peaks(model, inputs, p)
-        if dist.get_rank() == 0:
-            cp = sequence_axes(p.nodes, p.mesh_axes) or "no"
-            line = measured_line(p, peaks, gloo_peak(model, inputs, p))
-            print(f"{k}: mesh {p.mesh_shape}, sequence-parallel {cp}: {line}", flush=True)
-    dist.destroy_process_group()
+    measure_saved(path, lambda k: _model(int(k.split("/")[0]), "cpu"), label, keys)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cp import LLAMA  # noqa: E402
 from bench_cp import _model as llama  # noqa: E402
-from bench_recompute import gloo_peak, measured_line, step_peaks  # noqa: E402
+from bench_recompute import measure_saved  # noqa: E402
 
 from meshpilot.io import fmt_size  # noqa: E402
 from meshpilot.ops.attention import sequence_axes  # noqa: E402
@@ -128,16 +128,7 @@ def run_plan(out: Path) -> None:
 
 
 def run_measure(path: Path) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    for k, text in json.loads(path.read_text()).items():
-        p = StagePlan.from_json(text)
-        model, inputs = llama(SEQ, "cpu")
-        peaks = step_peaks(model, inputs, p)
-        if dist.get_rank() == 0:
-            print(f"cap {k}: {_stage_levers(p)}: {measured_line(p, peaks, gloo_peak(model, inputs, p))}", flush=True)
-    dist.destroy_process_group()
+    measure_saved(path, lambda _: llama(SEQ, "cpu"), lambda k, p: f"cap {k}: {_stage_levers(p)}")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -139,18 +140,34 @@ def measured_line(p: StagePlan, peaks: list[int], gloo: float | None = None) -> 
     return line
 
 
-def run_measure(path: Path) -> None:
+def measure_saved(
+    path: Path,
+    build: Callable[[str], tuple[torch.nn.Module, tuple]],
+    label: Callable[[str, StagePlan], str],
+    keys: Collection[str] = (),
+    gloo: bool = True,
+) -> None:
+    """Under ``torchrun``: every plan saved in `path` (a JSON object, key → plan), or those in `keys`, run on this
+    gloo group with the model `build(key)` gives on the CPU; rank 0 prints `label(key, plan)` and the
+    :func:`measured_line` (with the :func:`gloo_peak` prediction when `gloo`). The measure step of every
+    memory benchmark here."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     for k, text in json.loads(path.read_text()).items():
+        if keys and k not in keys:
+            continue
         p = StagePlan.from_json(text)
-        model, inputs = _model("cpu")
+        model, inputs = build(k)
         peaks = step_peaks(model, inputs, p)
         if dist.get_rank() == 0:
-            gloo = gloo_peak(model, inputs, p)
-            print(f"{k} blocks recomputed, mesh {p.mesh_shape}: {measured_line(p, peaks, gloo)}", flush=True)
+            issued = gloo_peak(model, inputs, p) if gloo else None
+            print(f"{label(k, p)}: {measured_line(p, peaks, issued)}", flush=True)
     dist.destroy_process_group()
+
+
+def run_measure(path: Path) -> None:
+    measure_saved(path, lambda _: _model("cpu"), lambda k, p: f"{k} blocks recomputed, mesh {p.mesh_shape}")
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_recompute import measured_line, step_peaks  # noqa: E402 - the same measurement of a plan's step
+from bench_recompute import measure_saved  # noqa: E402 - the same measurement of a plan's step
 
 from meshpilot.graph.capture import capture  # noqa: E402
 from meshpilot.io import fmt_size  # noqa: E402
@@ -104,15 +104,7 @@ def run_plan(out: Path, microbatches: int) -> None:
 
 
 def run_measure(path: Path) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    for k, text in json.loads(path.read_text()).items():
-        p = StagePlan.from_json(text)
-        peaks = step_peaks(*_model("cpu"), p)
-        if dist.get_rank() == 0:
-            print(f"{k}: {measured_line(p, peaks)}", flush=True)
-    dist.destroy_process_group()
+    measure_saved(path, lambda _: _model("cpu"), lambda k, _: k, gloo=False)
 
 
 def main() -> None:
