@@ -175,14 +175,20 @@ def test_group_bound_counts_chunk_microbatches_in_flight_at_once():
 
 
 def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():
-    """``held_one_chunk`` reads every stage's in-flight count off one p-stage schedule; ``pipeline`` counted each
-    stage on a schedule of its own (p schedules, 17 s at p = 256 in the search's ranking): the same counts."""
-    from meshpilot.planner.config_plan import held_one_chunk
-    from meshpilot.planner.pipeline import _held_per_stage
+    """``held_one_chunk`` reads every stage's in-flight count off one p-stage schedule (one schedule per stage
+    took 17 s at p = 256 in the search's ranking): the counts each schedule gives its stages — GPipe all B,
+    1F1B min(B, p - j), ZB-H1 min(B, p) at every stage — and what ``stage_in_flight`` answers per stage."""
+    from meshpilot.planner.pipeline import held_one_chunk, stage_in_flight
 
-    for kind in (PipelineKind.ONE_F_ONE_B, PipelineKind.ZERO_BUBBLE, PipelineKind.GPIPE):
-        for p, B in ((1, 3), (4, 2), (8, 3), (16, 32)):
-            assert list(held_one_chunk(kind, p, B)) == _held_per_stage(kind, [(g,) for g in range(p)], p, B)
+    for p, B in ((1, 3), (4, 2), (8, 3), (16, 32)):
+        want = {
+            PipelineKind.GPIPE: [B] * p,
+            PipelineKind.ONE_F_ONE_B: [min(B, p - j) for j in range(p)],
+            PipelineKind.ZERO_BUBBLE: [min(B, p)] * p,
+        }
+        for kind, counts in want.items():
+            assert list(held_one_chunk(kind, p, B)) == counts, (kind, p, B)
+            assert [stage_in_flight(kind, p - j, B, p) for j in range(p)] == counts, (kind, p, B)
     assert held_one_chunk(PipelineKind.ONE_F_ONE_B, 4, 8) == (4, 3, 2, 1)
     assert set(held_one_chunk(PipelineKind.ZERO_BUBBLE, 4, 8)) == {4}  # ZB-H1: min(B, p), every stage
 

@@ -67,12 +67,13 @@ from meshpilot.planner.pipeline import (
     Clustering,
     _groups,
     _held_per_stage,
+    held_one_chunk,
     input_grad_share,
     received_bytes,
     stage_transfers,
 )
 from meshpilot.planner.plan import Plan, PlanStage
-from meshpilot.planner.schedule import ActionKind, PipelineKind, held_until_weight, pipeline
+from meshpilot.planner.schedule import ActionKind, PipelineKind, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
 from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
 from meshpilot.planner.zero import ZeroMode
@@ -366,10 +367,7 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
     graph: OpGraph = stack.graph
     layers = list(stack.layers)
     C = stack.received(received_bytes(graph, sp.layers))
-    if kind == PipelineKind.INTERLEAVED_1F1B:
-        held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
-    else:
-        held = list(held_one_chunk(kind, len(bounds), B))
+    held = _held_per_stage(kind, _groups(ranks, kind), len(bounds), B)
     stages = []
     for j, ((a, b), rk, c) in enumerate(zip(bounds, ranks, costs)):
         share = input_grad_share(graph, sp.layers, *stack.graph_range(a, b))
@@ -431,16 +429,6 @@ def _chunk_actions(kind: PipelineKind, p: int, v: int, B: int) -> tuple[tuple[in
         )
         out.append((c.ranks[0], acts))
     return tuple(out)
-
-
-@functools.lru_cache(maxsize=256)
-def held_one_chunk(kind: PipelineKind, p: int, B: int) -> tuple[int, ...]:
-    """Per stage of a `p`-stage pipeline of one chunk a group (1F1B, ZB-H1, GPipe) under `B` microbatches: the
-    most microbatches whose saved values it holds at once (``schedule.held_until_weight``), read off the one
-    `p`-stage schedule. ``pipeline.stage_in_flight`` builds that same schedule again for every stage, p times:
-    at p = 256 that took 17 s of the configuration search's ranking, per candidate."""
-    held = held_until_weight(pipeline([[g] for g in range(p)], B, kind))
-    return tuple(held[(g,)] for g in range(p))
 
 
 def in_flight_peaks(kind: PipelineKind, p: int, v: int, B: int, act: tuple[float, ...]) -> list[float]:

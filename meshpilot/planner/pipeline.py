@@ -429,8 +429,17 @@ def stage_in_flight(kind: PipelineKind, stages_left: int, microbatches: int, sta
     saved values stay until its ``W``, which the later stages delay (``schedule.held_until_weight``) — read
     off the schedule itself."""
     S = stages_left if stages is None else stages
-    sched = pipeline([[r] for r in range(S)], microbatches, kind)
-    return held_until_weight(sched)[(S - stages_left,)]
+    return held_one_chunk(kind, S, microbatches)[S - stages_left]
+
+
+@functools.lru_cache(maxsize=256)
+def held_one_chunk(kind: PipelineKind, stages: int, microbatches: int) -> tuple[int, ...]:
+    """Per stage of a `stages`-stage pipeline of one chunk a rank group under `kind`: the most microbatches
+    whose saved values it holds at once (``schedule.held_until_weight``), read off the one schedule and kept:
+    the stage DP, the plan's stages and the configuration search's ranking ask for every stage of the same
+    pipeline again (one schedule per stage took 17 s at 256 stages, per candidate of that ranking)."""
+    held = held_until_weight(pipeline([[r] for r in range(stages)], microbatches, kind))
+    return tuple(held[(r,)] for r in range(stages))
 
 
 def _fits(cost: StageCost, in_flight: int, capacity: float) -> bool:
@@ -1182,7 +1191,7 @@ def _groups(ranks: Sequence[tuple[int, ...]], kind: PipelineKind) -> list[tuple[
 def _held_per_stage(kind: PipelineKind, groups: Sequence[tuple[int, ...]], stages: int, B: int) -> list[int]:
     """Microbatches whose activations each stage holds at most under `kind` (read off the schedule)."""
     if kind != PipelineKind.INTERLEAVED_1F1B:
-        return [stage_in_flight(kind, stages - j, B, stages) for j in range(stages)]
+        return list(held_one_chunk(kind, stages, B))
     held = stage_in_flight_of(pipeline([[p] for p in range(len(groups))], B, kind, stages // len(groups)))
     return [held[j] for j in range(stages)]
 
