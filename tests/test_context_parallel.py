@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import lockstep_adamw, run_distributed
+from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 
 from meshpilot.graph.capture import capture
 from meshpilot.models.sources import hf_model
@@ -28,10 +29,6 @@ BATCH, SEQ = 1, 512
 CAP = 2.7 * 2**20
 """Bytes per device: under it attention must be sequence-parallel (checked: with every attention's outputs
 pinned replicated no plan fits)."""
-LLAMA = dict(
-    num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=128, use_cache=False,
-)  # fmt: skip
 
 
 def _llama(device: str = "meta"):
