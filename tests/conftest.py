@@ -37,3 +37,67 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     # sorted() is stable: within a file, and among the files not listed, the collection order stays
     items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# ------------------------------------------------------------------------------------------- CPU per test
+# The suite's limit is CPU: two cores, and most of a multi-rank test's work happens in pool ranks and torchrun
+# children that pytest's --durations (wall, one process) cannot see. With MESHPILOT_TEST_CPU=DIR (root, and the
+# cgroup-v1 cpuacct controller mounted, as on this project's machines) each pytest process moves itself into a
+# cpuacct cgroup of its own, which every process it starts afterwards inherits, and appends one line per test to
+# DIR/cpu.<pid>.tsv: node id, CPU seconds of that cgroup over the test's setup, call and teardown (its ranks and
+# children included: a pool started by a test is charged to it), wall seconds.
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+def _cpu_log_dir() -> str | None:
+    import os
+
+    out = os.environ.get("MESHPILOT_TEST_CPU")
+    return out if out and os.access(_CPUACCT, os.W_OK) else None
+
+
+def _cgroup_usage_s(group: str) -> float:
+    with open(f"{group}/cpuacct.usage") as fh:
+        return int(fh.read()) / 1e9
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import atexit
+    import os
+
+    out = _cpu_log_dir()
+    if out is None:
+        return
+    os.makedirs(out, exist_ok=True)
+    group = f"{_CPUACCT}/meshpilot-tests-{os.getpid()}"
+    os.makedirs(group, exist_ok=True)
+    with open(f"{group}/cgroup.procs", "w") as fh:
+        fh.write(str(os.getpid()))
+    session.config._cpu_cgroup = group  # type: ignore[attr-defined]
+    session.config._cpu_log = f"{out}/cpu.{os.getpid()}.tsv"  # type: ignore[attr-defined]
+    atexit.register(_leave_cgroup, group)  # after the test pools' own atexit closes them (atexit runs LIFO)
+
+
+def _leave_cgroup(group: str) -> None:
+    import contextlib
+    import os
+
+    with open(f"{_CPUACCT}/cgroup.procs", "w") as fh:
+        fh.write(str(os.getpid()))
+    with contextlib.suppress(OSError):  # a child outlived the session: the empty group stays until a reboot
+        os.rmdir(group)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    import time
+
+    group = getattr(item.config, "_cpu_cgroup", None)
+    if group is None:
+        yield
+        return
+    c0, w0 = _cgroup_usage_s(group), time.perf_counter()
+    yield
+    with open(item.config._cpu_log, "a") as log:  # type: ignore[attr-defined]
+        log.write(f"{item.nodeid}\t{_cgroup_usage_s(group) - c0:.1f}\t{time.perf_counter() - w0:.1f}\n")
