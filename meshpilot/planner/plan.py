@@ -238,7 +238,8 @@ class RecomputeChoice:
     mode: str
     """``auto`` (chosen because the plan did not fit otherwise) or ``full`` (asked for)."""
     regions: tuple[str, ...]
-    """The recomputed blocks' module paths (``model.layers.3``), in the order they were chosen."""
+    """The recomputed blocks' module paths (``model.layers.3``), in the order they were chosen, then the values
+    gathered again in the backward (``regather:<node>``: sequence parallelism's norm outputs)."""
     reason: str
     memory_before: float
     """Predicted peak bytes per device without recomputation (0 when not planned: ``full``)."""
