@@ -378,7 +378,10 @@ class StagePlan:
             return "none: every activation the backward reads is kept from the forward"
         from meshpilot.io import fmt_size
 
-        shown = ", ".join(r.regions[:4]) + (f" … ({len(r.regions)} blocks)" if len(r.regions) > 4 else "")
+        blocks = [x for x in r.regions if not x.startswith("regather:")]
+        shown = ", ".join(blocks[:4]) + (f" … ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+        if len(blocks) < len(r.regions):  # sequence parallelism's gathers (``planner.recompute``)
+            shown += f"{'; ' if blocks else ''}{len(r.regions) - len(blocks)} gathered values gathered again"
         before = f"{fmt_size(r.memory_before)} → " if r.memory_before else ""
         return (
             f"{shown} ({r.mode}: {r.reason}); memory {before}{fmt_size(r.memory_after)} per device, "
