@@ -41,7 +41,8 @@ The plan
   :func:`recomputed_stack`), so each block keeps only its input from the forward and runs its forward (its TP
   collectives too) a second time; the pre and post layers run as captured.
 
-Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism), ``ep > 1``
+Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism: one-stage
+plans have it, a pipeline of ``(DP, CP, TP)`` stages is not planned), ``ep > 1``
 (expert parallelism; dense models here), ``recompute=selective``, ``zero`` above 0.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
@@ -198,7 +199,8 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         raise UserError(f"--config sp={cfg.sp}: sequence parallelism is on (1) or off (0); give sp=1 or sp=0")
     if cfg.cp > 1:
         raise UserError(
-            f"--config cp={cfg.cp}: context parallelism is not modelled by meshpilot's planner yet; plan cp=1"
+            f"--config cp={cfg.cp}: context parallelism is not offered by --config yet (a pipeline of (DP, CP, TP) "
+            "stages is not planned; docs/frontier.md says what it needs); plan cp=1"
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
