@@ -44,11 +44,13 @@ Megatron-LM's sequence parallelism all-gathers the sequence-sharded norm output 
 in the backward, all-gathers the saved shard again rather than keep the gathered copy. A region named
 ``regather:<node>`` (:data:`REGATHER`) is that one value: the node (the op whose output the plan gathers: its
 strategy reads the shard resharded whole) and the views and casts of it made before the backward begins,
-recomputed as a block's are but copied as ``<node>`` + :data:`REGATHERED`. The copy keeps the original's
-strategy, so its input is gathered again in the backward (a collective the plan counts and prices); the
-backward keeps the copy's inputs (the shard, which the norm's own backward reads anyway) instead of the
-gathered value. Which nodes: ``forced.sequence_gathers`` (the norm outputs ``megatron_tp(...,
-sequence_parallel=True)`` pins whole on TP); ``auto.plan`` and ``config_plan`` re-gather every one of them.
+recomputed as a block's are but copied as ``<node>`` + :data:`REGATHERED`. The copy joins its original's class
+of identical nodes, but the pin is the original's, so the ILP chooses where the copy's shard becomes whole
+again: into the copy, or into its readers (the column linears' weight gradients). Either way it is an
+all-gather in the backward, which the plan counts and prices. The backward keeps the copy's inputs (the shard,
+which the norm's own backward reads anyway) instead of the gathered value. Which nodes:
+``forced.sequence_gathers`` (the norm outputs ``megatron_tp(..., sequence_parallel=True)`` pins whole on TP);
+``auto.plan`` and ``config_plan`` re-gather every one of them.
 A block that is recomputed already re-gathers its own (its copies read the copied norm): a re-gather region
 overlapping a recomputed block is left out (:func:`apply`).
 
