@@ -272,6 +272,30 @@ def show(results: list[Result]) -> None:
         show_own(r)
 
 
+def block_plans(row: Row) -> None:
+    """One block of `row`'s published configuration planned on its first pipeline group's ``(DP, TP)`` mesh, with
+    and without sequence parallelism (``config_plan.stage_setup``, the pins and stack ``plan_config`` uses; SP
+    gathers each norm output again in the backward): one microbatch's compute, resharding (TP), other
+    communication (the DP sync), saved activations, static bytes and live peak, the stage planner's numbers."""
+    from meshpilot.planner.config_plan import stage_ranks, stage_setup
+    from meshpilot.planner.zero import ZeroMode
+
+    cfg = parse_config(row.config)
+    built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
+    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    base = StagePlanner(stack.graph, row.cluster)
+    mesh, ranks = (cfg.dp, cfg.tp), stage_ranks(cfg)[0]
+    for sp in (0, 1):
+        c = parse_config(f"{row.config},sp={sp}")
+        st, planner, force = stage_setup(built.model, built.inputs, stack, base.cluster, c, base, mesh)
+        kw = dict(microbatches=1, zero=ZeroMode.OFF, force=force)
+        cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, ranks, mesh, **kw)
+        t = cost.time
+        print(f"{row.name} block, sp={sp}: compute {t.compute_s * 1e3:.2f} ms, resharding {t.resharding_s * 1e3:.2f} "
+              f"ms, other comm. {t.communication_s * 1e3:.2f} ms, saved {mem.saved / 1e6:,.0f} MB, static "
+              f"{mem.static / 1e9:.2f} GB, live peak {mem.live_peak / 1e9:.2f} GB")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", choices=[r.name for r in ROWS], help="default: every row")
@@ -281,10 +305,16 @@ def main() -> None:
     ap.add_argument("--trace-row", default="llama3-405b-16k", help="the row --trace and --png draw")
     ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
     ap.add_argument("--no-search", action="store_true", help="skip meshpilot's own plan (the configuration search)")
+    ap.add_argument("--blocks", action="store_true", help="only one block of each row, with and without SP")
     args = ap.parse_args()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]
+    if args.blocks:
+        for row in rows:
+            if not row.refused:
+                block_plans(row)
+        return
     results = []
     for row in rows:
         drawn = row.name == args.trace_row

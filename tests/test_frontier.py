@@ -137,9 +137,11 @@ def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share(
 def test_tp_plans_run_sequence_parallel_unless_told_not_to():
     """``sp`` is on by default where TP > 1 (Llama 3, Megatron): the residual adds and the hidden state between
     stages are sequence-sharded over TP and each TP rank sends its share; ``sp=0`` plans plain TP."""
-    from meshpilot.planner.config_plan import plan_config, residual_shapes
+    from meshpilot.planner.config_plan import plan_config, residual_shapes, stage_setup
     from meshpilot.planner.forced import megatron_tp
+    from meshpilot.planner.recompute import REGATHERED
     from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.zero import ZeroMode
 
     text = "tp=2,pp=2,dp=2,microbatches=4"
     on, off = parse_config(text), parse_config(text + ",sp=0")
@@ -157,6 +159,17 @@ def test_tp_plans_run_sequence_parallel_unless_told_not_to():
     assert set(boundary_pins(sp, stack, off, force).values()) == {"S(0)R"}
     plans = {c.sp: plan_config(built.model, built.inputs, stack, sp.cluster, c, planner=sp) for c in (on, off)}
     assert plans[1].plan.send_split == 4 and plans[0].plan.send_split == 2
+    # as Megatron's SP, each norm output is gathered again in the backward: the SP stack holds the copies, and
+    # its block saves less than the same pins with the gathered copies kept; sp=0 plans the captured graph
+    mesh, ranks = (2, 2), (0, 1, 2, 3)
+    again, again_sp, pins = stage_setup(built.model, built.inputs, stack, sp.cluster, on, sp, mesh)
+    assert stage_setup(built.model, built.inputs, stack, sp.cluster, off, sp, mesh)[0] is stack
+    assert again is not stack and again.blocks == stack.blocks
+    assert {n.name for n in again.graph.nodes if n.name.endswith(REGATHERED)}
+    kw = dict(microbatches=1, zero=ZeroMode.OFF, force=pins)
+    _, kept = sp.plan_with_memory(stack.middle, stack.middle + 1, ranks, mesh, **kw)
+    _, regathered = again_sp.plan_with_memory(again.middle, again.middle + 1, ranks, mesh, **kw)
+    assert regathered.saved < kept.saved
 
 
 def test_group_bound_counts_chunk_microbatches_in_flight_at_once():

@@ -5,6 +5,11 @@ the row-parallel partial sums into them (plain TP all-reduces there) and all-gat
 the column linears, and the runtime must run that plan equal to one device: the zoo's tiny GPT and a tiny
 Hugging Face Llama (``use_cache=False``) on 4 gloo ranks, meshes (2, 2) and (1, 4) with TP on the last axis,
 3 AdamW steps, loss and every gradient within 1e-5 and each step's collectives the plan's.
+
+As Megatron's SP, the backward gathers each pinned norm output again from its saved shard rather than keep the
+gathered copy (``planner.recompute``, *Re-gathered values*): the plan's backward holds those all-gathers, its
+accounting saves the shard, and in the same spawn a wider Llama's SP plan (:func:`_wide`) holds within 10 % of
+the peak its ranks measure (``cluster.memtrack.StorageTracker``, as ``benchmarks/bench_recompute.py`` measures).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import pytest
 from dist_utils import lockstep_adamw, run_distributed
 
 TOL = 1e-5
+MEMORY_TOL = 0.10
 STEPS = 3
 WORLD = 4
 MESHES = ((2, 2), (1, 4))
@@ -53,6 +59,8 @@ def _plans(name: str, shape: tuple[int, int]):
     assert len(gathered) == (2 * 2 + 1 if name == "llama" else 0), gathered
     for node, lay in gathered.items():
         assert "".join(p_sp.node(node).outs[0]) == lay
+    regathered = tuple("regather:" + k for k in gathered)  # every gathered norm output gathered again
+    assert (p_sp.recompute.regions if p_sp.recompute is not None else ()) == regathered
     return p_tp, p_sp, {k: v for k, v in pins.items() if k not in gathered}, graph
 
 
@@ -87,9 +95,94 @@ def test_partial_sums_reach_the_residual_adds_reduce_scattered(plans):
         assert not any(c.dst in pins for c in p_tp.collectives)
 
 
-def _lockstep(jobs: list[tuple[str, str]]) -> list[dict]:
+def test_the_backward_gathers_the_norm_outputs_again_and_saves_their_shards(plans):
+    """Each re-gathered norm output: not saved for the backward (its sequence shard is), gathered again there by
+    an all-gather on the TP axis that reads into or out of its backward copy; the plan saves less than the same
+    strategies with the gathered copies kept."""
+    from meshpilot.planner.accounting import phase_peaks, plan_strategies, saved_values, storage_base
+    from meshpilot.planner.recompute import REGATHER, for_plan, gather_region, original
+
+    for (name, shape), (_, p_sp, _, graph) in plans.items():
+        if name != "llama":
+            continue
+        g = for_plan(graph, p_sp)
+        saved = {s for s, _ in saved_values(g)}
+        regathered = 0
+        for region in p_sp.recompute.regions:
+            node = region.removeprefix(REGATHER)
+            chain = set(gather_region(graph, node).recomputed)
+            copies = {n.name for n in g.nodes if original(n.name) in chain and n.name not in chain}
+            assert node not in saved and copies, (name, shape, node)
+            shard = {storage_base(graph, s, i)[0] for s, i in graph[node].inputs if graph[s].kind != "param"}
+            assert shard and shard <= saved, (name, shape, node)  # the normalised value, sequence-sharded
+            tp_gathers = [c for c in p_sp.collectives if c.kind == "all_gather" and c.axis == TP_AXIS]
+            forward = [c for c in tp_gathers if c.phase == "fwd" and c.dst in chain]
+            again = [c for c in tp_gathers if c.phase == "bwd" and {c.src, c.dst} & copies]
+            # gathered in the forward (not the first block's norm, whose input the vocabulary-parallel lookup
+            # leaves whole on TP at DP 1): gathered again in the backward
+            assert len(again) >= len(forward), (name, shape, node)
+            regathered += len(again)
+        assert regathered >= 2 * 2 - 1, (name, shape)  # the blocks' norms, but perhaps the first
+        chosen = plan_strategies(p_sp, g)
+        regathering = phase_peaks(g, chosen, p_sp.mesh_shape).activations
+        kept = phase_peaks(graph, {n.name: chosen[n.name] for n in graph.nodes}, p_sp.mesh_shape).activations
+        assert regathering < kept, (name, shape, regathering, kept)
+
+
+def _wide():
+    """HF's tiny Llama made wider and longer, so that activations outweigh the weights: 2 layers, h 128, 4
+    heads of 32, FFN 256, batch 4, sequence 256."""
+    from meshpilot.models.hf_families import Family, build, no_dropout, tiny_overrides
+
+    wide = {**tiny_overrides("llama"), **no_dropout("llama")}
+    wide.update(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+    wide.update(max_position_embeddings=256)
+    return build(Family("llama", "LlamaForCausalLM", "causal"), wide, batch=4, seq=256)
+
+
+@pytest.fixture(scope="module")
+def wide_plan():
+    """The SP plan of :func:`_wide` on a (1, 4) mesh."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import megatron_tp
+
+    model, inputs = _wide()
+    graph = capture(model, inputs)
+    sp = megatron_tp(model, inputs, (1, WORLD), graph=graph, sequence_parallel=True)
+    return plan(model, inputs, "atp-ic3", mesh_shape=(1, WORLD), force=sp, graph=graph)
+
+
+def _measured_peak(plan_json: str) -> int:
+    """This rank's peak storage bytes over two AdamW steps of :func:`_wide` run by the plan, after one warm-up
+    step; parameters, AdamW states and inputs counted from the start (``bench_recompute.step_peaks``)."""
+    import torch
+
+    from meshpilot.cluster.memtrack import StorageTracker
+    from meshpilot.planner.plan import StagePlan
+    from meshpilot.runtime.spmd import parallelize
+
+    model, inputs = _wide()
+    pm = parallelize(model, StagePlan.from_json(plan_json))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
+
+    def step() -> None:
+        pm(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    with StorageTracker(existing=[*pm.parameters(), *state, *inputs]) as tracker:
+        step()
+        step()
+    return tracker.peak
+
+
+def _lockstep(jobs: list[tuple[str, str]], wide_json: str) -> tuple[list[dict], int]:
     """On each rank: per job (model name, SP plan JSON) the model built twice, the copy parallelized by the
-    plan, both trained :data:`STEPS` AdamW steps side by side (``dist_utils.lockstep_adamw``)."""
+    plan, both trained :data:`STEPS` AdamW steps side by side (``dist_utils.lockstep_adamw``); then the peak
+    of :func:`_wide` run by `wide_json` (:func:`_measured_peak`)."""
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
@@ -104,14 +197,26 @@ def _lockstep(jobs: list[tuple[str, str]]) -> list[dict]:
         res["counts_equal"] = [c == planned for c in res.pop("counts")]
         res["reduce_scatters"] = sum(n for (kind, *_), n in planned.items() if kind == "reduce_scatter")
         out.append(res)
-    return out
+    return out, _measured_peak(wide_json)
 
 
 @pytest.mark.dist
-def test_sequence_parallel_plans_run_equal_to_one_device(plans):
+def test_sequence_parallel_plans_run_equal_to_one_device(plans, wide_plan):
+    """Every plan equal to one device with the plan's collectives, its backward's all-gathers counted; the wide
+    Llama's predicted peak (as gloo issues its redistributions) within :data:`MEMORY_TOL` of the largest rank's."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.accounting import memory_use, plan_strategies
+    from meshpilot.planner.recompute import for_plan
+
     keys = list(plans)
     jobs = [(name, plans[(name, shape)][1].to_json()) for name, shape in keys]
-    per_rank = run_distributed(_lockstep, WORLD, jobs, timeout=1500)
+    got = run_distributed(_lockstep, WORLD, jobs, wide_plan.to_json(), timeout=1500)
+    per_rank = [results for results, _ in got]
+    measured = max(peak for _, peak in got)
+    model, inputs = _wide()
+    g = for_plan(capture(model, inputs), wide_plan)
+    issued = memory_use(g, plan_strategies(wide_plan, g), wide_plan.mesh_shape, on_cpu=True).total
+    assert abs(issued / measured - 1) <= MEMORY_TOL, (issued, wide_plan.memory.total, measured)
     for rank, results in enumerate(per_rank):
         for (name, shape), res in zip(keys, results):
             where = f"{name} on {shape}, rank {rank}"

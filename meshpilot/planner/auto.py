@@ -46,6 +46,7 @@ from meshpilot.planner import recompute as recompute_choice
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges, stored_layout
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
+from meshpilot.planner.forced import sequence_gathers
 from meshpilot.planner.ilp import PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -109,13 +110,16 @@ def plan(
     picks the strategies of each mesh candidate (``meshpilot.planner.search.SEARCHERS``; default the ILP).
     `recompute` is which repeated blocks run their forward again in the backward instead of keeping their
     activations (``meshpilot.planner.recompute``): ``auto`` (only when the plan does not fit the memory
-    otherwise), ``none`` or ``full``.
+    otherwise), ``none`` or ``full``. Norm outputs that `force` pins as sequence parallelism's gathers
+    (``forced.sequence_gathers``) are gathered again in the backward rather than saved, as Megatron-LM does
+    (``planner.recompute``, *Re-gathered values*; recorded in the plan's ``recompute``).
     """
     from meshpilot.cluster import load_cluster
 
     zero = _check_options(zero, microbatches, overlap, duplex)
     chooser = get_searcher(searcher)
     t_start = time.perf_counter()
+    pinned = dict(force or {})
     force = ForceSpec.of(force)  # every layout read before any work, matched or not
     if force:
         force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
@@ -143,7 +147,9 @@ def plan(
             search.visit(shape_struct, mappings)
         return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
 
-    return recompute_choice.choose(graph, recompute_choice.RecomputeMode.parse(recompute), capacity, cl, search_graph)
+    regather = sequence_gathers(graph, pinned)  # sequence parallelism's norm outputs, gathered again (Megatron's)
+    mode = recompute_choice.RecomputeMode.parse(recompute)
+    return recompute_choice.choose(graph, mode, capacity, cl, search_graph, regather)
 
 
 def _finish(

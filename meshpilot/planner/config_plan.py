@@ -25,7 +25,10 @@ The plan
   row outputs are reduce-scattered and the column inputs all-gathered (the plan's own collectives, priced by
   the ILP), and every piece's ``[batch, seq, hidden]`` boundary (the hidden state and its gradient) is pinned
   sequence-sharded over TP too: a stage receives and keeps its TP rank's share of the sequence, and each TP
-  rank sends its own share (``send_split`` = DP · TP). Memory is each piece's own plan's accounting.
+  rank sends its own share (``send_split`` = DP · TP). As Megatron's SP, the backward gathers each norm output
+  again from its saved shard rather than keep the gathered copy (:func:`regathered_stack`: one more TP
+  all-gather a column group, priced in the backward like any resharding). Memory is each piece's own plan's
+  accounting.
 * **ZeRO** (``zero=``): only 0, every state replicated over DP. The ZeRO post-pass (``planner.zero``) leaves
   pinned weights alone, and here every weight is pinned, so ZeRO 1–3 are refused rather than planned as 0. In
   time they differ from 0 by the update of a 1/DP shard instead of the whole (the gradient's reduce-scatter and
@@ -38,7 +41,8 @@ The plan
   :func:`recomputed_stack`), so each block keeps only its input from the forward and runs its forward (its TP
   collectives too) a second time; the pre and post layers run as captured.
 
-Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism), ``ep > 1``
+Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism: one-stage
+plans have it, a pipeline of ``(DP, CP, TP)`` stages is not planned), ``ep > 1``
 (expert parallelism; dense models here), ``recompute=selective``, ``zero`` above 0.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
@@ -48,6 +52,7 @@ the ``QKᵀ`` and ``AV`` matmuls counted in full, causal or not); TFLOP/s per GP
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -62,7 +67,7 @@ import torch
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
 from meshpilot.planner import recompute
-from meshpilot.planner.forced import _exact, data_parallel, megatron_tp
+from meshpilot.planner.forced import _exact, data_parallel, megatron_tp, sequence_gathers
 from meshpilot.planner.pipeline import (
     Clustering,
     _groups,
@@ -194,7 +199,8 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         raise UserError(f"--config sp={cfg.sp}: sequence parallelism is on (1) or off (0); give sp=1 or sp=0")
     if cfg.cp > 1:
         raise UserError(
-            f"--config cp={cfg.cp}: context parallelism is not modelled by meshpilot's planner yet; plan cp=1"
+            f"--config cp={cfg.cp}: context parallelism is not offered by --config yet (a pipeline of (DP, CP, TP) "
+            "stages is not planned; docs/frontier.md says what it needs); plan cp=1"
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
@@ -268,12 +274,11 @@ def plan_config(
 ) -> ConfigPlan:
     """The plan of `cfg` (module docstring) for `model` whose captured repeated stack is `stack`
     (``planner.stack.capture_stack`` of one microbatch, ``cfg.graph_batch`` sequences) on `cluster`."""
+    from meshpilot.cluster import load_cluster
+
     t0 = time.perf_counter()
     cfg = check_config(cfg)
-    if cfg.recompute == Recompute.FULL:
-        stack = recomputed_stack(stack)
-    sp = planner if planner is not None and planner.graph is stack.graph else StagePlanner(stack.graph, cluster)
-    cl = sp.cluster
+    cl = planner.cluster if planner is not None else load_cluster(cluster)
     if cfg.devices > cl.num_devices:
         raise UserError(
             f"--config {cfg.short()}: {cfg.devices:,} devices, cluster {cl.name!r} has {cl.num_devices:,}; "
@@ -283,11 +288,7 @@ def plan_config(
     if first.shape[0] != cfg.graph_batch:
         raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
     mesh = (cfg.dp, cfg.tp)
-    if cfg.tp > 1:
-        force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
-    else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
-        force = data_parallel(model, inputs, mesh)
-    force.update(boundary_pins(sp, stack, cfg, force))
+    stack, sp, force = stage_setup(model, inputs, stack, cl, cfg, planner, mesh)
     chunks = cfg.pp * cfg.virtual
     bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
     groups = stage_ranks(cfg)
@@ -301,9 +302,83 @@ def plan_config(
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
 
 
+def stage_setup(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    stack: Stack,
+    cluster: Cluster | str,
+    cfg: ParallelConfig,
+    planner: StagePlanner | None,
+    mesh: tuple[int, int],
+) -> tuple[Stack, StagePlanner, dict[str, str]]:
+    """The stack a configuration's pieces are planned on, its planner and the pins (module docstring): `stack`
+    recomputed (``recompute=full``), Megatron's pins on the `mesh` ``(DP, TP)`` (or data parallelism without
+    TP), sequence parallelism's gathers re-gathered in the backward (:func:`regathered_stack`) and the
+    boundary pins. `planner` is reused when it plans that stack's graph (one planner a derived stack, kept:
+    :func:`_planner_of`)."""
+    if cfg.recompute == Recompute.FULL:
+        base = stack
+        stack = _derived(("recompute", id(base)), base, lambda: recomputed_stack(base))
+    if cfg.tp > 1:
+        force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
+    else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
+        force = data_parallel(model, inputs, mesh)
+    if cfg.sequence_parallel:
+        stack = regathered_stack(stack, sequence_gathers(stack.graph, force))
+    sp = planner if planner is not None and planner.graph is stack.graph else _planner_of(stack, cluster)
+    force.update(boundary_pins(sp, stack, cfg, force))
+    return stack, sp, force
+
+
+_DERIVED: collections.OrderedDict[tuple, tuple[Stack, Any]] = collections.OrderedDict()
+"""(kind, id of the stack, …) → (that stack, what was derived from it): the last :data:`_KEPT` derived stacks and
+planners, so that the plans of one capture (a breakdown's second costing, a search's candidates) share them."""
+_KEPT = 16
+
+
+def _derived(key: tuple, stack: Stack, make: Any) -> Any:
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is stack:
+        _DERIVED.move_to_end(key)
+        return hit[1]
+    got = make()
+    _DERIVED[key] = (stack, got)
+    while len(_DERIVED) > _KEPT:
+        _DERIVED.popitem(last=False)
+    return got
+
+
+def _planner_of(stack: Stack, cluster: Cluster | str) -> StagePlanner:
+    """One :class:`StagePlanner` of `stack`'s graph per cluster, kept (:data:`_DERIVED`)."""
+    name = cluster if isinstance(cluster, str) else cluster.name
+    return _derived(("planner", id(stack), name), stack, lambda: StagePlanner(stack.graph, cluster))
+
+
+def regathered_stack(stack: Stack, gathers: Sequence[str]) -> Stack:
+    """`stack` with the forward ops `gathers` (sequence parallelism's norm outputs, ``forced.sequence_gathers``)
+    gathered again in the backward instead of saved, as Megatron-LM's SP does (``planner.recompute``,
+    *Re-gathered values*): the stack found again and expanded as :func:`recomputed_stack`'s; `stack` itself
+    when there are none (or a recomputed block re-gathers its own)."""
+    names = tuple(recompute.REGATHER + x for x in gathers)
+    if not names:
+        return stack
+
+    def make() -> Stack:
+        graph = recompute.apply(stack.graph, names)
+        if graph is stack.graph or not any(n.name.endswith(recompute.REGATHERED) for n in graph.nodes):
+            return stack
+        small = find_stack(graph)
+        if small is None or small.container != stack.container or small.blocks != stack.kept:
+            raise UserError(f"--config sp=1: {stack.container}'s blocks differ once re-gathered; plan sp=0")
+        return expand_stack(small, stack.blocks)
+
+    return _derived(("regather", id(stack), names), stack, make)
+
+
 def is_recomputed(stack: Stack) -> bool:
-    """Whether `stack`'s graph holds recomputed copies (:func:`recomputed_stack`'s)."""
-    return any(recompute.is_copy(n.name) for n in stack.graph.nodes)
+    """Whether `stack`'s graph holds recomputed blocks (:func:`recomputed_stack`'s copies; a re-gathered value's
+    copy is not one)."""
+    return any(n.name.endswith(recompute.SUFFIX) for n in stack.graph.nodes)
 
 
 def recomputed_stack(stack: Stack) -> Stack:
@@ -546,10 +621,12 @@ __all__ = [
     "parse_config",
     "plan_config",
     "recomputed_stack",
+    "regathered_stack",
     "residual_shapes",
     "send_shares",
     "simulate_config",
     "stage_bounds",
     "stage_ranks",
+    "stage_setup",
     "tflops_per_gpu",
 ]

@@ -19,7 +19,8 @@ gradient accumulation over B).
 The model captured once with one sequence (``stack.capture_stack``; with every block recomputed for
 ``recompute=full``: ``config_plan.recomputed_stack``); its three pieces — the pre layers, one middle block, the
 post layers — planned on a ``(1, t)`` mesh of one server's ranks under Megatron's pins with sequence
-parallelism and the boundary pins (``forced.megatron_tp``, what ``plan_config`` pins at ``sp=1``, its default):
+parallelism, its norm outputs gathered again in the backward, and the boundary pins (``config_plan.stage_setup``,
+what ``plan_config`` plans at ``sp=1``, its default):
 per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
 resharding: no DP axis, so no gradient sync), its optimizer step ``o_x`` and its memory parts
 (``stage.StageMemory``). A replica's microbatch of m sequences is priced at m times one (compute-bound pieces at
@@ -75,7 +76,6 @@ from meshpilot.planner.config_plan import (
     ParallelConfig,
     Recompute,
     Split,
-    boundary_pins,
     group_bound,
     group_memory,
     is_recomputed,
@@ -84,8 +84,8 @@ from meshpilot.planner.config_plan import (
     simulate_config,
     stage_bounds,
     stage_ranks,
+    stage_setup,
 )
-from meshpilot.planner.forced import data_parallel, megatron_tp
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, _compose_one, capture_stack
@@ -241,14 +241,10 @@ def plan_pieces(
     divide)."""
     recompute = Recompute.FULL if is_recomputed(stack) else Recompute.NONE
     mesh = (1, tp)
-    try:
-        if tp > 1:
-            force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=True)
-        else:
-            force = data_parallel(model, inputs, mesh)
+    try:  # the pins and re-gathered stack plan_config plans with (the stack already recomputed or not)
+        stack, sp, force = stage_setup(model, inputs, stack, sp.cluster, ParallelConfig(tp=tp), sp, mesh)
     except UserError:
         return None
-    force.update(boundary_pins(sp, stack, ParallelConfig(tp=tp), force))
     ranks = tuple(range(tp))
     end = len(sp.layers)
     ranges = [(0, stack.pre), (stack.middle, stack.middle + 1), (end - stack.post, end)]

@@ -587,6 +587,27 @@ def residual_adds(graph: OpGraph, rows: Sequence[str]) -> list[str]:
     return out
 
 
+def sequence_gathers(graph: OpGraph, force: dict[str, str]) -> list[str]:
+    """The forward ops `force` pins as gathers of a sequence-sharded residual (what ``megatron_tp(...,
+    sequence_parallel=True)`` pins whole on TP: the norm outputs the column linears read): an operator of a
+    pinned residual add's shape (:func:`residual_adds`) pinned with fewer sharded mesh axes than that add (a
+    partial-sum pin is none). The plans gather them again in the backward, as Megatron-LM does
+    (``planner.recompute``, *Re-gathered values*)."""
+    adds: dict[tuple[int, ...], int] = {}
+    ops = []
+    for name, lay in force.items():
+        node = graph.by_name.get(name)
+        if node is None or node.kind != "op" or node.phase != "fwd" or node.out is None:
+            continue
+        if node.target == "aten.add.Tensor":
+            shape = tuple(node.out.shape)
+            adds[shape] = max(adds.get(shape, 0), lay.count("S("))
+        else:
+            ops.append((node, lay))
+    # a partial sum (a row linear's output, a lookup) is no gather
+    return [n.name for n, lay in ops if "P" not in lay and lay.count("S(") < adds.get(tuple(n.out.shape), 0)]
+
+
 def _one_tensor_pointwise(graph: OpGraph, n) -> bool:
     """An element-wise op whose other operands are scalars (dropout's scale): the residual branch passes it on
     the way to its add."""
@@ -642,5 +663,6 @@ __all__ = [
     "megatron_groups",
     "megatron_tp",
     "residual_adds",
+    "sequence_gathers",
     "zero3",
 ]

@@ -238,7 +238,8 @@ class RecomputeChoice:
     mode: str
     """``auto`` (chosen because the plan did not fit otherwise) or ``full`` (asked for)."""
     regions: tuple[str, ...]
-    """The recomputed blocks' module paths (``model.layers.3``), in the order they were chosen."""
+    """The recomputed blocks' module paths (``model.layers.3``), in the order they were chosen, then the values
+    gathered again in the backward (``regather:<node>``: sequence parallelism's norm outputs)."""
     reason: str
     memory_before: float
     """Predicted peak bytes per device without recomputation (0 when not planned: ``full``)."""
@@ -377,7 +378,10 @@ class StagePlan:
             return "none: every activation the backward reads is kept from the forward"
         from meshpilot.io import fmt_size
 
-        shown = ", ".join(r.regions[:4]) + (f" … ({len(r.regions)} blocks)" if len(r.regions) > 4 else "")
+        blocks = [x for x in r.regions if not x.startswith("regather:")]
+        shown = ", ".join(blocks[:4]) + (f" … ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+        if len(blocks) < len(r.regions):  # sequence parallelism's gathers (``planner.recompute``)
+            shown += f"{'; ' if blocks else ''}{len(r.regions) - len(blocks)} gathered values gathered again"
         before = f"{fmt_size(r.memory_before)} → " if r.memory_before else ""
         return (
             f"{shown} ({r.mode}: {r.reason}); memory {before}{fmt_size(r.memory_after)} per device, "

@@ -38,6 +38,22 @@ fingerprint of the graph as captured, and the runtime applies the plan's regions
 Random draws: a region whose recomputed nodes draw random numbers (dropout) would draw other numbers the second
 time; it is refused (:class:`RecomputeError` under ``full``, left out under ``auto``), never run differently.
 
+Re-gathered values (:func:`gather_region`)
+-----------------------------------------
+Megatron-LM's sequence parallelism all-gathers the sequence-sharded norm output before the column linears and,
+in the backward, all-gathers the saved shard again rather than keep the gathered copy. A region named
+``regather:<node>`` (:data:`REGATHER`) is that one value: the node (the op whose output the plan gathers: its
+strategy reads the shard resharded whole) and the views and casts of it made before the backward begins,
+recomputed as a block's are but copied as ``<node>`` + :data:`REGATHERED`. The copy joins its original's class
+of identical nodes, but the pin is the original's, so the ILP chooses where the copy's shard becomes whole
+again: into the copy, or into its readers (the column linears' weight gradients). Either way it is an
+all-gather in the backward, which the plan counts and prices. The backward keeps the copy's inputs (the shard,
+which the norm's own backward reads anyway) instead of the gathered value. Which nodes:
+``forced.sequence_gathers`` (the norm outputs ``megatron_tp(..., sequence_parallel=True)`` pins whole on TP);
+``auto.plan`` and ``config_plan`` re-gather every one of them.
+A block that is recomputed already re-gathers its own (its copies read the copied norm): a re-gather region
+overlapping a recomputed block is left out (:func:`apply`).
+
 The choice (:func:`choose`)
 ---------------------------
 ``recompute="none"`` plans the graph as captured, ``"full"`` recomputes every region, and ``"auto"`` (the
@@ -74,12 +90,20 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
+from meshpilot.graph.views import aliases_input
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import storage_base
+from meshpilot.planner.forced import _CAST
 from meshpilot.planner.plan import RecomputeChoice, StagePlan
 
 SUFFIX = "_recomputed"
-"""What a recomputed copy's name adds to its original's."""
+"""What a recomputed block's copy's name adds to its original's."""
+
+REGATHERED = "_regathered"
+"""What a re-gathered value's copy's name adds to its original's (module docstring, *Re-gathered values*)."""
+
+REGATHER = "regather:"
+"""Prefix of a re-gather region's name: ``regather:<node>``."""
 
 
 class RecomputeMode(StrEnum):
@@ -176,12 +200,45 @@ def _region(graph: OpGraph, name: str, inside: set[str], start: int) -> Region:
     return Region(name, tuple(n.name for n in nodes), saved, sum(n.flops for n in nodes), random)
 
 
+def gather_region(graph: OpGraph, node: str) -> Region | None:
+    """The region ``regather:<node>`` (module docstring, *Re-gathered values*): forward op `node` and its views
+    and casts made before the backward begins, as far as the backward reads them; None when `graph` has no such
+    forward op."""
+    start = backward_start(graph)
+    n = graph.by_name.get(node)
+    if n is None or n.kind != NodeKind.OP or n.index >= start:
+        return None
+    inside = {node}
+    for m in graph.nodes[n.index + 1 : start]:
+        if m.inputs and m.inputs[0][0] in inside and (aliases_input(m) or m.target == _CAST):
+            inside.add(m.name)
+    cone: set[str] = set()
+    stack = [s for m in graph.nodes[start:] for s, _ in m.inputs if s in inside]
+    while stack:
+        x = stack.pop()
+        if x not in cone and x in inside:
+            cone.add(x)
+            if x != node:
+                stack.append(graph[x].inputs[0][0])  # back along the view / cast to `node`
+    nodes = [m for m in graph.nodes[:start] if m.name in cone]
+    out = n.out
+    saved = out.nbytes if cone and out is not None else 0.0
+    random = f"{n.target} in {n.where()}" if _is_random(n) else None
+    return Region(REGATHER + node, tuple(m.name for m in nodes), saved, sum(m.flops for m in nodes), random)
+
+
 def _check(graph: OpGraph, names: Sequence[str]) -> list[Region]:
     """The regions `names`, each one `graph` has and recomputes exactly; one line for the first that is not."""
-    by_name = {r.name: r for r in regions(graph)}
+    blocks = [x for x in names if not x.startswith(REGATHER)]
+    by_name = {r.name: r for r in regions(graph)} if blocks else {}
     out = []
     for name in names:
-        r = by_name.get(name)
+        r = by_name.get(name) if name in blocks else gather_region(graph, name.removeprefix(REGATHER))
+        if r is None and name.startswith(REGATHER):
+            raise RecomputeError(
+                f"recompute: the model has no forward op {name.removeprefix(REGATHER)!r} to gather again; plan "
+                "again for this model"
+            )
         if r is None:
             known = ", ".join(list(by_name)[:4]) + (" …" if len(by_name) > 4 else "") or "none"
             raise RecomputeError(
@@ -198,15 +255,19 @@ def _check(graph: OpGraph, names: Sequence[str]) -> list[Region]:
 
 
 def apply(graph: OpGraph, names: Sequence[str]) -> OpGraph:
-    """`graph` with the blocks `names` recomputed in the backward (module docstring, *The transform*); `graph`
-    itself when `names` is empty. Pure: `graph` is not changed."""
+    """`graph` with the blocks `names` recomputed in the backward (module docstring, *The transform*) and the
+    values ``regather:<node>`` of `names` gathered again (*Re-gathered values*: after the blocks, and left out
+    where a recomputed block holds them); `graph` itself when `names` is empty. Pure: `graph` is not changed."""
     if not names:
         return graph
     start = backward_start(graph)
     copy_of: dict[str, str] = {}
     before: dict[int, list[OpNode]] = {}
-    for region in _check(graph, names):
-        made = {x: x + SUFFIX for x in region.recomputed}
+    for region in sorted(_check(graph, names), key=lambda r: r.name.startswith(REGATHER)):
+        suffix = REGATHERED if region.name.startswith(REGATHER) else SUFFIX
+        if not region.recomputed or any(x in copy_of for x in region.recomputed):
+            continue  # nothing the backward reads, or a recomputed block's own
+        made = {x: x + suffix for x in region.recomputed}
         first = min(graph[u].index for x in made for u in graph.users[x] if graph[u].index >= start)
         for x in region.recomputed:
             n = graph[x]
@@ -250,8 +311,13 @@ def for_plan(graph: OpGraph, plan: StagePlan) -> OpGraph:
 
 
 def is_copy(name: str) -> bool:
-    """Whether node `name` is a recomputed copy."""
-    return name.endswith(SUFFIX)
+    """Whether node `name` is a recomputed copy (of a block's node or of a re-gathered value)."""
+    return name.endswith(SUFFIX) or name.endswith(REGATHERED)
+
+
+def original(name: str) -> str:
+    """The node a copy `name` copies (`name` itself when it is not a copy)."""
+    return name.removesuffix(SUFFIX).removesuffix(REGATHERED)
 
 
 # ------------------------------------------------------------------------------------------ the choice
@@ -281,15 +347,18 @@ def ordered(graph: OpGraph, cluster: Any) -> list[Region]:
     return sorted(usable, key=lambda r: -rate[r.name])  # sorted is stable: ties keep forward order
 
 
-def fitting_count(graph: OpGraph, order: Sequence[Region], plan: StagePlan, capacity: float) -> int:
+def fitting_count(
+    graph: OpGraph, order: Sequence[Region], plan: StagePlan, capacity: float, gathers: Sequence[str] = ()
+) -> int:
     """The fewest of `order`'s regions whose recomputation makes `plan`'s strategies fit `capacity` (copies
-    taking their original's strategy): the first guess of :func:`choose` (``len(order)`` when none fits)."""
+    taking their original's strategy; the re-gather regions `gathers` applied throughout): the first guess of
+    :func:`choose` (``len(order)`` when none fits)."""
     from meshpilot.planner.accounting import memory_use, plan_strategies
 
     chosen, m = plan_strategies(plan, graph), plan.step_schedule().microbatches
     for k in range(1, len(order) + 1):
-        g = apply(graph, [r.name for r in order[:k]])
-        strategies = {n.name: chosen[n.name.removesuffix(SUFFIX)] for n in g.nodes}
+        g = apply(graph, [*(r.name for r in order[:k]), *gathers])
+        strategies = {n.name: chosen[original(n.name)] for n in g.nodes}
         if memory_use(g, strategies, plan.mesh_shape, microbatches=m).total <= capacity:
             return k
     return len(order)
@@ -298,14 +367,33 @@ def fitting_count(graph: OpGraph, order: Sequence[Region], plan: StagePlan, capa
 PlanFn = Callable[[OpGraph], StagePlan]
 """Plans one graph (``auto.plan`` with everything but the graph fixed); raises ``PlanError`` when none fits."""
 
+REGATHER_WHY = "sequence parallelism: the gathered norm outputs gathered again in the backward, as Megatron-LM's"
+"""The reason a plan records for re-gather regions alone."""
 
-def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, plan_fn: PlanFn) -> StagePlan:
+
+def choose(
+    graph: OpGraph,
+    mode: RecomputeMode,
+    capacity: float,
+    cluster: Any,
+    plan_fn: PlanFn,
+    regather: Sequence[str] = (),
+) -> StagePlan:
     """The plan of `graph` under `mode` on `cluster` with `capacity` bytes a device (module docstring, *The
-    choice*)."""
+    choice*); the forward ops `regather` are gathered again in the backward in every graph planned (*Re-gathered
+    values*)."""
     from meshpilot.planner.ilp import PlanError
 
+    gathers = [REGATHER + x for x in regather]
+
+    def with_gathers(names: Sequence[str]) -> list[str]:
+        return [*names, *gathers]
+
+    def as_planned(p: StagePlan) -> StagePlan:  # a plan of the re-gathering graph, recorded as the capture's
+        return _recorded(p, graph, gathers, mode, REGATHER_WHY, None) if gathers else p
+
     if mode is RecomputeMode.NONE:
-        return plan_fn(graph)
+        return as_planned(plan_fn(apply(graph, gathers)))
     if mode is RecomputeMode.FULL:
         names = [r.name for r in regions(graph)]
         if not names:
@@ -313,11 +401,12 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
                 "recompute=full: the model has no numbered blocks to recompute; plan with recompute auto or none"
             )
         _check(graph, names)
+        names = with_gathers(names)
         return _recorded(plan_fn(apply(graph, names)), graph, names, mode, "asked for (--recompute full)", None)
     first: StagePlan | None = None
     error: PlanError | None = None
     try:
-        first = plan_fn(graph)
+        first = plan_fn(apply(graph, gathers))
     except PlanError as e:
         if e.need_bytes is None:
             raise
@@ -326,16 +415,16 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
     order = ordered(graph, cluster) if not fits else []  # a plan that fits costs no look at the blocks
     if not order:
         if first is not None:
-            return first
+            return as_planned(first)
         raise error
     before = first.memory.total if first is not None else error.need_bytes
-    start = fitting_count(graph, order, first, capacity) if first is not None else 1
+    start = fitting_count(graph, order, first, capacity, gathers) if first is not None else 1
     best: tuple[StagePlan, list[str]] | None = None
     last: StagePlan | None = None
     for k in counts(start, len(order)):
-        names = [r.name for r in order[:k]]
+        names = with_gathers([r.name for r in order[:k]])
         try:
-            last = plan_fn(apply(graph, names))
+            last, last_names = plan_fn(apply(graph, names)), names
         except PlanError as e:
             error, last = e, None
             continue
@@ -345,8 +434,9 @@ def choose(graph: OpGraph, mode: RecomputeMode, capacity: float, cluster: Any, p
     if best is not None:
         why = f"the plan without it needs {fmt_size(before)} per device, over the {fmt_size(capacity)} cap"
         return _recorded(best[0], graph, best[1], mode, why, before)
-    if last is not None:
-        return last  # every block recomputed and still over: the plan says so in its warnings
+    if last is not None:  # every block recomputed and still over: the plan says so in its warnings
+        why = f"still over the {fmt_size(capacity)} cap with every block recomputed"
+        return _recorded(last, graph, last_names, mode, why, before)
     raise error
 
 
@@ -388,6 +478,8 @@ def _recorded(
 
 
 __all__ = [
+    "REGATHER",
+    "REGATHERED",
     "SUFFIX",
     "RecomputeError",
     "RecomputeMode",
@@ -396,7 +488,9 @@ __all__ = [
     "choose",
     "counts",
     "for_plan",
+    "gather_region",
     "is_copy",
+    "original",
     "ordered",
     "regions",
 ]
