@@ -18,7 +18,7 @@ import torch
 
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import hf_model
-from meshpilot.ops.attention import sequence_axes
+from meshpilot.ops.attention import context_axes
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -46,12 +46,17 @@ def _model(seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
     return (model.to(device) if device != "meta" else model), (ids, labels)
 
 
+def _cp(p: StagePlan) -> str:
+    """The plan's context parallelism: ``gpu (4, all-gather)`` per axis and method, or ``no``."""
+    found = context_axes(p.nodes, p.mesh_axes, p.collectives)
+    return ", ".join(f"{c.axis} ({p.mesh_shape[p.mesh_axes.index(c.axis)]}, {c.method})" for c in found) or "no"
+
+
 def _row(seq: int, cap: float | None, p: StagePlan | None, error: str = "") -> str:
     cap_s = fmt_size(cap) if cap else "none"
     if p is None:
         return f"| {seq} | {cap_s} | no plan: {error} | | | | |"
-    cp = sequence_axes(p.nodes, p.mesh_axes)
-    cp_s = ", ".join(f"{a} ({p.mesh_shape[p.mesh_axes.index(a)]})" for a in cp) or "no"
+    cp_s = _cp(p)
     rc = ", ".join(p.recompute.regions) if p.recompute and p.recompute.regions else "none"
     return (
         f"| {seq} | {cap_s} | {p.mesh_shape} | {cp_s} | {rc} | {p.time.total_s * 1e3:.3f} ms "
@@ -85,7 +90,7 @@ def run_plan(out: Path) -> None:
 
 def run_measure(path: Path, keys: list[str]) -> None:
     def label(k: str, p: StagePlan) -> str:
-        return f"{k}: mesh {p.mesh_shape}, sequence-parallel {sequence_axes(p.nodes, p.mesh_axes) or 'no'}"
+        return f"{k}: mesh {p.mesh_shape}, context parallel {_cp(p)}"
 
     measure_saved(path, lambda k: _model(int(k.split("/")[0]), "cpu"), label, keys)
 

@@ -1,12 +1,20 @@
-"""Context parallelism: attention sharded on the query sequence (``meshpilot.ops.attention``), Llama 3's method.
+"""Context parallelism: attention's sequence divided over a mesh axis (``meshpilot.ops.attention``), two methods.
+
+* **all-gather** (Llama 3's): each rank's query rows against every key, keys and values all-gathered.
+* **Ulysses**: heads inside attention, the sequence around it, all-to-alls between
+  (``ContextMethod.ULYSSES``; on gloo DTensor issues each all-to-all as an all-gather and a local chunk, and
+  the plan counts that).
 
 Pure: a tiny Llama (batch 1 × 512 tokens) planned under a memory cap that no plan with attention whole on
 each device meets shards every attention's queries on one mesh axis (its keys and values gathered, their
 gradients partial), builds its causal mask (a tensor transformers makes from positions) by query rows, and
-says so in its printout.
-On 4 gloo ranks (one spawn): that plan, and one with the sequence forced onto the axis from the inputs on,
-train equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps) and issue the plan's
-collectives.
+says so in its printout; the same Llama with q, k, v pinned sequence-sharded and attention head-sharded
+exchanges them by all-to-all (Ulysses, its repeated key/value heads included); a GPT calling attention with
+``is_causal`` (no sequence-parallel strategy: its kernel masks by local row index) at batch 1 × 1024 is planned
+Ulysses by the ILP unforced; heads that the axis does not divide are refused with one line.
+On 4 gloo ranks (one spawn): those plans, one with the sequence forced onto the axis from the inputs on, and
+both methods at batch 2 train equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps)
+and issue the plan's collectives.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ import torch
 from dist_utils import lockstep_adamw, run_distributed
 from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 
-from meshpilot.graph.capture import capture
-from meshpilot.models.sources import hf_model
+from meshpilot.graph.capture import OpGraph, capture
+from meshpilot.models.sources import build_model, hf_model
+from meshpilot.ops.attention import ContextAxis, ContextMethod, context_axes
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -29,15 +38,39 @@ BATCH, SEQ = 1, 512
 CAP = 2.7 * 2**20
 """Bytes per device: under it attention must be sequence-parallel (checked: with every attention's outputs
 pinned replicated no plan fits)."""
+GPT = dict(layers=2, hidden=64, heads=8)
+"""meshpilot's GPT (``is_causal`` attention), 8 heads: at batch 1 × 1024 the ILP takes Ulysses on (4, 1)."""
+MODELS = {"llama": (BATCH, SEQ), "llama-b2": (2, 256), "gpt": (1, 1024)}
+"""Model key -> (batch, sequence) of the plans below."""
 
 
-def _llama(device: str = "meta"):
+def _llama(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
     torch.manual_seed(0)  # every build the same weights: the reference, the parallel copy, every rank
     model = hf_model("llama", dict(LLAMA))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, LLAMA["vocab_size"], (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, LLAMA["vocab_size"], (batch, seq), generator=g)
+    labels = torch.randint(0, LLAMA["vocab_size"], (batch, seq), generator=g)
     return (model.to(device) if device != "meta" else model), (ids, labels)
+
+
+def _model(key: str, device: str = "meta"):
+    batch, seq = MODELS[key]
+    if key.startswith("gpt"):
+        torch.manual_seed(0)
+        built = build_model("gpt-tiny", batch=batch, seq=seq, device=device, **GPT)
+        return built.model, tuple(built.inputs)
+    return _llama(device, batch, seq)
+
+
+def _ulysses_pins(graph: OpGraph, operands: int = 3) -> dict[str, str]:
+    """``force`` for Ulysses on axis 0: the inputs and the first `operands` of q, k, v sequence-sharded
+    (``S(2)`` of ``[b, h, t, e]``), every attention node head-sharded (``S(1)``), so each attention's operands
+    are exchanged by all-to-all."""
+    pins = {"input:*": "S(1)R", "sdpa*": "S(1)R"}
+    for n in graph.nodes:
+        if n.target == "meshpilot.sdpa.default":
+            pins.update({src: "S(2)R" for src, _ in n.inputs[:operands]})
+    return pins
 
 
 def _sequence_axes(p: StagePlan) -> list[tuple[str, ...]]:
@@ -46,37 +79,92 @@ def _sequence_axes(p: StagePlan) -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module")
-def plans() -> dict[str, StagePlan]:
-    model, inputs = _llama()
+def plans() -> dict[str, tuple[str, StagePlan]]:
+    """Plan name -> (model key, plan)."""
+    model, inputs = _model("llama")
     graph = capture(model, inputs)
-    kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
+    kw = dict(mesh_shape=MESH, mappings=("row",), recompute="none")
     try:  # attention kept whole on every device (its outputs pinned replicated): over the cap
-        whole = plan(model, inputs, CLUSTER, memory_bytes=CAP, force={"sdpa*": "RR"}, **kw)
+        whole = plan(model, inputs, CLUSTER, memory_bytes=CAP, force={"sdpa*": "RR"}, graph=graph, **kw)
         assert whole.memory.total > CAP
     except PlanError:
         pass
     out = {
-        "auto": plan(model, inputs, CLUSTER, memory_bytes=CAP, **kw),
-        "forced": plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, **kw),
+        "auto": ("llama", plan(model, inputs, CLUSTER, memory_bytes=CAP, graph=graph, **kw)),
+        "forced": ("llama", plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, graph=graph, **kw)),
+        "ulysses": ("llama", plan(model, inputs, CLUSTER, force=_ulysses_pins(graph), graph=graph, **kw)),
     }
     # the causal mask (built by transformers from positions) is built by query rows, as attention reads it
     masks = [n.inputs[3][0] for n in graph.nodes if n.target == "meshpilot.sdpa.default"]
-    for name, p in out.items():
-        assert {p.node(m).outs[0] for m in masks} == {("S(2)", "R")}, name
+    for name in ("auto", "forced"):
+        assert {out[name][1].node(m).outs[0] for m in masks} == {("S(2)", "R")}, name
+    model, inputs = _model("llama-b2")
+    graph = capture(model, inputs)
+    out["allgather-b2"] = ("llama-b2", plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, graph=graph, **kw))
+    # at batch 2 the repeated key/value heads' view cannot carry the sequence: q alone is pinned
+    b2 = _ulysses_pins(graph, operands=1)
+    out["ulysses-b2"] = ("llama-b2", plan(model, inputs, CLUSTER, force=b2, graph=graph, **kw))
+    model, inputs = _model("gpt")
+    out["causal"] = ("gpt", plan(model, inputs, CLUSTER, **kw))  # the ILP's own choice
     return out
 
 
 def test_a_capped_long_sequence_plan_shards_every_attention_on_its_queries(plans):
-    for name, p in plans.items():
+    for name in ("auto", "forced", "allgather-b2"):
+        p = plans[name][1]
         qs = _sequence_axes(p)
         assert len(qs) == LLAMA["num_hidden_layers"] and all(q == ("S(2)", "R") for q in qs), (name, qs)
         for n in p.nodes:
             if n.name.startswith("sdpa_backward"):
                 assert n.outs[1:] == (("P", "R"), ("P", "R")), (name, n.name, n.outs)  # dK, dV partial sums
-        assert p.memory.total <= CAP or name == "forced"
+        assert p.memory.total <= CAP or name != "auto"
+        assert context_axes(p.nodes, p.mesh_axes, p.collectives) == [ContextAxis("gpu", ContextMethod.ALL_GATHER, 4)]
         assert "context      attention sequence-parallel over axis gpu (4 devices, 4 of 4 attention calls)" in (
             p.summary()
         ), name
+
+
+def _exchanges(p: StagePlan, phase: str) -> dict[tuple[str, int], int]:
+    """(attention node, operand) -> how many all-to-alls of `phase` reshard it."""
+    out: dict[tuple[str, int], int] = {}
+    for c in p.collectives:
+        if c.kind == "all_to_all" and c.phase == phase and c.dst.startswith("sdpa"):
+            out[(c.dst, c.operand)] = out.get((c.dst, c.operand), 0) + 1
+    return out
+
+
+def test_ulysses_exchanges_q_k_v_by_all_to_all_and_dtensor_gathers_them_on_gloo(plans):
+    """Pinned Ulysses: every attention reads its heads, and each of q, k (repeated to the query heads by the
+    model) and v arrives by one all-to-all from its sequence shards, forward and again for the backward (the
+    saved operands are sequence-sharded); on gloo each is counted as the all-gather DTensor issues."""
+    layers = LLAMA["num_hidden_layers"]
+    for name, operands in (("ulysses", 3), ("ulysses-b2", 1)):
+        p = plans[name][1]
+        assert all(q == ("S(1)", "R") for q in _sequence_axes(p)), name
+        fwd = _exchanges(p, "fwd")
+        assert len(fwd) == layers * operands and set(fwd.values()) == {1}, (name, fwd)
+        assert len(_exchanges(p, "bwd")) == layers * operands, name
+        assert context_axes(p.nodes, p.mesh_axes, p.collectives) == [ContextAxis("gpu", ContextMethod.ULYSSES, 4)]
+        assert "attention head-parallel inside a sequence-sharded layer (Ulysses) over axis gpu" in p.summary()
+        nccl, gloo = p.collective_counts(), p.collective_counts(backend="gloo")
+        a2a = sum(k for (kind, _, _), k in nccl.items() if kind == "all_to_all")
+        assert a2a >= 2 * layers * operands and not any(kind == "all_to_all" for kind, _, _ in gloo), name
+        assert sum(gloo.values()) == sum(nccl.values()), name  # one gathered collective for each all-to-all
+
+
+def test_is_causal_attention_is_planned_ulysses_by_the_ilp():
+    """A GPT calling attention with ``is_causal`` (no query-row strategy) at batch 1 × 1024 on (4, 1): the
+    ILP divides the sequence by heads inside attention, all-to-alls around it, unforced."""
+    model, inputs = _model("gpt")
+    p = plan(model, inputs, CLUSTER, mesh_shape=MESH, mappings=("row",), recompute="none")
+    assert context_axes(p.nodes, p.mesh_axes, p.collectives) == [ContextAxis("gpu", ContextMethod.ULYSSES, 2)]
+
+
+def test_heads_the_axis_does_not_divide_refuse_ulysses_in_one_line():
+    torch.manual_seed(0)
+    built = build_model("gpt-tiny", batch=1, seq=64, layers=1, hidden=16, heads=2)
+    with pytest.raises(PlanError, match=r"sdpa \(shape \(1, 2, 64, 8\)\) cannot be S\(1\)R on mesh \(4, 1\)"):
+        plan(built.model, tuple(built.inputs), CLUSTER, mesh_shape=MESH, force={"sdpa": "S(1)R"}, recompute="none")
 
 
 # ------------------------------------------------------------------------------------------- 4 ranks
@@ -86,9 +174,9 @@ def _worker(jobs: dict) -> dict:
     from meshpilot.runtime.spmd import parallelize
 
     out = {}
-    for name, plan_json in jobs.items():
-        ref, inputs = _llama("cpu")
-        model, _ = _llama("cpu")
+    for name, (key, plan_json) in jobs.items():
+        ref, inputs = _model(key, "cpu")
+        model, _ = _model(key, "cpu")
         plan_ = StagePlan.from_json(plan_json)
         pm = parallelize(model, plan_)
         res = lockstep_adamw(ref, pm, inputs, STEPS)
@@ -101,8 +189,8 @@ def _worker(jobs: dict) -> dict:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
-    jobs = {name: p.to_json() for name, p in plans.items()}
-    per_rank = run_distributed(_worker, 4, jobs, timeout=1200)
+    jobs = {name: (key, p.to_json()) for name, (key, p) in plans.items()}
+    per_rank = run_distributed(_worker, 4, jobs, timeout=1800)
     for name in plans:
         for rank, r in enumerate(per_rank):
             got = r[name]
