@@ -5,6 +5,10 @@
 (and over which axis), which blocks recompute, the predicted step and peak memory; the plans are saved.
 ``measure`` (under ``torchrun --nproc-per-node 4``): each saved plan's peak storage per rank over two AdamW
 steps (``bench_recompute.step_peaks``) against its prediction.
+``methods``: planning only, the two methods side by side as the sequence grows, for the tiny Llama with 8 heads
+(transformers' masked attention) and meshpilot's GPT (``is_causal``) at batch 1 on (4, 1): the ILP's plan
+uncapped and under a cap of 80 % of its peak, and each method pinned (all-gather: the inputs sequence-sharded;
+Ulysses: ``attention.ulysses_pins``); which method each plan uses, its predicted step and peak.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from meshpilot.graph.capture import capture
 from meshpilot.io import fmt_size
-from meshpilot.models.sources import hf_model
-from meshpilot.ops.attention import context_axes
+from meshpilot.models.sources import build_model, hf_model
+from meshpilot.ops.attention import context_axes, ulysses_pins
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -37,9 +42,15 @@ CAPS = (None, 0.6, 0.35)
 """Caps as fractions of the uncapped plan's predicted peak (None: the device's own memory)."""
 
 
-def _model(seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
+METHOD_SEQS = (512, 1024, 2048, 4096)
+MHA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
+"""The Llama of ``methods``: 8 heads (Ulysses needs the 4-way axis to divide them), 8 key/value heads."""
+GPT = dict(layers=2, hidden=64, heads=8)
+
+
+def _model(seq: int, device: str = "meta", **over) -> tuple[torch.nn.Module, tuple]:
     torch.manual_seed(0)
-    model = hf_model("llama", dict(LLAMA))
+    model = hf_model("llama", {**LLAMA, **over})
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
     labels = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
@@ -88,6 +99,47 @@ def run_plan(out: Path) -> None:
     out.write_text(json.dumps(saved))
 
 
+def _method_row(model: str, seq: int, what: str, p: StagePlan | None, error: str = "") -> str:
+    if p is None:
+        return f"| {model} | {seq} | {what} | no plan: {error} | | |"
+    return f"| {model} | {seq} | {what} | {_cp(p)} | {p.time.total_s * 1e3:.3f} ms | {fmt_size(p.memory.total)} |"
+
+
+def _methods_of(name: str, seq: int) -> list[str]:
+    """One model at one sequence length: the ILP's plan, capped, and each method pinned."""
+    if name == "llama":
+        model, inputs = _model(seq, **MHA)
+    else:
+        torch.manual_seed(0)
+        built = build_model("gpt-tiny", batch=1, seq=seq, **GPT)
+        model, inputs = built.model, tuple(built.inputs)
+    graph = capture(model, inputs)
+    kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
+    free = plan(model, inputs, CLUSTER, **kw)
+    rows = [_method_row(name, seq, "ILP", free)]
+    cap = 0.8 * free.memory.total
+    runs = (
+        (f"ILP, cap {fmt_size(cap)}", dict(memory_bytes=cap)),
+        ("all-gather pinned", dict(force={"input:*": "S(1)R"})),
+        ("Ulysses pinned", dict(force=ulysses_pins(graph))),
+    )
+    for what, extra in runs:
+        try:
+            rows.append(_method_row(name, seq, what, plan(model, inputs, CLUSTER, **kw, **extra)))
+        except PlanError as e:
+            rows.append(_method_row(name, seq, what, None, str(e).split(";")[0]))
+    return rows
+
+
+def run_methods() -> None:
+    print("| model | seq | plan | context parallel over (method) | predicted step | predicted peak |")
+    print("| --- | ---: | --- | --- | ---: | ---: |")
+    for name in ("llama", "gpt"):
+        for seq in METHOD_SEQS:
+            for row in _methods_of(name, seq):
+                print(row, flush=True)
+
+
 def run_measure(path: Path, keys: list[str]) -> None:
     def label(k: str, p: StagePlan) -> str:
         return f"{k}: mesh {p.mesh_shape}, context parallel {_cp(p)}"
@@ -102,9 +154,12 @@ def main() -> None:
     m = sub.add_parser("measure")
     m.add_argument("plans", type=Path)
     m.add_argument("keys", nargs="*", help="which saved plans (seq/cap), default all")
+    sub.add_parser("methods")
     args = ap.parse_args()
     if args.cmd == "plan":
         run_plan(args.out)
+    elif args.cmd == "methods":
+        run_methods()
     else:
         run_measure(args.plans, args.keys)
 

@@ -44,9 +44,9 @@ special in the runtime. That is how transformers models call attention (they bui
 tensor from positions, ``[b, 1, t, s]``), and since such a mask is made replicated (a chain of index ops on
 positions), the planner may take its rows as a free local slice of that replica
 (:func:`meshpilot.sharding.strategies.row_sliced_operands`). The cost: the mask path's kernel instead of the
-fused causal one, and the ``t × s`` mask held whole on each rank where it is built — a model calling with
-``is_causal`` keeps its fast kernel and has no sequence-parallel attention of this kind (the next method
-serves it).
+fused causal one, and the ``t × s`` mask held whole on each rank where it is built. A call with ``is_causal``
+is sharded by query rows by meshpilot's own op (:mod:`meshpilot.ops.causal_rows`), which knows each rank's
+first row and runs the device's kernel on the visible keys only.
 
 **Ulysses** (context parallelism by all-to-all, DeepSpeed-Ulysses) needs no strategy of its own here: it is the
 head-parallel strategy above between ops whose tokens are sharded on the sequence over the same axis. The
@@ -429,10 +429,11 @@ MASK_OPERAND = {"meshpilot.sdpa.default": 3, "meshpilot.sdpa_backward.default": 
 
 
 def sequence_parallel(is_causal: bool) -> bool:
-    """Whether a call may be sharded on its query rows (the sequence-parallel strategy): not when it is
+    """Whether DTensor may shard a call on its query rows (the sequence-parallel strategy): not when it is
     ``is_causal``, whose mask the kernel builds from the local query index (each rank's chunk would be masked
-    as if it began at position 0); causal calls with the mask written out (as transformers models build it)
-    are sharded exactly, the mask's rows with the queries'."""
+    as if it began at position 0; :mod:`meshpilot.ops.causal_rows` shards those calls, knowing the offset);
+    causal calls with the mask written out (as transformers models build it) are sharded exactly, the mask's
+    rows with the queries'."""
     return not is_causal
 
 
@@ -557,6 +558,19 @@ def context_axes(nodes, mesh_axes: tuple[str, ...], collectives=()) -> list[Cont
             key = (mesh_axes[axis], method)
             out[key] = out.get(key, 0) + 1
     return [ContextAxis(a, m, k) for (a, m), k in out.items()]
+
+
+def ulysses_pins(graph, operands: int = 3) -> dict[str, str]:
+    """A ``force`` dict (``meshpilot.planner.force``) for Ulysses on mesh axis 0 of a 2-axis mesh: the example
+    inputs sharded on their sequence (``S(1)``), the producers of the first `operands` of each attention's q, k,
+    v (a captured `graph`'s ``OpGraph``) on theirs (``S(2)`` of ``[b, h, t, e]``), every attention node on its
+    heads (``S(1)``): each of those operands then reaches attention by one all-to-all. (At batch > 1 a model's
+    key/value view may take no sequence shard: pin q alone, ``operands=1``.)"""
+    pins = {"input:*": "S(1)R", "sdpa*": "S(1)R"}
+    for n in graph.nodes:
+        if n.target == SDPA_TARGETS[0]:
+            pins.update({src: "S(2)R" for src, _ in n.inputs[:operands]})
+    return pins
 
 
 def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...], collectives=()) -> str | None:
