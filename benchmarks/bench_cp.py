@@ -105,46 +105,65 @@ def _method_row(model: str, seq: int, what: str, p: StagePlan | None, error: str
     return f"| {model} | {seq} | {what} | {_cp(p)} | {p.time.total_s * 1e3:.3f} ms | {fmt_size(p.memory.total)} |"
 
 
-def _methods_of(name: str, seq: int) -> list[str]:
-    """One model at one sequence length: the ILP's plan, capped, and each method pinned."""
+def _method_model(name: str, seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
+    """``methods``' models: the 8-head Llama (``llama``) or meshpilot's GPT (``gpt``) at batch 1."""
     if name == "llama":
-        model, inputs = _model(seq, **MHA)
-    else:
-        torch.manual_seed(0)
-        built = build_model("gpt-tiny", batch=1, seq=seq, **GPT)
-        model, inputs = built.model, tuple(built.inputs)
+        return _model(seq, device, **MHA)
+    torch.manual_seed(0)
+    built = build_model("gpt-tiny", batch=1, seq=seq, device=device, **GPT)
+    return built.model, tuple(built.inputs)
+
+
+def _methods_of(name: str, seq: int, saved: dict[str, str]) -> list[str]:
+    """One model at one sequence length: the ILP's plan, capped, and each method pinned; each plan found is
+    saved in `saved` as ``name/seq/what``."""
+    model, inputs = _method_model(name, seq)
     graph = capture(model, inputs)
     kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
     free = plan(model, inputs, CLUSTER, **kw)
+    saved[f"{name}/{seq}/ILP"] = free.to_json()
     rows = [_method_row(name, seq, "ILP", free)]
     cap = 0.8 * free.memory.total
-    runs = (
-        (f"ILP, cap {fmt_size(cap)}", dict(memory_bytes=cap)),
-        ("all-gather pinned", dict(force={"input:*": "S(1)R"})),
-        ("Ulysses pinned", dict(force=ulysses_pins(graph))),
+    runs = (  # (saved key, row label, planner arguments)
+        ("ILP capped", f"ILP, cap {fmt_size(cap)}", dict(memory_bytes=cap)),
+        ("all-gather pinned", "all-gather pinned", dict(force={"input:*": "S(1)R"})),
+        ("Ulysses pinned", "Ulysses pinned", dict(force=ulysses_pins(graph))),
     )
-    for what, extra in runs:
+    for key, what, extra in runs:
         try:
-            rows.append(_method_row(name, seq, what, plan(model, inputs, CLUSTER, **kw, **extra)))
+            p = plan(model, inputs, CLUSTER, **kw, **extra)
         except PlanError as e:
             rows.append(_method_row(name, seq, what, None, str(e).split(";")[0]))
+            continue
+        rows.append(_method_row(name, seq, what, p))
+        saved[f"{name}/{seq}/{key}"] = p.to_json()
     return rows
 
 
-def run_methods() -> None:
+def run_methods(out: Path, seqs: tuple[int, ...]) -> None:
+    saved: dict[str, str] = {}
     print("| model | seq | plan | context parallel over (method) | predicted step | predicted peak |")
     print("| --- | ---: | --- | --- | ---: | ---: |")
     for name in ("llama", "gpt"):
-        for seq in METHOD_SEQS:
-            for row in _methods_of(name, seq):
+        for seq in seqs:
+            for row in _methods_of(name, seq, saved):
                 print(row, flush=True)
+    out.write_text(json.dumps(saved))
+
+
+def _saved_model(key: str) -> tuple[torch.nn.Module, tuple]:
+    """The CPU model of a saved key: ``seq/cap`` (``plan``) or ``name/seq/what`` (``methods``)."""
+    parts = key.split("/")
+    if len(parts) == 3:
+        return _method_model(parts[0], int(parts[1]), "cpu")
+    return _model(int(parts[0]), "cpu")
 
 
 def run_measure(path: Path, keys: list[str]) -> None:
     def label(k: str, p: StagePlan) -> str:
         return f"{k}: mesh {p.mesh_shape}, context parallel {_cp(p)}"
 
-    measure_saved(path, lambda k: _model(int(k.split("/")[0]), "cpu"), label, keys)
+    measure_saved(path, _saved_model, label, keys)
 
 
 def main() -> None:
@@ -153,13 +172,15 @@ def main() -> None:
     sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/cp_caps.json"))
     m = sub.add_parser("measure")
     m.add_argument("plans", type=Path)
-    m.add_argument("keys", nargs="*", help="which saved plans (seq/cap), default all")
-    sub.add_parser("methods")
+    m.add_argument("keys", nargs="*", help="which saved plans (seq/cap or name/seq/what), default all")
+    me = sub.add_parser("methods")
+    me.add_argument("--out", type=Path, default=Path("/tmp/cp_methods.json"))
+    me.add_argument("--seqs", type=int, nargs="*", default=list(METHOD_SEQS))
     args = ap.parse_args()
     if args.cmd == "plan":
         run_plan(args.out)
     elif args.cmd == "methods":
-        run_methods()
+        run_methods(args.out, tuple(args.seqs))
     else:
         run_measure(args.plans, args.keys)
 
