@@ -54,6 +54,9 @@ _CAUSAL_ARG = {FORWARD: 4, BACKWARD: 7}
 
 
 def _causal_without_mask(node: OpNode, target: str) -> bool:
+    """Whether the call is ``is_causal`` with no mask (a node without its FX node, read from a file: no)."""
+    if node.fx_node is None:
+        return False
     args = node.fx_node.args
     mask = args[_CAUSAL_ARG[target] - 1]
     return bool(args[_CAUSAL_ARG[target]]) and mask is None
