@@ -410,6 +410,10 @@ def _no_all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
     return x.clone()
 
 
+def _no_all_reduce_(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return x
+
+
 def _no_all_gather(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
     return x.repeat(n, *([1] * (x.dim() - 1))) if x.dim() else x.repeat(n)
 
@@ -424,6 +428,7 @@ def _no_wait(x: torch.Tensor) -> torch.Tensor:
 
 _STUBS = {
     _funcol.all_reduce.default: _no_all_reduce,
+    _funcol.all_reduce_.default: _no_all_reduce_,
     _funcol.all_gather_into_tensor.default: _no_all_gather,
     _funcol.reduce_scatter_tensor.default: _no_reduce_scatter,
     _funcol.wait_tensor.default: _no_wait,
