@@ -37,8 +37,16 @@ step of each variant is split by the torch profiler into ATen compute, communica
 calling thread sees it) and the rest (host: Python, DTensor dispatch, autograd)
 (``bench_step_time.profile_step``). The first step's loss of every variant is compared with DDP's.
 
+A second table splits each variant's step into its forward, backward and optimizer (AdamW's step, zero_grad,
+and for DDP / FSDP2 the loss' all-reduce), CPU and wall ms of the busiest rank per part; with ``--comm-cost``
+it also gives what the collectives of forward + backward cost the host: each rank's CPU with them and without
+them (meshpilot: its recorded programs with every functional collective replaced by a local op of the same
+output shape, ``without_collectives``; DDP: the same step under ``no_sync()``), interleaved, the difference
+per collective the programs issue. ``--no-solver`` leaves the solver's plan out.
+
     python benchmarks/bench_vs_torch.py --unbucketed            # GPT and Llama, with the before/after rows
     python benchmarks/bench_vs_torch.py --models gpt --overlap
+    python benchmarks/bench_vs_torch.py --no-profile --no-solver --comm-cost   # where the step's host time goes
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ BASE = {
     "mp: ZeRO-3" + UNGROUPED: "FSDP2",
 }
 BASE["mp: DP, 25 MiB buckets"] = "DDP"
+PHASES = ("forward", "backward", "optimizer")
+"""A step's parts as timed (``optimizer``: AdamW's step, zero_grad and, for DDP and FSDP2, the loss' all-reduce)."""
 """What each meshpilot variant is compared with (the solver's plan: the faster of the two)."""
 MODELS = {
     "gpt": {"name": "gpt-tiny", "layers": 4, "hidden": 256, "heads": 8, "batch": 8, "seq": 128},
@@ -150,6 +160,8 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         ("mp: ZeRO-3", {"mesh_shape": (n,), "force": forced.zero3(built.model, built.inputs, (n,))}),
         ("mp: solver", {"num_devices": n}),
     ):
+        if name == "mp: solver" and args.no_solver:
+            continue
         t0 = time.perf_counter()
         p = plan(built.model, built.inputs, cluster, graph=graph, overlap=args.overlap, **kw)
         path = folder / (name.split()[-1] + ".json")
@@ -236,6 +248,32 @@ def table(key: str, res: dict) -> list[str]:
     diffs = {k: x["loss0_diff"] for k, x in v.items()}
     lines.append("")
     lines.append("|first loss - DDP's|: " + ", ".join(f"{k} {d:.1e}" for k, d in diffs.items()))
+    return lines + phase_table(v)
+
+
+def phase_table(v: dict) -> list[str]:
+    """Each variant's median CPU and wall ms per part of the step (each the busiest rank's) and, where measured
+    (``--comm-cost``), what its forward + backward cost with and without its collectives."""
+    n = len(PHASES)
+    lines = [
+        "",
+        "| variant | " + " | ".join(f"{p} CPU / wall ms" for p in PHASES) + " | fwd+bwd CPU ms: with"
+        " collectives / without (collectives; CPU ms each) |",
+        "|---|" + "---:|" * (n + 1),
+    ]
+    for k, x in v.items():
+        cols = []
+        for j in range(n):
+            c = statistics.median(s[j] for s in x["phases"]) * 1e3
+            w = statistics.median(s[n + j] for s in x["phases"]) * 1e3
+            cols.append(f"{c:.0f} / {w:.0f}")
+        cc = x.get("comm_cost")
+        comm = ""
+        if cc:
+            extra = cc["with_ms"] - cc["without_ms"]
+            each = f"; {extra / cc['collectives']:.2f}" if cc.get("collectives") else ""
+            comm = f"{cc['with_ms']:.0f} / {cc['without_ms']:.0f} ({cc.get('collectives') or 'DDP'}{each})"
+        lines.append(f"| {k} | " + " | ".join(cols) + f" | {comm} |")
     return lines
 
 
@@ -246,6 +284,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled split of one more step")
+    ap.add_argument("--no-solver", action="store_true", help="leave the solver's own plan out (no search)")
     ap.add_argument(
         "--overlap",
         action="store_true",
@@ -281,6 +320,13 @@ def main() -> int:
         type=Path,
         help="also run --steps more steps of each variant under cProfile on every rank and save the stats as "
         "DIR/<variant>-rank<r>.prof (where a step's CPU time goes, by Python function)",
+    )
+    ap.add_argument(
+        "--comm-cost",
+        action="store_true",
+        help="also measure what the collectives of forward + backward cost the host: each meshpilot variant's "
+        "recorded programs with their collectives replaced by local copies of the same shapes, DDP under no_sync(), "
+        "--steps rounds interleaved with the real ones (results of the stubbed runs are thrown away)",
     )
     ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -357,6 +403,110 @@ def cprofile_steps(folder: Path, variants, step, steps: int, rank: int) -> None:
         prof.dump_stats(folder / f"{k.replace(':', '').replace(' ', '_').replace(',', '')}-rank{rank}.prof")
 
 
+_funcol = torch.ops._c10d_functional
+
+
+def _no_all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return x.clone()
+
+
+def _no_all_reduce_(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return x
+
+
+def _no_all_gather(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
+    return x.repeat(n, *([1] * (x.dim() - 1))) if x.dim() else x.repeat(n)
+
+
+def _no_reduce_scatter(x: torch.Tensor, op: str, n: int, group: str) -> torch.Tensor:
+    return x.narrow(0, 0, x.shape[0] // n).clone()
+
+
+def _no_wait(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+_STUBS = {
+    _funcol.all_reduce.default: _no_all_reduce,
+    _funcol.all_reduce_.default: _no_all_reduce_,
+    _funcol.all_gather_into_tensor.default: _no_all_gather,
+    _funcol.reduce_scatter_tensor.default: _no_reduce_scatter,
+    _funcol.wait_tensor.default: _no_wait,
+}
+
+
+def without_collectives(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """A copy of the recorded program `gm` with every functional collective replaced by a local op that makes a
+    tensor of the same shape (the same allocation and copy, no communication), and how many it replaced."""
+    import copy
+
+    stub = copy.deepcopy(gm)
+    n = 0
+    for node in stub.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", "") != "_c10d_functional":
+            continue
+        if node.target not in _STUBS:
+            raise SystemExit(f"--comm-cost: no local stand-in for {node.target}")
+        n += node.target is not _funcol.wait_tensor.default
+        node.target = _STUBS[node.target]
+    stub.recompile()
+    return stub, n
+
+
+def comm_cost(models: dict, inputs: dict, opts: dict, variants, rounds: int) -> dict[str, dict]:
+    """Forward + backward CPU seconds of each rank with the step's collectives and without them (meshpilot: the
+    programs of :func:`without_collectives`; DDP: ``no_sync()``), `rounds` of each interleaved; the mean over
+    ranks of each one's median. No optimizer step runs (the stubbed gradients are wrong): zero_grad after each."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    swaps: dict[str, dict[str, tuple]] = {}
+    counts: dict[str, int] = {}
+    for k in variants:
+        program = getattr(models[k], "program", None)
+        if program is None:
+            continue
+        swaps[k], counts[k] = {}, 0
+        for name in ("forward", "backward", "grad_sync"):
+            gm = getattr(program, f"{name}_gm")
+            if gm is not None:
+                stub, n = without_collectives(gm)
+                swaps[k][f"_{name}_fn"] = (getattr(program, f"_{name}_fn"), stub)
+                counts[k] += n
+
+    def run(k: str, real: bool) -> float:
+        program = getattr(models[k], "program", None)
+        for attr, (orig, stub) in swaps.get(k, {}).items():
+            setattr(program, attr, orig if real else stub)
+        quiet = models[k].no_sync() if (k == "DDP" and not real) else contextlib.nullcontext()
+        dist.barrier()
+        c0 = time.process_time()
+        with quiet:
+            models[k](*inputs[k]).backward()
+        used = time.process_time() - c0
+        opts[k].zero_grad()
+        for attr, (orig, _) in swaps.get(k, {}).items():
+            setattr(program, attr, orig)
+        return used
+
+    measured = [k for k in variants if k in swaps or k == "DDP"]
+    cpu = {(k, real): [] for k in measured for real in (True, False)}
+    for _ in range(rounds):
+        for k in measured:
+            for real in (True, False):
+                cpu[(k, real)].append(run(k, real))
+    mine = {key: statistics.median(v) for key, v in cpu.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for k in measured:
+        with_c = statistics.mean(e[(k, True)] for e in every)
+        without = statistics.mean(e[(k, False)] for e in every)
+        out[k] = {"with_ms": with_c * 1e3, "without_ms": without * 1e3, "collectives": counts.get(k)}
+    return out
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from bench_step_time import profile_step
@@ -383,19 +533,30 @@ def worker(args: argparse.Namespace) -> int:
             models[k], inputs[k] = wrap_torch(k, m), mine
     opts = {k: adamw(m.parameters(), lr=1e-4) for k, m in models.items()}
 
+    marks: list[tuple[float, float]] = []
+
+    def mark() -> None:
+        marks.append((time.process_time(), time.perf_counter()))
+
     def step(name: str) -> float:
+        marks.clear()
+        mark()
         loss = models[name](*inputs[name])
+        mark()
         loss.backward()
+        mark()
         opts[name].step()
         opts[name].zero_grad()
         t = loss.detach().clone()
         if name in ("DDP", "FSDP2"):  # each rank's loss is its rows' mean: the batch's is their mean
             dist.all_reduce(t)
             t /= world
+        mark()
         return float(t)
 
     times = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
+    phases: dict[str, list[list[float]]] = {k: [] for k in variants}
     losses = {k: [] for k in variants}
     for i in range(args.warmup + args.steps):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
@@ -405,12 +566,14 @@ def worker(args: argparse.Namespace) -> int:
             loss = step(name)
             dist.barrier()
             dt = time.perf_counter() - t0
-            used = torch.tensor([time.process_time() - c0, dt], dtype=torch.float64)
+            split = [marks[j + 1][c] - marks[j][c] for c in (0, 1) for j in range(len(PHASES))]
+            used = torch.tensor([time.process_time() - c0, dt, *split], dtype=torch.float64)
             dist.all_reduce(used, op=dist.ReduceOp.MAX)
             losses[name].append(loss)
             if i >= args.warmup:
                 times[name].append(float(used[1]))
                 cpu[name].append(float(used[0]))
+                phases[name].append([float(x) for x in used[2:]])
         if rank == 0 and i >= args.warmup:
             print(f"step {i}: " + ", ".join(f"{k} {times[k][-1] * 1e3:.0f} ms" for k in variants), flush=True)
     colls = {k: count_collectives(lambda k=k: step(k)) for k in variants}
@@ -420,6 +583,7 @@ def worker(args: argparse.Namespace) -> int:
             profiles[k] = profile_step(lambda k=k: step(k), rank)
     if args.cprofile:
         cprofile_steps(args.cprofile, variants, step, args.steps, rank)
+    comm = comm_cost(models, inputs, opts, variants, args.steps) if args.comm_cost else {}
     if rank == 0:
         out = {
             "label": build(spec, "meta").label,
@@ -430,6 +594,8 @@ def worker(args: argparse.Namespace) -> int:
                 k: {
                     "times": times[k],
                     "cpu": cpu[k],
+                    "phases": phases[k],
+                    "comm_cost": comm.get(k),
                     "collectives": colls[k],
                     "loss0_diff": abs(losses[k][0] - losses["DDP"][0]),
                     "profile": profiles[k],

@@ -140,6 +140,22 @@ def _prefetch_order(gm) -> dict[str, dict]:
     return {"edges": edges, "groups": groups, "compute": {str(i): v for i, v in compute.items()}}
 
 
+def _dtensor_dispatches(pm, inputs) -> dict[str, int]:
+    """How many ops one more step's forward and backward send through DTensor's dispatcher (the torch
+    profiler's ``PythonSubclass`` events), after the programs are recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = pm(*inputs)
+    out["forward"] = sum(e.name == "PythonSubclass" for e in prof.events())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    out["backward"] = sum(e.name == "PythonSubclass" for e in prof.events())
+    out["gradients"] = sum(p.grad is not None for p in pm.parameters())
+    return out
+
+
 def _worker(plans: dict[str, str]) -> dict:
     import torch.distributed as dist
 
@@ -155,6 +171,8 @@ def _worker(plans: dict[str, str]) -> dict:
         lr = 1e-3 if "llama" in name else 1e-2  # test_hf_families' rate for transformers models
         got = lockstep_adamw(ref, pm, inputs, steps=3 if name.startswith("zero3") else 2, lr=lr)
         prog = pm.program
+        pm.zero_grad(set_to_none=True)
+        res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
         if prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
         if name.startswith("zero3"):
@@ -230,6 +248,17 @@ def test_collectives_are_the_plans_buckets(runs, name):
         assert got["counts"] == got["planned"] and got["every_step"], name  # the first (recording) step too
         for b in p.grad_buckets:  # one collective of each bucket's flat buffer
             assert any(str(kind) == b.kind and nbytes == b.nbytes for kind, _, nbytes in got["counts"]), (name, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recorded_steps_run_on_local_tensors(runs, name):
+    """Once recorded, a step runs its ops on the local tensors, the plan's collectives explicit, as DDP and FSDP2
+    run theirs: nothing of its forward and backward goes through DTensor's dispatcher but autograd storing each
+    gradient (a DTensor, in its parameter's layout) as ``.grad`` — one ``detach`` a parameter."""
+    _, results = runs
+    for r in results:
+        got = r[name + ":dtensor"]
+        assert got["forward"] == 0 and got["backward"] == got["gradients"] > 0, (name, got)
 
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):

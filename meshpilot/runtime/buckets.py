@@ -6,8 +6,9 @@ flattened into one buffer, one collective, split back.
 the bucket's mesh axis) as ``_c10d_functional`` collectives, which return at once and are waited for by a
 later ``wait_tensor``, and gives back each gradient in its parameter's layout:
 
-* all-reduce (replicated parameters): the gradients' elements one after the other, all-reduced, each
-  gradient a view of its part of the result (as DDP's ``gradient_as_bucket_view``);
+* all-reduce (replicated parameters): the gradients' elements one after the other, all-reduced in place
+  (``all_reduce_``: the bucket is the step's own buffer, so the one copy is the flattening), each gradient a
+  view of its part of the result (as DDP's ``gradient_as_bucket_view``);
 * reduce-scatter (sharded parameters, ZeRO): each gradient cut along its shard dim into the axis' ``n``
   rank chunks, row ``r`` of the buffer holding every gradient's chunk ``r``; reduce-scattered, this rank's
   row split back into its shards.
@@ -84,8 +85,10 @@ class BucketSync:
         group = self.mesh.get_group(b.axis).group_name
         with tagged((ISSUE, k)):
             if b.kind == CollectiveKind.ALL_REDUCE:
+                # in place on the bucket's own buffer: the functional all_reduce would copy it first (one more
+                # pass over every gradient byte per step, and a second bucket-sized buffer while in flight)
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                return _funcol.all_reduce(flat, "sum", group)
+                return _funcol.all_reduce_(flat, "sum", group)
             n = self.mesh.size(b.axis)
             rows = [g.movedim(m.move.dim, 0).reshape(n, -1) for g, m in zip(grads, self.members[k])]
             flat = torch.cat(rows, dim=1).reshape(-1)

@@ -201,6 +201,7 @@ def record(
 # The functional collectives DTensor issues, by op name (``_c10d_functional.<name>.default``).
 _FUNCTIONAL_KINDS = {
     "all_reduce": CollectiveKind.ALL_REDUCE,
+    "all_reduce_": CollectiveKind.ALL_REDUCE,  # in place (runtime.buckets)
     "all_gather_into_tensor": CollectiveKind.ALL_GATHER,
     "reduce_scatter_tensor": CollectiveKind.REDUCE_SCATTER,
     "all_to_all_single": CollectiveKind.ALL_TO_ALL,
