@@ -122,7 +122,8 @@ def gloo_peak(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> float:
     m = p.step_schedule().microbatches
     one = tuple(x[: x.shape[0] // m] for x in inputs)  # the graph is one microbatch's
     graph = for_plan(capture(model, one, precision=p.precision or None), p)
-    return memory_use(graph, plan_strategies(p, graph), p.mesh_shape, microbatches=m, on_cpu=True).total
+    chosen = plan_strategies(p, graph)
+    return memory_use(graph, chosen, p.mesh_shape, microbatches=m, on_cpu=True, buckets=p.grad_buckets).total
 
 
 def measured_line(p: StagePlan, peaks: list[int], gloo: float | None = None) -> str:

@@ -322,6 +322,29 @@ def test_overlap_pricing_hides_all_but_the_tail():
     assert grad_move(held, p.param_layout(bucketed[0]), graph[g[0]].out.shape, (WORLD,)) is not None
 
 
+def test_bucket_buffers_are_counted_and_kept_under_the_cap():
+    """A bucket's flat buffer lives from its issue (right after its last gradient) to the end of the backward
+    (``accounting.bucket_buffers``): the plan's memory counts it, and under a cap the buffers would exceed the
+    planner cuts the buckets, down to none, rather than hand back a plan over its cap (a memory-capped search
+    once cycled between caps that way)."""
+    from meshpilot.planner.accounting import bucket_buffers, memory_use, plan_strategies
+
+    model, inputs = _model_inputs()
+    graph = capture(model, inputs)
+    force = forced.data_parallel(model, inputs, (WORLD,))
+    p = plan(model, inputs, CLUSTER, mesh_shape=(WORLD,), force=force, graph=graph)
+    chosen = plan_strategies(p, graph)
+    flat = bucket_buffers(graph, chosen, p.mesh_shape, p.grad_buckets)
+    assert p.grad_buckets and all(b.kind == CollectiveKind.ALL_REDUCE for b in p.grad_buckets)
+    assert sum(flat.held.values()) == sum(b.nbytes for b in p.grad_buckets)  # held in place, to the end
+    assert flat.viewed == {q for b in p.grad_buckets for q in b.params}  # no reduced copies of their own
+    bare = memory_use(graph, chosen, p.mesh_shape)
+    assert p.memory.total == memory_use(graph, chosen, p.mesh_shape, buckets=p.grad_buckets).total > bare.total
+    cap = (bare.total + p.memory.total) / 2
+    capped = plan(model, inputs, CLUSTER, mesh_shape=(WORLD,), force=force, graph=graph, memory_bytes=cap)
+    assert capped.memory.total <= cap and not capped.grad_buckets and capped.time.hidden_s == 0
+
+
 def test_old_plan_files_load_without_buckets():
     model, inputs = _model_inputs()
     p = plan(model, inputs, CLUSTER, mesh_shape=(WORLD,), force=forced.data_parallel(model, inputs, (WORLD,)))

@@ -82,6 +82,14 @@ is a gather of the whole); the node's peak is the larger of that moment and the 
 Where a gradient is resharded into its parameter's layout, the reduced copy is allocated at the end of the
 backward, as the runtime does.
 
+*Gradient buckets* (``StagePlan.grad_buckets``, :func:`bucket_buffers`): a bucket is issued right after the
+node that produces its last gradient. An all-reduce sums its flat buffer in place and every gradient becomes
+a view of it, so the buffer (the bucket's bytes) is held from there to the end of the backward instead of
+each gradient's reduced copy. A reduce-scatter moves each gradient whose shard dim is not 0 into rank rows (a
+copy), concatenates them into the flat buffer and keeps this rank's row of the sum (``1/n`` of the bucket) to
+the end: while it flattens, the rows and the flat buffer (or the flat buffer and the row) are live at once.
+The reduced shards are still allocated at the end, as above.
+
     live(i) = Σ_{values v allocated at or before node i, last used at or after i} bytes(v) / sf(v)
 
 Phases of the step and its peak (→ :func:`memory_use`):
@@ -138,6 +146,7 @@ from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
 from meshpilot.graph.views import aliases_input
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
+from meshpilot.sharding.reshard import CollectiveKind
 from meshpilot.sharding.strategies import Strategy
 
 ADAMW_STATES = 2
@@ -392,19 +401,68 @@ class _Layouts:
         return want if self.differ(have, want) else None
 
 
+@dataclass(frozen=True)
+class BucketBuffers:
+    """What a plan's gradient buckets allocate (``runtime.buckets.BucketSync.issue``), as :func:`liveness` adds
+    it (module docstring, *Gradient buckets*)."""
+
+    held: dict[int, float]
+    """Node index -> bytes the buckets issued after that node hold to the end of the backward (each result)."""
+    flattening: dict[int, float]
+    """Node index -> bytes beyond `held` while those buckets are flattened: a reduce-scatter's flat buffer,
+    beside the rows its gradients are moved into when their shard dim is not 0 or beside its result."""
+    viewed: frozenset[str]
+    """Parameters whose synchronised gradient is a view of its bucket's result (all-reduce): no reduced copy
+    of their own at the end."""
+
+
+def bucket_buffers(
+    graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int], buckets: Sequence[Any]
+) -> BucketBuffers:
+    """The buffers of `buckets` (``StagePlan.grad_buckets``) under the layouts `chosen`; each bucket issued
+    right after the node that produces its last gradient, as the recorded backward issues it."""
+    from meshpilot.planner.buckets import grad_move
+
+    lay = _Layouts(chosen, mesh_shape)
+    pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
+    held: dict[int, float] = {}
+    flattening: dict[int, float] = {}
+    viewed: set[str] = set()
+    for b in buckets:
+        at, moved = -1, 0.0
+        for fqn in b.params:
+            src = graph.grads[fqn]
+            at = max(at, graph[src[0]].index)
+            info = graph[src[0]].outputs[src[1]]
+            move = grad_move(lay.out(*src), lay.stored(pnodes[fqn].name), info.shape, lay.mesh_shape)
+            if move is not None and move.kind == CollectiveKind.REDUCE_SCATTER and move.dim != 0:
+                moved += lay.per_device(info, lay.out(*src))  # movedim(dim, 0).reshape: a copy
+        if b.kind == CollectiveKind.ALL_REDUCE:  # in place on the flat buffer, the gradients its views
+            result, extra = float(b.nbytes), 0.0
+            viewed.update(b.params)
+        else:  # the moved rows and the flat buffer, then the flat buffer and this rank's row of the sum
+            result = b.nbytes / lay.mesh_shape[b.axis]
+            extra = max(moved + b.nbytes - result, float(b.nbytes))
+        held[at] = held.get(at, 0.0) + result
+        flattening[at] = flattening.get(at, 0.0) + extra
+    return BucketBuffers(held, flattening, frozenset(viewed))
+
+
 def liveness(
     graph: OpGraph,
     chosen: Mapping[str, Any] | None = None,
     mesh_shape: Sequence[int] = (),
     microbatches: int = 1,
     on_cpu: bool = False,
+    buckets: Sequence[Any] = (),
 ) -> Liveness:
     """Sweep the graph in execution order and return its peak of live values (module docstring).
 
     `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
     value is whole (one device). With `microbatches` > 1 every node before the end also holds ``A``, the
     gradients the earlier microbatches summed (:func:`accumulated_bytes`). `on_cpu`: the redistributions are
-    issued as DTensor issues them on gloo (:func:`reshard_bytes`)."""
+    issued as DTensor issues them on gloo (:func:`reshard_bytes`). `buckets`: the plan's gradient buckets
+    (:func:`bucket_buffers`); without them every gradient is reduced on its own at the end."""
     lay = _Layouts(chosen, mesh_shape)
     end = len(graph.nodes)
     size: dict[Any, float] = {}
@@ -456,6 +514,12 @@ def liveness(
     grad_keys: set[Any] = set()
     reduced: list[Any] = []
     pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
+    flat = bucket_buffers(graph, chosen, mesh_shape, buckets)
+    for idx, nbytes in flat.held.items():
+        key = ("bucket", idx)
+        size[key], last[key] = nbytes, end
+        born.setdefault(idx, []).append(key)
+        grad_keys.add(key)
     for fqn, src in graph.grads.items():
         if src is None or store.get(src) is None:
             continue
@@ -464,7 +528,7 @@ def liveness(
         grad_keys.add(key)
         p = pnodes[fqn]
         have, want = lay.out(*src), lay.stored(p.name)
-        if lay.differ(have, want) and p.out is not None:
+        if lay.differ(have, want) and p.out is not None and fqn not in flat.viewed:
             rkey = ("grad", fqn)
             size[rkey] = lay.per_device(p.out, want)
             reduced.append(rkey)
@@ -477,7 +541,7 @@ def liveness(
     # a redistributed copy that a view the backward reads aliases is kept for the backward too
     saved |= {store.get((n.name, i)) for n in graph.nodes if n.saved_for_backward for i in range(len(n.outputs))}
     held = accumulated_bytes(graph, chosen, mesh_shape) if microbatches > 1 else 0.0
-    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end, held, passing)
+    return _sweep(graph, size, last, born, grad_keys, saved - {None}, end, held, passing, flat.flattening)
 
 
 def accumulated_bytes(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> float:
@@ -502,24 +566,27 @@ def _sweep(
     end: int,
     held: float = 0.0,
     passing: Mapping[int, float] | None = None,
+    after: Mapping[int, float] | None = None,
 ) -> Liveness:
     """Allocate at birth, free after the last use; the peak and what is live there. `held` is live at every
     node before `end` (the accumulated gradients; at `end` the last microbatch's are added into them).
     `passing[i]`: bytes node ``i``'s operand redistributions hold only while they run, before the node's own
-    outputs exist (:func:`reshard_bytes`)."""
+    outputs exist (:func:`reshard_bytes`); `after[i]`: bytes held briefly once its outputs exist (a gradient
+    bucket flattened: :func:`bucket_buffers`)."""
     death: dict[Any, int] = {}
     dying: dict[int, list[Any]] = {}
     best, best_idx, total = -1.0, -1, 0.0
-    passing = passing or {}
+    passing, after = passing or {}, after or {}
     for idx in sorted(born):
         for key in born[idx]:
             total += size[key]
             death[key] = max(last.get(key, idx), idx)
             dying.setdefault(death[key], []).append(key)
-        now = total + (held if idx < end else 0.0)
+        base = total + (held if idx < end else 0.0)
+        now = base + after.get(idx, 0.0)
         if idx in passing:  # the redistribution's moment: the copies and their buffers, not the outputs yet
             outputs = sum(size[k] for k in born[idx] if len(k) == 2 and isinstance(k[1], int))
-            now = max(now, now - outputs + passing[idx])
+            now = max(now, base - outputs + passing[idx])
         if now > best:
             best, best_idx = now, idx
         for key in dying.pop(idx, ()):
@@ -559,6 +626,7 @@ def _parts(
     mesh_shape: Sequence[int],
     microbatches: int = 1,
     on_cpu: bool = False,
+    buckets: Sequence[Any] = (),
 ) -> _Parts:
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
@@ -585,7 +653,7 @@ def _parts(
     rows[1] += saved
     if microbatches > 1:  # the earlier microbatches' gradients, held at the start of a later one's backward
         rows[1] += accumulated_bytes(graph, chosen, mesh_shape)
-    live = liveness(graph, chosen, mesh_shape, microbatches, on_cpu)
+    live = liveness(graph, chosen, mesh_shape, microbatches, on_cpu, buckets)
     return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, live)
 
 
@@ -596,12 +664,13 @@ def memory_use(
     capacity: float = float("inf"),
     microbatches: int = 1,
     on_cpu: bool = False,
+    buckets: Sequence[Any] = (),
 ) -> MemoryUse:
     """Predicted peak bytes per device of one training step of a plan (module docstring), as a
     :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak; `graph` is one microbatch's,
     accumulated over `microbatches` (``F0 B0 … G``); `on_cpu`: its redistributions issued as on gloo
-    (:func:`reshard_bytes`)."""
-    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu)
+    (:func:`reshard_bytes`); `buckets`: its gradient buckets (:func:`bucket_buffers`)."""
+    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu, buckets)
     live = p.live
     if live.peak >= p.grads + p.update_temp:  # the forward + backward peaks higher than the optimizer step
         grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node

@@ -43,7 +43,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner import recompute as recompute_choice
-from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, step_edges, stored_layout
+from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memory_use, step_edges, stored_layout
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
@@ -171,7 +171,32 @@ def _finish(
         result = dataclasses.replace(result, schedule=overlapped(result, microbatches))
     if duplex:
         result = dataclasses.replace(result, schedule=duplex_schedule(result))
-    return with_buckets(result, graph, search.best_resharder.cost_model)
+    return _bucketed(result, graph, best, search.capacity, search.best_resharder.cost_model)
+
+
+MIN_BUCKET_BYTES = 1 << 16
+"""The smallest bucket :func:`_bucketed` tries before it plans none."""
+
+
+def _bucketed(plan: StagePlan, graph: OpGraph, best: Candidate, capacity: float, cost: Any) -> StagePlan:
+    """`plan` with its gradient buckets (``planner.buckets.with_buckets``) and its memory counting their flat
+    buffers (``accounting.bucket_buffers``). While those push the peak over `capacity` (where the plan fitted
+    without them), the buckets are cut to a quarter of the largest; below :data:`MIN_BUCKET_BYTES`, none: each
+    gradient is then reduced on its own at the end of the backward, as the search priced it."""
+    m = plan.step_schedule().microbatches  # the search's structures sum the gradients of m > 1 (accounting: A)
+    bound = max(capacity, plan.memory.total) * (1 + EPS)
+    size = None
+    while True:
+        bucketed = with_buckets(plan, graph, cost, size)
+        if not bucketed.grad_buckets:
+            return bucketed
+        memory = memory_use(graph, best.chosen, best.shape, capacity, m, cost.device.is_cpu, bucketed.grad_buckets)
+        if memory.total <= bound:
+            return dataclasses.replace(bucketed, memory=memory)
+        size = int(min(size or math.inf, max(b.nbytes for b in bucketed.grad_buckets)) // 4)
+        if size < MIN_BUCKET_BYTES:
+            time = dataclasses.replace(bucketed.time, hidden_s=0.0)
+            return dataclasses.replace(bucketed, grad_buckets=(), time=time)
 
 
 def _check_options(zero: str, microbatches: int, overlap: bool, duplex: bool) -> ZeroMode:
