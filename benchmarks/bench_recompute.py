@@ -91,24 +91,12 @@ def step_peaks(model: torch.nn.Module, inputs: tuple, p: StagePlan) -> list[int]
     import torch.distributed as dist
 
     import meshpilot
-    from meshpilot.cluster.memtrack import StorageTracker
+    from meshpilot.cluster.memtrack import adamw_step_peak
 
     pm = meshpilot.parallelize(model, p)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
-
-    def step() -> None:
-        pm(*inputs).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    copies = [c for c in pm._copies.copies.values() if c is not None]  # ZeRO-2 full copies, held across steps
-    with StorageTracker(existing=[*pm.parameters(), *state, *copies, *inputs]) as tracker:
-        step()
-        step()
+    peak = adamw_step_peak(pm, inputs, lambda: [c for c in pm._copies.copies.values() if c is not None])
     peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, tracker.peak)
+    dist.all_gather_object(peaks, peak)
     return peaks
 
 

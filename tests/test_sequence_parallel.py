@@ -155,28 +155,13 @@ def wide_plan():
 
 def _measured_peak(plan_json: str) -> int:
     """This rank's peak storage bytes over two AdamW steps of :func:`_wide` run by the plan, after one warm-up
-    step; parameters, AdamW states and inputs counted from the start (``bench_recompute.step_peaks``)."""
-    import torch
-
-    from meshpilot.cluster.memtrack import StorageTracker
+    step (``memtrack.adamw_step_peak``, as the memory benchmarks measure)."""
+    from meshpilot.cluster.memtrack import adamw_step_peak
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
     model, inputs = _wide()
-    pm = parallelize(model, StagePlan.from_json(plan_json))
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
-
-    def step() -> None:
-        pm(*inputs).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    with StorageTracker(existing=[*pm.parameters(), *state, *inputs]) as tracker:
-        step()
-        step()
-    return tracker.peak
+    return adamw_step_peak(parallelize(model, StagePlan.from_json(plan_json)), inputs)
 
 
 def _lockstep(jobs: list[tuple[str, str]], wide_json: str) -> tuple[list[dict], int]:

@@ -6,13 +6,14 @@ C++ object, so views add nothing) and subtracted when the storage is freed (``we
 preserved Python storage object). Storages that exist before the block (parameters, inputs) are passed
 in, so the total is comparable to a plan's predicted peak. What it cannot see: allocator rounding and
 kernel workspaces that never become tensors. Used by ``tests/test_cost_fidelity.py`` and
-``benchmarks/gpu_check.py --device cpu``.
+``benchmarks/gpu_check.py --device cpu``; :func:`adamw_step_peak` measures a training step as the memory
+benchmarks and ``tests/test_sequence_parallel.py`` compare it with a plan's prediction.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -56,3 +57,23 @@ class StorageTracker(TorchDispatchMode):
         if self.current > self.peak:
             self.peak, self.peak_op = self.current, str(func)
         return out
+
+
+def adamw_step_peak(module: torch.nn.Module, inputs: tuple, held: Callable[[], Iterable[torch.Tensor]] = tuple) -> int:
+    """This process' peak storage bytes over two training steps of `module` (``module(*inputs).backward()``, a
+    foreach AdamW step, ``zero_grad(set_to_none=True)``) after one warm-up step: the step a plan's predicted
+    peak describes. What persists across steps is counted from the start: the parameters, AdamW's states, the
+    inputs and `held()` (tensors the warm-up made that stay, such as ZeRO-2's gathered copies)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
+
+    def step() -> None:
+        module(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    with StorageTracker(existing=[*module.parameters(), *state, *held(), *inputs]) as tracker:
+        step()
+        step()
+    return tracker.peak
