@@ -111,6 +111,7 @@ class _Pool:
     test module (measured: 12.8 s of CPU to start 4 ranks that import the runtime and do nothing)."""
 
     def __init__(self, world_size: int, backend: str, threads: int) -> None:
+        _log_pool_start(world_size)
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix="meshpilot-dist-")
@@ -193,6 +194,17 @@ class _Pool:
                 p.join()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         _POOLS.pop(next((k for k, v in _POOLS.items() if v is self), None), None)
+
+
+def _log_pool_start(world_size: int) -> None:
+    """With ``MESHPILOT_TEST_CPU=DIR`` (``tests/conftest.py``'s CPU log), one line per pool started in
+    ``DIR/pools.<pid>.tsv``: the time, the world size and the pools then alive — every start after the first of
+    a size is a restart the suite pays ``import torch`` and the first task's lazy imports for again."""
+    out = os.environ.get("MESHPILOT_TEST_CPU")
+    if not out or not os.path.isdir(out):
+        return
+    with open(os.path.join(out, f"pools.{os.getpid()}.tsv"), "a") as fh:
+        fh.write(f"{time.strftime('%H:%M:%S')}\t{world_size}\t{sorted(k[0] for k in _POOLS)}\n")
 
 
 _POOLS: dict[tuple[int, str, int], _Pool] = {}
