@@ -28,34 +28,69 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cp import LLAMA  # noqa: E402
-from bench_cp import _model as llama  # noqa: E402
 from bench_recompute import measure_saved  # noqa: E402
 
 from meshpilot.io import fmt_size  # noqa: E402
 from meshpilot.ops.attention import sequence_axes  # noqa: E402
 from meshpilot.planner.plan import Plan, StagePlan  # noqa: E402
 
-CLUSTER, DEVICES, SEQ = "alpa-p3x8", 4, 2048
+CLUSTER, DEVICES = "alpa-p3x8", 4
 CAPS = (None, 0.8, 0.6, 0.45, 0.35, 0.28, 0.22, 0.17)
 """Caps as fractions of the uncapped plan's predicted peak (None: the device's own memory)."""
 
 
-def _cli(out: Path, cap: float | None) -> tuple[Plan, str]:
+@dataclass(frozen=True)
+class Shape:
+    """The model and batch a table is planned for: bench_cp's Llama with `overrides`, `batch` x `seq` tokens."""
+
+    batch: int = 1
+    seq: int = 2048
+    overrides: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def config(self) -> dict:
+        return {**LLAMA, **dict(self.overrides)}
+
+    def build(self, device: str = "cpu") -> tuple[torch.nn.Module, tuple]:
+        """The model (seeded) and a batch of token ids and labels, as the CLI's ``hf:llama`` builds them."""
+        from meshpilot.models.sources import hf_model
+
+        torch.manual_seed(0)
+        model = hf_model("llama", self.config)
+        g = torch.Generator().manual_seed(1)
+        vocab = self.config["vocab_size"]
+        ids = torch.randint(0, vocab, (self.batch, self.seq), generator=g)
+        labels = torch.randint(0, vocab, (self.batch, self.seq), generator=g)
+        return model.to(device), (ids, labels)
+
+
+def _shape(text: str) -> Shape:
+    """``--shape batch=8,seq=256,hidden_size=256,...``: the batch, the sequence and any Llama config key."""
+    kv = dict(item.split("=", 1) for item in text.split(",") if item)
+    batch, seq = int(kv.pop("batch", 1)), int(kv.pop("seq", 2048))
+    return Shape(batch, seq, tuple((k, int(v)) for k, v in kv.items()))
+
+
+def _cli(out: Path, cap: float | None, shape: Shape, extra: tuple[str, ...] = ()) -> tuple[Plan, str]:
     """``meshpilot plan`` of the model under `cap` bytes per device, saved to `out`: the plan and the line it
     printed about one stage against a pipeline."""
     from meshpilot.cli.main import main as cli
 
-    hf = [f"{k}={v}" for k, v in LLAMA.items()]
-    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--batch", "1", "--seq", str(SEQ)]
+    hf = [f"{k}={v}" for k, v in shape.config.items()]
+    argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--batch", str(shape.batch), "--seq", str(shape.seq)]
     argv += ["--cluster", CLUSTER, "--devices", str(DEVICES), "--out", str(out)]
     if cap is not None:
         argv += ["--memory-gib", f"{cap / 2**30:.9f}"]
+    argv += list(extra)
     text, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(text), contextlib.redirect_stderr(err):
         rc = cli(argv)
@@ -81,8 +116,10 @@ def _row(cap: float | None, plan: Plan | None, error: str = "") -> str:
     if plan is None:
         return f"| {cap_s} | no plan: {error} | | | | | | |"
     stages = [s.plan for s in plan.stages]
-    if len(stages) == 1:
+    if len(stages) == 1 and plan.microbatches == 1:
         step, kind = stages[0].time.overlapped_s, "one stage"
+    elif len(stages) == 1:  # the stage DP's answer of one stage: gradient accumulation, timed by the simulator
+        step, kind = plan.simulate().step_s, f"one stage × {plan.microbatches} microbatches"
     else:
         step = plan.simulate().step_s
         kind = f"pipeline, {len(stages)} stages × {plan.microbatches} microbatches"
@@ -99,20 +136,27 @@ def _save_three(saved: dict[str, str], out: Path) -> list[str]:
     return chosen
 
 
-def run_plan(out: Path) -> None:
+def run_plan(
+    out: Path,
+    shape: Shape,
+    caps: tuple[float | None, ...] = CAPS,
+    extra: tuple[str, ...] = (),
+    top: float | None = None,
+) -> None:
+    if caps and caps[0] is not None and top is None:
+        raise SystemExit("bench_levers: the caps start below 'none': give the uncapped peak with --top-mib")
     head = "cap per device | plan | mesh | recompute | ZeRO | attention sequence-parallel over"
     print(f"| {head} | predicted step | predicted peak |")
     print("| ---: | --- | --- | --- | --- | --- | ---: | ---: |")
     saved: dict[str, str] = {}
     chosen: list[str] = []
-    top: float | None = None
     t0 = time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
-        for i, frac in enumerate(CAPS):
+        for i, frac in enumerate(caps):
             cap = None if frac is None else frac * top
             path = Path(tmp) / f"plan{i}.json"
             try:
-                plan, why = _cli(path, cap)
+                plan, why = _cli(path, cap, shape, extra)
             except RuntimeError as e:  # the CLI's own one-line refusal is the row
                 print(_row(cap, None, str(e)[:300]), flush=True)
                 continue
@@ -123,21 +167,44 @@ def run_plan(out: Path) -> None:
             if len(plan.stages) == 1:
                 saved[fmt_size(cap) if cap else "none"] = plan.stages[0].plan.to_json()
                 chosen = _save_three(saved, out)  # as it goes: the rows under the tightest caps plan slowest
-    print(f"\n{len(CAPS)} plans in {time.process_time() - t0:.0f} s of CPU (this process; the stage DP's workers "
+    print(f"\n{len(caps)} plans in {time.process_time() - t0:.0f} s of CPU (this process; the stage DP's workers "
           f"not counted); saved the one-stage plans at caps {', '.join(chosen)} to {out}")  # fmt: skip
 
 
-def run_measure(path: Path) -> None:
-    measure_saved(path, lambda _: llama(SEQ, "cpu"), lambda k, p: f"cap {k}: {_stage_levers(p)}")
+def run_measure(path: Path, shape: Shape) -> None:
+    measure_saved(path, lambda _: shape.build("cpu"), lambda k, p: f"cap {k}: {_stage_levers(p)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/levers.json"))
-    sub.add_parser("measure").add_argument("plans", type=Path)
+    plan = sub.add_parser("plan")
+    plan.add_argument("--out", type=Path, default=Path("/tmp/levers.json"))
+    plan.add_argument(
+        "--top-mib", type=float, help="the uncapped peak the caps are fractions of, when the caps start below 'none'"
+    )
+    plan.add_argument("--cli", default="", help="more `meshpilot plan` arguments, e.g. '--approximate-table'")
+    plan.add_argument(
+        "--caps",
+        type=lambda t: tuple(None if c == "none" else float(c) for c in t.split(",")),
+        default=CAPS,
+        help="caps as fractions of the uncapped plan's peak, 'none' first (default: %(default)s)",
+    )
+    measure = sub.add_parser("measure")
+    measure.add_argument("plans", type=Path)
+    for p in (plan, measure):
+        p.add_argument(
+            "--shape",
+            type=_shape,
+            default=Shape(),
+            help="batch=B,seq=S and Llama config keys over bench_cp's (default: batch=1,seq=2048)",
+        )
     args = ap.parse_args()
-    run_plan(args.out) if args.cmd == "plan" else run_measure(args.plans)
+    if args.cmd == "plan":
+        top = args.top_mib * 2**20 if args.top_mib else None
+        run_plan(args.out, args.shape, args.caps, tuple(args.cli.split()), top)
+    else:
+        run_measure(args.plans, args.shape)
 
 
 if __name__ == "__main__":
