@@ -481,7 +481,7 @@ class StagePlan:
             lines.append("  recompute    " + self.recompute_line())
         from meshpilot.ops.attention import context_line
 
-        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape)
+        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape, self.collectives)
         if cp is not None:
             lines.append("  context      " + cp)
         if self.zero:
