@@ -663,8 +663,8 @@ _SHORT = {
 def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> dict[str, str]:
     """Pins for the values a pipeline stage receives (`sub`'s ``boundary:`` leaves, ``stage.slice_graph``) that
     carry the microbatch's rows (dim 0 that of `graph`'s first input): the layout `force` gives ``input:0``, where
-    that layout shards rows only (``R`` / ``S(0)`` on every axis, as ``planner.forced`` pins batches) and no
-    pattern of `force` names the leaf already.
+    that layout shards its rows and nothing else (``S(0)`` on some axis, ``R`` on the others, as
+    ``planner.forced`` pins batches) and no pattern of `force` names the leaf already.
 
     A stage's ILP prices no layout of a received value (it arrives from another mesh), so sharded and
     replicated tie; replicated, each of the stage's ranks receives every row of it and the sender sends each
@@ -682,8 +682,8 @@ def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> d
     rule = spec.winner("input:0") if spec is not None else None
     if first is None or first.out is None or not first.out.shape or rule is None:
         return {}
-    if any(p not in ("R", "S(0)") for p in rule.placements):
-        return {}
+    if "S(0)" not in rule.placements or any(p not in ("R", "S(0)") for p in rule.placements):
+        return {}  # the inputs not pinned as batch rows: nothing to follow
     rows = first.out.shape[0]
     pins = {}
     for n in sub.nodes:
