@@ -5,6 +5,10 @@
 (and over which axis), which blocks recompute, the predicted step and peak memory; the plans are saved.
 ``measure`` (under ``torchrun --nproc-per-node 4``): each saved plan's peak storage per rank over two AdamW
 steps (``bench_recompute.step_peaks``) against its prediction.
+``methods``: planning only, the two methods side by side as the sequence grows, for the tiny Llama with 8 heads
+(transformers' masked attention) and meshpilot's GPT (``is_causal``) at batch 1 on (4, 1): the ILP's plan
+uncapped and under a cap of 80 % of its peak, and each method pinned (all-gather: the inputs sequence-sharded;
+Ulysses: ``attention.ulysses_pins``); which method each plan uses, its predicted step and peak.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from meshpilot.graph.capture import capture
 from meshpilot.io import fmt_size
-from meshpilot.models.sources import hf_model
-from meshpilot.ops.attention import sequence_axes
+from meshpilot.models.sources import build_model, hf_model
+from meshpilot.ops.attention import context_axes, ulysses_pins
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -37,21 +42,32 @@ CAPS = (None, 0.6, 0.35)
 """Caps as fractions of the uncapped plan's predicted peak (None: the device's own memory)."""
 
 
-def _model(seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
+METHOD_SEQS = (512, 1024, 2048, 4096)
+MHA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
+"""The Llama of ``methods``: 8 heads (Ulysses needs the 4-way axis to divide them), 8 key/value heads."""
+GPT = dict(layers=2, hidden=64, heads=8)
+
+
+def _model(seq: int, device: str = "meta", **over) -> tuple[torch.nn.Module, tuple]:
     torch.manual_seed(0)
-    model = hf_model("llama", dict(LLAMA))
+    model = hf_model("llama", {**LLAMA, **over})
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
     labels = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
     return (model.to(device) if device != "meta" else model), (ids, labels)
 
 
+def _cp(p: StagePlan) -> str:
+    """The plan's context parallelism: ``gpu (4, all-gather)`` per axis and method, or ``no``."""
+    found = context_axes(p.nodes, p.mesh_axes, p.collectives)
+    return ", ".join(f"{c.axis} ({p.mesh_shape[p.mesh_axes.index(c.axis)]}, {c.method})" for c in found) or "no"
+
+
 def _row(seq: int, cap: float | None, p: StagePlan | None, error: str = "") -> str:
     cap_s = fmt_size(cap) if cap else "none"
     if p is None:
         return f"| {seq} | {cap_s} | no plan: {error} | | | | |"
-    cp = sequence_axes(p.nodes, p.mesh_axes)
-    cp_s = ", ".join(f"{a} ({p.mesh_shape[p.mesh_axes.index(a)]})" for a in cp) or "no"
+    cp_s = _cp(p)
     rc = ", ".join(p.recompute.regions) if p.recompute and p.recompute.regions else "none"
     return (
         f"| {seq} | {cap_s} | {p.mesh_shape} | {cp_s} | {rc} | {p.time.total_s * 1e3:.3f} ms "
@@ -83,11 +99,71 @@ def run_plan(out: Path) -> None:
     out.write_text(json.dumps(saved))
 
 
+def _method_row(model: str, seq: int, what: str, p: StagePlan | None, error: str = "") -> str:
+    if p is None:
+        return f"| {model} | {seq} | {what} | no plan: {error} | | |"
+    return f"| {model} | {seq} | {what} | {_cp(p)} | {p.time.total_s * 1e3:.3f} ms | {fmt_size(p.memory.total)} |"
+
+
+def _method_model(name: str, seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
+    """``methods``' models: the 8-head Llama (``llama``) or meshpilot's GPT (``gpt``) at batch 1."""
+    if name == "llama":
+        return _model(seq, device, **MHA)
+    torch.manual_seed(0)
+    built = build_model("gpt-tiny", batch=1, seq=seq, device=device, **GPT)
+    return built.model, tuple(built.inputs)
+
+
+def _methods_of(name: str, seq: int, saved: dict[str, str]) -> list[str]:
+    """One model at one sequence length: the ILP's plan, capped, and each method pinned; each plan found is
+    saved in `saved` as ``name/seq/what``."""
+    model, inputs = _method_model(name, seq)
+    graph = capture(model, inputs)
+    kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none")
+    free = plan(model, inputs, CLUSTER, **kw)
+    saved[f"{name}/{seq}/ILP"] = free.to_json()
+    rows = [_method_row(name, seq, "ILP", free)]
+    cap = 0.8 * free.memory.total
+    runs = (  # (saved key, row label, planner arguments)
+        ("ILP capped", f"ILP, cap {fmt_size(cap)}", dict(memory_bytes=cap)),
+        ("all-gather pinned", "all-gather pinned", dict(force={"input:*": "S(1)R"})),
+        ("Ulysses pinned", "Ulysses pinned", dict(force=ulysses_pins(graph))),
+    )
+    for key, what, extra in runs:
+        try:
+            p = plan(model, inputs, CLUSTER, **kw, **extra)
+        except PlanError as e:
+            rows.append(_method_row(name, seq, what, None, str(e).split(";")[0]))
+            continue
+        rows.append(_method_row(name, seq, what, p))
+        saved[f"{name}/{seq}/{key}"] = p.to_json()
+    return rows
+
+
+def run_methods(out: Path, seqs: tuple[int, ...]) -> None:
+    saved: dict[str, str] = {}
+    print("| model | seq | plan | context parallel over (method) | predicted step | predicted peak |")
+    print("| --- | ---: | --- | --- | ---: | ---: |")
+    for name in ("llama", "gpt"):
+        for seq in seqs:
+            for row in _methods_of(name, seq, saved):
+                print(row, flush=True)
+    out.write_text(json.dumps(saved))
+
+
+def _saved_model(key: str) -> tuple[torch.nn.Module, tuple]:
+    """The CPU model of a saved key: ``seq/cap`` (``plan``) or ``name/seq/what`` (``methods``)."""
+    parts = key.split("/")
+    if len(parts) == 3:
+        return _method_model(parts[0], int(parts[1]), "cpu")
+    return _model(int(parts[0]), "cpu")
+
+
 def run_measure(path: Path, keys: list[str]) -> None:
     def label(k: str, p: StagePlan) -> str:
-        return f"{k}: mesh {p.mesh_shape}, sequence-parallel {sequence_axes(p.nodes, p.mesh_axes) or 'no'}"
+        return f"{k}: mesh {p.mesh_shape}, context parallel {_cp(p)}"
 
-    measure_saved(path, lambda k: _model(int(k.split("/")[0]), "cpu"), label, keys)
+    measure_saved(path, _saved_model, label, keys)
 
 
 def main() -> None:
@@ -96,10 +172,15 @@ def main() -> None:
     sub.add_parser("plan").add_argument("--out", type=Path, default=Path("/tmp/cp_caps.json"))
     m = sub.add_parser("measure")
     m.add_argument("plans", type=Path)
-    m.add_argument("keys", nargs="*", help="which saved plans (seq/cap), default all")
+    m.add_argument("keys", nargs="*", help="which saved plans (seq/cap or name/seq/what), default all")
+    me = sub.add_parser("methods")
+    me.add_argument("--out", type=Path, default=Path("/tmp/cp_methods.json"))
+    me.add_argument("--seqs", type=int, nargs="*", default=list(METHOD_SEQS))
     args = ap.parse_args()
     if args.cmd == "plan":
         run_plan(args.out)
+    elif args.cmd == "methods":
+        run_methods(args.out, tuple(args.seqs))
     else:
         run_measure(args.plans, args.keys)
 

@@ -40,7 +40,7 @@ from bench_cp import LLAMA  # noqa: E402
 from bench_recompute import measure_saved  # noqa: E402
 
 from meshpilot.io import fmt_size  # noqa: E402
-from meshpilot.ops.attention import sequence_axes  # noqa: E402
+from meshpilot.ops.attention import context_axes  # noqa: E402
 from meshpilot.planner.plan import Plan, StagePlan  # noqa: E402
 
 CLUSTER, DEVICES = "alpa-p3x8", 4
@@ -106,8 +106,8 @@ def _stage_levers(p: StagePlan) -> str:
     blocks = f"{len(rc)} blocks ({rc[0].rsplit('.', 1)[-1]}–{rc[-1].rsplit('.', 1)[-1]})" if rc else "none"
     zero = Counter(f"ZeRO-{int(z.stage)}" for z in p.zero)
     zs = ", ".join(f"{k} ×{v}" for k, v in sorted(zero.items())) or "none"
-    cp = sequence_axes(p.nodes, p.mesh_axes)
-    cps = ", ".join(f"{a} ({p.mesh_shape[p.mesh_axes.index(a)]})" for a in cp) or "no"
+    cp = context_axes(p.nodes, p.mesh_axes, p.collectives)
+    cps = ", ".join(f"{c.axis} ({p.mesh_shape[p.mesh_axes.index(c.axis)]}, {c.method})" for c in cp) or "no"
     return f"{p.mesh_shape} | {blocks} | {zs} | {cps}"
 
 

@@ -809,3 +809,27 @@ def test_runnable_layers_let_every_cut_of_the_gpt_pass_values_one_way():
         assert all((t.src, t.dst) == ((0, 1) if t.forward else (1, 0)) for t in found), cut
     with pytest.raises(UserError, match="reads .* of stage"):
         transfers(layers(graph), 3)
+
+
+def test_forced_stages_receive_the_microbatch_rows_sharded():
+    """Pure: a forced stage's received values carrying the microbatch's rows (``boundary:`` leaves) take the
+    layout its force gives the model's inputs (``plan.received_rows_pins``): the data-parallel stages the runtime
+    makes receive their batch rows sharded, not whole on each rank (a tie for the stage's ILP: replicated, the
+    sender sends every row to both ranks, twice the bytes); a pattern naming the leaf keeps its layout."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshpilot.planner.plan import Plan, received_rows_pins
+    from meshpilot.planner.stage import runnable_layers, slice_graph
+    from meshpilot.runtime.pipeline import data_parallel_stages
+
+    model, microbatch, graph = _tiny_gpt_graph()  # a microbatch of the gpipe configuration: 8 rows / 4
+    dp = data_parallel_stages(Plan.from_json(_bare_plans()["gpipe"]), model, microbatch, graph, "atp-ic5:4")
+    assert len(dp.transfers) == 2
+    for x in dp.transfers:
+        (value,) = x.values
+        assert dp.intra[x.dst].node(f"boundary:{value}").out_placements(0) == (Replicate(), Shard(0)), x
+    sub = slice_graph(graph, 4, 8, runnable_layers(graph))
+    assert received_rows_pins(graph, sub, {"input:*": "RS(0)"}) == {"boundary:add_4:0": "RS(0)"}
+    assert received_rows_pins(graph, sub, {"input:*": "RS(0)", "boundary:*": "RR"}) == {}
+    for other in ("RS(1)", "RR"):  # inputs not pinned as batch rows: nothing to follow
+        assert received_rows_pins(graph, sub, {"input:*": other}) == {}

@@ -59,13 +59,17 @@ def grad_kinds(p: Plan, fqn: str) -> set[str]:
 
 
 def test_search_picks_the_best_fixed_mesh_and_skips_only_hopeless_shapes():
-    # 32 devices; batch 4 x 4 heads cannot spread attention over 32 devices on one axis
+    # 32 devices; batch 4 x 4 heads cannot spread attention over 32 devices on one axis by heads and batch.
+    # Until causal attention could be sharded by query rows (ops/causal_rows.py) those four shapes' lower bounds
+    # were over the best step and they were skipped unsolved; now their bounds are under it, so they are solved,
+    # and each is still slower than the best. Either way none of them may win.
     g = bench_graph(layers=2, h=512, heads=4, batch=4, seq=1024)
     searched = plan(None, (), "dgx-h100:4", graph=g)
     cands = searched.solver.candidates
     skipped = [c for c in cands if c.note.startswith("skipped")]
-    # the best step, its gradient buckets overlapped (planner.buckets), is under (16, 2)'s and (2, 16)'s compute too
-    assert {c.shape for c in skipped} == {(32, 1), (1, 32), (16, 2), (2, 16)}, cands
+    narrow = [c for c in cands if c.shape in {(32, 1), (1, 32), (16, 2), (2, 16)}]
+    assert len({c.shape for c in narrow}) == 4, cands
+    assert all(c in skipped or c.objective_s > searched.time.overlapped_s for c in narrow), cands
     assert searched.solver.ilps_solved >= len(cands) - len(skipped)
     solved = sorted((c for c in cands if c.objective_s is not None), key=lambda c: c.objective_s)
     assert searched.time.overlapped_s == pytest.approx(solved[0].objective_s, rel=1e-9)

@@ -44,14 +44,32 @@ special in the runtime. That is how transformers models call attention (they bui
 tensor from positions, ``[b, 1, t, s]``), and since such a mask is made replicated (a chain of index ops on
 positions), the planner may take its rows as a free local slice of that replica
 (:func:`meshpilot.sharding.strategies.row_sliced_operands`). The cost: the mask path's kernel instead of the
-fused causal one, and the ``t × s`` mask held whole on each rank where it is built — a model calling with
-``is_causal`` keeps its fast kernel and has no sequence-parallel attention.
+fused causal one, and the ``t × s`` mask held whole on each rank where it is built. A call with ``is_causal``
+is sharded by query rows by meshpilot's own op (:mod:`meshpilot.ops.causal_rows`), which knows each rank's
+first row and runs the device's kernel on the visible keys only.
+
+**Ulysses** (context parallelism by all-to-all, DeepSpeed-Ulysses) needs no strategy of its own here: it is the
+head-parallel strategy above between ops whose tokens are sharded on the sequence over the same axis. The
+resharding of q, k, v from ``S(2)`` (or of the projections' ``[t, h]`` outputs from ``S(0)``) to heads, and of
+``out`` back, is ``S(a) → S(b)`` on one axis: an all-to-all, which the planner prices with the cluster's cost
+model like every resharding and counts in memory as DTensor runs it (``accounting.reshard_bytes``; on a CPU
+mesh DTensor has no all-to-all and all-gathers the axis, then keeps its chunk:
+``StagePlan.collective_counts(backend="gloo")`` counts that). Each rank holds full-sequence q, k, v for
+``h / n`` heads, so the local kernel is the unsharded one, ``is_causal`` included. Heads must divide the
+axis, key/value heads too: grouped-query attention called with ``enable_gqa`` (fewer key/value heads in the
+op) is head-parallel only where its key/value heads divide; a model that repeats its key/value heads before the
+call (transformers does when it passes a mask) exchanges the repeated copies, each rank receiving the copies its
+query heads read, ``h / h_kv`` times the bytes of the unrepeated ones. Whether a plan's head-parallel
+attention is Ulysses or tensor parallelism is read off the plan (:func:`context_axes`): all-to-alls on the
+axis in the forward.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -411,10 +429,11 @@ MASK_OPERAND = {"meshpilot.sdpa.default": 3, "meshpilot.sdpa_backward.default": 
 
 
 def sequence_parallel(is_causal: bool) -> bool:
-    """Whether a call may be sharded on its query rows (the sequence-parallel strategy): not when it is
+    """Whether DTensor may shard a call on its query rows (the sequence-parallel strategy): not when it is
     ``is_causal``, whose mask the kernel builds from the local query index (each rank's chunk would be masked
-    as if it began at position 0); causal calls with the mask written out (as transformers models build it)
-    are sharded exactly, the mask's rows with the queries'."""
+    as if it began at position 0; :mod:`meshpilot.ops.causal_rows` shards those calls, knowing the offset);
+    causal calls with the mask written out (as transformers models build it) are sharded exactly, the mask's
+    rows with the queries'."""
     return not is_causal
 
 
@@ -480,28 +499,95 @@ def _attention_calls(nodes) -> list:
     return [n for n in nodes if n.target == SDPA_TARGETS[0] and n.ins and not is_copy(n.name)]
 
 
-def sequence_axes(nodes, mesh_axes: tuple[str, ...]) -> dict[str, int]:
-    """Mesh axis name -> how many attention forwards of `nodes` (a plan's ``NodeChoice`` list) shard their
-    queries' sequence over it (``S(2)`` of ``[b, h, t, e]``): the plan's context-parallel axes."""
-    out: dict[str, int] = {}
+class ContextMethod(StrEnum):
+    """How a plan's attention divides the sequence over a mesh axis (context parallelism)."""
+
+    ALL_GATHER = "all-gather"
+    """Queries sharded by sequence (``S(2)``), keys and values all-gathered (Llama 3's method)."""
+    ULYSSES = "ulysses"
+    """Heads sharded inside attention (``S(1)``), the sequence outside, all-to-all between (DeepSpeed-Ulysses)."""
+
+
+_METHOD_TEXT = {
+    ContextMethod.ALL_GATHER: (
+        "attention sequence-parallel",
+        "each device's query rows against every key, keys and values all-gathered, their gradients partial sums "
+        "until the resharding reduces them",
+    ),
+    ContextMethod.ULYSSES: (
+        "attention head-parallel inside a sequence-sharded layer (Ulysses)",
+        "all-to-alls turn sequence shards into head shards before attention and back after it",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ContextAxis:
+    """One mesh axis a plan's attention divides the sequence over, by one method."""
+
+    axis: str
+    """The mesh axis's name."""
+    method: ContextMethod
+    calls: int
+    """How many attention forwards do so."""
+
+
+def context_axes(nodes, mesh_axes: tuple[str, ...], collectives=()) -> list[ContextAxis]:
+    """The plan's context parallelism: for each mesh axis and method, how many attention forwards of `nodes`
+    (a plan's ``NodeChoice`` list) use it.
+
+    * :attr:`ContextMethod.ALL_GATHER` on axis ``a``: the queries read ``S(2)`` (their sequence) on ``a``;
+    * :attr:`ContextMethod.ULYSSES` on axis ``a``: the queries read ``S(1)`` (their heads) on ``a`` while the
+      forward issues all-to-alls on ``a`` (`collectives`: the plan's ``PlannedCollective`` list) — the layout
+      changes between the sequence-sharded ops around attention and its head shards. Head-parallel attention
+      on an axis with no all-to-all is tensor parallelism (the projections' weights sharded), not counted."""
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    exchanged = {
+        c.axis for c in collectives if c.phase == "fwd" and c.kind == CollectiveKind.ALL_TO_ALL and not c.issued_by_op
+    }
+    out: dict[tuple[str, ContextMethod], int] = {}
     for n in _attention_calls(nodes):
         for axis, p in enumerate(n.ins[0]):
             if p == "S(2)":
-                out[mesh_axes[axis]] = out.get(mesh_axes[axis], 0) + 1
-    return out
+                method = ContextMethod.ALL_GATHER
+            elif p == "S(1)" and axis in exchanged:
+                method = ContextMethod.ULYSSES
+            else:
+                continue
+            key = (mesh_axes[axis], method)
+            out[key] = out.get(key, 0) + 1
+    return [ContextAxis(a, m, k) for (a, m), k in out.items()]
 
 
-def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...]) -> str | None:
-    """The plan printout's line on context parallelism (None where no attention is sequence-sharded)."""
-    axes = sequence_axes(nodes, mesh_axes)
-    if not axes:
+def ulysses_pins(graph, operands: int = 3) -> dict[str, str]:
+    """A ``force`` dict (``meshpilot.planner.force``) for Ulysses on mesh axis 0 of a 2-axis mesh: the example
+    inputs sharded on their sequence (``S(1)``), the producers of the first `operands` of each attention's q, k,
+    v (a captured `graph`'s ``OpGraph``) on theirs (``S(2)`` of ``[b, h, t, e]``), every attention node on its
+    heads (``S(1)``): each of those operands then reaches attention by one all-to-all. (At batch > 1 a model's
+    key/value view may take no sequence shard: pin q alone, ``operands=1``.)"""
+    pins = {"input:*": "S(1)R", "sdpa*": "S(1)R"}
+    for n in graph.nodes:
+        if n.target == SDPA_TARGETS[0]:
+            pins.update({src: "S(2)R" for src, _ in n.inputs[:operands]})
+    return pins
+
+
+def context_line(nodes, mesh_axes: tuple[str, ...], mesh_shape: tuple[int, ...], collectives=()) -> str | None:
+    """The plan printout's line on context parallelism (None where attention divides no sequence)."""
+    found = context_axes(nodes, mesh_axes, collectives)
+    if not found:
         return None
     total = len(_attention_calls(nodes))
-    where = ", ".join(
-        f"axis {name} ({mesh_shape[mesh_axes.index(name)]} devices, {k} of {total} attention calls)"
-        for name, k in axes.items()
-    )
-    return (
-        f"attention sequence-parallel over {where}: each device's query rows against every key, keys and "
-        "values all-gathered, their gradients partial sums until the resharding reduces them"
-    )
+    parts = []
+    for method in ContextMethod:
+        axes = [c for c in found if c.method == method]
+        if not axes:
+            continue
+        what, how = _METHOD_TEXT[method]
+        where = ", ".join(
+            f"axis {c.axis} ({mesh_shape[mesh_axes.index(c.axis)]} devices, {c.calls} of {total} attention calls)"
+            for c in axes
+        )
+        parts.append(f"{what} over {where}: {how}")
+    return "; ".join(parts)

@@ -481,7 +481,7 @@ class StagePlan:
             lines.append("  recompute    " + self.recompute_line())
         from meshpilot.ops.attention import context_line
 
-        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape)
+        cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape, self.collectives)
         if cp is not None:
             lines.append("  context      " + cp)
         if self.zero:
@@ -658,6 +658,41 @@ _SHORT = {
     CollectiveKind.ALL_GATHER: "AG",
     CollectiveKind.ALL_TO_ALL: "A2A",
 }
+
+
+def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> dict[str, str]:
+    """Pins for the values a pipeline stage receives (`sub`'s ``boundary:`` leaves, ``stage.slice_graph``) that
+    carry the microbatch's rows (dim 0 that of `graph`'s first input): the layout `force` gives ``input:0``, where
+    that layout shards its rows and nothing else (``S(0)`` on some axis, ``R`` on the others, as
+    ``planner.forced`` pins batches) and no pattern of `force` names the leaf already.
+
+    A stage's ILP prices no layout of a received value (it arrives from another mesh), so sharded and
+    replicated tie; replicated, each of the stage's ranks receives every row of it and the sender sends each
+    row once per replica (``runtime.crossmesh.tiles``). A forced data-parallel stage would then hold the whole
+    microbatch's activations on every rank and double what crosses meshes on 2 ranks, as the ILP happened to
+    choose when its variables changed (docs/benchmarks.md, issue 31). ``planner.config_plan.boundary_pins``
+    pins the same leaves of a configuration's pieces."""
+    from meshpilot.graph.capture import NodeKind
+    from meshpilot.planner.force import ForceSpec
+    from meshpilot.planner.forced import _exact
+    from meshpilot.planner.stage import BOUNDARY
+
+    spec = ForceSpec.of(force)
+    first = next((n for n in graph.nodes if n.kind == NodeKind.INPUT and n.fqn == "input:0"), None)
+    rule = spec.winner("input:0") if spec is not None else None
+    if first is None or first.out is None or not first.out.shape or rule is None:
+        return {}
+    if "S(0)" not in rule.placements or any(p not in ("R", "S(0)") for p in rule.placements):
+        return {}  # the inputs not pinned as batch rows: nothing to follow
+    rows = first.out.shape[0]
+    pins = {}
+    for n in sub.nodes:
+        name = n.fqn or n.name
+        if not name.startswith(f"{BOUNDARY}:") or n.out is None or tuple(n.out.shape[:1]) != (rows,):
+            continue
+        if spec.winner(name) is None:
+            pins[_exact(name)] = rule.layout
+    return pins
 
 
 def _bytes(n: float) -> str:
@@ -865,8 +900,10 @@ class Plan:
         searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
         with the slice as its graph; costed on the canonical ranks ``0..size−1``, as the stage DP costs them).
         `graph` is the one-microbatch graph the plan was made from (the whole model's); ``force[j]`` pins
-        layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one). The
-        :attr:`transfers` are read off `graph` again (``pipeline.stage_transfers``), naming its nodes. Pure."""
+        layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one), and the
+        values stage j receives with the microbatch's rows as it pins the model's inputs
+        (:func:`received_rows_pins`). The :attr:`transfers` are read off `graph` again
+        (``pipeline.stage_transfers``), naming its nodes. Pure."""
         from meshpilot.cluster import load_cluster
         from meshpilot.planner.auto import plan as plan_intra
         from meshpilot.planner.pipeline import stage_transfers
@@ -879,6 +916,8 @@ class Plan:
         stages = []
         for st, pinned in zip(self.stages, force):
             sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
+            if pinned is not None:
+                pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
             with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
                 warnings.simplefilter("ignore", UserWarning)
                 p = plan_intra(

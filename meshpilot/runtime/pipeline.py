@@ -6,8 +6,9 @@ the stage's slice of the captured step, the same DTensor interpreter and recorde
 plans once it went through ``Plan.with_intra`` (``meshpilot plan --pipeline --out`` saves them). A
 plan without them runs **data-parallel stages**, which are ordinary stage plans too: :func:`data_parallel_stages`
 makes them — every stage's slice planned with its parameters pinned replicated and the model's inputs pinned
-batch-sharded over the stage's ranks (``planner.forced.data_parallel``), the ILP choosing the rest (so the
-boundaries arrive as batch rows, the gradients are all-reduced over the stage's ranks at ``G``) — and the
+batch-sharded over the stage's ranks (``planner.forced.data_parallel``), and so the values it receives with the
+microbatch's rows (``Plan.with_intra``: ``planner.plan.received_rows_pins``): the boundaries arrive as batch
+rows; the ILP chooses the rest (the gradients are all-reduced over the stage's ranks at ``G``) — and the
 pipeline then runs exactly as a searched one: one runtime, whatever the stages' layouts.
 
 The stage plans are searched on rank 0 only and broadcast (``broadcast_object_list``), so every rank runs
