@@ -100,6 +100,8 @@ FIXED = {
     "mamba": "MambaForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "nemotron": "NemotronForCausalLM",  # its default leaves num_key_value_heads unset: not buildable before
+    "musicgen": "MusicgenForCausalLM",  # codebook-major ids (batch * codebooks, seq), labels (batch, seq, codebooks)
+    "lfm2_moe": "Lfm2MoeForCausalLM",  # its default leaves layer_types None: not buildable before
 }
 
 

@@ -561,8 +561,8 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     if ("_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name) and _raised_in_assert(e):
         return (
             f"cannot capture the model: an assert on tensor values {place} checks data that capture does not "
-            "have (fake tensors); it computes nothing, so run with Python's -O (asserts off), e.g. "
-            "python -O -m meshpilot plan …, to capture the model"
+            "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
+            "or PYTHONOPTIMIZE=1 meshpilot plan …)"
         )
     if "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name:
         return (

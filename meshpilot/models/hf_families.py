@@ -7,9 +7,10 @@ vocabulary, experts, positions, image size — from the *names* of its configura
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
 rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
-with ``use_cache`` and the attention implementation chosen, and :func:`try_plan` captures and plans it,
-returning a :class:`Outcome` whose one-line reason names what refused it (a capture error already names the op
-and the model's source line: ``meshpilot.graph.capture._explain``).
+(``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
+image, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
+captures and plans it, returning a :class:`Outcome` whose one-line reason names what refused it (a capture
+error already names the op and the model's source line: ``meshpilot.graph.capture._explain``).
 
 :data:`PUBLISHED` holds published sizes (the keys of each model's ``config.json`` that matter for planning) as
 overrides of the library default, for planning the 7B class on the meta device (:func:`build_published`):
