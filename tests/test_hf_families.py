@@ -301,3 +301,44 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
     assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
+
+
+def test_a_backward_that_runs_backward_itself_is_refused():
+    """Reformer's reversible layers recompute in their autograd Function's backward and call ``.backward()``
+    there: those gradients go to the real parameters, not into the traced step (its plan ran with a gradient
+    missing). Capture refuses it in one line naming a parameter, and leaves no gradient behind."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, lin):
+            ctx.save_for_backward(x)
+            ctx.lin = lin
+            with torch.no_grad():
+                return lin(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                ctx.lin(x).backward(grad)  # the parameters' gradients, made here
+            return x.grad, None
+
+    class Reversible(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+            self.outer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Recompute.apply(self.outer(x), self.inner).sum()
+
+    model = Reversible()
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "runs .backward() itself" in text and "inner.weight" in text
+    assert all(p.grad is None for p in model.parameters())

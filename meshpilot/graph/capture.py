@@ -426,6 +426,7 @@ def _trace(
 
     tracing = _CaptureMode({m: path for path, m in model.named_modules()})
     flat = [fakes[n] for n in state] + fake_inputs
+    no_grad_before = {n: p for n, p in params.items() if p.grad is None}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_quiet_fake_tensor_logs())
         stack.enter_context(tracing.module_hooks())
@@ -437,6 +438,7 @@ def _trace(
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
             raise CaptureError(_explain(e, tracing)) from None
+    _refuse_own_backward(no_grad_before)
     return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs)
 
 
@@ -582,6 +584,22 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
         f"cannot capture the model: {name} {place}: {text}; check that the example inputs have the shapes and "
         "dtypes the model's forward expects (and that it runs in eager mode on them)"
     )
+
+
+def _refuse_own_backward(no_grad_before: dict[str, torch.nn.Parameter]) -> None:
+    """Refuse a model whose backward runs ``.backward()`` itself (Reformer's reversible layers, inside an autograd
+    Function): the gradients it makes land on the real parameters, around the traced step, so the joint graph
+    lacks them and a plan of it trains without them. Seen as a gradient on a parameter that had none before the
+    trace (which is cleared again)."""
+    got = [n for n, p in no_grad_before.items() if p.grad is not None]
+    for n in got:
+        no_grad_before[n].grad = None
+    if got:
+        raise CaptureError(
+            f"cannot capture the model: its backward runs .backward() itself (a gradient reached {got[0]} "
+            "outside the traced step, as Reformer's reversible layers do), so a plan would train without those "
+            "gradients; write that layer without a backward of its own"
+        )
 
 
 def _raised_in_assert(e: BaseException) -> bool:
