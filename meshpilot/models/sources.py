@@ -225,7 +225,8 @@ class HFLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
         if len(more) != len(self.extra):
-            raise UserError(f"HFLoss takes input_ids, labels{''.join(', ' + n for n in self.extra)}; got {2 + len(more)} inputs")
+            names = ", ".join(("input_ids", "labels", *self.extra))
+            raise UserError(f"HFLoss takes {names}; got {2 + len(more)} inputs")
         return self.model(input_ids=input_ids, labels=labels, **dict(zip(self.extra, more))).loss
 
 
