@@ -11,7 +11,9 @@ setting planned without fallback on 4 gloo ranks beside the single device (3 Ada
 gradient within 1e-5, the collectives issued equal to the plan's; ``tests/test_hf_families.py``'s worker).
 Every result is one JSON line appended to ``--out`` as it comes, so a long sweep can be resumed (rows already
 there are skipped) and watched; ``--table`` prints the summary and the table of what failed, as in
-docs/benchmarks.md.
+docs/benchmarks.md. A family refused only for an ``assert`` on tensor values (XLM, FlauBERT, ProphetNet) plans
+and runs under ``python -O`` (asserts off; the 4-rank spawns inherit the flag): a setting of its own, swept
+into an ``--out`` of its own.
 """
 
 from __future__ import annotations

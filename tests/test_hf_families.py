@@ -100,6 +100,8 @@ FIXED = {
     "mamba": "MambaForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "nemotron": "NemotronForCausalLM",  # its default leaves num_key_value_heads unset: not buildable before
+    "musicgen": "MusicgenForCausalLM",  # codebook-major ids (batch * codebooks, seq), labels (batch, seq, codebooks)
+    "lfm2_moe": "Lfm2MoeForCausalLM",  # its default leaves layer_types None: not buildable before
 }
 
 
@@ -224,3 +226,119 @@ def test_sweep_verdict_tells_float32_rounding_from_a_difference():
     assert verdict([{**base, "grad64_par": [9e-4], "grad64_ref": [3.7e-4]}])["status"] == "differs"
     assert verdict([base])["status"] == "differs"
     assert verdict([{"loss": [0.0], "grad": [1e-7], "counts_equal": [True]}])["status"] == "exact"
+
+
+def test_an_in_place_write_through_data_is_named_with_its_source_line():
+    """Gemma-3n's ``weight.data.clamp_`` in its forward: AOTAutograd refuses the mutated parameter at the end
+    of the trace (naming the loss' frame); the refusal names the write and its line instead."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Clamps(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin.weight.data.clamp_(-1.0, 1.0)  # the line the message must name
+            return self.lin(x).sum()
+
+    with pytest.raises(CaptureError) as err:
+        capture(Clamps(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "in place through .data" in text and "test_hf_families.py:" in text
+
+
+def test_an_assert_on_tensor_values_names_python_O():
+    """XLM's ``assert lengths.max().item() <= slen``: a check, not a branch; the refusal says so and how to
+    capture anyway (asserts off)."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Checks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            assert x.abs().max().item() < 1e9
+            return self.lin(x).sum()
+
+    with pytest.raises(CaptureError) as err:
+        capture(Checks(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "assert on tensor values" in text and "-O" in text and "test_hf_families.py:" in text
+
+
+def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
+    """What ``build`` feeds besides ``(input_ids, labels)``, chosen by signature, configuration and source: an
+    all-ones mask where the module skips its default mask when traced (LongT5), the image GIT's loss assumes,
+    MusicGen's codebook-major ids, Perceiver's full-length sequence; nothing for GPT-2."""
+    from meshpilot.models.hf_families import Family, build
+
+    def shapes(t, cls, kind):
+        model, inputs = build(Family(t, cls, kind), device="meta")
+        return model.extra, [tuple(x.shape) for x in inputs]
+
+    assert shapes("gpt2", "GPT2LMHeadModel", "causal") == ((), [(4, 8), (4, 8)])
+    assert shapes("longt5", "LongT5ForConditionalGeneration", "seq2seq") == (("attention_mask",), [(4, 8)] * 3)
+    assert shapes("git", "GitForCausalLM", "causal") == (("pixel_values",), [(4, 8), (4, 8), (4, 3, 32, 32)])
+    assert shapes("musicgen", "MusicgenForCausalLM", "causal") == ((), [(16, 8), (4, 8, 4)])
+    assert shapes("perceiver", "PerceiverForMaskedLM", "masked") == ((), [(4, 64), (4, 64)])
+
+
+def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
+    """Defaults transformers cannot build tiny, filled by key names (each was 'not built' in the sweep)."""
+    from meshpilot.models.hf_families import tiny_overrides
+
+    reformer = tiny_overrides("reformer")  # axial positions: widths sum to the hidden size, axes to the sequence
+    assert sum(reformer["axial_pos_embds_dim"]) == reformer["hidden_size"] and reformer["axial_pos_shape"] == [2, 4]
+    assert tiny_overrides("lfm2_moe")["layer_types"] == ["full_attention"] * 2  # None in the default
+    assert tiny_overrides("cohere_compass_text")["rope_parameters"]["full_attention"]["rope_theta"] == 10000.0
+    assert tiny_overrides("dbrx")["attn_config"]["rope_theta"] == 10000.0  # read from the attention config
+    xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
+    assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
+    assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
+
+
+def test_a_backward_that_runs_backward_itself_is_refused():
+    """Reformer's reversible layers recompute in their autograd Function's backward and call ``.backward()``
+    there: those gradients go to the real parameters, not into the traced step (its plan ran with a gradient
+    missing). Capture refuses it in one line naming a parameter, and leaves no gradient behind."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, lin):
+            ctx.save_for_backward(x)
+            ctx.lin = lin
+            with torch.no_grad():
+                return lin(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                ctx.lin(x).backward(grad)  # the parameters' gradients, made here
+            return x.grad, None
+
+    class Reversible(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+            self.outer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Recompute.apply(self.outer(x), self.inner).sum()
+
+    model = Reversible()
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "runs .backward() itself" in text and "inner.weight" in text
+    assert all(p.grad is None for p in model.parameters())

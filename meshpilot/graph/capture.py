@@ -426,6 +426,7 @@ def _trace(
 
     tracing = _CaptureMode({m: path for path, m in model.named_modules()})
     flat = [fakes[n] for n in state] + fake_inputs
+    no_grad_before = {n: p for n, p in params.items() if p.grad is None}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_quiet_fake_tensor_logs())
         stack.enter_context(tracing.module_hooks())
@@ -437,6 +438,7 @@ def _trace(
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
             raise CaptureError(_explain(e, tracing)) from None
+    _refuse_own_backward(no_grad_before)
     return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs)
 
 
@@ -453,6 +455,8 @@ class _CaptureMode(TorchFunctionMode):
         self.names = names
         self.stack: list[str] = []
         self.last_source: str | None = None
+        self.data_reads: dict[int, torch.Tensor] = {}  # id -> each ``.data`` the forward read (kept alive)
+        self.data_write: str | None = None  # "module (file:line)" of the first in-place write through ``.data``
 
     @contextlib.contextmanager
     def module_hooks(self) -> Iterator[None]:
@@ -485,7 +489,17 @@ class _CaptureMode(TorchFunctionMode):
             from meshpilot.ops.attention import captured_sdpa
 
             return captured_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
+        if self.data_reads and self.data_write is None and args and id(args[0]) in self.data_reads:
+            name = getattr(func, "__name__", "")
+            if name.endswith("_") and not name.endswith("__"):  # clamp_, copy_, mul_: an in-place method
+                self.data_write = f"{self.stack[-1] if self.stack else 'the model'} ({source or self.last_source})"
+        out = func(*args, **kwargs)
+        if func == _DATA_GET and self.stack and isinstance(out, torch.Tensor):
+            self.data_reads[id(out)] = out  # Gemma-3n's ``weight.data.clamp_``: named if AOTAutograd refuses it
+        return out
+
+
+_DATA_GET = torch._C.TensorBase.data.__get__
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -540,6 +554,18 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     name = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else name
     op = getattr(e, "func", None)
+    if tracing.data_write is not None and "mutation" in text:
+        return (
+            f"cannot capture the model: {tracing.data_write} writes a parameter in place through .data in its "
+            "forward, which a traced training step cannot hold (the parameter requires gradients); clamp or set it "
+            "outside the forward (after the optimizer step, under torch.no_grad()) or use an out-of-place copy"
+        )
+    if ("_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name) and _raised_in_assert(e):
+        return (
+            f"cannot capture the model: an assert on tensor values {place} checks data that capture does not "
+            "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
+            "or PYTHONOPTIMIZE=1 meshpilot plan …)"
+        )
     if "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
@@ -558,6 +584,36 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
         f"cannot capture the model: {name} {place}: {text}; check that the example inputs have the shapes and "
         "dtypes the model's forward expects (and that it runs in eager mode on them)"
     )
+
+
+def _refuse_own_backward(no_grad_before: dict[str, torch.nn.Parameter]) -> None:
+    """Refuse a model whose backward runs ``.backward()`` itself (Reformer's reversible layers, inside an autograd
+    Function): the gradients it makes land on the real parameters, around the traced step, so the joint graph
+    lacks them and a plan of it trains without them. Seen as a gradient on a parameter that had none before the
+    trace (which is cleared again)."""
+    got = [n for n, p in no_grad_before.items() if p.grad is not None]
+    for n in got:
+        no_grad_before[n].grad = None
+    if got:
+        raise CaptureError(
+            f"cannot capture the model: its backward runs .backward() itself (a gradient reached {got[0]} "
+            "outside the traced step, as Reformer's reversible layers do), so a plan would train without those "
+            "gradients; write that layer without a backward of its own"
+        )
+
+
+def _raised_in_assert(e: BaseException) -> bool:
+    """Whether the innermost model-code frame of `e`'s traceback is at an ``assert`` statement (XLM's
+    ``assert lengths.max().item() <= slen``): a check of the data, not a branch of the computation."""
+    import linecache
+
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        if _is_model_code(tb.tb_frame.f_code.co_filename):
+            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return line is not None and line.lstrip().startswith("assert ")
 
 
 def _where_raised(e: BaseException) -> str | None:

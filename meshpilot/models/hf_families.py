@@ -7,9 +7,10 @@ vocabulary, experts, positions, image size — from the *names* of its configura
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
 rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
-with ``use_cache`` and the attention implementation chosen, and :func:`try_plan` captures and plans it,
-returning a :class:`Outcome` whose one-line reason names what refused it (a capture error already names the op
-and the model's source line: ``meshpilot.graph.capture._explain``).
+(``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
+image, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
+captures and plans it, returning a :class:`Outcome` whose one-line reason names what refused it (a capture
+error already names the op and the model's source line: ``meshpilot.graph.capture._explain``).
 
 :data:`PUBLISHED` holds published sizes (the keys of each model's ``config.json`` that matter for planning) as
 overrides of the library default, for planning the 7B class on the meta device (:func:`build_published`):
@@ -47,9 +48,11 @@ HIDDEN, HEADS, FFN, LAYERS, EXPERTS, POSITIONS = 32, 4, 64, 2, 4, 64
 # configuration keys by meaning (the spellings transformers' configurations use)
 _LAYER_KEYS = {
     "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
-    "num_decoder_layers", "num_encoder_layers", "text_layers", "n_text_layer",
+    "num_decoder_layers", "num_encoder_layers", "text_layers", "n_text_layer", "num_self_attends_per_block",
 }  # fmt: skip
-_HIDDEN_KEYS = {"hidden_size", "n_embd", "d_model", "dim", "embed_dim", "embedding_size", "n_embed", "emb_dim"}
+_HIDDEN_KEYS = {
+    "hidden_size", "n_embd", "d_model", "dim", "embed_dim", "embedding_size", "n_embed", "emb_dim", "d_latents",
+}  # fmt: skip
 _HEAD_KEYS = {
     "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
 }  # fmt: skip
@@ -109,12 +112,25 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
     from transformers import AutoConfig
 
-    return _tiny_dict(AutoConfig.for_model(model_type).to_dict(), vocab)
+    d = AutoConfig.for_model(model_type).to_dict()
+    return _tiny_dict(d, vocab, _hidden_sizes(d))
 
 
-def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
+def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
+    """{default hidden size: its tiny size} over a configuration and its nested sub-configurations (a composite's
+    text, vision and audio parts), for widths that must match one of them (:func:`_keep_widths_equal_to_hidden`)."""
+    out = {v: min(v, HIDDEN) for k, v in d.items() if k in _HIDDEN_KEYS and _int(v) and v > HIDDEN}
+    for v in d.values():
+        if isinstance(v, dict) and "model_type" in v:
+            out.update({**_hidden_sizes(v), **out})
+    return out
+
+
+def _tiny_dict(d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = None) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
-    dict with its own ``model_type``) is shrunk the same way and written back whole."""
+    dict with its own ``model_type``) is shrunk the same way and written back whole. `hiddens`: the hidden sizes
+    of the whole configuration (:func:`_hidden_sizes`; this dict's own when None)."""
+    hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
     keep = _kept_layers(layers)
@@ -130,14 +146,18 @@ def _tiny_dict(d: dict[str, Any], vocab: int) -> dict[str, Any]:
         elif keep and isinstance(v, dict) and v and all(isinstance(i, str) and i.isdigit() for i in v):
             out[k] = _per_layer_dict(v, keep, d, vocab)  # {layer index: overrides} (Gemma-4's per_layer_config)
         elif isinstance(v, dict) and "model_type" in v:
-            sub = _tiny_dict(v, vocab)
+            sub = _tiny_dict(v, vocab, hiddens)
             if sub:
                 out[k] = {**v, **sub}
     for k, v in d.items():
         if layers is None and k.endswith(("block_type", "layer_types")) and _strings(v) and len(v) > LAYERS:
             out[k] = list(dict.fromkeys(v))  # layers named by a pattern only (Nemotron-H): one of each kind
     _keep_products(d, out)
+    _keep_widths_equal_to_hidden(d, out, hiddens)
     _fill_unset_heads(d, out)
+    _fill_unset_layer_kinds(d, out, layers)
+    _fill_rope(d, out)
+    _axial_positions(d, out)
     if "vocab_size" in d and d["vocab_size"] is None:
         out["vocab_size"] = vocab  # ESM's default leaves it to the tokenizer
     if d.get("default_language", "") is None and d.get("languages"):
@@ -174,6 +194,67 @@ def _fill_unset_heads(d: dict[str, Any], out: dict[str, Any]) -> None:
         out["head_dim"] = hidden // heads
     if "num_key_value_heads" in d and d["num_key_value_heads"] is None:
         out["num_key_value_heads"] = heads
+
+
+_NAMED_KEYS = _LAYER_KEYS | _HEAD_KEYS | _KV_HEAD_KEYS | _FFN_KEYS | _EXPERT_KEYS | _POSITION_KEYS | _HEAD_DIM_KEYS
+
+
+def _keep_widths_equal_to_hidden(d: dict[str, Any], out: dict[str, Any], hiddens: dict[int, int]) -> None:
+    """A width the default sets equal to a hidden size of the configuration (`hiddens`: its own or a nested
+    part's) follows that hidden size's tiny value: such models add or check one against the other (xLSTM's
+    ``embedding_dim``, Dots3-Note's vision adapter widths, Nemotron-3.5-Transcribe's ``audio_hidden_size``,
+    OPT's ``word_embed_proj_dim``: equal, no projection). Only ``…_dim`` / ``…_size`` keys no other rule names
+    (not head sizes, feed-forward widths, positions, vocabularies, kernels)."""
+    for k, v in d.items():
+        if (
+            _int(v)
+            and v in hiddens
+            and k not in _HIDDEN_KEYS | _NAMED_KEYS
+            and k.endswith(("_dim", "_size"))
+            and "vocab" not in k
+            and "kernel" not in k
+        ):
+            out[k] = hiddens[v]
+
+
+def _axial_positions(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Axial position embeddings (Reformer's): the per-axis widths (``axial_pos_embds_dim``, summing to the
+    hidden size) scaled to the tiny hidden size, the axes (``axial_pos_shape``, whose product a training
+    sequence must equal) factors of :data:`TINY_SEQ`, and attention chunks (``…_chunk_length``, which a training
+    sequence must be a multiple of) half of it: the tiny model trains on sequences of :data:`TINY_SEQ`."""
+    dims, shape = d.get("axial_pos_embds_dim"), d.get("axial_pos_shape")
+    hidden = d.get("hidden_size")
+    if not (isinstance(dims, list) and isinstance(shape, list) and _int(hidden) and sum(dims) == hidden):
+        return
+    tiny = out.get("hidden_size", hidden)
+    scaled = [max(1, x * tiny // hidden) for x in dims]
+    out["axial_pos_embds_dim"] = [*scaled[:-1], tiny - sum(scaled[:-1])]
+    out["axial_pos_shape"] = [2] * (len(shape) - 1) + [TINY_SEQ // 2 ** (len(shape) - 1)]
+    for k, v in d.items():
+        if k.endswith("chunk_length") and _int(v) and v > TINY_SEQ // 2:
+            out[k] = TINY_SEQ // 2
+
+
+def _fill_unset_layer_kinds(d: dict[str, Any], out: dict[str, Any], layers: int | None) -> None:
+    """``layer_types`` a default leaves None yet its model reads per layer (LFM2-MoE): what an unset pattern means
+    where transformers fills it (LFM2's, Cohere-Compass' configurations), every layer ``full_attention``."""
+    if "layer_types" in d and d["layer_types"] is None and _int(layers):
+        out["layer_types"] = ["full_attention"] * min(layers, LAYERS)
+
+
+def _fill_rope(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Rotary settings a default leaves out yet its model reads: an empty per-layer-kind ``rope_parameters``
+    (Cohere-Compass') gets transformers' default rotary (``rope_theta`` 10000) for each kind its ``layer_types``
+    names; a nested attention configuration (DBRX's ``attn_config``) without ``rope_theta``
+    gets the one of the configuration's own ``rope_parameters``."""
+    rope = d.get("rope_parameters")
+    kinds = out.get("layer_types", d.get("layer_types"))
+    if rope == {} and _strings(kinds):  # empty: a kind left out of a non-empty one is a layer without rotary
+        out["rope_parameters"] = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in dict.fromkeys(kinds)}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    for k, v in d.items():
+        if k.endswith("attn_config") and isinstance(v, dict) and "rope_theta" not in v and theta is not None:
+            out[k] = {**v, **out.get(k, {}), "rope_theta": theta}
 
 
 def _strings(v: Any) -> bool:
@@ -260,6 +341,8 @@ def _tiny_value(key: str, v: int, d: dict[str, Any], vocab: int) -> int | None:
         return min(v, TINY_IMAGE)
     if ("rope" in key or "rotary" in key or key.endswith("head_dim")) and key.endswith(("_dim", "_size")):
         return min(v, HIDDEN // HEADS)  # a rotary part of a head (GPT-J's rotary_dim, MLA's qk_rope_head_dim)
+    if "kernel" in key and key.endswith("_size") and v > 64:
+        return 16 + v % 2  # a convolution's kernel keeps its parity: an odd one keeps "same" padding (Nyströmformer)
     if key.endswith(("_rank", "_dim", "_size", "_channels")) and v > 64 and "vocab" not in key:
         return 16  # a low-rank projection (MLA's kv_lora_rank), a rope/nope split, a state size: small
     return None
@@ -337,6 +420,10 @@ def config_for(family: Family, overrides: dict[str, Any], *, use_cache: bool = F
             c.use_cache = use_cache
     if family.kind == "causal" and not cfg.is_encoder_decoder:
         cfg.is_decoder = True  # an encoder's causal head (BERT's, Reformer's) is a decoder: causal masks
+    decoder = getattr(cfg, "decoder", None)
+    if cfg.is_encoder_decoder and getattr(cfg, "pad_token_id", None) is None and hasattr(decoder, "pad_token_id"):
+        # a composite of two models (EncoderDecoderModel) shifts its labels with a pad id of its own: its decoder's
+        cfg.pad_token_id = decoder.pad_token_id if decoder.pad_token_id is not None else 0
     if cfg.is_encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
         cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
     return cfg
@@ -352,9 +439,10 @@ def build(
     seq: int = TINY_SEQ,
     device: str | torch.device = "cpu",
     seed: int = 0,
-) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The family's model (train mode, seeded; tiny by default: :func:`tiny_overrides`) wrapped in HF's own
-    loss, and its example inputs: ``(input_ids, labels)`` of random tokens, or for an image classifier
+    loss, and its example inputs: ``(input_ids, labels)`` of random tokens and the further inputs the model
+    needs (:func:`extra_inputs`, :func:`text_inputs`), or for an image classifier
     ``(pixel_values, labels)``. On ``meta`` the inputs are empty meta tensors."""
     import transformers
 
@@ -389,12 +477,87 @@ def build(
         return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
     from meshpilot.models.sources import HFLoss
 
-    vocab = int(getattr(cfg, "vocab_size", None) or text_config(cfg).vocab_size)  # a composite's: its text
+    extra = extra_inputs(family, cfg)
+    return HFLoss(model, tuple(extra)), text_inputs(cfg, extra, batch, seq, g, meta)
+
+
+def extra_inputs(family: Family, cfg: Any) -> list[str]:
+    """The keyword inputs beyond ``(input_ids, labels)`` that `family`'s forward needs, read from its signature,
+    its configuration and its module's source, never from its name:
+
+    * ``attention_mask`` where the module makes its default mask only when not traced (``attention_mask is None
+      and not is_torchdynamo_compiling()``): capture takes the tracing branch, where LongT5's and
+      SwitchTransformers' encoders then read a mask that is None; the all-ones mask is the one eager makes;
+    * ``pixel_values`` for a causal LM with a vision configuration whose forward takes them and whose loss skips
+      the image's tokens (GIT's ``image_patch_tokens``): without an image the logits are shorter than that."""
+    import inspect
+
+    import transformers
+
+    cls = getattr(transformers, family.class_name)
+    params = inspect.signature(cls.forward).parameters
+    out = []
+    if "attention_mask" in params and _module_source_has(
+        cls, "attention_mask is None and not is_torchdynamo_compiling"
+    ):
+        out.append("attention_mask")
+    if (
+        family.kind == "causal"
+        and "pixel_values" in params
+        and getattr(cfg, "vision_config", None) is not None
+        and _module_source_has(cls, "image_patch_tokens")
+    ):
+        out.append("pixel_values")
+    return out
+
+
+def _module_source_has(cls: type, text: str) -> bool:
+    """Whether the source file of `cls`'s module contains `text`."""
+    import sys
+
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    try:
+        return path is not None and text in open(path, encoding="utf-8").read()
+    except OSError:
+        return False
+
+
+def text_inputs(
+    cfg: Any, extra: list[str], batch: int, seq: int, g: torch.Generator, meta: bool
+) -> tuple[torch.Tensor, ...]:
+    """``(input_ids, labels, *extra)`` of random tokens for configuration `cfg` (empty meta tensors on `meta`).
+
+    A model of several codebooks per step (MusicGen: ``num_codebooks``) takes its ids codebook-major per sample,
+    ``(batch * codebooks, seq)``, and its labels ``(batch, seq, codebooks)``. A model whose decoder answers one
+    query per position (Perceiver's masked LM, a latent model: ``num_latents``) reads sequences of
+    ``max_position_embeddings`` tokens, the length of its logits."""
+    text = text_config(cfg)
+    vocab = int(getattr(cfg, "vocab_size", None) or text.vocab_size)  # a composite's: its text part's
+    books = getattr(text, "num_codebooks", None)
+    if _int(getattr(cfg, "num_latents", None)) and _int(getattr(cfg, "max_position_embeddings", None)):
+        seq = cfg.max_position_embeddings
+    ids_shape = (batch * books, seq) if _int(books) else (batch, seq)
+    label_shape = (batch, seq, books) if _int(books) else (batch, seq)
+    shapes = [(ids_shape, torch.long), (label_shape, torch.long)]
+    for name in extra:
+        if name == "attention_mask":
+            shapes.append(((batch, seq), torch.long))
+        elif name == "pixel_values":
+            vis = cfg.vision_config
+            size = getattr(vis, "image_size", TINY_IMAGE)
+            size = size[0] if isinstance(size, (list, tuple)) else size
+            shapes.append(((batch, getattr(vis, "num_channels", 3), size, size), torch.float32))
     if meta:
-        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        return HFLoss(model), (ids, ids)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return HFLoss(model), (ids, torch.randint(0, vocab, (batch, seq), generator=g))
+        return tuple(torch.empty(s, dtype=dt, device="meta") for s, dt in shapes)
+    out = []
+    for name, (shape, dt) in zip(["input_ids", "labels", *extra], shapes):
+        if name == "attention_mask":
+            out.append(torch.ones(shape, dtype=dt))
+        elif dt.is_floating_point:
+            out.append(torch.randn(shape, generator=g))
+        else:
+            out.append(torch.randint(0, vocab, shape, generator=g))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------- planning

@@ -213,14 +213,21 @@ def build_builtin(
 
 
 class HFLoss(nn.Module):
-    """``model(input_ids=…, labels=…).loss``: HF's own loss (T5 derives its decoder inputs from the labels)."""
+    """``model(input_ids=…, labels=…).loss``: HF's own loss (T5 derives its decoder inputs from the labels).
 
-    def __init__(self, model: nn.Module) -> None:
+    `extra` names further keyword inputs of the model's forward (``attention_mask``, ``pixel_values``), taken
+    positionally after ``labels`` in that order: a model that needs them is still called ``loss(*inputs)``."""
+
+    def __init__(self, model: nn.Module, extra: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        self.extra = tuple(extra)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        if len(more) != len(self.extra):
+            names = ", ".join(("input_ids", "labels", *self.extra))
+            raise UserError(f"HFLoss takes {names}; got {2 + len(more)} inputs")
+        return self.model(input_ids=input_ids, labels=labels, **dict(zip(self.extra, more))).loss
 
 
 def _transformers():
