@@ -41,15 +41,17 @@ def test_accumulation_sums_in_place_and_equals_the_scaled_sum():
         assert acc.untyped_storage().data_ptr() not in (x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr())
 
 
-def test_a_later_microbatch_adds_at_most_one_tensor_beside_the_sum_and_its_gradients():
-    run = _run(2)
+def test_a_later_microbatch_adds_nothing_beside_the_sum_and_its_gradients():
+    run = _run(3)  # 1/3 is not a power of two: the scaled add still allocates nothing
     run._accumulate(0, _grads(0))
     incoming = _grads(1)
     one_set = sum(t.nbytes for t in incoming)
-    largest = max(t.nbytes for t in incoming)
     with StorageTracker(existing=[*run.grads[0], *incoming]) as tracker:
         run._accumulate(0, incoming)  # `incoming` is the last reference, as the executor's list is
-    assert tracker.peak <= 2 * one_set + largest, (tracker.peak, one_set)  # was 4 sets: copies and a new sum
+    # was 4 sets (copies and a new sum), then 2 sets and one g / M copy: the largest gradient's, which the
+    # accounting's end of the backward does not hold (a vocabulary's embedding: 4 MiB over the plan's peak in
+    # docs/benchmarks.md's lever table)
+    assert tracker.peak == 2 * one_set, (tracker.peak, one_set)
 
 
 def test_one_microbatch_keeps_its_gradients_unscaled():

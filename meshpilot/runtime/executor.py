@@ -174,10 +174,12 @@ class StepRun:
         """Add one microbatch's gradients `gs` (scaled by 1/M) into stage `s`'s sum, in place.
 
         Each gradient leaves `gs` (the caller's list: its last reference) as it is added, so at the end of a
-        later microbatch's backward the step holds the sum and that microbatch's gradients, one tensor's
-        scaled copy at a time — not a scaled copy of every gradient and a new sum besides (4 gradient sets
-        where 2 suffice, ``docs/benchmarks.md``). The sum's tensors are the step's own (``g / M`` of the
-        first microbatch), so adding into them changes nothing the programs hold."""
+        later microbatch's backward the step holds the sum and that microbatch's gradients — not a scaled copy
+        of every gradient and a new sum besides (4 gradient sets where 2 suffice, ``docs/benchmarks.md``). A
+        later microbatch's gradient is added scaled in one kernel (``add_(g, alpha=1/M)``), with no ``g / M``
+        copy: that copy of the largest gradient (a vocabulary's embedding) was the one allocation the plan's
+        accounting does not hold at the end of the backward. The sum's tensors are the step's own (``g / M``
+        of the first microbatch), so adding into them changes nothing the programs hold."""
         acc = self.grads[s] = self.grads[s] or [None] * len(gs)
         for i, g in enumerate(gs):
             gs[i] = None
@@ -186,12 +188,11 @@ class StepRun:
             if self.M == 1:  # one microbatch: its gradients are the step's, unscaled (not added into in place)
                 acc[i] = g if acc[i] is None else acc[i] + g
                 continue
-            scaled = g / self.M  # the step's own tensor
-            del g
             if acc[i] is None:
-                acc[i] = scaled
+                acc[i] = g / self.M  # the step's own tensor
             else:
-                acc[i].add_(scaled)
+                acc[i].add_(g, alpha=1.0 / self.M)
+            del g
 
     def _write_buffers(self, prog: StageProgram, updates: list) -> None:
         with torch.no_grad():
