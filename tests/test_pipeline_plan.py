@@ -979,3 +979,36 @@ def test_transfers_of_a_repeated_stack_are_the_whole_graphs():
         mine = stage_transfers(stack.graph, runnable_layers(stack.graph), bounds, ranks, cl, stack)
         theirs = stage_transfers(whole, layers, bounds, ranks, cl)
         assert [x.nbytes for x in mine] == [x.nbytes for x in theirs] and mine[0].nbytes > 0, cut
+
+
+def test_a_stage_whose_own_plan_does_not_fit_is_ruled_out_and_the_next_best_planned(gpt_planner, monkeypatch):
+    """``Plan.with_intra``: where a chosen stage's own search finds no plan (a table composed from a block's
+    plans can price a stage below what its search then needs: GPT-39B's last stage, docs/benchmarks.md), the
+    stage DP's next best plan without that stage, as placed, is planned instead, and the user is told."""
+    import meshpilot.planner.auto as auto
+    from meshpilot.planner.stage import slice_graph
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)
+    assert len(p.stages) >= 2 and p.without_stage is not None
+    bad = p.stages[-1]
+    bad_nodes = [n.name for n in slice_graph(graph, *bad.layers, runnable_layers(graph)).nodes]
+    real = auto.plan
+
+    def refuse_the_last_stage(*args, **kw):  # as if its own plan needed more than a device holds
+        if tuple(kw["mesh_shape"]) == tuple(bad.mesh_shape) and [n.name for n in kw["graph"].nodes] == bad_nodes:
+            raise PlanError("no sharding plan fits (test)", mesh_shape=bad.mesh_shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(auto, "plan", refuse_the_last_stage)
+    said: list[str] = []
+    q = p.with_intra(graph, "alpa-p3x8", on_retry=said.append)
+    assert len(said) == 1 and "does not fit as its table entry said" in said[0]
+    assert all(s.plan is not None for s in q.stages)
+    assert [(s.layers, s.mesh_shape) for s in q.stages] != [(s.layers, s.mesh_shape) for s in p.stages]
+    assert q.dp_step_s >= p.dp_step_s * (1 - 1e-12)  # the next best: never better than the best
+    # a plan that keeps no table (one loaded from its file) says what its stage said, and nothing else
+    loaded = type(p).from_json(p.to_json())
+    assert loaded.without_stage is None
+    with pytest.raises(PlanError, match=r"no sharding plan fits \(test\)"):
+        loaded.with_intra(graph, "alpa-p3x8")

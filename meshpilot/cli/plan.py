@@ -620,7 +620,8 @@ class Staged:
                     precision = check_precision(built.model, None, args.precision)
                     graph = capture(built.model, built.inputs, precision=precision)
             with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
-                pp = self.pp = pp.with_intra(graph, cluster, time_limit=args.time_limit)
+                retry = lambda line: progress.print(escape(line), soft_wrap=True)  # noqa: E731
+                pp = self.pp = pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
             _save_or_print(args, pp)
             if args.json:
                 return 0

@@ -1085,32 +1085,62 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
             recomputed=_recomputed(sp, stack) if call["costing"] == TableCosting.APPROXIMATE else None,
         )  # fmt: skip
         t, arg = fast_table.arrays()
+    stage_cost = functools.partial(_chosen_cost, setup, B, table, fast_table if stack is not None else None, arg)
+    return _chosen_plan(setup, kind, call, t, stage_cost, frozenset())
+
+
+def _chosen_cost(setup: _Setup, B: int, table, fast_table, arg: np.ndarray, s_left: int, k: int, i: int, z: int, rk):
+    """The stage of clusters ``k..i`` on submesh size ``z`` with ``s_left`` stages from it to the end, costed on
+    its placed ranks `rk`, from the table that chose it."""
+    start, stop = setup.clusters.bounds[k][0], setup.clusters.bounds[i][1]
+    if fast_table is not None:
+        return fast_table.stage_cost(start, stop, rk, int(arg[s_left, k, i, z]))
+    c = table.costs[(k, i, setup.sizes[z])][arg[s_left, k, i, z]]
+    if rk != c.ranks:
+        c = setup.sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
+    return c
+
+
+def _chosen_plan(
+    setup: _Setup, kind: PipelineKind, call: dict, t: np.ndarray, stage_cost: Callable, ruled_out: frozenset
+) -> Plan:
+    """The DP's best plan over table `t` with the entries `ruled_out` (``(stages left, k, i, z)``) removed, its
+    stages costed on their placed ranks; it keeps how to rule out one of its stages (``Plan.without_stage``:
+    a stage whose own search does not fit where its table entry did)."""
+    sp, stack, clusters, B = setup.sp, setup.stack, setup.clusters, call["microbatches"]
+    num_stages, S, n = call["num_stages"], setup.S, setup.n
+    if ruled_out:
+        t = t.copy()
+        for entry in ruled_out:
+            t[entry] = math.inf
     best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
     if best is None:
         raise _no_fit(setup, kind, num_stages or f"up to {S}")
     score, chosen = best
     ranks = place([setup.sizes[z] for _, _, z in chosen])
     stages = []
+    entries = []
     for r, ((k, i, z), rk) in enumerate(zip(chosen, ranks)):
         s_left = len(chosen) - r
+        entries.append((s_left, k, i, z))
         start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
-        if stack is not None:
-            c = fast_table.stage_cost(start, stop, rk, int(arg[s_left, k, i, z]))
-        else:
-            c = table.costs[(k, i, setup.sizes[z])][arg[s_left, k, i, z]]
-            if rk != c.ranks:
-                c = sp.plan(start, stop, rk, c.mesh_shape, microbatches=B, **setup.stage_kw)
+        c = stage_cost(s_left, k, i, z, rk)
         fl = stage_in_flight(kind, s_left, B, len(chosen))
         share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
         stages.append(PlanStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
     costing = StageCosting.EXACT
     if stack is not None:
-        approximate = fast_table.costing == TableCosting.APPROXIMATE
+        approximate = call["costing"] == TableCosting.APPROXIMATE
         costing = StageCosting.STACK_APPROX if approximate else StageCosting.STACK
+
+    def without_stage(j: int) -> Plan:
+        return _chosen_plan(setup, kind, call, t, stage_cost, ruled_out | {entries[j]})
+
     return Plan(
         tuple(stages), B, n, clusters, setup.capacity, score, time.perf_counter() - setup.t0,
         sp.misses - setup.misses, tried, kind, costing,
         transfers=setup.transfers([st.layers for st in stages], ranks), cluster=sp.cluster.name,
+        without_stage=without_stage,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import math
 import re
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
@@ -695,6 +695,14 @@ def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> d
     return pins
 
 
+class _StageDoesNotFit(Exception):
+    """Stage `stage`'s own search (:meth:`Plan.with_intra`) found no plan: its ``PlanError`` is `error`."""
+
+    def __init__(self, stage: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.stage, self.error = stage, error
+
+
 def _bytes(n: float) -> str:
     for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= k:
@@ -819,6 +827,11 @@ class Plan:
     """Ranks of a stage that each send their own share of a boundary's :attr:`transfers`, in parallel on their
     own links (a configuration's plan, ``planner.config_plan``: its DP replicas' rows); :meth:`simulate` sends
     ``nbytes / send_split`` from the stand-in rank. 1: the whole transfer over one link."""
+    without_stage: Callable[[int], Plan] | None = field(default=None, compare=False, repr=False)
+    """The stage DP's best plan with this plan's stage j, as placed (its layers, submesh size and position in
+    the pipeline), ruled out of its table (``pipeline._dp_plan``; raises ``PlanError`` when nothing is left):
+    how :meth:`with_intra` moves on when a stage's own plan does not fit where its table entry said it would.
+    None where the table is not kept (a loaded plan; interleaved and zero-bubble schedules). Not saved."""
 
     def __post_init__(self) -> None:
         from meshpilot.planner.stack import StageCosting  # stack.py imports this module: not at the top
@@ -895,6 +908,8 @@ class Plan:
         *,
         force: Sequence[dict[str, str] | None] | None = None,
         time_limit: float = 30.0,
+        retries: int = 8,
+        on_retry: Callable[[str], Any] | None = None,
     ) -> Plan:
         """This plan with every stage's :attr:`PlanStage.plan`: its slice (layers of ``stage.runnable_layers``)
         searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
@@ -903,9 +918,43 @@ class Plan:
         layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one), and the
         values stage j receives with the microbatch's rows as it pins the model's inputs
         (:func:`received_rows_pins`). The :attr:`transfers` are read off `graph` again
-        (``pipeline.stage_transfers``), naming its nodes. Pure."""
+        (``pipeline.stage_transfers``), naming its nodes. Pure.
+
+        A stage table composed from a repeated block's plans (``planner.stack``) can price a stage below what its
+        own search then needs (GPT-39B on ``alpa-p3x8``: a last stage of 18 blocks and the head at 13.4 GiB in
+        the table, 19.3 GiB planned). Where a stage's own plan does not fit and the plan keeps its table
+        (:attr:`without_stage`), that stage is ruled out and the DP's next best plan is planned instead, up to
+        `retries` times; `on_retry` gets a line saying which stage and why. The plan returned is then that
+        next best: its stages may differ from this one's."""
+        from meshpilot.planner.ilp import PlanError
+
+        plan = self
+        for _ in range(retries + 1):
+            try:
+                return plan._planned_stages(graph, cluster, force, time_limit)
+            except _StageDoesNotFit as e:
+                if plan.without_stage is None or force is not None:
+                    raise e.error from None
+                if on_retry is not None:
+                    st = plan.stages[e.stage]
+                    on_retry(
+                        f"stage {e.stage} (layers {st.layers[0]}–{st.layers[1] - 1} on {st.mesh_shape}) does not "
+                        f"fit as its table entry said ({e.error}); planning the stage DP's next best without it"
+                    )
+                plan = plan.without_stage(e.stage)
+        raise PlanError(
+            f"the stage DP's best {retries + 1} pipelines each had a stage whose own plan does not fit in "
+            f"{_bytes(self.capacity)} per device; give more devices or more microbatches"
+        )
+
+    def _planned_stages(
+        self, graph: OpGraph, cluster, force: Sequence[dict[str, str] | None] | None, time_limit: float
+    ) -> Plan:
+        """:meth:`with_intra` of this plan's stages as they are; a stage whose search finds no plan raises
+        :class:`_StageDoesNotFit` naming it."""
         from meshpilot.cluster import load_cluster
         from meshpilot.planner.auto import plan as plan_intra
+        from meshpilot.planner.ilp import PlanError
         from meshpilot.planner.pipeline import stage_transfers
         from meshpilot.planner.stage import runnable_layers, slice_graph
 
@@ -920,14 +969,17 @@ class Plan:
                 pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
             with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
                 warnings.simplefilter("ignore", UserWarning)
-                p = plan_intra(
+                try:
+                    p = plan_intra(
                     None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
                     microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
                     # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
                     # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
                     recompute="full" if st.cost is not None and st.cost.recompute else "none",
                     zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
-                )  # fmt: skip
+                    )  # fmt: skip
+                except PlanError as e:
+                    raise _StageDoesNotFit(len(stages), e) from None
             stages.append(dataclasses.replace(st, plan=p))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the
         # runtime moves (``runtime.pipeline_stages``) and the simulator prices; a boundary the plan priced keeps
