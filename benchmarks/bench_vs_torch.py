@@ -14,6 +14,9 @@ the machine's noise:
   mp: solver     the solver's own plan for N devices on a cluster describing this box
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
   mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
+  mp: DP, buckets at h µs a collective  (``--host-cost-us H[,H...]``) the DP plan bucketed by the planner's rule
+                 (``planner.buckets.bucket_bytes``) on the same cluster with ``collective_overhead_us = H``: the
+                 host CPU per collective that ``meshpilot probe`` measures, seen by the bucket size;
   ..., no buckets  (``--unbucketed``) the DP and ZeRO-3 plans without their buckets: one collective per
                  gradient after the backward, as before buckets existed (before / after in one launch);
   mp: ZeRO-3, per-parameter gathers  (``--ungrouped``) the ZeRO-3 plan without its gather groups
@@ -78,6 +81,8 @@ BASE = {
     "mp: ZeRO-3" + UNGROUPED: "FSDP2",
 }
 BASE["mp: DP, 25 MiB buckets"] = "DDP"
+HOST = "mp: DP, buckets at "
+"""The prefix of the ``--host-cost-us`` variants (compared with DDP)."""
 PHASES = ("forward", "backward", "optimizer")
 """A step's parts as timed (``optimizer``: AdamW's step, zero_grad and, for DDP and FSDP2, the loss' all-reduce)."""
 """What each meshpilot variant is compared with (the solver's plan: the faster of the two)."""
@@ -175,6 +180,16 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
                 "path": str(path.with_name(path.stem + "-big.json")),
                 "buckets": len(big.grad_buckets),
             } | predictions(big, graph, probed, cost)
+        for us in args.host_cost_us if name == "mp: DP" else ():  # the bucket rule seeing a host cost
+            spec_h = local_cluster(n, tflops, args.gbps, args.latency_us)
+            spec_h["device_profile"]["collective_overhead_us"] = us
+            host = cluster_from_dict(spec_h, source=f"bench_vs_torch, {us:g} us a collective")
+            q = with_buckets(p, graph, CostModel(LogicalMesh(host, (n,))))
+            q_path = path.with_name(f"{path.stem}-host{us:g}.json")
+            q.save(q_path)
+            out[f"{HOST}{us:g} µs a collective"] = {"path": str(q_path), "buckets": len(q.grad_buckets)}
+            out[f"{HOST}{us:g} µs a collective"] |= predictions(q, graph, probed, cost)
+            print(f"  {HOST}{us:g} µs a collective: {len(q.grad_buckets)} gradient buckets", flush=True)
         if args.unbucketed and name != "mp: solver":  # the same plan without buckets: one collective a gradient
             bare = dataclasses.replace(p, grad_buckets=(), time=dataclasses.replace(p.time, hidden_s=0.0))
             bare.save(path.with_name(path.stem + "-bare.json"))
@@ -230,7 +245,7 @@ def table(key: str, res: dict) -> list[str]:
         "|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for k in v:
-        base = BASE.get(k)
+        base = BASE.get(k) or ("DDP" if k.startswith(HOST) else None)
         if k == "mp: solver":
             base = min(("DDP", "FSDP2"), key=lambda b: med[b])
         ratio = f"{med[k] / med[base]:.2f}x" if base else ""
@@ -305,6 +320,14 @@ def main() -> int:
         "--ungrouped",
         action="store_true",
         help="also run the ZeRO-3 plan without its gather groups: one all-gather per parameter read (before / after)",
+    )
+    ap.add_argument(
+        "--host-cost-us",
+        type=lambda text: [float(x) for x in text.split(",") if x],
+        default=[],
+        metavar="H[,H...]",
+        help="also run the data-parallel plan bucketed on the same cluster with collective_overhead_us = H (the "
+        "host CPU per collective `meshpilot probe` measures), one variant per value",
     )
     ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
     ap.add_argument("--gbps", type=float, default=0.25, help="the solver's loopback bandwidth, GB/s")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshpilot.cluster import GB, CostModel, LogicalMesh, load_cluster
@@ -72,3 +74,51 @@ def test_roofline():
     b = 4e9
     assert cm.compute(1e9, b, "float32") == pytest.approx(b / (dev.memory_bandwidth * dev.memory_efficiency))
     assert cm.compute(f, 0, "float32") > cm.compute(f, 0, "bfloat16")
+
+
+def _host_cpu_cluster(overhead_us: float):
+    """The bench's 4 gloo ranks on loopback (125 us a ring step, 0.25 GB/s) with a host cost per collective."""
+    from meshpilot.cluster.loader import cluster_from_dict
+
+    profile = {"kind": "probed-cpu", "peak_tflops_fp32": 0.05, "memory_GBps": 10.0, "memory_GiB": 4.0}
+    layer = {"name": "rank", "ranks": 4, "p2p_GBps": 0.25, "group_GBps": 0.25, "latency_us": 125.0}
+    doc = {"device_profile": profile | {"collective_overhead_us": overhead_us}, "layers": [layer]}
+    return cluster_from_dict(doc, "t")
+
+
+def test_host_cost_per_collective_is_added_to_every_collective_that_runs():
+    bare = CostModel(LogicalMesh(_host_cpu_cluster(0.0), (4, 1)))
+    host = CostModel(LogicalMesh(_host_cpu_cluster(1500.0), (4, 1)))
+    assert host.device.collective_overhead == pytest.approx(1.5e-3)
+    for m in (4.0, 2**20):
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+            assert getattr(host, kind)(m, 0) == pytest.approx(getattr(bare, kind)(m, 0) + 1.5e-3), kind
+        assert host.send_recv(m, 0) == bare.send_recv(m, 0)  # point-to-point: not a collective here
+    # a collective that does not run (axis of one rank, no bytes) costs nothing
+    assert host.all_reduce(2**20, 1) == host.all_reduce(0, 0) == host.all_gather(0, 0) == 0.0
+
+
+def test_the_bucket_rule_sees_the_host_cost_and_gpu_presets_keep_their_buckets():
+    """With 1.5 ms of host CPU a collective (what gloo cost on the 2-core box, docs/benchmarks.md) the latency a
+    bucket must amortise is 1.5 ms + the wire's, so the buckets grow >= 5x; a GPU preset has no host cost
+    (0: not measured) and its bucket is the alpha-beta one, n * alpha * B' * (1 - f) / f."""
+    from meshpilot.planner.buckets import LATENCY_SHARE, MIN_BUCKET, bucket_bytes
+
+    bare = bucket_bytes(CostModel(LogicalMesh(_host_cpu_cluster(0.0), (4,))), 0)
+    host = bucket_bytes(CostModel(LogicalMesh(_host_cpu_cluster(1500.0), (4,))), 0)
+    assert bare > MIN_BUCKET and host >= 5 * bare
+    cm = CostModel(LogicalMesh(load_cluster("atp-ic3"), (4, 2)))
+    assert cm.device.collective_overhead == 0.0
+    for axis in (0, 1):
+        n, bw, a = cm._axis(axis)
+        size = bucket_bytes(cm, axis)
+        assert cm.all_reduce(1, axis) == _alpha_beta(1, n, bw, a)
+        assert cm.all_reduce(size, axis) == _alpha_beta(size, n, bw, a)
+        latency = _alpha_beta(1, n, bw, a)
+        assert size > MIN_BUCKET and latency <= LATENCY_SHARE * _alpha_beta(size, n, bw, a) <= latency * 1.01
+
+
+def _alpha_beta(m: float, n: int, bw: float, a: float) -> float:
+    """An all-reduce of `m` bytes by the module docstring's three algorithms, no host term."""
+    ring, log = 2 * (n - 1) / n * m / bw, math.ceil(math.log2(n))
+    return min(ring + 2 * (n - 1) * a, ring + 2 * log * a, log * (a + m / bw))

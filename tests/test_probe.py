@@ -190,7 +190,7 @@ def test_summarize_reduces_raw_timings():
         "ar_curve": {},
         "skipped": 0,
         "device": {"float32": 1e9, "bfloat16": None, "memory_bandwidth": 4e9, "memory_bytes": 8e9, "host_memory": True}
-        | {"op_overhead": 4e-6, "foreach_overhead": 1e-6},
+        | {"op_overhead": 4e-6, "foreach_overhead": 1e-6, "collective_overhead": 1000e-6},
     }
     rec1 = {
         "lat": {},
@@ -201,7 +201,7 @@ def test_summarize_reduces_raw_timings():
         "ar_small": {((2, 1), 0): [40e-6, 20e-6]},
         "skipped": 0,
         "device": {"float32": 3e9, "bfloat16": None, "memory_bandwidth": 2e9, "memory_bytes": 8e9, "host_memory": True}
-        | {"op_overhead": 7e-6, "foreach_overhead": 2e-6},
+        | {"op_overhead": 7e-6, "foreach_overhead": 2e-6, "collective_overhead": 2000e-6},
     }
     m = summarize([rec0, rec1], ["h", "h"], "gloo", opts, "probed-cpu")
     assert m.p2p_latency[0, 1] == m.p2p_latency[1, 0] == pytest.approx(1e-6)
@@ -215,6 +215,7 @@ def test_summarize_reduces_raw_timings():
     assert m.device.flops_for("float32") == 2e9 and m.device.memory_bytes == 4e9  # host memory / 2 ranks
     # fixed costs: the median over ranks, rounded to 4 digits and printing back as whole microseconds
     assert (m.device.op_overhead, m.device.foreach_overhead) == (5.5e-6, 1.5e-6)
+    assert m.device.collective_overhead == 1500e-6
     # curve (64 B between 4 B and 1000 B, not measured here): per repeat the slowest rank, median over repeats
     assert m.allreduce_curve[(2, 1)] == (((4, pytest.approx(45e-6)), (1000, pytest.approx(4.5e-6))), None)
 
@@ -314,14 +315,18 @@ def test_device_profile_table_loads_and_named_devices_stay_names():
     assert 'device = "a100-80gb"' in text and "device_profile" not in text
     assert cluster_from_dict(tomllib.loads(text), "t").device == DEVICES["a100-80gb"]
     assert DEVICES["h100"].op_overhead == DEVICES["h100"].foreach_overhead == 0.0  # no datasheet number
+    assert DEVICES["h100"].collective_overhead == 0.0
 
 
 def test_device_profile_fixed_costs_load_and_round_trip():
     prof = {"kind": "mine", "peak_tflops_fp32": 1.5, "memory_GBps": 100.0, "memory_GiB": 2.0}
-    c = cluster_from_dict(_doc(device_profile=prof | {"op_overhead_us": 12.5, "foreach_overhead_us": 0.0}), "t")
+    fixed = {"op_overhead_us": 12.5, "foreach_overhead_us": 0.0, "collective_overhead_us": 1500.0}
+    c = cluster_from_dict(_doc(device_profile=prof | fixed), "t")
     assert c.device.op_overhead == pytest.approx(12.5e-6) and c.device.foreach_overhead == 0.0
+    assert c.device.collective_overhead == pytest.approx(1.5e-3)
     text = cluster_to_toml(c)
     assert "op_overhead_us = 12.5" in text and "foreach_overhead_us" not in text  # 0: not modelled, left out
+    assert "collective_overhead_us = 1500.0" in text
     assert cluster_from_dict(tomllib.loads(text), "t").device == c.device
     assert "op_overhead_us" not in cluster_to_toml(cluster_from_dict(_doc(device_profile=prof), "t"))
 
@@ -367,6 +372,18 @@ def test_device_profile_fixed_costs_load_and_round_trip():
                 }
             },
             "device_profile.op_overhead_us",
+        ),
+        (
+            {
+                "device_profile": {
+                    "kind": "x",
+                    "peak_tflops_fp32": 1,
+                    "memory_GBps": 1,
+                    "memory_GiB": 1,
+                    "collective_overhead_us": -1.5,
+                }
+            },
+            "device_profile.collective_overhead_us",
         ),
         ({}, "device"),
     ],
@@ -416,6 +433,8 @@ def test_probe_under_torchrun_writes_a_file_that_loads_back(tmp_path):
         assert entry is not None, shape
         assert all(entry.algbw[a] > 0 for a in axes)
     assert cluster.device.flops_for("float32") > 0 and cluster.device.memory_bandwidth > 0
+    # the host CPU of one gloo collective: written, read back, positive (the backend's threads do work)
+    assert "collective_overhead_us = " in out.read_text() and cluster.device.collective_overhead > 0
     assert "B1 measured" in r.stdout and "wrote" in r.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]  # no temp file left
     top = subprocess.run(

@@ -109,6 +109,32 @@ def test_a_bucket_beside_compute_is_slowed_by_its_busy_factor(device, end_ms):
     assert _close(priced.exposed_s, 1 * MS)
 
 
+@pytest.mark.parametrize(
+    "first_bytes, comm, step_ms", [(1e8, [(2, 3.5), (4, 5.5)], 5.5), (3e8, [(2, 5.5), (5.5, 7)], 7.0)]
+)
+def test_a_host_cost_per_collective_lengthens_every_bucket_alike_in_the_simulator_and_the_closed_form(
+    first_bytes, comm, step_ms
+):
+    """With 0.5 ms of host cost a collective (``DeviceProfile.collective_overhead``) each bucket takes 0.5 ms
+    more, as latency: p1's runs 2..3.5 ms beside b1, p0's 4..5.5 ms (or, with p1's bucket of 3 ms, 2..5.5 and
+    then 5.5..7 ms behind it on the same group); the simulator and ``bucket_overlap`` agree."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.planner.buckets import collective_parts
+
+    base = _cluster(2)
+    cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, collective_overhead=0.5 * MS))
+    cm = CostModel(LogicalMesh(cluster, (2,)))
+    plan = repriced_buckets(_bucketed(first_bytes), cm)
+    assert _close(plan.grad_buckets[1].seconds, 1.5 * MS)
+    assert _close(collective_parts(cm, "all_reduce", 1e8, 0, by_op=False, seconds=0.0).latency_s, 0.5 * MS)
+    r = simulate(plan, cluster=cluster)
+    assert _spans(r, "comm") == comm
+    assert _close(r.step_s, step_ms * MS)
+    priced = bucket_overlap(plan, plan.grad_buckets, cm, True)
+    assert _close(priced.exposed_s, (step_ms - 4) * MS)  # what runs after the backward's end at 4 ms
+
+
 def test_a_collective_of_the_backward_waits_for_its_groups_bucket():
     """b1 first all-gathers 2e8 B (1 ms) on the process group p1's bucket was issued on at 2 ms: the gather
     waits for the bucket (2..3), runs 3..4, b1 4..6, p0's bucket 6..7: step 7 ms, the serial step (nothing

@@ -26,7 +26,8 @@ GEMM of that model's training step at its own shape and writes them as [[device_
 model then prices each matmul at the nearest measured shape instead of the best square one
 (`docs/cost_model.md`). `--matmul-shapes FILE` does the same for any model: a JSON list of [m, n, k, dtype]
 (e.g. every plan's local GEMMs, `meshpilot.planner.accounting.plan_gemms`). The probe also measures the
-fixed cost of one tiny operator and of a foreach operator per tensor (`op_overhead_us`, `foreach_overhead_us`).
+fixed cost of one tiny operator and of a foreach operator per tensor (`op_overhead_us`, `foreach_overhead_us`),
+and the host CPU time of one collective beyond its bytes (`collective_overhead_us`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,21 @@ and f = 1 on other devices (a GPU's collectives run on their own stream and engi
 rank computes (``meshpilot.sim``, *Contention*); the serial step (accounting) never overlaps, so it never
 applies f.
 
+Host cost per collective. Every collective above (all-reduce, all-gather, reduce-scatter, all-to-all,
+broadcast; not the point-to-point sends) costs the rank that issues it a fixed amount of host CPU beyond its
+bytes, ``h = DeviceProfile.collective_overhead`` (the Python and dispatch of the call, the backend's per-call
+work; ``meshpilot probe`` measures it, 0 where not measured, as in every built-in profile):
+
+  collective      t + h     where t is its time above (alpha-beta or the measured curve), n > 1 and M > 0
+
+one rule (:meth:`CostModel._host`), so the accounting, the overlap pricing of the gradient buckets, the
+simulator (which splits ``t + h`` into latency and bandwidth parts: ``h`` lands in the latency) and the bucket
+size rule (``planner.buckets.bucket_bytes``: the latency share of ``t + h``) all see it alike. What it leaves
+out: on a CPU device that CPU is taken from the compute cores, so it cannot hide behind the backward as a
+latency on the collective's own stream does (the busy factor above models only how much slower gloo's work
+gets beside compute, not the compute's loss); and a measured curve's wall times already contain the part of
+``h`` the calling thread spent while the collective ran alone, which ``t + h`` counts again.
+
 Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
 costs 3 to 9 times a 4-byte one (measured at different loads) and a 1 MiB one about twice its bandwidth
 term (docs/cluster.md, "Measured curves").
@@ -153,6 +168,11 @@ class CostModel:
             return 1.0
         return max(1.0, on_curve(busy, nbytes) / on_curve(alone, nbytes))
 
+    def _host(self, seconds: float) -> float:
+        """A collective that runs (`seconds` > 0) costs its host overhead beyond its bytes (module docstring,
+        *Host cost per collective*)."""
+        return seconds + self.device.collective_overhead if seconds > 0 else 0.0
+
     def all_reduce(self, nbytes: float, axes: Axes) -> float:
         """All-reduce of `nbytes` (each rank's buffer) over `axes`."""
         n, bw, a = self._axis(axes)
@@ -160,9 +180,9 @@ class CostModel:
             return 0.0
         curve = self._curve(axes)
         if curve is not None:
-            return on_curve(curve, nbytes)
+            return self._host(on_curve(curve, nbytes))
         ring = 2 * (n - 1) / n * nbytes / bw
-        return min(ring + 2 * (n - 1) * a, ring + 2 * _log2(n) * a, _log2(n) * (a + nbytes / bw))
+        return self._host(min(ring + 2 * (n - 1) * a, ring + 2 * _log2(n) * a, _log2(n) * (a + nbytes / bw)))
 
     def all_gather(self, nbytes: float, axes: Axes) -> float:
         """All-gather producing `nbytes` on every rank (each contributes nbytes / n)."""
@@ -171,8 +191,8 @@ class CostModel:
             return 0.0
         curve = self._curve(axes)
         if curve is not None:
-            return on_curve(curve, nbytes) / 2
-        return (n - 1) / n * nbytes / bw + min(n - 1, _log2(n)) * a
+            return self._host(on_curve(curve, nbytes) / 2)
+        return self._host((n - 1) / n * nbytes / bw + min(n - 1, _log2(n)) * a)
 
     def reduce_scatter(self, nbytes: float, axes: Axes) -> float:
         """Reduce-scatter of an `nbytes` buffer per rank (each keeps nbytes / n). On a CPU device (gloo, which
@@ -190,7 +210,7 @@ class CostModel:
         key = _key(axes)
         if key not in self._exchange_cache:
             self._exchange_cache[key] = self.mesh.exchange_seconds_per_byte(key)
-        return max((n - 1) / n * nbytes / bw, nbytes * self._exchange_cache[key]) + (n - 1) * a
+        return self._host(max((n - 1) / n * nbytes / bw, nbytes * self._exchange_cache[key]) + (n - 1) * a)
 
     def broadcast(self, nbytes: float, axes: Axes) -> float:
         """Broadcast of `nbytes` from one rank of each group to the others."""
@@ -199,7 +219,7 @@ class CostModel:
             return 0.0
         tree = _log2(n) * (a + nbytes / bw)
         scatter_gather = 2 * (n - 1) / n * nbytes / bw + (_log2(n) + n - 1) * a
-        return min(tree, scatter_gather)
+        return self._host(min(tree, scatter_gather))
 
     def send_recv(self, nbytes: float, axes: Axes) -> float:
         """Point-to-point transfer of `nbytes` between neighbours along `axes`."""

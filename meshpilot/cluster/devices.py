@@ -10,7 +10,7 @@ with efficiency 1.0, and optionally a table of matmul rates measured at given sh
 shape of its dtype (distance ``Σ (log x − log x')²`` over m, n, k), and at ``peak × compute_efficiency``
 when the table has no entry of that dtype.
 
-Two fixed costs complete a probed profile (``meshpilot probe`` measures both; 0 = not modelled, the
+Three fixed costs complete a probed profile (``meshpilot probe`` measures them; 0 = not modelled, the
 default of every built-in profile, whose vendors publish no such number):
 
 * ``op_overhead`` — seconds of one tiny operator run back to back with others (one-element ``add``): what
@@ -21,6 +21,10 @@ default of every built-in profile, whose vendors publish no such number):
   tensors: a CPU loops over the list (about one dispatch per tensor), a GPU fuses the list into a few
   launches (a fraction of ``op_overhead`` per tensor). The optimizer step pays it per parameter shard
   and foreach operator (``accounting.optimizer_seconds``).
+* ``collective_overhead`` — seconds of host CPU one collective costs the issuing rank beyond its bytes: the
+  Python and dispatch of the call and the backend's own per-call work (gloo's threads on a CPU; a few launches
+  on a GPU). The probe takes the process CPU time (all threads) of a one-element all-reduce on the world
+  group. The cost model adds it to every collective's time as a latency term (``meshpilot.cluster.cost``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class DeviceProfile:
     """Seconds one operator costs beyond its roofline (module docstring); 0: not modelled."""
     foreach_overhead: float = 0.0
     """Seconds per tensor of one ``torch._foreach_*`` operator (module docstring); 0: not modelled."""
+    collective_overhead: float = 0.0
+    """Seconds of host CPU one collective costs beyond its bytes (module docstring); 0: not modelled."""
 
     @property
     def is_cpu(self) -> bool:

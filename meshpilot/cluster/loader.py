@@ -40,6 +40,7 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     memory_efficiency = 1.0       # optional (default 0.8): fraction of memory_GBps that kernels reach
     op_overhead_us = 12.0         # optional (default 0): fixed cost of one operator beyond its roofline
     foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
+    collective_overhead_us = 1500.0   # optional (default 0): host CPU of one collective beyond its bytes
 
     [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
     m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
@@ -87,6 +88,7 @@ PROFILE_KEYS = {
     "memory_efficiency",
     "op_overhead_us",
     "foreach_overhead_us",
+    "collective_overhead_us",
     "matmul",
 }
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
@@ -194,8 +196,9 @@ _PROFILE_FIX = {
     "memory_efficiency": "give a fraction in (0, 1], e.g. 0.8, or leave the key out",
     "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
+    "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
 }
-_OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us")
+_OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us")
 
 
 def _device_profile(table: Any, source: str) -> DeviceProfile:
@@ -238,6 +241,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         _matmul_rates(table.get("matmul", []), source),
         values.get("op_overhead_us", 0.0) * 1e-6,
         values.get("foreach_overhead_us", 0.0) * 1e-6,
+        values.get("collective_overhead_us", 0.0) * 1e-6,
     )
 
 
@@ -501,7 +505,12 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
         out.append(f"peak_tflops_bf16 = {_f(d.peak_flops['bfloat16'] / 1e12)}")
     out += [f"memory_GBps = {_f(d.memory_bandwidth / GB)}", f"memory_GiB = {_f(d.memory_bytes / 2**30)}"]
     out += [f"compute_efficiency = {_f(d.compute_efficiency)}", f"memory_efficiency = {_f(d.memory_efficiency)}"]
-    for key, sec in (("op_overhead_us", d.op_overhead), ("foreach_overhead_us", d.foreach_overhead)):
+    fixed = (
+        ("op_overhead_us", d.op_overhead),
+        ("foreach_overhead_us", d.foreach_overhead),
+        ("collective_overhead_us", d.collective_overhead),
+    )
+    for key, sec in fixed:
         if sec:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
     for r in d.matmul:

@@ -22,7 +22,11 @@ after warm-up repeats that are not counted):
    GEMMs (``--matmul-shapes FILE``, e.g. every plan's local shards: ``accounting.plan_gemms``).
    Fixed costs (:func:`op_overheads`, lockstep and median as above): one tiny operator (100 one-element
    ``add``s back to back, per op) — ``DeviceProfile.op_overhead``, the cost of a kernel beyond its roofline —
-   and one ``torch._foreach_add_`` over 100 one-element tensors, per tensor — ``foreach_overhead``.
+   and one ``torch._foreach_add_`` over 100 one-element tensors, per tensor — ``foreach_overhead``. And
+   the host CPU of one collective (:meth:`_Runner.collective_cpu`): every rank, in lockstep, all-reduces a
+   one-element tensor on the world group :data:`COLLECTIVE_CALLS` times back to back, and the process CPU time
+   (``time.process_time``: all threads, the backend's too) over the calls is one repeat; median of the
+   repeats, then of the ranks — ``collective_overhead``, what a collective costs its rank beyond its bytes.
 2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
    round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
    ping-pong; bandwidth a -> b = bytes / (time for a to send the large buffer and get a 4-byte ack,
@@ -411,8 +415,9 @@ def summarize(
         MatmulRate(m, n, k, dtype, _round(_median([d["matmul"][j] for d in devs])))
         for j, (m, n, k, dtype) in enumerate(opts.matmul_shapes)
     )
-    overheads = [_median([d.get(key, math.nan) for d in devs]) for key in ("op_overhead", "foreach_overhead")]
-    op_s, each_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
+    keys = ("op_overhead", "foreach_overhead", "collective_overhead")
+    overheads = [_median([d.get(key, math.nan) for d in devs]) for key in keys]
+    op_s, each_s, coll_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
     device = DeviceProfile(
         kind,
         flops,
@@ -423,6 +428,7 @@ def summarize(
         rates,
         op_s,
         each_s,
+        coll_s,
     )
     skipped = sum(rec["skipped"] for rec in records[:1])
     m = Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
@@ -618,6 +624,10 @@ def gemm_rate(
     return 2.0 * m * n * k * inner / max(_median(times), 1e-12)
 
 
+COLLECTIVE_CALLS = 20
+"""One-element all-reduces per timed repeat of :meth:`_Runner.collective_cpu`."""
+
+
 INFLIGHT_GEMM = 256
 """Side n of the square float32 matmul the in-flight all-reduce runs beside (:meth:`_Runner.inflight`): a few
 milliseconds per call when 8 ranks share 2 cores, the granularity of the completion poll."""
@@ -659,6 +669,27 @@ class _Runner:
             if counts and rep >= self.opts.warmup:
                 times.append(time.perf_counter() - t0)
         return times
+
+    def collective_cpu(self) -> float:
+        """Seconds of process CPU time (all threads) one collective costs this rank beyond its bytes (module
+        docstring, 1.): per repeat, a barrier, then :data:`COLLECTIVE_CALLS` one-element all-reduces on the
+        world group back to back; the median repeat over the calls. On CUDA the device is synchronised
+        after the CPU clock is read: a spinning synchronise would count as the calls' CPU."""
+        import torch
+
+        one = torch.zeros(1, device=self.dev)
+        cpu = []
+        for rep in range(self.opts.warmup + self.opts.repeats):
+            self.barrier()
+            _sync(self.dev)
+            t0 = time.process_time()
+            for _ in range(COLLECTIVE_CALLS):
+                self.dist.all_reduce(one)
+            took = time.process_time() - t0
+            _sync(self.dev)
+            if rep >= self.opts.warmup:
+                cpu.append(took / COLLECTIVE_CALLS)
+        return _median(cpu)
 
     def send_with_ack(self, dst: int) -> bool:
         self.dist.send(self.big, dst)
@@ -846,6 +877,8 @@ def probe(
         say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")
     run.barrier()
     rec["device"] = measure_device(compute_device, opts, barrier=run.barrier)
+    say(f"host CPU of a collective: {COLLECTIVE_CALLS} one-element all-reduces x {opts.repeats}")
+    rec["device"]["collective_overhead"] = run.collective_cpu()
     say(f"point to point: {len(round_robin(len(hosts)))} rounds (budget {opts.budget_s:g} s)")
     run.p2p(rec)
     if len(hosts) > 1:
