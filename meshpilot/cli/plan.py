@@ -619,9 +619,20 @@ class Staged:
                 with progress.status(f"capturing all of {built.name} for the stages' operators …"):
                     precision = check_precision(built.model, None, args.precision)
                     graph = capture(built.model, built.inputs, precision=precision)
+            ruled_out: list[str] = []
+
+            def retry(line: str) -> None:
+                ruled_out.append(line)
+                progress.print(escape(line), soft_wrap=True)
+
             with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
-                retry = lambda line: progress.print(escape(line), soft_wrap=True)  # noqa: E731
                 pp = self.pp = pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
+            if ruled_out:  # the line weighing one stage against the pipeline was about the DP's first choice
+                note += (
+                    f"\n{len(ruled_out)} stage(s) of that pipeline did not fit when planned on their own (above): "
+                    f"saved the stage DP's next best, {len(pp.stages)} stages, simulated step "
+                    f"{fmt_s(pp.simulate().step_s)}"
+                )
             _save_or_print(args, pp)
             if args.json:
                 return 0
