@@ -229,26 +229,32 @@ def test_probe_under_emulate_sees_the_emulated_nodes(root_netns, files, tmp_path
 
 def test_training_checkpoints_and_resumes_across_emulated_nodes(root_netns, files, tmp_path):
     """`meshpilot train` on two emulated nodes (2 x 2 ranks over the shaped link): 2 steps with a checkpoint under
-    --plan auto (every rank plans under bare torchrun; the plans must agree; saved as ck/plan.json), then a second
-    run resumes it with that file to step 4 and --verify finds all 4 losses equal to one device's."""
+    --plan auto (every rank plans under bare torchrun; here rank 3 on a mesh of its own, as a rank whose solve
+    stopped at its wall-clock time limit on a loaded machine may: every rank then trains rank 0's plan, saved as
+    ck/plan.json), then a second run resumes it with that file to step 4 and --verify finds all 4 losses equal
+    to one device's."""
     import json
 
     ck = tmp_path / "ck"
 
-    def train(*extra: str) -> subprocess.CompletedProcess:
+    def train(*extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
         cmd = [
             sys.executable, "-m", "meshpilot.cli.main", "emulate", "-q", "--cluster", str(files / "c.toml"),
             "--timeout", "150", "--", "python", "-m", "meshpilot.cli.main", "train",
             "--model", "gpt-tiny", "--checkpoint-dir", str(ck), *extra,
         ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO)
+        env = {**os.environ, **(env or {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc
 
     proc = train(
-        "--plan", "auto", "--cluster", str(files / "c.toml"), "--steps", "2", "--json-out", str(tmp_path / "a.json")
-    )
-    assert "--plan auto: Plan on test-2x2" in proc.stdout and (ck / "plan.json").is_file(), proc.stdout
+        "--plan", "auto", "--cluster", str(files / "c.toml"), "--steps", "2", "--json-out", str(tmp_path / "a.json"),
+        env={"MESHPILOT_TEST_PLAN_MESH": "3:4x1"},
+    )  # fmt: skip
+    assert "--plan auto: Plan on test-2x2: mesh (2, 2)" in proc.stdout and (ck / "plan.json").is_file(), proc.stdout
+    assert "--plan auto: the ranks planned 2 different plans" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert json.loads((ck / "plan.json").read_text())["stages"][0]["mesh_shape"] == [2, 2]  # rank 0's, saved
     plan = ["--plan", str(ck / "plan.json")]
     proc = train(*plan, "--steps", "4", "--resume", "--verify", "4", "--json-out", str(tmp_path / "b.json"))
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout, proc.stdout

@@ -394,7 +394,11 @@ def _auto_plan(args: argparse.Namespace, world: int) -> Path:
         args.model, batch=args.batch, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
         hf_config=args.hf_config,
     )  # fmt: skip
-    plan, _ = make_plan(built, cluster, world, None, precision=args.precision)
+    # tests: one rank plans on a mesh of its own (MESHPILOT_TEST_PLAN_MESH=RANK:AxB), as a rank whose solve
+    # stopped at its time limit may end elsewhere: the ranks then train rank 0's plan (``_adopt_rank0_plan``)
+    test_rank, _, test_mesh = os.environ.get("MESHPILOT_TEST_PLAN_MESH", "").partition(":")
+    shape = parse_mesh(test_mesh) if test_mesh and os.environ.get("RANK") == test_rank else None
+    plan, _ = make_plan(built, cluster, world, shape, precision=args.precision)
     if args.checkpoint_dir is not None:
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         path = args.checkpoint_dir / "plan.json"
@@ -689,9 +693,10 @@ def _train(
 
         time.sleep(3 * (args.timeout or 1))
     rank = dist.get_rank()
-    if not _ranks_planned_alike(args, plan, rank):
-        dist.destroy_process_group()
-        return 2
+    if _adopt_rank0_plan(args, plan, rank):  # every rank now trains rank 0's plan: prepared again from it
+        prep = prepare(args, world)
+        cfg, shape, plan, graph, build = (prep.get(k) for k in ("cfg", "shape", "plan", "graph", "build"))
+        resume, data = prep.get("resume"), prep.get("data")
     checkpoint = _checkpointing(args, plan, resume)
     done = [] if resume is None else [dict(d) for d in resume.logs]
     info = _run_info(args, plan, shape, resume, rank)
@@ -716,25 +721,36 @@ def _train(
     return code
 
 
-def _ranks_planned_alike(args: argparse.Namespace, plan, rank: int) -> bool:
-    """--plan auto under bare torchrun, where every rank planned for itself: whether the plans are one plan
-    (rank 0 says so in one line when not)."""
+def _adopt_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
+    """--plan auto under bare torchrun, where every rank planned for itself: when the ranks' plans differ (a
+    solve stopped by its wall-clock time limit on a loaded machine ends somewhere else), every rank takes rank
+    0's — each a whole, valid plan of the same model, so the run is exact either way — and saves it where it saved
+    its own (``--checkpoint-dir``'s plan.json: the file a resume reads). True when it did; rank 0 says so."""
     import sys
 
     import torch.distributed as dist
 
+    from meshpilot.io import atomic_write
+
     if not getattr(args, "auto_planned", False) or plan is None or dist.get_world_size() == 1:
-        return True
+        return False
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, plan.run_digest())
-    if len(set(digests)) > 1 and rank == 0:
+    if len(set(digests)) == 1:
+        return False
+    text = [plan.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    atomic_write(args.plan, text[0])
+    args.cluster = None  # planned: a saved plan knows its cluster
+    args.auto_planned = False
+    if rank == 0:
         print(
-            "meshpilot train: error: --plan auto: the ranks planned differently (a solve stopped by its "
-            "time limit?); plan once with `meshpilot plan --out plan.json` and train with --plan plan.json",
+            f"--plan auto: the ranks planned {len(set(digests))} different plans (a solve stopped by its time "
+            "limit?); every rank trains rank 0's",
             file=sys.stderr,
             flush=True,
         )
-    return len(set(digests)) == 1
+    return True
 
 
 def _checkpointing(args: argparse.Namespace, plan, resume):
