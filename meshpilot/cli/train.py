@@ -113,8 +113,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE|auto",
         help="run this saved plan (`meshpilot plan --out FILE`) with meshpilot.parallelize instead of ATP, or a "
         "pipeline plan (`meshpilot plan --pipeline --out FILE`); 'auto': "
-        "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node), saved "
-        "in --checkpoint-dir/plan.json or a temporary file",
+        "plan the model for the world size on --cluster first (once, in the launcher with --nproc-per-node; under "
+        "bare torchrun on every rank, rank 0's plan trained where they differ), saved in --checkpoint-dir/plan.json "
+        "or a temporary file",
     )
     g.add_argument(
         "--cluster",
