@@ -80,7 +80,7 @@ from meshpilot.planner.pipeline import (
 from meshpilot.planner.plan import Plan, PlanStage
 from meshpilot.planner.schedule import ActionKind, PipelineKind, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
-from meshpilot.planner.stage import BOUNDARY, StageCost, StagePlanner, slice_graph
+from meshpilot.planner.stage import StageCost, StagePlanner, received_row_leaves, slice_graph
 from meshpilot.planner.zero import ZeroMode
 
 if TYPE_CHECKING:
@@ -410,13 +410,10 @@ def boundary_pins(
     pieces = [(stack.middle, stack.middle + 1)]
     pieces += [(a, b) for a in range(p) for b in range(a + 1, p + 1)]
     pieces += [(a, b) for a in range(end - stack.post, end) for b in range(a + 1, end + 1)]
+    rows = "S(0)" if cfg.dp > 1 else "R"  # rows over DP (mesh axis 0)
     pins = {}
     for a, b in pieces:
-        for n in slice_graph(stack.graph, a, b, sp.layers).nodes:
-            name = n.fqn or n.name
-            if not name.startswith(f"{BOUNDARY}:") or n.out is None or n.out.shape[:1] != (cfg.graph_batch,):
-                continue
-            rows = "S(0)" if cfg.dp > 1 else "R"  # rows over DP (mesh axis 0)
+        for name, n in received_row_leaves(slice_graph(stack.graph, a, b, sp.layers), cfg.graph_batch):
             if tuple(n.out.shape) in residual:
                 pins[_exact(name)] = rows + "S(1)"  # the sequence over TP
             elif cfg.dp > 1:

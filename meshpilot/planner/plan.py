@@ -675,7 +675,7 @@ def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> d
     from meshpilot.graph.capture import NodeKind
     from meshpilot.planner.force import ForceSpec
     from meshpilot.planner.forced import _exact
-    from meshpilot.planner.stage import BOUNDARY
+    from meshpilot.planner.stage import received_row_leaves
 
     spec = ForceSpec.of(force)
     first = next((n for n in graph.nodes if n.kind == NodeKind.INPUT and n.fqn == "input:0"), None)
@@ -685,14 +685,7 @@ def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> d
     if "S(0)" not in rule.placements or any(p not in ("R", "S(0)") for p in rule.placements):
         return {}  # the inputs not pinned as batch rows: nothing to follow
     rows = first.out.shape[0]
-    pins = {}
-    for n in sub.nodes:
-        name = n.fqn or n.name
-        if not name.startswith(f"{BOUNDARY}:") or n.out is None or tuple(n.out.shape[:1]) != (rows,):
-            continue
-        if spec.winner(name) is None:
-            pins[_exact(name)] = rule.layout
-    return pins
+    return {_exact(name): rule.layout for name, _ in received_row_leaves(sub, rows) if spec.winner(name) is None}
 
 
 class _StageDoesNotFit(Exception):

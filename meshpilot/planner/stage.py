@@ -380,6 +380,18 @@ def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Laye
     return sub
 
 
+def received_row_leaves(sub: OpGraph, rows: int) -> list[tuple[str, OpNode]]:
+    """The values a stage receives (`sub`'s ``boundary:`` leaves, :func:`slice_graph`) whose dim 0 is `rows` (the
+    microbatch's rows), each with its name: the leaves a stage's plan pins batch-sharded so that each replica
+    receives its own rows (``planner.plan.received_rows_pins``, ``planner.config_plan.boundary_pins``)."""
+    out = []
+    for n in sub.nodes:
+        name = n.fqn or n.name
+        if name.startswith(f"{BOUNDARY}:") and n.out is not None and tuple(n.out.shape[:1]) == (rows,):
+            out.append((name, n))
+    return out
+
+
 def _slice_canonical(graph: OpGraph, nodes: Sequence[OpNode]) -> dict[str, str]:
     """Repeated-layer sharing inside a slice: every node of a class of identical nodes (``graph.canonical``)
     maps to the class's first member *in the slice*, so a slice of ``blocks.2..3`` shares as ``blocks.0..1``
