@@ -1109,11 +1109,10 @@ def _chosen_plan(
     a stage whose own search does not fit where its table entry did)."""
     sp, stack, clusters, B = setup.sp, setup.stack, setup.clusters, call["microbatches"]
     num_stages, S, n = call["num_stages"], setup.S, setup.n
-    if ruled_out:
-        t = t.copy()
-        for entry in ruled_out:
-            t[entry] = math.inf
-    best, tried = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
+    masked = t.copy() if ruled_out else t  # `t` itself stays whole: each next best masks its own set
+    for entry in ruled_out:
+        masked[entry] = math.inf
+    best, tried = _search_t_max(masked, setup.sizes, n, B, call["epsilon"], num_stages)
     if best is None:
         raise _no_fit(setup, kind, num_stages or f"up to {S}")
     score, chosen = best

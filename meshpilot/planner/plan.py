@@ -964,12 +964,13 @@ class Plan:
                 warnings.simplefilter("ignore", UserWarning)
                 try:
                     p = plan_intra(
-                    None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
-                    microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned, time_limit=time_limit,
-                    # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
-                    # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
-                    recompute="full" if st.cost is not None and st.cost.recompute else "none",
-                    zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
+                        None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
+                        microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned,
+                        time_limit=time_limit,
+                        # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
+                        # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
+                        recompute="full" if st.cost is not None and st.cost.recompute else "none",
+                        zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
                     )  # fmt: skip
                 except PlanError as e:
                     raise _StageDoesNotFit(len(stages), e) from None
