@@ -560,13 +560,14 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
             "forward, which a traced training step cannot hold (the parameter requires gradients); clamp or set it "
             "outside the forward (after the optimizer step, under torch.no_grad()) or use an out-of-place copy"
         )
-    if ("_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name) and _raised_in_assert(e):
+    data_dependent = "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name
+    if data_dependent and _raised_in_assert(e):
         return (
             f"cannot capture the model: an assert on tensor values {place} checks data that capture does not "
             "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
             "or PYTHONOPTIMIZE=1 meshpilot plan …)"
         )
-    if "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name:
+    if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
             "bool()): a branch on data capture cannot follow; choose the setting that takes the static path "
@@ -607,23 +608,24 @@ def _raised_in_assert(e: BaseException) -> bool:
     ``assert lengths.max().item() <= slen``): a check of the data, not a branch of the computation."""
     import linecache
 
-    line = None
-    tb = e.__traceback__
-    while tb is not None:
-        if _is_model_code(tb.tb_frame.f_code.co_filename):
-            line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    return line is not None and line.lstrip().startswith("assert ")
+    found = _model_frame(e)
+    return found is not None and linecache.getline(*found).lstrip().startswith("assert ")
 
 
 def _where_raised(e: BaseException) -> str | None:
     """``file:line`` of the innermost model-code frame of `e`'s traceback."""
+    found = _model_frame(e)
+    return f"{_short(found[0])}:{found[1]}" if found is not None else None
+
+
+def _model_frame(e: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the innermost model-code frame of `e`'s traceback (None: none is model code)."""
     found = None
     tb = e.__traceback__
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if _is_model_code(name):
-            found = f"{_short(name)}:{tb.tb_lineno}"
+            found = (name, tb.tb_lineno)
         tb = tb.tb_next
     return found
 
