@@ -21,6 +21,7 @@ Shared by ``tests/test_hf_families.py`` (a fast sample) and ``benchmarks/bench_h
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Iterator
@@ -464,16 +465,14 @@ def build(
     meta = torch.device(device).type == "meta"
     g = torch.Generator().manual_seed(seed + 1)
     if family.kind == "image":
-        size = getattr(cfg, "image_size", TINY_IMAGE)
-        size = size[0] if isinstance(size, (list, tuple)) else size
-        chans = getattr(cfg, "num_channels", 3)
+        pixels = pixel_shape(cfg, batch)
         classes = max(int(getattr(cfg, "num_labels", 2)), 1)
         if meta:
             return HFImageLoss(model), (
-                torch.empty(batch, chans, size, size, device="meta"),
+                torch.empty(pixels, device="meta"),
                 torch.empty(batch, dtype=torch.long, device="meta"),
             )
-        pix = torch.randn(batch, chans, size, size, generator=g)
+        pix = torch.randn(pixels, generator=g)
         return HFImageLoss(model), (pix, torch.randint(0, classes, (batch,), generator=g))
     from meshpilot.models.sources import HFLoss
 
@@ -515,11 +514,27 @@ def _module_source_has(cls: type, text: str) -> bool:
     """Whether the source file of `cls`'s module contains `text`."""
     import sys
 
-    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return text in _source(getattr(sys.modules.get(cls.__module__), "__file__", None))
+
+
+@functools.cache
+def _source(path: str | None) -> str:
+    """The text of a module's source file, read once ("" when there is none)."""
+    if path is None:
+        return ""
     try:
-        return path is not None and text in open(path, encoding="utf-8").read()
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
     except OSError:
-        return False
+        return ""
+
+
+def pixel_shape(cfg: Any, batch: int) -> tuple[int, int, int, int]:
+    """``(batch, channels, size, size)`` of the images configuration `cfg` (an image model's, or a vision
+    part's) takes: its ``image_size`` (the first side where it gives two) and ``num_channels``."""
+    size = getattr(cfg, "image_size", TINY_IMAGE)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    return (batch, getattr(cfg, "num_channels", 3), size, size)
 
 
 def text_inputs(
@@ -543,10 +558,7 @@ def text_inputs(
         if name == "attention_mask":
             shapes.append(((batch, seq), torch.long))
         elif name == "pixel_values":
-            vis = cfg.vision_config
-            size = getattr(vis, "image_size", TINY_IMAGE)
-            size = size[0] if isinstance(size, (list, tuple)) else size
-            shapes.append(((batch, getattr(vis, "num_channels", 3), size, size), torch.float32))
+            shapes.append((pixel_shape(cfg.vision_config, batch), torch.float32))
     if meta:
         return tuple(torch.empty(s, dtype=dt, device="meta") for s, dt in shapes)
     out = []
