@@ -48,13 +48,19 @@ MHA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8)
 GPT = dict(layers=2, hidden=64, heads=8)
 
 
-def _model(seq: int, device: str = "meta", **over) -> tuple[torch.nn.Module, tuple]:
+def llama_batch(config: dict, batch: int, seq: int, device: str = "meta") -> tuple[torch.nn.Module, tuple]:
+    """HF's Llama of `config` (seeded) and `batch` x `seq` random token ids and labels, as the CLI's ``hf:llama``
+    builds it; on a device other than meta the model is moved there (the inputs stay on the CPU)."""
     torch.manual_seed(0)
-    model = hf_model("llama", {**LLAMA, **over})
+    model = hf_model("llama", dict(config))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
-    labels = torch.randint(0, LLAMA["vocab_size"], (1, seq), generator=g)
+    ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
+    labels = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
     return (model.to(device) if device != "meta" else model), (ids, labels)
+
+
+def _model(seq: int, device: str = "meta", **over) -> tuple[torch.nn.Module, tuple]:
+    return llama_batch({**LLAMA, **over}, 1, seq, device)
 
 
 def _cp(p: StagePlan) -> str:

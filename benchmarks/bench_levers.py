@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cp import LLAMA  # noqa: E402
+from bench_cp import LLAMA, llama_batch  # noqa: E402
 from bench_recompute import measure_saved  # noqa: E402
 
 from meshpilot.io import fmt_size  # noqa: E402
@@ -62,15 +62,7 @@ class Shape:
 
     def build(self, device: str = "cpu") -> tuple[torch.nn.Module, tuple]:
         """The model (seeded) and a batch of token ids and labels, as the CLI's ``hf:llama`` builds them."""
-        from meshpilot.models.sources import hf_model
-
-        torch.manual_seed(0)
-        model = hf_model("llama", self.config)
-        g = torch.Generator().manual_seed(1)
-        vocab = self.config["vocab_size"]
-        ids = torch.randint(0, vocab, (self.batch, self.seq), generator=g)
-        labels = torch.randint(0, vocab, (self.batch, self.seq), generator=g)
-        return model.to(device), (ids, labels)
+        return llama_batch(self.config, self.batch, self.seq, device)
 
 
 def _shape(text: str) -> Shape:
