@@ -4,6 +4,7 @@ tiny Llama on 8 GPUs (the same code path as the 16,384-GPU rows; no spawn)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -55,7 +56,6 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
     for text, needle in [
         ("tp=8,cp=16", "context parallelism"),
-        ("tp=8,recompute=selective", "whole blocks"),
         ("tp=8,zero=1", "ZeRO over pinned layouts"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
@@ -170,6 +170,21 @@ def test_tp_plans_run_sequence_parallel_unless_told_not_to():
     _, kept = sp.plan_with_memory(stack.middle, stack.middle + 1, ranks, mesh, **kw)
     _, regathered = again_sp.plan_with_memory(again.middle, again.middle + 1, ranks, mesh, **kw)
     assert regathered.saved < kept.saved
+
+
+def test_selective_recomputation_keeps_less_than_none_and_runs_less_than_full():
+    """``recompute=selective`` (Megatron's selective recompute, as torchtitan's op policy draws it): every block
+    keeps its matrix products' and attention's outputs and runs the rest again, so the row's plan holds less
+    than without recomputation and recomputes far less than whole blocks."""
+    base = "tp=2,pp=2,dp=2,microbatches=4,split=even"  # blocks in every stage: the peak is a stage of blocks
+    rcs = ("none", "selective", "full")
+    row = dataclasses.replace(_row(base), seq=256)  # activations over the optimizer's update peak
+    res = {rc: bf.run_row(dataclasses.replace(row, config=f"{base},recompute={rc}"), terms=False) for rc in rcs}
+    assert all(not r.refused for r in res.values())
+    none, sel, full = res["none"], res["selective"], res["full"]
+    assert full.peak_gib < sel.peak_gib < none.peak_gib
+    assert none.step_s <= sel.step_s < full.step_s
+    assert sel.step_s - none.step_s < 0.25 * (full.step_s - none.step_s)
 
 
 def test_group_bound_counts_chunk_microbatches_in_flight_at_once():

@@ -83,6 +83,28 @@ def test_regions_are_the_blocks_and_the_transform_keeps_only_their_inputs(gpt_gr
     assert g2.fingerprint() != g.fingerprint() and rc.apply(g, []) is g
 
 
+def test_a_selective_region_keeps_the_products_and_recomputes_the_rest(gpt_graph):
+    """Megatron's selective recomputation, as torchtitan's op-level policy draws it: a block's matrix products
+    and attention stay saved, its norms, activations, residual adds and copies are run again."""
+    g = gpt_graph
+    whole, sel = rc.regions(g), rc.regions(g, selective=True)
+    assert [r.name for r in sel] == [rc.SELECTIVE + r.name for r in whole]
+    for w, r in zip(whole, sel):
+        assert set(r.recomputed) < set(w.recomputed) and 0 < r.saved_bytes < w.saved_bytes
+        assert r.flops < 0.1 * w.flops  # no product runs twice
+        assert not any(rc.is_kept(g[x]) for x in r.recomputed)
+    g2 = rc.apply(g, [r.name for r in sel])
+    saved = {n.name for n in g2.nodes if n.saved_for_backward}
+    kept = {n.name for n in g.nodes if rc.is_kept(n) and n.saved_for_backward}
+    assert kept <= saved  # what the backward read of the products, it still reads
+    assert memory_use(rc.apply(g, [r.name for r in whole])).total < memory_use(g2).total < memory_use(g).total
+    # a block recomputed whole re-runs its selective part: named both ways, it is copied once
+    both = rc.apply(g, [whole[0].name, sel[0].name])
+    assert [n.name for n in both.nodes] == [n.name for n in rc.apply(g, [whole[0].name]).nodes]
+    with pytest.raises(rc.RecomputeError, match="no block 'selective:blocks.9'"):
+        rc.apply(g, ["selective:blocks.9"])
+
+
 def test_a_block_that_draws_random_numbers_is_refused_in_one_line():
     torch.manual_seed(0)
     model = hf_model("gpt2", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))
@@ -105,6 +127,7 @@ def _capped(name: str) -> dict:
     kw = dict(mesh_shape=MESH, graph=graph, mappings=("row",))
     none = plan(model, inputs, CLUSTER, recompute="none", **kw)
     full = plan(model, inputs, CLUSTER, recompute="full", **kw)
+    selective = plan(model, inputs, CLUSTER, recompute="selective", **kw)
     cap = (none.memory.total + full.memory.total) / 2
     try:
         over = plan(model, inputs, CLUSTER, recompute="none", memory_bytes=cap, **kw)
@@ -112,7 +135,7 @@ def _capped(name: str) -> dict:
     except PlanError:
         pass
     auto = plan(model, inputs, CLUSTER, memory_bytes=cap, **kw)
-    return dict(none=none, full=full, auto=auto, cap=cap, graph=graph)
+    return dict(none=none, full=full, selective=selective, auto=auto, cap=cap, graph=graph)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +158,10 @@ def test_auto_recomputes_only_what_the_cap_needs_and_records_why(capped):
             if rc.is_copy(n.name) and orig is not None:
                 assert (n.ins, n.outs, n.source, n.phase) == (orig.ins, orig.outs, orig.source, "bwd"), n.name
         assert full.time.compute_s > none.time.compute_s
+        sel = c["selective"]
+        assert sel.recompute.mode == "selective" and all(x.startswith(rc.SELECTIVE) for x in sel.recompute.regions)
+        assert full.memory.total < sel.memory.total < none.memory.total, name
+        assert sel.time.compute_s - none.time.compute_s < full.time.compute_s - none.time.compute_s, name
         assert auto.fingerprint == none.fingerprint  # the plan is of the model as captured
         assert "recompute" in auto.summary() and r.regions[0] in auto.summary()
         back = StagePlan.from_json(auto.to_json())
@@ -218,20 +245,29 @@ def _step_peak(name: str, plan_json: str) -> int:
     return t.peak
 
 
-def _worker(jobs: dict) -> dict:
+def _trained(name: str, plan_json: str) -> dict:
+    """3 AdamW steps of model `name` under `plan_json` against one device's, and whether every step issued the
+    plan's collectives."""
     from meshpilot.runtime.spmd import parallelize
 
+    ref, inputs = BUILD[name]("cpu")
+    model, _ = BUILD[name]("cpu")
+    plan_ = StagePlan.from_json(plan_json)
+    pm = parallelize(model, plan_, graph=graph_of(name, model, plan_))
+    res = lockstep_adamw(ref, pm, inputs, STEPS)
+    planned = plan_.collective_counts(backend="gloo")
+    res["counts_equal"] = [c == planned for c in res["counts"]]
+    return res
+
+
+def _worker(jobs: dict) -> dict:
     out = {}
-    for name, (auto_json, none_json) in jobs.items():
-        ref, inputs = BUILD[name]("cpu")
-        model, _ = BUILD[name]("cpu")
-        plan_ = StagePlan.from_json(auto_json)
-        pm = parallelize(model, plan_, graph=graph_of(name, model, plan_))
-        res = lockstep_adamw(ref, pm, inputs, STEPS)
-        planned = plan_.collective_counts(backend="gloo")
-        res["counts_equal"] = [c == planned for c in res["counts"]]
+    for name, (auto_json, none_json, selective_json) in jobs.items():
+        res = _trained(name, auto_json)
         res["peak_auto"] = _step_peak(name, auto_json)
         res["peak_none"] = _step_peak(name, none_json)
+        res["selective"] = _trained(name, selective_json)
+        res["peak_selective"] = _step_peak(name, selective_json)
         out[name] = res
     return out
 
@@ -239,20 +275,24 @@ def _worker(jobs: dict) -> dict:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_recomputing_plans_train_equal_to_one_device_on_4_ranks(capped):
-    jobs = {name: (c["auto"].to_json(), c["none"].to_json()) for name, c in capped.items()}
+    jobs = {name: tuple(c[k].to_json() for k in ("auto", "none", "selective")) for name, c in capped.items()}
     per_rank = run_distributed(_worker, 4, jobs, timeout=1200)
     for name, c in capped.items():
         predicted = c["none"].memory.total - c["auto"].memory.total
         for rank, r in enumerate(per_rank):
+            for got in (r[name], r[name]["selective"]):
+                assert max(got["loss"]) < 1e-5 and max(got["grad"]) < 1e-5, (name, rank, got["loss"], got["grad"])
+                assert all(got["counts_equal"]), (name, rank, got["counts"][0])
             got = r[name]
-            assert max(got["loss"]) < 1e-5 and max(got["grad"]) < 1e-5, (name, rank, got["loss"], got["grad"])
-            assert all(got["counts_equal"]), (name, rank, got["counts"][0])
             measured = got["peak_none"] - got["peak_auto"]
             assert measured > 0 and predicted > 0, (name, rank, measured, predicted)
+            assert got["peak_selective"] < got["peak_none"], (name, rank)  # selective keeps less, measured
         print(
             f"\n{name}: recompute {c['auto'].recompute.regions}; predicted peak {c['none'].memory.total / 2**20:.2f}"
             f" -> {c['auto'].memory.total / 2**20:.2f} MiB; measured fwd+bwd peak on rank 0 "
-            f"{per_rank[0][name]['peak_none'] / 2**20:.2f} -> {per_rank[0][name]['peak_auto'] / 2**20:.2f} MiB"
+            f"{per_rank[0][name]['peak_none'] / 2**20:.2f} -> {per_rank[0][name]['peak_auto'] / 2**20:.2f} MiB; "
+            f"selective: predicted {c['selective'].memory.total / 2**20:.2f} MiB, measured "
+            f"{per_rank[0][name]['peak_selective'] / 2**20:.2f} MiB"
         )
 
 
@@ -263,9 +303,13 @@ def test_plan_cli_says_which_blocks_recompute_and_why(capsys, tmp_path):
     out = tmp_path / "p.json"
     assert main([*gpt, "--mesh", "4x1", "--memory-gib", "0.0075", "--ops", "none", "--out", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    # the old rule took blocks.0 alone, the fewest that fit; two plan faster (the ILP shards less) and fit too
-    assert "recompute: blocks.0, blocks.1 (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
-    assert StagePlan.from_json(out.read_text()).recompute.regions == ("blocks.0", "blocks.1")
+    # the selective regions come first: three of them fit, re-running no product (whole blocks, the choice
+    # before selective regions existed, re-ran two blocks' products)
+    chosen = ("selective:blocks.0", "selective:blocks.1", "selective:blocks.2")
+    assert (
+        f"recompute: {', '.join(chosen)} (auto: the plan without it needs" in text and "over the 7.68 MiB cap" in text
+    )
+    assert StagePlan.from_json(out.read_text()).recompute.regions == chosen
     assert main([*gpt, "--pipeline", "--recompute", "full"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--recompute full" in err and "--stages 1" in err

@@ -186,7 +186,9 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         default=RecomputeMode.AUTO.value,
         help="one stage: which repeated blocks run their forward again in the backward instead of keeping their "
         "activations: auto (default: only when the plan does not fit the memory otherwise, the fastest plan that "
-        "fits over the counts of blocks it tries), none, or full (every block); recorded in the plan",
+        "fits over the counts of regions it tries, selective ones first), none, selective (every block's norms, "
+        "activations, rotary and copies run again, its matrix products and attention kept: Megatron's selective "
+        "recompute) or full (every block); recorded in the plan",
     )
     p.add_argument(
         "--zero",
@@ -240,8 +242,8 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=V,…",
         help="plan a published configuration as stated, searching nothing but each stage's operators: tp, pp, dp "
         "degrees, schedule (1f1b, zb-h1, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, "
-        "recompute=none|full, zero, precision, split=even|ends, sp=1|0 (Megatron's sequence parallelism, on by "
-        "default where tp > 1; cp, ep, selective recompute are refused); Llama 3's rank order, Megatron's "
+        "recompute=none|selective|full, zero, precision, split=even|ends, sp=1|0 (Megatron's sequence parallelism, "
+        "on by default where tp > 1; cp and ep are refused); Llama 3's rank order, Megatron's "
         "layouts (meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,"
         "schedule=interleaved-1f1b,virtual=8,microbatches=32 (--batch, if given, must be dp x microbatches x "
         "micro_batch); a model of repeated blocks. --config auto: meshpilot searches the configuration itself "

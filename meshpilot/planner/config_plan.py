@@ -39,11 +39,13 @@ The plan
 * **Recomputation** (``recompute=full``, Megatron's full recompute): every block of the stack recomputed in the
   backward (``planner.recompute.apply`` on the captured blocks, the stack found again and expanded:
   :func:`recomputed_stack`), so each block keeps only its input from the forward and runs its forward (its TP
-  collectives too) a second time; the pre and post layers run as captured.
+  collectives too) a second time; the pre and post layers run as captured. ``recompute=selective``: every
+  block's selective region (``planner.recompute``, *Selective recomputation*): its matrix products' and
+  attention's outputs kept, its norms, activations, rotary and copies run again in the backward.
 
 Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism: one-stage
 plans have it, a pipeline of ``(DP, CP, TP)`` stages is not planned), ``ep > 1``
-(expert parallelism; dense models here), ``recompute=selective``, ``zero`` above 0.
+(expert parallelism; dense models here), ``zero`` above 0.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
@@ -204,11 +206,6 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
-    if cfg.recompute == Recompute.SELECTIVE:
-        raise UserError(
-            "--config recompute=selective: only whole blocks are recomputed by meshpilot's plans; plan "
-            "recompute=full or recompute=none"
-        )
     if cfg.zero:
         raise UserError(
             f"--config zero={cfg.zero}: ZeRO over pinned layouts is not modelled (the ZeRO pass leaves pinned weights "
@@ -316,9 +313,9 @@ def stage_setup(
     TP), sequence parallelism's gathers re-gathered in the backward (:func:`regathered_stack`) and the
     boundary pins. `planner` is reused when it plans that stack's graph (one planner a derived stack, kept:
     :func:`_planner_of`)."""
-    if cfg.recompute == Recompute.FULL:
-        base = stack
-        stack = _derived(("recompute", id(base)), base, lambda: recomputed_stack(base))
+    if cfg.recompute is not Recompute.NONE:
+        base, mode = stack, cfg.recompute
+        stack = _derived(("recompute", mode.value, id(base)), base, lambda: recomputed_stack(base, mode))
     if cfg.tp > 1:
         force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
     else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
@@ -375,21 +372,33 @@ def regathered_stack(stack: Stack, gathers: Sequence[str]) -> Stack:
     return _derived(("regather", id(stack), names), stack, make)
 
 
+def recompute_of(stack: Stack) -> Recompute:
+    """What `stack`'s graph recomputes (:func:`recomputed_stack`'s copies; a re-gathered value's copy is not
+    one): full when a copy re-runs a matrix product or attention, which a selective region keeps."""
+    copies = [n for n in stack.graph.nodes if n.name.endswith(recompute.SUFFIX)]
+    if not copies:
+        return Recompute.NONE
+    return Recompute.FULL if any(recompute.is_kept(n) for n in copies) else Recompute.SELECTIVE
+
+
 def is_recomputed(stack: Stack) -> bool:
-    """Whether `stack`'s graph holds recomputed blocks (:func:`recomputed_stack`'s copies; a re-gathered value's
-    copy is not one)."""
-    return any(n.name.endswith(recompute.SUFFIX) for n in stack.graph.nodes)
+    """Whether `stack`'s graph holds recomputed blocks, whole or selective (:func:`recompute_of`)."""
+    return recompute_of(stack) is not Recompute.NONE
 
 
-def recomputed_stack(stack: Stack) -> Stack:
-    """`stack` with every captured block recomputed in the backward (module docstring, *Recomputation*);
-    `stack` itself when it already is."""
+def recomputed_stack(stack: Stack, mode: Recompute = Recompute.FULL) -> Stack:
+    """`stack` with every captured block recomputed in the backward, whole or (`mode` selective) all but its
+    matrix products and attention (module docstring, *Recomputation*); `stack` itself when it already is."""
     if is_recomputed(stack):
         return stack
-    names = [r.name for r in recompute.regions(stack.graph) if r.name.startswith(f"{stack.container}.")]
+    selective = mode is Recompute.SELECTIVE
+    prefix = (recompute.SELECTIVE if selective else "") + f"{stack.container}."
+    names = [r.name for r in recompute.regions(stack.graph, selective=selective) if r.name.startswith(prefix)]
     small = find_stack(recompute.apply(stack.graph, names))
     if small is None or small.container != stack.container or small.blocks != stack.kept:
-        raise UserError(f"--config recompute=full: {stack.container}'s blocks differ once recomputed; plan none")
+        raise UserError(
+            f"--config recompute={mode.value}: {stack.container}'s blocks differ once recomputed; plan none"
+        )
     return expand_stack(small, stack.blocks)
 
 
@@ -617,6 +626,7 @@ __all__ = [
     "model_flops_per_token",
     "parse_config",
     "plan_config",
+    "recompute_of",
     "recomputed_stack",
     "regathered_stack",
     "residual_shapes",

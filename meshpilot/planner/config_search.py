@@ -10,17 +10,18 @@ build for it, and the configuration kept is the one whose *simulated* step is th
 For N devices and a global batch of G sequences: TP t divides the server (t ≤ its GPUs: Megatron's pairs stay
 on NVLink), PP p divides N / t, DP d = N / (t · p); micro-batch size m and microbatches B with d · B · m = G;
 schedules 1F1B and ZB-H1 (v = 1) and interleaved 1F1B (v ≥ 2 chunks a group, B a multiple of p); the chunks
-p · v cut by ``config_plan.stage_bounds`` (``split=even`` or ``ends``); recomputation none or full. GPipe is
+p · v cut by ``config_plan.stage_bounds`` (``split=even`` or ``ends``); recomputation none, selective or full.
+GPipe is
 left out: 1F1B has its bubble with fewer microbatches in flight. p = 1 is a single stage (1F1B of one stage:
 gradient accumulation over B).
 
 2. Pieces, priced once per (TP, recomputation) (:class:`Pieces`)
 ----------------------------------------------------------------
-The model captured once with one sequence (``stack.capture_stack``; with every block recomputed for
-``recompute=full``: ``config_plan.recomputed_stack``); its three pieces — the pre layers, one middle block, the
-post layers — planned on a ``(1, t)`` mesh of one server's ranks under Megatron's pins with sequence
-parallelism, its norm outputs gathered again in the backward, and the boundary pins (``config_plan.stage_setup``,
-what ``plan_config`` plans at ``sp=1``, its default):
+The model captured once with one sequence (``stack.capture_stack``; with every block recomputed, whole for
+``recompute=full`` or its selective region for ``selective``: ``config_plan.recomputed_stack``); its three pieces —
+the pre layers, one middle block, the post layers — planned on a ``(1, t)`` mesh of one server's ranks under
+Megatron's pins with sequence parallelism, its norm outputs gathered again in the backward, and the boundary pins
+(``config_plan.stage_setup``, what ``plan_config`` plans at ``sp=1``, its default):
 per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
 resharding: no DP axis, so no gradient sync), its optimizer step ``o_x`` and its memory parts
 (``stage.StageMemory``). A replica's microbatch of m sequences is priced at m times one (compute-bound pieces at
@@ -78,8 +79,8 @@ from meshpilot.planner.config_plan import (
     Split,
     group_bound,
     group_memory,
-    is_recomputed,
     plan_config,
+    recompute_of,
     recomputed_stack,
     simulate_config,
     stage_bounds,
@@ -106,8 +107,8 @@ MAX_PLANNED = 4096
 """Candidates whose step runs more chunk-microbatches (p · v · B) than this are estimated, not planned: the
 simulation of one grows with them (Llama 3's 16,384-GPU configuration runs 2,048 in 0.8 s; a ZB-H1 pipeline of 128
 stages and 128 microbatches took minutes)."""
-RECOMPUTES = (Recompute.NONE, Recompute.FULL)
-"""Recomputation choices it tries: none, or every block."""
+RECOMPUTES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+"""Recomputation choices it tries: none, every block's selective region, or every block whole."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ def plan_pieces(
     """:class:`Pieces` at TP `tp` (module docstring, 2) of `stack`, the one-sequence capture of `model` on
     `inputs` (recomputed or not), planned by `sp`; None when a piece has no plan (e.g. heads that TP does not
     divide)."""
-    recompute = Recompute.FULL if is_recomputed(stack) else Recompute.NONE
+    recompute = recompute_of(stack)
     mesh = (1, tp)
     try:  # the pins and re-gathered stack plan_config plans with (the stack already recomputed or not)
         stack, sp, force = stage_setup(model, inputs, stack, sp.cluster, ParallelConfig(tp=tp), sp, mesh)
@@ -354,7 +355,7 @@ class _Captures:
             self._got[(rows, Recompute.NONE)] = (model, inputs, stack, StagePlanner(stack.graph, self.cluster))
         if (rows, rc) not in self._got:
             model, inputs, stack, _ = self._got[(rows, Recompute.NONE)]
-            stack = recomputed_stack(stack)
+            stack = recomputed_stack(stack, rc)
             self._got[(rows, rc)] = (model, inputs, stack, StagePlanner(stack.graph, self.cluster))
         return self._got[(rows, rc)]
 

@@ -38,6 +38,25 @@ fingerprint of the graph as captured, and the runtime applies the plan's regions
 Random draws: a region whose recomputed nodes draw random numbers (dropout) would draw other numbers the second
 time; it is refused (:class:`RecomputeError` under ``full``, left out under ``auto``), never run differently.
 
+Selective recomputation (``selective:<block>``)
+-----------------------------------------------
+Megatron-LM's *selective* recompute re-runs the part of a block that holds much memory for little compute;
+torchtitan's op-level policy draws the line by op: keep what matrix products and attention produce, re-run the
+rest. A block's selective region is its region (above) with the cone stopped at the ops of
+:data:`KEPT_TARGETS` (``mm``, ``addmm``, ``bmm``, ``baddbmm``, convolution, grouped ``mm``, attention) and
+the items of their tuples (:func:`is_kept`): those stay saved for the backward, and the copies read them. What
+is recomputed is the memory-bound rest — norms and their float32 copies, activations (SiLU, GeLU, the gated
+product), rotary embeddings, grouped-query attention's repeated keys and values, residual adds, casts and
+views — whose second run costs bytes, not FLOPs. ``Region.saved_bytes`` is the interior recomputed less the
+kept values the copies read that the backward did not read already (now kept: e.g. an MLP's gate and up
+products, which SiLU's and the product's backward read only through the recomputed values).
+
+A block named both ways (``blocks.3`` and ``selective:blocks.3``) is recomputed whole: whole blocks are applied
+first, and a region whose nodes an earlier one copies is left out (:func:`apply`). ``--recompute selective``
+recomputes every block's selective region; ``auto`` orders every selective region before every whole block
+(:func:`ordered`), so the counts it plans take selective regions first, then whole blocks on top. The runtime
+applies the regions the plan names (:func:`for_plan`), selective ones as whole ones: a graph transform.
+
 Re-gathered values (:func:`gather_region`)
 -----------------------------------------
 Megatron-LM's sequence parallelism all-gathers the sequence-sharded norm output before the column linears and,
@@ -56,13 +75,15 @@ overlapping a recomputed block is left out (:func:`apply`).
 
 The choice (:func:`choose`)
 ---------------------------
-``recompute="none"`` plans the graph as captured, ``"full"`` recomputes every region, and ``"auto"`` (the
-default) recomputes only when the plan without it does not fit the memory cap:
+``recompute="none"`` plans the graph as captured, ``"full"`` recomputes every region, ``"selective"`` every
+region's selective part, and ``"auto"`` (the default) recomputes only when the plan without it does not fit the
+memory cap:
 
 1. plan the captured graph; if its predicted peak ``M_0`` fits the capacity ``C``, that is the plan;
-2. order the regions by ``saved_R / extra_R``, the bytes the region stops keeping per second of forward it
-   adds (``Region.saved_bytes``, and :func:`forward_seconds`, its forward on one device by the cost model's
-   roofline), largest first (identical blocks tie: forward order);
+2. order the regions, the selective ones first, then the whole blocks, each kind by ``saved_R / extra_R``,
+   the bytes the region stops keeping per second of forward it adds (``Region.saved_bytes``, and
+   :func:`forward_seconds`, its forward on one device by the cost model's roofline), largest first (identical
+   blocks tie: forward order);
 3. the fewest regions ``k₀`` whose graph fits ``C`` under the first plan's strategies (copies taking their
    original's; :func:`accounting.memory_use`, exact for those strategies) is where the counts start (1 when
    step 1 found no plan at all): fewer cannot fit with those strategies;
@@ -74,8 +95,9 @@ default) recomputes only when the plan without it does not fit the memory cap:
    4 at 0.571 ms under one cap).
 
 The plan records the regions, why, and the predicted peak before and after (:class:`RecomputeChoice`), and
-prices the copies' compute and collectives in its step time like any node's. Only one-stage plans
-recompute: a pipeline's stages (``Plan.with_intra``) run as captured.
+prices the copies' compute and collectives in its step time like any node's. ``auto`` chooses for one-stage
+plans; a pipeline's stages recompute their blocks whole where the stage table costed them so
+(``StageCost.recompute``, ``Plan.with_intra``), and ``config_plan`` recomputes as a configuration states.
 """
 
 from __future__ import annotations
@@ -105,6 +127,23 @@ REGATHERED = "_regathered"
 REGATHER = "regather:"
 """Prefix of a re-gather region's name: ``regather:<node>``."""
 
+SELECTIVE = "selective:"
+"""Prefix of a selective region's name: ``selective:<block>`` (module docstring, *Selective recomputation*)."""
+
+KEPT_TARGETS = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.convolution.default",
+        "aten._grouped_mm.default",
+        "meshpilot.sdpa.default",
+    }
+)
+"""The ops whose outputs a selective region keeps from the forward: the compute-bound ones (matrix products,
+convolutions, attention), whose second run would cost what their first did."""
+
 
 class RecomputeMode(StrEnum):
     """Which regions a plan recomputes (``--recompute``)."""
@@ -113,6 +152,9 @@ class RecomputeMode(StrEnum):
     """Only when the plan without recomputation does not fit the memory cap: the fastest plan that fits."""
     NONE = "none"
     """None: every activation the backward reads is kept from the forward."""
+    SELECTIVE = "selective"
+    """Every repeated block's memory-bound ops (norms, activations, rotary, casts, copies); its matrix
+    products' and attention's outputs kept."""
     FULL = "full"
     """Every repeated block."""
 
@@ -123,7 +165,8 @@ class RecomputeMode(StrEnum):
         except ValueError:
             raise UserError(
                 f"recompute={value!r}: choose one of {', '.join(m.value for m in cls)} (auto: only when the plan "
-                "does not fit in memory)"
+                "does not fit in memory; selective: a block's matrix products and attention kept, the rest "
+                "recomputed)"
             ) from None
 
 
@@ -159,8 +202,15 @@ def backward_start(graph: OpGraph) -> int:
     return 1 + max((n.index for n in graph.nodes if n.phase == Phase.FWD), default=-1)
 
 
-def regions(graph: OpGraph) -> list[Region]:
-    """Every numbered block of `graph` with something to recompute, in forward order (module docstring)."""
+def is_kept(node: OpNode) -> bool:
+    """Whether a selective region keeps `node`'s outputs from the forward (:data:`KEPT_TARGETS`, and the
+    items of such an op's tuple)."""
+    return node.target in KEPT_TARGETS
+
+
+def regions(graph: OpGraph, selective: bool = False) -> list[Region]:
+    """Every numbered block of `graph` with something to recompute, in forward order (module docstring); with
+    `selective`, each block's selective region (``selective:<block>``: *Selective recomputation*)."""
     from meshpilot.planner.stage import layer_keys
 
     key = layer_keys(graph)
@@ -174,17 +224,27 @@ def regions(graph: OpGraph) -> list[Region]:
             members.setdefault(k, set()).add(n.name)
     out = []
     for name, inside in members.items():
-        region = _region(graph, name, inside, start)
+        kept = {x for x in inside if _kept(graph, x)} if selective else set()
+        region = _region(graph, SELECTIVE + name if selective else name, inside - kept, start, inside)
         if region.recomputed:
             out.append(region)
     return out
 
 
-def _region(graph: OpGraph, name: str, inside: set[str], start: int) -> Region:
-    """The region of block `name` whose forward-side nodes are `inside`; the backward begins at `start`."""
+def _kept(graph: OpGraph, name: str) -> bool:
+    """Whether node `name` is kept by a selective region: a kept op, or an item of one's tuple."""
+    n = graph[name]
+    return is_kept(n) or (n.kind == NodeKind.GETITEM and bool(n.inputs) and is_kept(graph[n.inputs[0][0]]))
+
+
+def _region(graph: OpGraph, name: str, inside: set[str], start: int, block: set[str] | None = None) -> Region:
+    """The region `name` recomputing what it can of `inside` (forward-side nodes of the block whose nodes are
+    `block`, `inside` itself when None); the backward begins at `start`. The saved bytes are the interior
+    values recomputed, less those of the block's values the copies read that the backward did not keep."""
+    block = inside if block is None else block
     before, after = graph.nodes[:start], graph.nodes[start:]
-    outputs = {s for n in before if n.name not in inside for s, _ in n.inputs} & inside
-    interior = {(s, i) for n in after for s, i in n.inputs if s in inside and s not in outputs}
+    outputs = {s for n in before if n.name not in block for s, _ in n.inputs} & block
+    interior = {(s, i) for n in after for s, i in n.inputs if s in block and s not in outputs}
     cone: set[str] = set()
     stack = [s for s, _ in interior]
     while stack:
@@ -195,9 +255,17 @@ def _region(graph: OpGraph, name: str, inside: set[str], start: int) -> Region:
         stack += [s for s, _ in graph[x].inputs]
     nodes = [n for n in before if n.name in cone]
     bases = {storage_base(graph, s, i) for s, i in interior}
-    saved = sum(graph[b].outputs[i].nbytes for b, i in bases if b in cone and graph[b].outputs[i] is not None)
+    newly = {
+        storage_base(graph, s, i) for n in nodes for s, i in n.inputs if s in block and s not in cone | outputs
+    } - bases
+    saved = _nbytes(graph, {b for b in bases if b[0] in cone}) - _nbytes(graph, newly)
     random = next((f"{n.target} in {n.where()}" for n in nodes if _is_random(n)), None)
     return Region(name, tuple(n.name for n in nodes), saved, sum(n.flops for n in nodes), random)
+
+
+def _nbytes(graph: OpGraph, values: set[tuple[str, int]]) -> float:
+    """Bytes of the storages `values` (``(node, output)`` pairs; outputs without a tensor count 0)."""
+    return sum(graph[b].outputs[i].nbytes for b, i in values if graph[b].outputs[i] is not None)
 
 
 def gather_region(graph: OpGraph, node: str) -> Region | None:
@@ -231,6 +299,8 @@ def _check(graph: OpGraph, names: Sequence[str]) -> list[Region]:
     """The regions `names`, each one `graph` has and recomputes exactly; one line for the first that is not."""
     blocks = [x for x in names if not x.startswith(REGATHER)]
     by_name = {r.name: r for r in regions(graph)} if blocks else {}
+    if any(x.startswith(SELECTIVE) for x in blocks):
+        by_name.update((r.name, r) for r in regions(graph, selective=True))
     out = []
     for name in names:
         r = by_name.get(name) if name in blocks else gather_region(graph, name.removeprefix(REGATHER))
@@ -263,7 +333,7 @@ def apply(graph: OpGraph, names: Sequence[str]) -> OpGraph:
     start = backward_start(graph)
     copy_of: dict[str, str] = {}
     before: dict[int, list[OpNode]] = {}
-    for region in sorted(_check(graph, names), key=lambda r: r.name.startswith(REGATHER)):
+    for region in sorted(_check(graph, names), key=_applied_order):
         suffix = REGATHERED if region.name.startswith(REGATHER) else SUFFIX
         if not region.recomputed or any(x in copy_of for x in region.recomputed):
             continue  # nothing the backward reads, or a recomputed block's own
@@ -282,6 +352,12 @@ def apply(graph: OpGraph, names: Sequence[str]) -> OpGraph:
         ins = tuple((copy_of.get(s, s), i) for s, i in n.inputs) if n.index >= start else n.inputs
         nodes.append(dataclasses.replace(n, inputs=ins))
     return _renumbered(graph, nodes, copy_of)
+
+
+def _applied_order(region: Region) -> int:
+    """Whole blocks first, then selective regions, then re-gathered values: a region whose nodes an earlier
+    one already copies is left out (a block recomputed whole re-runs its selective part and its gathers)."""
+    return 2 if region.name.startswith(REGATHER) else 1 if region.name.startswith(SELECTIVE) else 0
 
 
 def _renumbered(graph: OpGraph, nodes: list[OpNode], copy_of: dict[str, str]) -> OpGraph:
@@ -341,8 +417,15 @@ def forward_seconds(region: Region, graph: OpGraph, cluster: Any) -> float:
 
 
 def ordered(graph: OpGraph, cluster: Any) -> list[Region]:
-    """The regions that can be recomputed exactly, most bytes saved per second of forward added first."""
-    usable = [r for r in regions(graph) if r.random is None]
+    """The regions that can be recomputed exactly: every selective region, then every whole block (which
+    re-runs its products too), each kind most bytes saved per second of forward added first."""
+    selective = [r for r in regions(graph, selective=True) if r.random is None and r.saved_bytes > 0]
+    whole = [r for r in regions(graph) if r.random is None]
+    return _by_rate(selective, graph, cluster) + _by_rate(whole, graph, cluster)
+
+
+def _by_rate(usable: list[Region], graph: OpGraph, cluster: Any) -> list[Region]:
+    """`usable`, most bytes saved per second of forward added first."""
     rate = {r.name: r.saved_bytes / max(forward_seconds(r, graph, cluster), 1e-12) for r in usable}
     return sorted(usable, key=lambda r: -rate[r.name])  # sorted is stable: ties keep forward order
 
@@ -394,15 +477,17 @@ def choose(
 
     if mode is RecomputeMode.NONE:
         return as_planned(plan_fn(apply(graph, gathers)))
-    if mode is RecomputeMode.FULL:
-        names = [r.name for r in regions(graph)]
+    if mode in (RecomputeMode.FULL, RecomputeMode.SELECTIVE):
+        names = [r.name for r in regions(graph, selective=mode is RecomputeMode.SELECTIVE)]
         if not names:
             raise RecomputeError(
-                "recompute=full: the model has no numbered blocks to recompute; plan with recompute auto or none"
+                f"recompute={mode.value}: the model has no numbered blocks to recompute; plan with recompute auto "
+                "or none"
             )
         _check(graph, names)
         names = with_gathers(names)
-        return _recorded(plan_fn(apply(graph, names)), graph, names, mode, "asked for (--recompute full)", None)
+        why = f"asked for (--recompute {mode.value})"
+        return _recorded(plan_fn(apply(graph, names)), graph, names, mode, why, None)
     first: StagePlan | None = None
     error: PlanError | None = None
     try:
