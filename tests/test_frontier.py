@@ -200,6 +200,16 @@ def test_group_bound_counts_chunk_microbatches_in_flight_at_once():
     # the bound: the chunks' statics and transients once, the activations in flight at once
     fb, upd, act = [10.0] * 128, [12.0] * 128, [2.0] * 128
     assert group_bound(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, fb, upd, act) == 8 * (10 - 2) + 143 * 2
+    # with what each chunk holds while another computes (weights, states, gradients: 5), the working sets
+    # beyond it count once: 8 · 5 + (10 − 5) + 143 · 2, not 8 · (10 − 2) + 143 · 2
+    res = [5.0] * 128
+    assert group_bound(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, fb, upd, act, res) == 8 * 5 + 5 + 143 * 2
+    # one chunk a group: every chunk at its own peak is the smaller bound, as before
+    one = dict(fb=[10.0] * 4, upd=[12.0] * 4, act=[2.0] * 4)
+    plain = group_bound(PipelineKind.ONE_F_ONE_B, 4, 1, 8, one["fb"], one["upd"], one["act"])
+    assert group_bound(PipelineKind.ONE_F_ONE_B, 4, 1, 8, *one.values(), [5.0] * 4) == plain == 10 - 2 + 4 * 2
+    # a plan saved before the resident bytes were recorded: unknown, the old bound
+    assert group_bound(PipelineKind.INTERLEAVED_1F1B, 16, 8, 32, fb, upd, act, [None] * 128) == 8 * 8 + 143 * 2
 
 
 def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():

@@ -692,13 +692,16 @@ class PhasePeaks:
     """``W + O + I + G + T_opt``."""
     activations: float
     """Σ saved-for-backward values: what each further microbatch in flight holds until its backward."""
+    resident: float | None = None
+    """``W + O + I + G``: what the stage holds while another stage of its device computes — its weights,
+    states, inputs and gradients (``config_plan.group_bound``); None where unknown (plans saved before it)."""
 
 
 def phase_peaks(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = ()) -> PhasePeaks:
     """Each phase's peak of one step of a plan (module docstring) and its activations."""
     p = _parts(graph, chosen, mesh_shape)
     base = p.params + p.optimizer + p.inputs
-    return PhasePeaks(base + p.live.peak, base + p.grads + p.update_temp, p.saved)
+    return PhasePeaks(base + p.live.peak, base + p.grads + p.update_temp, p.saved, base + p.grads)
 
 
 # ------------------------------------------------------------------------------------------ time

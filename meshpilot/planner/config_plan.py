@@ -470,29 +470,50 @@ def group_memory(cp: ConfigPlan) -> float:
     fb = [c.peaks.forward_backward for c in cp.costs]
     upd = [c.peaks.update for c in cp.costs]
     act = [c.peaks.activations for c in cp.costs]
-    return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act)
+    resident = [c.peaks.resident for c in cp.costs]
+    return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act, resident)
 
 
 def group_bound(
-    kind: PipelineKind, p: int, v: int, B: int, fb: Sequence[float], upd: Sequence[float], act: Sequence[float]
+    kind: PipelineKind,
+    p: int,
+    v: int,
+    B: int,
+    fb: Sequence[float],
+    upd: Sequence[float],
+    act: Sequence[float],
+    resident: Sequence[float | None] | None = None,
 ) -> float:
     """Eq. 5 of the fullest of `p` pipeline groups, chunk j (of ``p · v``, on group j mod p) with forward +
-    backward peak ``fb_j``, update peak ``upd_j`` and one microbatch's saved activations ``act_j``:
+    backward peak ``fb_j``, update peak ``upd_j``, one microbatch's saved activations ``act_j`` and, where
+    known, ``r_j`` what it holds while another chunk computes (`resident`: weights, states, inputs, gradients):
 
-        M_g = max( Σ_{j≡g} upd_j,  Σ_{j≡g} (fb_j − act_j) + max_t Σ_{j≡g} n_j(t) · act_j )
+        M_g = max( Σ_{j≡g} upd_j,  min(A_g, R_g) + max_t Σ_{j≡g} n_j(t) · act_j )
+        A_g = Σ_{j≡g} (fb_j − act_j)             every chunk at its own forward + backward peak
+        R_g = Σ_{j≡g} r_j + max_{j≡g} (fb_j − r_j)   one chunk computing, the others resident
 
     n_j(t) the microbatches chunk j has forwarded and not yet backwarded at step t of the group's own schedule
     (:func:`in_flight_peaks`: walked over the schedule's actions). Each chunk's own maximum h_j, summed
     (``Σ_j max(upd_j, fb_j + (h_j − 1) · act_j)``, what ``PlanStage.memory_bytes`` sum to), counts maxima
     reached at different times: under interleaved 1F1B with p = 16, v = 8 and 32 microbatches group 0's
     chunks hold at most 192 chunk-microbatches by that sum and 143 at once. One chunk per group (1F1B, ZB-H1)
-    gives the same bound both ways."""
+    gives the same bound both ways.
+
+    ``A_g`` counts every chunk's working set (its forward + backward's temporaries) at once, though a GPU runs
+    one chunk at a time; ``R_g`` counts it once. Both bound the same memory: at any moment the computing chunk
+    j holds at most ``fb_j`` (its live values include its gradients so far and the current microbatch's saved
+    values, which the in-flight term counts again), every other chunk its resident bytes, and the in-flight
+    microbatches their saved values. With one chunk a group ``A_g`` is the smaller (it does not count the
+    current microbatch twice); with the 8 one-block chunks of Llama 3's groups ``R_g`` is."""
     peaks = in_flight_peaks(kind, p, v, B, tuple(act))
     groups = []
     for g in range(p):
         js = range(g, p * v, p)
         update = sum(upd[j] for j in js)
-        groups.append(max(update, sum(fb[j] - act[j] for j in js) + peaks[g]))
+        held = sum(fb[j] - act[j] for j in js)
+        if resident is not None and all(resident[j] is not None for j in js):
+            held = min(held, sum(resident[j] for j in js) + max(fb[j] - resident[j] for j in js))
+        groups.append(max(update, held + peaks[g]))
     return max(groups)
 
 

@@ -45,7 +45,10 @@ Memory bound (Eq. 5 per group, ``config_plan.group_bound``): chunk j composed fr
 ``act_j``), and group g's chunk-microbatches in flight at once walked over its schedule's actions
 (``config_plan.in_flight_peaks``; one chunk a group: ``h_j``, 1F1B ``min(B, p − j)``, ZB-H1 ``min(B, p)``):
 
-    M_g = max( Σ_{j≡g} upd_j,  Σ_{j≡g} (fb_j − act_j) + max_t Σ_{j≡g} n_j(t) · act_j )  ≤  capacity  for every g.
+    M_g = max( Σ_{j≡g} upd_j,  min(A_g, R_g) + max_t Σ_{j≡g} n_j(t) · act_j )  ≤  capacity  for every g,
+
+``A_g = Σ_{j≡g} (fb_j − act_j)`` every chunk at its own peak, ``R_g = Σ_{j≡g} r_j + max_{j≡g} (fb_j − r_j)``
+one chunk computing while the others hold their resident bytes ``r_j`` (weights, states, inputs, gradients).
 
 This is the bound ``plan_config``'s plan reports (``config_plan.group_memory`` over its chunks' costs), at one
 sequence's pieces scaled m-fold.
@@ -320,8 +323,9 @@ class _Estimator:
 
     def memory(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
         """The Eq. 5 bound per GPU of the fullest group (module docstring, 3)."""
-        fb, upd, act, _ = zip(*(_compose_one(c.pieces) for c in chunks))
-        return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act)
+        fb, upd, act, static = zip(*(_compose_one(c.pieces) for c in chunks))
+        resident = [s + sum(m.grads * w for m, w in c.pieces) for s, c in zip(static, chunks)]
+        return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act, resident)
 
     def _cost(self, cfg: ParallelConfig) -> CostModel:
         key = (cfg.dp, cfg.tp, cfg.pp)

@@ -224,8 +224,7 @@ def regions(graph: OpGraph, selective: bool = False) -> list[Region]:
             members.setdefault(k, set()).add(n.name)
     out = []
     for name, inside in members.items():
-        kept = {x for x in inside if _kept(graph, x)} if selective else set()
-        region = _region(graph, SELECTIVE + name if selective else name, inside - kept, start, inside)
+        region = _selective(graph, name, inside, start) if selective else _region(graph, name, inside, start)
         if region.recomputed:
             out.append(region)
     return out
@@ -235,6 +234,31 @@ def _kept(graph: OpGraph, name: str) -> bool:
     """Whether node `name` is kept by a selective region: a kept op, or an item of one's tuple."""
     n = graph[name]
     return is_kept(n) or (n.kind == NodeKind.GETITEM and bool(n.inputs) and is_kept(graph[n.inputs[0][0]]))
+
+
+def _selective(graph: OpGraph, name: str, inside: set[str], start: int) -> Region:
+    """Block `name`'s selective region (module docstring, *Selective recomputation*): the cone stopped at the
+    kept ops, then each stop moved down to its one reader in the cone where the backward reads the stop only
+    through that reader's copy and the reader's output is no larger — a row-parallel product's partial sum kept
+    whole is the residual add's input, whose output is reduced (and, under sequence parallelism, a shard)."""
+    stop = {x for x in inside if _kept(graph, x)}
+    read_after = {s for n in graph.nodes[start:] for s, _ in n.inputs}
+    while True:
+        region = _region(graph, SELECTIVE + name, inside - stop, start, inside)
+        cone = set(region.recomputed)
+        moved = set()
+        for k in stop - read_after:
+            readers = [u for u in graph.users[k] if u in cone]
+            if len(readers) == 1 and _nbytes_of(graph, readers[0]) <= _nbytes_of(graph, k):
+                moved.add(readers[0])
+        if not moved:
+            return region
+        stop |= moved
+
+
+def _nbytes_of(graph: OpGraph, name: str) -> float:
+    """Bytes of node `name`'s outputs (whole tensors)."""
+    return sum(o.nbytes for o in graph[name].outputs if o is not None)
 
 
 def _region(graph: OpGraph, name: str, inside: set[str], start: int, block: set[str] | None = None) -> Region:

@@ -724,11 +724,13 @@ def compose_stage(
         cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
     fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    grads = sum(x.mem.grads * w for x, w in pieces)
+    resident = static + grads
     if accumulated:
-        fb += sum(x.mem.accumulated * w for x, w in pieces)
+        summed = sum(x.mem.accumulated * w for x, w in pieces)
+        fb, resident = fb + summed, resident + summed
     time_ = _sum_time([(x.cost.time, w) for x, w in pieces])
     main = max(pieces, key=lambda xw: xw[1] * xw[0].cost.time.total_s)[0].cost
-    grads = sum(x.mem.grads * w for x, w in pieces)
     peak = max(fb, upd)
     held_grads = grads if upd >= fb else 0.0
     memory = MemoryUse(
@@ -736,7 +738,7 @@ def compose_stage(
         temporaries=peak - static - held_grads, row=0.0, peak_at="",
     )  # fmt: skip
     return StageCost(
-        (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act),
+        (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act, resident),
         sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces), recompute and nb > 0,
         ZeroMode(block_zero).value if block_zero is not None and nb else None,
     )  # fmt: skip

@@ -560,7 +560,8 @@ class StageMemory:
 
     @property
     def peaks(self) -> PhasePeaks:
-        return PhasePeaks(self.static + self.live_peak, self.static + self.grads + self.update_temp, self.saved)
+        fb, upd = self.static + self.live_peak, self.static + self.grads + self.update_temp
+        return PhasePeaks(fb, upd, self.saved, self.static + self.grads)
 
 
 @dataclass(frozen=True)
