@@ -27,7 +27,7 @@ from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long
 
 from meshpilot.graph.capture import capture
 from meshpilot.models.sources import build_model, hf_model
-from meshpilot.ops.attention import ContextAxis, ContextMethod, context_axes, ulysses_pins
+from meshpilot.ops.attention import ContextAxis, ContextMethod, context_axes, ring_pins, ulysses_pins
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -90,6 +90,7 @@ def plans() -> dict[str, tuple[str, StagePlan]]:
         "auto": ("llama", plan(model, inputs, CLUSTER, memory_bytes=CAP, graph=graph, **kw)),
         "forced": ("llama", plan(model, inputs, CLUSTER, force={"input:*": "S(1)R"}, graph=graph, **kw)),
         "ulysses": ("llama", plan(model, inputs, CLUSTER, force=ulysses_pins(graph), graph=graph, **kw)),
+        "ring": ("llama", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw)),
     }
     # the causal mask (built by transformers from positions) is built by query rows, as attention reads it
     masks = [n.inputs[3][0] for n in graph.nodes if n.target == "meshpilot.sdpa.default"]
@@ -104,6 +105,7 @@ def plans() -> dict[str, tuple[str, StagePlan]]:
     model, inputs = _model("gpt")  # is_causal: the ILP's own choices, uncapped and under GPT_CAP
     out["causal"] = ("gpt", plan(model, inputs, CLUSTER, **kw))
     out["causal-capped"] = ("gpt", plan(model, inputs, CLUSTER, memory_bytes=GPT_CAP, **kw))
+    out["ring-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=ring_pins(capture(model, inputs)), **kw))
     return out
 
 
@@ -163,6 +165,29 @@ def test_is_causal_attention_takes_query_rows_uncapped_and_ulysses_under_a_cap(p
     assert context_axes(small.nodes, small.mesh_axes, small.collectives) == [
         ContextAxis("gpu", ContextMethod.ULYSSES, 2)
     ]
+
+
+def test_ring_plans_pass_every_key_value_block_round_the_axis(plans):
+    """q, k, v pinned sequence-sharded: every attention forward takes the ring (``meshpilot.ops.ring``), and so
+    does every backward of the masked Llama's (its gradients ``S(2)``, not partial; the GPT's backward is the
+    ILP's choice, ring or query rows), and the plan lists the sends the op issues: per call ``n − 1`` of the
+    key/value block forward, those and ``n`` of the gradient accumulators backward."""
+    peers = MESH[0]
+    for name in ("ring", "ring-causal"):
+        p = plans[name][1]
+        calls = len(_sequence_axes(p))
+        assert context_axes(p.nodes, p.mesh_axes, p.collectives) == [ContextAxis("gpu", ContextMethod.RING, calls)]
+        ring_bwd = [n.name for n in p.nodes if n.name.startswith("sdpa_backward") and n.outs == (("S(2)", "R"),) * 3]
+        assert len(ring_bwd) == calls or name != "ring", (name, ring_bwd)
+        for n in p.nodes:
+            if n.name.startswith("sdpa") and not n.name.startswith("sdpa_backward"):
+                assert n.source == "meshpilot" and all(x == ("S(2)", "R") for x in n.ins[:3]), (name, n.name)
+        sends = [c for c in p.collectives if c.kind == "send"]
+        assert all(c.issued_by_op and c.dst.startswith("sdpa") for c in sends), name
+        fwd = sum(c.phase == "fwd" for c in sends)
+        bwd = sum(c.dst in ring_bwd for c in sends)
+        assert fwd == calls * (peers - 1) and bwd == len(ring_bwd) * (2 * peers - 1) == len(sends) - fwd, name
+        assert "context      ring attention over axis gpu (4 devices" in p.summary(), name
 
 
 def test_heads_the_axis_does_not_divide_refuse_ulysses_in_one_line():

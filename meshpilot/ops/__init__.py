@@ -26,6 +26,8 @@ module                            ops
                                   experts path): replicated, data- and expert-parallel (variable all-to-all)
 :mod:`~meshpilot.ops.causal_rows` the attention pair's ``is_causal`` calls sharded by query rows (context
                                   parallelism; each rank's rows know their offset)
+:mod:`~meshpilot.ops.ring`        ring attention: q, k, v sequence-sharded, key/value blocks passed round
+                                  the axis by send/recv (registered for the pair, with causal_rows' rules)
 ================================  ==========================================================================
 
 An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
@@ -142,10 +144,10 @@ def _local_shape_and_offset(global_shape, mesh, placements):
 @functools.cache
 def registry() -> dict[str, OwnOp]:
     """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, batched, causal_rows, dropout, fill, index_add, moe, stack, unfold, vocab
+    from meshpilot.ops import batch_norm, batched, dropout, fill, index_add, moe, ring, stack, unfold, vocab
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, causal_rows):
+    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, ring):
         for op in module.OPS:
             ops[op.target] = op
     return ops
