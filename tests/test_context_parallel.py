@@ -1,9 +1,12 @@
-"""Context parallelism: attention's sequence divided over a mesh axis (``meshpilot.ops.attention``), two methods.
+"""Context parallelism: attention's sequence divided over a mesh axis (``meshpilot.ops.attention``), three methods.
 
 * **all-gather** (Llama 3's): each rank's query rows against every key, keys and values all-gathered.
 * **Ulysses**: heads inside attention, the sequence around it, all-to-alls between
   (``ContextMethod.ULYSSES``; on gloo DTensor issues each all-to-all as an all-gather and a local chunk, and
   the plan counts that).
+* **ring**: q, k, v sequence-sharded, key/value blocks sent round the axis by the op (``ContextMethod.RING``,
+  ``meshpilot.ops.ring``): pinned by ``ring_pins`` on the Llama and the GPT, chosen by the ILP under a cap
+  where Ulysses cannot divide the heads; its 4-rank runs equal one device and send what the plan lists.
 
 Pure: a tiny Llama (batch 1 × 512 tokens) planned under a memory cap that no plan with attention whole on
 each device meets shards every attention's queries on one mesh axis (its keys and values gathered, their
@@ -188,6 +191,27 @@ def test_ring_plans_pass_every_key_value_block_round_the_axis(plans):
         bwd = sum(c.dst in ring_bwd for c in sends)
         assert fwd == calls * (peers - 1) and bwd == len(ring_bwd) * (2 * peers - 1) == len(sends) - fwd, name
         assert "context      ring attention over axis gpu (4 devices" in p.summary(), name
+
+
+def test_the_search_takes_the_ring_under_a_cap_where_ulysses_cannot_divide_the_heads():
+    """A GPT with 2 heads at batch 1 × 2048 on (4, 1): uncapped the ILP gathers keys and values (the faster
+    plan); under 90 % of that plan's peak, with Ulysses ruled out (2 heads on 4 devices), it takes the ring,
+    whose ranks hold two key/value blocks rather than the gathered keys and values, and fits."""
+    torch.manual_seed(0)
+    built = build_model("gpt-tiny", batch=1, seq=2048, layers=2, hidden=64, heads=2)
+    model, inputs = built.model, tuple(built.inputs)
+    graph = capture(model, inputs)
+    kw = dict(mesh_shape=MESH, mappings=("row",), recompute="none", graph=graph)
+    free = plan(model, inputs, CLUSTER, **kw)
+    assert context_axes(free.nodes, free.mesh_axes, free.collectives) == [
+        ContextAxis("gpu", ContextMethod.ALL_GATHER, 2)
+    ]
+    cap = 0.9 * free.memory.total
+    capped = plan(model, inputs, CLUSTER, memory_bytes=cap, **kw)
+    assert context_axes(capped.nodes, capped.mesh_axes, capped.collectives) == [
+        ContextAxis("gpu", ContextMethod.RING, 2)
+    ]
+    assert capped.memory.total <= cap and capped.time.total_s > free.time.total_s
 
 
 def test_heads_the_axis_does_not_divide_refuse_ulysses_in_one_line():

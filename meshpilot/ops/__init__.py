@@ -69,6 +69,9 @@ class OwnOp:
     computation (an MoE's per-expert counts and dispatch); the rest come after it (the combine). 0: all after
     (the op computes, then communicates). The duplex schedule issues the leading ones a stage early and waits
     for the rest a stage late; the simulator places them so (``meshpilot.sim``)."""
+    inside: Callable[..., float] | None = None
+    """``(node, strategy, mesh_shape) -> bytes`` the op's kernel holds at its peak beyond its operands, for the
+    memory model (``accounting.liveness``): ring attention's key/value blocks in flight. None: its outputs."""
     in_flight: tuple[str, ...] = ()
     """Targets of the kernels :attr:`run` records that return a collective's output while it is still in
     flight (the program waits for it with ``_c10d_functional.wait_tensor``): collectives to the runtime's

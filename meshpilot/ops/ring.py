@@ -144,14 +144,17 @@ class _Passer:
         group = compat.resolve_process_group()(ring.group)
         nxt = dist.get_global_rank(group, (ring.rank + 1) % ring.peers)
         prv = dist.get_global_rank(group, (ring.rank - 1) % ring.peers)
-        collective_log.record(CollectiveKind.SEND, ring.axis, ring.peers, buf.numel())
+        collective_log.record(CollectiveKind.SEND, ring.axis, ring.peers, buf.numel() * buf.element_size())
         self.got = torch.empty_like(buf)
         self.works = [dist.isend(buf, nxt, group=group, tag=tag), dist.irecv(self.got, prv, group=group, tag=tag)]
 
     def wait(self) -> Tensor:
+        """The received buffer; the sent one is released (a finished work would keep it alive)."""
         for w in self.works:
             w.wait()
-        return self.got
+        self.works = []
+        got, self.got = self.got, None
+        return got
 
 
 def _kernels(q: Tensor) -> tuple:
@@ -184,18 +187,17 @@ def _ring_forward(q, k, v, mask, is_causal, scale, enable_gqa, ring_text):
     for step in range(ring.peers):
         passing = _Passer(ring, cur) if step < ring.peers - 1 else None
         src = (ring.rank - step) % ring.peers
-        kb, vb = _unpack(cur, (k, v))
-        kb, vb = _expand_kv(q, kb, vb, enable_gqa)
+        kb, vb = _expand_kv(q, *_unpack(cur, (k, v)), enable_gqa)
         for qs, ks, mb, diag in _blocks(ring, src, q, kb, mask, is_causal):
             o_j, l_j = fwd(q[:, :, qs], kb[:, :, ks].contiguous(), vb[:, :, ks].contiguous(), mb, diag, scale)
-            if mb is not None:  # rows the mask hides wholly: the CPU kernel gives them lse 0, out 0; they add nothing
+            if mb is not None:  # rows the mask hides wholly add nothing (the CPU kernel gives them lse 0, out 0)
                 l_j = l_j.masked_fill((mb == -float("inf")).all(-1).expand_as(l_j), -float("inf"))
+                o_j = o_j.nan_to_num(0.0)  # (the math path: NaN)
             merged = torch.logaddexp(lse[:, :, qs], l_j)
-            w_old = torch.exp(lse[:, :, qs] - merged).unsqueeze(-1)
-            w_new = torch.exp(l_j - merged).unsqueeze(-1)
-            seen = torch.isfinite(l_j).unsqueeze(-1)  # a row its block masks wholly adds nothing (not 0 · NaN)
-            out[:, :, qs] = w_old * out[:, :, qs] + torch.where(seen, w_new * o_j.float(), 0.0)
+            out[:, :, qs] *= torch.exp(lse[:, :, qs] - merged).unsqueeze(-1)  # in place: no block-sized temporaries
+            out[:, :, qs] += o_j * torch.exp(l_j - merged).unsqueeze(-1)
             lse[:, :, qs] = merged
+            del o_j
         if passing is not None:
             cur = passing.wait()
     return _heads_inner(out.to(q.dtype)), lse
@@ -207,32 +209,36 @@ def _ring_backward(g, q, k, v, out, lse, mask, is_causal, scale, enable_gqa, rin
     mask = _float_mask(mask, q)
     g = g.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    acc = (torch.zeros(k.shape, dtype=_acc_dtype(k), device=k.device), torch.zeros_like(v, dtype=_acc_dtype(v)))
+    wide, nk = _acc_dtype(k), k.numel()
+    acc = torch.zeros(nk + v.numel(), dtype=wide, device=k.device)  # dK | dV of the block held, flat: sent as is
     cur, accumulating = _pack(k, v), None
     for step in range(ring.peers):
         passing = _Passer(ring, cur) if step < ring.peers - 1 else None
         src = (ring.rank - step) % ring.peers
-        kb, vb = _unpack(cur, (k, v))
-        kx, vx = _expand_kv(q, kb, vb, enable_gqa)
-        dk = torch.zeros(kx.shape, dtype=acc[0].dtype, device=k.device)
-        dv = torch.zeros(vx.shape, dtype=acc[1].dtype, device=v.device)
+        kx, vx = _expand_kv(q, *_unpack(cur, (k, v)), enable_gqa)
+        dk = torch.zeros(kx.shape, dtype=wide, device=k.device)
+        dv = torch.zeros(vx.shape, dtype=wide, device=v.device)
         for qs, ks, mb, diag in _blocks(ring, src, q, kx, mask, is_causal):
             kq, vq = kx[:, :, ks].contiguous(), vx[:, :, ks].contiguous()
             args = (g[:, :, qs].contiguous(), q[:, :, qs], kq, vq, out[:, :, qs], lse[:, :, qs].contiguous())
             dq_j, dk_j, dv_j = bwd(*args, mb, diag, scale)
-            dq[:, :, qs] += dq_j.float()
-            dk[:, :, ks] += dk_j.float()
-            dv[:, :, ks] += dv_j.float()
+            dq[:, :, qs] += dq_j
+            dk[:, :, ks] += dk_j
+            dv[:, :, ks] += dv_j
+            del dq_j, dk_j, dv_j
         if kx.shape[1] != k.shape[1]:  # grouped-query: sum the repeated heads' gradients back
             groups = kx.shape[1] // k.shape[1]
             dk, dv = dk.unflatten(1, (k.shape[1], groups)).sum(2), dv.unflatten(1, (v.shape[1], groups)).sum(2)
         if accumulating is not None:  # the block's accumulator, from the rank that held the block before
-            acc = tuple(_unpack(accumulating.wait(), acc))
-        acc = (acc[0] + dk, acc[1] + dv)
-        accumulating = _Passer(ring, _pack(*acc), tag=1)  # on to the rank that holds this block next (last: its owner)
+            acc = accumulating.wait()
+        acc[:nk] += dk.reshape(-1)
+        acc[nk:] += dv.reshape(-1)
+        del dk, dv
+        accumulating = _Passer(ring, acc, tag=1)  # on to the rank that holds this block next (last: its owner)
         if passing is not None:
             cur = passing.wait()
-    dk, dv = _unpack(accumulating.wait(), acc)
+    acc = accumulating.wait()
+    dk, dv = acc[:nk].view(k.shape), acc[nk:].view(v.shape)
     return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)  # copies: not views of one buffer
 
 
@@ -249,7 +255,9 @@ def ring_sdpa(
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of this rank's query rows, the key/value blocks passed round the ring `ring`
     (:class:`_Ring` as text)."""
-    return _ring_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa, ring)
+    from meshpilot.cluster.memtrack import measured_inside
+
+    return measured_inside("ring_sdpa", _ring_forward, q, k, v, attn_mask, is_causal, scale, enable_gqa, ring)
 
 
 @ring_sdpa.register_fake
@@ -273,7 +281,10 @@ def ring_sdpa_backward(
     ring: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of this rank's rows: dq local, dk and dv summed round the ring to their owner."""
-    return _ring_backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, ring)
+    from meshpilot.cluster.memtrack import measured_inside
+
+    args = (grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, ring)
+    return measured_inside("ring_sdpa_backward", _ring_backward, *args)
 
 
 @ring_sdpa_backward.register_fake
@@ -343,6 +354,53 @@ def _strategies(b: StrategyBuilder, node: OpNode, target: str) -> list[Strategy]
     return [s for s in out if sum(p == s2 and n > 1 for p, n in zip(s.ins[off], mesh)) == 1]
 
 
+def inside_bytes(node: OpNode, strategy: Strategy, mesh: tuple[int, ...]) -> float:
+    """Bytes the ring's kernel holds at its peak beyond its operands (0 where the call is not a ring): what
+    :func:`_ring_forward` / :func:`_ring_backward` allocate, counted tensor by tensor (``KV``: this rank's key
+    and value block, ``KVx`` that repeated to the query heads, ``O`` the output block, ``L`` its log-sum-exp
+    rows in float32, ``·4`` float32 copies):
+
+    * forward, inside a step: the block held and the one arriving (``2 KV``), the float32 output accumulator
+      and the block's output and their product (``O·4 + O + O·4``), four ``L`` (the running log-sum-exp, the
+      block's, the merged one, a weight); ``KVx`` where grouped-query heads are repeated;
+    * backward, inside a step: ``2 KV``, the float32 dq accumulator (``Q·4``), the travelling dK|dV accumulator
+      and the one arriving (``2 KV·4``), this block's dK, dV (``KVx·4``), the kernel's dq, dk, dv (``Q + KVx``);
+      ``KVx`` where repeated;
+    * a mask: its rows as float (where it is boolean) and the block's columns of them.
+
+    The memory model adds it at the node's moment in place of its outputs (``accounting.liveness``: the
+    ``passing`` bytes); measured by ``memtrack.measured_inside``, which sees inside the custom op."""
+    target = str(node.target)
+    backward = target == BACKWARD
+    off = 1 if backward else 0
+    ins = strategy.ins
+    if node.fx_node is None or len(ins) <= off + 1:
+        return 0.0
+    axes = [a for a, p in enumerate(ins[off + 1]) if isinstance(p, Shard) and p.dim == 2 and mesh[a] > 1]
+    if not axes:
+        return 0.0
+    args = node.fx_node.args
+    q, k, v = (args[off + i].meta["val"] for i in range(3))
+    kv = _local_bytes(k, ins[off + 1], mesh) + _local_bytes(v, ins[off + 2], mesh)
+    qb = _local_bytes(q, ins[off], mesh)
+    item = q.element_size()
+    rows = qb // item // q.shape[-1]  # b·h·t of this rank
+    o = rows * v.shape[-1]  # output elements
+    enable_gqa = bool(args[9 if backward else 6])
+    kvx = kv * q.shape[1] // k.shape[1] if enable_gqa and k.shape[1] != q.shape[1] else 0
+    mask = _mask_meta(node, target)
+    extra = 0.0
+    if mask is not None:
+        mb = _local_bytes(mask, ins[-1], mesh) // mask.element_size()  # mask elements of this rank
+        extra = (mb * item if mask.dtype == torch.bool else 0) + mb // mesh[axes[0]] * item
+    wide = torch.promote_types(k.dtype, torch.float32).itemsize
+    if backward:
+        block = kvx or kv  # dK, dV of one block at the query heads
+        accumulators = 2 * (kv // k.element_size() * wide) + block // k.element_size() * wide
+        return 2 * kv + kvx + rows * q.shape[-1] * 4 + accumulators + qb + block + extra
+    return 2 * kv + kvx + o * 4 * 2 + o * item + 4 * rows * 4 + extra
+
+
 def _forward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
     """outs (out, lse), ins (q, k, v[, mask]): causal_rows' and the ring's."""
     return causal_rows.OPS[0].strategies(b, node) + _strategies(b, node, FORWARD)
@@ -386,8 +444,8 @@ def _run_backward(call: OwnCall, grad_out, q, k, v, out, lse, attn_mask, is_caus
 
 
 OPS = (
-    OwnOp(FORWARD, _forward_strategies, _run_forward),
-    OwnOp(BACKWARD, _backward_strategies, _run_backward),
+    OwnOp(FORWARD, _forward_strategies, _run_forward, inside=inside_bytes),
+    OwnOp(BACKWARD, _backward_strategies, _run_backward, inside=inside_bytes),
 )
 """The attention pair's own ops: causal_rows' query-row strategies and the ring's, one run dispatching by the
 keys' layout (replaces causal_rows' entries in the registry)."""
