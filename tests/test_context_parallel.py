@@ -266,6 +266,46 @@ def test_causal_rows_blocks_merge_to_the_whole_call(kv_heads):
     torch.testing.assert_close(dv_sum, dv, atol=1e-5, rtol=1e-5)
 
 
+def test_zigzag_chunks_give_every_rank_the_same_causal_work():
+    """Causal ring attention on 4 ranks: with contiguous shards rank r computes r + ½ pairs of its chunks (the
+    last rank 7 times the first's work); with the zig-zag order (rank r holding chunks r and 7 − r of 8) every
+    rank computes 8 pairs of those half-size chunks, a quarter of the 32 (``ring.causal_work``)."""
+    from meshpilot.ops import ring
+
+    plain = [ring.causal_work(ring._Ring("", "gpu", 4, r, tuple(range(4))), 16) for r in range(4)]
+    assert plain == [0.5, 1.5, 2.5, 3.5]
+    zig = [ring.causal_work(ring._Ring("", "gpu", 4, r, ring.zigzag(4)), 16) for r in range(4)]
+    assert ring.zigzag(4) == (0, 7, 1, 6, 2, 5, 3, 4) and zig == [8.0] * 4
+
+
+def _zigzag_kernel() -> list[float]:
+    """On this rank of 4: the ring kernels with the zig-zag layout (rank r holding sequence chunks r and 7 − r)
+    against one device's ``is_causal`` attention (grouped-query heads): the largest differences of out, lse, dq,
+    dk, dv on this rank's rows."""
+    import torch.distributed as dist
+
+    from meshpilot.ops import ring
+
+    peers, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    q, grad = torch.randn(2, 4, 64, 8, generator=g), torch.randn(2, 4, 64, 8, generator=g)
+    k, v = torch.randn(2, 2, 64, 8, generator=g), torch.randn(2, 2, 64, 8, generator=g)
+    out, lse = torch.ops.meshpilot.sdpa(q, k, v, None, True, None, True)
+    dq, dk, dv = torch.ops.meshpilot.sdpa_backward(grad, q, k, v, out, lse, None, True, None, True)
+    layout = ring._Ring(dist.group.WORLD.group_name, "gpu", peers, rank, ring.zigzag(peers))
+    n = 64 // (2 * peers)
+    rows = torch.cat([torch.arange(c * n, (c + 1) * n) for c in layout.chunks(rank)])
+
+    def mine(t):
+        return t.index_select(2, rows)
+
+    o, s = ring.ring_sdpa(mine(q), mine(k), mine(v), None, True, 8**-0.5, True, layout.text())
+    args = (mine(grad), mine(q), mine(k), mine(v), o, s, None, True, 8**-0.5, True, layout.text())
+    got = (o, s, *ring.ring_sdpa_backward(*args))
+    want = (mine(out), mine(lse), mine(dq), mine(dk), mine(dv))
+    return [float((a - b).abs().max()) for a, b in zip(got, want)]
+
+
 # ------------------------------------------------------------------------------------------- 4 ranks
 
 
@@ -274,6 +314,9 @@ def _worker(jobs: dict) -> dict:
 
     out = {}
     for name, (key, plan_json) in jobs.items():
+        if name == "zigzag-kernel":
+            out[name] = _zigzag_kernel()
+            continue
         ref, inputs = _model(key, "cpu")
         model, _ = _model(key, "cpu")
         ref64 = _model(key, "cpu")[0].double() if key in REFEREED else None
@@ -290,7 +333,10 @@ def _worker(jobs: dict) -> dict:
 @pytest.mark.slow
 def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
     jobs = {name: (key, p.to_json()) for name, (key, p) in plans.items()}
+    jobs["zigzag-kernel"] = ("", "")
     per_rank = run_distributed(_worker, 4, jobs, timeout=1800)
+    zig = max(max(r["zigzag-kernel"]) for r in per_rank)  # the zig-zag layout's kernels (no plan makes it yet)
+    assert zig < 1e-5, [r["zigzag-kernel"] for r in per_rank]
     for name in plans:  # the largest differences over ranks and steps, for the record (pytest -s)
         keys = ("loss", "grad", "grad64_par", "grad64_ref")
         worst = {k: max(max(r[name].get(k, [0.0])) for r in per_rank) for k in keys}

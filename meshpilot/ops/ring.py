@@ -94,6 +94,21 @@ class _Ring:
         return self.order[rank * c : (rank + 1) * c]
 
 
+def zigzag(peers: int) -> tuple[int, ...]:
+    """The chunk order of causal load balancing: ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r``
+    (each rank then computes the same number of causal row-key pairs, :func:`causal_work`)."""
+    return tuple(c for r in range(peers) for c in (r, 2 * peers - 1 - r))
+
+
+def causal_work(ring: _Ring, rows: int) -> float:
+    """Row-key pairs rank ``ring.rank`` computes for causal attention, in units of one chunk pair (a diagonal
+    chunk: ½): what the ring's chunk order balances."""
+    total = 0.0
+    for src in range(ring.peers):
+        total += sum(0.5 if diag else 1.0 for _, _, diag in _pairs(ring, src, rows))
+    return total
+
+
 def _pairs(ring: _Ring, src: int, rows: int) -> list[tuple[slice, slice, bool]]:
     """For causal attention of this rank's queries against the keys of rank `src` (`rows` rows a rank, in
     chunks of ``rows / c``): every (query rows, key rows, causal) pair of chunks that sees anything, local
