@@ -362,8 +362,10 @@ def _strategies(b: StrategyBuilder, node: OpNode, target: str) -> list[Strategy]
     mesh = b.mesh_shape
 
     def colls(outs, ins):
-        (axis,) = [a for a, p in enumerate(ins[off]) if p == s2 and mesh[a] > 1] or [None]
-        return () if axis is None else sends(k, v, ins[off + 1], ins[off + 2], mesh, axis, backward)
+        axes = [a for a, p in enumerate(ins[off]) if p == s2 and mesh[a] > 1]
+        if len(axes) != 1:  # the ring on no axis or on two (dropped below)
+            return ()
+        return sends(k, v, ins[off + 1], ins[off + 2], mesh, axes[0], backward)
 
     out = per_axis_products(b, node, rules, colls)
     return [s for s in out if sum(p == s2 and n > 1 for p, n in zip(s.ins[off], mesh)) == 1]
