@@ -26,6 +26,21 @@ on), keys wholly before are computed whole, the diagonal block with the kernel's
 with a mask (transformers builds the causal mask as a tensor) takes the mask's query rows sharded with the
 queries (its key columns whole, sliced per block), and every block is computed (the mask masks).
 
+**Priced** (``Strategy.colls``, :func:`sends`): each send is one neighbour transfer of the cost model
+(``CostModel.send_recv``: ``α + M / B'``), added to the op's time serially: no credit for the overlap with the
+block's computation the kernel allows (it issues step ``i + 1``'s transfer before computing step ``i``). That is
+an upper bound; on a CPU mesh gloo's threads share the cores with the ranks' compute, so the overlap there is
+small, and a GPU's would hide up to ``min(transfer, block compute)`` a step. **Memory**: the kernel's own
+buffers (the two blocks, the float32 accumulators) are added at the op's moment (:func:`inside_bytes`, read by
+``accounting.liveness``) and measured inside the op (``memtrack.measured_inside``).
+
+**Zig-zag** (causal load balancing): with contiguous shards rank ``r`` computes ``r + ½`` chunk pairs of the
+causal triangle; with ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (:func:`zigzag`), every
+rank computes the same (:func:`causal_work`). The kernels take any chunk order (``_Ring.order``, placed by
+global chunk positions in :func:`_pairs`), checked equal to one device on zig-zag shards; no plan lays its
+inputs out so yet (``ring_of`` gives the contiguous order): that needs the sequence permuted consistently
+wherever it enters the step (docs/benchmarks.md, the ring section, says where).
+
 Why meshpilot's own op and not PyTorch's ``torch.distributed.tensor.experimental._context_parallel``
 (``_templated_ring_attention``): that one is written for ``aten._scaled_dot_product_{flash,efficient,cudnn}
 _attention`` (CUDA ops; the CPU flash op is not in its dispatch table), swaps DTensor's dispatch for those
