@@ -8,7 +8,8 @@ steps (``bench_recompute.step_peaks``) against its prediction.
 ``methods``: planning only, the two methods side by side as the sequence grows, for the tiny Llama with 8 heads
 (transformers' masked attention) and meshpilot's GPT (``is_causal``) at batch 1 on (4, 1): the ILP's plan
 uncapped and under a cap of 80 % of its peak, and each method pinned (all-gather: the inputs sequence-sharded;
-Ulysses: ``attention.ulysses_pins``); which method each plan uses, its predicted step and peak.
+Ulysses: ``attention.ulysses_pins``; ring: ``attention.ring_pins``); which method each plan uses, its predicted
+step and peak. ``--models`` picks the models (default both).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from meshpilot.graph.capture import capture
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import build_model, hf_model
-from meshpilot.ops.attention import context_axes, ulysses_pins
+from meshpilot.ops.attention import context_axes, ring_pins, ulysses_pins
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.plan import StagePlan
@@ -134,6 +135,7 @@ def _methods_of(name: str, seq: int, saved: dict[str, str]) -> list[str]:
         ("ILP capped", f"ILP, cap {fmt_size(cap)}", dict(memory_bytes=cap)),
         ("all-gather pinned", "all-gather pinned", dict(force={"input:*": "S(1)R"})),
         ("Ulysses pinned", "Ulysses pinned", dict(force=ulysses_pins(graph))),
+        ("ring pinned", "ring pinned", dict(force=ring_pins(graph))),
     )
     for key, what, extra in runs:
         try:
@@ -146,11 +148,11 @@ def _methods_of(name: str, seq: int, saved: dict[str, str]) -> list[str]:
     return rows
 
 
-def run_methods(out: Path, seqs: tuple[int, ...]) -> None:
+def run_methods(out: Path, seqs: tuple[int, ...], models: tuple[str, ...] = ("llama", "gpt")) -> None:
     saved: dict[str, str] = {}
     print("| model | seq | plan | context parallel over (method) | predicted step | predicted peak |")
     print("| --- | ---: | --- | --- | ---: | ---: |")
-    for name in ("llama", "gpt"):
+    for name in models:
         for seq in seqs:
             for row in _methods_of(name, seq, saved):
                 print(row, flush=True)
@@ -182,11 +184,12 @@ def main() -> None:
     me = sub.add_parser("methods")
     me.add_argument("--out", type=Path, default=Path("/tmp/cp_methods.json"))
     me.add_argument("--seqs", type=int, nargs="*", default=list(METHOD_SEQS))
+    me.add_argument("--models", nargs="*", choices=("llama", "gpt"), default=["llama", "gpt"])
     args = ap.parse_args()
     if args.cmd == "plan":
         run_plan(args.out)
     elif args.cmd == "methods":
-        run_methods(args.out, tuple(args.seqs))
+        run_methods(args.out, tuple(args.seqs), tuple(args.models))
     else:
         run_measure(args.plans, args.keys)
 

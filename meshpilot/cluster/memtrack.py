@@ -5,7 +5,8 @@ counts it from the dispatcher: every ATen call's output storages are added once 
 C++ object, so views add nothing) and subtracted when the storage is freed (``weakref.finalize`` on the
 preserved Python storage object). Storages that exist before the block (parameters, inputs) are passed
 in, so the total is comparable to a plan's predicted peak. What it cannot see: allocator rounding and
-kernel workspaces that never become tensors. Used by ``tests/test_cost_fidelity.py`` and
+kernel workspaces that never become tensors; inside a custom op (one call to the dispatcher) only where the op
+runs its body through :func:`measured_inside`. Used by ``tests/test_cost_fidelity.py`` and
 ``benchmarks/gpu_check.py --device cpu``; :func:`adamw_step_peak` measures a training step as the memory
 benchmarks and ``tests/test_sequence_parallel.py`` compare it with a plan's prediction.
 """
@@ -49,6 +50,14 @@ class StorageTracker(TorchDispatchMode):
         self.current += storage.nbytes()
         weakref.finalize(storage, self._free, key)
 
+    def __enter__(self) -> StorageTracker:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
@@ -57,6 +66,27 @@ class StorageTracker(TorchDispatchMode):
         if self.current > self.peak:
             self.peak, self.peak_op = self.current, str(func)
         return out
+
+
+_ACTIVE: list[StorageTracker] = []
+"""The trackers open now, innermost last."""
+
+
+def measured_inside(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, the body of a custom op that an open tracker sees as one call (its own allocations run
+    below the tracker's mode): counted by a tracker of its own, and every open tracker's peak raised to what it
+    held before the call plus the most the body held at once (its outputs are added when the op returns).
+    Ring attention's key/value blocks in flight are seen so (:mod:`meshpilot.ops.ring`)."""
+    if not _ACTIVE:
+        return fn(*args)
+    outer = list(_ACTIVE)
+    with StorageTracker(existing=[a for a in args if isinstance(a, torch.Tensor)]) as inner:
+        before = inner.peak = inner.current  # the operands: held already, by the callers
+        out = fn(*args)
+    for t in outer:
+        if t.current + inner.peak - before > t.peak:
+            t.peak, t.peak_op = t.current + inner.peak - before, f"{what} ({inner.peak_op})"
+    return out
 
 
 def adamw_step_peak(module: torch.nn.Module, inputs: tuple, held: Callable[[], Iterable[torch.Tensor]] = tuple) -> int:

@@ -26,6 +26,8 @@ module                            ops
                                   experts path): replicated, data- and expert-parallel (variable all-to-all)
 :mod:`~meshpilot.ops.causal_rows` the attention pair's ``is_causal`` calls sharded by query rows (context
                                   parallelism; each rank's rows know their offset)
+:mod:`~meshpilot.ops.ring`        ring attention: q, k, v sequence-sharded, key/value blocks passed round
+                                  the axis by send/recv (registered for the pair, with causal_rows' rules)
 ================================  ==========================================================================
 
 An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
@@ -67,6 +69,9 @@ class OwnOp:
     computation (an MoE's per-expert counts and dispatch); the rest come after it (the combine). 0: all after
     (the op computes, then communicates). The duplex schedule issues the leading ones a stage early and waits
     for the rest a stage late; the simulator places them so (``meshpilot.sim``)."""
+    inside: Callable[..., float] | None = None
+    """``(node, strategy, mesh_shape) -> bytes`` the op's kernel holds at its peak beyond its operands, for the
+    memory model (``accounting.liveness``): ring attention's key/value blocks in flight. None: its outputs."""
     in_flight: tuple[str, ...] = ()
     """Targets of the kernels :attr:`run` records that return a collective's output while it is still in
     flight (the program waits for it with ``_c10d_functional.wait_tensor``): collectives to the runtime's
@@ -142,10 +147,10 @@ def _local_shape_and_offset(global_shape, mesh, placements):
 @functools.cache
 def registry() -> dict[str, OwnOp]:
     """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, batched, causal_rows, dropout, fill, index_add, moe, stack, unfold, vocab
+    from meshpilot.ops import batch_norm, batched, dropout, fill, index_add, moe, ring, stack, unfold, vocab
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, causal_rows):
+    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, ring):
         for op in module.OPS:
             ops[op.target] = op
     return ops

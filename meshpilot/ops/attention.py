@@ -62,6 +62,9 @@ call (transformers does when it passes a mask) exchanges the repeated copies, ea
 query heads read, ``h / h_kv`` times the bytes of the unrepeated ones. Whether a plan's head-parallel
 attention is Ulysses or tensor parallelism is read off the plan (:func:`context_axes`): all-to-alls on the
 axis in the forward.
+
+**Ring** (``ContextMethod.RING``): queries, keys and values all sequence-sharded, the key/value blocks passed
+round the axis by the op itself: meshpilot's own strategies and kernels, :mod:`meshpilot.ops.ring`.
 """
 
 from __future__ import annotations
@@ -506,6 +509,9 @@ class ContextMethod(StrEnum):
     """Queries sharded by sequence (``S(2)``), keys and values all-gathered (Llama 3's method)."""
     ULYSSES = "ulysses"
     """Heads sharded inside attention (``S(1)``), the sequence outside, all-to-all between (DeepSpeed-Ulysses)."""
+    RING = "ring"
+    """Queries, keys and values all sharded by sequence, key/value blocks passed round the axis (ring attention,
+    :mod:`meshpilot.ops.ring`)."""
 
 
 _METHOD_TEXT = {
@@ -517,6 +523,11 @@ _METHOD_TEXT = {
     ContextMethod.ULYSSES: (
         "attention head-parallel inside a sequence-sharded layer (Ulysses)",
         "all-to-alls turn sequence shards into head shards before attention and back after it",
+    ),
+    ContextMethod.RING: (
+        "ring attention",
+        "queries, keys and values sequence-sharded, each key/value block sent round the axis in n - 1 steps, "
+        "its gradients summed on the way back to their owner",
     ),
 }
 
@@ -537,6 +548,7 @@ def context_axes(nodes, mesh_axes: tuple[str, ...], collectives=()) -> list[Cont
     (a plan's ``NodeChoice`` list) use it.
 
     * :attr:`ContextMethod.ALL_GATHER` on axis ``a``: the queries read ``S(2)`` (their sequence) on ``a``;
+    * :attr:`ContextMethod.RING` on axis ``a``: the queries and the keys read ``S(2)`` on ``a``;
     * :attr:`ContextMethod.ULYSSES` on axis ``a``: the queries read ``S(1)`` (their heads) on ``a`` while the
       forward issues all-to-alls on ``a`` (`collectives`: the plan's ``PlannedCollective`` list) — the layout
       changes between the sequence-sharded ops around attention and its head shards. Head-parallel attention
@@ -550,7 +562,7 @@ def context_axes(nodes, mesh_axes: tuple[str, ...], collectives=()) -> list[Cont
     for n in _attention_calls(nodes):
         for axis, p in enumerate(n.ins[0]):
             if p == "S(2)":
-                method = ContextMethod.ALL_GATHER
+                method = ContextMethod.RING if n.ins[1][axis] == "S(2)" else ContextMethod.ALL_GATHER
             elif p == "S(1)" and axis in exchanged:
                 method = ContextMethod.ULYSSES
             else:
@@ -570,6 +582,19 @@ def ulysses_pins(graph, operands: int = 3) -> dict[str, str]:
     for n in graph.nodes:
         if n.target == SDPA_TARGETS[0]:
             pins.update({src: "S(2)R" for src, _ in n.inputs[:operands]})
+    return pins
+
+
+def ring_pins(graph) -> dict[str, str]:
+    """A ``force`` dict for ring attention on mesh axis 0 of a 2-axis mesh: the example inputs sharded on their
+    sequence (``S(1)``), the producers of each attention's q, k and v (a captured `graph`'s ``OpGraph``) on
+    theirs (``S(2)`` of ``[b, h, t, e]``). Attention's own layout is left to the planner: with its keys and
+    values arriving sequence-sharded the ring moves ``(n − 1) / n`` of each block as the all-gather does, and
+    keeps no gathered copy."""
+    pins = {"input:*": "S(1)R"}
+    for n in graph.nodes:
+        if n.target == SDPA_TARGETS[0]:
+            pins.update({src: "S(2)R" for src, _ in n.inputs[:3]})
     return pins
 
 

@@ -448,6 +448,19 @@ def bucket_buffers(
     return BucketBuffers(held, flattening, frozenset(viewed))
 
 
+def _inside_bytes(n: Any, lay: _Layouts) -> float:
+    """Bytes node `n`'s own kernel holds at its peak beyond its operands (``OwnOp.inside``), 0 for others."""
+    from meshpilot.ops import own_op
+    from meshpilot.sharding.strategies import StrategySource
+
+    if lay.chosen is None or n.kind != "op":
+        return 0.0
+    op, st = own_op(str(n.target)), lay.chosen.get(n.name)
+    if op is None or op.inside is None or st is None or getattr(st, "source", None) != StrategySource.MESHPILOT:
+        return 0.0
+    return float(op.inside(n, st, lay.mesh_shape))
+
+
 def liveness(
     graph: OpGraph,
     chosen: Mapping[str, Any] | None = None,
@@ -507,6 +520,9 @@ def liveness(
                     size[key] = copy_bytes(info, src, want, n.index)
                     born.setdefault(n.index, []).append(key)
                     last[key] = n.index
+        inside = _inside_bytes(n, lay)
+        if inside:  # an own kernel's buffers while it runs (ring attention's blocks), in place of its outputs
+            passing[n.index] = max(passing.get(n.index, 0.0), inside)
         for src in n.inputs:
             key = store.get(src)
             if key is not None:

@@ -222,5 +222,8 @@ class Resharder:
 
     def op_collective_cost(self, col: Collective) -> float:
         """Seconds of a collective an op issues itself (``Strategy.colls``: meshpilot's own ops call the
-        process group directly, e.g. ``all_to_all_single``, which gloo carries): priced as planned."""
+        process group directly, e.g. ``all_to_all_single``, which gloo carries): priced as planned; a ``SEND``
+        (ring attention's blocks, :mod:`meshpilot.ops.ring`) as one neighbour-to-neighbour transfer."""
+        if col.kind == CollectiveKind.SEND:
+            return self.cost_model.send_recv(col.nbytes, col.axis)
         return getattr(self.cost_model, col.kind)(col.nbytes, col.axis)
