@@ -667,7 +667,9 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
 def _simplify(gm: torch.fx.GraphModule) -> None:
     """Drop what only the trace needed: ``lift_fresh_copy`` of a constant (the functional graph never writes
     to it, so the constant itself serves), ``_assert_tensor_metadata`` checks, and dead nodes that draw no
-    random numbers (removing a dead dropout would change the random stream the live ones see)."""
+    random numbers (removing a dead dropout would change the random stream the live ones see). An
+    ``index.Tensor`` that indexes every dimension with that dimension's own ``arange`` is the tensor with
+    singleton dimensions inserted (:func:`_identity_index`): a ``view``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -677,12 +679,60 @@ def _simplify(gm: torch.fx.GraphModule) -> None:
             graph.erase_node(node)
         elif node.target is aten._assert_tensor_metadata.default:
             graph.erase_node(node)
+        elif node.target is aten.index.Tensor and _identity_index(node):
+            with graph.inserting_before(node):
+                view = graph.call_function(aten.view.default, (node.args[0], list(node.meta["val"].shape)))
+            view.meta = dict(node.meta)
+            node.replace_all_uses_with(view)
+            graph.erase_node(node)
     for node in reversed(list(graph.nodes)):
         if node.op in ("call_function", "get_attr") and not node.users:
             tags = getattr(node.target, "tags", ())
             if torch.Tag.nondeterministic_seeded not in tags:
                 graph.erase_node(node)
     graph.lint()
+
+
+_VIEWS = (aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _identity_index(node: torch.fx.Node) -> bool:
+    """Whether ``index.Tensor(x, indices)`` reads `x` unchanged, its shape spread over more dimensions:
+    index k is ``arange(x.shape[k])`` (plus 0) laid along one dimension of the output, the dimensions in
+    `x`'s order. transformers' masks read a padding mask so (``padding_mask[batch_idx, kv_idx]`` in
+    ``masking_utils``, broadcast aranges): it is ``x.view(output shape)``, which needs no data."""
+    x, indices = node.args[0], node.args[1]
+    shape = tuple(getattr(x, "meta", {}).get("val", torch.empty(0)).shape) if isinstance(x, torch.fx.Node) else ()
+    out = getattr(node.meta.get("val"), "shape", None)
+    if out is None or len(indices) != len(shape) or not shape or any(i is None for i in indices):
+        return False
+    positions = []
+    for n, index in zip(shape, indices):
+        ishape = tuple(index.meta["val"].shape) if isinstance(index, torch.fx.Node) and "val" in index.meta else None
+        if ishape is None or len(ishape) != len(out) or sorted(ishape)[:-1] != [1] * (len(ishape) - 1):
+            return False
+        if max(ishape) != n or not _is_arange(index, n):  # one dimension of size n, the others 1
+            return False
+        if n > 1:
+            positions.append(next(p for p, s in enumerate(ishape) if s == n))
+    return positions == sorted(set(positions)) and math.prod(out) == math.prod(shape)
+
+
+def _is_arange(node: torch.fx.Node, n: int) -> bool:
+    """Whether `node` is ``arange(n)`` (start 0, step 1; plus 0), reshaped only."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    if node.op == "call_function" and node.target in (aten.add.Tensor, aten.add.Scalar) and node.args[1] == 0:
+        node = node.args[0]
+    if node.op != "call_function":
+        return False
+    if node.target is aten.arange.default:
+        return node.args[0] == n
+    if node.target is aten.arange.start:
+        return node.args[:2] == (0, n)
+    if node.target is aten.arange.start_step:
+        return node.args[:3] == (0, n, 1)
+    return False
 
 
 def _build_graph(
