@@ -106,6 +106,10 @@ FIXED = {
     # transformers' grouped_mm_fallback, replicated, before)
     "nemo_speechlm": "Nemotron3_5TranscribeForConditionalGeneration",
     "esm": "EsmForMaskedLM",  # its default leaves pad_token_id to the tokenizer: input_ids.ne(None) before
+    # a padding mask read as padding_mask[batch_arange, kv_arange] (masking_utils): an index.Tensor, replicated
+    # as a fallback before, now a view
+    "t5gemma": "T5GemmaForConditionalGeneration",
+    "encoder-decoder": "EncoderDecoderModel",
 }
 
 
@@ -305,6 +309,41 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
     assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
+    esm = tiny_overrides("esm")  # a vocabulary left to the tokenizer: its unset special ids get distinct small ids
+    assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
+
+
+def test_an_index_by_each_dimensions_own_arange_is_a_view():
+    """``padding_mask[batch_idx, kv_idx]`` with broadcast aranges (transformers' ``padding_mask_function``) reads
+    the mask unchanged: capture makes it a view (no index.Tensor left to replicate; the 4-rank runs of T5Gemma
+    and EncoderDecoderModel check the values). Indices that are not each dimension's own arange stay an index."""
+    import torch
+
+    from meshpilot.graph.capture import capture
+
+    class Masked(torch.nn.Module):
+        def __init__(self, order: str) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.order = order
+
+        def forward(self, x, mask):
+            b, k = mask.shape
+            bi = torch.arange(b)[:, None, None, None]
+            ki = torch.arange(k)[None, None, None, :] + 0
+            if self.order == "flip":
+                ki = ki.flip(-1)
+            m = mask[bi, ki]  # (b, 1, 1, k)
+            return (self.lin(x)[:, None, None, :] * m).sum()
+
+    x, mask = torch.randn(4, 8), (torch.rand(4, 8) > 0.3).float()
+
+    def index_ops(order):
+        gm = capture(Masked(order), (x, mask)).gm
+        return sum(n.target is torch.ops.aten.index.Tensor for n in gm.graph.nodes)
+
+    assert index_ops("same") == 0
+    assert index_ops("flip") == 1
 
 
 def test_a_backward_that_runs_backward_itself_is_refused():

@@ -719,10 +719,10 @@ def _identity_index(node: torch.fx.Node) -> bool:
 
 
 def _is_arange(node: torch.fx.Node, n: int) -> bool:
-    """Whether `node` is ``arange(n)`` (start 0, step 1; plus 0), reshaped only."""
-    while node.op == "call_function" and node.target in _VIEWS:
-        node = node.args[0]
-    if node.op == "call_function" and node.target in (aten.add.Tensor, aten.add.Scalar) and node.args[1] == 0:
+    """Whether `node` is ``arange(n)`` (start 0, step 1), reshaped or plus 0 only."""
+    while node.op == "call_function" and (
+        node.target in _VIEWS or node.target in (aten.add.Tensor, aten.add.Scalar) and node.args[1] == 0
+    ):
         node = node.args[0]
     if node.op != "call_function":
         return False
