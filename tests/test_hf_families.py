@@ -280,6 +280,33 @@ def test_an_assert_on_tensor_values_names_python_O():
     assert "\n" not in text and "assert on tensor values" in text and "-O" in text and "test_hf_families.py:" in text
 
 
+def test_a_distribution_argument_check_names_how_to_turn_it_off():
+    """BLT's ``Categorical(logits=…)`` validates its logits (``validate_args``, on unless ``python -O``): a
+    check on values, not a branch; the refusal says so, and with the check off the same model captures."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Entropy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.distributions.Categorical(logits=self.lin(x)).entropy().sum()  # the line named
+
+    with pytest.raises(CaptureError) as err:
+        capture(Entropy(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "torch.distributions argument check" in text and "test_hf_families.py:" in text
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        capture(Entropy(), (torch.randn(2, 4),))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
     """What ``build`` feeds besides ``(input_ids, labels)``, chosen by signature, configuration and source: an
     all-ones mask where the module skips its default mask when traced (LongT5), the image GIT's loss assumes,

@@ -567,6 +567,13 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
             "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
             "or PYTHONOPTIMIZE=1 meshpilot plan …)"
         )
+    if data_dependent and _raised_in_distribution_check(e):
+        return (
+            f"cannot capture the model: a torch.distributions argument check {place} (validate_args: are the "
+            "logits or probabilities valid?) reads tensor values that capture does not have (fake tensors); it "
+            "computes nothing, so capture with it off (torch.distributions.Distribution.set_default_validate_args("
+            "False), or python -O)"
+        )
     if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
@@ -610,6 +617,18 @@ def _raised_in_assert(e: BaseException) -> bool:
 
     found = _model_frame(e)
     return found is not None and linecache.getline(*found).lstrip().startswith("assert ")
+
+
+def _raised_in_distribution_check(e: BaseException) -> bool:
+    """Whether `e` was raised while a ``torch.distributions`` distribution checked its arguments (BLT's
+    ``Categorical(logits=…)``: ``validate_args``, on by default unless ``python -O``)."""
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(os.path.join("distributions", "distribution.py")) and code.co_name == "__init__":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _where_raised(e: BaseException) -> str | None:
