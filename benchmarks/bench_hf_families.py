@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_hf_families.py [--kinds causal,masked,seq2seq,image]
         [--settings nocache-sdpa,cache-sdpa,nocache-eager,cache-eager] [--run] [--limit 120]
-        [--out /tmp/hf_families.jsonl] [--only gpt2,llama] [--table]
+        [--out /tmp/hf_families.jsonl] [--only gpt2,llama] [--table] [--compact docs/hf_families/x.jsonl]
 
 Phase 1 plans each family (``meshpilot.models.hf_families``: its default configuration made tiny by key
 names, dropout off) under each setting — ``use_cache`` on or off, sdpa or eager attention — on a (2, 2) mesh
@@ -11,7 +11,8 @@ setting planned without fallback on 4 gloo ranks beside the single device (3 Ada
 gradient within 1e-5, the collectives issued equal to the plan's; ``tests/test_hf_families.py``'s worker).
 Every result is one JSON line appended to ``--out`` as it comes, so a long sweep can be resumed (rows already
 there are skipped) and watched; ``--table`` prints the summary and the table of what failed, as in
-docs/benchmarks.md. A family refused only for an ``assert`` on tensor values (XLM, FlauBERT, ProphetNet) plans
+docs/benchmarks.md; ``--compact`` writes ``--out`` without its plans, small enough to keep (the kept sweeps are
+``docs/hf_families/``). A family refused only for an ``assert`` on tensor values (XLM, FlauBERT, ProphetNet) plans
 and runs under ``python -O`` (asserts off; the 4-rank spawns inherit the flag): a setting of its own, swept
 into an ``--out`` of its own.
 """
@@ -228,6 +229,17 @@ def table(out: Path, settings: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def compact(out: Path, dest: Path) -> int:
+    """Write `out`'s plan and run rows to `dest` without their plans and overrides (a sweep small enough to keep in
+    the repository, ``--table`` reads it the same way): every row, in order, so the latest of each still wins.
+    Returns the number of rows written."""
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    kept = [{k: v for k, v in r.items() if k not in ("plan", "overrides")} for r in rows if r["phase"] != "start"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return len(kept)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kinds", default="causal,masked,seq2seq,image")
@@ -243,7 +255,11 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
     ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
     ap.add_argument("--redo", action="store_true", help="plan again families --out already has (after a fix)")
+    ap.add_argument("--compact", default="", help="only write --out's rows without their plans to this file")
     args = ap.parse_args()
+    if args.compact:
+        print(f"{compact(Path(args.out), Path(args.compact))} rows written to {args.compact}")
+        return
     warnings.filterwarnings("ignore")
     import transformers
 

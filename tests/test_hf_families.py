@@ -102,14 +102,22 @@ FIXED = {
     "nemotron": "NemotronForCausalLM",  # its default leaves num_key_value_heads unset: not buildable before
     "musicgen": "MusicgenForCausalLM",  # codebook-major ids (batch * codebooks, seq), labels (batch, seq, codebooks)
     "lfm2_moe": "Lfm2MoeForCausalLM",  # its default leaves layer_types None: not buildable before
+    # its experts live in a nested NemotronH text model: experts_implementation=meshpilot (fell back to
+    # transformers' grouped_mm_fallback, replicated, before)
+    "nemo_speechlm": "Nemotron3_5TranscribeForConditionalGeneration",
+    "esm": "EsmForMaskedLM",  # its default leaves pad_token_id to the tokenizer: input_ids.ne(None) before
+    # a padding mask read as padding_mask[batch_arange, kv_arange] (masking_utils): an index.Tensor, replicated
+    # as a fallback before, now a view
+    "t5gemma": "T5GemmaForConditionalGeneration",
+    "encoder-decoder": "EncoderDecoderModel",
 }
 
 
 @pytest.mark.parametrize("model_type", sorted(FIXED))
 def test_fixed_failure_classes_plan_without_fallback(model_type):
-    from meshpilot.models.hf_families import Family, try_plan
+    from meshpilot.models.hf_families import TEXT_KINDS, families, try_plan
 
-    fam = Family(model_type, FIXED[model_type], "causal")
+    fam = next(f for f in families(TEXT_KINDS) if (f.model_type, f.class_name) == (model_type, FIXED[model_type]))
     o = try_plan(fam, overrides=_overrides(model_type), mesh_shape=MESH)
     assert o.ok, f"{fam.name}: {o.status} {o.reason}"
 
@@ -272,6 +280,33 @@ def test_an_assert_on_tensor_values_names_python_O():
     assert "\n" not in text and "assert on tensor values" in text and "-O" in text and "test_hf_families.py:" in text
 
 
+def test_a_distribution_argument_check_names_how_to_turn_it_off():
+    """BLT's ``Categorical(logits=…)`` validates its logits (``validate_args``, on unless ``python -O``): a
+    check on values, not a branch; the refusal says so, and with the check off the same model captures."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class Entropy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.distributions.Categorical(logits=self.lin(x)).entropy().sum()  # the line named
+
+    with pytest.raises(CaptureError) as err:
+        capture(Entropy(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and "torch.distributions argument check" in text and "test_hf_families.py:" in text
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        capture(Entropy(), (torch.randn(2, 4),))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
     """What ``build`` feeds besides ``(input_ids, labels)``, chosen by signature, configuration and source: an
     all-ones mask where the module skips its default mask when traced (LongT5), the image GIT's loss assumes,
@@ -301,6 +336,41 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
     assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
+    esm = tiny_overrides("esm")  # a vocabulary left to the tokenizer: its unset special ids get distinct small ids
+    assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
+
+
+def test_an_index_by_each_dimensions_own_arange_is_a_view():
+    """``padding_mask[batch_idx, kv_idx]`` with broadcast aranges (transformers' ``padding_mask_function``) reads
+    the mask unchanged: capture makes it a view (no index.Tensor left to replicate; the 4-rank runs of T5Gemma
+    and EncoderDecoderModel check the values). Indices that are not each dimension's own arange stay an index."""
+    import torch
+
+    from meshpilot.graph.capture import capture
+
+    class Masked(torch.nn.Module):
+        def __init__(self, order: str) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.order = order
+
+        def forward(self, x, mask):
+            b, k = mask.shape
+            bi = torch.arange(b)[:, None, None, None]
+            ki = torch.arange(k)[None, None, None, :] + 0
+            if self.order == "flip":
+                ki = ki.flip(-1)
+            m = mask[bi, ki]  # (b, 1, 1, k)
+            return (self.lin(x)[:, None, None, :] * m).sum()
+
+    x, mask = torch.randn(4, 8), (torch.rand(4, 8) > 0.3).float()
+
+    def index_ops(order):
+        gm = capture(Masked(order), (x, mask)).gm
+        return sum(n.target is torch.ops.aten.index.Tensor for n in gm.graph.nodes)
+
+    assert index_ops("same") == 0
+    assert index_ops("flip") == 1
 
 
 def test_a_backward_that_runs_backward_itself_is_refused():

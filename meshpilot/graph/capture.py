@@ -567,6 +567,13 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
             "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
             "or PYTHONOPTIMIZE=1 meshpilot plan …)"
         )
+    if data_dependent and _raised_in_distribution_check(e):
+        return (
+            f"cannot capture the model: a torch.distributions argument check {place} (validate_args: are the "
+            "logits or probabilities valid?) reads tensor values that capture does not have (fake tensors); it "
+            "computes nothing, so capture with it off (torch.distributions.Distribution.set_default_validate_args("
+            "False), or python -O)"
+        )
     if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
@@ -610,6 +617,18 @@ def _raised_in_assert(e: BaseException) -> bool:
 
     found = _model_frame(e)
     return found is not None and linecache.getline(*found).lstrip().startswith("assert ")
+
+
+def _raised_in_distribution_check(e: BaseException) -> bool:
+    """Whether `e` was raised while a ``torch.distributions`` distribution checked its arguments (BLT's
+    ``Categorical(logits=…)``: ``validate_args``, on by default unless ``python -O``)."""
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(os.path.join("distributions", "distribution.py")) and code.co_name == "__init__":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _where_raised(e: BaseException) -> str | None:
@@ -667,7 +686,9 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
 def _simplify(gm: torch.fx.GraphModule) -> None:
     """Drop what only the trace needed: ``lift_fresh_copy`` of a constant (the functional graph never writes
     to it, so the constant itself serves), ``_assert_tensor_metadata`` checks, and dead nodes that draw no
-    random numbers (removing a dead dropout would change the random stream the live ones see)."""
+    random numbers (removing a dead dropout would change the random stream the live ones see). An
+    ``index.Tensor`` that indexes every dimension with that dimension's own ``arange`` is the tensor with
+    singleton dimensions inserted (:func:`_identity_index`): a ``view``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -677,12 +698,60 @@ def _simplify(gm: torch.fx.GraphModule) -> None:
             graph.erase_node(node)
         elif node.target is aten._assert_tensor_metadata.default:
             graph.erase_node(node)
+        elif node.target is aten.index.Tensor and _identity_index(node):
+            with graph.inserting_before(node):
+                view = graph.call_function(aten.view.default, (node.args[0], list(node.meta["val"].shape)))
+            view.meta = dict(node.meta)
+            node.replace_all_uses_with(view)
+            graph.erase_node(node)
     for node in reversed(list(graph.nodes)):
         if node.op in ("call_function", "get_attr") and not node.users:
             tags = getattr(node.target, "tags", ())
             if torch.Tag.nondeterministic_seeded not in tags:
                 graph.erase_node(node)
     graph.lint()
+
+
+_VIEWS = (aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _identity_index(node: torch.fx.Node) -> bool:
+    """Whether ``index.Tensor(x, indices)`` reads `x` unchanged, its shape spread over more dimensions:
+    index k is ``arange(x.shape[k])`` (plus 0) laid along one dimension of the output, the dimensions in
+    `x`'s order. transformers' masks read a padding mask so (``padding_mask[batch_idx, kv_idx]`` in
+    ``masking_utils``, broadcast aranges): it is ``x.view(output shape)``, which needs no data."""
+    x, indices = node.args[0], node.args[1]
+    shape = tuple(getattr(x, "meta", {}).get("val", torch.empty(0)).shape) if isinstance(x, torch.fx.Node) else ()
+    out = getattr(node.meta.get("val"), "shape", None)
+    if out is None or len(indices) != len(shape) or not shape or any(i is None for i in indices):
+        return False
+    positions = []
+    for n, index in zip(shape, indices):
+        ishape = tuple(index.meta["val"].shape) if isinstance(index, torch.fx.Node) and "val" in index.meta else None
+        if ishape is None or len(ishape) != len(out) or sorted(ishape)[:-1] != [1] * (len(ishape) - 1):
+            return False
+        if max(ishape) != n or not _is_arange(index, n):  # one dimension of size n, the others 1
+            return False
+        if n > 1:
+            positions.append(next(p for p, s in enumerate(ishape) if s == n))
+    return positions == sorted(set(positions)) and math.prod(out) == math.prod(shape)
+
+
+def _is_arange(node: torch.fx.Node, n: int) -> bool:
+    """Whether `node` is ``arange(n)`` (start 0, step 1), reshaped or plus 0 only."""
+    while node.op == "call_function" and (
+        node.target in _VIEWS or node.target in (aten.add.Tensor, aten.add.Scalar) and node.args[1] == 0
+    ):
+        node = node.args[0]
+    if node.op != "call_function":
+        return False
+    if node.target is aten.arange.default:
+        return node.args[0] == n
+    if node.target is aten.arange.start:
+        return node.args[:2] == (0, n)
+    if node.target is aten.arange.start_step:
+        return node.args[:3] == (0, n, 1)
+    return False
 
 
 def _build_graph(

@@ -161,6 +161,7 @@ def _tiny_dict(d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = N
     _axial_positions(d, out)
     if "vocab_size" in d and d["vocab_size"] is None:
         out["vocab_size"] = vocab  # ESM's default leaves it to the tokenizer
+        _fill_unset_token_ids(d, out)
     if d.get("default_language", "") is None and d.get("languages"):
         out["default_language"] = list(d["languages"])[0]  # X-MOD's adapters need a language for unnamed input
     if keep and _int(d.get("num_kv_shared_layers")) and d["num_kv_shared_layers"] > 0:
@@ -181,6 +182,17 @@ def _tiny_dict(d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = N
         elif k.endswith("token_id") and isinstance(v, list) and any(_int(x) and x >= vocab for x in v):
             out[k] = [min(x, vocab - 1) for x in v]
     return out
+
+
+def _fill_unset_token_ids(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Special-token ids (``…token_id``) left None by a default that leaves its vocabulary to the tokenizer
+    (ESM's, whose embeddings mask ``input_ids.ne(pad_token_id)``): the tokenizer's too, so each gets a small id
+    of its own, distinct from the ids the default sets, in the default's key order."""
+    taken = {v for k, v in d.items() if k.endswith("token_id") and _int(v)}
+    free = (i for i in range(TINY_VOCAB) if i not in taken)
+    for k, v in d.items():
+        if k.endswith("token_id") and v is None:
+            out[k] = next(free)
 
 
 def _fill_unset_heads(d: dict[str, Any], out: dict[str, Any]) -> None:

@@ -331,7 +331,7 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
             f"--hf-config {', '.join(bad)}: not a key of {type(default).__name__}; check the spelling against "
             f"the transformers docs (e.g. {', '.join(_sample_keys(default))})"
         )
-    if "experts_implementation" in _model_source(t, name):
+    if _has_experts(t, name, default):
         from meshpilot.ops.moe import IMPLEMENTATION, register_with_transformers
 
         register_with_transformers()
@@ -360,6 +360,14 @@ def _model_source(t: Any, name: str) -> str:
         return inspect.getsource(sys.modules[_hf_model_class(t, name).__module__])
     except (UserError, OSError, TypeError, KeyError):
         return ""
+
+
+def _has_experts(t: Any, name: str, cfg: Any) -> bool:
+    """Whether model type `name`'s modeling source, or that of a part of its composite configuration `cfg` (a
+    nested configuration's own model type: Nemotron-3.5-Transcribe's NemotronH text model), reads
+    ``experts_implementation``: a mixture of experts somewhere in the model."""
+    parts = [v.model_type for v in vars(cfg).values() if getattr(v, "model_type", None) and hasattr(v, "to_dict")]
+    return any("experts_implementation" in _model_source(t, n) for n in dict.fromkeys([name, *parts]))
 
 
 def _keys_the_model_reads(t: Any, name: str) -> set[str]:
