@@ -698,7 +698,7 @@ def _simplify(gm: torch.fx.GraphModule) -> None:
             graph.erase_node(node)
         elif node.target is aten._assert_tensor_metadata.default:
             graph.erase_node(node)
-        elif node.target is aten.index.Tensor and _identity_index(node):
+        elif node.target is aten.index.Tensor and _identity_index(node) and not _made_here(node.args[0]):
             with graph.inserting_before(node):
                 view = graph.call_function(aten.view.default, (node.args[0], list(node.meta["val"].shape)))
             view.meta = dict(node.meta)
@@ -735,6 +735,32 @@ def _identity_index(node: torch.fx.Node) -> bool:
         if n > 1:
             positions.append(next(p for p, s in enumerate(ishape) if s == n))
     return positions == sorted(set(positions)) and math.prod(out) == math.prod(shape)
+
+
+_FACTORIES = {
+    getattr(aten, name).default
+    for name in ("new_ones", "new_zeros", "new_full", "new_empty", "ones_like", "zeros_like", "full_like", "arange")
+} | {aten.arange.start, aten.arange.start_step}
+"""Ops that make a tensor from no tensor's values (a ``…_like`` or ``new_…`` reads only its argument's shape)."""
+
+
+def _made_here(x: Any) -> bool:
+    """Whether the graph computes `x` from no input's values (from ``arange``, ``new_ones``, …: transformers'
+    positions and default masks). Such a tensor is replicated on every rank, and the ``index.Tensor`` reading
+    it takes its layout from its indices (a batch ``arange`` sharded over the data-parallel axis makes the mask
+    batch-sharded), which a ``view`` of it cannot: the mask would stay whole, and the attention reading it with
+    it — a HF Llama's plan moved to head-sharded attention, 10 % slower. It stays an index."""
+    seen, stack = set(), [x]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            return False
+        if n.op == "call_function" and n.target not in _FACTORIES:
+            stack += n.all_input_nodes
+    return True
 
 
 def _is_arange(node: torch.fx.Node, n: int) -> bool:
