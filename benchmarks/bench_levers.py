@@ -42,6 +42,7 @@ from bench_recompute import measure_saved  # noqa: E402
 from meshpilot.io import fmt_size  # noqa: E402
 from meshpilot.ops.attention import context_axes  # noqa: E402
 from meshpilot.planner.plan import Plan, StagePlan  # noqa: E402
+from meshpilot.planner.recompute import REGATHER, SELECTIVE  # noqa: E402
 
 CLUSTER, DEVICES = "alpa-p3x8", 4
 CAPS = (None, 0.8, 0.6, 0.45, 0.35, 0.28, 0.22, 0.17)
@@ -95,7 +96,16 @@ def _cli(out: Path, cap: float | None, shape: Shape, extra: tuple[str, ...] = ()
 def _stage_levers(p: StagePlan) -> str:
     """One stage's levers: mesh, recomputed blocks, ZeRO switches by stage, the sequence-parallel axis."""
     rc = p.recompute.regions if p.recompute is not None else ()
-    blocks = f"{len(rc)} blocks ({rc[0].rsplit('.', 1)[-1]}–{rc[-1].rsplit('.', 1)[-1]})" if rc else "none"
+    sel = [x for x in rc if x.startswith(SELECTIVE)]
+    whole = [x for x in rc if not x.startswith((SELECTIVE, REGATHER))]
+    blocks = (
+        ", ".join(
+            f"{what}{len(xs)} blocks ({xs[0].rsplit('.', 1)[-1]}–{xs[-1].rsplit('.', 1)[-1]})"
+            for what, xs in (("selective: ", sel), ("", whole))
+            if xs
+        )
+        or "none"
+    )
     zero = Counter(f"ZeRO-{int(z.stage)}" for z in p.zero)
     zs = ", ".join(f"{k} ×{v}" for k, v in sorted(zero.items())) or "none"
     cp = context_axes(p.nodes, p.mesh_axes, p.collectives)
