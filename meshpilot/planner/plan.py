@@ -900,7 +900,7 @@ class Plan:
         cluster,
         *,
         force: Sequence[dict[str, str] | None] | None = None,
-        time_limit: float = 30.0,
+        time_limit: float | None = None,
         retries: int = 8,
         on_retry: Callable[[str], Any] | None = None,
     ) -> Plan:
@@ -919,8 +919,9 @@ class Plan:
         (:attr:`without_stage`), that stage is ruled out and the DP's next best plan is planned instead, up to
         `retries` times; `on_retry` gets a line saying which stage and why. The plan returned is then that
         next best: its stages may differ from this one's."""
-        from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError
 
+        time_limit = TIME_LIMIT_S if time_limit is None else time_limit
         plan = self
         for _ in range(retries + 1):
             try:

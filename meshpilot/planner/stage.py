@@ -136,7 +136,7 @@ from meshpilot.planner.accounting import (
     step_edges,
 )
 from meshpilot.planner.auto import compute_lower_bound
-from meshpilot.planner.ilp import PlanError, Structure, build_structure
+from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.meshsearch import mappings_of, search_mesh
 from meshpilot.planner.plan import MemoryUse, StepTime, ZeroStage
 from meshpilot.planner.search import get_searcher
@@ -643,7 +643,7 @@ class StagePlanner:
         capacity: float | None = None,
         zero: ZeroMode | str = ZeroMode.AUTO,
         searcher: str = "ilp",
-        time_limit: float = 30.0,
+        time_limit: float = TIME_LIMIT_S,
         force: Mapping[str, str] | None = None,
     ) -> StageCost:
         """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
