@@ -133,6 +133,7 @@ from meshpilot.planner.accounting import (
     _parts,
     account,
     accumulated_bytes,
+    liveness,
     step_edges,
 )
 from meshpilot.planner.auto import compute_lower_bound
@@ -539,8 +540,9 @@ class StageCost:
 class StageMemory:
     """The parts of a stage plan's memory per device that :class:`~meshpilot.planner.accounting.PhasePeaks`
     is made of, kept so that plans of consecutive pieces can be composed (``planner.stack``):
-    ``forward_backward = static + live_peak``, ``update = static + grads + update_temp``, ``activations =
-    saved``."""
+    ``forward_backward = static + live_held`` (``static + live_peak`` for one microbatch), ``update = static +
+    grads + update_temp``, ``activations = saved``; a stage composed of pieces adds their :attr:`live_peak` and
+    :attr:`accumulated` (``planner.stack``)."""
 
     static: float
     """Weights, optimizer state and input leaves (``W + O + I``)."""
@@ -555,12 +557,18 @@ class StageMemory:
     accumulated: float = 0.0
     """The gradients summed over the microbatches, held from the second microbatch on in the layout the
     backward produces them (``accounting.accumulated_bytes``: a replicated or ZeRO parameter's, whole); 0 for
-    one microbatch. Not in :attr:`peaks` (the exact stage table leaves it out); the variant table counts it
-    (``stack`` module docstring, 4)."""
+    one microbatch."""
+    live_held: float = 0.0
+    """The forward + backward's peak of values over the microbatches, :attr:`accumulated` held beside every
+    node but the last (``accounting.liveness``, as ``accounting.memory_use`` counts it); 0: one microbatch."""
 
     @property
     def peaks(self) -> PhasePeaks:
-        return PhasePeaks(self.static + self.live_peak, self.static + self.grads + self.update_temp, self.saved)
+        """The forward + backward peak over the microbatches (``static + live_held``, as ``auto.plan`` — and so
+        ``Plan.with_intra`` — holds it to the device; ``static + live_peak`` for one), the optimizer step's, one
+        microbatch's saved values."""
+        fb = self.static + (self.live_held if self.accumulated else self.live_peak)
+        return PhasePeaks(fb, self.static + self.grads + self.update_temp, self.saved)
 
 
 @dataclass(frozen=True)
@@ -779,8 +787,8 @@ class StagePlanner:
                 Resharder(dmesh, cm0),
                 cm0,
                 microbatches=microbatches,
-                force=dict(pinned) or None,
-                accumulating=False,  # planner.pipeline's check composes peaks without the summed gradients yet
+                force=dict(pinned) or None,  # over m > 1 microbatches the backward row holds the summed
+                # gradients, as ``auto.plan``'s (and so ``Plan.with_intra``'s) does: a capped search trades them too
             )
             hit = self._structs[skey] = (struct, builder)
         return hit[0]
@@ -834,8 +842,12 @@ class StagePlanner:
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
         p = _parts(sub, cand.chosen, shape)
-        acc = accumulated_bytes(sub, cand.chosen, shape) if microbatches > 1 else 0.0
-        mem = StageMemory(p.params + p.optimizer + p.inputs, p.grads, p.update_temp, p.saved, p.live.peak, acc)
+        acc = held = 0.0
+        if microbatches > 1:  # the summed gradients beside every node but the last (accounting: A)
+            acc = accumulated_bytes(sub, cand.chosen, shape)
+            held = liveness(sub, cand.chosen, shape, microbatches).peak
+        static = p.params + p.optimizer + p.inputs
+        mem = StageMemory(static, p.grads, p.update_temp, p.saved, p.live.peak, acc, held)
         cost = StageCost(
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )
