@@ -705,9 +705,14 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
     from meshpilot.planner.accounting import in_flight_peak, plan_strategies
     from meshpilot.planner.ilp import PlanError
 
-    cap = capacity
+    cap, need = capacity, math.inf
     for _ in range(IN_FLIGHT_REFITS + 1):
-        p = search(memory_bytes=cap)
+        try:
+            p = search(memory_bytes=cap)
+        except PlanError:
+            if cap == capacity:
+                raise
+            break  # nothing under the lowered capacity: the last plan's need is the answer
         if in_flight <= 1:
             return p
         need = in_flight_peak(sub, plan_strategies(p, sub), p.mesh_shape, microbatches, in_flight, on_cpu,
@@ -720,7 +725,7 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
     raise PlanError(
         f"no sharding plan of the stage holds its {in_flight} microbatches in flight in {_bytes(capacity)} per "
         f"device (the last one searched needs {_bytes(need)})",
-        mesh_shape=p.mesh_shape, need_bytes=need, capacity_bytes=capacity,
+        mesh_shape=tuple(p.mesh_shape), need_bytes=need, capacity_bytes=capacity,
     )  # fmt: skip
 
 
