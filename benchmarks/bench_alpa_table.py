@@ -151,15 +151,15 @@ def main() -> None:
         "--costings", nargs="+", default=["approximate", "exact"], help="--tables: which tables (default both)"
     )
     ap.add_argument(
-        "--accumulated",
+        "--no-accumulated",
         action="store_true",
-        help="--tables: both tables count the gradients summed over the microbatches (default: the variant only)",
+        help="--tables: the tables leave out the gradients summed over the microbatches (default: counted)",
     )
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     if args.tables:
         rows = args.rows if "--rows" in sys.argv else gpts
-        compare_tables(rows, args.microbatches, args.workers, args.costings, args.accumulated or None)
+        compare_tables(rows, args.microbatches, args.workers, args.costings, not args.no_accumulated)
         return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
@@ -215,7 +215,7 @@ def main() -> None:
 
 
 def compare_tables(
-    names: list[str], microbatches: list[int], workers: int | None, costings: list[str], accumulated: bool | None
+    names: list[str], microbatches: list[int], workers: int | None, costings: list[str], accumulated: bool
 ) -> None:
     """``--tables`` (module docstring): per GPT row and B, the variant ("approximate") and the exact stage table's
     plans; a stage marked ``rc`` recomputes its blocks."""

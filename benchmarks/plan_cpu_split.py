@@ -11,7 +11,8 @@ written as one line to ``--solves`` (pid, mesh shape, row kind, capacity, wall s
 splits them into solves without memory rows ("free") and capped ones, per submesh size, and counts those that
 ran into the HiGHS time limit (wall ≥ 99 % of it: under load, a wall-clock limit cuts a solve short, so the plan
 can depend on the machine's load). `--accumulated` runs the exact table with the summed-gradient term
-(``plan_pipeline(accumulated=True)``). Measures only: the plan is the command's own.
+(``plan_pipeline(accumulated=True)``: the default since issue 29's gpt40, so a no-op there). Measures only: the
+plan is the command's own.
 """
 
 from __future__ import annotations

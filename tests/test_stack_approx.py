@@ -30,19 +30,15 @@ def roomy(stack: Stack) -> float:
     return max(st.memory_bytes for st in p.stages)
 
 
-def _short(reason: str):
-    """A case where the variant table is known to miss the 1 % (measured, ``docs/benchmarks.md``, "A stage table of
-    real plans"): strict, so the test fails once the table reaches it and the mark must go."""
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 @pytest.mark.parametrize(
     ("cluster", "n", "share"),
     [
         ("alpa-p3x8", 8, 1.0),
-        pytest.param("alpa-p3x8", 8, 0.5, marks=_short("19 % slower: the exact table's capped block plans")),
-        pytest.param("hidup-2x4-10g", 8, 0.5, marks=_short("45 % slower: the exact table's capped block plans")),
-        pytest.param("atp-ic3", 4, 1.0, marks=_short("no variant fits where a capped block does")),
+        # these three were 19 % and 45 % slower and without a plan while the exact table's capped block searches
+        # left the summed gradients out of their memory rows (issue 29: they hold them now, as auto.plan's)
+        ("alpa-p3x8", 8, 0.5),
+        ("hidup-2x4-10g", 8, 0.5),
+        ("atp-ic3", 4, 1.0),
     ],
 )
 def test_variant_table_within_one_percent_of_the_exact_table_or_better(stack, roomy, cluster, n, share):

@@ -71,6 +71,7 @@ from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
 from meshpilot.models.sources import FACTORY_PROTOCOL, Built, build_model  # noqa: F401 - re-exported
 from meshpilot.planner.force import ForceSpec
+from meshpilot.planner.ilp import NODE_LIMIT, TIME_LIMIT_S
 from meshpilot.planner.recompute import RecomputeMode
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.zero import ZeroMode
@@ -201,7 +202,11 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         "the plan",
     )
     p.add_argument(
-        "--time-limit", type=positive_float, default=30.0, help="HiGHS time limit per mesh candidate, s (default 30)"
+        "--time-limit",
+        type=positive_float,
+        default=TIME_LIMIT_S,
+        help=f"wall-clock safety net per HiGHS solve, s (default {TIME_LIMIT_S:.0f}); a solve stops at its gap or "
+        f"{NODE_LIMIT:,} nodes, so the plan does not depend on the machine's load",
     )
     p.add_argument(
         "--ops",
@@ -717,7 +722,7 @@ def make_plan(
     *,
     force: dict[str, str] | None = None,
     memory_bytes: float | None = None,
-    time_limit: float = 30.0,
+    time_limit: float = TIME_LIMIT_S,
     progress: Console | None = None,
     precision: str | None = None,
     schedule: dict[str, Any] | None = None,

@@ -720,6 +720,24 @@ def phase_peaks(graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_sh
     return PhasePeaks(base + p.live.peak, base + p.grads + p.update_temp, p.saved, base + p.grads)
 
 
+def in_flight_peak(
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None,
+    mesh_shape: Sequence[int],
+    microbatches: int,
+    in_flight: int,
+    on_cpu: bool = False,
+    buckets: Sequence[Any] = (),
+) -> float:
+    """Alpa's Eq. 5 for a pipeline stage's plan: ``max(W + O + I + G + T_opt, W + O + I + max_i live(i) +
+    (in_flight − 1) · saved)``, the forward + backward over `microbatches` as :func:`memory_use` counts it (the
+    summed gradients, the buckets) and beside it the saved values of the `in_flight` − 1 other microbatches a
+    pipeline schedule keeps (``planner.pipeline.stage_memory``, of the stage table's costs)."""
+    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu, buckets)
+    base = p.params + p.optimizer + p.inputs
+    return max(base + p.grads + p.update_temp, base + p.live.peak + (in_flight - 1) * p.saved)
+
+
 # ------------------------------------------------------------------------------------------ time
 
 

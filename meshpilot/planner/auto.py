@@ -47,7 +47,7 @@ from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memo
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
-from meshpilot.planner.ilp import PlanError, Structure, build_structure
+from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
     MeshCandidate,
@@ -74,7 +74,7 @@ def plan(
     mappings: Sequence[MeshMapping | str] = tuple(MeshMapping),
     loss_fn: Callable[..., torch.Tensor] | None = None,
     memory_bytes: float | None = None,
-    time_limit: float = 30.0,
+    time_limit: float = TIME_LIMIT_S,
     mip_gap: float = 1e-3,
     merge_trivial: bool = True,
     force: dict[str, str] | None = None,
@@ -513,7 +513,7 @@ def _assemble(
     )
     warnings = _fallback_warnings(fallbacks)
     if cand.gap > 0.01:
-        warnings.append(f"ILP stopped at gap {cand.gap:.2%} (time limit)")
+        warnings.append(f"ILP stopped at gap {cand.gap:.2%} (node or time limit)")
     bad = [c for c in acct.collectives if c.kind == CollectiveKind.UNSUPPORTED]
     if bad:  # what cannot run is refused, never handed to the runtime
         c = bad[0]

@@ -196,9 +196,10 @@ Not modelled yet: the sends in the DP's objective (Eq. 2 leaves them out; the si
 them, section 8), the schedule's own timeline in the
 DP (it uses Eq. 2 and the closed form above; the simulator times a ``step_schedule`` with each stage's
 forward, input- and weight-gradient times), the interleaved search on a ``Stack`` of fewer captured blocks
-(it costs every range on its own: ``PlanError``), and a stage plan searched for the memory that f(s)
+(it costs every range on its own: ``PlanError``), and a stage table entry searched for the memory that f(s)
 microbatches in flight leave it (the ILP is given the whole device; a plan that then fails Eq. 5 is dropped,
-not re-searched), and activation rematerialization (Alpa recomputes activations, §9): the first of S stages
+not re-searched: only ``Plan.with_intra`` searches the chosen stages again under a lower capacity until
+their Eq. 5 fits), and activation rematerialization (Alpa recomputes activations, §9): the first of S stages
 holds f(S) microbatches' saved values of all its layers, which on GPT-39B (64 V100s, B = 64) leaves its blocks
 only the tightest cap levels' plans, 4–9× slower a microbatch than the other stages (docs/benchmarks.md).
 """
@@ -780,7 +781,7 @@ def plan_pipeline(
     shapes: LogicalShapes | str = LogicalShapes.ALL,
     workers: int | None = None,
     costing: TableCosting | str = TableCosting.EXACT,
-    accumulated: bool | None = None,
+    accumulated: bool = True,
     **stage_kw,
 ) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -809,8 +810,9 @@ def plan_pipeline(
     capacity, ZeRO-sharded and recomputed — real plans only, no capped search (``stack`` module docstring, 4).
 
     `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
-    forward + backward peak (``stage.StageMemory.accumulated``, as ``auto.plan`` does); None (default): the
-    variant table counts them, the exact table does not (``stack`` module docstring, 4).
+    forward + backward peak (``stage.StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra``
+    — does (default); False leaves them out of the composed stages (the tables before they were counted, for
+    comparisons). The exact path's stage costs always count them (``StageMemory.peaks``).
 
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""

@@ -23,6 +23,7 @@ warnings), every parameter's layout, then one line per operator with the collect
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -688,6 +689,46 @@ def received_rows_pins(graph: OpGraph, sub: OpGraph, force: dict[str, str]) -> d
     return {_exact(name): rule.layout for name, _ in received_row_leaves(sub, rows) if spec.winner(name) is None}
 
 
+IN_FLIGHT_REFITS = 4
+"""Searches of one stage's slice, each under a lower capacity, for a plan whose microbatches in flight fit
+(:func:`_in_flight_fit`)."""
+
+
+def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, microbatches: int, in_flight: int,
+                   on_cpu: bool) -> StagePlan:  # fmt: skip
+    """The stage plan ``search(memory_bytes=…)`` finds for a slice whose schedule keeps `in_flight` microbatches'
+    saved values (``accounting.in_flight_peak``, Eq. 5 as the stage table checks it): searched at `capacity`
+    and, while its Eq. 5 exceeds `capacity`, again under a capacity lowered by the excess (at most
+    :data:`IN_FLIGHT_REFITS` times). ``auto.plan`` holds one microbatch's step to the capacity it is given, so
+    without this a stage of the first of S stages could be planned faster than its table entry, and hold more
+    than the device once its f(S) microbatches are in flight. Raises ``PlanError`` when no search fits."""
+    from meshpilot.planner.accounting import in_flight_peak, plan_strategies
+    from meshpilot.planner.ilp import PlanError
+
+    cap, need = capacity, math.inf
+    for _ in range(IN_FLIGHT_REFITS + 1):
+        try:
+            p = search(memory_bytes=cap)
+        except PlanError:
+            if cap == capacity:
+                raise
+            break  # nothing under the lowered capacity: the last plan's need is the answer
+        if in_flight <= 1:
+            return p
+        need = in_flight_peak(sub, plan_strategies(p, sub), p.mesh_shape, microbatches, in_flight, on_cpu,
+                              p.grad_buckets)  # fmt: skip
+        if need <= capacity * (1 + 1e-9):
+            return dataclasses.replace(p, memory=dataclasses.replace(p.memory, capacity=capacity))
+        cap -= need - capacity
+        if cap <= 0:
+            break
+    raise PlanError(
+        f"no sharding plan of the stage holds its {in_flight} microbatches in flight in {_bytes(capacity)} per "
+        f"device (the last one searched needs {_bytes(need)})",
+        mesh_shape=tuple(p.mesh_shape), need_bytes=need, capacity_bytes=capacity,
+    )  # fmt: skip
+
+
 class _StageDoesNotFit(Exception):
     """Stage `stage`'s own search (:meth:`Plan.with_intra`) found no plan: its ``PlanError`` is `error`."""
 
@@ -900,7 +941,7 @@ class Plan:
         cluster,
         *,
         force: Sequence[dict[str, str] | None] | None = None,
-        time_limit: float = 30.0,
+        time_limit: float | None = None,
         retries: int = 8,
         on_retry: Callable[[str], Any] | None = None,
     ) -> Plan:
@@ -911,7 +952,12 @@ class Plan:
         layouts in stage j (``meshpilot.planner.forced``: a Megatron stage beside a data-parallel one), and the
         values stage j receives with the microbatch's rows as it pins the model's inputs
         (:func:`received_rows_pins`). The :attr:`transfers` are read off `graph` again
-        (``pipeline.stage_transfers``), naming its nodes. Pure.
+        (``pipeline.stage_transfers``), naming its nodes. `time_limit`: each HiGHS solve's wall-clock safety net
+        (None: ``ilp.TIME_LIMIT_S``). Pure.
+
+        Each stage is planned for the microbatches its schedule keeps in flight (:attr:`PlanStage.in_flight`):
+        its plan's Eq. 5 (``accounting.in_flight_peak``, what the stage table checks) within the capacity
+        (:func:`_in_flight_fit`), not one microbatch's step only.
 
         A stage table composed from a repeated block's plans (``planner.stack``) can price a stage below what its
         own search then needs (GPT-39B on ``alpa-p3x8``: a last stage of 18 blocks and the head at 13.4 GiB in
@@ -919,8 +965,9 @@ class Plan:
         (:attr:`without_stage`), that stage is ruled out and the DP's next best plan is planned instead, up to
         `retries` times; `on_retry` gets a line saying which stage and why. The plan returned is then that
         next best: its stages may differ from this one's."""
-        from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError
 
+        time_limit = TIME_LIMIT_S if time_limit is None else time_limit
         plan = self
         for _ in range(retries + 1):
             try:
@@ -955,23 +1002,24 @@ class Plan:
         if len(force) != len(self.stages):
             raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
         run_layers = runnable_layers(graph)
+        on_cpu = load_cluster(cluster).device.is_cpu
         stages = []
         for st, pinned in zip(self.stages, force):
             sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
             if pinned is not None:
                 pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
+            search = functools.partial(
+                plan_intra, None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
+                microbatches=self.microbatches, force=pinned, time_limit=time_limit,
+                # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
+                # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
+                recompute="full" if st.cost is not None and st.cost.recompute else "none",
+                zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
+            )  # fmt: skip
             with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
                 warnings.simplefilter("ignore", UserWarning)
                 try:
-                    p = plan_intra(
-                        None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
-                        microbatches=self.microbatches, memory_bytes=self.capacity, force=pinned,
-                        time_limit=time_limit,
-                        # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
-                        # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
-                        recompute="full" if st.cost is not None and st.cost.recompute else "none",
-                        zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
-                    )  # fmt: skip
+                    p = _in_flight_fit(search, sub, self.capacity, self.microbatches, st.in_flight, on_cpu)
                 except PlanError as e:
                     raise _StageDoesNotFit(len(stages), e) from None
             stages.append(dataclasses.replace(st, plan=p))

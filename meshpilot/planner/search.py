@@ -34,7 +34,7 @@ from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.graph.capture import OpGraph
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import memory_use
-from meshpilot.planner.ilp import PlanError, Structure, priced, solve
+from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, priced, solve
 from meshpilot.planner.plan import MemoryUse, ZeroSwitch
 from meshpilot.planner.zero import ParamEdges, ZeroMode, zero_pass
 from meshpilot.sharding.reshard import Resharder
@@ -59,7 +59,7 @@ class SearchTask:
     capacity: float = math.inf
     zero: ZeroMode = ZeroMode.AUTO
     microbatches: int = 1
-    time_limit: float = 30.0
+    time_limit: float = TIME_LIMIT_S
     mip_gap: float = 1e-3
     gather_once: bool = True
     """Whether the ZeRO post-pass may choose stage 2 (``zero.zero_pass``; pipeline stages run stage 3 only)."""

@@ -30,11 +30,16 @@ gradients ``G``, update temporaries ``U``, saved activations ``A``, live peak ``
 
     t(stage)          = t_P + k · t_blk + t_Q                                          → ``T``
     static            = s_P + k · s_blk + s_Q                                          → ``static``
-    forward_backward  = static + max over pieces x of (V_x + Σ_{y ≠ x} max(A_y, G_y))  → ``fb``
+    forward_backward  = static + max over pieces x of (V_x + Σ_{y ≠ x} max(A_y, G_y))
+                        + Σ_x acc_x                                                    → ``fb``
     update            = static + Σ_x (G_x + U_x)                                       → ``upd``
     activations       = A_P + k · A_blk + A_Q                                          → ``act``
 
-(a block repeated k times counts as k pieces in the max: its own peak with the other k − 1 blocks' carries).
+(a block repeated k times counts as k pieces in the max: its own peak with the other k − 1 blocks' carries;
+``acc_x`` the piece's gradients summed over the microbatches, ``StageMemory.accumulated``, held beside every
+node from the second microbatch on, as ``auto.plan`` — and so ``Plan.with_intra`` — counts them; each piece's
+ILP holds them on its backward row too. Left out, GPT-39B's last stage of 10 blocks and the head composed to
+15.3 GiB and planned at 22.7: its ZeRO-3 blocks' summed gradients are whole, 0.8 GiB a block on 4x2).
 The carry ``max(A_y, G_y)`` bounds what piece y holds while x peaks: its saved activations when x runs
 before y's backward, its gradients after. A range with no block is a piece itself (exact). A stage of one
 piece is exactly the exact table's cost; one of k > 1 blocks assumes the blocks chain with no resharding
@@ -111,7 +116,8 @@ so the stages the DP chooses are priced exactly by construction: :meth:`stage_co
 their placed ranks from the same pieces, and nothing is refined afterwards. One term more than the exact
 table: the forward + backward peak holds the gradients summed over the microbatches (``fb += Σ_x w_x ·
 acc_x``, ``StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra`` — counts them; a ZeRO-3
-block holds that sum whole, so without the term its stages looked far smaller than their plans. A stage
+block holds that sum whole, so without the term its stages looked far smaller than their plans (the exact
+table counts it too since issue 29: section 2). A stage
 composed from a recomputing candidate is marked (``StageCost.recompute``): ``Plan.with_intra`` plans its slice
 with its blocks recomputed and the stage runtime runs it so (``runtime.pipeline_stages``). ZeRO stage 2 is not
 a variant: the pipeline runtime runs stage 3 only.
@@ -407,9 +413,10 @@ class StackTable:
     docstring, 3: the same table); False searches every one (for the tests)."""
     costing: TableCosting = TableCosting.EXACT
     """The block plans the entries are composed from (:class:`TableCosting`)."""
-    accumulated: bool | None = None
-    """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``);
-    None: as :attr:`costing` does (the variant table yes, the exact table no: module docstring, 4)."""
+    accumulated: bool = True
+    """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
+    as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
+    counted, for comparisons)."""
     recomputed: tuple[StagePlanner, Stack] | None = None
     """The planner and stack of the graph with every captured block recomputed (``config_plan.recomputed_stack``):
     the variant table's recomputing levels; None: none (module docstring, 4)."""
@@ -532,7 +539,7 @@ class StackTable:
             if blk is None or not fitless.any():
                 break
             target = max(int(ctx.NB[fitless].min()), 2 * target)
-            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity))
+            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
 
     def _variant_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
         """The variant table's candidates of logical mesh `shape` (the j-th; module docstring, 4): the block's
@@ -564,7 +571,7 @@ class StackTable:
     @property
     def counts_accumulated(self) -> bool:
         """Whether the entries count the gradients summed over the microbatches (:attr:`accumulated`)."""
-        return self.costing == TableCosting.APPROXIMATE if self.accumulated is None else self.accumulated
+        return self.accumulated
 
     def _graph_of(self, recompute: bool) -> tuple[StagePlanner, Stack]:
         """The planner and stack of the captured graph, or of its recomputing copy (:attr:`recomputed`)."""
@@ -673,13 +680,15 @@ class Candidate:
     """Composed from the recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed."""
 
 
-def _cap_for(m: StageMemory, k: int, capacity: float, in_flight: int = 1) -> float:
+def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, in_flight: int = 1) -> float:
     """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
-    (Eq. 5 with `in_flight` microbatches in flight) are over the device's capacity."""
+    (Eq. 5 with `in_flight` microbatches in flight; with `accumulated`, the summed gradients counted as
+    :meth:`StackTable._offer` counts them) are over the device's capacity."""
     carry = max(m.saved, m.grads)
-    fb = k * (m.static + carry) - carry + m.live_peak + (in_flight - 1) * k * m.saved
+    acc = m.accumulated if accumulated else 0.0
+    fb = k * (m.static + carry + acc) - carry + m.live_peak + (in_flight - 1) * k * m.saved
     need = max(fb, k * (m.static + m.grads + m.update_temp))
-    own = max(m.static + m.live_peak, m.static + m.grads + m.update_temp)
+    own = max(m.static + m.live_peak + acc, m.static + m.grads + m.update_temp)
     return own * capacity / need
 
 
@@ -705,7 +714,7 @@ def compose_stage(
     every piece (``zero``, ``force``: a Megatron stage's pinned layouts; `block_zero` overrides ``zero`` for the
     block). `recompute`: `stack` is the recomputing graph's (``StackTable.recomputed``), so a stage with blocks is
     marked recomputed (``StageCost.recompute``). `accumulated`: the forward + backward peak holds every piece's
-    gradients summed over the microbatches (``StageMemory.accumulated``; the variant table). Raises
+    gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). Raises
     ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}

@@ -133,10 +133,11 @@ from meshpilot.planner.accounting import (
     _parts,
     account,
     accumulated_bytes,
+    liveness,
     step_edges,
 )
 from meshpilot.planner.auto import compute_lower_bound
-from meshpilot.planner.ilp import PlanError, Structure, build_structure
+from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.meshsearch import mappings_of, search_mesh
 from meshpilot.planner.plan import MemoryUse, StepTime, ZeroStage
 from meshpilot.planner.search import get_searcher
@@ -539,8 +540,9 @@ class StageCost:
 class StageMemory:
     """The parts of a stage plan's memory per device that :class:`~meshpilot.planner.accounting.PhasePeaks`
     is made of, kept so that plans of consecutive pieces can be composed (``planner.stack``):
-    ``forward_backward = static + live_peak``, ``update = static + grads + update_temp``, ``activations =
-    saved``."""
+    ``forward_backward = static + live_held`` (``static + live_peak`` for one microbatch), ``update = static +
+    grads + update_temp``, ``activations = saved``; a stage composed of pieces adds their :attr:`live_peak` and
+    :attr:`accumulated` (``planner.stack``)."""
 
     static: float
     """Weights, optimizer state and input leaves (``W + O + I``)."""
@@ -555,13 +557,20 @@ class StageMemory:
     accumulated: float = 0.0
     """The gradients summed over the microbatches, held from the second microbatch on in the layout the
     backward produces them (``accounting.accumulated_bytes``: a replicated or ZeRO parameter's, whole); 0 for
-    one microbatch. Not in :attr:`peaks` (the exact stage table leaves it out); the variant table counts it
-    (``stack`` module docstring, 4)."""
+    one microbatch."""
+    live_held: float = 0.0
+    """The forward + backward's peak of values over the microbatches, :attr:`accumulated` held beside every
+    node but the last (``accounting.liveness``, as ``accounting.memory_use`` counts it); 0: one microbatch."""
 
     @property
     def peaks(self) -> PhasePeaks:
-        fb, upd = self.static + self.live_peak, self.static + self.grads + self.update_temp
-        return PhasePeaks(fb, upd, self.saved, self.static + self.grads)
+        """The forward + backward peak over the microbatches (``static + live_held``, as ``auto.plan`` — and so
+        ``Plan.with_intra`` — holds it to the device; ``static + live_peak`` for one), the optimizer step's, one
+        microbatch's saved values, and what the stage holds while another computes (its state, gradients and
+        their sum over the microbatches: ``PhasePeaks.resident``)."""
+        fb = self.static + (self.live_held if self.accumulated else self.live_peak)
+        upd = self.static + self.grads + self.update_temp
+        return PhasePeaks(fb, upd, self.saved, self.static + self.grads + self.accumulated)
 
 
 @dataclass(frozen=True)
@@ -644,7 +653,7 @@ class StagePlanner:
         capacity: float | None = None,
         zero: ZeroMode | str = ZeroMode.AUTO,
         searcher: str = "ilp",
-        time_limit: float = 30.0,
+        time_limit: float = TIME_LIMIT_S,
         force: Mapping[str, str] | None = None,
     ) -> StageCost:
         """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
@@ -780,8 +789,8 @@ class StagePlanner:
                 Resharder(dmesh, cm0),
                 cm0,
                 microbatches=microbatches,
-                force=dict(pinned) or None,
-                accumulating=False,  # planner.pipeline's check composes peaks without the summed gradients yet
+                force=dict(pinned) or None,  # over m > 1 microbatches the backward row holds the summed
+                # gradients, as ``auto.plan``'s (and so ``Plan.with_intra``'s) does: a capped search trades them too
             )
             hit = self._structs[skey] = (struct, builder)
         return hit[0]
@@ -835,8 +844,12 @@ class StagePlanner:
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
         p = _parts(sub, cand.chosen, shape)
-        acc = accumulated_bytes(sub, cand.chosen, shape) if microbatches > 1 else 0.0
-        mem = StageMemory(p.params + p.optimizer + p.inputs, p.grads, p.update_temp, p.saved, p.live.peak, acc)
+        acc = held = 0.0
+        if microbatches > 1:  # the summed gradients beside every node but the last (accounting: A)
+            acc = accumulated_bytes(sub, cand.chosen, shape)
+            held = liveness(sub, cand.chosen, shape, microbatches).peak
+        static = p.params + p.optimizer + p.inputs
+        mem = StageMemory(static, p.grads, p.update_temp, p.saved, p.live.peak, acc, held)
         cost = StageCost(
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
         )
