@@ -1016,6 +1016,36 @@ def test_a_stage_whose_own_plan_does_not_fit_is_ruled_out_and_the_next_best_plan
         loaded.with_intra(graph, "alpa-p3x8")
 
 
+def test_the_cli_doubles_the_microbatches_when_no_pipeline_fits_once_planned(tmp_path, capsys, monkeypatch):
+    """``meshpilot plan --out`` where every pipeline the DP offers at its microbatches has a stage whose own plan
+    does not fit (``Plan.with_intra`` raises: GPT-39B at 64 microbatches, docs/benchmarks.md): the DP runs again
+    with twice the microbatches and that plan is saved, and the user is told; with ``--microbatches`` given,
+    the error stands."""
+    from meshpilot.cli.main import main
+    from meshpilot.planner.plan import Plan
+
+    real, seen = Plan.with_intra, []
+
+    def first_does_not_fit(self, *a, **kw):  # as if each pipeline at the first count had a stage too big
+        seen.append(self.microbatches)
+        if len(seen) == 1:
+            raise PlanError("the stage DP's best 9 pipelines each had a stage whose own plan does not fit (test)")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Plan, "with_intra", first_does_not_fit)
+    out = tmp_path / "pp.json"
+    args = ["plan", "-m", "gpt-tiny", "--layers", "6", "--batch", "64", "-c", "alpa-p3x8", "-n", "2", "--pipeline"]
+    args += ["--stages", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    said = capsys.readouterr()
+    B = seen[0]
+    assert seen == [B, 2 * B] and Plan.from_json(out.read_text()).microbatches == 2 * B
+    assert f"trying {2 * B}" in " ".join(said.err.split()) and f"best at {2 * B}" in " ".join(said.out.split())
+    seen.clear()
+    assert main([*args, "--microbatches", str(B), "--out", str(tmp_path / "q.json")]) == 2
+    assert seen == [B] and "does not fit (test)" in capsys.readouterr().err
+
+
 def test_the_stage_tables_memory_is_what_each_stages_own_plan_needs():
     """An 8-block GPT in 2 stages on 8 devices of ``alpa-p3x8`` under a tight cap, 8 microbatches: each stage's
     own plan (``Plan.with_intra``) fits the device with the microbatches its schedule keeps in flight (Eq. 5,

@@ -561,6 +561,9 @@ class Staged:
     built: Built
     whole: int
     microbatches: int
+    searched: tuple = ()
+    """(cluster, devices, memory, schedule) the stage DP ran with: what :meth:`finish` searches again with twice
+    the microbatches when no pipeline of these fits once its stages are planned (empty: not searched here)."""
 
     @classmethod
     def capture(cls, args: argparse.Namespace, whole: int, microbatches: int, progress: Console):
@@ -606,7 +609,7 @@ class Staged:
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
                         costing="approximate" if args.approximate_table else "exact",
                     )  # fmt: skip
-                return cls(pp, graph, built, whole, B)
+                return cls(pp, graph, built, whole, B, (cluster, n, memory, schedule))
             except PlanError as e:  # only memory is helped by more microbatches
                 if args.microbatches is not None or whole % (2 * B) or not str(e).startswith("no pipeline fits"):
                     raise
@@ -614,27 +617,63 @@ class Staged:
             progress.print(f"no pipeline fits with {B // 2} microbatches: trying {B}")
             built, graph = cls.capture(args, whole, B, progress)
 
-    def finish(self, args: argparse.Namespace, cluster: Any, progress: Console, note: str = "") -> int:
-        """Save (each stage's own intra-operator plan first: the whole model's graph) and print."""
+    def _whole_graph(self, args: argparse.Namespace, progress: Console) -> Any:
+        """The whole model's graph of one microbatch, which each stage's own plan needs (the DP's graph is a
+        few blocks of a repeated stack: ``planner.stack``)."""
         from meshpilot.graph.capture import capture
         from meshpilot.planner.auto import check_precision
         from meshpilot.planner.stack import Stack
 
-        pp, graph, built = self.pp, self.graph, self.built
+        if not isinstance(self.graph, Stack):
+            return self.graph
+        with progress.status(f"capturing all of {self.built.name} for the stages' operators …"):
+            precision = check_precision(self.built.model, None, args.precision)
+            return capture(self.built.model, self.built.inputs, precision=precision)
+
+    def _planned_stages(self, args: argparse.Namespace, cluster: Any, progress: Console, retry: Any) -> Any:
+        """``Plan.with_intra`` of the pipeline: each stage's own plan on the whole model's graph. Where every
+        pipeline the DP offers has a stage whose own plan does not fit (its microbatches in flight counted), the
+        DP is run again with twice the microbatches — smaller ones hold less — as long as the batch divides
+        and ``--microbatches`` was not given; this object then holds that search's answer."""
+        from meshpilot.planner.ilp import PlanError
+
+        while True:
+            graph = self._whole_graph(args, progress)
+            try:
+                with progress.status(f"planning the {len(self.pp.stages)} stages' operators …"):
+                    self.pp = self.pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
+                return self.pp
+            except PlanError as e:
+                B = self.microbatches
+                if args.microbatches is not None or self.whole % (2 * B) or not self.searched:
+                    raise
+                progress.print(
+                    escape(f"no pipeline at {B} microbatches fits once its stages are planned ({e}): trying {2 * B}"),
+                    soft_wrap=True,
+                )
+            _, n, memory, schedule = self.searched
+            again = argparse.Namespace(**{**vars(args), "microbatches": 2 * B})
+            found = Staged.search(again, cluster, n, memory, progress, schedule)
+            self.pp, self.graph, self.built, self.microbatches = found.pp, found.graph, found.built, 2 * B
+
+    def finish(self, args: argparse.Namespace, cluster: Any, progress: Console, note: str = "") -> int:
+        """Save (each stage's own intra-operator plan first: the whole model's graph) and print."""
         if args.out or args.json:  # a saved plan runs as planned: each stage with its own intra-operator plan
-            if isinstance(graph, Stack):  # each stage's own plan needs its operators: the whole model's graph
-                with progress.status(f"capturing all of {built.name} for the stages' operators …"):
-                    precision = check_precision(built.model, None, args.precision)
-                    graph = capture(built.model, built.inputs, precision=precision)
             ruled_out: list[str] = []
 
             def retry(line: str) -> None:
                 ruled_out.append(line)
                 progress.print(escape(line), soft_wrap=True)
 
-            with progress.status(f"planning the {len(pp.stages)} stages' operators …"):
-                pp = self.pp = pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
-            if ruled_out:  # the line weighing one stage against the pipeline was about the DP's first choice
+            B = self.microbatches
+            pp = self._planned_stages(args, cluster, progress, retry)
+            if self.microbatches != B:  # the line weighing one stage against the pipeline was about B
+                note += (
+                    f"\nno pipeline at {B} microbatches fit once its stages were planned (above): saved the stage "
+                    f"DP's best at {self.microbatches}, {len(pp.stages)} stages, simulated step "
+                    f"{fmt_s(pp.simulate().step_s)}"
+                )
+            elif ruled_out:  # the line weighing one stage against the pipeline was about the DP's first choice
                 note += (
                     f"\n{len(ruled_out)} stage(s) of that pipeline did not fit when planned on their own (above): "
                     f"saved the stage DP's next best, {len(pp.stages)} stages, simulated step "
@@ -643,6 +682,7 @@ class Staged:
             _save_or_print(args, pp)
             if args.json:
                 return 0
+        pp, built = self.pp, self.built
         B = self.microbatches
         console.print(
             f"{built.label}: global batch {self.whole} in {B} microbatches of {self.whole // B}", soft_wrap=True
