@@ -129,6 +129,14 @@ class OwnCall:
         """Mesh axes of more than one device that shard tensor dim `dim` in `placements`."""
         return [a for a, p in enumerate(placements) if p.is_shard(dim) and self.mesh.size(a) > 1]
 
+    def axis_group(self, a: int) -> tuple[str, str, int]:
+        """Mesh axis `a`'s process group name, axis name and size: what an op that communicates on it itself
+        (the experts' all-to-alls, the ring's sends) carries in its call."""
+        from meshpilot.cluster.mesh import default_axis_names
+
+        names = self.mesh.mesh_dim_names or default_axis_names(self.mesh.ndim)
+        return self.mesh.get_group(a).group_name, names[a], self.mesh.size(a)
+
     def all_reduce(self, t: torch.Tensor, op: str, axes: list[int]) -> torch.Tensor:
         """`t` all-reduced with `op` over each mesh axis in turn, as functional collectives (what DTensor
         issues, so the collective counter sees them)."""

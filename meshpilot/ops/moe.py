@@ -598,11 +598,8 @@ def _ep_args(call: OwnCall, experts_operand: int) -> str:
     axes = call.sharding_axes(call.ins[experts_operand], 0)
     if not axes:
         return ""
-    a = axes[0]
-    from meshpilot.cluster.mesh import default_axis_names
-
-    names = call.mesh.mesh_dim_names or default_axis_names(call.mesh.ndim)
-    return "\t".join((call.mesh.get_group(a).group_name, names[a], str(call.mesh.size(a))))
+    group, name, peers = call.axis_group(axes[0])
+    return "\t".join((group, name, str(peers)))
 
 
 def _wait(t: Tensor) -> Tensor:

@@ -451,13 +451,8 @@ def ring_of(call: OwnCall, key_operand: int) -> str:
     axes = call.sharding_axes(call.ins[key_operand], 2)
     if not axes:
         return ""
-    from meshpilot.cluster.mesh import default_axis_names
-
-    a = axes[0]
-    names = call.mesh.mesh_dim_names or default_axis_names(call.mesh.ndim)
-    peers = call.mesh.size(a)
-    ring = _Ring(call.mesh.get_group(a).group_name, names[a], peers, call.mesh.get_local_rank(a), tuple(range(peers)))
-    return ring.text()
+    group, name, peers = call.axis_group(axes[0])
+    return _Ring(group, name, peers, call.mesh.get_local_rank(axes[0]), tuple(range(peers))).text()
 
 
 def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa):

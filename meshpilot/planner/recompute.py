@@ -44,7 +44,10 @@ Megatron-LM's *selective* recompute re-runs the part of a block that holds much 
 torchtitan's op-level policy draws the line by op: keep what matrix products and attention produce, re-run the
 rest. A block's selective region is its region (above) with the cone stopped at the ops of
 :data:`KEPT_TARGETS` (``mm``, ``addmm``, ``bmm``, ``baddbmm``, convolution, grouped ``mm``, attention) and
-the items of their tuples (:func:`is_kept`): those stay saved for the backward, and the copies read them. What
+the items of their tuples (:func:`is_kept`): those stay saved for the backward, and the copies read them. A
+stop the backward reads only through one reader in the cone moves down to that reader where its output is no
+larger (:func:`_selective`): a row-parallel product's output is a whole partial sum under TP, the residual add
+after it a reduced value (and a sequence shard under sequence parallelism). What
 is recomputed is the memory-bound rest — norms and their float32 copies, activations (SiLU, GeLU, the gated
 product), rotary embeddings, grouped-query attention's repeated keys and values, residual adds, casts and
 views — whose second run costs bytes, not FLOPs. ``Region.saved_bytes`` is the interior recomputed less the
@@ -203,8 +206,8 @@ def backward_start(graph: OpGraph) -> int:
 
 
 def is_kept(node: OpNode) -> bool:
-    """Whether a selective region keeps `node`'s outputs from the forward (:data:`KEPT_TARGETS`, and the
-    items of such an op's tuple)."""
+    """Whether `node` is one of the ops whose outputs a selective region keeps from the forward
+    (:data:`KEPT_TARGETS`; the items of their tuples are kept with them)."""
     return node.target in KEPT_TARGETS
 
 
