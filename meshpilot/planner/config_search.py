@@ -323,8 +323,7 @@ class _Estimator:
 
     def memory(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
         """The Eq. 5 bound per GPU of the fullest group (module docstring, 3)."""
-        fb, upd, act, static = zip(*(_compose_one(c.pieces) for c in chunks))
-        resident = [s + sum(m.grads * w for m, w in c.pieces) for s, c in zip(static, chunks)]
+        fb, upd, act, _, resident = zip(*(_compose_one(c.pieces) for c in chunks))
         return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act, resident)
 
     def _cost(self, cfg: ParallelConfig) -> CostModel:

@@ -732,9 +732,8 @@ def compose_stage(
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
         cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
-    fb, upd, act, static = _compose_one([(x.mem, w) for x, w in pieces])
+    fb, upd, act, static, resident = _compose_one([(x.mem, w) for x, w in pieces])
     grads = sum(x.mem.grads * w for x, w in pieces)
-    resident = static + grads
     if accumulated:
         summed = sum(x.mem.accumulated * w for x, w in pieces)
         fb, resident = fb + summed, resident + summed
@@ -753,15 +752,16 @@ def compose_stage(
     )  # fmt: skip
 
 
-def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, float, float, float]:
-    """(forward_backward, update, activations, static) of pieces in forward order, each repeated w times."""
+def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, float, float, float, float]:
+    """(forward_backward, update, activations, static, resident) of pieces in forward order, each repeated w
+    times; resident: the static bytes and the gradients (``PhasePeaks.resident``)."""
     static = sum(m.static * w for m, w in pieces)
     carry = [max(m.saved, m.grads) for m, _ in pieces]
     total_carry = sum(c * w for c, (_, w) in zip(carry, pieces))
     fb = static + max(m.live_peak + total_carry - c for c, (m, _) in zip(carry, pieces))
     upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
     act = sum(m.saved * w for m, w in pieces)
-    return fb, upd, act, static
+    return fb, upd, act, static, static + sum(m.grads * w for m, w in pieces)
 
 
 def _accumulated(specials, blk: _Piece | None, PA, PB, NB) -> np.ndarray:
