@@ -583,9 +583,9 @@ def test_collective_timeout_names_the_silent_rank(files, tmp_path):
             "--plan",
             str(files["p2.json"]),
             "--steps",
-            "1",
+            "2",
             "--timeout",
-            "10",  # the ranks' start waits as long: 3 s timed out at load ~23 before the stall
+            "3",  # the steps' bound: the start waits up to START_TIMEOUT_S; rank 1 stalls after step 1
         ],
         env=dict(os.environ, PYTHONPATH=str(ROOT), MESHPILOT_TEST_STALL_RANK="1"),
         capture_output=True,
@@ -595,4 +595,4 @@ def test_collective_timeout_names_the_silent_rank(files, tmp_path):
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 124, p.stderr
     assert len(lines) == 1, p.stderr
-    assert "timed out after 10 s" in lines[0] and "rank(s) 0" in lines[0] and "1 went silent" in lines[0], lines
+    assert "timed out after 3 s" in lines[0] and "rank(s) 0" in lines[0] and "1 went silent" in lines[0], lines

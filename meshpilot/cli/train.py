@@ -181,7 +181,8 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=positive_float,
         metavar="S",
-        help="a collective that waits longer than S seconds (a stalled rank) ends the run, naming the ranks",
+        help="a collective of the steps that waits longer than S seconds (a stalled rank) ends the run, naming the "
+        "ranks; the start and the first step wait up to max(S, 600) seconds",
     )
     g.add_argument(
         "--device",
@@ -687,12 +688,9 @@ def _train(
     device, backend = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _init_group(backend, timedelta(seconds=args.timeout) if args.timeout else None)
-    stall = os.environ.get("MESHPILOT_TEST_STALL_RANK")  # tests: this rank sleeps past --timeout
-    if stall is not None and int(stall) == dist.get_rank():
-        import time
-
-        time.sleep(3 * (args.timeout or 1))
+    # --timeout bounds the steps' collectives; the start (rendezvous, plan exchange, meshes, the first step's
+    # recording) waits up to START_TIMEOUT_S, since ranks reach it at their own pace on a loaded machine
+    _init_group(backend, timedelta(seconds=max(args.timeout, START_TIMEOUT_S)) if args.timeout else None)
     rank = dist.get_rank()
     if _adopt_rank0_plan(args, plan, rank):  # every rank now trains rank 0's plan: prepared again from it
         prep = prepare(args, world)
@@ -709,11 +707,17 @@ def _train(
 
     rate = _throughput(args, plan, cfg, graph, rank)
 
+    started = [False]
+
     def on_step(s) -> None:
         done.append(dict(s.__dict__))
         write_json(False)  # before the line: whoever reads the line finds the step in the file
         if rank == 0:
             print(rate.line(s.step, s.loss, s.seconds), flush=True)
+        if not started[0] and args.timeout:  # every group now exists: the steps' own bound from here on
+            started[0] = True
+            _collective_timeout(timedelta(seconds=args.timeout))
+            _test_stall(args.timeout, rank)
 
     run = dict(cfg=cfg, shape=shape, plan=plan, graph=graph, build=build, data=data, device=device, done=done)
     code = _run_steps(args, run, checkpoint, on_step, rank, write_json)
@@ -918,6 +922,28 @@ def _init_group(backend: str, timeout) -> None:
     store, rank, world = next(rendezvous("env://", **kw))
     store = dist.PrefixStore(f"meshpilot/attempt-{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+
+
+START_TIMEOUT_S = 600.0
+"""With ``--timeout S``: how long the ranks' start (rendezvous, meshes, the first step) may wait, if longer than S."""
+
+
+def _collective_timeout(timeout) -> None:
+    """Every process group's collectives (the default group's and the meshes') time out after `timeout`."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
+def _test_stall(timeout: float, rank: int) -> None:
+    """Tests: the rank named by ``MESHPILOT_TEST_STALL_RANK`` goes silent past --timeout after its first step."""
+    stall = os.environ.get("MESHPILOT_TEST_STALL_RANK")
+    if stall is not None and int(stall) == rank:
+        import time
+
+        time.sleep(3 * timeout)
 
 
 STOPPED_EXIT = 143
