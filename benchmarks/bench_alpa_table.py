@@ -50,11 +50,17 @@ from meshpilot.models.zoo import AlpaFamily, alpa_models
 from meshpilot.planner.forced import megatron_tp
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import plan_pipeline, stage_in_flight, stage_memory
+from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.schedule import PipelineKind
 from meshpilot.planner.stack import Stack, capture_stack, compose_stage
 from meshpilot.planner.stage import StagePlanner
 
 CLUSTER = "alpa-p3x8"
+
+
+def _rc(mode: Recompute) -> str:
+    """A stage's recomputation as the tables write it: `` rc`` (whole blocks), `` rc-sel`` (selective)."""
+    return {Recompute.NONE: "", Recompute.FULL: " rc", Recompute.SELECTIVE: " rc-sel"}[Recompute(mode)]
 
 
 @dataclass
@@ -242,7 +248,7 @@ def compare_tables(
                 wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
                 steps[costing] = p.step_s
                 stages = " ".join(
-                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{' rc' * s.cost.recompute}"
+                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{_rc(s.cost.recompute)}"
                     for s in p.stages
                     for a, b in [s.layers]
                 )

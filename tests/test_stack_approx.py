@@ -10,7 +10,9 @@ from meshpilot.errors import UserError
 from meshpilot.models import _gpt_builder
 from meshpilot.models.gpt import gpt_tiny
 from meshpilot.planner.config_plan import recomputed_stack
+from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.pipeline import plan_pipeline, stage_memory
+from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.stack import ApproxLevel, Stack, StageCosting, capture_stack, compose_stage
 from meshpilot.planner.stage import StagePlanner
 
@@ -68,14 +70,14 @@ def test_chosen_stages_are_real_plans_priced_again_equal(stack, roomy, share):
     memory, B = share * roomy, 4
     fast = plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=8, memory_bytes=memory, workers=1,
                          costing="approximate")  # fmt: skip
-    graphs = {False: stack, True: recomputed_stack(stack)}
+    graphs = {rc: recomputed_stack(stack, rc) if rc is not Recompute.NONE else stack for rc in Recompute}
     planners = {rc: StagePlanner(st.graph, "alpa-p3x8") for rc, st in graphs.items()}
     chosen = []
     for st in fast.stages:
         rc = st.cost.recompute
         again = []
-        for level in ApproxLevel:
-            if level.recompute != rc and (rc or graphs[True].parts(*st.layers)[1]):
+        for level in ApproxLevel:  # a stage with no block is marked NONE whichever graph it was composed on
+            if level.recompute != rc and (rc is not Recompute.NONE or graphs[Recompute.FULL].parts(*st.layers)[1]):
                 continue
             c = compose_stage(planners[level.recompute], graphs[level.recompute], *st.layers, st.ranks, st.mesh_shape,
                               microbatches=B, capacity=memory, block_zero=level.zero, accumulated=True)  # fmt: skip
@@ -89,3 +91,40 @@ def test_chosen_stages_are_real_plans_priced_again_equal(stack, roomy, share):
 def test_costing_is_checked(stack):
     with pytest.raises(UserError, match="costing='cheap'"):
         plan_pipeline(stack, "alpa-p3x8", microbatches=4, num_devices=4, costing="cheap")
+
+
+@pytest.fixture(scope="module")
+def long_stack() -> Stack:
+    """A 6-block GPT of 256-token sequences (its saved activations outweigh its weights), 4 microbatches of 4."""
+    got = capture_stack(*_gpt_builder(gpt_tiny(layers=6, batch=16, hidden=128, seq=256))("meta", 4))
+    assert isinstance(got, Stack)
+    return got
+
+
+def test_the_exact_table_recomputes_where_it_pays(long_stack):
+    """The exact table offers the recomputing blocks after its cap levels (``stack`` module docstring, 2): below the
+    memory where any stage fits without recomputation the plan recomputes; a little above it, recomputing some
+    stages beats every plan without (at this size one stage of 4 devices under a capped block plan); and each
+    recomputing stage is its block's plan composed again on its ranks, within Eq. 5."""
+    kw = dict(microbatches=4, num_devices=4, costing="exact", workers=1)
+    roomy = max(st.memory_bytes for st in plan_pipeline(long_stack, "alpa-p3x8", recompute="none", **kw).stages)
+    with pytest.raises(PlanError, match="no pipeline fits"):
+        plan_pipeline(long_stack, "alpa-p3x8", recompute="none", memory_bytes=0.6 * roomy, **kw)
+    tight = plan_pipeline(long_stack, "alpa-p3x8", memory_bytes=0.6 * roomy, **kw)
+    assert all(st.cost.recompute is not Recompute.NONE for st in tight.stages)
+    plain = plan_pipeline(long_stack, "alpa-p3x8", recompute="none", memory_bytes=0.7 * roomy, **kw)
+    mixed = plan_pipeline(long_stack, "alpa-p3x8", memory_bytes=0.7 * roomy, **kw)
+    assert mixed.step_s < plain.step_s and any(st.cost.recompute is not Recompute.NONE for st in mixed.stages)
+    for p, cap in ((tight, 0.6 * roomy), (mixed, 0.7 * roomy)):
+        for st in p.stages:
+            assert stage_memory(st.cost, st.in_flight) <= cap * (1 + 1e-9)
+            mode = st.cost.recompute
+            if mode is Recompute.NONE:  # a cap level's block: the other tests re-price those
+                continue
+            graph = recomputed_stack(long_stack, mode)
+            again = [
+                compose_stage(StagePlanner(graph.graph, "alpa-p3x8"), graph, *st.layers, st.ranks, st.mesh_shape,
+                              microbatches=4, capacity=cap, block_zero=zero, recompute=mode, accumulated=True)
+                for zero in (None, ApproxLevel.ZERO.zero)
+            ]  # fmt: skip
+            assert (st.cost.time.total_s, st.cost.peaks) in [(c.time.total_s, c.peaks) for c in again], st.layers

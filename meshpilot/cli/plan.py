@@ -189,7 +189,8 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
         "activations: auto (default: only when the plan does not fit the memory otherwise, the fastest plan that "
         "fits over the counts of regions it tries, selective ones first), none, selective (every block's norms, "
         "activations, rotary and copies run again, its matrix products and attention kept: Megatron's selective "
-        "recompute) or full (every block); recorded in the plan",
+        "recompute) or full (every block); recorded in the plan. A pipeline: which of these each stage may choose "
+        "where it pays (auto: selective or full; none: no stage recomputes)",
     )
     p.add_argument(
         "--zero",
@@ -344,8 +345,6 @@ def run(args: argparse.Namespace) -> int:
     if memory is not None and memory <= 0:
         raise UserError(f"--memory-gib {args.memory_gib}: give a positive size")
     mode = plan_mode(args)
-    if mode is PlanMode.PIPELINE and args.recompute == RecomputeMode.FULL:
-        raise UserError("--recompute full: a pipeline's stages run as captured; plan one stage (--stages 1) for it")
     if mode is PlanMode.PIPELINE and args.zero != ZeroMode.AUTO:
         raise UserError(
             f"--zero {args.zero}: a pipeline's stages choose their own ZeRO switches (stage 3 only); plan one stage "
@@ -607,7 +606,7 @@ class Staged:
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
-                        costing="approximate" if args.approximate_table else "exact",
+                        costing="approximate" if args.approximate_table else "exact", recompute=args.recompute,
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B, (cluster, n, memory, schedule))
             except PlanError as e:  # only memory is helped by more microbatches

@@ -80,6 +80,7 @@ from meshpilot.planner.pipeline import (
     stage_transfers,
 )
 from meshpilot.planner.plan import Plan, PlanStage
+from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.schedule import ActionKind, PipelineKind, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
 from meshpilot.planner.stage import StageCost, StagePlanner, received_row_leaves, slice_graph
@@ -88,14 +89,6 @@ from meshpilot.planner.zero import ZeroMode
 if TYPE_CHECKING:
     from meshpilot.cluster.topology import Cluster
     from meshpilot.sim.engine import SimResult
-
-
-class Recompute(StrEnum):
-    """Activation recomputation as papers name it."""
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
 
 
 class Split(StrEnum):

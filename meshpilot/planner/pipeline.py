@@ -212,6 +212,7 @@ import functools
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -224,6 +225,7 @@ from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
 from meshpilot.planner.plan import Plan, PlanStage, StageTransfer
+from meshpilot.planner.recompute import Recompute, RecomputeMode
 from meshpilot.planner.schedule import (
     PipelineKind,
     held_until_weight,
@@ -782,6 +784,7 @@ def plan_pipeline(
     workers: int | None = None,
     costing: TableCosting | str = TableCosting.EXACT,
     accumulated: bool = True,
+    recompute: RecomputeMode | str = RecomputeMode.AUTO,
     **stage_kw,
 ) -> Plan:
     """Stages, submeshes and logical meshes minimising the pipelined step of `graph` (one microbatch's step) over
@@ -814,6 +817,11 @@ def plan_pipeline(
     — does (default); False leaves them out of the composed stages (the tables before they were counted, for
     comparisons). The exact path's stage costs always count them (``StageMemory.peaks``).
 
+    `recompute` (a repeated stack's table): which recomputation a stage may be costed with, chosen per stage
+    where it pays (``stack`` module docstring, 2 and 4): ``"auto"`` (default) the blocks' selective regions or
+    the blocks whole, ``"selective"`` / ``"full"`` that one only, ``"none"`` no stage recomputes. The exact path
+    (every range searched) recomputes nothing.
+
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
     t0 = time.perf_counter()
@@ -829,7 +837,8 @@ def plan_pipeline(
     call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
                 num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
                 fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
-                costing=_costing(costing), accumulated=accumulated, **stage_kw)  # fmt: skip
+                costing=_costing(costing), accumulated=accumulated, recompute=RecomputeMode.parse(recompute),
+                **stage_kw)  # fmt: skip
     if schedule == AUTO:
         return _plan_auto(stack or graph, graph, cluster, call, t0)
     try:
@@ -1084,7 +1093,7 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
             sp, stack, clusters.bounds, setup.sizes, B, setup.capacity, S, table.useful,
             lambda s: stage_in_flight(kind, s, B, num_stages), dict(setup.stage_kw), shapes=setup.shapes_of,
             workers=call["workers"], costing=call["costing"], accumulated=call["accumulated"],
-            recomputed=_recomputed(sp, stack) if call["costing"] == TableCosting.APPROXIMATE else None,
+            recomputed=_recomputed(sp, stack, call["recompute"]),
         )  # fmt: skip
         t, arg = fast_table.arrays()
     stage_cost = functools.partial(_chosen_cost, setup, B, table, fast_table if stack is not None else None, arg)
@@ -1145,16 +1154,34 @@ def _chosen_plan(
     )  # fmt: skip
 
 
-def _recomputed(sp: StagePlanner, stack: Stack) -> tuple[StagePlanner, Stack] | None:
-    """The planner and stack of `stack` with every captured block recomputed (``config_plan.recomputed_stack``),
-    for the variant table's recomputing levels; None when its blocks cannot be recomputed exactly (dropout)."""
+def _recomputed(sp: StagePlanner, stack: Stack, mode: RecomputeMode) -> dict[Recompute, tuple[StagePlanner, Stack]]:
+    """Per recomputation `mode` allows (auto: selective and full), the planner and stack of `stack` with every
+    captured block recomputed so (``config_plan.recomputed_stack``), for the stage tables' recomputing levels;
+    a kind whose blocks cannot be recomputed exactly (dropout) is left out."""
     from meshpilot.planner.config_plan import recomputed_stack
 
-    try:
-        rc = recomputed_stack(stack)
-    except UserError:
-        return None
-    return StagePlanner(rc.graph, sp.cluster), rc
+    kinds = {
+        RecomputeMode.AUTO: (Recompute.SELECTIVE, Recompute.FULL),
+        RecomputeMode.NONE: (),
+        RecomputeMode.SELECTIVE: (Recompute.SELECTIVE,),
+        RecomputeMode.FULL: (Recompute.FULL,),
+    }
+    made = _RECOMPUTED.setdefault(sp, {})  # one planner per graph: its searches cached across the schedules
+    out = {}
+    for kind in kinds[mode]:
+        if (id(stack), kind) not in made:
+            try:
+                rc = recomputed_stack(stack, kind)
+            except UserError:
+                rc = None
+            made[id(stack), kind] = None if rc is None else (StagePlanner(rc.graph, sp.cluster), rc)
+        if made[id(stack), kind] is not None:
+            out[kind] = made[id(stack), kind]
+    return out
+
+
+_RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per stage planner, the recomputing planners and stacks :func:`_recomputed` made, by (stack, kind)."""
 
 
 def fixed_pipeline(

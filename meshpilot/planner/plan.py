@@ -704,6 +704,7 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
     than the device once its f(S) microbatches are in flight. Raises ``PlanError`` when no search fits."""
     from meshpilot.planner.accounting import in_flight_peak, plan_strategies
     from meshpilot.planner.ilp import PlanError
+    from meshpilot.planner.recompute import for_plan
 
     cap, need = capacity, math.inf
     for _ in range(IN_FLIGHT_REFITS + 1):
@@ -715,7 +716,8 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
             break  # nothing under the lowered capacity: the last plan's need is the answer
         if in_flight <= 1:
             return p
-        need = in_flight_peak(sub, plan_strategies(p, sub), p.mesh_shape, microbatches, in_flight, on_cpu,
+        run = for_plan(sub, p)  # the graph the plan was made on: its recomputed copies in the backward
+        need = in_flight_peak(run, plan_strategies(p, run), p.mesh_shape, microbatches, in_flight, on_cpu,
                               p.grad_buckets)  # fmt: skip
         if need <= capacity * (1 + 1e-9):
             return dataclasses.replace(p, memory=dataclasses.replace(p.memory, capacity=capacity))
@@ -1013,7 +1015,7 @@ class Plan:
                 microbatches=self.microbatches, force=pinned, time_limit=time_limit,
                 # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
                 # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
-                recompute="full" if st.cost is not None and st.cost.recompute else "none",
+                recompute=st.cost.recompute.value if st.cost is not None else "none",
                 zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
             )  # fmt: skip
             with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here

@@ -148,6 +148,17 @@ KEPT_TARGETS = frozenset(
 convolutions, attention), whose second run would cost what their first did."""
 
 
+class Recompute(StrEnum):
+    """Activation recomputation as papers name it: what a configuration states (``config_plan``) and what a
+    pipeline stage was costed with (``stage.StageCost.recompute``)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Every repeated block's selective region (module docstring, *Selective recomputation*)."""
+    FULL = "full"
+    """Every repeated block whole."""
+
+
 class RecomputeMode(StrEnum):
     """Which regions a plan recomputes (``--recompute``)."""
 

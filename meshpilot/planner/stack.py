@@ -58,6 +58,14 @@ a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet
 (``pipeline._dp``) as the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
 (:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
 
+After its cap levels the table offers the *recomputing* blocks (:data:`RECOMPUTING`, section 4): the block of
+the graph whose blocks recompute their selective regions, then of the one recomputing them whole, each at the
+device's capacity and with its ZeRO-3 answer, where that graph's own floors show it may change an entry
+(section 3; ``plan_pipeline(recompute=)`` says which kinds, ``"none"``: none). Recomputation trades compute for
+saved activations, which a stage with f(s) microbatches in flight holds f(s) times over: where the cap levels
+only fit by sharding more (or nothing fits), a recomputing block may be the faster way (Alpa recomputes every
+stage, §9). A stage composed from one is marked (``StageCost.recompute``) and planned and run so.
+
 3. Which meshes and cap levels are searched (``StackTable.arrays``, ``prune``)
 -------------------------------------------------------------------------------
 Each entry of the table is the least ``(t, o)`` over the candidates that fit it, ``o`` the candidate's place
@@ -105,9 +113,11 @@ The variant table runs no capped block search and estimates nothing: per logical
 * FULL: the block searched at the device's capacity (level 0 above);
 * ZERO: the same answer with every replicated update ZeRO-sharded at stage 3 (``zero.ZeroMode.STAGE3``, the
   post-pass: no new ILP);
-* RECOMPUTE, RECOMPUTE_ZERO: the same two on the *recomputing* graph (:attr:`StackTable.recomputed`:
-  ``config_plan.recomputed_stack``, every captured block's forward copied into its backward,
-  ``planner.recompute``): one more uncapped search of its block, its pre and post pieces the captured ones.
+* SELECTIVE, SELECTIVE_ZERO: the same two on the *selectively recomputing* graph (:attr:`StackTable.recomputed`:
+  ``config_plan.recomputed_stack``, every captured block's selective region — all but its matrix products and
+  attention — copied into its backward, ``planner.recompute``): one more uncapped search of its block, its pre
+  and post pieces the captured ones;
+* RECOMPUTE, RECOMPUTE_ZERO: the same two on the graph recomputing every block whole.
 
 each tried while some useful entry with blocks does not fit yet, and skipped where its floors show it cannot
 change an entry (section 3; the recomputing block has floors of its own: it saves less). Every candidate is a
@@ -149,6 +159,7 @@ from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns
 from meshpilot.planner.plan import MemoryUse, StepTime
+from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
 from meshpilot.planner.zero import ZeroMode
 
@@ -161,8 +172,9 @@ KEEP = 4
 MAX_LEVELS = 5
 """Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
 
-LEVEL_KEYS = 8
-"""Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels."""
+LEVEL_KEYS = 16
+"""Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels (the exact
+table's recomputing candidates come after its :data:`MAX_LEVELS` cap levels)."""
 
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
@@ -417,9 +429,10 @@ class StackTable:
     """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
-    recomputed: tuple[StagePlanner, Stack] | None = None
-    """The planner and stack of the graph with every captured block recomputed (``config_plan.recomputed_stack``):
-    the variant table's recomputing levels; None: none (module docstring, 4)."""
+    recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
+    """Per recomputation, the planner and stack of the graph with every captured block recomputed so
+    (``config_plan.recomputed_stack``): the recomputing levels either table may offer (module docstring, 2 and
+    4); empty: none."""
 
     def _piece(
         self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
@@ -540,31 +553,46 @@ class StackTable:
                 break
             target = max(int(ctx.NB[fitless].min()), 2 * target)
             block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
+        if self.recomputed:  # then the recomputing blocks, where their floors may change an entry
+            self._variant_levels(ctx, win, j, shape, None, RECOMPUTING, MAX_LEVELS)
 
-    def _variant_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
+    def _variant_levels(
+        self,
+        ctx: _Ctx,
+        win: _Winners,
+        j: int,
+        shape,
+        lower,
+        levels: Sequence[ApproxLevel] | None = None,
+        key0: int = 0,
+    ) -> None:
         """The variant table's candidates of logical mesh `shape` (the j-th; module docstring, 4): the block's
-        uncapped plan, its ZeRO-sharded answers, then the same on the recomputing graph, each while some
-        useful entry with blocks does not fit yet."""
+        uncapped plan, its ZeRO-sharded answers, then the same on each recomputing graph, each while some
+        useful entry with blocks does not fit yet. `levels` (keys from `key0`): the exact table offers
+        :data:`RECOMPUTING` after its cap levels. `lower`: the captured block's bounds (None: not pruned)."""
         blocks_needed = (ctx.use & (ctx.NB > 0))[None]
-        specials: dict[bool, list] = {}
-        for level in ApproxLevel:
-            key = j * LEVEL_KEYS + int(level)
-            if level.recompute and self.recomputed is None:
-                break
-            planner, stack = self._graph_of(level.recompute)
-            if level == ApproxLevel.RECOMPUTE and self.prune:  # it saves less: its own floors bound it
-                fl = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape, planner, stack)
-                lower = self._lower(fl, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
-            if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
-                if level.recompute:
-                    break
-                continue  # no ZeRO level can change an entry; recomputing may
-            if level.recompute not in specials:
-                specials[level.recompute] = self._both_specials(planner, ctx, shape)
+        specials: dict[Recompute, list] = {}
+        graph = Recompute.NONE
+        for level in tuple(ApproxLevel) if levels is None else levels:
+            key = j * LEVEL_KEYS + key0 + int(level)
+            mode = level.recompute
+            if mode is not Recompute.NONE and mode not in self.recomputed:
+                continue
+            planner, stack = self._graph_of(mode)
+            if mode is not graph:  # a recomputing block saves less: its own floors bound it
+                graph, lower = mode, None
+                if self.prune:
+                    fl = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape, planner,
+                                      stack)  # fmt: skip
+                    lower = self._lower(fl, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+            if (key0 or level) and lower is not None and not self._can_improve(lower, win.t, win.order, key):
+                continue  # this graph's floors show no plan of it changes an entry
+            if mode not in specials:
+                specials[mode] = self._both_specials(planner, ctx, shape)
             mid = stack.middle
             blk = self._piece((mid, mid + 1), ctx.ranks, shape, self.capacity, level.zero, planner)
-            c = Candidate(len(ctx.ranks), shape, self.capacity, level.zero, level.recompute)
-            ok = self._offer(ctx, win, key, specials[level.recompute], blk, c)
+            c = Candidate(len(ctx.ranks), shape, self.capacity, level.zero, mode)
+            ok = self._offer(ctx, win, key, specials[mode], blk, c)
             if blk is not None and not (blocks_needed & ~ok).any():
                 break
 
@@ -573,9 +601,9 @@ class StackTable:
         """Whether the entries count the gradients summed over the microbatches (:attr:`accumulated`)."""
         return self.accumulated
 
-    def _graph_of(self, recompute: bool) -> tuple[StagePlanner, Stack]:
+    def _graph_of(self, recompute: Recompute) -> tuple[StagePlanner, Stack]:
         """The planner and stack of the captured graph, or of its recomputing copy (:attr:`recomputed`)."""
-        return self.recomputed if recompute else (self.planner, self.stack)
+        return (self.planner, self.stack) if recompute is Recompute.NONE else self.recomputed[recompute]
 
     def _both_specials(self, planner: StagePlanner, ctx: _Ctx, shape) -> list:
         return [
@@ -642,28 +670,40 @@ class StackTable:
 
 class ApproxLevel(IntEnum):
     """The variant table's block plans per logical mesh, in the order tried (module docstring, 4): one uncapped
-    search of the captured block and one of the recomputing block, each also with the ZeRO post-pass forced at
-    stage 3 — every one a plan, none estimated. (ZeRO stage 2 is left out: the pipeline runtime gathers ZeRO
-    weights where they are read, ``validate``.)"""
+    search of the captured block and one of each recomputing block (selective regions, then whole), each also
+    with the ZeRO post-pass forced at stage 3 — every one a plan, none estimated. (ZeRO stage 2 is left out: the
+    pipeline runtime gathers ZeRO weights where they are read, ``validate``.) The exact table offers the
+    recomputing ones after its cap levels (:data:`RECOMPUTING`)."""
 
     FULL = 0
     """The block searched at the device's capacity (its ZeRO post-pass the table's own)."""
     ZERO = 1
     """The same answer with every replicated update ZeRO-sharded at stage 3 (``zero.ZeroMode.STAGE3``)."""
-    RECOMPUTE = 2
-    """The block of the recomputing graph (``StackTable.recomputed``) searched at the device's capacity."""
-    RECOMPUTE_ZERO = 3
+    SELECTIVE = 2
+    """The block of the selectively recomputing graph (``StackTable.recomputed``) searched at the device's
+    capacity: its matrix products' and attention's outputs kept, the rest run again."""
+    SELECTIVE_ZERO = 3
+    """:attr:`SELECTIVE`'s answer with ZeRO stage 3 forced."""
+    RECOMPUTE = 4
+    """The block of the wholly recomputing graph searched at the device's capacity."""
+    RECOMPUTE_ZERO = 5
     """:attr:`RECOMPUTE`'s answer with ZeRO stage 3 forced."""
 
     @property
     def zero(self) -> ZeroMode | None:
         """The ZeRO mode forced on the block's plan (None: the table's own)."""
-        return ZeroMode.STAGE3 if self in (ApproxLevel.ZERO, ApproxLevel.RECOMPUTE_ZERO) else None
+        return ZeroMode.STAGE3 if self.name.endswith("ZERO") else None
 
     @property
-    def recompute(self) -> bool:
-        """Whether the block is the recomputing graph's."""
-        return self >= ApproxLevel.RECOMPUTE
+    def recompute(self) -> Recompute:
+        """Which recomputing graph the block is of (NONE: the captured one)."""
+        if self >= ApproxLevel.RECOMPUTE:
+            return Recompute.FULL
+        return Recompute.SELECTIVE if self >= ApproxLevel.SELECTIVE else Recompute.NONE
+
+
+RECOMPUTING = tuple(level for level in ApproxLevel if level.recompute is not Recompute.NONE)
+"""The variant levels on recomputing graphs: what the exact table offers after its cap levels."""
 
 
 @dataclass(frozen=True)
@@ -676,8 +716,9 @@ class Candidate:
     """The block's memory cap."""
     block_zero: ZeroMode | None = None
     """The block's ZeRO post-pass (None: the table's own, ``zero.ZeroMode.AUTO`` by default)."""
-    recompute: bool = False
-    """Composed from the recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed."""
+    recompute: Recompute = Recompute.NONE
+    """Composed from that recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed
+    so."""
 
 
 def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, in_flight: int = 1) -> float:
@@ -704,7 +745,7 @@ def compose_stage(
     capacity: float | None = None,
     block_capacity: float | None = None,
     block_zero: ZeroMode | None = None,
-    recompute: bool = False,
+    recompute: Recompute = Recompute.NONE,
     accumulated: bool = False,
     **kw,
 ) -> StageCost:
@@ -747,7 +788,8 @@ def compose_stage(
     )  # fmt: skip
     return StageCost(
         (start, stop), tuple(ranks), tuple(mesh_shape), main.mapping, time_, memory, PhasePeaks(fb, upd, act, resident),
-        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces), recompute and nb > 0,
+        sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
+        recompute if nb > 0 else Recompute.NONE,
         ZeroMode(block_zero).value if block_zero is not None and nb else None,
     )  # fmt: skip
 

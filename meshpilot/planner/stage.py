@@ -140,6 +140,7 @@ from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.meshsearch import mappings_of, search_mesh
 from meshpilot.planner.plan import MemoryUse, StepTime, ZeroStage
+from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.search import get_searcher
 from meshpilot.planner.zero import ParamEdges, ZeroMode
 from meshpilot.sharding.reshard import Resharder
@@ -528,9 +529,10 @@ class StageCost:
     forward_s: float
     """Of ``time``: the forwards' compute and the collectives they issue."""
     search_s: float
-    recompute: bool = False
-    """Every block of the stage recomputed in the backward (``planner.recompute``): costed on the recomputing
-    graph (``stack.StackTable.recomputed``); ``Plan.with_intra`` plans its slice so and the runtime runs it so."""
+    recompute: Recompute = Recompute.NONE
+    """The stage's blocks recomputed in the backward, selective regions or whole (``planner.recompute``): costed
+    on that recomputing graph (``stack.StackTable.recomputed``); ``Plan.with_intra`` plans its slice so and the
+    runtime runs it so."""
     zero: str | None = None
     """The ZeRO mode forced on the stage's blocks (``zero.ZeroMode`` value, e.g. "3": the variant table's ZeRO
     candidates); ``Plan.with_intra`` plans its slice with it. None: the search's own."""
