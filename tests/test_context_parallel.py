@@ -31,7 +31,7 @@ import torch
 from dist_utils import lockstep_adamw, run_distributed
 from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 
-from meshpilot.graph.capture import NodeKind, capture
+from meshpilot.graph.capture import capture
 from meshpilot.models.sources import HFLoss, build_model, hf_model
 from meshpilot.ops.attention import ContextAxis, ContextMethod, context_axes, ring_pins, ulysses_pins
 from meshpilot.planner.auto import plan
@@ -70,16 +70,6 @@ def _llama_shifted(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
     shifted = torch.cat([labels[:, 1:], labels[:, :1]], 1)
     model = HFLoss(model.model, extra=("attention_mask", "shift_labels"))
     return model, (ids, labels, torch.ones(batch, seq, dtype=torch.long), shifted)
-
-
-def _ring_both_ways(graph) -> dict[str, str]:
-    """``ring_pins`` and every attention backward's dK, dV pinned sequence-sharded: the backward a ring too
-    (the GPT's ILP otherwise gathers its keys by query rows, which a zig-zag plan cannot)."""
-    pins = ring_pins(graph)
-    for n in graph.nodes:
-        if n.kind == NodeKind.GETITEM and n.inputs[0][0].startswith("sdpa_backward") and n.fx_node.args[1] in (1, 2):
-            pins[n.name] = "S(2)R"
-    return pins
 
 
 def _llama(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
@@ -139,7 +129,8 @@ def plans() -> dict[str, tuple[str, StagePlan]]:
     out["causal-capped"] = ("gpt", plan(model, inputs, CLUSTER, memory_bytes=GPT_CAP, **kw))
     graph = capture(model, inputs)
     out["ring-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw))
-    out["zigzag-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=_ring_both_ways(graph), graph=graph, **kw))
+    both = ring_pins(graph, backward=True)  # the backward a ring too: the zig-zag order's condition
+    out["zigzag-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=both, graph=graph, **kw))
     model, inputs = _model("llama-shifted")
     graph = capture(model, inputs)
     out["zigzag"] = ("llama-shifted", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw))

@@ -36,10 +36,15 @@ buffers (the two blocks, the float32 accumulators) are added at the op's moment 
 
 **Zig-zag** (causal load balancing): with contiguous shards rank ``r`` computes ``r + ½`` chunk pairs of the
 causal triangle; with ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (:func:`zigzag`), every
-rank computes the same (:func:`causal_work`). The kernels take any chunk order (``_Ring.order``, placed by
-global chunk positions in :func:`_pairs`), checked equal to one device on zig-zag shards; no plan lays its
-inputs out so yet (``ring_of`` gives the contiguous order): that needs the sequence permuted consistently
-wherever it enters the step (docs/benchmarks.md, the ring section, says where).
+rank computes the same (:func:`causal_work`, :func:`causal_shares`). The kernels take any chunk order
+(``_Ring.order``, placed by global chunk positions in :func:`_pairs`). A plan takes the order where every
+attention call is a ring on one axis and nothing else mixes positions (``planner.sequence_order``, recorded as
+``StagePlan.sequence_order``): the step then runs on the permuted sequence (:func:`zigzag_positions`; inputs
+and position ``arange`` permuted by the runtime), :func:`ring_of` gives ``is_causal`` calls the zig-zag order
+and masked calls the contiguous one (their mask, built from permuted positions, is permuted in its columns
+too), and ``causal_rows``' ``is_causal`` path (contiguous offsets) refuses to run. Not priced by the planner:
+the ILP prices a causal call at the whole ``t × s`` square split evenly for every method and order
+(``attention_flops``); ``benchmarks/bench_cp.py zigzag`` shows the step with the slowest rank's share.
 
 Why meshpilot's own op and not PyTorch's ``torch.distributed.tensor.experimental._context_parallel``
 (``_templated_ring_attention``): that one is written for ``aten._scaled_dot_product_{flash,efficient,cudnn}
