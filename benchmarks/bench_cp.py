@@ -10,6 +10,13 @@ steps (``bench_recompute.step_peaks``) against its prediction.
 uncapped and under a cap of 80 % of its peak, and each method pinned (all-gather: the inputs sequence-sharded;
 Ulysses: ``attention.ulysses_pins``; ring: ``attention.ring_pins``); which method each plan uses, its predicted
 step and peak. ``--models`` picks the models (default both).
+``zigzag``: causal ring attention's balance, meshpilot's GPT (``is_causal``) at batch 1 on (4, 1), its forward
+and backward pinned to the ring (``ring_pins(graph, backward=True)``): the plan (zig-zag where
+``planner.sequence_order`` allows it), each rank's share of the causal score square contiguous and zig-zag
+(``ring.causal_shares``), the predicted step with attention's compute priced by the slowest rank either way
+(the plan's attention seconds, which price the whole square split evenly, times ``P`` times that share), and
+each rank's causal attention kernels timed (forward and backward, one process, one rank's blocks at a time:
+``ring._blocks``, the kernel calls the ring makes; the least of ``--repeats`` rounds over the ranks).
 """
 
 from __future__ import annotations
@@ -159,6 +166,66 @@ def run_methods(out: Path, seqs: tuple[int, ...], models: tuple[str, ...] = ("ll
     out.write_text(json.dumps(saved))
 
 
+def _rank_kernels_s(peers: int, rank: int, order: tuple[int, ...], seq: int, heads: int, dim: int) -> float:
+    """Seconds of rank `rank`'s causal attention kernels in the ring of `order` (forward then backward, every
+    block pair it computes, on random values of its shard's shapes): the compute the ring's step waits for."""
+    import time
+
+    from meshpilot.ops import ring
+
+    layout = ring._Ring("", "gpu", peers, rank, order)
+    rows = seq // peers
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, grad = (torch.randn(1, heads, rows, dim, generator=g) for _ in range(4))
+    fwd, bwd = ring._kernels(q)
+    scale = dim**-0.5
+    t0 = time.perf_counter()
+    for src in range(peers):
+        for qs, ks, _, diag in ring._blocks(layout, src, q, k, None, True):
+            qb, kb, vb = q[:, :, qs], k[:, :, ks].contiguous(), v[:, :, ks].contiguous()
+            o, lse = fwd(qb, kb, vb, None, diag, scale)
+            bwd(grad[:, :, qs].contiguous(), qb, kb, vb, o, lse, None, diag, scale)
+    return time.perf_counter() - t0
+
+
+def run_zigzag(seqs: tuple[int, ...], repeats: int = 3) -> None:
+    """``zigzag``'s tables (module docstring)."""
+    from meshpilot.ops import ring
+
+    peers = MESH[0]
+    print("| seq | plan's order | ranks' shares of the causal square, contiguous | zig-zag | "
+          "predicted step, contiguous | zig-zag | plan's own (whole square) |")  # fmt: skip
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: |")
+    timed = []
+    for seq in seqs:
+        model, inputs = _method_model("gpt", seq)
+        graph = capture(model, inputs)
+        p = plan(model, inputs, CLUSTER, mesh_shape=MESH, graph=graph, mappings=("row",), recompute="none",
+                 force=ring_pins(graph, backward=True))  # fmt: skip
+        attn = sum(n.seconds for n in p.nodes if n.target.startswith("meshpilot.sdpa"))
+        plain, zig = ring.causal_shares(peers, False), ring.causal_shares(peers, True)
+        step = {z: p.time.total_s - attn + attn * peers * max(sh) for z, sh in ((False, plain), (True, zig))}
+        order = p.sequence_order.order if p.sequence_order is not None else "contiguous"
+        print(
+            f"| {seq} | {order} | {', '.join(f'{x:.4f}' for x in plain)} | {', '.join(f'{x:.4f}' for x in zig)} "
+            f"| {step[False] * 1e3:.3f} ms | {step[True] * 1e3:.3f} ms | {p.time.total_s * 1e3:.3f} ms |",
+            flush=True,
+        )
+        timed.append(seq)
+    print()
+    print("| seq | order | rank 0 | rank 1 | rank 2 | rank 3 | slowest / mean |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for seq in timed:
+        for name, order in (("contiguous", tuple(range(peers))), ("zig-zag", ring.zigzag(peers))):
+            per = [float("inf")] * peers
+            for _ in range(repeats):  # rounds over the ranks: a load spike hits one round, the least is kept
+                for r in range(peers):
+                    dim = GPT["hidden"] // GPT["heads"]
+                    per[r] = min(per[r], _rank_kernels_s(peers, r, order, seq, GPT["heads"], dim))
+            cells = " | ".join(f"{x * 1e3:.1f} ms" for x in per)
+            print(f"| {seq} | {name} | {cells} | {max(per) / (sum(per) / peers):.2f} |", flush=True)
+
+
 def _saved_model(key: str) -> tuple[torch.nn.Module, tuple]:
     """The CPU model of a saved key: ``seq/cap`` (``plan``) or ``name/seq/what`` (``methods``)."""
     parts = key.split("/")
@@ -185,11 +252,16 @@ def main() -> None:
     me.add_argument("--out", type=Path, default=Path("/tmp/cp_methods.json"))
     me.add_argument("--seqs", type=int, nargs="*", default=list(METHOD_SEQS))
     me.add_argument("--models", nargs="*", choices=("llama", "gpt"), default=["llama", "gpt"])
+    zz = sub.add_parser("zigzag")
+    zz.add_argument("--seqs", type=int, nargs="*", default=[8192])
+    zz.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     if args.cmd == "plan":
         run_plan(args.out)
     elif args.cmd == "methods":
         run_methods(args.out, tuple(args.seqs), tuple(args.models))
+    elif args.cmd == "zigzag":
+        run_zigzag(tuple(args.seqs), args.repeats)
     else:
         run_measure(args.plans, args.keys)
 

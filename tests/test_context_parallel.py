@@ -19,7 +19,9 @@ blocks merge to the whole call's values and gradients.
 On 4 gloo ranks (one spawn): those plans, one with the sequence forced onto the axis from the inputs on, and
 both methods at batch 2 train equal to one device (loss and every gradient within 1e-5 over 3 AdamW steps)
 and issue the plan's collectives (the ring's sends included); the ring plans' peak storage is what the plan
-predicts (within 10 %), and the ring's kernels on zig-zag shards equal one device's causal attention.
+predicts (within 10 %), and the ring's kernels on zig-zag shards equal one device's causal attention. The
+zig-zag ring plans (``planner.sequence_order``: the sequence permuted so that causal ring attention gives every
+rank the same work) of the GPT and of the Llama with its labels shifted outside train equal to one device too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dist_utils import lockstep_adamw, run_distributed
 from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 
 from meshpilot.graph.capture import capture
-from meshpilot.models.sources import build_model, hf_model
+from meshpilot.models.sources import HFLoss, build_model, hf_model
 from meshpilot.ops.attention import ContextAxis, ContextMethod, context_axes, ring_pins, ulysses_pins
 from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
@@ -52,8 +54,22 @@ turns float32 rounding of near-zero gradients into steps of up to its learning r
 within twice the single device's distance from float64 is as exact as float32 allows."""
 GPT_CAP = 4.5 * 2**20
 """Under it the GPT's plan is Ulysses (the query-row plan, faster, holds 5.7 MiB)."""
-MODELS = {"llama": (BATCH, SEQ), "llama-b2": (2, 256), "gpt": (1, 1024)}
+MODELS = {"llama": (BATCH, SEQ), "llama-b2": (2, 256), "gpt": (1, 1024), "llama-shifted": (BATCH, SEQ)}
 """Model key -> (batch, sequence) of the plans below."""
+
+
+def _llama_shifted(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
+    """The tiny Llama as a zig-zag plan can run it: its labels shifted outside (transformers' ``shift_labels``;
+    ``ForCausalLMLoss`` pads and slices ``labels`` along the sequence otherwise, which a permuted sequence
+    cannot), and an ``attention_mask`` of ones (without one transformers derives packed-sequence ids from the
+    position ids by a diff and a cumsum along the sequence). Every position has a target (the last one the
+    first label, not transformers' ignored -100): DTensor's mean loss over sequence shards averages the shards'
+    means (``P(avg)``), off by ~5e-6 here wherever the shards hold unequal numbers of ignored targets, zig-zag
+    or contiguous alike."""
+    model, (ids, labels) = _llama(device, batch, seq)
+    shifted = torch.cat([labels[:, 1:], labels[:, :1]], 1)
+    model = HFLoss(model.model, extra=("attention_mask", "shift_labels"))
+    return model, (ids, labels, torch.ones(batch, seq, dtype=torch.long), shifted)
 
 
 def _llama(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
@@ -71,6 +87,8 @@ def _model(key: str, device: str = "meta"):
         torch.manual_seed(0)
         built = build_model("gpt-tiny", batch=batch, seq=seq, device=device, **GPT)
         return built.model, tuple(built.inputs)
+    if key == "llama-shifted":
+        return _llama_shifted(device, batch, seq)
     return _llama(device, batch, seq)
 
 
@@ -109,7 +127,13 @@ def plans() -> dict[str, tuple[str, StagePlan]]:
     model, inputs = _model("gpt")  # is_causal: the ILP's own choices, uncapped and under GPT_CAP
     out["causal"] = ("gpt", plan(model, inputs, CLUSTER, **kw))
     out["causal-capped"] = ("gpt", plan(model, inputs, CLUSTER, memory_bytes=GPT_CAP, **kw))
-    out["ring-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=ring_pins(capture(model, inputs)), **kw))
+    graph = capture(model, inputs)
+    out["ring-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw))
+    both = ring_pins(graph, backward=True)  # the backward a ring too: the zig-zag order's condition
+    out["zigzag-causal"] = ("gpt", plan(model, inputs, CLUSTER, force=both, graph=graph, **kw))
+    model, inputs = _model("llama-shifted")
+    graph = capture(model, inputs)
+    out["zigzag"] = ("llama-shifted", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw))
     return out
 
 
@@ -177,7 +201,7 @@ def test_ring_plans_pass_every_key_value_block_round_the_axis(plans):
     ILP's choice, ring or query rows), and the plan lists the sends the op issues: per call ``n − 1`` of the
     key/value block forward, those and ``n`` of the gradient accumulators backward."""
     peers = MESH[0]
-    for name in ("ring", "ring-causal"):
+    for name in ("ring", "ring-causal", "zigzag", "zigzag-causal"):
         p = plans[name][1]
         calls = len(_sequence_axes(p))
         assert context_axes(p.nodes, p.mesh_axes, p.collectives) == [ContextAxis("gpu", ContextMethod.RING, calls)]
@@ -192,6 +216,41 @@ def test_ring_plans_pass_every_key_value_block_round_the_axis(plans):
         bwd = sum(c.dst in ring_bwd for c in sends)
         assert fwd == calls * (peers - 1) and bwd == len(ring_bwd) * (2 * peers - 1) == len(sends) - fwd, name
         assert "context      ring attention over axis gpu (4 devices" in p.summary(), name
+
+
+def test_zigzag_plans_record_their_order_and_balance_the_causal_work(plans):
+    """The planner lays the sequence out zig-zag (``planner.sequence_order``) where every attention call is a
+    ring on one axis and nothing else mixes positions: the GPT with its backward a ring too (its inputs and its
+    position ids' ``arange`` permuted; its 4 ``is_causal`` calls each rank then computing the same share of the
+    causal square, where contiguous ranks compute 1 to 7 eighths of the last one's), and the Llama with its labels
+    shifted outside (its three ``arange`` permuted: position ids, the mask's query and key positions). The
+    Llama shifting its labels inside, the GPT whose backward gathers keys by query rows and the all-gather
+    and Ulysses plans stay contiguous. The order round-trips through a plan file and is printed."""
+    from meshpilot.ops import ring
+    from meshpilot.planner.plan import SequenceOrder
+    from meshpilot.planner.sequence_order import why_not
+
+    gpt = plans["zigzag-causal"][1]
+    assert gpt.sequence_order == SequenceOrder(0, 4, "zigzag", 1024, ((0, 1), (1, 1)), (("arange", 0),), 4)
+    llama = plans["zigzag"][1].sequence_order
+    assert (llama.length, llama.causal) == (SEQ, 0)
+    assert llama.inputs == tuple((i, 1) for i in range(4))
+    assert llama.factories == (("arange", 0), ("arange_2", 0), ("arange_3", 0))
+    for name in ("auto", "forced", "ulysses", "ring", "allgather-b2", "ulysses-b2", "causal", "causal-capped"):
+        assert plans[name][1].sequence_order is None, name
+    assert plans["ring-causal"][1].sequence_order is None  # its backward by query rows (contiguous offsets)
+    model, inputs = _llama()
+    assert "along the sequence" in why_not(capture(model, inputs), SEQ)  # the shift and packed-sequence ids
+    peers = MESH[0]
+    zig = [ring.causal_work(ring._Ring("", "gpu", peers, r, ring.zigzag(peers)), 16) for r in range(peers)]
+    plain = [ring.causal_work(ring._Ring("", "gpu", peers, r, tuple(range(peers))), 16) for r in range(peers)]
+    assert len(set(zig)) == 1 and sum(zig) / 4 == sum(plain)  # zig-zag's chunks are half the size
+    assert ring.causal_shares(peers, True) == [1 / (2 * peers)] * peers
+    assert max(ring.causal_shares(peers, False)) == (peers - 0.5) / peers**2
+    again = StagePlan.from_json(gpt.to_json())
+    assert again.sequence_order == gpt.sequence_order and again.run_digest() == gpt.run_digest()
+    assert "sequence_order" not in plans["ring"][1].to_dict()  # files of contiguous plans as before
+    assert "sequence     zigzag over axis gpu: 1024 tokens in chunks of 128" in gpt.summary()
 
 
 def test_the_search_takes_the_ring_under_a_cap_where_ulysses_cannot_divide_the_heads():
@@ -352,7 +411,7 @@ def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
     jobs = {name: (key, p.to_json()) for name, (key, p) in plans.items()}
     jobs["zigzag-kernel"] = ("", "")
     per_rank = run_distributed(_worker, 4, jobs, timeout=1800)
-    zig = max(max(r["zigzag-kernel"]) for r in per_rank)  # the zig-zag layout's kernels (no plan makes it yet)
+    zig = max(max(r["zigzag-kernel"]) for r in per_rank)  # the zig-zag layout's kernels, on their own
     assert zig < 1e-5, [r["zigzag-kernel"] for r in per_rank]
     for name in plans:  # the largest differences over ranks and steps, for the record (pytest -s)
         keys = ("loss", "grad", "grad64_par", "grad64_ref")

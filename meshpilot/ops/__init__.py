@@ -95,13 +95,15 @@ class OpPart(StrEnum):
 class OwnCall:
     """What an own op's implementation knows about the call it serves: the node, the mesh and the planned
     layouts of its operands (``ins``) and outputs (``outs``); a per-node cache for values that depend on
-    them only (this rank's range of a sharded dim)."""
+    them only (this rank's range of a sharded dim); the plan's sequence order (``StagePlan.sequence_order``:
+    None, contiguous, or zig-zag on one axis), which ring attention reads."""
 
-    __slots__ = ("node", "mesh", "ins", "outs", "cache")
+    __slots__ = ("node", "mesh", "ins", "outs", "cache", "sequence_order")
 
-    def __init__(self, node, mesh, ins, outs) -> None:
+    def __init__(self, node, mesh, ins, outs, sequence_order=None) -> None:
         self.node, self.mesh, self.ins, self.outs = node, mesh, ins, outs
         self.cache: dict = {}
+        self.sequence_order = sequence_order
 
     def global_shape(self, arg: int) -> torch.Size:
         """Global shape of the node's `arg`-th positional argument."""

@@ -585,16 +585,20 @@ def ulysses_pins(graph, operands: int = 3) -> dict[str, str]:
     return pins
 
 
-def ring_pins(graph) -> dict[str, str]:
+def ring_pins(graph, backward: bool = False) -> dict[str, str]:
     """A ``force`` dict for ring attention on mesh axis 0 of a 2-axis mesh: the example inputs sharded on their
     sequence (``S(1)``), the producers of each attention's q, k and v (a captured `graph`'s ``OpGraph``) on
     theirs (``S(2)`` of ``[b, h, t, e]``). Attention's own layout is left to the planner: with its keys and
     values arriving sequence-sharded the ring moves ``(n − 1) / n`` of each block as the all-gather does, and
-    keeps no gathered copy."""
+    keeps no gathered copy. `backward`: each backward's dK and dV pinned ``S(2)`` too, so the backward is a
+    ring as well (an ``is_causal`` backward is otherwise free to gather the keys by query rows, which a
+    zig-zag plan cannot: ``planner.sequence_order``)."""
     pins = {"input:*": "S(1)R"}
     for n in graph.nodes:
         if n.target == SDPA_TARGETS[0]:
             pins.update({src: "S(2)R" for src, _ in n.inputs[:3]})
+        elif backward and n.kind == "getitem" and graph[n.inputs[0][0]].target == SDPA_TARGETS[1]:
+            pins.update({n.name: "S(2)R"} if n.fx_node.args[1] in (1, 2) else {})  # dK, dV
     return pins
 
 

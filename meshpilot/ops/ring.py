@@ -36,10 +36,15 @@ buffers (the two blocks, the float32 accumulators) are added at the op's moment 
 
 **Zig-zag** (causal load balancing): with contiguous shards rank ``r`` computes ``r + ½`` chunk pairs of the
 causal triangle; with ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (:func:`zigzag`), every
-rank computes the same (:func:`causal_work`). The kernels take any chunk order (``_Ring.order``, placed by
-global chunk positions in :func:`_pairs`), checked equal to one device on zig-zag shards; no plan lays its
-inputs out so yet (``ring_of`` gives the contiguous order): that needs the sequence permuted consistently
-wherever it enters the step (docs/benchmarks.md, the ring section, says where).
+rank computes the same (:func:`causal_work`, :func:`causal_shares`). The kernels take any chunk order
+(``_Ring.order``, placed by global chunk positions in :func:`_pairs`). A plan takes the order where every
+attention call is a ring on one axis and nothing else mixes positions (``planner.sequence_order``, recorded as
+``StagePlan.sequence_order``): the step then runs on the permuted sequence (:func:`zigzag_positions`; inputs
+and position ``arange`` permuted by the runtime), :func:`ring_of` gives ``is_causal`` calls the zig-zag order
+and masked calls the contiguous one (their mask, built from permuted positions, is permuted in its columns
+too), and ``causal_rows``' ``is_causal`` path (contiguous offsets) refuses to run. Not priced by the planner:
+the ILP prices a causal call at the whole ``t × s`` square split evenly for every method and order
+(``attention_flops``); ``benchmarks/bench_cp.py zigzag`` shows the step with the slowest rank's share.
 
 Why meshpilot's own op and not PyTorch's ``torch.distributed.tensor.experimental._context_parallel``
 (``_templated_ring_attention``): that one is written for ``aten._scaled_dot_product_{flash,efficient,cudnn}
@@ -113,6 +118,22 @@ def zigzag(peers: int) -> tuple[int, ...]:
     """The chunk order of causal load balancing: ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r``
     (each rank then computes the same number of causal row-key pairs, :func:`causal_work`)."""
     return tuple(c for r in range(peers) for c in (r, 2 * peers - 1 - r))
+
+
+def zigzag_positions(length: int, peers: int, device=None) -> Tensor:
+    """The one-device positions of a zig-zag plan's sequence in the order the step holds them: the chunks of
+    :func:`zigzag` one after another (rank ``r``'s contiguous shard of the result is its two chunks)."""
+    n = length // (2 * peers)
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in zigzag(peers)])
+
+
+def causal_shares(peers: int, zig: bool) -> list[float]:
+    """Each rank's share of a causal call's whole ``t × t`` score square (what ``attention_flops`` counts) in
+    the ring: contiguous ``(r + ½) / P²`` (the last rank's ``(P − ½) / P²`` sets the step), zig-zag ``1 / 2P``
+    each (:func:`causal_work` over the chunk count squared)."""
+    order = zigzag(peers) if zig else tuple(range(peers))
+    chunks = len(order)
+    return [causal_work(_Ring("", "", peers, r, order), chunks) / chunks**2 for r in range(peers)]
 
 
 def causal_work(ring: _Ring, rows: int) -> float:
@@ -446,25 +467,44 @@ def _backward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
 # ------------------------------------------------------------------------------------------- on the shards
 
 
-def ring_of(call: OwnCall, key_operand: int) -> str:
-    """The call's ring as :class:`_Ring` text ("" where the keys are not sequence-sharded: causal_rows' call)."""
+def ring_of(call: OwnCall, key_operand: int, causal: bool = False) -> str:
+    """The call's ring as :class:`_Ring` text ("" where the keys are not sequence-sharded: causal_rows' call).
+    Its chunk order: :func:`zigzag` for an ``is_causal`` call (`causal`) on the axis of a zig-zag plan
+    (``OwnCall.sequence_order``), whose blocks are placed by their global positions; else contiguous (a masked
+    call reads its mask's columns in the order the sequence is held: a zig-zag plan's mask, built from
+    permuted positions, is permuted in its columns too)."""
     axes = call.sharding_axes(call.ins[key_operand], 2)
     if not axes:
         return ""
     group, name, peers = call.axis_group(axes[0])
-    return _Ring(group, name, peers, call.mesh.get_local_rank(axes[0]), tuple(range(peers))).text()
+    seq = call.sequence_order
+    zig = causal and seq is not None and seq.order == "zigzag" and seq.axis == axes[0]
+    order = zigzag(peers) if zig else tuple(range(peers))
+    return _Ring(group, name, peers, call.mesh.get_local_rank(axes[0]), order).text()
+
+
+def _no_rows(call: OwnCall, is_causal: bool, attn_mask) -> None:
+    """causal_rows' ``is_causal`` call assumes contiguous query offsets: refused in a zig-zag plan."""
+    if is_causal and attn_mask is None and call.sequence_order is not None:
+        raise RuntimeError(
+            f"{call.node.name}: an is_causal attention by query rows in a plan whose sequence is "
+            f"{call.sequence_order.order}-ordered (its offsets are not contiguous); the planner takes the "
+            "zig-zag order only where every attention call is a ring: plan again"
+        )
 
 
 def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    ring = ring_of(call, 1)
+    ring = ring_of(call, 1, is_causal and attn_mask is None)
     if not ring:
+        _no_rows(call, is_causal, attn_mask)
         return causal_rows.OPS[0].run(call, q, k, v, attn_mask, is_causal, scale, enable_gqa)
     return ring_sdpa(q, k, v, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)
 
 
 def _run_backward(call: OwnCall, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa):
-    ring = ring_of(call, 2)
+    ring = ring_of(call, 2, is_causal and attn_mask is None)
     if not ring:
+        _no_rows(call, is_causal, attn_mask)
         args = (grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa)
         return causal_rows.OPS[1].run(call, *args)
     return ring_sdpa_backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)

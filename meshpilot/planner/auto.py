@@ -43,6 +43,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, Precision, capture
 from meshpilot.io import fmt_size
 from meshpilot.planner import recompute as recompute_choice
+from meshpilot.planner import sequence_order
 from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memory_use, step_edges, stored_layout
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
@@ -165,6 +166,8 @@ def _finish(
     report = search.report(capture_s, time.perf_counter() - t_start)
     lm = search.best_resharder.cost_model.mesh
     result = _assemble(graph, best, acct, search.best_builder, lm, search.capacity, report, precision, microbatches)
+    if microbatches == 1:  # causal ring attention balanced by the zig-zag order where the graph allows it
+        result = dataclasses.replace(result, sequence_order=sequence_order.choose(graph, best.chosen, best.shape))
     if pins is not None:
         pins.check_plan(result.params, result.inputs)
     if overlap:

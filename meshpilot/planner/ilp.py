@@ -117,7 +117,7 @@ import numpy as np
 import torch
 
 from meshpilot.errors import UserError
-from meshpilot.graph.capture import OpGraph, OpNode, TensorInfo
+from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, TensorInfo
 from meshpilot.graph.gemms import node_gemm
 from meshpilot.io import fmt_size
 from meshpilot.planner.accounting import (
@@ -129,7 +129,7 @@ from meshpilot.planner.accounting import (
     step_edges,
     zero_row_bytes,
 )
-from meshpilot.planner.force import BoundForce, ForceSpec
+from meshpilot.planner.force import BoundForce, ForceRule, ForceSpec
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
@@ -778,19 +778,45 @@ def _apply_force(node: OpNode, sts: list[Strategy], pins: BoundForce, mesh_shape
     from meshpilot.sharding.placements import fmt
 
     rule = pins.rule_for(node)
-    if rule is None:
-        return sts
-    pins.check_dims(rule, node)
-    kept = [s for s in sts if s.outs and fmt(s.outs[0]) == rule.layout]
-    if not kept:
-        can = sorted({fmt(s.outs[0]) for s in sts if s.outs})
-        shape = tuple(node.out.shape) if node.out is not None else ()
-        raise PlanError(
-            f"{rule.where}: {node.fqn or node.name} (shape {shape}) cannot be {rule.layout} on mesh {mesh_shape}; "
-            f"pin one of {', '.join(can)} (S(d) needs dim d divisible by that mesh axis)",
-            mesh_shape=mesh_shape,
-        )
+    kept = sts
+    if rule is not None:
+        pins.check_dims(rule, node)
+        kept = [s for s in sts if s.outs and fmt(s.outs[0]) == rule.layout]
+        if not kept:
+            can = sorted({fmt(s.outs[0]) for s in sts if s.outs})
+            shape = tuple(node.out.shape) if node.out is not None else ()
+            raise PlanError(
+                f"{rule.where}: {node.fqn or node.name} (shape {shape}) cannot be {rule.layout} on mesh "
+                f"{mesh_shape}; pin one of {', '.join(can)} (S(d) needs dim d divisible by that mesh axis)",
+                mesh_shape=mesh_shape,
+            )
+    for i, elem in _pinned_elements(node, pins):  # a pinned getitem pins its producer's output i
+        have = kept
+        kept = [s for s in have if len(s.outs) > i and s.outs[i] is not None and fmt(s.outs[i]) == elem.layout]
+        if not kept:
+            can = sorted({fmt(s.outs[i]) for s in have if len(s.outs) > i and s.outs[i] is not None})
+            raise PlanError(
+                f"{elem.where}: output {i} of {node.name} cannot be {elem.layout} on mesh {mesh_shape}; "
+                f"pin one of {', '.join(can)}",
+                mesh_shape=mesh_shape,
+            )
     return kept
+
+
+def _pinned_elements(node: OpNode, pins: BoundForce) -> list[tuple[int, ForceRule]]:
+    """(output index, rule) of each element of a several-output op whose ``getitem`` a force pattern pins by
+    name: the op then produces it in that layout (``ring_pins(backward=True)``: the backward's dK, dV), not
+    a layout resharded at the getitem."""
+    if node.kind != NodeKind.OP:
+        return []
+    out = []
+    for user in pins.graph.users.get(node.name, ()):
+        elem = pins.graph[user]
+        if elem.kind == NodeKind.GETITEM and elem.fx_node is not None:
+            rule = pins.rule_for(elem)
+            if rule is not None:
+                out.append((int(elem.fx_node.args[1]), rule))
+    return out
 
 
 def _merge_map_ids(node_cost: np.ndarray, src_outs: np.ndarray, ins: np.ndarray, info, pricer: Pricer) -> np.ndarray:

@@ -250,6 +250,54 @@ class RecomputeChoice:
     """Seconds a step spends recomputing: the copies' compute and the collectives they issue."""
 
 
+@dataclass(frozen=True)
+class SequenceOrder:
+    """The order a plan lays the sequence out in on one mesh axis (``meshpilot.planner.sequence_order``):
+    ``zigzag`` — the sequence cut into ``2P`` chunks, rank ``r`` of the axis's ``P`` holding chunks ``r`` and
+    ``2P − 1 − r`` (``ops.ring.zigzag``), so causal ring attention gives every rank the same work. The step runs
+    on the permuted sequence: the inputs below permuted along their sequence dim before they are sharded, the
+    position-valued factories (``arange``) below permuted as they are made; everything else is unchanged."""
+
+    axis: int
+    """The mesh axis the ring runs on."""
+    peers: int
+    """Its size ``P``."""
+    order: str
+    """``zigzag``."""
+    length: int
+    """The sequence length ``t`` (divisible by ``2P``)."""
+    inputs: tuple[tuple[int, int], ...]
+    """(example input, its sequence dim) of every input permuted."""
+    factories: tuple[tuple[str, int], ...]
+    """(node, its sequence dim) of every factory output permuted (position ids, ``cache_position``)."""
+    causal: int = 0
+    """How many ``is_causal`` ring calls (forward and backward) it balances."""
+
+    def line(self, mesh_axes: tuple[str, ...]) -> str:
+        """The plan printout's line."""
+        axis = mesh_axes[self.axis] if self.axis < len(mesh_axes) else f"axis{self.axis}"
+        return (
+            f"{self.order} over axis {axis}: {self.length} tokens in chunks of {self.length // (2 * self.peers)}"
+            f" (rank r holds chunks r and 2P-1-r), {len(self.inputs)} input(s) and {len(self.factories)} "
+            f"position factory(ies) permuted, {self.causal} causal ring call(s) balanced"
+        )
+
+
+def _sequence_order_of(d: dict[str, Any] | None) -> SequenceOrder | None:
+    """The :class:`SequenceOrder` of a saved stage plan (None: absent, as in older files: contiguous)."""
+    if not d:
+        return None
+    return SequenceOrder(
+        int(d["axis"]),
+        int(d["peers"]),
+        d["order"],
+        int(d["length"]),
+        tuple((int(i), int(dim)) for i, dim in d["inputs"]),
+        tuple((str(n), int(dim)) for n, dim in d["factories"]),
+        int(d.get("causal", 0)),
+    )
+
+
 ONCE_A_STEP = ("grad:", "gather:")
 """Prefixes of the ``dst`` of collectives a step issues once, not per microbatch: a gradient's synchronisation
 and a ZeRO-2 weight's all-gather from its updated shard (:class:`ZeroStage`)."""
@@ -342,6 +390,9 @@ class StagePlan:
     recompute: RecomputeChoice | None = None
     """The blocks whose forward the backward runs again (their nodes' copies are in :attr:`nodes`, named
     ``<node>_recomputed``); None: none (and in older plans)."""
+    sequence_order: SequenceOrder | None = None
+    """The sequence's order on the ring's axis (:class:`SequenceOrder`: zig-zag); None: contiguous (every plan
+    without a causal ring, and older plans)."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -370,6 +421,7 @@ class StagePlan:
 
         d = self.to_dict()
         keys = ("mesh_shape", "mesh_ranks", "nodes", "params", "inputs", "schedule")
+        keys += ("sequence_order",) if "sequence_order" in d else ()
         return hashlib.sha256(json.dumps([d[k] for k in keys]).encode()).hexdigest()
 
     def recompute_line(self) -> str:
@@ -485,6 +537,8 @@ class StagePlan:
         cp = context_line(self.nodes, self.mesh_axes, self.mesh_shape, self.collectives)
         if cp is not None:
             lines.append("  context      " + cp)
+        if self.sequence_order is not None:
+            lines.append("  sequence     " + self.sequence_order.line(self.mesh_axes))
         if self.zero:
             reasons = Counter(f"{z.reason}/stage {int(z.stage)}" for z in self.zero)
             saved = sum(z.saved_bytes for z in self.zero)
@@ -543,6 +597,8 @@ class StagePlan:
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        if d["sequence_order"] is None:  # contiguous: files as before the field
+            del d["sequence_order"]
         out = json.loads(json.dumps(d, default=_default))
         return out
 
@@ -632,6 +688,7 @@ class StagePlan:
             ),
             param_gathers=tuple(GatherGroup.from_dict(g) for g in d.get("param_gathers", ())),
             recompute=_recompute_of(d.get("recompute")),
+            sequence_order=_sequence_order_of(d.get("sequence_order")),
         )
 
     def to_json(self) -> str:

@@ -100,6 +100,19 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, gl
     return DTensor(local, spec_cls(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
+def permute_sequence(x: torch.Tensor, dim: int, order) -> torch.Tensor:
+    """`x` (whole, not a DTensor) with its sequence dim `dim` in the plan's order (``StagePlan.sequence_order``):
+    the zig-zag chunks one after another (``ops.ring.zigzag_positions``)."""
+    from meshpilot.ops.ring import zigzag_positions
+
+    if isinstance(x, DTensor) or x.shape[dim] != order.length:
+        raise RuntimeError(
+            f"meshpilot internal error: a {order.order} sequence of {order.length} permuted on dim {dim} of a "
+            f"{'DTensor' if isinstance(x, DTensor) else 'tensor'} of shape {tuple(x.shape)}"
+        )
+    return x.index_select(dim, zigzag_positions(order.length, order.peers, x.device))
+
+
 def local_shape(global_shape, mesh: DeviceMesh, placements: Placements) -> tuple[int, ...]:
     shape, _ = compat.local_shape_and_offset()(torch.Size(global_shape), mesh, tuple(placements))
     return tuple(int(s) for s in shape)
@@ -122,9 +135,12 @@ class NodeCall:
         "_spec",
         "_nargs",
         "_keys",
+        "permute",
     )
 
-    def __init__(self, node: OpNode, choice: NodeChoice, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(
+        self, node: OpNode, choice: NodeChoice, mesh: DeviceMesh, device: torch.device, sequence_order=None
+    ) -> None:
         fx = node.fx_node
         self.node = node
         self.target = fx.target
@@ -133,7 +149,7 @@ class NodeCall:
         vals = fx.meta.get("val")
         self.vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
         op = own_op(node.target) if choice.source == StrategySource.MESHPILOT else None
-        self.own = OwnCall(node, mesh, self.ins, self.outs) if op is not None else None
+        self.own = OwnCall(node, mesh, self.ins, self.outs, sequence_order) if op is not None else None
         if choice.source == StrategySource.FALLBACK:
             self.mode = ExecMode.FALLBACK
         elif op is not None:
@@ -168,6 +184,13 @@ class NodeCall:
         self._spec = spec
         self._nargs = len(fx.args)
         self._keys = tuple(fx.kwargs)
+        self.permute = None
+        """(dim, order) where the node is a position factory the plan's sequence order permutes."""
+        if sequence_order is not None:
+            dims = dict(sequence_order.factories)
+            dim = dims.get(node.name, dims.get(node.name.removesuffix("_recomputed")))
+            if dim is not None:
+                self.permute = (dim, sequence_order)
 
     def arguments(self, operands: list) -> tuple[tuple, dict]:
         vals = list(self._leaves)
@@ -196,6 +219,11 @@ class Interpreter:
             return value
         if node.kind == NodeKind.CONST:
             value = value.to(self.device)
+        order = self.plan.sequence_order
+        if order is not None and node.kind == NodeKind.INPUT:
+            dim = dict(order.inputs).get(int(str(node.fqn).split(":")[1]))
+            if dim is not None:  # the step runs on the permuted sequence (``planner.sequence_order``)
+                value = permute_sequence(value, dim, order)
         layout = self.plan.node(node.name).out_placements(0)
         return to_dtensor(value, self.mesh, layout)
 
@@ -223,7 +251,8 @@ class Interpreter:
     def call(self, node: OpNode, env: dict[str, tuple]) -> tuple:
         ex = self.calls.get(node.name)
         if ex is None:
-            ex = self.calls[node.name] = NodeCall(node, self.plan.node(node.name), self.mesh, self.device)
+            choice = self.plan.node(node.name)
+            ex = self.calls[node.name] = NodeCall(node, choice, self.mesh, self.device, self.plan.sequence_order)
         operands = []
         for a, (src, i) in enumerate(node.inputs):
             v = env[src][i]
@@ -243,6 +272,8 @@ class Interpreter:
             else:
                 out = ex.target(*args, **kwargs)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if ex.permute is not None:  # a position factory of a zig-zag plan: made permuted
+                outs = (permute_sequence(outs[0], *ex.permute), *outs[1:])
             return tuple(self._label(node, ex, i, o) for i, o in enumerate(outs))
 
     def _label(self, node: OpNode, ex: NodeCall, i: int, o: Any) -> Any:

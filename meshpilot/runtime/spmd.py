@@ -42,7 +42,7 @@ from meshpilot.planner.plan import Plan, StagePlan
 from meshpilot.runtime.collective_log import phase_scope
 from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
-from meshpilot.runtime.interpret import Interpreter, redistribute, to_dtensor
+from meshpilot.runtime.interpret import Interpreter, permute_sequence, redistribute, to_dtensor
 from meshpilot.runtime.program import StageProgram
 from meshpilot.sharding.placements import from_json
 
@@ -494,8 +494,14 @@ _ATEN_BY_NAME: dict[str, Any] = {}
 
 
 def shard_inputs(inputs: Sequence[torch.Tensor], plan: StagePlan, mesh: DeviceMesh) -> list[Any]:
-    """The planned DTensor of each input (what a step does with full-batch inputs)."""
-    return [to_dtensor(x, mesh, from_json(layout)) for x, layout in zip(inputs, plan.inputs)]
+    """The planned DTensor of each input (what a step does with full-batch inputs); a zig-zag plan's inputs
+    with their sequence permuted first (``StagePlan.sequence_order``, as ``Interpreter.leaf`` does)."""
+    order = plan.sequence_order
+    dims = dict(order.inputs) if order is not None else {}
+    return [
+        to_dtensor(permute_sequence(x, dims[i], order) if i in dims else x, mesh, from_json(layout))
+        for i, (x, layout) in enumerate(zip(inputs, plan.inputs))
+    ]
 
 
 __all__ = ["ParallelModule", "distribute_parameters", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]
