@@ -63,7 +63,9 @@ CONFIGS = {
 
 def build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Model `name` (seeded, train mode, default config but tiny sizes) and its (input_ids, labels): what
-    ``--model hf:<name> --hf-config …`` builds (``meshpilot.models.sources.hf_model``, HF's own loss)."""
+    ``--model hf:<name> --hf-config …`` builds (``meshpilot.models.sources.hf_model``, HF's own loss). The
+    first sequence's first half is padding, labelled ``-100``: the shards of a sharded loss hold unequal numbers
+    of ignored targets, where the mean of the shards' means is not the batch's mean."""
     from meshpilot.models.sources import hf_model
 
     model_type, _, attn = name.partition("-")
@@ -74,7 +76,9 @@ def build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]
     model = hf_model(model_type, overrides)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return model, (ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels[0, : SEQ // 2] = -100
+    return model, (ids, labels)
 
 
 # ------------------------------------------------------------------------------------------- planning

@@ -77,6 +77,25 @@ def test_vocab_parallel_strategies_are_offered_and_chosen():
         assert p.time.communication_s >= sum(c.seconds for c in p.collectives if c.src == c.dst) > 0
 
 
+def test_a_batch_sharded_mean_loss_divides_by_the_global_count_never_averages_shards():
+    """DTensor's mean ``nll_loss`` over row-sharded targets is ``P(avg)``, the mean of the shards' means: not the
+    batch's mean where shards hold unequal numbers of ignored targets (padding). Those strategies are dropped
+    (``AVG_INEXACT``); a data-parallel plan takes meshpilot's rule instead: the loss a partial sum, the count of
+    targets all-reduced in the op."""
+    from meshpilot.planner.forced import data_parallel
+    from meshpilot.sharding.strategies import AVG_INEXACT
+
+    model, inputs = build("gpt")
+    graph = capture(model, inputs)
+    assert "aten.nll_loss_forward.default" in AVG_INEXACT
+    p = plan(model, inputs, "atp-ic3", mesh_shape=(4, 1), force=data_parallel(model, inputs, (4, 1)), graph=graph)
+    nll = next(n for n in p.nodes if n.target == "aten.nll_loss_forward.default")
+    assert nll.source == "meshpilot" and "".join(nll.outs[0]) == "PR", (nll.source, nll.outs)
+    assert not any("avg" in "".join(o) for n in p.nodes for o in n.outs if o), "a P(avg) output left in the plan"
+    count = [c for c in p.collectives if c.src == c.dst == nll.name]
+    assert [(c.kind, c.axis, c.nbytes) for c in count] == [("all_reduce", 0, 4)]
+
+
 def test_vocab_parallel_loss_is_cheaper_than_gathering_a_large_vocabulary():
     """Planning only: a GPT with a 32000-token vocabulary under Megatron TP on 8 H100s, mesh (1, 8)."""
     from meshpilot.models.gpt import GPT, gpt_tiny

@@ -144,9 +144,10 @@ def _nll_loss_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]
     """``nll_loss_forward(log_probs [N, C], target [N])`` with the classes sharded and the targets replicated
     on that axis: each rank sums the log-probabilities of the targets in its columns (zero elsewhere), so
     the loss is a partial sum over the axis (the edge to its consumer all-reduces one scalar). Rows sharded
-    on other axes: the count of non-ignored targets is all-reduced over them inside the op (one scalar per
-    axis), so the mean divides by the global count (exact with ignored targets, unlike DTensor's
-    ``P(avg)``), the loss is a partial sum there too and ``total_weight`` is replicated everywhere."""
+    on other axes, or on every axis with the classes whole (a data-parallel loss): the count of non-ignored
+    targets is all-reduced over them inside the op (one scalar per axis), so the mean divides by the global
+    count (exact with ignored targets, unlike DTensor's ``P(avg)``), the loss is a partial sum there too and
+    ``total_weight`` is replicated everywhere."""
     if len(node.inputs) != 2 or not _nll_loss_args_ok(b, node, 0, 1, 2):
         return []
     lp = b.graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
@@ -160,7 +161,10 @@ def _nll_loss_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]
         rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
         return tuple(Collective(CollectiveKind.ALL_REDUCE, a, nbytes) for a in rows)
 
-    return per_axis_products(b, node, rules, colls)
+    # rows sharded with the classes whole too: DTensor's own row-sharded mean is P(avg), which
+    # ``sharding.strategies.AVG_INEXACT`` drops; the whole replica is DTensor's already
+    out = per_axis_products(b, node, rules, colls, require_first=False)
+    return [s for s in out if not all(isinstance(p, Replicate) for pl in s.ins for p in pl)]
 
 
 def _nll_loss_backward_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]:

@@ -363,6 +363,8 @@ class StrategyBuilder:
             in_pl = tuple(self._canonical(s.placements) for s in ins)
             if not (all(_plain(p) for p in in_pl) and all(p is None or _plain(p) for p in out_pl)):
                 continue
+            if node.target in AVG_INEXACT and any(p is not None and _averaged(p) for p in out_pl):
+                continue
             ok = all(
                 is_even(p, self.graph[src].outputs[i].shape, self.mesh_shape) for p, (src, i) in zip(in_pl, node.inputs)
             ) and all(
@@ -542,6 +544,18 @@ def _plain(pl: Placements) -> bool:
             continue
         return False
     return True
+
+
+AVG_INEXACT = frozenset({"aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default"})
+"""Ops whose DTensor ``P(avg)`` output is not their value: a mean loss over row-sharded targets is the mean of
+the shards' means, which differs from the whole batch's mean wherever the shards hold unequal numbers of ignored
+targets (padding labelled ``ignore_index``; DTensor checks only that the rows divide evenly). Those strategies
+are dropped: ``ops.vocab``'s rule all-reduces the count of targets instead (a partial sum, exact), and where it
+does not apply the loss is computed whole."""
+
+
+def _averaged(pl: Placements) -> bool:
+    return any(isinstance(p, Partial) and p.reduce_op == "avg" for p in pl)
 
 
 def _is_tensor_node(a) -> bool:
