@@ -80,7 +80,8 @@ def test_chosen_stages_are_real_plans_priced_again_equal(stack, roomy, share):
             if level.recompute != rc and (rc is not Recompute.NONE or graphs[Recompute.FULL].parts(*st.layers)[1]):
                 continue
             c = compose_stage(planners[level.recompute], graphs[level.recompute], *st.layers, st.ranks, st.mesh_shape,
-                              microbatches=B, capacity=memory, block_zero=level.zero, accumulated=True)  # fmt: skip
+                              microbatches=B, capacity=memory, block_zero=level.zero, accumulated=True,
+                              ends=planners[Recompute.NONE])  # fmt: skip
             again.append((c.time.total_s, c.peaks))
         assert (st.cost.time.total_s, st.cost.peaks) in again, (st.layers, st.cost.time.total_s, again)
         assert stage_memory(st.cost, st.in_flight) <= memory * (1 + 1e-9)
@@ -115,6 +116,7 @@ def test_the_exact_table_recomputes_where_it_pays(long_stack):
     plain = plan_pipeline(long_stack, "alpa-p3x8", recompute="none", memory_bytes=0.7 * roomy, **kw)
     mixed = plan_pipeline(long_stack, "alpa-p3x8", memory_bytes=0.7 * roomy, **kw)
     assert mixed.step_s < plain.step_s and any(st.cost.recompute is not Recompute.NONE for st in mixed.stages)
+    captured = StagePlanner(long_stack.graph, "alpa-p3x8")  # the pre and post parts' planner, as the table's
     for p, cap in ((tight, 0.6 * roomy), (mixed, 0.7 * roomy)):
         for st in p.stages:
             assert stage_memory(st.cost, st.in_flight) <= cap * (1 + 1e-9)
@@ -124,7 +126,8 @@ def test_the_exact_table_recomputes_where_it_pays(long_stack):
             graph = recomputed_stack(long_stack, mode)
             again = [
                 compose_stage(StagePlanner(graph.graph, "alpa-p3x8"), graph, *st.layers, st.ranks, st.mesh_shape,
-                              microbatches=4, capacity=cap, block_zero=zero, recompute=mode, accumulated=True)
+                              microbatches=4, capacity=cap, block_zero=zero, recompute=mode, accumulated=True,
+                              ends=captured)
                 for zero in (None, ApproxLevel.ZERO.zero)
             ]  # fmt: skip
             assert (st.cost.time.total_s, st.cost.peaks) in [(c.time.total_s, c.peaks) for c in again], st.layers

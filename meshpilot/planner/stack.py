@@ -510,9 +510,11 @@ class StackTable:
             if lower is not None and not self._can_improve(lower, tz, win.order, j * LEVEL_KEYS):
                 continue
             if self.costing == TableCosting.APPROXIMATE:
-                self._variant_levels(ctx, win, j, shapes[j], lower)
-            else:
-                self._cap_levels(ctx, win, j, shapes[j], lower)
+                self._variant_levels(ctx, win, j, shapes[j], floors[j])
+                continue
+            self._cap_levels(ctx, win, j, shapes[j], lower)
+            if self.recomputed:  # then the recomputing blocks, where their floors may change an entry
+                self._variant_levels(ctx, win, j, shapes[j], floors[j], RECOMPUTING, MAX_LEVELS)
         return tz, az, candidates
 
     def _offer(self, ctx: _Ctx, win: _Winners, key: int, specials, blk: _Piece | None, c: Candidate) -> np.ndarray:
@@ -553,8 +555,6 @@ class StackTable:
                 break
             target = max(int(ctx.NB[fitless].min()), 2 * target)
             block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
-        if self.recomputed:  # then the recomputing blocks, where their floors may change an entry
-            self._variant_levels(ctx, win, j, shape, None, RECOMPUTING, MAX_LEVELS)
 
     def _variant_levels(
         self,
@@ -562,37 +562,36 @@ class StackTable:
         win: _Winners,
         j: int,
         shape,
-        lower,
+        floors,
         levels: Sequence[ApproxLevel] | None = None,
         key0: int = 0,
     ) -> None:
         """The variant table's candidates of logical mesh `shape` (the j-th; module docstring, 4): the block's
         uncapped plan, its ZeRO-sharded answers, then the same on each recomputing graph, each while some
         useful entry with blocks does not fit yet. `levels` (keys from `key0`): the exact table offers
-        :data:`RECOMPUTING` after its cap levels. `lower`: the captured block's bounds (None: not pruned)."""
+        :data:`RECOMPUTING` after its cap levels. `floors`: the captured graph's (``_floors``; None: not
+        pruned); a recomputing block has its own (it saves less), its pre and post pieces are the captured
+        ones (recomputation copies blocks only), planned once for every level."""
         blocks_needed = (ctx.use & (ctx.NB > 0))[None]
-        specials: dict[Recompute, list] = {}
-        graph = Recompute.NONE
+        specials = self._both_specials(self.planner, ctx, shape)
+        graph, lower = None, None
         for level in tuple(ApproxLevel) if levels is None else levels:
             key = j * LEVEL_KEYS + key0 + int(level)
             mode = level.recompute
             if mode is not Recompute.NONE and mode not in self.recomputed:
                 continue
             planner, stack = self._graph_of(mode)
-            if mode is not graph:  # a recomputing block saves less: its own floors bound it
-                graph, lower = mode, None
-                if self.prune:
-                    fl = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape, planner,
-                                      stack)  # fmt: skip
-                    lower = self._lower(fl, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+            mid = stack.middle
+            if mode is not graph:
+                graph = mode
+                if floors is not None:
+                    blk = floors[2] if mode is Recompute.NONE else self._block_floor(planner, mid, ctx.ranks, shape)
+                    lower = self._lower((floors[0], floors[1], blk), ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
             if (key0 or level) and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 continue  # this graph's floors show no plan of it changes an entry
-            if mode not in specials:
-                specials[mode] = self._both_specials(planner, ctx, shape)
-            mid = stack.middle
             blk = self._piece((mid, mid + 1), ctx.ranks, shape, self.capacity, level.zero, planner)
             c = Candidate(len(ctx.ranks), shape, self.capacity, level.zero, mode)
-            ok = self._offer(ctx, win, key, specials[mode], blk, c)
+            ok = self._offer(ctx, win, key, specials, blk, c)
             if blk is not None and not (blocks_needed & ~ok).any():
                 break
 
@@ -617,19 +616,22 @@ class StackTable:
         return [None] + [self._piece(r, ranks, shape, self.capacity, planner=planner) if j in used else None
                          for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
 
-    def _floors(self, pres, posts, used_pre, used_post, ranks, shape, planner=None, stack=None):
+    def _floors(self, pres, posts, used_pre, used_post, ranks, shape):
         """``StagePlanner.floor`` of the used pre pieces, the used post pieces (by id; None unused) and the
-        middle block on `shape` (of `planner`'s graph, default the table's)."""
+        middle block on `shape`."""
         kw = {k: v for k, v in self.kw.items() if k == "force"}
-        planner, stack = planner or self.planner, stack or self.stack
-        B, mid = self.microbatches, stack.middle
 
         def one(rng):
-            return planner.floor(rng[0], rng[1], ranks, shape, microbatches=B, **kw)
+            return self.planner.floor(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
 
         pre = [None] + [one(r) if j in used_pre else None for j, r in enumerate(pres[1:], 1)]
         post = [None] + [one(r) if j in used_post else None for j, r in enumerate(posts[1:], 1)]
-        return pre, post, one((mid, mid + 1))
+        return pre, post, self._block_floor(self.planner, self.stack.middle, ranks, shape)
+
+    def _block_floor(self, planner: StagePlanner, mid: int, ranks, shape):
+        """``StagePlanner.floor`` of the middle block of `planner`'s graph on `shape`."""
+        kw = {k: v for k, v in self.kw.items() if k == "force"}
+        return planner.floor(mid, mid + 1, ranks, shape, microbatches=self.microbatches, **kw)
 
     def _lower(self, floors, PA, PB, NB, f, use) -> tuple[np.ndarray, np.ndarray]:
         """Per cluster range, what no candidate of one logical mesh (any cap) can beat (module docstring, 3):
@@ -662,7 +664,7 @@ class StackTable:
         kw = {k: v for k, v in self.kw.items() if k != "capacity"}
         planner, stack = self._graph_of(c.recompute)
         return compose_stage(
-            planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches,
+            planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches, ends=self.planner,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
             accumulated=self.counts_accumulated, **kw,
         )  # fmt: skip
@@ -747,6 +749,7 @@ def compose_stage(
     block_zero: ZeroMode | None = None,
     recompute: Recompute = Recompute.NONE,
     accumulated: bool = False,
+    ends: StagePlanner | None = None,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -754,7 +757,9 @@ def compose_stage(
     middle block planned under `block_capacity` (default: `capacity`). `kw` goes to ``StagePlanner.plan`` for
     every piece (``zero``, ``force``: a Megatron stage's pinned layouts; `block_zero` overrides ``zero`` for the
     block). `recompute`: `stack` is the recomputing graph's (``StackTable.recomputed``), so a stage with blocks is
-    marked recomputed (``StageCost.recompute``). `accumulated`: the forward + backward peak holds every piece's
+    marked recomputed (``StageCost.recompute``); `ends`: the planner of the pre and post parts (default
+    `planner`), the captured graph's where `planner` is a recomputing one (recomputation copies blocks only,
+    so the tables plan those parts once). `accumulated`: the forward + backward peak holds every piece's
     gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). Raises
     ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
@@ -771,7 +776,8 @@ def compose_stage(
     pieces = []
     for (a, b), w, c in asked:
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
-        cost, mem = planner.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
+        by = planner if (a, b) == blk or ends is None else ends
+        cost, mem = by.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
     fb, upd, act, static, resident = _compose_one([(x.mem, w) for x, w in pieces])
     grads = sum(x.mem.grads * w for x, w in pieces)
