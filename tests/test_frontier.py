@@ -55,7 +55,8 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     assert cfg.schedule == PipelineKind.INTERLEAVED_1F1B and cfg.split == Split.ENDS
     assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
     for text, needle in [
-        ("tp=8,cp=16", "context parallelism"),
+        ("tp=8,cp=16,micro_batch=2", "micro_batch=1"),
+        ("tp=8,cp=0", "give at least 1"),
         ("tp=8,zero=1", "ZeRO over pinned layouts"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
@@ -231,9 +232,62 @@ def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():
     assert set(held_one_chunk(PipelineKind.ZERO_BUBBLE, 4, 8)) == {4}  # ZB-H1: min(B, p), every stage
 
 
+def test_context_parallel_config_plans_the_sequence_on_an_axis_of_its_own():
+    """``cp=2`` (the 131,072-token row's CP16, reduced): each pipeline group a ``(DP, CP, TP)`` mesh in Llama 3's
+    rank order; the token ids, the residual stream and the stage boundaries sharded on the sequence over CP
+    (``S(1)``, with SP over TP as well: ``S(0)S(1)S(1)``), the weights whole over it; attention sequence-parallel on
+    the CP axis by the ring (its key/value blocks sent round the axis, ``is_causal`` with no mask tensor), the
+    gradients reduced over DP and CP. The plan validates, simulates, and each rank sends its own share; a
+    sequence that cp · tp does not divide is refused in one line."""
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.planner.config_plan import context_views, plan_config, simulate_config, stage_mesh, stage_setup
+    from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.validate import validate
+    from meshpilot.planner.zero import ZeroMode
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    cfg = parse_config("tp=2,cp=2,pp=2,dp=2,microbatches=4")
+    assert stage_mesh(cfg) == (2, 2, 2) and cfg.devices == 16
+    # [TP, CP, PP, DP], TP fastest: group p's (DP, CP, TP) mesh holds t + 2 (c + 2 (p + 2 d))
+    assert stage_ranks(cfg)[0] == (0, 1, 2, 3, 8, 9, 10, 11)
+    built = build_hf("llama", TINY, batch=cfg.graph_batch, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    calls = [n for n in stack.graph.nodes if n.target == "meshpilot.sdpa.default"]
+    assert calls and all(len(n.inputs) == 3 for n in calls)  # q, k, v: is_causal, no [b, 1, t, t] mask
+    sp = StagePlanner(stack.graph, "dgx-h100:2")
+    mesh = stage_mesh(cfg)
+    st, planner, force = stage_setup(built.model, built.inputs, stack, sp.cluster, cfg, sp, mesh)
+    assert force["input:0"] == force["input:1"] == "S(0)S(1)R"
+    assert force["model.model.layers.1.self_attn.q_proj.weight"] == "RRS(0)"  # whole over DP and CP
+    adds = {v for k, v in force.items() if k in stack.graph.by_name and stack.graph[k].target == "aten.add.Tensor"}
+    assert adds == {"S(0)S(1)S(1)"}  # the residual stream: the sequence over CP, then over TP
+    assert "S(0)S(1)S(1)" in {v for k, v in force.items() if k.startswith("boundary")}
+    with context_views(cfg):
+        planner.plan(
+            st.middle, st.middle + 1, stage_ranks(cfg)[0], mesh, microbatches=1, zero=ZeroMode.OFF, force=force
+        )
+    on_cp = [c for c in planner.last_collectives() if c.axis == 1]
+    sends = [c for c in on_cp if c.kind == CollectiveKind.SEND]
+    assert sends and all(c.nbytes > 0 for c in sends)  # the ring passes key/value blocks on the CP axis
+    assert {c.phase for c in sends} == {"fwd", "bwd"}
+    # the weights' gradients are reduced over DP and CP (each CP rank's share of the sequence's sum)
+    grads = {c.dst for c in on_cp if c.kind == "all_reduce" and c.dst.startswith("grad:")}
+    assert any(g.endswith("q_proj.weight") for g in grads)
+
+    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    assert all(s.mesh_shape == (2, 2, 2) for s in cp.plan.stages)
+    validate(cp.plan, world_size=16)
+    assert cp.plan.send_split == 2 * 2 * 2  # each (DP, CP, TP) rank sends its own share of the boundary
+    assert simulate_config(cp).step_s >= cp.plan.step_s * 0.99 > 0
+    with pytest.raises(UserError, match="does not split") as e:
+        plan_config(built.model, built.inputs, stack, sp.cluster, parse_config("tp=2,cp=3,pp=2,dp=2"), planner=sp)
+    assert "\n" not in str(e.value)
+
+
 def test_refused_rows_say_why_and_simulate_nothing():
     for row in bf.ROWS:
-        if row.name.endswith("cp16") or row.refused:
+        if row.refused:
             res = bf.run_row(row)
             assert res.simulated is None and res.refused and "\n" not in res.refused
             assert res.to_json()["simulated_as_published"] is None
