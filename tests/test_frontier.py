@@ -357,6 +357,32 @@ def test_config_search_beats_the_stated_config_within_its_memory_and_every_candi
     assert ests == sorted(ests) and res.enumerated >= len(res.leading)
 
 
+def test_config_search_offers_context_parallelism_for_long_sequences_only():
+    """From 32,768 tokens the search offers TP of a whole server with CP 1, 2, 4, …, each CP rank keeping at least
+    8,192 tokens (Llama 3's CP16 at 131,072), one sequence a replica's microbatch; below, every TP and CP 1 (the 8K
+    rows' searches as they were)."""
+    from meshpilot.planner.config_search import config_string, enumerate_configs, tp_cp
+
+    cl = load_cluster("llama3-h100")
+    assert tp_cp(cl, 16384, 8192) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert tp_cp(cl, 16384, 131072) == [(8, 1), (8, 2), (8, 4), (8, 8), (8, 16)]
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision="bf16")
+    small = load_cluster("dgx-h100:2")
+    import meshpilot.planner.config_search as cs
+
+    old = cs.CONTEXT_FROM, cs.CONTEXT_SHARD
+    try:
+        cs.CONTEXT_FROM, cs.CONTEXT_SHARD = 64, 16
+        got = enumerate_configs(stack, small, 16, 8, "bf16", seq=64)
+    finally:
+        cs.CONTEXT_FROM, cs.CONTEXT_SHARD = old
+    with_cp = [c for c in got if c.cp > 1]
+    assert {c.cp for c in with_cp} == {2} and all(c.tp == 8 and c.micro_batch == 1 for c in with_cp)
+    assert all(c.devices == 16 and c.global_batch == 8 and c.tp == 8 for c in got)
+    assert parse_config(config_string(with_cp[0])) == with_cp[0]
+
+
 def test_config_auto_needs_the_batch_and_help_names_it(capsys):
     from meshpilot.cli.main import main
 

@@ -42,6 +42,7 @@ torchrun, or `meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import time
@@ -373,6 +374,7 @@ CONFIG_CONFLICTS = ("mesh", "force", "stages", "pipeline", "schedule", "microbat
 
 def run_config(args: argparse.Namespace, cluster: Any) -> int:
     """``meshpilot plan --config``: the configuration's plan (``planner.config_plan``), its simulated step."""
+    from meshpilot.models.sources import unpacked_sequences
     from meshpilot.planner.config_plan import parse_config, plan_config
     from meshpilot.planner.stack import Stack, capture_stack
 
@@ -392,7 +394,11 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
         check_out(args.out)
     progress = make_console(stderr=True)
     built = build_model(args.model, batch=cfg.graph_batch, **_model_kw(args))
-    with progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"):
+    unpacked = unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext()  # is_causal, no mask tensor
+    with (
+        progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"),
+        unpacked,
+    ):
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(
