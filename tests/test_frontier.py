@@ -383,6 +383,33 @@ def test_config_search_offers_context_parallelism_for_long_sequences_only():
     assert parse_config(config_string(with_cp[0])) == with_cp[0]
 
 
+def test_context_parallel_pieces_plan_on_cp_tp_as_on_one_cp_tp():
+    """The search's CP pieces are planned on ``(CP, TP)``, the pins of ``(1, CP, TP)`` without their axis of one
+    device: the block's plan costs what it costs on ``(1, CP, TP)`` (its CP gradient reduction taken out, once a
+    step), and holds the same memory."""
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.planner.config_plan import ParallelConfig, context_views, stage_setup
+    from meshpilot.planner.config_search import plan_pieces
+    from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.zero import ZeroMode
+
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision="bf16")
+    sp = StagePlanner(stack.graph, "dgx-h100:1")
+    pieces = plan_pieces(built.model, built.inputs, stack, sp, 2, 2)
+    cfg = ParallelConfig(tp=2, cp=2)
+    st, planner, force = stage_setup(built.model, built.inputs, stack, sp.cluster, cfg, sp, (1, 2, 2))
+    with context_views(cfg):
+        kw = dict(microbatches=1, zero=ZeroMode.OFF, force=force)
+        cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, (0, 1, 2, 3), (1, 2, 2), **kw)
+    once = sum(x.seconds for x in planner.last_collectives() if x.axis == 1 and x.dst.startswith("grad:"))
+    t = cost.time
+    assert once > 0
+    assert pieces.block.per_mb_s == pytest.approx(t.compute_s + t.communication_s + t.resharding_s - once, rel=1e-6)
+    assert pieces.block.memory == mem
+
+
 def test_config_auto_needs_the_batch_and_help_names_it(capsys):
     from meshpilot.cli.main import main
 

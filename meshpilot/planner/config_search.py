@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -276,8 +277,10 @@ def plan_pieces(
     model: torch.nn.Module, inputs: Sequence[Any], stack: Stack, sp: StagePlanner, tp: int, cp: int = 1
 ) -> Pieces | None:
     """:class:`Pieces` at TP `tp` and CP `cp` (module docstring, 2) of `stack`, the one-sequence capture of
-    `model` on `inputs` (recomputed or not), planned by `sp` on ``(1, tp)`` or ``(1, cp, tp)``; None when a piece
-    has no plan (e.g. heads that TP does not divide)."""
+    `model` on `inputs` (recomputed or not), planned by `sp` on ``(1, tp)`` or, with CP, on ``(cp, tp)``: the pins of
+    ``(1, cp, tp)`` without their DP axis of one device (the same plans; DTensor's expansion of each op's
+    strategies over three axes was most of the search's time); None when a piece has no plan (e.g. heads that TP
+    does not divide)."""
     recompute = recompute_of(stack)
     cfg = ParallelConfig(tp=tp, cp=cp)
     mesh = stage_mesh(cfg)
@@ -285,6 +288,8 @@ def plan_pieces(
         stack, sp, force = stage_setup(model, inputs, stack, sp.cluster, cfg, sp, mesh)
     except UserError:
         return None
+    if cp > 1:
+        mesh, force = mesh[1:], {k: _without_first_axis(v) for k, v in force.items()}
     ranks = stage_ranks(cfg)[0]
     end = len(sp.layers)
     ranges = [(0, stack.pre), (stack.middle, stack.middle + 1), (end - stack.post, end)]
@@ -298,10 +303,16 @@ def plan_pieces(
         t = cost.time
         # the gradients' reduction over CP happens once a step: the estimate's sync over DP · CP prices it
         once = (
-            sum(x.seconds for x in sp.last_collectives() if x.axis == 1 and x.dst.startswith("grad:")) if cp > 1 else 0
+            sum(x.seconds for x in sp.last_collectives() if x.axis == 0 and x.dst.startswith("grad:")) if cp > 1 else 0
         )
         got.append(Piece(t.compute_s + t.communication_s + t.resharding_s - once, t.optimizer_s, mem))
     return Pieces(tp, recompute, *got)
+
+
+def _without_first_axis(layout: str) -> str:
+    """A layout string (``S(0)S(1)R``, ``P(sum)RR``) without its first axis' placement."""
+    first = re.match(r"S\(\d+\)|P\(\w+\)|P|R", layout)
+    return layout[first.end() :] if first else layout
 
 
 def _scaled(m: StageMemory, mb: int) -> StageMemory:
