@@ -57,8 +57,9 @@ The plan
   ``models.sources.unpacked_sequences`` calls it ``is_causal`` with no ``[b, 1, t, t]`` mask tensor. The
   gradients are reduced over DP and CP together; each rank sends its own share of a boundary
   (``send_split`` = DP · CP · TP with SP). Attention is priced as every other op, its full (non-causal)
-  FLOPs split over CP: the ring's contiguous shards leave its last rank nearly that much work (it skips only
-  the blocks after its rows), so the price is the slowest rank's, not Llama 3's load-balanced half.
+  FLOPs split over CP: contiguous shards (the ring's, or the all-gather method's query rows) leave the last CP
+  rank nearly that much work (its rows see every key), so the price is the slowest rank's, not Llama 3's
+  load-balanced half.
 
 Refused in one line, since the planner cannot represent them yet: ``ep > 1`` (expert parallelism; dense models
 here), ``zero`` above 0; ``cp > 1`` with ``micro_batch`` above 1 or a sequence that ``cp · tp`` does not divide.
