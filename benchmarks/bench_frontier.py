@@ -30,6 +30,7 @@ in ``planning_cpu_s``), ``planned_config`` the configuration it chose (``--confi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshpilot.errors import UserError
-from meshpilot.models.sources import build_hf
+from meshpilot.models.sources import build_hf, unpacked_sequences
 from meshpilot.planner.config_plan import (
     Breakdown,
     breakdown,
@@ -182,7 +183,8 @@ def run_row(
         return out
     t0 = time.perf_counter()
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():  # is_causal, no mask tensor
+        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(f"{row.name}: the model is not a repeated stack of blocks; the frontier rows need one")
     out.capture_s = time.perf_counter() - t0
@@ -273,27 +275,37 @@ def show(results: list[Result]) -> None:
 
 
 def block_plans(row: Row) -> None:
-    """One block of `row`'s published configuration planned on its first pipeline group's ``(DP, TP)`` mesh, with
-    and without sequence parallelism (``config_plan.stage_setup``, the pins and stack ``plan_config`` uses; SP
-    gathers each norm output again in the backward): one microbatch's compute, resharding (TP), other
-    communication (the DP sync), saved activations, static bytes and live peak, the stage planner's numbers."""
-    from meshpilot.planner.config_plan import stage_ranks, stage_setup
+    """One block of `row`'s published configuration planned on its first pipeline group's mesh (``(DP, TP)``, or
+    ``(DP, CP, TP)`` with context parallelism), with and without sequence parallelism (``config_plan.stage_setup``,
+    the pins and stack ``plan_config`` uses; SP gathers each norm output again in the backward): one
+    microbatch's compute, resharding (TP), other communication (the DP sync), saved activations, static bytes and
+    live peak, the stage planner's numbers, and the collectives' seconds per mesh axis and phase."""
+    from meshpilot.planner.config_plan import context_views, stage_mesh, stage_ranks, stage_setup
     from meshpilot.planner.zero import ZeroMode
 
     cfg = parse_config(row.config)
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():
+        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     base = StagePlanner(stack.graph, row.cluster)
-    mesh, ranks = (cfg.dp, cfg.tp), stage_ranks(cfg)[0]
+    mesh, ranks = stage_mesh(cfg), stage_ranks(cfg)[0]
+    names = ("DP", "TP") if len(mesh) == 2 else ("DP", "CP", "TP")
     for sp in (0, 1):
         c = parse_config(f"{row.config},sp={sp}")
         st, planner, force = stage_setup(built.model, built.inputs, stack, base.cluster, c, base, mesh)
         kw = dict(microbatches=1, zero=ZeroMode.OFF, force=force)
-        cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, ranks, mesh, **kw)
+        with context_views(c):
+            cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, ranks, mesh, **kw)
         t = cost.time
         print(f"{row.name} block, sp={sp}: compute {t.compute_s * 1e3:.2f} ms, resharding {t.resharding_s * 1e3:.2f} "
               f"ms, other comm. {t.communication_s * 1e3:.2f} ms, saved {mem.saved / 1e6:,.0f} MB, static "
               f"{mem.static / 1e9:.2f} GB, live peak {mem.live_peak / 1e9:.2f} GB")  # fmt: skip
+        per: dict[tuple[str, str, str], list[float]] = {}
+        for x in planner.last_collectives():
+            got = per.setdefault((names[x.axis], x.phase, str(x.kind)), [0, 0.0])
+            got[0], got[1] = got[0] + 1, got[1] + x.seconds
+        for (axis, phase, kind), (n, secs) in sorted(per.items()):
+            print(f"    {axis:<2} {phase:<3} {kind:<14} {n:3d} × → {secs * 1e3:8.2f} ms")
 
 
 def main() -> None:

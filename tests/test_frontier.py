@@ -55,7 +55,8 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     assert cfg.schedule == PipelineKind.INTERLEAVED_1F1B and cfg.split == Split.ENDS
     assert cfg.devices == 8192 and cfg.global_batch == 64 * 32 and cfg.graph_batch == 64
     for text, needle in [
-        ("tp=8,cp=16", "context parallelism"),
+        ("tp=8,cp=16,micro_batch=2", "micro_batch=1"),
+        ("tp=8,cp=0", "give at least 1"),
         ("tp=8,zero=1", "ZeRO over pinned layouts"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
@@ -231,9 +232,62 @@ def test_one_chunk_counts_come_off_one_schedule_as_each_stage_counted_them():
     assert set(held_one_chunk(PipelineKind.ZERO_BUBBLE, 4, 8)) == {4}  # ZB-H1: min(B, p), every stage
 
 
+def test_context_parallel_config_plans_the_sequence_on_an_axis_of_its_own():
+    """``cp=2`` (the 131,072-token row's CP16, reduced): each pipeline group a ``(DP, CP, TP)`` mesh in Llama 3's
+    rank order; the token ids, the residual stream and the stage boundaries sharded on the sequence over CP
+    (``S(1)``, with SP over TP as well: ``S(0)S(1)S(1)``), the weights whole over it; attention sequence-parallel on
+    the CP axis by the ring (its key/value blocks sent round the axis, ``is_causal`` with no mask tensor), the
+    gradients reduced over DP and CP. The plan validates, simulates, and each rank sends its own share; a
+    sequence that cp · tp does not divide is refused in one line."""
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.planner.config_plan import context_views, plan_config, simulate_config, stage_mesh, stage_setup
+    from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.validate import validate
+    from meshpilot.planner.zero import ZeroMode
+    from meshpilot.sharding.reshard import CollectiveKind
+
+    cfg = parse_config("tp=2,cp=2,pp=2,dp=2,microbatches=4")
+    assert stage_mesh(cfg) == (2, 2, 2) and cfg.devices == 16
+    # [TP, CP, PP, DP], TP fastest: group p's (DP, CP, TP) mesh holds t + 2 (c + 2 (p + 2 d))
+    assert stage_ranks(cfg)[0] == (0, 1, 2, 3, 8, 9, 10, 11)
+    built = build_hf("llama", TINY, batch=cfg.graph_batch, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    calls = [n for n in stack.graph.nodes if n.target == "meshpilot.sdpa.default"]
+    assert calls and all(len(n.inputs) == 3 for n in calls)  # q, k, v: is_causal, no [b, 1, t, t] mask
+    sp = StagePlanner(stack.graph, "dgx-h100:2")
+    mesh = stage_mesh(cfg)
+    st, planner, force = stage_setup(built.model, built.inputs, stack, sp.cluster, cfg, sp, mesh)
+    assert force["input:0"] == force["input:1"] == "S(0)S(1)R"
+    assert force["model.model.layers.1.self_attn.q_proj.weight"] == "RRS(0)"  # whole over DP and CP
+    adds = {v for k, v in force.items() if k in stack.graph.by_name and stack.graph[k].target == "aten.add.Tensor"}
+    assert adds == {"S(0)S(1)S(1)"}  # the residual stream: the sequence over CP, then over TP
+    assert "S(0)S(1)S(1)" in {v for k, v in force.items() if k.startswith("boundary")}
+    with context_views(cfg):
+        planner.plan(
+            st.middle, st.middle + 1, stage_ranks(cfg)[0], mesh, microbatches=1, zero=ZeroMode.OFF, force=force
+        )
+    on_cp = [c for c in planner.last_collectives() if c.axis == 1]
+    sends = [c for c in on_cp if c.kind == CollectiveKind.SEND]
+    assert sends and all(c.nbytes > 0 for c in sends)  # the ring passes key/value blocks on the CP axis
+    assert {c.phase for c in sends} == {"fwd", "bwd"}
+    # the weights' gradients are reduced over DP and CP (each CP rank's share of the sequence's sum)
+    grads = {c.dst for c in on_cp if c.kind == "all_reduce" and c.dst.startswith("grad:")}
+    assert any(g.endswith("q_proj.weight") for g in grads)
+
+    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    assert all(s.mesh_shape == (2, 2, 2) for s in cp.plan.stages)
+    validate(cp.plan, world_size=16)
+    assert cp.plan.send_split == 2 * 2 * 2  # each (DP, CP, TP) rank sends its own share of the boundary
+    assert simulate_config(cp).step_s >= cp.plan.step_s * 0.99 > 0
+    with pytest.raises(UserError, match="does not split") as e:
+        plan_config(built.model, built.inputs, stack, sp.cluster, parse_config("tp=2,cp=3,pp=2,dp=2"), planner=sp)
+    assert "\n" not in str(e.value)
+
+
 def test_refused_rows_say_why_and_simulate_nothing():
     for row in bf.ROWS:
-        if row.name.endswith("cp16") or row.refused:
+        if row.refused:
             res = bf.run_row(row)
             assert res.simulated is None and res.refused and "\n" not in res.refused
             assert res.to_json()["simulated_as_published"] is None
@@ -301,6 +355,59 @@ def test_config_search_beats_the_stated_config_within_its_memory_and_every_candi
     # estimates are ordered, and each is the pieces' price of its configuration
     ests = [c.estimate_s for c in res.leading]
     assert ests == sorted(ests) and res.enumerated >= len(res.leading)
+
+
+def test_config_search_offers_context_parallelism_for_long_sequences_only():
+    """From 32,768 tokens the search offers TP of a whole server with CP 1, 2, 4, …, each CP rank keeping at least
+    8,192 tokens (Llama 3's CP16 at 131,072), one sequence a replica's microbatch; below, every TP and CP 1 (the 8K
+    rows' searches as they were)."""
+    from meshpilot.planner.config_search import config_string, enumerate_configs, tp_cp
+
+    cl = load_cluster("llama3-h100")
+    assert tp_cp(cl, 16384, 8192) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert tp_cp(cl, 16384, 131072) == [(8, 1), (8, 2), (8, 4), (8, 8), (8, 16)]
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision="bf16")
+    small = load_cluster("dgx-h100:2")
+    import meshpilot.planner.config_search as cs
+
+    old = cs.CONTEXT_FROM, cs.CONTEXT_SHARD
+    try:
+        cs.CONTEXT_FROM, cs.CONTEXT_SHARD = 64, 16
+        got = enumerate_configs(stack, small, 16, 8, "bf16", seq=64)
+    finally:
+        cs.CONTEXT_FROM, cs.CONTEXT_SHARD = old
+    with_cp = [c for c in got if c.cp > 1]
+    assert {c.cp for c in with_cp} == {2} and all(c.tp == 8 and c.micro_batch == 1 for c in with_cp)
+    assert all(c.devices == 16 and c.global_batch == 8 and c.tp == 8 for c in got)
+    assert parse_config(config_string(with_cp[0])) == with_cp[0]
+
+
+def test_context_parallel_pieces_plan_on_cp_tp_as_on_one_cp_tp():
+    """The search's CP pieces are planned on ``(CP, TP)``, the pins of ``(1, CP, TP)`` without their axis of one
+    device: the block's plan costs what it costs on ``(1, CP, TP)`` (its CP gradient reduction taken out, once a
+    step), and holds the same memory."""
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.planner.config_plan import ParallelConfig, context_views, stage_setup
+    from meshpilot.planner.config_search import plan_pieces
+    from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.zero import ZeroMode
+
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision="bf16")
+    sp = StagePlanner(stack.graph, "dgx-h100:1")
+    pieces = plan_pieces(built.model, built.inputs, stack, sp, 2, 2)
+    cfg = ParallelConfig(tp=2, cp=2)
+    st, planner, force = stage_setup(built.model, built.inputs, stack, sp.cluster, cfg, sp, (1, 2, 2))
+    with context_views(cfg):
+        kw = dict(microbatches=1, zero=ZeroMode.OFF, force=force)
+        cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, (0, 1, 2, 3), (1, 2, 2), **kw)
+    once = sum(x.seconds for x in planner.last_collectives() if x.axis == 1 and x.dst.startswith("grad:"))
+    t = cost.time
+    assert once > 0
+    assert pieces.block.per_mb_s == pytest.approx(t.compute_s + t.communication_s + t.resharding_s - once, rel=1e-6)
+    assert pieces.block.memory == mem
 
 
 def test_config_auto_needs_the_batch_and_help_names_it(capsys):

@@ -42,6 +42,7 @@ torchrun, or `meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import time
@@ -249,7 +250,8 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         help="plan a published configuration as stated, searching nothing but each stage's operators: tp, pp, dp "
         "degrees, schedule (1f1b, zb-h1, interleaved-1f1b with virtual=V chunks a group), microbatches, micro_batch, "
         "recompute=none|selective|full, zero, precision, split=even|ends, sp=1|0 (Megatron's sequence parallelism, "
-        "on by default where tp > 1; cp and ep are refused); Llama 3's rank order, Megatron's "
+        "on by default where tp > 1), cp (context parallelism: the sequence on a CP axis, one sequence a replica's "
+        "microbatch; ep is refused); Llama 3's rank order, Megatron's "
         "layouts (meshpilot/planner/config_plan.py), e.g. tp=8,pp=16,dp=64,"
         "schedule=interleaved-1f1b,virtual=8,microbatches=32 (--batch, if given, must be dp x microbatches x "
         "micro_batch); a model of repeated blocks. --config auto: meshpilot searches the configuration itself "
@@ -372,6 +374,7 @@ CONFIG_CONFLICTS = ("mesh", "force", "stages", "pipeline", "schedule", "microbat
 
 def run_config(args: argparse.Namespace, cluster: Any) -> int:
     """``meshpilot plan --config``: the configuration's plan (``planner.config_plan``), its simulated step."""
+    from meshpilot.models.sources import unpacked_sequences
     from meshpilot.planner.config_plan import parse_config, plan_config
     from meshpilot.planner.stack import Stack, capture_stack
 
@@ -391,7 +394,11 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
         check_out(args.out)
     progress = make_console(stderr=True)
     built = build_model(args.model, batch=cfg.graph_batch, **_model_kw(args))
-    with progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"):
+    unpacked = unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext()  # is_causal, no mask tensor
+    with (
+        progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"),
+        unpacked,
+    ):
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(

@@ -230,6 +230,27 @@ class HFLoss(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, **dict(zip(self.extra, more))).loss
 
 
+@contextlib.contextmanager
+def unpacked_sequences():
+    """While capturing a Hugging Face decoder: every row one whole sequence, as eager training on these inputs
+    runs it. transformers looks for packed sequences in the position ids, and under fake tensors it cannot read
+    them, so it builds the causal mask as a ``[b, 1, t, t]`` tensor; on real unpacked ids it skips the mask and
+    calls attention with ``is_causal``. Inside this context the search for packing answers "none", so the
+    capture holds the ``is_causal`` call eager runs (context parallelism plans it without a mask tensor, which
+    at 131,072 tokens would hold 17 G elements a sequence)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    was = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = was
+
+
 def _transformers():
     try:
         import transformers

@@ -8,8 +8,9 @@ operators under the pinned layouts — so that ``Plan.simulate`` can be held aga
 The plan
 --------
 * **Ranks** (:func:`stage_ranks`): Llama 3's order ``[TP, CP, PP, DP]``, TP fastest (§3.3.2): rank
-  ``t + TP · (c + CP · (p + PP · d))``; pipeline group p's ranks form a ``(DP, TP)`` logical mesh, TP on
-  consecutive ranks (inside a server when TP ≤ 8).
+  ``t + TP · (c + CP · (p + PP · d))``; pipeline group p's ranks form a ``(DP, TP)`` logical mesh, or
+  ``(DP, CP, TP)`` with context parallelism (:func:`stage_mesh`), TP on consecutive ranks (inside a server
+  when TP ≤ 8); a CP group of 16 at TP 8 spans 16 servers.
 * **Stages** (:func:`stage_bounds`): PP · V chunks (V = ``virtual``: the chunks each pipeline group holds,
   interleaved 1F1B when V > 1; chunk j on group j mod PP). ``split=even``: the blocks cut evenly, the
   embeddings with the first chunk and the head with the last. ``split=ends`` (Llama 3 §3.3.2 balances its
@@ -43,9 +44,25 @@ The plan
   block's selective region (``planner.recompute``, *Selective recomputation*): its matrix products' and
   attention's outputs kept, its norms, activations, rotary and copies run again in the backward.
 
-Refused in one line, since the planner cannot represent them yet: ``cp > 1`` (context parallelism: one-stage
-plans have it, a pipeline of ``(DP, CP, TP)`` stages is not planned), ``ep > 1``
-(expert parallelism; dense models here), ``zero`` above 0.
+* **Context parallelism** (``cp`` > 1; Llama 3's 131,072-token stage): each pipeline group a ``(DP, CP, TP)``
+  mesh, the sequence on the CP axis of its own. Megatron's pins are made on ``(DP, TP)`` and each given a
+  placement on CP (:func:`context_pins`), as TP's are pinned, so that the ILP's pieces on three axes stay
+  within its budget: weights whole over CP, the token ids and labels, every pinned ``[batch, seq, …]`` value
+  (the residual adds, the norm outputs) and the stage boundaries sharded on the sequence (``S(1)``; with SP the
+  residual stream ``S(0)S(1)S(1)``: the sequence over CP, each CP shard over TP), every pinned ``[batch · seq,
+  …]`` product on its rows. One sequence a replica's microbatch (``micro_batch=1``), so the rows of a product
+  are the sequence: ``sharding.strategies.folded_views`` lets the reshapes between the two keep the CP shard
+  (DTensor would gather it; :func:`context_views`). Attention is left to the ILP between its sequence-parallel
+  methods (``ops.attention``: the ring, the all-gather method by query rows, Ulysses); a capture made under
+  ``models.sources.unpacked_sequences`` calls it ``is_causal`` with no ``[b, 1, t, t]`` mask tensor. The
+  gradients are reduced over DP and CP together; each rank sends its own share of a boundary
+  (``send_split`` = DP · CP · TP with SP). Attention is priced as every other op, its full (non-causal)
+  FLOPs split over CP: contiguous shards (the ring's, or the all-gather method's query rows) leave the last CP
+  rank nearly that much work (its rows see every key), so the price is the slowest rank's, not Llama 3's
+  load-balanced half.
+
+Refused in one line, since the planner cannot represent them yet: ``ep > 1`` (expert parallelism; dense models
+here), ``zero`` above 0; ``cp > 1`` with ``micro_batch`` above 1 or a sequence that ``cp · tp`` does not divide.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
@@ -105,7 +122,8 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (Megatron-LM's column / row pairs), inside a server."""
     cp: int = 1
-    """Context-parallel degree; refused above 1 (not modelled)."""
+    """Context-parallel degree: the sequence sharded over a mesh axis of its own (module docstring, *Context
+    parallelism*)."""
     pp: int = 1
     """Pipeline groups."""
     dp: int = 1
@@ -192,10 +210,10 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
             raise UserError(f"--config {key}={getattr(cfg, key)}: give at least 1")
     if cfg.sp not in (0, 1):
         raise UserError(f"--config sp={cfg.sp}: sequence parallelism is on (1) or off (0); give sp=1 or sp=0")
-    if cfg.cp > 1:
+    if cfg.cp > 1 and cfg.micro_batch != 1:
         raise UserError(
-            f"--config cp={cfg.cp}: context parallelism is not offered by --config yet (a pipeline of (DP, CP, TP) "
-            "stages is not planned; docs/frontier.md says what it needs); plan cp=1"
+            f"--config cp={cfg.cp}, micro_batch={cfg.micro_batch}: context parallelism plans one sequence a "
+            "replica's microbatch (its sequence split over CP); give micro_batch=1"
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
@@ -217,10 +235,18 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
     return cfg
 
 
+def stage_mesh(cfg: ParallelConfig) -> tuple[int, ...]:
+    """The logical mesh of a pipeline group: ``(DP, TP)``, or ``(DP, CP, TP)`` with context parallelism."""
+    return (cfg.dp, cfg.tp) if cfg.cp == 1 else (cfg.dp, cfg.cp, cfg.tp)
+
+
 def stage_ranks(cfg: ParallelConfig) -> list[tuple[int, ...]]:
-    """Per pipeline group p, its ranks as a row-major ``(DP, TP)`` mesh (module docstring, *Ranks*)."""
+    """Per pipeline group p, its ranks as a row-major :func:`stage_mesh` (module docstring, *Ranks*)."""
     tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
-    return [tuple(t + tp * (cp * (p + pp * d)) for d in range(cfg.dp) for t in range(tp)) for p in range(pp)]
+    return [
+        tuple(t + tp * (c + cp * (p + pp * d)) for d in range(cfg.dp) for c in range(cp) for t in range(tp))
+        for p in range(pp)
+    ]
 
 
 def stage_bounds(pre: int, blocks: int, post: int, chunks: int, split: Split) -> list[tuple[int, int]]:
@@ -269,25 +295,32 @@ def plan_config(
     t0 = time.perf_counter()
     cfg = check_config(cfg)
     cl = planner.cluster if planner is not None else load_cluster(cluster)
+    first = next(x for x in inputs if isinstance(x, torch.Tensor))
+    if first.shape[0] != cfg.graph_batch:
+        raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
+    if cfg.cp > 1 and (first.dim() < 2 or first.shape[1] % (cfg.cp * cfg.tp)):
+        seq = first.shape[1] if first.dim() >= 2 else 1
+        raise UserError(
+            f"--config cp={cfg.cp}: a sequence of {seq} tokens does not split into cp · tp = {cfg.cp * cfg.tp} "
+            "even shares; give degrees that divide it"
+        )
     if cfg.devices > cl.num_devices:
         raise UserError(
             f"--config {cfg.short()}: {cfg.devices:,} devices, cluster {cl.name!r} has {cl.num_devices:,}; "
             "give a larger cluster"
         )
-    first = next(x for x in inputs if isinstance(x, torch.Tensor))
-    if first.shape[0] != cfg.graph_batch:
-        raise UserError(f"plan_config: inputs of {first.shape[0]} rows; one microbatch is dp · micro_batch rows")
-    mesh = (cfg.dp, cfg.tp)
+    mesh = stage_mesh(cfg)
     stack, sp, force = stage_setup(model, inputs, stack, cl, cfg, planner, mesh)
     chunks = cfg.pp * cfg.virtual
     bounds = stage_bounds(stack.pre, stack.blocks, stack.post, chunks, cfg.split)
     groups = stage_ranks(cfg)
     ranks = [groups[j % cfg.pp] for j in range(chunks)]
     B = cfg.microbatches
-    costs = tuple(
-        compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
-        for (a, b), rk in zip(bounds, ranks)
-    )
+    with context_views(cfg):
+        costs = tuple(
+            compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
+            for (a, b), rk in zip(bounds, ranks)
+        )
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
 
@@ -299,7 +332,7 @@ def stage_setup(
     cluster: Cluster | str,
     cfg: ParallelConfig,
     planner: StagePlanner | None,
-    mesh: tuple[int, int],
+    mesh: tuple[int, ...],
 ) -> tuple[Stack, StagePlanner, dict[str, str]]:
     """The stack a configuration's pieces are planned on, its planner and the pins (module docstring): `stack`
     recomputed (``recompute=full``), Megatron's pins on the `mesh` ``(DP, TP)`` (or data parallelism without
@@ -309,15 +342,73 @@ def stage_setup(
     if cfg.recompute is not Recompute.NONE:
         base, mode = stack, cfg.recompute
         stack = _derived(("recompute", mode.value, id(base)), base, lambda: recomputed_stack(base, mode))
+    flat = (mesh[0], mesh[-1])  # (DP, TP): Megatron's pins, the CP axis put in after (context_pins)
     if cfg.tp > 1:
-        force = megatron_tp(model, inputs, mesh, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
+        force = megatron_tp(model, inputs, flat, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
     else:  # no TP: every weight replicated, the batch over DP (the search would otherwise shard what it likes)
-        force = data_parallel(model, inputs, mesh)
+        force = data_parallel(model, inputs, flat)
     if cfg.sequence_parallel:
         stack = regathered_stack(stack, sequence_gathers(stack.graph, force))
     sp = planner if planner is not None and planner.graph is stack.graph else _planner_of(stack, cluster)
-    force.update(boundary_pins(sp, stack, cfg, force))
+    boundaries = boundary_pins(sp, stack, cfg, force)
+    if len(mesh) == 3:
+        force = context_pins(stack.graph, model, inputs, force, cfg)
+    force.update(boundaries)
     return stack, sp, force
+
+
+def context_views(cfg: ParallelConfig):
+    """The strategy space a configuration's stages are planned in: with context parallelism the reshapes of a
+    batch sharded down to one sequence a replica keep the sequence's CP shard
+    (``sharding.strategies.folded_batch_views``); otherwise DTensor's alone."""
+    import contextlib
+
+    from meshpilot.sharding.strategies import folded_batch_views
+
+    return folded_batch_views() if cfg.cp > 1 else contextlib.nullcontext()
+
+
+def context_pins(
+    graph: OpGraph, model: torch.nn.Module, inputs: Sequence[torch.Tensor], force: dict[str, str], cfg: ParallelConfig
+) -> dict[str, str]:
+    """`force`, pins on the ``(DP, TP)`` mesh, on ``(DP, CP, TP)`` (module docstring, *Context parallelism*): each
+    pin given a placement on the CP axis, as Megatron's TP pins are given on TP, so that the stage planner's
+    pieces stay within its budget on three axes. Weights whole over CP; the inputs (ids, labels) and every
+    pinned ``[batch, seq, …]`` value (the residual adds, the norm outputs, the stage boundaries) sharded on the
+    sequence (``S(1)``); every pinned ``[batch · seq, …]`` product sharded on its rows (``S(0)``: one sequence a
+    replica, so the rows are the sequence); a partial value (the loss) partial over CP too."""
+    rows, seq = cfg.graph_batch, _sequence(inputs)
+    params = {_exact(n) for n, _ in model.named_parameters()}
+    shapes = {f"input:{i}": tuple(x.shape) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+    out = {}
+    for name, lay in force.items():
+        dp, tp = _split_layout(lay)
+        node = graph.by_name.get(name)
+        shape = shapes.get(name) or (tuple(node.out.shape) if node is not None and node.out is not None else None)
+        if name in params or shape is None:
+            c = "R"
+        elif dp == "P":
+            c = "P"
+        elif len(shape) >= 2 and shape[0] == rows and shape[1] == seq:
+            c = "S(1)"
+        elif shape and shape[0] == rows * seq:
+            c = "S(0)"
+        else:
+            c = "R"
+        out[name] = dp + c + tp
+    return out
+
+
+def _split_layout(lay: str) -> tuple[str, str]:
+    """A two-axis layout string (``S(0)S(1)``, ``RP``) as its two placements."""
+    first = lay[:4] if lay.startswith("S(") else lay[:1]
+    return first, lay[len(first) :]
+
+
+def _sequence(inputs: Sequence[torch.Tensor]) -> int:
+    """The sequence length of a language model's inputs (dim 1 of its token ids)."""
+    first = next(x for x in inputs if isinstance(x, torch.Tensor))
+    return int(first.shape[1]) if first.dim() >= 2 else 1
 
 
 _DERIVED: collections.OrderedDict[tuple, tuple[Stack, Any]] = collections.OrderedDict()
@@ -406,7 +497,7 @@ def boundary_pins(
     between blocks and its gradient — is sharded on the sequence over TP too (``S(0)S(1)``; ``RS(1)`` at DP 1), as
     Megatron keeps it; the rotary tables and masks stay whole over TP."""
     residual = residual_shapes(stack.graph, force or {}) if cfg.sequence_parallel else set()
-    if cfg.dp == 1 and not residual:
+    if cfg.dp == 1 and cfg.cp == 1 and not residual:
         return {}  # an axis of one device is R
     p, end = stack.pre, len(sp.layers)
     pieces = [(stack.middle, stack.middle + 1)]
@@ -416,10 +507,13 @@ def boundary_pins(
     pins = {}
     for a, b in pieces:
         for name, n in received_row_leaves(slice_graph(stack.graph, a, b, sp.layers), cfg.graph_batch):
-            if tuple(n.out.shape) in residual:
-                pins[_exact(name)] = rows + "S(1)"  # the sequence over TP
-            elif cfg.dp > 1:
-                pins[_exact(name)] = rows + "R"  # whole on every TP rank
+            shape = tuple(n.out.shape)
+            # with context parallelism, a [batch, seq, …] boundary on the sequence over CP (the middle axis)
+            cp = "" if cfg.cp == 1 else "S(1)" if len(shape) >= 2 and shape[1] % cfg.cp == 0 and shape[1] > 1 else "R"
+            if shape in residual:
+                pins[_exact(name)] = rows + cp + "S(1)"  # the sequence over TP
+            elif cfg.dp > 1 or cfg.cp > 1:
+                pins[_exact(name)] = rows + cp + "R"  # whole on every TP rank
     return pins
 
 
@@ -452,7 +546,7 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
         tuple(stages), B, cfg.devices, clustering, float(sp.cluster.device.memory_bytes), 0.0,
         time.perf_counter() - t0, 0, 0, kind, StageCosting.STACK,
         transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster, stack), cluster=sp.cluster.name,
-        send_split=cfg.dp * (cfg.tp if cfg.sequence_parallel else 1),
+        send_split=cfg.dp * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1),
     )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 

@@ -13,13 +13,17 @@ schedules 1F1B and ZB-H1 (v = 1) and interleaved 1F1B (v ≥ 2 chunks a group, B
 p · v cut by ``config_plan.stage_bounds`` (``split=even`` or ``ends``); recomputation none, selective or full.
 GPipe is
 left out: 1F1B has its bubble with fewer microbatches in flight. p = 1 is a single stage (1F1B of one stage:
-gradient accumulation over B).
+gradient accumulation over B). Context parallelism (:func:`tp_cp`): for sequences of at least
+:data:`CONTEXT_FROM` tokens, TP is a whole server's and CP c (1, 2, 4, … while each CP rank keeps at least
+:data:`CONTEXT_SHARD` tokens) divides N / t too, d = N / (t · c · p), with one sequence a microbatch (m = 1).
 
 2. Pieces, priced once per (TP, recomputation) (:class:`Pieces`)
 ----------------------------------------------------------------
 The model captured once with one sequence (``stack.capture_stack``; with every block recomputed, whole for
 ``recompute=full`` or its selective region for ``selective``: ``config_plan.recomputed_stack``); its three pieces —
-the pre layers, one middle block, the post layers — planned on a ``(1, t)`` mesh of one server's ranks under
+the pre layers, one middle block, the post layers — planned on a ``(1, t)`` mesh of one server's ranks (``(1, c,
+t)`` with CP: ``config_plan``'s pins and views, the sequence on the CP axis; the gradients' reduction over CP
+taken out of the per-microbatch time, since the step's sync prices it) under
 Megatron's pins with sequence parallelism, its norm outputs gathered again in the backward, and the boundary pins
 (``config_plan.stage_setup``, what ``plan_config`` plans at ``sp=1``, its default):
 per microbatch of one sequence each piece's time ``τ_x`` (compute, TP collectives,
@@ -37,7 +41,8 @@ Group g (chunks j ≡ g mod p) works ``w_g = Σ_j t_j`` a microbatch; with the b
 β the pipeline's fill and drain in microbatches of a group: ``p − 1`` for 1F1B, ``(p − 1) / v`` interleaved,
 ``(p − 1) / 3`` for ZB-H1 (its bubble ``(p − 1)(F + I − W)`` with F, I, W about equal), 0 for one stage.
 ``AR_DP`` is the gradient all-reduce over the group's DP axis by the cost model (``cluster.CostModel`` on the
-group's ``(DP, TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it). The sends between stages are left
+group's ``(DP, TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it; with CP over its ``DP · CP`` ranks).
+The sends between stages are left
 out of the estimate (the simulation has them).
 
 Memory bound (Eq. 5 per group, ``config_plan.group_bound``): chunk j composed from its pieces
@@ -64,7 +69,9 @@ planned candidate with the shortest simulated step.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -75,11 +82,13 @@ import torch
 
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
 from meshpilot.errors import UserError
+from meshpilot.models.sources import unpacked_sequences
 from meshpilot.planner.config_plan import (
     ConfigPlan,
     ParallelConfig,
     Recompute,
     Split,
+    context_views,
     group_bound,
     group_memory,
     plan_config,
@@ -87,6 +96,7 @@ from meshpilot.planner.config_plan import (
     recomputed_stack,
     simulate_config,
     stage_bounds,
+    stage_mesh,
     stage_ranks,
     stage_setup,
 )
@@ -112,6 +122,12 @@ simulation of one grows with them (Llama 3's 16,384-GPU configuration runs 2,048
 stages and 128 microbatches took minutes)."""
 RECOMPUTES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 """Recomputation choices it tries: none, every block's selective region, or every block whole."""
+CONTEXT_FROM = 32768
+"""Sequences at least this long are offered context parallelism (module docstring, 1); shorter ones plan CP 1,
+as Llama 3 did below its 128K stage."""
+CONTEXT_SHARD = 8192
+"""The fewest tokens a CP rank keeps of a sequence: Llama 3's CP16 at 131,072 tokens leaves each CP rank 8,192, the
+sequence of its short-context stages (higher degrees would thin every GEMM's rows)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +142,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The pre layers, one block and the post layers at one (TP, recomputation)."""
+    """The pre layers, one block and the post layers at one (TP, CP, recomputation)."""
 
     tp: int
     recompute: Recompute
@@ -176,7 +192,8 @@ class SearchResult:
 
 def config_string(cfg: ParallelConfig) -> str:
     """`cfg` as ``--config`` reads it (``config_plan.parse_config``)."""
-    parts = [f"tp={cfg.tp}", f"pp={cfg.pp}", f"dp={cfg.dp}", f"schedule={cfg.schedule.value}"]
+    parts = [f"tp={cfg.tp}", *([f"cp={cfg.cp}"] if cfg.cp > 1 else []), f"pp={cfg.pp}", f"dp={cfg.dp}"]
+    parts.append(f"schedule={cfg.schedule.value}")
     if cfg.virtual > 1:
         parts.append(f"virtual={cfg.virtual}")
     parts += [f"microbatches={cfg.microbatches}", f"micro_batch={cfg.micro_batch}"]
@@ -196,20 +213,39 @@ def _server(cluster: Cluster) -> int:
 
 
 def enumerate_configs(
-    stack: Stack, cluster: Cluster, devices: int, global_batch: int, precision: str
+    stack: Stack, cluster: Cluster, devices: int, global_batch: int, precision: str, seq: int = 0
 ) -> list[ParallelConfig]:
-    """Every configuration of module docstring 1 whose chunks cut `stack`'s blocks."""
+    """Every configuration of module docstring 1 whose chunks cut `stack`'s blocks (CP offered for a sequence of
+    `seq` tokens: :func:`tp_cp`)."""
     out = []
-    for t in (x for x in _divisors(_server(cluster)) if devices % x == 0):
-        for p in _divisors(devices // t):
-            d = devices // (t * p)
-            for m in (x for x in MICRO_BATCHES if global_batch % (d * x) == 0):
+    for t, c in tp_cp(cluster, devices, seq):
+        for p in _divisors(devices // (t * c)):
+            d = devices // (t * c * p)
+            for m in (x for x in MICRO_BATCHES if global_batch % (d * x) == 0 and (c == 1 or x == 1)):
                 B = global_batch // (d * m)
                 for kind, v, split in _schedules(stack, p, B):
                     for rc in RECOMPUTES:
-                        out.append(ParallelConfig(tp=t, pp=p, dp=d, schedule=kind, virtual=v, microbatches=B,
+                        out.append(ParallelConfig(tp=t, cp=c, pp=p, dp=d, schedule=kind, virtual=v, microbatches=B,
                                                   micro_batch=m, recompute=rc, precision=precision,
                                                   split=split))  # fmt: skip
+    return out
+
+
+def tp_cp(cluster: Cluster, devices: int, seq: int) -> list[tuple[int, int]]:
+    """The (TP, CP) degrees offered: TP every divisor of a server's GPUs with CP 1; for a sequence of at least
+    :data:`CONTEXT_FROM` tokens, TP of a whole server with CP 1, 2, 4, … (dividing the devices and the sequence
+    into cp · tp even shares, one sequence a replica's microbatch, each CP rank at least :data:`CONTEXT_SHARD`
+    tokens), Llama 3's layout (TP inside a server, CP across servers): a narrower TP holds a whole sequence's
+    activations on fewer GPUs, which is what CP is for."""
+    server = _server(cluster)
+    out = [(t, 1) for t in _divisors(server) if devices % t == 0]
+    if seq < CONTEXT_FROM or devices % server:
+        return out
+    out = [(server, 1)]
+    c = 2
+    while devices % (server * c) == 0 and seq % (server * c) == 0 and seq // c >= CONTEXT_SHARD:
+        out.append((server, c))
+        c *= 2
     return out
 
 
@@ -238,29 +274,45 @@ def _cuts(stack: Stack, chunks: int, split: Split) -> bool:
 
 
 def plan_pieces(
-    model: torch.nn.Module, inputs: Sequence[Any], stack: Stack, sp: StagePlanner, tp: int
+    model: torch.nn.Module, inputs: Sequence[Any], stack: Stack, sp: StagePlanner, tp: int, cp: int = 1
 ) -> Pieces | None:
-    """:class:`Pieces` at TP `tp` (module docstring, 2) of `stack`, the one-sequence capture of `model` on
-    `inputs` (recomputed or not), planned by `sp`; None when a piece has no plan (e.g. heads that TP does not
-    divide)."""
+    """:class:`Pieces` at TP `tp` and CP `cp` (module docstring, 2) of `stack`, the one-sequence capture of
+    `model` on `inputs` (recomputed or not), planned by `sp` on ``(1, tp)`` or, with CP, on ``(cp, tp)``: the pins of
+    ``(1, cp, tp)`` without their DP axis of one device (the same plans; DTensor's expansion of each op's
+    strategies over three axes was most of the search's time); None when a piece has no plan (e.g. heads that TP
+    does not divide)."""
     recompute = recompute_of(stack)
-    mesh = (1, tp)
+    cfg = ParallelConfig(tp=tp, cp=cp)
+    mesh = stage_mesh(cfg)
     try:  # the pins and re-gathered stack plan_config plans with (the stack already recomputed or not)
-        stack, sp, force = stage_setup(model, inputs, stack, sp.cluster, ParallelConfig(tp=tp), sp, mesh)
+        stack, sp, force = stage_setup(model, inputs, stack, sp.cluster, cfg, sp, mesh)
     except UserError:
         return None
-    ranks = tuple(range(tp))
+    if cp > 1:
+        mesh, force = mesh[1:], {k: _without_first_axis(v) for k, v in force.items()}
+    ranks = stage_ranks(cfg)[0]
     end = len(sp.layers)
     ranges = [(0, stack.pre), (stack.middle, stack.middle + 1), (end - stack.post, end)]
     got = []
     for a, b in ranges:
         try:
-            cost, mem = sp.plan_with_memory(a, b, ranks, mesh, microbatches=1, zero=ZeroMode.OFF, force=force)
+            with context_views(cfg):
+                cost, mem = sp.plan_with_memory(a, b, ranks, mesh, microbatches=1, zero=ZeroMode.OFF, force=force)
         except PlanError:  # a piece with no plan at this TP (heads it does not divide): the TP is not offered
             return None
         t = cost.time
-        got.append(Piece(t.compute_s + t.communication_s + t.resharding_s, t.optimizer_s, mem))
+        # the gradients' reduction over CP happens once a step: the estimate's sync over DP · CP prices it
+        once = (
+            sum(x.seconds for x in sp.last_collectives() if x.axis == 0 and x.dst.startswith("grad:")) if cp > 1 else 0
+        )
+        got.append(Piece(t.compute_s + t.communication_s + t.resharding_s - once, t.optimizer_s, mem))
     return Pieces(tp, recompute, *got)
+
+
+def _without_first_axis(layout: str) -> str:
+    """A layout string (``S(0)S(1)R``, ``P(sum)RR``) without its first axis' placement."""
+    first = re.match(r"S\(\d+\)|P\(\w+\)|P|R", layout)
+    return layout[first.end() :] if first else layout
 
 
 def _scaled(m: StageMemory, mb: int) -> StageMemory:
@@ -294,12 +346,13 @@ class _Estimator:
 
     stack: Stack
     cluster: Cluster
-    pieces: dict[tuple[int, Recompute], Pieces]
-    _meshes: dict[tuple[int, int, int], CostModel] = field(default_factory=dict)
+    pieces: dict[tuple[int, int, Recompute], Pieces]
+    """(TP, CP, recomputation) → its pieces."""
+    _meshes: dict[tuple[int, int, int, int], CostModel] = field(default_factory=dict)
 
     def chunks(self, cfg: ParallelConfig) -> list[_Chunk]:
         """`cfg`'s chunks from the pieces at its TP and recomputation."""
-        pc = self.pieces[(cfg.tp, cfg.recompute)]
+        pc = self.pieces[(cfg.tp, cfg.cp, cfg.recompute)]
         st = self.stack
         out = []
         for a, b in stage_bounds(st.pre, st.blocks, st.post, cfg.pp * cfg.virtual, cfg.split):
@@ -317,7 +370,7 @@ class _Estimator:
         work = [sum(c.per_mb_s for c in chunks[g::p]) for g in range(p)]
         g = int(np.argmax(work))
         grads = sum(m.grads * w for c in chunks[g::p] for m, w in c.pieces)
-        sync = self._cost(cfg).all_reduce(grads, 0) if cfg.dp > 1 else 0.0
+        sync = self._cost(cfg).all_reduce(grads, 0) if cfg.dp * cfg.cp > 1 else 0.0
         opt = sum(c.optimizer_s for c in chunks[g::p])
         return (cfg.microbatches + _bubble(cfg)) * work[g] + sync + opt
 
@@ -327,10 +380,12 @@ class _Estimator:
         return group_bound(cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches, fb, upd, act, resident)
 
     def _cost(self, cfg: ParallelConfig) -> CostModel:
-        key = (cfg.dp, cfg.tp, cfg.pp)
+        """The cost model of the group's ``(DP · CP, TP)`` ranks: the gradients are reduced over DP and CP."""
+        key = (cfg.dp, cfg.cp, cfg.tp, cfg.pp)
         if key not in self._meshes:
-            ranks = np.array(stage_ranks(cfg)[0]).reshape(cfg.dp, cfg.tp)
-            self._meshes[key] = CostModel(LogicalMesh(self.cluster, (cfg.dp, cfg.tp), ranks))
+            shape = (cfg.dp * cfg.cp, cfg.tp)
+            ranks = np.array(stage_ranks(cfg)[0]).reshape(shape)
+            self._meshes[key] = CostModel(LogicalMesh(self.cluster, shape, ranks))
         return self._meshes[key]
 
 
@@ -347,12 +402,19 @@ class _Captures:
     build: Build
     precision: str
     cluster: Cluster
+    seq: int = 0
+    """The sequence length of the inputs (dim 1 of the token ids), known after the first capture; at least
+    :data:`CONTEXT_FROM`, every capture is made under ``models.sources.unpacked_sequences`` (attention
+    ``is_causal``, no ``[b, 1, t, t]`` mask tensor), as eager training on such inputs runs it."""
     _got: dict[tuple[int, Recompute], tuple[Any, Any, Stack, StagePlanner]] = field(default_factory=dict)
 
     def __call__(self, rows: int, rc: Recompute = Recompute.NONE) -> tuple[Any, Any, Stack, StagePlanner]:
         if (rows, Recompute.NONE) not in self._got:
             model, inputs = self.build(rows)
-            stack = capture_stack(model, inputs, precision=self.precision)
+            first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+            self.seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
+            with unpacked_sequences() if self.seq >= CONTEXT_FROM else contextlib.nullcontext():
+                stack = capture_stack(model, inputs, precision=self.precision)
             if not isinstance(stack, Stack):
                 raise UserError("config search: the model is not a stack of at least 5 identical blocks")
             self._got[(rows, Recompute.NONE)] = (model, inputs, stack, StagePlanner(stack.graph, self.cluster))
@@ -385,14 +447,19 @@ def search_configs(
     cap = float(capacity if capacity is not None else cl.device.memory_bytes)
     captures = _Captures(build, precision, cl)
     one = captures(1)[2]
+    seq = captures.seq
     pieces = {}
-    for t in (x for x in _divisors(_server(cl)) if devices % x == 0):
+    for t, c in tp_cp(cl, devices, seq):
         for rc in RECOMPUTES:
-            got = plan_pieces(*captures(1, rc), t)
+            got = plan_pieces(*captures(1, rc), t, c)
             if got is not None:
-                pieces[(t, rc)] = got
+                pieces[(t, c, rc)] = got
     est = _Estimator(one, cl, pieces)
-    configs = [c for c in enumerate_configs(one, cl, devices, global_batch, precision) if (c.tp, c.recompute) in pieces]
+    configs = [
+        c
+        for c in enumerate_configs(one, cl, devices, global_batch, precision, seq)
+        if (c.tp, c.cp, c.recompute) in pieces
+    ]
     if not configs:
         raise UserError(
             f"config search: no TP / PP / DP of {devices:,} devices gives {global_batch} sequences a step; "

@@ -608,6 +608,7 @@ class StagePlanner:
         self._structs: dict[tuple, tuple[Structure, StrategyBuilder]] = {}
         self._costs: dict[tuple, StageCost | PlanError] = {}
         self._memory: dict[tuple, StageMemory] = {}
+        self._collectives: dict[tuple, tuple] = {}
         self._mesh_keys: dict[tuple, tuple] = {}
         self._mapping_keys: dict[tuple, tuple] = {}
         self._resharders: dict[tuple, Resharder] = {}
@@ -699,7 +700,13 @@ class StagePlanner:
             raise
         self._costs[key] = cost
         self._memory[key] = mem
+        self._collectives[key] = self._searched_collectives
         return cost
+
+    def last_collectives(self) -> tuple:
+        """The collectives (``accounting``'s ``PlannedCollective``: kind, mesh axis, bytes, phase) one microbatch of
+        the last plan :meth:`plan` returned issues, as it priced them; () where that plan came from elsewhere."""
+        return self._collectives.get(self._last_key, ())
 
     def _mesh_key(self, ranks: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
         """What the search reads of `ranks` as `shape` (module docstring, *Identical meshes*): per device
@@ -843,6 +850,7 @@ class StagePlanner:
             raise found.errors[0]
         cand, resharder = top.candidate, top.resharder
         acct = account(sub, cand.chosen, resharder, ComputeCost(resharder.cost_model, shape, sub), microbatches, edges)
+        self._searched_collectives = tuple(acct.collectives)
         fwd = sum(acct.node_seconds[n.name] for n in sub.nodes if n.phase == Phase.FWD) * microbatches
         fwd += sum(c.seconds for c in acct.collectives if c.phase == Phase.FWD.value) * microbatches
         p = _parts(sub, cand.chosen, shape)

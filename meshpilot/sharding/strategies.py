@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from meshpilot import compat
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, OpNode, dtype_from_name
+from meshpilot.graph.views import SHAPE_VIEWS
 from meshpilot.ops import own_op, register_dtensor_strategies
 from meshpilot.sharding.placements import (
     Placements,
@@ -188,7 +189,7 @@ class StrategyBuilder:
             return self.leaf(node)
         if node.kind == "getitem":
             return [Strategy((p,), (p,), StrategySource.DTENSOR) for p in operand_candidates[0]]
-        key = (self._node_key(node), tuple(tuple(map(pid, c)) for c in operand_candidates))
+        key = (self._node_key(node), tuple(tuple(map(pid, c)) for c in operand_candidates), _FOLDED[0])
         hit = self._cache.get(key)
         if hit is not None:
             strategies, why = hit
@@ -249,12 +250,18 @@ class StrategyBuilder:
         parsed = self._reachable(node, plain, cands, cand_index)
         if not parsed and len(cands) == 1:
             parsed, cand_index = self._gathered(node, op, single, func, cands[0])
+        if not parsed and _FOLDED[0] and node.target in SHAPE_VIEWS:
+            folded = folded_views(node, self.graph, self.mesh_shape, cands)
+            if folded:
+                return folded
         if not parsed:
             return self._own(node) or self._fallback(
                 node, f"{node.target}: no evenly sharded strategy on mesh {self.mesh_shape}"
             )
         strategies = unique_strategies(_selected(parsed, cand_index, negative_costs_count=single is None).values())
         strategies += self._own(node)
+        if _FOLDED[0] and node.target in SHAPE_VIEWS:
+            strategies += [x for x in folded_views(node, self.graph, self.mesh_shape, cands) if x not in strategies]
         if not strategies:
             return self._fallback(node, f"{node.target}: no strategy reachable from its operands")
         return strategies
@@ -410,6 +417,74 @@ class StrategyBuilder:
         """meshpilot's strategies beside DTensor's, run by meshpilot's runtime (:mod:`meshpilot.ops`)."""
         own = own_op(node.target)
         return own.strategies(self, node) if own is not None else []
+
+
+# -------------------------------------------------------------------- views of a folded batch
+
+_FOLDED = [False]
+"""Whether :func:`folded_views` strategies are offered (:func:`folded_batch_views`); part of the cache key."""
+
+
+@contextlib.contextmanager
+def folded_batch_views():
+    """Offer :func:`folded_views` while planning inside this context (context parallelism's stages:
+    ``planner.config_plan``); other plans keep DTensor's view strategies only."""
+    was = _FOLDED[0]
+    _FOLDED[0] = True
+    try:
+        yield
+    finally:
+        _FOLDED[0] = was
+
+
+def folded_views(node: OpNode, graph: OpGraph, mesh: tuple[int, ...], cands: list[list[Placements]]) -> list:
+    """Strategies of a reshape (``SHAPE_VIEWS``) whose operand's dim 0 is sharded *down to one row* over the
+    leading mesh axes, beside a shard of another dim over later axes: ``[b, t, h]`` as ``S(0)`` over DP (b = DP,
+    one sequence a replica) and ``S(1)`` over CP, flattened to ``[b·t, h]``. DTensor offers none (the sequence
+    is not the flatten's first dim, so it answers with a strided shard and the planner would gather it), yet
+    each rank's local rows are the same contiguous block either way: with the leading axes ``A`` splitting
+    dim 0 into single rows, rank ``(a, c)`` holds row ``a``'s shard ``c`` before the view and the nested
+    ``S(0)`` rows ``a · t + c · t / CP …`` after it (and back: ``[b·t, h]`` sharded ``S(0)`` over DP, then CP,
+    viewed as ``[b, t, h]``). So the view is planned on the rest of the mesh with dim 0 of both shapes divided
+    by the rows (DTensor's own view rule, ``propagate_shape_and_sharding``), and the axes ``A`` shard dim 0 of
+    the output, nested first. Only where the input's or the output's dim 0 is exactly those rows and both are
+    multiples of them (row-major: each row a contiguous block on both sides); no resharding."""
+    from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding, view_groups
+
+    if len(node.inputs) < 1 or len(node.outputs) != 1 or node.out is None or len(cands) < 1:
+        return []
+    src = graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
+    if src is None:
+        return []
+    i_shape, o_shape = tuple(src.shape), tuple(node.out.shape)
+    if not i_shape or not o_shape or i_shape == o_shape:
+        return []
+    out = []
+    for p in cands[0]:
+        lead = 0
+        while lead < len(mesh) and p[lead] == Shard(0):
+            lead += 1
+        for k in range(lead, 0, -1):  # the leading axes that split dim 0 into single rows (on one side)
+            rows = math.prod(mesh[:k])
+            if i_shape[0] % rows or o_shape[0] % rows or rows not in (i_shape[0], o_shape[0]):
+                continue
+            rest = tuple(p[k:])
+            small_in, small_out = (i_shape[0] // rows, *i_shape[1:]), (o_shape[0] // rows, *o_shape[1:])
+            try:
+                want, got = propagate_shape_and_sharding(rest, small_in, view_groups(small_in, small_out), mesh[k:])
+            except Exception:  # noqa: BLE001 - DTensor refuses this reshape of the rest: none here
+                continue
+            outs = ((*p[:k], *got),)
+            if (
+                tuple(want) != rest
+                or not any(isinstance(x, Shard) for x in rest)
+                or not is_even(outs[0], o_shape, mesh)
+            ):
+                continue
+            ins = (tuple(p), *[replicated(len(mesh))] * (len(node.inputs) - 1))
+            out.append(Strategy(outs, ins, StrategySource.DTENSOR))
+            break
+    return unique_strategies(out)
 
 
 # -------------------------------------------------------------------- meshpilot-run strategies
