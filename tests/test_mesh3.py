@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster, mesh_shapes_3d
 from meshpilot.graph.capture import NodeKind, capture
 from meshpilot.planner.auto import plan
-from meshpilot.planner.axes import OUTER, AxisUse, OuterDataParallel, axis_uses
+from meshpilot.planner.axes import OUTER, OuterDataParallel, axis_uses
 from meshpilot.planner.ilp import build_structure, priced, solve
 from meshpilot.sharding.reshard import Resharder
 from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
@@ -69,7 +69,9 @@ def _on0(pls):
 def test_outer_axis_is_cut_to_data_parallel_strategies(gpt):
     """Parameters whole on axis 0, inputs batch-split or whole; every operator either reads its operands'
     data-parallel placements on axis 0 or is replicated there; every node keeps a strategy; the ILP is
-    about a 2D one's size (the uncut (2, 2, 2) had ~10x the variables of (2, 4): docs/benchmarks.md)."""
+    a few times a 2D one's size (the uncut (2, 2, 2) had ~10x the variables of (2, 4): docs/benchmarks.md).
+    The loss and the whole backward are data-parallel on axis 0 (2.6x the 2D ILP's variables): while the loss
+    was DTensor's ``P(avg)`` its backward found no data-parallel strategy and the cut kept it whole (2.0x)."""
     _, _, graph = gpt
     builder, struct, prob = _structure(graph, (2, 2, 2), OuterDataParallel)
     assert 0 < builder.kept < builder.offered
@@ -88,8 +90,10 @@ def test_outer_axis_is_cut_to_data_parallel_strategies(gpt):
     # the weight gradients are partial over axis 0 under data parallelism (all-reduced into the replicas)
     assert any(isinstance(builder.dp_of(n.name, 0), Partial) for n in graph.nodes if n.kind == NodeKind.OP)
     _, _, prob2 = _structure(graph, (2, 4), StrategyBuilder)
+    for name in ("nll_loss_backward", "_log_softmax_backward_data"):
+        assert builder.dp_of(name, 0) == Shard(0), name
     cut, flat = solve(prob).num_vars, solve(prob2).num_vars
-    assert cut <= 2 * flat, (cut, flat)
+    assert cut <= 3 * flat, (cut, flat)
 
 
 def test_restricted_enumeration_equals_the_cut_of_the_full_one(gpt, monkeypatch):
@@ -112,20 +116,21 @@ def test_restricted_enumeration_equals_the_cut_of_the_full_one(gpt, monkeypatch)
 
 def test_search_picks_a_three_axis_mesh_on_a_slow_link(gpt):
     """On 2 nodes joined by a slow link the search tries (2, 2, 2) beside the 2D shapes (the row mapping only:
-    axis 0 over the nodes) and keeps it, its step the least of every candidate; its axes are named by the
-    level they cross and their use is read off the plan."""
+    axis 0 over the nodes) and keeps the least step of every candidate; the cut (2, 2, 2) is priced no lower
+    than the same mesh searched whole (a subset of its plans: until the loss's fix its backward, cut whole, was
+    priced at a tenth of that and chosen); a (2, 2, 2) plan's axes are named by the level they cross and their
+    use is read off the plan."""
     model, inputs, graph = gpt
     p = plan(model, inputs, str(SLOW), graph=graph)
-    tried = {(tuple(c.shape), c.mapping) for c in p.solver.candidates}
+    tried = {(tuple(c.shape), c.mapping): c for c in p.solver.candidates}
     assert ((2, 2, 2), "row") in tried and ((2, 2, 2), "col") not in tried
     assert {s for s, _ in tried} >= {(8, 1), (4, 2), (2, 4), (1, 8)}
-    assert tuple(p.mesh_shape) == (2, 2, 2) and p.mapping == "row"
-    assert p.mesh_axes[0] == "node" and p.mesh_axes[1:] == ("rank.1", "rank.2")
     best = min(c.objective_s for c in p.solver.candidates if c.objective_s is not None)
     assert p.time.overlapped_s == pytest.approx(best)
-    assert all(layout[0] == "R" for _, layout in p.params)  # data-parallel axis: parameters whole
-    uses = axis_uses(p)
-    assert uses[0] in (AxisUse.DATA, AxisUse.WHOLE) and len(uses) == 3
+    whole = plan(model, inputs, str(SLOW), graph=graph, mesh_shape=(2, 2, 2), mappings=("row",))
+    assert tried[(2, 2, 2), "row"].objective_s >= whole.time.overlapped_s * (1 - 1e-6)
+    assert whole.mesh_axes[0] == "node" and whole.mesh_axes[1:] == ("rank.1", "rank.2")
+    assert len(axis_uses(whole)) == 3
 
 
 def test_given_shape_or_forced_layouts_search_no_three_axis_shape(gpt):

@@ -161,10 +161,9 @@ def _nll_loss_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]
         rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
         return tuple(Collective(CollectiveKind.ALL_REDUCE, a, nbytes) for a in rows)
 
-    # rows sharded with the classes whole too: DTensor's own row-sharded mean is P(avg), which
-    # ``sharding.strategies.AVG_INEXACT`` drops; the whole replica is DTensor's already
-    out = per_axis_products(b, node, rules, colls, require_first=False)
-    return [s for s in out if not all(isinstance(p, Replicate) for pl in s.ins for p in pl)]
+    # and rows sharded with the classes whole: DTensor's own row-sharded mean is P(avg), which
+    # ``sharding.strategies.AVG_INEXACT`` drops
+    return per_axis_products(b, node, rules, colls) + per_axis_products(b, node, rules[1:], colls)
 
 
 def _nll_loss_backward_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
