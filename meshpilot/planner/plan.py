@@ -342,6 +342,10 @@ class StagePlan:
     recompute: RecomputeChoice | None = None
     """The blocks whose forward the backward runs again (their nodes' copies are in :attr:`nodes`, named
     ``<node>_recomputed``); None: none (and in older plans)."""
+    guards: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    """The values the model's Python read from tensors while capturing (``OpGraph.guards``: where, and the
+    values the example inputs gave), in order: the runtime's capture takes the same branches, and a
+    ``meshpilot::guard`` node checks each on every batch; empty when the model reads none."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -632,6 +636,7 @@ class StagePlan:
             ),
             param_gathers=tuple(GatherGroup.from_dict(g) for g in d.get("param_gathers", ())),
             recompute=_recompute_of(d.get("recompute")),
+            guards=tuple((str(w), tuple(float(v) for v in vals)) for w, vals in d.get("guards", ())),
         )
 
     def to_json(self) -> str:
