@@ -488,6 +488,7 @@ class _CaptureMode(TorchFunctionMode):
         self.reads: list[tuple[torch.Tensor, tuple[float, ...], str]] = []  # (tensor, values, where) read
         self.answers: list[tuple[str, tuple[float, ...]]] | None = None  # a saved plan's guards, in order
         self.keep: list[torch.Tensor] = []  # the tensors `known` and `reads` name by id, kept alive
+        self.input_ids: set[int] = set()  # the traced inputs' ids
 
     def start_pass(self, traced_inputs: Sequence[torch.Tensor], real: Sequence[torch.Tensor], answers) -> None:
         """A new run of the forward (the export runs it more than once): the traced inputs' real values are
@@ -495,6 +496,7 @@ class _CaptureMode(TorchFunctionMode):
         guards) are to be given in order."""
         real_pairs = [(t, x) for t, x in zip(traced_inputs, real) if isinstance(x, torch.Tensor) and not x.is_meta]
         self.known = {id(t): _Shadow(value=x) for t, x in real_pairs}
+        self.input_ids = set(self.known)
         self.keep = list(traced_inputs)
         self.reads = []
         self.answers = [(w, tuple(v)) for w, v in answers] if answers is not None else None
@@ -545,18 +547,20 @@ class _CaptureMode(TorchFunctionMode):
         made from nothing, such as ``arange``, is); an in-place write keeps its target's new value the same way,
         or forgets it. Nothing is computed here: only a read (:meth:`_read`) evaluates."""
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        known = all(id(a) in self.known for a in tensors)
+        known = func in _VALUE_FREE or all(id(a) in self.known for a in tensors)
         name = getattr(func, "__name__", "")
         inplace = func is _SETITEM or (name.endswith("_") and not name.endswith("__"))
         if inplace and tensors:
             target = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if target is None or id(target) not in self.known:
                 return
-            if not known or target._is_view():
-                self.known.clear()  # a write through a view changes tensors this map cannot name: follow nothing
-                return
-            self.known[id(target)] = _Shadow(func, args, kwargs, self.known, inplace=True)
-            self.keep.append(target)
+            after = _Shadow(func, args, kwargs, self.known, inplace=True) if known else None
+            # the write may change views and bases of the target that this map holds apart: keep the inputs
+            # (a write into one is refused later) and the target's new value only
+            self.known = {i: v for i, v in self.known.items() if i in self.input_ids}
+            if after is not None:
+                self.known[id(target)] = after
+                self.keep.append(target)
             return
         if not known:
             return
@@ -628,6 +632,17 @@ _READ_NAMES = {
     _TB.__index__: "an index",
 }
 """The ways Python reads a tensor's value, as a guard's message names them."""
+_VALUE_FREE = frozenset(
+    {_TB.new_zeros, _TB.new_ones, _TB.new_full, _TB.new_tensor, torch.zeros_like, torch.ones_like, torch.full_like}
+)
+"""Calls whose result takes only the shape and dtype of their tensor operand, not its values."""
+
+
+def _blank(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor of `t`'s shape and dtype, zeros: the operand of a :data:`_VALUE_FREE` call whose values
+    capture does not know (its result does not read them)."""
+    with _untraced():
+        return torch.zeros(tuple(t.shape), dtype=t.dtype)
 
 
 @contextlib.contextmanager
@@ -651,7 +666,8 @@ class _Shadow:
         self.done = value is not None
         if func is not None:
             self.args = pytree.tree_map(
-                lambda a: known[id(a)] if isinstance(a, torch.Tensor) else a, (tuple(args), dict(kwargs or {}))
+                lambda a: known.get(id(a)) or _Shadow(value=_blank(a)) if isinstance(a, torch.Tensor) else a,
+                (tuple(args), dict(kwargs or {})),
             )
 
     def evaluate(self) -> torch.Tensor:

@@ -10,17 +10,23 @@ accepts and refuses the others in one line, never silently different.
 The planner lays the predicate out replicated (the resharding into it, an all-reduce of a partial reduction or
 an all-gather of a sharded one, is priced and counted like any other); the loss passes through in the layout it
 has. Its gradient passes through unchanged.
+
+A predicate is often a whole-tensor ``all()`` / ``any()`` of a sharded mask, which DTensor replicates first
+(an all-gather of the mask, or no even strategy at all on a small batch): this module also plans them on the
+shards, each rank reducing its own piece and the one-value results all-reduced (``min`` for ``all``, ``max``
+for ``any``) over the mesh axes that shard the mask.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpNode
 from meshpilot.ops import OwnCall, OwnOp
+from meshpilot.sharding.reshard import Collective, CollectiveKind
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, per_axis_products
 
 TARGET = "meshpilot.guard.default"
@@ -75,4 +81,39 @@ def _run(call: OwnCall, value: Tensor, pred: Tensor, expected, where) -> Tensor:
     return torch.ops.meshpilot.guard(value, pred, expected, where)
 
 
-OPS = (OwnOp(TARGET, _strategies, _run, exclusive=True),)
+_FLAG_BYTES = 4
+"""A whole reduction's local result travels as one int32 (gloo all-reduces no bool)."""
+
+
+def _whole_reduction_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    """``all()`` / ``any()`` of the whole operand on its shards, the replicated one-value result all-reduced
+    over each mesh axis that shards it."""
+    src = b.graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
+    if src is None or len(node.inputs) != 1:
+        return []
+    rules = [((Replicate(),), (Shard(d),)) for d in range(len(src.shape))]
+    rules += [((Replicate(),), (Replicate(),))]
+
+    def colls(outs, ins):
+        mesh = b.mesh_shape
+        axes = [a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and mesh[a] > 1]
+        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, _FLAG_BYTES) for a in axes)
+
+    return per_axis_products(b, node, rules, colls, require_first=False)
+
+
+def _run_whole_reduction(call: OwnCall, x: Tensor, *args, **kwargs) -> Tensor:
+    """This rank's piece reduced, then the flags of the shards combined (all: the minimum; any: the maximum)."""
+    local = call.node.fx_node.target(x, *args, **kwargs)
+    axes = [a for a, p in enumerate(call.ins[0]) if isinstance(p, Shard) and call.mesh.size(a) > 1]
+    if not axes:
+        return local
+    op = "min" if "all" in str(call.node.target) else "max"
+    return call.all_reduce(local.to(torch.int32), op, axes).to(local.dtype)
+
+
+OPS = (
+    OwnOp(TARGET, _strategies, _run, exclusive=True),
+    OwnOp("aten.all.default", _whole_reduction_strategies, _run_whole_reduction),
+    OwnOp("aten.any.default", _whole_reduction_strategies, _run_whole_reduction),
+)
