@@ -111,7 +111,13 @@ FIXED = {
     # as a fallback before, now a view
     "t5gemma": "T5GemmaForConditionalGeneration",
     "encoder-decoder": "EncoderDecoderModel",
+    # an assert on values of the inputs alone (the lengths the ids give; the shifted labels): guarded
+    # (meshpilot.ops.guard), refused before unless python -O
+    "xlm": "XLMWithLMHeadModel",
+    "flaubert": "FlaubertWithLMHeadModel",
+    "prophetnet": "ProphetNetForConditionalGeneration",
 }
+GUARDED_TYPES = ("xlm", "flaubert", "prophetnet")
 
 
 @pytest.mark.parametrize("model_type", sorted(FIXED))
@@ -121,6 +127,9 @@ def test_fixed_failure_classes_plan_without_fallback(model_type):
     fam = next(f for f in families(TEXT_KINDS) if (f.model_type, f.class_name) == (model_type, FIXED[model_type]))
     o = try_plan(fam, overrides=_overrides(model_type), mesh_shape=MESH)
     assert o.ok, f"{fam.name}: {o.status} {o.reason}"
+    # the guarded ones carry the values their asserts read, from their own modeling file
+    assert (model_type in GUARDED_TYPES) == bool(o.plan.guards), o.plan.guards
+    assert all(f"modeling_{model_type}.py:" in where for where, _ in o.plan.guards), o.plan.guards
 
 
 # ------------------------------------------------------------------------------------------- 4 ranks
