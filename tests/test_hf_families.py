@@ -116,6 +116,10 @@ FIXED = {
     "xlm": "XLMWithLMHeadModel",
     "flaubert": "FlaubertWithLMHeadModel",
     "prophetnet": "ProphetNetForConditionalGeneration",
+    # replicated as fallbacks before: TAPAS's segment means (scatter_reduce, now sharded off the scattered dim),
+    # PhiMoE's Gumbel sampling in training (exponential, uniform: the whole draw on every rank, a block kept)
+    "tapas": "TapasForMaskedLM",
+    "phimoe": "PhimoeForCausalLM",
 }
 GUARDED_TYPES = ("xlm", "flaubert", "prophetnet")
 
