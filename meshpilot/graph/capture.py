@@ -763,9 +763,11 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
-            "bool()): a branch on data capture cannot follow; choose the setting that takes the static path "
-            "(for transformers models a config flag such as use_cache=False, attn_implementation=sdpa or "
-            "experts_implementation=meshpilot) or write the branch with torch.where"
+            "bool()) that capture cannot compute (it depends on parameters or buffers, or the example inputs are "
+            "on the meta device; one of real inputs alone is guarded): a branch on data capture cannot follow; "
+            "choose the setting that takes the static path (for transformers models a config flag such as "
+            "use_cache=False, attn_implementation=sdpa or experts_implementation=meshpilot) or write the branch "
+            "with torch.where"
         )
     if "DynamicOutputShape" in name or "DataDependent" in name or "data-dependent" in text.lower():
         what = f"{op}" if op is not None else "an op whose output shape depends on tensor values"
