@@ -1093,9 +1093,11 @@ def _step_outputs(
     for k, i in enumerate(joint.mutated_inputs):
         if not n_p <= i < n_p + n_b:
             what = pnames[i] if i < n_p else f"input {i - n_p - n_b}"
+            module, source = _place(outs[k]) if isinstance(outs[k], torch.fx.Node) else (None, None)
+            where = f" in {module or 'the model'} ({source})" if source else ""
             raise CaptureError(
-                f"the model's forward writes into {what} in place; meshpilot runs functional steps: write to a "
-                "copy (or a registered buffer) instead"
+                f"the model's forward writes into {what} in place{where}; meshpilot runs functional steps: write to "
+                "a copy (or a registered buffer) instead"
             )
         buffer_updates[bnames[i - n_p]] = (outs[k].name, 0)
     loss = (outs[n_updates].name, 0)
