@@ -14,9 +14,11 @@ the ones it is drawn from), which the plan's memory does not count; it is planne
 strategies are not offered). Strategies, per mesh axis: the input sharded on any dim (mask and output the
 same), a partial input (dropout is linear given the mask: output partial, mask replicated), replicated.
 
-``exponential`` and ``uniform`` (``torch.empty_like(x).exponential_()``, ``.uniform_()``: PhiMoE's Gumbel
-sampling of experts in training) are drawn the same way: the whole tensor on every rank, each keeping its
-block; their operand's values are not read, so any layout of it gives that layout's block.
+``exponential``, ``uniform``, ``rand_like`` and ``randn_like`` (``torch.empty_like(x).exponential_()``,
+``torch.rand_like(x) > 0.75``: PhiMoE's Gumbel sampling of experts in training) are drawn the same way: the
+whole tensor on every rank, each keeping its block (DTensor's ``rand_like`` on a shard draws the shard alone,
+another number of values than the single device, which shifts every later draw); their operand's values are
+not read, so any layout of it gives that layout's block.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _drawn_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
 
 
 def _run_drawn(call: OwnCall, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The draw (``exponential``, ``uniform``) of the whole tensor, this rank's block kept."""
+    """The draw (``exponential``, ``uniform``, ``rand_like``, …) of the whole tensor, this rank's block kept."""
     draw = call.node.fx_node.target
     shape = call.global_shape(0)
     if tuple(x.shape) == tuple(shape):
@@ -75,4 +77,6 @@ OPS = (
     OwnOp("aten.native_dropout.default", _strategies, _run, exclusive=True),
     OwnOp("aten.exponential.default", _drawn_strategies, _run_drawn, exclusive=True),
     OwnOp("aten.uniform.default", _drawn_strategies, _run_drawn, exclusive=True),
+    OwnOp("aten.rand_like.default", _drawn_strategies, _run_drawn, exclusive=True),
+    OwnOp("aten.randn_like.default", _drawn_strategies, _run_drawn, exclusive=True),
 )
