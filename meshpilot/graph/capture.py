@@ -489,6 +489,7 @@ class _CaptureMode(TorchFunctionMode):
         self.answers: list[tuple[str, tuple[float, ...]]] | None = None  # a saved plan's guards, in order
         self.keep: list[torch.Tensor] = []  # the tensors `known` and `reads` name by id, kept alive
         self.input_ids: set[int] = set()  # the traced inputs' ids
+        self.closed = False  # the forward has returned: a read now (in a backward) cannot be guarded
 
     def start_pass(self, traced_inputs: Sequence[torch.Tensor], real: Sequence[torch.Tensor], answers) -> None:
         """A new run of the forward (the export runs it more than once): the traced inputs' real values are
@@ -500,9 +501,12 @@ class _CaptureMode(TorchFunctionMode):
         self.keep = list(traced_inputs)
         self.reads = []
         self.answers = [(w, tuple(v)) for w, v in answers] if answers is not None else None
+        self.closed = False
 
     def guarded(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` through one ``meshpilot::guard`` per value read this pass (none: `loss` itself)."""
+        """`loss` through one ``meshpilot::guard`` per value read this pass (none: `loss` itself); a read after
+        this (in a backward) is refused as capture refused every read before guards."""
+        self.closed = True
         if not self.reads:
             return loss
         from meshpilot.ops import guard  # noqa: F401 - registers the op
@@ -513,7 +517,10 @@ class _CaptureMode(TorchFunctionMode):
 
     def _read(self, func, t: torch.Tensor, source: str | None):
         """Python reads `t`'s value (``func``: ``bool()``, ``.item()``, ``.tolist()``, …): the value the real
-        inputs give, or the saved plan's next answer, recorded for a guard; None: neither is known."""
+        inputs give, or the saved plan's next answer, recorded for a guard; None: neither is known, or the
+        forward has returned (no guard could hold a read in the backward)."""
+        if self.closed:
+            return None
         what = _READ_NAMES[func]
         where = f"{source or self.last_source or 'the model'} ({what})"
         if self.answers is not None:
