@@ -645,11 +645,18 @@ _VALUE_FREE = frozenset(
 """Calls whose result takes only the shape and dtype of their tensor operand, not its values."""
 
 
-def _blank(t: torch.Tensor) -> torch.Tensor:
-    """A real CPU tensor of `t`'s shape and dtype, zeros: the operand of a :data:`_VALUE_FREE` call whose values
-    capture does not know (its result does not read them)."""
-    with _untraced():
-        return torch.zeros(tuple(t.shape), dtype=t.dtype)
+class _Blank:
+    """The operand of a :data:`_VALUE_FREE` call whose values capture does not know (its result does not read
+    them): on a read, a real CPU tensor of its shape and dtype, zeros; nothing is allocated before."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+
+    def evaluate(self) -> torch.Tensor:
+        with _untraced():
+            return torch.zeros(self.shape, dtype=self.dtype)
 
 
 @contextlib.contextmanager
@@ -673,7 +680,7 @@ class _Shadow:
         self.done = value is not None
         if func is not None:
             self.args = pytree.tree_map(
-                lambda a: known.get(id(a)) or _Shadow(value=_blank(a)) if isinstance(a, torch.Tensor) else a,
+                lambda a: known.get(id(a)) or _Blank(a) if isinstance(a, torch.Tensor) else a,
                 (tuple(args), dict(kwargs or {})),
             )
 
@@ -687,7 +694,7 @@ class _Shadow:
     def _compute(self) -> Any:
         if self.of is not None:
             return [x for x in pytree.tree_leaves(self.of.evaluate())][self.index]
-        args, kwargs = pytree.tree_map(lambda a: a.evaluate() if isinstance(a, _Shadow) else a, self.args)
+        args, kwargs = pytree.tree_map(lambda a: a.evaluate() if isinstance(a, (_Shadow, _Blank)) else a, self.args)
         if self.inplace:
             args = (args[0].clone(), *args[1:])
             out = self.func(*args, **kwargs)
