@@ -12,9 +12,10 @@ gradient within 1e-5, the collectives issued equal to the plan's; ``tests/test_h
 Every result is one JSON line appended to ``--out`` as it comes, so a long sweep can be resumed (rows already
 there are skipped) and watched; ``--table`` prints the summary and the table of what failed, as in
 docs/benchmarks.md; ``--compact`` writes ``--out`` without its plans, small enough to keep (the kept sweeps are
-``docs/hf_families/``). A family refused only for an ``assert`` on tensor values (XLM, FlauBERT, ProphetNet) plans
-and runs under ``python -O`` (asserts off; the 4-rank spawns inherit the flag): a setting of its own, swept
-into an ``--out`` of its own.
+``docs/hf_families/``). An ``assert`` or a branch on values of the inputs alone (XLM, FlauBERT, ProphetNet) is
+guarded (``meshpilot.ops.guard``); one on values capture cannot compute (I-BERT's) still plans only under
+``python -O`` (asserts off; the 4-rank spawns inherit the flag): a setting of its own, swept into an ``--out``
+of its own.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import lockstep_adamw, run_distributed
 
@@ -110,7 +111,17 @@ FIXED = {
     # as a fallback before, now a view
     "t5gemma": "T5GemmaForConditionalGeneration",
     "encoder-decoder": "EncoderDecoderModel",
+    # an assert on values of the inputs alone (the lengths the ids give; the shifted labels): guarded
+    # (meshpilot.ops.guard), refused before unless python -O
+    "xlm": "XLMWithLMHeadModel",
+    "flaubert": "FlaubertWithLMHeadModel",
+    "prophetnet": "ProphetNetForConditionalGeneration",
+    # replicated as fallbacks before: TAPAS's segment means (scatter_reduce, now sharded off the scattered dim),
+    # PhiMoE's Gumbel sampling in training (exponential, uniform: the whole draw on every rank, a block kept)
+    "tapas": "TapasForMaskedLM",
+    "phimoe": "PhimoeForCausalLM",
 }
+GUARDED_TYPES = ("xlm", "flaubert", "prophetnet")
 
 
 @pytest.mark.parametrize("model_type", sorted(FIXED))
@@ -120,6 +131,9 @@ def test_fixed_failure_classes_plan_without_fallback(model_type):
     fam = next(f for f in families(TEXT_KINDS) if (f.model_type, f.class_name) == (model_type, FIXED[model_type]))
     o = try_plan(fam, overrides=_overrides(model_type), mesh_shape=MESH)
     assert o.ok, f"{fam.name}: {o.status} {o.reason}"
+    # the guarded ones carry the values their asserts read, from their own modeling file
+    assert (model_type in GUARDED_TYPES) == bool(o.plan.guards), o.plan.guards
+    assert all(f"modeling_{model_type}.py:" in where for where, _ in o.plan.guards), o.plan.guards
 
 
 # ------------------------------------------------------------------------------------------- 4 ranks
@@ -139,17 +153,22 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
     out = []
     for name, kind, use_cache, attn, overrides, plan_json in jobs:
         t0 = time.perf_counter()
-        fam = Family(*name.split("/"), kind)
         try:
             plan = StagePlan.from_json(plan_json)
-            ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
-            model, _ = build(fam, overrides, use_cache=use_cache, attn=attn)
+            if kind == GUARDED.kind:  # the hand-written module whose branch reads its mask: guarded
+                (ref, inputs), (model, _), ref64 = guarded_module(), guarded_module(), None
+            else:
+                fam = Family(*name.split("/"), kind)
+                ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
+                model, _ = build(fam, overrides, use_cache=use_cache, attn=attn)
+                ref64 = build(fam, overrides, use_cache=use_cache, attn=attn)[0].double() if referee else None
             pm = parallelize(model, plan)
-            ref64 = build(fam, overrides, use_cache=use_cache, attn=attn)[0].double() if referee else None
             res = lockstep_adamw(ref, pm, inputs, STEPS, lr=1e-3, ref64=ref64)
             planned = plan.collective_counts(backend="gloo")
             res["counts_equal"] = [c == planned for c in res.pop("counts")]
             res["mismatches"] = len(pm.mismatches)
+            if kind == GUARDED.kind:
+                res["refused"] = _refusal(pm, inputs)
         except Exception as e:  # noqa: BLE001 - one family's failure is its row, not the spawn's end
             res = {"error": one_line(e)[:300]}
         res["seconds"] = time.perf_counter() - t0
@@ -157,10 +176,67 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
     return out
 
 
+class _Job:
+    """A hand-written job of the spawn, keyed beside the families."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name, self.kind = name, kind
+
+
+GUARDED = _Job("a branch on (mask == 1).all(), guarded", "guarded")
+
+
+class _MaskBranch(torch.nn.Module):
+    """Two layers whose forward branches on a property of its mask input, as Longformer's global attention and
+    FSMT's padding do: all ones (the example's), or some zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x, mask):
+        h = torch.relu(self.up(x))
+        if (mask == 1).all():  # the branch the guard holds
+            h = h * 2.0
+        else:
+            h = h * mask.unsqueeze(-1)
+        return self.down(h).pow(2).mean()
+
+
+def guarded_module() -> tuple:
+    """(:class:`_MaskBranch` with fixed weights, its example inputs: a mask of ones)."""
+    torch.manual_seed(7)
+    model = _MaskBranch()
+    return model, (torch.randn(8, 8), torch.ones(8, dtype=torch.long))
+
+
+def _refusal(pm, inputs) -> str:
+    """The one line a step on a batch breaking the guarded property ends in (a mask with a zero)."""
+    from meshpilot.models.hf_families import one_line
+
+    mask = inputs[1].clone()
+    mask[3] = 0
+    try:
+        pm(inputs[0], mask)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return one_line(e)
+    return "not refused"
+
+
+def _guarded_plan():
+    from meshpilot.api import plan
+
+    model, inputs = guarded_module()
+    return plan(model, inputs, "dgx-h100", mesh_shape=MESH, mappings=("row",)).only
+
+
 @pytest.fixture(scope="module")
 def runs(outcomes):
     keys = [k for k, (_, o) in outcomes.items() if o.ok]
     jobs = [(f.name, f.kind, c, a, outcomes[(f, c, a)][0], outcomes[(f, c, a)][1].plan.to_json()) for f, c, a in keys]
+    keys.append((GUARDED, False, "-"))
+    jobs.append((GUARDED.name, GUARDED.kind, False, "-", {}, _guarded_plan().to_json()))
     t0 = time.perf_counter()
     per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700)
     print(f"\n{len(jobs)} sample runs on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
@@ -180,6 +256,8 @@ def test_every_sample_family_equals_single_device(runs):
                 bad.append(f"{what}: loss {max(r['loss']):.2g} gradient {max(r['grad']):.2g}")
             elif not all(r["counts_equal"]) or r["mismatches"]:
                 bad.append(f"{what}: collectives differ from the plan's")
+            elif fam is GUARDED and not _names_the_branch(r["refused"]):
+                bad.append(f"{what}: a batch breaking the guard gave {r['refused']!r}")
     print("\n".join(bad))
     assert not bad, bad
 
@@ -217,6 +295,42 @@ def test_a_branch_on_tensor_values_is_one_line_naming_its_source_line():
     text = str(err.value)
     assert "\n" not in text and "reads a tensor's value" in text and "use_cache=False" in text
     assert "test_hf_families.py:" in text
+
+
+def _names_the_branch(text: str) -> bool:
+    """The guard's refusal: one line naming the branch's source line, the example's value and the batch's."""
+    return "\n" not in text and "breaks a property" in text and "test_hf_families.py:" in text and "read 1" in text
+
+
+def test_a_branch_on_input_values_plans_with_a_guard_checked_every_batch():
+    """``if (mask == 1).all():`` reads the inputs only: capture computes it from the real example inputs, takes
+    their branch and records a guard (the predicate replicated, the loss passing through); the runtime's
+    capture on meta inputs takes the same branch from the plan's guards; a batch that breaks the property is
+    refused in one line. A mask with a zero captures the other branch, under its own guard."""
+    from meshpilot.graph.capture import CaptureError, capture
+    from meshpilot.ops.guard import TARGET, GuardError
+
+    p = _guarded_plan()
+    assert not p.fallbacks and len(p.guards) == 1
+    where, values = p.guards[0]
+    assert "test_hf_families.py:" in where and values == (1.0,)
+    node = next(n for n in p.nodes if n.target == TARGET)
+    assert node.source == "meshpilot" and all(x == "R" for x in node.ins[1])  # the predicate replicated
+
+    model, inputs = guarded_module()
+    meta = [torch.empty_like(x, device="meta") for x in inputs]
+    with pytest.raises(CaptureError, match="reads a tensor's value"):
+        capture(model, meta)  # no values and no plan's guards: refused as before
+    assert capture(model, meta, guards=p.guards).fingerprint() == p.fingerprint
+
+    zero = inputs[1].clone()
+    zero[0] = 0
+    other = capture(model, (inputs[0], zero))
+    assert other.guards == [(where, (0.0,))] and other.fingerprint() != p.fingerprint
+
+    with pytest.raises(GuardError) as err:
+        torch.ops.meshpilot.guard(torch.tensor(1.0), torch.tensor(False), [1.0], where)
+    assert _names_the_branch(str(err.value)), str(err.value)
 
 
 def test_sweep_verdict_tells_float32_rounding_from_a_difference():
@@ -259,8 +373,9 @@ def test_an_in_place_write_through_data_is_named_with_its_source_line():
 
 
 def test_an_assert_on_tensor_values_names_python_O():
-    """XLM's ``assert lengths.max().item() <= slen``: a check, not a branch; the refusal says so and how to
-    capture anyway (asserts off)."""
+    """An assert on values capture cannot compute (the parameters' output): a check, not a branch; the refusal
+    says so and how to capture anyway (asserts off). One on the inputs alone (XLM's ``assert lengths.max()
+    .item() <= slen``) is guarded instead (the test above)."""
     import torch
 
     from meshpilot.graph.capture import CaptureError, capture
@@ -271,8 +386,9 @@ def test_an_assert_on_tensor_values_names_python_O():
             self.lin = torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            assert x.abs().max().item() < 1e9
-            return self.lin(x).sum()
+            y = self.lin(x)
+            assert y.abs().max().item() < 1e9
+            return y.sum()
 
     with pytest.raises(CaptureError) as err:
         capture(Checks(), (torch.randn(2, 4),))

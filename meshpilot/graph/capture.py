@@ -30,6 +30,13 @@ A forward that cannot be traced ends in one line (:class:`CaptureError`): the op
 line, and a way out — a data-dependent shape (``nonzero``, a boolean mask), inputs whose shapes the model
 rejects, an unsupported Python construct.
 
+Where the model's Python reads a tensor's value that depends on the inputs only (``if (mask == 1).all():``, an
+assert on the lengths), capture computes it from the real example inputs (:class:`_Shadow`: each torch call
+on input-derived tensors is kept, and run on the real inputs only when Python reads one), takes their branch
+and records a guard, ``meshpilot::guard`` (:mod:`meshpilot.ops.guard`), which checks the value on every batch
+and refuses in one line a batch that would take another branch; ``OpGraph.guards`` keeps the values, so the
+runtime's capture on meta inputs takes the same branches. A value read from parameters is refused as above.
+
 Every FX node becomes an :class:`OpNode`: output shapes and dtypes, FLOPs (``torch.utils.flop_counter``'s
 formulas, plus meshpilot's attention; element-wise work otherwise), bytes read and written (zero for views),
 whether it is a parameter, whether the forward keeps it for the backward.
@@ -245,6 +252,11 @@ class OpGraph:
     """Node -> the node of the first repeated layer it is identical to (itself when not repeated)."""
     repeats: list[tuple[int, int, int]] = field(default_factory=list)
     """(start index, period, count) of every stack of repeated layers found."""
+    guards: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
+    """Every value the model's Python read from a tensor while capturing (a branch, an assert, ``.tolist()``),
+    in order: where it was read and the values the example inputs gave (:mod:`meshpilot.ops.guard`; a
+    ``meshpilot::guard`` node checks each on every batch). A saved plan keeps them (``StagePlan.guards``), so
+    the runtime's capture on meta inputs takes the same branches."""
 
     def __post_init__(self) -> None:
         self.by_name: dict[str, OpNode] = {n.name: n for n in self.nodes}
@@ -365,6 +377,7 @@ def capture(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     precision: Precision | str | None = None,
     stacked: bool = True,
+    guards: Sequence[tuple[str, Sequence[float]]] | None = None,
 ) -> OpGraph:
     """Trace one training step of `model` on `example_inputs` into an :class:`OpGraph`.
 
@@ -376,6 +389,13 @@ def capture(
     autocast, none as the model is. With `stacked`, a model with a list of more than four identical blocks is
     traced with four and the others are copied (:mod:`meshpilot.graph.replicate`; the same graph, node for
     node); without it, or when the blocks do not pass replicate's checks, every block is traced.
+
+    Where the model's Python reads a tensor's value (``if (mask == 1).all():``, an assert, ``.tolist()``), the
+    value is computed from the real example inputs when it depends on them only (not on parameters or
+    buffers), the branch they take is traced, and a guard (:mod:`meshpilot.ops.guard`) checks it on every
+    batch. `guards` gives those values instead (a saved plan's ``StagePlan.guards``: the runtime captures on
+    meta inputs); a value read from parameters, or from inputs on the meta device without `guards`, is refused
+    in one line as before.
     """
     inputs = as_inputs(example_inputs)
     precision = Precision.parse(precision)
@@ -384,16 +404,19 @@ def capture(
     names = pnames + bnames + [f"input:{i}" for i in range(len(inputs))]
 
     def trace() -> tuple:
-        return _trace(model, inputs, loss_fn, precision)
+        return _trace(model, inputs, loss_fn, precision, guards)
 
     traced = None
     if stacked:
         from meshpilot.graph import replicate
 
         traced = replicate.capture_stacked(trace, model, names)
-    joint, _, fake_inputs = traced if traced is not None else trace()
+        if traced is not None and traced[3]:
+            traced = None  # a guard's predicate may lie in a copied block: trace every block
+    joint, _, fake_inputs, reads = traced if traced is not None else trace()
     graph = _build_graph(joint, params, pnames, bnames, fake_inputs)
     graph.precision = precision
+    graph.guards = reads
     return graph
 
 
@@ -402,9 +425,10 @@ def _trace(
     inputs: tuple[torch.Tensor, ...],
     loss_fn: Callable[..., torch.Tensor] | None,
     precision: Precision | None,
-) -> tuple[compat.JointExport, list[str], tuple[torch.Tensor, ...]]:
+    guards: Sequence[tuple[str, Sequence[float]]] | None = None,
+) -> tuple[compat.JointExport, list[str], tuple[torch.Tensor, ...], list[tuple[str, tuple[float, ...]]]]:
     """The joint export of the model's step, the names of its flat arguments (parameters, buffers,
-    ``input:<i>``) and the fake inputs."""
+    ``input:<i>``), the fake inputs and the values its Python read (``OpGraph.guards``)."""
     cast = precision.cast_dtype if precision is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -421,8 +445,10 @@ def _trace(
     reparametrize = compat.reparametrize_module()
 
     def functional_step(*flat: torch.Tensor) -> tuple[torch.Tensor]:
+        tracing.start_pass(flat[len(state) :], inputs, guards)
         with reparametrize(model, dict(zip(state, flat)), tie_weights=True, strict=False):
-            return step(*flat[len(state) :])
+            (loss,) = step(*flat[len(state) :])
+        return (tracing.guarded(loss),)
 
     tracing = _CaptureMode({m: path for path, m in model.named_modules()})
     flat = [fakes[n] for n in state] + fake_inputs
@@ -439,7 +465,8 @@ def _trace(
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
             raise CaptureError(_explain(e, tracing)) from None
     _refuse_own_backward(no_grad_before)
-    return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs)
+    reads = [(where, expected) for _, expected, where in tracing.reads]
+    return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs), reads
 
 
 # ---------------------------------------------------------------------------------- tracing: routes, places
@@ -457,6 +484,101 @@ class _CaptureMode(TorchFunctionMode):
         self.last_source: str | None = None
         self.data_reads: dict[int, torch.Tensor] = {}  # id -> each ``.data`` the forward read (kept alive)
         self.data_write: str | None = None  # "module (file:line)" of the first in-place write through ``.data``
+        self.known: dict[int, _Shadow] = {}  # id -> how to compute a tensor's value from the real inputs
+        self.reads: list[tuple[torch.Tensor, tuple[float, ...], str]] = []  # (tensor, values, where) read
+        self.answers: list[tuple[str, tuple[float, ...]]] | None = None  # a saved plan's guards, in order
+        self.keep: list[torch.Tensor] = []  # the tensors `known` and `reads` name by id, kept alive
+        self.input_ids: set[int] = set()  # the traced inputs' ids
+        self.closed = False  # the forward has returned: a read now (in a backward) cannot be guarded
+
+    def start_pass(self, traced_inputs: Sequence[torch.Tensor], real: Sequence[torch.Tensor], answers) -> None:
+        """A new run of the forward (the export runs it more than once): the traced inputs' real values are
+        known (inputs on the meta device are not), nothing has been read yet, `answers` (a saved plan's
+        guards) are to be given in order."""
+        real_pairs = [(t, x) for t, x in zip(traced_inputs, real) if isinstance(x, torch.Tensor) and not x.is_meta]
+        self.known = {id(t): _Shadow(value=x) for t, x in real_pairs}
+        self.input_ids = set(self.known)
+        self.keep = list(traced_inputs)
+        self.reads = []
+        self.answers = [(w, tuple(v)) for w, v in answers] if answers is not None else None
+        self.closed = False
+
+    def guarded(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` through one ``meshpilot::guard`` per value read this pass (none: `loss` itself); a read after
+        this (in a backward) is refused as capture refused every read before guards."""
+        self.closed = True
+        if not self.reads:
+            return loss
+        from meshpilot.ops import guard  # noqa: F401 - registers the op
+
+        for pred, expected, where in self.reads:
+            loss = torch.ops.meshpilot.guard(loss, pred, list(expected), where)
+        return loss
+
+    def _read(self, func, t: torch.Tensor, source: str | None):
+        """Python reads `t`'s value (``func``: ``bool()``, ``.item()``, ``.tolist()``, …): the value the real
+        inputs give, or the saved plan's next answer, recorded for a guard; None: neither is known, or the
+        forward has returned (no guard could hold a read in the backward)."""
+        if self.closed:
+            return None
+        what = _READ_NAMES[func]
+        where = f"{source or self.last_source or 'the model'} ({what})"
+        if self.answers is not None:
+            if not self.answers:
+                raise CaptureError(
+                    f"cannot capture the model: it reads a tensor's value at {where} that the plan's capture did not "
+                    "read (a changed model or inputs?); plan it again"
+                )
+            planned, values = self.answers.pop(0)
+            if planned != where:
+                raise CaptureError(
+                    f"cannot capture the model: it reads a tensor's value at {where} where the plan's capture read "
+                    f"one at {planned} (a changed model or inputs?); plan it again"
+                )
+            with _untraced():
+                real = torch.tensor(values, dtype=torch.float64).to(t.dtype).reshape(t.shape)
+        else:
+            shadow = self.known.get(id(t))
+            if shadow is None:
+                return None
+            real = shadow.evaluate()
+        with _untraced():
+            values = tuple(float(v) for v in real.flatten().tolist())
+            value = func(real)
+        self.reads.append((t, values, where))
+        self.keep.append(t)
+        return value
+
+    def _follow(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Keep how to compute `out` from the real inputs where every tensor `func` read is so known (a tensor
+        made from nothing, such as ``arange``, is); an in-place write keeps its target's new value the same way,
+        or forgets it. Nothing is computed here: only a read (:meth:`_read`) evaluates."""
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        known = func in _VALUE_FREE or all(id(a) in self.known for a in tensors)
+        name = getattr(func, "__name__", "")
+        inplace = func is _SETITEM or (name.endswith("_") and not name.endswith("__"))
+        if inplace and tensors:
+            target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if target is None or id(target) not in self.known:
+                return
+            after = _Shadow(func, args, kwargs, self.known, inplace=True) if known else None
+            # the write may change views and bases of the target that this map holds apart: keep the inputs
+            # (a write into one is refused later) and the target's new value only
+            self.known = {i: v for i, v in self.known.items() if i in self.input_ids}
+            if after is not None:
+                self.known[id(target)] = after
+                self.keep.append(target)
+            return
+        if not known:
+            return
+        leaves = pytree.tree_leaves(out)
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
+            return
+        call = _Shadow(func, args, kwargs, self.known)
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and id(x) not in self.known:
+                self.known[id(x)] = _Shadow(of=call, index=i)
+                self.keep.append(x)
 
     @contextlib.contextmanager
     def module_hooks(self) -> Iterator[None]:
@@ -493,13 +615,91 @@ class _CaptureMode(TorchFunctionMode):
             name = getattr(func, "__name__", "")
             if name.endswith("_") and not name.endswith("__"):  # clamp_, copy_, mul_: an in-place method
                 self.data_write = f"{self.stack[-1] if self.stack else 'the model'} ({source or self.last_source})"
+        if func in _READ_NAMES and args and isinstance(args[0], torch.Tensor) and (self.known or self.answers):
+            value = self._read(func, args[0], source)
+            if value is not None:
+                return value
         out = func(*args, **kwargs)
         if func == _DATA_GET and self.stack and isinstance(out, torch.Tensor):
             self.data_reads[id(out)] = out  # Gemma-3n's ``weight.data.clamp_``: named if AOTAutograd refuses it
+        if self.known:
+            self._follow(func, args, kwargs, out)
         return out
 
 
 _DATA_GET = torch._C.TensorBase.data.__get__
+_SETITEM = torch.Tensor.__setitem__
+_TB = torch._C.TensorBase
+_READ_NAMES = {
+    _TB.__bool__: "bool()",
+    _TB.item: ".item()",
+    _TB.tolist: ".tolist()",
+    _TB.__int__: "int()",
+    _TB.__float__: "float()",
+    _TB.__index__: "an index",
+}
+"""The ways Python reads a tensor's value, as a guard's message names them."""
+_VALUE_FREE = frozenset(
+    {_TB.new_zeros, _TB.new_ones, _TB.new_full, _TB.new_tensor, torch.zeros_like, torch.ones_like, torch.full_like}
+)
+"""Calls whose result takes only the shape and dtype of their tensor operand, not its values."""
+
+
+class _Blank:
+    """The operand of a :data:`_VALUE_FREE` call whose values capture does not know (its result does not read
+    them): on a read, a real CPU tensor of its shape and dtype, zeros; nothing is allocated before."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+
+    def evaluate(self) -> torch.Tensor:
+        with _untraced():
+            return torch.zeros(self.shape, dtype=self.dtype)
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Real tensors computed as eager code would: the fake, functional and tracing modes set aside."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+class _Shadow:
+    """How to compute one traced tensor's value from the real example inputs: a real value, or the torch call
+    that made it (arguments shadowed by their own :class:`_Shadow`), or one output of such a call; evaluated
+    once, on a read, with the tracing modes set aside."""
+
+    __slots__ = ("value", "func", "args", "of", "index", "inplace", "done")
+
+    def __init__(self, func=None, args=(), kwargs=None, known=None, *, value=None, of=None, index=0, inplace=False):
+        self.value, self.func, self.of, self.index, self.inplace = value, func, of, index, inplace
+        self.done = value is not None
+        if func is not None:
+            self.args = pytree.tree_map(
+                lambda a: known.get(id(a)) or _Blank(a) if isinstance(a, torch.Tensor) else a,
+                (tuple(args), dict(kwargs or {})),
+            )
+
+    def evaluate(self) -> torch.Tensor:
+        if not self.done:
+            with _untraced():
+                self.value = self._compute()
+            self.done = True
+        return self.value
+
+    def _compute(self) -> Any:
+        if self.of is not None:
+            return [x for x in pytree.tree_leaves(self.of.evaluate())][self.index]
+        args, kwargs = pytree.tree_map(lambda a: a.evaluate() if isinstance(a, (_Shadow, _Blank)) else a, self.args)
+        if self.inplace:
+            args = (args[0].clone(), *args[1:])
+            out = self.func(*args, **kwargs)
+            return args[0] if self.func is _SETITEM or out is None else out
+        return self.func(*args, **kwargs)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -577,9 +777,11 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
-            "bool()): a branch on data capture cannot follow; choose the setting that takes the static path "
-            "(for transformers models a config flag such as use_cache=False, attn_implementation=sdpa or "
-            "experts_implementation=meshpilot) or write the branch with torch.where"
+            "bool()) that capture cannot compute (it depends on parameters or buffers, or the example inputs are "
+            "on the meta device; one of real inputs alone is guarded): a branch on data capture cannot follow; "
+            "choose the setting that takes the static path (for transformers models a config flag such as "
+            "use_cache=False, attn_implementation=sdpa or experts_implementation=meshpilot) or write the branch "
+            "with torch.where"
         )
     if "DynamicOutputShape" in name or "DataDependent" in name or "data-dependent" in text.lower():
         what = f"{op}" if op is not None else "an op whose output shape depends on tensor values"
@@ -905,9 +1107,11 @@ def _step_outputs(
     for k, i in enumerate(joint.mutated_inputs):
         if not n_p <= i < n_p + n_b:
             what = pnames[i] if i < n_p else f"input {i - n_p - n_b}"
+            module, source = _place(outs[k]) if isinstance(outs[k], torch.fx.Node) else (None, None)
+            where = f" in {module or 'the model'} ({source})" if source else ""
             raise CaptureError(
-                f"the model's forward writes into {what} in place; meshpilot runs functional steps: write to a "
-                "copy (or a registered buffer) instead"
+                f"the model's forward writes into {what} in place{where}; meshpilot runs functional steps: write to "
+                "a copy (or a registered buffer) instead"
             )
         buffer_updates[bnames[i - n_p]] = (outs[k].name, 0)
     loss = (outs[n_updates].name, 0)

@@ -28,6 +28,8 @@ module                            ops
                                   parallelism; each rank's rows know their offset)
 :mod:`~meshpilot.ops.ring`        ring attention: q, k, v sequence-sharded, key/value blocks passed round
                                   the axis by send/recv (registered for the pair, with causal_rows' rules)
+:mod:`~meshpilot.ops.guard`       ``meshpilot::guard``: a value a Python branch read at capture, checked on
+                                  every batch (the predicate replicated; the loss passes through)
 ================================  ==========================================================================
 
 An own strategy may issue collectives inside the op (``Strategy.colls``); the ILP prices them on the node
@@ -157,10 +159,10 @@ def _local_shape_and_offset(global_shape, mesh, placements):
 @functools.cache
 def registry() -> dict[str, OwnOp]:
     """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, batched, dropout, fill, index_add, moe, ring, stack, unfold, vocab
+    from meshpilot.ops import batch_norm, batched, dropout, fill, guard, index_add, moe, ring, stack, unfold, vocab
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, ring):
+    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, ring, guard):
         for op in module.OPS:
             ops[op.target] = op
     return ops

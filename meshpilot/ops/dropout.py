@@ -13,6 +13,12 @@ The price is one full-size mask per rank and call (a bool tensor of the activati
 the ones it is drawn from), which the plan's memory does not count; it is planned as exclusive (DTensor's
 strategies are not offered). Strategies, per mesh axis: the input sharded on any dim (mask and output the
 same), a partial input (dropout is linear given the mask: output partial, mask replicated), replicated.
+
+``exponential``, ``uniform``, ``rand_like`` and ``randn_like`` (``torch.empty_like(x).exponential_()``,
+``torch.rand_like(x) > 0.75``: PhiMoE's Gumbel sampling of experts in training) are drawn the same way: the
+whole tensor on every rank, each keeping its block (DTensor's ``rand_like`` on a shard draws the shard alone,
+another number of values than the single device, which shifts every later draw); their operand's values are
+not read, so any layout of it gives that layout's block.
 """
 
 from __future__ import annotations
@@ -48,4 +54,29 @@ def _run(call: OwnCall, x: torch.Tensor, p: float, train: bool | None) -> tuple[
     return out, mask[call.local_slices(shape, call.outs[1])]
 
 
-OPS = (OwnOp("aten.native_dropout.default", _strategies, _run, exclusive=True),)
+def _drawn_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    x = node.out
+    if x is None or len(node.inputs) != 1:
+        return []
+    rules = [((Shard(d),), (Shard(d),)) for d in range(len(x.shape))]
+    rules += [((Replicate(),), (Replicate(),))]
+    return per_axis_products(b, node, rules, require_first=False)
+
+
+def _run_drawn(call: OwnCall, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The draw (``exponential``, ``uniform``, ``rand_like``, …) of the whole tensor, this rank's block kept."""
+    draw = call.node.fx_node.target
+    shape = call.global_shape(0)
+    if tuple(x.shape) == tuple(shape):
+        return draw(x, *args, **kwargs)  # the whole tensor is here: the single device's call
+    whole = draw(torch.empty(shape, dtype=x.dtype, device=x.device), *args, **kwargs)
+    return whole[call.local_slices(shape, call.outs[0])]
+
+
+OPS = (
+    OwnOp("aten.native_dropout.default", _strategies, _run, exclusive=True),
+    OwnOp("aten.exponential.default", _drawn_strategies, _run_drawn, exclusive=True),
+    OwnOp("aten.uniform.default", _drawn_strategies, _run_drawn, exclusive=True),
+    OwnOp("aten.rand_like.default", _drawn_strategies, _run_drawn, exclusive=True),
+    OwnOp("aten.randn_like.default", _drawn_strategies, _run_drawn, exclusive=True),
+)

@@ -5,6 +5,10 @@
 so the node fell back to a replica. Along every dim but `dim` the op is elementwise: a rank holding the same
 block of ``self`` and ``source`` on such a dim (and the whole ``index``) computes exactly that block of the
 output. Per mesh axis: ``self`` and ``source`` ``S(d)`` for ``d ≠ dim`` give ``S(d)``; all ``R`` give ``R``.
+
+``scatter_reduce(self, dim, index, src, reduce)`` (TAPAS's segment means) is the same along the dims where
+``self``, ``index`` and ``src`` have one size: each position there scatters within itself, so the three
+sharded alike on such a dim give that block of the output.
 """
 
 from __future__ import annotations
@@ -32,4 +36,20 @@ def _run_local(call: OwnCall, *args, **kwargs):
     return call.node.fx_node.target(*args, **kwargs)
 
 
-OPS = (OwnOp("aten.index_add.default", _strategies, _run_local),)
+def _scatter_reduce_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
+    out = node.out
+    if out is None or len(node.inputs) != 3:
+        return []
+    shapes = [b.graph[src].outputs[i].shape for src, i in node.inputs]
+    rank = len(out.shape)
+    dim = node.fx_node.args[1] % max(rank, 1)
+    same = [d for d in range(rank) if d != dim and all(len(s) == rank and s[d] == out.shape[d] for s in shapes)]
+    rules = [((Shard(d),), (Shard(d), Shard(d), Shard(d))) for d in same]
+    rules += [((Replicate(),), (Replicate(), Replicate(), Replicate()))]
+    return per_axis_products(b, node, rules, require_first=False)
+
+
+OPS = (
+    OwnOp("aten.index_add.default", _strategies, _run_local),
+    OwnOp("aten.scatter_reduce.two", _scatter_reduce_strategies, _run_local),
+)

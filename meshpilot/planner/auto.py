@@ -551,6 +551,7 @@ def _assemble(
         schedule=accumulate(math.prod(cand.shape), microbatches) if microbatches > 1 else None,
         step_flops=microbatches * sum(n.flops for n in graph.nodes if n.kind == NodeKind.OP),
         peak_flops=lm.cluster.device.flops_for(_compute_dtype(precision)),
+        guards=tuple(graph.guards),
     )
 
 

@@ -393,6 +393,10 @@ class StagePlan:
     sequence_order: SequenceOrder | None = None
     """The sequence's order on the ring's axis (:class:`SequenceOrder`: zig-zag); None: contiguous (every plan
     without a causal ring, and older plans)."""
+    guards: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    """The values the model's Python read from tensors while capturing (``OpGraph.guards``: where, and the
+    values the example inputs gave), in order: the runtime's capture takes the same branches, and a
+    ``meshpilot::guard`` node checks each on every batch; empty when the model reads none."""
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -689,6 +693,7 @@ class StagePlan:
             param_gathers=tuple(GatherGroup.from_dict(g) for g in d.get("param_gathers", ())),
             recompute=_recompute_of(d.get("recompute")),
             sequence_order=_sequence_order_of(d.get("sequence_order")),
+            guards=tuple((str(w), tuple(float(v) for v in vals)) for w, vals in d.get("guards", ())),
         )
 
     def to_json(self) -> str:

@@ -452,7 +452,7 @@ def parallelize(
         model.to(cast)
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
     if graph is None:
-        graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision)
+        graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision, guards=plan.guards)
     validate(whole, graph=graph)
     graph = recompute.for_plan(graph, plan)  # the blocks the plan recomputes run again in the backward
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
