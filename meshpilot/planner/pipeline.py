@@ -1169,19 +1169,20 @@ def _recomputed(sp: StagePlanner, stack: Stack, mode: RecomputeMode) -> dict[Rec
     made = _RECOMPUTED.setdefault(sp, {})  # one planner per graph: its searches cached across the schedules
     out = {}
     for kind in kinds[mode]:
-        if (id(stack), kind) not in made:
+        if kind not in made or made[kind][0] is not stack:
             try:
                 rc = recomputed_stack(stack, kind)
             except UserError:
                 rc = None
-            made[id(stack), kind] = None if rc is None else (StagePlanner(rc.graph, sp.cluster), rc)
-        if made[id(stack), kind] is not None:
-            out[kind] = made[id(stack), kind]
+            made[kind] = (stack, None if rc is None else (StagePlanner(rc.graph, sp.cluster), rc))
+        if made[kind][1] is not None:
+            out[kind] = made[kind][1]
     return out
 
 
 _RECOMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per stage planner, the recomputing planners and stacks :func:`_recomputed` made, by (stack, kind)."""
+"""Per stage planner, by kind, the stack :func:`_recomputed` last recomputed and its recomputing planner and stack
+(None: its blocks cannot be recomputed so)."""
 
 
 def fixed_pipeline(

@@ -540,7 +540,7 @@ class StackTable:
         """The exact table's candidates of logical mesh `shape` (the j-th): the block under up to
         :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
         mid, d = self.stack.middle, len(ctx.ranks)
-        specials = self._both_specials(self.planner, ctx, shape)
+        specials = self._both_specials(ctx, shape)
         blocks_needed = ctx.use & (ctx.NB > 0)
         block_cap, target = self.capacity, 0
         for level in range(MAX_LEVELS):
@@ -573,8 +573,8 @@ class StackTable:
         pruned); a recomputing block has its own (it saves less), its pre and post pieces are the captured
         ones (recomputation copies blocks only), planned once for every level."""
         blocks_needed = (ctx.use & (ctx.NB > 0))[None]
-        specials = self._both_specials(self.planner, ctx, shape)
-        graph, lower = None, None
+        specials = self._both_specials(ctx, shape)
+        floored, lower = None, None  # the graph whose floors `lower` is made of
         for level in tuple(ApproxLevel) if levels is None else levels:
             key = j * LEVEL_KEYS + key0 + int(level)
             mode = level.recompute
@@ -582,10 +582,12 @@ class StackTable:
                 continue
             planner, stack = self._graph_of(mode)
             mid = stack.middle
-            if mode is not graph:
-                graph = mode
+            if mode is not floored:
+                floored = mode
                 if floors is not None:
-                    blk = floors[2] if mode is Recompute.NONE else self._block_floor(planner, mid, ctx.ranks, shape)
+                    blk = floors[2]  # a recomputing block saves less: its own floor
+                    if mode is not Recompute.NONE:
+                        blk = self._floor(planner, (mid, mid + 1), ctx.ranks, shape)
                     lower = self._lower((floors[0], floors[1], blk), ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
             if (key0 or level) and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 continue  # this graph's floors show no plan of it changes an entry
@@ -604,34 +606,33 @@ class StackTable:
         """The planner and stack of the captured graph, or of its recomputing copy (:attr:`recomputed`)."""
         return (self.planner, self.stack) if recompute is Recompute.NONE else self.recomputed[recompute]
 
-    def _both_specials(self, planner: StagePlanner, ctx: _Ctx, shape) -> list:
+    def _both_specials(self, ctx: _Ctx, shape) -> list:
+        """The pre and the post pieces on `shape` (the captured graph's: recomputation copies blocks only)."""
         return [
-            self._specials(ctx.pres, ctx.ranks, shape, ctx.used_pre, planner),
-            self._specials(ctx.posts, ctx.ranks, shape, ctx.used_post, planner),
+            self._specials(ctx.pres, ctx.ranks, shape, ctx.used_pre),
+            self._specials(ctx.posts, ctx.ranks, shape, ctx.used_post),
         ]
 
-    def _specials(self, ranges, ranks, shape, used, planner: StagePlanner | None = None) -> list[_Piece | None]:
+    def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
         size has) only: the others' ranges are ∞ in ``arrays`` whatever they cost."""
-        return [None] + [self._piece(r, ranks, shape, self.capacity, planner=planner) if j in used else None
+        return [None] + [self._piece(r, ranks, shape, self.capacity) if j in used else None
                          for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
 
     def _floors(self, pres, posts, used_pre, used_post, ranks, shape):
         """``StagePlanner.floor`` of the used pre pieces, the used post pieces (by id; None unused) and the
         middle block on `shape`."""
+        pre = [None] + [self._floor(self.planner, r, ranks, shape) if j in used_pre else None
+                        for j, r in enumerate(pres[1:], 1)]  # fmt: skip
+        post = [None] + [self._floor(self.planner, r, ranks, shape) if j in used_post else None
+                         for j, r in enumerate(posts[1:], 1)]  # fmt: skip
+        mid = self.stack.middle
+        return pre, post, self._floor(self.planner, (mid, mid + 1), ranks, shape)
+
+    def _floor(self, planner: StagePlanner, rng: tuple[int, int], ranks, shape):
+        """``StagePlanner.floor`` of layers `rng` of `planner`'s graph on `shape` (the table's forced layouts)."""
         kw = {k: v for k, v in self.kw.items() if k == "force"}
-
-        def one(rng):
-            return self.planner.floor(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
-
-        pre = [None] + [one(r) if j in used_pre else None for j, r in enumerate(pres[1:], 1)]
-        post = [None] + [one(r) if j in used_post else None for j, r in enumerate(posts[1:], 1)]
-        return pre, post, self._block_floor(self.planner, self.stack.middle, ranks, shape)
-
-    def _block_floor(self, planner: StagePlanner, mid: int, ranks, shape):
-        """``StagePlanner.floor`` of the middle block of `planner`'s graph on `shape`."""
-        kw = {k: v for k, v in self.kw.items() if k == "force"}
-        return planner.floor(mid, mid + 1, ranks, shape, microbatches=self.microbatches, **kw)
+        return planner.floor(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
 
     def _lower(self, floors, PA, PB, NB, f, use) -> tuple[np.ndarray, np.ndarray]:
         """Per cluster range, what no candidate of one logical mesh (any cap) can beat (module docstring, 3):
@@ -694,7 +695,8 @@ class ApproxLevel(IntEnum):
     @property
     def zero(self) -> ZeroMode | None:
         """The ZeRO mode forced on the block's plan (None: the table's own)."""
-        return ZeroMode.STAGE3 if self.name.endswith("ZERO") else None
+        zeroed = (ApproxLevel.ZERO, ApproxLevel.SELECTIVE_ZERO, ApproxLevel.RECOMPUTE_ZERO)
+        return ZeroMode.STAGE3 if self in zeroed else None
 
     @property
     def recompute(self) -> Recompute:
