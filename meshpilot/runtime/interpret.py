@@ -187,8 +187,10 @@ class NodeCall:
         self.permute = None
         """(dim, order) where the node is a position factory the plan's sequence order permutes."""
         if sequence_order is not None:
+            from meshpilot.planner.recompute import original
+
             dims = dict(sequence_order.factories)
-            dim = dims.get(node.name, dims.get(node.name.removesuffix("_recomputed")))
+            dim = dims.get(node.name, dims.get(original(node.name)))  # a recomputed copy: its original's
             if dim is not None:
                 self.permute = (dim, sequence_order)
 
