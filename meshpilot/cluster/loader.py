@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.devices import DEVICES, DeviceProfile, MatmulRate
+from meshpilot.cluster.devices import DEVICES, FLOAT8, DeviceProfile, MatmulRate
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
@@ -89,10 +89,11 @@ PROFILE_KEYS = {
     "op_overhead_us",
     "foreach_overhead_us",
     "collective_overhead_us",
+    "float8_cast_bytes",
     "matmul",
 }
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
-MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_DTYPES = ("float32", "bfloat16", "float16", FLOAT8)
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
@@ -197,6 +198,7 @@ _PROFILE_FIX = {
     "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
+    "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 18.0",
 }
 _OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us")
 
@@ -221,7 +223,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             continue
         where = f"device_profile.{key}"
         value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
-        if key in _OVERHEAD_KEYS:
+        if key in (*_OVERHEAD_KEYS, "float8_cast_bytes"):
             if value < 0:
                 raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
         elif value <= 0 or (key.endswith("efficiency") and value > 1):
@@ -242,6 +244,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         values.get("op_overhead_us", 0.0) * 1e-6,
         values.get("foreach_overhead_us", 0.0) * 1e-6,
         values.get("collective_overhead_us", 0.0) * 1e-6,
+        values.get("float8_cast_bytes", 0.0),
     )
 
 

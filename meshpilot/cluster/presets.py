@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from meshpilot.cluster.devices import FLOAT8
 from meshpilot.cluster.loader import cluster_from_dict
 from meshpilot.cluster.topology import Cluster
 from meshpilot.errors import UserError
@@ -150,10 +151,37 @@ at one 8,192-token sequence (q, k / v, o, gate / up, down; their input- and weig
 prices each GEMM at the nearest of them (``DeviceProfile.matmul_flops``), other FLOPs at the efficiency above."""
 
 
+LLAMA3_405B_TP8_FP8_GEMMS = (
+    (8192, 2048, 16384, 1402.6), (8192, 128, 16384, 845.8), (8192, 16384, 2048, 1329.6),
+    (8192, 6656, 16384, 1327.4), (8192, 16384, 6656, 1321.0), (16384, 6656, 8192, 1330.1),
+    (2048, 16384, 8192, 1269.5), (6656, 16384, 8192, 1393.9), (16384, 2048, 8192, 1296.8), (8192, 8192, 8192, 1383.1),
+)  # fmt: skip
+"""Float8 GEMMs ``(m, n, k, TFLOP/s)`` at the same shapes as :data:`LLAMA3_405B_TP8_GEMMS`: ``torch._scaled_mm`` of
+``float8_e4m3fn`` operands (one scale per tensor, bf16 out), measured on one **H200** (torch 2.11.0+cu130, the mean
+of 20 after 3 warm-ups; 2026-11-27, ``benchmarks/gpu_frontier_rates.py --fp8 --compile``,
+docs/data/h200-fp8-rates-compiled-casts-2026-11-27.json; the eager run's products agree within 6 %). No H100 has
+measured them: the H200 and the H100 SXM share the GH100 die and its tensor-core clocks, so a compute-bound GEMM's
+rate carries over (the same H200's bf16 rates are within 9 % of the H100's above, but for the thin k / v product: 437 vs
+312). Not carried over: power. torchtitan's H100s ran at 500 W (the H200 at its default), which may throttle Float8
+products more than bf16 ones."""
+
+FLOAT8_CAST_BYTES = 18.0
+"""What casting a Float8 product's operands costs, as bytes per operand element at the device's effective memory
+bandwidth (``DeviceProfile.float8_cast_bytes``): a tensorwise Float8 linear's forward + backward (three casts with
+amax, compiled by torch.compile; three products, the transposed copies) ran 1.34–2.70 ms beyond its three products
+on the same H200 (the JSON above, its ``linear`` rows), 17.4–21.8 bytes per element of the products' operands at
+4,800 GB/s (mean 20.5), × 0.88 (the copy efficiency measured on the H100, assumed for the H200) = 18.0. The casts
+are memory-bound: on an H100 they take 4,800 / 3,350 times as long (HBM3), on torchtitan's HBM2e H100s 4,800 /
+2,400 — what this constant prices through each device's own bandwidth. An ideal fused cast moves about 5 bytes an
+element (an amax pass and a cast pass of bf16, the float8 written): the measured casts are about 4 times that."""
+
+
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
-    """An H100 SXM device profile at the measured efficiencies and GEMM rates above; `memory_gib` and `memory_gbps`
+    """An H100 SXM device profile at the measured efficiencies and GEMM rates above (bf16 and Float8, the casts'
+    bytes); `memory_gib` and `memory_gbps`
     the machine's HBM (80 GiB HBM3 at 3,350 GB/s on Llama 3's servers, 96 GiB HBM2e at 2,400 on torchtitan's)."""
     gemms = [{"m": m, "n": n, "k": k, "dtype": "bfloat16", "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_GEMMS]
+    gemms += [{"m": m, "n": n, "k": k, "dtype": FLOAT8, "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_FP8_GEMMS]
     return {
         "matmul": gemms,
         "kind": kind,
@@ -163,6 +191,7 @@ def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str
         "memory_GiB": memory_gib,
         "compute_efficiency": round(H100_BF16_MEASURED_TFLOPS / 989.5, 4),
         "memory_efficiency": round(H100_COPY_MEASURED_GBPS / 3350.0, 4),
+        "float8_cast_bytes": FLOAT8_CAST_BYTES,
     }
 
 
