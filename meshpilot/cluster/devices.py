@@ -81,7 +81,7 @@ class DeviceProfile:
     """Seconds of host CPU one collective costs beyond its bytes (module docstring); 0: not modelled."""
     float8_cast_bytes: float = 0.0
     """Bytes of memory traffic that each element of a Float8 product's two operands costs to cast (amax, scale,
-    cast to float8 in the layout the product reads: :meth:`float8_cast_seconds`); 0: not measured."""
+    cast to float8 in the layout the product reads: :meth:`float8_cast_seconds`); 0: not priced."""
 
     @property
     def has_float8(self) -> bool:

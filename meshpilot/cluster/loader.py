@@ -198,7 +198,7 @@ _PROFILE_FIX = {
     "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
-    "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 18.0",
+    "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
 }
 _OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us")
 

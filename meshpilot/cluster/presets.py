@@ -165,15 +165,21 @@ rate carries over (the same H200's bf16 rates are within 9 % of the H100's above
 312). Not carried over: power. torchtitan's H100s ran at 500 W (the H200 at its default), which may throttle Float8
 products more than bf16 ones."""
 
-FLOAT8_CAST_BYTES = 18.0
-"""What casting a Float8 product's operands costs, as bytes per operand element at the device's effective memory
-bandwidth (``DeviceProfile.float8_cast_bytes``): a tensorwise Float8 linear's forward + backward (three casts with
-amax, compiled by torch.compile; three products, the transposed copies) ran 1.34–2.70 ms beyond its three products
-on the same H200 (the JSON above, its ``linear`` rows), 17.4–21.8 bytes per element of the products' operands at
-4,800 GB/s (mean 20.5), × 0.88 (the copy efficiency measured on the H100, assumed for the H200) = 18.0. The casts
-are memory-bound: on an H100 they take 4,800 / 3,350 times as long (HBM3), on torchtitan's HBM2e H100s 4,800 /
-2,400 — what this constant prices through each device's own bandwidth. An ideal fused cast moves about 5 bytes an
-element (an amax pass and a cast pass of bf16, the float8 written): the measured casts are about 4 times that."""
+FLOAT8_CAST_BYTES = 5.0
+"""The memory traffic of casting a Float8 product's operands, bytes per operand element at the device's effective
+bandwidth (``DeviceProfile.float8_cast_bytes``): tensorwise dynamic scaling reads the bf16 operand for its amax
+(2 bytes) and again to scale and cast it (2), and writes the float8 copy in the layout the product reads (1). Each
+of a linear's three products pays it for both its operands (the input, weight and output gradient each cast
+twice, once per layout). Being memory traffic it is priced through each device's own bandwidth: on torchtitan's
+HBM2e H100s (2,400 GB/s) twice as long as on the H200 (4,800) the GEMM table was measured on.
+
+Measured beside it, and not what this prices: ``gpu_frontier_rates.py --fp8 --compile`` on the same H200 timed a
+whole tensorwise Float8 linear, forward + backward (three casts, each compiled on its own; three products; the
+transposed copies eager), at 1.34–2.70 ms beyond its three products: 17.4–21.8 bytes per element of the products'
+operands at 4,800 GB/s, about 18 at this profile's efficiency, 3.6 times this traffic. Those casts are unfused
+stand-alone kernels; torchtitan compiles the whole block (the casts fused into their neighbours, its weights cast
+on their FSDP shard before a float8 all-gather), so the traffic is the nearer price for its rows, and the
+stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
 
 
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
