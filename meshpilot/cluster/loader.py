@@ -41,12 +41,13 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     op_overhead_us = 12.0         # optional (default 0): fixed cost of one operator beyond its roofline
     foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
     collective_overhead_us = 1500.0   # optional (default 0): host CPU of one collective beyond its bytes
+    float8_cast_bytes = 5.0       # optional (default 0): bytes a Float8 product's operand element costs to cast
 
     [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
     m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
     n = 4096                      # each matmul at the nearest measured shape of its dtype
     k = 1024
-    dtype = "bfloat16"            # float32, bfloat16 or float16
+    dtype = "bfloat16"            # float32, bfloat16, float16 or float8_e4m3fn (float8=linears products)
     tflops = 612.0
 
 Every mistake raises :class:`~meshpilot.errors.ClusterFileError` naming the file, the key and the fix.
@@ -516,6 +517,8 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
     for key, sec in fixed:
         if sec:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
+    if d.float8_cast_bytes:
+        out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
     for r in d.matmul:
         out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
         out.append(f"tflops = {_f(r.flops / 1e12)}")
