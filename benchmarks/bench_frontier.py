@@ -14,7 +14,7 @@ TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config
 tokens/s per GPU (torchtitan's unit) = global batch · sequence / step / GPUs; the error is simulated / published − 1.
 A row whose configuration meshpilot cannot represent is printed with the reason and simulated as nothing.
 torchtitan's rows ran Float8 linears: planned with ``float8=linears`` (``config_plan``, *Float8*: every block
-linear's three products at the device profile's Float8 rate, measured on an H200, plus their operands' casts), each
+linear's three products at the device profile's Float8 rate, measured on an H100, plus their operands' casts), each
 beside the same plan with Float8 off (``…-bf16``, held against the same published number). ``--float8-cast-bytes``
 prices their casts otherwise (a sensitivity; ``presets.FLOAT8_CAST_BYTES``).
 
@@ -337,11 +337,11 @@ def main() -> None:
     ap.add_argument("--blocks", action="store_true", help="only one block of each row, with and without SP")
     ap.add_argument("--float8-cast-bytes", type=float, metavar="B",
                     help="a sensitivity: price the Float8 rows' casts at B bytes an operand element, not the preset's "
-                    "5 (18: the stand-alone casts measured on the H200; 0: the products alone)")  # fmt: skip
+                    "5 (15: the stand-alone casts measured on an H100; 0: the products alone)")  # fmt: skip
     args = ap.parse_args()
     if args.float8_cast_bytes is not None:
         if not args.float8_cast_bytes >= 0:
-            ap.error(f"--float8-cast-bytes {args.float8_cast_bytes}: give zero or more bytes, e.g. 18")
+            ap.error(f"--float8-cast-bytes {args.float8_cast_bytes}: give zero or more bytes, e.g. 15")
         presets.FLOAT8_CAST_BYTES = args.float8_cast_bytes  # read when a preset cluster is built
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")

@@ -428,7 +428,7 @@ def test_config_auto_needs_the_batch_and_help_names_it(capsys):
 def test_float8_linears_price_each_block_product_at_the_table_rate_and_nothing_else():
     """``float8=linears`` (torchtitan's Float8 rows): every block linear's three products — forward, input
     gradient, weight gradient — and nothing else are marked (the head stays bf16, every other field as captured);
-    a marked product costs its Float8 rate from the preset's H200-measured table plus its operands' casts, so
+    a marked product costs its Float8 rate from the preset's measured table plus its operands' casts, so
     at Llama 3's q projection the product itself takes the bf16 / Float8 rate ratio of the two tables; a block's
     plan changes by exactly those products' difference in compute, and not in communication or memory."""
     from meshpilot.cluster.cost import CostModel

@@ -152,18 +152,17 @@ prices each GEMM at the nearest of them (``DeviceProfile.matmul_flops``), other 
 
 
 LLAMA3_405B_TP8_FP8_GEMMS = (
-    (8192, 2048, 16384, 1402.6), (8192, 128, 16384, 845.8), (8192, 16384, 2048, 1329.6),
-    (8192, 6656, 16384, 1327.4), (8192, 16384, 6656, 1321.0), (16384, 6656, 8192, 1330.1),
-    (2048, 16384, 8192, 1269.5), (6656, 16384, 8192, 1393.9), (16384, 2048, 8192, 1296.8), (8192, 8192, 8192, 1383.1),
+    (8192, 2048, 16384, 1417.9), (8192, 128, 16384, 629.4), (8192, 16384, 2048, 1305.6),
+    (8192, 6656, 16384, 1408.2), (8192, 16384, 6656, 1377.2), (16384, 6656, 8192, 1318.7),
+    (2048, 16384, 8192, 1264.8), (6656, 16384, 8192, 1361.6), (16384, 2048, 8192, 1302.8), (8192, 8192, 8192, 1430.9),
 )  # fmt: skip
 """Float8 GEMMs ``(m, n, k, TFLOP/s)`` at the same shapes as :data:`LLAMA3_405B_TP8_GEMMS`: ``torch._scaled_mm`` of
-``float8_e4m3fn`` operands (one scale per tensor, bf16 out), measured on one **H200** (torch 2.11.0+cu130, the mean
-of 20 after 3 warm-ups; 2026-11-27, ``benchmarks/gpu_frontier_rates.py --fp8 --compile``,
-docs/data/h200-fp8-rates-compiled-casts-2026-11-27.json; the eager run's products agree within 6 %). No H100 has
-measured them: the H200 and the H100 SXM share the GH100 die and its tensor-core clocks, so a compute-bound GEMM's
-rate carries over (the same H200's bf16 rates are within 9 % of the H100's above, but for the thin k / v product: 437 vs
-312). Not carried over: power. torchtitan's H100s ran at 500 W (the H200 at its default), which may throttle Float8
-products more than bf16 ones."""
+``float8_e4m3fn`` operands (one scale per tensor, bf16 out), measured on one H100 80GB HBM3 (700 W, torch
+2.11.0+cu130, random data, the mean of 20 after 3 warm-ups; 2026-11-27, ``benchmarks/gpu_frontier_rates.py --fp8
+--compile``, docs/data/h100-fp8-rates-compiled-casts-2026-11-27.json). A lent H200 measured them first
+(docs/data/h200-fp8-rates-compiled-casts-2026-11-27.json): within 6 % of these but for the thin k / v product (846
+there, 629 here: memory-bound, and the H200's memory is faster). Not measured: torchtitan's 500 W HBM2e H100s,
+whose cap may throttle the Float8 products more than bf16 ones."""
 
 FLOAT8_CAST_BYTES = 5.0
 """The memory traffic of casting a Float8 product's operands, bytes per operand element at the device's effective
@@ -173,13 +172,13 @@ of a linear's three products pays it for both its operands (the input, weight an
 twice, once per layout). Being memory traffic it is priced through each device's own bandwidth: on torchtitan's
 HBM2e H100s (2,400 GB/s) twice as long as on the H200 (4,800) the GEMM table was measured on.
 
-Measured beside it, and not what this prices: ``gpu_frontier_rates.py --fp8 --compile`` on the same H200 timed a
-whole tensorwise Float8 linear, forward + backward (three casts, each compiled on its own; three products; the
-transposed copies eager), at 1.34–2.70 ms beyond its three products: 17.4–21.8 bytes per element of the products'
-operands at 4,800 GB/s, about 18 at this profile's efficiency, 3.6 times this traffic. Those casts are unfused
-stand-alone kernels; torchtitan compiles the whole block (the casts fused into their neighbours, its weights cast
-on their FSDP shard before a float8 all-gather), so the traffic is the nearer price for its rows, and the
-stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
+Measured beside it, and not what this prices: ``gpu_frontier_rates.py --fp8 --compile`` timed a whole tensorwise
+Float8 linear, forward + backward (three casts, each compiled on its own; three products; the transposed copies
+eager), at 1.6–3.3 ms beyond its three products on the H100 above: 14.5–18.4 bytes per element of the products'
+operands at 3,350 GB/s, about 15 at this profile's efficiency, 3 times this traffic (17.4–21.8 at 4,800 GB/s on the
+H200). Those casts are unfused stand-alone kernels; torchtitan compiles the whole block (the casts fused into their
+neighbours, its weights cast on their FSDP shard before a float8 all-gather), so the traffic is the nearer price for
+its rows, and the stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
 
 
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
