@@ -11,11 +11,16 @@ Per row: the model built on the meta device (Hugging Face's ``LlamaForCausalLM``
 stages on Llama 3's rank order), its step simulated (``config_plan.simulate_config``: one stand-in rank per
 pipeline group, the groups' sends at one rank's share) and split term by term (``config_plan.breakdown``).
 TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config_plan.model_flops_per_token``);
-the error is simulated / published − 1. A row whose configuration meshpilot cannot represent (context
-parallelism, activation recomputation, FP8) is printed with the reason and simulated as nothing.
+tokens/s per GPU (torchtitan's unit) = global batch · sequence / step / GPUs; the error is simulated / published − 1.
+A row whose configuration meshpilot cannot represent is printed with the reason and simulated as nothing.
+torchtitan's rows ran Float8 linears: planned with ``float8=linears`` (``config_plan``, *Float8*: every block
+linear's three products at the device profile's Float8 rate, measured on an H100, plus their operands' casts), each
+beside the same plan with Float8 off (``…-bf16``, held against the same published number). ``--float8-cast-bytes``
+prices their casts otherwise (a sensitivity; ``presets.FLOAT8_CAST_BYTES``).
 
 meshpilot's own plan (``planner.config_search.search_configs``, what ``meshpilot plan --config auto`` runs): for
-the same model, GPUs, global batch and sequence, the configuration meshpilot chooses itself — TP / PP / DP,
+the same model, GPUs, global batch and sequence (not for a Float8 row: the search has no Float8 lever), the
+configuration meshpilot chooses itself — TP / PP / DP,
 schedule, microbatches and their size, recomputation, split — within the device's memory by Eq. 5 per pipeline
 group, planned and simulated by the same path as the published one. Where the published configuration's own
 plan needs more than the device's memory by that bound, the search is run a second time within that larger
@@ -38,10 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshpilot.cluster import presets
 from meshpilot.errors import UserError
 from meshpilot.models.sources import build_hf, unpacked_sequences
 from meshpilot.planner.config_plan import (
     Breakdown,
+    Float8,
     breakdown,
     group_memory,
     model_flops_per_token,
@@ -70,11 +77,15 @@ makes the microbatches the batch per DP. ``precision=bf16``: the step in bfloat1
 runs it (meshpilot's ``bf16-mixed`` is torch autocast, whose float32 residual stream doubles every send)."""
 
 
-FP8 = (
-    "torchtitan ran it with Float8 linears: no H100 FP8 measurement to rate them by (../shared/gpu holds bf16 "
-    "only; its full activation checkpointing is planned now, recompute=full)"
-)
-"""Why torchtitan's rows stay refused."""
+TORCHTITAN_CONFIG = "tp=8,pp=8,dp=8,microbatches=32,recompute=full,split=ends,precision=bf16"
+"""torchtitan's Table 5 (benchmarks/llama3_h100_202412_torchtitan.md): 512 H100, FSDP 8, TP 8, PP 8, local batch 32
+(micro-batch 1: 32 microbatches), global batch 256, full activation checkpointing, torch.compile, Float8 linears,
+AsyncTP. Planned here as DP 8 (FSDP's sharding is not planned: ZeRO 0, its all-gathers and reduce-scatters priced as
+an all-reduce), ``precision=bf16`` (FSDP's bf16 parameters: the step in bf16; the float32 master weights and
+reduction are not modelled), ``split=ends`` (126 blocks do not cut evenly into 8 or 16 chunks; torchtitan's file
+does not give its split points), TP without AsyncTP's overlap. The Float8 rows add ``float8=linears``; the bf16
+rows beside them are the same plan with Float8 off, held against the same published (Float8) number: what Float8
+is worth in the model."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +112,13 @@ ROWS = [
     Row("llama3-405b-16k-cp16", "Llama 3 Table 4", "TFLOP/s/GPU", 380.0, LLAMA3_405B, 131072, "llama3-h100",
         f"{LLAMA3_CONFIG},cp=16,pp=16,dp=8,microbatches=16"),
     Row("torchtitan-405b-1f1b", "torchtitan H100 Table 5", "tokens/s/GPU", 100.0, LLAMA3_405B, 8192,
-        "torchtitan-h100:64", "tp=8,pp=8,dp=8,microbatches=32,recompute=full",
-        refused=FP8),
+        "torchtitan-h100:64", f"{TORCHTITAN_CONFIG},float8=linears"),
+    Row("torchtitan-405b-1f1b-bf16", "torchtitan H100 Table 5, Float8 off", "tokens/s/GPU", 100.0, LLAMA3_405B,
+        8192, "torchtitan-h100:64", TORCHTITAN_CONFIG),
     Row("torchtitan-405b-interleaved", "torchtitan H100 Table 5", "tokens/s/GPU", 128.0, LLAMA3_405B, 8192,
-        "torchtitan-h100:64", "tp=8,pp=8,dp=8,schedule=interleaved-1f1b,virtual=2,microbatches=32,"
-        "recompute=full", refused=FP8),
+        "torchtitan-h100:64", f"{TORCHTITAN_CONFIG},schedule=interleaved-1f1b,virtual=2,float8=linears"),
+    Row("torchtitan-405b-interleaved-bf16", "torchtitan H100 Table 5, Float8 off", "tokens/s/GPU", 128.0,
+        LLAMA3_405B, 8192, "torchtitan-h100:64", f"{TORCHTITAN_CONFIG},schedule=interleaved-1f1b,virtual=2"),
 ]  # fmt: skip
 
 
@@ -199,11 +212,15 @@ def run_row(
     out.peak_gib = group_memory(cp) / 2**30
     layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
     per_token = model_flops_per_token(built.model, layers, hidden, row.seq)
-    out.simulated = tflops_per_gpu(per_token, cfg.global_batch * row.seq, sim.step_s, cfg.devices)
+    tokens = cfg.global_batch * row.seq
+    if row.unit == "tokens/s/GPU":
+        price = lambda step: tokens / step / cfg.devices if step > 0 else 0.0  # noqa: E731
+    else:
+        price = lambda step: tflops_per_gpu(per_token, tokens, step, cfg.devices)  # noqa: E731
+    out.simulated = price(sim.step_s)
     if terms:
         out.terms = breakdown(cp, built.model, built.inputs, stack, sim.step_s, sp)
-    if search:
-        price = lambda step: tflops_per_gpu(per_token, cfg.global_batch * row.seq, step, cfg.devices)  # noqa: E731
+    if search and cfg.float8 is Float8.NONE:  # the search has no Float8 lever (module docstring)
         out.own = own_plan(row, cfg, sp.cluster, price)
         published_gib = group_memory(cp)
         if published_gib > out.own.search.capacity:
@@ -318,7 +335,14 @@ def main() -> None:
     ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
     ap.add_argument("--no-search", action="store_true", help="skip meshpilot's own plan (the configuration search)")
     ap.add_argument("--blocks", action="store_true", help="only one block of each row, with and without SP")
+    ap.add_argument("--float8-cast-bytes", type=float, metavar="B",
+                    help="a sensitivity: price the Float8 rows' casts at B bytes an operand element, not the preset's "
+                    "5 (15: the stand-alone casts measured on an H100; 0: the products alone)")  # fmt: skip
     args = ap.parse_args()
+    if args.float8_cast_bytes is not None:
+        if not args.float8_cast_bytes >= 0:
+            ap.error(f"--float8-cast-bytes {args.float8_cast_bytes}: give zero or more bytes, e.g. 15")
+        presets.FLOAT8_CAST_BYTES = args.float8_cast_bytes  # read when a preset cluster is built
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]

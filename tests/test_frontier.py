@@ -286,11 +286,13 @@ def test_context_parallel_config_plans_the_sequence_on_an_axis_of_its_own():
 
 
 def test_refused_rows_say_why_and_simulate_nothing():
-    for row in bf.ROWS:
-        if row.refused:
-            res = bf.run_row(row)
-            assert res.simulated is None and res.refused and "\n" not in res.refused
-            assert res.to_json()["simulated_as_published"] is None
+    """A row marked refused, or whose configuration does not parse, is printed with its reason in one line and
+    simulated as nothing (every published row plans now: torchtitan's Float8 rows since ``float8=linears``)."""
+    assert not [r.name for r in bf.ROWS if r.refused]
+    for row in (dataclasses.replace(_row("tp=2"), refused="not planned"), _row("tp=2,float8=linear")):
+        res = bf.run_row(row)
+        assert res.simulated is None and res.refused and "\n" not in res.refused
+        assert res.to_json()["simulated_as_published"] is None
 
 
 def test_cli_plans_a_config_saves_it_and_simulate_prices_the_same_step(tmp_path, capsys):
@@ -421,3 +423,71 @@ def test_config_auto_needs_the_batch_and_help_names_it(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "--config auto" in " ".join(capsys.readouterr().out.split())
+
+
+def test_float8_linears_price_each_block_product_at_the_table_rate_and_nothing_else():
+    """``float8=linears`` (torchtitan's Float8 rows): every block linear's three products — forward, input
+    gradient, weight gradient — and nothing else are marked (the head stays bf16, every other field as captured);
+    a marked product costs its Float8 rate from the preset's measured table plus its operands' casts, so
+    at Llama 3's q projection the product itself takes the bf16 / Float8 rate ratio of the two tables; a block's
+    plan changes by exactly those products' difference in compute, and not in communication or memory."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.devices import FLOAT8
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.cluster.presets import FLOAT8_CAST_BYTES, LLAMA3_405B_TP8_FP8_GEMMS, LLAMA3_405B_TP8_GEMMS
+    from meshpilot.graph.gemms import node_gemm
+    from meshpilot.planner.config_plan import float8_stack, plan_config
+    from meshpilot.planner.stage import StagePlanner
+    from meshpilot.planner.zero import ZeroMode
+
+    cl = load_cluster("torchtitan-h100:1")
+    dev = cl.device
+    assert dev.has_float8 and dev.float8_cast_bytes == FLOAT8_CAST_BYTES
+    cm = CostModel(LogicalMesh(cl, (1, 1), [[0]]))
+    q = (8192, 2048, 16384)
+    flops = 2 * 8192 * 2048 * 16384
+    bf16, fp8 = LLAMA3_405B_TP8_GEMMS[0][3], LLAMA3_405B_TP8_FP8_GEMMS[0][3]
+    assert LLAMA3_405B_TP8_GEMMS[0][:3] == LLAMA3_405B_TP8_FP8_GEMMS[0][:3] == q
+    cast = FLOAT8_CAST_BYTES * (8192 * 16384 + 16384 * 2048) / (dev.memory_bandwidth * dev.memory_efficiency)
+    product = cm.float8_gemm(flops, 0, q) - cast
+    assert product == pytest.approx(flops / (fp8 * 1e12), rel=1e-12)
+    assert cm.compute(flops, 0, "bfloat16", q) / product == pytest.approx(fp8 / bf16, rel=1e-12)
+
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision="bf16")
+    f8 = float8_stack(stack)
+    marked = [n for n in f8.graph.nodes if n.float8]
+    per_block = 7 * 3  # q, k, v, o, gate, up, down: forward, input gradient, weight gradient
+    assert len(marked) == per_block * stack.kept
+    assert all(n.module.startswith(stack.container + ".") and n.target == "aten.mm.default" for n in marked)
+    assert not any(n.float8 for n in f8.graph.nodes if n.module == "model.lm_head")
+    assert [dataclasses.replace(n, float8=False) for n in f8.graph.nodes] == list(stack.graph.nodes)
+
+    mesh, ranks, kw = (1, 1), (0,), dict(microbatches=1, zero=ZeroMode.OFF)
+    got, block = {}, set()
+    for name, st in (("bf16", stack), ("fp8", f8)):
+        sp = StagePlanner(st.graph, cl)
+        got[name] = sp.plan_with_memory(st.middle, st.middle + 1, ranks, mesh, **kw)
+        block = set(sp.layers[st.middle].nodes)
+    (c0, m0), (c1, m1) = got["bf16"], got["fp8"]
+    eff = dev.memory_bandwidth * dev.memory_efficiency
+
+    def extra(n) -> float:  # what Float8 adds to (or takes off) one marked product on one device
+        g, nbytes = node_gemm(f8.graph, n), n.bytes_read + n.bytes_written
+        return cm.float8_gemm(n.flops, nbytes, g) - max(n.flops / dev.matmul_flops(*g, "bfloat16"), nbytes / eff)
+
+    want = sum(extra(n) for n in marked if n.name in block)
+    assert want != 0 and sum(1 for n in marked if n.name in block) == per_block
+    assert c1.time.compute_s - c0.time.compute_s == pytest.approx(want, rel=1e-9)
+    assert c1.time.communication_s == c0.time.communication_s and c1.time.resharding_s == c0.time.resharding_s
+    assert m1 == m0
+    assert FLOAT8 == "float8_e4m3fn"
+
+    # bad input: one clear line each
+    for text, needle in (("float8=linear", "choose one of none, linears"), ("float8=linears", "precision=bf16")):
+        with pytest.raises(UserError, match=needle) as e:
+            parse_config(text)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="no measured Float8") as e:
+        plan_config(built.model, built.inputs, stack, "dgx-h100:1", parse_config("precision=bf16,float8=linears"))
+    assert "\n" not in str(e.value)

@@ -70,6 +70,8 @@ Compute (roofline): t = max(FLOPs / rate, bytes / (membw * eff_m)), where rate i
 [m, k] @ [k, n], the rate measured at the nearest shape of its dtype (``DeviceProfile.matmul_flops``; a
 probed profile's table), and otherwise peak(dtype) * eff_c. A probed profile has eff_c = eff_m = 1: its
 peak is the best matmul rate the probe measured, membw its measured copy bandwidth (read + write).
+A Float8 linear's product (``OpNode.float8``, ``config_plan``'s ``float8=linears``) is priced at the profile's
+Float8 rate for its shape plus its operands' casts, memory-bound kernels of their own (:meth:`CostModel.float8_gemm`).
 The accounting adds the device's fixed cost per operator (``DeviceProfile.op_overhead``) to each
 operator's roofline and prices the optimizer's update from ``membw`` (``planner.accounting``).
 """
@@ -79,6 +81,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from meshpilot.cluster.devices import FLOAT8
 from meshpilot.cluster.mesh import LogicalMesh
 
 Axes = int | Sequence[int]
@@ -249,3 +252,9 @@ class CostModel:
             t_flops = flops / (d.flops_for(dtype) * d.compute_efficiency)
         t_bytes = nbytes / (d.memory_bandwidth * d.memory_efficiency) if nbytes else 0.0
         return max(t_flops, t_bytes)
+
+    def float8_gemm(self, flops: float, nbytes: float, gemm: tuple[int, int, int]) -> float:
+        """Seconds of a tensorwise Float8 product ``[m, k] @ [k, n]`` (`gemm`): its roofline at the Float8 rate
+        measured for the nearest shape (``devices.FLOAT8``), plus the casts of its two operands from bf16
+        (``DeviceProfile.float8_cast_seconds``), separate memory-bound kernels before it."""
+        return self.compute(flops, nbytes, FLOAT8, gemm) + self.device.float8_cast_seconds(*gemm)

@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 TFLOPS = 1e12
 GB = 1e9
 GiB = 1024**3
+FLOAT8 = "float8_e4m3fn"
+"""The dtype of a Float8 product's rates in a profile's matmul table: ``torch._scaled_mm`` of e4m3 operands, one
+scale per tensor, bf16 out (``config_plan``'s ``float8=linears``)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,19 @@ class DeviceProfile:
     """Seconds per tensor of one ``torch._foreach_*`` operator (module docstring); 0: not modelled."""
     collective_overhead: float = 0.0
     """Seconds of host CPU one collective costs beyond its bytes (module docstring); 0: not modelled."""
+    float8_cast_bytes: float = 0.0
+    """Bytes of memory traffic that each element of a Float8 product's two operands costs to cast (amax, scale,
+    cast to float8 in the layout the product reads: :meth:`float8_cast_seconds`); 0: not priced."""
+
+    @property
+    def has_float8(self) -> bool:
+        """Whether the profile holds measured Float8 GEMM rates (``FLOAT8`` entries of :attr:`matmul`)."""
+        return any(r.dtype == FLOAT8 for r in self.matmul)
+
+    def float8_cast_seconds(self, m: int, n: int, k: int) -> float:
+        """Seconds of casting the operands ``[m, k]`` and ``[k, n]`` of one Float8 product from bf16:
+        :attr:`float8_cast_bytes` per element at ``memory_bandwidth · memory_efficiency``."""
+        return self.float8_cast_bytes * (m * k + k * n) / (self.memory_bandwidth * self.memory_efficiency)
 
     @property
     def is_cpu(self) -> bool:

@@ -41,12 +41,13 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     op_overhead_us = 12.0         # optional (default 0): fixed cost of one operator beyond its roofline
     foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
     collective_overhead_us = 1500.0   # optional (default 0): host CPU of one collective beyond its bytes
+    float8_cast_bytes = 5.0       # optional (default 0): bytes a Float8 product's operand element costs to cast
 
     [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
     m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
     n = 4096                      # each matmul at the nearest measured shape of its dtype
     k = 1024
-    dtype = "bfloat16"            # float32, bfloat16 or float16
+    dtype = "bfloat16"            # float32, bfloat16, float16 or float8_e4m3fn (float8=linears products)
     tflops = 612.0
 
 Every mistake raises :class:`~meshpilot.errors.ClusterFileError` naming the file, the key and the fix.
@@ -61,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.devices import DEVICES, DeviceProfile, MatmulRate
+from meshpilot.cluster.devices import DEVICES, FLOAT8, DeviceProfile, MatmulRate
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
@@ -89,10 +90,11 @@ PROFILE_KEYS = {
     "op_overhead_us",
     "foreach_overhead_us",
     "collective_overhead_us",
+    "float8_cast_bytes",
     "matmul",
 }
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
-MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_DTYPES = ("float32", "bfloat16", "float16", FLOAT8)
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
@@ -197,6 +199,7 @@ _PROFILE_FIX = {
     "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
+    "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
 }
 _OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us")
 
@@ -221,7 +224,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             continue
         where = f"device_profile.{key}"
         value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
-        if key in _OVERHEAD_KEYS:
+        if key in (*_OVERHEAD_KEYS, "float8_cast_bytes"):
             if value < 0:
                 raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
         elif value <= 0 or (key.endswith("efficiency") and value > 1):
@@ -242,6 +245,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         values.get("op_overhead_us", 0.0) * 1e-6,
         values.get("foreach_overhead_us", 0.0) * 1e-6,
         values.get("collective_overhead_us", 0.0) * 1e-6,
+        values.get("float8_cast_bytes", 0.0),
     )
 
 
@@ -513,6 +517,8 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
     for key, sec in fixed:
         if sec:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
+    if d.float8_cast_bytes:
+        out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
     for r in d.matmul:
         out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
         out.append(f"tflops = {_f(r.flops / 1e12)}")

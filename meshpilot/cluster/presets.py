@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from meshpilot.cluster.devices import FLOAT8
 from meshpilot.cluster.loader import cluster_from_dict
 from meshpilot.cluster.topology import Cluster
 from meshpilot.errors import UserError
@@ -150,10 +151,42 @@ at one 8,192-token sequence (q, k / v, o, gate / up, down; their input- and weig
 prices each GEMM at the nearest of them (``DeviceProfile.matmul_flops``), other FLOPs at the efficiency above."""
 
 
+LLAMA3_405B_TP8_FP8_GEMMS = (
+    (8192, 2048, 16384, 1417.9), (8192, 128, 16384, 629.4), (8192, 16384, 2048, 1305.6),
+    (8192, 6656, 16384, 1408.2), (8192, 16384, 6656, 1377.2), (16384, 6656, 8192, 1318.7),
+    (2048, 16384, 8192, 1264.8), (6656, 16384, 8192, 1361.6), (16384, 2048, 8192, 1302.8), (8192, 8192, 8192, 1430.9),
+)  # fmt: skip
+"""Float8 GEMMs ``(m, n, k, TFLOP/s)`` at the same shapes as :data:`LLAMA3_405B_TP8_GEMMS`: ``torch._scaled_mm`` of
+``float8_e4m3fn`` operands (one scale per tensor, bf16 out), measured on one H100 80GB HBM3 (700 W, torch
+2.11.0+cu130, random data, the mean of 20 after 3 warm-ups; 2026-11-27, ``benchmarks/gpu_frontier_rates.py --fp8
+--compile``, docs/data/h100-fp8-rates-compiled-casts-2026-11-27.json). A lent H200 measured them first
+(docs/data/h200-fp8-rates-compiled-casts-2026-11-27.json): within 6 % of these but for the thin k / v product (846
+there, 629 here: memory-bound, and the H200's memory is faster). Not measured: torchtitan's 500 W HBM2e H100s,
+whose cap may throttle the Float8 products more than bf16 ones."""
+
+FLOAT8_CAST_BYTES = 5.0
+"""The memory traffic of casting a Float8 product's operands, bytes per operand element at the device's effective
+bandwidth (``DeviceProfile.float8_cast_bytes``): tensorwise dynamic scaling reads the bf16 operand for its amax
+(2 bytes) and again to scale and cast it (2), and writes the float8 copy in the layout the product reads (1). Each
+of a linear's three products pays it for both its operands (the input, weight and output gradient each cast
+twice, once per layout). Being memory traffic it is priced through each device's own bandwidth: on torchtitan's
+HBM2e H100s (2,400 GB/s) twice as long as on the H200 (4,800) the GEMM table was measured on.
+
+Measured beside it, and not what this prices: ``gpu_frontier_rates.py --fp8 --compile`` timed a whole tensorwise
+Float8 linear, forward + backward (three casts, each compiled on its own; three products; the transposed copies
+eager), at 1.6–3.3 ms beyond its three products on the H100 above: 14.5–18.4 bytes per element of the products'
+operands at 3,350 GB/s, about 15 at this profile's efficiency, 3 times this traffic (17.4–21.8 at 4,800 GB/s on the
+H200). Those casts are unfused stand-alone kernels; torchtitan compiles the whole block (the casts fused into their
+neighbours, its weights cast on their FSDP shard before a float8 all-gather), so the traffic is the nearer price for
+its rows, and the stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
+
+
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
-    """An H100 SXM device profile at the measured efficiencies and GEMM rates above; `memory_gib` and `memory_gbps`
+    """An H100 SXM device profile at the measured efficiencies and GEMM rates above (bf16 and Float8, the casts'
+    bytes); `memory_gib` and `memory_gbps`
     the machine's HBM (80 GiB HBM3 at 3,350 GB/s on Llama 3's servers, 96 GiB HBM2e at 2,400 on torchtitan's)."""
     gemms = [{"m": m, "n": n, "k": k, "dtype": "bfloat16", "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_GEMMS]
+    gemms += [{"m": m, "n": n, "k": k, "dtype": FLOAT8, "tflops": t} for m, n, k, t in LLAMA3_405B_TP8_FP8_GEMMS]
     return {
         "matmul": gemms,
         "kind": kind,
@@ -163,6 +196,7 @@ def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str
         "memory_GiB": memory_gib,
         "compute_efficiency": round(H100_BF16_MEASURED_TFLOPS / 989.5, 4),
         "memory_efficiency": round(H100_COPY_MEASURED_GBPS / 3350.0, 4),
+        "float8_cast_bytes": FLOAT8_CAST_BYTES,
     }
 
 

@@ -213,6 +213,10 @@ class OpNode:
     """Path of the module whose forward made this node (``model.layers.0.mlp``; ``""`` for the root)."""
     source: str | None = None
     """``file:line`` of the model code that made this node (a backward node: its forward op's)."""
+    float8: bool = False
+    """A matrix product that runs as a tensorwise Float8 product, its operands cast from bf16 on the fly
+    (``planner.config_plan.float8_stack``, ``--config float8=linears``): priced by ``CostModel.float8_gemm``; its
+    values stay as captured (the float8 copies are transient and not counted)."""
     fx_node: torch.fx.Node | None = field(default=None, repr=False, compare=False)
 
     @property

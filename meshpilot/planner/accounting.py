@@ -751,7 +751,8 @@ class ComputeCost:
 
     def node(self, node: OpNode, s: Any) -> float:
         """Seconds of the device's share of `node` under strategy `s`: its roofline, a matmul at the rate
-        measured for its local GEMM shape (``CostModel.compute``), plus the device's fixed cost per operator
+        measured for its local GEMM shape (``CostModel.compute``; a Float8 product, ``OpNode.float8``, at the
+        Float8 rate with its casts: ``CostModel.float8_gemm``), plus the device's fixed cost per operator
         (``DeviceProfile.op_overhead``). Views and aliases (``_unsafe_view``) cost nothing."""
         if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
             return 0.0
@@ -759,7 +760,11 @@ class ComputeCost:
         split = work_split(out, self.mesh_shape) if out is not None else 1
         dtype = node.out.dtype if node.out is not None else "float32"
         nbytes = (node.bytes_read + node.bytes_written) / split
-        roofline = self.cm.compute(node.flops / split, nbytes, dtype, self._local_gemm(node, s))
+        gemm = self._local_gemm(node, s)
+        if node.float8 and gemm is not None:  # a Float8 linear's product and its operands' casts
+            roofline = self.cm.float8_gemm(node.flops / split, nbytes, gemm)
+        else:
+            roofline = self.cm.compute(node.flops / split, nbytes, dtype, gemm)
         return roofline + self.cm.device.op_overhead
 
     def update(self, node: OpNode, s: Any) -> float:

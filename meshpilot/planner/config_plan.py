@@ -61,6 +61,18 @@ The plan
   rank nearly that much work (its rows see every key), so the price is the slowest rank's, not Llama 3's
   load-balanced half.
 
+* **Float8** (``float8=linears``, with ``precision=bf16``): torchtitan's Float8 training (torchao's ``Float8Linear``,
+  tensorwise dynamic scaling) as the cost model sees it: every linear of the repeated blocks runs its three
+  products — forward, input gradient, weight gradient (and a recomputed forward's) — as ``torch._scaled_mm``, each
+  operand cast from bf16 just before (:func:`float8_stack` marks them ``OpNode.float8``;
+  ``CostModel.float8_gemm`` prices each at the device's measured Float8 rate for its shape plus its operands'
+  casts, ``DeviceProfile.float8_cast_bytes`` an element at the device's memory bandwidth). The embeddings and the
+  head stay bf16 (torchtitan leaves its ``output`` projection out). Memory is the bf16 step's: weights,
+  activations and what the backward saves stay bf16, the float8 copies are transient and not counted. Not
+  modelled: FSDP's all-gather in float8 (``enable_fsdp_float8_all_gather``; ZeRO is not planned here, so there
+  is no parameter all-gather to shrink), TP's collectives in float8, the amax all-reduces. A device without
+  Float8 rates is refused.
+
 Refused in one line, since the planner cannot represent them yet: ``ep > 1`` (expert parallelism; dense models
 here), ``zero`` above 0; ``cp > 1`` with ``micro_batch`` above 1 or a sequence that ``cp · tp`` does not divide.
 
@@ -108,6 +120,14 @@ if TYPE_CHECKING:
     from meshpilot.sim.engine import SimResult
 
 
+class Float8(StrEnum):
+    """Which matrix products run in Float8 (``float8=``; module docstring, *Float8*)."""
+
+    NONE = "none"
+    LINEARS = "linears"
+    """Every linear of the repeated blocks, torchtitan's Float8 training (tensorwise scaling)."""
+
+
 class Split(StrEnum):
     """How layers are cut into a pipeline's chunks (module docstring, *Stages*)."""
 
@@ -145,6 +165,8 @@ class ParallelConfig:
     split: Split = Split.EVEN
     sp: int = 1
     """Megatron's sequence parallelism over the TP axis: 1 (on, where TP > 1) or 0 (module docstring)."""
+    float8: Float8 = Float8.NONE
+    """Float8 linears (module docstring, *Float8*); needs ``precision=bf16`` and a device with Float8 rates."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -168,11 +190,12 @@ class ParallelConfig:
         """``TP8 CP1 PP16 DP64 interleaved-1f1b v8 B32``."""
         v = f" v{self.virtual}" if self.virtual > 1 else ""
         sp = " SP" if self.sequence_parallel else ""
-        return f"TP{self.tp}{sp} CP{self.cp} PP{self.pp} DP{self.dp} {self.schedule.value}{v} B{self.microbatches}"
+        f8 = " FP8" if self.float8 is Float8.LINEARS else ""
+        return f"TP{self.tp}{sp} CP{self.cp} PP{self.pp} DP{self.dp} {self.schedule.value}{v} B{self.microbatches}{f8}"
 
 
 _INT_KEYS = ("tp", "cp", "pp", "dp", "ep", "virtual", "microbatches", "micro_batch", "zero", "sp")
-_ENUMS = {"schedule": PipelineKind, "recompute": Recompute, "split": Split}
+_ENUMS = {"schedule": PipelineKind, "recompute": Recompute, "split": Split, "float8": Float8}
 _EXAMPLE = "e.g. tp=8,pp=16,dp=64,schedule=interleaved-1f1b,virtual=8,microbatches=32"
 
 
@@ -214,6 +237,11 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         raise UserError(
             f"--config cp={cfg.cp}, micro_batch={cfg.micro_batch}: context parallelism plans one sequence a "
             "replica's microbatch (its sequence split over CP); give micro_batch=1"
+        )
+    if cfg.float8 is Float8.LINEARS and cfg.precision != "bf16":
+        raise UserError(
+            f"--config float8=linears, precision={cfg.precision}: Float8 linears cast from bf16 weights and "
+            "activations (torchtitan's recipe); give precision=bf16"
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
@@ -304,6 +332,11 @@ def plan_config(
             f"--config cp={cfg.cp}: a sequence of {seq} tokens does not split into cp · tp = {cfg.cp * cfg.tp} "
             "even shares; give degrees that divide it"
         )
+    if cfg.float8 is Float8.LINEARS and not cl.device.has_float8:
+        raise UserError(
+            f"--config float8=linears: cluster {cl.name!r}'s device ({cl.device.kind}) holds no measured Float8 GEMM "
+            "rates to price them by; give a cluster whose device profile has float8_e4m3fn matmul entries"
+        )
     if cfg.devices > cl.num_devices:
         raise UserError(
             f"--config {cfg.short()}: {cfg.devices:,} devices, cluster {cl.name!r} has {cl.num_devices:,}; "
@@ -342,6 +375,9 @@ def stage_setup(
     if cfg.recompute is not Recompute.NONE:
         base, mode = stack, cfg.recompute
         stack = _derived(("recompute", mode.value, id(base)), base, lambda: recomputed_stack(base, mode))
+    if cfg.float8 is Float8.LINEARS:
+        plain = stack
+        stack = _derived(("float8", id(plain)), plain, lambda: float8_stack(plain))
     flat = (mesh[0], mesh[-1])  # (DP, TP): Megatron's pins, the CP axis put in after (context_pins)
     if cfg.tp > 1:
         force = megatron_tp(model, inputs, flat, graph=stack.graph, sequence_parallel=cfg.sequence_parallel)
@@ -454,6 +490,27 @@ def regathered_stack(stack: Stack, gathers: Sequence[str]) -> Stack:
         return expand_stack(small, stack.blocks)
 
     return _derived(("regather", id(stack), names), stack, make)
+
+
+def float8_stack(stack: Stack) -> Stack:
+    """`stack` with every linear's matrix product inside its blocks marked ``OpNode.float8`` (module docstring,
+    *Float8*): each ``mm`` / ``addmm`` made by a module under the blocks' container — forward, input gradient,
+    weight gradient, and a recomputed forward's copy. The embeddings and the head stay bf16."""
+    prefix = stack.container + "."
+    nodes = [
+        dataclasses.replace(n, float8=True) if n.target in FLOAT8_TARGETS and (n.module or "").startswith(prefix) else n
+        for n in stack.graph.nodes
+    ]
+    if not any(n.float8 for n in nodes):
+        raise UserError(f"--config float8=linears: {stack.container}'s blocks make no matrix product; plan float8=none")
+    small = find_stack(dataclasses.replace(stack.graph, nodes=nodes))
+    if small is None or small.container != stack.container or small.blocks != stack.kept:
+        raise UserError(f"--config float8=linears: {stack.container}'s blocks differ once marked; plan float8=none")
+    return expand_stack(small, stack.blocks)
+
+
+FLOAT8_TARGETS = ("aten.mm.default", "aten.addmm.default")
+"""The products a linear layer makes (2-D: its input's rows flattened), what ``float8=linears`` runs in Float8."""
 
 
 def recompute_of(stack: Stack) -> Recompute:
@@ -721,12 +778,14 @@ def tflops_per_gpu(flops_per_token: float, tokens: int, step_s: float, gpus: int
 __all__ = [
     "Breakdown",
     "ConfigPlan",
+    "Float8",
     "ParallelConfig",
     "Recompute",
     "Split",
     "boundary_pins",
     "breakdown",
     "check_config",
+    "float8_stack",
     "group_bound",
     "group_memory",
     "in_flight_peaks",

@@ -85,6 +85,7 @@ from meshpilot.errors import UserError
 from meshpilot.models.sources import unpacked_sequences
 from meshpilot.planner.config_plan import (
     ConfigPlan,
+    Float8,
     ParallelConfig,
     Recompute,
     Split,
@@ -200,6 +201,8 @@ def config_string(cfg: ParallelConfig) -> str:
     parts += [f"recompute={cfg.recompute.value}", f"split={cfg.split.value}", f"precision={cfg.precision}"]
     if cfg.tp > 1 and not cfg.sequence_parallel:
         parts.append("sp=0")
+    if cfg.float8 is not Float8.NONE:
+        parts.append(f"float8={cfg.float8.value}")
     return ",".join(parts)
 
 

@@ -573,7 +573,8 @@ def _group_nodes(graph: OpGraph, builder: StrategyBuilder, pins, mesh_shape: tup
             g.owners.append(name)
         if node.kind == "op":
             gemm = node_gemm(graph, node)
-            key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None, gemm)
+            dtype = node.out.dtype if node.out else None
+            key = (r, node.flops, node.bytes_read + node.bytes_written, dtype, gemm, node.float8)
             hit = g.cost_count.get(key)
             if hit is None:
                 g.cost_count[key] = [node, 1]

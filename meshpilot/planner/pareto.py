@@ -202,7 +202,7 @@ class _Costs:
         if node.kind != NodeKind.OP:
             return np.zeros(len(sts))
         key = (r, node.flops, node.bytes_read + node.bytes_written, node.out.dtype if node.out else None)
-        key += (node_gemm(self.graph, node),)
+        key += (node_gemm(self.graph, node), node.float8)
         v = self._comp.get(key)
         if v is None:
             v = self._comp[key] = np.array([self.compute.node(node, s) for s in sts], dtype=float)
