@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "lockstep_adamw", "run_distributed"]
+__all__ = ["DistributedTestError", "cached_graph", "graph_of", "lockstep_adamw", "run_distributed"]
 
 
 class DistributedTestError(RuntimeError):
@@ -297,6 +297,14 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
         examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in shapes]
         _GRAPHS[k] = capture(model, examples, precision=plan.precision, guards=plan.guards)
     return _GRAPHS[k]
+
+
+def cached_graph(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` (a capture), made once per rank under `key` and kept until the task ends, as
+    :func:`graph_of`'s: for captures ``graph_of`` does not make (a pipeline's, at one microbatch)."""
+    if key not in _GRAPHS:
+        _GRAPHS[key] = make()
+    return _GRAPHS[key]
 
 
 def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2, ref64: Any = None) -> dict:
