@@ -44,6 +44,7 @@ def _dp_worker(configs: dict) -> dict:
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
+    _, _, micro_graph = _tiny_gpt_graph()  # the capture at MICRO rows: GPipe's and 1F1B's microbatches reuse it
     out: dict = {}
     for name, text in configs.items():  # plans without stage plans: data-parallel stages made at the start
         plan = Plan.from_json(text)
@@ -54,7 +55,8 @@ def _dp_worker(configs: dict) -> dict:
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan)
+        graph = micro_graph if batch // plan.microbatches == MICRO else None
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
         out[name] = _beside_single_device(pm, ref, (idx, tgt))
         out[name]["own_plans"] = type(pm).__name__
     uneven = Plan.from_json(configs["1f1b-1+3"])
