@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "lockstep_adamw", "run_distributed"]
+__all__ = ["DistributedTestError", "cached_graph", "graph_of", "lockstep_adamw", "run_distributed"]
 
 
 class DistributedTestError(RuntimeError):
@@ -281,7 +281,9 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
     """A capture of `model` at `plan`'s input shapes, made once per rank for each (key, shapes, precision):
     several plans of one model then run without tracing it again (``parallelize(..., graph=)``; the plan's
     fingerprint is still checked against it). `key` names the model build, `plan` is a ``StagePlan`` in
-    float32 (``parallelize`` casts the model before it captures a lower-precision plan: None lets it)."""
+    float32 (``parallelize`` casts the model before it captures a lower-precision plan: None lets it). The
+    capture is the one ``parallelize`` would make: on meta inputs, answering the plan's guards (the values the
+    model's Python read from its inputs), which are part of the key."""
     import torch
 
     from meshpilot.graph.capture import Precision, capture, dtype_from_name
@@ -289,11 +291,20 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
     if Precision.of_label(plan.precision) not in (None, Precision.FP32):
         return None
     shapes = tuple((tuple(shape), dt) for shape, dt in plan.input_shapes)
-    k = (key, shapes, plan.precision)
+    guards = tuple((name, tuple(values)) for name, values in plan.guards)
+    k = (key, shapes, plan.precision, guards)
     if k not in _GRAPHS:
         examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in shapes]
-        _GRAPHS[k] = capture(model, examples, precision=plan.precision)
+        _GRAPHS[k] = capture(model, examples, precision=plan.precision, guards=plan.guards)
     return _GRAPHS[k]
+
+
+def cached_graph(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` (a capture), made once per rank under `key` and kept until the task ends, as
+    :func:`graph_of`'s: for captures ``graph_of`` does not make (a pipeline's, at one microbatch)."""
+    if key not in _GRAPHS:
+        _GRAPHS[key] = make()
+    return _GRAPHS[key]
 
 
 def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2, ref64: Any = None) -> dict:

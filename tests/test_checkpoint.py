@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import graph_of, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-6
@@ -109,13 +109,16 @@ def _eight(plan, directory: str) -> dict:
 
 
 def _four(plan_a, plan_b, tmp: str, dir8: str, dir1: str) -> dict:
+    from meshpilot.models.gpt import GPT
     from meshpilot.runtime.checkpoint import Checkpointing, complete, newest
     from meshpilot.runtime.train import train_plan
 
     cfg, out = _cfg(), {}
+    with torch.device("meta"):  # one capture for the four runs below (both plans: the same model and batch)
+        graph = graph_of("gpt", GPT(cfg), plan_a)
     t0 = time.perf_counter()
     rec = _recording(Checkpointing)(f"{tmp}/a", every=2)
-    out["a"] = [s.loss for s in train_plan(cfg, plan_a, STEPS, checkpoint=rec)]
+    out["a"] = [s.loss for s in train_plan(cfg, plan_a, STEPS, graph=graph, checkpoint=rec)]
     out["a_state2"] = rec.states["step-2"]
     out["a_saved"] = [c.step for c in complete(f"{tmp}/a")]
     out["a_seconds"] = time.perf_counter() - t0
@@ -123,13 +126,14 @@ def _four(plan_a, plan_b, tmp: str, dir8: str, dir1: str) -> dict:
         t0 = time.perf_counter()
         ck = next(c for c in complete(source) if c.step == 2)
         rec = _recording(Checkpointing)(f"{tmp}/{name}", resume=ck)
-        out[name] = [s.loss for s in train_plan(cfg, plan_b, STEPS, checkpoint=rec)]
+        out[name] = [s.loss for s in train_plan(cfg, plan_b, STEPS, graph=graph, checkpoint=rec)]
         out[f"{name}_restored"] = rec.states["restored"]
         out[f"{name}_position"] = ck.position
         out[f"{name}_seconds"] = time.perf_counter() - t0
     killed = newest(dir1)  # what --resume picks after the SIGKILL
     out["killed_newest"] = killed.step
-    out["from1"] = [s.loss for s in train_plan(cfg, plan_b, 3, checkpoint=Checkpointing(f"{tmp}/c", resume=killed))]
+    resumed = Checkpointing(f"{tmp}/c", resume=killed)
+    out["from1"] = [s.loss for s in train_plan(cfg, plan_b, 3, graph=graph, checkpoint=resumed)]
     return out
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import graph_of, lockstep_adamw, run_distributed
 from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 
 from meshpilot.graph.capture import capture
@@ -379,7 +379,8 @@ def _step_peak(key: str, plan_: StagePlan, inputs: tuple) -> int:
     from meshpilot.cluster.memtrack import adamw_step_peak
     from meshpilot.runtime.spmd import parallelize
 
-    pm = parallelize(_model(key, "cpu")[0], plan_)
+    model = _model(key, "cpu")[0]
+    pm = parallelize(model, plan_, graph=graph_of(key, model, plan_))
     return adamw_step_peak(pm, inputs, lambda: [c for c in pm._copies.copies.values() if c is not None])
 
 
@@ -395,7 +396,7 @@ def _worker(jobs: dict) -> dict:
         model, _ = _model(key, "cpu")
         ref64 = _model(key, "cpu")[0].double() if key in REFEREED else None
         plan_ = StagePlan.from_json(plan_json)
-        pm = parallelize(model, plan_)
+        pm = parallelize(model, plan_, graph=graph_of(key, model, plan_))  # one capture per model key
         res = lockstep_adamw(ref, pm, inputs, STEPS, ref64=ref64)
         planned = plan_.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]

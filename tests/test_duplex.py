@@ -120,12 +120,14 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
 
     out: dict = {}
     refs: dict = {}
+    graphs: dict = {}  # one capture per model: its duplex plan and its accumulating one run on it
     for job, name, plan_json in jobs:
         plan = StagePlan.from_json(plan_json)
         ref = refs.setdefault(name, _reference(name))
         model, inputs = build(name)
-        graph = capture(model, [x.chunk(2)[0] for x in inputs])
-        pm = parallelize(model, plan, graph=graph)
+        if name not in graphs:
+            graphs[name] = capture(model, [x.chunk(2)[0] for x in inputs])
+        pm = parallelize(model, plan, graph=graphs[name])
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.AdamW(pm.parameters(), **ADAMW)
         res: dict = {"loss": [], "grad": [], "param": [], "buffer": [], "counts": [], "losses": []}

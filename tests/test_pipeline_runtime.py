@@ -18,7 +18,7 @@ import functools
 from collections import Counter
 
 import pytest
-from dist_utils import run_distributed
+from dist_utils import cached_graph, graph_of, run_distributed
 
 from meshpilot.planner.schedule import PipelineKind
 
@@ -44,6 +44,7 @@ def _dp_worker(configs: dict) -> dict:
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
+    _, _, micro_graph = _tiny_gpt_graph()  # the capture at MICRO rows: GPipe's and 1F1B's microbatches reuse it
     out: dict = {}
     for name, text in configs.items():  # plans without stage plans: data-parallel stages made at the start
         plan = Plan.from_json(text)
@@ -54,7 +55,8 @@ def _dp_worker(configs: dict) -> dict:
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan)
+        graph = micro_graph if batch // plan.microbatches == MICRO else None
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
         out[name] = _beside_single_device(pm, ref, (idx, tgt))
         out[name]["own_plans"] = type(pm).__name__
     uneven = Plan.from_json(configs["1f1b-1+3"])
@@ -127,6 +129,27 @@ HF_MIXTRAL += ["max_position_embeddings=32"]
 """A tiny Hugging Face Mixtral (``hf:mixtral``): dropless top-2 MoE layers, run by meshpilot's own MoE op."""
 
 
+def _hf_graph(plan, model: str, config: list, seq: int):
+    """The capture `plan` runs the Hugging Face `model` (batch 8, `seq`) on, made once per rank for every run of
+    it: a pipeline's at one microbatch of the global batch (what ``pipeline_parallelize`` captures), a one-stage
+    plan's as ``parallelize`` captures it (``graph_of``)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.sources import build_model
+    from meshpilot.runtime.pipeline import microbatch_examples
+
+    def built(device):
+        return build_model(model, hf_config=config, batch=8, seq=seq, device=device, seed=0)
+
+    if plan.is_single:
+        return graph_of(f"{model}-{seq}", built("meta").model, plan.only)
+
+    def make():
+        b = built("cpu")
+        return capture(b.model, microbatch_examples(b.inputs, plan.microbatches), precision=plan.precision)
+
+    return cached_graph(("pipeline", model, seq, plan.microbatches, plan.precision), make)
+
+
 def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = None, seq: int = 16) -> dict:
     """The planner's pipeline of a Hugging Face model (``meshpilot plan --pipeline --out``; Llama by default)
     run as planned, 3 AdamW steps beside the single device: HF's own loss and every gradient, the
@@ -140,7 +163,7 @@ def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = No
     ref = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0).model
     mine = build_model(model, hf_config=config, batch=8, seq=seq, device="cpu", seed=0)
     inputs, M = mine.inputs, plan.microbatches
-    pm = pipeline_parallelize(mine.model, inputs, plan)
+    pm = pipeline_parallelize(mine.model, inputs, plan, graph=_hf_graph(plan, model, config, seq))
 
     def ref_loss():  # HF's mean loss over the global batch, as gradient accumulation's mean of the microbatches'
         return sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M  # (equal ones, no padding)
@@ -159,7 +182,7 @@ def _accumulated(text: str) -> float:
     ref = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0).model
     mine = build_model("hf:gpt2", hf_config=HF_GPT2, batch=8, seq=8, device="cpu", seed=0)
     inputs, M = mine.inputs, plan.microbatches
-    pm = pipeline_parallelize(mine.model, inputs, plan)
+    pm = pipeline_parallelize(mine.model, inputs, plan, graph=_hf_graph(plan, "hf:gpt2", HF_GPT2, 8))
     for _ in range(2):
         (sum(ref(*(x.chunk(M)[m] for x in inputs)) for m in range(M)) / M).backward()
         pm.step(*inputs)
@@ -191,7 +214,8 @@ def _resumes(
         if directory is not None:
             at_2 = [c for c in complete(f"{root}/{resume_from}") if c.step == 2] if resume_from else [None]
             ck = Checkpointing(f"{root}/{directory}", every=2, resume=at_2[0])
-        logs = train_model(build, steps, plan=plan, checkpoint=ck)  # one path for a pipeline and a one-stage plan
+        graph = _hf_graph(plan, model, config or HF_LLAMA, seq)  # each plan's capture made once
+        logs = train_model(build, steps, plan=plan, graph=graph, checkpoint=ck)  # one path for either plan
         dist.barrier()
         return [x.loss for x in logs]
 

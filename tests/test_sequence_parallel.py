@@ -15,7 +15,7 @@ the peak its ranks measure (``cluster.memtrack.StorageTracker``, as ``benchmarks
 from __future__ import annotations
 
 import pytest
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import graph_of, lockstep_adamw, run_distributed
 
 TOL = 1e-5
 MEMORY_TOL = 0.10
@@ -161,7 +161,8 @@ def _measured_peak(plan_json: str) -> int:
     from meshpilot.runtime.spmd import parallelize
 
     model, inputs = _wide()
-    return adamw_step_peak(parallelize(model, StagePlan.from_json(plan_json)), inputs)
+    plan = StagePlan.from_json(plan_json)
+    return adamw_step_peak(parallelize(model, plan, graph=graph_of("wide", model, plan)), inputs)
 
 
 def _lockstep(jobs: list[tuple[str, str]], wide_json: str) -> tuple[list[dict], int]:
@@ -176,7 +177,7 @@ def _lockstep(jobs: list[tuple[str, str]], wide_json: str) -> tuple[list[dict], 
         plan = StagePlan.from_json(plan_json)
         ref, inputs = _build(name)
         model, _ = _build(name)
-        pm = parallelize(model, plan)
+        pm = parallelize(model, plan, graph=graph_of(name, model, plan))  # one capture per model, both meshes
         res = lockstep_adamw(ref, pm, inputs, STEPS, lr=1e-3)
         planned = plan.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res.pop("counts")]
