@@ -130,6 +130,9 @@ FIXED = {
     "fsmt": "FSMTForConditionalGeneration",
     "gemma3n_text": "Gemma3nForCausalLM",
     "neomme": "NeoMMEForMaskedLM",
+    # refused its tiny audio chunks (kept at the default's) and built only with eager attention (its acoustic
+    # tokenizer has no sdpa path)
+    "vibevoice_asr": "VibeVoiceAsrForConditionalGeneration",
 }
 GUARDED_TYPES = ("xlm", "flaubert", "prophetnet", "xmod", "t5gemma2", "fsmt", "gemma3n_text")
 
@@ -514,6 +517,7 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
     assert tiny_overrides("neomme")["head_dim"] == 16  # refused at 8: its partial rotary turns 4 of 16 dims
+    assert tiny_overrides("vibevoice_asr")["acoustic_tokenizer_chunk_size"] == 1440000  # refused at 16: the default
     esm = tiny_overrides("esm")  # a vocabulary left to the tokenizer: its unset special ids get distinct small ids
     assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
 

@@ -118,7 +118,16 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     out = _tiny_dict(d, vocab, _hidden_sizes(d))
     if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
         _keep_rotary_quads(d, out)
+        _keep_chunks(d, out)
     return out
+
+
+def _keep_chunks(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Chunk lengths (``…chunk…`` keys) at the default's, where the configuration refuses the tiny ones
+    (VibeVoice-ASR's audio chunks must be a multiple of its hop length): the tiny sequence never fills a chunk."""
+    for k in list(out):
+        if "chunk" in k and _int(d.get(k)):
+            out[k] = d[k]
 
 
 def _refused(model_type: str, overrides: dict[str, Any]) -> bool:
@@ -510,8 +519,16 @@ def build(
         cfg = text_config(cfg)  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
     torch.manual_seed(seed)
     try:
-        with torch.device(device):
-            model = cls(cfg)
+        try:
+            with torch.device(device):
+                model = cls(cfg)
+        except ValueError as e:
+            if attn != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            # a part of the model without an sdpa path (VibeVoice-ASR's acoustic tokenizer): eager attention,
+            # as attention() gives a family whose own class has none
+            return build(family, overrides, use_cache=use_cache, attn="eager", batch=batch, seq=seq,
+                         device=device, seed=seed)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a configuration the model cannot be built from: one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{family.name}: cannot be built from its tiny config ({msg})") from None
