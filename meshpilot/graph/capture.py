@@ -36,6 +36,9 @@ on input-derived tensors is kept, and run on the real inputs only when Python re
 and records a guard, ``meshpilot::guard`` (:mod:`meshpilot.ops.guard`), which checks the value on every batch
 and refuses in one line a batch that would take another branch; ``OpGraph.guards`` keeps the values, so the
 runtime's capture on meta inputs takes the same branches. A value read from parameters is refused as above.
+The same guards make three data-dependent forms static: indexing with a boolean mask of the inputs alone (all
+true: the whole tensor; a broadcast write: ``torch.where``), an in-place write into an input, and one into a
+parameter through ``.data``, each where it changes nothing (skipped; the parameter's checked every step).
 
 Every FX node becomes an :class:`OpNode`: output shapes and dtypes, FLOPs (``torch.utils.flop_counter``'s
 formulas, plus meshpilot's attention; element-wise work otherwise), bytes read and written (zero for views),
