@@ -36,6 +36,9 @@ on input-derived tensors is kept, and run on the real inputs only when Python re
 and records a guard, ``meshpilot::guard`` (:mod:`meshpilot.ops.guard`), which checks the value on every batch
 and refuses in one line a batch that would take another branch; ``OpGraph.guards`` keeps the values, so the
 runtime's capture on meta inputs takes the same branches. A value read from parameters is refused as above.
+The same guards make three data-dependent forms static: indexing with a boolean mask of the inputs alone (all
+true: the whole tensor; a broadcast write: ``torch.where``), an in-place write into an input, and one into a
+parameter through ``.data``, each where it changes nothing (skipped; the parameter's checked every step).
 
 Every FX node becomes an :class:`OpNode`: output shapes and dtypes, FLOPs (``torch.utils.flop_counter``'s
 formulas, plus meshpilot's attention; element-wise work otherwise), bytes read and written (zero for views),
@@ -450,6 +453,7 @@ def _trace(
 
     def functional_step(*flat: torch.Tensor) -> tuple[torch.Tensor]:
         tracing.start_pass(flat[len(state) :], inputs, guards)
+        tracing.real_params = {id(t): params[n] for n, t in zip(pnames, flat)}
         with reparametrize(model, dict(zip(state, flat)), tie_weights=True, strict=False):
             (loss,) = step(*flat[len(state) :])
         return (tracing.guarded(loss),)
@@ -488,11 +492,14 @@ class _CaptureMode(TorchFunctionMode):
         self.last_source: str | None = None
         self.data_reads: dict[int, torch.Tensor] = {}  # id -> each ``.data`` the forward read (kept alive)
         self.data_write: str | None = None  # "module (file:line)" of the first in-place write through ``.data``
+        self.data_of: dict[int, torch.Tensor] = {}  # id of a ``.data`` read -> the traced parameter it reads
+        self.real_params: dict[int, torch.Tensor] = {}  # id of a traced parameter -> the model's own (real or meta)
         self.known: dict[int, _Shadow] = {}  # id -> how to compute a tensor's value from the real inputs
         self.reads: list[tuple[torch.Tensor, tuple[float, ...], str]] = []  # (tensor, values, where) read
         self.answers: list[tuple[str, tuple[float, ...]]] | None = None  # a saved plan's guards, in order
-        self.keep: list[torch.Tensor] = []  # the tensors `known` and `reads` name by id, kept alive
-        self.input_ids: set[int] = set()  # the traced inputs' ids
+        self.keep: dict[int, torch.Tensor] = {}  # the tensors `known` and `reads` name, by id, kept alive
+        self.input_ids: set[int] = set()  # the traced inputs' ids whose real values are known
+        self.traced_inputs: set[int] = set()  # every traced input's id
         self.closed = False  # the forward has returned: a read now (in a backward) cannot be guarded
 
     def start_pass(self, traced_inputs: Sequence[torch.Tensor], real: Sequence[torch.Tensor], answers) -> None:
@@ -502,7 +509,8 @@ class _CaptureMode(TorchFunctionMode):
         real_pairs = [(t, x) for t, x in zip(traced_inputs, real) if isinstance(x, torch.Tensor) and not x.is_meta]
         self.known = {id(t): _Shadow(value=x) for t, x in real_pairs}
         self.input_ids = set(self.known)
-        self.keep = list(traced_inputs)
+        self.traced_inputs = {id(t) for t in traced_inputs}  # real or meta
+        self.keep = {id(t): t for t in traced_inputs}
         self.reads = []
         self.answers = [(w, tuple(v)) for w, v in answers] if answers is not None else None
         self.closed = False
@@ -519,13 +527,14 @@ class _CaptureMode(TorchFunctionMode):
             loss = torch.ops.meshpilot.guard(loss, pred, list(expected), where)
         return loss
 
-    def _read(self, func, t: torch.Tensor, source: str | None):
+    def _read(self, func, t: torch.Tensor, source: str | None, what: str | None = None):
         """Python reads `t`'s value (``func``: ``bool()``, ``.item()``, ``.tolist()``, …): the value the real
         inputs give, or the saved plan's next answer, recorded for a guard; None: neither is known, or the
-        forward has returned (no guard could hold a read in the backward)."""
+        forward has returned (no guard could hold a read in the backward). `what`: the read's name in the
+        guard's message (capture's own reads: :meth:`_static_mask`, :meth:`_unchanged_input`)."""
         if self.closed:
             return None
-        what = _READ_NAMES[func]
+        what = what or _READ_NAMES[func]
         where = f"{source or self.last_source or 'the model'} ({what})"
         if self.answers is not None:
             if not self.answers:
@@ -550,8 +559,101 @@ class _CaptureMode(TorchFunctionMode):
             values = tuple(float(v) for v in real.flatten().tolist())
             value = func(real)
         self.reads.append((t, values, where))
-        self.keep.append(t)
+        self.keep[id(t)] = t
         return value
+
+    def _answerable(self, where: str) -> bool:
+        """Whether a read at `where` can be answered: from the real inputs (planning), or the saved plan's next
+        guard is this one (the runtime's meta capture takes the planning capture's rewrites, no others)."""
+        if self.closed:
+            return False
+        return self.answers[0][0] == where if self.answers else self.answers is None
+
+    def _static_mask(self, func, args: tuple, source: str | None) -> Callable[[], Any] | None:
+        """``x[mask]`` / ``x[mask] = v`` with a boolean `mask` made from the inputs alone whose shape leads `x`'s:
+        a data-dependent shape (``nonzero``, in the backward too), returned in a static form (None: not such a
+        call, or no static form).
+
+        The example's (any, all) is read under one guard (which also marks the site for the runtime's capture
+        on meta inputs, which takes the same form), then:
+
+        * a write of one value broadcast to every selected position (T5Gemma-2's end-of-image embedding) is
+          ``torch.where`` on the mask, exact for every mask (the guard is stricter than it needs);
+        * a read, or a write of one row per selected position (X-MOD's per-language adapters), where the mask is
+          all true: the whole of `x`, its masked dims flattened; a mask that is not all true stays
+          data-dependent."""
+        if func not in (_GETITEM, _SETITEM) or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+            return None
+        x, mask = args[0], args[1]
+        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and 0 < mask.dim() <= x.dim()):
+            return None
+        if tuple(mask.shape) != tuple(x.shape[: mask.dim()]) or (self.known and id(mask) not in self.known):
+            return None
+        rest = tuple(x.shape[mask.dim() :])
+        where = f"{source or self.last_source or 'the model'} (a boolean mask)"
+        if not self._answerable(where):
+            return None
+        flags = _mask_flags(mask)
+        if self.known:
+            self.known[id(flags)] = _Shadow(_mask_flags, (mask,), {}, self.known)
+            self.keep[id(flags)] = flags
+        anyv, allv = self._read(_TB.tolist, flags, source, what="a boolean mask") or (None, None)
+        if func is _GETITEM and allv:
+            return lambda: x.reshape(-1, *rest).clone()  # a copy, as indexing with a mask gives
+        if func is _SETITEM and not _one_per_position(args[2], rest):
+            # one value for every selected position: where the mask holds, that value, elsewhere x, for any
+            # mask (the gradients too: the value's sums the selected positions', x's is zero there)
+            value, cond = args[2], mask.reshape(*mask.shape, *[1] * len(rest))
+            return lambda: x.copy_(torch.where(cond, value, x))
+        if func is _SETITEM and allv:
+            return lambda: _SETITEM(x, Ellipsis, args[2].reshape(x.shape))  # a row per position, in order
+        return None
+
+    def _unchanged_input(self, func, args: tuple, kwargs: dict, source: str | None) -> bool:
+        """An in-place write into an input (FSMT's ``labels.masked_fill_(labels == -100, pad)``), which a
+        functional step cannot return to the caller: where it changes nothing on the example inputs, it is done
+        on a copy, the input left as it is, and a guard holds every batch to that (copy equal to the input), so
+        the caller's batch is what eager leaves it. True: skip the write; False: not such a write, or one that
+        changes the example (refused where the step's outputs are built)."""
+        name = getattr(func, "__name__", "")
+        if not (func is _SETITEM or (name.endswith("_") and not name.endswith("__"))):
+            return False
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if target is None or id(target) not in self.traced_inputs:
+            return False
+        tensors = [a for a in pytree.tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor)]
+        if self.known and not all(id(a) in self.known for a in tensors):
+            return False
+        where = f"{source or self.last_source or 'the model'} (an in-place write into an input)"
+        if not self._answerable(where):
+            return False
+        same = _write_changes_nothing(func, *args, **kwargs)
+        if self.known:
+            self.known[id(same)] = _Shadow(_write_changes_nothing, (func, *args), kwargs, self.known)
+            self.keep[id(same)] = same
+        return bool(self._read(_TB.__bool__, same, source, what="an in-place write into an input"))
+
+    def _unchanged_parameter(self, func, args: tuple, kwargs: dict, source: str | None) -> bool:
+        """An in-place write into a parameter through ``.data`` in the forward (Gemma-3n's
+        ``prediction_coefs.weight.data.clamp_(-120, 120)``), which a traced step cannot hold: where it changes
+        nothing on the parameter's value at capture, it is skipped, and a guard checks on every step, from the
+        parameter's value then, that it still would change nothing (so the step is eager's, or refused in one
+        line). True: skip it; False: not such a write (its other operands are tensors), or one that changes the
+        parameter (refused as before)."""
+        if any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves((args[1:], kwargs))):
+            return False
+        real = self.real_params.get(id(self.data_of.get(id(args[0]))))
+        if real is None or (self.answers is None and real.is_meta):
+            return False
+        where = f"{source or self.last_source or 'the model'} (an in-place write into a parameter)"
+        if not self._answerable(where):
+            return False
+        same = _write_changes_nothing(func, *args, **kwargs)  # traced: the step computes it from the parameter
+        if self.answers is None:
+            with _untraced():
+                self.known[id(same)] = _Shadow(value=_write_changes_nothing(func, real.detach(), *args[1:], **kwargs))
+            self.keep[id(same)] = same
+        return bool(self._read(_TB.__bool__, same, source, what="an in-place write into a parameter"))
 
     def _follow(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         """Keep how to compute `out` from the real inputs where every tensor `func` read is so known (a tensor
@@ -566,12 +668,16 @@ class _CaptureMode(TorchFunctionMode):
             if target is None or id(target) not in self.known:
                 return
             after = _Shadow(func, args, kwargs, self.known, inplace=True) if known else None
-            # the write may change views and bases of the target that this map holds apart: keep the inputs
-            # (a write into one is refused later) and the target's new value only
-            self.known = {i: v for i, v in self.known.items() if i in self.input_ids}
+            # the write changes the views and bases of the target that this map holds apart: forget them (a
+            # tensor of the target's base), keep the inputs (a write into one is refused later), the others and
+            # the target's new value
+            base = _base_of(target)
+            self.known = {
+                i: v for i, v in self.known.items() if i in self.input_ids or _base_of(self.keep[i]) is not base
+            }
             if after is not None:
                 self.known[id(target)] = after
-                self.keep.append(target)
+                self.keep[id(target)] = target
             return
         if not known:
             return
@@ -582,7 +688,7 @@ class _CaptureMode(TorchFunctionMode):
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and id(x) not in self.known:
                 self.known[id(x)] = _Shadow(of=call, index=i)
-                self.keep.append(x)
+                self.keep[id(x)] = x
 
     @contextlib.contextmanager
     def module_hooks(self) -> Iterator[None]:
@@ -618,14 +724,26 @@ class _CaptureMode(TorchFunctionMode):
         if self.data_reads and self.data_write is None and args and id(args[0]) in self.data_reads:
             name = getattr(func, "__name__", "")
             if name.endswith("_") and not name.endswith("__"):  # clamp_, copy_, mul_: an in-place method
+                if self._unchanged_parameter(func, args, kwargs, source):
+                    return args[0]
                 self.data_write = f"{self.stack[-1] if self.stack else 'the model'} ({source or self.last_source})"
         if func in _READ_NAMES and args and isinstance(args[0], torch.Tensor) and (self.known or self.answers):
             value = self._read(func, args[0], source)
             if value is not None:
                 return value
+        if self.known or self.answers:
+            static = self._static_mask(func, args, source)
+            if static is not None:
+                out = static()
+                if self.known:
+                    self._follow(func, args, kwargs, out)
+                return out
+            if self._unchanged_input(func, args, kwargs, source):
+                return args[0]  # an in-place method returns its target (__setitem__'s None is not read)
         out = func(*args, **kwargs)
         if func == _DATA_GET and self.stack and isinstance(out, torch.Tensor):
             self.data_reads[id(out)] = out  # Gemma-3n's ``weight.data.clamp_``: named if AOTAutograd refuses it
+            self.data_of[id(out)] = args[0]
         if self.known:
             self._follow(func, args, kwargs, out)
         return out
@@ -633,6 +751,32 @@ class _CaptureMode(TorchFunctionMode):
 
 _DATA_GET = torch._C.TensorBase.data.__get__
 _SETITEM = torch.Tensor.__setitem__
+_GETITEM = torch.Tensor.__getitem__
+
+
+def _base_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t` views (`t` itself when it is no view): two tensors of one base alias."""
+    return t._base if t._base is not None else t
+
+
+def _one_per_position(value: Any, rest: tuple[int, ...]) -> bool:
+    """Whether a masked write's `value` gives each selected position a row of its own (``(n, *rest)``), rather
+    than one value broadcast to them all."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 + len(rest) and value.shape[0] != 1
+
+
+def _mask_flags(mask: torch.Tensor) -> torch.Tensor:
+    """(any, all) of a boolean mask: whether indexing with it is nothing, everything, or data-dependent."""
+    return torch.stack((mask.any(), mask.all()))
+
+
+def _write_changes_nothing(func, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Whether the in-place call ``func(target, *args)`` leaves `target`'s values as they are (done on a copy)."""
+    copy = target.clone()
+    func(copy, *args, **kwargs)
+    return (copy == target).all()
+
+
 _TB = torch._C.TensorBase
 _READ_NAMES = {
     _TB.__bool__: "bool()",

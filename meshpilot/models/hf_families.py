@@ -21,6 +21,7 @@ Shared by ``tests/test_hf_families.py`` (a fast sample) and ``benchmarks/bench_h
 
 from __future__ import annotations
 
+import copy
 import functools
 import signal
 import time
@@ -114,7 +115,30 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     from transformers import AutoConfig
 
     d = AutoConfig.for_model(model_type).to_dict()
-    return _tiny_dict(d, vocab, _hidden_sizes(d))
+    out = _tiny_dict(d, vocab, _hidden_sizes(d))
+    if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
+        _keep_rotary_quads(d, out)
+        _keep_chunks(d, out)
+    return out
+
+
+def _keep_chunks(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Chunk lengths (``…chunk…`` keys) at the default's, where the configuration refuses the tiny ones
+    (VibeVoice-ASR's audio chunks must be a multiple of its hop length): the tiny sequence never fills a chunk."""
+    for k in list(out):
+        if "chunk" in k and _int(d.get(k)):
+            out[k] = d[k]
+
+
+def _refused(model_type: str, overrides: dict[str, Any]) -> bool:
+    """Whether `model_type`'s configuration refuses `overrides` (its own validation: a strict dataclass)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(model_type, **copy.deepcopy(overrides))  # a configuration edits nested dicts
+    except Exception:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
+        return True
+    return False
 
 
 def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
@@ -268,6 +292,33 @@ def _fill_rope(d: dict[str, Any], out: dict[str, Any]) -> None:
     for k, v in d.items():
         if k.endswith("attn_config") and isinstance(v, dict) and "rope_theta" not in v and theta is not None:
             out[k] = {**v, **out.get(k, {}), "rope_theta": theta}
+
+
+def _rotary_factors(d: dict[str, Any]) -> list[float]:
+    """The partial rotary factors of a configuration: its own, its ``rope_parameters``' and each layer kind's."""
+    rope = d.get("rope_parameters")
+    found = [d.get("partial_rotary_factor")]
+    if isinstance(rope, dict):
+        found.append(rope.get("partial_rotary_factor"))
+        found += [v.get("partial_rotary_factor") for v in rope.values() if isinstance(v, dict)]
+    return [f for f in found if isinstance(f, float) and 0.0 < f < 1.0]
+
+
+def _keep_rotary_quads(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """A partial rotary factor that rotates a multiple of four of the default's ``head_dim`` dims keeps doing so
+    tiny, where the configuration refuses the tiny sizes (NeoMME's refuses anything else: its two M-RoPE axes
+    take frequencies in alternating pairs): the tiny head grows to the least size, up to the default's, where
+    every factor rotates a multiple of four. The factors themselves (the architecture) stay."""
+    full, tiny = d.get("head_dim"), out.get("head_dim")
+    factors = _rotary_factors(d)
+    if not (_int(full) and _int(tiny) and factors):
+        return
+
+    def quads(h: int) -> bool:
+        return all((h * f) % 4 == 0 for f in factors)
+
+    if quads(full) and not quads(tiny):
+        out["head_dim"] = next((h for h in range(tiny, full + 1) if quads(h)), full)
 
 
 def _strings(v: Any) -> bool:
@@ -468,8 +519,16 @@ def build(
         cfg = text_config(cfg)  # a text head mapped to the composite's type (Emu3ForCausalLM): its text part
     torch.manual_seed(seed)
     try:
-        with torch.device(device):
-            model = cls(cfg)
+        try:
+            with torch.device(device):
+                model = cls(cfg)
+        except ValueError as e:
+            if attn != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            # a part of the model without an sdpa path (VibeVoice-ASR's acoustic tokenizer): eager attention,
+            # as attention() gives a family whose own class has none
+            return build(family, overrides, use_cache=use_cache, attn="eager", batch=batch, seq=seq,
+                         device=device, seed=seed)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a configuration the model cannot be built from: one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{family.name}: cannot be built from its tiny config ({msg})") from None

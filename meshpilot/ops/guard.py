@@ -116,4 +116,6 @@ OPS = (
     OwnOp(TARGET, _strategies, _run, exclusive=True),
     OwnOp("aten.all.default", _whole_reduction_strategies, _run_whole_reduction),
     OwnOp("aten.any.default", _whole_reduction_strategies, _run_whole_reduction),
+    # torch.distributions' argument checks (Gemma-3n's Normal.icdf): ``all()`` as a one-value bool tensor
+    OwnOp("aten._is_all_true.default", _whole_reduction_strategies, _run_whole_reduction),
 )
