@@ -292,16 +292,17 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
         return None
     shapes = tuple((tuple(shape), dt) for shape, dt in plan.input_shapes)
     guards = tuple((name, tuple(values)) for name, values in plan.guards)
-    k = (key, shapes, plan.precision, guards)
-    if k not in _GRAPHS:
+
+    def make() -> Any:
         examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in shapes]
-        _GRAPHS[k] = capture(model, examples, precision=plan.precision, guards=plan.guards)
-    return _GRAPHS[k]
+        return capture(model, examples, precision=plan.precision, guards=plan.guards)
+
+    return cached_graph((key, shapes, plan.precision, guards), make)
 
 
 def cached_graph(key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` (a capture), made once per rank under `key` and kept until the task ends, as
-    :func:`graph_of`'s: for captures ``graph_of`` does not make (a pipeline's, at one microbatch)."""
+    """``make()`` (a capture), made once per rank under `key` and kept until the task ends: :func:`graph_of`'s,
+    and captures ``graph_of`` does not make (a pipeline's, at one microbatch)."""
     if key not in _GRAPHS:
         _GRAPHS[key] = make()
     return _GRAPHS[key]

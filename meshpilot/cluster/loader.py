@@ -201,7 +201,8 @@ _PROFILE_FIX = {
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
     "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
 }
-_OVERHEAD_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us")
+_NONNEGATIVE_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us", "float8_cast_bytes")
+"""Profile keys that may be zero (not modelled); every other number must be positive."""
 
 
 def _device_profile(table: Any, source: str) -> DeviceProfile:
@@ -224,7 +225,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             continue
         where = f"device_profile.{key}"
         value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
-        if key in (*_OVERHEAD_KEYS, "float8_cast_bytes"):
+        if key in _NONNEGATIVE_KEYS:
             if value < 0:
                 raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
         elif value <= 0 or (key.endswith("efficiency") and value > 1):

@@ -535,7 +535,7 @@ class _CaptureMode(TorchFunctionMode):
         if self.closed:
             return None
         what = what or _READ_NAMES[func]
-        where = f"{source or self.last_source or 'the model'} ({what})"
+        where = self._where(source, what)
         if self.answers is not None:
             if not self.answers:
                 raise CaptureError(
@@ -561,6 +561,10 @@ class _CaptureMode(TorchFunctionMode):
         self.reads.append((t, values, where))
         self.keep[id(t)] = t
         return value
+
+    def _where(self, source: str | None, what: str) -> str:
+        """A read's place, as its guard names it: the source line (or the module) and what was read."""
+        return f"{source or self.last_source or 'the model'} ({what})"
 
     def _answerable(self, where: str) -> bool:
         """Whether a read at `where` can be answered: from the real inputs (planning), or the saved plan's next
@@ -590,7 +594,7 @@ class _CaptureMode(TorchFunctionMode):
         if tuple(mask.shape) != tuple(x.shape[: mask.dim()]) or (self.known and id(mask) not in self.known):
             return None
         rest = tuple(x.shape[mask.dim() :])
-        where = f"{source or self.last_source or 'the model'} (a boolean mask)"
+        where = self._where(source, "a boolean mask")
         if not self._answerable(where):
             return None
         flags = _mask_flags(mask)
@@ -624,7 +628,7 @@ class _CaptureMode(TorchFunctionMode):
         tensors = [a for a in pytree.tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor)]
         if self.known and not all(id(a) in self.known for a in tensors):
             return False
-        where = f"{source or self.last_source or 'the model'} (an in-place write into an input)"
+        where = self._where(source, "an in-place write into an input")
         if not self._answerable(where):
             return False
         same = _write_changes_nothing(func, *args, **kwargs)
@@ -645,7 +649,7 @@ class _CaptureMode(TorchFunctionMode):
         real = self.real_params.get(id(self.data_of.get(id(args[0]))))
         if real is None or (self.answers is None and real.is_meta):
             return False
-        where = f"{source or self.last_source or 'the model'} (an in-place write into a parameter)"
+        where = self._where(source, "an in-place write into a parameter")
         if not self._answerable(where):
             return False
         same = _write_changes_nothing(func, *args, **kwargs)  # traced: the step computes it from the parameter
