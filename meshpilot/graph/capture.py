@@ -1072,24 +1072,38 @@ def _canonical_order(gm: torch.fx.GraphModule) -> None:
 
     A forward that iterates a set of strings (transformers' ``for t in set(config.layer_types)``) runs the same
     code once per element, in an order that follows the process' hash seed (``PYTHONHASHSEED``, random per
-    torchrun rank). Each iteration is a contiguous run of nodes with the same (op, source line) sequence, and
-    none reads another. Such runs (:func:`_independent_repeats`) are sorted by their content
-    (:func:`_iteration_key`: what each node reads from outside the run, its op, arguments and output), and the
-    node at each position keeps the name its position had: the names follow the (op, line) sequence, which the
-    hash seed does not change. Loops whose iterations depend on each other (a stack of layers) are left as
-    traced, and so is every graph without such a loop: its order and names are the trace's.
+    torchrun rank). Each iteration is a contiguous run of nodes with the same (op, source line) sequence, none
+    reading another (:func:`_independent_repeats`), and each reads state of its own: a parameter or buffer no
+    other iteration reads (the element's rotary frequencies, its weight). Such a run is ordered by those
+    leaves' places; the backward of an ordered run (iterations that read distinct iterations of it) by the
+    reverse of theirs, as autograd runs the last forward first; ties by content (:func:`_iteration_key`). The
+    node at each position keeps the name its position had: the names follow the (op, line) sequence, which
+    the hash seed does not change. Other runs (a function called on two activations, ``repeat_kv(k)`` then
+    ``repeat_kv(v)``) and every graph without such a loop keep the trace's order and names.
     """
     nodes = list(gm.graph.nodes)
-    runs = _independent_repeats(nodes)
+    iteration_of: dict[torch.fx.Node, tuple[int, int]] = {}  # a node of an ordered run -> (run, iteration)
+    at = {n: i for i, n in enumerate(nodes)}
     moved = False
-    for start, period, count in runs:
+    for start, period, count in _independent_repeats(nodes):
         end = start + period * count
-        at = {n: i for i, n in enumerate(nodes)}
-        keys = [_iteration_key(nodes[start + b * period : start + (b + 1) * period], at, end) for b in range(count)]
+        its = [nodes[start + b * period : start + (b + 1) * period] for b in range(count)]
+        outside = [{a for n in it for a in n.all_input_nodes} - set(it) for it in its]
+        leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
+        own = [leaves[b] - set().union(*(leaves[c] for c in range(count) if c != b)) for b in range(count)]
+        follows = [frozenset(iteration_of[a] for a in r if a in iteration_of) for r in outside]
+        if all(own):  # each iteration reads a parameter or buffer of its own: by their places
+            firsts = [tuple(sorted(at[a] for a in o)) for o in own]
+        elif all(follows) and len(set(follows)) == count:  # the backward of an ordered run: in reverse
+            firsts = [tuple(sorted(-at[a] for a in r if a in iteration_of)) for r in outside]
+        else:
+            continue
+        iteration_of.update((n, (start, b)) for b, it in enumerate(its) for n in it)
+        keys = [(firsts[b], _iteration_key(its[b], at, end)) for b in range(count)]
         order = sorted(range(count), key=keys.__getitem__)
         if order == list(range(count)):
             continue
-        new = [n for b in order for n in nodes[start + b * period : start + (b + 1) * period]]
+        new = [n for b in order for n in its[b]]
         names = [n.name for n in nodes[start:end]]
         after = nodes[end]  # the output node ends the graph: a run never reaches it
         for n in new:  # each node moved before the run's next node: the run in its new order
@@ -1098,17 +1112,15 @@ def _canonical_order(gm: torch.fx.GraphModule) -> None:
             n.name = name
             gm.graph._graph_namespace._obj_to_name[n] = name
         nodes[start:end] = new
+        at.update((n, start + i) for i, n in enumerate(new))
         moved = True
-        _log.debug("ordered %d iterations of %d nodes from %s by content", count, period, names[0])
+        _log.debug("ordered %d iterations of %d nodes at %s (%s)", count, period, names[0], _place(new[0])[1])
     if moved:
         gm.graph.lint()
         gm.recompile()
 
 
 _log = logging.getLogger(__name__)
-_LEAST_PERIOD = 2
-"""The least iteration :func:`_independent_repeats` takes. One op repeated on one line is the backward of a
-linear layer transposing its weight and its gradient, an order the trace fixes: left as traced."""
 _PERIOD_TRIES = 8
 """How many next nodes of the same (op, line) :func:`_independent_repeats` tries as the end of a repetition (a
 loop body repeats one op several times: the first is not always the next iteration's start)."""
@@ -1139,7 +1151,7 @@ def _independent_repeats(nodes: list[torch.fx.Node]) -> list[tuple[int, int, int
             k = j - i
             if j < 0 or j + k > n:
                 return 0
-            if k >= _LEAST_PERIOD and sig[i:j] == sig[j : j + k] and not reads(j, j + k, i):
+            if sig[i:j] == sig[j : j + k] and not reads(j, j + k, i):
                 return k
             j = nxt[j]
         return 0
