@@ -141,3 +141,53 @@ def test_attention_with_dropout_and_a_boolean_mask_is_eager_attention():
     torch.manual_seed(3)
     unmasked = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
     assert not torch.allclose(got, unmasked, atol=1e-3)  # the mask mattered
+
+
+SET_LOOP = """
+import sys, torch
+from meshpilot.graph.capture import capture
+
+KEYS = ["alpha", "beta", "gamma", "delta", "eps"]
+
+
+class SetLoop(torch.nn.Module):
+    # each key of a set of strings builds its own op: a product with its own weight, of its own width
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.randn(8, 4 + i)) for i, k in enumerate(KEYS)})
+
+    def forward(self, x):
+        outs = {k: (x @ self.w[k]).sin() * (len(k) + 1.0) for k in set(KEYS)}
+        return sum(outs[k].sum() for k in KEYS)
+
+
+torch.manual_seed(0)
+g = capture(SetLoop(), [torch.randn(2, 8)], stacked=False)
+print(",".join(set(KEYS)))
+print(g.fingerprint())
+print(" ".join(n.name for n in g.nodes))
+"""
+
+
+def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_seed():
+    """The set's order follows the process' hash seed (random per torchrun rank): two processes with seeds 0
+    and 1 iterate it in different orders, and capture the same graph, node for node and name for name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    outs = []
+    for seed in ("0", "1"):
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": seed,
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        }
+        done = subprocess.run([sys.executable, "-c", SET_LOOP], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(done.stdout.splitlines())
+    (order0, fp0, names0), (order1, fp1, names1) = outs
+    assert order0 != order1  # the two processes did iterate the set differently
+    assert (fp0, names0) == (fp1, names1)

@@ -172,6 +172,10 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
             plan = StagePlan.from_json(plan_json)
             if kind == GUARDED.kind:  # the hand-written module whose branch reads its mask: guarded
                 (ref, inputs), (model, _), ref64 = guarded_module(), guarded_module(), None
+            elif kind == ONE_RANK_OFF.kind:
+                (ref, inputs), (model, _), ref64 = guarded_module(), guarded_module(), None
+                if torch.distributed.get_rank() == 1:
+                    model.up, model.down = torch.nn.Linear(8, 24), torch.nn.Linear(24, 8)
             else:
                 fam = Family(*name.split("/"), kind)
                 ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
@@ -213,6 +217,9 @@ class _Job:
 
 
 GUARDED = _Job("a branch on (mask == 1).all(), guarded", "guarded")
+ONE_RANK_OFF = _Job("the guarded module, wider on rank 1 than the plan's", "one rank off")
+"""A job whose model differs from the plan's on one rank only: its fingerprint check refuses there, and every
+rank must raise the same one line rather than leave its peers waiting in the step's first collective."""
 
 
 class _MaskBranch(torch.nn.Module):
@@ -264,8 +271,9 @@ def _guarded_plan():
 def runs(outcomes):
     keys = [k for k, (_, o) in outcomes.items() if o.ok]
     jobs = [(f.name, f.kind, c, a, outcomes[(f, c, a)][0], outcomes[(f, c, a)][1].plan.to_json()) for f, c, a in keys]
-    keys.append((GUARDED, False, "-"))
-    jobs.append((GUARDED.name, GUARDED.kind, False, "-", {}, _guarded_plan().to_json()))
+    keys += [(GUARDED, False, "-"), (ONE_RANK_OFF, False, "-")]
+    guarded = _guarded_plan().to_json()
+    jobs += [(job.name, job.kind, False, "-", {}, guarded) for job in (GUARDED, ONE_RANK_OFF)]
     t0 = time.perf_counter()
     per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700)
     print(f"\n{len(jobs)} sample runs on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
@@ -277,6 +285,11 @@ def runs(outcomes):
 def test_every_sample_family_equals_single_device(runs):
     bad = []
     for (fam, cache, attn), per_rank in runs.items():
+        if fam is ONE_RANK_OFF:  # every rank raised the one line naming rank 1's refusal; the spawn went on
+            lines = {r.get("error") for r in per_rank}
+            if len(lines) != 1 or not _names_rank_1s_refusal(lines.pop() or ""):
+                bad.append(f"{fam.name}: {[r.get('error') for r in per_rank]}")
+            continue
         for rank, r in enumerate(per_rank):
             what = f"{fam.name} cache={cache} {attn} rank {rank}"
             if "error" in r:
@@ -324,6 +337,11 @@ def test_a_branch_on_tensor_values_is_one_line_naming_its_source_line():
     text = str(err.value)
     assert "\n" not in text and "reads a tensor's value" in text and "use_cache=False" in text
     assert "test_hf_families.py:" in text
+
+
+def _names_rank_1s_refusal(text: str) -> bool:
+    """One line saying that rank 1 (only) refused the plan, for its fingerprint."""
+    return "\n" not in text and text.startswith(f"rank 1 of {WORLD} refused the plan: ") and "fingerprint" in text
 
 
 def _names_the_branch(text: str) -> bool:

@@ -1066,6 +1066,131 @@ def _simplify(gm: torch.fx.GraphModule) -> None:
     graph.lint()
 
 
+def _canonical_order(gm: torch.fx.GraphModule) -> None:
+    """Order (and name) the iterations of a loop over an unordered collection by what they compute, not by when
+    the trace ran them, so that one model and its inputs give one graph in every process.
+
+    A forward that iterates a set of strings (transformers' ``for t in set(config.layer_types)``) runs the same
+    code once per element, in an order that follows the process' hash seed (``PYTHONHASHSEED``, random per
+    torchrun rank). Each iteration is a contiguous run of nodes with the same (op, source line) sequence, none
+    reading another (:func:`_independent_repeats`), and each reads state of its own: a parameter or buffer no
+    other iteration reads (the element's rotary frequencies, its weight). Such a run is ordered by those
+    leaves' places; the backward of an ordered run (iterations that read distinct iterations of it) by the
+    reverse of theirs, as autograd runs the last forward first; ties by content (:func:`_iteration_key`). The
+    node at each position keeps the name its position had: the names follow the (op, line) sequence, which
+    the hash seed does not change. Other runs (a function called on two activations, ``repeat_kv(k)`` then
+    ``repeat_kv(v)``) and every graph without such a loop keep the trace's order and names.
+    """
+    nodes = list(gm.graph.nodes)
+    iteration_of: dict[torch.fx.Node, tuple[int, int]] = {}  # a node of an ordered run -> (run, iteration)
+    at = {n: i for i, n in enumerate(nodes)}
+    moved = False
+    for start, period, count in _independent_repeats(nodes):
+        end = start + period * count
+        its = [nodes[start + b * period : start + (b + 1) * period] for b in range(count)]
+        outside = [{a for n in it for a in n.all_input_nodes} - set(it) for it in its]
+        leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
+        own = [leaves[b] - set().union(*(leaves[c] for c in range(count) if c != b)) for b in range(count)]
+        follows = [frozenset(iteration_of[a] for a in r if a in iteration_of) for r in outside]
+        if all(own):  # each iteration reads a parameter or buffer of its own: by their places
+            firsts = [tuple(sorted(at[a] for a in o)) for o in own]
+        elif all(follows) and len(set(follows)) == count:  # the backward of an ordered run: in reverse
+            firsts = [tuple(sorted(-at[a] for a in r if a in iteration_of)) for r in outside]
+        else:
+            continue
+        iteration_of.update((n, (start, b)) for b, it in enumerate(its) for n in it)
+        keys = [(firsts[b], _iteration_key(its[b], at, end)) for b in range(count)]
+        order = sorted(range(count), key=keys.__getitem__)
+        if order == list(range(count)):
+            continue
+        new = [n for b in order for n in its[b]]
+        names = [n.name for n in nodes[start:end]]
+        after = nodes[end]  # the output node ends the graph: a run never reaches it
+        for n in new:  # each node moved before the run's next node: the run in its new order
+            after.prepend(n)
+        for n, name in zip(new, names):  # the position's name (a permutation: every name stays used once)
+            n.name = name
+            gm.graph._graph_namespace._obj_to_name[n] = name
+        nodes[start:end] = new
+        at.update((n, start + i) for i, n in enumerate(new))
+        moved = True
+        _log.debug("ordered %d iterations of %d nodes at %s (%s)", count, period, names[0], _place(new[0])[1])
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+
+
+_log = logging.getLogger(__name__)
+_PERIOD_TRIES = 8
+"""How many next nodes of the same (op, line) :func:`_independent_repeats` tries as the end of a repetition (a
+loop body repeats one op several times: the first is not always the next iteration's start)."""
+
+
+def _independent_repeats(nodes: list[torch.fx.Node]) -> list[tuple[int, int, int]]:
+    """(start, period, count) of every run of `nodes` that repeats one (op, source line) sequence `count` ≥ 2
+    times back to back, no repetition reading a node of another. Found left to right from each position's
+    next nodes of the same (op, line); a run found is skipped over (its iterations are not searched inside)."""
+    sig = [(n.op, n.target if n.op == "call_function" else None, _place(n)[1]) for n in nodes]
+    sig = [s if s[0] in ("call_function", "get_attr") else (i,) for i, s in enumerate(sig)]  # leaves never repeat
+    pos = {n: i for i, n in enumerate(nodes)}
+    nxt, last = [-1] * len(nodes), {}
+    for i in range(len(nodes) - 1, -1, -1):
+        nxt[i] = last.get(sig[i], -1)
+        last[sig[i]] = i
+    ins = [[pos[a] for a in n.all_input_nodes] for n in nodes]
+
+    def reads(lo: int, hi: int, first: int) -> bool:
+        """Whether a node in [lo, hi) reads one in [first, lo)."""
+        return any(first <= p < lo for q in range(lo, hi) for p in ins[q])
+
+    def period(i: int) -> int:
+        """The least period (of the first few the next nodes of the same signature give) at which the run from
+        `i` repeats once with no dependence between the two repetitions; 0 if none."""
+        j = nxt[i]
+        for _ in range(_PERIOD_TRIES):
+            k = j - i
+            if j < 0 or j + k > n:
+                return 0
+            if sig[i:j] == sig[j : j + k] and not reads(j, j + k, i):
+                return k
+            j = nxt[j]
+        return 0
+
+    runs, i, n = [], 0, len(nodes)
+    while i < n:
+        k = period(i)
+        if not k:
+            i += 1
+            continue
+        j = i + k
+        count = 2
+        while i + (count + 1) * k <= n and sig[i:j] == sig[i + count * k : i + (count + 1) * k]:
+            if reads(i + count * k, i + (count + 1) * k, i):
+                break
+            count += 1
+        runs.append((i, k, count))
+        i += count * k
+    return runs
+
+
+def _iteration_key(iteration: list[torch.fx.Node], at: dict[torch.fx.Node, int], end: int) -> tuple:
+    """What one iteration of a run (:func:`_independent_repeats`) computes, independent of where the trace put
+    it: per node, the positions (`at`) of the nodes it reads from before the run, its op, its operands inside
+    the iteration (as offsets), its other arguments and its output's shape and dtype; then the first position
+    that reads it after the run, which ends at `end` (two iterations computing the same differ only there)."""
+    offset = {n: i for i, n in enumerate(iteration)}
+    rows, first_user = [], len(at)
+    for n in iteration:
+        refs: list[tuple[int, int]] = []
+        map_arg((n.args, n.kwargs), lambda a, refs=refs: refs.append((1, offset[a]) if a in offset else (0, at[a])))
+        val = n.meta.get("val")
+        out = repr((tuple(val.shape), val.dtype)) if isinstance(val, torch.Tensor) else type(val).__name__
+        consts = repr(map_arg((n.args, n.kwargs), lambda _: None))
+        rows.append((tuple(r for r in refs if r[0] == 0), str(n.target), tuple(refs), consts, out))
+        first_user = min([first_user, *(at[u] for u in n.users if at[u] >= end)])
+    return (tuple(rows), first_user)
+
+
 _VIEWS = (aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -1145,6 +1270,7 @@ def _build_graph(
     constant and per op of the joint graph, depths, what the step returns, and phases."""
     gm: torch.fx.GraphModule = joint.gm
     _simplify(gm)
+    _canonical_order(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = _leaf_nodes(placeholders, pnames, bnames)
     consts: dict[str, torch.Tensor] = {}

@@ -134,6 +134,34 @@ def _check_same_rng(device: torch.device) -> None:
         )
 
 
+def agree(error: BaseException | None, what: str) -> None:
+    """Every rank's outcome of a set-up step it did alone (its capture, the plan checked against it), made one:
+    if any rank failed, every rank raises the same one line naming the ranks and the first one's error, so no
+    rank goes on into a collective that a refusing peer never reaches (it would wait there for ever). One small
+    all_gather of the error lines; alone (one process), the error itself is raised."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    line = None if error is None else _one_line(error)
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, line)
+    bad = [r for r, e in enumerate(every) if e is not None]
+    if not bad:
+        return
+    ranks = f"rank {bad[0]}" if len(bad) == 1 else f"ranks {', '.join(map(str, bad))}"
+    message = f"{ranks} of {len(every)} refused {what}: {every[bad[0]]}"
+    if error is not None:
+        raise UserError(message) from error
+    raise UserError(message)
+
+
+def _one_line(e: BaseException) -> str:
+    """`e` as one line: its message's first line (its type's name when it has none; a non-UserError named)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if isinstance(e, UserError) and text else f"{type(e).__name__}: {text}".rstrip(": ")
+
+
 # ------------------------------------------------------------------------------------------- the module
 
 
@@ -451,10 +479,15 @@ def parallelize(
     if own is not None and (cast := own.cast_dtype) is not None:
         model.to(cast)
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
-    if graph is None:
-        graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision, guards=plan.guards)
-    validate(whole, graph=graph)
-    graph = recompute.for_plan(graph, plan)  # the blocks the plan recomputes run again in the backward
+    refusal = None
+    try:  # what each rank does alone: its capture of the model, and the plan checked against it
+        if graph is None:
+            graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision, guards=plan.guards)
+        validate(whole, graph=graph)
+        graph = recompute.for_plan(graph, plan)  # the blocks the plan recomputes run again in the backward
+    except Exception as e:  # noqa: BLE001 - every rank hears of it before any goes on (agree)
+        refusal = e
+    agree(refusal, "the plan")
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
@@ -504,4 +537,12 @@ def shard_inputs(inputs: Sequence[torch.Tensor], plan: StagePlan, mesh: DeviceMe
     ]
 
 
-__all__ = ["ParallelModule", "distribute_parameters", "mesh_for_plan", "model_device", "parallelize", "shard_inputs"]
+__all__ = [
+    "ParallelModule",
+    "agree",
+    "distribute_parameters",
+    "mesh_for_plan",
+    "model_device",
+    "parallelize",
+    "shard_inputs",
+]
