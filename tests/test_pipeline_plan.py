@@ -716,6 +716,38 @@ def test_floors_skip_only_what_cannot_change_the_stage_table():
     assert checked >= 20
 
 
+def test_cap_levels_aim_no_further_than_the_largest_range(monkeypatch):
+    """The floors' test's 4-block GPT on 24 devices under 0.3 % of the device: the block descends cap levels,
+    and on some mesh the range of every block fits nothing after the level aimed at its 4 blocks. No level is
+    aimed past it (``stack._cap_for`` asked for at most as many blocks as a range holds; doubling asked for 8),
+    and the table still fits ranges."""
+    import functools
+
+    import meshpilot.planner.stack as stk
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.pipeline import _StageTable, stage_in_flight
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4, batch=16, hidden=512))("meta", 4))
+    n, B = 24, 4
+    sp = StagePlanner(graph, "alpa-p3x8")
+    stack = stk.find_stack(graph, sp.layers)
+    cap = 0.003 * sp.cluster.device.memory_bytes
+    clusters = cluster_layers(graph, len(stack.layers), all_layers=list(stack.layers))
+    L = len(clusters.bounds)
+    useful = _StageTable(sp, clusters, (n,), B, cap, L, n, None).useful
+    aimed = []
+    cap_for = stk._cap_for
+    monkeypatch.setattr(stk, "_cap_for", lambda m, k, *a, **kw: aimed.append(k) or cap_for(m, k, *a, **kw))
+    table = stk.StackTable(
+        sp, stack, clusters.bounds, (n,), B, cap, L, useful, lambda s: stage_in_flight(PipelineKind.ONE_F_ONE_B, s, B),
+        {"capacity": cap}, shapes=functools.partial(logical_shapes, per_node=devices_per_node(sp.cluster, n)[1]),
+    )  # fmt: skip
+    t, _ = table.arrays()
+    most = int(table._layout()[2].max())
+    assert most == 4 and aimed.count(most) >= 2 and max(aimed) == most and np.isfinite(t).any()
+
+
 def test_fast_path_only_for_repeated_stacks(gpt_planner):
     """gpt-tiny's 2 blocks are no repeated stack: the exact path runs, and asking for the fast one is one line."""
     graph = gpt_planner.graph

@@ -53,7 +53,13 @@ ZeRO), which k such blocks may not afford. When at level ℓ some range of block
 with no number of stages after it, the block is planned again (level ℓ + 1, at most :data:`MAX_LEVELS`)
 under its own peak scaled by how far k_ℓ blocks of it overflow the device (``_cap_for``), k_ℓ the fewest
 blocks of such a range and at least twice the previous level's (so the levels reach the largest ranges in
-a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet ends the levels. Each
+a few steps), the cap at most 0.9 of the previous one; a cap the ILP cannot meet ends the levels, and so
+does a level aimed at as many blocks as the largest such range or more: the next would aim past every range
+(GPT-2.6B's 32 blocks, over the device on 4x2 at 0.573 GiB, aimed the next level at 64: 0.276 GiB, where no
+plan fits; with 2x4's alike, 7 of the row's 24 CPU s). Unlike the floors' cuts (section 3) this end is no
+proof: a tighter cap may still fit a range its own level missed (one with many microbatches in flight, which
+``_cap_for`` leaves out), so it was checked on the Alpa GPT rows: the same plans (``docs/benchmarks.md``,
+issue 31's planning time, "a level aimed past every range"). Each
 (range, size, s) keeps the fastest (shape, level) that fits. ``t_intra = T / B`` goes to the same DP
 (``pipeline._dp``) as the exact table's, and the chosen stages are composed again on the ranks ``place`` gives them
 (:func:`compose_stage`, which the Megatron-3D baseline of ``benchmarks/bench_alpa_table.py`` uses too).
@@ -538,7 +544,8 @@ class StackTable:
 
     def _cap_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
         """The exact table's candidates of logical mesh `shape` (the j-th): the block under up to
-        :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
+        :data:`MAX_LEVELS` memory caps, none past the level aimed at the largest range still unfitted (module
+        docstring, 2)."""
         mid, d = self.stack.middle, len(ctx.ranks)
         specials = self._both_specials(ctx, shape)
         blocks_needed = ctx.use & (ctx.NB > 0)
@@ -551,8 +558,8 @@ class StackTable:
             ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
             # a tighter cap only where some range of blocks fits with no number of stages after it
             fitless = blocks_needed & ~ok.any(axis=0)
-            if blk is None or not fitless.any():
-                break
+            if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
+                break  # the last: aimed at as many blocks as the largest range still unfitted, or more
             target = max(int(ctx.NB[fitless].min()), 2 * target)
             block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
 
