@@ -32,8 +32,8 @@ A model built of many identical blocks is traced with 4 of them and its stages c
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
 --approximate-table costs that table from each logical mesh's block plan at full memory, ZeRO-sharded and
 recomputed, with memory-capped searches only for ranges none of those fits where they may beat that table's
-plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or faster, at less CPU
-(see docs/benchmarks.md).
+plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or faster, at 34–70 % of
+its CPU from GPT-2.6B up (see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
