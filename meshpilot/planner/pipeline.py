@@ -810,7 +810,8 @@ def plan_pipeline(
 
     `costing` (a repeated stack's table, ``stack.TableCosting``): ``"exact"`` (default) composes it from the
     block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
-    capacity, ZeRO-sharded and recomputed — real plans only, no capped search (``stack`` module docstring, 4).
+    capacity, ZeRO-sharded and recomputed, then capped only for ranges none of those fits where the first pass'
+    plan may be beaten — real plans only (``stack`` module docstring, 4).
 
     `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
     forward + backward peak (``stage.StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra``
@@ -1096,6 +1097,9 @@ def _dp_plan(setup: _Setup, kind: PipelineKind, call: dict) -> Plan:
             recomputed=_recomputed(sp, stack, call["recompute"]),
         )  # fmt: skip
         t, arg = fast_table.arrays()
+        if call["costing"] == TableCosting.APPROXIMATE:  # capped blocks where they may beat the first pass' plan
+            first, _ = _search_t_max(t, setup.sizes, n, B, call["epsilon"], num_stages)
+            t, arg = fast_table.refine(first[0] / B if first is not None else math.inf)
     stage_cost = functools.partial(_chosen_cost, setup, B, table, fast_table if stack is not None else None, arg)
     return _chosen_plan(setup, kind, call, t, stage_cost, frozenset())
 

@@ -113,8 +113,8 @@ Searches: per shape, one block (per level used) plus the pre and post sub-ranges
 Opt-in (``plan_pipeline(costing="approximate")``, ``meshpilot plan --approximate-table``). The cap levels'
 searches are what the exact table costs: a block's ILP whose memory rows bind is a knapsack HiGHS closes with
 cuts (seconds each on GPT-39B's sub-GiB caps), where the same ILP without binding rows is solved at its root.
-The variant table runs no capped block search and estimates nothing: per logical mesh its block pieces
-(:class:`ApproxLevel`) are
+The variant table's first pass runs no capped block search and estimates nothing: per logical mesh its block
+pieces (:class:`ApproxLevel`) are
 
 * FULL: the block searched at the device's capacity (level 0 above);
 * ZERO: the same answer with every replicated update ZeRO-sharded at stage 3 (``zero.ZeroMode.STAGE3``, the
@@ -123,7 +123,8 @@ The variant table runs no capped block search and estimates nothing: per logical
   ``config_plan.recomputed_stack``, every captured block's selective region — all but its matrix products and
   attention — copied into its backward, ``planner.recompute``): one more uncapped search of its block, its pre
   and post pieces the captured ones;
-* RECOMPUTE, RECOMPUTE_ZERO: the same two on the graph recomputing every block whole.
+* RECOMPUTE, RECOMPUTE_ZERO: the same two on the graph recomputing every block whole;
+* then, in a second pass and only where none of those fits a range, the block under memory caps (below).
 
 each tried while some useful entry with blocks does not fit yet, and skipped where its floors show it cannot
 change an entry (section 3; the recomputing block has floors of its own: it saves less). Every candidate is a
@@ -138,12 +139,20 @@ composed from a recomputing candidate is marked (``StageCost.recompute``): ``Pla
 with its blocks recomputed and the stage runtime runs it so (``runtime.pipeline_stages``). ZeRO stage 2 is not
 a variant: the pipeline runtime runs stage 3 only.
 
-What it cannot give is a block plan that trades time for memory *inside* the ILP (a capped search shards a
-few more weights, keeps fewer activations): where the exact table's best stage is such a plan, the variant
-table's stage is slower or has no fit. Measured (``docs/benchmarks.md``, "A stage table of real plans"), both
-tables counting the summed gradients (``plan_pipeline(accumulated=True)`` for the exact one): a plan where the
-exact table has none on GPT-1.3B, 4.6 % and 9.4 % slower on GPT-2.6B and 6.7B — hence not the default; on
-GPT-39B a 10-stage plan of 102.7 s that ``--out`` saves, against the exact table's 495 s without the term.
+What these cannot give is a block plan that trades time for memory *inside* the ILP (a capped search shards
+a few more weights, keeps fewer activations): GPT-39B's exact plan has a stage of 7 blocks on 8 devices (4x2,
+two microbatches in flight) under a block capped at 0.146 of the device, which no uncapped variant fits (the
+whole-recomputing ZeRO-3 block needs 1.28 of the device there), and without it the variant plan was 4.3 %
+slower. So a second pass (:meth:`StackTable.refine`, called by ``pipeline._dp_plan`` after the DP has run on
+the first) offers capped blocks of the captured graph — at most :data:`CAPPED_VARIANTS` per logical mesh, their
+caps chosen as the exact table's levels choose theirs (``_cap_for`` of the fewest blocks of a range that fits
+with no number of stages after it, at least doubling) — but only for ranges no uncapped variant of that mesh
+fits, and only where they may beat the first pass' plan of step S: a plan beats it only if every stage's
+t_intra is below S / B (Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t``), and a capped block's stage is no
+faster than the uncapped block's stage nor than its floors (section 3). Those candidates are plans too, composed
+as the others, so the chosen stages are still priced exactly by construction. Measured in
+``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); the exact table stays the default, as the capped
+searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
 """
 
 from __future__ import annotations
@@ -178,6 +187,10 @@ KEEP = 4
 MAX_LEVELS = 5
 """Most memory caps the block piece is planned under per logical mesh (module docstring, 2)."""
 
+CAPPED_VARIANTS = 2
+"""Most memory caps the variant table plans the block under per logical mesh, after its uncapped levels and only
+for the ranges none of them fits (module docstring, 4; ``StackTable._capped_variants``)."""
+
 LEVEL_KEYS = 16
 """Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels (the exact
 table's recomputing candidates come after its :data:`MAX_LEVELS` cap levels)."""
@@ -209,7 +222,8 @@ class TableCosting(StrEnum):
 
     APPROXIMATE = "approximate"
     """The variant table: per logical mesh the block's uncapped plan, ZeRO-sharded and recomputed
-    (:class:`ApproxLevel`), every entry a plan; no memory-capped search (module docstring, 4)."""
+    (:class:`ApproxLevel`), then capped only where none of those fits (``StackTable.refine``); every entry a plan
+    (module docstring, 4)."""
     EXACT = "exact"
     """Per logical mesh, the block planned under up to :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
 
@@ -380,6 +394,9 @@ class _Winners:
     arg: np.ndarray
     order: np.ndarray
     candidates: list
+    unfit: dict = field(default_factory=dict)
+    """The variant table's first pass, per logical mesh j with a range no uncapped plan fits: (its ``ok``
+    accumulated, the block's uncapped plan, the captured graph's floors) for ``StackTable.refine``."""
 
 
 @dataclass(frozen=True)
@@ -435,6 +452,8 @@ class StackTable:
     """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
+    _first: list = field(default_factory=list, init=False, repr=False)
+    """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
     """Per recomputation, the planner and stack of the graph with every captured block recomputed so
     (``config_plan.recomputed_stack``): the recomputing levels either table may offer (module docstring, 2 and
@@ -481,15 +500,16 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, S + 1)], dtype=float)
         columns = map_columns(functools.partial(self._column, layout, f), range(Z), self.planner, self.workers)
-        for z, (tz, az, cands) in enumerate(columns):
+        self._first = [(tz, az, cands, state) for tz, az, cands, state in columns]
+        for z, (tz, az, cands, _) in enumerate(columns):
             t[1:, :, :, z] = tz
             arg[1:, :, :, z] = np.where(az >= 0, az + len(self.candidates), -1)
             self.candidates += cands
         return t, arg
 
-    def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list]:
+    def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list, tuple | None]:
         """Size z's column: ``t[1:, :, :, z]``, ``arg`` into the candidates it returns (module docstring, 2 and
-        3)."""
+        3), and for the variant table what :meth:`refine` goes on from (its winners, context and shapes)."""
         L, S = len(self.bounds), self.max_stages
         tz = np.full((S, L, L), math.inf)
         az = np.full((S, L, L), -1, dtype=np.int64)
@@ -501,7 +521,7 @@ class StackTable:
             for i in range(k, L):
                 use[k, i] = self.useful(k, i, d)
         if not use.any():
-            return tz, az, candidates
+            return tz, az, candidates, None
         ranks = range(d)
         used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
         shapes = list(self.shapes(d))
@@ -521,7 +541,7 @@ class StackTable:
             self._cap_levels(ctx, win, j, shapes[j], lower)
             if self.recomputed:  # then the recomputing blocks, where their floors may change an entry
                 self._variant_levels(ctx, win, j, shapes[j], floors[j], RECOMPUTING, MAX_LEVELS)
-        return tz, az, candidates
+        return tz, az, candidates, (win, ctx, shapes) if self.costing == TableCosting.APPROXIMATE else None
 
     def _offer(self, ctx: _Ctx, win: _Winners, key: int, specials, blk: _Piece | None, c: Candidate) -> np.ndarray:
         """Compose `blk` and `specials` over every range, keep each entry's least (t, order) in `win`; returns
@@ -582,6 +602,7 @@ class StackTable:
         blocks_needed = (ctx.use & (ctx.NB > 0))[None]
         specials = self._both_specials(ctx, shape)
         floored, lower = None, None  # the graph whose floors `lower` is made of
+        fits, full, captured_lower = np.zeros(ctx.f.shape + ctx.NB.shape, dtype=bool), None, None
         for level in tuple(ApproxLevel) if levels is None else levels:
             key = j * LEVEL_KEYS + key0 + int(level)
             mode = level.recompute
@@ -596,13 +617,78 @@ class StackTable:
                     if mode is not Recompute.NONE:
                         blk = self._floor(planner, (mid, mid + 1), ctx.ranks, shape)
                     lower = self._lower((floors[0], floors[1], blk), ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+                    captured_lower = lower if mode is Recompute.NONE else captured_lower
             if (key0 or level) and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 continue  # this graph's floors show no plan of it changes an entry
             blk = self._piece((mid, mid + 1), ctx.ranks, shape, self.capacity, level.zero, planner)
             c = Candidate(len(ctx.ranks), shape, self.capacity, level.zero, mode)
             ok = self._offer(ctx, win, key, specials, blk, c)
+            fits |= ok
+            full = blk if level is ApproxLevel.FULL else full
             if blk is not None and not (blocks_needed & ~ok).any():
-                break
+                return
+        if levels is None and full is not None:  # the variant table: what no uncapped plan fit, for `refine`
+            win.unfit[j] = (fits, full, captured_lower)
+
+    def refine(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
+        """The variant table's second pass (module docstring, 4): :meth:`arrays` again with each logical mesh's
+        capped block plans added (``_capped_variants``) where the uncapped ones left a range of blocks without
+        a fit, and only where their floors may beat `bound` — ``step / B`` of the plan the DP found on the first
+        pass: a plan of Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t`` beats it only with every stage's
+        t_intra below that. Call after :meth:`arrays` on the same table."""
+        L, Z, S = len(self.bounds), len(self.sizes), self.max_stages
+        self.candidates = []
+        columns = map_columns(functools.partial(self._capped_column, bound), range(Z), self.planner, self.workers)
+        t = np.full((S + 1, L, L, Z), math.inf)
+        arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
+        for z, (tz, az, cands) in enumerate(columns):
+            t[1:, :, :, z] = tz
+            arg[1:, :, :, z] = np.where(az >= 0, az + len(self.candidates), -1)
+            self.candidates += cands
+        return t, arg
+
+    def _capped_column(self, bound: float, z: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """Size z's column of :meth:`refine`: the first pass' column with the capped variants offered."""
+        tz, az, cands, state = self._first[z]
+        if state is None or not state[0].unfit:
+            return tz, az, cands
+        first, ctx, shapes = state
+        win = _Winners(tz.copy(), az.copy(), first.order.copy(), list(cands))
+        for j, (fits, full, lower) in first.unfit.items():
+            specials = self._both_specials(ctx, shapes[j])
+            self._capped_variants(ctx, win, j, shapes[j], specials, full, fits, lower, bound)
+        return win.t, win.arg, win.candidates
+
+    def _capped_variants(
+        self, ctx: _Ctx, win: _Winners, j: int, shape, specials, full: _Piece, fits: np.ndarray, lower, bound: float
+    ) -> None:
+        """The variant table's last candidates of logical mesh `shape` (module docstring, 4): the captured block
+        searched under up to :data:`CAPPED_VARIANTS` memory caps, each derived from the ranges of blocks that
+        no candidate of this mesh fits with any number of stages after them (`fits`: ``ok[s, k, i]`` of its
+        uncapped ones) and whose floors may beat `bound` (t_intra) — the cap at which the fewest blocks of such
+        a range fit (``_cap_for`` of the previous block plan, `full` first), at least twice the previous
+        level's blocks, as the exact table's cap levels choose theirs. `lower`: the captured graph's floors
+        (``_lower``; None: not pruned, every range kept)."""
+        mid, d = self.stack.middle, len(ctx.ranks)
+        # a capped block is no faster than the uncapped one: its stages' t_intra are at least the uncapped ones'
+        uncapped = _compose(specials, full, ctx.PA, ctx.PB, ctx.NB)[0] / self.microbatches
+        if lower is None:
+            lower = (np.zeros_like(uncapped), np.broadcast_to(ctx.use, fits.shape))
+        lower = (np.maximum(lower[0], uncapped), lower[1])
+        relevant = ctx.use & (ctx.NB > 0) & (lower[1] & (lower[0] < bound)[None]).any(axis=0)
+        block_cap, target, blk = self.capacity, 0, full
+        for n in range(CAPPED_VARIANTS):
+            fitless = relevant & ~fits.any(axis=0)
+            key = j * LEVEL_KEYS + len(ApproxLevel) + n
+            below = np.minimum(win.t, bound)  # an entry at the bound or above cannot improve the plan
+            if not fitless.any() or not self._can_improve(lower, below, win.order, key):
+                return
+            target = max(int(ctx.NB[fitless].min()), 2 * target)
+            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
+            if blk is None:  # a cap the block's ILP cannot meet: tighter ones cannot either
+                return
+            fits |= self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
 
     @property
     def counts_accumulated(self) -> bool:
