@@ -884,7 +884,7 @@ def _user_frame(outer: Any = None) -> tuple[str | None, tuple | None]:
     f = sys._getframe(2)
     source = None
     while f is not None and f is not outer:
-        info = _code_info(f.f_code)
+        info = _file_info(f.f_code.co_filename)
         if info is not None:
             short, loops = info
             line = f.f_lineno
@@ -900,18 +900,18 @@ def _user_frame(outer: Any = None) -> tuple[str | None, tuple | None]:
     return source, None
 
 
-_CODE_INFO: dict[Any, tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None] = {}
+_FILE_INFO: dict[str, tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None] = {}
 
 
-def _code_info(code: Any) -> tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None:
-    """None for a code object that is not the model's (:func:`_is_model_code`), else its file as users name it
-    and its file's loops over a set (:func:`_set_loops`), looked up once per code object."""
+def _file_info(name: str) -> tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None:
+    """None for a file that is not the model's (:func:`_is_model_code`), else the file as users name it and its
+    loops over a set (:func:`_set_loops`), looked up once per file. By file, not code object: two functions
+    alike in all but their file (transformers' "Copied from") are equal code objects."""
     try:
-        return _CODE_INFO[code]
+        return _FILE_INFO[name]
     except KeyError:
-        name = code.co_filename
         info = (_short(name), _set_loops(name)) if _is_model_code(name) else None
-        _CODE_INFO[code] = info
+        _FILE_INFO[name] = info
         return info
 
 
