@@ -194,13 +194,30 @@ STAMP = "meshpilot:"
 """Prefix of the ``stack_trace`` meshpilot stamps on captured nodes (``meshpilot:file.py:12``)."""
 
 
-def stamp_node_meta(module: str, source: str) -> None:
-    """Label the nodes the tracer makes next with `module` and `source` (torch.fx's preserved node meta)."""
+LOOP = "meshpilot_loop"
+"""Key of ``node.meta["custom"]`` (a field torch.fx copies onto every node it makes) naming the iteration of a
+loop over a set that made the node: ``(loop's file:line, its frame's id, repr of the element)``."""
+
+
+def stamp_node_meta(module: str, source: str, loop: tuple | None = None) -> None:
+    """Label the nodes the tracer makes next with `module`, `source` and the iteration `loop` of a loop over a
+    set that runs them, if any (torch.fx's preserved node meta)."""
     fx_traceback = torch.fx.traceback
     if fx_traceback.has_preserved_node_meta():
         meta = fx_traceback.get_current_meta()
         meta["stack_trace"] = STAMP + source
         meta["nn_module_stack"] = {"meshpilot": (module, None)}
+        if loop is not None:
+            meta["custom"] = {LOOP: loop}
+        else:
+            meta.pop("custom", None)
+
+
+def unstamp_loop() -> None:
+    """The nodes the tracer makes next are in no loop over a set (made outside the model's code)."""
+    fx_traceback = torch.fx.traceback
+    if fx_traceback.has_preserved_node_meta():
+        fx_traceback.get_current_meta().pop("custom", None)
 
 
 class JointExport:

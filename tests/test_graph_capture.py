@@ -161,23 +161,50 @@ class SetLoop(torch.nn.Module):
         return sum(outs[k].sum() for k in KEYS)
 
 
+MAKE = {
+    "alpha": lambda x: x.cumsum(-1),
+    "beta": lambda x: (x > 0).float() * x,
+    "gamma": lambda x: x.flip(-1) * 2.0,
+    "delta": lambda x: torch.tanh(x),
+    "eps": lambda x: x.softmax(-1),
+}
+
+
+class Made(torch.nn.Module):
+    # each key of a set of strings runs its own function on the input; a weight reads them in the list's order
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        made = {}
+        for k in set(KEYS):
+            made[k] = MAKE[k](x)
+        return sum((made[k] @ self.w).sum() for k in KEYS)
+
+
 torch.manual_seed(0)
-g = capture(SetLoop(), [torch.randn(2, 8)], stacked=False)
 print(",".join(set(KEYS)))
-print(g.fingerprint())
-print(" ".join(n.name for n in g.nodes))
+for model in (SetLoop(), Made()):
+    g = capture(model, [torch.randn(2, 8)], stacked=False)
+    print(g.fingerprint())
+    print(" ".join(n.name for n in g.nodes))
 """
 
 
-def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_seed():
+def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_seed(tmp_path):
     """The set's order follows the process' hash seed (random per torchrun rank): two processes with seeds 0
-    and 1 iterate it in different orders, and capture the same graph, node for node and name for name."""
+    and 1 iterate it in different orders, and capture the same graph, node for node and name for name — a
+    loop running one function per element (its own weight), and one running a different function per element
+    (Llama-4's masks: ``masks[t] = make[t]()``), whose iterations repeat no one op sequence."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
+    script = tmp_path / "set_loop.py"  # a file: capture reads the loop from the model's source
+    script.write_text(SET_LOOP)
     outs = []
     for seed in ("0", "1"):
         env = {
@@ -185,9 +212,10 @@ def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_s
             "PYTHONHASHSEED": seed,
             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
         }
-        done = subprocess.run([sys.executable, "-c", SET_LOOP], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(done.stdout.splitlines())
-    (order0, fp0, names0), (order1, fp1, names1) = outs
+    (order0, *graphs0), (order1, *graphs1) = outs
     assert order0 != order1  # the two processes did iterate the set differently
-    assert (fp0, names0) == (fp1, names1)
+    assert graphs0[:2] == graphs1[:2]  # one function per element
+    assert graphs0[2:] == graphs1[2:]  # a different function per element

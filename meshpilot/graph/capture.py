@@ -53,12 +53,16 @@ the same *canonical* node, and so do the parameters they read: the planner then 
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
+import linecache
 import logging
 import math
 import operator
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -453,6 +457,7 @@ def _trace(
 
     def functional_step(*flat: torch.Tensor) -> tuple[torch.Tensor]:
         tracing.start_pass(flat[len(state) :], inputs, guards)
+        tracing.outer = sys._getframe()  # frames from here out are not the model's (a caller's set loop)
         tracing.real_params = {id(t): params[n] for n, t in zip(pnames, flat)}
         with reparametrize(model, dict(zip(state, flat)), tie_weights=True, strict=False):
             (loss,) = step(*flat[len(state) :])
@@ -501,6 +506,8 @@ class _CaptureMode(TorchFunctionMode):
         self.input_ids: set[int] = set()  # the traced inputs' ids whose real values are known
         self.traced_inputs: set[int] = set()  # every traced input's id
         self.closed = False  # the forward has returned: a read now (in a backward) cannot be guarded
+        self.outer: Any = None  # the frame that calls the model: where the search for model frames stops
+        self.looping = False  # the last stamp named an iteration of a loop over a set
 
     def start_pass(self, traced_inputs: Sequence[torch.Tensor], real: Sequence[torch.Tensor], answers) -> None:
         """A new run of the forward (the export runs it more than once): the traced inputs' real values are
@@ -717,10 +724,13 @@ class _CaptureMode(TorchFunctionMode):
         kwargs = kwargs or {}
         # only while the model's forward runs: the backward's nodes take their forward op's places
         # (compat._places_from_forward)
-        source = _user_frame() if self.stack else None
+        source, loop = _user_frame(self.outer) if self.stack else (None, None)
         if source is not None:
             self.last_source = source
-            compat.stamp_node_meta(self.stack[-1], source)
+            compat.stamp_node_meta(self.stack[-1], source, loop)
+        elif self.looping:
+            compat.unstamp_loop()
+        self.looping = loop is not None
         if func is F.scaled_dot_product_attention:
             from meshpilot.ops.attention import captured_sdpa
 
@@ -867,14 +877,85 @@ def _is_model_code(filename: str) -> bool:
     return not filename.startswith(_MESHPILOT_DIR) or filename.startswith(_MODELS_DIR)
 
 
-def _user_frame() -> str | None:
-    """``file:line`` of the innermost frame of model code."""
+def _user_frame(outer: Any = None) -> tuple[str | None, tuple | None]:
+    """``file:line`` of the innermost frame of model code, and the iteration of a loop over a set that frame
+    or one of its callers (up to `outer`, exclusive) runs: ``(the loop's file:line, the frame's id, repr of
+    the element)`` for the innermost such loop, None if none (:func:`_set_loops`)."""
     f = sys._getframe(2)
-    while f is not None:
-        if _is_model_code(f.f_code.co_filename):
-            return f"{_short(f.f_code.co_filename)}:{f.f_lineno}"
+    source = None
+    while f is not None and f is not outer:
+        info = _file_info(f.f_code.co_filename)
+        if info is not None:
+            short, loops = info
+            line = f.f_lineno
+            if source is None:
+                source = f"{short}:{line}"
+            hit = loops.get(line) if loops else None
+            if hit is not None:
+                local = f.f_locals
+                if all(t in local for t in hit[1]):
+                    element = repr(tuple(local[t] for t in hit[1]))
+                    return source, (f"{short}:{hit[0]}", id(f), element)
         f = f.f_back
-    return None
+    return source, None
+
+
+_FILE_INFO: dict[str, tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None] = {}
+
+
+def _file_info(name: str) -> tuple[str, dict[int, tuple[int, tuple[str, ...]]]] | None:
+    """None for a file that is not the model's (:func:`_is_model_code`), else the file as users name it and its
+    loops over a set (:func:`_set_loops`), looked up once per file. By file, not code object: two functions
+    alike in all but their file (transformers' "Copied from") are equal code objects."""
+    try:
+        return _FILE_INFO[name]
+    except KeyError:
+        info = (_short(name), _set_loops(name)) if _is_model_code(name) else None
+        _FILE_INFO[name] = info
+        return info
+
+
+_SET_LOOP_HINT = re.compile(r"\bin\s+(?:(?:frozen)?set\(|\{)")
+
+
+@functools.cache
+def _set_loops(filename: str) -> dict[int, tuple[int, tuple[str, ...]]]:
+    """Each line of the body of a loop over a set in `filename` -> (the loop's line, its target names): a
+    ``for`` or a comprehension iterating ``set(...)``, ``frozenset(...)``, a set literal or comprehension, whose
+    order of iteration follows the process' hash seed (transformers' ``for t in set(config.layer_types)``). An
+    inner loop's lines are its own. The file is parsed only where its text has ``in set(`` or ``in {``."""
+    text = "".join(linecache.getlines(filename))
+    if not _SET_LOOP_HINT.search(text):
+        return {}
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return {}
+    loops: dict[int, tuple[int, tuple[str, ...]]] = {}
+    for node in ast.walk(tree):  # breadth first: an inner loop comes after (and overwrites) its outer one
+        if isinstance(node, (ast.For, ast.AsyncFor)) and _is_set(node.iter):
+            targets = _names(node.target)
+            for line in range(node.body[0].lineno, node.body[-1].end_lineno + 1):
+                loops[line] = (node.lineno, targets)
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            sets = [g for g in node.generators if _is_set(g.iter)]
+            if sets:
+                targets = tuple(t for g in sets for t in _names(g.target))
+                for line in range(node.lineno, node.end_lineno + 1):
+                    loops[line] = (node.lineno, targets)
+    return loops
+
+
+def _is_set(expr: ast.expr) -> bool:
+    """Whether `expr` makes a set: ``set(...)``, ``frozenset(...)``, a set literal or comprehension."""
+    if isinstance(expr, (ast.Set, ast.SetComp)):
+        return True
+    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("set", "frozenset")
+
+
+def _names(target: ast.expr) -> tuple[str, ...]:
+    """The variable names a loop's target binds (``k``, ``(i, k)``)."""
+    return tuple(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
 
 
 def _short(path: str) -> str:
@@ -1120,6 +1201,105 @@ def _canonical_order(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _order_set_loops(gm: torch.fx.GraphModule) -> None:
+    """Order (and name) the iterations of each loop over a set by the set's elements, where the iterations
+    compute different things: ``for t in set(config.layer_types): masks[t] = make[t]()`` calls a different
+    function per element (Llama-4's causal and chunked masks), so its iterations repeat no one op sequence and
+    :func:`_canonical_order` does not see them.
+
+    Capture stamps each node the model's code made inside such a loop with the loop, its frame and the element
+    (:func:`_user_frame`, ``node.meta["custom"]``). One run of the loop is a contiguous span of nodes of one
+    loop and frame, each element's nodes contiguous (:func:`_set_loop_runs`). Where no iteration reads
+    another's nodes, the iterations are put in the order of (the places of the parameters and buffers each
+    alone reads, its element's ``repr``): the first is :func:`_canonical_order`'s, which a run it ordered
+    keeps. Each node then takes, of the names its op's nodes (``index``, ``index_3``, …) had in the span, the
+    one of its rank: the span holds the same names in every process, so the names come out the same too."""
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    moved = False
+    for start, groups in _set_loop_runs(nodes):
+        members = [set(g) for _, g in groups]
+        inside = set().union(*members)
+        outside = [{a for n in g for a in n.all_input_nodes} - m for (_, g), m in zip(groups, members)]
+        if any(r & inside for r in outside):
+            continue  # an iteration reads another's: the order is the program's
+        leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
+        own = [leaves[b] - set().union(*(leaves[c] for c in range(len(groups)) if c != b)) for b in range(len(groups))]
+        keys = [(tuple(sorted(at[a] for a in o)), element) for o, (element, _) in zip(own, groups)]
+        order = sorted(range(len(groups)), key=keys.__getitem__)
+        if order == list(range(len(groups))):
+            continue
+        new = [n for b in order for n in groups[b][1]]
+        end = start + len(new)
+        after = nodes[end]  # the output node ends the graph: a loop's span never reaches it
+        for n in new:
+            after.prepend(n)
+        _rename_by_rank(gm, nodes[start:end], new)
+        nodes[start:end] = new
+        at.update((n, start + i) for i, n in enumerate(new))
+        moved = True
+        _log.debug("ordered %d iterations of a loop over a set at %s", len(groups), _place(new[0])[1])
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _set_loop_runs(nodes: list[torch.fx.Node]) -> list[tuple[int, list[tuple[str, list[torch.fx.Node]]]]]:
+    """(start, [(element, its nodes), …]) of each run of a loop over a set in `nodes`, in the trace's order: a
+    contiguous span of forward nodes stamped with one loop and frame (``compat.LOOP``), cut where the element
+    changes into iterations; an element seen again starts a new run (the same loop run again by a frame at the
+    same address). Runs of one iteration are left out."""
+    runs: list[tuple[int, list[tuple[str, list[torch.fx.Node]]]]] = []
+    cur: tuple | None = None
+    start, groups, seen = 0, [], set()
+
+    def close() -> None:
+        if len(groups) > 1:
+            runs.append((start, list(groups)))
+
+    for i, n in enumerate(nodes):
+        custom = n.meta.get("custom")
+        tag = custom.get(compat.LOOP) if isinstance(custom, dict) and n.op in ("call_function", "get_attr") else None
+        if tag is None or n.meta.get("autograd_backward"):
+            close()
+            cur, groups, seen = None, [], set()
+            continue
+        loop, element = tag[:2], tag[2]
+        if loop != cur or (element != groups[-1][0] and element in seen):
+            close()
+            cur, start, groups, seen = loop, i, [], set()
+        if not groups or groups[-1][0] != element:
+            groups.append((element, []))
+            seen.add(element)
+        groups[-1][1].append(n)
+    close()
+    return runs
+
+
+_NAME = re.compile(r"(.*?)_?(\d*)")
+
+
+def _rename_by_rank(gm: torch.fx.GraphModule, old: list[torch.fx.Node], new: list[torch.fx.Node]) -> None:
+    """Rename the nodes of a reordered span: `old` in the trace's order, `new` the same nodes in the new one.
+    The names of each stem (``index``, ``index_1``, … ``_tensor_constant0``, …) are given out in the new
+    order by their number, so the result depends on the set of names only, not on which node had which."""
+
+    def stem(name: str) -> tuple[str, int]:
+        base, number = _NAME.fullmatch(name).groups()
+        return base, int(number) if number else -1
+
+    names: dict[str, list[tuple[int, str]]] = {}
+    for n in old:
+        base, number = stem(n.name)
+        names.setdefault(base, []).append((number, n.name))
+    for v in names.values():
+        v.sort(reverse=True)
+    for n in new:  # every name of the span given out once: a permutation of them
+        name = names[stem(n.name)[0]].pop()[1]
+        n.name = name
+        gm.graph._graph_namespace._obj_to_name[n] = name
+
+
 _log = logging.getLogger(__name__)
 _PERIOD_TRIES = 8
 """How many next nodes of the same (op, line) :func:`_independent_repeats` tries as the end of a repetition (a
@@ -1271,6 +1451,7 @@ def _build_graph(
     gm: torch.fx.GraphModule = joint.gm
     _simplify(gm)
     _canonical_order(gm)
+    _order_set_loops(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = _leaf_nodes(placeholders, pnames, bnames)
     consts: dict[str, torch.Tensor] = {}
