@@ -220,6 +220,20 @@ def unstamp_loop() -> None:
         fx_traceback.get_current_meta().pop("custom", None)
 
 
+def stamped_place(fx_node: torch.fx.Node) -> tuple[str | None, str | None]:
+    """(module path, ``file:line``) :func:`stamp_node_meta` put on a node (None for what it did not stamp)."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    module = None
+    if isinstance(stack, dict) and stack:
+        module = next(reversed(stack.values()))[0]
+    source = fx_node.meta.get("stack_trace")
+    if isinstance(source, str) and source.startswith(STAMP):
+        source = source[len(STAMP) :]
+    else:
+        source = None
+    return module, source
+
+
 class JointExport:
     """A functional joint forward + backward graph: placeholders are the flat arguments; outputs are the
     mutated inputs' new values (``mutated_inputs`` in order), the loss, then the gradient of every argument
