@@ -20,3 +20,10 @@ class ClusterFileError(UserError):
     def __init__(self, source: str, key: str, problem: str, fix: str):
         self.source, self.key, self.problem, self.fix = source, key, problem, fix
         super().__init__(f"{source}: {key}: {problem}; {fix}")
+
+
+def first_line(e: BaseException, default: str = "") -> str:
+    """The first line of `e`'s message (`default` when it has none): an error of someone else's code, told in
+    one line."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else default

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import hashlib
 import linecache
 import logging
@@ -82,7 +81,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from meshpilot import compat
-from meshpilot.errors import UserError
+from meshpilot.errors import UserError, first_line
 from meshpilot.graph import order
 from meshpilot.graph.views import is_view_op
 
@@ -923,12 +922,12 @@ def _file_info(name: str) -> tuple[str, dict[int, tuple[int, tuple[str, ...]]]] 
 _SET_LOOP_HINT = re.compile(r"\bin\s+(?:(?:frozen)?set\(|\{)")
 
 
-@functools.cache
 def _set_loops(filename: str) -> dict[int, tuple[int, tuple[str, ...]]]:
     """Each line of the body of a loop over a set in `filename` -> (the loop's line, its target names): a
     ``for`` or a comprehension iterating ``set(...)``, ``frozenset(...)``, a set literal or comprehension, whose
     order of iteration follows the process' hash seed (transformers' ``for t in set(config.layer_types)``). An
-    inner loop's lines are its own. The file is parsed only where its text has ``in set(`` or ``in {``."""
+    inner loop's lines are its own. The file is parsed only where its text has ``in set(`` or ``in {``; once per
+    file (:func:`_file_info` keeps the answer)."""
     text = "".join(linecache.getlines(filename))
     if not _SET_LOOP_HINT.search(text):
         return {}
@@ -990,7 +989,7 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
     module = tracing.stack[-1] if tracing.stack else None
     place = " ".join(p for p in (f"in {module or 'the model'}", f"({where})" if where else "") if p)
     name = type(e).__name__
-    text = str(e).strip().splitlines()[0] if str(e).strip() else name
+    text = first_line(e, name)
     op = getattr(e, "func", None)
     if tracing.data_write is not None and "mutation" in text:
         return (

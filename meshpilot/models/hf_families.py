@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpilot.errors import UserError
+from meshpilot.errors import UserError, first_line
 
 # the auto-mappings walked, by the short kind this module calls them
 MAPPINGS = {
@@ -530,7 +530,7 @@ def build(
             return build(family, overrides, use_cache=use_cache, attn="eager", batch=batch, seq=seq,
                          device=device, seed=seed)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a configuration the model cannot be built from: one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e, type(e).__name__)
         raise UserError(f"{family.name}: cannot be built from its tiny config ({msg})") from None
     model.train()
     meta = torch.device(device).type == "meta"

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpilot.errors import UserError
+from meshpilot.errors import UserError, first_line
 
 HF_PREFIX = "hf:"
 HF_DEFAULT_BATCH, HF_DEFAULT_SEQ = 4, 128
@@ -423,7 +423,7 @@ def hf_model(name: str, overrides: dict[str, Any] | None = None, device: str | t
         with torch.device(device):
             model = cls(cfg)
     except Exception as e:  # noqa: BLE001 - a config the model cannot be built from: one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        msg = first_line(e)
         raise UserError(f"--model hf:{name}: {cls.__name__} cannot be built from this config ({msg})") from None
     model.train()
     return HFLoss(model)
@@ -527,7 +527,7 @@ def build_factory(spec: str, *, device: str | torch.device = "meta", seed: int =
         with torch.device(device):
             result = obj(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's code failed: one line naming it
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        msg = first_line(e)
         on = f" on device {torch.device(device)}" if str(device) == "meta" else ""
         raise UserError(f"--model {spec}: {attr}(){on} raised {type(e).__name__}: {msg}") from None
     if hasattr(result, "model") and hasattr(result, "inputs"):
