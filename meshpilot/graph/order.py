@@ -53,8 +53,7 @@ def canonical_order(gm: torch.fx.GraphModule) -> None:
         end = start + period * count
         its = [nodes[start + b * period : start + (b + 1) * period] for b in range(count)]
         outside = [{a for n in it for a in n.all_input_nodes} - set(it) for it in its]
-        leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
-        own = [leaves[b] - set().union(*(leaves[c] for c in range(count) if c != b)) for b in range(count)]
+        own = _own_leaves(outside)
         follows = [frozenset(iteration_of[a] for a in r if a in iteration_of) for r in outside]
         if all(own):  # each iteration reads a parameter or buffer of its own: by their places
             firsts = [tuple(sorted(at[a] for a in o)) for o in own]
@@ -69,14 +68,9 @@ def canonical_order(gm: torch.fx.GraphModule) -> None:
             continue
         new = [n for b in order for n in its[b]]
         names = [n.name for n in nodes[start:end]]
-        after = nodes[end]  # the output node ends the graph: a run never reaches it
-        for n in new:  # each node moved before the run's next node: the run in its new order
-            after.prepend(n)
+        _move_span(nodes, at, start, new)
         for n, name in zip(new, names):  # the position's name (a permutation: every name stays used once)
-            n.name = name
-            gm.graph._graph_namespace._obj_to_name[n] = name
-        nodes[start:end] = new
-        at.update((n, start + i) for i, n in enumerate(new))
+            _rename(gm, n, name)
         moved = True
         _log.debug(
             "ordered %d iterations of %d nodes at %s (%s)", count, period, names[0], compat.stamped_place(new[0])[1]
@@ -93,7 +87,7 @@ def order_set_loops(gm: torch.fx.GraphModule) -> None:
     :func:`canonical_order` does not see them.
 
     Capture stamps each node the model's code made inside such a loop with the loop, its frame and the element
-    (:func:`_user_frame`, ``node.meta["custom"]``). One run of the loop is a contiguous span of nodes of one
+    (``capture._user_frame``, ``node.meta["custom"]``). One run of the loop is a contiguous span of nodes of one
     loop and frame, each element's nodes contiguous (:func:`_set_loop_runs`). Where no iteration reads
     another's nodes, the iterations are put in the order of (the places of the parameters and buffers each
     alone reads, its element's ``repr``): the first is :func:`canonical_order`'s, which a run it ordered
@@ -108,20 +102,13 @@ def order_set_loops(gm: torch.fx.GraphModule) -> None:
         outside = [{a for n in g for a in n.all_input_nodes} - m for (_, g), m in zip(groups, members)]
         if any(r & inside for r in outside):
             continue  # an iteration reads another's: the order is the program's
-        leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
-        own = [leaves[b] - set().union(*(leaves[c] for c in range(len(groups)) if c != b)) for b in range(len(groups))]
-        keys = [(tuple(sorted(at[a] for a in o)), element) for o, (element, _) in zip(own, groups)]
+        keys = [(tuple(sorted(at[a] for a in o)), element) for o, (element, _) in zip(_own_leaves(outside), groups)]
         order = sorted(range(len(groups)), key=keys.__getitem__)
         if order == list(range(len(groups))):
             continue
         new = [n for b in order for n in groups[b][1]]
-        end = start + len(new)
-        after = nodes[end]  # the output node ends the graph: a loop's span never reaches it
-        for n in new:
-            after.prepend(n)
-        _rename_by_rank(gm, nodes[start:end], new)
-        nodes[start:end] = new
-        at.update((n, start + i) for i, n in enumerate(new))
+        _rename_by_rank(gm, nodes[start : start + len(new)], new)
+        _move_span(nodes, at, start, new)
         moved = True
         _log.debug("ordered %d iterations of a loop over a set at %s", len(groups), compat.stamped_place(new[0])[1])
     if moved:
@@ -180,9 +167,31 @@ def _rename_by_rank(gm: torch.fx.GraphModule, old: list[torch.fx.Node], new: lis
     for v in names.values():
         v.sort(reverse=True)
     for n in new:  # every name of the span given out once: a permutation of them
-        name = names[stem(n.name)[0]].pop()[1]
-        n.name = name
-        gm.graph._graph_namespace._obj_to_name[n] = name
+        _rename(gm, n, names[stem(n.name)[0]].pop()[1])
+
+
+def _rename(gm: torch.fx.GraphModule, n: torch.fx.Node, name: str) -> None:
+    """Give `n` a name of the graph's that another node of a reordered span had (so no clash is left behind)."""
+    n.name = name
+    gm.graph._graph_namespace._obj_to_name[n] = name
+
+
+def _own_leaves(outside: list[set[torch.fx.Node]]) -> list[set[torch.fx.Node]]:
+    """Per iteration (`outside`: the nodes each reads from outside itself), the parameters and buffers
+    (placeholders) it reads and no other iteration does."""
+    leaves = [{a for a in r if a.op == "placeholder"} for r in outside]
+    return [leaves[b] - set().union(*(leaves[c] for c in range(len(leaves)) if c != b)) for b in range(len(leaves))]
+
+
+def _move_span(nodes: list[torch.fx.Node], at: dict[torch.fx.Node, int], start: int, new: list[torch.fx.Node]) -> None:
+    """Put the span of `nodes` from `start` in the graph in the order `new` (the same nodes); `nodes` and the
+    positions `at` follow. The output node ends the graph, so a span never reaches it: its next node exists."""
+    end = start + len(new)
+    after = nodes[end]
+    for n in new:  # each node moved before the span's next node: the span in its new order
+        after.prepend(n)
+    nodes[start:end] = new
+    at.update((n, start + i) for i, n in enumerate(new))
 
 
 _PERIOD_TRIES = 8
