@@ -170,11 +170,9 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
         t0 = time.perf_counter()
         try:
             plan = StagePlan.from_json(plan_json)
-            if kind == GUARDED.kind:  # the hand-written module whose branch reads its mask: guarded
+            if kind in (GUARDED.kind, ONE_RANK_OFF.kind):  # the hand-written module whose branch reads its mask
                 (ref, inputs), (model, _), ref64 = guarded_module(), guarded_module(), None
-            elif kind == ONE_RANK_OFF.kind:
-                (ref, inputs), (model, _), ref64 = guarded_module(), guarded_module(), None
-                if torch.distributed.get_rank() == 1:
+                if kind == ONE_RANK_OFF.kind and torch.distributed.get_rank() == 1:
                     model.up, model.down = torch.nn.Linear(8, 24), torch.nn.Linear(24, 8)
             else:
                 fam = Family(*name.split("/"), kind)

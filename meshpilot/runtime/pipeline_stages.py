@@ -258,7 +258,7 @@ class PlannedPipelineModule:
         from meshpilot.ops import register_dtensor_strategies
         from meshpilot.planner.validate import validate
         from meshpilot.runtime.pipeline import microbatch_examples
-        from meshpilot.runtime.spmd import agree, model_device
+        from meshpilot.runtime.spmd import agreed, model_device
 
         register_dtensor_strategies()
         self.pplan = pplan
@@ -272,15 +272,11 @@ class PlannedPipelineModule:
         self.last = len(pplan.stages) - 1 in self.stages
         self._first = {rs[0]: s for s, rs in enumerate(self.stage_ranks)}
         self.device = model_device(model)
-        refusal = None
-        try:  # what each rank does alone; every rank hears of a refusal before any goes on (spmd.agree)
+        with agreed("the plan"):  # what each rank does alone; every rank hears of a refusal before any goes on
             examples = microbatch_examples(inputs, self.M)  # one line when the batch does not split
             if graph is None:
                 graph = capture(model, examples, precision=pplan.precision)
             validate(pplan, world_size=dist.get_world_size(), graph=graph)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by agree
-            refusal = e
-        agree(refusal, "the plan")
         self.whole = graph
         slices, zeros, ties = self._slice(graph)
         self._make_meshes()

@@ -23,10 +23,11 @@ phase's ``phase_scope``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshpilot.errors import UserError
+from meshpilot.errors import UserError, first_line
 from meshpilot.graph.capture import NodeKind, OpGraph, Phase, Precision, capture, dtype_from_name
 from meshpilot.ops import register_dtensor_strategies
 from meshpilot.planner import recompute
@@ -156,9 +157,21 @@ def agree(error: BaseException | None, what: str) -> None:
     raise UserError(message)
 
 
+@contextlib.contextmanager
+def agreed(what: str) -> Iterator[None]:
+    """Run the block each rank does alone (its capture, the plan checked against it), then :func:`agree` on its
+    outcome: an exception in it is every rank's one line, raised on every rank."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - raised on every rank by agree
+        error = e
+    agree(error, what)
+
+
 def _one_line(e: BaseException) -> str:
     """`e` as one line: its message's first line (its type's name when it has none; a non-UserError named)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = first_line(e)
     return text if isinstance(e, UserError) and text else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
@@ -479,15 +492,11 @@ def parallelize(
     if own is not None and (cast := own.cast_dtype) is not None:
         model.to(cast)
     examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in plan.input_shapes]
-    refusal = None
-    try:  # what each rank does alone: its capture of the model, and the plan checked against it
+    with agreed("the plan"):  # what each rank does alone: its capture of the model, the plan checked against it
         if graph is None:
             graph = capture(model, examples, loss_fn=loss_fn, precision=plan.precision, guards=plan.guards)
         validate(whole, graph=graph)
         graph = recompute.for_plan(graph, plan)  # the blocks the plan recomputes run again in the backward
-    except Exception as e:  # noqa: BLE001 - every rank hears of it before any goes on (agree)
-        refusal = e
-    agree(refusal, "the plan")
     if any(is_random_op(n.target) for n in graph.nodes if n.kind == NodeKind.OP):
         _check_same_rng(dev)
     return ParallelModule(model, plan, mesh, graph, compile=compile)
@@ -540,6 +549,7 @@ def shard_inputs(inputs: Sequence[torch.Tensor], plan: StagePlan, mesh: DeviceMe
 __all__ = [
     "ParallelModule",
     "agree",
+    "agreed",
     "distribute_parameters",
     "mesh_for_plan",
     "model_device",
