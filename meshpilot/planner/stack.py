@@ -494,14 +494,20 @@ class StackTable:
         """``t[s, k, i, z]`` (t_intra: ∞ where nothing fits) and ``arg[s, k, i, z]`` (into :attr:`candidates`),
         planning the pieces as it goes (module docstring, 2 and 3): a column per submesh size, in
         :attr:`workers` processes (``planner.parallel``: the same table as one after the other)."""
+        layout = self._layout()
+        f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
+        self._first = map_columns(
+            functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
+        )
+        return self._joined([c[:3] for c in self._first])
+
+    def _joined(self, columns: list[tuple[np.ndarray, np.ndarray, list]]) -> tuple[np.ndarray, np.ndarray]:
+        """The table's ``t`` and ``arg`` from its columns ``(t[1:, :, :, z], arg into the column's candidates,
+        those candidates)``, the candidates appended to :attr:`candidates` (``arg`` indexes those)."""
         L, Z, S = len(self.bounds), len(self.sizes), self.max_stages
         t = np.full((S + 1, L, L, Z), math.inf)
         arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
-        layout = self._layout()
-        f = np.array([self.in_flight(s) for s in range(1, S + 1)], dtype=float)
-        columns = map_columns(functools.partial(self._column, layout, f), range(Z), self.planner, self.workers)
-        self._first = [(tz, az, cands, state) for tz, az, cands, state in columns]
-        for z, (tz, az, cands, _) in enumerate(columns):
+        for z, (tz, az, cands) in enumerate(columns):
             t[1:, :, :, z] = tz
             arg[1:, :, :, z] = np.where(az >= 0, az + len(self.candidates), -1)
             self.candidates += cands
@@ -580,8 +586,16 @@ class StackTable:
             fitless = blocks_needed & ~ok.any(axis=0)
             if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
                 break  # the last: aimed at as many blocks as the largest range still unfitted, or more
-            target = max(int(ctx.NB[fitless].min()), 2 * target)
-            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
+            target, block_cap = self._next_cap(ctx, fitless, target, block_cap, blk)
+
+    def _next_cap(
+        self, ctx: _Ctx, fitless: np.ndarray, target: int, block_cap: float, blk: _Piece
+    ) -> tuple[int, float]:
+        """The next cap level's (blocks aimed at, cap) after a level aimed at `target` blocks under `block_cap`
+        whose plan is `blk` (module docstring, 2): the fewest blocks of a range still without a fit (`fitless`)
+        and at least twice `target`, the cap ``_cap_for`` those blocks of `blk` and at most 0.9 of `block_cap`."""
+        target = max(int(ctx.NB[fitless].min()), 2 * target)
+        return target, min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
 
     def _variant_levels(
         self,
@@ -636,16 +650,9 @@ class StackTable:
         a fit, and only where their floors may beat `bound` — ``step / B`` of the plan the DP found on the first
         pass: a plan of Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t`` beats it only with every stage's
         t_intra below that. Call after :meth:`arrays` on the same table."""
-        L, Z, S = len(self.bounds), len(self.sizes), self.max_stages
         self.candidates = []
-        columns = map_columns(functools.partial(self._capped_column, bound), range(Z), self.planner, self.workers)
-        t = np.full((S + 1, L, L, Z), math.inf)
-        arg = np.full((S + 1, L, L, Z), -1, dtype=np.int64)
-        for z, (tz, az, cands) in enumerate(columns):
-            t[1:, :, :, z] = tz
-            arg[1:, :, :, z] = np.where(az >= 0, az + len(self.candidates), -1)
-            self.candidates += cands
-        return t, arg
+        z = range(len(self.sizes))
+        return self._joined(map_columns(functools.partial(self._capped_column, bound), z, self.planner, self.workers))
 
     def _capped_column(self, bound: float, z: int) -> tuple[np.ndarray, np.ndarray, list]:
         """Size z's column of :meth:`refine`: the first pass' column with the capped variants offered."""
@@ -683,8 +690,7 @@ class StackTable:
             below = np.minimum(win.t, bound)  # an entry at the bound or above cannot improve the plan
             if not fitless.any() or not self._can_improve(lower, below, win.order, key):
                 return
-            target = max(int(ctx.NB[fitless].min()), 2 * target)
-            block_cap = min(0.9 * block_cap, _cap_for(blk.mem, target, self.capacity, self.counts_accumulated))
+            target, block_cap = self._next_cap(ctx, fitless, target, block_cap, blk)
             blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
             if blk is None:  # a cap the block's ILP cannot meet: tighter ones cannot either
                 return
