@@ -229,10 +229,11 @@ def test_probe_under_emulate_sees_the_emulated_nodes(root_netns, files, tmp_path
 
 def test_training_checkpoints_and_resumes_across_emulated_nodes(root_netns, files, tmp_path):
     """`meshpilot train` on two emulated nodes (2 x 2 ranks over the shaped link): 2 steps with a checkpoint under
-    --plan auto (every rank plans under bare torchrun; here rank 3 on a mesh of its own, as a rank whose solve
-    stopped at its wall-clock time limit on a loaded machine may: every rank then trains rank 0's plan, saved as
-    ck/plan.json), then a second run resumes it with that file to step 4 and --verify finds all 4 losses equal
-    to one device's."""
+    --plan auto (every rank plans under bare torchrun, each into a file of its own; here rank 3 on a mesh of its
+    own, as a rank whose solve stopped at its wall-clock time limit on a loaded machine may: every rank then
+    trains rank 0's plan, saved as ck/plan.json), then a second run resumes it with that file to step 4 and
+    --verify finds all 4 losses equal to one device's. Exactly 2 plans: ranks 0-2 plan alike (when every rank
+    wrote ck/plan.json and read it back, a rank could train another's, and 3 digests were seen under load)."""
     import json
 
     ck = tmp_path / "ck"

@@ -397,20 +397,27 @@ def _auto_plan(args: argparse.Namespace, world: int) -> Path:
         hf_config=args.hf_config,
     )  # fmt: skip
     # tests: one rank plans on a mesh of its own (MESHPILOT_TEST_PLAN_MESH=RANK:AxB), as a rank whose solve
-    # stopped at its time limit may end elsewhere: the ranks then train rank 0's plan (``_adopt_rank0_plan``)
+    # stopped at its time limit may end elsewhere: the ranks then train rank 0's plan (``_agree_on_rank0_plan``)
     test_rank, _, test_mesh = os.environ.get("MESHPILOT_TEST_PLAN_MESH", "").partition(":")
     shape = parse_mesh(test_mesh) if test_mesh and os.environ.get("RANK") == test_rank else None
     plan, _ = make_plan(built, cluster, world, shape, precision=args.precision)
+    shared = None
     if args.checkpoint_dir is not None:
         args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        path = args.checkpoint_dir / "plan.json"
+        shared = args.checkpoint_dir / "plan.json"
+    if shared is not None and "RANK" not in os.environ:  # the launcher (--nproc-per-node): it alone plans
+        path = shared
     else:
+        # under torchrun every rank plans: each trains the file it wrote itself (a shared --checkpoint-dir's
+        # plan.json may hold another rank's by the time it reads it) until _agree_on_rank0_plan, which writes
+        # rank 0's to --checkpoint-dir
         fd, name = tempfile.mkstemp(prefix="meshpilot-plan-", suffix=".json")
         os.close(fd)
         path = Path(name)
+        args.agreed_plan_path = shared
     save_plan(plan, path, "--plan auto")
     if os.environ.get("RANK", "0") == "0":
-        print(f"--plan auto: {plan.summary().splitlines()[0]}; saved to {path}", flush=True)
+        print(f"--plan auto: {plan.summary().splitlines()[0]}; saved to {shared or path}", flush=True)
     return path
 
 
@@ -692,7 +699,7 @@ def _train(
     # recording) waits up to START_TIMEOUT_S, since ranks reach it at their own pace on a loaded machine
     _init_group(backend, timedelta(seconds=max(args.timeout, START_TIMEOUT_S)) if args.timeout else None)
     rank = dist.get_rank()
-    if _adopt_rank0_plan(args, plan, rank):  # every rank now trains rank 0's plan: prepared again from it
+    if _agree_on_rank0_plan(args, plan, rank):  # every rank now trains rank 0's plan: prepared again from it
         prep = prepare(args, world)
         cfg, shape, plan, graph, build = (prep.get(k) for k in ("cfg", "shape", "plan", "graph", "build"))
         resume, data = prep.get("resume"), prep.get("data")
@@ -726,28 +733,38 @@ def _train(
     return code
 
 
-def _adopt_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
-    """--plan auto under bare torchrun, where every rank planned for itself: when the ranks' plans differ (a
-    solve stopped by its wall-clock time limit on a loaded machine ends somewhere else), every rank takes rank
-    0's — each a whole, valid plan of the same model, so the run is exact either way — and saves it where it saved
-    its own (``--checkpoint-dir``'s plan.json: the file a resume reads). True when it did; rank 0 says so."""
+def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
+    """--plan auto under torchrun, where every rank planned for itself: every rank trains rank 0's plan, and
+    ``--checkpoint-dir``'s plan.json (the file a resume reads) holds it. When the ranks' plans differ (a solve
+    stopped by its wall-clock time limit on a loaded machine ends somewhere else), the others take rank 0's —
+    each a whole, valid plan of the same model, so the run is exact either way. True when a rank's plan was
+    replaced (it is then prepared again from the file); rank 0 says so."""
     import sys
 
     import torch.distributed as dist
 
     from meshpilot.io import atomic_write
 
-    if not getattr(args, "auto_planned", False) or plan is None or dist.get_world_size() == 1:
+    if not getattr(args, "auto_planned", False) or plan is None:
+        return False
+    args.auto_planned = False
+    shared = getattr(args, "agreed_plan_path", None)
+    if dist.get_world_size() == 1:
+        if shared is not None:
+            atomic_write(shared, plan.to_json())
+            args.plan = shared
         return False
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, plan.run_digest())
-    if len(set(digests)) == 1:
-        return False
     text = [plan.to_json() if rank == 0 else None]
     dist.broadcast_object_list(text, src=0)
+    if shared is not None:  # every rank writes the same bytes: each node has the file, on a shared disk or not
+        atomic_write(shared, text[0])
+        args.plan = shared
+    if len(set(digests)) == 1:
+        return False
     atomic_write(args.plan, text[0])
     args.cluster = None  # planned: a saved plan knows its cluster
-    args.auto_planned = False
     if rank == 0:
         print(
             f"--plan auto: the ranks planned {len(set(digests))} different plans (a solve stopped by its time "
