@@ -766,8 +766,10 @@ def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
     atomic_write(args.plan, text[0])
     args.cluster = None  # planned: a saved plan knows its cluster
     if rank == 0:
+        groups = {d: [r for r, x in enumerate(digests) if x == d] for d in dict.fromkeys(digests)}
+        which = "; ".join(f"ranks {ranks} {d[:8]}" for d, ranks in groups.items())
         print(
-            f"--plan auto: the ranks planned {len(set(digests))} different plans (a solve stopped by its time "
+            f"--plan auto: the ranks planned {len(groups)} different plans ({which}; a solve stopped by its time "
             "limit?); every rank trains rank 0's",
             file=sys.stderr,
             flush=True,
