@@ -571,6 +571,23 @@ def test_launcher_under_torchrun_one_line(files, name, needle):
 
 
 @pytest.mark.dist
+def test_bare_torchrun_rank_alone_in_its_mistake_says_it(files, tmp_path):
+    """Under bare torchrun a rank other than 0 that refuses its input while rank 0 goes on (here: rank 1 alone
+    is given a missing plan) says so itself, naming itself, once; it used to exit silently."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import os, sys\nfrom meshpilot.cli.main import main\n"
+        f"plan = {str(files['p2.json'])!r} if os.environ['RANK'] == '0' else {str(tmp_path / 'missing.json')!r}\n"
+        "sys.exit(main(['train', '--plan', plan, '--steps', '1']))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    p = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    said = [x for x in (p.stdout + p.stderr).splitlines() if "meshpilot train: error" in x]
+    assert p.returncode != 0 and len(said) == 1, p.stdout + p.stderr
+    assert "rank 1 of 2 (rank 0 went on)" in said[0] and "missing.json: no such file" in said[0], said
+
+
+@pytest.mark.dist
 def test_collective_timeout_names_the_silent_rank(files, tmp_path):
     p = subprocess.run(
         [

@@ -638,6 +638,11 @@ def _prepare_any(args: argparse.Namespace, world: int) -> dict:
     return {"plan": plan, "build": build, "graph": graph}
 
 
+BARE_TORCHRUN_WAIT_S = 5.0
+"""How long a rank other than 0 that refused its input waits, under bare torchrun, for the agent to stop it
+before it says why itself (rank 0 had nothing to say)."""
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nproc_per_node:
         if "RANK" in os.environ:
@@ -650,15 +655,16 @@ def run(args: argparse.Namespace) -> int:
     world, rank = _world()
     try:
         prep = prepare(args, world)
-    except UserError:
-        # every rank finds the same mistake. Under our launcher each says it and the launcher prints it once
-        # (no rank can be stopped before it speaks); under bare torchrun rank 0 alone says it, the others
-        # giving it time to before torchrun stops the job at their exit
+    except UserError as e:
+        # a mistake every rank finds alike (a flag, a file): under our launcher each rank says it and the
+        # launcher prints it once (no rank can be stopped before it speaks); under bare torchrun rank 0 says it
+        # and the others wait: torchrun's agent stops them at rank 0's exit. A rank still running after the
+        # wait found a mistake rank 0 did not (a capture of its own) and says it, naming itself
         if rank != 0 and os.environ.get(LAUNCHED_ENV) != "1":
             import time
 
-            time.sleep(5)
-            raise SystemExit(2) from None
+            time.sleep(BARE_TORCHRUN_WAIT_S)
+            raise UserError(f"rank {rank} of {world} (rank 0 went on): {e}") from None
         raise
     return _train(args, world, **prep)
 
