@@ -183,9 +183,18 @@ class Made(torch.nn.Module):
         return sum((made[k] @ self.w).sum() for k in KEYS)
 
 
+class Named(Made):
+    # the set held in a variable first (transformers' create_masks_for_generate: patterns = set(...))
+    def forward(self, x):
+        made, kinds = {}, set(KEYS)
+        for k in kinds:
+            made[k] = MAKE[k](x)
+        return sum((made[k] @ self.w).sum() for k in KEYS)
+
+
 torch.manual_seed(0)
 print(",".join(set(KEYS)))
-for model in (SetLoop(), Made()):
+for model in (SetLoop(), Made(), Named()):
     g = capture(model, [torch.randn(2, 8)], stacked=False)
     print(g.fingerprint())
     print(" ".join(n.name for n in g.nodes))
@@ -196,7 +205,8 @@ def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_s
     """The set's order follows the process' hash seed (random per torchrun rank): two processes with seeds 0
     and 1 iterate it in different orders, and capture the same graph, node for node and name for name — a
     loop running one function per element (its own weight), and one running a different function per element
-    (Llama-4's masks: ``masks[t] = make[t]()``), whose iterations repeat no one op sequence."""
+    (Llama-4's masks: ``masks[t] = make[t]()``), whose iterations repeat no one op sequence, also over a set
+    held in a variable first (Gemma-4's masks, by transformers' ``create_masks_for_generate``)."""
     import os
     import subprocess
     import sys
@@ -218,4 +228,5 @@ def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_s
     (order0, *graphs0), (order1, *graphs1) = outs
     assert order0 != order1  # the two processes did iterate the set differently
     assert graphs0[:2] == graphs1[:2]  # one function per element
-    assert graphs0[2:] == graphs1[2:]  # a different function per element
+    assert graphs0[2:4] == graphs1[2:4]  # a different function per element
+    assert graphs0[4:] == graphs1[4:]  # ... over a set held in a variable

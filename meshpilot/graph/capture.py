@@ -919,15 +919,16 @@ def _file_info(name: str) -> tuple[str, dict[int, tuple[int, tuple[str, ...]]]] 
         return info
 
 
-_SET_LOOP_HINT = re.compile(r"\bin\s+(?:(?:frozen)?set\(|\{)")
+_SET_LOOP_HINT = re.compile(r"\bin\s+(?:(?:frozen)?set\(|\{)|=\s*(?:frozen)?set\(")
 
 
 def _set_loops(filename: str) -> dict[int, tuple[int, tuple[str, ...]]]:
     """Each line of the body of a loop over a set in `filename` -> (the loop's line, its target names): a
-    ``for`` or a comprehension iterating ``set(...)``, ``frozenset(...)``, a set literal or comprehension, whose
-    order of iteration follows the process' hash seed (transformers' ``for t in set(config.layer_types)``). An
-    inner loop's lines are its own. The file is parsed only where its text has ``in set(`` or ``in {``; once per
-    file (:func:`_file_info` keeps the answer)."""
+    ``for`` or a comprehension iterating ``set(...)``, ``frozenset(...)``, a set literal or comprehension, or
+    a name or ``self.`` attribute only ever assigned one (``patterns = set(config.layer_types)``, then ``for p
+    in patterns``: transformers' ``create_masks_for_generate``), whose order of iteration follows the process'
+    hash seed. An inner loop's lines are its own. The file is parsed only where its text has ``in set(``,
+    ``in {`` or ``= set(``; once per file (:func:`_file_info` keeps the answer)."""
     text = "".join(linecache.getlines(filename))
     if not _SET_LOOP_HINT.search(text):
         return {}
@@ -935,26 +936,73 @@ def _set_loops(filename: str) -> dict[int, tuple[int, tuple[str, ...]]]:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return {}
+    attrs = _set_valued(tree, attributes=True)
+    local = {id(f): _set_valued(f) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     loops: dict[int, tuple[int, tuple[str, ...]]] = {}
-    for node in ast.walk(tree):  # breadth first: an inner loop comes after (and overwrites) its outer one
-        if isinstance(node, (ast.For, ast.AsyncFor)) and _is_set(node.iter):
-            targets = _names(node.target)
-            for line in range(node.body[0].lineno, node.body[-1].end_lineno + 1):
-                loops[line] = (node.lineno, targets)
-        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            sets = [g for g in node.generators if _is_set(g.iter)]
-            if sets:
-                targets = tuple(t for g in sets for t in _names(g.target))
-                for line in range(node.lineno, node.end_lineno + 1):
+    scopes = [(tree, frozenset())]
+    while scopes:  # breadth first: an inner loop comes after (and overwrites) its outer one
+        scope, names = scopes.pop(0)
+        for node in ast.iter_child_nodes(scope):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                scopes.append((node, local[id(node)]))
+                continue
+            scopes.append((node, names))
+            if isinstance(node, (ast.For, ast.AsyncFor)) and _is_set(node.iter, names, attrs):
+                targets = _names(node.target)
+                for line in range(node.body[0].lineno, node.body[-1].end_lineno + 1):
                     loops[line] = (node.lineno, targets)
+            elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                sets = [g for g in node.generators if _is_set(g.iter, names, attrs)]
+                if sets:
+                    targets = tuple(t for g in sets for t in _names(g.target))
+                    for line in range(node.lineno, node.end_lineno + 1):
+                        loops[line] = (node.lineno, targets)
     return loops
 
 
-def _is_set(expr: ast.expr) -> bool:
-    """Whether `expr` makes a set: ``set(...)``, ``frozenset(...)``, a set literal or comprehension."""
+def _is_set(expr: ast.expr, names: frozenset[str] = frozenset(), attrs: frozenset[str] = frozenset()) -> bool:
+    """Whether `expr` makes a set: ``set(...)``, ``frozenset(...)``, a set literal or comprehension; or names
+    one: a variable of `names` or a ``self.`` attribute of `attrs` (:func:`_set_valued`)."""
     if isinstance(expr, (ast.Set, ast.SetComp)):
         return True
+    if isinstance(expr, ast.Name):
+        return expr.id in names
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        return expr.attr in attrs
     return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("set", "frozenset")
+
+
+def _set_valued(scope: ast.AST, attributes: bool = False) -> frozenset[str]:
+    """The variables of function `scope` (with `attributes`: the ``self.`` attributes anywhere in the module
+    `scope`) whose every store is an assignment of a set (:func:`_is_set`)."""
+    from collections import Counter
+
+    def key(t: ast.AST) -> str | None:
+        if attributes:
+            is_self = isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            return t.attr if is_self and isinstance(t.ctx, ast.Store) else None
+        return t.id if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) else None
+
+    stores, sets = Counter(), Counter()
+    for node in ast.walk(scope):
+        if (k := key(node)) is not None:
+            stores[k] += 1
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for target, value in _pairs(t, node.value):  # `a, b = {}, set(x)`: b is a set
+                    if (k := key(target)) is not None and _is_set(value):
+                        sets[k] += 1
+    return frozenset(k for k, n in sets.items() if n == stores[k])
+
+
+def _pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr]]:
+    """The (target, value) pairs of one assignment, unpacking a tuple or list of targets given as many
+    values."""
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
+        if len(target.elts) == len(value.elts):
+            return [p for t, v in zip(target.elts, value.elts) for p in _pairs(t, v)]
+        return []
+    return [(target, value)]
 
 
 def _names(target: ast.expr) -> tuple[str, ...]:
