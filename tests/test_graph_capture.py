@@ -230,3 +230,57 @@ def test_a_loop_over_a_set_of_strings_captures_the_same_graph_under_every_hash_s
     assert graphs0[:2] == graphs1[:2]  # one function per element
     assert graphs0[2:4] == graphs1[2:4]  # a different function per element
     assert graphs0[4:] == graphs1[4:]  # ... over a set held in a variable
+
+
+class _SlidingChunks(nn.Module):
+    """Longformer's sliding-window scores: the sequence cut into overlapping chunks of 2w (overlap w) with
+    ``as_strided``, the values into chunks of 3w, from a tensor transposed for the heads."""
+
+    def __init__(self, d: int = 8, heads: int = 2, w: int = 2) -> None:
+        super().__init__()
+        self.q, self.v, self.heads, self.w = nn.Linear(d, d), nn.Linear(d, d), heads, w
+
+    def forward(self, x):
+        (b, s, d), w, h = x.shape, self.w, self.heads
+        q = self.q(x).view(b, s, h, d // h).transpose(1, 2)  # (b, h, s, hd): strides of a transpose
+        n = b * h * s * (d // h)
+        chunks = q.as_strided((b, h, s // w - 1, 2 * w, d // h), (n // b, d // h, w * d, d, 1))
+        scores = torch.einsum("bhcxd,bhcyd->bhcxy", chunks, chunks)
+        v = F.pad(self.v(x), (0, 0, w, w)).contiguous()  # (b, s + 2w, d)
+        values = v.as_strided((b, s // w, 3 * w, d), ((s + 2 * w) * d, w * d, d, 1))
+        return scores.square().mean() + values.tanh().mean()
+
+
+def test_an_overlapping_as_strided_is_captured_as_unfold_and_shards_off_its_window():
+    """An ``as_strided`` that reads sliding windows (Longformer's chunks) is the views it is (``unfold`` of
+    the sequence, reshapes, a permute): the same elements and gradients as ``as_strided``, and a plan on
+    (2, 2) with no fallback, the windows sharded on the dims they do not cross. Forms with no such view (two
+    dims of one stride, a slice's storage) are left as ``as_strided``."""
+    from meshpilot.api import plan
+    from meshpilot.graph.strided import as_views
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 2, 4).transpose(1, 2)  # (b, h, s, hd) of a (b, s, h, hd)
+    for size, stride, offset in (
+        ((2, 2, 3, 4, 4), (64, 4, 16, 8, 1), None),  # Longformer's query chunks, w = 2
+        ((2, 2, 2, 3), (64, 4, 16, 8), 1),  # windows of 3 by 2 of one element of each head
+        ((2, 8, 2), (64, 8, 4), 2),  # no window: one element of each head
+    ):
+        leaf = x.detach().clone().requires_grad_()
+        views, strided = as_views(leaf, size, stride, offset), leaf.as_strided(size, stride, offset)
+        assert views is not None and torch.equal(views, strided), (size, stride)
+        weight = torch.randn(size)
+        (g_views,) = torch.autograd.grad((views * weight).sum(), leaf)
+        (g_strided,) = torch.autograd.grad((strided * weight).sum(), leaf)
+        torch.testing.assert_close(g_views, g_strided)
+    assert as_views(x, (3, 3), (1, 1)) is None  # two dims of one stride
+    assert as_views(torch.randn(4, 6)[:, 1:], (2, 2), (1, 1)) is None  # a slice: no order of its dims is contiguous
+
+    model, inputs = _SlidingChunks(), (torch.randn(4, 8, 8),)
+    targets = {n.target for n in capture(model, inputs).nodes}
+    assert "aten.unfold.default" in targets and "aten.unfold_backward.default" in targets
+    assert not {t for t in targets if "as_strided" in t}, targets
+    sp = plan(model, inputs, "dgx-h100", mesh_shape=(2, 2), mappings=("row",)).only
+    assert not sp.fallbacks, [f.line() for f in sp.fallbacks]
+    unfolds = [c for c in sp.nodes if c.target == "aten.unfold.default"]
+    assert unfolds and all(any(p.startswith("S") for p in c.ins[0]) for c in unfolds), [c.short() for c in unfolds]

@@ -134,8 +134,14 @@ FIXED = {
     # refused its tiny audio chunks (kept at the default's) and built only with eager attention (its acoustic
     # tokenizer has no sdpa path)
     "vibevoice_asr": "VibeVoiceAsrForConditionalGeneration",
+    # overlapping chunks read with as_strided, replicated as fallbacks before: captured as unfold
+    # (meshpilot.graph.strided); their global-attention branch reads the mask (guarded)
+    "longformer": "LongformerForMaskedLM",
+    "led": "LEDForConditionalGeneration",
+    # its forward refuses to run without audio: mel frames, one audio embedding per token (refused before)
+    "voxtral_realtime": "VoxtralRealtimeForConditionalGeneration",
 }
-GUARDED_TYPES = ("xlm", "flaubert", "prophetnet", "xmod", "t5gemma2", "fsmt", "gemma3n_text")
+GUARDED_TYPES = ("xlm", "flaubert", "prophetnet", "xmod", "t5gemma2", "fsmt", "gemma3n_text", "longformer", "led")
 
 
 @pytest.mark.parametrize("model_type", sorted(FIXED))
@@ -508,7 +514,8 @@ def test_a_distribution_argument_check_names_how_to_turn_it_off():
 def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
     """What ``build`` feeds besides ``(input_ids, labels)``, chosen by signature, configuration and source: an
     all-ones mask where the module skips its default mask when traced (LongT5), the image GIT's loss assumes,
-    MusicGen's codebook-major ids, Perceiver's full-length sequence; nothing for GPT-2."""
+    MusicGen's codebook-major ids, Perceiver's full-length sequence, the audio Voxtral-Realtime cannot run
+    without; nothing for GPT-2."""
     from meshpilot.models.hf_families import Family, build
 
     def shapes(t, cls, kind):
@@ -519,6 +526,9 @@ def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
     assert shapes("longt5", "LongT5ForConditionalGeneration", "seq2seq") == (("attention_mask",), [(4, 8)] * 3)
     assert shapes("git", "GitForCausalLM", "causal") == (("pixel_values",), [(4, 8), (4, 8), (4, 3, 32, 32)])
     assert shapes("musicgen", "MusicgenForCausalLM", "causal") == ((), [(16, 8), (4, 8, 4)])
+    # Voxtral-Realtime adds one audio embedding per token: 8 tokens x downsample 4 x its convolution's stride 2
+    voxtral = ("voxtral_realtime", "VoxtralRealtimeForConditionalGeneration", "seq2seq")
+    assert shapes(*voxtral) == (("input_features",), [(4, 8), (4, 8), (4, 128, 64)])
     assert shapes("perceiver", "PerceiverForMaskedLM", "masked") == ((), [(4, 64), (4, 64)])
 
 

@@ -15,10 +15,13 @@ device works the same), so a 175B model is traced without memory. The trace is A
   writes back;
 * dropout is ``native_dropout``, one node the runtime can make exact under sharding.
 
-Two things are routed while tracing (:class:`_CaptureMode`): ``F.scaled_dot_product_attention`` becomes the
+Three things are routed while tracing (:class:`_CaptureMode`): ``F.scaled_dot_product_attention`` becomes the
 device-generic ``meshpilot::sdpa`` pair (:mod:`meshpilot.ops.attention`), so a plan made on CPU fake tensors
-names no CPU kernel; and every node records the module path and source line it came from (``OpNode.module``,
-``OpNode.source``; backward nodes those of their forward op), for warnings and errors that say where.
+names no CPU kernel; an ``as_strided`` that is a sliding window or a plain view of a contiguous tensor
+(Longformer's overlapping chunks) becomes those views, ``unfold`` and reshapes, which shard off the windowed
+dim (:mod:`meshpilot.graph.strided`); and every node records the module path and source line it came from
+(``OpNode.module``, ``OpNode.source``; backward nodes those of their forward op), for warnings and errors that
+say where.
 
 A model whose longest list of identical blocks holds more than four is traced with four and the other blocks
 are copied from a middle one (:mod:`meshpilot.graph.replicate`, after checking the traced blocks are alike
@@ -739,6 +742,12 @@ class _CaptureMode(TorchFunctionMode):
             from meshpilot.ops.attention import captured_sdpa
 
             return captured_sdpa(*args, **kwargs)
+        if func in _AS_STRIDED:
+            views = _strided_views(args, kwargs)
+            if views is not None:
+                if self.known:
+                    self._follow(func, args, kwargs, views)
+                return views
         if self.data_reads and self.data_write is None and args and id(args[0]) in self.data_reads:
             name = getattr(func, "__name__", "")
             if name.endswith("_") and not name.endswith("__"):  # clamp_, copy_, mul_: an in-place method
@@ -768,6 +777,22 @@ class _CaptureMode(TorchFunctionMode):
 
 
 _DATA_GET = torch._C.TensorBase.data.__get__
+_AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+
+
+def _strided_views(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """An ``as_strided`` call as the views it is (:func:`meshpilot.graph.strided.as_views`: Longformer's
+    overlapping chunks become ``unfold``), or None: keep the call."""
+    from meshpilot.graph.strided import as_views
+
+    names = ("input", "size", "stride", "storage_offset")
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    x = bound.get("input", kwargs.get("self"))
+    if len(args) + len(kwargs) > 4 or not isinstance(x, torch.Tensor) or "size" not in bound or "stride" not in bound:
+        return None
+    return as_views(x, bound["size"], bound["stride"], bound.get("storage_offset"))
+
+
 _SETITEM = torch.Tensor.__setitem__
 _GETITEM = torch.Tensor.__getitem__
 

@@ -8,7 +8,7 @@ name, and keeps the architecture's own flags (multi-query or grouped-query atten
 rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
 (``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
-image, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
+image, audio, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
 captures and plans it, returning a :class:`Outcome` whose one-line reason names what refused it (a capture
 error already names the op and the model's source line: ``meshpilot.graph.capture._explain``).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import signal
 import time
 from collections.abc import Iterator
@@ -548,7 +549,8 @@ def build(
     from meshpilot.models.sources import HFLoss
 
     extra = extra_inputs(family, cfg)
-    return HFLoss(model, tuple(extra)), text_inputs(cfg, extra, batch, seq, g, meta)
+    frames = audio_frames(model, cfg, seq) if "input_features" in extra else None
+    return HFLoss(model, tuple(extra)), text_inputs(cfg, extra, batch, seq, g, meta, frames)
 
 
 def extra_inputs(family: Family, cfg: Any) -> list[str]:
@@ -559,7 +561,10 @@ def extra_inputs(family: Family, cfg: Any) -> list[str]:
       and not is_torchdynamo_compiling()``): capture takes the tracing branch, where LongT5's and
       SwitchTransformers' encoders then read a mask that is None; the all-ones mask is the one eager makes;
     * ``pixel_values`` for a causal LM with a vision configuration whose forward takes them and whose loss skips
-      the image's tokens (GIT's ``image_patch_tokens``): without an image the logits are shorter than that."""
+      the image's tokens (GIT's ``image_patch_tokens``): without an image the logits are shorter than that;
+    * ``input_features`` for a model with an audio configuration whose forward refuses to run without audio
+      (Voxtral-Realtime: ``exactly one of input_features``), mel frames of random values, as many as give one
+      audio embedding per text token (:func:`audio_frames`)."""
     import inspect
 
     import transformers
@@ -578,7 +583,22 @@ def extra_inputs(family: Family, cfg: Any) -> list[str]:
         and _module_source_has(cls, "image_patch_tokens")
     ):
         out.append("pixel_values")
+    if (
+        "input_features" in params
+        and getattr(cfg, "audio_config", None) is not None
+        and _module_source_has(cls, "exactly one of input_features")
+    ):
+        out.append("input_features")
     return out
+
+
+def audio_frames(model: nn.Module, cfg: Any, seq: int) -> int:
+    """Mel frames whose audio embeddings are one per text token, for a model that adds them to the token
+    embeddings one for one (Voxtral-Realtime): `seq` times the configuration's ``downsample_factor`` (the
+    embeddings it concatenates per token) times the strides of the audio tower's 1-D convolutions."""
+    towers = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "audio_tower"]
+    convs = [m for m in towers[0].modules() if isinstance(m, nn.Conv1d)] if towers else []
+    return seq * int(getattr(cfg, "downsample_factor", 1) or 1) * math.prod(int(c.stride[0]) for c in convs)
 
 
 def _module_source_has(cls: type, text: str) -> bool:
@@ -609,7 +629,7 @@ def pixel_shape(cfg: Any, batch: int) -> tuple[int, int, int, int]:
 
 
 def text_inputs(
-    cfg: Any, extra: list[str], batch: int, seq: int, g: torch.Generator, meta: bool
+    cfg: Any, extra: list[str], batch: int, seq: int, g: torch.Generator, meta: bool, frames: int | None = None
 ) -> tuple[torch.Tensor, ...]:
     """``(input_ids, labels, *extra)`` of random tokens for configuration `cfg` (empty meta tensors on `meta`).
 
@@ -630,6 +650,8 @@ def text_inputs(
             shapes.append(((batch, seq), torch.long))
         elif name == "pixel_values":
             shapes.append((pixel_shape(cfg.vision_config, batch), torch.float32))
+        elif name == "input_features":  # (batch, mel bins, frames): `frames` of audio_frames
+            shapes.append(((batch, cfg.audio_config.num_mel_bins, frames), torch.float32))
     if meta:
         return tuple(torch.empty(s, dtype=dt, device="meta") for s, dt in shapes)
     out = []
