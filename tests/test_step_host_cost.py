@@ -1,0 +1,121 @@
+"""A recorded step costs the host what eager's does: the same kernels, and no per-gradient name look-ups.
+
+Issue 30 item 3 asked whether the recorded programs run decomposed ops where eager runs fused kernels (the
+programs come from AOTAutograd's joint export). They do not: a 1-device plan's recorded forward + backward runs
+each of eager's fused kernels (layer norm, GELU, attention, log-softmax, their backwards, the matmuls) exactly as
+often as eager does (``docs/benchmarks.md``, issue 30 item 3's per-op breakdown). What it paid beyond eager was
+per step and outside the kernels; the part fixed here: each gradient's layout was looked up by the parameter's
+name on every step (``Module.get_parameter``: 12 µs a gradient, 0.65 ms of a 53-parameter GPT's backward).
+
+Runs in this process with a one-rank gloo group (nothing is spawned).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+FUSED = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::native_layer_norm",
+    "aten::native_layer_norm_backward",
+    "aten::gelu",
+    "aten::gelu_backward",
+    "aten::_log_softmax",
+    "aten::_log_softmax_backward_data",
+    "aten::nll_loss_forward",
+    "aten::nll_loss_backward",
+    "aten::embedding_dense_backward",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+"""The kernels eager's GPT step runs that a decomposition would replace by several smaller ops."""
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A gloo process group of one rank in this process."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _gpt():
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(batch=2, seq=16))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 64, (2, 17), generator=g)
+    return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+
+
+@pytest.fixture(scope="module")
+def pair(group):
+    """(eager GPT, its 1-device plan parallelized, the inputs), the plan's programs recorded."""
+    import meshpilot
+    from meshpilot.runtime.spmd import parallelize
+
+    eager, inputs = _gpt()
+    model, _ = _gpt()
+    pm = parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
+    for m in (eager, pm):
+        for _ in range(2):  # the first step records the programs
+            m(*inputs).backward()
+            m.zero_grad(set_to_none=True)
+    return eager, pm, inputs
+
+
+def _kernels(step) -> Counter:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return Counter(e.name for e in prof.events() if e.name in FUSED)
+
+
+def test_a_recorded_step_runs_eagers_fused_kernels_and_equals_eager(pair):
+    eager, pm, inputs = pair
+
+    def step(m):
+        loss = m(*inputs)
+        loss.backward()
+        return loss
+
+    want = _kernels(lambda: step(eager))
+    got = _kernels(lambda: step(pm))
+    assert want["aten::native_layer_norm_backward"] > 0 and want["aten::gelu_backward"] > 0
+    assert got == want
+    loss_e, loss_p = step(eager), step(pm)  # the third step of each: .grad holds two steps' sums
+    assert torch.equal(loss_e.detach(), loss_p.detach())
+    for (name, p), q in zip(eager.named_parameters(), pm.module.parameters()):
+        assert torch.equal(p.grad, q.grad.full_tensor()), name
+    eager.zero_grad(set_to_none=True)
+    pm.zero_grad(set_to_none=True)
+
+
+def test_a_recorded_step_looks_no_parameter_up_by_name(pair, monkeypatch):
+    _, pm, inputs = pair
+    calls = Counter()
+    real = torch.nn.Module.get_submodule
+
+    def counted(self, target):
+        calls[target] += 1
+        return real(self, target)
+
+    monkeypatch.setattr(torch.nn.Module, "get_submodule", counted)
+    pm(*inputs).backward()
+    pm.zero_grad(set_to_none=True)
+    assert not calls, f"{sum(calls.values())} look-ups by name in one step: {sorted(calls)[:5]}"
