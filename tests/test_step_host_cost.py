@@ -119,3 +119,25 @@ def test_a_recorded_step_looks_no_parameter_up_by_name(pair, monkeypatch):
     pm(*inputs).backward()
     pm.zero_grad(set_to_none=True)
     assert not calls, f"{sum(calls.values())} look-ups by name in one step: {sorted(calls)[:5]}"
+
+
+def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(group):
+    """The gradients' layouts are the trainable parameters' in order: a frozen one in between shifts nothing."""
+    import meshpilot
+    from meshpilot.runtime.spmd import parallelize
+
+    eager, inputs = _gpt()
+    model, _ = _gpt()
+    for m in (eager, model):
+        m.blocks[0].attn.qkv.weight.requires_grad_(False)
+    pm = parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
+    for _ in range(2):
+        loss_e, loss_p = eager(*inputs), pm(*inputs)
+        loss_e.backward()
+        loss_p.backward()
+    assert torch.equal(loss_e.detach(), loss_p.detach())
+    for (name, p), q in zip(eager.named_parameters(), pm.module.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+        else:
+            assert q.grad._spec == q._spec and torch.equal(p.grad, q.grad.full_tensor()), name
