@@ -141,3 +141,37 @@ def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(grou
             assert q.grad is None, name
         else:
             assert q.grad._spec == q._spec and torch.equal(p.grad, q.grad.full_tensor()), name
+
+
+def test_a_recorded_program_calls_each_op_through_its_cpp_entry(pair, monkeypatch):
+    """The programs' code calls ``OpOverload._op`` bound once, not ``torch.ops.<ns>.<op>.<overload>`` through
+    ``OpOverload.__call__`` (a Python frame and four look-ups per op, ``program.direct_ops``), and computes the same."""
+    _, pm, inputs = pair
+    prog = pm.program
+    ops = sum(
+        1
+        for gm in (prog.forward_gm, prog.backward_gm)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    )
+    calls = Counter()
+    real = torch._ops.OpOverload.__call__
+
+    def counted(self, /, *args, **kwargs):
+        calls[str(self)] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", counted)
+    pm(*inputs).backward()
+    pm.zero_grad(set_to_none=True)
+    assert ops > 100 and sum(calls.values()) < ops // 4, f"{sum(calls.values())} calls through __call__ of {ops} ops"
+    monkeypatch.undo()
+    from meshpilot.runtime.program import direct_ops
+
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    g.output(g.call_function(torch.ops.aten.relu.default, (g.call_function(torch.ops.aten.mm.default, (a, b)),)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    fn = direct_ops(gm)
+    assert "torch.ops.aten.mm.default" in gm.code and torch.equal(fn(x, w), gm(x, w))
