@@ -241,10 +241,8 @@ class _ScheduleRun:
                     grads[i] = grads[i] * scale
                 elif pm._cudagraphs:
                     grads[i] = grads[i].clone()  # a gradient outlives the step, the graph's memory does not
-        out = []
-        for fqn, g in zip(pm._trainable, grads):
-            out.append(DTensor(g, pm.module.get_parameter(fqn)._spec, requires_grad=False) if g is not None else None)
-        return out
+        specs = pm._grad_specs
+        return [DTensor(g, spec, requires_grad=False) if g is not None else None for g, spec in zip(grads, specs)]
 
 
 # Programs depend on the plan, the captured graph, the mesh and this rank, not on the parameters' values (the
@@ -389,6 +387,9 @@ class ParallelModule(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
     def _distribute_parameters(self) -> None:
         self._params, self._trainable = distribute_parameters(self.module, self.graph.param_names, self.plan, self.mesh)
+        self._grad_specs = [p._spec for p in self._params if p.requires_grad]
+        """The layout of each trainable parameter's gradient (its own), in ``_trainable``'s order: read once, not
+        looked up by name for every gradient of every step (53 ``get_parameter`` calls were 0.65 ms of a GPT's)."""
         self._copies = GatheredCopies(self.graph, self.plan, self._params)
 
     def read_locals(self) -> list[torch.Tensor]:
