@@ -351,3 +351,41 @@ def test_reshard_table_by_ids_is_the_resharders_collectives():
                         if colls:
                             want[a * n_q + b] = colls
             assert (n_p, n_q) == (len(P), len(Q)) and got == want and want
+
+
+def test_the_lagrangian_answer_fits_and_brackets_the_capped_ilp(monkeypatch):
+    """``solve(capped="lagrange")`` (``ilp.lagrangian``: the variant stage table's capped blocks) answers a
+    capacity the row-free plan overflows from solves without memory rows, the memory priced in the objective:
+    its plan fits, is no faster than the capped ILP's (within the MIP gap), and the Lagrangian lower bound its
+    gap reports is at most the capped ILP's objective. No HiGHS run on the kept problem holds a memory row."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.ilp import Pricer, build_structure, price, priced
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    dm = fake_device_mesh((2, 4))
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), (2, 4)))
+    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    rs = Resharder(dm, cm)
+    kept = priced(struct, rs)
+    runs = []
+    real = ilp._milp
+    monkeypatch.setattr(
+        ilp,
+        "_milp",
+        lambda prob, memory, cap, *a, **k: runs.append((prob is kept, cap)) or real(prob, memory, cap, *a, **k),
+    )
+    free = solve(kept, memory="zero")
+    tight = 1.05 * min_memory(struct, "zero")
+    assert free.memory_zero > tight
+    for cap in ((free.memory_zero + tight) / 2, tight):
+        lag = solve(kept, memory="zero", capacity=cap, capped="lagrange")
+        exact = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=cap)
+        assert lag.memory_zero <= cap and lag.row == "zero" and "Lagrangian" in lag.status
+        assert lag.objective >= exact.objective * (1 - 2e-3), (lag.objective, exact.objective)
+        assert lag.objective * (1 - lag.gap) <= exact.objective * (1 + 2e-3), (lag.objective, lag.gap, exact)
+        assert lag.choice != free.choice
+    assert all(not math.isfinite(cap) for mine, cap in runs if mine), runs
