@@ -851,8 +851,6 @@ class Solution:
     """The memory rows the ILP was solved against: ``plain`` or ``zero``."""
     rows: tuple[float, ...] = ()
     """Bytes per device on each plain row (``accounting.MEMORY_ROWS``)."""
-    rows_zero: tuple[float, ...] = ()
-    """Bytes per device on each ZeRO row."""
 
 
 def _lp(prob: Problem, memory: str, has_mem_row: bool):
@@ -933,7 +931,6 @@ def solve(
     mip_rel_gap: float = 1e-3,
     memory: str = "plain",
     capacity: float | None = None,
-    capped: str = "exact",
 ) -> Solution:
     """The plan of `prob` under a memory capacity: HiGHS (``scipy.optimize.milp``) on the sparse ILP.
 
@@ -945,9 +942,7 @@ def solve(
     integral). So each problem keeps what it has solved (:func:`_known`) and a capacity is answered, in this
     order, by: an answer found under a capacity at least as large whose rows fit this one (the feasible set
     only shrank, so it is still optimal within the gap) or that had no plan; the plan without memory rows,
-    solved once per problem, when its rows fit; and only then a solve with the rows — or, with
-    ``capped="lagrange"``, :func:`lagrangian`'s plan from solves without them (a bound-priced approximation
-    for the variant stage table's capped blocks, whose chosen stages are searched exactly afterwards).
+    solved once per problem, when its rows fit; and only then a solve with the rows.
     """
     t0 = time.perf_counter()
     groups = prob.groups
@@ -971,12 +966,7 @@ def solve(
     known = _known(prob, memory, cap, settings)
     if known is None:
         free = _free(prob, settings)
-        if _held(free, memory) <= cap:
-            known = free
-        else:
-            known = lagrangian(prob, memory, cap, settings) if capped == "lagrange" else None
-            if not isinstance(known, Solution) or known.gap > LAGRANGE_GAP:  # not certified close: the capped ILP
-                known = _capped(prob, memory, cap, settings)
+        known = free if _held(free, memory) <= cap else _capped(prob, memory, cap, settings)
     if isinstance(known, _NoPlan):
         raise PlanError(
             f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
@@ -1042,105 +1032,16 @@ def _capped(prob: Problem, memory: str, cap: float, settings: tuple[float, float
     return ans
 
 
-def _lp_of(prob: Problem, memory: str, has_mem_row: bool):
-    """:func:`_lp` of `prob`, built once per problem and row kind (everything but the capacity)."""
-    lp = prob.lp.get((memory, has_mem_row))
-    if lp is None:
-        lp = prob.lp[(memory, has_mem_row)] = _lp(prob, memory, has_mem_row)
-    return lp
-
-
-LAGRANGE_GAP = 0.01
-"""The Lagrangian plan (:func:`lagrangian`) answers a capacity only when it is this close to its lower bound (so
-within it of the capped ILP's optimum); otherwise the capped ILP is solved."""
-
-LAGRANGE_SOLVES = 12
-"""Most memory-priced solves :func:`lagrangian` makes for one capacity."""
-
-
-def lagrangian(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan:
-    """A plan of `prob` whose `memory` rows fit `cap`, from solves *without* memory rows (Lagrangian relaxation).
-
-    A capped solve is a knapsack HiGHS closes with cuts (seconds on GPT-39B's sub-GiB caps); the same ILP with
-    the rows moved into the objective — each strategy choice priced ``λ · Σ_r w_r · row_r`` seconds more, w_r
-    = 1 for the rows some plan found overflowed `cap` — has the uncapped problem's structure and is solved near
-    its root. Each λ's plan lies on the convex hull of the (seconds, priced bytes) frontier; the walk keeps the
-    fastest plan found that fits (``hi``) and the slowest that does not (``lo``), prices memory at the slope
-    between them and stops when the plan at that slope is no better than the segment (no hull point lies
-    between: ``hi`` is the hull's fastest fitting plan). Not the capped ILP's optimum — a plan inside the hull
-    may be faster — so this is an upper bound of it; the reported ``gap`` is against the Lagrangian lower bound
-    ``min_x c(x) + λ (p(x) − |w| · cap)``. Every plan found is kept on `prob` and seeds the walk of the next
-    capacity (a stage's refits, the next cap level). `_NoPlan` when no price makes a plan fit."""
-    t0 = time.perf_counter()
-    kind = _row_kind(memory)
-    lp = _lp_of(prob, "plain", False)  # the uncapped solves' matrices (both row kinds' bytes are in it)
-    held = lp[9] if kind == "zero" else lp[8]  # [row, choice] bytes
-    found: list[Solution] = prob.lp.setdefault(("lagrange", kind, settings), [])
-    if not found:
-        found.append(_free(prob, settings))
-    rows_of = lambda sol: np.array(sol.rows_zero if kind == "zero" else sol.rows)  # noqa: E731
-    fits = lambda sol: float(rows_of(sol).max()) <= cap  # noqa: E731
-    w = np.zeros(len(held))
-    for sol in found:
-        w = np.maximum(w, rows_of(sol) > cap)
-    lower, solves = -math.inf, 0
-
-    def priced(lam: float) -> Solution | _NoPlan:
-        nonlocal lower, solves
-        solves += 1
-        sol = _milp(prob, "plain", math.inf, *settings, price=lam * (w @ held))
-        if isinstance(sol, Solution):
-            found.append(sol)
-            p = float(w @ rows_of(sol))
-            lower = max(lower, sol.objective + lam * (p - w.sum() * cap))
-        return sol
-
-    def point(sol: Solution) -> tuple[float, float]:
-        return sol.objective, float(w @ rows_of(sol))
-
-    scale = max(found[0].objective, 1e-12) / cap  # seconds per byte at which `cap` bytes cost the free plan's time
-    lam, seen = scale, set()
-    while solves < LAGRANGE_SOLVES:
-        hi = min((s for s in found if fits(s)), key=lambda s: s.objective, default=None)
-        if hi is None:  # no plan found fits yet: price memory higher
-            sol = priced(lam)
-            if isinstance(sol, _NoPlan):
-                return sol
-            w = np.maximum(w, rows_of(sol) > cap)
-            lam *= 8
-            continue
-        c_hi, p_hi = point(hi)
-        lo = min((s for s in found if not fits(s) and point(s)[1] > p_hi), key=lambda s: point(s)[1], default=None)
-        if lo is None or (id(hi), id(lo)) in seen:
-            break  # no plan between, or the last price found nothing that moved either end
-        seen.add((id(hi), id(lo)))
-        c_lo, p_lo = point(lo)
-        lam = max((c_hi - c_lo) / (p_lo - p_hi), 0.0)
-        sol = priced(lam)
-        if isinstance(sol, _NoPlan):
-            break
-        c, p = point(sol)
-        if c + lam * p >= c_hi + lam * p_hi - 1e-9 * max(abs(c_hi), 1e-12):
-            break  # nothing on the hull below the segment lo–hi: hi is the fastest fitting hull plan
-        w = np.maximum(w, rows_of(sol) > cap)
-    hi = min((s for s in found if fits(s)), key=lambda s: s.objective, default=None)
-    if hi is None:
-        return _NoPlan(f"no memory price in {solves} Lagrangian solves fits the plan", infeasible=False)
-    gap = max(0.0, (hi.objective - lower) / max(abs(hi.objective), 1e-12)) if math.isfinite(lower) else 1.0
-    return replace(hi, gap=gap, status=f"Lagrangian ({solves} priced solves)", solve_s=time.perf_counter() - t0)
-
-
-def _milp(
-    prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float, price: np.ndarray | None = None
-) -> Solution | _NoPlan:
-    """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``). `price`: seconds added
-    to each strategy choice's cost in the objective (:func:`lagrangian`'s memory price; the plan's
-    ``objective`` is still its own seconds)."""
+def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float) -> Solution | _NoPlan:
+    """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     t0 = time.perf_counter()
     has_mem_row = math.isfinite(cap)
-    c, A, lb, ub_open, offs, n_s, n_vars, r, mem_plain, mem_zero = _lp_of(prob, memory, has_mem_row)
+    lp = prob.lp.get((memory, has_mem_row))
+    if lp is None:  # everything but the capacity: built once per problem and row kind
+        lp = prob.lp[(memory, has_mem_row)] = _lp(prob, memory, has_mem_row)
+    c, A, lb, ub_open, offs, n_s, n_vars, r, mem_plain, mem_zero = lp
     ub = ub_open.copy()
     if has_mem_row:
         ub[r - len(MEMORY_ROWS) :] = cap
@@ -1149,13 +1050,9 @@ def _milp(
     # scale seconds to keep HiGHS' tolerances meaningful
     normal = np.abs(c[c < UNSUPPORTED_S])
     scale = 1.0 / max(float(normal.max()) if normal.size else 1.0, 1e-12)
-    priced_c = c
-    if price is not None:
-        priced_c = c.copy()
-        priced_c[:n_s] += price
     with highs_stdout_filtered():
         res = milp(
-            priced_c * scale,
+            c * scale,
             constraints=LinearConstraint(A, lb, ub),
             integrality=integrality,
             bounds=Bounds(0, 1),
@@ -1188,7 +1085,6 @@ def _milp(
         float((mem_zero @ xs).max()),
         _row_kind(memory),
         tuple(float(v) for v in mem_plain @ xs),
-        tuple(float(v) for v in mem_zero @ xs),
     )
 
 

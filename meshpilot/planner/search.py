@@ -116,8 +116,6 @@ class ILPSearcher:
     """Alpa's ILP with the ZeRO-like post-pass (module docstring)."""
 
     name = "ilp"
-    capped = "exact"
-    """How a capacity the uncapped plan overflows is solved (``ilp.solve(capped=)``)."""
 
     def search(self, task: SearchTask) -> Candidate:
         t0 = time.perf_counter()
@@ -129,10 +127,7 @@ class ILPSearcher:
         def attempt(row: str, cap: float) -> Candidate:
             nonlocal solves, solve_s, post_s
             solves += 1
-            sol = solve(
-                prob, time_limit=task.time_limit, mip_rel_gap=task.mip_gap, memory=row, capacity=cap,
-                capped=self.capped,
-            )  # fmt: skip
+            sol = solve(prob, time_limit=task.time_limit, mip_rel_gap=task.mip_gap, memory=row, capacity=cap)
             solve_s += sol.solve_s
             t = time.perf_counter()
             chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
@@ -230,20 +225,6 @@ class ILPSearcher:
                 capacity_bytes=capacity,
             )
         return done(min(options, key=lambda c: c.time_s))
-
-
-class LagrangianILPSearcher(ILPSearcher):
-    """:class:`ILPSearcher` whose capped solves are ``ilp.lagrangian``'s (plans priced from solves without memory
-    rows: at least the capped ILP's step, not its optimum). For the variant stage table's capped blocks
-    (``planner.stack``, module docstring 4), whose chosen stages are searched exactly afterwards; not a
-    ``meshpilot plan --searcher``."""
-
-    name = "ilp"
-    capped = "lagrange"
-
-
-LAGRANGIAN = LagrangianILPSearcher()
-"""The one :class:`LagrangianILPSearcher` (a stage planner's cache key holds it)."""
 
 
 def _note(c: Candidate) -> str:

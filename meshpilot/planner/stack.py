@@ -175,7 +175,6 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.recompute import Recompute
-from meshpilot.planner.search import LAGRANGIAN
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
 from meshpilot.planner.zero import ZeroMode
 
@@ -453,9 +452,6 @@ class StackTable:
     """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
-    lagrangian: bool = True
-    """The variant table's capped blocks (:meth:`refine`) solved by ``ilp.lagrangian`` (module docstring, 4):
-    plans from memory-priced solves without memory rows, at least the capped ILP's step; False: the capped ILP."""
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
@@ -464,14 +460,12 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, searcher=None
+        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
     ) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
-        if searcher is not None:
-            kw["searcher"] = searcher
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -697,8 +691,7 @@ class StackTable:
             if not fitless.any() or not self._can_improve(lower, below, win.order, key):
                 return
             target, block_cap = self._next_cap(ctx, fitless, target, block_cap, blk)
-            searcher = LAGRANGIAN if self.lagrangian else None
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, searcher=searcher)
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
             if blk is None:  # a cap the block's ILP cannot meet: tighter ones cannot either
                 return
             fits |= self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
