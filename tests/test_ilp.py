@@ -351,39 +351,3 @@ def test_reshard_table_by_ids_is_the_resharders_collectives():
                         if colls:
                             want[a * n_q + b] = colls
             assert (n_p, n_q) == (len(P), len(Q)) and got == want and want
-
-
-def test_a_capped_gap_loosens_only_the_solves_whose_memory_rows_bind(monkeypatch):
-    """``solve(capped_gap=)`` (the variant stage table's capped blocks: ``stack.CAPPED_GAP``) hands HiGHS that
-    relative gap for a capacity the row-free plan overflows, while the row-free solve keeps ``mip_rel_gap`` and
-    is shared with the exact solves of the same problem (solved once); the capped answer fits, within its gap
-    of the exact capped plan."""
-    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
-    from meshpilot.planner import ilp
-    from meshpilot.planner.auto import min_memory
-    from meshpilot.planner.ilp import Pricer, build_structure, price, priced
-    from meshpilot.sharding.reshard import Resharder
-    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
-
-    g = _bench_graph()
-    dm = fake_device_mesh((2, 4))
-    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), (2, 4)))
-    struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
-    rs = Resharder(dm, cm)
-    kept = priced(struct, rs)
-    runs = []
-    real = ilp._milp
-    monkeypatch.setattr(
-        ilp,
-        "_milp",
-        lambda prob, memory, cap, t, gap: runs.append((prob is kept, cap, gap)) or real(prob, memory, cap, t, gap),
-    )
-    free = solve(kept, memory="zero")
-    tight = 1.05 * min_memory(struct, "zero")
-    assert free.memory_zero > tight
-    loose = solve(kept, memory="zero", capacity=tight, capped_gap=0.05)
-    exact = solve(price(struct, Pricer(struct.table, rs)), memory="zero", capacity=tight)
-    mine = [(cap, gap) for own, cap, gap in runs if own]
-    assert mine == [(math.inf, 1e-3), (tight, 0.05)], mine
-    assert loose.memory_zero <= tight and loose.gap <= 0.05
-    assert exact.objective * (1 - 1e-3) <= loose.objective <= exact.objective * 1.05

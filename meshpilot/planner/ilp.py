@@ -931,7 +931,6 @@ def solve(
     mip_rel_gap: float = 1e-3,
     memory: str = "plain",
     capacity: float | None = None,
-    capped_gap: float | None = None,
 ) -> Solution:
     """The plan of `prob` under a memory capacity: HiGHS (``scipy.optimize.milp``) on the sparse ILP.
 
@@ -943,9 +942,7 @@ def solve(
     integral). So each problem keeps what it has solved (:func:`_known`) and a capacity is answered, in this
     order, by: an answer found under a capacity at least as large whose rows fit this one (the feasible set
     only shrank, so it is still optimal within the gap) or that had no plan; the plan without memory rows,
-    solved once per problem, when its rows fit; and only then a solve with the rows — to `capped_gap` where
-    given (the variant stage table's capped blocks, whose chosen stages are searched again: ``planner.stack``),
-    else to `mip_rel_gap`, as the row-free solve always is.
+    solved once per problem, when its rows fit; and only then a solve with the rows.
     """
     t0 = time.perf_counter()
     groups = prob.groups
@@ -966,11 +963,10 @@ def solve(
             need_bytes=need,
             capacity_bytes=cap,
         )
-    capped = settings if capped_gap is None else (time_limit, capped_gap)
-    known = _known(prob, memory, cap, capped, settings)
+    known = _known(prob, memory, cap, settings)
     if known is None:
         free = _free(prob, settings)
-        known = free if _held(free, memory) <= cap else _capped(prob, memory, cap, capped)
+        known = free if _held(free, memory) <= cap else _capped(prob, memory, cap, settings)
     if isinstance(known, _NoPlan):
         raise PlanError(
             f"no sharding plan fits in {fmt_size(cap)} per device on mesh {prob.mesh_shape} "
@@ -1001,17 +997,15 @@ def _held(sol: Solution, memory: str) -> float:
     return sol.memory_zero if memory == "zero" else sol.memory
 
 
-def _known(
-    prob: Problem, memory: str, cap: float, settings: tuple[float, float], free_settings: tuple[float, float]
-) -> Solution | _NoPlan | None:
-    """What an earlier solve of `prob` with the same `settings` (time limit, gap; `free_settings` for the
-    row-free solve) already answers for `cap`: a plan solved under a capacity ``c ≥ cap`` (or none) whose held
-    rows fit `cap` — optimal here too, within its gap, as every plan under `cap` was feasible there — or a
-    capacity ``c ≥ cap`` proven to have no plan; None when neither."""
+def _known(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan | None:
+    """What an earlier solve of `prob` with the same `settings` (time limit, gap) already answers for `cap`:
+    a plan solved under a capacity ``c ≥ cap`` (or none) whose held rows fit `cap` — optimal here too, within
+    its gap, as every plan under `cap` was feasible there — or a capacity ``c ≥ cap`` proven to have no
+    plan; None when neither."""
     for c, ans in prob.lp.get(("solved", _row_kind(memory), settings), ()):
         if c >= cap and (ans.infeasible if isinstance(ans, _NoPlan) else _held(ans, memory) <= cap):
             return ans
-    free = prob.lp.get(("solved", None, free_settings))
+    free = prob.lp.get(("solved", None, settings))
     if isinstance(free, Solution) and _held(free, memory) <= cap:
         return free
     return None

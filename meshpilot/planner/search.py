@@ -116,8 +116,6 @@ class ILPSearcher:
     """Alpa's ILP with the ZeRO-like post-pass (module docstring)."""
 
     name = "ilp"
-    capped_gap: float | None = None
-    """The relative MIP gap of the solves whose memory rows bind (``ilp.solve(capped_gap=)``); None: the task's."""
 
     def search(self, task: SearchTask) -> Candidate:
         t0 = time.perf_counter()
@@ -129,10 +127,7 @@ class ILPSearcher:
         def attempt(row: str, cap: float) -> Candidate:
             nonlocal solves, solve_s, post_s
             solves += 1
-            sol = solve(
-                prob, time_limit=task.time_limit, mip_rel_gap=task.mip_gap, memory=row, capacity=cap,
-                capped_gap=self.capped_gap,
-            )  # fmt: skip
+            sol = solve(prob, time_limit=task.time_limit, mip_rel_gap=task.mip_gap, memory=row, capacity=cap)
             solve_s += sol.solve_s
             t = time.perf_counter()
             chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
@@ -230,15 +225,6 @@ class ILPSearcher:
                 capacity_bytes=capacity,
             )
         return done(min(options, key=lambda c: c.time_s))
-
-
-class CappedGapILPSearcher(ILPSearcher):
-    """:class:`ILPSearcher` whose solves with binding memory rows stop at a relative MIP gap of `capped_gap` (the
-    row-free solve keeps the task's): for the variant stage table's capped blocks (``planner.stack``, module
-    docstring 4), whose chosen stages are searched again at the usual gap. Not a ``--searcher``."""
-
-    def __init__(self, capped_gap: float) -> None:
-        self.capped_gap = capped_gap
 
 
 def _note(c: Candidate) -> str:

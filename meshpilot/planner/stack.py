@@ -150,11 +150,7 @@ with no number of stages after it, at least doubling) — but only for ranges no
 fits, and only where they may beat the first pass' plan of step S: a plan beats it only if every stage's
 t_intra is below S / B (Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t``), and a capped block's stage is no
 faster than the uncapped block's stage nor than its floors (section 3). Those candidates are plans too, composed
-as the others, so the chosen stages are still priced exactly by construction. Their capped solves stop at a
-relative MIP gap of :data:`CAPPED_GAP` (1 %, not the usual 0.1 %: the row-free solve keeps its own), since the
-stages the DP chooses are searched again at the usual gap (``Plan.with_intra``); on GPT-39B that cut the second
-pass from 123 to 109 CPU s and saved the same plan (a Lagrangian relaxation of the memory rows was tried and
-dropped: its hull plans were within 1 % of their bound in a quarter of the caps only). Measured in
+as the others, so the chosen stages are still priced exactly by construction. Measured in
 ``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); the exact table stays the default, as the capped
 searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
 """
@@ -179,7 +175,6 @@ from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.recompute import Recompute
-from meshpilot.planner.search import CappedGapILPSearcher
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
 from meshpilot.planner.zero import ZeroMode
 
@@ -421,12 +416,6 @@ class _Ctx:
     ranks: range
 
 
-CAPPED_GAP = 0.01
-"""The relative MIP gap the variant table's capped block solves stop at (module docstring, 4): the chosen stages
-are searched again at the usual one (``Plan.with_intra``)."""
-_CAPPED_SEARCHER = CappedGapILPSearcher(CAPPED_GAP)
-
-
 def _sum_time(parts: Sequence[tuple[StepTime, float]]) -> StepTime:
     return StepTime(*(sum(getattr(t, f.name) * w for t, w in parts) for f in dataclasses.fields(StepTime)))
 
@@ -471,14 +460,12 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, searcher=None
+        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
     ) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
-        if searcher is not None:
-            kw["searcher"] = searcher
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -704,7 +691,7 @@ class StackTable:
             if not fitless.any() or not self._can_improve(lower, below, win.order, key):
                 return
             target, block_cap = self._next_cap(ctx, fitless, target, block_cap, blk)
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, searcher=_CAPPED_SEARCHER)
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
             if blk is None:  # a cap the block's ILP cannot meet: tighter ones cannot either
                 return
             fits |= self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
