@@ -101,3 +101,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     with open(item.config._cpu_log, "a") as log:  # type: ignore[attr-defined]
         log.write(f"{item.nodeid}\t{_cgroup_usage_s(group) - c0:.1f}\t{time.perf_counter() - w0:.1f}\n")
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A gloo process group of one rank in this process (a test module's own, or the one already made)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -17,28 +17,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from meshpilot.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A gloo process group of one rank in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _gpt(dtype=torch.float32):

@@ -12,13 +12,10 @@ Runs in this process with a one-rank gloo group (nothing is spawned).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
 FUSED = (
     "aten::mm",
@@ -36,20 +33,6 @@ FUSED = (
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
 )
 """The kernels eager's GPT step runs that a decomposition would replace by several smaller ops."""
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A gloo process group of one rank in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _gpt():
