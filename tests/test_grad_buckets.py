@@ -434,14 +434,17 @@ def test_zero3_gather_groups_prefetched_one_layer_ahead(runs, name):
 def test_a_flat_gather_splits_into_each_shards_own_gather():
     """``flat_shards`` / ``split_gathered``: 4 ranks' shards of a weight, a bias and a transposed view laid one
     after the other, the flat buffers concatenated as an all-gather returns them, split back: each equals the
-    shard's own all-gather (the ranks' pieces stacked along dim 0), whatever the shapes."""
+    shard's own all-gather (the ranks' pieces stacked along dim 0) and is contiguous, whatever the shapes."""
     from meshpilot.runtime.buckets import flat_shards, split_gathered
 
     n = 4
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(8, 6, generator=g), torch.randn(12, generator=g), torch.randn(6, 8, generator=g).t()]
+    full.append(torch.randn(4, 5, generator=g))  # one row a rank: a split that stays a view of the rows (RWKV's)
     shards = [list(t.chunk(n, dim=0)) for t in full]  # shards[i][r]: rank r's piece of tensor i
     gathered = torch.cat([flat_shards([s[r] for s in shards]) for r in range(n)])
     got = split_gathered(gathered, n, [s[0] for s in shards])
     for want, have in zip(full, got):
         assert have.shape == want.shape and torch.equal(have, want)
+        assert have.is_contiguous()  # as a collective returns it: the program's views were recorded on one
+        assert have.view(-1).shape == (want.numel(),)

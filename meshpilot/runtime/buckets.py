@@ -131,10 +131,13 @@ def flat_shards(shards: list[torch.Tensor]) -> torch.Tensor:
 
 def split_gathered(out: torch.Tensor, n: int, shards: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The flat all-gather `out` of :func:`flat_shards`'s buffers on `n` ranks as each shard's own all-gather
-    would return it: ``[n * d0, *rest]`` for a ``[d0, *rest]`` shard, rank ``r``'s piece at rows ``r * d0``."""
+    would return it: ``[n * d0, *rest]`` for a ``[d0, *rest]`` shard, rank ``r``'s piece at rows ``r * d0``;
+    contiguous, as a collective's output is (a piece that stays a strided view of the rows, ``d0 == 1``, is
+    copied: the program's later ``view`` ops were recorded on a contiguous gather — RWKV's)."""
     rows = out.view(n, -1)  # [n, sum of the shards' numel]: row r is rank r's buffer
     parts = rows.split([s.numel() for s in shards], dim=1)
-    return tuple(p.reshape(n * s.shape[0], *s.shape[1:]) if s.dim() else p.reshape(n) for p, s in zip(parts, shards))
+    shaped = (p.reshape(n * s.shape[0], *s.shape[1:]) if s.dim() else p.reshape(n) for p, s in zip(parts, shards))
+    return tuple(p.contiguous() for p in shaped)
 
 
 __all__ = ["GATHER", "GATHER_WAIT", "ISSUE", "WAIT", "BucketSync", "flat_shards", "split_gathered"]
