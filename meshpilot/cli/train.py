@@ -754,22 +754,19 @@ def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
     if not getattr(args, "auto_planned", False) or plan is None:
         return False
     args.auto_planned = False
+    digests, text = [plan.run_digest()], [plan.to_json() if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        mine, digests = digests[0], [None] * dist.get_world_size()
+        dist.all_gather_object(digests, mine)
+        dist.broadcast_object_list(text, src=0)
+    differ = len(set(digests)) > 1
     shared = getattr(args, "agreed_plan_path", None)
-    if dist.get_world_size() == 1:
-        if shared is not None:
-            atomic_write(shared, plan.to_json())
-            args.plan = shared
-        return False
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, plan.run_digest())
-    text = [plan.to_json() if rank == 0 else None]
-    dist.broadcast_object_list(text, src=0)
     if shared is not None:  # every rank writes the same bytes: each node has the file, on a shared disk or not
-        atomic_write(shared, text[0])
         args.plan = shared
-    if len(set(digests)) == 1:
+    if shared is not None or differ:
+        atomic_write(args.plan, text[0])
+    if not differ:
         return False
-    atomic_write(args.plan, text[0])
     args.cluster = None  # planned: a saved plan knows its cluster
     if rank == 0:
         groups = {d: [r for r, x in enumerate(digests) if x == d] for d in dict.fromkeys(digests)}
