@@ -13,6 +13,8 @@ the machine's noise:
   mp: ZeRO-3     the same with ``forced.zero3`` (every parameter sharded on its first divisible dim);
   mp: solver     the solver's own plan for N devices on a cluster describing this box
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
+  (``--plan-on-probed``: every meshpilot variant planned on the ``--probed`` cluster instead, so its measured
+                 curves and host cost per collective choose the buckets and price the step)
   mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
   mp: DP, buckets at h µs a collective  (``--host-cost-us H[,H...]``) the DP plan bucketed by the planner's rule
                  (``planner.buckets.bucket_bytes``) on the same cluster with ``collective_overhead_us = H``: the
@@ -159,6 +161,10 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         from meshpilot.cluster import load_cluster
 
         probed = load_cluster(str(args.probed))
+    if args.plan_on_probed:
+        if probed is None:
+            raise SystemExit("bench_vs_torch: --plan-on-probed needs --probed FILE (a `meshpilot probe` cluster file)")
+        cluster = probed
     out = {}
     for name, kw in (
         ("mp: DP", {"mesh_shape": (n,), "force": forced.data_parallel(built.model, built.inputs, (n,))}),
@@ -337,6 +343,12 @@ def main() -> int:
         type=Path,
         help="a cluster file `meshpilot probe` wrote on this box with --nproc ranks: every meshpilot plan is also "
         "re-priced on it and simulated (predicted / measured per variant)",
+    )
+    ap.add_argument(
+        "--plan-on-probed",
+        action="store_true",
+        help="plan every meshpilot variant on the --probed cluster (its measured curves and host cost per "
+        "collective choose the buckets and price the step) instead of the alpha-beta loopback cluster",
     )
     ap.add_argument(
         "--cprofile",

@@ -122,3 +122,44 @@ def _alpha_beta(m: float, n: int, bw: float, a: float) -> float:
     """An all-reduce of `m` bytes by the module docstring's three algorithms, no host term."""
     ring, log = 2 * (n - 1) / n * m / bw, math.ceil(math.log2(n))
     return min(ring + 2 * (n - 1) * a, ring + 2 * log * a, log * (a + m / bw))
+
+
+def _bench_gpt_dp(kind: str, overhead_us: float):
+    """``bench_vs_torch``'s GPT (the zoo's, 4 layers, h 256, batch 8 x 128, on meta), its data-parallel plan on
+    the bench's 4 loopback ranks with `overhead_us` of host cost a collective, on a device of `kind`."""
+    from meshpilot.cluster.loader import cluster_from_dict
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner import forced
+    from meshpilot.planner.auto import plan
+
+    built = build_model("gpt-tiny", device="meta", seed=0, layers=4, hidden=256, heads=8, batch=8, seq=128)
+    graph = capture(built.model, built.inputs)
+    profile = {"kind": kind, "peak_tflops_fp32": 0.068, "memory_GBps": 10.0, "memory_GiB": 16.0}
+    layer = {"name": "rank", "ranks": 4, "p2p_GBps": 0.25, "group_GBps": 0.25, "latency_us": 125.0}
+    doc = {"device_profile": profile | {"collective_overhead_us": overhead_us}, "layers": [layer]}
+    cluster = cluster_from_dict(doc, "t")
+    force = forced.data_parallel(built.model, built.inputs, (4,))
+    p = plan(built.model, built.inputs, cluster, mesh_shape=(4,), force=force, graph=graph)
+    return p, graph, CostModel(LogicalMesh(cluster, (4,)))
+
+
+def test_on_a_cpu_with_a_host_cost_the_buckets_are_the_size_the_step_waits_least_for():
+    """With 1 ms of host cost a collective on a CPU device the compute stream pays it (K buckets: K ms nothing
+    hides), so the planner prices every candidate size (``planner.buckets.candidate_sizes``) and keeps the one
+    whose buckets the step waits for least: here 13 buckets (28.2 ms exposed), fewer waits than the latency
+    rule's 7 (29.7 ms) and far fewer than 25 MiB's 1 (78.9 ms: the last bucket after the backward). Without a
+    host cost, or where it stays latency (not a CPU), the latency rule decides as before."""
+    from meshpilot.planner.buckets import bucket_bytes, bucket_overlap, candidate_sizes, plan_buckets
+
+    p, graph, cost = _bench_gpt_dp("probed-cpu", 1000.0)
+    waited = {
+        m: bucket_overlap(p, plan_buckets(graph, p, cost, m), cost, True).exposed_s for m in candidate_sizes(cost, {0})
+    }
+    chosen = bucket_overlap(p, p.grad_buckets, cost, True).exposed_s
+    rule = bucket_bytes(cost, 0)
+    assert chosen == pytest.approx(min(waited.values())) and chosen < waited[rule] * 0.99
+    assert len(p.grad_buckets) != len(plan_buckets(graph, p, cost, rule))
+    for kind, us in (("probed-cpu", 0.0), ("local-gpu", 1000.0)):
+        p, graph, cost = _bench_gpt_dp(kind, us)
+        assert p.grad_buckets == plan_buckets(graph, p, cost, bucket_bytes(cost, 0)), kind

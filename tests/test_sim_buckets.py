@@ -146,3 +146,28 @@ def test_a_collective_of_the_backward_waits_for_its_groups_bucket():
     r = simulate(plan, cluster=_cluster(2))
     assert _close(r.step_s, 7 * MS) and _spans(r, "comm") == [(2, 3), (3, 4), (6, 7)]
     assert _close(plan.time.total_s, 7 * MS) and _close(plan.time.overlapped_s, 7 * MS)
+
+
+def test_on_a_cpu_a_collectives_host_cost_runs_on_the_compute_stream_in_the_simulator_and_the_closed_form():
+    """On a CPU device (gloo: the call and the backend's threads run on the cores the ranks compute on) the
+    0.5 ms of host cost a collective is paid by the compute stream when it is issued: b0 ends at 2 ms, p1's
+    host cost 2..2.5, its bucket 2.5..3.5 beside b1 (now 2.5..4.5), p0's host cost 4.5..5 and its bucket
+    5..6: step 6 ms, where the same cost as latency (a GPU, the test above) hides behind b1: 5.5 ms. The
+    closed form agrees: 2 ms of the buckets exposed (1 ms of host cost on the compute stream, 1 ms after it)."""
+    from meshpilot.cluster import DEVICES
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.planner.buckets import collective_parts
+
+    base = _cluster(2)
+    cluster = dataclasses.replace(base, device=dataclasses.replace(DEVICES["cpu"], collective_overhead=0.5 * MS))
+    cm = CostModel(LogicalMesh(cluster, (2,)))
+    plan = repriced_buckets(_bucketed(), cm)
+    parts = collective_parts(cm, "all_reduce", 1e8, 0, by_op=False, seconds=0.0)
+    assert _close(parts.host_s, 0.5 * MS) and _close(parts.latency_s + parts.work_s, 1 * MS)
+    r = simulate(plan, cluster=cluster)
+    assert _spans(r, "comm") == [(2.5, 3.5), (5, 6)]
+    assert _close(r.step_s, 6 * MS)
+    priced = bucket_overlap(plan, plan.grad_buckets, cm, True)
+    assert _close(priced.exposed_s, 2 * MS)
+    assert _close(plan.time.overlapped_s, r.step_s)

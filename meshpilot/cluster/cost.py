@@ -56,11 +56,19 @@ work; ``meshpilot probe`` measures it, 0 where not measured, as in every built-i
 
 one rule (:meth:`CostModel._host`), so the accounting, the overlap pricing of the gradient buckets, the
 simulator (which splits ``t + h`` into latency and bandwidth parts: ``h`` lands in the latency) and the bucket
-size rule (``planner.buckets.bucket_bytes``: the latency share of ``t + h``) all see it alike. What it leaves
-out: on a CPU device that CPU is taken from the compute cores, so it cannot hide behind the backward as a
-latency on the collective's own stream does (the busy factor above models only how much slower gloo's work
-gets beside compute, not the compute's loss); and a measured curve's wall times already contain the part of
-``h`` the calling thread spent while the collective ran alone, which ``t + h`` counts again.
+size rule (``planner.buckets``) all see it alike. Where it runs (:meth:`CostModel.compute_host_s`):
+
+  on a CPU device  h is taken from the compute cores (gloo's threads and the call run where the ranks
+                   compute): the overlap pricing of the buckets and gather groups and the simulator put it
+                   on the rank's compute stream when the collective is issued, and only ``t`` on its link
+                   (``planner.buckets.collective_parts``); it never hides behind the backward
+  elsewhere        h stays in the collective's latency (a GPU's collectives run on their own stream; NCCL's
+                   launch is microseconds, 0 in every built-in profile)
+
+The serial step (accounting) counts ``t + h`` either way. What it leaves out: a measured curve's wall times
+already contain the part of ``h`` the calling thread spent while the collective ran alone, which ``t + h``
+counts again; and the bytes' own CPU on a CPU device (gloo's copies and sums, about 1 ms per MiB on 4 ranks
+sharing 2 cores) stays on the link.
 
 Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
 costs 3 to 9 times a 4-byte one (measured at different loads) and a 1 MiB one about twice its bandwidth
@@ -175,6 +183,11 @@ class CostModel:
         """A collective that runs (`seconds` > 0) costs its host overhead beyond its bytes (module docstring,
         *Host cost per collective*)."""
         return seconds + self.device.collective_overhead if seconds > 0 else 0.0
+
+    def compute_host_s(self, seconds: float) -> float:
+        """Of a collective priced `seconds` (``t + h``), the part its rank's compute stream pays when it is
+        issued: ``h`` on a CPU device, else 0 (module docstring, *Host cost per collective*)."""
+        return self.device.collective_overhead if self.device.is_cpu and seconds > 0 else 0.0
 
     def all_reduce(self, nbytes: float, axes: Axes) -> float:
         """All-reduce of `nbytes` (each rank's buffer) over `axes`."""

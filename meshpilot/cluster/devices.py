@@ -23,8 +23,9 @@ default of every built-in profile, whose vendors publish no such number):
   and foreach operator (``accounting.optimizer_seconds``).
 * ``collective_overhead`` — seconds of host CPU one collective costs the issuing rank beyond its bytes: the
   Python and dispatch of the call and the backend's own per-call work (gloo's threads on a CPU; a few launches
-  on a GPU). The probe takes the process CPU time (all threads) of a one-element all-reduce on the world
-  group. The cost model adds it to every collective's time as a latency term (``meshpilot.cluster.cost``).
+  on a GPU). The probe fits it from the process CPU time (all threads) of the same compute and bytes with two
+  counts of asynchronous all-reduces, issued as a backward issues its buckets (``meshpilot.cluster.probe``).
+  The cost model adds it to every collective's time (``meshpilot.cluster.cost``).
 """
 
 from __future__ import annotations

@@ -23,10 +23,23 @@ after warm-up repeats that are not counted):
    Fixed costs (:func:`op_overheads`, lockstep and median as above): one tiny operator (100 one-element
    ``add``s back to back, per op) — ``DeviceProfile.op_overhead``, the cost of a kernel beyond its roofline —
    and one ``torch._foreach_add_`` over 100 one-element tensors, per tensor — ``foreach_overhead``. And
-   the host CPU of one collective (:meth:`_Runner.collective_cpu`): every rank, in lockstep, all-reduces a
-   one-element tensor on the world group :data:`COLLECTIVE_CALLS` times back to back, and the process CPU time
-   (``time.process_time``: all threads, the backend's too) over the calls is one repeat; median of the
-   repeats, then of the ranks — ``collective_overhead``, what a collective costs its rank beyond its bytes.
+   the host CPU of one collective as a training step pays it (:meth:`_Runner.collective_cpu`): every rank,
+   in lockstep, runs the same compute (:data:`STEP_GEMMS` float32 matmuls of :data:`INFLIGHT_GEMM`, a stand-in
+   for a backward) cut into ``k`` equal runs, and after each run issues one asynchronous all-reduce of the
+   next ``1/k`` of one buffer of ``M`` bytes (``nbytes``) on the world group, as the backward issues its
+   gradient buckets; it waits for all ``k`` at the end. The process CPU time (``time.process_time``: all
+   threads, the backend's too) of one such repeat is
+
+       c(k) = k * h + B(M) + C      (h: per collective; B(M): the bytes' CPU; C: the compute's)
+
+   so two counts ``k1 > k2`` (:data:`COLLECTIVE_COUNTS`) over the same bytes and compute give
+
+       h = (c(k1) - c(k2)) / (k1 - k2)
+
+   from each pair of repeats (the two counts run back to back, so they share the load); the median over the
+   pairs, then over the ranks — ``collective_overhead``, what a collective costs its rank beyond its bytes.
+   (An isolated synchronous one-element all-reduce measures only its call: about a quarter of this on 4
+   gloo ranks sharing 2 cores, docs/benchmarks.md.)
 2. **Point to point.** Every pair of ranks, in rounds (circle method: each rank in at most one pair per
    round, all pairs of a round at once). Per pair: latency = half the median round trip of a 4-byte
    ping-pong; bandwidth a -> b = bytes / (time for a to send the large buffer and get a 4-byte ack,
@@ -624,8 +637,11 @@ def gemm_rate(
     return 2.0 * m * n * k * inner / max(_median(times), 1e-12)
 
 
-COLLECTIVE_CALLS = 20
-"""One-element all-reduces per timed repeat of :meth:`_Runner.collective_cpu`."""
+COLLECTIVE_COUNTS = (16, 4)
+"""``k1, k2``: the two counts of collectives over the same bytes whose CPU difference :meth:`_Runner.collective_cpu`
+divides by ``k1 - k2``."""
+STEP_GEMMS = 32
+"""Matmuls of :data:`INFLIGHT_GEMM` per repeat of :meth:`_Runner.collective_cpu` (divisible by both counts)."""
 
 
 INFLIGHT_GEMM = 256
@@ -671,25 +687,44 @@ class _Runner:
         return times
 
     def collective_cpu(self) -> float:
-        """Seconds of process CPU time (all threads) one collective costs this rank beyond its bytes (module
-        docstring, 1.): per repeat, a barrier, then :data:`COLLECTIVE_CALLS` one-element all-reduces on the
-        world group back to back; the median repeat over the calls. On CUDA the device is synchronised
-        after the CPU clock is read: a spinning synchronise would count as the calls' CPU."""
+        """Seconds of process CPU time (all threads) one collective costs this rank beyond its bytes, as a
+        backward pays it (module docstring, 1.): per repeat, each count ``k`` of :data:`COLLECTIVE_COUNTS` in
+        turn over the same :data:`STEP_GEMMS` matmuls and the same ``nbytes``; ``h`` from the pair's CPU
+        difference, the median over the repeats. On CUDA the device is synchronised after the CPU clock is
+        read: a spinning synchronise would count as the calls' CPU."""
         import torch
 
-        one = torch.zeros(1, device=self.dev)
-        cpu = []
+        n = INFLIGHT_GEMM
+        a, b, c = (torch.randn(n, n, device=self.dev) for _ in range(3))
+        flat = torch.ones(max(max(COLLECTIVE_COUNTS), self.opts.nbytes // 4), device=self.dev)
+        k1, k2 = COLLECTIVE_COUNTS
+        per = []
         for rep in range(self.opts.warmup + self.opts.repeats):
-            self.barrier()
-            _sync(self.dev)
-            t0 = time.process_time()
-            for _ in range(COLLECTIVE_CALLS):
-                self.dist.all_reduce(one)
-            took = time.process_time() - t0
-            _sync(self.dev)
+            took = {k: self._step_cpu(k, flat, a, b, c) for k in COLLECTIVE_COUNTS}
             if rep >= self.opts.warmup:
-                cpu.append(took / COLLECTIVE_CALLS)
-        return _median(cpu)
+                per.append((took[k1] - took[k2]) / (k1 - k2))
+        return max(0.0, _median(per))
+
+    def _step_cpu(self, k: int, flat: Any, a: Any, b: Any, c: Any) -> float:
+        """Process CPU seconds of one repeat of :meth:`collective_cpu` with `k` collectives: after a barrier,
+        :data:`STEP_GEMMS` matmuls in `k` runs, an asynchronous all-reduce of the next ``1/k`` of `flat` after
+        each, then every one waited for."""
+        import torch
+
+        pieces = flat.tensor_split(k)
+        self.barrier()
+        _sync(self.dev)
+        t0 = time.process_time()
+        works = []
+        for piece in pieces:
+            for _ in range(STEP_GEMMS // k):
+                torch.mm(a, b, out=c)
+            works.append(self.dist.all_reduce(piece, async_op=True))
+        for w in works:
+            w.wait()
+        took = time.process_time() - t0
+        _sync(self.dev)
+        return took
 
     def send_with_ack(self, dst: int) -> bool:
         self.dist.send(self.big, dst)
@@ -877,7 +912,7 @@ def probe(
         say(f"device: {len(opts.matmul_shapes)} GEMMs at their own shapes")
     run.barrier()
     rec["device"] = measure_device(compute_device, opts, barrier=run.barrier)
-    say(f"host CPU of a collective: {COLLECTIVE_CALLS} one-element all-reduces x {opts.repeats}")
+    say(f"host CPU of a collective: {COLLECTIVE_COUNTS} all-reduces of {opts.nbytes / MiB:g} MiB beside compute")
     rec["device"]["collective_overhead"] = run.collective_cpu()
     say(f"point to point: {len(round_robin(len(hosts)))} rounds (budget {opts.budget_s:g} s)")
     run.p2p(rec)

@@ -27,6 +27,15 @@ never hidden, and a bucket's collective cannot start before its last gradient. S
 25 MiB default is the top). On this repository's 4 gloo ranks over loopback (alpha 125 us, B' 0.25 GB/s) that
 is about 1.1 MB.
 
+**Bucket size with a host cost on the compute stream.** On a CPU device each collective also takes
+``h = DeviceProfile.collective_overhead`` from the rank's compute (``CostModel.compute_host_s``): ``K`` buckets
+of ``G`` gradient bytes cost ``K h`` that nothing hides, where the latency rule above weighs ``h`` as if it
+ran beside the backward. There :func:`plan_buckets` prices the step's buckets (:func:`bucket_overlap`, below,
+``h`` on the compute stream) at every size of :func:`candidate_sizes` (the latency rule's, and ``MIN_BUCKET``
+doubling to ``MAX_BUCKET``) and keeps the one whose buckets the step waits for least (``exposed_s``; the
+smaller size on a tie): ``K h`` against the last buckets' exposed tail. Elsewhere (``h`` = 0, or a GPU whose
+``h`` stays latency) the latency rule alone decides, as before.
+
 **Overlap (pricing).** Where a step runs the backward once (:func:`backward_issues_buckets`: one microbatch,
 no ``I``/``W`` split) the backward issues bucket ``k`` the moment its last gradient exists and waits for every
 bucket at its end (``meshpilot.runtime.program``); elsewhere ``G`` issues them all after the last backward and
@@ -43,7 +52,9 @@ spans, 1 elsewhere: :func:`_progress`),
     e_k = adv(max(r_k, e_prev), T_k)     (e_prev: the group's previous collective's end; at ``G``: r_k = 0)
 
 a blocking collective ``c`` of the backward runs ``max(t, e_prev) .. + T_c`` and the compute stream resumes
-after it. The step then waits ``(t_backward - t_alone) + max(0, max_k e_k - t_backward)`` for the buckets:
+after it. On a CPU device a collective's host cost ``h_k`` (``CostModel.compute_host_s``) is paid by the
+compute stream when it is issued (``t += h_k``, never counted in ``t_alone``) and ``T_k`` excludes it.
+The step then waits ``(t_backward - t_alone) + max(0, max_k e_k - t_backward)`` for the buckets:
 how much they delayed the backward (``t_alone``: its end with no bucket ahead of its collectives) and what
 runs after it (at ``G``: ``max_k e_k``). Equal to the simulated step (``tests/test_sim_buckets.py``,
 ``test_sim``) but where the simulator shares a cluster layer's link between two groups' transfers at once
@@ -153,9 +164,41 @@ def bucket_bytes(cost: Any, axis: int, share: float = LATENCY_SHARE) -> int:
     return hi
 
 
-def plan_buckets(graph: OpGraph, plan: Any, cost: Any, size: int | None = None) -> tuple[GradBucket, ...]:
+def plan_buckets(
+    graph: OpGraph, plan: Any, cost: Any, size: int | None = None, in_backward: bool = True
+) -> tuple[GradBucket, ...]:
     """The gradient buckets of `plan` (a ``StagePlan`` of `graph`), each at most about `size` bytes (default:
-    :func:`bucket_bytes` of its axis), in the order their last gradients are produced (module docstring)."""
+    :func:`bucket_bytes` of its axis; on a device whose host cost per collective the compute stream pays, the
+    size of :func:`candidate_sizes` whose buckets `plan`'s step, issuing them in the backward (`in_backward`)
+    or at ``G``, waits for least), in the order their last gradients are produced (module docstring)."""
+    found = _bucketable(graph, plan)
+    if size is not None or not found or cost.compute_host_s(1.0) <= 0:
+        return _grouped(found, cost, size)
+    best: tuple[float, tuple[GradBucket, ...]] | None = None
+    for cap in candidate_sizes(cost, {key[1] for _, _, key, _ in found}):
+        buckets = _grouped(found, cost, cap)
+        waited = bucket_overlap(plan, buckets, cost, in_backward).exposed_s
+        if best is None or waited < best[0] * (1 - 1e-9):
+            best = (waited, buckets)
+    assert best is not None
+    return best[1]
+
+
+def candidate_sizes(cost: Any, axes: set[int]) -> list[int]:
+    """Bucket sizes :func:`plan_buckets` prices where the compute stream pays a host cost per collective: the
+    latency rule's (:func:`bucket_bytes`) on `axes`, and ``MIN_BUCKET`` doubling up to ``MAX_BUCKET``."""
+    sizes = {bucket_bytes(cost, a) for a in axes}
+    m = MIN_BUCKET
+    while m < MAX_BUCKET:
+        sizes.add(m)
+        m *= 2
+    sizes.add(MAX_BUCKET)
+    return sorted(sizes)
+
+
+def _bucketable(graph: OpGraph, plan: Any) -> list[tuple[int, str, tuple, int]]:
+    """(node index, parameter, (kind, axis, dtype), bytes) of every gradient one collective synchronises, in the
+    order the backward produces them (module docstring, *Which gradients*)."""
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     found = []
     for fqn, g in graph.grads.items():
@@ -171,6 +214,12 @@ def plan_buckets(graph: OpGraph, plan: Any, cost: Any, size: int | None = None) 
         nbytes = local_numel(info.shape, held, plan.mesh_shape) * info.itemsize
         found.append((index[g[0]], fqn, (move.kind, move.axis, info.dtype), nbytes))
     found.sort(key=lambda x: x[0])
+    return found
+
+
+def _grouped(found: list[tuple[int, str, tuple, int]], cost: Any, size: int | None) -> tuple[GradBucket, ...]:
+    """`found` (:func:`_bucketable`) cut into buckets of at most about `size` bytes (default: :func:`bucket_bytes`
+    of each axis), each closed once it reaches the size, ordered by their last gradient."""
     open_: dict[tuple, list] = {}
     done: list[tuple[int, tuple, list]] = []
     for at, fqn, key, nbytes in found:
@@ -233,20 +282,26 @@ class Parts:
     latency_s: float
     work_s: float
     busy: float = 1.0
+    host_s: float = 0.0
+    """What the rank's compute stream pays when it issues the collective (``CostModel.compute_host_s``), not in
+    the two parts above."""
 
 
 def collective_parts(cost: Any, kind: str, nbytes: float, axis: int, *, by_op: bool, seconds: float) -> Parts:
     """:class:`Parts` of a collective of `kind` and `nbytes` on mesh `axis`, as issued (``reshard.as_issued``:
-    a CPU mesh's all-to-all resharding is an all-gather), split by :func:`latency_work`; a kind the cost model
-    does not price (a send): its `seconds`, all on the link. The one split of the simulator (``meshpilot.sim``,
-    *Durations*) and of this module's pricing."""
+    a CPU mesh's all-to-all resharding is an all-gather), split by :func:`latency_work`, less the host cost
+    the compute stream pays (``Parts.host_s``: out of the latency, where :func:`latency_work` puts a constant);
+    a kind the cost model does not price (a send): its `seconds`, all on the link. The one split of the
+    simulator (``meshpilot.sim``, *Durations*) and of this module's pricing."""
     from meshpilot.sharding.reshard import as_issued
 
     if kind not in _PRICED:
         return Parts(0.0, float(seconds))
     kind, nbytes = as_issued(CollectiveKind(kind), nbytes, cost.mesh.shape[axis], cost.device.is_cpu and not by_op)
-    lat, work = latency_work(getattr(cost, kind), nbytes, axis)
-    return Parts(lat, work, cost.busy_factor(nbytes, axis))
+    fn = getattr(cost, kind)
+    lat, work = latency_work(fn, nbytes, axis)
+    host = cost.compute_host_s(fn(nbytes, axis))
+    return Parts(max(0.0, lat - host), work, cost.busy_factor(nbytes, axis), host)
 
 
 _PRICED = frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))
@@ -290,6 +345,12 @@ class _Groups:
         self.free: dict[int, float] = {}
         self.queued: dict[int, list[tuple[float, float, float]]] = {}
 
+    def compute(self, at: float, seconds: float) -> float:
+        """The compute stream runs `seconds` from `at` (a span the queued collectives are slowed in); its end."""
+        if seconds > 0:
+            self.spans.append((at, at + seconds))
+        return at + seconds
+
     def issue(self, axis: int, at: float, seconds: float, busy: float) -> None:
         self.queued.setdefault(axis, []).append((at, seconds, busy))
 
@@ -326,11 +387,12 @@ def grad_producers(plan: Any) -> dict[str, str]:
     return {c.dst[5:]: c.src for c in plan.collectives if c.dst.startswith("grad:")}
 
 
-def _seconds(cost: Any, c: Any) -> tuple[float, float]:
-    """(alone seconds, busy factor) of a planned collective or a bucket (:func:`collective_parts`)."""
+def _seconds(cost: Any, c: Any) -> tuple[float, float, float]:
+    """(alone seconds on its group, busy factor, host seconds the compute stream pays at its issue) of a planned
+    collective or a bucket (:func:`collective_parts`)."""
     kind, by_op = c.kind, getattr(c, "issued_by_op", False)
     parts = collective_parts(cost, kind, c.nbytes, c.axis, by_op=by_op, seconds=c.seconds)
-    return parts.latency_s + parts.work_s, parts.busy
+    return parts.latency_s + parts.work_s, parts.busy, parts.host_s
 
 
 def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backward: bool) -> BucketOverlap:
@@ -343,9 +405,12 @@ def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backw
         return BucketOverlap(0.0, replaced, 0.0)
     groups = _Groups()
     if not in_backward:
+        t = 0.0
         for b in buckets:
-            groups.issue(b.axis, 0.0, *_seconds(cost, b))
-        return BucketOverlap(total, replaced, max(groups.done(a) for a in {b.axis for b in buckets}))
+            seconds, busy, host = _seconds(cost, b)
+            t = groups.compute(t, host)
+            groups.issue(b.axis, t, seconds, busy)
+        return BucketOverlap(total, replaced, max(t, *(groups.done(a) for a in {b.axis for b in buckets})))
     producer = grad_producers(plan)
     at: dict[str, list[GradBucket]] = {}
     for b in buckets:
@@ -356,23 +421,28 @@ def bucket_overlap(plan: Any, buckets: Sequence[GradBucket], cost: Any, in_backw
     def block(cs) -> None:  # the compute stream waits for each: its group drains first
         nonlocal t, alone
         for c in cs:
-            seconds, _ = _seconds(cost, c)
-            t = max(t, groups.done(c.axis)) + seconds
-            alone += seconds
+            seconds, _, host = _seconds(cost, c)
+            t = max(groups.compute(t, host), groups.done(c.axis)) + seconds
+            alone += host + seconds
             groups.free[c.axis] = t
+
+    def issue(b: GradBucket) -> None:  # the compute stream pays its host cost, its group runs the rest
+        nonlocal t
+        seconds, busy, host = _seconds(cost, b)
+        t = groups.compute(t, host)
+        groups.issue(b.axis, t, seconds, busy)
 
     bwd = [n for n in plan.nodes if n.phase == Phase.BWD.value]
     for b in [*at.pop("", ()), *(b for n in plan.nodes if n.phase != Phase.BWD.value for b in at.pop(n.name, ()))]:
-        groups.issue(b.axis, 0.0, *_seconds(cost, b))  # a gradient the forward already holds
+        issue(b)  # a gradient the forward already holds
     for n in bwd:
         block(pre.get(n.name, ()))
         if n.seconds > 0:
-            groups.spans.append((t, t + n.seconds))
-            t += n.seconds
+            t = groups.compute(t, n.seconds)
             alone += n.seconds
         block(post.get(n.name, ()))
         for b in at.get(n.name, ()):
-            groups.issue(b.axis, t, *_seconds(cost, b))
+            issue(b)
     block(tail)
     last = max(groups.done(a) for a in {b.axis for b in buckets})
     return BucketOverlap(total, replaced, (t - alone) + max(0.0, last - t))
@@ -418,7 +488,7 @@ def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, micr
         nodes.append(NodeChoice(n.name, n.target, n.kind, (), outs, "", n.phase, acct.node_seconds[n.name]))
     layouts = {n.fqn: stored_layout(chosen[n.name]) for n in graph.nodes if n.kind == NodeKind.PARAM}
     view = _Choice(shape, tuple(nodes), tuple(acct.collectives), layouts)
-    buckets = plan_buckets(graph, view, cost)
+    buckets = plan_buckets(graph, view, cost, in_backward=microbatches == 1)
     return bucket_overlap(view, buckets, cost, microbatches == 1).hidden_s
 
 
@@ -428,7 +498,8 @@ def with_buckets(plan: Any, graph: OpGraph, cost: Any, size: int | None = None) 
     groups (``planner.prefetch.plan_gathers``: the other flat collectives of the step)."""
     from meshpilot.planner.prefetch import plan_gathers
 
-    priced = _priced(plan, plan_buckets(graph, plan, cost, size), cost)
+    in_backward = backward_issues_buckets(plan.step_schedule())
+    priced = _priced(plan, plan_buckets(graph, plan, cost, size, in_backward), cost)
     return dataclasses.replace(priced, param_gathers=plan_gathers(priced, graph, cost))
 
 
@@ -457,6 +528,7 @@ __all__ = [
     "bucket_bytes",
     "bucket_fn",
     "bucket_overlap",
+    "candidate_sizes",
     "choice_hidden_s",
     "collective_parts",
     "grad_producers",

@@ -276,7 +276,7 @@ def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]], groups
         q = queued.get(axis, [])
         while q:
             c, start = q.pop(0)
-            seconds, busy = _seconds(cost, coll[c])
+            seconds, busy, _ = _seconds(cost, coll[c])
             ends[c] = free[axis] = _progress(max(start, free.get(axis, 0.0)), seconds, [(a, b, busy) for a, b in spans])
             if c == until:
                 break
@@ -290,9 +290,11 @@ def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]], groups
             if c in early:  # issued a layer ago: wait for it alone
                 t = max(t, ends[c] if c in ends else (drain(axis, c), ends[c])[1])
             else:  # issued now behind what its group has queued, waited at once
+                t += _seconds(cost, coll[c])[2]  # its host cost, on the compute stream
                 queued.setdefault(axis, []).append((c, t))
                 t = max(t, drain(axis))
         for c in at.get(i, ()):
+            t += _seconds(cost, coll[c])[2]
             queued.setdefault(coll[c].axis, []).append((c, t))
         if n.seconds > 0:
             spans.append((t, t + n.seconds))

@@ -39,7 +39,9 @@ consumer (:meth:`_Lowering._groups`).
 ATP Eq. 3). It splits into a latency part ``L`` and a bandwidth part ``W = t - L``, read off the cost model
 itself as ``L = 2 t(M) - t(2M)`` (exact while one algorithm wins at M and 2M; clamped to ``[0, t]``) in
 :meth:`_Lowering.duration` (``planner.buckets.latency_work``, the split the planner's bucket pricing uses
-too). A send takes ``CostModel.send_recv_ranks``.
+too). A send takes ``CostModel.send_recv_ranks``. On a CPU device a collective's host cost ``h``
+(``CostModel.compute_host_s``) is taken out of ``L`` and runs on the issuing rank's compute stream, just before
+the issue (:meth:`_Lowering.issue`): gloo's work and the call share the cores the ranks compute on.
 
 *Groups.* A mesh axis' process group runs one collective at a time, in the order its rank issues them (gloo's
 work queue, NCCL's stream): a collective issued while its group runs another waits for it

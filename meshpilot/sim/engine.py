@@ -344,6 +344,15 @@ class _Lowering:
     def duration(self, c: int | _Bucket | _Gather) -> tuple[float, float, float]:
         """(latency L, bandwidth part W, busy factor f) of collective `c` (or gradient bucket) from the cost
         model (package docstring, *Durations* and *Contention*)."""
+        lat, work, busy, _ = self._parts(c)
+        return lat, work, busy
+
+    def host(self, c: int | _Bucket | _Gather) -> float:
+        """Seconds collective `c` takes from its rank's compute stream when issued (``Parts.host_s``: a CPU
+        device's host cost per collective; package docstring, *Durations*)."""
+        return self._parts(c)[3]
+
+    def _parts(self, c: int | _Bucket | _Gather) -> tuple[float, float, float, float]:
         if isinstance(c, (_Bucket, _Gather)):
             b = self.buckets[c.k] if isinstance(c, _Bucket) else self.gather_groups[c.k]
             kind, axis, nbytes, by_op, seconds = b.kind, b.axis, b.nbytes, False, b.seconds
@@ -353,8 +362,16 @@ class _Lowering:
         key = (kind, axis, nbytes, by_op)
         if key not in self._dur:
             parts = collective_parts(self.cm, kind, nbytes, axis, by_op=by_op, seconds=seconds)
-            self._dur[key] = (parts.latency_s, parts.work_s, parts.busy)
+            self._dur[key] = (parts.latency_s, parts.work_s, parts.busy, parts.host_s)
         return self._dur[key]
+
+    def issue(self, ops: list[tuple], key: tuple, label: str, axis: int) -> None:
+        """Issue collective `key` (collective, microbatch) on mesh `axis`: its host cost first on the compute
+        stream (:meth:`host`), then the issue."""
+        host = self.host(key[0])
+        if host > 0:
+            ops.append((_COMPUTE, host, f"host: {label}"))
+        ops.append((_ISSUE, key, label, axis))
 
     def p2p(self, nbytes: float, src: int, dst: int) -> tuple[float, float, int]:
         """(L, W, layer) of a send between mesh ranks `src` and `dst`."""
@@ -397,14 +414,8 @@ class _Lowering:
                 for c in self.gathers:  # the updated ZeRO-2 shards into the copies the next step reads
                     self._blocking(c, 0, ops)
             elif k == ActionKind.ISSUE:
-                ops.append(
-                    (
-                        _ISSUE,
-                        (a.collective, a.microbatch),
-                        self._label(a.collective, a.microbatch),
-                        self.plan.collectives[a.collective].axis,
-                    )
-                )
+                key = (a.collective, a.microbatch)
+                self.issue(ops, key, self._label(*key), self.plan.collectives[a.collective].axis)
             elif k == ActionKind.WAIT:
                 ops.append((_WAIT, (a.collective, a.microbatch), f"wait {a}"))
             elif k == ActionKind.SEND:  # a send and its receive meet on (peer ranks, Action.boundary)
@@ -423,7 +434,7 @@ class _Lowering:
             b = self.buckets[k]
             label = f"bucket {k}: {b.kind}@{self.plan.axis_name(b.axis)} ({len(b.params)} gradients)"
             if issue:
-                ops.append((_ISSUE, (_Bucket(k), m), label, b.axis))
+                self.issue(ops, (_Bucket(k), m), label, b.axis)
             else:
                 ops.append((_WAIT, (_Bucket(k), m), f"wait {label}"))
 
@@ -434,13 +445,13 @@ class _Lowering:
             g = self.gather_groups[k]
             label = f"gather group {k}: {g.layer} ({len(g.edges)} gathers)@{self.plan.axis_name(g.axis)}"
             if not wait or not g.issue_at:
-                ops.append((_ISSUE, (_Gather(k), m), label, g.axis))
+                self.issue(ops, (_Gather(k), m), label, g.axis)
             if wait:
                 ops.append((_WAIT, (_Gather(k), m), f"wait {label}"))
 
     def _blocking(self, c: int, m: int, ops: list[tuple]) -> None:
         label = self._label(c, m)
-        ops.append((_ISSUE, (c, m), label, self.plan.collectives[c].axis))
+        self.issue(ops, (c, m), label, self.plan.collectives[c].axis)
         ops.append((_WAIT, (c, m), f"wait {label}"))
 
     def _compute(self, a: Action, explicit: set, ops: list[tuple]) -> None:
@@ -480,7 +491,7 @@ class _Lowering:
             if i in self.prefetch_at or i in self.group_issue:  # the next layer's gathers, issued before it computes
                 flush(i)
                 for c in self.prefetch_at.get(i, ()):
-                    ops.append((_ISSUE, (c, m), self._label(c, m), self.plan.collectives[c].axis))
+                    self.issue(ops, (c, m), self._label(c, m), self.plan.collectives[c].axis)
                 self._groups(self.group_issue.get(i, ()), m, ops, wait=False)
             if start is None:
                 start = i
