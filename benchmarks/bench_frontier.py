@@ -35,7 +35,6 @@ in ``planning_cpu_s``), ``planned_config`` the configuration it chose (``--confi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -196,7 +195,7 @@ def run_row(
         return out
     t0 = time.perf_counter()
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():  # is_causal, no mask tensor
+    with unpacked_sequences():  # is_causal, no mask tensor: what eager runs on whole sequences
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(f"{row.name}: the model is not a repeated stack of blocks; the frontier rows need one")
@@ -302,7 +301,7 @@ def block_plans(row: Row) -> None:
 
     cfg = parse_config(row.config)
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():
+    with unpacked_sequences():
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     base = StagePlanner(stack.graph, row.cluster)
     mesh, ranks = stage_mesh(cfg), stage_ranks(cfg)[0]

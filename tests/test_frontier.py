@@ -491,3 +491,56 @@ def test_float8_linears_price_each_block_product_at_the_table_rate_and_nothing_e
     with pytest.raises(UserError, match="no measured Float8") as e:
         plan_config(built.model, built.inputs, stack, "dgx-h100:1", parse_config("precision=bf16,float8=linears"))
     assert "\n" not in str(e.value)
+
+
+def test_attention_is_priced_at_the_measured_kernel_rates_causal_aware(tmp_path):
+    """A profile with measured attention rates (the Llama 3 preset's H100) prices an attention call by the kernel:
+    non-causal at the non-causal rate, ``is_causal`` with its query rows whole at the causal rate (the kernel
+    skips the hidden half), split n ways by query rows (``causal_rows``) at the slowest rank's work — its
+    rectangle non-causal, its own square causal. A profile without them (``dgx-h100``'s) prices attention as any
+    op. A captured tiny Llama's attention is ``is_causal`` under ``unpacked_sequences``, and its plan's compute
+    falls where the rates apply; a cluster file's bad ``attention_tflops`` is refused in one line."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.cluster.presets import H100_ATTENTION_TFLOPS
+    from meshpilot.errors import ClusterFileError
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.ops.attention import attention_kind
+    from meshpilot.planner.accounting import ComputeCost
+    from meshpilot.sharding.strategies import Strategy
+
+    cl = load_cluster("llama3-h100:1")
+    cm = CostModel(LogicalMesh(cl, (1, 1), [[0]]))
+    rf, rb, cf, cb = (t * 1e12 for t in H100_ATTENTION_TFLOPS)
+    f = 1e12
+    assert cm.attention(f, 0, False, 1, False) == pytest.approx(f / rf)
+    assert cm.attention(f, 0, False, 16, True) == pytest.approx(f / rb)  # rows split: non-causal all the same
+    assert cm.attention(f, 0, True, 1, False) == pytest.approx(f / cf)
+    assert cm.attention(f, 0, True, 16, True) == pytest.approx(15 / 16 * f / rb + f / 16 / cb)
+    assert f / cf < cm.attention(f, 0, True, 16, False) < f / rf  # between the two kernels
+    assert CostModel(LogicalMesh(load_cluster("dgx-h100:1"), (1, 1), [[0]])).attention(f, 0, True, 1, False) is None
+
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision="bf16")
+    calls = [n for n in stack.graph.nodes if attention_kind(n) is not None]
+    assert {attention_kind(n) for n in calls} == {(True, False), (True, True)}
+    masked = capture_stack(built.model, built.inputs, precision="bf16")  # fake tensors: a [b, 1, t, t] mask
+    assert {attention_kind(n)[0] for n in masked.graph.nodes if attention_kind(n) is not None} == {False}
+    node = next(n for n in calls if not attention_kind(n)[1])
+    whole = Strategy(outs=(None,), ins=())
+    fast = dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory_bandwidth=1e18))  # FLOPs bound
+    cc = ComputeCost(CostModel(LogicalMesh(fast, (1, 1), [[0]])), (1,), stack.graph)
+    assert cc.node(node, whole) == pytest.approx(node.flops / cf)
+    plain = dataclasses.replace(fast, device=dataclasses.replace(fast.device, attention=None))
+    cc = ComputeCost(CostModel(LogicalMesh(plain, (1, 1), [[0]])), (1,), stack.graph)
+    assert cc.node(node, whole) == pytest.approx(node.flops / (989.5e12 * plain.device.compute_efficiency))
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        '[device_profile]\nkind = "x"\npeak_tflops_fp32 = 1.0\nmemory_GBps = 1.0\nmemory_GiB = 1.0\n'
+        "attention_tflops = [1.0, 2.0]\n[[layers]]\nname = \"x\"\nranks = 1\np2p_GBps = 1.0\ngroup_GBps = 1.0\n"
+    )
+    with pytest.raises(ClusterFileError, match="attention_tflops") as e:
+        load_cluster(str(bad))
+    assert "\n" not in str(e.value)

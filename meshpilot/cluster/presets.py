@@ -181,6 +181,16 @@ neighbours, its weights cast on their FSDP shard before a float8 all-gather), so
 its rows, and the stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
 
 
+H100_ATTENTION_TFLOPS = (680.8, 563.7, 1129.6, 1000.6)
+"""Fused attention (``F.scaled_dot_product_attention``, bf16, the flash kernel) measured on the same H100 80GB
+HBM3 at one TP 8 rank's share of a Llama 3 405B call (1 sequence, 16 heads, 8,192 tokens, head 128; the mean of
+20 after 3 warm-ups; docs/frontier/h100_llama405b_shapes.json's ``attn``): TFLOP/s on ``attention_flops``' count
+of the whole square, non-causal forward (0.808 ms) and backward (fwd + bwd 3.246 ms less the forward), causal
+forward (0.487 ms) and backward (1.860 ms less 0.487): ``DeviceProfile.attention``. A causal call runs 0.57 of a
+non-causal one's time, not 0.5: the diagonal blocks. Not measured: other lengths (CP's 8,192 query rows against
+131,072 keys), other GPUs."""
+
+
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
     """An H100 SXM device profile at the measured efficiencies and GEMM rates above (bf16 and Float8, the casts'
     bytes); `memory_gib` and `memory_gbps`
@@ -197,6 +207,7 @@ def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str
         "compute_efficiency": round(H100_BF16_MEASURED_TFLOPS / 989.5, 4),
         "memory_efficiency": round(H100_COPY_MEASURED_GBPS / 3350.0, 4),
         "float8_cast_bytes": FLOAT8_CAST_BYTES,
+        "attention_tflops": list(H100_ATTENTION_TFLOPS),
     }
 
 

@@ -69,7 +69,6 @@ planned candidate with the shortest simulated step.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -416,7 +415,7 @@ class _Captures:
             model, inputs = self.build(rows)
             first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
             self.seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
-            with unpacked_sequences() if self.seq >= CONTEXT_FROM else contextlib.nullcontext():
+            with unpacked_sequences():
                 stack = capture_stack(model, inputs, precision=self.precision)
             if not isinstance(stack, Stack):
                 raise UserError("config search: the model is not a stack of at least 5 identical blocks")
