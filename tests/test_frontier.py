@@ -37,12 +37,14 @@ TINY = dict(
 
 
 def test_llama3_cluster_is_pods_of_3072_at_one_seventh_between():
+    from meshpilot.cluster.presets import NCCL_NVLINK_BUSBW_GBPS
+
     cl = load_cluster("llama3-h100")
     assert cl.num_devices == 24_576 and [x.name for x in cl.layers] == ["pod", "node", "gpu"]
     pod, node, gpu = cl.layers
     assert (pod.ranks, node.ranks, gpu.ranks) == (8, 384, 8)
     assert pod.group_bw[0] == pytest.approx(3072 * 50e9 / 7)  # 1:7 oversubscribed aggregation
-    assert node.group_bw[0] == pytest.approx(400e9) and gpu.group_bw[0] == pytest.approx(450e9)
+    assert node.group_bw[0] == pytest.approx(400e9) and gpu.group_bw[0] == pytest.approx(NCCL_NVLINK_BUSBW_GBPS * 1e9)
     assert cl.device.flops_for("bfloat16") * cl.device.compute_efficiency == pytest.approx(756.7e12, rel=1e-3)
     assert load_cluster("llama3-h100:2").num_devices == 6144
     tt = load_cluster("torchtitan-h100:64")
@@ -539,7 +541,7 @@ def test_attention_is_priced_at_the_measured_kernel_rates_causal_aware(tmp_path)
     bad = tmp_path / "bad.toml"
     bad.write_text(
         '[device_profile]\nkind = "x"\npeak_tflops_fp32 = 1.0\nmemory_GBps = 1.0\nmemory_GiB = 1.0\n'
-        "attention_tflops = [1.0, 2.0]\n[[layers]]\nname = \"x\"\nranks = 1\np2p_GBps = 1.0\ngroup_GBps = 1.0\n"
+        'attention_tflops = [1.0, 2.0]\n[[layers]]\nname = "x"\nranks = 1\np2p_GBps = 1.0\ngroup_GBps = 1.0\n'
     )
     with pytest.raises(ClusterFileError, match="attention_tflops") as e:
         load_cluster(str(bad))
