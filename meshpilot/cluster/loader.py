@@ -536,6 +536,10 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
     if d.float8_cast_bytes:
         out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
+    if d.attention is not None:
+        a = d.attention
+        rates = (a.forward, a.backward, a.causal_forward, a.causal_backward)
+        out.append(f"attention_tflops = [{', '.join(_f(float(f'{r / 1e12:.6g}')) for r in rates)}]")
     for r in d.matmul:
         out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
         out.append(f"tflops = {_f(r.flops / 1e12)}")
