@@ -114,6 +114,9 @@ def test_reduced_row_plans_simulates_and_splits_its_step():
     row = res.to_json()
     assert {"name", "unit", "published", "simulated_as_published", "planned", "planning_s"} <= set(row)
     assert row["simulated_as_published"] == res.simulated and row["planned"] is None
+    # the same step with attention counted causally: fewer model FLOPs, by exactly 6 · L · h · s a token
+    gap = (res.simulated - row["simulated_causal_count"]) * 1e12 * res.step_s * 8 / (8 * 64)  # 8 GPUs, 8 x 64 tokens
+    assert gap == pytest.approx(6 * TINY["num_hidden_layers"] * TINY["hidden_size"] * 64)
 
 
 def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share():
