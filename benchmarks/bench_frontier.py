@@ -10,7 +10,8 @@ Per row: the model built on the meta device (Hugging Face's ``LlamaForCausalLM``
 (``planner.stack.capture_stack``), the configuration's plan (``config_plan.plan_config``: Megatron-pinned
 stages on Llama 3's rank order), its step simulated (``config_plan.simulate_config``: one stand-in rank per
 pipeline group, the groups' sends at one rank's share) and split term by term (``config_plan.breakdown``).
-TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config_plan.model_flops_per_token``);
+TFLOP/s per GPU = tokens · (6 · N + 12 · L · h · s) / step / GPUs (``config_plan.model_flops_per_token``; the
+"causal count" column, JSON ``simulated_causal_count``: 6 · L · h · s, the causal half, the paper not saying which);
 tokens/s per GPU (torchtitan's unit) = global batch · sequence / step / GPUs; the error is simulated / published − 1.
 A row whose configuration meshpilot cannot represent is printed with the reason and simulated as nothing.
 torchtitan's rows ran Float8 linears: planned with ``float8=linears`` (``config_plan``, *Float8*: every block
@@ -35,7 +36,6 @@ in ``planning_cpu_s``), ``planned_config`` the configuration it chose (``--confi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -150,6 +150,8 @@ class Result:
 
     row: Row
     simulated: float | None = None
+    simulated_causal_count: float | None = None
+    """TFLOP/s rows: the same step with attention counted causally (``model_flops_per_token(causal=True)``)."""
     refused: str = ""
     capture_s: float = 0.0
     config_plan_s: float = 0.0
@@ -174,6 +176,7 @@ class Result:
             "name": r.name, "unit": r.unit, "published": r.published, "simulated_as_published": self.simulated,
             **_own_json(self.own, ""), **_own_json(self.own_same_memory, "_at_published_memory"),
             "error": self.error, "refused": self.refused or None,
+            "simulated_causal_count": self.simulated_causal_count,
             "source": r.source, "cluster": r.cluster, "config": r.config, "step_s": self.step_s or None,
             "eq2_step_s": self.eq2_step_s or None, "capture_s": self.capture_s, "config_plan_s": self.config_plan_s,
             "simulate_s": self.simulate_s, "peak_memory_gib": self.peak_gib or None,
@@ -196,7 +199,7 @@ def run_row(
         return out
     t0 = time.perf_counter()
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():  # is_causal, no mask tensor
+    with unpacked_sequences():  # is_causal, no mask tensor: what eager runs on whole sequences
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(f"{row.name}: the model is not a repeated stack of blocks; the frontier rows need one")
@@ -218,6 +221,9 @@ def run_row(
     else:
         price = lambda step: tflops_per_gpu(per_token, tokens, step, cfg.devices)  # noqa: E731
     out.simulated = price(sim.step_s)
+    if row.unit != "tokens/s/GPU":
+        causal = model_flops_per_token(built.model, layers, hidden, row.seq, causal=True)
+        out.simulated_causal_count = tflops_per_gpu(causal, tokens, sim.step_s, cfg.devices)
     if terms:
         out.terms = breakdown(cp, built.model, built.inputs, stack, sim.step_s, sp)
     if search and cfg.float8 is Float8.NONE:  # the search has no Float8 lever (module docstring)
@@ -266,7 +272,7 @@ def show(results: list[Result]) -> None:
     """The table (published, simulated as published, meshpilot's own plan side by side), each row's terms,
     then each search's candidates."""
     head = (f"{'row':<28} {'unit':<13} {'published':>9} {'simulated':>9} {'error':>7} {'step s':>7} {'peak GiB':>8} "
-            f"{'own plan':>8} {'vs pub.':>7} {'vs sim.':>7} {'same mem.':>9}")  # fmt: skip
+            f"{'own plan':>8} {'vs pub.':>7} {'vs sim.':>7} {'same mem.':>9} {'causal count':>14}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     for r in results:
         if r.simulated is None:
@@ -275,9 +281,11 @@ def show(results: list[Result]) -> None:
         own = (f"{r.own.throughput:8.1f} {r.own.throughput / r.row.published - 1:+7.1%} "
                f"{r.own.throughput / r.simulated - 1:+7.1%}" if r.own else f"{'—':>8} {'':>7} {'':>7}")  # fmt: skip
         same = f"{r.own_same_memory.throughput:9.1f}" if r.own_same_memory else f"{'—':>9}"
+        c = r.simulated_causal_count
+        causal = f"{c:6.1f} {c / r.row.published - 1:+7.1%}" if c else f"{'—':>14}"
         print(
             f"{r.row.name:<28} {r.row.unit:<13} {r.row.published:9.0f} {r.simulated:9.1f} {r.error:+7.1%} "
-            f"{r.step_s:7.2f} {r.peak_gib:8.1f} {own} {same}"
+            f"{r.step_s:7.2f} {r.peak_gib:8.1f} {own} {same} {causal}"
         )
     for r in results:
         if r.terms is None:
@@ -302,7 +310,7 @@ def block_plans(row: Row) -> None:
 
     cfg = parse_config(row.config)
     built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
-    with unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext():
+    with unpacked_sequences():
         stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
     base = StagePlanner(stack.graph, row.cluster)
     mesh, ranks = stage_mesh(cfg), stage_ranks(cfg)[0]

@@ -118,10 +118,10 @@ EXPECTED = [
     ("hidup-2x4-30g", (2, 4), 3.75 / 4, 75.0),
     ("hidup-2x4-10g", (4, 2), 1.25 / 2, 25.0),
     ("dgx-h100:2", (8, 2), 200.0, 900.0),
-    ("torchtitan-h100:2", (2, 8), 400 / 8, 450.0),  # 8 groups share a host's 8 x 50 GB/s NICs; NVLink each way
-    ("torchtitan-h100:2", (16, 1), 400.0, math.inf),
-    ("llama3-h100:1", (384, 8), 400 / 8, 450.0),
-    ("llama3-h100:2", (2, 3072), 50 / 7, 400.0),  # 3,072 groups share a pod's uplinks (1:7); a pod's servers
+    ("torchtitan-h100:2", (2, 8), 400 / 8, 331.0),  # 8 groups share 8 x 50 GB/s NICs; NVLink at NCCL's
+    ("torchtitan-h100:2", (16, 1), 331.0, math.inf),  # a ring through both hosts: NVLink at NCCL's rate binds
+    ("llama3-h100:1", (384, 8), 400 / 8, 331.0),
+    ("llama3-h100:2", (2, 3072), 50 / 7, 331.0),  # 3,072 groups share a pod's uplinks (1:7); a pod's servers
 ]
 
 

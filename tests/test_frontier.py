@@ -37,12 +37,14 @@ TINY = dict(
 
 
 def test_llama3_cluster_is_pods_of_3072_at_one_seventh_between():
+    from meshpilot.cluster.presets import NCCL_NVLINK_BUSBW_GBPS
+
     cl = load_cluster("llama3-h100")
     assert cl.num_devices == 24_576 and [x.name for x in cl.layers] == ["pod", "node", "gpu"]
     pod, node, gpu = cl.layers
     assert (pod.ranks, node.ranks, gpu.ranks) == (8, 384, 8)
     assert pod.group_bw[0] == pytest.approx(3072 * 50e9 / 7)  # 1:7 oversubscribed aggregation
-    assert node.group_bw[0] == pytest.approx(400e9) and gpu.group_bw[0] == pytest.approx(450e9)
+    assert node.group_bw[0] == pytest.approx(400e9) and gpu.group_bw[0] == pytest.approx(NCCL_NVLINK_BUSBW_GBPS * 1e9)
     assert cl.device.flops_for("bfloat16") * cl.device.compute_efficiency == pytest.approx(756.7e12, rel=1e-3)
     assert load_cluster("llama3-h100:2").num_devices == 6144
     tt = load_cluster("torchtitan-h100:64")
@@ -112,6 +114,9 @@ def test_reduced_row_plans_simulates_and_splits_its_step():
     row = res.to_json()
     assert {"name", "unit", "published", "simulated_as_published", "planned", "planning_s"} <= set(row)
     assert row["simulated_as_published"] == res.simulated and row["planned"] is None
+    # the same step with attention counted causally: fewer model FLOPs, by exactly 6 · L · h · s a token
+    gap = (res.simulated - row["simulated_causal_count"]) * 1e12 * res.step_s * 8 / (8 * 64)  # 8 GPUs, 8 x 64 tokens
+    assert gap == pytest.approx(6 * TINY["num_hidden_layers"] * TINY["hidden_size"] * 64)
 
 
 def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share():
@@ -490,4 +495,57 @@ def test_float8_linears_price_each_block_product_at_the_table_rate_and_nothing_e
         assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="no measured Float8") as e:
         plan_config(built.model, built.inputs, stack, "dgx-h100:1", parse_config("precision=bf16,float8=linears"))
+    assert "\n" not in str(e.value)
+
+
+def test_attention_is_priced_at_the_measured_kernel_rates_causal_aware(tmp_path):
+    """A profile with measured attention rates (the Llama 3 preset's H100) prices an attention call by the kernel:
+    non-causal at the non-causal rate, ``is_causal`` with its query rows whole at the causal rate (the kernel
+    skips the hidden half), split n ways by query rows (``causal_rows``) at the slowest rank's work — its
+    rectangle non-causal, its own square causal. A profile without them (``dgx-h100``'s) prices attention as any
+    op. A captured tiny Llama's attention is ``is_causal`` under ``unpacked_sequences``, and its plan's compute
+    falls where the rates apply; a cluster file's bad ``attention_tflops`` is refused in one line."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.cluster.presets import H100_ATTENTION_TFLOPS
+    from meshpilot.errors import ClusterFileError
+    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.ops.attention import attention_kind
+    from meshpilot.planner.accounting import ComputeCost
+    from meshpilot.sharding.strategies import Strategy
+
+    cl = load_cluster("llama3-h100:1")
+    cm = CostModel(LogicalMesh(cl, (1, 1), [[0]]))
+    rf, rb, cf, cb = (t * 1e12 for t in H100_ATTENTION_TFLOPS)
+    f = 1e12
+    assert cm.attention(f, 0, False, 1, False) == pytest.approx(f / rf)
+    assert cm.attention(f, 0, False, 16, True) == pytest.approx(f / rb)  # rows split: non-causal all the same
+    assert cm.attention(f, 0, True, 1, False) == pytest.approx(f / cf)
+    assert cm.attention(f, 0, True, 16, True) == pytest.approx(15 / 16 * f / rb + f / 16 / cb)
+    assert f / cf < cm.attention(f, 0, True, 16, False) < f / rf  # between the two kernels
+    assert CostModel(LogicalMesh(load_cluster("dgx-h100:1"), (1, 1), [[0]])).attention(f, 0, True, 1, False) is None
+
+    built = build_hf("llama", TINY, batch=1, seq=64)
+    with unpacked_sequences():
+        stack = capture_stack(built.model, built.inputs, precision="bf16")
+    calls = [n for n in stack.graph.nodes if attention_kind(n) is not None]
+    assert {attention_kind(n) for n in calls} == {(True, False), (True, True)}
+    masked = capture_stack(built.model, built.inputs, precision="bf16")  # fake tensors: a [b, 1, t, t] mask
+    assert {attention_kind(n)[0] for n in masked.graph.nodes if attention_kind(n) is not None} == {False}
+    node = next(n for n in calls if not attention_kind(n)[1])
+    whole = Strategy(outs=(None,), ins=())
+    fast = dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory_bandwidth=1e18))  # FLOPs bound
+    cc = ComputeCost(CostModel(LogicalMesh(fast, (1, 1), [[0]])), (1,), stack.graph)
+    assert cc.node(node, whole) == pytest.approx(node.flops / cf)
+    plain = dataclasses.replace(fast, device=dataclasses.replace(fast.device, attention=None))
+    cc = ComputeCost(CostModel(LogicalMesh(plain, (1, 1), [[0]])), (1,), stack.graph)
+    assert cc.node(node, whole) == pytest.approx(node.flops / (989.5e12 * plain.device.compute_efficiency))
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        '[device_profile]\nkind = "x"\npeak_tflops_fp32 = 1.0\nmemory_GBps = 1.0\nmemory_GiB = 1.0\n'
+        'attention_tflops = [1.0, 2.0]\n[[layers]]\nname = "x"\nranks = 1\np2p_GBps = 1.0\ngroup_GBps = 1.0\n'
+    )
+    with pytest.raises(ClusterFileError, match="attention_tflops") as e:
+        load_cluster(str(bad))
     assert "\n" not in str(e.value)

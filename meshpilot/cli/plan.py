@@ -43,7 +43,6 @@ torchrun, or `meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import re
 import time
@@ -397,7 +396,7 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
         check_out(args.out)
     progress = make_console(stderr=True)
     built = build_model(args.model, batch=cfg.graph_batch, **_model_kw(args))
-    unpacked = unpacked_sequences() if cfg.cp > 1 else contextlib.nullcontext()  # is_causal, no mask tensor
+    unpacked = unpacked_sequences()  # is_causal, no mask tensor: what eager runs on whole sequences
     with (
         progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"),
         unpacked,

@@ -82,6 +82,19 @@ A Float8 linear's product (``OpNode.float8``, ``config_plan``'s ``float8=linears
 Float8 rate for its shape plus its operands' casts, memory-bound kernels of their own (:meth:`CostModel.float8_gemm`).
 The accounting adds the device's fixed cost per operator (``DeviceProfile.op_overhead``) to each
 operator's roofline and prices the optimizer's update from ``membw`` (``planner.accounting``).
+
+Attention, where the profile holds a fused kernel's measured rates (``DeviceProfile.attention``: R_f, R_b
+non-causal, C_f, C_b causal, all on ``attention_flops``' count F of the whole ``t × s`` square; R = R_f or
+R_b, C = C_f or C_b by direction; :meth:`CostModel.attention`), a device's share F_d = F / split runs
+
+  non-causal                      F_d / R
+  causal, query rows whole        F_d / C                                   (the kernel skips the hidden half)
+  causal, query rows split n ways (n − 1)/n · F_d / R  +  1/n · F_d / C      (``ops.causal_rows``, contiguous)
+
+The last is the slowest rank of the all-gather method: rank n − 1's rows see every earlier key block whole
+(the rectangle, non-causal) and their own square causally; every rank is priced as it (the step waits for it).
+Without measured rates an attention call is priced as any op (F_d at peak · eff_c: the math path computes
+every pair).
 """
 
 from __future__ import annotations
@@ -264,6 +277,22 @@ class CostModel:
         else:
             t_flops = flops / (d.flops_for(dtype) * d.compute_efficiency)
         t_bytes = nbytes / (d.memory_bandwidth * d.memory_efficiency) if nbytes else 0.0
+        return max(t_flops, t_bytes)
+
+    def attention(self, flops: float, nbytes: float, causal: bool, rows_split: int, backward: bool) -> float | None:
+        """Seconds of a device's share `flops` of an attention call at the profile's measured rates (module
+        docstring); `rows_split` the ways its query rows are split (causal calls only); None without rates."""
+        rates = self.device.attention
+        if rates is None:
+            return None
+        full = rates.backward if backward else rates.forward
+        if not causal:
+            t_flops = flops / full
+        else:
+            diag = rates.causal_backward if backward else rates.causal_forward
+            n = max(rows_split, 1)
+            t_flops = (n - 1) / n * flops / full + flops / n / diag
+        t_bytes = nbytes / (self.device.memory_bandwidth * self.device.memory_efficiency) if nbytes else 0.0
         return max(t_flops, t_bytes)
 
     def float8_gemm(self, flops: float, nbytes: float, gemm: tuple[int, int, int]) -> float:

@@ -26,6 +26,13 @@ default of every built-in profile, whose vendors publish no such number):
   on a GPU). The probe fits it from the process CPU time (all threads) of the same compute and bytes with two
   counts of asynchronous all-reduces, issued as a backward issues its buckets (``meshpilot.cluster.probe``).
   The cost model adds it to every collective's time (``meshpilot.cluster.cost``).
+
+Attention (:class:`AttentionRates`; none in a built-in profile): a fused attention kernel's measured FLOP/s on
+``ops.attention.attention_flops``' count (the whole ``t × s`` score square, 2 matmuls forward, 5 backward with
+the scores recomputed), non-causal and causal, forward and backward. Flash attention skips the key blocks a
+causal mask hides, so a causal call runs at about twice the non-causal rate on that count
+(``CostModel.attention``). Without them an attention call is priced as any op: its whole count at the peak
+times ``compute_efficiency`` (the math path, which computes every pair, as a CPU does).
 """
 
 from __future__ import annotations
@@ -57,6 +64,17 @@ class MatmulRate:
 
 
 @dataclass(frozen=True)
+class AttentionRates:
+    """A fused attention kernel's FLOP/s on ``attention_flops``' count (the whole ``t × s`` square, causal or
+    not), measured at one shape: a causal call's rate counts the pairs it skips, as its time is what it is."""
+
+    forward: float
+    backward: float
+    causal_forward: float
+    causal_backward: float
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """One accelerator's compute, memory bandwidth and capacity."""
 
@@ -83,6 +101,8 @@ class DeviceProfile:
     float8_cast_bytes: float = 0.0
     """Bytes of memory traffic that each element of a Float8 product's two operands costs to cast (amax, scale,
     cast to float8 in the layout the product reads: :meth:`float8_cast_seconds`); 0: not priced."""
+    attention: AttentionRates | None = None
+    """A fused attention kernel's measured rates (module docstring); None: attention priced as any op."""
 
     @property
     def has_float8(self) -> bool:

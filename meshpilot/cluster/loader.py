@@ -42,6 +42,8 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
     collective_overhead_us = 1500.0   # optional (default 0): host CPU of one collective beyond its bytes
     float8_cast_bytes = 5.0       # optional (default 0): bytes a Float8 product's operand element costs to cast
+    attention_tflops = [593.0, 564.0, 1130.0, 1001.0]   # optional: a fused attention kernel's TFLOP/s on
+                                  # the whole t x s square: forward, backward, causal forward, causal backward
 
     [[device_profile.matmul]]     # optional, repeatable: a GEMM [m, k] @ [k, n] measured at this rate
     m = 8192                      # (`meshpilot probe --matmul-shapes-from MODEL`); the cost model prices
@@ -62,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from meshpilot.cluster.devices import DEVICES, FLOAT8, DeviceProfile, MatmulRate
+from meshpilot.cluster.devices import DEVICES, FLOAT8, AttentionRates, DeviceProfile, MatmulRate
 from meshpilot.cluster.topology import GB, Calibration, Cluster, Layer
 from meshpilot.errors import ClusterFileError
 
@@ -91,6 +93,7 @@ PROFILE_KEYS = {
     "foreach_overhead_us",
     "collective_overhead_us",
     "float8_cast_bytes",
+    "attention_tflops",
     "matmul",
 }
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
@@ -200,6 +203,7 @@ _PROFILE_FIX = {
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
     "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
+    "attention_tflops": "give four positive TFLOP/s: forward, backward, causal forward, causal backward",
 }
 _NONNEGATIVE_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us", "float8_cast_bytes")
 """Profile keys that may be zero (not modelled); every other number must be positive."""
@@ -220,7 +224,7 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
             source, "device_profile.kind", f"must be a non-empty string, got {kind!r}", _PROFILE_FIX["kind"]
         )
     values: dict[str, float] = {}
-    for key in sorted(PROFILE_KEYS - {"kind", "matmul"}):
+    for key in sorted(PROFILE_KEYS - {"kind", "matmul", "attention_tflops"}):
         if key not in table:
             continue
         where = f"device_profile.{key}"
@@ -247,7 +251,19 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         values.get("foreach_overhead_us", 0.0) * 1e-6,
         values.get("collective_overhead_us", 0.0) * 1e-6,
         values.get("float8_cast_bytes", 0.0),
+        _attention_rates(table.get("attention_tflops"), source),
     )
+
+
+def _attention_rates(raw: Any, source: str) -> AttentionRates | None:
+    """``attention_tflops``: four positive TFLOP/s (forward, backward, causal forward, causal backward)."""
+    if raw is None:
+        return None
+    where, fix = "device_profile.attention_tflops", _PROFILE_FIX["attention_tflops"]
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise ClusterFileError(source, where, f"must be a list of four numbers, got {raw!r}", fix)
+    rates = [_number(v, where, source, positive=True, fix=fix) * 1e12 for v in raw]
+    return AttentionRates(*rates)
 
 
 def _matmul_rates(raw: Any, source: str) -> tuple[MatmulRate, ...]:
@@ -520,6 +536,10 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
     if d.float8_cast_bytes:
         out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
+    if d.attention is not None:
+        a = d.attention
+        rates = (a.forward, a.backward, a.causal_forward, a.causal_backward)
+        out.append(f"attention_tflops = [{', '.join(_f(float(f'{r / 1e12:.6g}')) for r in rates)}]")
     for r in d.matmul:
         out += ["", "[[device_profile.matmul]]", f"m = {r.m}", f"n = {r.n}", f"k = {r.k}", f"dtype = {_q(r.dtype)}"]
         out.append(f"tflops = {_f(r.flops / 1e12)}")

@@ -181,6 +181,16 @@ neighbours, its weights cast on their FSDP shard before a float8 all-gather), so
 its rows, and the stand-alone one their pessimistic bound (docs/frontier.md, *Float8*: the rows at both)."""
 
 
+H100_ATTENTION_TFLOPS = (680.8, 563.7, 1129.6, 1000.6)
+"""Fused attention (``F.scaled_dot_product_attention``, bf16, the flash kernel) measured on the same H100 80GB
+HBM3 at one TP 8 rank's share of a Llama 3 405B call (1 sequence, 16 heads, 8,192 tokens, head 128; the mean of
+20 after 3 warm-ups; docs/frontier/h100_llama405b_shapes.json's ``attn``): TFLOP/s on ``attention_flops``' count
+of the whole square, non-causal forward (0.808 ms) and backward (fwd + bwd 3.246 ms less the forward), causal
+forward (0.487 ms) and backward (1.860 ms less 0.487): ``DeviceProfile.attention``. A causal call runs 0.57 of a
+non-causal one's time, not 0.5: the diagonal blocks. Not measured: other lengths (CP's 8,192 query rows against
+131,072 keys), other GPUs."""
+
+
 def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str, Any]:
     """An H100 SXM device profile at the measured efficiencies and GEMM rates above (bf16 and Float8, the casts'
     bytes); `memory_gib` and `memory_gbps`
@@ -197,14 +207,23 @@ def _h100_measured(kind: str, memory_gib: float, memory_gbps: float) -> dict[str
         "compute_efficiency": round(H100_BF16_MEASURED_TFLOPS / 989.5, 4),
         "memory_efficiency": round(H100_COPY_MEASURED_GBPS / 3350.0, 4),
         "float8_cast_bytes": FLOAT8_CAST_BYTES,
+        "attention_tflops": list(H100_ATTENTION_TFLOPS),
     }
 
 
 ROCE_GPU_GBPS = 50.0
 """One 400 Gbps RoCE / InfiniBand NIC per GPU: 50 GB/s each way."""
-NVLINK4_GBPS = 450.0
-"""An H100 SXM's NVLink-4 per direction: 18 links of 25 GB/s each way (NVIDIA's "900 GB/s" counts both
-directions). The frontier presets give every link per direction, the NICs' 50 GB/s too, since a ring's or
+NCCL_NVLINK_BUSBW_GBPS = 331.0
+"""What NCCL's ring reaches over an H100 server's NVLink / NVSwitch, whose line rate is 450 GB/s each way (NVLink-4:
+18 links of 25 GB/s; NVIDIA's "900 GB/s" counts both directions): the bus bandwidth ``busbw`` of nccl-tests (for
+an all-gather or reduce-scatter of M bytes on n GPUs, ``(n − 1)/n · M / time``: the cost model's B'), measured
+for ``reduce_scatter_perf`` on 8 H100 80GB HBM3 with NCCL's ring at 256 MiB: 330.9 GB/s (311 at 128 MiB, 349 at
+1 GiB, 362 at 8 GiB; NVIDIA/nccl issue #1047). The frontier rows' TP collectives are that size: a microbatch's
+``[8,192, 16,384]`` bf16 norm output gathered, a row product's partial sum scattered, 268 MB. NCCL's maintainer:
+"450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of
+370GB/s", seen as busbw of the non-all-reduce collectives (NVIDIA/nccl-tests issue #212); NVLink SHARP (NVLS)
+speeds only the all-reduce, and is slower than the ring for reduce-scatter and all-gather (NVIDIA/nccl issue
+#1083). The frontier presets give every link per direction, the NICs' 50 GB/s too, since a ring's or
 Rabenseifner's all-reduce sends and receives at once: its bandwidth term is the per-direction rate (``dgx-h100``
 and ATP's presets keep the papers' two-direction NVLink numbers)."""
 LLAMA3_POD_GPUS = 3072
@@ -227,7 +246,7 @@ def _llama3_h100(pods: int) -> dict[str, Any]:
     layers = [
         _layer("pod", pods, pod_out, pod_out, 10.0),
         _layer("node", servers, node, node, 5.0),
-        _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0),
+        _layer("gpu", 8, NCCL_NVLINK_BUSBW_GBPS, NCCL_NVLINK_BUSBW_GBPS, 2.0),
     ]
     out = {"name": f"llama3-h100:{pods}", "device_profile": _h100_measured("h100-sxm-80gb", 80.0, 3350.0)}
     out["layers"] = layers
@@ -241,7 +260,10 @@ def _torchtitan_h100(nodes: int) -> dict[str, Any]:
     # measured efficiency above are an upper bound on its rate). No oversubscription is given for 512 GPUs:
     # the hosts sit on one non-blocking layer.
     node = 8 * ROCE_GPU_GBPS
-    layers = [_layer("node", nodes, node, node, 5.0), _layer("gpu", 8, NVLINK4_GBPS, NVLINK4_GBPS, 2.0)]
+    layers = [
+        _layer("node", nodes, node, node, 5.0),
+        _layer("gpu", 8, NCCL_NVLINK_BUSBW_GBPS, NCCL_NVLINK_BUSBW_GBPS, 2.0),
+    ]
     out = {"name": f"torchtitan-h100:{nodes}", "device_profile": _h100_measured("h100-hbm2e-96gb", 96.0, 2400.0)}
     out["layers"] = layers
     return out

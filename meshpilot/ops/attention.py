@@ -73,6 +73,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -425,6 +426,23 @@ def attention_flops(q_shape, k_shape, v_shape, backward: bool) -> float:
     s, ev = k_shape[-2], v_shape[-1]
     per = b * h * t * s * (e + ev)  # multiply-adds of QKᵀ and PV together
     return float(2 * per * (2.5 if backward else 1.0))
+
+
+_IS_CAUSAL_ARG = {"meshpilot.sdpa.default": 4, "meshpilot.sdpa_backward.default": 7}
+"""Position of ``is_causal`` among each op's arguments (the mask's is the one before it)."""
+
+
+def attention_kind(node: Any) -> tuple[bool, bool] | None:
+    """``(causal, backward)`` of an attention node (``meshpilot::sdpa`` or its backward), None for any other
+    node. Causal: ``is_causal`` with no mask tensor, the call a fused kernel runs skipping the hidden pairs
+    (read off the node's FX node; a node read from a file has none and counts as non-causal: every pair)."""
+    target = str(node.target)
+    at = _IS_CAUSAL_ARG.get(target)
+    if at is None:
+        return None
+    args = node.fx_node.args if node.fx_node is not None else ()
+    causal = len(args) > at and bool(args[at]) and args[at - 1] is None
+    return causal, target == "meshpilot.sdpa_backward.default"
 
 
 # ------------------------------------------------------------------------------------------- sharding

@@ -144,6 +144,7 @@ from torch.distributed.tensor import Shard
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
 from meshpilot.graph.views import aliases_input
+from meshpilot.ops.attention import attention_kind
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
 from meshpilot.sharding.reshard import CollectiveKind
@@ -761,11 +762,28 @@ class ComputeCost:
         dtype = node.out.dtype if node.out is not None else "float32"
         nbytes = (node.bytes_read + node.bytes_written) / split
         gemm = self._local_gemm(node, s)
-        if node.float8 and gemm is not None:  # a Float8 linear's product and its operands' casts
+        attention = self._attention(node, out, nbytes, split)
+        if attention is not None:  # a fused kernel's measured rates, causal-aware (``CostModel.attention``)
+            roofline = attention
+        elif node.float8 and gemm is not None:  # a Float8 linear's product and its operands' casts
             roofline = self.cm.float8_gemm(node.flops / split, nbytes, gemm)
         else:
             roofline = self.cm.compute(node.flops / split, nbytes, dtype, gemm)
         return roofline + self.cm.device.op_overhead
+
+    def _attention(self, node: OpNode, out: Any, nbytes: float, split: int) -> float | None:
+        """Seconds of an attention node's share at the device's measured attention rates; None for other nodes
+        or without rates. Its query rows (dim 2 of its first output, ``[b, h, t, e]``) split over the mesh
+        axes that shard them: ``ops.causal_rows``' contiguous chunks, the slowest rank's work priced."""
+        kind = attention_kind(node)
+        if kind is None or self.cm.device.attention is None:
+            return None
+        causal, backward = kind
+        rows = 1
+        for axis, p in enumerate(out or ()):
+            if isinstance(p, Shard) and p.dim == 2:
+                rows *= self.mesh_shape[axis]
+        return self.cm.attention(node.flops / split, nbytes, causal, rows, backward)
 
     def update(self, node: OpNode, s: Any) -> float:
         """Seconds of the optimizer's update of parameter `node` stored as strategy `s` lays it out

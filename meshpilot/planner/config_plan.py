@@ -78,7 +78,9 @@ here), ``zero`` above 0; ``cp > 1`` with ``micro_batch`` above 1 or a sequence t
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
-the ``QKᵀ`` and ``AV`` matmuls counted in full, causal or not); TFLOP/s per GPU = model FLOPs / step / GPUs.
+the ``QKᵀ`` and ``AV`` matmuls counted in full, causal or not); TFLOP/s per GPU = model FLOPs / step / GPUs. With
+``causal=True`` the attention term is ``6 · L · h · s``: only the pairs a causal mask keeps, flash attention's own
+benchmark convention. Which one a paper used is often unstated (Llama 3's Table 4 does not say).
 """
 
 from __future__ import annotations
@@ -757,15 +759,16 @@ def breakdown(
     return Breakdown(step_s, compute, tp, dp, opt, step_s - compute - tp - dp - opt)
 
 
-def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int) -> float:
-    """``6 · N + 12 · L · h · s`` (module docstring, *Throughput*), N without the input embedding table."""
+def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int, causal: bool = False) -> float:
+    """``6 · N + 12 · L · h · s`` (module docstring, *Throughput*), N without the input embedding table; with
+    `causal`, ``6 · N + 6 · L · h · s`` (the causal half of the score square)."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None and hasattr(model, "model"):
         embed = model.model.get_input_embeddings()
     n = sum(p.numel() for p in model.parameters())
     if embed is not None:
         n -= embed.weight.numel()
-    return 6.0 * n + 12.0 * layers * hidden * seq
+    return 6.0 * n + (6.0 if causal else 12.0) * layers * hidden * seq
 
 
 def tflops_per_gpu(flops_per_token: float, tokens: int, step_s: float, gpus: int) -> float:

@@ -69,7 +69,6 @@ planned candidate with the shortest simulated step.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -406,9 +405,10 @@ class _Captures:
     precision: str
     cluster: Cluster
     seq: int = 0
-    """The sequence length of the inputs (dim 1 of the token ids), known after the first capture; at least
-    :data:`CONTEXT_FROM`, every capture is made under ``models.sources.unpacked_sequences`` (attention
-    ``is_causal``, no ``[b, 1, t, t]`` mask tensor), as eager training on such inputs runs it."""
+    """The sequence length of the inputs (dim 1 of the token ids), known after the first capture. Every capture
+    is made under ``models.sources.unpacked_sequences`` (attention ``is_causal``, no ``[b, 1, t, t]`` mask
+    tensor), as eager training on whole sequences runs it, and as ``plan --config`` and the frontier bench
+    capture: a profile with flash attention's rates prices the causal call at its causal rate."""
     _got: dict[tuple[int, Recompute], tuple[Any, Any, Stack, StagePlanner]] = field(default_factory=dict)
 
     def __call__(self, rows: int, rc: Recompute = Recompute.NONE) -> tuple[Any, Any, Stack, StagePlanner]:
@@ -416,7 +416,7 @@ class _Captures:
             model, inputs = self.build(rows)
             first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
             self.seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
-            with unpacked_sequences() if self.seq >= CONTEXT_FROM else contextlib.nullcontext():
+            with unpacked_sequences():
                 stack = capture_stack(model, inputs, precision=self.precision)
             if not isinstance(stack, Stack):
                 raise UserError("config search: the model is not a stack of at least 5 identical blocks")
