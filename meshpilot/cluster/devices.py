@@ -27,12 +27,12 @@ default of every built-in profile, whose vendors publish no such number):
   counts of asynchronous all-reduces, issued as a backward issues its buckets (``meshpilot.cluster.probe``).
   The cost model adds it to every collective's time (``meshpilot.cluster.cost``).
 
-Attention (:class:`AttentionRates`; none in a built-in profile): a fused attention kernel's measured FLOP/s on
-``ops.attention.attention_flops``' count (the whole ``t × s`` score square, 2 matmuls forward, 5 backward with
-the scores recomputed), non-causal and causal, forward and backward. Flash attention skips the key blocks a
-causal mask hides, so a causal call runs at about twice the non-causal rate on that count
-(``CostModel.attention``). Without them an attention call is priced as any op: its whole count at the peak
-times ``compute_efficiency`` (the math path, which computes every pair, as a CPU does).
+Attention (:class:`AttentionRates`; only the frontier presets' measured H100s carry them): a fused attention
+kernel's measured FLOP/s on ``ops.attention.attention_flops``' count (the whole ``t × s`` score square, 2 matmuls
+forward, 5 backward with the scores recomputed), non-causal and causal, forward and backward. Flash attention skips
+the key blocks a causal mask hides, so a causal call runs at about twice the non-causal rate on that count
+(``CostModel.attention``). Without them an attention call is priced as any op: its whole count at the peak times
+``compute_efficiency`` (the math path, which computes every pair, as a CPU does).
 """
 
 from __future__ import annotations
