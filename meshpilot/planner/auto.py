@@ -161,8 +161,7 @@ def _finish(
     best, microbatches = search.best, search.microbatches
     if best is None:
         raise _no_shape_fits(search.errors)
-    compute = ComputeCost(search.best_resharder.cost_model, best.shape, graph)
-    acct = account(graph, best.chosen, search.best_resharder, compute, microbatches, search.edges)
+    acct = search.best_account
     report = search.report(capture_s, time.perf_counter() - t_start)
     lm = search.best_resharder.cost_model.mesh
     result = _assemble(graph, best, acct, search.best_builder, lm, search.capacity, report, precision, microbatches)
@@ -265,6 +264,8 @@ class _ShapeSearch:
     best: Candidate | None = None
     best_builder: StrategyBuilder | None = None
     best_resharder: Resharder | None = None
+    best_account: TimeAccount | None = None
+    """``accounting.account`` of :attr:`best`'s strategies on its resharder: its plan's times and collectives."""
     tried: list[MeshCandidate] = dataclasses.field(default_factory=list)
     errors: list[PlanError] = dataclasses.field(default_factory=list)
     build_s: float = 0.0
@@ -349,8 +350,10 @@ class _ShapeSearch:
                 self.tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
                 continue
             cand = t.candidate
+            compute = ComputeCost(t.resharder.cost_model, tuple(t.resharder.mesh_shape), self.graph)
+            acct = account(self.graph, cand.chosen, t.resharder, compute, self.microbatches, self.edges)
             # compared by the step it runs: its gradient buckets' overlap priced (planner.buckets)
-            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, self.edges)
+            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, acct)
             self.build_s += cand.build_s
             self.solve_s += cand.solve_s
             self.post_s += cand.post_s
@@ -358,6 +361,7 @@ class _ShapeSearch:
             self.tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
             if self.best is None or cand.time_s < self.best.time_s - 1e-15:  # over every shape: the first of ties
                 self.best, self.best_builder, self.best_resharder = cand, s.builder, t.resharder
+                self.best_account = acct
 
     def report(self, capture_s: float, total_s: float) -> SolverReport:
         """The solver report of the best candidate, with every candidate tried and the time split."""
