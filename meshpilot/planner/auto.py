@@ -48,6 +48,7 @@ from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memo
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
+from meshpilot.planner.heap import spared_from_collection
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -117,40 +118,42 @@ def plan(
     """
     from meshpilot.cluster import load_cluster
 
-    zero = _check_options(zero, microbatches, overlap, duplex)
-    chooser = get_searcher(searcher)
-    t_start = time.perf_counter()
-    pinned = dict(force or {})
-    force = ForceSpec.of(force)  # every layout read before any work, matched or not
-    if force:
-        force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
-    cl = load_cluster(cluster)
-    n = _check_devices(cl, num_devices, mesh_shape)
-    capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
-    t0 = time.perf_counter()
-    precision = check_precision(model, graph, precision)
-    if graph is None:
-        inputs = microbatch_inputs(example_inputs, microbatches)
-        graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
-    capture_s = time.perf_counter() - t0
-    pins = force.bind(graph) if force else None
-    if pins is not None:
-        pins.check()
-    for line in pins.notes() if pins is not None else ():
-        warnings.warn(line, UserWarning, stacklevel=2)
-    shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
+    with spared_from_collection() as freeze_more:  # planning's objects kept out of full collections (heap)
+        zero = _check_options(zero, microbatches, overlap, duplex)
+        chooser = get_searcher(searcher)
+        t_start = time.perf_counter()
+        pinned = dict(force or {})
+        force = ForceSpec.of(force)  # every layout read before any work, matched or not
+        if force:
+            force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
+        cl = load_cluster(cluster)
+        n = _check_devices(cl, num_devices, mesh_shape)
+        capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
+        t0 = time.perf_counter()
+        precision = check_precision(model, graph, precision)
+        if graph is None:
+            inputs = microbatch_inputs(example_inputs, microbatches)
+            graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
+            freeze_more()  # the graph lives to the end of the plan
+        capture_s = time.perf_counter() - t0
+        pins = force.bind(graph) if force else None
+        if pins is not None:
+            pins.check()
+        for line in pins.notes() if pins is not None else ():
+            warnings.warn(line, UserWarning, stacklevel=2)
+        shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
 
-    def search_graph(g: OpGraph) -> StagePlan:
-        search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
-        shaped = search.structures(shapes, force, merge_trivial)
-        shaped += search.structures(outer, force, merge_trivial, outer_data_parallel=True)
-        for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
-            search.visit(shape_struct, mappings)
-        return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
+        def search_graph(g: OpGraph) -> StagePlan:
+            search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
+            shaped = search.structures(shapes, force, merge_trivial)
+            shaped += search.structures(outer, force, merge_trivial, outer_data_parallel=True)
+            for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
+                search.visit(shape_struct, mappings)
+            return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
 
-    regather = sequence_gathers(graph, pinned)  # sequence parallelism's norm outputs, gathered again (Megatron's)
-    mode = recompute_choice.RecomputeMode.parse(recompute)
-    return recompute_choice.choose(graph, mode, capacity, cl, search_graph, regather)
+        regather = sequence_gathers(graph, pinned)  # sequence parallelism's norm outputs, gathered again (Megatron's)
+        mode = recompute_choice.RecomputeMode.parse(recompute)
+        return recompute_choice.choose(graph, mode, capacity, cl, search_graph, regather)
 
 
 def _finish(
