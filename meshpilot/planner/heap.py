@@ -4,10 +4,10 @@ CPython's cyclic collector walks every object a collection covers. A full (gener
 every tracked object of the process, and one runs whenever the objects that survived the younger generations
 since the last one reach a quarter of the long-lived ones. Planning makes ~10⁵ objects (the trace, the graph,
 DTensor's strategies), so it triggers a few of them, and each walks the ~2.4·10⁵ objects of the imported
-torch, transformers and meshpilot and the model, which planning never frees, and then the capture's graph,
-which lives to the end of the plan. On ``benchmarks/bench_capture_speed.py``'s model (32 blocks, h 4096) the
-three full collections of one ``plan()`` cost ~0.5–0.8 s CPU, a fifth of it, and found ~9,000 objects to free
-(``docs/benchmarks.md``, issue 33 item 4).
+modules (torch, meshpilot) and the model, which planning never frees, and then the capture's graph, which
+lives to the end of the plan. On ``benchmarks/bench_capture_speed.py``'s model (32 blocks, h 4096) the three
+full collections of one ``plan()`` cost ~0.5 s CPU on a quiet machine, a sixth of it, and found ~9,000 objects
+to free (``docs/benchmarks.md``, issue 33 item 4).
 
 ``gc.freeze()`` moves every tracked object into the permanent generation, which no collection walks;
 ``gc.unfreeze()`` puts them back into the oldest generation. :func:`spared_from_collection` freezes what
