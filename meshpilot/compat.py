@@ -423,7 +423,14 @@ class GraphCopy:
             name = match.group(1) if match else name
         args = torch.fx.node.map_arg(node.args, arg_transform)
         kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
-        new = self.graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
+        # made without arguments, then given them: torch 2.13's ``create_node`` walks a call's arguments with
+        # pytree to warn of raw SymInts, most of a copy's cost; a copy's non-node arguments are its traced
+        # node's, which passed that check when the trace made it. Users and uses are kept by the assignments.
+        new = self.graph.create_node(node.op, target, name=name, type_expr=node.type)
+        if args:
+            new.args = args
+        if kwargs:
+            new.kwargs = kwargs
         new.meta = dict(node.meta) if meta is None else meta
         return new
 

@@ -48,6 +48,7 @@ from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memo
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
+from meshpilot.planner.heap import spared_from_collection
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -117,40 +118,42 @@ def plan(
     """
     from meshpilot.cluster import load_cluster
 
-    zero = _check_options(zero, microbatches, overlap, duplex)
-    chooser = get_searcher(searcher)
-    t_start = time.perf_counter()
-    pinned = dict(force or {})
-    force = ForceSpec.of(force)  # every layout read before any work, matched or not
-    if force:
-        force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
-    cl = load_cluster(cluster)
-    n = _check_devices(cl, num_devices, mesh_shape)
-    capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
-    t0 = time.perf_counter()
-    precision = check_precision(model, graph, precision)
-    if graph is None:
-        inputs = microbatch_inputs(example_inputs, microbatches)
-        graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
-    capture_s = time.perf_counter() - t0
-    pins = force.bind(graph) if force else None
-    if pins is not None:
-        pins.check()
-    for line in pins.notes() if pins is not None else ():
-        warnings.warn(line, UserWarning, stacklevel=2)
-    shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
+    with spared_from_collection() as freeze_more:  # planning's objects kept out of full collections (heap)
+        zero = _check_options(zero, microbatches, overlap, duplex)
+        chooser = get_searcher(searcher)
+        t_start = time.perf_counter()
+        pinned = dict(force or {})
+        force = ForceSpec.of(force)  # every layout read before any work, matched or not
+        if force:
+            force.check_mesh(len(mesh_shape) if mesh_shape else 2, tuple(mesh_shape) if mesh_shape else None)
+        cl = load_cluster(cluster)
+        n = _check_devices(cl, num_devices, mesh_shape)
+        capacity = float(memory_bytes if memory_bytes is not None else cl.device.memory_bytes)
+        t0 = time.perf_counter()
+        precision = check_precision(model, graph, precision)
+        if graph is None:
+            inputs = microbatch_inputs(example_inputs, microbatches)
+            graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
+            freeze_more()  # the graph lives to the end of the plan
+        capture_s = time.perf_counter() - t0
+        pins = force.bind(graph) if force else None
+        if pins is not None:
+            pins.check()
+        for line in pins.notes() if pins is not None else ():
+            warnings.warn(line, UserWarning, stacklevel=2)
+        shapes, outer = searched_shapes(cl, n, mesh_shape, bool(force), mappings)
 
-    def search_graph(g: OpGraph) -> StagePlan:
-        search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
-        shaped = search.structures(shapes, force, merge_trivial)
-        shaped += search.structures(outer, force, merge_trivial, outer_data_parallel=True)
-        for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
-            search.visit(shape_struct, mappings)
-        return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
+        def search_graph(g: OpGraph) -> StagePlan:
+            search = _ShapeSearch(g, cl, n, capacity, zero, microbatches, chooser, time_limit, mip_gap)
+            shaped = search.structures(shapes, force, merge_trivial)
+            shaped += search.structures(outer, force, merge_trivial, outer_data_parallel=True)
+            for shape_struct in sorted(shaped, key=lambda x: (x.lower, x.order)):
+                search.visit(shape_struct, mappings)
+            return _finish(g, search, capture_s, t_start, precision, pins, overlap, duplex)
 
-    regather = sequence_gathers(graph, pinned)  # sequence parallelism's norm outputs, gathered again (Megatron's)
-    mode = recompute_choice.RecomputeMode.parse(recompute)
-    return recompute_choice.choose(graph, mode, capacity, cl, search_graph, regather)
+        regather = sequence_gathers(graph, pinned)  # sequence parallelism's norm outputs, gathered again (Megatron's)
+        mode = recompute_choice.RecomputeMode.parse(recompute)
+        return recompute_choice.choose(graph, mode, capacity, cl, search_graph, regather)
 
 
 def _finish(
@@ -161,8 +164,7 @@ def _finish(
     best, microbatches = search.best, search.microbatches
     if best is None:
         raise _no_shape_fits(search.errors)
-    compute = ComputeCost(search.best_resharder.cost_model, best.shape, graph)
-    acct = account(graph, best.chosen, search.best_resharder, compute, microbatches, search.edges)
+    acct = search.best_account
     report = search.report(capture_s, time.perf_counter() - t_start)
     lm = search.best_resharder.cost_model.mesh
     result = _assemble(graph, best, acct, search.best_builder, lm, search.capacity, report, precision, microbatches)
@@ -265,6 +267,8 @@ class _ShapeSearch:
     best: Candidate | None = None
     best_builder: StrategyBuilder | None = None
     best_resharder: Resharder | None = None
+    best_account: TimeAccount | None = None
+    """``accounting.account`` of :attr:`best`'s strategies on its resharder: its plan's times and collectives."""
     tried: list[MeshCandidate] = dataclasses.field(default_factory=list)
     errors: list[PlanError] = dataclasses.field(default_factory=list)
     build_s: float = 0.0
@@ -349,8 +353,10 @@ class _ShapeSearch:
                 self.tried.append(MeshCandidate(shape, t.mapping, None, str(t.error), need_bytes=t.error.need_bytes))
                 continue
             cand = t.candidate
+            compute = ComputeCost(t.resharder.cost_model, tuple(t.resharder.mesh_shape), self.graph)
+            acct = account(self.graph, cand.chosen, t.resharder, compute, self.microbatches, self.edges)
             # compared by the step it runs: its gradient buckets' overlap priced (planner.buckets)
-            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, self.edges)
+            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, acct)
             self.build_s += cand.build_s
             self.solve_s += cand.solve_s
             self.post_s += cand.post_s
@@ -358,6 +364,7 @@ class _ShapeSearch:
             self.tried.append(MeshCandidate(shape, t.mapping, float(cand.time_s), cand.note))
             if self.best is None or cand.time_s < self.best.time_s - 1e-15:  # over every shape: the first of ties
                 self.best, self.best_builder, self.best_resharder = cand, s.builder, t.resharder
+                self.best_account = acct
 
     def report(self, capture_s: float, total_s: float) -> SolverReport:
         """The solver report of the best candidate, with every candidate tried and the time split."""

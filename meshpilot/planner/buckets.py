@@ -470,18 +470,18 @@ class _Choice:
         return self.layouts[fqn]
 
 
-def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, microbatches: int, edges: Any) -> float:
-    """``StepTime.hidden_s`` of the plan the strategies `chosen` (by node) make on `resharder`'s mesh: its
-    buckets (:func:`plan_buckets`) priced as the runtime runs them (:func:`bucket_overlap`; one microbatch: in
-    the backward). The mesh search subtracts it from a candidate's serial step, so shapes and mappings are
-    compared by the step they run (``planner.auto``)."""
-    from meshpilot.planner.accounting import ComputeCost, account, stored_layout
+def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, microbatches: int, acct: Any) -> float:
+    """``StepTime.hidden_s`` of the plan the strategies `chosen` (by node) make on `resharder`'s mesh, whose
+    ``accounting.account`` is `acct`: its buckets (:func:`plan_buckets`) priced as the runtime runs them
+    (:func:`bucket_overlap`; one microbatch: in the backward). The mesh search subtracts it from a candidate's
+    serial step, so shapes and mappings are compared by the step they run (``planner.auto``, which keeps the
+    best candidate's `acct` for its plan)."""
+    from meshpilot.planner.accounting import stored_layout
     from meshpilot.planner.plan import NodeChoice
     from meshpilot.sharding.placements import to_json
 
     cost = resharder.cost_model
     shape = tuple(resharder.mesh_shape)
-    acct = account(graph, chosen, resharder, ComputeCost(cost, shape, graph), microbatches, edges)
     nodes = []
     for n in graph.nodes:
         outs = tuple(tuple(to_json(p)) if p is not None else None for p in chosen[n.name].outs)

@@ -1,0 +1,45 @@
+"""Planning with the objects it keeps out of CPython's full collections: :func:`spared_from_collection`.
+
+CPython's cyclic collector walks every object a collection covers. A full (generation 2) collection covers
+every tracked object of the process, and one runs whenever the objects that survived the younger generations
+since the last one reach a quarter of the long-lived ones. Planning makes ~10⁵ objects (the trace, the graph,
+DTensor's strategies), so it triggers a few of them, and each walks the ~2.4·10⁵ objects of the imported
+modules (torch, meshpilot) and the model, which planning never frees, and then the capture's graph, which
+lives to the end of the plan. On ``benchmarks/bench_capture_speed.py``'s model (32 blocks, h 4096) the three
+full collections of one ``plan()`` cost ~0.5 s CPU on a quiet machine, a sixth of it, and found ~9,000 objects
+to free (``docs/benchmarks.md``, issue 33 item 4).
+
+``gc.freeze()`` moves every tracked object into the permanent generation, which no collection walks;
+``gc.unfreeze()`` puts them back into the oldest generation. :func:`spared_from_collection` freezes what
+exists when planning starts, hands the caller a function that freezes again (``plan`` calls it once the graph
+is captured) and unfreezes everything on leaving, error or not. Objects made after the last freeze are
+collected as always. A cycle among frozen objects that becomes garbage meanwhile (the four traced blocks'
+graph, once copied) is freed at the first full collection after planning: memory held a little longer, never
+a different plan (the collector frees unreachable objects only). A process that froze objects itself, or runs
+with the collector disabled, is left as it is: nothing is frozen and nothing unfrozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+
+
+def _nothing() -> None:
+    return None
+
+
+@contextlib.contextmanager
+def spared_from_collection() -> Iterator[Callable[[], None]]:
+    """Freeze the process's objects for the block (module docstring); yields ``freeze_more()``, which freezes
+    the objects made since (a no-op where nothing was frozen on entry)."""
+    own = gc.isenabled() and gc.get_freeze_count() == 0
+    if not own:
+        yield _nothing
+        return
+    gc.freeze()
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
