@@ -275,7 +275,9 @@ def _probed_cpu_cluster():
     curve += [[4194304, 7832.0]]
     busy = [[1024, 112100.0], [16384, 98540.0], [131072, 70450.0], [1048576, 38560.0], [4194304, 74940.0]]
     cal = {"mesh": [4, 1], "B1_GBps": 0.5885, "alpha1_us": 398.0, "curve1": curve, "busy1": busy}
-    return cluster_from_dict({"name": "probed-4", "device_profile": device, "layers": [layer], "calibration": [cal]}, "t")
+    return cluster_from_dict(
+        {"name": "probed-4", "device_profile": device, "layers": [layer], "calibration": [cal]}, "t"
+    )
 
 
 def test_zero3_on_a_cpu_cluster_with_a_costly_call_keeps_activations_batch_sharded():

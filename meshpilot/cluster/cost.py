@@ -73,8 +73,9 @@ sharing 2 cores) stays on the link.
 Coalesced collectives (what the ILP prices a gradient's reduction at). The runtime does not issue every
 gradient's reduction on its own: it flattens gradients into buckets (``planner.buckets``), so a reduction of
 ``M`` bytes pays the fixed per-call part (latency, ``h``, a measured curve's constant) once per bucket, not
-once per gradient. The ILP (``planner.ilp.Pricer``) prices it as its share of a collective of the bucket size
-``S`` (``planner.buckets.bucket_bytes`` of the axis, the latency rule's; :meth:`CostModel.coalesced`):
+once per gradient. On a CPU device the ILP (``planner.ilp.Pricer``) prices it as its share of a collective of
+the bucket size ``S`` (``planner.buckets.bucket_bytes`` of the axis, the latency rule's;
+:meth:`CostModel.coalesced`):
 
   coalesced       t'(max(M, S)) * M / max(M, S)      t' the kind's time above, ``t + h`` included
 

@@ -32,9 +32,13 @@ Objective (Eq. 1)
 * ``R_uva[k, l]`` = cost of resharding operand ``a`` of ``v`` from what ``u`` emits under ``k`` to what
   ``v`` needs under ``l`` (:class:`~meshpilot.sharding.reshard.Resharder`, Alpa Table 2 per mesh axis).
   Gradients must arrive in their parameter's layout and the loss replicated: two more edge kinds.
-  A gradient's reduction, which the runtime issues in a bucket with others (``planner.buckets``), is priced
-  as its share of a collective of the bucket size, ``CostModel.coalesced`` (:meth:`Pricer.matrix`): priced one
-  by one, each would pay the fixed cost of a call the runtime makes once per bucket. A parameter's all-gather
+  On a CPU device a gradient's reduction, which the runtime issues in a bucket with others
+  (``planner.buckets``), is priced as its share of a collective of the bucket size, ``CostModel.coalesced``
+  (:meth:`Pricer.matrix`): priced one by one, each would pay the fixed cost of a call the runtime makes once per
+  bucket (on gloo: a probed curve's milliseconds and the host cost). On a GPU the gradients stay priced one by
+  one for now: the same rule there lowers every predicted step of ``tests/test_ilp.py``'s bench graph on
+  ``dgx-h100:2`` and ``alpa-p3x8`` (e.g. 186 → 157 µs on a 4 × 4 mesh) but changes GPU plans, which this
+  change was not to do (docs/benchmarks.md, issue 30). A parameter's all-gather
   (a gather group, ``planner.prefetch``) is not: the plan's predicted step (``StepTime``) counts every gather
   on its own, so the ILP pricing them grouped chose, on a GPU, plans the step prices dearer.
 
@@ -345,8 +349,8 @@ def is_gradient(graph: OpGraph, ec: EdgeClass) -> bool:
 class Pricer:
     """Seconds of resharding matrices on one device mapping: each distinct collective is priced once by
     the mapping's ``CostModel`` (through ``Resharder.collective_cost``), every matrix is a sum of them. On a
-    gradient's edge (`bucketed`) an entry whose resharding is one reduction takes its share of a bucket-sized
-    one instead (``CostModel.coalesced``, the size ``planner.buckets.bucket_bytes`` of its axis)."""
+    gradient's edge (`bucketed`) of a CPU device an entry whose resharding is one reduction takes its share of
+    a bucket-sized one instead (``CostModel.coalesced``, the size ``planner.buckets.bucket_bytes`` of its axis)."""
 
     def __init__(self, table: ReshardTable, resharder: Resharder):
         self.table = table
@@ -357,6 +361,7 @@ class Pricer:
         self._mat: dict[tuple, np.ndarray] = {}
 
     def matrix(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo, bucketed: bool = False) -> np.ndarray:
+        bucketed = bucketed and self.resharder.cost_model.device.is_cpu  # GPU plans unchanged (module docstring)
         key = (P, Q, info, bucketed)
         m = self._mat.get(key)
         if m is not None:
