@@ -39,8 +39,9 @@ Objective (Eq. 1)
   one for now: the same rule there lowers every predicted step of ``tests/test_ilp.py``'s bench graph on
   ``dgx-h100:2`` and ``alpa-p3x8`` (e.g. 186 → 157 µs on a 4 × 4 mesh) but changes GPU plans, which this
   change was not to do (docs/benchmarks.md, issue 30). A parameter's all-gather
-  (a gather group, ``planner.prefetch``) is not: the plan's predicted step (``StepTime``) counts every gather
-  on its own, so the ILP pricing them grouped chose, on a GPU, plans the step prices dearer.
+  (a gather group, ``planner.prefetch``) stays priced on its own on every device: the plan's predicted step
+  (``StepTime``) counts every gather on its own, so the ILP pricing them grouped chose, on a GPU, plans the step
+  prices dearer.
 
 Linearisation: the quadratic term of an edge between two different groups becomes edge variables over
 *distinct layouts*: with ``P`` the distinct layouts ``u`` emits and ``Q`` the distinct layouts ``v``
