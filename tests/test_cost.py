@@ -163,3 +163,34 @@ def test_on_a_cpu_with_a_host_cost_the_buckets_are_the_size_the_step_waits_least
     for kind, us in (("probed-cpu", 0.0), ("local-gpu", 1000.0)):
         p, graph, cost = _bench_gpt_dp(kind, us)
         assert p.grad_buckets == plan_buckets(graph, p, cost, bucket_bytes(cost, 0)), kind
+
+
+def test_every_kind_with_the_word_cpu_is_a_cpu_device_and_prices_as_gloo_runs():
+    """``DeviceProfile.is_cpu`` is one rule: the kind has the word ``cpu``. The benchmarks' loopback cluster
+    (kind ``local-cpu``) was not one, so its reduce-scatter was priced as a ring's half and its host cost as
+    latency, where gloo all-reduces and the call runs on the compute cores (issue 30)."""
+    from dataclasses import replace
+
+    from meshpilot.cluster.devices import device_profile
+
+    local = replace(_host_cpu_cluster(1000.0).device, kind="local-cpu")
+    assert local.is_cpu and device_profile("cpu").is_cpu and _host_cpu_cluster(0.0).device.is_cpu
+    assert not any(device_profile(k).is_cpu for k in ("h100", "a100-80gb", "v100-16gb"))
+    assert not replace(local, kind="probed-nvidia-h200").is_cpu
+    cluster = _host_cpu_cluster(1000.0)
+    cm = CostModel(LogicalMesh(replace(cluster, device=local), (4,)))
+    assert cm.reduce_scatter(2**20, 0) == cm.all_reduce(2**20, 0)
+    assert cm.compute_host_s(cm.all_reduce(2**20, 0)) == pytest.approx(1e-3)
+
+
+def test_a_coalesced_collective_costs_its_share_of_a_bucket():
+    """``CostModel.coalesced``: `M` bytes issued inside a collective of `S` bytes cost ``t(S) M / S``; a tensor of
+    `S` bytes or more is its own collective, ``t(M)``."""
+    cm = CostModel(LogicalMesh(_host_cpu_cluster(1000.0), (4,)))
+    s = 2**20
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        t = getattr(cm, kind)
+        assert cm.coalesced(kind, s // 4, 0, s) == pytest.approx(t(s, 0) / 4)
+        assert cm.coalesced(kind, 4 * s, 0, s) == pytest.approx(t(4 * s, 0))
+        assert cm.coalesced(kind, 4 * s, 0, s) < t(s // 4, 0) * 16  # 16 calls pay 16 fixed costs
+    assert cm.coalesced("all_reduce", 0, 0, s) == 0.0

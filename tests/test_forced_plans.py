@@ -253,3 +253,49 @@ def test_bad_force_is_one_user_error(force, needles):
 def test_a_pattern_that_pins_nothing_warns():
     _, notes = _mlp_plan({"layers.*": "RR", "layers.*.weight": "RS(0)", "layers.*.bias": "S(0)R"})
     assert any("pins nothing: more specific patterns win every name it matches" in n for n in notes), notes
+
+
+def _probed_cpu_cluster():
+    """The fields of the 4-rank cluster file `meshpilot probe` wrote on the 2-core box (docs/benchmarks.md,
+    issue 30 item 4): a measured all-reduce curve whose every call from 64 B to 16 KiB costs 3.6 ms after pooling
+    (1 MiB 10 ms; 4 B 0.8 ms) and 914 µs of host CPU a collective."""
+    from meshpilot.cluster.loader import cluster_from_dict
+
+    device = {
+        "kind": "probed-cpu",
+        "peak_tflops_fp32": 0.07475,
+        "memory_GBps": 4.237,
+        "memory_GiB": 5.885,
+        "compute_efficiency": 1.0,
+        "memory_efficiency": 1.0,
+        "collective_overhead_us": 914.2,
+    }
+    layer = {"name": "device", "ranks": 4, "p2p_GBps": 2.0, "group_GBps": 2.0, "latency_us": 142.9}
+    curve = [[4, 796.0], [64, 4068.0], [1024, 4894.0], [16384, 1821.0], [131072, 4999.0], [1048576, 12150.0]]
+    curve += [[4194304, 7832.0]]
+    busy = [[1024, 112100.0], [16384, 98540.0], [131072, 70450.0], [1048576, 38560.0], [4194304, 74940.0]]
+    cal = {"mesh": [4, 1], "B1_GBps": 0.5885, "alpha1_us": 398.0, "curve1": curve, "busy1": busy}
+    return cluster_from_dict(
+        {"name": "probed-4", "device_profile": device, "layers": [layer], "calibration": [cal]}, "t"
+    )
+
+
+def test_zero3_on_a_cpu_cluster_with_a_costly_call_keeps_activations_batch_sharded():
+    """Issue 30: on the probed CPU cluster the ILP priced each of the GPT's 53 gradient reduce-scatters as its
+    own 3.6 ms+ call, though the runtime issues them in one bucket, and so chose to gather activations instead
+    (column-parallel linears, 82 collectives a step, 71 all-gathers). Priced as their share of a bucket
+    (``CostModel.coalesced``), the forced ZeRO-3 plan is ZeRO-3: every linear batch-sharded, and the step issues
+    only the gather groups, the gradient buckets and the loss' two all-reduces."""
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner.prefetch import active_gathers
+
+    built = build_model("gpt-tiny", device="meta", layers=4, hidden=256, heads=8, batch=8, seq=128)
+    model, inputs = built.model, built.inputs
+    p = plan(model, inputs, _probed_cpu_cluster(), mesh_shape=(4,), force=zero3(model, inputs, (4,)))
+    linears = [n for n in p.nodes if n.name.startswith("addmm")]
+    assert linears and all(n.outs == (("S(0)",),) for n in linears), [n.outs for n in linears]
+    assert not any(c.kind == "all_to_all" for c in p.collectives)
+    counts = p.collective_counts(backend="gloo")
+    gathers = sum(v for (kind, _, _), v in counts.items() if kind == "all_gather")
+    assert gathers == len(active_gathers(p))
+    assert sum(counts.values()) == len(active_gathers(p)) + len(p.grad_buckets) + 2

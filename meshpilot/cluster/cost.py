@@ -70,6 +70,20 @@ already contain the part of ``h`` the calling thread spent while the collective 
 counts again; and the bytes' own CPU on a CPU device (gloo's copies and sums, about 1 ms per MiB on 4 ranks
 sharing 2 cores) stays on the link.
 
+Coalesced collectives (what the ILP prices a gradient's reduction at). The runtime does not issue every
+gradient's reduction on its own: it flattens gradients into buckets (``planner.buckets``), so a reduction of
+``M`` bytes pays the fixed per-call part (latency, ``h``, a measured curve's constant) once per bucket, not
+once per gradient. On a CPU device the ILP (``planner.ilp.Pricer``) prices it as its share of a collective of
+the bucket size ``S`` (``planner.buckets.bucket_bytes`` of the axis, the latency rule's;
+:meth:`CostModel.coalesced`):
+
+  coalesced       t'(max(M, S)) * M / max(M, S)      t' the kind's time above, ``t + h`` included
+
+exact for a gradient of ``S`` bytes or more (its own bucket), a per-byte share of an ``S``-byte bucket below.
+Priced one by one, 53 gradient reduce-scatters on a probed curve whose every call costs 3.6 ms or more made the
+GPT's forced ZeRO-3 plan dearer than gathering activations: 71 all-gathers a step issued, where the ZeRO-3
+layouts with their buckets and gather groups issue 14 (docs/benchmarks.md, issue 30).
+
 Alpha and B' cannot describe what the probe sees on a slow TCP link: a 16 KiB all-reduce of 8 gloo ranks
 costs 3 to 9 times a 4-byte one (measured at different loads) and a 1 MiB one about twice its bandwidth
 term (docs/cluster.md, "Measured curves").
@@ -201,6 +215,15 @@ class CostModel:
         """Of a collective priced `seconds` (``t + h``), the part its rank's compute stream pays when it is
         issued: ``h`` on a CPU device, else 0 (module docstring, *Host cost per collective*)."""
         return self.device.collective_overhead if self.device.is_cpu and seconds > 0 else 0.0
+
+    def coalesced(self, kind: str, nbytes: float, axes: Axes, size: float) -> float:
+        """Seconds of `nbytes` of a collective of `kind` (a ``CollectiveKind`` value) the runtime coalesces into
+        one of about `size` bytes (a gradient bucket): its share of that collective (module docstring,
+        *Coalesced collectives*)."""
+        if nbytes <= 0:
+            return 0.0
+        whole = max(float(nbytes), float(size))
+        return getattr(self, kind)(whole, axes) * nbytes / whole
 
     def all_reduce(self, nbytes: float, axes: Axes) -> float:
         """All-reduce of `nbytes` (each rank's buffer) over `axes`."""

@@ -116,10 +116,11 @@ class DeviceProfile:
 
     @property
     def is_cpu(self) -> bool:
-        """A CPU device (the ``cpu`` preset, or any profile ``meshpilot probe`` measured on CPU ranks, which it
-        names ``probed-cpu``): its meshes run on gloo, where DTensor lacks all-to-all
-        (``meshpilot.sharding.reshard.as_issued``)."""
-        return self.kind == "cpu" or self.kind.startswith("probed-cpu")
+        """A CPU device: its kind has the word ``cpu`` (``-``-separated): the ``cpu`` preset, ``probed-cpu``
+        (what ``meshpilot probe`` names CPU ranks), ``local-cpu`` (the benchmarks' loopback cluster). Its meshes
+        run on gloo, where DTensor lacks all-to-all (``meshpilot.sharding.reshard.as_issued``) and a
+        collective's host cost runs on the compute cores (``CostModel.compute_host_s``)."""
+        return "cpu" in self.kind.split("-")
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`, falling back to float32 for dtypes without a faster path."""

@@ -31,7 +31,7 @@ A cluster file::
 Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot probe`` writes them)::
 
     [device_profile]
-    kind = "probed-cpu"           # a free name, shown in tables
+    kind = "probed-cpu"           # a name shown in tables; with the word cpu (-separated) a CPU device (gloo)
     peak_tflops_fp32 = 0.05       # the matmul rate the cost model's roofline uses for float32
     peak_tflops_bf16 = 0.9        # optional; without it bfloat16 runs at the float32 rate
     memory_GBps = 12.0

@@ -32,6 +32,16 @@ Objective (Eq. 1)
 * ``R_uva[k, l]`` = cost of resharding operand ``a`` of ``v`` from what ``u`` emits under ``k`` to what
   ``v`` needs under ``l`` (:class:`~meshpilot.sharding.reshard.Resharder`, Alpa Table 2 per mesh axis).
   Gradients must arrive in their parameter's layout and the loss replicated: two more edge kinds.
+  On a CPU device a gradient's reduction, which the runtime issues in a bucket with others
+  (``planner.buckets``), is priced as its share of a collective of the bucket size, ``CostModel.coalesced``
+  (:meth:`Pricer.matrix`): priced one by one, each would pay the fixed cost of a call the runtime makes once per
+  bucket (on gloo: a probed curve's milliseconds and the host cost). On a GPU the gradients stay priced one by
+  one for now: the same rule there lowers every predicted step of ``tests/test_ilp.py``'s bench graph on
+  ``dgx-h100:2`` and ``alpa-p3x8`` (e.g. 186 → 157 µs on a 4 × 4 mesh) but changes GPU plans, which this
+  change was not to do (docs/benchmarks.md, issue 30). A parameter's all-gather
+  (a gather group, ``planner.prefetch``) stays priced on its own on every device: the plan's predicted step
+  (``StepTime``) counts every gather on its own, so the ILP pricing them grouped chose, on a GPU, plans the step
+  prices dearer.
 
 Linearisation: the quadratic term of an edge between two different groups becomes edge variables over
 *distinct layouts*: with ``P`` the distinct layouts ``u`` emits and ``Q`` the distinct layouts ``v``
@@ -131,7 +141,7 @@ from meshpilot.planner.accounting import (
 )
 from meshpilot.planner.force import BoundForce, ForceRule, ForceSpec
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
-from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, Resharder
+from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
 
 
@@ -328,18 +338,32 @@ class ReshardTable:
         return hit
 
 
+BUCKETED = frozenset((CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER))
+"""The collective kinds of a gradient's resharding that join a gradient bucket (``planner.buckets``)."""
+
+
+def is_gradient(graph: OpGraph, ec: EdgeClass) -> bool:
+    """Whether edge class `ec` carries a gradient into its parameter's layout (its reduction joins a bucket)."""
+    return ec.end == EdgeEnd.OUTPUT and graph[ec.dst].kind == NodeKind.PARAM
+
+
 class Pricer:
     """Seconds of resharding matrices on one device mapping: each distinct collective is priced once by
-    the mapping's ``CostModel`` (through ``Resharder.collective_cost``), every matrix is a sum of them."""
+    the mapping's ``CostModel`` (through ``Resharder.collective_cost``), every matrix is a sum of them. On a
+    gradient's edge (`bucketed`) of a CPU device an entry whose resharding is one reduction takes its share of
+    a bucket-sized one instead (``CostModel.coalesced``, the size ``planner.buckets.bucket_bytes`` of its axis)."""
 
     def __init__(self, table: ReshardTable, resharder: Resharder):
         self.table = table
         self.resharder = resharder
         self._sec = np.zeros(0)
+        self._share: dict[int, float] = {}
+        self._size: dict[int, int] = {}
         self._mat: dict[tuple, np.ndarray] = {}
 
-    def matrix(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo) -> np.ndarray:
-        key = (P, Q, info)
+    def matrix(self, P: tuple[int, ...], Q: tuple[int, ...], info: TensorInfo, bucketed: bool = False) -> np.ndarray:
+        bucketed = bucketed and self.resharder.cost_model.device.is_cpu  # GPU plans unchanged (module docstring)
+        key = (P, Q, info, bucketed)
         m = self._mat.get(key)
         if m is not None:
             return m
@@ -350,11 +374,32 @@ class Pricer:
             extra = np.fromiter((cc(c) for c in colls[len(self._sec) :]), dtype=float)
             self._sec = np.concatenate([self._sec, extra])
         if ent.size:
-            m = np.bincount(ent, weights=self._sec[cid], minlength=n_p * n_q).reshape(n_p, n_q)
+            sec = self._sec[cid]
+            if bucketed:
+                alone = np.bincount(ent, minlength=n_p * n_q)[ent] == 1  # one collective on the entry
+                sec = np.array([self._bucketed(j) if a else s for j, a, s in zip(cid, alone, sec)])
+            m = np.bincount(ent, weights=sec, minlength=n_p * n_q).reshape(n_p, n_q)
         else:
             m = np.zeros((n_p, n_q))
         self._mat[key] = m
         return m
+
+    def _bucketed(self, j: int) -> float:
+        """Seconds of ``table.colls[j]`` on a gradient's edge: a reduction (as issued) as its share of a bucket."""
+        from meshpilot.planner.buckets import bucket_bytes
+        from meshpilot.sharding.reshard import as_issued
+
+        c = self.table.colls[j]
+        cost = self.resharder.cost_model
+        kind, nbytes = as_issued(c.kind, c.nbytes, self.resharder.mesh_shape[c.axis], cost.device.is_cpu)
+        if kind not in BUCKETED:
+            return float(self._sec[j])
+        hit = self._share.get(j)
+        if hit is None:
+            if c.axis not in self._size:
+                self._size[c.axis] = bucket_bytes(cost, c.axis)
+            hit = self._share[j] = cost.coalesced(CollectiveKind(kind).value, nbytes, c.axis, self._size[c.axis])
+        return hit
 
 
 # ------------------------------------------------------------------------------------------ structure
@@ -702,7 +747,7 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
             q_vals = np.full(len(mv), ec.slot, dtype=np.int64)
         lab_u, P = _labels(p_vals)
         lab_v, Q = _labels(q_vals)
-        mat = pricer.matrix(tuple(P), tuple(Q), info)
+        mat = pricer.matrix(tuple(P), tuple(Q), info, is_gradient(graph, ec))
         prob.add_edge(group_of[u], group_of[v], lab_u, lab_v, mat * count if count != 1 else mat)
     for r, std, zero in struct.mem_terms:
         g = groups[group_of[r]]
