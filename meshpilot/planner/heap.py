@@ -25,21 +25,30 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator
 
+_OWNED = False
+"""Whether a :func:`spared_from_collection` block that froze the objects is open in this process."""
 
-def _nothing() -> None:
-    return None
+
+def freeze_more() -> None:
+    """Freeze the objects made since the last freeze, inside a :func:`spared_from_collection` block that froze
+    them on entry; a no-op elsewhere (the process' own freeze, or a collector disabled, left alone)."""
+    if _OWNED:
+        gc.freeze()
 
 
 @contextlib.contextmanager
 def spared_from_collection() -> Iterator[Callable[[], None]]:
-    """Freeze the process's objects for the block (module docstring); yields ``freeze_more()``, which freezes
-    the objects made since (a no-op where nothing was frozen on entry)."""
-    own = gc.isenabled() and gc.get_freeze_count() == 0
+    """Freeze the process's objects for the block (module docstring); yields :func:`freeze_more`. A block
+    inside another (``plan_pipeline`` planning a stage with ``plan``) freezes and unfreezes nothing."""
+    global _OWNED
+    own = gc.isenabled() and gc.get_freeze_count() == 0 and not _OWNED
     if not own:
-        yield _nothing
+        yield freeze_more
         return
     gc.freeze()
+    _OWNED = True
     try:
-        yield gc.freeze
+        yield freeze_more
     finally:
+        _OWNED = False
         gc.unfreeze()
