@@ -24,12 +24,13 @@ unfreezes nothing on its own, and its :func:`freeze_more` freezes for the outer 
 
 Forked workers (``planner.parallel``): a child starts with its parent's objects and the collector's counters,
 so a parent close to its next full collection hands one to every worker it forks, and each walked the
-~3.8·10⁵ objects it shares with the parent (0.2–0.24 s CPU each, on ``bench_alpa_table --tables`` at
+3.8–4.6·10⁵ objects it shares with the parent (0.16–0.24 s CPU each, on ``bench_alpa_table --tables`` at
 GPT-3 1.3B/2.6B; every page holding an object it touched is then copied, the fork's sharing lost).
 ``map_columns`` calls :func:`freeze_more` just before it forks — CPython's own advice for ``gc.freeze`` —
 so a worker starts with everything its parent held frozen and its collections walk only what it makes; it
-never unfreezes (it ends with the pool). Measured: 0.84 s of a 9.7 s CPU table (parent and workers) before,
-0.07 s after (``docs/benchmarks.md``, issue 29 item 6).
+never unfreezes (it ends with the pool). Measured, the workers' full collections: 0.84 s of the rows' 9.7 CPU s
+(parent and workers) before, 0.05 s after; on the exact tables 2.06 s of 35 s before, 0.18 s after
+(``docs/benchmarks.md``, issue 29 item 6).
 """
 
 from __future__ import annotations
