@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_planner_search import Wide
 
-from meshpilot.planner import auto, heap
+from meshpilot.planner import auto, heap, pipeline
 from meshpilot.planner.auto import plan
 
 
@@ -78,3 +78,59 @@ def test_disabled_collector_left_alone():
             assert gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+def test_plan_pipeline_freezes_and_its_workers_start_frozen(monkeypatch, tmp_path):
+    """``plan_pipeline`` freezes the process's objects while it plans, its forked workers start with everything
+    the parent held at the fork frozen (the planner too: more than on entry), everything is unfrozen after, and
+    the plan is the one planned with nothing frozen by it (a process that froze objects itself)."""
+    from test_pipeline_plan import _capture
+
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.stage import StagePlanner
+
+    graph = _capture(*_gpt_builder(gpt_tiny(layers=4, batch=16, hidden=256))("meta", 4))
+    seen = tmp_path / "frozen"
+    orig_mark, orig_prepare = StagePlanner.mark, pipeline._prepare
+    entry = []
+
+    def mark(self):  # in a worker (forked), before its column
+        with open(seen, "a") as f:
+            f.write(f"{gc.get_freeze_count()}\n")
+        return orig_mark(self)
+
+    def prepare(*a, **k):
+        entry.append(gc.get_freeze_count())
+        return orig_prepare(*a, **k)
+
+    monkeypatch.setattr(StagePlanner, "mark", mark)
+    monkeypatch.setattr(pipeline, "_prepare", prepare)
+    kw = dict(microbatches=4, num_devices=8, workers=2)
+    a = pipeline.plan_pipeline(graph, "alpa-p3x8", **kw)
+    assert gc.get_freeze_count() == 0
+    in_workers = [int(x) for x in seen.read_text().split()]
+    assert entry[0] > 0 and len(in_workers) >= 2 and min(in_workers) > entry[0]
+    gc.freeze()  # the process's own freeze: plan_pipeline (and the workers) freeze nothing more
+    count = gc.get_freeze_count()
+    b = pipeline.plan_pipeline(graph, "alpa-p3x8", **kw)
+    assert gc.get_freeze_count() <= count
+    assert [(s.layers, s.ranks, s.mesh_shape, s.t_s) for s in a.stages] == [
+        (s.layers, s.ranks, s.mesh_shape, s.t_s) for s in b.stages
+    ]
+    assert a.step_s == b.step_s
+
+
+def test_freeze_more_only_inside_an_owned_block():
+    heap.freeze_more()
+    assert gc.get_freeze_count() == 0
+    with heap.spared_from_collection() as more:
+        count = gc.get_freeze_count()
+        made = [[] for _ in range(1000)]
+        with heap.spared_from_collection() as inner:  # nested: freezes (the new objects), unfreezes nothing
+            inner()
+            assert gc.get_freeze_count() >= count + 1000
+        assert gc.get_freeze_count() > count
+        more()
+        del made
+    assert gc.get_freeze_count() == 0

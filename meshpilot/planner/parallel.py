@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshpilot.errors import UserError
+from meshpilot.planner.heap import freeze_more
 
 MAX_WORKERS = 8
 """Most worker processes by default (each holds a copy of the planner's caches as they grow)."""
@@ -75,6 +76,7 @@ def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers
     if n <= 1 or not can_fork():
         return [fn(x) for x in items]
     _JOB = (fn, planner)
+    freeze_more()  # the planner and its caches as they are: no worker's full collection walks them (planner.heap)
     try:
         with multiprocessing.get_context("fork").Pool(n) as pool:
             outs = pool.map(_column, items, chunksize=1)

@@ -222,6 +222,7 @@ import numpy as np
 from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import LEAF_KINDS, NodeKind, OpGraph, Phase
+from meshpilot.planner.heap import spared_from_collection
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.parallel import map_columns, plan_workers
 from meshpilot.planner.plan import Plan, PlanStage, StageTransfer
@@ -825,38 +826,39 @@ def plan_pipeline(
 
     `workers`: processes the stage table's columns are searched in (``planner.parallel``; default
     ``$MESHPILOT_PLAN_WORKERS`` or the usable CPUs): the same plan as with one."""
-    t0 = time.perf_counter()
-    workers = plan_workers(workers)
-    stack: Stack | None = graph if isinstance(graph, Stack) else None
-    if stack is not None:
-        if fast is False and stack.kept != stack.blocks:
-            raise UserError(
-                f"fast=False: the graph has {stack.kept} of the model's {stack.blocks} blocks; capture the whole "
-                "model (graph.capture.capture) for the exact path"
-            )
-        graph = stack.graph
-    call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
-                num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
-                fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
-                costing=_costing(costing), accumulated=accumulated, recompute=RecomputeMode.parse(recompute),
-                **stage_kw)  # fmt: skip
-    if schedule == AUTO:
-        return _plan_auto(stack or graph, graph, cluster, call, t0)
-    try:
-        kind = PipelineKind(schedule)
-    except ValueError:
-        choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
-        raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
-    if epsilon < 0:
-        raise UserError(f"epsilon={epsilon}: the relative t_max step must be at least 0, e.g. 1e-3")
-    setup = _prepare(graph, stack, cluster, call, stage_kw, t0)
-    if kind == PipelineKind.ZERO_BUBBLE and num_stages is None:  # its memory rule depends on the depth: a DP each
-        return _zero_bubble_depths(stack or graph, cluster, setup, call)
-    if kind == PipelineKind.INTERLEAVED_1F1B:
-        return _interleaved_plan(setup, kind, call)
-    return _dp_plan(setup, kind, call)
+    with spared_from_collection():  # the process's objects kept out of full collections (planner.heap)
+        t0 = time.perf_counter()
+        workers = plan_workers(workers)
+        stack: Stack | None = graph if isinstance(graph, Stack) else None
+        if stack is not None:
+            if fast is False and stack.kept != stack.blocks:
+                raise UserError(
+                    f"fast=False: the graph has {stack.kept} of the model's {stack.blocks} blocks; capture the whole "
+                    "model (graph.capture.capture) for the exact path"
+                )
+            graph = stack.graph
+        call = dict(microbatches=microbatches, num_devices=num_devices, num_clusters=num_clusters,
+                    num_stages=num_stages, delta=delta, epsilon=epsilon, memory_bytes=memory_bytes, planner=planner,
+                    fast=fast, submeshes=submeshes, shapes=shapes, workers=workers, chunks=chunks,
+                    costing=_costing(costing), accumulated=accumulated, recompute=RecomputeMode.parse(recompute),
+                    **stage_kw)  # fmt: skip
+        if schedule == AUTO:
+            return _plan_auto(stack or graph, graph, cluster, call, t0)
+        try:
+            kind = PipelineKind(schedule)
+        except ValueError:
+            choices = ", ".join([*(k.value for k in PipelineKind), AUTO])
+            raise UserError(f"schedule={schedule!r}: give one of {choices}") from None
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise UserError(f"microbatches={microbatches!r}: give a whole number of microbatches, at least 1")
+        if epsilon < 0:
+            raise UserError(f"epsilon={epsilon}: the relative t_max step must be at least 0, e.g. 1e-3")
+        setup = _prepare(graph, stack, cluster, call, stage_kw, t0)
+        if kind == PipelineKind.ZERO_BUBBLE and num_stages is None:  # its memory rule depends on the depth: a DP each
+            return _zero_bubble_depths(stack or graph, cluster, setup, call)
+        if kind == PipelineKind.INTERLEAVED_1F1B:
+            return _interleaved_plan(setup, kind, call)
+        return _dp_plan(setup, kind, call)
 
 
 def _costing(costing: TableCosting | str) -> TableCosting:
