@@ -549,3 +549,31 @@ def test_attention_is_priced_at_the_measured_kernel_rates_causal_aware(tmp_path)
     with pytest.raises(ClusterFileError, match="attention_tflops") as e:
         load_cluster(str(bad))
     assert "\n" not in str(e.value)
+
+
+def test_config_search_plans_no_candidate_estimated_beyond_the_margin(monkeypatch):
+    """``config_search._plan_best`` plans candidates by estimate until the next one's estimate is more than
+    ``ESTIMATE_MARGIN`` over the best simulated step so far; a plan that does not fit does not set the bar.
+    Planning and simulating are stubbed: each candidate simulates at its estimate less 1 %."""
+    import types
+
+    from meshpilot.planner import config_search as cs
+    from meshpilot.planner.config_plan import ParallelConfig
+
+    steps = {}
+    monkeypatch.setattr(cs, "plan_config", lambda m, i, s, cl, cfg, planner: cfg)
+    monkeypatch.setattr(cs, "simulate_config", lambda cfg: types.SimpleNamespace(step_s=steps[cfg]))
+    monkeypatch.setattr(cs, "group_memory", lambda cfg: 2.0 if cfg.dp == 9 else 1.0)  # dp=9: does not fit
+    cands = []
+    for dp, est in ((9, 1.00), (1, 1.01), (2, 1.03), (3, 1.06), (4, 1.07)):
+        cfg = ParallelConfig(dp=dp)
+        steps[cfg] = est * 0.99
+        cands.append(cs.Candidate(cfg, est, 0.0))
+    planned, best = cs._plan_best(lambda rows, rc: (None, None, None, None), None, cands, cap=1.5)
+    # the first does not fit; the bar is then the second's 0.9999 s: 1.03 is within 5 %, 1.06 is not
+    assert [c.config.dp for c in planned] == [9, 1, 2]
+    assert [c.fits for c in planned] == [False, True, True]
+    assert best == (ParallelConfig(dp=1), 1.01 * 0.99)  # the fastest that fits
+    monkeypatch.setattr(cs, "ESTIMATE_MARGIN", float("inf"))
+    planned, _ = cs._plan_best(lambda rows, rc: (None, None, None, None), None, cands, cap=1.5)
+    assert len(planned) == len(cands)
