@@ -355,8 +355,11 @@ class _ShapeSearch:
             cand = t.candidate
             compute = ComputeCost(t.resharder.cost_model, tuple(t.resharder.mesh_shape), self.graph)
             acct = account(self.graph, cand.chosen, t.resharder, compute, self.microbatches, self.edges)
-            # compared by the step it runs: its gradient buckets' overlap priced (planner.buckets)
-            cand.time_s -= choice_hidden_s(self.graph, cand.chosen, t.resharder, self.microbatches, acct)
+            # compared by the step it runs: the account's serial step (the ILP's objective prices a CPU device's
+            # gradient reductions as shares of a bucket, cost.coalesced) less its buckets' overlap (planner.buckets)
+            cand.time_s = acct.time.total_s - choice_hidden_s(
+                self.graph, cand.chosen, t.resharder, self.microbatches, acct
+            )
             self.build_s += cand.build_s
             self.solve_s += cand.solve_s
             self.post_s += cand.post_s
