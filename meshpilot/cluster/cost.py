@@ -211,10 +211,16 @@ class CostModel:
         *Host cost per collective*)."""
         return seconds + self.device.collective_overhead if seconds > 0 else 0.0
 
+    @property
+    def host_on_compute(self) -> bool:
+        """Whether issuing a collective takes a host cost from the rank's compute stream: a CPU device with a
+        positive ``collective_overhead`` (module docstring, *Host cost per collective*)."""
+        return self.device.is_cpu and self.device.collective_overhead > 0
+
     def compute_host_s(self, seconds: float) -> float:
         """Of a collective priced `seconds` (``t + h``), the part its rank's compute stream pays when it is
-        issued: ``h`` on a CPU device, else 0 (module docstring, *Host cost per collective*)."""
-        return self.device.collective_overhead if self.device.is_cpu and seconds > 0 else 0.0
+        issued: ``h`` where :attr:`host_on_compute`, else 0 (module docstring, *Host cost per collective*)."""
+        return self.device.collective_overhead if self.host_on_compute and seconds > 0 else 0.0
 
     def coalesced(self, kind: str, nbytes: float, axes: Axes, size: float) -> float:
         """Seconds of `nbytes` of a collective of `kind` (a ``CollectiveKind`` value) the runtime coalesces into

@@ -172,7 +172,7 @@ def plan_buckets(
     size of :func:`candidate_sizes` whose buckets `plan`'s step, issuing them in the backward (`in_backward`)
     or at ``G``, waits for least), in the order their last gradients are produced (module docstring)."""
     found = _bucketable(graph, plan)
-    if size is not None or not found or cost.compute_host_s(1.0) <= 0:
+    if size is not None or not found or not cost.host_on_compute:
         return _grouped(found, cost, size)
     best: tuple[float, tuple[GradBucket, ...]] | None = None
     for cap in candidate_sizes(cost, {key[1] for _, _, key, _ in found}):
