@@ -398,6 +398,20 @@ def test_context_parallel_config_takes_llama3s_balanced_layout_where_the_step_al
     assert "sequence_order" not in contiguous.plan.to_dict()
     compute = {k: sum(c.time.compute_s for c in p.costs) for k, p in plans.items()}
     assert compute[True] < compute[False]  # every rank at the average causal work, not the slowest's
+    # the order is taken before the ILP: its block's attention must be one the order serves, on the CP axis
+    # (the ring or the all-gather method by query rows, not Ulysses' all-to-alls)
+    from meshpilot.planner.config_plan import context_views, stage_mesh, stage_setup
+    from meshpilot.planner.zero import ZeroMode
+
+    mesh = stage_mesh(cfg)
+    st, planner, force = stage_setup(model, inputs, stack, sp.cluster, cfg, sp, mesh)
+    assert any(n.zigzag for n in st.graph.nodes)
+    with context_views(cfg):
+        planner.plan(
+            st.middle, st.middle + 1, stage_ranks(cfg)[0], mesh, microbatches=1, zero=ZeroMode.OFF, force=force
+        )
+    on_cp = {str(c.kind) for c in planner.last_collectives() if c.axis == 1 and not c.dst.startswith("grad:")}
+    assert on_cp and not any("all_to_all" in k for k in on_cp), on_cp
 
 
 def test_balanced_cp_prices_every_rank_at_the_average_causal_work():
