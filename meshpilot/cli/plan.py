@@ -419,7 +419,8 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
     console.print(f"{built.label}: {cfg.short()}, global batch {cfg.global_batch}", soft_wrap=True)
     console.print(str(cp.plan), soft_wrap=True, markup=False, highlight=False)
     if cp.contiguous_why:
-        console.print(f"  CP in contiguous chunks, the last rank's causal work priced: {cp.contiguous_why}", markup=False)
+        why = cp.contiguous_why
+        console.print(f"  CP in contiguous chunks, the last rank's causal work priced: {why}", markup=False)
     console.print(
         f"simulated step {fmt_s(sim.step_s)} (Eq. 2: {fmt_s(cp.plan.step_s)}), planned in {cp.planning_s:.1f} s; "
         "the stages carry no operator plans (`meshpilot simulate` it; not `train`)",

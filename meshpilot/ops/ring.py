@@ -38,15 +38,15 @@ buffers (the two blocks, the float32 accumulators) are added at the op's moment 
 causal triangle; with ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (:func:`zigzag`), every
 rank computes the same (:func:`causal_work`, :func:`causal_shares`). The kernels take any chunk order
 (``_Ring.order``, placed by global chunk positions in :func:`_pairs`). A plan takes the order where every
-attention call is a ring on one axis and nothing else mixes positions (``planner.sequence_order``, recorded as
-``StagePlan.sequence_order``): the step then runs on the permuted sequence (:func:`zigzag_positions`; inputs
-and position ``arange`` permuted by the runtime), :func:`ring_of` gives ``is_causal`` calls the zig-zag order
-and masked calls the contiguous one (their mask, built from permuted positions, is permuted in its columns
-too), and ``causal_rows``' ``is_causal`` calls (the all-gather method by query rows) read their rows' chunks
-off the same order (``causal_rows.segments``). Priced balanced only where the graph's calls are marked zig-zag
-(``OpNode.zigzag``: ``planner.config_plan``'s CP plans, ``CostModel.attention``); ``auto.plan`` chooses the
-order after its ILP, which priced the contiguous slowest rank; ``benchmarks/bench_cp.py zigzag`` shows the
-step with the slowest rank's share.
+attention call is a ring on one axis (or ``is_causal`` by query rows on it) and nothing else mixes positions
+(``planner.sequence_order``, recorded as ``StagePlan.sequence_order``): the step then runs on the permuted
+sequence (:func:`zigzag_positions`; inputs and position ``arange`` permuted by the runtime), :func:`ring_of`
+gives ``is_causal`` calls the zig-zag order and masked calls the contiguous one (their mask, built from
+permuted positions, is permuted in its columns too), and ``causal_rows``' ``is_causal`` calls (the all-gather
+method by query rows) read their rows' chunks off the same order (``causal_rows.segments``). Priced balanced
+only where the graph's calls are marked zig-zag (``OpNode.zigzag``: ``planner.config_plan``'s CP plans,
+``CostModel.attention``); ``auto.plan`` chooses the order after its ILP, which priced the contiguous slowest
+rank; ``benchmarks/bench_cp.py zigzag`` shows the step with the slowest rank's share.
 
 Why meshpilot's own op and not PyTorch's ``torch.distributed.tensor.experimental._context_parallel``
 (``_templated_ring_attention``): that one is written for ``aten._scaled_dot_product_{flash,efficient,cudnn}
