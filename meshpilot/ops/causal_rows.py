@@ -134,12 +134,10 @@ class _Layout:
                     f"{call.node.name}: attention over {t} positions in a plan whose sequence order is of "
                     f"{order.length}; plan again"
                 )
-            from meshpilot.ops.ring import zigzag_positions
-
-            positions = zigzag_positions(t, order.peers)
+            positions = _zigzag(call, t, order.peers)
         self.first = first
         self.segments = segments(first, rows, positions)
-        self.slots = None if positions is None else torch.argsort(positions).to(device)
+        self.slots = None if positions is None else _slots(call, positions, order.peers, device)
 
     def before(self, natural: int):
         """The held slots of the natural keys ``[0, natural)``."""
@@ -147,6 +145,26 @@ class _Layout:
 
     def own(self, local: int, length: int) -> slice:
         return slice(self.first + local, self.first + local + length)
+
+
+def _zigzag(call: OwnCall, length: int, peers: int) -> Tensor:
+    """``ring.zigzag_positions`` of the call's sequence, kept in the call's cache."""
+    from meshpilot.ops.ring import zigzag_positions
+
+    cache = getattr(call, "cache", {})
+    key = ("zigzag", length, peers)
+    if key not in cache:
+        cache[key] = zigzag_positions(length, peers)
+    return cache[key]
+
+
+def _slots(call: OwnCall, positions: Tensor, peers: int, device) -> Tensor:
+    """The held slot of each natural position (`positions` inverted) on `device`, kept in the call's cache."""
+    cache = getattr(call, "cache", {})
+    key = ("slots", len(positions), peers, str(device))
+    if key not in cache:
+        cache[key] = torch.argsort(positions).to(device)
+    return cache[key]
 
 
 def _take(x: Tensor, where) -> Tensor:
