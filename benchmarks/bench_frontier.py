@@ -45,7 +45,7 @@ from typing import Any
 
 from meshpilot.cluster import presets
 from meshpilot.errors import UserError
-from meshpilot.models.sources import build_hf, unpacked_sequences
+from meshpilot.models.sources import build_hf, pre_shifted_labels, unpacked_sequences
 from meshpilot.planner.config_plan import (
     Breakdown,
     Float8,
@@ -159,6 +159,8 @@ class Result:
     step_s: float = 0.0
     eq2_step_s: float = 0.0
     peak_gib: float = 0.0
+    layout: str = ""
+    """With CP: the layout the plan takes (:func:`_layout`)."""
     terms: Breakdown | None = None
     own: Own | None = None
     """meshpilot's own plan within the device's memory."""
@@ -180,8 +182,33 @@ class Result:
             "source": r.source, "cluster": r.cluster, "config": r.config, "step_s": self.step_s or None,
             "eq2_step_s": self.eq2_step_s or None, "capture_s": self.capture_s, "config_plan_s": self.config_plan_s,
             "simulate_s": self.simulate_s, "peak_memory_gib": self.peak_gib or None,
-            "terms_s": dict(self.terms.rows()) if self.terms else None,
+            "terms_s": dict(self.terms.rows()) if self.terms else None, "cp_layout": self.layout or None,
         }  # fmt: skip
+
+
+CONTIGUOUS_CP = False
+"""``--cp-contiguous``: the CP rows captured with transformers' own labels shift (a pad and a slice along the
+sequence), which refuses the zig-zag order: the contiguous CP layout, priced at its slowest rank, for comparison."""
+
+
+def _row_model(row: Row, rows: int, cp: int) -> tuple[Any, tuple]:
+    """`row`'s model and one microbatch's meta inputs (`rows` sequences); with CP the labels pre-shifted, as
+    Megatron's loader gives them (``models.sources.pre_shifted_labels``), so that the plan can hold the sequence
+    in Llama 3's balanced order (``config_plan``, *Balanced CP*), unless :data:`CONTIGUOUS_CP`."""
+    built = build_hf("llama", row.model, batch=rows, seq=row.seq)
+    if cp > 1 and not CONTIGUOUS_CP:
+        return pre_shifted_labels(built.model, tuple(built.inputs))
+    return built.model, tuple(built.inputs)
+
+
+def _layout(cp) -> str:
+    """The CP layout a configuration's plan takes: balanced (zig-zag), or contiguous and why; "" without CP."""
+    if cp.config.cp == 1:
+        return ""
+    if cp.plan.sequence_order is not None:
+        o = cp.plan.sequence_order
+        return f"balanced: {2 * o.peers} chunks of {o.length // (2 * o.peers)} tokens, {o.causal} causal calls"
+    return f"contiguous ({cp.contiguous_why})"
 
 
 def run_row(
@@ -198,15 +225,16 @@ def run_row(
         out.refused = str(e)
         return out
     t0 = time.perf_counter()
-    built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
+    model, inputs = _row_model(row, cfg.graph_batch, cfg.cp)
     with unpacked_sequences():  # is_causal, no mask tensor: what eager runs on whole sequences
-        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+        stack = capture_stack(model, inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(f"{row.name}: the model is not a repeated stack of blocks; the frontier rows need one")
     out.capture_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     sp = StagePlanner(stack.graph, row.cluster)
-    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    cp = plan_config(model, inputs, stack, sp.cluster, cfg, planner=sp)
+    out.layout = _layout(cp)
     out.config_plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     sim = simulate_config(cp)
@@ -214,7 +242,7 @@ def run_row(
     out.step_s, out.eq2_step_s = sim.step_s, cp.plan.step_s
     out.peak_gib = group_memory(cp) / 2**30
     layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
-    per_token = model_flops_per_token(built.model, layers, hidden, row.seq)
+    per_token = model_flops_per_token(model, layers, hidden, row.seq)
     tokens = cfg.global_batch * row.seq
     if row.unit == "tokens/s/GPU":
         price = lambda step: tokens / step / cfg.devices if step > 0 else 0.0  # noqa: E731
@@ -222,10 +250,10 @@ def run_row(
         price = lambda step: tflops_per_gpu(per_token, tokens, step, cfg.devices)  # noqa: E731
     out.simulated = price(sim.step_s)
     if row.unit != "tokens/s/GPU":
-        causal = model_flops_per_token(built.model, layers, hidden, row.seq, causal=True)
+        causal = model_flops_per_token(model, layers, hidden, row.seq, causal=True)
         out.simulated_causal_count = tflops_per_gpu(causal, tokens, sim.step_s, cfg.devices)
     if terms:
-        out.terms = breakdown(cp, built.model, built.inputs, stack, sim.step_s, sp)
+        out.terms = breakdown(cp, model, inputs, stack, sim.step_s, sp)
     if search and cfg.float8 is Float8.NONE:  # the search has no Float8 lever (module docstring)
         out.own = own_plan(row, cfg, sp.cluster, price)
         published_gib = group_memory(cp)
@@ -292,6 +320,8 @@ def show(results: list[Result]) -> None:
             continue
         print(f"\n{r.row.name}: {r.row.config} on {r.row.cluster}")
         print(f"  capture {r.capture_s:.1f} s, config plan {r.config_plan_s:.1f} s, simulation {r.simulate_s:.2f} s")
+        if r.layout:
+            print(f"  CP layout: {r.layout}")
         print(f"  Eq. 2 step {r.eq2_step_s:.3f} s, simulated {r.step_s:.3f} s; the busiest pipeline group:")
         for name, s in r.terms.rows():
             print(f"    {name:<24} {s:8.3f} s  {s / r.step_s:6.1%}")
@@ -309,15 +339,15 @@ def block_plans(row: Row) -> None:
     from meshpilot.planner.zero import ZeroMode
 
     cfg = parse_config(row.config)
-    built = build_hf("llama", row.model, batch=cfg.graph_batch, seq=row.seq)
+    model, inputs = _row_model(row, cfg.graph_batch, cfg.cp)
     with unpacked_sequences():
-        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+        stack = capture_stack(model, inputs, precision=cfg.precision)
     base = StagePlanner(stack.graph, row.cluster)
     mesh, ranks = stage_mesh(cfg), stage_ranks(cfg)[0]
     names = ("DP", "TP") if len(mesh) == 2 else ("DP", "CP", "TP")
     for sp in (0, 1):
         c = parse_config(f"{row.config},sp={sp}")
-        st, planner, force = stage_setup(built.model, built.inputs, stack, base.cluster, c, base, mesh)
+        st, planner, force = stage_setup(model, inputs, stack, base.cluster, c, base, mesh)
         kw = dict(microbatches=1, zero=ZeroMode.OFF, force=force)
         with context_views(c):
             cost, mem = planner.plan_with_memory(st.middle, st.middle + 1, ranks, mesh, **kw)
@@ -343,6 +373,9 @@ def main() -> None:
     ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
     ap.add_argument("--no-search", action="store_true", help="skip meshpilot's own plan (the configuration search)")
     ap.add_argument("--blocks", action="store_true", help="only one block of each row, with and without SP")
+    ap.add_argument("--cp-contiguous", action="store_true",
+                    help="the CP rows in contiguous CP chunks (transformers' own labels shift refuses the zig-zag "
+                    "order), not Llama 3's balanced 2·CP chunks")  # fmt: skip
     ap.add_argument("--float8-cast-bytes", type=float, metavar="B",
                     help="a sensitivity: price the Float8 rows' casts at B bytes an operand element, not the preset's "
                     "5 (15: the stand-alone casts measured on an H100; 0: the products alone)")  # fmt: skip
@@ -351,6 +384,8 @@ def main() -> None:
         if not args.float8_cast_bytes >= 0:
             ap.error(f"--float8-cast-bytes {args.float8_cast_bytes}: give zero or more bytes, e.g. 15")
         presets.FLOAT8_CAST_BYTES = args.float8_cast_bytes  # read when a preset cluster is built
+    global CONTIGUOUS_CP
+    CONTIGUOUS_CP = args.cp_contiguous
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]

@@ -54,7 +54,13 @@ turns float32 rounding of near-zero gradients into steps of up to its learning r
 within twice the single device's distance from float64 is as exact as float32 allows."""
 GPT_CAP = 4.5 * 2**20
 """Under it the GPT's plan is Ulysses (the query-row plan, faster, holds 5.7 MiB)."""
-MODELS = {"llama": (BATCH, SEQ), "llama-b2": (2, 256), "gpt": (1, 1024), "llama-shifted": (BATCH, SEQ)}
+MODELS = {
+    "llama": (BATCH, SEQ),
+    "llama-b2": (2, 256),
+    "gpt": (1, 1024),
+    "llama-shifted": (BATCH, SEQ),
+    "llama-causal": (BATCH, SEQ),
+}
 """Model key -> (batch, sequence) of the plans below."""
 
 
@@ -70,6 +76,39 @@ def _llama_shifted(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
     shifted = torch.cat([labels[:, 1:], labels[:, :1]], 1)
     model = HFLoss(model.model, extra=("attention_mask", "shift_labels"))
     return model, (ids, labels, torch.ones(batch, seq, dtype=torch.long), shifted)
+
+
+def _llama_causal(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
+    """The tiny Llama as Llama 3's CP runs it: its labels shifted outside (``shift_labels``, as Megatron's loader
+    gives them) and, captured under ``unpacked_sequences`` (:data:`UNPACKED`), attention ``is_causal`` with no
+    mask tensor, which the all-gather method by query rows (``ops.causal_rows``) serves."""
+    model, (ids, labels) = _llama(device, batch, seq)
+    shifted = torch.cat([labels[:, 1:], labels[:, :1]], 1)  # every position a target (see _llama_shifted)
+    return HFLoss(model.model, extra=("shift_labels",)), (ids, labels, shifted)
+
+
+UNPACKED = ("llama-causal",)
+"""Model keys captured (planned and run) under ``models.sources.unpacked_sequences``."""
+
+
+def _capturing(key: str):
+    """The context a model key is captured in (:data:`UNPACKED`)."""
+    import contextlib
+
+    from meshpilot.models.sources import unpacked_sequences
+
+    return unpacked_sequences() if key in UNPACKED else contextlib.nullcontext()
+
+
+def rows_pins(graph) -> dict[str, str]:
+    """A ``force`` dict for the all-gather method by query rows on mesh axis 0: the inputs sharded on their
+    sequence, each attention's q producer on its rows (``S(2)``), its k and v producers whole (gathered)."""
+    pins = {"input:*": "S(1)R"}
+    for n in graph.nodes:
+        if n.target == "meshpilot.sdpa.default":
+            q, k, v = (src for src, _ in n.inputs[:3])
+            pins.update({q: "S(2)R", k: "RR", v: "RR"})
+    return pins
 
 
 def _llama(device: str = "meta", batch: int = BATCH, seq: int = SEQ):
@@ -89,6 +128,8 @@ def _model(key: str, device: str = "meta"):
         return built.model, tuple(built.inputs)
     if key == "llama-shifted":
         return _llama_shifted(device, batch, seq)
+    if key == "llama-causal":
+        return _llama_causal(device, batch, seq)
     return _llama(device, batch, seq)
 
 
@@ -134,6 +175,11 @@ def plans() -> dict[str, tuple[str, StagePlan]]:
     model, inputs = _model("llama-shifted")
     graph = capture(model, inputs)
     out["zigzag"] = ("llama-shifted", plan(model, inputs, CLUSTER, force=ring_pins(graph), graph=graph, **kw))
+    model, inputs = _model("llama-causal")
+    with _capturing("llama-causal"):
+        graph = capture(model, inputs)
+        p = plan(model, inputs, CLUSTER, force=rows_pins(graph), graph=graph, **kw)
+    out["rows-zigzag"] = ("llama-causal", p)
     return out
 
 
@@ -220,12 +266,14 @@ def test_ring_plans_pass_every_key_value_block_round_the_axis(plans):
 
 def test_zigzag_plans_record_their_order_and_balance_the_causal_work(plans):
     """The planner lays the sequence out zig-zag (``planner.sequence_order``) where every attention call is a
-    ring on one axis and nothing else mixes positions: the GPT with its backward a ring too (its inputs and its
-    position ids' ``arange`` permuted; its 4 ``is_causal`` calls each rank then computing the same share of the
-    causal square, where contiguous ranks compute 1 to 7 eighths of the last one's), and the Llama with its labels
-    shifted outside (its three ``arange`` permuted: position ids, the mask's query and key positions). The
-    Llama shifting its labels inside, the GPT whose backward gathers keys by query rows and the all-gather
-    and Ulysses plans stay contiguous. The order round-trips through a plan file and is printed."""
+    ring on one axis, or ``is_causal`` by query rows on it, and nothing else mixes positions: the GPT with its
+    backward a ring too (its inputs and its position ids' ``arange`` permuted; its 4 ``is_causal`` calls each rank
+    then computing the same share of the causal square, where contiguous ranks compute 1 to 7 eighths of the last
+    one's), the GPT by query rows unforced and with a ring forward and a backward by query rows, the Llama with its
+    labels shifted outside (its three ``arange`` permuted: position ids, the mask's query and key positions), and
+    that Llama ``is_causal`` by query rows (Llama 3's CP: its 8 calls balanced). The Llama shifting its labels
+    inside, the masked calls by query rows and the Ulysses plans stay contiguous. The order round-trips through a
+    plan file and is printed."""
     from meshpilot.ops import ring
     from meshpilot.planner.plan import SequenceOrder
     from meshpilot.planner.sequence_order import why_not
@@ -236,9 +284,16 @@ def test_zigzag_plans_record_their_order_and_balance_the_causal_work(plans):
     assert (llama.length, llama.causal) == (SEQ, 0)
     assert llama.inputs == tuple((i, 1) for i in range(4))
     assert llama.factories == (("arange", 0), ("arange_2", 0), ("arange_3", 0))
-    for name in ("auto", "forced", "ulysses", "ring", "allgather-b2", "ulysses-b2", "causal", "causal-capped"):
+    for name in ("auto", "forced", "ulysses", "ring", "allgather-b2", "ulysses-b2", "causal-capped"):
         assert plans[name][1].sequence_order is None, name
-    assert plans["ring-causal"][1].sequence_order is None  # its backward by query rows (contiguous offsets)
+    # is_causal by query rows (causal_rows: each rank's rows its two chunks), alone or after a ring forward
+    assert plans["causal"][1].sequence_order == gpt.sequence_order
+    assert plans["ring-causal"][1].sequence_order == gpt.sequence_order
+    rows = plans["rows-zigzag"][1]
+    assert context_axes(rows.nodes, rows.mesh_axes, rows.collectives) == [
+        ContextAxis("gpu", ContextMethod.ALL_GATHER, 4)
+    ]
+    assert rows.sequence_order == SequenceOrder(0, 4, "zigzag", SEQ, ((0, 1), (1, 1), (2, 1)), (("arange", 0),), 8)
     model, inputs = _llama()
     assert "along the sequence" in why_not(capture(model, inputs), SEQ)  # the shift and packed-sequence ids
     peers = MESH[0]
@@ -282,15 +337,17 @@ def test_heads_the_axis_does_not_divide_refuse_ulysses_in_one_line():
 
 
 class _Rows:
-    """A stand-in for ``OwnCall`` whose queries are rows ``[first, first + rows)``."""
+    """A stand-in for ``OwnCall`` whose queries are rows ``[first, first + rows)`` of `length` held in
+    `sequence_order` (None: contiguous)."""
 
-    def __init__(self, target: str, first: int, rows: int) -> None:
-        self.node = type("Node", (), {"target": target})()
+    def __init__(self, target: str, first: int, rows: int, sequence_order=None, length: int | None = None) -> None:
+        self.node = type("Node", (), {"target": target, "name": "sdpa"})()
         self.range = (first, rows)
         self.ins = ((None,), (None,))
+        self.sequence_order, self.length = sequence_order, length
 
     def global_shape(self, arg: int):
-        return None
+        return None if self.length is None else (1, 1, self.length, 1)
 
     def local_range(self, shape, placements, dim: int) -> tuple[int, int]:
         return self.range
@@ -324,6 +381,48 @@ def test_causal_rows_blocks_merge_to_the_whole_call(kv_heads):
         dv_sum += dv_r
     torch.testing.assert_close(dk_sum, dk, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dv_sum, dv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("peers", [2, 4])
+def test_causal_rows_zigzag_rows_merge_to_the_whole_call(peers):
+    """``causal_rows`` in a zig-zag plan (Llama 3's balanced CP): the step holds the sequence permuted, rank r's
+    rows its chunks r and 2P − 1 − r (two segments of natural positions, one for the middle rank), the gathered
+    keys in the held order.
+    Each rank's ``out``, ``lse``, ``dq`` are the whole ``is_causal`` call's at its rows' natural positions, and the
+    ranks' ``dk``, ``dv`` (at the held slots) sum to the whole call's, permuted (grouped-query heads)."""
+    from meshpilot.ops import causal_rows
+    from meshpilot.ops.ring import zigzag_positions
+    from meshpilot.planner.plan import SequenceOrder
+
+    t = 64
+    g = torch.Generator().manual_seed(0)
+    q, out_grad = torch.randn(2, 4, t, 8, generator=g), torch.randn(2, 4, t, 8, generator=g)
+    k, v = torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g)
+    out, lse = torch.ops.meshpilot.sdpa(q, k, v, None, True, None, True)
+    dq, dk, dv = torch.ops.meshpilot.sdpa_backward(out_grad, q, k, v, out, lse, None, True, None, True)
+    order = SequenceOrder(0, peers, "zigzag", t, ((0, 1),), (), 2)
+    pos = zigzag_positions(t, peers)
+    held = [x.index_select(2, pos) for x in (q, k, v, out_grad, out, lse.unsqueeze(-1), dq, dk, dv)]
+    q_h, k_h, v_h, g_h, out_h, lse_h, dq_h, dk_h, dv_h = held
+    lse_h = lse_h.squeeze(-1)
+    rows = t // peers
+    dk_sum, dv_sum = torch.zeros_like(dk_h), torch.zeros_like(dv_h)
+    for r in range(peers):
+        mine = slice(r * rows, (r + 1) * rows)
+        # two runs of natural positions, but the middle rank's chunks P − 1 and P, which are one
+        assert len(causal_rows.segments(r * rows, rows, pos)) == (1 if r == peers - 1 else 2)
+        call = _Rows(causal_rows.FORWARD, r * rows, rows, order, t)
+        o, s = causal_rows._run_forward(call, q_h[:, :, mine], k_h, v_h, None, True, None, True)
+        torch.testing.assert_close(o, out_h[:, :, mine], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(s, lse_h[:, :, mine], atol=1e-6, rtol=1e-5)
+        call = _Rows(causal_rows.BACKWARD, r * rows, rows, order, t)
+        args = (g_h[:, :, mine], q_h[:, :, mine], k_h, v_h, o, s, None, True, None, True)
+        dq_r, dk_r, dv_r = causal_rows._run_backward(call, *args)
+        torch.testing.assert_close(dq_r, dq_h[:, :, mine], atol=1e-6, rtol=1e-5)
+        dk_sum += dk_r
+        dv_sum += dv_r
+    torch.testing.assert_close(dk_sum, dk_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv_sum, dv_h, atol=1e-5, rtol=1e-5)
 
 
 def test_zigzag_chunks_give_every_rank_the_same_causal_work():
@@ -396,7 +495,9 @@ def _worker(jobs: dict) -> dict:
         model, _ = _model(key, "cpu")
         ref64 = _model(key, "cpu")[0].double() if key in REFEREED else None
         plan_ = StagePlan.from_json(plan_json)
-        pm = parallelize(model, plan_, graph=graph_of(key, model, plan_))  # one capture per model key
+        with _capturing(key):
+            graph = graph_of(key, model, plan_)  # one capture per model key
+        pm = parallelize(model, plan_, graph=graph)
         res = lockstep_adamw(ref, pm, inputs, STEPS, ref64=ref64)
         planned = plan_.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]

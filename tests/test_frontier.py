@@ -364,6 +364,77 @@ def test_config_search_beats_the_stated_config_within_its_memory_and_every_candi
     assert ests == sorted(ests) and res.enumerated >= len(res.leading)
 
 
+def test_context_parallel_config_takes_llama3s_balanced_layout_where_the_step_allows():
+    """With its labels pre-shifted (Megatron's loader; ``pre_shifted_labels``) the reduced CP row's step takes the
+    zig-zag order on the CP axis (``Plan.sequence_order``: 2 · CP chunks, the ids, labels and shifted labels and
+    the position ``arange`` permuted), its attention calls marked balanced and priced so (each rank's causal work
+    the average: less than the contiguous split's slowest rank), and the order round-trips through a plan file.
+    Captured with transformers' own labels shift (a pad along the sequence) the order is refused: the contiguous
+    layout stays, priced at its slowest rank, and the plan says why in one line."""
+    from meshpilot.models.sources import pre_shifted_labels, unpacked_sequences
+    from meshpilot.planner.config_plan import plan_config
+    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.stage import StagePlanner
+
+    cfg = parse_config("tp=2,cp=2,pp=2,dp=2,microbatches=4")
+    built = build_hf("llama", TINY, batch=cfg.graph_batch, seq=128)  # head dim 64: a sequence of another length
+    plans = {}
+    for shifted in (False, True):
+        model, inputs = built.model, tuple(built.inputs)
+        if shifted:
+            model, inputs = pre_shifted_labels(model, inputs)
+        with unpacked_sequences():
+            stack = capture_stack(model, inputs, precision=cfg.precision)
+        sp = StagePlanner(stack.graph, "llama3-h100:2")  # measured attention rates, causal-aware
+        plans[shifted] = plan_config(model, inputs, stack, sp.cluster, cfg, planner=sp)
+    contiguous, balanced = plans[False], plans[True]
+    assert contiguous.plan.sequence_order is None and "labels shift" in contiguous.contiguous_why
+    assert "\n" not in contiguous.contiguous_why
+    order = balanced.plan.sequence_order
+    assert balanced.contiguous_why is None and (order.axis, order.peers, order.length) == (1, 2, 128)
+    assert order.inputs == ((0, 1), (1, 1), (2, 1)) and order.factories == (("arange", 0),)
+    assert "zigzag over axis cp: 128 tokens in chunks of 32" in str(balanced.plan)
+    assert Plan.from_json(balanced.plan.to_json()).sequence_order == order
+    assert "sequence_order" not in contiguous.plan.to_dict()
+    compute = {k: sum(c.time.compute_s for c in p.costs) for k, p in plans.items()}
+    assert compute[True] < compute[False]  # every rank at the average causal work, not the slowest's
+    # the order is taken before the ILP: its block's attention must be one the order serves, on the CP axis
+    # (the ring or the all-gather method by query rows, not Ulysses' all-to-alls)
+    from meshpilot.planner.config_plan import context_views, stage_mesh, stage_setup
+    from meshpilot.planner.zero import ZeroMode
+
+    mesh = stage_mesh(cfg)
+    st, planner, force = stage_setup(model, inputs, stack, sp.cluster, cfg, sp, mesh)
+    assert any(n.zigzag for n in st.graph.nodes)
+    with context_views(cfg):
+        planner.plan(
+            st.middle, st.middle + 1, stage_ranks(cfg)[0], mesh, microbatches=1, zero=ZeroMode.OFF, force=force
+        )
+    on_cp = {str(c.kind) for c in planner.last_collectives() if c.axis == 1 and not c.dst.startswith("grad:")}
+    assert on_cp and not any("all_to_all" in k for k in on_cp), on_cp
+
+
+def test_balanced_cp_prices_every_rank_at_the_average_causal_work():
+    """``CostModel.attention`` balanced (zig-zag, each rank two of 2n chunks): ``(2n − 1)/(4n)`` of a rank's share at
+    the non-causal rate and ``1/(2n)`` at the causal one; by the row-key pairs it counts (the rectangle's whole,
+    the squares' causal halves) every rank does ``1/n`` of the causal triangle; one rank (n = 1) is the causal
+    kernel either way."""
+    from meshpilot.cluster.cost import CostModel
+    from meshpilot.cluster.mesh import LogicalMesh
+    from meshpilot.cluster.presets import H100_ATTENTION_TFLOPS
+
+    cm = CostModel(LogicalMesh(load_cluster("llama3-h100:1"), (1, 1), [[0]]))
+    rf, _, cf, _ = (t * 1e12 for t in H100_ATTENTION_TFLOPS)
+    f = 1e12
+    for n in (2, 4, 16):
+        got = cm.attention(f, 0, True, n, False, balanced=True)
+        assert got == pytest.approx((2 * n - 1) / (4 * n) * f / rf + f / (2 * n) / cf)
+        assert got < cm.attention(f, 0, True, n, False)
+        m = 1.0 / (2 * n)  # a chunk of the unit sequence: a rank's rectangle whole, its two squares' halves
+        assert (2 * n - 1) * m * m + 2 * (m * m / 2) == pytest.approx(1 / 2 / n)  # the triangle's share
+    assert cm.attention(f, 0, True, 1, False, balanced=True) == pytest.approx(f / cf)
+
+
 def test_config_search_offers_context_parallelism_for_long_sequences_only():
     """From 32,768 tokens the search offers TP of a whole server with CP 1, 2, 4, …, each CP rank keeping at least
     8,192 tokens (Llama 3's CP16 at 131,072), one sequence a replica's microbatch; below, every TP and CP 1 (the 8K

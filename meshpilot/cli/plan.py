@@ -376,7 +376,7 @@ CONFIG_CONFLICTS = ("mesh", "force", "stages", "pipeline", "schedule", "microbat
 
 def run_config(args: argparse.Namespace, cluster: Any) -> int:
     """``meshpilot plan --config``: the configuration's plan (``planner.config_plan``), its simulated step."""
-    from meshpilot.models.sources import unpacked_sequences
+    from meshpilot.models.sources import pre_shifted_labels, unpacked_sequences
     from meshpilot.planner.config_plan import parse_config, plan_config
     from meshpilot.planner.stack import Stack, capture_stack
 
@@ -396,18 +396,21 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
         check_out(args.out)
     progress = make_console(stderr=True)
     built = build_model(args.model, batch=cfg.graph_batch, **_model_kw(args))
+    model, inputs = built.model, tuple(built.inputs)
+    if cfg.cp > 1:  # labels pre-shifted, as Megatron's loader gives them: CP's balanced order can be taken
+        model, inputs = pre_shifted_labels(model, inputs)
     unpacked = unpacked_sequences()  # is_causal, no mask tensor: what eager runs on whole sequences
     with (
         progress.status(f"capturing one microbatch of {built.name} ({cfg.graph_batch} rows) on meta tensors …"),
         unpacked,
     ):
-        stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+        stack = capture_stack(model, inputs, precision=cfg.precision)
     if not isinstance(stack, Stack):
         raise UserError(
             f"--config: {built.name} is not a stack of at least 5 identical blocks; plan it without --config"
         )
     with progress.status(f"planning {cfg.short()} on {cfg.devices:,} devices …"):
-        cp = plan_config(built.model, built.inputs, stack, cluster, cfg)
+        cp = plan_config(model, inputs, stack, cluster, cfg)
         sim = cp.plan.simulate(cluster)
     if args.json or args.out:
         _save_or_print(args, cp.plan)
@@ -415,6 +418,9 @@ def run_config(args: argparse.Namespace, cluster: Any) -> int:
             return 0
     console.print(f"{built.label}: {cfg.short()}, global batch {cfg.global_batch}", soft_wrap=True)
     console.print(str(cp.plan), soft_wrap=True, markup=False, highlight=False)
+    if cp.contiguous_why:
+        why = cp.contiguous_why
+        console.print(f"  CP in contiguous chunks, the last rank's causal work priced: {why}", markup=False)
     console.print(
         f"simulated step {fmt_s(sim.step_s)} (Eq. 2: {fmt_s(cp.plan.step_s)}), planned in {cp.planning_s:.1f} s; "
         "the stages carry no operator plans (`meshpilot simulate` it; not `train`)",

@@ -104,9 +104,16 @@ R_b, C = C_f or C_b by direction; :meth:`CostModel.attention`), a device's share
   non-causal                      F_d / R
   causal, query rows whole        F_d / C                                   (the kernel skips the hidden half)
   causal, query rows split n ways (n − 1)/n · F_d / R  +  1/n · F_d / C      (``ops.causal_rows``, contiguous)
+  the same, balanced (zig-zag)   (2n − 1)/(4n) · F_d / R  +  1/(2n) · F_d / C   (two chunks a rank, n ≥ 2)
 
-The last is the slowest rank of the all-gather method: rank n − 1's rows see every earlier key block whole
-(the rectangle, non-causal) and their own square causally; every rank is priced as it (the step waits for it).
+The third is the slowest rank of the all-gather method with contiguous rows: rank n − 1's rows see every
+earlier key block whole (the rectangle, non-causal) and their own square causally; every rank is priced as it
+(the step waits for it). The fourth is every rank's with Llama 3's layout (``planner.sequence_order``'s zig-zag
+order, ``OpNode.zigzag``): the sequence in 2n chunks of m = t / 2n rows, rank r holding chunks r and 2n − 1 − r,
+so its rows see (r + 2n − 1 − r) · m² = (2n − 1) · m² earlier keys whole and two causal m × m squares. Of the
+whole square's t² = 4n² · m² pairs a rank's share F_d counts 4n · m²: (2n − 1)/(4n) of it at the non-causal rate,
+2 · m², 1/(2n) of it, at the causal one (C is on the whole square's count, so each square is priced at its full
+m² / C). The rows of every rank together make the whole call's causal work, the contiguous split's average.
 Without measured rates an attention call is priced as any op (F_d at peak · eff_c: the math path computes
 every pair).
 """
@@ -308,9 +315,12 @@ class CostModel:
         t_bytes = nbytes / (d.memory_bandwidth * d.memory_efficiency) if nbytes else 0.0
         return max(t_flops, t_bytes)
 
-    def attention(self, flops: float, nbytes: float, causal: bool, rows_split: int, backward: bool) -> float | None:
+    def attention(
+        self, flops: float, nbytes: float, causal: bool, rows_split: int, backward: bool, balanced: bool = False
+    ) -> float | None:
         """Seconds of a device's share `flops` of an attention call at the profile's measured rates (module
-        docstring); `rows_split` the ways its query rows are split (causal calls only); None without rates."""
+        docstring); `rows_split` the ways its query rows are split (causal calls only), `balanced` each rank
+        holding two zig-zag chunks rather than one contiguous run; None without rates."""
         rates = self.device.attention
         if rates is None:
             return None
@@ -320,7 +330,10 @@ class CostModel:
         else:
             diag = rates.causal_backward if backward else rates.causal_forward
             n = max(rows_split, 1)
-            t_flops = (n - 1) / n * flops / full + flops / n / diag
+            if balanced and n > 1:
+                t_flops = (2 * n - 1) / (4 * n) * flops / full + flops / (2 * n) / diag
+            else:
+                t_flops = (n - 1) / n * flops / full + flops / n / diag
         t_bytes = nbytes / (self.device.memory_bandwidth * self.device.memory_efficiency) if nbytes else 0.0
         return max(t_flops, t_bytes)
 

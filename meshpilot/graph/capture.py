@@ -231,6 +231,10 @@ class OpNode:
     """A matrix product that runs as a tensorwise Float8 product, its operands cast from bf16 on the fly
     (``planner.config_plan.float8_stack``, ``--config float8=linears``): priced by ``CostModel.float8_gemm``; its
     values stay as captured (the float8 copies are transient and not counted)."""
+    zigzag: bool = False
+    """An attention call whose sequence the plan holds in the zig-zag order (``planner.sequence_order``;
+    ``planner.config_plan``'s CP stacks): its query rows split over one mesh axis are each rank's two balanced
+    chunks, priced so (``CostModel.attention``'s balanced row), not at the contiguous split's slowest rank."""
     fx_node: torch.fx.Node | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -230,6 +230,19 @@ class HFLoss(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, **dict(zip(self.extra, more))).loss
 
 
+def pre_shifted_labels(model: nn.Module, inputs: tuple) -> tuple[nn.Module, tuple]:
+    """`model` and `inputs` with the labels shifted before the step, as Megatron-LM's data loader gives them
+    (``tokens[1:]``): a Hugging Face decoder's :class:`HFLoss` given transformers' ``shift_labels`` (the labels
+    shifted left, the last position ignored), so that its loss shifts nothing along the sequence. A plan that
+    permutes the sequence (``planner.sequence_order``: the zig-zag order of context parallelism) cannot run
+    ``ForCausalLMLoss``' own shift, a pad and a slice along it. Anything else is returned as it is."""
+    if not isinstance(model, HFLoss) or "shift_labels" in model.extra or len(inputs) != 2 + len(model.extra):
+        return model, inputs
+    labels = inputs[1]
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    return HFLoss(model.model, (*model.extra, "shift_labels")), (*inputs, shifted)
+
+
 @contextlib.contextmanager
 def unpacked_sequences():
     """While capturing a Hugging Face decoder: every row one whole sequence, as eager training on these inputs

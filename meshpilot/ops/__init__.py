@@ -98,7 +98,7 @@ class OwnCall:
     """What an own op's implementation knows about the call it serves: the node, the mesh and the planned
     layouts of its operands (``ins``) and outputs (``outs``); a per-node cache for values that depend on
     them only (this rank's range of a sharded dim); the plan's sequence order (``StagePlan.sequence_order``:
-    None, contiguous, or zig-zag on one axis), which ring attention reads."""
+    None, contiguous, or zig-zag on one axis), which ring attention and ``causal_rows`` read."""
 
     __slots__ = ("node", "mesh", "ins", "outs", "cache", "sequence_order")
 

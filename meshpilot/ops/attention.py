@@ -624,8 +624,8 @@ def ring_pins(graph, backward: bool = False) -> dict[str, str]:
     theirs (``S(2)`` of ``[b, h, t, e]``). Attention's own layout is left to the planner: with its keys and
     values arriving sequence-sharded the ring moves ``(n − 1) / n`` of each block as the all-gather does, and
     keeps no gathered copy. `backward`: each backward's dK and dV pinned ``S(2)`` too, so the backward is a
-    ring as well (an ``is_causal`` backward is otherwise free to gather the keys by query rows, which a
-    zig-zag plan cannot: ``planner.sequence_order``)."""
+    ring as well (an ``is_causal`` backward is otherwise free to gather the keys by query rows, which a zig-zag
+    plan serves too: ``planner.sequence_order``)."""
     pins = {"input:*": "S(1)R"}
     for n in graph.nodes:
         if n.target == SDPA_TARGETS[0]:

@@ -20,9 +20,18 @@ so each block's backward kernel called with the merged ``O`` and ``L`` (not its 
 block's share: ``dQ = dQ_A + dQ_B``; ``dK``, ``dV`` are this rank's rows' contributions, placed at keys
 ``[0, o)`` and ``[o, o + l)`` (zero beyond ``o + l``) and left *partial* over the axis, reduced where their
 consumer needs them, as the masked calls' are. Keys past a rank's rows are never computed: the masked calls'
-kernel computes every key and masks, so this path does about half the work — unevenly, rank ``r`` doing
-``(r + ½)·l²`` of the ``t²/2`` row-key pairs; the plan prices each rank at ``1/n`` of the whole call (the
-slowest rank does ``(n − ½)/n`` of that). Balancing it is what the zig-zag split of ring attention does.
+kernel computes every key and masks, so this path does about half the work — unevenly with contiguous rows,
+rank ``r`` doing ``(r + ½)·l²`` of the ``t²/2`` row-key pairs (the slowest rank ``(n − ½)·l²``).
+
+**Balanced (zig-zag) rows**, Llama 3's layout (§3.3.2): in a plan whose sequence is zig-zag-ordered
+(``planner.sequence_order``, ``OwnCall.sequence_order``) the step runs on the permuted sequence, so a rank's
+contiguous rows of the permuted q are the **segments** of natural positions its chunks hold (rank ``r`` of the
+order's axis: chunks ``r`` and ``2n − 1 − r`` of ``m = t / 2n`` rows each, :func:`segments`), and the gathered
+k, v are in the permuted order too. Each segment ``[f, f + m)`` is the contiguous case above: block ``A`` its
+rows against the natural keys ``[0, f)`` (read out of the permuted keys by their slots,
+``ring.zigzag_positions`` inverted), block ``B`` the causal square of its own keys; the segments' outputs are
+concatenated, their ``dK``, ``dV`` added at the slots they read. Every rank then computes
+``(2n − 1)·m²`` whole pairs and two causal squares: the average (``CostModel.attention``, balanced).
 
 Strategies (per mesh axis; the queries' sequence on one axis at least, :func:`per_axis_products`): rows
 ``q, out, lse S(2)``, ``k, v R`` (``dq S(2)``, ``dk, dv P``); batch ``S(0)`` or heads ``S(1)`` of every tensor on
@@ -85,54 +94,152 @@ def _backward_strategies(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
     return per_axis_products(b, node, rules)
 
 
-def _rows(call: OwnCall) -> tuple[int, int]:
-    """(first query row, rows) of this rank's queries: operand 0 of the forward, 1 of the backward."""
+def _rows(call: OwnCall) -> tuple[int, int, int]:
+    """(first query row, rows, sequence length) of this rank's queries: operand 0 of the forward, 1 of the
+    backward (rows in the order the step holds the sequence)."""
     arg = 0 if str(call.node.target) == FORWARD else 1
-    return call.local_range(call.global_shape(arg), call.ins[arg], 2)
+    shape = call.global_shape(arg)
+    first, rows = call.local_range(shape, call.ins[arg], 2)
+    return first, rows, int(shape[2]) if shape is not None else first + rows
 
 
-def _blocks(first: int, rows: int) -> tuple[slice, slice]:
-    """The key ranges of block A (every key visible) and B (the causal square)."""
-    return slice(0, first), slice(first, first + rows)
+def segments(first: int, rows: int, positions: Tensor | None) -> list[tuple[int, int, int]]:
+    """(local row, natural position, length) of each run of this rank's rows ``[first, first + rows)`` whose
+    natural positions are consecutive: `positions` the natural position of each slot of the held sequence
+    (``ring.zigzag_positions``; None: contiguous, one run)."""
+    if positions is None:
+        return [(0, first, rows)]
+    pos = positions[first : first + rows].tolist()
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pos):
+        if out and out[-1][1] + out[-1][2] == p:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, p, 1))
+    return out
+
+
+class _Layout:
+    """Where a call's rows and keys sit in the held sequence: its :func:`segments`, each segment's rows' own
+    keys (a slice of the held keys: the same slots as its queries) and the held slots of the natural keys
+    before it (a slice when contiguous, else an index tensor)."""
+
+    def __init__(self, call: OwnCall, device) -> None:
+        first, rows, t = _rows(call)
+        order = getattr(call, "sequence_order", None)
+        positions = None
+        if order is not None:
+            if order.length != t:
+                raise RuntimeError(
+                    f"{call.node.name}: attention over {t} positions in a plan whose sequence order is of "
+                    f"{order.length}; plan again"
+                )
+            positions = _zigzag(call, t, order.peers)
+        self.first = first
+        self.segments = segments(first, rows, positions)
+        self.slots = None if positions is None else _slots(call, positions, order.peers, device)
+
+    def before(self, natural: int):
+        """The held slots of the natural keys ``[0, natural)``."""
+        return slice(0, natural) if self.slots is None else self.slots[:natural]
+
+    def own(self, local: int, length: int) -> slice:
+        return slice(self.first + local, self.first + local + length)
+
+
+def _zigzag(call: OwnCall, length: int, peers: int) -> Tensor:
+    """``ring.zigzag_positions`` of the call's sequence, kept in the call's cache."""
+    from meshpilot.ops.ring import zigzag_positions
+
+    cache = getattr(call, "cache", {})
+    key = ("zigzag", length, peers)
+    if key not in cache:
+        cache[key] = zigzag_positions(length, peers)
+    return cache[key]
+
+
+def _slots(call: OwnCall, positions: Tensor, peers: int, device) -> Tensor:
+    """The held slot of each natural position (`positions` inverted) on `device`, kept in the call's cache."""
+    cache = getattr(call, "cache", {})
+    key = ("slots", len(positions), peers, str(device))
+    if key not in cache:
+        cache[key] = torch.argsort(positions).to(device)
+    return cache[key]
+
+
+def _take(x: Tensor, where) -> Tensor:
+    """Sequence positions `where` (a slice or held slots) of ``[b, h, t, e]`` `x`, contiguous."""
+    return x[:, :, where].contiguous() if isinstance(where, slice) else x.index_select(2, where)
+
+
+def _rows_of(x: Tensor, rows: slice) -> Tensor:
+    """This segment's `rows` of the rank's own ``[b, h, l, …]`` `x`: `x` itself when they are all of it."""
+    return x if rows.start == 0 and rows.stop >= x.shape[2] else x[:, :, rows].contiguous()
+
+
+def _put(acc: Tensor, where, x: Tensor) -> None:
+    """Add `x` into `acc` at sequence positions `where` (:func:`_take`'s)."""
+    if isinstance(where, slice):
+        acc[:, :, where] += x
+    else:
+        acc.index_add_(2, where, x)
 
 
 def _kernels(q: Tensor) -> tuple:
     return _FORWARD.get(q.device.type, _math_forward), _BACKWARD.get(q.device.type, _math_backward)
 
 
+def _segment_forward(fwd, q, k, v, layout: _Layout, seg: tuple[int, int, int], sc) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one segment's rows ``[b, h, l, e]``: blocks A and B merged by their log-sum-exps."""
+    local, natural, length = seg
+    own = layout.own(local, length)
+    out_b, lse_b = fwd(q, _take(k, own), _take(v, own), None, True, sc)
+    if natural == 0:
+        return out_b, lse_b
+    before = layout.before(natural)
+    out_a, lse_a = fwd(q, _take(k, before), _take(v, before), None, False, sc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - lse).unsqueeze(-1), torch.exp(lse_b - lse).unsqueeze(-1)
+    return (wa * out_a.float() + wb * out_b.float()).to(q.dtype), lse
+
+
 def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    """``(out, lse)`` of this rank's query rows: blocks A and B merged by their log-sum-exps."""
-    first, rows = _rows(call)
+    """``(out, lse)`` of this rank's query rows: each segment's blocks A and B merged by their log-sum-exps."""
+    layout = _Layout(call, q.device)
     sc = _scale(q, scale)
     k, v = _expand_kv(q, k, v, enable_gqa)
     fwd, _ = _kernels(q)
-    a, b = _blocks(first, rows)
-    out_b, lse_b = fwd(q, k[:, :, b].contiguous(), v[:, :, b].contiguous(), None, True, sc)  # [b, h, l, e], [b, h, l]
-    if first == 0:
-        return _heads_inner(out_b), lse_b
-    out_a, lse_a = fwd(q, k[:, :, a].contiguous(), v[:, :, a].contiguous(), None, False, sc)
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - lse).unsqueeze(-1), torch.exp(lse_b - lse).unsqueeze(-1)
-    return _heads_inner((wa * out_a.float() + wb * out_b.float()).to(q.dtype)), lse
+    parts = [
+        _segment_forward(fwd, _rows_of(q, slice(loc, loc + n)), k, v, layout, (loc, nat, n), sc)
+        for loc, nat, n in layout.segments
+    ]
+    if len(parts) == 1:
+        return _heads_inner(parts[0][0]), parts[0][1]
+    return _heads_inner(torch.cat([o for o, _ in parts], 2)), torch.cat([s for _, s in parts], 2)
 
 
 def _run_backward(call: OwnCall, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa):
-    """``(dq, dk, dv)``: each block's backward with the merged ``out`` and ``lse``; dk, dv this rank's share."""
-    first, rows = _rows(call)
+    """``(dq, dk, dv)``: each segment's blocks' backward with the merged ``out`` and ``lse``; dk, dv this rank's
+    share, at the held slots the blocks read."""
+    layout = _Layout(call, q.device)
     sc = _scale(q, scale)
     kx, vx = _expand_kv(q, k, v, enable_gqa)
     _, bwd = _kernels(q)
     g = grad_out.contiguous()
-    a, b = _blocks(first, rows)
     dk, dv = torch.zeros_like(kx), torch.zeros_like(vx)
-    dq, dk[:, :, b], dv[:, :, b] = bwd(
-        g, q, kx[:, :, b].contiguous(), vx[:, :, b].contiguous(), out, lse, None, True, sc
-    )
-    if first > 0:
-        dq_a, dk[:, :, a], dv[:, :, a] = bwd(
-            g, q, kx[:, :, a].contiguous(), vx[:, :, a].contiguous(), out, lse, None, False, sc
-        )
-        dq = dq + dq_a
+    dqs = []
+    for local, natural, length in layout.segments:
+        rows = slice(local, local + length)
+        gq, qq, oq, lq = (_rows_of(x, rows) for x in (g, q, out, lse))
+        blocks = [(layout.own(local, length), True)] + ([(layout.before(natural), False)] if natural else [])
+        dq = None
+        for where, causal in blocks:
+            dq_x, dk_x, dv_x = bwd(gq, qq, _take(kx, where), _take(vx, where), oq, lq, None, causal, sc)
+            dq = dq_x if dq is None else dq + dq_x
+            _put(dk, where, dk_x)
+            _put(dv, where, dv_x)
+        dqs.append(dq)
+    dq = dqs[0] if len(dqs) == 1 else torch.cat(dqs, 2)
     if kx.shape[1] != k.shape[1]:  # grouped-query: sum the repeated heads' gradients back
         groups = kx.shape[1] // k.shape[1]
         dk, dv = dk.unflatten(1, (k.shape[1], groups)).sum(2), dv.unflatten(1, (v.shape[1], groups)).sum(2)

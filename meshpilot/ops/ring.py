@@ -38,13 +38,15 @@ buffers (the two blocks, the float32 accumulators) are added at the op's moment 
 causal triangle; with ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (:func:`zigzag`), every
 rank computes the same (:func:`causal_work`, :func:`causal_shares`). The kernels take any chunk order
 (``_Ring.order``, placed by global chunk positions in :func:`_pairs`). A plan takes the order where every
-attention call is a ring on one axis and nothing else mixes positions (``planner.sequence_order``, recorded as
-``StagePlan.sequence_order``): the step then runs on the permuted sequence (:func:`zigzag_positions`; inputs
-and position ``arange`` permuted by the runtime), :func:`ring_of` gives ``is_causal`` calls the zig-zag order
-and masked calls the contiguous one (their mask, built from permuted positions, is permuted in its columns
-too), and ``causal_rows``' ``is_causal`` path (contiguous offsets) refuses to run. Not priced by the planner:
-the ILP prices a causal call at the whole ``t × s`` square split evenly for every method and order
-(``attention_flops``); ``benchmarks/bench_cp.py zigzag`` shows the step with the slowest rank's share.
+attention call is a ring on one axis (or ``is_causal`` by query rows on it) and nothing else mixes positions
+(``planner.sequence_order``, recorded as ``StagePlan.sequence_order``): the step then runs on the permuted
+sequence (:func:`zigzag_positions`; inputs and position ``arange`` permuted by the runtime), :func:`ring_of`
+gives ``is_causal`` calls the zig-zag order and masked calls the contiguous one (their mask, built from
+permuted positions, is permuted in its columns too), and ``causal_rows``' ``is_causal`` calls (the all-gather
+method by query rows) read their rows' chunks off the same order (``causal_rows.segments``). Priced balanced
+only where the graph's calls are marked zig-zag (``OpNode.zigzag``: ``planner.config_plan``'s CP plans,
+``CostModel.attention``); ``auto.plan`` chooses the order after its ILP, which priced the contiguous slowest
+rank; ``benchmarks/bench_cp.py zigzag`` shows the step with the slowest rank's share.
 
 Why meshpilot's own op and not PyTorch's ``torch.distributed.tensor.experimental._context_parallel``
 (``_templated_ring_attention``): that one is written for ``aten._scaled_dot_product_{flash,efficient,cudnn}
@@ -483,20 +485,9 @@ def ring_of(call: OwnCall, key_operand: int, causal: bool = False) -> str:
     return _Ring(group, name, peers, call.mesh.get_local_rank(axes[0]), order).text()
 
 
-def _no_rows(call: OwnCall, is_causal: bool, attn_mask) -> None:
-    """causal_rows' ``is_causal`` call assumes contiguous query offsets: refused in a zig-zag plan."""
-    if is_causal and attn_mask is None and call.sequence_order is not None:
-        raise RuntimeError(
-            f"{call.node.name}: an is_causal attention by query rows in a plan whose sequence is "
-            f"{call.sequence_order.order}-ordered (its offsets are not contiguous); the planner takes the "
-            "zig-zag order only where every attention call is a ring: plan again"
-        )
-
-
 def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa):
     ring = ring_of(call, 1, is_causal and attn_mask is None)
     if not ring:
-        _no_rows(call, is_causal, attn_mask)
         return causal_rows.OPS[0].run(call, q, k, v, attn_mask, is_causal, scale, enable_gqa)
     return ring_sdpa(q, k, v, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)
 
@@ -504,7 +495,6 @@ def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa
 def _run_backward(call: OwnCall, grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa):
     ring = ring_of(call, 2, is_causal and attn_mask is None)
     if not ring:
-        _no_rows(call, is_causal, attn_mask)
         args = (grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa)
         return causal_rows.OPS[1].run(call, *args)
     return ring_sdpa_backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)

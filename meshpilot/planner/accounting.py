@@ -774,16 +774,19 @@ class ComputeCost:
     def _attention(self, node: OpNode, out: Any, nbytes: float, split: int) -> float | None:
         """Seconds of an attention node's share at the device's measured attention rates; None for other nodes
         or without rates. Its query rows (dim 2 of its first output, ``[b, h, t, e]``) split over the mesh
-        axes that shard them: ``ops.causal_rows``' contiguous chunks, the slowest rank's work priced."""
+        axes that shard them: ``ops.causal_rows``' contiguous chunks, the slowest rank's work priced; a call in
+        the zig-zag order (``OpNode.zigzag``) with its rows split over one axis, every rank's balanced work."""
         kind = attention_kind(node)
         if kind is None or self.cm.device.attention is None:
             return None
         causal, backward = kind
-        rows = 1
+        rows, axes = 1, 0
         for axis, p in enumerate(out or ()):
-            if isinstance(p, Shard) and p.dim == 2:
+            if isinstance(p, Shard) and p.dim == 2 and self.mesh_shape[axis] > 1:
                 rows *= self.mesh_shape[axis]
-        return self.cm.attention(node.flops / split, nbytes, causal, rows, backward)
+                axes += 1
+        balanced = node.zigzag and axes == 1
+        return self.cm.attention(node.flops / split, nbytes, causal, rows, backward, balanced)
 
     def update(self, node: OpNode, s: Any) -> float:
         """Seconds of the optimizer's update of parameter `node` stored as strategy `s` lays it out

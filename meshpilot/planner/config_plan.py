@@ -56,10 +56,18 @@ The plan
   methods (``ops.attention``: the ring, the all-gather method by query rows, Ulysses); a capture made under
   ``models.sources.unpacked_sequences`` calls it ``is_causal`` with no ``[b, 1, t, t]`` mask tensor. The
   gradients are reduced over DP and CP together; each rank sends its own share of a boundary
-  (``send_split`` = DP · CP · TP with SP). Attention is priced as every other op, its full (non-causal)
-  FLOPs split over CP: contiguous shards (the ring's, or the all-gather method's query rows) leave the last CP
-  rank nearly that much work (its rows see every key), so the price is the slowest rank's, not Llama 3's
-  load-balanced half.
+  (``send_split`` = DP · CP · TP with SP).
+
+* **Balanced CP: Llama 3's 2 · CP chunks** (§3.3.2). Where the captured step can run on a permuted sequence
+  (``planner.sequence_order.zigzag_order`` on the stack's graph, the CP axis: no op that mixes positions, the
+  sequence cut into 2 · CP chunks; a Hugging Face decoder's labels given pre-shifted, ``models.sources.
+  pre_shifted_labels``, as Megatron's loader gives them), the plan lays the sequence out zig-zag
+  (:func:`context_order`, recorded as ``Plan.sequence_order``): rank c of CP holds chunks c and 2 · CP − 1 − c,
+  so each rank's causal work by query rows (``ops.causal_rows``; the ring's too) is the average. Its attention
+  calls are marked ``OpNode.zigzag`` (:func:`zigzag_stack`) and priced so (``CostModel.attention``'s balanced
+  row: ``(2n − 1)/(4n)`` of a rank's share at the non-causal rate, ``1/(2n)`` at the causal one). Where the
+  order cannot be taken the contiguous layout stays, priced at its slowest rank (the last, whose rows see every
+  key), and :attr:`ConfigPlan.contiguous_why` says why.
 
 * **Float8** (``float8=linears``, with ``precision=bf16``): torchtitan's Float8 training (torchao's ``Float8Linear``,
   tensorwise dynamic scaling) as the cost model sees it: every linear of the repeated blocks runs its three
@@ -99,7 +107,7 @@ import torch
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
-from meshpilot.planner import recompute
+from meshpilot.planner import recompute, sequence_order
 from meshpilot.planner.forced import _exact, data_parallel, megatron_tp, sequence_gathers
 from meshpilot.planner.pipeline import (
     Clustering,
@@ -110,7 +118,7 @@ from meshpilot.planner.pipeline import (
     received_bytes,
     stage_transfers,
 )
-from meshpilot.planner.plan import Plan, PlanStage
+from meshpilot.planner.plan import Plan, PlanStage, SequenceOrder
 from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.schedule import ActionKind, PipelineKind, pipeline
 from meshpilot.planner.stack import Stack, StageCosting, compose_stage, expand_stack, find_stack
@@ -307,6 +315,9 @@ class ConfigPlan:
     costs: tuple[StageCost, ...]
     """Each chunk's cost on its group's ranks, at the plan's microbatches."""
     planning_s: float
+    contiguous_why: str | None = None
+    """With CP: why the sequence stays in contiguous CP chunks (None: balanced, ``plan.sequence_order``; or no
+    CP)."""
 
 
 def plan_config(
@@ -356,8 +367,12 @@ def plan_config(
             compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
             for (a, b), rk in zip(bounds, ranks)
         )
+    order = context_order(stack, cfg)
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
-    return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0)
+    if isinstance(order, SequenceOrder):
+        plan = dataclasses.replace(plan, sequence_order=order)
+    why = order if isinstance(order, str) else None
+    return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0, why)
 
 
 def stage_setup(
@@ -387,12 +402,40 @@ def stage_setup(
         force = data_parallel(model, inputs, flat)
     if cfg.sequence_parallel:
         stack = regathered_stack(stack, sequence_gathers(stack.graph, force))
+    if isinstance(context_order(stack, cfg), SequenceOrder):
+        plain = stack
+        stack = _derived(("zigzag", id(plain)), plain, lambda: zigzag_stack(plain))
     sp = planner if planner is not None and planner.graph is stack.graph else _planner_of(stack, cluster)
     boundaries = boundary_pins(sp, stack, cfg, force)
     if len(mesh) == 3:
         force = context_pins(stack.graph, model, inputs, force, cfg)
     force.update(boundaries)
     return stack, sp, force
+
+
+CP_AXIS = 1
+"""The CP axis of a pipeline group's ``(DP, CP, TP)`` mesh (:func:`stage_mesh`)."""
+
+
+def context_order(stack: Stack, cfg: ParallelConfig) -> SequenceOrder | str | None:
+    """The zig-zag order of the sequence on the CP axis that `stack`'s step takes (module docstring, *Balanced
+    CP*), or why it cannot (one line: the contiguous layout stays); None without CP. Kept per stack."""
+    if cfg.cp == 1:
+        return None
+    key = ("order", id(stack), cfg.cp)
+    return _derived(key, stack, lambda: sequence_order.zigzag_order(stack.graph, CP_AXIS, cfg.cp))
+
+
+def zigzag_stack(stack: Stack) -> Stack:
+    """`stack` with its attention calls marked ``OpNode.zigzag`` (module docstring, *Balanced CP*): priced with
+    each CP rank's rows its two zig-zag chunks."""
+    from meshpilot.ops.attention import attention_kind
+
+    nodes = [dataclasses.replace(n, zigzag=True) if attention_kind(n) is not None else n for n in stack.graph.nodes]
+    small = find_stack(dataclasses.replace(stack.graph, nodes=nodes))
+    if small is None or small.container != stack.container or small.blocks != stack.kept:
+        raise UserError(f"--config cp: {stack.container}'s blocks differ once balanced; plan without CP")
+    return expand_stack(small, stack.blocks)
 
 
 def context_views(cfg: ParallelConfig):
@@ -788,6 +831,7 @@ __all__ = [
     "boundary_pins",
     "breakdown",
     "check_config",
+    "context_order",
     "float8_stack",
     "group_bound",
     "group_memory",
@@ -806,4 +850,5 @@ __all__ = [
     "stage_ranks",
     "stage_setup",
     "tflops_per_gpu",
+    "zigzag_stack",
 ]

@@ -85,7 +85,7 @@ import torch
 
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
 from meshpilot.errors import UserError
-from meshpilot.models.sources import unpacked_sequences
+from meshpilot.models.sources import pre_shifted_labels, unpacked_sequences
 from meshpilot.planner.config_plan import (
     ConfigPlan,
     Float8,
@@ -412,7 +412,10 @@ class _Captures:
     """The sequence length of the inputs (dim 1 of the token ids), known after the first capture. Every capture
     is made under ``models.sources.unpacked_sequences`` (attention ``is_causal``, no ``[b, 1, t, t]`` mask
     tensor), as eager training on whole sequences runs it, and as ``plan --config`` and the frontier bench
-    capture: a profile with flash attention's rates prices the causal call at its causal rate."""
+    capture: a profile with flash attention's rates prices the causal call at its causal rate. From
+    :data:`CONTEXT_FROM` tokens (CP offered) a Hugging Face decoder's labels are given pre-shifted
+    (``models.sources.pre_shifted_labels``), so that a CP plan can hold the sequence in Llama 3's balanced
+    order (``config_plan``, *Balanced CP*)."""
     _got: dict[tuple[int, Recompute], tuple[Any, Any, Stack, StagePlanner]] = field(default_factory=dict)
 
     def __call__(self, rows: int, rc: Recompute = Recompute.NONE) -> tuple[Any, Any, Stack, StagePlanner]:
@@ -420,6 +423,8 @@ class _Captures:
             model, inputs = self.build(rows)
             first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
             self.seq = int(first.shape[1]) if first is not None and first.dim() >= 2 else 0
+            if self.seq >= CONTEXT_FROM:
+                model, inputs = pre_shifted_labels(model, tuple(inputs))
             with unpacked_sequences():
                 stack = capture_stack(model, inputs, precision=self.precision)
             if not isinstance(stack, Stack):

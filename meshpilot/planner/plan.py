@@ -254,7 +254,8 @@ class RecomputeChoice:
 class SequenceOrder:
     """The order a plan lays the sequence out in on one mesh axis (``meshpilot.planner.sequence_order``):
     ``zigzag`` — the sequence cut into ``2P`` chunks, rank ``r`` of the axis's ``P`` holding chunks ``r`` and
-    ``2P − 1 − r`` (``ops.ring.zigzag``), so causal ring attention gives every rank the same work. The step runs
+    ``2P − 1 − r`` (``ops.ring.zigzag``), so causal attention, by the ring or by query rows
+    (``ops.causal_rows``), gives every rank the same work. The step runs
     on the permuted sequence: the inputs below permuted along their sequence dim before they are sharded, the
     position-valued factories (``arange``) below permuted as they are made; everything else is unchanged."""
 
@@ -271,7 +272,7 @@ class SequenceOrder:
     factories: tuple[tuple[str, int], ...]
     """(node, its sequence dim) of every factory output permuted (position ids, ``cache_position``)."""
     causal: int = 0
-    """How many ``is_causal`` ring calls (forward and backward) it balances."""
+    """How many ``is_causal`` calls (forward and backward; rings or by query rows) it balances."""
 
     def line(self, mesh_axes: tuple[str, ...]) -> str:
         """The plan printout's line."""
@@ -279,7 +280,7 @@ class SequenceOrder:
         return (
             f"{self.order} over axis {axis}: {self.length} tokens in chunks of {self.length // (2 * self.peers)}"
             f" (rank r holds chunks r and 2P-1-r), {len(self.inputs)} input(s) and {len(self.factories)} "
-            f"position factory(ies) permuted, {self.causal} causal ring call(s) balanced"
+            f"position factory(ies) permuted, {self.causal} causal call(s) balanced"
         )
 
 
@@ -925,6 +926,9 @@ class Plan:
     """Ranks of a stage that each send their own share of a boundary's :attr:`transfers`, in parallel on their
     own links (a configuration's plan, ``planner.config_plan``: its DP replicas' rows); :meth:`simulate` sends
     ``nbytes / send_split`` from the stand-in rank. 1: the whole transfer over one link."""
+    sequence_order: SequenceOrder | None = None
+    """A configuration's plan with context parallelism: the zig-zag order its stages hold the sequence in
+    (``planner.config_plan``, *Balanced CP*); None: contiguous, or a one-stage plan (its stage plan's)."""
     without_stage: Callable[[int], Plan] | None = field(default=None, compare=False, repr=False)
     """The stage DP's best plan with this plan's stage j, as placed (its layers, submesh size and position in
     the pipeline), ruled out of its table (``pipeline._dp_plan``; raises ``PlanError`` when nothing is left):
@@ -1305,6 +1309,8 @@ class Plan:
             )
         if self.send_split > 1 and out:
             out.append(f"  each sent as {self.send_split} shares on their own ranks' links (send_split; simulated so)")
+        if self.sequence_order is not None:
+            out.append(f"  sequence     {self.sequence_order.line(('dp', 'cp', 'tp'))}")
         return out
 
     def _table(self) -> str:

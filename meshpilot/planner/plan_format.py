@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from meshpilot.errors import UserError
-from meshpilot.planner.plan import Plan, PlanStage, StagePlan, StageTransfer
+from meshpilot.planner.plan import Plan, PlanStage, StagePlan, StageTransfer, _sequence_order_of
 from meshpilot.planner.schedule import PipelineKind, Schedule
 
 PLAN_FORMAT = "meshpilot-plan"
@@ -49,6 +49,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     d["stages"] = [_stage_to_dict(st) for st in plan.stages]
     d["transfers"] = [dataclasses.asdict(x) for x in plan.transfers]
     d["send_split"] = plan.send_split
+    if plan.sequence_order is not None:  # contiguous: files as before the field
+        d["sequence_order"] = dataclasses.asdict(plan.sequence_order)
     d["step_schedule"] = plan.step_schedule().to_dict()
     return d
 
@@ -126,7 +128,8 @@ def _build(d: dict, where: str, intra: list | None) -> Plan:
     kind = PipelineKind(d["schedule"]) if d.get("schedule") is not None else None
     return Plan(
         stages, clustering=clustering, schedule=kind, costing=d.get("costing", "exact"), transfers=transfers,
-        cluster=str(d.get("cluster", "")), send_split=int(d.get("send_split", 1)), **{k: d[k] for k in _SCALARS},
+        cluster=str(d.get("cluster", "")), send_split=int(d.get("send_split", 1)),
+        sequence_order=_sequence_order_of(d.get("sequence_order")), **{k: d[k] for k in _SCALARS},
     )  # fmt: skip
 
 

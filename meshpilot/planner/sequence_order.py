@@ -1,6 +1,7 @@
-"""Zig-zag order of the sequence for causal ring attention: when a plan takes it, and what it permutes.
+"""Zig-zag order of the sequence for causal context-parallel attention: when a plan takes it, what it permutes.
 
-Ring attention with ``is_causal`` skips the key blocks after a rank's queries (``ops.ring``), so with contiguous
+Ring attention with ``is_causal`` skips the key blocks after a rank's queries (``ops.ring``), and the all-gather
+method by query rows the keys after its rows (``ops.causal_rows``), so with contiguous
 shards rank ``r`` of ``P`` computes ``r + ½`` chunk pairs and the last rank about twice the average. Cut into
 ``2P`` chunks, rank ``r`` holding chunks ``r`` and ``2P − 1 − r`` (``ring.zigzag``), every rank computes the
 same (``ring.causal_work``). A plan lays the sequence out so (:class:`~meshpilot.planner.plan.SequenceOrder`)
@@ -18,12 +19,16 @@ what knows positions must be told:
   in either world;
 * the **ring** places ``is_causal`` block pairs by their chunks' global positions (``ring_of`` passes the
   zig-zag order); a masked ring call reads its mask's columns as laid out (the mask, built from permuted
-  positions, is permuted in rows and columns alike).
+  positions, is permuted in rows and columns alike);
+* the **all-gather method by query rows** (``ops.causal_rows``, ``is_causal`` calls: Llama 3's CP) reads its
+  rows' chunks off the order (``causal_rows.segments``): each rank's rows are its two chunks, the gathered
+  keys in the held order, so its causal work is the average.
 
 Anything else that mixes positions is refused, the plan then keeping the contiguous order: a live op that
 shifts, slices, pads, flips, sorts or scans a dim of the sequence's length (transformers' labels shift inside
 ``ForCausalLMLoss`` — pass ``shift_labels`` pre-shifted instead; a ``tril`` mask; a convolution), an
-attention call that is not a ring on the axis (``causal_rows`` assumes contiguous offsets), a random op (its
+attention call that is neither a ring on the axis nor an ``is_causal`` call by query rows on it (a masked call
+by query rows, by heads, whole), a random op (its
 draws follow the layout), a buffer or constant with a dim of the sequence's length, an ambiguous input. The
 rules read the sequence as "a dim of length ``t``": conservative (an unrelated dim of that length refuses the
 order, never permutes it).
@@ -202,37 +207,66 @@ def _placements(p) -> tuple:
     return tuple(p) if p is not None else ()
 
 
+def _call_axis(node, chosen: Mapping[str, Any], mesh_shape: tuple[int, ...]) -> int | None:
+    """The mesh axis an attention call's sequence runs on, where the zig-zag order can serve it: a ring (q and
+    k ``S(2)`` on that one axis) or, for an ``is_causal`` call without a mask, the all-gather method by query
+    rows (q ``S(2)`` on it, k whole: ``ops.causal_rows``, which reads its rows' chunks off the order); else
+    None (attention whole, by heads, masked by query rows, or over two axes)."""
+    off = 1 if node.target == SDPA_BACKWARD else 0
+    ins = chosen[node.name].ins
+    q_axes = {a for a, p in enumerate(_placements(ins[off])) if p == Shard(2) and mesh_shape[a] > 1}
+    k_axes = {a for a, p in enumerate(_placements(ins[off + 1])) if p == Shard(2) and mesh_shape[a] > 1}
+    if len(q_axes) != 1:
+        return None
+    if q_axes == k_axes or (not k_axes and _causal(node)):
+        return next(iter(q_axes))
+    return None
+
+
+def _causal(node) -> bool:
+    """Whether an attention call is ``is_causal`` with no mask tensor."""
+    args = node.fx_node.args
+    mask = 6 if node.target == SDPA_BACKWARD else 3
+    return bool(args[mask + 1]) and args[mask] is None
+
+
 def choose(graph: OpGraph, chosen: Mapping[str, Any], mesh_shape: tuple[int, ...]) -> SequenceOrder | None:
     """The zig-zag :class:`SequenceOrder` for a plan whose strategies are `chosen` (node -> strategy), or None
-    (contiguous): every attention call, forward and backward, must be a ring on one mesh axis (q and k
-    ``S(2)`` there), the graph must pass :func:`_refusal`, and ``t`` divide into ``2P`` chunks."""
+    (contiguous): every attention call, forward and backward, must run its sequence on one mesh axis as a ring
+    or, ``is_causal``, by query rows (:func:`_call_axis`), and the graph take the order (:func:`zigzag_order`)."""
     calls = [n for n in graph.nodes if n.kind == NodeKind.OP and n.target in (SDPA, SDPA_BACKWARD)]
     if not calls:
         return None
+    axes = {_call_axis(n, chosen, mesh_shape) for n in calls}
+    if len(axes) != 1 or None in axes:
+        return None
+    (axis,) = axes
+    order = zigzag_order(graph, axis, mesh_shape[axis], chosen)
+    return order if isinstance(order, SequenceOrder) else None
+
+
+def zigzag_order(graph: OpGraph, axis: int, peers: int, chosen: Mapping[str, Any] | None = None) -> SequenceOrder | str:
+    """The zig-zag :class:`SequenceOrder` of `graph`'s sequence on mesh `axis` of `peers` devices, or why the
+    graph cannot take it (one line): the attention calls' one sequence length ``t`` cut into ``2P`` chunks, no
+    op that mixes positions (:func:`_refusal`), each position ``arange`` used only as a value or only as an
+    index, each input's sequence dim known (the one `chosen` shards on `axis`, else its one dim of length ``t``).
+    What the planner asks after its ILP (:func:`choose`) and what ``config_plan`` asks of a CP stack before
+    planning it (its calls then marked ``OpNode.zigzag`` and priced balanced)."""
+    calls = [n for n in graph.nodes if n.kind == NodeKind.OP and n.target in (SDPA, SDPA_BACKWARD)]
+    if not calls:
+        return "no attention call to balance"
     if any(n.kind == NodeKind.INPUT and not str(n.fqn).startswith("input:") for n in graph.nodes):
-        return None  # a pipeline stage's slice: its boundary values are not the model's inputs
-    axes, lengths, causal = set(), set(), 0
-    for n in calls:
-        off = 1 if n.target == SDPA_BACKWARD else 0
-        ins = chosen[n.name].ins
-        q_axes = {a for a, p in enumerate(_placements(ins[off])) if p == Shard(2) and mesh_shape[a] > 1}
-        k_axes = {a for a, p in enumerate(_placements(ins[off + 1])) if p == Shard(2) and mesh_shape[a] > 1}
-        if len(q_axes) != 1 or q_axes != k_axes:
-            return None  # not a ring (attention whole, by heads, by query rows)
-        axes |= q_axes
-        lengths.add(int(_val(n)[0].shape[2]))  # out or dq: [b, h, t, e]
-        args = n.fx_node.args
-        mask = 6 if off else 3
-        causal += bool(args[mask + 1]) and args[mask] is None
-    if len(axes) != 1 or len(lengths) != 1:
-        return None
-    (axis,), (t,) = axes, lengths
-    peers = mesh_shape[axis]
+        return "a pipeline stage's slice (its boundary values are not the model's inputs)"
+    lengths = {int(_val(n)[0].shape[2]) for n in calls}  # out or dq: [b, h, t, e]
+    if len(lengths) != 1:
+        return f"attention calls over {len(lengths)} sequence lengths"
+    (t,) = lengths
     if t % (2 * peers):
-        return None
+        return f"{t} tokens do not cut into 2 · {peers} equal chunks"
     live = _live(graph)
-    if _refusal(graph, live, t) is not None:
-        return None
+    why = _refusal(graph, live, t)
+    if why is not None:
+        return why
     factories = []
     for n in graph.nodes:
         if n.name in live and n.kind == NodeKind.OP and _op(n.target) == "arange":
@@ -240,7 +274,7 @@ def choose(graph: OpGraph, chosen: Mapping[str, Any], mesh_shape: tuple[int, ...
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == t:
                 how = _index_only(graph, n.name, live)
                 if how is None:
-                    return None
+                    return f"{n.name} (an arange of {t} used both as positions and as indices)"
                 if not how:
                     factories.append((n.name, 0))
     inputs = []
@@ -251,14 +285,15 @@ def choose(graph: OpGraph, chosen: Mapping[str, Any], mesh_shape: tuple[int, ...
         if not isinstance(v, torch.Tensor):
             continue
         dims = [d for d, size in enumerate(v.shape) if size == t]
-        outs = chosen[n.name].outs[0] if chosen[n.name].outs else None
+        outs = chosen[n.name].outs[0] if chosen is not None and chosen[n.name].outs else None
         sharded = [d for d in dims if outs is not None and Shard(d) == outs[axis]]
         if sharded:
             inputs.append((i, sharded[0]))
         elif len(dims) == 1:
             inputs.append((i, dims[0]))
         elif dims:
-            return None  # two dims of the sequence's length: which one is it
+            return f"{n.name} (two dims of {t}: which one is the sequence)"
+    causal = sum(_causal(n) for n in calls)
     return SequenceOrder(axis, peers, "zigzag", t, tuple(inputs), tuple(factories), causal)
 
 
