@@ -115,12 +115,55 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
     from transformers import AutoConfig
 
-    d = AutoConfig.for_model(model_type).to_dict()
-    out = _tiny_dict(d, vocab, _hidden_sizes(d))
+    default = AutoConfig.for_model(model_type)
+    d, kinds = default.to_dict(), _layer_kinds(default)
+    out = _tiny_dict(d, vocab, _hidden_sizes(d), kinds)
     if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
         _keep_rotary_quads(d, out)
         _keep_chunks(d, out)
+    _keep_derived_kinds(model_type, d, out, kinds)
     return out
+
+
+def _layer_kinds(cfg: Any) -> list[str] | None:
+    """The kind of each layer of configuration `cfg` (transformers' ``layer_types`` convention, which hybrid
+    configurations follow whether they store the list — ``layer_types``, ``layers_block_type`` — or derive it
+    from a period and offset, indices or a repeating ``block_types``): None where it names none."""
+    kinds = getattr(cfg, "layer_types", None)
+    return list(kinds) if _strings(kinds) else None
+
+
+def _keep_derived_kinds(model_type: str, d: dict[str, Any], out: dict[str, Any], kinds: list[str] | None) -> None:
+    """Layer kinds a configuration derives from a period and an offset (Jamba's ``attn_layer_period`` /
+    ``attn_layer_offset``: layer *i* attends where *i* mod period = offset): the tiny layer count alone would
+    drop the attention layers, so each ``…_period`` / ``…_offset`` pair is searched, smallest first, for the one
+    that gives the kept layers their default kinds (:func:`_kept_layers`), checked by building the
+    configuration. Nothing where the tiny configuration already has every kind of the default's."""
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    keep = _kept_layers(layers, kinds)
+    if not keep or kinds is None or len(kinds) != layers:  # Dory's dict counts its MLP blocks as layers
+        return
+    want = [kinds[i] for i in keep]
+    if set(_tiny_kinds(model_type, out) or ()) == set(want):
+        return
+    for pk in [k for k in d if k.endswith("_period") and _int(d[k]) and _int(d.get(k[: -len("period")] + "offset"))]:
+        ok = pk[: -len("period")] + "offset"
+        for period in range(1, len(keep) + 1):
+            for offset in range(period):
+                trial = {**out, pk: period, ok: offset}
+                if _tiny_kinds(model_type, trial) == want:
+                    out.update({pk: period, ok: offset})
+                    return
+
+
+def _tiny_kinds(model_type: str, overrides: dict[str, Any]) -> list[str] | None:
+    """The layer kinds of `model_type`'s configuration with `overrides` (None where it refuses them)."""
+    from transformers import AutoConfig
+
+    try:
+        return _layer_kinds(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+    except Exception:  # noqa: BLE001 - a refused trial is not the one searched for
+        return None
 
 
 def _keep_chunks(d: dict[str, Any], out: dict[str, Any]) -> None:
@@ -152,16 +195,21 @@ def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
     return out
 
 
-def _tiny_dict(d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = None) -> dict[str, Any]:
+def _tiny_dict(
+    d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = None, kinds: list[str] | None = None
+) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
     dict with its own ``model_type``) is shrunk the same way and written back whole. `hiddens`: the hidden sizes
-    of the whole configuration (:func:`_hidden_sizes`; this dict's own when None)."""
+    of the whole configuration (:func:`_hidden_sizes`; this dict's own when None); `kinds`: its layers' kinds
+    (:func:`_layer_kinds`), of which the tiny model keeps one layer each (:func:`_kept_layers`)."""
     hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
-    keep = _kept_layers(layers)
+    keep = _kept_layers(layers, kinds)
     for k, v in d.items():
-        if _int(v) and v > 0:
+        if keep and k in _LAYER_KEYS and v == layers:
+            out[k] = len(keep)  # LAYERS, or more where one layer of each kind needs more
+        elif _int(v) and v > 0:
             new = _tiny_value(k, v, d, vocab)
             if new is not None and new != v:
                 out[k] = new
@@ -348,14 +396,20 @@ def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
                 out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
 
 
-def _kept_layers(layers: int | None) -> list[int] | None:
+def _kept_layers(layers: int | None, kinds: list[str] | None = None) -> list[int] | None:
     """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
     per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
-    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds. None where the
-    default has no more layers than the tiny model."""
+    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds; and, where
+    `kinds` (each layer's kind, :func:`_layer_kinds`) names a kind those miss, the first layer of that kind too
+    (a hybrid's one attention layer in six: HF's cache needs one). None where the default has no more layers
+    than the tiny model."""
     if not layers or layers <= LAYERS:
         return None
-    return [*range(LAYERS - 1), layers - 1]
+    keep = {*range(LAYERS - 1), layers - 1}
+    if kinds is not None and len(kinds) == layers:
+        have = {kinds[i] for i in keep}
+        keep |= {kinds.index(k) for k in dict.fromkeys(kinds) if k not in have}
+    return sorted(keep)
 
 
 def _per_layer_dict(v: dict[str, Any], keep: list[int], d: dict[str, Any], vocab: int) -> dict[str, Any]:
