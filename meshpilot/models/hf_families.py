@@ -289,18 +289,22 @@ def _keep_widths_equal_to_hidden(d: dict[str, Any], out: dict[str, Any], hiddens
     """A width the default sets equal to a hidden size of the configuration (`hiddens`: its own or a nested
     part's) follows that hidden size's tiny value: such models add or check one against the other (xLSTM's
     ``embedding_dim``, Dots3-Note's vision adapter widths, Nemotron-3.5-Transcribe's ``audio_hidden_size``,
-    OPT's ``word_embed_proj_dim``: equal, no projection). Only ``…_dim`` / ``…_size`` keys no other rule names
-    (not head sizes, feed-forward widths, positions, vocabularies, kernels)."""
+    OPT's ``word_embed_proj_dim``: equal, no projection), or a ``…hidden…`` width twice it (Zamba's
+    ``attention_hidden_size``: its shared attention reads the hidden state and the embeddings side by side).
+    Only ``…_dim`` / ``…_size`` keys no other rule names (not head sizes, feed-forward widths, positions,
+    vocabularies, kernels)."""
     for k, v in d.items():
         if (
             _int(v)
-            and v in hiddens
             and k not in _HIDDEN_KEYS | _NAMED_KEYS
             and k.endswith(("_dim", "_size"))
             and "vocab" not in k
             and "kernel" not in k
         ):
-            out[k] = hiddens[v]
+            if v in hiddens:
+                out[k] = hiddens[v]
+            elif "hidden" in k and v % 2 == 0 and v // 2 in hiddens and hiddens[v // 2] < v // 2:
+                out[k] = 2 * hiddens[v // 2]
 
 
 def _axial_positions(d: dict[str, Any], out: dict[str, Any]) -> None:
