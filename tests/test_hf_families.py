@@ -96,13 +96,15 @@ HYBRIDS = ("jamba", "kimi_linear", "lfm3", "recurrent_gemma", "zamba", "zamba2")
 def test_tiny_overrides_keep_one_layer_of_each_kind(model_type):
     from transformers import AutoConfig
 
-    from meshpilot.models.hf_families import LAYERS, tiny_overrides
+    from meshpilot.models.hf_families import LAYERS, _model_refused, tiny_overrides
 
     default = AutoConfig.for_model(model_type)
     over = tiny_overrides(model_type)
     tiny = AutoConfig.for_model(model_type, **over)
     assert set(tiny.layer_types) == set(default.layer_types), (tiny.layer_types, default.layer_types)
-    assert LAYERS < tiny.num_hidden_layers <= LAYERS + len(set(default.layer_types)) - 1  # one more per lost kind
+    lost = len(set(default.layer_types)) - 1
+    assert LAYERS < tiny.num_hidden_layers <= LAYERS + 2 * lost  # one more per lost kind, two where one is refused
+    assert not _model_refused(model_type, over)  # Zamba's single hybrid layer was: its tie pattern needs a second
 
 
 def test_a_hybrid_plans_with_the_cache():

@@ -117,12 +117,35 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
 
     default = AutoConfig.for_model(model_type)
     d, kinds = default.to_dict(), _layer_kinds(default)
-    out = _tiny_dict(d, vocab, _hidden_sizes(d), kinds)
+    out = _tiny_overrides_of(model_type, d, vocab, kinds, 1)
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    if len(_kept_layers(layers, kinds) or ()) > LAYERS and _model_refused(model_type, out):
+        # a kind kept once that the model refuses alone (Zamba ties every hybrid layer's shared transformer to
+        # the first one's by a pattern that must match a second): two layers of each kind the rule added
+        out = _tiny_overrides_of(model_type, d, vocab, kinds, 2)
+    return out
+
+
+def _tiny_overrides_of(model_type: str, d: dict[str, Any], vocab: int, kinds: list[str] | None, per_kind: int) -> dict:
+    """:func:`tiny_overrides` keeping `per_kind` layers of each kind the first and last layers miss."""
+    out = _tiny_dict(d, vocab, _hidden_sizes(d), kinds, per_kind)
     if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
         _keep_rotary_quads(d, out)
         _keep_chunks(d, out)
-    _keep_derived_kinds(model_type, d, out, kinds)
+    _keep_derived_kinds(model_type, d, out, kinds, per_kind)
     return out
+
+
+def _model_refused(model_type: str, overrides: dict[str, Any]) -> bool:
+    """Whether transformers refuses to build `model_type`'s base model (on the meta device) from `overrides`."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        with torch.device("meta"):
+            AutoModel.from_config(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+    except Exception:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
+        return True
+    return False
 
 
 def _layer_kinds(cfg: Any) -> list[str] | None:
@@ -133,14 +156,16 @@ def _layer_kinds(cfg: Any) -> list[str] | None:
     return list(kinds) if _strings(kinds) else None
 
 
-def _keep_derived_kinds(model_type: str, d: dict[str, Any], out: dict[str, Any], kinds: list[str] | None) -> None:
+def _keep_derived_kinds(
+    model_type: str, d: dict[str, Any], out: dict[str, Any], kinds: list[str] | None, per_kind: int = 1
+) -> None:
     """Layer kinds a configuration derives from a period and an offset (Jamba's ``attn_layer_period`` /
     ``attn_layer_offset``: layer *i* attends where *i* mod period = offset): the tiny layer count alone would
     drop the attention layers, so each ``…_period`` / ``…_offset`` pair is searched, smallest first, for the one
     that gives the kept layers their default kinds (:func:`_kept_layers`), checked by building the
     configuration. Nothing where the tiny configuration already has every kind of the default's."""
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
-    keep = _kept_layers(layers, kinds)
+    keep = _kept_layers(layers, kinds, per_kind)
     if not keep or kinds is None or len(kinds) != layers:  # Dory's dict counts its MLP blocks as layers
         return
     want = [kinds[i] for i in keep]
@@ -196,7 +221,11 @@ def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
 
 
 def _tiny_dict(
-    d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = None, kinds: list[str] | None = None
+    d: dict[str, Any],
+    vocab: int,
+    hiddens: dict[int, int] | None = None,
+    kinds: list[str] | None = None,
+    per_kind: int = 1,
 ) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
     dict with its own ``model_type``) is shrunk the same way and written back whole. `hiddens`: the hidden sizes
@@ -205,7 +234,7 @@ def _tiny_dict(
     hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
-    keep = _kept_layers(layers, kinds)
+    keep = _kept_layers(layers, kinds, per_kind)
     for k, v in d.items():
         if keep and k in _LAYER_KEYS and v == layers:
             out[k] = len(keep)  # LAYERS, or more where one layer of each kind needs more
@@ -400,20 +429,25 @@ def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
                 out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
 
 
-def _kept_layers(layers: int | None, kinds: list[str] | None = None) -> list[int] | None:
+def _kept_layers(layers: int | None, kinds: list[str] | None = None, per_kind: int = 1) -> list[int] | None:
     """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
     per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
     with another kind of layer (five sliding-window layers, then a full one) keeps both kinds; and, where
     `kinds` (each layer's kind, :func:`_layer_kinds`) names a kind those miss, the first layer of that kind too
-    (a hybrid's one attention layer in six: HF's cache needs one). None where the default has no more layers
-    than the tiny model."""
+    (a hybrid's one attention layer in six: HF's cache needs one), or its first `per_kind`. None where the
+    default has no more layers than the tiny model."""
     if not layers or layers <= LAYERS:
         return None
     keep = {*range(LAYERS - 1), layers - 1}
     if kinds is not None and len(kinds) == layers:
         have = {kinds[i] for i in keep}
-        keep |= {kinds.index(k) for k in dict.fromkeys(kinds) if k not in have}
+        keep |= {i for k in dict.fromkeys(kinds) if k not in have for i in _first(kinds, k, per_kind)}
     return sorted(keep)
+
+
+def _first(kinds: list[str], kind: str, n: int) -> list[int]:
+    """The indices of the first `n` layers of `kind`."""
+    return [i for i, k in enumerate(kinds) if k == kind][:n]
 
 
 def _per_layer_dict(v: dict[str, Any], keep: list[int], d: dict[str, Any], vocab: int) -> dict[str, Any]:
