@@ -5,7 +5,9 @@ classification) and yields one :class:`Family` per (model type, head class). :fu
 family's default configuration generically — layers, hidden size, heads, key/value heads, feed-forward width,
 vocabulary, experts, positions, image size — from the *names* of its configuration keys, never from the model's
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
-rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
+rotary settings, tied embeddings, sliding windows) and one layer of each kind its ``layer_types`` names (a
+hybrid's attention layers among its recurrent ones: :func:`_kept_layers`): what is tested is the default
+architecture, small.
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
 (``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
 image, audio, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
