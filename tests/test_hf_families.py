@@ -86,6 +86,35 @@ def test_tiny_overrides_keep_the_architecture():
     assert tiny_overrides("gemma4_text")["per_layer_config"] == {"1": {"head_dim": 8}}  # was layer "29"
 
 
+# hybrids whose layer kinds the old two layers (the first and the last) lost, each kept in its own way: a stored
+# per-layer list (Kimi-Linear, LFM3's three kinds, Zamba's, Zamba2's), a period and an offset (Jamba), a repeating
+# block_types (RecurrentGemma); HF's cache refused them with no attention layer (cache_utils.py:1773)
+HYBRIDS = ("jamba", "kimi_linear", "lfm3", "recurrent_gemma", "zamba", "zamba2")
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_tiny_overrides_keep_one_layer_of_each_kind(model_type):
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import LAYERS, _model_refused, tiny_overrides
+
+    default = AutoConfig.for_model(model_type)
+    over = tiny_overrides(model_type)
+    tiny = AutoConfig.for_model(model_type, **over)
+    assert set(tiny.layer_types) == set(default.layer_types), (tiny.layer_types, default.layer_types)
+    lost = len(set(default.layer_types)) - 1
+    assert LAYERS < tiny.num_hidden_layers <= LAYERS + 2 * lost  # one more per lost kind, two where one is refused
+    assert not _model_refused(model_type, over)  # Zamba's single hybrid layer was: its tie pattern needs a second
+
+
+def test_a_hybrid_plans_with_the_cache():
+    from meshpilot.models.hf_families import TEXT_KINDS, families, try_plan
+
+    fam = next(f for f in families(TEXT_KINDS) if f.model_type == "jamba")
+    o = try_plan(fam, use_cache=True, overrides=_overrides("jamba"), mesh_shape=MESH)
+    assert o.ok, f"{fam.name}: {o.status} {o.reason}"  # refused at cache_utils.py:1773 with two Mamba layers
+
+
 def test_every_sample_family_plans_without_fallback(outcomes):
     failed = [f"{f.name} cache={c} {a}: {o.status} {o.reason}" for (f, c, a), (_, o) in outcomes.items() if not o.ok]
     assert not failed, failed

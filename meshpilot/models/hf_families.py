@@ -5,7 +5,9 @@ classification) and yields one :class:`Family` per (model type, head class). :fu
 family's default configuration generically — layers, hidden size, heads, key/value heads, feed-forward width,
 vocabulary, experts, positions, image size — from the *names* of its configuration keys, never from the model's
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
-rotary settings, tied embeddings, sliding windows): what is tested is the default architecture, small.
+rotary settings, tied embeddings, sliding windows) and one layer of each kind its ``layer_types`` names (a
+hybrid's attention layers among its recurrent ones: :func:`_kept_layers`): what is tested is the default
+architecture, small.
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
 (``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
 image, audio, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
@@ -115,12 +117,80 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
     from transformers import AutoConfig
 
-    d = AutoConfig.for_model(model_type).to_dict()
-    out = _tiny_dict(d, vocab, _hidden_sizes(d))
+    default = AutoConfig.for_model(model_type)
+    d, kinds = default.to_dict(), _layer_kinds(default)
+    out = _tiny_overrides_of(model_type, d, vocab, kinds, 1)
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    if len(_kept_layers(layers, kinds) or ()) > LAYERS and _model_refused(model_type, out):
+        # a kind kept once that the model refuses alone (Zamba ties every hybrid layer's shared transformer to
+        # the first one's by a pattern that must match a second): two layers of each kind the rule added
+        out = _tiny_overrides_of(model_type, d, vocab, kinds, 2)
+    return out
+
+
+def _tiny_overrides_of(model_type: str, d: dict[str, Any], vocab: int, kinds: list[str] | None, per_kind: int) -> dict:
+    """:func:`tiny_overrides` keeping `per_kind` layers of each kind the first and last layers miss."""
+    out = _tiny_dict(d, vocab, _hidden_sizes(d), kinds, per_kind)
     if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
         _keep_rotary_quads(d, out)
         _keep_chunks(d, out)
+    _keep_derived_kinds(model_type, d, out, kinds, per_kind)
     return out
+
+
+def _model_refused(model_type: str, overrides: dict[str, Any]) -> bool:
+    """Whether transformers refuses to build `model_type`'s base model (on the meta device) from `overrides`."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        with torch.device("meta"):
+            AutoModel.from_config(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+    except Exception:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
+        return True
+    return False
+
+
+def _layer_kinds(cfg: Any) -> list[str] | None:
+    """The kind of each layer of configuration `cfg` (transformers' ``layer_types`` convention, which hybrid
+    configurations follow whether they store the list — ``layer_types``, ``layers_block_type`` — or derive it
+    from a period and offset, indices or a repeating ``block_types``): None where it names none."""
+    kinds = getattr(cfg, "layer_types", None)
+    return list(kinds) if _strings(kinds) else None
+
+
+def _keep_derived_kinds(
+    model_type: str, d: dict[str, Any], out: dict[str, Any], kinds: list[str] | None, per_kind: int = 1
+) -> None:
+    """Layer kinds a configuration derives from a period and an offset (Jamba's ``attn_layer_period`` /
+    ``attn_layer_offset``: layer *i* attends where *i* mod period = offset): the tiny layer count alone would
+    drop the attention layers, so each ``…_period`` / ``…_offset`` pair is searched, smallest first, for the one
+    that gives the kept layers their default kinds (:func:`_kept_layers`), checked by building the
+    configuration. Nothing where the tiny configuration already has every kind of the default's."""
+    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    keep = _kept_layers(layers, kinds, per_kind)
+    if not keep or kinds is None or len(kinds) != layers:  # Dory's dict counts its MLP blocks as layers
+        return
+    want = [kinds[i] for i in keep]
+    if set(_tiny_kinds(model_type, out) or ()) == set(want):
+        return
+    for pk in [k for k in d if k.endswith("_period") and _int(d[k]) and _int(d.get(k[: -len("period")] + "offset"))]:
+        ok = pk[: -len("period")] + "offset"
+        for period in range(1, len(keep) + 1):
+            for offset in range(period):
+                trial = {**out, pk: period, ok: offset}
+                if _tiny_kinds(model_type, trial) == want:
+                    out.update({pk: period, ok: offset})
+                    return
+
+
+def _tiny_kinds(model_type: str, overrides: dict[str, Any]) -> list[str] | None:
+    """The layer kinds of `model_type`'s configuration with `overrides` (None where it refuses them)."""
+    from transformers import AutoConfig
+
+    try:
+        return _layer_kinds(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+    except Exception:  # noqa: BLE001 - a refused trial is not the one searched for
+        return None
 
 
 def _keep_chunks(d: dict[str, Any], out: dict[str, Any]) -> None:
@@ -152,16 +222,25 @@ def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
     return out
 
 
-def _tiny_dict(d: dict[str, Any], vocab: int, hiddens: dict[int, int] | None = None) -> dict[str, Any]:
+def _tiny_dict(
+    d: dict[str, Any],
+    vocab: int,
+    hiddens: dict[int, int] | None = None,
+    kinds: list[str] | None = None,
+    per_kind: int = 1,
+) -> dict[str, Any]:
     """:func:`tiny_overrides` of one configuration dict; a nested sub-configuration (Fuyu's ``text_config``, a
     dict with its own ``model_type``) is shrunk the same way and written back whole. `hiddens`: the hidden sizes
-    of the whole configuration (:func:`_hidden_sizes`; this dict's own when None)."""
+    of the whole configuration (:func:`_hidden_sizes`; this dict's own when None); `kinds`: its layers' kinds
+    (:func:`_layer_kinds`), of which the tiny model keeps one layer each (:func:`_kept_layers`)."""
     hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
     layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
-    keep = _kept_layers(layers)
+    keep = _kept_layers(layers, kinds, per_kind)
     for k, v in d.items():
-        if _int(v) and v > 0:
+        if keep and k in _LAYER_KEYS and v == layers:
+            out[k] = len(keep)  # LAYERS, or more where one layer of each kind needs more
+        elif _int(v) and v > 0:
             new = _tiny_value(k, v, d, vocab)
             if new is not None and new != v:
                 out[k] = new
@@ -241,18 +320,22 @@ def _keep_widths_equal_to_hidden(d: dict[str, Any], out: dict[str, Any], hiddens
     """A width the default sets equal to a hidden size of the configuration (`hiddens`: its own or a nested
     part's) follows that hidden size's tiny value: such models add or check one against the other (xLSTM's
     ``embedding_dim``, Dots3-Note's vision adapter widths, Nemotron-3.5-Transcribe's ``audio_hidden_size``,
-    OPT's ``word_embed_proj_dim``: equal, no projection). Only ``…_dim`` / ``…_size`` keys no other rule names
-    (not head sizes, feed-forward widths, positions, vocabularies, kernels)."""
+    OPT's ``word_embed_proj_dim``: equal, no projection), or a ``…hidden…`` width twice it (Zamba's
+    ``attention_hidden_size``: its shared attention reads the hidden state and the embeddings side by side).
+    Only ``…_dim`` / ``…_size`` keys no other rule names (not head sizes, feed-forward widths, positions,
+    vocabularies, kernels)."""
     for k, v in d.items():
         if (
             _int(v)
-            and v in hiddens
             and k not in _HIDDEN_KEYS | _NAMED_KEYS
             and k.endswith(("_dim", "_size"))
             and "vocab" not in k
             and "kernel" not in k
         ):
-            out[k] = hiddens[v]
+            if v in hiddens:
+                out[k] = hiddens[v]
+            elif "hidden" in k and v % 2 == 0 and v // 2 in hiddens and hiddens[v // 2] < v // 2:
+                out[k] = 2 * hiddens[v // 2]
 
 
 def _axial_positions(d: dict[str, Any], out: dict[str, Any]) -> None:
@@ -348,14 +431,25 @@ def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
                 out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
 
 
-def _kept_layers(layers: int | None) -> list[int] | None:
+def _kept_layers(layers: int | None, kinds: list[str] | None = None, per_kind: int = 1) -> list[int] | None:
     """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
     per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
-    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds. None where the
+    with another kind of layer (five sliding-window layers, then a full one) keeps both kinds; and, where
+    `kinds` (each layer's kind, :func:`_layer_kinds`) names a kind those miss, the first layer of that kind too
+    (a hybrid's one attention layer in six: HF's cache needs one), or its first `per_kind`. None where the
     default has no more layers than the tiny model."""
     if not layers or layers <= LAYERS:
         return None
-    return [*range(LAYERS - 1), layers - 1]
+    keep = {*range(LAYERS - 1), layers - 1}
+    if kinds is not None and len(kinds) == layers:
+        have = {kinds[i] for i in keep}
+        keep |= {i for k in dict.fromkeys(kinds) if k not in have for i in _first(kinds, k, per_kind)}
+    return sorted(keep)
+
+
+def _first(kinds: list[str], kind: str, n: int) -> list[int]:
+    """The indices of the first `n` layers of `kind`."""
+    return [i for i, k in enumerate(kinds) if k == kind][:n]
 
 
 def _per_layer_dict(v: dict[str, Any], keep: list[int], d: dict[str, Any], vocab: int) -> dict[str, Any]:
