@@ -154,34 +154,37 @@ as the others, so the chosen stages are still priced exactly by construction. Me
 ``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); the exact table stays the default, as the capped
 searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
 
-5. The estimated table: one catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
-----------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``). Both tables above search every logical mesh; this one searches
-none of them. For every degree b dividing a server's GPUs that some logical mesh ``(a, b)`` of the table has, the
-pre and post pieces and each graph's middle block (captured, selectively and wholly recomputing) are planned once
-on ``(1, b)`` (the first server's first b ranks, at the device's capacity): the *catalogue*, made in the parent
-before the columns fork. A mesh ``(a, b)`` is then priced as a replicas of the ``(1, b)`` plan, each computing
-``1/a`` of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives,
-resharding, optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes,
-``I`` its input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over
-axis 0 of ``(a, b)``):
+5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
+---------------------------------------------------------------------------------------------------------------
+Opt-in (``plan_pipeline(costing="estimated")``). Both tables above search every logical mesh; this one searches a
+few *base* meshes and prices every other mesh from them. For every degree b dividing a server's GPUs that some
+logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b ranks) and, where
+the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4, 2x8 on
+alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and wholly
+recomputing) are planned once at the device's capacity: the *catalogue*, made in the parent before the columns
+fork. A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when ``a · b`` fits in a server, else the two-server
+one — as ``r = a / a0`` replicas of the base's plan, each computing ``1/r`` of the microbatch's rows
+(:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives, resharding, optimizer — and memory
+parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its input leaves per device,
+``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of ``(a, b)``):
 
-    replicated   t = (C + K + R) / a + O + AR(w)
-                 static = s − I · (1 − 1/a),  grads = w,  saved = v / a,  live = (l − w) / a + w
-    ZeRO-3       t = (C + K + R + O) / a + RS(w) + B · AG(w)
-                 static = s / a,  grads = w / a,  update = u / a,  saved = v / a,  live = (l − w) / a + w / a + w
+    replicated   t = (C + K + R) / r + O + AR(w)
+                 static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
+    ZeRO-3       t = (C + K + R + O) / r + RS(w) + B · AG(w)
+                 static = s / r,  grads = w / r,  update = u / r,  saved = v / r,  live = (l − w) / r + w / r + w
 
-(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them). The six
-:class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same
-``_offer`` as every other table's plans; a mesh whose b is no catalogue degree (a TP axis across servers) or
-whose a does not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per degree,
-whatever the cluster's size. The chosen stages are then composed from their own mesh's plans
-(:meth:`stage_cost`, ``compose_stage``: real plans on the placed ranks) and a composed stage that does not fit
-its microbatches in flight is ruled out and the DP's next best taken (``pipeline._chosen_plan``).
-
-What it cannot see: plans that are not replicas of a ``(1, b)`` plan — on meshes across servers the ILP shards
-weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device where a replica of 1x2's holds 4.5),
-which no ``(1, b)`` plan shows. Measured in ``docs/benchmarks.md`` (issue 29 item 6, the estimated table).
+(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them). The base
+meshes themselves (r = 1) are their own plans. The second base is there because across servers the ILP shards
+the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device, where a replica of 1x2's plan
+holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows. The six
+:class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same ``_offer``
+as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r does
+not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per base, whatever the
+cluster's size. The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`,
+``compose_stage``: real plans on the placed ranks), a composed stage that does not fit its microbatches in
+flight is ruled out and the DP's next best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to
+its own search (``StageCost.zero`` None: ``Plan.with_intra`` plans it with ``zero="auto"``). Measured in
+``docs/benchmarks.md`` (issue 29 item 6, the estimated table).
 """
 
 from __future__ import annotations
@@ -698,54 +701,66 @@ class StackTable:
         if levels is None and full is not None:  # the variant table: what no uncapped plan fit, for `refine`
             win.unfit[j] = (fits, full, captured_lower)
 
+    def _server(self) -> int:
+        cl = self.planner.cluster
+        return cl.layers[-1].ranks if cl.layers else 1
+
     def _plan_catalogue(self, pres: list, posts: list) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
         some logical mesh ``(a, b)`` of the table has, every pre and post piece and each graph's middle block
-        planned on ``(1, b)`` at the device's capacity."""
-        cl = self.planner.cluster
-        server = cl.layers[-1].ranks if cl.layers else 1
+        planned on ``(1, b)`` at the device's capacity, and where the table has meshes across servers on
+        ``(2 · server / b, b)`` too (two servers)."""
+        server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
+        bases = [(1, b) for b in tps]
+        if max(self.sizes) >= 2 * server:
+            bases += [(2 * server // b, b) for b in tps]
         modes = [Recompute.NONE, *self.recomputed]
-        for b in tps:
-            pre = [None] + [self._listed(self.planner, r, b) for r in pres[1:]]
-            post = [None] + [self._listed(self.planner, r, b) for r in posts[1:]]
+        for base in bases:
+            pre = [None] + [self._listed(self.planner, r, base) for r in pres[1:]]
+            post = [None] + [self._listed(self.planner, r, base) for r in posts[1:]]
             got = {}
             for mode in modes:
                 planner, stack = self._graph_of(mode)
-                got[mode] = (pre, post, self._listed(planner, (stack.middle, stack.middle + 1), b))
-            self._catalogue[b] = got
+                got[mode] = (pre, post, self._listed(planner, (stack.middle, stack.middle + 1), base))
+            self._catalogue[base] = got
 
-    def _listed(self, planner: StagePlanner, rng: tuple[int, int], b: int) -> _Piece | None:
-        """Layers `rng` of `planner`'s graph planned on ``(1, b)`` for the catalogue, with their input leaves'
-        bytes per device: the slice's inputs split over the b devices (the plans at the device's capacity
-        split the rows over b, module docstring, 5)."""
-        x = self._piece(rng, range(b), (1, b), self.capacity, planner=planner)
+    def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
+        """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
+        bytes per device: the slice's inputs split over its devices (the plans at the device's capacity split
+        the rows, module docstring, 5)."""
+        n = base[0] * base[1]
+        x = self._piece(rng, range(n), base, self.capacity, planner=planner)
         if x is not None:
             sub = planner._slice(rng[0], rng[1])[0]
-            x.inputs = sum(float(info.nbytes) for info in sub.input_infos) / b
+            x.inputs = sum(float(info.nbytes) for info in sub.input_infos) / n
         return x
 
     def _estimated_levels(self, ctx: _Ctx, win: _Winners, j: int, shape) -> None:
         """The estimated table's candidates of logical mesh ``shape = (a, b)`` (the j-th; module docstring, 5):
-        for each :class:`ApproxLevel` its catalogue pieces of ``(1, b)`` replicated over a (:func:`_replicated`:
-        ZeRO-3 for the ZeRO levels), offered as every other table offers its plans. A mesh whose b is no
-        catalogue degree, or whose a does not divide the microbatch's rows, is not priced."""
+        for each :class:`ApproxLevel` its catalogue pieces of ``(a0, b)`` — ``(1, b)`` within a server, the
+        two-server base across servers — replicated over ``a / a0`` (:func:`_replicated`: ZeRO-3 for the ZeRO
+        levels), offered as every other table offers its plans. A mesh with no such base, or whose a does not
+        divide the microbatch's rows, is not priced."""
         a, b = shape
         rows = min((int(x.shape[0]) for x in self.stack.graph.input_infos if len(x.shape)), default=1)
-        if b not in self._catalogue or rows % a:
+        a0 = 1 if a * b <= self._server() else 2 * self._server() // b
+        base = (a0, b)
+        if base not in self._catalogue or rows % a or a % a0:
             return
+        r = a // a0
         mesh = LogicalMesh(self.planner.cluster, tuple(shape), np.arange(a * b).reshape(shape))
         cm = CostModel(mesh)
         for level in ApproxLevel:
             mode = level.recompute
-            if mode not in self._catalogue[b] or (a == 1 and level.zero is not None):
+            if mode not in self._catalogue[base] or (r == 1 and level.zero is not None):
                 continue  # ZeRO over one replica is the plan itself
-            pre, post, blk = self._catalogue[b][mode]
+            pre, post, blk = self._catalogue[base][mode]
             zero = level.zero is not None
             # a piece with no plan stays missing: ∞ where a range needs it
-            scaled = [[None if x is None else _replicated(x, a, cm, zero, self.microbatches) for x in xs]
+            scaled = [[None if x is None else _replicated(x, r, cm, zero, self.microbatches) for x in xs]
                       for xs in (pre, post)]  # fmt: skip
-            one = None if blk is None else _replicated(blk, a, cm, zero, self.microbatches)
+            one = None if blk is None else _replicated(blk, r, cm, zero, self.microbatches)
             c = Candidate(len(ctx.ranks), tuple(shape), self.capacity, level.zero, mode)
             self._offer(ctx, win, j * LEVEL_KEYS + int(level), scaled, one, c)
 
@@ -933,14 +948,14 @@ class Candidate:
 
 
 def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
-    """Piece `x`, planned on ``(1, b)``, as a replicas of it on ``(a, b)`` (module docstring, 5): each replica
-    computes ``1/a`` of the microbatch's rows, so compute, the TP collectives, resharding, saved values and the
-    live values beyond the gradients scale by ``1/a``; the gradients (the weights' bytes ``w``: the same dtype
-    and sharding) are all-reduced over axis 0 once a step. With `zero` (ZeRO-3 over axis 0) the state, the
-    gradients, the update's temporaries and the optimizer step are ``1/a`` of the replica's, the weights
-    all-gathered once a microbatch (the copy kept for its backward, as ``zero``'s stage 3 prices it) and the
-    gradients reduce-scattered once a step, and the live peak holds that gathered copy ``w`` besides the
-    replica's share."""
+    """Piece `x`, planned on a base mesh ``(a0, b)``, as `a` replicas of it on ``(a · a0, b)`` (module docstring,
+    5; `cm` that mesh's cost model): each replica computes ``1/a`` of the microbatch's rows, so compute, the
+    base's collectives, resharding, saved values and the live values beyond the gradients scale by ``1/a``; the
+    gradients (the weights' bytes ``w``: the same dtype and sharding) are all-reduced over axis 0 once a step.
+    With `zero` (ZeRO-3 over axis 0) the state, the gradients, the update's temporaries and the optimizer step
+    are ``1/a`` of the replica's, the weights all-gathered once a microbatch (the copy kept for its backward, as
+    ``zero``'s stage 3 prices it) and the gradients reduce-scattered once a step, and the live peak holds that
+    gathered copy ``w`` besides the replica's share."""
     if a == 1:
         return x
     t, m = x.cost.time, x.mem
