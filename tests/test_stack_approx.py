@@ -155,11 +155,22 @@ def _final_step(p, graph) -> float:
     return sum(ts) + (final.microbatches - 1) * max(ts)
 
 
-@pytest.mark.parametrize(("n", "share"), [(8, 1.0), (8, 0.5), (4, 1.0)])
+@pytest.mark.parametrize(
+    ("n", "share"),
+    [
+        (8, 1.0),
+        (8, 0.5),
+        (4, 1.0),
+        # across two servers this tiny model's step is mostly collectives, which replicas of a base plan price
+        # poorly: 0.631 ms against the exact table's 0.476 (docs/benchmarks.md, the estimated table)
+        pytest.param(16, 1.0, marks=pytest.mark.xfail(strict=True, reason="the estimate misses across servers")),
+    ],
+)
 def test_the_estimated_table_final_plan_within_one_percent_of_the_exact_tables(stack, roomy, n, share):
-    """The estimated table (``planner.stack`` module docstring, 5: no logical mesh searched, every one priced
-    from the catalogue of ``(1, b)`` plans) chooses stages whose own plans (``with_intra``) step at most 1 %
-    slower than the exact table's stages' own plans; it searches fewer pieces; the plan says how it was costed."""
+    """The estimated table (``planner.stack`` module docstring, 5: only the base meshes searched, every other
+    priced as replicas of one — on 16 devices across two servers too) chooses stages whose own plans
+    (``with_intra``) step at most 1 % slower than the exact table's stages' own plans; it searches fewer pieces;
+    the plan says how it was costed."""
     from meshpilot.graph.capture import capture
 
     model, inputs = _gpt_builder(gpt_tiny(layers=6, batch=16, hidden=256))("meta", 4)
