@@ -812,9 +812,9 @@ def plan_pipeline(
     `costing` (a repeated stack's table, ``stack.TableCosting``): ``"exact"`` (default) composes it from the
     block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
     capacity, ZeRO-sharded and recomputed, then capped only for ranges none of those fits where the first pass'
-    plan may be beaten — real plans only (``stack`` module docstring, 4); ``"estimated"`` searches no logical mesh:
-    each is priced as replicas of a ``(1, b)`` plan, and only the chosen stages are composed from their own
-    mesh's plans (``stack`` module docstring, 5).
+    plan may be beaten — real plans only (``stack`` module docstring, 4); ``"estimated"`` searches only a few base
+    meshes and prices every other as replicas of a base's plan; only the chosen stages are composed from their
+    own mesh's plans (``stack`` module docstring, 5).
 
     `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
     forward + backward peak (``stage.StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra``
