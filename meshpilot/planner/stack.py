@@ -185,7 +185,7 @@ cluster's size. The chosen stages are then composed from their own mesh's plans 
 flight is ruled out and the DP's next best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to
 its own search (``StageCost.zero`` None: ``Plan.with_intra`` plans it with ``zero="auto"``). Measured in
 ``docs/benchmarks.md`` (issue 29 item 6, the estimated table): the final plans equal the exact table's on
-GPT-1.3B and 2.6B and are within 1 % on 15B, 4.4 % over on 6.7B and 7 % over the exact table's step on 39B (no
+GPT-1.3B and 2.6B and are within 1 % on 15B, 4.4 % over on 6.7B and 6.4 % over on 39B (no
 replica prices a memory-capped block); on a tiny GPT across two servers, whose step is mostly collectives, a
 third over (the tests' strict xfail). So it is not the default.
 """
