@@ -6,11 +6,13 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
     python benchmarks/bench_alpa_table.py --tables --microbatches 64 --workers 2   # variant vs exact table
 
 ``--tables`` (GPT rows; default: all of them): per row and B, the repeated-block stage table costed both ways
-(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4) on fresh stage planners — the variant
-table (each logical mesh's block planned uncapped, ZeRO-3-sharded and recomputed: real plans only) and the
-exact one of every cap level (``--costings`` picks either) — with the final plan's predicted step (Eq. 2), its
-stages (``rc``: recomputed), the step's ratio and each planning's wall and CPU seconds (``plan_pipeline``
-only: the capture is shared).
+(``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4 and 5) on fresh stage planners — the variant
+table (each logical mesh's block planned uncapped, ZeRO-3-sharded and recomputed: real plans only), the
+estimated one (no mesh searched: a catalogue of ``(1, b)`` plans replicated) and the exact one of every cap
+level (``--costings`` picks which) — with the plan's predicted step (Eq. 2), its stages (``rc``: recomputed),
+the step's ratio and each planning's wall and CPU seconds (``plan_pipeline`` only: the capture is shared).
+``--final`` also plans the chosen stages exactly (``Plan.with_intra`` on the whole model, what ``meshpilot plan
+--out`` saves) and prints that plan's Eq. 2 (``final s``) and its CPU seconds (``+cpu``).
 
 Per row (its GPU count n from the paper, global batch 1024 sequences of 1024 tokens), for every number of
 microbatches B given (one capture of one microbatch's step per B, on meta tensors; for a GPT the capture of
@@ -157,6 +159,11 @@ def main() -> None:
         "--costings", nargs="+", default=["approximate", "exact"], help="--tables: which tables (default both)"
     )
     ap.add_argument(
+        "--final",
+        action="store_true",
+        help="--tables: also plan the chosen stages exactly (Plan.with_intra on the whole model) and print that step",
+    )
+    ap.add_argument(
         "--no-accumulated",
         action="store_true",
         help="--tables: the tables leave out the gradients summed over the microbatches (default: counted)",
@@ -165,7 +172,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; cluster {CLUSTER}")
     if args.tables:
         rows = args.rows if "--rows" in sys.argv else gpts
-        compare_tables(rows, args.microbatches, args.workers, args.costings, not args.no_accumulated)
+        compare_tables(rows, args.microbatches, args.workers, args.costings, not args.no_accumulated, args.final)
         return
     head = (
         f"{'model':<16} {'GPUs':>4} {'meshpilot PFLOPS':>16} {'plan':<48} {'baseline PFLOPS':>15} "
@@ -220,14 +227,43 @@ def main() -> None:
         )
 
 
+def _stages(p) -> str:
+    return " ".join(f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{_rc(s.cost.recompute)}"
+                    for s in p.stages for a, b in [s.layers])  # fmt: skip
+
+
+def final_step(pp, model, inputs) -> tuple[float, float, str]:
+    """(Eq. 2 of the stages' own plans, its CPU seconds, the final stages): the whole model captured and every
+    chosen stage searched exactly (``Plan.with_intra``, what ``meshpilot plan --out`` saves; where a stage's own
+    plan does not fit, the DP's next best is planned instead), each stage's t its own plan's step over the plan's
+    microbatches — the final plan's predicted step, not the table's."""
+    c0 = cpu_seconds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = capture(model, inputs)
+    try:
+        final = pp.with_intra(whole, CLUSTER)
+    except PlanError:
+        return math.inf, cpu_seconds() - c0, "no stage plans fit"
+    B = final.microbatches
+    ts = [st.plan.time.total_s / B for st in final.stages]
+    return sum(ts) + (B - 1) * max(ts), cpu_seconds() - c0, _stages(final)
+
+
 def compare_tables(
-    names: list[str], microbatches: list[int], workers: int | None, costings: list[str], accumulated: bool
+    names: list[str],
+    microbatches: list[int],
+    workers: int | None,
+    costings: list[str],
+    accumulated: bool,
+    final: bool = False,
 ) -> None:
-    """``--tables`` (module docstring): per GPT row and B, the variant ("approximate") and the exact stage table's
-    plans; a stage marked ``rc`` recomputes its blocks."""
+    """``--tables`` (module docstring): per GPT row and B, the stage tables' plans; a stage marked ``rc`` recomputes
+    its blocks. With `final`, each plan's stages are then planned exactly (:func:`final_step`): ``final s`` is
+    that plan's Eq. 2 and ``+cpu`` its CPU seconds (the whole model's capture and the stages' searches)."""
     head = (
         f"{'model':<10} {'GPUs':>4} {'B':>3} {'table':<11} {'step s':>12} {'apx/ex':>7} {'wall s':>7} {'cpu s':>7} "
-        f"{'searches':>8}  stages"
+        f"{'searches':>8} {'final s':>12} {'+cpu':>6}  stages"
     )
     print(head + "\n" + "-" * len(head), flush=True)
     for name in names:
@@ -235,7 +271,8 @@ def compare_tables(
         for B in microbatches:
             if row.global_batch % B:
                 continue
-            stack = capture_stack(*entry.build("meta", row.global_batch // B))
+            model, inputs = entry.build("meta", row.global_batch // B)
+            stack = capture_stack(model, inputs)
             steps = {}
             for costing in costings:
                 t0, c0 = time.perf_counter(), cpu_seconds()
@@ -247,16 +284,14 @@ def compare_tables(
                     continue
                 wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
                 steps[costing] = p.step_s
-                stages = " ".join(
-                    f"[{a},{b})@{'x'.join(map(str, s.mesh_shape))}{_rc(s.cost.recompute)}"
-                    for s in p.stages
-                    for a, b in [s.layers]
-                )
+                stages = _stages(p)
                 # approximate / exact on the exact row: the approximate table's step against the exact one's
                 ratio = steps["approximate"] / p.step_s if costing == "exact" and "approximate" in steps else 1.0
+                fin, fcpu, fstages = final_step(p, model, inputs) if final else (math.nan, 0.0, stages)
+                stages += f"  (final: {fstages})" if fstages != stages else ""
                 print(
                     f"{name:<10} {entry.devices:>4} {B:>3} {costing:<11} {p.step_s:12.6f} {ratio:7.4f} {wall:7.1f} "
-                    f"{cpu:7.1f} {p.stage_plans:>8}  {stages}",
+                    f"{cpu:7.1f} {p.stage_plans:>8} {fin:12.6f} {fcpu:6.1f}  {stages}",
                     flush=True,
                 )
 

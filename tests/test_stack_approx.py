@@ -146,3 +146,39 @@ def test_the_variant_table_plans_a_capped_block_where_no_uncapped_one_fits(long_
     fast = plan_pipeline(long_stack, "alpa-p3x8", costing="approximate", memory_bytes=memory, **kw)
     assert fast.step_s <= exact.step_s * 1.01, (fast.step_s, exact.step_s)
     assert all(stage_memory(st.cost, st.in_flight) <= memory * (1 + 1e-9) for st in fast.stages)
+
+
+def _final_step(p, graph) -> float:
+    """Eq. 2 of the plan's stages planned on their own (``Plan.with_intra`` on the whole model's graph)."""
+    final = p.with_intra(graph, p.cluster)
+    ts = [st.plan.time.total_s / final.microbatches for st in final.stages]
+    return sum(ts) + (final.microbatches - 1) * max(ts)
+
+
+@pytest.mark.parametrize(
+    ("n", "share"),
+    [
+        (8, 1.0),
+        (8, 0.5),
+        (4, 1.0),
+        # across two servers this tiny model's step is mostly collectives, which replicas of a base plan price
+        # poorly: 0.631 ms against the exact table's 0.476 (docs/benchmarks.md, the estimated table)
+        pytest.param(16, 1.0, marks=pytest.mark.xfail(strict=True, reason="the estimate misses across servers")),
+    ],
+)
+def test_the_estimated_table_final_plan_within_one_percent_of_the_exact_tables(stack, roomy, n, share):
+    """The estimated table (``planner.stack`` module docstring, 5: only the base meshes searched, every other
+    priced as replicas of one — on 16 devices across two servers too) chooses stages whose own plans
+    (``with_intra``) step at most 1 % slower than the exact table's stages' own plans; it searches fewer pieces;
+    the plan says how it was costed."""
+    from meshpilot.graph.capture import capture
+
+    model, inputs = _gpt_builder(gpt_tiny(layers=6, batch=16, hidden=256))("meta", 4)
+    whole = capture(model, inputs)
+    kw = dict(microbatches=4, num_devices=n, memory_bytes=share * roomy, workers=1)
+    est = plan_pipeline(stack, "alpa-p3x8", costing="estimated", **kw)
+    exact = plan_pipeline(stack, "alpa-p3x8", costing="exact", **kw)
+    assert est.costing == StageCosting.STACK_ESTIMATED
+    assert est.stage_plans < exact.stage_plans, (est.stage_plans, exact.stage_plans)
+    fin_est, fin_exact = _final_step(est, whole), _final_step(exact, whole)
+    assert fin_est <= fin_exact * 1.01, (fin_est, fin_exact)

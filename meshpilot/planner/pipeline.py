@@ -812,7 +812,9 @@ def plan_pipeline(
     `costing` (a repeated stack's table, ``stack.TableCosting``): ``"exact"`` (default) composes it from the
     block planned under every cap level; ``"approximate"`` from each logical mesh's block plan at the device's
     capacity, ZeRO-sharded and recomputed, then capped only for ranges none of those fits where the first pass'
-    plan may be beaten — real plans only (``stack`` module docstring, 4).
+    plan may be beaten — real plans only (``stack`` module docstring, 4); ``"estimated"`` searches only a few base
+    meshes and prices every other as replicas of a base's plan; only the chosen stages are composed from their
+    own mesh's plans (``stack`` module docstring, 5).
 
     `accumulated` (a repeated stack's table): count the gradients summed over the microbatches in each stage's
     forward + backward peak (``stage.StageMemory.accumulated``), as ``auto.plan`` — and so ``Plan.with_intra``
@@ -909,7 +911,7 @@ def _plan_auto(graph, captured: OpGraph, cluster, call: dict, t0: float) -> Plan
     found: list[tuple[float, int, Plan]] = []
     errors = []
     for rank, k in enumerate(AUTO_ORDER):
-        composed = (StageCosting.STACK, StageCosting.STACK_APPROX)
+        composed = (StageCosting.STACK, StageCosting.STACK_APPROX, StageCosting.STACK_ESTIMATED)
         if k == PipelineKind.INTERLEAVED_1F1B and any(p.costing in composed for _, _, p in found):
             continue  # its search costs every range on its own: not where the others composed a block's costs
         try:
@@ -1140,14 +1142,22 @@ def _chosen_plan(
         s_left = len(chosen) - r
         entries.append((s_left, k, i, z))
         start, stop = clusters.bounds[k][0], clusters.bounds[i][1]
-        c = stage_cost(s_left, k, i, z, rk)
         fl = stage_in_flight(kind, s_left, B, len(chosen))
+        estimated = call["costing"] == TableCosting.ESTIMATED
+        try:
+            c = stage_cost(s_left, k, i, z, rk)
+        except PlanError:
+            if not estimated:
+                raise
+            c = None
+        if estimated and (c is None or not _fits(c, fl, setup.capacity)):
+            # an estimated entry whose stage, composed from its own mesh's plans, does not fit: the next best
+            return _chosen_plan(setup, kind, call, t, stage_cost, ruled_out | {entries[-1]})
         share = input_grad_share(setup.graph, sp.layers, *(stack.graph_range(start, stop) if stack else (start, stop)))
         stages.append(PlanStage.costed(setup.model_layers, start, stop, rk, c, B, fl, setup.C, share))
     costing = StageCosting.EXACT
     if stack is not None:
-        approximate = call["costing"] == TableCosting.APPROXIMATE
-        costing = StageCosting.STACK_APPROX if approximate else StageCosting.STACK
+        costing = call["costing"].stage_costing
 
     def without_stage(j: int) -> Plan:
         return _chosen_plan(setup, kind, call, t, stage_cost, ruled_out | {entries[j]})
