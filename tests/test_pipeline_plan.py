@@ -423,6 +423,28 @@ def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
         assert intra.mesh_shape == st.mesh_shape and intra.nodes
 
 
+def test_cli_table_chooses_how_the_stage_table_is_costed(tmp_path, capsys):
+    """`plan --table approximate|estimated` (and the older `--approximate-table`) cost the repeated stack's stage
+    table as `plan_pipeline(costing=...)` does: the saved plan says which, and every stage has its own plan."""
+    from meshpilot.cli.main import main
+    from meshpilot.planner.plan import Plan
+    from meshpilot.planner.stack import StageCosting
+
+    args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
+    for flags, costing in [
+        (["--table", "estimated"], StageCosting.STACK_ESTIMATED),
+        (["--approximate-table"], StageCosting.STACK_APPROX),
+    ]:
+        out = tmp_path / f"{costing.name}.json"
+        assert main([*args, "--microbatches", "2", *flags, "--out", str(out)]) == 0, flags
+        capsys.readouterr()
+        p = Plan.from_json(out.read_text())
+        assert p.costing is costing and len(p.intra) == len(p.stages) == 2, (flags, p.costing)
+    with pytest.raises(SystemExit) as bad:  # argparse's one line, as for every choice flag
+        main([*args, "--table", "rough"])
+    assert bad.value.code == 2 and "invalid choice: 'rough'" in capsys.readouterr().err
+
+
 def test_simulated_step_of_a_pipeline_plan(gpt_planner):
     graph = gpt_planner.graph
     B = 4

@@ -30,10 +30,13 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
---approximate-table costs that table from each logical mesh's block plan at full memory, ZeRO-sharded and
-recomputed, with memory-capped searches only for ranges none of those fits where they may beat that table's
-plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or faster, at 34–70 % of
-its CPU from GPT-2.6B up (see docs/benchmarks.md).
+--table approximate (or --approximate-table) costs that table from each logical mesh's block plan at full
+memory, ZeRO-sharded and recomputed, with memory-capped searches only for ranges none of those fits where they
+may beat that table's plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or
+faster, at 34–70 % of its CPU from GPT-2.6B up. --table estimated plans one block per TP degree and prices every
+other logical mesh as copies of it in closed form, planning only the chosen stages on their own meshes: GPT-39B
+on alpa-p3x8 in about 21 CPU s instead of 260, its final plan 0–6.4 % slower than the exact table's on the Alpa
+GPT rows (see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -75,6 +78,7 @@ from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.ilp import NODE_LIMIT, TIME_LIMIT_S
 from meshpilot.planner.recompute import RecomputeMode
 from meshpilot.planner.schedule import PipelineKind
+from meshpilot.planner.stack import TableCosting
 from meshpilot.planner.zero import ZeroMode
 
 GPT_DTYPES = ("float32", "bfloat16", "float16")
@@ -238,11 +242,21 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
     )
     p.add_argument(
+        "--table",
+        choices=[c.value for c in TableCosting],
+        default=TableCosting.EXACT.value,
+        help="a model of repeated blocks, how the stage table is costed: exact (default: the block under every "
+        "memory cap level), approximate (the block at full memory, ZeRO-sharded and recomputed, capped only where "
+        "none of those fits: within 1 %% of exact on the Alpa GPT rows at 34-70 %% of its CPU), estimated (one "
+        "block plan per TP degree, every other mesh priced as its copies in closed form, only the chosen stages "
+        "planned: GPT-39B in about 21 CPU s, its plan 6.4 %% slower than exact's; docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--approximate-table",
-        action="store_true",
-        help="a model of repeated blocks: cost the stage table from each logical mesh's block plan at full "
-        "memory, ZeRO-sharded and recomputed, capped only where none of those fits (real plans only; instead "
-        "of the block under every memory cap level); plans faster on most models (docs/benchmarks.md)",
+        dest="table",
+        action="store_const",
+        const=TableCosting.APPROXIMATE.value,
+        help="the same as --table approximate",
     )
     p.add_argument(
         "--config",
@@ -621,7 +635,7 @@ class Staged:
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
-                        costing="approximate" if args.approximate_table else "exact", recompute=args.recompute,
+                        costing=args.table, recompute=args.recompute,
                     )  # fmt: skip
                 return cls(pp, graph, built, whole, B, (cluster, n, memory, schedule))
             except PlanError as e:  # only memory is helped by more microbatches
