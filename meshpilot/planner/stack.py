@@ -504,10 +504,10 @@ class StackTable:
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
     _first: list = field(default_factory=list, init=False, repr=False)
-    _catalogue: dict = field(default_factory=dict, init=False, repr=False)
-    """The estimated table's pieces per TP degree b (module docstring, 5): ``b -> {recompute: (pre pieces, post
-    pieces, block)}`` planned on ``(1, b)``, made in the parent before the columns fork."""
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
+    _catalogue: dict = field(default_factory=dict, init=False, repr=False)
+    """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
+    post pieces, block)}``, planned in the parent before the columns fork."""
     recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
     """Per recomputation, the planner and stack of the graph with every captured block recomputed so
     (``config_plan.recomputed_stack``): the recomputing levels either table may offer (module docstring, 2 and
