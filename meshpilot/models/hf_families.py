@@ -120,7 +120,7 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     default = AutoConfig.for_model(model_type)
     d, kinds = default.to_dict(), _layer_kinds(default)
     out = _tiny_overrides_of(model_type, d, vocab, kinds, 1)
-    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    layers = _layer_count(d)
     if len(_kept_layers(layers, kinds) or ()) > LAYERS and _model_refused(model_type, out):
         # a kind kept once that the model refuses alone (Zamba ties every hybrid layer's shared transformer to
         # the first one's by a pattern that must match a second): two layers of each kind the rule added
@@ -166,7 +166,7 @@ def _keep_derived_kinds(
     drop the attention layers, so each ``…_period`` / ``…_offset`` pair is searched, smallest first, for the one
     that gives the kept layers their default kinds (:func:`_kept_layers`), checked by building the
     configuration. Nothing where the tiny configuration already has every kind of the default's."""
-    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    layers = _layer_count(d)
     keep = _kept_layers(layers, kinds, per_kind)
     if not keep or kinds is None or len(kinds) != layers:  # Dory's dict counts its MLP blocks as layers
         return
@@ -235,7 +235,7 @@ def _tiny_dict(
     (:func:`_layer_kinds`), of which the tiny model keeps one layer each (:func:`_kept_layers`)."""
     hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
-    layers = next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
+    layers = _layer_count(d)
     keep = _kept_layers(layers, kinds, per_kind)
     for k, v in d.items():
         if keep and k in _LAYER_KEYS and v == layers:
@@ -429,6 +429,11 @@ def _keep_products(d: dict[str, Any], out: dict[str, Any]) -> None:
             if d[h] * d[hd] == d[hidden] * expand and h.split("num_heads")[0] == hd.split("head_dim")[0]:
                 n = out.get(h, d[h])
                 out[hd] = max(1, out.get(hidden, d[hidden]) * expand // n)
+
+
+def _layer_count(d: dict[str, Any]) -> int | None:
+    """The default's layer count: the first of its ``_LAYER_KEYS`` it sets to an integer (None: none)."""
+    return next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
 
 
 def _kept_layers(layers: int | None, kinds: list[str] | None = None, per_kind: int = 1) -> list[int] | None:
