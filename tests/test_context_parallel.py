@@ -345,6 +345,7 @@ class _Rows:
         self.range = (first, rows)
         self.ins = ((None,), (None,))
         self.sequence_order, self.length = sequence_order, length
+        self.cache: dict = {}  # as OwnCall's
 
     def global_shape(self, arg: int):
         return None if self.length is None else (1, 1, self.length, 1)

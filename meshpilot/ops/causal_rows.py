@@ -126,18 +126,17 @@ class _Layout:
 
     def __init__(self, call: OwnCall, device) -> None:
         first, rows, t = _rows(call)
-        order = getattr(call, "sequence_order", None)
-        positions = None
+        order = call.sequence_order
+        positions = self.slots = None
         if order is not None:
             if order.length != t:
                 raise RuntimeError(
                     f"{call.node.name}: attention over {t} positions in a plan whose sequence order is of "
                     f"{order.length}; plan again"
                 )
-            positions = _zigzag(call, t, order.peers)
+            positions, self.slots = _zigzag(call, t, order.peers, device)
         self.first = first
         self.segments = segments(first, rows, positions)
-        self.slots = None if positions is None else _slots(call, positions, order.peers, device)
 
     def before(self, natural: int):
         """The held slots of the natural keys ``[0, natural)``."""
@@ -147,24 +146,16 @@ class _Layout:
         return slice(self.first + local, self.first + local + length)
 
 
-def _zigzag(call: OwnCall, length: int, peers: int) -> Tensor:
-    """``ring.zigzag_positions`` of the call's sequence, kept in the call's cache."""
+def _zigzag(call: OwnCall, length: int, peers: int, device) -> tuple[Tensor, Tensor]:
+    """``ring.zigzag_positions`` of the call's sequence (the natural position of each held slot) and its
+    inverse on `device` (the held slot of each natural position), kept in the call's cache."""
     from meshpilot.ops.ring import zigzag_positions
 
-    cache = getattr(call, "cache", {})
-    key = ("zigzag", length, peers)
-    if key not in cache:
-        cache[key] = zigzag_positions(length, peers)
-    return cache[key]
-
-
-def _slots(call: OwnCall, positions: Tensor, peers: int, device) -> Tensor:
-    """The held slot of each natural position (`positions` inverted) on `device`, kept in the call's cache."""
-    cache = getattr(call, "cache", {})
-    key = ("slots", len(positions), peers, str(device))
-    if key not in cache:
-        cache[key] = torch.argsort(positions).to(device)
-    return cache[key]
+    key = ("zigzag", length, peers, str(device))
+    if key not in call.cache:
+        positions = zigzag_positions(length, peers)
+        call.cache[key] = (positions, torch.argsort(positions).to(device))
+    return call.cache[key]
 
 
 def _take(x: Tensor, where) -> Tensor:
