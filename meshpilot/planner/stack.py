@@ -156,7 +156,8 @@ searches of the second pass cost GPT-39B most of what the exact table's cap leve
 
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``). Both tables above search every logical mesh; this one searches a
+Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above
+search every logical mesh; this one searches a
 few *base* meshes and prices every other mesh from them. For every degree b dividing a server's GPUs that some
 logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b ranks) and, where
 the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4, 2x8 on
