@@ -30,6 +30,10 @@ Models: ``gpt`` (the zoo's GPT, ``gpt-tiny`` grown to 4 layers, h 256, batch 8 x
 variant with ``overlap=True`` (each resharding collective, ZeRO-3's weight all-gathers included, issued right
 after its producer and waited for before its consumer).
 
+``--emulate FILE`` launches the ranks under ``meshpilot emulate`` instead (one network namespace per node of FILE,
+the link between nodes shaped by tc; root only) and plans the meshpilot variants on FILE, so DDP's 25 MiB buckets
+and the planner's meet a slow inter-node link (``examples/clusters/emulated-2x2-slow.toml``: 2 nodes x 2 ranks).
+
 A step is forward + backward + AdamW (foreach) step + zero_grad on the full global batch, timed between two
 barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU
 seconds of the busiest rank's process in the step (all its threads: less sensitive to other jobs), the ratio
@@ -161,6 +165,15 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         from meshpilot.cluster import load_cluster
 
         probed = load_cluster(str(args.probed))
+    if args.emulate and not args.plan_on_probed:  # the solver sees the shaped link the launch runs under
+        from meshpilot.cluster import load_cluster
+
+        cluster = load_cluster(str(args.emulate))
+        if cluster.num_devices != n:
+            raise SystemExit(
+                f"bench_vs_torch: --emulate {args.emulate} describes {cluster.num_devices} devices, --nproc is {n}: "
+                "give a cluster file of --nproc devices (e.g. examples/clusters/emulated-2x2-slow.toml for 4)"
+            )
     if args.plan_on_probed:
         if probed is None:
             raise SystemExit("bench_vs_torch: --plan-on-probed needs --probed FILE (a `meshpilot probe` cluster file)")
@@ -228,6 +241,9 @@ def run_model(key: str, args: argparse.Namespace, passthrough: list[str]) -> dic
         plans = make_plans(spec, args, Path(tmp))
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        if args.emulate:  # one torchrun agent per emulated node, each in its own network namespace
+            cmd = [sys.executable, "-m", "meshpilot.cli.main", "emulate", "--cluster", str(args.emulate), "-q"]
+            cmd += ["--", sys.executable]
         cmd += [str(Path(__file__).resolve()), *passthrough, "--worker", key, "--plans", json.dumps(plans)]
         cmd += ["--result", str(result)]
         proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -362,6 +378,13 @@ def main() -> int:
         help="also measure what the collectives of forward + backward cost the host: each meshpilot variant's "
         "recorded programs with their collectives replaced by local copies of the same shapes, DDP under no_sync(), "
         "--steps rounds interleaved with the real ones (results of the stubbed runs are thrown away)",
+    )
+    ap.add_argument(
+        "--emulate",
+        type=Path,
+        help="launch under `meshpilot emulate --cluster FILE` (a network namespace per node, the inter-node link "
+        "shaped by tc; needs root) instead of on loopback, and plan every meshpilot variant on FILE unless "
+        "--plan-on-probed: e.g. examples/clusters/emulated-2x2-slow.toml with --nproc 4",
     )
     ap.add_argument("--json-out", type=Path, help="also save the results as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
