@@ -174,11 +174,11 @@ def _against_dtensor_parameters(name: str, p, build) -> dict:
     model_a, inputs = build("cpu")
     model_b = build("cpu")[0]
     plain = parallelize(model_a, p, graph=graph_of(build.__name__, model_a, p))
-    ParallelModule.plain = False
+    was, ParallelModule.plain = ParallelModule.plain, False
     try:
         wrapped = parallelize(model_b, p, graph=graph_of(build.__name__, model_b, p))
     finally:
-        ParallelModule.plain = True
+        ParallelModule.plain = was
     got = lockstep_adamw(plain, wrapped, inputs, steps=2, lr=1e-2)
     return {
         "loss": max(got["loss"]),
