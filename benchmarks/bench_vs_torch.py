@@ -21,6 +21,8 @@ the machine's noise:
                  host CPU per collective that ``meshpilot probe`` measures, seen by the bucket size;
   ..., no buckets  (``--unbucketed``) the DP and ZeRO-3 plans without their buckets: one collective per
                  gradient after the backward, as before buckets existed (before / after in one launch);
+  mp: DP, DTensor parameters  (``--dtensor-params``) the DP plan with every parameter a DTensor, as before
+                 plain replicated parameters (``ParallelModule.plain``; before / after in one launch);
   mp: ZeRO-3, per-parameter gathers  (``--ungrouped``) the ZeRO-3 plan without its gather groups
                  (``StagePlan.param_gathers``): one all-gather per parameter read, prefetched one layer ahead
                  (before / after the groups in one launch).
@@ -87,6 +89,9 @@ BASE = {
     "mp: ZeRO-3" + UNGROUPED: "FSDP2",
 }
 BASE["mp: DP, 25 MiB buckets"] = "DDP"
+DTENSOR_PARAMS = ", DTensor parameters"
+"""The suffix of the ``--dtensor-params`` variant: the DP plan run with ``ParallelModule.plain = False``."""
+BASE["mp: DP" + DTENSOR_PARAMS] = "DDP"
 HOST = "mp: DP, buckets at "
 """The prefix of the ``--host-cost-us`` variants (compared with DDP)."""
 PHASES = ("forward", "backward", "optimizer")
@@ -192,6 +197,8 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
         p.save(path)
         cost = CostModel(LogicalMesh(cluster, tuple(p.mesh_shape)))
         out[name] = {"path": str(path), "buckets": len(p.grad_buckets)} | predictions(p, graph, probed, cost)
+        if args.dtensor_params and name == "mp: DP":  # the same plan, its parameters DTensors
+            out[name + DTENSOR_PARAMS] = dict(out[name], dtensor_params=True)
         if args.big_buckets and name == "mp: DP":  # DDP's bucket size instead of the alpha-beta one
             big = with_buckets(p, graph, CostModel(LogicalMesh(cluster, (n,))), size=25 * 2**20)
             big.save(path.with_name(path.stem + "-big.json"))
@@ -337,6 +344,12 @@ def main() -> int:
         "--unbucketed",
         action="store_true",
         help="also run the data-parallel and ZeRO-3 plans without their gradient buckets (before / after)",
+    )
+    ap.add_argument(
+        "--dtensor-params",
+        action="store_true",
+        help="also run the data-parallel plan with DTensor parameters (ParallelModule.plain = False), as before "
+        "it kept the model's plain replicated parameters (before / after in one launch)",
     )
     ap.add_argument(
         "--ungrouped",
@@ -570,7 +583,7 @@ def worker(args: argparse.Namespace) -> int:
     from bench_step_time import profile_step
 
     from meshpilot.planner.plan import Plan
-    from meshpilot.runtime.spmd import parallelize
+    from meshpilot.runtime.spmd import ParallelModule, parallelize
     from meshpilot.runtime.train import adamw
 
     torch.set_num_threads(1)
@@ -586,7 +599,9 @@ def worker(args: argparse.Namespace) -> int:
     for k in variants:
         m = build(spec, "cpu").model
         if k in plans:
+            ParallelModule.plain = not plans[k].get("dtensor_params", False)
             models[k], inputs[k] = parallelize(m, Plan.load(plans[k]["path"])), full
+            ParallelModule.plain = True
         else:
             models[k], inputs[k] = wrap_torch(k, m), mine
     opts = {k: adamw(m.parameters(), lr=1e-4) for k, m in models.items()}

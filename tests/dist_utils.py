@@ -356,7 +356,7 @@ def lockstep_adamw(ref: Any, pm: Any, inputs: Any, steps: int, lr: float = 1e-2,
             o_64.step()
         o_ref.step()
         o_par.step()
-    out["param"] = max(_largest((a - b.full_tensor()).abs()) for a, b in pairs)
+    out["param"] = max(_largest((a - _whole(b)).abs()) for a, b in pairs)
     return out
 
 
@@ -370,5 +370,11 @@ def _grad_difference(ref: Any, got: Any) -> float:
     LM: the encoder-side weights) has None on both sides (0.0), on one side only infinity."""
     if ref is None or got is None:
         return 0.0 if ref is None and got is None else float("inf")
-    full = got.full_tensor() if hasattr(got, "full_tensor") else got
+    full = _whole(got)
     return _largest((ref - full.to(ref.dtype)).abs())
+
+
+def _whole(t: Any) -> Any:
+    """`t`'s whole value: a DTensor's full tensor, a plain tensor itself (a plan that replicates every
+    parameter keeps them plain: ``ParallelModule.plain``)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -141,8 +141,10 @@ def _prefetch_order(gm) -> dict[str, dict]:
 
 
 def _dtensor_dispatches(pm, inputs) -> dict[str, int]:
-    """How many ops one more step's forward and backward send through DTensor's dispatcher (the torch
-    profiler's ``PythonSubclass`` events), after the programs are recorded."""
+    """How many ops one more step's forward, backward and AdamW (foreach) step send through DTensor's
+    dispatcher (the torch profiler's ``PythonSubclass`` events), after the programs are recorded; how many
+    parameters got a gradient and how many are DTensors."""
+    from torch.distributed.tensor import DTensor
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
@@ -153,7 +155,37 @@ def _dtensor_dispatches(pm, inputs) -> dict[str, int]:
         loss.backward()
     out["backward"] = sum(e.name == "PythonSubclass" for e in prof.events())
     out["gradients"] = sum(p.grad is not None for p in pm.parameters())
+    out["dtensors"] = sum(isinstance(p, DTensor) for p in pm.parameters())
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.0, foreach=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    out["optimizer"] = sum(e.name == "PythonSubclass" for e in prof.events())
     return out
+
+
+def _against_dtensor_parameters(name: str, p, build) -> dict:
+    """The plan run with plain parameters (``ParallelModule.plain``) and with DTensor parameters side by side
+    for 2 AdamW steps (``lockstep_adamw`` with the plain run as the reference): the largest loss, gradient and
+    parameter differences, and the DTensor run's parameter types."""
+    from torch.distributed.tensor import DTensor
+
+    from meshpilot.runtime.spmd import ParallelModule, parallelize
+
+    model_a, inputs = build("cpu")
+    model_b = build("cpu")[0]
+    plain = parallelize(model_a, p, graph=graph_of(build.__name__, model_a, p))
+    was, ParallelModule.plain = ParallelModule.plain, False
+    try:
+        wrapped = parallelize(model_b, p, graph=graph_of(build.__name__, model_b, p))
+    finally:
+        ParallelModule.plain = was
+    got = lockstep_adamw(plain, wrapped, inputs, steps=2, lr=1e-2)
+    return {
+        "loss": max(got["loss"]),
+        "grad": max(got["grad"]),
+        "param": got["param"],
+        "dtensors": sum(isinstance(q, DTensor) for q in wrapped.parameters()),
+    }
 
 
 def _worker(plans: dict[str, str]) -> dict:
@@ -173,6 +205,8 @@ def _worker(plans: dict[str, str]) -> dict:
         prog = pm.program
         pm.zero_grad(set_to_none=True)
         res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
+        if name.startswith("dp"):
+            res[name + ":vs-dtensor"] = _against_dtensor_parameters(name, p, build)
         if prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
         if name.startswith("zero3"):
@@ -253,12 +287,31 @@ def test_collectives_are_the_plans_buckets(runs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_recorded_steps_run_on_local_tensors(runs, name):
     """Once recorded, a step runs its ops on the local tensors, the plan's collectives explicit, as DDP and FSDP2
-    run theirs: nothing of its forward and backward goes through DTensor's dispatcher but autograd storing each
-    gradient (a DTensor, in its parameter's layout) as ``.grad`` — one ``detach`` a parameter."""
+    run theirs. A data-parallel plan (every parameter replicated) keeps plain parameters
+    (``ParallelModule.plain``): nothing of its forward, backward or AdamW step goes through DTensor's
+    dispatcher. A ZeRO-3 plan's parameters are DTensor shards: only autograd storing each gradient (a DTensor,
+    in its parameter's layout) as ``.grad`` does — one ``detach`` a parameter — and the optimizer's ops."""
     _, results = runs
     for r in results:
         got = r[name + ":dtensor"]
-        assert got["forward"] == 0 and got["backward"] == got["gradients"] > 0, (name, got)
+        if name.startswith("dp"):
+            assert got["dtensors"] == 0 and got["gradients"] > 0, (name, got)
+            assert got["forward"] == got["backward"] == got["optimizer"] == 0, (name, got)
+        else:
+            assert got["dtensors"] == got["gradients"] > 0, (name, got)
+            assert got["forward"] == 0 and got["backward"] == got["gradients"], (name, got)
+
+
+@pytest.mark.parametrize("name", ["dp", "dp-accumulate"])
+def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
+    """The data-parallel plan with plain parameters and the same plan with DTensor parameters (``plain = False``)
+    trained side by side: every step's loss, every gradient and the parameters after 2 AdamW steps are the same
+    numbers — the same recorded programs and buckets, the same optimizer kernels on the same values."""
+    _, results = runs
+    for r in results:
+        got = r[name + ":vs-dtensor"]
+        assert got["dtensors"] > 0, got  # the comparison did run the DTensor parameters
+        assert got["loss"] == got["grad"] == got["param"] == 0.0, (name, got)
 
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):

@@ -253,10 +253,18 @@ def _local_slice(full: torch.Tensor, dt) -> torch.Tensor:
 
 
 def _max_err(pairs) -> tuple[float, str]:
+    """The largest difference of each rank's piece from the single device's; a plain tensor (a data-parallel
+    plan keeps plain parameters: ``ParallelModule.plain``) is compared whole."""
+    from torch.distributed.tensor import DTensor
+
     worst = (0.0, "")
     for name, ref, dt in pairs:
-        assert not any(p.is_partial() for p in dt.placements), f"{name} is left partial: {dt.placements}"
-        err = (dt.to_local() - _local_slice(ref, dt)).abs().max().item() if ref.numel() else 0.0
+        if isinstance(dt, DTensor):
+            assert not any(p.is_partial() for p in dt.placements), f"{name} is left partial: {dt.placements}"
+            mine, want = dt.to_local(), _local_slice(ref, dt)
+        else:
+            mine, want = dt, ref
+        err = (mine - want).abs().max().item() if ref.numel() else 0.0
         if err > worst[0] or not worst[1]:
             worst = (err, name)
     return worst

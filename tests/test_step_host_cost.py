@@ -84,7 +84,7 @@ def test_a_recorded_step_runs_eagers_fused_kernels_and_equals_eager(pair):
     loss_e, loss_p = step(eager), step(pm)  # the third step of each: .grad holds two steps' sums
     assert torch.equal(loss_e.detach(), loss_p.detach())
     for (name, p), q in zip(eager.named_parameters(), pm.module.parameters()):
-        assert torch.equal(p.grad, q.grad.full_tensor()), name
+        assert torch.equal(p.grad, q.grad), name  # one device: plain parameters (ParallelModule.plain)
     eager.zero_grad(set_to_none=True)
     pm.zero_grad(set_to_none=True)
 
@@ -104,11 +104,16 @@ def test_a_recorded_step_looks_no_parameter_up_by_name(pair, monkeypatch):
     assert not calls, f"{sum(calls.values())} look-ups by name in one step: {sorted(calls)[:5]}"
 
 
-def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(group):
-    """The gradients' layouts are the trainable parameters' in order: a frozen one in between shifts nothing."""
-    import meshpilot
-    from meshpilot.runtime.spmd import parallelize
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "dtensor"])
+def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(group, plain, monkeypatch):
+    """The gradients' layouts are the trainable parameters' in order: a frozen one in between shifts nothing
+    (with DTensor parameters, ``ParallelModule.plain = False``, and with the plain ones a 1-device plan keeps)."""
+    from torch.distributed.tensor import DTensor
 
+    import meshpilot
+    from meshpilot.runtime.spmd import ParallelModule, parallelize
+
+    monkeypatch.setattr(ParallelModule, "plain", plain)
     eager, inputs = _gpt()
     model, _ = _gpt()
     for m in (eager, model):
@@ -122,6 +127,8 @@ def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(grou
     for (name, p), q in zip(eager.named_parameters(), pm.module.parameters()):
         if p.grad is None:
             assert q.grad is None, name
+        elif plain:
+            assert not isinstance(q, DTensor) and torch.equal(p.grad, q.grad), name
         else:
             assert q.grad._spec == q._spec and torch.equal(p.grad, q.grad.full_tensor()), name
 

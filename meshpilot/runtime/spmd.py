@@ -2,6 +2,10 @@
 
 Parameters become DTensors in their planned layouts (the model's ``nn.Parameter`` objects are replaced, so
 ``torch.optim.AdamW(model.parameters())`` steps the shards and ``torch.distributed.checkpoint`` saves them).
+A plan that replicates every parameter on every mesh axis (pure data parallelism, or one device) keeps the
+model's own plain parameters instead, as DDP does (``ParallelModule.plain``): each rank's piece is the whole
+tensor, the programs' buckets all-reduce the gradients to the whole gradient, so nothing is left for a DTensor
+to describe but host time per parameter at every step, in autograd and in the optimizer.
 ``loss = pmodel(*inputs)`` runs the step's forward and ``loss.backward()`` its backward: two programs of
 generated code per rank (:mod:`meshpilot.runtime.program`), traced on the first step from the DTensor
 interpreter (:mod:`meshpilot.runtime.interpret`) — the plan's resharding collectives, its strategies, its
@@ -45,7 +49,7 @@ from meshpilot.runtime.executor import StepRun, executed_actions
 from meshpilot.runtime.groups import device_mesh
 from meshpilot.runtime.interpret import Interpreter, permute_sequence, redistribute, to_dtensor
 from meshpilot.runtime.program import StageProgram
-from meshpilot.sharding.placements import from_json
+from meshpilot.sharding.placements import from_json, replicated
 
 if TYPE_CHECKING:
     from meshpilot.runtime.pipeline_stages import PlannedPipelineModule
@@ -242,6 +246,8 @@ class _ScheduleRun:
                 elif pm._cudagraphs:
                     grads[i] = grads[i].clone()  # a gradient outlives the step, the graph's memory does not
         specs = pm._grad_specs
+        if specs is None:  # plain replicated parameters (ParallelModule.plain): each gradient is the whole one
+            return grads
         return [DTensor(g, spec, requires_grad=False) if g is not None else None for g, spec in zip(grads, specs)]
 
 
@@ -250,6 +256,22 @@ class _ScheduleRun:
 # second optimizer's run in a test) reuses the recorded programs instead of recording them again.
 _PROGRAMS: dict[tuple, tuple[StagePlan, StageProgram]] = {}
 _MAX_PROGRAMS = 16
+
+
+def replicated_everywhere(plan: StagePlan, param_names: Sequence[str]) -> bool:
+    """Whether `plan` keeps every parameter of `param_names` whole on every device (replicated on every mesh
+    axis: data parallelism, possibly per axis, or one device): then each rank's piece of a parameter, and of its
+    gradient once the plan's buckets have reduced it, is the whole tensor."""
+    whole = replicated(len(plan.mesh_shape))
+    return all(tuple(plan.param_layout(fqn)) == whole for fqn in param_names)
+
+
+def plain_parameters(model: torch.nn.Module, param_names: Sequence[str]) -> tuple[list[torch.nn.Parameter], list[str]]:
+    """The model's own parameters of `param_names`, left as they are, and the names of those that require
+    gradients: what :func:`distribute_parameters` returns for a plan that replicates every parameter, without
+    the DTensors (``ParallelModule.plain``)."""
+    params = [model.get_parameter(fqn) for fqn in param_names]
+    return params, [fqn for fqn, p in zip(param_names, params) if p.requires_grad]
 
 
 def distribute_parameters(
@@ -314,7 +336,7 @@ class GatheredCopies:
         return any(id(self.params[i]) in params for i in self.read)
 
     def read_locals(self) -> list[torch.Tensor]:
-        out = [p._local_tensor for p in self.params]
+        out = [p._local_tensor if isinstance(p, DTensor) else p.detach() for p in self.params]
         for i, layout in self.read.items():
             if self.copies[i] is None:
                 with torch.no_grad(), phase_scope(Phase.FWD):
@@ -385,11 +407,26 @@ class ParallelModule(torch.nn.Module):
         return self.interpreter.mismatches
 
     # ------------------------------------------------------------------ parameters
+    plain: bool = True
+    """Whether a plan that replicates every parameter (``replicated_everywhere``: pure data parallelism) keeps
+    the model's own plain parameters and hands autograd plain gradients, as DDP does, instead of DTensors:
+    the step's programs run on local tensors either way, so the DTensors only cost host time — their
+    wrapping at ``_Step.apply``, autograd's ``detach`` of each DTensor gradient through DTensor's dispatch,
+    and every foreach op of the optimizer's step (module docstring of ``runtime.program``; docs/benchmarks.md).
+    False (set on the class before ``parallelize``) makes every parameter a DTensor, for comparing the two."""
+
     def _distribute_parameters(self) -> None:
-        self._params, self._trainable = distribute_parameters(self.module, self.graph.param_names, self.plan, self.mesh)
-        self._grad_specs = [p._spec for p in self._params if p.requires_grad]
-        """The layout of each trainable parameter's gradient (its own), in ``_trainable``'s order: read once, not
-        looked up by name for every gradient of every step (53 ``get_parameter`` calls were 0.65 ms of a GPT's)."""
+        names = self.graph.param_names
+        # _grad_specs: the layout of each trainable parameter's gradient (its own), in ``_trainable``'s order, read
+        # once, not looked up by name for every gradient of every step (53 ``get_parameter`` calls were 0.65 ms of
+        # a GPT's); None for plain parameters, whose gradients are plain.
+        self._grad_specs: list | None = None
+        if self.plain and replicated_everywhere(self.plan, names):
+            self._params, self._trainable = plain_parameters(self.module, names)
+        else:
+            self._params, self._trainable = distribute_parameters(self.module, names, self.plan, self.mesh)
+            self._grad_specs = [p._spec for p in self._params if p.requires_grad]
+        self._trainable_params = [p for p in self._params if p.requires_grad]
         self._copies = GatheredCopies(self.graph, self.plan, self._params)
 
     def read_locals(self) -> list[torch.Tensor]:
@@ -406,8 +443,7 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         inputs = self._check_inputs(inputs)
         if torch.is_grad_enabled() and self._trainable:
-            params = [p for p, fqn in zip(self._params, self.graph.param_names) if p.requires_grad]
-            return _Step.apply(self, inputs, *params)
+            return _Step.apply(self, inputs, *self._trainable_params)
         run = _ScheduleRun(self, inputs)
         run.run.forward_only()
         return run.loss()
