@@ -411,3 +411,41 @@ def test_highspy_solve_is_scipy_milps(memory):
             assert ours.mip_gap == ref.mip_gap
             compared += 1
     assert compared == 4  # the roomy and the binding capacity on each mesh solved, not only refused
+
+
+def test_csc_from_entries_is_scipys_coo_to_csc(monkeypatch):
+    """``highs.Csc.from_entries`` is ``scipy.sparse.coo_matrix(…).tocsc()``: the same column pointers, row
+    indices and values, entries at one place summed, explicit zeros kept — on random entries with repeats
+    and on the bench graph's ILP with its memory rows."""
+    import numpy as np
+    from scipy.sparse import coo_matrix
+
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.highs import Csc
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    def same(rows, cols, vals, shape):
+        ours = Csc.from_entries(rows, cols, vals, shape)
+        ref = coo_matrix((vals, (rows, cols)), shape=shape).tocsc()
+        assert np.array_equal(ours.indptr, ref.indptr) and np.array_equal(ours.indices, ref.indices)
+        assert np.array_equal(ours.data, ref.data) and ours.shape == ref.shape
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 50, 2000):
+        rows, cols = rng.integers(0, 30, n), rng.integers(0, 40, n)  # many repeats at n = 2000
+        vals = rng.choice([0.0, 1.0, -2.5, 3.25], n)
+        same(rows, cols, vals, (30, 40))
+    shape = (2, 4)
+    g = _bench_graph()
+    dm = fake_device_mesh(shape)
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), shape))
+    prob = ilp.build_problem(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    entries = []
+    real = Csc.from_entries.__func__
+    monkeypatch.setattr(Csc, "from_entries", classmethod(lambda cls, *a: entries.append(a) or real(cls, *a)))
+    A = ilp._lp(prob, "plain", True)[1]
+    ((rows, cols, vals, shape),) = entries  # what _lp handed to the matrix: the same matrix as scipy's from it
+    same(rows, cols, vals, shape)
+    assert A.indices.size > A.shape[1] > 10_000

@@ -902,8 +902,6 @@ class Solution:
 def _lp(prob: Problem, memory: str, has_mem_row: bool):
     """:func:`solve`'s objective, constraint matrix and row bounds (the memory rows' upper bounds left open),
     built from `prob` (module docstring, *Linearisation*)."""
-    from scipy.sparse import coo_matrix
-
     groups = prob.groups
     sizes = np.array([g.size for g in groups], dtype=np.int64)
     offs = np.zeros(len(groups) + 1, dtype=np.int64)
@@ -956,8 +954,7 @@ def _lp(prob: Problem, memory: str, has_mem_row: bool):
             lb = np.append(lb, -np.inf)
             ub = np.append(ub, np.inf)
             r += 1
-    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n_vars)).tocsc()
-    A = Csc(A.indptr, A.indices, A.data, (r, n_vars))
+    A = Csc.from_entries(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), (r, n_vars))
     return c, A, lb, ub, offs, n_s, n_vars, r, mem_plain, mem_zero
 
 
