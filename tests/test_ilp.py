@@ -351,3 +351,101 @@ def test_reshard_table_by_ids_is_the_resharders_collectives():
                         if colls:
                             want[a * n_q + b] = colls
             assert (n_p, n_q) == (len(P), len(Q)) and got == want and want
+
+
+def _scipy_milp(c, A, lb, ub, integrality, time_limit, node_limit, mip_rel_gap):
+    """The solve as ``ilp._milp`` made it before ``planner.highs``: ``scipy.optimize.milp``."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csc_array
+
+    A = csc_array((A.data, A.indices, A.indptr), shape=A.shape)
+    return milp(
+        c,
+        constraints=LinearConstraint(A, lb, ub),
+        integrality=integrality,
+        bounds=Bounds(0, 1),
+        options={"time_limit": time_limit, "node_limit": node_limit, "mip_rel_gap": mip_rel_gap, "presolve": True},
+    )
+
+
+@pytest.mark.parametrize("memory", ["plain", "zero"])
+def test_highspy_solve_is_scipy_milps(memory):
+    """``planner.highs.solve_milp`` (``highspy``) returns what ``scipy.optimize.milp`` returns on the same ILPs
+    — the same solution vector bit for bit, message and gap, or no solution with the same status — on the bench
+    graph's problem on two meshes, without and with a memory capacity that binds (a capped solve: branch and
+    bound), and under a capacity that has no plan."""
+    import numpy as np
+
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.highs import solve_milp
+    from meshpilot.sharding.reshard import UNSUPPORTED_S, Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    compared = 0
+    for shape in ((2, 4), (1, 8)):  # (4, 4)'s capped solves are equal too, but take 10-20 s each
+        dm = fake_device_mesh(shape)
+        cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), shape))
+        struct = ilp.build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+        prob = ilp.priced(struct, Resharder(dm, cm))
+        need = min_memory(struct, memory)
+        for cap in (math.inf, 1.05 * need, 0.5 * need):
+            c, A, lb, ub, _, n_s, n_vars, r, *_ = ilp._lp(prob, memory, math.isfinite(cap))
+            ub = ub.copy()
+            if math.isfinite(cap):
+                ub[r - len(ilp.MEMORY_ROWS) :] = cap
+            integrality = np.zeros(n_vars)
+            integrality[:n_s] = 1
+            c = c / np.abs(c[c < UNSUPPORTED_S]).max()
+            args = (c, A, lb, ub, integrality)
+            limits = {"time_limit": 300.0, "node_limit": ilp.NODE_LIMIT, "mip_rel_gap": 1e-3}
+            ours, ref = solve_milp(*args, **limits), _scipy_milp(*args, **limits)
+            if ref.x is None:  # scipy's message goes on with the primal status (None): the status itself is equal
+                assert ours.x is None and ours.infeasible == (ref.status == 2)
+                assert ours.message.partition(":")[0] == ref.message.partition(":")[0]
+                continue
+            assert ours.message == ref.message, (shape, cap)
+            assert np.array_equal(ours.x, ref.x), (shape, cap)
+            assert ours.mip_gap == ref.mip_gap
+            compared += 1
+    assert compared == 4  # the roomy and the binding capacity on each mesh solved, not only refused
+
+
+def test_csc_from_entries_is_scipys_coo_to_csc(monkeypatch):
+    """``highs.Csc.from_entries`` is ``scipy.sparse.coo_matrix(…).tocsc()``: the same column pointers, row
+    indices and values, entries at one place summed, explicit zeros kept — on random entries with repeats
+    and on the bench graph's ILP with its memory rows."""
+    import numpy as np
+    from scipy.sparse import coo_matrix
+
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.highs import Csc
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    def same(rows, cols, vals, shape):
+        ours = Csc.from_entries(rows, cols, vals, shape)
+        ref = coo_matrix((vals, (rows, cols)), shape=shape).tocsc()
+        assert np.array_equal(ours.indptr, ref.indptr) and np.array_equal(ours.indices, ref.indices)
+        assert np.array_equal(ours.data, ref.data) and ours.shape == ref.shape
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 50, 2000):
+        rows, cols = rng.integers(0, 30, n), rng.integers(0, 40, n)  # many repeats at n = 2000
+        vals = rng.choice([0.0, 1.0, -2.5, 3.25], n)
+        same(rows, cols, vals, (30, 40))
+    shape = (2, 4)
+    g = _bench_graph()
+    dm = fake_device_mesh(shape)
+    cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), shape))
+    prob = ilp.build_problem(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+    entries = []
+    real = Csc.from_entries.__func__
+    monkeypatch.setattr(Csc, "from_entries", classmethod(lambda cls, *a: entries.append(a) or real(cls, *a)))
+    A = ilp._lp(prob, "plain", True)[1]
+    ((rows, cols, vals, shape),) = entries  # what _lp handed to the matrix: the same matrix as scipy's from it
+    same(rows, cols, vals, shape)
+    assert A.indices.size > A.shape[1] > 10_000

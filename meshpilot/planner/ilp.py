@@ -80,12 +80,12 @@ on the backward row (``accounting.zero_row_bytes``; the smaller of plain and ZeR
 :func:`solve` takes either pair (``memory="zero"``); the post-pass then makes the ZeRO rows true, or the
 caller falls back to the plain rows.
 
-Solved by ``scipy.optimize.milp`` (HiGHS) to a relative MIP gap (10⁻³) or :data:`NODE_LIMIT` branch-and-bound
-nodes, whichever comes first: both count the solver's work, not the clock, so a plan does not depend on how
-loaded the machine is (a wall-clock limit cut the capped block solves of GPT-39B's stage table short at load
-10–17, and so changed the table). The time limit (:data:`TIME_LIMIT_S` by default) is only a safety net far
-above what a solve takes. The gap reached is reported. If the memory row makes it infeasible,
-:class:`PlanError` says the smallest need found and the capacity.
+Solved by HiGHS (``planner.highs``: ``highspy``, with the model and options of ``scipy.optimize.milp``) to a
+relative MIP gap (10⁻³) or :data:`NODE_LIMIT` branch-and-bound nodes, whichever comes first: both count the
+solver's work, not the clock, so a plan does not depend on how loaded the machine is (a wall-clock limit cut
+the capped block solves of GPT-39B's stage table short at load 10–17, and so changed the table). The time
+limit (:data:`TIME_LIMIT_S` by default) is only a safety net far above what a solve takes. The gap reached is
+reported. If the memory row makes it infeasible, :class:`PlanError` says the smallest need found and the capacity.
 
 Structure once per mesh shape, prices per device mapping
 ---------------------------------------------------------
@@ -140,6 +140,7 @@ from meshpilot.planner.accounting import (
     zero_row_bytes,
 )
 from meshpilot.planner.force import BoundForce, ForceRule, ForceSpec
+from meshpilot.planner.highs import Csc, solve_milp
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
@@ -901,8 +902,6 @@ class Solution:
 def _lp(prob: Problem, memory: str, has_mem_row: bool):
     """:func:`solve`'s objective, constraint matrix and row bounds (the memory rows' upper bounds left open),
     built from `prob` (module docstring, *Linearisation*)."""
-    from scipy.sparse import coo_matrix
-
     groups = prob.groups
     sizes = np.array([g.size for g in groups], dtype=np.int64)
     offs = np.zeros(len(groups) + 1, dtype=np.int64)
@@ -955,7 +954,7 @@ def _lp(prob: Problem, memory: str, has_mem_row: bool):
             lb = np.append(lb, -np.inf)
             ub = np.append(ub, np.inf)
             r += 1
-    A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n_vars)).tocsr()
+    A = Csc.from_entries(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), (r, n_vars))
     return c, A, lb, ub, offs, n_s, n_vars, r, mem_plain, mem_zero
 
 
@@ -977,7 +976,7 @@ def solve(
     memory: str = "plain",
     capacity: float | None = None,
 ) -> Solution:
-    """The plan of `prob` under a memory capacity: HiGHS (``scipy.optimize.milp``) on the sparse ILP.
+    """The plan of `prob` under a memory capacity: HiGHS (:func:`planner.highs.solve_milp`) on the sparse ILP.
 
     ``memory="zero"`` holds the ZeRO memory rows (module docstring) to the capacity instead of the plain
     ones; `capacity` overrides ``prob.capacity`` (the planner lowers it when the liveness peak exceeds it).
@@ -1079,8 +1078,6 @@ def _capped(prob: Problem, memory: str, cap: float, settings: tuple[float, float
 
 def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float) -> Solution | _NoPlan:
     """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
     t0 = time.perf_counter()
     has_mem_row = math.isfinite(cap)
     lp = prob.lp.get((memory, has_mem_row))
@@ -1096,25 +1093,23 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
     normal = np.abs(c[c < UNSUPPORTED_S])
     scale = 1.0 / max(float(normal.max()) if normal.size else 1.0, 1e-12)
     with highs_stdout_filtered():
-        res = milp(
+        res = solve_milp(
             c * scale,
-            constraints=LinearConstraint(A, lb, ub),
-            integrality=integrality,
-            bounds=Bounds(0, 1),
-            options={
-                "time_limit": float(time_limit),  # a safety net only: the stop is the gap or the node limit
-                "node_limit": NODE_LIMIT,
-                "mip_rel_gap": float(mip_rel_gap),
-                "presolve": True,
-            },
+            A,
+            lb,
+            ub,
+            integrality,
+            time_limit=time_limit,  # a safety net only: the stop is the gap or the node limit
+            node_limit=NODE_LIMIT,
+            mip_rel_gap=mip_rel_gap,
         )
     if res.x is None:
-        return _NoPlan(str(res.message), infeasible=res.status == 2)
+        return _NoPlan(res.message, infeasible=res.infeasible)
     x = res.x
     groups = prob.groups
     pick = [int(np.argmax(x[offs[gi] : offs[gi + 1]])) for gi in range(len(groups))]
     choice = {name: int(prob.node_map[name][pick[g]]) for name, g in prob.node_group.items()}
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    gap = res.mip_gap
     objective = float(c @ x)
     xs = np.zeros(n_s)
     xs[offs[:-1] + np.array(pick, dtype=np.int64)] = 1.0
@@ -1122,7 +1117,7 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
         choice,
         objective,
         gap,
-        str(res.message),
+        res.message,
         time.perf_counter() - t0,
         n_vars,
         r,
@@ -1134,7 +1129,7 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
 
 
 HIGHS_DEBUG_PREFIX = b"HighsMipSolverData::"
-"""What the debug print in scipy's HiGHS (1.12) starts with: on some MIPs it writes
+"""What the debug print in HiGHS 1.12 (scipy's and ``highspy``'s) starts with: on some MIPs it writes
 ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();`` to the C stdout (one of the 210
 large ILPs of the GPT-39B plan), which ``meshpilot plan --json > plan.json`` would carry into the JSON."""
 
