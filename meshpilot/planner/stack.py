@@ -156,18 +156,19 @@ searches of the second pass cost GPT-39B most of what the exact table's cap leve
 
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above
-search every logical mesh; this one searches a
-few *base* meshes and prices every other mesh from them. For every degree b dividing a server's GPUs that some
-logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b ranks) and, where
-the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4, 2x8 on
-alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and wholly
-recomputing) are planned once at the device's capacity: the *catalogue*, made in the parent before the columns
-fork. A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when ``a · b`` fits in a server, else the two-server
-one — as ``r = a / a0`` replicas of the base's plan, each computing ``1/r`` of the microbatch's rows
-(:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives, resharding, optimizer — and memory
-parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its input leaves per device,
-``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of ``(a, b)``):
+Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
+logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing
+a server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first
+b ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2,
+4x4, 2x8 on alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and
+wholly recomputing) are planned once at the device's capacity: the *catalogue*, its searches (one per base, piece and
+graph) spread over the planning workers (``planner.parallel``; what they search merged into each graph's planner), the
+columns then priced in this process (they search nothing). A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when
+``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's plan, each computing
+``1/r`` of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives,
+resharding, optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its
+input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of
+``(a, b)``):
 
     replicated   t = (C + K + R) / r + O + AR(w)
                  static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
@@ -508,7 +509,7 @@ class StackTable:
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _catalogue: dict = field(default_factory=dict, init=False, repr=False)
     """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
-    post pieces, block)}``, planned in the parent before the columns fork."""
+    post pieces, block)}``, planned by the workers before the columns are priced."""
     recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
     """Per recomputation, the planner and stack of the graph with every captured block recomputed so
     (``config_plan.recomputed_stack``): the recomputing levels either table may offer (module docstring, 2 and
@@ -551,10 +552,12 @@ class StackTable:
         :attr:`workers` processes (``planner.parallel``: the same table as one after the other)."""
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
+        workers = self.workers
         if self.costing == TableCosting.ESTIMATED:
             self._plan_catalogue(layout[3], layout[4])
+            workers = 1  # its columns search nothing (module docstring, 5): no processes to fork
         self._first = map_columns(
-            functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
+            functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers
         )
         return self._joined([c[:3] for c in self._first])
 
@@ -720,14 +723,24 @@ class StackTable:
         if max(self.sizes) >= 2 * server:
             bases += [(2 * server // b, b) for b in tps]
         modes = [Recompute.NONE, *self.recomputed]
+        # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
+        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
+        tasks = [(base, Recompute.NONE, r) for base in bases for r in (*pres[1:], *posts[1:])]
+        tasks += [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        planners = [self._graph_of(mode)[0] for mode in modes]
+        found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, self.workers)))
         for base in bases:
-            pre = [None] + [self._listed(self.planner, r, base) for r in pres[1:]]
-            post = [None] + [self._listed(self.planner, r, base) for r in posts[1:]]
-            got = {}
-            for mode in modes:
-                planner, stack = self._graph_of(mode)
-                got[mode] = (pre, post, self._listed(planner, (stack.middle, stack.middle + 1), base))
-            self._catalogue[base] = got
+            pre = [None] + [found[(base, Recompute.NONE, r)] for r in pres[1:]]
+            post = [None] + [found[(base, Recompute.NONE, r)] for r in posts[1:]]
+            self._catalogue[base] = {mode: (pre, post, found[(base, mode, self._graph_of(mode)[1].middle)])
+                                     for mode in modes}  # fmt: skip
+
+    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, tuple[int, int] | int]) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layers)``, the layers a pre or post range of the captured
+        graph, or the middle block (its graph layer) of `graph`'s."""
+        base, mode, rng = task
+        rng = (rng, rng + 1) if isinstance(rng, int) else rng
+        return self._listed(self._graph_of(mode)[0], rng, base)
 
     def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
         """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
