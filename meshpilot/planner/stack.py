@@ -182,14 +182,26 @@ holds 4.5 and all-reduces it across servers), which no replica of a one-server p
 :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same ``_offer``
 as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r does
 not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per base, whatever the
-cluster's size. The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`,
-``compose_stage``: real plans on the placed ranks), a composed stage that does not fit its microbatches in
-flight is ruled out and the DP's next best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to
-its own search (``StageCost.zero`` None: ``Plan.with_intra`` plans it with ``zero="auto"``). Measured in
-``docs/benchmarks.md`` (issue 29 item 6, the estimated table): the final plans equal the exact table's on
-GPT-1.3B and 2.6B and are within 1 % on 15B, 4.4 % over on 6.7B and 6.4 % over on 39B (no
-replica prices a memory-capped block); on a tiny GPT across two servers, whose step is mostly collectives, a
-third over (the tests' strict xfail). So it is not the default.
+cluster's size.
+
+The meshes of one whole server (size d = the server's GPUs: 8x1, 4x2, 2x4, 1x8 on alpa-p3x8) are searched as well,
+after their replicas were offered: each one's cap levels as the exact table's (section 2, :meth:`_cap_levels`),
+where its floors show a plan of it may change an entry (section 3; :meth:`StackTable._server_cap_levels`). A block
+capped under the device's memory trades time for memory inside the ILP — GPT-39B's exact plan has ``[31,38)@4x2``,
+7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
+axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
+whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
+one that searches: the table's planning workers take the columns as the exact table's do.
+
+The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
+on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
+best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own search (``StageCost.zero`` None:
+``Plan.with_intra`` plans it with ``zero="auto"``). Measured in ``docs/benchmarks.md`` (issue 29 item 6): the
+final plans within 1 % of the exact table's on four of the five Alpa GPT rows; on GPT-6.7B both tables' first
+choice, ``[0,18)@8x1 rc-sel``, does not fit once planned, and the estimate's next best, ``[0,9)@4x1 rc-sel
+[9,18)@4x1 [18,36)@8x1`` (its table step 45.06 s), steps 46.47 s once planned, 4.4 % over the exact table's final
+plan — the DP's best with any one of its stages ruled out, planned too (tried, not kept), was ``[0,10)@4x1 rc-sel
+[10,19)@4x1 [19,36)@8x1``, 46.53 s — so it is not the default.
 """
 
 from __future__ import annotations
@@ -268,9 +280,9 @@ class TableCosting(StrEnum):
     EXACT = "exact"
     """Per logical mesh, the block planned under up to :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
     ESTIMATED = "estimated"
-    """Per TP degree b the pieces planned once on ``(1, b)``, every logical mesh ``(a, b)`` priced from them as a
-    replicas in closed form (:func:`_replicated`); only the chosen stages are planned on their own mesh
-    (module docstring, 5)."""
+    """Per TP degree b the pieces planned once on ``(1, b)`` (and a two-server base), every logical mesh ``(a, b)``
+    priced from them as replicas in closed form (:func:`_replicated`), a whole server's meshes searched under cap
+    levels too; the chosen stages are planned on their own mesh (module docstring, 5)."""
 
     @property
     def stage_costing(self) -> StageCosting:
@@ -552,12 +564,10 @@ class StackTable:
         :attr:`workers` processes (``planner.parallel``: the same table as one after the other)."""
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
-        workers = self.workers
         if self.costing == TableCosting.ESTIMATED:
             self._plan_catalogue(layout[3], layout[4])
-            workers = 1  # its columns search nothing (module docstring, 5): no processes to fork
         self._first = map_columns(
-            functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers
+            functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
         return self._joined([c[:3] for c in self._first])
 
@@ -593,9 +603,11 @@ class StackTable:
         shapes = list(self.shapes(d))
         win = _Winners(tz, az, np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), candidates)
         ctx = _Ctx(PA, PB, NB, pres, posts, used_pre, used_post, use, f, ranks)
-        if self.costing == TableCosting.ESTIMATED:  # no search: every mesh priced from the catalogue
+        if self.costing == TableCosting.ESTIMATED:  # every mesh priced from the catalogue
             for j, shape in enumerate(shapes):
                 self._estimated_levels(ctx, win, j, shape)
+            if d == self._server():  # a whole server's meshes: their cap levels too (module docstring, 5)
+                self._server_cap_levels(ctx, win, shapes)
             return tz, az, candidates, None
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
                   for shape in shapes]  # fmt: skip
@@ -631,6 +643,16 @@ class StackTable:
         win.arg[better] = cid
         win.order[better] = key
         return ok
+
+    def _server_cap_levels(self, ctx: _Ctx, win: _Winners, shapes: Sequence[tuple[int, int]]) -> None:
+        """The estimated table's searches of a whole server's logical meshes (module docstring, 5): each mesh's cap
+        levels as the exact table's (:meth:`_cap_levels`), after its replicas were offered, where its floors show
+        a plan of it may change an entry (module docstring, 3)."""
+        for j, shape in enumerate(shapes):
+            floors = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape)
+            lower = self._lower(floors, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+            if self._can_improve(lower, win.t, win.order, j * LEVEL_KEYS):
+                self._cap_levels(ctx, win, j, shape, lower)
 
     def _cap_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
         """The exact table's candidates of logical mesh `shape` (the j-th): the block under up to
