@@ -212,3 +212,22 @@ def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, m
     assert bases == {(1, 1), (1, 2), (1, 4), (1, 8)}
     assert len(searched[0]) == len(set(searched[0]))  # each search once
     assert two.stage_plans == one.stage_plans  # the workers' searches counted (merged) here
+
+
+def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(stack, roomy, monkeypatch):
+    """The estimated table (``planner.stack`` module docstring, 5) searches the logical meshes of one whole server
+    under the exact table's cap levels (a capped block is a plan no replica prices), and no other size's."""
+    from meshpilot.planner.stack import StackTable
+
+    calls = []
+    real = StackTable._cap_levels
+
+    def spy(self, ctx, win, j, shape, lower):
+        calls.append((len(ctx.ranks), tuple(shape)))
+        return real(self, ctx, win, j, shape, lower)
+
+    monkeypatch.setattr(StackTable, "_cap_levels", spy)
+    kw = dict(microbatches=4, num_devices=16, memory_bytes=0.5 * roomy, workers=1)
+    p = plan_pipeline(stack, "alpa-p3x8", costing="estimated", **kw)
+    assert p.costing == StageCosting.STACK_ESTIMATED
+    assert calls and {d for d, _ in calls} == {8}, calls
