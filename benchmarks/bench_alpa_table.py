@@ -8,7 +8,7 @@ the pipeline plan's predicted throughput next to a hand-designed baseline's on t
 ``--tables`` (GPT rows; default: all of them): per row and B, the repeated-block stage table costed both ways
 (``plan_pipeline(costing=)``, ``planner.stack`` module docstring, 4 and 5) on fresh stage planners — the variant
 table (each logical mesh's block planned uncapped, ZeRO-3-sharded and recomputed: real plans only), the
-estimated one (no mesh searched: a catalogue of ``(1, b)`` plans replicated) and the exact one of every cap
+estimated one (a catalogue of base plans replicated, a whole server's meshes searched) and the exact one of every cap
 level (``--costings`` picks which) — with the plan's predicted step (Eq. 2), its stages (``rc``: recomputed),
 the step's ratio and each planning's wall and CPU seconds (``plan_pipeline`` only: the capture is shared).
 ``--final`` also plans the chosen stages exactly (``Plan.with_intra`` on the whole model, what ``meshpilot plan

@@ -182,3 +182,52 @@ def test_the_estimated_table_final_plan_within_one_percent_of_the_exact_tables(s
     assert est.stage_plans < exact.stage_plans, (est.stage_plans, exact.stage_plans)
     fin_est, fin_exact = _final_step(est, whole), _final_step(exact, whole)
     assert fin_est <= fin_exact * 1.01, (fin_est, fin_exact)
+
+
+def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, monkeypatch):
+    """The estimated table's catalogue (``planner.stack`` module docstring, 5) is spread over the planning workers
+    (``planner.parallel.map_columns``, forked), each graph's planner — the recomputing ones' too — gets what they
+    searched, and the plan is the one planned in one process."""
+    import meshpilot.planner.stack as stack_mod
+
+    calls = []
+    real = stack_mod.map_columns
+
+    def spy(fn, items, planner, workers):
+        calls.append((getattr(fn, "__name__", ""), list(items), workers))  # a column's partial has none
+        return real(fn, items, planner, workers)
+
+    kw = dict(microbatches=4, num_devices=8, costing="estimated")
+    one = plan_pipeline(stack, "alpa-p3x8", workers=1, **kw)
+    monkeypatch.setattr(stack_mod, "map_columns", spy)
+    sp = StagePlanner(stack.graph, "alpa-p3x8")
+    two = plan_pipeline(stack, "alpa-p3x8", workers=2, planner=sp, **kw)
+    assert [(st.layers, st.ranks, st.mesh_shape) for st in two.stages] == [
+        (st.layers, st.ranks, st.mesh_shape) for st in one.stages
+    ]
+    assert two.step_s == one.step_s
+    searched = [items for name, items, w in calls if name == "_catalogue_piece" and w == 2]
+    assert searched, calls
+    bases = {task[0] for task in searched[0]}
+    assert bases == {(1, 1), (1, 2), (1, 4), (1, 8)}
+    assert len(searched[0]) == len(set(searched[0]))  # each search once
+    assert two.stage_plans == one.stage_plans  # the workers' searches counted (merged) here
+
+
+def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(stack, roomy, monkeypatch):
+    """The estimated table (``planner.stack`` module docstring, 5) searches the logical meshes of one whole server
+    under the exact table's cap levels (a capped block is a plan no replica prices), and no other size's."""
+    from meshpilot.planner.stack import StackTable
+
+    calls = []
+    real = StackTable._cap_levels
+
+    def spy(self, ctx, win, j, shape, lower):
+        calls.append((len(ctx.ranks), tuple(shape)))
+        return real(self, ctx, win, j, shape, lower)
+
+    monkeypatch.setattr(StackTable, "_cap_levels", spy)
+    kw = dict(microbatches=4, num_devices=16, memory_bytes=0.5 * roomy, workers=1)
+    p = plan_pipeline(stack, "alpa-p3x8", costing="estimated", **kw)
+    assert p.costing == StageCosting.STACK_ESTIMATED
+    assert calls and {d for d, _ in calls} == {8}, calls

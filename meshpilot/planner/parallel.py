@@ -69,13 +69,14 @@ def can_fork() -> bool:
 
 def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers: int) -> list[Any]:
     """``[fn(x) for x in items]``, with ``fn`` run in up to `workers` forked processes when there are several
-    items, and the stage costs they searched merged into `planner` (module docstring). The results come back
-    in `items`' order."""
+    items, and the stage costs they searched merged into `planner` — a stage planner, or a sequence of them
+    whose searches ``fn`` may all run (module docstring). The results come back in `items`' order."""
     global _JOB
     n = min(workers, len(items))
     if n <= 1 or not can_fork():
         return [fn(x) for x in items]
-    _JOB = (fn, planner)
+    planners = tuple(planner) if isinstance(planner, (list, tuple)) else (planner,)
+    _JOB = (fn, planners)
     freeze_more()  # the planner and its caches as they are: no worker's full collection walks them (planner.heap)
     try:
         with multiprocessing.get_context("fork").Pool(n) as pool:
@@ -84,14 +85,15 @@ def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers
         _JOB = None
     results = []
     for res, searched in outs:
-        planner.merge(searched)
+        for sp, got in zip(planners, searched):
+            sp.merge(got)
         results.append(res)
     return results
 
 
-def _column(item: Any) -> tuple[Any, Any]:
-    """In a worker: one column and the stage costs it searched."""
+def _column(item: Any) -> tuple[Any, list[Any]]:
+    """In a worker: one column and the stage costs it searched, per planner."""
     assert _JOB is not None
-    fn, planner = _JOB
-    mark = planner.mark()
-    return fn(item), planner.exported(mark)
+    fn, planners = _JOB
+    marks = [sp.mark() for sp in planners]
+    return fn(item), [sp.exported(m) for sp, m in zip(planners, marks)]

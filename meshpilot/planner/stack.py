@@ -156,18 +156,19 @@ searches of the second pass cost GPT-39B most of what the exact table's cap leve
 
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above
-search every logical mesh; this one searches a
-few *base* meshes and prices every other mesh from them. For every degree b dividing a server's GPUs that some
-logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b ranks) and, where
-the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4, 2x8 on
-alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and wholly
-recomputing) are planned once at the device's capacity: the *catalogue*, made in the parent before the columns
-fork. A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when ``a · b`` fits in a server, else the two-server
-one — as ``r = a / a0`` replicas of the base's plan, each computing ``1/r`` of the microbatch's rows
-(:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives, resharding, optimizer — and memory
-parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its input leaves per device,
-``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of ``(a, b)``):
+Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
+logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing
+a server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first
+b ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2,
+4x4, 2x8 on alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and
+wholly recomputing) are planned once at the device's capacity: the *catalogue*, its searches (one per base, piece and
+graph) spread over the planning workers (``planner.parallel``; what they search merged into each graph's planner), the
+columns then priced in this process (they search nothing). A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when
+``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's plan, each computing
+``1/r`` of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives,
+resharding, optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its
+input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of
+``(a, b)``):
 
     replicated   t = (C + K + R) / r + O + AR(w)
                  static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
@@ -181,14 +182,26 @@ holds 4.5 and all-reduces it across servers), which no replica of a one-server p
 :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same ``_offer``
 as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r does
 not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per base, whatever the
-cluster's size. The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`,
-``compose_stage``: real plans on the placed ranks), a composed stage that does not fit its microbatches in
-flight is ruled out and the DP's next best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to
-its own search (``StageCost.zero`` None: ``Plan.with_intra`` plans it with ``zero="auto"``). Measured in
-``docs/benchmarks.md`` (issue 29 item 6, the estimated table): the final plans equal the exact table's on
-GPT-1.3B and 2.6B and are within 1 % on 15B, 4.4 % over on 6.7B and 6.4 % over on 39B (no
-replica prices a memory-capped block); on a tiny GPT across two servers, whose step is mostly collectives, a
-third over (the tests' strict xfail). So it is not the default.
+cluster's size.
+
+The meshes of one whole server (size d = the server's GPUs: 8x1, 4x2, 2x4, 1x8 on alpa-p3x8) are searched as well,
+after their replicas were offered: each one's cap levels as the exact table's (section 2, :meth:`_cap_levels`),
+where its floors show a plan of it may change an entry (section 3; :meth:`StackTable._server_cap_levels`). A block
+capped under the device's memory trades time for memory inside the ILP — GPT-39B's exact plan has ``[31,38)@4x2``,
+7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
+axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
+whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
+one that searches: the table's planning workers take the columns as the exact table's do.
+
+The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
+on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
+best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own search (``StageCost.zero`` None:
+``Plan.with_intra`` plans it with ``zero="auto"``). Measured in ``docs/benchmarks.md`` (issue 29 item 6): the
+final plans within 1 % of the exact table's on four of the five Alpa GPT rows; on GPT-6.7B both tables' first
+choice, ``[0,18)@8x1 rc-sel``, does not fit once planned, and the estimate's next best, ``[0,9)@4x1 rc-sel
+[9,18)@4x1 [18,36)@8x1`` (its table step 45.06 s), steps 46.47 s once planned, 4.4 % over the exact table's final
+plan — the DP's best with any one of its stages ruled out, planned too (tried, not kept), was ``[0,10)@4x1 rc-sel
+[10,19)@4x1 [19,36)@8x1``, 46.53 s — so it is not the default.
 """
 
 from __future__ import annotations
@@ -267,9 +280,9 @@ class TableCosting(StrEnum):
     EXACT = "exact"
     """Per logical mesh, the block planned under up to :data:`MAX_LEVELS` memory caps (module docstring, 2)."""
     ESTIMATED = "estimated"
-    """Per TP degree b the pieces planned once on ``(1, b)``, every logical mesh ``(a, b)`` priced from them as a
-    replicas in closed form (:func:`_replicated`); only the chosen stages are planned on their own mesh
-    (module docstring, 5)."""
+    """Per TP degree b the pieces planned once on ``(1, b)`` (and a two-server base), every logical mesh ``(a, b)``
+    priced from them as replicas in closed form (:func:`_replicated`), a whole server's meshes searched under cap
+    levels too; the chosen stages are planned on their own mesh (module docstring, 5)."""
 
     @property
     def stage_costing(self) -> StageCosting:
@@ -508,7 +521,7 @@ class StackTable:
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _catalogue: dict = field(default_factory=dict, init=False, repr=False)
     """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
-    post pieces, block)}``, planned in the parent before the columns fork."""
+    post pieces, block)}``, planned by the workers before the columns are priced."""
     recomputed: dict[Recompute, tuple[StagePlanner, Stack]] = field(default_factory=dict)
     """Per recomputation, the planner and stack of the graph with every captured block recomputed so
     (``config_plan.recomputed_stack``): the recomputing levels either table may offer (module docstring, 2 and
@@ -590,9 +603,11 @@ class StackTable:
         shapes = list(self.shapes(d))
         win = _Winners(tz, az, np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), candidates)
         ctx = _Ctx(PA, PB, NB, pres, posts, used_pre, used_post, use, f, ranks)
-        if self.costing == TableCosting.ESTIMATED:  # no search: every mesh priced from the catalogue
+        if self.costing == TableCosting.ESTIMATED:  # every mesh priced from the catalogue
             for j, shape in enumerate(shapes):
                 self._estimated_levels(ctx, win, j, shape)
+            if d == self._server():  # a whole server's meshes: their cap levels too (module docstring, 5)
+                self._server_cap_levels(ctx, win, shapes)
             return tz, az, candidates, None
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
                   for shape in shapes]  # fmt: skip
@@ -628,6 +643,16 @@ class StackTable:
         win.arg[better] = cid
         win.order[better] = key
         return ok
+
+    def _server_cap_levels(self, ctx: _Ctx, win: _Winners, shapes: Sequence[tuple[int, int]]) -> None:
+        """The estimated table's searches of a whole server's logical meshes (module docstring, 5): each mesh's cap
+        levels as the exact table's (:meth:`_cap_levels`), after its replicas were offered, where its floors show
+        a plan of it may change an entry (module docstring, 3)."""
+        for j, shape in enumerate(shapes):
+            floors = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape)
+            lower = self._lower(floors, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
+            if self._can_improve(lower, win.t, win.order, j * LEVEL_KEYS):
+                self._cap_levels(ctx, win, j, shape, lower)
 
     def _cap_levels(self, ctx: _Ctx, win: _Winners, j: int, shape, lower) -> None:
         """The exact table's candidates of logical mesh `shape` (the j-th): the block under up to
@@ -720,14 +745,24 @@ class StackTable:
         if max(self.sizes) >= 2 * server:
             bases += [(2 * server // b, b) for b in tps]
         modes = [Recompute.NONE, *self.recomputed]
+        # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
+        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
+        tasks = [(base, Recompute.NONE, r) for base in bases for r in (*pres[1:], *posts[1:])]
+        tasks += [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        planners = [self._graph_of(mode)[0] for mode in modes]
+        found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, self.workers)))
         for base in bases:
-            pre = [None] + [self._listed(self.planner, r, base) for r in pres[1:]]
-            post = [None] + [self._listed(self.planner, r, base) for r in posts[1:]]
-            got = {}
-            for mode in modes:
-                planner, stack = self._graph_of(mode)
-                got[mode] = (pre, post, self._listed(planner, (stack.middle, stack.middle + 1), base))
-            self._catalogue[base] = got
+            pre = [None] + [found[(base, Recompute.NONE, r)] for r in pres[1:]]
+            post = [None] + [found[(base, Recompute.NONE, r)] for r in posts[1:]]
+            self._catalogue[base] = {mode: (pre, post, found[(base, mode, self._graph_of(mode)[1].middle)])
+                                     for mode in modes}  # fmt: skip
+
+    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, tuple[int, int] | int]) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layers)``, the layers a pre or post range of the captured
+        graph, or the middle block (its graph layer) of `graph`'s."""
+        base, mode, rng = task
+        rng = (rng, rng + 1) if isinstance(rng, int) else rng
+        return self._listed(self._graph_of(mode)[0], rng, base)
 
     def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
         """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
