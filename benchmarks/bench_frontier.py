@@ -48,9 +48,11 @@ from meshpilot.errors import UserError
 from meshpilot.models.sources import build_hf, pre_shifted_labels, unpacked_sequences
 from meshpilot.planner.config_plan import (
     Breakdown,
+    ConfigPlan,
     Float8,
     breakdown,
     group_memory,
+    group_terms,
     model_flops_per_token,
     parse_config,
     plan_config,
@@ -68,11 +70,12 @@ LLAMA3_405B = dict(
 )  # fmt: skip
 """Llama 3 405B (Llama 3 paper, Table 3); ``use_cache=False``: a training step keeps no KV cache."""
 
-LLAMA3_CONFIG = "tp=8,schedule=interleaved-1f1b,virtual=8,split=ends,precision=bf16"
+LLAMA3_CONFIG = "tp=8,schedule=interleaved-1f1b,virtual=8,split=ends,precision=bf16,zero=1"
 """What the Llama 3 paper's §3.3.2 states beside Table 4's degrees: interleaved 1F1B whose first chunk holds only the
 embedding and last only the head (one chunk per layer: v = 128 / 16 = 8), no activation checkpointing at 8K, in
-BF16; its FSDP-style sharding of the optimizer is not planned (``config_plan``: ZeRO over pinned layouts), which
-changes the step by the update of a 1/DP shard (0.045 s whole on the busiest group). Micro-batch size 1 (not stated)
+BF16; its FSDP shards the optimizer states and gradients over DP and keeps the parameters gathered after the
+forward: ``zero=1`` (``config_plan``, *ZeRO*: AdamW's states and update over DP · CP; the gradients' sum over the
+microbatches stays whole through the backward, as in Megatron's distributed optimizer). Micro-batch size 1 (not stated)
 makes the microbatches the batch per DP. ``precision=bf16``: the step in bfloat16 as Megatron-style BF16 training
 runs it (meshpilot's ``bf16-mixed`` is torch autocast, whose float32 residual stream doubles every send)."""
 
@@ -135,7 +138,15 @@ class Own:
         return {f"planned{suffix}": self.throughput, f"planning_s{suffix}": s.planning_s,
                 f"planning_cpu_s{suffix}": s.cpu_s, f"planned_config{suffix}": self.config,
                 f"planned_step_s{suffix}": s.best_step_s, f"planned_memory_gib{suffix}": group_memory(s.best) / 2**30,
+                f"planned_memory_terms_gib{suffix}": memory_terms(s.best),
                 f"search_capacity_gib{suffix}": s.capacity / 2**30}  # fmt: skip
+
+
+def memory_terms(cp: ConfigPlan) -> dict[str, float]:
+    """The fullest pipeline group's Eq. 5 term by term, GiB a GPU (``config_plan.group_terms``)."""
+    t = group_terms(cp)
+    keys = ("weights", "optimizer", "grads", "working", "in_flight", "update")
+    return {"group": t.group, **{k: getattr(t, k) / 2**30 for k in keys}, "total": t.total / 2**30}
 
 
 def _own_json(own: Own | None, suffix: str) -> dict[str, Any]:
@@ -159,6 +170,8 @@ class Result:
     step_s: float = 0.0
     eq2_step_s: float = 0.0
     peak_gib: float = 0.0
+    peak_terms: dict[str, float] = field(default_factory=dict)
+    """The published plan's :attr:`peak_gib` term by term (:func:`memory_terms`)."""
     layout: str = ""
     """With CP: the layout the plan takes (:func:`_layout`)."""
     terms: Breakdown | None = None
@@ -182,6 +195,7 @@ class Result:
             "source": r.source, "cluster": r.cluster, "config": r.config, "step_s": self.step_s or None,
             "eq2_step_s": self.eq2_step_s or None, "capture_s": self.capture_s, "config_plan_s": self.config_plan_s,
             "simulate_s": self.simulate_s, "peak_memory_gib": self.peak_gib or None,
+            "peak_memory_terms_gib": self.peak_terms or None,
             "terms_s": dict(self.terms.rows()) if self.terms else None, "cp_layout": self.layout or None,
         }  # fmt: skip
 
@@ -241,6 +255,7 @@ def run_row(
     out.simulate_s = time.perf_counter() - t0
     out.step_s, out.eq2_step_s = sim.step_s, cp.plan.step_s
     out.peak_gib = group_memory(cp) / 2**30
+    out.peak_terms = memory_terms(cp)
     layers, hidden = row.model["num_hidden_layers"], row.model["hidden_size"]
     per_token = model_flops_per_token(model, layers, hidden, row.seq)
     tokens = cfg.global_batch * row.seq
@@ -322,6 +337,9 @@ def show(results: list[Result]) -> None:
         print(f"  capture {r.capture_s:.1f} s, config plan {r.config_plan_s:.1f} s, simulation {r.simulate_s:.2f} s")
         if r.layout:
             print(f"  CP layout: {r.layout}")
+        if r.peak_terms:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in r.peak_terms.items() if k not in ("group", "total"))
+            print(f"  Eq. 5 {r.peak_gib:.1f} GiB a GPU, group {r.peak_terms['group']:.0f}: {parts}")
         print(f"  Eq. 2 step {r.eq2_step_s:.3f} s, simulated {r.step_s:.3f} s; the busiest pipeline group:")
         for name, s in r.terms.rows():
             print(f"    {name:<24} {s:8.3f} s  {s / r.step_s:6.1%}")

@@ -5,6 +5,7 @@ tiny Llama on 8 GPUs (the same code path as the 16,384-GPU rows; no spawn)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_config_is_read_and_what_cannot_be_planned_is_one_line():
     for text, needle in [
         ("tp=8,cp=16,micro_batch=2", "micro_batch=1"),
         ("tp=8,cp=0", "give at least 1"),
-        ("tp=8,zero=1", "ZeRO over pinned layouts"),
+        ("tp=8,zero=1", "no ranks to shard"),
+        ("tp=8,dp=2,zero=2", "give zero=1 or zero=0"),
         ("pp=4,schedule=interleaved-1f1b", "virtual"),
         ("pp=4,virtual=2,schedule=interleaved-1f1b,microbatches=6", "multiple of pp=4"),
         ("tp=eight", "whole number"),
@@ -648,3 +650,103 @@ def test_config_search_plans_no_candidate_estimated_beyond_the_margin(monkeypatc
     monkeypatch.setattr(cs, "ESTIMATE_MARGIN", float("inf"))
     planned, _ = cs._plan_best(lambda rows, rc: (None, None, None, None), None, cands, cap=1.5)
     assert len(planned) == len(cands)
+
+
+@functools.lru_cache(maxsize=4)
+def _tiny_plan(config: str, seq: int = 64):
+    """``plan_config`` of `config` for :data:`TINY` on one DGX H100 (the frontier rows' path, 8 GPUs); the
+    configurations of one microbatch share one capture and planner (:func:`_tiny_capture`)."""
+    from meshpilot.planner.config_plan import plan_config
+
+    cfg = parse_config(config)
+    model, inputs, stack, sp = _tiny_capture(cfg.graph_batch, seq, cfg.precision)
+    return model, stack, plan_config(model, inputs, stack, sp.cluster, cfg, planner=sp)
+
+
+@functools.lru_cache(maxsize=2)
+def _tiny_capture(rows: int, seq: int, precision: str):
+    from meshpilot.planner.stage import StagePlanner
+
+    built = build_hf("llama", TINY, batch=rows, seq=seq)
+    stack = capture_stack(built.model, built.inputs, precision=precision)
+    return built.model, built.inputs, stack, StagePlanner(stack.graph, "dgx-h100:1")
+
+
+def test_zero1_shards_each_chunks_states_and_update_over_dp_and_nothing_else():
+    """``zero=1`` (Megatron's distributed optimizer, the optimizer-state half of Llama 3's FSDP): per chunk, with
+    ``T`` its parameters' bytes per GPU (the update temporary), the states ``2 · T`` and the temporary held over
+    DP, the gradients' sum and the activations whole, the update's streams over DP; the memory terms of the
+    fullest group add up to its bound, its weights and gradients ``T`` each."""
+    from meshpilot.planner.accounting import update_stream_seconds
+    from meshpilot.planner.config_plan import group_memory, group_terms
+
+    base = "tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends,precision=bf16"
+    model, stack, plain = _tiny_plan(base)
+    _, _, zero = _tiny_plan(f"{base},zero=1")
+    dev = load_cluster("dgx-h100:1").device
+    for a, b in zip(plain.costs, zero.costs):
+        pa, pb = a.peaks, b.peaks
+        T = pa.update - pa.resident
+        assert T > 0
+        assert pb.forward_backward == pytest.approx(pa.forward_backward - 0.5 * 2 * T)
+        assert pb.resident == pytest.approx(pa.resident - 0.5 * 2 * T)
+        assert pb.update == pytest.approx(pa.update - 0.5 * 3 * T)
+        assert pb.activations == pa.activations
+        assert b.time.optimizer_s == pytest.approx(a.time.optimizer_s - 0.5 * update_stream_seconds(T, dev))
+        assert b.time.compute_s == a.time.compute_s and b.time.communication_s == a.time.communication_s
+        assert b.memory.total == pytest.approx(max(pb.forward_backward, pb.update))
+    # T is the parameters' bytes: a chunk of k blocks holds k blocks' Megatron pairs halved over TP 2 and their
+    # two norms whole, in bf16
+    blk = next(m for n, m in model.named_modules() if n.endswith("layers.0"))
+    norms = sum(p.numel() for n, p in blk.named_parameters() if "norm" in n)
+    per_block = 2 * ((sum(p.numel() for p in blk.parameters()) - norms) / 2 + norms)
+    inner = [(c, stack.parts(*c.layers)) for c in plain.costs]
+    inner = [(c, k) for c, (pre, k, post) in inner if pre is None and post is None and k]
+    assert inner
+    for c, k in inner:
+        assert c.peaks.update - c.peaks.resident == pytest.approx(k * per_block)
+    # the fullest group's terms: they add up to the bound, and only the states change
+    tp_, tz = group_terms(plain), group_terms(zero)
+    assert tp_.total == pytest.approx(group_memory(plain)) and tz.total == pytest.approx(group_memory(zero))
+    assert tz.optimizer == pytest.approx(tp_.optimizer / 2) and tz.grads == pytest.approx(tp_.grads)
+    assert tz.weights == pytest.approx(tp_.weights) and tz.in_flight == pytest.approx(tp_.in_flight)
+    assert tp_.optimizer == pytest.approx(2 * tp_.grads)
+    assert group_memory(zero) < group_memory(plain)
+    assert zero.plan.step_s < plain.plan.step_s
+
+
+def test_config_search_shards_the_optimizer_states_over_dp_and_prices_them_so():
+    """Every candidate with DP · CP > 1 carries ``zero=1`` (it never costs time nor adds memory in the model), and
+    the search's estimate prices it: within a capacity between the stated configuration's plans with and without
+    its states sharded, the estimate admits the sharded candidate and rules out the other, as the plans do."""
+    from meshpilot.planner.config_plan import group_memory
+    from meshpilot.planner.config_search import (
+        _Captures,
+        _Estimator,
+        config_string,
+        enumerate_configs,
+        estimate,
+        plan_pieces,
+    )
+
+    base = "tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends,precision=bf16"
+    _, stack, plain = _tiny_plan(base)
+    _, _, zero = _tiny_plan(f"{base},zero=1")
+    cl = load_cluster("dgx-h100:1")
+    got = enumerate_configs(stack, cl, 8, 8, "bf16", seq=64)
+    assert got and all(c.zero == (1 if c.dp * c.cp > 1 else 0) for c in got)
+    assert zero.config in got and plain.config not in got
+    assert parse_config(config_string(zero.config)) == zero.config
+    cap = (group_memory(plain) + group_memory(zero)) / 2  # the stated configuration fits only with its states sharded
+
+    def build(rows):
+        b = build_hf("llama", TINY, batch=rows, seq=64)
+        return b.model, b.inputs
+
+    captures = _Captures(build, "bf16", cl)
+    one = captures(1)[2]
+    est = _Estimator(one, cl, {(2, 1, plain.config.recompute): plan_pieces(*captures(1), 2, 1)})
+    m0, m1 = (est.memory(c.config, est.chunks(c.config)) for c in (plain, zero))
+    assert m1 < cap < m0
+    assert m0 - m1 == pytest.approx(group_memory(plain) - group_memory(zero), rel=0.05)
+    assert estimate(est, zero.config) < estimate(est, plain.config)  # the update over a 1/DP shard

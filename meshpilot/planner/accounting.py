@@ -247,8 +247,14 @@ def optimizer_seconds(info: TensorInfo, sf: float, device: Any) -> float:
     """Seconds of the foreach AdamW update of a trainable parameter's shard on `device` (module docstring:
     ``update(p, s)``): :data:`ADAMW_PASSES` parameter-sized streams of ``B / sf`` bytes at the device's
     memory bandwidth, plus the fixed costs of its operators."""
-    streams = ADAMW_PASSES * info.nbytes / sf / (device.memory_bandwidth * device.memory_efficiency)
+    streams = update_stream_seconds(info.nbytes / sf, device)
     return streams + ADAMW_FOREACH_OPS * device.foreach_overhead + ADAMW_SCALAR_OPS * device.op_overhead
+
+
+def update_stream_seconds(nbytes: float, device: Any) -> float:
+    """Seconds of the foreach AdamW update's :data:`ADAMW_PASSES` streams over `nbytes` of parameters per device
+    at the device's memory bandwidth (:func:`optimizer_seconds` less its fixed per-operator costs)."""
+    return ADAMW_PASSES * nbytes / (device.memory_bandwidth * device.memory_efficiency)
 
 
 def kept_copy_bytes(info: TensorInfo, layout: Any, wants: Sequence[Any], mesh_shape: Sequence[int]) -> float:

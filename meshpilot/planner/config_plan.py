@@ -30,10 +30,23 @@ The plan
   again from its saved shard rather than keep the gathered copy (:func:`regathered_stack`: one more TP
   all-gather a column group, priced in the backward like any resharding). Memory is each piece's own plan's
   accounting.
-* **ZeRO** (``zero=``): only 0, every state replicated over DP. The ZeRO post-pass (``planner.zero``) leaves
-  pinned weights alone, and here every weight is pinned, so ZeRO 1–3 are refused rather than planned as 0. In
-  time they differ from 0 by the update of a 1/DP shard instead of the whole (the gradient's reduce-scatter and
-  the weights' all-gather move an all-reduce's bytes); in memory by far more.
+* **ZeRO** (``zero=1``: Megatron's distributed optimizer; the part of Llama 3's FSDP that shards the optimizer
+  states, §3.3.2): AdamW's states, the update's temporary and the update sharded over the ``Z = DP · CP`` ranks a
+  gradient is reduced over (:func:`sharded_states`, applied to each chunk's cost). With ``T`` a chunk's update
+  temporary per device — one parameter-sized tensor a trainable parameter (``accounting.state_bytes``), so its
+  parameters' bytes, ``T = upd − resident`` of its ``PhasePeaks`` — ``O = ADAMW_STATES · T`` its states and
+  ``cut = 1 − 1/Z``::
+
+      fb' = fb − cut · O     resident' = resident − cut · O     upd' = upd − cut · (O + T)     act' = act
+      optimizer_s' = optimizer_s − cut · ADAMW_PASSES · T / (membw · eff)   (``accounting.update_stream_seconds``)
+
+  The gradient is reduce-scattered into the shard and the updated weights all-gathered once a step: a ring
+  all-reduce's bytes (``CostModel.all_reduce`` takes Rabenseifner's reduce-scatter + all-gather where fastest), so
+  it is priced as the all-reduce, unchanged. The gradients' sum over the microbatches stays whole through the
+  backward (each microbatch's is added in place and the sum reduced once a step), as in Megatron's distributed
+  optimizer; so ``zero=2`` (gradients sharded through the backward: a reduce-scatter every microbatch) is not
+  this and is refused, and so is 3 (the pinned weights gathered at use is not modelled; the ZeRO post-pass,
+  ``planner.zero``, leaves pinned weights alone).
 * **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
   ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
 
@@ -82,7 +95,8 @@ The plan
   Float8 rates is refused.
 
 Refused in one line, since the planner cannot represent them yet: ``ep > 1`` (expert parallelism; dense models
-here), ``zero`` above 0; ``cp > 1`` with ``micro_batch`` above 1 or a sequence that ``cp · tp`` does not divide.
+here), ``zero`` above 1 (and 1 with ``dp · cp = 1``: nothing to shard over); ``cp > 1`` with ``micro_batch``
+above 1 or a sequence that ``cp · tp`` does not divide.
 
 Throughput (:func:`model_flops_per_token`): a step's model FLOPs are ``tokens · (6 · N + 12 · L · h · s)``,
 N the parameters without the input embedding table, L layers, h hidden, s sequence (PaLM's Appendix B count:
@@ -108,6 +122,7 @@ import torch
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import OpGraph
 from meshpilot.planner import recompute, sequence_order
+from meshpilot.planner.accounting import ADAMW_STATES, PhasePeaks, update_stream_seconds
 from meshpilot.planner.forced import _exact, data_parallel, megatron_tp, sequence_gathers
 from meshpilot.planner.pipeline import (
     Clustering,
@@ -170,7 +185,8 @@ class ParallelConfig:
     """Sequences in one replica's microbatch."""
     recompute: Recompute = Recompute.NONE
     zero: int = 0
-    """ZeRO stage: only 0 is planned (module docstring, *ZeRO*)."""
+    """ZeRO stage: 0 (every state replicated over DP) or 1 (AdamW's states and update sharded over DP · CP;
+    module docstring, *ZeRO*)."""
     precision: str = "bf16-mixed"
     split: Split = Split.EVEN
     sp: int = 1
@@ -255,11 +271,13 @@ def check_config(cfg: ParallelConfig) -> ParallelConfig:
         )
     if cfg.ep > 1:
         raise UserError(f"--config ep={cfg.ep}: expert parallelism is not offered by --config yet; plan ep=1")
-    if cfg.zero:
+    if cfg.zero > 1:
         raise UserError(
-            f"--config zero={cfg.zero}: ZeRO over pinned layouts is not modelled (the ZeRO pass leaves pinned weights "
-            "alone); plan zero=0, whose step differs only by the sharded optimizer update"
+            f"--config zero={cfg.zero}: only the optimizer states are sharded over pinned layouts (the gradients' sum "
+            "stays whole through the backward, the weights are not gathered at use); give zero=1 or zero=0"
         )
+    if cfg.zero and cfg.dp * cfg.cp == 1:
+        raise UserError("--config zero=1: dp · cp = 1, no ranks to shard the optimizer states over; give zero=0")
     interleaved = cfg.schedule == PipelineKind.INTERLEAVED_1F1B
     if interleaved != (cfg.virtual > 1):
         raise UserError(
@@ -367,12 +385,42 @@ def plan_config(
             compose_stage(sp, stack, a, b, rk, mesh, microbatches=B, zero=ZeroMode.OFF, force=force)
             for (a, b), rk in zip(bounds, ranks)
         )
+    if cfg.zero:
+        costs = tuple(sharded_states(c, cfg.dp * cfg.cp, sp.cluster.device) for c in costs)
     order = context_order(stack, cfg)
     plan = _assemble(stack, sp, cfg, bounds, ranks, costs, t0)
     if isinstance(order, SequenceOrder):
         plan = dataclasses.replace(plan, sequence_order=order)
     why = order if isinstance(order, str) else None
     return ConfigPlan(cfg, plan, costs, time.perf_counter() - t0, why)
+
+
+def state_cut(update_temp: float, shards: int) -> tuple[float, float]:
+    """Bytes per device that sharding AdamW's states over `shards` ranks takes off a stage whose update temporary is
+    `update_temp` (module docstring, *ZeRO*): (off every phase: ``cut · O``, off the update: ``cut · (O + T)``)."""
+    cut = 1.0 - 1.0 / shards
+    states = ADAMW_STATES * update_temp
+    return cut * states, cut * (states + update_temp)
+
+
+def sharded_states(cost: StageCost, shards: int, device: Any) -> StageCost:
+    """`cost`, a chunk composed by ``stack.compose_stage`` (without ``accumulated``: ``resident`` is ``W + O + I +
+    G``, its memory's ``params`` the static ``W + O + I``), with AdamW's states, the update's temporary and the
+    update sharded over `shards` ranks (module docstring, *ZeRO*): its peaks, its memory at its own peak (split as
+    ``compose_stage`` splits it) and its update's seconds."""
+    p = cost.peaks
+    if p.resident is None:
+        raise ValueError("sharded_states: a stage cost without resident bytes (a plan saved before them)")
+    temp = p.update - p.resident
+    held, update = state_cut(temp, shards)
+    peaks = PhasePeaks(p.forward_backward - held, p.update - update, p.activations, p.resident - held)
+    static = cost.memory.params - held
+    grads = peaks.resident - static if peaks.update >= peaks.forward_backward else 0.0
+    peak = max(peaks.forward_backward, peaks.update)
+    mem = dataclasses.replace(cost.memory, params=static, grads=grads, temporaries=peak - static - grads)
+    streams = update_stream_seconds(temp, device) * (1.0 - 1.0 / shards)
+    time_ = dataclasses.replace(cost.time, optimizer_s=cost.time.optimizer_s - streams)
+    return dataclasses.replace(cost, peaks=peaks, memory=mem, time=time_)
 
 
 def stage_setup(
@@ -694,16 +742,78 @@ def group_bound(
     values, which the in-flight term counts again), every other chunk its resident bytes, and the in-flight
     microbatches their saved values. With one chunk a group ``A_g`` is the smaller (it does not count the
     current microbatch twice); with the 8 one-block chunks of Llama 3's groups ``R_g`` is."""
+    return max(g.total for g in group_parts(kind, p, v, B, fb, upd, act, resident))
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """One pipeline group's :func:`group_bound`, term by term (bytes per GPU). Per chunk, ``u_j = upd_j − r_j`` is
+    its update temporary (a chunk composed without ``accumulated``, as :func:`plan_config`'s: ``r_j = W + O + I +
+    G``): one parameter-sized tensor a trainable parameter (``accounting.state_bytes``), so its parameters' bytes
+    — over ``Z`` with the states sharded over ``Z`` ranks (:func:`sharded_states`). So its
+    gradients take ``Z · u_j`` (whole: their sum over the microbatches), its AdamW states ``ADAMW_STATES · u_j``
+    and its weights and input leaves the rest of ``r_j``."""
+
+    group: int
+    update: float
+    """``Σ_j upd_j``: the optimizer step's peak."""
+    weights: float
+    """``Σ_j (r_j − (Z + ADAMW_STATES) · u_j)``: the weights (and input leaves) of the group's chunks."""
+    optimizer: float
+    """``Σ_j ADAMW_STATES · u_j``: AdamW's states (their shard)."""
+    grads: float
+    """``Σ_j Z · u_j``: the gradients' sum over the microbatches, held through the backward."""
+    working: float
+    """``min(A_g, R_g) − Σ_j r_j``: the computing chunk's live values beyond its resident bytes, one microbatch's
+    saved values among them."""
+    in_flight: float
+    """``max_t Σ_j n_j(t) · act_j``: the microbatches' saved values the schedule keeps at once."""
+
+    @property
+    def total(self) -> float:
+        """``M_g``."""
+        return max(self.update, self.weights + self.optimizer + self.grads + self.working + self.in_flight)
+
+
+def group_parts(
+    kind: PipelineKind,
+    p: int,
+    v: int,
+    B: int,
+    fb: Sequence[float],
+    upd: Sequence[float],
+    act: Sequence[float],
+    resident: Sequence[float | None] | None = None,
+    shards: int = 1,
+) -> list[GroupMemory]:
+    """Each group's :class:`GroupMemory` (:func:`group_bound`), the chunks' AdamW states sharded over `shards`
+    ranks. Without `resident` the static terms are not told apart (all in ``working``)."""
     peaks = in_flight_peaks(kind, p, v, B, tuple(act))
-    groups = []
+    out = []
     for g in range(p):
         js = range(g, p * v, p)
-        update = sum(upd[j] for j in js)
-        held = sum(fb[j] - act[j] for j in js)
-        if resident is not None and all(resident[j] is not None for j in js):
-            held = min(held, sum(resident[j] for j in js) + max(fb[j] - resident[j] for j in js))
-        groups.append(max(update, held + peaks[g]))
-    return max(groups)
+        update, held = sum(upd[j] for j in js), sum(fb[j] - act[j] for j in js)
+        if resident is None or any(resident[j] is None for j in js):
+            out.append(GroupMemory(g, update, 0.0, 0.0, 0.0, held, peaks[g]))
+            continue
+        r = [float(resident[j]) for j in js]  # type: ignore[index, arg-type]
+        held = min(held, sum(r) + max(fb[j] - rj for j, rj in zip(js, r)))
+        u = sum(upd[j] - rj for j, rj in zip(js, r))
+        states, grads = ADAMW_STATES * u, shards * u
+        out.append(GroupMemory(g, update, sum(r) - grads - states, states, grads, held - sum(r), peaks[g]))
+    return out
+
+
+def group_terms(cp: ConfigPlan) -> GroupMemory:
+    """The fullest pipeline group's :class:`GroupMemory`: :func:`group_memory`'s bound, term by term."""
+    cfg = cp.config
+    peaks = [c.peaks for c in cp.costs]
+    parts = group_parts(
+        cfg.schedule, cfg.pp, cfg.virtual, cfg.microbatches,
+        [x.forward_backward for x in peaks], [x.update for x in peaks], [x.activations for x in peaks],
+        [x.resident for x in peaks], cfg.dp * cfg.cp if cfg.zero else 1,
+    )  # fmt: skip
+    return max(parts, key=lambda g: g.total)
 
 
 @functools.lru_cache(maxsize=256)
@@ -834,7 +944,10 @@ __all__ = [
     "context_order",
     "float8_stack",
     "group_bound",
+    "GroupMemory",
     "group_memory",
+    "group_parts",
+    "group_terms",
     "in_flight_peaks",
     "is_recomputed",
     "model_flops_per_token",
@@ -845,6 +958,8 @@ __all__ = [
     "regathered_stack",
     "residual_shapes",
     "send_shares",
+    "sharded_states",
+    "state_cut",
     "simulate_config",
     "stage_bounds",
     "stage_ranks",

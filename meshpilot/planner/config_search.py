@@ -16,6 +16,9 @@ left out: 1F1B has its bubble with fewer microbatches in flight. p = 1 is a sing
 gradient accumulation over B). Context parallelism (:func:`tp_cp`): for sequences of at least
 :data:`CONTEXT_FROM` tokens, TP is a whole server's and CP c (1, 2, 4, … while each CP rank keeps at least
 :data:`CONTEXT_SHARD` tokens) divides N / t too, d = N / (t · c · p), with one sequence a microbatch (m = 1).
+ZeRO 1 (``config_plan``, *ZeRO*: AdamW's states and update sharded over DP · CP) wherever d · c > 1: it is not a
+choice to search, since in the model it never costs time (the update shrinks, the reduce-scatter and all-gather
+are the all-reduce's bytes) and never adds memory; the pieces' states and update are cut so (:func:`_sharded`).
 
 2. Pieces, priced once per (TP, recomputation) (:class:`Pieces`)
 ----------------------------------------------------------------
@@ -86,6 +89,7 @@ import torch
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
 from meshpilot.errors import UserError
 from meshpilot.models.sources import pre_shifted_labels, unpacked_sequences
+from meshpilot.planner.accounting import update_stream_seconds
 from meshpilot.planner.config_plan import (
     ConfigPlan,
     Float8,
@@ -103,6 +107,7 @@ from meshpilot.planner.config_plan import (
     stage_mesh,
     stage_ranks,
     stage_setup,
+    state_cut,
 )
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.schedule import PipelineKind
@@ -202,6 +207,8 @@ def config_string(cfg: ParallelConfig) -> str:
         parts.append(f"virtual={cfg.virtual}")
     parts += [f"microbatches={cfg.microbatches}", f"micro_batch={cfg.micro_batch}"]
     parts += [f"recompute={cfg.recompute.value}", f"split={cfg.split.value}", f"precision={cfg.precision}"]
+    if cfg.zero:
+        parts.append(f"zero={cfg.zero}")
     if cfg.tp > 1 and not cfg.sequence_parallel:
         parts.append("sp=0")
     if cfg.float8 is not Float8.NONE:
@@ -233,8 +240,13 @@ def enumerate_configs(
                     for rc in RECOMPUTES:
                         out.append(ParallelConfig(tp=t, cp=c, pp=p, dp=d, schedule=kind, virtual=v, microbatches=B,
                                                   micro_batch=m, recompute=rc, precision=precision,
-                                                  split=split))  # fmt: skip
+                                                  split=split, zero=_zero(d, c)))  # fmt: skip
     return out
+
+
+def _zero(dp: int, cp: int) -> int:
+    """The ZeRO stage of a candidate (module docstring, 1): 1 wherever there are ranks to shard over."""
+    return 1 if dp * cp > 1 else 0
 
 
 def tp_cp(cluster: Cluster, devices: int, seq: int) -> list[tuple[int, int]]:
@@ -325,6 +337,20 @@ def _scaled(m: StageMemory, mb: int) -> StageMemory:
     return replace(m, saved=m.saved * mb, live_peak=m.live_peak * mb)
 
 
+def _sharded(m: StageMemory, shards: int) -> StageMemory:
+    """A piece's memory with AdamW's states and the update's temporary sharded over `shards` ranks
+    (``config_plan.sharded_states`` on the pieces: ``config_plan.state_cut``)."""
+    if shards == 1:
+        return m
+    held, update = state_cut(m.update_temp, shards)
+    return replace(m, static=m.static - held, update_temp=m.update_temp - (update - held))
+
+
+def _sharded_update(x: Piece, shards: int, device: Any) -> float:
+    """A piece's update seconds with its streams over a 1/`shards` shard (``config_plan.sharded_states``)."""
+    return x.optimizer_s - update_stream_seconds(x.memory.update_temp, device) * (1.0 - 1.0 / shards)
+
+
 def _bubble(cfg: ParallelConfig) -> float:
     p = cfg.pp
     if p == 1:
@@ -364,9 +390,11 @@ class _Estimator:
         for a, b in stage_bounds(st.pre, st.blocks, st.post, cfg.pp * cfg.virtual, cfg.split):
             pre, k, post = st.parts(a, b)
             used = [(x, w) for x, w in ((pc.pre, pre is not None), (pc.block, k), (pc.post, post is not None)) if w]
+            shards = cfg.dp * cfg.cp if cfg.zero else 1
             out.append(_Chunk(
-                cfg.micro_batch * sum(x.per_mb_s * w for x, w in used), sum(x.optimizer_s * w for x, w in used),
-                tuple((_scaled(x.memory, cfg.micro_batch), int(w)) for x, w in used),
+                cfg.micro_batch * sum(x.per_mb_s * w for x, w in used),
+                sum(_sharded_update(x, shards, self.cluster.device) * w for x, w in used),
+                tuple((_sharded(_scaled(x.memory, cfg.micro_batch), shards), int(w)) for x, w in used),
             ))  # fmt: skip
         return out
 
