@@ -451,12 +451,12 @@ def test_csc_from_entries_is_scipys_coo_to_csc(monkeypatch):
     assert A.indices.size > A.shape[1] > 10_000
 
 
-def test_a_merged_getitem_reads_its_operands_layout_as_it_is_on_a_cost_tie():
-    """A ``getitem`` merged into its operand (``_merge_map_ids`` with ``as_is``) that can read the operand's
-    replica as it is or take a free ``R -> P`` / ``R -> S(0)`` step at the same cost keeps the replica: the
-    loss' ``getitem`` after a replicated data-parallel loss, which as a partial sum would be all-reduced again
-    at the loss edge. Where reading it otherwise is cheaper, that strategy is kept; other merged nodes (views,
-    element-wise ops) keep the first cheapest, as before."""
+def test_the_loss_getitem_reads_its_operands_layout_as_it_is_on_a_cost_tie():
+    """The loss' ``getitem`` merged into its operand (``_merge_map_ids`` with ``as_is``) that can read the
+    operand's replica as it is or take a free ``R -> P`` / ``R -> S(0)`` step at the same cost keeps the
+    replica: after a replicated data-parallel loss a partial sum would be all-reduced again at the loss edge
+    (``test_vocab_parallel_ce``'s data-parallel plan checks the plan has no such collective). Where reading it
+    otherwise is cheaper, that strategy is kept; other merged nodes keep the first cheapest, as before."""
     import numpy as np
     from torch.distributed.tensor import Partial, Replicate, Shard
 
