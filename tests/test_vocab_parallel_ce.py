@@ -97,6 +97,11 @@ def test_a_batch_sharded_mean_loss_divides_by_the_global_count_never_averages_sh
     loss = {nll.name, graph.loss[0], "loss"}
     of_loss = [(c.src, c.dst, c.kind, c.axis, c.nbytes) for c in p.collectives if {c.src, c.dst} & loss]
     assert of_loss == [(nll.name, nll.name, "all_reduce", 0, 8)], of_loss
+    # its backward keeps the rows sharded as DDP does (each rank writes its rows' gradient): not a replicated
+    # backward that gathers the saved log-probabilities and writes the whole [N, C] gradient on every rank
+    for target in ("aten.nll_loss_backward.default", "aten._log_softmax_backward_data.default"):
+        n = next(n for n in p.nodes if n.target == target)
+        assert "".join(n.outs[0]) == "S(0)R", (target, n.outs)
 
 
 def test_the_loss_reductions_follow_the_planned_layout_and_price_the_shards_work():
@@ -173,9 +178,20 @@ def _worker(jobs: list[tuple[str, str]]) -> dict:
     return out
 
 
+def _dp_plan():
+    """The data-parallel plan of the GPT on (4, 1): the loss' sum and count all-reduced together, its
+    backward row-sharded (``test_a_batch_sharded_mean_loss_…``)."""
+    from meshpilot.planner.forced import data_parallel
+
+    model, inputs = build("gpt")
+    graph = capture(model, inputs)
+    return plan(model, inputs, "atp-ic3", mesh_shape=(4, 1), force=data_parallel(model, inputs, (4, 1)), graph=graph)
+
+
 @pytest.mark.dist
 def test_vocab_parallel_loss_runs_exactly_on_four_processes():
     _, plans = _plans()
+    plans[(4, 1)] = _dp_plan()  # and the data-parallel loss (one joint all-reduce, row-sharded backward)
     jobs = [(str(shape), p.to_json()) for shape, p in plans.items()]
     results = run_distributed(_worker, 4, jobs, timeout=600)
     for rank, res in enumerate(results):

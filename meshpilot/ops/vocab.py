@@ -185,13 +185,17 @@ def _loss_reductions(loss: Placements, target: Placements, multi) -> tuple[list[
 def _nll_loss_backward_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
     """``nll_loss_backward(g, log_probs, target, ..., total_weight)`` into class-sharded gradients: the only
     non-zero of a row is at its target's column, which one rank holds; no collective. ``g`` and
-    ``total_weight`` replicated (scalars); rows may be sharded on other axes."""
+    ``total_weight`` replicated (scalars); rows may be sharded on other axes, or on every axis with the classes
+    whole: the data-parallel loss' backward, each rank writing its own rows (``g`` and ``total_weight`` are the
+    batch's, replicated by the forward's joint all-reduce), as DDP does. Without it a row-sharded loss'
+    backward was replicated: it gathered the saved log-probabilities and wrote the whole ``[N, C]`` gradient on
+    every rank (issue 30)."""
     if len(node.inputs) != 4 or not _nll_loss_args_ok(b, node, 1, 2, 3):
         return []
     rules = [((Shard(1),), (Replicate(), Shard(1), Replicate(), Replicate()))]
     rules += [((Shard(0),), (Replicate(), Shard(0), Shard(0), Replicate()))]
     rules += [((Replicate(),), (Replicate(),) * 4)]
-    return per_axis_products(b, node, rules)
+    return per_axis_products(b, node, rules) + per_axis_products(b, node, rules[1:])
 
 
 # ------------------------------------------------------------------------------------- implementations
