@@ -205,3 +205,37 @@ def test_vocab_parallel_loss_runs_exactly_on_four_processes():
                 assert err <= TOL, f"{where}: grad of {name} off by {err:.3g}"
                 assert r["counts"][step] == want, f"{where}: issued {r['counts'][step]} planned {want}"
             assert not r["mismatches"], r["mismatches"][:3]
+
+
+def test_a_row_sharded_nll_loss_backward_writes_each_shards_rows_of_the_whole_gradient():
+    """``_run_nll_loss_backward`` with the rows sharded and the classes whole (the data-parallel loss' backward,
+    the rule where DTensor offers none): each of 4 row blocks, given the batch's ``g`` and ``total_weight``, is
+    exactly those rows of the single-device gradient of the mean ``nll_loss``, ignored targets included."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshpilot.ops.vocab import _run_nll_loss_backward
+
+    torch.manual_seed(0)
+    n, c, ignore = 16, 8, -100
+    lp = torch.randn(n, c).log_softmax(1).requires_grad_()
+    target = torch.randint(0, c, (n,))
+    target[[1, 2, 3, 9]] = ignore  # unequal ignored counts per block of 4 rows
+    F.nll_loss(lp, target, ignore_index=ignore).backward()
+    total = (target != ignore).sum().float()
+
+    class Call:  # the rows this rank holds; the classes whole (local_range over dim 1: all of them)
+        ins = (None, (Shard(0), Replicate()), (Shard(0), Replicate()), None)
+
+        def global_shape(self, arg):
+            return torch.Size((n, c))
+
+        def local_range(self, shape, layout, dim):
+            assert dim == 1 and layout == self.ins[1]
+            return 0, c
+
+    g = torch.tensor(1.0)
+    for r in range(4):
+        rows = slice(4 * r, 4 * r + 4)
+        got = _run_nll_loss_backward(Call(), g, lp.detach()[rows], target[rows], None, 1, ignore, total)
+        torch.testing.assert_close(got, lp.grad[rows], rtol=0, atol=0)
