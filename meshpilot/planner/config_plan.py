@@ -403,6 +403,12 @@ def state_cut(update_temp: float, shards: int) -> tuple[float, float]:
     return cut * states, cut * (states + update_temp)
 
 
+def update_cut_seconds(update_temp: float, shards: int, device: Any) -> float:
+    """Seconds that sharding the update over `shards` ranks takes off a stage whose update temporary is
+    `update_temp` (module docstring, *ZeRO*): ``cut · ADAMW_PASSES · T / (membw · eff)``."""
+    return update_stream_seconds(update_temp, device) * (1.0 - 1.0 / shards)
+
+
 def sharded_states(cost: StageCost, shards: int, device: Any) -> StageCost:
     """`cost`, a chunk composed by ``stack.compose_stage`` (without ``accumulated``: ``resident`` is ``W + O + I +
     G``, its memory's ``params`` the static ``W + O + I``), with AdamW's states, the update's temporary and the
@@ -418,8 +424,7 @@ def sharded_states(cost: StageCost, shards: int, device: Any) -> StageCost:
     grads = peaks.resident - static if peaks.update >= peaks.forward_backward else 0.0
     peak = max(peaks.forward_backward, peaks.update)
     mem = dataclasses.replace(cost.memory, params=static, grads=grads, temporaries=peak - static - grads)
-    streams = update_stream_seconds(temp, device) * (1.0 - 1.0 / shards)
-    time_ = dataclasses.replace(cost.time, optimizer_s=cost.time.optimizer_s - streams)
+    time_ = dataclasses.replace(cost.time, optimizer_s=cost.time.optimizer_s - update_cut_seconds(temp, shards, device))
     return dataclasses.replace(cost, peaks=peaks, memory=mem, time=time_)
 
 
@@ -960,6 +965,7 @@ __all__ = [
     "send_shares",
     "sharded_states",
     "state_cut",
+    "update_cut_seconds",
     "simulate_config",
     "stage_bounds",
     "stage_ranks",

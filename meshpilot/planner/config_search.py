@@ -89,7 +89,6 @@ import torch
 from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
 from meshpilot.errors import UserError
 from meshpilot.models.sources import pre_shifted_labels, unpacked_sequences
-from meshpilot.planner.accounting import update_stream_seconds
 from meshpilot.planner.config_plan import (
     ConfigPlan,
     Float8,
@@ -108,6 +107,7 @@ from meshpilot.planner.config_plan import (
     stage_ranks,
     stage_setup,
     state_cut,
+    update_cut_seconds,
 )
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.schedule import PipelineKind
@@ -348,7 +348,7 @@ def _sharded(m: StageMemory, shards: int) -> StageMemory:
 
 def _sharded_update(x: Piece, shards: int, device: Any) -> float:
     """A piece's update seconds with its streams over a 1/`shards` shard (``config_plan.sharded_states``)."""
-    return x.optimizer_s - update_stream_seconds(x.memory.update_temp, device) * (1.0 - 1.0 / shards)
+    return x.optimizer_s - update_cut_seconds(x.memory.update_temp, shards, device)
 
 
 def _bubble(cfg: ParallelConfig) -> float:
