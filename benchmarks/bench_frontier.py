@@ -268,7 +268,7 @@ def run_row(
         causal = model_flops_per_token(model, layers, hidden, row.seq, causal=True)
         out.simulated_causal_count = tflops_per_gpu(causal, tokens, sim.step_s, cfg.devices)
     if terms:
-        out.terms = breakdown(cp, model, inputs, stack, sim.step_s, sp)
+        out.terms = breakdown(cp, sim)
     if search and cfg.float8 is Float8.NONE:  # the search has no Float8 lever (module docstring)
         out.own = own_plan(row, cfg, sp.cluster, price)
         published_gib = group_memory(cp)

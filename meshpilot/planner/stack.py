@@ -1086,6 +1086,7 @@ def compose_stage(
         sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
         recompute if nb > 0 else Recompute.NONE,
         ZeroMode(block_zero).value if block_zero is not None and nb else None,
+        sum(x.cost.sync_s * w for x, w in pieces),
     )  # fmt: skip
 
 
