@@ -121,6 +121,38 @@ def test_reduced_row_plans_simulates_and_splits_its_step():
     assert gap == pytest.approx(6 * TINY["num_hidden_layers"] * TINY["hidden_size"] * 64)
 
 
+def test_chunk_syncs_are_the_once_a_step_costs_and_the_plan_overlaps_them():
+    """A configuration's plan overlaps each chunk's gradient sync with the group's later backwards
+    (``Plan.sync_overlap``; ``config_plan``, *The gradients' synchronisation, overlapped*). Each chunk's
+    ``sync_s`` is what its cost does not repeat per microbatch (costed at 2B, its communication grows by B
+    microbatches' worth and nothing else), and the breakdown's exposed and hidden sync add up to the busiest
+    group's syncs (a little more: they share the server's link with the sends); interleaved, some of it hides."""
+    from meshpilot.planner.config_plan import breakdown, plan_config, simulate_config
+    from meshpilot.planner.stage import StagePlanner
+
+    cfg = parse_config("tp=2,pp=2,dp=2,schedule=interleaved-1f1b,virtual=2,microbatches=4,split=ends,zero=1")
+    built = build_hf("llama", TINY, batch=cfg.graph_batch, seq=64)
+    stack = capture_stack(built.model, built.inputs, precision=cfg.precision)
+    sp = StagePlanner(stack.graph, "dgx-h100:1")
+    cp = plan_config(built.model, built.inputs, stack, sp.cluster, cfg, planner=sp)
+    twice_cfg = dataclasses.replace(cfg, microbatches=8)
+    twice = plan_config(built.model, built.inputs, stack, sp.cluster, twice_cfg, planner=sp)
+    assert cp.plan.sync_overlap
+
+    def comm(c):
+        return c.time.communication_s + c.time.resharding_s
+
+    for one, two in zip(cp.costs, twice.costs):
+        assert one.sync_s > 0 and one.sync_s == pytest.approx(2 * comm(one) - comm(two), rel=1e-9)
+    sim = simulate_config(cp)
+    t = breakdown(cp, sim)
+    busiest = max(range(2), key=lambda g: sum(c.time.total_s for c in cp.costs[g::2]))
+    syncs = sum(c.sync_s for c in cp.costs[busiest::2])
+    assert 0 < t.dp_s < syncs and t.dp_hidden_s > 0
+    assert syncs <= t.dp_s + t.dp_hidden_s <= 1.05 * syncs
+    assert t.pipeline_s == pytest.approx(sim.step_s - t.compute_s - t.tp_s - t.dp_s - t.optimizer_s)
+
+
 def test_without_tp_the_tp_term_all_but_vanishes_and_sends_are_a_replicas_share():
     # pure DP stages: what is left per microbatch is the loss' reduction, a few latencies
     no_tp = bf.run_row(_row("pp=2,dp=4,microbatches=4")).terms
