@@ -1183,7 +1183,9 @@ class Plan:
         schedule on every rank (`kw`: the simulator's options, stragglers). A pipeline: every stage's ranks run
         :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's forward
         per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (backward and the amortised
-        gradient sync), each send over the cluster's link between the stages' first ranks, its latency included
+        gradient sync; with :attr:`sync_overlap` the sync and the update run once, the sync issued after the
+        stage's last backward: :meth:`stage_syncs`), each send over the cluster's link between the stages' first
+        ranks, its latency included
         (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes over :attr:`send_split` (or
         `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
         ``SimResult``."""
