@@ -56,16 +56,17 @@ The plan
   in the order their last backwards end; ``R_j`` the group's compute after chunk j's last backward, read off the
   schedule's actions: :func:`exposed_sync`)::
 
-      E = 0;  for each j:  E = max(E, −R_j) + s_j          X_g = max(0, E)   (times from the group's last backward)
+      E = −∞;  for each j:  E = max(E, −R_j) + s_j         X_g = max(0, E)   (times from the group's last backward)
 
   ``X_g`` is the exposed sync (an upper bound of the simulator's, which also hides it in the drain's idle
   time). One chunk a group (1F1B, ZB-H1): nothing after its last backward, ``X_g = s_j`` (the sync after the
   last backward, exposed). Interleaved 1F1B drains chunk v − 1, …, 0, p backwards each: all but the last
-  chunk's sync can hide. Not modelled: the all-gather of ``zero=1`` overlapping the next step's first forwards
-  (Megatron's ``overlap_param_gather``): the chunk finishing last is the first chunk, which the next step's
-  forwards need first; buckets (each chunk's sync is issued whole); the DP traffic slowing the compute it runs
-  beside. meshpilot's runtime (``runtime.executor``) runs every stage's sync at ``G``; these plans are not run
-  by it (their stages carry no operator plans).
+  chunk's sync can hide. ``zero=1``'s all-gather runs here in the drain with its reduce-scatter, not in the next
+  step's first forwards as Megatron's ``overlap_param_gather`` runs it: the exposed part is the same (the chunk
+  finishing last is chunk 0, whose weights the next step needs first), the drain carries more. Not modelled:
+  buckets (each chunk's sync is issued whole); the DP traffic slowing the compute it runs beside. meshpilot's
+  runtime (``runtime.executor``) runs every stage's sync at ``G``; these plans are not run by it (their stages
+  carry no operator plans).
 * **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
   ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
 
