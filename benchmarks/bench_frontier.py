@@ -268,7 +268,7 @@ def run_row(
         causal = model_flops_per_token(model, layers, hidden, row.seq, causal=True)
         out.simulated_causal_count = tflops_per_gpu(causal, tokens, sim.step_s, cfg.devices)
     if terms:
-        out.terms = breakdown(cp, model, inputs, stack, sim.step_s, sp)
+        out.terms = breakdown(cp, sim)
     if search and cfg.float8 is Float8.NONE:  # the search has no Float8 lever (module docstring)
         out.own = own_plan(row, cfg, sp.cluster, price)
         published_gib = group_memory(cp)
@@ -388,7 +388,7 @@ def main() -> None:
     ap.add_argument("--trace", metavar="T.json", help="the --trace-row's Perfetto trace of one step")
     ap.add_argument("--png", metavar="T.png", help="the --trace-row's timeline of one step")
     ap.add_argument("--trace-row", default="llama3-405b-16k", help="the row --trace and --png draw")
-    ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split (a second costing)")
+    ap.add_argument("--no-terms", action="store_true", help="skip the term-by-term split")
     ap.add_argument("--no-search", action="store_true", help="skip meshpilot's own plan (the configuration search)")
     ap.add_argument("--blocks", action="store_true", help="only one block of each row, with and without SP")
     ap.add_argument("--cp-contiguous", action="store_true",

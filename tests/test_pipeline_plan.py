@@ -532,6 +532,83 @@ def test_zero_bubble_prices_input_and_weight_gradients_apart(S, B, f, i, w):
         assert zb.step_s - B * 3 * f == pytest.approx((one.step_s - B * 3 * f) / 3, rel=1e-12)
 
 
+def _chunked(P, v, B, f, b, s, o, kind, overlap=True):
+    """A plan of P one-rank groups of v chunks (P · v stages, stage j on group j mod P), each chunk a microbatch's
+    forward f and backward b, once a step its gradient sync s (``StageCost.sync_s``) and update o: its t is
+    f + b + (s + o) / B, as a configuration plan's chunk (the sync and update amortised over the microbatches)."""
+    from meshpilot.cluster.mesh import MeshMapping
+    from meshpilot.planner.accounting import PhasePeaks
+    from meshpilot.planner.pipeline import Clustering
+    from meshpilot.planner.plan import MemoryUse, Plan, PlanStage, StepTime
+    from meshpilot.planner.stage import StageCost
+
+    stages = []
+    for j in range(P * v):
+        c = StageCost((j, j + 1), (j % P,), (1, 1), MeshMapping.ROW, StepTime((f + b) * B, s, 0.0, o),
+                      MemoryUse(0, 0, 0, 0, 0, 1e9), PhasePeaks(0, 0, 0), f * B, 0.0, sync_s=s)  # fmt: skip
+        stages.append(PlanStage((j, j + 1), (f"l{j}",), (j % P,), (1, 1), c, c.time.total_s / B, 1, 0.0, 0.0, 0.5))
+    clustering = Clustering(tuple((j, j + 1) for j in range(P * v)), (1.0,) * (P * v), (0.0,) * (P * v), 0.0)
+    return Plan(tuple(stages), B, P, clustering, 1e9, 0.0, 0.0, 0, 0, PipelineKind(kind), sync_overlap=overlap)
+
+
+def test_a_chunks_gradient_sync_runs_beside_the_other_chunks_backwards():
+    """Interleaved 1F1B, 2 groups of 2 chunks, 2 microbatches, F = 1, B = 2, free links. By hand, group 0 runs
+    F0 F1 of chunk 0 and of chunk 2 by t = 4, then waits for the later groups: its backwards of chunk 2 at [6, 8]
+    and [9, 11], of chunk 0 at [11, 13] and [13, 15]; its compute ends at 15. Chunk 2's sync is issued at 11 and
+    chunk 0's at 15, one at a time: with s = 3 they run [11, 14] (beside chunk 0's backwards) and [15, 18], a
+    step of 18 (3 exposed, 3 hidden); with s = 5, [11, 16] and [16, 21], then the two updates of 0.5: 22. The
+    closed form (``config_plan.exposed_sync``) gives the same exposed seconds. The stand-in without the overlap
+    spreads the sync over each chunk's backwards (2 + s / B each), so the drain's waits pay it too: 22.5 for
+    s = 3, where all of it exposed after the last backward would be 21."""
+    from meshpilot.planner.config_plan import exposed_sync
+
+    cl = _free_links()
+    for s, o, step, exposed in [(3.0, 0.0, 18.0, 3.0), (5.0, 0.5, 22.0, 6.0)]:
+        r = _chunked(2, 2, 2, 1.0, 2.0, s, o, "interleaved-1f1b").simulate(cl, p2p_bytes=0.0)
+        assert r.step_s == pytest.approx(step, rel=1e-12)
+        assert r.exposed_s(0) == pytest.approx((exposed, 2 * s - exposed), rel=1e-12)
+        closed = exposed_sync(PipelineKind.INTERLEAVED_1F1B, 2, 2, 2, 0, [1.0] * 4, [2.0] * 4, [s] * 4)
+        assert closed == pytest.approx(exposed, rel=1e-12)
+    # the old stand-in, by hand: every backward 2 + s / B, the sync paid in the drain's waits too
+    old = _chunked(2, 2, 2, 1.0, 2.0, 3.0, 0.0, "interleaved-1f1b", overlap=False).simulate(cl, p2p_bytes=0.0)
+    assert old.step_s == pytest.approx(22.5, rel=1e-12)
+    # a larger one: the step is the step without syncs plus the closed form's exposed part and the updates
+    P, v, B, s, o = 4, 3, 8, 3.0, 0.25
+    bare = _chunked(P, v, B, 1.0, 2.0, 0.0, 0.0, "interleaved-1f1b").simulate(cl, p2p_bytes=0.0)
+    r = _chunked(P, v, B, 1.0, 2.0, s, o, "interleaved-1f1b").simulate(cl, p2p_bytes=0.0)
+    closed = exposed_sync(PipelineKind.INTERLEAVED_1F1B, P, v, B, 0, [1.0] * 12, [2.0] * 12, [s] * 12)
+    assert 0 < closed < s * v and r.step_s == pytest.approx(bare.step_s + closed + v * o, rel=1e-12)
+    assert r.exposed_s(0)[0] == pytest.approx(closed, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_one_chunk_a_group_leaves_its_sync_after_its_last_backward_exposed(kind, tmp_path):
+    """One chunk a group: nothing runs after its last backward (``W`` under ZB-H1), so its sync is all exposed:
+    the step without syncs plus s (1F1B, 2 stages, 2 microbatches, F = 1, B = 2: 9 + 3 = 12, by hand). The
+    stand-in without ``sync_overlap`` is unchanged: 1F1B's (B + S − 1) · (F + B + s / B) = 3 · 4.5. A saved plan
+    keeps the sync and the overlap."""
+    from meshpilot.planner.config_plan import exposed_sync
+    from meshpilot.planner.plan import Plan
+
+    cl = _free_links()
+    bare = _chunked(2, 1, 4, 1.0, 2.0, 0.0, 0.0, kind).simulate(cl, p2p_bytes=0.0)
+    plan = _chunked(2, 1, 4, 1.0, 2.0, 3.0, 0.0, kind)
+    r = plan.simulate(cl, p2p_bytes=0.0)
+    assert r.step_s == pytest.approx(bare.step_s + 3.0, rel=1e-12)
+    assert r.exposed_s(0) == pytest.approx((3.0, 0.0), rel=1e-12)
+    for g in range(2):
+        assert exposed_sync(PipelineKind(kind), 2, 1, 4, g, [1.0] * 2, [2.0] * 2, [3.0] * 2) == 3.0
+    if kind == "1f1b":
+        two = _chunked(2, 1, 2, 1.0, 2.0, 3.0, 0.0, kind).simulate(cl, p2p_bytes=0.0)
+        assert two.step_s == pytest.approx(12.0, rel=1e-12)
+        old = _chunked(2, 1, 2, 1.0, 2.0, 3.0, 0.0, kind, overlap=False).simulate(cl, p2p_bytes=0.0)
+        assert old.step_s == pytest.approx(3 * 4.5, rel=1e-12)
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.sync_overlap and [st.cost.sync_s for st in back.stages] == [3.0, 3.0]
+    assert back.simulate(cl, p2p_bytes=0.0).step_s == r.step_s
+
+
 def test_input_gradient_share_is_the_cone_of_what_is_sent_back(mlp_planner):
     """A Linear's input- and weight-gradient matmuls have the same FLOPs, so a stage of the MLP after the first
     runs about half its backward FLOPs as I (and the activations' and the loss's backward); the first stage

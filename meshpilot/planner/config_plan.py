@@ -47,6 +47,26 @@ The plan
   optimizer; so ``zero=2`` (gradients sharded through the backward: a reduce-scatter every microbatch) is not
   this and is refused, and so is 3 (the pinned weights gathered at use is not modelled; the ZeRO post-pass,
   ``planner.zero``, leaves pinned weights alone).
+* **The gradients' synchronisation, overlapped** (``Plan.sync_overlap``, set on every configuration's plan): as
+  Megatron-LM runs it with ``overlap_grad_reduce`` (and Llama 3's FSDP, which overlaps its reduce-scatters with
+  the backward), each chunk's sync — its ``grad:`` collectives, ``StageCost.sync_s``: the all-reduce over DP (and
+  CP), or with ``zero=1`` the reduce-scatter and all-gather it is priced as — starts when that chunk's last
+  backward ends, on the DP stream, and the compute stream goes on with the group's other chunks' backwards; the
+  step waits for them before the update (``sim``, *Overlapped stage syncs*). Per group g (chunks j ≡ g mod p,
+  in the order their last backwards end; ``R_j`` the group's compute after chunk j's last backward, read off the
+  schedule's actions: :func:`exposed_sync`)::
+
+      E = −∞;  for each j:  E = max(E, −R_j) + s_j         X_g = max(0, E)   (times from the group's last backward)
+
+  ``X_g`` is the exposed sync (an upper bound of the simulator's, which also hides it in the drain's idle
+  time). One chunk a group (1F1B, ZB-H1): nothing after its last backward, ``X_g = s_j`` (the sync after the
+  last backward, exposed). Interleaved 1F1B drains chunk v − 1, …, 0, p backwards each: all but the last
+  chunk's sync can hide. ``zero=1``'s all-gather runs here in the drain with its reduce-scatter, not in the next
+  step's first forwards as Megatron's ``overlap_param_gather`` runs it: the exposed part is the same (the chunk
+  finishing last is chunk 0, whose weights the next step needs first), the drain carries more. Not modelled:
+  buckets (each chunk's sync is issued whole); the DP traffic slowing the compute it runs beside. meshpilot's
+  runtime (``runtime.executor``) runs every stage's sync at ``G``; these plans are not run by it (their stages
+  carry no operator plans).
 * **Batch**: the global batch ``DP · microbatches · micro_batch`` sequences; one microbatch of the step is
   ``DP · micro_batch`` sequences (the graph ``plan_config`` is given).
 
@@ -701,7 +721,7 @@ def _assemble(stack: Stack, sp: StagePlanner, cfg: ParallelConfig, bounds, ranks
         tuple(stages), B, cfg.devices, clustering, float(sp.cluster.device.memory_bytes), 0.0,
         time.perf_counter() - t0, 0, 0, kind, StageCosting.STACK,
         transfers=stage_transfers(graph, sp.layers, bounds, ranks, sp.cluster, stack), cluster=sp.cluster.name,
-        send_split=cfg.dp * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1),
+        send_split=cfg.dp * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1), sync_overlap=True,
     )  # fmt: skip
     return dataclasses.replace(plan, dp_step_s=plan.step_s)
 
@@ -854,6 +874,46 @@ def in_flight_peaks(kind: PipelineKind, p: int, v: int, B: int, act: tuple[float
     return out
 
 
+_Drain = tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _drain(kind: PipelineKind, p: int, v: int, B: int, g: int) -> _Drain:
+    """Group g's chunks in the order their last backward ends, each with the forwards and backwards the group
+    runs after it, counted per chunk of the group (its k-th: chunk ``k · p + g``)."""
+    acts = dict(_chunk_actions(kind, p, v, B))[g]
+    last = {j: i for i, (forward, j) in enumerate(acts) if not forward}
+    out = []
+    for j, i in sorted(last.items(), key=lambda x: x[1]):
+        fwd, bwd = [0] * v, [0] * v
+        for forward, c in acts[i + 1 :]:
+            (fwd if forward else bwd)[c // p] += 1
+        out.append((j, tuple(fwd), tuple(bwd)))
+    return tuple(out)
+
+
+def exposed_sync(
+    kind: PipelineKind,
+    p: int,
+    v: int,
+    B: int,
+    g: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    sync: Sequence[float],
+) -> float:
+    """``X_g`` (module docstring, *The gradients' synchronisation, overlapped*): group g's sync seconds left after
+    its last backward, chunk j (of ``p · v``) taking ``forward[j]`` and ``backward[j]`` a microbatch and
+    ``sync[j]`` once, each sync issued when its chunk's last backward ends, one at a time. The simulator's
+    (``Plan.simulate`` with ``sync_overlap``) where the group's drain computes without idling; above it where it
+    idles (the syncs hide there too)."""
+    end = -math.inf
+    for j, fwd, bwd in _drain(kind, p, v, B, g):
+        after = sum(n * forward[k * p + g] + m * backward[k * p + g] for k, (n, m) in enumerate(zip(fwd, bwd)))
+        end = max(end, -after) + sync[j]
+    return max(0.0, end)
+
+
 def send_shares(cp: ConfigPlan) -> dict[tuple[int, int], float]:
     """Bytes one rank sends per microbatch at each stage boundary: the transfer (the whole step's microbatch,
     every replica's rows) over DP, each replica's rows leaving its own ranks on their own NICs; without sequence
@@ -880,41 +940,35 @@ class Breakdown:
     """Its collectives and resharding issued every microbatch (none overlapped): TP's, and the few small ones
     besides (the loss' reduction over DP in the last stage)."""
     dp_s: float
-    """Its gradient synchronisation over DP, once a step (none overlapped)."""
+    """Its gradient synchronisation over DP, once a step: what the simulation leaves exposed (the group's stage
+    syncs not beside its compute: ``SimResult.exposed_s``)."""
     optimizer_s: float
     pipeline_s: float
     """The rest: the bubble (fill and drain) and the exposed sends between stages."""
+    dp_hidden_s: float = 0.0
+    """Of the gradient synchronisation, the seconds the simulation ran beside the group's compute."""
 
     def rows(self) -> list[tuple[str, float]]:
-        return [("compute", self.compute_s), ("TP (per-microbatch) comm.", self.tp_s), ("DP gradient sync", self.dp_s),
+        return [("compute", self.compute_s), ("TP (per-microbatch) comm.", self.tp_s),
+                ("DP gradient sync (exposed)", self.dp_s), ("DP gradient sync (hidden)", self.dp_hidden_s),
                 ("optimizer", self.optimizer_s), ("bubble + exposed sends", self.pipeline_s)]  # fmt: skip
 
 
-def breakdown(
-    cp: ConfigPlan,
-    model: torch.nn.Module,
-    inputs: Sequence[torch.Tensor],
-    stack: Stack,
-    step_s: float,
-    planner: StagePlanner,
-) -> Breakdown:
-    """The terms of :class:`Breakdown`. TP and DP communication are told apart by costing every chunk at twice
-    the microbatches too: a collective per microbatch doubles, the gradient sync once a step does not
-    (``c(2B) − c(B)`` is B microbatches' TP time; the strategies are pinned, so both choose the same ones)."""
+def breakdown(cp: ConfigPlan, sim: SimResult) -> Breakdown:
+    """The terms of :class:`Breakdown` of `sim`, the plan's simulated step, for its busiest group (the most work
+    a step). TP and DP communication are told apart by the chunks' own sync (``StageCost.sync_s``: the
+    ``grad:`` collectives, once a step; every other collective runs every microbatch); of the sync, what the
+    simulation left beside the group's compute is hidden, the rest exposed (``SimResult.exposed_s`` on the
+    group's stand-in rank: ``Plan.simulate`` numbers them by group)."""
     cfg = cp.config
-    twice = dataclasses.replace(cfg, microbatches=2 * cfg.microbatches)
-    double = plan_config(model, inputs, stack, planner.cluster, twice, planner=planner)
     busiest = max(range(cfg.pp), key=lambda g: sum(c.time.total_s for c in cp.costs[g :: cfg.pp]))
-    one, two = cp.costs[busiest :: cfg.pp], double.costs[busiest :: cfg.pp]
-
-    def comm(c: StageCost) -> float:
-        return c.time.communication_s + c.time.resharding_s
-
-    tp = sum(comm(b) - comm(a) for a, b in zip(one, two))
-    dp = sum(comm(a) for a in one) - tp
+    one = cp.costs[busiest :: cfg.pp]
+    sync = sum(c.sync_s for c in one)
+    tp = sum(c.time.communication_s + c.time.resharding_s for c in one) - sync
+    exposed, hidden = sim.exposed_s(busiest) if cp.plan.sync_overlap else (sync, 0.0)
     compute = sum(c.time.compute_s for c in one)
     opt = sum(c.time.optimizer_s for c in one)
-    return Breakdown(step_s, compute, tp, dp, opt, step_s - compute - tp - dp - opt)
+    return Breakdown(sim.step_s, compute, tp, exposed, opt, sim.step_s - compute - tp - exposed - opt, hidden)
 
 
 def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int, causal: bool = False) -> float:
@@ -947,6 +1001,7 @@ __all__ = [
     "breakdown",
     "check_config",
     "context_order",
+    "exposed_sync",
     "float8_stack",
     "group_bound",
     "GroupMemory",

@@ -39,12 +39,17 @@ this size; saved and live activations m-fold, weights and states once).
 Chunk j of layers ``[a, b)`` is pieces P, k blocks, Q (``Stack.parts``): ``t_j = m · (τ_P + k · τ_blk + τ_Q)``.
 Group g (chunks j ≡ g mod p) works ``w_g = Σ_j t_j`` a microbatch; with the busiest group's ``w``:
 
-    step ≈ (B + β) · w + AR_DP(Σ_j grads_j) + Σ_j o_j
+    step ≈ (B + β) · w + X_g + Σ_j o_j
 
 β the pipeline's fill and drain in microbatches of a group: ``p − 1`` for 1F1B, ``(p − 1) / v`` interleaved,
 ``(p − 1) / 3`` for ZB-H1 (its bubble ``(p − 1)(F + I − W)`` with F, I, W about equal), 0 for one stage.
-``AR_DP`` is the gradient all-reduce over the group's DP axis by the cost model (``cluster.CostModel`` on the
-group's ``(DP, TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it; with CP over its ``DP · CP`` ranks).
+``X_g`` is the group's gradient sync left exposed after the overlap its plan simulates (``config_plan.
+exposed_sync``, the module docstring's *The gradients' synchronisation, overlapped*): chunk j's sync ``AR_DP(grads_j)``,
+the gradient all-reduce over the group's DP axis by the cost model (``cluster.CostModel`` on the group's ``(DP,
+TP)`` mesh, the ranks ``config_plan.stage_ranks`` gives it; with CP over its ``DP · CP`` ranks), issued when the
+chunk's last backward ends, with its forward and backward ``m · Σ`` of its pieces' (``Piece.forward_s``): under
+interleaved 1F1B all but the last-finishing chunk's sync hides behind the drain's backwards; one chunk a group
+leaves it all exposed.
 The sends between stages are left
 out of the estimate (the simulation has them).
 
@@ -96,6 +101,7 @@ from meshpilot.planner.config_plan import (
     Recompute,
     Split,
     context_views,
+    exposed_sync,
     group_bound,
     group_memory,
     plan_config,
@@ -147,6 +153,8 @@ class Piece:
     """Forward and backward, TP collectives and resharding included, one microbatch."""
     optimizer_s: float
     memory: StageMemory
+    forward_s: float = 0.0
+    """Of ``per_mb_s``: the forward (its compute and collectives)."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +331,7 @@ def plan_pieces(
         once = (
             sum(x.seconds for x in sp.last_collectives() if x.axis == 0 and x.dst.startswith("grad:")) if cp > 1 else 0
         )
-        got.append(Piece(t.compute_s + t.communication_s + t.resharding_s - once, t.optimizer_s, mem))
+        got.append(Piece(t.compute_s + t.communication_s + t.resharding_s - once, t.optimizer_s, mem, cost.forward_s))
     return Pieces(tp, recompute, *got)
 
 
@@ -370,6 +378,8 @@ class _Chunk:
     optimizer_s: float
     pieces: tuple[tuple[StageMemory, int], ...]
     """Each piece's memory (m-fold activations) and how many times the chunk holds it."""
+    forward_s: float = 0.0
+    """Of ``per_mb_s``: the forward."""
 
 
 @dataclass
@@ -395,6 +405,7 @@ class _Estimator:
                 cfg.micro_batch * sum(x.per_mb_s * w for x, w in used),
                 sum(_sharded_update(x, shards, self.cluster.device) * w for x, w in used),
                 tuple((_sharded(_scaled(x.memory, cfg.micro_batch), shards), int(w)) for x, w in used),
+                cfg.micro_batch * sum(x.forward_s * w for x, w in used),
             ))  # fmt: skip
         return out
 
@@ -403,10 +414,16 @@ class _Estimator:
         p = cfg.pp
         work = [sum(c.per_mb_s for c in chunks[g::p]) for g in range(p)]
         g = int(np.argmax(work))
-        grads = sum(m.grads * w for c in chunks[g::p] for m, w in c.pieces)
-        sync = self._cost(cfg).all_reduce(grads, 0) if cfg.dp * cfg.cp > 1 else 0.0
+        sync = [0.0] * len(chunks)
+        if cfg.dp * cfg.cp > 1:
+            cost = self._cost(cfg)
+            for j in range(g, len(chunks), p):
+                sync[j] = cost.all_reduce(sum(m.grads * w for m, w in chunks[j].pieces), 0)
+        fwd = [c.forward_s for c in chunks]
+        bwd = [c.per_mb_s - c.forward_s for c in chunks]
+        exposed = exposed_sync(cfg.schedule, p, cfg.virtual, cfg.microbatches, g, fwd, bwd, sync)
         opt = sum(c.optimizer_s for c in chunks[g::p])
-        return (cfg.microbatches + _bubble(cfg)) * work[g] + sync + opt
+        return (cfg.microbatches + _bubble(cfg)) * work[g] + exposed + opt
 
     def memory(self, cfg: ParallelConfig, chunks: Sequence[_Chunk]) -> float:
         """The Eq. 5 bound per GPU of the fullest group (module docstring, 3)."""

@@ -929,6 +929,11 @@ class Plan:
     sequence_order: SequenceOrder | None = None
     """A configuration's plan with context parallelism: the zig-zag order its stages hold the sequence in
     (``planner.config_plan``, *Balanced CP*); None: contiguous, or a one-stage plan (its stage plan's)."""
+    sync_overlap: bool = False
+    """Whether each stage's gradient synchronisation runs beside the later backwards: issued when the stage's last
+    backward ends, waited for at ``G`` (Megatron's ``overlap_grad_reduce``, Llama 3's FSDP; a configuration's
+    plan, ``planner.config_plan``, which meshpilot's runtime does not run). False: as the pipeline runtime runs
+    it, every stage's sync at ``G``; :meth:`simulate` then spreads it over the stage's backwards, as Eq. 2 does."""
     without_stage: Callable[[int], Plan] | None = field(default=None, compare=False, repr=False)
     """The stage DP's best plan with this plan's stage j, as placed (its layers, submesh size and position in
     the pipeline), ruled out of its table (``pipeline._dp_plan``; raises ``PlanError`` when nothing is left):
@@ -1178,7 +1183,9 @@ class Plan:
         schedule on every rank (`kw`: the simulator's options, stragglers). A pipeline: every stage's ranks run
         :meth:`step_schedule` (simulated once per stage, at its first rank), each ``F`` taking the stage's forward
         per microbatch (``cost.forward_s / B``) and each ``B`` the rest of its t (backward and the amortised
-        gradient sync), each send over the cluster's link between the stages' first ranks, its latency included
+        gradient sync; with :attr:`sync_overlap` the sync and the update run once, the sync issued after the
+        stage's last backward: :meth:`stage_syncs`), each send over the cluster's link between the stages' first
+        ranks, its latency included
         (Eq. 2 leaves sends out), carrying its boundary's :attr:`transfers` bytes over :attr:`send_split` (or
         `p2p_bytes`, every send alike, when given). `cluster` defaults to the plan's own. Returns the
         ``SimResult``."""
@@ -1196,13 +1203,30 @@ class Plan:
             else {(x.src, x.dst): x.nbytes / self.send_split for x in self.transfers}
         )
         stand_in, sched = self._stand_in(cl)
+        if self.sync_overlap:
+            kw = dict(kw, grad_syncs=self.stage_syncs(), sync_layer=self._sync_layer(cl))
         return simulate(stand_in, cluster=cl, schedule=sched, p2p_bytes=sends, **kw)
+
+    def stage_syncs(self) -> dict[int, tuple[float, float]]:
+        """Per stage (with :attr:`sync_overlap`): (its gradient sync's seconds ``StageCost.sync_s``, its update's
+        ``time.optimizer_s``), what :meth:`simulate` issues after its last backward and runs at ``G``."""
+        return {j: (st.cost.sync_s, st.cost.time.optimizer_s) for j, st in enumerate(self.stages) if st.cost}
+
+    def _sync_layer(self, cl) -> int:
+        """The cluster layer the syncs run on: the outermost one the first stage's ranks span (a configuration's
+        DP ring, TP inside a server)."""
+        import numpy as np
+
+        coords = cl.coords(np.asarray(self.stages[0].ranks, dtype=np.int64))
+        varies = (coords.max(axis=0) != coords.min(axis=0)) if len(coords) else np.zeros(0, dtype=bool)
+        return int(np.argmax(varies)) if varies.any() else len(cl.layers) - 1
 
     def _stand_in(self, cl) -> tuple[StagePlan, Schedule]:
         """One simulated rank per stage group, at its first physical rank (its ranks share one timeline: the
         stand-in has no collectives), with an f, i and w node per stage; the simulator takes a send's peer
         literally, so peers become stage indices (under Interleaved1F1B one per group, its actions' stages
-        naming their spans)."""
+        naming their spans). With :attr:`sync_overlap` a stage's backward is its t less its sync and update over
+        B (``stage_syncs``: the simulator runs those once, after its last backward and at ``G``)."""
         B = self.microbatches
         split = any(a.kind in _SPLIT for c in self.step_schedule().classes for a in c.actions)
         nodes: list[NodeChoice] = []
@@ -1211,12 +1235,14 @@ class Plan:
             f = st.cost.forward_s / B
             if split and st.input_share is None:
                 raise UserError("pipeline plan: its stages lack their input-gradient share (input_share); plan again")
-            b_in = (st.t_s - f) * (st.input_share or 0.0)
+            once = (st.cost.sync_s + st.cost.time.optimizer_s) / B if self.sync_overlap else 0.0
+            back = st.t_s - f - once
+            b_in = back * (st.input_share or 0.0)
             at = len(nodes)
             spans.append(dict(zip(_PARTS, ((at, at + 1), (at + 1, at + 3), (at + 1, at + 2), (at + 2, at + 3)))))
             nodes += [NodeChoice(f"f{j}", "stage", "op", (), (), "s", "fwd", f)]
             nodes += [NodeChoice(f"i{j}", "stage", "op", (), (), "s", "bwd", b_in)]
-            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", st.t_s - f - b_in)]
+            nodes += [NodeChoice(f"w{j}", "stage", "op", (), (), "s", "bwd", back - b_in)]
         P = len(self.groups)
         sched = self._schedule_on([[j] for j in range(P)])
         classes = []

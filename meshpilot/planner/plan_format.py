@@ -51,6 +51,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     d["send_split"] = plan.send_split
     if plan.sequence_order is not None:  # contiguous: files as before the field
         d["sequence_order"] = dataclasses.asdict(plan.sequence_order)
+    if plan.sync_overlap:  # the runtime's order (every sync at G): files as before the field
+        d["sync_overlap"] = True
     d["step_schedule"] = plan.step_schedule().to_dict()
     return d
 
@@ -129,7 +131,8 @@ def _build(d: dict, where: str, intra: list | None) -> Plan:
     return Plan(
         stages, clustering=clustering, schedule=kind, costing=d.get("costing", "exact"), transfers=transfers,
         cluster=str(d.get("cluster", "")), send_split=int(d.get("send_split", 1)),
-        sequence_order=_sequence_order_of(d.get("sequence_order")), **{k: d[k] for k in _SCALARS},
+        sequence_order=_sequence_order_of(d.get("sequence_order")), sync_overlap=bool(d.get("sync_overlap", False)),
+        **{k: d[k] for k in _SCALARS},
     )  # fmt: skip
 
 
@@ -145,6 +148,7 @@ def _stage(st: dict, plan: dict | None, where: str) -> PlanStage:
         cost = StageCost(
             tuple(c["layers"]), tuple(c["ranks"]), tuple(c["mesh_shape"]), MeshMapping(c["mapping"]),
             StepTime(**c["time"]), MemoryUse(**c["memory"]), PhasePeaks(**c["peaks"]), c["forward_s"], c["search_s"],
+            sync_s=float(c.get("sync_s", 0.0)),
         )  # fmt: skip
     return PlanStage(
         tuple(st["layers"]) if st["layers"] is not None else None, tuple(st["layer_names"]), tuple(st["ranks"]),

@@ -1001,15 +1001,18 @@ def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
     w = m.grads
     acts = max(m.live_peak - w, 0.0) / a
     if zero:
-        sync = cm.reduce_scatter(w, 0) + B * cm.all_gather(w, 0)
+        once = cm.reduce_scatter(w, 0)
+        sync = once + B * cm.all_gather(w, 0)
         time_ = StepTime(t.compute_s / a, t.communication_s / a + sync, t.resharding_s / a, t.optimizer_s / a)
         mem = StageMemory(m.static / a, w / a, m.update_temp / a, m.saved / a, acts + w / a + w, m.accumulated)
     else:
-        time_ = StepTime(t.compute_s / a, t.communication_s / a + cm.all_reduce(w, 0), t.resharding_s / a,
+        once = cm.all_reduce(w, 0)
+        time_ = StepTime(t.compute_s / a, t.communication_s / a + once, t.resharding_s / a,
                          t.optimizer_s)  # fmt: skip
         static = m.static - x.inputs * (1 - 1 / a)  # the input leaves are a replica's rows
         mem = StageMemory(static, w, m.update_temp, m.saved / a, acts + w, m.accumulated)
-    return _Piece(dataclasses.replace(x.cost, time=time_), mem)
+    # the gradients' sync once a step (StageCost.sync_s): the base's, scaled as its collectives are, and axis 0's
+    return _Piece(dataclasses.replace(x.cost, time=time_, sync_s=x.cost.sync_s / a + once), mem)
 
 
 def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, in_flight: int = 1) -> float:
@@ -1086,6 +1089,7 @@ def compose_stage(
         sum(x.cost.forward_s * w for x, w in pieces), sum(x.cost.search_s for x, _ in pieces),
         recompute if nb > 0 else Recompute.NONE,
         ZeroMode(block_zero).value if block_zero is not None and nb else None,
+        sum(x.cost.sync_s * w for x, w in pieces),
     )  # fmt: skip
 
 

@@ -536,6 +536,11 @@ class StageCost:
     zero: str | None = None
     """The ZeRO mode forced on the stage's blocks (``zero.ZeroMode`` value, e.g. "3": the variant table's ZeRO
     candidates); ``Plan.with_intra`` plans its slice with it. None: the search's own."""
+    sync_s: float = 0.0
+    """Of ``time``'s communication and resharding: the gradients' synchronisation, once a step (every ``grad:``
+    collective, ``accounting.EdgeKind.GRAD``: over DP, and CP or TP where a gradient is partial there). What a
+    pipeline plan that overlaps it (``Plan.sync_overlap``) issues after the stage's last backward; 0 in costs
+    made before it was kept."""
 
 
 @dataclass(frozen=True)
@@ -860,9 +865,11 @@ class StagePlanner:
             held = liveness(sub, cand.chosen, shape, microbatches).peak
         static = p.params + p.optimizer + p.inputs
         mem = StageMemory(static, p.grads, p.update_temp, p.saved, p.live.peak, acc, held)
+        sync = sum(c.seconds for c in acct.collectives if c.dst.startswith("grad:"))
         cost = StageCost(
-            (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0
-        )
+            (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0,
+            sync_s=sync,
+        )  # fmt: skip
         return cost, mem
 
 

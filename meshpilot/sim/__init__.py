@@ -31,6 +31,15 @@ them, then waits for them, before the other gradients' collectives (:meth:`_Lowe
 ``prefetch.active_gathers``) replace their edges' all-gathers by one all-gather of the group's bytes, issued
 before the compute of its ``issue_at`` node (or at its first consumer) and waited for before its first
 consumer (:meth:`_Lowering._groups`).
+*Overlapped stage syncs* (``simulate(..., grad_syncs=)``, a pipeline plan with ``Plan.sync_overlap``: Megatron's
+``overlap_grad_reduce``, Llama 3's FSDP): stage j's gradient sync, of its planned seconds ``s_j``
+(``StageCost.sync_s``), is issued on the rank's DP stream right after the action that completes its weight
+gradients for the last time (its last ``B``, or ``W`` where the backward is split:
+:meth:`_Lowering._last_gradients`), all on the link of layer `sync_layer` (no latency split, busy factor 1); the
+stream runs one at a time in issue order (the *Groups* rule, on a pseudo axis of the rank's own), while the
+compute stream goes on with the other stages' backwards; ``G`` waits for every one of them, then runs the
+stages' updates (``o_j``). Exposed is what is left of them after the rank's last backward
+(:meth:`SimResult.exposed_s`).
 ``+c.m`` / ``-c.m`` issue / wait collective ``c`` of microbatch ``m``; ``S m>p`` starts a transfer to rank
 ``p`` (non-blocking), ``R m<p`` waits for it.
 

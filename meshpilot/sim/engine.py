@@ -42,6 +42,20 @@ class _Gather:
 
 
 @dataclass(frozen=True)
+class _Sync:
+    """Stage `k`'s gradient synchronisation issued after its last backward (``simulate``'s `grad_syncs`) where a
+    key names a collective."""
+
+    k: int
+
+
+_SYNC_AXIS = -1
+"""The pseudo mesh axis of the stage syncs: each rank's own queue (one DP stream), no members to wait for."""
+SYNC_LABEL = "DP sync: stage "
+"""How the trace names a stage's overlapped gradient sync (``SimResult.exposed_s`` finds them by it)."""
+
+
+@dataclass(frozen=True)
 class TraceEvent:
     """One span of the timeline: `stream` 0 is compute, 1 + j the link of cluster layer j."""
 
@@ -136,6 +150,16 @@ class SimResult:
                 }
             )
         return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"step_s": self.step_s}}
+
+    def exposed_s(self, rank: int, prefix: str = SYNC_LABEL) -> tuple[float, float]:
+        """(exposed, hidden) seconds of representative `rank`'s transfers named ``prefix…`` (default: the stage
+        syncs of ``simulate``'s `grad_syncs`): exposed, the time its compute stream waited for them (``wait
+        prefix…``: what they add to its step); hidden, the rest of their time on the link (beside its compute,
+        or its idle time in the drain)."""
+        wait = "wait " + prefix
+        exposed = sum(e.dur_s for e in self.events if e.rank == rank and e.cat == "wait" and e.name.startswith(wait))
+        total = sum(e.dur_s for e in self.events if e.rank == rank and e.cat == "comm" and e.name.startswith(prefix))
+        return exposed, max(0.0, total - exposed)
 
     def write_trace(self, path: str | Path) -> None:
         """The Chrome trace as JSON, written atomically."""
@@ -279,8 +303,20 @@ def _cost_model(cluster: Any, shape: tuple[int, ...], ranks: tuple[int, ...]) ->
 class _Lowering:
     """Durations, links and programs for one plan on one cluster."""
 
-    def __init__(self, plan: Any, cluster: Any, schedule: Schedule, prefetch: Mapping[int, list[int]] | None = None):
+    def __init__(
+        self,
+        plan: Any,
+        cluster: Any,
+        schedule: Schedule,
+        prefetch: Mapping[int, list[int]] | None = None,
+        grad_syncs: Mapping[int, tuple[float, float]] | None = None,
+        sync_layer: int = 0,
+    ):
         self.plan = plan
+        self.syncs = dict(grad_syncs or {})
+        """Stage -> (its gradient sync's seconds, its update's seconds): the sync issued after the stage's last
+        backward, waited for at ``G`` before the updates (``simulate``'s `grad_syncs`)."""
+        self.sync_layer = sync_layer
         self.prefetch_at = dict(prefetch or {})
         """Node index -> gathers issued before its compute, waited at their consumers (``planner.prefetch``)."""
         self.prefetched = {c for cs in self.prefetch_at.values() for c in cs}
@@ -347,12 +383,18 @@ class _Lowering:
         lat, work, busy, _ = self._parts(c)
         return lat, work, busy
 
+    def _sync_parts(self, c: _Sync) -> tuple[float, float, float, float]:
+        """A stage sync: its planned seconds, all on the link (no latency split, busy factor 1, no host cost)."""
+        return 0.0, self.syncs[c.k][0], 1.0, 0.0
+
     def host(self, c: int | _Bucket | _Gather) -> float:
         """Seconds collective `c` takes from its rank's compute stream when issued (``Parts.host_s``: a CPU
         device's host cost per collective; package docstring, *Durations*)."""
         return self._parts(c)[3]
 
-    def _parts(self, c: int | _Bucket | _Gather) -> tuple[float, float, float, float]:
+    def _parts(self, c: int | _Bucket | _Gather | _Sync) -> tuple[float, float, float, float]:
+        if isinstance(c, _Sync):
+            return self._sync_parts(c)
         if isinstance(c, (_Bucket, _Gather)):
             b = self.buckets[c.k] if isinstance(c, _Bucket) else self.gather_groups[c.k]
             kind, axis, nbytes, by_op, seconds = b.kind, b.axis, b.nbytes, False, b.seconds
@@ -386,6 +428,8 @@ class _Lowering:
 
     def layer_of(self, axis: int) -> int:
         """Outermost cluster layer the groups of mesh `axis` cross (their bottleneck link)."""
+        if axis == _SYNC_AXIS:
+            return self.sync_layer
         if axis not in self._layer:
             groups = self.lm.groups(axis)
             nl = len(self.cluster.layers)
@@ -398,17 +442,24 @@ class _Lowering:
         """The ops of one rank class (package docstring, *Streams*)."""
         explicit = {(a.collective, a.microbatch) for a in rc.actions if a.kind == ActionKind.ISSUE}
         ops: list[tuple] = []
-        for a in rc.actions:
+        last = self._last_gradients(rc)
+        for i, a in enumerate(rc.actions):
             k = a.kind
             if k.is_compute:
                 self._compute(a, explicit, ops)
+                if i in last:  # the stage's gradients are complete: its sync goes on its stream now
+                    st = last[i]
+                    self.issue(ops, (_Sync(st), 0), f"{SYNC_LABEL}{st}", _SYNC_AXIS)
             elif k == ActionKind.GRAD_SYNC:
+                for st in last.values():  # the stages' own syncs, issued after their last backwards
+                    ops.append((_WAIT, (_Sync(st), 0), f"wait {SYNC_LABEL}{st}"))
                 if not self.in_backward:  # every bucket issued, then every one waited for (BucketSync.run)
                     self._buckets(range(len(self.buckets)), 0, ops, issue=True)
                     self._buckets(range(len(self.buckets)), 0, ops, issue=False)
                 for c in self.grads:
                     self._blocking(c, 0, ops)
                 update = float(getattr(self.plan.time, "optimizer_s", 0.0))
+                update += sum(self.syncs[st][1] for st in last.values())
                 if update > 0:  # the optimizer's update, once the gradients are in
                     ops.append((_COMPUTE, update, "optimizer"))
                 for c in self.gathers:  # the updated ZeRO-2 shards into the copies the next step reads
@@ -423,6 +474,21 @@ class _Lowering:
             else:
                 ops.append((_RECV, a.boundary, str(a), a.peer))
         return ops
+
+    def _last_gradients(self, rc: RankClass) -> dict[int, int]:
+        """Action index -> stage, for each stage of `grad_syncs` that `rc` runs: its last action that completes
+        weight gradients (``B``, or ``W`` where the backward is split). A stage is the action's ``stage``, or,
+        where a rank class holds one stage and its actions name none, the class's first rank (``Plan.simulate``
+        numbers the stand-in's ranks by stage)."""
+        if not self.syncs:
+            return {}
+        at: dict[int, int] = {}
+        for i, a in enumerate(rc.actions):
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                st = a.stage if a.stage is not None else rc.ranks[0]
+                if st in self.syncs:
+                    at[st] = i
+        return {i: st for st, i in sorted(at.items(), key=lambda x: x[1])}
 
     def _label(self, c: int, m: int) -> str:
         col = self.plan.collectives[c]
@@ -820,13 +886,19 @@ def simulate(
     symmetric: bool = True,
     p2p_bytes: float | Mapping[tuple[int, int], float] = 0.0,
     prefetch: Mapping[int, list[int]] | None = None,
+    grad_syncs: Mapping[int, tuple[float, float]] | None = None,
+    sync_layer: int = 0,
 ) -> SimResult:
     """Simulate one step of `plan` (its ``step_schedule()`` unless `schedule` is given) on `cluster` (default:
     ``load_cluster(plan.cluster)``). `straggler` maps a rank (its row-major mesh position, as the schedule
     numbers ranks) to how many percent slower it computes. `symmetric=False` simulates every rank on its
     own (the same answer, slower; for checking). `p2p_bytes`: bytes of each pipeline send, or per (sending stage,
     receiving stage) (``Plan.simulate``: each boundary's ``StageTransfer``). `prefetch`: the sharded parameters'
-    gathers the runtime issues a layer ahead (``meshpilot.planner.prefetch.prefetch_issues``)."""
+    gathers the runtime issues a layer ahead (``meshpilot.planner.prefetch.prefetch_issues``). `grad_syncs`:
+    per pipeline stage, (the seconds of its gradient sync, of its update): the sync issued on the rank's own DP
+    stream (one at a time, in issue order) on cluster layer `sync_layer` when the stage's last backward ends,
+    every one waited for at ``G``, then the updates (package docstring, *Overlapped stage syncs*;
+    ``Plan.simulate`` with ``Plan.sync_overlap``)."""
     t0 = time.perf_counter()
     if cluster is None:
         from meshpilot.cluster import load_cluster
@@ -848,7 +920,7 @@ def simulate(
     covered = sorted(r for c in schedule.classes for r in c.ranks)
     if covered != list(range(world)):
         raise UserError(f"schedule {schedule.name!r} does not name every rank 0..{world - 1} exactly once")
-    low = _Lowering(plan, cluster, schedule, prefetch)
+    low = _Lowering(plan, cluster, schedule, prefetch, grad_syncs, sync_layer)
     axes = sorted({c.axis for c in plan.collectives})
     if symmetric:
         classes = rank_classes(schedule, tuple(plan.mesh_shape), axes, straggler)
