@@ -351,7 +351,7 @@ print("in flight after:", set(moe.IN_FLIGHT) <= ops.in_flight_targets())
 
 
 def test_the_experts_module_is_loaded_only_where_its_ops_can_be():
-    """Planning a model without experts defines none of the experts' custom ops (70–100 ms of CPU, issue 33 item
+    """Planning a model without experts defines none of the experts' custom ops (25–50 ms of CPU, issue 33 item
     4: ``ops._SELF_DEFINED``); a ``meshpilot.`` target the registry lacks (a saved plan's, read in a fresh
     process) loads the module and finds its op, and the in-flight kernels follow the registry."""
     import os

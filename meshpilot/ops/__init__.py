@@ -165,8 +165,8 @@ _OP_MODULES = (
 _SELF_DEFINED = frozenset({"moe"})
 """Op modules whose every op is a custom op the module itself defines (``torch.library.custom_op``): until the
 module is imported no graph can hold one of its ops, so the registry leaves it out until then. Defining the
-experts' eleven custom ops costs 70–100 ms of CPU (torch reads each function's source file), which planning a
-model without experts need not pay (``docs/benchmarks.md``, issue 33 item 4)."""
+experts' eleven custom ops costs 25–50 ms of CPU after planning's imports (torch looks up each function's
+source file), which planning a model without experts need not pay (``docs/benchmarks.md``, issue 33 item 4)."""
 
 
 def registry() -> dict[str, OwnOp]:
