@@ -1,6 +1,7 @@
-"""Stacked capture (``graph.replicate``): a model of more than four identical blocks traced with four and the
-rest copied is the whole trace node for node — names, ops, arguments, fake values, places, FLOPs, phases,
-repeats — so the same plans, and the plan of the copied graph runs equal to one device on 4 gloo ranks."""
+"""Stacked capture (``graph.replicate``): a model of more than four identical blocks traced with three (or,
+where its last block is not a middle one, four) and the rest copied is the whole trace node for node — names,
+ops, arguments, fake values, places, FLOPs, phases, repeats — so the same plans, and the plan of the copied
+graph runs equal to one device on 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -43,19 +44,26 @@ def _described(g: OpGraph) -> tuple:
 
 def _stacked(model, inputs) -> tuple[OpGraph, bool]:
     """The stacked capture and whether it copied blocks (rather than tracing them all)."""
+    graph, used = _cuts(model, inputs)
+    return graph, used[-1:] == [True]
+
+
+def _cuts(model, inputs, tries=None) -> tuple[OpGraph, list[bool]]:
+    """The stacked capture with the cuts `tries` (default :data:`replicate.TRIES`) and, per cut traced, whether
+    it passed the checks (``replicate.extend``)."""
     used = []
-    orig = replicate.extend
+    orig, default = replicate.extend, replicate.TRIES
 
     def spy(*a, **k):
         out = orig(*a, **k)
         used.append(out is not None)
         return out
 
-    replicate.extend = spy
+    replicate.extend, replicate.TRIES = spy, tries or default
     try:
-        return capture(model, inputs), used == [True]
+        return capture(model, inputs), used
     finally:
-        replicate.extend = orig
+        replicate.extend, replicate.TRIES = orig, default
 
 
 @pytest.mark.parametrize("layers", [5, 7])
@@ -74,6 +82,61 @@ def test_stacked_capture_of_the_planning_benchmark_on_meta():
     fast, copied = _stacked(model, (x,))
     assert copied and [c for _, _, c in fast.repeats] == [5, 5, 2]
     assert _described(fast) == _described(capture(model, (x,), stacked=False))
+
+
+def _three_and_four(model, inputs) -> None:
+    """Three traced blocks pass and give the four-block path's graph node for node, and the whole trace's."""
+    three, used3 = _cuts(model, inputs)
+    four, used4 = _cuts(model, inputs, (replicate.KEEP,))
+    assert replicate.TRIES[0] == replicate.THREE and used3 == [True] and used4 == [True]
+    assert _described(three) == _described(four) == _described(capture(model, inputs, stacked=False))
+    assert three.fingerprint() == four.fingerprint()
+
+
+@pytest.mark.parametrize("layers", [5, 7])
+def test_three_traced_blocks_are_the_four_block_graph(layers):
+    _three_and_four(*_tiny(layers))
+
+
+def test_three_traced_blocks_of_the_planning_benchmark_are_the_four_block_graph():
+    with torch.device("meta"):
+        model = PlanBenchTransformer(6, 64, 4)
+    _three_and_four(model, (torch.empty(2, 16, 64, device="meta"),))
+
+
+class _Scaled(nn.Module):
+    """A block whose output is scaled by a factor its caller passes."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, scale: float):
+        return self.block(x) * scale
+
+
+class _LastScaled(nn.Module):
+    """Tiny with its last block's output halved: the last block is not a middle one by its ops alone (no
+    attribute says so), so three traced blocks fail the checks and four pass."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        tiny, self.inputs = _tiny(layers)
+        self.emb, self.head = tiny.emb, tiny.head
+        self.blocks = nn.ModuleList(_Scaled(b) for b in tiny.blocks)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for j, b in enumerate(self.blocks):
+            x = b(x, 0.5 if j == len(self.blocks) - 1 else 1.0)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_a_last_block_unlike_the_middle_ones_falls_back_to_four_traced_blocks():
+    model = _LastScaled(6)
+    fast, used = _cuts(model, model.inputs)
+    assert used == [False, True]  # three traced: refused; four: copied
+    assert _described(fast) == _described(capture(model, model.inputs, stacked=False))
 
 
 def test_unlike_blocks_and_short_stacks_are_traced_whole():

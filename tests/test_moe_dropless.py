@@ -331,3 +331,40 @@ def test_mixtral_equals_single_device(plans, world):
         planned = plans[key].collective_counts(backend="gloo")
         for step in range(STEPS):
             _check_counts([r[job]["counts"][step] for r in per_rank], planned)
+
+
+LAZY_CHECK = """
+import sys, torch
+from meshpilot.models.zoo import PlanBenchTransformer
+from meshpilot.planner.auto import plan
+from meshpilot import ops
+with torch.device("meta"):
+    model = PlanBenchTransformer(2, 64, 4)
+p = plan(model, (torch.empty(8, 16, 64, device="meta"),), "dgx-h100:8", mesh_shape=(4, 2), mappings=("row",))
+print("planned without it:", "meshpilot.ops.moe" not in sys.modules)
+print("in flight before:", sorted(ops.in_flight_targets()))
+op = ops.own_op("meshpilot.moe_experts.default")  # a saved plan's target, read before the module is loaded
+from meshpilot.ops import moe
+print("found:", op is moe.OPS[0], ops.leading_collectives(moe.BACKWARD) == moe.LEADING)
+print("in flight after:", set(moe.IN_FLIGHT) <= ops.in_flight_targets())
+"""
+
+
+def test_the_experts_module_is_loaded_only_where_its_ops_can_be():
+    """Planning a model without experts defines none of the experts' custom ops (25–50 ms of CPU, issue 33 item
+    4: ``ops._SELF_DEFINED``); a ``meshpilot.`` target the registry lacks (a saved plan's, read in a fresh
+    process) loads the module and finds its op, and the in-flight kernels follow the registry."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    p = subprocess.run([sys.executable, "-c", LAZY_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert "planned without it: True" in lines
+    assert "in flight before: []" in lines
+    assert "found: True True" in lines
+    assert "in flight after: True" in lines

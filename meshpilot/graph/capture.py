@@ -409,8 +409,9 @@ def capture(
     a GPU. A bare tensor is one input. `precision` (:class:`Precision`) traces the step as it will run:
     ``bf16`` (``fp16``) with floating parameters, buffers and inputs in bfloat16 (float16), ``bf16-mixed`` under
     autocast, none as the model is. With `stacked`, a model with a list of more than four identical blocks is
-    traced with four and the others are copied (:mod:`meshpilot.graph.replicate`; the same graph, node for
-    node); without it, or when the blocks do not pass replicate's checks, every block is traced.
+    traced with three (four where its last block is not a middle one) and the others are copied
+    (:mod:`meshpilot.graph.replicate`; the same graph, node for node); without it, or when the blocks do not
+    pass replicate's checks, every block is traced.
 
     Where the model's Python reads a tensor's value (``if (mask == 1).all():``, an assert, ``.tolist()``), the
     value is computed from the real example inputs when it depends on them only (not on parameters or
@@ -1179,10 +1180,10 @@ def _flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     from torch.utils.flop_counter import flop_registry
 
     from meshpilot.ops.attention import attention_flops
-    from meshpilot.ops.moe import moe_flops
 
     name = str(target)
-    moe = moe_flops(name, args)
+    experts = sys.modules.get("meshpilot.ops.moe")  # its ops exist only once it is imported (ops._SELF_DEFINED)
+    moe = experts.moe_flops(name, args) if experts is not None else None
     if moe is not None:
         return moe
     if name == "meshpilot.sdpa.default":

@@ -1,4 +1,4 @@
-"""Capture a stack of L identical blocks by tracing :data:`KEEP` of them and copying a middle one L − KEEP times.
+"""Capture a stack of L identical blocks by tracing three or :data:`KEEP` of them and copying a middle one.
 
 The joint trace costs time in proportion to the ops it records, and a transformer's ops are almost all its
 blocks': tracing 4 of 32 blocks and laying out the other 28 as copies of the graph's nodes is the capture at a
@@ -30,6 +30,18 @@ fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_
    values are shared with the template. Names are renumbered in order (``compat.GraphCopy``), as the whole
    trace's are: the tests hold the result to the whole trace node for node.
 
+6. **Three blocks first** (:data:`TRIES`): the model cut to blocks 0, 1 and the last (``2``) is traced, and
+   block 1 is the template, checked against the last block shifted back by one — where block 1 reads block 0
+   (its input), the last block reads block 1 at the same place; where block 1 reads the last block (the
+   gradient coming back), the last block reads a node of neither (the head's); parameters by name, anything
+   else alike (:func:`_template_of_three`). The last block's forward span is as long as block 1's, its backward
+   span runs from its first backward node to block 1's. Nothing but blocks 1 and 2, block 0's backward and
+   the outputs may read block 1's nodes, nothing but blocks 1 and 2, the head and the outputs the last
+   block's. The copies 2 … L − 2 are then made of block 1 as above (2 → 1, 3 → 2: :func:`_emit` with
+   ``keep=3``). A model whose last block differs from a middle one fails these checks and is traced with four
+   blocks as above (a second trace, of four blocks), and failing those, whole. One block less traced is a
+   quarter of the blocks' trace saved on the planning benchmark (issue 33 item 4).
+
 What a trace of 4 blocks cannot see: a forward whose code reads the number of blocks (a scale of 1/√L
 inside a block) traces 4's, and a block that behaves apart by its index without an attribute saying so
 (``config.layer_types[self.layer_idx]`` read in the forward) is copied as a middle one.
@@ -50,6 +62,13 @@ from meshpilot import compat
 
 KEEP = 4
 """Blocks traced: the first, two middles (the template and the one it is checked against), the last."""
+
+THREE = 3
+"""Blocks traced first: the first, one middle (the template), the last, which the template is checked against
+(module docstring, 6)."""
+
+TRIES = (THREE, KEEP)
+"""The cuts traced in turn until one passes the checks; none passes: the whole model is traced."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,22 @@ class _Spans:
         return cls(ops, range(first[1], first[2]), range(first[2], first[3]), range(back[2], back[1]),
                    range(back[1], back[0]), label)  # fmt: skip
 
+    @classmethod
+    def of_three(cls, gm: torch.fx.GraphModule, prefix: str) -> _Spans | None:
+        """Block 1's spans (the template) and the last block's (block 2), of a trace of three blocks: the last
+        block's forward span as long as block 1's, its backward from its first backward node to block 1's."""
+        ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        label = {n: _block_of(_module(n), prefix) for n in ops}
+        first = [next((i for i, n in enumerate(ops) if label[n] == j), None) for j in range(3)]
+        if None in first or first != sorted(first):
+            return None
+        f1 = range(first[1], first[2])
+        f2 = range(first[2], first[2] + len(f1))
+        back = [next((i for i in range(f2.stop, len(ops)) if label[ops[i]] == j), None) for j in range(3)]
+        if None in back or not back[2] < back[1] < back[0]:
+            return None
+        return cls(ops, f1, f2, range(back[2], back[1]), range(back[1], back[0]), label)
+
     def members(self, j: int) -> list[torch.fx.Node]:
         fwd, bwd = (self.f1, self.b1) if j == 1 else (self.f2, self.b2)
         return [self.ops[i] for i in (*fwd, *bwd)]
@@ -246,6 +281,61 @@ def _template(
     return _Template(two, pos, prev, nxt, params)
 
 
+def _template_of_three(
+    gm: torch.fx.GraphModule, spans: _Spans, names: dict[torch.fx.Node, str], prefix: str
+) -> _Template | None:
+    """Block 1 checked against the last block shifted back by one (module docstring, 6), or None."""
+    one, two = spans.members(1), spans.members(2)
+    pos = {n: k for k, n in enumerate(one)}
+    pos2 = {n: k for k, n in enumerate(two)}
+    prev: dict[torch.fx.Node, int] = {}
+    nxt: dict[torch.fx.Node, int] = {}
+    params: dict[str, str] = {}
+    for n1, n2 in zip(one, two):
+        if n1.op != n2.op or (n1.target != n2.target if n1.op != "get_attr" else not _same_constant(gm, n1, n2)):
+            return None
+        leaves1, spec1 = pytree.tree_flatten((n1.args, n1.kwargs))
+        leaves2, spec2 = pytree.tree_flatten((n2.args, n2.kwargs))
+        if spec1 != spec2:
+            return None
+        for a1, a2 in zip(leaves1, leaves2):
+            if not isinstance(a1, torch.fx.Node):
+                if isinstance(a2, torch.fx.Node) or type(a1) is not type(a2) or a1 != a2:
+                    return None
+            elif a1 in pos:  # its own node
+                if pos2.get(a2) != pos[a1]:
+                    return None
+            elif a1 in pos2:  # the last block's node: the gradient coming back, where the last reads the head's
+                if not isinstance(a2, torch.fx.Node) or a2 in pos or a2 in pos2 or a2.op == "placeholder":
+                    return None
+                nxt[a1] = pos2[a1]
+            elif isinstance(a2, torch.fx.Node) and a2 in pos:  # block 0's node where the last reads block 1's
+                if a1.op == "placeholder" or prev.setdefault(a1, pos[a2]) != pos[a2]:
+                    return None
+            elif a1.op == "placeholder" and _block_of(names.get(a1), prefix) == 1:
+                suffix = names[a1][len(f"{prefix}1.") :]
+                if names.get(a2) != f"{prefix}2.{suffix}":
+                    return None
+                params[names[a1]] = suffix
+            elif a1 is not a2 or (a1.op == "placeholder" and _block_of(names.get(a1), prefix) is not None):
+                return None
+    return _Template(one, pos, prev, nxt, params)
+
+
+def _local_of_three(spans: _Spans, t: _Template) -> bool:
+    """Block 1's nodes are read by blocks 1 and 2, block 0's backward and the outputs only; the last block's by
+    blocks 1 and 2, what lies between its forward and backward spans (the head) and the outputs."""
+    where = {n: i for i, n in enumerate(spans.ops)}
+    inside = set(t.nodes) | set(spans.members(2))
+    head = range(spans.f2.stop, spans.b2.start)
+    for j, allowed in ((1, lambda i: i >= spans.b1.stop), (2, lambda i: i in head)):
+        for n in spans.members(j):
+            for user in n.users:
+                if user.op != "output" and user not in inside and not allowed(where[user]):
+                    return False
+    return True
+
+
 def _local(spans: _Spans, t: _Template) -> bool:
     """Block 2's nodes are read by blocks 1 and 2, the blocks after it and the outputs only; block 1's by
     blocks 1 and 2, block 0's backward and the outputs (module docstring, 4)."""
@@ -278,10 +368,16 @@ def _emit(
     full_names: list[str],
     prefix: str,
     blocks: int,
+    keep: int = KEEP,
 ) -> tuple[torch.fx.GraphModule, list[bool]] | None:
-    """The `blocks`-block graph from the traced one (module docstring, 5) and which of `full_names` receive a
-    gradient; None when a gradient of block 2 is not made inside block 2."""
+    """The `blocks`-block graph from the one traced with `keep` blocks (module docstring, 5 and 6) and which of
+    `full_names` receive a gradient; None when a gradient of the template block is not made inside it."""
     L, out = blocks, compat.GraphCopy(gm)
+    T, LB = keep - 2, keep - 1  # the template block and the traced last block
+    if keep == KEEP:  # the template's spans; what reads it and is rewired to copy L - 2 (the last block)
+        tf, tb, rewired = spans.f2, spans.b2, range(spans.f2.stop, spans.b2.start)
+    else:
+        tf, tb, rewired = spans.f1, spans.b1, range(spans.f2.start, spans.b2.stop)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = dict(zip(flat.names, placeholders))
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -290,20 +386,20 @@ def _emit(
     for i, name in enumerate(full_names):
         b = _block_of(name, prefix)
         rest = name[len(f"{prefix}{b}.") :] if b is not None else ""
-        src = name if b is None or b <= 2 else f"{prefix}{3 if b == L - 1 else 2}.{rest}"
+        src = name if b is None or b <= T else f"{prefix}{LB if b == L - 1 else T}.{rest}"
         source[name] = src
         new_ph[name] = out.placeholder(f"arg{i}_1", by_name[src].meta)
-        if b is None or b <= 2 or b == L - 1:
+        if b is None or b <= T or b == L - 1:
             env[by_name[src]] = new_ph[name]
-    copies = {m: [None] * len(t.nodes) for m in range(3, L - 1)}
-    n_fwd = len(spans.f2)
+    copies = {m: [None] * len(t.nodes) for m in range(T + 1, L - 1)}
+    n_fwd = len(tf)
 
     def emit_copy(m: int, part: range) -> None:
         def arg(a: torch.fx.Node) -> torch.fx.Node:
             if a in t.pos:
                 return copies[m][t.pos[a]]
             if a in t.prev:
-                return env[t.nodes[t.prev[a]]] if m == 3 else copies[m - 1][t.prev[a]]
+                return env[t.nodes[t.prev[a]]] if m == T + 1 else copies[m - 1][t.prev[a]]
             if a in t.nxt:
                 return env[a] if m == L - 2 else copies[m + 1][t.nxt[a]]
             if a.op == "placeholder" and by_name_of.get(a) in t.params:
@@ -312,24 +408,23 @@ def _emit(
 
         for k in part:
             node = t.nodes[k]
-            copies[m][k] = out.copy(node, arg, _renamed(node.meta, prefix, 2, m))
+            copies[m][k] = out.copy(node, arg, _renamed(node.meta, prefix, T, m))
 
     by_name_of = {ph: name for name, ph in by_name.items()}
-    last = range(spans.f2.stop, spans.b2.start)
     for i, n in enumerate(spans.ops):
-        if i == spans.b2.start:
-            for m in range(L - 2, 2, -1):
+        if i == tb.start:
+            for m in range(L - 2, T, -1):
                 emit_copy(m, range(n_fwd, len(t.nodes)))
         if n in t.pos:
-            env[n] = out.copy(n, lambda a: copies[3][t.nxt[a]] if a in t.nxt else env[a])
+            env[n] = out.copy(n, lambda a: copies[T + 1][t.nxt[a]] if a in t.nxt else env[a])
         else:
-            rewire = i in last
-            meta = _renamed(n.meta, prefix, 3, L - 1) if spans.label[n] == 3 else None
+            rewire = i in rewired
+            meta = _renamed(n.meta, prefix, LB, L - 1) if spans.label[n] == LB else None
             env[n] = out.copy(
                 n, lambda a, rewire=rewire: copies[L - 2][t.pos[a]] if rewire and a in t.pos else env[a], meta
             )
-        if i == spans.f2.stop - 1:
-            for m in range(3, L - 1):
+        if i == tf.stop - 1:
+            for m in range(T + 1, L - 1):
                 emit_copy(m, range(n_fwd))
     outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     grads = dict(zip([name for name, g in zip(flat.names, flat.has_grad) if g], outs[flat.n_forward :]))
@@ -341,7 +436,7 @@ def _emit(
         if g is None:
             continue
         b = _block_of(name, prefix)
-        if b is not None and 3 <= b <= L - 2:
+        if b is not None and T + 1 <= b <= L - 2:
             if g not in t.pos:
                 return None
             result.append(copies[b][t.pos[g]])
@@ -358,22 +453,23 @@ def extend(
     blocks (`flat_names`), or None when the traced blocks do not pass the checks of the module docstring."""
     prefix = site.name + "."
     gm = joint.gm
-    spans = _Spans.of(gm, prefix, keep)
+    three = keep == THREE
+    spans = _Spans.of_three(gm, prefix) if three else _Spans.of(gm, prefix, keep)
     parts = site.name.split(".")
     roots = {None, "", *(".".join(parts[:k]) for k in range(1, len(parts)))}
     if spans is None or not spans.sound(roots):
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = dict(zip(placeholders, flat_names))
-    t = _template(gm, spans, names, prefix)
-    if t is None or not _local(spans, t):
+    t = (_template_of_three if three else _template)(gm, spans, names, prefix)
+    if t is None or not (_local_of_three if three else _local)(spans, t):
         return None
     if any(_block_of(flat_names[i], prefix) is not None for i in joint.mutated_inputs):
         return None  # a block's buffer updated in place (BatchNorm's statistics): traced whole
     flat = _Flat(flat_names, joint.has_grad, len(joint.mutated_inputs) + 1)
-    if not _grads_match(joint, flat, spans, t, prefix):
+    if not _grads_match(joint, flat, spans, t, prefix, keep):
         return None
-    made = _emit(gm, spans, t, flat, full_names, prefix, site.blocks)
+    made = _emit(gm, spans, t, flat, full_names, prefix, site.blocks, keep)
     if made is None:
         return None
     index = {name: i for i, name in enumerate(full_names)}
@@ -381,16 +477,20 @@ def extend(
     return compat.JointExport(made[0], mutated, made[1])
 
 
-def _grads_match(joint: compat.JointExport, flat: _Flat, spans: _Spans, t: _Template, prefix: str) -> bool:
-    """Block 2's parameters' gradients are made in block 2's span, block 1's at the same places in its own."""
+def _grads_match(
+    joint: compat.JointExport, flat: _Flat, spans: _Spans, t: _Template, prefix: str, keep: int = KEEP
+) -> bool:
+    """The template's parameters' gradients are made in its span, the other checked block's at the same places
+    in its own (blocks 2 and 1; of three traced, 1 and 2)."""
     outs = list(next(n for n in joint.gm.graph.nodes if n.op == "output").args[0])
     grads = dict(zip([name for name, g in zip(flat.names, flat.has_grad) if g], outs[flat.n_forward :]))
-    one = spans.members(1)
+    mine, other = (2, 1) if keep == KEEP else (1, 2)
+    twins = spans.members(other)
     for name, g in grads.items():
-        if _block_of(name, prefix) != 2:
+        if _block_of(name, prefix) != mine:
             continue
-        twin = grads.get(f"{prefix}1.{name[len(prefix) + 2 :]}")
-        if g not in t.pos or twin is None or one[t.pos[g]] is not twin:
+        twin = grads.get(f"{prefix}{other}.{name[len(prefix) + 2 :]}")
+        if g not in t.pos or twin is None or twins[t.pos[g]] is not twin:
             return False
     return True
 
@@ -402,10 +502,13 @@ def capture_stacked(trace: Callable[[], tuple], model: torch.nn.Module, full_nam
     site = find_container(model)
     if site is None:
         return None
-    with cut(model, site):
-        try:
-            traced = trace()
-        except Exception:  # noqa: BLE001 - a forward that needs all its blocks: the caller traces them all
-            return None
-    joint = extend(traced[0], traced[1], full_names, site)
-    return None if joint is None else (joint, full_names, *traced[2:])
+    for keep in TRIES:
+        with cut(model, site, keep):
+            try:
+                traced = trace()
+            except Exception:  # noqa: BLE001 - a forward that needs all its blocks: the caller traces them all
+                return None
+        joint = extend(traced[0], traced[1], full_names, site, keep)
+        if joint is not None:
+            return (joint, full_names, *traced[2:])
+    return None

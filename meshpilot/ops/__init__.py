@@ -46,6 +46,7 @@ local generator; BatchNorm would use per-shard batch statistics).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -156,21 +157,54 @@ def _local_shape_and_offset(global_shape, mesh, placements):
     return compat.local_shape_and_offset()(torch.Size(global_shape), mesh, tuple(placements))
 
 
-@functools.cache
+_OP_MODULES = (
+    "vocab", "dropout", "batch_norm", "fill", "stack", "index_add", "unfold", "batched", "moe", "ring", "guard",
+)  # fmt: skip
+"""The modules whose ``OPS`` make the registry, in the order a later one's entry would win."""
+
+_SELF_DEFINED = frozenset({"moe"})
+"""Op modules whose every op is a custom op the module itself defines (``torch.library.custom_op``): until the
+module is imported no graph can hold one of its ops, so the registry leaves it out until then. Defining the
+experts' eleven custom ops costs 25–50 ms of CPU after planning's imports (torch looks up each function's
+source file), which planning a model without experts need not pay (``docs/benchmarks.md``, issue 33 item 4)."""
+
+
 def registry() -> dict[str, OwnOp]:
-    """Every own op by target (imports the op modules once)."""
-    from meshpilot.ops import batch_norm, batched, dropout, fill, guard, index_add, moe, ring, stack, unfold, vocab
+    """Every own op by target (imports the op modules once; a :data:`_SELF_DEFINED` one only once it is loaded,
+    by whatever defines its ops: the model's source, its tests)."""
+    return _registry(_self_defined_loaded())
+
+
+def _self_defined_loaded() -> tuple[str, ...]:
+    """The :data:`_SELF_DEFINED` op modules imported so far."""
+    return tuple(m for m in sorted(_SELF_DEFINED) if f"{__name__}.{m}" in sys.modules)
+
+
+@functools.cache
+def _registry(self_defined: tuple[str, ...]) -> dict[str, OwnOp]:
+    """The registry with the :data:`_SELF_DEFINED` modules `self_defined` and every other op module."""
+    import importlib
 
     ops: dict[str, OwnOp] = {}
-    for module in (vocab, dropout, batch_norm, fill, stack, index_add, unfold, batched, moe, ring, guard):
-        for op in module.OPS:
+    for name in _OP_MODULES:
+        if name in _SELF_DEFINED and name not in self_defined:
+            continue
+        for op in importlib.import_module(f"{__name__}.{name}").OPS:
             ops[op.target] = op
     return ops
 
 
 def own_op(target: str) -> OwnOp | None:
-    """The own op for an ATen target name, if meshpilot has one."""
-    return registry().get(target)
+    """The own op for an ATen target name, if meshpilot has one. A ``meshpilot.`` target the registry lacks
+    loads the :data:`_SELF_DEFINED` modules first (a saved plan read in a process that never defined them)."""
+    op = registry().get(target)
+    if op is None and str(target).startswith("meshpilot.") and len(_self_defined_loaded()) < len(_SELF_DEFINED):
+        import importlib
+
+        for name in _SELF_DEFINED:
+            importlib.import_module(f"{__name__}.{name}")
+        op = registry().get(target)
+    return op
 
 
 def leading_collectives(target: str) -> int:
@@ -179,10 +213,14 @@ def leading_collectives(target: str) -> int:
     return op.leading if op is not None else 0
 
 
-@functools.cache
 def in_flight_targets() -> frozenset[str]:
-    """Every own op's :attr:`OwnOp.in_flight` kernel targets."""
-    return frozenset(t for op in registry().values() for t in op.in_flight)
+    """Every own op's :attr:`OwnOp.in_flight` kernel targets (of the op modules loaded: :func:`registry`)."""
+    return _in_flight(_self_defined_loaded())
+
+
+@functools.cache
+def _in_flight(self_defined: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(t for op in _registry(self_defined).values() for t in op.in_flight)
 
 
 _REGISTERED = False
