@@ -35,6 +35,15 @@ after its producer and waited for before its consumer).
 ``--emulate FILE`` launches the ranks under ``meshpilot emulate`` instead (one network namespace per node of FILE,
 the link between nodes shaped by tc; root only) and plans the meshpilot variants on FILE, so DDP's 25 MiB buckets
 and the planner's meet a slow inter-node link (``examples/clusters/emulated-2x2-slow.toml``: 2 nodes x 2 ranks).
+That file's rates are nominal; to plan and predict on measured ones, probe the same emulated topology first and
+pass the result with ``--probed FILE --plan-on-probed`` (``examples/clusters/probed/emulated-2x2-slow.probed.toml``
+was written so, at load 8-11 on a 2-core box; ``GEMMS`` a JSON list of the plans' local GEMMs,
+``meshpilot.planner.accounting.plan_gemms``)::
+
+    OMP_NUM_THREADS=1 meshpilot emulate -c examples/clusters/emulated-2x2-slow.toml -- python -m meshpilot.cli.main \\
+        probe --out probed.toml --matmul-shapes GEMMS --p2p-budget 30
+    python benchmarks/bench_vs_torch.py --emulate examples/clusters/emulated-2x2-slow.toml \\
+        --probed probed.toml --plan-on-probed
 
 A step is forward + backward + AdamW (foreach) step + zero_grad on the full global batch, timed between two
 barriers (the slowest rank's step). The table shows the median of --steps steps after --warmup, the CPU

@@ -449,3 +449,29 @@ def test_csc_from_entries_is_scipys_coo_to_csc(monkeypatch):
     ((rows, cols, vals, shape),) = entries  # what _lp handed to the matrix: the same matrix as scipy's from it
     same(rows, cols, vals, shape)
     assert A.indices.size > A.shape[1] > 10_000
+
+
+def test_the_loss_getitem_reads_its_operands_layout_as_it_is_on_a_cost_tie():
+    """The loss' ``getitem`` merged into its operand (``_merge_map_ids`` with ``as_is``) that can read the
+    operand's replica as it is or take a free ``R -> P`` / ``R -> S(0)`` step at the same cost keeps the
+    replica: after a replicated data-parallel loss a partial sum would be all-reduced again at the loss edge
+    (``test_vocab_parallel_ce``'s data-parallel plan checks the plan has no such collective). Where reading it
+    otherwise is cheaper, that strategy is kept; other merged nodes keep the first cheapest, as before."""
+    import numpy as np
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from meshpilot.planner.ilp import _merge_map_ids
+    from meshpilot.sharding.placements import pid
+
+    class Free:
+        def matrix(self, P, Q, info, gradient=False):
+            return np.zeros((len(P), len(Q)))
+
+    R, P, S = (Replicate(),), (Partial(),), (Shard(0),)
+    src = np.array([pid(R), pid(S)])
+    ins = np.array([pid(P), pid(S), pid(R)])
+    got = _merge_map_ids(np.zeros(3), src, ins, object(), Free(), as_is=True)
+    assert got.tolist() == [2, 1]  # R read as R (not the first free choice, P); S as S
+    cheaper = np.array([0.0, 0.0, 1.0])  # reading it as R costs more: the cheapest first
+    assert _merge_map_ids(cheaper, src, ins, object(), Free(), as_is=True).tolist() == [0, 1]
+    assert _merge_map_ids(np.zeros(3), src, ins, object(), Free()).tolist() == [0, 0]

@@ -7,8 +7,12 @@ vocabulary (rows of the table, class columns of the logits) sharded over mesh ax
 * ``_log_softmax`` / ``_log_softmax_backward_data`` with the class dim sharded: the row max and the row sum
   of exponentials are all-reduced inside the op (``Strategy.colls``: two all-reduces forward, one backward).
 * ``nll_loss_forward`` / ``nll_loss_backward`` with classes sharded and targets replicated on that axis: each
-  rank sums the log-probabilities of the targets in its columns, so the loss is a partial sum; the count of
-  non-ignored targets is all-reduced over row-sharding axes, so the mean divides by the global count.
+  rank sums the log-probabilities of the targets in its columns, so the loss is a partial sum there. Over the
+  axes sharding the rows (a data-parallel loss) the pair ``[s_r, n_r]`` (this rank's summed ``-log p`` of its
+  non-ignored targets, their count) is all-reduced as one two-element collective, and the loss is
+  ``(Σ_r s_r) / (Σ_r n_r)``, replicated there: the batch's mean, exact with ignored targets, in one collective
+  where a partial loss (``s_r / Σ n``) would take two (the count's, then the loss' own to replicate it).
+  ``total_weight = Σ n`` is replicated everywhere, all the backward needs.
 
 Offered only where exact: no class weights, reduction mean or sum, [N, C] float log-probabilities, even
 shards, no half-to-float softmax. Strategies (planning side) and implementations (``_run_*``, on the local
@@ -144,38 +148,54 @@ def _nll_loss_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]
     """``nll_loss_forward(log_probs [N, C], target [N])`` with the classes sharded and the targets replicated
     on that axis: each rank sums the log-probabilities of the targets in its columns (zero elsewhere), so
     the loss is a partial sum over the axis (the edge to its consumer all-reduces one scalar). Rows sharded
-    on other axes, or on every axis with the classes whole (a data-parallel loss): the count of non-ignored
-    targets is all-reduced over them inside the op (one scalar per axis), so the mean divides by the global
-    count (exact with ignored targets, unlike DTensor's ``P(avg)``), the loss is a partial sum there too and
-    ``total_weight`` is replicated everywhere."""
+    on other axes, or on every axis with the classes whole (a data-parallel loss): the summed loss and the
+    count of non-ignored targets are all-reduced over them together inside the op (one two-scalar
+    collective per axis, :func:`_loss_reductions`), so the loss is the batch's mean, replicated there (exact
+    with ignored targets, unlike DTensor's ``P(avg)``), and ``total_weight`` is replicated everywhere."""
     if len(node.inputs) != 2 or not _nll_loss_args_ok(b, node, 0, 1, 2):
         return []
     lp = b.graph[node.inputs[0][0]].outputs[node.inputs[0][1]]
-    nbytes = dtype_from_name(lp.dtype).itemsize
+    itemsize = dtype_from_name(lp.dtype).itemsize
     mesh = b.mesh_shape
     rules = [((Partial(), Replicate()), (Shard(1), Replicate()))]
-    rules += [((Partial(), Replicate()), (Shard(0), Shard(0)))]
+    rules += [((Replicate(), Replicate()), (Shard(0), Shard(0)))]
     rules += [((Replicate(), Replicate()), (Replicate(), Replicate()))]
 
     def colls(outs, ins):
-        rows = [a for a, p in enumerate(ins[1]) if isinstance(p, Shard) and mesh[a] > 1]
-        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, nbytes) for a in rows)
+        joint, count = _loss_reductions(outs[0], ins[1], lambda a: mesh[a] > 1)
+        return tuple(Collective(CollectiveKind.ALL_REDUCE, a, 2 * itemsize) for a in joint) + tuple(
+            Collective(CollectiveKind.ALL_REDUCE, a, itemsize) for a in count
+        )
 
     # and rows sharded with the classes whole: DTensor's own row-sharded mean is P(avg), which
     # ``sharding.strategies.AVG_INEXACT`` drops
     return per_axis_products(b, node, rules, colls) + per_axis_products(b, node, rules[1:], colls)
 
 
+def _loss_reductions(loss: Placements, target: Placements, multi) -> tuple[list[int], list[int]]:
+    """The mesh axes (of more than one device, ``multi(a)``) sharding the targets' rows, split by the loss'
+    layout there: (replicated: the summed loss and the count all-reduced together as two scalars; partial: the
+    count alone, the loss left a partial sum — a plan from before the joint rule), each in axis order, the
+    order the op issues them."""
+    rows = [a for a, p in enumerate(target) if isinstance(p, Shard) and p.dim == 0 and multi(a)]
+    joint = [a for a in rows if isinstance(loss[a], Replicate)]
+    return joint, [a for a in rows if a not in joint]
+
+
 def _nll_loss_backward_vocab_parallel(b: StrategyBuilder, node: OpNode) -> list[Strategy]:
     """``nll_loss_backward(g, log_probs, target, ..., total_weight)`` into class-sharded gradients: the only
     non-zero of a row is at its target's column, which one rank holds; no collective. ``g`` and
-    ``total_weight`` replicated (scalars); rows may be sharded on other axes."""
+    ``total_weight`` replicated (scalars); rows may be sharded on other axes, or on every axis with the classes
+    whole: the data-parallel loss' backward, each rank writing its own rows (``g`` and ``total_weight`` are the
+    batch's, replicated by the forward's joint all-reduce), as DDP does. Without it a row-sharded loss'
+    backward was replicated: it gathered the saved log-probabilities and wrote the whole ``[N, C]`` gradient on
+    every rank (issue 30)."""
     if len(node.inputs) != 4 or not _nll_loss_args_ok(b, node, 1, 2, 3):
         return []
     rules = [((Shard(1),), (Replicate(), Shard(1), Replicate(), Replicate()))]
     rules += [((Shard(0),), (Replicate(), Shard(0), Shard(0), Replicate()))]
     rules += [((Replicate(),), (Replicate(),) * 4)]
-    return per_axis_products(b, node, rules)
+    return per_axis_products(b, node, rules) + per_axis_products(b, node, rules[1:])
 
 
 # ------------------------------------------------------------------------------------- implementations
@@ -227,15 +247,20 @@ def _local_targets(call, target, ignore_index, lp_layout, lp_shape) -> tuple[tor
 
 
 def _run_nll_loss(call, lp, target, weight, reduction, ignore_index):
-    """Minus the sum of the targets' log-probabilities held here (a partial sum over the class- and
-    row-sharding axes), divided for the mean by the count of non-ignored targets: whole over the
-    class-sharding axes (targets are replicated there), all-reduced over the row-sharding ones."""
+    """Minus the sum of the targets' log-probabilities held here (a partial sum over the class-sharding axes),
+    divided for the mean by the count of non-ignored targets: whole over the class-sharding axes (targets
+    are replicated there); over the row-sharding axes where the loss is planned replicated, the sum and the
+    count all-reduced together as one ``[2]`` tensor (:func:`_loss_reductions`), over any where it is planned
+    partial, the count alone."""
     lp_shape = call.global_shape(0)
     local, mine = _local_targets(call, target, ignore_index, call.ins[0], lp_shape)
     picked = lp.gather(1, local.unsqueeze(1)).squeeze(1)
     loss = -(picked * mine.to(lp.dtype)).sum()
-    rows = call.sharding_axes(call.ins[1], 0)  # the targets [N]: their rows
-    total = call.all_reduce((target != ignore_index).sum().to(lp.dtype), "sum", rows)
+    total = (target != ignore_index).sum().to(lp.dtype)
+    joint, count = _loss_reductions(call.outs[0], call.ins[1], lambda a: call.mesh.size(a) > 1)
+    if joint:
+        loss, total = call.all_reduce(torch.stack((loss, total)), "sum", joint).unbind()
+    total = call.all_reduce(total, "sum", count)
     return (loss / total if reduction == 1 else loss), total
 
 

@@ -134,12 +134,13 @@ exceeds the capacity, the planner re-solves with the rows held to the capacity l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
@@ -748,6 +749,18 @@ def in_flight_peak(
 # ------------------------------------------------------------------------------------------ time
 
 
+def reduced_in_op(s: Any, out: Any, mesh_shape: Sequence[int]) -> int:
+    """How many more devices share `s`'s work than its output layout `out` says: the axes where the output is
+    replicated because the op's own collective (``Strategy.colls``) reduced what each rank computed from its
+    shard of an operand (the data-parallel loss: rows sharded, the summed loss all-reduced in the op)."""
+    axes = {c.axis for c in s.colls}
+    return math.prod(
+        n
+        for a, n in enumerate(mesh_shape)
+        if a in axes and isinstance(out[a], Replicate) and any(p is not None and isinstance(p[a], Shard) for p in s.ins)
+    )
+
+
 class ComputeCost:
     """Seconds of a node's share of the work under a strategy, on one mesh shape and device."""
 
@@ -764,7 +777,7 @@ class ComputeCost:
         if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
             return 0.0
         out = next((p for p in s.outs if p is not None), None)
-        split = work_split(out, self.mesh_shape) if out is not None else 1
+        split = work_split(out, self.mesh_shape) * reduced_in_op(s, out, self.mesh_shape) if out is not None else 1
         dtype = node.out.dtype if node.out is not None else "float32"
         nbytes = (node.bytes_read + node.bytes_written) / split
         gemm = self._local_gemm(node, s)

@@ -542,7 +542,8 @@ class _TPPins:
 
     def pin_vocab_heads(self) -> None:
         """An LM head feeding the cross-entropy: column-parallel, its log-softmax class-sharded on the TP axis
-        and its nll_loss a partial sum over the TP axis and the batch axes sharding its rows."""
+        and its nll_loss a partial sum over the TP axis, replicated over the batch axes sharding its rows (their
+        summed loss and count all-reduced together inside the op, ``ops.vocab``)."""
         graph, force = self.graph, self.force
         for lin, lsm in vocab_parallel_heads(graph):
             if self.shapes[lin.weight][lin.out_dim] % self.tp or force[_exact(lin.weight)] != _replicated(
@@ -560,7 +561,7 @@ class _TPPins:
             force[lsm] = _layout(out)
             for user in graph.users[lsm]:
                 if graph[user].target == "aten.nll_loss_forward.default" and graph[user].phase == "fwd":
-                    force[user] = _layout(["P" if p != "R" else "R" for p in out])
+                    force[user] = _layout(["P" if a == self.tp_axis else "R" for a in range(len(out))])
 
 
 def residual_adds(graph: OpGraph, rows: Sequence[str]) -> list[str]:

@@ -10,7 +10,10 @@ choices and each node ``v`` in it reads its strategy off the group's choice thro
   whose choices are its strategies (``m_v`` = identity);
 * a *trivial* node (views, ``getitem``, element-wise ops) is merged into its deepest operand as Alpa does:
   it joins the operand's group, and for each choice ``k`` it takes the strategy ``m_v(k)`` that reads
-  the operand's layout at the least resharding + compute cost (:func:`_merge_map_ids`);
+  the operand's layout at the least resharding + compute cost (:func:`_merge_map_ids`); the loss' ``getitem``,
+  on a tie, the one that reads it as it is (the loss edge wants it replicated: a replicated loss read as a
+  free ``R -> P`` partial sum would be all-reduced again there; other merged nodes keep the first cheapest,
+  which other plans' prices rest on);
 * a node of a repeated layer joins the group of the identical node in the first layer
   (``OpGraph.canonical``), so every layer is decided once; its costs still add up per layer.
 
@@ -728,7 +731,8 @@ def price(struct: Structure, pricer: Pricer, capacity: float = math.inf) -> Prob
         src, i, a = m
         rs = rep[src]
         p_vals = out_ids[rs][nmap[rs], i]
-        nmap[r] = _merge_map_ids(struct.merge_cost[r], p_vals, in_ids[r][:, a], graph[src].outputs[i], pricer)
+        as_is = graph.loss is not None and r == graph.loss[0] and graph[r].kind == NodeKind.GETITEM
+        nmap[r] = _merge_map_ids(struct.merge_cost[r], p_vals, in_ids[r][:, a], graph[src].outputs[i], pricer, as_is)
     groups = prob.groups
     for r, per in struct.cost_terms:
         groups[group_of[r]].cost += per[nmap[r]]
@@ -866,13 +870,20 @@ def _pinned_elements(node: OpNode, pins: BoundForce) -> list[tuple[int, ForceRul
     return out
 
 
-def _merge_map_ids(node_cost: np.ndarray, src_outs: np.ndarray, ins: np.ndarray, info, pricer: Pricer) -> np.ndarray:
-    """For each choice of the operand's group: the strategy of the node that reads its layout cheapest."""
+def _merge_map_ids(
+    node_cost: np.ndarray, src_outs: np.ndarray, ins: np.ndarray, info, pricer: Pricer, as_is: bool = False
+) -> np.ndarray:
+    """For each choice of the operand's group: the strategy of the node that reads its layout cheapest (the
+    first such); with `as_is` (the loss' ``getitem``), on a tie the first that reads it as it is."""
     lab, P = _labels(src_outs)
     lab_q, Q = _labels(ins)
     mat = np.zeros((len(P), len(Q))) if info is None else pricer.matrix(tuple(P), tuple(Q), info)
     total = mat[:, lab_q] + node_cost[None, :]
-    best = np.argmin(total, axis=1)
+    if not as_is:
+        return np.argmin(total, axis=1)[lab]
+    cheapest = total == total.min(axis=1, keepdims=True)
+    same = cheapest & (np.asarray(P)[:, None] == np.asarray(Q)[lab_q][None, :])
+    best = np.where(same.any(axis=1), np.argmax(same, axis=1), np.argmax(cheapest, axis=1))
     return best[lab]
 
 
