@@ -231,3 +231,24 @@ def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(st
     p = plan_pipeline(stack, "alpa-p3x8", costing="estimated", **kw)
     assert p.costing == StageCosting.STACK_ESTIMATED
     assert calls and {d for d, _ in calls} == {8}, calls
+
+
+def test_a_composed_stage_holds_its_blocks_gradients_as_the_backward_produces_them(stack):
+    """A ZeRO-3 block's gradients are produced whole (partial sums) and stored sharded; each is live from its
+    backward to the end of the stage's backward (``accounting.liveness``), so while one block of a stage peaks
+    the others already past their backward hold theirs whole (``StageMemory.grads_held``, ``StageMemory.carry``):
+    two middle blocks composed from the block's ZeRO-3 plan on 4x2 hold no less than the same two blocks searched
+    as one range. Before the carry read the stored (sharded) gradients: 5.49 MiB composed against 5.75 MiB
+    searched; GPT-6.7B's ``[0,18)@8x1`` (16 selectively recomputing ZeRO-3 blocks, 2 microbatches in flight) read
+    14.6 GiB in both stage tables and needed 17.7 GiB once planned, so both tables chose a stage that does not fit
+    (docs/benchmarks.md, issue 29 item 6)."""
+    from meshpilot.planner.zero import ZeroMode
+
+    sp, B, p, shape = StagePlanner(stack.graph, "alpa-p3x8"), 4, stack.pre, (4, 2)
+    zero = ZeroMode.STAGE3
+    composed = compose_stage(sp, stack, p + 1, p + 3, range(8), shape, microbatches=B, block_zero=zero,
+                             accumulated=True)  # fmt: skip
+    searched = sp.plan(*stack.graph_range(p + 1, p + 3), range(8), shape, microbatches=B, zero=zero)
+    assert composed.peaks.forward_backward >= searched.peaks.forward_backward
+    _, m = sp.plan_with_memory(stack.middle, stack.middle + 1, range(8), shape, microbatches=B, zero=zero)
+    assert m.grads_held > 2 * m.grads and m.carry == max(m.saved, m.grads_held)

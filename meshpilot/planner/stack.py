@@ -928,7 +928,8 @@ class StackTable:
             accumulated=self.counts_accumulated, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
-            cost = dataclasses.replace(cost, zero=None)  # chooses its ZeRO (module docstring, 5)
+            # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
+            cost = dataclasses.replace(cost, zero=None, zero_fallback=cost.zero)
         return cost
 
 
@@ -1003,12 +1004,16 @@ def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
     if zero:
         sync = cm.reduce_scatter(w, 0) + B * cm.all_gather(w, 0)
         time_ = StepTime(t.compute_s / a, t.communication_s / a + sync, t.resharding_s / a, t.optimizer_s / a)
-        mem = StageMemory(m.static / a, w / a, m.update_temp / a, m.saved / a, acts + w / a + w, m.accumulated)
+        # carried to the backward: the weights it reads through saved views, gathered (``liveness`` keeps the copy);
+        # the gradients as produced: the replica's partial sums, whole (the reduce-scatter's input)
+        mem = StageMemory(m.static / a, w / a, m.update_temp / a, m.saved / a, acts + w / a + w, m.accumulated,
+                          read_back=m.read_back, saved_held=m.read_back, grads_held=m.grads_held)  # fmt: skip
     else:
         time_ = StepTime(t.compute_s / a, t.communication_s / a + cm.all_reduce(w, 0), t.resharding_s / a,
                          t.optimizer_s)  # fmt: skip
         static = m.static - x.inputs * (1 - 1 / a)  # the input leaves are a replica's rows
-        mem = StageMemory(static, w, m.update_temp, m.saved / a, acts + w, m.accumulated)
+        mem = StageMemory(static, w, m.update_temp, m.saved / a, acts + w, m.accumulated, read_back=m.read_back,
+                          grads_held=m.grads_held)  # fmt: skip
     return _Piece(dataclasses.replace(x.cost, time=time_), mem)
 
 
@@ -1016,7 +1021,7 @@ def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, 
     """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
     (Eq. 5 with `in_flight` microbatches in flight; with `accumulated`, the summed gradients counted as
     :meth:`StackTable._offer` counts them) are over the device's capacity."""
-    carry = max(m.saved, m.grads)
+    carry = m.carry
     acc = m.accumulated if accumulated else 0.0
     fb = k * (m.static + carry + acc) - carry + m.live_peak + (in_flight - 1) * k * m.saved
     need = max(fb, k * (m.static + m.grads + m.update_temp))
@@ -1093,7 +1098,7 @@ def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, floa
     """(forward_backward, update, activations, static, resident) of pieces in forward order, each repeated w
     times; resident: the static bytes and the gradients (``PhasePeaks.resident``)."""
     static = sum(m.static * w for m, w in pieces)
-    carry = [max(m.saved, m.grads) for m, _ in pieces]
+    carry = [m.carry for m, _ in pieces]
     total_carry = sum(c * w for c, (_, w) in zip(carry, pieces))
     fb = static + max(m.live_peak + total_carry - c for c, (m, _) in zip(carry, pieces))
     upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
@@ -1125,7 +1130,7 @@ def _compose(specials, blk: _Piece | None, PA, PB, NB):
                     [
                         x.cost.time.total_s,
                         m.static,
-                        max(m.saved, m.grads),
+                        m.carry,
                         m.live_peak,
                         m.grads + m.update_temp,
                         m.saved,
