@@ -4,6 +4,7 @@ its plans against the exact table's (every cap level of every logical mesh)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from meshpilot.errors import UserError
@@ -231,3 +232,44 @@ def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(st
     p = plan_pipeline(stack, "alpa-p3x8", costing="estimated", **kw)
     assert p.costing == StageCosting.STACK_ESTIMATED
     assert calls and {d for d, _ in calls} == {8}, calls
+
+
+def test_a_composed_stage_holds_its_blocks_gradients_as_the_backward_produces_them(stack):
+    """A ZeRO-3 block's gradients are produced whole (partial sums) and stored sharded; each is live from its
+    backward to the end of the stage's backward (``accounting.liveness``), so while one block of a stage peaks
+    the others already past their backward hold theirs whole (``StageMemory.grads_held``, ``StageMemory.carry``):
+    two middle blocks composed from the block's ZeRO-3 plan on 4x2 hold no less than the same two blocks searched
+    as one range. Before the carry read the stored (sharded) gradients: 5.49 MiB composed against 5.75 MiB
+    searched; GPT-6.7B's ``[0,18)@8x1`` (16 selectively recomputing ZeRO-3 blocks, 2 microbatches in flight) read
+    14.6 GiB in both stage tables and needed 17.7 GiB once planned, so both tables chose a stage that does not fit
+    (docs/benchmarks.md, issue 29 item 6)."""
+    from meshpilot.planner.zero import ZeroMode
+
+    sp, B, p, shape = StagePlanner(stack.graph, "alpa-p3x8"), 4, stack.pre, (4, 2)
+    zero = ZeroMode.STAGE3
+    composed = compose_stage(sp, stack, p + 1, p + 3, range(8), shape, microbatches=B, block_zero=zero,
+                             accumulated=True)  # fmt: skip
+    searched = sp.plan(*stack.graph_range(p + 1, p + 3), range(8), shape, microbatches=B, zero=zero)
+    assert composed.peaks.forward_backward >= searched.peaks.forward_backward
+    _, m = sp.plan_with_memory(stack.middle, stack.middle + 1, range(8), shape, microbatches=B, zero=zero)
+    assert m.grads_held > 2 * m.grads and m.carry == max(m.saved, m.grads_held)
+
+
+def test_a_zero3_replica_carries_the_weights_its_backward_reads_gathered(stack):
+    """The estimated table's ZeRO-3 replica of a block (``stack._replicated``, module docstring 5) gathers its
+    weights once a microbatch; those the backward reads through a view the forward saved (``t(weight)`` of each
+    linear: ``accounting.weights_read_back``) stay gathered from its forward to its backward, so while another
+    block of the stage peaks it carries them beside its share of the saved values. Without them GPT-6.7B's
+    ``[10,18)@4x1`` (8 ZeRO-3 replicas of 1x1's block, 2 microbatches in flight) read 14.3 GiB and needed 16.4 GiB
+    once planned."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner.stack import _Piece, _replicated
+
+    sp, B = StagePlanner(stack.graph, "alpa-p3x8"), 4
+    cost, m = sp.plan_with_memory(stack.middle, stack.middle + 1, range(2), (1, 2), microbatches=B)
+    assert m.read_back > 0  # the linears' weights, through their saved transposes
+    cm = CostModel(LogicalMesh(load_cluster("alpa-p3x8"), (4, 2), np.arange(8).reshape(4, 2)))
+    z = _replicated(_Piece(cost, m), 4, cm, True, B).mem
+    assert z.carry >= z.saved + m.read_back and z.grads_held == m.grads_held
+    plain = _replicated(_Piece(cost, m), 4, cm, False, B).mem
+    assert plain.carry == max(plain.saved, plain.grads, plain.grads_held)  # nothing gathered: nothing kept

@@ -288,6 +288,22 @@ def saved_values(graph: OpGraph) -> list[tuple[str, int]]:
     return list(seen)
 
 
+def weights_read_back(graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int]) -> float:
+    """Bytes per device of the parameters the backward reads through a view the forward saved (a linear's
+    ``t(weight)``), each once, in the layout that view reads them: were they redistributed on the way (a ZeRO-3
+    weight gathered), :func:`liveness` would keep that copy from the forward to the backward (the view's base).
+    A block that recomputes its views saves none (``planner.stack`` prices a ZeRO-3 replica's carry with it)."""
+    lay = _Layouts(chosen, mesh_shape)
+    seen: dict[str, float] = {}
+    for n in graph.nodes:
+        if not (n.saved_for_backward and aliases_input(n)):
+            continue
+        src = graph[n.inputs[0][0]]
+        if src.kind == "param" and src.out is not None and src.name not in seen:
+            seen[src.name] = lay.per_device(src.out, lay.operand(n.name, 0) or lay.out(src.name, 0))
+    return sum(seen.values())
+
+
 # ------------------------------------------------------------------------------------------ liveness
 
 
@@ -375,6 +391,10 @@ class Liveness:
     """``A``: the earlier microbatches' summed gradients, live through every node of a later microbatch
     (module docstring; 0 with one microbatch). Included in :attr:`peak` and :attr:`grads` when the peak is
     a node's, not the end of the backward."""
+    produced: float = 0.0
+    """All the parameter gradients (or their buckets) the backward produces, whatever the peak, in the layouts they
+    are produced in: what the graph holds from its backward to the end (the reduced copies made at the end
+    left out; ``planner.stack`` composes pieces with it)."""
 
 
 class _Layouts:
@@ -622,7 +642,9 @@ def _sweep(
     in_grads = sum(size[k] for k in at if k in grad_keys and k not in saved)  # the rest: temporaries
     name = graph.nodes[best_idx].name if best_idx < end else "end of backward"
     held = held if best_idx < end else 0.0
-    return Liveness(best, name, in_saved, in_grads + held, best - in_saved - in_grads - held, held)
+    at_end = set(born.get(end, ()))
+    produced = sum(size[k] for k in grad_keys if k not in saved and k not in at_end)
+    return Liveness(best, name, in_saved, in_grads + held, best - in_saved - in_grads - held, held, produced)
 
 
 # ------------------------------------------------------------------------------------------ memory use

@@ -758,10 +758,10 @@ IN_FLIGHT_REFITS = 4
 
 
 def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, microbatches: int, in_flight: int,
-                   on_cpu: bool) -> StagePlan:  # fmt: skip
+                   on_cpu: bool) -> tuple[StagePlan, float]:  # fmt: skip
     """The stage plan ``search(memory_bytes=…)`` finds for a slice whose schedule keeps `in_flight` microbatches'
-    saved values (``accounting.in_flight_peak``, Eq. 5 as the stage table checks it): searched at `capacity`
-    and, while its Eq. 5 exceeds `capacity`, again under a capacity lowered by the excess (at most
+    saved values (``accounting.in_flight_peak``, Eq. 5 as the stage table checks it), and that Eq. 5: searched
+    at `capacity` and, while its Eq. 5 exceeds `capacity`, again under a capacity lowered by the excess (at most
     :data:`IN_FLIGHT_REFITS` times). ``auto.plan`` holds one microbatch's step to the capacity it is given, so
     without this a stage of the first of S stages could be planned faster than its table entry, and hold more
     than the device once its f(S) microbatches are in flight. Raises ``PlanError`` when no search fits."""
@@ -777,13 +777,13 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
             if cap == capacity:
                 raise
             break  # nothing under the lowered capacity: the last plan's need is the answer
-        if in_flight <= 1:
-            return p
+        if in_flight <= 1:  # Eq. 5 of one microbatch in flight: the plan's own peak, held to the capacity
+            return p, p.memory.total
         run = for_plan(sub, p)  # the graph the plan was made on: its recomputed copies in the backward
         need = in_flight_peak(run, plan_strategies(p, run), p.mesh_shape, microbatches, in_flight, on_cpu,
                               p.grad_buckets)  # fmt: skip
         if need <= capacity * (1 + 1e-9):
-            return dataclasses.replace(p, memory=dataclasses.replace(p.memory, capacity=capacity))
+            return dataclasses.replace(p, memory=dataclasses.replace(p.memory, capacity=capacity)), need
         cap -= need - capacity
         if cap <= 0:
             break
@@ -853,12 +853,14 @@ class PlanStage:
     """The stage DP's cost of the stage on `ranks` as `mesh_shape` over the plan's microbatches (None: a
     one-stage plan, whose :attr:`plan` prices it)."""
     t_s: float
-    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised)."""
+    """Per microbatch: ``cost.time.total_s / microbatches`` (forward + backward, gradient sync amortised); once
+    ``Plan.with_intra`` planned the stage, its :attr:`plan`'s ``time.total_s / microbatches`` (what the step reads)."""
     in_flight: int
     """Microbatches whose activations the stage holds at most under the plan's schedule (1F1B: min(B, stages
     from it to the end); GPipe: B): ``pipeline.stage_in_flight``."""
     memory_bytes: float
-    """Per device: Eq. 5's left side (``pipeline.stage_memory``); a one-stage plan's predicted peak."""
+    """Per device: Eq. 5's left side (``pipeline.stage_memory``; once ``Plan.with_intra`` planned the stage, its
+    plan's: ``accounting.in_flight_peak``); a one-stage plan's predicted peak."""
     recv_bytes: float
     """Bytes per microbatch the stage reads from other stages (Eq. 6's C; the sends priced are
     ``Plan.transfers``)."""
@@ -1087,15 +1089,24 @@ class Plan:
                 # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
                 # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
                 recompute=st.cost.recompute.value if st.cost is not None else "none",
-                zero=st.cost.zero if st.cost is not None and st.cost.zero else "auto",  # as it was costed
             )  # fmt: skip
+            # ZeRO as it was costed; where the table left the search its choice, then the mode the table priced
+            # the stage with when that choice does not fit (``StageCost.zero_fallback``: the estimated table)
+            first = st.cost.zero if st.cost is not None and st.cost.zero else "auto"
+            fallback = st.cost.zero_fallback if st.cost is not None else None
+            modes = [first] + ([fallback] if fallback and fallback != first else [])
             with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
                 warnings.simplefilter("ignore", UserWarning)
-                try:
-                    p = _in_flight_fit(search, sub, self.capacity, self.microbatches, st.in_flight, on_cpu)
-                except PlanError as e:
-                    raise _StageDoesNotFit(len(stages), e) from None
-            stages.append(dataclasses.replace(st, plan=p))
+                for j, zero in enumerate(modes):
+                    try:
+                        p, need = _in_flight_fit(functools.partial(search, zero=zero), sub, self.capacity,
+                                                 self.microbatches, st.in_flight, on_cpu)  # fmt: skip
+                        break
+                    except PlanError as e:
+                        if j == len(modes) - 1:
+                            raise _StageDoesNotFit(len(stages), e) from None
+            # the stage's t and Eq. 5 its own plan's, not its table entry's: the step printed and saved is the plan's
+            stages.append(dataclasses.replace(st, plan=p, t_s=p.time.total_s / self.microbatches, memory_bytes=need))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the
         # runtime moves (``runtime.pipeline_stages``) and the simulator prices; a boundary the plan priced keeps
         # its seconds (on the plan's cluster, which `cluster` — data-parallel stages' — need not be)

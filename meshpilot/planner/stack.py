@@ -30,8 +30,9 @@ gradients ``G``, update temporaries ``U``, saved activations ``A``, live peak ``
 
     t(stage)          = t_P + k · t_blk + t_Q                                          → ``T``
     static            = s_P + k · s_blk + s_Q                                          → ``static``
-    forward_backward  = static + max over pieces x of (V_x + Σ_{y ≠ x} max(A_y, G_y))
+    forward_backward  = static + max over pieces x of (V_x + Σ_{y ≠ x} c_y)
                         + Σ_x acc_x                                                    → ``fb``
+    c_y               = max(A_y + K_y, G_y, H_y)                                       → ``StageMemory.carry``
     update            = static + Σ_x (G_x + U_x)                                       → ``upd``
     activations       = A_P + k · A_blk + A_Q                                          → ``act``
 
@@ -40,11 +41,22 @@ gradients ``G``, update temporaries ``U``, saved activations ``A``, live peak ``
 node from the second microbatch on, as ``auto.plan`` — and so ``Plan.with_intra`` — counts them; each piece's
 ILP holds them on its backward row too. Left out, GPT-39B's last stage of 10 blocks and the head composed to
 15.3 GiB and planned at 22.7: its ZeRO-3 blocks' summed gradients are whole, 0.8 GiB a block on 4x2).
-The carry ``max(A_y, G_y)`` bounds what piece y holds while x peaks: its saved activations when x runs
-before y's backward, its gradients after. A range with no block is a piece itself (exact). A stage of one
-piece is exactly the exact table's cost; one of k > 1 blocks assumes the blocks chain with no resharding
-between them (the block's plan read as its own successor: the layout it leaves its output in is the one it
-takes its input in — the tests hold the fast path to the exact path's plan and step on small GPTs).
+The carry ``c_y`` bounds what piece y holds while x peaks: its saved activations ``A_y`` when x runs before
+y's backward (with ``K_y``, ``StageMemory.saved_held``: a ZeRO-3 replica's gathered weights that the backward
+reads through a saved view, section 5; 0 for a searched piece), its gradients after — as the backward produces
+them, ``H_y`` (``StageMemory.grads_held``, ``accounting.Liveness.produced``), held to the end of the stage's
+backward where they are reduced, at least the stored ``G_y``. Under ZeRO-3 ``H_y`` is the whole partial sum and
+``G_y`` its shard: carried as ``G_y``, GPT-6.7B's ``[0,18)@8x1`` (16 selectively recomputing ZeRO-3 blocks, 2
+microbatches in flight) read 14.6 GiB in both tables and needed 17.7 GiB once planned (its peak: the end of
+the backward, every block's gradient whole beside their sum over the microbatches); with ``H_y`` 17.8. A
+searched piece's own kept copies (its liveness keeps a gathered weight under a saved view too) are left out of
+``K``: a stage's own search keeps fewer of them than its block alone (GPT-6.7B's ``[18,36)@8x1`` under ZeRO-3:
+0.12 GiB a block, its block alone 0.375), and carried they priced that stage's capped block at 16.6 GiB where
+its own plan needs 15.9: the estimated table's final plan was then 8.7 % slower. A range with no block is a
+piece itself (exact). A stage of one piece is exactly the exact table's cost; one of k > 1 blocks assumes the
+blocks chain with no resharding between them (the block's plan read as its own successor: the layout it leaves
+its output in is the one it takes its input in — the tests hold the fast path to the exact path's plan and step
+on small GPTs).
 
 Eq. 5 then reads ``max(upd, fb + (f(s) − 1) · act) ≤ capacity`` (``pipeline.stage_memory``), vectorised over
 every range and stage count at once per (shape, level) (``StackTable.arrays``). Levels trade time for memory:
@@ -174,8 +186,14 @@ input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scat
                  static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
     ZeRO-3       t = (C + K + R + O) / r + RS(w) + B · AG(w)
                  static = s / r,  grads = w / r,  update = u / r,  saved = v / r,  live = (l − w) / r + w / r + w
+                 kept K = w_back
 
-(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them). The base
+(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them; ``w_back``
+the base's weights the backward reads through a view the forward saved, ``accounting.weights_read_back``: their
+gathered copy is held from the forward to the backward, section 2's ``K``, so the replica carries it while another
+block peaks — GPT-6.7B's ``[10,18)@4x1`` of 8 ZeRO-3 blocks read 14.3 GiB without it, 16.4 planned; a recomputing
+block recomputes its views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a replica's
+gradients are produced as partial sums over axis 0, whole). The base
 meshes themselves (r = 1) are their own plans. The second base is there because across servers the ILP shards
 the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device, where a replica of 1x2's plan
 holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows. The six
@@ -196,12 +214,14 @@ one that searches: the table's planning workers take the columns as the exact ta
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
 best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own search (``StageCost.zero`` None:
-``Plan.with_intra`` plans it with ``zero="auto"``). Measured in ``docs/benchmarks.md`` (issue 29 item 6): the
-final plans within 1 % of the exact table's on four of the five Alpa GPT rows; on GPT-6.7B both tables' first
-choice, ``[0,18)@8x1 rc-sel``, does not fit once planned, and the estimate's next best, ``[0,9)@4x1 rc-sel
-[9,18)@4x1 [18,36)@8x1`` (its table step 45.06 s), steps 46.47 s once planned, 4.4 % over the exact table's final
-plan — the DP's best with any one of its stages ruled out, planned too (tried, not kept), was ``[0,10)@4x1 rc-sel
-[10,19)@4x1 [19,36)@8x1``, 46.53 s — so it is not the default.
+``Plan.with_intra`` plans it with ``zero="auto"``, and with the ZeRO mode its entry was priced with,
+``StageCost.zero_fallback``, where that search does not fit). Measured in ``docs/benchmarks.md`` (issue 29 item
+6, the est29b section): with the carries of section 2 (``H``, ``K``) GPT-6.7B's estimated table chooses the exact
+table's stages, ``[0,10)@4x1 rc-sel [10,18)@4x1 rc-sel [18,36)@8x1``, 44.44 s once planned (0.999 of the exact
+table's; 4.4 % over before), and 1.3B and 2.6B are unchanged; GPT-39B's plan became 12 stages, 80.92 s once
+planned, 2.4 % over the exact table's 79.04 (0.999 before): its first stage ``[0,5)@4x1 rc`` as ZeRO-3 replicas reads
+16.3 GiB, the embedding's gradient carried whole (``H`` of the base), where the stage's own search shards it — so it
+is not the default.
 """
 
 from __future__ import annotations
@@ -928,7 +948,8 @@ class StackTable:
             accumulated=self.counts_accumulated, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
-            cost = dataclasses.replace(cost, zero=None)  # chooses its ZeRO (module docstring, 5)
+            # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
+            cost = dataclasses.replace(cost, zero=None, zero_fallback=cost.zero)
         return cost
 
 
@@ -1004,13 +1025,17 @@ def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
         once = cm.reduce_scatter(w, 0)
         sync = once + B * cm.all_gather(w, 0)
         time_ = StepTime(t.compute_s / a, t.communication_s / a + sync, t.resharding_s / a, t.optimizer_s / a)
-        mem = StageMemory(m.static / a, w / a, m.update_temp / a, m.saved / a, acts + w / a + w, m.accumulated)
+        # carried to the backward: the weights it reads through saved views, gathered (``liveness`` keeps the copy);
+        # the gradients as produced: the replica's partial sums, whole (the reduce-scatter's input)
+        mem = StageMemory(m.static / a, w / a, m.update_temp / a, m.saved / a, acts + w / a + w, m.accumulated,
+                          read_back=m.read_back, saved_held=m.read_back, grads_held=m.grads_held)  # fmt: skip
     else:
         once = cm.all_reduce(w, 0)
         time_ = StepTime(t.compute_s / a, t.communication_s / a + once, t.resharding_s / a,
                          t.optimizer_s)  # fmt: skip
         static = m.static - x.inputs * (1 - 1 / a)  # the input leaves are a replica's rows
-        mem = StageMemory(static, w, m.update_temp, m.saved / a, acts + w, m.accumulated)
+        mem = StageMemory(static, w, m.update_temp, m.saved / a, acts + w, m.accumulated, read_back=m.read_back,
+                          grads_held=m.grads_held)  # fmt: skip
     # the gradients' sync once a step (StageCost.sync_s): the base's, scaled as its collectives are, and axis 0's
     return _Piece(dataclasses.replace(x.cost, time=time_, sync_s=x.cost.sync_s / a + once), mem)
 
@@ -1019,7 +1044,7 @@ def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, 
     """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
     (Eq. 5 with `in_flight` microbatches in flight; with `accumulated`, the summed gradients counted as
     :meth:`StackTable._offer` counts them) are over the device's capacity."""
-    carry = max(m.saved, m.grads)
+    carry = m.carry
     acc = m.accumulated if accumulated else 0.0
     fb = k * (m.static + carry + acc) - carry + m.live_peak + (in_flight - 1) * k * m.saved
     need = max(fb, k * (m.static + m.grads + m.update_temp))
@@ -1097,7 +1122,7 @@ def _compose_one(pieces: Sequence[tuple[StageMemory, int]]) -> tuple[float, floa
     """(forward_backward, update, activations, static, resident) of pieces in forward order, each repeated w
     times; resident: the static bytes and the gradients (``PhasePeaks.resident``)."""
     static = sum(m.static * w for m, w in pieces)
-    carry = [max(m.saved, m.grads) for m, _ in pieces]
+    carry = [m.carry for m, _ in pieces]
     total_carry = sum(c * w for c, (_, w) in zip(carry, pieces))
     fb = static + max(m.live_peak + total_carry - c for c, (m, _) in zip(carry, pieces))
     upd = static + sum((m.grads + m.update_temp) * w for m, w in pieces)
@@ -1129,7 +1154,7 @@ def _compose(specials, blk: _Piece | None, PA, PB, NB):
                     [
                         x.cost.time.total_s,
                         m.static,
-                        max(m.saved, m.grads),
+                        m.carry,
                         m.live_peak,
                         m.grads + m.update_temp,
                         m.saved,

@@ -135,6 +135,7 @@ from meshpilot.planner.accounting import (
     accumulated_bytes,
     liveness,
     step_edges,
+    weights_read_back,
 )
 from meshpilot.planner.auto import compute_lower_bound
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
@@ -541,6 +542,10 @@ class StageCost:
     collective, ``accounting.EdgeKind.GRAD``: over DP, and CP or TP where a gradient is partial there). What a
     pipeline plan that overlaps it (``Plan.sync_overlap``) issues after the stage's last backward; 0 in costs
     made before it was kept."""
+    zero_fallback: str | None = None
+    """Where :attr:`zero` is None but the table priced the stage's memory with a ZeRO mode (the estimated table,
+    ``planner.stack`` module docstring, 5): that mode, which ``Plan.with_intra`` plans the slice with when the
+    search's own choice does not hold the stage's microbatches in flight."""
 
 
 @dataclass(frozen=True)
@@ -568,6 +573,24 @@ class StageMemory:
     live_held: float = 0.0
     """The forward + backward's peak of values over the microbatches, :attr:`accumulated` held beside every
     node but the last (``accounting.liveness``, as ``accounting.memory_use`` counts it); 0: one microbatch."""
+    read_back: float = 0.0
+    """Of the weights, those the backward reads through a view the forward saved (``accounting.weights_read_back``):
+    what a ZeRO-3 replica of the piece keeps gathered from its forward to its backward (``planner.stack``)."""
+    saved_held: float = 0.0
+    """What the piece holds from its forward to its backward beyond :attr:`saved` (a ZeRO-3 replica's gathered
+    weights read back, ``stack._replicated``); 0 for a searched piece: the copies its own plan keeps depend on
+    the plan (module docstring of ``planner.stack``, 2)."""
+    grads_held: float = 0.0
+    """One microbatch's gradients as the backward produces them (``accounting.Liveness.produced``: a replicated
+    or ZeRO parameter's partial sum whole), live from the piece's backward to the end of the whole backward
+    (``accounting.liveness``: a gradient's last use is the end); more than :attr:`grads` where the stored layout
+    shards what the backward produces whole (ZeRO). 0: not known (:attr:`carry` reads :attr:`grads`)."""
+
+    @property
+    def carry(self) -> float:
+        """What the piece holds while another piece of its stage peaks (``planner.stack`` module docstring, 2):
+        its saved values before its backward, its gradients as produced after it, to the end."""
+        return max(self.saved + self.saved_held, self.grads, self.grads_held)
 
     @property
     def peaks(self) -> PhasePeaks:
@@ -864,7 +887,9 @@ class StagePlanner:
             acc = accumulated_bytes(sub, cand.chosen, shape)
             held = liveness(sub, cand.chosen, shape, microbatches).peak
         static = p.params + p.optimizer + p.inputs
-        mem = StageMemory(static, p.grads, p.update_temp, p.saved, p.live.peak, acc, held)
+        back = weights_read_back(sub, cand.chosen, shape)
+        mem = StageMemory(static, p.grads, p.update_temp, p.saved, p.live.peak, acc, held, back,
+                          grads_held=p.live.produced)  # fmt: skip
         sync = sum(c.seconds for c in acct.collectives if c.dst.startswith("grad:"))
         cost = StageCost(
             (start, stop), ranks, shape, cand.mapping, acct.time, cand.usage, mem.peaks, fwd, time.perf_counter() - t0,
