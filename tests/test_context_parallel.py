@@ -53,8 +53,9 @@ GPT = dict(layers=2, hidden=64, heads=8)
 REFEREED = ("gpt",)
 """Models whose 4-rank runs are held to a float64 copy after the first step: the GPT's gradients at 1e-2 AdamW
 drift from one device's by 1.5e-5, then 1.0e-4 (measured on a Ulysses plan, its first step's 1.2e-8), as AdamW
-turns float32 rounding of near-zero gradients into steps of up to its learning rate; a run whose gradients stay
-within twice the single device's distance from float64 is as exact as float32 allows."""
+turns float32 rounding of near-zero gradients into steps of up to its learning rate. So each step both float32
+runs' gradients are held to float64's at their own weights (``lockstep_adamw(at_own_weights=True)``): a run
+whose gradients stay within twice the single device's distance from float64 is as exact as float32 allows."""
 GPT_CAP = 4.5 * 2**20
 """Under it the GPT's plan is Ulysses (the query-row plan, faster, holds 5.7 MiB)."""
 MODELS = {
@@ -529,7 +530,7 @@ def _worker(jobs: dict) -> dict:
         with _capturing(key):
             graph = graph_of(key, model, plan_)  # one capture per model key
         pm = parallelize(model, plan_, graph=graph)
-        res = lockstep_adamw(ref, pm, inputs, STEPS, ref64=ref64)
+        res = lockstep_adamw(ref, pm, inputs, STEPS, ref64=ref64, at_own_weights=True)
         planned = plan_.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]
         if name in MEASURED:
