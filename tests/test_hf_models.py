@@ -5,10 +5,10 @@ built as `--model hf:<name> --hf-config …` builds them (`meshpilot.models.sour
 Pure (one process): each captures and plans for a ``dgx-h100`` cluster with no fallback (every op has a
 strategy) and no CPU-only kernel in the plan (attention is the device-generic ``meshpilot.sdpa``).
 
-On 4 gloo processes (one spawn): for every model, the solver's plan on every 2D mesh of 4 devices and the
-forced data-parallel, Megatron and ZeRO-3 plans on the meshes of ``FORCED_MESHES`` (not for ``SOLVER_ONLY``), trained side by side with
-the single-device model for 3 stock AdamW steps (the same random stream for both: dropout is exact under
-sharding): loss and every gradient within 1e-5 of the single device's at every step, buffers equal, and the
+On 4 gloo processes (one spawn): for every model, the solver's plan on every 2D mesh of 4 devices and (but for
+``SOLVER_ONLY``) the forced data-parallel, Megatron and ZeRO-3 plans on the meshes of ``FORCED_MESHES``, trained
+side by side with the single-device model for 3 stock AdamW steps (the same random stream for both: dropout is
+exact under sharding): loss and every gradient within 1e-5 of the single device's at every step, buffers equal, and the
 collectives each step issues (kind, mesh axis, bytes, phase) equal the plan's.
 """
 
