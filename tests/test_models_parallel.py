@@ -40,10 +40,11 @@ FRESH = "hybrid"
 FALLBACK = "cdist"
 WIDE = "wideconv"
 MODELS = (*ZOO, FRESH, FALLBACK, WIDE)
-# 8 ranks cost about four times what 4 do per collective on a 2-core machine (8 processes woken per ring step;
-# measured on an AMD EPYC VM: 35 ms against 8 ms an all-reduce of 4 KiB): there, the two models whose layouts
-# differ most on 8 — the GPT (8 heads: one a rank on (1, 8)) and the MoE (8 experts: one a rank). The encoder,
-# the conv net and the fresh hybrid (the same attention, convolutions and MLPs as on 4 ranks) run on 4 only.
+# 8 ranks cost 2.4-4.4x what 4 do per collective on a 2-core machine (8 processes woken per ring step; an
+# all-reduce of 4 KiB on an AMD EPYC VM: 24-35 ms against 8-10 ms, benchmarks/bench_gloo_ranks.py): there, the two
+# models whose layouts differ most on 8 — the GPT (8 heads: one a rank on (1, 8)) and the MoE (8 experts: one a
+# rank). The encoder, the conv net and the fresh hybrid (the same attention, convolutions and MLPs as on 4 ranks)
+# run on 4 only.
 MODELS_AT = {4: MODELS, 8: ("gpt", "moe")}
 # the forced kinds: every mesh on 4 ranks; on 8, the mixed mesh only, where each kind uses both axes (DP and
 # ZeRO-3 over 8 ranks, Megatron TP 4 x DP 2). Profiled: 8-rank program recording costs 2-28 s a run, and these
