@@ -500,6 +500,10 @@ def _zigzag_kernel() -> list[float]:
 # ------------------------------------------------------------------------------------------- 4 ranks
 
 
+PLANNED_ONLY = ("allgather-b2",)
+"""Plans checked as plans but not run on 4 ranks: the all-gather by query rows at batch 2 is ``forced``'s layout
+with a batch of two (each 4-rank run of this file costs ~45 CPU s on a 2-core AMD EPYC)."""
+
 MEASURED = ("ring", "ring-causal")
 """Plans whose peak memory the 4-rank run measures against the prediction (within 10 %)."""
 
@@ -542,12 +546,13 @@ def _worker(jobs: dict) -> dict:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
-    jobs = {name: (key, p.to_json()) for name, (key, p) in plans.items()}
+    run = [name for name in plans if name not in PLANNED_ONLY]
+    jobs = {name: (plans[name][0], plans[name][1].to_json()) for name in run}
     jobs["zigzag-kernel"] = ("", "")
     per_rank = run_distributed(_worker, 4, jobs, timeout=1800)
     zig = max(max(r["zigzag-kernel"]) for r in per_rank)  # the zig-zag layout's kernels, on their own
     assert zig < 1e-5, [r["zigzag-kernel"] for r in per_rank]
-    for name in plans:  # the largest differences over ranks and steps, for the record (pytest -s)
+    for name in run:  # the largest differences over ranks and steps, for the record (pytest -s)
         keys = ("loss", "grad", "grad64_par", "grad64_ref")
         worst = {k: max(max(r[name].get(k, [0.0])) for r in per_rank) for k in keys}
         first = max(r[name]["grad"][0] for r in per_rank)
@@ -558,7 +563,7 @@ def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
     for name in MEASURED:
         peak = max(r[name]["peak"] for r in per_rank)
         print(f"{name}: predicted {plans[name][1].memory.total / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB")
-    for name in plans:
+    for name in run:
         for rank, r in enumerate(per_rank):
             got = r[name]
             if plans[name][0] in REFEREED:  # the first step's gradients to 1e-5, then as close to float64
