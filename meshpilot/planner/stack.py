@@ -585,7 +585,7 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
         if self.costing == TableCosting.ESTIMATED:
-            self._plan_catalogue(layout[3], layout[4])
+            self._plan_catalogue()
         self._first = map_columns(
             functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
@@ -754,11 +754,11 @@ class StackTable:
         cl = self.planner.cluster
         return cl.layers[-1].ranks if cl.layers else 1
 
-    def _plan_catalogue(self, pres: list, posts: list) -> None:
+    def _plan_catalogue(self) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
-        some logical mesh ``(a, b)`` of the table has, every pre and post piece and each graph's middle block
-        planned on ``(1, b)`` at the device's capacity, and where the table has meshes across servers on
-        ``(2 · server / b, b)`` too (two servers)."""
+        some logical mesh ``(a, b)`` of the table has, each graph's middle block planned on ``(1, b)`` at the
+        device's capacity, and where the table has meshes across servers on ``(2 · server / b, b)`` too (two
+        servers)."""
         server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
         bases = [(1, b) for b in tps]
@@ -767,22 +767,16 @@ class StackTable:
         modes = [Recompute.NONE, *self.recomputed]
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
         # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
-        tasks = [(base, Recompute.NONE, r) for base in bases for r in (*pres[1:], *posts[1:])]
-        tasks += [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        tasks = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
         planners = [self._graph_of(mode)[0] for mode in modes]
         found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, self.workers)))
         for base in bases:
-            pre = [None] + [found[(base, Recompute.NONE, r)] for r in pres[1:]]
-            post = [None] + [found[(base, Recompute.NONE, r)] for r in posts[1:]]
-            self._catalogue[base] = {mode: (pre, post, found[(base, mode, self._graph_of(mode)[1].middle)])
-                                     for mode in modes}  # fmt: skip
+            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
 
-    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, tuple[int, int] | int]) -> _Piece | None:
-        """One search of the catalogue: ``(base, graph, layers)``, the layers a pre or post range of the captured
-        graph, or the middle block (its graph layer) of `graph`'s."""
-        base, mode, rng = task
-        rng = (rng, rng + 1) if isinstance(rng, int) else rng
-        return self._listed(self._graph_of(mode)[0], rng, base)
+    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
+        base, mode, mid = task
+        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base)
 
     def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
         """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
@@ -797,10 +791,11 @@ class StackTable:
 
     def _estimated_levels(self, ctx: _Ctx, win: _Winners, j: int, shape) -> None:
         """The estimated table's candidates of logical mesh ``shape = (a, b)`` (the j-th; module docstring, 5):
-        for each :class:`ApproxLevel` its catalogue pieces of ``(a0, b)`` — ``(1, b)`` within a server, the
+        for each :class:`ApproxLevel` its catalogue block of ``(a0, b)`` — ``(1, b)`` within a server, the
         two-server base across servers — replicated over ``a / a0`` (:func:`_replicated`: ZeRO-3 for the ZeRO
-        levels), offered as every other table offers its plans. A mesh with no such base, or whose a does not
-        divide the microbatch's rows, is not priced."""
+        levels), with the pre and post pieces searched on ``shape`` itself (``_both_specials``, as the exact table
+        and :meth:`stage_cost` plan them), offered as every other table offers its plans. A mesh with no such
+        base, or whose a does not divide the microbatch's rows, is not priced."""
         a, b = shape
         rows = min((int(x.shape[0]) for x in self.stack.graph.input_infos if len(x.shape)), default=1)
         a0 = 1 if a * b <= self._server() else 2 * self._server() // b
@@ -810,18 +805,16 @@ class StackTable:
         r = a // a0
         mesh = LogicalMesh(self.planner.cluster, tuple(shape), np.arange(a * b).reshape(shape))
         cm = CostModel(mesh)
+        specials = None  # searched once a level needs them
         for level in ApproxLevel:
             mode = level.recompute
             if mode not in self._catalogue[base] or (r == 1 and level.zero is not None):
                 continue  # ZeRO over one replica is the plan itself
-            pre, post, blk = self._catalogue[base][mode]
-            zero = level.zero is not None
-            # a piece with no plan stays missing: ∞ where a range needs it
-            scaled = [[None if x is None else _replicated(x, r, cm, zero, self.microbatches) for x in xs]
-                      for xs in (pre, post)]  # fmt: skip
-            one = None if blk is None else _replicated(blk, r, cm, zero, self.microbatches)
+            blk = self._catalogue[base][mode]
+            specials = self._both_specials(ctx, shape) if specials is None else specials
+            one = None if blk is None else _replicated(blk, r, cm, level.zero is not None, self.microbatches)
             c = Candidate(len(ctx.ranks), tuple(shape), self.capacity, level.zero, mode)
-            self._offer(ctx, win, j * LEVEL_KEYS + int(level), scaled, one, c)
+            self._offer(ctx, win, j * LEVEL_KEYS + int(level), specials, one, c)
 
     def refine(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
         """The variant table's second pass (module docstring, 4): :meth:`arrays` again with each logical mesh's
