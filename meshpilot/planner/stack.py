@@ -169,18 +169,17 @@ searches of the second pass cost GPT-39B most of what the exact table's cap leve
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
 Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
-logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing
-a server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first
-b ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2,
-4x4, 2x8 on alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and
-wholly recomputing) are planned once at the device's capacity: the *catalogue*, its searches (one per base, piece and
-graph) spread over the planning workers (``planner.parallel``; what they search merged into each graph's planner), the
-columns then priced in this process (they search nothing). A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when
-``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's plan, each computing
-``1/r`` of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives,
-resharding, optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its
-input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of
-``(a, b)``):
+logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing a
+server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b
+ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4,
+2x8 on alpa-p3x8); on each, each graph's middle block (captured, selectively and wholly recomputing) is planned once at
+the device's capacity: the *catalogue*, its searches (one per base and graph) spread over the planning workers
+(``planner.parallel``; what they search merged into each graph's planner). A mesh ``(a, b)`` prices its blocks from its
+base — ``(1, b)`` when ``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's
+block plan, and searches its pre and post pieces itself (below), in the columns' workers. Each replica computes ``1/r``
+of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives, resharding,
+optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its input leaves
+per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of ``(a, b)``):
 
     replicated   t = (C + K + R) / r + O + AR(w)
                  static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
@@ -188,19 +187,27 @@ input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scat
                  static = s / r,  grads = w / r,  update = u / r,  saved = v / r,  live = (l − w) / r + w / r + w
                  kept K = w_back
 
-(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them; ``w_back``
-the base's weights the backward reads through a view the forward saved, ``accounting.weights_read_back``: their
-gathered copy is held from the forward to the backward, section 2's ``K``, so the replica carries it while another
-block peaks — GPT-6.7B's ``[10,18)@4x1`` of 8 ZeRO-3 blocks read 14.3 GiB without it, 16.4 planned; a recomputing
-block recomputes its views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a replica's
-gradients are produced as partial sums over axis 0, whole). The base
-meshes themselves (r = 1) are their own plans. The second base is there because across servers the ILP shards
-the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device, where a replica of 1x2's plan
-holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows. The six
-:class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same ``_offer``
-as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r does
-not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per base, whatever the
-cluster's size.
+(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them; ``w_back`` the
+base's weights the backward reads through a view the forward saved, ``accounting.weights_read_back``: their gathered
+copy is held from the forward to the backward, section 2's ``K``, so the replica carries it while another block peaks —
+GPT-6.7B's ``[10,18)@4x1`` of 8 ZeRO-3 blocks read 14.3 GiB without it, 16.4 planned; a recomputing block recomputes its
+views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a replica's gradients are produced as
+partial sums over axis 0, whole). The base meshes themselves (r = 1) are their own plans. The second base is there
+because across servers the ILP shards the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device,
+where a replica of 1x2's plan holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows.
+The six :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same
+``_offer`` as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r
+does not divide the microbatch's rows is not priced. Searches: 3 blocks per base, whatever the cluster's size, and at
+most ``p(p+1)/2 + q(q+1)/2`` small pieces per priced mesh.
+
+The pre and post pieces (embeddings; final norm and head) are not replicas: on every priced mesh they are searched
+(``_both_specials``, at the device's capacity, only those some range useful on that size has), as the exact table
+and :meth:`StackTable.stage_cost` plan them. A replica of 1x1's embedding is data parallel, its ZeRO-3 form
+producing the table's gradient whole (``H = g`` of the base, and the summed gradients whole); the search on 4x1
+shards the table over the vocabulary instead, its gradient produced sharded (GPT-39B: 0.199 GiB held where the
+replica held 0.797, and 0.069 s of the step where it took 0.487). Priced as replicas, GPT-39B's first stage
+``[0,5)@4x1 rc`` read 16.3 GiB and was ruled out, and the final plan was 2.4 % over the exact table's. They are
+a few small searches per mesh, cheap beside a block's.
 
 The meshes of one whole server (size d = the server's GPUs: 8x1, 4x2, 2x4, 1x8 on alpa-p3x8) are searched as well,
 after their replicas were offered: each one's cap levels as the exact table's (section 2, :meth:`_cap_levels`),
@@ -209,7 +216,7 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches: the table's planning workers take the columns as the exact table's do.
+one that searches blocks: the table's planning workers take the columns as the exact table's do.
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
