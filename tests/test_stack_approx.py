@@ -280,9 +280,8 @@ def test_the_estimated_table_prices_the_embedding_and_head_as_their_own_search_o
     pre and post pieces (embeddings; final norm and head) as their own search on that mesh (``planner.stack``
     module docstring, 5), as the exact table and ``StackTable.stage_cost`` plan them: a replica of 1x1's embedding
     holds its gradient whole (the partial sums a ZeRO-3 replica produces), where the search on 4x1 shards the
-    table over the vocabulary and produces its gradient sharded. Priced as replicas, GPT-39B's ``[0,5)@4x1 rc``
-    carried the embedding's gradient whole (1.15 GiB more than its own plan), so the estimated table ruled the
-    stage out and its final plan was 2.4 % slower than the exact table's (docs/benchmarks.md, issue 29 item 6)."""
+    table over the vocabulary and produces its gradient sharded (GPT-39B's embedding on 4x1: 0.797 GiB held as a
+    replica, 0.199 by its own search; docs/benchmarks.md, issue 29 item 6, est29c)."""
     from meshpilot.planner.stack import StackTable, TableCosting
 
     seen = {}

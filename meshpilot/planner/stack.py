@@ -205,9 +205,11 @@ The pre and post pieces (embeddings; final norm and head) are not replicas: on e
 and :meth:`StackTable.stage_cost` plan them. A replica of 1x1's embedding is data parallel, its ZeRO-3 form
 producing the table's gradient whole (``H = g`` of the base, and the summed gradients whole); the search on 4x1
 shards the table over the vocabulary instead, its gradient produced sharded (GPT-39B: 0.199 GiB held where the
-replica held 0.797, and 0.069 s of the step where it took 0.487). Priced as replicas, GPT-39B's first stage
-``[0,5)@4x1 rc`` read 16.3 GiB and was ruled out, and the final plan was 2.4 % over the exact table's. They are
-a few small searches per mesh, cheap beside a block's.
+replica held 0.797, and 0.069 s of the step where it took 0.487). They are a few small searches per mesh, cheap
+beside a block's (GPT-1.3B and 2.6B's tables: the same CPU within the noise). No Alpa GPT row's plan changed with
+them: GPT-39B's ``[0,5)@4x1 rc`` is over the device as the first of 9 stages because its 3 ZeRO-3 blocks, composed
+at full memory, carry their gradients whole (section 2's ``H``; the blocks' own plan on 4x1 is the replica's twin),
+where the range's own search shards more (docs/benchmarks.md, issue 29 item 6, est29c).
 
 The meshes of one whole server (size d = the server's GPUs: 8x1, 4x2, 2x4, 1x8 on alpa-p3x8) are searched as well,
 after their replicas were offered: each one's cap levels as the exact table's (section 2, :meth:`_cap_levels`),
