@@ -273,3 +273,39 @@ def test_a_zero3_replica_carries_the_weights_its_backward_reads_gathered(stack):
     assert z.carry >= z.saved + m.read_back and z.grads_held == m.grads_held
     plain = _replicated(_Piece(cost, m), 4, cm, False, B).mem
     assert plain.carry == max(plain.saved, plain.grads, plain.grads_held)  # nothing gathered: nothing kept
+
+
+def test_the_estimated_table_prices_the_embedding_and_head_as_their_own_search_on_each_mesh(stack, monkeypatch):
+    """The estimated table prices a mesh's blocks as replicas of a base's block (``stack._replicated``), but its
+    pre and post pieces (embeddings; final norm and head) as their own search on that mesh (``planner.stack``
+    module docstring, 5), as the exact table and ``StackTable.stage_cost`` plan them: a replica of 1x1's embedding
+    holds its gradient whole (the partial sums a ZeRO-3 replica produces), where the search on 4x1 shards the
+    table over the vocabulary and produces its gradient sharded (GPT-39B's embedding on 4x1: 0.797 GiB held as a
+    replica, 0.199 by its own search; docs/benchmarks.md, issue 29 item 6, est29c)."""
+    from meshpilot.planner.stack import StackTable, TableCosting
+
+    seen = {}
+    real = StackTable._offer
+
+    def spy(self, ctx, win, key, specials, blk, c):
+        if self.costing == TableCosting.ESTIMATED:
+            seen.setdefault(c.shape, (specials, ctx.pres, ctx.posts))
+        return real(self, ctx, win, key, specials, blk, c)
+
+    monkeypatch.setattr(StackTable, "_offer", spy)
+    B, shape = 4, (4, 1)
+    plan_pipeline(stack, "alpa-p3x8", microbatches=B, num_devices=4, costing="estimated", workers=1)
+    (pre_pieces, post_pieces), pres, posts = seen[shape]
+    sp = StagePlanner(stack.graph, "alpa-p3x8")
+    checked = 0
+    for pieces, ranges in ((pre_pieces, pres), (post_pieces, posts)):
+        for x, rng in zip(pieces[1:], ranges[1:]):
+            if x is None:
+                continue
+            _, own = sp.plan_with_memory(*rng, range(4), shape, microbatches=B)
+            assert x.mem == own, rng
+            checked += 1
+    assert checked >= 2
+    _, one = sp.plan_with_memory(0, stack.pre, range(1), (1, 1), microbatches=B)
+    embedding = pre_pieces[pres.index((0, stack.pre))].mem
+    assert embedding.grads_held < one.grads_held  # produced sharded, not whole as a replica's

@@ -169,18 +169,17 @@ searches of the second pass cost GPT-39B most of what the exact table's cap leve
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
 Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
-logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing
-a server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first
-b ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2,
-4x4, 2x8 on alpa-p3x8); on each, the pre and post pieces and each graph's middle block (captured, selectively and
-wholly recomputing) are planned once at the device's capacity: the *catalogue*, its searches (one per base, piece and
-graph) spread over the planning workers (``planner.parallel``; what they search merged into each graph's planner), the
-columns then priced in this process (they search nothing). A mesh ``(a, b)`` is priced from its base — ``(1, b)`` when
-``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's plan, each computing
-``1/r`` of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives,
-resharding, optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its
-input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of
-``(a, b)``):
+logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing a
+server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b
+ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4,
+2x8 on alpa-p3x8); on each, each graph's middle block (captured, selectively and wholly recomputing) is planned once at
+the device's capacity: the *catalogue*, its searches (one per base and graph) spread over the planning workers
+(``planner.parallel``; what they search merged into each graph's planner). A mesh ``(a, b)`` prices its blocks from its
+base — ``(1, b)`` when ``a · b`` fits in a server, else the two-server one — as ``r = a / a0`` replicas of the base's
+block plan, and searches its pre and post pieces itself (below), in the columns' workers. Each replica computes ``1/r``
+of the microbatch's rows (:func:`_replicated`; piece x with times ``C, K, R, O`` — compute, collectives, resharding,
+optimizer — and memory parts ``s, g, u, v, l`` of ``StageMemory``, ``w = g`` its weights' bytes, ``I`` its input leaves
+per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scatter and all-gather over axis 0 of ``(a, b)``):
 
     replicated   t = (C + K + R) / r + O + AR(w)
                  static = s − I · (1 − 1/r),  grads = w,  saved = v / r,  live = (l − w) / r + w
@@ -188,19 +187,29 @@ input leaves per device, ``AR, RS, AG`` the cost model's all-reduce, reduce-scat
                  static = s / r,  grads = w / r,  update = u / r,  saved = v / r,  live = (l − w) / r + w / r + w
                  kept K = w_back
 
-(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them; ``w_back``
-the base's weights the backward reads through a view the forward saved, ``accounting.weights_read_back``: their
-gathered copy is held from the forward to the backward, section 2's ``K``, so the replica carries it while another
-block peaks — GPT-6.7B's ``[10,18)@4x1`` of 8 ZeRO-3 blocks read 14.3 GiB without it, 16.4 planned; a recomputing
-block recomputes its views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a replica's
-gradients are produced as partial sums over axis 0, whole). The base
-meshes themselves (r = 1) are their own plans. The second base is there because across servers the ILP shards
-the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device, where a replica of 1x2's plan
-holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows. The six
-:class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same ``_offer``
-as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r does
-not divide the microbatch's rows is not priced. Searches: ``(p(p+1)/2 + q(q+1)/2 + 3)`` per base, whatever the
-cluster's size.
+(the weights gathered once a microbatch and kept for its backward, as ``zero``'s stage 3 prices them; ``w_back`` the
+base's weights the backward reads through a view the forward saved, ``accounting.weights_read_back``: their gathered
+copy is held from the forward to the backward, section 2's ``K``, so the replica carries it while another block peaks —
+GPT-6.7B's ``[10,18)@4x1`` of 8 ZeRO-3 blocks read 14.3 GiB without it, 16.4 planned; a recomputing block recomputes its
+views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a replica's gradients are produced as
+partial sums over axis 0, whole). The base meshes themselves (r = 1) are their own plans. The second base is there
+because across servers the ILP shards the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device,
+where a replica of 1x2's plan holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows.
+The six :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same
+``_offer`` as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r
+does not divide the microbatch's rows is not priced. Searches: 3 blocks per base, whatever the cluster's size, and at
+most ``p(p+1)/2 + q(q+1)/2`` small pieces per priced mesh.
+
+The pre and post pieces (embeddings; final norm and head) are not replicas: on every priced mesh they are searched
+(``_both_specials``, at the device's capacity, only those some range useful on that size has), as the exact table
+and :meth:`StackTable.stage_cost` plan them. A replica of 1x1's embedding is data parallel, its ZeRO-3 form
+producing the table's gradient whole (``H = g`` of the base, and the summed gradients whole); the search on 4x1
+shards the table over the vocabulary instead, its gradient produced sharded (GPT-39B: 0.199 GiB held where the
+replica held 0.797, and 0.069 s of the step where it took 0.487). They are a few small searches per mesh, cheap
+beside a block's (GPT-1.3B and 2.6B's tables: the same CPU within the noise). No Alpa GPT row's plan changed with
+them: GPT-39B's ``[0,5)@4x1 rc`` is over the device as the first of 9 stages because its 3 ZeRO-3 blocks, composed
+at full memory, carry their gradients whole (section 2's ``H``; the blocks' own plan on 4x1 is the replica's twin),
+where the range's own search shards more (docs/benchmarks.md, issue 29 item 6, est29c).
 
 The meshes of one whole server (size d = the server's GPUs: 8x1, 4x2, 2x4, 1x8 on alpa-p3x8) are searched as well,
 after their replicas were offered: each one's cap levels as the exact table's (section 2, :meth:`_cap_levels`),
@@ -209,7 +218,7 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches: the table's planning workers take the columns as the exact table's do.
+one that searches blocks: the table's planning workers take the columns as the exact table's do.
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -585,7 +594,7 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
         if self.costing == TableCosting.ESTIMATED:
-            self._plan_catalogue(layout[3], layout[4])
+            self._plan_catalogue()
         self._first = map_columns(
             functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
@@ -754,11 +763,11 @@ class StackTable:
         cl = self.planner.cluster
         return cl.layers[-1].ranks if cl.layers else 1
 
-    def _plan_catalogue(self, pres: list, posts: list) -> None:
+    def _plan_catalogue(self) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
-        some logical mesh ``(a, b)`` of the table has, every pre and post piece and each graph's middle block
-        planned on ``(1, b)`` at the device's capacity, and where the table has meshes across servers on
-        ``(2 · server / b, b)`` too (two servers)."""
+        some logical mesh ``(a, b)`` of the table has, each graph's middle block planned on ``(1, b)`` at the
+        device's capacity, and where the table has meshes across servers on ``(2 · server / b, b)`` too (two
+        servers)."""
         server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
         bases = [(1, b) for b in tps]
@@ -767,22 +776,16 @@ class StackTable:
         modes = [Recompute.NONE, *self.recomputed]
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
         # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
-        tasks = [(base, Recompute.NONE, r) for base in bases for r in (*pres[1:], *posts[1:])]
-        tasks += [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        tasks = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
         planners = [self._graph_of(mode)[0] for mode in modes]
         found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, self.workers)))
         for base in bases:
-            pre = [None] + [found[(base, Recompute.NONE, r)] for r in pres[1:]]
-            post = [None] + [found[(base, Recompute.NONE, r)] for r in posts[1:]]
-            self._catalogue[base] = {mode: (pre, post, found[(base, mode, self._graph_of(mode)[1].middle)])
-                                     for mode in modes}  # fmt: skip
+            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
 
-    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, tuple[int, int] | int]) -> _Piece | None:
-        """One search of the catalogue: ``(base, graph, layers)``, the layers a pre or post range of the captured
-        graph, or the middle block (its graph layer) of `graph`'s."""
-        base, mode, rng = task
-        rng = (rng, rng + 1) if isinstance(rng, int) else rng
-        return self._listed(self._graph_of(mode)[0], rng, base)
+    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
+        base, mode, mid = task
+        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base)
 
     def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
         """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
@@ -797,10 +800,11 @@ class StackTable:
 
     def _estimated_levels(self, ctx: _Ctx, win: _Winners, j: int, shape) -> None:
         """The estimated table's candidates of logical mesh ``shape = (a, b)`` (the j-th; module docstring, 5):
-        for each :class:`ApproxLevel` its catalogue pieces of ``(a0, b)`` — ``(1, b)`` within a server, the
+        for each :class:`ApproxLevel` its catalogue block of ``(a0, b)`` — ``(1, b)`` within a server, the
         two-server base across servers — replicated over ``a / a0`` (:func:`_replicated`: ZeRO-3 for the ZeRO
-        levels), offered as every other table offers its plans. A mesh with no such base, or whose a does not
-        divide the microbatch's rows, is not priced."""
+        levels), with the pre and post pieces searched on ``shape`` itself (``_both_specials``, as the exact table
+        and :meth:`stage_cost` plan them), offered as every other table offers its plans. A mesh with no such
+        base, or whose a does not divide the microbatch's rows, is not priced."""
         a, b = shape
         rows = min((int(x.shape[0]) for x in self.stack.graph.input_infos if len(x.shape)), default=1)
         a0 = 1 if a * b <= self._server() else 2 * self._server() // b
@@ -810,18 +814,16 @@ class StackTable:
         r = a // a0
         mesh = LogicalMesh(self.planner.cluster, tuple(shape), np.arange(a * b).reshape(shape))
         cm = CostModel(mesh)
+        specials = None  # searched once a level needs them
         for level in ApproxLevel:
             mode = level.recompute
             if mode not in self._catalogue[base] or (r == 1 and level.zero is not None):
                 continue  # ZeRO over one replica is the plan itself
-            pre, post, blk = self._catalogue[base][mode]
-            zero = level.zero is not None
-            # a piece with no plan stays missing: ∞ where a range needs it
-            scaled = [[None if x is None else _replicated(x, r, cm, zero, self.microbatches) for x in xs]
-                      for xs in (pre, post)]  # fmt: skip
-            one = None if blk is None else _replicated(blk, r, cm, zero, self.microbatches)
+            blk = self._catalogue[base][mode]
+            specials = self._both_specials(ctx, shape) if specials is None else specials
+            one = None if blk is None else _replicated(blk, r, cm, level.zero is not None, self.microbatches)
             c = Candidate(len(ctx.ranks), tuple(shape), self.capacity, level.zero, mode)
-            self._offer(ctx, win, j * LEVEL_KEYS + int(level), scaled, one, c)
+            self._offer(ctx, win, j * LEVEL_KEYS + int(level), specials, one, c)
 
     def refine(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
         """The variant table's second pass (module docstring, 4): :meth:`arrays` again with each logical mesh's
