@@ -35,8 +35,8 @@ memory, ZeRO-sharded and recomputed, with memory-capped searches only for ranges
 may beat that table's plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or
 faster, at 34–70 % of its CPU from GPT-2.6B up. --table estimated plans one block per TP degree and prices every
 other logical mesh as copies of it in closed form (a whole server's meshes searched under memory caps too), then
-plans the chosen stages on their own meshes: GPT-39B on alpa-p3x8 in about 60-85 CPU s instead of 300, its final
-plan within 1 % of the exact table's on the Alpa GPT rows 1.3B-15B, 2.4 % slower on 39B (see docs/benchmarks.md).
+plans the chosen stages on their own meshes: GPT-39B on alpa-p3x8 in about 100-135 CPU s instead of 580, its final
+plan within 1 % of the exact table's or faster on the five Alpa GPT rows (39B: 0.984; see docs/benchmarks.md).
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -249,8 +249,8 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "memory cap level), approximate (the block at full memory, ZeRO-sharded and recomputed, capped only where "
         "none of those fits: within 1 %% of exact on the Alpa GPT rows at 34-70 %% of its CPU), estimated (one "
         "block plan per TP degree, every other mesh priced as its copies in closed form, a whole server's meshes "
-        "searched under memory caps: GPT-39B in about 60-85 CPU s, within 1 %% of exact's plan on the GPT rows "
-        "1.3B-15B, 2.4 %% slower on 39B; docs/benchmarks.md)",
+        "searched under memory caps: GPT-39B in about 100-135 CPU s, within 1 %% of exact's plan or faster on "
+        "the five GPT rows; docs/benchmarks.md)",
     )
     p.add_argument(
         "--approximate-table",
