@@ -33,9 +33,11 @@ def _x():
 def test_plan_freezes_while_planning_and_unfreezes_after(monkeypatch):
     seen = []
     orig_capture, orig_structures = auto.capture, auto._ShapeSearch.structures
+    threshold = gc.get_threshold()
 
     def capture(*a, **k):
         seen.append(("capture", gc.get_freeze_count()))
+        assert gc.get_threshold()[0] == max(threshold[0], heap.YOUNG)
         return orig_capture(*a, **k)
 
     def structures(self, *a, **k):
@@ -45,7 +47,7 @@ def test_plan_freezes_while_planning_and_unfreezes_after(monkeypatch):
     monkeypatch.setattr(auto, "capture", capture)
     monkeypatch.setattr(auto._ShapeSearch, "structures", structures)
     plan(_wide(), _x(), "dgx-h100:4", mesh_shape=(4, 1), mappings=("row",))
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
     (_, at_capture), (_, at_search), _ = seen
     assert at_capture > 0
     assert at_search > at_capture  # the captured graph frozen as well
@@ -67,7 +69,7 @@ def test_unfrozen_on_error():
         assert gc.get_freeze_count() > 0
         more()
         raise ValueError("planning failed")
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] < heap.YOUNG  # CPython's 700 back
 
 
 def test_disabled_collector_left_alone():

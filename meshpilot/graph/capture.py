@@ -1505,7 +1505,8 @@ def _best_period(seq: np.ndarray, min_count: int = 2) -> tuple[int, int, int] | 
     best_cover = 0
     for p in range(2, n // min_count + 1):
         eq = seq[:-p] == seq[p:]
-        if not eq.any():
+        hits = int(np.count_nonzero(eq))
+        if not hits or hits + p <= best_cover:  # cover = count·p ≤ run + p ≤ hits + p: cannot beat the best
             continue
         # runs of True in eq
         padded = np.concatenate(([False], eq, [False]))

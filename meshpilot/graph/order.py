@@ -205,6 +205,8 @@ def _independent_repeats(nodes: list[torch.fx.Node]) -> list[tuple[int, int, int
     next nodes of the same (op, line); a run found is skipped over (its iterations are not searched inside)."""
     sig = [(n.op, n.target if n.op == "call_function" else None, compat.stamped_place(n)[1]) for n in nodes]
     sig = [s if s[0] in ("call_function", "get_attr") else (i,) for i, s in enumerate(sig)]  # leaves never repeat
+    ids: dict[tuple, int] = {}
+    sig = [ids.setdefault(s, len(ids)) for s in sig]  # equal signatures, equal ints: slices compare in C
     pos = {n: i for i, n in enumerate(nodes)}
     nxt, last = [-1] * len(nodes), {}
     for i in range(len(nodes) - 1, -1, -1):

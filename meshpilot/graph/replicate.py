@@ -13,15 +13,15 @@ fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_
    backward's by their forward op's); the root's nodes (the backward's sums of the residual stream's
    gradients) by position. Block j's forward span runs from its first node to block j + 1's first; its
    backward span from its first backward node to block j − 1's first backward node.
-4. **The check** (:func:`_template`): block 2's spans must be block 1's shifted by one block — the same ops
-   with the same constants, where block 2 reads its own node, block 1 reads its own at the same place; where
-   block 2 reads block 1 (its input), block 1 reads block 0; where block 2 reads the last block (the
-   gradient coming back), block 1 reads block 2; where block 2 reads a parameter, block 1 reads its own of
-   the same name; anything else (inputs, masks, positions) both read alike. Nothing but the blocks after
-   block 2 may read block 2's nodes, nothing but block 0's backward block 1's. No buffer of a block updated
-   in place, no parameter shared between blocks; a constant the trace made in a block (``get_attr``) holds
-   block 1's value (a copy gets its own constant of that value). Otherwise None, and the caller traces the
-   whole model.
+4. **The check** (:func:`_template`, template 2, reference 1): block 2's spans must be block 1's shifted by
+   one block — the same ops with the same constants, where block 2 reads its own node, block 1 reads its own
+   at the same place; where block 2 reads block 1 (its input), block 1 reads block 0; where block 2 reads the
+   last block (the gradient coming back), block 1 reads block 2; where block 2 reads a parameter, block 1
+   reads its own of the same name; anything else (inputs, masks, positions) both read alike. Nothing but the
+   blocks after block 2 may read block 2's nodes, nothing but block 0's backward block 1's. No buffer of a
+   block updated in place, no parameter shared between blocks; a constant the trace made in a block
+   (``get_attr``) holds block 1's value (a copy gets its own constant of that value). Otherwise None, and the
+   caller traces the whole model.
 5. **The copies** (:func:`_emit`): the L-block graph in the order the whole trace records it — blocks 0, 1,
    2, copies 3 … L − 2, then the last block, its backward, the copies' backward L − 2 … 3, block 2's, 1's
    and 0's. A copy reads its predecessor where block 2 reads block 1, its successor where block 2 reads the
@@ -34,13 +34,14 @@ fraction of the price (``docs/benchmarks.md``, "Capture speed"). :func:`capture_
    block 1 is the template, checked against the last block shifted back by one — where block 1 reads block 0
    (its input), the last block reads block 1 at the same place; where block 1 reads the last block (the
    gradient coming back), the last block reads a node of neither (the head's); parameters by name, anything
-   else alike (:func:`_template_of_three`). The last block's forward span is as long as block 1's, its backward
-   span runs from its first backward node to block 1's. Nothing but blocks 1 and 2, block 0's backward and
-   the outputs may read block 1's nodes, nothing but blocks 1 and 2, the head and the outputs the last
-   block's. The copies 2 … L − 2 are then made of block 1 as above (2 → 1, 3 → 2: :func:`_emit` with
-   ``keep=3``). A model whose last block differs from a middle one fails these checks and is traced with four
-   blocks as above (a second trace, of four blocks), and failing those, whole. One block less traced is a
-   quarter of the blocks' trace saved on the planning benchmark (issue 33 item 4).
+   else alike (:func:`_template`, template 1, reference 2, the gradient read from the reference). The last
+   block's forward span is as long as block 1's, its backward span runs from its first backward node to block
+   1's. Nothing but blocks 1 and 2, block 0's backward and the outputs may read block 1's nodes, nothing but
+   blocks 1 and 2, the head and the outputs the last block's. The copies 2 … L − 2 are then made of block 1 as
+   above (2 → 1, 3 → 2: :func:`_emit` with ``keep=3``). A model whose last block differs from a middle one
+   fails these checks and is traced with four blocks as above (a second trace, of four blocks), and failing
+   those, whole. One block less traced is a quarter of the blocks' trace saved on the planning benchmark
+   (issue 33 item 4).
 
 What a trace of 4 blocks cannot see: a forward whose code reads the number of blocks (a scale of 1/√L
 inside a block) traces 4's, and a block that behaves apart by its index without an attribute saying so
@@ -240,107 +241,66 @@ def _same_constant(gm: torch.fx.GraphModule, a: torch.fx.Node, b: torch.fx.Node)
 
 
 def _template(
-    gm: torch.fx.GraphModule, spans: _Spans, names: dict[torch.fx.Node, str], prefix: str
+    gm: torch.fx.GraphModule,
+    spans: _Spans,
+    names: dict[torch.fx.Node, str],
+    prefix: str,
+    tmpl: int,
+    ref: int,
+    grad_from_ref: bool,
 ) -> _Template | None:
-    """Block 2 checked against block 1 (module docstring, 4), or None."""
-    two, one = spans.members(2), spans.members(1)
-    pos = {n: k for k, n in enumerate(two)}
-    pos1 = {n: k for k, n in enumerate(one)}
+    """Block `tmpl` checked against block `ref` node for node (module docstring, 4 and 6), or None.
+
+    Two reads cross between the checked blocks: the template reads a node of the reference block where the
+    reference reads a node of neither (A), and the reference reads a node of the template where the template
+    reads one of neither (B). One is the template's input (its predecessor's node, :attr:`_Template.prev`),
+    the other the gradient coming back (its successor's, :attr:`_Template.nxt`). Of four traced blocks
+    (template 2, reference 1) A is the input and B the gradient; of three (template 1, reference the last
+    block, 2) A is the gradient (`grad_from_ref`) and B the input."""
+    mine, other = spans.members(tmpl), spans.members(ref)
+    pos = {n: k for k, n in enumerate(mine)}
+    pos_ref = {n: k for k, n in enumerate(other)}
     prev: dict[torch.fx.Node, int] = {}
     nxt: dict[torch.fx.Node, int] = {}
+    read_a, read_b = (nxt, prev) if grad_from_ref else (prev, nxt)
     params: dict[str, str] = {}
-    for n2, n1 in zip(two, one):
-        if n2.op != n1.op or (n2.target != n1.target if n2.op != "get_attr" else not _same_constant(gm, n2, n1)):
+    for n, r in zip(mine, other):
+        if n.op != r.op or (n.target != r.target if n.op != "get_attr" else not _same_constant(gm, n, r)):
             return None
-        leaves2, spec2 = pytree.tree_flatten((n2.args, n2.kwargs))
-        leaves1, spec1 = pytree.tree_flatten((n1.args, n1.kwargs))
-        if spec2 != spec1:
+        leaves, spec = pytree.tree_flatten((n.args, n.kwargs))
+        leaves_ref, spec_ref = pytree.tree_flatten((r.args, r.kwargs))
+        if spec != spec_ref:
             return None
-        for a2, a1 in zip(leaves2, leaves1):
-            if not isinstance(a2, torch.fx.Node):
-                if isinstance(a1, torch.fx.Node) or type(a1) is not type(a2) or a1 != a2:
+        for a, b in zip(leaves, leaves_ref):
+            if not isinstance(a, torch.fx.Node):
+                if isinstance(b, torch.fx.Node) or type(b) is not type(a) or b != a:
                     return None
-            elif a2 in pos:  # its own node
-                if pos1.get(a1) != pos[a2]:
+            elif a in pos:  # its own node
+                if pos_ref.get(b) != pos[a]:
                     return None
-            elif a2 in pos1:  # block 1: its input
-                if not isinstance(a1, torch.fx.Node) or a1.op == "placeholder" or a1 in pos1 or a1 in pos:
+            elif a in pos_ref:  # A
+                if not isinstance(b, torch.fx.Node) or b.op == "placeholder" or b in pos_ref or b in pos:
                     return None
-                if prev.setdefault(a2, pos1[a2]) != pos1[a2]:
+                read_a[a] = pos_ref[a]
+            elif isinstance(b, torch.fx.Node) and b in pos:  # B
+                if a.op == "placeholder" or read_b.setdefault(a, pos[b]) != pos[b]:
                     return None
-            elif a2.op == "placeholder" and _block_of(names.get(a2), prefix) == 2:
-                suffix = names[a2][len(f"{prefix}2.") :]
-                if names.get(a1) != f"{prefix}1.{suffix}":
+            elif a.op == "placeholder" and _block_of(names.get(a), prefix) == tmpl:
+                suffix = names[a][len(f"{prefix}{tmpl}.") :]
+                if names.get(b) != f"{prefix}{ref}.{suffix}":
                     return None
-                params[names[a2]] = suffix
-            elif a1 in pos:  # the last block's node, where block 1 reads block 2's: the gradient coming back
-                if nxt.setdefault(a2, pos[a1]) != pos[a1]:
-                    return None
-            elif a1 is not a2 or (a2.op == "placeholder" and _block_of(names.get(a2), prefix) is not None):
+                params[names[a]] = suffix
+            elif a is not b or (a.op == "placeholder" and _block_of(names.get(a), prefix) is not None):
                 return None
-    return _Template(two, pos, prev, nxt, params)
+    return _Template(mine, pos, prev, nxt, params)
 
 
-def _template_of_three(
-    gm: torch.fx.GraphModule, spans: _Spans, names: dict[torch.fx.Node, str], prefix: str
-) -> _Template | None:
-    """Block 1 checked against the last block shifted back by one (module docstring, 6), or None."""
-    one, two = spans.members(1), spans.members(2)
-    pos = {n: k for k, n in enumerate(one)}
-    pos2 = {n: k for k, n in enumerate(two)}
-    prev: dict[torch.fx.Node, int] = {}
-    nxt: dict[torch.fx.Node, int] = {}
-    params: dict[str, str] = {}
-    for n1, n2 in zip(one, two):
-        if n1.op != n2.op or (n1.target != n2.target if n1.op != "get_attr" else not _same_constant(gm, n1, n2)):
-            return None
-        leaves1, spec1 = pytree.tree_flatten((n1.args, n1.kwargs))
-        leaves2, spec2 = pytree.tree_flatten((n2.args, n2.kwargs))
-        if spec1 != spec2:
-            return None
-        for a1, a2 in zip(leaves1, leaves2):
-            if not isinstance(a1, torch.fx.Node):
-                if isinstance(a2, torch.fx.Node) or type(a1) is not type(a2) or a1 != a2:
-                    return None
-            elif a1 in pos:  # its own node
-                if pos2.get(a2) != pos[a1]:
-                    return None
-            elif a1 in pos2:  # the last block's node: the gradient coming back, where the last reads the head's
-                if not isinstance(a2, torch.fx.Node) or a2 in pos or a2 in pos2 or a2.op == "placeholder":
-                    return None
-                nxt[a1] = pos2[a1]
-            elif isinstance(a2, torch.fx.Node) and a2 in pos:  # block 0's node where the last reads block 1's
-                if a1.op == "placeholder" or prev.setdefault(a1, pos[a2]) != pos[a2]:
-                    return None
-            elif a1.op == "placeholder" and _block_of(names.get(a1), prefix) == 1:
-                suffix = names[a1][len(f"{prefix}1.") :]
-                if names.get(a2) != f"{prefix}2.{suffix}":
-                    return None
-                params[names[a1]] = suffix
-            elif a1 is not a2 or (a1.op == "placeholder" and _block_of(names.get(a1), prefix) is not None):
-                return None
-    return _Template(one, pos, prev, nxt, params)
-
-
-def _local_of_three(spans: _Spans, t: _Template) -> bool:
-    """Block 1's nodes are read by blocks 1 and 2, block 0's backward and the outputs only; the last block's by
-    blocks 1 and 2, what lies between its forward and backward spans (the head) and the outputs."""
+def _local(spans: _Spans) -> bool:
+    """Block 2's nodes are read by blocks 1 and 2, what lies between block 2's forward and backward spans (of
+    four traced blocks the last block, of three the head) and the outputs only; block 1's by blocks 1 and 2,
+    block 0's backward and the outputs (module docstring, 4 and 6)."""
     where = {n: i for i, n in enumerate(spans.ops)}
-    inside = set(t.nodes) | set(spans.members(2))
-    head = range(spans.f2.stop, spans.b2.start)
-    for j, allowed in ((1, lambda i: i >= spans.b1.stop), (2, lambda i: i in head)):
-        for n in spans.members(j):
-            for user in n.users:
-                if user.op != "output" and user not in inside and not allowed(where[user]):
-                    return False
-    return True
-
-
-def _local(spans: _Spans, t: _Template) -> bool:
-    """Block 2's nodes are read by blocks 1 and 2, the blocks after it and the outputs only; block 1's by
-    blocks 1 and 2, block 0's backward and the outputs (module docstring, 4)."""
-    where = {n: i for i, n in enumerate(spans.ops)}
-    inside = set(spans.members(1)) | set(t.nodes)
+    inside = set(spans.members(1)) | set(spans.members(2))
     last = range(spans.f2.stop, spans.b2.start)
     for j, allowed in ((2, lambda i: i in last), (1, lambda i: i >= spans.b1.stop)):
         for n in spans.members(j):
@@ -461,8 +421,8 @@ def extend(
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = dict(zip(placeholders, flat_names))
-    t = (_template_of_three if three else _template)(gm, spans, names, prefix)
-    if t is None or not (_local_of_three if three else _local)(spans, t):
+    t = _template(gm, spans, names, prefix, *((1, 2, True) if three else (2, 1, False)))
+    if t is None or not _local(spans):
         return None
     if any(_block_of(flat_names[i], prefix) is not None for i in joint.mutated_inputs):
         return None  # a block's buffer updated in place (BatchNorm's statistics): traced whole

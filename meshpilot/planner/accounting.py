@@ -489,23 +489,43 @@ def _inside_bytes(n: Any, lay: _Layouts) -> float:
     return float(op.inside(n, st, lay.mesh_shape))
 
 
-def liveness(
-    graph: OpGraph,
-    chosen: Mapping[str, Any] | None = None,
-    mesh_shape: Sequence[int] = (),
-    microbatches: int = 1,
-    on_cpu: bool = False,
-    buckets: Sequence[Any] = (),
-) -> Liveness:
-    """Sweep the graph in execution order and return its peak of live values (module docstring).
+@dataclass
+class Births:
+    """The first pass of :func:`liveness` over a plan's nodes, which its gradient buckets do not change: per
+    value its bytes (`size`), the index of its last reader (`last`), the node indices that make it (`born`);
+    each node output's storage key (`store`); each node's operand redistributions' passing bytes (`passing`).
+    Made once per plan by :func:`births` and handed to the bucketed plan's :func:`memory_use` (the search
+    prices a plan without buckets, ``planner.auto._bucketed`` with them); valid only for the graph, `chosen`
+    object, mesh shape and `on_cpu` it was made for, which :func:`liveness` checks (by identity: a plan's
+    `chosen` is not changed once priced; ``zero.zero_pass`` switches parameters before)."""
 
-    `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
-    value is whole (one device). With `microbatches` > 1 every node before the end also holds ``A``, the
-    gradients the earlier microbatches summed (:func:`accumulated_bytes`). `on_cpu`: the redistributions are
-    issued as DTensor issues them on gloo (:func:`reshard_bytes`). `buckets`: the plan's gradient buckets
-    (:func:`bucket_buffers`); without them every gradient is reduced on its own at the end."""
+    graph: OpGraph
+    chosen: Mapping[str, Any] | None
+    mesh_shape: tuple[int, ...]
+    on_cpu: bool
+    size: dict[Any, float]
+    last: dict[Any, int]
+    store: dict[tuple[str, int], Any]
+    born: dict[int, list[Any]]
+    passing: dict[int, float]
+
+    def __reduce__(self) -> tuple:  # pickled as None: a planning worker's answer does not carry the graph back
+        return type(None), ()
+
+    def made_for(
+        self, graph: OpGraph, chosen: Mapping[str, Any] | None, mesh_shape: Sequence[int], on_cpu: bool
+    ) -> bool:
+        return (
+            self.graph is graph and self.chosen is chosen and self.mesh_shape == tuple(mesh_shape)
+            and self.on_cpu == on_cpu
+        )  # fmt: skip
+
+
+def births(
+    graph: OpGraph, chosen: Mapping[str, Any] | None = None, mesh_shape: Sequence[int] = (), on_cpu: bool = False
+) -> Births:
+    """:func:`liveness`'s first pass (:class:`Births`)."""
     lay = _Layouts(chosen, mesh_shape)
-    end = len(graph.nodes)
     size: dict[Any, float] = {}
     last: dict[Any, int] = {}
     store: dict[tuple[str, int], Any] = {}  # value -> storage key (None: persistent leaf)
@@ -555,6 +575,32 @@ def liveness(
             key = store.get(src)
             if key is not None:
                 last[key] = max(last.get(key, -1), n.index)
+    return Births(graph, chosen, lay.mesh_shape, on_cpu, size, last, store, born, passing)
+
+
+def liveness(
+    graph: OpGraph,
+    chosen: Mapping[str, Any] | None = None,
+    mesh_shape: Sequence[int] = (),
+    microbatches: int = 1,
+    on_cpu: bool = False,
+    buckets: Sequence[Any] = (),
+    first: Births | None = None,
+) -> Liveness:
+    """Sweep the graph in execution order and return its peak of live values (module docstring).
+
+    `chosen` maps every node to its strategy (``.outs`` / ``.ins`` layouts on `mesh_shape`); without it every
+    value is whole (one device). With `microbatches` > 1 every node before the end also holds ``A``, the
+    gradients the earlier microbatches summed (:func:`accumulated_bytes`). `on_cpu`: the redistributions are
+    issued as DTensor issues them on gloo (:func:`reshard_bytes`). `buckets`: the plan's gradient buckets
+    (:func:`bucket_buffers`); without them every gradient is reduced on its own at the end. `first`: the
+    first pass (:func:`births`) where it was made already for these arguments."""
+    lay = _Layouts(chosen, mesh_shape)
+    end = len(graph.nodes)
+    if first is None or not first.made_for(graph, chosen, mesh_shape, on_cpu):
+        first = births(graph, chosen, mesh_shape, on_cpu)
+    size, last, store, passing = dict(first.size), dict(first.last), first.store, first.passing
+    born = {idx: list(keys) for idx, keys in first.born.items()}
     grad_keys: set[Any] = set()
     reduced: list[Any] = []
     pnodes = {n.fqn: n for n in graph.nodes if n.kind == "param"}
@@ -673,6 +719,7 @@ def _parts(
     microbatches: int = 1,
     on_cpu: bool = False,
     buckets: Sequence[Any] = (),
+    first: Births | None = None,
 ) -> _Parts:
     lay = _Layouts(chosen, mesh_shape)
     w = o = g = t_opt = inputs = 0.0
@@ -699,7 +746,7 @@ def _parts(
     rows[1] += saved
     if microbatches > 1:  # the earlier microbatches' gradients, held at the start of a later one's backward
         rows[1] += accumulated_bytes(graph, chosen, mesh_shape)
-    live = liveness(graph, chosen, mesh_shape, microbatches, on_cpu, buckets)
+    live = liveness(graph, chosen, mesh_shape, microbatches, on_cpu, buckets, first)
     return _Parts(w, o, g, t_opt, inputs, (rows[0], rows[1]), saved, live)
 
 
@@ -711,12 +758,14 @@ def memory_use(
     microbatches: int = 1,
     on_cpu: bool = False,
     buckets: Sequence[Any] = (),
+    first: Births | None = None,
 ) -> MemoryUse:
     """Predicted peak bytes per device of one training step of a plan (module docstring), as a
     :class:`~meshpilot.planner.plan.MemoryUse` whose parts add up to the peak; `graph` is one microbatch's,
     accumulated over `microbatches` (``F0 B0 … G``); `on_cpu`: its redistributions issued as on gloo
-    (:func:`reshard_bytes`); `buckets`: its gradient buckets (:func:`bucket_buffers`)."""
-    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu, buckets)
+    (:func:`reshard_bytes`); `buckets`: its gradient buckets (:func:`bucket_buffers`); `first`: :func:`liveness`'s
+    first pass made already (:func:`births`)."""
+    p = _parts(graph, chosen, mesh_shape, microbatches, on_cpu, buckets, first)
     live = p.live
     if live.peak >= p.grads + p.update_temp:  # the forward + backward peaks higher than the optimizer step
         grads, saved, temporaries, at = live.grads, live.saved, live.temporaries, live.peak_node

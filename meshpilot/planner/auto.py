@@ -195,7 +195,9 @@ def _bucketed(plan: StagePlan, graph: OpGraph, best: Candidate, capacity: float,
         bucketed = with_buckets(plan, graph, cost, size)
         if not bucketed.grad_buckets:
             return bucketed
-        memory = memory_use(graph, best.chosen, best.shape, capacity, m, cost.device.is_cpu, bucketed.grad_buckets)
+        memory = memory_use(
+            graph, best.chosen, best.shape, capacity, m, cost.device.is_cpu, bucketed.grad_buckets, best.births
+        )
         if memory.total <= bound:
             return dataclasses.replace(bucketed, memory=memory)
         size = int(min(size or math.inf, max(b.nbytes for b in bucketed.grad_buckets)) // 4)

@@ -358,16 +358,18 @@ class _Groups:
         """When everything issued on `axis` so far ends."""
         t = self.free.get(axis, 0.0)
         for at, seconds, busy in self.queued.pop(axis, ()):
-            t = _progress(max(at, t), seconds, [(a, b, busy) for a, b in self.spans])
+            t = _progress(max(at, t), seconds, self.spans, busy)
         self.free[axis] = t
         return t
 
 
-def _progress(start: float, amount: float, segments: Sequence[tuple[float, float, float]]) -> float:
-    """When `amount` seconds of a transfer's alone-time are done, started at `start`: ``segments`` (sorted,
-    disjoint ``(from, to, slowdown)``) slow it by their factor, 1 elsewhere."""
+def _progress(start: float, amount: float, spans: Sequence[tuple[float, float]], slow: float) -> float:
+    """When `amount` seconds of a transfer's alone-time are done, started at `start`: the compute `spans`
+    (sorted, disjoint ``(from, to)``) slow it by `slow`, 1 elsewhere. Read in place from the span that holds
+    or follows `start` (a backward has thousands)."""
     t, left = start, amount
-    for a, b, slow in segments[max(0, bisect.bisect_right(segments, (t, math.inf, math.inf)) - 1) :]:
+    for k in range(max(0, bisect.bisect_right(spans, (t, math.inf)) - 1), len(spans)):
+        a, b = spans[k]
         if b <= t:
             continue
         if a > t:

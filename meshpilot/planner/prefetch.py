@@ -277,7 +277,7 @@ def _walk(plan: Any, cost: Any, phase: str, issues: dict[int, list[int]], groups
         while q:
             c, start = q.pop(0)
             seconds, busy, _ = _seconds(cost, coll[c])
-            ends[c] = free[axis] = _progress(max(start, free.get(axis, 0.0)), seconds, [(a, b, busy) for a, b in spans])
+            ends[c] = free[axis] = _progress(max(start, free.get(axis, 0.0)), seconds, spans, busy)
             if c == until:
                 break
         return free.get(axis, 0.0)

@@ -33,7 +33,7 @@ from typing import Protocol
 from meshpilot.cluster.mesh import MeshMapping
 from meshpilot.graph.capture import OpGraph
 from meshpilot.io import fmt_size
-from meshpilot.planner.accounting import memory_use
+from meshpilot.planner.accounting import Births, births, memory_use
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, priced, solve
 from meshpilot.planner.plan import MemoryUse, ZeroSwitch
 from meshpilot.planner.zero import ParamEdges, ZeroMode, zero_pass
@@ -95,6 +95,8 @@ class Candidate:
     solve_s: float = 0.0
     post_s: float = 0.0
     solves: int = 0
+    births: Births | None = field(default=None, repr=False, compare=False)
+    """Its liveness' first pass (``accounting.births``), which the bucketed plan's memory reuses."""
 
     @property
     def memory(self) -> float:
@@ -146,7 +148,8 @@ class ILPSearcher:
             )
             held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
             on_cpu = task.resharder.cost_model.device.is_cpu  # gloo: DTensor's all-to-all is a gather
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held, on_cpu)
+            first = births(task.graph, chosen, prob.mesh_shape, on_cpu)
+            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held, on_cpu, first=first)
             post_s += time.perf_counter() - t
             return Candidate(
                 task.shape,
@@ -162,6 +165,7 @@ class ILPSearcher:
                 num_constraints=sol.num_constraints,
                 num_groups=len(prob.groups),
                 memory_row=sol.row,
+                births=first,
             )
 
         def fitted(row: str) -> Candidate:
