@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, settings
+from tiers import FULL, FULL_ENV
 
 # Property tests share two cores with the other worker's multi-rank spawns: generating inputs can take over a
 # second there (hypothesis' too_slow health check failed test_schedule once in a full run), which says nothing
@@ -34,6 +35,11 @@ HEAVY_FIRST = (
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not FULL:
+        skip = pytest.mark.skip(reason=f"the full matrix only: {FULL_ENV}=1 (tests/tiers.py)")
+        for item in items:
+            if "full" in item.keywords:
+                item.add_marker(skip)
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     # sorted() is stable: within a file, and among the files not listed, the collection order stays
     items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
