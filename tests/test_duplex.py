@@ -201,7 +201,12 @@ def _moe_order(gm) -> list[tuple[str, int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(MESH), ids=lambda w: f"world{w}")
+# 8 ranks (the GPT on (2, 4): 65 CPU s on a 2-core AMD EPYC) in the full matrix only (tests/tiers.py)
+@pytest.fixture(
+    scope="module",
+    params=[w if w == 4 else pytest.param(w, marks=pytest.mark.full) for w in sorted(MESH)],
+    ids=lambda w: f"world{w}",
+)
 def runs(request):
     world = request.param
     plans = make_plans(world)

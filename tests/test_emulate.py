@@ -268,6 +268,9 @@ def test_training_checkpoints_and_resumes_across_emulated_nodes(root_netns, file
     assert [s["loss"] for s in both[:2]] == [s["loss"] for s in first]
 
 
+# the full matrix only (tests/tiers.py): 74 CPU s, 138 s wall on a 2-core AMD EPYC; the default tier's failure path
+# and clean-up is test_killed_rank_fails_and_cleans_up
+@pytest.mark.full
 def test_ctrl_c_stops_nodes_and_cleans_up(root_netns, files, tmp_path):
     log = tmp_path / "out.txt"
     with open(log, "w") as fh:
