@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import matrix
 
 from meshpilot.models import builtin_models
 from meshpilot.planner.accounting import EdgeKind, step_edges
@@ -18,12 +19,16 @@ from meshpilot.planner.auto import plan
 from meshpilot.planner.ilp import PlanError
 from meshpilot.planner.search import SEARCHERS
 
-MODELS = ["gpt-tiny", "bert-tiny", "moe-tiny", "wrn-tiny"]
+# the encoder's search (19 CPU s on a 2-core AMD EPYC) in the full matrix only (tests/tiers.py): the GPT's attention
+# and MLPs, the MoE's experts and the conv net's convolutions are the default tier's
+MODELS = list(matrix(["gpt-tiny", "moe-tiny", "wrn-tiny"], ["gpt-tiny", "bert-tiny", "moe-tiny", "wrn-tiny"]))
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {name: builtin_models()[name].build("cpu", None) for name in MODELS}
+    return {
+        name: builtin_models()[name].build("cpu", None) for name in ("gpt-tiny", "bert-tiny", "moe-tiny", "wrn-tiny")
+    }
 
 
 def _chosen_objective(p) -> float:

@@ -108,7 +108,7 @@ def test_plan_pipeline_freezes_and_its_workers_start_frozen(monkeypatch, tmp_pat
 
     monkeypatch.setattr(StagePlanner, "mark", mark)
     monkeypatch.setattr(pipeline, "_prepare", prepare)
-    kw = dict(microbatches=4, num_devices=8, workers=2)
+    kw = dict(microbatches=4, num_devices=4, workers=2)  # 4 devices: 100 CPU s on 8 (a 2-core AMD EPYC)
     a = pipeline.plan_pipeline(graph, "alpa-p3x8", **kw)
     assert gc.get_freeze_count() == 0
     in_workers = [int(x) for x in seen.read_text().split()]
