@@ -909,7 +909,7 @@ def test_gshard_moe_routes_tokens_in_groups():
 
 # default tier: the exact path's table (the columns' searches in 2 forked workers; 21-25 CPU s in the last full
 # run, load ~20, 17 now at load ~7); full only: the repeated-block path's (the same map_columns over its columns;
-# 38 CPU s). The file: 413 before, 129 after (43 passed, 2 full only; much of the drop is the lower load)
+# 38 CPU s). The file: 413 before, ~131 after (45 pass, 2 full only; much of the drop is the lower load)
 @pytest.mark.parametrize("fast", [pytest.param(True, marks=pytest.mark.full), False])
 def test_stage_table_searched_in_worker_processes_is_the_serial_table(fast, monkeypatch):
     """``planner.parallel``: the stage table's columns (one per submesh size) searched in 2 forked workers give
