@@ -10,7 +10,8 @@ all-gather; loss and gradients against the single device, every collective, send
 the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather; and the
 planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. Two 4-rank spawns; every
 check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B, and
-Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
+Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4). The default tier (``tests/tiers.py``) runs a
+part of each spawn (DP_RUNS, FOUR_RUNS, INTRA_RUNS) and not the 8-rank one; the full matrix runs all of it."""
 
 from __future__ import annotations
 
