@@ -7,7 +7,10 @@ One spawn per world size, made once for the module (``runs``):
   SIGKILLed inside the save of step 2, after every shard is written and before the commit;
 * 4 gloo ranks then: train 4 steps under Megatron TP on (2, 2), saving every 2 (the uninterrupted curve);
   resume its step-2 under ZeRO-3 on (4, 1); resume the 8 ranks' step-2 under (4, 1) (8 -> 4 ranks, another
-  mesh); resume the killed run's newest checkpoint under (4, 1) (1 -> 4 ranks).
+  mesh); resume the killed run's newest checkpoint under (4, 1) (1 -> 4 ranks);
+* 1 process then resumes the 4 ranks' step-2 under the (1, 1) plan (4 -> 1 rank, another mesh).
+
+The 8-rank spawn (and with it 8 -> 4) runs in the full matrix only (``tests/tiers.py``: FEWER).
 
 The resumed curves must equal the uninterrupted ones within 1e-6 at every step, the parameters, AdamW's
 states and the random state right after the load must equal the saved run's at that step exactly, and the
@@ -29,11 +32,17 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import graph_of, run_distributed
+from tiers import matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-6
 STEPS = 4
 CLUSTER = "atp-ic3"
+FEWER = matrix(("4 -> 1",), ("8 -> 4", "4 -> 1"))
+"""The resumes on fewer ranks under another mesh. Default: 4 ranks' (2, 2) Megatron checkpoint under (1, 1) in
+one process; full only: 8 ranks' (2, 4) under (4, 1) on the 4 ranks (the 8-rank spawn). The `runs` fixture's
+CPU s (ranks included, charged to test_plans_differ): 118 before (the last full run, load ~20), 71 after
+(default tier, load ~7). The file: 294 before, 136 after (22 passed, 1 full only)."""
 
 
 def _cfg():
@@ -123,6 +132,8 @@ def _four(plan_a, plan_b, tmp: str, dir8: str, dir1: str) -> dict:
     out["a_saved"] = [c.step for c in complete(f"{tmp}/a")]
     out["a_seconds"] = time.perf_counter() - t0
     for name, source in (("b", f"{tmp}/a"), ("from8", dir8)):
+        if source is None:  # no 8-rank run (FEWER)
+            continue
         t0 = time.perf_counter()
         ck = next(c for c in complete(source) if c.step == 2)
         rec = _recording(Checkpointing)(f"{tmp}/{name}", resume=ck)
@@ -147,6 +158,19 @@ dist.init_process_group("gloo", store=dist.FileStore(sys.argv[3], 1), rank=0, wo
 train_plan(_cfg(), Plan.load(sys.argv[1]), 4, checkpoint=Checkpointing(sys.argv[2], every=1))
 """
 
+FEWER_RUN = """
+import sys, torch, torch.distributed as dist
+from meshpilot.planner.plan import Plan
+from meshpilot.runtime.checkpoint import Checkpointing, complete
+from meshpilot.runtime.train import train_plan
+from test_checkpoint import STEPS, _cfg, _recording
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[4], 1), rank=0, world_size=1)
+ck = next(c for c in complete(sys.argv[2]) if c.step == 2)
+rec = _recording(Checkpointing)(sys.argv[3], resume=ck)
+losses = [s.loss for s in train_plan(_cfg(), Plan.load(sys.argv[1]), STEPS, checkpoint=rec)]
+torch.save({"losses": losses, "restored": rec.states["restored"], "position": ck.position}, sys.argv[5])
+"""
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -160,9 +184,11 @@ def runs(tmp_path_factory):
         "one": _plan((1, 1), "data_parallel"),
     }
     times = {}
-    t0 = time.perf_counter()
-    eight = run_distributed(_eight, 8, plans["c"], str(tmp / "8"), timeout=600)[0]
-    times["8 ranks"] = time.perf_counter() - t0
+    eight = None
+    if "8 -> 4" in FEWER:
+        t0 = time.perf_counter()
+        eight = run_distributed(_eight, 8, plans["c"], str(tmp / "8"), timeout=600)[0]
+        times["8 ranks"] = time.perf_counter() - t0
 
     plans["one"].save(tmp / "one.json")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **{KILL_ENV: "2"})
@@ -182,14 +208,28 @@ def runs(tmp_path_factory):
     )
 
     t0 = time.perf_counter()
-    four = run_distributed(
-        _four, 4, plans["a"], plans["b"], str(tmp / "4"), str(tmp / "8"), str(tmp / "1"), timeout=600
-    )
+    dir8 = str(tmp / "8") if eight is not None else None
+    four = run_distributed(_four, 4, plans["a"], plans["b"], str(tmp / "4"), dir8, str(tmp / "1"), timeout=600)
     times["4 ranks"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()  # 4 -> 1: the 4 ranks' step-2 checkpoint under (1, 1) in one process
+    env.pop(KILL_ENV)
+    fewer = subprocess.run(
+        [sys.executable, "-c", FEWER_RUN, str(tmp / "one.json"), str(tmp / "4" / "a"), str(tmp / "from4")]
+        + [str(tmp / "store4"), str(tmp / "from4.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    from4 = torch.load(tmp / "from4.pt")
+    times["4 -> 1"] = time.perf_counter() - t0
     print("checkpoint test times (s):", {k: round(v, 1) for k, v in times.items()})
     return {
         "eight": eight,
         "four": four[0],
+        "from4": from4,
         "killed": killed,
         "killed_listing": listing,
         "killed_tmp_files": tmp_files,
@@ -234,17 +274,24 @@ def test_resume_under_another_plan_equals_the_uninterrupted_run(runs):
 
 @pytest.mark.dist
 def test_resume_on_fewer_ranks_and_another_mesh_equals_the_uninterrupted_run(runs):
-    """Saved by 8 ranks under (2, 4), resumed by 4 ranks under (4, 1)."""
-    eight, four = runs["eight"], runs["four"]
-    assert _close(four["from8"], eight["losses"]) <= TOL, (eight["losses"], four["from8"])
-    assert four["from8_position"] == 2 * _cfg().batch
+    """Saved by 4 ranks under (2, 2), resumed by 1 under (1, 1); in the full matrix (FEWER) also saved by 8 ranks
+    under (2, 4), resumed by 4 ranks under (4, 1)."""
+    eight, four, from4 = runs["eight"], runs["four"], runs["from4"]
+    assert _close(from4["losses"], four["a"]) <= TOL, (four["a"], from4["losses"])
+    assert from4["position"] == 2 * _cfg().batch
+    if "8 -> 4" in FEWER:
+        assert _close(four["from8"], eight["losses"]) <= TOL, (eight["losses"], four["from8"])
+        assert four["from8_position"] == 2 * _cfg().batch
 
 
 @pytest.mark.dist
 def test_the_loaded_state_is_the_saved_state(runs):
     """Parameters, AdamW's exp_avg / exp_avg_sq / step and the random state, whole, right after the load."""
     four, eight = runs["four"], runs["eight"]
-    for restored, saved in ((four["b_restored"], four["a_state2"]), (four["from8_restored"], eight["state2"])):
+    pairs = [(four["b_restored"], four["a_state2"]), (runs["from4"]["restored"], four["a_state2"])]
+    if "8 -> 4" in FEWER:
+        pairs.append((four["from8_restored"], eight["state2"]))
+    for restored, saved in pairs:
         assert any(k.endswith(":exp_avg_sq") for k in saved) and any(k.endswith(":step") for k in saved)
         worst, where = _state_diff(restored, saved)
         assert worst == 0.0, (worst, where)
@@ -472,6 +519,9 @@ def _rank_pid(parent: int, rank: int) -> int | None:
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.full  # 70 CPU s in the last full run. Its parts stay in the default tier: a restarted run's resume
+# without --resume (test_a_torchrun_restart_resumes_by_itself), the CLI's resume continuing the curve on 2 ranks
+# (test_cli_sigterm_saves_and_resume_continues_the_curve); only this end-to-end run under torchrun is full only
 def test_torchrun_restart_after_a_killed_rank_resumes_the_curve(cli, tmp_path):
     """`torchrun --max-restarts=1`: rank 1 SIGKILLed after step 3; torchrun restarts both ranks, which resume
     from the newest checkpoint by themselves (no --resume), and the finished curve is the uninterrupted one."""

@@ -9,7 +9,8 @@ every bucket's collective is issued before the next bucket's last gradient is co
 after the last gradient (its issue/wait order in the program). The ZeRO-3 runs (the GPT and a tiny HF Llama,
 3 AdamW steps) also check the parameter gather groups (``meshpilot.planner.prefetch``,
 ``StagePlan.param_gathers``): each layer's gathers one flat all-gather, as many as the plan's groups, issued
-before the previous layer's compute and waited for right before its first consumer.
+before the previous layer's compute and waited for right before its first consumer. The GPT's ZeRO-3 run is in
+the full matrix only (``tests/tiers.py``: SPAWN).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 from dist_utils import graph_of, lockstep_adamw, run_distributed
+from tiers import matrix
 
 from meshpilot.graph.capture import capture
 from meshpilot.models.gpt import GPT, GPTConfig
@@ -34,6 +36,18 @@ CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, batch=8)
 CLUSTER = "atp-ic3"
 WORLD = 4
 BUCKET = 4 * 1024  # small enough that the tiny model makes several buckets in every plan
+SPAWN = matrix(
+    ("dp", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped"),
+    ("dp", "zero3", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped"),
+)
+"""The plans the spawn runs. Default: the GPT's data-parallel plans (one step and 2 microbatches) and HF Llama's
+ZeRO-3 plan (reduce-scatter buckets, gather groups; with and without them); full only: the GPT's ZeRO-3 plan (the
+same mechanisms on another model; test_zero3_planned_on_a_probed_cpu_cluster_runs_equal_to_one_device runs one
+in the default tier too). VS_DTENSOR: the plain-against-DTensor-parameters run of the one-step plan (default)
+and of the 2-microbatch one (full only). The spawn's CPU s (ranks included, charged to
+test_plans_have_several_buckets): 119 before (the last full run, load ~20), 69 after (default, load ~7); the
+file: 147 before, 84 after (21 passed, 6 full only)."""
+VS_DTENSOR = matrix(("dp",), ("dp", "dp-accumulate"))
 
 
 LLAMA = [
@@ -78,6 +92,8 @@ def _plans() -> dict[str, str]:
     out = {}
     runs = (("dp", "dp", 1), ("zero3", "zero3", 1), ("dp-accumulate", "dp", 2), ("zero3-llama", "zero3", 1))
     for name, kind, mb in runs:
+        if name not in SPAWN:
+            continue
         model, inputs = _llama() if name.endswith("llama") else _model_inputs(batch=CFG.batch // mb)
         graph = capture(model, inputs)
         fn = forced.data_parallel if kind == "dp" else forced.zero3
@@ -205,7 +221,7 @@ def _worker(plans: dict[str, str]) -> dict:
         prog = pm.program
         pm.zero_grad(set_to_none=True)
         res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
-        if name.startswith("dp"):
+        if name in VS_DTENSOR:
             res[name + ":vs-dtensor"] = _against_dtensor_parameters(name, p, build)
         if prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
@@ -245,7 +261,12 @@ def test_plans_have_several_buckets(runs):
         assert kinds == ({"reduce_scatter"} if name.startswith("zero3") else {"all_reduce"}), (name, kinds)
 
 
-NAMES = ["dp", "zero3", "dp-accumulate", "zero3-llama"]
+NAMES = [
+    "dp",
+    pytest.param("zero3", marks=pytest.mark.full),  # SPAWN
+    "dp-accumulate",
+    "zero3-llama",
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -302,7 +323,7 @@ def test_recorded_steps_run_on_local_tensors(runs, name):
             assert got["forward"] == 0 and got["backward"] == got["gradients"], (name, got)
 
 
-@pytest.mark.parametrize("name", ["dp", "dp-accumulate"])
+@pytest.mark.parametrize("name", ["dp", pytest.param("dp-accumulate", marks=pytest.mark.full)])  # VS_DTENSOR
 def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
     """The data-parallel plan with plain parameters and the same plan with DTensor parameters (``plain = False``)
     trained side by side: every step's loss, every gradient and the parameters after 2 AdamW steps are the same
@@ -316,7 +337,7 @@ def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):
     _, results = runs
-    for name in ("dp", "zero3"):
+    for name in matrix(("dp", "zero3-llama"), ("dp", "zero3", "zero3-llama")):  # SPAWN: the GPT's ZeRO-3 in full
         for r in results:
             got = r[name]
             assert got["in_backward"] and got["moved"] >= 1, (name, got["moved"])
@@ -414,7 +435,7 @@ def test_old_plan_files_load_without_buckets():
     assert old.grad_buckets == () and old.time.hidden_s == 0.0
 
 
-@pytest.mark.parametrize("name", ["zero3", "zero3-llama"])
+@pytest.mark.parametrize("name", [pytest.param("zero3", marks=pytest.mark.full), "zero3-llama"])  # SPAWN
 def test_zero3_gathers_grouped_one_flat_collective_per_layer(runs, name):
     """The ZeRO-3 plans group their parameter gathers (one group per layer and phase, several parameters in a
     group) and the runs issue exactly one all-gather per group: the log's all-gathers are the plan's groups and
@@ -447,7 +468,7 @@ def test_zero3_gathers_grouped_one_flat_collective_per_layer(runs, name):
             assert r[name + ":grouped"][kind] == len(mine)
 
 
-@pytest.mark.parametrize("name", ["zero3", "zero3-llama"])
+@pytest.mark.parametrize("name", [pytest.param("zero3", marks=pytest.mark.full), "zero3-llama"])  # SPAWN
 def test_zero3_gather_groups_prefetched_one_layer_ahead(runs, name):
     """Every gather group but a phase's first is issued before the compute of the node its plan names
     (``issue_at``: the previous group's first consumer, so it runs while that layer computes) and waited for

@@ -907,7 +907,10 @@ def test_gshard_moe_routes_tokens_in_groups():
         GShardMoE(64, 1024, 1, 8, 2, 4, 3 * 1024)
 
 
-@pytest.mark.parametrize("fast", [True, False])
+# default tier: the exact path's table (the columns' searches in 2 forked workers; 21-25 CPU s in the last full
+# run, load ~20, 17 now at load ~7); full only: the repeated-block path's (the same map_columns over its columns;
+# 38 CPU s). The file: 413 before, ~131 after (45 pass, 2 full only; much of the drop is the lower load)
+@pytest.mark.parametrize("fast", [pytest.param(True, marks=pytest.mark.full), False])
 def test_stage_table_searched_in_worker_processes_is_the_serial_table(fast, monkeypatch):
     """``planner.parallel``: the stage table's columns (one per submesh size) searched in 2 forked workers give
     the plan one process gives — stages, ranks, logical meshes, step to the last digit, the same searches —
@@ -1032,6 +1035,9 @@ def test_a_pipeline_of_a_model_that_draws_random_numbers_is_refused(hf_gpt2_grap
         check_no_random(hf_gpt2_graph)
 
 
+@pytest.mark.full  # 45-55 CPU s in the last full run. The default tier checks the repeated-block path's plan against
+# the exact path's on GPTs (test_repeated_block_costs_choose_the_exact_paths_plan) and HF GPT-2's pipelines here;
+# capture_stack finds HF Llama's stack (its constants keyed by value) in test_frontier's default tests
 def test_a_hugging_face_llama_is_a_repeated_stack_planned_as_its_whole_graph():
     """HF Llama's decoder layers (``model.model.layers``, nested under ``HFLoss``) each read two constants of
     their own (``_tensor_constant``): keyed by value, the middle layers slice into one problem, so

@@ -10,7 +10,8 @@ all-gather; loss and gradients against the single device, every collective, send
 the plans' and the schedule's, the bytes crossing meshes with and without the local all-gather; and the
 planner's pipelines of two models nobody here wrote, Hugging Face's Llama and Mixtral. Two 4-rank spawns; every
 check inside it. And one 8-rank spawn (EIGHT): 4 stages of 2 ranks under 1F1B, and
-Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4)."""
+Interleaved1F1B on 2 groups of 4 ranks on meshes (2, 2) and (1, 4). The default tier (``tests/tiers.py``) runs a
+part of each spawn (DP_RUNS, FOUR_RUNS, INTRA_RUNS) and not the 8-rank one; the full matrix runs all of it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections import Counter
 
 import pytest
 from dist_utils import cached_graph, graph_of, run_distributed
+from tiers import FULL, matrix
 
 from meshpilot.planner.schedule import PipelineKind
 
@@ -30,6 +32,10 @@ CONFIGS = {  # name: (stage ranks, schedule, global batch)
     "1f1b": ([[0, 1], [2, 3]], "1f1b", 8),
     "1f1b-1+3": ([[0], [1, 2, 3]], "1f1b", 12),  # submeshes of different sizes: tile sends of 1 row
 }
+DP_DEFAULT = ("gpipe", "1f1b-1+3")
+DP_RUNS = matrix(DP_DEFAULT, tuple(CONFIGS))
+"""The dp spawn's plans. Default: GPipe on 2x2 ranks and 1F1B on submeshes of 1 and 3; full only: 1F1B on 2x2
+(1F1B's counts are checked in the default tier by the 1+3 plan and INTRA's tp|dp). Before/after: see FOUR_RUNS."""
 
 
 def _dp_worker(configs: dict) -> dict:
@@ -74,17 +80,33 @@ def _dp_worker(configs: dict) -> dict:
     return out
 
 
-def _worker(mlp_plan: str, intra_plans: dict, hf_plan: str, moe_plan: str, extra: tuple) -> dict:
+FOUR_DEFAULT = ("planned-mlp", "hf-mixtral", "resumes-tied", "hf-gpt2-tied", "tied-accumulated")
+FOUR_RUNS = matrix(
+    FOUR_DEFAULT,
+    ("planned-mlp", "hf-llama", "hf-mixtral", "resumes", "resumes-tied", "hf-gpt2-tied", "tied-accumulated"),
+)
+"""The 4-rank spawn's runs besides INTRA's. Default: the MLP's saved plan; HF Mixtral (nested decoder layers,
+rotary embeddings read by every layer, the MoE op) and HF GPT-2 (tied embedding: run, accumulated, resumed);
+full only: HF Llama's pipeline and its checkpoint resumes (the same mechanisms as Mixtral's and GPT-2's on
+another HF model). With INTRA_RUNS, DP_RUNS and the 8-rank spawn (full only), the file's CPU s (ranks
+included): 897 before (the last full run, load ~20), 246 after (default tier, load ~7: 22 passed, 8 full only)."""
+
+
+def _worker(mlp_plan: str, intra_plans: dict, hf_plan: str | None, moe_plan: str, extra: tuple) -> dict:
     out: dict = {}
-    out["planned-mlp"] = _run_planned_mlp(mlp_plan)
-    out["hf-llama"] = _run_planned_hf(hf_plan)
-    out["hf-mixtral"] = _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4)
     one_plan, root, tied_plan, tied_one_plan = extra
-    out["resumes"] = _resumes(hf_plan, one_plan, f"{root}/llama")
-    out["resumes-tied"] = _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8)
-    out["hf-gpt2-tied"] = _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8)
-    out["tied-accumulated"] = _accumulated(tied_plan)
-    out.update(_run_intra(intra_plans))
+    runs = {
+        "planned-mlp": lambda: _run_planned_mlp(mlp_plan),
+        "hf-llama": lambda: _run_planned_hf(hf_plan),
+        "hf-mixtral": lambda: _run_planned_hf(moe_plan, "hf:mixtral", HF_MIXTRAL, seq=4),
+        "resumes": lambda: _resumes(hf_plan, one_plan, f"{root}/llama"),
+        "resumes-tied": lambda: _resumes(tied_plan, tied_one_plan, f"{root}/gpt2", "hf:gpt2", HF_GPT2, seq=8),
+        "hf-gpt2-tied": lambda: _run_planned_hf(tied_plan, "hf:gpt2", HF_GPT2, seq=8),
+        "tied-accumulated": lambda: _accumulated(tied_plan),
+    }
+    for key in FOUR_RUNS:
+        out[key] = runs[key]()
+    out.update(_run_intra(intra_plans, INTRA_RUNS))
     return out
 
 
@@ -242,6 +264,17 @@ INTRA = {  # name: (stages as (layers, ranks, logical mesh), forced layouts per 
 }
 ZB = ("1|tp|1",)
 """Configurations also run under the zero-bubble schedule (``planner.schedule.zero_bubble``: I and W)."""
+_ALL_INTRA_RUNS = [(name, name, False, False) for name in INTRA]
+_ALL_INTRA_RUNS += [("tp|dp+gather", "tp|dp", True, False)]
+_ALL_INTRA_RUNS += [(f"{name}+zb", name, False, "kind") for name in ZB]
+INTRA_DEFAULT = ("tp|dp", "interleaved", "tp|dp+gather", "1|tp|1+zb")
+INTRA_RUNS = matrix([run for run in _ALL_INTRA_RUNS if run[0] in INTRA_DEFAULT], _ALL_INTRA_RUNS)
+"""(result, plan, local all-gather?, zero bubble?) of the 4-rank spawn. Default: Megatron | data parallel under
+1F1B (with and without the local all-gather), Interleaved1F1B on transposed meshes, and 3 stages under ZB-H1;
+full only: 1|3 under GPipe (GPipe's counts are checked by the dp spawn's) and 1|tp|1 under 1F1B (the same
+stages as ZB-H1's)."""
+INTRA_PLANNED = {run[1] for run in INTRA_RUNS}
+"""The INTRA plans the runs need (planned in the parent)."""
 MICRO = 2
 """Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
 
@@ -277,9 +310,7 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
     out = {}
     if runs is None:
-        runs = [(name, name, False, False) for name in plans]
-        runs += [("tp|dp+gather", "tp|dp", True, False)]
-        runs += [(f"{name}+zb", name, False, "kind") for name in ZB]
+        runs = _ALL_INTRA_RUNS
     for name, key, gather, zb in runs:
         plan = Plan.from_json(plans[key])
         sched = zero_bubble([st.ranks for st in plan.stages], plan.microbatches) if zb else None
@@ -358,7 +389,9 @@ EIGHT = {  # on 8 ranks, as INTRA
 }
 EIGHT_RUNS = [("4 stages", "4 stages", False, False), ("2 stages interleaved", "2 stages interleaved", False, False)]
 """(result, plan, local all-gather?, zero bubble?): 1F1B on 4 stages, Interleaved1F1B on 2 groups (the local
-all-gather and ZB-H1 are checked on 4 ranks: ``ZB``; an 8-rank run costs about 4x a 4-rank one on 2 cores)."""
+all-gather and ZB-H1 are checked on 4 ranks: ``ZB``; an 8-rank run costs about 4x a 4-rank one on 2 cores).
+Full only (212 CPU s in the last full run): what no 4-rank run has is a stage on a 2-D mesh, (2, 2), and 4
+stages; the 4-rank runs have 3 stages, Interleaved1F1B's 4 chunks and the (2, 1) / (1, 2) meshes."""
 
 
 def _plans(configs: dict) -> dict[str, str]:
@@ -392,7 +425,8 @@ def _bare_plans() -> dict[str, str]:
     cfg = gpt_tiny(layers=4)
     model = GPT(cfg).to("meta")
     out = {}
-    for name, (stage_ranks, kind, batch) in CONFIGS.items():
+    for name in DP_RUNS:
+        stage_ranks, kind, batch = CONFIGS[name]
         idx = torch.zeros((batch // 4, cfg.seq), dtype=torch.long, device="meta")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -405,7 +439,7 @@ def _bare_plans() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def intra_plans() -> dict[str, str]:
-    return _plans(INTRA)
+    return _plans({name: cfg for name, cfg in INTRA.items() if name in INTRA_PLANNED})
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +507,10 @@ def tied_one_plan(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(mlp_plan, intra_plans, hf_plan, moe_plan, hf_one_plan, tied_plan, tied_one_plan, tmp_path_factory):
+def four_ranks(mlp_plan, intra_plans, moe_plan, tied_plan, tied_one_plan, tmp_path_factory, request):
+    # Llama's plans only where its runs are (FOUR_RUNS: the full matrix)
+    hf_plan = request.getfixturevalue("hf_plan") if FULL else None
+    hf_one_plan = request.getfixturevalue("hf_one_plan") if FULL else None
     extra = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")), tied_plan, tied_one_plan)
     return run_distributed(_worker, 4, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900)
 
@@ -484,7 +521,12 @@ def dp_ranks() -> list[dict]:
     return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+def _param(value: str, default: tuple[str, ...]):
+    """`value` as a parameter: in the default tier if its spawn runs it there (`default`), else full only."""
+    return value if value in default else pytest.param(value, marks=pytest.mark.full)
+
+
+@pytest.mark.parametrize("name", [_param(name, DP_DEFAULT) for name in CONFIGS])
 def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
     """A plan without its stages' plans runs data-parallel stage plans made at the start, by the same runtime."""
     for rank, out in enumerate(dp_ranks):
@@ -495,7 +537,7 @@ def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
-@pytest.mark.parametrize("kind", [PipelineKind.GPIPE.value, PipelineKind.ONE_F_ONE_B.value])
+@pytest.mark.parametrize("kind", [_param(k.value, DP_DEFAULT) for k in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)])
 def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(dp_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
@@ -548,11 +590,12 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         assert res["grad"] < 1e-5 and res["equal_counts"] and res["own_plans"] == "PlannedPipelineModule"
 
 
-@pytest.mark.parametrize("name", [*INTRA, "tp|dp+gather", *(f"{n}+zb" for n in ZB)])
+@pytest.mark.parametrize("name", [_param(run[0], INTRA_DEFAULT) for run in _ALL_INTRA_RUNS])
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
     _check_intra(four_ranks, INTRA[name.split("+")[0]][0], name)
 
 
+@pytest.mark.full  # the 8-rank spawn: see EIGHT_RUNS
 @pytest.mark.parametrize("name", [run[0] for run in EIGHT_RUNS])
 def test_on_eight_ranks_stages_with_their_own_plans_equal_the_single_device(eight_ranks, name):
     """2 and 4 stages on meshes of 2 and 4 ranks of different shapes, under 1F1B and Interleaved1F1B:
@@ -576,6 +619,7 @@ def _check_intra(outs: list[dict], stages: list, name: str) -> None:
             assert +Counter({k: c for k, c in counts.items() if k[1] == "pp"}) == res["p2p"], rank
 
 
+@pytest.mark.full  # Llama's runs: see FOUR_RUNS
 def test_a_hugging_face_llama_pipeline_as_planned_equals_the_single_device(four_ranks, hf_plan):
     """A model nobody here wrote: HF's Llama, split by the planner (its layers found inside
     ``model.model.layers``, the cut before a decoder layer), each stage its own plan: HF's loss and every
@@ -614,7 +658,7 @@ def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(fou
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
 
-@pytest.mark.parametrize("key", ["resumes", "resumes-tied"])
+@pytest.mark.parametrize("key", [_param(key, FOUR_DEFAULT) for key in ("resumes", "resumes-tied")])
 def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_and_one_stage(four_ranks, key):
     """HF Llama's pipeline (and GPT-2's of 3 stages, two of them holding the tied embedding: one copy is
     written, under both of its names as a one-stage run writes it) saves after step 2 — each rank its stages'
