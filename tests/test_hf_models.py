@@ -9,7 +9,8 @@ On 4 gloo processes (one spawn): for every model, the solver's plan on every 2D 
 ``SOLVER_ONLY``) the forced data-parallel, Megatron and ZeRO-3 plans on the meshes of ``FORCED_MESHES``, trained
 side by side with the single-device model for 3 stock AdamW steps (the same random stream for both: dropout is
 exact under sharding): loss and every gradient within 1e-5 of the single device's at every step, buffers equal, and the
-collectives each step issues (kind, mesh axis, bytes, phase) equal the plan's.
+collectives each step issues (kind, mesh axis, bytes, phase) equal the plan's. That is the full matrix
+(``MESHPILOT_TEST_FULL=1``); the default tier runs a part of it (``MESHES``, ``MODELS`` below).
 """
 
 from __future__ import annotations
@@ -20,21 +21,31 @@ import pytest
 import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import run_distributed
+from tiers import matrix
 
 TOL = 1e-5
 STEPS = 3
 WORLD = 4
-MESHES = [(4, 1), (2, 2), (1, 4)]
+ALL_MESHES = [(4, 1), (2, 2), (1, 4)]
 KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
 # the solver on every mesh; the forced kinds on the mixed mesh, plus the pure layouts each is known for (Megatron
 # TP over all 4 ranks, ZeRO-3 over all 4): the suite's time (this fixture was 262 s of it). Dropped: data parallel
 # on (1, 4) (the (4, 1) layout along the other axis) and ZeRO-3 on (1, 4); Megatron on (4, 1) is data parallel.
 FORCED_MESHES = {"data_parallel": [(2, 2)], "megatron_tp": [(2, 2), (1, 4)], "zero3": [(2, 2), (4, 1)]}
-MODELS = ("gpt2", "llama-sdpa", "llama-eager", "bert", "t5")
+ALL_MODELS = ("gpt2", "llama-sdpa", "llama-eager", "bert", "t5")
 # eager attention (matmul, softmax, matmul in place of one sdpa op) differs from llama-sdpa in the attention alone:
 # its solver plans on every mesh shard those ops; the forced kinds' layouts of the rest are llama-sdpa's (a
 # 4-rank run costs ~40 CPU s on a 2-core AMD EPYC; test_hf_families runs it again with use_cache=False)
 SOLVER_ONLY = ("llama-eager",)
+# The tiers (tests/tiers.py). The default keeps every mechanism once on the mixed (2, 2) mesh: the solver's plan
+# for GPT-2 (Conv1D, dropout), Llama with sdpa (grouped-query attention, rotary), BERT (an encoder) and T5 (an
+# encoder-decoder), and the forced data-parallel, Megatron and ZeRO-3 plans for GPT-2. The full matrix alone runs
+# the pure meshes (4, 1) and (1, 4), the forced kinds for the other models and llama-eager (llama-sdpa's model
+# with eager attention; test_hf_families' default runs GPT-2's eager attention). CPU s of the file (ranks included,
+# 2-core AMD EPYC): 714 in the last full-matrix run, 182 in the default tier (5 passed, 1 skipped).
+MESHES = matrix([(2, 2)], ALL_MESHES)
+MODELS = matrix(("gpt2", "llama-sdpa", "bert", "t5"), ALL_MODELS)
+FORCED_MODELS = matrix(("gpt2",), [m for m in ALL_MODELS if m not in SOLVER_ONLY])
 CLUSTER = "dgx-h100"
 # the fixtures plan and run every model at once: their setup is the long part, so it gets its own bound
 pytestmark = pytest.mark.timeout(1800)
@@ -100,7 +111,7 @@ def make_plans() -> dict:
         graph = capture(model, inputs)
         for shape in MESHES:
             for kind in KINDS:
-                if kind != "solver" and (shape not in FORCED_MESHES[kind] or name in SOLVER_ONLY):
+                if kind != "solver" and (shape not in FORCED_MESHES[kind] or name not in FORCED_MODELS):
                     continue
                 force = None
                 if kind != "solver":
@@ -246,7 +257,7 @@ def _plan_key(p) -> str:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [m if m in MODELS else pytest.param(m, marks=pytest.mark.full) for m in ALL_MODELS])
 def test_hf_model_equals_single_device_under_every_plan(runs, name):
     for rank_results in runs:
         for job, r in rank_results.items():
