@@ -2,8 +2,10 @@
 
 Every mechanism is checked in the default tier, on at least one model and one world size, against the single
 device. The full matrix repeats those checks on more models, meshes, families and world sizes (8 ranks): on
-a 2-core AMD EPYC machine it took CI past its 90 minutes (2.4-4.4x the per-collective cost of 4 ranks at 8,
-``benchmarks/bench_gloo_ranks.py``), so it runs only with ``MESHPILOT_TEST_FULL=1``. A test, or a fixture
+a 2-core AMD EPYC machine it took 35 minutes quiet and CI past its 90 busy (8 ranks cost 2.4-4.4x the
+per-collective cost of 4, ``benchmarks/bench_gloo_ranks.py``); the default tier took 23 minutes, 0.64x the full
+matrix's CPU s (docs/benchmarks.md, "The suite in two tiers"). The full matrix runs only with
+``MESHPILOT_TEST_FULL=1``. A test, or a fixture
 parameter, outside the default tier carries ``@pytest.mark.full`` (skipped with the reason, so the count shows
 in every run); a matrix a test loops over itself is chosen with :func:`matrix`. Before a change to the runtime
 or the planner lands, run the full matrix once: ``MESHPILOT_TEST_FULL=1 .venv/bin/python -m pytest -q``.
