@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from tiers import params
 
 from meshpilot.graph.capture import Phase
 from meshpilot.models.gpt import ATP_M1, ATP_M2, ATP_M3, ATP_M4, BUILTIN_GPTS, GPT, GPTConfig, gpt_tiny
@@ -319,8 +320,8 @@ def _worker(world: int) -> dict:
 
 
 # 8 ranks in the full matrix only (tests/tiers.py): 147 of the suite's 9,005 CPU s on a 2-core AMD EPYC; the
-# default tier's 8-rank check is the GPT's solver plan on (2, 4) and (2, 2, 2) in test_models_parallel.py
-@pytest.fixture(scope="module", params=[4, pytest.param(8, marks=pytest.mark.full)], ids=lambda w: f"world{w}")
+# default tier's 8-rank check is the GPT's solver plan on (2, 2, 2) in test_models_parallel.py
+@pytest.fixture(scope="module", params=params([4, 8], default=[4]), ids=lambda w: f"world{w}")
 def dist_results(request) -> tuple[int, list[dict]]:
     world = request.param
     return world, run_distributed(_worker, world, world, timeout=400)

@@ -23,6 +23,7 @@ from dist_utils import run_distributed
 from test_models_parallel import ADAMW, TOL, _max_err
 from test_models_parallel import build as zoo_build
 from test_moe_dropless import _check_counts as check_routed_counts
+from tiers import params
 from torch import nn
 
 STEPS = 2  # step 1 records the one-microbatch programs, step 2 runs the interleaved ones (after an AdamW step)
@@ -202,11 +203,7 @@ def _moe_order(gm) -> list[tuple[str, int]]:
 
 
 # 8 ranks (the GPT on (2, 4): 65 CPU s on a 2-core AMD EPYC) in the full matrix only (tests/tiers.py)
-@pytest.fixture(
-    scope="module",
-    params=[w if w == 4 else pytest.param(w, marks=pytest.mark.full) for w in sorted(MESH)],
-    ids=lambda w: f"world{w}",
-)
+@pytest.fixture(scope="module", params=params(sorted(MESH), default=[4]), ids=lambda w: f"world{w}")
 def runs(request):
     world = request.param
     plans = make_plans(world)

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 from dist_utils import graph_of, lockstep_adamw, run_distributed
-from tiers import matrix
+from tiers import matrix, params
 
 from meshpilot.graph.capture import capture
 from meshpilot.models.gpt import GPT, GPTConfig
@@ -36,10 +36,8 @@ CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, batch=8)
 CLUSTER = "atp-ic3"
 WORLD = 4
 BUCKET = 4 * 1024  # small enough that the tiny model makes several buckets in every plan
-SPAWN = matrix(
-    ("dp", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped"),
-    ("dp", "zero3", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped"),
-)
+SPAWN_DEFAULT = ("dp", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped")
+SPAWN = matrix(SPAWN_DEFAULT, ("dp", "zero3", "dp-accumulate", "zero3-llama", "zero3-llama-ungrouped"))
 """The plans the spawn runs. Default: the GPT's data-parallel plans (one step and 2 microbatches) and HF Llama's
 ZeRO-3 plan (reduce-scatter buckets, gather groups; with and without them); full only: the GPT's ZeRO-3 plan (the
 same mechanisms on another model; test_zero3_planned_on_a_probed_cpu_cluster_runs_equal_to_one_device runs one
@@ -47,7 +45,8 @@ in the default tier too). VS_DTENSOR: the plain-against-DTensor-parameters run o
 and of the 2-microbatch one (full only). The spawn's CPU s (ranks included, charged to
 test_plans_have_several_buckets): 119 before (the last full run, load ~20), 69 after (default, load ~7); the
 file: 147 before, 84 after (21 passed, 6 full only)."""
-VS_DTENSOR = matrix(("dp",), ("dp", "dp-accumulate"))
+VS_DTENSOR_DEFAULT = ("dp",)
+VS_DTENSOR = matrix(VS_DTENSOR_DEFAULT, ("dp", "dp-accumulate"))
 
 
 LLAMA = [
@@ -261,12 +260,7 @@ def test_plans_have_several_buckets(runs):
         assert kinds == ({"reduce_scatter"} if name.startswith("zero3") else {"all_reduce"}), (name, kinds)
 
 
-NAMES = [
-    "dp",
-    pytest.param("zero3", marks=pytest.mark.full),  # SPAWN
-    "dp-accumulate",
-    "zero3-llama",
-]
+NAMES = params(["dp", "zero3", "dp-accumulate", "zero3-llama"], default=SPAWN_DEFAULT)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -323,7 +317,7 @@ def test_recorded_steps_run_on_local_tensors(runs, name):
             assert got["forward"] == 0 and got["backward"] == got["gradients"], (name, got)
 
 
-@pytest.mark.parametrize("name", ["dp", pytest.param("dp-accumulate", marks=pytest.mark.full)])  # VS_DTENSOR
+@pytest.mark.parametrize("name", params(["dp", "dp-accumulate"], default=VS_DTENSOR_DEFAULT))
 def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
     """The data-parallel plan with plain parameters and the same plan with DTensor parameters (``plain = False``)
     trained side by side: every step's loss, every gradient and the parameters after 2 AdamW steps are the same
@@ -337,7 +331,7 @@ def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):
     _, results = runs
-    for name in matrix(("dp", "zero3-llama"), ("dp", "zero3", "zero3-llama")):  # SPAWN: the GPT's ZeRO-3 in full
+    for name in [n for n in ("dp", "zero3", "zero3-llama") if n in SPAWN]:
         for r in results:
             got = r[name]
             assert got["in_backward"] and got["moved"] >= 1, (name, got["moved"])
@@ -435,7 +429,7 @@ def test_old_plan_files_load_without_buckets():
     assert old.grad_buckets == () and old.time.hidden_s == 0.0
 
 
-@pytest.mark.parametrize("name", [pytest.param("zero3", marks=pytest.mark.full), "zero3-llama"])  # SPAWN
+@pytest.mark.parametrize("name", params(["zero3", "zero3-llama"], default=SPAWN_DEFAULT))
 def test_zero3_gathers_grouped_one_flat_collective_per_layer(runs, name):
     """The ZeRO-3 plans group their parameter gathers (one group per layer and phase, several parameters in a
     group) and the runs issue exactly one all-gather per group: the log's all-gathers are the plan's groups and
@@ -468,7 +462,7 @@ def test_zero3_gathers_grouped_one_flat_collective_per_layer(runs, name):
             assert r[name + ":grouped"][kind] == len(mine)
 
 
-@pytest.mark.parametrize("name", [pytest.param("zero3", marks=pytest.mark.full), "zero3-llama"])  # SPAWN
+@pytest.mark.parametrize("name", params(["zero3", "zero3-llama"], default=SPAWN_DEFAULT))
 def test_zero3_gather_groups_prefetched_one_layer_ahead(runs, name):
     """Every gather group but a phase's first is issued before the compute of the node its plan names
     (``issue_at``: the previous group's first consumer, so it runs while that layer computes) and waited for

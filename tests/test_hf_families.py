@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import lockstep_adamw, run_distributed
-from tiers import matrix
+from tiers import matrix, params
 
 TOL = 1e-5
 STEPS = 3
@@ -199,9 +199,7 @@ FIXED_REPEATS = ("flaubert", "led", "encoder-decoder")
 GUARDED_TYPES = ("xlm", "flaubert", "prophetnet", "xmod", "t5gemma2", "fsmt", "gemma3n_text", "longformer", "led")
 
 
-@pytest.mark.parametrize(
-    "model_type", [pytest.param(t, marks=pytest.mark.full) if t in FIXED_REPEATS else t for t in sorted(FIXED)]
-)
+@pytest.mark.parametrize("model_type", params(sorted(FIXED), default=set(FIXED) - set(FIXED_REPEATS)))
 def test_fixed_failure_classes_plan_without_fallback(model_type):
     from meshpilot.models.hf_families import TEXT_KINDS, families, try_plan
 

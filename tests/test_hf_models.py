@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import run_distributed
-from tiers import matrix
+from tiers import matrix, params
 
 TOL = 1e-5
 STEPS = 3
@@ -257,7 +257,7 @@ def _plan_key(p) -> str:
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [m if m in MODELS else pytest.param(m, marks=pytest.mark.full) for m in ALL_MODELS])
+@pytest.mark.parametrize("name", params(ALL_MODELS, default=MODELS))
 def test_hf_model_equals_single_device_under_every_plan(runs, name):
     for rank_results in runs:
         for job, r in rank_results.items():

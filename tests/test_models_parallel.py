@@ -36,8 +36,8 @@ STEPS = 3
 # on 8 ranks one mixed mesh, (2, 4), beside the two pure ones: the suite's time (ATP's layers run every 8-rank mesh)
 # The default tier (tests/tiers.py) runs 8 ranks for what only 8 have: the GPT's solver plan on the 3-axis (2, 2, 2)
 # mesh (MESHES_3D); the full matrix adds the 2D 8-rank meshes, the MoE, the forced kinds, the schedules and the small
-# buckets there (the 8-rank fixture: 571 CPU s of a 9,005 CPU s suite on a 2-core AMD EPYC; with (2, 4) and
-# (2, 2, 2) only, 186).
+# buckets there (the 8-rank fixture: 571 CPU s of a 9,005 CPU s suite on a 2-core AMD EPYC; with (2, 2, 2) alone,
+# 139).
 MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: list(matrix([], [(8, 1), (2, 4), (1, 8)]))}
 KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
 ZOO = ("gpt", "bert", "mlp", "wrn", "moe")

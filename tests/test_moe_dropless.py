@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
 from dist_utils import run_distributed
+from tiers import params
 
 TOL = 1e-5
 STEPS = 2
@@ -314,7 +315,7 @@ def _check_counts(per_rank: list[list], planned: Counter) -> None:
 @pytest.mark.dist
 @pytest.mark.slow
 # 8 ranks (EP x DP on (2, 4): 145 CPU s on a 2-core AMD EPYC) in the full matrix only (tests/tiers.py)
-@pytest.mark.parametrize("world", [w if w == 4 else pytest.param(w, marks=pytest.mark.full) for w in sorted(MESHES)])
+@pytest.mark.parametrize("world", params(sorted(MESHES), default=[4]))
 def test_mixtral_equals_single_device(plans, world):
     keys = [k for k in plans if k[0] != "tiny" and k[1][0] * k[1][1] == world]
     if world == 8:  # the suite's time: on 8 ranks EP x DP on (2, 4) only; pure EP and forced DP (whose replicated

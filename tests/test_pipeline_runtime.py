@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 from dist_utils import cached_graph, graph_of, run_distributed
-from tiers import FULL, matrix
+from tiers import FULL, matrix, params
 
 from meshpilot.planner.schedule import PipelineKind
 
@@ -521,12 +521,7 @@ def dp_ranks() -> list[dict]:
     return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900)
 
 
-def _param(value: str, default: tuple[str, ...]):
-    """`value` as a parameter: in the default tier if its spawn runs it there (`default`), else full only."""
-    return value if value in default else pytest.param(value, marks=pytest.mark.full)
-
-
-@pytest.mark.parametrize("name", [_param(name, DP_DEFAULT) for name in CONFIGS])
+@pytest.mark.parametrize("name", params(CONFIGS, default=DP_DEFAULT))
 def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
     """A plan without its stages' plans runs data-parallel stage plans made at the start, by the same runtime."""
     for rank, out in enumerate(dp_ranks):
@@ -537,7 +532,9 @@ def test_data_parallel_stages_equal_the_single_device(dp_ranks, name):
             assert len(res["loss"]) == STEPS and max(res["loss"]) < 1e-5, res["loss"]
 
 
-@pytest.mark.parametrize("kind", [_param(k.value, DP_DEFAULT) for k in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)])
+@pytest.mark.parametrize(
+    "kind", params([k.value for k in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)], default=DP_DEFAULT)
+)
 def test_sends_receives_and_all_reduces_counted_equal_to_the_plans(dp_ranks, kind):
     from meshpilot.sharding.reshard import CollectiveKind
 
@@ -590,7 +587,7 @@ def test_a_saved_pipeline_plan_runs_as_planned(four_ranks, mlp_plan):
         assert res["grad"] < 1e-5 and res["equal_counts"] and res["own_plans"] == "PlannedPipelineModule"
 
 
-@pytest.mark.parametrize("name", [_param(run[0], INTRA_DEFAULT) for run in _ALL_INTRA_RUNS])
+@pytest.mark.parametrize("name", params([run[0] for run in _ALL_INTRA_RUNS], default=INTRA_DEFAULT))
 def test_stages_with_their_own_intra_plans_equal_the_single_device(four_ranks, name):
     _check_intra(four_ranks, INTRA[name.split("+")[0]][0], name)
 
@@ -658,7 +655,7 @@ def test_a_hugging_face_mixtral_pipeline_as_planned_equals_the_single_device(fou
     _check_intra(four_ranks, [(st.layers, st.ranks, st.mesh_shape) for st in plan.stages], "hf-mixtral")
 
 
-@pytest.mark.parametrize("key", [_param(key, FOUR_DEFAULT) for key in ("resumes", "resumes-tied")])
+@pytest.mark.parametrize("key", params(("resumes", "resumes-tied"), default=FOUR_DEFAULT))
 def test_a_pipeline_checkpoint_resumes_under_the_same_plan_and_across_pipeline_and_one_stage(four_ranks, key):
     """HF Llama's pipeline (and GPT-2's of 3 stages, two of them holding the tied embedding: one copy is
     written, under both of its names as a one-stage run writes it) saves after step 2 — each rank its stages'

@@ -7,15 +7,18 @@ per-collective cost of 4, ``benchmarks/bench_gloo_ranks.py``); the default tier 
 matrix's CPU s (docs/benchmarks.md, "The suite in two tiers"). The full matrix runs only with
 ``MESHPILOT_TEST_FULL=1``. A test, or a fixture
 parameter, outside the default tier carries ``@pytest.mark.full`` (skipped with the reason, so the count shows
-in every run); a matrix a test loops over itself is chosen with :func:`matrix`. Before a change to the runtime
+in every run: :func:`params` marks a list of them); a matrix a test loops over itself is chosen with
+:func:`matrix`. Before a change to the runtime
 or the planner lands, run the full matrix once: ``MESHPILOT_TEST_FULL=1 .venv/bin/python -m pytest -q``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, TypeVar
+
+import pytest
 
 FULL_ENV = "MESHPILOT_TEST_FULL"
 FULL = os.environ.get(FULL_ENV, "") == "1"
@@ -29,3 +32,9 @@ def matrix(default: Sequence[T], full: Sequence[T]) -> tuple[T, ...]:
     missing = [x for x in default if x not in full]
     assert not missing, f"the default tier's {missing} are not in the full matrix"
     return tuple(full if FULL else default)
+
+
+def params(full: Iterable[T], default: Collection[T]) -> list[Any]:
+    """`full` as ``parametrize`` values (or a fixture's ``params``): each one not in `default` marked
+    ``@pytest.mark.full`` (skipped with the reason unless ``MESHPILOT_TEST_FULL=1``), in `full`'s order."""
+    return [x if x in default else pytest.param(x, marks=pytest.mark.full) for x in full]
