@@ -475,3 +475,37 @@ def test_the_loss_getitem_reads_its_operands_layout_as_it_is_on_a_cost_tie():
     cheaper = np.array([0.0, 0.0, 1.0])  # reading it as R costs more: the cheapest first
     assert _merge_map_ids(cheaper, src, ins, object(), Free(), as_is=True).tolist() == [0, 1]
     assert _merge_map_ids(np.zeros(3), src, ins, object(), Free()).tolist() == [0, 0]
+
+
+def test_a_model_solved_to_the_end_is_answered_again_without_a_second_solve(monkeypatch):
+    """``highs.solve_milp`` remembers a model solved to the end: the same model again (new arrays, same
+    values) is answered without calling HiGHS, with the same solution; a changed bound is solved anew; an
+    infeasible model is remembered as infeasible; an answer a limit stopped is not remembered."""
+    import numpy as np
+
+    from meshpilot.planner import highs
+
+    monkeypatch.setattr(highs, "_ANSWERS", highs.OrderedDict())
+    calls = []
+    real = highs._solve
+    monkeypatch.setattr(highs, "_solve", lambda *a: calls.append(a) or real(*a))
+
+    def model(bound: float, limit: int = 10_000):
+        # min -x0 - 2 x1 - 3 x2 over x0 + x1 + x2 <= bound, x binary: a knapsack with one row
+        A = highs.Csc.from_entries(np.array([0, 0, 0]), np.array([0, 1, 2]), np.ones(3), (1, 3))
+        args = (np.array([-1.0, -2.0, -3.0]), A, np.array([-np.inf]), np.array([bound]), np.ones(3))
+        return highs.solve_milp(*args, time_limit=60.0, node_limit=limit, mip_rel_gap=0.0)
+
+    first = model(2.0)
+    again = model(2.0)
+    assert len(calls) == 1 and np.array_equal(first.x, again.x) and list(again.x) == [0.0, 1.0, 1.0]
+    assert again.message == first.message and first.final
+    again.x[:] = 7.0  # a caller's copy: the remembered answer is not changed through it
+    assert list(model(2.0).x) == [0.0, 1.0, 1.0] and len(calls) == 1
+    assert list(model(1.0).x) == [0.0, 0.0, 1.0] and len(calls) == 2
+    infeasible = model(-1.0)
+    assert infeasible.x is None and infeasible.infeasible and model(-1.0).infeasible and len(calls) == 3
+    stopped = highs.MilpAnswer(np.zeros(3), "Time limit reached. ", 0.5, False, final=False)
+    monkeypatch.setattr(highs, "_solve", lambda *a: calls.append(a) or stopped)
+    model(3.0), model(3.0)
+    assert len(calls) == 5  # not remembered: solved both times

@@ -19,11 +19,20 @@ The message keeps scipy's form, ``"<what it means>. (HiGHS Status <n>: <HiGHS' s
 prints and stores (``Plan.solver.status``; ``plan.py`` reads the part after ``HiGHS Status <n>:``); where no
 solution came back, scipy's ``"model_status is <status>; primal_status is <status>"`` after the number is
 left out (the primal status says nothing more then).
+
+A model solved to the end (optimal, or proved infeasible) is remembered by a digest of everything HiGHS is
+given (:data:`_ANSWERS`): the same model posed again gets that answer without a second solve. The planner poses
+the same ILP more than once — a pipeline's stages of identical blocks on one mesh shape, each planned on its own
+(``Plan.with_intra``: GPT-39B's ten three-block stages on 4x1 of ``alpa-p3x8``), and the searches that try one
+slice again — and HiGHS (one thread) answers a model the same way every time, so the plan is the one a second
+solve would give. An answer stopped by a limit (time, nodes) is not remembered: it depends on the machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -63,6 +72,8 @@ class MilpAnswer:
     message: str
     mip_gap: float
     infeasible: bool
+    final: bool = False
+    """Solved to the end (optimal, or proved infeasible), not stopped by a limit: what may be remembered."""
 
 
 def solve_milp(
@@ -77,7 +88,42 @@ def solve_milp(
     mip_rel_gap: float,
 ) -> MilpAnswer:
     """``min cᵀx`` over ``row_lower ≤ A x ≤ row_upper``, ``0 ≤ x ≤ 1``, ``x_j`` integer where
-    ``integrality[j]`` is 1 (module docstring: scipy's ``milp`` model and options)."""
+    ``integrality[j]`` is 1 (module docstring: scipy's ``milp`` model and options; a model solved to the end
+    before is answered from :data:`_ANSWERS`)."""
+    options = (float(time_limit), int(node_limit), float(mip_rel_gap))
+    key = _digest((c, A.indptr, A.indices, A.data, row_lower, row_upper, integrality), A.shape, options)
+    known = _ANSWERS.get(key)
+    if known is not None:
+        _ANSWERS.move_to_end(key)
+        return replace(known, x=None if known.x is None else known.x.copy())
+    ans = _solve(c, A, row_lower, row_upper, integrality, *options)
+    if ans.final:
+        _ANSWERS[key] = replace(ans, x=None if ans.x is None else ans.x.copy())
+        while len(_ANSWERS) > REMEMBERED:
+            _ANSWERS.popitem(last=False)
+    return ans
+
+
+REMEMBERED = 256
+"""How many answers :data:`_ANSWERS` keeps (the least recently used go first)."""
+
+_ANSWERS: OrderedDict[bytes, MilpAnswer] = OrderedDict()
+"""Answers of models solved to the end, by :func:`_digest` of the model and options (module docstring)."""
+
+
+def _digest(arrays, shape: tuple[int, int], options: tuple) -> bytes:
+    """A digest of a model: every array's dtype, length and bytes, the matrix shape and the solve's options."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(repr((shape, options)).encode())
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.size};".encode())
+        h.update(a.data)
+    return h.digest()
+
+
+def _solve(c, A: Csc, row_lower, row_upper, integrality, time_limit: float, node_limit: int, mip_rel_gap: float):
+    """One solve of the model by HiGHS (:func:`solve_milp` without the memory)."""
     import highspy
 
     h = highspy.Highs()
@@ -101,7 +147,8 @@ def solve_milp(
     message = f"{_MEANING.get(status.name, '')}(HiGHS Status {int(status)}: {h.modelStatusToString(status)})"
     x = np.array(h.getSolution().col_value) if solved else None
     gap = float(info.mip_gap) if solved and is_mip else 0.0
-    return MilpAnswer(x, message, gap, status == S.kInfeasible)
+    infeasible = status == S.kInfeasible
+    return MilpAnswer(x, message, gap, infeasible, final=status == S.kOptimal or infeasible)
 
 
 def _lp(highspy, c, A: Csc, row_lower, row_upper, integrality):
