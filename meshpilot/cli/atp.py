@@ -19,6 +19,7 @@ from meshpilot.cli.common import (
     positive_int,
     print_json,
 )
+from meshpilot.cli.main import COMMANDS
 from meshpilot.cluster import load_cluster
 from meshpilot.cluster.presets import parse_preset
 from meshpilot.errors import UserError
@@ -33,7 +34,7 @@ SWEEP_SIZES = {"atp-ic5": [2**k for k in range(2, 11)], "atp-ic6": [q * q for q 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "atp",
-        help="choose the 2D tensor-parallel mesh with the least all-reduce time (ATP)",
+        help=COMMANDS["atp"],
         description=__doc__
         + " T_comm = 2Lbs·e·(7h/(d1·B2) + 2h/(d2·B1)); B1, B2 from the cluster's matrix (Eq. 3-4) or its"
         " calibration entries. DeviceMesh(N,1) is Megatron-LM's 1D tensor parallelism.",

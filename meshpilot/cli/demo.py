@@ -21,6 +21,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from meshpilot.cli.common import console, path_arg, positive_int
+from meshpilot.cli.main import COMMANDS
 from meshpilot.cluster import GB, load_cluster
 from meshpilot.errors import UserError
 from meshpilot.io import check_writable
@@ -32,7 +33,7 @@ TRAIN_MODEL = "gpt-tiny"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="the tour: topology, ATP's mesh choice, a plan for a GPT, real 4-process training with it",
+        help=COMMANDS["demo"],
         description=__doc__,
     )
     p.add_argument("--cluster", "-c", default="atp-ic1-calibrated", help="preset or file (default atp-ic1-calibrated)")

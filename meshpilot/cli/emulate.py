@@ -11,13 +11,14 @@ import argparse
 import sys
 
 from meshpilot.cli.common import add_cluster_arg, get_cluster, positive_float, positive_int
+from meshpilot.cli.main import COMMANDS
 from meshpilot.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "emulate",
-        help="run CMD's ranks as a multi-node cluster on this machine (network namespaces shaped by tc)",
+        help=COMMANDS["emulate"],
         description=__doc__,
         usage="meshpilot emulate --cluster C [options] -- CMD ...\n       meshpilot emulate --cleanup [--force]",
         epilog=(

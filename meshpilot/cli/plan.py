@@ -70,6 +70,7 @@ from meshpilot.cli.common import (
     positive_float,
     positive_int,
 )
+from meshpilot.cli.main import COMMANDS
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
 from meshpilot.io import fmt_size
@@ -88,7 +89,7 @@ PRECISIONS = tuple(p.value for p in Precision)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
-        help="plan a built-in model's sharding (per-operator ILP over every mesh shape) and show or save it",
+        help=COMMANDS["plan"],
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

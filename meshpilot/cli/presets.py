@@ -7,11 +7,12 @@ import argparse
 from rich.table import Table
 
 from meshpilot.cli.common import console, print_json
+from meshpilot.cli.main import COMMANDS
 from meshpilot.cluster import DEVICES, PRESETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("presets", help="list built-in clusters, device kinds and models", description=__doc__)
+    p = sub.add_parser("presets", help=COMMANDS["presets"], description=__doc__)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 

@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from meshpilot.cli.common import path_arg, positive_float, positive_int
+from meshpilot.cli.main import COMMANDS
 from meshpilot.errors import UserError
 
 TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main probe --out cluster.toml"
@@ -49,7 +50,7 @@ TORCHRUN = "torchrun --nproc-per-node <devices per node> -m meshpilot.cli.main p
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "probe",
-        help="measure the live cluster (run under torchrun) and write a cluster TOML",
+        help=COMMANDS["probe"],
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -35,13 +35,14 @@ from pathlib import Path
 from rich.table import Table
 
 from meshpilot.cli.common import console, path_arg
+from meshpilot.cli.main import COMMANDS
 from meshpilot.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
-        help="simulate a saved plan's step (overlap, shared links, stragglers) and show its time split",
+        help=COMMANDS["simulate"],
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

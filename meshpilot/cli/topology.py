@@ -8,13 +8,14 @@ import numpy as np
 from rich.table import Table
 
 from meshpilot.cli.common import add_cluster_arg, console, gbps, get_cluster, positive_int, print_json
+from meshpilot.cli.main import COMMANDS
 from meshpilot.cluster import GB, Cluster, LogicalMesh, mesh_shapes_2d
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "topology",
-        help="show a cluster's communication hierarchy and the bandwidth of every 2D mesh",
+        help=COMMANDS["topology"],
         description=__doc__
         + " Mesh axis 1 runs over contiguous ranks. A calibrated mesh shows the measured B instead of Eq. 4's.",
     )

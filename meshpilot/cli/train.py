@@ -54,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshpilot.cli.common import add_hf_config_arg, path_arg, positive_float, positive_int
+from meshpilot.cli.main import COMMANDS
 from meshpilot.cli.plan import PRECISIONS
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import Precision
@@ -66,7 +67,7 @@ LAUNCHED_ENV = "MESHPILOT_LAUNCHED"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train a few steps: any model with a saved --plan, or a built-in GPT with ATP on --mesh",
+        help=COMMANDS["train"],
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
