@@ -222,8 +222,12 @@ def _grouped(found: list[tuple[int, str, tuple, int]], cost: Any, size: int | No
     of each axis), each closed once it reaches the size, ordered by their last gradient."""
     open_: dict[tuple, list] = {}
     done: list[tuple[int, tuple, list]] = []
+    caps: dict[int, int] = {}  # each axis' size searched once, not once per gradient (~18 prices a search)
     for at, fqn, key, nbytes in found:
-        cap = size if size is not None else bucket_bytes(cost, key[1])
+        if size is not None:
+            cap = size
+        elif (cap := caps.get(key[1])) is None:
+            cap = caps[key[1]] = bucket_bytes(cost, key[1])
         b = open_.setdefault(key, [[], 0])
         b[0].append(fqn)
         b[1] += nbytes
