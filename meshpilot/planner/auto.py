@@ -61,7 +61,7 @@ from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.planner.schedule import duplex as duplex_schedule
 from meshpilot.planner.search import EPS, Candidate, Searcher, get_searcher
 from meshpilot.planner.zero import ZERO_MODES, ParamEdges, ZeroMode
-from meshpilot.sharding.placements import to_json
+from meshpilot.sharding.placements import json_layout
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import StrategyBuilder, StrategySource, fake_device_mesh
 
@@ -507,8 +507,8 @@ def _assemble(
             node.name,
             node.target,
             node.kind,
-            tuple(tuple(to_json(p)) for p in chosen[node.name].ins),
-            tuple(tuple(to_json(p)) if p is not None else None for p in chosen[node.name].outs),
+            tuple(map(json_layout, chosen[node.name].ins)),
+            tuple(map(json_layout, chosen[node.name].outs)),
             chosen[node.name].source,
             node.phase,
             acct.node_seconds[node.name],
@@ -516,7 +516,7 @@ def _assemble(
         for node in graph.nodes
     )
     pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    params = tuple((fqn, tuple(to_json(stored_layout(chosen[pnode[fqn].name])))) for fqn in graph.param_names)
+    params = tuple((fqn, json_layout(stored_layout(chosen[pnode[fqn].name]))) for fqn in graph.param_names)
     memory = cand.usage
     why = builder.fallbacks
     fallbacks = tuple(
@@ -549,7 +549,7 @@ def _assemble(
         mapping=cand.mapping,
         nodes=nodes,
         params=params,
-        inputs=tuple(tuple(to_json(chosen[n.name].outs[0])) for n in graph.nodes if n.kind == "input"),
+        inputs=tuple(json_layout(chosen[n.name].outs[0]) for n in graph.nodes if n.kind == "input"),
         input_shapes=tuple((i.shape, i.dtype) for i in graph.input_infos),
         time=acct.time,
         memory=memory,
