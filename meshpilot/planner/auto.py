@@ -48,7 +48,7 @@ from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memo
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
-from meshpilot.planner.heap import spared_from_collection
+from meshpilot.planner.heap import kept, spared_from_collection
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -118,7 +118,7 @@ def plan(
     """
     from meshpilot.cluster import load_cluster
 
-    with spared_from_collection() as freeze_more:  # planning's objects kept out of full collections (heap)
+    with spared_from_collection():  # planning's objects kept out of full collections (heap)
         zero = _check_options(zero, microbatches, overlap, duplex)
         chooser = get_searcher(searcher)
         t_start = time.perf_counter()
@@ -133,8 +133,8 @@ def plan(
         precision = check_precision(model, graph, precision)
         if graph is None:
             inputs = microbatch_inputs(example_inputs, microbatches)
-            graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
-            freeze_more()  # the graph lives to the end of the plan
+            with kept():  # no young collections while capturing; the graph, which lives to the end, frozen after
+                graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
         capture_s = time.perf_counter() - t0
         pins = force.bind(graph) if force else None
         if pins is not None:
