@@ -273,12 +273,16 @@ def joint_export(fn, flat_args: list, num_params_buffers: int) -> JointExport:
 
     The model is traced once: the export's graph is then rewritten in place of a second trace (which
     replayed it through ``torch.fx.Interpreter`` under ``make_fx`` and cost as much as the first), by
-    :func:`_flat_joint` — the same nodes, metadata and fake values, with flat outputs.
+    :func:`_flat_joint` — the same nodes, metadata and fake values, with flat outputs. The export's own graph
+    module is made lazy (torch.fx's ``_use_lazy_graph_module``): it is read as a graph and dropped, and the
+    Python code the export generated and compiled for it twice (when made, and after its dead-code pass) was
+    ≈ 3 % of a planning benchmark's ``plan()`` (issue 33 item 4).
     """
     export = require("torch._functorch.aot_autograd._aot_export_function")
+    lazy = lookup("torch.fx._lazy_graph_module._use_lazy_graph_module", "the export's graph module generates its code")
 
     fx_traceback = torch.fx.traceback
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), lazy(True) if lazy is not None else contextlib.nullcontext():
         fx_g, meta, _, _ = export(
             fn, tuple(flat_args), num_params_buffers=num_params_buffers, no_tangents=True, trace_joint=True
         )
@@ -374,7 +378,8 @@ def _flat_joint(
         elif node.op != "placeholder":
             env[node] = out.copy(node, lambda a: env[a])
     leaves = pytree.tree_leaves(output.args[0])
-    fw_outs, grads = pytree.tree_unflatten(leaves, fx_g._out_spec)
+    # the graph's own out spec: the lazy module the export made sets ``_out_spec`` only once its code is made
+    fw_outs, grads = pytree.tree_unflatten(leaves, fx_g.graph._codegen.pytree_info.out_spec)
     has_grad = [False] * num_args
     outs = [env[o] for o in fw_outs]
     for i, (want, g) in enumerate(zip(wants, grads)):

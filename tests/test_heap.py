@@ -37,7 +37,7 @@ def test_plan_freezes_while_planning_and_unfreezes_after(monkeypatch):
 
     def capture(*a, **k):
         seen.append(("capture", gc.get_freeze_count()))
-        assert gc.get_threshold()[0] == max(threshold[0], heap.YOUNG)
+        assert gc.get_threshold()[0] == heap.CAPTURE  # no young collections while capturing (heap.kept)
         return orig_capture(*a, **k)
 
     def structures(self, *a, **k):
@@ -62,6 +62,18 @@ def test_plan_is_the_same_with_and_without_the_freeze(monkeypatch):
     assert 0.9 * count < gc.get_freeze_count() <= count
     assert a.strategy_lines() == b.strategy_lines()
     assert a.time.total_s == b.time.total_s
+
+
+def test_kept_collects_nothing_young_and_freezes_after():
+    with heap.kept():  # outside a block: nothing changed
+        assert gc.get_threshold()[0] < heap.YOUNG and gc.get_freeze_count() == 0
+    with heap.spared_from_collection():
+        before = gc.get_freeze_count()
+        with heap.kept():
+            assert gc.get_threshold()[0] == heap.CAPTURE
+            made = [[i] for i in range(1000)]  # noqa: F841 - young objects that survive the block
+        assert gc.get_threshold()[0] == heap.YOUNG and gc.get_freeze_count() >= before + 1000
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] < heap.YOUNG
 
 
 def test_unfrozen_on_error():

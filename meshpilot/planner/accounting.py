@@ -145,11 +145,12 @@ from torch.distributed.tensor import Replicate, Shard
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase, TensorInfo
 from meshpilot.graph.gemms import GEMM_OPERANDS, gemm_dims
 from meshpilot.graph.views import aliases_input
+from meshpilot.ops import own_op
 from meshpilot.ops.attention import attention_kind
 from meshpilot.planner.plan import MemoryUse, PlannedCollective, StepTime
 from meshpilot.sharding.placements import replicated, shard_factor, work_split
 from meshpilot.sharding.reshard import CollectiveKind
-from meshpilot.sharding.strategies import Strategy
+from meshpilot.sharding.strategies import Strategy, StrategySource
 
 ADAMW_STATES = 2
 """AdamW's per-parameter states (``exp_avg``, ``exp_avg_sq``), each the parameter's size and dtype."""
@@ -477,14 +478,16 @@ def bucket_buffers(
 
 
 def _inside_bytes(n: Any, lay: _Layouts) -> float:
-    """Bytes node `n`'s own kernel holds at its peak beyond its operands (``OwnOp.inside``), 0 for others."""
-    from meshpilot.ops import own_op
-    from meshpilot.sharding.strategies import StrategySource
-
+    """Bytes node `n`'s own kernel holds at its peak beyond its operands (``OwnOp.inside``), 0 for others.
+    The strategy's source is read first: most nodes run DTensor's, and looking up the own op of each of a
+    plan's ~4,000 nodes was most of this pass' time (issue 33 item 4)."""
     if lay.chosen is None or n.kind != "op":
         return 0.0
-    op, st = own_op(str(n.target)), lay.chosen.get(n.name)
-    if op is None or op.inside is None or st is None or getattr(st, "source", None) != StrategySource.MESHPILOT:
+    st = lay.chosen.get(n.name)
+    if st is None or getattr(st, "source", None) != StrategySource.MESHPILOT:
+        return 0.0
+    op = own_op(str(n.target))
+    if op is None or op.inside is None:
         return 0.0
     return float(op.inside(n, st, lay.mesh_shape))
 

@@ -48,7 +48,7 @@ from meshpilot.planner.accounting import ComputeCost, TimeAccount, account, memo
 from meshpilot.planner.buckets import choice_hidden_s, with_buckets
 from meshpilot.planner.force import ForceSpec
 from meshpilot.planner.forced import sequence_gathers
-from meshpilot.planner.heap import spared_from_collection
+from meshpilot.planner.heap import kept, spared_from_collection
 from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError, Structure, build_structure
 from meshpilot.planner.plan import (
     Fallback,
@@ -61,7 +61,7 @@ from meshpilot.planner.schedule import accumulate, overlapped
 from meshpilot.planner.schedule import duplex as duplex_schedule
 from meshpilot.planner.search import EPS, Candidate, Searcher, get_searcher
 from meshpilot.planner.zero import ZERO_MODES, ParamEdges, ZeroMode
-from meshpilot.sharding.placements import to_json
+from meshpilot.sharding.placements import json_layout
 from meshpilot.sharding.reshard import UNSUPPORTED_S, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import StrategyBuilder, StrategySource, fake_device_mesh
 
@@ -118,7 +118,7 @@ def plan(
     """
     from meshpilot.cluster import load_cluster
 
-    with spared_from_collection() as freeze_more:  # planning's objects kept out of full collections (heap)
+    with spared_from_collection():  # planning's objects kept out of full collections (heap)
         zero = _check_options(zero, microbatches, overlap, duplex)
         chooser = get_searcher(searcher)
         t_start = time.perf_counter()
@@ -133,8 +133,8 @@ def plan(
         precision = check_precision(model, graph, precision)
         if graph is None:
             inputs = microbatch_inputs(example_inputs, microbatches)
-            graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
-            freeze_more()  # the graph lives to the end of the plan
+            with kept():  # no young collections while capturing; the graph, which lives to the end, frozen after
+                graph = capture(model, inputs, loss_fn=loss_fn, precision=precision)
         capture_s = time.perf_counter() - t0
         pins = force.bind(graph) if force else None
         if pins is not None:
@@ -507,8 +507,8 @@ def _assemble(
             node.name,
             node.target,
             node.kind,
-            tuple(tuple(to_json(p)) for p in chosen[node.name].ins),
-            tuple(tuple(to_json(p)) if p is not None else None for p in chosen[node.name].outs),
+            tuple(map(json_layout, chosen[node.name].ins)),
+            tuple(map(json_layout, chosen[node.name].outs)),
             chosen[node.name].source,
             node.phase,
             acct.node_seconds[node.name],
@@ -516,7 +516,7 @@ def _assemble(
         for node in graph.nodes
     )
     pnode = {n.fqn: n for n in graph.nodes if n.kind == "param"}
-    params = tuple((fqn, tuple(to_json(stored_layout(chosen[pnode[fqn].name])))) for fqn in graph.param_names)
+    params = tuple((fqn, json_layout(stored_layout(chosen[pnode[fqn].name]))) for fqn in graph.param_names)
     memory = cand.usage
     why = builder.fallbacks
     fallbacks = tuple(
@@ -549,7 +549,7 @@ def _assemble(
         mapping=cand.mapping,
         nodes=nodes,
         params=params,
-        inputs=tuple(tuple(to_json(chosen[n.name].outs[0])) for n in graph.nodes if n.kind == "input"),
+        inputs=tuple(json_layout(chosen[n.name].outs[0]) for n in graph.nodes if n.kind == "input"),
         input_shapes=tuple((i.shape, i.dtype) for i in graph.input_infos),
         time=acct.time,
         memory=memory,

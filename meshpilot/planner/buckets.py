@@ -222,8 +222,12 @@ def _grouped(found: list[tuple[int, str, tuple, int]], cost: Any, size: int | No
     of each axis), each closed once it reaches the size, ordered by their last gradient."""
     open_: dict[tuple, list] = {}
     done: list[tuple[int, tuple, list]] = []
+    caps: dict[int, int] = {}  # each axis' size searched once, not once per gradient (~18 prices a search)
     for at, fqn, key, nbytes in found:
-        cap = size if size is not None else bucket_bytes(cost, key[1])
+        if size is not None:
+            cap = size
+        elif (cap := caps.get(key[1])) is None:
+            cap = caps[key[1]] = bucket_bytes(cost, key[1])
         b = open_.setdefault(key, [[], 0])
         b[0].append(fqn)
         b[1] += nbytes
@@ -480,13 +484,13 @@ def choice_hidden_s(graph: OpGraph, chosen: dict[str, Any], resharder: Any, micr
     best candidate's `acct` for its plan)."""
     from meshpilot.planner.accounting import stored_layout
     from meshpilot.planner.plan import NodeChoice
-    from meshpilot.sharding.placements import to_json
+    from meshpilot.sharding.placements import json_layout
 
     cost = resharder.cost_model
     shape = tuple(resharder.mesh_shape)
     nodes = []
     for n in graph.nodes:
-        outs = tuple(tuple(to_json(p)) if p is not None else None for p in chosen[n.name].outs)
+        outs = tuple(map(json_layout, chosen[n.name].outs))
         nodes.append(NodeChoice(n.name, n.target, n.kind, (), outs, "", n.phase, acct.node_seconds[n.name]))
     layouts = {n.fqn: stored_layout(chosen[n.name]) for n in graph.nodes if n.kind == NodeKind.PARAM}
     view = _Choice(shape, tuple(nodes), tuple(acct.collectives), layouts)

@@ -10,13 +10,13 @@ full collections of one ``plan()`` cost ~0.5 s CPU on a quiet machine, a sixth o
 to free (``docs/benchmarks.md``, issue 33 item 4).
 
 ``gc.freeze()`` moves every tracked object into the permanent generation, which no collection walks;
-``gc.unfreeze()`` puts them back into the oldest generation. :func:`spared_from_collection` freezes what
-exists when planning starts, hands the caller a function that freezes again (``plan`` calls it once the graph
-is captured) and unfreezes everything on leaving, error or not. Objects made after the last freeze are
-collected as always. A cycle among frozen objects that becomes garbage meanwhile (the four traced blocks'
-graph, once copied) is freed at the first full collection after planning: memory held a little longer, never
-a different plan (the collector frees unreachable objects only). A process that froze objects itself, or runs
-with the collector disabled, is left as it is: nothing is frozen and nothing unfrozen.
+``gc.unfreeze()`` puts them back into the oldest generation. :func:`spared_from_collection` freezes what exists
+when planning starts, hands the caller a function that freezes again (``plan`` freezes again once the graph is
+captured, on leaving :func:`kept`) and unfreezes everything on leaving, error or not. Objects made after the
+last freeze are collected as always. A cycle among frozen objects that becomes garbage meanwhile (the four
+traced blocks' graph, once copied) is freed at the first full collection after planning: memory held a little
+longer, never a different plan (the collector frees unreachable objects only). A process that froze objects
+itself, or runs with the collector disabled, is left as it is: nothing is frozen and nothing unfrozen.
 
 Young collections: a generation-0 collection runs every :data:`YOUNG` (CPython: 700) allocations net of
 frees and walks the young objects; those that survive (most of planning's: the graph lives to the end) move to
@@ -24,6 +24,13 @@ generation 1 and are walked again there, and the survivors of 10 of those count 
 Inside the block the threshold is :data:`YOUNG` (restored on leaving): on the benchmark's cold ``plan()``
 (imports inside it) the collector's CPU went from 0.43–0.53 s (500 young, 44 middle and 3 full collections)
 to 0.22–0.30 s (54, 3, none), measured with ``gc.callbacks`` (``docs/benchmarks.md``, issue 33 item 4, cap33f).
+
+The capture: ``plan`` captures the model inside :func:`kept`, where no young collection runs at all, and
+freezes what survived right after it. Of a cold ``plan()``'s ~50 young collections on the benchmark ~40 ran
+inside the capture (imports, the trace, the graph), walking objects that nearly all survive it — the imported
+modules, the graph — and are frozen after it anyway: 0.06–0.10 s of CPU, now none (issue 33 item 4, cap33g).
+What the capture leaves as unreachable cycles is frozen with the rest and freed at the first full collection
+after planning, as the traced blocks' graph already was (+8 MB peak RSS on the benchmark, 396 MB against 388).
 
 Where: ``auto.plan`` (one mesh's plan) and ``pipeline.plan_pipeline`` (the stage tables; the CLI's pipeline
 path goes through it). A block inside an open one (``plan`` run inside ``plan_pipeline``) freezes and
@@ -48,6 +55,9 @@ from collections.abc import Callable, Iterator
 
 YOUNG = 7000
 """Generation 0's collection threshold inside a :func:`spared_from_collection` block (module docstring)."""
+
+CAPTURE = 1_000_000_000
+"""Generation 0's collection threshold inside :func:`kept`: no young collection (module docstring)."""
 
 _OWNED = False
 """Whether a :func:`spared_from_collection` block that froze the objects is open in this process."""
@@ -80,3 +90,20 @@ def spared_from_collection() -> Iterator[Callable[[], None]]:
         _OWNED = False
         gc.set_threshold(*threshold)
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Inside a :func:`spared_from_collection` block that froze the objects on entry: no young collection while
+    this block runs, and what exists when it ends frozen (:func:`freeze_more`), error or not (module docstring,
+    "The capture"); a plain block elsewhere."""
+    if not _OWNED:
+        yield
+        return
+    threshold = gc.get_threshold()
+    gc.set_threshold(CAPTURE, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.freeze()  # first: it empties generation 0, which the restored threshold would collect at once
+        gc.set_threshold(*threshold)

@@ -10,6 +10,7 @@ The printable form concatenates the axes (``S(0)S(1)``, ``RP``); JSON stores one
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,13 @@ def parse_placement(s: str) -> Placement:
 
 def to_json(pl: Placements | None) -> list[str] | None:
     return None if pl is None else [fmt_placement(p) for p in pl]
+
+
+@functools.cache
+def json_layout(pl: Placements | None) -> tuple[str, ...] | None:
+    """:func:`to_json` of `pl` as a tuple (a plan's layouts), made once per layout in the process: a plan
+    writes ~10,000 of them, of a few dozen distinct layouts (issue 33 item 4)."""
+    return None if pl is None else tuple(fmt_placement(p) for p in pl)
 
 
 def from_json(v: Sequence[str] | None) -> Placements | None:

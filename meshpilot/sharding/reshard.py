@@ -131,6 +131,7 @@ class Resharder:
         self._meta: dict[TensorInfo, TensorMeta] = {}
         self._mat: dict[tuple, np.ndarray] = {}
         self._cost_ids: dict[tuple, float] = {}
+        self._specs: dict[tuple[Placements, int], DTensorSpec] = {}
 
     def steps(self, src: Placements, dst: Placements, ndim: int) -> tuple[tuple[str, int, float], ...]:
         """DTensor's steps for ``src -> dst`` on an ``ndim``-D tensor: (kind, axis, fraction of the tensor).
@@ -150,9 +151,7 @@ class Resharder:
             return res
         from torch.distributed.tensor._redistribute import _gen_transform_infos
 
-        m = math.prod(self.mesh_shape)
-        tm = tensor_meta(TensorInfo((m,) * ndim, "float32"))  # every even layout is valid on it
-        steps = _gen_transform_infos(DTensorSpec(self.dmesh, src, tm), DTensorSpec(self.dmesh, dst, tm))
+        steps = _gen_transform_infos(self._spec(src, ndim), self._spec(dst, ndim))
         out = []
         current = list(src)
         for t in steps:
@@ -174,6 +173,17 @@ class Resharder:
         res = tuple(out)
         self._struct[key] = res
         return res
+
+    def _spec(self, pl: Placements, ndim: int) -> DTensorSpec:
+        """`pl` on the canonical ``ndim``-D tensor of :meth:`steps` (every dim the mesh size, so every even
+        layout is valid on it); made once per layout: a plan asks :meth:`steps` for ~1,000 pairs of a few dozen
+        layouts, and making DTensor's spec (its checks of the shard order) was half of each pair's cost."""
+        key = (pl, ndim)
+        spec = self._specs.get(key)
+        if spec is None:
+            m = math.prod(self.mesh_shape)
+            spec = self._specs[key] = DTensorSpec(self.dmesh, pl, tensor_meta(TensorInfo((m,) * ndim, "float32")))
+        return spec
 
     def collectives(self, src: Placements, dst: Placements, info: TensorInfo) -> tuple[Collective, ...]:
         """The collectives DTensor issues to reshard a tensor `info` from `src` to `dst`."""
