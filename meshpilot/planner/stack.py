@@ -218,7 +218,16 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches blocks: the table's planning workers take the columns as the exact table's do.
+one that searches blocks: the table's planning workers take the columns as the exact table's do. Of a mesh and its
+transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
+(``_transposed_earlier``): both are the same ranks, each orientation's row mapping the other's column mapping
+transposed (``mesh.mapped_ranks``), so their ILPs differ only in which axis is which — not exactly, as DTensor
+splits a tensor dim sharded over both axes over axis 0 first, and the capped searches' refits follow each plan's
+own peak: GPT-39B's block at full memory steps 8.978 s on both, capped at 4.55 GiB 9.062 s on 4x2 against 9.095 on
+2x4, and at 2.33 GiB 9.844 s on 4x2 where 2x4 finds no plan. The transpose's replicas are still offered; a stage the
+DP puts on the searched orientation is then planned exactly there. It saves GPT-39B's table 11 of 51 CPU s (2x4's
+levels alone 9.6), with the same plan, and leaves every Alpa GPT row's final plan as it was (docs/benchmarks.md,
+issue 29 item 6, est29d).
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -676,8 +685,12 @@ class StackTable:
     def _server_cap_levels(self, ctx: _Ctx, win: _Winners, shapes: Sequence[tuple[int, int]]) -> None:
         """The estimated table's searches of a whole server's logical meshes (module docstring, 5): each mesh's cap
         levels as the exact table's (:meth:`_cap_levels`), after its replicas were offered, where its floors show
-        a plan of it may change an entry (module docstring, 3)."""
+        a plan of it may change an entry (module docstring, 3). Of a mesh ``(a, b)`` and its transpose ``(b, a)``
+        only the first in `shapes` is searched (module docstring, 5: one server's two orientations are the same
+        search up to which axis is which)."""
         for j, shape in enumerate(shapes):
+            if _transposed_earlier(shape, shapes[:j]):
+                continue
             floors = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape)
             lower = self._lower(floors, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
             if self._can_improve(lower, win.t, win.order, j * LEVEL_KEYS):
@@ -1040,6 +1053,12 @@ def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
                           grads_held=m.grads_held)  # fmt: skip
     # the gradients' sync once a step (StageCost.sync_s): the base's, scaled as its collectives are, and axis 0's
     return _Piece(dataclasses.replace(x.cost, time=time_, sync_s=x.cost.sync_s / a + once), mem)
+
+
+def _transposed_earlier(shape: Sequence[int], earlier: Sequence[tuple[int, int]]) -> bool:
+    """Whether `shape`'s transpose ``(b, a)`` (a ≠ b) is among the `earlier` shapes (``_server_cap_levels``)."""
+    a, b = shape
+    return a != b and (b, a) in [tuple(x) for x in earlier]
 
 
 def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, in_flight: int = 1) -> float:
