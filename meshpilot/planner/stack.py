@@ -227,7 +227,14 @@ own peak: GPT-39B's block at full memory steps 8.978 s on both, capped at 4.55 G
 2x4, and at 2.33 GiB 9.844 s on 4x2 where 2x4 finds no plan. The transpose's replicas are still offered; a stage the
 DP puts on the searched orientation is then planned exactly there. It saves GPT-39B's table 11 of 51 CPU s (2x4's
 levels alone 9.6), with the same plan, and leaves every Alpa GPT row's final plan as it was (docs/benchmarks.md,
-issue 29 item 6, est29d).
+issue 29 item 6, est29d). The capped levels (all but the first) are searched at a relative MIP gap of
+:data:`PRICING_GAP` (1 %) where the searcher's is 0.1 % (``StagePlanner.plan(mip_gap=)``, recorded on the
+candidate, ``Candidate.block_gap``, so that :meth:`stage_cost` composes the chosen stage from the same search): a
+binding memory row is a knapsack HiGHS closes with cuts, and the looser gap stops it sooner — GPT-39B's 30 capped
+solves of over 0.3 s took 25.3 CPU s at 0.1 % and 9.5 at 1 % (thrown-away replays of the same models), the plans'
+objectives at most 0.8 % above the 0.1 % ones. Only pricing: the chosen stages are planned again at the searcher's
+gap (``Plan.with_intra``). On GPT-39B's table 34.5 → 29.6 CPU s, the same stages (the table's step 81.5443 s
+against 81.5490).
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -282,6 +289,10 @@ for the ranges none of them fits (module docstring, 4; ``StackTable._capped_vari
 LEVEL_KEYS = 16
 """Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels (the exact
 table's recomputing candidates come after its :data:`MAX_LEVELS` cap levels)."""
+
+PRICING_GAP = 1e-2
+"""The relative MIP gap of the estimated table's capped block searches (module docstring, 5): they only price
+entries, and the chosen stages are planned again at the searcher's own gap (``Plan.with_intra``)."""
 
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
@@ -566,12 +577,14 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
+        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, gap=None
     ) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
+        if gap is not None:
+            kw["mip_gap"] = gap
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -708,8 +721,10 @@ class StackTable:
             key = j * LEVEL_KEYS + level
             if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
-            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
+            # the estimated table prices its capped blocks at a looser gap (module docstring, 5)
+            gap = PRICING_GAP if level and self.costing == TableCosting.ESTIMATED else None
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap)
+            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap, block_gap=gap))
             # a tighter cap only where some range of blocks fits with no number of stages after it
             fitless = blocks_needed & ~ok.any(axis=0)
             if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
@@ -960,7 +975,7 @@ class StackTable:
         cost = compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches, ends=self.planner,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
-            accumulated=self.counts_accumulated, **kw,
+            accumulated=self.counts_accumulated, block_gap=c.block_gap, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
             # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
@@ -1020,6 +1035,8 @@ class Candidate:
     recompute: Recompute = Recompute.NONE
     """Composed from that recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed
     so."""
+    block_gap: float | None = None
+    """The block's MIP gap (None: the searcher's; :data:`PRICING_GAP`: an estimated table's capped block)."""
 
 
 def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
@@ -1088,6 +1105,7 @@ def compose_stage(
     recompute: Recompute = Recompute.NONE,
     accumulated: bool = False,
     ends: StagePlanner | None = None,
+    block_gap: float | None = None,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -1098,8 +1116,9 @@ def compose_stage(
     marked recomputed (``StageCost.recompute``); `ends`: the planner of the pre and post parts (default
     `planner`), the captured graph's where `planner` is a recomputing one (recomputation copies blocks only,
     so the tables plan those parts once). `accumulated`: the forward + backward peak holds every piece's
-    gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). Raises
-    ``PlanError`` when a piece has no plan."""
+    gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). `block_gap`: the
+    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`).
+    Raises ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -1114,6 +1133,7 @@ def compose_stage(
     pieces = []
     for (a, b), w, c in asked:
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
+        zkw = dict(zkw, mip_gap=block_gap) if block_gap is not None and (a, b) == blk else zkw
         by = planner if (a, b) == blk or ends is None else ends
         cost, mem = by.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
