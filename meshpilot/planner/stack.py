@@ -234,7 +234,10 @@ binding memory row is a knapsack HiGHS closes with cuts, and the looser gap stop
 solves of over 0.3 s took 25.3 CPU s at 0.1 % and 9.5 at 1 % (thrown-away replays of the same models), the plans'
 objectives at most 0.8 % above the 0.1 % ones. Only pricing: the chosen stages are planned again at the searcher's
 gap (``Plan.with_intra``). On GPT-39B's table 34.5 → 29.6 CPU s, the same stages (the table's step 81.5443 s
-against 81.5490).
+against 81.5490). It is an estimate, and not always a close one: each level's cap follows the previous level's plan
+(``_next_cap``), so a looser plan moves every cap after it — GPT-6.7B's table step went 43.951 → 47.200 s (its 8x1
+stage priced slower) while its final plan, [19,36)@8x1 where it was [18,36), went 44.440 → 43.685 s; the other four
+rows' final plans are unchanged.
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -246,7 +249,8 @@ table's stages, ``[0,10)@4x1 rc-sel [10,18)@4x1 rc-sel [18,36)@8x1``, 44.44 s on
 table's; 4.4 % over before), and 1.3B and 2.6B are unchanged; GPT-39B's plan became 12 stages, 80.92 s once
 planned. The exact table re-run after the same change (est29c section) plans 82.21 s (its first choice no longer
 fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is not the
-default yet: GPT-39B's estimated table and final plans cost ~135 CPU s, far from the 10 s wall issue 29 asks.
+default yet: GPT-39B's estimated table costs ~30 CPU s (est29d: 51 before its transposes, gap and DP changes) and
+its final plans ~15 more, far from the 10 s wall issue 29 asks.
 """
 
 from __future__ import annotations
