@@ -141,6 +141,63 @@ def brute_force_kind(planner, bounds, n, B, cap, kind, **kw):
     return {t_max: min(step for m, step in found if m <= t_max) for t_max in sorted({m for m, _ in found})}
 
 
+def test_1f1b_in_flight_closed_form_is_what_its_schedule_holds():
+    """``held_one_chunk``'s 1F1B closed form ``min(B, S − r)`` (no schedule built: the stage table asks for every
+    stage count) equals what the 1F1B schedule itself holds per stage (``held_read_off``)."""
+    from meshpilot.planner.pipeline import held_one_chunk, held_read_off
+
+    kind = PipelineKind.ONE_F_ONE_B
+    for S, B in itertools.product((1, 2, 3, 5, 8, 13, 24, 40), (1, 2, 3, 7, 16, 64)):
+        assert held_one_chunk(kind, S, B) == held_read_off(kind, S, B), (S, B)
+
+
+def test_dp_and_search_t_max_keep_the_first_of_equal_plans():
+    """``_dp`` gathers each stage count's finite entries; on ties it keeps the first (size, last layer) of a first
+    layer, as trying each in order does: a table of equal entries gives the same stages as a brute loop."""
+    from meshpilot.planner.pipeline import _dp
+
+    rng = np.random.default_rng(0)
+    S, L, sizes, n = 4, 5, (1, 2, 4), 8
+    t = np.full((S + 1, L, L, len(sizes)), math.inf)
+    for s, k, i, z in itertools.product(range(1, S + 1), range(L), range(L), range(len(sizes))):
+        if k <= i and rng.random() < 0.6:
+            t[s, k, i, z] = float(rng.integers(1, 4))  # few distinct values: many ties
+    for t_max in (1.0, 2.0, 3.0):
+        got = _dp(t, sizes, n, t_max)
+        want = _dp_loop(t, sizes, n, t_max)
+        assert got == want, (t_max, got, want)
+
+
+def _dp_loop(t, sizes, n, t_max):
+    """The stage DP as a plain loop over (s, first layer, size, last layer), ties to the first in that order."""
+    S, L = t.shape[0] - 1, t.shape[1]
+    F = {(0, L, 0): (0.0, None)}
+    for s in range(1, S + 1):
+        for k in range(L):
+            for x in range(n + 1):
+                best = None
+                for z, d in enumerate(sizes):
+                    for i in range(k, L):
+                        prev = F.get((s - 1, i + 1, x - d))
+                        if d > x or t[s, k, i, z] > t_max or prev is None or not math.isfinite(prev[0]):
+                            continue
+                        v = t[s, k, i, z] + prev[0]
+                        if best is None or v < best[0]:
+                            best = (v, (k, i, z))
+                if best is not None:
+                    F[(s, k, x)] = best
+    tops = [(F[(s, 0, n)][0], s) for s in range(1, S + 1) if (s, 0, n) in F]
+    if not tops:
+        return None
+    top, s = min(tops)
+    stages, k, x = [], 0, n
+    for r in range(s, 0, -1):
+        _, (k0, i, z) = F[(r, k, x)]
+        stages.append((k0, i, z))
+        k, x = i + 1, x - sizes[z]
+    return top, stages
+
+
 def test_dp_equals_brute_force_on_gpt_tiny(gpt_planner):
     graph = gpt_planner.graph
     p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)

@@ -441,7 +441,17 @@ def held_one_chunk(kind: PipelineKind, stages: int, microbatches: int) -> tuple[
     """Per stage of a `stages`-stage pipeline of one chunk a rank group under `kind`: the most microbatches
     whose saved values it holds at once (``schedule.held_until_weight``), read off the one schedule and kept:
     the stage DP, the plan's stages and the configuration search's ranking ask for every stage of the same
-    pipeline again (one schedule per stage took 17 s at 256 stages, per candidate of that ranking)."""
+    pipeline again (one schedule per stage took 17 s at 256 stages, per candidate of that ranking). Under 1F1B
+    stage r holds ``min(B, stages − r)`` (its warm-up forwards, then one forward per backward), which is what its
+    schedule reads (``tests/test_pipeline_plan.py`` holds the two equal): the stage table asks for every stage
+    count up to the layers', and building those schedules cost GPT-39B's 52 stage counts 1.6 CPU s."""
+    if PipelineKind(kind) == PipelineKind.ONE_F_ONE_B:
+        return tuple(min(microbatches, stages - r) for r in range(stages))
+    return held_read_off(kind, stages, microbatches)
+
+
+def held_read_off(kind: PipelineKind, stages: int, microbatches: int) -> tuple[int, ...]:
+    """:func:`held_one_chunk` read off the schedule itself (``schedule.held_until_weight``), whatever `kind`."""
     held = held_until_weight(pipeline([[r] for r in range(stages)], microbatches, kind))
     return tuple(held[(r,)] for r in range(stages))
 
@@ -564,32 +574,33 @@ def _dp(
     t: np.ndarray, sizes: Sequence[int], n: int, t_max: float, stages: int | None = None
 ) -> tuple[float, list[tuple[int, int, int]]] | None:
     """min_s F(s, 0, n) under `t_max` (s = `stages` when given) and its stages ``(k, i, z)`` (module
-    docstring, section 4)."""
-    S, L, _, Z = t.shape[0] - 1, t.shape[1], t.shape[2], t.shape[3]
-    T = np.where(t <= t_max, t, math.inf)
+    docstring, section 4).
+
+    Per stage count s only the finite entries ``(k, i, z)`` of ``t[s]`` under `t_max` are candidates (a few
+    percent of the table: most ranges fit no submesh), so each s costs one gather over them, not a loop over
+    every first layer and size: for entry e, ``cand_e(x) = t[s, k, i, z] + F(s − 1, i + 1, x − d_z)`` (∞ for
+    x < d_z), and ``F(s, k, x)`` is the least ``cand_e(x)`` over the entries of first layer k, the first in
+    (z, i) order on a tie (the same sums and the same choice as trying every (z, i) of k in that order)."""
+    S, L, Z = t.shape[0] - 1, t.shape[1], t.shape[3]
     F = [np.full((L + 1, n + 1), math.inf)]
     F[0][L, 0] = 0.0
     choice: list[np.ndarray] = [np.zeros(0)]
-    live = np.isfinite(T)  # a stage count, or a first layer, with no finite t_intra has no plan: skipped
+    d_of = np.array(sizes, dtype=np.int64)
     for s in range(1, S + 1):
-        Fs = np.full((L + 1, n + 1), math.inf)
-        ch = np.full((L + 1, n + 1), -1, dtype=np.int64)
         prev = F[s - 1]
-        if not live[s].any() or not np.isfinite(prev).any():
+        ok = (t[s] <= t_max) & (d_of <= n)[None, None, :]  # [k, i, z]; ∞ is never <= t_max
+        if not ok.any() or not np.isfinite(prev).any():
             break  # F(s) is ∞ everywhere, and so is every F(s' > s) built on it
-        for k in range(L):
-            if not live[s, k].any():
-                continue
-            width = L - k
-            cand = np.full((Z, width, n + 1), math.inf)
-            for z, d in enumerate(sizes):
-                if d > n:
-                    continue
-                cand[z, :, d:] = T[s, k, k:, z][:, None] + prev[k + 1 :, : n + 1 - d]
-            flat = cand.reshape(Z * width, n + 1)
-            best = np.argmin(flat, axis=0)
-            Fs[k] = flat[best, np.arange(n + 1)]
-            ch[k] = best  # z * width + (i - k)
+        k, i, z = np.nonzero(ok.transpose(0, 2, 1))  # sorted by (k, z, i): the tie order
+        z, i = i, z  # nonzero of [k, z, i] gave (k, z, i)
+        shifted = np.full((Z, L, n + 1), math.inf)  # F(s − 1, i + 1, x − d_z)
+        for zz, d in enumerate(sizes):
+            if d <= n:
+                shifted[zz, :, d:] = prev[1:, : n + 1 - d]
+        cand = t[s, k, i, z][:, None] + shifted[z, i]
+        Fs, e = _least_per_group(cand, k, L)
+        first = np.arange(L)[:, None]
+        ch = np.where(e >= 0, z[e] * (L - first) + i[e] - first, -1)  # z · width + (i − k), as the backtrack reads
         F.append(Fs)
         choice.append(ch)
     tops = [F[s][0, n] if stages is None or s == stages else math.inf for s in range(1, len(F))]
@@ -598,14 +609,33 @@ def _dp(
     s = int(np.argmin(tops)) + 1
     if tops[s - 1] == math.inf:
         return None
-    stages, k, d = [], 0, n
+    chosen, k, d = [], 0, n
     for r in range(s, 0, -1):
         c = int(choice[r][k, d])
         z, i = divmod(c, L - k)
         i += k
-        stages.append((k, i, z))
+        chosen.append((k, i, z))
         k, d = i + 1, d - sizes[z]
-    return float(tops[s - 1]), stages
+    return float(tops[s - 1]), chosen
+
+
+def _least_per_group(cand: np.ndarray, group: np.ndarray, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group g < L (rows of `cand` with ``group == g``, ascending, consecutive) and column x: the least
+    ``cand[e, x]`` and the first row e reaching it (``(L + 1, X)`` least, ∞ for no row; ``(L, X)`` row, −1)."""
+    X = cand.shape[1]
+    least = np.full((L + 1, X), math.inf)
+    first = np.full((L, X), -1, dtype=np.int64)
+    if not len(group):
+        return least, first
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    keys = group[starts]
+    mins = np.minimum.reduceat(cand, starts, axis=0)
+    at = np.where(cand == mins[np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(group)]))],
+                  np.arange(len(group))[:, None], len(group))  # fmt: skip
+    rows = np.minimum.reduceat(at, starts, axis=0)
+    least[keys] = mins
+    first[keys] = np.where(np.isfinite(mins), rows, -1)
+    return least, first
 
 
 def _t_max_groups(t: np.ndarray, epsilon: float) -> list[tuple[float, float]]:

@@ -218,7 +218,26 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches blocks: the table's planning workers take the columns as the exact table's do.
+one that searches blocks: the table's planning workers take the columns as the exact table's do. Of a mesh and its
+transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
+(``_transposed_earlier``): both are the same ranks, each orientation's row mapping the other's column mapping
+transposed (``mesh.mapped_ranks``), so their ILPs differ only in which axis is which — not exactly, as DTensor
+splits a tensor dim sharded over both axes over axis 0 first, and the capped searches' refits follow each plan's
+own peak: GPT-39B's block at full memory steps 8.978 s on both, capped at 4.55 GiB 9.062 s on 4x2 against 9.095 on
+2x4, and at 2.33 GiB 9.844 s on 4x2 where 2x4 finds no plan. The transpose's replicas are still offered; a stage the
+DP puts on the searched orientation is then planned exactly there. It saves GPT-39B's table 11 of 51 CPU s (2x4's
+levels alone 9.6), with the same plan, and leaves every Alpa GPT row's final plan as it was (docs/benchmarks.md,
+issue 29 item 6, est29d). The capped levels (all but the first) are searched at a relative MIP gap of
+:data:`PRICING_GAP` (1 %) where the searcher's is 0.1 % (``StagePlanner.plan(mip_gap=)``, recorded on the
+candidate, ``Candidate.block_gap``, so that :meth:`stage_cost` composes the chosen stage from the same search): a
+binding memory row is a knapsack HiGHS closes with cuts, and the looser gap stops it sooner — GPT-39B's 30 capped
+solves of over 0.3 s took 25.3 CPU s at 0.1 % and 9.5 at 1 % (thrown-away replays of the same models), the plans'
+objectives at most 0.8 % above the 0.1 % ones. Only pricing: the chosen stages are planned again at the searcher's
+gap (``Plan.with_intra``). On GPT-39B's table 34.5 → 29.6 CPU s, the same stages (the table's step 81.5443 s
+against 81.5490). It is an estimate, and not always a close one: each level's cap follows the previous level's plan
+(``_next_cap``), so a looser plan moves every cap after it — GPT-6.7B's table step went 43.951 → 47.200 s (its 8x1
+stage priced slower) while its final plan, [19,36)@8x1 where it was [18,36), went 44.440 → 43.685 s; the other four
+rows' final plans are unchanged.
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -230,7 +249,8 @@ table's stages, ``[0,10)@4x1 rc-sel [10,18)@4x1 rc-sel [18,36)@8x1``, 44.44 s on
 table's; 4.4 % over before), and 1.3B and 2.6B are unchanged; GPT-39B's plan became 12 stages, 80.92 s once
 planned. The exact table re-run after the same change (est29c section) plans 82.21 s (its first choice no longer
 fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is not the
-default yet: GPT-39B's estimated table and final plans cost ~135 CPU s, far from the 10 s wall issue 29 asks.
+default yet: GPT-39B's estimated table costs ~30 CPU s (est29d: 51 before its transposes, gap and DP changes) and
+its final plans ~15 more, far from the 10 s wall issue 29 asks.
 """
 
 from __future__ import annotations
@@ -273,6 +293,10 @@ for the ranges none of them fits (module docstring, 4; ``StackTable._capped_vari
 LEVEL_KEYS = 16
 """Order keys per logical mesh (``j · LEVEL_KEYS + level``): more than either table's levels (the exact
 table's recomputing candidates come after its :data:`MAX_LEVELS` cap levels)."""
+
+PRICING_GAP = 1e-2
+"""The relative MIP gap of the estimated table's capped block searches (module docstring, 5): they only price
+entries, and the chosen stages are planned again at the searcher's own gap (``Plan.with_intra``)."""
 
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
@@ -557,12 +581,14 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None
+        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, gap=None
     ) -> _Piece | None:
         kw = dict(self.kw)
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
+        if gap is not None:
+            kw["mip_gap"] = gap
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -676,8 +702,12 @@ class StackTable:
     def _server_cap_levels(self, ctx: _Ctx, win: _Winners, shapes: Sequence[tuple[int, int]]) -> None:
         """The estimated table's searches of a whole server's logical meshes (module docstring, 5): each mesh's cap
         levels as the exact table's (:meth:`_cap_levels`), after its replicas were offered, where its floors show
-        a plan of it may change an entry (module docstring, 3)."""
+        a plan of it may change an entry (module docstring, 3). Of a mesh ``(a, b)`` and its transpose ``(b, a)``
+        only the first in `shapes` is searched (module docstring, 5: one server's two orientations are the same
+        search up to which axis is which)."""
         for j, shape in enumerate(shapes):
+            if _transposed_earlier(shape, shapes[:j]):
+                continue
             floors = self._floors(ctx.pres, ctx.posts, ctx.used_pre, ctx.used_post, ctx.ranks, shape)
             lower = self._lower(floors, ctx.PA, ctx.PB, ctx.NB, ctx.f, ctx.use)
             if self._can_improve(lower, win.t, win.order, j * LEVEL_KEYS):
@@ -695,8 +725,10 @@ class StackTable:
             key = j * LEVEL_KEYS + level
             if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap)
-            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap))
+            # the estimated table prices its capped blocks at a looser gap (module docstring, 5)
+            gap = PRICING_GAP if level and self.costing == TableCosting.ESTIMATED else None
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap)
+            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap, block_gap=gap))
             # a tighter cap only where some range of blocks fits with no number of stages after it
             fitless = blocks_needed & ~ok.any(axis=0)
             if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
@@ -947,7 +979,7 @@ class StackTable:
         cost = compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches, ends=self.planner,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
-            accumulated=self.counts_accumulated, **kw,
+            accumulated=self.counts_accumulated, block_gap=c.block_gap, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
             # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
@@ -1007,6 +1039,8 @@ class Candidate:
     recompute: Recompute = Recompute.NONE
     """Composed from that recomputing graph (:attr:`StackTable.recomputed`): every block of the stage recomputed
     so."""
+    block_gap: float | None = None
+    """The block's MIP gap (None: the searcher's; :data:`PRICING_GAP`: an estimated table's capped block)."""
 
 
 def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
@@ -1042,6 +1076,12 @@ def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
     return _Piece(dataclasses.replace(x.cost, time=time_, sync_s=x.cost.sync_s / a + once), mem)
 
 
+def _transposed_earlier(shape: Sequence[int], earlier: Sequence[tuple[int, int]]) -> bool:
+    """Whether `shape`'s transpose ``(b, a)`` (a ≠ b) is among the `earlier` shapes (``_server_cap_levels``)."""
+    a, b = shape
+    return a != b and (b, a) in [tuple(x) for x in earlier]
+
+
 def _cap_for(m: StageMemory, k: int, capacity: float, accumulated: bool = True, in_flight: int = 1) -> float:
     """The memory cap for the next plan of the block piece: its own peak scaled by how far k blocks of it
     (Eq. 5 with `in_flight` microbatches in flight; with `accumulated`, the summed gradients counted as
@@ -1069,6 +1109,7 @@ def compose_stage(
     recompute: Recompute = Recompute.NONE,
     accumulated: bool = False,
     ends: StagePlanner | None = None,
+    block_gap: float | None = None,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -1079,8 +1120,9 @@ def compose_stage(
     marked recomputed (``StageCost.recompute``); `ends`: the planner of the pre and post parts (default
     `planner`), the captured graph's where `planner` is a recomputing one (recomputation copies blocks only,
     so the tables plan those parts once). `accumulated`: the forward + backward peak holds every piece's
-    gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). Raises
-    ``PlanError`` when a piece has no plan."""
+    gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). `block_gap`: the
+    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`).
+    Raises ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -1095,6 +1137,7 @@ def compose_stage(
     pieces = []
     for (a, b), w, c in asked:
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
+        zkw = dict(zkw, mip_gap=block_gap) if block_gap is not None and (a, b) == blk else zkw
         by = planner if (a, b) == blk or ends is None else ends
         cost, mem = by.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))

@@ -686,10 +686,13 @@ class StagePlanner:
         searcher: str = "ilp",
         time_limit: float = TIME_LIMIT_S,
         force: Mapping[str, str] | None = None,
+        mip_gap: float | None = None,
     ) -> StageCost:
         """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
         leaves' layouts as ``meshpilot.plan(force=)`` does (``planner.forced``: a Megatron stage); patterns
-        naming nothing in the stage are ignored."""
+        naming nothing in the stage are ignored. `mip_gap`: the relative MIP gap HiGHS stops at (None: the
+        searcher's, ``search.SearchTask.mip_gap``; the estimated stage table prices its capped blocks at a looser
+        one, ``stack.PRICING_GAP``)."""
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
@@ -704,7 +707,7 @@ class StagePlanner:
         rkey = self._range_key(start, stop) if self._range_key is not None else (start, stop)
         pinned = self._pins(start, stop, force)
         mkey = self._mesh_key(ranks, shape) if self.share_identical else ranks
-        key = (rkey, mkey, shape, microbatches, cap, str(zero), searcher, pinned)
+        key = (rkey, mkey, shape, microbatches, cap, str(zero), searcher, pinned, mip_gap)
         self._last_key = key
         found = self._costs.get(key)
         if found is not None:
@@ -721,7 +724,7 @@ class StagePlanner:
             raise PlanError("zero='2': a pipeline stage gathers ZeRO weights where they are read; use zero='3'")
         try:
             cost, mem = self._search(
-                start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned
+                start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned, mip_gap
             )
         except PlanError as e:
             self._costs[key] = e
@@ -860,7 +863,7 @@ class StagePlanner:
         return StageFloor(seconds, update, backward, saved)
 
     def _search(
-        self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=()
+        self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=(), mip_gap=None
     ) -> tuple[StageCost, StageMemory]:
 
         t0 = time.perf_counter()
@@ -871,7 +874,7 @@ class StagePlanner:
             sub, struct, pe, get_searcher(searcher), ranks, mappings_of(shape),
             lambda _, physical: self._resharder(dmesh, shape, physical),
             capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit, gather_once=False,
-            same=lambda m: self._priced_as(ranks, shape, m),
+            same=lambda m: self._priced_as(ranks, shape, m), mip_gap=mip_gap,
         )  # fmt: skip
         top = found.best
         if top is None:
