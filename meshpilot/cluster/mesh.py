@@ -327,12 +327,13 @@ def _effective_bandwidth(cluster: Cluster, groups: np.ndarray) -> float:
         share: dict[int, int] = {}
         cap: dict[int, float] = {}
         for g in range(groups.shape[0]):
-            units = np.unique(unit[g])
-            if units.size <= 1:
+            # sorted sets, not ``np.unique``: its first call imports ``numpy.ma`` (≈13 ms of CPU, issue 33 item 4)
+            units = sorted(set(unit[g].tolist()))
+            if len(units) <= 1:
                 continue  # this group does not span layer j
-            same_parent = np.unique(parent[g]).size == 1
-            members = (units % layer.ranks).tolist()
-            for u in units.tolist():
+            same_parent = len(set(parent[g].tolist())) == 1
+            members = [u % layer.ranks for u in units]
+            for u in units:
                 c = u % layer.ranks
                 limit = float(layer.group_bw[c])
                 if same_parent:
@@ -398,13 +399,19 @@ def _exchange_seconds_per_byte(cluster: Cluster, groups: np.ndarray) -> float:
     return worst
 
 
+def _differ(rows: np.ndarray) -> bool:
+    """Whether `rows` holds two different rows (``np.unique(rows, axis=0)`` longer than one, without its first
+    call's import of ``numpy.ma``)."""
+    return len(rows) > 1 and bool((rows != rows[0]).any())
+
+
 def group_latency(cluster: Cluster, groups: np.ndarray) -> float:
     """Largest latency among the layers that `groups` span (0 for single-device groups)."""
     groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
     coords = cluster.coords(groups.reshape(-1)).reshape(*groups.shape, len(cluster.layers))
     alpha = 0.0
     for j, layer in enumerate(cluster.layers):
-        if any(np.unique(coords[g, :, : j + 1], axis=0).shape[0] > 1 for g in range(groups.shape[0])):
+        if any(_differ(coords[g, :, : j + 1]) for g in range(groups.shape[0])):
             alpha = max(alpha, layer.latency)
     return alpha
 
