@@ -464,7 +464,8 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
 
 def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
     """`plan --pipeline` captures a GPT of 6 blocks with 4 of them (planner.stack) and, to save the plan with each
-    stage's own operators, the whole model after planning: every saved stage plan covers its slice."""
+    stage's own operators, the whole model after planning: every saved stage plan covers its slice. The table is
+    the estimated one by default (``--table estimated``; the stages then planned on their own meshes)."""
     from meshpilot.cli.main import main
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
@@ -472,24 +473,25 @@ def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
     out = tmp_path / "pp.json"
     args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
     assert main([*args, "--microbatches", "2", "--out", str(out)]) == 0
-    assert "(repeated-block stage costs)" in capsys.readouterr().out
+    assert "(repeated-block estimated stage costs)" in capsys.readouterr().out
     p = Plan.from_json(out.read_text())
-    assert p.costing is StageCosting.STACK and len(p.intra) == len(p.stages) == 2
+    assert p.costing is StageCosting.STACK_ESTIMATED and len(p.intra) == len(p.stages) == 2
     assert p.stages[-1].layers[1] == 10  # wte, wpe, 6 blocks, ln_f, lm_head: the whole model's layers
     for st, intra in zip(p.stages, p.intra):
         assert intra.mesh_shape == st.mesh_shape and intra.nodes
 
 
 def test_cli_table_chooses_how_the_stage_table_is_costed(tmp_path, capsys):
-    """`plan --table approximate|estimated` (and the older `--approximate-table`) cost the repeated stack's stage
-    table as `plan_pipeline(costing=...)` does: the saved plan says which, and every stage has its own plan."""
+    """`plan --table exact|approximate` (and the older `--approximate-table`) cost the repeated stack's stage
+    table as `plan_pipeline(costing=...)` does, where the default is the estimated table (the test above): the
+    saved plan says which, and every stage has its own plan."""
     from meshpilot.cli.main import main
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
 
     args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
     for flags, costing in [
-        (["--table", "estimated"], StageCosting.STACK_ESTIMATED),
+        (["--table", "exact"], StageCosting.STACK),
         (["--approximate-table"], StageCosting.STACK_APPROX),
     ]:
         out = tmp_path / f"{costing.name}.json"
