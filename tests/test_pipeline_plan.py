@@ -1212,6 +1212,38 @@ def test_a_stage_whose_own_plan_does_not_fit_is_ruled_out_and_the_next_best_plan
         loaded.with_intra(graph, "alpa-p3x8")
 
 
+def test_with_intra_in_workers_plans_what_one_process_plans(gpt_planner, monkeypatch):
+    """``Plan.with_intra(workers=2)``: the stages' searches in forked workers (``planner.parallel``, the
+    largest first) give the plan one process gives, and a stage whose own search finds no plan in a worker
+    is still ruled out and the next best planned (its ``PlanError`` sent back as a value)."""
+    import dataclasses
+
+    import meshpilot.planner.auto as auto
+    from meshpilot.planner.stage import slice_graph
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)
+    assert len(p.stages) >= 2
+    one, two = p.with_intra(graph, "alpa-p3x8"), p.with_intra(graph, "alpa-p3x8", workers=2)
+    unsolved = lambda q: [dataclasses.replace(s.plan, solver=None) for s in q.stages]  # noqa: E731 (solve times)
+    assert unsolved(two) == unsolved(one) and [s.t_s for s in two.stages] == [s.t_s for s in one.stages]
+    assert two.step_s == one.step_s and [s.memory_bytes for s in two.stages] == [s.memory_bytes for s in one.stages]
+    bad = p.stages[0]
+    bad_nodes = [n.name for n in slice_graph(graph, *bad.layers, runnable_layers(graph)).nodes]
+    real = auto.plan
+
+    def refuse_the_first_stage(*args, **kw):  # runs in the workers: they are forked after the patch
+        if tuple(kw["mesh_shape"]) == tuple(bad.mesh_shape) and [n.name for n in kw["graph"].nodes] == bad_nodes:
+            raise PlanError("no sharding plan fits (test)", mesh_shape=bad.mesh_shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(auto, "plan", refuse_the_first_stage)
+    said: list[str] = []
+    q = p.with_intra(graph, "alpa-p3x8", on_retry=said.append, workers=2)
+    assert len(said) == 1 and "stage 0 " in said[0] and "no sharding plan fits (test)" in said[0]
+    assert all(s.plan is not None for s in q.stages)
+
+
 def test_the_cli_doubles_the_microbatches_when_no_pipeline_fits_once_planned(tmp_path, capsys, monkeypatch):
     """``meshpilot plan --out`` where every pipeline the DP offers at its microbatches has a stage whose own plan
     does not fit (``Plan.with_intra`` raises: GPT-39B at 64 microbatches, docs/benchmarks.md): the DP runs again

@@ -669,12 +669,15 @@ class Staged:
         DP is run again with twice the microbatches — smaller ones hold less — as long as the batch divides
         and ``--microbatches`` was not given; this object then holds that search's answer."""
         from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.parallel import plan_workers
 
         while True:
             graph = self._whole_graph(args, progress)
             try:
                 with progress.status(f"planning the {len(self.pp.stages)} stages' operators …"):
-                    self.pp = self.pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
+                    self.pp = self.pp.with_intra(
+                        graph, cluster, time_limit=args.time_limit, on_retry=retry, workers=plan_workers(args.workers)
+                    )
                 return self.pp
             except PlanError as e:
                 B = self.microbatches
