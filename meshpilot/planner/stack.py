@@ -163,12 +163,12 @@ fits, and only where they may beat the first pass' plan of step S: a plan beats 
 t_intra is below S / B (Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t``), and a capped block's stage is no
 faster than the uncapped block's stage nor than its floors (section 3). Those candidates are plans too, composed
 as the others, so the chosen stages are still priced exactly by construction. Measured in
-``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); the exact table stays the default, as the capped
+``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); it did not replace the exact table as the default, as the capped
 searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
 
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
+The CLI's default (``meshpilot plan``; ``plan_pipeline(costing="estimated")``). Both tables above search every
 logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing a
 server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b
 ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4,
@@ -248,9 +248,12 @@ best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own
 table's stages, ``[0,10)@4x1 rc-sel [10,18)@4x1 rc-sel [18,36)@8x1``, 44.44 s once planned (0.999 of the exact
 table's; 4.4 % over before), and 1.3B and 2.6B are unchanged; GPT-39B's plan became 12 stages, 80.92 s once
 planned. The exact table re-run after the same change (est29c section) plans 82.21 s (its first choice no longer
-fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is not the
-default yet: GPT-39B's estimated table costs ~30 CPU s (est29d: 51 before its transposes, gap and DP changes) and
-its final plans ~15 more, far from the 10 s wall issue 29 asks.
+fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is the
+default of ``meshpilot plan`` (``--table exact`` the table of section 2; ``plan_pipeline``'s own default stays the
+exact table): GPT-39B's estimated table costs ~31 CPU s (est29d: 51 before its transposes, gap and DP changes), the
+default command ~52 CPU s in all with its capture and final plans (the chosen stages' own searches ~12, in the
+planning workers: ``Plan.with_intra(workers=)``), against ~580 for the exact table's; still far from the 10 s wall
+issue 29 asks (docs/benchmarks.md, issue 29 item 6, def29).
 """
 
 from __future__ import annotations
