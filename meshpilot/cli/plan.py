@@ -34,7 +34,7 @@ The table is costed, by default, as --table estimated: one block planned per TP 
 mesh priced as copies of it in closed form (a whole server's meshes searched under memory caps too), then the
 chosen stages planned exactly on their own meshes: GPT-39B on alpa-p3x8 in about 50 CPU s, its final plan within
 1 % of the exact table's or faster on the five Alpa GPT rows (39B: 0.984; docs/benchmarks.md). --table exact
-searches the block under every memory cap level on every logical mesh (GPT-39B: about 580 CPU s); --table
+searches the block under every memory cap level on every logical mesh (GPT-39B: about 330 CPU s); --table
 approximate (or --approximate-table) costs it from each logical mesh's block plan at full memory, ZeRO-sharded
 and recomputed, with memory-capped searches only for ranges none of those fits where they may beat that table's
 plan: within 1 % of the exact table's or faster on the Alpa GPT rows, at 34-70 % of its CPU from GPT-2.6B up.
@@ -252,7 +252,7 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "exactly on their own meshes whichever it is): estimated (default: one block plan per TP degree, every "
         "other mesh priced as its copies in closed form, a whole server's meshes searched under memory caps; "
         "GPT-39B on alpa-p3x8 in about 50 CPU s, its final plan within 1 %% of exact's or faster on the five Alpa "
-        "GPT rows), exact (the block searched under every memory cap level on every mesh: GPT-39B about 580 "
+        "GPT rows), exact (the block searched under every memory cap level on every mesh: GPT-39B about 330 "
         "CPU s), approximate (the block at full memory, ZeRO-sharded and recomputed, capped only where none of "
         "those fits: within 1 %% of exact on the Alpa GPT rows at 34-70 %% of its CPU); docs/benchmarks.md",
     )

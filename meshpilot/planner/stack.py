@@ -252,7 +252,7 @@ fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within
 default of ``meshpilot plan`` (``--table exact`` the table of section 2; ``plan_pipeline``'s own default stays the
 exact table): GPT-39B's estimated table costs ~31 CPU s (est29d: 51 before its transposes, gap and DP changes), the
 default command ~52 CPU s in all with its capture and final plans (the chosen stages' own searches ~12, in the
-planning workers: ``Plan.with_intra(workers=)``), against ~580 for the exact table's; still far from the 10 s wall
+planning workers: ``Plan.with_intra(workers=)``), against ~330 for the exact table's; still far from the 10 s wall
 issue 29 asks (docs/benchmarks.md, issue 29 item 6, def29).
 """
 
