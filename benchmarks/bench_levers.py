@@ -81,6 +81,9 @@ def _cli(out: Path, cap: float | None, shape: Shape, extra: tuple[str, ...] = ()
     hf = [f"{k}={v}" for k, v in shape.config.items()]
     argv = ["plan", "--model", "hf:llama", "--hf-config", *hf, "--batch", str(shape.batch), "--seq", str(shape.seq)]
     argv += ["--cluster", CLUSTER, "--devices", str(DEVICES), "--out", str(out)]
+    # the stage table its rows in docs/benchmarks.md were planned with (the CLI's default until def29; now
+    # --table estimated): the same plans when re-run
+    argv += ["--table", "exact"]
     if cap is not None:
         argv += ["--memory-gib", f"{cap / 2**30:.9f}"]
     argv += list(extra)

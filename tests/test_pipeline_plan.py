@@ -464,7 +464,8 @@ def test_cli_plans_prints_and_saves_a_pipeline(tmp_path, capsys):
 
 def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
     """`plan --pipeline` captures a GPT of 6 blocks with 4 of them (planner.stack) and, to save the plan with each
-    stage's own operators, the whole model after planning: every saved stage plan covers its slice."""
+    stage's own operators, the whole model after planning: every saved stage plan covers its slice. The table is
+    the estimated one by default (``--table estimated``; the stages then planned on their own meshes)."""
     from meshpilot.cli.main import main
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
@@ -472,24 +473,25 @@ def test_cli_plans_a_repeated_stack_from_a_few_blocks(tmp_path, capsys):
     out = tmp_path / "pp.json"
     args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
     assert main([*args, "--microbatches", "2", "--out", str(out)]) == 0
-    assert "(repeated-block stage costs)" in capsys.readouterr().out
+    assert "(repeated-block estimated stage costs)" in capsys.readouterr().out
     p = Plan.from_json(out.read_text())
-    assert p.costing is StageCosting.STACK and len(p.intra) == len(p.stages) == 2
+    assert p.costing is StageCosting.STACK_ESTIMATED and len(p.intra) == len(p.stages) == 2
     assert p.stages[-1].layers[1] == 10  # wte, wpe, 6 blocks, ln_f, lm_head: the whole model's layers
     for st, intra in zip(p.stages, p.intra):
         assert intra.mesh_shape == st.mesh_shape and intra.nodes
 
 
 def test_cli_table_chooses_how_the_stage_table_is_costed(tmp_path, capsys):
-    """`plan --table approximate|estimated` (and the older `--approximate-table`) cost the repeated stack's stage
-    table as `plan_pipeline(costing=...)` does: the saved plan says which, and every stage has its own plan."""
+    """`plan --table exact|approximate` (and the older `--approximate-table`) cost the repeated stack's stage
+    table as `plan_pipeline(costing=...)` does, where the default is the estimated table (the test above): the
+    saved plan says which, and every stage has its own plan."""
     from meshpilot.cli.main import main
     from meshpilot.planner.plan import Plan
     from meshpilot.planner.stack import StageCosting
 
     args = ["plan", "-m", "gpt-tiny", "--layers", "6", "-c", "alpa-p3x8", "-n", "2", "--pipeline", "--stages", "2"]
     for flags, costing in [
-        (["--table", "estimated"], StageCosting.STACK_ESTIMATED),
+        (["--table", "exact"], StageCosting.STACK),
         (["--approximate-table"], StageCosting.STACK_APPROX),
     ]:
         out = tmp_path / f"{costing.name}.json"
@@ -1208,6 +1210,38 @@ def test_a_stage_whose_own_plan_does_not_fit_is_ruled_out_and_the_next_best_plan
     assert loaded.without_stage is None
     with pytest.raises(PlanError, match=r"no sharding plan fits \(test\)"):
         loaded.with_intra(graph, "alpa-p3x8")
+
+
+def test_with_intra_in_workers_plans_what_one_process_plans(gpt_planner, monkeypatch):
+    """``Plan.with_intra(workers=2)``: the stages' searches in forked workers (``planner.parallel``, the
+    largest first) give the plan one process gives, and a stage whose own search finds no plan in a worker
+    is still ruled out and the next best planned (its ``PlanError`` sent back as a value)."""
+    import dataclasses
+
+    import meshpilot.planner.auto as auto
+    from meshpilot.planner.stage import slice_graph
+
+    graph = gpt_planner.graph
+    p = plan_pipeline(graph, "alpa-p3x8", microbatches=4, num_devices=4, planner=gpt_planner, epsilon=0.0)
+    assert len(p.stages) >= 2
+    one, two = p.with_intra(graph, "alpa-p3x8"), p.with_intra(graph, "alpa-p3x8", workers=2)
+    unsolved = lambda q: [dataclasses.replace(s.plan, solver=None) for s in q.stages]  # noqa: E731 (solve times)
+    assert unsolved(two) == unsolved(one) and [s.t_s for s in two.stages] == [s.t_s for s in one.stages]
+    assert two.step_s == one.step_s and [s.memory_bytes for s in two.stages] == [s.memory_bytes for s in one.stages]
+    bad = p.stages[0]
+    bad_nodes = [n.name for n in slice_graph(graph, *bad.layers, runnable_layers(graph)).nodes]
+    real = auto.plan
+
+    def refuse_the_first_stage(*args, **kw):  # runs in the workers: they are forked after the patch
+        if tuple(kw["mesh_shape"]) == tuple(bad.mesh_shape) and [n.name for n in kw["graph"].nodes] == bad_nodes:
+            raise PlanError("no sharding plan fits (test)", mesh_shape=bad.mesh_shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(auto, "plan", refuse_the_first_stage)
+    said: list[str] = []
+    q = p.with_intra(graph, "alpa-p3x8", on_retry=said.append, workers=2)
+    assert len(said) == 1 and "stage 0 " in said[0] and "no sharding plan fits (test)" in said[0]
+    assert all(s.plan is not None for s in q.stages)
 
 
 def test_the_cli_doubles_the_microbatches_when_no_pipeline_fits_once_planned(tmp_path, capsys, monkeypatch):

@@ -198,8 +198,9 @@ def test_the_estimated_table_final_plan_within_one_percent_of_the_exact_tables(s
 
 def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, monkeypatch):
     """The estimated table's catalogue (``planner.stack`` module docstring, 5) is spread over the planning workers
-    (``planner.parallel.map_columns``, forked), each graph's planner — the recomputing ones' too — gets what they
-    searched, and the plan is the one planned in one process."""
+    (``planner.parallel.map_columns``, forked), the server column's cap levels first beside it, each graph's
+    planner — the recomputing ones' too — gets what they searched, and the plan is the one planned in one
+    process (those cap levels, pruned against no replica, may search more)."""
     import meshpilot.planner.stack as stack_mod
 
     calls = []
@@ -218,12 +219,13 @@ def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, m
         (st.layers, st.ranks, st.mesh_shape) for st in one.stages
     ]
     assert two.step_s == one.step_s
-    searched = [items for name, items, w in calls if name == "_catalogue_piece" and w == 2]
+    searched = [items for name, items, w in calls if name == "_catalogue_task" and w == 2]
     assert searched, calls
-    bases = {task[0] for task in searched[0]}
-    assert bases == {(1, 1), (1, 2), (1, 4), (1, 8)}
-    assert len(searched[0]) == len(set(searched[0]))  # each search once
-    assert two.stage_plans == one.stage_plans  # the workers' searches counted (merged) here
+    assert searched[0][0][0] == "caps" and searched[0][0][-1] == 3  # sizes 1, 2, 4, 8: the server column, first
+    pieces = [task for task in searched[0] if task[0] != "caps"]
+    assert {task[0] for task in pieces} == {(1, 1), (1, 2), (1, 4), (1, 8)}
+    assert len(pieces) == len(set(pieces))  # each search once
+    assert two.stage_plans >= one.stage_plans  # the workers' searches counted (merged) here
 
 
 def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(stack, roomy, monkeypatch):

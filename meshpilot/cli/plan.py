@@ -30,13 +30,14 @@ and the schedule's actions per stage, and --out / --json save the pipeline plan 
 intra-operator plan (searched once more on the stage's logical mesh: what `meshpilot train --plan` runs).
 A model built of many identical blocks is traced with 4 of them and its stages costed from one block's plan
 (the printout says "repeated-block stage costs"); only --out / --json then trace the whole model.
---table approximate (or --approximate-table) costs that table from each logical mesh's block plan at full
-memory, ZeRO-sharded and recomputed, with memory-capped searches only for ranges none of those fits where they
-may beat that table's plan (real plans only); on the Alpa GPT rows its plan is within 1 % of the default's or
-faster, at 34–70 % of its CPU from GPT-2.6B up. --table estimated plans one block per TP degree and prices every
-other logical mesh as copies of it in closed form (a whole server's meshes searched under memory caps too), then
-plans the chosen stages on their own meshes: GPT-39B on alpa-p3x8 in about 100-135 CPU s instead of 580, its final
-plan within 1 % of the exact table's or faster on the five Alpa GPT rows (39B: 0.984; see docs/benchmarks.md).
+The table is costed, by default, as --table estimated: one block planned per TP degree, every other logical
+mesh priced as copies of it in closed form (a whole server's meshes searched under memory caps too), then the
+chosen stages planned exactly on their own meshes: GPT-39B on alpa-p3x8 in about 50 CPU s, its final plan within
+1 % of the exact table's or faster on the five Alpa GPT rows (39B: 0.984; docs/benchmarks.md). --table exact
+searches the block under every memory cap level on every logical mesh (GPT-39B: about 330 CPU s); --table
+approximate (or --approximate-table) costs it from each logical mesh's block plan at full memory, ZeRO-sharded
+and recomputed, with memory-capped searches only for ranges none of those fits where they may beat that table's
+plan: within 1 % of the exact table's or faster on the Alpa GPT rows, at 34-70 % of its CPU from GPT-2.6B up.
 
 A layout is one placement per mesh axis: R (replicated), S(d) (tensor dim d split over the axis) or P (partial
 sums): `S(0)R` is the batch split over axis 0. Run a saved plan with `meshpilot train --plan plan.json` under
@@ -239,19 +240,21 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
         type=positive_int,
-        help="--pipeline: processes the stage searches run in, one submesh size each at a time (default: "
-        "$MESHPILOT_PLAN_WORKERS or the usable CPUs, up to 8); the plan is the same with any number",
+        help="--pipeline: processes the stage searches run in, one submesh size each at a time, and then the "
+        "chosen stages' own plans, one stage each at a time (default: $MESHPILOT_PLAN_WORKERS or the usable CPUs, "
+        "up to 8); the plan is the same with any number",
     )
     p.add_argument(
         "--table",
         choices=[c.value for c in TableCosting],
-        default=TableCosting.EXACT.value,
-        help="a model of repeated blocks, how the stage table is costed: exact (default: the block under every "
-        "memory cap level), approximate (the block at full memory, ZeRO-sharded and recomputed, capped only where "
-        "none of those fits: within 1 %% of exact on the Alpa GPT rows at 34-70 %% of its CPU), estimated (one "
-        "block plan per TP degree, every other mesh priced as its copies in closed form, a whole server's meshes "
-        "searched under memory caps: GPT-39B in about 100-135 CPU s, within 1 %% of exact's plan or faster on "
-        "the five GPT rows; docs/benchmarks.md)",
+        default=TableCosting.ESTIMATED.value,
+        help="a model of repeated blocks, how the stage table is costed (the chosen stages are then planned "
+        "exactly on their own meshes whichever it is): estimated (default: one block plan per TP degree, every "
+        "other mesh priced as its copies in closed form, a whole server's meshes searched under memory caps; "
+        "GPT-39B on alpa-p3x8 in about 50 CPU s, its final plan within 1 %% of exact's or faster on the five Alpa "
+        "GPT rows), exact (the block searched under every memory cap level on every mesh: GPT-39B about 330 "
+        "CPU s), approximate (the block at full memory, ZeRO-sharded and recomputed, capped only where none of "
+        "those fits: within 1 %% of exact on the Alpa GPT rows at 34-70 %% of its CPU); docs/benchmarks.md",
     )
     p.add_argument(
         "--approximate-table",
@@ -666,12 +669,15 @@ class Staged:
         DP is run again with twice the microbatches — smaller ones hold less — as long as the batch divides
         and ``--microbatches`` was not given; this object then holds that search's answer."""
         from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.parallel import plan_workers
 
         while True:
             graph = self._whole_graph(args, progress)
             try:
                 with progress.status(f"planning the {len(self.pp.stages)} stages' operators …"):
-                    self.pp = self.pp.with_intra(graph, cluster, time_limit=args.time_limit, on_retry=retry)
+                    self.pp = self.pp.with_intra(
+                        graph, cluster, time_limit=args.time_limit, on_retry=retry, workers=plan_workers(args.workers)
+                    )
                 return self.pp
             except PlanError as e:
                 B = self.microbatches

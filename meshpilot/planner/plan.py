@@ -1019,6 +1019,7 @@ class Plan:
         time_limit: float | None = None,
         retries: int = 8,
         on_retry: Callable[[str], Any] | None = None,
+        workers: int = 1,
     ) -> Plan:
         """This plan with every stage's :attr:`PlanStage.plan`: its slice (layers of ``stage.runnable_layers``)
         searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
@@ -1039,14 +1040,20 @@ class Plan:
         the table, 19.3 GiB planned). Where a stage's own plan does not fit and the plan keeps its table
         (:attr:`without_stage`), that stage is ruled out and the DP's next best plan is planned instead, up to
         `retries` times; `on_retry` gets a line saying which stage and why. The plan returned is then that
-        next best: its stages may differ from this one's."""
+        next best: its stages may differ from this one's.
+
+        `workers`: forked processes the stages' searches run in, the largest slice on the most devices first
+        (``planner.parallel``; 1, the default: one after the other here). The stages are independent searches, so
+        the plan is the same with any number; ``meshpilot plan`` passes its ``--workers``. GPT-39B's 12 stages
+        on ``alpa-p3x8`` are ~11 CPU s of the default command's ~50 (docs/benchmarks.md, issue 29 item 6):
+        two workers halve their wall time on two cores."""
         from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError
 
         time_limit = TIME_LIMIT_S if time_limit is None else time_limit
         plan = self
         for _ in range(retries + 1):
             try:
-                return plan._planned_stages(graph, cluster, force, time_limit)
+                return plan._planned_stages(graph, cluster, force, time_limit, workers)
             except _StageDoesNotFit as e:
                 if plan.without_stage is None or force is not None:
                     raise e.error from None
@@ -1063,13 +1070,13 @@ class Plan:
         )
 
     def _planned_stages(
-        self, graph: OpGraph, cluster, force: Sequence[dict[str, str] | None] | None, time_limit: float
+        self, graph: OpGraph, cluster, force: Sequence[dict[str, str] | None] | None, time_limit: float, workers: int
     ) -> Plan:
         """:meth:`with_intra` of this plan's stages as they are; a stage whose search finds no plan raises
-        :class:`_StageDoesNotFit` naming it."""
+        :class:`_StageDoesNotFit` naming it (the first such in stage order, as one after the other would)."""
         from meshpilot.cluster import load_cluster
-        from meshpilot.planner.auto import plan as plan_intra
         from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.parallel import map_columns
         from meshpilot.planner.pipeline import stage_transfers
         from meshpilot.planner.stage import runnable_layers, slice_graph
 
@@ -1078,33 +1085,22 @@ class Plan:
             raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
         run_layers = runnable_layers(graph)
         on_cpu = load_cluster(cluster).device.is_cpu
+        subs = [slice_graph(graph, st.layers[0], st.layers[1], run_layers) for st in self.stages]
+        search = functools.partial(self._stage_search, graph, subs, force, cluster, time_limit, on_cpu)
+        if workers <= 1:  # one after the other, in stage order, up to the first stage that does not fit
+            found: dict[int, Any] = {}
+            for j in range(len(subs)):
+                found[j] = search(j)
+                if isinstance(found[j], PlanError):
+                    break
+        else:  # the largest slices on the most devices first: the workers take the stages in this order
+            order = sorted(range(len(subs)), key=lambda j: (-len(subs[j].nodes) * len(self.stages[j].ranks), j))
+            found = dict(zip(order, map_columns(search, order, (), workers)))
         stages = []
-        for st, pinned in zip(self.stages, force):
-            sub = slice_graph(graph, st.layers[0], st.layers[1], run_layers)
-            if pinned is not None:
-                pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
-            search = functools.partial(
-                plan_intra, None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
-                microbatches=self.microbatches, force=pinned, time_limit=time_limit,
-                # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
-                # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
-                recompute=st.cost.recompute.value if st.cost is not None else "none",
-            )  # fmt: skip
-            # ZeRO as it was costed; where the table left the search its choice, then the mode the table priced
-            # the stage with when that choice does not fit (``StageCost.zero_fallback``: the estimated table)
-            first = st.cost.zero if st.cost is not None and st.cost.zero else "auto"
-            fallback = st.cost.zero_fallback if st.cost is not None else None
-            modes = [first] + ([fallback] if fallback and fallback != first else [])
-            with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
-                warnings.simplefilter("ignore", UserWarning)
-                for j, zero in enumerate(modes):
-                    try:
-                        p, need = _in_flight_fit(functools.partial(search, zero=zero), sub, self.capacity,
-                                                 self.microbatches, st.in_flight, on_cpu)  # fmt: skip
-                        break
-                    except PlanError as e:
-                        if j == len(modes) - 1:
-                            raise _StageDoesNotFit(len(stages), e) from None
+        for j, st in enumerate(self.stages):
+            if isinstance(found[j], PlanError):
+                raise _StageDoesNotFit(j, found[j])
+            p, need = found[j]
             # the stage's t and Eq. 5 its own plan's, not its table entry's: the step printed and saved is the plan's
             stages.append(dataclasses.replace(st, plan=p, t_s=p.time.total_s / self.microbatches, memory_bytes=need))
         # the transfers read off this graph (a plan costed on a few blocks of a stack named theirs): what the
@@ -1117,6 +1113,40 @@ class Plan:
             x = priced.get((y.src, y.dst, y.forward))
             transfers.append(dataclasses.replace(y, seconds=x.seconds) if x is not None and x.nbytes == y.nbytes else y)
         return dataclasses.replace(self, stages=tuple(stages), transfers=tuple(transfers))
+
+    def _stage_search(
+        self, graph: OpGraph, subs: list, force: list, cluster, time_limit: float, on_cpu: bool, j: int
+    ) -> tuple[StagePlan, float] | Exception:
+        """Stage j's own plan and its Eq. 5 (:func:`_in_flight_fit`) on its slice ``subs[j]``, or the
+        ``PlanError`` of its last ZeRO mode as a value (a worker of :meth:`_planned_stages` sends it back)."""
+        from meshpilot.planner.auto import plan as plan_intra
+        from meshpilot.planner.ilp import PlanError
+
+        st, sub, pinned = self.stages[j], subs[j], force[j]
+        if pinned is not None:
+            pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
+        search = functools.partial(
+            plan_intra, None, (), cluster, graph=sub, mesh_shape=st.mesh_shape, mappings=[st.cost.mapping],
+            microbatches=self.microbatches, force=pinned, time_limit=time_limit,
+            # every block of the slice recomputed where the stage was costed so (``StageCost.recompute``;
+            # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
+            recompute=st.cost.recompute.value if st.cost is not None else "none",
+        )  # fmt: skip
+        # ZeRO as it was costed; where the table left the search its choice, then the mode the table priced
+        # the stage with when that choice does not fit (``StageCost.zero_fallback``: the estimated table)
+        first = st.cost.zero if st.cost is not None and st.cost.zero else "auto"
+        fallback = st.cost.zero_fallback if st.cost is not None else None
+        modes = [first] + ([fallback] if fallback and fallback != first else [])
+        error: Exception | None = None
+        with warnings.catch_warnings():  # patterns for other stages' parameters match nothing here
+            warnings.simplefilter("ignore", UserWarning)
+            for zero in modes:
+                try:
+                    return _in_flight_fit(functools.partial(search, zero=zero), sub, self.capacity,
+                                          self.microbatches, st.in_flight, on_cpu)  # fmt: skip
+                except PlanError as e:
+                    error = e
+        return error
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

@@ -163,12 +163,12 @@ fits, and only where they may beat the first pass' plan of step S: a plan beats 
 t_intra is below S / B (Eq. 2's step ``Σ t + (B − 1) · max t ≥ B · max t``), and a capped block's stage is no
 faster than the uncapped block's stage nor than its floors (section 3). Those candidates are plans too, composed
 as the others, so the chosen stages are still priced exactly by construction. Measured in
-``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); the exact table stays the default, as the capped
-searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
+``docs/benchmarks.md`` (the Alpa GPT rows, issue 29 item 6); it did not replace the exact table as the default,
+as the capped searches of the second pass cost GPT-39B most of what the exact table's cap levels do.
 
 5. The estimated table: a catalogue per TP degree (``TableCosting.ESTIMATED``, :meth:`StackTable._plan_catalogue`)
 ---------------------------------------------------------------------------------------------------------------
-Opt-in (``plan_pipeline(costing="estimated")``, ``meshpilot plan --table estimated``). Both tables above search every
+The CLI's default (``meshpilot plan``; ``plan_pipeline(costing="estimated")``). Both tables above search every
 logical mesh; this one searches a few *base* meshes and prices every other mesh from them. For every degree b dividing a
 server's GPUs that some logical mesh ``(a, b)`` of the table has, the bases are ``(1, b)`` (the first server's first b
 ranks) and, where the table has meshes across servers, ``(a0, b) = (2 · server / b, b)`` (two servers: 16x1, 8x2, 4x4,
@@ -248,9 +248,12 @@ best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own
 table's stages, ``[0,10)@4x1 rc-sel [10,18)@4x1 rc-sel [18,36)@8x1``, 44.44 s once planned (0.999 of the exact
 table's; 4.4 % over before), and 1.3B and 2.6B are unchanged; GPT-39B's plan became 12 stages, 80.92 s once
 planned. The exact table re-run after the same change (est29c section) plans 82.21 s (its first choice no longer
-fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is not the
-default yet: GPT-39B's estimated table costs ~30 CPU s (est29d: 51 before its transposes, gap and DP changes) and
-its final plans ~15 more, far from the 10 s wall issue 29 asks.
+fits once planned): the estimate is 0.984 of it, 15B 0.989, every GPT row within 1 % or faster. It is the
+default of ``meshpilot plan`` (``--table exact`` the table of section 2; ``plan_pipeline``'s own default stays the
+exact table): GPT-39B's estimated table costs ~31 CPU s (est29d: 51 before its transposes, gap and DP changes), the
+default command ~52 CPU s in all with its capture and final plans (the chosen stages' own searches ~12, in the
+planning workers: ``Plan.with_intra(workers=)``), against ~330 for the exact table's; still far from the 10 s wall
+issue 29 asks (docs/benchmarks.md, issue 29 item 6, def29).
 """
 
 from __future__ import annotations
@@ -572,6 +575,9 @@ class StackTable:
     counted, for comparisons)."""
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
+    _server_caps: dict = field(default_factory=dict, init=False, repr=False)
+    """The estimated table's server column searched beside its catalogue (module docstring, 5): ``z -> _Winners``
+    of that column's cap levels alone, merged into the column after its replicas (:meth:`_column`)."""
     _catalogue: dict = field(default_factory=dict, init=False, repr=False)
     """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
     post pieces, block)}``, planned by the workers before the columns are priced."""
@@ -620,7 +626,7 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
         if self.costing == TableCosting.ESTIMATED:
-            self._plan_catalogue()
+            self._plan_catalogue(layout, f)
         self._first = map_columns(
             functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
@@ -641,27 +647,18 @@ class StackTable:
     def _column(self, layout, f: np.ndarray, z: int) -> tuple[np.ndarray, np.ndarray, list, tuple | None]:
         """Size z's column: ``t[1:, :, :, z]``, ``arg`` into the candidates it returns (module docstring, 2 and
         3), and for the variant table what :meth:`refine` goes on from (its winners, context and shapes)."""
-        L, S = len(self.bounds), self.max_stages
-        tz = np.full((S, L, L), math.inf)
-        az = np.full((S, L, L), -1, dtype=np.int64)
-        candidates: list[Candidate] = []
-        PA, PB, NB, pres, posts = layout
-        d = self.sizes[z]
-        use = np.zeros((L, L), dtype=bool)
-        for k in range(L):
-            for i in range(k, L):
-                use[k, i] = self.useful(k, i, d)
-        if not use.any():
+        ctx, win, shapes = self._column_start(layout, f, z)
+        tz, az, candidates = win.t, win.arg, win.candidates
+        if not ctx.use.any():
             return tz, az, candidates, None
-        ranks = range(d)
-        used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
-        shapes = list(self.shapes(d))
-        win = _Winners(tz, az, np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), candidates)
-        ctx = _Ctx(PA, PB, NB, pres, posts, used_pre, used_post, use, f, ranks)
+        PA, PB, NB, pres, posts = layout
+        ranks, used_pre, used_post, use = ctx.ranks, ctx.used_pre, ctx.used_post, ctx.use
         if self.costing == TableCosting.ESTIMATED:  # every mesh priced from the catalogue
             for j, shape in enumerate(shapes):
                 self._estimated_levels(ctx, win, j, shape)
-            if d == self._server():  # a whole server's meshes: their cap levels too (module docstring, 5)
+            if z in self._server_caps:  # searched beside the catalogue: offered after the replicas, as below
+                _merge_after(win, self._server_caps[z])
+            elif self.sizes[z] == self._server():  # a whole server's meshes: their cap levels too (docstring, 5)
                 self._server_cap_levels(ctx, win, shapes)
             return tz, az, candidates, None
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
@@ -679,6 +676,23 @@ class StackTable:
             if self.recomputed:  # then the recomputing blocks, where their floors may change an entry
                 self._variant_levels(ctx, win, j, shapes[j], floors[j], RECOMPUTING, MAX_LEVELS)
         return tz, az, candidates, (win, ctx, shapes) if self.costing == TableCosting.APPROXIMATE else None
+
+    def _column_start(self, layout, f: np.ndarray, z: int) -> tuple[_Ctx, _Winners, list]:
+        """Size z's column before any candidate: what its meshes share, its empty winners and its shapes."""
+        L, S = len(self.bounds), self.max_stages
+        PA, PB, NB, pres, posts = layout
+        d = self.sizes[z]
+        use = np.zeros((L, L), dtype=bool)
+        for k in range(L):
+            for i in range(k, L):
+                use[k, i] = self.useful(k, i, d)
+        used_pre, used_post = set(PA[use].tolist()), set(PB[use].tolist())
+        win = _Winners(
+            np.full((S, L, L), math.inf), np.full((S, L, L), -1, dtype=np.int64),
+            np.full((S, L, L), np.iinfo(np.int64).max, dtype=np.int64), [],
+        )  # fmt: skip
+        ctx = _Ctx(PA, PB, NB, pres, posts, used_pre, used_post, use, f, range(d))
+        return ctx, win, list(self.shapes(d))
 
     def _offer(self, ctx: _Ctx, win: _Winners, key: int, specials, blk: _Piece | None, c: Candidate) -> np.ndarray:
         """Compose `blk` and `specials` over every range, keep each entry's least (t, order) in `win`; returns
@@ -795,11 +809,12 @@ class StackTable:
         cl = self.planner.cluster
         return cl.layers[-1].ranks if cl.layers else 1
 
-    def _plan_catalogue(self) -> None:
+    def _plan_catalogue(self, layout, f: np.ndarray) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
         some logical mesh ``(a, b)`` of the table has, each graph's middle block planned on ``(1, b)`` at the
         device's capacity, and where the table has meshes across servers on ``(2 · server / b, b)`` too (two
-        servers)."""
+        servers). With several workers the server column's cap levels are searched beside it, first
+        (:meth:`_server_caps_alone`)."""
         server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
         bases = [(1, b) for b in tps]
@@ -808,11 +823,33 @@ class StackTable:
         modes = [Recompute.NONE, *self.recomputed]
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
         # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
-        tasks = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        tasks: list = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
         planners = [self._graph_of(mode)[0] for mode in modes]
-        found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, self.workers)))
+        server_z = [z for z, d in enumerate(self.sizes) if d == server]
+        caps = [("caps", layout, f, z) for z in server_z] if self.workers > 1 else []
+        found = dict(zip(range(-len(caps), len(tasks)), map_columns(self._catalogue_task, caps + tasks, planners,
+                                                                   self.workers)))  # fmt: skip
+        self._server_caps = {z: found[j - len(caps)] for j, z in enumerate(server_z[: len(caps)])}
+        found = {task: found[j] for j, task in enumerate(tasks)}
         for base in bases:
             self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
+
+    def _catalogue_task(self, task: tuple):
+        """One task of :meth:`_plan_catalogue`: a catalogue search, or ``("caps", layout, f, z)``."""
+        if task[0] == "caps":
+            return self._server_caps_alone(*task[1:])
+        return self._catalogue_piece(task)
+
+    def _server_caps_alone(self, layout, f: np.ndarray, z: int) -> _Winners:
+        """The server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what :meth:`_column`
+        merges after the column's replicas (:func:`_merge_after`). Searched beside the catalogue, as the
+        column's longest part (GPT-39B on alpa-p3x8: ~14 of its table's ~30 CPU s, the catalogue ~8), it
+        prunes against no replica: it may search levels the replicas would have pruned, which cannot win
+        (module docstring, 3), so the merged column is the one searched after the replicas."""
+        ctx, win, shapes = self._column_start(layout, f, z)
+        if ctx.use.any():
+            self._server_cap_levels(ctx, win, shapes)
+        return win
 
     def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
         """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
@@ -1041,6 +1078,17 @@ class Candidate:
     so."""
     block_gap: float | None = None
     """The block's MIP gap (None: the searcher's; :data:`PRICING_GAP`: an estimated table's capped block)."""
+
+
+def _merge_after(win: _Winners, later: _Winners) -> None:
+    """`later`'s candidates offered after `win`'s, kept where ``StackTable._offer`` would have kept them: a
+    strictly smaller t, or the same t and a smaller order key (an equal key: the earlier, `win`'s)."""
+    off = len(win.candidates)
+    better = (later.t < win.t) | ((later.t == win.t) & np.isfinite(later.t) & (later.order < win.order))
+    win.t[better] = later.t[better]
+    win.arg[better] = later.arg[better] + off
+    win.order[better] = later.order[better]
+    win.candidates += later.candidates
 
 
 def _replicated(x: _Piece, a: int, cm: CostModel, zero: bool, B: int) -> _Piece:
