@@ -174,7 +174,7 @@ def loopback_cluster(n: int, tflops: float, args: argparse.Namespace) -> dict:
     if args.collective_overhead_us:
         spec["device_profile"]["collective_overhead_us"] = args.collective_overhead_us
     if getattr(args, "loopback_calibration", None):
-        spec["calibration"] = [args.loopback_calibration]
+        spec["calibration"] = list(args.loopback_calibration)
     return spec
 
 
@@ -187,11 +187,14 @@ def measure_loopback(n: int) -> dict:
       (``_Runner.collective_cpu``: 16 against 4 asynchronous all-reduces of the same 4 MiB beside the same 32
       matmuls, the CPU difference per collective, median over 5 repeats, then over the ranks as
       ``probe.summarize`` takes it). An isolated one-element all-reduce measures about a quarter of it.
-    * ``calibration``: the world group's all-reduce as a probe's ``[[calibration]]`` entry on mesh ``[n, 1]``
-      (``B1_GBps``, ``alpha1_us``, ``curve1`` from 4 B to 4 MiB alone, ``busy1`` beside back-to-back matmuls:
-      ``_Runner.timed`` / ``_Runner.inflight``, reduced by ``probe._curve`` / ``probe._busy_curve``). The busy
-      curve is what tells the bucket rule that on 4 ranks sharing 2 cores a bucket issued during the backward
-      runs several times slower than alone (``CostModel.busy_factor``), so small buckets hide little.
+    * ``calibration``: the probe's all-reduce phase (``_Runner.allreduce``) as its ``[[calibration]]`` entries,
+      one per 2D mesh shape of the `n` ranks (``B1_GBps``, ``alpha1_us``, ``curve1`` from 4 B to 4 MiB alone,
+      ``busy1`` beside back-to-back matmuls, and axis 2's), so the mesh search compares measured meshes with
+      measured meshes: with the world group's entry alone, the solver priced a (2, 2) mesh on the nominal rates
+      and took it for the GPT (90 planned collectives, CPU 1.27x DDP's; docs/benchmarks.md). The busy curve is
+      what tells the bucket rule that on 4 ranks sharing 2 cores a bucket issued during the backward runs
+      several times slower than alone (``CostModel.busy_factor``), so small buckets hide little: planned on
+      the host cost alone the GPT's DP plan keeps 13 buckets, with the curves 2.
 
     The nominal alpha-beta rates (``--gbps``, ``--latency-us``) stay for what the entry does not cover."""
     with tempfile.TemporaryDirectory(prefix="bench-vs-torch-h-") as tmp:
@@ -205,7 +208,10 @@ def measure_loopback(n: int) -> dict:
 
 
 def loopback_worker(args: argparse.Namespace) -> int:
-    """One rank of :func:`measure_loopback`."""
+    """One rank of :func:`measure_loopback`: ``collective_cpu``, then the probe's all-reduce phase
+    (``_Runner.allreduce``: every 2D mesh shape of the world, every axis of size > 1, alone and beside compute),
+    reduced per axis as ``probe.summarize`` does (B from the slowest rank's best repeat, alpha from the 4-byte
+    median over ``ceil(log2 d)``, ``probe._curve``, ``probe._busy_curve``)."""
     import math
 
     import numpy as np
@@ -218,34 +224,32 @@ def loopback_worker(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     opts = probe.ProbeOptions()
     run = probe._Runner(opts, torch.device("cpu"))
-    shape, key = (world, 1), ((world, 1), 0)
     rec = {"h": run.collective_cpu(), "ar": {}, "ar_small": {}, "ar_curve": {}, "ar_busy": {}}
-    rec["ar"][key] = run.timed(lambda: run._allreduce(None))
-    rec["ar_small"][key] = run.timed(lambda: run._allreduce(None, run.tiny_in))
-    for size in probe.curve_sizes(opts.nbytes):
-        buf = run.sink[: size // 4]
-        rec["ar_curve"][(*key, size)] = run.timed(lambda b=buf: run._allreduce(None, b))
-    for size in probe.busy_sizes(opts.nbytes):
-        rec["ar_busy"][(*key, size)] = run.inflight(None, run.sink[: size // 4])
+    run.allreduce(rec, lambda msg: None)
     every: list = [None] * world
     dist.all_gather_object(every, rec)
     if dist.get_rank() == 0:
-        slowest = np.max(np.array([r["ar"][key] for r in every]), axis=0)
-        small = float(np.median(np.max(np.array([r["ar_small"][key] for r in every]), axis=0)))
-        curve = probe._curve(every, shape, 0, opts.nbytes)
-        busy = probe._busy_curve(every, shape, 0, opts.nbytes)
-        entry = {
-            "mesh": [world, 1],
-            "B1_GBps": opts.nbytes / float(slowest.min()) / 1e9,
-            "alpha1_us": small / max(1, math.ceil(math.log2(world))) * 1e6,
-        }
-        if curve:
-            entry["curve1"] = [[b, t * 1e6] for b, t in curve]
-            if busy:
-                entry["busy1"] = [[b, t * 1e6] for b, t in busy]
+        entries = []
+        for shape in probe.mesh_shapes_2d(world):
+            entry: dict = {"mesh": list(shape)}
+            for axis in (0, 1):
+                key, j = (shape, axis), axis + 1
+                if key not in every[0]["ar"]:
+                    continue
+                slowest = np.max(np.array([r["ar"][key] for r in every]), axis=0)
+                small = float(np.median(np.max(np.array([r["ar_small"][key] for r in every]), axis=0)))
+                entry[f"B{j}_GBps"] = opts.nbytes / float(slowest.min()) / 1e9
+                entry[f"alpha{j}_us"] = small / max(1, math.ceil(math.log2(shape[axis]))) * 1e6
+                curve = probe._curve(every, shape, axis, opts.nbytes)
+                busy = probe._busy_curve(every, shape, axis, opts.nbytes)
+                if curve:
+                    entry[f"curve{j}"] = [[b, t * 1e6] for b, t in curve]
+                    if busy:
+                        entry[f"busy{j}"] = [[b, t * 1e6] for b, t in busy]
+            entries.append(entry)
         us = [r["h"] * 1e6 for r in every]
         Path(args.result).write_text(
-            json.dumps({"collective_overhead_us": probe._median(us), "per_rank_us": us, "calibration": entry})
+            json.dumps({"collective_overhead_us": probe._median(us), "per_rank_us": us, "calibration": entries})
         )
     dist.barrier()
     dist.destroy_process_group()
