@@ -16,8 +16,9 @@ after warm-up repeats that are not counted):
    host). The cluster's profile takes the median over ranks of the rates and the smallest capacity.
    With ``ProbeOptions.matmul_shapes`` (``meshpilot probe --matmul-shapes-from MODEL``: a model's own
    GEMMs, ``meshpilot.graph.gemms``) each GEMM ``[m, k] @ [k, n]`` is also timed as training runs it:
-   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), median of the repeats;
-   ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks). The
+   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms on a GPU, ~100 ms on a
+   CPU: :func:`gemm_timing_s`), median of the repeats; ``2 m n k · inner / time`` is its rate, the
+   profile's ``matmul`` table (median over ranks). The
    shapes come from a built-in model (``--matmul-shapes-from``) or from a file of any captured model's
    GEMMs (``--matmul-shapes FILE``, e.g. every plan's local shards: ``accounting.plan_gemms``).
    Fixed costs (:func:`op_overheads`, lockstep and median as above): one tiny operator (100 one-element
