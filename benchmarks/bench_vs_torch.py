@@ -13,6 +13,9 @@ the machine's noise:
   mp: ZeRO-3     the same with ``forced.zero3`` (every parameter sharded on its first divisible dim);
   mp: solver     the solver's own plan for N devices on a cluster describing this box
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
+  (every meshpilot variant is planned on that loopback cluster with what a collective costs here measured at
+                 launch on N gloo ranks with ``meshpilot probe``'s code, ``measure_loopback``: its host CPU per
+                 collective and the world group's all-reduce alone and beside compute; ``--nominal`` skips it)
   (``--plan-on-probed``: every meshpilot variant planned on the ``--probed`` cluster instead, so its measured
                  curves and host cost per collective choose the buckets and price the step)
   mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
@@ -158,8 +161,103 @@ def predictions(p, graph, probed, cost) -> dict[str, float]:
     return out
 
 
+def loopback_cluster(n: int, tflops: float, args: argparse.Namespace) -> dict:
+    """The alpha-beta loopback cluster the meshpilot variants are planned on (``bench_step_time.local_cluster``)
+    with ``collective_overhead_us`` = ``args.collective_overhead_us``: the host CPU one collective costs a rank
+    here, which the bucket rule weighs against the exposed tail (``planner.buckets``, *Bucket size with a host
+    cost*). Without it the rule sees only the 125 µs latency and cuts the GPT's gradients into 13 buckets, the
+    Llama's into 22, where DDP issues 3-4 all-reduces (docs/benchmarks.md, "Issue 30: the one-collective
+    data-parallel loss re-landed ..."); a collective here costs its rank 0.75-0.9 ms of CPU (the probes there)."""
+    from bench_step_time import local_cluster
+
+    spec = local_cluster(n, tflops, args.gbps, args.latency_us)
+    if args.collective_overhead_us:
+        spec["device_profile"]["collective_overhead_us"] = args.collective_overhead_us
+    if getattr(args, "loopback_calibration", None):
+        spec["calibration"] = list(args.loopback_calibration)
+    return spec
+
+
+def measure_loopback(n: int) -> dict:
+    """What one collective costs among `n` gloo ranks on this box, measured with ``meshpilot probe``'s own code
+    (``cluster.probe._Runner``) in one short launch of `n` ranks before the plans are made, so the plans see the
+    load they will run under:
+
+    * ``collective_overhead_us``: the process CPU one collective costs a rank beyond its bytes
+      (``_Runner.collective_cpu``: 16 against 4 asynchronous all-reduces of the same 4 MiB beside the same 32
+      matmuls, the CPU difference per collective, median over 5 repeats, then over the ranks as
+      ``probe.summarize`` takes it). An isolated one-element all-reduce measures about a quarter of it.
+    * ``calibration``: the probe's all-reduce phase (``_Runner.allreduce``) as its ``[[calibration]]`` entries,
+      one per 2D mesh shape of the `n` ranks (``B1_GBps``, ``alpha1_us``, ``curve1`` from 4 B to 4 MiB alone,
+      ``busy1`` beside back-to-back matmuls, and axis 2's), so the mesh search compares measured meshes with
+      measured meshes: with the world group's entry alone, the solver priced a (2, 2) mesh on the nominal rates
+      and took it for the GPT (90 planned collectives, CPU 1.27x DDP's; docs/benchmarks.md). The busy curve is
+      what tells the bucket rule that on 4 ranks sharing 2 cores a bucket issued during the backward runs
+      several times slower than alone (``CostModel.busy_factor``), so small buckets hide little: planned on
+      the host cost alone the GPT's DP plan keeps 13 buckets, with the curves 2.
+
+    The nominal alpha-beta rates (``--gbps``, ``--latency-us``) stay for what the entry does not cover."""
+    with tempfile.TemporaryDirectory(prefix="bench-vs-torch-h-") as tmp:
+        out = Path(tmp) / "h.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+        cmd += [str(Path(__file__).resolve()), "--measure-loopback", "--result", str(out)]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0 or not out.is_file():
+            raise SystemExit(f"the {n}-process loopback measurement failed (exit {proc.returncode})")
+        return json.loads(out.read_text())
+
+
+def loopback_worker(args: argparse.Namespace) -> int:
+    """One rank of :func:`measure_loopback`: ``collective_cpu``, then the probe's all-reduce phase
+    (``_Runner.allreduce``: every 2D mesh shape of the world, every axis of size > 1, alone and beside compute),
+    reduced per axis as ``probe.summarize`` does (B from the slowest rank's best repeat, alpha from the 4-byte
+    median over ``ceil(log2 d)``, ``probe._curve``, ``probe._busy_curve``)."""
+    import math
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from meshpilot.cluster import probe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    opts = probe.ProbeOptions()
+    run = probe._Runner(opts, torch.device("cpu"))
+    rec = {"h": run.collective_cpu(), "ar": {}, "ar_small": {}, "ar_curve": {}, "ar_busy": {}}
+    run.allreduce(rec, lambda msg: None)
+    every: list = [None] * world
+    dist.all_gather_object(every, rec)
+    if dist.get_rank() == 0:
+        entries = []
+        for shape in probe.mesh_shapes_2d(world):
+            entry: dict = {"mesh": list(shape)}
+            for axis in (0, 1):
+                key, j = (shape, axis), axis + 1
+                if key not in every[0]["ar"]:
+                    continue
+                slowest = np.max(np.array([r["ar"][key] for r in every]), axis=0)
+                small = float(np.median(np.max(np.array([r["ar_small"][key] for r in every]), axis=0)))
+                entry[f"B{j}_GBps"] = opts.nbytes / float(slowest.min()) / 1e9
+                entry[f"alpha{j}_us"] = small / max(1, math.ceil(math.log2(shape[axis]))) * 1e6
+                curve = probe._curve(every, shape, axis, opts.nbytes)
+                busy = probe._busy_curve(every, shape, axis, opts.nbytes)
+                if curve:
+                    entry[f"curve{j}"] = [[b, t * 1e6] for b, t in curve]
+                    if busy:
+                        entry[f"busy{j}"] = [[b, t * 1e6] for b, t in busy]
+            entries.append(entry)
+        us = [r["h"] * 1e6 for r in every]
+        Path(args.result).write_text(
+            json.dumps({"collective_overhead_us": probe._median(us), "per_rank_us": us, "calibration": entries})
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, dict]:
-    from bench_step_time import local_cluster, matmul_tflops
+    from bench_step_time import matmul_tflops
 
     from meshpilot.cluster.cost import CostModel
     from meshpilot.cluster.loader import cluster_from_dict
@@ -173,7 +271,7 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
     graph = capture(built.model, built.inputs)
     n = args.nproc
     tflops = args.tflops or matmul_tflops() * min(1.0, (os.cpu_count() or 1) / n)
-    cluster = cluster_from_dict(local_cluster(n, tflops, args.gbps, args.latency_us), source="bench_vs_torch")
+    cluster = cluster_from_dict(loopback_cluster(n, tflops, args), source="bench_vs_torch")
     probed = None
     if args.probed:
         from meshpilot.cluster import load_cluster
@@ -216,7 +314,7 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
                 "buckets": len(big.grad_buckets),
             } | predictions(big, graph, probed, cost)
         for us in args.host_cost_us if name == "mp: DP" else ():  # the bucket rule seeing a host cost
-            spec_h = local_cluster(n, tflops, args.gbps, args.latency_us)
+            spec_h = loopback_cluster(n, tflops, args)
             spec_h["device_profile"]["collective_overhead_us"] = us
             host = cluster_from_dict(spec_h, source=f"bench_vs_torch, {us:g} us a collective")
             q = with_buckets(p, graph, CostModel(LogicalMesh(host, (n,))))
@@ -373,6 +471,21 @@ def main() -> int:
         help="also run the data-parallel plan bucketed on the same cluster with collective_overhead_us = H (the "
         "host CPU per collective `meshpilot probe` measures), one variant per value",
     )
+    ap.add_argument(
+        "--collective-overhead-us",
+        type=float,
+        metavar="H",
+        help="the loopback cluster's host CPU per collective, µs (collective_overhead_us: the bucket size and the "
+        "step's price see it); default: measured at launch on --nproc gloo ranks with `meshpilot probe`'s "
+        "measurement; 0 plans without it, as before",
+    )
+    ap.add_argument(
+        "--nominal",
+        action="store_true",
+        help="plan on the nominal alpha-beta loopback cluster alone (--gbps, --latency-us, no host cost per "
+        "collective unless --collective-overhead-us): no measurement at launch, as before",
+    )
+    ap.add_argument("--measure-loopback", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
     ap.add_argument("--gbps", type=float, default=0.25, help="the solver's loopback bandwidth, GB/s")
     ap.add_argument("--latency-us", type=float, default=125.0, help="the solver's latency per ring step, µs")
@@ -415,12 +528,30 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.measure_loopback:
+        return loopback_worker(args)
     command = "python benchmarks/bench_vs_torch.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     passthrough = [a for a in sys.argv[1:]]
     if "--json-out" in passthrough:
         j = passthrough.index("--json-out")
         del passthrough[j : j + 2]
     all_res = {"command": command, "load": [os.getloadavg()], "models": {}}
+    args.loopback_calibration = None
+    if not (args.nominal or args.emulate or args.plan_on_probed):
+        t0 = time.perf_counter()
+        got = measure_loopback(args.nproc)
+        if args.collective_overhead_us is None:
+            args.collective_overhead_us = got["collective_overhead_us"]
+        args.loopback_calibration = got["calibration"]
+        all_res["loopback"] = got
+        ranks = ", ".join(f"{x:.0f}" for x in got["per_rank_us"])
+        print(
+            f"loopback measured on {args.nproc} gloo ranks in {time.perf_counter() - t0:.1f} s: host CPU per "
+            f"collective {got['collective_overhead_us']:.0f} µs (ranks {ranks}); "
+            f"all-reduce {json.dumps(got['calibration'])}",
+            flush=True,
+        )
+    all_res["collective_overhead_us"] = args.collective_overhead_us
     for key in args.models.split(","):
         if key not in MODELS:
             raise SystemExit(f"--models: unknown model {key!r}; choose from {', '.join(MODELS)}")

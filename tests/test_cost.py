@@ -165,6 +165,45 @@ def test_on_a_cpu_with_a_host_cost_the_buckets_are_the_size_the_step_waits_least
         assert p.grad_buckets == plan_buckets(graph, p, cost, bucket_bytes(cost, 0)), kind
 
 
+LOOPBACK_4x1 = {
+    "mesh": [4, 1],
+    "B1_GBps": 0.409,
+    "alpha1_us": 300.1,
+    "curve1": [[4, 600.2], [64, 2575.0], [1024, 7512.0], [16384, 7485.0], [131072, 6526.0], [1048576, 7314.0],
+               [4194304, 12560.0]],
+    "busy1": [[1024, 47170.0], [16384, 63680.0], [131072, 78900.0], [1048576, 60010.0], [4194304, 88520.0]],
+}  # fmt: skip
+"""The world group's all-reduce that ``bench_vs_torch.measure_loopback`` measured on 4 gloo ranks of the 2-core
+AMD EPYC box at load ~10 (2026-12-03 04:15 UTC; host CPU 918 µs a collective): alone 7.3 ms at 1 MiB, beside
+back-to-back matmuls 60 ms."""
+
+
+def test_a_measured_busy_curve_makes_the_loopback_gpt_s_buckets_ddp_sized():
+    """On 4 gloo ranks sharing 2 cores a bucket issued during the backward runs beside it several times slower
+    than alone, so small buckets hide little and each costs its host CPU: planned with the measured busy curve
+    (``LOOPBACK_4x1``) the bench's GPT takes at most 2 buckets, as DDP issues (its 1 MiB first bucket and the
+    rest); planned with the host cost alone (the same 918 µs, the nominal alpha-beta link) it keeps 13, the
+    count that made its data-parallel step 1.16-1.22x DDP's CPU (docs/benchmarks.md, issue 30)."""
+    from meshpilot.cluster.loader import cluster_from_dict
+    from meshpilot.graph.capture import capture
+    from meshpilot.models.sources import build_model
+    from meshpilot.planner import forced
+    from meshpilot.planner.auto import plan
+
+    built = build_model("gpt-tiny", device="meta", seed=0, layers=4, hidden=256, heads=8, batch=8, seq=128)
+    graph = capture(built.model, built.inputs)
+    profile = {"kind": "local-cpu", "peak_tflops_fp32": 0.03, "memory_GBps": 10.0, "memory_GiB": 16.0}
+    layer = {"name": "rank", "ranks": 4, "p2p_GBps": 0.25, "group_GBps": 0.25, "latency_us": 125.0}
+    doc = {"device_profile": profile | {"collective_overhead_us": 918.0}, "layers": [layer]}
+    force = forced.data_parallel(built.model, built.inputs, (4,))
+    counts = {}
+    for name, extra in (("host cost alone", {}), ("measured curves", {"calibration": [LOOPBACK_4x1]})):
+        cluster = cluster_from_dict(doc | extra, "t")
+        p = plan(built.model, built.inputs, cluster, mesh_shape=(4,), force=force, graph=graph)
+        counts[name] = len(p.grad_buckets)
+    assert counts["measured curves"] <= 2 < 13 == counts["host cost alone"], counts
+
+
 def test_every_kind_with_the_word_cpu_is_a_cpu_device_and_prices_as_gloo_runs():
     """``DeviceProfile.is_cpu`` is one rule: the kind has the word ``cpu``. The benchmarks' loopback cluster
     (kind ``local-cpu``) was not one, so its reduce-scatter was priced as a ring's half and its host cost as

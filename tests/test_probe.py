@@ -499,3 +499,16 @@ def test_device_rates_are_timed_in_lockstep_with_the_other_ranks():
     assert len(calls) == timed * opts.repeats
     assert out["float32"] > 0 and out["memory_bandwidth"] > 0 and out["matmul"][0] > 0
     assert out["op_overhead"] > 0 and out["foreach_overhead"] > 0
+
+
+def test_a_cpu_gemm_timing_spans_many_time_slices():
+    """On a CPU device each timed repeat of a model GEMM runs about ``GEMM_TIMING_CPU_S`` (100 ms), not 10 ms:
+    a 10 ms timing fits in one scheduler time slice of ranks sharing cores, so it measured a rank that held a
+    core or one that waited (one shape 0.26-2.42x between two runs on a loaded 2-core box; 100 ms: 0.41-1.48x).
+    A GPU keeps 10 ms."""
+    import torch
+
+    from meshpilot.cluster.probe import GEMM_TIMING_CPU_S, gemm_timing_s
+
+    assert gemm_timing_s(torch.device("cpu")) == GEMM_TIMING_CPU_S == 0.1
+    assert gemm_timing_s(torch.device("cuda", 0)) == 0.01

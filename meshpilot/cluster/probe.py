@@ -16,8 +16,9 @@ after warm-up repeats that are not counted):
    host). The cluster's profile takes the median over ranks of the rates and the smallest capacity.
    With ``ProbeOptions.matmul_shapes`` (``meshpilot probe --matmul-shapes-from MODEL``: a model's own
    GEMMs, ``meshpilot.graph.gemms``) each GEMM ``[m, k] @ [k, n]`` is also timed as training runs it:
-   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms), median of the repeats;
-   ``2 m n k · inner / time`` is its rate, the profile's ``matmul`` table (median over ranks). The
+   back to back, ``inner`` calls between two synchronisations (enough for ~10 ms on a GPU, ~100 ms on a
+   CPU: :func:`gemm_timing_s`), median of the repeats; ``2 m n k · inner / time`` is its rate, the
+   profile's ``matmul`` table (median over ranks). The
    shapes come from a built-in model (``--matmul-shapes-from``) or from a file of any captured model's
    GEMMs (``--matmul-shapes FILE``, e.g. every plan's local shards: ``accounting.plan_gemms``).
    Fixed costs (:func:`op_overheads`, lockstep and median as above): one tiny operator (100 one-element
@@ -598,6 +599,16 @@ def op_overheads(device: Any, timed: Callable[[Callable[[], Any]], float]) -> tu
     return op, each
 
 
+GEMM_TIMING_CPU_S = 0.1
+"""Seconds one timing of :func:`gemm_rate` spans on a CPU device: many scheduler time slices (its docstring)."""
+
+
+def gemm_timing_s(device: Any) -> float:
+    """Seconds one timing of :func:`gemm_rate` spans by default on `device`: :data:`GEMM_TIMING_CPU_S` on a CPU,
+    10 ms elsewhere (a GPU's kernels queue back to back; nothing shares its time slices)."""
+    return GEMM_TIMING_CPU_S if getattr(device, "type", str(device)) == "cpu" else 0.01
+
+
 def gemm_rate(
     device: Any,
     m: int,
@@ -605,13 +616,24 @@ def gemm_rate(
     k: int,
     dtype: str,
     opts: ProbeOptions,
-    target_s: float = 0.01,
+    target_s: float | None = None,
     barrier: Callable[[], Any] | None = None,
 ) -> float:
     """FLOP/s of ``[m, k] @ [k, n]`` in `dtype` on `device`, run back to back as in training (module
     docstring): ``inner`` calls per timing, ``inner`` chosen so one timing takes about `target_s`; each timing
-    starts at `barrier` (every rank at once), the median timing counts."""
+    starts at `barrier` (every rank at once), the median timing counts.
+
+    `target_s` defaults to :data:`GEMM_TIMING_CPU_S` on a CPU device and 10 ms elsewhere. CPU ranks share
+    cores with each other and with other work, and a 10 ms timing fits inside one scheduler time slice: it
+    measures a rank that held a whole core or one that waited. On 4 gloo ranks of a 2-core box at load ~10
+    the 36 GEMMs of the bench's plans (one idle thread: 0.087-0.094 TFLOP/s each) timed at 10 ms came out at
+    0.014-0.080 TFLOP/s, one shape 0.26-2.42x between two runs back to back; at 100 ms 0.012-0.036, 0.41-1.48x
+    (docs/benchmarks.md, issue 30: the GPT's forward under emulate priced at 56 ms on such a table, its CPU
+    time, against 213-255 ms measured)."""
     import torch
+
+    if target_s is None:
+        target_s = gemm_timing_s(device)
 
     dt = getattr(torch, dtype)
     a = torch.randn(m, k, device=device).to(dt)
