@@ -210,11 +210,8 @@ def measure_loopback(n: int) -> dict:
 def loopback_worker(args: argparse.Namespace) -> int:
     """One rank of :func:`measure_loopback`: ``collective_cpu``, then the probe's all-reduce phase
     (``_Runner.allreduce``: every 2D mesh shape of the world, every axis of size > 1, alone and beside compute),
-    reduced per axis as ``probe.summarize`` does (B from the slowest rank's best repeat, alpha from the 4-byte
-    median over ``ceil(log2 d)``, ``probe._curve``, ``probe._busy_curve``)."""
-    import math
-
-    import numpy as np
+    reduced per axis by ``probe.allreduce_by_mesh``, as ``probe.summarize`` does, and written as a cluster file's
+    ``[[calibration]]`` entries."""
     import torch.distributed as dist
 
     from meshpilot.cluster import probe
@@ -230,22 +227,20 @@ def loopback_worker(args: argparse.Namespace) -> int:
     dist.all_gather_object(every, rec)
     if dist.get_rank() == 0:
         entries = []
+        allreduce, alphas, curves, busy = probe.allreduce_by_mesh(every, world, opts.nbytes)
         for shape in probe.mesh_shapes_2d(world):
             entry: dict = {"mesh": list(shape)}
             for axis in (0, 1):
-                key, j = (shape, axis), axis + 1
-                if key not in every[0]["ar"]:
+                j = axis + 1
+                if allreduce[shape][axis] is None:
                     continue
-                slowest = np.max(np.array([r["ar"][key] for r in every]), axis=0)
-                small = float(np.median(np.max(np.array([r["ar_small"][key] for r in every]), axis=0)))
-                entry[f"B{j}_GBps"] = opts.nbytes / float(slowest.min()) / 1e9
-                entry[f"alpha{j}_us"] = small / max(1, math.ceil(math.log2(shape[axis]))) * 1e6
-                curve = probe._curve(every, shape, axis, opts.nbytes)
-                busy = probe._busy_curve(every, shape, axis, opts.nbytes)
+                entry[f"B{j}_GBps"] = allreduce[shape][axis] / 1e9
+                entry[f"alpha{j}_us"] = alphas[shape][axis] * 1e6
+                curve, loaded = curves[shape][axis], busy[shape][axis]
                 if curve:
                     entry[f"curve{j}"] = [[b, t * 1e6] for b, t in curve]
-                    if busy:
-                        entry[f"busy{j}"] = [[b, t * 1e6] for b, t in busy]
+                    if loaded:
+                        entry[f"busy{j}"] = [[b, t * 1e6] for b, t in loaded]
             entries.append(entry)
         us = [r["h"] * 1e6 for r in every]
         Path(args.result).write_text(

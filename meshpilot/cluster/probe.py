@@ -392,30 +392,7 @@ def summarize(
             worst = np.max(np.array(per_rank), axis=0)  # per repeat, the slowest sender
             alpha = _median([lat[a, b] for a in nodes[na] for b in nodes[nb]])
             node_bw[na, nb] = len(per_rank) * nbytes / _net(float(worst.min()), alpha)
-    allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
-    alphas: dict[tuple[int, int], tuple[float | None, float | None]] = {}
-    curves: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
-    busy: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
-    for shape in mesh_shapes_2d(world):
-        out: list[float | None] = []
-        small: list[float | None] = []
-        for axis in (0, 1):
-            key = (shape, axis)
-            per_rank = [rec["ar"][key] for rec in records if key in rec["ar"]]
-            tiny = [rec["ar_small"][key] for rec in records if key in rec.get("ar_small", {})]
-            if not per_rank:
-                out.append(None)
-            else:
-                out.append(nbytes / float(np.max(np.array(per_rank), axis=0).min()))  # per repeat the slowest
-            if not tiny:
-                small.append(None)
-            else:
-                t = float(np.median(np.max(np.array(tiny), axis=0)))
-                small.append(t / max(1, math.ceil(math.log2(shape[axis]))))
-        allreduce[shape] = (out[0], out[1])
-        alphas[shape] = (small[0], small[1])
-        curves[shape] = tuple(_curve(records, shape, axis, nbytes) for axis in (0, 1))
-        busy[shape] = tuple(_busy_curve(records, shape, axis, nbytes) for axis in (0, 1))
+    allreduce, alphas, curves, busy = allreduce_by_mesh(records, world, nbytes)
     devs = [rec["device"] for rec in records]
     on_host = {h: hosts.count(h) for h in hosts}
     for dev, host in zip(devs, hosts):
@@ -449,6 +426,38 @@ def summarize(
     m.allreduce_curve = curves
     m.allreduce_busy = busy
     return m
+
+
+def allreduce_by_mesh(records: list[dict[str, Any]], world: int, nbytes: int) -> tuple[dict, dict, dict, dict]:
+    """Every 2D mesh shape's all-reduce, per axis, from the ranks' raw timings (:func:`summarize`; also
+    ``benchmarks/bench_vs_torch.py``'s loopback measurement): the bandwidth (`nbytes` over the slowest rank's best
+    repeat), the latency (the 4-byte median of the slowest rank over ``ceil(log2 d)`` ring steps), the curve
+    (:func:`_curve`) and the busy curve (:func:`_busy_curve`); None where an axis was not measured."""
+    allreduce: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+    alphas: dict[tuple[int, int], tuple[float | None, float | None]] = {}
+    curves: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
+    busy: dict[tuple[int, int], tuple[Curve | None, ...]] = {}
+    for shape in mesh_shapes_2d(world):
+        out: list[float | None] = []
+        small: list[float | None] = []
+        for axis in (0, 1):
+            key = (shape, axis)
+            per_rank = [rec["ar"][key] for rec in records if key in rec["ar"]]
+            tiny = [rec["ar_small"][key] for rec in records if key in rec.get("ar_small", {})]
+            if not per_rank:
+                out.append(None)
+            else:
+                out.append(nbytes / float(np.max(np.array(per_rank), axis=0).min()))  # per repeat the slowest
+            if not tiny:
+                small.append(None)
+            else:
+                t = float(np.median(np.max(np.array(tiny), axis=0)))
+                small.append(t / max(1, math.ceil(math.log2(shape[axis]))))
+        allreduce[shape] = (out[0], out[1])
+        alphas[shape] = (small[0], small[1])
+        curves[shape] = tuple(_curve(records, shape, axis, nbytes) for axis in (0, 1))
+        busy[shape] = tuple(_busy_curve(records, shape, axis, nbytes) for axis in (0, 1))
+    return allreduce, alphas, curves, busy
 
 
 def curve_sizes(nbytes: int) -> tuple[int, ...]:
