@@ -827,10 +827,9 @@ class StackTable:
         planners = [self._graph_of(mode)[0] for mode in modes]
         server_z = [z for z, d in enumerate(self.sizes) if d == server]
         caps = [("caps", layout, f, z) for z in server_z] if self.workers > 1 else []
-        found = dict(zip(range(-len(caps), len(tasks)), map_columns(self._catalogue_task, caps + tasks, planners,
-                                                                   self.workers)))  # fmt: skip
-        self._server_caps = {z: found[j - len(caps)] for j, z in enumerate(server_z[: len(caps)])}
-        found = {task: found[j] for j, task in enumerate(tasks)}
+        results = map_columns(self._catalogue_task, caps + tasks, planners, self.workers)
+        self._server_caps = {task[3]: won for task, won in zip(caps, results)}
+        found = dict(zip(tasks, results[len(caps) :]))
         for base in bases:
             self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
 
