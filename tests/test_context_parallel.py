@@ -459,6 +459,30 @@ def test_causal_rows_zigzag_rows_merge_to_the_whole_call(peers):
     torch.testing.assert_close(dv_sum, dv_h, atol=1e-5, rtol=1e-5)
 
 
+def test_the_op_registry_leaves_the_ring_custom_ops_undefined_until_a_ring_runs():
+    """Planning imports ``ops.ring`` for its strategies (the registry), but its two custom ops are defined only
+    when a step runs a ring (``ops.ring_kernels``): torch reads each op function's source when defining it, which a
+    plan with no ring need not pay (issue 33 item 4). A fresh process: this one may have run a ring already."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from meshpilot import ops\n"
+        "assert ops.registry()['meshpilot.sdpa.default'].run.__module__ == 'meshpilot.ops.ring'\n"
+        "assert 'meshpilot.ops.ring_kernels' not in sys.modules\n"
+        "assert not hasattr(torch.ops.meshpilot, 'ring_sdpa')\n"
+        "from meshpilot.ops import ring\n"
+        "assert callable(ring.ring_sdpa) and callable(ring.ring_sdpa_backward)\n"
+        "assert hasattr(torch.ops.meshpilot, 'ring_sdpa') and hasattr(torch.ops.meshpilot, 'ring_sdpa_backward')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
 def test_zigzag_chunks_give_every_rank_the_same_causal_work():
     """Causal ring attention on 4 ranks: with contiguous shards rank r computes r + ½ pairs of its chunks (the
     last rank 7 times the first's work); with the zig-zag order (rank r holding chunks r and 7 − r of 8) every

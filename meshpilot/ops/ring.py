@@ -54,10 +54,11 @@ _attention`` (CUDA ops; the CPU flash op is not in its dispatch table), swaps DT
 ops inside a ``context_parallel`` context that rewrites module buffers in place, and passes blocks with
 functional ``permute_tensor`` collectives on the device's process group. A captured meshpilot graph holds
 ``meshpilot::sdpa`` (device-generic) instead, the planner must price and count each transfer, and the
-runtime replays recorded local kernels: so the ring is a custom op here (:data:`ring_sdpa`, recorded as one
+runtime replays recorded local kernels: so the ring is a custom op here (``ring_sdpa``, recorded as one
 opaque call and run afresh at each replay, as the expert-parallel MoE's kernels are) that passes the blocks
 with ``torch.distributed`` ``isend``/``irecv`` on the axis's group (gloo carries both) and runs the same
-per-device kernels as :mod:`meshpilot.ops.attention`.
+per-device kernels as :mod:`meshpilot.ops.attention`. The two custom ops live in :mod:`meshpilot.ops.ring_kernels`,
+defined on a step's first ring call, not when planning imports this module for its strategies.
 """
 
 from __future__ import annotations
@@ -295,56 +296,6 @@ def _ring_backward(g, q, k, v, out, lse, mask, is_causal, scale, enable_gqa, rin
     return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)  # copies: not views of one buffer
 
 
-@torch.library.custom_op("meshpilot::ring_sdpa", mutates_args=())
-def ring_sdpa(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    enable_gqa: bool,
-    ring: str,
-) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of this rank's query rows, the key/value blocks passed round the ring `ring`
-    (:class:`_Ring` as text)."""
-    from meshpilot.cluster.memtrack import measured_inside
-
-    return measured_inside("ring_sdpa", _ring_forward, q, k, v, attn_mask, is_causal, scale, enable_gqa, ring)
-
-
-@ring_sdpa.register_fake
-def _ring_sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa, ring):
-    b, h, t, _ = q.shape
-    return q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2), q.new_empty((b, h, t), dtype=torch.float32)
-
-
-@torch.library.custom_op("meshpilot::ring_sdpa_backward", mutates_args=())
-def ring_sdpa_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    enable_gqa: bool,
-    ring: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of this rank's rows: dq local, dk and dv summed round the ring to their owner."""
-    from meshpilot.cluster.memtrack import measured_inside
-
-    args = (grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, ring)
-    return measured_inside("ring_sdpa_backward", _ring_backward, *args)
-
-
-@ring_sdpa_backward.register_fake
-def _ring_sdpa_backward_fake(grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa, ring):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 # ------------------------------------------------------------------------------------------- planning
 
 
@@ -489,6 +440,8 @@ def _run_forward(call: OwnCall, q, k, v, attn_mask, is_causal, scale, enable_gqa
     ring = ring_of(call, 1, is_causal and attn_mask is None)
     if not ring:
         return causal_rows.OPS[0].run(call, q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    from meshpilot.ops.ring_kernels import ring_sdpa
+
     return ring_sdpa(q, k, v, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)
 
 
@@ -497,6 +450,8 @@ def _run_backward(call: OwnCall, grad_out, q, k, v, out, lse, attn_mask, is_caus
     if not ring:
         args = (grad_out, q, k, v, out, lse, attn_mask, is_causal, scale, enable_gqa)
         return causal_rows.OPS[1].run(call, *args)
+    from meshpilot.ops.ring_kernels import ring_sdpa_backward
+
     return ring_sdpa_backward(grad_out, q, k, v, out, lse, attn_mask, is_causal, _scale(q, scale), enable_gqa, ring)
 
 
@@ -506,3 +461,13 @@ OPS = (
 )
 """The attention pair's own ops: causal_rows' query-row strategies and the ring's, one run dispatching by the
 keys' layout (replaces causal_rows' entries in the registry)."""
+
+
+def __getattr__(name: str):
+    """``ring_sdpa`` and ``ring_sdpa_backward``, the custom ops :mod:`meshpilot.ops.ring_kernels` defines on
+    first use (so planning, which imports this module for its strategies, does not define them)."""
+    if name in ("ring_sdpa", "ring_sdpa_backward"):
+        from meshpilot.ops import ring_kernels
+
+        return getattr(ring_kernels, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
