@@ -1050,7 +1050,12 @@ class Plan:
         (``planner.parallel``; 1, the default: one after the other here). The stages are independent searches, so
         the plan is the same with any number; ``meshpilot plan`` passes its ``--workers``. GPT-39B's 12 stages
         on ``alpa-p3x8`` are ~11 CPU s of the default command's ~50 (docs/benchmarks.md, issue 29 item 6):
-        two workers halve their wall time on two cores."""
+        two workers halve their wall time on two cores.
+
+        `share_identical`: stages whose slices are the same search up to names (``planner.identical``: nine of
+        those twelve, three middle blocks on 4x1) are searched once and the plan told in each one's names, each
+        still fitted to its own microbatches in flight — the plans one search per stage gives (False: that, for
+        the tests that hold the two alike)."""
         from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError
 
         time_limit = TIME_LIMIT_S if time_limit is None else time_limit
