@@ -1104,14 +1104,17 @@ class Plan:
         found: dict[int, Any] = {}
         if workers <= 1:  # one after the other, in stage order, up to the first stage that does not fit
             for g in groups:
-                found.update(zip(g, search(g)))
+                found.update(zip(g, search((g[0], g))))
                 failed = [j for j, r in found.items() if isinstance(r, PlanError)]
                 if failed and all(j in found for j in range(min(failed))):
                     break
-        else:  # the largest searches on the most devices first: the workers take the groups in this order
-            order = sorted(groups, key=lambda g: (-len(subs[g[0]].nodes) * len(self.stages[g[0]].ranks), g))
-            for g, res in zip(order, map_columns(search, order, (), workers)):
-                found.update(zip(g, res))
+        else:  # the largest searches on the most devices first: the workers take the tasks in this order
+            # a group dealt out to the workers (its first search made once in each): its stages' refits for their
+            # microbatches in flight are their own searches, which one worker alone would make one after the other
+            tasks = [(g[0], g[k :: min(workers, len(g))]) for g in groups for k in range(min(workers, len(g)))]
+            order = sorted(tasks, key=lambda x: (-len(subs[x[0]].nodes) * len(self.stages[x[0]].ranks), x[1]))
+            for (_, members), res in zip(order, map_columns(search, order, (), workers)):
+                found.update(zip(members, res))
         stages = []
         for j, st in enumerate(self.stages):
             if isinstance(found[j], PlanError):
@@ -1132,19 +1135,20 @@ class Plan:
 
     def _group_search(
         self, graph: OpGraph, run_layers: list, subs: dict, force: list, cluster, time_limit: float, on_cpu: bool,
-        group: tuple[int, ...],
+        task: tuple[int, tuple[int, ...]],
     ) -> list[tuple[StagePlan, float] | Exception]:  # fmt: skip
-        """:meth:`_stage_search` of each stage of `group` (``identical.identical_stages``: the same search up to
-        names, but for the microbatches each keeps in flight) on its first stage's slice ``subs[group[0]]``, the
-        searches at the same capacity made once, each plan told in its stage's names (``identical.StageNames``).
-        A stage whose names do not line up with the first's is searched on its own slice."""
+        """:meth:`_stage_search` of each stage of ``task = (rep, members)`` (stages of one group of
+        ``identical.identical_stages``: the same search up to names, but for the microbatches each keeps in flight)
+        on stage rep's slice ``subs[rep]``, the searches at the same capacity made once, each plan told in its
+        stage's names (``identical.StageNames``). A stage whose names do not line up with rep's is searched on its
+        own slice."""
         from meshpilot.planner.identical import StageNames
         from meshpilot.planner.stage import slice_graph
 
-        rep = group[0]
+        rep, members = task
         memo: dict[tuple, Any] = {}
         out: list[tuple[StagePlan, float] | Exception] = []
-        for j in group:
+        for j in members:
             names = None if j == rep else StageNames.of(graph, run_layers, subs[rep], self.stages[rep].layers,
                                                          self.stages[j].layers)  # fmt: skip
             if j != rep and names is None:
