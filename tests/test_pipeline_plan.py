@@ -1331,3 +1331,44 @@ def test_the_planned_step_is_the_stages_own_plans():
     assert q.step_s == pytest.approx(sum(own) + (B - 1) * max(own), rel=1e-12)
     assert f"= {_secs(q.step_s)} (bubble" in str(q)
     assert Plan.from_json(q.to_json()).step_s == pytest.approx(q.step_s, rel=1e-12)
+
+
+def test_identical_stages_are_planned_once_as_each_would_be_alone():
+    """``Plan.with_intra`` searches the stages of one group (``planner.identical``: the same slice up to names,
+    mesh and search options; GPT-39B's nine 3-block 4x1 stages, docs/benchmarks.md issue 29) once and tells the
+    plan in each stage's names: the same plans as searching each stage on its own slice. Three identical stages
+    of two recomputing blocks (their regions and ``_recomputed`` copies renamed) whose 1F1B keeps 4, 3 and 2
+    microbatches in flight, at the device's capacity and at one tight enough that the first of them refits
+    (``_in_flight_fit``), in one process and in two workers."""
+    import dataclasses
+
+    from meshpilot.models import _gpt_builder
+    from meshpilot.models.gpt import gpt_tiny
+    from meshpilot.planner.identical import identical_stages
+    from meshpilot.planner.pipeline import fixed_pipeline
+    from meshpilot.planner.recompute import Recompute
+
+    build = _gpt_builder(gpt_tiny(layers=8, hidden=256, vocab=4096, seq=64, batch=32))
+    graph = _capture(*build("meta", 4))
+    layers = runnable_layers(graph)
+    first = next(j for j, x in enumerate(layers) if x.name.endswith(".0"))  # blocks.0
+    cuts = [0, first + 1, first + 3, first + 5, first + 7, len(layers)]
+    stages = [((a, b), (2 * j, 2 * j + 1), (2, 1)) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    pp = fixed_pipeline(graph, "alpa-p3x8", stages, microbatches=8, schedule="1f1b")
+    selective = lambda st: dataclasses.replace(st, cost=dataclasses.replace(st.cost, recompute=Recompute.SELECTIVE))  # noqa: E731
+    pp = dataclasses.replace(pp, stages=tuple(map(selective, pp.stages)))
+    assert (1, 2, 3) in identical_stages(graph, layers, pp.stages, [None] * 5)
+    assert [st.in_flight for st in pp.stages[1:4]] == [4, 3, 2]
+    runs = [(pp, pp.with_intra(graph, "alpa-p3x8", share_identical=False))]
+    tight = dataclasses.replace(pp, capacity=0.95 * runs[0][1].stages[1].memory_bytes)  # stage 1 refits, 2 and 3 not
+    runs.append((tight, tight.with_intra(graph, "alpa-p3x8", share_identical=False)))
+    unsolved = lambda q: [dataclasses.replace(s, plan=dataclasses.replace(s.plan, solver=None)) for s in q.stages]  # noqa: E731
+    for base, alone in runs:
+        for workers in (1, 2):
+            shared = base.with_intra(graph, "alpa-p3x8", workers=workers)
+            assert unsolved(shared) == unsolved(alone) and shared.transfers == alone.transfers
+            assert shared.step_s == alone.step_s
+    planned = lambda st: (st.plan.time.total_s, st.plan.memory.total)  # noqa: E731
+    assert planned(alone.stages[1]) != planned(alone.stages[2]) == planned(alone.stages[3])  # stage 1: the refit
+    assert "blocks.3" in " ".join(alone.stages[2].plan.recompute.regions)
+    assert any(n.name.endswith("_recomputed") for n in alone.stages[2].plan.nodes)

@@ -625,7 +625,10 @@ class Staged:
         from meshpilot.planner.ilp import PlanError
         from meshpilot.planner.pipeline import plan_pipeline
 
-        whole = args.batch or build_model(args.model, batch=None, **_model_kw(args)).inputs[0].shape[0]
+        if first:  # the batch the first capture split (Staged.capture checked it divides): no model built for it
+            whole = first[0] * first[1].inputs[0].shape[0]
+        else:
+            whole = args.batch or build_model(args.model, batch=None, **_model_kw(args)).inputs[0].shape[0]
         B = args.microbatches or (PIPELINE_MICROBATCHES if whole % PIPELINE_MICROBATCHES == 0 else 1)
         built, graph = first[1:] if first else cls.capture(args, whole, B, progress)
         if args.microbatches is None:

@@ -30,7 +30,7 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -810,10 +810,13 @@ def _bytes(n: float) -> str:
 
 
 def _default(o: Any) -> Any:
+    """JSON of what ``json`` does not know: a schedule's ``to_dict``, a dataclass's fields one level deep (json
+    comes back here for the dataclasses inside them). ``dataclasses.asdict`` gave the same JSON but deep-copied
+    every value of every node first: 0.3 s of saving GPT-39B's 12 stage plans (docs/benchmarks.md, issue 29)."""
     if isinstance(o, Schedule):
         return o.to_dict()
     if hasattr(o, "__dataclass_fields__"):
-        return {k: v for k, v in asdict(o).items() if not k.startswith("_")}
+        return {f.name: getattr(o, f.name) for f in fields(o) if not f.name.startswith("_")}
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
@@ -1020,6 +1023,7 @@ class Plan:
         retries: int = 8,
         on_retry: Callable[[str], Any] | None = None,
         workers: int = 1,
+        share_identical: bool = True,
     ) -> Plan:
         """This plan with every stage's :attr:`PlanStage.plan`: its slice (layers of ``stage.runnable_layers``)
         searched on the stage's logical mesh and mapping over the plan's microbatches (``planner.auto.plan``
@@ -1046,14 +1050,19 @@ class Plan:
         (``planner.parallel``; 1, the default: one after the other here). The stages are independent searches, so
         the plan is the same with any number; ``meshpilot plan`` passes its ``--workers``. GPT-39B's 12 stages
         on ``alpa-p3x8`` are ~11 CPU s of the default command's ~50 (docs/benchmarks.md, issue 29 item 6):
-        two workers halve their wall time on two cores."""
+        two workers halve their wall time on two cores.
+
+        `share_identical`: stages whose slices are the same search up to names (``planner.identical``: nine of
+        those twelve, three middle blocks on 4x1) are searched once and the plan told in each one's names, each
+        still fitted to its own microbatches in flight — the plans one search per stage gives (False: that, for
+        the tests that hold the two alike)."""
         from meshpilot.planner.ilp import TIME_LIMIT_S, PlanError
 
         time_limit = TIME_LIMIT_S if time_limit is None else time_limit
         plan = self
         for _ in range(retries + 1):
             try:
-                return plan._planned_stages(graph, cluster, force, time_limit, workers)
+                return plan._planned_stages(graph, cluster, force, time_limit, workers, share_identical)
             except _StageDoesNotFit as e:
                 if plan.without_stage is None or force is not None:
                     raise e.error from None
@@ -1070,11 +1079,13 @@ class Plan:
         )
 
     def _planned_stages(
-        self, graph: OpGraph, cluster, force: Sequence[dict[str, str] | None] | None, time_limit: float, workers: int
-    ) -> Plan:
+        self, graph: OpGraph, cluster, force: Sequence[dict[str, str] | None] | None, time_limit: float, workers: int,
+        share_identical: bool = True,
+    ) -> Plan:  # fmt: skip
         """:meth:`with_intra` of this plan's stages as they are; a stage whose search finds no plan raises
         :class:`_StageDoesNotFit` naming it (the first such in stage order, as one after the other would)."""
         from meshpilot.cluster import load_cluster
+        from meshpilot.planner.identical import identical_stages
         from meshpilot.planner.ilp import PlanError
         from meshpilot.planner.parallel import map_columns
         from meshpilot.planner.pipeline import stage_transfers
@@ -1085,17 +1096,25 @@ class Plan:
             raise UserError(f"force= has {len(force)} entries for {len(self.stages)} stages; give one (or None) each")
         run_layers = runnable_layers(graph)
         on_cpu = load_cluster(cluster).device.is_cpu
-        subs = [slice_graph(graph, st.layers[0], st.layers[1], run_layers) for st in self.stages]
-        search = functools.partial(self._stage_search, graph, subs, force, cluster, time_limit, on_cpu)
+        # identical stages (the middle of a repeated stack) searched once, their plan told in each one's names
+        groups = identical_stages(graph, run_layers, self.stages, force) if share_identical else None
+        groups = groups or [(j,) for j in range(len(self.stages))]
+        subs = {g[0]: slice_graph(graph, *self.stages[g[0]].layers, run_layers) for g in groups}
+        search = functools.partial(self._group_search, graph, run_layers, subs, force, cluster, time_limit, on_cpu)
+        found: dict[int, Any] = {}
         if workers <= 1:  # one after the other, in stage order, up to the first stage that does not fit
-            found: dict[int, Any] = {}
-            for j in range(len(subs)):
-                found[j] = search(j)
-                if isinstance(found[j], PlanError):
+            for g in groups:
+                found.update(zip(g, search((g[0], g))))
+                failed = [j for j, r in found.items() if isinstance(r, PlanError)]
+                if failed and all(j in found for j in range(min(failed))):
                     break
-        else:  # the largest slices on the most devices first: the workers take the stages in this order
-            order = sorted(range(len(subs)), key=lambda j: (-len(subs[j].nodes) * len(self.stages[j].ranks), j))
-            found = dict(zip(order, map_columns(search, order, (), workers)))
+        else:  # the largest searches on the most devices first: the workers take the tasks in this order
+            # a group dealt out to the workers (its first search made once in each): its stages' refits for their
+            # microbatches in flight are their own searches, which one worker alone would make one after the other
+            tasks = [(g[0], g[k :: min(workers, len(g))]) for g in groups for k in range(min(workers, len(g)))]
+            order = sorted(tasks, key=lambda x: (-len(subs[x[0]].nodes) * len(self.stages[x[0]].ranks), x[1]))
+            for (_, members), res in zip(order, map_columns(search, order, (), workers)):
+                found.update(zip(members, res))
         stages = []
         for j, st in enumerate(self.stages):
             if isinstance(found[j], PlanError):
@@ -1114,15 +1133,45 @@ class Plan:
             transfers.append(dataclasses.replace(y, seconds=x.seconds) if x is not None and x.nbytes == y.nbytes else y)
         return dataclasses.replace(self, stages=tuple(stages), transfers=tuple(transfers))
 
+    def _group_search(
+        self, graph: OpGraph, run_layers: list, subs: dict, force: list, cluster, time_limit: float, on_cpu: bool,
+        task: tuple[int, tuple[int, ...]],
+    ) -> list[tuple[StagePlan, float] | Exception]:  # fmt: skip
+        """:meth:`_stage_search` of each stage of ``task = (rep, members)`` (stages of one group of
+        ``identical.identical_stages``: the same search up to names, but for the microbatches each keeps in flight)
+        on stage rep's slice ``subs[rep]``, the searches at the same capacity made once, each plan told in its
+        stage's names (``identical.StageNames``). A stage whose names do not line up with rep's is searched on its
+        own slice."""
+        from meshpilot.planner.identical import StageNames
+        from meshpilot.planner.stage import slice_graph
+
+        rep, members = task
+        memo: dict[tuple, Any] = {}
+        out: list[tuple[StagePlan, float] | Exception] = []
+        for j in members:
+            names = None if j == rep else StageNames.of(graph, run_layers, subs[rep], self.stages[rep].layers,
+                                                         self.stages[j].layers)  # fmt: skip
+            if j != rep and names is None:
+                own = slice_graph(graph, *self.stages[j].layers, run_layers)
+                out.append(self._stage_search(graph, own, force[j], cluster, time_limit, on_cpu, j, {}))
+                continue
+            res = self._stage_search(graph, subs[rep], force[j], cluster, time_limit, on_cpu, j, memo)
+            if names is not None and not isinstance(res, Exception):
+                res = (names.plan(res[0], subs[rep]), res[1])
+            out.append(res)
+        return out
+
     def _stage_search(
-        self, graph: OpGraph, subs: list, force: list, cluster, time_limit: float, on_cpu: bool, j: int
+        self, graph: OpGraph, sub, pinned, cluster, time_limit: float, on_cpu: bool, j: int, memo: dict
     ) -> tuple[StagePlan, float] | Exception:
-        """Stage j's own plan and its Eq. 5 (:func:`_in_flight_fit`) on its slice ``subs[j]``, or the
-        ``PlanError`` of its last ZeRO mode as a value (a worker of :meth:`_planned_stages` sends it back)."""
+        """Stage j's own plan and its Eq. 5 (:func:`_in_flight_fit`) on the slice `sub` (its own, or an identical
+        stage's: :meth:`_group_search`), or the ``PlanError`` of its last ZeRO mode as a value (a worker of
+        :meth:`_planned_stages` sends it back). `memo` keeps the searches' answers by (ZeRO mode, capacity): an
+        identical stage asks the same first search."""
         from meshpilot.planner.auto import plan as plan_intra
         from meshpilot.planner.ilp import PlanError
 
-        st, sub, pinned = self.stages[j], subs[j], force[j]
+        st = self.stages[j]
         if pinned is not None:
             pinned = {**pinned, **received_rows_pins(graph, sub, pinned)}
         search = functools.partial(
@@ -1132,6 +1181,18 @@ class Plan:
             # the runtime applies the plan's regions to its slice: ``runtime.pipeline_stages``)
             recompute=st.cost.recompute.value if st.cost is not None else "none",
         )  # fmt: skip
+
+        def searched(zero: Any, memory_bytes: float) -> StagePlan:
+            key = (str(zero), memory_bytes)
+            if key not in memo:
+                try:
+                    memo[key] = search(zero=zero, memory_bytes=memory_bytes)
+                except PlanError as e:
+                    memo[key] = e
+            if isinstance(memo[key], PlanError):
+                raise memo[key]
+            return memo[key]
+
         # ZeRO as it was costed; where the table left the search its choice, then the mode the table priced
         # the stage with when that choice does not fit (``StageCost.zero_fallback``: the estimated table)
         first = st.cost.zero if st.cost is not None and st.cost.zero else "auto"
@@ -1142,7 +1203,7 @@ class Plan:
             warnings.simplefilter("ignore", UserWarning)
             for zero in modes:
                 try:
-                    return _in_flight_fit(functools.partial(search, zero=zero), sub, self.capacity,
+                    return _in_flight_fit(functools.partial(searched, zero), sub, self.capacity,
                                           self.microbatches, st.in_flight, on_cpu)  # fmt: skip
                 except PlanError as e:
                     error = e

@@ -353,9 +353,11 @@ def slice_graph(graph: OpGraph, start: int, stop: int, all_layers: Sequence[Laye
     # graph order with boundary leaves before their first reader, renumbered
     nodes = [dataclasses.replace(n, index=k) for k, n in enumerate(nodes)]
     names = {n.name for n in nodes}
-    params = [p for p in graph.param_names if any(n.kind == NodeKind.PARAM and n.fqn == p for n in nodes)]
-    buffers = [b for b in graph.buffer_names if any(n.kind == NodeKind.BUFFER and n.fqn == b for n in nodes)]
-    grads = {p: g for p, g in graph.grads.items() if p in params and g is not None and g[0] in names}
+    held = {(n.kind, n.fqn) for n in nodes if n.kind in (NodeKind.PARAM, NodeKind.BUFFER)}  # one pass, not one a name
+    params = [p for p in graph.param_names if (NodeKind.PARAM, p) in held]
+    buffers = [b for b in graph.buffer_names if (NodeKind.BUFFER, b) in held]
+    kept = set(params)
+    grads = {p: g for p, g in graph.grads.items() if p in kept and g is not None and g[0] in names}
     sums = gradient_sums(graph, [p for p in params if p in tied and p not in grads])
     for p in sorted(set(sums.values())):  # a stage without the sum of a tied weight's gradient: its part
         out = [x for x in names if sums.get(x) == p and any(u not in inside for u in graph.users[x])]
