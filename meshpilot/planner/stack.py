@@ -218,8 +218,12 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches blocks: the table's planning workers take the columns as the exact table's do. Of a mesh and its
-transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
+one that searches blocks, and its cap levels are the table's longest serial piece: with several planning workers
+they start first in a forked process of their own (``parallel.start_task``, :meth:`StackTable._estimated_arrays`),
+on empty winners, while the catalogue and then every column (that one's replicas too) are searched over the other
+workers, and are merged after that column's replicas as ``_offer`` keeps them (``_merge_after``: levels pruned
+against no replica only add candidates that cannot win, so the table is the one searched in one process). Of a
+mesh and its transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
 (``_transposed_earlier``): both are the same ranks, each orientation's row mapping the other's column mapping
 transposed (``mesh.mapped_ranks``), so their ILPs differ only in which axis is which — not exactly, as DTensor
 splits a tensor dim sharded over both axes over axis 0 first, and the capped searches' refits follow each plan's
@@ -274,7 +278,7 @@ from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.graph.capture import OpGraph, capture
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
-from meshpilot.planner.parallel import map_columns
+from meshpilot.planner.parallel import map_columns, start_task
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
@@ -576,8 +580,8 @@ class StackTable:
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _server_caps: dict = field(default_factory=dict, init=False, repr=False)
-    """The estimated table's server column searched beside its catalogue (module docstring, 5): ``z -> _Winners``
-    of that column's cap levels alone, merged into the column after its replicas (:meth:`_column`)."""
+    """The estimated table's server columns whose cap levels are searched in a process of their own (module
+    docstring, 5; :meth:`_estimated_arrays`, which merges them after the column's replicas): their keys z."""
     _catalogue: dict = field(default_factory=dict, init=False, repr=False)
     """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
     post pieces, block)}``, planned by the workers before the columns are priced."""
@@ -626,11 +630,34 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
         if self.costing == TableCosting.ESTIMATED:
-            self._plan_catalogue(layout, f)
+            return self._estimated_arrays(layout, f)
         self._first = map_columns(
             functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
         return self._joined([c[:3] for c in self._first])
+
+    def _estimated_arrays(self, layout, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`arrays` of the estimated table (module docstring, 5): with several workers the server column's
+        cap levels (its longest serial piece) start first in a process of their own (``parallel.start_task``),
+        on empty winners, while the catalogue and then every column (the server column's replicas too) are
+        searched over the other workers; the cap levels are merged after that column's replicas
+        (:func:`_merge_after`, what :meth:`_offer` keeps). One worker: the cap levels in the column, after its
+        replicas and pruned against them."""
+        server_z = [z for z, d in enumerate(self.sizes) if d == self._server()]
+        caps = None
+        if self.workers > 1 and server_z:
+            caps = start_task(functools.partial(self._server_caps_alone, layout, f), server_z, self.planner)
+        workers = self.workers - 1 if caps is not None else self.workers
+        self._plan_catalogue(workers)
+        self._server_caps = dict.fromkeys(server_z) if caps is not None else {}  # their levels: merged below
+        columns = map_columns(functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers)
+        if caps is not None:
+            for z, won in zip(server_z, caps.result()):
+                win = columns[z][3]
+                _merge_after(win, won)
+                columns[z] = (win.t, win.arg, win.candidates, None)
+        self._first = columns
+        return self._joined([c[:3] for c in columns])
 
     def _joined(self, columns: list[tuple[np.ndarray, np.ndarray, list]]) -> tuple[np.ndarray, np.ndarray]:
         """The table's ``t`` and ``arg`` from its columns ``(t[1:, :, :, z], arg into the column's candidates,
@@ -656,9 +683,9 @@ class StackTable:
         if self.costing == TableCosting.ESTIMATED:  # every mesh priced from the catalogue
             for j, shape in enumerate(shapes):
                 self._estimated_levels(ctx, win, j, shape)
-            if z in self._server_caps:  # searched beside the catalogue: offered after the replicas, as below
-                _merge_after(win, self._server_caps[z])
-            elif self.sizes[z] == self._server():  # a whole server's meshes: their cap levels too (docstring, 5)
+            if z in self._server_caps:  # searched in a process of their own: merged after (_estimated_arrays)
+                return tz, az, candidates, win
+            if self.sizes[z] == self._server():  # a whole server's meshes: their cap levels too (docstring, 5)
                 self._server_cap_levels(ctx, win, shapes)
             return tz, az, candidates, None
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
@@ -809,12 +836,11 @@ class StackTable:
         cl = self.planner.cluster
         return cl.layers[-1].ranks if cl.layers else 1
 
-    def _plan_catalogue(self, layout, f: np.ndarray) -> None:
+    def _plan_catalogue(self, workers: int) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
         some logical mesh ``(a, b)`` of the table has, each graph's middle block planned on ``(1, b)`` at the
         device's capacity, and where the table has meshes across servers on ``(2 · server / b, b)`` too (two
-        servers). With several workers the server column's cap levels are searched beside it, first
-        (:meth:`_server_caps_alone`)."""
+        servers), in `workers` processes."""
         server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
         bases = [(1, b) for b in tps]
@@ -825,30 +851,24 @@ class StackTable:
         # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
         tasks: list = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
         planners = [self._graph_of(mode)[0] for mode in modes]
-        server_z = [z for z, d in enumerate(self.sizes) if d == server]
-        caps = [("caps", layout, f, z) for z in server_z] if self.workers > 1 else []
-        results = map_columns(self._catalogue_task, caps + tasks, planners, self.workers)
-        self._server_caps = {task[3]: won for task, won in zip(caps, results)}
-        found = dict(zip(tasks, results[len(caps) :]))
+        found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, workers)))
         for base in bases:
             self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
 
-    def _catalogue_task(self, task: tuple):
-        """One task of :meth:`_plan_catalogue`: a catalogue search, or ``("caps", layout, f, z)``."""
-        if task[0] == "caps":
-            return self._server_caps_alone(*task[1:])
-        return self._catalogue_piece(task)
-
-    def _server_caps_alone(self, layout, f: np.ndarray, z: int) -> _Winners:
-        """The server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what :meth:`_column`
-        merges after the column's replicas (:func:`_merge_after`). Searched beside the catalogue, as the
-        column's longest part (GPT-39B on alpa-p3x8: ~14 of its table's ~30 CPU s, the catalogue ~8), it
-        prunes against no replica: it may search levels the replicas would have pruned, which cannot win
-        (module docstring, 3), so the merged column is the one searched after the replicas."""
-        ctx, win, shapes = self._column_start(layout, f, z)
-        if ctx.use.any():
-            self._server_cap_levels(ctx, win, shapes)
-        return win
+    def _server_caps_alone(self, layout, f: np.ndarray, server_z: Sequence[int]) -> list[_Winners]:
+        """Each server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what
+        :meth:`_estimated_arrays` merges after the column's replicas (:func:`_merge_after`). Searched beside the
+        catalogue and the other columns, as the table's longest serial part (GPT-39B on alpa-p3x8: ~12 of its
+        table's ~25 CPU s, the catalogue ~7, the columns ~6), it prunes against no replica: it may search levels
+        the replicas would have pruned, which cannot win (module docstring, 3), so the merged column is the one
+        searched after the replicas."""
+        won = []
+        for z in server_z:
+            ctx, win, shapes = self._column_start(layout, f, z)
+            if ctx.use.any():
+                self._server_cap_levels(ctx, win, shapes)
+            won.append(win)
+        return won
 
     def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
         """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
