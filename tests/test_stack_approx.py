@@ -227,9 +227,10 @@ def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, m
     assert two.step_s == one.step_s
     assert started == [("_server_caps_alone", [3])]  # sizes 1, 2, 4, 8: the server column, first
     searched = [(items, w) for name, items, w in calls if name == "_catalogue_piece"]
-    assert len(searched) == 1 and searched[0][1] == 1, calls  # the other worker: here, as the caps run beside it
-    pieces = searched[0][0]
+    assert searched and {w for _, w in searched} == {1}, calls  # the other worker: here, as the caps run beside it
+    pieces = [task for items, _ in searched for task in items]
     assert {task[0] for task in pieces} == {(1, 1), (1, 2), (1, 4), (1, 8)}
+    assert {task[3] for task in pieces} == {None}  # every mapping: one server's bases are searched on each
     assert len(pieces) == len(set(pieces))  # each search once
     assert two.stage_plans >= one.stage_plans  # the caps process' searches counted (merged) here
 

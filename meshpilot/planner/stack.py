@@ -195,6 +195,13 @@ views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a r
 partial sums over axis 0, whole). The base meshes themselves (r = 1) are their own plans. The second base is there
 because across servers the ILP shards the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device,
 where a replica of 1x2's plan holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows.
+On a two-server base with both axes over 1 (8x2, 4x4, 2x8) the recomputing blocks are searched after the captured one
+and on the device mapping it chose there only (``StagePlanner.plan(mappings=)``): which axis crosses the servers is
+what the mapping decides, and recomputation changes compute and saved bytes, not the collectives. On GPT-39B the
+captured block's mapping is each recomputing block's best on 8x2 and 2x8 and on 4x4 for whole recomputation; on 4x4
+the selective one's best is the other (5.5269 s against 5.5353, 0.15 %), so 3 of the table's 78,622 finite entries
+price it that much higher; the plan is the same, the catalogue 7.1 → 6.1 CPU s (docs/benchmarks.md, issue 29 item 6,
+tab29). A chosen stage is still composed on its own mesh with every mapping (:meth:`StackTable.stage_cost`).
 The six :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same
 ``_offer`` as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r
 does not divide the microbatch's rows is not priced. Searches: 3 blocks per base, whatever the cluster's size, and at
@@ -591,9 +598,19 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, gap=None
+        self,
+        rng: tuple[int, int],
+        ranks,
+        shape,
+        cap: float,
+        zero: ZeroMode | None = None,
+        planner=None,
+        gap=None,
+        mappings: tuple | None = None,
     ) -> _Piece | None:
         kw = dict(self.kw)
+        if mappings:
+            kw["mappings"] = mappings
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
@@ -848,12 +865,19 @@ class StackTable:
             bases += [(2 * server // b, b) for b in tps]
         modes = [Recompute.NONE, *self.recomputed]
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
-        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
-        tasks: list = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again);
+        # a recomputing block across servers after the captured one, on the device mapping that one chose there
+        tasks: list = [(base, mode, self._graph_of(mode)[1].middle, None) for base in bases for mode in modes]
+        first = [t for t in tasks if t[1] is Recompute.NONE or t[0][0] == 1]
         planners = [self._graph_of(mode)[0] for mode in modes]
-        found = dict(zip(tasks, map_columns(self._catalogue_piece, tasks, planners, workers)))
+        found = dict(zip(first, map_columns(self._catalogue_piece, first, planners, workers)))
+        chose = {t[0]: (x.cost.mapping,) for t, x in found.items() if t[1] is Recompute.NONE and x is not None}
+        later = [t[:3] + (chose.get(t[0]),) for t in tasks if t not in found]
+        found.update(
+            (t[:3] + (None,), x) for t, x in zip(later, map_columns(self._catalogue_piece, later, planners, workers))
+        )
         for base in bases:
-            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
+            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle, None)] for mode in modes}
 
     def _server_caps_alone(self, layout, f: np.ndarray, server_z: Sequence[int]) -> list[_Winners]:
         """Each server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what
@@ -870,17 +894,18 @@ class StackTable:
             won.append(win)
         return won
 
-    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
-        """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
-        base, mode, mid = task
-        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base)
+    def _catalogue_piece(self, task: tuple) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layer, mappings)``, the middle block (its graph layer) of
+        `graph`'s on the device `mappings` (None: every one)."""
+        base, mode, mid, maps = task
+        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base, maps)
 
-    def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
-        """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
-        bytes per device: the slice's inputs split over its devices (the plans at the device's capacity split
-        the rows, module docstring, 5)."""
+    def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int], maps=None) -> _Piece | None:
+        """Layers `rng` of `planner`'s graph planned on mesh `base` (device mappings `maps`, None: every one) for the
+        catalogue, with their input leaves' bytes per device: the slice's inputs split over its devices (the plans at
+        the device's capacity split the rows, module docstring, 5)."""
         n = base[0] * base[1]
-        x = self._piece(rng, range(n), base, self.capacity, planner=planner)
+        x = self._piece(rng, range(n), base, self.capacity, planner=planner, mappings=maps)
         if x is not None:
             sub = planner._slice(rng[0], rng[1])[0]
             x.inputs = sum(float(info.nbytes) for info in sub.input_infos) / n
