@@ -113,6 +113,11 @@ class Started:
             sp.merge(got)
         return res
 
+    def abandon(self) -> None:
+        """Stop the task unread (the caller failed before it needed the result)."""
+        self._pool.terminate()
+        self._pool.join()
+
 
 def start_task(fn: Callable[[Any], Any], item: Any, planner) -> Started | None:
     """``fn(item)`` started in a forked process of its own, with the planner as it is now (module docstring);

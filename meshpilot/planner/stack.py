@@ -665,9 +665,16 @@ class StackTable:
         if self.workers > 1 and server_z:
             caps = start_task(functools.partial(self._server_caps_alone, layout, f), server_z, self.planner)
         workers = self.workers - 1 if caps is not None else self.workers
-        self._plan_catalogue(workers)
         self._server_caps = dict.fromkeys(server_z) if caps is not None else {}  # their levels: merged below
-        columns = map_columns(functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers)
+        try:
+            self._plan_catalogue(workers)
+            columns = map_columns(
+                functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers
+            )
+        except BaseException:
+            if caps is not None:
+                caps.abandon()
+            raise
         if caps is not None:
             for z, won in zip(server_z, caps.result()):
                 win = columns[z][3]
