@@ -678,6 +678,8 @@ class StackTable:
         if caps is not None:
             for z, won in zip(server_z, caps.result()):
                 win = columns[z][3]
+                if win is None:  # no range useful on that size: no level searched either
+                    continue
                 _merge_after(win, won)
                 columns[z] = (win.t, win.arg, win.candidates, None)
         self._first = columns
