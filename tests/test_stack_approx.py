@@ -197,35 +197,42 @@ def test_the_estimated_table_final_plan_within_one_percent_of_the_exact_tables(s
 
 
 def test_the_estimated_tables_catalogue_is_searched_by_the_workers_once(stack, monkeypatch):
-    """The estimated table's catalogue (``planner.stack`` module docstring, 5) is spread over the planning workers
-    (``planner.parallel.map_columns``, forked), the server column's cap levels first beside it, each graph's
-    planner — the recomputing ones' too — gets what they searched, and the plan is the one planned in one
-    process (those cap levels, pruned against no replica, may search more)."""
+    """The estimated table (``planner.stack`` module docstring, 5) with two workers: the server column's cap levels
+    start first in a forked process of their own (``planner.parallel.start_task``), the catalogue and the columns
+    are searched over the other worker, each search of the catalogue once, each graph's planner — the recomputing
+    ones' too — gets what they searched, and the plan is the one planned in one process (those cap levels, pruned
+    against no replica, may search more)."""
     import meshpilot.planner.stack as stack_mod
 
-    calls = []
-    real = stack_mod.map_columns
+    calls, started = [], []
+    real, real_start = stack_mod.map_columns, stack_mod.start_task
 
     def spy(fn, items, planner, workers):
         calls.append((getattr(fn, "__name__", ""), list(items), workers))  # a column's partial has none
         return real(fn, items, planner, workers)
 
+    def spy_start(fn, item, planner):
+        started.append((fn.func.__name__, list(item)))
+        return real_start(fn, item, planner)
+
     kw = dict(microbatches=4, num_devices=8, costing="estimated")
     one = plan_pipeline(stack, "alpa-p3x8", workers=1, **kw)
     monkeypatch.setattr(stack_mod, "map_columns", spy)
+    monkeypatch.setattr(stack_mod, "start_task", spy_start)
     sp = StagePlanner(stack.graph, "alpa-p3x8")
     two = plan_pipeline(stack, "alpa-p3x8", workers=2, planner=sp, **kw)
     assert [(st.layers, st.ranks, st.mesh_shape) for st in two.stages] == [
         (st.layers, st.ranks, st.mesh_shape) for st in one.stages
     ]
     assert two.step_s == one.step_s
-    searched = [items for name, items, w in calls if name == "_catalogue_task" and w == 2]
-    assert searched, calls
-    assert searched[0][0][0] == "caps" and searched[0][0][-1] == 3  # sizes 1, 2, 4, 8: the server column, first
-    pieces = [task for task in searched[0] if task[0] != "caps"]
+    assert started == [("_server_caps_alone", [3])]  # sizes 1, 2, 4, 8: the server column, first
+    searched = [(items, w) for name, items, w in calls if name == "_catalogue_piece"]
+    assert searched and {w for _, w in searched} == {1}, calls  # the other worker: here, as the caps run beside it
+    pieces = [task for items, _ in searched for task in items]
     assert {task[0] for task in pieces} == {(1, 1), (1, 2), (1, 4), (1, 8)}
+    assert {task[3] for task in pieces} == {None}  # every mapping: one server's bases are searched on each
     assert len(pieces) == len(set(pieces))  # each search once
-    assert two.stage_plans >= one.stage_plans  # the workers' searches counted (merged) here
+    assert two.stage_plans >= one.stage_plans  # the caps process' searches counted (merged) here
 
 
 def test_the_estimated_table_searches_a_whole_servers_meshes_under_cap_levels(stack, roomy, monkeypatch):

@@ -114,8 +114,16 @@ def test_a_mapping_priced_like_one_tried_is_not_solved_again(gpt, monkeypatch):
     task_col = sp._priced_as(tuple(range(4)), (2, 2), MeshMapping.COL)
     assert task_col == sp._priced_as(tuple(range(4)), (2, 2), MeshMapping.ROW)
     calls.clear()
-    sp.plan(0, 3, range(8), (2, 4))
+    both = sp.plan(0, 3, range(8), (2, 4))
     assert calls == [MeshMapping.ROW, MeshMapping.COL]
+    # `mappings=`: only those searched (the estimated stage table's catalogue, ``stack`` module docstring, 5), a
+    # cache entry of its own; the mapping the search of both chose gives that search's plan
+    calls.clear()
+    one = sp.plan(0, 3, range(8), (2, 4), mappings=(both.mapping,))
+    assert calls == [both.mapping] and one.time == both.time and one.mapping == both.mapping
+    calls.clear()
+    assert sp.plan(0, 3, range(8), (2, 4)) is both and sp.plan(0, 3, range(8), (2, 4), mappings=(both.mapping,)) is one
+    assert calls == []
 
 
 def test_a_stage_keeps_a_pin_that_names_an_operator(gpt, planner):

@@ -13,6 +13,11 @@ is one column; it returns its result and the stage costs it searched (``StagePla
 this process merges (``StagePlanner.merge``): the chosen stages are then read from the cache, exactly as
 the serial run would read them. A worker keeps its caches across the columns it takes.
 
+One task may also start alone (:func:`start_task`): a forked process of its own, begun before other work that
+this process then does (and maps over the remaining workers), its result and searches merged when it is read —
+the estimated stage table's server column's cap levels, its longest serial piece, beside the catalogue and the
+other columns (``stack`` module docstring, 5).
+
 How many: ``workers`` (``plan_pipeline(workers=...)``, ``meshpilot plan --pipeline --workers``), else the environment's
 ``MESHPILOT_PLAN_WORKERS``, else the CPUs this process may run on, at most :data:`MAX_WORKERS`.
 """
@@ -89,6 +94,45 @@ def map_columns(fn: Callable[[Any], Any], items: Sequence[Any], planner, workers
             sp.merge(got)
         results.append(res)
     return results
+
+
+class Started:
+    """One task running in a forked process of its own (:func:`start_task`); :meth:`result` waits for it."""
+
+    def __init__(self, pool, pending, planners: tuple) -> None:
+        self._pool, self._pending, self._planners = pool, pending, planners
+
+    def result(self) -> Any:
+        """The task's result, the stage costs it searched merged into its planners (as :func:`map_columns`)."""
+        try:
+            res, searched = self._pending.get()
+        finally:
+            self._pool.close()
+            self._pool.join()
+        for sp, got in zip(self._planners, searched):
+            sp.merge(got)
+        return res
+
+    def abandon(self) -> None:
+        """Stop the task unread (the caller failed before it needed the result)."""
+        self._pool.terminate()
+        self._pool.join()
+
+
+def start_task(fn: Callable[[Any], Any], item: Any, planner) -> Started | None:
+    """``fn(item)`` started in a forked process of its own, with the planner as it is now (module docstring);
+    None where this process cannot fork (the caller then runs it itself)."""
+    global _JOB
+    if not can_fork():
+        return None
+    planners = tuple(planner) if isinstance(planner, (list, tuple)) else (planner,)
+    _JOB = (fn, planners)
+    freeze_more()
+    try:
+        pool = multiprocessing.get_context("fork").Pool(1)  # forks here: the worker holds this _JOB
+    finally:
+        _JOB = None
+    return Started(pool, pool.apply_async(_column, (item,)), planners)
 
 
 def _column(item: Any) -> tuple[Any, list[Any]]:

@@ -195,6 +195,13 @@ views, so its ``w_back`` is 0. Both forms keep the base's ``H`` (section 2): a r
 partial sums over axis 0, whole). The base meshes themselves (r = 1) are their own plans. The second base is there
 because across servers the ILP shards the weights on both axes (GPT-39B's block on 8x2: 0.94 GiB of state per device,
 where a replica of 1x2's plan holds 4.5 and all-reduces it across servers), which no replica of a one-server plan shows.
+On a two-server base with both axes over 1 (8x2, 4x4, 2x8) the recomputing blocks are searched after the captured one
+and on the device mapping it chose there only (``StagePlanner.plan(mappings=)``): which axis crosses the servers is
+what the mapping decides, and recomputation changes compute and saved bytes, not the collectives. On GPT-39B the
+captured block's mapping is each recomputing block's best on 8x2 and 2x8 and on 4x4 for whole recomputation; on 4x4
+the selective one's best is the other (5.5269 s against 5.5353, 0.15 %), so 3 of the table's 78,622 finite entries
+price it that much higher; the plan is the same, the catalogue 7.1 → 6.1 CPU s (docs/benchmarks.md, issue 29 item 6,
+tab29). A chosen stage is still composed on its own mesh with every mapping (:meth:`StackTable.stage_cost`).
 The six :class:`ApproxLevel` candidates per mesh (replicated or ZeRO-3, on each graph) are offered to the same
 ``_offer`` as every other table's plans; a mesh with no base (b no divisor of a server, a no multiple of a0) or whose r
 does not divide the microbatch's rows is not priced. Searches: 3 blocks per base, whatever the cluster's size, and at
@@ -218,8 +225,12 @@ capped under the device's memory trades time for memory inside the ILP — GPT-3
 7 blocks with 2 microbatches in flight under a block capped at 0.146 of the device, the weights sharded over both
 axes and their summed gradients too (0.023 of the device a block, where a ZeRO-3 replica of 1x2's plan holds them
 whole, 0.094) — which no replica form prices; without it the estimated plan was 6.4 % slower. That column is the
-one that searches blocks: the table's planning workers take the columns as the exact table's do. Of a mesh and its
-transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
+one that searches blocks, and its cap levels are the table's longest serial piece: with several planning workers
+they start first in a forked process of their own (``parallel.start_task``, :meth:`StackTable._estimated_arrays`),
+on empty winners, while the catalogue and then every column (that one's replicas too) are searched over the other
+workers, and are merged after that column's replicas as ``_offer`` keeps them (``_merge_after``: levels pruned
+against no replica only add candidates that cannot win, so the table is the one searched in one process). Of a
+mesh and its transpose (4x2 and 2x4, 8x1 and 1x8) only the first in ``shapes(d)`` order is searched under cap levels
 (``_transposed_earlier``): both are the same ranks, each orientation's row mapping the other's column mapping
 transposed (``mesh.mapped_ranks``), so their ILPs differ only in which axis is which — not exactly, as DTensor
 splits a tensor dim sharded over both axes over axis 0 first, and the capped searches' refits follow each plan's
@@ -274,7 +285,7 @@ from meshpilot.cluster.mesh import mesh_shapes_2d
 from meshpilot.graph.capture import OpGraph, capture
 from meshpilot.planner.accounting import PhasePeaks
 from meshpilot.planner.ilp import PlanError
-from meshpilot.planner.parallel import map_columns
+from meshpilot.planner.parallel import map_columns, start_task
 from meshpilot.planner.plan import MemoryUse, StepTime
 from meshpilot.planner.recompute import Recompute
 from meshpilot.planner.stage import Layer, StageCost, StageMemory, StagePlanner, range_keys, runnable_layers
@@ -576,8 +587,8 @@ class StackTable:
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _server_caps: dict = field(default_factory=dict, init=False, repr=False)
-    """The estimated table's server column searched beside its catalogue (module docstring, 5): ``z -> _Winners``
-    of that column's cap levels alone, merged into the column after its replicas (:meth:`_column`)."""
+    """The estimated table's server columns whose cap levels are searched in a process of their own (module
+    docstring, 5; :meth:`_estimated_arrays`, which merges them after the column's replicas): their keys z."""
     _catalogue: dict = field(default_factory=dict, init=False, repr=False)
     """The estimated table's pieces per base mesh (module docstring, 5): ``(a0, b) -> {recompute: (pre pieces,
     post pieces, block)}``, planned by the workers before the columns are priced."""
@@ -587,9 +598,19 @@ class StackTable:
     4); empty: none."""
 
     def _piece(
-        self, rng: tuple[int, int], ranks, shape, cap: float, zero: ZeroMode | None = None, planner=None, gap=None
+        self,
+        rng: tuple[int, int],
+        ranks,
+        shape,
+        cap: float,
+        zero: ZeroMode | None = None,
+        planner=None,
+        gap=None,
+        mappings: tuple | None = None,
     ) -> _Piece | None:
         kw = dict(self.kw)
+        if mappings:
+            kw["mappings"] = mappings
         kw["capacity"] = cap
         if zero is not None:
             kw["zero"] = zero
@@ -626,11 +647,43 @@ class StackTable:
         layout = self._layout()
         f = np.array([self.in_flight(s) for s in range(1, self.max_stages + 1)], dtype=float)
         if self.costing == TableCosting.ESTIMATED:
-            self._plan_catalogue(layout, f)
+            return self._estimated_arrays(layout, f)
         self._first = map_columns(
             functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, self.workers
         )
         return self._joined([c[:3] for c in self._first])
+
+    def _estimated_arrays(self, layout, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`arrays` of the estimated table (module docstring, 5): with several workers the server column's
+        cap levels (its longest serial piece) start first in a process of their own (``parallel.start_task``),
+        on empty winners, while the catalogue and then every column (the server column's replicas too) are
+        searched over the other workers; the cap levels are merged after that column's replicas
+        (:func:`_merge_after`, what :meth:`_offer` keeps). One worker: the cap levels in the column, after its
+        replicas and pruned against them."""
+        server_z = [z for z, d in enumerate(self.sizes) if d == self._server()]
+        caps = None
+        if self.workers > 1 and server_z:
+            caps = start_task(functools.partial(self._server_caps_alone, layout, f), server_z, self.planner)
+        workers = self.workers - 1 if caps is not None else self.workers
+        self._server_caps = dict.fromkeys(server_z) if caps is not None else {}  # their levels: merged below
+        try:
+            self._plan_catalogue(workers)
+            columns = map_columns(
+                functools.partial(self._column, layout, f), range(len(self.sizes)), self.planner, workers
+            )
+        except BaseException:
+            if caps is not None:
+                caps.abandon()
+            raise
+        if caps is not None:
+            for z, won in zip(server_z, caps.result()):
+                win = columns[z][3]
+                if win is None:  # no range useful on that size: no level searched either
+                    continue
+                _merge_after(win, won)
+                columns[z] = (win.t, win.arg, win.candidates, None)
+        self._first = columns
+        return self._joined([c[:3] for c in columns])
 
     def _joined(self, columns: list[tuple[np.ndarray, np.ndarray, list]]) -> tuple[np.ndarray, np.ndarray]:
         """The table's ``t`` and ``arg`` from its columns ``(t[1:, :, :, z], arg into the column's candidates,
@@ -656,9 +709,9 @@ class StackTable:
         if self.costing == TableCosting.ESTIMATED:  # every mesh priced from the catalogue
             for j, shape in enumerate(shapes):
                 self._estimated_levels(ctx, win, j, shape)
-            if z in self._server_caps:  # searched beside the catalogue: offered after the replicas, as below
-                _merge_after(win, self._server_caps[z])
-            elif self.sizes[z] == self._server():  # a whole server's meshes: their cap levels too (docstring, 5)
+            if z in self._server_caps:  # searched in a process of their own: merged after (_estimated_arrays)
+                return tz, az, candidates, win
+            if self.sizes[z] == self._server():  # a whole server's meshes: their cap levels too (docstring, 5)
                 self._server_cap_levels(ctx, win, shapes)
             return tz, az, candidates, None
         floors = [self._floors(pres, posts, used_pre, used_post, ranks, shape) if self.prune else None
@@ -809,12 +862,11 @@ class StackTable:
         cl = self.planner.cluster
         return cl.layers[-1].ranks if cl.layers else 1
 
-    def _plan_catalogue(self, layout, f: np.ndarray) -> None:
+    def _plan_catalogue(self, workers: int) -> None:
         """The estimated table's catalogue (module docstring, 5): for every TP degree b of a server's GPUs that
         some logical mesh ``(a, b)`` of the table has, each graph's middle block planned on ``(1, b)`` at the
         device's capacity, and where the table has meshes across servers on ``(2 · server / b, b)`` too (two
-        servers). With several workers the server column's cap levels are searched beside it, first
-        (:meth:`_server_caps_alone`)."""
+        servers), in `workers` processes."""
         server = self._server()
         tps = sorted({b for d in self.sizes for _, b in self.shapes(d) if server % b == 0})
         bases = [(1, b) for b in tps]
@@ -822,45 +874,47 @@ class StackTable:
             bases += [(2 * server // b, b) for b in tps]
         modes = [Recompute.NONE, *self.recomputed]
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
-        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again)
-        tasks: list = [(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again);
+        # a recomputing block across servers after the captured one, on the device mapping that one chose there
+        tasks: list = [(base, mode, self._graph_of(mode)[1].middle, None) for base in bases for mode in modes]
+        first = [t for t in tasks if t[1] is Recompute.NONE or t[0][0] == 1]
         planners = [self._graph_of(mode)[0] for mode in modes]
-        server_z = [z for z, d in enumerate(self.sizes) if d == server]
-        caps = [("caps", layout, f, z) for z in server_z] if self.workers > 1 else []
-        results = map_columns(self._catalogue_task, caps + tasks, planners, self.workers)
-        self._server_caps = {task[3]: won for task, won in zip(caps, results)}
-        found = dict(zip(tasks, results[len(caps) :]))
+        found = dict(zip(first, map_columns(self._catalogue_piece, first, planners, workers)))
+        chose = {t[0]: (x.cost.mapping,) for t, x in found.items() if t[1] is Recompute.NONE and x is not None}
+        later = [t[:3] + (chose.get(t[0]),) for t in tasks if t not in found]
+        found.update(
+            (t[:3] + (None,), x) for t, x in zip(later, map_columns(self._catalogue_piece, later, planners, workers))
+        )
         for base in bases:
-            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle)] for mode in modes}
+            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle, None)] for mode in modes}
 
-    def _catalogue_task(self, task: tuple):
-        """One task of :meth:`_plan_catalogue`: a catalogue search, or ``("caps", layout, f, z)``."""
-        if task[0] == "caps":
-            return self._server_caps_alone(*task[1:])
-        return self._catalogue_piece(task)
+    def _server_caps_alone(self, layout, f: np.ndarray, server_z: Sequence[int]) -> list[_Winners]:
+        """Each server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what
+        :meth:`_estimated_arrays` merges after the column's replicas (:func:`_merge_after`). Searched beside the
+        catalogue and the other columns, as the table's longest serial part (GPT-39B on alpa-p3x8: ~12 of its
+        table's ~25 CPU s, the catalogue ~7, the columns ~6), it prunes against no replica: it may search levels
+        the replicas would have pruned, which cannot win (module docstring, 3), so the merged column is the one
+        searched after the replicas."""
+        won = []
+        for z in server_z:
+            ctx, win, shapes = self._column_start(layout, f, z)
+            if ctx.use.any():
+                self._server_cap_levels(ctx, win, shapes)
+            won.append(win)
+        return won
 
-    def _server_caps_alone(self, layout, f: np.ndarray, z: int) -> _Winners:
-        """The server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what :meth:`_column`
-        merges after the column's replicas (:func:`_merge_after`). Searched beside the catalogue, as the
-        column's longest part (GPT-39B on alpa-p3x8: ~14 of its table's ~30 CPU s, the catalogue ~8), it
-        prunes against no replica: it may search levels the replicas would have pruned, which cannot win
-        (module docstring, 3), so the merged column is the one searched after the replicas."""
-        ctx, win, shapes = self._column_start(layout, f, z)
-        if ctx.use.any():
-            self._server_cap_levels(ctx, win, shapes)
-        return win
+    def _catalogue_piece(self, task: tuple) -> _Piece | None:
+        """One search of the catalogue: ``(base, graph, layer, mappings)``, the middle block (its graph layer) of
+        `graph`'s on the device `mappings` (None: every one)."""
+        base, mode, mid, maps = task
+        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base, maps)
 
-    def _catalogue_piece(self, task: tuple[tuple[int, int], Recompute, int]) -> _Piece | None:
-        """One search of the catalogue: ``(base, graph, layer)``, the middle block (its graph layer) of `graph`'s."""
-        base, mode, mid = task
-        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base)
-
-    def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int]) -> _Piece | None:
-        """Layers `rng` of `planner`'s graph planned on mesh `base` for the catalogue, with their input leaves'
-        bytes per device: the slice's inputs split over its devices (the plans at the device's capacity split
-        the rows, module docstring, 5)."""
+    def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int], maps=None) -> _Piece | None:
+        """Layers `rng` of `planner`'s graph planned on mesh `base` (device mappings `maps`, None: every one) for the
+        catalogue, with their input leaves' bytes per device: the slice's inputs split over its devices (the plans at
+        the device's capacity split the rows, module docstring, 5)."""
         n = base[0] * base[1]
-        x = self._piece(rng, range(n), base, self.capacity, planner=planner)
+        x = self._piece(rng, range(n), base, self.capacity, planner=planner, mappings=maps)
         if x is not None:
             sub = planner._slice(rng[0], rng[1])[0]
             x.inputs = sum(float(info.nbytes) for info in sub.input_infos) / n

@@ -689,12 +689,15 @@ class StagePlanner:
         time_limit: float = TIME_LIMIT_S,
         force: Mapping[str, str] | None = None,
         mip_gap: float | None = None,
+        mappings: Sequence[MeshMapping] | None = None,
     ) -> StageCost:
         """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
         leaves' layouts as ``meshpilot.plan(force=)`` does (``planner.forced``: a Megatron stage); patterns
         naming nothing in the stage are ignored. `mip_gap`: the relative MIP gap HiGHS stops at (None: the
         searcher's, ``search.SearchTask.mip_gap``; the estimated stage table prices its capped blocks at a looser
-        one, ``stack.PRICING_GAP``)."""
+        one, ``stack.PRICING_GAP``). `mappings`: the device mappings searched (None: every one of the shape,
+        ``meshsearch.mappings_of``; the estimated stage table's catalogue searches a recomputing block across
+        servers on the one its captured block chose, ``stack`` module docstring, 5)."""
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
@@ -710,6 +713,8 @@ class StagePlanner:
         pinned = self._pins(start, stop, force)
         mkey = self._mesh_key(ranks, shape) if self.share_identical else ranks
         key = (rkey, mkey, shape, microbatches, cap, str(zero), searcher, pinned, mip_gap)
+        maps = mappings_of(shape, mappings) if mappings else None
+        key += (tuple(maps),) if mappings else ()  # restricted: its own entry (a plan of every mapping keeps its key)
         self._last_key = key
         found = self._costs.get(key)
         if found is not None:
@@ -725,9 +730,8 @@ class StagePlanner:
         if ZeroMode(zero).forced == ZeroStage.GATHER_ONCE:
             raise PlanError("zero='2': a pipeline stage gathers ZeRO weights where they are read; use zero='3'")
         try:
-            cost, mem = self._search(
-                start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned, mip_gap
-            )
+            args = (start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned)
+            cost, mem = self._search(*args, mip_gap, maps)
         except PlanError as e:
             self._costs[key] = e
             raise
@@ -865,7 +869,19 @@ class StagePlanner:
         return StageFloor(seconds, update, backward, saved)
 
     def _search(
-        self, start, stop, ranks, shape, microbatches, cap, zero, searcher, time_limit, pinned=(), mip_gap=None
+        self,
+        start,
+        stop,
+        ranks,
+        shape,
+        microbatches,
+        cap,
+        zero,
+        searcher,
+        time_limit,
+        pinned=(),
+        mip_gap=None,
+        maps=None,
     ) -> tuple[StageCost, StageMemory]:
 
         t0 = time.perf_counter()
@@ -873,7 +889,7 @@ class StagePlanner:
         dmesh = fake_device_mesh(shape)
         struct = self._structure(start, stop, ranks, shape, microbatches, pinned)
         found = search_mesh(
-            sub, struct, pe, get_searcher(searcher), ranks, mappings_of(shape),
+            sub, struct, pe, get_searcher(searcher), ranks, maps or mappings_of(shape),
             lambda _, physical: self._resharder(dmesh, shape, physical),
             capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit, gather_once=False,
             same=lambda m: self._priced_as(ranks, shape, m), mip_gap=mip_gap,
