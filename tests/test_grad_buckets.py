@@ -115,6 +115,10 @@ def _issue_order(gm) -> tuple[list[tuple[str, int, int]], dict[int, int]]:
     order, ready = [], {}
     for k, n in enumerate(nodes):
         tag = n.meta.get("meshpilot_tag")
+        out = n.kwargs.get("out")
+        if isinstance(out, torch.fx.Node) and (out.meta.get("meshpilot_tag") or (None,))[0] == ISSUE:
+            bucket = out.meta["meshpilot_tag"][1]  # a gradient computed into its bucket's buffer
+            ready[bucket] = max(ready.get(bucket, -1), k)
         if not (isinstance(tag, tuple) and len(tag) == 2 and tag[0] in (ISSUE, WAIT)):
             continue
         if is_collective(n) or "wait_tensor" in str(n.target):
@@ -240,6 +244,7 @@ def _worker(plans: dict[str, str]) -> dict:
             "every_step": all(c == p.collective_counts(backend="gloo") for c in got["counts"]),
             "in_backward": prog.buckets_in_backward,
             "moved": prog.buckets_moved,
+            "written": prog.buckets_written,
             "rank": dist.get_rank(),
         }
     return res
@@ -335,6 +340,8 @@ def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):
         for r in results:
             got = r[name]
             assert got["in_backward"] and got["moved"] >= 1, (name, got["moved"])
+            if name == "dp":  # all-reduce buckets: the weights' gradients computed into the bucket (no copy)
+                assert got["written"] >= 1, got["written"]
             issue = {k: at for kind, k, at in r[name + ":order"] if kind == "bucket"}
             wait = {k: at for kind, k, at in r[name + ":order"] if kind == "bucket-wait"}
             ready = r[name + ":ready"]

@@ -26,6 +26,7 @@ program, tagged ``(GATHER, k)`` and ``(GATHER_WAIT, k)``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,113 @@ class BucketSync:
         return out
 
 
+_aten = torch.ops.aten
+_PAIRED = (_aten.t.default,)
+"""Views that undo themselves when applied twice in a row (``t(t(x))`` is `x`, element for element)."""
+
+
+def _written_chain(flat_view: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``mm`` whose output `flat_view` (a bucket member's ``view(g, [-1])``) flattens in its own element
+    order, through ops that only view it (``view``, ``t`` twice in a row) and that nothing else reads; None if
+    there is none. Such an ``mm`` can write into the bucket's buffer (``mm.out``) instead of being copied there."""
+    x, ts = flat_view.args[0], []
+    while isinstance(x, torch.fx.Node) and len(x.users) == 1 and x.op == "call_function":
+        if x.target is _aten.view.default:
+            if ts:  # a view between two transposes: the order is not the producer's
+                return None
+        elif x.target in _PAIRED:
+            ts.append(x)
+        elif x.target is _aten.mm.default:
+            return x if len(ts) % 2 == 0 and not _split_pairs(ts) else None
+        else:
+            return None
+        x = x.args[0]
+    return None
+
+
+def _split_pairs(ts: list[torch.fx.Node]) -> bool:
+    """Whether the transposes walked back from a member are not adjacent pairs (each one's input the next)."""
+    return any(ts[i].args[0] is not ts[i + 1] for i in range(0, len(ts), 2))
+
+
+def write_into_buckets(gm: torch.fx.GraphModule) -> int:
+    """Let each all-reduce bucket's gradients that an ``mm`` computes be computed into the bucket's buffer
+    (``mm.out`` into its slice), as DDP's ``gradient_as_bucket_view`` has autograd write into its buckets: the
+    buffer is allocated before the bucket's first such ``mm`` and only the other gradients (biases, norms'
+    weights: the small ones) are copied in where the flattening ``cat`` was. The values are the ``cat``'s, bit
+    for bit (the same kernel, writing into a contiguous slice of the same shape); the collective is the same one
+    on the same buffer. Returns how many gradients are no longer copied.
+
+    A recorded backward with its bucket issues (``runtime.buckets``: ``cat`` of ``view(g, [-1])`` tagged
+    ``(ISSUE, k)``, then ``all_reduce_``) is what it looks for; anything else is left as it is. Run last: the
+    collective reads what the ``mm.out`` ops wrote through the buffer, not through an edge of the graph, so no
+    pass may reorder the program after it (``compile=True`` programs keep their ``cat``)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    from meshpilot.runtime.record import VAL
+
+    moved = 0
+    for cat in [n for n in graph.nodes if n.target is _aten.cat.default]:
+        tag = cat.meta.get("meshpilot_tag")
+        if not (isinstance(tag, tuple) and len(tag) == 2 and tag[0] == ISSUE) or len(cat.args) != 1 or cat.kwargs:
+            continue
+        users = list(cat.users)
+        if len(users) != 1 or users[0].target is not _funcol.all_reduce_.default or users[0].args[0] is not cat:
+            continue
+        issue = users[0]
+        members = cat.args[0]
+        vals = [m.meta.get(VAL) if isinstance(m, torch.fx.Node) else None for m in members]
+        whole = cat.meta.get(VAL)
+        if whole is None or any(
+            v is None or len(v[0]) != 1 or v[1] != whole[1] or m.target is not _aten.view.default or len(m.users) != 1
+            for m, v in zip(members, vals)
+        ):
+            continue
+        chains = [_written_chain(m) for m in members]
+        mms = [mm for mm in chains if mm is not None and mm.meta.get(VAL, (None, None))[1] == whole[1]]
+        if not mms:
+            continue
+        first = min(mms, key=order.get)
+        sizes = [v[0][0] for v in vals]
+        with graph.inserting_before(first):
+            flat = graph.call_function(_aten.new_empty.default, (first.args[0], [whole[0][0]]), {"dtype": whole[1]})
+            parts = graph.call_function(_aten.split_with_sizes.default, (flat, sizes))
+            slices = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(sizes))]
+        for k in (flat, parts, *slices):
+            k.meta["meshpilot_tag"] = tag
+        flat.meta[VAL] = whole
+        rest: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+        for m, mm, part in zip(members, chains, slices):
+            if mm is not None and mm in mms:
+                with graph.inserting_before(mm):
+                    slot = graph.call_function(_aten.view.default, (part, list(mm.meta[VAL][0])))
+                    into = graph.call_function(_aten.mm.out, tuple(mm.args), {"out": slot})
+                slot.meta["meshpilot_tag"] = tag  # the bucket's buffer; the product is the gradient's own op
+                into.meta["meshpilot_tag"] = mm.meta.get("meshpilot_tag")
+                into.meta[VAL] = mm.meta[VAL]
+                mm.replace_all_uses_with(into)
+                graph.erase_node(mm)
+                moved += 1
+            else:
+                rest.append((part, m))
+        if rest:  # the other gradients: copied in with one op where the ``cat`` was
+            with graph.inserting_before(issue):
+                copy = graph.call_function(_aten._foreach_copy_.default, ([p for p, _ in rest], [m for _, m in rest]))
+            copy.meta["meshpilot_tag"] = tag
+        issue.replace_input_with(cat, flat)
+        graph.erase_node(cat)
+        for m in members:  # the written members' flattening views (and the transposes before them): unread now
+            x = m
+            while isinstance(x, torch.fx.Node) and x.target in (_aten.view.default, *_PAIRED) and not x.users:
+                src = x.args[0]
+                graph.erase_node(x)
+                x = src
+    if moved:
+        graph.lint()
+        gm.recompile()
+    return moved
+
+
 def flat_shards(shards: list[torch.Tensor]) -> torch.Tensor:
     """A gather group's local shards as one flat buffer, one after the other (module docstring)."""
     return torch.cat([s.reshape(-1) for s in shards])
@@ -140,4 +248,13 @@ def split_gathered(out: torch.Tensor, n: int, shards: list[torch.Tensor]) -> tup
     return tuple(p.contiguous() for p in shaped)
 
 
-__all__ = ["GATHER", "GATHER_WAIT", "ISSUE", "WAIT", "BucketSync", "flat_shards", "split_gathered"]
+__all__ = [
+    "GATHER",
+    "GATHER_WAIT",
+    "ISSUE",
+    "WAIT",
+    "BucketSync",
+    "flat_shards",
+    "split_gathered",
+    "write_into_buckets",
+]

@@ -63,7 +63,7 @@ from meshpilot.planner.buckets import backward_issues_buckets
 from meshpilot.planner.prefetch import PREFETCHED, active_gathers, prefetch_points
 from meshpilot.planner.schedule import DUPLEX, ActionKind, Schedule, stage_starts
 from meshpilot.planner.stage import BOUNDARY
-from meshpilot.runtime.buckets import ISSUE, BucketSync
+from meshpilot.runtime.buckets import ISSUE, BucketSync, write_into_buckets
 from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
@@ -149,6 +149,8 @@ class StageProgram:
         """Whether the backward program issues the buckets (one backward a step: each bucket as soon as its
         last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
         self.buckets_moved = 0
+        self.buckets_written = 0
+        """Gradients the backward computes into their bucket's buffer (``runtime.buckets.write_into_buckets``)."""
         """Buckets the recorded backward issues right after their last gradient (``issue_when_ready``)."""
         self._split_backward(g)
 
@@ -194,6 +196,8 @@ class StageProgram:
             self._prefetch(gm, kind)
         if name == "backward" and self.buckets_in_backward:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
+            if not self.compile:  # an out= write into a view of a buffer: for the direct code only
+                self.buckets_written = write_into_buckets(gm)
         if boxed:
             _boxed(gm)
         fn = _maybe_compile(gm, self.compile)

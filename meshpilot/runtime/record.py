@@ -39,6 +39,9 @@ value for autograd: dropped when nothing reads them."""
 _OUTSIDE = [0]
 _TAG: list[Any] = [None]
 _PART: list[Any] = [None]
+VAL = "meshpilot_val"
+"""``node.meta`` key: the (shape, dtype) an op's one tensor output had when recorded (passes that allocate
+buffers for recorded values read it: ``runtime.buckets.write_into_buckets``)."""
 PART = "meshpilot_part"
 """``node.meta`` key: the step of an own op's work a kernel was recorded in (``meshpilot.ops.OpPart``)."""
 
@@ -116,6 +119,7 @@ class _Recorder(TorchDispatchMode):
             node.meta[PART] = _PART[0]
         if isinstance(out, torch.Tensor):
             self.nodes[out] = node
+            node.meta[VAL] = (tuple(out.shape), out.dtype)
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
