@@ -15,7 +15,10 @@ the machine's noise:
                  (``bench_step_time.local_cluster``), compared with the faster of DDP and FSDP2;
   (every meshpilot variant is planned on that loopback cluster with what a collective costs here measured at
                  launch on N gloo ranks with ``meshpilot probe``'s code, ``measure_loopback``: its host CPU per
-                 collective and the world group's all-reduce alone and beside compute; ``--nominal`` skips it)
+                 collective and the world group's all-reduce alone and beside compute; and the device as every
+                 rank gets it while all N run, as the probe measures it: matmul FLOP/s and the models' local
+                 GEMMs, copy bandwidth, the fixed cost of an operator and of a foreach tensor; ``--nominal``
+                 skips it and plans on a single-thread matmul rate and a nominal 10 GB/s)
   (``--plan-on-probed``: every meshpilot variant planned on the ``--probed`` cluster instead, so its measured
                  curves and host cost per collective choose the buckets and price the step)
   mp: DP, 25 MiB buckets  (``--big-buckets``) the DP plan bucketed at DDP's size instead of the planner's;
@@ -79,6 +82,7 @@ import dataclasses
 import json
 import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -171,6 +175,9 @@ def loopback_cluster(n: int, tflops: float, args: argparse.Namespace) -> dict:
     from bench_step_time import local_cluster
 
     spec = local_cluster(n, tflops, args.gbps, args.latency_us)
+    measured = getattr(args, "loopback_device", None)
+    if measured:  # the device as measured at launch (measure_loopback); --tflops still overrides the peak
+        spec["device_profile"].update(measured if not args.tflops else dict(measured, peak_tflops_fp32=tflops))
     if args.collective_overhead_us:
         spec["device_profile"]["collective_overhead_us"] = args.collective_overhead_us
     if getattr(args, "loopback_calibration", None):
@@ -178,7 +185,35 @@ def loopback_cluster(n: int, tflops: float, args: argparse.Namespace) -> dict:
     return spec
 
 
-def measure_loopback(n: int) -> dict:
+def loopback_gemms(keys: list[str], n: int) -> list[list]:
+    """The distinct local GEMMs ``[m, n, k, dtype]`` of the `keys` models' data-parallel and ZeRO-3 plans on `n`
+    ranks: each model captured on meta with 1/n of its batch (``graph.gemms.graph_gemms``), what
+    ``accounting.plan_gemms`` lists for those plans. The solver's own plan is priced at the nearest of them."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.graph.gemms import graph_gemms
+
+    seen: dict[tuple, None] = {}
+    for key in (k for k in keys if k in MODELS):  # an unknown key: main's message
+        spec = dict(MODELS[key], batch=max(1, MODELS[key]["batch"] // n))
+        built = build(spec, "meta")
+        for g in graph_gemms(capture(built.model, built.inputs)):
+            seen[(g.m, g.n, g.k, g.dtype)] = None
+    return [list(g) for g in seen]
+
+
+def device_spec(d) -> dict:
+    """A ``[device_profile]`` table's measured keys from a probe's ``DeviceProfile`` `d` (``loader`` units)."""
+    return {
+        "peak_tflops_fp32": d.flops_for("float32") / 1e12,
+        "memory_GBps": d.memory_bandwidth / 1e9,
+        "memory_efficiency": d.memory_efficiency,
+        "op_overhead_us": d.op_overhead * 1e6,
+        "foreach_overhead_us": d.foreach_overhead * 1e6,
+        "matmul": [{"m": r.m, "n": r.n, "k": r.k, "dtype": r.dtype, "tflops": r.flops / 1e12} for r in d.matmul],
+    }
+
+
+def measure_loopback(n: int, gemms: list[list] | None = None) -> dict:
     """What one collective costs among `n` gloo ranks on this box, measured with ``meshpilot probe``'s own code
     (``cluster.probe._Runner``) in one short launch of `n` ranks before the plans are made, so the plans see the
     load they will run under:
@@ -195,12 +230,22 @@ def measure_loopback(n: int) -> dict:
       what tells the bucket rule that on 4 ranks sharing 2 cores a bucket issued during the backward runs
       several times slower than alone (``CostModel.busy_factor``), so small buckets hide little: planned on
       the host cost alone the GPT's DP plan keeps 13 buckets, with the curves 2.
+    * ``device``: with `gemms` (:func:`loopback_gemms`), the probe's device phase (``probe.measure_device``,
+      every timing started in lockstep on the `n` ranks, so each rate is what a rank gets while all `n` run)
+      reduced as ``meshpilot probe`` reduces it (``probe.device_profile``: the median over ranks) into a
+      ``[device_profile]``'s keys (:func:`device_spec`): the float32 matmul peak and the GEMM table,
+      ``memory_GBps`` (a copy's), ``op_overhead_us``, ``foreach_overhead_us``. On 4 ranks sharing 2 cores the
+      bench planned on a single-thread matmul rate halved and a nominal 10 GB/s without fixed costs, and
+      predicted its steps 17-49 % short (docs/benchmarks.md, issue 30 item 5).
 
     The nominal alpha-beta rates (``--gbps``, ``--latency-us``) stay for what the entry does not cover."""
     with tempfile.TemporaryDirectory(prefix="bench-vs-torch-h-") as tmp:
         out = Path(tmp) / "h.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
         cmd += [str(Path(__file__).resolve()), "--measure-loopback", "--result", str(out)]
+        if gemms:
+            (Path(tmp) / "gemms.json").write_text(json.dumps(gemms))
+            cmd += ["--plans", str(Path(tmp) / "gemms.json")]
         proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0 or not out.is_file():
             raise SystemExit(f"the {n}-process loopback measurement failed (exit {proc.returncode})")
@@ -211,7 +256,8 @@ def loopback_worker(args: argparse.Namespace) -> int:
     """One rank of :func:`measure_loopback`: ``collective_cpu``, then the probe's all-reduce phase
     (``_Runner.allreduce``: every 2D mesh shape of the world, every axis of size > 1, alone and beside compute),
     reduced per axis by ``probe.allreduce_by_mesh``, as ``probe.summarize`` does, and written as a cluster file's
-    ``[[calibration]]`` entries."""
+    ``[[calibration]]`` entries; with ``--plans GEMMS`` (a JSON list of [m, n, k, dtype]), the probe's device
+    phase too (``probe.measure_device`` in lockstep, reduced by ``probe.device_profile``)."""
     import torch.distributed as dist
 
     from meshpilot.cluster import probe
@@ -223,9 +269,21 @@ def loopback_worker(args: argparse.Namespace) -> int:
     run = probe._Runner(opts, torch.device("cpu"))
     rec = {"h": run.collective_cpu(), "ar": {}, "ar_small": {}, "ar_curve": {}, "ar_busy": {}}
     run.allreduce(rec, lambda msg: None)
+    gemms = tuple(tuple(g) for g in json.loads(Path(args.plans).read_text())) if args.plans else None
+    if gemms is not None:
+        dev_opts = dataclasses.replace(opts, matmul_shapes=gemms)
+        rec["device"] = probe.measure_device(torch.device("cpu"), dev_opts, barrier=dist.barrier)
     every: list = [None] * world
     dist.all_gather_object(every, rec)
     if dist.get_rank() == 0:
+        device = None
+        if gemms is not None:
+            hosts = [socket.gethostname()] * world
+            device = device_spec(probe.device_profile([r["device"] for r in every], hosts, dev_opts, "local-cpu"))
+            device["per_rank"] = [
+                {k: r["device"][k] for k in ("float32", "memory_bandwidth", "op_overhead", "foreach_overhead")}
+                for r in every
+            ]
         entries = []
         allreduce, alphas, curves, busy = probe.allreduce_by_mesh(every, world, opts.nbytes)
         for shape in probe.mesh_shapes_2d(world):
@@ -244,7 +302,10 @@ def loopback_worker(args: argparse.Namespace) -> int:
             entries.append(entry)
         us = [r["h"] * 1e6 for r in every]
         Path(args.result).write_text(
-            json.dumps({"collective_overhead_us": probe._median(us), "per_rank_us": us, "calibration": entries})
+            json.dumps(
+                {"collective_overhead_us": probe._median(us), "per_rank_us": us, "calibration": entries}
+                | ({"device": device} if device else {})
+            )
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -265,7 +326,10 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
     built = build(spec, "meta")
     graph = capture(built.model, built.inputs)
     n = args.nproc
-    tflops = args.tflops or matmul_tflops() * min(1.0, (os.cpu_count() or 1) / n)
+    measured = getattr(args, "loopback_device", None)
+    tflops = args.tflops or (
+        measured["peak_tflops_fp32"] if measured else matmul_tflops() * min(1.0, (os.cpu_count() or 1) / n)
+    )
     cluster = cluster_from_dict(loopback_cluster(n, tflops, args), source="bench_vs_torch")
     probed = None
     if args.probed:
@@ -478,7 +542,8 @@ def main() -> int:
         "--nominal",
         action="store_true",
         help="plan on the nominal alpha-beta loopback cluster alone (--gbps, --latency-us, no host cost per "
-        "collective unless --collective-overhead-us): no measurement at launch, as before",
+        "collective unless --collective-overhead-us; a single-thread matmul rate shared by the ranks, 10 GB/s, "
+        "no fixed cost per operator): no measurement at launch, as before",
     )
     ap.add_argument("--measure-loopback", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tflops", type=float, help="the solver's device FLOP/s per rank (default: measured)")
@@ -532,9 +597,10 @@ def main() -> int:
         del passthrough[j : j + 2]
     all_res = {"command": command, "load": [os.getloadavg()], "models": {}}
     args.loopback_calibration = None
+    args.loopback_device = None
     if not (args.nominal or args.emulate or args.plan_on_probed):
         t0 = time.perf_counter()
-        got = measure_loopback(args.nproc)
+        got = measure_loopback(args.nproc, loopback_gemms(args.models.split(","), args.nproc))
         if args.collective_overhead_us is None:
             args.collective_overhead_us = got["collective_overhead_us"]
         args.loopback_calibration = got["calibration"]
@@ -546,6 +612,24 @@ def main() -> int:
             f"all-reduce {json.dumps(got['calibration'])}",
             flush=True,
         )
+        if got.get("device"):
+            dev = got["device"]
+            args.loopback_device = {k: v for k, v in dev.items() if k != "per_rank"}
+            per = dev["per_rank"]
+
+            def ranks(key: str, scale: float, digits: int) -> str:
+                return "[" + ", ".join(f"{r[key] * scale:.{digits}f}" for r in per) + "]"
+
+            gemm = [r["tflops"] for r in dev["matmul"]]
+            print(
+                f"device measured in lockstep on {args.nproc} ranks (median over ranks, per rank in brackets): "
+                f"float32 matmul {dev['peak_tflops_fp32']:.4f} TFLOP/s {ranks('float32', 1e-12, 4)}, "
+                f"{len(gemm)} GEMMs {min(gemm, default=0):.4f}-{max(gemm, default=0):.4f} TFLOP/s, "
+                f"copy {dev['memory_GBps']:.2f} GB/s {ranks('memory_bandwidth', 1e-9, 2)}, "
+                f"op {dev['op_overhead_us']:.1f} µs {ranks('op_overhead', 1e6, 1)}, "
+                f"foreach {dev['foreach_overhead_us']:.2f} µs a tensor {ranks('foreach_overhead', 1e6, 2)}",
+                flush=True,
+            )
     all_res["collective_overhead_us"] = args.collective_overhead_us
     for key in args.models.split(","):
         if key not in MODELS:

@@ -512,3 +512,37 @@ def test_a_cpu_gemm_timing_spans_many_time_slices():
 
     assert gemm_timing_s(torch.device("cpu")) == GEMM_TIMING_CPU_S == 0.1
     assert gemm_timing_s(torch.device("cuda", 0)) == 0.01
+
+
+def test_the_bench_s_loopback_cluster_takes_the_probe_s_device_reduction(monkeypatch):
+    """``bench_vs_torch`` plans on the device its ranks measured at launch, reduced by the probe's own
+    ``device_profile`` (the median over ranks, as ``summarize``): the matmul peak, the GEMM table, the copy
+    bandwidth and the fixed costs reach the loopback cluster; ``--nominal`` (no measurement) keeps the
+    single-thread matmul rate and the nominal 10 GB/s (issue 30 item 5)."""
+    import argparse
+
+    from meshpilot.cluster.probe import device_profile
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_vs_torch as bvt
+
+    opts = ProbeOptions(matmul_shapes=((64, 256, 256, "float32"),))
+    devs = [
+        {"float32": f, "bfloat16": None, "matmul": [g], "memory_bandwidth": bw, "memory_bytes": 8e9}
+        | {"host_memory": True, "op_overhead": op, "foreach_overhead": each}
+        for f, g, bw, op, each in ((1e11, 2e10, 8e9, 3e-6, 2e-6), (3e11, 4e10, 6e9, 5e-6, 4e-6))
+    ]
+    spec = bvt.device_spec(device_profile(devs, ["h", "h"], opts, "local-cpu"))
+    assert spec["peak_tflops_fp32"] == pytest.approx(0.2) and spec["memory_GBps"] == pytest.approx(7.0)
+    assert (spec["op_overhead_us"], spec["foreach_overhead_us"]) == (pytest.approx(4.0), pytest.approx(3.0))
+    assert spec["matmul"] == [{"m": 64, "n": 256, "k": 256, "dtype": "float32", "tflops": pytest.approx(0.03)}]
+    args = argparse.Namespace(gbps=0.25, latency_us=125.0, collective_overhead_us=900.0, tflops=None)
+    args.loopback_device = spec
+    d = cluster_from_dict(bvt.loopback_cluster(4, 0.2, args), "t").device
+    assert d.matmul_flops(64, 256, 256, "float32") == pytest.approx(3e10) and d.memory_bandwidth == pytest.approx(7e9)
+    assert (d.memory_efficiency, d.op_overhead, d.foreach_overhead) == (1.0, pytest.approx(4e-6), pytest.approx(3e-6))
+    args.loopback_device = None  # --nominal
+    d = cluster_from_dict(bvt.loopback_cluster(4, 0.05, args), "t").device
+    assert (d.flops_for("float32"), d.memory_bandwidth, d.op_overhead, d.matmul) == (5e10, 1e10, 0.0, ())
+    assert d.collective_overhead == pytest.approx(9e-4)
+    assert [256, 768, 256, "float32"] in bvt.loopback_gemms(["gpt"], 4)  # qkv of 1/4 of the batch (2 x 128)

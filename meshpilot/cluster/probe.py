@@ -394,6 +394,19 @@ def summarize(
             node_bw[na, nb] = len(per_rank) * nbytes / _net(float(worst.min()), alpha)
     allreduce, alphas, curves, busy = allreduce_by_mesh(records, world, nbytes)
     devs = [rec["device"] for rec in records]
+    device = device_profile(devs, hosts, opts, kind)
+    skipped = sum(rec["skipped"] for rec in records[:1])
+    m = Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
+    m.allreduce_curve = curves
+    m.allreduce_busy = busy
+    return m
+
+
+def device_profile(devs: list[dict[str, Any]], hosts: list[str], opts: ProbeOptions, kind: str) -> DeviceProfile:
+    """The cluster's device profile from every rank's :func:`measure_device` numbers (`devs`, in rank order;
+    each may also carry ``collective_overhead``, seconds): the median over ranks of each rate and fixed cost,
+    the smallest memory capacity (a host's memory divided among its ranks). What :func:`summarize` gives
+    ``Measurements.device``."""
     on_host = {h: hosts.count(h) for h in hosts}
     for dev, host in zip(devs, hosts):
         if dev.pop("host_memory", False):
@@ -409,7 +422,7 @@ def summarize(
     keys = ("op_overhead", "foreach_overhead", "collective_overhead")
     overheads = [_median([d.get(key, math.nan) for d in devs]) for key in keys]
     op_s, each_s, coll_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
-    device = DeviceProfile(
+    return DeviceProfile(
         kind,
         flops,
         _round(_median([d["memory_bandwidth"] for d in devs])),
@@ -421,11 +434,6 @@ def summarize(
         each_s,
         coll_s,
     )
-    skipped = sum(rec["skipped"] for rec in records[:1])
-    m = Measurements(backend, hosts, nbytes, p2p, lat, fanout, node_bw, allreduce, device, devs, skipped, alphas)
-    m.allreduce_curve = curves
-    m.allreduce_busy = busy
-    return m
 
 
 def allreduce_by_mesh(records: list[dict[str, Any]], world: int, nbytes: int) -> tuple[dict, dict, dict, dict]:
