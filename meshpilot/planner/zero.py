@@ -68,7 +68,7 @@ time, memory and collectives describe the switched plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -227,6 +227,7 @@ def _candidates(graph, strategies, forced, chosen, resharder, mesh_shape) -> lis
     sharded there (module docstring)."""
     pnodes = {n.fqn: n for n in graph.nodes if n.kind == NodeKind.PARAM}
     out = []
+    found: dict[tuple, tuple | None] = {}  # the same question of every block's twin parameter answered once
     for fqn, gsrc in graph.grads.items():
         if gsrc is None:
             continue
@@ -238,22 +239,32 @@ def _candidates(graph, strategies, forced, chosen, resharder, mesh_shape) -> lis
         g_info = graph[gsrc[0]].outputs[gsrc[1]]
         if old is None or g_layout is None or g_info is None:
             continue
-        axes = sorted(
-            {
-                c.axis
-                for c in resharder.collectives(g_layout, old, g_info)
-                if c.kind == CollectiveKind.ALL_REDUCE and old[c.axis].is_replicate()
-            }
-        )
-        if not axes:
-            continue
-        new, axes = _zero_layout(old, axes, p.out.shape, mesh_shape)
-        if not axes:
-            continue
-        st = next((s for s in strategies[p.name] if s.outs[0] == new), None)
-        if st is not None:
-            out.append(_Param(p, fqn, old, new, axes, g_layout, st))
+        key = (p.out, old, g_layout, g_info, id(strategies[p.name]))
+        if key not in found:
+            found[key] = _sharded(strategies[p.name], p.out, old, g_layout, g_info, resharder, mesh_shape)
+        if found[key] is not None:
+            out.append(_Param(p, fqn, old, *found[key][:2], g_layout, found[key][2]))
     return out
+
+
+def _sharded(strategies, info, old, g_layout, g_info, resharder, mesh_shape) -> tuple | None:
+    """``(new, axes, strategy)`` of a parameter stored in `old` whose gradient arrives in `g_layout`: the axes
+    its gradient is all-reduced over while it is replicated there, its layout sharded on them and its strategy
+    stored so; None when there are no such axes or no such strategy."""
+    axes = sorted(
+        {
+            c.axis
+            for c in resharder.collectives(g_layout, old, g_info)
+            if c.kind == CollectiveKind.ALL_REDUCE and old[c.axis].is_replicate()
+        }
+    )
+    if not axes:
+        return None
+    new, axes = _zero_layout(old, axes, info.shape, mesh_shape)
+    if not axes:
+        return None
+    st = next((s for s in strategies if s.outs[0] == new), None)
+    return None if st is None else (new, axes, st)
 
 
 def _options(
@@ -282,6 +293,22 @@ def _options(
     return out
 
 
+def _same_options(graph: OpGraph, c: _Param, chosen, pe: ParamEdges, microbatches: int) -> tuple:
+    """What :func:`_options` of candidate `c` reads, but for its names: the parameter's tensor and layouts, its
+    gradient's tensor and runs, and per reader edge (in order) the tensor, runs, the reader's strategy and
+    operand and whether the backward keeps the copy; strategies by identity (a repeated layer's nodes share
+    their canonical twin's list, ``ilp._group_nodes``). Two candidates with one key have the same options but
+    for ``fqn`` and ``name``: the same layer's parameter in every block is priced once (issue 33 item 4)."""
+    p = c.node
+    g = pe.grad[p.name]
+    readers = tuple(
+        (graph[e.src].outputs[e.index], e.runs(microbatches), id(chosen[e.dst]), e.operand, (p.name, e.dst) in pe.kept)
+        for e in pe.readers.get(p.name, ())
+    )
+    grad = (graph[g.src].outputs[g.index], g.runs(microbatches))
+    return (p.out, c.old, c.new, c.axes, c.g_layout, id(c.sharded), id(chosen[p.name]), grad, readers)
+
+
 def zero_pass(
     graph: OpGraph,
     strategies: dict[str, list[Strategy]],
@@ -307,10 +334,15 @@ def zero_pass(
     if mode.forced == ZeroStage.GATHER_ONCE and not gather_once:
         raise ValueError("zero='2' where only stage 3 runs (a pipeline stage)")
     mesh_shape = tuple(resharder.mesh_shape)
-    options = [
-        _options(graph, c, chosen, pe, resharder, microbatches, gather_once)
-        for c in _candidates(graph, strategies, forced, chosen, resharder, mesh_shape)
-    ]
+    priced: dict[tuple, list[_Option]] = {}
+    options = []
+    for c in _candidates(graph, strategies, forced, chosen, resharder, mesh_shape):
+        key = _same_options(graph, c, chosen, pe, microbatches)
+        hit = priced.get(key)
+        if hit is None:
+            options.append(priced.setdefault(key, _options(graph, c, chosen, pe, resharder, microbatches, gather_once)))
+        else:
+            options.append([replace(o, fqn=c.fqn, name=c.node.name) for o in hit])
     picked = _choose([o for o in options if o], rows, capacity, mode)
     switches = []
     total_t, total_m = 0.0, np.zeros_like(rows)
