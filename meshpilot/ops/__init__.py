@@ -162,11 +162,14 @@ _OP_MODULES = (
 )  # fmt: skip
 """The modules whose ``OPS`` make the registry, in the order a later one's entry would win."""
 
-_SELF_DEFINED = frozenset({"moe"})
+_SELF_DEFINED = frozenset({"moe", "guard"})
 """Op modules whose every op is a custom op the module itself defines (``torch.library.custom_op``): until the
 module is imported no graph can hold one of its ops, so the registry leaves it out until then. Defining the
 experts' eleven custom ops costs 25–50 ms of CPU after planning's imports (torch looks up each function's
-source file), which planning a model without experts need not pay (``docs/benchmarks.md``, issue 33 item 4)."""
+source file), which planning a model without experts need not pay (``docs/benchmarks.md``, issue 33 item 4).
+The guard is the same: capture imports it where a Python branch read a value (``graph.capture``), and a model
+that reads none is planned without defining it — ≈25 ms of CPU, most of it ``inspect.getmodule`` resolving the
+path of every module imported since its last call (torch's ``_register_fake`` looks up the defining line)."""
 
 
 def registry() -> dict[str, OwnOp]:
