@@ -7,7 +7,8 @@ calls among its 376 ops, its ZeRO-3 backward another 106 ``permute`` calls that 
 :func:`fold_views` rewrites, for an op ``y = f(x, …)`` whose operand ``x`` is a tensor of the program:
 
 * **identity** — ``y`` is ``x`` seen the same way: ``detach(x)``, ``alias(x)``, ``permute(x, (0, 1, …))``,
-  ``view(x, shape of x)``, ``t(t(z))`` / ``transpose(transpose(z, a, b), a, b)`` (then ``y`` is ``z``). Every
+  ``view(x, shape of x)``, ``slice`` or ``expand`` of the whole of ``x`` — any of these views whose recorded
+  layout is its operand's — or ``t(t(z))`` / ``transpose(transpose(z, a, b), a, b)`` (then ``y`` is ``z``). Every
   reader of ``y`` reads ``x`` (``z``) instead and the op goes;
 * **view of a view** — ``view(view(z, a), b)`` is computed as ``view(z, b)``: the inner view stays only while
   other readers need it.
@@ -39,11 +40,19 @@ import torch.fx
 from meshpilot.runtime.record import LAYOUT
 
 _aten = torch.ops.aten
-_SAME = {_aten.detach.default, _aten.alias.default}
-"""Ops whose result is their operand, seen the same way, outside autograd."""
+_SAME = {
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+    _aten.permute.default,
+    _aten.slice.Tensor,
+    _aten.expand.default,
+}
+"""Views that are their operand where they keep its layout (same shape, strides and offset, same storage):
+``detach``, ``view`` to its own shape, ``permute`` keeping every dim, a ``slice`` of a whole dim."""
 _SELF_INVERSE = {_aten.t.default, _aten.transpose.int}
 """Ops that applied twice with the same arguments give back their operand's description."""
-_VIEWS = _SAME | _SELF_INVERSE | {_aten.view.default, _aten.permute.default}
+_VIEWS = _SAME | _SELF_INVERSE
 """The ops folded: a left-over one nobody reads any more goes too."""
 
 
@@ -97,12 +106,7 @@ def _same_as(node: torch.fx.Node) -> torch.fx.Node | None:
     if mine is None or theirs is None:
         return None
     target = node.target
-    if target in _SAME and len(node.args) == 1:
-        return x if mine == theirs else None
-    if target is _aten.permute.default:
-        dims = list(node.args[1])
-        return x if dims == list(range(len(dims))) and mine == theirs else None
-    if target is _aten.view.default:
+    if target in _SAME:
         return x if mine == theirs else None
     if target in _SELF_INVERSE and isinstance(x, torch.fx.Node) and x.target is target and x.args[1:] == node.args[1:]:
         z = x.args[0]
