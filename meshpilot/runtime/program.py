@@ -7,7 +7,8 @@ small model on one GPU). Instead, the first time a phase runs, it runs under a r
 local op it runs and every functional collective its redistributions issue, with this rank's shapes,
 slices and process groups as constants. The recording is an ``fx.GraphModule`` — Python code
 (``program.forward_gm.code`` shows it) that later steps call directly: one op per line, no interpretation,
-no DTensor. The first call's own outputs are used, so no step is spent on recording.
+no DTensor, no no-op views (``runtime.fold``), no autograd (:func:`direct_ops`). The first call's own
+outputs are used, so no step is spent on recording.
 
 One class, :class:`StageProgram`, holds the programs of every stage of every plan: the SPMD step of
 ``parallelize`` is the one stage with no transfers (:data:`NO_LINKS`), a pipeline stage
