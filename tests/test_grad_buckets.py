@@ -245,6 +245,7 @@ def _worker(plans: dict[str, str]) -> dict:
             "in_backward": prog.buckets_in_backward,
             "moved": prog.buckets_moved,
             "written": prog.buckets_written,
+            "folded": dict(prog.folded),
             "rank": dist.get_rank(),
         }
     return res
@@ -332,6 +333,15 @@ def test_plain_parameters_step_as_dtensor_parameters_do(runs, name):
         got = r[name + ":vs-dtensor"]
         assert got["dtensors"] > 0, got  # the comparison did run the DTensor parameters
         assert got["loss"] == got["grad"] == got["param"] == 0.0, (name, got)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recorded_programs_fold_their_no_op_views(runs, name):
+    """Each bucketed backward's no-op views are folded (``runtime.fold``) — its equality with the single device
+    above is with them folded; a ZeRO-3 backward's identity ``permute`` calls among them."""
+    _, results = runs
+    for r in results:
+        assert r[name]["folded"]["backward"] >= (100 if name.startswith("zero3") else 20), r[name]["folded"]
 
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):

@@ -165,3 +165,57 @@ def test_a_recorded_program_calls_each_op_through_its_cpp_entry(pair, monkeypatc
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     fn = direct_ops(gm)
     assert "torch.ops.aten.mm.default" in gm.code and torch.equal(fn(x, w), gm(x, w))
+    x.requires_grad_()  # the program runs below autograd: no graph, whatever the grad mode
+    assert gm(x, w).requires_grad and not fn(x, w).requires_grad
+
+
+def test_a_recorded_program_folds_its_no_op_views_to_the_same_bits(group, monkeypatch):
+    """The recorded programs call no ``t(t(x))``, ``detach``, identity ``permute`` or view of a view
+    (``runtime.fold``): the same GPT step recorded with the pass and without it computes the same loss and
+    gradients bit for bit, in fewer ops."""
+    import meshpilot
+    from meshpilot.runtime import program, spmd
+
+    steps = {}
+    for fold in (True, False):
+        monkeypatch.setattr(spmd, "_PROGRAMS", {})  # each records its own programs
+        if not fold:
+            monkeypatch.setattr(program, "fold_views", lambda gm: 0)
+        model, inputs = _gpt()
+        pm = spmd.parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
+        losses = []
+        for _ in range(2):  # the recording step and a step of the programs
+            loss = pm(*inputs)
+            loss.backward()
+            losses.append(loss.detach())
+        prog = pm.program
+        ops = sum(n.op == "call_function" for gm in (prog.forward_gm, prog.backward_gm) for n in gm.graph.nodes)
+        steps[fold] = (losses, [q.grad for q in pm.module.parameters()], dict(prog.folded), ops)
+    (loss_f, grads_f, folded, ops_f), (loss_r, grads_r, none, ops_r) = steps[True], steps[False]
+    assert all(torch.equal(a, b) for a, b in zip(loss_f, loss_r))
+    assert all(torch.equal(a, b) for a, b in zip(grads_f, grads_r))
+    assert folded["backward"] > 10 and not any(none.values()), (folded, none)
+    assert ops_f == ops_r - folded["forward"] - folded["backward"], (ops_f, ops_r, folded)
+
+
+def test_folding_leaves_what_a_program_returns_its_own():
+    """A no-op view the program returns stays a tensor of its own where its operand is an input (the caller's
+    parameter) or already returned; a view of a view folds only to the layout it was recorded with."""
+    from meshpilot.runtime.fold import fold_views
+    from meshpilot.runtime.record import record
+
+    def fn(x, w):
+        y = x.t().t().detach()  # folds to the mm below reading x
+        z = (y @ w).view(4, 2, 2).view(4, 4)  # folds to one view
+        p = z.permute(0, 1)  # identity: folds
+        return w.detach(), p.sum(0), z.t().t(), z
+
+    x, w = torch.randn(4, 3), torch.randn(3, 4)
+    gm, want = record(fn, x, w)
+    folded = fold_views(gm)
+    got = gm(x, w)
+    assert folded == 5, (folded, gm.code)  # t, t, detach of x; the inner view; the permute
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got[0] is not w and got[2] is not got[3]  # an input, an output already returned: left their own
+    counts = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    assert counts["aten.view.default"] == 1 and counts["aten.permute.default"] == 0, gm.code

@@ -7,7 +7,8 @@ small model on one GPU). Instead, the first time a phase runs, it runs under a r
 local op it runs and every functional collective its redistributions issue, with this rank's shapes,
 slices and process groups as constants. The recording is an ``fx.GraphModule`` — Python code
 (``program.forward_gm.code`` shows it) that later steps call directly: one op per line, no interpretation,
-no DTensor. The first call's own outputs are used, so no step is spent on recording.
+no DTensor, no no-op views (``runtime.fold``), no autograd (:func:`direct_ops`). The first call's own
+outputs are used, so no step is spent on recording.
 
 One class, :class:`StageProgram`, holds the programs of every stage of every plan: the SPMD step of
 ``parallelize`` is the one stage with no transfers (:data:`NO_LINKS`), a pipeline stage
@@ -66,6 +67,7 @@ from meshpilot.planner.stage import BOUNDARY
 from meshpilot.runtime.buckets import ISSUE, BucketSync, write_into_buckets
 from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
+from meshpilot.runtime.fold import fold_views
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
 from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
 from meshpilot.runtime.record import record, tagged
@@ -148,6 +150,8 @@ class StageProgram:
         self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
         """Whether the backward program issues the buckets (one backward a step: each bucket as soon as its
         last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
+        self.folded: dict[str, int] = {}
+        """No-op views each program's recording had and its direct code does not call (``runtime.fold``)."""
         self.buckets_moved = 0
         self.buckets_written = 0
         """Gradients the backward computes into their bucket's buffer (``runtime.buckets.write_into_buckets``)."""
@@ -198,6 +202,8 @@ class StageProgram:
             self.buckets_moved = issue_when_ready(gm, ISSUE)
             if not self.compile:  # an out= write into a view of a buffer: for the direct code only
                 self.buckets_written = write_into_buckets(gm)
+        if not self.compile:  # torch.compile folds its own; fold's detach rule holds below autograd only
+            self.folded[name] = fold_views(gm)
         if boxed:
             _boxed(gm)
         fn = _maybe_compile(gm, self.compile)
@@ -565,7 +571,13 @@ def direct_ops(gm: torch.fx.GraphModule) -> Callable:
     ``OpOverload.__call__``'s Python frame, whose whole body is ``self._op(*args, **kwargs)``. That is 2.6 µs of
     the call where the bound entry takes 2.0 (one process, a small ``view``), and a recorded step makes one call
     per op — 480 for a small GPT's forward and backward on one device, 930 for a Llama's. Anything not an
-    ``OpOverload`` at that path (a higher-order operator) is left as written."""
+    ``OpOverload`` at that path (a higher-order operator) is left as written.
+
+    The code runs below autograd (``torch._C._AutoDispatchBelowAutograd``): a program is recorded under
+    ``no_grad`` and its caller (``runtime.spmd._Step``, a pipeline's actions) is autograd's node for it, so no op in
+    it builds a graph, and the autograd layer of each call is skipped — for aten ops a check, for custom ops
+    (``meshpilot::sdpa``) and functional collectives torch.library's Python ``autograd_impl`` (17–22 µs a call
+    here: docs/benchmarks.md, dp30e). Its ``detach`` calls are no-ops there (``runtime.fold``)."""
     code = gm.code  # first: a lazy graph module generates its code here
     fn = gm.forward
     scope = dict(fn.__globals__)
@@ -584,7 +596,14 @@ def direct_ops(gm: torch.fx.GraphModule) -> Callable:
 
     src = _OP_CALL.sub(bind, code)
     exec(compile(src, f"<meshpilot program {fn.__code__.co_filename}>", "exec"), scope)  # noqa: S102 - fx's own code
-    return types.MethodType(scope["forward"], gm)
+    forward = types.MethodType(scope["forward"], gm)
+    below = torch._C._AutoDispatchBelowAutograd
+
+    def run(*args):
+        with below():
+            return forward(*args)
+
+    return run
 
 
 def _maybe_compile(gm: torch.fx.GraphModule, compile: bool | str):

@@ -42,6 +42,10 @@ _PART: list[Any] = [None]
 VAL = "meshpilot_val"
 """``node.meta`` key: the (shape, dtype) an op's one tensor output had when recorded (passes that allocate
 buffers for recorded values read it: ``runtime.buckets.write_into_buckets``)."""
+LAYOUT = "meshpilot_layout"
+"""``node.meta`` key: how a recorded tensor was laid out — (shape, strides, storage offset, dtype) — for a
+program's inputs, constants and ops' tensor outputs (``runtime.fold`` folds a view only where its reader gets
+the same layout)."""
 PART = "meshpilot_part"
 """``node.meta`` key: the step of an own op's work a kernel was recorded in (``meshpilot.ops.OpPart``)."""
 
@@ -98,6 +102,7 @@ class _Recorder(TorchDispatchMode):
             self.owner.register_buffer(name, t)
             node = self.graph.get_attr(name)
             self.nodes[t] = node
+            _note_layout(node, t)
         return node
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -120,11 +125,19 @@ class _Recorder(TorchDispatchMode):
         if isinstance(out, torch.Tensor):
             self.nodes[out] = node
             node.meta[VAL] = (tuple(out.shape), out.dtype)
+            _note_layout(node, out)
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     self.nodes[o] = self.graph.call_function(_getitem, (node, i))
+                    _note_layout(self.nodes[o], o)
         return out
+
+
+def _note_layout(node: torch.fx.Node, t: torch.Tensor) -> None:
+    """Keep `t`'s layout on `node` (:data:`LAYOUT`); a tensor without strides (sparse) gets none."""
+    if t.layout == torch.strided and type(t) is torch.Tensor:
+        node.meta[LAYOUT] = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 def _getitem(xs, i):
@@ -161,6 +174,8 @@ def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
     recorder = _Recorder(graph)
     for i, a in enumerate(args):
         recorder.nodes[a] = graph.placeholder(f"arg{i}")
+        if isinstance(a, torch.Tensor):
+            _note_layout(recorder.nodes[a], a)
     with recorder:
         result = fn(*args)
     leaves, spec = pytree.tree_flatten(result)
