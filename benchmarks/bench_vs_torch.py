@@ -17,7 +17,8 @@ the machine's noise:
                  launch on N gloo ranks with ``meshpilot probe``'s code, ``measure_loopback``: its host CPU per
                  collective and the world group's all-reduce alone and beside compute; and the device as every
                  rank gets it while all N run, as the probe measures it: matmul FLOP/s and the models' local
-                 GEMMs, copy bandwidth, the fixed cost of an operator and of a foreach tensor; ``--nominal``
+                 GEMMs, copy bandwidth, the fixed cost of an operator and of a foreach tensor, the host time
+                 of one call of a recorded program and the foreach AdamW step's rates; ``--nominal``
                  skips it and plans on a single-thread matmul rate and a nominal 10 GB/s)
   (``--plan-on-probed``: every meshpilot variant planned on the ``--probed`` cluster instead, so its measured
                  curves and host cost per collective choose the buckets and price the step)
@@ -41,7 +42,8 @@ after its producer and waited for before its consumer).
 ``--emulate FILE`` launches the ranks under ``meshpilot emulate`` instead (one network namespace per node of FILE,
 the link between nodes shaped by tc; root only) and plans the meshpilot variants on FILE, so DDP's 25 MiB buckets
 and the planner's meet a slow inter-node link (``examples/clusters/emulated-2x2-slow.toml``: 2 nodes x 2 ranks).
-That file's rates are nominal; to plan and predict on measured ones, probe the same emulated topology first and
+The device is measured at launch as on loopback (the links stay the file's); that file's link rates are nominal: to
+plan and predict on measured ones, probe the same emulated topology first and
 pass the result with ``--probed FILE --plan-on-probed`` (``examples/clusters/probed/emulated-2x2-slow.probed.toml``
 was written so, at load 8-11 on a 2-core box; ``GEMMS`` a JSON list of the plans' local GEMMs,
 ``meshpilot.planner.accounting.plan_gemms``)::
@@ -201,6 +203,10 @@ def loopback_gemms(keys: list[str], n: int) -> list[list]:
     return [list(g) for g in seen]
 
 
+PER_RANK = ("float32", "memory_bandwidth", "op_overhead", "foreach_overhead", "call_overhead", "adamw_bandwidth")
+"""The device measurements :func:`measure_loopback` prints per rank."""
+
+
 def device_spec(d) -> dict:
     """A ``[device_profile]`` table's measured keys from a probe's ``DeviceProfile`` `d` (``loader`` units)."""
     return {
@@ -209,6 +215,9 @@ def device_spec(d) -> dict:
         "memory_efficiency": d.memory_efficiency,
         "op_overhead_us": d.op_overhead * 1e6,
         "foreach_overhead_us": d.foreach_overhead * 1e6,
+        "call_overhead_us": d.call_overhead * 1e6,
+        "adamw_GBps": d.adamw_bandwidth / 1e9,
+        "adamw_overhead_us": d.adamw_overhead * 1e6,
         "matmul": [{"m": r.m, "n": r.n, "k": r.k, "dtype": r.dtype, "tflops": r.flops / 1e12} for r in d.matmul],
     }
 
@@ -280,10 +289,7 @@ def loopback_worker(args: argparse.Namespace) -> int:
         if gemms is not None:
             hosts = [socket.gethostname()] * world
             device = device_spec(probe.device_profile([r["device"] for r in every], hosts, dev_opts, "local-cpu"))
-            device["per_rank"] = [
-                {k: r["device"][k] for k in ("float32", "memory_bandwidth", "op_overhead", "foreach_overhead")}
-                for r in every
-            ]
+            device["per_rank"] = [{k: r["device"][k] for k in PER_RANK} for r in every]
         entries = []
         allreduce, alphas, curves, busy = probe.allreduce_by_mesh(every, world, opts.nbytes)
         for shape in probe.mesh_shapes_2d(world):
@@ -339,12 +345,15 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
     if args.emulate and not args.plan_on_probed:  # the solver sees the shaped link the launch runs under
         from meshpilot.cluster import load_cluster
 
+        measured_device = cluster.device
         cluster = load_cluster(str(args.emulate))
         if cluster.num_devices != n:
             raise SystemExit(
                 f"bench_vs_torch: --emulate {args.emulate} describes {cluster.num_devices} devices, --nproc is {n}: "
                 "give a cluster file of --nproc devices (e.g. examples/clusters/emulated-2x2-slow.toml for 4)"
             )
+        if measured:  # the file's links, the device as measured at launch (its rates, a call, AdamW)
+            cluster = dataclasses.replace(cluster, device=measured_device)
     if args.plan_on_probed:
         if probed is None:
             raise SystemExit("bench_vs_torch: --plan-on-probed needs --probed FILE (a `meshpilot probe` cluster file)")
@@ -598,7 +607,7 @@ def main() -> int:
     all_res = {"command": command, "load": [os.getloadavg()], "models": {}}
     args.loopback_calibration = None
     args.loopback_device = None
-    if not (args.nominal or args.emulate or args.plan_on_probed):
+    if not (args.nominal or args.plan_on_probed):  # under --emulate: the device's (the links are the file's)
         t0 = time.perf_counter()
         got = measure_loopback(args.nproc, loopback_gemms(args.models.split(","), args.nproc))
         if args.collective_overhead_us is None:
@@ -627,7 +636,10 @@ def main() -> int:
                 f"{len(gemm)} GEMMs {min(gemm, default=0):.4f}-{max(gemm, default=0):.4f} TFLOP/s, "
                 f"copy {dev['memory_GBps']:.2f} GB/s {ranks('memory_bandwidth', 1e-9, 2)}, "
                 f"op {dev['op_overhead_us']:.1f} µs {ranks('op_overhead', 1e6, 1)}, "
-                f"foreach {dev['foreach_overhead_us']:.2f} µs a tensor {ranks('foreach_overhead', 1e6, 2)}",
+                f"foreach {dev['foreach_overhead_us']:.2f} µs a tensor {ranks('foreach_overhead', 1e6, 2)}, "
+                f"call {dev['call_overhead_us']:.1f} µs {ranks('call_overhead', 1e6, 1)}, "
+                f"AdamW {dev['adamw_GBps']:.3f} GB/s of parameters {ranks('adamw_bandwidth', 1e-9, 3)} "
+                f"+ {dev['adamw_overhead_us']:.1f} µs a tensor",
                 flush=True,
             )
     all_res["collective_overhead_us"] = args.collective_overhead_us

@@ -494,11 +494,13 @@ def test_device_rates_are_timed_in_lockstep_with_the_other_ranks():
         ProbeOptions.for_device(cuda=False, quick=True), matmul_shapes=((32, 48, 16, "float32"),)
     )
     out = measure_device(torch.device("cpu"), opts, barrier=lambda: calls.append(1))
-    # square matmuls, model GEMMs, the tiny operator and the foreach operator, the copy
-    timed = len(opts.matmul_sizes) + len(opts.matmul_shapes) + 2 + 1
+    # square matmuls, model GEMMs, the tiny operator and the foreach operator, a recorded program's calls, the
+    # AdamW step over tiny and over large parameters, the copy
+    timed = len(opts.matmul_sizes) + len(opts.matmul_shapes) + 2 + 1 + 2 + 1
     assert len(calls) == timed * opts.repeats
     assert out["float32"] > 0 and out["memory_bandwidth"] > 0 and out["matmul"][0] > 0
     assert out["op_overhead"] > 0 and out["foreach_overhead"] > 0
+    assert out["call_overhead"] > 0 and out["adamw_bandwidth"] > 0 and out["adamw_overhead"] > 0
 
 
 def test_a_cpu_gemm_timing_spans_many_time_slices():

@@ -26,6 +26,20 @@ default of every built-in profile, whose vendors publish no such number):
   on a GPU). The probe fits it from the process CPU time (all threads) of the same compute and bytes with two
   counts of asynchronous all-reduces, issued as a backward issues its buckets (``meshpilot.cluster.probe``).
   The cost model adds it to every collective's time (``meshpilot.cluster.cost``).
+* ``call_overhead`` — seconds of host time one call of the runtime's recorded program costs (one line of its
+  generated code: the Python line, the ATen dispatch and the calls that op makes inside, the allocator), measured
+  by the probe over a tiny recorded forward + backward (``probe.call_overhead``): the seconds of one run over its
+  calls. The accounting prices ``accounting.runtime_calls`` of them per step (``ComputeCost``); where it is
+  measured it replaces ``op_overhead`` as the operators' fixed cost (the tiny ``add`` is the dispatch floor of a
+  call, not a step's).
+
+The optimizer's update at the rate the foreach AdamW step runs (``meshpilot probe`` measures both, 0 = not
+measured: the update priced as 21 parameter-sized streams at ``memory_bandwidth``, ``accounting.optimizer_seconds``):
+
+* ``adamw_bandwidth`` — bytes of parameters per second one ``torch.optim.AdamW(foreach=True)`` step updates (the
+  step over large tensors, their bytes over its seconds less the per-tensor cost);
+* ``adamw_overhead`` — seconds per parameter tensor of that step (the step over many one-element tensors, per
+  tensor).
 
 Attention (:class:`AttentionRates`; only the frontier presets' measured H100s carry them): a fused attention
 kernel's measured FLOP/s on ``ops.attention.attention_flops``' count (the whole ``t × s`` score square, 2 matmuls
@@ -103,6 +117,13 @@ class DeviceProfile:
     cast to float8 in the layout the product reads: :meth:`float8_cast_seconds`); 0: not priced."""
     attention: AttentionRates | None = None
     """A fused attention kernel's measured rates (module docstring); None: attention priced as any op."""
+    call_overhead: float = 0.0
+    """Seconds of host time one call of the runtime's program costs (module docstring); 0: not modelled."""
+    adamw_bandwidth: float = 0.0
+    """Bytes of parameters per second the foreach AdamW step updates (module docstring); 0: not measured."""
+    adamw_overhead: float = 0.0
+    """Seconds per parameter tensor of the foreach AdamW step (module docstring); meaningful with
+    :attr:`adamw_bandwidth`."""
 
     @property
     def has_float8(self) -> bool:

@@ -41,6 +41,9 @@ Instead of ``device = "<kind>"`` a file may carry measured numbers (``meshpilot 
     op_overhead_us = 12.0         # optional (default 0): fixed cost of one operator beyond its roofline
     foreach_overhead_us = 10.0    # optional (default 0): per tensor of one torch._foreach_* operator
     collective_overhead_us = 1500.0   # optional (default 0): host CPU of one collective beyond its bytes
+    call_overhead_us = 9.0        # optional (default 0): host time of one call of the runtime's program
+    adamw_GBps = 2.0              # optional (default 0): parameter GB/s a foreach AdamW step updates
+    adamw_overhead_us = 60.0      # optional (default 0): per parameter tensor of that step
     float8_cast_bytes = 5.0       # optional (default 0): bytes a Float8 product's operand element costs to cast
     attention_tflops = [593.0, 564.0, 1130.0, 1001.0]   # optional: a fused attention kernel's TFLOP/s on
                                   # the whole t x s square: forward, backward, causal forward, causal backward
@@ -92,6 +95,9 @@ PROFILE_KEYS = {
     "op_overhead_us",
     "foreach_overhead_us",
     "collective_overhead_us",
+    "call_overhead_us",
+    "adamw_GBps",
+    "adamw_overhead_us",
     "float8_cast_bytes",
     "attention_tflops",
     "matmul",
@@ -202,10 +208,21 @@ _PROFILE_FIX = {
     "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
     "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
     "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
+    "call_overhead_us": "give the host microseconds of one call of the runtime's program (zero or more)",
+    "adamw_GBps": "give the parameter GB/s a foreach AdamW step updates (zero or more), or leave it out",
+    "adamw_overhead_us": "give the microseconds per parameter tensor of a foreach AdamW step (zero or more)",
     "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
     "attention_tflops": "give four positive TFLOP/s: forward, backward, causal forward, causal backward",
 }
-_NONNEGATIVE_KEYS = ("op_overhead_us", "foreach_overhead_us", "collective_overhead_us", "float8_cast_bytes")
+_NONNEGATIVE_KEYS = (
+    "op_overhead_us",
+    "foreach_overhead_us",
+    "collective_overhead_us",
+    "call_overhead_us",
+    "adamw_GBps",
+    "adamw_overhead_us",
+    "float8_cast_bytes",
+)
 """Profile keys that may be zero (not modelled); every other number must be positive."""
 
 
@@ -252,6 +269,9 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
         values.get("collective_overhead_us", 0.0) * 1e-6,
         values.get("float8_cast_bytes", 0.0),
         _attention_rates(table.get("attention_tflops"), source),
+        call_overhead=values.get("call_overhead_us", 0.0) * 1e-6,
+        adamw_bandwidth=values.get("adamw_GBps", 0.0) * GB,
+        adamw_overhead=values.get("adamw_overhead_us", 0.0) * 1e-6,
     )
 
 
@@ -530,10 +550,14 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
         ("op_overhead_us", d.op_overhead),
         ("foreach_overhead_us", d.foreach_overhead),
         ("collective_overhead_us", d.collective_overhead),
+        ("call_overhead_us", d.call_overhead),
     )
     for key, sec in fixed:
         if sec:
             out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
+    if d.adamw_bandwidth:
+        out.append(f"adamw_GBps = {_f(float(f'{d.adamw_bandwidth / GB:.6g}'))}")
+        out.append(f"adamw_overhead_us = {_f(float(f'{d.adamw_overhead * 1e6:.6g}'))}")
     if d.float8_cast_bytes:
         out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
     if d.attention is not None:

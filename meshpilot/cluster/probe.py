@@ -419,9 +419,10 @@ def device_profile(devs: list[dict[str, Any]], hosts: list[str], opts: ProbeOpti
         MatmulRate(m, n, k, dtype, _round(_median([d["matmul"][j] for d in devs])))
         for j, (m, n, k, dtype) in enumerate(opts.matmul_shapes)
     )
-    keys = ("op_overhead", "foreach_overhead", "collective_overhead")
+    keys = ("op_overhead", "foreach_overhead", "collective_overhead", "call_overhead", "adamw_overhead")
     overheads = [_median([d.get(key, math.nan) for d in devs]) for key in keys]
-    op_s, each_s, coll_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
+    op_s, each_s, coll_s, call_s, adamw_s = (_seconds(_round(x * 1e6)) if math.isfinite(x) else 0.0 for x in overheads)
+    adamw_bw = _median([d.get("adamw_bandwidth", math.nan) for d in devs])
     return DeviceProfile(
         kind,
         flops,
@@ -433,6 +434,9 @@ def device_profile(devs: list[dict[str, Any]], hosts: list[str], opts: ProbeOpti
         op_s,
         each_s,
         coll_s,
+        call_overhead=call_s,
+        adamw_bandwidth=_round(adamw_bw) if math.isfinite(adamw_bw) else 0.0,
+        adamw_overhead=adamw_s if math.isfinite(adamw_bw) else 0.0,
     )
 
 
@@ -578,6 +582,8 @@ def measure_device(device: Any, opts: ProbeOptions, barrier: Callable[[], Any] |
         out["bfloat16"] = best_matmul(torch.bfloat16)
     out["matmul"] = [gemm_rate(device, m, n, k, dtype, opts, barrier=barrier) for m, n, k, dtype in opts.matmul_shapes]
     out["op_overhead"], out["foreach_overhead"] = op_overheads(device, timed)
+    out["call_overhead"] = call_overhead(device, timed)
+    out["adamw_bandwidth"], out["adamw_overhead"] = adamw_rates(device, timed, opts.copy_bytes)
     src = torch.ones(max(1, opts.copy_bytes // 4), device=device)
     dst = torch.empty_like(src)
     out["memory_bandwidth"] = 2 * src.numel() * 4 / timed(functools.partial(dst.copy_, src))
@@ -614,6 +620,84 @@ def op_overheads(device: Any, timed: Callable[[Callable[[], Any]], float]) -> tu
     op = timed(tiny) / OVERHEAD_OPS
     each = timed(functools.partial(torch._foreach_add_, many, 1.0)) / OVERHEAD_OPS
     return op, each
+
+
+CALL_PROGRAM = (4, 8)
+"""(rows, width) of :func:`call_overhead`'s tiny model: every kernel a few hundred bytes, so its time is the calls'."""
+
+
+def tiny_joint_program() -> tuple[Any, tuple[Any, ...]]:
+    """A recorded forward + backward as the runtime runs one (an ``fx.GraphModule`` of ATen calls, one a line,
+    views and the backward's ops included) of a tiny model: embedding, layer norm, linear, GELU, linear,
+    log-softmax and NLL loss, as a transformer's block and head run them; and its example arguments (float32, on
+    the CPU: :func:`call_overhead` moves them)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rows, width = CALL_PROGRAM
+
+    def step(tokens, emb, w1, b1, w2, b2, ln_w, ln_b):
+        x = F.embedding(tokens, emb)
+        h = F.layer_norm(x, (width,), ln_w, ln_b)
+        h = F.gelu(F.linear(h, w1, b1)).view(rows, 2, width // 2).transpose(1, 2).reshape(rows, width)
+        logits = F.linear(h + x, w2, b2)
+        loss = F.cross_entropy(logits, tokens)
+        return (loss, *torch.autograd.grad(loss, (emb, w1, b1, w2, b2, ln_w, ln_b)))
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, width, (rows,), generator=g)
+    params = [torch.randn(width, width, generator=g, requires_grad=True) for _ in range(3)]
+    vecs = [torch.randn(width, generator=g, requires_grad=True) for _ in range(4)]
+    args = (tokens, params[0], params[1], vecs[0], params[2], vecs[1], vecs[2], vecs[3])
+    return make_fx(step)(*args), args
+
+
+def program_calls(gm: Any) -> int:
+    """Calls one run of the recorded program `gm` makes: its ``call_function`` lines but ``getitem`` (a
+    Python tuple index, no ATen call)."""
+    import operator
+
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+
+
+def call_overhead(device: Any, timed: Callable[[Callable[[], Any]], float]) -> float:
+    """Seconds of host time per call of a recorded forward + backward (``DeviceProfile.call_overhead``): one run of
+    :func:`tiny_joint_program` (lockstep, median, as `timed` runs it) over :func:`program_calls`. Its kernels
+    move a few hundred bytes each, so the run's time is its calls': the generated code's lines, the ATen dispatch
+    and what each op calls inside, the allocator — what the runtime pays per op of a step, which the roofline
+    does not price."""
+    import torch
+
+    gm, args = tiny_joint_program()
+    live = tuple(a.detach().to(device) for a in args)
+    with torch.no_grad():
+        return timed(functools.partial(gm, *live)) / program_calls(gm)
+
+
+ADAMW_TENSORS = 16
+"""Parameter tensors of :func:`adamw_rates`' large step (``copy_bytes`` of parameters split among them)."""
+
+
+def adamw_rates(device: Any, timed: Callable[[Callable[[], Any]], float], nbytes: int) -> tuple[float, float]:
+    """The foreach AdamW step's rates on `device` (``DeviceProfile.adamw_bandwidth``, ``adamw_overhead``): a step
+    over :data:`OVERHEAD_OPS` one-element parameters gives the seconds per tensor ``a``; a step over
+    :data:`ADAMW_TENSORS` parameters of `nbytes` in all, ``t``, the parameter bytes per second
+    ``nbytes / (t − ADAMW_TENSORS · a)``. `timed` runs each step (lockstep, median), every parameter with a
+    gradient, as a training step's ``opt.step()`` runs (``runtime.train.adamw``: ``foreach=True``)."""
+    import torch
+
+    def step_seconds(sizes: list[int]) -> float:
+        params = [torch.zeros(n, device=device, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        return timed(opt.step)
+
+    each = step_seconds([1] * OVERHEAD_OPS) / OVERHEAD_OPS
+    numel = max(1, nbytes // 4 // ADAMW_TENSORS)
+    big = step_seconds([numel] * ADAMW_TENSORS)
+    return 4 * numel * ADAMW_TENSORS / max(big - ADAMW_TENSORS * each, 1e-3 * big), each
 
 
 GEMM_TIMING_CPU_S = 0.1

@@ -19,6 +19,35 @@ cost nothing): ``o`` is the device's fixed cost per operator (``DeviceProfile.op
 launch; 0 when not measured). The sum is exact where the host waits for every operator (a CPU); where a
 device queues kernels asynchronously (a GPU) it is an upper bound, by at most ``o`` per operator.
 
+*Host time per runtime call.* Where the device profile holds ``c = DeviceProfile.call_overhead`` (the host
+seconds of one call of a recorded forward + backward, ``probe.call_overhead``), every call the runtime's program
+makes is priced at ``c`` instead, and ``o`` is dropped (the tiny ``add`` is the floor of a call). The calls of
+one device's step (:func:`runtime_calls`, :class:`RuntimeCalls`; :func:`node_calls` per node)::
+
+    N_fwd = Σ_{v ∈ fwd} calls(v) + P_all                       (each parameter's local enters the program)
+    N_bwd = Σ_{v ∈ bwd} calls(v) + GRAD_CALLS · P + BUCKETED_GRAD_CALLS · P_b + BUCKET_CALLS · n_b
+                                                                (each gradient out of the program; the P_b
+                                                                 gradients in the plan's n_b buckets into them)
+    N_col = Σ_{collectives k} COLLECTIVE_CALLS[kind(k)] · runs(k)   (DTensor's and the runtime's ops around it)
+    N_opt = ADAMW_SCALAR_OPS · P + ADAMW_FOREACH_OPS            (the optimizer's calls: counted, priced below)
+
+``calls(v) = 1`` for every op node, views and aliases included (each is one line of the recorded program),
+0 for a leaf or a ``getitem``; ``P`` the trainable parameters, ``P_all`` every parameter. A phase's host time is
+``H = c · N`` of its calls (→ :meth:`ComputeCost.host`, :func:`account`), its device time
+``D = Σ_v roofline(v)``, and the phase costs
+
+    on a CPU device (``DeviceProfile.is_cpu``: the host computes the kernels too)    D + H
+    on an accelerator (the host queues kernels ahead of the device)                  max(D, H)
+
+so ``compute_s = m · Σ_{fwd, bwd} (D + H)`` on a CPU — each node ``roofline + c · calls(v)``
+(:meth:`ComputeCost.node`), plus ``c`` times the parameters' and collectives' calls (:func:`account`) — and
+``m · Σ_{fwd, bwd} max(D, H)`` on an accelerator, where a node's seconds are its roofline and the ILP's per-node
+terms leave the host out (it is a property of the phase, not of one node's strategy). ``c = 0`` (every preset:
+no vendor publishes it) leaves every plan as before.
+
+``update(p, s) = B_p / sf_p / bw_adamw + a_adamw`` where the profile holds the foreach AdamW step's measured
+rates (``DeviceProfile.adamw_bandwidth``, ``adamw_overhead``: ``probe.adamw_rates``, the step run as training
+runs it, its calls' host time included); otherwise
 ``update(p, s) = 21 · B_p / sf_p / (membw · eff_m) + 9 · o_foreach + 2 · o`` for every trainable
 parameter ``p`` (``B_p`` its bytes, ``sf_p`` the shard factor of its layout under ``s``: a parameter
 sharded by the plan or by the ZeRO pass updates only its shard): the foreach AdamW step
@@ -164,6 +193,29 @@ ADAMW_FOREACH_OPS = 9
 ADAMW_SCALAR_OPS = 2
 """Scalar operators per parameter of one foreach AdamW step: its step counter read twice (``_get_value``)."""
 
+GRAD_CALLS = 1
+"""Calls per trainable parameter's gradient beyond the graph's (module docstring, ``N_bwd``): the runtime's
+backward program hands each gradient out detached."""
+
+BUCKETED_GRAD_CALLS = 2
+"""Further calls per gradient in one of the plan's buckets (``StagePlan.grad_buckets``): written into its
+bucket's flat buffer and read back as a view of it (``runtime.buckets.write_into_buckets``)."""
+
+BUCKET_CALLS = 4
+"""Calls per gradient bucket: its flat buffer allocated (``new_empty``), split into the gradients' slots twice
+(``split_with_sizes``: written, read back) and the gradients not written in place copied in (``_foreach_copy_``)."""
+
+COLLECTIVE_CALLS = {
+    CollectiveKind.ALL_GATHER: 6,
+    CollectiveKind.REDUCE_SCATTER: 4,
+}
+"""ATen calls the runtime makes around one planned collective of a kind, beyond the collective itself (module
+docstring, ``N_col``): an all-gather of a parameter's shard is flattened into its gather group's buffer, and the
+gathered rows split, narrowed, reshaped and copied back into the parameter's shape; a gradient reduce-scattered
+is moved into rank rows first (permute, reshape, copy into the flat buffer). An all-reduce sums the bucket in
+place: nothing beyond :data:`GRAD_CALLS`. Read off the runtime's programs (``runtime.overlap.group_gathers``,
+``runtime.buckets``) as the torch profiler shows them (docs/benchmarks.md, issue 30 item 5, "host per call")."""
+
 
 @dataclass(frozen=True)
 class StoredApart(Strategy):
@@ -247,16 +299,93 @@ def zero_row_bytes(node: OpNode, n_rep: float, accumulating: bool = False) -> Ro
 
 def optimizer_seconds(info: TensorInfo, sf: float, device: Any) -> float:
     """Seconds of the foreach AdamW update of a trainable parameter's shard on `device` (module docstring:
-    ``update(p, s)``): :data:`ADAMW_PASSES` parameter-sized streams of ``B / sf`` bytes at the device's
-    memory bandwidth, plus the fixed costs of its operators."""
+    ``update(p, s)``): at the measured foreach AdamW rates where the profile holds them; otherwise
+    :data:`ADAMW_PASSES` parameter-sized streams of ``B / sf`` bytes at the device's memory bandwidth, plus the
+    fixed costs of its operators."""
+    if device.adamw_bandwidth:
+        return info.nbytes / sf / device.adamw_bandwidth + device.adamw_overhead
     streams = update_stream_seconds(info.nbytes / sf, device)
     return streams + ADAMW_FOREACH_OPS * device.foreach_overhead + ADAMW_SCALAR_OPS * device.op_overhead
 
 
 def update_stream_seconds(nbytes: float, device: Any) -> float:
-    """Seconds of the foreach AdamW update's :data:`ADAMW_PASSES` streams over `nbytes` of parameters per device
-    at the device's memory bandwidth (:func:`optimizer_seconds` less its fixed per-operator costs)."""
+    """Seconds of the foreach AdamW update's streams over `nbytes` of parameters per device
+    (:func:`optimizer_seconds` less its fixed per-tensor costs): at the measured AdamW rate, or
+    :data:`ADAMW_PASSES` streams at the device's memory bandwidth."""
+    if device.adamw_bandwidth:
+        return nbytes / device.adamw_bandwidth
     return ADAMW_PASSES * nbytes / (device.memory_bandwidth * device.memory_efficiency)
+
+
+# ------------------------------------------------------------------------------------------ runtime calls
+
+
+@dataclass(frozen=True)
+class RuntimeCalls:
+    """Calls one device's step makes as the runtime runs a plan (module docstring, *Host time per runtime
+    call*): each phase's, every microbatch's forward and backward included."""
+
+    forward: int
+    backward: int
+    """The backward's, with the gradients' and every collective's calls."""
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.optimizer
+
+
+def node_calls(node: OpNode) -> int:
+    """Calls of one run of `node` in the recorded program: 1 for an op (a view or an alias too: one line of the
+    program), 0 for a leaf or a ``getitem`` (a Python tuple index)."""
+    return 1 if node.kind == NodeKind.OP else 0
+
+
+def step_calls(
+    graph: OpGraph, collectives: Sequence[Any], microbatches: int = 1, buckets: Sequence[Any] = ()
+) -> tuple[int, int, int]:
+    """The calls beyond the nodes' (module docstring): ``(forward, backward, optimizer)`` — each parameter's
+    local entering the forward program, each trainable parameter's gradient leaving the backward
+    (:data:`GRAD_CALLS`) and the `buckets`' (:data:`BUCKETED_GRAD_CALLS`, :data:`BUCKET_CALLS`), the runtime's ops
+    around the planned `collectives` (:data:`COLLECTIVE_CALLS`; each a ``PlannedCollective`` of one microbatch,
+    gradients' of the step: counted as issued), the optimizer's calls."""
+    trainable = sum(1 for fqn in graph.param_names if graph.grads.get(fqn) is not None)
+    fwd = bwd = 0
+    for c in collectives:
+        k = COLLECTIVE_CALLS.get(CollectiveKind(c.kind), 0)
+        runs = 1 if c.dst.startswith(("grad:", "gather:")) else microbatches
+        if c.phase == Phase.FWD.value:
+            fwd += k * runs
+        else:
+            bwd += k * runs
+    fwd += len(graph.param_names) * microbatches
+    bwd += GRAD_CALLS * trainable
+    bwd += sum(BUCKETED_GRAD_CALLS * len(b.params) + BUCKET_CALLS for b in buckets)
+    return fwd, bwd, ADAMW_SCALAR_OPS * trainable + ADAMW_FOREACH_OPS
+
+
+def runtime_calls(
+    graph: OpGraph, collectives: Sequence[Any], microbatches: int = 1, buckets: Sequence[Any] = ()
+) -> RuntimeCalls:
+    """The calls one device's step makes under a plan of `graph` whose collectives are `collectives` (the plan's
+    ``PlannedCollective`` list) and gradient buckets `buckets` (``StagePlan.grad_buckets``): the one count of the
+    module docstring's ``N_fwd``, ``N_bwd`` (with ``N_col``) and ``N_opt``. What the torch profiler counts as
+    top-level ATen calls of a step (an op's own calls inside it are part of its cost,
+    :data:`~meshpilot.cluster.devices.DeviceProfile.call_overhead`)."""
+    fwd, bwd, opt = step_calls(graph, collectives, microbatches, buckets)
+    for n in graph.nodes:
+        if n.phase == Phase.FWD:
+            fwd += node_calls(n) * microbatches
+        elif n.phase == Phase.BWD:
+            bwd += node_calls(n) * microbatches
+    return RuntimeCalls(fwd, bwd, opt)
+
+
+def kernel_fixed_seconds(device: Any) -> float:
+    """The fixed seconds a kernel-running operator costs beyond its roofline on `device` when the host's calls
+    are not priced on their own: ``op_overhead``; 0 where ``call_overhead`` prices every call instead (module
+    docstring)."""
+    return 0.0 if device.call_overhead else device.op_overhead
 
 
 def kept_copy_bytes(info: TensorInfo, layout: Any, wants: Sequence[Any], mesh_shape: Sequence[int]) -> float:
@@ -847,9 +976,12 @@ class ComputeCost:
         """Seconds of the device's share of `node` under strategy `s`: its roofline, a matmul at the rate
         measured for its local GEMM shape (``CostModel.compute``; a Float8 product, ``OpNode.float8``, at the
         Float8 rate with its casts: ``CostModel.float8_gemm``), plus the device's fixed cost per operator
-        (``DeviceProfile.op_overhead``). Views and aliases (``_unsafe_view``) cost nothing."""
+        (``DeviceProfile.op_overhead``). Views and aliases (``_unsafe_view``) cost nothing. Where the profile
+        prices the host's calls (``call_overhead``) on a CPU, every op node adds its calls' host seconds
+        (:meth:`host`), views included, and ``op_overhead`` is dropped (module docstring)."""
+        host = self.host(node) if self.cm.device.is_cpu else 0.0
         if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
-            return 0.0
+            return host
         out = next((p for p in s.outs if p is not None), None)
         split = work_split(out, self.mesh_shape) * reduced_in_op(s, out, self.mesh_shape) if out is not None else 1
         dtype = node.out.dtype if node.out is not None else "float32"
@@ -862,7 +994,12 @@ class ComputeCost:
             roofline = self.cm.float8_gemm(node.flops / split, nbytes, gemm)
         else:
             roofline = self.cm.compute(node.flops / split, nbytes, dtype, gemm)
-        return roofline + self.cm.device.op_overhead
+        return roofline + kernel_fixed_seconds(self.cm.device) + host
+
+    def host(self, node: OpNode) -> float:
+        """Host seconds of `node`'s calls in the runtime's program: ``call_overhead · node_calls`` (module
+        docstring; 0 where the profile does not price calls)."""
+        return self.cm.device.call_overhead * node_calls(node)
 
     def _attention(self, node: OpNode, out: Any, nbytes: float, split: int) -> float | None:
         """Seconds of an attention node's share at the device's measured attention rates; None for other nodes
@@ -1032,11 +1169,16 @@ def account(
 
     seconds: dict[str, float] = {}
     total_compute = total_update = 0.0
+    device_s = {Phase.FWD: 0.0, Phase.BWD: 0.0}  # one microbatch's roofline and host seconds per phase
+    host_s = {Phase.FWD: 0.0, Phase.BWD: 0.0}
     for node in graph.nodes:
         st = chosen[node.name]
         seconds[node.name] = sec = compute.node(node, st)
         total_compute += sec * microbatches
         total_update += compute.update(node, st)
+        if node.phase in device_s:
+            device_s[node.phase] += sec
+            host_s[node.phase] += compute.host(node)
         phase = Phase.FWD if node.phase == Phase.FWD else Phase.BWD
         for c in st.colls:  # collectives the op issues itself (own strategies): src = dst = the node
             add(c, resharder.op_collective_cost(c), microbatches, phase, node.name, node.name)
@@ -1049,8 +1191,33 @@ def account(
         if isinstance(st, StoredApart) and node.out is not None:
             for c in resharder.collectives(st.stored, st.outs[0], node.out):
                 add(c, resharder.collective_cost(c), 1, Phase.FWD, node.name, f"gather:{node.fqn}")
+    total_compute = _with_host(graph, colls, compute.cm, microbatches, total_compute, device_s, host_s)
     step = StepTime(total_compute, parts["comm"], parts["reshard"], total_update)
     return TimeAccount(step, seconds, tuple(colls))
+
+
+def _with_host(
+    graph: OpGraph,
+    colls: Sequence[PlannedCollective],
+    cm: Any,
+    microbatches: int,
+    total: float,
+    device_s: dict[Phase, float],
+    host_s: dict[Phase, float],
+) -> float:
+    """The forward and backward's compute with the host's calls (module docstring, *Host time per runtime
+    call*): on a CPU the nodes' seconds (which hold their calls) plus the parameters' and collectives' calls;
+    on an accelerator each phase's ``max(D, H)``. `total` is the nodes' seconds over every microbatch,
+    `device_s` / `host_s` one microbatch's per phase. The buckets' calls are not priced here: the plan's buckets
+    are chosen after its strategies are priced (``planner.buckets``), and they are a few per gradient."""
+    c = cm.device.call_overhead if cm is not None else 0.0
+    if not c:
+        return total
+    fwd, bwd, _ = step_calls(graph, colls, microbatches)
+    if cm.device.is_cpu:
+        return total + c * (fwd + bwd)
+    extra = {Phase.FWD: c * fwd, Phase.BWD: c * bwd}
+    return sum(max(device_s[p] * microbatches, host_s[p] * microbatches + extra[p]) for p in device_s)
 
 
 def reprice(plan: Any, graph: OpGraph, cluster: Any) -> Any:

@@ -117,7 +117,7 @@ from meshpilot.errors import UserError
 from meshpilot.graph.capture import NodeKind, OpGraph, OpNode, Phase
 from meshpilot.graph.views import aliases_input
 from meshpilot.io import fmt_size
-from meshpilot.planner.accounting import storage_base
+from meshpilot.planner.accounting import kernel_fixed_seconds, storage_base
 from meshpilot.planner.forced import _CAST
 from meshpilot.planner.plan import RecomputeChoice, StagePlan
 
@@ -450,7 +450,7 @@ def forward_seconds(region: Region, graph: OpGraph, cluster: Any) -> float:
         if n.kind != NodeKind.OP or n.is_view:
             continue
         dtype = n.out.dtype if n.out is not None else "float32"
-        total += one.compute(n.flops, n.bytes_read + n.bytes_written, dtype) + one.device.op_overhead
+        total += one.compute(n.flops, n.bytes_read + n.bytes_written, dtype) + kernel_fixed_seconds(one.device)
     return total
 
 
