@@ -77,14 +77,17 @@ def test_the_probe_measures_a_call_and_the_adamw_step():
     ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert calls > 30 and "aten.native_layer_norm_backward.default" in ops and "aten.view.default" in ops
 
-    def timed(action, target_s=0.005):
+    def timed(action, target_s=0.005):  # the least of 5 runs: one run on a loaded box can be preempted
         action()
-        t0 = time.perf_counter()
-        action()
-        return time.perf_counter() - t0
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            action()
+            runs.append(time.perf_counter() - t0)
+        return min(runs)
 
     c = probe.call_overhead(torch.device("cpu"), timed)
-    assert 1e-7 < c < 1e-3
+    assert 1e-7 < c < 1e-2  # seconds a call: µs here, ms under heavy load; a unit slip is off by 1e3 or more
     bw, each = probe.adamw_rates(torch.device("cpu"), timed, 4 * 2**20)
     assert 1e7 < bw < 1e12 and 1e-7 < each < 1e-2
 
