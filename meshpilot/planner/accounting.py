@@ -979,7 +979,8 @@ class ComputeCost:
         (``DeviceProfile.op_overhead``). Views and aliases (``_unsafe_view``) cost nothing. Where the profile
         prices the host's calls (``call_overhead``) on a CPU, every op node adds its calls' host seconds
         (:meth:`host`), views included, and ``op_overhead`` is dropped (module docstring)."""
-        host = self.host(node) if self.cm.device.is_cpu else 0.0
+        device = self.cm.device  # the ILP's hottest call: the kind's test only where calls are priced
+        host = self.host(node) if device.call_overhead and device.is_cpu else 0.0
         if node.kind != NodeKind.OP or aliases_input(node) or (node.flops == 0 and node.bytes_written == 0):
             return host
         out = next((p for p in s.outs if p is not None), None)
@@ -994,7 +995,7 @@ class ComputeCost:
             roofline = self.cm.float8_gemm(node.flops / split, nbytes, gemm)
         else:
             roofline = self.cm.compute(node.flops / split, nbytes, dtype, gemm)
-        return roofline + kernel_fixed_seconds(self.cm.device) + host
+        return roofline + kernel_fixed_seconds(device) + host
 
     def host(self, node: OpNode) -> float:
         """Host seconds of `node`'s calls in the runtime's program: ``call_overhead · node_calls`` (module
