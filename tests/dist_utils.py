@@ -18,7 +18,8 @@ children inherit), and pass plain data. Return values come back through pickled 
 can be large. Return CPU tensors or plain Python data.
 
 ``lockstep_adamw(ref, pm, inputs, steps)`` is the check most workers run inside ``fn``: the
-single-device model and its ``parallelize``'d copy trained side by side, compared step by step.
+single-device model and its ``parallelize``'d copy trained side by side, compared step by step;
+``tiny_gpt()`` the seeded tiny GPT and batch the host-cost tests time and count.
 """
 
 from __future__ import annotations
@@ -306,6 +307,20 @@ def cached_graph(key: tuple, make: Callable[[], Any]) -> Any:
     if key not in _GRAPHS:
         _GRAPHS[key] = make()
     return _GRAPHS[key]
+
+
+def tiny_gpt() -> tuple:
+    """A seeded tiny GPT (``gpt_tiny``, batch 2, sequence 16) and its (tokens, targets): the same weights and
+    batch on every call."""
+    import torch
+
+    from meshpilot.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(batch=2, seq=16))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 64, (2, 17), generator=g)
+    return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
 
 
 def lockstep_adamw(

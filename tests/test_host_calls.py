@@ -13,16 +13,7 @@ import time
 
 import pytest
 import torch
-
-
-def _gpt():
-    from meshpilot.models.gpt import GPT, gpt_tiny
-
-    torch.manual_seed(0)
-    model = GPT(gpt_tiny(batch=2, seq=16))
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, 64, (2, 17), generator=g)
-    return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+from dist_utils import tiny_gpt
 
 
 def _top_level_aten_calls(fn) -> int:
@@ -50,7 +41,7 @@ def test_the_calls_derived_from_the_plan_are_the_runtime_s_within_10_percent(gro
     from meshpilot.runtime.spmd import parallelize
     from meshpilot.runtime.train import adamw
 
-    model, inputs = _gpt()
+    model, inputs = tiny_gpt()
     graph = capture(model, inputs)
     plan = meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only
     pm = parallelize(model, plan)
@@ -132,7 +123,7 @@ def dp_plan():
     from meshpilot.graph.capture import capture
     from meshpilot.planner import forced
 
-    model, inputs = _gpt()
+    model, inputs = tiny_gpt()
     graph = capture(model, inputs)
     force = forced.data_parallel(model, inputs, (4,))
     return meshpilot.plan(model, inputs, "atp-ic3", num_devices=4, mesh_shape=(4,), force=force).only, graph

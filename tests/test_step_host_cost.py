@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from dist_utils import tiny_gpt
 
 FUSED = (
     "aten::mm",
@@ -35,24 +36,14 @@ FUSED = (
 """The kernels eager's GPT step runs that a decomposition would replace by several smaller ops."""
 
 
-def _gpt():
-    from meshpilot.models.gpt import GPT, gpt_tiny
-
-    torch.manual_seed(0)
-    model = GPT(gpt_tiny(batch=2, seq=16))
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, 64, (2, 17), generator=g)
-    return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
-
-
 @pytest.fixture(scope="module")
 def pair(group):
     """(eager GPT, its 1-device plan parallelized, the inputs), the plan's programs recorded."""
     import meshpilot
     from meshpilot.runtime.spmd import parallelize
 
-    eager, inputs = _gpt()
-    model, _ = _gpt()
+    eager, inputs = tiny_gpt()
+    model, _ = tiny_gpt()
     pm = parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
     for m in (eager, pm):
         for _ in range(2):  # the first step records the programs
@@ -114,8 +105,8 @@ def test_a_frozen_parameter_keeps_the_others_gradients_in_their_own_layouts(grou
     from meshpilot.runtime.spmd import ParallelModule, parallelize
 
     monkeypatch.setattr(ParallelModule, "plain", plain)
-    eager, inputs = _gpt()
-    model, _ = _gpt()
+    eager, inputs = tiny_gpt()
+    model, _ = tiny_gpt()
     for m in (eager, model):
         m.blocks[0].attn.qkv.weight.requires_grad_(False)
     pm = parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
@@ -181,7 +172,7 @@ def test_a_recorded_program_folds_its_no_op_views_to_the_same_bits(group, monkey
         monkeypatch.setattr(spmd, "_PROGRAMS", {})  # each records its own programs
         if not fold:
             monkeypatch.setattr(program, "fold_views", lambda gm: 0)
-        model, inputs = _gpt()
+        model, inputs = tiny_gpt()
         pm = spmd.parallelize(model, meshpilot.plan(model, inputs, "dgx-h100", num_devices=1).only)
         losses = []
         for _ in range(2):  # the recording step and a step of the programs
