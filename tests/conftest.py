@@ -2,9 +2,11 @@
 
 The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in ``pyproject.toml``): each file stays on
 one worker, so a module's fixtures (one multi-rank spawn per world size) are built once. xdist hands out files in
-collection order, so the files whose spawns take minutes go first and the short ones fill in behind them; in
-alphabetical order the longest (``test_pipeline_runtime.py``) would start last and run alone at the end.
-The list is the suite's ``--durations`` report (heaviest first); a file missing from it only runs later.
+collection order (``--no-loadscope-reorder`` in ``pyproject.toml``: by default xdist re-sorts the files by their
+number of tests, which sent the few-test, minutes-long files such as ``test_emulate.py`` and ``test_hf_models.py``
+last), so the files whose spawns take minutes go first and the short ones fill in behind them. The list is the
+files' CPU seconds, heaviest first (``MESHPILOT_TEST_CPU``, below: a suite at 8fc483e); a file missing from it
+only runs later.
 """
 
 from __future__ import annotations
@@ -21,16 +23,23 @@ settings.load_profile("suite")
 
 HEAVY_FIRST = (
     "test_models_parallel.py",
-    "test_pipeline_runtime.py",
-    "test_hf_models.py",
-    "test_hf_families.py",
-    "test_checkpoint.py",
-    "test_duplex.py",
     "test_emulate.py",
-    "test_moe_dropless.py",
-    "test_atp_layers.py",
-    "test_layouts.py",
+    "test_hf_families.py",
+    "test_pipeline_runtime.py",
+    "test_checkpoint.py",
+    "test_frontier.py",
+    "test_pipeline_plan.py",
+    "test_context_parallel.py",
+    "test_recompute.py",
+    "test_hf_models.py",
     "test_demo.py",
+    "test_sequence_parallel.py",
+    "test_model_sources.py",
+    "test_capture_stacked.py",
+    "test_bad_input.py",
+    "test_layouts.py",
+    "test_grad_buckets.py",
+    "test_duplex.py",
 )
 
 
