@@ -284,3 +284,25 @@ def test_an_overlapping_as_strided_is_captured_as_unfold_and_shards_off_its_wind
     assert not sp.fallbacks, [f.line() for f in sp.fallbacks]
     unfolds = [c for c in sp.nodes if c.target == "aten.unfold.default"]
     assert unfolds and all(any(p.startswith("S") for p in c.ins[0]) for c in unfolds), [c.short() for c in unfolds]
+
+
+class _Branches(nn.Module):
+    """Three independent copies of one computation of x, then a chain of that computation, each reading the last."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = (torch.relu(x) * 2 for _ in range(3))
+        y = a + b + c
+        for _ in range(4):
+            y = torch.relu(y) * 2
+        return y
+
+
+def test_independent_repeats_finds_the_branches_and_not_the_chain():
+    """``order._independent_repeats``: the three branches are one run (period 2: relu, mul), the chain none —
+    each of its repetitions reads the one before (the first node of the next span reads the span)."""
+    from meshpilot.graph.order import _independent_repeats
+
+    nodes = list(torch.fx.symbolic_trace(_Branches()).graph.nodes)
+    ops = [str(n.target.__name__) if callable(n.target) else str(n.target) for n in nodes]
+    assert ops[1:7] == ["relu", "mul"] * 3
+    assert _independent_repeats(nodes) == [(1, 2, 3)]

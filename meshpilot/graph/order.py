@@ -213,6 +213,7 @@ def _independent_repeats(nodes: list[torch.fx.Node]) -> list[tuple[int, int, int
         nxt[i] = last.get(sig[i], -1)
         last[sig[i]] = i
     ins = [[pos[a] for a in n.all_input_nodes] for n in nodes]
+    latest = [max(r, default=-1) for r in ins]  # the latest node each reads (one before it)
 
     def reads(lo: int, hi: int, first: int) -> bool:
         """Whether a node in [lo, hi) reads one in [first, lo)."""
@@ -226,7 +227,9 @@ def _independent_repeats(nodes: list[torch.fx.Node]) -> list[tuple[int, int, int
             k = j - i
             if j < 0 or j + k > n:
                 return 0
-            if sig[i:j] == sig[j : j + k] and not reads(j, j + k, i):
+            # node j reading the span before it is a dependence: checked first, as in a stack of blocks (each
+            # of its positions tries up to _PERIOD_TRIES periods, each span the same) node j reads its predecessor
+            if latest[j] < i and sig[i:j] == sig[j : j + k] and not reads(j, j + k, i):
                 return k
             j = nxt[j]
         return 0
