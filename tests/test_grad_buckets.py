@@ -246,6 +246,7 @@ def _worker(plans: dict[str, str]) -> dict:
             "moved": prog.buckets_moved,
             "written": prog.buckets_written,
             "folded": dict(prog.folded),
+            "untransposed": dict(prog.untransposed),
             "rank": dist.get_rank(),
         }
     return res
@@ -342,6 +343,20 @@ def test_recorded_programs_fold_their_no_op_views(runs, name):
     _, results = runs
     for r in results:
         assert r[name]["folded"]["backward"] >= (100 if name.startswith("zero3") else 20), r[name]["folded"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero3_forwards_gather_the_weights_as_stored(runs, name):
+    """A ZeRO-3 forward gathers each linear weight as stored and reads the gathered one transposed, as
+    ``F.linear`` does (``runtime.overlap.gather_untransposed``) — its equality with the single device and its
+    collectives' count above are with that; a data-parallel plan has no weight to gather."""
+    _, results = runs
+    for r in results:
+        got = r[name]["untransposed"]
+        if name.startswith("zero3"):
+            assert got["forward"] >= 4, got  # at least one block's projections
+        else:
+            assert not any(got.values()), got
 
 
 def test_backward_issues_each_bucket_when_its_last_gradient_is_ready(runs):

@@ -69,7 +69,14 @@ from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.fold import fold_views
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
+from meshpilot.runtime.overlap import (
+    gather_untransposed,
+    group_gathers,
+    issue_early,
+    issue_points,
+    issue_when_ready,
+    prefetch,
+)
 from meshpilot.runtime.record import record, tagged
 from meshpilot.sharding.placements import replicated
 
@@ -150,6 +157,9 @@ class StageProgram:
         self.buckets_in_backward = bool(self.buckets) and backward_issues_buckets(schedule)
         """Whether the backward program issues the buckets (one backward a step: each bucket as soon as its
         last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
+        self.untransposed: dict[str, int] = {}
+        """Weight gathers each program's recording took of a transpose and its direct code takes of the weight as
+        stored, transposed after (``runtime.overlap.gather_untransposed``)."""
         self.folded: dict[str, int] = {}
         """No-op views each program's recording had and its direct code does not call (``runtime.fold``)."""
         self.buckets_moved = 0
@@ -195,6 +205,7 @@ class StageProgram:
         with unrecorded() if regroup else contextlib.nullcontext():
             gm, result = record(lambda *flat: body(flat), *args)
         setattr(self, f"{name}_gm", gm)
+        self.untransposed[name] = gather_untransposed(gm)  # first: the issue points and groups move its gathers
         if kind is not None:
             self._issue_early(gm, kind)
             self._prefetch(gm, kind)
