@@ -1,4 +1,4 @@
-"""``runtime.overlap.gather_untransposed``: a weight's all-gather taken of the weight as stored and transposed
+"""``runtime.untranspose.gather_untransposed``: a weight's all-gather taken of the weight as stored and transposed
 after, instead of DTensor's gather of its transpose (clone, all-gather, split, ``cat`` along dim 1).
 
 One process: the program is written by hand as DTensor records it (``runtime.record``'s layouts on every
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.fx
 
-from meshpilot.runtime import overlap
-from meshpilot.runtime.overlap import gather_untransposed
+from meshpilot.runtime import untranspose
 from meshpilot.runtime.record import LAYOUT
+from meshpilot.runtime.untranspose import gather_untransposed
 
 _aten = torch.ops.aten
 _funcol = torch.ops._c10d_functional
@@ -94,5 +94,5 @@ def test_a_strided_shard_is_gathered_as_recorded():
     gm = _program(3, 5, "mm")
     w = next(n for n in gm.graph.nodes if n.name == "w")
     w.meta[LAYOUT] = ((3, 5), (1, 3), 0, torch.float32)  # a transposed view: not an all-gather input as it is
-    assert not overlap._row_major(w.meta[LAYOUT])
+    assert not untranspose._row_major(w.meta[LAYOUT])
     assert gather_untransposed(gm) == 0

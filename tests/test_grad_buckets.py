@@ -348,7 +348,7 @@ def test_recorded_programs_fold_their_no_op_views(runs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_zero3_forwards_gather_the_weights_as_stored(runs, name):
     """A ZeRO-3 forward gathers each linear weight as stored and reads the gathered one transposed, as
-    ``F.linear`` does (``runtime.overlap.gather_untransposed``) — its equality with the single device and its
+    ``F.linear`` does (``runtime.untranspose.gather_untransposed``) — its equality with the single device and its
     collectives' count above are with that; a data-parallel plan has no weight to gather."""
     _, results = runs
     for r in results:

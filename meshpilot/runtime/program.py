@@ -69,15 +69,9 @@ from meshpilot.runtime.collective_log import unrecorded
 from meshpilot.runtime.duplex import interleave
 from meshpilot.runtime.fold import fold_views
 from meshpilot.runtime.interpret import Interpreter, redistribute, wrap_local
-from meshpilot.runtime.overlap import (
-    gather_untransposed,
-    group_gathers,
-    issue_early,
-    issue_points,
-    issue_when_ready,
-    prefetch,
-)
+from meshpilot.runtime.overlap import group_gathers, issue_early, issue_points, issue_when_ready, prefetch
 from meshpilot.runtime.record import record, tagged
+from meshpilot.runtime.untranspose import gather_untransposed
 from meshpilot.sharding.placements import replicated
 
 _INTERPRET = os.environ.get("MESHPILOT_INTERPRET") == "1"
@@ -159,7 +153,7 @@ class StageProgram:
         last gradient exists, waited for at the program's end); otherwise ``G`` runs them."""
         self.untransposed: dict[str, int] = {}
         """Weight gathers each program's recording took of a transpose and its direct code takes of the weight as
-        stored, transposed after (``runtime.overlap.gather_untransposed``)."""
+        stored, transposed after (``runtime.untranspose.gather_untransposed``)."""
         self.folded: dict[str, int] = {}
         """No-op views each program's recording had and its direct code does not call (``runtime.fold``)."""
         self.buckets_moved = 0
