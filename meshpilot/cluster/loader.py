@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,24 +85,56 @@ LAYER_KEYS = {"name", "ranks", "p2p_GBps", "group_GBps", "latency_us"}
 CALIBRATION_KEYS = {"mesh", "B1_GBps", "B2_GBps", "alpha1_us", "alpha2_us", "curve1", "curve2", "busy1", "busy2"}
 CALIBRATION_AXIS = {k: int(k[-1] if k[-1].isdigit() else k.split("_")[0][-1]) - 1 for k in CALIBRATION_KEYS - {"mesh"}}
 """The mesh axis each calibration key measures (``B1_GBps``, ``alpha1_us``, ``curve1``, ``busy1``: axis 0)."""
-PROFILE_KEYS = {
-    "kind",
-    "peak_tflops_fp32",
-    "peak_tflops_bf16",
-    "memory_GBps",
-    "memory_GiB",
-    "compute_efficiency",
-    "memory_efficiency",
-    "op_overhead_us",
-    "foreach_overhead_us",
-    "collective_overhead_us",
-    "call_overhead_us",
-    "adamw_GBps",
-    "adamw_overhead_us",
-    "float8_cast_bytes",
-    "attention_tflops",
-    "matmul",
-}
+
+
+@dataclass(frozen=True)
+class ProfileNumber:
+    """One number of a ``[device_profile]`` table: its key in the file, the :class:`DeviceProfile` field it sets
+    and the factor from the file's unit to the field's (us → s, GB/s → B/s), whether zero is allowed (a cost not
+    modelled), and the fix a wrong value's message gives. The table below is the one home of each key: reading,
+    checking and writing a profile all walk it."""
+
+    key: str
+    field: str
+    """The :class:`DeviceProfile` attribute; ``peak_flops:<dtype>`` for a peak rate (a dict entry)."""
+    scale: float
+    zero_ok: bool
+    fix: str
+    required: bool = False
+
+
+PROFILE_NUMBERS = (
+    ProfileNumber("peak_tflops_fp32", "peak_flops:float32", 1e12, False,
+                  "add peak_tflops_fp32 = <float32 matmul TFLOP/s>, e.g. 19.5", required=True),
+    ProfileNumber("peak_tflops_bf16", "peak_flops:bfloat16", 1e12, False,
+                  "give the bfloat16 matmul TFLOP/s, e.g. 312.0, or leave the key out"),
+    ProfileNumber("memory_GBps", "memory_bandwidth", GB, False,
+                  "add memory_GBps = <device memory bandwidth in GB/s>, e.g. 2039.0", required=True),
+    ProfileNumber("memory_GiB", "memory_bytes", 2**30, False,
+                  "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0", required=True),
+    ProfileNumber("compute_efficiency", "compute_efficiency", 1.0, False,
+                  "give a fraction in (0, 1], e.g. 0.6, or leave the key out"),
+    ProfileNumber("memory_efficiency", "memory_efficiency", 1.0, False,
+                  "give a fraction in (0, 1], e.g. 0.8, or leave the key out"),
+    ProfileNumber("op_overhead_us", "op_overhead", 1e-6, True,
+                  "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out"),
+    ProfileNumber("foreach_overhead_us", "foreach_overhead", 1e-6, True,
+                  "give the microseconds per tensor of a foreach operator (zero or more), or leave it out"),
+    ProfileNumber("collective_overhead_us", "collective_overhead", 1e-6, True,
+                  "give the host CPU microseconds of one collective (zero or more), or leave it out"),
+    ProfileNumber("call_overhead_us", "call_overhead", 1e-6, True,
+                  "give the host microseconds of one call of the runtime's program (zero or more)"),
+    ProfileNumber("adamw_GBps", "adamw_bandwidth", GB, True,
+                  "give the parameter GB/s a foreach AdamW step updates (zero or more), or leave it out"),
+    ProfileNumber("adamw_overhead_us", "adamw_overhead", 1e-6, True,
+                  "give the microseconds per parameter tensor of a foreach AdamW step (zero or more)"),
+    ProfileNumber("float8_cast_bytes", "float8_cast_bytes", 1.0, True,
+                  "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0"),
+)  # fmt: skip
+"""Every number of ``[device_profile]``, in the order :func:`cluster_to_toml` writes them."""
+_KIND_FIX = 'add kind = "<a name for this device>", e.g. kind = "probed-cpu"'
+_ATTENTION_FIX = "give four positive TFLOP/s: forward, backward, causal forward, causal backward"
+PROFILE_KEYS = {"kind", "attention_tflops", "matmul"} | {n.key for n in PROFILE_NUMBERS}
 MATMUL_KEYS = {"m", "n", "k", "dtype", "tflops"}
 MATMUL_DTYPES = ("float32", "bfloat16", "float16", FLOAT8)
 
@@ -197,81 +230,43 @@ def _device(data: dict[str, Any], source: str) -> DeviceProfile:
     return DEVICES[kind]
 
 
-_PROFILE_FIX = {
-    "kind": 'add kind = "<a name for this device>", e.g. kind = "probed-cpu"',
-    "peak_tflops_fp32": "add peak_tflops_fp32 = <float32 matmul TFLOP/s>, e.g. 19.5",
-    "peak_tflops_bf16": "give the bfloat16 matmul TFLOP/s, e.g. 312.0, or leave the key out",
-    "memory_GBps": "add memory_GBps = <device memory bandwidth in GB/s>, e.g. 2039.0",
-    "memory_GiB": "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0",
-    "compute_efficiency": "give a fraction in (0, 1], e.g. 0.6, or leave the key out",
-    "memory_efficiency": "give a fraction in (0, 1], e.g. 0.8, or leave the key out",
-    "op_overhead_us": "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out",
-    "foreach_overhead_us": "give the microseconds per tensor of a foreach operator (zero or more), or leave it out",
-    "collective_overhead_us": "give the host CPU microseconds of one collective (zero or more), or leave it out",
-    "call_overhead_us": "give the host microseconds of one call of the runtime's program (zero or more)",
-    "adamw_GBps": "give the parameter GB/s a foreach AdamW step updates (zero or more), or leave it out",
-    "adamw_overhead_us": "give the microseconds per parameter tensor of a foreach AdamW step (zero or more)",
-    "float8_cast_bytes": "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0",
-    "attention_tflops": "give four positive TFLOP/s: forward, backward, causal forward, causal backward",
-}
-_NONNEGATIVE_KEYS = (
-    "op_overhead_us",
-    "foreach_overhead_us",
-    "collective_overhead_us",
-    "call_overhead_us",
-    "adamw_GBps",
-    "adamw_overhead_us",
-    "float8_cast_bytes",
-)
-"""Profile keys that may be zero (not modelled); every other number must be positive."""
-
-
 def _device_profile(table: Any, source: str) -> DeviceProfile:
     if not isinstance(table, dict):
         raise ClusterFileError(
             source, "device_profile", "must be a table", "write it as [device_profile] with kind, peak_tflops_fp32, ..."
         )
     _unknown(table, PROFILE_KEYS, source, "device_profile")
-    for key in ("kind", "peak_tflops_fp32", "memory_GBps", "memory_GiB"):
-        if key not in table:
-            raise ClusterFileError(source, f"device_profile.{key}", "is missing", _PROFILE_FIX[key])
+    if "kind" not in table:
+        raise ClusterFileError(source, "device_profile.kind", "is missing", _KIND_FIX)
     kind = table["kind"]
     if not isinstance(kind, str) or not kind:
-        raise ClusterFileError(
-            source, "device_profile.kind", f"must be a non-empty string, got {kind!r}", _PROFILE_FIX["kind"]
-        )
-    values: dict[str, float] = {}
-    for key in sorted(PROFILE_KEYS - {"kind", "matmul", "attention_tflops"}):
-        if key not in table:
+        raise ClusterFileError(source, "device_profile.kind", f"must be a non-empty string, got {kind!r}", _KIND_FIX)
+    fields: dict[str, Any] = {"peak_flops": {}}
+    for number in PROFILE_NUMBERS:
+        where = f"device_profile.{number.key}"
+        if number.key not in table:
+            if number.required:
+                raise ClusterFileError(source, where, "is missing", number.fix)
             continue
-        where = f"device_profile.{key}"
-        value = _number(table[key], where, source, positive=False, fix=_PROFILE_FIX[key])
-        if key in _NONNEGATIVE_KEYS:
+        value = _number(table[number.key], where, source, positive=False, fix=number.fix)
+        fraction = number.key.endswith("efficiency")
+        if number.zero_ok:
             if value < 0:
-                raise ClusterFileError(source, where, f"is {value}, must be zero or more", _PROFILE_FIX[key])
-        elif value <= 0 or (key.endswith("efficiency") and value > 1):
-            need = "in (0, 1]" if key.endswith("efficiency") else "greater than zero"
-            raise ClusterFileError(source, where, f"is {value}, must be {need}", _PROFILE_FIX[key])
-        values[key] = value
-    flops = {"float32": values["peak_tflops_fp32"] * 1e12}
-    if "peak_tflops_bf16" in values:
-        flops["bfloat16"] = values["peak_tflops_bf16"] * 1e12
+                raise ClusterFileError(source, where, f"is {value}, must be zero or more", number.fix)
+        elif value <= 0 or (fraction and value > 1):
+            need = "in (0, 1]" if fraction else "greater than zero"
+            raise ClusterFileError(source, where, f"is {value}, must be {need}", number.fix)
+        field, _, dtype = number.field.partition(":")
+        if dtype:
+            fields[field][dtype] = value * number.scale
+        else:
+            value *= number.scale
+            fields[field] = round(value) if field == "memory_bytes" else value  # bytes: a whole number
     return DeviceProfile(
         kind,
-        flops,
-        values["memory_GBps"] * GB,
-        round(values["memory_GiB"] * 2**30),
-        values.get("compute_efficiency", DeviceProfile.compute_efficiency),
-        values.get("memory_efficiency", DeviceProfile.memory_efficiency),
-        _matmul_rates(table.get("matmul", []), source),
-        values.get("op_overhead_us", 0.0) * 1e-6,
-        values.get("foreach_overhead_us", 0.0) * 1e-6,
-        values.get("collective_overhead_us", 0.0) * 1e-6,
-        values.get("float8_cast_bytes", 0.0),
-        _attention_rates(table.get("attention_tflops"), source),
-        call_overhead=values.get("call_overhead_us", 0.0) * 1e-6,
-        adamw_bandwidth=values.get("adamw_GBps", 0.0) * GB,
-        adamw_overhead=values.get("adamw_overhead_us", 0.0) * 1e-6,
+        matmul=_matmul_rates(table.get("matmul", []), source),
+        attention=_attention_rates(table.get("attention_tflops"), source),
+        **fields,
     )
 
 
@@ -279,7 +274,7 @@ def _attention_rates(raw: Any, source: str) -> AttentionRates | None:
     """``attention_tflops``: four positive TFLOP/s (forward, backward, causal forward, causal backward)."""
     if raw is None:
         return None
-    where, fix = "device_profile.attention_tflops", _PROFILE_FIX["attention_tflops"]
+    where, fix = "device_profile.attention_tflops", _ATTENTION_FIX
     if not isinstance(raw, list) or len(raw) != 4:
         raise ClusterFileError(source, where, f"must be a list of four numbers, got {raw!r}", fix)
     rates = [_number(v, where, source, positive=True, fix=fix) * 1e12 for v in raw]
@@ -541,25 +536,16 @@ def cluster_to_toml(cluster: Cluster, comment: str = "") -> str:
 
 def _profile_toml(d: DeviceProfile) -> list[str]:
     """A [device_profile] table for a profile that is not one of DEVICES (e.g. measured by `meshpilot probe`)."""
-    out = ["[device_profile]", f"kind = {_q(d.kind)}", f"peak_tflops_fp32 = {_f(d.flops_for('float32') / 1e12)}"]
-    if "bfloat16" in d.peak_flops:
-        out.append(f"peak_tflops_bf16 = {_f(d.peak_flops['bfloat16'] / 1e12)}")
-    out += [f"memory_GBps = {_f(d.memory_bandwidth / GB)}", f"memory_GiB = {_f(d.memory_bytes / 2**30)}"]
-    out += [f"compute_efficiency = {_f(d.compute_efficiency)}", f"memory_efficiency = {_f(d.memory_efficiency)}"]
-    fixed = (
-        ("op_overhead_us", d.op_overhead),
-        ("foreach_overhead_us", d.foreach_overhead),
-        ("collective_overhead_us", d.collective_overhead),
-        ("call_overhead_us", d.call_overhead),
-    )
-    for key, sec in fixed:
-        if sec:
-            out.append(f"{key} = {_f(float(f'{sec * 1e6:.6g}'))}")  # no 12.000000000000002
-    if d.adamw_bandwidth:
-        out.append(f"adamw_GBps = {_f(float(f'{d.adamw_bandwidth / GB:.6g}'))}")
-        out.append(f"adamw_overhead_us = {_f(float(f'{d.adamw_overhead * 1e6:.6g}'))}")
-    if d.float8_cast_bytes:
-        out.append(f"float8_cast_bytes = {_f(d.float8_cast_bytes)}")
+    out = ["[device_profile]", f"kind = {_q(d.kind)}"]
+    for number in PROFILE_NUMBERS:
+        field, _, dtype = number.field.partition(":")
+        value = d.peak_flops.get(dtype) if dtype else getattr(d, field)
+        if value is None or (number.zero_ok and not value):  # a rate not given, a cost not modelled
+            continue
+        value /= number.scale
+        if number.zero_ok and number.scale != 1.0:
+            value = float(f"{value:.6g}")  # the unit's conversion noise: no 12.000000000000002
+        out.append(f"{number.key} = {_f(value)}")
     if d.attention is not None:
         a = d.attention
         rates = (a.forward, a.backward, a.causal_forward, a.causal_backward)

@@ -276,6 +276,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -546,6 +547,17 @@ class _Ctx:
     use: np.ndarray
     f: np.ndarray
     ranks: range
+
+
+class _CatalogueTask(NamedTuple):
+    """One search of the estimated table's catalogue (:meth:`StackTable._plan_catalogue`): the graph of `mode`'s
+    middle block, its graph `layer`, planned on the base mesh `base` under the device mappings `mappings` (None:
+    every one). A tuple: hashable, and sent to the planning workers as it is."""
+
+    base: tuple[int, int]
+    mode: Recompute
+    layer: int
+    mappings: tuple | None = None
 
 
 def _sum_time(parts: Sequence[tuple[StepTime, float]]) -> StepTime:
@@ -876,17 +888,18 @@ class StackTable:
         # every search of the catalogue once, spread over the planning workers (``planner.parallel``: what they
         # search is merged into each graph's planner, so composing a chosen stage on a base searches nothing again);
         # a recomputing block across servers after the captured one, on the device mapping that one chose there
-        tasks: list = [(base, mode, self._graph_of(mode)[1].middle, None) for base in bases for mode in modes]
-        first = [t for t in tasks if t[1] is Recompute.NONE or t[0][0] == 1]
+        tasks = [_CatalogueTask(base, mode, self._graph_of(mode)[1].middle) for base in bases for mode in modes]
+        first = [t for t in tasks if t.mode is Recompute.NONE or t.base[0] == 1]
         planners = [self._graph_of(mode)[0] for mode in modes]
         found = dict(zip(first, map_columns(self._catalogue_piece, first, planners, workers)))
-        chose = {t[0]: (x.cost.mapping,) for t, x in found.items() if t[1] is Recompute.NONE and x is not None}
-        later = [t[:3] + (chose.get(t[0]),) for t in tasks if t not in found]
+        chose = {t.base: (x.cost.mapping,) for t, x in found.items() if t.mode is Recompute.NONE and x is not None}
+        later = [t._replace(mappings=chose.get(t.base)) for t in tasks if t not in found]
         found.update(
-            (t[:3] + (None,), x) for t, x in zip(later, map_columns(self._catalogue_piece, later, planners, workers))
+            (t._replace(mappings=None), x)
+            for t, x in zip(later, map_columns(self._catalogue_piece, later, planners, workers))
         )
         for base in bases:
-            self._catalogue[base] = {mode: found[(base, mode, self._graph_of(mode)[1].middle, None)] for mode in modes}
+            self._catalogue[base] = {t.mode: found[t] for t in tasks if t.base == base}
 
     def _server_caps_alone(self, layout, f: np.ndarray, server_z: Sequence[int]) -> list[_Winners]:
         """Each server column z's cap levels (:meth:`_server_cap_levels`) on empty winners: what
@@ -903,11 +916,9 @@ class StackTable:
             won.append(win)
         return won
 
-    def _catalogue_piece(self, task: tuple) -> _Piece | None:
-        """One search of the catalogue: ``(base, graph, layer, mappings)``, the middle block (its graph layer) of
-        `graph`'s on the device `mappings` (None: every one)."""
-        base, mode, mid, maps = task
-        return self._listed(self._graph_of(mode)[0], (mid, mid + 1), base, maps)
+    def _catalogue_piece(self, task: _CatalogueTask) -> _Piece | None:
+        """One search of the catalogue: `task`'s block planned on its base mesh."""
+        return self._listed(self._graph_of(task.mode)[0], (task.layer, task.layer + 1), task.base, task.mappings)
 
     def _listed(self, planner: StagePlanner, rng: tuple[int, int], base: tuple[int, int], maps=None) -> _Piece | None:
         """Layers `rng` of `planner`'s graph planned on mesh `base` (device mappings `maps`, None: every one) for the
