@@ -63,8 +63,8 @@ MODELS_AT = {4: MODELS, 8: matrix((), ("gpt", "moe"))}
 # 2-block GPT as well: the same attention, MLP, embedding and head, the same 3-axis DeviceMesh, every axis
 # communicating (test_three_axis_mesh_plan_matches_single_device asserts it), each reshard between them a collective on
 # one of its axes; what the second block adds, a block-to-block reshard, the 4-rank 2D runs of the 2-block GPT check.
-# The one block planned in 5 CPU s against 21 (the search on (2, 2, 2) of 168 nodes against 289), and 8 ranks record
-# and step the smaller graph (the 8-rank fixture: 138 CPU s of the default tier at 66bba7a, AMD EPYC, 2 cores)
+# The one block's graph has 168 nodes against 289, which 8 ranks capture, record and step: the 8-rank fixture's runs
+# 48.7 s wall against 77.1, its CPU s 112.9 against 139.4 (AMD EPYC, 2 cores; docs/benchmarks.md, suiteA)
 GPT1 = "gpt1"
 MESHES_3D = {4: {}, 8: {GPT1: [(2, 2, 2)], **({"gpt": [(2, 2, 2)]} if FULL else {})}}
 # and the search's own 3-axis plan, where a search keeps one: none here since the loss's fix (docs/benchmarks.md,
