@@ -545,14 +545,14 @@ MEASURED = ("ring", "ring-causal")
 """Plans whose peak memory the 4-rank run measures against the prediction (within 10 %)."""
 
 
-def _step_peak(key: str, plan_: StagePlan, inputs: tuple) -> int:
-    """This rank's peak storage over two AdamW steps of a fresh copy run by `plan_` (``memtrack``, which sees
-    inside the ring's kernel), as ``benchmarks/bench_cp.py measure`` takes it."""
+def _step_peak(pm, inputs: tuple) -> int:
+    """This rank's peak storage over two AdamW steps of `pm` (``memtrack``, which sees inside the ring's kernel),
+    as ``benchmarks/bench_cp.py measure`` takes it: the module the lockstep run trained, its programs recorded
+    (the tracker counts the parameters, the new AdamW's states, the inputs and the copies the module keeps, so
+    the trained weights change nothing a fresh copy's peak would show; a second ``parallelize`` of the plan
+    only repeated the recording)."""
     from meshpilot.cluster.memtrack import adamw_step_peak
-    from meshpilot.runtime.spmd import parallelize
 
-    model = _model(key, "cpu")[0]
-    pm = parallelize(model, plan_, graph=graph_of(key, model, plan_))
     return adamw_step_peak(pm, inputs, lambda: [c for c in pm._copies.copies.values() if c is not None])
 
 
@@ -575,7 +575,7 @@ def _worker(jobs: dict) -> dict:
         planned = plan_.collective_counts(backend="gloo")
         res["counts_equal"] = [c == planned for c in res["counts"]]
         if name in MEASURED:
-            res["peak"] = _step_peak(key, plan_, inputs)
+            res["peak"] = _step_peak(pm, inputs)
         out[name] = res
     return out
 

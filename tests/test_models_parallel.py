@@ -34,10 +34,10 @@ from torch import nn
 TOL = 1e-5
 STEPS = 3
 # on 8 ranks one mixed mesh, (2, 4), beside the two pure ones: the suite's time (ATP's layers run every 8-rank mesh)
-# The default tier (tests/tiers.py) runs 8 ranks for what only 8 have: the GPT's solver plan on the 3-axis (2, 2, 2)
-# mesh (MESHES_3D); the full matrix adds the 2D 8-rank meshes, the MoE, the forced kinds, the schedules and the small
-# buckets there (the 8-rank fixture: 571 CPU s of a 9,005 CPU s suite on a 2-core AMD EPYC; with (2, 2, 2) alone,
-# 139).
+# The default tier (tests/tiers.py) runs 8 ranks for what only 8 have: the one-block GPT's solver plan on the 3-axis
+# (2, 2, 2) mesh (MESHES_3D); the full matrix adds the 2D 8-rank meshes, the MoE, the forced kinds, the schedules and
+# the small buckets there (the 8-rank fixture: 571 CPU s of a 9,005 CPU s suite on a 2-core AMD EPYC; with the
+# 2-block GPT's (2, 2, 2) alone, 139).
 MESHES = {4: [(4, 1), (2, 2), (1, 4)], 8: list(matrix([], [(8, 1), (2, 4), (1, 8)]))}
 KINDS = ("solver", "data_parallel", "megatron_tp", "zero3")
 ZOO = ("gpt", "bert", "mlp", "wrn", "moe")
@@ -50,7 +50,7 @@ MODELS = (*ZOO, FRESH, FALLBACK, WIDE)
 # models whose layouts differ most on 8 — the GPT (8 heads: one a rank on (1, 8)) and the MoE (8 experts: one a
 # rank). The encoder, the conv net and the fresh hybrid (the same attention, convolutions and MLPs as on 4 ranks)
 # run on 4 only.
-MODELS_AT = {4: MODELS, 8: matrix(("gpt",), ("gpt", "moe"))}
+MODELS_AT = {4: MODELS, 8: matrix((), ("gpt", "moe"))}
 # the forced kinds: every mesh on 4 ranks; on 8, the mixed mesh only, where each kind uses both axes (DP and
 # ZeRO-3 over 8 ranks, Megatron TP 4 x DP 2). Profiled: 8-rank program recording costs 2-28 s a run, and these
 # 25 runs were a quarter of the fixture (128 of 544 s) while repeating the 4-rank pure-mesh layouts.
@@ -59,7 +59,14 @@ MODELS_AT = {4: MODELS, 8: matrix(("gpt",), ("gpt", "moe"))}
 # Hugging Face models (tests/test_hf_models.py's FORCED_MESHES), not again here: the same code with a group of 4
 # in place of 2, and 18 of this fixture's 4-rank runs (each ~2.5 CPU s a rank on a 2-core AMD EPYC).
 # a mesh of three axes (issue 31): the solver's plan of the GPT on 2 x 2 x 2, beside the 2D shapes above
-MESHES_3D = {4: {}, 8: {"gpt": [(2, 2, 2)]}}
+# The default tier plans and runs it for the GPT at one block ("gpt1", run on 8 ranks only), the full matrix for the
+# 2-block GPT as well: the same attention, MLP, embedding and head, the same 3-axis DeviceMesh, every axis
+# communicating (test_three_axis_mesh_plan_matches_single_device asserts it), each reshard between them a collective on
+# one of its axes; what the second block adds, a block-to-block reshard, the 4-rank 2D runs of the 2-block GPT check.
+# The one block's graph has 168 nodes against 289, which 8 ranks capture, record and step: the 8-rank fixture's runs
+# 48.7 s wall against 77.1, its CPU s 112.9 against 139.4 (AMD EPYC, 2 cores; docs/benchmarks.md, suiteA)
+GPT1 = "gpt1"
+MESHES_3D = {4: {}, 8: {GPT1: [(2, 2, 2)], **({"gpt": [(2, 2, 2)]} if FULL else {})}}
 # and the search's own 3-axis plan, where a search keeps one: none here since the loss's fix (docs/benchmarks.md,
 # "A data-parallel loss"): on 2 slow-linked nodes of 4 (examples/clusters/emulated-2x4-slow.toml) the GPT's cut
 # (2, 2, 2) had been priced at a tenth of the same mesh searched whole; now (4, 2) col wins (tests/test_mesh3.py)
@@ -160,8 +167,8 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     def ints(high: int, *shape: int) -> torch.Tensor:
         return torch.randint(0, high, shape, generator=g)
 
-    if name == "gpt":  # the ATP GPT (gpt-tiny: 2 layers, h=32, 8 heads), batch 8, sequence 8
-        model = GPT(gpt_tiny(batch=8, seq=8))
+    if name in ("gpt", GPT1):  # the ATP GPT (gpt-tiny: 2 layers, or 1, h=32, 8 heads), batch 8, sequence 8
+        model = GPT(gpt_tiny(batch=8, seq=8, layers=1 if name == GPT1 else 2))
         idx = ints(64, 8, 9)
         return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
     if name == "bert":
@@ -192,10 +199,10 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
     from meshpilot.planner.forced import forced
 
     plans = {}
-    for name in MODELS_AT[world]:
+    for name in dict.fromkeys((*MODELS_AT[world], *MESHES_3D[world])):  # a model of MESHES_3D alone: its 3D mesh
         model, inputs = build(name)
         graph = capture(model, inputs)
-        for shape in MESHES[world]:
+        for shape in MESHES[world] if name in MODELS_AT[world] else ():
             for kind in KINDS_OF.get(name, KINDS):
                 if kind != "solver" and shape not in FORCED_MESHES[world][kind]:
                     continue
@@ -217,8 +224,10 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
             shape = SCHEDULE_MESH[world]
             for kind, kw in SCHEDULES.items():
                 overlap = kind == "overlapped"
+                # one microbatch: the model's capture above, not a second one (microbatches plan their own)
+                same = {"graph": graph} if kw.get("microbatches", 1) == 1 else {}
                 plans[(name, shape, kind)] = plan(
-                    model, inputs, CLUSTER, mesh_shape=shape, overlap=overlap, mappings=MAPPINGS, **kw
+                    model, inputs, CLUSTER, mesh_shape=shape, overlap=overlap, mappings=MAPPINGS, **kw, **same
                 )
         if name == BUCKETED[0] and world in BUCKETED[1]:
             plans[(name, BUCKETED[1][world], "bucketed")] = _small_buckets(model, inputs, graph, BUCKETED[1][world])
