@@ -551,8 +551,14 @@ def _launch(args: list[str], timeout: float = 120) -> subprocess.CompletedProces
     )
 
 
+# The tiers (tests/tiers.py): the default runs S(9) (13-24 CPU s a torchrun launch of 2 ranks, 2-core AMD EPYC); the
+# full matrix also the repeated mesh rank. Both take the same path (a rank's plan check refuses before the process
+# group, rank 0 alone says it, the launcher drops torchrun's report); test_cli_bad_input checks dup.json's own line
+# in-process.
 @pytest.mark.dist
-@pytest.mark.parametrize("name, needle", [("s9.json", "S(9)"), ("dup.json", "mesh_ranks")])
+@pytest.mark.parametrize(
+    "name, needle", [("s9.json", "S(9)"), pytest.param("dup.json", "mesh_ranks", marks=pytest.mark.full)]
+)
 def test_launcher_under_torchrun_one_line(files, name, needle):
     """Run under torch.distributed.run itself (2 ranks, no launcher checks): each rank finds the mistake before
     the process group; rank 0 alone says it and the launcher drops torchrun's failure report."""

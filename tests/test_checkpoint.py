@@ -20,6 +20,7 @@ checkpoints, stops it with SIGTERM, and resumes it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -52,19 +53,27 @@ def _cfg():
     return gpt_tiny(batch=8, seq=8)
 
 
-def _plan(shape: tuple[int, int], kind: str):
+@functools.cache
+def _meta_gpt() -> tuple:
+    """The GPT on the meta device, its (tokens, targets) and its capture: one for every plan of the file (the
+    same model and batch; a capture is ~0.7 CPU s)."""
     from meshpilot.graph.capture import capture
     from meshpilot.models.gpt import GPT
-    from meshpilot.planner.auto import plan
-    from meshpilot.planner.forced import forced
 
     cfg = _cfg()
     with torch.device("meta"):
         model = GPT(cfg)
     idx = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long, device="meta")
-    graph = capture(model, (idx, idx))
-    force = forced(kind, model, (idx, idx), shape, **({"graph": graph} if kind == "megatron_tp" else {}))
-    return plan(model, (idx, idx), CLUSTER, mesh_shape=shape, force=force, graph=graph)
+    return model, (idx, idx), capture(model, (idx, idx))
+
+
+def _plan(shape: tuple[int, int], kind: str):
+    from meshpilot.planner.auto import plan
+    from meshpilot.planner.forced import forced
+
+    model, inputs, graph = _meta_gpt()
+    force = forced(kind, model, inputs, shape, **({"graph": graph} if kind == "megatron_tp" else {}))
+    return plan(model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph)
 
 
 # ----------------------------------------------------------------------------------------- on the ranks

@@ -1,6 +1,13 @@
-"""`meshpilot demo`, the README's first command, end to end: topology, ATP, a plan for gpt-tiny on 4 devices,
-its simulated timeline, then real training with that plan on 4 gloo processes (torchrun), checkpointed and resumed
-under a plan on another mesh, next to the single-device loss."""
+"""`meshpilot demo`, the README's first command, end to end: topology, ATP, a plan for gpt-tiny on N devices,
+its simulated timeline, then real training with that plan on N gloo processes (torchrun), checkpointed and resumed
+under a plan on another mesh, next to the single-device loss.
+
+The tiers (tests/tiers.py): the full matrix runs the demo as the README does (``--procs 4``: two torchrun launches
+of 4 ranks); the default tier with ``--procs 2``: the same code path end to end (plan over every 2D mesh, save,
+timeline, a torchrun launch with a checkpoint, a second resuming on the other mesh, (2, 1) against (1, 2), the
+losses against one device), with 4 fewer interpreters that import torch, capture the model and record its programs.
+A 4-rank resume under another mesh and plan is checked in the default tier by tests/test_checkpoint.py
+(test_resume_under_another_plan_equals_the_uninterrupted_run: (2, 2) to (4, 1), in the rank pool)."""
 
 from __future__ import annotations
 
@@ -10,14 +17,16 @@ import subprocess
 import sys
 
 import pytest
+from tiers import params
 
 pytestmark = pytest.mark.dist
 
 
-def test_demo_plans_then_trains_with_the_single_device_loss(tmp_path):
+@pytest.mark.parametrize("procs", params([4, 2], default={2}))
+def test_demo_plans_then_trains_with_the_single_device_loss(tmp_path, procs):
     env = dict(os.environ, COLUMNS="160", OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-m", "meshpilot.cli.main", "demo", "--steps", "3"],
+        [sys.executable, "-m", "meshpilot.cli.main", "demo", "--steps", "3", "--procs", str(procs)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -30,9 +39,9 @@ def test_demo_plans_then_trains_with_the_single_device_loss(tmp_path):
         assert part in out, part
     assert "Predicted step time" in out and "Memory per device" in out and "saved the plan to" in out
     assert "train --plan" in out and "--resume" in out
-    header = next(line for line in out.splitlines() if "loss, 4 processes" in line)
+    header = next(line for line in out.splitlines() if f"loss, {procs} processes" in line)
     assert "loss, 1 device" in header and "|difference|" in header
-    table = out.split("loss, 4 processes")[1]
+    table = out.split(f"loss, {procs} processes")[1]
     row = r"│\s+(\d+)\s+│\s+\(([\d, ]+)\)( resumed)?\s+│\s+([\d.]+)\s+│\s+([\d.]+)\s+│\s+([\d.e+-]+)\s+│"
     rows = re.findall(row, table)
     assert [int(s) for s, *_ in rows] == [0, 1, 2]

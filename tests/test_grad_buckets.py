@@ -207,7 +207,10 @@ def _against_dtensor_parameters(name: str, p, build) -> dict:
     }
 
 
-def _worker(plans: dict[str, str]) -> dict:
+def _worker(plans: dict[str, str], programs: bool = True) -> dict:
+    """Each plan trained beside the single device; with `programs`, also what the other tests read off its
+    recorded programs (DTensor dispatches of one more profiled step, the buckets' issue order, the gathers'
+    prefetch order): a caller that checks only values and collective counts leaves them out."""
     import torch.distributed as dist
 
     from meshpilot.runtime.spmd import parallelize
@@ -223,12 +226,13 @@ def _worker(plans: dict[str, str]) -> dict:
         got = lockstep_adamw(ref, pm, inputs, steps=3 if name.startswith("zero3") else 2, lr=lr)
         prog = pm.program
         pm.zero_grad(set_to_none=True)
-        res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
-        if name in VS_DTENSOR:
+        if programs:
+            res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
+        if programs and name in VS_DTENSOR:
             res[name + ":vs-dtensor"] = _against_dtensor_parameters(name, p, build)
-        if prog.buckets_in_backward:
+        if programs and prog.buckets_in_backward:
             res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
-        if name.startswith("zero3"):
+        if programs and name.startswith("zero3"):
             order = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
             res[name + ":prefetch"] = order
             res[name + ":prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
@@ -563,7 +567,8 @@ def test_zero3_planned_on_a_probed_cpu_cluster_runs_equal_to_one_device():
     force = forced.zero3(model, inputs, (WORLD,))
     p = plan(model, inputs, _probed_cpu_cluster(), mesh_shape=(WORLD,), force=force, graph=capture(model, inputs))
     assert not any(c.kind == CollectiveKind.ALL_TO_ALL for c in p.collectives)
-    for r in run_distributed(_worker, WORLD, {"zero3": p.to_json()}, timeout=600):
+    # values and counts only: the programs' orders are test_plans_have_several_buckets' spawn's (zero3-llama)
+    for r in run_distributed(_worker, WORLD, {"zero3": p.to_json()}, programs=False, timeout=600):
         got = r["zero3"]
         assert got["loss"] < 1e-5 and got["grad"] < 1e-5 and got["param"] < 1e-4, got
         assert got["every_step"] and got["counts"] == got["planned"], got
