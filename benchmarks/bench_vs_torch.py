@@ -89,6 +89,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -493,6 +494,35 @@ def phase_table(v: dict) -> list[str]:
             each = f"; {extra / cc['collectives']:.2f}" if cc.get("collectives") else ""
             comm = f"{cc['with_ms']:.0f} / {cc['without_ms']:.0f} ({cc.get('collectives') or 'DDP'}{each})"
         lines.append(f"| {k} | " + " | ".join(cols) + f" | {comm} |")
+    return lines + wait_table(v)
+
+
+def wait_table(v: dict) -> list[str]:
+    """Rank 0's wall per part of the step split by the scheduler (:class:`Schedstat`; medians over the steps, ms):
+    its main thread's CPU, the main thread's wait for a core (runnable, not running), the rest of the wall (asleep:
+    waiting for a collective's peers), and its other threads' CPU (gloo's)."""
+    n = len(PHASES)
+    if not any(x.get("own_phases") and any(any(r[2 * n :]) for r in x["own_phases"]) for x in v.values()):
+        return []
+    lines = [
+        "",
+        "Rank 0, per part: wall = main thread CPU + its wait for a core + asleep (ms; + its other threads' CPU)",
+        "",
+        "| variant | " + " | ".join(f"{p}: wall = CPU + wait + asleep (+ threads)" for p in PHASES) + " |",
+        "|---|" + "---:|" * n,
+    ]
+    for k, x in v.items():
+        rows = x.get("own_phases") or []
+        if not rows:
+            continue
+        cols = []
+        for j in range(n):
+            parts = [[r[n + j], r[2 * n + j], r[3 * n + j], r[4 * n + j]] for r in rows]
+            wall, on, wait = (statistics.median(p[i] for p in parts) * 1e3 for i in range(3))
+            asleep = statistics.median(p[0] - p[1] - p[2] for p in parts) * 1e3
+            others = statistics.median(p[3] - p[1] for p in parts) * 1e3
+            cols.append(f"{wall:.0f} = {on:.0f} + {wait:.0f} + {asleep:.0f} (+{others:.0f})")
+        lines.append(f"| {k} | " + " | ".join(cols) + " |")
     return lines
 
 
@@ -809,6 +839,35 @@ def comm_cost(models: dict, inputs: dict, opts: dict, variants, rounds: int) -> 
     return out
 
 
+class Schedstat:
+    """One process's threads as Linux's scheduler counts them (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds
+    on a CPU, nanoseconds runnable on a run queue but not running, time slices). :meth:`read` gives, in seconds,
+    the calling (main) thread's CPU and run-queue wait, then the same summed over every thread of the process
+    (gloo's worker threads: a collective's reduction and copies run there). So a phase's wall on one rank splits
+    into its main thread's CPU, its wait for a core (4 ranks on 2 cores: runnable, not running) and the rest,
+    where the thread sleeps (a collective's wait for its peers, a barrier). Zeros where /proc has no schedstat."""
+
+    def __init__(self) -> None:
+        self.main = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self.ok = os.path.exists(self.main)
+
+    @staticmethod
+    def _two(path: str) -> tuple[float, float]:
+        try:
+            with open(path) as f:
+                on, wait = f.read().split()[:2]
+        except (OSError, ValueError):  # a thread gone between listing and reading
+            return 0.0, 0.0
+        return int(on) * 1e-9, int(wait) * 1e-9
+
+    def read(self) -> tuple[float, float, float, float]:
+        if not self.ok:
+            return 0.0, 0.0, 0.0, 0.0
+        on, wait = self._two(self.main)
+        every = [self._two(f"/proc/self/task/{t}/schedstat") for t in os.listdir("/proc/self/task")]
+        return on, wait, sum(x[0] for x in every), sum(x[1] for x in every)
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from bench_step_time import profile_step
@@ -837,10 +896,11 @@ def worker(args: argparse.Namespace) -> int:
             models[k], inputs[k] = wrap_torch(k, m), mine
     opts = {k: adamw(m.parameters(), lr=1e-4) for k, m in models.items()}
 
-    marks: list[tuple[float, float]] = []
+    marks: list[tuple[float, ...]] = []
+    threads = Schedstat()
 
     def mark() -> None:
-        marks.append((time.process_time(), time.perf_counter()))
+        marks.append((time.process_time(), time.perf_counter(), *threads.read()))
 
     def step(name: str) -> float:
         marks.clear()
@@ -861,6 +921,7 @@ def worker(args: argparse.Namespace) -> int:
     times = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
     phases: dict[str, list[list[float]]] = {k: [] for k in variants}
+    own: dict[str, list[list[float]]] = {k: [] for k in variants}
     losses = {k: [] for k in variants}
     for i in range(args.warmup + args.steps):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
@@ -878,6 +939,7 @@ def worker(args: argparse.Namespace) -> int:
                 times[name].append(float(used[1]))
                 cpu[name].append(float(used[0]))
                 phases[name].append([float(x) for x in used[2:]])
+                own[name].append([marks[j + 1][c] - marks[j][c] for c in range(6) for j in range(len(PHASES))])
         if rank == 0 and i >= args.warmup:
             print(f"step {i}: " + ", ".join(f"{k} {times[k][-1] * 1e3:.0f} ms" for k in variants), flush=True)
     colls = {k: count_collectives(lambda k=k: step(k)) for k in variants}
@@ -899,6 +961,7 @@ def worker(args: argparse.Namespace) -> int:
                     "times": times[k],
                     "cpu": cpu[k],
                     "phases": phases[k],
+                    "own_phases": own[k],
                     "comm_cost": comm.get(k),
                     "collectives": colls[k],
                     "loss0_diff": abs(losses[k][0] - losses["DDP"][0]),
