@@ -70,7 +70,10 @@ and for DDP / FSDP2 the loss' all-reduce), CPU and wall ms of the busiest rank p
 it also gives what the collectives of forward + backward cost the host: each rank's CPU with them and without
 them (meshpilot: its recorded programs with every functional collective replaced by a local op of the same
 output shape, ``without_collectives``; DDP: the same step under ``no_sync()``), interleaved, the difference
-per collective the programs issue. ``--no-solver`` leaves the solver's plan out.
+per collective the programs issue. A third table splits rank 0's wall per part by the scheduler (:class:`Schedstat`):
+its main thread's CPU, that thread's wait for a core (runnable, not running: 4 ranks on 2 cores), the rest asleep
+(waiting for a collective's peers), and its other threads' CPU (gloo's). ``--no-solver`` leaves the solver's plan
+out.
 
     python benchmarks/bench_vs_torch.py --unbucketed            # GPT and Llama, with the before/after rows
     python benchmarks/bench_vs_torch.py --models gpt --overlap
