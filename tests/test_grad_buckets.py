@@ -228,15 +228,15 @@ def _worker(plans: dict[str, str], programs: bool = True) -> dict:
         pm.zero_grad(set_to_none=True)
         if programs:
             res[name + ":dtensor"] = _dtensor_dispatches(pm, inputs)
-        if programs and name in VS_DTENSOR:
-            res[name + ":vs-dtensor"] = _against_dtensor_parameters(name, p, build)
-        if programs and prog.buckets_in_backward:
-            res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
-        if programs and name.startswith("zero3"):
-            order = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
-            res[name + ":prefetch"] = order
-            res[name + ":prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
-            res[name + ":grouped"] = {str(k): v for k, v in prog.gather_groups.items()}
+            if name in VS_DTENSOR:
+                res[name + ":vs-dtensor"] = _against_dtensor_parameters(name, p, build)
+            if prog.buckets_in_backward:
+                res[name + ":order"], res[name + ":ready"] = _issue_order(prog.backward_gm)
+            if name.startswith("zero3"):
+                order = {ph: _prefetch_order(getattr(prog, f"{ph}_gm")) for ph in ("forward", "backward")}
+                res[name + ":prefetch"] = order
+                res[name + ":prefetched"] = {str(k): v for k, v in prog.prefetched.items()}
+                res[name + ":grouped"] = {str(k): v for k, v in prog.gather_groups.items()}
         res[name] = {
             "losses": got["loss"],
             "grads": got["grad"],
