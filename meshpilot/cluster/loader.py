@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import tomllib
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -87,48 +88,69 @@ CALIBRATION_AXIS = {k: int(k[-1] if k[-1].isdigit() else k.split("_")[0][-1]) - 
 """The mesh axis each calibration key measures (``B1_GBps``, ``alpha1_us``, ``curve1``, ``busy1``: axis 0)."""
 
 
+class Bound(Enum):
+    """What a profile number may be: more than zero, a fraction in (0, 1], or zero or more (zero: a cost not
+    modelled)."""
+
+    POSITIVE = "greater than zero"
+    FRACTION = "in (0, 1]"
+    NONNEGATIVE = "zero or more"
+
+    def holds(self, value: float) -> bool:
+        if self is Bound.NONNEGATIVE:
+            return value >= 0
+        return value > 0 and (self is Bound.POSITIVE or value <= 1)
+
+
 @dataclass(frozen=True)
 class ProfileNumber:
     """One number of a ``[device_profile]`` table: its key in the file, the :class:`DeviceProfile` field it sets
-    and the factor from the file's unit to the field's (us → s, GB/s → B/s), whether zero is allowed (a cost not
-    modelled), and the fix a wrong value's message gives. The table below is the one home of each key: reading,
+    (with `dtype`: that entry of the ``peak_flops`` dict) and the factor from the file's unit to the field's
+    (us → s, GB/s → B/s), its :class:`Bound`, the fix a wrong value's message gives, whether the file must give
+    it and whether the field holds a whole number. The table below is the one home of each key: reading,
     checking and writing a profile all walk it."""
 
     key: str
     field: str
-    """The :class:`DeviceProfile` attribute; ``peak_flops:<dtype>`` for a peak rate (a dict entry)."""
     scale: float
-    zero_ok: bool
+    bound: Bound
     fix: str
     required: bool = False
+    dtype: str | None = None
+    whole: bool = False
+
+    def read(self, d: DeviceProfile) -> float | None:
+        """This number of profile `d` in the field's unit; None where `d` has no such peak rate."""
+        return d.peak_flops.get(self.dtype) if self.dtype else getattr(d, self.field)
 
 
+_P, _F, _Z = Bound.POSITIVE, Bound.FRACTION, Bound.NONNEGATIVE
 PROFILE_NUMBERS = (
-    ProfileNumber("peak_tflops_fp32", "peak_flops:float32", 1e12, False,
-                  "add peak_tflops_fp32 = <float32 matmul TFLOP/s>, e.g. 19.5", required=True),
-    ProfileNumber("peak_tflops_bf16", "peak_flops:bfloat16", 1e12, False,
-                  "give the bfloat16 matmul TFLOP/s, e.g. 312.0, or leave the key out"),
-    ProfileNumber("memory_GBps", "memory_bandwidth", GB, False,
+    ProfileNumber("peak_tflops_fp32", "peak_flops", 1e12, _P,
+                  "add peak_tflops_fp32 = <float32 matmul TFLOP/s>, e.g. 19.5", required=True, dtype="float32"),
+    ProfileNumber("peak_tflops_bf16", "peak_flops", 1e12, _P,
+                  "give the bfloat16 matmul TFLOP/s, e.g. 312.0, or leave the key out", dtype="bfloat16"),
+    ProfileNumber("memory_GBps", "memory_bandwidth", GB, _P,
                   "add memory_GBps = <device memory bandwidth in GB/s>, e.g. 2039.0", required=True),
-    ProfileNumber("memory_GiB", "memory_bytes", 2**30, False,
-                  "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0", required=True),
-    ProfileNumber("compute_efficiency", "compute_efficiency", 1.0, False,
+    ProfileNumber("memory_GiB", "memory_bytes", 2**30, _P,
+                  "add memory_GiB = <device memory capacity in GiB>, e.g. 80.0", required=True, whole=True),
+    ProfileNumber("compute_efficiency", "compute_efficiency", 1.0, _F,
                   "give a fraction in (0, 1], e.g. 0.6, or leave the key out"),
-    ProfileNumber("memory_efficiency", "memory_efficiency", 1.0, False,
+    ProfileNumber("memory_efficiency", "memory_efficiency", 1.0, _F,
                   "give a fraction in (0, 1], e.g. 0.8, or leave the key out"),
-    ProfileNumber("op_overhead_us", "op_overhead", 1e-6, True,
+    ProfileNumber("op_overhead_us", "op_overhead", 1e-6, _Z,
                   "give the microseconds of one tiny operator (zero or more), e.g. 5.0, or leave the key out"),
-    ProfileNumber("foreach_overhead_us", "foreach_overhead", 1e-6, True,
+    ProfileNumber("foreach_overhead_us", "foreach_overhead", 1e-6, _Z,
                   "give the microseconds per tensor of a foreach operator (zero or more), or leave it out"),
-    ProfileNumber("collective_overhead_us", "collective_overhead", 1e-6, True,
+    ProfileNumber("collective_overhead_us", "collective_overhead", 1e-6, _Z,
                   "give the host CPU microseconds of one collective (zero or more), or leave it out"),
-    ProfileNumber("call_overhead_us", "call_overhead", 1e-6, True,
+    ProfileNumber("call_overhead_us", "call_overhead", 1e-6, _Z,
                   "give the host microseconds of one call of the runtime's program (zero or more)"),
-    ProfileNumber("adamw_GBps", "adamw_bandwidth", GB, True,
+    ProfileNumber("adamw_GBps", "adamw_bandwidth", GB, _Z,
                   "give the parameter GB/s a foreach AdamW step updates (zero or more), or leave it out"),
-    ProfileNumber("adamw_overhead_us", "adamw_overhead", 1e-6, True,
+    ProfileNumber("adamw_overhead_us", "adamw_overhead", 1e-6, _Z,
                   "give the microseconds per parameter tensor of a foreach AdamW step (zero or more)"),
-    ProfileNumber("float8_cast_bytes", "float8_cast_bytes", 1.0, True,
+    ProfileNumber("float8_cast_bytes", "float8_cast_bytes", 1.0, _Z,
                   "give the bytes a Float8 product's operand element costs to cast (zero or more), e.g. 5.0"),
 )  # fmt: skip
 """Every number of ``[device_profile]``, in the order :func:`cluster_to_toml` writes them."""
@@ -249,19 +271,13 @@ def _device_profile(table: Any, source: str) -> DeviceProfile:
                 raise ClusterFileError(source, where, "is missing", number.fix)
             continue
         value = _number(table[number.key], where, source, positive=False, fix=number.fix)
-        fraction = number.key.endswith("efficiency")
-        if number.zero_ok:
-            if value < 0:
-                raise ClusterFileError(source, where, f"is {value}, must be zero or more", number.fix)
-        elif value <= 0 or (fraction and value > 1):
-            need = "in (0, 1]" if fraction else "greater than zero"
-            raise ClusterFileError(source, where, f"is {value}, must be {need}", number.fix)
-        field, _, dtype = number.field.partition(":")
-        if dtype:
-            fields[field][dtype] = value * number.scale
+        if not number.bound.holds(value):
+            raise ClusterFileError(source, where, f"is {value}, must be {number.bound.value}", number.fix)
+        value *= number.scale
+        if number.dtype:
+            fields["peak_flops"][number.dtype] = value
         else:
-            value *= number.scale
-            fields[field] = round(value) if field == "memory_bytes" else value  # bytes: a whole number
+            fields[number.field] = round(value) if number.whole else value
     return DeviceProfile(
         kind,
         matmul=_matmul_rates(table.get("matmul", []), source),
@@ -538,12 +554,11 @@ def _profile_toml(d: DeviceProfile) -> list[str]:
     """A [device_profile] table for a profile that is not one of DEVICES (e.g. measured by `meshpilot probe`)."""
     out = ["[device_profile]", f"kind = {_q(d.kind)}"]
     for number in PROFILE_NUMBERS:
-        field, _, dtype = number.field.partition(":")
-        value = d.peak_flops.get(dtype) if dtype else getattr(d, field)
-        if value is None or (number.zero_ok and not value):  # a rate not given, a cost not modelled
+        value = number.read(d)
+        if value is None or (number.bound is Bound.NONNEGATIVE and not value):  # a rate not given, a cost not modelled
             continue
         value /= number.scale
-        if number.zero_ok and number.scale != 1.0:
+        if number.bound is Bound.NONNEGATIVE and number.scale != 1.0:
             value = float(f"{value:.6g}")  # the unit's conversion noise: no 12.000000000000002
         out.append(f"{number.key} = {_f(value)}")
     if d.attention is not None:
