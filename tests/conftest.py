@@ -5,7 +5,7 @@ one worker, so a module's fixtures (one multi-rank spawn per world size) are bui
 collection order (``--no-loadscope-reorder`` in ``pyproject.toml``: by default xdist re-sorts the files by their
 number of tests, which sent the few-test, minutes-long files such as ``test_emulate.py`` and ``test_hf_models.py``
 last), so the files whose spawns take minutes go first and the short ones fill in behind them. The list is the
-files' CPU seconds, heaviest first (``MESHPILOT_TEST_CPU``, below: a suite at 8fc483e); a file missing from it
+files' CPU seconds, heaviest first (``MESHPILOT_TEST_CPU``, below: a quiet suite at 66bba7a); a file missing from it
 only runs later.
 """
 
@@ -23,23 +23,27 @@ settings.load_profile("suite")
 
 HEAVY_FIRST = (
     "test_models_parallel.py",
-    "test_emulate.py",
     "test_hf_families.py",
     "test_pipeline_runtime.py",
-    "test_checkpoint.py",
-    "test_frontier.py",
     "test_pipeline_plan.py",
     "test_context_parallel.py",
+    "test_frontier.py",
     "test_recompute.py",
-    "test_hf_models.py",
+    "test_emulate.py",
     "test_demo.py",
-    "test_sequence_parallel.py",
-    "test_model_sources.py",
-    "test_capture_stacked.py",
-    "test_bad_input.py",
-    "test_layouts.py",
+    "test_checkpoint.py",
     "test_grad_buckets.py",
+    "test_hf_models.py",
+    "test_bad_input.py",
+    "test_moe_dropless.py",
+    "test_probe.py",
+    "test_layouts.py",
+    "test_model_sources.py",
     "test_duplex.py",
+    "test_capture_stacked.py",
+    "test_sequence_parallel.py",
+    "test_stack_approx.py",
+    "test_ilp.py",
 )
 
 
