@@ -95,6 +95,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -505,8 +506,8 @@ def wait_table(v: dict) -> list[str]:
     its main thread's CPU, the main thread's wait for a core (runnable, not running), the rest of the wall (asleep:
     waiting for a collective's peers), and its other threads' CPU (gloo's)."""
     n = len(PHASES)
-    if not any(x.get("own_phases") and any(any(r[2 * n :]) for r in x["own_phases"]) for x in v.values()):
-        return []
+    if not any(d["on"] or d["threads_on"] for x in v.values() for r in x.get("own_phases") or [] for d in r):
+        return []  # no schedstat on this host
     lines = [
         "",
         "Rank 0, per part: wall = main thread CPU + its wait for a core + asleep (ms; + its other threads' CPU)",
@@ -520,10 +521,10 @@ def wait_table(v: dict) -> list[str]:
             continue
         cols = []
         for j in range(n):
-            parts = [[r[n + j], r[2 * n + j], r[3 * n + j], r[4 * n + j]] for r in rows]
-            wall, on, wait = (statistics.median(p[i] for p in parts) * 1e3 for i in range(3))
-            asleep = statistics.median(p[0] - p[1] - p[2] for p in parts) * 1e3
-            others = statistics.median(p[3] - p[1] for p in parts) * 1e3
+            d = [Mark(**r[j]) for r in rows]  # this phase's clocks' deltas, one per timed step
+            wall, on, wait = (statistics.median(getattr(m, f) for m in d) * 1e3 for f in ("wall", "on", "wait"))
+            asleep = statistics.median(m.wall - m.on - m.wait for m in d) * 1e3
+            others = statistics.median(m.threads_on - m.on for m in d) * 1e3  # gloo's threads
             cols.append(f"{wall:.0f} = {on:.0f} + {wait:.0f} + {asleep:.0f} (+{others:.0f})")
         lines.append(f"| {k} | " + " | ".join(cols) + " |")
     return lines
@@ -842,6 +843,20 @@ def comm_cost(models: dict, inputs: dict, opts: dict, variants, rounds: int) -> 
     return out
 
 
+class Mark(NamedTuple):
+    """One instant of a rank's clocks (seconds): process CPU, wall, then :meth:`Schedstat.read`'s four."""
+
+    cpu: float
+    wall: float
+    on: float
+    wait: float
+    threads_on: float
+    threads_wait: float
+
+    def since(self, before: Mark) -> Mark:
+        return Mark(*(a - b for a, b in zip(self, before, strict=True)))
+
+
 class Schedstat:
     """One process's threads as Linux's scheduler counts them (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds
     on a CPU, nanoseconds runnable on a run queue but not running, time slices). :meth:`read` gives, in seconds,
@@ -899,11 +914,11 @@ def worker(args: argparse.Namespace) -> int:
             models[k], inputs[k] = wrap_torch(k, m), mine
     opts = {k: adamw(m.parameters(), lr=1e-4) for k, m in models.items()}
 
-    marks: list[tuple[float, ...]] = []
+    marks: list[Mark] = []
     threads = Schedstat()
 
     def mark() -> None:
-        marks.append((time.process_time(), time.perf_counter(), *threads.read()))
+        marks.append(Mark(time.process_time(), time.perf_counter(), *threads.read()))
 
     def step(name: str) -> float:
         marks.clear()
@@ -924,7 +939,7 @@ def worker(args: argparse.Namespace) -> int:
     times = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
     phases: dict[str, list[list[float]]] = {k: [] for k in variants}
-    own: dict[str, list[list[float]]] = {k: [] for k in variants}
+    own: dict[str, list[list[dict]]] = {k: [] for k in variants}  # per timed step: each phase's Mark delta
     losses = {k: [] for k in variants}
     for i in range(args.warmup + args.steps):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
@@ -934,7 +949,8 @@ def worker(args: argparse.Namespace) -> int:
             loss = step(name)
             dist.barrier()
             dt = time.perf_counter() - t0
-            split = [marks[j + 1][c] - marks[j][c] for c in (0, 1) for j in range(len(PHASES))]
+            deltas = [marks[j + 1].since(marks[j]) for j in range(len(PHASES))]
+            split = [*(d.cpu for d in deltas), *(d.wall for d in deltas)]  # every phase's CPU, then its wall
             used = torch.tensor([time.process_time() - c0, dt, *split], dtype=torch.float64)
             dist.all_reduce(used, op=dist.ReduceOp.MAX)
             losses[name].append(loss)
@@ -942,7 +958,7 @@ def worker(args: argparse.Namespace) -> int:
                 times[name].append(float(used[1]))
                 cpu[name].append(float(used[0]))
                 phases[name].append([float(x) for x in used[2:]])
-                own[name].append([marks[j + 1][c] - marks[j][c] for c in range(6) for j in range(len(PHASES))])
+                own[name].append([d._asdict() for d in deltas])
         if rank == 0 and i >= args.warmup:
             print(f"step {i}: " + ", ".join(f"{k} {times[k][-1] * 1e3:.0f} ms" for k in variants), flush=True)
     colls = {k: count_collectives(lambda k=k: step(k)) for k in variants}
