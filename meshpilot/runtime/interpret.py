@@ -6,8 +6,10 @@ resharding edges, with DTensor's transform steps: :func:`redistribute`), then th
 
 * ``dtensor`` — DTensor's dispatcher runs the op; its inputs match the planned strategy, so it takes it;
 * ``own`` — one of meshpilot's own strategies (:mod:`meshpilot.ops`), run on the local shards;
-* ``local`` — convolution forward and backward run on the local shards (DTensor's handler rejects a batch
-  sharded over two mesh axes) and the outputs are labelled with the planned layouts;
+* ``local`` — the op runs on the local shards and its outputs are labelled with the planned layouts:
+  convolution forward and backward (DTensor's handler rejects a batch sharded over two mesh axes), and the
+  DTensor-planned ops whose DTensor run is that same local call (:func:`runs_on_shards`: matrix products and
+  pointwise ops), where DTensor's dispatcher would only find again the strategy the plan fixed;
 * ``fallback`` — no strategy: the op runs on full replicas of its operands, its outputs are replicated.
 
 Views run as the layout actually held allows: the captured graph is functional, so a ``view`` whose local
@@ -55,6 +57,31 @@ class ExecMode(StrEnum):
 # Convolutions run on the local shards: exact for any strategy of their sharding rule, and DTensor's own
 # handler rejects a batch sharded over two mesh axes (``S(0)S(0)``).
 _LOCAL_OPS = {aten.convolution.default, aten.convolution_backward.default}
+
+# DTensor runs these as the same op on the local shards under any of their strategies (no argument rewritten,
+# no collective inside): given the plan's input layouts its dispatcher would only find again the plan's strategy
+# (``sharding.strategies`` keeps only those it picks), by a sharding propagation that on a cache miss costs more
+# than the op (a new shape, mesh or layout: every op of a first step).
+_ON_SHARDS = [True]
+"""Whether :func:`runs_on_shards` ops skip DTensor's dispatcher (``tests/test_record_programs.py``: both ways)."""
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def runs_on_shards(target: Any, ins: tuple[Placements, ...], outs: tuple[Placements | None, ...]) -> bool:
+    """Whether a node DTensor's strategy covers (planned input layouts `ins`, output layouts `outs`) computes
+    what DTensor would by running `target` on the local shards and labelling the outputs `outs`: a matrix
+    product under any strategy (its partial sums are linear); a pointwise op that neither writes in place nor
+    draws random numbers (DTensor offsets a sharded tensor's generator), with no partial sum among its layouts
+    (DTensor may redistribute one against a scalar operand)."""
+    if not isinstance(target, torch._ops.OpOverload) or not outs or any(o is None for o in outs):
+        return False
+    if target in _MATMULS:
+        return True
+    tags = target.tags
+    if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags or target._schema.is_mutable:
+        return False
+    return not any(p.is_partial() for pl in (*ins, *outs) for p in pl)
+
 
 # Views whose result depends on the operand's strides: run on a contiguous copy when the local operand
 # cannot be viewed to the planned shape.
@@ -154,7 +181,9 @@ class NodeCall:
             self.mode = ExecMode.FALLBACK
         elif op is not None:
             self.mode = ExecMode.OWN
-        elif fx.target in _LOCAL_OPS:
+        elif fx.target in _LOCAL_OPS or (
+            _ON_SHARDS[0] and choice.source == StrategySource.DTENSOR and runs_on_shards(fx.target, self.ins, self.outs)
+        ):
             self.mode = ExecMode.LOCAL
         else:
             self.mode = ExecMode.DTENSOR

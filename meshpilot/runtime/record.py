@@ -27,6 +27,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from meshpilot import compat
+
 
 class NotReplayable(RuntimeError):
     """The function read a tensor's value back into Python, so a recording would bake it in."""
@@ -166,6 +168,16 @@ def _prune(graph: torch.fx.Graph) -> int:
     return removed
 
 
+def _graph_module() -> type[torch.fx.GraphModule]:
+    """The class of a recording: torch.fx's lazy graph module, which generates the program's code when it is
+    first read or called rather than at every ``recompile()`` — the passes over a recording (``runtime/``) each
+    rewrite its graph and recompile, and its code is only read once they are done (``program.direct_ops``)."""
+    lazy = compat.lookup(
+        "torch.fx._lazy_graph_module._LazyGraphModule", "a recording's code is generated again after every pass"
+    )
+    return lazy if lazy is not None else torch.fx.GraphModule
+
+
 def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
     """(program, fn's result): run ``fn(*args)`` once and record it (module docstring)."""
     import operator
@@ -185,6 +197,6 @@ def record(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, Any]:
         if node.target is _getitem:
             node.target = operator.getitem
     _prune(graph)
-    gm = torch.fx.GraphModule(recorder.owner, graph)
+    gm = _graph_module()(recorder.owner, graph)
     gm.meshpilot_out_spec = spec
     return gm, result
