@@ -301,11 +301,12 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
     return None if key_ is None else cached_graph(key_, make)
 
 
-def captures(*builds: tuple[str, Any, Any]) -> dict:
+def captures(*builds: tuple[str, Any, Any], into: dict | None = None) -> dict:
     """For ``run_distributed(..., graphs=)``: each (key, model, plan)'s capture under the key :func:`graph_of`
     finds it by in the ranks, made here once (in the parent: not cached in this process, whose test modules
-    may reuse a key for another model) — one trace for the task where every rank traced."""
-    out: dict = {}
+    may reuse a key for another model) — one trace for the task where every rank traced. `into` (returned):
+    captures made already, by key; one of them is not made again."""
+    out: dict = {} if into is None else into
     for key, model, plan in builds:
         key_, make = _graph_of(key, model, plan)
         if key_ is not None and key_ not in out:
