@@ -193,3 +193,18 @@ def test_a_plan_runs_on_a_loaded_capture_as_on_its_own_on_2_ranks(graphs):
 def _same_kind(seq, items: list):
     """`items` in a sequence of `seq`'s type (a named tuple's, too)."""
     return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)
+
+
+def test_a_pipeline_stages_slice_pickles_with_its_boundary_leaves(graphs):
+    """A stage's graph (``planner.stage.slice_graph``) shares the capture's fx graph and adds leaves of its own
+    (no fx node): loaded, every node is linked as it was."""
+    from meshpilot.planner.stage import layers, slice_graph
+
+    g = _captured(graphs, "gpt")[2]
+    all_layers = layers(g)
+    sub = slice_graph(g, 1, len(all_layers) - 1, all_layers)
+    h = pickle.loads(pickle.dumps(sub))
+    assert h.nodes == sub.nodes and h.fingerprint() == sub.fingerprint() and h.grads == sub.grads
+    linked = [None if n.fx_node is None else n.fx_node.name for n in sub.nodes]
+    assert [None if n.fx_node is None else n.fx_node.name for n in h.nodes] == linked
+    assert None in linked  # the boundary leaves
