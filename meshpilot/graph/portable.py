@@ -97,6 +97,8 @@ def restore(graph: OpGraph, state: dict[str, Any]) -> None:
 
 
 def _fx_state(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """`gm` as data: per node in order (op, name, target, arguments with :class:`_Ref` for nodes, type, meta
+    with :class:`_FakeSpec` and :class:`_OpName` where the module docstring says), its constants, its meta."""
     fake_type = compat.require("torch._subclasses.fake_tensor.FakeTensor")
     fakes: dict[int, _FakeSpec] = {}  # by the fake tensor's id: a value shared by nodes travels once
 
@@ -133,6 +135,7 @@ def _fx_state(gm: torch.fx.GraphModule) -> dict[str, Any]:
 
 
 def _attr(gm: torch.nn.Module, target: str) -> Any:
+    """The attribute a ``get_attr`` node reads (`target` may be dotted)."""
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -140,6 +143,8 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
 
 
 def _from_fx_state(state: dict[str, Any]) -> torch.fx.GraphModule:
+    """The graph module :func:`_fx_state` wrote: the same nodes, names, targets, arguments and meta, its fake
+    values those of one new ``FakeTensorMode``."""
     mode = compat.fake_tensor_mode()(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}  # by the spec's id: pickle gives one spec object per value that was shared
 
