@@ -17,6 +17,11 @@ ranks. A rank that hangs is killed after ``timeout`` seconds and reported the sa
 children inherit), and pass plain data. Return values come back through pickled files, so they
 can be large. Return CPU tensors or plain Python data.
 
+A capture (``OpGraph``) pickles (``meshpilot.graph.portable``): a capture the parent made is an argument like
+any other, pickled once with the task and loaded by each rank, where tracing the model in every rank cost each
+rank the capture's CPU again (a sixth of a 4-rank test's). ``run_distributed(..., graphs=)`` hands the ranks'
+:func:`graph_of` and :func:`cached_graph` the parent's captures under their keys (:func:`captures` makes them).
+
 ``lockstep_adamw(ref, pm, inputs, steps)`` is the check most workers run inside ``fn``: the
 single-device model and its ``parallelize``'d copy trained side by side, compared step by step;
 ``tiny_gpt()`` the seeded tiny GPT and batch the host-cost tests time and count.
@@ -38,7 +43,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "cached_graph", "graph_of", "lockstep_adamw", "run_distributed"]
+__all__ = ["DistributedTestError", "cached_graph", "captures", "graph_of", "lockstep_adamw", "run_distributed"]
 
 
 class DistributedTestError(RuntimeError):
@@ -73,13 +78,15 @@ def _serve(rank: int, world_size: int, tmpdir: str, backend: str, threads: int, 
             break
         task, payload = message
         try:
-            fn, args, kwargs, env = pickle.loads(payload)  # imports the test module that defines fn
+            fn, args, kwargs, env, graphs = pickle.loads(payload)  # imports the test module that defines fn
             # what a fresh spawn gave the task: the parent's environment now, torch's initial random state, no
-            # captures cached by an earlier task (``graph_of``'s keys name a model only within one test module)
+            # captures cached by an earlier task (``graph_of``'s keys name a model only within one test module),
+            # those the parent made for this one
             os.environ.clear()
             os.environ.update(env)
             torch.manual_seed(_TORCH_SEED)
             _GRAPHS.clear()
+            _GRAPHS.update(graphs)
             result = fn(*args, **kwargs)
             # Barrier so no rank reports (and the parent sends the next task) while a peer is still in this
             # one's collectives. On an error there is no barrier (peers may be stuck); the parent kills them.
@@ -127,12 +134,13 @@ class _Pool:
             self.pipes.append(ours)
             self.procs.append(p)
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; each rank's result. On any failure the pool is closed (a rank
-        left in a collective cannot be reused) and :class:`DistributedTestError` raised."""
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, graphs: dict) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank, with `graphs` in the ranks' capture cache; each rank's result.
+        On any failure the pool is closed (a rank left in a collective cannot be reused) and
+        :class:`DistributedTestError` raised."""
         self.tasks += 1
         task = self.tasks
-        payload = pickle.dumps((fn, args, kwargs, dict(os.environ)))
+        payload = pickle.dumps((fn, args, kwargs, dict(os.environ), graphs))
         for pipe in self.pipes:
             pipe.send((task, payload))
         deadline = time.monotonic() + timeout
@@ -255,12 +263,15 @@ def run_distributed(
     timeout: float = 300.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    graphs: dict | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result, indexed by rank.
 
     ``timeout`` bounds the run (seconds); ``threads_per_rank`` sets ``torch.set_num_threads`` in each rank
     (keep 1 on shared CPUs). The ranks are a :class:`_Pool`'s, kept for the next call of the same size.
+    ``graphs`` (:func:`captures`' keys and captures) are what :func:`graph_of` and :func:`cached_graph` find in
+    each rank before they capture.
 
     A rank killed by a signal before it reported (seen once: a segfault in one of 8 ranks of a duplex run that
     passed on every rerun) is retried once on fresh ranks, with a warning that names it, so the crash is
@@ -269,10 +280,10 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     try:
-        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout)
+        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout, dict(graphs or {}))
     except _RankCrashed as crash:
         warnings.warn(f"{fn.__name__} on {world_size} ranks: {crash}; retried once", stacklevel=2)
-        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout)
+        return _pool(world_size, backend, threads_per_rank).run(fn, args, kwargs, timeout, dict(graphs or {}))
 
 
 _GRAPHS: dict = {}
@@ -284,13 +295,31 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
     fingerprint is still checked against it). `key` names the model build, `plan` is a ``StagePlan`` in
     float32 (``parallelize`` casts the model before it captures a lower-precision plan: None lets it). The
     capture is the one ``parallelize`` would make: on meta inputs, answering the plan's guards (the values the
-    model's Python read from its inputs), which are part of the key."""
+    model's Python read from its inputs), which are part of the key. One the parent made (:func:`captures`,
+    ``run_distributed(..., graphs=)``) is taken as it is."""
+    key_, make = _graph_of(key, model, plan)
+    return None if key_ is None else cached_graph(key_, make)
+
+
+def captures(*builds: tuple[str, Any, Any], into: dict | None = None) -> dict:
+    """For ``run_distributed(..., graphs=)``: each (key, model, plan)'s capture under the key :func:`graph_of`
+    finds it by in the ranks, made here once (in the parent: not cached in this process, whose test modules
+    may reuse a key for another model) — one trace for the task where every rank traced. `into` (returned):
+    captures made already, by key; one of them is not made again."""
+    out: dict = {} if into is None else into
+    for key, model, plan in builds:
+        key_, make = _graph_of(key, model, plan)
+        if key_ is not None and key_ not in out:
+            out[key_] = make()
+    return out
+
+
+def _graph_of(key: str, model: Any, plan: Any) -> tuple[tuple | None, Callable[[], Any]]:
+    """:func:`graph_of`'s cache key and capture (None for a lower-precision plan)."""
     import torch
 
     from meshpilot.graph.capture import Precision, capture, dtype_from_name
 
-    if Precision.of_label(plan.precision) not in (None, Precision.FP32):
-        return None
     shapes = tuple((tuple(shape), dt) for shape, dt in plan.input_shapes)
     guards = tuple((name, tuple(values)) for name, values in plan.guards)
 
@@ -298,12 +327,15 @@ def graph_of(key: str, model: Any, plan: Any) -> Any:
         examples = [torch.empty(shape, dtype=dtype_from_name(dt), device="meta") for shape, dt in shapes]
         return capture(model, examples, precision=plan.precision, guards=plan.guards)
 
-    return cached_graph((key, shapes, plan.precision, guards), make)
+    if Precision.of_label(plan.precision) not in (None, Precision.FP32):
+        return None, make
+    return (key, shapes, plan.precision, guards), make
 
 
 def cached_graph(key: tuple, make: Callable[[], Any]) -> Any:
     """``make()`` (a capture), made once per rank under `key` and kept until the task ends: :func:`graph_of`'s,
-    and captures ``graph_of`` does not make (a pipeline's, at one microbatch)."""
+    and captures ``graph_of`` does not make (a pipeline's, at one microbatch). One the parent passed under
+    `key` (``run_distributed(..., graphs={key: capture})``) is taken as it is."""
     if key not in _GRAPHS:
         _GRAPHS[key] = make()
     return _GRAPHS[key]

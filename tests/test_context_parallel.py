@@ -31,7 +31,7 @@ import math
 
 import pytest
 import torch
-from dist_utils import graph_of, lockstep_adamw, run_distributed
+from dist_utils import captures, graph_of, lockstep_adamw, run_distributed
 from test_recompute import LLAMA  # the same tiny Llama, here at a sequence long enough to shard
 from tiers import matrix
 
@@ -587,7 +587,12 @@ def test_sequence_parallel_plans_train_equal_to_one_device_on_4_ranks(plans):
     run = [name for name in plans if name in RUN]
     jobs = {name: (plans[name][0], plans[name][1].to_json()) for name in run}
     jobs["zigzag-kernel"] = ("", "")
-    per_rank = run_distributed(_worker, 4, jobs, timeout=1800)
+    graphs: dict = {}  # each model captured once here for the 4 ranks' graph_of, not once in each rank
+    for name in run:
+        key, plan_ = plans[name]
+        with _capturing(key):
+            captures((key, _model(key, "cpu")[0], plan_), into=graphs)
+    per_rank = run_distributed(_worker, 4, jobs, timeout=1800, graphs=graphs)
     zig = max(max(r["zigzag-kernel"]) for r in per_rank)  # the zig-zag layout's kernels, on their own
     assert zig < 1e-5, [r["zigzag-kernel"] for r in per_rank]
     for name in run:  # the largest differences over ranks and steps, for the record (pytest -s)

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 import transformers  # noqa: F401 - a test dependency (pyproject test extra): never skipped silently
-from dist_utils import lockstep_adamw, run_distributed
+from dist_utils import captures, graph_of, lockstep_adamw, run_distributed
 from tiers import matrix, params
 
 TOL = 1e-5
@@ -221,7 +221,8 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
     for STEPS AdamW steps; per job its loss and gradient differences per step, whether each step's collectives
     equal the plan's, and the seconds it took (or ``error``: one line). Shared with the benchmark.
     ``referee``: a float64 copy trains alongside (``lockstep_adamw``'s ``ref64``), to tell float32 rounding
-    from a real difference."""
+    from a real difference. A family runs on the capture ``graph_of`` finds under :func:`_graph_key` (the
+    parent's, where it passed them: :func:`_captures`), else on its own."""
     from meshpilot.models.hf_families import Family, build, one_line
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
@@ -240,7 +241,10 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
                 ref, inputs = build(fam, overrides, use_cache=use_cache, attn=attn)
                 model, _ = build(fam, overrides, use_cache=use_cache, attn=attn)
                 ref64 = build(fam, overrides, use_cache=use_cache, attn=attn)[0].double() if referee else None
-            pm = parallelize(model, plan)
+            graph = None
+            if kind not in (GUARDED.kind, ONE_RANK_OFF.kind):  # those check the model against the plan's capture
+                graph = graph_of(_graph_key(name, kind, use_cache, attn), model, plan)
+            pm = parallelize(model, plan, graph=graph)
             ref64 = _runs_in_float64(ref64, inputs)  # after: an eager forward first changes Gemma-3n's capture
             res = lockstep_adamw(ref, pm, inputs, STEPS, lr=1e-3, ref64=ref64)
             planned = plan.collective_counts(backend="gloo")
@@ -253,6 +257,26 @@ def lockstep_families(jobs: list[tuple], referee: bool = False) -> list[dict]:
         res["seconds"] = time.perf_counter() - t0
         out.append(res)
     return out
+
+
+def _graph_key(name: str, kind: str, use_cache: bool, attn: str) -> str:
+    """What names one family's build (``graph_of``'s key)."""
+    return f"{name}/{kind}/{use_cache}/{attn}"
+
+
+def _captures(jobs: list[tuple]) -> dict:
+    """Each family job's capture, made here once for the ranks (each traced its families before: ~1-4 CPU s a
+    family a rank), under ``graph_of``'s keys."""
+    from meshpilot.models.hf_families import Family, build
+    from meshpilot.planner.plan import StagePlan
+
+    graphs: dict = {}
+    for name, kind, use_cache, attn, overrides, plan_json in jobs:
+        if kind in (GUARDED.kind, ONE_RANK_OFF.kind):
+            continue
+        model, _ = build(Family(*name.split("/"), kind), overrides, use_cache=use_cache, attn=attn)
+        captures((_graph_key(name, kind, use_cache, attn), model, StagePlan.from_json(plan_json)), into=graphs)
+    return graphs
 
 
 def _runs_in_float64(ref64, inputs):
@@ -335,7 +359,7 @@ def runs(outcomes):
     guarded = _guarded_plan().to_json()
     jobs += [(job.name, job.kind, False, "-", {}, guarded) for job in (GUARDED, ONE_RANK_OFF)]
     t0 = time.perf_counter()
-    per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700)
+    per_rank = run_distributed(lockstep_families, WORLD, jobs, timeout=1700, graphs=_captures(jobs))
     print(f"\n{len(jobs)} sample runs on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
     return {k: [r[i] for r in per_rank] for i, k in enumerate(keys)}
 

@@ -99,8 +99,9 @@ def build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------------------------- planning
 
 
-def make_plans() -> dict:
-    """Every (model, mesh, kind) plan (in the test process), each model captured once."""
+def make_plans(graphs: dict | None = None) -> dict:
+    """Every (model, mesh, kind) plan (in the test process), each model captured once (into `graphs`, by name:
+    the ranks run on those captures)."""
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import plan
     from meshpilot.planner.forced import forced
@@ -109,6 +110,8 @@ def make_plans() -> dict:
     for name in MODELS:
         model, inputs = build(name)
         graph = capture(model, inputs)
+        if graphs is not None:
+            graphs[name] = graph
         for shape in MESHES:
             for kind in KINDS:
                 if kind != "solver" and (shape not in FORCED_MESHES[kind] or name not in FORCED_MODELS):
@@ -124,8 +127,15 @@ def make_plans() -> dict:
 
 
 @pytest.fixture(scope="module")
-def plans():
-    return make_plans()
+def planned() -> tuple[dict, dict]:
+    """(the plans, each model's capture by name)."""
+    graphs: dict = {}
+    return make_plans(graphs), graphs
+
+
+@pytest.fixture(scope="module")
+def plans(planned):
+    return planned[0]
 
 
 def test_every_model_plans_without_fallback_or_cpu_kernel(plans):
@@ -214,26 +224,25 @@ def _run(name: str, plan_json: str, graph, ref: list[dict]) -> dict:
     return res
 
 
-def _worker(jobs: list[tuple[str, str, str]]) -> dict:
-    from meshpilot.graph.capture import capture
-
+def _worker(jobs: list[tuple[str, str, str]], graphs: dict) -> dict:
+    """Every (job id, model, plan JSON) run on the parent's capture of the model (`graphs`, pickled once for
+    every rank: each rank's own trace was ~4 CPU s a model)."""
     refs: dict = {}
-    graphs: dict = {}
     out = {}
     for job, name, plan_json in jobs:
         t0 = time.perf_counter()
         if name not in refs:
             refs[name] = _reference(name)
-            graphs[name] = capture(*build(name))
         out[job] = _run(name, plan_json, graphs[name], refs[name])
         out[job]["seconds"] = time.perf_counter() - t0
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(plans):
+def runs(planned):
     """Per rank, per (model, mesh, kind): its run's results. Plans that are identical to another of the same
     model (a forced plan the solver also chose, a mesh axis of size one) run once."""
+    plans, graphs = planned
     job_of: dict = {}
     jobs = []
     for key, p in plans.items():
@@ -242,7 +251,7 @@ def runs(plans):
             job_of[what] = f"job{len(jobs)}"
             jobs.append((job_of[what], key[0], p.to_json()))
     t0 = time.perf_counter()
-    per_rank = run_distributed(_worker, WORLD, jobs, timeout=1500)
+    per_rank = run_distributed(_worker, WORLD, jobs, {n: graphs[n] for _, n, _ in jobs}, timeout=1500)
     print(f"\n{len(plans)} plans, {len(jobs)} distinct, on {WORLD} ranks in {time.perf_counter() - t0:.0f} s")
     return [{key: r[job_of[(key[0], _plan_key(p))]] for key, p in plans.items()} for r in per_rank]
 

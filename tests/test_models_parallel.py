@@ -192,8 +192,9 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 # ----------------------------------------------------------------------------------------- planning
 
 
-def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
-    """Every (model, mesh, kind) plan for `world` ranks (computed in the test process)."""
+def make_plans(world: int, graphs: dict | None = None) -> dict[tuple[str, tuple[int, int], str], object]:
+    """Every (model, mesh, kind) plan for `world` ranks (computed in the test process); each model's capture
+    into `graphs` under (model, 1) (:func:`_worker`'s key)."""
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import plan
     from meshpilot.planner.forced import forced
@@ -202,6 +203,8 @@ def make_plans(world: int) -> dict[tuple[str, tuple[int, int], str], object]:
     for name in dict.fromkeys((*MODELS_AT[world], *MESHES_3D[world])):  # a model of MESHES_3D alone: its 3D mesh
         model, inputs = build(name)
         graph = capture(model, inputs)
+        if graphs is not None:
+            graphs[(name, 1)] = graph
         for shape in MESHES[world] if name in MODELS_AT[world] else ():
             for kind in KINDS_OF.get(name, KINDS):
                 if kind != "solver" and shape not in FORCED_MESHES[world][kind]:
@@ -342,13 +345,12 @@ def _run_plan(name: str, plan, graph, ref: list[dict]) -> dict:
     return res
 
 
-def _worker(jobs: list[tuple[str, str, str]]) -> dict:
-    """Run every (job id, model, plan JSON): per step its loss, gradients, parameters and collectives."""
-    from meshpilot.graph.capture import capture
+def _worker(jobs: list[tuple[str, str, str]], graphs: dict) -> dict:
+    """Run every (job id, model, plan JSON): per step its loss, gradients, parameters and collectives. The plan
+    runs on `graphs`' capture of its model at one of its microbatches (the parent's: :func:`_captures`)."""
     from meshpilot.planner.plan import StagePlan
 
     refs: dict = {}
-    graphs: dict = {}
     out: dict = {}
     for job, name, plan_json in jobs:
         t0 = time.perf_counter()
@@ -356,11 +358,26 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
         m = plan.step_schedule().microbatches
         if (name, m) not in refs:
             refs[(name, m)] = _reference(name, ADAMW, m)
-        if (name, m) not in graphs:
-            model, inputs = build(name)
-            graphs[(name, m)] = capture(model, [x.chunk(m)[0] for x in inputs])
         out[job] = _run_plan(name, plan, graphs[(name, m)], refs[(name, m)])
         out[job]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _captures(jobs: list[tuple[str, str, str]], graphs: dict) -> dict:
+    """The captures the jobs run on, by (model, microbatches): `graphs`' (the planning's, at one microbatch), the
+    others made here — once for the spawn, where each rank traced every model (~3 CPU s a rank a model)."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.plan import StagePlan
+
+    out: dict = {}
+    for _, name, plan_json in jobs:
+        key = (name, StagePlan.from_json(plan_json).step_schedule().microbatches)
+        if key not in out:
+            if key in graphs:
+                out[key] = graphs[key]
+            else:
+                model, inputs = build(name)
+                out[key] = capture(model, [x.chunk(key[1])[0] for x in inputs])
     return out
 
 
@@ -372,7 +389,8 @@ def runs(request):
     """(world, plans, per-rank results keyed like plans): one spawn per world size."""
     world = request.param
     t0 = time.perf_counter()
-    plans = make_plans(world)
+    graphs: dict = {}
+    plans = make_plans(world, graphs)
     t_plan = time.perf_counter() - t0
     unique: dict[str, str] = {}
     job_of: dict = {}
@@ -384,7 +402,7 @@ def runs(request):
             jobs.append((unique[k], key[0], p.to_json()))
         job_of[key] = unique[k]
     t1 = time.perf_counter()
-    per_rank = run_distributed(_worker, world, jobs, timeout=900)
+    per_rank = run_distributed(_worker, world, jobs, _captures(jobs, graphs), timeout=900)
     t_run = time.perf_counter() - t1
     results = [{key: r[job_of[key]] for key in plans} for r in per_rank]
     print(

@@ -241,6 +241,11 @@ class OpNode:
     ``planner.config_plan``'s CP stacks): its query rows split over one mesh axis are each rank's two balanced
     chunks, priced so (``CostModel.attention``'s balanced row), not at the contiguous split's slowest rank."""
     fx_node: torch.fx.Node | None = field(default=None, repr=False, compare=False)
+    """The node of ``OpGraph.gm`` this one is (None for a node made after the capture: a stage's boundary leaf).
+    A pickled ``OpGraph`` links it again (:mod:`meshpilot.graph.portable`); a node pickled alone drops it."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "fx_node": None}
 
     @property
     def out(self) -> TensorInfo | None:
@@ -292,6 +297,18 @@ class OpGraph:
             for src, _ in n.inputs:
                 users[src].append(n.name)
         self.users = users
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles: the fields, with the fx graph and its fake values as plain data
+        (:mod:`meshpilot.graph.portable`); unpickled, the graph plans and runs as this one."""
+        from meshpilot.graph import portable
+
+        return portable.graph_state(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from meshpilot.graph import portable
+
+        portable.restore(self, state)
 
     def __getitem__(self, name: str) -> OpNode:
         return self.by_name[name]
