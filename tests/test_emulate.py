@@ -323,7 +323,7 @@ def test_dry_run_prints_ip_tc_and_torchrun(capsys, files):
     assert "match ip dst 10.213.7.101/32" in out
     assert out.count("-m torch.distributed.run") == 2 and "--rdzv-backend c10d" in out
     assert "--rdzv-endpoint 10.213.7.100:29400" in out
-    assert out.count("--tee 3 --log-dir") == 2  # every rank's lines reach the console whole, labelled
+    assert out.count("--redirects 3 --log-dir") == 2  # every rank to its own file, followed by the launcher
     assert re.search(r"^ip netns del mpe\d+n1$", out, re.M)  # and the teardown it would run
     assert "train.py --lr 1" in out
 
@@ -395,3 +395,33 @@ def test_root_check_is_the_euid(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert not netns_mod.is_root()
     assert "not root" in netns_unavailable_reason()
+
+
+def test_rank_lines_are_forwarded_only_once_whole(tmp_path):
+    """The race CI hit: rank 1's text reached the file before its newline, and rank 0's line came between."""
+    import io
+    import threading
+
+    from meshpilot.emulate.launch import _RankLogs
+
+    out, err = io.StringIO(), io.StringIO()
+    follower = _RankLogs(str(tmp_path), node=1, nproc=2, sinks=(lambda: out, lambda: err), lock=threading.Lock())
+
+    def write(local: int, name: str, text: str) -> None:
+        path = tmp_path / "run_x" / "attempt_0" / str(local) / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(text)
+
+    write(1, "stdout", "RESULT rank=3")
+    follower.poll()
+    assert out.getvalue() == ""  # no newline yet: nothing forwarded
+    write(0, "stdout", "RESULT rank=2\n")
+    write(1, "stderr", "warning\n")
+    follower.poll()
+    write(1, "stdout", " sum=10\nlast line without newline")
+    follower.poll()
+    assert out.getvalue() == "[node 1] [rank 2] RESULT rank=2\n[node 1] [rank 3] RESULT rank=3 sum=10\n"
+    assert err.getvalue() == "[node 1] [rank 3] warning\n"
+    follower.poll(final=True)  # the run has ended: the unended tail goes out too
+    assert out.getvalue().endswith("[node 1] [rank 3] last line without newline\n")

@@ -10,11 +10,11 @@ i's ranks are ``i*P .. i*P+P-1`` (the rendezvous orders agents by their ``--loca
   ``MESHPILOT_EMULATE_NETNS``: which emulated node they run on.
 
 Each rank's output reaches the console whole-line and labelled ``[node i] [rank r]``: torchrun
-redirects every rank to its own file (``--tee 3 --log-dir``, in a directory the launcher owns and removes)
-and writes each line once with the rank's prefix, so two ranks of one node never splice their lines (with
-one shared pipe, ``print`` under ``PYTHONUNBUFFERED`` writes text and newline in two calls, and a
-neighbour's line can land between them). The launcher forwards each agent's lines with the ``[node i]``
-prefix.
+redirects every rank to its own file (``--redirects 3 --log-dir``, in a directory the launcher owns and
+removes) and the launcher follows those files (:class:`_RankLogs`), forwarding a line only once its newline
+has arrived. Neither a shared pipe nor torchrun's own ``--tee`` is whole-line: ``print`` under
+``PYTHONUNBUFFERED`` writes text and newline in two calls, and a reader at the file's end (torchrun's tee is
+one) takes the text alone, so a neighbour's line lands between it and its newline.
 
 The result is 0 when every agent exits 0; when one fails (a rank crashed), the others get `grace` seconds
 to finish, are then stopped, and the result is the first failing agent's exit code (a signal N counts as
@@ -102,7 +102,6 @@ def agent_env(plan: NetworkPlan, node: NodeNet, base: dict[str, str] | None = No
         MESHPILOT_EMULATE_ADDR=node.addr,
         MESHPILOT_EMULATE_NETNS=node.netns,
         PYTHONUNBUFFERED="1",
-        TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[rank ${rank}] ",
     )
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     return env
@@ -121,10 +120,10 @@ def agent_command(
 ) -> list[str]:
     """``ip netns exec <node's namespace> python -m torch.distributed.run ...`` for one node.
 
-    With `log_dir`, torchrun writes each rank's output there and tees it to the agent's console a whole
-    line at a time (see the module doc).
+    With `log_dir`, torchrun writes each rank's output to a file under ``<log_dir>/node<i>`` for the
+    launcher to forward (see the module doc).
     """
-    logs = ["--tee", "3", "--log-dir", log_dir] if log_dir else []
+    logs = ["--redirects", "3", "--log-dir", f"{log_dir}/node{node.index}"] if log_dir else []
     master = plan.nodes[0].addr
     return [
         "ip", "netns", "exec", node.netns,
@@ -170,6 +169,48 @@ def _forward(stream: IO[bytes], sink: Callable[[], IO[str]], prefix: str, lock: 
             out.write(f"{prefix}{line}\n")
             out.flush()
     stream.close()
+
+
+class _RankLogs:
+    """Follows the rank output files torchrun writes under one node's log directory
+    (``<run>/attempt_<k>/<local rank>/std{out,err}.log``) and forwards each complete line as
+    ``[node i] [rank r] line``; a line's text waits for its newline (the last, unended line of a file is
+    forwarded by the final :meth:`poll`). Rank r = node x ranks-per-node + local rank, the order the
+    rendezvous gives (module doc)."""
+
+    def __init__(
+        self, root: str, node: int, nproc: int, sinks: tuple[Callable[[], IO[str]], ...], lock: threading.Lock
+    ):
+        self.root, self.node, self.nproc, self.sinks, self.lock = Path(root), node, nproc, sinks, lock
+        self.read: dict[Path, tuple[int, bytes]] = {}  # file -> (bytes read, unended tail)
+
+    def poll(self, final: bool = False) -> None:
+        for path in sorted(self.root.glob("*/attempt_*/*/std*.log")):
+            offset, tail = self.read.get(path, (0, b""))
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            *lines, tail = (tail + data).split(b"\n")
+            if final and tail:
+                lines, tail = [*lines, tail], b""
+            self.read[path] = (offset + len(data), tail)
+            if lines:
+                rank = self.node * self.nproc + int(path.parent.name)
+                sink = self.sinks[0 if path.name == "stdout.log" else 1]
+                text = "".join(f"[node {self.node}] [rank {rank}] {x.decode(errors='replace')}\n" for x in lines)
+                with self.lock:
+                    out = sink()
+                    out.write(text)
+                    out.flush()
+
+    def follow(self, stop: threading.Event, interval: float = 0.1) -> None:
+        """Poll every `interval` seconds until `stop` is set, then once more with the unended tails."""
+        while not stop.wait(interval):
+            self.poll()
+        self.poll(final=True)
 
 
 def _exit_code(code: int) -> int:
@@ -259,7 +300,15 @@ def run_emulated(
             if flat and not quiet:
                 note("kernel autogroup off for this run (restored at the end; --keep-autogroup leaves it)")
             rc = _run_agents(
-                plan, commands(log_dir), env, (out, err), forwarders, timeout=timeout, grace=grace, note=note
+                plan,
+                commands(log_dir),
+                env,
+                (out, err),
+                forwarders,
+                rank_logs=(log_dir, nproc),
+                timeout=timeout,
+                grace=grace,
+                note=note,
             )
         # The namespaces are gone with every process that held the pipes: the forwarders drain and end.
         for t in forwarders:
@@ -304,15 +353,25 @@ def _run_agents(
     sinks: tuple[Callable[[], IO[str]], Callable[[], IO[str]]],
     forwarders: list[threading.Thread],
     *,
+    rank_logs: tuple[str, int],
     timeout: float | None,
     grace: float,
     note: Callable,
 ) -> int:
     """Start each node's torchrun agent in its namespace, its stdout and stderr forwarded to `sinks` prefixed by
-    the node (the threads appended to `forwarders`, for the caller to join once the namespaces are gone), wait
+    the node (the threads appended to `forwarders`, for the caller to join once the namespaces are gone) and
+    its ranks' files under ``rank_logs = (log directory, ranks per node)`` followed (:class:`_RankLogs`), wait
     for the job (:func:`_monitor`) and stop whatever is left; the job's exit code."""
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
+    stop = threading.Event()
+    followers = [
+        threading.Thread(target=_RankLogs(f"{rank_logs[0]}/node{n.index}", n.index, rank_logs[1], sinks, lock).follow,
+                         args=(stop,), daemon=True)
+        for n in plan.nodes
+    ]  # fmt: skip
+    for t in followers:
+        t.start()
     try:
         for n, argv in zip(plan.nodes, commands):
             p = subprocess.Popen(
@@ -331,6 +390,9 @@ def _run_agents(
         return _monitor(procs, timeout=timeout, grace=grace, note=note)
     finally:
         _stop(procs, grace=3.0)
+        stop.set()  # every rank has exited: the followers read what is left and end
+        for t in followers:
+            t.join(timeout=10)
 
 
 def _monitor(procs: list[subprocess.Popen], *, timeout: float | None, grace: float, note: Callable) -> int:
