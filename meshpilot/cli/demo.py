@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         other = other_mesh(plan.mesh_shape, n)
         with console.status(f"planning again on DeviceMesh{other} for the resumed run …"):
-            second, _ = make_plan(built, cluster, n, other)
+            second, _ = make_plan(built, cluster, n, other, graph=graph)
         second_path = Path(tmp) / "plan-resume.json"
         save_plan(second, second_path, "plan")
         code = train_with_plan((plan, path), (second, second_path), Path(tmp), args.steps, n)

@@ -808,10 +808,12 @@ def make_plan(
     searcher: str = "ilp",
     recompute: str = "auto",
     zero: str = "auto",
+    graph: Any = None,
 ):
     """Capture then solve, with a spinner per stage on `progress`; returns (plan, captured graph). `schedule`:
     ``meshpilot.plan``'s microbatches / overlap / duplex keywords (:func:`schedule_options`); `searcher` one of
-    ``meshpilot.planner.search.SEARCHERS``."""
+    ``meshpilot.planner.search.SEARCHERS``; `graph` an earlier call's capture of the same model, inputs,
+    microbatches and precision (not captured again)."""
     from meshpilot.cluster import load_cluster
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import check_precision, microbatch_inputs, searched_shapes
@@ -825,10 +827,11 @@ def make_plan(
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:  # shown after the search, one line each
         warnings.simplefilter("always")
-        with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
-            precision = check_precision(built.model, None, precision)
-            inputs = microbatch_inputs(built.inputs, schedule.get("microbatches", 1))
-            graph = capture(built.model, inputs, precision=precision)
+        precision = check_precision(built.model, None, precision)
+        if graph is None:
+            with progress.status(f"capturing the training step of {built.name} on meta tensors …"):
+                inputs = microbatch_inputs(built.inputs, schedule.get("microbatches", 1))
+                graph = capture(built.model, inputs, precision=precision)
         capture_s = time.perf_counter() - t0
         what = f"mesh {shape}" if shape else f"{len(shapes)} mesh shapes"
         with progress.status(f"searching ({searcher}) on {what} ({candidates} candidate{'s' * (candidates > 1)}) …"):
