@@ -313,6 +313,11 @@ PRICING_GAP = 1e-2
 """The relative MIP gap of the estimated table's capped block searches (module docstring, 5): they only price
 entries, and the chosen stages are planned again at the searcher's own gap (``Plan.with_intra``)."""
 
+RELAXED_PRICING = True
+"""Whether the estimated table solves its searches at the device's capacity — the pre and post pieces on every
+mesh, a whole server's block at its first cap level — from their LP relaxation (module docstring, 5, *Relaxed
+pricing*; ``StackTable.relaxed``'s default): the chosen stages are planned exactly all the same."""
+
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
 cost sum the same terms in other orders, so a floor as tight as the plan may exceed it by a rounding."""
@@ -596,6 +601,10 @@ class StackTable:
     """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
+    relaxed: bool = RELAXED_PRICING
+    """The estimated table's searches at the device's capacity (its pre and post pieces; a whole server's block at
+    its first cap level) solved from their LP relaxation (``ilp.solve(relaxed=)``; module docstring, 5, *Relaxed
+    pricing*); False: by the whole ILP. No other table reads it."""
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _server_caps: dict = field(default_factory=dict, init=False, repr=False)
@@ -619,6 +628,7 @@ class StackTable:
         planner=None,
         gap=None,
         mappings: tuple | None = None,
+        relaxed: bool = False,
     ) -> _Piece | None:
         kw = dict(self.kw)
         if mappings:
@@ -628,6 +638,8 @@ class StackTable:
             kw["zero"] = zero
         if gap is not None:
             kw["mip_gap"] = gap
+        if relaxed:
+            kw["relaxed"] = True
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -804,10 +816,13 @@ class StackTable:
             key = j * LEVEL_KEYS + level
             if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-            # the estimated table prices its capped blocks at a looser gap (module docstring, 5)
+            # the estimated table prices its capped blocks at a looser gap, its uncapped one from its LP
+            # relaxation (module docstring, 5, *Relaxed pricing*)
             gap = PRICING_GAP if level and self.costing == TableCosting.ESTIMATED else None
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap)
-            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap, block_gap=gap))
+            relaxed = self._relaxes and not level
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap, relaxed=relaxed)
+            c = Candidate(d, shape, block_cap, block_gap=gap, block_relaxed=relaxed)
+            ok = self._offer(ctx, win, key, specials, blk, c)
             # a tighter cap only where some range of blocks fits with no number of stages after it
             fitless = blocks_needed & ~ok.any(axis=0)
             if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
@@ -1026,10 +1041,16 @@ class StackTable:
             self._specials(ctx.posts, ctx.ranks, shape, ctx.used_post),
         ]
 
+    @property
+    def _relaxes(self) -> bool:
+        """Whether this table solves its searches at the device's capacity from their relaxation (:attr:`relaxed`)."""
+        return self.relaxed and self.costing == TableCosting.ESTIMATED
+
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
         size has) only: the others' ranges are ∞ in ``arrays`` whatever they cost."""
-        return [None] + [self._piece(r, ranks, shape, self.capacity) if j in used else None
+        cap, relaxed = self.capacity, self._relaxes
+        return [None] + [self._piece(r, ranks, shape, cap, relaxed=relaxed) if j in used else None
                          for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
 
     def _floors(self, pres, posts, used_pre, used_post, ranks, shape):
@@ -1080,7 +1101,7 @@ class StackTable:
         cost = compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches, ends=self.planner,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
-            accumulated=self.counts_accumulated, block_gap=c.block_gap, **kw,
+            accumulated=self.counts_accumulated, block_gap=c.block_gap, block_relaxed=c.block_relaxed, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
             # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
@@ -1142,6 +1163,9 @@ class Candidate:
     so."""
     block_gap: float | None = None
     """The block's MIP gap (None: the searcher's; :data:`PRICING_GAP`: an estimated table's capped block)."""
+    block_relaxed: bool = False
+    """The block solved from its LP relaxation (``StagePlanner.plan(relaxed=)``: an estimated table's first cap level,
+    :attr:`StackTable.relaxed`)."""
 
 
 def _merge_after(win: _Winners, later: _Winners) -> None:
@@ -1222,6 +1246,7 @@ def compose_stage(
     accumulated: bool = False,
     ends: StagePlanner | None = None,
     block_gap: float | None = None,
+    block_relaxed: bool = False,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -1233,8 +1258,9 @@ def compose_stage(
     `planner`), the captured graph's where `planner` is a recomputing one (recomputation copies blocks only,
     so the tables plan those parts once). `accumulated`: the forward + backward peak holds every piece's
     gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). `block_gap`: the
-    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`).
-    Raises ``PlanError`` when a piece has no plan."""
+    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`);
+    `block_relaxed`: the block solved from its LP relaxation (``StagePlanner.plan(relaxed=)``). Raises ``PlanError``
+    when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -1250,6 +1276,7 @@ def compose_stage(
     for (a, b), w, c in asked:
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
         zkw = dict(zkw, mip_gap=block_gap) if block_gap is not None and (a, b) == blk else zkw
+        zkw = dict(zkw, relaxed=True) if block_relaxed and (a, b) == blk else zkw
         by = planner if (a, b) == blk or ends is None else ends
         cost, mem = by.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))
