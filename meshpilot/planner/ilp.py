@@ -112,6 +112,21 @@ problem's matrices per memory row kind: between solves of one problem only the m
 It keeps the answers too: the plan without memory rows (solved once per problem; LP-integral on a repeated
 block, a tenth of a capped solve) answers every capacity its rows fit, and a plan found under a capacity
 answers any smaller one its rows still fit (the feasible set only shrank) — both exact within the MIP gap.
+
+Relaxed solves
+--------------
+``solve(relaxed=True)`` (:func:`_relaxed_then_fixed`) answers from the LP relaxation (every selection ``s_g ∈
+[0, 1]``): where the relaxation's optimum selects one strategy per group it is the ILP's optimum too (a relaxation
+is a lower bound, and that point is integral; on a tie HiGHS may return another optimal vertex than the ILP's, the
+same objective); where some selections are fractional, those integral in it are fixed and the ILP is solved over
+the rest (the whole ILP only where that has no plan). The answer's objective z is within ``(z − z_LP) / z`` of the
+optimum, z_LP the relaxation's, and that bound is the gap it reports (``Solution.gap``): it is an estimate for
+pricing, not a plan of its own — the estimated stage table's searches at the device's capacity
+(``stack.RELAXED_PRICING``); the chosen stages are planned with the whole ILP. At the device's capacity (no memory
+row binds) a piece's relaxation is mostly integral and its solve a fraction of the ILP's (the root's presolve,
+cuts and heuristics skipped): GPT-39B's estimated table's pre and post pieces, 158 solves, 155 with an integral
+relaxation, take 4.2 CPU s as ILPs and 1.5 as relaxations (replayed; ``docs/benchmarks.md``, issue 29 item 6,
+cheap29).
 """
 
 from __future__ import annotations

@@ -250,6 +250,19 @@ against 81.5490). It is an estimate, and not always a close one: each level's ca
 stage priced slower) while its final plan, [19,36)@8x1 where it was [18,36), went 44.440 → 43.685 s; the other four
 rows' final plans are unchanged.
 
+*Relaxed pricing* (:attr:`StackTable.relaxed`, default :data:`RELAXED_PRICING`): the table's searches at the device's
+capacity — the pre and post pieces on every priced mesh (``_both_specials``) and a whole server's block at its first
+cap level — are solved from their LP relaxation (``StagePlanner.plan(relaxed=)``, ``ilp.solve(relaxed=)``): the
+relaxation's optimum where it is integral (the ILP's optimum then, up to which of equal-cost plans), else the ILP over
+its fractional selections with the rest fixed, within ``(z − z_LP) / z`` of the optimum (the gap each piece reports,
+its error bound). A candidate so priced is composed again the same way (``Candidate.block_relaxed``); the pre and
+post parts of a chosen stage are planned by the whole ILP in ``compose_stage`` and the stages by ``Plan.with_intra``.
+Not relaxed, as measured on GPT-39B's default command (docs/benchmarks.md, issue 29 item 6, cheap29): the capped
+levels (1.3 CPU s where their ILPs at :data:`PRICING_GAP` take 18, but a level's plan decides the next level's cap,
+and the relaxed 2.33 GiB level of 4x2 kept more activations: ``[31,38)@4x2`` lost, the DP's step 79.86 → 95.41 s)
+and the catalogue's blocks (their relaxations are integral on 20 of 27, but pick another of the equal-cost plans on
+11 of those, whose memory differs: 98.93 s).
+
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
 best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own search (``StageCost.zero`` None:
