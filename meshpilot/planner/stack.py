@@ -250,18 +250,18 @@ against 81.5490). It is an estimate, and not always a close one: each level's ca
 stage priced slower) while its final plan, [19,36)@8x1 where it was [18,36), went 44.440 → 43.685 s; the other four
 rows' final plans are unchanged.
 
-*Relaxed pricing* (:attr:`StackTable.relaxed`, default :data:`RELAXED_PRICING`): the table's searches at the device's
-capacity — the pre and post pieces on every priced mesh (``_both_specials``) and a whole server's block at its first
-cap level — are solved from their LP relaxation (``StagePlanner.plan(relaxed=)``, ``ilp.solve(relaxed=)``): the
-relaxation's optimum where it is integral (the ILP's optimum then, up to which of equal-cost plans), else the ILP over
-its fractional selections with the rest fixed, within ``(z − z_LP) / z`` of the optimum (the gap each piece reports,
-its error bound). A candidate so priced is composed again the same way (``Candidate.block_relaxed``); the pre and
-post parts of a chosen stage are planned by the whole ILP in ``compose_stage`` and the stages by ``Plan.with_intra``.
-Not relaxed, as measured on GPT-39B's default command (docs/benchmarks.md, issue 29 item 6, cheap29): the capped
-levels (1.3 CPU s where their ILPs at :data:`PRICING_GAP` take 18, but a level's plan decides the next level's cap,
-and the relaxed 2.33 GiB level of 4x2 kept more activations: ``[31,38)@4x2`` lost, the DP's step 79.86 → 95.41 s)
-and the catalogue's blocks (their relaxations are integral on 20 of 27, but pick another of the equal-cost plans on
-11 of those, whose memory differs: 98.93 s).
+*Relaxed pricing* (:attr:`StackTable.relaxed`, default :data:`RELAXED_PRICING`): the pre and post pieces on every
+priced mesh (``_both_specials``, at the device's capacity) are solved from their LP relaxation
+(``StagePlanner.plan(relaxed=)``, ``ilp.solve(relaxed=)``): the relaxation's optimum where it is integral (the ILP's
+optimum then, up to which of equal-cost plans), else the ILP over its fractional selections with the rest fixed,
+within ``(z − z_LP) / z`` of the optimum (the gap each piece reports: its error bound). A chosen stage's pre and post
+parts are planned by the whole ILP again (``compose_stage``), and the stages by ``Plan.with_intra``. Not relaxed,
+as measured (docs/benchmarks.md, issue 29 item 6, cheap29): the capped levels (1.5 CPU s where their ILPs at
+:data:`PRICING_GAP` take 18 on GPT-39B, but a level's plan decides the next level's cap, and the relaxed 2.33 GiB
+level of 4x2 kept more activations: ``[31,38)@4x2`` lost, the DP's step 79.86 → 95.41 s); the catalogue's blocks
+(integral relaxations on 20 of 27, but another of the equal-cost plans on 11 of those, whose memory differs: 98.93
+s); a whole server's block at its first level (the same plan on GPT-39B, but GPT-6.7B's final plan 43.685 → 48.385
+s, 1.087 of the exact table's).
 
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
@@ -327,9 +327,9 @@ PRICING_GAP = 1e-2
 entries, and the chosen stages are planned again at the searcher's own gap (``Plan.with_intra``)."""
 
 RELAXED_PRICING = True
-"""Whether the estimated table solves its searches at the device's capacity — the pre and post pieces on every
-mesh, a whole server's block at its first cap level — from their LP relaxation (module docstring, 5, *Relaxed
-pricing*; ``StackTable.relaxed``'s default): the chosen stages are planned exactly all the same."""
+"""Whether the estimated table solves its pre and post pieces (embeddings; final norm and head) on every mesh from
+their LP relaxation (module docstring, 5, *Relaxed pricing*; ``StackTable.relaxed``'s default): the chosen stages
+are planned exactly all the same."""
 
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
@@ -615,9 +615,8 @@ class StackTable:
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
     relaxed: bool = RELAXED_PRICING
-    """The estimated table's searches at the device's capacity (its pre and post pieces; a whole server's block at
-    its first cap level) solved from their LP relaxation (``ilp.solve(relaxed=)``; module docstring, 5, *Relaxed
-    pricing*); False: by the whole ILP. No other table reads it."""
+    """The estimated table's pre and post pieces solved from their LP relaxation (``ilp.solve(relaxed=)``; module
+    docstring, 5, *Relaxed pricing*); False: by the whole ILP. No other table reads it."""
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _server_caps: dict = field(default_factory=dict, init=False, repr=False)
@@ -829,13 +828,10 @@ class StackTable:
             key = j * LEVEL_KEYS + level
             if level and lower is not None and not self._can_improve(lower, win.t, win.order, key):
                 break  # no plan of this mesh under any cap can change an entry (module docstring, 3)
-            # the estimated table prices its capped blocks at a looser gap, its uncapped one from its LP
-            # relaxation (module docstring, 5, *Relaxed pricing*)
+            # the estimated table prices its capped blocks at a looser gap (module docstring, 5)
             gap = PRICING_GAP if level and self.costing == TableCosting.ESTIMATED else None
-            relaxed = self._relaxes and not level
-            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap, relaxed=relaxed)
-            c = Candidate(d, shape, block_cap, block_gap=gap, block_relaxed=relaxed)
-            ok = self._offer(ctx, win, key, specials, blk, c)
+            blk = self._piece((mid, mid + 1), ctx.ranks, shape, block_cap, gap=gap)
+            ok = self._offer(ctx, win, key, specials, blk, Candidate(d, shape, block_cap, block_gap=gap))
             # a tighter cap only where some range of blocks fits with no number of stages after it
             fitless = blocks_needed & ~ok.any(axis=0)
             if blk is None or not fitless.any() or target >= ctx.NB[fitless].max():
@@ -1056,7 +1052,7 @@ class StackTable:
 
     @property
     def _relaxes(self) -> bool:
-        """Whether this table solves its searches at the device's capacity from their relaxation (:attr:`relaxed`)."""
+        """Whether this table solves its pre and post pieces from their relaxation (:attr:`relaxed`)."""
         return self.relaxed and self.costing == TableCosting.ESTIMATED
 
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
@@ -1114,7 +1110,7 @@ class StackTable:
         cost = compose_stage(
             planner, stack, start, stop, ranks, c.shape, microbatches=self.microbatches, ends=self.planner,
             capacity=self.capacity, block_capacity=c.block_cap, block_zero=c.block_zero, recompute=c.recompute,
-            accumulated=self.counts_accumulated, block_gap=c.block_gap, block_relaxed=c.block_relaxed, **kw,
+            accumulated=self.counts_accumulated, block_gap=c.block_gap, **kw,
         )  # fmt: skip
         if self.costing == TableCosting.ESTIMATED:  # its ZeRO level priced the memory; the stage's own search
             # chooses its ZeRO, that level where the choice does not fit (module docstring, 5)
@@ -1176,9 +1172,6 @@ class Candidate:
     so."""
     block_gap: float | None = None
     """The block's MIP gap (None: the searcher's; :data:`PRICING_GAP`: an estimated table's capped block)."""
-    block_relaxed: bool = False
-    """The block solved from its LP relaxation (``StagePlanner.plan(relaxed=)``: an estimated table's first cap level,
-    :attr:`StackTable.relaxed`)."""
 
 
 def _merge_after(win: _Winners, later: _Winners) -> None:
@@ -1259,7 +1252,6 @@ def compose_stage(
     accumulated: bool = False,
     ends: StagePlanner | None = None,
     block_gap: float | None = None,
-    block_relaxed: bool = False,
     **kw,
 ) -> StageCost:
     """The stage of model layers ``[start, stop)`` of `stack` on `ranks` as `mesh_shape`, composed from its
@@ -1271,9 +1263,8 @@ def compose_stage(
     `planner`), the captured graph's where `planner` is a recomputing one (recomputation copies blocks only,
     so the tables plan those parts once). `accumulated`: the forward + backward peak holds every piece's
     gradients summed over the microbatches (``StageMemory.accumulated``; both tables by default). `block_gap`: the
-    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`);
-    `block_relaxed`: the block solved from its LP relaxation (``StagePlanner.plan(relaxed=)``). Raises ``PlanError``
-    when a piece has no plan."""
+    block's MIP gap (``StagePlanner.plan(mip_gap=)``: the estimated table's capped blocks, :data:`PRICING_GAP`).
+    Raises ``PlanError`` when a piece has no plan."""
     cap = float(capacity if capacity is not None else planner.cluster.device.memory_bytes)
     kw = {k: v for k, v in kw.items() if k != "capacity"}
     pre, nb, post = stack.parts(start, stop)
@@ -1289,7 +1280,6 @@ def compose_stage(
     for (a, b), w, c in asked:
         zkw = dict(kw, zero=block_zero) if block_zero is not None and w == nb and (a, b) == blk else kw
         zkw = dict(zkw, mip_gap=block_gap) if block_gap is not None and (a, b) == blk else zkw
-        zkw = dict(zkw, relaxed=True) if block_relaxed and (a, b) == blk else zkw
         by = planner if (a, b) == blk or ends is None else ends
         cost, mem = by.plan_with_memory(a, b, ranks, mesh_shape, microbatches=microbatches, capacity=c, **zkw)
         pieces.append((_Piece(cost, mem), w))

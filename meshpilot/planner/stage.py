@@ -700,7 +700,7 @@ class StagePlanner:
         ``meshsearch.mappings_of``; the estimated stage table's catalogue searches a recomputing block across
         servers on the one its captured block chose, ``stack`` module docstring, 5). `relaxed`: each ILP solved from
         its LP relaxation (``ilp.solve(relaxed=)``, an estimate within the gap it reports; the estimated stage table
-        prices its whole server's cap levels so, ``stack.RELAXED_PRICING``)."""
+        prices its pre and post pieces so, ``stack.RELAXED_PRICING``)."""
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
