@@ -509,3 +509,44 @@ def test_a_model_solved_to_the_end_is_answered_again_without_a_second_solve(monk
     monkeypatch.setattr(highs, "_solve", lambda *a: calls.append(a) or stopped)
     model(3.0), model(3.0)
     assert len(calls) == 5  # not remembered: solved both times
+
+
+def test_a_relaxed_solve_is_a_plan_within_the_gap_it_reports():
+    """``ilp._relaxed_then_fixed`` (``solve(relaxed=)``, the estimated stage table's pricing) on multiple-choice
+    knapsacks — one selection per group, a memory row: with the row roomy the relaxation is integral and its answer
+    is the ILP's, gap 0; held tight, the relaxation is fractional and the answer is still one selection per group
+    under the row, no better than the ILP's optimum and within the gap it reports of it."""
+    import numpy as np
+
+    from meshpilot.planner import ilp
+    from meshpilot.planner.highs import Csc, solve_milp
+
+    rng = np.random.default_rng(0)
+    groups, options = 12, 4
+    n = groups * options
+    limits = {"time_limit": 60.0, "node_limit": ilp.NODE_LIMIT, "mip_rel_gap": 0.0}
+    fractional = 0
+    for trial in range(6):
+        t = rng.uniform(1, 10, (groups, options))
+        mem = 11 - t + rng.uniform(0, 2, (groups, options))  # the faster, the heavier
+        rows = np.concatenate([np.repeat(np.arange(groups), options), np.full(n, groups)])
+        cols = np.concatenate([np.arange(n), np.arange(n)])
+        vals = np.concatenate([np.ones(n), mem.ravel()])
+        A = Csc.from_entries(rows, cols, vals, (groups + 1, n))
+        least, most = mem.min(axis=1).sum(), mem.max(axis=1).sum()
+        cap = most + 1 if trial == 0 else least + (most - least) * rng.uniform(0.2, 0.6)
+        lb = np.concatenate([np.ones(groups), [-np.inf]])
+        ub = np.concatenate([np.ones(groups), [cap]])
+        c, integrality = t.ravel() / t.max(), np.ones(n)
+        exact = solve_milp(c, A, lb, ub, integrality, **limits)
+        ours = ilp._relaxed_then_fixed(c, A, lb, ub, integrality, limits)
+        x = np.round(ours.x).reshape(groups, options)
+        assert np.allclose(ours.x, x.ravel(), atol=1e-6) and (x.sum(axis=1) == 1).all()
+        assert (mem * x).sum() <= cap * (1 + 1e-9)
+        z, z_opt = float(c @ ours.x), float(c @ exact.x)
+        if trial == 0:  # nothing binds: the relaxation is integral, the answer the ILP's
+            assert ours.mip_gap == 0.0 and np.isclose(z, z_opt)
+            continue
+        fractional += ours.mip_gap > 0
+        assert z >= z_opt * (1 - 1e-9) and z * (1 - ours.mip_gap) <= z_opt * (1 + 1e-9), (trial, z, z_opt)
+    assert fractional  # the fixed path was taken, not only integral relaxations

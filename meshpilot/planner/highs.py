@@ -86,17 +86,25 @@ def solve_milp(
     time_limit: float,
     node_limit: int,
     mip_rel_gap: float,
+    col_lower: np.ndarray | None = None,
+    col_upper: np.ndarray | None = None,
 ) -> MilpAnswer:
     """``min cᵀx`` over ``row_lower ≤ A x ≤ row_upper``, ``0 ≤ x ≤ 1``, ``x_j`` integer where
     ``integrality[j]`` is 1 (module docstring: scipy's ``milp`` model and options; a model solved to the end
-    before is answered from :data:`_ANSWERS`)."""
+    before is answered from :data:`_ANSWERS`). `col_lower` / `col_upper` narrow the columns' bounds inside
+    ``[0, 1]`` (None: 0 and 1), e.g. to fix some of them."""
     options = (float(time_limit), int(node_limit), float(mip_rel_gap))
-    key = _digest((c, A.indptr, A.indices, A.data, row_lower, row_upper, integrality), A.shape, options)
+    n = A.shape[1]
+    lo = np.zeros(n) if col_lower is None else np.asarray(col_lower, dtype=np.float64)
+    hi = np.ones(n) if col_upper is None else np.asarray(col_upper, dtype=np.float64)
+    arrays = (c, A.indptr, A.indices, A.data, row_lower, row_upper, integrality)
+    arrays += () if col_lower is None and col_upper is None else (lo, hi)  # the keys of plain models as before
+    key = _digest(arrays, A.shape, options)
     known = _ANSWERS.get(key)
     if known is not None:
         _ANSWERS.move_to_end(key)
         return replace(known, x=None if known.x is None else known.x.copy())
-    ans = _solve(c, A, row_lower, row_upper, integrality, *options)
+    ans = _solve(c, A, row_lower, row_upper, integrality, *options, lo, hi)
     if ans.final:
         _ANSWERS[key] = replace(ans, x=None if ans.x is None else ans.x.copy())
         while len(_ANSWERS) > REMEMBERED:
@@ -122,8 +130,10 @@ def _digest(arrays, shape: tuple[int, int], options: tuple) -> bytes:
     return h.digest()
 
 
-def _solve(c, A: Csc, row_lower, row_upper, integrality, time_limit: float, node_limit: int, mip_rel_gap: float):
-    """One solve of the model by HiGHS (:func:`solve_milp` without the memory)."""
+def _solve(
+    c, A: Csc, row_lower, row_upper, integrality, time_limit: float, node_limit: int, mip_rel_gap: float, lo, hi
+):
+    """One solve of the model by HiGHS (:func:`solve_milp` without the memory), columns within ``[lo, hi]``."""
     import highspy
 
     h = highspy.Highs()
@@ -135,7 +145,7 @@ def _solve(c, A: Csc, row_lower, row_upper, integrality, time_limit: float, node
         ("presolve", "on"),
     ):
         h.setOptionValue(key, value)
-    h.passModel(_lp(highspy, c, A, row_lower, row_upper, integrality))
+    h.passModel(_lp(highspy, c, A, row_lower, row_upper, integrality, lo, hi))
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
@@ -151,8 +161,8 @@ def _solve(c, A: Csc, row_lower, row_upper, integrality, time_limit: float, node
     return MilpAnswer(x, message, gap, infeasible, final=status == S.kOptimal or infeasible)
 
 
-def _lp(highspy, c, A: Csc, row_lower, row_upper, integrality):
-    """The ``HighsLp`` of the model (column-wise matrix; the column bounds 0 and 1)."""
+def _lp(highspy, c, A: Csc, row_lower, row_upper, integrality, lo=None, hi=None):
+    """The ``HighsLp`` of the model (column-wise matrix; the column bounds `lo` and `hi`, None: 0 and 1)."""
     n_rows, n_cols = A.shape
     lp = highspy.HighsLp()
     lp.num_col_ = n_cols
@@ -161,8 +171,8 @@ def _lp(highspy, c, A: Csc, row_lower, row_upper, integrality):
     lp.a_matrix_.num_row_ = n_rows
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.col_cost_ = np.asarray(c, dtype=np.float64)
-    lp.col_lower_ = np.zeros(n_cols)
-    lp.col_upper_ = np.ones(n_cols)
+    lp.col_lower_ = np.zeros(n_cols) if lo is None else lo
+    lp.col_upper_ = np.ones(n_cols) if hi is None else hi
     lp.row_lower_ = np.asarray(row_lower, dtype=np.float64)
     lp.row_upper_ = np.asarray(row_upper, dtype=np.float64)
     lp.a_matrix_.start_ = A.indptr

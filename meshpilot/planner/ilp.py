@@ -112,6 +112,21 @@ problem's matrices per memory row kind: between solves of one problem only the m
 It keeps the answers too: the plan without memory rows (solved once per problem; LP-integral on a repeated
 block, a tenth of a capped solve) answers every capacity its rows fit, and a plan found under a capacity
 answers any smaller one its rows still fit (the feasible set only shrank) — both exact within the MIP gap.
+
+Relaxed solves
+--------------
+``solve(relaxed=True)`` (:func:`_relaxed_then_fixed`) answers from the LP relaxation (every selection ``s_g ∈
+[0, 1]``): where the relaxation's optimum selects one strategy per group it is the ILP's optimum too (a relaxation
+is a lower bound, and that point is integral; on a tie HiGHS may return another optimal vertex than the ILP's, the
+same objective); where some selections are fractional, those integral in it are fixed and the ILP is solved over
+the rest (the whole ILP only where that has no plan). The answer's objective z is within ``(z − z_LP) / z`` of the
+optimum, z_LP the relaxation's, and that bound is the gap it reports (``Solution.gap``): it is an estimate for
+pricing, not a plan of its own — the estimated stage table's searches at the device's capacity
+(``stack.RELAXED_PRICING``); the chosen stages are planned with the whole ILP. At the device's capacity (no memory
+row binds) a piece's relaxation is mostly integral and its solve a fraction of the ILP's (the root's presolve,
+cuts and heuristics skipped): GPT-39B's estimated table's pre and post pieces, 158 solves, 155 with an integral
+relaxation, take 4.2 CPU s as ILPs and 1.5 as relaxations (replayed; ``docs/benchmarks.md``, issue 29 item 6,
+cheap29).
 """
 
 from __future__ import annotations
@@ -143,7 +158,7 @@ from meshpilot.planner.accounting import (
     zero_row_bytes,
 )
 from meshpilot.planner.force import BoundForce, ForceRule, ForceSpec
-from meshpilot.planner.highs import Csc, solve_milp
+from meshpilot.planner.highs import Csc, MilpAnswer, solve_milp
 from meshpilot.sharding.placements import by_id, pid, replicated, shard_factor
 from meshpilot.sharding.reshard import UNSUPPORTED_S, Collective, CollectiveKind, Resharder
 from meshpilot.sharding.strategies import Strategy, StrategyBuilder, StrategySource
@@ -986,6 +1001,7 @@ def solve(
     mip_rel_gap: float = 1e-3,
     memory: str = "plain",
     capacity: float | None = None,
+    relaxed: bool = False,
 ) -> Solution:
     """The plan of `prob` under a memory capacity: HiGHS (:func:`planner.highs.solve_milp`) on the sparse ILP.
 
@@ -998,12 +1014,16 @@ def solve(
     order, by: an answer found under a capacity at least as large whose rows fit this one (the feasible set
     only shrank, so it is still optimal within the gap) or that had no plan; the plan without memory rows,
     solved once per problem, when its rows fit; and only then a solve with the rows.
+
+    ``relaxed``: every solve is :func:`_relaxed_then_fixed` (its LP relaxation, then the ILP over its fractional
+    selections only) instead of the whole ILP: an estimate for pricing, its distance from the optimum bounded by
+    the gap it reports (module docstring, *Relaxed solves*).
     """
     t0 = time.perf_counter()
     groups = prob.groups
     cap = prob.capacity if capacity is None else capacity
     has_mem_row = math.isfinite(cap)
-    settings = (time_limit, mip_rel_gap)
+    settings = (time_limit, mip_rel_gap, relaxed)
     if not has_mem_row:
         return replace(_free(prob, settings), row=_row_kind(memory), solve_s=time.perf_counter() - t0)
     need = prob.lp.get(("need", memory))
@@ -1052,8 +1072,8 @@ def _held(sol: Solution, memory: str) -> float:
     return sol.memory_zero if memory == "zero" else sol.memory
 
 
-def _known(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan | None:
-    """What an earlier solve of `prob` with the same `settings` (time limit, gap) already answers for `cap`:
+def _known(prob: Problem, memory: str, cap: float, settings: tuple) -> Solution | _NoPlan | None:
+    """What an earlier solve of `prob` with the same `settings` (time limit, gap, relaxed) already answers for `cap`:
     a plan solved under a capacity ``c ≥ cap`` (or none) whose held rows fit `cap` — optimal here too, within
     its gap, as every plan under `cap` was feasible there — or a capacity ``c ≥ cap`` proven to have no
     plan; None when neither."""
@@ -1066,7 +1086,7 @@ def _known(prob: Problem, memory: str, cap: float, settings: tuple[float, float]
     return None
 
 
-def _free(prob: Problem, settings: tuple[float, float]) -> Solution:
+def _free(prob: Problem, settings: tuple) -> Solution:
     """The plan of `prob` without memory rows (one answer for both row kinds: solved once, as the plain one),
     kept on `prob`."""
     free = prob.lp.get(("solved", None, settings))
@@ -1080,15 +1100,18 @@ def _free(prob: Problem, settings: tuple[float, float]) -> Solution:
     return free
 
 
-def _capped(prob: Problem, memory: str, cap: float, settings: tuple[float, float]) -> Solution | _NoPlan:
+def _capped(prob: Problem, memory: str, cap: float, settings: tuple) -> Solution | _NoPlan:
     """:func:`_milp` with the `memory` rows held to `cap`, its answer kept on `prob` for :func:`_known`."""
     ans = _milp(prob, memory, cap, *settings)
     prob.lp.setdefault(("solved", _row_kind(memory), settings), []).append((cap, ans))
     return ans
 
 
-def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float) -> Solution | _NoPlan:
-    """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``)."""
+def _milp(
+    prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap: float, relaxed: bool = False
+) -> Solution | _NoPlan:
+    """One HiGHS solve of `prob` with the `memory` rows held to `cap` (none when ``inf``); `relaxed`: by
+    :func:`_relaxed_then_fixed`."""
     t0 = time.perf_counter()
     has_mem_row = math.isfinite(cap)
     lp = prob.lp.get((memory, has_mem_row))
@@ -1103,17 +1126,13 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
     # scale seconds to keep HiGHS' tolerances meaningful
     normal = np.abs(c[c < UNSUPPORTED_S])
     scale = 1.0 / max(float(normal.max()) if normal.size else 1.0, 1e-12)
+    # the time limit is a safety net only: the stop is the gap or the node limit
+    limits = dict(time_limit=time_limit, node_limit=NODE_LIMIT, mip_rel_gap=mip_rel_gap)
     with highs_stdout_filtered():
-        res = solve_milp(
-            c * scale,
-            A,
-            lb,
-            ub,
-            integrality,
-            time_limit=time_limit,  # a safety net only: the stop is the gap or the node limit
-            node_limit=NODE_LIMIT,
-            mip_rel_gap=mip_rel_gap,
-        )
+        if relaxed:
+            res = _relaxed_then_fixed(c * scale, A, lb, ub, integrality, limits)
+        else:
+            res = solve_milp(c * scale, A, lb, ub, integrality, **limits)
     if res.x is None:
         return _NoPlan(res.message, infeasible=res.infeasible)
     x = res.x
@@ -1137,6 +1156,36 @@ def _milp(prob: Problem, memory: str, cap: float, time_limit: float, mip_rel_gap
         _row_kind(memory),
         tuple(float(v) for v in mem_plain @ xs),
     )
+
+
+INTEGRAL_TOL = 1e-6
+"""How far from 0 or 1 a selection of the LP relaxation may be and count as integral (HiGHS' own
+``mip_feasibility_tolerance``)."""
+
+
+def _relaxed_then_fixed(c, A, lb, ub, integrality, limits: dict) -> MilpAnswer:
+    """The ILP solved from its LP relaxation (module docstring, *Relaxed solves*): the relaxation's optimum when
+    every selection in it is integral (then it is the ILP's optimum too), else the ILP with those integral
+    selections fixed at their values — the whole ILP only where that has no solution. The gap reported is
+    ``(z − z_LP) / z``, z the answer's objective and z_LP the relaxation's, a lower bound of every plan's: the
+    answer is within it of the optimum (or HiGHS' own gap, when larger)."""
+    relaxation = solve_milp(c, A, lb, ub, np.zeros_like(integrality), **limits)
+    if relaxation.x is None:  # no fractional plan fits: no integral one does
+        return relaxation
+    chosen = integrality > 0
+    sel = relaxation.x[chosen]
+    whole = (sel <= INTEGRAL_TOL) | (sel >= 1 - INTEGRAL_TOL)
+    if whole.all():
+        return replace(relaxation, mip_gap=0.0)
+    lo, hi = np.zeros(len(c)), np.ones(len(c))
+    fix = np.flatnonzero(chosen)[whole]
+    lo[fix] = hi[fix] = np.round(relaxation.x[fix])
+    fixed = solve_milp(c, A, lb, ub, integrality, col_lower=lo, col_upper=hi, **limits)
+    if fixed.x is None:  # the fixed selections leave no plan: the whole ILP
+        return solve_milp(c, A, lb, ub, integrality, **limits)
+    z, z_lp = float(c @ fixed.x), float(c @ relaxation.x)
+    bound = (z - z_lp) / abs(z) if z else 0.0
+    return replace(fixed, mip_gap=max(fixed.mip_gap, bound))
 
 
 HIGHS_DEBUG_PREFIX = b"HighsMipSolverData::"

@@ -87,13 +87,15 @@ def search_mesh(
     microbatches: int,
     time_limit: float,
     mip_gap: float | None = None,
+    relaxed: bool = False,
     gather_once: bool = True,
     same: Callable[[MeshMapping], Hashable] | None = None,
 ) -> MeshSearch:
     """Search `struct` (``ilp.build_structure`` of `graph` on the shape) under each of `mappings` of `ranks`
     (module docstring). ``resharder(mapping, physical)`` gives the resharder of the mesh whose row-major ranks
     are `physical` (the caller may keep them across calls); ``same(mapping)``, when given, keys the mappings
-    that are one problem: a mapping whose key was searched already is skipped."""
+    that are one problem: a mapping whose key was searched already is skipped. `mip_gap` and `relaxed` go to
+    the :class:`SearchTask` (None, False: its defaults)."""
     shape = tuple(struct.mesh_shape)
     tries: list[MappingTry] = []
     seen: set[Hashable] = set()
@@ -108,7 +110,7 @@ def search_mesh(
         extra = {} if mip_gap is None else {"mip_gap": mip_gap}
         task = SearchTask(
             graph, struct, rs, param_edges, mapping, capacity=capacity, zero=zero, microbatches=microbatches,
-            time_limit=time_limit, gather_once=gather_once, **extra,
+            time_limit=time_limit, gather_once=gather_once, relaxed=relaxed, **extra,
         )  # fmt: skip
         try:
             tries.append(MappingTry(mapping, rs, searcher.search(task), None))

@@ -61,6 +61,8 @@ class SearchTask:
     microbatches: int = 1
     time_limit: float = TIME_LIMIT_S
     mip_gap: float = 1e-3
+    relaxed: bool = False
+    """Solve the ILP from its LP relaxation (``ilp.solve(relaxed=)``): an estimate, for a stage table's pricing."""
     gather_once: bool = True
     """Whether the ZeRO post-pass may choose stage 2 (``zero.zero_pass``; pipeline stages run stage 3 only)."""
 
@@ -129,7 +131,8 @@ class ILPSearcher:
         def attempt(row: str, cap: float) -> Candidate:
             nonlocal solves, solve_s, post_s
             solves += 1
-            sol = solve(prob, time_limit=task.time_limit, mip_rel_gap=task.mip_gap, memory=row, capacity=cap)
+            limits = dict(time_limit=task.time_limit, mip_rel_gap=task.mip_gap, relaxed=task.relaxed)
+            sol = solve(prob, memory=row, capacity=cap, **limits)
             solve_s += sol.solve_s
             t = time.perf_counter()
             chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}

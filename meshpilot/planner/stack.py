@@ -250,6 +250,19 @@ against 81.5490). It is an estimate, and not always a close one: each level's ca
 stage priced slower) while its final plan, [19,36)@8x1 where it was [18,36), went 44.440 → 43.685 s; the other four
 rows' final plans are unchanged.
 
+*Relaxed pricing* (:attr:`StackTable.relaxed`, default :data:`RELAXED_PRICING`): the pre and post pieces on every
+priced mesh (``_both_specials``, at the device's capacity) are solved from their LP relaxation
+(``StagePlanner.plan(relaxed=)``, ``ilp.solve(relaxed=)``): the relaxation's optimum where it is integral (the ILP's
+optimum then, up to which of equal-cost plans), else the ILP over its fractional selections with the rest fixed,
+within ``(z − z_LP) / z`` of the optimum (the gap each piece reports: its error bound). A chosen stage's pre and post
+parts are planned by the whole ILP again (``compose_stage``), and the stages by ``Plan.with_intra``. Not relaxed,
+as measured (docs/benchmarks.md, issue 29 item 6, cheap29): the capped levels (1.5 CPU s where their ILPs at
+:data:`PRICING_GAP` take 18 on GPT-39B, but a level's plan decides the next level's cap, and the relaxed 2.33 GiB
+level of 4x2 kept more activations: ``[31,38)@4x2`` lost, the DP's step 79.86 → 95.41 s); the catalogue's blocks
+(integral relaxations on 20 of 27, but another of the equal-cost plans on 11 of those, whose memory differs: 98.93
+s); a whole server's block at its first level (the same plan on GPT-39B, but GPT-6.7B's final plan 43.685 → 48.385
+s, 1.087 of the exact table's).
+
 The chosen stages are then composed from their own mesh's plans (:meth:`stage_cost`, ``compose_stage``: real plans
 on the placed ranks), a composed stage that does not fit its microbatches in flight is ruled out and the DP's next
 best taken (``pipeline._chosen_plan``), and each stage's ZeRO is left to its own search (``StageCost.zero`` None:
@@ -312,6 +325,11 @@ table's recomputing candidates come after its :data:`MAX_LEVELS` cap levels)."""
 PRICING_GAP = 1e-2
 """The relative MIP gap of the estimated table's capped block searches (module docstring, 5): they only price
 entries, and the chosen stages are planned again at the searcher's own gap (``Plan.with_intra``)."""
+
+RELAXED_PRICING = True
+"""Whether the estimated table solves its pre and post pieces (embeddings; final norm and head) on every mesh from
+their LP relaxation (module docstring, 5, *Relaxed pricing*; ``StackTable.relaxed``'s default): the chosen stages
+are planned exactly all the same."""
 
 FLOOR_MARGIN = 1e-9
 """Relative slack taken off a floor (``StagePlanner.floor``) before it is compared: the floor and a plan's
@@ -596,6 +614,9 @@ class StackTable:
     """Count the gradients summed over the microbatches in the forward + backward peak (``StageMemory.accumulated``),
     as ``auto.plan`` — and so ``Plan.with_intra`` — does; False leaves them out (the tables before they were
     counted, for comparisons)."""
+    relaxed: bool = RELAXED_PRICING
+    """The estimated table's pre and post pieces solved from their LP relaxation (``ilp.solve(relaxed=)``; module
+    docstring, 5, *Relaxed pricing*); False: by the whole ILP. No other table reads it."""
     _first: list = field(default_factory=list, init=False, repr=False)
     """The variant table's first pass, per column: ``_column``'s answer, which :meth:`refine` goes on from."""
     _server_caps: dict = field(default_factory=dict, init=False, repr=False)
@@ -619,6 +640,7 @@ class StackTable:
         planner=None,
         gap=None,
         mappings: tuple | None = None,
+        relaxed: bool = False,
     ) -> _Piece | None:
         kw = dict(self.kw)
         if mappings:
@@ -628,6 +650,8 @@ class StackTable:
             kw["zero"] = zero
         if gap is not None:
             kw["mip_gap"] = gap
+        if relaxed:
+            kw["relaxed"] = True
         planner = planner or self.planner
         try:
             c, m = planner.plan_with_memory(rng[0], rng[1], ranks, shape, microbatches=self.microbatches, **kw)
@@ -1026,10 +1050,16 @@ class StackTable:
             self._specials(ctx.posts, ctx.ranks, shape, ctx.used_post),
         ]
 
+    @property
+    def _relaxes(self) -> bool:
+        """Whether this table solves its pre and post pieces from their relaxation (:attr:`relaxed`)."""
+        return self.relaxed and self.costing == TableCosting.ESTIMATED
+
     def _specials(self, ranges, ranks, shape, used) -> list[_Piece | None]:
         """The pre (or post) pieces on `shape`, planned for the ids in `used` (those some range useful on this
         size has) only: the others' ranges are ∞ in ``arrays`` whatever they cost."""
-        return [None] + [self._piece(r, ranks, shape, self.capacity) if j in used else None
+        cap, relaxed = self.capacity, self._relaxes
+        return [None] + [self._piece(r, ranks, shape, cap, relaxed=relaxed) if j in used else None
                          for j, r in enumerate(ranges[1:], 1)]  # fmt: skip
 
     def _floors(self, pres, posts, used_pre, used_post, ranks, shape):

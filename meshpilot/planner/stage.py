@@ -690,6 +690,7 @@ class StagePlanner:
         force: Mapping[str, str] | None = None,
         mip_gap: float | None = None,
         mappings: Sequence[MeshMapping] | None = None,
+        relaxed: bool = False,
     ) -> StageCost:
         """The best plan of layers ``[start, stop)`` on `ranks` arranged as `mesh_shape` (cached). `force` pins
         leaves' layouts as ``meshpilot.plan(force=)`` does (``planner.forced``: a Megatron stage); patterns
@@ -697,7 +698,9 @@ class StagePlanner:
         searcher's, ``search.SearchTask.mip_gap``; the estimated stage table prices its capped blocks at a looser
         one, ``stack.PRICING_GAP``). `mappings`: the device mappings searched (None: every one of the shape,
         ``meshsearch.mappings_of``; the estimated stage table's catalogue searches a recomputing block across
-        servers on the one its captured block chose, ``stack`` module docstring, 5)."""
+        servers on the one its captured block chose, ``stack`` module docstring, 5). `relaxed`: each ILP solved from
+        its LP relaxation (``ilp.solve(relaxed=)``, an estimate within the gap it reports; the estimated stage table
+        prices its pre and post pieces so, ``stack.RELAXED_PRICING``)."""
         ranks = tuple(int(r) for r in ranks)
         shape = tuple(int(d) for d in mesh_shape)
         if math.prod(shape) != len(ranks) or len(set(ranks)) != len(ranks):
@@ -713,6 +716,7 @@ class StagePlanner:
         pinned = self._pins(start, stop, force)
         mkey = self._mesh_key(ranks, shape) if self.share_identical else ranks
         key = (rkey, mkey, shape, microbatches, cap, str(zero), searcher, pinned, mip_gap)
+        key += ("relaxed",) if relaxed else ()  # an estimate: its own entry (an exact plan keeps its key)
         maps = mappings_of(shape, mappings) if mappings else None
         key += (tuple(maps),) if mappings else ()  # restricted: its own entry (a plan of every mapping keeps its key)
         self._last_key = key
@@ -731,7 +735,7 @@ class StagePlanner:
             raise PlanError("zero='2': a pipeline stage gathers ZeRO weights where they are read; use zero='3'")
         try:
             args = (start, stop, ranks, shape, microbatches, cap, ZeroMode(zero), searcher, time_limit, pinned)
-            cost, mem = self._search(*args, mip_gap, maps)
+            cost, mem = self._search(*args, mip_gap, maps, relaxed)
         except PlanError as e:
             self._costs[key] = e
             raise
@@ -882,6 +886,7 @@ class StagePlanner:
         pinned=(),
         mip_gap=None,
         maps=None,
+        relaxed=False,
     ) -> tuple[StageCost, StageMemory]:
 
         t0 = time.perf_counter()
@@ -892,7 +897,7 @@ class StagePlanner:
             sub, struct, pe, get_searcher(searcher), ranks, maps or mappings_of(shape),
             lambda _, physical: self._resharder(dmesh, shape, physical),
             capacity=cap, zero=zero, microbatches=microbatches, time_limit=time_limit, gather_once=False,
-            same=lambda m: self._priced_as(ranks, shape, m), mip_gap=mip_gap,
+            same=lambda m: self._priced_as(ranks, shape, m), mip_gap=mip_gap, relaxed=relaxed,
         )  # fmt: skip
         top = found.best
         if top is None:
