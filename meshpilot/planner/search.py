@@ -122,90 +122,11 @@ class ILPSearcher:
     name = "ilp"
 
     def search(self, task: SearchTask) -> Candidate:
-        t0 = time.perf_counter()
-        prob = priced(task.struct, task.resharder, task.capacity)
-        build_s = time.perf_counter() - t0
-        capacity = task.capacity
-        solves = solve_s = post_s = 0.0
-
-        def attempt(row: str, cap: float) -> Candidate:
-            nonlocal solves, solve_s, post_s
-            solves += 1
-            limits = dict(time_limit=task.time_limit, mip_rel_gap=task.mip_gap, relaxed=task.relaxed)
-            sol = solve(prob, memory=row, capacity=cap, **limits)
-            solve_s += sol.solve_s
-            t = time.perf_counter()
-            chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
-            switches, d_t, _ = zero_pass(
-                task.graph,
-                prob.strategies,
-                prob.forced,
-                chosen,
-                task.param_edges,
-                task.resharder,
-                sol.rows,
-                cap,
-                task.zero,
-                task.microbatches,
-                task.gather_once,
-            )
-            held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
-            on_cpu = task.resharder.cost_model.device.is_cpu  # gloo: DTensor's all-to-all is a gather
-            first = births(task.graph, chosen, prob.mesh_shape, on_cpu)
-            usage = memory_use(task.graph, chosen, prob.mesh_shape, capacity, held, on_cpu, first=first)
-            post_s += time.perf_counter() - t
-            return Candidate(
-                task.shape,
-                task.mapping,
-                chosen,
-                sol.objective + d_t,
-                usage,
-                switches,
-                status=sol.status,
-                objective_s=sol.objective,
-                gap=sol.gap,
-                num_vars=sol.num_vars,
-                num_constraints=sol.num_constraints,
-                num_groups=len(prob.groups),
-                memory_row=sol.row,
-                births=first,
-            )
-
-        def fitted(row: str) -> Candidate:
-            """`attempt`; while the plan's liveness peak exceeds the capacity, re-solved (at most `REFITS`
-            times) with the linear rows held to the capacity less the plan's own peak − rows gap (what lives
-            at the peak beyond the rows: ``accounting`` docstring). The plan's rows exceed that bound, so each
-            re-solve picks another plan. That gap can overshoot (a plan with less sharded activations has
-            less beyond its rows too): a bound no plan meets is raised half way back to the last bound whose
-            plan did not fit, so a fitting plan between the two is still found (a 2,048-token Llama under
-            3.82 MiB, fitting 3.47 MiB: ``docs/benchmarks.md``, "Every lever")."""
-            cand = latest = attempt(row, capacity)
-            above, below = capacity, 0.0  # a bound whose plan peaks over the capacity; one no plan meets
-            for _ in range(REFITS):
-                if fits(cand) or not math.isfinite(capacity):
-                    break
-                bound = capacity - (latest.memory - latest.usage.row)
-                if not below < bound < above:
-                    bound = (below + above) / 2
-                try:
-                    latest = attempt(row, bound)
-                except PlanError:
-                    below = bound
-                    continue
-                above = bound
-                cand = latest if fits(latest) or latest.memory < cand.memory else cand
-            return cand
-
-        def done(c: Candidate) -> Candidate:
-            c.note = _note(c)
-            c.build_s, c.solve_s, c.post_s, c.solves = build_s, solve_s, post_s, int(solves)
-            return c
-
-        fits = lambda c: c.memory <= capacity * (1 + EPS)  # noqa: E731
-        shape = task.shape
+        run = _ILPRun(task)
+        capacity, shape = task.capacity, task.shape
         if task.zero == ZeroMode.OFF or not math.isfinite(capacity):
-            only = fitted("plain")
-            if not fits(only):
+            only = run.fitted("plain")
+            if not run.fits(only):
                 raise PlanError(
                     f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape}: the best found "
                     f"peaks at {fmt_size(only.memory)} (at {only.usage.peak_at})",
@@ -213,16 +134,16 @@ class ILPSearcher:
                     need_bytes=only.memory,
                     capacity_bytes=capacity,
                 )
-            return done(only)
-        first = fitted("zero")
+            return run.done(only)
+        first = run.fitted("zero")
         costly = any(s.reason == "memory" and s.delta_s > EPS * first.time_s for s in first.switches)
-        if fits(first) and not costly:
-            return done(first)
+        if run.fits(first) and not costly:
+            return run.done(first)
         try:
-            second = fitted("plain")
+            second = run.fitted("plain")
         except PlanError:
             second = None
-        options = [c for c in (first, second) if c is not None and fits(c)]
+        options = [c for c in (first, second) if c is not None and run.fits(c)]
         if not options:
             raise PlanError(
                 f"no sharding plan fits in {fmt_size(capacity)} per device on mesh {shape} even with the "
@@ -231,7 +152,98 @@ class ILPSearcher:
                 need_bytes=first.memory,
                 capacity_bytes=capacity,
             )
-        return done(min(options, key=lambda c: c.time_s))
+        return run.done(min(options, key=lambda c: c.time_s))
+
+
+class _ILPRun:
+    """One :meth:`ILPSearcher.search`: the task's priced problem, its solves and their timings."""
+
+    def __init__(self, task: SearchTask):
+        self.task = task
+        t0 = time.perf_counter()
+        self.prob = priced(task.struct, task.resharder, task.capacity)
+        self.build_s = time.perf_counter() - t0
+        self.solves = 0
+        self.solve_s = self.post_s = 0.0
+
+    def fits(self, c: Candidate) -> bool:
+        return c.memory <= self.task.capacity * (1 + EPS)
+
+    def attempt(self, row: str, cap: float) -> Candidate:
+        """The ILP with memory row `row` held to `cap`, then the ZeRO post-pass and the plan's memory."""
+        task, prob = self.task, self.prob
+        self.solves += 1
+        limits = dict(time_limit=task.time_limit, mip_rel_gap=task.mip_gap, relaxed=task.relaxed)
+        sol = solve(prob, memory=row, capacity=cap, **limits)
+        self.solve_s += sol.solve_s
+        t = time.perf_counter()
+        chosen = {name: prob.strategies[name][j] for name, j in sol.choice.items()}
+        switches, d_t, _ = zero_pass(
+            task.graph,
+            prob.strategies,
+            prob.forced,
+            chosen,
+            task.param_edges,
+            task.resharder,
+            sol.rows,
+            cap,
+            task.zero,
+            task.microbatches,
+            task.gather_once,
+        )
+        held = task.microbatches if task.struct.accumulating else 1  # summed gradients (accounting: A)
+        on_cpu = task.resharder.cost_model.device.is_cpu  # gloo: DTensor's all-to-all is a gather
+        first = births(task.graph, chosen, prob.mesh_shape, on_cpu)
+        usage = memory_use(task.graph, chosen, prob.mesh_shape, task.capacity, held, on_cpu, first=first)
+        self.post_s += time.perf_counter() - t
+        return Candidate(
+            task.shape,
+            task.mapping,
+            chosen,
+            sol.objective + d_t,
+            usage,
+            switches,
+            status=sol.status,
+            objective_s=sol.objective,
+            gap=sol.gap,
+            num_vars=sol.num_vars,
+            num_constraints=sol.num_constraints,
+            num_groups=len(prob.groups),
+            memory_row=sol.row,
+            births=first,
+        )
+
+    def fitted(self, row: str) -> Candidate:
+        """:meth:`attempt`; while the plan's liveness peak exceeds the capacity, re-solved (at most `REFITS`
+        times) with the linear rows held to the capacity less the plan's own peak − rows gap (what lives
+        at the peak beyond the rows: ``accounting`` docstring). The plan's rows exceed that bound, so each
+        re-solve picks another plan. That gap can overshoot (a plan with less sharded activations has
+        less beyond its rows too): a bound no plan meets is raised half way back to the last bound whose
+        plan did not fit, so a fitting plan between the two is still found (a 2,048-token Llama under
+        3.82 MiB, fitting 3.47 MiB: ``docs/benchmarks.md``, "Every lever")."""
+        capacity = self.task.capacity
+        cand = latest = self.attempt(row, capacity)
+        above, below = capacity, 0.0  # a bound whose plan peaks over the capacity; one no plan meets
+        for _ in range(REFITS):
+            if self.fits(cand) or not math.isfinite(capacity):
+                break
+            bound = capacity - (latest.memory - latest.usage.row)
+            if not below < bound < above:
+                bound = (below + above) / 2
+            try:
+                latest = self.attempt(row, bound)
+            except PlanError:
+                below = bound
+                continue
+            above = bound
+            cand = latest if self.fits(latest) or latest.memory < cand.memory else cand
+        return cand
+
+    def done(self, c: Candidate) -> Candidate:
+        """`c` with its note and this run's timings."""
+        c.note = _note(c)
+        c.build_s, c.solve_s, c.post_s, c.solves = self.build_s, self.solve_s, self.post_s, self.solves
+        return c
 
 
 def _note(c: Candidate) -> str:
