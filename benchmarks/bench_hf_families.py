@@ -45,10 +45,13 @@ many times as far from a float64 run's as the single device's float32 gradients 
 
 
 @contextlib.contextmanager
-def _held(lock: str | None):
+def _held(lock: str | None, pause: float = 2.0):
     """Hold `lock` (a file, ``flock``; the one ``flock(1)`` takes, so a shell's ``flock FILE cmd`` waits for it
     too) while the body runs; nothing when `lock` is None. The run phase takes it around each 4-rank spawn, so a
-    long sweep shares the ranks' cores with other users of the lock a spawn at a time, not for hours."""
+    long sweep shares the ranks' cores with other users of the lock a spawn at a time, not for hours. flock is
+    not first come, first served: a waiter woken by the release must still be scheduled before it takes the lock,
+    and the sweep asking again at once would win it back, spawn after spawn; so the sweep waits `pause` seconds
+    after each release, and a waiting user goes first."""
     if lock is None:
         yield
         return
@@ -58,6 +61,7 @@ def _held(lock: str | None):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+    time.sleep(pause)
 
 
 def _setting(name: str) -> tuple[bool, str]:
