@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_hf_families.py [--kinds causal,masked,seq2seq,image]
         [--settings nocache-sdpa,cache-sdpa,nocache-eager,cache-eager] [--run] [--limit 120]
         [--out /tmp/hf_families.jsonl] [--only gpt2,llama] [--table] [--compact docs/hf_families/x.jsonl]
+        [--lock /tmp/meshpilot-ranks.lock]
 
 Phase 1 plans each family (``meshpilot.models.hf_families``: its default configuration made tiny by key
 names, dropout off) under each setting — ``use_cache`` on or off, sdpa or eager attention — on a (2, 2) mesh
@@ -21,6 +22,8 @@ of its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import sys
 import time
@@ -39,6 +42,26 @@ ROUNDING = 2.0
 """A run that differs from one device by more than TOL is float32 rounding when its gradients are at most this
 many times as far from a float64 run's as the single device's float32 gradients are (``lockstep_adamw``'s
 ``ref64``); it is counted apart from ``exact``."""
+
+
+@contextlib.contextmanager
+def _held(lock: str | None, pause: float = 2.0):
+    """Hold `lock` (a file, ``flock``; the one ``flock(1)`` takes, so a shell's ``flock FILE cmd`` waits for it
+    too) while the body runs; nothing when `lock` is None. The run phase takes it around each 4-rank spawn, so a
+    long sweep shares the ranks' cores with other users of the lock a spawn at a time, not for hours. flock is
+    not first come, first served: a waiter woken by the release must still be scheduled before it takes the lock,
+    and the sweep asking again at once would win it back, spawn after spawn; so the sweep waits `pause` seconds
+    after each release, and a waiting user goes first."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    time.sleep(pause)
 
 
 def _setting(name: str) -> tuple[bool, str]:
@@ -102,11 +125,17 @@ def plan_phase(fams, settings, out: Path, limit: float, redo: bool = False) -> N
 
 
 def run_phase(
-    out: Path, setting: str, chunk: int, most: int | None = None, names: set[str] | None = None, per: float = 600.0
+    out: Path,
+    setting: str,
+    chunk: int,
+    most: int | None = None,
+    names: set[str] | None = None,
+    per: float = 600.0,
+    lock: str | None = None,
 ) -> None:
     """Every family planned without fallback under `setting` (of `names` if given; the first `most` not run
     yet): 4 gloo ranks, `chunk` families per spawn, `per` seconds per family before the spawn is ended (ranks
-    that wait for each other in mismatched collectives never return on their own)."""
+    that wait for each other in mismatched collectives never return on their own); each spawn holds `lock`."""
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -127,11 +156,12 @@ def run_phase(
         jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"]) for r in part]
         t0 = time.perf_counter()
         try:
-            per_rank = run_distributed(lockstep_families, 4, jobs, referee=True, timeout=per * len(part))
+            with _held(lock):
+                per_rank = run_distributed(lockstep_families, 4, jobs, referee=True, timeout=per * len(part))
         except DistributedTestError as e:
             if len(part) > 1:  # a crash takes the spawn down: retry one by one to find which
                 for r in part:
-                    _run_one(out, r, setting, use_cache, attn, per)
+                    _run_one(out, r, setting, use_cache, attn, per, lock)
                 continue
             per_rank = None
             err = str(e).strip().splitlines()[-1][:300]
@@ -146,7 +176,7 @@ def run_phase(
             print(f"run {row['status']:8s} {r['family']} {row.get('reason', '')[:200]}", flush=True)
 
 
-def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str, per: float) -> None:
+def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str, per: float, lock: str | None) -> None:
     from dist_utils import DistributedTestError, run_distributed
     from test_hf_families import lockstep_families
 
@@ -154,7 +184,9 @@ def _run_one(out: Path, r: dict, setting: str, use_cache: bool, attn: str, per: 
     t0 = time.perf_counter()
     try:
         jobs = [(r["family"], r["kind"], use_cache, attn, r["overrides"], r["plan"])]
-        row.update(_verdict([res[0] for res in run_distributed(lockstep_families, 4, jobs, referee=True, timeout=per)]))
+        with _held(lock):
+            per_rank = run_distributed(lockstep_families, 4, jobs, referee=True, timeout=per)
+        row.update(_verdict([res[0] for res in per_rank]))
     except DistributedTestError as e:
         row.update(status="crashed", reason=str(e).strip().splitlines()[-1][:300])
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -252,6 +284,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8, help="families per 4-rank spawn")
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per family of a 4-rank spawn")
     ap.add_argument("--run-most", type=int, default=None, help="run at most this many families (a sample)")
+    ap.add_argument("--lock", default=None, help="a file to flock around each 4-rank spawn (shared cores)")
     ap.add_argument("--no-plan", action="store_true", help="skip the plan phase (with --run: run what --out planned)")
     ap.add_argument("--table", action="store_true", help="only print the table of --out")
     ap.add_argument("--shard", default="0/1", help="i/n: plan every n-th family from the i-th (parallel sweeps)")
@@ -278,7 +311,7 @@ def main() -> None:
             plan_phase(fams, settings, out, args.limit, args.redo)
         if args.run:
             names = {f.name for f in fams} if only else None
-            run_phase(out, settings[0], args.chunk, args.run_most, names, args.run_timeout)
+            run_phase(out, settings[0], args.chunk, args.run_most, names, args.run_timeout, args.lock)
     print(f"transformers {transformers.__version__}")
     print(table(out, settings))
 

@@ -481,6 +481,31 @@ def test_sweep_verdict_tells_float32_rounding_from_a_difference():
     assert verdict([{"loss": [0.0], "grad": [1e-7], "counts_equal": [True]}])["status"] == "exact"
 
 
+def test_sweep_lock_is_the_one_flock_1_takes(tmp_path):
+    """The run phase's ``--lock`` (``bench_hf_families._held``) holds the file as ``flock FILE cmd`` does: a shell
+    user of the same lock waits while a spawn holds it and gets it once the spawn is done."""
+    import importlib
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("flock") is None:
+        pytest.skip("no flock(1)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    held = importlib.import_module("bench_hf_families")._held
+    lock = str(tmp_path / "ranks.lock")
+
+    def free() -> bool:
+        return subprocess.run(["flock", "-n", lock, "true"], check=False).returncode == 0
+
+    with held(lock):
+        assert not free()
+    assert free()
+    with held(None):  # no lock asked: nothing taken
+        assert free()
+
+
 def test_an_in_place_write_through_data_is_named_with_its_source_line():
     """Gemma-3n's ``weight.data.clamp_`` in its forward: AOTAutograd refuses the mutated parameter at the end
     of the trace (naming the loss' frame); the refusal names the write and its line instead."""
