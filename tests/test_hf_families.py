@@ -109,6 +109,18 @@ def test_tiny_overrides_keep_the_architecture():
     assert tiny_overrides("gemma4_text")["per_layer_config"] == {"1": {"head_dim": 8}}  # was layer "29"
 
 
+def test_tiny_overrides_renumber_lists_of_layer_indices():
+    """Lists naming layers follow the layers kept (Kolibri's were left pointing at layers 4..29 of a 2-layer model,
+    which its configuration refuses); a per-layer list of flags is not read as indices."""
+    from meshpilot.models.hf_families import tiny_overrides
+
+    kolibri = tiny_overrides("kolibri1_1")  # kept: layer 0 (sliding) and 49 (indexed; reads layer 4's K/V)
+    assert kolibri["kv_source_layers"] == [0, 1]  # layer 4 stands for its kind: the kept indexed layer, itself
+    assert kolibri["index_layers"] == [1] and kolibri["mlp_only_layers"] == [0]
+    assert tiny_overrides("llama4_text")["moe_layers"] == [0, 1]  # both kept layers are MoE, as layers 0 and 47
+    assert tiny_overrides("smollm3")["no_rope_layers"] == [1, 0]  # flags of layers 0 and 35, as they were
+
+
 # hybrids whose layer kinds the old two layers (the first and the last) lost, each kept in its own way: a stored
 # per-layer list (Kimi-Linear, LFM3's three kinds, Zamba's, Zamba2's), a period and an offset (Jamba), a repeating
 # block_types (RecurrentGemma); HF's cache refused them with no attention layer (cache_utils.py:1773)

@@ -240,6 +240,8 @@ def _tiny_dict(
     for k, v in d.items():
         if keep and k in _LAYER_KEYS and v == layers:
             out[k] = len(keep)  # LAYERS, or more where one layer of each kind needs more
+        elif keep and k.endswith("_layers") and (ids := _renumbered_layers(v, keep, kinds, layers)) is not None:
+            out[k] = ids  # layer indices (Kolibri's index_layers, kv_source_layers)
         elif _int(v) and v > 0:
             new = _tiny_value(k, v, d, vocab)
             if new is not None and new != v:
@@ -450,6 +452,31 @@ def _kept_layers(layers: int | None, kinds: list[str] | None = None, per_kind: i
         have = {kinds[i] for i in keep}
         keep |= {i for k in dict.fromkeys(kinds) if k not in have for i in _first(kinds, k, per_kind)}
     return sorted(keep)
+
+
+def _renumbered_layers(v: Any, keep: list[int], kinds: list[str] | None, layers: int) -> list[int] | None:
+    """A default's list of layer indices renumbered to the `keep` layers; None where `v` is not one. Two forms:
+    a per-layer list of sources (Kolibri's ``kv_source_layers``: entry i names a layer at or before i that is
+    its own source) keeps each kept layer's entry; an increasing list (``index_layers``, ``mlp_only_layers``)
+    keeps its members. A dropped layer stands for the kept layer of its kind (the tiny model keeps one of
+    each, :func:`_kept_layers`), else is left out (a source: the layer itself); an increasing list none of whose
+    members stays is left as it is (RT-DETR's ``encode_proj_layers`` count feature levels, not these layers).
+    A per-layer list of flags (SmolLM3's ``no_rope_layers``, entry 0 = 1) is neither."""
+    if not (isinstance(v, list) and v and all(_int(x) and 0 <= x < layers for x in v)):
+        return None
+    new = {old: i for i, old in enumerate(keep)}
+
+    def stand(j: int) -> int | None:
+        if j in new:
+            return new[j]
+        if kinds is not None and len(kinds) == layers:
+            return next((new[i] for i in keep if kinds[i] == kinds[j]), None)
+        return None
+
+    if len(v) == layers and all(v[i] <= i and v[v[i]] == v[i] for i in range(layers)):
+        return [s if (s := stand(v[i])) is not None else new[i] for i in keep]
+    kept = sorted({s for j in v if (s := stand(j)) is not None})
+    return kept if kept and all(a < b for a, b in zip(v, v[1:])) else None
 
 
 def _first(kinds: list[str], kind: str, n: int) -> list[int]:
