@@ -189,13 +189,15 @@ def test_plans_of_the_stacked_graph_are_the_whole_graphs():
         assert a.strategy_lines() == b.strategy_lines() and a.time == b.time and a.memory == b.memory
 
 
-def _worker(plan_json: str) -> dict:
+def _worker(plan_json: str, graph) -> dict:
+    """The plan run on `graph` (the stacked capture of ``_tiny(6)``, made once in the parent by the call each rank
+    made) beside the single device."""
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
     ref, inputs = _tiny(6)
     model, _ = _tiny(6)
-    pm = parallelize(model, StagePlan.from_json(plan_json), graph=capture(model, inputs))
+    pm = parallelize(model, StagePlan.from_json(plan_json), graph=graph)
     r = lockstep_adamw(ref, pm, inputs, steps=2)
     return {"loss": max(r["loss"]), "grad": max(r["grad"]), "param": r["param"]}
 
@@ -206,5 +208,5 @@ def test_plan_of_copied_blocks_runs_equal_to_one_device():
 
     model, inputs = _tiny(6)
     p = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2))
-    for r in run_distributed(_worker, 4, p.to_json()):
+    for r in run_distributed(_worker, 4, p.to_json(), capture(model, inputs)):
         assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import graph_of, run_distributed
+from dist_utils import captures, graph_of, run_distributed
 from tiers import matrix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,11 +119,14 @@ def _recording(base):
 
 
 def _eight(plan, directory: str) -> dict:
+    from meshpilot.models.gpt import GPT
     from meshpilot.runtime.checkpoint import Checkpointing
     from meshpilot.runtime.train import train_plan
 
+    with torch.device("meta"):
+        graph = graph_of("gpt", GPT(_cfg()), plan)  # the parent's (``runs``)
     rec = _recording(Checkpointing)(directory, every=2)
-    logs = train_plan(_cfg(), plan, STEPS, checkpoint=rec)
+    logs = train_plan(_cfg(), plan, STEPS, graph=graph, checkpoint=rec)
     return {"losses": [s.loss for s in logs], "state2": rec.states["step-2"]}
 
 
@@ -134,7 +137,7 @@ def _four(plan_a, plan_b, tmp: str, dir8: str, dir1: str) -> dict:
 
     cfg, out = _cfg(), {}
     with torch.device("meta"):  # one capture for the four runs below (both plans: the same model and batch)
-        graph = graph_of("gpt", GPT(cfg), plan_a)
+        graph = graph_of("gpt", GPT(cfg), plan_a)  # the parent's (``runs``)
     t0 = time.perf_counter()
     rec = _recording(Checkpointing)(f"{tmp}/a", every=2)
     out["a"] = [s.loss for s in train_plan(cfg, plan_a, STEPS, graph=graph, checkpoint=rec)]
@@ -156,6 +159,17 @@ def _four(plan_a, plan_b, tmp: str, dir8: str, dir1: str) -> dict:
     resumed = Checkpointing(f"{tmp}/c", resume=killed)
     out["from1"] = [s.loss for s in train_plan(cfg, plan_b, 3, graph=graph, checkpoint=resumed)]
     return out
+
+
+def _graphs(plans: dict) -> dict:
+    """The captures the ranks' ``graph_of`` finds (:func:`_four`'s for both its plans, :func:`_eight`'s), made
+    here once by ``graph_of``'s own call on the same meta build: each rank traced the GPT (~0.7 CPU s a rank).
+    The plans share the batch, so this is one capture."""
+    from meshpilot.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(_cfg())
+    return captures(*(("gpt", model, plans[k]) for k in ("a", "c") if k == "a" or EIGHT_TO_FOUR))
 
 
 KILLED_RUN = """
@@ -195,9 +209,10 @@ def runs(tmp_path_factory):
     }
     times = {}
     eight = None
+    graphs = _graphs(plans)
     if EIGHT_TO_FOUR:
         t0 = time.perf_counter()
-        eight = run_distributed(_eight, 8, plans["c"], str(tmp / "8"), timeout=600)[0]
+        eight = run_distributed(_eight, 8, plans["c"], str(tmp / "8"), timeout=600, graphs=graphs)[0]
         times["8 ranks"] = time.perf_counter() - t0
 
     plans["one"].save(tmp / "one.json")
@@ -219,7 +234,9 @@ def runs(tmp_path_factory):
 
     t0 = time.perf_counter()
     dir8 = str(tmp / "8") if eight is not None else None
-    four = run_distributed(_four, 4, plans["a"], plans["b"], str(tmp / "4"), dir8, str(tmp / "1"), timeout=600)
+    four = run_distributed(
+        _four, 4, plans["a"], plans["b"], str(tmp / "4"), dir8, str(tmp / "1"), timeout=600, graphs=graphs
+    )
     times["4 ranks"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()  # 4 -> 1: the 4 ranks' step-2 checkpoint under (1, 1) in one process

@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import cached_graph, run_distributed
 from test_models_parallel import ADAMW, TOL, _max_err
 from test_models_parallel import build as zoo_build
 from test_moe_dropless import _check_counts as check_routed_counts
@@ -72,15 +72,25 @@ def build(name: str):
     return zoo_build(name)
 
 
-def make_plans(world: int) -> dict:
+def _capture(model, inputs):
+    """The capture a model's plans are made and run on: at one of its two microbatches."""
     from meshpilot.graph.capture import capture
+
+    return capture(model, [x.chunk(2)[0] for x in inputs])
+
+
+def make_plans(world: int, graphs: dict | None = None) -> dict:
+    """Each model's duplex plan (and the accumulating one of OFF); `graphs` gets the captures they were made on,
+    by :func:`_worker`'s ``cached_graph`` keys."""
     from meshpilot.planner.auto import plan
     from meshpilot.planner.schedule import accumulate
 
     plans = {}
     for name in MODELS[world]:
         model, inputs = build(name)
-        graph = capture(model, [x.chunk(2)[0] for x in inputs])
+        graph = _capture(model, inputs)
+        if graphs is not None:
+            graphs[("duplex", name)] = graph
         p = plan(model, inputs, "atp-ic3", mesh_shape=MESH[world], graph=graph, microbatches=2, duplex=True)
         plans[(name, "on")] = p
         if name in OFF[world]:
@@ -115,7 +125,7 @@ def _reference(name: str) -> list[dict]:
 
 
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:
-    from meshpilot.graph.capture import Phase, capture
+    from meshpilot.graph.capture import Phase
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.duplex import overlapped_collectives
@@ -123,14 +133,13 @@ def _worker(jobs: list[tuple[str, str, str]]) -> dict:
 
     out: dict = {}
     refs: dict = {}
-    graphs: dict = {}  # one capture per model: its duplex plan and its accumulating one run on it
     for job, name, plan_json in jobs:
         plan = StagePlan.from_json(plan_json)
         ref = refs.setdefault(name, _reference(name))
         model, inputs = build(name)
-        if name not in graphs:
-            graphs[name] = capture(model, [x.chunk(2)[0] for x in inputs])
-        pm = parallelize(model, plan, graph=graphs[name])
+        # one capture per model, its duplex plan's and its accumulating one's: the parent's (make_plans)
+        graph = cached_graph(("duplex", name), lambda: _capture(model, inputs))  # noqa: B023 - called here
+        pm = parallelize(model, plan, graph=graph)
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.AdamW(pm.parameters(), **ADAMW)
         res: dict = {"loss": [], "grad": [], "param": [], "buffer": [], "counts": [], "losses": []}
@@ -206,9 +215,10 @@ def _moe_order(gm) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module", params=params(sorted(MESH), default=[4]), ids=lambda w: f"world{w}")
 def runs(request):
     world = request.param
-    plans = make_plans(world)
+    graphs: dict = {}  # the planning's captures, for the ranks: each traced every model again (~1-3 CPU s each)
+    plans = make_plans(world, graphs)
     jobs = [(f"{k[0]}-{k[1]}", k[0], p.to_json()) for k, p in plans.items()]
-    return world, plans, run_distributed(_worker, world, jobs, timeout=600)
+    return world, plans, run_distributed(_worker, world, jobs, timeout=600, graphs=graphs)
 
 
 def test_duplex_equals_single_device_with_microbatch_semantics(runs):

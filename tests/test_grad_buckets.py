@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from dist_utils import graph_of, lockstep_adamw, run_distributed
+from dist_utils import captures, graph_of, lockstep_adamw, run_distributed
 from tiers import matrix, params
 
 from meshpilot.graph.capture import capture
@@ -256,10 +256,23 @@ def _worker(plans: dict[str, str], programs: bool = True) -> dict:
     return res
 
 
+def _graphs(plans: dict[str, str]) -> dict:
+    """The captures :func:`_worker`'s ``graph_of`` finds for `plans`, made here once for the ranks (each traced
+    each model: ~1 CPU s a rank a model) by ``graph_of``'s own call on the model the rank builds."""
+    models: dict = {}
+    builds = []
+    for name, text in plans.items():
+        build = _llama if "llama" in name else _model_inputs
+        if build.__name__ not in models:
+            models[build.__name__] = build("cpu")[0]
+        builds.append((build.__name__, models[build.__name__], Plan.from_json(text).only))
+    return captures(*builds)
+
+
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict[str, str], list[dict]]:
     plans = _plans()
-    return plans, run_distributed(_worker, WORLD, plans, timeout=600)
+    return plans, run_distributed(_worker, WORLD, plans, timeout=600, graphs=_graphs(plans))
 
 
 def test_plans_have_several_buckets(runs):
@@ -568,7 +581,8 @@ def test_zero3_planned_on_a_probed_cpu_cluster_runs_equal_to_one_device():
     p = plan(model, inputs, _probed_cpu_cluster(), mesh_shape=(WORLD,), force=force, graph=capture(model, inputs))
     assert not any(c.kind == CollectiveKind.ALL_TO_ALL for c in p.collectives)
     # values and counts only: the programs' orders are test_plans_have_several_buckets' spawn's (zero3-llama)
-    for r in run_distributed(_worker, WORLD, {"zero3": p.to_json()}, programs=False, timeout=600):
+    jobs = {"zero3": p.to_json()}
+    for r in run_distributed(_worker, WORLD, jobs, programs=False, timeout=600, graphs=_graphs(jobs)):
         got = r["zero3"]
         assert got["loss"] < 1e-5 and got["grad"] < 1e-5 and got["param"] < 1e-4, got
         assert got["every_step"] and got["counts"] == got["planned"], got

@@ -24,7 +24,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from dist_utils import cached_graph, run_distributed
 from tiers import matrix
 from torch import nn
 
@@ -118,7 +118,8 @@ def _shuffled_layouts(model: nn.Module, shape: tuple[int, int], seed: int) -> di
     return force
 
 
-def make_plans() -> dict:
+def make_plans(graphs: dict | None = None) -> dict:
+    """Every plan of the module; `graphs` gets the captures they were made on, under :func:`_worker`'s keys."""
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import plan
     from meshpilot.planner.forced import forced
@@ -127,6 +128,8 @@ def make_plans() -> dict:
     for name, kinds in (("views", ("solver", "data_parallel", "megatron_tp", "zero3", "shuffled")),):
         model, inputs = build(name)
         graph = capture(model, inputs)
+        if graphs is not None:
+            graphs[("layouts", name)] = graph
         for shape in MESHES:
             for kind in kinds:
                 seeds = range(3) if kind == "shuffled" else [None]
@@ -143,6 +146,8 @@ def make_plans() -> dict:
                     plans[key] = plan(model, inputs, CLUSTER, mesh_shape=shape, force=force, graph=graph)
     model, inputs = build("bn")
     graph = capture(model, inputs)
+    if graphs is not None:
+        graphs[("layouts", "bn")] = graph
     for shape in MESHES:
         # on fast links the solver may rather gather the batch around BatchNorm (exact too); the forced plans
         # also pin BatchNorm to the sharded batch, so its statistics are reduced across ranks
@@ -156,8 +161,15 @@ def make_plans() -> dict:
 
 
 @pytest.fixture(scope="module")
-def plans():
-    return make_plans()
+def planned() -> tuple[dict, dict]:
+    """The plans and the captures they were made on (the ranks run on these: each traced the models again)."""
+    graphs: dict = {}
+    return make_plans(graphs), graphs
+
+
+@pytest.fixture(scope="module")
+def plans(planned):
+    return planned[0]
 
 
 def test_the_stress_model_has_every_view_the_zoo_and_hf_models_use():
@@ -281,19 +293,19 @@ def _strict_views_on_other_strides(pm) -> tuple[int, int, float]:
 def _worker(jobs: list[tuple[str, str, str]]) -> dict:
     from meshpilot.graph.capture import capture
 
-    graphs = {}
     out = {}
     for job, name, plan_json in jobs:
-        if name not in graphs:
-            graphs[name] = capture(*build(name))
-        out[job] = _run(name, plan_json, graphs[name])
+        # one capture per model, the parent's (make_plans: the same call on the same build)
+        graph = cached_graph(("layouts", name), lambda: capture(*build(name)))  # noqa: B023 - called here
+        out[job] = _run(name, plan_json, graph)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(plans):
+def runs(planned):
+    plans, graphs = planned
     jobs = [(repr(k), k[0], p.to_json()) for k, p in plans.items()]
-    return run_distributed(_worker, 4, jobs, timeout=900)
+    return run_distributed(_worker, 4, jobs, timeout=900, graphs=graphs)
 
 
 def _results(runs, name: str):

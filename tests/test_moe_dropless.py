@@ -254,16 +254,16 @@ def _local(ref: torch.Tensor, got) -> torch.Tensor:
     return ref[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
-def _worker(jobs: list[tuple[str, str]]) -> dict:
+def _worker(jobs: list[tuple[str, str]], graph) -> dict:
+    """Each (job, plan JSON) of BIG run beside the single device on `graph`, its capture made once in the parent
+    (``capture(*build(BIG))``, the call each rank made)."""
     from torch.distributed.tensor import DTensor
 
-    from meshpilot.graph.capture import capture
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.collective_log import record_collectives
     from meshpilot.runtime.spmd import parallelize
 
     ref = _reference()
-    graph = capture(*build(BIG))
     out = {}
     for job, plan_json in jobs:
         plan = StagePlan.from_json(plan_json)
@@ -322,8 +322,10 @@ def test_mixtral_equals_single_device(plans, world):
         # backward hands its gradients to getitems that take them dim-0 sharded, a resharding at the getitem the
         # runtime once skipped) run on 4 ranks, on (4, 1); (8, 1)'s solver plan is checked in one process above
         keys = [k for k in keys if k == ("solver", (2, 4))]
+    from meshpilot.graph.capture import capture
+
     jobs = [(f"job{i}", plans[k].to_json()) for i, k in enumerate(keys)]
-    per_rank = run_distributed(_worker, world, jobs, timeout=900)
+    per_rank = run_distributed(_worker, world, jobs, capture(*build(BIG)), timeout=900)
     for i, key in enumerate(keys):
         job = f"job{i}"
         for r in per_rank:

@@ -29,15 +29,12 @@ def _build(name: str):
 
 
 def _run_one(name: str, plan_json: str, graphs: dict) -> dict:
-    from meshpilot.graph.capture import capture
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
 
     plan = StagePlan.from_json(plan_json)
     ref, inputs = _build(name)
     model, _ = _build(name)
-    if name not in graphs:
-        graphs[name] = capture(model, inputs)
     pm = parallelize(model, plan, graph=graphs[name])
     r = lockstep_adamw(ref, pm, inputs, steps=3)
     planned = plan.collective_counts(backend="gloo")
@@ -70,9 +67,9 @@ def _both_runtimes(name: str, plan_json: str, graphs: dict) -> list:
     return log.entries
 
 
-def _worker(jobs: list[tuple[str, str, str]]) -> dict:
-    """Every (key, model, plan JSON) in one process group: one spawn for the whole module."""
-    graphs: dict = {}
+def _worker(jobs: list[tuple[str, str, str]], graphs: dict) -> dict:
+    """Every (key, model, plan JSON) in one process group: one spawn for the whole module; `graphs`: each model's
+    capture, made once in the parent (``capture(model, inputs)`` of the same build, the call each rank made)."""
     out = {key: _run_one(name, plan_json, graphs) for key, name, plan_json in jobs}
     key, name, plan_json = next(j for j in jobs if j[0] == ("mlp", "forced"))
     out["both runtimes"] = _both_runtimes(name, plan_json, graphs)
@@ -106,6 +103,7 @@ FORCED = {
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict, dict]:
     """Every plan of this module (made here), run on 4 gloo ranks in one spawn: (plans, rank -> results)."""
+    from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import plan
 
     plans = {}
@@ -115,7 +113,8 @@ def runs() -> tuple[dict, dict]:
             plans[(name, shape)] = plan(model, inputs, "atp-ic3", mesh_shape=shape)
         plans[(name, "forced")] = plan(model, inputs, "atp-ic3", mesh_shape=(2, 2), force=FORCED[name])
     jobs = [(key, key[0], p.to_json()) for key, p in plans.items()]
-    return plans, run_distributed(_worker, 4, jobs)
+    graphs = {name: capture(*_build(name)) for name in NAMES}
+    return plans, run_distributed(_worker, 4, jobs, graphs)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -11,7 +11,15 @@ import dataclasses
 import functools
 
 from dist_utils import run_distributed
-from test_pipeline_runtime import _beside_single_device, _check_intra, _tiny_gpt_graph, _tiny_gpt_run
+from test_pipeline_runtime import (
+    MICRO,
+    _beside_single_device,
+    _check_intra,
+    _gpt_graph,
+    _gpt_graphs,
+    _tiny_gpt_graph,
+    _tiny_gpt_run,
+)
 
 from meshpilot.planner.recompute import Recompute
 
@@ -40,7 +48,7 @@ def _worker(text: str) -> dict:
     from meshpilot.planner.recompute import is_copy
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    _, _, graph = _tiny_gpt_graph()
+    graph = _gpt_graph(MICRO)  # the parent's, which the plan was made on
     batch, ref, model = _tiny_gpt_run()
     pm = pipeline_parallelize(model, batch, Plan.from_json(text), graph=graph)
     res = _beside_single_device(pm, ref, batch)
@@ -56,7 +64,7 @@ def test_a_recomputing_stage_equals_the_single_device():
     assert rc[0].regions == ("selective:blocks.0", "selective:blocks.1") and rc[1].regions == ("blocks.2", "blocks.3")
     for st in plan.stages:
         assert any(n.name.endswith("_recomputed") for n in st.plan.nodes)
-    outs = run_distributed(_worker, 4, _plan_json(), timeout=900)
+    outs = run_distributed(_worker, 4, _plan_json(), timeout=900, graphs=_gpt_graphs(MICRO))
     _check_intra(outs, STAGES, NAME)
     copies = [out[NAME]["copies"] for out in outs]  # every rank runs its stage's copies; a whole block has more
     assert all(c > 0 for c in copies) and copies[0] == copies[1] < copies[2] == copies[3], copies

@@ -19,7 +19,7 @@ import functools
 from collections import Counter
 
 import pytest
-from dist_utils import cached_graph, graph_of, run_distributed
+from dist_utils import cached_graph, captures, graph_of, run_distributed
 from tiers import FULL, matrix, params
 
 from meshpilot.planner.schedule import PipelineKind
@@ -50,7 +50,6 @@ def _dp_worker(configs: dict) -> dict:
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
     cfg = gpt_tiny(layers=4)
-    _, _, micro_graph = _tiny_gpt_graph()  # the capture at MICRO rows: GPipe's and 1F1B's microbatches reuse it
     out: dict = {}
     for name, text in configs.items():  # plans without stage plans: data-parallel stages made at the start
         plan = Plan.from_json(text)
@@ -61,14 +60,13 @@ def _dp_worker(configs: dict) -> dict:
         torch.manual_seed(1)
         ref = GPT(cfg)
         torch.manual_seed(1)
-        graph = micro_graph if batch // plan.microbatches == MICRO else None
-        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=graph)
+        pm = pipeline_parallelize(GPT(cfg), (idx, tgt), plan, graph=_gpt_graph(batch // plan.microbatches))
         out[name] = _beside_single_device(pm, ref, (idx, tgt))
         out[name]["own_plans"] = type(pm).__name__
     uneven = Plan.from_json(configs["1f1b-1+3"])
     odd = "schedule odd, 4 microbatches\nranks 0: F0 +3.0 B0 G\nranks 1-3: F0 B0 G"
     bad = {  # 8 / 4 microbatches = 2 rows: no equal shards over 3 ranks; an action the runtime does not run
-        "uneven": lambda: pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), uneven),
+        "uneven": lambda: pipeline_parallelize(GPT(cfg), (idx[:8], tgt[:8]), uneven, graph=_gpt_graph(8 // 4)),
         "action": lambda: pipeline_parallelize(GPT(cfg), (idx, tgt), uneven, parse_schedule(odd)),
         "split": lambda: pipeline_parallelize(GPT(cfg), (idx, tgt), ["blocks.2"]),
     }
@@ -151,10 +149,11 @@ HF_MIXTRAL += ["max_position_embeddings=32"]
 """A tiny Hugging Face Mixtral (``hf:mixtral``): dropless top-2 MoE layers, run by meshpilot's own MoE op."""
 
 
-def _hf_graph(plan, model: str, config: list, seq: int):
+def _hf_graph(plan, model: str, config: list, seq: int, into: dict | None = None):
     """The capture `plan` runs the Hugging Face `model` (batch 8, `seq`) on, made once per rank for every run of
     it: a pipeline's at one microbatch of the global batch (what ``pipeline_parallelize`` captures), a one-stage
-    plan's as ``parallelize`` captures it (``graph_of``)."""
+    plan's as ``parallelize`` captures it (``graph_of``). With `into` (in the parent, for ``run_distributed(...,
+    graphs=)``): made by the same call and put there under the key the ranks find it by."""
     from meshpilot.graph.capture import capture
     from meshpilot.models.sources import build_model
     from meshpilot.runtime.pipeline import microbatch_examples
@@ -163,13 +162,20 @@ def _hf_graph(plan, model: str, config: list, seq: int):
         return build_model(model, hf_config=config, batch=8, seq=seq, device=device, seed=0)
 
     if plan.is_single:
+        if into is not None:
+            return captures((f"{model}-{seq}", built("meta").model, plan.only), into=into)
         return graph_of(f"{model}-{seq}", built("meta").model, plan.only)
 
     def make():
         b = built("cpu")
         return capture(b.model, microbatch_examples(b.inputs, plan.microbatches), precision=plan.precision)
 
-    return cached_graph(("pipeline", model, seq, plan.microbatches, plan.precision), make)
+    key = ("pipeline", model, seq, plan.microbatches, plan.precision)
+    if into is not None:
+        if key not in into:
+            into[key] = make()
+        return into
+    return cached_graph(key, make)
 
 
 def _run_planned_hf(text: str, model: str = "hf:llama", config: list | None = None, seq: int = 16) -> dict:
@@ -279,8 +285,14 @@ MICRO = 2
 """Rows of one microbatch in the intra-plan configurations (a global batch of 4 microbatches: 8)."""
 
 
+def _tiny_gpt_graph(rows: int = MICRO):
+    """The 4-layer tiny GPT on the meta device, a microbatch of `rows` rows and its capture, made once a process
+    for each `rows`."""
+    return _tiny_gpt_at(rows)
+
+
 @functools.cache
-def _tiny_gpt_graph():
+def _tiny_gpt_at(rows: int):
     import warnings
 
     import torch
@@ -290,10 +302,21 @@ def _tiny_gpt_graph():
 
     cfg = gpt_tiny(layers=4)
     model = GPT(cfg).to("meta")
-    idx = torch.zeros((MICRO, cfg.seq), dtype=torch.long, device="meta")
+    idx = torch.zeros((rows, cfg.seq), dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model, (idx, idx), capture(model, (idx, idx))
+
+
+def _gpt_graph(rows: int):
+    """In a rank: :func:`_tiny_gpt_graph`'s capture at `rows` rows, the parent's (:func:`_gpt_graphs`)."""
+    return cached_graph(("tiny-gpt", rows), lambda: _tiny_gpt_graph(rows)[2])
+
+
+def _gpt_graphs(*rows: int) -> dict:
+    """For ``run_distributed(..., graphs=)``: :func:`_tiny_gpt_graph`'s captures at `rows`, the ones the parent
+    planned on (each rank traced them again: ~0.7 CPU s each)."""
+    return {("tiny-gpt", r): _tiny_gpt_graph(r)[2] for r in rows}
 
 
 def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
@@ -307,7 +330,7 @@ def _run_intra(plans: dict[str, str], runs: list | None = None) -> dict:
     from meshpilot.planner.schedule import PipelineKind, zero_bubble
     from meshpilot.runtime.pipeline import pipeline_parallelize
 
-    _, _, graph = _tiny_gpt_graph()  # one capture for every configuration (same model, same microbatch)
+    graph = _gpt_graph(MICRO)  # one capture for every configuration (same model, same microbatch)
     out = {}
     if runs is None:
         runs = _ALL_INTRA_RUNS
@@ -414,23 +437,12 @@ def _plans(configs: dict) -> dict[str, str]:
 def _bare_plans() -> dict[str, str]:
     """CONFIGS as saved pipeline plans without their stages' plans (``fixed_pipeline``; blocks 2 and 3, the
     final norm and the head in stage 1), which the runtime runs with data-parallel stage plans."""
-    import warnings
-
-    import torch
-
-    from meshpilot.graph.capture import capture
-    from meshpilot.models.gpt import GPT, gpt_tiny
     from meshpilot.planner.pipeline import fixed_pipeline
 
-    cfg = gpt_tiny(layers=4)
-    model = GPT(cfg).to("meta")
     out = {}
     for name in DP_RUNS:
         stage_ranks, kind, batch = CONFIGS[name]
-        idx = torch.zeros((batch // 4, cfg.seq), dtype=torch.long, device="meta")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = capture(model, (idx, idx))
+        _, _, graph = _tiny_gpt_graph(batch // 4)
         stages = [((0, 4), tuple(stage_ranks[0]), (1, len(stage_ranks[0])))]
         stages += [((4, 8), tuple(stage_ranks[1]), (1, len(stage_ranks[1])))]
         out[name] = fixed_pipeline(graph, "atp-ic3", stages, microbatches=4, schedule=kind).to_json()
@@ -445,7 +457,7 @@ def intra_plans() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict]:
     """The one 8-rank spawn: every EIGHT_RUNS pipeline, 3 steps each beside the single device."""
-    return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600)
+    return run_distributed(_run_intra, 8, _plans(EIGHT), EIGHT_RUNS, timeout=600, graphs=_gpt_graphs(MICRO))
 
 
 def _saved_pipeline(tmp_path_factory, *args: str, stages: int = 2) -> str:
@@ -512,13 +524,40 @@ def four_ranks(mlp_plan, intra_plans, moe_plan, tied_plan, tied_one_plan, tmp_pa
     hf_plan = request.getfixturevalue("hf_plan") if FULL else None
     hf_one_plan = request.getfixturevalue("hf_one_plan") if FULL else None
     extra = (hf_one_plan, str(tmp_path_factory.mktemp("resumes")), tied_plan, tied_one_plan)
-    return run_distributed(_worker, 4, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900)
+    graphs = _four_graphs(hf_plan, moe_plan, tied_plan, extra)
+    return run_distributed(_worker, 4, mlp_plan, intra_plans, hf_plan, moe_plan, extra, timeout=900, graphs=graphs)
+
+
+def _four_graphs(hf_plan: str | None, moe_plan: str, tied_plan: str, extra: tuple) -> dict:
+    """The captures :func:`_worker`'s runs of FOUR_RUNS and INTRA_RUNS find in their rank, made here once (each
+    rank traced each model: ~1-3 CPU s a model): the tiny GPT's, and each Hugging Face plan's by
+    :func:`_hf_graph`'s own call. The MLP's pipeline still captures on its ranks (``pipeline_parallelize``
+    without a graph: its own path)."""
+    from meshpilot.planner.plan import Plan
+
+    one_plan, _, _, tied_one_plan = extra
+    hf = {  # run: (plans, model, config, seq), as _worker's runs call _hf_graph
+        "hf-llama": ((hf_plan,), "hf:llama", HF_LLAMA, 16),
+        "hf-mixtral": ((moe_plan,), "hf:mixtral", HF_MIXTRAL, 4),
+        "resumes": ((hf_plan, one_plan), "hf:llama", HF_LLAMA, 16),
+        "resumes-tied": ((tied_plan, tied_one_plan), "hf:gpt2", HF_GPT2, 8),
+        "hf-gpt2-tied": ((tied_plan,), "hf:gpt2", HF_GPT2, 8),
+        "tied-accumulated": ((tied_plan,), "hf:gpt2", HF_GPT2, 8),
+    }
+    graphs = _gpt_graphs(MICRO)
+    for key in FOUR_RUNS:
+        if key in hf:
+            texts, model, config, seq = hf[key]
+            for text in texts:
+                _hf_graph(Plan.from_json(text), model, config, seq, into=graphs)
+    return graphs
 
 
 @pytest.fixture(scope="module")
 def dp_ranks() -> list[dict]:
     """The 4-rank spawn of the plans without their stages' plans (CONFIGS) and the bad inputs."""
-    return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900)
+    rows = {CONFIGS[name][2] // 4 for name in DP_RUNS} | {8 // 4}  # the plans' microbatches, the uneven input's
+    return run_distributed(_dp_worker, 4, _bare_plans(), timeout=900, graphs=_gpt_graphs(*sorted(rows)))
 
 
 @pytest.mark.parametrize("name", params(CONFIGS, default=DP_DEFAULT))

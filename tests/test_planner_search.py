@@ -206,7 +206,7 @@ def _tiny(seed: int = 0):
 
 
 def _zero_worker(plan_json: str) -> dict:
-    from dist_utils import lockstep_adamw
+    from dist_utils import graph_of, lockstep_adamw
 
     from meshpilot.planner.plan import StagePlan
     from meshpilot.runtime.spmd import parallelize
@@ -215,7 +215,7 @@ def _zero_worker(plan_json: str) -> dict:
     p = StagePlan.from_json(plan_json)
     ref, inputs = _tiny()
     model, _ = _tiny()
-    pm = parallelize(model, p)
+    pm = parallelize(model, p, graph=graph_of("tiny", model, p))  # the parent's: parallelize's own call, made once
     r = lockstep_adamw(ref, pm, inputs, steps=2)
     planned = p.collective_counts(backend="gloo")
     names = [n for n, _ in ref.named_parameters()]
@@ -232,12 +232,12 @@ def _zero_worker(plan_json: str) -> dict:
 @pytest.mark.dist
 @pytest.mark.parametrize("shape", [(4, 1), (2, 2)])
 def test_zero_switched_plan_runs_on_four_ranks(shape):
-    from dist_utils import run_distributed
+    from dist_utils import captures, run_distributed
 
     model, inputs = _tiny()
     p = plan(model, inputs, "atp-ic3", mesh_shape=shape, zero="all")
     assert len(p.zero) >= 4
-    for r in run_distributed(_zero_worker, 4, p.to_json()):
+    for r in run_distributed(_zero_worker, 4, p.to_json(), graphs=captures(("tiny", model, p))):
         assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5 and r["param"] <= 1e-5, r
         for ran, planned in r["counts"]:
             assert ran == planned

@@ -6,8 +6,10 @@ experts op, its module not imported where the graph is loaded) and the GPT at a 
 pickled and loaded: every node, fx node (op, name, target, arguments) and ``meta`` key equal, fake values of the
 same shapes, strides, offsets and dtypes (one fake per value the capture shared), and the plans made on the loaded
 graph are the plans made on the captured one (the ring's pins included: the ring op reads its operands' fake
-values). On 2 gloo ranks: a plan run on the loaded graph records the program a fresh capture records, computes
-the single device's loss and gradients and issues the plan's collectives.
+values). On 4 gloo ranks (the suite's pool of that size, up already for its other multi-rank files: a pool of 2
+cost this test ~10 CPU s to start, and evicted one the suite then started again): a plan run on the loaded graph
+records the program a fresh capture records, computes the single device's loss and gradients and issues the
+plan's collectives.
 """
 
 from __future__ import annotations
@@ -180,11 +182,11 @@ def _run_loaded(plan_json: str, graph: OpGraph) -> dict:
 
 
 @pytest.mark.dist
-def test_a_plan_runs_on_a_loaded_capture_as_on_its_own_on_2_ranks(graphs):
+def test_a_plan_runs_on_a_loaded_capture_as_on_its_own_on_4_ranks(graphs):
     model, inputs, g, h = _captured(graphs, "gpt")
-    p = plan(model, inputs, CLUSTER, graph=g, **{**KW, "mesh_shape": (1, 2)})
+    p = plan(model, inputs, CLUSTER, graph=g, **{**KW, "mesh_shape": (2, 2)})
     assert p.collective_counts(backend="gloo")  # the plan communicates
-    for rank, r in enumerate(run_distributed(_run_loaded, 2, p.to_json(), g)):
+    for rank, r in enumerate(run_distributed(_run_loaded, 4, p.to_json(), g)):
         assert r["loss"][0] < 1e-5 and r["grad"][0] < 1e-5, (rank, r)
         assert all(r["counts_equal"]), rank
         assert r["programs"] == [True, True], rank

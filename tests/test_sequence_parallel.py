@@ -15,7 +15,7 @@ the peak its ranks measure (``cluster.memtrack.StorageTracker``, as ``benchmarks
 from __future__ import annotations
 
 import pytest
-from dist_utils import graph_of, lockstep_adamw, run_distributed
+from dist_utils import captures, graph_of, lockstep_adamw, run_distributed
 from tiers import matrix
 
 TOL = 1e-5
@@ -150,8 +150,8 @@ def _wide():
 
 
 @pytest.fixture(scope="module")
-def wide_plan():
-    """The SP plan of :func:`_wide` on a (1, 4) mesh."""
+def wide():
+    """The SP plan of :func:`_wide` on a (1, 4) mesh, and the capture it was planned on."""
     from meshpilot.graph.capture import capture
     from meshpilot.planner.auto import plan
     from meshpilot.planner.forced import megatron_tp
@@ -159,7 +159,7 @@ def wide_plan():
     model, inputs = _wide()
     graph = capture(model, inputs)
     sp = megatron_tp(model, inputs, (1, WORLD), graph=graph, sequence_parallel=True)
-    return plan(model, inputs, "atp-ic3", mesh_shape=(1, WORLD), force=sp, graph=graph)
+    return plan(model, inputs, "atp-ic3", mesh_shape=(1, WORLD), force=sp, graph=graph), graph
 
 
 def _measured_peak(plan_json: str) -> int:
@@ -195,21 +195,29 @@ def _lockstep(jobs: list[tuple[str, str]], wide_json: str) -> tuple[list[dict], 
     return out, _measured_peak(wide_json)
 
 
+def _graphs(keys: list[tuple[str, tuple[int, int]]], plans: dict, wide_plan) -> dict:
+    """The captures :func:`_lockstep`'s ``graph_of`` finds, made here once for the ranks (each traced the GPT,
+    the Llama and the wide Llama: ~1-3 CPU s a rank a model) by ``graph_of``'s own call on the model the rank
+    builds."""
+    builds = [(name, _build(name)[0], plans[(name, shape)][1]) for name, shape in keys]
+    return captures(*builds, ("wide", _wide()[0], wide_plan))
+
+
 @pytest.mark.dist
-def test_sequence_parallel_plans_run_equal_to_one_device(plans, wide_plan):
+def test_sequence_parallel_plans_run_equal_to_one_device(plans, wide):
     """Every plan equal to one device with the plan's collectives, its backward's all-gathers counted; the wide
     Llama's predicted peak (as gloo issues its redistributions) within :data:`MEMORY_TOL` of the largest rank's."""
-    from meshpilot.graph.capture import capture
     from meshpilot.planner.accounting import memory_use, plan_strategies
     from meshpilot.planner.recompute import for_plan
 
+    wide_plan, wide_graph = wide
     keys = [key for key in plans if key in RUNS]
     jobs = [(name, plans[(name, shape)][1].to_json()) for name, shape in keys]
-    got = run_distributed(_lockstep, WORLD, jobs, wide_plan.to_json(), timeout=1500)
+    graphs = _graphs(keys, plans, wide_plan)
+    got = run_distributed(_lockstep, WORLD, jobs, wide_plan.to_json(), timeout=1500, graphs=graphs)
     per_rank = [results for results, _ in got]
     measured = max(peak for _, peak in got)
-    model, inputs = _wide()
-    g = for_plan(capture(model, inputs), wide_plan)
+    g = for_plan(wide_graph, wide_plan)  # the capture the plan was made on
     issued = memory_use(g, plan_strategies(wide_plan, g), wide_plan.mesh_shape, on_cpu=True).total
     assert abs(issued / measured - 1) <= MEMORY_TOL, (issued, wide_plan.memory.total, measured)
     for rank, results in enumerate(per_rank):

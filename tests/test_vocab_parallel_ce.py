@@ -173,11 +173,11 @@ def test_vocab_parallel_loss_is_cheaper_than_gathering_a_large_vocabulary():
     assert bytes_vp < bytes_g
 
 
-def _worker(jobs: list[tuple[str, str]]) -> dict:
+def _worker(jobs: list[tuple[str, str]], graph) -> dict:
+    """Each (key, plan JSON) run beside the single device on `graph`, the parent's capture of the GPT (each rank
+    traced it again before)."""
     from meshpilot.planner.plan import StagePlan
 
-    model, inputs = build("gpt")
-    graph = capture(model, inputs)
     ref = _reference("gpt", ADAMW)
     out = {}
     for key, plan_json in jobs:
@@ -185,22 +185,21 @@ def _worker(jobs: list[tuple[str, str]]) -> dict:
     return out
 
 
-def _dp_plan():
-    """The data-parallel plan of the GPT on (4, 1): the loss' sum and count all-reduced together, its
-    backward row-sharded (``test_a_batch_sharded_mean_loss_…``)."""
+def _dp_plan(graph):
+    """The data-parallel plan of the GPT on (4, 1) (`graph`: its capture, :func:`_plans`'): the loss' sum and
+    count all-reduced together, its backward row-sharded (``test_a_batch_sharded_mean_loss_…``)."""
     from meshpilot.planner.forced import data_parallel
 
     model, inputs = build("gpt")
-    graph = capture(model, inputs)
     return plan(model, inputs, "atp-ic3", mesh_shape=(4, 1), force=data_parallel(model, inputs, (4, 1)), graph=graph)
 
 
 @pytest.mark.dist
 def test_vocab_parallel_loss_runs_exactly_on_four_processes():
-    _, plans = _plans(RUN_MESHES)
-    plans[(4, 1)] = _dp_plan()  # and the data-parallel loss (one joint all-reduce, row-sharded backward)
+    graph, plans = _plans(RUN_MESHES)
+    plans[(4, 1)] = _dp_plan(graph)  # and the data-parallel loss (one joint all-reduce, row-sharded backward)
     jobs = [(str(shape), p.to_json()) for shape, p in plans.items()]
-    results = run_distributed(_worker, 4, jobs, timeout=600)
+    results = run_distributed(_worker, 4, jobs, graph, timeout=600)
     for rank, res in enumerate(results):
         for shape, p in plans.items():
             r = res[str(shape)]

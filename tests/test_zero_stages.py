@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from dist_utils import graph_of, lockstep_adamw, run_distributed
+from dist_utils import captures, graph_of, lockstep_adamw, run_distributed
 
 from meshpilot.errors import UserError
 from meshpilot.graph.capture import capture
@@ -229,7 +229,10 @@ def _worker(jobs: dict, directory: str) -> dict:
 @pytest.mark.slow
 def test_stage_2_3_and_auto_train_equal_to_one_device_on_4_ranks(plans, tmp_path):
     jobs = {z: plans[z].to_json() for z in ("2", "3", "auto")}
-    per_rank = run_distributed(_worker, 4, jobs, str(tmp_path), timeout=1200)
+    # the GPT captured once here for the ranks' graph_of (each rank traced it), as graph_of does on the rank's build
+    model = _gpt("cpu")[0]
+    graphs = captures(*(("gpt", model, plans[z]) for z in jobs))
+    per_rank = run_distributed(_worker, 4, jobs, str(tmp_path), timeout=1200, graphs=graphs)
     for rank, r in enumerate(per_rank):  # a stage-2 run resumed from its checkpoint goes on as if uninterrupted
         assert r["resume"]["loss"] < 1e-6 and r["resume"]["param"] < 1e-6, (rank, r["resume"])
     for name in jobs:
