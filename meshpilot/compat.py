@@ -116,6 +116,14 @@ def op_schema() -> Any:
     return importlib.import_module("torch.distributed.tensor._op_schema")
 
 
+def all_gather_single() -> Any:
+    """``torch.distributed.all_gather_single`` (torch 2.13), ``all_gather_into_tensor`` on an older torch: the same
+    call, whose old name 2.13 deprecates and 2.11 has alone. Public API, so no fallback note."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def redistribute_local_tensor() -> Any:
     return require("torch.distributed.tensor._redistribute.redistribute_local_tensor")
 

@@ -31,6 +31,8 @@ from dist_utils import run_distributed
 from tiers import FULL, matrix
 from torch import nn
 
+from meshpilot.ops import conv
+
 TOL = 1e-5
 STEPS = 3
 # on 8 ranks one mixed mesh, (2, 4), beside the two pure ones: the suite's time (ATP's layers run every 8-rank mesh)
@@ -615,8 +617,10 @@ def test_channel_parallel_convolutions_match_single_device(runs):
         for p in n.outs[0]
         if p in ("S(1)", "P")
     }
-    assert outs == {"S(1)", "P"}, outs  # both channel rules are in the plans the runs compare
     _check_equal(world, plans, results, keys)
+    if not conv.register_channel_strategies():  # torch 2.11: no single-dim convolution strategy to extend
+        pytest.skip("this torch's DTensor has no single-dim convolution strategy: no channel rules are planned")
+    assert outs == {"S(1)", "P"}, outs  # both channel rules are in the plans the runs compare
 
 
 def test_forced_plans_differ_from_each_other(runs):

@@ -231,13 +231,15 @@ _REGISTERED = False
 
 def register_dtensor_strategies() -> None:
     """Strategies meshpilot adds to DTensor's propagator: the attention pair, GroupNorm's backward, the
-    convolution's channel-parallel rules, the pointwise rule for untagged elementwise backwards (idempotent)."""
+    convolution's channel-parallel rules, the pointwise rule for untagged elementwise backwards, and LayerNorm's
+    and RMSNorm's backward where torch's own is not exact (``ops.norm_backward``: torch 2.11) (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    from meshpilot.ops import attention, conv, group_norm, pointwise
+    from meshpilot.ops import attention, conv, group_norm, norm_backward, pointwise
 
     attention.register_strategies()
+    norm_backward.register()
     pointwise.register_strategies()
     group_norm.register_backward_strategy()
     conv.register_channel_strategies()

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshpilot import compat
 from meshpilot.cluster.mesh import default_axis_names
 from meshpilot.runtime import collective_log
 from meshpilot.sharding.reshard import CollectiveKind
@@ -102,7 +103,7 @@ def _all_gather_dim0(t: torch.Tensor, axis: MeshAxis, async_op: bool) -> tuple[t
     t = t.contiguous()
     out = torch.empty((axis.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     collective_log.record(CollectiveKind.ALL_GATHER, axis.name, axis.size, _nbytes(out))
-    work = dist.all_gather_single(out, t, group=axis.group, async_op=async_op)
+    work = compat.all_gather_single()(out, t, group=axis.group, async_op=async_op)
     return out, work
 
 
