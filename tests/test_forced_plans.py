@@ -300,3 +300,31 @@ def test_zero3_on_a_cpu_cluster_with_a_costly_call_keeps_activations_batch_shard
     gathers = sum(v for (kind, _, _), v in counts.items() if kind == "all_gather")
     assert gathers == len(active_gathers(p))
     assert sum(counts.values()) == len(active_gathers(p)) + len(p.grad_buckets) + 1
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention given its causal mask written out as transformers writes it: booleans from token positions,
+    expanded to the batch (``[b, 1, t, t]``), a chain whose only layout is the replica."""
+
+    def __init__(self, d: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(t)
+        mask = (pos[None, :] <= pos[:, None])[None, None].expand(b, 1, t, t)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(y.transpose(1, 2).reshape(b, t, d)).pow(2).mean()
+
+
+def test_data_parallel_attention_slices_a_replicated_mask_by_batch():
+    """The batch-parallel attention needs the mask's batch slice; the mask chain emits only the replica, so the
+    slice must be offered as a free local one (``strategies.row_sliced_operands``). Without it only the
+    replicated and row strategies were reachable and data parallelism gathered q, k, v around the attention
+    (4 all-gathers on this module, as under transformers 5.17's Llama)."""
+    model, inputs = _MaskedAttention(), (torch.randn(8, 128, 256),)
+    p = plan(model, inputs, "dgx-h100", mesh_shape=(4,), force=data_parallel(model, inputs, (4,)))
+    assert "".join(p.node("sdpa").ins[0]) == "S(0)" and "".join(p.node("sdpa").ins[3]) == "S(0)"
+    assert {c.kind for c in p.collectives} == {"all_reduce"}

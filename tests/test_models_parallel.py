@@ -119,11 +119,13 @@ class WideConvNet(nn.Module):
 class HybridNet(nn.Module):
     """A conv -> transformer hybrid the tests do not know by name: a stride-2 patch convolution turns an
     image into tokens, then one pre-LN block with fused-qkv bidirectional attention and a gated (SwiGLU)
-    MLP, both residual, then mean pooling and a classifier."""
+    MLP, both residual, then mean pooling and a classifier. The attention is local: a boolean band mask built
+    from token positions and expanded to the batch, as transformers builds its masks (``[b, 1, t, t]``), so a
+    batch-parallel plan must slice the mask's replica by batch (``strategies.row_sliced_operands``)."""
 
     def __init__(self, channels: int = 3, width: int = 32, heads: int = 8, classes: int = 8) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.window = heads, 2
         self.patch = nn.Conv2d(channels, width, kernel_size=2, stride=2)
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
@@ -137,7 +139,9 @@ class HybridNet(nn.Module):
         x = self.patch(img).flatten(2).transpose(1, 2)  # [b, tokens, width]
         b, t, w = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v)
+        pos = torch.arange(t, device=x.device)
+        band = ((pos[None, :] - pos[:, None]).abs() <= self.window)[None, None].expand(b, 1, t, t)  # [b, 1, t, t]
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
         x = x + self.out(att.transpose(1, 2).reshape(b, t, w))
         y = self.ln2(x)
         x = x + self.down(F.silu(self.gate(y)) * self.up(y))

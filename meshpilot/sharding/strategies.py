@@ -591,7 +591,10 @@ def row_sliced_operands(target: str, operands: list) -> dict[int, int | None]:
     arithmetic from an ``arange``), so the slice is the only way to shard what the operand feeds. Operand
     index -> the tensor dim that may be sliced (None: any).
 
-    * attention's mask, by query rows: the sequence-parallel strategy (:mod:`meshpilot.ops.attention`);
+    * attention's mask, on any dim: by query rows for the sequence-parallel strategy, by batch (or heads, where
+      it has them) for the batch- and head-parallel ones (:mod:`meshpilot.ops.attention`) — a mask built from
+      positions and expanded to the batch (transformers' ``[b, 1, t, s]``) otherwise leaves only the replicated
+      and row strategies reachable, and a data-parallel plan gathers q, k and v around every attention;
     * ``index.Tensor``'s index tensors: a causal mask built from positions (``kv_pos <= q_pos``, as
       transformers writes it) is then built by query rows too, each rank its ``t / n`` rows of the ``t × s``
       mask, rather than whole on every rank.
@@ -603,7 +606,7 @@ def row_sliced_operands(target: str, operands: list) -> dict[int, int | None]:
     k = MASK_OPERAND.get(target)
     if k is None or k >= len(operands) or operands[k] is None:
         return {}
-    return {k: len(operands[k].shape) - 2}
+    return {k: None}
 
 
 def _slices(shape, mesh_shape: Sequence[int], dim: int | None) -> list[Placements]:
