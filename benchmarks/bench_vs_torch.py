@@ -35,7 +35,7 @@ the machine's noise:
                  (before / after the groups in one launch).
 
 Models: ``gpt`` (the zoo's GPT, ``gpt-tiny`` grown to 4 layers, h 256, batch 8 x 128) and ``llama`` (a tiny
-``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128). ``--overlap`` plans every meshpilot
+``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128, ``use_cache=False`` as for training). ``--overlap`` plans every meshpilot
 variant with ``overlap=True`` (each resharding collective, ZeRO-3's weight all-gathers included, issued right
 after its producer and waited for before its consumer).
 
@@ -131,6 +131,7 @@ MODELS = {
             "num_attention_heads=8",
             "num_key_value_heads=8",
             "vocab_size=2048",
+            "use_cache=False",  # as people train it (no key/value cache: no empty cache `cat` in the graph)
         ],
         "batch": 8,
         "seq": 128,
