@@ -35,9 +35,9 @@ the machine's noise:
                  (before / after the groups in one launch).
 
 Models: ``gpt`` (the zoo's GPT, ``gpt-tiny`` grown to 4 layers, h 256, batch 8 x 128) and ``llama`` (a tiny
-``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128, ``use_cache=False`` as for training). ``--overlap`` plans every meshpilot
-variant with ``overlap=True`` (each resharding collective, ZeRO-3's weight all-gathers included, issued right
-after its producer and waited for before its consumer).
+``transformers`` Llama: 4 layers, h 256, vocab 2048, batch 8 x 128, ``use_cache=False`` as for training).
+``--overlap`` plans every meshpilot variant with ``overlap=True`` (each resharding collective, ZeRO-3's weight
+all-gathers included, issued right after its producer and waited for before its consumer).
 
 ``--emulate FILE`` launches the ranks under ``meshpilot emulate`` instead (one network namespace per node of FILE,
 the link between nodes shaped by tc; root only) and plans the meshpilot variants on FILE, so DDP's 25 MiB buckets
