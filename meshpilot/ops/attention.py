@@ -29,7 +29,9 @@ into matmuls, softmax and ``native_dropout``, which :mod:`meshpilot.ops.dropout`
 
 Sharding (registered into DTensor's propagator, so the planner offers it and DTensor runs it): replicated,
 batch-parallel (dim 0 of every tensor) and head-parallel (dim 1; key/value heads must divide like the query
-heads). A mask is sharded with the batch or heads where it has that dim, else replicated.
+heads). A mask is sharded with the batch or heads where it has that dim, else replicated; a mask made replicated
+(built from positions and expanded to the batch, as transformers builds it) is sliced by batch from its replica
+on each rank, no communication (:func:`meshpilot.sharding.strategies.row_sliced_operands`).
 
 **Sequence-parallel** (context parallelism, the all-gather method Llama 3 trained its long contexts with):
 the queries, ``out`` and ``lse`` sharded on the sequence (``S(2)`` of ``[b, h, t, e]``), the keys and values
