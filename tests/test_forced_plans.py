@@ -321,7 +321,7 @@ class _MaskedAttention(torch.nn.Module):
 
 def test_data_parallel_attention_slices_a_replicated_mask_by_batch():
     """The batch-parallel attention needs the mask's batch slice; the mask chain emits only the replica, so the
-    slice must be offered as a free local one (``strategies.row_sliced_operands``). Without it only the
+    slice must be offered as a free local one (``strategies.replica_sliced_operands``). Without it only the
     replicated and row strategies were reachable and data parallelism gathered q, k, v around the attention
     (4 all-gathers on this module, as under transformers 5.17's Llama)."""
     model, inputs = _MaskedAttention(), (torch.randn(8, 128, 256),)

@@ -121,7 +121,7 @@ class HybridNet(nn.Module):
     image into tokens, then one pre-LN block with fused-qkv bidirectional attention and a gated (SwiGLU)
     MLP, both residual, then mean pooling and a classifier. The attention is local: a boolean band mask built
     from token positions and expanded to the batch, as transformers builds its masks (``[b, 1, t, t]``), so a
-    batch-parallel plan must slice the mask's replica by batch (``strategies.row_sliced_operands``)."""
+    batch-parallel plan must slice the mask's replica by batch (``strategies.replica_sliced_operands``)."""
 
     def __init__(self, channels: int = 3, width: int = 32, heads: int = 8, classes: int = 8) -> None:
         super().__init__()

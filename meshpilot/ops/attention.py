@@ -31,7 +31,7 @@ Sharding (registered into DTensor's propagator, so the planner offers it and DTe
 batch-parallel (dim 0 of every tensor) and head-parallel (dim 1; key/value heads must divide like the query
 heads). A mask is sharded with the batch or heads where it has that dim, else replicated; a mask made replicated
 (built from positions and expanded to the batch, as transformers builds it) is sliced by batch from its replica
-on each rank, no communication (:func:`meshpilot.sharding.strategies.row_sliced_operands`).
+on each rank, no communication (:func:`meshpilot.sharding.strategies.replica_sliced_operands`).
 
 **Sequence-parallel** (context parallelism, the all-gather method Llama 3 trained its long contexts with):
 the queries, ``out`` and ``lse`` sharded on the sequence (``S(2)`` of ``[b, h, t, e]``), the keys and values
@@ -45,7 +45,7 @@ rows are sharded with the queries, so each rank reads its own rows through ordin
 special in the runtime. That is how transformers models call attention (they build the causal mask as a
 tensor from positions, ``[b, 1, t, s]``), and since such a mask is made replicated (a chain of index ops on
 positions), the planner may take its rows as a free local slice of that replica
-(:func:`meshpilot.sharding.strategies.row_sliced_operands`). The cost: the mask path's kernel instead of the
+(:func:`meshpilot.sharding.strategies.replica_sliced_operands`). The cost: the mask path's kernel instead of the
 fused causal one, and the ``t × s`` mask held whole on each rank where it is built. A call with ``is_causal``
 is sharded by query rows by meshpilot's own op (:mod:`meshpilot.ops.causal_rows`), which knows each rank's
 first row and runs the device's kernel on the visible keys only.

@@ -300,11 +300,11 @@ class StrategyBuilder:
         expansion enumerates every combination."""
         out: list[OpStrategy] = []
         infos = [self.graph[src].outputs[i] for src, i in node.inputs]
-        sliced = row_sliced_operands(node.target, infos) if single is not None else {}
+        sliced = replica_sliced_operands(node.target, infos) if single is not None else frozenset()
         for k, c in enumerate(cands):
             tm = tensor_meta(infos[k])
             if k in sliced and _replica_only(c):  # the slices it may be planned as fill the placeholders
-                c = [*c, *_slices(infos[k].shape, self.mesh_shape, sliced[k])]
+                c = [*c, *_slices(infos[k].shape, self.mesh_shape)]
             if single is not None:
                 rep = next((p for p in c if any(isinstance(x, Shard) for x in p)), c[0])
                 out.append(OpStrategy([OpSpec(DTensorSpec(self.dmesh, rep, tm))]))
@@ -411,14 +411,14 @@ class StrategyBuilder:
             for src, i in node.inputs
         ]
 
-        rows_of = row_sliced_operands(node.target, [self.graph[src].outputs[i] for src, i in node.inputs])
+        from_replica = replica_sliced_operands(node.target, [self.graph[src].outputs[i] for src, i in node.inputs])
 
         def reachable(in_pl: tuple, sliced: bool) -> bool:
             return all(
                 p in cand_index[k]
                 or (floats[k] and _partial_joins(k, in_pl, cands[k]))
                 or (sliced and any(_slice_of(c, p) for c in cands[k]))
-                or (k in rows_of and _replica_only(cands[k]) and _slice_of(cands[k][0], p, only_dim=rows_of[k]))
+                or (k in from_replica and _replica_only(cands[k]) and _slice_of(cands[k][0], p))
                 for k, p in enumerate(in_pl)
             )
 
@@ -575,21 +575,17 @@ def _whole_on(pl: Placements, axis: int) -> Placements:
     return tuple(Replicate() if a == axis else p for a, p in enumerate(pl))
 
 
-def _slice_of(have: Placements, want: Placements, only_dim: int | None = None) -> bool:
+def _slice_of(have: Placements, want: Placements) -> bool:
     """Whether layout `want` is a local slice of layout `have`: on every mesh axis the same placement, or a
-    replica that the axis shards (``R -> S(d)``: each rank keeps its block, no communication); with
-    `only_dim`, only slices of that tensor dim count."""
-    return all(
-        h == w or (isinstance(h, Replicate) and isinstance(w, Shard) and only_dim in (None, w.dim))
-        for h, w in zip(have, want)
-    )
+    replica that the axis shards (``R -> S(d)``: each rank keeps its block, no communication)."""
+    return all(h == w or (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))
 
 
-def row_sliced_operands(target: str, operands: list) -> dict[int, int | None]:
-    """Operands of `target` that may be planned as a slice of their producer's replica even where other
-    layouts need no slicing — only where that producer emits nothing but the replica (a chain of position
-    arithmetic from an ``arange``), so the slice is the only way to shard what the operand feeds. Operand
-    index -> the tensor dim that may be sliced (None: any).
+def replica_sliced_operands(target: str, operands: list) -> frozenset[int]:
+    """Positions of the operands of `target` that may be planned as a slice (on any dim) of their producer's
+    replica even where other layouts need no slicing — only where that producer emits nothing but the replica
+    (a chain of position arithmetic from an ``arange``), so the slice is the only way to shard what the operand
+    feeds.
 
     * attention's mask, on any dim: by query rows for the sequence-parallel strategy, by batch (or heads, where
       it has them) for the batch- and head-parallel ones (:mod:`meshpilot.ops.attention`) — a mask built from
@@ -602,16 +598,16 @@ def row_sliced_operands(target: str, operands: list) -> dict[int, int | None]:
     from meshpilot.ops.attention import MASK_OPERAND
 
     if target == "aten.index.Tensor":
-        return {k: None for k in range(1, len(operands))}
+        return frozenset(range(1, len(operands)))
     k = MASK_OPERAND.get(target)
     if k is None or k >= len(operands) or operands[k] is None:
-        return {}
-    return {k: None}
+        return frozenset()
+    return frozenset((k,))
 
 
-def _slices(shape, mesh_shape: Sequence[int], dim: int | None) -> list[Placements]:
-    """Layouts sharding one dim of `shape` (`dim`, or any of more than one entry) over one mesh axis."""
-    dims = [dim] if dim is not None else [d for d, n in enumerate(shape) if n > 1]
+def _slices(shape, mesh_shape: Sequence[int]) -> list[Placements]:
+    """Layouts sharding one dim of `shape` of more than one entry over one mesh axis."""
+    dims = [d for d, n in enumerate(shape) if n > 1]
     out = []
     for a, n in enumerate(mesh_shape):
         if n > 1:
