@@ -471,7 +471,7 @@ class StagePlan:
         out: Counter = Counter()
         bucketed = {f"grad:{p}" for b in self.grad_buckets for p in b.params}
         for b in self.grad_buckets if phase in (None, "bwd") else ():
-            out[(b.kind, self.axis_name(b.axis), b.nbytes)] += 1
+            out[(CollectiveKind(b.kind), self.axis_name(b.axis), b.nbytes)] += 1
         for g in active_gathers(self):
             if phase in (None, g.phase.value):
                 out[(CollectiveKind.ALL_GATHER, self.axis_name(g.axis), g.nbytes)] += per_step
@@ -484,7 +484,7 @@ class StagePlan:
             times = 1 if c.dst.startswith(ONCE_A_STEP) else per_step
             on_gloo = backend == "gloo" and not c.issued_by_op
             kind, nbytes = as_issued(c.kind, c.nbytes, self.mesh_shape[c.axis], on_gloo)
-            out[(kind, self.axis_name(c.axis), nbytes)] += times
+            out[(CollectiveKind(kind), self.axis_name(c.axis), nbytes)] += times
         return out
 
     # ---------------------------------------------------------------- printing
