@@ -667,6 +667,26 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
 
 
+def test_a_deep_copy_of_a_traced_tensor_is_captured():
+    """copy.deepcopy of a tensor the forward made (Dory copies its cache layers, each with a scalar tensor of its
+    sliding window) is a traced clone: a fake tensor has no data to copy ('Cannot access data pointer')."""
+    import copy
+
+    from meshpilot.planner.auto import plan
+
+    class CopiesATensor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = copy.deepcopy(torch.tensor(2.0))
+            return (self.lin(x) * scale).sum()
+
+    p = plan(CopiesATensor(), (torch.randn(4, 8),), "dgx-h100", mesh_shape=MESH)
+    assert not p.fallbacks
+
+
 def test_an_index_by_each_dimensions_own_arange_is_a_view():
     """``padding_mask[batch_idx, kv_idx]`` with broadcast aranges (transformers' ``padding_mask_function``) reads
     the mask unchanged: capture makes it a view (no index.Tensor left to replicate; the 4-rank runs of T5Gemma
