@@ -667,6 +667,47 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
 
 
+def test_tiny_overrides_learn_what_a_configuration_checks():
+    """A check of the configuration the tiny sizes fail is learned from its refusal, not from the model's name
+    (each was 'not built' in the 5.25.0 sweep): Kolibri-1.1's head size a multiple of 16 (NVFP4 rounding) and its
+    indexer's heads within a key head's query heads; Qwen4-Exp's indexer sizes, which its default leaves None
+    while its attention always builds the indexer (None // None), with the one key head its check asks for;
+    Gemma-4-Assistant's default text part, which its own validator refuses (hidden_size_per_layer_input 256)."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, default_config, families, tiny_overrides
+
+    kolibri = AutoConfig.for_model("kolibri1_1", **tiny_overrides("kolibri1_1"))
+    assert kolibri.head_dim == 16 and kolibri.index_num_heads == 2  # within the 4 / 2 query heads per key head
+    for model_type in ("qwen4_exp_text", "qwen4_exp"):
+        over = tiny_overrides(model_type)
+        text = over.get("text_config", over)
+        assert text["indexer_kv_heads"] == 1 and text["indexer_budget"] % text["indexer_compress_ratio"] == 0
+    _, fixes = default_config("gemma4_assistant")
+    assert fixes["text_config"]["hidden_size_per_layer_input"] == 0
+    assert default_config("llama")[1] == {}  # a default the configuration accepts needs nothing
+    built = {"kolibri1_1", "qwen4_exp_text", "qwen4_exp", "gemma4_assistant"}
+    for fam in [f for f in families(TEXT_KINDS) if f.model_type in built]:
+        build(fam, device="meta")  # raised UserError: cannot be built from its tiny config
+
+
+def test_tiny_overrides_keep_a_layer_in_each_section():
+    """Dory cuts its layers into input, looped and output sections by counts that must add up to the layers: the
+    tiny model kept 16 + (-7) + 16 of 1 layer (its dict doubles the counts), so its one layer ran as input and
+    output both, writing the cache twice (modeling_dory.py:226 broadcast 16 keys against 8), and never looped."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, families, tiny_overrides
+
+    dory = AutoConfig.for_model("dory", **tiny_overrides("dory"))
+    sections = (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers)
+    assert sections == (1, 1, 1) and dory.num_hidden_layers == 3
+    assert set(dory.layer_types) == {"sliding_attention", "full_attention"}  # both kinds of its default
+    fam = next(f for f in families(TEXT_KINDS) if f.model_type == "dory")
+    model, inputs = build(fam, use_cache=True, attn="eager")
+    assert torch.isfinite(model(*inputs))  # plain PyTorch: raised at modeling_dory.py:226
+
+
 def test_a_deep_copy_of_a_traced_tensor_is_captured():
     """copy.deepcopy of a tensor the forward made (Dory copies its cache layers, each with a scalar tensor of its
     sliding window) is a traced clone: a fake tensor has no data to copy ('Cannot access data pointer')."""
