@@ -728,6 +728,21 @@ def test_a_deep_copy_of_a_traced_tensor_is_captured():
     assert not p.fallbacks
 
 
+def test_transformers_own_failure_says_so_in_one_line():
+    """A capture refusal the model raises at the same source line in plain PyTorch is transformers' own: DBRX's
+    default clip_qkv None reaches clamp with neither bound; Bamba's default has no attention layer, which HF's
+    cache needs for its mask."""
+    from meshpilot.models.hf_families import TEXT_KINDS, families, try_plan
+
+    fams = {f.model_type: f for f in families(TEXT_KINDS)}
+    dbrx = try_plan(fams["dbrx"], overrides=_overrides("dbrx"), mesh_shape=MESH)
+    assert dbrx.status == "refused" and "\n" not in dbrx.reason
+    assert dbrx.reason.startswith("transformers' own failure, in plain PyTorch too: ")
+    assert "modeling_dbrx.py:206" in dbrx.reason and "clamp" in dbrx.reason
+    bamba = try_plan(fams["bamba"], use_cache=True, overrides=_overrides("bamba"), mesh_shape=MESH)
+    assert bamba.reason.startswith("transformers' own failure") and "cache_utils.py:" in bamba.reason
+
+
 def test_an_index_by_each_dimensions_own_arange_is_a_view():
     """``padding_mask[batch_idx, kv_idx]`` with broadcast aranges (transformers' ``padding_mask_function``) reads
     the mask unchanged: capture makes it a view (no index.Tensor left to replicate; the 4-rank runs of T5Gemma

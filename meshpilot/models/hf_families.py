@@ -1077,6 +1077,27 @@ def one_line(e: BaseException) -> str:
     return text if isinstance(e, UserError) else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
+_CAPTURE = "cannot capture the model: "
+
+
+def _eager_too(family: Family, overrides: dict[str, Any] | None, reason: str, **kw: Any) -> str | None:
+    """Capture's refusal `reason` as transformers' own failure where the model, built alike on the CPU, raises
+    at the same source line in a plain PyTorch forward (no meshpilot in the way: DBRX's ``clamp`` with neither
+    bound, a cache the default's layers cannot hold); None where plain PyTorch runs it or fails elsewhere.
+    `kw`: :func:`build`'s ``use_cache``, ``attn``, ``seq`` and ``batch``."""
+    from meshpilot.graph.capture import _where_raised
+
+    try:
+        model, inputs = build(family, overrides, device="cpu", **kw)
+        model(*inputs)
+    except Exception as e:  # noqa: BLE001 - any failure: is it capture's?
+        where = _where_raised(e)
+        if where is not None and f"({where})" in reason:
+            what = reason.removeprefix(_CAPTURE).split("; check that")[0]
+            return f"transformers' own failure, in plain PyTorch too: {what}"
+    return None
+
+
 def try_plan(
     family: Family,
     *,
@@ -1106,7 +1127,11 @@ def try_plan(
     except _Timeout:
         return Outcome(family, "timeout", f"over {limit_s:.0f} s of CPU", time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - every refusal is a row of the table
-        return Outcome(family, "refused", one_line(e), time.perf_counter() - t0)
+        reason = one_line(e)
+        if reason.startswith(_CAPTURE):
+            kw = dict(use_cache=use_cache, attn=attn, seq=seq, batch=batch)
+            reason = _eager_too(family, overrides, reason, **kw) or reason
+        return Outcome(family, "refused", reason, time.perf_counter() - t0)
     dt = time.perf_counter() - t0
     unrunnable = [w for w in p.warnings if "cannot run" in w]  # shard -> partial steps: the plan would not run
     if unrunnable:
