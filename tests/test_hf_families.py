@@ -708,6 +708,24 @@ def test_tiny_overrides_keep_a_layer_in_each_section():
     assert torch.isfinite(model(*inputs))  # plain PyTorch: raised at modeling_dory.py:226
 
 
+def test_tiny_overrides_keep_derived_widths_in_proportion():
+    """xLSTM derives its key width from the hidden size rounded up to a multiple of 64 (qk_dim): at the tiny 32 its
+    cache held 16-wide key heads where its layers make 4-wide ones, refused under the cache in plain PyTorch too
+    (modeling_xlstm.py:412 'matC_old has wrong shape'); a width that does not follow the hidden size (Neo-MME's
+    patch_dim) moves nothing."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, families, tiny_overrides
+
+    default, tiny = AutoConfig.for_model("xlstm"), AutoConfig.for_model("xlstm", **tiny_overrides("xlstm"))
+    assert tiny.qk_dim * default.hidden_size == default.qk_dim * tiny.hidden_size  # 64 of 128, as 2048 of 4096
+    assert tiny.embedding_dim == tiny.hidden_size == 128
+    assert tiny_overrides("neomme")["hidden_size"] == 32
+    fam = next(f for f in families(TEXT_KINDS) if f.model_type == "xlstm")
+    model, inputs = build(fam, use_cache=True)
+    assert torch.isfinite(model(*inputs))
+
+
 def test_a_deep_copy_of_a_traced_tensor_is_captured():
     """copy.deepcopy of a tensor the forward made (Dory copies its cache layers, each with a scalar tensor of its
     sliding window) is a traced clone: a fake tensor has no data to copy ('Cannot access data pointer')."""

@@ -191,8 +191,60 @@ def _tiny_overrides_of(model_type: str, d: dict[str, Any], vocab: int, kinds: li
         _keep_chunks(d, out)
         _satisfy(model_type, d, out)
     _fill_unset_numbers(model_type, d, out)
+    _keep_derived_widths(model_type, d, out)
     _keep_derived_kinds(model_type, d, out, kinds, per_kind)
     return out
+
+
+def _keep_derived_widths(model_type: str, d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Widths a configuration derives from its hidden size (integer properties of its class named ``…_dim`` /
+    ``…_size`` that change with it, head sizes apart) keep the default's proportion to it: xLSTM rounds
+    ``hidden × 0.5`` up to a multiple of 64 (``qk_dim``), so at the tiny 32 its cache held 16-wide key heads where
+    its layers make 4-wide ones (``modeling_xlstm.py:412`` under the cache, in plain PyTorch too). The tiny hidden
+    size, and each width the default sets equal to it, doubles up to the default's until every such width is in
+    proportion."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    hidden = next((k for k in _HIDDEN_KEYS if _int(d.get(k)) and _int(out.get(k))), None)
+    if hidden is None:
+        return
+    names = []
+    for c in CONFIG_MAPPING[model_type].__mro__:
+        if c is PreTrainedConfig:
+            break
+        names += [n for n, v in vars(c).items() if isinstance(v, property) and n.endswith(("_dim", "_size"))]
+    names = [n for n in names if "head" not in n]
+    if not names:
+        return
+    default = _widths(model_type, {}, names)
+    try:  # derived from the hidden size: a width that halves with it (Neo-MME's patch_dim does not)
+        half = _widths(model_type, {hidden: d[hidden] // 2}, names)
+    except Exception:  # noqa: BLE001 - a configuration refusing half its width: nothing is known to follow it
+        return
+    default = {n: w for n, w in default.items() if half.get(n) != w}
+    if not default:
+        return
+
+    def in_proportion(over: dict[str, Any]) -> bool:
+        tiny = _widths(model_type, over, names)
+        return all(tiny.get(n, 0) * d[hidden] == w * over[hidden] for n, w in default.items())
+
+    equal = [k for k, v in d.items() if v == d[hidden] and _int(out.get(k))]
+    size = out[hidden]
+    while not in_proportion(out) and size * 2 <= d[hidden]:
+        size *= 2
+        trial = {**out, **{k: size for k in equal}}
+        if in_proportion(trial):
+            out.update(trial)
+
+
+def _widths(model_type: str, overrides: dict[str, Any], names: list[str]) -> dict[str, int]:
+    """The integer values of properties `names` of `model_type`'s configuration under `overrides`."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **copy.deepcopy(overrides))
+    return {n: v for n in names if _int(v := getattr(cfg, n, None))}
 
 
 def _model_refused(model_type: str, overrides: dict[str, Any]) -> bool:
