@@ -6,8 +6,11 @@ family's default configuration generically — layers, hidden size, heads, key/v
 vocabulary, experts, positions, image size — from the *names* of its configuration keys, never from the model's
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
 rotary settings, tied embeddings, sliding windows) and one layer of each kind its ``layer_types`` names (a
-hybrid's attention layers among its recurrent ones: :func:`_kept_layers`): what is tested is the default
-architecture, small.
+hybrid's attention layers among its recurrent ones: :func:`_kept_layers`), a layer of each section its layer
+counts cut (Dory's looped block: :func:`_layer_sections`) and widths it derives from the hidden size in proportion
+(:func:`_keep_derived_widths`): what is tested is the default architecture, small. A check of the configuration
+the tiny sizes fail is learned from its refusal (:func:`_satisfy`), and a default the configuration itself refuses
+is built with the values its validator names (:func:`default_config`).
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
 (``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
 image, audio, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
