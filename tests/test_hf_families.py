@@ -659,7 +659,7 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     assert tiny_overrides("cohere_compass_text")["rope_parameters"]["full_attention"]["rope_theta"] == 10000.0
     assert tiny_overrides("dbrx")["attn_config"]["rope_theta"] == 10000.0  # read from the attention config
     xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
-    assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
+    assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 128  # 128 wide: its qk_dim rounds up to 64
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
     assert tiny_overrides("neomme")["head_dim"] == 16  # refused at 8: its partial rotary turns 4 of 16 dims
     assert tiny_overrides("vibevoice_asr")["acoustic_tokenizer_chunk_size"] == 1440000  # refused at 16: the default
