@@ -659,12 +659,106 @@ def test_tiny_overrides_fill_what_a_default_leaves_unbuildable():
     assert tiny_overrides("cohere_compass_text")["rope_parameters"]["full_attention"]["rope_theta"] == 10000.0
     assert tiny_overrides("dbrx")["attn_config"]["rope_theta"] == 10000.0  # read from the attention config
     xlstm = tiny_overrides("xlstm")  # a width equal to the hidden size stays equal to it
-    assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 32
+    assert xlstm["embedding_dim"] == xlstm["hidden_size"] == 128  # 128 wide: its qk_dim rounds up to 64
     assert tiny_overrides("nystromformer")["conv_kernel_size"] % 2 == 1  # an odd kernel stays odd ("same" padding)
     assert tiny_overrides("neomme")["head_dim"] == 16  # refused at 8: its partial rotary turns 4 of 16 dims
     assert tiny_overrides("vibevoice_asr")["acoustic_tokenizer_chunk_size"] == 1440000  # refused at 16: the default
     esm = tiny_overrides("esm")  # a vocabulary left to the tokenizer: its unset special ids get distinct small ids
     assert esm["vocab_size"] == 128 and esm["pad_token_id"] != esm["mask_token_id"] and esm["pad_token_id"] != 2
+
+
+def test_tiny_overrides_learn_what_a_configuration_checks():
+    """A check of the configuration the tiny sizes fail is learned from its refusal, not from the model's name
+    (each was 'not built' in the 5.25.0 sweep): Kolibri-1.1's head size a multiple of 16 (NVFP4 rounding) and its
+    indexer's heads within a key head's query heads; Qwen4-Exp's indexer sizes, which its default leaves None
+    while its attention always builds the indexer (None // None), with the one key head its check asks for;
+    Gemma-4-Assistant's default text part, which its own validator refuses (hidden_size_per_layer_input 256)."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, default_config, families, tiny_overrides
+
+    kolibri = AutoConfig.for_model("kolibri1_1", **tiny_overrides("kolibri1_1"))
+    assert kolibri.head_dim == 16 and kolibri.index_num_heads == 2  # within the 4 / 2 query heads per key head
+    for model_type in ("qwen4_exp_text", "qwen4_exp"):
+        over = tiny_overrides(model_type)
+        text = over.get("text_config", over)
+        assert text["indexer_kv_heads"] == 1 and text["indexer_budget"] % text["indexer_compress_ratio"] == 0
+    _, fixes = default_config("gemma4_assistant")
+    assert fixes["text_config"]["hidden_size_per_layer_input"] == 0
+    assert default_config("llama")[1] == {}  # a default the configuration accepts needs nothing
+    built = {"kolibri1_1", "qwen4_exp_text", "qwen4_exp", "gemma4_assistant"}
+    for fam in [f for f in families(TEXT_KINDS) if f.model_type in built]:
+        build(fam, device="meta")  # raised UserError: cannot be built from its tiny config
+
+
+def test_tiny_overrides_keep_a_layer_in_each_section():
+    """Dory cuts its layers into input, looped and output sections by counts that must add up to the layers: the
+    tiny model kept 16 + (-7) + 16 of 1 layer (its dict doubles the counts), so its one layer ran as input and
+    output both, writing the cache twice (modeling_dory.py:226 broadcast 16 keys against 8), and never looped."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, families, tiny_overrides
+
+    dory = AutoConfig.for_model("dory", **tiny_overrides("dory"))
+    sections = (dory.n_input_layers, dory.n_recurrent_layers, dory.n_output_layers)
+    assert sections == (1, 1, 1) and dory.num_hidden_layers == 3
+    assert set(dory.layer_types) == {"sliding_attention", "full_attention"}  # both kinds of its default
+    fam = next(f for f in families(TEXT_KINDS) if f.model_type == "dory")
+    model, inputs = build(fam, use_cache=True, attn="eager")
+    assert torch.isfinite(model(*inputs))  # plain PyTorch: raised at modeling_dory.py:226
+
+
+def test_tiny_overrides_keep_derived_widths_in_proportion():
+    """xLSTM derives its key width from the hidden size rounded up to a multiple of 64 (qk_dim): at the tiny 32 its
+    cache held 16-wide key heads where its layers make 4-wide ones, refused under the cache in plain PyTorch too
+    (modeling_xlstm.py:412 'matC_old has wrong shape'); a width that does not follow the hidden size (Neo-MME's
+    patch_dim) moves nothing."""
+    from transformers import AutoConfig
+
+    from meshpilot.models.hf_families import TEXT_KINDS, build, families, tiny_overrides
+
+    default, tiny = AutoConfig.for_model("xlstm"), AutoConfig.for_model("xlstm", **tiny_overrides("xlstm"))
+    assert tiny.qk_dim * default.hidden_size == default.qk_dim * tiny.hidden_size  # 64 of 128, as 2048 of 4096
+    assert tiny.embedding_dim == tiny.hidden_size == 128
+    assert tiny_overrides("neomme")["hidden_size"] == 32
+    fam = next(f for f in families(TEXT_KINDS) if f.model_type == "xlstm")
+    model, inputs = build(fam, use_cache=True)
+    assert torch.isfinite(model(*inputs))
+
+
+def test_a_deep_copy_of_a_traced_tensor_is_captured():
+    """copy.deepcopy of a tensor the forward made (Dory copies its cache layers, each with a scalar tensor of its
+    sliding window) is a traced clone: a fake tensor has no data to copy ('Cannot access data pointer')."""
+    import copy
+
+    from meshpilot.planner.auto import plan
+
+    class CopiesATensor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = copy.deepcopy(torch.tensor(2.0))
+            return (self.lin(x) * scale).sum()
+
+    p = plan(CopiesATensor(), (torch.randn(4, 8),), "dgx-h100", mesh_shape=MESH)
+    assert not p.fallbacks
+
+
+def test_transformers_own_failure_says_so_in_one_line():
+    """A capture refusal the model raises at the same source line in plain PyTorch is transformers' own: DBRX's
+    default clip_qkv None reaches clamp with neither bound; Bamba's default has no attention layer, which HF's
+    cache needs for its mask."""
+    from meshpilot.models.hf_families import TEXT_KINDS, families, try_plan
+
+    fams = {f.model_type: f for f in families(TEXT_KINDS)}
+    dbrx = try_plan(fams["dbrx"], overrides=_overrides("dbrx"), mesh_shape=MESH)
+    assert dbrx.status == "refused" and "\n" not in dbrx.reason
+    assert dbrx.reason.startswith("transformers' own failure, in plain PyTorch too: ")
+    assert "modeling_dbrx.py:206" in dbrx.reason and "clamp" in dbrx.reason
+    bamba = try_plan(fams["bamba"], use_cache=True, overrides=_overrides("bamba"), mesh_shape=MESH)
+    assert bamba.reason.startswith("transformers' own failure") and "cache_utils.py:" in bamba.reason
 
 
 def test_an_index_by_each_dimensions_own_arange_is_a_view():

@@ -519,6 +519,16 @@ def _trace(
 # ---------------------------------------------------------------------------------- tracing: routes, places
 
 
+def _traced_deepcopy(t: torch.Tensor, memo: dict[int, Any] | None) -> torch.Tensor:
+    """``copy.deepcopy`` of a tensor the trace made (a fake or functional tensor has no data to copy: Dory's
+    forward copies its cache layers, each holding a scalar tensor of its sliding window): a traced clone, which is
+    what a deep copy of a tensor without gradient computes; recorded in `memo` as ``Tensor.__deepcopy__`` does."""
+    new = t.clone()
+    if memo is not None:
+        memo[id(t)] = new
+    return new
+
+
 class _CaptureMode(TorchFunctionMode):
     """While capturing: route ``F.scaled_dot_product_attention`` to ``meshpilot::sdpa``, and stamp each node
     made by the model's code with the module path (forward hooks keep the stack) and source line it came from
@@ -769,6 +779,8 @@ class _CaptureMode(TorchFunctionMode):
             from meshpilot.ops.attention import captured_sdpa
 
             return captured_sdpa(*args, **kwargs)
+        if func is torch.Tensor.__deepcopy__ and not args[0].requires_grad:
+            return _traced_deepcopy(args[0], args[1] if len(args) > 1 else kwargs.get("memo"))
         if func in _AS_STRIDED:
             views = _strided_views(args, kwargs)
             if views is not None:

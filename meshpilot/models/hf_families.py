@@ -6,8 +6,11 @@ family's default configuration generically — layers, hidden size, heads, key/v
 vocabulary, experts, positions, image size — from the *names* of its configuration keys, never from the model's
 name, and keeps the architecture's own flags (multi-query or grouped-query attention, parallel blocks, ALiBi,
 rotary settings, tied embeddings, sliding windows) and one layer of each kind its ``layer_types`` names (a
-hybrid's attention layers among its recurrent ones: :func:`_kept_layers`): what is tested is the default
-architecture, small.
+hybrid's attention layers among its recurrent ones: :func:`_kept_layers`), a layer of each section its layer
+counts cut (Dory's looped block: :func:`_layer_sections`) and widths it derives from the hidden size in proportion
+(:func:`_keep_derived_widths`): what is tested is the default architecture, small. A check of the configuration
+the tiny sizes fail is learned from its refusal (:func:`_satisfy`), and a default the configuration itself refuses
+is built with the values its validator names (:func:`default_config`).
 :func:`build` gives the model (``HFLoss`` or :class:`HFImageLoss`: HF's own loss) and its example inputs
 (``(input_ids, labels)`` and whatever else the family's forward needs, :func:`extra_inputs`: a mask, an
 image, audio, codebook-major ids) with ``use_cache`` and the attention implementation chosen, and :func:`try_plan`
@@ -23,9 +26,11 @@ Shared by ``tests/test_hf_families.py`` (a fast sample) and ``benchmarks/bench_h
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -115,17 +120,70 @@ def tiny_overrides(model_type: str, vocab: int = TINY_VOCAB) -> dict[str, Any]:
     """Overrides that make `model_type`'s default configuration tiny, chosen by key names only: the default's
     flags (attention kind, parallel blocks, position scheme, tying) stay. Key/value heads keep their relation to
     the query heads: one stays one (multi-query), fewer stays fewer (grouped), equal stays equal."""
-    from transformers import AutoConfig
-
-    default = AutoConfig.for_model(model_type)
-    d, kinds = default.to_dict(), _layer_kinds(default)
+    default, fixes = default_config(model_type)
+    d, kinds = _held_dict(default), _layer_kinds(default)
     out = _tiny_overrides_of(model_type, d, vocab, kinds, 1)
     layers = _layer_count(d)
-    if len(_kept_layers(layers, kinds) or ()) > LAYERS and _model_refused(model_type, out):
+    if len(_kept_layers(layers, kinds, 1, _layer_sections(d)) or ()) > LAYERS and _model_refused(model_type, out):
         # a kind kept once that the model refuses alone (Zamba ties every hybrid layer's shared transformer to
         # the first one's by a pattern that must match a second): two layers of each kind the rule added
         out = _tiny_overrides_of(model_type, d, vocab, kinds, 2)
-    return out
+    return {**fixes, **out}
+
+
+def default_config(model_type: str) -> tuple[Any, dict[str, Any]]:
+    """`model_type`'s library default configuration and the overrides it needed: none, unless the configuration
+    refuses its own defaults (Gemma-4-Assistant's validator asks its default text part for
+    ``hidden_size_per_layer_input`` 0, which that part's default is not), when each value its validator names
+    ("`x` must be 0", "requires x=1": :func:`_asked`) is set, where the configuration or one of its parts
+    holds the key. Raises the configuration's own refusal when that does not satisfy it."""
+    from transformers import AutoConfig
+
+    fixes: dict[str, Any] = {}
+    shape: dict[str, Any] | None = None
+    for _ in range(16):
+        try:
+            return AutoConfig.for_model(model_type, **copy.deepcopy(fixes)), fixes
+        except Exception as e:  # noqa: BLE001 - a validator's refusal; re-raised when no value it names helps
+            shape = _class_shape(model_type) if shape is None else shape
+            step = _asked(_text(e), shape, fixes)
+            if step is None:
+                raise
+            _assign(fixes, shape, *step)
+    return AutoConfig.for_model(model_type, **copy.deepcopy(fixes)), fixes
+
+
+def _class_shape(model_type: str) -> dict[str, Any]:
+    """The keys of `model_type`'s configuration class without building it (its defaults may be refused): its
+    fields, each None, and each sub-configuration's default as a dict (where the key of a value a validator
+    asks for lives)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    shape: dict[str, Any] = {k: None for c in reversed(cls.__mro__) for k in getattr(c, "__annotations__", {})}
+    for key, spec in (getattr(cls, "sub_configs_defaults", None) or {}).items():
+        sub_type = getattr(spec, "model_type", None)
+        if sub_type is not None:
+            with contextlib.suppress(Exception):  # a part whose own default is refused: its keys are not searched
+                shape[key] = {**AutoConfig.for_model(sub_type).to_dict(), "model_type": sub_type}
+    return shape
+
+
+def _held_dict(cfg: Any) -> dict[str, Any]:
+    """Configuration `cfg` as a dict of the values it holds: its ``to_dict()``, except layer counts and lists of
+    layer kinds it serializes in another layout than it holds and converts back when built (Dory writes each
+    layer as an attention block and an MLP block, doubling its counts, and halves them when built: overrides in
+    that serialized layout would be halved again)."""
+    d = cfg.to_dict()
+    for k, v in d.items():
+        try:
+            held = getattr(cfg, k, v)
+        except Exception:  # noqa: BLE001 - a per-layer value read globally (Gemma-4's): what it serializes
+            continue
+        if held != v and ((k.endswith("layers") and _int(v) and _int(held)) or (_strings(v) and _strings(held))):
+            d[k] = held
+    return d
 
 
 def _tiny_overrides_of(model_type: str, d: dict[str, Any], vocab: int, kinds: list[str] | None, per_kind: int) -> dict:
@@ -134,20 +192,227 @@ def _tiny_overrides_of(model_type: str, d: dict[str, Any], vocab: int, kinds: li
     if _refused(model_type, out):  # a property the configuration checks that the tiny sizes lost: kept
         _keep_rotary_quads(d, out)
         _keep_chunks(d, out)
+        _satisfy(model_type, d, out)
+    _fill_unset_numbers(model_type, d, out)
+    _keep_derived_widths(model_type, d, out)
     _keep_derived_kinds(model_type, d, out, kinds, per_kind)
     return out
 
 
+def _keep_derived_widths(model_type: str, d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Widths a configuration derives from its hidden size (integer properties of its class named ``…_dim`` /
+    ``…_size`` that change with it, head sizes apart) keep the default's proportion to it: xLSTM rounds
+    ``hidden × 0.5`` up to a multiple of 64 (``qk_dim``), so at the tiny 32 its cache held 16-wide key heads where
+    its layers make 4-wide ones (``modeling_xlstm.py:412`` under the cache, in plain PyTorch too). The tiny hidden
+    size, and each width the default sets equal to it, doubles up to the default's until every such width is in
+    proportion."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    hidden = next((k for k in _HIDDEN_KEYS if _int(d.get(k)) and _int(out.get(k))), None)
+    if hidden is None:
+        return
+    names = []
+    for c in CONFIG_MAPPING[model_type].__mro__:
+        if c is PreTrainedConfig:
+            break
+        names += [n for n, v in vars(c).items() if isinstance(v, property) and n.endswith(("_dim", "_size"))]
+    names = [n for n in names if "head" not in n]
+    if not names:
+        return
+    default = _widths(model_type, {}, names)
+    try:  # derived from the hidden size: a width that halves with it (Neo-MME's patch_dim does not)
+        half = _widths(model_type, {hidden: d[hidden] // 2}, names)
+    except Exception:  # noqa: BLE001 - a configuration refusing half its width: nothing is known to follow it
+        return
+    default = {n: w for n, w in default.items() if half.get(n) != w}
+    if not default:
+        return
+
+    def in_proportion(over: dict[str, Any]) -> bool:
+        tiny = _widths(model_type, over, names)
+        return all(tiny.get(n, 0) * d[hidden] == w * over[hidden] for n, w in default.items())
+
+    equal = [k for k, v in d.items() if v == d[hidden] and _int(out.get(k))]
+    size = out[hidden]
+    while not in_proportion(out) and size * 2 <= d[hidden]:
+        size *= 2
+        trial = {**out, **{k: size for k in equal}}
+        if in_proportion(trial):
+            out.update(trial)
+
+
+def _widths(model_type: str, overrides: dict[str, Any], names: list[str]) -> dict[str, int]:
+    """The integer values of properties `names` of `model_type`'s configuration under `overrides`."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **copy.deepcopy(overrides))
+    return {n: v for n in names if _int(v := getattr(cfg, n, None))}
+
+
 def _model_refused(model_type: str, overrides: dict[str, Any]) -> bool:
     """Whether transformers refuses to build `model_type`'s base model (on the meta device) from `overrides`."""
+    return _build_refusal(model_type, overrides) is not None
+
+
+def _build_refusal(model_type: str, overrides: dict[str, Any]) -> str | None:
+    """Why transformers refuses to build `model_type`'s base model (on the meta device) from `overrides`, in
+    one line (None: it builds)."""
     from transformers import AutoConfig, AutoModel
 
     try:
         with torch.device("meta"):
             AutoModel.from_config(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
-    except Exception:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
-        return True
-    return False
+    except Exception as e:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
+        return _text(e)
+    return None
+
+
+def _text(e: BaseException) -> str:
+    """`e` as one line, a validator's reason (on the lines below its first) included."""
+    return f"{type(e).__name__}: " + " ".join(str(e).split())
+
+
+# a value a configuration's validator asks for by name: "`x` must be 0, got 256", "requires x=1"
+_ASKED = re.compile(r"`?([A-Za-z_]\w*)`?(?: must be |=)`?(-?\d+|True|False)\b")
+
+
+def _rejection(model_type: str, overrides: dict[str, Any]) -> str | None:
+    """Why `model_type`'s configuration refuses `overrides`, in one line (None: it accepts them)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(model_type, **copy.deepcopy(overrides))  # a configuration edits nested dicts
+    except Exception as e:  # noqa: BLE001 - any refusal is a reason
+        return _text(e)
+    return None
+
+
+def _locate(key: str, d: dict[str, Any]) -> str | None:
+    """Where configuration dict `d` holds `key`: "" (itself), the name of the sub-configuration holding it, or
+    None (nowhere)."""
+    if key in d:
+        return ""
+    return next((k for k, v in d.items() if isinstance(v, dict) and "model_type" in v and key in v), None)
+
+
+def _current(key: str, where: str, d: dict[str, Any], out: dict[str, Any]) -> Any:
+    """The value of `key` (held where :func:`_locate` says) under overrides `out` of default `d`."""
+    if where == "":
+        return out.get(key, d.get(key))
+    return {**d[where], **out.get(where, {})}.get(key)
+
+
+def _assign(out: dict[str, Any], d: dict[str, Any], key: str, where: str, value: Any) -> None:
+    """Set `key` to `value` in overrides `out` of default `d`, in the sub-configuration `where` names (written
+    back whole, as :func:`_tiny_dict` writes them)."""
+    if where == "":
+        out[key] = value
+    else:
+        out[where] = {**d[where], **out.get(where, {}), key: value}
+
+
+def _asked(why: str, d: dict[str, Any], out: dict[str, Any]) -> tuple[str, str, Any] | None:
+    """(key, where, value) of the first value refusal `why` asks for by name (:data:`_ASKED`) that a key of `d`
+    takes and the overrides `out` do not hold yet; None where it asks for none."""
+    for key, text in _ASKED.findall(why):
+        where = _locate(key, d)
+        value = {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else None)
+        if where is not None and _current(key, where, d, out) != value:
+            return key, where, value
+    return None
+
+
+def _satisfy(model_type: str, d: dict[str, Any], out: dict[str, Any], tries: int = 16) -> None:
+    """Make the tiny overrides `out` pass the checks of `model_type`'s configuration, learning each from its
+    refusal rather than from the model's name: a value the refusal asks for by name is set (:func:`_asked`:
+    Qwen4-Exp's "requires indexer_kv_heads=1"); else a number the refusal names is doubled (towards its
+    default) or halved to the nearest value that passes that check — its refusal changes to another one or none
+    (Kolibri-1.1's "`head_dim` that is a multiple of 16": 8 becomes 16; "`index_num_heads` must be between 1
+    and the number of query heads of key head 0": 4 becomes 2 of the tiny 4 / 2 heads). Checks run in order, so
+    each step passes one more. `out` is left as it was where the configuration still refuses it."""
+    before = copy.deepcopy(out)
+    why = _rejection(model_type, out)
+    seen = {why}
+    for _ in range(tries):
+        if why is None:
+            return
+        step = _asked(why, d, out) or _nearest_passing(model_type, d, out, why, seen)
+        if step is None:
+            break
+        _assign(out, d, *step)
+        why = _rejection(model_type, out)
+        seen.add(why)
+    if why is not None:
+        out.clear()
+        out.update(before)
+
+
+def _nearest_passing(
+    model_type: str, d: dict[str, Any], out: dict[str, Any], why: str, seen: set[str | None]
+) -> tuple[str, str, int] | None:
+    """(key, where, value): a number refusal `why` names (a key of `d`, in the order named), doubled up to its
+    default or halved down to 1, nearest first, whose refusal is new (not one of `seen`) or none."""
+    for key in dict.fromkeys(re.findall(r"[A-Za-z_]\w*", why)):
+        where = _locate(key, d)
+        value = _current(key, where, d, out) if where is not None else None
+        if not (_int(value) and value > 0):
+            continue
+        default = d[key] if where == "" else d[where].get(key)
+        top = default if _int(default) and default > value else 256
+        ups = [value * 2**i for i in range(1, 12) if value * 2**i <= top]
+        downs = [value // 2**i for i in range(1, 12) if value // 2**i >= 1]
+        for trial in ups + downs:
+            t = copy.deepcopy(out)
+            _assign(t, d, key, where, trial)
+            if _rejection(model_type, t) not in seen:
+                return key, where, trial
+    return None
+
+
+def _fill_unset_numbers(model_type: str, d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Numbers (``int | None`` fields) a default leaves None yet its model reads as numbers: Qwen4-Exp's
+    configuration calls its indexer's sizes optional ("setting this enables QSA") while its attention always
+    builds the indexer from them (``None // None``). Only where the model refuses to be built so; each gets its
+    tiny size by key name (:func:`_tiny_value`) or a small count, and the configuration's checks are then
+    satisfied (:func:`_satisfy`). Token ids (None: no such token) are not numbers of this kind."""
+    unset = _unset_numbers(model_type, d, out)
+    if not unset:
+        return
+    why = _build_refusal(model_type, out)
+    if why is None or "NoneType" not in why:
+        return
+    trial = copy.deepcopy(out)
+    for key, where in unset:
+        _assign(trial, d, key, where, _tiny_value(key, 1 << 20, d, TINY_VOCAB) or EXPERTS)
+    _satisfy(model_type, d, trial)
+    if _build_refusal(model_type, trial) is None:
+        out.clear()
+        out.update(trial)
+
+
+def _unset_numbers(model_type: str, d: dict[str, Any], out: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, where) of each ``int | None`` field of the configuration and its sub-configurations that the default
+    `d` and the overrides `out` leave None, token ids apart."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    found = []
+    parts = [("", model_type, d)]
+    parts += [
+        (k, v["model_type"], v) for k, v in d.items() if isinstance(v, dict) and v.get("model_type") in CONFIG_MAPPING
+    ]
+    for where, mt, part in parts:
+        notes = {
+            k: str(t)
+            for c in reversed(CONFIG_MAPPING[mt].__mro__)
+            for k, t in vars(c).get("__annotations__", {}).items()
+        }
+        for k, v in part.items():
+            note = notes.get(k, "")
+            number = re.search(r"\bint\b", note) is not None and "None" in note and "list" not in note
+            if v is None and number and "token" not in k and _current(k, where, d, out) is None:
+                found.append((k, where))
+    return found
 
 
 def _layer_kinds(cfg: Any) -> list[str] | None:
@@ -167,8 +432,8 @@ def _keep_derived_kinds(
     that gives the kept layers their default kinds (:func:`_kept_layers`), checked by building the
     configuration. Nothing where the tiny configuration already has every kind of the default's."""
     layers = _layer_count(d)
-    keep = _kept_layers(layers, kinds, per_kind)
-    if not keep or kinds is None or len(kinds) != layers:  # Dory's dict counts its MLP blocks as layers
+    keep = _kept_layers(layers, kinds, per_kind, _layer_sections(d))
+    if not keep or kinds is None or len(kinds) != layers:
         return
     want = [kinds[i] for i in keep]
     if set(_tiny_kinds(model_type, out) or ()) == set(want):
@@ -236,10 +501,13 @@ def _tiny_dict(
     hiddens = _hidden_sizes(d) if hiddens is None else hiddens
     out: dict[str, Any] = {}
     layers = _layer_count(d)
-    keep = _kept_layers(layers, kinds, per_kind)
+    sections = _layer_sections(d)
+    keep = _kept_layers(layers, kinds, per_kind, sections)
     for k, v in d.items():
         if keep and k in _LAYER_KEYS and v == layers:
             out[k] = len(keep)  # LAYERS, or more where one layer of each kind needs more
+        elif keep and k in sections:
+            out[k] = sum(sections[k][0] <= i < sections[k][1] for i in keep)  # the kept layers of the section
         elif keep and k.endswith("_layers") and (ids := _renumbered_layers(v, keep, kinds, layers)) is not None:
             out[k] = ids  # layer indices (Kolibri's index_layers, kv_source_layers)
         elif _int(v) and v > 0:
@@ -438,19 +706,44 @@ def _layer_count(d: dict[str, Any]) -> int | None:
     return next((d[k] for k in _LAYER_KEYS if _int(d.get(k))), None)
 
 
-def _kept_layers(layers: int | None, kinds: list[str] | None = None, per_kind: int = 1) -> list[int] | None:
+def _layer_sections(d: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Sections a configuration cuts its layers into, by counts (Dory's ``n_input_layers``,
+    ``n_recurrent_layers``, ``n_output_layers``: input layers, a block looped over, output layers): {key: (first
+    layer, end)}, in the configuration's key order, where two or more ``…_layers`` counts other than the layer
+    count itself add up to it; empty where none do."""
+    layers = _layer_count(d)
+    counts = {k: v for k, v in d.items() if k.endswith("_layers") and k not in _LAYER_KEYS and _int(v) and v >= 0}
+    if not layers or len(counts) < 2 or sum(counts.values()) != layers:
+        return {}
+    out, start = {}, 0
+    for k, v in counts.items():
+        out[k] = (start, start + v)
+        start += v
+    return out
+
+
+def _kept_layers(
+    layers: int | None,
+    kinds: list[str] | None = None,
+    per_kind: int = 1,
+    sections: dict[str, tuple[int, int]] | None = None,
+) -> list[int] | None:
     """Which of a default's `layers` the tiny model keeps, for per-layer lists (``layer_types``, Gemma-3n's
     per-layer ``intermediate_size``): the first ``LAYERS - 1`` and the last, so a pattern that ends its period
     with another kind of layer (five sliding-window layers, then a full one) keeps both kinds; and, where
     `kinds` (each layer's kind, :func:`_layer_kinds`) names a kind those miss, the first layer of that kind too
-    (a hybrid's one attention layer in six: HF's cache needs one), or its first `per_kind`. None where the
-    default has no more layers than the tiny model."""
+    (a hybrid's one attention layer in six: HF's cache needs one), or its first `per_kind`; and the first layer
+    of each of its `sections` (:func:`_layer_sections`) those miss, so that every section keeps a layer (Dory's
+    looped block). None where the default has no more layers than the tiny model."""
     if not layers or layers <= LAYERS:
         return None
     keep = {*range(LAYERS - 1), layers - 1}
     if kinds is not None and len(kinds) == layers:
         have = {kinds[i] for i in keep}
         keep |= {i for k in dict.fromkeys(kinds) if k not in have for i in _first(kinds, k, per_kind)}
+    for start, end in (sections or {}).values():
+        if end > start and not any(start <= i < end for i in keep):
+            keep.add(start)
     return sorted(keep)
 
 
@@ -549,9 +842,7 @@ def _is_layer_pattern(v: Any) -> bool:
 
 def no_dropout(model_type: str) -> dict[str, float]:
     """Every dropout probability of `model_type`'s default configuration set to 0 (keys naming dropout or LayerDrop)."""
-    from transformers import AutoConfig
-
-    d = AutoConfig.for_model(model_type).to_dict()
+    d = default_config(model_type)[0].to_dict()
     drops = ("dropout", "pdrop", "layerdrop")  # LayerDrop skips whole layers at random: dropout too
     return {k: 0.0 for k, v in d.items() if any(x in k for x in drops) and isinstance(v, float) and v > 0}
 
@@ -841,6 +1132,27 @@ def one_line(e: BaseException) -> str:
     return text if isinstance(e, UserError) else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
+_CAPTURE = "cannot capture the model: "
+
+
+def _eager_too(family: Family, overrides: dict[str, Any] | None, reason: str, **kw: Any) -> str | None:
+    """Capture's refusal `reason` as transformers' own failure where the model, built alike on the CPU, raises
+    at the same source line in a plain PyTorch forward (no meshpilot in the way: DBRX's ``clamp`` with neither
+    bound, a cache the default's layers cannot hold); None where plain PyTorch runs it or fails elsewhere.
+    `kw`: :func:`build`'s ``use_cache``, ``attn``, ``seq`` and ``batch``."""
+    from meshpilot.graph.capture import _where_raised
+
+    try:
+        model, inputs = build(family, overrides, device="cpu", **kw)
+        model(*inputs)
+    except Exception as e:  # noqa: BLE001 - any failure: is it capture's?
+        where = _where_raised(e)
+        if where is not None and f"({where})" in reason:
+            what = reason.removeprefix(_CAPTURE).split("; check that")[0]
+            return f"transformers' own failure, in plain PyTorch too: {what}"
+    return None
+
+
 def try_plan(
     family: Family,
     *,
@@ -870,7 +1182,11 @@ def try_plan(
     except _Timeout:
         return Outcome(family, "timeout", f"over {limit_s:.0f} s of CPU", time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - every refusal is a row of the table
-        return Outcome(family, "refused", one_line(e), time.perf_counter() - t0)
+        reason = one_line(e)
+        if reason.startswith(_CAPTURE):
+            kw = dict(use_cache=use_cache, attn=attn, seq=seq, batch=batch)
+            reason = _eager_too(family, overrides, reason, **kw) or reason
+        return Outcome(family, "refused", reason, time.perf_counter() - t0)
     dt = time.perf_counter() - t0
     unrunnable = [w for w in p.warnings if "cannot run" in w]  # shard -> partial steps: the plan would not run
     if unrunnable:

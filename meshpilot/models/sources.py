@@ -354,7 +354,9 @@ def hf_config(name: str, overrides: dict[str, Any]) -> Any:
         raise UserError(f"--hf-config: the config is for model_type {file_type!r}, not {name!r}")
     for k in _HF_FILE_KEYS:
         overrides.pop(k, None)
-    default = t.AutoConfig.for_model(name)
+    from meshpilot.models.hf_families import default_config
+
+    default = default_config(name)[0]  # a configuration refusing its own defaults: those its validator asks for
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | set(_IMPLEMENTATION_KEYS)
     bad = sorted(k for k in overrides if k not in known and not hasattr(default, k))
     if bad:  # keys the model reads although its config class does not define them (T5's decoder_start_token_id)
