@@ -1416,3 +1416,36 @@ def test_an_in_flight_refit_lowers_the_capacity_by_what_the_other_microbatches_a
     with pytest.raises(PlanError, match="in flight"):  # more in flight than the device holds even at cap 0
         _in_flight_fit(search, None, 10.0, microbatches=8, in_flight=5, on_cpu=False)
     assert caps == [10.0]
+
+
+def test_work_given_to_while_waiting_runs_once_here_while_a_started_task_runs():
+    """``parallel.while_waiting``: a job runs once, in this process, when it first waits for a task
+    ``parallel.start_task`` started (``meshpilot plan`` captures the whole model there while the estimated table's
+    cap levels run: docs/benchmarks.md issue 29 item 6, fast29); where nothing is started it is dropped unrun,
+    and the caller does the work itself."""
+    import os
+
+    from meshpilot.planner.parallel import can_fork, start_task, while_waiting
+
+    class Planner:  # what start_task needs of a stage planner: nothing searched
+        def mark(self) -> int:
+            return 0
+
+        def exported(self, mark: int) -> list:
+            return []
+
+        def merge(self, got: list) -> None:
+            assert got == []
+
+    ran: list[int] = []
+    with while_waiting(lambda: ran.append(os.getpid())):
+        started = start_task(lambda x: (x, os.getpid()), 7, Planner())
+        if started is None:
+            assert not can_fork()
+            pytest.skip("no fork here")
+        value, pid = started.result()
+    assert value == 7 and pid != os.getpid()
+    assert ran == [os.getpid()]  # once, here
+    with while_waiting(lambda: ran.append(-1)):
+        pass  # nothing waited
+    assert ran == [os.getpid()]
