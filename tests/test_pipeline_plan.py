@@ -1374,50 +1374,6 @@ def test_identical_stages_are_planned_once_as_each_would_be_alone():
     assert any(n.name.endswith("_recomputed") for n in alone.stages[2].plan.nodes)
 
 
-def test_an_in_flight_refit_lowers_the_capacity_by_what_the_other_microbatches_add(monkeypatch):
-    """``plan._in_flight_fit``: after a plan whose Eq. 5 (its peak with the other microbatches in flight) exceeds
-    the device, the next search's capacity is the device less what those microbatches added to that plan's own
-    peak (``min(cap, peak) − (need − capacity)``), not the last cap less the excess: a search whose plan peaks
-    under its cap with the same extra then fits at once (GPT-39B's ``[31,38)@4x2``: 2 searches where it took 3,
-    docs/benchmarks.md issue 29 item 6, fast29). Searches stubbed: a plan under cap c peaks at ``0.9 · c`` and
-    each other microbatch in flight adds 3 units."""
-    import dataclasses
-
-    from meshpilot.planner import accounting, recompute
-    from meshpilot.planner.plan import _in_flight_fit
-
-    @dataclasses.dataclass
-    class Mem:
-        total: float
-        capacity: float = 0.0
-
-    @dataclasses.dataclass
-    class Fake:
-        memory: Mem
-        mesh_shape: tuple = (1, 1)
-        grad_buckets: tuple = ()
-
-    caps: list[float] = []
-
-    def search(memory_bytes: float) -> Fake:
-        caps.append(memory_bytes)
-        return Fake(Mem(0.9 * memory_bytes))
-
-    monkeypatch.setattr(recompute, "for_plan", lambda sub, p: p)
-    monkeypatch.setattr(accounting, "plan_strategies", lambda p, run: p)
-    monkeypatch.setattr(accounting, "in_flight_peak", lambda run, s, *a: run.memory.total + 3.0 * (a[2] - 1))
-    plan, need = _in_flight_fit(search, None, 10.0, microbatches=8, in_flight=2, on_cpu=False)
-    # 10 → peak 9, need 12; the room left for one microbatch's peak is 10 − 3 = 7 (the old rule: 10 − 2 = 8,
-    # peak 7.2, need 10.2: a third search)
-    assert caps == [10.0, 7.0]
-    assert need == pytest.approx(0.9 * 7.0 + 3.0) and need <= 10.0
-    assert plan.memory.capacity == 10.0
-    caps.clear()
-    with pytest.raises(PlanError, match="in flight"):  # more in flight than the device holds even at cap 0
-        _in_flight_fit(search, None, 10.0, microbatches=8, in_flight=5, on_cpu=False)
-    assert caps == [10.0]
-
-
 def test_work_given_to_while_waiting_runs_once_here_while_a_started_task_runs():
     """``parallel.while_waiting``: a job runs once, in this process, when it first waits for a task
     ``parallel.start_task`` started (``meshpilot plan`` captures the whole model there while the estimated table's

@@ -761,19 +761,10 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
                    on_cpu: bool) -> tuple[StagePlan, float]:  # fmt: skip
     """The stage plan ``search(memory_bytes=…)`` finds for a slice whose schedule keeps `in_flight` microbatches'
     saved values (``accounting.in_flight_peak``, Eq. 5 as the stage table checks it), and that Eq. 5: searched
-    at `capacity` and, while its Eq. 5 exceeds `capacity`, again (at most :data:`IN_FLIGHT_REFITS` times) under
-    the capacity less what the other microbatches in flight added to the last plan's own peak:
-
-        cap_{n+1} = min(cap_n, peak_n) − (need_n − capacity)   (= capacity − (need_n − peak_n) when peak_n ≤ cap_n)
-
-    ``need_n − peak_n`` is what the extra microbatches' saved values (and the values they keep) add over plan n's
-    one-microbatch peak, so a plan whose peak is within ``cap_{n+1}`` and whose extra is no larger fits; lowering
-    from ``cap_n`` instead (the rule before issue 29's fast29) ignored the room plan n left under its cap and took
-    one search more on GPT-39B's ``[31,38)@4x2`` (16 → 14.05 → 12.76 GiB; now 16 → 12.46), the critical path of
-    its ``with_intra`` (docs/benchmarks.md, issue 29 item 6, fast29). ``auto.plan`` holds one microbatch's step to
-    the capacity it is given, so without this a stage of the first of S stages could be planned faster than its
-    table entry, and hold more than the device once its f(S) microbatches are in flight. Raises ``PlanError``
-    when no search fits."""
+    at `capacity` and, while its Eq. 5 exceeds `capacity`, again under a capacity lowered by the excess (at most
+    :data:`IN_FLIGHT_REFITS` times). ``auto.plan`` holds one microbatch's step to the capacity it is given, so
+    without this a stage of the first of S stages could be planned faster than its table entry, and hold more
+    than the device once its f(S) microbatches are in flight. Raises ``PlanError`` when no search fits."""
     from meshpilot.planner.accounting import in_flight_peak, plan_strategies
     from meshpilot.planner.ilp import PlanError
     from meshpilot.planner.recompute import for_plan
@@ -793,7 +784,7 @@ def _in_flight_fit(search: Callable[..., StagePlan], sub, capacity: float, micro
                               p.grad_buckets)  # fmt: skip
         if need <= capacity * (1 + 1e-9):
             return dataclasses.replace(p, memory=dataclasses.replace(p.memory, capacity=capacity)), need
-        cap = min(cap, p.memory.total) - (need - capacity)
+        cap -= need - capacity
         if cap <= 0:
             break
     raise PlanError(
