@@ -1372,3 +1372,36 @@ def test_identical_stages_are_planned_once_as_each_would_be_alone():
     assert planned(alone.stages[1]) != planned(alone.stages[2]) == planned(alone.stages[3])  # stage 1: the refit
     assert "blocks.3" in " ".join(alone.stages[2].plan.recompute.regions)
     assert any(n.name.endswith("_recomputed") for n in alone.stages[2].plan.nodes)
+
+
+def test_work_given_to_while_waiting_runs_once_here_while_a_started_task_runs():
+    """``parallel.while_waiting``: a job runs once, in this process, when it first waits for a task
+    ``parallel.start_task`` started (``meshpilot plan`` captures the whole model there while the estimated table's
+    cap levels run: docs/benchmarks.md issue 29 item 6, fast29); where nothing is started it is dropped unrun,
+    and the caller does the work itself."""
+    import os
+
+    from meshpilot.planner.parallel import can_fork, start_task, while_waiting
+
+    class Planner:  # what start_task needs of a stage planner: nothing searched
+        def mark(self) -> int:
+            return 0
+
+        def exported(self, mark: int) -> list:
+            return []
+
+        def merge(self, got: list) -> None:
+            assert got == []
+
+    ran: list[int] = []
+    with while_waiting(lambda: ran.append(os.getpid())):
+        started = start_task(lambda x: (x, os.getpid()), 7, Planner())
+        if started is None:
+            assert not can_fork()
+            pytest.skip("no fork here")
+        value, pid = started.result()
+    assert value == 7 and pid != os.getpid()
+    assert ran == [os.getpid()]  # once, here
+    with while_waiting(lambda: ran.append(-1)):
+        pass  # nothing waited
+    assert ran == [os.getpid()]

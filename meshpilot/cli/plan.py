@@ -47,6 +47,7 @@ torchrun, or `meshpilot.parallelize(model, meshpilot.Plan.load("plan.json"))`.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import time
@@ -597,6 +598,9 @@ class Staged:
     searched: tuple = ()
     """(cluster, devices, memory, schedule) the stage DP ran with: what :meth:`finish` searches again with twice
     the microbatches when no pipeline of these fits once its stages are planned (empty: not searched here)."""
+    whole_graph: Any = None
+    """The whole model's graph of :attr:`built`, when captured while the stage DP waited (:meth:`search`); None:
+    :meth:`_whole_graph` captures it."""
 
     @classmethod
     def capture(cls, args: argparse.Namespace, whole: int, microbatches: int, progress: Console):
@@ -623,6 +627,7 @@ class Staged:
         already captured."""
         from meshpilot.planner.decide import default_microbatches, model_bytes
         from meshpilot.planner.ilp import PlanError
+        from meshpilot.planner.parallel import while_waiting
         from meshpilot.planner.pipeline import plan_pipeline
 
         if first:  # the batch the first capture split (Staged.capture checked it divides): no model built for it
@@ -638,14 +643,18 @@ class Staged:
                 B = chosen
                 built, graph = cls.capture(args, whole, B, progress)
         while True:
+            held: dict[str, Any] = {}
             try:
-                with progress.status(f"planning stages on {n} devices ({B} microbatches) …"):
+                with (
+                    progress.status(f"planning stages on {n} devices ({B} microbatches) …"),
+                    while_waiting(functools.partial(_capture_whole, args, built, graph, held)),
+                ):
                     pp = plan_pipeline(
                         graph, cluster, microbatches=B, num_devices=n, num_stages=args.stages, memory_bytes=memory,
                         schedule=schedule, time_limit=args.time_limit, workers=args.workers,
                         costing=args.table, recompute=args.recompute,
                     )  # fmt: skip
-                return cls(pp, graph, built, whole, B, (cluster, n, memory, schedule))
+                return cls(pp, graph, built, whole, B, (cluster, n, memory, schedule), held.get("graph"))
             except PlanError as e:  # only memory is helped by more microbatches
                 if args.microbatches is not None or whole % (2 * B) or not str(e).startswith("no pipeline fits"):
                     raise
@@ -662,6 +671,8 @@ class Staged:
 
         if not isinstance(self.graph, Stack):
             return self.graph
+        if self.whole_graph is not None:  # captured while the stage DP waited (:meth:`search`)
+            return self.whole_graph
         with progress.status(f"capturing all of {self.built.name} for the stages' operators …"):
             precision = check_precision(self.built.model, None, args.precision)
             return capture(self.built.model, self.built.inputs, precision=precision)
@@ -694,6 +705,7 @@ class Staged:
             again = argparse.Namespace(**{**vars(args), "microbatches": 2 * B})
             found = Staged.search(again, cluster, n, memory, progress, schedule)
             self.pp, self.graph, self.built, self.microbatches = found.pp, found.graph, found.built, 2 * B
+            self.whole_graph = found.whole_graph
 
     def finish(self, args: argparse.Namespace, cluster: Any, progress: Console, note: str = "") -> int:
         """Save (each stage's own intra-operator plan first: the whole model's graph) and print."""
@@ -735,6 +747,23 @@ class Staged:
         if args.out:
             console.print(f"saved the pipeline plan to [bold]{args.out}[/bold]")
         return 0
+
+
+def _capture_whole(args: argparse.Namespace, built: Built, graph: Any, held: dict[str, Any]) -> None:
+    """``held["graph"]``: the whole model's graph of `built` (what ``Staged._whole_graph`` captures), for a stack
+    `graph` only; run by the stage DP while it waits for its cap levels' process (``parallel.while_waiting``). A
+    capture that fails leaves it unset: ``Staged._whole_graph`` captures again and reports it there."""
+    from meshpilot.graph.capture import capture
+    from meshpilot.planner.auto import check_precision
+    from meshpilot.planner.stack import Stack
+
+    if not isinstance(graph, Stack):
+        return
+    try:
+        precision = check_precision(built.model, None, args.precision)
+        held["graph"] = capture(built.model, built.inputs, precision=precision)
+    except Exception:  # noqa: BLE001 - the same capture is made again later, where its error is reported
+        held.pop("graph", None)
 
 
 def run_weighed(args: argparse.Namespace, cluster: Any, n: int, memory: float | None) -> int:

@@ -18,20 +18,31 @@ this process then does (and maps over the remaining workers), its result and sea
 the estimated stage table's server column's cap levels, its longest serial piece, beside the catalogue and the
 other columns (``stack`` module docstring, 5).
 
+While this process waits for a started task (:meth:`Started.result`) it first runs the jobs given to
+:func:`while_waiting` — work the caller needs after the planning that does not depend on it (``meshpilot plan``
+captures the whole model for ``Plan.with_intra`` there: GPT-39B's table waits ~2.5 s for the server column's cap
+levels after its catalogue and columns, on a core otherwise idle; docs/benchmarks.md, issue 29 item 6, fast29).
+A job runs at most once, and not at all where nothing is started (one worker, no fork): the caller then does
+the work itself, as before.
+
 How many: ``workers`` (``plan_pipeline(workers=...)``, ``meshpilot plan --pipeline --workers``), else the environment's
 ``MESHPILOT_PLAN_WORKERS``, else the CPUs this process may run on, at most :data:`MAX_WORKERS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from meshpilot.errors import UserError
 from meshpilot.planner.heap import freeze_more
+
+_IDLE: list[Callable[[], None]] = []
+"""Jobs :meth:`Started.result` runs before it blocks (:func:`while_waiting`)."""
 
 MAX_WORKERS = 8
 """Most worker processes by default (each holds a copy of the planner's caches as they grow)."""
@@ -103,8 +114,11 @@ class Started:
         self._pool, self._pending, self._planners = pool, pending, planners
 
     def result(self) -> Any:
-        """The task's result, the stage costs it searched merged into its planners (as :func:`map_columns`)."""
+        """The task's result, the stage costs it searched merged into its planners (as :func:`map_columns`); the
+        :func:`while_waiting` jobs run first, while the task's process works."""
         try:
+            while _IDLE:
+                _IDLE.pop(0)()
             res, searched = self._pending.get()
         finally:
             self._pool.close()
@@ -117,6 +131,18 @@ class Started:
         """Stop the task unread (the caller failed before it needed the result)."""
         self._pool.terminate()
         self._pool.join()
+
+
+@contextlib.contextmanager
+def while_waiting(job: Callable[[], None]) -> Iterator[None]:
+    """Within the block, `job` runs once in this process when it first waits for a started task
+    (:meth:`Started.result`; module docstring); dropped unrun at the block's end if nothing waited."""
+    _IDLE.append(job)
+    try:
+        yield
+    finally:
+        if job in _IDLE:
+            _IDLE.remove(job)
 
 
 def start_task(fn: Callable[[Any], Any], item: Any, planner) -> Started | None:
