@@ -137,20 +137,18 @@ def default_config(model_type: str) -> tuple[Any, dict[str, Any]]:
     ``hidden_size_per_layer_input`` 0, which that part's default is not), when each value its validator names
     ("`x` must be 0", "requires x=1": :func:`_asked`) is set, where the configuration or one of its parts
     holds the key. Raises the configuration's own refusal when that does not satisfy it."""
-    from transformers import AutoConfig
-
     fixes: dict[str, Any] = {}
     shape: dict[str, Any] | None = None
     for _ in range(16):
         try:
-            return AutoConfig.for_model(model_type, **copy.deepcopy(fixes)), fixes
+            return _configured(model_type, fixes), fixes
         except Exception as e:  # noqa: BLE001 - a validator's refusal; re-raised when no value it names helps
             shape = _class_shape(model_type) if shape is None else shape
             step = _asked(_text(e), shape, fixes)
             if step is None:
                 raise
             _assign(fixes, shape, *step)
-    return AutoConfig.for_model(model_type, **copy.deepcopy(fixes)), fixes
+    return _configured(model_type, fixes), fixes
 
 
 def _class_shape(model_type: str) -> dict[str, Any]:
@@ -244,9 +242,7 @@ def _keep_derived_widths(model_type: str, d: dict[str, Any], out: dict[str, Any]
 
 def _widths(model_type: str, overrides: dict[str, Any], names: list[str]) -> dict[str, int]:
     """The integer values of properties `names` of `model_type`'s configuration under `overrides`."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model(model_type, **copy.deepcopy(overrides))
+    cfg = _configured(model_type, overrides)
     return {n: v for n in names if _int(v := getattr(cfg, n, None))}
 
 
@@ -258,11 +254,11 @@ def _model_refused(model_type: str, overrides: dict[str, Any]) -> bool:
 def _build_refusal(model_type: str, overrides: dict[str, Any]) -> str | None:
     """Why transformers refuses to build `model_type`'s base model (on the meta device) from `overrides`, in
     one line (None: it builds)."""
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     try:
         with torch.device("meta"):
-            AutoModel.from_config(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+            AutoModel.from_config(_configured(model_type, overrides))
     except Exception as e:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
         return _text(e)
     return None
@@ -277,12 +273,18 @@ def _text(e: BaseException) -> str:
 _ASKED = re.compile(r"`?([A-Za-z_]\w*)`?(?: must be |=)`?(-?\d+|True|False)\b")
 
 
-def _rejection(model_type: str, overrides: dict[str, Any]) -> str | None:
-    """Why `model_type`'s configuration refuses `overrides`, in one line (None: it accepts them)."""
+def _configured(model_type: str, overrides: dict[str, Any]) -> Any:
+    """`model_type`'s configuration with `overrides` (deep-copied: a configuration edits the nested dicts it is
+    given)."""
     from transformers import AutoConfig
 
+    return AutoConfig.for_model(model_type, **copy.deepcopy(overrides))
+
+
+def _rejection(model_type: str, overrides: dict[str, Any]) -> str | None:
+    """Why `model_type`'s configuration refuses `overrides`, in one line (None: it accepts them)."""
     try:
-        AutoConfig.for_model(model_type, **copy.deepcopy(overrides))  # a configuration edits nested dicts
+        _configured(model_type, overrides)
     except Exception as e:  # noqa: BLE001 - any refusal is a reason
         return _text(e)
     return None
@@ -450,10 +452,8 @@ def _keep_derived_kinds(
 
 def _tiny_kinds(model_type: str, overrides: dict[str, Any]) -> list[str] | None:
     """The layer kinds of `model_type`'s configuration with `overrides` (None where it refuses them)."""
-    from transformers import AutoConfig
-
     try:
-        return _layer_kinds(AutoConfig.for_model(model_type, **copy.deepcopy(overrides)))
+        return _layer_kinds(_configured(model_type, overrides))
     except Exception:  # noqa: BLE001 - a refused trial is not the one searched for
         return None
 
@@ -468,13 +468,7 @@ def _keep_chunks(d: dict[str, Any], out: dict[str, Any]) -> None:
 
 def _refused(model_type: str, overrides: dict[str, Any]) -> bool:
     """Whether `model_type`'s configuration refuses `overrides` (its own validation: a strict dataclass)."""
-    from transformers import AutoConfig
-
-    try:
-        AutoConfig.for_model(model_type, **copy.deepcopy(overrides))  # a configuration edits nested dicts
-    except Exception:  # noqa: BLE001 - any refusal; build names it in one line if the repair does not help
-        return True
-    return False
+    return _rejection(model_type, overrides) is not None
 
 
 def _hidden_sizes(d: dict[str, Any]) -> dict[int, int]:
