@@ -263,6 +263,45 @@ def test_a_capacity_is_answered_by_what_the_problem_already_solved(monkeypatch):
     assert answers[0].choice == free.choice and answers[1].choice != free.choice
 
 
+def test_a_zero_rows_answer_whose_plain_rows_fit_answers_the_plain_rows(monkeypatch):
+    """The ZeRO rows of every choice are at most its plain rows, so a plan solved on the ZeRO rows under a capacity
+    whose plain rows fit it too is the plain problem's optimum there (within the gap): ``solve`` answers the plain
+    rows from it without a HiGHS run, and the answer is what a fresh problem on the plain rows gets. One whose plain
+    rows do not fit answers nothing on them."""
+    from meshpilot.cluster import CostModel, LogicalMesh, load_cluster
+    from meshpilot.planner import ilp
+    from meshpilot.planner.auto import min_memory
+    from meshpilot.planner.ilp import Pricer, build_structure, price, priced
+    from meshpilot.sharding.reshard import Resharder
+    from meshpilot.sharding.strategies import StrategyBuilder, fake_device_mesh
+
+    g = _bench_graph()
+    runs = []
+    real = ilp._milp
+    monkeypatch.setattr(ilp, "_milp", lambda prob, memory, cap, *a: runs.append(memory) or real(prob, memory, cap, *a))
+    for shape, reused in (((8, 1), True), ((2, 4), False)):
+        dm = fake_device_mesh(shape)
+        cm = CostModel(LogicalMesh(load_cluster("dgx-h100:2"), shape))
+        struct = build_structure(g, StrategyBuilder(g, dm), Resharder(dm, cm), cm)
+        rs = Resharder(dm, cm)
+        kept = priced(struct, rs)
+        cap = 1.05 * min_memory(struct, "zero")  # binds both row kinds on both meshes
+        assert solve(kept, memory="plain").memory_zero > cap
+        zero = solve(kept, memory="zero", capacity=cap)
+        # on (8, 1) the ZeRO answer shards every weight already (its plain rows fit); on (2, 4) it does not
+        assert (zero.memory <= cap) is reused, (shape, zero.memory, cap)
+        runs.clear()
+        try:
+            plain = solve(kept, memory="plain", capacity=cap)
+        except PlanError:
+            plain = None
+        assert runs == ([] if reused else ["plain"]), (shape, runs)
+        if reused:
+            assert plain.choice == zero.choice and plain.row == "plain" and plain.memory <= cap
+            fresh = solve(price(struct, Pricer(struct.table, rs)), memory="plain", capacity=cap)
+            assert abs(plain.objective - fresh.objective) <= 2e-3 * fresh.objective
+
+
 def test_a_capacity_highs_finds_no_plan_under_is_one_line_and_answers_smaller_ones(monkeypatch):
     """A capped solve HiGHS proves infeasible (stood in for by its answer: the real one needs a capacity between
     the memory floor and the true least need) is a PlanError naming the capacity and HiGHS' words; a smaller

@@ -1076,10 +1076,15 @@ def _known(prob: Problem, memory: str, cap: float, settings: tuple) -> Solution 
     """What an earlier solve of `prob` with the same `settings` (time limit, gap, relaxed) already answers for `cap`:
     a plan solved under a capacity ``c ≥ cap`` (or none) whose held rows fit `cap` — optimal here too, within
     its gap, as every plan under `cap` was feasible there — or a capacity ``c ≥ cap`` proven to have no
-    plan; None when neither."""
-    for c, ans in prob.lp.get(("solved", _row_kind(memory), settings), ()):
-        if c >= cap and (ans.infeasible if isinstance(ans, _NoPlan) else _held(ans, memory) <= cap):
-            return ans
+    plan; None when neither. For the plain rows the ZeRO rows' answers count too: a plan's ZeRO rows are at most its
+    plain rows (``_memory_terms``: the smaller of the two per leaf), so the plain problem's feasible set lies inside
+    the ZeRO one's at the same capacity, and a ZeRO answer whose plain rows fit `cap` is optimal here as well (its
+    bound holds for the smaller set); a capacity proven to have no ZeRO plan has no plain one."""
+    kinds = (_row_kind(memory),) if memory == "zero" else ("plain", "zero")
+    for kind in kinds:
+        for c, ans in prob.lp.get(("solved", kind, settings), ()):
+            if c >= cap and (ans.infeasible if isinstance(ans, _NoPlan) else _held(ans, memory) <= cap):
+                return ans
     free = prob.lp.get(("solved", None, settings))
     if isinstance(free, Solution) and _held(free, memory) <= cap:
         return free
