@@ -111,7 +111,9 @@ its structure (a stage searched under several memory caps is priced once), and :
 problem's matrices per memory row kind: between solves of one problem only the memory rows' bound changes.
 It keeps the answers too: the plan without memory rows (solved once per problem; LP-integral on a repeated
 block, a tenth of a capped solve) answers every capacity its rows fit, and a plan found under a capacity
-answers any smaller one its rows still fit (the feasible set only shrank) — both exact within the MIP gap.
+answers any smaller one its rows still fit (the feasible set only shrank), and a plan found on the ZeRO rows
+answers the plain rows where its plain rows fit (a plan's ZeRO rows are at most its plain rows: the plain feasible
+set lies inside the ZeRO one) — all exact within the MIP gap.
 
 Relaxed solves
 --------------
