@@ -628,6 +628,33 @@ def test_a_distribution_argument_check_names_how_to_turn_it_off():
         torch.distributions.Distribution.set_default_validate_args(before)
 
 
+def test_a_distribution_check_refusal_says_what_capture_meets_with_the_check_off():
+    """BLT's case: past its ``Categorical`` check the model is refused again (its patcher's ``nonzero``). The line
+    names both, so it does not send the user to turn the check off for nothing; ``validate_args`` is left as it was."""
+    import torch
+
+    from meshpilot.graph.capture import CaptureError, capture
+
+    class EntropyThenMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            e = torch.distributions.Categorical(logits=y).entropy()
+            return y[y > 0].sum() + e.sum()  # boolean-mask indexing: a data-dependent shape
+
+    before = torch.distributions.Distribution._validate_args
+    with pytest.raises(CaptureError) as err:
+        capture(EntropyThenMask(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "\n" not in text and text.count("cannot capture the model") == 1
+    assert "torch.distributions argument check" in text and "with the check off capture stops again" in text
+    assert "data-dependent output shape" in text and "set_default_validate_args" not in text  # no advice that fails
+    assert torch.distributions.Distribution._validate_args == before
+
+
 def test_inputs_beyond_ids_and_labels_follow_the_signature_and_config():
     """What ``build`` feeds besides ``(input_ids, labels)``, chosen by signature, configuration and source: an
     all-ones mask where the module skips its default mask when traced (LongT5), the image GIT's loss assumes,

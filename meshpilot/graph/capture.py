@@ -499,6 +499,7 @@ def _trace(
 
     tracing = _CaptureMode({m: path for path, m in model.named_modules()})
     flat = [fakes[n] for n in state] + fake_inputs
+    failed: str | None = None
     no_grad_before = {n: p for n, p in params.items() if p.grad is None}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_quiet_fake_tensor_logs())
@@ -510,7 +511,10 @@ def _trace(
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
-            raise CaptureError(_explain(e, tracing)) from None
+            failed = _explain(e, tracing)
+            checked = _raised_in_distribution_check(e) and DISTRIBUTION_CHECK in failed
+    if failed is not None:
+        raise CaptureError(_past_the_check(failed, model, inputs, loss_fn, precision, guards) if checked else failed)
     _refuse_own_backward(no_grad_before)
     reads = [(where, expected) for _, expected, where in tracing.reads]
     return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs), reads
@@ -1118,7 +1122,7 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
         )
     if data_dependent and _raised_in_distribution_check(e):
         return (
-            f"cannot capture the model: a torch.distributions argument check {place} (validate_args: are the "
+            f"cannot capture the model: a {DISTRIBUTION_CHECK} {place} (validate_args: are the "
             "logits or probabilities valid?) reads tensor values that capture does not have (fake tensors); it "
             "computes nothing, so capture with it off (torch.distributions.Distribution.set_default_validate_args("
             "False), or python -O)"
@@ -1168,6 +1172,30 @@ def _raised_in_assert(e: BaseException) -> bool:
 
     found = _model_frame(e)
     return found is not None and linecache.getline(*found).lstrip().startswith("assert ")
+
+
+DISTRIBUTION_CHECK = "torch.distributions argument check"
+"""How :func:`_explain` names a refused ``validate_args`` check (:func:`_past_the_check` looks past it)."""
+
+
+def _past_the_check(failed: str, model, inputs, loss_fn, precision, guards) -> str:
+    """`failed` (a torch.distributions argument check refused) with what capture meets once the check is off: the
+    model traced again with ``validate_args`` off (restored after), and where that stops too, its reason added — so
+    the line does not send the user to turn off a check that only uncovers the next refusal (BLT: its patcher's
+    ``nonzero`` after its ``Categorical`` check)."""
+    from torch.distributions import Distribution
+
+    before = Distribution._validate_args
+    Distribution.set_default_validate_args(False)
+    try:
+        _trace(model, inputs, loss_fn, precision, guards)
+    except CaptureError as e:
+        after = str(e).removeprefix("cannot capture the model: ")
+        where = failed.split(" (validate_args:")[0]  # "cannot capture the model: a … check in <module> (<line>)"
+        return f"{where} reads tensor values capture does not have, and with the check off capture stops again: {after}"
+    finally:
+        Distribution.set_default_validate_args(before)
+    return failed
 
 
 def _raised_in_distribution_check(e: BaseException) -> bool:
