@@ -511,10 +511,11 @@ def _trace(
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - anything the trace raises is explained in one line
-            failed = _explain(e, tracing)
-            checked = _raised_in_distribution_check(e) and DISTRIBUTION_CHECK in failed
+            failed, check_at = _explain(e, tracing)
     if failed is not None:
-        raise CaptureError(_past_the_check(failed, model, inputs, loss_fn, precision, guards) if checked else failed)
+        if check_at is not None:  # a distribution's argument check: what capture meets with it off
+            failed = _past_the_check(failed, check_at, model, inputs, loss_fn, precision, guards)
+        raise CaptureError(failed)
     _refuse_own_backward(no_grad_before)
     reads = [(where, expected) for _, expected, where in tracing.reads]
     return joint, state + [f"input:{i}" for i in range(len(inputs))], tuple(fake_inputs), reads
@@ -1099,8 +1100,10 @@ def _quiet_fake_tensor_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _explain(e: Exception, tracing: _CaptureMode) -> str:
-    """One line for an exception raised while tracing: what, where (module, source line), how to fix it."""
+def _explain(e: Exception, tracing: _CaptureMode) -> tuple[str, str | None]:
+    """One line for an exception raised while tracing: what, where (module, source line), how to fix it; and where
+    the refusal is a ``torch.distributions`` argument check, its place (``in <module> (<line>)``; else None), which
+    :func:`_past_the_check` looks past."""
     where = _where_raised(e) or tracing.last_source
     module = tracing.stack[-1] if tracing.stack else None
     place = " ".join(p for p in (f"in {module or 'the model'}", f"({where})" if where else "") if p)
@@ -1112,21 +1115,22 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
             f"cannot capture the model: {tracing.data_write} writes a parameter in place through .data in its "
             "forward, which a traced training step cannot hold (the parameter requires gradients); clamp or set it "
             "outside the forward (after the optimizer step, under torch.no_grad()) or use an out-of-place copy"
-        )
+        ), None
     data_dependent = "_local_scalar_dense" in str(op) or "GuardOnDataDependent" in name
     if data_dependent and _raised_in_assert(e):
         return (
             f"cannot capture the model: an assert on tensor values {place} checks data that capture does not "
             "have (fake tensors); it computes nothing, so capture the model with Python's asserts off (python -O, "
             "or PYTHONOPTIMIZE=1 meshpilot plan …)"
-        )
+        ), None
     if data_dependent and _raised_in_distribution_check(e):
-        return (
+        line = (
             f"cannot capture the model: a {DISTRIBUTION_CHECK} {place} (validate_args: are the "
             "logits or probabilities valid?) reads tensor values that capture does not have (fake tensors); it "
             "computes nothing, so capture with it off (torch.distributions.Distribution.set_default_validate_args("
             "False), or python -O)"
         )
+        return line, place
     if data_dependent:
         return (
             f"cannot capture the model: Python reads a tensor's value {place} (an if on a tensor, .item(), "
@@ -1135,18 +1139,18 @@ def _explain(e: Exception, tracing: _CaptureMode) -> str:
             "choose the setting that takes the static path (for transformers models a config flag such as "
             "use_cache=False, attn_implementation=sdpa or experts_implementation=meshpilot) or write the branch "
             "with torch.where"
-        )
+        ), None
     if "DynamicOutputShape" in name or "DataDependent" in name or "data-dependent" in text.lower():
         what = f"{op}" if op is not None else "an op whose output shape depends on tensor values"
         return (
             f"cannot capture the model: {what} {place} has a data-dependent output shape (nonzero, boolean-mask "
             "indexing, unique); meshpilot plans static shapes: write it with static shapes (e.g. capacity-based "
             "routing, torch.where instead of masking) or keep that part outside the planned module"
-        )
+        ), None
     return (
         f"cannot capture the model: {name} {place}: {text}; check that the example inputs have the shapes and "
         "dtypes the model's forward expects (and that it runs in eager mode on them)"
-    )
+    ), None
 
 
 def _refuse_own_backward(no_grad_before: dict[str, torch.nn.Parameter]) -> None:
@@ -1175,14 +1179,14 @@ def _raised_in_assert(e: BaseException) -> bool:
 
 
 DISTRIBUTION_CHECK = "torch.distributions argument check"
-"""How :func:`_explain` names a refused ``validate_args`` check (:func:`_past_the_check` looks past it)."""
+"""How a refused ``validate_args`` check is named (:func:`_explain`, :func:`_past_the_check`)."""
 
 
-def _past_the_check(failed: str, model, inputs, loss_fn, precision, guards) -> str:
-    """`failed` (a torch.distributions argument check refused) with what capture meets once the check is off: the
-    model traced again with ``validate_args`` off (restored after), and where that stops too, its reason added — so
-    the line does not send the user to turn off a check that only uncovers the next refusal (BLT: its patcher's
-    ``nonzero`` after its ``Categorical`` check)."""
+def _past_the_check(failed: str, place: str, model, inputs, loss_fn, precision, guards) -> str:
+    """`failed`, the refusal of a torch.distributions argument check at `place`, with what capture meets once the
+    check is off: the model traced again with ``validate_args`` off (restored after), and where that stops too, a
+    line naming both — so it does not send the user to turn off a check that only uncovers the next refusal (BLT:
+    its patcher's ``nonzero`` after its ``Categorical`` check)."""
     from torch.distributions import Distribution
 
     before = Distribution._validate_args
@@ -1191,8 +1195,10 @@ def _past_the_check(failed: str, model, inputs, loss_fn, precision, guards) -> s
         _trace(model, inputs, loss_fn, precision, guards)
     except CaptureError as e:
         after = str(e).removeprefix("cannot capture the model: ")
-        where = failed.split(" (validate_args:")[0]  # "cannot capture the model: a … check in <module> (<line>)"
-        return f"{where} reads tensor values capture does not have, and with the check off capture stops again: {after}"
+        return (
+            f"cannot capture the model: a {DISTRIBUTION_CHECK} {place} reads tensor values capture does not have, "
+            f"and with the check off capture stops again: {after}"
+        )
     finally:
         Distribution.set_default_validate_args(before)
     return failed
