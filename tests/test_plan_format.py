@@ -133,3 +133,24 @@ def test_the_runtime_moves_the_plans_transfers_which_are_what_the_slices_read():
     assert planned is not None and sorted(map(key, planned)) == sorted(map(key, found))
     assert [t.k for t in planned] == list(range(len(planned)))
     assert planned_transfers(dataclasses.replace(p, transfers=()), graph, slices, zeros) is None  # an older plan
+
+
+def test_two_plans_that_differ_say_where_and_the_digest_is_the_views():
+    import dataclasses as dc
+    import hashlib
+
+    from meshpilot.planner.plan import first_difference
+
+    p = Plan.load(ONE).only
+    view = p.run_view()
+    assert p.run_digest() == hashlib.sha256(json.dumps(list(view.values())).encode()).hexdigest()
+    assert first_difference(view, Plan.load(ONE).run_view()) is None
+    k = next(i for i, n in enumerate(p.nodes) if n.kind == "op")
+    nodes = tuple(dc.replace(n, source="elsewhere") if i == k else n for i, n in enumerate(p.nodes))
+    other = dc.replace(p, nodes=nodes)
+    assert other.run_digest() != p.run_digest()
+    where = first_difference(view, other.run_view())
+    assert where.startswith(f"nodes[{k} {p.nodes[k].name!r}].source: ") and where.endswith(' vs "elsewhere"'), where
+    pipe = Plan.load(PIPE)
+    assert first_difference(pipe.run_view(), Plan.load(PIPE).run_view()) is None
+    assert first_difference(pipe.run_view(), Plan.load(ONE).run_view()).startswith("stages: present vs absent")

@@ -769,9 +769,16 @@ def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
     if not differ:
         return False
     args.cluster = None  # planned: a saved plan knows its cluster
+    where = [_where_plans_differ(plan, text[0]) if digests[rank] != digests[0] else None]
+    if dist.get_world_size() > 1:
+        mine, where = where[0], [None] * dist.get_world_size()
+        dist.all_gather_object(where, mine)
     if rank == 0:
         groups = {d: [r for r, x in enumerate(digests) if x == d] for d in dict.fromkeys(digests)}
-        which = "; ".join(f"ranks {ranks} {d[:8]}" for d, ranks in groups.items())
+        which = "; ".join(
+            f"ranks {ranks} {d[:8]}" + (f" (first differs from rank 0's at {where[ranks[0]]})" if ranks[0] else "")
+            for d, ranks in groups.items()
+        )
         print(
             f"--plan auto: the ranks planned {len(groups)} different plans ({which}; a solve stopped by its time "
             "limit?); every rank trains rank 0's",
@@ -779,6 +786,13 @@ def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
             flush=True,
         )
     return True
+
+
+def _where_plans_differ(plan, rank0_text: str) -> str:
+    """Where this rank's plan first differs from rank 0's (``plan.first_difference`` of their run views)."""
+    from meshpilot.planner.plan import Plan, first_difference
+
+    return first_difference(Plan.from_json(rank0_text).run_view(), plan.run_view()) or "nothing run depends on"
 
 
 def _checkpointing(args: argparse.Namespace, plan, resume):

@@ -424,10 +424,14 @@ class StagePlan:
         with one digest run identically."""
         import hashlib
 
+        return hashlib.sha256(json.dumps(list(self.run_view().values())).encode()).hexdigest()
+
+    def run_view(self) -> dict[str, Any]:
+        """What :meth:`run_digest` hashes, by key (the JSON form's mesh, rank order, nodes, layouts, schedule)."""
         d = self.to_dict()
         keys = ("mesh_shape", "mesh_ranks", "nodes", "params", "inputs", "schedule")
         keys += ("sequence_order",) if "sequence_order" in d else ()
-        return hashlib.sha256(json.dumps([d[k] for k in keys]).encode()).hexdigest()
+        return {k: d[k] for k in keys}
 
     def recompute_line(self) -> str:
         """Which blocks recompute their forward in the backward, why, and what it costs and saves."""
@@ -1007,6 +1011,16 @@ class Plan:
         parts.append(self.step_schedule().to_dict())
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
+    def run_view(self) -> dict[str, Any]:
+        """What running the plan depends on, by key, in JSON form (``StagePlan.run_view`` per stage): where two
+        plans' digests differ, :func:`first_difference` of their views says where."""
+        if self.is_single:
+            return self.only.run_view()
+        stages = [
+            {"layers": st.layers, "ranks": st.ranks} | (st.plan.run_view() if st.plan else {}) for st in self.stages
+        ]
+        return {"stages": json.loads(json.dumps(stages)), "schedule": self.step_schedule().to_dict()}
+
     # ---------------------------------------------------------------- stages
     @property
     def split_points(self) -> tuple[str, ...]:
@@ -1488,3 +1502,29 @@ def _size(b: float) -> str:
         if b >= f:
             return f"{b / f:.1f} {unit}"
     return f"{b:.0f} B"
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two JSON values first differ, as ``path: a vs b`` (a list element that has a ``name`` is named by
+    it: ``nodes[17 'mm_3'].strategy``); None when they are equal. Shown where two plans that should agree do not
+    (``meshpilot train --plan auto``: a rank whose plan is not rank 0's)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            at = f"{path}.{k}" if path else str(k)
+            if k not in a or k not in b:
+                return f"{at}: {'absent' if k not in a else 'present'} vs {'absent' if k not in b else 'present'}"
+            got = first_difference(a[k], b[k], at)
+            if got is not None:
+                return got
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            name = f" {x['name']!r}" if isinstance(x, dict) and isinstance(x.get("name"), str) else ""
+            got = first_difference(x, y, f"{path}[{i}{name}]")
+            if got is not None:
+                return got
+        return None if len(a) == len(b) else f"{path}: {len(a)} entries vs {len(b)}"
+    if a == b:
+        return None
+    short = [json.dumps(v)[:80] for v in (a, b)]
+    return f"{path}: {short[0]} vs {short[1]}"
