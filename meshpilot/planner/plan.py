@@ -1506,7 +1506,7 @@ def _size(b: float) -> str:
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     """Where two JSON values first differ, as ``path: a vs b`` (a list element that has a ``name`` is named by
-    it: ``nodes[17 'mm_3'].strategy``); None when they are equal. Shown where two plans that should agree do not
+    it: ``nodes[17 'mm_3'].ins[0]``); None when they are equal. Shown where two plans that should agree do not
     (``meshpilot train --plan auto``: a rank whose plan is not rank 0's)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in [*a, *(k for k in b if k not in a)]:
