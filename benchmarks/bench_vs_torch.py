@@ -486,7 +486,7 @@ def table(key: str, res: dict) -> list[str]:
 def cpu_floor_ms(cpu_ms: float, ranks: int, cores: int) -> float:
     """The step no schedule can beat when `ranks` processes share `cores` and each needs `cpu_ms` of CPU a step
     (the busiest rank's, all its threads): ``cpu_ms`` × ranks / cores, or the rank's own CPU where every rank
-    has a core. On the 2-core box every runtime's quiet median step was 1.00–1.07× this (docs/benchmarks.md,
+    has a core. On the 2-core box every runtime's quiet median step was 1.00–1.08× this (docs/benchmarks.md,
     2026-12-05): there the step is the ranks' CPU, and overlap hides nothing."""
     return cpu_ms * max(1.0, ranks / cores)
 
