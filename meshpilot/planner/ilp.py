@@ -1082,7 +1082,7 @@ def _known(prob: Problem, memory: str, cap: float, settings: tuple) -> Solution 
     plain rows (``_memory_terms``: the smaller of the two per leaf), so the plain problem's feasible set lies inside
     the ZeRO one's at the same capacity, and a ZeRO answer whose plain rows fit `cap` is optimal here as well (its
     bound holds for the smaller set); a capacity proven to have no ZeRO plan has no plain one."""
-    kinds = (_row_kind(memory),) if memory == "zero" else ("plain", "zero")
+    kinds = ("zero",) if memory == "zero" else ("plain", "zero")
     for kind in kinds:
         for c, ans in prob.lp.get(("solved", kind, settings), ()):
             if c >= cap and (ans.infeasible if isinstance(ans, _NoPlan) else _held(ans, memory) <= cap):

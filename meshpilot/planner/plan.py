@@ -1001,15 +1001,14 @@ class Plan:
         return self.stages[0].plan.input_shapes if self.stages[0].plan is not None else ()
 
     def run_digest(self) -> str:
-        """SHA-256 of what running the plan depends on (every stage's ranks, layers and ``StagePlan.run_digest``,
-        the schedule), not of how it was found: two plans with one digest run identically."""
+        """SHA-256 of what running the plan depends on (:meth:`run_view`: every stage's ranks, layers and stage
+        plan, the schedule), not of how it was found: two plans with one digest run identically. A one-stage plan's
+        is its stage plan's (``StagePlan.run_digest``)."""
         import hashlib
 
         if self.is_single:
             return self.only.run_digest()
-        parts = [[st.layers, st.ranks, st.plan.run_digest() if st.plan else None] for st in self.stages]
-        parts.append(self.step_schedule().to_dict())
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.run_view()).encode()).hexdigest()
 
     def run_view(self) -> dict[str, Any]:
         """What running the plan depends on, by key, in JSON form (``StagePlan.run_view`` per stage): where two
