@@ -423,6 +423,24 @@ def make_plans(spec: dict, args: argparse.Namespace, folder: Path) -> dict[str, 
     return out
 
 
+PARENT_ONLY = ("--json-out", "--nproc")
+"""The parent's own options, not handed to the ranks: torchrun reads its arguments, the script's included, for
+abbreviations of its own options, so a ``--nproc`` after the script stops it (ambiguous with ``--nproc-per-node``)."""
+
+
+def worker_args(argv: list[str]) -> list[str]:
+    """The command line's options the ranks get (``run_model``): `argv` less :data:`PARENT_ONLY` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in PARENT_ONLY:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in PARENT_ONLY)):
+            out.append(a)
+    return out
+
+
 def run_model(key: str, args: argparse.Namespace, passthrough: list[str]) -> dict:
     spec = MODELS[key]
     print(f"{key}: planning …", flush=True)
@@ -650,10 +668,7 @@ def main() -> int:
     if args.measure_loopback:
         return loopback_worker(args)
     command = "python benchmarks/bench_vs_torch.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    passthrough = [a for a in sys.argv[1:]]
-    if "--json-out" in passthrough:
-        j = passthrough.index("--json-out")
-        del passthrough[j : j + 2]
+    passthrough = worker_args(sys.argv[1:])
     all_res = {"command": command, "load": [os.getloadavg()], "models": {}}
     args.loopback_calibration = None
     args.loopback_device = None

@@ -545,3 +545,15 @@ def test_the_bench_s_loopback_cluster_takes_the_probe_s_device_reduction(monkeyp
     assert (d.flops_for("float32"), d.memory_bandwidth, d.op_overhead, d.matmul) == (5e10, 1e10, 0.0, ())
     assert d.collective_overhead == pytest.approx(9e-4)
     assert [256, 768, 256, "float32"] in bvt.loopback_gemms(["gpt"], 4)  # qkv of 1/4 of the batch (2 x 128)
+
+
+def test_the_bench_hands_its_ranks_every_option_but_its_own(monkeypatch):
+    """``bench_vs_torch --nproc 2`` failed before its ranks started: the parent handed its whole command line to
+    the ranks after the script, and torchrun, which reads its arguments for abbreviations of its own options,
+    stopped at ``--nproc`` (ambiguous with ``--nproc-per-node``). The ranks get every option but the parent's."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_vs_torch as bvt
+
+    argv = ["--models", "gpt", "--nproc", "2", "--json-out", "x.json", "--steps", "3", "--nproc=2", "--no-solver"]
+    assert bvt.worker_args(argv) == ["--models", "gpt", "--steps", "3", "--no-solver"]
+    assert bvt.worker_args(["--json-out=x.json", "--overlap"]) == ["--overlap"]
