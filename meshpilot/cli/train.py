@@ -769,10 +769,9 @@ def _agree_on_rank0_plan(args: argparse.Namespace, plan, rank: int) -> bool:
     if not differ:
         return False
     args.cluster = None  # planned: a saved plan knows its cluster
-    where = [_where_plans_differ(plan, text[0]) if digests[rank] != digests[0] else None]
-    if dist.get_world_size() > 1:
-        mine, where = where[0], [None] * dist.get_world_size()
-        dist.all_gather_object(where, mine)
+    # plans differ only among several ranks: each says where its own differs from rank 0's
+    mine, where = _where_plans_differ(plan, text[0]) if digests[rank] != digests[0] else None, [None] * len(digests)
+    dist.all_gather_object(where, mine)
     if rank == 0:
         groups = {d: [r for r, x in enumerate(digests) if x == d] for d in dict.fromkeys(digests)}
         which = "; ".join(
